@@ -1,0 +1,26 @@
+# The two commands the README promises: `make tune` (the main job) and `make test`.
+# Both set everything up themselves on a fresh machine (scripts/setup.sh).
+VENV ?= .venv
+COLIBRI = $(VENV)/bin/colibri
+
+.PHONY: setup tune demo test test-all clean
+
+setup:
+	@./scripts/setup.sh
+
+# Main job: tune the engine on the built-in demo model (synthesized on first use).
+tune: setup
+	$(COLIBRI) tune
+
+# Generate with the demo model, streaming under the default budget.
+demo: setup
+	$(COLIBRI) run --model demo --prompt-tokens 16 --max-new-tokens 16
+
+test: setup
+	$(VENV)/bin/python -m pytest -q -m "not slow"
+
+test-all: setup
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache

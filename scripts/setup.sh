@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One-shot set-up on a fresh Debian-like machine: fio from apt (when missing and we may
+# install it), a virtual environment in .venv, the CPU torch wheel, and this package.
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if ! command -v fio >/dev/null 2>&1; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing fio from apt" >&2
+        apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null
+    else
+        echo "setup: fio not found and cannot apt-get it; probe will use its Python fallback" >&2
+    fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup: creating $VENV" >&2
+    "$PY" -m venv "$VENV"
+    "$VENV/bin/pip" install -q --upgrade pip
+fi
+# torch first and pinned: this exact version is the CPU wheel; letting another package pull
+# an unpinned torch would download a multi-GB CUDA build.
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+    echo "setup: installing torch==2.13.0 (CPU)" >&2
+    "$VENV/bin/pip" install -q torch==2.13.0
+fi
+STAMP="$VENV/.colibri-installed"
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
+    echo "setup: installing colibri-tune and test extras" >&2
+    "$VENV/bin/pip" install -q -e ".[test,postgres]"
+    touch "$STAMP"
+fi
