@@ -1,0 +1,215 @@
+"""Hugging Face model directory → an index of every tensor's file, byte range, dtype and shape.
+
+Nothing here trusts the files: a safetensors header is validated completely (length, JSON,
+dtypes, shapes against byte ranges, ranges inside the file, no overlaps) before any tensor
+byte is read, so a truncated or hostile file fails with one clear line instead of a crash
+or a read of garbage.
+
+safetensors layout: 8-byte little-endian header length N, N bytes of JSON
+{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}, then the data;
+offsets are relative to the start of the data (8 + N).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ModelFormatError
+
+# safetensors dtype tag → (torch dtype, bytes per element)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+}
+
+# A real header is a few MB at most (DeepSeek-V3 shards: < 1 MB). Refusing absurd lengths up
+# front stops a hostile file from making us allocate gigabytes for "JSON".
+MAX_HEADER_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    path: str  # absolute path of the shard
+    dtype: str  # safetensors tag, e.g. "BF16"
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Parse and validate one safetensors file's header. Reads only the header."""
+    path = str(path)
+    try:
+        file_size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise ModelFormatError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            header_len = int.from_bytes(prefix, "little")
+            if header_len > file_size - 8:
+                raise ModelFormatError(
+                    f"{path}: safetensors header length {header_len} is larger than the file "
+                    f"({file_size} bytes): truncated or corrupt")
+            if header_len > MAX_HEADER_BYTES:
+                raise ModelFormatError(f"{path}: safetensors header length {header_len} is implausibly large")
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise ModelFormatError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFormatError(f"{path}: safetensors header is not valid JSON ({exc.__class__.__name__})") from None
+    if not isinstance(header, dict):
+        raise ModelFormatError(f"{path}: safetensors header is not a JSON object")
+
+    data_start = 8 + header_len
+    data_size = file_size - data_start
+    infos: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        infos[name] = _validate_entry(path, name, entry, data_start, data_size)
+    _check_no_overlap(path, infos)
+    return infos
+
+
+def _validate_entry(path: str, name: str, entry, data_start: int, data_size: int) -> TensorInfo:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise ModelFormatError(f"{where}: header entry is not an object")
+    dtype = entry.get("dtype")
+    if dtype not in DTYPES:
+        raise ModelFormatError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ModelFormatError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    offsets = entry.get("data_offsets")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        raise ModelFormatError(f"{where}: data_offsets {offsets!r} is not a pair of integers")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise ModelFormatError(f"{where}: data_offsets {offsets} are not an increasing range")
+    if end > data_size:
+        raise ModelFormatError(
+            f"{where}: data_offsets end {end} is beyond the file's data ({data_size} bytes): "
+            "truncated shard or corrupt header")
+    expected = math.prod(shape) * DTYPES[dtype][1]
+    if end - begin != expected:
+        raise ModelFormatError(
+            f"{where}: shape {shape} of {dtype} needs {expected} bytes but data_offsets span {end - begin}")
+    return TensorInfo(name, path, dtype, tuple(shape), data_start + begin, end - begin)
+
+
+def _check_no_overlap(path: str, infos: dict[str, TensorInfo]) -> None:
+    ordered = sorted((i for i in infos.values() if i.nbytes), key=lambda i: i.offset)
+    for prev, cur in zip(ordered, ordered[1:]):
+        if cur.offset < prev.end:
+            raise ModelFormatError(f"{path}: tensors {prev.name!r} and {cur.name!r} overlap")
+
+
+class Checkpoint:
+    """A validated Hugging Face model directory: config.json plus the index of all tensors."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise ModelFormatError(f"model directory {str(self.directory)!r} does not exist")
+        self.config = load_config_json(self.directory)
+        self.tensors = self._index_tensors()
+
+    def _index_tensors(self) -> dict[str, TensorInfo]:
+        index_path = self.directory / "model.safetensors.index.json"
+        single = self.directory / "model.safetensors"
+        if index_path.exists():
+            try:
+                index = json.loads(index_path.read_text())
+                weight_map = index["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+                raise ModelFormatError(f"{index_path}: not a valid safetensors index (needs a weight_map object)") from None
+            tensors: dict[str, TensorInfo] = {}
+            for shard in sorted(set(weight_map.values())):
+                shard_path = self.directory / str(shard)
+                if Path(str(shard)).name != str(shard):
+                    raise ModelFormatError(f"{index_path}: shard name {shard!r} is not a plain file name")
+                if not shard_path.is_file():
+                    raise ModelFormatError(f"{index_path}: shard {shard!r} is missing")
+                infos = read_safetensors_header(shard_path)
+                for name, file in weight_map.items():
+                    if file == shard:
+                        if name not in infos:
+                            raise ModelFormatError(f"{shard_path}: tensor {name!r} listed in the index is missing")
+                        tensors[name] = infos[name]
+            return tensors
+        if single.exists():
+            return read_safetensors_header(single)
+        raise ModelFormatError(
+            f"{self.directory}: no model.safetensors or model.safetensors.index.json")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelFormatError(f"{self.directory}: missing tensor {name!r}") from None
+
+    def load(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Read one tensor into memory (buffered pread), optionally casting it."""
+        tensor = read_tensor(self.info(name))
+        return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.tensors.values())
+
+
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    # Read straight into the tensor's storage: no intermediate bytes object.
+    raw = torch.empty(info.nbytes, dtype=torch.uint8)
+    try:
+        with open(info.path, "rb", buffering=0) as f:
+            got = os.preadv(f.fileno(), [raw.numpy()], info.offset) if info.nbytes else 0
+    except OSError as exc:
+        raise ModelFormatError(f"{info.path}: cannot read tensor {info.name!r}: {exc.strerror or exc}") from None
+    if got != info.nbytes:
+        raise ModelFormatError(f"{info.path}: truncated while reading tensor {info.name!r}")
+    return raw.view(info.torch_dtype).reshape(info.shape)
+
+
+def load_config_json(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ModelFormatError(f"{directory}: config.json is missing")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelFormatError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ModelFormatError(f"{path}: not a JSON object")
+    return config

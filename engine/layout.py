@@ -1,0 +1,140 @@
+"""Where each routed expert's bytes are, and how to turn those bytes back into tensors.
+
+Two on-disk layouts:
+- per-expert tensors (what `save_pretrained` writes): gate, up and down are three tensors,
+  usually adjacent in one shard, so one read covers the expert;
+- fused 3-D tensors: gate_up_proj [E, 2I, H] and down_proj [E, H, I]; expert e is a
+  contiguous slice of each, so two reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import Checkpoint, TensorInfo
+from .errors import ModelFormatError
+from .model import ModelArgs, expert_tensor_names, fused_expert_tensor_names
+
+# Gaps up to this size between an expert's tensors are read through rather than split into
+# two requests (safetensors may pad for alignment).
+MAX_GAP = 4096
+
+
+@dataclass(frozen=True)
+class Span:
+    path: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One matrix inside a span's buffer."""
+
+    span: int  # index into ExpertLocation.spans
+    start: int  # byte offset inside that span's buffer
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.finfo(self.dtype).bits // 8 if self.dtype.is_floating_point else torch.iinfo(self.dtype).bits // 8
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ExpertLocation:
+    spans: tuple[Span, ...]
+    pieces: tuple[Piece, Piece, Piece]  # gate [I,H], up [I,H], down [H,I]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.length for s in self.spans)
+
+
+class ExpertLayout:
+    def __init__(self, checkpoint: Checkpoint, args: ModelArgs):
+        self.args = args
+        self.ckpt = checkpoint
+        self._locations: dict[tuple[int, int], ExpertLocation] = {}
+        for layer in range(args.num_layers):
+            if not args.is_moe_layer(layer):
+                continue
+            fused = fused_expert_tensor_names(args, layer)
+            if fused[0] in checkpoint and fused[1] in checkpoint:
+                self._add_fused(layer, *(checkpoint.info(n) for n in fused))
+            else:
+                for e in range(args.num_experts):
+                    infos = [checkpoint.info(n) for n in expert_tensor_names(args, layer, e)]
+                    self._locations[(layer, e)] = self._per_expert(infos)
+
+    def _per_expert(self, infos: list[TensorInfo]) -> ExpertLocation:
+        a = self.args
+        expected = [(a.moe_intermediate_size, a.hidden_size)] * 2 + [(a.hidden_size, a.moe_intermediate_size)]
+        for info, shape in zip(infos, expected):
+            if info.shape != shape:
+                raise ModelFormatError(f"{info.path}: tensor {info.name!r} has shape {list(info.shape)}, "
+                                       f"config.json implies {list(shape)}")
+        # Merge tensors that sit in one file with at most a small gap into one read.
+        order = sorted(range(3), key=lambda i: (infos[i].path, infos[i].offset))
+        spans: list[Span] = []
+        piece_at: dict[int, tuple[int, int]] = {}
+        for i in order:
+            info = infos[i]
+            last = spans[-1] if spans else None
+            if last and last.path == info.path and 0 <= info.offset - (last.offset + last.length) <= MAX_GAP:
+                spans[-1] = Span(last.path, last.offset, info.end - last.offset)
+            else:
+                spans.append(Span(info.path, info.offset, info.nbytes))
+            piece_at[i] = (len(spans) - 1, info.offset - spans[-1].offset)
+        pieces = tuple(Piece(piece_at[i][0], piece_at[i][1], infos[i].torch_dtype, infos[i].shape) for i in range(3))
+        return ExpertLocation(tuple(spans), pieces)  # type: ignore[arg-type]
+
+    def _add_fused(self, layer: int, gate_up: TensorInfo, down: TensorInfo) -> None:
+        a = self.args
+        E, I, H = a.num_experts, a.moe_intermediate_size, a.hidden_size
+        if gate_up.shape != (E, 2 * I, H) or down.shape != (E, H, I):
+            raise ModelFormatError(
+                f"{gate_up.path}: fused experts of layer {layer} have shapes {list(gate_up.shape)} and "
+                f"{list(down.shape)}, config.json implies {[E, 2 * I, H]} and {[E, H, I]}")
+        gu_bytes, d_bytes = gate_up.nbytes // E, down.nbytes // E
+        half = gu_bytes // 2
+        for e in range(E):
+            spans = (Span(gate_up.path, gate_up.offset + e * gu_bytes, gu_bytes),
+                     Span(down.path, down.offset + e * d_bytes, d_bytes))
+            pieces = (Piece(0, 0, gate_up.torch_dtype, (I, H)), Piece(0, half, gate_up.torch_dtype, (I, H)),
+                      Piece(1, 0, down.torch_dtype, (H, I)))
+            self._locations[(layer, e)] = ExpertLocation(spans, pieces)
+
+    def location(self, layer: int, expert: int) -> ExpertLocation:
+        return self._locations[(layer, expert)]
+
+    @property
+    def expert_nbytes(self) -> int:
+        """On-disk bytes of one expert (all experts have the same geometry)."""
+        return next(iter(self._locations.values())).nbytes if self._locations else 0
+
+    @property
+    def num_routed(self) -> int:
+        return len(self._locations)
+
+    def keys(self):
+        return self._locations.keys()
+
+
+def tensors_from_buffers(loc: ExpertLocation, buffers: list, dtype: torch.dtype):
+    """Span buffers (bytes-like, one per span) → (gate, up, down) in the compute dtype.
+
+    Casting (bf16 on disk, fp32 compute) copies; same dtype is a zero-copy view of the buffer,
+    so the buffer lives as long as the cached tensors do.
+    """
+    out = []
+    for piece in loc.pieces:
+        raw = torch.frombuffer(buffers[piece.span], dtype=torch.uint8, count=piece.nbytes, offset=piece.start)
+        t = raw.view(piece.dtype).view(piece.shape)
+        out.append(t if t.dtype == dtype else t.to(dtype))
+    return tuple(out)

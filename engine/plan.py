@@ -1,0 +1,112 @@
+"""The memory plan: what goes where under the budget, decided before anything is loaded.
+
+    budget = dense (resident, compute dtype) + KV (ctx_size, kv_dtype) + read buffers
+             + runtime overhead + RAM expert cache
+
+The runtime overhead is measured, not guessed: the process's resident set at planning time
+(interpreter, torch, the checkpoint index) plus a margin for activations and logits. If the
+parts cannot fit, one error lists them, so the user sees which part to shrink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import psutil
+import torch
+
+from .checkpoint import Checkpoint
+from .config import EngineConfig, format_size
+from .errors import BudgetError
+from .model import KVCache, ModelArgs, dense_tensor_names
+
+ACTIVATION_MARGIN = 64 << 20  # hidden states, logits, attention scores of a decode step
+ALIGN_SLACK = 2 * 4096  # an O_DIRECT window can start up to 4 KiB early and end 4 KiB late
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+@dataclass
+class MemoryPlan:
+    budget: int
+    streaming: bool
+    dense_bytes: int
+    kv_bytes: int
+    buffer_bytes: int
+    overhead_bytes: int
+    cache_bytes: int  # RAM expert tier
+    gpu_cache_bytes: int
+    expert_bytes: int  # one routed expert in the compute dtype
+    expert_disk_bytes: int
+    routed_experts: int
+    max_inflight_experts: int
+
+    @property
+    def all_expert_bytes(self) -> int:
+        return self.expert_bytes * self.routed_experts
+
+    @property
+    def cache_slots(self) -> int:
+        return self.cache_bytes // self.expert_bytes if self.expert_bytes else 0
+
+    @property
+    def projected_hit_rate(self) -> float:
+        """Share of expert bytes the caches can hold: the hit rate of uniform routing."""
+        if not self.routed_experts:
+            return 1.0
+        held = (self.cache_bytes + self.gpu_cache_bytes) // max(self.expert_bytes, 1)
+        return min(1.0, held / self.routed_experts)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["cache_slots"] = self.cache_slots
+        d["projected_hit_rate"] = round(self.projected_hit_rate, 4)
+        return d
+
+    def describe(self) -> str:
+        return (f"dense {format_size(self.dense_bytes)} + KV {format_size(self.kv_bytes)} + read buffers "
+                f"{format_size(self.buffer_bytes)} + runtime {format_size(self.overhead_bytes)} + expert cache "
+                f"{format_size(self.cache_bytes)} of budget {format_size(self.budget)}")
+
+
+def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, dtype: torch.dtype,
+              kv_dtype: torch.dtype, overhead_bytes: int | None = None) -> MemoryPlan:
+    dense = sum(_count(ckpt, n) * _elem(dtype) for n in dense_tensor_names(args))
+    kv = KVCache.nbytes_for(args, config.ctx_size, kv_dtype)
+    routed = layout.num_routed if layout is not None else 0
+    disk_expert = layout.expert_nbytes if layout is not None else 0
+    expert = 3 * args.hidden_size * args.moe_intermediate_size * _elem(dtype) if routed else 0
+    if overhead_bytes is None:
+        overhead_bytes = psutil.Process().memory_info().rss + ACTIVATION_MARGIN
+    # Reads in flight: the current layer's misses plus `prefetch_depth` layers of lookahead.
+    inflight = args.top_k * (1 + config.prefetch_depth) if routed else 0
+    # A converted expert (bf16 on disk, fp32 compute) briefly exists twice.
+    buffers = inflight * (disk_expert + ALIGN_SLACK + (expert if expert != disk_expert else 0))
+    budget = config.ram_budget
+
+    if budget <= 0 or routed == 0:
+        return MemoryPlan(budget, False, dense, kv, 0, overhead_bytes, routed * expert, 0, expert, disk_expert,
+                          routed, inflight)
+    fixed = dense + kv + buffers + overhead_bytes
+    if fixed > budget:
+        raise BudgetError(
+            f"memory budget {format_size(budget)} is too small: dense weights {format_size(dense)} + KV cache "
+            f"at ctx_size {config.ctx_size} {format_size(kv)} + read buffers {format_size(buffers)} + runtime "
+            f"{format_size(overhead_bytes)} = {format_size(fixed)} before any expert cache")
+    cache = int((budget - fixed) * config.cpu_cache_ratio)
+    cache = min(cache, routed * expert)
+    gpu_cache = 0
+    if config.gpu_cache_ratio > 0 and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info()
+        gpu_cache = min(int(free * config.gpu_cache_ratio), routed * expert)
+    return MemoryPlan(budget, True, dense, kv, buffers, overhead_bytes, cache, gpu_cache, expert, disk_expert,
+                      routed, inflight)
+
+
+def _count(ckpt: Checkpoint, name: str) -> int:
+    n = 1
+    for d in ckpt.info(name).shape:
+        n *= d
+    return n

@@ -1,0 +1,138 @@
+"""Engine: load plan, resident or streaming placement, prefill and decode steps.
+
+With no memory budget everything is resident. With a budget, the dense part stays resident and
+routed experts stream from disk through the expert store (engine/streaming.py); the memory plan
+decides how much RAM the expert cache gets.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import torch
+
+from .checkpoint import Checkpoint
+from .config import EngineConfig
+from .errors import ConfigError
+from .layout import ExpertLayout, tensors_from_buffers
+from .model import KVCache, ModelArgs, Transformer, dense_tensor_names
+from .plan import MemoryPlan, make_plan
+
+DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def physical_cores() -> int:
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
+    name = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype")
+    by_config = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
+    if by_config is not None:
+        return by_config
+    floats = [i.torch_dtype for i in ckpt.tensors.values() if i.torch_dtype.is_floating_point]
+    return floats[0] if floats else torch.float32
+
+
+class ResidentExperts:
+    """Every routed expert loaded once into RAM: the reference placement."""
+
+    def __init__(self, layout: ExpertLayout, dtype: torch.dtype):
+        self._experts = {}
+        for key in layout.keys():
+            loc = layout.location(*key)
+            buffers = [_read_span(s) for s in loc.spans]
+            self._experts[key] = tensors_from_buffers(loc, buffers, dtype)
+
+    def get(self, layer, experts):
+        return {e: self._experts[(layer, e)] for e in experts}
+
+    def hint(self, layer, experts):
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self):
+        pass
+
+
+def _read_span(span) -> bytearray:
+    from .errors import ModelFormatError
+    buf = bytearray(span.length)
+    with open(span.path, "rb", buffering=0) as f:
+        if os.preadv(f.fileno(), [buf], span.offset) != span.length:
+            raise ModelFormatError(f"{span.path}: truncated (expert bytes at {span.offset} missing)")
+    return buf
+
+
+class Engine:
+    """One loaded model, ready to prefill and decode."""
+
+    def __init__(self, model_dir: str | os.PathLike, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.checkpoint = Checkpoint(model_dir)
+        self.args = ModelArgs.from_config(self.checkpoint.config)
+        self.dtype = self._compute_dtype()
+        self.kv_dtype = self.dtype if self.config.kv_dtype == "auto" else DTYPE_NAMES[self.config.kv_dtype]
+        threads = self.config.threads or physical_cores()
+        torch.set_num_threads(threads)
+        self.threads = threads
+
+        # Validate everything we will read before reading any of it.
+        dense_names = dense_tensor_names(self.args)
+        for name in dense_names:
+            self.checkpoint.info(name)
+        self.layout = ExpertLayout(self.checkpoint, self.args) if self.args.is_moe else None
+
+        self.plan: MemoryPlan = make_plan(self.checkpoint, self.args, self.layout, self.config, self.dtype,
+                                          self.kv_dtype)
+        t0 = time.perf_counter()
+        weights = {n: self.checkpoint.load(n, self.dtype) for n in dense_names}
+        if self.layout is None:
+            self.experts = None
+        elif self.plan.streaming:
+            from .streaming import StreamingExperts
+            self.experts = StreamingExperts(self.layout, self.config, self.plan, self.dtype)
+        else:
+            self.experts = ResidentExperts(self.layout, self.dtype)
+        self.load_seconds = time.perf_counter() - t0
+        self.model = Transformer(self.args, weights, self.experts, self.dtype)
+        self.model.lookahead_depth = self.config.prefetch_depth if self.plan.streaming else 0
+        if self.plan.streaming:
+            # Bounded transient memory in prefill: at most this many experts' weights at once.
+            self.model.expert_batch = max(1, self.plan.max_inflight_experts)
+        self.kv = KVCache.allocate(self.args, self.config.ctx_size, self.kv_dtype)
+
+    def _compute_dtype(self) -> torch.dtype:
+        if self.config.dtype == "auto":
+            d = checkpoint_dtype(self.checkpoint)
+            return torch.float32 if d == torch.float16 else d  # fp16 matmuls are slow on CPU
+        return DTYPE_NAMES[self.config.dtype]
+
+    def forward(self, tokens: list[int] | torch.Tensor, start_pos: int) -> torch.Tensor:
+        t = torch.as_tensor(tokens, dtype=torch.long)
+        return self.model.forward(t, start_pos, self.kv)
+
+    def reset(self) -> None:
+        """Forget the sequence (KV positions are simply overwritten next time)."""
+
+    def io_stats(self) -> dict:
+        return self.experts.stats() if self.experts is not None else {}
+
+    def close(self) -> None:
+        if self.experts is not None:
+            self.experts.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def check_thread_arg(threads: int | None) -> None:
+    if threads is not None and threads < 0:
+        raise ConfigError("threads must be >= 0")

@@ -1,0 +1,7 @@
+import sys
+from pathlib import Path
+
+# Tests run against the working tree even before `pip install -e .`.
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
