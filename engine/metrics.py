@@ -1,0 +1,129 @@
+"""The one result schema every run and bench produces (JSON), and the helpers that fill it.
+
+Printers (human summary here; CSV, markdown and plots in the tuner) all read this dict, so a
+figure means the same thing wherever it is shown. Schema id: "colibri.metrics/1".
+"""
+
+from __future__ import annotations
+
+import platform
+import resource
+import statistics
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+from . import __version__
+from .config import format_size
+
+SCHEMA = "colibri.metrics/1"
+
+
+def peak_rss_bytes() -> int:
+    # ru_maxrss is in KiB on Linux: the process's high-water mark since it started.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@lru_cache(maxsize=1)
+def git_commit() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        if out.returncode == 0:
+            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return "unknown"
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def geometry_of(engine) -> dict:
+    a = engine.args
+    return {
+        "model_type": a.model_type, "layers": a.num_layers, "hidden_size": a.hidden_size,
+        "experts": a.num_experts, "top_k": a.top_k, "moe_intermediate_size": a.moe_intermediate_size,
+        "moe_layers": sum(a.moe_layer_flags), "vocab_size": a.vocab_size,
+        "total_bytes_on_disk": engine.checkpoint.nbytes(),
+        "expert_bytes_on_disk": engine.layout.expert_nbytes if engine.layout is not None else 0,
+    }
+
+
+def run_metrics(engine, gen, io_before: dict | None = None) -> dict:
+    """Metrics of one generation: timings from the generation, I/O from the expert store."""
+    decode_s = sum(gen.token_seconds)
+    io = engine.io_stats()
+    n_decode = len(gen.token_seconds)
+    m = {
+        "schema": SCHEMA,
+        "prompt_tokens": len(gen.prompt_ids),
+        "generated_tokens": len(gen.output_ids),
+        "ttft_s": gen.ttft_seconds,
+        "prefill_tok_s": len(gen.prompt_ids) / gen.prefill_seconds if gen.prefill_seconds else None,
+        "decode_tok_s": n_decode / decode_s if decode_s else None,
+        "token_latency_p50_ms": _ms(percentile(gen.token_seconds, 0.5)),
+        "token_latency_p99_ms": _ms(percentile(gen.token_seconds, 0.99)),
+        "peak_rss_bytes": peak_rss_bytes(),
+        **io,
+    }
+    return m
+
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1000.0
+
+
+def envelope(engine, model_dir: str) -> dict:
+    """Conditions every result carries: config, plan, geometry, versions, machine."""
+    import torch
+    return {
+        "schema": SCHEMA,
+        "engine_version": __version__,
+        "git_commit": git_commit(),
+        "model": str(model_dir),
+        "geometry": geometry_of(engine),
+        "config": engine.config.to_dict(),
+        "plan": engine.plan.to_dict(),
+        "compute_dtype": str(engine.dtype).replace("torch.", ""),
+        "threads": engine.threads,
+        "io_mode_effective": engine.io_stats().get("io_mode_effective", "resident"),
+        "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+                    "torch": torch.__version__},
+    }
+
+
+def spread(values: list[float]) -> dict:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "stdev": None, "n": 0}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
+            "stdev": statistics.stdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
+
+
+def human_summary(m: dict) -> str:
+    def f(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+
+    lines = [
+        f"TTFT {f(m.get('ttft_s'), '{:.3f}')} s | prefill {f(m.get('prefill_tok_s'))} tok/s | "
+        f"decode {f(m.get('decode_tok_s'))} tok/s (p50 {f(m.get('token_latency_p50_ms'), '{:.1f}')} ms, "
+        f"p99 {f(m.get('token_latency_p99_ms'), '{:.1f}')} ms) | peak RSS {format_size(m.get('peak_rss_bytes'))}",
+    ]
+    if m.get("bytes_read") is not None:
+        hit = m.get("hit_rate", {}) or {}
+        hits = ", ".join(f"{k} {v:.1%}" for k, v in hit.items() if v is not None)
+        lines.append(
+            f"read {format_size(m.get('bytes_read'))} at {f(m.get('read_gbps'))} GB/s | hit rate {hits or '-'} | "
+            f"lookahead recall {f(m.get('lookahead_recall'), '{:.1%}')} | I/O stall "
+            f"{f(m.get('io_stall_fraction'), '{:.1%}')}")
+    return "\n".join(lines)
