@@ -9,6 +9,7 @@ Two on-disk layouts:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,10 @@ from .model import ModelArgs, expert_tensor_names, fused_expert_tensor_names
 # Gaps up to this size between an expert's tensors are read through rather than split into
 # two requests (safetensors may pad for alignment).
 MAX_GAP = 4096
+
+# mmap-mode buffers are read-only views of the page cache; we never write to weights, so
+# torch's warning about non-writable buffers is noise.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
 @dataclass(frozen=True)

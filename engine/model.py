@@ -475,7 +475,8 @@ class Transformer:
             for e in batch:
                 token_idx, slot = torch.where(ids == e)
                 gate, up, down = experts[e]
-                y = swiglu(x[token_idx], gate, up, down) * weights[token_idx, slot, None]
+                xs = x[token_idx].to(gate.device)  # a no-op unless the expert sits in VRAM
+                y = (swiglu(xs, gate, up, down) * weights[token_idx, slot, None].to(gate.device)).to(x.device)
                 out.index_add_(0, token_idx, y.to(out.dtype))
             del experts
         if a.shared_expert_intermediate_size:

@@ -94,6 +94,83 @@ def cmd_run(args) -> int:
     return 0
 
 
+# --- bench ----------------------------------------------------------------------------------
+
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="measure decode speed: warm-up, then N tokens K times (median, spread)")
+    p.add_argument("--model", required=True, help="model directory, or a synth preset name")
+    p.add_argument("--tokens", type=int, default=16, help="decode tokens per repeat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    temp = p.add_mutually_exclusive_group()
+    temp.add_argument("--cold", dest="cold", action="store_true", default=True,
+                      help="drop the model's pages and the expert caches before each repeat (default)")
+    temp.add_argument("--warm", dest="cold", action="store_false", help="keep caches across repeats")
+    p.add_argument("--cgroup-limit", help="run inside a child memory cgroup limited to SIZE (page cache counts)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds, with --cgroup-limit")
+    p.add_argument("--record-routing", metavar="FILE", help="write the routing histogram (for cache_policy=pinned)")
+    _add_engine_flags(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    from engine.config import parse_size
+    from engine.models import resolve_model
+
+    config = engine_config_from_args(args)
+    model_dir = resolve_model(args.model, progress=not args.json)
+    if args.cgroup_limit:
+        from tuner.trial import run_trial
+        extra = ["--record-routing", args.record_routing] if args.record_routing else []
+        trial = run_trial(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
+                          prompt_tokens=args.prompt_tokens, seed=args.seed,
+                          limit_bytes=parse_size(args.cgroup_limit), timeout=args.timeout, extra_args=extra)
+        if not trial.ok:
+            if args.json:
+                _print_json(trial.to_dict())
+            print(f"colibri bench: error: trial {trial.status}: {trial.error}", file=sys.stderr)
+            return 1
+        result = trial.metrics
+    else:
+        from engine.bench import run_bench
+
+        def progress(i, n, m):
+            if not args.json:
+                print(f"  repeat {i}/{n}: decode {m.get('decode_tok_s') or 0:.2f} tok/s", file=sys.stderr)
+
+        result = run_bench(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
+                           prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
+                           record_routing=args.record_routing)
+    if args.json:
+        _print_json(result)
+    else:
+        print(format_bench(result))
+    return 0
+
+
+def format_bench(r: dict) -> str:
+    from engine.config import format_size
+    from engine.metrics import human_summary
+    s = r["summary"]["decode_tok_s"]
+    cg = r.get("cgroup") or {}
+    cgroup = (f"cgroup limit {format_size(cg.get('limit_bytes'))}, peak {format_size(cg.get('peak_bytes'))}"
+              if cg.get("limited") else f"no cgroup ({cg.get('reason') or 'not requested'})")
+    c = r["config"]
+    lines = [
+        f"model {r['model']} ({r['geometry']['model_type']}, {r['compute_dtype']}) | "
+        f"{'cold' if r['cold'] else 'warm'} | {r['tokens']} tokens x {r['repeats']} repeats | {cgroup}",
+        f"config: budget {format_size(c['ram_budget']) if c['ram_budget'] else 'none'}, io {r['io_mode_effective']}, "
+        f"chunk {format_size(c['chunk_size'])}, prefetch {c['prefetch_depth']}, cache {c['cache_policy']} "
+        f"x{c['cpu_cache_ratio']}, threads {r['threads']}, io_threads {c['io_threads']}, ctx {c['ctx_size']}",
+        f"decode tok/s: median {s['median'] or 0:.3f} (min {s['min'] or 0:.3f}, max {s['max'] or 0:.3f}, "
+        f"n={s['n']})" + ("" if r.get("tokens_consistent", True) else "  WARNING: tokens differ across repeats"),
+        human_summary(r),
+    ]
+    return "\n".join(lines)
+
+
 # --- main -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-ADDERS = [add_run]
+ADDERS = [add_run, add_bench]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,107 @@
+"""`colibri bench`: a warm-up, then N decode tokens K times; medians and spread.
+
+This is the trial the tuner runs in a subprocess, so its JSON is the tuner's input. The same
+prompt is used in every repeat, so the output tokens must match across repeats (and across
+configs): a changed token means a placement bug, and the result says so.
+
+cold: before every repeat the model's pages are dropped from the page cache
+(posix_fadvise DONTNEED) and the engine's own expert caches are emptied, so every expert
+the repeat needs comes from the disk. warm: caches persist across repeats (steady state).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+from .config import EngineConfig
+from .generate import Sampler, generate, random_prompt_ids
+from .metrics import envelope, peak_rss_bytes, run_metrics, spread
+from .runtime import Engine
+
+SUMMARY_KEYS = ("decode_tok_s", "ttft_s", "prefill_tok_s", "token_latency_p50_ms", "token_latency_p99_ms",
+                "read_gbps", "io_stall_fraction", "lookahead_recall")
+
+
+def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 3, cold: bool = True,
+              prompt_tokens: int = 16, seed: int = 0, warmup_tokens: int = 2, progress=None,
+              record_routing: str | None = None) -> dict:
+    t_start = time.perf_counter()
+    engine = Engine(model_dir, config)
+    try:
+        prompt = random_prompt_ids(prompt_tokens, engine.args.vocab_size, seed)
+        if record_routing:
+            engine.model.routing_log = [[] for _ in range(engine.args.num_layers)]
+        if warmup_tokens:
+            generate(engine, prompt, warmup_tokens, Sampler())
+        runs = []
+        for rep in range(repeats):
+            if cold:
+                _make_cold(engine)
+            _reset_stats(engine)
+            gen = generate(engine, prompt, tokens + 1, Sampler())  # +1: the first token is TTFT
+            m = run_metrics(engine, gen)
+            m["output_ids"] = gen.output_ids
+            runs.append(m)
+            if progress:
+                progress(rep + 1, repeats, m)
+        result = envelope(engine, str(model_dir))
+        result.update({
+            "kind": "bench",
+            "cold": cold,
+            "tokens": tokens,
+            "repeats": repeats,
+            "prompt_tokens": prompt_tokens,
+            "seed": seed,
+            "load_seconds": engine.load_seconds,
+            "summary": {k: spread([r.get(k) for r in runs]) for k in SUMMARY_KEYS},
+            "runs": runs,
+            "output_ids": runs[0]["output_ids"] if runs else [],
+            "tokens_consistent": all(r["output_ids"] == runs[0]["output_ids"] for r in runs),
+            "peak_rss_bytes": peak_rss_bytes(),
+            "wall_seconds": time.perf_counter() - t_start,
+        })
+        # Headline figures at top level (medians), so every printer finds them in one place.
+        for k in SUMMARY_KEYS:
+            result[k] = result["summary"][k]["median"]
+        result["bytes_read_per_token"] = _median([r.get("bytes_read", 0) / max(len(r["output_ids"]), 1)
+                                                 for r in runs])
+        result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
+        if record_routing:
+            _save_routing(engine, record_routing)
+            result["routing_histogram"] = record_routing
+        return result
+    finally:
+        engine.close()
+
+
+def _median(values):
+    s = sorted(values)
+    return s[len(s) // 2] if s else None
+
+
+def _make_cold(engine: Engine) -> None:
+    experts = engine.experts
+    if experts is None or not hasattr(experts, "drop_page_cache"):
+        return
+    for name in experts.cache.tier_names:
+        experts.cache.tier(name).clear()
+    gc.collect()
+    experts.drop_page_cache()
+
+
+def _reset_stats(engine: Engine) -> None:
+    if engine.experts is not None and hasattr(engine.experts, "reset_stats"):
+        engine.experts.reset_stats()
+
+
+def _save_routing(engine: Engine, path: str) -> None:
+    from collections import Counter
+
+    from .cache import routing_histogram_save
+    hist: Counter = Counter()
+    for layer, calls in enumerate(engine.model.routing_log or []):
+        for ids in calls:
+            for e in ids.flatten().tolist():
+                hist[(layer, e)] += 1
+    routing_histogram_save(hist, path)

@@ -1,0 +1,587 @@
+"""Expert caches: one contract, three eviction policies, and a fast→slow tier stack.
+
+A cache holds opaque values (an expert's tensors; never None, which reads as a miss) under
+hashable keys ((layer, expert)), charged by the byte count the caller gives. Every policy
+obeys the same rules, checked by one conformance suite: bytes_used never exceeds capacity_bytes, an item larger than the room the
+policy can make is refused (put returns False) without evicting anything, and get() is the
+only call that moves hit/miss counters.
+
+Policies:
+  lru     evict the least recently used item.
+  lfu     evict the least frequently requested item, ties to the least recently used.
+          A key's count is its get() calls (hits and misses), at least 1 once inserted, so a
+          prefetched item that was never asked for ranks as one use. Counts survive eviction
+          (they are the key's popularity, not its residency), so a hot expert pushed out by a
+          burst comes back with its history and is not the next victim. Keys are bounded by
+          layers × experts, so the table stays small.
+  pinned  keys from a recorded routing histogram (hottest first) are pinned, never evicted,
+          up to pinned_fraction of the capacity; everything else is LRU in the remaining room.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from engine.errors import ConfigError
+
+CACHE_POLICIES = ("lru", "lfu", "pinned")
+ROUTING_SCHEMA = "colibri.routing/1"
+
+Key = Hashable
+Evicted = tuple[Key, Any, int]  # (key, value, nbytes)
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    inserts: int = 0
+    rejected: int = 0  # put() calls refused because the item could not fit
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+class ExpertCache(ABC):
+    """One cache tier with a byte capacity. Thread-safe; every method takes the lock."""
+
+    policy: str = ""
+
+    def __init__(self, capacity_bytes: int):
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ConfigError(f"cache capacity must be a non-negative integer, got {capacity_bytes!r}")
+        self.capacity_bytes = capacity_bytes
+        self.bytes_used = 0
+        self.stats = CacheStats()
+        self._entries: dict[Key, tuple[Any, int]] = {}
+        self._lock = threading.RLock()
+
+    # ---- contract --------------------------------------------------------------------------
+
+    def get(self, key: Key) -> Any | None:
+        """The cached value, or None; counts a hit or a miss and updates the policy's order."""
+        with self._lock:
+            self._on_request(key)
+            entry = self._entries.get(key)
+            if entry is None:
+                self.stats.misses += 1
+                return None
+            self.stats.hits += 1
+            self._on_hit(key)
+            return entry[0]
+
+    def peek(self, key: Key) -> Any | None:
+        """The cached value, or None, without touching stats or the eviction order."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else entry[0]
+
+    def put(self, key: Key, value: Any, nbytes: int) -> bool:
+        """Insert (or replace) `key`; evict per policy until it fits. False if it cannot fit."""
+        return self.put_evicting(key, value, nbytes)[0]
+
+    def put_evicting(self, key: Key, value: Any, nbytes: int) -> tuple[bool, list[Evicted]]:
+        """put(), also returning what was evicted so a tier stack can demote it.
+
+        Replacing a key removes the old entry first; if the new size cannot fit, the key ends
+        up absent.
+        """
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes must be a non-negative integer, got {nbytes!r}")
+        evicted: list[Evicted] = []
+        with self._lock:
+            if key in self._entries:
+                self._remove_locked(key)
+            if self.capacity_bytes == 0 or not self._fits_locked(key, nbytes):
+                self.stats.rejected += 1
+                return False, evicted
+            self._plan_insert(key, nbytes)
+            while self.bytes_used + nbytes > self.capacity_bytes:
+                victim = self._victim()
+                value_v, nbytes_v = self._remove_locked(victim)
+                evicted.append((victim, value_v, nbytes_v))
+                self.stats.evictions += 1
+            self._entries[key] = (value, nbytes)
+            self.bytes_used += nbytes
+            self._on_insert(key, nbytes)
+            self.stats.inserts += 1
+        return True, evicted
+
+    def fits(self, key: Key, nbytes: int) -> bool:
+        """Whether put(key, _, nbytes) would be accepted now (evictions allowed)."""
+        with self._lock:
+            return self.capacity_bytes > 0 and self._fits_locked(key, nbytes)
+
+    def nbytes_of(self, key: Key) -> int | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else entry[1]
+
+    def pop(self, key: Key) -> tuple[Any, int] | None:
+        """Remove `key` without counting it as an eviction; (value, nbytes) or None."""
+        with self._lock:
+            if key not in self._entries:
+                return None
+            return self._remove_locked(key)
+
+    def keys(self) -> list[Key]:
+        with self._lock:
+            return list(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            for key in list(self._entries):
+                self._remove_locked(key)
+
+    def __contains__(self, key: Key) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(items={len(self)}, bytes_used={self.bytes_used}, "
+            f"capacity_bytes={self.capacity_bytes})"
+        )
+
+    # ---- policy hooks (called with the lock held) -------------------------------------------
+
+    def _remove_locked(self, key: Key) -> tuple[Any, int]:
+        value, nbytes = self._entries.pop(key)
+        self.bytes_used -= nbytes
+        self._on_remove(key)
+        return value, nbytes
+
+    def _fits_locked(self, key: Key, nbytes: int) -> bool:
+        """Room after evicting everything evictable (the key itself is already absent)."""
+        return nbytes <= self.capacity_bytes - (self.bytes_used - self._evictable_bytes())
+
+    def _evictable_bytes(self) -> int:
+        return self.bytes_used
+
+    def _on_request(self, key: Key) -> None:
+        """Every get(), hit or miss, before the lookup."""
+
+    def _plan_insert(self, key: Key, nbytes: int) -> None:
+        """Called once an insert is known to fit, before evictions make room for it."""
+
+    @abstractmethod
+    def _on_hit(self, key: Key) -> None: ...
+
+    @abstractmethod
+    def _on_insert(self, key: Key, nbytes: int) -> None: ...
+
+    @abstractmethod
+    def _on_remove(self, key: Key) -> None: ...
+
+    @abstractmethod
+    def _victim(self) -> Key:
+        """The next key to evict; only called when some evictable key exists."""
+
+
+class LRUCache(ExpertCache):
+    policy = "lru"
+
+    def __init__(self, capacity_bytes: int):
+        super().__init__(capacity_bytes)
+        self._order: OrderedDict[Key, None] = OrderedDict()  # oldest first
+
+    def _on_hit(self, key):
+        self._order.move_to_end(key)
+
+    def _on_insert(self, key, nbytes):
+        self._order[key] = None
+
+    def _on_remove(self, key):
+        del self._order[key]
+
+    def _victim(self):
+        return next(iter(self._order))
+
+
+class LFUCache(ExpertCache):
+    """O(1) LFU: residents sit in per-count buckets, each an LRU-ordered OrderedDict."""
+
+    policy = "lfu"
+
+    def __init__(self, capacity_bytes: int):
+        super().__init__(capacity_bytes)
+        self._requests: Counter[Key] = Counter()  # survives eviction on purpose
+        self._buckets: dict[int, OrderedDict[Key, None]] = {}
+        self._bucket_of: dict[Key, int] = {}
+
+    def frequency(self, key: Key) -> int:
+        with self._lock:
+            return self._requests[key]
+
+    def _on_request(self, key):
+        self._requests[key] += 1
+
+    def _on_hit(self, key):
+        self._unbucket(key)
+        self._bucket(key, self._requests[key])
+
+    def _on_insert(self, key, nbytes):
+        count = max(self._requests[key], 1)
+        self._requests[key] = count
+        self._bucket(key, count)
+
+    def _on_remove(self, key):
+        self._unbucket(key)
+
+    def _victim(self):
+        # Distinct counts among residents are few, so min() over them is cheap.
+        return next(iter(self._buckets[min(self._buckets)]))
+
+    def _bucket(self, key, count):
+        self._buckets.setdefault(count, OrderedDict())[key] = None
+        self._bucket_of[key] = count
+
+    def _unbucket(self, key):
+        count = self._bucket_of.pop(key)
+        bucket = self._buckets[count]
+        del bucket[key]
+        if not bucket:
+            del self._buckets[count]
+
+
+class PinnedCache(ExpertCache):
+    """Hottest-first pinned keys that never leave, LRU for everything else.
+
+    A pinned key is pinned when it is put and the pin budget has room. If a hotter pinned key
+    arrives and the budget is full of colder ones, the coldest are demoted to the LRU part, so
+    the pinned set converges on the hottest prefix whatever order the keys are loaded in.
+    """
+
+    policy = "pinned"
+
+    def __init__(self, capacity_bytes: int, pinned_keys: Sequence[Key] = (), pinned_fraction: float = 0.5):
+        super().__init__(capacity_bytes)
+        if not 0.0 <= pinned_fraction <= 1.0:
+            raise ConfigError(f"pinned_fraction must be within [0, 1], got {pinned_fraction!r}")
+        self._rank: dict[Key, int] = {}
+        for key in pinned_keys:
+            self._rank.setdefault(key, len(self._rank))
+        self.pin_budget = int(capacity_bytes * pinned_fraction)
+        self._pinned: dict[Key, int] = {}  # key -> nbytes
+        self.pinned_bytes = 0
+        self._lru: OrderedDict[Key, None] = OrderedDict()
+        self._pin_next: bool = False
+
+    @property
+    def pinned(self) -> frozenset:
+        with self._lock:
+            return frozenset(self._pinned)
+
+    def _colder_pinned(self, key) -> list[Key]:
+        """Pinned keys colder than `key`, coldest first."""
+        rank = self._rank[key]
+        return sorted((k for k in self._pinned if self._rank[k] > rank), key=self._rank.__getitem__, reverse=True)
+
+    def _pinnable(self, key, nbytes) -> bool:
+        if key not in self._rank:
+            return False
+        room = self.pin_budget - self.pinned_bytes
+        if nbytes <= room:
+            return True
+        return nbytes <= room + sum(self._pinned[k] for k in self._colder_pinned(key))
+
+    def _evictable_bytes(self):
+        return self.bytes_used - self.pinned_bytes
+
+    def _fits_locked(self, key, nbytes):
+        # A pinnable key always fits: pinned bytes stay within the budget, which is <= capacity,
+        # and everything else can be evicted (or demoted) to make room.
+        return self._pinnable(key, nbytes) or super()._fits_locked(key, nbytes)
+
+    def _plan_insert(self, key, nbytes):
+        self._pin_next = self._pinnable(key, nbytes)
+        if not self._pin_next:
+            return
+        for colder in self._colder_pinned(key):
+            if self.pinned_bytes + nbytes <= self.pin_budget:
+                break
+            self.pinned_bytes -= self._pinned.pop(colder)
+            self._lru[colder] = None  # it was hot by the histogram: most recently used
+
+    def _on_hit(self, key):
+        if key in self._lru:
+            self._lru.move_to_end(key)
+
+    def _on_insert(self, key, nbytes):
+        if self._pin_next:
+            self._pinned[key] = nbytes
+            self.pinned_bytes += nbytes
+        else:
+            self._lru[key] = None
+        self._pin_next = False
+
+    def _on_remove(self, key):
+        if key in self._pinned:
+            self.pinned_bytes -= self._pinned.pop(key)
+        else:
+            del self._lru[key]
+
+    def _victim(self):
+        return next(iter(self._lru))
+
+
+def make_cache(
+    policy: str,
+    capacity_bytes: int,
+    *,
+    pinned_keys: Sequence[Key] = (),
+    pinned_fraction: float = 0.5,
+) -> ExpertCache:
+    """A cache of the named policy; pinned_keys/pinned_fraction only matter for "pinned"."""
+    if policy == "lru":
+        return LRUCache(capacity_bytes)
+    if policy == "lfu":
+        return LFUCache(capacity_bytes)
+    if policy == "pinned":
+        return PinnedCache(capacity_bytes, pinned_keys, pinned_fraction)
+    raise ConfigError(f"cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {policy!r}")
+
+
+def _same_value(value: Any, device: str) -> Any:
+    return value
+
+
+class TieredCache:
+    """Exclusive fast→slow tiers (e.g. VRAM then RAM): a key lives in at most one tier.
+
+    put() places an item in the fastest tier that can take it; what that evicts is demoted
+    (moved with `to_device`) to the next tier instead of being dropped, so the tiers' capacities
+    add up. A hit in a slower tier promotes the item to the fastest tier when `promote` is set.
+    Each tier is `(name, cache)` or `(name, cache, device)`; device defaults to "cpu".
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[tuple],
+        *,
+        to_device: Callable[[Any, str], Any] | None = None,
+        promote: bool = True,
+    ):
+        if not tiers:
+            raise ConfigError("a tiered cache needs at least one tier")
+        self._tiers: list[tuple[str, ExpertCache, str]] = []
+        for tier in tiers:
+            if len(tier) == 2:
+                name, cache = tier
+                device = "cpu"
+            else:
+                name, cache, device = tier
+            self._tiers.append((name, cache, device))
+        names = [t[0] for t in self._tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be unique, got {names}")
+        self._to_device = to_device or _same_value
+        self.promote = promote
+        self.hits = 0
+        self.misses = 0
+        self.promotions = 0
+        self.demotions = 0
+        self._lock = threading.RLock()
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t[0] for t in self._tiers]
+
+    def tier(self, name: str) -> ExpertCache:
+        for tier_name, cache, _device in self._tiers:
+            if tier_name == name:
+                return cache
+        raise KeyError(name)
+
+    def get(self, key: Key) -> tuple[str, Any] | None:
+        """(name of the tier that held it, value) or None.
+
+        Tiers are asked fast to slow, so a key found in a slower tier counts a miss in each
+        faster one. A promoted value is returned as moved to the fastest tier's device.
+        """
+        with self._lock:
+            for index, (name, cache, _device) in enumerate(self._tiers):
+                value = cache.get(key)
+                if value is None:
+                    continue
+                self.hits += 1
+                if index > 0 and self.promote:
+                    value = self._promote(key, index, value)
+                return name, value
+            self.misses += 1
+            return None
+
+    def peek(self, key: Key) -> tuple[str, Any] | None:
+        with self._lock:
+            for name, cache, _device in self._tiers:
+                value = cache.peek(key)
+                if value is not None:
+                    return name, value
+            return None
+
+    def put(self, key: Key, value: Any, nbytes: int) -> str | None:
+        """Store in the fastest tier that accepts it; the tier's name, or None if none can."""
+        with self._lock:
+            for _name, cache, _device in self._tiers:
+                cache.pop(key)
+            return self._place(key, value, nbytes, first=0)
+
+    def tier_of(self, key: Key) -> str | None:
+        with self._lock:
+            for name, cache, _device in self._tiers:
+                if key in cache:
+                    return name
+            return None
+
+    def __contains__(self, key: Key) -> bool:
+        return self.tier_of(key) is not None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(cache) for _name, cache, _device in self._tiers)
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
+    def stats(self) -> dict[str, dict]:
+        """Per tier: hits, misses, hit_rate, evictions, inserts, rejected, bytes, items, device."""
+        with self._lock:
+            return {
+                name: {
+                    **cache.stats.as_dict(),
+                    "bytes_used": cache.bytes_used,
+                    "capacity_bytes": cache.capacity_bytes,
+                    "items": len(cache),
+                    "device": device,
+                    "policy": cache.policy,
+                }
+                for name, cache, device in self._tiers
+            }
+
+    def totals(self) -> dict:
+        with self._lock:
+            return {
+                "hits": self.hits,
+                "misses": self.misses,
+                "hit_rate": self.hit_rate,
+                "promotions": self.promotions,
+                "demotions": self.demotions,
+            }
+
+    # ---- movement ------------------------------------------------------------------------------
+
+    def _promote(self, key: Key, index: int, value: Any) -> Any:
+        slow = self._tiers[index][1]
+        fast = self._tiers[0][1]
+        nbytes = slow.nbytes_of(key)
+        if not fast.fits(key, nbytes):
+            return value
+        slow.pop(key)
+        self.promotions += 1
+        self._place(key, value, nbytes, first=0)
+        return fast.peek(key)
+
+    def _place(self, key: Key, value: Any, nbytes: int, first: int) -> str | None:
+        for index in range(first, len(self._tiers)):
+            name, cache, device = self._tiers[index]
+            if not cache.fits(key, nbytes):
+                continue
+            # to_device must be a no-op when the value already lives there (torch's .to is).
+            stored, evicted = cache.put_evicting(key, self._to_device(value, device), nbytes)
+            if not stored:  # fits() said yes under the same lock; kept for safety
+                continue
+            for old_key, old_value, old_nbytes in evicted:
+                if index + 1 < len(self._tiers):
+                    self.demotions += 1
+                    self._place(old_key, old_value, old_nbytes, first=index + 1)
+            return name
+        return None
+
+
+# ---- routing histograms ---------------------------------------------------------------------
+
+
+def _routing_error(path, why: str) -> ConfigError:
+    return ConfigError(f"routing histogram {path}: {why}")
+
+
+def routing_histogram_save(hist: Mapping[tuple[int, int], int], path: str | os.PathLike) -> None:
+    """Write {"schema": ..., "counts": {"L:E": n}} atomically (temp file + rename)."""
+    path = os.fspath(path)
+    counts = {}
+    for (layer, expert), n in sorted(hist.items()):
+        counts[f"{int(layer)}:{int(expert)}"] = int(n)
+    payload = json.dumps({"schema": ROUTING_SCHEMA, "counts": counts}, indent=1)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".routing-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(payload + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def routing_histogram_load(path: str | os.PathLike) -> Counter:
+    """Counter {(layer, expert): count} from a file written by routing_histogram_save."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise _routing_error(path, "file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _routing_error(path, f"not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("schema") != ROUTING_SCHEMA:
+        raise _routing_error(path, f'expected "schema": "{ROUTING_SCHEMA}"')
+    counts = data.get("counts")
+    if not isinstance(counts, dict):
+        raise _routing_error(path, '"counts" must be an object of "layer:expert": count')
+    hist: Counter = Counter()
+    for key, n in counts.items():
+        parts = key.split(":")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise _routing_error(path, f'bad key {key!r} (expected "layer:expert")')
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise _routing_error(path, f"count for {key} must be a non-negative integer, got {n!r}")
+        hist[(int(parts[0]), int(parts[1]))] = n
+    return hist
+
+
+def hottest_keys(hist: Mapping[Key, int], n: int | None = None) -> list[Key]:
+    """Keys by descending count (ties by key, for a stable order); the first n if given."""
+    ordered = sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))
+    keys = [k for k, count in ordered if count > 0]
+    return keys if n is None else keys[:n]
+
+
+def record_routing(hist: Counter, layer: int, experts: Iterable[int]) -> None:
+    """Count one token's routed experts of one layer into `hist`."""
+    for expert in experts:
+        hist[(int(layer), int(expert))] += 1

@@ -1,0 +1,124 @@
+"""Streaming safetensors writer: the header is planned up front, tensors are written one at a time.
+
+A whole shard never sits in memory. The header is computed from the planned (name, dtype, shape)
+list before any data exists, so each tensor can be written as soon as it is generated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+# safetensors dtype tag, element size, how the bytes are reinterpreted for numpy (no bf16 there).
+DTYPES: dict[str, tuple[str, int, torch.dtype]] = {
+    "float32": ("F32", 4, torch.float32),
+    "bfloat16": ("BF16", 2, torch.int16),
+    "float16": ("F16", 2, torch.float16),
+}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Data starts on a 4 KiB boundary so O_DIRECT readers can address the first tensor without
+# straddling the header; the JSON header is padded with spaces, which the format allows.
+DATA_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # key of DTYPES
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype][1]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def build_header(specs: list[TensorSpec]) -> bytes:
+    """8-byte little-endian length + JSON header, padded so the data section is DATA_ALIGN-aligned."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for s in specs:
+        header[s.name] = {
+            "dtype": DTYPES[s.dtype][0],
+            "shape": list(s.shape),
+            "data_offsets": [offset, offset + s.nbytes],
+        }
+        offset += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    pad = (-(8 + len(raw))) % DATA_ALIGN
+    raw += b" " * pad
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class ShardWriter:
+    """Writes one .safetensors file whose tensors arrive in planned order.
+
+    Usage: `with ShardWriter(path, specs) as w: for t in tensors: w.write(name, t)`.
+    Refuses out-of-order names, wrong shapes or a short file, so a bug cannot produce a file
+    whose header lies about its contents.
+    """
+
+    def __init__(self, path: Path, specs: list[TensorSpec]):
+        self.path = Path(path)
+        self.specs = list(specs)
+        self._next = 0
+        self._f: BinaryIO | None = None
+
+    def __enter__(self) -> "ShardWriter":
+        self._f = open(self.path, "wb")
+        self._f.write(build_header(self.specs))
+        return self
+
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        """Write the next planned tensor; returns the number of data bytes written."""
+        assert self._f is not None, "ShardWriter used outside its context"
+        if self._next >= len(self.specs):
+            raise ValueError(f"{self.path.name}: unplanned tensor {name}")
+        spec = self.specs[self._next]
+        if name != spec.name or tuple(tensor.shape) != spec.shape:
+            raise ValueError(
+                f"{self.path.name}: expected {spec.name}{list(spec.shape)}, got {name}{list(tensor.shape)}"
+            )
+        view_dtype = DTYPES[spec.dtype][2]
+        t = tensor.to(TORCH_DTYPES[spec.dtype]).contiguous()
+        # Reinterpret (no copy) as a dtype numpy knows; bf16 goes out as its raw 16-bit words.
+        arr = t.view(view_dtype).numpy()
+        if sys.byteorder != "little":  # the format is little-endian on every host
+            arr = arr.byteswap()
+        self._f.write(memoryview(arr).cast("B"))
+        self._next += 1
+        return spec.nbytes
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        assert self._f is not None
+        try:
+            if exc_type is None:
+                if self._next != len(self.specs):
+                    missing = self.specs[self._next].name
+                    raise ValueError(f"{self.path.name}: closed before writing {missing}")
+                self._f.flush()
+                os.fsync(self._f.fileno())
+        finally:
+            self._f.close()
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """JSON file written to a temp name in the same directory, fsynced, then renamed."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
