@@ -1,0 +1,176 @@
+"""Streaming under a memory budget: placement never changes tokens; bytes, budget and errors."""
+
+import itertools
+import json
+import os
+
+import psutil
+import pytest
+
+from engine.bench import run_bench
+from engine.checkpoint import Checkpoint
+from engine.config import EngineConfig
+from engine.errors import BudgetError, ModelFormatError
+from engine.generate import Sampler, generate
+from engine.layout import ExpertLayout
+from engine.model import ModelArgs
+from engine.plan import ACTIVATION_MARGIN, make_plan
+from engine.runtime import Engine
+from tests.hf_models import build
+
+PROMPT = [(5 * i + 11) % 256 for i in range(12)]
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("stream")
+    # Experts big enough (96 KiB) that a few of them are a meaningful cache size.
+    build("qwen3_moe", d, num_hidden_layers=3, moe_intermediate_size=128, hidden_size=64, mlp_only_layers=[],
+          max_shard_size="200KB")
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(model_dir):
+    with Engine(model_dir, EngineConfig(threads=1, ctx_size=64)) as engine:
+        assert not engine.plan.streaming
+        return generate(engine, PROMPT, NEW_TOKENS, Sampler()).output_ids
+
+
+@pytest.fixture(scope="module")
+def histogram(model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("hist") / "routing.json"
+    run_bench(model_dir, EngineConfig(threads=1, ctx_size=64), tokens=4, repeats=1, cold=False,
+              record_routing=str(path))
+    return str(path)
+
+
+def budget_for_cache(model_dir, config: EngineConfig, cache_experts: int) -> int:
+    """A budget whose plan leaves about `cache_experts` experts of RAM cache at this ratio."""
+    ckpt = Checkpoint(model_dir)
+    args = ModelArgs.from_config(ckpt.config)
+    layout = ExpertLayout(ckpt, args)
+    import torch
+    plan = make_plan(ckpt, args, layout, config.replace(ram_budget=0), torch.float32, torch.float32)
+    fixed = plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + psutil.Process().memory_info().rss + ACTIVATION_MARGIN
+    ratio = config.cpu_cache_ratio or 1.0
+    return fixed + int(cache_experts * plan.expert_bytes / ratio) + (1 << 20)
+
+
+PLACEMENTS = [
+    dict(io_mode=io, chunk_size=chunk, prefetch_depth=pf, cpu_cache_ratio=ratio, cache_policy=policy)
+    for (io, chunk, pf, ratio), policy in zip(
+        itertools.product(["direct", "buffered", "mmap"], [4096, 65536], [0, 1, 3], [0.0, 0.3, 1.0]),
+        itertools.cycle(["lru", "lfu", "pinned"]))
+]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: "-".join(str(v) for v in p.values()))
+def test_placement_never_changes_tokens(model_dir, reference_tokens, histogram, placement):
+    config = EngineConfig(threads=1, ctx_size=64, io_threads=2, routing_histogram=histogram, **placement)
+    config = config.replace(ram_budget=budget_for_cache(model_dir, config, cache_experts=6))
+    with Engine(model_dir, config) as engine:
+        assert engine.plan.streaming
+        tokens = generate(engine, PROMPT, NEW_TOKENS, Sampler()).output_ids
+        stats = engine.io_stats()
+    assert tokens == reference_tokens
+    assert stats["bytes_read"] > 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "pinned"])
+def test_every_policy_with_small_and_full_cache(model_dir, reference_tokens, histogram, policy):
+    for experts in (2, 100):
+        config = EngineConfig(threads=1, ctx_size=64, cache_policy=policy, routing_histogram=histogram)
+        config = config.replace(ram_budget=budget_for_cache(model_dir, config, experts))
+        with Engine(model_dir, config) as engine:
+            assert generate(engine, PROMPT, NEW_TOKENS, Sampler()).output_ids == reference_tokens
+
+
+def test_bytes_read_match_reads_issued(model_dir):
+    config = EngineConfig(threads=1, ctx_size=64, cpu_cache_ratio=0.0, io_mode="buffered", prefetch_depth=0)
+    config = config.replace(ram_budget=budget_for_cache(model_dir, config, 0))
+    with Engine(model_dir, config) as engine:
+        assert engine.plan.cache_bytes == 0
+        generate(engine, PROMPT, NEW_TOKENS, Sampler())
+        stats = engine.io_stats()
+        expert_bytes = engine.layout.expert_nbytes
+    # No cache, no prefetch: every routed expert of every token is one demand read.
+    assert stats["hit_rate"]["ram"] == 0.0
+    assert stats["demand_reads"] > 0 and stats["prefetch_reads"] == 0
+    assert stats["bytes_requested"] == stats["demand_reads"] * expert_bytes
+    assert stats["bytes_read"] == stats["bytes_requested"]  # buffered: no alignment padding
+
+
+def test_cache_hits_reduce_reads(model_dir):
+    def reads(ratio):
+        config = EngineConfig(threads=1, ctx_size=64, cpu_cache_ratio=ratio, io_mode="buffered")
+        config = config.replace(ram_budget=budget_for_cache(model_dir, config, 100 if ratio else 0))
+        with Engine(model_dir, config) as engine:
+            generate(engine, PROMPT, NEW_TOKENS, Sampler())
+            return engine.io_stats()["bytes_read"]
+    assert reads(1.0) < reads(0.0)
+
+
+def test_lookahead_recall_is_measured(model_dir):
+    config = EngineConfig(threads=1, ctx_size=64, prefetch_depth=1, cpu_cache_ratio=0.0, io_mode="buffered")
+    config = config.replace(ram_budget=budget_for_cache(model_dir, config, 0))
+    with Engine(model_dir, config) as engine:
+        generate(engine, PROMPT, NEW_TOKENS, Sampler())
+        stats = engine.io_stats()
+    assert 0.0 < stats["lookahead_recall"] <= 1.0
+    assert stats["prefetch_reads"] > 0
+
+
+def test_direct_mode_really_uses_o_direct(model_dir):
+    config = EngineConfig(threads=1, ctx_size=64, io_mode="direct", cpu_cache_ratio=0.0)
+    config = config.replace(ram_budget=budget_for_cache(model_dir, config, 0))
+    with Engine(model_dir, config) as engine:
+        generate(engine, PROMPT, 2, Sampler())
+        shard = engine.layout.location(0, 0).spans[0].path
+        flags = engine.experts.pool.open_flags(shard)
+        assert engine.experts.pool.effective_mode == "direct"
+    assert flags is not None and flags & os.O_DIRECT
+
+
+def test_impossible_budget_lists_the_parts(model_dir):
+    with pytest.raises(BudgetError) as err:
+        Engine(model_dir, EngineConfig(ram_budget=8 << 20, ctx_size=64))
+    msg = str(err.value)
+    for part in ("dense weights", "KV cache", "read buffers", "runtime"):
+        assert part in msg
+
+
+def test_hostile_offsets_rejected_before_any_read(model_dir, tmp_path):
+    import shutil
+    import struct
+    d = tmp_path / "hostile"
+    shutil.copytree(model_dir, d)
+    shard = sorted(d.glob("model-*.safetensors"))[-1]
+    raw = shard.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["data_offsets"] = [0, 2**62]
+    new = json.dumps(header).encode()
+    shard.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    with pytest.raises(ModelFormatError, match="beyond the file|needs"):
+        Checkpoint(d)
+
+
+def test_bench_under_cgroup_limit_stays_in_budget(model_dir):
+    from engine.cgroup import detect_memory_cgroup
+    from tuner.trial import run_trial
+    budget = 480 << 20
+    config = EngineConfig(threads=1, ctx_size=64, ram_budget=budget, io_mode="buffered", cpu_cache_ratio=0.5)
+    trial = run_trial(model_dir, config, tokens=4, repeats=2, cold=True, limit_bytes=budget, timeout=120)
+    assert trial.ok, trial.error
+    m = trial.metrics
+    assert m["plan"]["streaming"] and m["bytes_read_per_token"] > 0
+    # Tolerance: peak RSS counts shared library pages (torch's .so files, ~100 MiB) that the
+    # budget's runtime term measured too; 10% headroom covers allocator slack.
+    assert m["peak_rss_bytes"] <= budget * 1.10
+    support = detect_memory_cgroup()
+    assert trial.cgroup_limited == support.available
+    if support.available:
+        assert 0 < trial.cgroup_peak_bytes <= budget
