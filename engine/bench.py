@@ -81,18 +81,20 @@ def _median(values):
 
 
 def _make_cold(engine: Engine) -> None:
-    experts = engine.experts
-    if experts is None or not hasattr(experts, "drop_page_cache"):
-        return
-    for name in experts.cache.tier_names:
-        experts.cache.tier(name).clear()
+    store = engine.store
+    if store is None:
+        return  # everything resident: there is no disk in the loop to make cold
+    cache = getattr(store, "cache", None)
+    if cache is not None:
+        for name in cache.tier_names:
+            cache.tier(name).clear()
     gc.collect()
-    experts.drop_page_cache()
+    store.drop_page_cache()
 
 
 def _reset_stats(engine: Engine) -> None:
-    if engine.experts is not None and hasattr(engine.experts, "reset_stats"):
-        engine.experts.reset_stats()
+    if engine.store is not None:
+        engine.store.reset_stats()
 
 
 def _save_routing(engine: Engine, path: str) -> None:

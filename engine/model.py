@@ -361,6 +361,9 @@ class Transformer:
         # Router lookahead: after layer L's attention, layer L+1's router applied to the same
         # hidden state predicts L+1's experts well enough to start their reads early.
         self.lookahead_depth = 0
+        # Layer streaming (dense models over budget): these layers are read per token.
+        self.layer_source = None
+        self.streamed_layers: list[int] = []
         self.expert_batch = 1 << 30  # experts fetched per get() call; the runtime lowers it when streaming
         self.routing_log: list[list[torch.Tensor]] | None = None  # per layer, ids [T, K] per call
         self.lookahead_log: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
@@ -400,34 +403,45 @@ class Transformer:
             allowed &= k_pos > q_pos - window
         return allowed  # [T, S] bool
 
+    def _layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """This layer's weights: the resident dict, or (layer streaming) a fresh read."""
+        if self.layer_source is None or layer not in self.streamed_layers:
+            return self.w
+        upcoming = [l for l in self.streamed_layers if layer < l <= layer + self.lookahead_depth]
+        upcoming += [l for l in self.streamed_layers if l < layer and l + self.args.num_layers <= layer + self.lookahead_depth]
+        for ahead in upcoming:  # reads for the next layers are in flight while this one computes
+            self.layer_source.hint(ahead)
+        return self.layer_source.get(layer)
+
     def _layer(self, layer, x, start_pos, kv, cos, sin, mask):
         p, a = layer_prefix(layer), self.args
-        h = x + self._attention(layer, rms_norm(x, self.w[f"{p}.input_layernorm.weight"], a.rms_norm_eps),
+        w = self._layer_weights(layer)
+        h = x + self._attention(layer, w, rms_norm(x, w[f"{p}.input_layernorm.weight"], a.rms_norm_eps),
                                 start_pos, kv, cos, sin, mask)
-        normed = rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)
+        normed = rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)
         self._lookahead(layer, normed, h)
         if a.is_moe_layer(layer):
-            return h + self._moe(layer, normed)
-        return h + swiglu(normed, self.w[f"{p}.mlp.gate_proj.weight"], self.w[f"{p}.mlp.up_proj.weight"],
-                          self.w[f"{p}.mlp.down_proj.weight"])
+            return h + self._moe(layer, w, normed)
+        return h + swiglu(normed, w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"],
+                          w[f"{p}.mlp.down_proj.weight"])
 
-    def _attention(self, layer, x, start_pos, kv, cos, sin, mask):
+    def _attention(self, layer, w, x, start_pos, kv, cos, sin, mask):
         p, a = f"{layer_prefix(layer)}.self_attn", self.args
         T = x.shape[0]
-        q = F.linear(x, self.w[f"{p}.q_proj.weight"], self.w.get(f"{p}.q_proj.bias"))  # [T, Nq*D]
-        k = F.linear(x, self.w[f"{p}.k_proj.weight"], self.w.get(f"{p}.k_proj.bias"))  # [T, Nkv*D]
-        v = F.linear(x, self.w[f"{p}.v_proj.weight"], self.w.get(f"{p}.v_proj.bias"))
+        q = F.linear(x, w[f"{p}.q_proj.weight"], w.get(f"{p}.q_proj.bias"))  # [T, Nq*D]
+        k = F.linear(x, w[f"{p}.k_proj.weight"], w.get(f"{p}.k_proj.bias"))  # [T, Nkv*D]
+        v = F.linear(x, w[f"{p}.v_proj.weight"], w.get(f"{p}.v_proj.bias"))
         if a.clip_qkv is not None:
             q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         if a.qk_norm == "full":
-            q = rms_norm(q, self.w[f"{p}.q_norm.weight"], a.rms_norm_eps)
-            k = rms_norm(k, self.w[f"{p}.k_norm.weight"], a.rms_norm_eps)
+            q = rms_norm(q, w[f"{p}.q_norm.weight"], a.rms_norm_eps)
+            k = rms_norm(k, w[f"{p}.k_norm.weight"], a.rms_norm_eps)
         q = q.view(T, a.num_heads, a.head_dim).transpose(0, 1)  # [Nq, T, D]
         k = k.view(T, a.num_kv_heads, a.head_dim).transpose(0, 1)  # [Nkv, T, D]
         v = v.view(T, a.num_kv_heads, a.head_dim).transpose(0, 1)
         if a.qk_norm == "head":
-            q = rms_norm(q, self.w[f"{p}.q_norm.weight"], a.rms_norm_eps)
-            k = rms_norm(k, self.w[f"{p}.k_norm.weight"], a.rms_norm_eps)
+            q = rms_norm(q, w[f"{p}.q_norm.weight"], a.rms_norm_eps)
+            k = rms_norm(k, w[f"{p}.k_norm.weight"], a.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         S = start_pos + T
         kv.k[layer][:, start_pos:S] = k
@@ -437,7 +451,7 @@ class Transformer:
         out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                              attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads)
         out = out.squeeze(0).transpose(0, 1).reshape(T, a.num_heads * a.head_dim)  # [T, Nq*D]
-        return F.linear(out, self.w[f"{p}.o_proj.weight"])
+        return F.linear(out, w[f"{p}.o_proj.weight"])
 
     def _lookahead(self, layer: int, normed: torch.Tensor, residual: torch.Tensor) -> None:
         if self.experts is None or not self.lookahead_depth:
@@ -458,10 +472,10 @@ class Transformer:
             if self.lookahead_log is not None and ahead == 1:
                 self.lookahead_log.setdefault(target, []).append(ids)
 
-    def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def _moe(self, layer: int, w: dict, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
         p, a = layer_prefix(layer), self.args
-        ids, weights = route(a, self.w[f"{p}.{a.moe_prefix}.gate.weight"], x)  # [T, K] each
+        ids, weights = route(a, w[f"{p}.{a.moe_prefix}.gate.weight"], x)  # [T, K] each
         if self.routing_log is not None:
             self.routing_log[layer].append(ids)
         needed = sorted(torch.unique(ids).tolist())
@@ -480,8 +494,8 @@ class Transformer:
                 out.index_add_(0, token_idx, y.to(out.dtype))
             del experts
         if a.shared_expert_intermediate_size:
-            shared = swiglu(x, self.w[f"{p}.mlp.shared_expert.gate_proj.weight"],
-                            self.w[f"{p}.mlp.shared_expert.up_proj.weight"],
-                            self.w[f"{p}.mlp.shared_expert.down_proj.weight"])
-            out = out + torch.sigmoid(F.linear(x, self.w[f"{p}.mlp.shared_expert_gate.weight"])) * shared
+            shared = swiglu(x, w[f"{p}.mlp.shared_expert.gate_proj.weight"],
+                            w[f"{p}.mlp.shared_expert.up_proj.weight"],
+                            w[f"{p}.mlp.shared_expert.down_proj.weight"])
+            out = out + torch.sigmoid(F.linear(x, w[f"{p}.mlp.shared_expert_gate.weight"])) * shared
         return out

@@ -42,6 +42,10 @@ class MemoryPlan:
     expert_disk_bytes: int
     routed_experts: int
     max_inflight_experts: int
+    # Layer streaming (dense models): the first `resident_layers` stay in RAM, the rest are
+    # read per token, `prefetch_depth` layers ahead.
+    resident_layers: int = 0
+    layer_bytes: int = 0
 
     @property
     def all_expert_bytes(self) -> int:
@@ -86,6 +90,8 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     buffers = inflight * (disk_expert + ALIGN_SLACK + (expert if expert != disk_expert else 0))
     budget = config.ram_budget
 
+    if budget > 0 and routed == 0:
+        return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes)
     if budget <= 0 or routed == 0:
         return MemoryPlan(budget, False, dense, kv, 0, overhead_bytes, routed * expert, 0, expert, disk_expert,
                           routed, inflight)
@@ -103,6 +109,32 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
         gpu_cache = min(int(free * config.gpu_cache_ratio), routed * expert)
     return MemoryPlan(budget, True, dense, kv, buffers, overhead_bytes, cache, gpu_cache, expert, disk_expert,
                       routed, inflight)
+
+
+def _layer_names(args: ModelArgs, layer: int) -> list[str]:
+    prefix = f"model.layers.{layer}."
+    return [n for n in dense_tensor_names(args) if n.startswith(prefix)]
+
+
+def _dense_plan(ckpt, args, config, dtype, kv, overhead) -> MemoryPlan:
+    """Dense model under a budget: as many whole layers resident as fit, the rest streamed."""
+    layer_bytes = max(sum(_count(ckpt, n) for n in _layer_names(args, i)) for i in range(args.num_layers)) * _elem(dtype)
+    layer_disk = max(sum(ckpt.info(n).nbytes for n in _layer_names(args, i)) for i in range(args.num_layers))
+    layered = {n for i in range(args.num_layers) for n in _layer_names(args, i)}
+    base = sum(_count(ckpt, n) * _elem(dtype) for n in dense_tensor_names(args) if n not in layered)
+    # In flight: the layer being computed and `prefetch_depth` ahead, each as read + converted.
+    buffers = (1 + config.prefetch_depth) * (layer_disk + ALIGN_SLACK + (layer_bytes if layer_bytes != layer_disk else 0))
+    fixed = base + kv + buffers + overhead
+    budget = config.ram_budget
+    if fixed > budget:
+        raise BudgetError(
+            f"memory budget {format_size(budget)} is too small: dense weights outside the layers {format_size(base)} "
+            f"+ KV cache at ctx_size {config.ctx_size} {format_size(kv)} + read buffers (layer streaming) "
+            f"{format_size(buffers)} + runtime {format_size(overhead)} = {format_size(fixed)}")
+    resident = min(args.num_layers, int((budget - fixed) * config.cpu_cache_ratio) // max(layer_bytes, 1))
+    return MemoryPlan(budget, resident < args.num_layers, base + resident * layer_bytes, kv,
+                      buffers if resident < args.num_layers else 0, overhead, 0, 0, 0, 0, 0, 0,
+                      resident_layers=resident, layer_bytes=layer_bytes)
 
 
 def _count(ckpt: Checkpoint, name: str) -> int:

@@ -59,6 +59,11 @@ class ResidentExperts:
         pass
 
 
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[1] == "layers" else None
+
+
 def _read_span(span) -> bytearray:
     from .errors import ModelFormatError
     buf = bytearray(span.length)
@@ -90,7 +95,13 @@ class Engine:
         self.plan: MemoryPlan = make_plan(self.checkpoint, self.args, self.layout, self.config, self.dtype,
                                           self.kv_dtype)
         t0 = time.perf_counter()
-        weights = {n: self.checkpoint.load(n, self.dtype) for n in dense_names}
+        streamed = self._streamed_layers()
+        weights = {n: self.checkpoint.load(n, self.dtype) for n in dense_names if _layer_of(n) not in streamed}
+        self.layers = None
+        if streamed:
+            from .streaming import StreamingLayers
+            names = {i: [n for n in dense_names if _layer_of(n) == i] for i in streamed}
+            self.layers = StreamingLayers(self.checkpoint, names, self.config, self.dtype)
         if self.layout is None:
             self.experts = None
         elif self.plan.streaming:
@@ -101,10 +112,24 @@ class Engine:
         self.load_seconds = time.perf_counter() - t0
         self.model = Transformer(self.args, weights, self.experts, self.dtype)
         self.model.lookahead_depth = self.config.prefetch_depth if self.plan.streaming else 0
+        if self.layers is not None:
+            self.model.layer_source, self.model.streamed_layers = self.layers, streamed
         if self.plan.streaming:
             # Bounded transient memory in prefill: at most this many experts' weights at once.
             self.model.expert_batch = max(1, self.plan.max_inflight_experts)
         self.kv = KVCache.allocate(self.args, self.config.ctx_size, self.kv_dtype)
+
+    def _streamed_layers(self) -> list[int]:
+        if self.layout is not None or not self.plan.streaming:
+            return []
+        return list(range(self.plan.resident_layers, self.args.num_layers))
+
+    @property
+    def store(self):
+        """Whatever streams from disk in this run: the expert store, the layer streamer, or None."""
+        if self.experts is not None and not isinstance(self.experts, ResidentExperts):
+            return self.experts
+        return self.layers
 
     def _compute_dtype(self) -> torch.dtype:
         if self.config.dtype == "auto":
@@ -116,15 +141,14 @@ class Engine:
         t = torch.as_tensor(tokens, dtype=torch.long)
         return self.model.forward(t, start_pos, self.kv)
 
-    def reset(self) -> None:
-        """Forget the sequence (KV positions are simply overwritten next time)."""
-
     def io_stats(self) -> dict:
-        return self.experts.stats() if self.experts is not None else {}
+        return self.store.stats() if self.store is not None else {}
 
     def close(self) -> None:
         if self.experts is not None:
             self.experts.close()
+        if self.layers is not None:
+            self.layers.close()
 
     def __enter__(self):
         return self

@@ -172,3 +172,78 @@ class StreamingExperts:
         wait([f for fs in self.inflight.values() for f in fs])
         self.inflight.clear()
         self.pool.close()
+
+
+class StreamingLayers:
+    """Layer streaming for dense models: a layer's tensors are read per token, ahead of use."""
+
+    def __init__(self, checkpoint, names_by_layer: dict[int, list[str]], config: EngineConfig, dtype: torch.dtype):
+        from .layout import MAX_GAP, Piece, Span
+        self.dtype = dtype
+        self.io_stats = IOStats()
+        self.pool = ReadPool(config.io_mode, config.io_threads, config.chunk_size, stats=self.io_stats)
+        self.layers: dict[int, tuple[list, list]] = {}
+        for layer, names in names_by_layer.items():
+            infos = sorted((checkpoint.info(n) for n in names), key=lambda i: (i.path, i.offset))
+            spans, pieces = [], []
+            for info in infos:
+                last = spans[-1] if spans else None
+                if last and last.path == info.path and 0 <= info.offset - (last.offset + last.length) <= MAX_GAP:
+                    spans[-1] = Span(last.path, last.offset, info.end - last.offset)
+                else:
+                    spans.append(Span(info.path, info.offset, info.nbytes))
+                pieces.append((info.name, Piece(len(spans) - 1, info.offset - spans[-1].offset, info.torch_dtype,
+                                                info.shape)))
+            self.layers[layer] = (spans, pieces)
+        self.inflight: dict[int, list[Future]] = {}
+        self.reset_stats()
+
+    def hint(self, layer: int) -> None:
+        if layer not in self.inflight:
+            self.inflight[layer] = [self.pool.submit(s.path, s.offset, s.length) for s in self.layers[layer][0]]
+            self.prefetch_reads += 1
+
+    def get(self, layer: int) -> dict[str, torch.Tensor]:
+        if layer not in self.inflight:
+            self.demand_reads += 1
+            self.hint(layer)
+            self.prefetch_reads -= 1
+        t0 = time.perf_counter()
+        buffers = [f.result() for f in self.inflight.pop(layer)]
+        self.stall_seconds += time.perf_counter() - t0
+        out = {}
+        for name, piece in self.layers[layer][1]:
+            raw = torch.frombuffer(buffers[piece.span], dtype=torch.uint8, count=piece.nbytes, offset=piece.start)
+            t = raw.view(piece.dtype).view(piece.shape)
+            out[name] = t if t.dtype == self.dtype else t.to(self.dtype)
+        return out
+
+    def reset_stats(self) -> None:
+        self.io_stats.reset()
+        self.stall_seconds = 0.0
+        self.demand_reads = self.prefetch_reads = 0
+        self._window_start = time.perf_counter()
+
+    def drop_page_cache(self) -> None:
+        for spans, _ in self.layers.values():
+            for s in spans:
+                self.pool.drop_page_cache(s.path)
+
+    def stats(self) -> dict:
+        window = time.perf_counter() - self._window_start
+        io = self.io_stats.snapshot()
+        return {
+            "io_mode_effective": self.pool.effective_mode,
+            "bytes_read": io["bytes_read"], "bytes_requested": io["bytes_requested"],
+            "read_requests": io["requests"],
+            "read_gbps": io["bytes_read"] / window / 1e9 if window > 0 else None,
+            "hit_rate": {}, "demand_reads": self.demand_reads, "prefetch_reads": self.prefetch_reads,
+            "streamed_layers": len(self.layers), "lookahead_recall": None,
+            "io_stall_s": self.stall_seconds,
+            "io_stall_fraction": self.stall_seconds / window if window > 0 else None,
+        }
+
+    def close(self) -> None:
+        wait([f for fs in self.inflight.values() for f in fs])
+        self.inflight.clear()
+        self.pool.close()

@@ -174,3 +174,39 @@ def test_bench_under_cgroup_limit_stays_in_budget(model_dir):
     assert trial.cgroup_limited == support.available
     if support.available:
         assert 0 < trial.cgroup_peak_bytes <= budget
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dense")
+    build("llama", d, num_hidden_layers=4, hidden_size=128, intermediate_size=2048, max_shard_size="2MB")
+    return d
+
+
+def dense_budget(dense_dir, config, resident_layers):
+    import torch
+    ckpt = Checkpoint(dense_dir)
+    args = ModelArgs.from_config(ckpt.config)
+    overhead = psutil.Process().memory_info().rss + ACTIVATION_MARGIN
+    probe = make_plan(ckpt, args, None, config.replace(ram_budget=1 << 40), torch.float32, torch.float32, overhead)
+    base = probe.dense_bytes - probe.resident_layers * probe.layer_bytes
+    buffers = (1 + config.prefetch_depth) * (probe.layer_bytes + 2 * 4096)  # fp32 on disk and in compute
+    fixed = base + probe.kv_bytes + buffers + overhead
+    return fixed + resident_layers * probe.layer_bytes + probe.layer_bytes // 2
+
+
+@pytest.mark.parametrize("io_mode,prefetch", [("direct", 0), ("buffered", 1), ("mmap", 2), ("direct", 3)])
+def test_dense_layer_streaming_keeps_tokens(dense_dir, io_mode, prefetch):
+    with Engine(dense_dir, EngineConfig(threads=1, ctx_size=64)) as engine:
+        reference = generate(engine, PROMPT, NEW_TOKENS, Sampler()).output_ids
+    config = EngineConfig(threads=1, ctx_size=64, io_mode=io_mode, prefetch_depth=prefetch)
+    config = config.replace(ram_budget=dense_budget(dense_dir, config, resident_layers=2))
+    with Engine(dense_dir, config) as engine:
+        assert engine.plan.streaming and engine.plan.resident_layers == 2
+        assert engine.model.streamed_layers == [2, 3]
+        tokens = generate(engine, PROMPT, NEW_TOKENS, Sampler()).output_ids
+        stats = engine.io_stats()
+    assert tokens == reference
+    # Every forward call reads both streamed layers once.
+    layer_disk = stats["bytes_requested"] / (2 * NEW_TOKENS)
+    assert stats["bytes_requested"] == 2 * NEW_TOKENS * layer_disk and layer_disk > 0
