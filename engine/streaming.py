@@ -105,7 +105,8 @@ class StreamingExperts:
         buffers = [f.result() for f in futures]  # re-raises a read error (e.g. truncated shard)
         loc = self.layout.location(*key)
         value = tensors_from_buffers(loc, buffers, self.dtype)
-        self.cache.put(key, value, self.plan.expert_bytes)
+        if self.cache.put(key, value, self.plan.expert_bytes) == "vram":
+            value = self.cache.peek(key)[1]  # compute where the expert now lives
         return value
 
     def _collect_done(self) -> None:

@@ -1,0 +1,274 @@
+"""Conformance tests for the read pool, run over every I/O mode on real files."""
+
+import concurrent.futures
+import errno
+import mmap
+import os
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from engine.errors import ConfigError, ModelFormatError
+from engine.io import ALIGN, IO_MODES, IOStats, ReadPool
+
+FILE_SIZE = 3 * (1 << 20) + 12345  # not a multiple of the page size: the EOF case matters
+CHUNK_SIZES = (4096, 64 << 10, 1 << 20)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("io") / "weights.bin"
+    data = np.random.default_rng(0).integers(0, 256, FILE_SIZE, dtype=np.uint8).tobytes()
+    path.write_bytes(data)
+    return str(path), data
+
+
+def _ranges(seed=1, n=40):
+    rng = random.Random(seed)
+    fixed = [
+        (0, 1),
+        (0, ALIGN),
+        (1, ALIGN),
+        (ALIGN - 1, 2),
+        (12345, 1 << 20),
+        (FILE_SIZE - 1, 1),  # last byte
+        (FILE_SIZE - 5000, 5000),  # range ending exactly at EOF, unaligned start
+        (_align := FILE_SIZE - FILE_SIZE % ALIGN, FILE_SIZE - _align),  # aligned start, EOF end
+        (0, FILE_SIZE),  # whole file
+    ]
+    rand = []
+    for _ in range(n):
+        offset = rng.randrange(FILE_SIZE)
+        rand.append((offset, rng.randint(1, FILE_SIZE - offset)))
+    return fixed + rand
+
+
+def _fdinfo_flags(fd: int) -> int:
+    with open(f"/proc/self/fdinfo/{fd}") as fh:
+        for line in fh:
+            if line.startswith("flags:"):
+                return int(line.split()[1], 8)
+    raise AssertionError("no flags line in fdinfo")
+
+
+@pytest.mark.parametrize("io_threads", [1, 4])
+@pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
+@pytest.mark.parametrize("io_mode", IO_MODES)
+def test_reads_return_exact_file_bytes(data_file, io_mode, chunk_size, io_threads):
+    path, data = data_file
+    stats = IOStats()
+    with ReadPool(io_mode, io_threads=io_threads, chunk_size=chunk_size, stats=stats) as pool:
+        for offset, length in _ranges():
+            buf = pool.read(path, offset, length)
+            assert len(buf) == length
+            assert bytes(buf) == data[offset : offset + length], (offset, length)
+        assert pool.effective_mode == io_mode
+    snap = stats.snapshot()
+    assert snap["bytes_requested"] == sum(length for _, length in _ranges())
+    assert snap["bytes_read"] >= snap["bytes_requested"]
+    assert snap["requests"] >= len(_ranges())
+    assert snap["read_seconds"] > 0
+
+
+@pytest.mark.parametrize("io_mode", IO_MODES)
+def test_request_is_split_into_chunks(data_file, io_mode):
+    path, data = data_file
+    stats = IOStats()
+    with ReadPool(io_mode, io_threads=4, chunk_size=64 << 10, stats=stats) as pool:
+        buf = pool.read(path, 0, 1 << 20)  # aligned window, so the piece count is exact
+    assert bytes(buf) == data[: 1 << 20]
+    assert stats.requests == 16
+    assert stats.bytes_read == 1 << 20
+
+
+def test_direct_rounds_chunk_size_to_pages():
+    with ReadPool("direct", chunk_size=5000) as pool:
+        assert pool.chunk_size == 2 * ALIGN
+    with ReadPool("buffered", chunk_size=5000) as pool:
+        assert pool.chunk_size == 5000
+
+
+@pytest.mark.parametrize("offset,length", [(1, 10), (4000, 200), (12345, 70000), (FILE_SIZE - 5000, 5000)])
+def test_direct_reads_whole_aligned_windows(data_file, offset, length):
+    path, data = data_file
+    stats = IOStats()
+    with ReadPool("direct", io_threads=2, chunk_size=8192, stats=stats) as pool:
+        buf = pool.read(path, offset, length)
+    assert bytes(buf) == data[offset : offset + length]
+    window = -(-(offset + length) // ALIGN) * ALIGN - (offset // ALIGN) * ALIGN
+    assert stats.bytes_read == window
+    assert stats.bytes_read % ALIGN == 0
+    assert stats.bytes_requested == length
+
+
+def test_direct_really_opens_with_o_direct(data_file):
+    path, data = data_file
+    with ReadPool("direct") as pool:
+        assert bytes(pool.read(path, 100, 5000)) == data[100:5100]
+        assert pool.effective_mode == "direct"
+        assert pool.open_flags(path) & os.O_DIRECT
+        # Ask the kernel, not our bookkeeping.
+        assert _fdinfo_flags(pool.fileno(path)) & os.O_DIRECT
+    with ReadPool("buffered") as pool:
+        pool.read(path, 0, 10)
+        assert not _fdinfo_flags(pool.fileno(path)) & os.O_DIRECT
+
+
+def test_direct_falls_back_where_filesystem_refuses_o_direct():
+    # tmpfs accepts O_DIRECT since Linux 6.6, but procfs still refuses it with EINVAL at open,
+    # and it holds real files with stable contents to compare against.
+    path = "/proc/self/cmdline"
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+        pytest.skip("this kernel accepts O_DIRECT on procfs; no refusing filesystem to test")
+    except OSError as exc:
+        assert exc.errno == errno.EINVAL
+    with open(path, "rb") as fh:
+        expected = fh.read()
+    with ReadPool("direct", io_threads=2) as pool:
+        with pytest.warns(RuntimeWarning, match="O_DIRECT refused"):
+            buf = pool.read(path, 0, len(expected))
+        assert bytes(buf) == expected
+        assert pool.effective_mode == "buffered"
+        assert not pool.open_flags(path) & os.O_DIRECT
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once, not per read
+            assert bytes(pool.read(path, 1, 3)) == expected[1:4]
+
+
+def test_tmpfs_o_direct_behaviour_is_handled(tmp_path):
+    """/dev/shm either reads with O_DIRECT or falls back; both must return the bytes."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    path = f"/dev/shm/colibri-io-test-{os.getpid()}"
+    data = os.urandom(3 * ALIGN + 17)
+    with open(path, "wb") as fh:
+        fh.write(data)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            with ReadPool("direct") as pool:
+                assert bytes(pool.read(path, 5, len(data) - 5)) == data[5:]
+                refused = False
+                try:
+                    os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+                except OSError:
+                    refused = True
+                assert pool.effective_mode == ("buffered" if refused else "direct")
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("io_mode", IO_MODES)
+def test_concurrent_submits(data_file, io_mode):
+    path, data = data_file
+    ranges = _ranges(seed=7, n=30)
+    with ReadPool(io_mode, io_threads=4, chunk_size=64 << 10) as pool:
+        futures = [pool.submit(path, off, length) for off, length in ranges]
+        # Submitting from several threads at once, as the prefetcher does.
+        with concurrent.futures.ThreadPoolExecutor(4) as callers:
+            more = list(callers.map(lambda r: pool.submit(path, *r), ranges))
+        for (off, length), fut in zip(ranges + ranges, futures + more):
+            assert bytes(fut.result(timeout=30)) == data[off : off + length]
+
+
+@pytest.mark.parametrize("io_mode", IO_MODES)
+def test_truncated_file_raises_model_format_error(tmp_path, io_mode):
+    path = tmp_path / "short.bin"
+    path.write_bytes(os.urandom(10000))
+    with ReadPool(io_mode, chunk_size=4096) as pool:
+        with pytest.raises(ModelFormatError, match="truncated file .* offset"):
+            pool.read(str(path), 8000, 5000)
+        with pytest.raises(ModelFormatError, match="truncated"):
+            pool.read(str(path), 20000, 10)
+        # The pool stays usable after a failed request.
+        assert len(pool.read(str(path), 0, 10000)) == 10000
+
+
+@pytest.mark.parametrize("io_mode", IO_MODES)
+def test_buffers_work_with_torch_frombuffer(data_file, io_mode):
+    path, data = data_file
+    with ReadPool(io_mode) as pool:
+        buf = pool.read(path, 4096 + 8, 4 * 1000)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # mmap views are read-only
+            tensor = torch.frombuffer(buf, dtype=torch.float32)
+    expected = np.frombuffer(data[4096 + 8 : 4096 + 8 + 4000], dtype=np.float32)
+    assert tensor.shape == (1000,)
+    assert np.array_equal(tensor.numpy(), expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("io_mode", ("direct", "buffered"))
+def test_pread_buffers_are_writable_and_page_aligned_for_direct(data_file, io_mode):
+    path, _ = data_file
+    with ReadPool(io_mode) as pool:
+        buf = pool.read(path, 0, 8192)
+        assert not buf.readonly
+        if io_mode == "direct":
+            address = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+            assert address % mmap.PAGESIZE == 0
+
+
+def test_zero_length_and_bad_arguments(data_file):
+    path, _ = data_file
+    with ReadPool("direct") as pool:
+        assert len(pool.read(path, 10, 0)) == 0
+        with pytest.raises(ValueError):
+            pool.submit(path, -1, 10)
+    with pytest.raises(ConfigError):
+        ReadPool("async")
+    with pytest.raises(ConfigError):
+        ReadPool("direct", io_threads=0)
+    with pytest.raises(ConfigError):
+        ReadPool("direct", chunk_size=0)
+
+
+def test_missing_file_propagates(tmp_path):
+    with ReadPool("buffered") as pool:
+        with pytest.raises(FileNotFoundError):
+            pool.read(str(tmp_path / "nope.bin"), 0, 10)
+
+
+def test_drop_page_cache_and_reads_stay_correct(data_file):
+    path, data = data_file
+    with ReadPool("buffered") as pool:
+        pool.read(path, 0, 100)
+        pool.drop_page_cache(path)
+        assert bytes(pool.read(path, 50, 100)) == data[50:150]
+
+
+def test_close_releases_descriptors_and_refuses_new_work(data_file):
+    path, _ = data_file
+    pool = ReadPool("direct")
+    pool.read(path, 0, 10)
+    fd = pool.fileno(path)
+    pool.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    with pytest.raises(RuntimeError):
+        pool.submit(path, 0, 10)
+    pool.close()  # idempotent
+
+
+def test_mmap_close_with_live_views(data_file):
+    path, data = data_file
+    pool = ReadPool("mmap")
+    buf = pool.read(path, 10, 20)
+    pool.close()
+    assert bytes(buf) == data[10:30]  # the mapping outlives the pool while a view holds it
+
+
+def test_stats_shared_and_reset(data_file):
+    path, _ = data_file
+    stats = IOStats()
+    with ReadPool("buffered", stats=stats) as a, ReadPool("direct", stats=stats) as b:
+        a.read(path, 0, 100)
+        b.read(path, 0, 100)
+    assert stats.bytes_requested == 200
+    assert stats.bytes_read == 100 + ALIGN
+    assert stats.requests == 2
+    stats.reset()
+    assert stats.snapshot() == {"bytes_requested": 0, "bytes_read": 0, "requests": 0, "read_seconds": 0.0}
