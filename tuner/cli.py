@@ -171,6 +171,146 @@ def format_bench(r: dict) -> str:
     return "\n".join(lines)
 
 
+# --- probe ----------------------------------------------------------------------------------
+
+def add_probe(sub) -> None:
+    p = sub.add_parser("probe", help="measure this machine's disk, memory and CPU")
+    p.add_argument("--dir", default=".",
+                   help="directory whose disk is measured (a test file is written there and "
+                        "removed); default: the current directory")
+    p.add_argument("--quick", action="store_true", help="fewer points, shorter jobs")
+    p.add_argument("--no-fio", action="store_true",
+                   help="use the Python O_DIRECT fallback even when fio is installed")
+    p.add_argument("--fio", default=None, help="fio binary (default: $COLIBRI_FIO, else PATH)")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.add_argument("-o", "--output", default=None, help="also write the profile JSON here")
+    p.set_defaults(func=cmd_probe)
+
+
+def cmd_probe(args) -> int:
+    from tuner.probe import format_summary, run_probe, save_profile
+    from tuner.probe.summary import StderrProgress
+
+    progress = StderrProgress()
+    try:
+        profile = run_probe(args.dir, quick=args.quick, use_fio=False if args.no_fio else None,
+                            progress=progress, fio_path=args.fio)
+    finally:
+        progress.close()
+    if args.output:
+        save_profile(profile, args.output)
+        print(f"profile written to {args.output}", file=sys.stderr)
+    if args.json:
+        _print_json(profile.to_dict())
+    else:
+        print(format_summary(profile))
+    return 0
+
+
+# --- tune -----------------------------------------------------------------------------------
+
+def add_tune(sub) -> None:
+    p = sub.add_parser("tune", help="search the engine settings for this machine and model (Optuna)")
+    p.add_argument("--model", default="demo", help="model directory or synth preset (default: demo)")
+    p.add_argument("--ram-budget", help="memory budget, e.g. 1GiB (default: 1GiB for demo, else 88%% of available)")
+    limit = p.add_argument_group("how long")
+    limit.add_argument("--time-budget", help="wall time for the whole run, e.g. 10m (default 15m without --trials)")
+    limit.add_argument("--trials", type=int, help="completed trials in the study (resumed ones count)")
+    p.add_argument("--min-ctx", type=int, default=2048, help="smallest context size to consider (default 2048)")
+    p.add_argument("--objective", choices=["decode", "ttft", "both"], default="decode")
+    p.add_argument("--out", help="run directory (default: reports/tune-<model>)")
+    p.add_argument("--storage", help="Optuna storage URL (default: sqlite file in the run directory); "
+                                     "postgresql://... lets several machines share one study")
+    p.add_argument("--study-name", help="default: <model>-<budget>-<objective>")
+    p.add_argument("--resume", action="store_true", help="continue the study in --out / --storage")
+    p.add_argument("--from-profile", metavar="FILE", help="warm start from the best config a profile records "
+                                                          "for this model geometry")
+    p.add_argument("--profile", metavar="FILE", help="reuse a saved probe instead of probing")
+    p.add_argument("--seed", type=int, default=0, help="sampler and prompt seed")
+    t = p.add_argument_group("trial measurement")
+    t.add_argument("--tokens", type=int, default=16, help="decode tokens per repeat (default 16)")
+    t.add_argument("--repeats", type=int, default=3, help="repeats per trial; the figure is their median")
+    t.add_argument("--prompt-tokens", type=int, default=16)
+    t.add_argument("--warm", dest="cold", action="store_false", default=True,
+                   help="keep caches across repeats (default: cold, weights from disk)")
+    t.add_argument("--trial-timeout", type=float, help="seconds per trial (default: 5x a measured trial, >= 60)")
+    t.add_argument("--cgroup-limit", help="trial memory cgroup limit (default: the budget)")
+    t.add_argument("--confirm-top", type=int, default=3, help="candidates re-measured against the baseline "
+                                                              "(0: no confirmation round)")
+    t.add_argument("--confirm-rounds", type=int, default=2, help="most confirmation rounds (time permitting)")
+    t.add_argument("--sampler", choices=["tpe", "random", "gp"], default="tpe")
+    p.add_argument("--json", action="store_true", help="print result.json")
+    p.set_defaults(func=cmd_tune)
+
+
+def cmd_tune(args) -> int:
+    from engine.config import parse_size
+    from tuner.study import TuneOptions, format_outcome, parse_duration, run_tune
+
+    opts = TuneOptions(
+        model=args.model, ram_budget=parse_size(args.ram_budget) if args.ram_budget else None,
+        time_budget=parse_duration(args.time_budget) if args.time_budget else None, trials=args.trials,
+        min_ctx=args.min_ctx, objective=args.objective, out=args.out, storage=args.storage,
+        study_name=args.study_name, resume=args.resume, from_profile=args.from_profile, profile=args.profile,
+        seed=args.seed, tokens=args.tokens, repeats=args.repeats, prompt_tokens=args.prompt_tokens, cold=args.cold,
+        trial_timeout=args.trial_timeout, cgroup_limit=parse_size(args.cgroup_limit) if args.cgroup_limit else None,
+        confirm_top=args.confirm_top, confirm_rounds=args.confirm_rounds, sampler=args.sampler)
+    outcome = run_tune(opts)
+    if args.json:
+        _print_json(outcome.result)
+    else:
+        print(format_outcome(outcome))
+    return 0
+
+
+# --- synth ----------------------------------------------------------------------------------
+
+def add_synth(sub) -> None:
+    p = sub.add_parser("synth", help="write a synthetic MoE model (HF qwen3_moe directory) from a preset or geometry")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("preset", nargs="?", help="preset name (tiny, demo; real-model specs are geometry-only)")
+    src.add_argument("--geometry", metavar="FILE", help="geometry JSON with the same keys as a preset")
+    src.add_argument("--list", action="store_true", help="list the presets and their sizes")
+    p.add_argument("-o", "--out", metavar="DIR", help="output directory (written atomically)")
+    p.add_argument("--seed", type=int, default=0, help="same seed, same bytes (default 0)")
+    p.add_argument("--routing-skew", type=float, default=None, metavar="X",
+                   help="0 = near-uniform routing; default: the preset's calibrated value (see docs/SYNTH.md)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_synth)
+
+
+def cmd_synth(args) -> int:
+    import time
+    from engine import synth
+    from engine.errors import ConfigError
+
+    if args.list:
+        rows = synth.describe_presets()
+        if args.json:
+            _print_json(rows)
+        else:
+            for r in rows:
+                kind = "synth" if r["materializable"] else "geometry only"
+                print(f"{r['name']:<16} {kind:<13} {r['total_params'] / 1e9:8.2f}B params "
+                      f"({r['active_params'] / 1e9:.2f}B active)  {r['description']}")
+        return 0
+    if not args.out:
+        raise ConfigError("missing -o/--out DIR")
+    geometry = synth.load_geometry_file(args.geometry) if args.geometry else synth.load_preset(args.preset)
+    t0 = time.perf_counter()
+    out = synth.synthesize(geometry, args.out, seed=args.seed, routing_skew=args.routing_skew,
+                           progress=not args.json, force=args.force)
+    summary = {**synth.summarize(out), "seconds": round(time.perf_counter() - t0, 2)}
+    if args.json:
+        _print_json(summary)
+    else:
+        print(f"wrote {summary['path']}: {summary['bytes'] / 2**30:.2f} GiB in {summary['shards']} shard(s), "
+              f"{summary['tensors']} tensors, seed {summary['seed']}, routing skew {summary['routing_skew']} "
+              f"({summary['seconds']:.1f} s)")
+    return 0
+
+
 # --- main -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-ADDERS = [add_run, add_bench]
+ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,403 @@
+"""HardwareProfile: what `colibri probe` measured, as dataclasses with a strict JSON form.
+
+Every measured figure is a `Quantity` (value + unit). The unit a field must carry is declared
+once, in the field's metadata, and checked on load, so a profile written by hand or by another
+tool cannot smuggle MB/s where B/s is meant. Loading rejects unknown keys, missing keys and
+wrong types with one line naming the offending path. docs/PROFILE.md documents the schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import tempfile
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from tuner.probe.errors import ProfileError
+
+SCHEMA_VERSION = 1
+
+
+def _unit(unit: str, **kw):
+    return field(metadata={"unit": unit}, **kw)
+
+
+@dataclass(frozen=True)
+class Quantity:
+    value: float
+    unit: str
+
+
+@dataclass
+class ToolInfo:
+    name: str
+    version: str
+
+
+@dataclass
+class ProbeRun:
+    mode: Literal["quick", "default", "custom"]
+    started_utc: str
+    duration: Quantity = _unit("s")
+
+
+@dataclass
+class CpuInfo:
+    model: str
+    arch: str
+    physical_cores: int
+    logical_cores: int
+    numa_nodes: int
+    # Only the flags that matter for matmul kernels (see system.INTERESTING_CPU_FLAGS).
+    flags: list[str]
+
+
+@dataclass
+class MemoryInfo:
+    total: Quantity = _unit("B")
+    available: Quantity = _unit("B")
+    # None: no memory cgroup limit in force (or none readable).
+    cgroup_limit: Optional[Quantity] = _unit("B")
+    cgroup_version: Optional[Literal["v1", "v2"]] = None
+
+
+@dataclass
+class DiskInfo:
+    device: Optional[str]
+    transport: str
+    rotational: Optional[bool]
+    model: Optional[str]
+    filesystem: Optional[str]
+    free: Quantity = _unit("B")
+    total: Quantity = _unit("B")
+
+
+@dataclass
+class SystemInfo:
+    os: str
+    cpu: CpuInfo
+    memory: MemoryInfo
+    disk: DiskInfo
+
+
+StorageRole = Literal["sequential", "curve", "latency_4k", "iops_4k", "buffered"]
+
+
+@dataclass
+class StoragePoint:
+    role: StorageRole
+    pattern: Literal["read", "randread"]
+    request_bytes: int
+    queue_depth: int
+    direct: bool
+    runtime: Quantity = _unit("s")
+    bandwidth: Quantity = _unit("B/s")
+    iops: Quantity = _unit("IO/s")
+    lat_mean: Quantity = _unit("us")
+    lat_p50: Quantity = _unit("us")
+    lat_p99: Quantity = _unit("us")
+
+
+@dataclass
+class StorageResult:
+    method: Literal["fio", "fallback"]
+    tool: str
+    ioengine: str
+    points: list[StoragePoint]
+    test_file: Quantity = _unit("B")
+    runtime_per_job: Quantity = _unit("s")
+
+
+@dataclass
+class MemoryBandwidthPoint:
+    op: Literal["read", "copy"]
+    threads: int
+    repeats: int
+    buffer: Quantity = _unit("B")
+    # copy counts bytes read plus bytes written, as STREAM does.
+    bandwidth: Quantity = _unit("B/s")
+
+
+@dataclass
+class MatmulPoint:
+    dtype: Literal["bf16", "fp32"]
+    m: int
+    k: int
+    n: int
+    threads: int
+    calls: int
+    throughput: Quantity = _unit("GFLOP/s")
+    time_per_call: Quantity = _unit("us")
+
+
+@dataclass
+class GpuInfo:
+    index: int
+    name: str
+    vram: Quantity = _unit("B")
+    h2d_bandwidth: Optional[Quantity] = _unit("B/s")
+
+
+@dataclass
+class HardwareProfile:
+    schema_version: int
+    tool: ToolInfo
+    created_utc: str
+    fingerprint: str
+    probe: ProbeRun
+    system: SystemInfo
+    storage: StorageResult
+    memory_bandwidth: list[MemoryBandwidthPoint]
+    cpu_matmul: list[MatmulPoint]
+    gpus: list[GpuInfo]
+    # Written by the tuner (profiles.py), validated there; the probe leaves it empty.
+    best_configs: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "HardwareProfile":
+        if not isinstance(data, dict):
+            raise ProfileError(f"profile: expected a JSON object, got {_json_type(data)}")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ProfileError(
+                f"profile: schema_version {version!r} is not supported (expected {SCHEMA_VERSION})")
+        profile = _decode(cls, data, "profile")
+        expected = compute_fingerprint(profile.system, profile.gpus)
+        if profile.fingerprint != expected:
+            raise ProfileError(
+                f"profile.fingerprint: {profile.fingerprint!r} does not match the hardware it "
+                f"describes ({expected!r}); the profile was edited or is corrupt")
+        return profile
+
+    # --- helpers for the cost model and the tuner -------------------------------------------
+
+    def read_bandwidth(self, request_bytes: int, queue_depth: int, direct: bool = True) -> float:
+        """Random-read bandwidth in bytes/s at this request size and queue depth.
+
+        Interpolates the measured direct curve linearly in log2(request size), then in
+        log2(queue depth); outside the measured range it holds the nearest edge rather than
+        extrapolating. Buffered reads were measured at one point only, so the buffered figure is
+        the direct curve scaled by the buffered/direct ratio observed at that point.
+        """
+        if request_bytes <= 0 or queue_depth <= 0:
+            raise ValueError("request_bytes and queue_depth must be positive")
+        curve = {(p.request_bytes, p.queue_depth): p.bandwidth.value
+                 for p in self.storage.points if p.role == "curve" and p.direct}
+        if not curve:
+            raise ProfileError("profile.storage: no direct random-read curve was measured")
+        value = _interpolate_curve(curve, request_bytes, queue_depth)
+        if direct:
+            return value
+        buffered = [p for p in self.storage.points if p.role == "buffered"]
+        if not buffered:
+            raise ProfileError("profile.storage: no buffered read was measured")
+        ref = buffered[0]
+        direct_ref = _interpolate_curve(curve, ref.request_bytes, ref.queue_depth)
+        return value * (ref.bandwidth.value / direct_ref) if direct_ref > 0 else 0.0
+
+    def storage_point(self, role: str) -> StoragePoint | None:
+        return next((p for p in self.storage.points if p.role == role), None)
+
+
+def _interpolate_curve(curve: dict[tuple[int, int], float], size: int, qd: int) -> float:
+    by_qd: dict[int, list[tuple[int, float]]] = {}
+    for (s, q), bw in curve.items():
+        by_qd.setdefault(q, []).append((s, bw))
+    qds = sorted(by_qd)
+    at_size = [(q, _interp_log2(sorted(by_qd[q]), size)) for q in qds]
+    return _interp_log2(at_size, qd)
+
+
+def _interp_log2(points: list[tuple[int, float]], x: int) -> float:
+    """Piecewise-linear in log2(x) through sorted (x, y) points, clamped at both ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            t = (math.log2(x) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
+            return y0 + t * (y1 - y0)
+    raise AssertionError("unreachable: points are sorted")
+
+
+# --- fingerprint ----------------------------------------------------------------------------
+
+def fingerprint_basis(system: SystemInfo, gpus: list[GpuInfo]) -> dict:
+    """The hardware facts that identify a machine class: nothing personal, nothing volatile.
+
+    No hostname, user, paths or serial numbers; RAM in whole GiB because the kernel's total
+    moves by a few MiB between boots.
+    """
+    gib = 1 << 30
+    return {
+        "cpu_model": system.cpu.model,
+        "arch": system.cpu.arch,
+        "physical_cores": system.cpu.physical_cores,
+        "logical_cores": system.cpu.logical_cores,
+        "numa_nodes": system.cpu.numa_nodes,
+        "cpu_flags": sorted(system.cpu.flags),
+        "ram_gib": round(system.memory.total.value / gib),
+        "disk_transport": system.disk.transport,
+        "disk_model": system.disk.model,
+        "disk_rotational": system.disk.rotational,
+        "gpus": [[g.name, round(g.vram.value / gib)] for g in gpus],
+    }
+
+
+def compute_fingerprint(system: SystemInfo, gpus: list[GpuInfo]) -> str:
+    canonical = json.dumps(fingerprint_basis(system, gpus), sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+# --- files ----------------------------------------------------------------------------------
+
+def save_profile(profile: HardwareProfile, path: str | os.PathLike) -> Path:
+    """Write the profile as JSON atomically: a temp file in the same directory, then rename."""
+    path = Path(path)
+    text = json.dumps(profile.to_dict(), indent=2) + "\n"
+    directory = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise ProfileError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+def load_profile(path: str | os.PathLike) -> HardwareProfile:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    try:
+        return HardwareProfile.from_dict(data)
+    except ProfileError as exc:
+        raise ProfileError(f"{path}: {exc}") from None
+
+
+# --- strict decoding ------------------------------------------------------------------------
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "integer", float: "number", str: "string",
+            list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _decode(tp: Any, data: Any, path: str, unit: str | None = None) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return _check_json_value(data, path)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if data is None:
+            if type(None) in args:
+                return None
+            raise ProfileError(f"{path}: must not be null")
+        (inner,) = [a for a in args if a is not type(None)]
+        return _decode(inner, data, path, unit)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if data not in allowed or type(data) is not type(allowed[0]):
+            raise ProfileError(f"{path}: {data!r} is not one of {', '.join(map(repr, allowed))}")
+        return data
+    if origin is list:
+        if not isinstance(data, list):
+            raise ProfileError(f"{path}: expected an array, got {_json_type(data)}")
+        (item,) = typing.get_args(tp)
+        return [_decode(item, x, f"{path}[{i}]") for i, x in enumerate(data)]
+    if origin is dict:
+        if not isinstance(data, dict):
+            raise ProfileError(f"{path}: expected an object, got {_json_type(data)}")
+        _, value_tp = typing.get_args(tp)
+        return {k: _decode(value_tp, v, f"{path}.{k}") for k, v in data.items()}
+    if dataclasses.is_dataclass(tp):
+        return _decode_dataclass(tp, data, path, unit)
+    return _decode_scalar(tp, data, path)
+
+
+def _decode_dataclass(cls: type, data: Any, path: str, unit: str | None) -> Any:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: expected an object, got {_json_type(data)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ProfileError(f"{path}: unknown key {unknown[0]!r}")
+    missing = [name for name in fields if name not in data]
+    if missing:
+        raise ProfileError(f"{path}: missing key {missing[0]!r}")
+    hints = typing.get_type_hints(cls)
+    values = {name: _decode(hints[name], data[name], f"{path}.{name}", f.metadata.get("unit"))
+              for name, f in fields.items()}
+    if cls is Quantity:
+        if unit is not None and values["unit"] != unit:
+            raise ProfileError(f"{path}.unit: expected {unit!r}, got {values['unit']!r}")
+        if values["value"] < 0:
+            raise ProfileError(f"{path}.value: must not be negative, got {values['value']}")
+        values["value"] = float(values["value"])
+    elif any(_is_int(hints[n]) and values[n] < 0 for n in values):
+        bad = next(n for n in values if _is_int(hints[n]) and values[n] < 0)
+        raise ProfileError(f"{path}.{bad}: must not be negative, got {values[bad]}")
+    return cls(**values)
+
+
+def _is_int(tp: Any) -> bool:
+    return tp is int
+
+
+def _decode_scalar(tp: Any, data: Any, path: str) -> Any:
+    if tp is bool:
+        ok = isinstance(data, bool)
+    elif tp is int:
+        ok = isinstance(data, int) and not isinstance(data, bool)
+    elif tp is float:
+        ok = isinstance(data, (int, float)) and not isinstance(data, bool) and math.isfinite(data)
+    elif tp is str:
+        ok = isinstance(data, str)
+    else:
+        raise TypeError(f"profile schema uses an unsupported type {tp!r} at {path}")
+    if not ok:
+        name = {bool: "boolean", int: "integer", float: "finite number", str: "string"}[tp]
+        raise ProfileError(f"{path}: expected {name}, got {_json_type(data)} {data!r}"[:200])
+    return data
+
+
+def _check_json_value(data: Any, path: str) -> Any:
+    if isinstance(data, dict):
+        for k, v in data.items():
+            _check_json_value(v, f"{path}.{k}")
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            _check_json_value(v, f"{path}[{i}]")
+    elif isinstance(data, float) and not math.isfinite(data):
+        raise ProfileError(f"{path}: NaN and infinity are not valid JSON")
+    elif not isinstance(data, (str, int, float, bool, type(None))):
+        raise ProfileError(f"{path}: {_json_type(data)} is not a JSON value")
+    return data
