@@ -31,7 +31,7 @@ def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 
     try:
         prompt = random_prompt_ids(prompt_tokens, engine.args.vocab_size, seed)
         if record_routing:
-            engine.model.routing_log = [[] for _ in range(engine.args.num_layers)]
+            engine.record_routing()
         if warmup_tokens:
             generate(engine, prompt, warmup_tokens, Sampler())
         runs = []
@@ -77,7 +77,7 @@ def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 
                                                  for r in runs])
         result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
         if record_routing:
-            _save_routing(engine, record_routing)
+            engine.save_routing(record_routing)
             result["routing_histogram"] = record_routing
         return result
     finally:
@@ -104,15 +104,3 @@ def _make_cold(engine: Engine) -> None:
 def _reset_stats(engine: Engine) -> None:
     if engine.store is not None:
         engine.store.reset_stats()
-
-
-def _save_routing(engine: Engine, path: str) -> None:
-    from collections import Counter
-
-    from .cache import routing_histogram_save
-    hist: Counter = Counter()
-    for layer, calls in enumerate(engine.model.routing_log or []):
-        for ids in calls:
-            for e in ids.flatten().tolist():
-                hist[(layer, e)] += 1
-    routing_histogram_save(hist, path)

@@ -141,6 +141,21 @@ class Engine:
         t = torch.as_tensor(tokens, dtype=torch.long)
         return self.model.forward(t, start_pos, self.kv)
 
+    def record_routing(self) -> None:
+        """Start logging every routing decision (for --record-routing / cache_policy=pinned)."""
+        self.model.routing_log = [[] for _ in range(self.args.num_layers)]
+
+    def save_routing(self, path) -> None:
+        """Write the (layer, expert) → count histogram of what was routed since record_routing()."""
+        from collections import Counter
+
+        from .cache import routing_histogram_save
+        hist: Counter = Counter()
+        for layer, calls in enumerate(self.model.routing_log or []):
+            for ids in calls:
+                hist.update((layer, e) for e in ids.flatten().tolist())
+        routing_histogram_save(hist, path)
+
     def io_stats(self) -> dict:
         return self.store.stats() if self.store is not None else {}
 

@@ -24,8 +24,11 @@ def resolve_prompt(engine: Engine, tokenizer, prompt: str | None, prompt_ids: st
 
 
 def run_generation(model_dir, config: EngineConfig, *, prompt=None, prompt_ids=None, prompt_tokens=None,
-                   max_new_tokens=32, sampler: Sampler | None = None, on_token=None) -> dict:
+                   max_new_tokens=32, sampler: Sampler | None = None, on_token=None,
+                   record_routing: str | None = None) -> dict:
     with Engine(model_dir, config) as engine:
+        if record_routing:
+            engine.record_routing()
         tokenizer = load_tokenizer(model_dir)
         ids = resolve_prompt(engine, tokenizer, prompt, prompt_ids, prompt_tokens, sampler.seed if sampler else 0)
         gen = generate(engine, ids, max_new_tokens, sampler or Sampler(), on_token=on_token)
@@ -36,4 +39,7 @@ def run_generation(model_dir, config: EngineConfig, *, prompt=None, prompt_ids=N
         if tokenizer is not None:
             result["text"] = tokenizer.decode(gen.output_ids)
         result["load_seconds"] = engine.load_seconds
+        if record_routing:
+            engine.save_routing(record_routing)
+            result["routing_histogram"] = record_routing
         return result

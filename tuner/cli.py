@@ -63,6 +63,7 @@ def add_run(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for --prompt-tokens and sampling")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--record-routing", metavar="FILE", help="write the routing histogram (for cache_policy=pinned)")
     _add_engine_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (with prompt and output ids)")
     p.set_defaults(func=cmd_run)
@@ -78,7 +79,8 @@ def cmd_run(args) -> int:
     model_dir = resolve_model(args.model, progress=not args.json)
     result = run_generation(model_dir, config, prompt=args.prompt, prompt_ids=args.prompt_ids,
                             prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
-                            sampler=Sampler(args.temperature, args.top_p, args.seed))
+                            sampler=Sampler(args.temperature, args.top_p, args.seed),
+                            record_routing=args.record_routing)
     if args.json:
         _print_json(result)
         return 0
