@@ -73,6 +73,7 @@ class ShardWriter:
         self.specs = list(specs)
         self._next = 0
         self._f: BinaryIO | None = None
+        self._scratch: torch.Tensor | None = None
 
     def __enter__(self) -> "ShardWriter":
         self._f = open(self.path, "wb")
@@ -90,7 +91,16 @@ class ShardWriter:
                 f"{self.path.name}: expected {spec.name}{list(spec.shape)}, got {name}{list(tensor.shape)}"
             )
         view_dtype = DTYPES[spec.dtype][2]
-        t = tensor.to(TORCH_DTYPES[spec.dtype]).contiguous()
+        target = TORCH_DTYPES[spec.dtype]
+        if tensor.dtype == target:
+            t = tensor.contiguous()
+        else:
+            # Convert into a reused buffer: fresh allocations per tensor cost page faults.
+            n = tensor.numel()
+            if self._scratch is None or self._scratch.dtype != target or self._scratch.numel() < n:
+                self._scratch = torch.empty(n, dtype=target)
+            t = self._scratch[:n].view(tensor.shape)
+            t.copy_(tensor)
         # Reinterpret (no copy) as a dtype numpy knows; bf16 goes out as its raw 16-bit words.
         arr = t.view(view_dtype).numpy()
         if sys.byteorder != "little":  # the format is little-endian on every host
@@ -122,3 +132,12 @@ def write_json_atomic(path: Path, obj) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def read_header(path: Path) -> dict:
+    """Tensor entries of a safetensors file we wrote (no validation: the engine's checkpoint reader does that)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header

@@ -58,8 +58,8 @@ MIN_VOCAB = 257
 
 # Recipe constants, calibrated with benchmarks/routing_skew.py (docs/SYNTH.md has the table).
 EMBED_STD = 1.0        # token content must dominate the residual at X=0 (near-uniform routing)
-POPULARITY = 1.0       # router bias spread per unit of X, in units of the token-driven logit std
-CONTEXT_GAIN = 3.0     # extra o_proj gain per unit of X: how much windowed context the router sees
+POPULARITY = 0.9       # router bias spread per unit of X, in units of the token-driven logit std
+CONTEXT_GAIN = 1.3     # layer-0 windowed-context scale per unit of X, relative to the embedding
 ATTN_PEAK = 14.0       # score of a token attending to itself under the positional kernel
 ROPE_BAND = (0.01, 0.3)  # RoPE frequencies (rad/token) the positional kernel uses: a ~4-6 token window
 
@@ -234,11 +234,20 @@ class _Recipe:
         self.band = self._rope_band_vector(hd, g["rope_theta"])
         self.massive = EMBED_STD * math.sqrt(H)      # channel-0 value shared by every token
         self._popularity: dict[int, "torch.Tensor"] = {}
+        self._scratch = None
 
     def _normal(self, name: str, shape, std: float):
+        """N(0, std) values in a reused scratch buffer (valid until the next call).
+
+        One buffer for all tensors spares a fresh multi-MB allocation (and its page faults) per tensor.
+        """
         torch = self.torch
+        n = math.prod(shape)
+        if self._scratch is None or self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=torch.float32)
+        t = self._scratch[:n].view(shape)
         gen = torch.Generator().manual_seed(_seed_for(self.seed, name))
-        t = torch.randn(shape, generator=gen, dtype=torch.float32)
+        torch.randn(shape, generator=gen, out=t)
         return t.mul_(std)
 
     def _rope_band_vector(self, hd: int, theta: float):
@@ -258,6 +267,20 @@ class _Recipe:
         for i in pairs:
             u[i] = u[i + half] = 1.0
         return u / u.norm()
+
+    def _o_std(self, layer: int) -> float:
+        """o_proj std. Layer 0 carries the context: its windowed average of the embeddings is written
+        into the residual with CONTEXT_GAIN * X times the per-element scale of the token's own
+        embedding, so every later router sees the same mix of token and recent context.
+        """
+        if not self.structured or layer != 0:
+            return self.out_std
+        g = self.g
+        # v elements ~ std * |h_rest| = std * sqrt(H/2); a ~4-token window averages them down by 2;
+        # o_proj sums nh*hd of them.
+        v_avg = self.std * math.sqrt(g["hidden_size"] / 2) / 2
+        ctx = CONTEXT_GAIN * self.x * EMBED_STD / (v_avg * math.sqrt(g["num_attention_heads"] * g["head_dim"]))
+        return math.sqrt(self.out_std ** 2 + ctx ** 2)
 
     def popularity(self, layer: int):
         """Per-expert router weight on channel 0: normal quantiles, shuffled differently per layer."""
@@ -298,7 +321,7 @@ class _Recipe:
                 w[:, 0] = 0.0  # values carry token content only, not the shared constant
             return w
         if kind == "o":
-            w = self._normal(t.name, shape, self.out_std * (1.0 + CONTEXT_GAIN * x))
+            w = self._normal(t.name, shape, self._o_std(t.layer))
             if self.structured:
                 w[0, :] = 0.0  # keep the massive channel exactly constant through depth
             return w
@@ -466,6 +489,11 @@ def synthesize(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    import torch
+    threads = torch.get_num_threads()
+    # Element-wise ops on a few MB gain nothing from OpenMP and lose badly to its spin-waits when
+    # the cores are busy (60x slower measured on a loaded 2-core box); randn is serial anyway.
+    torch.set_num_threads(1)
     try:
         recipe = _Recipe(g, seed, skew)
         n = len(shards)
@@ -496,6 +524,8 @@ def synthesize(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
@@ -596,4 +626,43 @@ def param_counts(geometry: dict) -> dict:
         "num_moe_layers": moe_layers,
         "num_experts": E,
         "top_k": k,
+    }
+
+
+def describe_presets() -> list[dict]:
+    """One row per preset: name, materializable, description, source, total/active params."""
+    rows = []
+    for name in list_presets():
+        g = load_preset(name)
+        counts = param_counts({**_DEFAULTS, **g}) if g.get("materializable", True) else param_counts(g)
+        rows.append({
+            "name": name,
+            "materializable": g.get("materializable", True) is not False,
+            "description": g.get("description", ""),
+            "source": g.get("source"),
+            "total_params": counts["total"],
+            "active_params": counts["active"],
+        })
+    return rows
+
+
+def summarize(model_dir: str | os.PathLike) -> dict:
+    """What a synthesized directory holds: path, bytes of shards, shard and tensor counts, seed, skew."""
+    d = Path(model_dir)
+    shards = sorted(d.glob("*.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    meta = cfg.get("colibri_synth", {})
+    index = d / "model.safetensors.index.json"
+    tensors = len(json.loads(index.read_text())["weight_map"]) if index.exists() else None
+    if tensors is None:
+        from engine.safetensors_writer import read_header
+        tensors = len(read_header(shards[0])) if shards else 0
+    return {
+        "path": str(d),
+        "bytes": sum(p.stat().st_size for p in shards),
+        "shards": len(shards),
+        "tensors": tensors,
+        "seed": meta.get("seed"),
+        "routing_skew": meta.get("routing_skew"),
+        "preset": meta.get("preset"),
     }

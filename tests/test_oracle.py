@@ -72,3 +72,19 @@ def test_fused_3d_expert_tensors(arch, tmp_path):
     engine = Engine(out, EngineConfig(ctx_size=64, dtype="fp32", threads=1))
     diff = (engine.forward(PROMPT, 0) - hf_logits(model, PROMPT)).abs().max().item()
     assert diff <= ATOL
+
+
+def test_synthesized_tiny_matches_transformers(tmp_path):
+    """What `colibri synth tiny` writes is a real HF checkpoint: transformers loads it and our
+    engine agrees with it (fp32 on both sides)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import synth
+    d = synth.synthesize(synth.load_preset("tiny"), tmp_path / "tiny", seed=3, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    engine = Engine(d, EngineConfig(ctx_size=64, dtype="fp32", threads=1))
+    prompt = PROMPT[:24]
+    diff = (engine.forward(prompt, 0) - hf_logits(model, prompt)).abs().max().item()
+    assert diff <= ATOL
+    engine = Engine(d, EngineConfig(ctx_size=64, dtype="fp32", threads=1))
+    assert generate(engine, prompt, 16, Sampler()).output_ids == hf_greedy(model, prompt, 16)
