@@ -84,20 +84,8 @@ class ExpertLayout:
             if info.shape != shape:
                 raise ModelFormatError(f"{info.path}: tensor {info.name!r} has shape {list(info.shape)}, "
                                        f"config.json implies {list(shape)}")
-        # Merge tensors that sit in one file with at most a small gap into one read.
-        order = sorted(range(3), key=lambda i: (infos[i].path, infos[i].offset))
-        spans: list[Span] = []
-        piece_at: dict[int, tuple[int, int]] = {}
-        for i in order:
-            info = infos[i]
-            last = spans[-1] if spans else None
-            if last and last.path == info.path and 0 <= info.offset - (last.offset + last.length) <= MAX_GAP:
-                spans[-1] = Span(last.path, last.offset, info.end - last.offset)
-            else:
-                spans.append(Span(info.path, info.offset, info.nbytes))
-            piece_at[i] = (len(spans) - 1, info.offset - spans[-1].offset)
-        pieces = tuple(Piece(piece_at[i][0], piece_at[i][1], infos[i].torch_dtype, infos[i].shape) for i in range(3))
-        return ExpertLocation(tuple(spans), pieces)  # type: ignore[arg-type]
+        spans, pieces = group_into_spans(infos)
+        return ExpertLocation(tuple(spans), tuple(pieces))  # type: ignore[arg-type]
 
     def _add_fused(self, layer: int, gate_up: TensorInfo, down: TensorInfo) -> None:
         a = self.args
@@ -131,15 +119,37 @@ class ExpertLayout:
         return self._locations.keys()
 
 
+def group_into_spans(infos: list[TensorInfo]) -> tuple[list[Span], list[Piece]]:
+    """Tensors → as few read requests as possible, and where each tensor sits in them.
+
+    Tensors in one file with at most MAX_GAP bytes between them merge into one span; pieces
+    come back in the order of `infos`.
+    """
+    order = sorted(range(len(infos)), key=lambda i: (infos[i].path, infos[i].offset))
+    spans: list[Span] = []
+    at: dict[int, tuple[int, int]] = {}
+    for i in order:
+        info = infos[i]
+        last = spans[-1] if spans else None
+        if last and last.path == info.path and 0 <= info.offset - (last.offset + last.length) <= MAX_GAP:
+            spans[-1] = Span(last.path, last.offset, info.end - last.offset)
+        else:
+            spans.append(Span(info.path, info.offset, info.nbytes))
+        at[i] = (len(spans) - 1, info.offset - spans[-1].offset)
+    return spans, [Piece(at[i][0], at[i][1], infos[i].torch_dtype, infos[i].shape) for i in range(len(infos))]
+
+
+def piece_tensor(buffers: list, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor out of the span buffers: a zero-copy view, or a cast copy if dtypes differ."""
+    raw = torch.frombuffer(buffers[piece.span], dtype=torch.uint8, count=piece.nbytes, offset=piece.start)
+    t = raw.view(piece.dtype).view(piece.shape)
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def tensors_from_buffers(loc: ExpertLocation, buffers: list, dtype: torch.dtype):
     """Span buffers (bytes-like, one per span) → (gate, up, down) in the compute dtype.
 
     Casting (bf16 on disk, fp32 compute) copies; same dtype is a zero-copy view of the buffer,
     so the buffer lives as long as the cached tensors do.
     """
-    out = []
-    for piece in loc.pieces:
-        raw = torch.frombuffer(buffers[piece.span], dtype=torch.uint8, count=piece.nbytes, offset=piece.start)
-        t = raw.view(piece.dtype).view(piece.shape)
-        out.append(t if t.dtype == dtype else t.to(dtype))
-    return tuple(out)
+    return tuple(piece_tensor(buffers, piece, dtype) for piece in loc.pieces)

@@ -18,7 +18,7 @@ import torch
 from .cache import TieredCache, hottest_keys, make_cache, routing_histogram_load
 from .config import EngineConfig
 from .io import IOStats, ReadPool
-from .layout import ExpertLayout, tensors_from_buffers
+from .layout import ExpertLayout, group_into_spans, piece_tensor, tensors_from_buffers
 from .plan import MemoryPlan
 
 # Share of the RAM cache the pinned policy reserves for the recorded hottest experts.
@@ -179,23 +179,13 @@ class StreamingLayers:
     """Layer streaming for dense models: a layer's tensors are read per token, ahead of use."""
 
     def __init__(self, checkpoint, names_by_layer: dict[int, list[str]], config: EngineConfig, dtype: torch.dtype):
-        from .layout import MAX_GAP, Piece, Span
         self.dtype = dtype
         self.io_stats = IOStats()
         self.pool = ReadPool(config.io_mode, config.io_threads, config.chunk_size, stats=self.io_stats)
         self.layers: dict[int, tuple[list, list]] = {}
         for layer, names in names_by_layer.items():
-            infos = sorted((checkpoint.info(n) for n in names), key=lambda i: (i.path, i.offset))
-            spans, pieces = [], []
-            for info in infos:
-                last = spans[-1] if spans else None
-                if last and last.path == info.path and 0 <= info.offset - (last.offset + last.length) <= MAX_GAP:
-                    spans[-1] = Span(last.path, last.offset, info.end - last.offset)
-                else:
-                    spans.append(Span(info.path, info.offset, info.nbytes))
-                pieces.append((info.name, Piece(len(spans) - 1, info.offset - spans[-1].offset, info.torch_dtype,
-                                                info.shape)))
-            self.layers[layer] = (spans, pieces)
+            spans, pieces = group_into_spans([checkpoint.info(n) for n in names])
+            self.layers[layer] = (spans, list(zip(names, pieces)))
         self.inflight: dict[int, list[Future]] = {}
         self.reset_stats()
 
@@ -212,12 +202,7 @@ class StreamingLayers:
         t0 = time.perf_counter()
         buffers = [f.result() for f in self.inflight.pop(layer)]
         self.stall_seconds += time.perf_counter() - t0
-        out = {}
-        for name, piece in self.layers[layer][1]:
-            raw = torch.frombuffer(buffers[piece.span], dtype=torch.uint8, count=piece.nbytes, offset=piece.start)
-            t = raw.view(piece.dtype).view(piece.shape)
-            out[name] = t if t.dtype == self.dtype else t.to(self.dtype)
-        return out
+        return {name: piece_tensor(buffers, piece, self.dtype) for name, piece in self.layers[layer][1]}
 
     def reset_stats(self) -> None:
         self.io_stats.reset()
