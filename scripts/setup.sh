@@ -7,13 +7,17 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 
-if ! command -v fio >/dev/null 2>&1; then
+# fio for the probe; PostgreSQL for the multi-worker tune test (it skips, saying why, without).
+missing=()
+command -v fio >/dev/null 2>&1 || missing+=(fio)
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
+if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-        echo "setup: installing fio from apt" >&2
+        echo "setup: installing ${missing[*]} from apt" >&2
         apt-get update -qq >/dev/null
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
     else
-        echo "setup: fio not found and cannot apt-get it; probe will use its Python fallback" >&2
+        echo "setup: ${missing[*]} missing and cannot apt-get; probe uses its Python fallback, the PostgreSQL test skips" >&2
     fi
 fi
 

@@ -220,7 +220,7 @@ def add_tune(sub) -> None:
     limit.add_argument("--trials", type=int, help="completed trials in the study (resumed ones count)")
     p.add_argument("--min-ctx", type=int, default=2048, help="smallest context size to consider (default 2048)")
     p.add_argument("--objective", choices=["decode", "ttft", "both"], default="decode")
-    p.add_argument("--out", help="run directory (default: reports/tune-<model>)")
+    p.add_argument("--out", help="run directory (default: reports/tune-<model>-<time>; with --resume, the latest)")
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite file in the run directory); "
                                      "postgresql://... lets several machines share one study")
     p.add_argument("--study-name", help="default: <model>-<budget>-<objective>")
@@ -230,9 +230,9 @@ def add_tune(sub) -> None:
     p.add_argument("--profile", metavar="FILE", help="reuse a saved probe instead of probing")
     p.add_argument("--seed", type=int, default=0, help="sampler and prompt seed")
     t = p.add_argument_group("trial measurement")
-    t.add_argument("--tokens", type=int, default=16, help="decode tokens per repeat (default 16)")
-    t.add_argument("--repeats", type=int, default=3, help="repeats per trial; the figure is their median")
-    t.add_argument("--prompt-tokens", type=int, default=16)
+    t.add_argument("--tokens", type=int, default=8, help="decode tokens per repeat (default 8)")
+    t.add_argument("--repeats", type=int, default=2, help="repeats per trial; the figure is their median (default 2)")
+    t.add_argument("--prompt-tokens", type=int, default=8, help="prompt length (default 8)")
     t.add_argument("--warm", dest="cold", action="store_false", default=True,
                    help="keep caches across repeats (default: cold, weights from disk)")
     t.add_argument("--trial-timeout", type=float, help="seconds per trial (default: 5x a measured trial, >= 60)")
