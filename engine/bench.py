@@ -93,10 +93,7 @@ def _make_cold(engine: Engine) -> None:
     store = engine.store
     if store is None:
         return  # everything resident: there is no disk in the loop to make cold
-    cache = getattr(store, "cache", None)
-    if cache is not None:
-        for name in cache.tier_names:
-            cache.tier(name).clear()
+    store.clear_caches()
     gc.collect()
     store.drop_page_cache()
 

@@ -47,6 +47,7 @@ class StreamingExperts:
         self.cache = TieredCache(tiers, to_device=_to_device)
         self.max_inflight = max(plan.max_inflight_experts, 1)
         self.inflight: dict[tuple[int, int], list[Future]] = {}
+        self.ready: dict[tuple[int, int], tuple] = {}  # finished lookahead reads, not yet used
         self.predicted: dict[int, set[int]] = {}
         self.reset_stats()
         if pinned:
@@ -58,9 +59,15 @@ class StreamingExperts:
         out, pending = {}, []
         for e in experts:
             key = (layer, e)
+            self.lookups += 1
+            if key in self.ready:  # lookahead read it in time
+                out[e] = self._keep(key, self.ready.pop(key))
+                self.prefetched_used += 1
+                continue
             hit = self.cache.get(key)
             if hit is not None:
-                out[e] = hit[1]
+                tier, out[e] = hit
+                self.tier_hits[tier] = self.tier_hits.get(tier, 0) + 1
                 continue
             if key in self.inflight:
                 self.prefetched_used += 1
@@ -73,7 +80,10 @@ class StreamingExperts:
             wait([f for key in pending for f in self.inflight[key]])
             self.stall_seconds += time.perf_counter() - t0
             for key in pending:
-                out[key[1]] = self._finish(key)
+                out[key[1]] = self._keep(key, self._finish(key))
+        # Mispredicted reads for this layer: no longer ahead of anything; the cache may keep them.
+        for key in [k for k in self.ready if k[0] == layer]:
+            self._keep(key, self.ready.pop(key))
         predicted = self.predicted.get(layer)
         if predicted is not None:
             self.recall_hits += len(predicted.intersection(experts))
@@ -85,12 +95,10 @@ class StreamingExperts:
         self.predicted[layer] = set(experts)
         for e in experts:
             key = (layer, e)
-            if key in self.inflight or key in self.cache:
+            if key in self.inflight or key in self.ready or key in self.cache:
                 continue
-            if len(self.inflight) >= self.max_inflight:
-                self._collect_done()
-                if len(self.inflight) >= self.max_inflight:
-                    return  # read buffers are budgeted: never more than max_inflight in flight
+            if len(self.inflight) + len(self.ready) >= self.max_inflight:
+                return  # read buffers are budgeted: never more than max_inflight held
             self.inflight[key] = self._submit(key)
             self.prefetch_reads += 1
 
@@ -101,19 +109,22 @@ class StreamingExperts:
         return [self.pool.submit(s.path, s.offset, s.length) for s in loc.spans]
 
     def _finish(self, key):
+        """The read of `key` as tensors in the compute dtype (waits if still in flight)."""
         futures = self.inflight.pop(key)
         buffers = [f.result() for f in futures]  # re-raises a read error (e.g. truncated shard)
-        loc = self.layout.location(*key)
-        value = tensors_from_buffers(loc, buffers, self.dtype)
+        return tensors_from_buffers(self.layout.location(*key), buffers, self.dtype)
+
+    def _keep(self, key, value):
+        """Offer a used (or given-up) expert to the cache; compute where it ends up living."""
         if self.cache.put(key, value, self.plan.expert_bytes) == "vram":
-            value = self.cache.peek(key)[1]  # compute where the expert now lives
+            value = self.cache.peek(key)[1]
         return value
 
     def _collect_done(self) -> None:
-        # Predicted experts that were read but not (yet) used still go to the cache: the bytes
-        # are already paid for. Unfinished ones stay in flight.
+        # Finished lookahead reads wait in `ready` (part of the read-buffer budget, not the
+        # cache) until their layer asks, so they help even with a zero-size cache.
         for key in [k for k, fs in self.inflight.items() if all(f.done() for f in fs)]:
-            self._finish(key)
+            self.ready[key] = self._finish(key)
 
     def _preload(self, keys) -> None:
         """Read the pinned experts up front, as many as the pinned share of the cache holds."""
@@ -125,7 +136,7 @@ class StreamingExperts:
             for key in batch:
                 self.inflight[key] = self._submit(key)
             for key in batch:
-                self._finish(key)
+                self._keep(key, self._finish(key))
 
     # --- measurement -----------------------------------------------------------------------
 
@@ -134,30 +145,38 @@ class StreamingExperts:
         self.stall_seconds = 0.0
         self.recall_hits = self.recall_total = 0
         self.demand_reads = self.prefetch_reads = self.prefetched_used = 0
+        self.lookups = 0
+        self.tier_hits: dict[str, int] = {}
         self._window_start = time.perf_counter()
-        self._cache_base = {n: dict(s) for n, s in self.cache.stats().items()}
+
+    def clear_caches(self) -> None:
+        """Forget every cached expert (a cold start); reads in flight are left to finish."""
+        for name in self.cache.tier_names:
+            self.cache.tier(name).clear()
+        self.ready.clear()
 
     def drop_page_cache(self) -> None:
         for path in {s.path for key in self.layout.keys() for s in self.layout.location(*key).spans}:
             self.pool.drop_page_cache(path)
 
     def stats(self) -> dict:
+        """Counters since reset_stats(). Every expert lookup is exactly one of: a hit in a cache
+        tier (kept from an earlier use), a prefetch that lookahead issued in time or in flight,
+        or a demand read; the three rates add up to 1."""
         window = time.perf_counter() - self._window_start
         io = self.io_stats.snapshot()
-        tiers = {}
-        for name, s in self.cache.stats().items():
-            base = self._cache_base.get(name, {})
-            hits = s["hits"] - base.get("hits", 0)
-            misses = s["misses"] - base.get("misses", 0)
-            tiers[name] = hits / (hits + misses) if hits + misses else None
+        n = self.lookups
         return {
             "io_mode_effective": self.pool.effective_mode,
             "bytes_read": io["bytes_read"],
             "bytes_requested": io["bytes_requested"],
             "read_requests": io["requests"],
             "read_gbps": io["bytes_read"] / window / 1e9 if window > 0 else None,
-            "hit_rate": tiers,
-            "cache_items": {n: s["items"] for n, s in self.cache.stats().items()},
+            "expert_lookups": n,
+            "hit_rate": {name: (self.tier_hits.get(name, 0) / n if n else None) for name in self.cache.tier_names},
+            "prefetch_coverage": self.prefetched_used / n if n else None,
+            "demand_read_rate": self.demand_reads / n if n else None,
+            "cache_items": {name: s["items"] for name, s in self.cache.stats().items()},
             "demand_reads": self.demand_reads,
             "prefetch_reads": self.prefetch_reads,
             "prefetched_used": self.prefetched_used,
@@ -172,6 +191,7 @@ class StreamingExperts:
                 f.cancel()
         wait([f for fs in self.inflight.values() for f in fs])
         self.inflight.clear()
+        self.ready.clear()
         self.pool.close()
 
 
@@ -188,6 +208,9 @@ class StreamingLayers:
             self.layers[layer] = (spans, list(zip(names, pieces)))
         self.inflight: dict[int, list[Future]] = {}
         self.reset_stats()
+
+    def clear_caches(self) -> None:
+        pass  # streamed layers are never cached
 
     def hint(self, layer: int) -> None:
         if layer not in self.inflight:

@@ -120,6 +120,9 @@ def test_lookahead_recall_is_measured(model_dir):
         stats = engine.io_stats()
     assert 0.0 < stats["lookahead_recall"] <= 1.0
     assert stats["prefetch_reads"] > 0
+    # Each lookup is a cache hit, a prefetch that lookahead issued, or a demand read.
+    total = stats["hit_rate"]["ram"] + stats["prefetch_coverage"] + stats["demand_read_rate"]
+    assert total == pytest.approx(1.0) and stats["prefetch_coverage"] > 0
 
 
 def test_direct_mode_really_uses_o_direct(model_dir):
