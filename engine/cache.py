@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
@@ -30,6 +29,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from engine.config import atomic_write_text
 from engine.errors import ConfigError
 
 CACHE_POLICIES = ("lru", "lfu", "pinned")
@@ -532,20 +532,7 @@ def routing_histogram_save(hist: Mapping[tuple[int, int], int], path: str | os.P
     for (layer, expert), n in sorted(hist.items()):
         counts[f"{int(layer)}:{int(expert)}"] = int(n)
     payload = json.dumps({"schema": ROUTING_SCHEMA, "counts": counts}, indent=1)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".routing-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(payload + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write_text(path, payload + "\n")
 
 
 def routing_histogram_load(path: str | os.PathLike) -> Counter:

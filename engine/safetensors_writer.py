@@ -16,6 +16,8 @@ from typing import BinaryIO
 
 import torch
 
+from .config import atomic_write_text
+
 # safetensors dtype tag, element size, how the bytes are reinterpreted for numpy (no bf16 there).
 DTYPES: dict[str, tuple[str, int, torch.dtype]] = {
     "float32": ("F32", 4, torch.float32),
@@ -124,14 +126,7 @@ class ShardWriter:
 
 def write_json_atomic(path: Path, obj) -> None:
     """JSON file written to a temp name in the same directory, fsynced, then renamed."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 def read_header(path: Path) -> dict:

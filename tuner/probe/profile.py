@@ -13,13 +13,13 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+from engine.config import atomic_write_text
 from tuner.probe.errors import ProfileError
 
 SCHEMA_VERSION = 1
@@ -266,23 +266,12 @@ def save_profile(profile: HardwareProfile, path: str | os.PathLike) -> Path:
     """Write the profile as JSON atomically: a temp file in the same directory, then rename."""
     path = Path(path)
     text = json.dumps(profile.to_dict(), indent=2) + "\n"
-    directory = path.parent if str(path.parent) else Path(".")
+    if not path.parent.is_dir():
+        raise ProfileError(f"cannot write {path}: directory {path.parent} does not exist")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+        atomic_write_text(path, text)
     except OSError as exc:
         raise ProfileError(f"cannot write {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
     return path
 
 
