@@ -83,11 +83,14 @@ def measure(model_dir, config: EngineConfig, args) -> dict:
 
 # --- search methods, replayed against the measured grid ------------------------------------
 
-def run_tuner(table: dict, trials: int, seed: int) -> list[str]:
+def run_tuner(table: dict, trials: int, seed: int, sampler: str = "tpe") -> list[str]:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(direction="maximize",
-                                sampler=optuna.samplers.TPESampler(seed=seed, multivariate=True,
-                                                                   n_startup_trials=min(6, max(2, trials // 2))))
+    startup = min(6, max(2, trials // 2))
+    if sampler == "gp":  # the alternative the sampler choice is measured against
+        chosen = optuna.samplers.GPSampler(seed=seed, n_startup_trials=startup, deterministic_objective=False)
+    else:
+        chosen = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=startup)
+    study = optuna.create_study(direction="maximize", sampler=chosen)
     study.enqueue_trial(BASELINE)
     seen = []
     for _ in range(trials):
@@ -129,7 +132,15 @@ def run_greedy(table: dict, trials: int, seed: int) -> list[str]:
     return seen
 
 
-METHODS = {"tuner": run_tuner, "random": run_random, "greedy": run_greedy}
+def run_tuner_gp(table: dict, trials: int, seed: int) -> list[str]:
+    return run_tuner(table, trials, seed, sampler="gp")
+
+
+METHODS = {"tuner": run_tuner, "tuner-gp": run_tuner_gp, "random": run_random, "greedy": run_greedy}
+try:  # GPSampler needs scipy
+    import scipy  # noqa: F401
+except ImportError:
+    del METHODS["tuner-gp"]
 
 
 def best_of(table: dict, keys: list[str]) -> str:
@@ -200,11 +211,11 @@ def main(argv=None) -> int:
                         "seed0_pick": best_of(table, method(table, args.trials, 0))}
     print(f"Replay against the grid, {args.trials} evaluations, {args.seeds} seeds "
           f"(grid figure of each method's pick / grid best):")
-    print(f"  {'method':8} {'median':>7} {'mean':>7} {'worst':>7} {'evals':>6} {'found best':>11}")
+    print(f"  {'method':9} {'median':>7} {'mean':>7} {'worst':>7} {'evals':>6} {'found best':>11}")
     for name, r in replay.items():
-        print(f"  {name:8} {r['relative_median']:7.1%} {r['relative_mean']:7.1%} {r['relative_min']:7.1%} "
+        print(f"  {name:9} {r['relative_median']:7.1%} {r['relative_mean']:7.1%} {r['relative_min']:7.1%} "
               f"{r['evaluations_median']:6.0f} {r['found_grid_best']:>5}/{r['seeds']}")
-    print(f"  {'grid':8} {1:7.1%} {1:7.1%} {1:7.1%} {len(table):6d}")
+    print(f"  {'grid':9} {1:7.1%} {1:7.1%} {1:7.1%} {len(table):6d}")
 
     # Confirmation: distinct picks, grid best first, baseline last, interleaved.
     order = [grid_best] + [r["seed0_pick"] for r in replay.values()]
@@ -223,11 +234,14 @@ def main(argv=None) -> int:
                   file=sys.stderr)
     med = {k: statistics.median([r["decode_tok_s"] for r in v]) for k, v in confirmed.items()}
     ref = med[grid_best] or 1.0
-    print(f"\nConfirmation ({args.confirm_rounds} interleaved rounds; median decode tok/s, relative to the grid's best):")
+    base = med[base_key] or 1.0
+    print(f"\nConfirmation ({args.confirm_rounds} interleaved rounds; median decode tok/s, relative to the grid's best "
+          f"and to the baseline):")
     for k in seq:
         samples = [s for r in confirmed[k] for s in (r.get("samples") or []) if s is not None]
         spread = f"{min(samples):.3f}..{max(samples):.3f}" if samples else "-"
-        print(f"  {'/'.join(labels[k]):22} {med[k]:8.3f} tok/s  [{spread}]  {med[k] / ref:6.1%}  {k}")
+        print(f"  {'/'.join(labels[k]):28} {med[k]:8.3f} tok/s  [{spread}]  {med[k] / ref:6.1%} of grid best  "
+              f"{med[k] / base:5.2f}x baseline  {k}")
 
     report = {"conditions": conditions, "grid": {"points": len(table), "best": grid_best, "best_tok_s": top},
               "replay": replay, "confirmation": {k: {"labels": labels[k], "median": med[k], "runs": confirmed[k]}
