@@ -10,7 +10,8 @@
 2. Each method searches that same space with --trials evaluations, replayed against the measured
    grid (a tabular benchmark: a method's evaluation of a point returns that point's grid figure),
    for --seeds seeds:
-     - tuner : Optuna TPE as `colibri tune` configures it (multivariate, baseline enqueued first)
+     - tuner : Optuna GPSampler as `colibri tune` configures it (3 start-up points, baseline first)
+     - tuner-tpe: multivariate TPE (6 start-up points), the other candidate of the sampler choice
      - random: uniform random points, no repeats
      - greedy: coordinate descent from the baseline, one knob at a time, a change kept only if it
                is >= 3% better than the current winner (Colibrì's own `tune`)
@@ -83,13 +84,14 @@ def measure(model_dir, config: EngineConfig, args) -> dict:
 
 # --- search methods, replayed against the measured grid ------------------------------------
 
-def run_tuner(table: dict, trials: int, seed: int, sampler: str = "tpe") -> list[str]:
+def run_tuner(table: dict, trials: int, seed: int, sampler: str = "gp") -> list[str]:
+    """The sampler as `colibri tune` sets it up (GP, 3 start-up points, baseline enqueued first),
+    or TPE as it is set up for --objective both: the two candidates of the sampler choice."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    startup = min(6, max(2, trials // 2))
-    if sampler == "gp":  # the alternative the sampler choice is measured against
-        chosen = optuna.samplers.GPSampler(seed=seed, n_startup_trials=startup, deterministic_objective=False)
+    if sampler == "gp":
+        chosen = optuna.samplers.GPSampler(seed=seed, n_startup_trials=3)
     else:
-        chosen = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=startup)
+        chosen = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=6)
     study = optuna.create_study(direction="maximize", sampler=chosen)
     study.enqueue_trial(BASELINE)
     seen = []
@@ -132,15 +134,11 @@ def run_greedy(table: dict, trials: int, seed: int) -> list[str]:
     return seen
 
 
-def run_tuner_gp(table: dict, trials: int, seed: int) -> list[str]:
-    return run_tuner(table, trials, seed, sampler="gp")
+def run_tuner_tpe(table: dict, trials: int, seed: int) -> list[str]:
+    return run_tuner(table, trials, seed, sampler="tpe")
 
 
-METHODS = {"tuner": run_tuner, "tuner-gp": run_tuner_gp, "random": run_random, "greedy": run_greedy}
-try:  # GPSampler needs scipy
-    import scipy  # noqa: F401
-except ImportError:
-    del METHODS["tuner-gp"]
+METHODS = {"tuner": run_tuner, "tuner-tpe": run_tuner_tpe, "random": run_random, "greedy": run_greedy}
 
 
 def best_of(table: dict, keys: list[str]) -> str:

@@ -240,7 +240,8 @@ def add_tune(sub) -> None:
     t.add_argument("--confirm-top", type=int, default=3, help="candidates re-measured against the baseline "
                                                               "(0: no confirmation round)")
     t.add_argument("--confirm-rounds", type=int, default=2, help="most confirmation rounds (time permitting)")
-    t.add_argument("--sampler", choices=["tpe", "random", "gp"], default="tpe")
+    t.add_argument("--sampler", choices=["auto", "gp", "tpe", "random"], default="auto",
+                   help="auto (default): GP for one objective, TPE for --objective both")
     p.add_argument("--json", action="store_true", help="print result.json")
     p.set_defaults(func=cmd_tune)
 
