@@ -159,14 +159,21 @@ def open_storage(url: str, shared: bool):
     if shared and not url.startswith("sqlite"):
         kwargs = dict(heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
-    try:
-        with warnings.catch_warnings():
-            # Heartbeats are "experimental" in Optuna's words; they are what fails a dead worker's trial.
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
-    except Exception as exc:  # sqlalchemy and driver errors have no common base worth naming
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"cannot open study storage {redact_url(url)!r}: {first[:300]}") from None
+    # Workers started together on a new database race to create Optuna's tables; the loser's
+    # CREATE fails on a duplicate, and a second attempt finds the tables made.
+    attempts = 1 if url.startswith("sqlite") else 4
+    for attempt in range(attempts):
+        try:
+            with warnings.catch_warnings():
+                # Heartbeats are "experimental" in Optuna's words; they are what fails a dead worker's trial.
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+        except Exception as exc:  # sqlalchemy and driver errors have no common base worth naming
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            if attempt + 1 < attempts and ("duplicate" in first.lower() or "already exists" in first.lower()):
+                time.sleep(0.5 + attempt)
+                continue
+            raise ConfigError(f"cannot open study storage {redact_url(url)!r}: {first[:300]}") from None
 
 
 # --- the tuner ------------------------------------------------------------------------------
