@@ -16,7 +16,7 @@ import time
 
 from .config import EngineConfig
 from .generate import Sampler, generate, random_prompt_ids
-from .metrics import envelope, peak_rss_bytes, run_metrics, spread
+from .metrics import envelope, peak_rss_bytes, rss_file_bytes, run_metrics, spread
 from .runtime import Engine
 
 SUMMARY_KEYS = ("decode_tok_s", "ttft_s", "prefill_tok_s", "token_latency_p50_ms", "token_latency_p99_ms",
@@ -68,6 +68,7 @@ def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 
             "output_ids": runs[0]["output_ids"] if runs else [],
             "tokens_consistent": all(r["output_ids"] == runs[0]["output_ids"] for r in runs),
             "peak_rss_bytes": peak_rss_bytes(),
+            "rss_file_bytes": rss_file_bytes(),
             "wall_seconds": time.perf_counter() - t_start,
         })
         # Headline figures at top level (medians), so every printer finds them in one place.

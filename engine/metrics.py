@@ -24,6 +24,20 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def rss_file_bytes() -> int | None:
+    """Resident pages backed by files (torch's shared libraries, mmap'd weights): shared,
+    clean and reclaimable, so a memory budget does not own them the way it owns anonymous
+    memory. Peak RSS minus this is the process's own high-water mark, near enough."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 @lru_cache(maxsize=1)
 def git_commit() -> str:
     root = Path(__file__).resolve().parent.parent
@@ -74,6 +88,7 @@ def run_metrics(engine, gen, io_before: dict | None = None) -> dict:
         "token_latency_p50_ms": _ms(percentile(gen.token_seconds, 0.5)),
         "token_latency_p99_ms": _ms(percentile(gen.token_seconds, 0.99)),
         "peak_rss_bytes": peak_rss_bytes(),
+        "rss_file_bytes": rss_file_bytes(),
         **io,
     }
     return m
@@ -117,7 +132,8 @@ def human_summary(m: dict) -> str:
     lines = [
         f"TTFT {f(m.get('ttft_s'), '{:.3f}')} s | prefill {f(m.get('prefill_tok_s'))} tok/s | "
         f"decode {f(m.get('decode_tok_s'))} tok/s (p50 {f(m.get('token_latency_p50_ms'), '{:.1f}')} ms, "
-        f"p99 {f(m.get('token_latency_p99_ms'), '{:.1f}')} ms) | peak RSS {format_size(m.get('peak_rss_bytes'))}",
+        f"p99 {f(m.get('token_latency_p99_ms'), '{:.1f}')} ms) | peak RSS {format_size(m.get('peak_rss_bytes'))}"
+        + (f" ({format_size(m['rss_file_bytes'])} of it file-backed)" if m.get("rss_file_bytes") else ""),
     ]
     if m.get("bytes_read") is not None:
         hit = m.get("hit_rate", {}) or {}

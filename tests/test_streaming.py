@@ -170,9 +170,11 @@ def test_bench_under_cgroup_limit_stays_in_budget(model_dir):
     assert trial.ok, trial.error
     m = trial.metrics
     assert m["plan"]["streaming"] and m["bytes_read_per_token"] > 0
-    # Tolerance: peak RSS counts shared library pages (torch's .so files, ~100 MiB) that the
-    # budget's runtime term measured too; 10% headroom covers allocator slack.
-    assert m["peak_rss_bytes"] <= budget * 1.10
+    # Peak RSS also counts torch's shared-library pages, which the process maps in as it runs
+    # (100-250 MiB here, more when the page cache holds the whole library): shared, clean and
+    # reclaimable, and not charged to the trial's cgroup. Without them, the process's own peak
+    # stays within the budget + 10% (allocator slack).
+    assert m["peak_rss_bytes"] - m["rss_file_bytes"] <= budget * 1.10
     support = detect_memory_cgroup()
     assert trial.cgroup_limited == support.available
     if support.available:
