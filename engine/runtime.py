@@ -15,7 +15,6 @@ import torch
 
 from .checkpoint import Checkpoint
 from .config import EngineConfig
-from .errors import ConfigError
 from .layout import ExpertLayout, tensors_from_buffers
 from .model import KVCache, ModelArgs, Transformer, dense_tensor_names
 from .plan import MemoryPlan, make_plan
@@ -51,9 +50,6 @@ class ResidentExperts:
 
     def hint(self, layer, experts):
         pass
-
-    def stats(self) -> dict:
-        return {}
 
     def close(self):
         pass
@@ -191,8 +187,3 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def check_thread_arg(threads: int | None) -> None:
-    if threads is not None and threads < 0:
-        raise ConfigError("threads must be >= 0")
