@@ -74,8 +74,8 @@ def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 
         # Headline figures at top level (medians), so every printer finds them in one place.
         for k in SUMMARY_KEYS:
             result[k] = result["summary"][k]["median"]
-        result["bytes_read_per_token"] = _median([r.get("bytes_read", 0) / max(len(r["output_ids"]) - 1, 1)
-                                                 for r in runs])
+        result["bytes_read_per_token"] = spread([r.get("bytes_read", 0) / max(len(r["output_ids"]) - 1, 1)
+                                                 for r in runs])["median"]
         result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
         if record_routing:
             engine.save_routing(record_routing)
@@ -83,11 +83,6 @@ def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 
         return result
     finally:
         engine.close()
-
-
-def _median(values):
-    s = sorted(values)
-    return s[len(s) // 2] if s else None
 
 
 def _make_cold(engine: Engine) -> None:

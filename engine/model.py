@@ -364,6 +364,7 @@ class Transformer:
         # Layer streaming (dense models over budget): these layers are read per token.
         self.layer_source = None
         self.streamed_layers: list[int] = []
+        self._streamed: frozenset[int] = frozenset()  # membership test on the per-layer path
         self.expert_batch = 1 << 30  # experts fetched per get() call; the runtime lowers it when streaming
         self.routing_log: list[list[torch.Tensor]] | None = None  # per layer, ids [T, K] per call
         self.lookahead_log: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
@@ -405,13 +406,20 @@ class Transformer:
 
     def _layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
         """This layer's weights: the resident dict, or (layer streaming) a fresh read."""
-        if self.layer_source is None or layer not in self.streamed_layers:
+        if layer not in self._streamed:
             return self.w
-        upcoming = [l for l in self.streamed_layers if layer < l <= layer + self.lookahead_depth]
-        upcoming += [l for l in self.streamed_layers if l < layer and l + self.args.num_layers <= layer + self.lookahead_depth]
-        for ahead in upcoming:  # reads for the next layers are in flight while this one computes
-            self.layer_source.hint(ahead)
+        # Reads for the next streamed layers (wrapping to the next token's) are in flight while
+        # this one computes.
+        for step in range(1, self.lookahead_depth + 1):
+            ahead = (layer + step) % self.args.num_layers
+            if ahead in self._streamed:
+                self.layer_source.hint(ahead)
         return self.layer_source.get(layer)
+
+    def stream_layers(self, source, layers: list[int]) -> None:
+        """Read `layers` from `source` per forward pass instead of keeping them resident."""
+        self.layer_source, self.streamed_layers = source, list(layers)
+        self._streamed = frozenset(layers)
 
     def _layer(self, layer, x, start_pos, kv, cos, sin, mask):
         p, a = layer_prefix(layer), self.args

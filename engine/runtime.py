@@ -130,7 +130,7 @@ class Engine:
         self.model = Transformer(self.args, weights, self.experts, self.dtype)
         self.model.lookahead_depth = self.config.prefetch_depth if self.plan.streaming else 0
         if self.layers is not None:
-            self.model.layer_source, self.model.streamed_layers = self.layers, streamed
+            self.model.stream_layers(self.layers, streamed)
         if self.plan.streaming:
             # Bounded transient memory in prefill: at most this many experts' weights at once.
             self.model.expert_batch = max(1, self.plan.max_inflight_experts)
