@@ -10,7 +10,6 @@ import dataclasses
 import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -20,6 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 import tomli_w
 
+from .durable import atomic_write_text  # noqa: F401  (re-exported: callers import it from here)
 from .errors import ConfigError
 
 IO_MODES = ("direct", "buffered", "mmap")
@@ -148,22 +148,3 @@ class EngineConfig:
         if header:
             text = "".join(f"# {line}\n" for line in header.splitlines()) + text
         atomic_write_text(path, text)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write via a temp file in the same directory + rename: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise

@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.durable import DirectoryLock, fsync_dir
 from engine.errors import ConfigError
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
@@ -112,18 +113,19 @@ def validate_geometry(geometry: dict) -> dict:
     g = {**_DEFAULTS, **geometry}
     if g["model_type"] != "qwen3_moe":
         raise ConfigError(f"{name}: synth writes only model_type 'qwen3_moe', not {g['model_type']!r}")
+    # The same rules the engine applies to the config.json this geometry becomes.
+    from engine.errors import ModelFormatError
+    from engine.validate import validate_config
+    try:
+        validate_config(g, source=f"geometry {name}")
+    except ModelFormatError as exc:  # a geometry is a config the user wrote, not a model file
+        raise ConfigError(str(exc)) from None
     for key in _REQUIRED_INT:
         v = g.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ConfigError(f"{name}: '{key}' must be a positive integer, got {v!r}")
     if g["intermediate_size"] is None:
         g["intermediate_size"] = g["moe_intermediate_size"]
-    if g["num_attention_heads"] % g["num_key_value_heads"]:
-        raise ConfigError(f"{name}: num_attention_heads must be a multiple of num_key_value_heads")
-    if g["head_dim"] % 2:
-        raise ConfigError(f"{name}: head_dim must be even (RoPE rotates pairs)")
-    if g["num_experts_per_tok"] > g["num_experts"]:
-        raise ConfigError(f"{name}: num_experts_per_tok exceeds num_experts")
     if g["vocab_size"] < MIN_VOCAB:
         raise ConfigError(f"{name}: vocab_size must be at least {MIN_VOCAB} (256 byte tokens + {EOS_TOKEN})")
     if g["dtype"] not in _DTYPES:
@@ -456,8 +458,16 @@ def synthesize(
 
     routing_skew None takes the geometry's own default (the presets' calibrated value).
     Refuses an existing non-empty out_dir unless force (then it is replaced only once the new
-    model is complete).
+    model is complete). A second process synthesizing into the same out_dir waits for the first
+    (engine/durable.py DirectoryLock) and then finds the directory non-empty.
     """
+    name = geometry.get("name", "custom") if isinstance(geometry, dict) else "custom"
+    with DirectoryLock(out_dir, f"synthesizing {name}"):
+        return _synthesize(geometry, out_dir, seed, routing_skew, progress, force)
+
+
+def _synthesize(geometry: dict, out_dir, seed: int, routing_skew: float | None, progress: bool,
+                force: bool) -> Path:
     from tqdm import tqdm
     from engine.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 
@@ -485,9 +495,11 @@ def synthesize(
             f"not enough free space in {str(out.parent)!r}: need {total / 2**30:.2f} GiB, have {free / 2**30:.2f} GiB"
         )
 
+    # We hold out's lock, so a sibling left by an earlier writer is debris of one that died
+    # (kill -9, power loss), not work in progress: remove it before it fills the disk.
+    for stale in [*out.parent.glob(f"{out.name}.partial-*"), *out.parent.glob(f"{out.name}.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f"{out.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     import torch
     threads = torch.get_num_threads()
@@ -519,7 +531,7 @@ def synthesize(
             "bos_token_id": None, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": None, "do_sample": False,
         })
         _write_tokenizer(tmp, g)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -546,14 +558,6 @@ def _write_tokenizer(dir_: Path, g: dict) -> None:
     })
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _move_into_place(tmp: Path, out: Path) -> None:
     """Rename the finished directory to out; an existing out (only with force) is removed afterwards."""
     old = None
@@ -564,7 +568,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
             old = out.parent / f"{out.name}.old-{os.getpid()}"
             os.replace(out, old)
     os.replace(tmp, out)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
