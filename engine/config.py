@@ -7,6 +7,7 @@ an unknown key is an error (a misspelt knob silently ignored is a classic tuning
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -26,6 +27,9 @@ IO_MODES = ("direct", "buffered", "mmap")
 CACHE_POLICIES = ("lru", "lfu", "pinned")
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16")
 
+# An engine config is a dozen keys; anything this large is not one (and is not read whole).
+MAX_TOML_BYTES = 1 << 20
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -35,12 +39,21 @@ def parse_size(value) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"size {value!r} is not a number of bytes")
     if isinstance(value, (int, float)):
-        return int(value)
-    m = _SIZE_RE.match(str(value))
-    if not m:
-        raise ConfigError(f"cannot parse size {value!r} (examples: 1GiB, 512M, 4096)")
-    unit = (m.group(2) or "").lower().rstrip("b").rstrip("i")
-    return int(float(m.group(1)) * _UNITS[unit])
+        number, unit = value, ""
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m:
+            raise ConfigError(f"cannot parse size {_short(value)} (examples: 1GiB, 512M, 4096)")
+        number, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b").rstrip("i")
+    # int(inf) / int(nan) raise; "9" * 400 + "G" parses to inf: all one error, not a traceback.
+    if isinstance(number, float) and not math.isfinite(number * _UNITS[unit]):
+        raise ConfigError(f"size {_short(value)} is not a finite number of bytes")
+    return int(number * _UNITS[unit])
+
+
+def _short(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def format_size(n: int | float | None) -> str:
@@ -112,7 +125,11 @@ class EngineConfig:
     def from_dict(cls, data: dict, source: str = "config") -> "EngineConfig":
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a table of engine settings")
-        data = dict(data.get("engine", data)) if set(data) == {"engine"} else dict(data)
+        if set(data) == {"engine"}:
+            data = data["engine"]
+            if not isinstance(data, dict):
+                raise ConfigError(f"{source}: [engine] must be a table of engine settings")
+        data = dict(data)
         unknown = sorted(set(data) - set(cls.field_names()))
         if unknown:
             raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)} "
@@ -130,11 +147,20 @@ class EngineConfig:
     def load(cls, path: str | os.PathLike) -> "EngineConfig":
         path = Path(path)
         try:
-            data = tomllib.loads(path.read_text())
+            with open(path, "rb") as f:
+                raw = f.read(MAX_TOML_BYTES + 1)
         except FileNotFoundError:
             raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        if len(raw) > MAX_TOML_BYTES:
+            raise ConfigError(f"{path}: larger than {MAX_TOML_BYTES} bytes: not an engine config")
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+        except RecursionError:  # tomllib recurses per nesting level of arrays / inline tables
+            raise ConfigError(f"{path}: not valid TOML (nested too deeply)") from None
         return cls.from_dict(data, source=str(path))
 
     def replace(self, **changes) -> "EngineConfig":

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from engine.durable import DirectoryLock, fsync_dir
 from engine.errors import ConfigError
+from engine.jsonlimits import loads_limited
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
 SYNTH_VERSION = 1  # bump when the weight recipe changes (the same seed then gives other bytes)
@@ -90,9 +91,10 @@ def load_geometry_file(path: str | os.PathLike) -> dict:
 
 def _read_geometry_json(path: Path) -> dict:
     try:
-        geom = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path.name}: not valid JSON ({exc})") from None
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path.name}: cannot read: {exc.strerror or exc}") from None
+    geom = loads_limited(raw, path.name, error=ConfigError)
     if not isinstance(geom, dict):
         raise ConfigError(f"{path.name}: expected a JSON object of geometry keys")
     geom.setdefault("name", path.stem)
