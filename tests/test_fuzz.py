@@ -220,6 +220,13 @@ def copy_of(model: Path):
         yield d
 
 
+# Resident (no budget) or streaming through the expert store in each I/O mode: a budget far above
+# this process's size streams the experts of the tiny model through the RAM cache.
+PLACEMENTS = st.sampled_from([(), ("--ram-budget", "8GiB", "--io-mode", "direct"),
+                              ("--ram-budget", "8GiB", "--io-mode", "buffered"),
+                              ("--ram-budget", "8GiB", "--io-mode", "mmap")])
+
+
 def run_and_check(model: Path, *extra) -> int:
     code, out, err = cli("run", "--model", model, *RUN_ARGS, "--json", *extra)
     assert_clean_exit(code, err, "run")
@@ -232,25 +239,25 @@ def run_and_check(model: Path, *extra) -> int:
 
 @fuzz(150)
 @given(mutations=st.lists(config_mutation(), min_size=1, max_size=3),
-       raw_cut=st.none() | st.floats(0, 1), sharded=st.booleans())
-def test_fuzz_config_json(base, mutations, raw_cut, sharded):
+       raw_cut=st.none() | st.floats(0, 1), sharded=st.booleans(), placement=PLACEMENTS)
+def test_fuzz_config_json(base, mutations, raw_cut, sharded, placement):
     with copy_of(base["sharded" if sharded else "single"]) as d:
         cfg = apply_config_mutations(json.loads((d / "config.json").read_text()), mutations)
         (d / "config.json").write_text(dump_json(cfg, raw_cut))
-        run_and_check(d)
+        run_and_check(d, *placement)
 
 
 @fuzz(150)
 @given(ops=st.lists(HEADER_OPS, max_size=3), raw_ops=st.lists(RAW_OPS, max_size=2),
-       sharded=st.booleans(), shard_pick=st.integers(0, 10))
-def test_fuzz_safetensors_header(base, ops, raw_ops, sharded, shard_pick):
+       sharded=st.booleans(), shard_pick=st.integers(0, 10), placement=PLACEMENTS)
+def test_fuzz_safetensors_header(base, ops, raw_ops, sharded, shard_pick, placement):
     with copy_of(base["sharded" if sharded else "single"]) as d:
         shards = sorted(d.glob("*.safetensors"))
         f = shards[shard_pick % len(shards)]
         header, data = read_header(f)
         mutated = mutate_header(header, ops)
         apply_raw(f, mutated if isinstance(mutated, str) else json.dumps(mutated), data, raw_ops)
-        run_and_check(d)
+        run_and_check(d, *placement)
 
 
 @fuzz(60)
