@@ -393,6 +393,22 @@ def test_fuzz_json_readers(name, valid, reader, edits, raw_cut, nest):
                 assert "\n" not in str(exc), str(exc)
 
 
+@fuzz(30)
+@given(edits=st.lists(st.tuples(st.lists(st.integers(0, 400), min_size=1, max_size=4), VALUES, st.booleans()),
+                      min_size=1, max_size=3), raw_cut=st.none() | st.floats(0, 1),
+       prompt=st.sampled_from(["hello", "<|endoftext|>", "x" * 40, "\u00e9\u4e2d"]))
+def test_fuzz_tokenizer_json(base, edits, raw_cut, prompt):
+    """tokenizer.json is parsed by the tokenizers library; whatever it makes of a bad one, `run --prompt` stays clean."""
+    with copy_of(base["single"]) as d:
+        doc = json.loads((d / "tokenizer.json").read_text())
+        for picks, value, delete in edits:
+            doc = _walk_mutate(doc, picks, value, delete)
+        (d / "tokenizer.json").write_text(dump_json(doc, raw_cut))
+        code, out, err = cli("run", "--model", d, "--prompt", prompt, "--max-new-tokens", "2", "--ctx-size", "64",
+                             "--json")
+        assert_clean_exit(code, err, "run")
+
+
 # --- the same property through a real process ------------------------------------------------------
 
 @fuzz(6, campaign_share=0.02)  # a process start is seconds: a few examples show the path works
