@@ -112,7 +112,7 @@ def _validate_entry(path: str, name: str, entry, data_start: int, data_size: int
     if not isinstance(entry, dict):
         raise ModelFormatError(f"{where}: header entry is not an object")
     dtype = entry.get("dtype")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ModelFormatError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):

@@ -221,3 +221,17 @@ def test_index_weight_map_must_map_names_to_file_names(tmp_path, capsys):
     index["weight_map"]["model.norm.weight"] = ["not", "a", "name"]
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     one_line(*run(capsys, "run", "--model", d, *RUN_ARGS), "index", "weight_map")
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("dtype", [], "unknown dtype []"),  # found by the fuzz campaign: was TypeError: unhashable type
+    ("dtype", {"a": 1}, "unknown dtype"),
+    ("shape", {"0": 1}, "is not a list of non-negative integers"),
+    ("data_offsets", [0, 1, 2], "is not a pair of integers"),
+])
+def test_malformed_header_entries_are_one_line(model, capsys, field, value, needle):
+    f = model / "model.safetensors"
+    header, data = read_header(f)
+    header["model.norm.weight"][field] = value
+    write_header(f, header, data)
+    one_line(*run(capsys, "run", "--model", model, *RUN_ARGS), "model.norm.weight", needle)
