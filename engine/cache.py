@@ -29,10 +29,9 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.config import atomic_write_text
+from engine.config import CACHE_POLICIES, atomic_write_text
 from engine.errors import ConfigError
 
-CACHE_POLICIES = ("lru", "lfu", "pinned")
 ROUTING_SCHEMA = "colibri.routing/1"
 
 Key = Hashable

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -458,7 +457,7 @@ def synthesize(
     Refuses an existing non-empty out_dir unless force (then it is replaced only once the new
     model is complete).
     """
-    from tqdm import tqdm
+    from engine.progress import Progress
     from engine.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 
     g = validate_geometry(geometry)
@@ -499,9 +498,8 @@ def synthesize(
         n = len(shards)
         names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map: dict[str, str] = {}
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                   desc=f"synth {g.get('name', 'custom')}", disable=not progress, leave=True)
-        with bar:
+        with Progress(total=total, unit="B", unit_scale=True, desc=f"synth {g.get('name', 'custom')}",
+                      enabled=progress) as bar:
             for fname, shard in zip(names, shards):
                 specs = [TensorSpec(t.name, t.shape, g["dtype"]) for t in shard]
                 with ShardWriter(tmp / fname, specs) as w:

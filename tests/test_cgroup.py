@@ -1,4 +1,4 @@
-"""engine.cgroup against the machine's real cgroups (skipped, with the detected reason, where
+"""tuner.sandbox against the machine's real cgroups (skipped, with the detected reason, where
 child memory cgroups cannot be made), plus detection on fake cgroup trees."""
 
 import os
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import cgroup
-from engine.cgroup import current_memory_limit, detect_memory_cgroup, run_limited
+from tuner.sandbox import cgroups as cgroup
+from tuner.sandbox import current_memory_limit, detect_memory_cgroup, run_limited
 from engine.errors import BudgetError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,7 +122,7 @@ def test_leftover_daemon_is_killed_and_the_cgroup_removed(support):
 
 
 def test_limit_is_visible_to_the_child(support):
-    probe = "from engine.cgroup import current_memory_limit; print(current_memory_limit())"
+    probe = "from tuner.sandbox import current_memory_limit; print(current_memory_limit())"
     r = run_limited([sys.executable, "-c", probe], 200 * MiB, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout) == 200 * MiB
@@ -210,7 +210,7 @@ def test_unprivileged_user_gets_a_reason_not_a_crash(support):
     if python is None:
         pytest.skip("no Python interpreter the nobody user may run")
     code = (
-        "from engine.cgroup import detect_memory_cgroup, run_limited\n"
+        "from tuner.sandbox import detect_memory_cgroup, run_limited\n"
         "s = detect_memory_cgroup(); r = run_limited(['echo', 'ran'], 64 << 20)\n"
         "print(s.available, r.limited, r.stdout.strip()); print(s.reason)"
     )
@@ -238,7 +238,7 @@ def test_keyboard_interrupt_kills_the_command_and_removes_the_cgroup(support, tm
     command = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
     caller = (
         "import sys\n"
-        "from engine.cgroup import run_limited\n"
+        "from tuner.sandbox import run_limited\n"
         f"run_limited([sys.executable, '-c', {command!r}], 128 << 20)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", caller], cwd=ROOT, stderr=subprocess.PIPE)

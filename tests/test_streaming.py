@@ -162,7 +162,7 @@ def test_hostile_offsets_rejected_before_any_read(model_dir, tmp_path):
 
 
 def test_bench_under_cgroup_limit_stays_in_budget(model_dir):
-    from engine.cgroup import detect_memory_cgroup
+    from tuner.sandbox import detect_memory_cgroup
     from tuner.trial import run_trial
     budget = 480 << 20
     config = EngineConfig(threads=1, ctx_size=64, ram_budget=budget, io_mode="buffered", cpu_cache_ratio=0.5)

@@ -23,7 +23,7 @@ import psutil
 import pytest
 from optuna.trial import TrialState
 
-from engine.cgroup import detect_memory_cgroup
+from tuner.sandbox import detect_memory_cgroup
 from engine.config import EngineConfig
 from engine.errors import BudgetError, ConfigError, ModelFormatError
 from tuner import cli
