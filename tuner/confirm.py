@@ -8,6 +8,7 @@ disqualified: placement must never change tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import Callable
 
 from engine.config import EngineConfig
 from tuner.printers import fmt
-from tuner.result import Candidate, Figures, RunSummary, TrialResult, is_feasible
+from tuner.result import Candidate, Figures, RunFigures, RunSummary, TrialResult, is_feasible
 
 
 @dataclass
@@ -98,14 +99,11 @@ def run_summary(res: TrialResult) -> tuple[RunSummary, list | None]:
         return RunSummary(status=res.status, wall_seconds=round(res.wall_seconds, 3),
                           cgroup_peak_bytes=res.cgroup_peak_bytes, error=res.error), None
     m = res.metrics
+    figures = dataclasses.asdict(RunFigures.from_metrics(m))
     return RunSummary(
         status="ok", wall_seconds=round(res.wall_seconds, 3), cgroup_peak_bytes=res.cgroup_peak_bytes,
-        decode_tok_s=m.get("decode_tok_s"), ttft_s=m.get("ttft_s"),
         decode_samples=[r.get("decode_tok_s") for r in m.get("runs", [])],
-        ttft_samples=[r.get("ttft_s") for r in m.get("runs", [])],
-        tokens_consistent=m.get("tokens_consistent", True), threads=m.get("threads"),
-        hit_rate_ram=(m.get("hit_rate") or {}).get("ram"), io_stall_fraction=m.get("io_stall_fraction"),
-        peak_rss_bytes=m.get("peak_rss_bytes")), m.get("output_ids")
+        ttft_samples=[r.get("ttft_s") for r in m.get("runs", [])], **figures), m.get("output_ids")
 
 
 def confirm(entries: list[Contender], rounds: int, measure: Callable[[EngineConfig], TrialResult],

@@ -156,23 +156,16 @@ def is_feasible(attrs: dict) -> bool:
 
 # --- the tune result ------------------------------------------------------------------------
 
-@dataclass
-class RunSummary:
-    """One re-measurement in the confirmation round."""
+@dataclass(kw_only=True)
+class RunSummary(RunFigures):
+    """One re-measurement in the confirmation round: its outcome, figures and per-repeat samples."""
 
     status: TrialStatus
     wall_seconds: float
     cgroup_peak_bytes: Optional[int] = None
     error: Optional[str] = None
-    decode_tok_s: Optional[float] = None
-    ttft_s: Optional[float] = None
     decode_samples: list[Optional[float]] = field(default_factory=list)
     ttft_samples: list[Optional[float]] = field(default_factory=list)
-    tokens_consistent: Optional[bool] = None
-    threads: Optional[int] = None
-    hit_rate_ram: Optional[float] = None
-    io_stall_fraction: Optional[float] = None
-    peak_rss_bytes: Optional[int] = None
 
 
 @dataclass
@@ -193,6 +186,8 @@ class Figures:
 
 @dataclass
 class Candidate:
+    """A config re-measured in the confirmation round (or the best search trial, unconfirmed)."""
+
     label: str
     trial_number: Optional[int]
     role: Optional[str]
@@ -206,14 +201,18 @@ class Candidate:
 
 @dataclass
 class ModelInfo:
+    """The tuned model: its name, directory, geometry and compute dtype."""
+
     name: str
     dir: str
     geometry: dict[str, Any]
     compute_dtype: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConfirmationInfo:
+    """How the confirmation round ran."""
+
     rounds: int
     confirmed: bool
     order: str = "winner first, baseline last, interleaved per round"
@@ -222,6 +221,8 @@ class ConfirmationInfo:
 
 @dataclass
 class StudyInfo:
+    """The Optuna study behind the result."""
+
     name: str
     storage: str  # password redacted
     trials: int
@@ -232,8 +233,10 @@ class StudyInfo:
     directions: list[str]
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemoryLimit:
+    """Whether the trials' memory cgroup enforced the budget, and why not where it did not."""
+
     cgroup_limit_bytes: int
     cgroup: Optional[bool]  # None: the calibration run did not say
     reason: str
@@ -241,6 +244,8 @@ class MemoryLimit:
 
 @dataclass
 class ProfileSummary:
+    """The hardware profile the run used, in brief."""
+
     source: str
     fingerprint: str
     probe_mode: str
@@ -252,8 +257,10 @@ class ProfileSummary:
     sequential_gbps: Optional[float] = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Versions:
+    """Versions of the software that measured."""
+
     engine: str
     git_commit: str
     optuna: str
@@ -262,6 +269,8 @@ class Versions:
 
 @dataclass
 class Conditions:
+    """Everything a figure depends on: cold or warm, lengths, repeats, memory limit, machine, versions."""
+
     cold: bool
     cold_means: str
     tokens: int

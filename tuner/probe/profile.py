@@ -50,6 +50,8 @@ class ProbeRun:
 
 @dataclass
 class CpuInfo:
+    """The CPU: model, cores, NUMA nodes, the flags matmul kernels care about."""
+
     model: str
     arch: str
     physical_cores: int
@@ -61,6 +63,8 @@ class CpuInfo:
 
 @dataclass
 class MemoryInfo:
+    """RAM, and the memory cgroup limit this process runs under."""
+
     total: Quantity = _unit("B")
     available: Quantity = _unit("B")
     # None: no memory cgroup limit in force (or none readable).
@@ -70,6 +74,8 @@ class MemoryInfo:
 
 @dataclass
 class DiskInfo:
+    """The disk under the probed directory (no serial numbers)."""
+
     device: Optional[str]
     transport: str
     rotational: Optional[bool]
@@ -90,8 +96,10 @@ class SystemInfo:
 StorageRole = Literal["sequential", "curve", "latency_4k", "iops_4k", "buffered"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class StoragePoint:
+    """One storage job: its access pattern and what it measured."""
+
     role: StorageRole
     pattern: Literal["read", "randread"]
     request_bytes: int
@@ -107,6 +115,8 @@ class StoragePoint:
 
 @dataclass
 class StorageResult:
+    """The storage probe: which tool ran the jobs, and every point measured."""
+
     method: Literal["fio", "fallback"]
     tool: str
     ioengine: str
@@ -115,8 +125,10 @@ class StorageResult:
     runtime_per_job: Quantity = _unit("s")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemoryBandwidthPoint:
+    """Memory bandwidth of one operation at one thread count."""
+
     op: Literal["read", "copy"]
     threads: int
     repeats: int
@@ -125,9 +137,14 @@ class MemoryBandwidthPoint:
     bandwidth: Quantity = _unit("B/s")
 
 
-@dataclass
+MatmulDtype = Literal["bf16", "fp32"]  # the dtypes tuner/probe/cpu.py measures
+
+
+@dataclass(frozen=True)
 class MatmulPoint:
-    dtype: Literal["bf16", "fp32"]
+    """CPU matmul throughput of x[m,k] times W[n,k]^T at one dtype and thread count."""
+
+    dtype: MatmulDtype
     m: int
     k: int
     n: int
@@ -137,8 +154,10 @@ class MatmulPoint:
     time_per_call: Quantity = _unit("us")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GpuInfo:
+    """One CUDA device, and its host-to-device copy bandwidth when measured."""
+
     index: int
     name: str
     vram: Quantity = _unit("B")
