@@ -364,5 +364,5 @@ def test_helpers():
         parse_duration("soon")
     assert redact_url("postgresql://bob:pw@host:5432/db") == "postgresql://bob:***@host:5432/db"
     with pytest.raises(ModelFormatError):
-        from engine.models import resolve_model
+        from engine.resolve import resolve_model
         resolve_model("no-such-preset")

@@ -67,7 +67,7 @@ def add_run(sub) -> None:
 
 def cmd_run(args) -> int:
     from engine.generate import Sampler
-    from engine.models import resolve_model
+    from engine.resolve import resolve_model
     from engine.session import run_generation
     from tuner.printers import run_header, run_text
 
@@ -112,7 +112,7 @@ def add_bench(sub) -> None:
 
 def cmd_bench(args) -> int:
     from engine.config import parse_size
-    from engine.models import resolve_model
+    from engine.resolve import resolve_model
 
     config = engine_config_from_args(args)
     model_dir = resolve_model(args.model, progress=not args.json)
@@ -259,15 +259,14 @@ def cmd_synth(args) -> int:
     from engine import synth
     from engine.errors import ConfigError
 
+    from tuner.printers import presets_text, synth_text
+
     if args.list:
         rows = synth.describe_presets()
         if args.json:
             _print_json(rows)
         else:
-            for r in rows:
-                kind = "synth" if r["materializable"] else "geometry only"
-                print(f"{r['name']:<16} {kind:<13} {r['total_params'] / 1e9:8.2f}B params "
-                      f"({r['active_params'] / 1e9:.2f}B active)  {r['description']}")
+            print(presets_text(rows))
         return 0
     if not args.out:
         raise ConfigError("missing -o/--out DIR")
@@ -279,9 +278,7 @@ def cmd_synth(args) -> int:
     if args.json:
         _print_json(summary)
     else:
-        print(f"wrote {summary['path']}: {summary['bytes'] / 2**30:.2f} GiB in {summary['shards']} shard(s), "
-              f"{summary['tensors']} tensors, seed {summary['seed']}, routing skew {summary['routing_skew']} "
-              f"({summary['seconds']:.1f} s)")
+        print(synth_text(summary))
     return 0
 
 

@@ -119,6 +119,17 @@ def config_line(c: dict) -> str:
             f"ctx {c['ctx_size']}")
 
 
+def synth_text(s: dict) -> str:
+    return (f"wrote {s['path']}: {s['bytes'] / 2**30:.2f} GiB in {s['shards']} shard(s), {s['tensors']} tensors, "
+            f"seed {s['seed']}, routing skew {s['routing_skew']} ({s['seconds']:.1f} s)")
+
+
+def presets_text(rows: list[dict]) -> str:
+    return "\n".join(f"{r['name']:<16} {'synth' if r['materializable'] else 'geometry only':<13} "
+                     f"{r['total_params'] / 1e9:8.2f}B params ({r['active_params'] / 1e9:.2f}B active)  "
+                     f"{r['description']}" for r in rows)
+
+
 # --- a tune run ------------------------------------------------------------------------------
 
 def tune_text(r: dict, files: dict) -> str:

@@ -126,10 +126,6 @@ class TrialRecord:
     output_ids: Optional[list[int]] = None
     metrics: Optional[dict[str, Any]] = None
 
-    @property
-    def feasible(self) -> bool:
-        return is_feasible(self.to_attrs())
-
     def to_attrs(self) -> dict:
         """Flat user_attrs: the figures at top level, so the dashboard and the CSV show them."""
         d = _json(self)

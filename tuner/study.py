@@ -154,7 +154,7 @@ class _Run:
     # --- set-up -------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        from engine.models import resolve_model
+        from engine.resolve import resolve_model
         opts = self.opts
         self.model_dir = resolve_model(opts.model, progress=True).resolve()
         self.model_name = opts.model if not Path(opts.model).exists() else self.model_dir.name
