@@ -23,10 +23,11 @@ import psutil
 import pytest
 from optuna.trial import TrialState
 
-from tuner.sandbox import detect_memory_cgroup
 from engine.config import EngineConfig
 from engine.errors import BudgetError, ConfigError, ModelFormatError
 from tuner import cli
+from tuner.result import TuneResult
+from tuner.sandbox import detect_memory_cgroup
 from tuner.space import CHUNK_SIZES, IO_THREADS, SearchSpace
 from tuner.study import TuneOptions, parse_duration, redact_url, run_tune
 
@@ -70,6 +71,9 @@ def test_end_to_end_outputs(tuned, model_dir):
         assert (out / name).is_file(), name
     assert result["schema"] == "colibri.tune/1"
     assert json.loads((out / "result.json").read_text())["recommended"] == result["recommended"]
+    # result.json is exactly the typed schema (docs/schema/tune-result.schema.json): it loads
+    # strictly (no unknown, missing or mistyped key) and says the same when written back.
+    assert TuneResult.from_dict(json.loads((out / "result.json").read_text())).to_dict() == result
     assert result["conditions"]["cold"] is True
     assert result["conditions"]["tokens"] == 2 and result["conditions"]["repeats"] == 1
 
