@@ -19,9 +19,10 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from .dtypes import FLOAT_NAMES, TAG_OF
 from .errors import ModelFormatError
 
-FLOATS = frozenset({"F32", "F16", "BF16", "F64"})
+FLOATS = frozenset(TAG_OF[name] for name in FLOAT_NAMES)  # F32, BF16, F16
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from engine.config import EngineConfig
 from engine.errors import ColibriError
 from engine.model import SUPPORTED_TYPES
 from engine.validate import RULES, ROPE_TYPES
-from tests.tiny import RUN_ARGS, TINY, make_tiny, read_header, write_header
+from colibri_tiny import RUN_ARGS, TINY, make_tiny, read_header, write_header
 from tuner.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -338,7 +338,7 @@ def _walk_mutate(obj, path_picks: list[int], value, delete: bool):
 
 
 def _profile_json() -> str:
-    from tests.test_probe_profile import make_profile
+    from test_probe_profile import make_profile
     return json.dumps(make_profile().to_dict())
 
 

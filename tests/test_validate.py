@@ -11,7 +11,7 @@ from engine.checkpoint import MAX_HEADER_BYTES, TensorInfo
 from engine.errors import ModelFormatError
 from engine.model import SUPPORTED_TYPES
 from engine.validate import RULES, Consistent, Int, config_problems, validate_config
-from tests.tiny import RUN_ARGS, make_tiny, read_header, write_header
+from colibri_tiny import RUN_ARGS, make_tiny, read_header, write_header
 from tuner.cli import main
 
 
@@ -114,7 +114,7 @@ def test_every_supported_architecture_has_its_own_rule_set():
 def test_transformers_configs_of_every_architecture_pass(tmp_path):
     """Real configs as transformers writes them (the oracle's) are accepted unchanged."""
     from transformers import AutoConfig
-    from tests.hf_models import ARCHS, BASE
+    from colibri_hf_models import ARCHS, BASE
     for model_type in [*ARCHS, "qwen2"]:
         AutoConfig.for_model(model_type, **{**BASE, **ARCHS.get(model_type, {})}).save_pretrained(tmp_path / model_type)
         validate_config(json.loads((tmp_path / model_type / "config.json").read_text()), model_type)
@@ -134,7 +134,7 @@ def test_rule_blocks_compose_for_a_new_architecture():
 
 
 def test_geometry_file_goes_through_the_same_rules(tmp_path, capsys):
-    from tests.tiny import TINY
+    from colibri_tiny import TINY
     geom = tmp_path / "g.json"
     geom.write_text(json.dumps({**TINY, "num_key_value_heads": 3}))
     one_line(*run(capsys, "synth", "--geometry", geom, "-o", tmp_path / "out"),
