@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import typing
 from dataclasses import asdict, dataclass, field
 
 from engine.durable import atomic_write_text
 from engine.errors import BudgetError, ColibriError
+from tuner.result import TrialStatus
 
-KINDS = ("ok", "over_budget", "oom_killed", "killed", "timeout", "crashed", "bad_config")
+KINDS = typing.get_args(TrialStatus)  # ok, over_budget, oom_killed, killed, timeout, crashed, bad_config
 
 
 @dataclass
