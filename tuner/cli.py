@@ -314,6 +314,31 @@ def cmd_synth(args) -> int:
     return 0
 
 
+# --- report, profile, compare --------------------------------------------------------------
+
+def add_report(sub) -> None:
+    p = sub.add_parser("report", help="(re)write a tune run's report.md and self-contained report.html")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a `colibri tune` run directory")
+    p.add_argument("--storage", help="the study's storage URL when it is not the run's study.db (PostgreSQL)")
+    p.add_argument("--open", action="store_true", help="open report.html in the default browser")
+    p.add_argument("--json", action="store_true", help="print the written files as JSON")
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args) -> int:
+    from tuner.report_html import write_reports
+    files = write_reports(args.run_dir, storage=args.storage)
+    if args.json:
+        _print_json({k: str(v) for k, v in files.items()})
+    else:
+        print(f"report.md: {files['report.md']}\nreport.html: {files['report.html']}")
+    if args.open:
+        import webbrowser
+        if not webbrowser.open(files["report.html"].resolve().as_uri()):
+            print(f"colibri report: no browser to open; the page is {files['report.html']}", file=sys.stderr)
+    return 0
+
+
 # --- main -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -328,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth]
+ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_report]
 
 
 def main(argv: list[str] | None = None) -> int:

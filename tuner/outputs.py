@@ -1,14 +1,12 @@
-"""What a tune run leaves in its run directory: trials.csv, result.json, recommended.toml.
+"""What a tune run leaves in its run directory: result.json, recommended.toml (trials.csv: tuner.trials_frame).
 
-All three are written atomically (temp file + rename), so an interrupted run leaves either the
+Both are written atomically (temp file + rename), so an interrupted run leaves either the
 previous complete file or the new one, never half of one. result.json's schema id is
 "colibri.tune/1"; docs/TUNING.md documents its fields.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from pathlib import Path
 
@@ -19,51 +17,6 @@ BEST_CONFIG_SCHEMA = "colibri.best_config/1"
 
 # Geometry keys that make two models interchangeable for a recorded best config.
 GEOMETRY_KEYS = ("model_type", "layers", "hidden_size", "experts", "top_k", "moe_intermediate_size", "vocab_size")
-
-# Trial figures copied into their own CSV columns (the full bench JSON stays in the study).
-METRIC_COLUMNS = ("decode_tok_s", "ttft_s", "prefill_tok_s", "token_latency_p50_ms", "token_latency_p99_ms",
-                  "read_gbps", "io_stall_fraction", "lookahead_recall", "bytes_read_per_token", "hit_rate_ram",
-                  "peak_rss_bytes", "cgroup_peak_bytes", "plan_cache_bytes")
-PARAM_COLUMNS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "gpu_cache_ratio", "threads", "ctx_size",
-                 "io_mode", "io_threads", "cache_policy")
-
-
-def trial_rows(trials) -> list[dict]:
-    """One flat row per Optuna trial (FrozenTrial), in trial-number order."""
-    rows = []
-    for t in sorted(trials, key=lambda t: t.number):
-        a = t.user_attrs
-        row = {"number": t.number, "state": t.state.name, "status": a.get("status", ""), "role": a.get("role", ""),
-               "feasible": a.get("constraint", 1.0) <= 0 if "constraint" in a else "",
-               "constraint": a.get("constraint", "")}
-        values = t.values or []
-        row["value"] = values[0] if len(values) > 0 else ""
-        row["value2"] = values[1] if len(values) > 1 else ""
-        for p in PARAM_COLUMNS:
-            v = t.params.get(p, "")
-            row[p] = round(v, 6) if isinstance(v, float) else v  # 0.8500000000000001 is a step artefact
-        for m in METRIC_COLUMNS:
-            v = a.get(m)
-            row[m] = "" if v is None else v
-        row["wall_seconds"] = round(a["wall_seconds"], 3) if isinstance(a.get("wall_seconds"), (int, float)) else ""
-        row["duplicate_of"] = a.get("duplicate_of", "")
-        row["worker"] = a.get("worker", "")
-        row["error"] = a.get("error", "")
-        rows.append(row)
-    return rows
-
-
-def write_trials_csv(trials, path: str | Path) -> Path:
-    rows = trial_rows(trials)
-    columns = ["number", "state", "status", "role", "feasible", "constraint", "value", "value2", *PARAM_COLUMNS,
-               *METRIC_COLUMNS, "wall_seconds", "duplicate_of", "worker", "error"]
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(path, buf.getvalue())
-    return Path(path)
-
 
 def write_result_json(result: dict, path: str | Path) -> Path:
     atomic_write_text(path, json.dumps(result, indent=2, default=str) + "\n")

@@ -672,7 +672,8 @@ class _Tuner:
     # --- outputs ------------------------------------------------------------------------------
 
     def _write_trials_csv(self) -> None:
-        outputs.write_trials_csv(self.study.get_trials(deepcopy=False), self.out / "trials.csv")
+        from tuner.trials_frame import write_trials_csv
+        write_trials_csv(self.study, self.out / "trials.csv")
 
     def result(self, decision: dict) -> dict:
         winner, base = decision["winner"], decision["baseline"]
@@ -770,6 +771,8 @@ class _Tuner:
         try:
             from tuner.report import write_report
             files.update(write_report(self.study, result, self.out))
+            from tuner.report_html import write_html_report
+            files["report.html"] = write_html_report(self.out, study=self.study)
         except Exception as exc:  # the numbers are saved; a plotting problem must not lose them
             self.log(f"report: could not be written ({type(exc).__name__}: {exc})")
         if rec:
@@ -837,7 +840,7 @@ def format_outcome(outcome: TuneOutcome) -> str:
         f"trials: {r['study']['trials']} ({r['study']['feasible']} feasible) | {r['budget']} budget | "
         f"{'cold' if r['conditions']['cold'] else 'warm'} | {r['conditions']['wall_seconds']:.0f} s",
     ]
-    for name in ("recommended.toml", "result.json", "trials.csv", "report.md"):
+    for name in ("recommended.toml", "result.json", "trials.csv", "report.md", "report.html"):
         if name in outcome.files:
             lines.append(f"  {name}: {outcome.files[name]}")
     lines.append(f"  study: {r['study']['storage']} (optuna-dashboard can open it)")
