@@ -118,15 +118,23 @@ def read_json(path: Path, max_bytes: int):
     except OSError as exc:
         raise RunDirError(f"cannot read {path}: {exc.strerror or exc}") from None
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
-    except UnicodeDecodeError:
-        raise RunDirError(f"{path}: not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise RunDirError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        return strict_loads(raw)
     except ValueError as exc:
         raise RunDirError(f"{path}: {exc}") from None
+
+
+def strict_loads(raw: bytes):
+    """JSON from untrusted bytes: UTF-8 only, no NaN/Infinity, no duplicate keys (a second value
+    for a key is how a crafted file shows one figure to one reader and another to the next).
+    Every problem is a ValueError whose message is one line."""
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
     except RecursionError:
-        raise RunDirError(f"{path}: JSON nested too deeply") from None
+        raise ValueError("JSON nested too deeply") from None
 
 
 def _no_constant(name: str):
