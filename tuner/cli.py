@@ -386,7 +386,7 @@ def cmd_profile(args) -> int:
             _print_json(rows)
         elif not rows:
             print(f"no profiles in {profiles.store_dir()} (colibri profile import FILE)")
-        for r in rows:
+        for r in [] if args.json else rows:
             print(f"{r['name']}: invalid ({r['error']})" if "error" in r else
                   f"{r['name']:<44} {r['cpu'][:32]:<32} {r['cores']:>3} cores {format_size(r['ram_bytes']):>9} "
                   f"{r['disk']:<16} {r['configs']} config(s)  {r['created_utc']}")
@@ -405,6 +405,27 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def add_compare(sub) -> None:
+    p = sub.add_parser("compare", help="tune runs and/or profiles side by side (markdown, HTML, plots)")
+    p.add_argument("inputs", nargs="+", metavar="RUN_DIR|PROFILE", help="run directories, profile files or "
+                                                                         "names in the local store")
+    p.add_argument("--out", metavar="DIR", help="where to write (default: reports/compare-<time>)")
+    p.add_argument("--force", action="store_true", help="compare even when the conditions differ "
+                                                        "(model, budget, cold/warm, tokens, tool version)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args) -> int:
+    from tuner.compare import compare, format_text
+    summary = compare(args.inputs, out_dir=args.out, force=args.force)
+    if args.json:
+        _print_json(summary)
+    else:
+        print(format_text(summary))
+    return 0
+
+
 # --- main -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -419,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_report, add_profile]
+ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_report, add_profile, add_compare]
 
 
 def main(argv: list[str] | None = None) -> int:

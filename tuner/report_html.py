@@ -9,17 +9,15 @@ Every string from the files is HTML-escaped (a model name is data, not markup).
 
 from __future__ import annotations
 
-import base64
-import html
 import math
 from pathlib import Path
 
 from engine.config import atomic_write_text, format_size
 from tuner import report_plots
+from tuner.html_page import e as _e, img as _img, num as _num, page, table as _table
 from tuner.rundir import RunDir, open_run
 
 PLOTS = "plots"
-CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 KNOBS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "gpu_cache_ratio", "threads", "ctx_size", "io_mode",
          "io_threads", "cache_policy", "kv_dtype", "dtype")
 TABLE_COLUMNS = ("number", "role", "status", "feasible", "decode_tok_s", "ttft_s", "chunk_size", "prefetch_depth",
@@ -32,17 +30,6 @@ SHORT_NAMES = {"decode_tok_s": "decode tok/s", "ttft_s": "TTFT s", "chunk_size":
                "bytes_read_per_token": "read/token", "hit_rate_ram": "hit", "io_stall_fraction": "stall",
                "cgroup_peak_bytes": "peak", "wall_seconds": "wall s"}
 
-STYLE = """
-body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:2em auto;max-width:1100px;color:#222;
-padding:0 1em;line-height:1.4}
-h1{font-size:1.5em;margin-bottom:.2em} h2{font-size:1.2em;margin-top:1.8em;border-bottom:1px solid #ddd}
-.sub{color:#666} table{border-collapse:collapse;margin:.6em 0;font-size:.88em}
-th,td{border:1px solid #ddd;padding:.25em .55em;text-align:left} th{background:#f4f4f4}
-td.num{text-align:right;font-variant-numeric:tabular-nums} tr.changed td{background:#fff6d5}
-.headline{font-size:1.1em;background:#eef6ee;border:1px solid #cde3cd;padding:.7em 1em;border-radius:6px}
-.note{color:#666;font-size:.9em} img{max-width:100%;height:auto;display:block;margin:.6em 0}
-.scroll{overflow-x:auto} .trials td,.trials th{font-size:.74em;white-space:nowrap;padding:.2em .35em}
-"""
 
 
 def write_html_report(run_dir: str | Path, study=None, storage: str | None = None) -> Path:
@@ -117,11 +104,7 @@ def render(run: RunDir) -> str:
              _bound_table(data)]
     body += ["<h2>Trials</h2>", _trials_table(run)]
     body += ["<h2>Conditions</h2>", _conditions(r)]
-    return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-            f"<meta http-equiv='Content-Security-Policy' content=\"{CSP}\">"
-            "<meta name='viewport' content='width=device-width, initial-scale=1'>"
-            f"<title>colibri tune: {_e(model.get('name'))}</title><style>{STYLE}</style></head><body>\n"
-            + "\n".join(body) + "\n</body></html>\n")
+    return page(f"colibri tune: {model.get('name')}", body)
 
 
 def _headline(r: dict) -> list[str]:
@@ -315,40 +298,3 @@ def _disk_curve(run: RunDir) -> tuple[list[dict], dict | None]:
     except Exception:
         chosen["bandwidth"] = None
     return pts, chosen
-
-
-# --- HTML helpers ---------------------------------------------------------------------------
-
-def _img(path: Path | None, alt: str, missing: str = "Not drawn: the run holds no data for it.") -> str:
-    if path is None or not Path(path).is_file():
-        return f"<p class='note'>{_e(missing)}</p>"
-    data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
-    return f"<img alt='{_e(alt)}' src='data:image/png;base64,{data}'>"
-
-
-def _table(headers, rows, header: bool = True) -> str:
-    out = ["<table>"]
-    if header:
-        out.append("<tr>" + "".join(f"<th>{_e(h)}</th>" for h in headers) + "</tr>")
-    for row in rows:
-        out.append("<tr>" + "".join(
-            f"<td class='num'>{_e(v)}</td>" if _numeric(v) else f"<td>{_e(v)}</td>" for v in row) + "</tr>")
-    return "".join(out) + "</table>"
-
-
-def _numeric(v) -> bool:
-    if isinstance(v, (int, float)):
-        return True
-    try:
-        float(str(v))
-        return True
-    except ValueError:
-        return False
-
-
-def _e(v) -> str:
-    return html.escape("-" if v is None else str(v), quote=True)
-
-
-def _num(v, digits: int = 2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"

@@ -138,3 +138,47 @@ def plot_bound(points: list[dict], path: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def plot_bars(labels: list[str], values: list, lows: list | None, highs: list | None, title: str,
+              path: Path) -> Path | None:
+    """One bar per input (compare), min..max as error bars where given; None when all are absent."""
+    import matplotlib.pyplot as plt
+    if all(v is None for v in values):
+        return None
+    vals = [0.0 if v is None else v for v in values]
+    yerr = None
+    if lows and highs:
+        yerr = [[max(v - (lo if lo is not None else v), 0) for v, lo in zip(vals, lows)],
+                [max((hi if hi is not None else v) - v, 0) for v, hi in zip(vals, highs)]]
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.4 * len(labels) + 1.5), 3.6))
+    bars = ax.bar(range(len(labels)), vals, yerr=yerr, capsize=4, color="tab:blue")
+    for bar, v in zip(bars, values):
+        if v is None:
+            bar.set_hatch("//")
+            bar.set_facecolor("white")
+            ax.text(bar.get_x() + bar.get_width() / 2, 0, "n/a", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=20 if max(map(len, labels)) > 12 else 0, ha="right"
+                       if max(map(len, labels)) > 12 else "center", fontsize=8)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_speed_quality(points: list[tuple[str, float | None, float | None]], path: Path) -> Path | None:
+    """Decode tok/s against KL (lower is better), one labelled point per input: the trade-off of
+    quant levels. Inputs without a KL figure are left out."""
+    import matplotlib.pyplot as plt
+    pts = [p for p in points if p[1] is not None and p[2] is not None]
+    if not pts:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.scatter([p[1] for p in pts], [p[2] for p in pts], s=40, zorder=3)
+    for label, kl, speed in pts:
+        ax.annotate(label, (kl, speed), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("KL divergence to the reference (lower is better)")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title("Speed against quality")
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
