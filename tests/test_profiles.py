@@ -102,16 +102,10 @@ def test_export_from_probe_json_and_name_clash(tmp_path, store, capsys):
 def this_machine_run(tmp_path_factory) -> Path:
     """A run directory whose profile.json is a real (shrunk) probe of this machine and whose
     result names absolute paths, as a real run's does."""
-    from tuner.probe import ProbePlan, run_probe
-    from tuner.probe.storage import StorageJob, StoragePlan
+    from probe_plans import tiny_probe_plan
+    from tuner.probe import run_probe
     d = tmp_path_factory.mktemp("privacy")
-    jobs = (StorageJob("sequential", "read", 256 * 1024, 2), StorageJob("curve", "randread", 256 * 1024, 2),
-            StorageJob("buffered", "randread", 256 * 1024, 2, direct=False, time_based=False))
-    plan = ProbePlan(mode="custom", storage=StoragePlan(file_bytes=4 * MiB, runtime_s=0.05, jobs=jobs,
-                                                        min_file_bytes=1 * MiB),
-                     memory_buffer_bytes=4 * MiB, memory_repeats=1, matmul_ms=(1,), matmul_min_time_s=0.005,
-                     measure_gpu=False, thread_counts=(1,))
-    probe = run_probe(d, use_fio=False, plan=plan)
+    probe = run_probe(d, use_fio=False, plan=tiny_probe_plan())
     return make_run(d / "run", profile=probe, model_dir=str(Path.home() / "models" / "tiny"))
 
 

@@ -48,16 +48,10 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def profile_path(tmp_path_factory) -> Path:
     """A real probe, shrunk to a few tiny jobs (the tune command reuses it via --profile)."""
-    from tuner.probe import ProbePlan, run_probe, save_profile
-    from tuner.probe.storage import StorageJob, StoragePlan
+    from probe_plans import tiny_probe_plan
+    from tuner.probe import run_probe, save_profile
     d = tmp_path_factory.mktemp("tune-profile")
-    jobs = (StorageJob("sequential", "read", 256 * 1024, 2), StorageJob("curve", "randread", 256 * 1024, 2),
-            StorageJob("buffered", "randread", 256 * 1024, 2, direct=False, time_based=False))
-    plan = ProbePlan(mode="custom", storage=StoragePlan(file_bytes=4 * MiB, runtime_s=0.05, jobs=jobs,
-                                                        min_file_bytes=1 * MiB),
-                     memory_buffer_bytes=4 * MiB, memory_repeats=1, matmul_ms=(1,), matmul_min_time_s=0.005,
-                     measure_gpu=False, thread_counts=(1,))
-    return save_profile(run_probe(d, use_fio=False, plan=plan), d / "profile.json")
+    return save_profile(run_probe(d, use_fio=False, plan=tiny_probe_plan()), d / "profile.json")
 
 
 def options(model_dir, profile_path, out, **kw) -> TuneOptions:
@@ -92,8 +86,8 @@ def tuned(model_dir, profile_path, tmp_path_factory):
 
 def test_end_to_end_outputs(tuned, model_dir):
     out, result = tuned.out_dir, tuned.result
-    for name in ("recommended.toml", "result.json", "trials.csv", "study.db", "report.md", "profile.json",
-                 "calibration.json", "routing.json"):
+    for name in ("recommended.toml", "result.json", "trials.csv", "study.db", "report.md", "report.html",
+                 "profile.json", "calibration.json", "routing.json"):
         assert (out / name).is_file(), name
     assert result["schema"] == "colibri.tune/1"
     assert json.loads((out / "result.json").read_text())["recommended"] == result["recommended"]

@@ -126,8 +126,9 @@ def _row(rank: int, it: Item, best: float) -> dict:
             "decode_tok_s": f.get("decode_tok_s"), "decode_min": f.get("decode_min"), "decode_max": f.get("decode_max"),
             "of_best": (f.get("decode_tok_s") or 0.0) / best if best else None,
             "ttft_s": f.get("ttft_s"), "ttft_min": f.get("ttft_min"), "ttft_max": f.get("ttft_max"),
-            "mib_read_per_token": None if f.get("bytes_read_per_token") is None else f["bytes_read_per_token"] / (1 << 20),
-            "hit_rate_ram": f.get("hit_rate_ram"), "kl_mean": q.get("kl_mean"), "top1_agreement": q.get("top1_agreement"),
+            "mib_read_per_token": _scaled(f.get("bytes_read_per_token"), 1.0 / (1 << 20)),
+            "hit_rate_ram": f.get("hit_rate_ram"), "kl_mean": q.get("kl_mean"),
+            "top1_agreement": q.get("top1_agreement"),
             "unconfirmed": f.get("unconfirmed"),
             "config": f"chunk {format_size(c.get('chunk_size'))}, prefetch {c.get('prefetch_depth')}, "
                       f"{c.get('cache_policy')} x{c.get('cpu_cache_ratio')}, threads {c.get('threads')}, "

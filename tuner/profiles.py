@@ -69,7 +69,6 @@ def entry_from_run(run) -> dict:
     trial = run.trial_row(rec.get("trial_number"))
     for out_key, csv_key in TRIAL_FIGURES:
         figures[out_key] = _number(trial.get(csv_key))
-    versions = cond.get("versions") or {}
     return {
         "schema": ENTRY_SCHEMA, "model": model_name(model.get("name"), model.get("dir")),
         "geometry": {k: (model.get("geometry") or {}).get(k) for k in GEOMETRY_KEYS},
@@ -79,15 +78,8 @@ def entry_from_run(run) -> dict:
         "objective": r.get("objective"), "config": _shareable_config(rec.get("config") or {}),
         "figures": figures, "baseline_figures": _figures(base.get("confirmed")) if base.get("confirmed") else None,
         "gain_over_baseline": r.get("gain_over_baseline"), "quality": _quality(r.get("quality")),
-        "conditions": {
-            "cold": bool(cond.get("cold")), "tokens": cond.get("tokens"), "repeats": cond.get("repeats"),
-            "prompt_tokens": cond.get("prompt_tokens"), "seed": cond.get("seed"), "min_ctx": cond.get("min_ctx"),
-            "cgroup_enforced": (cond.get("memory_limit") or {}).get("cgroup"),
-            "confirmation_rounds": (r.get("confirmation") or {}).get("rounds"), "trials": study.get("trials"),
-            "feasible": study.get("feasible"), "sampler": study.get("sampler"),
-            "wall_seconds": cond.get("wall_seconds")},
-        "tool": {"name": "colibri-tune", "version": __version__, "engine_version": versions.get("engine"),
-                 "git_commit": versions.get("git_commit")},
+        "conditions": _conditions(cond, (r.get("confirmation") or {}).get("rounds"), study),
+        "tool": _tool(cond),
         "created_utc": r.get("created_utc"),
     }
 
@@ -106,7 +98,6 @@ def _normalize_entry(e: dict) -> dict | None:
     if "geometry_hash" in e:
         return e
     cond = e.get("conditions") or {}
-    versions = cond.get("versions") or {}
     geometry = e.get("geometry") or {}
     return {
         "schema": ENTRY_SCHEMA, "model": model_name(e.get("model"), None),
@@ -117,15 +108,25 @@ def _normalize_entry(e: dict) -> dict | None:
         "figures": _figures(e.get("figures")),
         "baseline_figures": _figures(e.get("baseline_figures")) if e.get("baseline_figures") else None,
         "gain_over_baseline": e.get("gain_over_baseline"), "quality": _quality(e.get("quality")),
-        "conditions": {"cold": bool(cond.get("cold")), "tokens": cond.get("tokens"), "repeats": cond.get("repeats"),
-                       "prompt_tokens": cond.get("prompt_tokens"), "seed": cond.get("seed"),
-                       "min_ctx": cond.get("min_ctx"), "cgroup_enforced": (cond.get("memory_limit") or {}).get("cgroup"),
-                       "confirmation_rounds": None, "trials": None, "feasible": None, "sampler": None,
-                       "wall_seconds": cond.get("wall_seconds")},
-        "tool": {"name": "colibri-tune", "version": __version__, "engine_version": versions.get("engine"),
-                 "git_commit": versions.get("git_commit")},
+        "conditions": _conditions(cond, None, {}), "tool": _tool(cond),
         "created_utc": e.get("created_utc"),
     }
+
+
+def _conditions(cond: dict, rounds, study: dict) -> dict:
+    """The measurement conditions a shared entry keeps (result.json's `conditions`, less the
+    paths and the machine details the profile holds anyway)."""
+    return {"cold": bool(cond.get("cold")), "tokens": cond.get("tokens"), "repeats": cond.get("repeats"),
+            "prompt_tokens": cond.get("prompt_tokens"), "seed": cond.get("seed"), "min_ctx": cond.get("min_ctx"),
+            "cgroup_enforced": (cond.get("memory_limit") or {}).get("cgroup"), "confirmation_rounds": rounds,
+            "trials": study.get("trials"), "feasible": study.get("feasible"), "sampler": study.get("sampler"),
+            "wall_seconds": cond.get("wall_seconds")}
+
+
+def _tool(cond: dict) -> dict:
+    versions = cond.get("versions") or {}
+    return {"name": "colibri-tune", "version": __version__, "engine_version": versions.get("engine"),
+            "git_commit": versions.get("git_commit")}
 
 
 def entry_key(e: dict) -> tuple:

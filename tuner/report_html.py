@@ -169,7 +169,8 @@ def _figures_table(r: dict) -> str:
         f = c.get("confirmed") or {}
         verdict = c.get("disqualified") or c.get("note") or (
             "recommended" if r.get("recommended") and c.get("label") == r["recommended"].get("label") else "")
-        rows.append((c.get("label"), _num(f.get("decode_tok_s")), f"{_num(f.get('decode_min'))}..{_num(f.get('decode_max'))}",
+        rows.append((c.get("label"), _num(f.get("decode_tok_s")),
+                     f"{_num(f.get('decode_min'))}..{_num(f.get('decode_max'))}",
                      _num(f.get("decode_stdev")), f.get("samples"), _num(f.get("ttft_s"), 4),
                      f"{_num(f.get('ttft_min'), 4)}..{_num(f.get('ttft_max'), 4)}", verdict))
     conf = r.get("confirmation") or {}

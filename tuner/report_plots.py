@@ -62,16 +62,8 @@ def plot_ttft_decode(points: list[dict], path: Path) -> Path | None:
         sel = [p for p in pts if p.get("ctx_size") == ctx]
         ax.scatter([p["ttft_s"] for p in sel], [p["decode_tok_s"] for p in sel], s=26, color=cmap(i),
                    label=f"ctx {ctx}" if ctx is not None else "trials", zorder=3)
-    for p in pts:
-        if p.get("recommended"):
-            ax.scatter([p["ttft_s"]], [p["decode_tok_s"]], s=140, facecolors="none", edgecolors="red",
-                       linewidths=1.5, label="recommended (search trial)", zorder=4)
-    ax.set_xlabel("TTFT (s)")
-    ax.set_ylabel("decode tok/s")
-    ax.set_title("Time to first token against decode speed")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    _ring_recommended(ax, pts, "ttft_s")
+    return _finish(fig, ax, "TTFT (s)", "decode tok/s", "Time to first token against decode speed", path)
 
 
 def plot_disk_curve(points: list[dict], chosen: dict | None, path: Path) -> Path | None:
@@ -98,12 +90,8 @@ def plot_disk_curve(points: list[dict], chosen: dict | None, path: Path) -> Path
     sizes = sorted({p["request_bytes"] for p in points} | ({chosen["chunk_size"]} if chosen else set()))
     ax.set_xticks(sizes)
     ax.set_xticklabels([format_size(s) for s in sizes], fontsize=8)
-    ax.set_xlabel("request size")
-    ax.set_ylabel("GB/s (direct random reads)")
-    ax.set_title("Disk: bandwidth against request size (probe)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _finish(fig, ax, "request size", "GB/s (direct random reads)",
+                   "Disk: bandwidth against request size (probe)", path)
 
 
 def plot_bound(points: list[dict], path: Path) -> Path | None:
@@ -120,10 +108,7 @@ def plot_bound(points: list[dict], path: Path) -> Path | None:
         if sel:
             ax.scatter([p["bound_tok_s"] for p in sel], [p["decode_tok_s"] for p in sel], s=24, color=color,
                        label=f"trials bounded by {limit}", zorder=3)
-    for p in pts:
-        if p.get("recommended"):
-            ax.scatter([p["bound_tok_s"]], [p["decode_tok_s"]], s=140, facecolors="none", edgecolors="red",
-                       linewidths=1.5, label="recommended (search trial)", zorder=4)
+    _ring_recommended(ax, pts, "bound_tok_s")
     # Log-log: on a small model the bound can be 100x the measured speed (compute dominates).
     vals = [p["bound_tok_s"] for p in pts] + [p["decode_tok_s"] for p in pts if p["decode_tok_s"] > 0]
     lo, hi = min(vals) / 1.5, max(vals) * 1.5
@@ -132,12 +117,8 @@ def plot_bound(points: list[dict], path: Path) -> Path | None:
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
-    ax.set_xlabel("bound tok/s: 1 / max(disk time, memory time) per token")
-    ax.set_ylabel("measured decode tok/s")
-    ax.set_title("Measured speed against the bound")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _finish(fig, ax, "bound tok/s: 1 / max(disk time, memory time) per token", "measured decode tok/s",
+                   "Measured speed against the bound", path)
 
 
 def plot_bars(labels: list[str], values: list, lows: list | None, highs: list | None, title: str,
@@ -177,8 +158,22 @@ def plot_speed_quality(points: list[tuple[str, float | None, float | None]], pat
     ax.scatter([p[1] for p in pts], [p[2] for p in pts], s=40, zorder=3)
     for label, kl, speed in pts:
         ax.annotate(label, (kl, speed), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    ax.set_xlabel("KL divergence to the reference (lower is better)")
-    ax.set_ylabel("decode tok/s")
-    ax.set_title("Speed against quality")
+    return _finish(fig, ax, "KL divergence to the reference (lower is better)", "decode tok/s",
+                   "Speed against quality", path, legend=False)
+
+
+def _ring_recommended(ax, pts: list[dict], x_key: str) -> None:
+    for p in pts:
+        if p.get("recommended"):
+            ax.scatter([p[x_key]], [p["decode_tok_s"]], s=140, facecolors="none", edgecolors="red",
+                       linewidths=1.5, label="recommended (search trial)", zorder=4)
+
+
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: Path, legend: bool = True) -> Path:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=8)
     return _save(fig, path)
