@@ -124,3 +124,19 @@ def test_the_browser_check_sees_broken_images_and_errors(tmp_path):
     assert {i["alt"] for i in check.broken_images} == {"corrupt", "remote"}
     assert any("boom" in e for e in check.errors) and any("missing" in e for e in check.errors)
     assert not check.ok
+
+
+def test_report_of_a_run_where_nothing_fit(tmp_path):
+    """No recommended config (every trial infeasible): the page still renders and says so."""
+    import json
+    run = make_run(tmp_path / "run")
+    result = json.loads((run / "result.json").read_text())
+    result.update(recommended=None, gain_over_baseline=None, candidates=[])
+    result["baseline"]["confirmed"] = None
+    (run / "result.json").write_text(json.dumps(result))
+    write_reports(run)
+    page = (run / "report.html").read_text()
+    assert "No configuration ran within the budget" in page
+    assert "<h2>Trials</h2>" in page and "killed by the cgroup OOM killer" in page
+    for png in _images(page):
+        assert png.startswith(b"\x89PNG")

@@ -45,7 +45,7 @@ def plot_memory_plan(plans: dict[str, dict], path: Path) -> Path | None:
     ax.set_xlabel("GiB")
     ax.set_ylim(-0.6, len(labels) - 0.1)
     ax.set_title("Memory plan against the budget")
-    ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / len(labels)), frameon=False)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     return _save(fig, path)
 
 
