@@ -214,7 +214,7 @@ def _trials_table(run: RunDir) -> str:
         shown[c] = shown[c].map(lambda v: format_size(v) if isinstance(v, (int, float)) else v)
     for c in ("hit_rate_ram", "io_stall_fraction"):
         shown[c] = shown[c].map(lambda v: f"{v:.0%}" if isinstance(v, (int, float)) else v)
-    shown = shown.rename(columns=SHORT_NAMES)
+    shown = shown.rename(columns=SHORT_NAMES).fillna("")  # an absent figure is a blank cell, not "None"
     return ("<div class='scroll'>" + shown.to_html(index=False, escape=True, na_rep="", classes="trials",
                                                    border=0, float_format=lambda v: f"{v:.4g}")
             + "</div><p class='note'>Sizes in binary units; every column at full precision is in trials.csv.</p>")

@@ -113,10 +113,15 @@ def plot_bound(points: list[dict], path: Path) -> Path | None:
     vals = [p["bound_tok_s"] for p in pts] + [p["decode_tok_s"] for p in pts if p["decode_tok_s"] > 0]
     lo, hi = min(vals) / 1.5, max(vals) * 1.5
     ax.plot([lo, hi], [lo, hi], color="gray", linestyle="--", label="measured = bound")
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers (0.5, 2, 1000), no crowded minor labels
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(NullFormatter())
     return _finish(fig, ax, "bound tok/s: 1 / max(disk time, memory time) per token", "measured decode tok/s",
                    "Measured speed against the bound", path)
 
