@@ -245,6 +245,7 @@ BAD = {
     "entry: geometry hash": (_set("best_configs.0.geometry.experts", 9), "geometry_hash: does not match"),
     "entry: quant": (_set("best_configs.0.quant", "int3"), "best_configs[0].quant"),
     "entry: figure range": (_set("best_configs.0.figures.decode_tok_s", -5), "outside [0, 1e+09]"),
+    "entry: fraction range": (_set("best_configs.0.figures.hit_rate_ram", 1.5), "outside [0, 1]"),
     "entry: missing conditions": (_del("best_configs.0.conditions"), "missing key 'conditions'"),
     "identity: wrong type": (_set("identity", {"hostname": 7, "user": None, "model_dirs": []}),
                              "identity.hostname: expected string"),

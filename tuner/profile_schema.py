@@ -43,9 +43,11 @@ HARDWARE_RANGES = {
 
 # Entry spec: key → (type, nullable, range or choices). "figures" dicts share FIGURES.
 NUM, INT, STR, BOOL = "number", "integer", "string", "boolean"
-FIGURES = {k: (NUM, True, (0, 1e9)) for k in (
-    "decode_tok_s", "ttft_s", "decode_min", "decode_max", "decode_stdev", "ttft_min", "ttft_max",
-    "bytes_read_per_token", "read_gbps", "io_stall_fraction", "hit_rate_ram", "peak_bytes")}
+FIGURES = {k: (NUM, True, (0, 1e9)) for k in ("decode_tok_s", "decode_min", "decode_max", "decode_stdev")}
+FIGURES.update({k: (NUM, True, (0, 1e7)) for k in ("ttft_s", "ttft_min", "ttft_max")})  # seconds
+FIGURES.update({k: (NUM, True, (0, 2 ** 52)) for k in ("bytes_read_per_token", "peak_bytes")})
+FIGURES.update({k: (NUM, True, (0, 1)) for k in ("io_stall_fraction", "hit_rate_ram")})
+FIGURES.update({"read_gbps": (NUM, True, (0, 1e5))})
 FIGURES.update({"measurements": (INT, True, (0, 10 ** 6)), "samples": (INT, True, (0, 10 ** 6)),
                 "unconfirmed": (BOOL, False, None)})  # true: a search figure, not re-measured
 CONDITIONS = {"cold": (BOOL, False, None), "tokens": (INT, False, (1, 10 ** 6)), "repeats": (INT, False, (1, 10 ** 4)),
