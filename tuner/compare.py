@@ -213,7 +213,7 @@ def render_html(s: dict, plots: list[tuple[str, Path]]) -> str:
     body += [f"<p class='{'headline' if i == 0 and s['forced'] else 'note'}'>{e(n)}</p>"
              for i, n in enumerate(_notes(s))]
     body.append(table([h for _, h in COLUMNS], [_cells(r) for r in s["ranked"]]))
-    body += [img(p, t) for t, p in plots]
+    body.append("<div class='plots'>" + "".join(img(p, t) for t, p in plots) + "</div>")
     return page("colibri compare", body)
 
 

@@ -163,6 +163,7 @@ def plot_speed_quality(points: list[tuple[str, float | None, float | None]], pat
     ax.scatter([p[1] for p in pts], [p[2] for p in pts], s=40, zorder=3)
     for label, kl, speed in pts:
         ax.annotate(label, (kl, speed), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.margins(0.15)  # room for the labels of the extreme points
     return _finish(fig, ax, "KL divergence to the reference (lower is better)", "decode tok/s",
                    "Speed against quality", path, legend=False)
 
