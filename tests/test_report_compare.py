@@ -87,3 +87,21 @@ def test_compare_needs_two_inputs_and_a_result(tmp_path, capsys):
     assert "at least two" in capsys.readouterr().err
     assert cli.main(["compare", str(tmp_path / "b"), "no-such-profile"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_model_filter_picks_a_profiles_entries(tmp_path, capsys):
+    from tuner.probe.profile import HardwareProfile
+    first = tmp_path / "first.json"
+    export(make_run(tmp_path / "a"), first)
+    prof = HardwareProfile.from_dict(json.loads(first.read_text()))  # carries tiny's entry
+    both = export(make_run(tmp_path / "b", model_name="twin", budget=1024 * MiB, profile=prof), tmp_path / "both.json")
+    assert len(json.loads(both.read_text())["best_configs"]) == 2
+    run = make_run(tmp_path / "c", speed=1.2)
+    capsys.readouterr()
+    assert cli.main(["compare", str(both), str(run), "--out", str(tmp_path / "x")]) == 2  # 512 MiB vs 1 GiB
+    assert "budget" in capsys.readouterr().err
+    assert cli.main(["compare", str(both), str(run), "--model", "tiny", "--out", str(tmp_path / "y"), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert [r["label"] for r in s["ranked"]] == ["c", "both"]
+    assert cli.main(["compare", str(both), str(run), "--model", "nope"]) == 2
+    assert "no best config for model 'nope'" in capsys.readouterr().err

@@ -412,13 +412,15 @@ def add_compare(sub) -> None:
     p.add_argument("--out", metavar="DIR", help="where to write (default: reports/compare-<time>)")
     p.add_argument("--force", action="store_true", help="compare even when the conditions differ "
                                                         "(model, budget, cold/warm, tokens, tool version)")
+    p.add_argument("--model", metavar="NAME|HASH", help="from profiles, only the entries of this model "
+                                                        "(name, or geometry hash prefix)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compare)
 
 
 def cmd_compare(args) -> int:
     from tuner.compare import compare, format_text
-    summary = compare(args.inputs, out_dir=args.out, force=args.force)
+    summary = compare(args.inputs, out_dir=args.out, force=args.force, model=args.model)
     if args.json:
         _print_json(summary)
     else:

@@ -58,7 +58,8 @@ class Item:
         return self.entry["figures"].get(key)
 
 
-def load_items(refs: list[str]) -> list[Item]:
+def load_items(refs: list[str], model: str | None = None) -> list[Item]:
+    """Each input's items; `model` (a name or geometry hash prefix) picks a profile's entries."""
     items: list[Item] = []
     for ref in refs:
         if is_run_dir(ref):
@@ -72,9 +73,13 @@ def load_items(refs: list[str]) -> list[Item]:
         if not data["best_configs"]:
             raise CompareError(f"{ref}: the profile records no tune result (best_configs is empty)")
         facts = hardware_facts(data)
-        for entry in data["best_configs"]:
+        entries = [e for e in data["best_configs"] if model is None or e["model"] == model
+                   or e["geometry_hash"].removeprefix("sha256:").startswith(model.removeprefix("sha256:"))]
+        if not entries:
+            raise CompareError(f"{ref}: no best config for model {model!r}")
+        for entry in entries:
             suffix = f":{entry['model']}/{entry['quant']}/{format_size(entry['ram_budget'])}" \
-                if len(data["best_configs"]) > 1 else ""
+                if len(entries) > 1 else ""
             items.append(Item(Path(label).stem + suffix, str(ref), facts, entry))
     seen: dict[str, int] = {}
     for it in items:  # two inputs of the same name (run dirs on two disks): number them
@@ -95,8 +100,9 @@ def differences(items: list[Item], which) -> dict[str, list]:
     return out
 
 
-def compare(refs: list[str], out_dir: str | Path | None = None, force: bool = False) -> dict:
-    items = load_items(refs)
+def compare(refs: list[str], out_dir: str | Path | None = None, force: bool = False,
+            model: str | None = None) -> dict:
+    items = load_items(refs, model)
     blocking = differences(items, BLOCKING)
     if blocking and not force:
         detail = "; ".join(f"{k}: {' vs '.join(map(str, v))}" for k, v in blocking.items())
