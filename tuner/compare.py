@@ -216,7 +216,7 @@ def render_markdown(s: dict, plots: list[tuple[str, Path]]) -> str:
 
 def render_html(s: dict, plots: list[tuple[str, Path]]) -> str:
     body = ["<h1>colibri compare</h1>"]
-    body += [f"<p class='{'headline' if i == 0 and s['forced'] else 'note'}'>{e(n)}</p>"
+    body += [f"<p class='{'warn' if i == 0 and s['forced'] else 'note'}'>{e(n)}</p>"
              for i, n in enumerate(_notes(s))]
     body.append(table([h for _, h in COLUMNS], [_cells(r) for r in s["ranked"]]))
     body.append("<div class='plots'>" + "".join(img(p, t) for t, p in plots) + "</div>")
