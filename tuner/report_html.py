@@ -124,31 +124,10 @@ def _headline(r: dict) -> list[str]:
 
 
 def _hardware_table(run: RunDir) -> str:
-    p = run.profile
-    if p is None:
+    from tuner.profiles import hardware_facts
+    if run.profile is None:
         return "<p class='note'>No profile.json in the run directory.</p>"
-    s = p.system
-    seq, lat, iops = p.storage_point("sequential"), p.storage_point("latency_4k"), p.storage_point("iops_4k")
-    mem_read = max((m.bandwidth.value for m in p.memory_bandwidth if m.op == "read"), default=None)
-    gemv = max((m.throughput.value for m in p.cpu_matmul if m.m == 1), default=None)
-    rows = [
-        ("CPU", f"{s.cpu.model} ({s.cpu.arch}), {s.cpu.physical_cores} physical / {s.cpu.logical_cores} logical "
-                f"cores, {s.cpu.numa_nodes} NUMA node(s)"),
-        ("CPU flags", " ".join(s.cpu.flags) or "-"),
-        ("RAM", f"{format_size(s.memory.total.value)}"
-                + (f", cgroup limit {format_size(s.memory.cgroup_limit.value)}" if s.memory.cgroup_limit else "")),
-        ("disk", f"{s.disk.transport} {s.disk.model or ''} ({s.disk.filesystem or '?'}), rotational "
-                 f"{s.disk.rotational}, {format_size(s.disk.free.value)} free of {format_size(s.disk.total.value)}"),
-        ("storage probe", f"{p.storage.method} ({p.storage.tool}, {p.storage.ioengine}), {p.probe.mode} plan"),
-        ("sequential read", f"{_num(seq.bandwidth.value / 1e9)} GB/s" if seq else "-"),
-        ("4 KiB random", (f"QD1 p50 {_num(lat.lat_p50.value, 0)} us" if lat else "-")
-                         + (f", QD32 {_num(iops.iops.value, 0)} IO/s" if iops else "")),
-        ("memory read bandwidth", f"{_num(mem_read / 1e9)} GB/s" if mem_read else "-"),
-        ("matmul (expert GEMV)", f"{_num(gemv)} GFLOP/s best" if gemv else "-"),
-        ("GPU", ", ".join(f"{g.name} {format_size(g.vram.value)}" for g in p.gpus) or "none"),
-        ("fingerprint", p.fingerprint),
-    ]
-    return _table(["", ""], rows, header=False)
+    return _table(["", ""], list(hardware_facts(run.profile.to_dict()).items()), header=False)
 
 
 def _config_table(r: dict) -> str:
