@@ -330,7 +330,7 @@ def hardware_facts(data: dict) -> dict:
         "sequential read": f"{seq.bandwidth.value / 1e9:.2f} GB/s" if seq else "-",
         "1 MiB QD4 random read": mib_qd4,
         "4 KiB QD1 latency p50": f"{lat.lat_p50.value:.0f} us" if lat else "-",
-        "4 KiB QD32 IOPS": f"{iops.iops.value:.0f}" if iops else "-",
+        "4 KiB QD32 random read": f"{iops.iops.value:.0f} IO/s" if iops else "-",
         "memory read bandwidth": f"{mem / 1e9:.2f} GB/s" if mem else "-",
         "matmul (expert GEMV, best)": f"{gemv:.2f} GFLOP/s" if gemv else "-",
         "GPUs": ", ".join(f"{g.name} {format_size(g.vram.value)}" for g in p.gpus) or "none",
