@@ -124,9 +124,11 @@ def _conditions(cond: dict, rounds, study: dict) -> dict:
 
 
 def _tool(cond: dict) -> dict:
+    """The tool that measured the figures (not the one exporting them): result.json records the
+    package version as the engine's (one pyproject) and the commit."""
     versions = cond.get("versions") or {}
-    return {"name": "colibri-tune", "version": __version__, "engine_version": versions.get("engine"),
-            "git_commit": versions.get("git_commit")}
+    return {"name": "colibri-tune", "version": versions.get("engine") or __version__,
+            "engine_version": versions.get("engine"), "git_commit": versions.get("git_commit")}
 
 
 def entry_key(e: dict) -> tuple:
