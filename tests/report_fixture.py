@@ -2,8 +2,8 @@
 trials as `colibri tune` records them, result.json, trials.csv and profile.json.
 
 The report, profile and compare tests read it through the same files a real run leaves, so
-they test those readers, not a second copy of the tuner. Knobs (cold/warm, budget, quant,
-speed, quality, the machine) let two fixture runs differ in exactly one condition.
+they test those readers, not a second copy of the tuner. Knobs (cold/warm, budget, speed,
+the machine, the model's name) let two fixture runs differ in exactly one condition.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from tuner.probe.profile import (
     SCHEMA_VERSION, CpuInfo, DiskInfo, HardwareProfile, MatmulPoint, MemoryBandwidthPoint, MemoryInfo, ProbeRun,
     Quantity, StoragePoint, StorageResult, SystemInfo, ToolInfo, compute_fingerprint, save_profile)
-from tuner.trials_frame import write_trials_csv
+from tuner.outputs import write_trials_csv
 
 MiB, GiB = 1 << 20, 1 << 30
 GEOMETRY = {"model_type": "qwen3_moe", "layers": 4, "hidden_size": 64, "experts": 8, "top_k": 2,
@@ -84,8 +84,8 @@ def hardware_profile(cpu_model: str = "Fixture CPU 9000", seq_gbps: float = 1.8)
         gpus=[], best_configs=[])
 
 
-def make_run(out: Path, *, cold: bool = True, budget: int = 512 * MiB, quant: str | None = None,
-             speed: float = 1.0, quality: dict | None = None, profile: HardwareProfile | None = None,
+def make_run(out: Path, *, cold: bool = True, budget: int = 512 * MiB,
+             speed: float = 1.0, profile: HardwareProfile | None = None,
              model_name: str = "tiny", model_dir: str = "/work/models/tiny", tokens: int = 4) -> Path:
     """Write a finished run directory under `out` and return it."""
     out.mkdir(parents=True, exist_ok=True)
@@ -102,7 +102,7 @@ def make_run(out: Path, *, cold: bool = True, budget: int = 512 * MiB, quant: st
         params=oom, distributions=DISTRIBUTIONS, value=0.0,
         user_attrs={"role": "search", "status": "oom", "constraint": 0.12, "error": "killed by the cgroup OOM killer",
                     "wall_seconds": 3.2}))
-    write_trials_csv(study, out / "trials.csv")
+    write_trials_csv(study.get_trials(), out / "trials.csv")
     profile = profile or hardware_profile()
     save_profile(profile, out / "profile.json")
     rec_params, rec_decode, rec_ttft = TRIALS[RECOMMENDED]
@@ -119,21 +119,23 @@ def make_run(out: Path, *, cold: bool = True, budget: int = 512 * MiB, quant: st
         "confirmation": {"rounds": 2, "confirmed": True, "order": "winner first, baseline last, interleaved per round",
                          "figure": "median over rounds of each run's median over repeats; spread over all repeats"},
         "study": {"name": name, "storage": f"sqlite:///{out / 'study.db'}", "trials": len(TRIALS) + 1,
-                  "feasible": len(TRIALS), "by_status": {"ok": len(TRIALS), "oom": 1}, "sampler": "GPSampler"},
+                  "feasible": len(TRIALS), "by_status": {"ok": len(TRIALS), "oom": 1}, "sampler": "GPSampler",
+                  "sampler_note": "fixture", "directions": ["MAXIMIZE"]},
         "conditions": {
             "cold": cold, "cold_means": "pages dropped before every repeat" if cold else "warm: caches persist",
             "tokens": tokens, "repeats": 2, "prompt_tokens": 8, "seed": 0, "min_ctx": 256,
             "memory_limit": {"cgroup_limit_bytes": budget, "cgroup": True, "reason": ""},
             "precheck_overhead_bytes": 391 * MiB, "time_budget_s": 180.0, "wall_seconds": 178.2,
             "physical_cores": 2, "logical_cores": 2, "gpu": False,
-            "profile": {"source": str(out / "profile.json"), "fingerprint": profile.fingerprint},
+            "profile": {"source": str(out / "profile.json"), "fingerprint": profile.fingerprint,
+                        "probe_mode": profile.probe.mode, "storage_method": profile.storage.method,
+                        "disk_transport": profile.system.disk.transport, "disk_model": profile.system.disk.model,
+                        "filesystem": profile.system.disk.filesystem, "read_gbps_1MiB_qd4_direct": 1.05,
+                        "sequential_gbps": 1.8},
+            "search_space": {k: str(v) for k, v in DISTRIBUTIONS.items()},
             "versions": {"engine": "0.1.0", "git_commit": "32851d055f65", "optuna": optuna.__version__,
                          "python": "3.11.7"}},
     }
-    if quant:
-        result["quant"] = quant
-    if quality:
-        result["quality"] = quality
     (out / "result.json").write_text(json.dumps(result, indent=2))
     return out
 
@@ -156,5 +158,5 @@ def _entry(label: str, number: int, params: dict, budget: int, decode: float, tt
     return {"label": label, "trial_number": number, "role": "search", "config": config,
             "confirmed": {"decode_tok_s": decode, "ttft_s": ttft, "measurements": 2, "decode_min": decode * 0.9,
                           "decode_max": decode * 1.1, "decode_stdev": decode * 0.05, "ttft_min": ttft * 0.9,
-                          "ttft_max": ttft * 1.1, "samples": 4},
+                          "ttft_max": ttft * 1.1, "samples": 4, "unconfirmed": False},
             "search_values": [decode], "runs": [], "disqualified": None, "note": None}

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from colibri_tune_fixtures import profile_path  # noqa: F401  (a real probe of this machine, shrunk)
 from report_fixture import GEOMETRY, hardware_profile, make_run
 from tuner import cli, profiles
 from tuner.probe.profile import compute_fingerprint
@@ -99,14 +100,12 @@ def test_export_from_probe_json_and_name_clash(tmp_path, store, capsys):
 # --- privacy --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def this_machine_run(tmp_path_factory) -> Path:
+def this_machine_run(profile_path, tmp_path_factory) -> Path:
     """A run directory whose profile.json is a real (shrunk) probe of this machine and whose
     result names absolute paths, as a real run's does."""
-    from probe_plans import tiny_probe_plan
-    from tuner.probe import run_probe
-    d = tmp_path_factory.mktemp("privacy")
-    probe = run_probe(d, use_fio=False, plan=tiny_probe_plan())
-    return make_run(d / "run", profile=probe, model_dir=str(Path.home() / "models" / "tiny"))
+    from tuner.probe import load_profile
+    return make_run(tmp_path_factory.mktemp("privacy") / "run", profile=load_profile(profile_path),
+                    model_dir=str(Path.home() / "models" / "tiny"))
 
 
 def _identifiers() -> dict[str, set[str]]:

@@ -65,10 +65,19 @@ def test_run_dirs_with_different_conditions_are_refused_without_force(tmp_path, 
 
 
 def test_quant_levels_with_quality_compare_and_plot(tmp_path, capsys):
-    runs = [make_run(tmp_path / q, quant=q, speed=sp, quality={"kl_mean": kl, "top1_agreement": t1})
-            for q, sp, kl, t1 in (("bf16", 1.0, 0.0, 1.0), ("int8", 1.6, 0.004, 0.99), ("int4", 2.4, 0.05, 0.93))]
+    """One machine at three quant levels, as `tune --quant` will record them: profiles whose
+    entries carry the quant and its KL against the bf16 reference."""
+    paths = []
+    for q, sp, kl, t1 in (("bf16", 1.0, 0.0, 1.0), ("int8", 1.6, 0.004, 0.99), ("int4", 2.4, 0.05, 0.93)):
+        path = export(make_run(tmp_path / q, speed=sp), tmp_path / f"{q}.json")
+        data = json.loads(path.read_text())
+        data["best_configs"][0].update(quant=q, quality={"kl_mean": kl, "top1_agreement": t1, "perplexity": None,
+                                                         "reference": "tiny"})
+        path.write_text(json.dumps(data))
+        paths.append(path)
     out = tmp_path / "cmp"
-    assert cli.main(["compare", *map(str, runs), "--out", str(out), "--json"]) == 0
+    capsys.readouterr()
+    assert cli.main(["compare", *map(str, paths), "--out", str(out), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert [r["quant"] for r in s["ranked"]] == ["int4", "int8", "bf16"]
     assert [r["kl_mean"] for r in s["ranked"]] == [0.05, 0.004, 0.0]

@@ -19,7 +19,8 @@ from pathlib import Path
 from engine.config import atomic_write_text, format_size
 from engine.errors import ColibriError
 from tuner import report_plots
-from tuner.html_page import e, img, num, page, table
+from tuner.html_page import e, img, page, table
+from tuner.printers import fmt, pct
 from tuner.profiles import entry_from_run, hardware_facts, resolve
 from tuner.rundir import is_run_dir, open_run
 
@@ -181,12 +182,12 @@ COLUMNS = (("rank", "rank"), ("label", "input"), ("quant", "quant"), ("decode_to
 
 
 def _cells(r: dict) -> list[str]:
-    v = {**r, "decode_tok_s": num(r["decode_tok_s"]) + (" (unconfirmed)" if r.get("unconfirmed") else ""),
-         "decode_range": f"{num(r['decode_min'])}..{num(r['decode_max'])}",
-         "of_best": "-" if r["of_best"] is None else f"{r['of_best']:.0%}", "ttft_s": num(r["ttft_s"], 4),
-         "mib_read_per_token": num(r["mib_read_per_token"], 3),
-         "hit_rate_ram": "-" if r["hit_rate_ram"] is None else f"{r['hit_rate_ram']:.0%}",
-         "kl_mean": num(r["kl_mean"], 4), "machine": r["machine"][7:15]}
+    v = {**r, "decode_tok_s": fmt(r["decode_tok_s"]) + (" (unconfirmed)" if r.get("unconfirmed") else ""),
+         "decode_range": f"{fmt(r['decode_min'])}..{fmt(r['decode_max'])}",
+         "of_best": pct(r["of_best"], 0), "ttft_s": fmt(r["ttft_s"], 4),
+         "mib_read_per_token": fmt(r["mib_read_per_token"], 3),
+         "hit_rate_ram": pct(r["hit_rate_ram"], 0),
+         "kl_mean": fmt(r["kl_mean"], 4), "machine": r["machine"][7:15]}
     return [str(v[k]) for k, _ in COLUMNS]
 
 

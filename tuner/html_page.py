@@ -61,7 +61,3 @@ def _numeric(v) -> bool:
 
 def e(v) -> str:
     return html.escape("-" if v is None else str(v), quote=True)
-
-
-def num(v, digits: int = 2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from engine.config import atomic_write_text, format_size
 from tuner import __version__
+from tuner.printers import fmt
 from tuner.probe.errors import ProfileError
 from tuner.profile_schema import ENTRY_SCHEMA, GEOMETRY_KEYS, geometry_hash, parse_text, validate_shared
 from tuner.rundir import is_run_dir, open_run
@@ -301,8 +302,8 @@ def format_show(label: str, data: dict) -> str:
 def entry_line(e: dict) -> str:
     f, c = e["figures"], e["config"]
     return (f"{e['model']} [{e['geometry_hash'][7:15]}] {e['quant']} budget {format_size(e['ram_budget'])} "
-            f"{'cold' if e['conditions']['cold'] else 'warm'}: decode {_f(f.get('decode_tok_s'))} tok/s "
-            f"[{_f(f.get('decode_min'))}..{_f(f.get('decode_max'))}], TTFT {_f(f.get('ttft_s'), 3)} s | chunk "
+            f"{'cold' if e['conditions']['cold'] else 'warm'}: decode {fmt(f.get('decode_tok_s'))} tok/s "
+            f"[{fmt(f.get('decode_min'))}..{fmt(f.get('decode_max'))}], TTFT {fmt(f.get('ttft_s'), 3)} s | chunk "
             f"{format_size(c.get('chunk_size'))}, prefetch {c.get('prefetch_depth')}, {c.get('cache_policy')} "
             f"x{c.get('cpu_cache_ratio')}, threads {c.get('threads')}, io {c.get('io_mode')} x{c.get('io_threads')} "
             f"| tool {e['tool']['version']} ({e['tool'].get('git_commit')})")
@@ -370,7 +371,3 @@ def format_diff(d: dict) -> str:
         lines.append(f"   b: {entry_line(p['b'])}")
     lines.append("(* = differs)")
     return "\n".join(lines)
-
-
-def _f(v, digits: int = 2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from engine.config import atomic_write_text, format_size
 from tuner import report_plots
-from tuner.html_page import e as _e, img as _img, num as _num, page, table as _table
+from tuner.html_page import e as _e, img as _img, page, table as _table
+from tuner.printers import fmt, pct
 from tuner.rundir import RunDir, open_run
 
 PLOTS = "plots"
@@ -66,7 +67,7 @@ def render(run: RunDir) -> str:
             f"<p class='sub'>{_e(r.get('created_utc'))} · objective <b>{_e(r.get('objective'))}</b> · "
             f"{_e(study.get('trials'))} trials ({_e(study.get('feasible'))} feasible) · sampler "
             f"{_e(study.get('sampler'))} · {'cold' if cond.get('cold') else 'warm'} runs · "
-            f"{_num(cond.get('wall_seconds'), 0)} s</p>"]
+            f"{fmt(cond.get('wall_seconds'), 0)} s</p>"]
     body += _headline(r)
     body += ["<h2>Hardware</h2>", _hardware_table(run)]
     body += ["<h2>Recommended against the baseline</h2>", _config_table(r), _figures_table(r),
@@ -115,10 +116,10 @@ def _headline(r: dict) -> list[str]:
     gain = r.get("gain_over_baseline")
     confirmed = (r.get("confirmation") or {}).get("confirmed")
     return [f"<p class='headline'><b>Recommended: {_e(rec.get('label'))}</b> — decode "
-            f"<b>{_num(w.get('decode_tok_s'))} tok/s</b> [{_num(w.get('decode_min'))}..{_num(w.get('decode_max'))}] "
-            f"against the baseline's {_num(b.get('decode_tok_s'))} tok/s "
-            f"[{_num(b.get('decode_min'))}..{_num(b.get('decode_max'))}]; gain on {_e(r.get('gain_metric'))}: "
-            f"<b>{'-' if gain is None else f'{gain:+.1%}'}</b>"
+            f"<b>{fmt(w.get('decode_tok_s'))} tok/s</b> [{fmt(w.get('decode_min'))}..{fmt(w.get('decode_max'))}] "
+            f"against the baseline's {fmt(b.get('decode_tok_s'))} tok/s "
+            f"[{fmt(b.get('decode_min'))}..{fmt(b.get('decode_max'))}]; gain on {_e(r.get('gain_metric'))}: "
+            f"<b>{pct(gain, signed=True)}</b>"
             + ("" if confirmed else " (not re-measured: no confirmation round)")
             + "<br>Use it: <code>colibri run --model &lt;dir&gt; --config recommended.toml</code></p>"]
 
@@ -148,10 +149,10 @@ def _figures_table(r: dict) -> str:
         f = c.get("confirmed") or {}
         verdict = c.get("disqualified") or c.get("note") or (
             "recommended" if r.get("recommended") and c.get("label") == r["recommended"].get("label") else "")
-        rows.append((c.get("label"), _num(f.get("decode_tok_s")),
-                     f"{_num(f.get('decode_min'))}..{_num(f.get('decode_max'))}",
-                     _num(f.get("decode_stdev")), f.get("samples"), _num(f.get("ttft_s"), 4),
-                     f"{_num(f.get('ttft_min'), 4)}..{_num(f.get('ttft_max'), 4)}", verdict))
+        rows.append((c.get("label"), fmt(f.get("decode_tok_s")),
+                     f"{fmt(f.get('decode_min'))}..{fmt(f.get('decode_max'))}",
+                     fmt(f.get("decode_stdev")), f.get("samples"), fmt(f.get("ttft_s"), 4),
+                     f"{fmt(f.get('ttft_min'), 4)}..{fmt(f.get('ttft_max'), 4)}", verdict))
     conf = r.get("confirmation") or {}
     return (_table(["candidate", "decode tok/s (median)", "min..max", "stdev", "samples", "TTFT s", "TTFT min..max",
                     "verdict"], rows)
@@ -176,23 +177,25 @@ def _bound_table(points: list[dict]) -> str:
     if not rec or not rec.get("bound_tok_s"):
         return ""
     rows = [("recommended (trial %s)" % rec["number"], format_size(rec["bytes_read_per_token"]),
-             _num(rec["disk_gbps"], 3), _num(rec["disk_ms"], 3), _num(rec["memory_ms"], 3), rec["limit"],
-             _num(rec["bound_tok_s"]), _num(rec["decode_tok_s"]),
-             f"{rec['decode_tok_s'] / rec['bound_tok_s']:.0%}")]
+             fmt(rec["disk_gbps"], 3), fmt(rec["disk_ms"], 3), fmt(rec["memory_ms"], 3), rec["limit"],
+             fmt(rec["bound_tok_s"]), fmt(rec["decode_tok_s"]),
+             pct(rec["decode_tok_s"] / rec["bound_tok_s"], 0))]
     return _table(["config", "read per token", "disk GB/s at its read size", "disk ms/token", "memory ms/token",
                    "limit", "bound tok/s", "measured tok/s", "of bound"], rows)
 
 
 def _trials_table(run: RunDir) -> str:
-    from tuner.trials_frame import trials_frame
+    import pandas as pd
+    from tuner.printers import TRIAL_COLUMNS, trial_rows
     if not run.has_study:
         return "<p class='note'>No study in the run directory.</p>"
-    df = trials_frame(run.study)
-    shown = df[[c for c in TABLE_COLUMNS if c in df.columns]].copy()
+    # The rows trials.csv is written from (tuner.printers), as one pandas frame.
+    df = pd.DataFrame(trial_rows(run.study.get_trials(deepcopy=False)), columns=list(TRIAL_COLUMNS), dtype=object)
+    shown = df[list(TABLE_COLUMNS)].replace("", None)
     for c in SIZE_COLUMNS:
         shown[c] = shown[c].map(lambda v: format_size(v) if isinstance(v, (int, float)) else v)
     for c in ("hit_rate_ram", "io_stall_fraction"):
-        shown[c] = shown[c].map(lambda v: f"{v:.0%}" if isinstance(v, (int, float)) else v)
+        shown[c] = shown[c].map(lambda v: pct(v, 0) if isinstance(v, (int, float)) else v)
     shown = shown.rename(columns=SHORT_NAMES).fillna("")  # an absent figure is a blank cell, not "None"
     return ("<div class='scroll'>" + shown.to_html(index=False, escape=True, na_rep="", classes="trials",
                                                    border=0, float_format=lambda v: f"{v:.4g}")

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from engine.errors import ColibriError
 
-RESULT_SCHEMA = "colibri.tune/1"
 RESULT_MAX_BYTES = 64 << 20  # a result.json is a few hundred KiB; anything far bigger is not ours
 
 
@@ -74,9 +73,8 @@ def open_run(path: str | Path, study=None, storage: str | None = None) -> RunDir
     if not result_path.is_file():
         raise RunDirError(f"{path}: no result.json (not a finished `colibri tune` run directory)")
     result = read_json(result_path, RESULT_MAX_BYTES)
-    if not isinstance(result, dict) or result.get("schema") != RESULT_SCHEMA:
-        got = result.get("schema") if isinstance(result, dict) else type(result).__name__
-        raise RunDirError(f"{result_path}: schema {got!r} is not {RESULT_SCHEMA!r}")
+    from tuner.result import TuneResult
+    TuneResult.from_dict(result, source=str(result_path))  # the one result schema, strictly
     profile = None
     if (path / "profile.json").is_file():
         from tuner.probe import load_profile
