@@ -7,6 +7,7 @@ import csv
 import io
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,12 @@ def test_cli_report_and_bad_run_dir(run_dir, tmp_path, capsys):
     (tmp_path / "result.json").write_text('{"schema": "colibri.tune/1", "schema": "x"}')
     assert cli.main(["report", str(tmp_path)]) == 2
     assert "duplicate key" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    shutil.copytree(run_dir, broken)
+    (broken / "study.db").write_bytes(b"not a database")
+    assert cli.main(["report", str(broken)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot open the study" in err[0]
 
 
 # --- in a browser ---------------------------------------------------------------------------

@@ -278,6 +278,8 @@ def resolve(ref: str) -> tuple[str, dict]:
     path = Path(ref)
     if path.is_file():
         return path.name, read_profile_file(path)
+    if path.is_dir():
+        raise ProfileError(f"{ref}: a directory, but not a tune run directory (no result.json) nor a profile file")
     stored = store_dir() / f"{ref}.json"
     if NAME_RE.match(ref) and stored.is_file():
         return ref, read_profile_file(stored)

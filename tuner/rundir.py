@@ -102,7 +102,8 @@ def load_study(path: Path, result: dict, storage: str | None = None):
     except RunDirError:
         raise
     except Exception as exc:  # a corrupt or foreign database: say so in one line
-        raise RunDirError(f"{path}: cannot open the study ({type(exc).__name__}: {str(exc)[:160]})") from None
+        first = (str(exc).strip().splitlines() or [""])[0][:160]  # SQLAlchemy appends SQL and a URL
+        raise RunDirError(f"{path}: cannot open the study ({type(exc).__name__}: {first})") from None
 
 
 def read_json(path: Path, max_bytes: int):
