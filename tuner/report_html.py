@@ -16,6 +16,7 @@ from engine.config import atomic_write_text, format_size
 from tuner import report_plots
 from tuner.html_page import e as _e, img as _img, page, table as _table
 from tuner.printers import fmt, pct
+from tuner.result import is_feasible
 from tuner.rundir import RunDir, open_run
 
 PLOTS = "plots"
@@ -238,7 +239,7 @@ def _trial_points(run: RunDir, trials) -> list[dict]:
     out = []
     for t in trials:
         a = t.user_attrs
-        if a.get("status") != "ok" or a.get("constraint", 1.0) > 0:
+        if not is_feasible(a):
             continue
         p = {"number": t.number, "decode_tok_s": a.get("decode_tok_s"), "ttft_s": a.get("ttft_s"),
              "ctx_size": t.params.get("ctx_size"), "recommended": t.number == rec_number,
