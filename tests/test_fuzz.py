@@ -371,6 +371,16 @@ def _load_routing(path):
     return routing_histogram_load(path)
 
 
+def _read_shared_profile(path):
+    from tuner.profiles import read_profile_file
+    return read_profile_file(path)
+
+
+def _read_probe_for_import(path):
+    from tuner.profiles import _read_probe_json
+    return _read_probe_json(Path(path))
+
+
 def _load_geometry(path):
     return synth.validate_geometry(synth.load_geometry_file(path))
 
@@ -381,6 +391,8 @@ JSON_READERS = [
     ("profile", _profile_json, _load_profile),
     ("routing histogram", _routing_json, _load_routing),
     ("geometry", lambda: json.dumps(TINY), _load_geometry),
+    ("shared profile (profile import/show/diff)", _profile_json, _read_shared_profile),
+    ("probe JSON (profile import)", _profile_json, _read_probe_for_import),
 ]
 
 

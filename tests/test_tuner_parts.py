@@ -87,7 +87,7 @@ def trial(number, x, values, status="ok", constraint=0.0):
 
 def test_ranking_both_objectives_puts_the_pareto_front_first():
     trials = [trial(0, "a", [5.0, 1.0]), trial(1, "b", [4.0, 0.5]), trial(2, "c", [3.0, 2.0]),
-              trial(3, "d", [9.0, 9.0], status="oom", constraint=0.1), trial(4, "e", [6.0, 3.0])]
+              trial(3, "d", [9.0, 9.0], status="oom_killed", constraint=0.1), trial(4, "e", [6.0, 3.0])]
     ttft = [trial(0, "a", [1.0]), trial(1, "b", [0.5]), trial(2, "c", [2.0], status="timeout", constraint=0.05)]
     assert [t.number for t in confirm.ranked(ttft, "ttft")] == [1, 0]
     assert [t.number for t in confirm.ranked([trial(0, "a", [1.0]), trial(1, "b", [3.0])], "decode")] == [1, 0]
