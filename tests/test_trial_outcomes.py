@@ -91,3 +91,16 @@ def test_killed_by_another_signal_is_not_called_an_oom(model_dir, sig):
     (res,) = results
     assert res.status == "killed", res
     assert res.signal == sig.name and "no OOM kill" in res.error
+
+
+def test_peak_rss_is_the_trial_process_own_not_its_parents():
+    """ru_maxrss survives fork + exec: a bench started by a big tuner reported the tuner's size."""
+    import subprocess
+    import sys
+    from colibri_tune_fixtures import ROOT
+    hog = b"\x01" * (1024 * MiB)  # this process: over 1 GiB resident
+    child = subprocess.run([sys.executable, "-c", "from engine.metrics import peak_rss_bytes; print(peak_rss_bytes())"],
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    del hog
+    assert child.returncode == 0, child.stderr
+    assert int(child.stdout) < 256 * MiB
