@@ -314,6 +314,24 @@ def cmd_synth(args) -> int:
     return 0
 
 
+def add_plan(sub) -> None:
+    from tuner.costmodel.command import add_plan_arguments
+    p = sub.add_parser("plan", help="predict the memory plan, speed and bottleneck of a model on a profile; "
+                                    "calibrate the prediction on a tune run")
+    add_plan_arguments(p)
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    from tuner.costmodel.command import format_plan, run_plan
+    result = run_plan(args)
+    if args.json:
+        _print_json(result)
+    else:
+        print(format_plan(result))
+    return 0
+
+
 # --- main -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -328,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth]
+ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_plan]
 
 
 def main(argv: list[str] | None = None) -> int:

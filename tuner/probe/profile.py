@@ -159,6 +159,9 @@ class HardwareProfile:
     gpus: list[GpuInfo]
     # Written by the tuner (profiles.py), validated there; the probe leaves it empty.
     best_configs: list[dict[str, Any]] = field(default_factory=list)
+    # The cost model's fitted efficiency factors for this machine (tuner/costmodel/calibrate.py
+    # validates the content). Optional: profiles written before it existed still load.
+    cost_model: dict[str, Any] = field(default_factory=dict, metadata={"optional": True})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -339,12 +342,12 @@ def _decode_dataclass(cls: type, data: Any, path: str, unit: str | None) -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ProfileError(f"{path}: unknown key {unknown[0]!r}")
-    missing = [name for name in fields if name not in data]
+    missing = [name for name in fields if name not in data and not fields[name].metadata.get("optional")]
     if missing:
         raise ProfileError(f"{path}: missing key {missing[0]!r}")
     hints = typing.get_type_hints(cls)
     values = {name: _decode(hints[name], data[name], f"{path}.{name}", f.metadata.get("unit"))
-              for name, f in fields.items()}
+              for name, f in fields.items() if name in data}
     if cls is Quantity:
         if unit is not None and values["unit"] != unit:
             raise ProfileError(f"{path}.unit: expected {unit!r}, got {values['unit']!r}")

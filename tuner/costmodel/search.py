@@ -1,0 +1,83 @@
+"""The best config the cost model predicts, and what the search takes from the model.
+
+`rank` predicts every config of a grid over the engine's knobs (the tuner's own choices, coarser
+where a knob's effect is smooth) and orders the ones that fit by predicted decode tok/s. The
+tuner uses the top of that list as warm starts; `curve_region` reads the probe's random-read
+curve to say which request sizes and I/O thread counts are worth searching.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+
+from .geometry import ModelGeometry
+from .hardware import HardwareView
+from .predict import Factors, Prediction, RunConditions, predict
+from .routing import RoutingModel
+
+KiB, MiB = 1 << 10, 1 << 20
+GRID = {
+    "chunk_size": (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB),
+    "prefetch_depth": (0, 1, 2, 4),
+    "cpu_cache_ratio": (0.5, 0.75, 1.0),
+    "io_mode": ("direct", "buffered", "mmap"),
+    "io_threads": (1, 2, 4, 8, 16),
+    "cache_policy": ("lru", "lfu"),
+}
+
+
+@dataclass
+class Ranked:
+    config: EngineConfig
+    prediction: Prediction
+
+
+def grid_configs(base: EngineConfig, cores: int, logical: int, policies=("lru", "lfu"), grid: dict | None = None):
+    grid = dict(grid or GRID)
+    grid["cache_policy"] = tuple(policies)
+    threads = sorted({1, max(1, cores // 2), cores, logical})
+    keys = list(grid) + ["threads"]
+    for values in itertools.product(*grid.values(), threads):
+        yield base.replace(**dict(zip(keys, values)))
+
+
+def rank(geometry: ModelGeometry, quant: str, base: EngineConfig, hw: HardwareView, routing: RoutingModel,
+         factors: Factors, run: RunConditions, overhead_bytes: int, policies=("lru", "lfu"),
+         configs=None) -> list[Ranked]:
+    """Fitting configs, best predicted decode first."""
+    cores = hw.physical_cores
+    logical = hw.profile.system.cpu.logical_cores
+    configs = configs if configs is not None else grid_configs(base, cores, logical, policies)
+    out = []
+    for cfg in configs:
+        p = predict(geometry, quant, cfg, hw, routing, factors, run, overhead_bytes)
+        if p.fits and p.decode_tok_s:
+            out.append(Ranked(cfg, p))
+    out.sort(key=lambda r: -r.prediction.decode_tok_s)
+    return out
+
+
+def curve_region(hw: HardwareView, sizes, qds, io_mode: str = "direct", rising: float = 0.05) -> dict:
+    """Request sizes and queue depths where the measured read curve is still rising or flat.
+
+    Along each axis (the other held at its best) the region runs from the smallest value to the
+    last one within `rising` (5%) of the peak bandwidth: beyond it the disk is saturated and
+    bigger requests or deeper queues only cost read-buffer memory and latency. The region is
+    never empty.
+    """
+    best_qd = max(qds, key=lambda q: max(hw.read_bandwidth(s, q, io_mode) for s in sizes))
+    best_size = max(sizes, key=lambda s: hw.read_bandwidth(s, best_qd, io_mode))
+    return {"chunk_size": _keep_rising([(s, hw.read_bandwidth(s, best_qd, io_mode)) for s in sorted(sizes)], rising),
+            "io_threads": _keep_rising([(q, hw.read_bandwidth(best_size, q, io_mode)) for q in sorted(qds)], rising)}
+
+
+def _keep_rising(points: list[tuple[int, float]], tol: float) -> list[int]:
+    """Every x up to the last one within `tol` of the peak: the rising part and the plateau.
+    A dip before the peak (probe noise) does not cut the region short; a decline after the
+    plateau does."""
+    peak = max(bw for _, bw in points)
+    last = max(i for i, (_, bw) in enumerate(points) if bw >= peak * (1 - tol))
+    return [x for x, _ in points[:last + 1]]
