@@ -173,7 +173,7 @@ def _format_one(title: str, cfg: dict, p: dict) -> str:
     plan = p["plan"]
     split = (f"dense {format_size(plan['dense_bytes'])} + KV {format_size(plan['kv_bytes'])} + read buffers "
              f"{format_size(plan['buffer_bytes'])} + runtime {format_size(plan['overhead_bytes'])} + RAM cache "
-             f"{format_size(plan['cache_bytes'])} ({plan['cache_slots']} of {plan['routed_experts']} experts)"
+             f"{format_size(plan['cache_bytes'])} ({int(plan['cache_slots'])} of {plan['routed_experts']} experts)"
              f"{' + VRAM cache ' + format_size(plan['gpu_cache_bytes']) if plan['gpu_cache_bytes'] else ''}"
              if plan["streaming"] else "everything resident")
     terms = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in p["seconds"].items() if v)

@@ -159,7 +159,13 @@ _SIMULATED: dict = {}
 
 def _simulate_once(routing: RoutingModel, k: int, slots: int, policy: str, run: RunConditions,
                    recall: float | None, seed: int):
-    """simulate(), memoized: a search plans thousands of configs but few distinct caches."""
+    """simulate(), memoized: a search plans thousands of configs but few distinct caches.
+
+    Cache sizes are snapped to a 2% geometric grid first, so configs whose caches differ by a
+    slot or two (read buffers of another prefetch depth) share one simulation.
+    """
+    if slots > 50:
+        slots = int(round(1.02 ** round(math.log(slots, 1.02))))
     key = (id(routing), k, slots, policy, run.prompt_tokens, run.tokens, run.repeats, run.cold,
            run.warmup_tokens, recall, seed)
     if key not in _SIMULATED:

@@ -81,3 +81,14 @@ def _keep_rising(points: list[tuple[int, float]], tol: float) -> list[int]:
     peak = max(bw for _, bw in points)
     last = max(i for i, (_, bw) in enumerate(points) if bw >= peak * (1 - tol))
     return [x for x, _ in points[:last + 1]]
+
+
+def prefilter(geometry: ModelGeometry, quant: str, configs, overhead_bytes: int) -> list[EngineConfig]:
+    """The configs the engine's memory plan accepts at `overhead_bytes` of runtime overhead.
+
+    Give a lower bound of the trial process's overhead (the study's measured figure less a
+    margin): the plan is monotone in the overhead, so a config the engine's own plan accepts at
+    its real, larger overhead is never dropped here.
+    """
+    from .memplan import fits
+    return [cfg for cfg in configs if fits(geometry, quant, cfg, overhead_bytes)]
