@@ -159,6 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--trial-timeout", type=float, default=600)
     p.add_argument("--confirm-rounds", type=int, default=2)
     p.add_argument("--out", default="reports/tuner_quality")
+    p.add_argument("--max-new", type=int, default=0,
+                   help="measure at most N missing grid points, then stop (0: all); lets a shared box "
+                        "measure the grid in short lock holds")
     args = p.parse_args(argv)
 
     import psutil
@@ -178,10 +181,16 @@ def main(argv=None) -> int:
             table = saved["table"]
     points = all_points()
     t0 = time.monotonic()
+    measured_now = 0
     for i, point in enumerate(points):
         k = key_of(point)
         if k in table:
             continue
+        if args.max_new and measured_now >= args.max_new:
+            print(f"grid: {len(table)}/{len(points)} points measured; stopping (--max-new {args.max_new})",
+                  file=sys.stderr)
+            return 0
+        measured_now += 1
         table[k] = measure(model_dir, config_of(point, budget, threads, args.min_ctx), args)
         atomic_write_text(grid_path, json.dumps({"conditions": conditions, "table": table}, indent=1))
         print(f"grid {i + 1}/{len(points)}: {k} -> {table[k]['status']} {table[k]['decode_tok_s']:.3f} tok/s "
@@ -214,6 +223,13 @@ def main(argv=None) -> int:
         print(f"  {name:9} {r['relative_median']:7.1%} {r['relative_mean']:7.1%} {r['relative_min']:7.1%} "
               f"{r['evaluations_median']:6.0f} {r['found_grid_best']:>5}/{r['seeds']}")
     print(f"  {'grid':9} {1:7.1%} {1:7.1%} {1:7.1%} {len(table):6d}")
+
+    if args.confirm_rounds <= 0:
+        report = {"conditions": conditions, "grid": {"points": len(table), "best": grid_best, "best_tok_s": top},
+                  "replay": replay}
+        atomic_write_text(out / "tuner_quality.json", json.dumps(report, indent=2))
+        print(f"\nwritten: {out / 'tuner_quality.json'} (no confirmation round)")
+        return 0
 
     # Confirmation: distinct picks, grid best first, baseline last, interleaved.
     order = [grid_best] + [r["seed0_pick"] for r in replay.values()]
