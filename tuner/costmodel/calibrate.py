@@ -71,8 +71,11 @@ _CONFIG_COLUMNS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "threads",
 
 
 def load_study(run_dir: str | Path) -> Study:
-    """The feasible, measured trials of a tune run directory."""
+    """The feasible, measured trials of a tune run directory (or of a tuner_quality grid.json:
+    the same trial runner, every point of a small grid measured once)."""
     run_dir = Path(run_dir)
+    if run_dir.name == "grid.json" or (run_dir / "grid.json").is_file() and not (run_dir / "trials.csv").is_file():
+        return load_grid(run_dir if run_dir.name == "grid.json" else run_dir / "grid.json")
     csv_path = run_dir / "trials.csv"
     if not csv_path.is_file():
         raise ConfigError(f"{run_dir}: no trials.csv (give a `colibri tune` run directory)")
@@ -106,6 +109,26 @@ def load_study(run_dir: str | Path) -> Study:
     profile = run_dir / "profile.json"
     return Study(trials, run, overhead, budget, profile if profile.is_file() else None,
                  routing if routing.is_file() else None, meta)
+
+
+def load_grid(path: Path) -> Study:
+    """benchmarks/tuner_quality.py's measured grid as a study."""
+    data = _read_json(path)
+    cond, table = data.get("conditions") or {}, data.get("table") or {}
+    if not table:
+        raise ConfigError(f"{path}: no measured grid points")
+    budget = int(cond["budget"])
+    run = RunConditions(prompt_tokens=int(cond["prompt_tokens"]), tokens=int(cond["tokens"]),
+                        repeats=int(cond["repeats"]), cold=bool(cond.get("cold", True)))
+    trials = []
+    for i, (key, m) in enumerate(sorted(table.items())):
+        if m.get("status") != "ok" or not m.get("decode_tok_s"):
+            continue
+        # The grid's fixed knobs, as benchmarks/tuner_quality.py's config_of sets them.
+        config = EngineConfig(ram_budget=budget, threads=int(cond["threads"]), ctx_size=int(cond["ctx_size"]),
+                              io_threads=4, cache_policy="lru", **json.loads(key))
+        trials.append(Trial(1000 + i, config, float(m["decode_tok_s"]), float(m["ttft_s"]), m.get("hit_rate")))
+    return Study(trials, run, 0, budget, None, None, {"source": str(path)})
 
 
 def _read_json(path: Path) -> dict:
@@ -179,6 +202,18 @@ def fit(trials: list[Trial], recall: float) -> Factors:
     return _factors(best.x, recall)
 
 
+def predict_rows(trials: list[Trial], f: Factors) -> list[dict]:
+    """Measured next to predicted figures for each prepared trial, with factors `f`."""
+    out = []
+    for t in trials:
+        o = combine(t.comps, f)
+        out.append({"number": t.number, "measured_decode": t.decode_tok_s, "predicted_decode": 1 / o["token_s"],
+                    "measured_ttft": t.ttft_s, "predicted_ttft": o["ttft_s"], "bottleneck": o["bottleneck"],
+                    "measured_hit_rate": t.hit_rate, "predicted_hit_rate": t.predicted_hit_rate,
+                    "measured_bytes": t.bytes_per_token, "predicted_bytes": t.predicted_bytes, "config": t.config})
+    return out
+
+
 def cross_validate(trials: list[Trial], recall: float) -> list[dict]:
     """Each trial's figures predicted by factors fitted without it."""
     n = len(trials)
@@ -189,14 +224,7 @@ def cross_validate(trials: list[Trial], recall: float) -> list[dict]:
         if len(train) < 3:
             raise ConfigError(f"{n} trials are too few to hold any out (need at least 4)")
         f = fit(train, recall)
-        for i in held:
-            t = trials[i]
-            o = combine(t.comps, f)
-            out.append({"number": t.number, "measured_decode": t.decode_tok_s, "predicted_decode": 1 / o["token_s"],
-                        "measured_ttft": t.ttft_s, "predicted_ttft": o["ttft_s"], "bottleneck": o["bottleneck"],
-                        "measured_hit_rate": t.hit_rate, "predicted_hit_rate": t.predicted_hit_rate,
-                        "measured_bytes": t.bytes_per_token, "predicted_bytes": t.predicted_bytes,
-                        "config": t.config})
+        out += predict_rows([trials[i] for i in held], f)
     return sorted(out, key=lambda r: r["number"])
 
 

@@ -42,8 +42,11 @@ def add_plan_arguments(p) -> None:
     p.add_argument("--conditions", choices=("steady", "trial"), default="steady",
                    help="steady: long generation, warm cache (default); trial: the tuner's cold 8-token trial")
     p.add_argument("--top", type=int, default=3, help="best predicted configs to list")
-    p.add_argument("--calibrate", metavar="RUN_DIR",
-                   help="fit the factors to a tune run's trials, print the held-out error, store them in --profile")
+    p.add_argument("--calibrate", metavar="RUN_DIR", nargs="+",
+                   help="fit the factors to the trials of tune run directories (or tuner_quality grid.json files), "
+                        "print the cross-validated error, store the factors in --profile")
+    p.add_argument("--test", metavar="RUN_DIR", help="with --calibrate: also predict this run's trials with the "
+                                                      "factors fitted on the others (a fully separate hold-out)")
     p.add_argument("--json", action="store_true")
 
 
@@ -120,26 +123,42 @@ def run_plan(args) -> dict:
 
 def run_calibrate(args, profile) -> dict:
     from tuner.probe.profile import save_profile
-    study = cal.load_study(args.calibrate)
     geometry = resolve(args.model)
     quant = args.quant or geometry.native_quant
     hw = HardwareView(profile)
-    routing_spec = args.routing
-    if routing_spec == "auto" and study.routing_path is not None:
-        routing_spec = str(study.routing_path)
+    studies = [cal.load_study(d) for d in args.calibrate]
+    study = studies[0]
+    overhead = next((s.overhead_bytes for s in studies if s.overhead_bytes), DEFAULT_OVERHEAD_BYTES)
+    routing_path = next((s.routing_path for s in studies if s.routing_path is not None), None)
+    routing_spec = str(routing_path) if args.routing == "auto" and routing_path is not None else args.routing
     routing = make_routing(routing_spec, geometry)
-    recall = cal.measured_recall(study.trials) or Factors().lookahead_recall
-    trials = cal.prepare(study, geometry, quant, hw, routing, recall)
+    all_trials = [t for s in studies for t in s.trials]
+    recall = cal.measured_recall(all_trials) or Factors().lookahead_recall
+    trials = []
+    for s in studies:
+        s.overhead_bytes = s.overhead_bytes or overhead
+        trials += cal.prepare(s, geometry, quant, hw, routing, recall)
     rows = cal.cross_validate(trials, recall)
     summary = cal.error_summary(rows)
     factors = cal.fit(trials, recall)
+    study.trials = all_trials
     section = cal.cost_model_section(factors, summary, geometry, quant, study)
-    section["overhead_bytes"] = study.overhead_bytes
+    section["overhead_bytes"] = overhead
     section["routing"] = routing.description
+    section["fitted_on"]["sources"] = [os.fspath(d) for d in args.calibrate]
+    out = {"calibration": section, "held_out": [{**r, "config": r["config"].to_dict()} for r in rows],
+           "profile": os.fspath(args.profile)}
+    if args.test:
+        test = cal.load_study(args.test)
+        test.overhead_bytes = test.overhead_bytes or overhead
+        test_trials = cal.prepare(test, geometry, quant, hw, routing, recall)
+        test_rows = cal.predict_rows(test_trials, factors)
+        out["test"] = {"source": os.fspath(args.test), "summary": cal.error_summary(test_rows),
+                       "rows": [{**r, "config": r["config"].to_dict()} for r in test_rows]}
+        section["test"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out["test"]["summary"].items()}
     profile.cost_model = section
     save_profile(profile, args.profile)
-    return {"calibration": section, "held_out": [{**r, "config": r["config"].to_dict()} for r in rows],
-            "profile": os.fspath(args.profile)}
+    return out
 
 
 # --- text output --------------------------------------------------------------------------------
@@ -184,6 +203,10 @@ def _format_one(title: str, cfg: dict, p: dict) -> str:
             f"\n  per token: {terms}")
 
 
+def _pts(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
 def format_calibration(r: dict) -> str:
     c = r["calibration"]
     h = c["held_out"]
@@ -202,9 +225,14 @@ def format_calibration(r: dict) -> str:
                      f"{row['predicted_ttft']:.2f} | {hm}/{row['predicted_hit_rate']:.0%} |")
     lines.append(f"decode: median abs error {h['decode_median_abs_pct_error']:.1f}%, Spearman {h['decode_spearman']:.2f}; "
                  f"TTFT: median abs error {h['ttft_median_abs_pct_error']:.1f}%, Spearman {h['ttft_spearman']:.2f}")
-    if h.get("hit_rate_median_abs_error_points") is not None:
-        lines.append(f"RAM hit rate: median abs error {h['hit_rate_median_abs_error_points']:.1f} points; bytes per "
-                     f"token: median abs error {h['bytes_per_token_median_abs_pct_error']:.1f}%")
+    lines.append(f"RAM hit rate: median abs error {_pts(h['hit_rate_median_abs_error_points'])} points; bytes per "
+                 f"token: median abs error {_pts(h['bytes_per_token_median_abs_pct_error'])}%")
+    if "test" in r:
+        t = r["test"]["summary"]
+        lines.append(f"separate test set {r['test']['source']} ({t['trials']} trials, factors fitted on the runs above): "
+                     f"decode median abs error {t['decode_median_abs_pct_error']:.1f}%, Spearman "
+                     f"{t['decode_spearman']:.2f}; TTFT {t['ttft_median_abs_pct_error']:.1f}%; hit rate "
+                     f"{_pts(t['hit_rate_median_abs_error_points'])} points")
     lines.append("factors (fitted on all trials): " + ", ".join(f"{k} {v:.3g}" for k, v in c["factors"].items()))
     lines.append(f"stored in {r['profile']} under \"cost_model\"")
     return "\n".join(lines)

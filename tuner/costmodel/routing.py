@@ -158,8 +158,11 @@ def simulate(routing: RoutingModel, top_k: int, cache_slots: int, policy: str, *
     for rep in range(repeats):
         if cache is None or cold:
             cache = make_cache(policy, max(cache_slots, 0), pinned_keys=hottest, pinned_fraction=PINNED_FRACTION)
-            for key in hottest[:int(cache_slots * PINNED_FRACTION)]:  # the engine's pinned preload
-                cache.put(key, True, 1)
+            if not cold:
+                # The engine preloads the pinned experts when it starts; a cold repeat empties the
+                # caches after that (engine/bench.py), so only a warm run keeps the preload.
+                for key in hottest[:int(cache_slots * PINNED_FRACTION)]:
+                    cache.put(key, True, 1)
         prev = [None] * L
         # The prompt: one union of experts per layer, looked up once each.
         prompt = [[_draw(rng, logp[l], top_k, prev, l, routing.locality) for _ in range(prompt_tokens)] for l in range(L)]
