@@ -56,7 +56,7 @@ SMALL_GRID = {
     "cpu_cache_ratio": (1.0,),
     "io_mode": ("direct", "buffered"),
     "io_threads": (4, 16),
-    "cache_policy": ("lru",),
+    "cache_policy": ("lru", "lfu"),
 }
 COLD = RunConditions(prompt_tokens=8, tokens=16, repeats=1, cold=True)
 
@@ -64,7 +64,8 @@ COLD = RunConditions(prompt_tokens=8, tokens=16, repeats=1, cold=True)
 def predict_best(geometry, quant, hw, factors, routing, run, overhead):
     base = EngineConfig(ram_budget=int(hw.ram_bytes * 0.88), ctx_size=4096)
     cores = hw.physical_cores
-    configs = list(grid_configs(base, cores, hw.profile.system.cpu.logical_cores, ("lru",), SMALL_GRID))
+    configs = list(grid_configs(base, cores, hw.profile.system.cpu.logical_cores, SMALL_GRID["cache_policy"],
+                                SMALL_GRID))
     ranked = rank(geometry, quant, base, hw, routing, factors, run, overhead, configs=configs)
     return ranked[0] if ranked else None
 

@@ -219,3 +219,18 @@ def test_prefilter_never_drops_a_config_the_engines_plan_accepts(tiny):
         accepted += 1
         assert cfg in kept
     assert 0 < accepted and len(kept) < len(configs)  # it accepts some and drops some
+
+
+def test_warm_starts_are_distinct_fitting_points_of_the_space(tiny, hw):
+    from tuner.costmodel.search import warm_starts
+    from tuner.space import ModelFacts, SearchSpace
+    space = SearchSpace(budget=400 * MiB, physical_cores=2, logical_cores=2, has_gpu=False, min_ctx=256,
+                        overhead_bytes=200 * MiB, model=ModelFacts.read(tiny))
+    g = from_model_dir(tiny)
+    starts = warm_starts(space, g, hw, uniform(g.moe_layers, g.num_experts), Factors(), RunConditions(), 200 * MiB)
+    assert len(starts) == 3
+    params = [space.params_of(s.config) for s in starts]
+    assert len({tuple(sorted(p.items())) for p in params}) == 3
+    assert all(space.precheck(s.config)[0] for s in starts)
+    speeds = [s.prediction.decode_tok_s for s in starts]
+    assert speeds == sorted(speeds, reverse=True)

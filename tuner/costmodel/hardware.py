@@ -108,6 +108,12 @@ class HardwareView:
     def memory_bandwidth(self, threads: int) -> float:
         return _by_threads(self._mem, threads, grows=False)
 
+    def copy_bandwidth(self) -> float:
+        """Bytes/s one thread copies (the probe's copy figure counts read + write, as STREAM
+        does, so a copy of N bytes moves 2N). What a buffered read's kernel copy costs."""
+        copy = sorted((pt.threads, pt.bandwidth.value) for pt in self.profile.memory_bandwidth if pt.op == "copy")
+        return copy[0][1] / 2 if copy else self._mem[0][1] / 2
+
     def matmul_flops(self, dtype: str, m: int, threads: int) -> float:
         """FLOP/s of F.linear at `m` rows; between measured m, linear in log2(m)."""
         table = self._matmul.get(dtype) or next(iter(self._matmul.values()))

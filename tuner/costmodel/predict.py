@@ -5,7 +5,8 @@ A decode token costs (seconds):
     fixed      c_layer · layers                       per-layer Python and dispatch work
     compute    max(weight bytes touched / memory bandwidth(threads),
                    2 · active params / matmul FLOP/s(dtype, m=1, threads)) / eta_compute
-    disk       bytes read / (read bandwidth(request size, queue depth, io mode) · eta_io)
+    disk       (bytes read / read bandwidth(request size, queue depth, io mode)
+                + buffered only: bytes read / one thread's copy bandwidth, the kernel's copy) / eta_io
     requests   read requests · c_request                  submission, completion, hand-off
     hidden     − min(lookahead-covered share of disk, overlap · compute)   (prefetch_depth ≥ 1)
 
@@ -144,11 +145,13 @@ def components(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: Ha
     pf_bytes = wbytes + geometry.moe_layers * max(union - k, 0) * geometry.expert_bytes(quant)
     pf_mem = pf_bytes / hw.memory_bandwidth(threads)
     pf_flop = 2 * P * geometry.active_params / hw.matmul_flops(dtype, P, threads)
+    # A buffered read is the disk's transfer plus the kernel's copy into our buffer.
+    copy = 1.0 / hw.copy_bandwidth() if config.io_mode == "buffered" else 0.0
     comps = Components(
         layers=geometry.num_layers, compute_s=max(t_mem, t_flop), compute_is_memory=t_mem >= t_flop,
-        disk_s=reads * span / bw if bw else math.inf, requests=reads * per_expert,
+        disk_s=reads * span * (1.0 / bw + copy) if bw else math.inf, requests=reads * per_expert,
         covered=lookahead_recall if config.prefetch_depth > 0 else 0.0,
-        prefill_compute_s=max(pf_mem, pf_flop), prefill_disk_s=pf_reads * span / pf_bw if pf_bw else math.inf,
+        prefill_compute_s=max(pf_mem, pf_flop), prefill_disk_s=pf_reads * span * (1.0 / pf_bw + copy) if pf_bw else math.inf,
         prefill_requests=pf_reads * per_expert,
     )
     return plan, rates, comps, request, qd

@@ -92,3 +92,48 @@ def prefilter(geometry: ModelGeometry, quant: str, configs, overhead_bytes: int)
     """
     from .memplan import fits
     return [cfg for cfg in configs if fits(geometry, quant, cfg, overhead_bytes)]
+
+
+# --- what the tuner's study takes from the model ---------------------------------------------------
+
+WARM_START_RATIOS = (0.25, 0.5, 0.75, 1.0)
+
+
+def space_grid(space, base: EngineConfig):
+    """A coarse grid over a SearchSpace's own choices, as EngineConfigs the space can represent:
+    categoricals in full but ctx_size at the user's minimum (a longer context only costs memory),
+    ints at every value but threads at the physical and logical core counts, the cache ratio at
+    quarters."""
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+    dists = space.distributions()
+    axes = {}
+    for name, dist in dists.items():
+        if name == "ctx_size":
+            axes[name] = [min(dist.choices)]
+        elif name == "threads":
+            axes[name] = sorted({space.physical_cores, space.logical_cores})
+        elif isinstance(dist, CategoricalDistribution):
+            axes[name] = list(dist.choices)
+        elif isinstance(dist, IntDistribution):
+            axes[name] = list(range(dist.low, dist.high + 1, dist.step))
+        else:
+            axes[name] = [v for v in WARM_START_RATIOS if dist.low <= v <= dist.high] or [dist.high]
+    names = list(axes)
+    for values in itertools.product(*(axes[n] for n in names)):
+        yield space.config_from_params(dict(zip(names, values)))
+
+
+def warm_starts(space, geometry: ModelGeometry, hw: HardwareView, routing: RoutingModel, factors: Factors,
+                run: RunConditions, overhead_bytes: int, n: int = 3) -> list[Ranked]:
+    """The n best predicted configs of the space (distinct points), to enqueue before the sampler."""
+    ranked = rank(geometry, geometry.native_quant, space.baseline(), hw, routing, factors, run, overhead_bytes,
+                  configs=space_grid(space, space.baseline()))
+    out, seen = [], []
+    for r in ranked:
+        params = space.params_of(r.config)
+        if params not in seen:
+            seen.append(params)
+            out.append(r)
+        if len(out) >= n:
+            break
+    return out
