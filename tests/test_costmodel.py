@@ -47,7 +47,7 @@ def test_glm5_sizes_at_int4_and_mla_kv():
     # 75 MoE layers x 256 experts; one expert = 3 x 6144 x 2048 weights at 4.5 bits + group scales.
     assert g.routed_experts == 75 * 256
     assert g.expert_bytes("int4") == 3 * 6144 * 2048 * (0.5 + 4 / 64)
-    assert bytes_per_weight("int8", 2048) == 1 + 4 / 2048
+    assert bytes_per_weight("int8", 2048) == 1 + 2 / 2048
     plan = plan_memory(g, "int4", EngineConfig(ram_budget=64 * GiB, ctx_size=8192, prefetch_depth=1), 300 * MiB)
     # KV: latent 512 + rope key 64 + indexer key 128 per position per layer, bf16.
     assert plan.kv_bytes == 78 * (512 + 64 + 128) * 8192 * 2

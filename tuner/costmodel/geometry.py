@@ -10,10 +10,12 @@ run yet but which users plan for.
 
 Quant levels are bytes per weight, scale overhead included:
   bf16  2 bytes;  fp32  4 bytes;
-  int8  1 byte + one fp32 scale per output row (4 / K bytes per weight);
+  int8  1 byte + one bf16 scale per output row (2 / K bytes per weight);
   int4  half a byte + a bf16 scale and a bf16 zero per group of 64 (4 / 64 bytes per weight),
         the layout of torch's _weight_int4pack_mm (scales_and_zeros [K/group, N, 2]).
-Only matrices are quantized; norms (1-D) stay in bf16.
+These are engine/quant.py's containers (int8 per row, int4 group 64 by default) with scope
+"all": every matrix quantized, embeddings included, as Colibrì keeps GLM-5's dense part at
+int4; norms (1-D) stay in bf16.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def bytes_per_weight(quant: str, in_features: int) -> float:
     if quant == "fp32":
         return 4.0
     if quant == "int8":
-        return 1.0 + 4.0 / max(in_features, 1)
+        return 1.0 + 2.0 / max(in_features, 1)
     if quant == "int4":
         return 0.5 + 4.0 / INT4_GROUP
     raise ConfigError(f"unknown quant level {quant!r} (known: {', '.join(QUANTS)})")
