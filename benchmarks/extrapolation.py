@@ -77,7 +77,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     profile = load_profile(args.profile)
-    factors = factors_from_profile(profile) or Factors()
+    fitted = factors_from_profile(profile)
+    sets = {"curves": Factors()}  # the measured curves as they are: no overhead, full efficiency
+    if fitted is not None:
+        sets["calibrated"] = fitted
     overhead = int((profile.cost_model or {}).get("overhead_bytes") or DEFAULT_OVERHEAD_BYTES)
     rows = []
     for machine, edits in MACHINES.items():
@@ -86,32 +89,43 @@ def main(argv=None) -> int:
             g = resolve(name)
             routing = make_routing("auto", g)
             for quant in QUANTS:
-                warm = predict_best(g, quant, hw, factors, routing, RunConditions.steady(), overhead)
-                cold = predict_best(g, quant, hw, factors, routing, COLD, overhead)
                 row = {"machine": machine, "what_if": edits, "model": name, "quant": quant,
-                       "warm_tok_s": warm.prediction.decode_tok_s if warm else None,
-                       "warm_bottleneck": warm.prediction.bottleneck if warm else "does not fit",
-                       "warm_hit_rate": warm.prediction.hit_rate if warm else None,
-                       "gb_read_per_token": (warm.prediction.bytes_per_token or 0) / 1e9 if warm else None,
-                       "cold_tok_s": cold.prediction.decode_tok_s if cold else None,
                        "published": ANCHORS.get((name, quant, machine), "")}
+                for label, factors in sets.items():
+                    warm = predict_best(g, quant, hw, factors, routing, RunConditions.steady(), overhead)
+                    cold = predict_best(g, quant, hw, factors, routing, COLD, overhead)
+                    row[label] = {
+                        "warm_tok_s": warm.prediction.decode_tok_s if warm else None,
+                        "warm_bottleneck": warm.prediction.bottleneck if warm else "does not fit",
+                        "warm_hit_rate": warm.prediction.hit_rate if warm else None,
+                        "gb_read_per_token": (warm.prediction.bytes_per_token or 0) / 1e9 if warm else None,
+                        "cold_tok_s": cold.prediction.decode_tok_s if cold else None,
+                        "config": warm.config.to_dict() if warm else None}
                 rows.append(row)
-                print(f"{machine:28} {name:16} {quant}: warm {_f(row['warm_tok_s'])} tok/s "
-                      f"({row['warm_bottleneck']}), cold {_f(row['cold_tok_s'])}", file=sys.stderr)
+                print(f"{machine:28} {name:16} {quant}: " + "; ".join(
+                    f"{k} warm {_f(v['warm_tok_s'])} ({v['warm_bottleneck']}) cold {_f(v['cold_tok_s'])}"
+                    for k, v in row.items() if isinstance(v, dict) and "warm_tok_s" in v), file=sys.stderr)
     if args.json:
-        print(json.dumps({"factors": factors.to_dict(), "rows": rows}, indent=2))
+        print(json.dumps({"factors": {k: f.to_dict() for k, f in sets.items()}, "rows": rows}, indent=2))
         return 0
-    print("| machine | model | quant | predicted warm tok/s | bottleneck | warm RAM hit | GB read/token (warm) "
-          "| predicted cold tok/s | published |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    cal = "calibrated" in sets
+    print("| machine | model | quant | curves only: warm / cold tok/s | bottleneck | warm RAM hit | GB read/token |"
+          + (" calibrated: warm / cold tok/s | bottleneck |" if cal else "") + " published |")
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if cal else "") + "---|")
     for r in rows:
-        hit = "-" if r["warm_hit_rate"] is None else f"{r['warm_hit_rate']:.0%}"
-        gb = "-" if r["gb_read_per_token"] is None else f"{r['gb_read_per_token']:.2f}"
-        print(f"| {r['machine']} | {r['model']} | {r['quant']} | {_f(r['warm_tok_s'])} | {r['warm_bottleneck']} | "
-              f"{hit} | {gb} | {_f(r['cold_tok_s'])} | {r['published']} |")
+        c = r["curves"]
+        hit = "-" if c["warm_hit_rate"] is None else f"{c['warm_hit_rate']:.0%}"
+        gb = "-" if c["gb_read_per_token"] is None else f"{c['gb_read_per_token']:.2f}"
+        line = (f"| {r['machine']} | {r['model']} | {r['quant']} | {_f(c['warm_tok_s'])} / {_f(c['cold_tok_s'])} | "
+                f"{c['warm_bottleneck']} | {hit} | {gb} |")
+        if cal:
+            k = r["calibrated"]
+            line += f" {_f(k['warm_tok_s'])} / {_f(k['cold_tok_s'])} | {k['warm_bottleneck']} |"
+        print(line + f" {r['published']} |")
     print("\nmachines (what-if edits of the profile): " + "; ".join(
         f"{m}: {', '.join(e) or 'as measured'}" for m, e in MACHINES.items()))
-    print("factors: " + ", ".join(f"{k} {v:.3g}" for k, v in factors.to_dict().items()))
+    for label, f in sets.items():
+        print(f"factors ({label}): " + ", ".join(f"{k} {v:.3g}" for k, v in f.to_dict().items()))
     return 0
 
 

@@ -234,3 +234,69 @@ def test_warm_starts_are_distinct_fitting_points_of_the_space(tiny, hw):
     assert all(space.precheck(s.config)[0] for s in starts)
     speeds = [s.prediction.decode_tok_s for s in starts]
     assert speeds == sorted(speeds, reverse=True)
+
+
+# --- the CLI -----------------------------------------------------------------------------------
+
+def _run_cli(argv, capsys):
+    from tuner.cli import main
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_plan_cli_prints_plan_prediction_and_best_configs(tiny, tmp_path, capsys):
+    import json
+    from tuner.probe.profile import save_profile
+    save_profile(make_profile(), tmp_path / "p.json")
+    rc, out, _ = _run_cli(["plan", "--model", "mixtral-8x22b", "--profile", str(tmp_path / "p.json"), "--quant", "int4",
+                           "--budget", "48GiB", "--what-if", "disk_bw=7GB/s", "--top", "2"], capsys)
+    assert rc == 0
+    assert "plan: dense" in out and "bottleneck:" in out and "best predicted #2" in out and "disk_bw=7GB/s" in out
+    rc, out, _ = _run_cli(["plan", "--model", str(tiny), "--profile", str(tmp_path / "p.json"), "--budget", "400MiB",
+                           "--json"], capsys)
+    r = json.loads(out)
+    assert rc == 0 and r["prediction"]["fits"] and r["prediction"]["decode_tok_s"] > 0
+    assert r["best"][0]["prediction"]["decode_tok_s"] >= r["best"][-1]["prediction"]["decode_tok_s"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "no-such-model"], "neither a model directory"),
+    (["--model", "glm-5", "--what-if", "speed=2"], "--what-if"),
+    (["--model", "glm-5", "--routing", "/no/such.json"], "routing histogram"),
+    (["--model", "glm-5", "--calibrate", "/"], "no trials.csv"),
+])
+def test_plan_cli_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
+    from tuner.probe.profile import save_profile
+    save_profile(make_profile(), tmp_path / "p.json")
+    rc, out, err = _run_cli(["plan", "--profile", str(tmp_path / "p.json"), *argv], capsys)
+    assert rc == 2 and message in err and err.count("\n") == 1
+
+
+def test_plan_cli_calibrates_a_grid_and_stores_the_factors(tiny, tmp_path, capsys, hw):
+    import json
+    from tuner.probe.profile import load_profile, save_profile
+    g = from_model_dir(tiny)
+    truth = Factors(eta_io=0.5, eta_compute=0.7, overlap=0.4, c_request=1e-4, c_layer=2e-3)
+    cond = {"budget": 380 * MiB, "threads": 2, "ctx_size": 256, "tokens": 8, "repeats": 2, "prompt_tokens": 8,
+            "cold": True}
+    routing = synth_skew(g.moe_layers, g.num_experts, g.top_k, 1.0)
+    table = {}
+    for chunk in (256 << 10, 1 << 20, 4 << 20):
+        for depth in (0, 2):
+            for mode in ("direct", "buffered"):
+                point = {"chunk_size": chunk, "prefetch_depth": depth, "cpu_cache_ratio": 1.0, "io_mode": mode}
+                cfg = EngineConfig(ram_budget=cond["budget"], threads=2, ctx_size=256, io_threads=4, **point)
+                _, _, comps, _, _ = components(g, "bf16", cfg, hw, routing, RunConditions(), 250 * MiB,
+                                               truth.lookahead_recall)
+                out = combine(comps, truth)
+                table[json.dumps(point, sort_keys=True)] = {"status": "ok", "decode_tok_s": 1 / out["token_s"],
+                                                            "ttft_s": out["ttft_s"]}
+    (tmp_path / "grid.json").write_text(json.dumps({"conditions": cond, "table": table}))
+    save_profile(make_profile(), tmp_path / "p.json")
+    rc, out, _ = _run_cli(["plan", "--model", str(tiny), "--profile", str(tmp_path / "p.json"), "--routing", "skew:1",
+                           "--calibrate", str(tmp_path / "grid.json")], capsys)
+    assert rc == 0 and "held-out" in out
+    section = load_profile(tmp_path / "p.json").cost_model
+    assert section["schema"] == "colibri.costmodel/1" and section["held_out"]["trials"] == len(table)
+    assert section["held_out"]["decode_median_abs_pct_error"] < 5

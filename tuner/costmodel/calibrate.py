@@ -242,10 +242,17 @@ def error_summary(rows: list[dict]) -> dict:
             if r["measured_hit_rate"] is not None]
     byt = [pct(r["predicted_bytes"], r["measured_bytes"]) for r in rows if r["measured_bytes"]]
     return {"trials": len(rows), "decode_median_abs_pct_error": statistics.median(dec),
-            "decode_spearman": float(rho), "ttft_median_abs_pct_error": statistics.median(ttft),
-            "ttft_spearman": float(rho_t),
+            "decode_spearman": _finite(rho), "ttft_median_abs_pct_error": statistics.median(ttft),
+            "ttft_spearman": _finite(rho_t),
             "hit_rate_median_abs_error_points": statistics.median(hits) if hits else None,
             "bytes_per_token_median_abs_pct_error": statistics.median(byt) if byt else None}
+
+
+def _finite(x) -> float | None:
+    """A rank correlation of fewer than two distinct points is undefined: None, never NaN (a
+    profile is strict JSON)."""
+    x = float(x)
+    return x if math.isfinite(x) else None
 
 
 # --- the profile's cost_model section -----------------------------------------------------------

@@ -203,6 +203,10 @@ def _format_one(title: str, cfg: dict, p: dict) -> str:
             f"\n  per token: {terms}")
 
 
+def _rho(v) -> str:
+    return "undefined" if v is None else f"{v:.2f}"
+
+
 def _pts(v) -> str:
     return "-" if v is None else f"{v:.1f}"
 
@@ -223,15 +227,15 @@ def format_calibration(r: dict) -> str:
                      f"{cfg['cpu_cache_ratio']} | {cfg['cache_policy']} | {row['measured_decode']:.3f} | "
                      f"{row['predicted_decode']:.3f} | {err:+.0f}% | {row['measured_ttft']:.2f} | "
                      f"{row['predicted_ttft']:.2f} | {hm}/{row['predicted_hit_rate']:.0%} |")
-    lines.append(f"decode: median abs error {h['decode_median_abs_pct_error']:.1f}%, Spearman {h['decode_spearman']:.2f}; "
-                 f"TTFT: median abs error {h['ttft_median_abs_pct_error']:.1f}%, Spearman {h['ttft_spearman']:.2f}")
+    lines.append(f"decode: median abs error {h['decode_median_abs_pct_error']:.1f}%, Spearman {_rho(h['decode_spearman'])}; "
+                 f"TTFT: median abs error {h['ttft_median_abs_pct_error']:.1f}%, Spearman {_rho(h['ttft_spearman'])}")
     lines.append(f"RAM hit rate: median abs error {_pts(h['hit_rate_median_abs_error_points'])} points; bytes per "
                  f"token: median abs error {_pts(h['bytes_per_token_median_abs_pct_error'])}%")
     if "test" in r:
         t = r["test"]["summary"]
         lines.append(f"separate test set {r['test']['source']} ({t['trials']} trials, factors fitted on the runs above): "
                      f"decode median abs error {t['decode_median_abs_pct_error']:.1f}%, Spearman "
-                     f"{t['decode_spearman']:.2f}; TTFT {t['ttft_median_abs_pct_error']:.1f}%; hit rate "
+                     f"{_rho(t['decode_spearman'])}; TTFT {t['ttft_median_abs_pct_error']:.1f}%; hit rate "
                      f"{_pts(t['hit_rate_median_abs_error_points'])} points")
     lines.append("factors (fitted on all trials): " + ", ".join(f"{k} {v:.3g}" for k, v in c["factors"].items()))
     lines.append(f"stored in {r['profile']} under \"cost_model\"")

@@ -86,6 +86,8 @@ class ModelGeometry:
     published_active_params: float | None = None
     # The config dict a planning ModelArgs is built from (memplan.py).
     planning_config: dict = field(default_factory=dict)
+    # Per-quant sums and planning stand-ins, computed once: a search predicts thousands of configs.
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     # --- sizes ---------------------------------------------------------------------------------
 
@@ -116,7 +118,10 @@ class ModelGeometry:
         return self.dense_params - self.embed_params + self.moe_layers * self.top_k * self.expert_params
 
     def dense_bytes(self, quant: str) -> float:
-        return sum(t.nbytes(quant) for t in self.dense)
+        key = ("dense_bytes", quant)
+        if key not in self.memo:
+            self.memo[key] = sum(t.nbytes(quant) for t in self.dense)
+        return self.memo[key]
 
     def expert_bytes(self, quant: str) -> float:
         """One routed expert as stored (gate, up: [I, H]; down: [H, I])."""

@@ -101,16 +101,23 @@ def plan_memory(geometry: ModelGeometry, quant: str, config: EngineConfig, overh
     """The engine's memory plan; raises BudgetError exactly when the engine would refuse."""
     if geometry.model_dir is not None and quant == geometry.native_quant:
         return _native_plan(geometry, config, overhead_bytes)
-    args = planning_args(geometry)
-    expert = geometry.expert_bytes(quant)
-    # The expert width that makes make_plan's 3·H·I·bf16 the stored size: no conversion copy.
-    args = dataclasses.replace(args, moe_intermediate_size=expert / (3 * geometry.hidden_size * BF16))
-    layout = _SizedLayout(geometry.routed_experts, expert) if geometry.routed_experts else None
+    ckpt, args, layout = _stand_ins(geometry, quant)
     kv_dtype = _kv_dtype(config, torch.bfloat16)
-    from engine.model import dense_tensor_names
-    ckpt = _SizedCheckpoint(geometry, quant, set(dense_tensor_names(args)))
-    return make_plan(ckpt, args, layout, config, torch.bfloat16, kv_dtype,
-                     overhead_bytes=overhead_bytes)
+    return make_plan(ckpt, args, layout, config, torch.bfloat16, kv_dtype, overhead_bytes=overhead_bytes)
+
+
+def _stand_ins(geometry: ModelGeometry, quant: str):
+    """(checkpoint, args, layout) stand-ins for make_plan, built once per geometry and quant."""
+    key = ("stand_ins", quant)
+    if key not in geometry.memo:
+        from engine.model import dense_tensor_names
+        args = planning_args(geometry)
+        expert = geometry.expert_bytes(quant)
+        # The expert width that makes make_plan's 3·H·I·bf16 the stored size: no conversion copy.
+        args = dataclasses.replace(args, moe_intermediate_size=expert / (3 * geometry.hidden_size * BF16))
+        layout = _SizedLayout(geometry.routed_experts, expert) if geometry.routed_experts else None
+        geometry.memo[key] = (_SizedCheckpoint(geometry, quant, set(dense_tensor_names(args))), args, layout)
+    return geometry.memo[key]
 
 
 def _native_plan(geometry: ModelGeometry, config: EngineConfig, overhead_bytes: int) -> MemoryPlan:
