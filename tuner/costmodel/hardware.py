@@ -19,7 +19,6 @@ A what-if edits a copy of the profile's measured figures and nothing else:
 from __future__ import annotations
 
 import copy
-import math
 
 from engine.config import parse_size
 from engine.errors import ConfigError
@@ -118,16 +117,8 @@ class HardwareView:
         """FLOP/s of F.linear at `m` rows; between measured m, linear in log2(m)."""
         table = self._matmul.get(dtype) or next(iter(self._matmul.values()))
         ms = sorted(table)
-        at = [(mm, _by_threads(sorted(table[mm]), threads, grows=True)) for mm in ms]
-        if m <= at[0][0]:
-            return at[0][1]
-        if m >= at[-1][0]:
-            return at[-1][1]
-        for (m0, f0), (m1, f1) in zip(at, at[1:]):
-            if m0 <= m <= m1:
-                t = (math.log2(m) - math.log2(m0)) / (math.log2(m1) - math.log2(m0))
-                return f0 + t * (f1 - f0)
-        return at[-1][1]
+        from tuner.probe.profile import _interp_log2  # the probe's own interpolation
+        return _interp_log2([(mm, _by_threads(sorted(table[mm]), threads, grows=True)) for mm in ms], m)
 
 
 def _by_threads(points: list[tuple[int, float]], threads: int, grows: bool) -> float:
