@@ -52,7 +52,14 @@ def apply_what_if(profile, edits: list[str]):
 
 
 def _apply_one(p, key: str, value: str) -> None:
+    """Edit `p` in place (its point records are frozen: they are replaced, not mutated)."""
+    from dataclasses import replace
+
     from tuner.probe.profile import Quantity
+
+    def scaled(q, factor):
+        return Quantity(q.value * factor, q.unit)
+
     if key in ("disk_bw", "disk_scale"):
         if key == "disk_bw":
             best = max(pt.bandwidth.value for pt in p.storage.points if pt.role == "curve")
@@ -61,13 +68,12 @@ def _apply_one(p, key: str, value: str) -> None:
             factor = float(value)
         if not factor > 0:
             raise ValueError("must be positive")
-        for pt in p.storage.points:
-            pt.bandwidth = Quantity(pt.bandwidth.value * factor, pt.bandwidth.unit)
-            pt.iops = Quantity(pt.iops.value * factor, pt.iops.unit)
+        p.storage.points = [replace(pt, bandwidth=scaled(pt.bandwidth, factor), iops=scaled(pt.iops, factor))
+                            for pt in p.storage.points]
     elif key == "memory_bw":
         bw = _rate(value)
-        for pt in p.memory_bandwidth:
-            pt.bandwidth = Quantity(bw * (2 if pt.op == "copy" else 1), "B/s")
+        p.memory_bandwidth = [replace(pt, bandwidth=Quantity(bw * (2 if pt.op == "copy" else 1), "B/s"))
+                              for pt in p.memory_bandwidth]
     elif key == "ram":
         n = float(parse_size(value))
         p.system.memory.total = Quantity(n, "B")
@@ -81,8 +87,7 @@ def _apply_one(p, key: str, value: str) -> None:
         p.system.cpu.logical_cores = n * smt
     elif key == "matmul_scale":
         f = float(value)
-        for pt in p.cpu_matmul:
-            pt.throughput = Quantity(pt.throughput.value * f, pt.throughput.unit)
+        p.cpu_matmul = [replace(pt, throughput=scaled(pt.throughput, f)) for pt in p.cpu_matmul]
 
 
 class HardwareView:
