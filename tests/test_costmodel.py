@@ -300,3 +300,20 @@ def test_plan_cli_calibrates_a_grid_and_stores_the_factors(tiny, tmp_path, capsy
     section = load_profile(tmp_path / "p.json").cost_model
     assert section["schema"] == "colibri.costmodel/1" and section["held_out"]["trials"] == len(table)
     assert section["held_out"]["decode_median_abs_pct_error"] < 5
+
+
+def test_narrow_space_keeps_the_curve_region_and_the_baseline(tiny):
+    from tuner.costmodel.search import narrow_space
+    from tuner.space import ModelFacts, SearchSpace
+    profile = make_profile()
+    # Past 1 MiB the disk gets slower at every queue depth: bigger reads are not searched.
+    profile.storage.points = [dataclasses.replace(p, bandwidth=dataclasses.replace(p.bandwidth, value=p.bandwidth.value * 0.3))
+                              if p.role == "curve" and p.request_bytes > (1 << 20) else p for p in profile.storage.points]
+    space = SearchSpace(budget=400 * MiB, physical_cores=2, logical_cores=2, has_gpu=False, min_ctx=256,
+                        model=ModelFacts.read(tiny))
+    region = narrow_space(space, profile)
+    assert max(region["chunk_size"]) == 1 << 20 and 64 << 10 in region["chunk_size"]
+    assert list(space.distributions()["chunk_size"].choices) == region["chunk_size"]
+    base = space.baseline()
+    assert base.chunk_size in space.chunk_sizes and base.io_threads in space.io_thread_choices
+    assert space.params_of(base)["chunk_size"] == base.chunk_size

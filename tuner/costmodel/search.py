@@ -137,3 +137,30 @@ def warm_starts(space, geometry: ModelGeometry, hw: HardwareView, routing: Routi
         if len(out) >= n:
             break
     return out
+
+
+CURVE_TOLERANCE = 0.25  # "flat": within 25% of the peak (the probe's quick curve is noisy)
+
+
+def narrow_space(space, profile) -> dict:
+    """Set the space's read sizes and I/O thread counts to the probe curve's rising-or-flat
+    region (the baseline's values always stay, so the baseline is a point of the space).
+    Call it on a new study only; a resumed or joined study keeps the space it was made with."""
+    from tuner.space import CHUNK_SIZES, IO_THREADS
+    base = space.baseline()
+    region = curve_region(HardwareView(profile), CHUNK_SIZES, IO_THREADS, "direct", CURVE_TOLERANCE)
+    space.chunk_sizes = tuple(sorted(set(region["chunk_size"]) | {base.chunk_size}))
+    space.io_thread_choices = tuple(sorted(set(region["io_threads"]) | {base.io_threads}))
+    return {"chunk_size": list(space.chunk_sizes), "io_threads": list(space.io_thread_choices)}
+
+
+def study_warm_starts(space, profile, model_dir, run: RunConditions, n: int = 3) -> list[Ranked]:
+    """The n configs of the space the cost model predicts fastest, with the profile's fitted
+    factors when it carries them (else the measured curves as they are)."""
+    from .calibrate import factors_from_profile
+    from .command import make_routing
+    from .geometry import from_model_dir
+    geometry = from_model_dir(model_dir)
+    routing = make_routing(space.routing_histogram or "auto", geometry)
+    factors = factors_from_profile(profile) or Factors()
+    return warm_starts(space, geometry, HardwareView(profile), routing, factors, run, space.overhead_bytes, n)
