@@ -125,12 +125,14 @@ def space_grid(space, base: EngineConfig):
 
 def warm_starts(space, geometry: ModelGeometry, hw: HardwareView, routing: RoutingModel, factors: Factors,
                 run: RunConditions, overhead_bytes: int, n: int = 3) -> list[Ranked]:
-    """The n best predicted configs of the space (distinct points), to enqueue before the sampler."""
+    """The n best predicted configs of the space, to enqueue before the sampler: distinct in what
+    the engine would do (two chunk sizes above the expert span issue the same reads)."""
     ranked = rank(geometry, geometry.native_quant, space.baseline(), hw, routing, factors, run, overhead_bytes,
                   configs=space_grid(space, space.baseline()))
     out, seen = [], []
     for r in ranked:
-        params = space.params_of(r.config)
+        # Chunks larger than an expert's span make the same requests: one of them is enough.
+        params = dict(space.params_of(r.config), chunk_size=r.prediction.read_request_bytes)
         if params not in seen:
             seen.append(params)
             out.append(r)
