@@ -51,6 +51,10 @@ class _SizedCheckpoint:
             name = t.name if t.name in asked else _host(t.name)
             self._sizes[name] = self._sizes.get(name, 0.0) + t.nbytes(quant)
 
+    def __contains__(self, name: str) -> bool:
+        # Every resident tensor is "stored plain" here: its quantized size is already its size.
+        return True
+
     def info(self, name: str) -> _Info:
         # A name the geometry does not list (an architecture's optional tensor) holds nothing.
         nbytes = self._sizes.get(name, 0.0)
@@ -68,6 +72,15 @@ def _host(name: str) -> str:
 class _SizedLayout:
     num_routed: int
     expert_nbytes: float
+    # For engine code that sizes a cached expert from the layout (a plain expert: 3·H·I in the
+    # compute dtype, with the stand-in width): the planning args and one plain location.
+    args: object = None
+    quant: None = None
+
+    @property
+    def _locations(self) -> dict:
+        from types import SimpleNamespace
+        return {(0, 0): SimpleNamespace(quant=None)}
 
 
 def planning_args(geometry: ModelGeometry):
@@ -115,7 +128,7 @@ def _stand_ins(geometry: ModelGeometry, quant: str):
         expert = geometry.expert_bytes(quant)
         # The expert width that makes make_plan's 3·H·I·bf16 the stored size: no conversion copy.
         args = dataclasses.replace(args, moe_intermediate_size=expert / (3 * geometry.hidden_size * BF16))
-        layout = _SizedLayout(geometry.routed_experts, expert) if geometry.routed_experts else None
+        layout = _SizedLayout(geometry.routed_experts, expert, args) if geometry.routed_experts else None
         geometry.memo[key] = (_SizedCheckpoint(geometry, quant, set(dense_tensor_names(args))), args, layout)
     return geometry.memo[key]
 
