@@ -81,7 +81,7 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     kv = KVCache.nbytes_for(args, config.ctx_size, kv_dtype)
     routed = layout.num_routed if layout is not None else 0
     disk_expert = layout.expert_nbytes if layout is not None else 0
-    expert = 3 * args.hidden_size * args.moe_intermediate_size * _elem(dtype) if routed else 0
+    expert = args.expert_numel * _elem(dtype) if routed else 0
     if overhead_bytes is None:
         overhead_bytes = psutil.Process().memory_info().rss + ACTIVATION_MARGIN
     # Reads in flight: the current layer's misses plus `prefetch_depth` layers of lookahead.
