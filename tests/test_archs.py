@@ -142,7 +142,7 @@ def write_mxfp4_checkpoint(src, out):
     from safetensors.torch import load_file, save_file
 
     from engine.gptoss import mxfp4_quantize
-    state = load_file(src / "model.safetensors")
+    state = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(f).items()}
     new = {}
     for name, t in state.items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
