@@ -23,8 +23,9 @@ DTYPES: dict[str, tuple[str, int, torch.dtype]] = {
     "float32": ("F32", 4, torch.float32),
     "bfloat16": ("BF16", 2, torch.int16),
     "float16": ("F16", 2, torch.float16),
+    "uint8": ("U8", 1, torch.uint8),  # packed data (MXFP4 blocks and scales)
 }
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
 
 # Data starts on a 4 KiB boundary so O_DIRECT readers can address the first tensor without
 # straddling the header; the JSON header is padded with spaces, which the format allows.

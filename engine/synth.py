@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import synth_archs
 from engine.errors import ConfigError
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
@@ -110,8 +111,11 @@ def validate_geometry(geometry: dict) -> dict:
             "it is never materialized — use 'tiny', 'demo' or --geometry FILE"
         )
     g = {**_DEFAULTS, **geometry}
+    if g["model_type"] in synth_archs.ARCH_TYPES:
+        return synth_archs.validate(geometry, _DEFAULTS)
     if g["model_type"] != "qwen3_moe":
-        raise ConfigError(f"{name}: synth writes only model_type 'qwen3_moe', not {g['model_type']!r}")
+        raise ConfigError(f"{name}: synth writes model_type qwen3_moe or "
+                          f"{', '.join(synth_archs.ARCH_TYPES)}, not {g['model_type']!r}")
     for key in _REQUIRED_INT:
         v = g.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -147,6 +151,7 @@ class PlannedTensor:
     kind: str            # what the recipe makes of it: embed, lm_head, norm, q, k, v, o, q_norm, ...
     layer: int = -1
     expert: int = -1
+    dtype: str | None = None  # None: the geometry's dtype (MXFP4 blocks and scales are uint8)
 
 
 def tensor_plan(g: dict) -> list[list[PlannedTensor]]:
@@ -155,6 +160,8 @@ def tensor_plan(g: dict) -> list[list[PlannedTensor]]:
     An expert's gate, up and down projections form one unit so they are adjacent on disk and
     the streaming engine can read an expert with a single request.
     """
+    if g["model_type"] in synth_archs.ARCH_TYPES:
+        return synth_archs.tensor_plan(g)
     H, L = g["hidden_size"], g["num_hidden_layers"]
     nh, nkv, hd = g["num_attention_heads"], g["num_key_value_heads"], g["head_dim"]
     E, I, V = g["num_experts"], g["moe_intermediate_size"], g["vocab_size"]
@@ -188,11 +195,10 @@ def tensor_plan(g: dict) -> list[list[PlannedTensor]]:
 def plan_shards(units: list[list[PlannedTensor]], dtype: str, max_shard_size: int) -> list[list[PlannedTensor]]:
     """Greedy packing of units into shards of at most max_shard_size data bytes (a bigger unit gets its own)."""
     from engine.safetensors_writer import DTYPES
-    elem = DTYPES[dtype][1]
     shards: list[list[PlannedTensor]] = [[]]
     size = 0
     for unit in units:
-        ub = sum(math.prod(t.shape) * elem for t in unit)
+        ub = sum(math.prod(t.shape) * DTYPES[t.dtype or dtype][1] for t in unit)
         if shards[-1] and size + ub > max_shard_size:
             shards.append([])
             size = 0
@@ -205,8 +211,7 @@ def model_bytes(geometry: dict) -> int:
     """Bytes of tensor data a synthesized model of this geometry holds (headers excluded)."""
     from engine.safetensors_writer import DTYPES
     g = validate_geometry(geometry)
-    elem = DTYPES[g["dtype"]][1]
-    return sum(math.prod(t.shape) * elem for unit in tensor_plan(g) for t in unit)
+    return sum(math.prod(t.shape) * DTYPES[t.dtype or g["dtype"]][1] for unit in tensor_plan(g) for t in unit)
 
 
 # --- the weight recipe ------------------------------------------------------------------------
@@ -344,6 +349,8 @@ class _Recipe:
 
 def hf_config(g: dict, seed: int, skew: float) -> dict:
     """config.json as transformers' Qwen3MoeConfig writes it, readable by transformers 4.x and 5.x."""
+    if g["model_type"] in synth_archs.ARCH_TYPES:
+        return synth_archs.hf_config(g, seed, skew)
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -478,7 +485,7 @@ def synthesize(
 
     units = tensor_plan(g)
     shards = plan_shards(units, g["dtype"], g["max_shard_size"])
-    total = sum(TensorSpec(t.name, t.shape, g["dtype"]).nbytes for s in shards for t in s)
+    total = sum(TensorSpec(t.name, t.shape, t.dtype or g["dtype"]).nbytes for s in shards for t in s)
     free = shutil.disk_usage(out.parent).free
     if free < total + (16 << 20):
         raise ConfigError(
@@ -495,7 +502,8 @@ def synthesize(
     # the cores are busy (60x slower measured on a loaded 2-core box); randn is serial anyway.
     torch.set_num_threads(1)
     try:
-        recipe = _Recipe(g, seed, skew)
+        recipe = (synth_archs.make_recipe(g, seed, skew) if g["model_type"] in synth_archs.ARCH_TYPES
+                  else _Recipe(g, seed, skew))
         n = len(shards)
         names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map: dict[str, str] = {}
@@ -503,7 +511,7 @@ def synthesize(
                    desc=f"synth {g.get('name', 'custom')}", disable=not progress, leave=True)
         with bar:
             for fname, shard in zip(names, shards):
-                specs = [TensorSpec(t.name, t.shape, g["dtype"]) for t in shard]
+                specs = [TensorSpec(t.name, t.shape, t.dtype or g["dtype"]) for t in shard]
                 with ShardWriter(tmp / fname, specs) as w:
                     for t in shard:
                         bar.update(w.write(t.name, recipe.values(t)))
@@ -572,7 +580,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 # --- planning figures for any geometry (including the geometry-only specs) ----------------------
 
 def param_counts(geometry: dict) -> dict:
-    """Parameter counts by role, for qwen3_moe, mixtral, olmoe, deepseek_v3 and glm_moe_dsa geometries.
+    """Parameter counts by role, for qwen3_moe, mixtral, olmoe, deepseek_v3, glm4_moe, glm_moe_dsa and gpt_oss.
 
     Returns total, active (per token), routed_expert (one expert), routed_total, dense (everything
     that is not a routed expert: the part a streaming engine keeps resident), num_moe_layers,
@@ -603,13 +611,21 @@ def param_counts(geometry: dict) -> dict:
         hd = g.get("head_dim") or H // nh
         nkv = g.get("num_key_value_heads", nh)
         attn = H * nh * hd + 2 * H * nkv * hd + nh * hd * H
-        if mt == "qwen3_moe":
+        if mt == "qwen3_moe" or (mt == "glm4_moe" and g.get("use_qk_norm")):
             attn += 2 * hd
         elif mt == "olmoe":
             attn += H + nkv * hd
-        moe_i = g["moe_intermediate_size"] if mt == "qwen3_moe" else g["intermediate_size"]
+        if mt == "gpt_oss" or (mt == "glm4_moe" and g.get("attention_bias")):
+            attn += nh * hd + 2 * nkv * hd
+        if mt == "gpt_oss":
+            attn += H + nh  # o_proj bias, attention sinks
+        moe_i = g["moe_intermediate_size"] if mt in ("qwen3_moe", "glm4_moe") else g["intermediate_size"]
         dense_layers, shared, router = 0, 0, E * H
-    expert = 3 * H * moe_i
+        if mt == "glm4_moe":
+            dense_layers, shared, router = g.get("first_k_dense_replace", 1), g.get("n_shared_experts", 1), E * H + E
+        elif mt == "gpt_oss":
+            router = E * H + E
+    expert = 3 * H * moe_i + (2 * moe_i + H if mt == "gpt_oss" else 0)  # gpt_oss experts carry biases
     moe_layers = L - dense_layers
     norms = 2 * H
     dense_mlp = 3 * H * g.get("intermediate_size", 0)
