@@ -187,6 +187,7 @@ def test_mxfp4_checkpoint_matches_transformers(mxfp4):
         # 4.25 bits per weight + bf16 biases (+ small gaps read through) against fp32 in memory
         assert engine.layout.expert_nbytes < engine.plan.expert_bytes / 5
         diff = (engine.forward(PROMPT, 0) - hf_logits(model, PROMPT)).abs().max().item()
+    print(f"gpt_oss MXFP4: max |dlogit| = {diff:.3e}")
     assert diff <= ATOL
     with fp32_engine(d) as engine:
         assert generate(engine, PROMPT, 16, Sampler()).output_ids == hf_greedy(model, PROMPT, 16)
