@@ -33,19 +33,36 @@ from .model import apply_rope
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MX_BLOCK = 32  # values sharing one scale
 SCALE_BIAS = 127
+DEQUANT_CHUNK = 1 << 20  # block bytes dequantized per step (bounds the transient index tensor)
 
 
 # --- MXFP4 ------------------------------------------------------------------------------------
 
 def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """blocks [..., G, 16] uint8, scales [..., G] uint8 → [..., G*32] in `dtype` (exact: every
-    FP4 value times a power of two is representable in bf16 and fp32)."""
+    FP4 value times a power of two is representable in bf16 and fp32).
+
+    One gather per byte from a 256-entry table of (low, high) value pairs, then one ldexp by
+    the block's exponent. Rows go in chunks so the int64 gather index never exceeds
+    DEQUANT_CHUNK bytes of blocks (8 bytes of index per block byte), whatever the expert size.
+    """
+    pairs = _pair_table(dtype)
+    lead, G = blocks.shape[:-2], blocks.shape[-2]
+    rows = blocks.reshape(-1, G * 16)
+    exps = (scales.reshape(-1, G).to(torch.int32) - SCALE_BIAS).unsqueeze(-1)  # [rows, G, 1]
+    out = torch.empty(rows.shape[0], G, 32, dtype=dtype)
+    step = max(1, DEQUANT_CHUNK // (G * 16))
+    for r in range(0, rows.shape[0], step):
+        chunk = out[r:r + step]
+        chunk.copy_(pairs[rows[r:r + step].long()].view(chunk.shape))
+        torch.ldexp(chunk, exps[r:r + step], out=chunk)
+    return out.view(*lead, G * 32)
+
+
+def _pair_table(dtype: torch.dtype) -> torch.Tensor:
+    """[256, 2]: byte b → (FP4 value of its low nibble, of its high nibble)."""
     lut = torch.tensor(FP4_VALUES, dtype=dtype)
-    out = torch.empty(*blocks.shape[:-1], 2 * blocks.shape[-1], dtype=dtype)
-    out[..., 0::2] = lut[(blocks & 0x0F).long()]
-    out[..., 1::2] = lut[(blocks >> 4).long()]
-    torch.ldexp(out, (scales.to(torch.int32) - SCALE_BIAS).unsqueeze(-1), out=out)
-    return out.reshape(*blocks.shape[:-2], -1)
+    return torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1)
 
 
 def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

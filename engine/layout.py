@@ -119,6 +119,11 @@ class ExpertLayout:
         return next(iter(self._locations.values())).nbytes if self._locations else 0
 
     @property
+    def spans_per_expert(self) -> int:
+        """Read requests per expert (1 per-expert, 2 fused, 4-6 gpt_oss): each may need alignment slack."""
+        return max((len(loc.spans) for loc in self._locations.values()), default=1)
+
+    @property
     def num_routed(self) -> int:
         return len(self._locations)
 

@@ -181,6 +181,28 @@ def test_mxfp4_dequantizes_exactly_as_transformers(mxfp4):
             assert torch.equal(ours.transpose(1, 2), getattr(block.mlp.experts, proj).data)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantize_matches_transformers_across_chunks(dtype, monkeypatch):
+    """Every byte value and a spread of exponents, rows split over several uneven chunks."""
+    import engine.gptoss as gptoss
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 70, 5, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(100, 150, (3, 70, 5), dtype=torch.uint8, generator=gen)
+    monkeypatch.setattr(gptoss, "DEQUANT_CHUNK", 3 * 5 * 16)  # 3 rows per chunk; 70 is not a multiple
+    ours = gptoss.mxfp4_dequantize(blocks, scales, dtype)
+    assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=dtype).transpose(1, 2))
+
+
+def test_mxfp4_quantize_round_trips_representable_values():
+    from engine.gptoss import FP4_VALUES, mxfp4_dequantize, mxfp4_quantize
+    values = torch.tensor(FP4_VALUES).repeat(4)  # 64 values: two blocks whose largest is 6
+    w = torch.stack([values * 2.0 ** -3, values * 2.0 ** 5])  # [2, 64]: exponents -3 and 5
+    blocks, scales = mxfp4_quantize(w)
+    assert scales.tolist() == [[124, 124], [132, 132]]
+    assert torch.equal(mxfp4_dequantize(blocks, scales, torch.float32), w)
+
+
 def test_mxfp4_checkpoint_matches_transformers(mxfp4):
     model, d, _ = mxfp4
     with fp32_engine(d) as engine:
