@@ -53,6 +53,27 @@ def test_greedy_tokens_match_transformers(arch_pair):
         assert generate(engine, PROMPT, 16, Sampler()).output_ids == hf_greedy(model, PROMPT, 16)
 
 
+VARIANTS = {
+    # DeepSeek-V2-Lite style: no q LoRA; rope on halves instead of interleaved pairs; no yarn.
+    "deepseek_v3-plain-q": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1,
+                                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "glm4_moe-no-qk-norm": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                              "partial_rotary_factor": 0.25})),
+    "gpt_oss-full-only": ("gpt_oss", dict(layer_types=["full_attention"] * 3)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_config_variants_match_transformers(variant, tmp_path):
+    arch, overrides = VARIANTS[variant]
+    model = build(arch, tmp_path, **overrides)
+    with fp32_engine(tmp_path) as engine:
+        assert (engine.forward(PROMPT, 0) - hf_logits(model, PROMPT)).abs().max().item() <= ATOL
+    with fp32_engine(tmp_path) as engine:
+        assert generate(engine, PROMPT, 8, Sampler()).output_ids == hf_greedy(model, PROMPT, 8)
+
+
 @pytest.fixture(scope="module")
 def dsa(tmp_path_factory):
     d = tmp_path_factory.mktemp("dsa")
