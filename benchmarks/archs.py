@@ -16,7 +16,7 @@ Three tables (run under `flock /tmp/colibri-bench.lock` on a shared box):
 
 (The GLM-5-structured streaming figure comes from benchmarks/streaming.py --model glm-5-small.)
 
-    .venv/bin/python benchmarks/archs.py [--budget 640MiB] [--tokens 16] [--repeats 3] [--scratch DIR]
+    .venv/bin/python benchmarks/archs.py [--budget 560MiB] [--tokens 16] [--repeats 3] [--scratch DIR]
 """
 
 from __future__ import annotations
@@ -120,10 +120,11 @@ def decode_table(scratch: Path, budget: int, tokens: int, repeats: int) -> list[
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", default="640MiB")
+    ap.add_argument("--budget", default="560MiB")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--scratch", default="/tmp/colibri-archs-bench")
+    ap.add_argument("--glm5", help="a synthesized glm-5-small directory (default: synthesize one in --scratch)")
     ap.add_argument("--skip-decode", action="store_true")
     a = ap.parse_args()
     scratch = Path(a.scratch)
@@ -131,7 +132,7 @@ def main() -> int:
     print(f"# archs benchmark {time.strftime('%Y-%m-%d')} commit {git_commit()}")
     print("\n## KV cache per token (bf16)\n")
     print("\n".join(kv_table()))
-    small = scratch / "glm-5-small-kv"
+    small = Path(a.glm5) if a.glm5 else scratch / "glm-5-small"
     if not (small / "config.json").exists():
         synth.synthesize(synth.load_preset("glm-5-small"), small, seed=0, progress=False)
     allocated, planned = allocated_kv(small, 4096)

@@ -35,6 +35,9 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+INDEX_QUERY_BLOCK = 128  # queries scored at once by the indexer (bounds prefill memory)
+
+
 @dataclass(frozen=True)
 class IndexerArgs:
     n_heads: int
@@ -169,16 +172,22 @@ class MLAAttention:
                          w[f"{i}.k_norm.bias"], 1e-6)  # [T, Di]
         k = torch.cat([rope_interleaved(k[:, :R], cos, sin), k[:, R:]], dim=-1)
         cache.index_key[layer][start_pos:S] = k
-        keys = cache.index_key[layer][:S].float()  # [S, Di]
-        # Same association as the reference ([T,Hi,Di]·[Di,S], then the head weights as a
-        # [1,Hi]·[Hi,S] product per query), so equal scores tie-break the same way in top-k.
-        scores = F.relu(torch.matmul(q.float(), keys.t()) * ix.head_dim ** -0.5)  # [T, Hi, S]
+        keys = cache.index_key[layer][:S].float().t()  # [Di, S]
         head_w = F.linear(x, w[f"{i}.weights_proj.weight"]).float() * ix.n_heads ** -0.5  # [T, Hi]
-        index = torch.matmul(head_w.unsqueeze(1), scores).squeeze(1)  # [T, S]
         if causal is None:
             causal = torch.ones(T, S, dtype=torch.bool)
-        index = index.masked_fill(~causal, float("-inf"))
-        top = index.topk(min(ix.topk, S), dim=-1).indices  # [T, topk]
-        selected = torch.zeros(T, S, dtype=torch.bool).scatter_(1, top, True) & causal
+        selected = torch.zeros(T, S, dtype=torch.bool)
+        top = min(ix.topk, S)
+        # Queries in blocks: the per-head scores [rows, Hi, S] are the big transient (a 2k-token
+        # prompt on GLM-5 would be 0.5 GB at once); top-k is per query, so blocks change nothing.
+        for r in range(0, T, INDEX_QUERY_BLOCK):
+            rows = slice(r, r + INDEX_QUERY_BLOCK)
+            # Same association as the reference ([T,Hi,Di]·[Di,S], then the head weights as a
+            # [1,Hi]·[Hi,S] product per query), so equal scores tie-break the same way in top-k.
+            scores = F.relu(torch.matmul(q[rows].float(), keys) * ix.head_dim ** -0.5)  # [rows, Hi, S]
+            index = torch.matmul(head_w[rows].unsqueeze(1), scores).squeeze(1)  # [rows, S]
+            index = index.masked_fill(~causal[rows], float("-inf"))
+            selected[rows].scatter_(1, index.topk(top, dim=-1).indices, True)
+        selected &= causal
         cache.selection = selected
         return selected

@@ -94,6 +94,17 @@ def test_dsa_selection_decides_what_is_attended(dsa, tmp_path):
         assert (engine.forward(PROMPT, 0) - hf_logits(model, PROMPT)).abs().max().item() > 100 * ATOL
 
 
+def test_dsa_query_blocks_change_nothing(dsa, monkeypatch):
+    import engine.mla as mla
+    model, d = dsa
+    with fp32_engine(d) as engine:
+        whole = engine.forward(PROMPT, 0)
+    monkeypatch.setattr(mla, "INDEX_QUERY_BLOCK", 5)  # 32 queries in 7 uneven blocks
+    with fp32_engine(d) as engine:
+        blocked = engine.forward(PROMPT, 0)
+    assert torch.equal(whole, blocked)
+
+
 # --- memory: the compressed cache is what is allocated and what the plan counts -------------
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
