@@ -3,7 +3,10 @@
 Supported `model_type`s: qwen3_moe, qwen2_moe, mixtral, olmoe (MoE) and llama, qwen2, qwen3
 (dense). They differ only in a handful of switches, collected in `ModelArgs`:
 q/k norms (none / per head / over the whole projection), qkv bias, shared expert, how the
-top-k routing weights are normalised, and which layers are MoE.
+top-k routing weights are normalised, and which layers are MoE. deepseek_v3, glm4_moe,
+glm_moe_dsa and gpt_oss also swap in their own attention, routing rule and expert math
+through strategy objects on ModelArgs (engine/archs.py builds them; engine/mla.py,
+engine/routing.py, engine/gptoss.py implement them).
 
 Shape legend used in comments:
     T  tokens in this forward call        S  positions attended (start + T)
