@@ -33,7 +33,8 @@ def validate(geometry: dict, defaults: dict) -> dict:
     """A geometry of one of ARCH_TYPES, with defaults filled in and checked by the engine's own
     config parser (so synth can only write what the engine and transformers can run)."""
     from .model import ModelArgs
-    from .synth import EOS_TOKEN_ID, MIN_VOCAB, _DTYPES
+    from .dtypes import FLOAT_NAMES as _DTYPES
+    from .synth import EOS_TOKEN_ID, MIN_VOCAB
 
     g = {**{k: v for k, v in defaults.items() if k != "model_type"}, **geometry}
     name, mt = g.get("name", "custom"), g["model_type"]

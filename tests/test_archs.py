@@ -17,7 +17,7 @@ from engine.errors import ModelFormatError
 from engine.generate import Sampler, generate
 from engine.model import KVCache, ModelArgs, rms_norm, route_layer
 from engine.runtime import Engine
-from tests.hf_models import build, hf_greedy, hf_logits
+from colibri_hf_models import build, hf_greedy, hf_logits
 
 ATOL = 1e-4
 PROMPT = [(7 * i + 3) % 256 for i in range(32)]
@@ -293,7 +293,7 @@ def test_bad_config_is_one_line_error(configs, arch, patch, needle):
 
 
 def test_bad_config_through_the_cli(tmp_path, capsys):
-    from tests.test_bad_input import assert_one_line_error
+    from test_bad_input import assert_one_line_error
     from tuner.cli import main
     build("deepseek_v3", tmp_path, num_hidden_layers=2)
     cfg = json.loads((tmp_path / "config.json").read_text())

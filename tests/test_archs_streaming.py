@@ -8,9 +8,9 @@ from engine.bench import run_bench
 from engine.config import EngineConfig
 from engine.generate import Sampler, generate
 from engine.runtime import Engine
-from tests.hf_models import build
-from tests.test_archs import write_mxfp4_checkpoint
-from tests.test_streaming import PLACEMENTS, budget_for_cache
+from colibri_hf_models import build
+from test_archs import write_mxfp4_checkpoint
+from test_streaming import PLACEMENTS, budget_for_cache
 
 PROMPT = [(5 * i + 11) % 256 for i in range(12)]
 NEW_TOKENS = 8

@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.generate import Sampler, generate
 from engine.runtime import Engine
-from tests.hf_models import hf_greedy, hf_logits
+from colibri_hf_models import hf_greedy, hf_logits
 
 ATOL = 1e-4
 PROMPT = [(11 * i + 5) % 256 for i in range(24)]

@@ -16,7 +16,7 @@ from pathlib import Path
 import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from engine.config import EngineConfig, format_size
+from engine.config import CACHE_POLICIES, IO_MODES, EngineConfig, format_size
 from engine.errors import BudgetError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -26,7 +26,6 @@ CHUNK_SIZES = tuple(64 * KiB << i for i in range(9))
 PREFETCH_DEPTHS = (0, 4)  # inclusive int range
 CPU_CACHE_RATIO = (0.25, 1.0, 0.05)  # low, high, step: a bigger cache is not always faster
 GPU_CACHE_RATIO = (0.0, 0.9, 0.1)
-IO_MODES = ("direct", "buffered", "mmap")
 IO_THREADS = (1, 2, 4, 8, 16)
 CTX_MULTIPLES = (1, 2, 4)  # ctx_size choices: the user's minimum and two doublings
 
@@ -70,6 +69,10 @@ class SearchSpace:
     routing_histogram: str = ""
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES
     model: ModelFacts | None = None
+    # Read sizes and I/O threads to search: all by default; the cost model narrows them to where
+    # the probe's read curve still rises or is flat (tuner/costmodel/search.py:curve_region).
+    chunk_sizes: tuple[int, ...] = CHUNK_SIZES
+    io_thread_choices: tuple[int, ...] = IO_THREADS
     _plan_inputs: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -86,17 +89,18 @@ class SearchSpace:
 
     @property
     def cache_policies(self) -> tuple[str, ...]:
-        return ("lru", "lfu", "pinned") if self.with_pinned else ("lru", "lfu")
+        # pinned needs a recorded routing histogram (the calibration run's)
+        return CACHE_POLICIES if self.with_pinned else tuple(p for p in CACHE_POLICIES if p != "pinned")
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
         d = {
-            "chunk_size": CategoricalDistribution(CHUNK_SIZES),
+            "chunk_size": CategoricalDistribution(self.chunk_sizes),
             "prefetch_depth": IntDistribution(*PREFETCH_DEPTHS),
             "cpu_cache_ratio": FloatDistribution(CPU_CACHE_RATIO[0], CPU_CACHE_RATIO[1], step=CPU_CACHE_RATIO[2]),
             "threads": IntDistribution(1, self.logical_cores),
             "ctx_size": CategoricalDistribution(self.ctx_sizes),
             "io_mode": CategoricalDistribution(IO_MODES),
-            "io_threads": CategoricalDistribution(IO_THREADS),
+            "io_threads": CategoricalDistribution(self.io_thread_choices),
             "cache_policy": CategoricalDistribution(self.cache_policies),
         }
         if self.has_gpu:
@@ -134,13 +138,13 @@ class SearchSpace:
     def params_of(self, config: EngineConfig) -> dict:
         """The point of this space a config sits on (for enqueueing warm starts)."""
         params = {
-            "chunk_size": _nearest(CHUNK_SIZES, config.chunk_size),
+            "chunk_size": _nearest(self.chunk_sizes, config.chunk_size),
             "prefetch_depth": min(max(config.prefetch_depth, PREFETCH_DEPTHS[0]), PREFETCH_DEPTHS[1]),
             "cpu_cache_ratio": _snap(config.cpu_cache_ratio, *CPU_CACHE_RATIO),
             "threads": min(max(config.threads or self.physical_cores, 1), self.logical_cores),
             "ctx_size": min((c for c in self.ctx_sizes if c >= config.ctx_size), default=self.ctx_sizes[-1]),
             "io_mode": config.io_mode,
-            "io_threads": _nearest(IO_THREADS, config.io_threads),
+            "io_threads": _nearest(self.io_thread_choices, config.io_threads),
             "cache_policy": config.cache_policy if config.cache_policy in self.cache_policies else "lru",
         }
         if self.has_gpu:
@@ -196,6 +200,12 @@ class SearchSpace:
             raise BudgetError(f"{message}; even with prefetch_depth 0 and ctx_size {self.min_ctx} the budget is "
                               f"{format_size(overshoot)} short (raise --ram-budget or lower --min-ctx)")
 
+    def compute_dtype_name(self) -> str:
+        """The dtype trials compute in ('bfloat16', 'float32'), or '' without a model."""
+        if self.model is None:
+            return ""
+        return str(self._inputs()[3]).replace("torch.", "")
+
     def _inputs(self):
         if self._plan_inputs is None:
             from engine.checkpoint import Checkpoint
@@ -222,8 +232,8 @@ def _suggest(trial: optuna.Trial, name: str, dist):
 
 
 def _torch_dtype(name: str):
-    from engine.runtime import DTYPE_NAMES
-    return DTYPE_NAMES[name]
+    from engine.dtypes import short_dtypes
+    return short_dtypes()[name]
 
 
 def _nearest(choices, value):
