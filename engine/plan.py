@@ -83,7 +83,7 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     # Reads in flight: the current layer's misses plus `prefetch_depth` layers of lookahead.
     inflight = args.top_k * (1 + config.prefetch_depth) if routed else 0
     # A converted expert (bf16 on disk, fp32 compute) briefly exists twice.
-    slack = ALIGN_SLACK * (layout.spans_per_expert if layout is not None else 1)
+    slack = ALIGN_SLACK * getattr(layout, "spans_per_expert", 1)  # stand-in layouts (cost model): one span
     buffers = inflight * (disk_expert + slack + (expert if expert != disk_expert else 0))
     budget = config.ram_budget
 
