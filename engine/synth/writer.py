@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+from engine import synth_archs
 from engine.dtypes import ITEMSIZE
 from engine.durable import DirectoryLock, fsync_dir
 from engine.errors import ConfigError
@@ -21,11 +22,10 @@ from engine.synth.recipe import PlannedTensor, _Recipe, tensor_plan
 
 def plan_shards(units: list[list[PlannedTensor]], dtype: str, max_shard_size: int) -> list[list[PlannedTensor]]:
     """Greedy packing of units into shards of at most max_shard_size data bytes (a bigger unit gets its own)."""
-    elem = ITEMSIZE[dtype]
     shards: list[list[PlannedTensor]] = [[]]
     size = 0
     for unit in units:
-        ub = sum(math.prod(t.shape) * elem for t in unit)
+        ub = sum(math.prod(t.shape) * ITEMSIZE[t.dtype or dtype] for t in unit)
         if shards[-1] and size + ub > max_shard_size:
             shards.append([])
             size = 0
@@ -37,8 +37,7 @@ def plan_shards(units: list[list[PlannedTensor]], dtype: str, max_shard_size: in
 def model_bytes(geometry: dict) -> int:
     """Bytes of tensor data a synthesized model of this geometry holds (headers excluded)."""
     g = validate_geometry(geometry)
-    elem = ITEMSIZE[g["dtype"]]
-    return sum(math.prod(t.shape) * elem for unit in tensor_plan(g) for t in unit)
+    return sum(math.prod(t.shape) * ITEMSIZE[t.dtype or g["dtype"]] for unit in tensor_plan(g) for t in unit)
 
 
 # --- synthesis --------------------------------------------------------------------------------
@@ -85,7 +84,7 @@ def _synthesize(geometry: dict, out_dir, seed: int, routing_skew: float | None, 
 
     units = tensor_plan(g)
     shards = plan_shards(units, g["dtype"], g["max_shard_size"])
-    total = sum(TensorSpec(t.name, t.shape, g["dtype"]).nbytes for s in shards for t in s)
+    total = sum(TensorSpec(t.name, t.shape, t.dtype or g["dtype"]).nbytes for s in shards for t in s)
     free = shutil.disk_usage(out.parent).free
     if free < total + (16 << 20):
         raise ConfigError(
@@ -104,14 +103,15 @@ def _synthesize(geometry: dict, out_dir, seed: int, routing_skew: float | None, 
     # the cores are busy (60x slower measured on a loaded 2-core box); randn is serial anyway.
     torch.set_num_threads(1)
     try:
-        recipe = _Recipe(g, seed, skew)
+        recipe = (synth_archs.make_recipe(g, seed, skew) if g["model_type"] in synth_archs.ARCH_TYPES
+                  else _Recipe(g, seed, skew))
         n = len(shards)
         names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map: dict[str, str] = {}
         with Progress(total=total, unit="B", unit_scale=True, desc=f"synth {g.get('name', 'custom')}",
                       enabled=progress) as bar:
             for fname, shard in zip(names, shards):
-                specs = [TensorSpec(t.name, t.shape, g["dtype"]) for t in shard]
+                specs = [TensorSpec(t.name, t.shape, t.dtype or g["dtype"]) for t in shard]
                 with ShardWriter(tmp / fname, specs) as w:
                     for t in shard:
                         bar.update(w.write(t.name, recipe.values(t)))
