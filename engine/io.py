@@ -292,21 +292,26 @@ class ReadPool:
             job = self._jobs.get()
             if job is None:
                 return
-            fut, gather, result, fn, args = job
-            if gather is None and not fut.set_running_or_notify_cancel():
-                continue  # cancelled while queued: never read
-            try:
-                fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - delivered through the Future
-                if gather is None:
-                    fut.set_exception(exc)
-                else:
-                    gather.piece_done(exc)
-                continue
+            self._run(*job)
+            # The job's buffer (an expert store slot) must not stay referenced by this idle
+            # worker's frame: the slot goes back to the arena when its last reference does.
+            del job
+
+    def _run(self, fut, gather, result, fn, args) -> None:
+        if gather is None and not fut.set_running_or_notify_cancel():
+            return  # cancelled while queued: never read
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the Future
             if gather is None:
-                fut.set_result(result)
+                fut.set_exception(exc)
             else:
-                gather.piece_done(None)
+                gather.piece_done(exc)
+            return
+        if gather is None:
+            fut.set_result(result)
+        else:
+            gather.piece_done(None)
 
     def _pieces(self, start: int, stop: int) -> list[tuple[int, int]]:
         """Split [start, stop) across workers only when it is larger than chunk_size."""

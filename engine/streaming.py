@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import time
+import weakref
 from concurrent.futures import Future, wait
 
 import torch
@@ -43,7 +44,7 @@ def _to_device(value, device: str):
 class _Read:
     """One expert's read: a Future per span, all landing in one slot (`lease`)."""
 
-    __slots__ = ("key", "futures", "left", "wanted", "prefetch")
+    __slots__ = ("key", "futures", "left", "wanted", "prefetch", "__weakref__")
 
     def __init__(self, key, futures: list[Future], prefetch: bool):
         self.key = key
@@ -103,6 +104,7 @@ class StreamingExperts(ExpertStore):
             if read is not None:  # lookahead read it in time
                 self.prefetched_used += 1
                 self._compute(read, fn)
+                read = None  # a consumed read's slot belongs to the cache now, or to nobody
                 continue
             hit = self.cache.get(key)
             if hit is not None:
@@ -131,6 +133,7 @@ class StreamingExperts(ExpertStore):
                 self._compute(read, fn)
             else:
                 self._landed_elsewhere(read)
+            read = None
 
     def hint_experts(self, layer, experts) -> None:
         self._drain()
@@ -161,8 +164,11 @@ class StreamingExperts(ExpertStore):
                 at += align_up(size)
             futures.append(self.pool.submit(s.path, s.offset, s.length, into=into))
         read = _Read(key, futures, prefetch)
+        # A weak reference: a strong one would make read <-> future a cycle, which only the
+        # garbage collector frees, and the slot with it. The store holds the read until it lands.
+        landed, ref = self._landed, weakref.ref(read)
         for f in futures:
-            f.add_done_callback(lambda _f, read=read: self._landed.put(read))
+            f.add_done_callback(lambda _f: landed.put(ref()))
         return read
 
     def _lease(self):
