@@ -208,3 +208,30 @@ def test_engine_streaming_decode_holds_the_read_budget(moe_dir):
     assert max(seen_outstanding) <= s.max_inflight
     assert stats["slot_overflows"] == 0 and stats["slots_peak"] <= stats["slots"]
     assert set(between) == {0}
+
+
+def _mapped_rss(mappings) -> int:
+    """Resident bytes of these mmap objects in this process (/proc/self/smaps)."""
+    import numpy as np
+    starts = {np.frombuffer(m, dtype=np.uint8).ctypes.data for m in mappings}
+    total, current = 0, False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            fields = line.split()
+            if fields and "-" in fields[0] and not fields[0].endswith(":"):
+                current = int(fields[0].split("-")[0], 16) in starts
+            elif fields and fields[0] == "Rss:" and current:
+                total += int(fields[1]) * 1024
+    return total
+
+
+def test_mmap_make_cold_unmaps_resident_pages(moe_dir):
+    store, _ckpt, _args = _expert_store("mmap", moe_dir)
+    try:
+        store.for_each_expert(0, [0, 1, 2, 3], lambda e, w: None)
+        mappings = list(store.pool._maps.values())
+        assert _mapped_rss(mappings) > 0  # fault-in made the experts' pages resident in this process
+        how = store.make_cold()
+        assert _mapped_rss(mappings) == 0 and "madvise" in how
+    finally:
+        store.close()
