@@ -174,6 +174,7 @@ def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
                     bound_s = row["bytes_per_token"] / bw + compute_s
                     row.update(bw=bw, fio=(before_fio, after_fio), request=request, bound_tok_s=1 / bound_s,
                                ratio=row["tok_s"] * bound_s)
+                row["load_avg_1m"] = os.getloadavg()[0]  # the box is shared: say how busy it was
                 rows.append(row)
     return rows
 
@@ -181,8 +182,8 @@ def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     pct = (lambda v: "-" if v is None else f"{v:.0%}")
     print("| config | side | io | decode tok/s (median, min-max) | MiB read/token | request, fio GB/s before/after "
-          "| bound tok/s | measured/bound | RAM hit | I/O stall | peak RSS | cgroup peak |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| bound tok/s | measured/bound | RAM hit | I/O stall | peak RSS | cgroup peak | load avg |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['name']} | {r['side']} | | {r['error']} | | | | | | | | |")
@@ -192,7 +193,8 @@ def print_table(rows: list[dict]) -> None:
         fio_cell = (f"{format_size(r['request'])}: {fio[0] / 1e9:.2f} / {fio[1] / 1e9:.2f}" if fio else "-")
         print(f"| {r['name']} | {r['side']} | {r['io']} | {r['tok_s']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | "
               f"{r['bytes_per_token'] / 2**20:.0f} | {fio_cell} | {r['bound_tok_s']:.3f} | {r['ratio']:.2f} | "
-              f"{pct(r['hit'])} | {pct(r['stall'])} | {format_size(r['peak'])} | {format_size(r['cgroup_peak'])} |")
+              f"{pct(r['hit'])} | {pct(r['stall'])} | {format_size(r['peak'])} | {format_size(r['cgroup_peak'])} | "
+              f"{r.get('load_avg_1m', float('nan')):.1f} |")
 
 
 def main() -> int:
