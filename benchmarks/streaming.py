@@ -62,8 +62,14 @@ def configs(budget: int) -> dict[str, EngineConfig]:
     }
 
 
+_HELD = {"whole_run": False}
+
+
 @contextlib.contextmanager
 def bench_lock(path: str):
+    if _HELD["whole_run"]:  # --one-lock: taken once for the whole run
+        yield
+        return
     with open(path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
@@ -208,6 +214,8 @@ def main() -> int:
     ap.add_argument("--fio-seconds", type=float, default=6.0)
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole table (bound ratio over runs)")
     ap.add_argument("--lock", default="/tmp/colibri-bench.lock")
+    ap.add_argument("--one-lock", action="store_true",
+                    help="hold the lock for the whole run (fewer waits on a busy box; keep the run short)")
     ap.add_argument("--only", nargs="*", help="config names to run")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -218,20 +226,28 @@ def main() -> int:
     model_dir = resolve_model(a.model)
     files = sorted(Path(model_dir).glob("*.safetensors"))
     all_rows = []
-    for run in range(a.runs):
-        print(f"# streaming benchmark run {run + 1}/{a.runs} {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
-              f"commit {git_commit()} model {Path(model_dir).name} budget {a.budget} cold, {a.tokens} tokens x "
-              f"{a.repeats} repeats, prompt {a.prompt_tokens}, fio {a.fio_seconds:g} s x 2 per row", file=sys.stderr)
-        rows = run_table(model_dir, a, fio, files)
-        for r in rows:
-            r["run"] = run + 1
-        all_rows += rows
-        if not a.json:
-            print(f"\nRun {run + 1}:\n")
-            print_table(rows)
+    with contextlib.ExitStack() as stack:
+        if a.one_lock:
+            stack.enter_context(bench_lock(a.lock))
+            _HELD["whole_run"] = True
+        for run in range(a.runs):
+            all_rows += one_run(model_dir, a, fio, files, run)
     if a.json:
         json.dump(all_rows, sys.stdout, indent=2, default=str)
     return 0
+
+
+def one_run(model_dir, a, fio, files, run) -> list[dict]:
+    print(f"# streaming benchmark run {run + 1}/{a.runs} {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
+          f"commit {git_commit()} model {Path(model_dir).name} budget {a.budget} cold, {a.tokens} tokens x "
+          f"{a.repeats} repeats, prompt {a.prompt_tokens}, fio {a.fio_seconds:g} s x 2 per row", file=sys.stderr)
+    rows = run_table(model_dir, a, fio, files)
+    for r in rows:
+        r["run"] = run + 1
+    if not a.json:
+        print(f"\nRun {run + 1}:\n", flush=True)
+        print_table(rows)
+    return rows
 
 
 if __name__ == "__main__":

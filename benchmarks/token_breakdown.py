@@ -128,12 +128,13 @@ def main() -> int:
         return 0
     trees = [("after", ROOT)] + ([("before", Path(a.before_src).resolve())] if a.before_src else [])
     rows = []
-    for side, tree in trees:
-        with open(a.lock, "a") as lock, contextlib.ExitStack() as stack:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            stack.callback(fcntl.flock, lock, fcntl.LOCK_UN)
+    # One lock hold for both sides, so before and after see the same box minutes apart.
+    with open(a.lock, "a") as lock, contextlib.ExitStack() as stack:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stack.callback(fcntl.flock, lock, fcntl.LOCK_UN)
+        for side, tree in trees:
             print(f"measuring {side} ({tree}) ...", file=sys.stderr)
-            rows.append({"side": side, "tree": str(tree), **run_tree(tree, a)})
+            rows.append({"side": side, "tree": str(tree), "load_avg_1m": os.getloadavg()[0], **run_tree(tree, a)})
     if a.json:
         json.dump(rows, sys.stdout, indent=2)
         return 0
