@@ -31,7 +31,7 @@ from engine.checkpoint import Checkpoint  # noqa: E402
 from engine.io import ReadPool, align_up, direct_window_bytes  # noqa: E402
 from engine.layout import ExpertLayout  # noqa: E402
 from engine.model import ModelArgs  # noqa: E402
-from engine.models import resolve_model  # noqa: E402
+from engine.resolve import resolve_model  # noqa: E402
 from engine.slots import SlotArena  # noqa: E402
 
 
