@@ -127,6 +127,13 @@ class ExpertLayout:
     def num_routed(self) -> int:
         return len(self._locations)
 
+    # What the memory plan asks of a layout (the cost model's stand-in layouts answer the same).
+    def zero_copy(self, dtype: torch.dtype) -> bool:
+        return zero_copy(self, dtype)
+
+    def slot_bytes(self, direct: bool) -> int:
+        return slot_bytes(self, direct)
+
     def keys(self):
         return self._locations.keys()
 
@@ -159,11 +166,36 @@ def piece_tensor(buffers: list, piece: Piece, dtype: torch.dtype) -> torch.Tenso
 
 
 def tensors_from_buffers(loc: ExpertLocation, buffers: list, dtype: torch.dtype):
-    """Span buffers (bytes-like, one per span) → (gate, up, down) in the compute dtype.
+    """Span buffers (bytes-like, one per span) → the expert's weights in the compute dtype:
+    (gate_up [2I,H], down [H,I]) where gate and up are adjacent in one span (both HF layouts
+    write them so: one matmul instead of two), else (gate [I,H], up [I,H], down [H,I]).
 
-    Casting (bf16 on disk, fp32 compute) copies; same dtype is a zero-copy view of the buffer,
-    so the buffer lives as long as the cached tensors do.
+    This is the one bytes → expert step: the store calls it once per read, the model's expert
+    function (model.swiglu_expert) reads what it returns, and a new container format
+    (quantized, biased) replaces the pair. Same dtype is a zero-copy view of the buffer, so the
+    buffer (the store's slot) lives as long as the tensors do; casting (bf16 on disk, fp32
+    compute) copies.
     """
     if loc.decode is not None:
         return loc.decode(loc, buffers, dtype)
+    gate, up, down = loc.pieces
+    if (gate.span == up.span and up.start == gate.start + gate.nbytes and gate.dtype == up.dtype
+            and gate.shape == up.shape):
+        fused = Piece(gate.span, gate.start, gate.dtype, (2 * gate.shape[0], *gate.shape[1:]))
+        return piece_tensor(buffers, fused, dtype), piece_tensor(buffers, down, dtype)
     return tuple(piece_tensor(buffers, piece, dtype) for piece in loc.pieces)
+
+
+def zero_copy(layout: ExpertLayout, dtype: torch.dtype) -> bool:
+    """Whether the compute tensors are views of the read bytes (no cast needed)."""
+    return layout.num_routed > 0 and all(p.dtype == dtype for p in next(iter(layout._locations.values())).pieces)
+
+
+def slot_bytes(layout: ExpertLayout, direct: bool) -> int:
+    """Bytes one expert's read needs: each span page-aligned in the slot, widened for O_DIRECT."""
+    from .io import align_up, direct_window_bytes
+    worst = 0
+    for loc in layout._locations.values():
+        need = sum(align_up(direct_window_bytes(s.offset, s.length) if direct else s.length) for s in loc.spans)
+        worst = max(worst, need)
+    return worst

@@ -16,14 +16,15 @@ Shape legend used in comments:
 
 Weights are plain tensors in dicts, not nn.Modules: the runtime decides where each one lives
 (resident, streamed from disk, cached), and the math here only asks for them. Routed experts
-come from an `ExpertSource`, which is the seam between this file and the streaming runtime.
+come from an ExpertStore (engine/store.py), the seam between this file and the streaming runtime;
+the MoE layer hands each expert's weights to one function, `Transformer.expert_fn`, which a new
+weight format replaces together with the layout's bytes → weights step.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -324,10 +325,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 whatever the compute dtype, as the reference implementations do.
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    # F.rms_norm is one fused op where the written-out form was five (x * rsqrt(mean(x^2) + eps)),
+    # with the same result bit for bit.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -335,16 +335,20 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-class ExpertSource(Protocol):
-    """Where routed expert weights come from: resident tensors, or the streaming store.
+def swiglu_expert(x: torch.Tensor, weights: tuple) -> torch.Tensor:
+    """One routed expert: x [T, H] → [T, H], from what layout.tensors_from_buffers made of its
+    bytes: (gate_up [2I, H], down [H, I]), or (gate, up, down) where the file keeps them apart.
 
-    `get` returns {expert: (gate [I,H], up [I,H], down [H,I])} for the requested experts of one
-    layer; `hint` says which experts a later layer will probably need so reads can start early.
+    The one place the MoE layer reads an expert's weights; a new format replaces both.
     """
-
-    def get(self, layer: int, experts: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]: ...
-
-    def hint(self, layer: int, experts: list[int]) -> None: ...
+    down = weights[-1]
+    if down.device != x.device:  # the expert sits in the VRAM tier
+        return swiglu_expert(x.to(down.device), weights).to(x.device)
+    if len(weights) == 3:
+        return swiglu(x, *weights)
+    gu = F.linear(x, weights[0])  # [T, 2I]
+    inter = down.shape[1]
+    return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
 
 
 def route(args: ModelArgs, router_weight: torch.Tensor, x: torch.Tensor):
@@ -362,12 +366,6 @@ def route_layer(args: ModelArgs, w: dict, layer: int, x: torch.Tensor):
     if args.router is not None:
         return args.router.route(w, layer_prefix(layer), x)
     return route(args, w[f"{layer_prefix(layer)}.{args.moe_prefix}.gate.weight"], x)
-
-
-def expert_forward(args: ModelArgs, x: torch.Tensor, expert: tuple) -> torch.Tensor:
-    if args.expert_impl is not None:
-        return args.expert_impl.forward(x, expert)
-    return swiglu(x, *expert)
 
 
 @dataclass
@@ -400,10 +398,9 @@ class KVCache:
 # --- the transformer --------------------------------------------------------------------------
 
 class Transformer:
-    """Forward pass over resident dense weights and an ExpertSource for routed experts."""
+    """Forward pass over resident dense weights and an ExpertStore for routed experts."""
 
-    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], experts: ExpertSource | None,
-                 dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], experts, dtype: torch.dtype):
         self.args = args
         self.w = weights
         self.experts = experts
@@ -418,7 +415,9 @@ class Transformer:
         self.layer_source = None
         self.streamed_layers: list[int] = []
         self._streamed: frozenset[int] = frozenset()  # membership test on the per-layer path
-        self.expert_batch = 1 << 30  # experts fetched per get() call; the runtime lowers it when streaming
+        # What computes one routed expert from its weights: the architecture's own (gpt_oss:
+        # biases + clamped SwiGLU), else SwiGLU over what layout.tensors_from_buffers made.
+        self.expert_fn = swiglu_expert if args.expert_impl is None else args.expert_impl.forward
         self.routing_log: list[list[torch.Tensor]] | None = None  # per layer, ids [T, K] per call
 
     def _rope(self, positions: torch.Tensor):
@@ -430,8 +429,12 @@ class Transformer:
         return rope_cos_sin(self._inv_freq, self._rope_scale, positions, self.dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int, kv: KVCache) -> torch.Tensor:
-        """tokens: [T] int64 → logits [T, V] (fp32), writing K/V at positions start_pos..start_pos+T."""
+    def forward(self, tokens: torch.Tensor, start_pos: int, kv: KVCache, last_only: bool = False) -> torch.Tensor:
+        """tokens: [T] int64 → logits [T, V] (fp32), writing K/V at positions start_pos..start_pos+T.
+
+        last_only: logits of the last position only ([1, V]); generation needs no more, and the
+        lm_head is the largest matmul of a prefill.
+        """
         T = tokens.shape[0]
         if start_pos + T > kv.ctx_size:
             raise ValueError(f"{start_pos + T} positions exceed ctx_size {kv.ctx_size}")
@@ -441,6 +444,8 @@ class Transformer:
         x = F.embedding(tokens, self.w["model.embed_tokens.weight"])  # [T, H]
         for layer in range(self.args.num_layers):
             x = self._layer(layer, x, start_pos, kv, cos, sin, mask)
+        if last_only:
+            x = x[-1:]
         x = rms_norm(x, self.w["model.norm.weight"], self.args.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 
@@ -465,8 +470,8 @@ class Transformer:
         for step in range(1, self.lookahead_depth + 1):
             ahead = (layer + step) % self.args.num_layers
             if ahead in self._streamed:
-                self.layer_source.hint(ahead)
-        return self.layer_source.get(layer)
+                self.layer_source.hint_layer(ahead)
+        return self.layer_source.layer_weights(layer)
 
     def stream_layers(self, source, layers: list[int]) -> None:
         """Read `layers` from `source` per forward pass instead of keeping them resident."""
@@ -528,9 +533,9 @@ class Transformer:
             # [T,H]x[H,E] product) and right most of the time, because the residual changes
             # slowly from layer to layer.
             guess_in = rms_norm(residual, self.w[f"{tp}.post_attention_layernorm.weight"], a.rms_norm_eps)
-            ids, _ = route_layer(a, self.w, target, guess_in)
-            predicted = torch.unique(ids).tolist()
-            self.experts.hint(target, predicted)
+            ids, _ = route_layer(a, self.w, target, guess_in)  # the architecture's own rule
+            predicted = ids[0].tolist() if ids.shape[0] == 1 else torch.unique(ids).tolist()
+            self.experts.hint_experts(target, predicted)
 
     def _moe(self, layer: int, w: dict, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
@@ -538,22 +543,7 @@ class Transformer:
         ids, weights = route_layer(a, w, layer, x)  # [T, K] each
         if self.routing_log is not None:
             self.routing_log[layer].append(ids)
-        needed = sorted(torch.unique(ids).tolist())
-        out = torch.zeros_like(x)
-        # Fixed expert order, whatever order the reads finished in: the sum is then the same
-        # bit for bit in every placement, which the placement-invariance tests rely on.
-        # Batches bound how many experts' weights are held at once (prefill may touch all E).
-        for b in range(0, len(needed), self.expert_batch):
-            batch = needed[b:b + self.expert_batch]
-            experts = self.experts.get(layer, batch)
-            for e in batch:
-                token_idx, slot = torch.where(ids == e)
-                expert = experts[e]
-                device = expert[0].device
-                xs = x[token_idx].to(device)  # a no-op unless the expert sits in VRAM
-                y = (expert_forward(a, xs, expert) * weights[token_idx, slot, None].to(device)).to(x.device)
-                out.index_add_(0, token_idx, y.to(out.dtype))
-            del experts
+        out = self._routed_decode(layer, x, ids, weights) if x.shape[0] == 1 else self._routed(layer, x, ids, weights)
         if a.shared_experts_intermediate_size:  # deepseek-style: resident, always on, no gate
             out = out + swiglu(x, *(w[f"{p}.mlp.shared_experts.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj")))
         if a.shared_expert_intermediate_size:
@@ -562,3 +552,44 @@ class Transformer:
                             w[f"{p}.mlp.shared_expert.down_proj.weight"])
             out = out + torch.sigmoid(F.linear(x, w[f"{p}.mlp.shared_expert_gate.weight"])) * shared
         return out
+
+    # Both paths compute experts in whatever order the store delivers them (hits first, misses
+    # as they land) but sum them in ascending expert order: the sum is then the same bit for bit
+    # in every placement, which the placement-invariance tests rely on.
+
+    def _routed_decode(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One token (T == 1): K experts on the same row, summed by one [1,K] x [K,H] product."""
+        sorted_ids, order = torch.sort(ids[0])
+        needed = sorted_ids.tolist()
+        position = {e: j for j, e in enumerate(needed)}
+        ys: list = [None] * len(needed)
+        expert_fn = self.expert_fn
+
+        def run(e, expert_weights):
+            ys[position[e]] = expert_fn(x, expert_weights)
+
+        self.experts.for_each_expert(layer, needed, run)
+        return torch.mm(weights[0, order][None], torch.cat(ys))  # [1, H]
+
+    def _routed(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Several tokens: each expert gets the rows routed to it (one sort groups them)."""
+        K = ids.shape[1]
+        sorted_ids, order = torch.sort(ids.flatten(), stable=True)  # [T*K], grouped by expert
+        experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        needed, counts = experts.tolist(), counts.tolist()
+        starts = [0] * len(counts)
+        for j in range(1, len(counts)):
+            starts[j] = starts[j - 1] + counts[j - 1]
+        position = {e: j for j, e in enumerate(needed)}
+        token_of = order // K  # the row of x each routed slot belongs to
+        slot_weight = weights.flatten()[order, None]
+        ys: list = [None] * len(needed)
+        expert_fn = self.expert_fn
+
+        def run(e, expert_weights):
+            j = position[e]
+            rows = slice(starts[j], starts[j] + counts[j])
+            ys[j] = expert_fn(x[token_of[rows]], expert_weights) * slot_weight[rows]
+
+        self.experts.for_each_expert(layer, needed, run)
+        return torch.zeros_like(x).index_add_(0, token_of, torch.cat(ys))

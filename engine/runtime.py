@@ -16,10 +16,11 @@ import torch
 from .checkpoint import Checkpoint
 from .config import EngineConfig
 from .dtypes import FLOAT_NAMES, short_dtypes, torch_dtype
-from .layout import ExpertLayout, tensors_from_buffers
+from .layout import ExpertLayout
 from .model import KVCache, ModelArgs, Transformer, dense_tensor_names
 from .plan import MemoryPlan, make_plan
 from .tensor_checks import check_shapes
+from .store import ExpertStore, ResidentExperts
 
 DTYPE_NAMES = short_dtypes()
 
@@ -35,26 +36,6 @@ def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
         return by_config
     floats = [i.torch_dtype for i in ckpt.tensors.values() if i.torch_dtype.is_floating_point]
     return floats[0] if floats else torch.float32
-
-
-class ResidentExperts:
-    """Every routed expert loaded once into RAM: the reference placement."""
-
-    def __init__(self, layout: ExpertLayout, dtype: torch.dtype):
-        self._experts = {}
-        for key in layout.keys():
-            loc = layout.location(*key)
-            buffers = [_read_span(s) for s in loc.spans]
-            self._experts[key] = tensors_from_buffers(loc, buffers, dtype)
-
-    def get(self, layer, experts):
-        return {e: self._experts[(layer, e)] for e in experts}
-
-    def hint(self, layer, experts):
-        pass
-
-    def close(self):
-        pass
 
 
 def _touch_compute_kernels(dtype: torch.dtype, threads: int) -> None:
@@ -80,15 +61,6 @@ def _touch_compute_kernels(dtype: torch.dtype, threads: int) -> None:
 def _layer_of(name: str) -> int | None:
     parts = name.split(".")
     return int(parts[2]) if len(parts) > 3 and parts[1] == "layers" else None
-
-
-def _read_span(span) -> bytearray:
-    from .errors import ModelFormatError
-    buf = bytearray(span.length)
-    with open(span.path, "rb", buffering=0) as f:
-        if os.preadv(f.fileno(), [buf], span.offset) != span.length:
-            raise ModelFormatError(f"{span.path}: truncated (expert bytes at {span.offset} missing)")
-    return buf
 
 
 class Engine:
@@ -132,9 +104,6 @@ class Engine:
         self.model.lookahead_depth = self.config.prefetch_depth if self.plan.streaming else 0
         if self.layers is not None:
             self.model.stream_layers(self.layers, streamed)
-        if self.plan.streaming:
-            # Bounded transient memory in prefill: at most this many experts' weights at once.
-            self.model.expert_batch = max(1, self.plan.max_inflight_experts)
         self.kv = KVCache.allocate(self.args, self.config.ctx_size, self.kv_dtype)
 
     def _streamed_layers(self) -> list[int]:
@@ -143,11 +112,10 @@ class Engine:
         return list(range(self.plan.resident_layers, self.args.num_layers))
 
     @property
-    def store(self):
-        """Whatever streams from disk in this run: the expert store, the layer streamer, or None."""
-        if self.experts is not None and not isinstance(self.experts, ResidentExperts):
-            return self.experts
-        return self.layers
+    def store(self) -> ExpertStore | None:
+        """The store behind the weights the model does not hold: experts or layers (None for a
+        dense model held whole). `store.streams` says whether a disk is in the loop."""
+        return self.experts if self.experts is not None else self.layers
 
     def _compute_dtype(self) -> torch.dtype:
         if self.config.dtype == "auto":
@@ -155,9 +123,10 @@ class Engine:
             return torch.float32 if d == torch.float16 else d  # fp16 matmuls are slow on CPU
         return DTYPE_NAMES[self.config.dtype]
 
-    def forward(self, tokens: list[int] | torch.Tensor, start_pos: int) -> torch.Tensor:
+    def forward(self, tokens: list[int] | torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
+        """Logits [T, V] for every position, or [1, V] for the last one (what generation needs)."""
         t = torch.as_tensor(tokens, dtype=torch.long)
-        return self.model.forward(t, start_pos, self.kv)
+        return self.model.forward(t, start_pos, self.kv, last_only=last_only)
 
     def record_routing(self) -> None:
         """Start logging every routing decision (for --record-routing / cache_policy=pinned)."""
@@ -175,13 +144,12 @@ class Engine:
         routing_histogram_save(hist, path)
 
     def io_stats(self) -> dict:
-        return self.store.stats() if self.store is not None else {}
+        store = self.store
+        return store.stats() if store is not None and store.streams else {}
 
     def close(self) -> None:
-        if self.experts is not None:
-            self.experts.close()
-        if self.layers is not None:
-            self.layers.close()
+        if self.store is not None:
+            self.store.close()
 
     def __enter__(self):
         return self

@@ -140,7 +140,7 @@ class _Hints:
     def __init__(self):
         self.hints = {}
 
-    def hint(self, layer, experts):
+    def hint_experts(self, layer, experts):  # the ExpertStore contract's lookahead call
         self.hints[layer] = experts
 
     def get(self, layer, experts):

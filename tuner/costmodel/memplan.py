@@ -17,6 +17,7 @@ then in stored bytes, which is what the engine keeps in RAM for a quantized cont
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -76,6 +77,14 @@ class _SizedLayout:
     # compute dtype, with the stand-in width): the planning args and one plain location.
     args: object = None
     quant: None = None
+
+    def zero_copy(self, dtype) -> bool:
+        return True  # the stand-in width makes the stored size the compute size (see _stand_ins)
+
+    def slot_bytes(self, direct: bool) -> int:
+        """One span per expert: page-rounded, plus an O_DIRECT window's two edge pages."""
+        from engine.io import align_up
+        return align_up(int(math.ceil(self.expert_nbytes))) + (2 * 4096 if direct else 0)
 
     @property
     def _locations(self) -> dict:
