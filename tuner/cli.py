@@ -105,6 +105,8 @@ def add_bench(sub) -> None:
     p.add_argument("--cgroup-limit", help="run inside a child memory cgroup limited to SIZE (page cache counts)")
     p.add_argument("--timeout", type=float, default=None, help="seconds, with --cgroup-limit")
     p.add_argument("--record-routing", metavar="FILE", help="write the routing histogram (for cache_policy=pinned)")
+    p.add_argument("--outcome", metavar="FILE", help="write how the run ended as a JSON record (the tuner's "
+                                                     "trials read it: ok with the results, or the error's kind)")
     _add_engine_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
@@ -138,6 +140,9 @@ def cmd_bench(args) -> int:
         result = run_bench(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                            prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
                            record_routing=args.record_routing)
+    if args.outcome:
+        from tuner.outcome import Outcome, write_outcome
+        write_outcome(args.outcome, Outcome("ok", metrics=result))
     if args.json:
         _print_json(result)
     else:
@@ -439,15 +444,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ColibriError as exc:
-        print(f"colibri {args.command}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print(f"colibri {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # `colibri ... | head`: the reader left; not an error of ours
-        sys.stderr.close()
-        return 0
+    except BaseException as exc:
+        if getattr(args, "outcome", None):  # a trial process: the tuner reads how it ended from here
+            from tuner.outcome import outcome_of_exception, write_outcome
+            write_outcome(args.outcome, outcome_of_exception(exc))
+        if isinstance(exc, ColibriError):
+            print(f"colibri {args.command}: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        if isinstance(exc, KeyboardInterrupt):
+            print(f"colibri {args.command}: interrupted", file=sys.stderr)
+            return 130
+        if isinstance(exc, BrokenPipeError):  # `colibri ... | head`: the reader left; not an error of ours
+            sys.stderr.close()
+            return 0
+        raise
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from tuner.budget import TimeBudget, format_clock, parse_duration
 from tuner.calibrate import calibrate, probe_profile
 from tuner.objective import OBJECTIVES, SAMPLERS
 from tuner.result import TrialResult
+from tuner.run_record import RUN_FILE, read_run_record, write_run_record
 from tuner.space import DEFAULT_OVERHEAD_BYTES, ModelFacts, SearchSpace
 from tuner.storage import Heartbeat, open_storage, redact_url
 from tuner.trial import run_trial
@@ -159,15 +160,29 @@ class _Run:
         opts = self.opts
         self.model_dir = resolve_model(opts.model, progress=True).resolve()
         self.model_name = opts.model if not Path(opts.model).exists() else self.model_dir.name
-        self.budget = opts.ram_budget if opts.ram_budget is not None else default_budget(opts.model)
+        self.out = Path(opts.out) if opts.out else storage.default_out(self.model_name, opts.resume)
+        recorded = read_run_record(self.out) if opts.resume else None
+        if opts.ram_budget is not None:
+            self.budget = opts.ram_budget
+        elif recorded:
+            # Free memory moves between runs; the study was made with the budget it recorded.
+            self.budget = recorded["budget"]
+            self.log(f"resume: budget {format_size(self.budget)} as recorded in {self.out / RUN_FILE} "
+                     f"(the default here now would be {format_size(default_budget(opts.model))})")
+        else:
+            self.budget = default_budget(opts.model)
         if self.budget <= 0:
             raise BudgetError(f"--ram-budget must be positive, got {self.budget}")
         self.limit_bytes = opts.cgroup_limit or self.budget
-        self.out = Path(opts.out) if opts.out else storage.default_out(self.model_name, opts.resume)
         self.shared = storage.is_shared(opts.storage)
         self.storage_url = opts.storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
-        self.study_name = opts.study_name or \
-            f"{self.model_name}-{size_label(self.budget, smallest='MiB')}-{opts.objective}"
+        if opts.study_name:
+            self.study_name = opts.study_name
+        elif recorded and opts.ram_budget is None:
+            self.study_name = recorded["study_name"]
+            self.log(f"resume: study {self.study_name!r} as recorded in {self.out / RUN_FILE}")
+        else:
+            self.study_name = f"{self.model_name}-{size_label(self.budget, smallest='MiB')}-{opts.objective}"
 
         self.facts = ModelFacts.read(self.model_dir)
         import psutil
@@ -183,6 +198,8 @@ class _Run:
         self.storage = open_storage(self.storage_url, self.shared)  # also before anything slow
         self.existing = storage.check_resume(self.storage, self.storage_url, self.study_name, opts.resume,
                                              self.shared)
+        write_run_record(self.out, model=opts.model, model_dir=self.model_dir, budget=self.budget,
+                         study_name=self.study_name, objective=opts.objective, storage=redact_url(self.storage_url))
         self.warm_entry = outputs.warm_start_entry(opts.from_profile, self.facts.geometry, self.log) \
             if opts.from_profile else None
 

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from engine import synth_archs
 from engine.dtypes import FLOAT_NAMES
-from engine.errors import ConfigError
+from engine.errors import ConfigError, ModelFormatError
+from engine.jsonlimits import loads_limited
+from engine.validate import validate_config
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 
@@ -63,9 +65,10 @@ def load_geometry_file(path: str | os.PathLike) -> dict:
 
 def _read_geometry_json(path: Path) -> dict:
     try:
-        geom = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path.name}: not valid JSON ({exc})") from None
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path.name}: cannot read: {exc.strerror or exc}") from None
+    geom = loads_limited(raw, path.name, error=ConfigError)
     if not isinstance(geom, dict):
         raise ConfigError(f"{path.name}: expected a JSON object of geometry keys")
     geom.setdefault("name", path.stem)
@@ -89,18 +92,17 @@ def validate_geometry(geometry: dict) -> dict:
     if g["model_type"] != "qwen3_moe":
         raise ConfigError(f"{name}: synth writes model_type qwen3_moe or "
                           f"{', '.join(synth_archs.ARCH_TYPES)}, not {g['model_type']!r}")
+    # The same rules the engine applies to the config.json this geometry becomes.
+    try:
+        validate_config(g, source=f"geometry {name}")
+    except ModelFormatError as exc:  # a geometry is a config the user wrote, not a model file
+        raise ConfigError(str(exc)) from None
     for key in _REQUIRED_INT:
         v = g.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ConfigError(f"{name}: '{key}' must be a positive integer, got {v!r}")
     if g["intermediate_size"] is None:
         g["intermediate_size"] = g["moe_intermediate_size"]
-    if g["num_attention_heads"] % g["num_key_value_heads"]:
-        raise ConfigError(f"{name}: num_attention_heads must be a multiple of num_key_value_heads")
-    if g["head_dim"] % 2:
-        raise ConfigError(f"{name}: head_dim must be even (RoPE rotates pairs)")
-    if g["num_experts_per_tok"] > g["num_experts"]:
-        raise ConfigError(f"{name}: num_experts_per_tok exceeds num_experts")
     if g["vocab_size"] < MIN_VOCAB:
         raise ConfigError(f"{name}: vocab_size must be at least {MIN_VOCAB} (256 byte tokens + {EOS_TOKEN})")
     if g["dtype"] not in FLOAT_NAMES:

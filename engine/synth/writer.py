@@ -13,6 +13,7 @@ from pathlib import Path
 
 from engine import synth_archs
 from engine.dtypes import ITEMSIZE
+from engine.durable import DirectoryLock, fsync_dir
 from engine.errors import ConfigError
 from engine.synth.geometry import validate_geometry
 from engine.synth.hf_files import write_side_files
@@ -53,8 +54,16 @@ def synthesize(
 
     routing_skew None takes the geometry's own default (the presets' calibrated value).
     Refuses an existing non-empty out_dir unless force (then it is replaced only once the new
-    model is complete).
+    model is complete). A second process synthesizing into the same out_dir waits for the first
+    (engine/durable.py DirectoryLock) and then finds the directory non-empty.
     """
+    name = geometry.get("name", "custom") if isinstance(geometry, dict) else "custom"
+    with DirectoryLock(out_dir, f"synthesizing {name}"):
+        return _synthesize(geometry, out_dir, seed, routing_skew, progress, force)
+
+
+def _synthesize(geometry: dict, out_dir, seed: int, routing_skew: float | None, progress: bool,
+                force: bool) -> Path:
     from engine.progress import Progress
     from engine.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 
@@ -82,9 +91,11 @@ def synthesize(
             f"not enough free space in {str(out.parent)!r}: need {total / 2**30:.2f} GiB, have {free / 2**30:.2f} GiB"
         )
 
+    # We hold out's lock, so a sibling left by an earlier writer is debris of one that died
+    # (kill -9, power loss), not work in progress: remove it before it fills the disk.
+    for stale in [*out.parent.glob(f"{out.name}.partial-*"), *out.parent.glob(f"{out.name}.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f"{out.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     import torch
     threads = torch.get_num_threads()
@@ -112,7 +123,7 @@ def synthesize(
                 "weight_map": dict(sorted(weight_map.items())),
             })
         write_side_files(tmp, g, seed, skew)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -120,14 +131,6 @@ def synthesize(
     finally:
         torch.set_num_threads(threads)
     return out
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:
@@ -140,7 +143,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
             old = out.parent / f"{out.name}.old-{os.getpid()}"
             os.replace(out, old)
     os.replace(tmp, out)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

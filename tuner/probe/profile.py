@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from engine.config import atomic_write_text
+from engine.jsonlimits import loads_limited
 from tuner.probe.errors import ProfileError
 from tuner.schema import decode, json_type
 
@@ -300,13 +301,10 @@ def save_profile(profile: HardwareProfile, path: str | os.PathLike) -> Path:
 def load_profile(path: str | os.PathLike) -> HardwareProfile:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as exc:
         raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    data = loads_limited(raw, str(path), error=ProfileError)
     try:
         return HardwareProfile.from_dict(data)
     except ProfileError as exc:
