@@ -60,6 +60,10 @@ for _name, _pattern in (
         ("weight", r"\.(weight|bias)$")):
     register_role(_name, _pattern, FLOATS, first=False)
 
+# gpt_oss checkpoints as published: MXFP4 experts are uint8 blocks and scales (engine/gptoss.py).
+register_role("MXFP4 expert blocks/scales", r"\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales)$", {"U8"},
+              applies=lambda config: config.get("model_type") == "gpt_oss")
+
 
 def role_of(tensor_name: str, config: dict) -> TensorRole | None:
     for role in _ROLES:

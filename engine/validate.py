@@ -329,6 +329,22 @@ register_rules("olmoe", *COMMON, *MOE, Int("intermediate_size", 1, M4, required=
                Number("clip_qkv", 0, nullable=True))
 register_rules("qwen3_moe", *COMMON, *MOE, *QWEN_MOE)
 register_rules("qwen2_moe", *COMMON, *MOE, *QWEN_MOE, Int("shared_expert_intermediate_size", 0, M4, nullable=True))
+# The second wave's architectures: field ranges here; the cross-field checks (groups, top-k
+# per group, indexer layers, layer types) are engine/archs.py's, each one line naming the field.
+_ROUTED = (Int("n_routed_experts", 1, M4, required=True), Int("num_experts_per_tok", 1, K16, required=True),
+           Int("moe_intermediate_size", 1, M4, required=True), Int("n_shared_experts", 0, K16, nullable=True),
+           Int("n_group", 1, K16, nullable=True), Int("topk_group", 1, K16, nullable=True),
+           Int("first_k_dense_replace", 0, M4, nullable=True), Number("routed_scaling_factor", 0, nullable=True))
+_MLA = (Int("kv_lora_rank", 1, M4, required=True), Int("q_lora_rank", 1, M4, nullable=True),
+        Int("qk_nope_head_dim", 1, K16, required=True), Int("qk_rope_head_dim", 1, K16, required=True),
+        Int("v_head_dim", 1, K16, required=True))
+register_rules("deepseek_v3", *COMMON, *_ROUTED, *_MLA)
+register_rules("glm_moe_dsa", *COMMON, *_ROUTED, *_MLA, Int("index_topk", 1, M4, required=True),
+               Int("index_n_heads", 1, K16, required=True), Int("index_head_dim", 1, K16, required=True))
+register_rules("glm4_moe", *COMMON, *_ROUTED)
+register_rules("gpt_oss", *COMMON, Int("num_local_experts", 1, M4, required=True),
+               Int("num_experts_per_tok", 1, K16, required=True), Int("intermediate_size", 1, M4, required=True),
+               Int("sliding_window", 1, M4, nullable=True))
 
 
 # --- entry point ---------------------------------------------------------------------------------
