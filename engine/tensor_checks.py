@@ -60,11 +60,9 @@ for _name, _pattern in (
         ("weight", r"\.(weight|bias)$")):
     register_role(_name, _pattern, FLOATS, first=False)
 
-
-# gpt_oss's published checkpoints store routed experts as MXFP4: `<proj>_blocks` (two e2m1
-# codes per byte) and `<proj>_scales` (e8m0 exponents), both U8 (engine/gptoss.py reads them).
-register_role("MXFP4 expert blocks/scales", r"\.experts\.\w+_(blocks|scales)$", {"U8"},
-              applies=lambda cfg: cfg.get("model_type") == "gpt_oss")
+# gpt_oss checkpoints as published: MXFP4 experts are uint8 blocks and scales (engine/gptoss.py).
+register_role("MXFP4 expert blocks/scales", r"\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales)$", {"U8"},
+              applies=lambda config: config.get("model_type") == "gpt_oss")
 
 
 def role_of(tensor_name: str, config: dict) -> TensorRole | None:

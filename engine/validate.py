@@ -329,53 +329,22 @@ register_rules("olmoe", *COMMON, *MOE, Int("intermediate_size", 1, M4, required=
                Number("clip_qkv", 0, nullable=True))
 register_rules("qwen3_moe", *COMMON, *MOE, *QWEN_MOE)
 register_rules("qwen2_moe", *COMMON, *MOE, *QWEN_MOE, Int("shared_expert_intermediate_size", 0, M4, nullable=True))
-
-
-# The second wave's architectures (engine/archs.py builds them; it re-checks what it derives).
-SIGMOID_MOE: tuple = (
-    Int("n_routed_experts", 1, K16, required=True),
-    Int("num_experts_per_tok", 1, K16, required=True),
-    Int("n_group", 1, K16, nullable=True),
-    Int("topk_group", 1, K16, nullable=True),
-    Int("n_shared_experts", 0, K16, nullable=True),
-    Int("moe_intermediate_size", 1, M4, required=True),
-    Int("intermediate_size", 1, M4, nullable=True),  # the first_k_dense_replace dense layers
-    Int("first_k_dense_replace", 0, K16, nullable=True),
-    Bool("norm_topk_prob"),
-    Number("routed_scaling_factor", 0, nullable=True),
-    Consistent(lambda c: c["num_experts_per_tok"] <= c["n_routed_experts"], "num_experts_per_tok",
-               "must be <= n_routed_experts ({n_routed_experts})"),
-    Consistent(lambda c: (c.get("topk_group") or 1) <= (c.get("n_group") or 1), "topk_group",
-               "must be <= n_group (groups chosen out of the groups there are)"),
-    Consistent(lambda c: c["n_routed_experts"] % (c.get("n_group") or 1) == 0, "n_group",
-               "must divide n_routed_experts ({n_routed_experts})"),
-    Consistent(lambda c: (c.get("first_k_dense_replace") or 0) <= c["num_hidden_layers"], "first_k_dense_replace",
-               "must be <= num_hidden_layers ({num_hidden_layers})"),
-)
-
-MLA: tuple = (
-    Int("kv_lora_rank", 1, M1, required=True),
-    Int("q_lora_rank", 1, M1, nullable=True),  # null: queries projected directly (no q LoRA)
-    Int("qk_nope_head_dim", 1, K16, required=True),
-    Int("qk_rope_head_dim", 2, K16, required=True),
-    Int("v_head_dim", 1, K16, required=True),
-    Bool("rope_interleave"),
-    Consistent(lambda c: c["qk_rope_head_dim"] % 2 == 0, "qk_rope_head_dim", "must be even (RoPE rotates pairs)"),
-)
-
-DSA_INDEXER: tuple = (
-    Int("index_topk", 1, 1 << 31, required=True),
-    Int("index_n_heads", 1, K16, required=True),
-    Int("index_head_dim", 2, K16, required=True),
-    Int("q_lora_rank", 1, M1, required=True),  # the indexer reads the compressed query
-)
-
-register_rules("deepseek_v3", *COMMON, *SIGMOID_MOE, *MLA)
-register_rules("glm_moe_dsa", *COMMON, *SIGMOID_MOE, *MLA, *DSA_INDEXER)
-register_rules("glm4_moe", *COMMON, *SIGMOID_MOE, Bool("use_qk_norm"),
-               Number("partial_rotary_factor", 0, 1, nullable=True))
-register_rules("gpt_oss", *COMMON, *MOE, Int("intermediate_size", 1, M4, required=True),
-               Number("swiglu_limit", 0, nullable=True), Number("swiglu_alpha", 0, nullable=True))
+# The second wave's architectures: field ranges here; the cross-field checks (groups, top-k
+# per group, indexer layers, layer types) are engine/archs.py's, each one line naming the field.
+_ROUTED = (Int("n_routed_experts", 1, M4, required=True), Int("num_experts_per_tok", 1, K16, required=True),
+           Int("moe_intermediate_size", 1, M4, required=True), Int("n_shared_experts", 0, K16, nullable=True),
+           Int("n_group", 1, K16, nullable=True), Int("topk_group", 1, K16, nullable=True),
+           Int("first_k_dense_replace", 0, M4, nullable=True), Number("routed_scaling_factor", 0, nullable=True))
+_MLA = (Int("kv_lora_rank", 1, M4, required=True), Int("q_lora_rank", 1, M4, nullable=True),
+        Int("qk_nope_head_dim", 1, K16, required=True), Int("qk_rope_head_dim", 1, K16, required=True),
+        Int("v_head_dim", 1, K16, required=True))
+register_rules("deepseek_v3", *COMMON, *_ROUTED, *_MLA)
+register_rules("glm_moe_dsa", *COMMON, *_ROUTED, *_MLA, Int("index_topk", 1, M4, required=True),
+               Int("index_n_heads", 1, K16, required=True), Int("index_head_dim", 1, K16, required=True))
+register_rules("glm4_moe", *COMMON, *_ROUTED)
+register_rules("gpt_oss", *COMMON, Int("num_local_experts", 1, M4, required=True),
+               Int("num_experts_per_tok", 1, K16, required=True), Int("intermediate_size", 1, M4, required=True),
+               Int("sliding_window", 1, M4, nullable=True))
 
 
 # --- entry point ---------------------------------------------------------------------------------

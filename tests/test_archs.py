@@ -302,7 +302,7 @@ def test_bad_config_through_the_cli(tmp_path, capsys):
     capsys.readouterr()  # save_pretrained's progress bar
     code = main(["run", "--model", str(tmp_path), "--prompt-tokens", "2"])
     assert code == 2
-    assert_one_line_error(code, capsys.readouterr().err, "topk_group = 7: must be <= n_group")
+    assert_one_line_error(code, capsys.readouterr().err, "topk_group 7 exceeds n_group 4")
 
 
 def test_kv_cache_of_per_head_archs_is_unchanged(tmp_path):
