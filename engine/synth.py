@@ -27,6 +27,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+# The tokenizer (engine/bpe_tokenizer.py): 256 byte tokens, <|endoftext|> at 256, then BPE merges.
+from engine.bpe_tokenizer import EOS_TOKEN, EOS_TOKEN_ID, MIN_VOCAB
 from engine.errors import ConfigError
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
@@ -50,11 +52,6 @@ _DEFAULTS = {
     "initializer_range": 0.02,
 }
 _DTYPES = ("bfloat16", "float32", "float16")
-
-# Byte-level tokenizer: 256 byte tokens, then <|endoftext|>, then filler up to vocab_size.
-EOS_TOKEN = "<|endoftext|>"
-EOS_TOKEN_ID = 256
-MIN_VOCAB = 257
 
 # Recipe constants, calibrated with benchmarks/routing_skew.py (docs/SYNTH.md has the table).
 EMBED_STD = 1.0        # token content must dominate the residual at X=0 (near-uniform routing)
@@ -390,58 +387,6 @@ def hf_config(g: dict, seed: int, skew: float) -> dict:
     }
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    chars = printable[:]
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(printable, map(chr, chars)))
-
-
-def _filler_tokens(count: int) -> list[str]:
-    """Pseudo-words (' ab', ' ac', ...) for ids past the byte tokens.
-
-    Encoding never produces them (there are no merges), but a model that samples them still
-    decodes to readable text instead of failing.
-    """
-    space = _bytes_to_unicode()[ord(" ")]
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    out: list[str] = []
-    length = 2
-    while len(out) < count:
-        for idx in range(len(letters) ** length):
-            word = ""
-            for _ in range(length):
-                idx, r = divmod(idx, len(letters))
-                word = letters[r] + word
-            out.append(space + word)
-            if len(out) == count:
-                break
-        length += 1
-    return out
-
-
-def build_tokenizer(vocab_size: int):
-    """Byte-level BPE without merges: ids 0-255 are the bytes, 256 is <|endoftext|>, the rest fillers."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    b2u = _bytes_to_unicode()
-    vocab = {b2u[b]: b for b in range(256)}
-    vocab[EOS_TOKEN] = EOS_TOKEN_ID
-    for i, tok in enumerate(_filler_tokens(vocab_size - MIN_VOCAB)):
-        vocab[tok] = MIN_VOCAB + i
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
-    return tok
-
-
 # --- synthesis --------------------------------------------------------------------------------
 
 def synthesize(
@@ -530,20 +475,13 @@ def synthesize(
 
 
 def _write_tokenizer(dir_: Path, g: dict) -> None:
+    from engine.bpe_tokenizer import build_tokenizer, tokenizer_config
     from engine.safetensors_writer import write_json_atomic
     tok = build_tokenizer(g["vocab_size"])
     tmp = dir_ / f".tokenizer.json.tmp-{os.getpid()}"
     tok.save(str(tmp), pretty=False)
     os.replace(tmp, dir_ / "tokenizer.json")
-    write_json_atomic(dir_ / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN,
-        "bos_token": None,
-        "pad_token": None,
-        "unk_token": None,
-        "model_max_length": g["max_position_embeddings"],
-        "clean_up_tokenization_spaces": False,
-    })
+    write_json_atomic(dir_ / "tokenizer_config.json", tokenizer_config(g["max_position_embeddings"]))
 
 
 def _fsync_dir(path: Path) -> None:
