@@ -46,17 +46,10 @@ sys.path.insert(0, str(REPO))
 
 from engine.bpe_tokenizer import bytes_to_unicode  # noqa: E402
 from engine.cgroup import detect_memory_cgroup, run_limited  # noqa: E402
+from engine.config import parse_size  # noqa: E402
 
 PROMPT = "The history of the city begins with a small river crossing, where traders from the north met"
 GiB = 1 << 30
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?i?B?)\s*", text, re.I)
-    if not m:
-        raise SystemExit(f"error: bad size {text!r} (e.g. 1.5GiB)")
-    unit = m.group(2).upper().rstrip("B").rstrip("I")
-    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
 
 
 @contextlib.contextmanager
@@ -369,4 +362,12 @@ def git_commit(src: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.errors import ConfigError
+    try:
+        sys.exit(main())
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except subprocess.CalledProcessError as exc:
+        print(f"error: {Path(exc.cmd[0]).name} failed with exit code {exc.returncode}", file=sys.stderr)
+        sys.exit(2)

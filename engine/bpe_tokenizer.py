@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import platform
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -53,26 +56,21 @@ def corpus_files() -> list[Path]:
     return files
 
 
+def _corpus_texts() -> list[str]:
+    return [p.read_bytes().decode("utf-8", errors="replace") for p in corpus_files()]
+
+
 @functools.lru_cache(maxsize=1)
-def _corpus() -> tuple[tuple[str, ...], str]:
-    texts, digest = [], hashlib.sha256()
+def corpus_info() -> dict:
+    """What the tokenizer was trained on, for tokenizer_config.json and the docs."""
+    digest, files, chars = hashlib.sha256(), 0, 0
     for path in corpus_files():
         data = path.read_bytes()
         digest.update(path.name.encode() + b"\0" + data)
-        texts.append(data.decode("utf-8", errors="replace"))
-    return tuple(texts), digest.hexdigest()
-
-
-def corpus_info() -> dict:
-    """What the tokenizer was trained on, for tokenizer_config.json and the docs."""
-    texts, digest = _corpus()
-    return {
-        "source": CORPUS_SOURCE,
-        "python": platform.python_version(),
-        "files": len(texts),
-        "chars": sum(map(len, texts)),
-        "sha256": digest,
-    }
+        files += 1
+        chars += len(data.decode("utf-8", errors="replace"))
+    return {"source": CORPUS_SOURCE, "python": platform.python_version(), "files": files, "chars": chars,
+            "sha256": digest.hexdigest()}
 
 
 def _filler_tokens(count: int, taken: set[str]) -> list[str]:
@@ -95,22 +93,30 @@ def _filler_tokens(count: int, taken: set[str]) -> list[str]:
     return out
 
 
-@functools.lru_cache(maxsize=4)
-def _trained_merges(vocab_size: int) -> tuple[tuple[str, str], ...]:
-    """Merges learned on the corpus, in order; at most vocab_size - MIN_VOCAB of them produce new tokens."""
-    import json
+def train_merges(vocab_size: int) -> list[list[str]]:
+    """Merges learned on the corpus, in order, for a vocabulary of vocab_size - 1 symbols (EOS comes later)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - 1,  # EOS is added afterwards at its fixed id
+        vocab_size=vocab_size - 1,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
         show_progress=False,
     )
-    tok.train_from_iterator(list(_corpus()[0]), trainer)
+    tok.train_from_iterator(_corpus_texts(), trainer)
     merges = json.loads(tok.to_str())["model"]["merges"]
-    return tuple((m[0], m[1]) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in merges)
+    return [list(m) if isinstance(m, list) else m.split(" ", 1) for m in merges]
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_merges(vocab_size: int) -> tuple[tuple[str, str], ...]:
+    # Trained in a child interpreter: the trainer leaves tens of MB in the allocator, and the
+    # caller's RSS is what the engine's memory plan measures as runtime overhead.
+    out = subprocess.run([sys.executable, "-I", __file__, str(vocab_size)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"tokenizer training failed: {out.stderr.strip()[-300:]}")
+    return tuple((left, right) for left, right in json.loads(out.stdout))
 
 
 def build_tokenizer(vocab_size: int):
@@ -152,3 +158,7 @@ def tokenizer_config(model_max_length: int) -> dict:
         "clean_up_tokenization_spaces": False,
         "colibri_tokenizer": {"kind": "byte-level-bpe", "corpus": corpus_info()},
     }
+
+
+if __name__ == "__main__":  # the child of _trained_merges: prints the merges as JSON
+    print(json.dumps(train_merges(int(sys.argv[1]))))
