@@ -22,7 +22,9 @@ Engines: `ours` (`colibri run`, io_mode direct), `llama-simple` (its generation 
 GGML_DEFAULT_N_THREADS = 4 threads, which it does not let us change), `llama-bench`
 (tg --tokens at -t --threads; cold: 1 repetition, no warm-up; resident: --repeats with warm-up,
 mean ± sd as it reports them), `accelerate` (benchmarks/peers_hf.py). A peer slower than
---cap-seconds is stopped and its figures cover the tokens it made in that time (stated).
+--cap-seconds is stopped and its figures cover the tokens it made in that time (transformers
+stops itself at the cap; llama-simple is asked for fewer tokens when llama-bench, run just
+before it, says --tokens would not fit in the cap; the tokens column says how many).
 Token agreement: transformers' ids are compared with ours; llama-simple prints text, so its
 bytes are compared with the bytes of our tokens (N/M = tokens of ours that it reproduced).
 """
@@ -162,9 +164,13 @@ def run_ours(args, model: Path, mode: str, limit: int) -> dict:
 _PERF = re.compile(r"(load|prompt eval|eval) time =\s*([\d.]+) ms(?: /\s*(\d+) (?:tokens|runs))?")
 
 
-def run_llama_simple(args, gguf: Path, mode: str, limit: int) -> dict:
-    argv = [str(Path(args.llama_dir) / "build/bin/llama-simple"), "-m", str(gguf), "-n", str(args.tokens),
-            args.prompt]
+def run_llama_simple(args, gguf: Path, mode: str, limit: int, bench_rate: float | None) -> dict:
+    # llama-simple cannot stop itself at a time limit and prints its timings only at the end, so
+    # when llama-bench (run first) says the cap would not hold --tokens, ask for fewer.
+    n = args.tokens
+    if bench_rate:
+        n = max(4, min(n, int(0.6 * args.cap_seconds * bench_rate)))
+    argv = [str(Path(args.llama_dir) / "build/bin/llama-simple"), "-m", str(gguf), "-n", str(n), args.prompt]
     run = run_limited(argv, limit, timeout=args.cap_seconds)
     fields: dict = {"threads": 4}
     perf = {m.group(1): (float(m.group(2)) / 1e3, int(m.group(3) or 0)) for m in _PERF.finditer(run.stderr)}
@@ -267,7 +273,7 @@ def print_table(rows: list[dict], conditions: dict) -> None:
         ours = by.get((mode, "ours"))
         for peer in ("llama-bench", "llama-simple", "transformers+accelerate", "transformers"):
             if ours and by.get((mode, peer)):
-                print(f"- {mode}: ours / {peer} decode = {ours / by[(mode, peer)]:.2f}x")
+                print(f"- {mode}: ours / {peer} decode = {ours / by[(mode, peer)]:.3g}x")
 
 
 def main(argv=None) -> int:
@@ -283,7 +289,7 @@ def main(argv=None) -> int:
     p.add_argument("--ours-budget", help="our engine's ram_budget when cold (default: the cgroup limit)")
     p.add_argument("--ours-config", help="engine config TOML for our engine (e.g. a tune's recommended.toml)")
     p.add_argument("--ours-src", default=str(REPO), help="checkout whose engine is measured (PYTHONPATH)")
-    p.add_argument("--engines", default="ours,llama-simple,llama-bench,accelerate")
+    p.add_argument("--engines", default="ours,llama-bench,llama-simple,accelerate")
     p.add_argument("--modes", default="cold,resident")
     p.add_argument("--repeats", type=int, default=3, help="llama-bench repetitions when resident")
     p.add_argument("--cap-seconds", type=float, default=300.0, help="wall-time cap of one peer's generation")
@@ -311,7 +317,7 @@ def main(argv=None) -> int:
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / GiB:.0f} GiB RAM, {platform.platform()}",
         "ours": f"{args.ours_src} @ {git_commit(args.ours_src)}",
         "llama.cpp": f"llama-cpp-python {info.get('llama_cpp_python_version')} sdist, commit {info.get('llama_cpp_commit')}, {info.get('cmake_flags')}",
-        "model": f"{model} ({sum(f.stat().st_size for f in model.glob('*.safetensors')) / GiB:.2f} GiB bf16); GGUF {gguf.name} ({gguf.stat().st_size / GiB:.2f} GiB, bf16)",
+        "model": f"{model} ({sum(f.stat().st_size for f in model.glob('*.safetensors')) / GiB:.2f} GiB {json.loads((model / 'config.json').read_text()).get('dtype')}, synth preset {args.preset} seed 0); GGUF {gguf.name} ({gguf.stat().st_size / GiB:.2f} GiB, bf16, converted by llama.cpp)",
         "prompt": f"{args.prompt!r} = {len(prompt_ids)} tokens; llama.cpp tokenizes it identically: {llama_ids == prompt_ids}",
         "generation": f"greedy, {args.tokens} new tokens, {args.threads} threads (llama-simple: 4, fixed)",
         "cold": f"fresh cgroup limited to {cold_limit / GiB:.2f} GiB (page cache counts), files' pages dropped (fadvise DONTNEED) before each run",
@@ -322,7 +328,8 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     runners = {
         "ours": lambda mode, lim: run_ours(args, model, mode, lim),
-        "llama-simple": lambda mode, lim: run_llama_simple(args, gguf, mode, lim),
+        "llama-simple": lambda mode, lim: run_llama_simple(args, gguf, mode, lim, next(
+            (r.get("decode_tok_s") for r in rows if r["mode"] == mode and r["engine"] == "llama-bench"), None)),
         "llama-bench": lambda mode, lim: run_llama_bench(args, gguf, mode, lim, len(prompt_ids)),
         "accelerate": lambda mode, lim: run_accelerate(args, model, mode, lim, offload),
     }
