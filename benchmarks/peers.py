@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from engine.bpe_tokenizer import bytes_to_unicode  # noqa: E402
-from engine.cgroup import detect_memory_cgroup, run_limited  # noqa: E402
+from tuner.sandbox import detect_memory_cgroup, run_limited  # noqa: E402
 from engine.config import parse_size  # noqa: E402
 
 PROMPT = "The history of the city begins with a small river crossing, where traders from the north met"
