@@ -12,9 +12,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from engine import bpe_tokenizer, synth
-from engine.config import EngineConfig
-from engine.session import run_generation
 
+REPO = Path(__file__).resolve().parents[1]
 TINY_VOCAB = synth.load_preset("tiny")["vocab_size"]
 SAMPLES = [
     "Hello world, the quick brown fox jumps over the lazy dog.",
@@ -34,7 +33,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 def _tokenizer_json_in_fresh_process(vocab_size: int) -> str:
     # A fresh interpreter: the trainer's hash maps are seeded per process, so this is what could differ.
     code = f"from engine.bpe_tokenizer import build_tokenizer; print(build_tokenizer({vocab_size}).to_str())"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env=env).stdout
 
@@ -52,11 +51,16 @@ def test_synth_writes_the_trained_tokenizer(tiny_dir):
     assert info == bpe_tokenizer.corpus_info() and info["files"] > 50
 
 
+def _in_child(code: str) -> str:
+    # The demo-sized tokenizer is built in a child: it adds ~30 MB to a process, which later
+    # tests' memory plans would measure as runtime overhead.
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+
+
 @pytest.mark.parametrize("vocab_size", [TINY_VOCAB, 32000])
 def test_vocab_has_bytes_eos_and_merges(vocab_size):
-    tok = bpe_tokenizer.build_tokenizer(vocab_size)
-    assert tok.get_vocab_size() == vocab_size
-    model = json.loads(tok.to_str())["model"]
+    model = json.loads(_tokenizer_json_in_fresh_process(vocab_size))["model"]
     vocab, merges = model["vocab"], model["merges"]
     assert sorted(vocab.values()) == list(range(vocab_size))
     b2u = bpe_tokenizer.bytes_to_unicode()
@@ -69,12 +73,13 @@ def test_vocab_has_bytes_eos_and_merges(vocab_size):
 
 
 def test_merges_shorten_text_and_text_round_trips():
-    tok = bpe_tokenizer.build_tokenizer(32000)
-    for text in SAMPLES:
-        ids = tok.encode(text).ids
-        assert tok.decode(ids) == text
+    code = ("import json, sys; from engine.bpe_tokenizer import build_tokenizer; t = build_tokenizer(32000); "
+            f"s = json.loads({json.dumps(json.dumps(SAMPLES))}); "
+            "print(json.dumps([[t.decode(t.encode(x).ids), len(t.encode(x).ids)] for x in s]))")
+    out = json.loads(_in_child(code))
+    assert [text for text, _ in out] == SAMPLES
     english = SAMPLES[0]
-    assert len(tok.encode(english).ids) < len(english.encode()) / 2
+    assert out[0][1] < len(english.encode()) / 2
 
 
 def test_eos_is_one_special_token():
@@ -93,18 +98,27 @@ def test_corpus_shortfall_is_filled_with_distinct_fillers(monkeypatch):
 
 
 def test_transformers_loads_it_and_agrees(tiny_dir):
-    from transformers import AutoTokenizer
-    hf = AutoTokenizer.from_pretrained(tiny_dir)
+    # In a child: importing transformers here would add ~100 MB to this process, which later
+    # tests' memory plans measure as runtime overhead.
+    code = ("import json, sys; from transformers import AutoTokenizer; t = AutoTokenizer.from_pretrained(sys.argv[1]); "
+            "s = json.loads(sys.argv[2]); print(json.dumps({'ids': [t.encode(x) for x in s], "
+            "'text': [t.decode(t.encode(x)) for x in s], 'eos': t.eos_token_id, 'bos': t.bos_token_id}))")
+    out = json.loads(subprocess.run([sys.executable, "-c", code, str(tiny_dir), json.dumps(SAMPLES)],
+                                    capture_output=True, text=True, check=True).stdout)
     ours = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
-    for text in SAMPLES:
-        assert hf.encode(text, add_special_tokens=True) == ours.encode(text).ids
-        assert hf.decode(ours.encode(text).ids) == text
-    assert hf.eos_token_id == bpe_tokenizer.EOS_TOKEN_ID and hf.bos_token_id is None
+    assert out["ids"] == [ours.encode(text).ids for text in SAMPLES]
+    assert out["text"] == SAMPLES
+    assert out["eos"] == bpe_tokenizer.EOS_TOKEN_ID and out["bos"] is None
 
 
 def test_engine_text_prompt_uses_the_merges(tiny_dir):
+    # `colibri run` in a child, as a user runs it (and so this process's RSS stays as it was).
     text = "the quick brown fox"
-    result = run_generation(tiny_dir, EngineConfig(ctx_size=64, threads=1), prompt=text, max_new_tokens=3)
+    run = subprocess.run([sys.executable, "-m", "tuner.cli", "run", "--model", str(tiny_dir), "--prompt", text,
+                          "--max-new-tokens", "3", "--ctx-size", "64", "--threads", "1", "--json"],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr[-500:]
+    result = json.loads(run.stdout)
     expected = Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).encode(text).ids
     assert result["prompt_ids"] == expected and len(expected) < len(text)
     assert len(result["output_ids"]) == 3 and isinstance(result["text"], str)
