@@ -3,7 +3,7 @@
 VENV ?= .venv
 COLIBRI = $(VENV)/bin/colibri
 
-.PHONY: setup tune demo test test-all clean
+.PHONY: setup tune demo test test-all fuzz clean
 
 setup:
 	@./scripts/setup.sh
@@ -18,6 +18,11 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/python -m pytest -q -m "not slow"
+
+# A longer, random fuzz campaign than CI's bounded one (tests/test_fuzz.py); FUZZ_EXAMPLES per property.
+FUZZ_EXAMPLES ?= 2000
+fuzz: setup
+	COLIBRI_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VENV)/bin/python -m pytest -q tests/test_fuzz.py --hypothesis-show-statistics
 
 test-all: setup
 	$(VENV)/bin/python -m pytest -q

@@ -53,6 +53,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=4)
     ap.add_argument("--profile", help="saved hardware profile JSON (default: run a quick probe)")
     ap.add_argument("--only", nargs="*", help="config names to run")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="compute threads for every config (default: each config's own; 1 is steadier on a busy box)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
@@ -64,7 +66,8 @@ def main() -> int:
     print(f"# streaming benchmark {time.strftime('%Y-%m-%d')} commit {git_commit()} model {model_dir.name} "
           f"budget {format_size(budget)} cold, {a.tokens} tokens x {a.repeats} repeats, prompt {a.prompt_tokens}",
           file=sys.stderr)
-    resident = run_trial(model_dir, EngineConfig(ctx_size=512), tokens=a.tokens, repeats=a.repeats, cold=False,
+    pinned = {} if a.threads is None else {"threads": a.threads}
+    resident = run_trial(model_dir, EngineConfig(ctx_size=512, **pinned), tokens=a.tokens, repeats=a.repeats, cold=False,
                          prompt_tokens=a.prompt_tokens, timeout=1800)
     if not resident.ok:
         print(f"resident run failed: {resident.error}", file=sys.stderr)
@@ -77,6 +80,7 @@ def main() -> int:
     for name, cfg in configs(budget).items():
         if a.only and name not in a.only:
             continue
+        cfg = cfg.replace(**pinned)
         print(f"running {name} ...", file=sys.stderr)
         t = run_trial(model_dir, cfg, tokens=a.tokens, repeats=a.repeats, cold=True, prompt_tokens=a.prompt_tokens,
                       limit_bytes=budget, timeout=1800)

@@ -12,7 +12,6 @@ offsets are relative to the start of the data (8 + N).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -22,13 +21,23 @@ import torch
 
 from .dtypes import safetensors_dtypes
 from .errors import ModelFormatError
+from .jsonlimits import loads_limited
+from .tensor_checks import check_dtypes
+from .validate import validate_config
 
 # safetensors dtype tag → (torch dtype, bytes per element)
 DTYPES: dict[str, tuple[torch.dtype, int]] = safetensors_dtypes()
 
-# A real header is a few MB at most (DeepSeek-V3 shards: < 1 MB). Refusing absurd lengths up
-# front stops a hostile file from making us allocate gigabytes for "JSON".
-MAX_HEADER_BYTES = 256 << 20
+# A real header is a few MB at most (DeepSeek-V3 shards: < 1 MB); the safetensors library caps it
+# at 100 MB too. Refusing absurd lengths up front stops a hostile file from making us allocate
+# gigabytes for "JSON".
+MAX_HEADER_BYTES = 100_000_000
+# {name: {"shape": [...]}} is three levels; anything deeper is not a safetensors header, and
+# checking before parsing keeps a "[[[[...]]]]" bomb away from the recursive JSON parser.
+MAX_HEADER_DEPTH = 3
+# config.json and the shard index: small files; generous caps that still stop a hostile one.
+MAX_CONFIG_BYTES = 16 << 20
+MAX_INDEX_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -68,10 +77,10 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             raw = f.read(header_len)
     except OSError as exc:
         raise ModelFormatError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelFormatError(f"{path}: safetensors header is not valid JSON ({exc.__class__.__name__})") from None
+    if len(raw) < header_len:
+        raise ModelFormatError(f"{path}: truncated inside the safetensors header")
+    header = loads_limited(raw, f"{path}: safetensors header", max_bytes=MAX_HEADER_BYTES,
+                           max_depth=MAX_HEADER_DEPTH)
     if not isinstance(header, dict):
         raise ModelFormatError(f"{path}: safetensors header is not a JSON object")
 
@@ -80,6 +89,8 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     infos: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise ModelFormatError(f"{path}: __metadata__ must be an object of strings")
             continue
         infos[name] = _validate_entry(path, name, entry, data_start, data_size)
     _check_no_overlap(path, infos)
@@ -91,7 +102,7 @@ def _validate_entry(path: str, name: str, entry, data_start: int, data_size: int
     if not isinstance(entry, dict):
         raise ModelFormatError(f"{where}: header entry is not an object")
     dtype = entry.get("dtype")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ModelFormatError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
@@ -129,19 +140,20 @@ class Checkpoint:
         if not self.directory.is_dir():
             raise ModelFormatError(f"model directory {str(self.directory)!r} does not exist")
         self.config = load_config_json(self.directory)
+        # Config first: a bad field is reported before any shard is opened.
+        validate_config(self.config, str(self.directory / "config.json"))
         self.tensors = self._index_tensors()
+        check_dtypes(self.tensors, self.config)
 
     def _index_tensors(self) -> dict[str, TensorInfo]:
         index_path = self.directory / "model.safetensors.index.json"
         single = self.directory / "model.safetensors"
         if index_path.exists():
-            try:
-                index = json.loads(index_path.read_text())
-                weight_map = index["weight_map"]
-                if not isinstance(weight_map, dict):
-                    raise TypeError
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-                raise ModelFormatError(f"{index_path}: not a valid safetensors index (needs a weight_map object)") from None
+            index = loads_limited(_read_bytes(index_path), str(index_path), max_bytes=MAX_INDEX_BYTES)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ModelFormatError(f"{index_path}: not a valid safetensors index "
+                                       "(needs a weight_map object of tensor name → shard file name)")
             tensors: dict[str, TensorInfo] = {}
             for shard in sorted(set(weight_map.values())):
                 shard_path = self.directory / str(shard)
@@ -196,10 +208,16 @@ def load_config_json(directory: Path) -> dict:
     path = directory / "config.json"
     if not path.is_file():
         raise ModelFormatError(f"{directory}: config.json is missing")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelFormatError(f"{path}: not valid JSON ({exc})") from None
+    config = loads_limited(_read_bytes(path), str(path), max_bytes=MAX_CONFIG_BYTES)
     if not isinstance(config, dict):
         raise ModelFormatError(f"{path}: not a JSON object")
     return config
+
+
+def _read_bytes(path: Path, limit: int = MAX_INDEX_BYTES) -> bytes:
+    """At most limit + 1 bytes (enough for the size check to fire) of a small metadata file."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit + 1)
+    except OSError as exc:
+        raise ModelFormatError(f"{path}: cannot read: {exc.strerror or exc}") from None

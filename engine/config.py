@@ -7,10 +7,10 @@ an unknown key is an error (a misspelt knob silently ignored is a classic tuning
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -21,6 +21,7 @@ else:  # pragma: no cover
 import tomli_w
 
 from .dtypes import SHORT_NAMES
+from .durable import atomic_write_text  # noqa: F401  (re-exported: callers import it from here)
 from .errors import ConfigError
 
 # The one home of the engine's enums: every module, flag and search space imports them from here.
@@ -28,6 +29,9 @@ IO_MODES = ("direct", "buffered", "mmap")
 CACHE_POLICIES = ("lru", "lfu", "pinned")
 KV_DTYPES = ("auto", *SHORT_NAMES)
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # fp16 is computed in fp32 on CPU (slow fp16 matmuls)
+
+# An engine config is a dozen keys; anything this large is not one (and is not read whole).
+MAX_TOML_BYTES = 1 << 20
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -38,12 +42,21 @@ def parse_size(value) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"size {value!r} is not a number of bytes")
     if isinstance(value, (int, float)):
-        return int(value)
-    m = _SIZE_RE.match(str(value))
-    if not m:
-        raise ConfigError(f"cannot parse size {value!r} (examples: 1GiB, 512M, 4096)")
-    unit = (m.group(2) or "").lower().rstrip("b").rstrip("i")
-    return int(float(m.group(1)) * _UNITS[unit])
+        number, unit = value, ""
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m:
+            raise ConfigError(f"cannot parse size {_short(value)} (examples: 1GiB, 512M, 4096)")
+        number, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b").rstrip("i")
+    # int(inf) / int(nan) raise; "9" * 400 + "G" parses to inf: all one error, not a traceback.
+    if isinstance(number, float) and not math.isfinite(number * _UNITS[unit]):
+        raise ConfigError(f"size {_short(value)} is not a finite number of bytes")
+    return int(number * _UNITS[unit])
+
+
+def _short(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def format_size(n: int | float | None) -> str:
@@ -129,7 +142,11 @@ class EngineConfig:
     def from_dict(cls, data: dict, source: str = "config") -> "EngineConfig":
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a table of engine settings")
-        data = dict(data.get("engine", data)) if set(data) == {"engine"} else dict(data)
+        if set(data) == {"engine"}:
+            data = data["engine"]
+            if not isinstance(data, dict):
+                raise ConfigError(f"{source}: [engine] must be a table of engine settings")
+        data = dict(data)
         unknown = sorted(set(data) - set(cls.field_names()))
         if unknown:
             raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)} "
@@ -147,11 +164,20 @@ class EngineConfig:
     def load(cls, path: str | os.PathLike) -> "EngineConfig":
         path = Path(path)
         try:
-            data = tomllib.loads(path.read_text())
+            with open(path, "rb") as f:
+                raw = f.read(MAX_TOML_BYTES + 1)
         except FileNotFoundError:
             raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        if len(raw) > MAX_TOML_BYTES:
+            raise ConfigError(f"{path}: larger than {MAX_TOML_BYTES} bytes: not an engine config")
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+        except RecursionError:  # tomllib recurses per nesting level of arrays / inline tables
+            raise ConfigError(f"{path}: not valid TOML (nested too deeply)") from None
         return cls.from_dict(data, source=str(path))
 
     def replace(self, **changes) -> "EngineConfig":
@@ -165,22 +191,3 @@ class EngineConfig:
         if header:
             text = "".join(f"# {line}\n" for line in header.splitlines()) + text
         atomic_write_text(path, text)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write via a temp file in the same directory + rename: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise

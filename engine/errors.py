@@ -28,3 +28,7 @@ class BudgetError(ColibriError):
 
 class PromptError(ColibriError):
     """The prompt cannot be run (too long for ctx_size, bad token ids, no tokenizer)."""
+
+
+class BusyError(ColibriError):
+    """Another process holds the lock on a directory this one must write (and we may not wait)."""

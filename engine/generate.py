@@ -90,9 +90,45 @@ def load_tokenizer(model_dir: str | Path):
         return None
     from tokenizers import Tokenizer
     try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the tokenizers library raises its own exception types
-        raise PromptError(f"{path}: cannot load tokenizer ({exc})") from None
+        return CheckedTokenizer(Tokenizer.from_file(str(path)), path)
+    except BaseException as exc:
+        if not _is_tokenizer_failure(exc):
+            raise
+        raise PromptError(f"{path}: cannot load tokenizer ({_one_line(exc)})") from None
+
+
+def _is_tokenizer_failure(exc: BaseException) -> bool:
+    # The tokenizers library raises its own exception types, and turns a Rust panic (which a
+    # malformed tokenizer.json can cause in encode) into pyo3's PanicException, a BaseException.
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
+class CheckedTokenizer:
+    """A tokenizers.Tokenizer whose failures in encode/decode are one-line PromptErrors."""
+
+    def __init__(self, tokenizer, path: Path):
+        self._tokenizer, self._path = tokenizer, path
+
+    def _call(self, method: str, *args, **kwargs):
+        try:
+            return getattr(self._tokenizer, method)(*args, **kwargs)
+        except BaseException as exc:
+            if not _is_tokenizer_failure(exc):
+                raise
+            raise PromptError(f"{self._path}: the tokenizer failed in {method} ({_one_line(exc)})") from None
+
+    def encode(self, *args, **kwargs):
+        return self._call("encode", *args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        return self._call("decode", *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
 
 
 def parse_prompt_ids(text: str) -> list[int]:

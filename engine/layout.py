@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -54,7 +55,10 @@ class Piece:
 @dataclass(frozen=True)
 class ExpertLocation:
     spans: tuple[Span, ...]
-    pieces: tuple[Piece, Piece, Piece]  # gate [I,H], up [I,H], down [H,I]
+    pieces: tuple[Piece, ...]  # gate [I,H], up [I,H], down [H,I] (or what `decode` reads)
+    # (location, span buffers, dtype) → the expert's tensors, for layouts that are not three
+    # plain matrices (gpt_oss: fused with biases, or MXFP4 blocks dequantized on read).
+    decode: Callable | None = None
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +72,9 @@ class ExpertLayout:
         self._locations: dict[tuple[int, int], ExpertLocation] = {}
         for layer in range(args.num_layers):
             if not args.is_moe_layer(layer):
+                continue
+            if args.expert_impl is not None:  # the architecture knows its own expert tensors
+                self._locations.update(args.expert_impl.locations(checkpoint, layer))
                 continue
             fused = fused_expert_tensor_names(args, layer)
             if fused[0] in checkpoint and fused[1] in checkpoint:
@@ -112,6 +119,11 @@ class ExpertLayout:
         return next(iter(self._locations.values())).nbytes if self._locations else 0
 
     @property
+    def spans_per_expert(self) -> int:
+        """Read requests per expert (1 per-expert, 2 fused, 4-6 gpt_oss): each may need alignment slack."""
+        return max((len(loc.spans) for loc in self._locations.values()), default=1)
+
+    @property
     def num_routed(self) -> int:
         return len(self._locations)
 
@@ -152,4 +164,6 @@ def tensors_from_buffers(loc: ExpertLocation, buffers: list, dtype: torch.dtype)
     Casting (bf16 on disk, fp32 compute) copies; same dtype is a zero-copy view of the buffer,
     so the buffer lives as long as the cached tensors do.
     """
+    if loc.decode is not None:
+        return loc.decode(loc, buffers, dtype)
     return tuple(piece_tensor(buffers, piece, dtype) for piece in loc.pieces)

@@ -24,8 +24,19 @@ SUMMARY_KEYS = ("decode_tok_s", "ttft_s", "prefill_tok_s", "token_latency_p50_ms
 
 
 def peak_rss_bytes() -> int:
-    # ru_maxrss is in KiB on Linux: the process's high-water mark since it started.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's resident high-water mark (VmHWM) since it exec'd.
+
+    Not ru_maxrss: that one survives fork + exec, so a trial started by a 2 GiB parent (a tuner,
+    a test runner) reported a peak of at least 2 GiB whatever it used itself.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def rss_file_bytes() -> int | None:

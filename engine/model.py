@@ -3,7 +3,10 @@
 Supported `model_type`s: qwen3_moe, qwen2_moe, mixtral, olmoe (MoE) and llama, qwen2, qwen3
 (dense). They differ only in a handful of switches, collected in `ModelArgs`:
 q/k norms (none / per head / over the whole projection), qkv bias, shared expert, how the
-top-k routing weights are normalised, and which layers are MoE.
+top-k routing weights are normalised, and which layers are MoE. deepseek_v3, glm4_moe,
+glm_moe_dsa and gpt_oss also swap in their own attention, routing rule and expert math
+through strategy objects on ModelArgs (engine/archs.py builds them; engine/mla.py,
+engine/routing.py, engine/gptoss.py implement them).
 
 Shape legend used in comments:
     T  tokens in this forward call        S  positions attended (start + T)
@@ -29,7 +32,9 @@ from .errors import UnsupportedModelError, ModelFormatError
 
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 DENSE_TYPES = ("llama", "qwen2", "qwen3")
-SUPPORTED_TYPES = MOE_TYPES + DENSE_TYPES
+# Parsed by engine/archs.py; they plug in through the strategy fields at the end of ModelArgs.
+EXT_MOE_TYPES = ("deepseek_v3", "glm4_moe", "glm_moe_dsa", "gpt_oss")
+SUPPORTED_TYPES = MOE_TYPES + EXT_MOE_TYPES + DENSE_TYPES
 
 
 # --- configuration ----------------------------------------------------------------------------
@@ -62,6 +67,12 @@ class ModelArgs:
     moe_layer_flags: list[bool] = field(default_factory=list)
     moe_prefix: str = "mlp"  # mixtral: "block_sparse_moe"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # Extensions (engine/archs.py): None/0 keeps the behaviour of the architectures above.
+    rotary_dim: int = 0  # 0 = all of head_dim; glm4_moe rotates partial_rotary_factor of it
+    shared_experts_intermediate_size: int = 0  # deepseek-style ungated `mlp.shared_experts`
+    attention_impl: object | None = None  # engine.mla.MLAAttention | engine.gptoss.SinkAttention
+    router: object | None = None  # engine.routing.*: names(prefix), route(w, prefix, x)
+    expert_impl: object | None = None  # engine.gptoss.GptOssExperts: numel, locations, forward
 
     def __post_init__(self):
         if not self.moe_layer_flags:
@@ -73,6 +84,13 @@ class ModelArgs:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe_layer_flags[layer]
+
+    @property
+    def expert_numel(self) -> int:
+        """Elements of one routed expert in the compute dtype."""
+        if self.expert_impl is not None:
+            return self.expert_impl.numel
+        return 3 * self.hidden_size * self.moe_intermediate_size
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
@@ -120,6 +138,10 @@ def _args_from_config(model_type: str, cfg: dict) -> ModelArgs:
     if common["hidden_act"] not in ("silu", "swish"):
         raise UnsupportedModelError(f"hidden_act {common['hidden_act']!r} is not supported (silu only)")
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mixtral") else None
+    if model_type in EXT_MOE_TYPES:
+        from .archs import ext_fields
+        fields = ext_fields(model_type, cfg, common)
+        return ModelArgs(**common, **fields)
 
     if model_type in ("llama", "qwen2", "qwen3"):
         return ModelArgs(
@@ -190,14 +212,19 @@ def dense_tensor_names(args: ModelArgs) -> list[str]:
     for i in range(args.num_layers):
         p = layer_prefix(i)
         names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            names.append(f"{p}.self_attn.{proj}.weight")
-            if args.attention_bias and proj != "o_proj":
-                names.append(f"{p}.self_attn.{proj}.bias")
+        if args.attention_impl is not None:
+            names += args.attention_impl.layer_names(f"{p}.self_attn", i)
+        else:
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                names.append(f"{p}.self_attn.{proj}.weight")
+                if args.attention_bias and proj != "o_proj":
+                    names.append(f"{p}.self_attn.{proj}.bias")
         if args.qk_norm != "none":
             names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
         if args.is_moe_layer(i):
-            names.append(f"{p}.{args.moe_prefix}.gate.weight")
+            names += router_tensor_names(args, i)
+            if args.shared_experts_intermediate_size:
+                names += [f"{p}.mlp.shared_experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
             if args.shared_expert_intermediate_size:
                 names += [f"{p}.mlp.shared_expert.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
                 names.append(f"{p}.mlp.shared_expert_gate.weight")
@@ -206,11 +233,17 @@ def dense_tensor_names(args: ModelArgs) -> list[str]:
     return names
 
 
+def router_tensor_names(args: ModelArgs, layer: int) -> list[str]:
+    if args.router is not None:
+        return args.router.names(layer_prefix(layer))
+    return [f"{layer_prefix(layer)}.{args.moe_prefix}.gate.weight"]
+
+
 # --- rotary embeddings ------------------------------------------------------------------------
 
 def rope_inv_freq(args: ModelArgs, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [D/2] and the attention (cos/sin) scale, per the config's rope_type."""
-    p, dim = args.rope, args.head_dim
+    p, dim = args.rope, args.rotary_dim or args.head_dim
     base = float(p["rope_theta"])
     kind = p.get("rope_type", "default")
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -278,7 +311,10 @@ def rope_cos_sin(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor, 
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [N, T, D]; cos/sin: [T, D]
+    # x: [N, T, D]; cos/sin: [T, Dr], Dr <= D (partial rotary: the rest passes through)
+    if cos.shape[-1] < x.shape[-1]:
+        rot = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -321,6 +357,19 @@ def route(args: ModelArgs, router_weight: torch.Tensor, x: torch.Tensor):
     return ids, weights.to(x.dtype)
 
 
+def route_layer(args: ModelArgs, w: dict, layer: int, x: torch.Tensor):
+    """Layer `layer`'s routing rule (the architecture's own) on x: ids [T, K], weights [T, K]."""
+    if args.router is not None:
+        return args.router.route(w, layer_prefix(layer), x)
+    return route(args, w[f"{layer_prefix(layer)}.{args.moe_prefix}.gate.weight"], x)
+
+
+def expert_forward(args: ModelArgs, x: torch.Tensor, expert: tuple) -> torch.Tensor:
+    if args.expert_impl is not None:
+        return args.expert_impl.forward(x, expert)
+    return swiglu(x, *expert)
+
+
 @dataclass
 class KVCache:
     """Keys and values for every layer, preallocated for ctx_size positions."""
@@ -330,12 +379,16 @@ class KVCache:
 
     @classmethod
     def allocate(cls, args: ModelArgs, ctx_size: int, dtype: torch.dtype) -> "KVCache":
+        if hasattr(args.attention_impl, "allocate_cache"):  # MLA: compressed latents instead
+            return args.attention_impl.allocate_cache(args.num_layers, ctx_size, dtype)
         shape = (args.num_kv_heads, ctx_size, args.head_dim)
         return cls([torch.zeros(shape, dtype=dtype) for _ in range(args.num_layers)],
                    [torch.zeros(shape, dtype=dtype) for _ in range(args.num_layers)])
 
     @staticmethod
     def nbytes_for(args: ModelArgs, ctx_size: int, dtype: torch.dtype) -> int:
+        if hasattr(args.attention_impl, "cache_nbytes"):
+            return args.attention_impl.cache_nbytes(args.num_layers, ctx_size, dtype)
         elem = torch.finfo(dtype).bits // 8
         return 2 * args.num_layers * args.num_kv_heads * ctx_size * args.head_dim * elem
 
@@ -434,6 +487,8 @@ class Transformer:
 
     def _attention(self, layer, w, x, start_pos, kv, cos, sin, mask):
         p, a = f"{layer_prefix(layer)}.self_attn", self.args
+        if a.attention_impl is not None:
+            return a.attention_impl.forward(w, p, layer, x, start_pos, kv, cos, sin, mask)
         T = x.shape[0]
         q = F.linear(x, w[f"{p}.q_proj.weight"], w.get(f"{p}.q_proj.bias"))  # [T, Nq*D]
         k = F.linear(x, w[f"{p}.k_proj.weight"], w.get(f"{p}.k_proj.bias"))  # [T, Nkv*D]
@@ -473,14 +528,14 @@ class Transformer:
             # [T,H]x[H,E] product) and right most of the time, because the residual changes
             # slowly from layer to layer.
             guess_in = rms_norm(residual, self.w[f"{tp}.post_attention_layernorm.weight"], a.rms_norm_eps)
-            ids, _ = route(a, self.w[f"{tp}.{a.moe_prefix}.gate.weight"], guess_in)
+            ids, _ = route_layer(a, self.w, target, guess_in)
             predicted = torch.unique(ids).tolist()
             self.experts.hint(target, predicted)
 
     def _moe(self, layer: int, w: dict, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
         p, a = layer_prefix(layer), self.args
-        ids, weights = route(a, w[f"{p}.{a.moe_prefix}.gate.weight"], x)  # [T, K] each
+        ids, weights = route_layer(a, w, layer, x)  # [T, K] each
         if self.routing_log is not None:
             self.routing_log[layer].append(ids)
         needed = sorted(torch.unique(ids).tolist())
@@ -493,11 +548,14 @@ class Transformer:
             experts = self.experts.get(layer, batch)
             for e in batch:
                 token_idx, slot = torch.where(ids == e)
-                gate, up, down = experts[e]
-                xs = x[token_idx].to(gate.device)  # a no-op unless the expert sits in VRAM
-                y = (swiglu(xs, gate, up, down) * weights[token_idx, slot, None].to(gate.device)).to(x.device)
+                expert = experts[e]
+                device = expert[0].device
+                xs = x[token_idx].to(device)  # a no-op unless the expert sits in VRAM
+                y = (expert_forward(a, xs, expert) * weights[token_idx, slot, None].to(device)).to(x.device)
                 out.index_add_(0, token_idx, y.to(out.dtype))
             del experts
+        if a.shared_experts_intermediate_size:  # deepseek-style: resident, always on, no gate
+            out = out + swiglu(x, *(w[f"{p}.mlp.shared_experts.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj")))
         if a.shared_expert_intermediate_size:
             shared = swiglu(x, w[f"{p}.mlp.shared_expert.gate_proj.weight"],
                             w[f"{p}.mlp.shared_expert.up_proj.weight"],

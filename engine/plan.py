@@ -77,13 +77,14 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     kv = KVCache.nbytes_for(args, config.ctx_size, kv_dtype)
     routed = layout.num_routed if layout is not None else 0
     disk_expert = layout.expert_nbytes if layout is not None else 0
-    expert = 3 * args.hidden_size * args.moe_intermediate_size * _elem(dtype) if routed else 0
+    expert = args.expert_numel * _elem(dtype) if routed else 0
     if overhead_bytes is None:
         overhead_bytes = psutil.Process().memory_info().rss + ACTIVATION_MARGIN
     # Reads in flight: the current layer's misses plus `prefetch_depth` layers of lookahead.
     inflight = args.top_k * (1 + config.prefetch_depth) if routed else 0
     # A converted expert (bf16 on disk, fp32 compute) briefly exists twice.
-    buffers = inflight * (disk_expert + ALIGN_SLACK + (expert if expert != disk_expert else 0))
+    slack = ALIGN_SLACK * getattr(layout, "spans_per_expert", 1)  # stand-in layouts (cost model): one span
+    buffers = inflight * (disk_expert + slack + (expert if expert != disk_expert else 0))
     budget = config.ram_budget
 
     if budget > 0 and routed == 0:

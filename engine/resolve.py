@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .durable import DirectoryLock
 from .errors import ModelFormatError
 
 
@@ -27,6 +28,11 @@ def resolve_model(spec: str, seed: int = 0, progress: bool = True) -> Path:
         raise ModelFormatError(f"model {spec!r} is neither a directory nor a preset "
                                f"(presets: {', '.join(synth.list_presets())})")
     target = cache_root() / f"{spec}-seed{seed}"
-    if not (target / "config.json").exists():
-        synth.synthesize(synth.load_preset(spec), target, seed=seed, progress=progress)
+    if (target / "config.json").exists():
+        return target
+    # Several processes (workers of one shared study) may want the same preset: the first
+    # synthesizes it, the others wait and then reuse it instead of writing it again.
+    with DirectoryLock(target, f"synthesizing preset {spec}"):
+        if not (target / "config.json").exists():
+            synth.synthesize(synth.load_preset(spec), target, seed=seed, progress=progress)
     return target

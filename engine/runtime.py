@@ -19,6 +19,7 @@ from .dtypes import FLOAT_NAMES, short_dtypes, torch_dtype
 from .layout import ExpertLayout, tensors_from_buffers
 from .model import KVCache, ModelArgs, Transformer, dense_tensor_names
 from .plan import MemoryPlan, make_plan
+from .tensor_checks import check_shapes
 
 DTYPE_NAMES = short_dtypes()
 
@@ -105,8 +106,7 @@ class Engine:
 
         # Validate everything we will read before reading any of it.
         dense_names = dense_tensor_names(self.args)
-        for name in dense_names:
-            self.checkpoint.info(name)
+        check_shapes(self.checkpoint, self.args, dense_names)
         self.layout = ExpertLayout(self.checkpoint, self.args) if self.args.is_moe else None
 
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them

@@ -23,7 +23,7 @@ from .dtypes import FLOAT_NAMES, ITEMSIZE, TAG_OF, torch_dtype
 # reinterpreted for numpy (which has no bf16).
 DTYPES: dict[str, tuple[str, int, torch.dtype]] = {
     name: (TAG_OF[name], ITEMSIZE[name], torch.int16 if name == "bfloat16" else torch_dtype(name))
-    for name in FLOAT_NAMES}
+    for name in (*FLOAT_NAMES, "uint8")}  # uint8: packed data (MXFP4 blocks and scales)
 
 # Data starts on a 4 KiB boundary so O_DIRECT readers can address the first tensor without
 # straddling the header; the JSON header is padded with spaces, which the format allows.

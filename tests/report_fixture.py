@@ -100,7 +100,7 @@ def make_run(out: Path, *, cold: bool = True, budget: int = 512 * MiB,
     oom = {**TRIALS[3][0], "cpu_cache_ratio": 1.0, "ctx_size": 1024}
     study.add_trial(optuna.trial.create_trial(
         params=oom, distributions=DISTRIBUTIONS, value=0.0,
-        user_attrs={"role": "search", "status": "oom", "constraint": 0.12, "error": "killed by the cgroup OOM killer",
+        user_attrs={"role": "search", "status": "oom_killed", "constraint": 0.12, "error": "killed by the cgroup OOM killer",
                     "wall_seconds": 3.2}))
     write_trials_csv(study.get_trials(), out / "trials.csv")
     profile = profile or hardware_profile()
@@ -119,7 +119,7 @@ def make_run(out: Path, *, cold: bool = True, budget: int = 512 * MiB,
         "confirmation": {"rounds": 2, "confirmed": True, "order": "winner first, baseline last, interleaved per round",
                          "figure": "median over rounds of each run's median over repeats; spread over all repeats"},
         "study": {"name": name, "storage": f"sqlite:///{out / 'study.db'}", "trials": len(TRIALS) + 1,
-                  "feasible": len(TRIALS), "by_status": {"ok": len(TRIALS), "oom": 1}, "sampler": "GPSampler",
+                  "feasible": len(TRIALS), "by_status": {"ok": len(TRIALS), "oom_killed": 1}, "sampler": "GPSampler",
                   "sampler_note": "fixture", "directions": ["MAXIMIZE"]},
         "conditions": {
             "cold": cold, "cold_means": "pages dropped before every repeat" if cold else "warm: caches persist",

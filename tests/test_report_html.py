@@ -74,7 +74,7 @@ def test_trials_table_and_csv_come_from_the_same_frame(run_dir):
     assert table.count("<tr") == 1 + len(TRIALS) + 1  # header, feasible trials, the OOM one
     assert "killed by the cgroup OOM killer" in table
     rows = list(csv.DictReader(io.StringIO((run_dir / "trials.csv").read_text())))
-    assert [r["status"] for r in rows] == ["ok"] * len(TRIALS) + ["oom"]
+    assert [r["status"] for r in rows] == ["ok"] * len(TRIALS) + ["oom_killed"]
     assert rows[-1]["feasible"] == "False" and rows[0]["feasible"] == "True"
     assert rows[2]["chunk_size"] == "262144" and rows[-1]["decode_tok_s"] == ""
 

@@ -206,7 +206,7 @@ def test_malformed_geometry_file_is_one_line_error(tmp_path):
     g = synth.load_preset("tiny")
     for key, value, match in (("num_experts", 0, "num_experts"), ("head_dim", "16", "head_dim"),
                               ("vocab_size", 100, "vocab_size"), ("dtype", "int4", "dtype"),
-                              ("num_experts_per_tok", 99, "exceeds"), ("model_type", "mixtral", "qwen3_moe")):
+                              ("num_experts_per_tok", 99, "num_experts_per_tok = 99: must be <="), ("model_type", "mixtral", "qwen3_moe")):
         with pytest.raises(ConfigError, match=match):
             synth.validate_geometry({**g, key: value})
     with pytest.raises(ConfigError, match="routing skew"):

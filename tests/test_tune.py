@@ -259,12 +259,12 @@ def test_oom_trials_are_infeasible_and_the_study_goes_on(tuned, model_dir, profi
     trials = load(out).get_trials()
     assert len(trials) == 2 and all(t.state == TrialState.COMPLETE for t in trials)
     for t in trials:
-        assert t.user_attrs["status"] == "oom"
+        assert t.user_attrs["status"] == "oom_killed"
         assert t.values == [0.0]
         assert t.constraints["violation"] >= 0.05  # graded, so TPE ranks it among infeasible ones
-    assert "oom" in (out / "trials.csv").read_text()
+    assert "oom_killed" in (out / "trials.csv").read_text()
     result = json.loads((out / "result.json").read_text())
-    assert result["recommended"] is None and result["study"]["by_status"] == {"oom": 2}
+    assert result["recommended"] is None and result["study"]["by_status"] == {"oom_killed": 2}
 
 
 def test_timeouts_are_infeasible_and_warm_start_from_profile(tuned, model_dir, profile_path, tmp_path):

@@ -105,6 +105,8 @@ def add_bench(sub) -> None:
     p.add_argument("--cgroup-limit", help="run inside a child memory cgroup limited to SIZE (page cache counts)")
     p.add_argument("--timeout", type=float, default=None, help="seconds, with --cgroup-limit")
     p.add_argument("--record-routing", metavar="FILE", help="write the routing histogram (for cache_policy=pinned)")
+    p.add_argument("--outcome", metavar="FILE", help="write how the run ended as a JSON record (the tuner's "
+                                                     "trials read it: ok with the results, or the error's kind)")
     _add_engine_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
@@ -138,6 +140,9 @@ def cmd_bench(args) -> int:
         result = run_bench(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                            prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
                            record_routing=args.record_routing)
+    if args.outcome:
+        from tuner.outcome import Outcome, write_outcome
+        write_outcome(args.outcome, Outcome("ok", metrics=result))
     if args.json:
         _print_json(result)
     else:
@@ -211,6 +216,8 @@ def add_tune(sub) -> None:
     t.add_argument("--confirm-top", type=int, default=3, help="candidates re-measured against the baseline "
                                                               "(0: no confirmation round)")
     t.add_argument("--confirm-rounds", type=int, default=2, help="most confirmation rounds (time permitting)")
+    t.add_argument("--no-cost-model", dest="cost_model", action="store_false",
+                   help="search the full read-size / I/O-thread ranges and enqueue no predicted configs")
     t.add_argument("--sampler", choices=SAMPLERS, default="auto",
                    help="auto (default): GP for one objective, TPE for --objective both")
     p.add_argument("--json", action="store_true", help="print result.json")
@@ -228,7 +235,8 @@ def cmd_tune(args) -> int:
         study_name=args.study_name, resume=args.resume, from_profile=args.from_profile, profile=args.profile,
         seed=args.seed, tokens=args.tokens, repeats=args.repeats, prompt_tokens=args.prompt_tokens, cold=args.cold,
         trial_timeout=args.trial_timeout, cgroup_limit=parse_size(args.cgroup_limit) if args.cgroup_limit else None,
-        confirm_top=args.confirm_top, confirm_rounds=args.confirm_rounds, sampler=args.sampler)
+        confirm_top=args.confirm_top, confirm_rounds=args.confirm_rounds, sampler=args.sampler,
+        cost_model=args.cost_model)
     outcome = run_tune(opts)
     if args.json:
         _print_json(outcome.result)
@@ -279,6 +287,24 @@ def cmd_synth(args) -> int:
         _print_json(summary)
     else:
         print(synth_text(summary))
+    return 0
+
+
+def add_plan(sub) -> None:
+    from tuner.costmodel.command import add_plan_arguments
+    p = sub.add_parser("plan", help="predict the memory plan, speed and bottleneck of a model on a profile; "
+                                    "calibrate the prediction on a tune run")
+    add_plan_arguments(p)
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    from tuner.costmodel.command import format_plan, run_plan
+    result = run_plan(args)
+    if args.json:
+        _print_json(result)
+    else:
+        print(format_plan(result))
     return 0
 
 
@@ -410,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_report, add_profile, add_compare]
+ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_plan, add_report, add_profile, add_compare]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -418,15 +444,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ColibriError as exc:
-        print(f"colibri {args.command}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print(f"colibri {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # `colibri ... | head`: the reader left; not an error of ours
-        sys.stderr.close()
-        return 0
+    except BaseException as exc:
+        if getattr(args, "outcome", None):  # a trial process: the tuner reads how it ended from here
+            from tuner.outcome import outcome_of_exception, write_outcome
+            write_outcome(args.outcome, outcome_of_exception(exc))
+        if isinstance(exc, ColibriError):
+            print(f"colibri {args.command}: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        if isinstance(exc, KeyboardInterrupt):
+            print(f"colibri {args.command}: interrupted", file=sys.stderr)
+            return 130
+        if isinstance(exc, BrokenPipeError):  # `colibri ... | head`: the reader left; not an error of ours
+            sys.stderr.close()
+            return 0
+        raise
 
 
 if __name__ == "__main__":

@@ -23,15 +23,15 @@ def judge(res: TrialResult, budget: int, limit_bytes: int, reference_ids: list |
     reference_ids: the output tokens of the first ok trial with the same thread count (placement
     must never change tokens), or None when there is none yet.
     """
-    if res.status == "oom":
+    # The kind comes from the trial's outcome record and the cgroup (tuner/outcome.py), never
+    # from its stderr text. The constraint grades how far off a config was.
+    if res.status == "oom_killed":
         peak = res.cgroup_peak_bytes or res.cgroup_limit_bytes or limit_bytes
-        return "oom", round(0.05 + max(0, peak - budget) / budget, 6), res.error
-    if res.status == "timeout":
-        return "timeout", 0.05, res.error
-    if res.status != "ok":
-        if "memory budget" in res.error:  # the engine's own plan refused it: over budget
-            return "over_budget", 0.05, res.error
-        return "crash", 0.5, res.error
+        return "oom_killed", round(0.05 + max(0, peak - budget) / budget, 6), res.error
+    if res.status in ("timeout", "over_budget"):  # near misses: a little slower or bigger would fit
+        return res.status, 0.05, res.error
+    if res.status != "ok":  # crashed, killed, bad_config: nothing learnt about speed or size
+        return res.status, 0.5, res.error
     m = res.metrics
     if not m.get("tokens_consistent", True):
         return "tokens_inconsistent", 1.0, "output tokens differ between repeats of one config"

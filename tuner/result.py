@@ -7,7 +7,7 @@ classes' fields, so a figure is named once. docs/schema/*.json is generated from
 
   RunFigures   the headline figures of one `colibri run`/`bench` JSON (the engine's
                "colibri.metrics/1" result, which carries much more: config, plan, per-repeat runs)
-  TrialResult  what the trial runner saw of one subprocess: ok/oom/timeout/crash + the bench JSON
+  TrialResult  what the trial runner saw of one subprocess: its outcome kind + the bench JSON
   TrialRecord  a trial of the study as stored in Optuna's user_attrs ("colibri.trial/1")
   TuneResult   result.json of `colibri tune` ("colibri.tune/1")
 
@@ -28,10 +28,12 @@ RESULT_SCHEMA = "colibri.tune/1"
 TRIAL_SCHEMA = "colibri.trial/1"
 BEST_CONFIG_SCHEMA = "colibri.best_config/1"
 
-TrialStatus = Literal["ok", "oom", "timeout", "crash"]
+# How a trial ended (tuner/outcome.py): recorded by the trial process, or seen by its parent
+# (timeout; oom_killed from the cgroup's own OOM counter; killed by another, named signal).
+TrialStatus = Literal["ok", "over_budget", "oom_killed", "killed", "timeout", "crashed", "bad_config"]
 # What the study makes of a trial: its runner's status, or a verdict on a completed run.
-Verdict = Literal["ok", "oom", "timeout", "crash", "over_budget", "over_budget_plan", "tokens_inconsistent",
-                  "tokens_changed"]
+Verdict = Literal["ok", "over_budget", "oom_killed", "killed", "timeout", "crashed", "bad_config",
+                  "over_budget_plan", "tokens_inconsistent", "tokens_changed"]
 
 
 def _json(obj) -> dict:
@@ -87,6 +89,8 @@ class TrialResult:
     status: TrialStatus
     metrics: dict[str, Any] = field(default_factory=dict)  # the bench JSON when ok
     error: str = ""
+    exception: str = ""  # crashed: the exception's type
+    signal: str = ""  # killed / oom_killed: the signal's name
     cgroup_limited: bool = False
     cgroup_limit_bytes: Optional[int] = None
     cgroup_peak_bytes: Optional[int] = None

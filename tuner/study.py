@@ -34,6 +34,7 @@ from tuner.budget import TimeBudget, format_clock, parse_duration
 from tuner.calibrate import calibrate, probe_profile
 from tuner.objective import OBJECTIVES, SAMPLERS
 from tuner.result import TrialResult
+from tuner.run_record import RUN_FILE, read_run_record, write_run_record
 from tuner.space import DEFAULT_OVERHEAD_BYTES, ModelFacts, SearchSpace
 from tuner.storage import Heartbeat, open_storage, redact_url
 from tuner.trial import run_trial
@@ -75,6 +76,7 @@ class TuneOptions:
     confirm_top: int = 3  # 0: no confirmation round (recommend the best search trial as is)
     confirm_rounds: int = 2  # at most; at least one, more while the time budget allows
     sampler: str = "auto"  # gp for one objective, tpe for two (chosen by benchmarks/tuner_quality.py)
+    cost_model: bool = True  # narrow read sizes / I/O threads to the probe curve, enqueue predicted best
 
     def validate(self) -> "TuneOptions":
         if self.objective not in OBJECTIVES:
@@ -158,15 +160,29 @@ class _Run:
         opts = self.opts
         self.model_dir = resolve_model(opts.model, progress=True).resolve()
         self.model_name = opts.model if not Path(opts.model).exists() else self.model_dir.name
-        self.budget = opts.ram_budget if opts.ram_budget is not None else default_budget(opts.model)
+        self.out = Path(opts.out) if opts.out else storage.default_out(self.model_name, opts.resume)
+        recorded = read_run_record(self.out) if opts.resume else None
+        if opts.ram_budget is not None:
+            self.budget = opts.ram_budget
+        elif recorded:
+            # Free memory moves between runs; the study was made with the budget it recorded.
+            self.budget = recorded["budget"]
+            self.log(f"resume: budget {format_size(self.budget)} as recorded in {self.out / RUN_FILE} "
+                     f"(the default here now would be {format_size(default_budget(opts.model))})")
+        else:
+            self.budget = default_budget(opts.model)
         if self.budget <= 0:
             raise BudgetError(f"--ram-budget must be positive, got {self.budget}")
         self.limit_bytes = opts.cgroup_limit or self.budget
-        self.out = Path(opts.out) if opts.out else storage.default_out(self.model_name, opts.resume)
         self.shared = storage.is_shared(opts.storage)
         self.storage_url = opts.storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
-        self.study_name = opts.study_name or \
-            f"{self.model_name}-{size_label(self.budget, smallest='MiB')}-{opts.objective}"
+        if opts.study_name:
+            self.study_name = opts.study_name
+        elif recorded and opts.ram_budget is None:
+            self.study_name = recorded["study_name"]
+            self.log(f"resume: study {self.study_name!r} as recorded in {self.out / RUN_FILE}")
+        else:
+            self.study_name = f"{self.model_name}-{size_label(self.budget, smallest='MiB')}-{opts.objective}"
 
         self.facts = ModelFacts.read(self.model_dir)
         import psutil
@@ -182,6 +198,8 @@ class _Run:
         self.storage = open_storage(self.storage_url, self.shared)  # also before anything slow
         self.existing = storage.check_resume(self.storage, self.storage_url, self.study_name, opts.resume,
                                              self.shared)
+        write_run_record(self.out, model=opts.model, model_dir=self.model_dir, budget=self.budget,
+                         study_name=self.study_name, objective=opts.objective, storage=redact_url(self.storage_url))
         self.warm_entry = outputs.warm_start_entry(opts.from_profile, self.facts.geometry, self.log) \
             if opts.from_profile else None
 
@@ -195,6 +213,11 @@ class _Run:
         hist = self.calibration.get("routing_histogram")
         self.space.with_pinned = bool(hist and Path(hist).exists())
         self.space.routing_histogram = hist or ""
+        if opts.cost_model and self.study_name not in self.existing:
+            from tuner.costmodel.search import narrow_space
+            region = narrow_space(self.space, self.profile)
+            self.log(f"cost model: read sizes {', '.join(format_size(c) for c in region['chunk_size'])}; "
+                     f"I/O threads {', '.join(map(str, region['io_threads']))} (the probe curve's rising or flat part)")
         self.study = self._open_study()
 
     def settings(self) -> dict:
@@ -218,6 +241,9 @@ class _Run:
                                       f"histogram could be recorded here (calibration: "
                                       f"{self.calibration.get('status')})")
                 self.space.with_pinned = had_pinned
+                # Read sizes and I/O threads as the study was made with: identical on every worker.
+                self.space.chunk_sizes = tuple(recorded["space"].get("chunk_size", self.space.chunk_sizes))
+                self.space.io_thread_choices = tuple(recorded["space"].get("io_threads", self.space.io_thread_choices))
         study = optuna.create_study(storage=self.storage, study_name=self.study_name,
                                     directions=objective.DIRECTIONS[self.opts.objective],
                                     sampler=make_sampler(self.opts, self.shared), load_if_exists=True)
@@ -227,16 +253,39 @@ class _Run:
         return study
 
     def _enqueue_warm_starts(self, study: optuna.Study) -> None:
+        fresh = not study.trials
         study.enqueue_trial(self.space.params_of(self.space.baseline()), user_attrs={"role": "baseline"},
                             skip_if_exists=True)
+        queued = 1
         if self.warm_entry:
             try:
                 config = EngineConfig.from_dict(self.warm_entry["config"], source="--from-profile config")
             except ConfigError as exc:
                 self.log(f"--from-profile: skipped an unusable recorded config ({exc})")
-                return
-            study.enqueue_trial(self.space.params_of(config), user_attrs={"role": "from_profile"},
-                                skip_if_exists=True)
+            else:
+                study.enqueue_trial(self.space.params_of(config), user_attrs={"role": "from_profile"},
+                                    skip_if_exists=True)
+                queued += 1
+        if self.opts.cost_model and self.facts.has_experts and fresh:
+            self._enqueue_predicted(study, queued)
+
+    def _enqueue_predicted(self, study: optuna.Study, queued: int) -> None:
+        """The cost model's top predicted configs, measured right after the baseline."""
+        from tuner.costmodel.predict import RunConditions
+        from tuner.costmodel.search import study_warm_starts
+        o = self.opts
+        # Never more than the trial budget leaves after the baseline: queued trials that never
+        # run would sit in the study as WAITING.
+        n = 3 if o.trials is None else max(0, min(3, o.trials - queued))
+        if not n:
+            return
+        run = RunConditions(prompt_tokens=o.prompt_tokens, tokens=o.tokens, repeats=o.repeats, cold=o.cold)
+        for r in study_warm_starts(self.space, self.profile, self.model_dir, run, n):
+            study.enqueue_trial(self.space.params_of(r.config), skip_if_exists=True,
+                                user_attrs={"role": "model", "predicted_decode_tok_s": r.prediction.decode_tok_s})
+            self.log(f"cost model: warm start {r.config.io_mode}, chunk {format_size(r.config.chunk_size)}, "
+                     f"prefetch {r.config.prefetch_depth}, cache ratio {r.config.cpu_cache_ratio}, "
+                     f"{r.config.cache_policy}: predicted {r.prediction.decode_tok_s:.3g} tok/s")
 
     # --- search -------------------------------------------------------------------------------
 

@@ -2,56 +2,50 @@
 
 The subprocess is what makes a trial honest and safe: its peak memory is its own (not the
 tuner's), a memory cgroup limited to the budget charges page cache too, and an OOM kill or a
-hang ends the trial, not the study. Every outcome becomes a TrialResult: completed ones carry
-the bench JSON; failed ones say why (oom, timeout, crash) with a graded violation the sampler
-can learn from.
+hang ends the trial, not the study. The bench process writes its outcome as a record
+(`--outcome FILE`: ok with the bench JSON, over_budget, bad_config, crashed with the exception);
+what it cannot write — timeout, oom_killed (the cgroup's own OOM counter), killed by another
+signal — comes from here (tuner/outcome.py). Nothing is read from its stderr text.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 from engine.config import EngineConfig
+from tuner.outcome import classify, read_outcome
 from tuner.result import TrialResult
 from tuner.sandbox import run_limited
 
 
 def bench_argv(model_dir, config_path: str, tokens: int, repeats: int, cold: bool, prompt_tokens: int,
-               seed: int, extra: list[str] | None = None) -> list[str]:
+               seed: int, extra: list[str] | None = None, outcome_path: str | None = None) -> list[str]:
     return [sys.executable, "-m", "tuner.cli", "bench", "--model", str(model_dir), "--config", config_path,
             "--tokens", str(tokens), "--repeats", str(repeats), "--cold" if cold else "--warm",
-            "--prompt-tokens", str(prompt_tokens), "--seed", str(seed), "--json", *(extra or [])]
+            "--prompt-tokens", str(prompt_tokens), "--seed", str(seed), "--json",
+            *(["--outcome", outcome_path] if outcome_path else []), *(extra or [])]
 
 
 def run_trial(model_dir, config: EngineConfig, *, tokens: int = 16, repeats: int = 3, cold: bool = True,
               prompt_tokens: int = 16, seed: int = 0, limit_bytes: int | None = None,
               timeout: float | None = 600, extra_args: list[str] | None = None) -> TrialResult:
     """Run `colibri bench` for `config` in a child process limited to `limit_bytes` (cgroup)."""
-    fd, cfg_path = tempfile.mkstemp(prefix="colibri-trial-", suffix=".toml")
-    os.close(fd)
-    try:
+    with tempfile.TemporaryDirectory(prefix="colibri-trial-") as tmp:
+        cfg_path, outcome_path = str(Path(tmp) / "config.toml"), str(Path(tmp) / "outcome.json")
         config.save(cfg_path)
-        argv = bench_argv(model_dir, cfg_path, tokens, repeats, cold, prompt_tokens, seed, extra_args)
+        argv = bench_argv(model_dir, cfg_path, tokens, repeats, cold, prompt_tokens, seed, extra_args, outcome_path)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         run = run_limited(argv, limit_bytes, timeout=timeout, env=env)
-    finally:
-        os.unlink(cfg_path)
-    base = dict(cgroup_limited=run.limited, cgroup_limit_bytes=run.limit_bytes, cgroup_peak_bytes=run.peak_bytes,
-                cgroup_reason=run.reason, wall_seconds=run.wall_seconds)
-    if run.timed_out:
-        return TrialResult("timeout", error=f"timed out after {timeout:.0f} s", **base)
-    if run.oom_killed or run.returncode in (-9, 137):
-        return TrialResult("oom", error="killed by the out-of-memory killer (memory budget exceeded)", **base)
-    if run.returncode != 0:
-        last = (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]
-        return TrialResult("crash", error=last[:500], **base)
-    try:
-        metrics = json.loads(run.stdout)
-    except json.JSONDecodeError:
-        return TrialResult("crash", error="bench printed no JSON result", **base)
-    metrics["cgroup"] = {"limited": run.limited, "limit_bytes": run.limit_bytes, "peak_bytes": run.peak_bytes,
-                         "reason": run.reason}
-    return TrialResult("ok", metrics=metrics, **base)
+        outcome = classify(run.returncode, timed_out=run.timed_out, oom_killed=run.oom_killed,
+                           record=read_outcome(outcome_path), timeout=timeout, limit_bytes=run.limit_bytes)
+    metrics = outcome.metrics
+    if outcome.kind == "ok":
+        metrics["cgroup"] = {"limited": run.limited, "limit_bytes": run.limit_bytes, "peak_bytes": run.peak_bytes,
+                             "reason": run.reason}
+    return TrialResult(outcome.kind, metrics=metrics if outcome.kind == "ok" else {}, error=outcome.error,
+                       exception=outcome.exception, signal=outcome.signal, cgroup_limited=run.limited,
+                       cgroup_limit_bytes=run.limit_bytes, cgroup_peak_bytes=run.peak_bytes,
+                       cgroup_reason=run.reason, wall_seconds=run.wall_seconds)

@@ -11,6 +11,7 @@ from collections.abc import Hashable, Mapping
 
 from engine.config import atomic_write_text
 from engine.errors import ConfigError
+from engine.jsonlimits import loads_limited
 
 ROUTING_SCHEMA = "colibri.routing/1"
 
@@ -33,12 +34,13 @@ def routing_histogram_load(path: str | os.PathLike) -> Counter:
     """Counter {(layer, expert): count} from a file written by routing_histogram_save."""
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        with open(path, "rb") as fh:
+            raw = fh.read()
     except FileNotFoundError:
         raise _routing_error(path, "file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _routing_error(path, f"not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise _routing_error(path, f"cannot read: {exc.strerror or exc}") from None
+    data = loads_limited(raw, f"routing histogram {path}", error=ConfigError)
     if not isinstance(data, dict) or data.get("schema") != ROUTING_SCHEMA:
         raise _routing_error(path, f'expected "schema": "{ROUTING_SCHEMA}"')
     counts = data.get("counts")

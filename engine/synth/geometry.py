@@ -10,10 +10,13 @@ import math
 import os
 from pathlib import Path
 
+from engine import synth_archs
 from engine.dtypes import FLOAT_NAMES
 # The tokenizer (engine/bpe_tokenizer.py): 256 byte tokens, <|endoftext|> at 256, then BPE merges.
 from engine.bpe_tokenizer import EOS_TOKEN, EOS_TOKEN_ID, MIN_VOCAB  # noqa: F401  (re-exported)
-from engine.errors import ConfigError
+from engine.errors import ConfigError, ModelFormatError
+from engine.jsonlimits import loads_limited
+from engine.validate import validate_config
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 
@@ -60,9 +63,10 @@ def load_geometry_file(path: str | os.PathLike) -> dict:
 
 def _read_geometry_json(path: Path) -> dict:
     try:
-        geom = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path.name}: not valid JSON ({exc})") from None
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path.name}: cannot read: {exc.strerror or exc}") from None
+    geom = loads_limited(raw, path.name, error=ConfigError)
     if not isinstance(geom, dict):
         raise ConfigError(f"{path.name}: expected a JSON object of geometry keys")
     geom.setdefault("name", path.stem)
@@ -81,20 +85,22 @@ def validate_geometry(geometry: dict) -> dict:
             "it is never materialized — use 'tiny', 'demo' or --geometry FILE"
         )
     g = {**_DEFAULTS, **geometry}
+    if g["model_type"] in synth_archs.ARCH_TYPES:
+        return synth_archs.validate(geometry, _DEFAULTS)
     if g["model_type"] != "qwen3_moe":
-        raise ConfigError(f"{name}: synth writes only model_type 'qwen3_moe', not {g['model_type']!r}")
+        raise ConfigError(f"{name}: synth writes model_type qwen3_moe or "
+                          f"{', '.join(synth_archs.ARCH_TYPES)}, not {g['model_type']!r}")
+    # The same rules the engine applies to the config.json this geometry becomes.
+    try:
+        validate_config(g, source=f"geometry {name}")
+    except ModelFormatError as exc:  # a geometry is a config the user wrote, not a model file
+        raise ConfigError(str(exc)) from None
     for key in _REQUIRED_INT:
         v = g.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ConfigError(f"{name}: '{key}' must be a positive integer, got {v!r}")
     if g["intermediate_size"] is None:
         g["intermediate_size"] = g["moe_intermediate_size"]
-    if g["num_attention_heads"] % g["num_key_value_heads"]:
-        raise ConfigError(f"{name}: num_attention_heads must be a multiple of num_key_value_heads")
-    if g["head_dim"] % 2:
-        raise ConfigError(f"{name}: head_dim must be even (RoPE rotates pairs)")
-    if g["num_experts_per_tok"] > g["num_experts"]:
-        raise ConfigError(f"{name}: num_experts_per_tok exceeds num_experts")
     if g["vocab_size"] < MIN_VOCAB:
         raise ConfigError(f"{name}: vocab_size must be at least {MIN_VOCAB} (256 byte tokens + {EOS_TOKEN})")
     if g["dtype"] not in FLOAT_NAMES:
@@ -110,7 +116,7 @@ def validate_geometry(geometry: dict) -> dict:
 
 
 def param_counts(geometry: dict) -> dict:
-    """Parameter counts by role, for qwen3_moe, mixtral, olmoe, deepseek_v3 and glm_moe_dsa geometries.
+    """Parameter counts by role, for qwen3_moe, mixtral, olmoe, deepseek_v3, glm4_moe, glm_moe_dsa and gpt_oss.
 
     Returns total, active (per token), routed_expert (one expert), routed_total, dense (everything
     that is not a routed expert: the part a streaming engine keeps resident), num_moe_layers,
@@ -141,13 +147,21 @@ def param_counts(geometry: dict) -> dict:
         hd = g.get("head_dim") or H // nh
         nkv = g.get("num_key_value_heads", nh)
         attn = H * nh * hd + 2 * H * nkv * hd + nh * hd * H
-        if mt == "qwen3_moe":
+        if mt == "qwen3_moe" or (mt == "glm4_moe" and g.get("use_qk_norm")):
             attn += 2 * hd
         elif mt == "olmoe":
             attn += H + nkv * hd
-        moe_i = g["moe_intermediate_size"] if mt == "qwen3_moe" else g["intermediate_size"]
+        if mt == "gpt_oss" or (mt == "glm4_moe" and g.get("attention_bias")):
+            attn += nh * hd + 2 * nkv * hd
+        if mt == "gpt_oss":
+            attn += H + nh  # o_proj bias, attention sinks
+        moe_i = g["moe_intermediate_size"] if mt in ("qwen3_moe", "glm4_moe") else g["intermediate_size"]
         dense_layers, shared, router = 0, 0, E * H
-    expert = 3 * H * moe_i
+        if mt == "glm4_moe":
+            dense_layers, shared, router = g.get("first_k_dense_replace", 1), g.get("n_shared_experts", 1), E * H + E
+        elif mt == "gpt_oss":
+            router = E * H + E
+    expert = 3 * H * moe_i + (2 * moe_i + H if mt == "gpt_oss" else 0)  # gpt_oss experts carry biases
     moe_layers = L - dense_layers
     norms = 2 * H
     dense_mlp = 3 * H * g.get("intermediate_size", 0)

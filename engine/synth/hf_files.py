@@ -13,6 +13,9 @@ from engine.synth.recipe import SYNTH_VERSION
 
 def hf_config(g: dict, seed: int, skew: float) -> dict:
     """config.json as transformers' Qwen3MoeConfig writes it, readable by transformers 4.x and 5.x."""
+    from engine import synth_archs
+    if g["model_type"] in synth_archs.ARCH_TYPES:
+        return synth_archs.hf_config(g, seed, skew)
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",

@@ -40,6 +40,7 @@ class PlannedTensor:
     kind: str            # what the recipe makes of it: embed, lm_head, norm, q, k, v, o, q_norm, ...
     layer: int = -1
     expert: int = -1
+    dtype: str | None = None  # None: the geometry's dtype (MXFP4 blocks and scales are uint8)
 
 
 def tensor_plan(g: dict) -> list[list[PlannedTensor]]:
@@ -48,6 +49,9 @@ def tensor_plan(g: dict) -> list[list[PlannedTensor]]:
     An expert's gate, up and down projections form one unit so they are adjacent on disk and
     the streaming engine can read an expert with a single request.
     """
+    from engine import synth_archs
+    if g["model_type"] in synth_archs.ARCH_TYPES:
+        return synth_archs.tensor_plan(g)
     H, L = g["hidden_size"], g["num_hidden_layers"]
     nh, nkv, hd = g["num_attention_heads"], g["num_key_value_heads"], g["head_dim"]
     E, I, V = g["num_experts"], g["moe_intermediate_size"], g["vocab_size"]

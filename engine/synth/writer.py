@@ -11,7 +11,9 @@ import os
 import shutil
 from pathlib import Path
 
+from engine import synth_archs
 from engine.dtypes import ITEMSIZE
+from engine.durable import DirectoryLock, fsync_dir
 from engine.errors import ConfigError
 from engine.synth.geometry import validate_geometry
 from engine.synth.hf_files import write_side_files
@@ -20,11 +22,10 @@ from engine.synth.recipe import PlannedTensor, _Recipe, tensor_plan
 
 def plan_shards(units: list[list[PlannedTensor]], dtype: str, max_shard_size: int) -> list[list[PlannedTensor]]:
     """Greedy packing of units into shards of at most max_shard_size data bytes (a bigger unit gets its own)."""
-    elem = ITEMSIZE[dtype]
     shards: list[list[PlannedTensor]] = [[]]
     size = 0
     for unit in units:
-        ub = sum(math.prod(t.shape) * elem for t in unit)
+        ub = sum(math.prod(t.shape) * ITEMSIZE[t.dtype or dtype] for t in unit)
         if shards[-1] and size + ub > max_shard_size:
             shards.append([])
             size = 0
@@ -36,8 +37,7 @@ def plan_shards(units: list[list[PlannedTensor]], dtype: str, max_shard_size: in
 def model_bytes(geometry: dict) -> int:
     """Bytes of tensor data a synthesized model of this geometry holds (headers excluded)."""
     g = validate_geometry(geometry)
-    elem = ITEMSIZE[g["dtype"]]
-    return sum(math.prod(t.shape) * elem for unit in tensor_plan(g) for t in unit)
+    return sum(math.prod(t.shape) * ITEMSIZE[t.dtype or g["dtype"]] for unit in tensor_plan(g) for t in unit)
 
 
 # --- synthesis --------------------------------------------------------------------------------
@@ -54,8 +54,16 @@ def synthesize(
 
     routing_skew None takes the geometry's own default (the presets' calibrated value).
     Refuses an existing non-empty out_dir unless force (then it is replaced only once the new
-    model is complete).
+    model is complete). A second process synthesizing into the same out_dir waits for the first
+    (engine/durable.py DirectoryLock) and then finds the directory non-empty.
     """
+    name = geometry.get("name", "custom") if isinstance(geometry, dict) else "custom"
+    with DirectoryLock(out_dir, f"synthesizing {name}"):
+        return _synthesize(geometry, out_dir, seed, routing_skew, progress, force)
+
+
+def _synthesize(geometry: dict, out_dir, seed: int, routing_skew: float | None, progress: bool,
+                force: bool) -> Path:
     from engine.progress import Progress
     from engine.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 
@@ -76,16 +84,18 @@ def synthesize(
 
     units = tensor_plan(g)
     shards = plan_shards(units, g["dtype"], g["max_shard_size"])
-    total = sum(TensorSpec(t.name, t.shape, g["dtype"]).nbytes for s in shards for t in s)
+    total = sum(TensorSpec(t.name, t.shape, t.dtype or g["dtype"]).nbytes for s in shards for t in s)
     free = shutil.disk_usage(out.parent).free
     if free < total + (16 << 20):
         raise ConfigError(
             f"not enough free space in {str(out.parent)!r}: need {total / 2**30:.2f} GiB, have {free / 2**30:.2f} GiB"
         )
 
+    # We hold out's lock, so a sibling left by an earlier writer is debris of one that died
+    # (kill -9, power loss), not work in progress: remove it before it fills the disk.
+    for stale in [*out.parent.glob(f"{out.name}.partial-*"), *out.parent.glob(f"{out.name}.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f"{out.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     import torch
     threads = torch.get_num_threads()
@@ -93,14 +103,15 @@ def synthesize(
     # the cores are busy (60x slower measured on a loaded 2-core box); randn is serial anyway.
     torch.set_num_threads(1)
     try:
-        recipe = _Recipe(g, seed, skew)
+        recipe = (synth_archs.make_recipe(g, seed, skew) if g["model_type"] in synth_archs.ARCH_TYPES
+                  else _Recipe(g, seed, skew))
         n = len(shards)
         names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map: dict[str, str] = {}
         with Progress(total=total, unit="B", unit_scale=True, desc=f"synth {g.get('name', 'custom')}",
                       enabled=progress) as bar:
             for fname, shard in zip(names, shards):
-                specs = [TensorSpec(t.name, t.shape, g["dtype"]) for t in shard]
+                specs = [TensorSpec(t.name, t.shape, t.dtype or g["dtype"]) for t in shard]
                 with ShardWriter(tmp / fname, specs) as w:
                     for t in shard:
                         bar.update(w.write(t.name, recipe.values(t)))
@@ -112,7 +123,7 @@ def synthesize(
                 "weight_map": dict(sorted(weight_map.items())),
             })
         write_side_files(tmp, g, seed, skew)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -120,14 +131,6 @@ def synthesize(
     finally:
         torch.set_num_threads(threads)
     return out
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:
@@ -140,7 +143,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
             old = out.parent / f"{out.name}.old-{os.getpid()}"
             os.replace(out, old)
     os.replace(tmp, out)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

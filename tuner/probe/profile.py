@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from engine.config import atomic_write_text
+from engine.jsonlimits import loads_limited
 from tuner.probe.errors import ProfileError
 from tuner.schema import decode, json_type
 
@@ -178,6 +179,9 @@ class HardwareProfile:
     gpus: list[GpuInfo]
     # Written by the tuner (profiles.py), validated there; the probe leaves it empty.
     best_configs: list[dict[str, Any]] = field(default_factory=list)
+    # The cost model's fitted efficiency factors for this machine (tuner/costmodel/calibrate.py
+    # validates the content). Optional: profiles written before it existed still load.
+    cost_model: dict[str, Any] = field(default_factory=dict, metadata={"optional": True})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -297,13 +301,10 @@ def save_profile(profile: HardwareProfile, path: str | os.PathLike) -> Path:
 def load_profile(path: str | os.PathLike) -> HardwareProfile:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as exc:
         raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    data = loads_limited(raw, str(path), error=ProfileError)
     try:
         return HardwareProfile.from_dict(data)
     except ProfileError as exc:

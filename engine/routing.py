@@ -1,0 +1,67 @@
+"""Routing rules beyond softmax top-k, one object per rule, chosen by ModelArgs.router.
+
+    SigmoidGroupRouter   deepseek_v3, glm4_moe, glm_moe_dsa: sigmoid scores; a per-expert
+                         `e_score_correction_bias` shifts the scores used to *choose* experts
+                         (never the weights they get); experts are split into `n_group` groups,
+                         each group scored by the sum of its two best, only the `topk_group`
+                         best groups compete; the chosen scores are renormalised and multiplied
+                         by `routed_scaling_factor`.
+    BiasedTopkSoftmax    gpt_oss: router with a bias; top-k of the logits, softmax over those k.
+
+The same object serves the MoE layer and router lookahead, so lookahead predicts with exactly
+the rule the layer will use. Shapes: x [T, H] → ids [T, K] (int64), weights [T, K].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SigmoidGroupRouter:
+    num_experts: int
+    top_k: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    prefix: str = "mlp.gate"
+
+    def names(self, layer_prefix: str) -> list[str]:
+        return [f"{layer_prefix}.{self.prefix}.weight", f"{layer_prefix}.{self.prefix}.e_score_correction_bias"]
+
+    def route(self, w: dict, layer_prefix: str, x: torch.Tensor):
+        weight, bias = (w[n] for n in self.names(layer_prefix))
+        # Router math in fp32 whatever the compute dtype, as the reference does: with 256
+        # experts, bf16 logits would tie and reorder the selection.
+        scores = F.linear(x.float(), weight.float()).sigmoid()  # [T, E]
+        choice = scores + bias.float()
+        T, E, G = x.shape[0], self.num_experts, self.n_group
+        group_scores = choice.view(T, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0)
+        expert_mask = group_mask.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
+        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # [T, K]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, (weights * self.routed_scaling_factor).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class BiasedTopkSoftmax:
+    top_k: int
+    prefix: str = "mlp.router"
+
+    def names(self, layer_prefix: str) -> list[str]:
+        return [f"{layer_prefix}.{self.prefix}.weight", f"{layer_prefix}.{self.prefix}.bias"]
+
+    def route(self, w: dict, layer_prefix: str, x: torch.Tensor):
+        weight, bias = (w[n] for n in self.names(layer_prefix))
+        logits = F.linear(x, weight, bias)  # [T, E]
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        return ids, torch.softmax(top, dim=-1, dtype=top.dtype)

@@ -1,0 +1,313 @@
+"""deepseek_v3, glm4_moe, glm_moe_dsa and gpt_oss against transformers' own classes.
+
+Tolerance: fp32, max |logit difference| <= 1e-4, as in test_oracle.py (measured 3e-6..1e-5 on
+these models: MLA's absorbed form sums in a different order from the reference's expanded
+per-head keys). Every architecture is checked from a single file and from a sharded
+checkpoint; gpt_oss also from MXFP4 blocks + scales written as the published checkpoints are.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ModelFormatError
+from engine.generate import Sampler, generate
+from engine.model import KVCache, ModelArgs, rms_norm, route_layer
+from engine.runtime import Engine
+from colibri_hf_models import build, hf_greedy, hf_logits
+
+ATOL = 1e-4
+PROMPT = [(7 * i + 3) % 256 for i in range(32)]
+NEW_ARCHS = ["deepseek_v3", "glm4_moe", "glm_moe_dsa", "gpt_oss"]
+
+
+def fp32_engine(d, **kw) -> Engine:
+    return Engine(d, EngineConfig(ctx_size=64, dtype="fp32", threads=1, **kw))
+
+
+@pytest.fixture(scope="module", params=[(a, s) for a in NEW_ARCHS for s in (False, True)],
+                ids=lambda p: f"{p[0]}-{'sharded' if p[1] else 'single'}")
+def arch_pair(request, tmp_path_factory):
+    arch, sharded = request.param
+    d = tmp_path_factory.mktemp(arch)
+    model = build(arch, d, max_shard_size="60KB" if sharded else None)
+    if sharded:
+        assert len(list(d.glob("model-*.safetensors"))) > 1
+    return arch, model, d
+
+
+def test_logits_match_transformers(arch_pair):
+    arch, model, d = arch_pair
+    with fp32_engine(d) as engine:
+        diff = (engine.forward(PROMPT, 0) - hf_logits(model, PROMPT)).abs().max().item()
+    print(f"{arch}: max |dlogit| = {diff:.3e}")
+    assert diff <= ATOL, f"{arch}: max |dlogit| {diff:.3e} > {ATOL}"
+
+
+def test_greedy_tokens_match_transformers(arch_pair):
+    arch, model, d = arch_pair
+    with fp32_engine(d) as engine:
+        assert generate(engine, PROMPT, 16, Sampler()).output_ids == hf_greedy(model, PROMPT, 16)
+
+
+VARIANTS = {
+    # DeepSeek-V2-Lite style: no q LoRA; rope on halves instead of interleaved pairs; no yarn.
+    "deepseek_v3-plain-q": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1,
+                                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "glm4_moe-no-qk-norm": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                              "partial_rotary_factor": 0.25})),
+    "gpt_oss-full-only": ("gpt_oss", dict(layer_types=["full_attention"] * 3)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_config_variants_match_transformers(variant, tmp_path):
+    arch, overrides = VARIANTS[variant]
+    model = build(arch, tmp_path, **overrides)
+    with fp32_engine(tmp_path) as engine:
+        assert (engine.forward(PROMPT, 0) - hf_logits(model, PROMPT)).abs().max().item() <= ATOL
+    with fp32_engine(tmp_path) as engine:
+        assert generate(engine, PROMPT, 8, Sampler()).output_ids == hf_greedy(model, PROMPT, 8)
+
+
+@pytest.fixture(scope="module")
+def dsa(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dsa")
+    return build("glm_moe_dsa", d), d
+
+
+def test_dsa_selection_decides_what_is_attended(dsa, tmp_path):
+    """With index_topk 6 < 32 prompt tokens the indexer's choice matters: attending to every
+    position instead moves the logits far beyond the tolerance."""
+    model, d = dsa
+    dense = tmp_path / "dense"
+    shutil.copytree(d, dense)
+    cfg = json.loads((dense / "config.json").read_text())
+    assert cfg["index_topk"] < len(PROMPT)
+    cfg["index_topk"] = 64
+    (dense / "config.json").write_text(json.dumps(cfg))
+    with fp32_engine(dense) as engine:
+        assert (engine.forward(PROMPT, 0) - hf_logits(model, PROMPT)).abs().max().item() > 100 * ATOL
+
+
+def test_dsa_query_blocks_change_nothing(dsa, monkeypatch):
+    import engine.mla as mla
+    model, d = dsa
+    with fp32_engine(d) as engine:
+        whole = engine.forward(PROMPT, 0)
+    monkeypatch.setattr(mla, "INDEX_QUERY_BLOCK", 5)  # 32 queries in 7 uneven blocks
+    with fp32_engine(d) as engine:
+        blocked = engine.forward(PROMPT, 0)
+    assert torch.equal(whole, blocked)
+
+
+# --- memory: the compressed cache is what is allocated and what the plan counts -------------
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+def test_latent_kv_cache_is_planned_and_allocated_per_token(arch, tmp_path):
+    build(arch, tmp_path)
+    with fp32_engine(tmp_path) as engine:
+        cfg, a = engine.checkpoint.config, engine.args
+        per_token = a.num_layers * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+        if arch == "glm_moe_dsa":
+            per_token += cfg["indexer_types"].count("full") * cfg["index_head_dim"]
+        assert engine.plan.kv_bytes == per_token * 64 * 4
+        kv = engine.kv
+        allocated = sum(t.nbytes for t in kv.latent + kv.rope_key + list(kv.index_key.values()))
+        assert allocated == engine.plan.kv_bytes
+        per_head = 2 * a.num_layers * cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+        assert engine.plan.kv_bytes < per_head * 64 * 4
+
+
+def test_gpt_oss_expert_size_counts_biases(tmp_path):
+    build("gpt_oss", tmp_path)
+    with fp32_engine(tmp_path, ram_budget=0) as engine:
+        H, I = engine.args.hidden_size, engine.args.moe_intermediate_size
+        assert engine.plan.expert_bytes == (3 * H * I + 2 * I + H) * 4
+        loc = engine.layout.location(0, 0)
+        assert sum(p.nbytes for p in loc.pieces) == engine.plan.expert_bytes  # fp32 on disk
+        # Small gaps between an expert's slices (other experts' biases) are read through.
+        assert engine.layout.expert_nbytes >= engine.plan.expert_bytes
+
+
+# --- router lookahead predicts with the architecture's own rule -----------------------------
+
+class _Hints:
+    def __init__(self):
+        self.hints = {}
+
+    def hint(self, layer, experts):
+        self.hints[layer] = experts
+
+    def get(self, layer, experts):
+        raise AssertionError("lookahead only hints")
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss"])
+def test_lookahead_uses_the_architectures_router(arch, tmp_path):
+    """The experts lookahead hints for layer L+1 are those transformers' own router of L+1
+    picks on the same input (sigmoid + correction bias + groups; biased top-k softmax)."""
+    model = build(arch, tmp_path, num_hidden_layers=3)
+    with fp32_engine(tmp_path) as engine:
+        m, a = engine.model, engine.args
+        target = next(i for i in range(1, a.num_layers) if a.is_moe_layer(i))
+        h = torch.randn(5, a.hidden_size)
+        m.experts, m.lookahead_depth = _Hints(), 1
+        m._lookahead(target - 1, None, h)
+        guess_in = rms_norm(h, m.w[f"model.layers.{target}.post_attention_layernorm.weight"], a.rms_norm_eps)
+        hf_router = model.model.layers[target].mlp.router if arch == "gpt_oss" else model.model.layers[target].mlp.gate
+        with torch.no_grad():
+            hf_ids = hf_router(guess_in)[2]
+        assert m.experts.hints[target] == torch.unique(hf_ids).tolist()
+        assert torch.equal(route_layer(a, m.w, target, guess_in)[0].sort(-1).values, hf_ids.sort(-1).values)
+
+
+# --- gpt_oss experts as MXFP4 blocks + scales -----------------------------------------------
+
+def write_mxfp4_checkpoint(src, out):
+    """Rewrite a plain gpt_oss checkpoint with MXFP4 experts, laid out as openai/gpt-oss-*'s:
+    `<proj>_blocks` [E, out, in/32, 16] uint8, `<proj>_scales` [E, out, in/32], bf16 biases."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.gptoss import mxfp4_quantize
+    state = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(f).items()}
+    new = {}
+    for name, t in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            new[name + "_blocks"], new[name + "_scales"] = mxfp4_quantize(t.transpose(1, 2).contiguous())
+        elif ".experts." in name:
+            new[name] = t.to(torch.bfloat16)
+        else:
+            new[name] = t
+    out.mkdir()
+    save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return new
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    root = tmp_path_factory.mktemp("mxfp4")
+    build("gpt_oss", root / "plain", hidden_size=64, intermediate_size=64)
+    state = write_mxfp4_checkpoint(root / "plain", root / "mx")
+    model = AutoModelForCausalLM.from_pretrained(root / "mx", quantization_config=Mxfp4Config(dequantize=True),
+                                                 dtype=torch.float32, attn_implementation="eager").eval()
+    return model, root / "mx", state
+
+
+def test_mxfp4_dequantizes_exactly_as_transformers(mxfp4):
+    from engine.gptoss import mxfp4_dequantize
+    model, _, state = mxfp4
+    for layer, block in enumerate(model.model.layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            base = f"model.layers.{layer}.mlp.experts.{proj}"
+            ours = mxfp4_dequantize(state[base + "_blocks"], state[base + "_scales"], torch.float32)
+            assert torch.equal(ours.transpose(1, 2), getattr(block.mlp.experts, proj).data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantize_matches_transformers_across_chunks(dtype, monkeypatch):
+    """Every byte value and a spread of exponents, rows split over several uneven chunks."""
+    import engine.gptoss as gptoss
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 70, 5, 16), dtype=torch.uint8, generator=gen)
+    # Every exponent byte but 255 (E8M0's NaN): subnormal and huge powers of two round the same.
+    scales = (torch.arange(3 * 70 * 5) % 255).to(torch.uint8).view(3, 70, 5)
+    monkeypatch.setattr(gptoss, "DEQUANT_CHUNK", 3 * 5 * 16)  # 3 rows per chunk; 70 is not a multiple
+    ours = gptoss.mxfp4_dequantize(blocks, scales, dtype)
+    assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=dtype).transpose(1, 2))
+
+
+def test_mxfp4_quantize_round_trips_representable_values():
+    from engine.gptoss import FP4_VALUES, mxfp4_dequantize, mxfp4_quantize
+    values = torch.tensor(FP4_VALUES).repeat(4)  # 64 values: two blocks whose largest is 6
+    w = torch.stack([values * 2.0 ** -3, values * 2.0 ** 5])  # [2, 64]: exponents -3 and 5
+    blocks, scales = mxfp4_quantize(w)
+    assert scales.tolist() == [[124, 124], [132, 132]]
+    assert torch.equal(mxfp4_dequantize(blocks, scales, torch.float32), w)
+
+
+def test_mxfp4_checkpoint_matches_transformers(mxfp4):
+    model, d, _ = mxfp4
+    with fp32_engine(d) as engine:
+        # 4.25 bits per weight + bf16 biases (+ small gaps read through) against fp32 in memory
+        assert engine.layout.expert_nbytes < engine.plan.expert_bytes / 5
+        diff = (engine.forward(PROMPT, 0) - hf_logits(model, PROMPT)).abs().max().item()
+    print(f"gpt_oss MXFP4: max |dlogit| = {diff:.3e}")
+    assert diff <= ATOL
+    with fp32_engine(d) as engine:
+        assert generate(engine, PROMPT, 16, Sampler()).output_ids == hf_greedy(model, PROMPT, 16)
+
+
+# --- bad configs: one line naming the field -------------------------------------------------
+
+def _cfg(tmp_path_factory, arch):
+    d = tmp_path_factory.mktemp(f"cfg-{arch}")
+    build(arch, d, num_hidden_layers=2)
+    return json.loads((d / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    return {a: _cfg(tmp_path_factory, a) for a in NEW_ARCHS}
+
+
+BAD = [
+    ("deepseek_v3", {"kv_lora_rank": 0}, "kv_lora_rank must be >= 1"),
+    ("deepseek_v3", {"q_lora_rank": -3}, "q_lora_rank must be >= 1"),
+    ("deepseek_v3", {"qk_rope_head_dim": 7}, "qk_rope_head_dim 7 must be even"),
+    ("deepseek_v3", {"topk_group": 5}, "topk_group 5 exceeds n_group 4"),
+    ("deepseek_v3", {"n_group": 3}, "n_routed_experts 8 is not divisible by n_group 3"),
+    ("deepseek_v3", {"n_group": 8, "topk_group": 1}, "fewer than 2 experts per group"),
+    ("deepseek_v3", {"topk_group": 1, "num_experts_per_tok": 3}, "exceeds the 2 experts in topk_group 1"),
+    ("deepseek_v3", {"first_k_dense_replace": 9}, "first_k_dense_replace 9 exceeds num_hidden_layers 2"),
+    ("glm4_moe", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.5}},
+     "partial_rotary_factor 1.5"),
+    ("glm4_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok 9 exceeds n_routed_experts 8"),
+    ("glm_moe_dsa", {"index_topk": 0}, "index_topk must be >= 1"),
+    ("glm_moe_dsa", {"q_lora_rank": None}, "q_lora_rank is required"),
+    ("glm_moe_dsa", {"indexer_types": ["shared", "full"]}, "indexer_types[0] must be 'full'"),
+    ("glm_moe_dsa", {"index_head_dim": 4}, "index_head_dim 4 is smaller than qk_rope_head_dim 8"),
+    ("gpt_oss", {"sliding_window": 0}, "sliding_window must be a positive integer"),
+    ("gpt_oss", {"layer_types": ["full_attention"]}, "layer_types must list"),
+    ("gpt_oss", {"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+]
+
+
+@pytest.mark.parametrize("arch,patch,needle", BAD, ids=[f"{a}-{next(iter(p))}" for a, p, _ in BAD])
+def test_bad_config_is_one_line_error(configs, arch, patch, needle):
+    cfg = {**configs[arch], **patch}
+    with pytest.raises(ModelFormatError) as err:
+        ModelArgs.from_config(cfg)
+    message = str(err.value)
+    assert "\n" not in message and needle in message and arch in message, message
+
+
+def test_bad_config_through_the_cli(tmp_path, capsys):
+    from test_bad_input import assert_one_line_error
+    from tuner.cli import main
+    build("deepseek_v3", tmp_path, num_hidden_layers=2)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["topk_group"] = 7
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()  # save_pretrained's progress bar
+    code = main(["run", "--model", str(tmp_path), "--prompt-tokens", "2"])
+    assert code == 2
+    assert_one_line_error(code, capsys.readouterr().err, "topk_group 7 exceeds n_group 4")
+
+
+def test_kv_cache_of_per_head_archs_is_unchanged(tmp_path):
+    build("gpt_oss", tmp_path)
+    with fp32_engine(tmp_path) as engine:
+        a = engine.args
+        assert isinstance(engine.kv, KVCache)
+        assert engine.plan.kv_bytes == 2 * a.num_layers * a.num_kv_heads * 64 * a.head_dim * 4
