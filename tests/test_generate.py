@@ -51,7 +51,8 @@ def test_run_json_carries_ids_and_text_prompt_uses_tokenizer(tiny, capsys):
                  "--ctx-size", "64"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0
-    assert out["prompt_ids"] == list(b"hello world")  # the synth tokenizer is byte-level
+    from tokenizers import Tokenizer
+    assert out["prompt_ids"] == Tokenizer.from_file(str(tiny / "tokenizer.json")).encode("hello world").ids
     assert len(out["output_ids"]) == 5 and isinstance(out["text"], str)
     for key in ("ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_bytes", "config", "geometry", "git_commit"):
         assert key in out

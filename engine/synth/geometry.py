@@ -12,6 +12,8 @@ from pathlib import Path
 
 from engine import synth_archs
 from engine.dtypes import FLOAT_NAMES
+# The tokenizer (engine/bpe_tokenizer.py): 256 byte tokens, <|endoftext|> at 256, then BPE merges.
+from engine.bpe_tokenizer import EOS_TOKEN, EOS_TOKEN_ID, MIN_VOCAB  # noqa: F401  (re-exported)
 from engine.errors import ConfigError, ModelFormatError
 from engine.jsonlimits import loads_limited
 from engine.validate import validate_config
@@ -36,10 +38,6 @@ _DEFAULTS = {
     "initializer_range": 0.02,
 }
 
-# Byte-level tokenizer: 256 byte tokens, then <|endoftext|>, then filler up to vocab_size.
-EOS_TOKEN = "<|endoftext|>"
-EOS_TOKEN_ID = 256
-MIN_VOCAB = 257
 
 
 def list_presets() -> list[str]:
