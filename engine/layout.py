@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from .checkpoint import Checkpoint, TensorInfo
+from .container import QuantSpec, check_quantized, container_spec
 from .errors import ModelFormatError
 from .model import ModelArgs, expert_tensor_names, fused_expert_tensor_names
+from .quant import QuantWeight
 
 # Gaps up to this size between an expert's tensors are read through rather than split into
 # two requests (safetensors may pad for alignment).
@@ -54,7 +56,8 @@ class Piece:
 @dataclass(frozen=True)
 class ExpertLocation:
     spans: tuple[Span, ...]
-    pieces: tuple[Piece, Piece, Piece]  # gate [I,H], up [I,H], down [H,I]
+    pieces: tuple[Piece, ...]  # gate [I,H], up [I,H], down [H,I]; quantized: (qweight, qscale) of each
+    quant: QuantSpec | None = None
 
     @property
     def nbytes(self) -> int:
@@ -65,9 +68,14 @@ class ExpertLayout:
     def __init__(self, checkpoint: Checkpoint, args: ModelArgs):
         self.args = args
         self.ckpt = checkpoint
+        self.quant = container_spec(checkpoint)
         self._locations: dict[tuple[int, int], ExpertLocation] = {}
         for layer in range(args.num_layers):
             if not args.is_moe_layer(layer):
+                continue
+            if self.quant is not None:
+                for e in range(args.num_experts):
+                    self._locations[(layer, e)] = self._quantized(expert_tensor_names(args, layer, e))
                 continue
             fused = fused_expert_tensor_names(args, layer)
             if fused[0] in checkpoint and fused[1] in checkpoint:
@@ -86,6 +94,13 @@ class ExpertLayout:
                                        f"config.json implies {list(shape)}")
         spans, pieces = group_into_spans(infos)
         return ExpertLocation(tuple(spans), tuple(pieces))  # type: ignore[arg-type]
+
+    def _quantized(self, names) -> ExpertLocation:
+        a = self.args
+        shapes = [(a.moe_intermediate_size, a.hidden_size)] * 2 + [(a.hidden_size, a.moe_intermediate_size)]
+        infos = [info for name, shape in zip(names, shapes) for info in check_quantized(self.ckpt, self.quant, name, shape)]
+        spans, pieces = group_into_spans(infos)
+        return ExpertLocation(tuple(spans), tuple(pieces), self.quant)
 
     def _add_fused(self, layer: int, gate_up: TensorInfo, down: TensorInfo) -> None:
         a = self.args
@@ -150,6 +165,26 @@ def tensors_from_buffers(loc: ExpertLocation, buffers: list, dtype: torch.dtype)
     """Span buffers (bytes-like, one per span) → (gate, up, down) in the compute dtype.
 
     Casting (bf16 on disk, fp32 compute) copies; same dtype is a zero-copy view of the buffer,
-    so the buffer lives as long as the cached tensors do.
+    so the buffer lives as long as the cached tensors do. Quantized experts come back as three
+    QuantWeights whose codes are views of the buffer too (engine/quant.py).
     """
-    return tuple(piece_tensor(buffers, piece, dtype) for piece in loc.pieces)
+    if loc.quant is None:
+        return tuple(piece_tensor(buffers, piece, dtype) for piece in loc.pieces)
+    q = loc.quant
+    return tuple(QuantWeight.prepare(piece_tensor(buffers, w, w.dtype), piece_tensor(buffers, s, s.dtype), q.quant,
+                                     q.group_size, dtype) for w, s in zip(loc.pieces[0::2], loc.pieces[1::2]))
+
+
+def expert_memory_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
+    """RAM one routed expert takes once decoded for compute: what the cache and the plan count.
+
+    Plain experts: three matrices in the compute dtype. Quantized: the codes as stored, and
+    scales in the compute dtype (the kernels take them in the activations' dtype)."""
+    if not layout.num_routed:
+        return 0
+    loc = next(iter(layout._locations.values()))
+    if loc.quant is None:
+        a = layout.args
+        return 3 * a.hidden_size * a.moe_intermediate_size * (torch.finfo(dtype).bits // 8)
+    elem = torch.finfo(dtype).bits // 8
+    return sum(w.nbytes + s.nbytes // s.dtype.itemsize * elem for w, s in zip(loc.pieces[0::2], loc.pieces[1::2]))

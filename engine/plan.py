@@ -19,6 +19,8 @@ from .checkpoint import Checkpoint
 from .config import EngineConfig, format_size
 from .errors import BudgetError
 from .model import KVCache, ModelArgs, dense_tensor_names
+from .container import dense_nbytes, dense_quantized
+from .layout import expert_memory_bytes
 
 ACTIVATION_MARGIN = 64 << 20  # hidden states, logits, attention scores of a decode step
 ALIGN_SLACK = 2 * 4096  # an O_DIRECT window can start up to 4 KiB early and end 4 KiB late
@@ -77,11 +79,13 @@ class MemoryPlan:
 
 def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, dtype: torch.dtype,
               kv_dtype: torch.dtype, overhead_bytes: int | None = None) -> MemoryPlan:
-    dense = sum(_count(ckpt, n) * _elem(dtype) for n in dense_tensor_names(args))
+    quantized = dense_quantized(ckpt, getattr(layout, "quant", None), dense_tensor_names(args))
+    dense = sum(dense_nbytes(None, quantized[n], _elem(dtype)) if n in quantized else _count(ckpt, n) * _elem(dtype)
+                for n in dense_tensor_names(args))
     kv = KVCache.nbytes_for(args, config.ctx_size, kv_dtype)
     routed = layout.num_routed if layout is not None else 0
     disk_expert = layout.expert_nbytes if layout is not None else 0
-    expert = 3 * args.hidden_size * args.moe_intermediate_size * _elem(dtype) if routed else 0
+    expert = expert_memory_bytes(layout, dtype) if routed else 0
     if overhead_bytes is None:
         overhead_bytes = psutil.Process().memory_info().rss + ACTIVATION_MARGIN
     # Reads in flight: the current layer's misses plus `prefetch_depth` layers of lookahead.

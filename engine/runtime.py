@@ -14,6 +14,7 @@ import psutil
 import torch
 
 from .checkpoint import Checkpoint
+from .container import container_spec, dense_quantized, load_dense
 from .config import EngineConfig
 from .layout import ExpertLayout, tensors_from_buffers
 from .model import KVCache, ModelArgs, Transformer, dense_tensor_names
@@ -103,9 +104,9 @@ class Engine:
         self.threads = threads
 
         # Validate everything we will read before reading any of it.
+        self.quant = container_spec(self.checkpoint)
         dense_names = dense_tensor_names(self.args)
-        for name in dense_names:
-            self.checkpoint.info(name)
+        quantized = dense_quantized(self.checkpoint, self.quant, dense_names)
         self.layout = ExpertLayout(self.checkpoint, self.args) if self.args.is_moe else None
 
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them
@@ -113,7 +114,8 @@ class Engine:
                                           self.kv_dtype)
         t0 = time.perf_counter()
         streamed = self._streamed_layers()
-        weights = {n: self.checkpoint.load(n, self.dtype) for n in dense_names if _layer_of(n) not in streamed}
+        weights = {n: load_dense(self.checkpoint, self.quant, quantized[n], self.dtype) if n in quantized
+                   else self.checkpoint.load(n, self.dtype) for n in dense_names if _layer_of(n) not in streamed}
         self.layers = None
         if streamed:
             from .streaming import StreamingLayers
@@ -147,6 +149,17 @@ class Engine:
         if self.experts is not None and not isinstance(self.experts, ResidentExperts):
             return self.experts
         return self.layers
+
+    @property
+    def kernel(self) -> str:
+        """The matmul the routed experts run through (what run/bench report next to the quant)."""
+        from .quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT8, kernel_works
+        if self.quant is None:
+            return f"F.linear ({str(self.dtype).replace('torch.', '')})"
+        a, q = self.args, self.quant
+        ok = all(kernel_works(q.quant, n, k, q.group_size, self.dtype)
+                 for n, k in ((a.moe_intermediate_size, a.hidden_size), (a.hidden_size, a.moe_intermediate_size)))
+        return (KERNEL_INT4 if q.quant == "int4" else KERNEL_INT8) if ok else KERNEL_DEQUANT
 
     def _compute_dtype(self) -> torch.dtype:
         if self.config.dtype == "auto":

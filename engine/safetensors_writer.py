@@ -23,8 +23,11 @@ DTYPES: dict[str, tuple[str, int, torch.dtype]] = {
     "float32": ("F32", 4, torch.float32),
     "bfloat16": ("BF16", 2, torch.int16),
     "float16": ("F16", 2, torch.float16),
+    "int8": ("I8", 1, torch.int8),  # quantized containers (engine/container.py)
+    "uint8": ("U8", 1, torch.uint8),
 }
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "int8": torch.int8, "uint8": torch.uint8}
 
 # Data starts on a 4 KiB boundary so O_DIRECT readers can address the first tensor without
 # straddling the header; the JSON header is padded with spaces, which the format allows.
@@ -45,9 +48,9 @@ class TensorSpec:
         return n
 
 
-def build_header(specs: list[TensorSpec]) -> bytes:
+def build_header(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
     """8-byte little-endian length + JSON header, padded so the data section is DATA_ALIGN-aligned."""
-    header: dict = {"__metadata__": {"format": "pt"}}
+    header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for s in specs:
         header[s.name] = {
@@ -70,17 +73,30 @@ class ShardWriter:
     whose header lies about its contents.
     """
 
-    def __init__(self, path: Path, specs: list[TensorSpec]):
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
         self.path = Path(path)
         self.specs = list(specs)
+        self.metadata = metadata
         self._next = 0
         self._f: BinaryIO | None = None
         self._scratch: torch.Tensor | None = None
 
     def __enter__(self) -> "ShardWriter":
         self._f = open(self.path, "wb")
-        self._f.write(build_header(self.specs))
+        self._header = build_header(self.specs, self.metadata)
+        self._f.write(self._header)
         return self
+
+    def restamp(self, metadata: dict[str, str]) -> None:
+        """Replace the metadata once the data is written (e.g. a checksum of what went in).
+
+        The new header must have the same length, so fields known only at the end are planned
+        with same-length placeholders; the data offsets cannot move.
+        """
+        header = build_header(self.specs, metadata)
+        if len(header) != len(self._header):
+            raise ValueError(f"{self.path.name}: restamped header changes length")
+        self.metadata, self._header = metadata, header
 
     def write(self, name: str, tensor: torch.Tensor) -> int:
         """Write the next planned tensor; returns the number of data bytes written."""
@@ -118,6 +134,8 @@ class ShardWriter:
                 if self._next != len(self.specs):
                     missing = self.specs[self._next].name
                     raise ValueError(f"{self.path.name}: closed before writing {missing}")
+                self._f.seek(0)
+                self._f.write(self._header)
                 self._f.flush()
                 os.fsync(self._f.fileno())
         finally:
