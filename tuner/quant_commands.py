@@ -20,6 +20,9 @@ def add_convert(sub) -> None:
     p.add_argument("--scope", choices=["experts", "all"], default="experts",
                    help="experts (default): routed experts only; all: every linear weight but embeddings/routers")
     p.add_argument("--force", action="store_true", help="replace a non-empty DST")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: the per-matrix work is small, and on a shared box extra "
+                        "threads spin more than they compute)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_convert)
 
@@ -41,6 +44,8 @@ def cmd_convert(args) -> int:
         elif event == "discard":
             print(f"  discarding {f['path']}: {f['reason']}", file=sys.stderr)
 
+    import torch
+    torch.set_num_threads(max(args.threads, 1))
     src = resolve_model(args.src, progress=not args.json)
     t0 = time.perf_counter()
     summary = convert(src, args.out, args.quant, args.group_size, args.scope, force=args.force, progress=progress)
