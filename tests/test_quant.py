@@ -16,8 +16,7 @@ from engine.generate import Sampler, generate
 from engine.quant import (INT4_MID, QuantWeight, dequantize_int4, dequantize_int8, kernel_works, pack_int4,
                           quantize_int4, quantize_int8, stored_int4_is_native, unpack_int4)
 from engine.runtime import Engine
-from tests.hf_models import build
-from tests.test_streaming import PLACEMENTS, budget_for_cache
+from tests.test_streaming import PLACEMENTS, budget_for_cache, model_dir  # noqa: F401 (a fixture)
 
 PROMPT = [(5 * i + 11) % 256 for i in range(12)]
 NEW_TOKENS = 8
@@ -98,11 +97,9 @@ def test_packed_kernel_equals_dequantized_matmul(quant, group, dtype):
 # --- convert ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def src(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qsrc")
-    build("qwen3_moe", d, num_hidden_layers=3, moe_intermediate_size=128, hidden_size=64, mlp_only_layers=[],
-          max_shard_size="200KB")
-    return d
+def src(model_dir):
+    """The streaming tests' model (3 layers, 8 experts of 128x64, sharded so experts straddle shards)."""
+    return model_dir
 
 
 @pytest.fixture(scope="module")
