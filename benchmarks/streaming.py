@@ -1,27 +1,45 @@
-"""Streaming decode speed against its roofline bound (issue: stream experts under a budget).
+"""Streaming decode speed against its roofline bound, before and after, in one run.
 
 For a handful of configs on `demo` under a 1 GiB budget, cold, each run as a real trial
 (`colibri bench` in a subprocess inside a memory cgroup limited to the budget):
 
-    bound s/token = bytes read per decode token / fio bandwidth at (request size, queue depth)
-                    + compute s/token of the fully resident run
+    bound s/token = bytes read per decode token / fio bandwidth at (request, QD, mode)
+                    + compute s/token of the fully resident run (same source tree)
 
-and the ratio measured tok/s ÷ bound tok/s. The request size is the engine's read request
-(min(chunk_size, expert bytes)); the queue depth is io_threads. Bandwidths come from the
-probe's fio curve on the model's own filesystem (or --profile FILE).
+and the ratio measured tok/s / bound tok/s. The disk term is measured by fio at exactly the
+engine's read pattern — request = what one read request of the engine is (this tree: one
+request per expert span, split across the workers only past chunk_size; the old tree: chunk
+size pieces), QD = io_threads synchronous readers, direct/buffered/mmap as the config — right
+before and right after the streaming run (fio, stream, fio), and the bound uses their mean.
+Each fio job runs --fio-seconds (default 6 s): about the bytes one streaming run reads here
+(~2-3 GB at this disk's 0.5-1 GB/s), so both see the disk over the same stretch of work and a
+short burst (or a stall) of the virtual disk moves either by the same share.
 
-    .venv/bin/python benchmarks/streaming.py [--model demo] [--budget 1GiB] [--tokens 8] [--repeats 2]
+--before-src DIR runs every config a second time with the engine and CLI of DIR (for example
+the read-only checkout of the previous commit), right after this tree's run of the same config,
+so before/after are measured in the same run and minutes apart.
+
+Every measurement holds the shared benchmark lock (flock on --lock) only for its own config.
+
+    .venv/bin/python benchmarks/streaming.py [--before-src /work/wt/base] [--only NAME ...]
+        [--tokens 8] [--repeats 2] [--runs 1] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
+import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from engine.config import EngineConfig, format_size, parse_size  # noqa: E402
 from engine.metrics import git_commit  # noqa: E402
@@ -44,6 +62,139 @@ def configs(budget: int) -> dict[str, EngineConfig]:
     }
 
 
+@contextlib.contextmanager
+def bench_lock(path: str):
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def source_tree(src: str | None):
+    """Run trials with one tree's engine and CLI: `python -m` puts the cwd first on sys.path,
+    so the subprocess needs both the cwd and PYTHONPATH of that tree (None: this one)."""
+    tree = str(Path(src).resolve()) if src else str(ROOT)
+    old_path, old_cwd = os.environ.get("PYTHONPATH"), os.getcwd()
+    os.environ["PYTHONPATH"] = tree
+    os.chdir(tree)
+    try:
+        yield
+    finally:
+        os.chdir(old_cwd)
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
+
+
+def request_bytes(cfg: EngineConfig, expert_bytes: int, old_tree: bool) -> int:
+    """The size of one read request the engine issues for one expert span."""
+    chunk = cfg.chunk_size
+    if old_tree:
+        return min(chunk, expert_bytes)
+    pieces = min(cfg.io_threads, -(-expert_bytes // chunk))
+    return expert_bytes if pieces <= 1 else -(-expert_bytes // pieces)
+
+
+def fio_bandwidth(fio: str, files: list[Path], request: int, cfg: EngineConfig, seconds: float) -> float:
+    """fio random-read bandwidth (bytes/s) over the model's shards at the engine's pattern."""
+    engine = "mmap" if cfg.io_mode == "mmap" else "psync"
+    request = -(-request // 4096) * 4096  # fio wants block-multiple sizes for direct
+    argv = [fio, "--name=bound", "--filename=" + ":".join(str(f) for f in files), "--readonly",
+            "--rw=randread", f"--bs={request}", f"--ioengine={engine}", f"--numjobs={cfg.io_threads}",
+            f"--direct={1 if cfg.io_mode == 'direct' else 0}", "--invalidate=1", "--group_reporting",
+            "--time_based", f"--runtime={seconds:g}", "--ramp_time=1", "--output-format=json"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120)
+    if out.returncode != 0:
+        raise SystemExit(f"fio failed: {out.stderr.strip()[-300:]}")
+    doc = json.loads(out.stdout[out.stdout.index("{"):])
+    return float(doc["jobs"][0]["read"]["bw_bytes"])
+
+
+def resident_row(model_dir, a, src) -> dict:
+    with source_tree(src), bench_lock(a.lock):
+        t = run_trial(model_dir, EngineConfig(ctx_size=512), tokens=a.tokens, repeats=a.repeats, cold=False,
+                      prompt_tokens=a.prompt_tokens, timeout=1800)
+    if not t.ok:
+        raise SystemExit(f"resident run failed ({src or 'this tree'}): {t.error}")
+    m = t.metrics
+    return dict(name="resident (no budget)", side=_side(src), tok_s=m["decode_tok_s"],
+                spread=m["summary"]["decode_tok_s"], bytes_per_token=0, bound_tok_s=m["decode_tok_s"], ratio=1.0,
+                hit=None, stall=None, recall=None, peak=m["peak_rss_bytes"], cgroup_peak=None, io="resident",
+                commit=m.get("git_commit"), output_ids=m.get("output_ids"))
+
+
+def _side(src) -> str:
+    return "before" if src else "after"
+
+
+def stream_row(name, cfg, model_dir, a, src, compute_s, bw) -> dict:
+    with source_tree(src):
+        t = run_trial(model_dir, cfg, tokens=a.tokens, repeats=a.repeats, cold=True, prompt_tokens=a.prompt_tokens,
+                      limit_bytes=parse_size(a.budget), timeout=1800)
+    if not t.ok:
+        return dict(name=name, side=_side(src), error=f"{t.status}: {t.error}")
+    m = t.metrics
+    bound_s = m["bytes_read_per_token"] / bw + compute_s
+    return dict(name=name, side=_side(src), tok_s=m["decode_tok_s"], spread=m["summary"]["decode_tok_s"],
+                bytes_per_token=m["bytes_read_per_token"], bw=bw, bound_tok_s=1 / bound_s,
+                ratio=m["decode_tok_s"] * bound_s, hit=(m.get("hit_rate") or {}).get("ram"),
+                stall=m.get("io_stall_fraction"), recall=m.get("lookahead_recall"), peak=m["peak_rss_bytes"],
+                cgroup_peak=t.cgroup_peak_bytes, io=m["io_mode_effective"], commit=m.get("git_commit"),
+                output_ids=m.get("output_ids"), cold_method=m.get("cold_method"))
+
+
+def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
+    sides = [None] + ([a.before_src] if a.before_src else [])
+    resident = {src: resident_row(model_dir, a, src) for src in sides}
+    rows = [resident[src] for src in sides]
+    expert = None
+    for name, cfg in configs(parse_size(a.budget)).items():
+        if a.only and name not in a.only:
+            continue
+        print(f"running {name} ...", file=sys.stderr)
+        if expert is None:
+            from engine.checkpoint import Checkpoint
+            from engine.layout import ExpertLayout
+            from engine.model import ModelArgs
+            ckpt = Checkpoint(model_dir)
+            expert = ExpertLayout(ckpt, ModelArgs.from_config(ckpt.config)).expert_nbytes
+        with bench_lock(a.lock):
+            for src in sides:
+                request = request_bytes(cfg, expert, old_tree=src is not None)
+                before_fio = fio_bandwidth(fio, files, request, cfg, a.fio_seconds)
+                compute_s = 1.0 / resident[src]["tok_s"]
+                row = stream_row(name, cfg, model_dir, a, src, compute_s, 1.0)  # bound fixed up below
+                after_fio = fio_bandwidth(fio, files, request, cfg, a.fio_seconds)
+                bw = (before_fio + after_fio) / 2
+                if "error" not in row:
+                    bound_s = row["bytes_per_token"] / bw + compute_s
+                    row.update(bw=bw, fio=(before_fio, after_fio), request=request, bound_tok_s=1 / bound_s,
+                               ratio=row["tok_s"] * bound_s)
+                rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    pct = (lambda v: "-" if v is None else f"{v:.0%}")
+    print("| config | side | io | decode tok/s (median, min-max) | MiB read/token | request, fio GB/s before/after "
+          "| bound tok/s | measured/bound | RAM hit | I/O stall | peak RSS | cgroup peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['name']} | {r['side']} | | {r['error']} | | | | | | | | |")
+            continue
+        s = r["spread"]
+        fio = r.get("fio")
+        fio_cell = (f"{format_size(r['request'])}: {fio[0] / 1e9:.2f} / {fio[1] / 1e9:.2f}" if fio else "-")
+        print(f"| {r['name']} | {r['side']} | {r['io']} | {r['tok_s']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | "
+              f"{r['bytes_per_token'] / 2**20:.0f} | {fio_cell} | {r['bound_tok_s']:.3f} | {r['ratio']:.2f} | "
+              f"{pct(r['hit'])} | {pct(r['stall'])} | {format_size(r['peak'])} | {format_size(r['cgroup_peak'])} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
@@ -51,64 +202,33 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=4)
-    ap.add_argument("--profile", help="saved hardware profile JSON (default: run a quick probe)")
+    ap.add_argument("--before-src", help="also run every config with this source tree (the old engine)")
+    ap.add_argument("--fio-seconds", type=float, default=6.0)
+    ap.add_argument("--runs", type=int, default=1, help="repeat the whole table (bound ratio over runs)")
+    ap.add_argument("--lock", default="/tmp/colibri-bench.lock")
     ap.add_argument("--only", nargs="*", help="config names to run")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-
-    from tuner.probe import load_profile, run_probe
+    fio = shutil.which("fio")
+    if fio is None:
+        print("streaming: error: fio not found (apt-get install fio)", file=sys.stderr)
+        return 2
     model_dir = resolve_model(a.model)
-    budget = parse_size(a.budget)
-    profile = load_profile(a.profile) if a.profile else run_probe(str(model_dir), quick=True)
-
-    print(f"# streaming benchmark {time.strftime('%Y-%m-%d')} commit {git_commit()} model {model_dir.name} "
-          f"budget {format_size(budget)} cold, {a.tokens} tokens x {a.repeats} repeats, prompt {a.prompt_tokens}",
-          file=sys.stderr)
-    resident = run_trial(model_dir, EngineConfig(ctx_size=512), tokens=a.tokens, repeats=a.repeats, cold=False,
-                         prompt_tokens=a.prompt_tokens, timeout=1800)
-    if not resident.ok:
-        print(f"resident run failed: {resident.error}", file=sys.stderr)
-        return 1
-    compute_s = 1.0 / resident.metrics["decode_tok_s"]
-    rows = [dict(name="resident (no budget)", tok_s=resident.metrics["decode_tok_s"],
-                 spread=resident.metrics["summary"]["decode_tok_s"], bytes_per_token=0, bound_tok_s=1 / compute_s,
-                 ratio=1.0, hit=None, stall=None, recall=None, peak=resident.metrics["peak_rss_bytes"],
-                 cgroup_peak=None, io="resident")]
-    for name, cfg in configs(budget).items():
-        if a.only and name not in a.only:
-            continue
-        print(f"running {name} ...", file=sys.stderr)
-        t = run_trial(model_dir, cfg, tokens=a.tokens, repeats=a.repeats, cold=True, prompt_tokens=a.prompt_tokens,
-                      limit_bytes=budget, timeout=1800)
-        if not t.ok:
-            rows.append(dict(name=name, error=f"{t.status}: {t.error}"))
-            continue
-        m = t.metrics
-        expert = m["geometry"]["expert_bytes_on_disk"]
-        request = min(cfg.chunk_size, expert)
-        bw = profile.read_bandwidth(request, cfg.io_threads, direct=cfg.io_mode == "direct")
-        bound_s = m["bytes_read_per_token"] / bw + compute_s
-        rows.append(dict(name=name, tok_s=m["decode_tok_s"], spread=m["summary"]["decode_tok_s"],
-                         bytes_per_token=m["bytes_read_per_token"], bw=bw, bound_tok_s=1 / bound_s,
-                         ratio=m["decode_tok_s"] / (1 / bound_s), hit=(m.get("hit_rate") or {}).get("ram"),
-                         stall=m.get("io_stall_fraction"), recall=m.get("lookahead_recall"),
-                         peak=m["peak_rss_bytes"], cgroup_peak=t.cgroup_peak_bytes, io=m["io_mode_effective"]))
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    all_rows = []
+    for run in range(a.runs):
+        print(f"# streaming benchmark run {run + 1}/{a.runs} {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
+              f"commit {git_commit()} model {Path(model_dir).name} budget {a.budget} cold, {a.tokens} tokens x "
+              f"{a.repeats} repeats, prompt {a.prompt_tokens}, fio {a.fio_seconds:g} s x 2 per row", file=sys.stderr)
+        rows = run_table(model_dir, a, fio, files)
+        for r in rows:
+            r["run"] = run + 1
+        all_rows += rows
+        if not a.json:
+            print(f"\nRun {run + 1}:\n")
+            print_table(rows)
     if a.json:
-        json.dump(rows, sys.stdout, indent=2, default=str)
-        return 0
-    print("| config | io | decode tok/s (median, min-max) | MiB read/token | fio GB/s at request, QD | bound tok/s "
-          "| measured/bound | RAM hit | lookahead recall | I/O stall | peak RSS | cgroup peak |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['name']} | | {r['error']} | | | | | | | | | |")
-            continue
-        s = r["spread"]
-        pct = (lambda v: "-" if v is None else f"{v:.0%}")
-        print(f"| {r['name']} | {r['io']} | {r['tok_s']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | "
-              f"{r['bytes_per_token'] / 2**20:.0f} | {r.get('bw', 0) / 1e9:.2f} | {r['bound_tok_s']:.3f} | "
-              f"{r['ratio']:.2f} | {pct(r['hit'])} | {pct(r['recall'])} | {pct(r['stall'])} | "
-              f"{format_size(r['peak'])} | {format_size(r['cgroup_peak'])} |")
+        json.dump(all_rows, sys.stdout, indent=2, default=str)
     return 0
 
 

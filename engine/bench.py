@@ -4,9 +4,10 @@ This is the trial the tuner runs in a subprocess, so its JSON is the tuner's inp
 prompt is used in every repeat, so the output tokens must match across repeats (and across
 configs): a changed token means a placement bug, and the result says so.
 
-cold: before every repeat the model's pages are dropped from the page cache
-(posix_fadvise DONTNEED) and the engine's own expert caches are emptied, so every expert
-the repeat needs comes from the disk. warm: caches persist across repeats (steady state).
+cold: before every repeat the engine's caches are emptied and its in-flight reads settled, and
+the model's pages are dropped from the page cache (posix_fadvise DONTNEED; in mmap mode after
+madvise DONTNEED unmaps them, since mapped pages stay resident), so every expert the repeat
+needs comes from the disk. The result's `cold_method` says what was done. warm: caches persist across repeats (steady state).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 
         if warmup_tokens:
             generate(engine, prompt, warmup_tokens, Sampler())
         runs = []
+        cold_how = None
         for rep in range(repeats):
             if cold:
-                _make_cold(engine)
+                cold_how = _make_cold(engine)
             _reset_stats(engine)
             # I/O counters restart after the first token, so bytes, hit rates and stalls
             # describe decode alone (prefill touches nearly every expert and would swamp them).
@@ -58,6 +60,7 @@ def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 
         result.update({
             "kind": "bench",
             "cold": cold,
+            "cold_method": cold_how,
             "tokens": tokens,
             "repeats": repeats,
             "prompt_tokens": prompt_tokens,
@@ -85,13 +88,14 @@ def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 
         engine.close()
 
 
-def _make_cold(engine: Engine) -> None:
+def _make_cold(engine: Engine) -> str:
+    """Make the next repeat read from the disk; the answer says how (it goes in the result)."""
     store = engine.store
-    if store is None:
-        return  # everything resident: there is no disk in the loop to make cold
-    store.clear_caches()
+    if store is None or not store.streams:
+        return "resident: no disk in the loop"
+    how = store.make_cold()
     gc.collect()
-    store.drop_page_cache()
+    return how
 
 
 def _reset_stats(engine: Engine) -> None:

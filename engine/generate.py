@@ -64,7 +64,7 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
     if max_new_tokens <= 0:
         return gen
     t0 = time.perf_counter()
-    logits = engine.forward(prompt_ids, 0)
+    logits = engine.forward(prompt_ids, 0, last_only=True)
     gen.prefill_seconds = time.perf_counter() - t0
     token = sampler(logits[-1])
     gen.ttft_seconds = time.perf_counter() - t0

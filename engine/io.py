@@ -1,8 +1,11 @@
 """Reading byte ranges of weight files: the read pool behind every I/O mode.
 
-One request (an expert's three adjacent matrices, say) becomes `chunk_size` pieces read in
-parallel by `io_threads` workers straight into slices of a single destination buffer, so the
-caller gets one contiguous buffer and nothing is copied after the reads.
+One request is one contiguous span of a file (an expert's three adjacent matrices, say). It
+is read with one `preadv` by one of `io_threads` workers, straight into the destination
+buffer: a slot of the expert store's arena (`into=`), or a fresh page-aligned buffer for
+callers that have none. A span larger than `chunk_size` is split into at most `io_threads`
+pieces so one big span still uses every worker; smaller spans are never split, so the
+per-request Python work is one queue hand-off and one Future per span.
 
 Modes:
   direct    O_DIRECT: the reads bypass the page cache, so a run measures the disk, not RAM.
@@ -11,11 +14,12 @@ Modes:
             O_DIRECT (EINVAL at open or at a read) the file falls back to buffered
             with one warning, and `effective_mode` says so.
   buffered  pread through the page cache.
-  mmap      the file is mapped once; a request pre-faults its pages on the workers (so the
+  mmap      the file is mapped once; a request pre-faults its pages on a worker (so the
             read overlaps compute like the other modes) and returns a zero-copy, read-only
-            view of the mapping. Mapped pages are page cache.
+            view of the mapping. Mapped pages are page cache; `into` is not used.
 
-os.preadv releases the GIL, which is what makes a thread pool a real I/O queue here.
+os.preadv releases the GIL, which is what makes a thread pool a real I/O queue here. (An
+io_uring backend was tried against this pool: docs/BENCHMARKS.md, "I/O backend".)
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import errno
 import logging
 import mmap
 import os
+import queue
 import threading
 import time
 import warnings
@@ -47,7 +52,7 @@ class IOStats:
 
     bytes_requested: bytes callers asked for.
     bytes_read: bytes the device was asked to transfer, including O_DIRECT alignment padding.
-    requests: chunk reads issued (one submit() makes ceil(window / chunk_size) of them).
+    requests: read requests issued (one per span, or per piece of a span split across workers).
     read_seconds: summed worker time spent inside reads (exceeds wall time when parallel).
     """
 
@@ -88,19 +93,24 @@ class IOStats:
             self.read_seconds = 0.0
 
 
-def _align_down(n: int) -> int:
+def align_down(n: int) -> int:
     return n - n % ALIGN
 
 
-def _align_up(n: int) -> int:
+def align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def direct_window_bytes(offset: int, length: int) -> int:
+    """Bytes an O_DIRECT read of [offset, offset+length) transfers (and its buffer must hold)."""
+    return align_up(offset + length) - align_down(offset)
 
 
 def _aligned_buffer(nbytes: int) -> mmap.mmap:
     """Anonymous mappings start on a page boundary, which is what O_DIRECT needs.
 
-    Pages are zero-filled lazily by the kernel, so allocating costs nothing until the read
-    lands. The mapping is unmapped when the last view of it is dropped.
+    Only for callers without a slot (one-off reads, tests); the expert store reads into
+    its pre-faulted arena instead, so the hot path maps nothing.
     """
     return mmap.mmap(-1, max(nbytes, 1))
 
@@ -113,7 +123,7 @@ def _truncated(path: str, offset: int, length: int, got_until: int) -> ModelForm
 
 
 class _Gather:
-    """Completes one outer Future when all of its piece Futures are done."""
+    """Completes one outer Future when all pieces of a split span are done."""
 
     def __init__(self, outer: concurrent.futures.Future, pieces: int, result):
         self._outer = outer
@@ -122,19 +132,14 @@ class _Gather:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
 
-    def piece_done(self, fut: concurrent.futures.Future) -> None:
+    def piece_done(self, error: BaseException | None) -> None:
         with self._lock:
-            if self._error is None:
-                if fut.cancelled():
-                    self._error = concurrent.futures.CancelledError()
-                elif fut.exception() is not None:
-                    self._error = fut.exception()
+            if self._error is None and error is not None:
+                self._error = error
             self._left -= 1
             if self._left:
                 return
-        if self._outer.done():  # submit() already failed it while queueing pieces
-            pass
-        elif self._error is not None:
+        if self._error is not None:
             self._outer.set_exception(self._error)
         else:
             self._outer.set_result(self._result)
@@ -160,11 +165,13 @@ class ReadPool:
         self.io_mode = io_mode
         self.io_threads = io_threads
         # Direct pieces must start on block boundaries, so a direct chunk is whole pages.
-        self.chunk_size = _align_up(chunk_size) if io_mode == "direct" else chunk_size
+        self.chunk_size = align_up(chunk_size) if io_mode == "direct" else chunk_size
         self.stats = stats if stats is not None else IOStats()
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=io_threads, thread_name_prefix=f"colibri-io-{io_mode}"
-        )
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._work, name=f"colibri-io-{io_mode}-{i}", daemon=True)
+                         for i in range(io_threads)]
+        for w in self._workers:
+            w.start()
         self._lock = threading.Lock()
         self._fds: dict[str, tuple[int, int]] = {}  # path -> (fd, open flags)
         self._retired_fds: list[int] = []  # replaced by a fallback while a worker may use them
@@ -192,11 +199,18 @@ class ReadPool:
             entry = self._fds.get(os.fspath(path))
         return None if entry is None else entry[0]
 
-    def submit(self, path: str, offset: int, length: int) -> concurrent.futures.Future:
+    def buffer_bytes(self, offset: int, length: int) -> int:
+        """How large an `into` buffer a read of this range needs in this mode."""
+        return direct_window_bytes(offset, length) if self.io_mode == "direct" else length
+
+    def submit(self, path: str, offset: int, length: int, into=None) -> concurrent.futures.Future:
         """Start reading `length` bytes of `path` at `offset`.
 
-        The Future's result is a buffer of exactly `length` bytes (a memoryview; writable
-        except in mmap mode) that owns its memory and works with torch.frombuffer.
+        The Future's result is a memoryview of exactly `length` bytes (writable except in
+        mmap mode) that works with torch.frombuffer. With `into` (a writable, page-aligned
+        buffer of at least buffer_bytes(offset, length)), the bytes land there and the view
+        is a slice of it; otherwise the pool allocates the buffer. A Future cancelled before
+        a worker picks it up is never read.
         """
         path = os.fspath(path)
         if offset < 0 or length < 0:
@@ -204,29 +218,38 @@ class ReadPool:
         if self._closed:
             raise RuntimeError("ReadPool is closed")
         outer: concurrent.futures.Future = concurrent.futures.Future()
-        outer.set_running_or_notify_cancel()
         self.stats.add(bytes_requested=length)
         try:
             if length == 0:
+                outer.set_running_or_notify_cancel()
                 outer.set_result(memoryview(bytearray()))
             elif self.io_mode == "mmap":
                 self._submit_mmap(outer, path, offset, length)
             else:
-                self._submit_pread(outer, path, offset, length)
+                self._submit_pread(outer, path, offset, length, into)
         except BaseException as exc:  # noqa: BLE001 - the caller sees it through the Future
             if not outer.done():
-                outer.set_exception(exc)
+                if outer.set_running_or_notify_cancel():
+                    outer.set_exception(exc)
         return outer
 
-    def read(self, path: str, offset: int, length: int) -> memoryview:
-        return self.submit(path, offset, length).result()
+    def read(self, path: str, offset: int, length: int, into=None) -> memoryview:
+        return self.submit(path, offset, length, into).result()
 
     def drop_page_cache(self, path: str) -> None:
-        """Ask the kernel to forget the file's cached pages, so the next read is cold.
+        """Make the next read of `path` come from the disk.
 
-        Pages of a file this pool has mapped (mmap mode) stay resident while mapped.
+        The file's pages are dropped from the page cache (posix_fadvise DONTNEED). A file this
+        pool has mapped (mmap mode) is first unmapped from this process's page tables
+        (madvise DONTNEED), since the kernel keeps mapped pages resident; views of the mapping
+        stay valid and fault back in from the disk.
         """
-        fd = os.open(os.fspath(path), os.O_RDONLY)
+        path = os.fspath(path)
+        with self._lock:
+            mapping = self._maps.get(path)
+        if mapping is not None:
+            mapping.madvise(mmap.MADV_DONTNEED)
+        fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
@@ -237,7 +260,10 @@ class ReadPool:
             if self._closed:
                 return
             self._closed = True
-        self._executor.shutdown(wait=True)
+        for _ in self._workers:
+            self._jobs.put(None)
+        for w in self._workers:
+            w.join()
         with self._lock:
             for fd, _flags in self._fds.values():
                 os.close(fd)
@@ -258,6 +284,54 @@ class ReadPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # ---- workers ----------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._run(*job)
+            # The job's buffer (an expert store slot) must not stay referenced by this idle
+            # worker's frame: the slot goes back to the arena when its last reference does.
+            del job
+
+    def _run(self, fut, gather, result, fn, args) -> None:
+        if gather is None and not fut.set_running_or_notify_cancel():
+            return  # cancelled while queued: never read
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the Future
+            if gather is None:
+                fut.set_exception(exc)
+            else:
+                gather.piece_done(exc)
+            return
+        if gather is None:
+            fut.set_result(result)
+        else:
+            gather.piece_done(None)
+
+    def _pieces(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """Split [start, stop) across workers only when it is larger than chunk_size."""
+        size = stop - start
+        n = min(self.io_threads, -(-size // self.chunk_size))
+        if n <= 1:
+            return [(start, stop)]
+        step = align_up(-(-size // n))
+        return [(p, min(p + step, stop)) for p in range(start, stop, step)]
+
+    def _enqueue(self, outer, result, pieces, fn, make_args) -> None:
+        """One job per piece; a single-piece span completes its Future straight from the worker."""
+        if len(pieces) == 1:
+            self._jobs.put((outer, None, result, fn, make_args(*pieces[0])))
+            return
+        if not outer.set_running_or_notify_cancel():
+            return
+        gather = _Gather(outer, len(pieces), result)
+        for lo, hi in pieces:
+            self._jobs.put((outer, gather, None, fn, make_args(lo, hi)))
 
     # ---- descriptors ----------------------------------------------------------------------
 
@@ -309,25 +383,23 @@ class ReadPool:
 
     # ---- pread modes ------------------------------------------------------------------------
 
-    def _submit_pread(self, outer, path: str, offset: int, length: int) -> None:
-        fd, flags = self._fd(path)
+    def _submit_pread(self, outer, path: str, offset: int, length: int, into) -> None:
+        _fd, flags = self._fd(path)
         end = offset + length
         if flags & os.O_DIRECT:
-            start, stop = _align_down(offset), _align_up(end)
+            start, stop = align_down(offset), align_up(end)
         else:
             start, stop = offset, end
-        buf = _aligned_buffer(stop - start)
-        view = memoryview(buf)
+        if into is None:
+            view = memoryview(_aligned_buffer(stop - start))
+        else:
+            view = memoryview(into).cast("B")
+            if len(view) < stop - start:
+                raise ValueError(f"read buffer of {len(view)} bytes is smaller than the {stop - start}-byte window")
         result = view[offset - start : offset - start + length]
-        pieces = [(p, min(p + self.chunk_size, stop)) for p in range(start, stop, self.chunk_size)]
-        gather = _Gather(outer, len(pieces), result)
-        for lo, hi in pieces:
-            # Bytes this piece must deliver; the direct window's tail past `end` is padding.
-            need = min(hi, end) - lo
-            fut = self._executor.submit(
-                self._read_piece, path, view[lo - start : hi - start], lo, need, offset, length
-            )
-            fut.add_done_callback(gather.piece_done)
+        # Bytes each piece must deliver; the direct window's tail past `end` is padding.
+        self._enqueue(outer, result, self._pieces(start, stop), self._read_piece,
+                      lambda lo, hi: (path, view[lo - start : hi - start], lo, min(hi, end) - lo, offset, length))
 
     def _read_piece(
         self, path: str, dest: memoryview, pos: int, need: int, req_offset: int, req_length: int
@@ -354,7 +426,7 @@ class ReadPool:
                     break  # a direct read ends short only at EOF; the next offset is unaligned
         finally:
             elapsed = time.perf_counter() - t0
-            asked = _align_up(got) if direct else got
+            asked = align_up(got) if direct else got
             self.stats.add(bytes_read=asked, requests=1, read_seconds=elapsed)
         if got < need:
             raise _truncated(path, req_offset, req_length, pos + got)
@@ -383,24 +455,19 @@ class ReadPool:
         if end > len(mapping):
             raise _truncated(path, offset, length, len(mapping))
         result = memoryview(mapping)[offset:end]
-        start, stop = _align_down(offset), min(_align_up(end), len(mapping))
-        pieces = [(p, min(p + self.chunk_size, stop)) for p in range(start, stop, self.chunk_size)]
-        gather = _Gather(outer, len(pieces), result)
-        for lo, hi in pieces:
-            fut = self._executor.submit(self._fault_in, mapping, lo, hi)
-            fut.add_done_callback(gather.piece_done)
+        start, stop = align_down(offset), min(align_up(end), len(mapping))
+        self._enqueue(outer, result, self._pieces(start, stop), self._fault_in,
+                      lambda lo, hi: (mapping, lo, hi))
 
     def _fault_in(self, mapping: mmap.mmap, lo: int, hi: int) -> None:
         # Fault the pages in on the worker so the disk read overlaps compute instead of
         # happening as page faults inside the matmul.
         t0 = time.perf_counter()
-        page_lo = lo - lo % mmap.PAGESIZE
         try:
-            mapping.madvise(_MADV_POPULATE_READ, page_lo, hi - page_lo)
+            mapping.madvise(_MADV_POPULATE_READ, lo, hi - lo)
         except OSError:
             # Kernels before 5.14: ask for read-ahead, then touch one byte per page.
-            mapping.madvise(mmap.MADV_WILLNEED, page_lo, hi - page_lo)
-            for p in range(page_lo, hi, mmap.PAGESIZE):
+            mapping.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
+            for p in range(lo, hi, mmap.PAGESIZE):
                 mapping[p]
         self.stats.add(bytes_read=hi - lo, requests=1, read_seconds=time.perf_counter() - t0)
-

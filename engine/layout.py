@@ -162,17 +162,27 @@ def piece_tensor(buffers: list, piece: Piece, dtype: torch.dtype) -> torch.Tenso
 
 
 def tensors_from_buffers(loc: ExpertLocation, buffers: list, dtype: torch.dtype):
-    """Span buffers (bytes-like, one per span) → (gate, up, down) in the compute dtype.
+    """Span buffers (bytes-like, one per span) → the expert's weights in the compute dtype:
+    (gate_up [2I,H], down [H,I]) where gate and up are adjacent in one span (both HF layouts
+    write them so: one matmul instead of two), else (gate [I,H], up [I,H], down [H,I]).
 
-    Casting (bf16 on disk, fp32 compute) copies; same dtype is a zero-copy view of the buffer,
-    so the buffer lives as long as the cached tensors do. Quantized experts come back as three
-    QuantWeights whose codes are views of the buffer too (engine/quant.py).
+    This is the one bytes → expert step: the store calls it once per read, the model's expert
+    function (model.swiglu_expert) reads what it returns, and a new container format
+    (quantized, biased) replaces the pair. Same dtype is a zero-copy view of the buffer, so the
+    buffer (the store's slot) lives as long as the tensors do; casting (bf16 on disk, fp32
+    compute) copies. Quantized experts come back as three QuantWeights (engine/quant.py) whose
+    codes are views of the buffer too.
     """
-    if loc.quant is None:
-        return tuple(piece_tensor(buffers, piece, dtype) for piece in loc.pieces)
-    q = loc.quant
-    return tuple(QuantWeight.prepare(piece_tensor(buffers, w, w.dtype), piece_tensor(buffers, s, s.dtype), q.quant,
-                                     q.group_size, dtype) for w, s in zip(loc.pieces[0::2], loc.pieces[1::2]))
+    if loc.quant is not None:
+        q = loc.quant
+        return tuple(QuantWeight.prepare(piece_tensor(buffers, w, w.dtype), piece_tensor(buffers, s, s.dtype),
+                                         q.quant, q.group_size, dtype) for w, s in zip(loc.pieces[0::2], loc.pieces[1::2]))
+    gate, up, down = loc.pieces
+    if (gate.span == up.span and up.start == gate.start + gate.nbytes and gate.dtype == up.dtype
+            and gate.shape == up.shape):
+        fused = Piece(gate.span, gate.start, gate.dtype, (2 * gate.shape[0], *gate.shape[1:]))
+        return piece_tensor(buffers, fused, dtype), piece_tensor(buffers, down, dtype)
+    return tuple(piece_tensor(buffers, piece, dtype) for piece in loc.pieces)
 
 
 def expert_memory_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
@@ -188,3 +198,34 @@ def expert_memory_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
         return 3 * a.hidden_size * a.moe_intermediate_size * (torch.finfo(dtype).bits // 8)
     elem = torch.finfo(dtype).bits // 8
     return sum(w.nbytes + s.nbytes // s.dtype.itemsize * elem for w, s in zip(loc.pieces[0::2], loc.pieces[1::2]))
+
+
+def cast_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
+    """Bytes of a zero-copy expert that are copies all the same: a quantized expert's scales
+    cast to a compute dtype other than the stored bf16 (its codes stay views of the slot)."""
+    if not layout.num_routed:
+        return 0
+    loc = next(iter(layout._locations.values()))
+    if loc.quant is None:
+        return 0
+    scales = [s for s in loc.pieces[1::2] if s.dtype != dtype]
+    return sum(s.nbytes // s.dtype.itemsize * (torch.finfo(dtype).bits // 8) for s in scales)
+
+
+def zero_copy(layout: ExpertLayout, dtype: torch.dtype) -> bool:
+    """Whether the compute tensors are views of the read bytes, so a cached expert holds its slot.
+    Always so for quantized experts (their codes are never copied)."""
+    if not layout.num_routed:
+        return False
+    loc = next(iter(layout._locations.values()))
+    return loc.quant is not None or all(p.dtype == dtype for p in loc.pieces)
+
+
+def slot_bytes(layout: ExpertLayout, direct: bool) -> int:
+    """Bytes one expert's read needs: each span page-aligned in the slot, widened for O_DIRECT."""
+    from .io import align_up, direct_window_bytes
+    worst = 0
+    for loc in layout._locations.values():
+        need = sum(align_up(direct_window_bytes(s.offset, s.length) if direct else s.length) for s in loc.spans)
+        worst = max(worst, need)
+    return worst

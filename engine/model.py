@@ -13,14 +13,15 @@ Shape legend used in comments:
 
 Weights are plain tensors in dicts, not nn.Modules: the runtime decides where each one lives
 (resident, streamed from disk, cached), and the math here only asks for them. Routed experts
-come from an `ExpertSource`, which is the seam between this file and the streaming runtime.
+come from an ExpertStore (engine/store.py), the seam between this file and the streaming runtime;
+the MoE layer hands each expert's weights to one function, `Transformer.expert_fn`, which a new
+weight format replaces together with the layout's bytes → weights step.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -289,10 +290,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 whatever the compute dtype, as the reference implementations do.
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    # F.rms_norm is one fused op where the written-out form was five (x * rsqrt(mean(x^2) + eps)),
+    # with the same result bit for bit.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -301,16 +301,20 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
-class ExpertSource(Protocol):
-    """Where routed expert weights come from: resident tensors, or the streaming store.
+def swiglu_expert(x: torch.Tensor, weights: tuple) -> torch.Tensor:
+    """One routed expert: x [T, H] → [T, H], from what layout.tensors_from_buffers made of its
+    bytes: (gate_up [2I, H], down [H, I]), or (gate, up, down) where the file keeps them apart.
 
-    `get` returns {expert: (gate [I,H], up [I,H], down [H,I])} for the requested experts of one
-    layer; `hint` says which experts a later layer will probably need so reads can start early.
+    The one place the MoE layer reads an expert's weights; a new format replaces both.
     """
-
-    def get(self, layer: int, experts: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]: ...
-
-    def hint(self, layer: int, experts: list[int]) -> None: ...
+    down = weights[-1]
+    if down.device != x.device:  # the expert sits in the VRAM tier
+        return swiglu_expert(x.to(down.device), weights).to(x.device)
+    if len(weights) == 3:
+        return swiglu(x, *weights)
+    gu = F.linear(x, weights[0])  # [T, 2I]
+    inter = down.shape[1]
+    return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
 
 
 def route(args: ModelArgs, router_weight: torch.Tensor, x: torch.Tensor):
@@ -349,10 +353,9 @@ class KVCache:
 # --- the transformer --------------------------------------------------------------------------
 
 class Transformer:
-    """Forward pass over resident dense weights and an ExpertSource for routed experts."""
+    """Forward pass over resident dense weights and an ExpertStore for routed experts."""
 
-    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], experts: ExpertSource | None,
-                 dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], experts, dtype: torch.dtype):
         self.args = args
         self.w = weights
         self.experts = experts
@@ -367,7 +370,7 @@ class Transformer:
         self.layer_source = None
         self.streamed_layers: list[int] = []
         self._streamed: frozenset[int] = frozenset()  # membership test on the per-layer path
-        self.expert_batch = 1 << 30  # experts fetched per get() call; the runtime lowers it when streaming
+        self.expert_fn = swiglu_expert  # what computes one routed expert from its weights
         self.routing_log: list[list[torch.Tensor]] | None = None  # per layer, ids [T, K] per call
         self.lookahead_log: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
@@ -380,8 +383,12 @@ class Transformer:
         return rope_cos_sin(self._inv_freq, self._rope_scale, positions, self.dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int, kv: KVCache) -> torch.Tensor:
-        """tokens: [T] int64 → logits [T, V] (fp32), writing K/V at positions start_pos..start_pos+T."""
+    def forward(self, tokens: torch.Tensor, start_pos: int, kv: KVCache, last_only: bool = False) -> torch.Tensor:
+        """tokens: [T] int64 → logits [T, V] (fp32), writing K/V at positions start_pos..start_pos+T.
+
+        last_only: logits of the last position only ([1, V]); generation needs no more, and the
+        lm_head is the largest matmul of a prefill.
+        """
         T = tokens.shape[0]
         if start_pos + T > kv.ctx_size:
             raise ValueError(f"{start_pos + T} positions exceed ctx_size {kv.ctx_size}")
@@ -391,6 +398,8 @@ class Transformer:
         x = F.embedding(tokens, self.w["model.embed_tokens.weight"])  # [T, H]
         for layer in range(self.args.num_layers):
             x = self._layer(layer, x, start_pos, kv, cos, sin, mask)
+        if last_only:
+            x = x[-1:]
         x = rms_norm(x, self.w["model.norm.weight"], self.args.rms_norm_eps)
         return linear(x, self.lm_head).float()
 
@@ -415,8 +424,8 @@ class Transformer:
         for step in range(1, self.lookahead_depth + 1):
             ahead = (layer + step) % self.args.num_layers
             if ahead in self._streamed:
-                self.layer_source.hint(ahead)
-        return self.layer_source.get(layer)
+                self.layer_source.hint_layer(ahead)
+        return self.layer_source.layer_weights(layer)
 
     def stream_layers(self, source, layers: list[int]) -> None:
         """Read `layers` from `source` per forward pass instead of keeping them resident."""
@@ -477,8 +486,8 @@ class Transformer:
             # slowly from layer to layer.
             guess_in = rms_norm(residual, self.w[f"{tp}.post_attention_layernorm.weight"], a.rms_norm_eps)
             ids, _ = route(a, self.w[f"{tp}.{a.moe_prefix}.gate.weight"], guess_in)
-            predicted = torch.unique(ids).tolist()
-            self.experts.hint(target, predicted)
+            predicted = ids[0].tolist() if ids.shape[0] == 1 else torch.unique(ids).tolist()
+            self.experts.hint_experts(target, predicted)
             if self.lookahead_log is not None and ahead == 1:
                 self.lookahead_log.setdefault(target, []).append(ids)
 
@@ -488,24 +497,51 @@ class Transformer:
         ids, weights = route(a, w[f"{p}.{a.moe_prefix}.gate.weight"], x)  # [T, K] each
         if self.routing_log is not None:
             self.routing_log[layer].append(ids)
-        needed = sorted(torch.unique(ids).tolist())
-        out = torch.zeros_like(x)
-        # Fixed expert order, whatever order the reads finished in: the sum is then the same
-        # bit for bit in every placement, which the placement-invariance tests rely on.
-        # Batches bound how many experts' weights are held at once (prefill may touch all E).
-        for b in range(0, len(needed), self.expert_batch):
-            batch = needed[b:b + self.expert_batch]
-            experts = self.experts.get(layer, batch)
-            for e in batch:
-                token_idx, slot = torch.where(ids == e)
-                gate, up, down = experts[e]
-                xs = x[token_idx].to(gate.device)  # a no-op unless the expert sits in VRAM
-                y = (swiglu(xs, gate, up, down) * weights[token_idx, slot, None].to(gate.device)).to(x.device)
-                out.index_add_(0, token_idx, y.to(out.dtype))
-            del experts
+        out = self._routed_decode(layer, x, ids, weights) if x.shape[0] == 1 else self._routed(layer, x, ids, weights)
         if a.shared_expert_intermediate_size:
             shared = swiglu(x, w[f"{p}.mlp.shared_expert.gate_proj.weight"],
                             w[f"{p}.mlp.shared_expert.up_proj.weight"],
                             w[f"{p}.mlp.shared_expert.down_proj.weight"])
             out = out + torch.sigmoid(F.linear(x, w[f"{p}.mlp.shared_expert_gate.weight"])) * shared
         return out
+
+    # Both paths compute experts in whatever order the store delivers them (hits first, misses
+    # as they land) but sum them in ascending expert order: the sum is then the same bit for bit
+    # in every placement, which the placement-invariance tests rely on.
+
+    def _routed_decode(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One token (T == 1): K experts on the same row, summed by one [1,K] x [K,H] product."""
+        sorted_ids, order = torch.sort(ids[0])
+        needed = sorted_ids.tolist()
+        position = {e: j for j, e in enumerate(needed)}
+        ys: list = [None] * len(needed)
+        expert_fn = self.expert_fn
+
+        def run(e, expert_weights):
+            ys[position[e]] = expert_fn(x, expert_weights)
+
+        self.experts.for_each_expert(layer, needed, run)
+        return torch.mm(weights[0, order][None], torch.cat(ys))  # [1, H]
+
+    def _routed(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Several tokens: each expert gets the rows routed to it (one sort groups them)."""
+        K = ids.shape[1]
+        sorted_ids, order = torch.sort(ids.flatten(), stable=True)  # [T*K], grouped by expert
+        experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        needed, counts = experts.tolist(), counts.tolist()
+        starts = [0] * len(counts)
+        for j in range(1, len(counts)):
+            starts[j] = starts[j - 1] + counts[j - 1]
+        position = {e: j for j, e in enumerate(needed)}
+        token_of = order // K  # the row of x each routed slot belongs to
+        slot_weight = weights.flatten()[order, None]
+        ys: list = [None] * len(needed)
+        expert_fn = self.expert_fn
+
+        def run(e, expert_weights):
+            j = position[e]
+            rows = slice(starts[j], starts[j] + counts[j])
+            ys[j] = expert_fn(x[token_of[rows]], expert_weights) * slot_weight[rows]
+
+        self.experts.for_each_expert(layer, needed, run)
+        return torch.zeros_like(x).index_add_(0, token_of, torch.cat(ys))

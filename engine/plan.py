@@ -18,9 +18,9 @@ import torch
 from .checkpoint import Checkpoint
 from .config import EngineConfig, format_size
 from .errors import BudgetError
-from .model import KVCache, ModelArgs, dense_tensor_names
 from .container import dense_nbytes, dense_quantized
-from .layout import expert_memory_bytes
+from .layout import cast_bytes, expert_memory_bytes, slot_bytes, zero_copy
+from .model import KVCache, ModelArgs, dense_tensor_names
 
 ACTIVATION_MARGIN = 64 << 20  # hidden states, logits, attention scores of a decode step
 ALIGN_SLACK = 2 * 4096  # an O_DIRECT window can start up to 4 KiB early and end 4 KiB late
@@ -48,6 +48,13 @@ class MemoryPlan:
     # read per token, `prefetch_depth` layers ahead.
     resident_layers: int = 0
     layer_bytes: int = 0
+    # Expert streaming: every read lands in a slot of `slot_bytes`; the arena has `arena_slots`
+    # (the reads in flight, plus one per cache entry when the cache holds the slots themselves,
+    # i.e. when compute tensors are zero-copy views of the read bytes). A cache entry is
+    # charged `cache_entry_bytes`: a slot, or a converted expert.
+    slot_bytes: int = 0
+    arena_slots: int = 0
+    cache_entry_bytes: int = 0
 
     @property
     def all_expert_bytes(self) -> int:
@@ -55,14 +62,15 @@ class MemoryPlan:
 
     @property
     def cache_slots(self) -> int:
-        return self.cache_bytes // self.expert_bytes if self.expert_bytes else 0
+        entry = self.cache_entry_bytes or self.expert_bytes
+        return self.cache_bytes // entry if entry else 0
 
     @property
     def projected_hit_rate(self) -> float:
         """Share of expert bytes the caches can hold: the hit rate of uniform routing."""
         if not self.routed_experts:
             return 1.0
-        held = (self.cache_bytes + self.gpu_cache_bytes) // max(self.expert_bytes, 1)
+        held = self.cache_slots + self.gpu_cache_bytes // max(self.expert_bytes, 1)
         return min(1.0, held / self.routed_experts)
 
     def to_dict(self) -> dict:
@@ -88,10 +96,18 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     expert = expert_memory_bytes(layout, dtype) if routed else 0
     if overhead_bytes is None:
         overhead_bytes = psutil.Process().memory_info().rss + ACTIVATION_MARGIN
-    # Reads in flight: the current layer's misses plus `prefetch_depth` layers of lookahead.
+    # Reads in flight, demand and lookahead together: the current layer's misses plus
+    # `prefetch_depth` layers of lookahead. The store never holds more.
     inflight = args.top_k * (1 + config.prefetch_depth) if routed else 0
-    # A converted expert (bf16 on disk, fp32 compute) briefly exists twice.
-    buffers = inflight * (disk_expert + ALIGN_SLACK + (expert if expert != disk_expert else 0))
+    mapped = config.io_mode == "mmap"
+    views = layout is not None and routed and zero_copy(layout, dtype)
+    slot = 0 if mapped or not routed else slot_bytes(layout, direct=config.io_mode == "direct")
+    # mmap reads are page-cache pages (the expert's disk bytes); others land in a slot. A cast
+    # expert (bf16 on disk, fp32 compute) also exists converted while its read is held.
+    # A quantized expert's codes are views of its slot; scales cast to the compute dtype are not.
+    cast = cast_bytes(layout, dtype) if views else 0
+    buffers = inflight * ((disk_expert if mapped else slot) + (cast if views else expert))
+    entry = slot + cast if views and not mapped else expert
     budget = config.ram_budget
 
     if budget > 0 and routed == 0:
@@ -105,14 +121,15 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
             f"memory budget {format_size(budget)} is too small: dense weights {format_size(dense)} + KV cache "
             f"at ctx_size {config.ctx_size} {format_size(kv)} + read buffers {format_size(buffers)} + runtime "
             f"{format_size(overhead_bytes)} = {format_size(fixed)} before any expert cache")
-    cache = int((budget - fixed) * config.cpu_cache_ratio)
-    cache = min(cache, routed * expert)
+    # Whole entries only, so the cache's byte capacity is exactly its slots.
+    cache = min(int((budget - fixed) * config.cpu_cache_ratio) // entry, routed) * entry
     gpu_cache = 0
     if config.gpu_cache_ratio > 0 and torch.cuda.is_available():
         free, _total = torch.cuda.mem_get_info()
         gpu_cache = min(int(free * config.gpu_cache_ratio), routed * expert)
+    arena = 0 if mapped else inflight + (cache // entry if views else 0)
     return MemoryPlan(budget, True, dense, kv, buffers, overhead_bytes, cache, gpu_cache, expert, disk_expert,
-                      routed, inflight)
+                      routed, inflight, slot_bytes=slot, arena_slots=arena, cache_entry_bytes=entry)
 
 
 def _layer_names(args: ModelArgs, layer: int) -> list[str]:

@@ -16,9 +16,10 @@ import torch
 from .checkpoint import Checkpoint
 from .container import container_spec, dense_quantized, load_dense
 from .config import EngineConfig
-from .layout import ExpertLayout, tensors_from_buffers
+from .layout import ExpertLayout
 from .model import KVCache, ModelArgs, Transformer, dense_tensor_names
 from .plan import MemoryPlan, make_plan
+from .store import ExpertStore, ResidentExperts
 
 DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,26 +35,6 @@ def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
         return by_config
     floats = [i.torch_dtype for i in ckpt.tensors.values() if i.torch_dtype.is_floating_point]
     return floats[0] if floats else torch.float32
-
-
-class ResidentExperts:
-    """Every routed expert loaded once into RAM: the reference placement."""
-
-    def __init__(self, layout: ExpertLayout, dtype: torch.dtype):
-        self._experts = {}
-        for key in layout.keys():
-            loc = layout.location(*key)
-            buffers = [_read_span(s) for s in loc.spans]
-            self._experts[key] = tensors_from_buffers(loc, buffers, dtype)
-
-    def get(self, layer, experts):
-        return {e: self._experts[(layer, e)] for e in experts}
-
-    def hint(self, layer, experts):
-        pass
-
-    def close(self):
-        pass
 
 
 def _touch_compute_kernels(dtype: torch.dtype, threads: int) -> None:
@@ -81,15 +62,6 @@ def _layer_of(name: str) -> int | None:
     return int(parts[2]) if len(parts) > 3 and parts[1] == "layers" else None
 
 
-def _read_span(span) -> bytearray:
-    from .errors import ModelFormatError
-    buf = bytearray(span.length)
-    with open(span.path, "rb", buffering=0) as f:
-        if os.preadv(f.fileno(), [buf], span.offset) != span.length:
-            raise ModelFormatError(f"{span.path}: truncated (expert bytes at {span.offset} missing)")
-    return buf
-
-
 class Engine:
     """One loaded model, ready to prefill and decode."""
 
@@ -110,6 +82,7 @@ class Engine:
         self.layout = ExpertLayout(self.checkpoint, self.args) if self.args.is_moe else None
 
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them
+        self.kernel_name = self.kernel  # tries (and so pages in) a quantized container's packed kernel too
         self.plan: MemoryPlan = make_plan(self.checkpoint, self.args, self.layout, self.config, self.dtype,
                                           self.kv_dtype)
         t0 = time.perf_counter()
@@ -133,9 +106,6 @@ class Engine:
         self.model.lookahead_depth = self.config.prefetch_depth if self.plan.streaming else 0
         if self.layers is not None:
             self.model.stream_layers(self.layers, streamed)
-        if self.plan.streaming:
-            # Bounded transient memory in prefill: at most this many experts' weights at once.
-            self.model.expert_batch = max(1, self.plan.max_inflight_experts)
         self.kv = KVCache.allocate(self.args, self.config.ctx_size, self.kv_dtype)
 
     def _streamed_layers(self) -> list[int]:
@@ -144,11 +114,10 @@ class Engine:
         return list(range(self.plan.resident_layers, self.args.num_layers))
 
     @property
-    def store(self):
-        """Whatever streams from disk in this run: the expert store, the layer streamer, or None."""
-        if self.experts is not None and not isinstance(self.experts, ResidentExperts):
-            return self.experts
-        return self.layers
+    def store(self) -> ExpertStore | None:
+        """The store behind the weights the model does not hold: experts or layers (None for a
+        dense model held whole). `store.streams` says whether a disk is in the loop."""
+        return self.experts if self.experts is not None else self.layers
 
     @property
     def kernel(self) -> str:
@@ -167,9 +136,10 @@ class Engine:
             return torch.float32 if d == torch.float16 else d  # fp16 matmuls are slow on CPU
         return DTYPE_NAMES[self.config.dtype]
 
-    def forward(self, tokens: list[int] | torch.Tensor, start_pos: int) -> torch.Tensor:
+    def forward(self, tokens: list[int] | torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
+        """Logits [T, V] for every position, or [1, V] for the last one (what generation needs)."""
         t = torch.as_tensor(tokens, dtype=torch.long)
-        return self.model.forward(t, start_pos, self.kv)
+        return self.model.forward(t, start_pos, self.kv, last_only=last_only)
 
     def record_routing(self) -> None:
         """Start logging every routing decision (for --record-routing / cache_policy=pinned)."""
@@ -187,13 +157,12 @@ class Engine:
         routing_histogram_save(hist, path)
 
     def io_stats(self) -> dict:
-        return self.store.stats() if self.store is not None else {}
+        store = self.store
+        return store.stats() if store is not None and store.streams else {}
 
     def close(self) -> None:
-        if self.experts is not None:
-            self.experts.close()
-        if self.layers is not None:
-            self.layers.close()
+        if self.store is not None:
+            self.store.close()
 
     def __enter__(self):
         return self

@@ -74,14 +74,49 @@ def test_reads_return_exact_file_bytes(data_file, io_mode, chunk_size, io_thread
 
 
 @pytest.mark.parametrize("io_mode", IO_MODES)
-def test_request_is_split_into_chunks(data_file, io_mode):
+def test_span_is_one_request_unless_larger_than_chunk_size(data_file, io_mode):
     path, data = data_file
     stats = IOStats()
-    with ReadPool(io_mode, io_threads=4, chunk_size=64 << 10, stats=stats) as pool:
+    with ReadPool(io_mode, io_threads=4, chunk_size=1 << 20, stats=stats) as pool:
         buf = pool.read(path, 0, 1 << 20)  # aligned window, so the piece count is exact
+        assert bytes(buf) == data[: 1 << 20] and stats.requests == 1
+        # Larger than chunk_size: split, but across the workers, never into more pieces.
+        buf = pool.read(path, 0, 3 << 20)
+        assert bytes(buf) == data[: 3 << 20] and stats.requests == 1 + 3
+    stats.reset()
+    with ReadPool(io_mode, io_threads=4, chunk_size=64 << 10, stats=stats) as pool:
+        buf = pool.read(path, 0, 1 << 20)
     assert bytes(buf) == data[: 1 << 20]
-    assert stats.requests == 16
+    assert stats.requests == 4  # 16 chunks' worth, but io_threads pieces
     assert stats.bytes_read == 1 << 20
+
+
+@pytest.mark.parametrize("io_mode", ("direct", "buffered"))
+def test_reads_land_in_the_given_buffer(data_file, io_mode):
+    path, data = data_file
+    slot = mmap.mmap(-1, 3 * ALIGN)
+    with ReadPool(io_mode, io_threads=2) as pool:
+        assert pool.buffer_bytes(100, 5000) == (2 * ALIGN if io_mode == "direct" else 5000)
+        view = pool.read(path, 100, 5000, into=slot)
+        assert bytes(view) == data[100:5100]
+        # The view is a slice of the slot, not a copy: the slot holds the bytes too.
+        start = 100 if io_mode == "direct" else 0
+        assert slot[start:start + 5000] == data[100:5100]
+        with pytest.raises(ValueError, match="smaller"):
+            pool.read(path, 0, 4 * ALIGN, into=slot)
+
+
+def test_cancelled_before_pickup_is_never_read(data_file):
+    path, _ = data_file
+    stats = IOStats()
+    gate = __import__("threading").Event()
+    with ReadPool("buffered", io_threads=1, stats=stats) as pool:
+        pool._jobs.put((concurrent.futures.Future(), None, None, gate.wait, ()))  # occupy the worker
+        fut = pool.submit(path, 0, 4096)
+        assert fut.cancel()
+        gate.set()
+        assert pool.read(path, 0, 10) == open(path, "rb").read(10)
+    assert stats.requests == 1  # only the second read reached the disk
 
 
 def test_direct_rounds_chunk_size_to_pages():
