@@ -369,7 +369,6 @@ class Transformer:
         self._streamed: frozenset[int] = frozenset()  # membership test on the per-layer path
         self.expert_batch = 1 << 30  # experts fetched per get() call; the runtime lowers it when streaming
         self.routing_log: list[list[torch.Tensor]] | None = None  # per layer, ids [T, K] per call
-        self.lookahead_log: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     def _rope(self, positions: torch.Tensor):
         if self.args.rope.get("rope_type") == "dynamic":
@@ -479,8 +478,6 @@ class Transformer:
             ids, _ = route(a, self.w[f"{tp}.{a.moe_prefix}.gate.weight"], guess_in)
             predicted = torch.unique(ids).tolist()
             self.experts.hint(target, predicted)
-            if self.lookahead_log is not None and ahead == 1:
-                self.lookahead_log.setdefault(target, []).append(ids)
 
     def _moe(self, layer: int, w: dict, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]

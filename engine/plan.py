@@ -50,10 +50,6 @@ class MemoryPlan:
     layer_bytes: int = 0
 
     @property
-    def all_expert_bytes(self) -> int:
-        return self.expert_bytes * self.routed_experts
-
-    @property
     def cache_slots(self) -> int:
         return self.cache_bytes // self.expert_bytes if self.expert_bytes else 0
 
