@@ -66,8 +66,8 @@ def tuned(model_dir, profile_path, tmp_path_factory):
 
 def test_end_to_end_outputs(tuned, model_dir):
     out, result = tuned.out_dir, tuned.result
-    for name in ("recommended.toml", "result.json", "trials.csv", "study.db", "report.md", "profile.json",
-                 "calibration.json", "routing.json"):
+    for name in ("recommended.toml", "result.json", "trials.csv", "study.db", "report.md", "report.html",
+                 "profile.json", "calibration.json", "routing.json"):
         assert (out / name).is_file(), name
     assert result["schema"] == "colibri.tune/1"
     assert json.loads((out / "result.json").read_text())["recommended"] == result["recommended"]

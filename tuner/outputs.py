@@ -163,7 +163,8 @@ def versions() -> Versions:
 
 
 def write_outputs(run, result: dict) -> dict:
-    """trials.csv, recommended.toml, result.json, report.md + plots, profile.json; {name: path}."""
+    """trials.csv, recommended.toml, result.json, report.md + plots, report.html, profile.json
+    ({name: path})."""
     out = run.out
     files = {"trials.csv": write_trials_csv(run.study.get_trials(deepcopy=False), out / "trials.csv")}
     rec = result.get("recommended")
@@ -174,6 +175,8 @@ def write_outputs(run, result: dict) -> dict:
     try:
         from tuner.report import write_report
         files.update(write_report(run.study, result, out))
+        from tuner.report_html import write_html_report
+        files["report.html"] = write_html_report(out, study=run.study)
     except Exception as exc:  # the numbers are saved; a plotting problem must not lose them
         run.log(f"report: could not be written ({type(exc).__name__}: {exc})")
     if rec:

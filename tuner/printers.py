@@ -153,7 +153,7 @@ def tune_text(r: dict, files: dict) -> str:
         f"trials: {r['study']['trials']} ({r['study']['feasible']} feasible) | {r['budget']} budget | "
         f"{'cold' if r['conditions']['cold'] else 'warm'} | {r['conditions']['wall_seconds']:.0f} s",
     ]
-    for name in ("recommended.toml", "result.json", "trials.csv", "report.md"):
+    for name in ("recommended.toml", "result.json", "trials.csv", "report.md", "report.html"):
         if name in files:
             lines.append(f"  {name}: {files[name]}")
     lines.append(f"  study: {r['study']['storage']} (optuna-dashboard can open it)")
