@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.config import EngineConfig, format_size, parse_size  # noqa: E402
 from engine.metrics import git_commit  # noqa: E402
-from engine.models import resolve_model  # noqa: E402
+from engine.resolve import resolve_model  # noqa: E402
 from engine.runtime import physical_cores  # noqa: E402
 from tuner.trial import run_trial  # noqa: E402
 

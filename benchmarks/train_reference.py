@@ -205,7 +205,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         if step % 25 == 0 or step == a.steps:
             el = time.perf_counter() - t_train
-            log(f"step {step}/{a.steps}  loss {loss.item():.3f}  aux {float(aux):.3f}  {el:.0f} s wall, "
+            log(f"step {step}/{a.steps}  loss {loss.item():.3f}  aux {float(aux.detach()):.3f}  {el:.0f} s wall, "
                 f"{time.process_time() - cpu_train:.0f} s CPU  ({step * a.batch * a.seq / el:.0f} tok/s)")
     train_s, train_cpu = time.perf_counter() - t_train, time.process_time() - cpu_train
     held_ppl = perplexity(model, held_ids, 256, a.eval_tokens)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 import optuna  # noqa: E402
 
 from engine.config import EngineConfig, atomic_write_text, format_size, parse_size  # noqa: E402
-from engine.models import resolve_model  # noqa: E402
+from engine.resolve import resolve_model  # noqa: E402
 from tuner.trial import run_trial  # noqa: E402
 
 MiB = 1 << 20

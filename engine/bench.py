@@ -17,11 +17,8 @@ import time
 
 from .config import EngineConfig
 from .generate import Sampler, generate, random_prompt_ids
-from .metrics import envelope, peak_rss_bytes, rss_file_bytes, run_metrics, spread
+from .metrics import SUMMARY_KEYS, envelope, peak_rss_bytes, rss_file_bytes, run_metrics, spread
 from .runtime import Engine
-
-SUMMARY_KEYS = ("decode_tok_s", "ttft_s", "prefill_tok_s", "token_latency_p50_ms", "token_latency_p99_ms",
-                "read_gbps", "io_stall_fraction", "lookahead_recall")
 
 
 def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 3, cold: bool = True,

@@ -20,21 +20,11 @@ from pathlib import Path
 
 import torch
 
+from .dtypes import safetensors_dtypes
 from .errors import ModelFormatError
 
 # safetensors dtype tag → (torch dtype, bytes per element)
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 8),
-    "F32": (torch.float32, 4),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2),
-    "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1),
-    "BOOL": (torch.bool, 1),
-}
+DTYPES: dict[str, tuple[torch.dtype, int]] = safetensors_dtypes()
 
 # A real header is a few MB at most (DeepSeek-V3 shards: < 1 MB). Refusing absurd lengths up
 # front stops a hostile file from making us allocate gigabytes for "JSON".

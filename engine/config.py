@@ -11,7 +11,7 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -20,11 +20,14 @@ else:  # pragma: no cover
     import tomli as tomllib
 import tomli_w
 
+from .dtypes import SHORT_NAMES
 from .errors import ConfigError
 
+# The one home of the engine's enums: every module, flag and search space imports them from here.
 IO_MODES = ("direct", "buffered", "mmap")
 CACHE_POLICIES = ("lru", "lfu", "pinned")
-KV_DTYPES = ("auto", "fp32", "bf16", "fp16")
+KV_DTYPES = ("auto", *SHORT_NAMES)
+COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # fp16 is computed in fp32 on CPU (slow fp16 matmuls)
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -44,6 +47,7 @@ def parse_size(value) -> int:
 
 
 def format_size(n: int | float | None) -> str:
+    """A readable approximate size: 1.5 GiB, 300.0 MiB, 512 B; '-' when unknown."""
     if n is None:
         return "-"
     n = float(n)
@@ -52,6 +56,19 @@ def format_size(n: int | float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def size_label(n: int, smallest: str = "B") -> str:
+    """A compact exact label, the inverse of parse_size: 1048576 → '1MiB', 1536 → '1536B'.
+
+    Below `smallest` ("KiB", "MiB") nothing is spelt out: the value is rounded down to it.
+    """
+    units = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+    floor = dict(units)[smallest]
+    for unit, size in units:
+        if size >= floor and n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n // floor}{smallest}"
 
 
 @dataclass
@@ -98,7 +115,7 @@ class EngineConfig:
         need(self.cache_policy in CACHE_POLICIES,
              f"cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {self.cache_policy!r}")
         need(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        need(self.dtype in ("auto", "bf16", "fp32"), f"dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+        need(self.dtype in COMPUTE_DTYPES, f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
         need(isinstance(self.routing_histogram, str), "routing_histogram must be a path string")
         return self
 

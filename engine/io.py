@@ -35,9 +35,9 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+from engine.config import IO_MODES
 from engine.errors import ConfigError, ModelFormatError
 
-IO_MODES = ("direct", "buffered", "mmap")
 ALIGN = 4096
 
 # Linux >= 5.14 can fault a whole range in with one call; the mmap module does not name it yet.

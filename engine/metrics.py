@@ -1,7 +1,8 @@
-"""The one result schema every run and bench produces (JSON), and the helpers that fill it.
+"""The result every run and bench produces (JSON, schema id "colibri.metrics/1"), and the
+helpers that fill it.
 
-Printers (human summary here; CSV, markdown and plots in the tuner) all read this dict, so a
-figure means the same thing wherever it is shown. Schema id: "colibri.metrics/1".
+The tuner reads it into its typed schema (tuner/result.py: RunFigures) and prints it through
+tuner/printers.py, so a figure means the same thing wherever it is shown.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import __version__
-from .config import format_size
 
 SCHEMA = "colibri.metrics/1"
+# The headline figures of a run, each a top-level key of the result; a bench also gives each one's
+# spread over its repeats under "summary" (and the median at top level).
+SUMMARY_KEYS = ("decode_tok_s", "ttft_s", "prefill_tok_s", "token_latency_p50_ms", "token_latency_p99_ms",
+                "read_gbps", "io_stall_fraction", "lookahead_recall")
 
 
 def peak_rss_bytes() -> int:
@@ -126,23 +130,3 @@ def spread(values: list[float]) -> dict:
         return {"median": None, "min": None, "max": None, "stdev": None, "n": 0}
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
             "stdev": statistics.stdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
-
-
-def human_summary(m: dict) -> str:
-    def f(v, fmt="{:.2f}"):
-        return "-" if v is None else fmt.format(v)
-
-    lines = [
-        f"TTFT {f(m.get('ttft_s'), '{:.3f}')} s | prefill {f(m.get('prefill_tok_s'))} tok/s | "
-        f"decode {f(m.get('decode_tok_s'))} tok/s (p50 {f(m.get('token_latency_p50_ms'), '{:.1f}')} ms, "
-        f"p99 {f(m.get('token_latency_p99_ms'), '{:.1f}')} ms) | peak RSS {format_size(m.get('peak_rss_bytes'))}"
-        + (f" ({format_size(m['rss_file_bytes'])} of it file-backed)" if m.get("rss_file_bytes") else ""),
-    ]
-    if m.get("bytes_read") is not None:
-        hit = m.get("hit_rate", {}) or {}
-        hits = ", ".join(f"{k} {v:.1%}" for k, v in hit.items() if v is not None)
-        lines.append(
-            f"read {format_size(m.get('bytes_read'))} at {f(m.get('read_gbps'))} GB/s | hit rate {hits or '-'} | "
-            f"lookahead recall {f(m.get('lookahead_recall'), '{:.1%}')} | I/O stall "
-            f"{f(m.get('io_stall_fraction'), '{:.1%}')}")
-    return "\n".join(lines)

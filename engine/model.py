@@ -372,7 +372,6 @@ class Transformer:
         self._streamed: frozenset[int] = frozenset()  # membership test on the per-layer path
         self.expert_fn = swiglu_expert  # what computes one routed expert from its weights
         self.routing_log: list[list[torch.Tensor]] | None = None  # per layer, ids [T, K] per call
-        self.lookahead_log: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     def _rope(self, positions: torch.Tensor):
         if self.args.rope.get("rope_type") == "dynamic":
@@ -488,8 +487,6 @@ class Transformer:
             ids, _ = route(a, self.w[f"{tp}.{a.moe_prefix}.gate.weight"], guess_in)
             predicted = ids[0].tolist() if ids.shape[0] == 1 else torch.unique(ids).tolist()
             self.experts.hint_experts(target, predicted)
-            if self.lookahead_log is not None and ahead == 1:
-                self.lookahead_log.setdefault(target, []).append(ids)
 
     def _moe(self, layer: int, w: dict, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]

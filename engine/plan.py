@@ -57,10 +57,6 @@ class MemoryPlan:
     cache_entry_bytes: int = 0
 
     @property
-    def all_expert_bytes(self) -> int:
-        return self.expert_bytes * self.routed_experts
-
-    @property
     def cache_slots(self) -> int:
         entry = self.cache_entry_bytes or self.expert_bytes
         return self.cache_bytes // entry if entry else 0

@@ -16,12 +16,13 @@ import torch
 from .checkpoint import Checkpoint
 from .container import container_spec, dense_quantized, load_dense
 from .config import EngineConfig
+from .dtypes import FLOAT_NAMES, short_dtypes, torch_dtype
 from .layout import ExpertLayout
 from .model import KVCache, ModelArgs, Transformer, dense_tensor_names
 from .plan import MemoryPlan, make_plan
 from .store import ExpertStore, ResidentExperts
 
-DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = short_dtypes()
 
 
 def physical_cores() -> int:
@@ -30,7 +31,7 @@ def physical_cores() -> int:
 
 def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
     name = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype")
-    by_config = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
+    by_config = torch_dtype(name) if name in FLOAT_NAMES else None
     if by_config is not None:
         return by_config
     floats = [i.torch_dtype for i in ckpt.tensors.values() if i.torch_dtype.is_floating_point]

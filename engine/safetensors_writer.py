@@ -17,17 +17,13 @@ from typing import BinaryIO
 import torch
 
 from .config import atomic_write_text
+from .dtypes import FLOAT_NAMES, ITEMSIZE, TAG_OF, torch_dtype
 
-# safetensors dtype tag, element size, how the bytes are reinterpreted for numpy (no bf16 there).
+# The floats the writer writes: safetensors tag, element size, and how the bytes are
+# reinterpreted for numpy (which has no bf16).
 DTYPES: dict[str, tuple[str, int, torch.dtype]] = {
-    "float32": ("F32", 4, torch.float32),
-    "bfloat16": ("BF16", 2, torch.int16),
-    "float16": ("F16", 2, torch.float16),
-    "int8": ("I8", 1, torch.int8),  # quantized containers (engine/container.py)
-    "uint8": ("U8", 1, torch.uint8),
-}
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "int8": torch.int8, "uint8": torch.uint8}
+    name: (TAG_OF[name], ITEMSIZE[name], torch.int16 if name == "bfloat16" else torch_dtype(name))
+    for name in FLOAT_NAMES + ("int8", "uint8")}  # the integers: quantized containers (engine/container.py)
 
 # Data starts on a 4 KiB boundary so O_DIRECT readers can address the first tensor without
 # straddling the header; the JSON header is padded with spaces, which the format allows.
@@ -109,7 +105,7 @@ class ShardWriter:
                 f"{self.path.name}: expected {spec.name}{list(spec.shape)}, got {name}{list(tensor.shape)}"
             )
         view_dtype = DTYPES[spec.dtype][2]
-        target = TORCH_DTYPES[spec.dtype]
+        target = torch_dtype(spec.dtype)
         if tensor.dtype == target:
             t = tensor.contiguous()
         else:

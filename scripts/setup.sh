@@ -7,9 +7,11 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 
-# fio for the probe; PostgreSQL for the multi-worker tune test (it skips, saying why, without).
+# fio for the probe; PostgreSQL for the multi-worker tune test; Chromium for the report's
+# browser check (tests/test_report_html.py; both tests skip, saying why, without them).
 missing=()
 command -v fio >/dev/null 2>&1 || missing+=(fio)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
 if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
@@ -17,7 +19,7 @@ if [ ${#missing[@]} -gt 0 ]; then
         apt-get update -qq >/dev/null
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
     else
-        echo "setup: ${missing[*]} missing and cannot apt-get; probe uses its Python fallback, the PostgreSQL test skips" >&2
+        echo "setup: ${missing[*]} missing and cannot apt-get; probe uses its Python fallback, the PostgreSQL and browser tests skip" >&2
     fi
 fi
 

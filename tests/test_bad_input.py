@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from tests.hf_models import build
+from colibri_hf_models import build
 from tuner.cli import main
 
 

@@ -3,6 +3,7 @@
 import json
 import random
 import threading
+from collections import Counter
 
 import pytest
 
@@ -13,7 +14,6 @@ from engine.cache import (
     TieredCache,
     hottest_keys,
     make_cache,
-    record_routing,
     routing_histogram_load,
     routing_histogram_save,
 )
@@ -297,7 +297,7 @@ def test_tiered_put_fills_fast_tier_then_demotes():
     tiers.put("c", Placed(1), 10)  # a is demoted to ram, not dropped
     assert tiers.tier_of("a") == "ram" and tiers.tier_of("c") == "vram"
     assert tiers.peek("a")[1].device == "cpu"
-    assert len(tiers) == 3 and tiers.totals()["demotions"] == 1
+    assert len(tiers) == 3 and tiers.demotions == 1
     # Exclusive: a key never sits in two tiers.
     for key in "abc":
         assert (key in fast) + (key in slow) == 1
@@ -321,7 +321,7 @@ def test_tiered_get_stats_and_promotion():
     assert stats["ram"]["hits"] == 1 and stats["ram"]["misses"] == 1
     assert stats["ram"]["hit_rate"] == pytest.approx(0.5)
     assert stats["vram"]["bytes_used"] == 20 and stats["vram"]["capacity_bytes"] == 20
-    assert tiers.totals()["hits"] == 1 and tiers.totals()["misses"] == 1
+    assert tiers.hits == 1 and tiers.misses == 1 and tiers.promotions == 1
     assert tiers.get("a")[0] == "vram"
     assert tiers.stats()["vram"]["hits"] == 1
 
@@ -353,13 +353,7 @@ def test_tiered_rejects_duplicate_names():
 
 
 def test_routing_histogram_round_trip_and_hottest(tmp_path):
-    hist = {}
-    from collections import Counter
-
-    hist = Counter()
-    record_routing(hist, 0, [3, 1])
-    record_routing(hist, 0, [3])
-    record_routing(hist, 2, [7, 3])
+    hist = Counter({(0, 3): 2, (0, 1): 1, (2, 7): 1, (2, 3): 1})
     path = tmp_path / "routing.json"
     routing_histogram_save(hist, path)
     data = json.loads(path.read_text())

@@ -151,21 +151,17 @@ def _fake_fio(tmp_path: Path, version_ok: bool) -> Path:
     return script
 
 
-def test_fio_failing_reports_fios_own_message_and_cleans_up(tmp_path):
+@pytest.mark.parametrize("version_ok, message", [
+    (True, "fio failed on .*: fio: pretend failure: disk on fire"),  # fails running a job
+    (False, "fio failed: fio: pretend failure"),  # fails at the version check
+])
+def test_fio_failing_reports_fios_own_message_and_cleans_up(tmp_path, version_ok, message):
     work = tmp_path / "work"
     work.mkdir()
-    fake = _fake_fio(tmp_path, version_ok=True)
-    with pytest.raises(ProbeError, match="fio failed on .*: fio: pretend failure: disk on fire"):
+    fake = _fake_fio(tmp_path, version_ok=version_ok)
+    with pytest.raises(ProbeError, match=message):
         run_probe(work, fio_path=str(fake), plan=tiny_plan())
     assert leftovers(work) == []
-
-
-def test_fio_failing_at_version_check(tmp_path):
-    work = tmp_path / "work"
-    work.mkdir()
-    fake = _fake_fio(tmp_path, version_ok=False)
-    with pytest.raises(ProbeError, match="fio failed: fio: pretend failure"):
-        run_probe(work, fio_path=str(fake), plan=tiny_plan())
 
 
 def test_missing_directory_and_plain_file(tmp_path):

@@ -11,7 +11,7 @@ import torch
 
 from engine import synth
 from engine.convert import convert
-from tests.hf_models import build
+from colibri_hf_models import build
 from tuner.quality import measure_quality
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 40

@@ -16,7 +16,7 @@ from engine.generate import Sampler, generate
 from engine.quant import (INT4_MID, QuantWeight, dequantize_int4, dequantize_int8, kernel_works, pack_int4,
                           quantize_int4, quantize_int8, stored_int4_is_native, unpack_int4)
 from engine.runtime import Engine
-from tests.test_streaming import PLACEMENTS, budget_for_cache, model_dir  # noqa: F401 (a fixture)
+from test_streaming import PLACEMENTS, budget_for_cache, model_dir  # noqa: F401 (a fixture)
 
 PROMPT = [(5 * i + 11) % 256 for i in range(12)]
 NEW_TOKENS = 8

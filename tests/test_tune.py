@@ -23,41 +23,15 @@ import psutil
 import pytest
 from optuna.trial import TrialState
 
-from engine.cgroup import detect_memory_cgroup
 from engine.config import EngineConfig
 from engine.errors import BudgetError, ConfigError, ModelFormatError
 from tuner import cli
+from tuner.result import TuneResult
+from tuner.sandbox import detect_memory_cgroup
 from tuner.space import CHUNK_SIZES, IO_THREADS, SearchSpace
 from tuner.study import TuneOptions, parse_duration, redact_url, run_tune
 
-ROOT = Path(__file__).resolve().parent.parent
-MiB = 1 << 20
-BUDGET = 512 * MiB
-MIN_CTX = 65536
-SMALL_CTX = 256  # every ctx choice fits: each trial really runs
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from engine import synth
-    d = tmp_path_factory.mktemp("tune-model") / "tiny"
-    synth.synthesize(synth.load_preset("tiny"), d, seed=0, progress=False)
-    return d
-
-
-@pytest.fixture(scope="module")
-def profile_path(tmp_path_factory) -> Path:
-    """A real probe, shrunk to a few tiny jobs (the tune command reuses it via --profile)."""
-    from tuner.probe import ProbePlan, run_probe, save_profile
-    from tuner.probe.storage import StorageJob, StoragePlan
-    d = tmp_path_factory.mktemp("tune-profile")
-    jobs = (StorageJob("sequential", "read", 256 * 1024, 2), StorageJob("curve", "randread", 256 * 1024, 2),
-            StorageJob("buffered", "randread", 256 * 1024, 2, direct=False, time_based=False))
-    plan = ProbePlan(mode="custom", storage=StoragePlan(file_bytes=4 * MiB, runtime_s=0.05, jobs=jobs,
-                                                        min_file_bytes=1 * MiB),
-                     memory_buffer_bytes=4 * MiB, memory_repeats=1, matmul_ms=(1,), matmul_min_time_s=0.005,
-                     measure_gpu=False, thread_counts=(1,))
-    return save_profile(run_probe(d, use_fio=False, plan=plan), d / "profile.json")
+from colibri_tune_fixtures import BUDGET, MIN_CTX, MiB, ROOT, SMALL_CTX, model_dir, profile_path  # noqa: F401
 
 
 def options(model_dir, profile_path, out, **kw) -> TuneOptions:
@@ -92,11 +66,14 @@ def tuned(model_dir, profile_path, tmp_path_factory):
 
 def test_end_to_end_outputs(tuned, model_dir):
     out, result = tuned.out_dir, tuned.result
-    for name in ("recommended.toml", "result.json", "trials.csv", "study.db", "report.md", "profile.json",
-                 "calibration.json", "routing.json"):
+    for name in ("recommended.toml", "result.json", "trials.csv", "study.db", "report.md", "report.html",
+                 "profile.json", "calibration.json", "routing.json"):
         assert (out / name).is_file(), name
     assert result["schema"] == "colibri.tune/1"
     assert json.loads((out / "result.json").read_text())["recommended"] == result["recommended"]
+    # result.json is exactly the typed schema (docs/schema/tune-result.schema.json): it loads
+    # strictly (no unknown, missing or mistyped key) and says the same when written back.
+    assert TuneResult.from_dict(json.loads((out / "result.json").read_text())).to_dict() == result
     assert result["conditions"]["cold"] is True
     assert result["conditions"]["tokens"] == 2 and result["conditions"]["repeats"] == 1
 
@@ -268,9 +245,11 @@ def _proc(pid):
 
 # --- infeasible trials --------------------------------------------------------------------------
 
-@pytest.mark.skipif(not detect_memory_cgroup().available,
-                    reason=f"no usable memory cgroup here: {detect_memory_cgroup().reason}")
 def test_oom_trials_are_infeasible_and_the_study_goes_on(tuned, model_dir, profile_path, tmp_path):
+    # Checked here, not at collection: detecting a cgroup makes (and removes) a child cgroup.
+    support = detect_memory_cgroup()
+    if not support.available:
+        pytest.skip(f"an OOM kill needs the trials in a memory cgroup; here: {support.reason}")
     out = tmp_path / "run"
     reuse_calibration(tuned.out_dir, out)
     # 64 MiB cannot hold python + torch: every trial is OOM-killed inside its cgroup.
@@ -389,5 +368,5 @@ def test_helpers():
         parse_duration("soon")
     assert redact_url("postgresql://bob:pw@host:5432/db") == "postgresql://bob:***@host:5432/db"
     with pytest.raises(ModelFormatError):
-        from engine.models import resolve_model
+        from engine.resolve import resolve_model
         resolve_model("no-such-preset")

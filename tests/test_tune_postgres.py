@@ -20,7 +20,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from tests.test_tune import MIN_CTX, ROOT, model_dir, profile_path  # noqa: F401  (fixtures)
+from colibri_tune_fixtures import MIN_CTX, ROOT, model_dir, profile_path  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.postgres
 PORT = "5439"

@@ -7,15 +7,11 @@ input's fault (`engine.errors.ColibriError`) become one line on stderr and a non
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from engine.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_MODES, KV_DTYPES
 from engine.errors import ColibriError
-
-
-def _print_json(obj) -> None:
-    json.dump(obj, sys.stdout, indent=2, sort_keys=False, default=str)
-    sys.stdout.write("\n")
+from tuner.printers import print_json as _print_json
 
 
 # --- run ------------------------------------------------------------------------------------
@@ -30,11 +26,11 @@ def _add_engine_flags(p) -> None:
     p.add_argument("--prefetch-depth", type=int)
     p.add_argument("--cpu-cache-ratio", type=float)
     p.add_argument("--gpu-cache-ratio", type=float)
-    p.add_argument("--io-mode", choices=["direct", "buffered", "mmap"])
+    p.add_argument("--io-mode", choices=IO_MODES)
     p.add_argument("--io-threads", type=int)
-    p.add_argument("--cache-policy", choices=["lru", "lfu", "pinned"])
-    p.add_argument("--kv-dtype", choices=["auto", "fp32", "bf16", "fp16"])
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], help="compute dtype (auto: the checkpoint's)")
+    p.add_argument("--cache-policy", choices=CACHE_POLICIES)
+    p.add_argument("--kv-dtype", choices=KV_DTYPES)
+    p.add_argument("--dtype", choices=COMPUTE_DTYPES, help="compute dtype (auto: the checkpoint's)")
     p.add_argument("--routing-histogram", help="routing histogram JSON for cache_policy=pinned")
 
 
@@ -71,9 +67,9 @@ def add_run(sub) -> None:
 
 def cmd_run(args) -> int:
     from engine.generate import Sampler
-    from engine.metrics import human_summary
-    from engine.models import resolve_model
+    from engine.resolve import resolve_model
     from engine.session import run_generation
+    from tuner.printers import run_header, run_text
 
     config = engine_config_from_args(args)
     model_dir = resolve_model(args.model, progress=not args.json)
@@ -88,11 +84,8 @@ def cmd_run(args) -> int:
         print(result["text"])
     else:
         print("output ids:", ",".join(map(str, result["output_ids"])))
-    plan = result["plan"]
-    mode = f"streaming ({result['config']['io_mode']})" if plan["streaming"] else "resident"
-    print(f"[{mode}, {result['compute_dtype']}, {result['threads']} threads, prompt {result['prompt_tokens']} "
-          f"tokens, {result['generated_tokens']} generated]", file=sys.stderr)
-    print(human_summary(result), file=sys.stderr)
+    print(run_header(result), file=sys.stderr)
+    print(run_text(result), file=sys.stderr)
     return 0
 
 
@@ -119,7 +112,7 @@ def add_bench(sub) -> None:
 
 def cmd_bench(args) -> int:
     from engine.config import parse_size
-    from engine.models import resolve_model
+    from engine.resolve import resolve_model
 
     config = engine_config_from_args(args)
     model_dir = resolve_model(args.model, progress=not args.json)
@@ -148,29 +141,9 @@ def cmd_bench(args) -> int:
     if args.json:
         _print_json(result)
     else:
-        print(format_bench(result))
+        from tuner.printers import bench_text
+        print(bench_text(result))
     return 0
-
-
-def format_bench(r: dict) -> str:
-    from engine.config import format_size
-    from engine.metrics import human_summary
-    s = r["summary"]["decode_tok_s"]
-    cg = r.get("cgroup") or {}
-    cgroup = (f"cgroup limit {format_size(cg.get('limit_bytes'))}, peak {format_size(cg.get('peak_bytes'))}"
-              if cg.get("limited") else f"no cgroup ({cg.get('reason') or 'not requested'})")
-    c = r["config"]
-    lines = [
-        f"model {r['model']} ({r['geometry']['model_type']}, {r['compute_dtype']}) | "
-        f"{'cold' if r['cold'] else 'warm'} | {r['tokens']} tokens x {r['repeats']} repeats | {cgroup}",
-        f"config: budget {format_size(c['ram_budget']) if c['ram_budget'] else 'none'}, io {r['io_mode_effective']}, "
-        f"chunk {format_size(c['chunk_size'])}, prefetch {c['prefetch_depth']}, cache {c['cache_policy']} "
-        f"x{c['cpu_cache_ratio']}, threads {r['threads']}, io_threads {c['io_threads']}, ctx {c['ctx_size']}",
-        f"decode tok/s: median {s['median'] or 0:.3f} (min {s['min'] or 0:.3f}, max {s['max'] or 0:.3f}, "
-        f"n={s['n']})" + ("" if r.get("tokens_consistent", True) else "  WARNING: tokens differ across repeats"),
-        human_summary(r),
-    ]
-    return "\n".join(lines)
 
 
 # --- probe ----------------------------------------------------------------------------------
@@ -190,15 +163,12 @@ def add_probe(sub) -> None:
 
 
 def cmd_probe(args) -> int:
+    from engine.progress import Progress
     from tuner.probe import format_summary, run_probe, save_profile
-    from tuner.probe.summary import StderrProgress
 
-    progress = StderrProgress()
-    try:
+    with Progress(desc="probe", unit="step") as bar:
         profile = run_probe(args.dir, quick=args.quick, use_fio=False if args.no_fio else None,
-                            progress=progress, fio_path=args.fio)
-    finally:
-        progress.close()
+                            progress=bar.step, fio_path=args.fio)
     if args.output:
         save_profile(profile, args.output)
         print(f"profile written to {args.output}", file=sys.stderr)
@@ -212,6 +182,7 @@ def cmd_probe(args) -> int:
 # --- tune -----------------------------------------------------------------------------------
 
 def add_tune(sub) -> None:
+    from tuner.objective import OBJECTIVES, SAMPLERS
     p = sub.add_parser("tune", help="search the engine settings for this machine and model (Optuna)")
     p.add_argument("--model", default="demo", help="model directory or synth preset (default: demo)")
     p.add_argument("--ram-budget", help="memory budget, e.g. 1GiB (default: 1GiB for demo, else 88%% of available)")
@@ -219,7 +190,7 @@ def add_tune(sub) -> None:
     limit.add_argument("--time-budget", help="wall time for the whole run, e.g. 10m (default 15m without --trials)")
     limit.add_argument("--trials", type=int, help="completed trials in the study (resumed ones count)")
     p.add_argument("--min-ctx", type=int, default=2048, help="smallest context size to consider (default 2048)")
-    p.add_argument("--objective", choices=["decode", "ttft", "both"], default="decode")
+    p.add_argument("--objective", choices=OBJECTIVES, default="decode")
     p.add_argument("--out", help="run directory (default: reports/tune-<model>-<time>; with --resume, the latest)")
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite file in the run directory); "
                                      "postgresql://... lets several machines share one study")
@@ -240,7 +211,7 @@ def add_tune(sub) -> None:
     t.add_argument("--confirm-top", type=int, default=3, help="candidates re-measured against the baseline "
                                                               "(0: no confirmation round)")
     t.add_argument("--confirm-rounds", type=int, default=2, help="most confirmation rounds (time permitting)")
-    t.add_argument("--sampler", choices=["auto", "gp", "tpe", "random"], default="auto",
+    t.add_argument("--sampler", choices=SAMPLERS, default="auto",
                    help="auto (default): GP for one objective, TPE for --objective both")
     p.add_argument("--json", action="store_true", help="print result.json")
     p.set_defaults(func=cmd_tune)
@@ -288,15 +259,14 @@ def cmd_synth(args) -> int:
     from engine import synth
     from engine.errors import ConfigError
 
+    from tuner.printers import presets_text, synth_text
+
     if args.list:
         rows = synth.describe_presets()
         if args.json:
             _print_json(rows)
         else:
-            for r in rows:
-                kind = "synth" if r["materializable"] else "geometry only"
-                print(f"{r['name']:<16} {kind:<13} {r['total_params'] / 1e9:8.2f}B params "
-                      f"({r['active_params'] / 1e9:.2f}B active)  {r['description']}")
+            print(presets_text(rows))
         return 0
     if not args.out:
         raise ConfigError("missing -o/--out DIR")
@@ -308,9 +278,121 @@ def cmd_synth(args) -> int:
     if args.json:
         _print_json(summary)
     else:
-        print(f"wrote {summary['path']}: {summary['bytes'] / 2**30:.2f} GiB in {summary['shards']} shard(s), "
-              f"{summary['tensors']} tensors, seed {summary['seed']}, routing skew {summary['routing_skew']} "
-              f"({summary['seconds']:.1f} s)")
+        print(synth_text(summary))
+    return 0
+
+
+# --- report, profile, compare --------------------------------------------------------------
+
+def add_report(sub) -> None:
+    p = sub.add_parser("report", help="(re)write a tune run's report.md and self-contained report.html")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a `colibri tune` run directory")
+    p.add_argument("--storage", help="the study's storage URL when it is not the run's study.db (PostgreSQL)")
+    p.add_argument("--open", action="store_true", help="open report.html in the default browser")
+    p.add_argument("--json", action="store_true", help="print the written files as JSON")
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args) -> int:
+    from tuner.report_html import write_reports
+    files = write_reports(args.run_dir, storage=args.storage)
+    if args.json:
+        _print_json({k: str(v) for k, v in files.items()})
+    else:
+        print(f"report.md: {files['report.md']}\nreport.html: {files['report.html']}")
+    if args.open:
+        import webbrowser
+        if not webbrowser.open(files["report.html"].resolve().as_uri()):
+            print(f"colibri report: no browser to open; the page is {files['report.html']}", file=sys.stderr)
+    return 0
+
+
+def add_profile(sub) -> None:
+    p = sub.add_parser("profile", help="shareable hardware profiles: export, import, list, show, diff")
+    ps = p.add_subparsers(dest="action", metavar="ACTION")
+    ps.required = True
+    e = ps.add_parser("export", help="a run directory or probe JSON → a shareable profile (no identity)")
+    e.add_argument("source", metavar="RUN_DIR|PROBE_JSON")
+    e.add_argument("-o", "--output", metavar="FILE", help="write here (default: print it)")
+    e.add_argument("--include-identity", action="store_true",
+                   help="keep the hostname, user name and model paths (for your own records)")
+    i = ps.add_parser("import", help="validate a profile and copy it into the local store")
+    i.add_argument("file", metavar="FILE")
+    i.add_argument("--name", help="store name (default: <cpu>-<disk>-<fingerprint>)")
+    i.add_argument("--force", action="store_true", help="replace a different profile of the same name")
+    ps.add_parser("list", help="the profiles in the local store")
+    s = ps.add_parser("show", help="one profile: hardware and best configs")
+    s.add_argument("ref", metavar="NAME|FILE")
+    d = ps.add_parser("diff", help="two profiles: hardware differences, best configs side by side")
+    d.add_argument("a", metavar="A")
+    d.add_argument("b", metavar="B")
+    for q in (e, i, s, d, ps.choices["list"]):
+        q.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args) -> int:
+    from engine.config import format_size
+    from tuner import profiles
+    if args.action == "export":
+        data = profiles.export_profile(args.source, include_identity=args.include_identity)
+        if args.output:
+            profiles.write_profile_file(data, args.output)
+            print(f"profile written to {args.output} ({len(data['best_configs'])} best config(s)"
+                  + (", WITH identity" if args.include_identity else "") + ")", file=sys.stderr)
+        if args.json or not args.output:
+            _print_json(data)
+    elif args.action == "import":
+        name, path, changed = profiles.import_profile(args.file, name=args.name, force=args.force)
+        if args.json:
+            _print_json({"name": name, "path": str(path), "changed": changed})
+        else:
+            print(f"{'imported' if changed else 'already in the store:'} {name} ({path})")
+    elif args.action == "list":
+        rows = profiles.list_profiles()
+        if args.json:
+            _print_json(rows)
+        elif not rows:
+            print(f"no profiles in {profiles.store_dir()} (colibri profile import FILE)")
+        for r in [] if args.json else rows:
+            print(f"{r['name']}: invalid ({r['error']})" if "error" in r else
+                  f"{r['name']:<44} {r['cpu'][:32]:<32} {r['cores']:>3} cores {format_size(r['ram_bytes']):>9} "
+                  f"{r['disk']:<16} {r['configs']} config(s)  {r['created_utc']}")
+    elif args.action == "show":
+        label, data = profiles.resolve(args.ref)
+        if args.json:
+            _print_json(data)
+        else:
+            print(profiles.format_show(label, data))
+    else:
+        d = profiles.diff(profiles.resolve(args.a), profiles.resolve(args.b))
+        if args.json:
+            _print_json(d)
+        else:
+            print(profiles.format_diff(d))
+    return 0
+
+
+def add_compare(sub) -> None:
+    p = sub.add_parser("compare", help="tune runs and/or profiles side by side (markdown, HTML, plots)")
+    p.add_argument("inputs", nargs="+", metavar="RUN_DIR|PROFILE", help="run directories, profile files or "
+                                                                         "names in the local store")
+    p.add_argument("--out", metavar="DIR", help="where to write (default: reports/compare-<time>)")
+    p.add_argument("--force", action="store_true", help="compare even when the conditions differ "
+                                                        "(model, budget, cold/warm, tokens, tool version)")
+    p.add_argument("--model", metavar="NAME|HASH", help="from profiles, only the entries of this model "
+                                                        "(name, or geometry hash prefix)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args) -> int:
+    from tuner.compare import compare, format_text
+    summary = compare(args.inputs, out_dir=args.out, force=args.force, model=args.model)
+    if args.json:
+        _print_json(summary)
+    else:
+        print(format_text(summary))
     return 0
 
 
@@ -333,7 +415,7 @@ def _quant_adders():
     return [add_convert, add_quality]
 
 
-ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, *_quant_adders()]
+ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_report, add_profile, add_compare, *_quant_adders()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -132,8 +132,10 @@ def measure_quality(model_dir, reference_dir, tokens: int = 4096, ctx: int = 512
 
 
 def engine_quant_label(engine) -> str:
+    """'int4-g64', or the stored dtype of an unquantized model ('bfloat16')."""
+    from engine.runtime import checkpoint_dtype
     spec = getattr(engine, "quant", None)
-    return spec.label if spec is not None else str(engine.dtype).replace("torch.", "")
+    return spec.label if spec is not None else str(checkpoint_dtype(engine.checkpoint)).replace("torch.", "")
 
 
 def format_quality(r: dict) -> str:

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
-
-def _print_json(obj) -> None:
-    json.dump(obj, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
+from tuner.printers import print_json as _print_json
 
 
 def add_convert(sub) -> None:
@@ -30,7 +26,7 @@ def add_convert(sub) -> None:
 def cmd_convert(args) -> int:
     import time
     from engine.convert import convert
-    from engine.models import resolve_model
+    from engine.resolve import resolve_model
 
     def progress(event, **f):
         if args.json:

@@ -15,6 +15,8 @@ import optuna
 from optuna.trial import TrialState
 
 from engine.config import atomic_write_text, format_size
+from tuner.printers import PARAM_COLUMNS, fmt, markdown_table, pct, trials_markdown
+from tuner.result import is_feasible
 
 MIN_TRIALS_FOR_IMPORTANCE = 6
 PLOTS_DIR = "plots"
@@ -28,7 +30,7 @@ def write_report(study: optuna.Study, result: dict, out_dir: str | Path) -> dict
     out_dir = Path(out_dir)
     (out_dir / PLOTS_DIR).mkdir(parents=True, exist_ok=True)
     trials = sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.number)
-    feasible = [t for t in trials if t.user_attrs.get("constraint", 1.0) <= 0 and t.user_attrs.get("status") == "ok"]
+    feasible = [t for t in trials if is_feasible(t.user_attrs)]
     files: dict[str, Path] = {}
     files["plots/history.png"] = _plot_history(trials, result, out_dir / PLOTS_DIR / "history.png")
     if feasible:
@@ -63,9 +65,9 @@ def render_markdown(trials, result: dict, importances: dict, plots: list[str]) -
     if rec:
         w, b = rec.get("confirmed") or {}, base.get("confirmed") or {}
         gain = result.get("gain_over_baseline")
-        L.append(f"**Recommended: {rec['label']}** — decode {_f(w.get('decode_tok_s'))} tok/s vs baseline "
-                 f"{_f(b.get('decode_tok_s'))} tok/s; gain on {result.get('gain_metric')}: "
-                 f"{'-' if gain is None else f'{gain:+.1%}'}"
+        L.append(f"**Recommended: {rec['label']}** — decode {fmt(w.get('decode_tok_s'))} tok/s vs baseline "
+                 f"{fmt(b.get('decode_tok_s'))} tok/s; gain on {result.get('gain_metric')}: "
+                 f"{pct(gain, signed=True)}"
                  + ("" if result.get("confirmation", {}).get("confirmed") else " (not re-measured: no confirmation round)"))
         L += ["", "Use it: `colibri run --model <dir> --config recommended.toml`", ""]
         L += _config_table(rec, base)
@@ -75,16 +77,16 @@ def render_markdown(trials, result: dict, importances: dict, plots: list[str]) -
     L += ["## Confirmation", ""]
     conf = result.get("confirmation", {})
     L.append(f"{conf.get('rounds', 0)} round(s), {conf.get('order', '')}; figure: {conf.get('figure', '')}.")
-    L += ["", "| candidate | decode tok/s (median) | min..max | stdev | TTFT s | search value | verdict |",
-          "|---|---|---|---|---|---|---|"]
+    rows = []
     for c in result.get("candidates") or []:
         f = c.get("confirmed") or {}
         verdict = c.get("disqualified") or c.get("note") or ("winner" if rec and c["label"] == rec["label"] else "")
         sv = c.get("search_values")
-        L.append(f"| {c['label']} | {_f(f.get('decode_tok_s'))} | {_f(f.get('decode_min'))}..{_f(f.get('decode_max'))} "
-                 f"| {_f(f.get('decode_stdev'))} | {_f(f.get('ttft_s'), 3)} | "
-                 f"{', '.join(_f(v) for v in sv) if sv else '-'} | {verdict} |")
-    L.append("")
+        rows.append([c["label"], fmt(f.get("decode_tok_s")), f"{fmt(f.get('decode_min'))}..{fmt(f.get('decode_max'))}",
+                     fmt(f.get("decode_stdev")), fmt(f.get("ttft_s"), 3), ", ".join(fmt(v) for v in sv) if sv else "-",
+                     verdict])
+    L += [""] + markdown_table(["candidate", "decode tok/s (median)", "min..max", "stdev", "TTFT s", "search value",
+                                "verdict"], rows) + [""]
 
     if plots:
         L += ["## Plots", ""]
@@ -92,20 +94,10 @@ def render_markdown(trials, result: dict, importances: dict, plots: list[str]) -
             L += [f"![{Path(p).stem}]({p})", ""]
 
     if importances:
-        L += ["## Parameter importance (PED-ANOVA over feasible trials)", "", "| parameter | importance |", "|---|---|"]
-        L += [f"| {k} | {v:.3f} |" for k, v in importances.items()]
-        L.append("")
+        L += ["## Parameter importance (PED-ANOVA over feasible trials)", ""]
+        L += markdown_table(["parameter", "importance"], [[k, f"{v:.3f}"] for k, v in importances.items()]) + [""]
 
-    L += ["## Trials", "", "| # | role | status | decode tok/s | TTFT s | chunk | prefetch | cache | threads | io | "
-          "io thr | ctx | hit | peak |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for t in trials:
-        a, p = t.user_attrs, t.params
-        L.append(f"| {t.number} | {a.get('role', '')} | {a.get('status', '')} | {_f(a.get('decode_tok_s'))} | "
-                 f"{_f(a.get('ttft_s'), 3)} | {format_size(p.get('chunk_size'))} | {p.get('prefetch_depth')} | "
-                 f"{p.get('cache_policy')} x{_f(p.get('cpu_cache_ratio'))} | {p.get('threads')} | {p.get('io_mode')} | "
-                 f"{p.get('io_threads')} | {p.get('ctx_size')} | {_pct(a.get('hit_rate_ram'))} | "
-                 f"{format_size(a.get('cgroup_peak_bytes') or a.get('peak_rss_bytes'))} |")
-    L.append("")
+    L += ["## Trials", ""] + trials_markdown(trials) + [""]
 
     L += ["## Conditions", ""]
     mem = cond.get("memory_limit", {})
@@ -121,7 +113,7 @@ def render_markdown(trials, result: dict, importances: dict, plots: list[str]) -
         f"- machine: {cond.get('physical_cores')} physical / {cond.get('logical_cores')} logical cores, "
         f"GPU {'yes' if cond.get('gpu') else 'no'}; disk {prof.get('disk_transport')} {prof.get('disk_model') or ''} "
         f"({prof.get('filesystem')}), probe {prof.get('storage_method')} {prof.get('probe_mode')}: sequential "
-        f"{_f(prof.get('sequential_gbps'))} GB/s, 1 MiB QD4 direct {_f(prof.get('read_gbps_1MiB_qd4_direct'))} GB/s; "
+        f"{fmt(prof.get('sequential_gbps'))} GB/s, 1 MiB QD4 direct {fmt(prof.get('read_gbps_1MiB_qd4_direct'))} GB/s; "
         f"fingerprint {prof.get('fingerprint')}",
         f"- study: `{study.get('name')}` in `{study.get('storage')}`; statuses {study.get('by_status')}",
         f"- versions: {cond.get('versions')}",
@@ -131,17 +123,14 @@ def render_markdown(trials, result: dict, importances: dict, plots: list[str]) -
 
 
 def _config_table(rec: dict, base: dict) -> list[str]:
-    keys = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "gpu_cache_ratio", "threads", "ctx_size", "io_mode",
-            "io_threads", "cache_policy")
     rc, bc = rec.get("config") or {}, base.get("config") or {}
-    rows = ["| setting | recommended | baseline |", "|---|---|---|"]
-    for k in keys:
+    rows = []
+    for k in PARAM_COLUMNS:
         rv, bv = rc.get(k), bc.get(k)
         if k == "chunk_size":
             rv, bv = format_size(rv), format_size(bv)
-        changed = " (changed)" if rv != bv else ""
-        rows.append(f"| {k} | {rv}{changed} | {bv} |")
-    return rows + [""]
+        rows.append([k, f"{rv}{' (changed)' if rv != bv else ''}", bv])
+    return markdown_table(["setting", "recommended", "baseline"], rows) + [""]
 
 
 # --- plots ----------------------------------------------------------------------------------
@@ -174,8 +163,8 @@ def _plot_history(trials, result: dict, path: Path) -> Path:
     key = "ttft_s" if lower else "decode_tok_s"
     fig, ax = plt.subplots(figsize=(7, 4))
     feas = [(t.number, t.user_attrs.get(key)) for t in trials
-            if t.user_attrs.get("constraint", 1) <= 0 and t.user_attrs.get(key) is not None]
-    infeas = [t.number for t in trials if t.user_attrs.get("constraint", 1) > 0]
+            if is_feasible(t.user_attrs) and t.user_attrs.get(key) is not None]
+    infeas = [t.number for t in trials if not is_feasible(t.user_attrs)]
     if feas:
         xs, ys = zip(*feas)
         ax.scatter(xs, ys, s=22, color="tab:blue", label="feasible trial", zorder=3)
@@ -203,8 +192,7 @@ def _plot_params(feasible, result: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
     label, lower = _objective_label(result)
     key = "ttft_s" if lower else "decode_tok_s"
-    names = [n for n in ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "gpu_cache_ratio", "threads", "ctx_size",
-                         "io_mode", "io_threads", "cache_policy") if any(n in t.params for t in feasible)]
+    names = [n for n in PARAM_COLUMNS if any(n in t.params for t in feasible)]
     cols = 3
     rows = (len(names) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(10, 2.6 * rows), squeeze=False)
@@ -283,7 +271,7 @@ def _plot_confirmation(result: dict, path: Path) -> Path:
 def _plot_pareto(trials, path: Path) -> Path:
     import matplotlib.pyplot as plt
     pts = [(t.user_attrs.get("ttft_s"), t.user_attrs.get("decode_tok_s")) for t in trials
-           if t.user_attrs.get("constraint", 1) <= 0 and t.user_attrs.get("ttft_s") is not None]
+           if is_feasible(t.user_attrs) and t.user_attrs.get("ttft_s") is not None]
     fig, ax = plt.subplots(figsize=(5, 4))
     if pts:
         xs, ys = zip(*pts)
@@ -293,11 +281,3 @@ def _plot_pareto(trials, path: Path) -> Path:
     ax.set_title("Decode speed against time to first token")
     ax.grid(alpha=0.3)
     return _save(fig, path)
-
-
-def _f(v, digits: int = 2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
-def _pct(v) -> str:
-    return "-" if v is None else f"{v:.0%}"

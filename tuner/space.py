@@ -16,7 +16,7 @@ from pathlib import Path
 import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from engine.config import EngineConfig, format_size
+from engine.config import CACHE_POLICIES, IO_MODES, EngineConfig, format_size
 from engine.errors import BudgetError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -26,7 +26,6 @@ CHUNK_SIZES = tuple(64 * KiB << i for i in range(9))
 PREFETCH_DEPTHS = (0, 4)  # inclusive int range
 CPU_CACHE_RATIO = (0.25, 1.0, 0.05)  # low, high, step: a bigger cache is not always faster
 GPU_CACHE_RATIO = (0.0, 0.9, 0.1)
-IO_MODES = ("direct", "buffered", "mmap")
 IO_THREADS = (1, 2, 4, 8, 16)
 CTX_MULTIPLES = (1, 2, 4)  # ctx_size choices: the user's minimum and two doublings
 
@@ -86,7 +85,8 @@ class SearchSpace:
 
     @property
     def cache_policies(self) -> tuple[str, ...]:
-        return ("lru", "lfu", "pinned") if self.with_pinned else ("lru", "lfu")
+        # pinned needs a recorded routing histogram (the calibration run's)
+        return CACHE_POLICIES if self.with_pinned else tuple(p for p in CACHE_POLICIES if p != "pinned")
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
         d = {
@@ -196,6 +196,12 @@ class SearchSpace:
             raise BudgetError(f"{message}; even with prefetch_depth 0 and ctx_size {self.min_ctx} the budget is "
                               f"{format_size(overshoot)} short (raise --ram-budget or lower --min-ctx)")
 
+    def compute_dtype_name(self) -> str:
+        """The dtype trials compute in ('bfloat16', 'float32'), or '' without a model."""
+        if self.model is None:
+            return ""
+        return str(self._inputs()[3]).replace("torch.", "")
+
     def _inputs(self):
         if self._plan_inputs is None:
             from engine.checkpoint import Checkpoint
@@ -222,8 +228,8 @@ def _suggest(trial: optuna.Trial, name: str, dist):
 
 
 def _torch_dtype(name: str):
-    from engine.runtime import DTYPE_NAMES
-    return DTYPE_NAMES[name]
+    from engine.dtypes import short_dtypes
+    return short_dtypes()[name]
 
 
 def _nearest(choices, value):

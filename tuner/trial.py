@@ -13,29 +13,10 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
 
-from engine.cgroup import run_limited
 from engine.config import EngineConfig
-
-
-@dataclass
-class TrialResult:
-    status: str  # "ok" | "oom" | "timeout" | "crash" | "infeasible"
-    metrics: dict = field(default_factory=dict)  # the bench JSON when ok
-    error: str = ""
-    cgroup_limited: bool = False
-    cgroup_limit_bytes: int | None = None
-    cgroup_peak_bytes: int | None = None
-    cgroup_reason: str = ""
-    wall_seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from tuner.result import TrialResult
+from tuner.sandbox import run_limited
 
 
 def bench_argv(model_dir, config_path: str, tokens: int, repeats: int, cold: bool, prompt_tokens: int,

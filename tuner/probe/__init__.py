@@ -11,11 +11,11 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
 from tuner import __version__
+from tuner.printers import utc_now
 from tuner.probe import fallback, fio
 from tuner.probe.cpu import measure_matmul
 from tuner.probe.errors import ProbeError, ProfileError
@@ -73,7 +73,7 @@ def run_probe(directory: str | Path = ".", quick: bool = False, use_fio: Optiona
     is installed. fio_path (else $COLIBRI_FIO, else PATH) picks the fio binary.
     """
     started = time.perf_counter()
-    started_utc = _utc_now()
+    started_utc = utc_now()
     plan = plan or probe_plan(quick)
     directory = check_directory(Path(directory))
     check_writable(directory)
@@ -105,7 +105,7 @@ def run_probe(directory: str | Path = ".", quick: bool = False, use_fio: Optiona
     return HardwareProfile(
         schema_version=SCHEMA_VERSION,
         tool=ToolInfo(name="colibri-tune", version=__version__),
-        created_utc=_utc_now(),
+        created_utc=utc_now(),
         fingerprint=compute_fingerprint(system, gpus),
         probe=ProbeRun(mode=plan.mode, started_utc=started_utc,
                        duration=Quantity(time.perf_counter() - started, "s")),
@@ -163,7 +163,3 @@ class _Steps:
         self._step += 1
         if self._progress is not None:
             self._progress(self._step, self._total, label)
-
-
-def _utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")

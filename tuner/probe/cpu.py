@@ -7,12 +7,12 @@ k = 2048, n = 768 is one projection of a Qwen3-30B-A3B expert (hidden 2048, inte
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, Sequence, get_args
 
-from tuner.probe.profile import MatmulPoint, Quantity
+from tuner.probe.profile import MatmulDtype, MatmulPoint, Quantity
 
 EXPERT_K, EXPERT_N = 2048, 768
-DTYPES = ("bf16", "fp32")
+DTYPES = get_args(MatmulDtype)
 
 
 def measure_matmul(thread_counts: Sequence[int], ms: Sequence[int], min_time_s: float,

@@ -13,14 +13,14 @@ import hashlib
 import json
 import math
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 from engine.config import atomic_write_text
 from tuner.probe.errors import ProfileError
+from tuner.schema import decode, json_type
 
 SCHEMA_VERSION = 1
 
@@ -50,6 +50,8 @@ class ProbeRun:
 
 @dataclass
 class CpuInfo:
+    """The CPU: model, cores, NUMA nodes, the flags matmul kernels care about."""
+
     model: str
     arch: str
     physical_cores: int
@@ -61,6 +63,8 @@ class CpuInfo:
 
 @dataclass
 class MemoryInfo:
+    """RAM, and the memory cgroup limit this process runs under."""
+
     total: Quantity = _unit("B")
     available: Quantity = _unit("B")
     # None: no memory cgroup limit in force (or none readable).
@@ -70,6 +74,8 @@ class MemoryInfo:
 
 @dataclass
 class DiskInfo:
+    """The disk under the probed directory (no serial numbers)."""
+
     device: Optional[str]
     transport: str
     rotational: Optional[bool]
@@ -90,8 +96,10 @@ class SystemInfo:
 StorageRole = Literal["sequential", "curve", "latency_4k", "iops_4k", "buffered"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class StoragePoint:
+    """One storage job: its access pattern and what it measured."""
+
     role: StorageRole
     pattern: Literal["read", "randread"]
     request_bytes: int
@@ -107,6 +115,8 @@ class StoragePoint:
 
 @dataclass
 class StorageResult:
+    """The storage probe: which tool ran the jobs, and every point measured."""
+
     method: Literal["fio", "fallback"]
     tool: str
     ioengine: str
@@ -115,8 +125,10 @@ class StorageResult:
     runtime_per_job: Quantity = _unit("s")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemoryBandwidthPoint:
+    """Memory bandwidth of one operation at one thread count."""
+
     op: Literal["read", "copy"]
     threads: int
     repeats: int
@@ -125,9 +137,14 @@ class MemoryBandwidthPoint:
     bandwidth: Quantity = _unit("B/s")
 
 
-@dataclass
+MatmulDtype = Literal["bf16", "fp32"]  # the dtypes tuner/probe/cpu.py measures
+
+
+@dataclass(frozen=True)
 class MatmulPoint:
-    dtype: Literal["bf16", "fp32"]
+    """CPU matmul throughput of x[m,k] times W[n,k]^T at one dtype and thread count."""
+
+    dtype: MatmulDtype
     m: int
     k: int
     n: int
@@ -137,8 +154,10 @@ class MatmulPoint:
     time_per_call: Quantity = _unit("us")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GpuInfo:
+    """One CUDA device, and its host-to-device copy bandwidth when measured."""
+
     index: int
     name: str
     vram: Quantity = _unit("B")
@@ -166,7 +185,7 @@ class HardwareProfile:
     @classmethod
     def from_dict(cls, data: Any) -> "HardwareProfile":
         if not isinstance(data, dict):
-            raise ProfileError(f"profile: expected a JSON object, got {_json_type(data)}")
+            raise ProfileError(f"profile: expected a JSON object, got {json_type(data)}")
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ProfileError(
@@ -291,102 +310,23 @@ def load_profile(path: str | os.PathLike) -> HardwareProfile:
         raise ProfileError(f"{path}: {exc}") from None
 
 
-# --- strict decoding ------------------------------------------------------------------------
+# --- strict decoding (tuner/schema.py), with the profile's own rules ------------------------
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {bool: "boolean", int: "integer", float: "number", str: "string",
-            list: "array", dict: "object"}.get(type(value), type(value).__name__)
+def _decode(tp: Any, data: Any, path: str) -> Any:
+    return decode(tp, data, path, ProfileError, _check_units_and_signs)
 
 
-def _decode(tp: Any, data: Any, path: str, unit: str | None = None) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return _check_json_value(data, path)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if data is None:
-            if type(None) in args:
-                return None
-            raise ProfileError(f"{path}: must not be null")
-        (inner,) = [a for a in args if a is not type(None)]
-        return _decode(inner, data, path, unit)
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if data not in allowed or type(data) is not type(allowed[0]):
-            raise ProfileError(f"{path}: {data!r} is not one of {', '.join(map(repr, allowed))}")
-        return data
-    if origin is list:
-        if not isinstance(data, list):
-            raise ProfileError(f"{path}: expected an array, got {_json_type(data)}")
-        (item,) = typing.get_args(tp)
-        return [_decode(item, x, f"{path}[{i}]") for i, x in enumerate(data)]
-    if origin is dict:
-        if not isinstance(data, dict):
-            raise ProfileError(f"{path}: expected an object, got {_json_type(data)}")
-        _, value_tp = typing.get_args(tp)
-        return {k: _decode(value_tp, v, f"{path}.{k}") for k, v in data.items()}
-    if dataclasses.is_dataclass(tp):
-        return _decode_dataclass(tp, data, path, unit)
-    return _decode_scalar(tp, data, path)
-
-
-def _decode_dataclass(cls: type, data: Any, path: str, unit: str | None) -> Any:
-    if not isinstance(data, dict):
-        raise ProfileError(f"{path}: expected an object, got {_json_type(data)}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ProfileError(f"{path}: unknown key {unknown[0]!r}")
-    missing = [name for name in fields if name not in data]
-    if missing:
-        raise ProfileError(f"{path}: missing key {missing[0]!r}")
+def _check_units_and_signs(cls: type, values: dict, path: str, unit: str | None) -> dict:
+    """A Quantity carries the unit its field declares and is never negative; so are counts."""
     hints = typing.get_type_hints(cls)
-    values = {name: _decode(hints[name], data[name], f"{path}.{name}", f.metadata.get("unit"))
-              for name, f in fields.items()}
     if cls is Quantity:
         if unit is not None and values["unit"] != unit:
             raise ProfileError(f"{path}.unit: expected {unit!r}, got {values['unit']!r}")
         if values["value"] < 0:
             raise ProfileError(f"{path}.value: must not be negative, got {values['value']}")
         values["value"] = float(values["value"])
-    elif any(_is_int(hints[n]) and values[n] < 0 for n in values):
-        bad = next(n for n in values if _is_int(hints[n]) and values[n] < 0)
-        raise ProfileError(f"{path}.{bad}: must not be negative, got {values[bad]}")
-    return cls(**values)
-
-
-def _is_int(tp: Any) -> bool:
-    return tp is int
-
-
-def _decode_scalar(tp: Any, data: Any, path: str) -> Any:
-    if tp is bool:
-        ok = isinstance(data, bool)
-    elif tp is int:
-        ok = isinstance(data, int) and not isinstance(data, bool)
-    elif tp is float:
-        ok = isinstance(data, (int, float)) and not isinstance(data, bool) and math.isfinite(data)
-    elif tp is str:
-        ok = isinstance(data, str)
     else:
-        raise TypeError(f"profile schema uses an unsupported type {tp!r} at {path}")
-    if not ok:
-        name = {bool: "boolean", int: "integer", float: "finite number", str: "string"}[tp]
-        raise ProfileError(f"{path}: expected {name}, got {_json_type(data)} {data!r}"[:200])
-    return data
-
-
-def _check_json_value(data: Any, path: str) -> Any:
-    if isinstance(data, dict):
-        for k, v in data.items():
-            _check_json_value(v, f"{path}.{k}")
-    elif isinstance(data, list):
-        for i, v in enumerate(data):
-            _check_json_value(v, f"{path}[{i}]")
-    elif isinstance(data, float) and not math.isfinite(data):
-        raise ProfileError(f"{path}: NaN and infinity are not valid JSON")
-    elif not isinstance(data, (str, int, float, bool, type(None))):
-        raise ProfileError(f"{path}: {_json_type(data)} is not a JSON value")
-    return data
+        bad = next((n for n in values if hints[n] is int and values[n] < 0), None)
+        if bad is not None:
+            raise ProfileError(f"{path}.{bad}: must not be negative, got {values[bad]}")
+    return values

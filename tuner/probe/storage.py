@@ -19,6 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
+from engine.config import size_label
 from tuner.probe.errors import ProbeError
 from tuner.probe.profile import Quantity, StoragePoint, StorageRole
 
@@ -52,7 +53,7 @@ class StorageJob:
     @property
     def label(self) -> str:
         mode = "direct" if self.direct else "buffered"
-        return f"{self.pattern} {format_size(self.request_bytes)} QD{self.queue_depth} {mode}"
+        return f"{self.pattern} {size_label(self.request_bytes)} QD{self.queue_depth} {mode}"
 
 
 @dataclass(frozen=True)
@@ -84,13 +85,6 @@ def storage_plan(quick: bool = False) -> StoragePlan:
         runtime_s=0.4 if quick else 1.25,
         jobs=tuple(jobs),
     )
-
-
-def format_size(n: int) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return f"{n}B"
 
 
 def choose_file_bytes(plan: StoragePlan, free_bytes: int, directory: Path) -> int:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from tuner.probe.profile import HardwareProfile, Quantity
-from tuner.probe.storage import format_size
+from engine.config import size_label
+from tuner.printers import text_table
 
 GiB = 1 << 30
 
@@ -14,18 +15,6 @@ def _gbs(q: Quantity) -> str:
 
 def _gib(q: Quantity) -> str:
     return f"{q.value / GiB:.1f} GiB"
-
-
-def _table(header: list[str], rows: list[list[str]], left: int = 0) -> list[str]:
-    """Aligned columns: the first `left` columns (labels) flush left, the numbers right."""
-    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-
-    def fmt(row: list[str]) -> str:
-        cells = [c.ljust(w) if i < left else c.rjust(w)
-                 for i, (c, w) in enumerate(zip(row, widths))]
-        return "  " + "  ".join(cells).rstrip()
-
-    return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
 
 
 def format_summary(profile: HardwareProfile) -> str:
@@ -61,29 +50,29 @@ def _storage_lines(p: HardwareProfile) -> list[str]:
     st = p.storage
     label = "fio" if st.method == "fio" else "FALLBACK (no fio)"
     out = [f"Storage  {label}: {st.tool}, engine {st.ioengine}, test file "
-           f"{format_size(int(st.test_file.value))}, {st.runtime_per_job.value:g} s per job"]
+           f"{size_label(int(st.test_file.value))}, {st.runtime_per_job.value:g} s per job"]
     curve = [pt for pt in st.points if pt.role == "curve" and pt.direct]
     if curve:
         sizes = sorted({pt.request_bytes for pt in curve})
         qds = sorted({pt.queue_depth for pt in curve})
         cell = {(pt.request_bytes, pt.queue_depth): pt for pt in curve}
-        rows = [[format_size(size)] + [_gbs(cell[(size, q)].bandwidth) if (size, q) in cell
+        rows = [[size_label(size)] + [_gbs(cell[(size, q)].bandwidth) if (size, q) in cell
                                        else "-" for q in qds] for size in sizes]
         out.append("  Random read, direct (GB/s)")
-        out += _table(["request"] + [f"QD {q}" for q in qds], rows)
+        out += text_table(["request"] + [f"QD {q}" for q in qds], rows)
     rows = []
     for pt in st.points:
         if pt.role == "curve":
             continue
         what = {"sequential": "sequential read", "latency_4k": "4 KiB latency",
                 "iops_4k": "4 KiB IOPS", "buffered": "buffered read"}[pt.role]
-        rows.append([what, f"{pt.pattern} {format_size(pt.request_bytes)} QD{pt.queue_depth}"
+        rows.append([what, f"{pt.pattern} {size_label(pt.request_bytes)} QD{pt.queue_depth}"
                      f"{'' if pt.direct else ' (cache dropped)'}",
                      _gbs(pt.bandwidth), f"{pt.iops.value:,.0f}", f"{pt.lat_p50.value:,.0f}",
                      f"{pt.lat_p99.value:,.0f}"])
     if rows:
         out.append("")
-        out += _table(["job", "parameters", "GB/s", "IOPS", "p50 µs", "p99 µs"], rows, left=2)
+        out += text_table(["job", "parameters", "GB/s", "IOPS", "p50 µs", "p99 µs"], rows, left=2)
     return out
 
 
@@ -95,8 +84,8 @@ def _memory_lines(p: HardwareProfile) -> list[str]:
     threads = sorted({m.threads for m in p.memory_bandwidth})
     rows = [[str(t)] + [_gbs(cell[(t, op)].bandwidth) if (t, op) in cell else "-"
                         for op in ("read", "copy")] for t in threads]
-    return [f"Memory bandwidth (GB/s; {format_size(int(buf.value))} buffer; copy counts "
-            f"read + write)"] + _table(["threads", "read", "copy"], rows)
+    return [f"Memory bandwidth (GB/s; {size_label(int(buf.value))} buffer; copy counts "
+            f"read + write)"] + text_table(["threads", "read", "copy"], rows)
 
 
 def _matmul_lines(p: HardwareProfile) -> list[str]:
@@ -109,28 +98,4 @@ def _matmul_lines(p: HardwareProfile) -> list[str]:
     rows = [[str(t), dt] + [f"{cell[(t, dt, m)].throughput.value:.1f}" if (t, dt, m) in cell
                             else "-" for m in ms] for t, dt in keys]
     return [f"CPU matmul (GFLOP/s; x[m,{first.k}] times W[{first.n},{first.k}]^T)"] + \
-        _table(["threads", "dtype"] + [f"m={m}" for m in ms], rows)
-
-
-class StderrProgress:
-    """`[3/22] fio randread 1MiB QD4 direct ...` on stderr: one line rewritten in place on a
-    terminal, one line per step otherwise (logs, CI)."""
-
-    def __init__(self, stream=None):
-        import sys
-
-        self._stream = stream or sys.stderr
-        self._tty = hasattr(self._stream, "isatty") and self._stream.isatty()
-
-    def __call__(self, step: int, total: int, label: str) -> None:
-        line = f"[{step}/{total}] {label} ..."
-        if self._tty:
-            self._stream.write("\r\033[K" + line)
-        else:
-            self._stream.write(line + "\n")
-        self._stream.flush()
-
-    def close(self) -> None:
-        if self._tty:
-            self._stream.write("\r\033[K")
-            self._stream.flush()
+        text_table(["threads", "dtype"] + [f"m={m}" for m in ms], rows)

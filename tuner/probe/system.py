@@ -90,7 +90,7 @@ def thread_counts(physical_cores: int) -> list[int]:
 # --- memory ---------------------------------------------------------------------------------
 
 def memory_info() -> MemoryInfo:
-    from engine.cgroup import current_memory_limit
+    from tuner.sandbox import current_memory_limit
 
     vm = psutil.virtual_memory()
     limit = current_memory_limit()

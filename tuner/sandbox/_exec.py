@@ -1,9 +1,9 @@
 """Join a cgroup, then become the real command.
 
-Usage: python -I -S _cgroup_exec.py <cgroup.procs file> <status fd> -- <argv...>
+Usage: python -I -S _exec.py <cgroup.procs file> <status fd> -- <argv...>
 
-engine.cgroup runs this file by path (not `-m engine._cgroup_exec`) so that joining the
-cgroup imports nothing but os and sys: the engine package may import torch one day, and the
+tuner/sandbox/run.py runs this file by path (not `-m tuner.sandbox._exec`) so that joining the
+cgroup imports nothing but os and sys: the tuner package imports optuna and torch, and the
 shim must not depend on the caller's cwd or PYTHONPATH. Joining happens before exec, so every
 page the command touches is charged to the cgroup. The interpreter's own start-up (a few MB) is
 charged to the parent cgroup, and exec throws it away.
@@ -27,7 +27,7 @@ def _fail(status_fd: int, stage: str, err: OSError) -> None:
 
 def main(args: list[str]) -> None:
     if len(args) < 4 or args[2] != "--":
-        sys.stderr.write("usage: _cgroup_exec.py PROCS_FILE STATUS_FD -- ARGV...\n")
+        sys.stderr.write("usage: _exec.py PROCS_FILE STATUS_FD -- ARGV...\n")
         os._exit(2)
     procs_file, status_fd, argv = args[0], int(args[1]), args[3:]
     os.set_inheritable(status_fd, False)

@@ -1,4 +1,4 @@
-"""Expert caches: one contract, three eviction policies, and a fast→slow tier stack.
+"""The cache contract (ExpertCache) and its three eviction policies.
 
 A cache holds opaque values (an expert's tensors; never None, which reads as a miss) under
 hashable keys ((layer, expert)), charged by the byte count the caller gives. Every policy
@@ -20,20 +20,15 @@ Policies:
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.config import atomic_write_text
+from engine.config import CACHE_POLICIES
 from engine.errors import ConfigError
-
-CACHE_POLICIES = ("lru", "lfu", "pinned")
-ROUTING_SCHEMA = "colibri.routing/1"
 
 Key = Hashable
 Evicted = tuple[Key, Any, int]  # (key, value, nbytes)
@@ -358,217 +353,3 @@ def make_cache(
     if policy == "pinned":
         return PinnedCache(capacity_bytes, pinned_keys, pinned_fraction)
     raise ConfigError(f"cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {policy!r}")
-
-
-def _same_value(value: Any, device: str) -> Any:
-    return value
-
-
-class TieredCache:
-    """Exclusive fast→slow tiers (e.g. VRAM then RAM): a key lives in at most one tier.
-
-    put() places an item in the fastest tier that can take it; what that evicts is demoted
-    (moved with `to_device`) to the next tier instead of being dropped, so the tiers' capacities
-    add up. A hit in a slower tier promotes the item to the fastest tier when `promote` is set.
-    Each tier is `(name, cache)` or `(name, cache, device)`; device defaults to "cpu".
-    """
-
-    def __init__(
-        self,
-        tiers: Sequence[tuple],
-        *,
-        to_device: Callable[[Any, str], Any] | None = None,
-        promote: bool = True,
-    ):
-        if not tiers:
-            raise ConfigError("a tiered cache needs at least one tier")
-        self._tiers: list[tuple[str, ExpertCache, str]] = []
-        for tier in tiers:
-            if len(tier) == 2:
-                name, cache = tier
-                device = "cpu"
-            else:
-                name, cache, device = tier
-            self._tiers.append((name, cache, device))
-        names = [t[0] for t in self._tiers]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"tier names must be unique, got {names}")
-        self._to_device = to_device or _same_value
-        self.promote = promote
-        self.hits = 0
-        self.misses = 0
-        self.promotions = 0
-        self.demotions = 0
-        self._lock = threading.RLock()
-
-    @property
-    def tier_names(self) -> list[str]:
-        return [t[0] for t in self._tiers]
-
-    def tier(self, name: str) -> ExpertCache:
-        for tier_name, cache, _device in self._tiers:
-            if tier_name == name:
-                return cache
-        raise KeyError(name)
-
-    def get(self, key: Key) -> tuple[str, Any] | None:
-        """(name of the tier that held it, value) or None.
-
-        Tiers are asked fast to slow, so a key found in a slower tier counts a miss in each
-        faster one. A promoted value is returned as moved to the fastest tier's device.
-        """
-        with self._lock:
-            for index, (name, cache, _device) in enumerate(self._tiers):
-                value = cache.get(key)
-                if value is None:
-                    continue
-                self.hits += 1
-                if index > 0 and self.promote:
-                    value = self._promote(key, index, value)
-                return name, value
-            self.misses += 1
-            return None
-
-    def peek(self, key: Key) -> tuple[str, Any] | None:
-        with self._lock:
-            for name, cache, _device in self._tiers:
-                value = cache.peek(key)
-                if value is not None:
-                    return name, value
-            return None
-
-    def put(self, key: Key, value: Any, nbytes: int) -> str | None:
-        """Store in the fastest tier that accepts it; the tier's name, or None if none can."""
-        with self._lock:
-            for _name, cache, _device in self._tiers:
-                cache.pop(key)
-            return self._place(key, value, nbytes, first=0)
-
-    def tier_of(self, key: Key) -> str | None:
-        with self._lock:
-            for name, cache, _device in self._tiers:
-                if key in cache:
-                    return name
-            return None
-
-    def __contains__(self, key: Key) -> bool:
-        return self.tier_of(key) is not None
-
-    def __len__(self) -> int:
-        with self._lock:
-            return sum(len(cache) for _name, cache, _device in self._tiers)
-
-    @property
-    def hit_rate(self) -> float:
-        lookups = self.hits + self.misses
-        return self.hits / lookups if lookups else 0.0
-
-    def stats(self) -> dict[str, dict]:
-        """Per tier: hits, misses, hit_rate, evictions, inserts, rejected, bytes, items, device."""
-        with self._lock:
-            return {
-                name: {
-                    **cache.stats.as_dict(),
-                    "bytes_used": cache.bytes_used,
-                    "capacity_bytes": cache.capacity_bytes,
-                    "items": len(cache),
-                    "device": device,
-                    "policy": cache.policy,
-                }
-                for name, cache, device in self._tiers
-            }
-
-    def totals(self) -> dict:
-        with self._lock:
-            return {
-                "hits": self.hits,
-                "misses": self.misses,
-                "hit_rate": self.hit_rate,
-                "promotions": self.promotions,
-                "demotions": self.demotions,
-            }
-
-    # ---- movement ------------------------------------------------------------------------------
-
-    def _promote(self, key: Key, index: int, value: Any) -> Any:
-        slow = self._tiers[index][1]
-        fast = self._tiers[0][1]
-        nbytes = slow.nbytes_of(key)
-        if not fast.fits(key, nbytes):
-            return value
-        slow.pop(key)
-        self.promotions += 1
-        self._place(key, value, nbytes, first=0)
-        return fast.peek(key)
-
-    def _place(self, key: Key, value: Any, nbytes: int, first: int) -> str | None:
-        for index in range(first, len(self._tiers)):
-            name, cache, device = self._tiers[index]
-            if not cache.fits(key, nbytes):
-                continue
-            # to_device must be a no-op when the value already lives there (torch's .to is).
-            stored, evicted = cache.put_evicting(key, self._to_device(value, device), nbytes)
-            if not stored:  # fits() said yes under the same lock; kept for safety
-                continue
-            for old_key, old_value, old_nbytes in evicted:
-                if index + 1 < len(self._tiers):
-                    self.demotions += 1
-                    self._place(old_key, old_value, old_nbytes, first=index + 1)
-            return name
-        return None
-
-
-# ---- routing histograms ---------------------------------------------------------------------
-
-
-def _routing_error(path, why: str) -> ConfigError:
-    return ConfigError(f"routing histogram {path}: {why}")
-
-
-def routing_histogram_save(hist: Mapping[tuple[int, int], int], path: str | os.PathLike) -> None:
-    """Write {"schema": ..., "counts": {"L:E": n}} atomically (temp file + rename)."""
-    path = os.fspath(path)
-    counts = {}
-    for (layer, expert), n in sorted(hist.items()):
-        counts[f"{int(layer)}:{int(expert)}"] = int(n)
-    payload = json.dumps({"schema": ROUTING_SCHEMA, "counts": counts}, indent=1)
-    atomic_write_text(path, payload + "\n")
-
-
-def routing_histogram_load(path: str | os.PathLike) -> Counter:
-    """Counter {(layer, expert): count} from a file written by routing_histogram_save."""
-    path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        raise _routing_error(path, "file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _routing_error(path, f"not valid JSON ({exc})") from None
-    if not isinstance(data, dict) or data.get("schema") != ROUTING_SCHEMA:
-        raise _routing_error(path, f'expected "schema": "{ROUTING_SCHEMA}"')
-    counts = data.get("counts")
-    if not isinstance(counts, dict):
-        raise _routing_error(path, '"counts" must be an object of "layer:expert": count')
-    hist: Counter = Counter()
-    for key, n in counts.items():
-        parts = key.split(":")
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
-            raise _routing_error(path, f'bad key {key!r} (expected "layer:expert")')
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise _routing_error(path, f"count for {key} must be a non-negative integer, got {n!r}")
-        hist[(int(parts[0]), int(parts[1]))] = n
-    return hist
-
-
-def hottest_keys(hist: Mapping[Key, int], n: int | None = None) -> list[Key]:
-    """Keys by descending count (ties by key, for a stable order); the first n if given."""
-    ordered = sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))
-    keys = [k for k, count in ordered if count > 0]
-    return keys if n is None else keys[:n]
-
-
-def record_routing(hist: Counter, layer: int, experts: Iterable[int]) -> None:
-    """Count one token's routed experts of one layer into `hist`."""
-    for expert in experts:
-        hist[(int(layer), int(expert))] += 1

@@ -1,4 +1,4 @@
-"""Resolve `--model`: a Hugging Face directory, or the name of a synth preset.
+"""Resolve `--model`: a Hugging Face directory, or the name of a synth preset (synthesized once).
 
 A preset is synthesized once into the cache directory ($COLIBRI_CACHE, default
 ~/.cache/colibri/models) and reused; synthesis is deterministic, so the cache is only a cache.

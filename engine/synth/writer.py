@@ -1,0 +1,167 @@
+"""Writing a synthetic model: shards planned from the tensor plan, written tensor by tensor
+(memory bounded by the largest tensor) into a temporary sibling directory that is renamed into
+place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+from engine.dtypes import ITEMSIZE
+from engine.errors import ConfigError
+from engine.synth.geometry import validate_geometry
+from engine.synth.hf_files import write_side_files
+from engine.synth.recipe import PlannedTensor, _Recipe, tensor_plan
+
+
+def plan_shards(units: list[list[PlannedTensor]], dtype: str, max_shard_size: int) -> list[list[PlannedTensor]]:
+    """Greedy packing of units into shards of at most max_shard_size data bytes (a bigger unit gets its own)."""
+    elem = ITEMSIZE[dtype]
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for unit in units:
+        ub = sum(math.prod(t.shape) * elem for t in unit)
+        if shards[-1] and size + ub > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].extend(unit)
+        size += ub
+    return shards
+
+
+def model_bytes(geometry: dict) -> int:
+    """Bytes of tensor data a synthesized model of this geometry holds (headers excluded)."""
+    g = validate_geometry(geometry)
+    elem = ITEMSIZE[g["dtype"]]
+    return sum(math.prod(t.shape) * elem for unit in tensor_plan(g) for t in unit)
+
+
+# --- synthesis --------------------------------------------------------------------------------
+
+def synthesize(
+    geometry: dict,
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    routing_skew: float | None = None,
+    progress: bool = True,
+    force: bool = False,
+) -> Path:
+    """Write a qwen3_moe HF directory for `geometry` to out_dir, atomically; returns its path.
+
+    routing_skew None takes the geometry's own default (the presets' calibrated value).
+    Refuses an existing non-empty out_dir unless force (then it is replaced only once the new
+    model is complete).
+    """
+    from engine.progress import Progress
+    from engine.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
+
+    g = validate_geometry(geometry)
+    skew = g["routing_skew"] if routing_skew is None else routing_skew
+    if isinstance(skew, bool) or not isinstance(skew, (int, float)) or not math.isfinite(skew) or skew < 0:
+        raise ConfigError(f"routing skew must be a non-negative number, got {skew!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
+    skew = float(skew)
+
+    out = Path(out_dir).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ConfigError(f"output directory {str(out)!r} is not empty (use --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    units = tensor_plan(g)
+    shards = plan_shards(units, g["dtype"], g["max_shard_size"])
+    total = sum(TensorSpec(t.name, t.shape, g["dtype"]).nbytes for s in shards for t in s)
+    free = shutil.disk_usage(out.parent).free
+    if free < total + (16 << 20):
+        raise ConfigError(
+            f"not enough free space in {str(out.parent)!r}: need {total / 2**30:.2f} GiB, have {free / 2**30:.2f} GiB"
+        )
+
+    tmp = out.parent / f"{out.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    import torch
+    threads = torch.get_num_threads()
+    # Element-wise ops on a few MB gain nothing from OpenMP and lose badly to its spin-waits when
+    # the cores are busy (60x slower measured on a loaded 2-core box); randn is serial anyway.
+    torch.set_num_threads(1)
+    try:
+        recipe = _Recipe(g, seed, skew)
+        n = len(shards)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        weight_map: dict[str, str] = {}
+        with Progress(total=total, unit="B", unit_scale=True, desc=f"synth {g.get('name', 'custom')}",
+                      enabled=progress) as bar:
+            for fname, shard in zip(names, shards):
+                specs = [TensorSpec(t.name, t.shape, g["dtype"]) for t in shard]
+                with ShardWriter(tmp / fname, specs) as w:
+                    for t in shard:
+                        bar.update(w.write(t.name, recipe.values(t)))
+                        weight_map[t.name] = fname
+        if n > 1:
+            write_json_atomic(tmp / "model.safetensors.index.json", {
+                "metadata": {"total_size": total,
+                             "total_parameters": sum(math.prod(t.shape) for s in shards for t in s)},
+                "weight_map": dict(sorted(weight_map.items())),
+            })
+        write_side_files(tmp, g, seed, skew)
+        _fsync_dir(tmp)
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished directory to out; an existing out (only with force) is removed afterwards."""
+    old = None
+    if out.exists():
+        if not any(out.iterdir()):
+            out.rmdir()
+        else:
+            old = out.parent / f"{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+    os.replace(tmp, out)
+    _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def summarize(model_dir: str | os.PathLike) -> dict:
+    """What a synthesized directory holds: path, bytes of shards, shard and tensor counts, seed, skew."""
+    d = Path(model_dir)
+    shards = sorted(d.glob("*.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    meta = cfg.get("colibri_synth", {})
+    index = d / "model.safetensors.index.json"
+    tensors = len(json.loads(index.read_text())["weight_map"]) if index.exists() else None
+    if tensors is None:
+        from engine.safetensors_writer import read_header
+        tensors = len(read_header(shards[0])) if shards else 0
+    return {
+        "path": str(d),
+        "bytes": sum(p.stat().st_size for p in shards),
+        "shards": len(shards),
+        "tensors": tensors,
+        "seed": meta.get("seed"),
+        "routing_skew": meta.get("routing_skew"),
+        "preset": meta.get("preset"),
+    }
