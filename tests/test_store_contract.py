@@ -20,7 +20,7 @@ from engine.plan import ACTIVATION_MARGIN, make_plan
 from engine.runtime import Engine
 from engine.store import ExpertStore, ResidentExperts
 from engine.streaming import StreamingExperts, StreamingLayers
-from tests.hf_models import build
+from colibri_hf_models import build
 
 IO_MODES = ("direct", "buffered", "mmap")
 
