@@ -16,8 +16,10 @@ from typing import Callable
 import torch
 
 from .checkpoint import Checkpoint, TensorInfo
+from .container import QuantSpec, check_quantized, container_spec
 from .errors import ModelFormatError
 from .model import ModelArgs, expert_tensor_names, fused_expert_tensor_names
+from .quant import QuantWeight
 
 # Gaps up to this size between an expert's tensors are read through rather than split into
 # two requests (safetensors may pad for alignment).
@@ -55,10 +57,12 @@ class Piece:
 @dataclass(frozen=True)
 class ExpertLocation:
     spans: tuple[Span, ...]
-    pieces: tuple[Piece, ...]  # gate [I,H], up [I,H], down [H,I] (or what `decode` reads)
+    # gate [I,H], up [I,H], down [H,I]; quantized: (qweight, qscale) of each; or what `decode` reads
+    pieces: tuple[Piece, ...]
     # (location, span buffers, dtype) → the expert's tensors, for layouts that are not three
     # plain matrices (gpt_oss: fused with biases, or MXFP4 blocks dequantized on read).
     decode: Callable | None = None
+    quant: QuantSpec | None = None  # a colibri int8/int4 container (engine/container.py)
 
     @property
     def nbytes(self) -> int:
@@ -69,12 +73,17 @@ class ExpertLayout:
     def __init__(self, checkpoint: Checkpoint, args: ModelArgs):
         self.args = args
         self.ckpt = checkpoint
+        self.quant = container_spec(checkpoint)
         self._locations: dict[tuple[int, int], ExpertLocation] = {}
         for layer in range(args.num_layers):
             if not args.is_moe_layer(layer):
                 continue
             if args.expert_impl is not None:  # the architecture knows its own expert tensors
                 self._locations.update(args.expert_impl.locations(checkpoint, layer))
+                continue
+            if self.quant is not None:
+                for e in range(args.num_experts):
+                    self._locations[(layer, e)] = self._quantized(expert_tensor_names(args, layer, e))
                 continue
             fused = fused_expert_tensor_names(args, layer)
             if fused[0] in checkpoint and fused[1] in checkpoint:
@@ -93,6 +102,13 @@ class ExpertLayout:
                                        f"config.json implies {list(shape)}")
         spans, pieces = group_into_spans(infos)
         return ExpertLocation(tuple(spans), tuple(pieces))  # type: ignore[arg-type]
+
+    def _quantized(self, names) -> ExpertLocation:
+        a = self.args
+        shapes = [(a.moe_intermediate_size, a.hidden_size)] * 2 + [(a.hidden_size, a.moe_intermediate_size)]
+        infos = [info for name, shape in zip(names, shapes) for info in check_quantized(self.ckpt, self.quant, name, shape)]
+        spans, pieces = group_into_spans(infos)
+        return ExpertLocation(tuple(spans), tuple(pieces), self.quant)
 
     def _add_fused(self, layer: int, gate_up: TensorInfo, down: TensorInfo) -> None:
         a = self.args
@@ -174,10 +190,15 @@ def tensors_from_buffers(loc: ExpertLocation, buffers: list, dtype: torch.dtype)
     function (model.swiglu_expert) reads what it returns, and a new container format
     (quantized, biased) replaces the pair. Same dtype is a zero-copy view of the buffer, so the
     buffer (the store's slot) lives as long as the tensors do; casting (bf16 on disk, fp32
-    compute) copies.
+    compute) copies. Quantized experts come back as three QuantWeights (engine/quant.py) whose
+    codes are views of the buffer too.
     """
     if loc.decode is not None:
         return loc.decode(loc, buffers, dtype)
+    if loc.quant is not None:
+        q = loc.quant
+        return tuple(QuantWeight.prepare(piece_tensor(buffers, w, w.dtype), piece_tensor(buffers, s, s.dtype),
+                                         q.quant, q.group_size, dtype) for w, s in zip(loc.pieces[0::2], loc.pieces[1::2]))
     gate, up, down = loc.pieces
     if (gate.span == up.span and up.start == gate.start + gate.nbytes and gate.dtype == up.dtype
             and gate.shape == up.shape):
@@ -186,9 +207,39 @@ def tensors_from_buffers(loc: ExpertLocation, buffers: list, dtype: torch.dtype)
     return tuple(piece_tensor(buffers, piece, dtype) for piece in loc.pieces)
 
 
+def expert_memory_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
+    """RAM one routed expert takes once decoded for compute: what the cache and the plan count.
+
+    Plain experts: three matrices in the compute dtype. Quantized: the codes as stored, and
+    scales in the compute dtype (the kernels take them in the activations' dtype)."""
+    if not layout.num_routed:
+        return 0
+    loc = next(iter(layout._locations.values()))
+    if loc.quant is None:  # every weight of the expert (gpt_oss: biases too) in the compute dtype
+        return layout.args.expert_numel * (torch.finfo(dtype).bits // 8)
+    elem = torch.finfo(dtype).bits // 8
+    return sum(w.nbytes + s.nbytes // s.dtype.itemsize * elem for w, s in zip(loc.pieces[0::2], loc.pieces[1::2]))
+
+
+def cast_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
+    """Bytes of a zero-copy expert that are copies all the same: a quantized expert's scales
+    cast to a compute dtype other than the stored bf16 (its codes stay views of the slot)."""
+    if not layout.num_routed:
+        return 0
+    loc = next(iter(layout._locations.values()))
+    if loc.quant is None:
+        return 0
+    scales = [s for s in loc.pieces[1::2] if s.dtype != dtype]
+    return sum(s.nbytes // s.dtype.itemsize * (torch.finfo(dtype).bits // 8) for s in scales)
+
+
 def zero_copy(layout: ExpertLayout, dtype: torch.dtype) -> bool:
-    """Whether the compute tensors are views of the read bytes (no cast needed)."""
-    return layout.num_routed > 0 and all(p.dtype == dtype for p in next(iter(layout._locations.values())).pieces)
+    """Whether the compute tensors are views of the read bytes, so a cached expert holds its slot.
+    Always so for quantized experts (their codes are never copied)."""
+    if not layout.num_routed:
+        return False
+    loc = next(iter(layout._locations.values()))
+    return loc.quant is not None or all(p.dtype == dtype for p in loc.pieces)
 
 
 def slot_bytes(layout: ExpertLayout, direct: bool) -> int:

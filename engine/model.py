@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import UnsupportedModelError, ModelFormatError
+from .quant import linear
 
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 DENSE_TYPES = ("llama", "qwen2", "qwen3")
@@ -332,7 +333,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     # x: [T, H]; gate/up: [I, H]; down: [H, I]
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    # Weights may be QuantWeights (quantized containers): `linear` picks their kernel.
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 def swiglu_expert(x: torch.Tensor, weights: tuple) -> torch.Tensor:
@@ -447,7 +449,7 @@ class Transformer:
         if last_only:
             x = x[-1:]
         x = rms_norm(x, self.w["model.norm.weight"], self.args.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()
 
     def _mask(self, start_pos: int, T: int) -> torch.Tensor | None:
         window = self.args.sliding_window
@@ -495,9 +497,9 @@ class Transformer:
         if a.attention_impl is not None:
             return a.attention_impl.forward(w, p, layer, x, start_pos, kv, cos, sin, mask)
         T = x.shape[0]
-        q = F.linear(x, w[f"{p}.q_proj.weight"], w.get(f"{p}.q_proj.bias"))  # [T, Nq*D]
-        k = F.linear(x, w[f"{p}.k_proj.weight"], w.get(f"{p}.k_proj.bias"))  # [T, Nkv*D]
-        v = F.linear(x, w[f"{p}.v_proj.weight"], w.get(f"{p}.v_proj.bias"))
+        q = linear(x, w[f"{p}.q_proj.weight"], w.get(f"{p}.q_proj.bias"))  # [T, Nq*D]
+        k = linear(x, w[f"{p}.k_proj.weight"], w.get(f"{p}.k_proj.bias"))  # [T, Nkv*D]
+        v = linear(x, w[f"{p}.v_proj.weight"], w.get(f"{p}.v_proj.bias"))
         if a.clip_qkv is not None:
             q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         if a.qk_norm == "full":
@@ -518,7 +520,7 @@ class Transformer:
         out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                              attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads)
         out = out.squeeze(0).transpose(0, 1).reshape(T, a.num_heads * a.head_dim)  # [T, Nq*D]
-        return F.linear(out, w[f"{p}.o_proj.weight"])
+        return linear(out, w[f"{p}.o_proj.weight"])
 
     def _lookahead(self, layer: int, normed: torch.Tensor, residual: torch.Tensor) -> None:
         if self.experts is None or not self.lookahead_depth:

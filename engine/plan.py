@@ -18,6 +18,8 @@ import torch
 from .checkpoint import Checkpoint
 from .config import EngineConfig, format_size
 from .errors import BudgetError
+from .container import dense_nbytes, dense_quantized
+from .layout import cast_bytes, expert_memory_bytes
 from .model import KVCache, ModelArgs, dense_tensor_names
 
 ACTIVATION_MARGIN = 64 << 20  # hidden states, logits, attention scores of a decode step
@@ -81,11 +83,13 @@ class MemoryPlan:
 
 def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, dtype: torch.dtype,
               kv_dtype: torch.dtype, overhead_bytes: int | None = None) -> MemoryPlan:
-    dense = sum(_count(ckpt, n) * _elem(dtype) for n in dense_tensor_names(args))
+    quantized = dense_quantized(ckpt, getattr(layout, "quant", None), dense_tensor_names(args))
+    dense = sum(dense_nbytes(None, quantized[n], _elem(dtype)) if n in quantized else _count(ckpt, n) * _elem(dtype)
+                for n in dense_tensor_names(args))
     kv = KVCache.nbytes_for(args, config.ctx_size, kv_dtype)
     routed = layout.num_routed if layout is not None else 0
     disk_expert = layout.expert_nbytes if layout is not None else 0
-    expert = args.expert_numel * _elem(dtype) if routed else 0
+    expert = expert_memory_bytes(layout, dtype) if routed else 0
     if overhead_bytes is None:
         overhead_bytes = psutil.Process().memory_info().rss + ACTIVATION_MARGIN
     # Reads in flight, demand and lookahead together: the current layer's misses plus
@@ -96,8 +100,10 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     slot = 0 if mapped or not routed else layout.slot_bytes(direct=config.io_mode == "direct")
     # mmap reads are page-cache pages (the expert's disk bytes); others land in a slot. A cast
     # expert (bf16 on disk, fp32 compute) also exists converted while its read is held.
-    buffers = inflight * ((disk_expert if mapped else slot) + (0 if views else expert))
-    entry = slot if views and not mapped else expert
+    # A quantized expert's codes are views of its slot; scales cast to the compute dtype are not.
+    cast = cast_bytes(layout, dtype) if views else 0
+    buffers = inflight * ((disk_expert if mapped else slot) + (cast if views else expert))
+    entry = slot + cast if views and not mapped else expert
     budget = config.ram_budget
 
     if budget > 0 and routed == 0:

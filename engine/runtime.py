@@ -14,6 +14,7 @@ import psutil
 import torch
 
 from .checkpoint import Checkpoint
+from .container import container_spec, dense_quantized, load_dense
 from .config import EngineConfig
 from .dtypes import FLOAT_NAMES, short_dtypes, torch_dtype
 from .layout import ExpertLayout
@@ -77,16 +78,20 @@ class Engine:
         self.threads = threads
 
         # Validate everything we will read before reading any of it.
+        self.quant = container_spec(self.checkpoint)
         dense_names = dense_tensor_names(self.args)
         check_shapes(self.checkpoint, self.args, dense_names)
+        quantized = dense_quantized(self.checkpoint, self.quant, dense_names)
         self.layout = ExpertLayout(self.checkpoint, self.args) if self.args.is_moe else None
 
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them
+        self.kernel_name = self.kernel  # tries (and so pages in) a quantized container's packed kernel too
         self.plan: MemoryPlan = make_plan(self.checkpoint, self.args, self.layout, self.config, self.dtype,
                                           self.kv_dtype)
         t0 = time.perf_counter()
         streamed = self._streamed_layers()
-        weights = {n: self.checkpoint.load(n, self.dtype) for n in dense_names if _layer_of(n) not in streamed}
+        weights = {n: load_dense(self.checkpoint, self.quant, quantized[n], self.dtype) if n in quantized
+                   else self.checkpoint.load(n, self.dtype) for n in dense_names if _layer_of(n) not in streamed}
         self.layers = None
         if streamed:
             from .streaming import StreamingLayers
@@ -116,6 +121,17 @@ class Engine:
         """The store behind the weights the model does not hold: experts or layers (None for a
         dense model held whole). `store.streams` says whether a disk is in the loop."""
         return self.experts if self.experts is not None else self.layers
+
+    @property
+    def kernel(self) -> str:
+        """The matmul the routed experts run through (what run/bench report next to the quant)."""
+        from .quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT8, kernel_works
+        if self.quant is None:
+            return f"F.linear ({str(self.dtype).replace('torch.', '')})"
+        a, q = self.args, self.quant
+        ok = all(kernel_works(q.quant, n, k, q.group_size, self.dtype)
+                 for n, k in ((a.moe_intermediate_size, a.hidden_size), (a.hidden_size, a.moe_intermediate_size)))
+        return (KERNEL_INT4 if q.quant == "int4" else KERNEL_INT8) if ok else KERNEL_DEQUANT
 
     def _compute_dtype(self) -> torch.dtype:
         if self.config.dtype == "auto":

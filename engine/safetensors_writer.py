@@ -23,7 +23,7 @@ from .dtypes import FLOAT_NAMES, ITEMSIZE, TAG_OF, torch_dtype
 # reinterpreted for numpy (which has no bf16).
 DTYPES: dict[str, tuple[str, int, torch.dtype]] = {
     name: (TAG_OF[name], ITEMSIZE[name], torch.int16 if name == "bfloat16" else torch_dtype(name))
-    for name in (*FLOAT_NAMES, "uint8")}  # uint8: packed data (MXFP4 blocks and scales)
+    for name in (*FLOAT_NAMES, "int8", "uint8")}  # integers: MXFP4 blocks/scales, quantized containers (engine/container.py)
 
 # Data starts on a 4 KiB boundary so O_DIRECT readers can address the first tensor without
 # straddling the header; the JSON header is padded with spaces, which the format allows.
@@ -44,9 +44,9 @@ class TensorSpec:
         return n
 
 
-def build_header(specs: list[TensorSpec]) -> bytes:
+def build_header(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
     """8-byte little-endian length + JSON header, padded so the data section is DATA_ALIGN-aligned."""
-    header: dict = {"__metadata__": {"format": "pt"}}
+    header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for s in specs:
         header[s.name] = {
@@ -69,17 +69,30 @@ class ShardWriter:
     whose header lies about its contents.
     """
 
-    def __init__(self, path: Path, specs: list[TensorSpec]):
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str] | None = None):
         self.path = Path(path)
         self.specs = list(specs)
+        self.metadata = metadata
         self._next = 0
         self._f: BinaryIO | None = None
         self._scratch: torch.Tensor | None = None
 
     def __enter__(self) -> "ShardWriter":
         self._f = open(self.path, "wb")
-        self._f.write(build_header(self.specs))
+        self._header = build_header(self.specs, self.metadata)
+        self._f.write(self._header)
         return self
+
+    def restamp(self, metadata: dict[str, str]) -> None:
+        """Replace the metadata once the data is written (e.g. a checksum of what went in).
+
+        The new header must have the same length, so fields known only at the end are planned
+        with same-length placeholders; the data offsets cannot move.
+        """
+        header = build_header(self.specs, metadata)
+        if len(header) != len(self._header):
+            raise ValueError(f"{self.path.name}: restamped header changes length")
+        self.metadata, self._header = metadata, header
 
     def write(self, name: str, tensor: torch.Tensor) -> int:
         """Write the next planned tensor; returns the number of data bytes written."""
@@ -117,6 +130,8 @@ class ShardWriter:
                 if self._next != len(self.specs):
                     missing = self.specs[self._next].name
                     raise ValueError(f"{self.path.name}: closed before writing {missing}")
+                self._f.seek(0)
+                self._f.write(self._header)
                 self._f.flush()
                 os.fsync(self._f.fileno())
         finally:

@@ -436,7 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_plan, add_report, add_profile, add_compare]
+def _quant_adders():
+    from tuner.quant_commands import add_convert, add_quality
+    return [add_convert, add_quality]
+
+
+ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_plan, add_report, add_profile, add_compare, *_quant_adders()]
 
 
 def main(argv: list[str] | None = None) -> int:

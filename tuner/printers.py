@@ -91,8 +91,13 @@ def run_text(m: dict) -> str:
 
 def run_header(r: dict) -> str:
     mode = f"streaming ({r['config']['io_mode']})" if r["plan"]["streaming"] else "resident"
-    return (f"[{mode}, {r['compute_dtype']}, {r['threads']} threads, prompt {r['prompt_tokens']} "
+    return (f"[{mode}, {r['compute_dtype']}, {_quant(r)}, {r['threads']} threads, prompt {r['prompt_tokens']} "
             f"tokens, {r['generated_tokens']} generated]")
+
+
+def _quant(r: dict) -> str:
+    """Which weights and which matmul: 'int4-g64 via aten._weight_int4pack_mm_for_cpu'."""
+    return f"{r.get('quant') or 'none'} via {r.get('kernel') or '?'}"
 
 
 def bench_text(r: dict) -> str:
@@ -102,7 +107,7 @@ def bench_text(r: dict) -> str:
               if cg.get("limited") else f"no cgroup ({cg.get('reason') or 'not requested'})")
     c = r["config"]
     return "\n".join([
-        f"model {r['model']} ({r['geometry']['model_type']}, {r['compute_dtype']}) | "
+        f"model {r['model']} ({r['geometry']['model_type']}, {r['compute_dtype']}, {_quant(r)}) | "
         f"{'cold' if r['cold'] else 'warm'} | {r['tokens']} tokens x {r['repeats']} repeats | {cgroup}",
         f"config: budget {format_size(c['ram_budget']) if c['ram_budget'] else 'none'}, io {r['io_mode_effective']}, "
         f"chunk {format_size(c['chunk_size'])}, prefetch {c['prefetch_depth']}, cache {c['cache_policy']} "

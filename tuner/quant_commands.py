@@ -1,0 +1,84 @@
+"""`colibri convert` and `colibri quality`: argument parsing over engine.convert and tuner.quality."""
+
+from __future__ import annotations
+
+import sys
+
+from tuner.printers import print_json as _print_json
+
+
+def add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="write an int8 / int4 quantized container of a model (docs/FORMAT.md)")
+    p.add_argument("src", help="source model directory, or a synth preset name")
+    p.add_argument("-o", "--out", required=True, metavar="DST", help="output directory (written atomically)")
+    p.add_argument("--quant", choices=["int8", "int4"], default="int4")
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64, help="int4 group size (default 64)")
+    p.add_argument("--scope", choices=["experts", "all"], default="experts",
+                   help="experts (default): routed experts only; all: every linear weight but embeddings/routers")
+    p.add_argument("--force", action="store_true", help="replace a non-empty DST")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: the per-matrix work is small, and on a shared box extra "
+                        "threads spin more than they compute)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(args) -> int:
+    import time
+    from engine.convert import convert
+    from engine.resolve import resolve_model
+
+    def progress(event, **f):
+        if args.json:
+            return
+        if event == "shard":
+            end = "\n" if f["done"] == f["total"] else ""
+            print(f"\r  shard {f['index']}/{f['shards']} {f['name']}: {f['done']}/{f['total']} tensors/experts",
+                  end=end, file=sys.stderr, flush=True)
+        elif event == "check":
+            print(f"  kept {f['name']} (checksum {'ok' if f['ok'] else 'MISMATCH: rewriting'})", file=sys.stderr)
+        elif event == "discard":
+            print(f"  discarding {f['path']}: {f['reason']}", file=sys.stderr)
+
+    import torch
+    torch.set_num_threads(max(args.threads, 1))
+    src = resolve_model(args.src, progress=not args.json)
+    t0 = time.perf_counter()
+    summary = convert(src, args.out, args.quant, args.group_size, args.scope, force=args.force, progress=progress)
+    summary["seconds"] = round(time.perf_counter() - t0, 2)
+    if args.json:
+        _print_json(summary)
+    else:
+        print(f"wrote {summary['path']}: {summary['label']} ({summary['scope']}), {summary['bytes'] / 2**20:.1f} MiB "
+              f"from {summary['source_bytes'] / 2**20:.1f} MiB, {summary['shards']} shard(s) "
+              f"({summary['shards_kept']} kept from an interrupted run), {summary['seconds']:.1f} s")
+    return 0
+
+
+def add_quality(sub) -> None:
+    p = sub.add_parser("quality", help="KL divergence, top-1 agreement and perplexity of a model against a reference")
+    p.add_argument("--model", required=True, help="the model under test (e.g. a quantized container)")
+    p.add_argument("--reference", required=True, help="the reference model (e.g. the bf16 source)")
+    p.add_argument("--tokens", type=int, default=4096, help="length of the token stream (default 4096)")
+    p.add_argument("--ctx", type=int, default=512, help="chunk length; the second half of each is scored")
+    p.add_argument("--text", help="UTF-8 text file to score (default: held-out Python stdlib sources)")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="compute dtype of both models")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_quality)
+
+
+def cmd_quality(args) -> int:
+    from tuner.quality import format_quality, measure_quality
+
+    def progress(label, i, n):
+        if not args.json:
+            print(f"\r  {label}: chunk {i}/{n}", end="\n" if i == n else "", file=sys.stderr, flush=True)
+
+    r = measure_quality(args.model, args.reference, tokens=args.tokens, ctx=args.ctx, text_file=args.text,
+                        dtype=args.dtype, threads=args.threads, progress=progress)
+    if args.json:
+        _print_json(r)
+    else:
+        print(format_quality(r))
+    return 0
