@@ -108,7 +108,7 @@ class ExpertLayout:
         shapes = [(a.moe_intermediate_size, a.hidden_size)] * 2 + [(a.hidden_size, a.moe_intermediate_size)]
         infos = [info for name, shape in zip(names, shapes) for info in check_quantized(self.ckpt, self.quant, name, shape)]
         spans, pieces = group_into_spans(infos)
-        return ExpertLocation(tuple(spans), tuple(pieces), self.quant)
+        return ExpertLocation(tuple(spans), tuple(pieces), quant=self.quant)
 
     def _add_fused(self, layer: int, gate_up: TensorInfo, down: TensorInfo) -> None:
         a = self.args

@@ -80,8 +80,8 @@ class Engine:
         # Validate everything we will read before reading any of it.
         self.quant = container_spec(self.checkpoint)
         dense_names = dense_tensor_names(self.args)
-        check_shapes(self.checkpoint, self.args, dense_names)
-        quantized = dense_quantized(self.checkpoint, self.quant, dense_names)
+        quantized = dense_quantized(self.checkpoint, self.quant, dense_names)  # checks their own shapes
+        check_shapes(self.checkpoint, self.args, [n for n in dense_names if n not in quantized])
         self.layout = ExpertLayout(self.checkpoint, self.args) if self.args.is_moe else None
 
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them

@@ -65,6 +65,14 @@ register_role("MXFP4 expert blocks/scales", r"\.mlp\.experts\.(gate_up|down)_pro
               applies=lambda config: config.get("model_type") == "gpt_oss")
 
 
+# colibri int8/int4 containers (engine/container.py, docs/FORMAT.md): `<name>.qweight` codes
+# (int8: I8; int4: U8 nibbles, packed) and `<name>.qscale` BF16 scales. Which of I8/U8 a quant
+# level stores, a missing or unknown stamp, and shapes are the container's own checks, made
+# where it reads the stamp, so they are not asked of config.json here.
+register_role("quantized codes", r"\.qweight$", {"I8", "U8"})
+register_role("quantization scales", r"\.qscale$", {"BF16"})
+
+
 def role_of(tensor_name: str, config: dict) -> TensorRole | None:
     for role in _ROLES:
         if role.pattern.search(tensor_name) and (role.applies is None or role.applies(config)):
