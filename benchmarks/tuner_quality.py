@@ -106,6 +106,62 @@ def run_tuner(table: dict, trials: int, seed: int, sampler: str = "gp") -> list[
     return seen
 
 
+def run_tuner_model(table: dict, trials: int, seed: int, predicted: dict, warm_starts: int = 3) -> list[str]:
+    """`colibri tune` with the cost model: points predicted not to fit are never run (the sampler
+    is told they are infeasible, no evaluation spent), the top predicted points are enqueued
+    first as warm starts, then the baseline, then the GP sampler as without the model."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.GPSampler(seed=seed, n_startup_trials=3))
+    ranked = sorted((k for k, v in predicted.items() if v is not None), key=lambda k: -predicted[k])
+    for k in ranked[:warm_starts]:
+        study.enqueue_trial(json.loads(k))
+    study.enqueue_trial(BASELINE)
+    seen: list[str] = []
+    for _ in range(trials * 4):  # asks; refused points cost no evaluation
+        if len(seen) >= trials:
+            break
+        t = study.ask()
+        point = {n: t.suggest_categorical(n, GRID[n]) for n in GRID}
+        k = key_of(point)
+        if predicted.get(k) is None:  # predicted not to fit: never run
+            t.set_constraint("violation", 0.05)
+            study.tell(t, 0.0)
+            continue
+        seen.append(k)
+        t.set_constraint("violation", 0.0 if table[k]["status"] == "ok" else 0.05)
+        study.tell(t, table[k]["decode_tok_s"])
+    return seen
+
+
+def predict_grid(model_dir, profile_path: str, budget: int, threads: int, ctx: int, args) -> dict:
+    """Cost-model decode tok/s of every grid point (None: predicted not to fit), with the factors
+    the profile carries and the grid's own measurement conditions."""
+    from tuner.costmodel.calibrate import factors_from_profile
+    from tuner.costmodel.command import DEFAULT_OVERHEAD_BYTES, make_routing
+    from tuner.costmodel.geometry import resolve
+    from tuner.costmodel.hardware import HardwareView
+    from tuner.costmodel.predict import Factors, RunConditions, predict
+    from tuner.probe.profile import load_profile
+    profile = load_profile(profile_path)
+    factors = factors_from_profile(profile) or Factors()
+    overhead = int((profile.cost_model or {}).get("overhead_bytes") or DEFAULT_OVERHEAD_BYTES)
+    geometry = resolve(str(model_dir))
+    hw = HardwareView(profile)
+    routing = make_routing("auto", geometry)
+    run = RunConditions(prompt_tokens=args.prompt_tokens, tokens=args.tokens, repeats=args.repeats, cold=True)
+    out = {}
+    for point in all_points():
+        p = predict(geometry, geometry.native_quant, config_of(point, budget, threads, ctx), hw, routing, factors, run,
+                    overhead)
+        out[key_of(point)] = p.decode_tok_s if p.fits else None
+    return out
+
+
+def evaluations_to_reach(table: dict, seen: list[str], target: float) -> int | None:
+    """1-based index of the first evaluation at or above `target`, None if never."""
+    return next((i + 1 for i, k in enumerate(seen) if table[k]["decode_tok_s"] >= target), None)
+
+
 def run_random(table: dict, trials: int, seed: int) -> list[str]:
     keys = sorted(table)
     random.Random(seed).shuffle(keys)
@@ -141,6 +197,35 @@ def run_tuner_tpe(table: dict, trials: int, seed: int) -> list[str]:
 METHODS = {"tuner": run_tuner, "tuner-tpe": run_tuner_tpe, "random": run_random, "greedy": run_greedy}
 
 
+def reach_table(table: dict, predicted: dict, top: float, args) -> dict:
+    """Evaluations each method needs to reach 95% of the grid's best, over seeds."""
+    from scipy.stats import spearmanr
+    keys = [k for k in table if predicted.get(k) is not None and table[k]["status"] == "ok"]
+    rho = spearmanr([predicted[k] for k in keys], [table[k]["decode_tok_s"] for k in keys]).statistic
+    dropped = [k for k in table if predicted.get(k) is None]
+    target = 0.95 * top
+    methods = {"tuner": lambda s: run_tuner(table, args.reach_budget, s),
+               "tuner+model": lambda s: run_tuner_model(table, args.reach_budget, s, predicted),
+               "random": lambda s: run_random(table, args.reach_budget, s)}
+    out = {"target_tok_s": target, "budget": args.reach_budget, "spearman_predicted_vs_grid": float(rho),
+           "prefilter_dropped": dropped,
+           "prefilter_dropped_feasible": [k for k in dropped if table[k]["status"] == "ok"]}
+    print(f"\nEvaluations to reach 95% of the grid's best ({target:.3f} tok/s), at most {args.reach_budget}, "
+          f"{args.seeds} seeds; cost model vs grid: Spearman {rho:.2f}, pre-filter dropped {len(dropped)} point(s), "
+          f"{len(out['prefilter_dropped_feasible'])} of them feasible:")
+    print(f"  {'method':12} {'median':>7} {'mean':>7} {'worst':>7} {'reached':>8}")
+    for name, method in methods.items():
+        counts = [evaluations_to_reach(table, method(seed), target) for seed in range(args.seeds)]
+        got = [c for c in counts if c is not None]
+        # Not reached within the budget counts as budget + 1 (a lower bound on the truth).
+        filled = [c if c is not None else args.reach_budget + 1 for c in counts]
+        out[name] = {"median": statistics.median(filled), "mean": statistics.fmean(filled), "worst": max(filled),
+                     "reached": len(got), "seeds": args.seeds, "counts": counts}
+        print(f"  {name:12} {out[name]['median']:7.1f} {out[name]['mean']:7.1f} {out[name]['worst']:7d} "
+              f"{len(got):>4}/{args.seeds}")
+    return out
+
+
 def best_of(table: dict, keys: list[str]) -> str:
     return max(keys, key=lambda k: table[k]["decode_tok_s"])
 
@@ -159,6 +244,12 @@ def main(argv=None) -> int:
     p.add_argument("--trial-timeout", type=float, default=600)
     p.add_argument("--confirm-rounds", type=int, default=2)
     p.add_argument("--out", default="reports/tuner_quality")
+    p.add_argument("--profile", help="calibrated profile: also replay the tuner with the cost model "
+                                     "(pre-filter + warm starts) and count evaluations to 95%% of the grid's best")
+    p.add_argument("--reach-budget", type=int, default=18, help="most evaluations when counting evaluations to 95%%")
+    p.add_argument("--max-new", type=int, default=0,
+                   help="measure at most N missing grid points, then stop (0: all); lets a shared box "
+                        "measure the grid in short lock holds")
     args = p.parse_args(argv)
 
     import psutil
@@ -178,10 +269,16 @@ def main(argv=None) -> int:
             table = saved["table"]
     points = all_points()
     t0 = time.monotonic()
+    measured_now = 0
     for i, point in enumerate(points):
         k = key_of(point)
         if k in table:
             continue
+        if args.max_new and measured_now >= args.max_new:
+            print(f"grid: {len(table)}/{len(points)} points measured; stopping (--max-new {args.max_new})",
+                  file=sys.stderr)
+            return 0
+        measured_now += 1
         table[k] = measure(model_dir, config_of(point, budget, threads, args.min_ctx), args)
         atomic_write_text(grid_path, json.dumps({"conditions": conditions, "table": table}, indent=1))
         print(f"grid {i + 1}/{len(points)}: {k} -> {table[k]['status']} {table[k]['decode_tok_s']:.3f} tok/s "
@@ -215,6 +312,18 @@ def main(argv=None) -> int:
               f"{r['evaluations_median']:6.0f} {r['found_grid_best']:>5}/{r['seeds']}")
     print(f"  {'grid':9} {1:7.1%} {1:7.1%} {1:7.1%} {len(table):6d}")
 
+    reach = {}
+    if args.profile:
+        predicted = predict_grid(model_dir, args.profile, budget, threads, args.min_ctx, args)
+        reach = reach_table(table, predicted, top, args)
+
+    if args.confirm_rounds <= 0:
+        report = {"conditions": conditions, "grid": {"points": len(table), "best": grid_best, "best_tok_s": top},
+                  "replay": replay, "reach_95": reach, "table": table}
+        atomic_write_text(out / "tuner_quality.json", json.dumps(report, indent=2))
+        print(f"\nwritten: {out / 'tuner_quality.json'} (no confirmation round)")
+        return 0
+
     # Confirmation: distinct picks, grid best first, baseline last, interleaved.
     order = [grid_best] + [r["seed0_pick"] for r in replay.values()]
     labels: dict[str, list[str]] = {}
@@ -242,7 +351,7 @@ def main(argv=None) -> int:
               f"{med[k] / base:5.2f}x baseline  {k}")
 
     report = {"conditions": conditions, "grid": {"points": len(table), "best": grid_best, "best_tok_s": top},
-              "replay": replay, "confirmation": {k: {"labels": labels[k], "median": med[k], "runs": confirmed[k]}
+              "replay": replay, "reach_95": reach, "confirmation": {k: {"labels": labels[k], "median": med[k], "runs": confirmed[k]}
                                                  for k in seq}}
     atomic_write_text(out / "tuner_quality.json", json.dumps(report, indent=2))
     print(f"\nwritten: {out / 'tuner_quality.json'}")

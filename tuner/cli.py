@@ -211,6 +211,8 @@ def add_tune(sub) -> None:
     t.add_argument("--confirm-top", type=int, default=3, help="candidates re-measured against the baseline "
                                                               "(0: no confirmation round)")
     t.add_argument("--confirm-rounds", type=int, default=2, help="most confirmation rounds (time permitting)")
+    t.add_argument("--no-cost-model", dest="cost_model", action="store_false",
+                   help="search the full read-size / I/O-thread ranges and enqueue no predicted configs")
     t.add_argument("--sampler", choices=SAMPLERS, default="auto",
                    help="auto (default): GP for one objective, TPE for --objective both")
     p.add_argument("--json", action="store_true", help="print result.json")
@@ -228,7 +230,8 @@ def cmd_tune(args) -> int:
         study_name=args.study_name, resume=args.resume, from_profile=args.from_profile, profile=args.profile,
         seed=args.seed, tokens=args.tokens, repeats=args.repeats, prompt_tokens=args.prompt_tokens, cold=args.cold,
         trial_timeout=args.trial_timeout, cgroup_limit=parse_size(args.cgroup_limit) if args.cgroup_limit else None,
-        confirm_top=args.confirm_top, confirm_rounds=args.confirm_rounds, sampler=args.sampler)
+        confirm_top=args.confirm_top, confirm_rounds=args.confirm_rounds, sampler=args.sampler,
+        cost_model=args.cost_model)
     outcome = run_tune(opts)
     if args.json:
         _print_json(outcome.result)
@@ -279,6 +282,24 @@ def cmd_synth(args) -> int:
         _print_json(summary)
     else:
         print(synth_text(summary))
+    return 0
+
+
+def add_plan(sub) -> None:
+    from tuner.costmodel.command import add_plan_arguments
+    p = sub.add_parser("plan", help="predict the memory plan, speed and bottleneck of a model on a profile; "
+                                    "calibrate the prediction on a tune run")
+    add_plan_arguments(p)
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    from tuner.costmodel.command import format_plan, run_plan
+    result = run_plan(args)
+    if args.json:
+        _print_json(result)
+    else:
+        print(format_plan(result))
     return 0
 
 
@@ -415,7 +436,8 @@ def _quant_adders():
     return [add_convert, add_quality]
 
 
-ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_report, add_profile, add_compare, *_quant_adders()]
+ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_plan, add_report, add_profile, add_compare,
+          *_quant_adders()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,12 +76,13 @@ def _decode_dataclass(cls: type, data: Any, path: str, error, check, unit) -> An
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise error(f"{path}: unknown key {unknown[0]!r}")
-    missing = [name for name in fields if name not in data]
+    # A field marked optional (metadata {"optional": True}) may be absent: its default applies.
+    missing = [name for name in fields if name not in data and not fields[name].metadata.get("optional")]
     if missing:
         raise error(f"{path}: missing key {missing[0]!r}")
     hints = typing.get_type_hints(cls)
     values = {name: decode(hints[name], data[name], f"{path}.{name}", error, check, f.metadata.get("unit"))
-              for name, f in fields.items()}
+              for name, f in fields.items() if name in data}
     if check is not None:
         values = check(cls, values, path, unit)
     return cls(**values)
@@ -144,7 +145,8 @@ def _object_schema(cls: type, defs: dict) -> dict:
         if f.metadata.get("doc"):
             prop = {**prop, "description": f.metadata["doc"]}
         props[f.name] = prop
-    out = {"type": "object", "properties": props, "required": [f.name for f in dataclasses.fields(cls)],
+    out = {"type": "object", "properties": props,
+           "required": [f.name for f in dataclasses.fields(cls) if not f.metadata.get("optional")],
            "additionalProperties": False}
     if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):
         out = {"description": " ".join(cls.__doc__.split()), **out}

@@ -69,6 +69,10 @@ class SearchSpace:
     routing_histogram: str = ""
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES
     model: ModelFacts | None = None
+    # Read sizes and I/O threads to search: all by default; the cost model narrows them to where
+    # the probe's read curve still rises or is flat (tuner/costmodel/search.py:curve_region).
+    chunk_sizes: tuple[int, ...] = CHUNK_SIZES
+    io_thread_choices: tuple[int, ...] = IO_THREADS
     _plan_inputs: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -90,13 +94,13 @@ class SearchSpace:
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
         d = {
-            "chunk_size": CategoricalDistribution(CHUNK_SIZES),
+            "chunk_size": CategoricalDistribution(self.chunk_sizes),
             "prefetch_depth": IntDistribution(*PREFETCH_DEPTHS),
             "cpu_cache_ratio": FloatDistribution(CPU_CACHE_RATIO[0], CPU_CACHE_RATIO[1], step=CPU_CACHE_RATIO[2]),
             "threads": IntDistribution(1, self.logical_cores),
             "ctx_size": CategoricalDistribution(self.ctx_sizes),
             "io_mode": CategoricalDistribution(IO_MODES),
-            "io_threads": CategoricalDistribution(IO_THREADS),
+            "io_threads": CategoricalDistribution(self.io_thread_choices),
             "cache_policy": CategoricalDistribution(self.cache_policies),
         }
         if self.has_gpu:
@@ -134,13 +138,13 @@ class SearchSpace:
     def params_of(self, config: EngineConfig) -> dict:
         """The point of this space a config sits on (for enqueueing warm starts)."""
         params = {
-            "chunk_size": _nearest(CHUNK_SIZES, config.chunk_size),
+            "chunk_size": _nearest(self.chunk_sizes, config.chunk_size),
             "prefetch_depth": min(max(config.prefetch_depth, PREFETCH_DEPTHS[0]), PREFETCH_DEPTHS[1]),
             "cpu_cache_ratio": _snap(config.cpu_cache_ratio, *CPU_CACHE_RATIO),
             "threads": min(max(config.threads or self.physical_cores, 1), self.logical_cores),
             "ctx_size": min((c for c in self.ctx_sizes if c >= config.ctx_size), default=self.ctx_sizes[-1]),
             "io_mode": config.io_mode,
-            "io_threads": _nearest(IO_THREADS, config.io_threads),
+            "io_threads": _nearest(self.io_thread_choices, config.io_threads),
             "cache_policy": config.cache_policy if config.cache_policy in self.cache_policies else "lru",
         }
         if self.has_gpu:

@@ -75,6 +75,7 @@ class TuneOptions:
     confirm_top: int = 3  # 0: no confirmation round (recommend the best search trial as is)
     confirm_rounds: int = 2  # at most; at least one, more while the time budget allows
     sampler: str = "auto"  # gp for one objective, tpe for two (chosen by benchmarks/tuner_quality.py)
+    cost_model: bool = True  # narrow read sizes / I/O threads to the probe curve, enqueue predicted best
 
     def validate(self) -> "TuneOptions":
         if self.objective not in OBJECTIVES:
@@ -195,6 +196,11 @@ class _Run:
         hist = self.calibration.get("routing_histogram")
         self.space.with_pinned = bool(hist and Path(hist).exists())
         self.space.routing_histogram = hist or ""
+        if opts.cost_model and self.study_name not in self.existing:
+            from tuner.costmodel.search import narrow_space
+            region = narrow_space(self.space, self.profile)
+            self.log(f"cost model: read sizes {', '.join(format_size(c) for c in region['chunk_size'])}; "
+                     f"I/O threads {', '.join(map(str, region['io_threads']))} (the probe curve's rising or flat part)")
         self.study = self._open_study()
 
     def settings(self) -> dict:
@@ -218,6 +224,9 @@ class _Run:
                                       f"histogram could be recorded here (calibration: "
                                       f"{self.calibration.get('status')})")
                 self.space.with_pinned = had_pinned
+                # Read sizes and I/O threads as the study was made with: identical on every worker.
+                self.space.chunk_sizes = tuple(recorded["space"].get("chunk_size", self.space.chunk_sizes))
+                self.space.io_thread_choices = tuple(recorded["space"].get("io_threads", self.space.io_thread_choices))
         study = optuna.create_study(storage=self.storage, study_name=self.study_name,
                                     directions=objective.DIRECTIONS[self.opts.objective],
                                     sampler=make_sampler(self.opts, self.shared), load_if_exists=True)
@@ -227,16 +236,39 @@ class _Run:
         return study
 
     def _enqueue_warm_starts(self, study: optuna.Study) -> None:
+        fresh = not study.trials
         study.enqueue_trial(self.space.params_of(self.space.baseline()), user_attrs={"role": "baseline"},
                             skip_if_exists=True)
+        queued = 1
         if self.warm_entry:
             try:
                 config = EngineConfig.from_dict(self.warm_entry["config"], source="--from-profile config")
             except ConfigError as exc:
                 self.log(f"--from-profile: skipped an unusable recorded config ({exc})")
-                return
-            study.enqueue_trial(self.space.params_of(config), user_attrs={"role": "from_profile"},
-                                skip_if_exists=True)
+            else:
+                study.enqueue_trial(self.space.params_of(config), user_attrs={"role": "from_profile"},
+                                    skip_if_exists=True)
+                queued += 1
+        if self.opts.cost_model and self.facts.has_experts and fresh:
+            self._enqueue_predicted(study, queued)
+
+    def _enqueue_predicted(self, study: optuna.Study, queued: int) -> None:
+        """The cost model's top predicted configs, measured right after the baseline."""
+        from tuner.costmodel.predict import RunConditions
+        from tuner.costmodel.search import study_warm_starts
+        o = self.opts
+        # Never more than the trial budget leaves after the baseline: queued trials that never
+        # run would sit in the study as WAITING.
+        n = 3 if o.trials is None else max(0, min(3, o.trials - queued))
+        if not n:
+            return
+        run = RunConditions(prompt_tokens=o.prompt_tokens, tokens=o.tokens, repeats=o.repeats, cold=o.cold)
+        for r in study_warm_starts(self.space, self.profile, self.model_dir, run, n):
+            study.enqueue_trial(self.space.params_of(r.config), skip_if_exists=True,
+                                user_attrs={"role": "model", "predicted_decode_tok_s": r.prediction.decode_tok_s})
+            self.log(f"cost model: warm start {r.config.io_mode}, chunk {format_size(r.config.chunk_size)}, "
+                     f"prefetch {r.config.prefetch_depth}, cache ratio {r.config.cpu_cache_ratio}, "
+                     f"{r.config.cache_policy}: predicted {r.prediction.decode_tok_s:.3g} tok/s")
 
     # --- search -------------------------------------------------------------------------------
 

@@ -178,6 +178,9 @@ class HardwareProfile:
     gpus: list[GpuInfo]
     # Written by the tuner (profiles.py), validated there; the probe leaves it empty.
     best_configs: list[dict[str, Any]] = field(default_factory=list)
+    # The cost model's fitted efficiency factors for this machine (tuner/costmodel/calibrate.py
+    # validates the content). Optional: profiles written before it existed still load.
+    cost_model: dict[str, Any] = field(default_factory=dict, metadata={"optional": True})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,0 +1,323 @@
+"""The cost model: plan arithmetic, monotonicity, calibration, what-if, pre-filter."""
+
+import copy
+import dataclasses
+import math
+
+import pytest
+
+from engine import synth
+from engine.config import EngineConfig
+from engine.errors import BudgetError
+from tests.test_probe_profile import make_profile
+from tuner.costmodel import calibrate as cal
+from tuner.costmodel.geometry import bytes_per_weight, from_model_dir, resolve
+from tuner.costmodel.hardware import HardwareView, apply_what_if
+from tuner.costmodel.memplan import fits, plan_memory
+from tuner.costmodel.predict import Factors, RunConditions, combine, components, predict
+from tuner.costmodel.routing import synth_skew, uniform
+from tuner.costmodel.search import curve_region, prefilter
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("costmodel") / "tiny"
+    synth.synthesize(synth.load_preset("tiny"), d, seed=0, progress=False)
+    return d
+
+
+@pytest.fixture()
+def hw():
+    return HardwareView(make_profile())
+
+
+# --- plan arithmetic ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["glm-5", "deepseek-v3", "qwen3-235b-a22b", "mixtral-8x22b", "olmoe-1b-7b"])
+def test_spec_parameter_counts_match_the_published_totals(name):
+    g = resolve(name)
+    assert g.total_params == pytest.approx(g.published_total_params, rel=0.01)
+    assert g.active_params == pytest.approx(g.published_active_params, rel=0.1)
+
+
+def test_glm5_sizes_at_int4_and_mla_kv():
+    g = resolve("glm-5")
+    # 75 MoE layers x 256 experts; one expert = 3 x 6144 x 2048 weights at 4.5 bits + group scales.
+    assert g.routed_experts == 75 * 256
+    assert g.expert_bytes("int4") == 3 * 6144 * 2048 * (0.5 + 4 / 64)
+    assert bytes_per_weight("int8", 2048) == 1 + 2 / 2048
+    plan = plan_memory(g, "int4", EngineConfig(ram_budget=64 * GiB, ctx_size=8192, prefetch_depth=1), 300 * MiB)
+    # KV: latent 512 + rope key 64 + indexer key 128 per position per layer, bf16.
+    assert plan.kv_bytes == 78 * (512 + 64 + 128) * 8192 * 2
+    assert plan.dense_bytes == pytest.approx(g.dense_bytes("int4"), abs=4096)
+    assert plan.cache_bytes == pytest.approx(
+        64 * GiB - plan.dense_bytes - plan.kv_bytes - plan.buffer_bytes - 300 * MiB, abs=1)
+
+
+def test_stand_in_plan_equals_the_engines_plan_on_a_real_checkpoint(tiny):
+    g = from_model_dir(tiny)
+    cfg = EngineConfig(ram_budget=400 * MiB, ctx_size=256, prefetch_depth=2, cpu_cache_ratio=0.7)
+    native = plan_memory(g, "bf16", cfg, 200 * MiB)
+    spec = plan_memory(dataclasses.replace(g, model_dir=None), "bf16", cfg, 200 * MiB)
+    for key in ("dense_bytes", "kv_bytes", "cache_bytes", "routed_experts", "max_inflight_experts"):
+        assert getattr(spec, key) == pytest.approx(getattr(native, key), rel=1e-6), key
+    assert spec.buffer_bytes == pytest.approx(native.buffer_bytes, rel=0.01)
+
+
+def test_a_budget_too_small_is_refused_like_the_engine_does(tiny):
+    g = from_model_dir(tiny)
+    with pytest.raises(BudgetError):
+        plan_memory(g, "bf16", EngineConfig(ram_budget=100 * MiB), 200 * MiB)
+    assert predict(g, "bf16", EngineConfig(ram_budget=100 * MiB), HardwareView(make_profile()),
+                   uniform(g.moe_layers, g.num_experts), overhead_bytes=200 * MiB).fits is False
+
+
+# --- monotonicity ------------------------------------------------------------------------------
+
+def _decode(g, cfg, profile, factors=None, quant="int4"):
+    p = predict(g, quant, cfg, HardwareView(profile), synth_skew(g.moe_layers, g.num_experts, g.top_k, 1.0),
+                factors or Factors(eta_io=0.7, c_request=1e-4, c_layer=1e-3, overlap=0.5), RunConditions(),
+                overhead_bytes=300 * MiB)
+    assert p.fits
+    return p.decode_tok_s
+
+
+@pytest.mark.parametrize("edit", ["disk_scale=2", "memory_bw=50GB/s", "matmul_scale=3", "cores=32"])
+def test_faster_hardware_never_predicts_slower(edit):
+    g = resolve("olmoe-1b-7b")
+    cfg = EngineConfig(ram_budget=int(1.5 * GiB), prefetch_depth=1, threads=0)
+    base = make_profile()
+    assert _decode(g, cfg, apply_what_if(base, [edit])) >= _decode(g, cfg, base)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_more_memory_or_cache_never_predicts_slower(policy):
+    g = resolve("olmoe-1b-7b")
+    profile = make_profile()
+    speeds = [_decode(g, EngineConfig(ram_budget=int(b * GiB), cpu_cache_ratio=r, prefetch_depth=0,
+                                      cache_policy=policy), profile)
+              for b, r in ((1.0, 0.5), (1.0, 1.0), (1.5, 1.0), (3.0, 1.0))]
+    assert speeds == sorted(speeds)
+    assert speeds[-1] > speeds[0]
+
+
+# --- calibration -------------------------------------------------------------------------------
+
+def test_calibration_recovers_known_factors_from_synthetic_trials(tiny, hw):
+    g = from_model_dir(tiny)
+    routing = synth_skew(g.moe_layers, g.num_experts, g.top_k, 1.0)
+    truth = Factors(eta_io=0.45, eta_compute=0.6, overlap=0.3, c_request=2e-4, c_layer=3e-3, lookahead_recall=0.8)
+    trials = []
+    for i, (chunk, depth, ratio, mode, qd, threads) in enumerate([
+            (64 << 10, 0, 0.3, "direct", 1, 1), (1 << 20, 1, 0.6, "direct", 4, 2), (256 << 10, 2, 1.0, "buffered", 8, 4),
+            (4 << 20, 0, 0.5, "mmap", 2, 8), (16 << 20, 3, 0.8, "direct", 16, 1), (128 << 10, 1, 0.4, "buffered", 1, 2),
+            (2 << 20, 0, 1.0, "direct", 2, 4), (512 << 10, 2, 0.7, "mmap", 4, 8)]):
+        cfg = EngineConfig(ram_budget=340 * MiB, chunk_size=chunk, prefetch_depth=depth, cpu_cache_ratio=ratio,
+                           io_mode=mode, io_threads=qd, threads=threads, ctx_size=256)
+        trials.append(cal.Trial(i, cfg, 1.0, 1.0))
+    study = cal.Study(trials, RunConditions(), 250 * MiB, 340 * MiB)
+    ready = cal.prepare(study, g, "bf16", hw, routing, truth.lookahead_recall)
+    assert len(ready) == len(trials)
+    for t in ready:  # "measure" with the true factors
+        out = combine(t.comps, truth)
+        t.decode_tok_s, t.ttft_s = 1 / out["token_s"], out["ttft_s"]
+    got = cal.fit(ready, truth.lookahead_recall)
+    for t in ready:
+        assert 1 / combine(t.comps, got)["token_s"] == pytest.approx(t.decode_tok_s, rel=0.01)
+    assert got.eta_io == pytest.approx(truth.eta_io, rel=0.05)
+    assert got.c_request == pytest.approx(truth.c_request, rel=0.1)
+    assert got.c_layer == pytest.approx(truth.c_layer, rel=0.1)
+    summary = cal.error_summary(cal.cross_validate(ready, truth.lookahead_recall))
+    assert summary["decode_median_abs_pct_error"] < 2
+    assert summary["decode_spearman"] > 0.95
+
+
+def test_fitted_factors_round_trip_through_the_profile(tmp_path):
+    from tuner.probe.profile import HardwareProfile, load_profile, save_profile
+    profile = make_profile()
+    data = profile.to_dict()
+    del data["cost_model"]  # a profile written before the section existed still loads
+    assert HardwareProfile.from_dict(data).cost_model == {}
+    study = cal.Study([], RunConditions(), 1, 1)
+    f = Factors(eta_io=0.5, c_layer=0.002)
+    profile.cost_model = cal.cost_model_section(f, {"trials": 0}, resolve("olmoe-1b-7b"), "bf16", study)
+    save_profile(profile, tmp_path / "p.json")
+    assert cal.factors_from_profile(load_profile(tmp_path / "p.json")) == f
+
+
+# --- what-if -----------------------------------------------------------------------------------
+
+def _diff(a, b, path=""):
+    if isinstance(a, dict):
+        return [p for k in a for p in _diff(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, list):
+        return [p for i, (x, y) in enumerate(zip(a, b)) for p in _diff(x, y, f"{path}[]")]
+    return [path] if a != b else []
+
+
+@pytest.mark.parametrize("edit,allowed", [
+    ("disk_bw=7GB/s", {".storage.points[].bandwidth.value", ".storage.points[].iops.value"}),
+    ("memory_bw=100GB/s", {".memory_bandwidth[].bandwidth.value"}),
+    ("ram=64GiB", {".system.memory.total.value", ".system.memory.available.value"}),
+    ("cores=16", {".system.cpu.physical_cores", ".system.cpu.logical_cores"}),
+    ("matmul_scale=2", {".cpu_matmul[].throughput.value"}),
+])
+def test_what_if_edits_only_what_it_names(edit, allowed):
+    base = make_profile()
+    before = copy.deepcopy(base.to_dict())
+    edited = apply_what_if(base, [edit])
+    changed = set(_diff(before, edited.to_dict()))
+    assert changed and changed <= allowed
+    assert base.to_dict() == before  # the input profile is untouched
+
+
+def test_what_if_disk_bw_sets_the_best_random_read():
+    edited = apply_what_if(make_profile(), ["disk_bw=7GB/s"])
+    assert max(p.bandwidth.value for p in edited.storage.points if p.role == "curve") == pytest.approx(7e9)
+
+
+@pytest.mark.parametrize("edit", ["disk_bw", "speed=3", "ram=lots", "cores=0"])
+def test_what_if_rejects_bad_edits(edit):
+    from engine.errors import ConfigError
+    with pytest.raises(ConfigError, match="--what-if"):
+        apply_what_if(make_profile(), [edit])
+
+
+# --- search helpers ----------------------------------------------------------------------------
+
+def test_curve_region_keeps_the_rising_part_and_the_plateau(hw):
+    region = curve_region(hw, [64 << 10, 1 << 20, 16 << 20], [1, 4, 16])
+    assert region["chunk_size"] == [64 << 10, 1 << 20, 16 << 20]  # the test curve rises all the way
+    flat = make_profile()
+    # QD 16 reads half what QD 4 does: past the peak, so the region stops at 4.
+    flat.storage.points = [dataclasses.replace(p, bandwidth=dataclasses.replace(p.bandwidth, value=p.bandwidth.value * 0.5))
+                           if p.role == "curve" and p.queue_depth == 16 else p for p in flat.storage.points]
+    assert curve_region(HardwareView(flat), [64 << 10, 1 << 20], [1, 4, 16])["io_threads"] == [1, 4]
+
+
+def test_prefilter_never_drops_a_config_the_engines_plan_accepts(tiny):
+    from engine.checkpoint import Checkpoint
+    from engine.layout import ExpertLayout
+    from engine.model import ModelArgs
+    from engine.plan import make_plan
+    import torch
+    ckpt = Checkpoint(tiny)
+    args = ModelArgs.from_config(ckpt.config)
+    layout = ExpertLayout(ckpt, args)
+    g = from_model_dir(tiny)
+    import psutil
+    # Budgets around what this process already holds: the engine's plan measures its own RSS.
+    rss = psutil.Process().memory_info().rss
+    configs = [EngineConfig(ram_budget=rss + b * MiB, prefetch_depth=d, ctx_size=c, cpu_cache_ratio=0.5)
+               for b in (-100, 0, 100, 200, 400) for d in (0, 2, 4) for c in (256, 4096, 1 << 20)]
+    # A lower bound of the engine's overhead (the tuner gives the study's measured figure).
+    kept = prefilter(g, "bf16", configs, overhead_bytes=rss // 2)
+    accepted = 0
+    for cfg in configs:
+        try:  # the engine's own plan, overhead measured from this process as the engine does
+            make_plan(ckpt, args, layout, cfg, torch.bfloat16, torch.bfloat16)
+        except BudgetError:
+            continue
+        accepted += 1
+        assert cfg in kept
+    assert 0 < accepted and len(kept) < len(configs)  # it accepts some and drops some
+
+
+def test_warm_starts_are_distinct_fitting_points_of_the_space(tiny, hw):
+    from tuner.costmodel.search import warm_starts
+    from tuner.space import ModelFacts, SearchSpace
+    space = SearchSpace(budget=400 * MiB, physical_cores=2, logical_cores=2, has_gpu=False, min_ctx=256,
+                        overhead_bytes=200 * MiB, model=ModelFacts.read(tiny))
+    g = from_model_dir(tiny)
+    starts = warm_starts(space, g, hw, uniform(g.moe_layers, g.num_experts), Factors(), RunConditions(), 200 * MiB)
+    assert len(starts) == 3
+    params = [space.params_of(s.config) for s in starts]
+    assert len({tuple(sorted(p.items())) for p in params}) == 3
+    assert all(space.precheck(s.config)[0] for s in starts)
+    speeds = [s.prediction.decode_tok_s for s in starts]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+# --- the CLI -----------------------------------------------------------------------------------
+
+def _run_cli(argv, capsys):
+    from tuner.cli import main
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_plan_cli_prints_plan_prediction_and_best_configs(tiny, tmp_path, capsys):
+    import json
+    from tuner.probe.profile import save_profile
+    save_profile(make_profile(), tmp_path / "p.json")
+    rc, out, _ = _run_cli(["plan", "--model", "mixtral-8x22b", "--profile", str(tmp_path / "p.json"), "--quant", "int4",
+                           "--budget", "48GiB", "--what-if", "disk_bw=7GB/s", "--top", "2"], capsys)
+    assert rc == 0
+    assert "plan: dense" in out and "bottleneck:" in out and "best predicted #2" in out and "disk_bw=7GB/s" in out
+    rc, out, _ = _run_cli(["plan", "--model", str(tiny), "--profile", str(tmp_path / "p.json"), "--budget", "400MiB",
+                           "--json"], capsys)
+    r = json.loads(out)
+    assert rc == 0 and r["prediction"]["fits"] and r["prediction"]["decode_tok_s"] > 0
+    assert r["best"][0]["prediction"]["decode_tok_s"] >= r["best"][-1]["prediction"]["decode_tok_s"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "no-such-model"], "neither a model directory"),
+    (["--model", "glm-5", "--what-if", "speed=2"], "--what-if"),
+    (["--model", "glm-5", "--routing", "/no/such.json"], "routing histogram"),
+    (["--model", "glm-5", "--calibrate", "/"], "no trials.csv"),
+])
+def test_plan_cli_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
+    from tuner.probe.profile import save_profile
+    save_profile(make_profile(), tmp_path / "p.json")
+    rc, out, err = _run_cli(["plan", "--profile", str(tmp_path / "p.json"), *argv], capsys)
+    assert rc == 2 and message in err and err.count("\n") == 1
+
+
+def test_plan_cli_calibrates_a_grid_and_stores_the_factors(tiny, tmp_path, capsys, hw):
+    import json
+    from tuner.probe.profile import load_profile, save_profile
+    g = from_model_dir(tiny)
+    truth = Factors(eta_io=0.5, eta_compute=0.7, overlap=0.4, c_request=1e-4, c_layer=2e-3)
+    cond = {"budget": 380 * MiB, "threads": 2, "ctx_size": 256, "tokens": 8, "repeats": 2, "prompt_tokens": 8,
+            "cold": True}
+    routing = synth_skew(g.moe_layers, g.num_experts, g.top_k, 1.0)
+    table = {}
+    for chunk in (256 << 10, 1 << 20, 4 << 20):
+        for depth in (0, 2):
+            for mode in ("direct", "buffered"):
+                point = {"chunk_size": chunk, "prefetch_depth": depth, "cpu_cache_ratio": 1.0, "io_mode": mode}
+                cfg = EngineConfig(ram_budget=cond["budget"], threads=2, ctx_size=256, io_threads=4, **point)
+                _, _, comps, _, _ = components(g, "bf16", cfg, hw, routing, RunConditions(), 250 * MiB,
+                                               truth.lookahead_recall)
+                out = combine(comps, truth)
+                table[json.dumps(point, sort_keys=True)] = {"status": "ok", "decode_tok_s": 1 / out["token_s"],
+                                                            "ttft_s": out["ttft_s"]}
+    (tmp_path / "grid.json").write_text(json.dumps({"conditions": cond, "table": table}))
+    save_profile(make_profile(), tmp_path / "p.json")
+    rc, out, _ = _run_cli(["plan", "--model", str(tiny), "--profile", str(tmp_path / "p.json"), "--routing", "skew:1",
+                           "--calibrate", str(tmp_path / "grid.json")], capsys)
+    assert rc == 0 and "held-out" in out
+    section = load_profile(tmp_path / "p.json").cost_model
+    assert section["schema"] == "colibri.costmodel/1" and section["held_out"]["trials"] == len(table)
+    assert section["held_out"]["decode_median_abs_pct_error"] < 5
+
+
+def test_narrow_space_keeps_the_curve_region_and_the_baseline(tiny):
+    from tuner.costmodel.search import narrow_space
+    from tuner.space import ModelFacts, SearchSpace
+    profile = make_profile()
+    # Past 1 MiB the disk gets slower at every queue depth: bigger reads are not searched.
+    profile.storage.points = [dataclasses.replace(p, bandwidth=dataclasses.replace(p.bandwidth, value=p.bandwidth.value * 0.3))
+                              if p.role == "curve" and p.request_bytes > (1 << 20) else p for p in profile.storage.points]
+    space = SearchSpace(budget=400 * MiB, physical_cores=2, logical_cores=2, has_gpu=False, min_ctx=256,
+                        model=ModelFacts.read(tiny))
+    region = narrow_space(space, profile)
+    assert max(region["chunk_size"]) == 1 << 20 and 64 << 10 in region["chunk_size"]
+    assert list(space.distributions()["chunk_size"].choices) == region["chunk_size"]
+    base = space.baseline()
+    assert base.chunk_size in space.chunk_sizes and base.io_threads in space.io_thread_choices
+    assert space.params_of(base)["chunk_size"] == base.chunk_size

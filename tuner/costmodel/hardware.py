@@ -1,0 +1,137 @@
+"""What the cost model reads from a HardwareProfile, and `--what-if` edits of it.
+
+Every speed figure here is a measurement from the profile, interpolated between measured
+points: random-read bandwidth at a request size and queue depth (the fio curve), memory read
+bandwidth per thread count, matmul throughput per dtype, rows (m) and thread count. Nothing is
+a spec-sheet constant. Outside the measured thread counts, matmul throughput grows with threads
+at the per-thread rate of the largest measured count, and memory bandwidth stays at its largest
+measured figure (it saturates; a what-if names a new one when a machine has more channels).
+
+A what-if edits a copy of the profile's measured figures and nothing else:
+  disk_bw=7GB/s     scale every storage point so the best random-read bandwidth is 7 GB/s
+  disk_scale=2      scale every storage point's bandwidth and IOPS by 2
+  memory_bw=100GB/s set every memory-bandwidth point to 100 GB/s (copy points to twice that)
+  ram=64GiB         total and available memory
+  cores=16          physical and logical cores (compute extrapolates from the measured threads)
+  matmul_scale=2    scale every matmul throughput by 2
+"""
+
+from __future__ import annotations
+
+import copy
+
+from engine.config import parse_size
+from engine.errors import ConfigError
+
+WHAT_IF_KEYS = ("disk_bw", "disk_scale", "memory_bw", "ram", "cores", "matmul_scale")
+
+
+def _rate(text: str) -> float:
+    """'7GB/s', '7e9', '3.5 GB/s' → bytes/s (decimal units, as disk vendors and the probe print)."""
+    s = str(text).strip().lower().replace(" ", "")
+    s = s[:-2] if s.endswith("/s") else s
+    for unit, mult in (("tb", 1e12), ("gb", 1e9), ("mb", 1e6), ("kb", 1e3), ("b", 1.0)):
+        if s.endswith(unit):
+            return float(s[: -len(unit)]) * mult
+    return float(s)
+
+
+def apply_what_if(profile, edits: list[str]):
+    """A copy of `profile` with the named measured figures edited (see the module docstring)."""
+    p = copy.deepcopy(profile)
+    for edit in edits:
+        key, sep, value = edit.partition("=")
+        key = key.strip()
+        if not sep or key not in WHAT_IF_KEYS:
+            raise ConfigError(f"--what-if {edit!r}: expected KEY=VALUE with KEY one of {', '.join(WHAT_IF_KEYS)}")
+        try:
+            _apply_one(p, key, value.strip())
+        except (ValueError, ConfigError) as exc:
+            raise ConfigError(f"--what-if {edit!r}: bad value ({exc})") from None
+    return p
+
+
+def _apply_one(p, key: str, value: str) -> None:
+    """Edit `p` in place (its point records are frozen: they are replaced, not mutated)."""
+    from dataclasses import replace
+
+    from tuner.probe.profile import Quantity
+
+    def scaled(q, factor):
+        return Quantity(q.value * factor, q.unit)
+
+    if key in ("disk_bw", "disk_scale"):
+        if key == "disk_bw":
+            best = max(pt.bandwidth.value for pt in p.storage.points if pt.role == "curve")
+            factor = _rate(value) / best
+        else:
+            factor = float(value)
+        if not factor > 0:
+            raise ValueError("must be positive")
+        p.storage.points = [replace(pt, bandwidth=scaled(pt.bandwidth, factor), iops=scaled(pt.iops, factor))
+                            for pt in p.storage.points]
+    elif key == "memory_bw":
+        bw = _rate(value)
+        p.memory_bandwidth = [replace(pt, bandwidth=Quantity(bw * (2 if pt.op == "copy" else 1), "B/s"))
+                              for pt in p.memory_bandwidth]
+    elif key == "ram":
+        n = float(parse_size(value))
+        p.system.memory.total = Quantity(n, "B")
+        p.system.memory.available = Quantity(n, "B")
+    elif key == "cores":
+        n = int(value)
+        if n < 1:
+            raise ValueError("must be at least 1")
+        smt = max(1, p.system.cpu.logical_cores // max(p.system.cpu.physical_cores, 1))
+        p.system.cpu.physical_cores = n
+        p.system.cpu.logical_cores = n * smt
+    elif key == "matmul_scale":
+        f = float(value)
+        p.cpu_matmul = [replace(pt, throughput=scaled(pt.throughput, f)) for pt in p.cpu_matmul]
+
+
+class HardwareView:
+    """Interpolated measured figures of one profile."""
+
+    def __init__(self, profile):
+        self.profile = profile
+        self.physical_cores = profile.system.cpu.physical_cores
+        self.ram_bytes = profile.system.memory.available.value
+        self._mem = sorted((pt.threads, pt.bandwidth.value) for pt in profile.memory_bandwidth if pt.op == "read")
+        self._matmul: dict[str, dict[int, list[tuple[int, float]]]] = {}
+        for pt in profile.cpu_matmul:
+            self._matmul.setdefault(pt.dtype, {}).setdefault(pt.m, []).append((pt.threads, pt.throughput.value * 1e9))
+        if not self._mem or not self._matmul:
+            raise ConfigError("profile has no memory-bandwidth or matmul measurements; run `colibri probe` again")
+
+    def read_bandwidth(self, request_bytes: int, queue_depth: int, io_mode: str) -> float:
+        """bytes/s; mmap is paged through the page cache, so it reads the buffered figure."""
+        return self.profile.read_bandwidth(max(int(request_bytes), 4096), max(int(queue_depth), 1),
+                                           direct=io_mode == "direct")
+
+    def memory_bandwidth(self, threads: int) -> float:
+        return _by_threads(self._mem, threads, grows=False)
+
+    def copy_bandwidth(self) -> float:
+        """Bytes/s one thread copies (the probe's copy figure counts read + write, as STREAM
+        does, so a copy of N bytes moves 2N). What a buffered read's kernel copy costs."""
+        copy = sorted((pt.threads, pt.bandwidth.value) for pt in self.profile.memory_bandwidth if pt.op == "copy")
+        return copy[0][1] / 2 if copy else self._mem[0][1] / 2
+
+    def matmul_flops(self, dtype: str, m: int, threads: int) -> float:
+        """FLOP/s of F.linear at `m` rows; between measured m, linear in log2(m)."""
+        table = self._matmul.get(dtype) or next(iter(self._matmul.values()))
+        ms = sorted(table)
+        from tuner.probe.profile import _interp_log2  # the probe's own interpolation
+        return _interp_log2([(mm, _by_threads(sorted(table[mm]), threads, grows=True)) for mm in ms], m)
+
+
+def _by_threads(points: list[tuple[int, float]], threads: int, grows: bool) -> float:
+    """The best measured figure at <= threads; beyond the largest measured count, grow at its
+    per-thread rate (compute) or hold it (memory bandwidth saturates)."""
+    threads = max(int(threads), 1)
+    best_within = max((v for t, v in points if t <= threads), default=points[0][1])
+    top_t, top_v = max(points, key=lambda tv: tv[0])
+    if threads > top_t and grows:
+        return max(best_within, top_v * threads / top_t)
+    return best_within

@@ -1,0 +1,166 @@
+"""The memory plan of a (geometry, quant, config): the engine's own `make_plan`, fed sizes.
+
+The engine plans from a Checkpoint, its ModelArgs and an ExpertLayout. For a model directory at
+its own dtype those are the real objects, so the prediction is exactly what the engine will
+decide. For a geometry-only spec, or a quant level the directory is not stored in, no files
+exist; this module hands `make_plan` stand-ins that answer the same questions (a tensor's
+shape, an expert's on-disk size) from the geometry, so the placement arithmetic is still the
+engine's and changes there reach the predictions without edits here.
+
+`make_plan` counts resident bytes as elements × the compute dtype's size. A quantized tensor is
+not a whole number of bf16 elements, so the stand-in checkpoint reports each tensor as a 1-D
+tensor of (its stored bytes / 2) bf16 elements, and the stand-in args carry an expert width
+that makes `3 × H × I × 2` equal the quantized expert's bytes. Every figure the plan prints is
+then in stored bytes, which is what the engine keeps in RAM for a quantized container.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import BudgetError
+from engine.plan import MemoryPlan, make_plan
+
+from .geometry import ModelGeometry
+
+BF16 = 2  # bytes per element of the stand-in checkpoint's dtype
+
+
+@dataclass(frozen=True)
+class _Info:
+    shape: tuple
+    nbytes: int
+
+
+class _SizedCheckpoint:
+    """Answers `info(name)` for the resident tensors, in bf16-element units of stored bytes.
+
+    A tensor the plan never asks for (MLA's projections, planned under qwen2_moe names) is
+    charged to a tensor of the same layer that it does ask for, so no resident byte is lost and
+    per-layer sums (layer streaming) stay right.
+    """
+
+    def __init__(self, geometry: ModelGeometry, quant: str, asked: set[str]):
+        self._sizes: dict[str, float] = {}
+        for t in geometry.dense:
+            name = t.name if t.name in asked else _host(t.name)
+            self._sizes[name] = self._sizes.get(name, 0.0) + t.nbytes(quant)
+
+    def __contains__(self, name: str) -> bool:
+        # Every resident tensor is "stored plain" here: its quantized size is already its size.
+        return True
+
+    def info(self, name: str) -> _Info:
+        # A name the geometry does not list (an architecture's optional tensor) holds nothing.
+        nbytes = self._sizes.get(name, 0.0)
+        return _Info((nbytes / BF16,), int(nbytes))
+
+
+def _host(name: str) -> str:
+    parts = name.split(".")
+    if len(parts) > 3 and parts[1] == "layers":
+        return f"model.layers.{parts[2]}.input_layernorm.weight"
+    return "model.norm.weight"
+
+
+@dataclass(frozen=True)
+class _SizedLayout:
+    num_routed: int
+    expert_nbytes: float
+    # For engine code that sizes a cached expert from the layout (a plain expert: 3·H·I in the
+    # compute dtype, with the stand-in width): the planning args and one plain location.
+    args: object = None
+    quant: None = None
+
+    @property
+    def _locations(self) -> dict:
+        from types import SimpleNamespace
+        return {(0, 0): SimpleNamespace(quant=None)}
+
+
+def planning_args(geometry: ModelGeometry):
+    """ModelArgs the plan can walk (tensor names, KV shape, top-k) for any geometry.
+
+    Specs whose architecture the engine does not run (MLA) are planned as a qwen2_moe-shaped
+    model: same layers, experts, shared expert and dense layers; the attention tensors' sizes
+    come from the geometry by name, and the KV cache as one "head" of the latent's width.
+    """
+    from engine.model import ModelArgs
+    g = geometry
+    try:
+        return ModelArgs.from_config(g.planning_config)
+    except Exception:  # noqa: BLE001 - any architecture the engine cannot parse is planned generically
+        pass
+    cfg = g.planning_config
+    first_dense = int(cfg.get("first_k_dense_replace", 0))
+    shared = int(cfg.get("n_shared_experts", 0)) * g.moe_intermediate_size
+    return ModelArgs.from_config({
+        "model_type": "qwen2_moe", "hidden_size": g.hidden_size, "num_hidden_layers": g.num_layers,
+        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": g.kv_elems_per_layer / 2,
+        "vocab_size": g.vocab_size, "intermediate_size": int(cfg.get("intermediate_size") or 0),
+        "moe_intermediate_size": g.moe_intermediate_size, "num_experts": g.num_experts,
+        "num_experts_per_tok": g.top_k, "shared_expert_intermediate_size": shared,
+        "mlp_only_layers": list(range(first_dense)), "attention_bias": False,
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+    })
+
+
+def plan_memory(geometry: ModelGeometry, quant: str, config: EngineConfig, overhead_bytes: int) -> MemoryPlan:
+    """The engine's memory plan; raises BudgetError exactly when the engine would refuse."""
+    if geometry.model_dir is not None and quant == geometry.native_quant:
+        return _native_plan(geometry, config, overhead_bytes)
+    ckpt, args, layout = _stand_ins(geometry, quant)
+    kv_dtype = _kv_dtype(config, torch.bfloat16)
+    return make_plan(ckpt, args, layout, config, torch.bfloat16, kv_dtype, overhead_bytes=overhead_bytes)
+
+
+def _stand_ins(geometry: ModelGeometry, quant: str):
+    """(checkpoint, args, layout) stand-ins for make_plan, built once per geometry and quant."""
+    key = ("stand_ins", quant)
+    if key not in geometry.memo:
+        from engine.model import dense_tensor_names
+        args = planning_args(geometry)
+        expert = geometry.expert_bytes(quant)
+        # The expert width that makes make_plan's 3·H·I·bf16 the stored size: no conversion copy.
+        args = dataclasses.replace(args, moe_intermediate_size=expert / (3 * geometry.hidden_size * BF16))
+        layout = _SizedLayout(geometry.routed_experts, expert, args) if geometry.routed_experts else None
+        geometry.memo[key] = (_SizedCheckpoint(geometry, quant, set(dense_tensor_names(args))), args, layout)
+    return geometry.memo[key]
+
+
+def _native_plan(geometry: ModelGeometry, config: EngineConfig, overhead_bytes: int) -> MemoryPlan:
+    ckpt, args, layout, dtype = _native_inputs(str(geometry.model_dir))
+    return make_plan(ckpt, args, layout, config, dtype, _kv_dtype(config, dtype), overhead_bytes=overhead_bytes)
+
+
+@lru_cache(maxsize=8)
+def _native_inputs(model_dir: str):
+    """The engine's plan inputs for a directory, parsed once (a search plans thousands of configs)."""
+    from engine.checkpoint import Checkpoint
+    from engine.layout import ExpertLayout
+    from engine.model import ModelArgs
+    from engine.runtime import checkpoint_dtype
+    ckpt = Checkpoint(model_dir)
+    args = ModelArgs.from_config(ckpt.config)
+    layout = ExpertLayout(ckpt, args) if args.is_moe else None
+    dtype = checkpoint_dtype(ckpt)
+    dtype = torch.float32 if dtype == torch.float16 else dtype  # the engine's rule: no fp16 CPU matmuls
+    return ckpt, args, layout, dtype
+
+
+def _kv_dtype(config: EngineConfig, compute: torch.dtype) -> torch.dtype:
+    from engine.runtime import DTYPE_NAMES
+    return compute if config.kv_dtype == "auto" else DTYPE_NAMES[config.kv_dtype]
+
+
+def fits(geometry: ModelGeometry, quant: str, config: EngineConfig, overhead_bytes: int) -> bool:
+    try:
+        plan_memory(geometry, quant, config, overhead_bytes)
+    except BudgetError:
+        return False
+    return True

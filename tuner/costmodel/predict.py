@@ -1,0 +1,230 @@
+"""Predicted decode tok/s, TTFT, bytes read and the bottleneck of one config.
+
+A decode token costs (seconds):
+
+    fixed      c_layer · layers                       per-layer Python and dispatch work
+    compute    max(weight bytes touched / memory bandwidth(threads),
+                   2 · active params / matmul FLOP/s(dtype, m=1, threads)) / eta_compute
+    disk       (bytes read / read bandwidth(request size, queue depth, io mode)
+                + buffered only: bytes read / one thread's copy bandwidth, the kernel's copy) / eta_io
+    requests   read requests · c_request                  submission, completion, hand-off
+    hidden     − min(lookahead-covered share of disk, overlap · compute)   (prefetch_depth ≥ 1)
+
+The measured inputs come from the profile (hardware.py), the byte and request counts from the
+engine's memory plan (memplan.py) and the cache simulation (routing.py). The few efficiency
+factors (Factors) are what calibration fits to a study's trials; uncalibrated they are 1 and 0,
+i.e. the machine's measured curves exactly, with no overhead.
+
+The split into factor-free `Components` and `combine(components, factors)` is what makes
+calibration cheap: components are computed once per trial, the fit only recombines them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from engine.config import EngineConfig
+from engine.errors import BudgetError
+
+from .geometry import ModelGeometry
+from .hardware import HardwareView
+from .memplan import plan_memory
+from .routing import RoutingModel, simulate
+
+# Published figure for router lookahead (Colibrì on GLM-5: 71.6% of the true top-8), used when
+# no study measured this model's recall.
+DEFAULT_LOOKAHEAD_RECALL = 0.716
+BOTTLENECKS = ("disk", "memory", "compute", "overhead")
+
+
+@dataclass
+class Factors:
+    eta_io: float = 1.0  # share of the probe's read bandwidth the engine's reads achieve
+    eta_compute: float = 1.0  # share of the probe's memory bandwidth / matmul rate compute achieves
+    overlap: float = 0.0  # share of compute time that can hide lookahead reads
+    c_request: float = 0.0  # seconds per read request
+    c_layer: float = 0.0  # seconds per layer per forward pass
+    lookahead_recall: float = DEFAULT_LOOKAHEAD_RECALL  # measured by the trials, not fitted
+
+    FITTED = ("eta_io", "eta_compute", "overlap", "c_request", "c_layer")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Factors":
+        known = {k: float(v) for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+@dataclass
+class RunConditions:
+    """How the figure is measured: the tuner's trial (cold, short) or a steady state."""
+
+    prompt_tokens: int = 8
+    tokens: int = 8
+    repeats: int = 2
+    cold: bool = True
+    warmup_tokens: int = 0
+
+    @classmethod
+    def steady(cls) -> "RunConditions":
+        """Long generation with a warm cache: what a user's chat session settles to (32 tokens
+        measured after 32 unmeasured ones: enough lookups for a stable hit rate)."""
+        return cls(prompt_tokens=16, tokens=32, repeats=1, cold=False, warmup_tokens=32)
+
+
+@dataclass
+class Components:
+    """Factor-free costs of one config (seconds unless named otherwise)."""
+
+    layers: int
+    compute_s: float  # decode token at eta_compute = 1
+    compute_is_memory: bool  # memory bandwidth, not FLOP/s, bounds the compute
+    disk_s: float  # decode token's reads at eta_io = 1
+    requests: float  # decode token's read requests
+    covered: float  # share of the decode reads the lookahead issues early (0 without prefetch)
+    prefill_compute_s: float
+    prefill_disk_s: float
+    prefill_requests: float
+
+
+@dataclass
+class Prediction:
+    fits: bool
+    reason: str = ""
+    plan: dict = field(default_factory=dict)
+    hit_rate: float | None = None
+    bytes_per_token: float | None = None
+    decode_tok_s: float | None = None
+    ttft_s: float | None = None
+    bottleneck: str | None = None
+    seconds: dict = field(default_factory=dict)  # the decode token's terms
+    read_request_bytes: int | None = None
+    queue_depth: int | None = None
+    components: Components | None = None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("components")
+        return d
+
+
+def components(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: HardwareView, routing: RoutingModel,
+               run: RunConditions, overhead_bytes: int, lookahead_recall: float, seed: int = 0):
+    """(plan, hit rates, Components, request size, queue depth); raises BudgetError if it cannot fit."""
+    plan = plan_memory(geometry, quant, config, overhead_bytes)
+    slots = (plan.cache_bytes + plan.gpu_cache_bytes) // max(plan.expert_bytes, 1) if plan.streaming else None
+    k = geometry.top_k
+    if plan.streaming and geometry.routed_experts:
+        rates = _simulate_once(routing, k, int(slots), config.cache_policy, run,
+                               lookahead_recall if config.prefetch_depth > 0 else None, seed)
+    else:
+        rates = None
+    span = plan.expert_disk_bytes
+    reads = (rates.decode_misses_per_token + rates.wasted_prefetch_per_token) if rates else 0.0
+    per_expert = math.ceil(span / config.chunk_size) if span else 0
+    request = min(config.chunk_size, span) if span else config.chunk_size
+    # Requests a layer has in flight: its misses' pieces plus the lookahead's, capped by the pool.
+    per_layer = reads / max(geometry.moe_layers, 1) * per_expert * (1 + min(config.prefetch_depth, 1))
+    qd = max(1, min(config.io_threads, math.ceil(per_layer)))
+    bw = hw.read_bandwidth(request, qd, config.io_mode)
+    threads = config.threads or hw.physical_cores
+
+    wbytes = _weight_bytes_touched(geometry, quant)
+    dtype = "fp32" if quant == "fp32" else "bf16"
+    t_mem = wbytes / hw.memory_bandwidth(threads)
+    t_flop = 2 * geometry.active_params / hw.matmul_flops(dtype, 1, threads)
+
+    # Prefill: the prompt's rows share each weight read; experts are the prompt's union.
+    P = run.prompt_tokens
+    pf_reads = (rates.prefill_misses_per_layer * geometry.moe_layers) if rates else 0.0
+    pf_per_layer = (rates.prefill_misses_per_layer if rates else 0.0) * per_expert
+    pf_bw = hw.read_bandwidth(request, max(1, min(config.io_threads, math.ceil(pf_per_layer))), config.io_mode)
+    union = min(geometry.num_experts, (rates.prefill_misses_per_layer if rates else k))
+    pf_bytes = wbytes + geometry.moe_layers * max(union - k, 0) * geometry.expert_bytes(quant)
+    pf_mem = pf_bytes / hw.memory_bandwidth(threads)
+    pf_flop = 2 * P * geometry.active_params / hw.matmul_flops(dtype, P, threads)
+    # A buffered read is the disk's transfer plus the kernel's copy into our buffer.
+    copy = 1.0 / hw.copy_bandwidth() if config.io_mode == "buffered" else 0.0
+    comps = Components(
+        layers=geometry.num_layers, compute_s=max(t_mem, t_flop), compute_is_memory=t_mem >= t_flop,
+        disk_s=reads * span * (1.0 / bw + copy) if bw else math.inf, requests=reads * per_expert,
+        covered=lookahead_recall if config.prefetch_depth > 0 else 0.0,
+        prefill_compute_s=max(pf_mem, pf_flop), prefill_disk_s=pf_reads * span * (1.0 / pf_bw + copy) if pf_bw else math.inf,
+        prefill_requests=pf_reads * per_expert,
+    )
+    return plan, rates, comps, request, qd
+
+
+_SIMULATED: dict = {}
+
+
+def _simulate_once(routing: RoutingModel, k: int, slots: int, policy: str, run: RunConditions,
+                   recall: float | None, seed: int):
+    """simulate(), memoized: a search plans thousands of configs but few distinct caches.
+
+    Cache sizes are snapped to a 2% geometric grid first, so configs whose caches differ by a
+    slot or two (read buffers of another prefetch depth) share one simulation.
+    """
+    if slots > 50:
+        slots = int(round(1.02 ** round(math.log(slots, 1.02))))
+    key = (id(routing), k, slots, policy, run.prompt_tokens, run.tokens, run.repeats, run.cold,
+           run.warmup_tokens, recall, seed)
+    if key not in _SIMULATED:
+        if len(_SIMULATED) > 4096:
+            _SIMULATED.clear()
+        _SIMULATED[key] = (routing, simulate(routing, k, slots, policy, prompt_tokens=run.prompt_tokens,
+                                             tokens=run.tokens, repeats=run.repeats, cold=run.cold,
+                                             warmup_tokens=run.warmup_tokens, lookahead_recall=recall, seed=seed))
+    return _SIMULATED[key][1]
+
+
+def _weight_bytes_touched(geometry: ModelGeometry, quant: str) -> float:
+    """Bytes the matmuls of one decode token read: resident weights but the embedding table
+    (one row is gathered), plus top_k experts per MoE layer."""
+    key = ("weight_bytes_touched", quant)
+    if key not in geometry.memo:
+        embed = next((t for t in geometry.dense if t.name == "model.embed_tokens.weight"), None)
+        dense = geometry.dense_bytes(quant) - (embed.nbytes(quant) if embed else 0)
+        geometry.memo[key] = dense + geometry.moe_layers * geometry.top_k * geometry.expert_bytes(quant)
+    return geometry.memo[key]
+
+
+def combine(c: Components, f: Factors) -> dict:
+    """Seconds of each decode term, TTFT, and the bottleneck, for these factors."""
+    fixed = f.c_layer * c.layers
+    compute = c.compute_s / f.eta_compute
+    disk = c.disk_s / f.eta_io
+    requests = f.c_request * c.requests
+    hidden = min(c.covered * disk, f.overlap * compute)
+    total = fixed + compute + disk + requests - hidden
+    exposed_disk = disk - hidden
+    terms = {"disk": exposed_disk, "memory" if c.compute_is_memory else "compute": compute,
+             "overhead": fixed + requests}
+    bottleneck = max(terms, key=terms.get)
+    ttft = (fixed + c.prefill_compute_s / f.eta_compute + c.prefill_disk_s / f.eta_io
+            + f.c_request * c.prefill_requests)
+    return {"token_s": total, "ttft_s": ttft, "bottleneck": bottleneck,
+            "terms": {"fixed": fixed, "compute": compute, "disk": disk, "requests": requests, "hidden": -hidden}}
+
+
+def predict(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: HardwareView, routing: RoutingModel,
+            factors: Factors | None = None, run: RunConditions | None = None, overhead_bytes: int = 0,
+            seed: int = 0) -> Prediction:
+    factors = factors or Factors()
+    run = run or RunConditions()
+    try:
+        plan, rates, comps, request, qd = components(geometry, quant, config, hw, routing, run, overhead_bytes,
+                                                     factors.lookahead_recall, seed)
+    except BudgetError as exc:
+        return Prediction(False, reason=str(exc))
+    out = combine(comps, factors)
+    reads = (rates.decode_misses_per_token + rates.wasted_prefetch_per_token) if rates else 0.0
+    return Prediction(
+        True, plan=plan.to_dict(), hit_rate=rates.decode if rates else 1.0,
+        bytes_per_token=reads * plan.expert_disk_bytes, decode_tok_s=1.0 / out["token_s"] if out["token_s"] > 0 else None,
+        ttft_s=out["ttft_s"], bottleneck=out["bottleneck"], seconds={k: round(v, 6) for k, v in out["terms"].items()},
+        read_request_bytes=int(request), queue_depth=qd, components=comps,
+    )
