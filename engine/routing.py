@@ -15,13 +15,27 @@ the rule the layer will use. Shapes: x [T, H] → ids [T, K] (int64), weights [T
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 
+class _TwoTensorRouter:
+    """A router stored as `<prefix>.weight` plus one bias tensor, named by the subclass."""
+
+    prefix: str
+    bias_name: ClassVar[str]
+
+    def names(self, layer_prefix: str) -> list[str]:
+        return [f"{layer_prefix}.{self.prefix}.weight", f"{layer_prefix}.{self.prefix}.{self.bias_name}"]
+
+    def tensors(self, w: dict, layer_prefix: str):
+        return (w[n] for n in self.names(layer_prefix))
+
+
 @dataclass(frozen=True)
-class SigmoidGroupRouter:
+class SigmoidGroupRouter(_TwoTensorRouter):
     num_experts: int
     top_k: int
     n_group: int
@@ -29,12 +43,10 @@ class SigmoidGroupRouter:
     norm_topk_prob: bool
     routed_scaling_factor: float
     prefix: str = "mlp.gate"
-
-    def names(self, layer_prefix: str) -> list[str]:
-        return [f"{layer_prefix}.{self.prefix}.weight", f"{layer_prefix}.{self.prefix}.e_score_correction_bias"]
+    bias_name: ClassVar[str] = "e_score_correction_bias"  # shifts the choice only
 
     def route(self, w: dict, layer_prefix: str, x: torch.Tensor):
-        weight, bias = (w[n] for n in self.names(layer_prefix))
+        weight, bias = self.tensors(w, layer_prefix)
         # Router math in fp32 whatever the compute dtype, as the reference does: with 256
         # experts, bf16 logits would tie and reorder the selection.
         scores = F.linear(x.float(), weight.float()).sigmoid()  # [T, E]
@@ -53,15 +65,13 @@ class SigmoidGroupRouter:
 
 
 @dataclass(frozen=True)
-class BiasedTopkSoftmax:
+class BiasedTopkSoftmax(_TwoTensorRouter):
     top_k: int
     prefix: str = "mlp.router"
-
-    def names(self, layer_prefix: str) -> list[str]:
-        return [f"{layer_prefix}.{self.prefix}.weight", f"{layer_prefix}.{self.prefix}.bias"]
+    bias_name: ClassVar[str] = "bias"
 
     def route(self, w: dict, layer_prefix: str, x: torch.Tensor):
-        weight, bias = (w[n] for n in self.names(layer_prefix))
+        weight, bias = self.tensors(w, layer_prefix)
         logits = F.linear(x, weight, bias)  # [T, E]
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         return ids, torch.softmax(top, dim=-1, dtype=top.dtype)
