@@ -2,9 +2,11 @@
 child memory cgroups cannot be made), plus detection on fake cgroup trees."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -212,7 +214,22 @@ def test_unprivileged_user_gets_a_reason_not_a_crash(support):
         "s = detect_memory_cgroup(); r = run_limited(['echo', 'ran'], 64 << 20)\n"
         "print(s.available, r.limited, r.stdout.strip()); print(s.reason)"
     )
-    r = subprocess.run([python, "-c", code], user=65534, group=65534, cwd=ROOT, capture_output=True, text=True)
+    # The checkout may sit where nobody cannot read it (CI clones into a 0700 mktemp dir), so
+    # the unprivileged interpreter imports a world-readable copy of the sandbox and what it uses.
+    readable = Path(tempfile.mkdtemp(prefix="colibri-nobody-"))
+    try:
+        for rel in ("engine/__init__.py", "engine/errors.py", "tuner/__init__.py", *(
+                str(p.relative_to(ROOT)) for p in (ROOT / "tuner" / "sandbox").glob("*.py"))):
+            (readable / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / rel, readable / rel)
+        for d, _dirs, files in os.walk(readable):
+            os.chmod(d, 0o755)
+            for f in files:
+                os.chmod(os.path.join(d, f), 0o644)
+        r = subprocess.run([python, "-c", code], user=65534, group=65534, cwd=readable, capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": str(readable)})
+    finally:
+        shutil.rmtree(readable, ignore_errors=True)
     assert r.returncode == 0, r.stderr
     first, reason = r.stdout.splitlines()
     assert first == "False False ran"
