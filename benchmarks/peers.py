@@ -32,8 +32,6 @@ bytes are compared with the bytes of our tokens (N/M = tokens of ours that it re
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
 import platform
@@ -49,23 +47,10 @@ sys.path.insert(0, str(REPO))
 from engine.bpe_tokenizer import bytes_to_unicode  # noqa: E402
 from tuner.sandbox import detect_memory_cgroup, run_limited  # noqa: E402
 from engine.config import parse_size  # noqa: E402
+from benchmarks.benchlock import bench_lock  # noqa: E402
 
 PROMPT = "The history of the city begins with a small river crossing, where traders from the north met"
 GiB = 1 << 30
-
-
-@contextlib.contextmanager
-def bench_lock(path: str | None):
-    """Hold the shared benchmark lock (if any) for one step (a build, a conversion, one mode's runs)."""
-    if not path:
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def drop_pages(paths: list[Path]) -> int:

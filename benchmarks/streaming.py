@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -46,6 +45,7 @@ from engine.metrics import git_commit  # noqa: E402
 from engine.resolve import resolve_model  # noqa: E402
 from engine.runtime import physical_cores  # noqa: E402
 from tuner.trial import run_trial  # noqa: E402
+from benchmarks.benchlock import bench_lock  # noqa: E402
 
 
 def configs(budget: int) -> dict[str, EngineConfig]:
@@ -65,17 +65,9 @@ def configs(budget: int) -> dict[str, EngineConfig]:
 _HELD = {"whole_run": False}
 
 
-@contextlib.contextmanager
-def bench_lock(path: str):
-    if _HELD["whole_run"]:  # --one-lock: taken once for the whole run
-        yield
-        return
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+def _config_lock(path: str):
+    """The shared lock for one config, unless --one-lock already holds it for the whole run."""
+    return bench_lock(None if _HELD["whole_run"] else path)
 
 
 @contextlib.contextmanager
@@ -121,7 +113,7 @@ def fio_bandwidth(fio: str, files: list[Path], request: int, cfg: EngineConfig, 
 
 
 def resident_row(model_dir, a, src) -> dict:
-    with source_tree(src), bench_lock(a.lock):
+    with source_tree(src), _config_lock(a.lock):
         t = run_trial(model_dir, EngineConfig(ctx_size=512), tokens=a.tokens, repeats=a.repeats, cold=False,
                       prompt_tokens=a.prompt_tokens, timeout=1800)
     if not t.ok:
@@ -168,7 +160,7 @@ def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
             from engine.model import ModelArgs
             ckpt = Checkpoint(model_dir)
             expert = ExpertLayout(ckpt, ModelArgs.from_config(ckpt.config)).expert_nbytes
-        with bench_lock(a.lock):
+        with _config_lock(a.lock):
             for src in sides:
                 request = request_bytes(cfg, expert, old_tree=src is not None)
                 before_fio = fio_bandwidth(fio, files, request, cfg, a.fio_seconds)
