@@ -17,6 +17,7 @@ import pytest
 from colibri_tune_fixtures import profile_path  # noqa: F401  (a real probe of this machine, shrunk)
 from report_fixture import GEOMETRY, hardware_profile, make_run
 from tuner import cli, profiles
+from tuner.probe.errors import ProfileError
 from tuner.probe.profile import compute_fingerprint
 from tuner.profile_schema import geometry_hash
 
@@ -184,6 +185,28 @@ def test_include_identity_keeps_it(this_machine_run):
     assert socket.gethostname() in leaks["hostname"] and "path" in leaks
     assert exported["identity"]["model_dirs"] == [str(Path.home() / "models" / "tiny")]
     profiles.validate_shared(exported)
+
+
+def test_tune_reads_a_profile_exported_with_identity(this_machine_run, tmp_path):
+    """`tune --profile/--from-profile` (and `plan --profile`) accept the identity block: allowed,
+    not required, and left out of what the run keeps."""
+    from tuner.calibrate import probe_profile
+    from tuner.outputs import warm_start_entry
+    path = profiles.write_profile_file(profiles.export_profile(this_machine_run, include_identity=True),
+                                       tmp_path / "mine.json")
+    assert "identity" in json.loads(path.read_text())
+    run = tmp_path / "run"
+    run.mkdir()
+    profile, source = probe_profile(run, str(path), this_machine_run, log=lambda m: None)
+    assert source == str(path) and profile.fingerprint == json.loads(path.read_text())["fingerprint"]
+    assert "identity" not in json.loads((run / "profile.json").read_text())
+    entry = warm_start_entry(str(path), profile.best_configs[0]["geometry"], log=lambda m: None)
+    assert entry["config"] == profile.best_configs[0]["config"]
+    bad = json.loads(path.read_text())
+    bad["identity"] = "me"
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ProfileError, match="identity must be an object"):
+        probe_profile(run, str(tmp_path / "bad.json"), this_machine_run, log=lambda m: None)
 
 
 # --- strict import: one test per class of bad profile ---------------------------------------

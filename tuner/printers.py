@@ -230,3 +230,51 @@ def trials_markdown(trials) -> list[str]:
                      p.get("io_threads"), p.get("ctx_size"), pct(a.get("hit_rate_ram"), 0),
                      format_size(a.get("cgroup_peak_bytes") or a.get("peak_rss_bytes"))])
     return markdown_table(header, rows)
+
+
+# --- quant levels ---------------------------------------------------------------------------
+
+def convert_progress(enabled: bool = True, stream=None):
+    """engine.convert's progress(event, **fields) as lines on stderr (None when not enabled)."""
+    if not enabled:
+        return None
+
+    def progress(event, **f):
+        out = stream or sys.stderr
+        if event == "shard":
+            end = "\n" if f["done"] == f["total"] else ""
+            print(f"\r  shard {f['index']}/{f['shards']} {f['name']}: {f['done']}/{f['total']} tensors/experts",
+                  end=end, file=out, flush=True)
+        elif event == "check":
+            print(f"  kept {f['name']} (checksum {'ok' if f['ok'] else 'MISMATCH: rewriting'})", file=out)
+        elif event == "discard":
+            print(f"  discarding {f['path']}: {f['reason']}", file=out)
+    return progress
+
+
+def quality_progress(enabled: bool = True, stream=None):
+    """tuner.quality's progress(label, i, n) as one updating line per model on stderr."""
+    if not enabled:
+        return None
+
+    def progress(label, i, n):
+        print(f"\r  {label}: chunk {i}/{n}", end="\n" if i == n else "", file=stream or sys.stderr, flush=True)
+    return progress
+
+
+def quant_tune_text(s: dict) -> str:
+    """`tune --quant`'s summary: one row per level, then where the comparison is."""
+    header = ["level", "status", "decode tok/s", "min..max", "TTFT s", "KL mean", "same top-1", "run"]
+    rows = []
+    for lv in s["levels"]:
+        r, q = lv.get("result") or {}, lv.get("quality") or {}
+        rows.append([lv["level"], lv.get("status", "prepared"),
+                     fmt(r.get("decode_tok_s")) + (" (unconfirmed)" if r.get("unconfirmed") else ""),
+                     f"{fmt(r.get('decode_min'))}..{fmt(r.get('decode_max'))}", fmt(r.get("ttft_s"), 3),
+                     "-" if q.get("kl_mean") is None else f"{q['kl_mean']:.6f}", pct(q.get("top1_agreement"), 2),
+                     lv["run_dir"]])
+    lines = [f"tune --quant of {s['model']}, budget {s['budget']}" + (" (prepared only: containers and quality)"
+                                                                     if s.get("prepared_only") else "")]
+    lines += text_table(header, rows)
+    lines += [f"  {k}: {v}" for k, v in s.get("files", {}).items()]
+    return "\n".join(lines)

@@ -301,6 +301,7 @@ class QualityInfo:
 
     reference: str  # the reference model's name (the unquantized level), not its path
     reference_quant: str
+    compute_dtype: str  # of both models (only the weights differ)
     text: str
     tokens: int
     ctx: int

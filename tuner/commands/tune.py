@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.errors import ConfigError
 from tuner.printers import print_json as _print_json
 
 
@@ -39,7 +40,17 @@ def add_tune(sub) -> None:
                    help="search the full read-size / I/O-thread ranges and enqueue no predicted configs")
     t.add_argument("--sampler", choices=SAMPLERS, default="auto",
                    help="auto (default): GP for one objective, TPE for --objective both")
-    p.add_argument("--json", action="store_true", help="print result.json")
+    q = p.add_argument_group("quant levels (one study per level, then a comparison)")
+    q.add_argument("--quant", metavar="LEVELS",
+                   help="e.g. bf16,int8,int4: the source as stored (bf16/fp16/fp32), int8, int4 or int4-g32/64/128 "
+                        "(int4 = g64); each quantized level is converted once into the model cache and scored "
+                        "against the source; --trials and --time-budget apply to each level")
+    q.add_argument("--quality-tokens", type=int, default=2048, help="tokens of text scored per level (default 2048)")
+    q.add_argument("--quality-ctx", type=int, default=512, help="quality chunk length (default 512)")
+    q.add_argument("--quality-text", metavar="FILE", help="text to score (default: held-out Python stdlib sources)")
+    q.add_argument("--prepare-only", action="store_true",
+                   help="convert the levels and score their quality, then stop (tune later with --resume)")
+    p.add_argument("--json", action="store_true", help="print result.json (with --quant: the levels' summary)")
     p.set_defaults(func=cmd_tune)
 
 
@@ -56,9 +67,25 @@ def cmd_tune(args) -> int:
         trial_timeout=args.trial_timeout, cgroup_limit=parse_size(args.cgroup_limit) if args.cgroup_limit else None,
         confirm_top=args.confirm_top, confirm_rounds=args.confirm_rounds, sampler=args.sampler,
         cost_model=args.cost_model)
+    if args.quant is not None:
+        return _tune_quant(args, opts)
+    if args.prepare_only:
+        raise ConfigError("--prepare-only goes with --quant")
     outcome = run_tune(opts)
     if args.json:
         _print_json(outcome.result)
     else:
         print(format_outcome(outcome))
+    return 0
+
+
+def _tune_quant(args, opts) -> int:
+    from tuner.quant_tune import QuantTuneOptions, format_quant_outcome, parse_levels, run_quant_tune
+    outcome = run_quant_tune(QuantTuneOptions(
+        opts, parse_levels(args.quant), quality_tokens=args.quality_tokens, quality_ctx=args.quality_ctx,
+        quality_text=args.quality_text, prepare_only=args.prepare_only))
+    if args.json:
+        _print_json(outcome.summary)
+    else:
+        print(format_quant_outcome(outcome))
     return 0
