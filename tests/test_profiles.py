@@ -321,3 +321,24 @@ def test_diff_shows_hardware_and_best_configs_side_by_side(shared, tmp_path, cap
     assert pair["b"]["figures"]["decode_tok_s"] == pytest.approx(2 * pair["a"]["figures"]["decode_tok_s"])
     rc, out, _ = run_cli(["profile", "diff", str(shared), str(other)], capsys)
     assert rc == 0 and "* cpu" in out and "Other CPU 2" in out and "855.00 tok/s" in out
+
+
+# --- the shipped example ----------------------------------------------------------------------
+
+def test_shipped_profiles_import_strictly_and_identify_no_one(tmp_path, store):
+    """profiles/*.json: what a stranger downloads. Each passes strict import, carries no
+    identity (no `identity` block, no absolute path, no hostname or user of the tuning box, no
+    routing-histogram path), and the README's table lists it."""
+    root = Path(__file__).resolve().parent.parent / "profiles"
+    shipped = sorted(root.glob("*.json"))
+    assert shipped, "profiles/ ships an example profile"
+    readme = (root / "README.md").read_text()
+    for path in shipped:
+        data = profiles.read_profile_file(path)
+        assert "identity" not in data and data["best_configs"], path
+        strings = list(_strings(data))
+        assert not [s for s in strings if s.startswith(("/", "~")) or "/home/" in s or "/root/" in s], path
+        for e in data["best_configs"]:
+            assert e["config"]["routing_histogram"] == "" and "/" not in e["model"]
+        assert f"`{path.name}`" in readme
+        assert profiles.import_profile(path)[2] is True  # the store accepts it as is

@@ -156,6 +156,22 @@ def test_compare_pareto_and_profile_in_the_parent(tuned, resumed):
     assert str(out) not in json.dumps(shared) and "README" not in json.dumps(shared)
 
 
+def test_a_later_session_naming_one_level_keeps_the_others(tuned, resumed, bf16_model, profile_path, capsys):
+    """`--quant bf16 --resume` tunes nothing new here; the parent's profile and comparison still
+    cover both levels, and bf16's reference quality comes from the cached int8 measurement."""
+    out, _, _ = tuned
+    capsys.readouterr()
+    assert cli.main(cli_args(bf16_model, profile_path, out, "bf16") + ["--resume", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert [(lv["level"], lv["status"]) for lv in summary["levels"]] == [("bf16", "finished earlier"),
+                                                                         ("int8", "earlier session")]
+    bf16 = summary["levels"][0]["quality"]
+    assert bf16["kl_mean"] == 0 and bf16["perplexity"] > 1
+    assert sorted(e["quant"] for e in json.loads((out / "profile.json").read_text())["best_configs"]) == \
+        ["bf16", "int8"]
+    assert json.loads((out / "quant-run.json").read_text())["levels"] == ["bf16", "int8"]
+
+
 def test_an_interrupted_conversion_resumes(bf16_model, cache, tmp_path):
     """ensure_container converts into the cache; after an interrupt it keeps finished shards."""
     from engine.container import QuantSpec

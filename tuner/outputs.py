@@ -78,8 +78,9 @@ def same_geometry(a: dict | None, b: dict | None) -> bool:
     return all(a.get(k) == b.get(k) for k in GEOMETRY_KEYS)
 
 
-def warm_start_entry(profile_path: str, geometry: dict, log) -> dict | None:
-    """--from-profile: the fastest config the profile records for this model geometry."""
+def warm_start_entry(profile_path: str, geometry: dict, log, quant: str | None = None) -> dict | None:
+    """--from-profile: the fastest config the profile records for this model geometry (of
+    those for this quant, when it records any)."""
     from tuner.probe import load_profile
     profile = load_profile(profile_path)
     matches = [e for e in profile.best_configs
@@ -88,6 +89,7 @@ def warm_start_entry(profile_path: str, geometry: dict, log) -> dict | None:
         log(f"--from-profile: {profile_path} records no config for this model geometry; "
             f"warm start from the baseline only")
         return None
+    matches = [e for e in matches if e.get("quant") == quant] or matches
     return max(matches, key=lambda e: ((e.get("figures") or {}).get("decode_tok_s") or 0.0))
 
 

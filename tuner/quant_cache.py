@@ -90,21 +90,38 @@ def quality(model_dir: Path, reference_dir: Path, path: Path, *, tokens: int, ct
     """measure_quality's result, from `path` when it was measured with the same inputs."""
     from tuner.printers import quality_progress
     from tuner.quality import measure_quality
-    key = {"model": str(model_dir), "model_fingerprint": _fingerprint(model_dir), "reference": str(reference_dir),
-           "reference_fingerprint": _fingerprint(reference_dir), "tokens": tokens, "ctx": ctx,
-           "text": str(Path(text).resolve()) if text else None}
-    try:
-        cached = json.loads(path.read_text(encoding="utf-8"))
-        if cached.get("key") == key:
-            return cached["result"]
-    except (OSError, ValueError, AttributeError):
-        pass
+    key = {"model": str(model_dir), "model_fingerprint": _fingerprint(model_dir),
+           **_reference_key(reference_dir, tokens, ctx, text)}
+    cached = _read_cached(path)
+    if cached and cached["key"] == key:
+        return cached["result"]
     log(f"quality: scoring {model_dir.name} against {reference_dir.name} ({tokens} tokens, ctx {ctx}) ...")
     result = measure_quality(model_dir, reference_dir, tokens=tokens, ctx=ctx, text_file=text,
                              progress=quality_progress())
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({"key": key, "result": result}, indent=2) + "\n")
     return result
+
+
+def cached_qualities(directory: Path, reference_dir: Path, tokens: int, ctx: int, text: str | None) -> list[dict]:
+    """Every cached measurement in `directory` made against this reference with these settings."""
+    want = _reference_key(reference_dir, tokens, ctx, text)
+    found = [_read_cached(p) for p in sorted(Path(directory).glob("*.json"))]
+    return [c["result"] for c in found if c and all(c["key"].get(k) == v for k, v in want.items())]
+
+
+def _reference_key(reference_dir: Path, tokens: int, ctx: int, text: str | None) -> dict:
+    return {"reference": str(reference_dir), "reference_fingerprint": _fingerprint(reference_dir), "tokens": tokens,
+            "ctx": ctx, "text": str(Path(text).resolve()) if text else None}
+
+
+def _read_cached(path: Path) -> dict | None:
+    try:
+        cached = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(cached, dict) and isinstance(cached.get("key"), dict) and isinstance(cached.get("result"), dict)
+    return cached if ok else None
 
 
 def _fingerprint(model_dir: Path) -> str:

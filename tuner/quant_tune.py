@@ -163,12 +163,16 @@ def is_quant_run_dir(path) -> bool:
 def level_run_dirs(path) -> list[Path]:
     """A tune --quant run's level directories that finished (hold result.json), in level order."""
     from tuner.rundir import is_run_dir
+    return [Path(path) / l for l in _recorded_levels(path) if is_run_dir(Path(path) / l)]
+
+
+def _recorded_levels(path) -> list[str]:
     record_path = Path(path) / RECORD_FILE
     record = loads_limited(record_path.read_bytes(), str(record_path), error=ConfigError)
     levels = record.get("levels") if isinstance(record, dict) else None
     if not isinstance(levels, list) or not all(isinstance(l, str) and LEVEL_RE.match(l) for l in levels):
         raise ConfigError(f"{record_path}: not a tune --quant record (no list of levels)")
-    return [Path(path) / l for l in levels if is_run_dir(Path(path) / l)]
+    return levels
 
 
 def _open_record(out: Path, opts: TuneOptions, levels: list[Level], source: Path, name: str) -> dict:
@@ -222,10 +226,15 @@ def _qualities(qopts: QuantTuneOptions, source: Path, name: str, stored: str, mo
         log(f"quality {label}: KL mean {r['kl_mean']:.6f} (p99 {r['kl_p99']:.6f}), same top-1 "
             f"{100 * r['top1_agreement']:.2f}%, perplexity {r['ppl_model']:.3f} (source {r['ppl_reference']:.3f})")
     reference = next((l for l, d in models.items() if d == source), None)
-    if reference and measured:
-        any_q = next(iter(measured.values()))
-        measured[reference] = {**any_q, "kl_mean": 0.0, "kl_median": 0.0, "kl_p99": 0.0, "kl_max": 0.0,
-                               "top1_agreement": 1.0, "perplexity": any_q["perplexity_reference"]}
+    # The source's perplexity comes with every measurement against it: this run's, or one an
+    # earlier session of this run directory made (a resume may name the source level alone).
+    scored = next(iter(measured.values()), None) or next(
+        (quality_info(r, name, stored) for r in quant_cache.cached_qualities(out / "quality", source,
+                                                                              qopts.quality_tokens, qopts.quality_ctx,
+                                                                              qopts.quality_text)), None)
+    if reference and scored:
+        measured[reference] = {**scored, "kl_mean": 0.0, "kl_median": 0.0, "kl_p99": 0.0, "kl_max": 0.0,
+                               "top1_agreement": 1.0, "perplexity": scored["perplexity_reference"]}
     return measured
 
 
@@ -246,7 +255,7 @@ def _tune_level(opts: TuneOptions, out: Path, label: str, model_dir: Path, name:
     if (run_dir / "result.json").is_file():
         log(f"[{label}] finished earlier ({run_dir / 'result.json'}): skipped")
         return {"status": "finished earlier"}
-    resume = (run_dir / "study.db").is_file() or (opts.storage is not None and (run_dir / "run.json").is_file())
+    resume = _has_study(run_dir, opts.storage)
     level_opts = dataclasses.replace(
         opts, model=str(model_dir), out=run_dir, resume=resume, ram_budget=budget, profile=str(out / PROBE_FILE),
         model_name=name, quality=quality, study_name=f"{opts.study_name}-{label}" if opts.study_name else None)
@@ -263,6 +272,24 @@ def _tune_level(opts: TuneOptions, out: Path, label: str, model_dir: Path, name:
     return {"status": "tuned"}
 
 
+def _has_study(run_dir: Path, storage: str | None) -> bool:
+    """Whether a level's study was created (an interrupt during its calibration leaves study.db
+    without one: that level starts afresh)."""
+    import optuna
+
+    from tuner.run_record import read_run_record
+    url = storage or f"sqlite:///{run_dir / 'study.db'}"
+    if storage is None and not (run_dir / "study.db").is_file():
+        return False
+    record = read_run_record(run_dir)
+    if record is None:
+        return False
+    try:
+        return record["study_name"] in optuna.study.get_all_study_names(url)
+    except Exception:  # an unreadable storage: resume and let tune say what is wrong in one line
+        return True
+
+
 # --- the comparison -------------------------------------------------------------------------
 
 def _finish(out: Path, name: str, source: Path, budget: int, qopts: QuantTuneOptions, rows: dict,
@@ -270,6 +297,12 @@ def _finish(out: Path, name: str, source: Path, budget: int, qopts: QuantTuneOpt
     from tuner.outputs import best_config_entry, record_best_configs
     from tuner.probe import load_profile
     from tuner.rundir import is_run_dir, open_run
+    # The run directory's profile and comparison cover every level it holds, also those an
+    # earlier session tuned and this one did not name.
+    for run_dir in level_run_dirs(out):
+        rows.setdefault(run_dir.name, {"level": run_dir.name, "run_dir": str(run_dir), "status": "earlier session"})
+    order = {label: i for i, label in enumerate(_recorded_levels(out))}
+    rows = dict(sorted(rows.items(), key=lambda kv: order.get(kv[0], len(order))))
     files: dict[str, str] = {}
     entries, tuned = [], []
     for label, row in rows.items():
@@ -278,6 +311,7 @@ def _finish(out: Path, name: str, source: Path, budget: int, qopts: QuantTuneOpt
         result = open_run(row["run_dir"]).result
         rec = result.get("recommended")
         row["result"] = _figures(result)
+        row.setdefault("quality", result.get("quality"))
         if rec:
             entries.append(best_config_entry(result))
             tuned.append(row["run_dir"])

@@ -200,7 +200,7 @@ class _Run:
                                              self.shared)
         write_run_record(self.out, model=opts.model, model_dir=self.model_dir, budget=self.budget,
                          study_name=self.study_name, objective=opts.objective, storage=redact_url(self.storage_url))
-        self.warm_entry = outputs.warm_start_entry(opts.from_profile, self.facts.geometry, self.log) \
+        self.warm_entry = outputs.warm_start_entry(opts.from_profile, self.facts.geometry, self.log, self.facts.quant) \
             if opts.from_profile else None
 
         self.profile, self.profile_source = probe_profile(self.out, opts.profile, self.model_dir, self.log)
