@@ -124,6 +124,10 @@ def test_each_level_is_a_study_with_its_quant_and_quality(tuned, resumed, cache,
     assert 0.5 < q.top1_agreement <= 1 and q.perplexity > 1
     assert bf16.quality.kl_mean == 0 and bf16.quality.top1_agreement == 1
     assert bf16.quality.perplexity == pytest.approx(q.perplexity_reference)
+    # Each level's report says which weights it tuned and how close they are.
+    page = (out / "int8" / "report.html").read_text()
+    assert "colibri tune: tinybf int8 under" in page and "against tinybf bf16: KL mean" in page
+    assert "- weights: int8 (against tinybf bf16" in (out / "int8" / "report.md").read_text()
     # The level shares the probe the parent ran once.
     assert bf16.conditions.profile.fingerprint == int8.conditions.profile.fingerprint
 

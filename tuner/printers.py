@@ -262,6 +262,17 @@ def quality_progress(enabled: bool = True, stream=None):
     return progress
 
 
+def weights_line(r: dict) -> str:
+    """A result's weights and, from tune --quant, their quality against the reference."""
+    q = r.get("quality")
+    text = r.get("quant") or "-"
+    if q:
+        text += (f" (against {q['reference']} {q['reference_quant']}: KL mean {q['kl_mean']:.6f}, p99 "
+                 f"{q['kl_p99']:.6f}, same top-1 {pct(q['top1_agreement'], 2)}, perplexity {q['perplexity']:.4g}; "
+                 f"{q['scored_tokens']} scored tokens)")
+    return text
+
+
 def quant_tune_text(s: dict) -> str:
     """`tune --quant`'s summary: one row per level, then where the comparison is."""
     header = ["level", "status", "decode tok/s", "min..max", "TTFT s", "KL mean", "same top-1", "run"]
