@@ -15,6 +15,7 @@ import pytest
 from optuna.trial import TrialState
 
 from tuner import cli, profiles
+from tuner.printers import kl_text
 from tuner.quant_tune import QuantTuneOptions, parse_levels, run_quant_tune
 from tuner.result import TuneResult
 from tuner.study import TuneOptions
@@ -144,7 +145,10 @@ def test_compare_pareto_and_profile_in_the_parent(tuned, resumed):
     assert cmp["not_comparable"] == {} and cmp["varying"]["quant"] and cmp["common"]["budget"] == "512.0 MiB"
     assert {r["quant"]: r["kl_mean"] for r in cmp["ranked"]}["bf16"] == 0.0
     assert set(cmp["pareto_front"]) <= {"bf16", "int8"} and cmp["pareto_front"]
-    assert "| int8 |" in (out / "compare.md").read_text()
+    md = (out / "compare.md").read_text()
+    int8_kl = {r["quant"]: r["kl_mean"] for r in cmp["ranked"]}["int8"]
+    assert "| int8 |" in md and f"| {kl_text(int8_kl)} |" in md  # a KL of 1e-6 is not printed as 0.0000
+    assert kl_text(3.1e-6) == "3.10e-06" and kl_text(0.0) == "0" and kl_text(0.031) == "0.0310"
     # Every level's best in the hardware profile, one entry per (geometry, quant, budget).
     entries = json.loads((out / "profile.json").read_text())["best_configs"]
     assert sorted(e["quant"] for e in entries) == ["bf16", "int8"]

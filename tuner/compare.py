@@ -20,7 +20,7 @@ from engine.config import atomic_write_text, format_size
 from engine.errors import ColibriError
 from tuner import report_plots
 from tuner.html_page import e, img, page, table
-from tuner.printers import fmt, pct
+from tuner.printers import fmt, kl_text, pct
 from tuner.profiles import entry_from_run, hardware_facts, resolve
 from tuner.rundir import is_run_dir, open_run
 
@@ -191,7 +191,7 @@ def _cells(r: dict) -> list[str]:
          "of_best": pct(r["of_best"], 0), "ttft_s": fmt(r["ttft_s"], 4),
          "mib_read_per_token": fmt(r["mib_read_per_token"], 3),
          "hit_rate_ram": pct(r["hit_rate_ram"], 0),
-         "kl_mean": fmt(r["kl_mean"], 4), "machine": r["machine"][7:15]}
+         "kl_mean": kl_text(r["kl_mean"]), "machine": r["machine"][7:15]}
     return [str(v[k]) for k, _ in COLUMNS]
 
 

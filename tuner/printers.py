@@ -262,13 +262,21 @@ def quality_progress(enabled: bool = True, stream=None):
     return progress
 
 
+def kl_text(v) -> str:
+    """A KL divergence: they span decades (int8 ~1e-6, int4 ~1e-2 on real models), so small ones
+    in scientific notation rather than rounded to 0."""
+    if v is None:
+        return "-"
+    return "0" if v == 0 else f"{v:.2e}" if abs(v) < 1e-3 else f"{v:.4f}"
+
+
 def weights_line(r: dict) -> str:
     """A result's weights and, from tune --quant, their quality against the reference."""
     q = r.get("quality")
     text = r.get("quant") or "-"
     if q:
-        text += (f" (against {q['reference']} {q['reference_quant']}: KL mean {q['kl_mean']:.6f}, p99 "
-                 f"{q['kl_p99']:.6f}, same top-1 {pct(q['top1_agreement'], 2)}, perplexity {q['perplexity']:.4g}; "
+        text += (f" (against {q['reference']} {q['reference_quant']}: KL mean {kl_text(q['kl_mean'])}, p99 "
+                 f"{kl_text(q['kl_p99'])}, same top-1 {pct(q['top1_agreement'], 2)}, perplexity {q['perplexity']:.4g}; "
                  f"{q['scored_tokens']} scored tokens)")
     return text
 
@@ -282,7 +290,7 @@ def quant_tune_text(s: dict) -> str:
         rows.append([lv["level"], lv.get("status", "prepared"),
                      fmt(r.get("decode_tok_s")) + (" (unconfirmed)" if r.get("unconfirmed") else ""),
                      f"{fmt(r.get('decode_min'))}..{fmt(r.get('decode_max'))}", fmt(r.get("ttft_s"), 3),
-                     "-" if q.get("kl_mean") is None else f"{q['kl_mean']:.6f}", pct(q.get("top1_agreement"), 2),
+                     kl_text(q.get("kl_mean")), pct(q.get("top1_agreement"), 2),
                      lv["run_dir"]])
     lines = [f"tune --quant of {s['model']}, budget {s['budget']}" + (" (prepared only: containers and quality)"
                                                                      if s.get("prepared_only") else "")]

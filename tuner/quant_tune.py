@@ -28,7 +28,7 @@ from pathlib import Path
 from engine.config import atomic_write_text, format_size
 from engine.errors import BudgetError, ConfigError
 from engine.jsonlimits import loads_limited
-from tuner.printers import utc_now
+from tuner.printers import kl_text, utc_now
 from tuner.study import Log, TuneOptions, _stderr, default_budget, run_tune
 
 RECORD_FILE = "quant-run.json"
@@ -223,7 +223,7 @@ def _qualities(qopts: QuantTuneOptions, source: Path, name: str, stored: str, mo
         r = quant_cache.quality(model_dir, source, out / "quality" / f"{label}.json", tokens=qopts.quality_tokens,
                                 ctx=qopts.quality_ctx, text=qopts.quality_text, log=log)
         measured[label] = quality_info(r, name, stored)
-        log(f"quality {label}: KL mean {r['kl_mean']:.6f} (p99 {r['kl_p99']:.6f}), same top-1 "
+        log(f"quality {label}: KL mean {kl_text(r['kl_mean'])} (p99 {kl_text(r['kl_p99'])}), same top-1 "
             f"{100 * r['top1_agreement']:.2f}%, perplexity {r['ppl_model']:.3f} (source {r['ppl_reference']:.3f})")
     reference = next((l for l, d in models.items() if d == source), None)
     # The source's perplexity comes with every measurement against it: this run's, or one an
