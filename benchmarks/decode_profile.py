@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -105,13 +104,11 @@ def child(a) -> dict:
 
 
 def run_tree(tree: Path, a) -> dict:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", a.model, "--tokens",
-            str(a.tokens), "--prompt-tokens", str(a.prompt_tokens), "--threads", str(a.threads)]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        raise SystemExit(f"decode_profile failed in {tree}: {out.stderr.strip()[-800:]}")
-    return json.loads(out.stdout)
+    # Imported here, in the parent only: the child must import the measured tree's packages.
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.trees import run_in_tree
+    return run_in_tree(__file__, tree, ["--model", a.model, "--tokens", str(a.tokens), "--prompt-tokens",
+                                        str(a.prompt_tokens), "--threads", str(a.threads)])
 
 
 def main() -> int:
