@@ -245,7 +245,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     (engine/native): the same bits as F.linear in our tests, at about 3x the weight bandwidth
     (a bias stays with F.linear, whose addmm rounds once where adding it after would round twice)."""
     if not isinstance(w, QuantWeight):
-        if (native.ready and bias is None and x.shape[0] == 1 and x.dtype is torch.bfloat16
+        if (native.ready and bias is None and x.dim() == 2 and x.shape[0] == 1 and x.dtype is torch.bfloat16
                 and w.dtype is torch.bfloat16):
             return native.linear(x, w)
         return F.linear(x, w, bias)

@@ -76,9 +76,13 @@ def test_resident_decode_takes_the_batched_path(bf16_model, monkeypatch):
     monkeypatch.setattr(native, "experts", lambda x, w, n: calls.append(len(w) // n) or real(x, w, n))
     with Engine(bf16_model, EngineConfig(threads=1, ctx_size=32)) as engine:
         assert engine.native_unavailable is None
-        generate(engine, PROMPT, 3, Sampler())
-    top_k = engine.args.top_k
-    assert calls and all(n == top_k for n in calls)  # one call per MoE layer and decode token
+        generate(engine, PROMPT, 1, Sampler())  # prefill: an expert with one routed row runs alone
+        calls.clear()
+        engine.forward([11], len(PROMPT))
+        engine.forward([12], len(PROMPT) + 1)
+        args = engine.args
+    # Decode: one call per MoE layer and token, all top-k experts in it.
+    assert calls == [args.top_k] * (2 * sum(args.moe_layer_flags))
 
 
 def test_native_and_torch_decode_agree(bf16_model, monkeypatch):

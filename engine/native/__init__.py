@@ -24,7 +24,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -111,10 +110,6 @@ def _load() -> str | None:
     return None
 
 
-def reason() -> str | None:
-    return _why_not
-
-
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.colibri.linear_bf16(x, w)
 
@@ -122,8 +117,3 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def experts(x: torch.Tensor, weights: list, per_expert: int) -> torch.Tensor:
     return torch.ops.colibri.experts_bf16(x, weights, per_expert)
 
-
-def warn_once(stream=sys.stderr) -> None:
-    """For CLIs: one line saying torch's kernels are used, and why."""
-    if _why_not and not _why_not.startswith("disabled"):
-        print(f"note: {_why_not}; using torch's bf16 matmuls", file=stream)
