@@ -23,7 +23,7 @@ import statistics
 import time
 from typing import Callable, Sequence
 
-from tuner.probe.cpu import _time_calls
+from tuner.probe.cpu import _time_calls, each_thread_count
 from tuner.probe.profile import KernelPoint, Quantity
 
 SHAPES = ((1024, 512), (6144, 2048))  # (k, n): demo-like and GLM-5-like expert projections
@@ -37,29 +37,21 @@ def measure_kernels(thread_counts: Sequence[int], ms: Sequence[int], min_time_s:
                     on_step: Callable[[str], None] | None = None) -> list[KernelPoint]:
     import torch
 
-    previous = torch.get_num_threads()
     weights = _weights(shapes)
     points = []
-    try:
-        for threads in thread_counts:
-            torch.set_num_threads(threads)
-            for quant in KERNEL_QUANTS:
-                if on_step:
-                    on_step(f"expert kernels {quant} {threads} thread{'s' if threads > 1 else ''}")
-                for (k, n) in shapes:
-                    fn_of, kernel, prepare_s = _kernel(quant, weights[(k, n)])
-                    for m in ms:
-                        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
-                        calls, elapsed = _time_calls(fn_of(x), min_time_s)
-                        per_call = elapsed / calls
-                        points.append(KernelPoint(
-                            quant=quant, kernel=kernel, group_size=INT4_GROUP if quant == "int4" else None,
-                            m=m, k=k, n=n, threads=threads, calls=calls,
-                            throughput=Quantity(2.0 * m * k * n / per_call / 1e9, "GFLOP/s"),
-                            time_per_call=Quantity(per_call * 1e6, "us"),
-                            prepare_time=Quantity(prepare_s * 1e6, "us")))
-    finally:
-        torch.set_num_threads(previous)
+    for threads, quant in each_thread_count(thread_counts, KERNEL_QUANTS, "expert kernels", on_step):
+        for (k, n) in shapes:
+            fn_of, kernel, prepare_s = _kernel(quant, weights[(k, n)])
+            for m in ms:
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+                calls, elapsed = _time_calls(fn_of(x), min_time_s)
+                per_call = elapsed / calls
+                points.append(KernelPoint(
+                    quant=quant, kernel=kernel, group_size=INT4_GROUP if quant == "int4" else None,
+                    m=m, k=k, n=n, threads=threads, calls=calls,
+                    throughput=Quantity(2.0 * m * k * n / per_call / 1e9, "GFLOP/s"),
+                    time_per_call=Quantity(per_call * 1e6, "us"),
+                    prepare_time=Quantity(prepare_s * 1e6, "us")))
     return points
 
 
