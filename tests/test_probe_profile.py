@@ -282,3 +282,13 @@ def test_docs_describe_every_field():
         for f in dataclasses.fields(cls):
             spelled = (f"`{f.name}`", f".{f.name}`", f"`{f.name}.")
             assert any(s in doc for s in spelled), f"{cls.__name__}.{f.name} is not documented"
+
+
+def test_shared_profile_import_checks_the_expert_kernels_too():
+    from tuner.profile_schema import validate_shared
+    data = make_profile(kernels=True).to_dict()
+    profile, _, _ = validate_shared(copy.deepcopy(data))
+    assert len(profile.expert_kernels) == len(make_profile(kernels=True).expert_kernels)
+    data["expert_kernels"][2]["throughput"]["value"] = 1e12
+    with pytest.raises(ProfileError, match=r"expert_kernels\[2\]\.throughput: .* outside the plausible range"):
+        validate_shared(data)
