@@ -1,6 +1,8 @@
 """Expert-kernel throughput at decode shape: bf16, int8 and int4, through the engine's own kernels.
 
 The cost model charges a token's expert matmuls at the rate of the kernel that computes them.
+bf16 goes through `engine.quant.linear`, as the engine calls it: one row (decode) on the native
+AVX512-BF16 kernel when engine/native loads on this machine, `F.linear` otherwise.
 A quantized expert is not multiplied by `F.linear`: the engine runs `QuantWeight.linear`
 (engine/quant.py), i.e. `aten._weight_int8pack_mm` for int8, `aten._weight_int4pack_mm_for_cpu`
 for int4, or dequantize-then-matmul where the packed op refuses the shape on this build. Those
@@ -29,6 +31,7 @@ from tuner.probe.profile import KernelPoint, Quantity
 SHAPES = ((1024, 512), (6144, 2048))  # (k, n): demo-like and GLM-5-like expert projections
 KERNEL_QUANTS = ("bf16", "int8", "int4")
 INT4_GROUP = 64  # the containers' default group (engine/convert.py), the cost model's int4
+NATIVE_BF16 = "engine.native.linear"
 PREPARE_REPEATS = 5  # median of 5: a repack on another CPU's layout takes tens of ms, a view microseconds
 
 
@@ -47,12 +50,17 @@ def measure_kernels(thread_counts: Sequence[int], ms: Sequence[int], min_time_s:
                 calls, elapsed = _time_calls(fn_of(x), min_time_s)
                 per_call = elapsed / calls
                 points.append(KernelPoint(
-                    quant=quant, kernel=kernel, group_size=INT4_GROUP if quant == "int4" else None,
+                    quant=quant, kernel=_bf16_kernel(m) if quant == "bf16" else kernel, group_size=INT4_GROUP if quant == "int4" else None,
                     m=m, k=k, n=n, threads=threads, calls=calls,
                     throughput=Quantity(2.0 * m * k * n / per_call / 1e9, "GFLOP/s"),
                     time_per_call=Quantity(per_call * 1e6, "us"),
                     prepare_time=Quantity(prepare_s * 1e6, "us")))
     return points
+
+
+def _bf16_kernel(m: int) -> str:
+    from engine import native
+    return NATIVE_BF16 if native.ready and m == 1 else "F.linear"
 
 
 def _weights(shapes) -> dict:
@@ -72,12 +80,15 @@ def _weights(shapes) -> dict:
 def _kernel(quant: str, forms: dict):
     """(x → call, kernel name, seconds to prepare the stored matrix) as the engine runs it."""
     import torch
-    import torch.nn.functional as F
 
-    from engine.quant import QuantWeight
+    from engine import native
+    from engine.quant import QuantWeight, linear
     if quant == "bf16":
         w = forms["bf16"]
-        return (lambda x: (lambda: F.linear(x, w))), "F.linear", 0.0
+        # engine.quant.linear is the engine's call: the native kernel for one bf16 row when it
+        # loads (engine/native; built once per machine, as the first bf16 engine would), else F.linear.
+        native.load()
+        return (lambda x: (lambda: linear(x, w))), "F.linear", 0.0
     qweight, qscale = forms[quant]
     QuantWeight.prepare(qweight, qscale, quant, INT4_GROUP, torch.bfloat16)  # kernel choice, cached
     times = []
