@@ -108,14 +108,15 @@ def run_tuner(table: dict, trials: int, seed: int, sampler: str = "gp") -> list[
 
 def run_tuner_model(table: dict, trials: int, seed: int, predicted: dict, warm_starts: int = 3) -> list[str]:
     """`colibri tune` with the cost model: points predicted not to fit are never run (the sampler
-    is told they are infeasible, no evaluation spent), the top predicted points are enqueued
-    first as warm starts, then the baseline, then the GP sampler as without the model."""
+    is told they are infeasible, no evaluation spent); the baseline first and then the top
+    predicted points are enqueued, in the order `colibri tune` enqueues them, then the GP sampler
+    as without the model."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.GPSampler(seed=seed, n_startup_trials=3))
     ranked = sorted((k for k, v in predicted.items() if v is not None), key=lambda k: -predicted[k])
-    for k in ranked[:warm_starts]:
-        study.enqueue_trial(json.loads(k))
     study.enqueue_trial(BASELINE)
+    for k in [k for k in ranked if k != key_of(BASELINE)][:warm_starts]:
+        study.enqueue_trial(json.loads(k))
     seen: list[str] = []
     for _ in range(trials * 4):  # asks; refused points cost no evaluation
         if len(seen) >= trials:
@@ -250,6 +251,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=0,
                    help="measure at most N missing grid points, then stop (0: all); lets a shared box "
                         "measure the grid in short lock holds")
+    p.add_argument("--grid-only", action="store_true",
+                   help="measure missing grid points and stop (the replay is CPU work, not a timed run: run it "
+                        "outside the measurement's lock hold)")
     args = p.parse_args(argv)
 
     import psutil
@@ -284,6 +288,9 @@ def main(argv=None) -> int:
         print(f"grid {i + 1}/{len(points)}: {k} -> {table[k]['status']} {table[k]['decode_tok_s']:.3f} tok/s "
               f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
 
+    if args.grid_only:
+        print(f"grid: {len(table)}/{len(points)} points measured (--grid-only)", file=sys.stderr)
+        return 0
     grid_best = best_of(table, list(table))
     top = table[grid_best]["decode_tok_s"]
     print(f"\nGrid: {len(table)} points, best {top:.3f} tok/s at {grid_best}; baseline "

@@ -109,12 +109,14 @@ def test_more_memory_or_cache_never_predicts_slower(policy):
 def test_calibration_recovers_known_factors_from_synthetic_trials(tiny, hw):
     g = from_model_dir(tiny)
     routing = synth_skew(g.moe_layers, g.num_experts, g.top_k, 1.0)
-    truth = Factors(eta_io=0.45, eta_compute=0.6, overlap=0.3, c_request=2e-4, c_layer=3e-3, lookahead_recall=0.8)
+    truth = Factors(eta_io=0.45, eta_compute=0.6, overlap=0.3, c_request=2e-4, c_layer=3e-3, c_page_buffered=1e-9,
+                    c_page_mmap=3e-9, lookahead_recall=0.8)
     trials = []
     for i, (chunk, depth, ratio, mode, qd, threads) in enumerate([
             (64 << 10, 0, 0.3, "direct", 1, 1), (1 << 20, 1, 0.6, "direct", 4, 2), (256 << 10, 2, 1.0, "buffered", 8, 4),
             (4 << 20, 0, 0.5, "mmap", 2, 8), (16 << 20, 3, 0.8, "direct", 16, 1), (128 << 10, 1, 0.4, "buffered", 1, 2),
-            (2 << 20, 0, 1.0, "direct", 2, 4), (512 << 10, 2, 0.7, "mmap", 4, 8)]):
+            (2 << 20, 0, 1.0, "direct", 2, 4), (512 << 10, 2, 0.7, "mmap", 4, 8), (1 << 20, 0, 0.9, "buffered", 4, 2),
+            (8 << 20, 1, 0.5, "mmap", 16, 1)]):
         cfg = EngineConfig(ram_budget=340 * MiB, chunk_size=chunk, prefetch_depth=depth, cpu_cache_ratio=ratio,
                            io_mode=mode, io_threads=qd, threads=threads, ctx_size=256)
         trials.append(cal.Trial(i, cfg, 1.0, 1.0))
@@ -130,6 +132,13 @@ def test_calibration_recovers_known_factors_from_synthetic_trials(tiny, hw):
     assert got.eta_io == pytest.approx(truth.eta_io, rel=0.05)
     assert got.c_request == pytest.approx(truth.c_request, rel=0.1)
     assert got.c_layer == pytest.approx(truth.c_layer, rel=0.1)
+    assert got.c_page_buffered == pytest.approx(truth.c_page_buffered, rel=0.1)
+    assert got.c_page_mmap == pytest.approx(truth.c_page_mmap, rel=0.1)
+    # Direct reads bypass the page cache: trials that all read direct say nothing about its
+    # cost, and the fit leaves it at 0 rather than wherever the optimiser wandered.
+    direct = [t for t in ready if t.config.io_mode == "direct"]
+    only_direct = cal.fit(direct, truth.lookahead_recall)
+    assert only_direct.c_page_buffered == 0 and only_direct.c_page_mmap == 0
     summary = cal.error_summary(cal.cross_validate(ready, truth.lookahead_recall))
     assert summary["decode_median_abs_pct_error"] < 2
     assert summary["decode_spearman"] > 0.95
@@ -163,10 +172,10 @@ def _diff(a, b, path=""):
     ("memory_bw=100GB/s", {".memory_bandwidth[].bandwidth.value"}),
     ("ram=64GiB", {".system.memory.total.value", ".system.memory.available.value"}),
     ("cores=16", {".system.cpu.physical_cores", ".system.cpu.logical_cores"}),
-    ("matmul_scale=2", {".cpu_matmul[].throughput.value"}),
+    ("matmul_scale=2", {".cpu_matmul[].throughput.value", ".expert_kernels[].throughput.value"}),
 ])
 def test_what_if_edits_only_what_it_names(edit, allowed):
-    base = make_profile()
+    base = make_profile(kernels=True)
     before = copy.deepcopy(base.to_dict())
     edited = apply_what_if(base, [edit])
     changed = set(_diff(before, edited.to_dict()))
@@ -322,3 +331,67 @@ def test_narrow_space_keeps_the_curve_region_and_the_baseline(tiny):
     base = space.baseline()
     assert base.chunk_size in space.chunk_sizes and base.io_threads in space.io_thread_choices
     assert space.params_of(base)["chunk_size"] == base.chunk_size
+
+
+# --- expert kernels per quant level (the probe's expert_kernels) ---------------------------------
+
+def test_kernel_rates_are_read_per_quant_shape_and_rows():
+    from tests.test_probe_profile import KERNEL_RATES
+    hw = HardwareView(make_profile(kernels=True))
+    for q, rate in KERNEL_RATES.items():
+        assert hw.kernel_flops(q, 1, 1, 1024, 512) == pytest.approx(rate * 1e9)  # measured points exactly
+        assert hw.kernel_flops(q, 4, 1, 6144, 2048) == pytest.approx(rate * 6e9)
+        # Between the shapes: linear in log2(k·n); outside: held at the edge.
+        mid = 2 ** ((math.log2(1024 * 512) + math.log2(6144 * 2048)) / 2)
+        assert hw.kernel_flops(q, 1, 1, int(mid), 1) == pytest.approx(rate * 1.5e9, rel=1e-3)
+        assert hw.kernel_flops(q, 1, 1, 64, 64) == pytest.approx(rate * 1e9)
+        # More threads than measured grow at the measured per-thread rate, as matmul_flops does.
+        assert hw.kernel_flops(q, 1, 4, 1024, 512) == pytest.approx(4 * rate * 1e9)
+    # A profile without kernel points charges every format at the bf16 F.linear rate.
+    old = HardwareView(make_profile())
+    assert old.kernel_flops("int4", 1, 1, 1024, 512) == old.kernel_flops("bf16", 1, 1, 1024, 512) == \
+        old.matmul_flops("bf16", 1, 1)
+
+
+def _compute_s(g, quant, profile, cfg, run=None):
+    _, _, comps, _, _ = components(g, quant, cfg, HardwareView(profile), uniform(g.moe_layers, g.num_experts),
+                                   run or RunConditions(), 300 * MiB, 0.7)
+    return comps
+
+
+def test_quantized_compute_is_charged_at_its_kernels_measured_rate():
+    g = resolve("olmoe-1b-7b")
+    resident = EngineConfig(ram_budget=40 * GiB, threads=1)  # everything resident: compute alone
+    with_kernels = make_profile(kernels=True)
+    c = {q: _compute_s(g, q, with_kernels, resident) for q in ("bf16", "int8", "int4")}
+    # The made-up kernels are slow enough that FLOPs bound every level: int4's kernel at half
+    # int8's rate takes twice as long, though it reads half the bytes.
+    assert not any(x.compute_is_memory for x in c.values())
+    # (rel 1e-3: the cold trial's first reads also pay a few µs of prepare time each)
+    assert c["int4"].compute_s == pytest.approx(2 * c["int8"].compute_s, rel=1e-3)
+    assert c["int8"].compute_s == pytest.approx(2 * c["bf16"].compute_s, rel=1e-3)
+    # Without the probe's kernel points int4 can only look faster than bf16 (fewer bytes, same rate).
+    old = make_profile()
+    assert _compute_s(g, "int4", old, resident).compute_s <= _compute_s(g, "bf16", old, resident).compute_s
+
+
+def test_each_streamed_quantized_expert_pays_the_measured_prepare_time():
+    g = resolve("olmoe-1b-7b")
+    streaming = EngineConfig(ram_budget=int(1.5 * GiB), prefetch_depth=0)
+    profile = make_profile(kernels=True)
+    free = dataclasses.replace(profile, expert_kernels=[dataclasses.replace(k, prepare_time=type(k.prepare_time)(
+        0.0, "us")) for k in profile.expert_kernels])
+    hw = HardwareView(profile)
+    _, rates, comps, _, _ = components(g, "int4", streaming, hw, uniform(g.moe_layers, g.num_experts),
+                                       RunConditions(), 300 * MiB, 0.7)
+    base = _compute_s(g, "int4", free, streaming)
+    reads = rates.decode_misses_per_token + rates.wasted_prefetch_per_token
+    assert reads > 0
+    assert comps.compute_s - base.compute_s == pytest.approx(reads * 3 * 5e-6, rel=1e-6)
+
+
+def test_faster_kernels_never_predict_slower():
+    g = resolve("olmoe-1b-7b")
+    cfg = EngineConfig(ram_budget=int(1.5 * GiB), prefetch_depth=1, threads=0)
+    base = make_profile(kernels=True)
+    assert _decode(g, cfg, apply_what_if(base, ["matmul_scale=3"])) > _decode(g, cfg, base)

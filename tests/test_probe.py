@@ -40,7 +40,8 @@ def tiny_plan(min_file_bytes: int = 1 * MiB) -> ProbePlan:
         storage=StoragePlan(file_bytes=8 * MiB, runtime_s=0.05, jobs=jobs,
                             min_file_bytes=min_file_bytes),
         memory_buffer_bytes=8 * MiB, memory_repeats=2, matmul_ms=(1, 4),
-        matmul_min_time_s=0.005, thread_counts=(1,))
+        matmul_min_time_s=0.005, thread_counts=(1,), kernel_ms=(1, 2), kernel_min_time_s=0.002,
+        kernel_shapes=((256, 128),))
 
 
 def leftovers(directory: Path) -> list[str]:
@@ -68,6 +69,19 @@ def check_complete_profile(profile: HardwareProfile, tmp_path: Path, plan: Probe
     assert {(m.dtype, m.m) for m in profile.cpu_matmul} == \
         {("bf16", 1), ("bf16", 4), ("fp32", 1), ("fp32", 4)}
     assert all(m.throughput.value > 0 for m in profile.cpu_matmul)
+    # Expert kernels: every weight format at every shape and row count, through the kernel the
+    # engine picks for it (engine/quant.py) — never silently the bf16 one for a quantized format.
+    assert {(k.quant, k.m, k.k, k.n) for k in profile.expert_kernels} == \
+        {(q, m, 256, 128) for q in ("bf16", "int8", "int4") for m in (1, 2)}
+    kernels = {k.quant: k.kernel for k in profile.expert_kernels}
+    # bf16 as the engine calls it: one row on the native kernel where it loads, else F.linear.
+    assert {k.kernel for k in profile.expert_kernels if k.quant == "bf16"} <= {"F.linear", "engine.native.linear"}
+    assert {k.kernel for k in profile.expert_kernels if k.quant == "bf16" and k.m > 1} == {"F.linear"}
+    assert kernels["int8"] in ("aten._weight_int8pack_mm", "dequantize+linear")
+    assert kernels["int4"] in ("aten._weight_int4pack_mm_for_cpu", "dequantize+linear")
+    assert all(k.throughput.value > 0 and k.calls >= 1 for k in profile.expert_kernels)
+    assert all((k.group_size == 64) == (k.quant == "int4") for k in profile.expert_kernels)
+    assert "Expert kernels" in format_summary(profile)
     # The profile survives its own strict validation and says nothing personal.
     text = json.dumps(profile.to_dict())
     assert HardwareProfile.from_dict(json.loads(text)) == profile

@@ -9,7 +9,7 @@ import pytest
 
 from tuner.probe.errors import ProfileError
 from tuner.probe.profile import (
-    SCHEMA_VERSION, CpuInfo, DiskInfo, GpuInfo, HardwareProfile, MatmulPoint,
+    SCHEMA_VERSION, CpuInfo, DiskInfo, GpuInfo, HardwareProfile, KernelPoint, MatmulPoint,
     MemoryBandwidthPoint, MemoryInfo, ProbeRun, Quantity, StoragePoint, StorageResult,
     SystemInfo, ToolInfo, compute_fingerprint, fingerprint_basis, load_profile, save_profile)
 
@@ -31,7 +31,27 @@ def point(role, pattern, size, qd, bw, direct=True) -> StoragePoint:
         lat_p50=Quantity(90.0, "us"), lat_p99=Quantity(400.0, "us"))
 
 
-def make_profile(curve=True, buffered_bw=None) -> HardwareProfile:
+def kernel_point(quant, m, k, n, gflops, threads=1, kernel=None, prepare_us=0.0) -> KernelPoint:
+    kernel = kernel or {"bf16": "F.linear", "int8": "aten._weight_int8pack_mm",
+                        "int4": "aten._weight_int4pack_mm_for_cpu"}[quant]
+    return KernelPoint(quant=quant, kernel=kernel, group_size=64 if quant == "int4" else None, m=m, k=k, n=n,
+                       threads=threads, calls=100, throughput=Quantity(gflops, "GFLOP/s"),
+                       time_per_call=Quantity(2.0 * m * k * n / gflops / 1e3, "us"),
+                       prepare_time=Quantity(prepare_us, "us"))
+
+
+# A made-up kernel table: int8 at half and int4 at a quarter of bf16's rate, the large shape
+# twice the small one's, 4 rows three times 1 row's.
+KERNEL_RATES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
+
+
+def make_kernels() -> list:
+    return [kernel_point(q, m, k, n, rate * (2 if k > 1024 else 1) * (3 if m == 4 else 1),
+                         prepare_us=5.0 if q != "bf16" else 0.0)
+            for q, rate in KERNEL_RATES.items() for (k, n) in ((1024, 512), (6144, 2048)) for m in (1, 4)]
+
+
+def make_profile(curve=True, buffered_bw=None, kernels=False) -> HardwareProfile:
     system = SystemInfo(
         os="Linux 6.1",
         cpu=CpuInfo(model="Test CPU", arch="x86_64", physical_cores=8, logical_cores=16,
@@ -66,6 +86,7 @@ def make_profile(curve=True, buffered_bw=None) -> HardwareProfile:
                                 throughput=Quantity(5.0, "GFLOP/s"),
                                 time_per_call=Quantity(600.0, "us"))],
         gpus=gpus,
+        expert_kernels=make_kernels() if kernels else [],
     )
 
 
@@ -160,6 +181,24 @@ def test_optional_fields_accept_null_and_best_configs_accept_json_objects():
     assert profile.best_configs == [{"model": "qwen3", "tok_s": 1.5}]
 
 
+def test_expert_kernels_are_optional_and_strictly_validated():
+    # A profile probed before the kernels were timed still loads, with none.
+    old = _mutated(lambda d: d.pop("expert_kernels"))
+    assert HardwareProfile.from_dict(old).expert_kernels == []
+    data = make_profile(kernels=True).to_dict()
+    assert HardwareProfile.from_dict(json.loads(json.dumps(data))) == make_profile(kernels=True)
+    for mutate, message in [
+        (lambda d: d["expert_kernels"][0].update(quant="int3"), r"expert_kernels\[0\].quant: 'int3' is not one of"),
+        (lambda d: d["expert_kernels"][0]["prepare_time"].update(unit="ms"), "expected 'us', got 'ms'"),
+        (lambda d: d["expert_kernels"][0].pop("kernel"), "missing key 'kernel'"),
+        (lambda d: d["expert_kernels"][1]["throughput"].update(value=-1.0), "must not be negative"),
+    ]:
+        bad = copy.deepcopy(data)
+        mutate(bad)
+        with pytest.raises(ProfileError, match=message):
+            HardwareProfile.from_dict(bad)
+
+
 def test_from_dict_rejects_non_objects():
     with pytest.raises(ProfileError, match="expected a JSON object"):
         HardwareProfile.from_dict([1, 2])
@@ -238,8 +277,18 @@ def test_docs_describe_every_field():
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "PROFILE.md").read_text()
     classes = [HardwareProfile, ToolInfo, ProbeRun, SystemInfo, CpuInfo, MemoryInfo, DiskInfo,
-               StorageResult, StoragePoint, MemoryBandwidthPoint, MatmulPoint, GpuInfo, Quantity]
+               StorageResult, StoragePoint, MemoryBandwidthPoint, MatmulPoint, KernelPoint, GpuInfo, Quantity]
     for cls in classes:
         for f in dataclasses.fields(cls):
             spelled = (f"`{f.name}`", f".{f.name}`", f"`{f.name}.")
             assert any(s in doc for s in spelled), f"{cls.__name__}.{f.name} is not documented"
+
+
+def test_shared_profile_import_checks_the_expert_kernels_too():
+    from tuner.profile_schema import validate_shared
+    data = make_profile(kernels=True).to_dict()
+    profile, _, _ = validate_shared(copy.deepcopy(data))
+    assert len(profile.expert_kernels) == len(make_profile(kernels=True).expert_kernels)
+    data["expert_kernels"][2]["throughput"]["value"] = 1e12
+    with pytest.raises(ProfileError, match=r"expert_kernels\[2\]\.throughput: .* outside the plausible range"):
+        validate_shared(data)

@@ -38,7 +38,8 @@ HARDWARE_RANGES = {
     "storage.points[].request_bytes": (512, 1 << 30), "storage.points[].queue_depth": (1, 65536),
     "storage.points[].bandwidth": (0, 1e13), "storage.points[].iops": (0, 1e10),
     "storage.points[].lat_p99": (0, 1e9), "memory_bandwidth[].bandwidth": (0, 1e14),
-    "cpu_matmul[].throughput": (0, 1e8), "gpus[].vram": (0, 1 << 50),
+    "cpu_matmul[].throughput": (0, 1e8), "expert_kernels[].throughput": (0, 1e8),
+    "expert_kernels[].prepare_time": (0, 1e9), "gpus[].vram": (0, 1 << 50),
 }
 
 # Entry spec: key → (type, nullable, range or choices). "figures" dicts share FIGURES.

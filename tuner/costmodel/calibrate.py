@@ -37,8 +37,14 @@ COST_MODEL_SCHEMA = "colibri.costmodel/1"
 TTFT_WEIGHT = 0.5  # TTFT is noisier (one prompt pass per repeat); it informs, decode decides
 # Bounds keep a fit on few trials physical: efficiencies between 2% and 5x of the measured
 # curve (a trial can beat the probe when the page cache helps), overheads below 50 ms.
+# Page-cache costs below 1e-7 s/B: a path slower than 10 MB/s is a broken disk, not a factor.
 BOUNDS = {"eta_io": (0.02, 5.0), "eta_compute": (0.02, 5.0), "overlap": (0.0, 1.0),
-          "c_request": (0.0, 0.01), "c_layer": (0.0, 0.05)}
+          "c_request": (0.0, 0.01), "c_layer": (0.0, 0.05), "c_page_buffered": (0.0, 1e-7),
+          "c_page_mmap": (0.0, 1e-7)}
+# Starts of the multi-start fit, per factor (the overlap term's min() makes the surface piecewise).
+STARTS = {"eta_io": (1.0, 0.3, 2.0), "eta_compute": (1.0, 0.5, 2.0), "overlap": (0.5, 0.1, 0.9),
+          "c_request": (1e-4, 1e-5, 1e-3), "c_layer": (1e-3, 1e-2, 1e-4), "c_page_buffered": (1e-9, 1e-10, 5e-9),
+          "c_page_mmap": (1e-9, 1e-10, 5e-9)}
 
 
 @dataclass
@@ -171,8 +177,20 @@ def prepare(study: Study, geometry: ModelGeometry, quant: str, hw: HardwareView,
     return ready
 
 
-def _factors(x: np.ndarray, recall: float) -> Factors:
-    return Factors(**dict(zip(Factors.FITTED, map(float, x))), lookahead_recall=recall)
+def informed(trials: list[Trial]) -> tuple[str, ...]:
+    """The factors these trials can tell anything about: a page-cache cost only when some trial
+    read through that mode, the overlap only when some trial prefetched. The others stay at
+    their defaults (no evidence, no cost) instead of drifting wherever the optimiser left them."""
+    modes = {t.config.io_mode for t in trials}
+    skip = {"c_page_buffered"} if "buffered" not in modes else set()
+    skip |= {"c_page_mmap"} if "mmap" not in modes else set()
+    if not any(t.config.prefetch_depth > 0 for t in trials):
+        skip.add("overlap")
+    return tuple(k for k in Factors.FITTED if k not in skip)
+
+
+def _factors(names: tuple[str, ...], x: np.ndarray, recall: float) -> Factors:
+    return Factors(**dict(zip(names, map(float, x))), lookahead_recall=recall)
 
 
 def fit(trials: list[Trial], recall: float) -> Factors:
@@ -180,26 +198,26 @@ def fit(trials: list[Trial], recall: float) -> Factors:
     from scipy.optimize import least_squares
     if not trials:
         raise ConfigError("no trials to fit")
-    lo = np.array([BOUNDS[k][0] for k in Factors.FITTED])
-    hi = np.array([BOUNDS[k][1] for k in Factors.FITTED])
+    names = informed(trials)
+    lo = np.array([BOUNDS[k][0] for k in names])
+    hi = np.array([BOUNDS[k][1] for k in names])
     y_dec = np.log([t.decode_tok_s for t in trials])
     y_ttft = np.log([t.ttft_s for t in trials])
 
     def residuals(x):
-        f = _factors(x, recall)
+        f = _factors(names, x, recall)
         out = [combine(t.comps, f) for t in trials]
         r1 = -np.log([o["token_s"] for o in out]) - y_dec
         r2 = (np.log([o["ttft_s"] for o in out]) - y_ttft) * TTFT_WEIGHT
         return np.concatenate([r1, r2])
 
     best = None
-    # A few starts: the overlap term's min() makes the surface piecewise; the best end wins.
-    for start in ((1.0, 1.0, 0.5, 1e-4, 1e-3), (0.3, 0.5, 0.1, 1e-5, 1e-2), (2.0, 2.0, 0.9, 1e-3, 1e-4)):
-        x0 = np.clip(np.array(start), lo + 1e-9, hi - 1e-9)
-        res = least_squares(residuals, x0, bounds=(lo, hi), x_scale=np.maximum(np.abs(x0), 1e-4))
+    for i in range(len(STARTS["eta_io"])):
+        x0 = np.clip(np.array([STARTS[k][i] for k in names]), lo + 1e-12, hi - 1e-12)
+        res = least_squares(residuals, x0, bounds=(lo, hi), x_scale=np.maximum(np.abs(x0), 1e-10))
         if best is None or res.cost < best.cost:
             best = res
-    return _factors(best.x, recall)
+    return _factors(names, best.x, recall)
 
 
 def predict_rows(trials: list[Trial], f: Factors) -> list[dict]:

@@ -2,8 +2,9 @@
 
 Every speed figure here is a measurement from the profile, interpolated between measured
 points: random-read bandwidth at a request size and queue depth (the fio curve), memory read
-bandwidth per thread count, matmul throughput per dtype, rows (m) and thread count. Nothing is
-a spec-sheet constant. Outside the measured thread counts, matmul throughput grows with threads
+bandwidth per thread count, matmul throughput per dtype, rows (m) and thread count, and the
+expert kernels' throughput per weight format (bf16 F.linear, int8 and int4 packed kernels) per
+projection shape, rows and thread count. Nothing is a spec-sheet constant. Outside the measured thread counts, matmul throughput grows with threads
 at the per-thread rate of the largest measured count, and memory bandwidth stays at its largest
 measured figure (it saturates; a what-if names a new one when a machine has more channels).
 
@@ -13,7 +14,7 @@ A what-if edits a copy of the profile's measured figures and nothing else:
   memory_bw=100GB/s set every memory-bandwidth point to 100 GB/s (copy points to twice that)
   ram=64GiB         total and available memory
   cores=16          physical and logical cores (compute extrapolates from the measured threads)
-  matmul_scale=2    scale every matmul throughput by 2
+  matmul_scale=2    scale every matmul and expert-kernel throughput by 2
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def _apply_one(p, key: str, value: str) -> None:
     elif key == "matmul_scale":
         f = float(value)
         p.cpu_matmul = [replace(pt, throughput=scaled(pt.throughput, f)) for pt in p.cpu_matmul]
+        p.expert_kernels = [replace(pt, throughput=scaled(pt.throughput, f)) for pt in p.expert_kernels]
 
 
 class HardwareView:
@@ -103,6 +105,15 @@ class HardwareView:
             self._matmul.setdefault(pt.dtype, {}).setdefault(pt.m, []).append((pt.threads, pt.throughput.value * 1e9))
         if not self._mem or not self._matmul:
             raise ConfigError("profile has no memory-bandwidth or matmul measurements; run `colibri probe` again")
+        # quant -> (k, n) -> m -> [(threads, FLOP/s)], and quant -> (k, n) -> prepare seconds
+        self._kernels: dict[str, dict[tuple[int, int], dict[int, list[tuple[int, float]]]]] = {}
+        self._prepare: dict[str, dict[tuple[int, int], float]] = {}
+        for pt in getattr(profile, "expert_kernels", None) or []:
+            shape = (pt.k, pt.n)
+            self._kernels.setdefault(pt.quant, {}).setdefault(shape, {}).setdefault(pt.m, []).append(
+                (pt.threads, pt.throughput.value * 1e9))
+            prep = self._prepare.setdefault(pt.quant, {})
+            prep[shape] = max(prep.get(shape, 0.0), pt.prepare_time.value * 1e-6)
 
     def read_bandwidth(self, request_bytes: int, queue_depth: int, io_mode: str) -> float:
         """bytes/s; mmap is paged through the page cache, so it reads the buffered figure."""
@@ -124,6 +135,39 @@ class HardwareView:
         ms = sorted(table)
         from tuner.probe.profile import _interp_log2  # the probe's own interpolation
         return _interp_log2([(mm, _by_threads(sorted(table[mm]), threads, grows=True)) for mm in ms], m)
+
+
+    def has_kernels(self, quant: str) -> bool:
+        return quant in self._kernels
+
+    def kernel_flops(self, quant: str, m: int, threads: int, k: int, n: int) -> float:
+        """FLOP/s of one [n, k] projection at `m` rows through the kernel the engine runs for the
+        weight format `quant`, from the probe's expert-kernel points: linear in log2(k·n)
+        between measured shapes (held at the ends), in log2(m) between measured rows; beyond the
+        largest measured m the rate grows as the bf16 F.linear's does between those rows.
+        A format the profile did not time (a profile probed before the kernels were, or fp32)
+        is charged at the F.linear rate of its compute dtype."""
+        table = self._kernels.get(quant)
+        if not table:
+            return self.matmul_flops("fp32" if quant == "fp32" else "bf16", m, threads)
+        from tuner.probe.profile import _interp_log2
+        top_m = min(max(ms) for ms in table.values())
+        at = min(m, top_m)
+        by_shape = sorted((kk * nn, _interp_log2(
+            [(mm, _by_threads(sorted(pts), threads, grows=True)) for mm, pts in sorted(rows.items())], at))
+            for (kk, nn), rows in table.items())
+        rate = _interp_log2(by_shape, k * n)
+        if m > top_m:
+            rate *= self.matmul_flops("bf16", m, threads) / self.matmul_flops("bf16", top_m, threads)
+        return rate
+
+    def prepare_seconds(self, quant: str, k: int, n: int) -> float:
+        """Seconds to turn one stored [n, k] matrix into its kernel's operand (per expert read)."""
+        table = self._prepare.get(quant)
+        if not table:
+            return 0.0
+        from tuner.probe.profile import _interp_log2
+        return _interp_log2(sorted((kk * nn, s) for (kk, nn), s in table.items()), k * n)
 
 
 def _by_threads(points: list[tuple[int, float]], threads: int, grows: bool) -> float:

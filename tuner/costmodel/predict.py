@@ -4,9 +4,11 @@ A decode token costs (seconds):
 
     fixed      c_layer · layers                       per-layer Python and dispatch work
     compute    max(weight bytes touched / memory bandwidth(threads),
-                   2 · active params / matmul FLOP/s(dtype, m=1, threads)) / eta_compute
+                   2 · active params / kernel FLOP/s(quant, m=1, threads, shape)
+                   + expert reads · 3 · prepare time(quant, shape)) / eta_compute
     disk       (bytes read / read bandwidth(request size, queue depth, io mode)
                 + buffered only: bytes read / one thread's copy bandwidth, the kernel's copy) / eta_io
+               + page-cache bytes · c_page[io mode]           (buffered, mmap: cgroup reclaim, faults)
     requests   read requests · c_request                  submission, completion, hand-off
     hidden     − min(lookahead-covered share of disk, overlap · compute)   (prefetch_depth ≥ 1)
 
@@ -45,9 +47,18 @@ class Factors:
     overlap: float = 0.0  # share of compute time that can hide lookahead reads
     c_request: float = 0.0  # seconds per read request
     c_layer: float = 0.0  # seconds per layer per forward pass
+    # Seconds per byte a read through the page cache costs beyond the probe's figure for it:
+    # page allocation and reclaim inside the trial's memory cgroup (the probe reads buffered once,
+    # with no memory limit), and for mmap the page-table work of faulting the pages in (the probe
+    # never maps). 0 for direct reads, which bypass the page cache.
+    c_page_buffered: float = 0.0
+    c_page_mmap: float = 0.0
     lookahead_recall: float = DEFAULT_LOOKAHEAD_RECALL  # measured by the trials, not fitted
 
-    FITTED = ("eta_io", "eta_compute", "overlap", "c_request", "c_layer")
+    FITTED = ("eta_io", "eta_compute", "overlap", "c_request", "c_layer", "c_page_buffered", "c_page_mmap")
+
+    def page_cost(self, io_mode: str) -> float:
+        return {"buffered": self.c_page_buffered, "mmap": self.c_page_mmap}.get(io_mode, 0.0)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,6 +99,9 @@ class Components:
     prefill_compute_s: float
     prefill_disk_s: float
     prefill_requests: float
+    io_mode: str = "direct"
+    page_bytes: float = 0.0  # decode bytes read through the page cache (buffered, mmap)
+    prefill_page_bytes: float = 0.0
 
 
 @dataclass
@@ -133,9 +147,10 @@ def components(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: Ha
     threads = config.threads or hw.physical_cores
 
     wbytes = _weight_bytes_touched(geometry, quant)
-    dtype = "fp32" if quant == "fp32" else "bf16"
     t_mem = wbytes / hw.memory_bandwidth(threads)
-    t_flop = 2 * geometry.active_params / hw.matmul_flops(dtype, 1, threads)
+    # Each expert read from disk is turned into its kernel's operand once (QuantWeight.prepare).
+    t_prepare = reads * 3 * hw.prepare_seconds(quant, geometry.hidden_size, geometry.moe_intermediate_size)
+    t_flop = _flop_seconds(geometry, quant, hw, 1, threads) + t_prepare
 
     # Prefill: the prompt's rows share each weight read; experts are the prompt's union.
     P = run.prompt_tokens
@@ -145,7 +160,8 @@ def components(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: Ha
     union = min(geometry.num_experts, (rates.prefill_misses_per_layer if rates else k))
     pf_bytes = wbytes + geometry.moe_layers * max(union - k, 0) * geometry.expert_bytes(quant)
     pf_mem = pf_bytes / hw.memory_bandwidth(threads)
-    pf_flop = 2 * P * geometry.active_params / hw.matmul_flops(dtype, P, threads)
+    pf_flop = _flop_seconds(geometry, quant, hw, P, threads) + pf_reads * 3 * hw.prepare_seconds(
+        quant, geometry.hidden_size, geometry.moe_intermediate_size)
     # A buffered read is the disk's transfer plus the kernel's copy into our buffer.
     copy = 1.0 / hw.copy_bandwidth() if config.io_mode == "buffered" else 0.0
     comps = Components(
@@ -153,7 +169,9 @@ def components(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: Ha
         disk_s=reads * span * (1.0 / bw + copy) if bw else math.inf, requests=reads * per_expert,
         covered=lookahead_recall if config.prefetch_depth > 0 else 0.0,
         prefill_compute_s=max(pf_mem, pf_flop), prefill_disk_s=pf_reads * span * (1.0 / pf_bw + copy) if pf_bw else math.inf,
-        prefill_requests=pf_reads * per_expert,
+        prefill_requests=pf_reads * per_expert, io_mode=config.io_mode,
+        page_bytes=0.0 if config.io_mode == "direct" else reads * span,
+        prefill_page_bytes=0.0 if config.io_mode == "direct" else pf_reads * span,
     )
     return plan, rates, comps, request, qd
 
@@ -181,6 +199,17 @@ def _simulate_once(routing: RoutingModel, k: int, slots: int, policy: str, run: 
     return _SIMULATED[key][1]
 
 
+def _flop_seconds(geometry: ModelGeometry, quant: str, hw: HardwareView, m: int, threads: int) -> float:
+    """Matmul seconds of a forward pass over `m` rows: the routed experts' projections at the
+    expert shape [moe_intermediate, hidden], the resident matrices at [hidden, hidden], each at the
+    measured rate of the kernel that computes that weight format (hardware.kernel_flops)."""
+    H, I = geometry.hidden_size, geometry.moe_intermediate_size
+    expert = geometry.moe_layers * geometry.top_k * geometry.expert_params
+    dense = max(geometry.active_params - expert, 0)
+    return (2 * m * expert / hw.kernel_flops(quant, m, threads, H, I)
+            + 2 * m * dense / hw.kernel_flops(quant, m, threads, H, H))
+
+
 def _weight_bytes_touched(geometry: ModelGeometry, quant: str) -> float:
     """Bytes the matmuls of one decode token read: resident weights but the embedding table
     (one row is gathered), plus top_k experts per MoE layer."""
@@ -196,7 +225,8 @@ def combine(c: Components, f: Factors) -> dict:
     """Seconds of each decode term, TTFT, and the bottleneck, for these factors."""
     fixed = f.c_layer * c.layers
     compute = c.compute_s / f.eta_compute
-    disk = c.disk_s / f.eta_io
+    page = f.page_cost(c.io_mode)
+    disk = c.disk_s / f.eta_io + c.page_bytes * page
     requests = f.c_request * c.requests
     hidden = min(c.covered * disk, f.overlap * compute)
     total = fixed + compute + disk + requests - hidden
@@ -204,7 +234,7 @@ def combine(c: Components, f: Factors) -> dict:
     terms = {"disk": exposed_disk, "memory" if c.compute_is_memory else "compute": compute,
              "overhead": fixed + requests}
     bottleneck = max(terms, key=terms.get)
-    ttft = (fixed + c.prefill_compute_s / f.eta_compute + c.prefill_disk_s / f.eta_io
+    ttft = (fixed + c.prefill_compute_s / f.eta_compute + c.prefill_disk_s / f.eta_io + c.prefill_page_bytes * page
             + f.c_request * c.prefill_requests)
     return {"token_s": total, "ttft_s": ttft, "bottleneck": bottleneck,
             "terms": {"fixed": fixed, "compute": compute, "disk": disk, "requests": requests, "hidden": -hidden}}

@@ -18,6 +18,7 @@ from tuner import __version__
 from tuner.printers import utc_now
 from tuner.probe import fallback, fio
 from tuner.probe.cpu import measure_matmul
+from tuner.probe.kernels import KERNEL_QUANTS, SHAPES as KERNEL_SHAPES, measure_kernels
 from tuner.probe.errors import ProbeError, ProfileError
 from tuner.probe.memory import measure_memory_bandwidth
 from tuner.probe.profile import (
@@ -49,6 +50,10 @@ class ProbePlan:
     matmul_ms: tuple[int, ...]
     matmul_min_time_s: float
     measure_gpu: bool = True
+    # Expert kernels per weight format (tuner/probe/kernels.py): rows, and seconds per timing.
+    kernel_ms: tuple[int, ...] = (1, 4)
+    kernel_min_time_s: float = 0.03
+    kernel_shapes: tuple[tuple[int, int], ...] = KERNEL_SHAPES
     # None: 1, 2, 4, ... up to the physical cores.
     thread_counts: Optional[tuple[int, ...]] = field(default=None)
 
@@ -61,6 +66,7 @@ def probe_plan(quick: bool = False) -> ProbePlan:
         memory_repeats=3 if quick else 5,
         matmul_ms=(1, 32) if quick else (1, 8, 32),
         matmul_min_time_s=0.05 if quick else 0.15,
+        kernel_min_time_s=0.03 if quick else 0.08,
     )
 
 
@@ -91,12 +97,15 @@ def run_probe(directory: str | Path = ".", quick: bool = False, use_fio: Optiona
     system = collect_system(directory)
     threads = list(plan.thread_counts or thread_counts(system.cpu.physical_cores))
     steps = _Steps(progress, total=(1 + len(plan.storage.jobs)
-                                    + 4 * len(threads) + (1 if plan.measure_gpu else 0)))
+                                    + (4 + len(KERNEL_QUANTS)) * len(threads)
+                                    + (1 if plan.measure_gpu else 0)))
 
     storage = _probe_storage(directory, plan.storage, file_bytes, fio_bin, tool, steps)
     memory = measure_memory_bandwidth(threads, plan.memory_buffer_bytes, plan.memory_repeats,
                                       on_step=steps.next)
     matmul = measure_matmul(threads, plan.matmul_ms, plan.matmul_min_time_s, on_step=steps.next)
+    kernels = measure_kernels(threads, plan.kernel_ms, plan.kernel_min_time_s, plan.kernel_shapes,
+                              on_step=steps.next)
     gpus = []
     if plan.measure_gpu:
         steps.next("GPU")
@@ -114,6 +123,7 @@ def run_probe(directory: str | Path = ".", quick: bool = False, use_fio: Optiona
         memory_bandwidth=memory,
         cpu_matmul=matmul,
         gpus=gpus,
+        expert_kernels=kernels,
     )
 
 

@@ -23,26 +23,35 @@ def measure_matmul(thread_counts: Sequence[int], ms: Sequence[int], min_time_s: 
 
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}
     gen = torch.Generator().manual_seed(0)
-    previous = torch.get_num_threads()
     points = []
+    for threads, dtype in each_thread_count(thread_counts, DTYPES, "matmul", on_step):
+        w = torch.randn(n, k, generator=gen).to(torch_dtype[dtype])
+        for m in ms:
+            x = torch.randn(m, k, generator=gen).to(torch_dtype[dtype])
+            calls, elapsed = _time_calls(lambda: F.linear(x, w), min_time_s)
+            per_call = elapsed / calls
+            points.append(MatmulPoint(
+                dtype=dtype, m=m, k=k, n=n, threads=threads, calls=calls,
+                throughput=Quantity(2.0 * m * k * n / per_call / 1e9, "GFLOP/s"),
+                time_per_call=Quantity(per_call * 1e6, "us")))
+    return points
+
+
+def each_thread_count(thread_counts: Sequence[int], kinds: Sequence[str], what: str,
+                      on_step: Callable[[str], None] | None):
+    """(threads, kind) for every thread count and kind, with torch's intra-op pool set to that
+    count (restored afterwards, also on an exception) and one progress step per pair."""
+    import torch
+    previous = torch.get_num_threads()
     try:
         for threads in thread_counts:
             torch.set_num_threads(threads)
-            for dtype in DTYPES:
+            for kind in kinds:
                 if on_step:
-                    on_step(f"matmul {dtype} {threads} thread{'s' if threads > 1 else ''}")
-                w = torch.randn(n, k, generator=gen).to(torch_dtype[dtype])
-                for m in ms:
-                    x = torch.randn(m, k, generator=gen).to(torch_dtype[dtype])
-                    calls, elapsed = _time_calls(lambda: F.linear(x, w), min_time_s)
-                    per_call = elapsed / calls
-                    points.append(MatmulPoint(
-                        dtype=dtype, m=m, k=k, n=n, threads=threads, calls=calls,
-                        throughput=Quantity(2.0 * m * k * n / per_call / 1e9, "GFLOP/s"),
-                        time_per_call=Quantity(per_call * 1e6, "us")))
+                    on_step(f"{what} {kind} {threads} thread{'s' if threads > 1 else ''}")
+                yield threads, kind
     finally:
         torch.set_num_threads(previous)
-    return points
 
 
 def _time_calls(fn: Callable[[], object], min_time_s: float) -> tuple[int, float]:

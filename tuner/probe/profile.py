@@ -155,6 +155,28 @@ class MatmulPoint:
     time_per_call: Quantity = _unit("us")
 
 
+KernelQuant = Literal["bf16", "int8", "int4"]  # the expert weight formats tuner/probe/kernels.py times
+
+
+@dataclass(frozen=True)
+class KernelPoint:
+    """One expert projection x[m,k] times W[n,k]^T through the kernel the engine runs for its
+    weight format (F.linear for bf16; engine/quant.py's QuantWeight.linear for int8 / int4)."""
+
+    quant: KernelQuant
+    kernel: str  # e.g. "F.linear", "aten._weight_int8pack_mm", "dequantize+linear"
+    group_size: Optional[int]  # int4's scale group; None otherwise
+    m: int
+    k: int
+    n: int
+    threads: int
+    calls: int
+    throughput: Quantity = _unit("GFLOP/s")
+    time_per_call: Quantity = _unit("us")
+    # Stored matrix -> kernel operand (QuantWeight.prepare): paid once per expert read.
+    prepare_time: Quantity = _unit("us")
+
+
 @dataclass(frozen=True)
 class GpuInfo:
     """One CUDA device, and its host-to-device copy bandwidth when measured."""
@@ -177,6 +199,9 @@ class HardwareProfile:
     memory_bandwidth: list[MemoryBandwidthPoint]
     cpu_matmul: list[MatmulPoint]
     gpus: list[GpuInfo]
+    # Expert-kernel throughput per weight format (tuner/probe/kernels.py). Optional: profiles
+    # probed before it existed still load; the cost model then charges int8/int4 at bf16's rate.
+    expert_kernels: list[KernelPoint] = field(default_factory=list, metadata={"optional": True})
     # Written by the tuner (profiles.py), validated there; the probe leaves it empty.
     best_configs: list[dict[str, Any]] = field(default_factory=list)
     # The cost model's fitted efficiency factors for this machine (tuner/costmodel/calibrate.py

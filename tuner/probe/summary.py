@@ -42,7 +42,7 @@ def format_summary(profile: HardwareProfile) -> str:
             lines.append(f"GPU {g.index}    {g.name}, {_gib(g.vram)}{h2d}")
     else:
         lines.append("GPU      none (no CUDA)")
-    lines += [""] + _storage_lines(p) + [""] + _memory_lines(p) + [""] + _matmul_lines(p)
+    lines += [""] + _storage_lines(p) + [""] + _memory_lines(p) + [""] + _matmul_lines(p) + _kernel_lines(p)
     return "\n".join(lines)
 
 
@@ -99,3 +99,21 @@ def _matmul_lines(p: HardwareProfile) -> list[str]:
                             else "-" for m in ms] for t, dt in keys]
     return [f"CPU matmul (GFLOP/s; x[m,{first.k}] times W[{first.n},{first.k}]^T)"] + \
         text_table(["threads", "dtype"] + [f"m={m}" for m in ms], rows)
+
+
+def _kernel_lines(p: HardwareProfile) -> list[str]:
+    if not p.expert_kernels:
+        return []
+    cols = sorted({(pt.k, pt.n, pt.m) for pt in p.expert_kernels})
+    keys = sorted({(pt.threads, pt.quant, pt.kernel) for pt in p.expert_kernels},
+                  key=lambda t: (t[0], ("bf16", "int8", "int4").index(t[1])))
+    cell = {(pt.threads, pt.quant, pt.kernel, pt.k, pt.n, pt.m): pt for pt in p.expert_kernels}
+    rows = []
+    for t, quant, kernel in keys:
+        prep = max((pt.prepare_time.value for pt in p.expert_kernels
+                    if (pt.threads, pt.quant, pt.kernel) == (t, quant, kernel)), default=0.0)
+        rows.append([str(t), quant, kernel] + [
+            f"{cell[(t, quant, kernel, k, n, m)].throughput.value:.1f}" if (t, quant, kernel, k, n, m) in cell
+            else "-" for k, n, m in cols] + [f"{prep:,.0f}"])
+    return ["", "Expert kernels (GFLOP/s; x[m,k] times W[n,k]^T through the engine's kernel per weight format)"] + \
+        text_table(["threads", "weights", "kernel"] + [f"{k}x{n} m={m}" for k, n, m in cols] + ["prepare µs"], rows)
