@@ -7,13 +7,20 @@ For a handful of configs on `demo` under a 1 GiB budget, cold, each run as a rea
                     + compute s/token of the fully resident run (same source tree)
 
 and the ratio measured tok/s / bound tok/s. The disk term is measured by fio at exactly the
-engine's read pattern — request = what one read request of the engine is (this tree: one
-request per expert span, split across the workers only past chunk_size; the old tree: chunk
-size pieces), QD = io_threads synchronous readers, direct/buffered/mmap as the config — right
-before and right after the streaming run (fio, stream, fio), and the bound uses their mean.
-Each fio job runs --fio-seconds (default 6 s): about the bytes one streaming run reads here
-(~2-3 GB at this disk's 0.5-1 GB/s), so both see the disk over the same stretch of work and a
-short burst (or a stall) of the virtual disk moves either by the same share.
+engine's read pattern (benchmarks/fio_bound.py) — request = what one read request of the
+engine is (this tree: one request per expert span, split across the workers only past
+chunk_size; the old tree: chunk size pieces), QD = io_threads synchronous readers,
+direct/buffered/mmap as the config, inside a cgroup of the budget (so buffered/mmap fio cannot
+read from a page cache larger than the engine's) — right before and right after the streaming
+run (fio, stream, fio; with --before-src: fio, after, fio, before, fio, the middle job shared
+when both trees issue the same request), and the bound uses their mean. A row whose two fio
+figures differ by more than 20% is marked: the disk changed under it.
+
+Each fio job runs --fio-seconds (default 10 s). Why 10: this virtual disk's per-second rate
+at the engine's pattern wanders by +-5-10% (benchmarks/fio_bound.py's trace); two 2-5 s jobs
+differed by up to 21%, two 10 s jobs by 1-4%, and 20 s bought nothing more
+(docs/BENCHMARKS.md, "fio job length"). 10 s is also about the length of one streaming run
+here, so fio and the engine see the disk over comparable stretches.
 
 --before-src DIR runs every config a second time with the engine and CLI of DIR (for example
 the read-only checkout of the previous commit), right after this tree's run of the same config,
@@ -46,6 +53,7 @@ from engine.resolve import resolve_model  # noqa: E402
 from engine.runtime import physical_cores  # noqa: E402
 from tuner.trial import run_trial  # noqa: E402
 from benchmarks.benchlock import bench_lock  # noqa: E402
+from benchmarks.fio_bound import fio_run, request_bytes  # noqa: E402
 
 
 def configs(budget: int) -> dict[str, EngineConfig]:
@@ -88,30 +96,6 @@ def source_tree(src: str | None):
             os.environ["PYTHONPATH"] = old_path
 
 
-def request_bytes(cfg: EngineConfig, expert_bytes: int, old_tree: bool) -> int:
-    """The size of one read request the engine issues for one expert span."""
-    chunk = cfg.chunk_size
-    if old_tree:
-        return min(chunk, expert_bytes)
-    pieces = min(cfg.io_threads, -(-expert_bytes // chunk))
-    return expert_bytes if pieces <= 1 else -(-expert_bytes // pieces)
-
-
-def fio_bandwidth(fio: str, files: list[Path], request: int, cfg: EngineConfig, seconds: float) -> float:
-    """fio random-read bandwidth (bytes/s) over the model's shards at the engine's pattern."""
-    engine = "mmap" if cfg.io_mode == "mmap" else "psync"
-    request = -(-request // 4096) * 4096  # fio wants block-multiple sizes for direct
-    argv = [fio, "--name=bound", "--filename=" + ":".join(str(f) for f in files), "--readonly",
-            "--rw=randread", f"--bs={request}", f"--ioengine={engine}", f"--numjobs={cfg.io_threads}",
-            f"--direct={1 if cfg.io_mode == 'direct' else 0}", "--invalidate=1", "--group_reporting",
-            "--time_based", f"--runtime={seconds:g}", "--ramp_time=1", "--output-format=json"]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120)
-    if out.returncode != 0:
-        raise SystemExit(f"fio failed: {out.stderr.strip()[-300:]}")
-    doc = json.loads(out.stdout[out.stdout.index("{"):])
-    return float(doc["jobs"][0]["read"]["bw_bytes"])
-
-
 def resident_row(model_dir, a, src) -> dict:
     with source_tree(src), _config_lock(a.lock):
         t = run_trial(model_dir, EngineConfig(ctx_size=512), tokens=a.tokens, repeats=a.repeats, cold=False,
@@ -141,32 +125,42 @@ def stream_row(name, cfg, model_dir, a, src, compute_s, bw) -> dict:
                 bytes_per_token=m["bytes_read_per_token"], bw=bw, bound_tok_s=1 / bound_s,
                 ratio=m["decode_tok_s"] * bound_s, hit=(m.get("hit_rate") or {}).get("ram"),
                 stall=m.get("io_stall_fraction"), recall=m.get("lookahead_recall"), peak=m["peak_rss_bytes"],
-                cgroup_peak=t.cgroup_peak_bytes, io=m["io_mode_effective"], commit=m.get("git_commit"),
+                cgroup_peak=t.cgroup_peak_bytes, read_gbps=m.get("read_gbps"), io=m["io_mode_effective"], commit=m.get("git_commit"),
                 output_ids=m.get("output_ids"), cold_method=m.get("cold_method"))
 
 
 def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
     sides = [None] + ([a.before_src] if a.before_src else [])
+    # The compute term: this run's resident decode of the same tree, measured right here.
     resident = {src: resident_row(model_dir, a, src) for src in sides}
     rows = [resident[src] for src in sides]
-    expert = None
-    for name, cfg in configs(parse_size(a.budget)).items():
+    span = None
+    limit = parse_size(a.budget)
+    for name, cfg in configs(limit).items():
         if a.only and name not in a.only:
             continue
         print(f"running {name} ...", file=sys.stderr)
-        if expert is None:
+        if span is None:
             from engine.checkpoint import Checkpoint
             from engine.layout import ExpertLayout
             from engine.model import ModelArgs
             ckpt = Checkpoint(model_dir)
-            expert = ExpertLayout(ckpt, ModelArgs.from_config(ckpt.config)).expert_nbytes
+            span = ExpertLayout(ckpt, ModelArgs.from_config(ckpt.config)).expert_nbytes
         with _config_lock(a.lock):
+            # fio, stream, fio[, stream, fio]: each streaming run sits between two fio jobs at its
+            # own pattern; sides with the same request share the fio job between them.
+            last = None  # (request, bytes/s) of the fio job just run
             for src in sides:
-                request = request_bytes(cfg, expert, old_tree=src is not None)
-                before_fio = fio_bandwidth(fio, files, request, cfg, a.fio_seconds)
+                request = request_bytes(cfg.chunk_size, cfg.io_threads, span, old_tree=src is not None)
+
+                def fio_now():
+                    return fio_run(fio, files, request, cfg.io_threads, cfg.io_mode, a.fio_seconds, limit)["bw"]
+
+                before_fio = last[1] if last and last[0] == request else fio_now()
                 compute_s = 1.0 / resident[src]["tok_s"]
                 row = stream_row(name, cfg, model_dir, a, src, compute_s, 1.0)  # bound fixed up below
-                after_fio = fio_bandwidth(fio, files, request, cfg, a.fio_seconds)
+                after_fio = fio_now()
+                last = (request, after_fio)
                 bw = (before_fio + after_fio) / 2
                 if "error" not in row:
                     bound_s = row["bytes_per_token"] / bw + compute_s
@@ -179,20 +173,33 @@ def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     pct = (lambda v: "-" if v is None else f"{v:.0%}")
-    print("| config | side | io | decode tok/s (median, min-max) | MiB read/token | request, fio GB/s before/after "
-          "| bound tok/s | measured/bound | RAM hit | I/O stall | peak RSS | cgroup peak | load avg |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| config | side | io | decode tok/s (median, min-max) | MiB read/token | engine read GB/s "
+          "| request: fio GB/s before / after (mean) | bound tok/s | measured/bound | RAM hit | I/O stall "
+          "| peak RSS | cgroup peak | tokens = after | load avg |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    after_ids = {r["name"]: r.get("output_ids") for r in rows if r.get("side") == "after"}
     for r in rows:
         if "error" in r:
-            print(f"| {r['name']} | {r['side']} | | {r['error']} | | | | | | | | |")
+            print(f"| {r['name']} | {r['side']} | | {r['error']} | | | | | | | | | | | |")
             continue
         s = r["spread"]
         fio = r.get("fio")
-        fio_cell = (f"{format_size(r['request'])}: {fio[0] / 1e9:.2f} / {fio[1] / 1e9:.2f}" if fio else "-")
+        fio_cell = (f"{format_size(r['request'])}: {fio[0] / 1e9:.2f} / {fio[1] / 1e9:.2f} ({r['bw'] / 1e9:.2f})"
+                    + (" unstable" if abs(fio[0] - fio[1]) > 0.2 * r["bw"] else "") if fio else "-")
+        gbps = r.get("read_gbps")
+        same = ("ref" if r["side"] == "after" else
+                "yes" if r.get("output_ids") == after_ids.get(r["name"]) else "no")
         print(f"| {r['name']} | {r['side']} | {r['io']} | {r['tok_s']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | "
-              f"{r['bytes_per_token'] / 2**20:.0f} | {fio_cell} | {r['bound_tok_s']:.3f} | {r['ratio']:.2f} | "
-              f"{pct(r['hit'])} | {pct(r['stall'])} | {format_size(r['peak'])} | {format_size(r['cgroup_peak'])} | "
+              f"{r['bytes_per_token'] / 2**20:.0f} | {'-' if not gbps else f'{gbps:.2f}'} | {fio_cell} | "
+              f"{r['bound_tok_s']:.3f} | {r['ratio']:.2f} | {pct(r['hit'])} | {pct(r['stall'])} | "
+              f"{format_size(r['peak'])} | {format_size(r['cgroup_peak'])} | {same} | "
               f"{r.get('load_avg_1m', float('nan')):.1f} |")
+    best = {side: max((r for r in rows if r.get("side") == side and "error" not in r and r["io"] != "resident"),
+                      key=lambda r: r["tok_s"], default=None) for side in ("after", "before")}
+    if best["after"] and best["before"]:
+        print(f"\nbest after: {best['after']['name']} {best['after']['tok_s']:.3f} tok/s; best before: "
+              f"{best['before']['name']} {best['before']['tok_s']:.3f} tok/s; "
+              f"ratio {best['after']['tok_s'] / best['before']['tok_s']:.2f}x")
 
 
 def main() -> int:
@@ -203,7 +210,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=4)
     ap.add_argument("--before-src", help="also run every config with this source tree (the old engine)")
-    ap.add_argument("--fio-seconds", type=float, default=6.0)
+    ap.add_argument("--fio-seconds", type=float, default=10.0)
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole table (bound ratio over runs)")
     ap.add_argument("--lock", default="/tmp/colibri-bench.lock")
     ap.add_argument("--one-lock", action="store_true",
