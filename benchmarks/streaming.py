@@ -70,6 +70,26 @@ def configs(budget: int) -> dict[str, EngineConfig]:
     }
 
 
+def selected_configs(budget: int, only, vary: str | None) -> list[tuple[str, EngineConfig]]:
+    """The configs to run (--only), each in every variant of --vary KEY=V1,V2 (say
+    chunk_size=1MiB,4MiB: one read per span against spans split across the readers)."""
+    chosen = [(n, c) for n, c in configs(budget).items() if not only or n in only]
+    if not vary:
+        return chosen
+    key, _, values = vary.partition("=")
+    if key not in EngineConfig.field_names() or not values:
+        raise SystemExit(f"streaming: error: --vary wants KEY=V1,V2 with an engine config key, got {vary!r}")
+    out = []
+    for name, cfg in chosen:
+        for v in values.split(","):
+            current = getattr(cfg, key)
+            # Sizes go through the config's own parser ("4MiB"); other keys keep their type.
+            value = v if key in ("chunk_size", "ram_budget") or isinstance(current, str) else type(current)(v)
+            changed = EngineConfig.from_dict({**cfg.to_dict(), key: value})
+            out.append((f"{name} [{key}={v}]", changed))
+    return out
+
+
 _HELD = {"whole_run": False}
 
 
@@ -136,9 +156,7 @@ def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
     rows = [resident[src] for src in sides]
     span = None
     limit = parse_size(a.budget)
-    for name, cfg in configs(limit).items():
-        if a.only and name not in a.only:
-            continue
+    for name, cfg in selected_configs(limit, a.only, a.vary):
         print(f"running {name} ...", file=sys.stderr)
         if span is None:
             from engine.checkpoint import Checkpoint
@@ -216,6 +234,7 @@ def main() -> int:
     ap.add_argument("--one-lock", action="store_true",
                     help="hold the lock for the whole run (fewer waits on a busy box; keep the run short)")
     ap.add_argument("--only", nargs="*", help="config names to run")
+    ap.add_argument("--vary", metavar="KEY=V1,V2", help="run each config once per value of one engine setting")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     fio = shutil.which("fio")
