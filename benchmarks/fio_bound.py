@@ -12,7 +12,7 @@ Run as a script it is the stability study that picks the job length (docs/BENCHM
 one long job with a per-interval bandwidth log, then repeated jobs of several lengths.
 
     python benchmarks/fio_bound.py [--model demo] [--request 1MiB] [--qd 4] [--mode direct]
-        [--trace-seconds 40] [--lengths 2 4 8 16] [--repeats 3] [--budget 1GiB]
+        [--trace-seconds 40] [--lengths 2 4 8 16] [--repeats 3] [--budget 1GiB] [--region 256MiB]
 """
 
 from __future__ import annotations
@@ -52,9 +52,13 @@ def drop_pages(files) -> None:
             os.close(fd)
 
 
-def fio_argv(fio: str, files, request: int, qd: int, mode: str, seconds: float, log_prefix: str | None = None):
+def fio_argv(fio: str, files, request: int, qd: int, mode: str, seconds: float, log_prefix: str | None = None,
+             region: int | None = None):
     request = -(-request // BLOCK) * BLOCK  # fio wants block multiples for O_DIRECT
+    if region:  # only the first `region` bytes of the first shard: a small hot set, read over and over
+        files = files[:1]
     argv = [fio, "--name=bound", "--filename=" + ":".join(str(f) for f in files), "--readonly",
+            *([f"--size={region}"] if region else []),
             "--rw=randread", f"--bs={request}", f"--ioengine={'mmap' if mode == 'mmap' else 'psync'}",
             f"--numjobs={qd}", f"--direct={1 if mode == 'direct' else 0}", "--invalidate=1",
             "--group_reporting", "--time_based", f"--runtime={seconds:g}", "--ramp_time=1",
@@ -65,13 +69,13 @@ def fio_argv(fio: str, files, request: int, qd: int, mode: str, seconds: float, 
 
 
 def fio_run(fio: str, files, request: int, qd: int, mode: str, seconds: float, limit_bytes: int | None,
-            log: bool = False) -> dict:
+            log: bool = False, region: int | None = None) -> dict:
     """One fio job. Returns {"bw": bytes/s, "trace": [MB/s per second summed over jobs]}."""
     from tuner.sandbox import run_limited
     drop_pages(files)
     with tempfile.TemporaryDirectory(prefix="colibri-fio-") as tmp:
         prefix = str(Path(tmp) / "bw") if log else None
-        run = run_limited(fio_argv(fio, files, request, qd, mode, seconds, prefix), limit_bytes,
+        run = run_limited(fio_argv(fio, files, request, qd, mode, seconds, prefix, region), limit_bytes,
                           timeout=seconds + 120, cwd=tmp)
         if run.returncode != 0:
             raise SystemExit(f"fio failed: {run.stderr.strip()[-300:]}")
@@ -102,6 +106,7 @@ def main() -> int:
     ap.add_argument("--trace-seconds", type=float, default=40)
     ap.add_argument("--lengths", type=float, nargs="*", default=[2, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--region", help="read only this many bytes of the first shard (a hot set), e.g. 256MiB")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     fio = shutil.which("fio")
@@ -110,20 +115,22 @@ def main() -> int:
         return 2
     files = sorted(Path(resolve_model(a.model)).glob("*.safetensors"))
     request, limit = parse_size(a.request), parse_size(a.budget)
+    region = parse_size(a.region) if a.region else None
     out = {"request": request, "qd": a.qd, "mode": a.mode, "load_avg_1m_start": os.getloadavg()[0],
            "start": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     if a.trace_seconds:
-        out["trace"] = fio_run(fio, files, request, a.qd, a.mode, a.trace_seconds, limit, log=True)
+        out["trace"] = fio_run(fio, files, request, a.qd, a.mode, a.trace_seconds, limit, log=True, region=region)
     rows = {length: [] for length in a.lengths}
     for _ in range(a.repeats):  # lengths interleaved, so a drift of the disk hits each alike
         for length in a.lengths:
-            rows[length].append(fio_run(fio, files, request, a.qd, a.mode, length, limit)["bw"])
+            rows[length].append(fio_run(fio, files, request, a.qd, a.mode, length, limit, region=region)["bw"])
     out["lengths"] = rows
     out["load_avg_1m_end"] = os.getloadavg()[0]
     if a.json:
         json.dump(out, sys.stdout, indent=2)
         return 0
-    print(f"fio {a.mode}, request {format_size(request)}, QD {a.qd}, cgroup {a.budget}, {out['start']}, "
+    where = f"first {format_size(region)} of one shard" if region else "all shards"
+    print(f"fio {a.mode}, request {format_size(request)}, QD {a.qd}, {where}, cgroup {a.budget}, {out['start']}, "
           f"load {out['load_avg_1m_start']:.1f} -> {out['load_avg_1m_end']:.1f}")
     if a.trace_seconds:
         trace = out["trace"]["trace"]

@@ -51,7 +51,7 @@ class ReadPool:
         self,
         io_mode: str,
         io_threads: int = 4,
-        chunk_size: int = 1 << 20,
+        chunk_size: int = 4 << 20,  # the EngineConfig default
         stats: IOStats | None = None,
     ):
         if io_mode not in IO_MODES:
