@@ -12,11 +12,13 @@ chunk_size, through:
     liburing   PyPI `liburing` (a Zig wrapper): the same through its readv Iovec, when installed
 
 and prints GB/s (median of --passes, min-max) and the CPU time the process spent per GB read
-(user + sys, all threads): on a 2-core box the reader's CPU is taken from the matmuls. Backends
-are interleaved within each pass so a drift of the disk hits each alike. It also checks every
-backend's bytes against a plain pread of the same span (one span per pass).
+(user + sys, all threads): on a 2-core box the reader's CPU is taken from the matmuls. Within a
+pass each backend reads its own experts (no span read by two backends: this virtual disk
+serves blocks it read moments ago faster) and the backends' order rotates from pass to pass,
+so none is always first or last. It also checks every backend's bytes against a plain pread of
+the same span (one span per pass).
 
-    python benchmarks/io_backend.py [--model demo] [--reads 96] [--qd 4 8] [--piece 0 1MiB]
+    python benchmarks/io_backend.py [--model demo] [--reads 256] [--qd 4 8] [--piece 0 1MiB]
         [--passes 3] [--uring-path DIR] [--json]
 
 The bindings are not dependencies of the engine: `pip install --target DIR uring-api liburing`
@@ -45,12 +47,18 @@ from engine.resolve import resolve_model  # noqa: E402
 from engine.slots import SlotArena  # noqa: E402
 
 
-def spans_of(model_dir, n: int, seed: int):
+def disjoint_spans(model_dir, n: int, groups: int, seed: int) -> list[list]:
+    """`groups` lists of n expert spans, no span in two lists: each backend of a pass reads its
+    own experts, since this virtual disk reads blocks it served moments ago faster (host-side
+    caching), which would favour whichever backend came later over the same spans."""
     ckpt = Checkpoint(model_dir)
     layout = ExpertLayout(ckpt, ModelArgs.from_config(ckpt.config))
     keys = sorted(layout.keys())
-    rng = random.Random(seed)
-    return [layout.location(*k).spans[0] for k in rng.sample(keys, n)]
+    if n * groups > len(keys):
+        raise SystemExit(f"io_backend: error: {n} reads x {groups} backends need more than the "
+                         f"model's {len(keys)} experts; use --reads {len(keys) // groups}")
+    picked = random.Random(seed).sample(keys, n * groups)
+    return [[layout.location(*k).spans[0] for k in picked[g * n:(g + 1) * n]] for g in range(groups)]
 
 
 def drop(paths) -> None:
@@ -226,12 +234,16 @@ def main() -> int:
         for qd in a.qd:
             for piece in pieces:
                 results = {name: {"gbps": [], "cpu_s_per_gb": [], "bytes_ok": True} for name in backends}
+                names = list(backends)
                 for p in range(a.passes):
-                    spans = spans_of(model_dir, a.reads, seed=p * 100 + qd)
-                    nbytes = sum(s.length for s in spans)
-                    paths = {s.path for s in spans}
-                    want = reference(spans[a.reads // 2])
-                    for name, run in backends.items():
+                    sets = disjoint_spans(model_dir, a.reads, len(names), seed=p * 100 + qd)
+                    # The order rotates per pass, so none is always first (or last) at the disk.
+                    order = names[p % len(names):] + names[:p % len(names)]
+                    for name, spans in zip(order, sets):
+                        run = backends[name]
+                        nbytes = sum(s.length for s in spans)
+                        paths = {s.path for s in spans}
+                        want = reference(spans[a.reads // 2])
                         # A fresh arena each time; liburing's Iovec keeps every slot it read into
                         # referenced for good, so it gets one slot per read.
                         slots = len(spans) if name == "liburing" else 2 * qd
