@@ -46,10 +46,11 @@ def cli_tree(cwd: str, pythonpath: str) -> Path | None:
 
 @functools.lru_cache(maxsize=None)
 def bench_takes_outcome(cwd: str, pythonpath: str) -> bool:
-    """Whether the child's `colibri bench` has --outcome. This tree's has; another tree's is
+    """Whether the child's `colibri bench` has --outcome. This tree's has (and so has the
+    installed package the child falls back to when no tree is on its path); another tree's is
     asked once through its `bench --help` (argparse lists every flag there)."""
     tree = cli_tree(cwd, pythonpath)
-    if tree == THIS_TREE:
+    if tree is None or tree == THIS_TREE:
         return True
     env = dict(os.environ, PYTHONPATH=pythonpath)
     out = subprocess.run([sys.executable, "-m", "tuner.cli", "bench", "--help"], capture_output=True, text=True,
