@@ -102,13 +102,38 @@ def _pieces(spans, piece: int):
             yield i, lo + at, at, n, max(0, min(n, end - lo - at))
 
 
+class _Landing:
+    """A slot per span, from its first request to its last completion (ring backends)."""
+
+    def __init__(self, spans, piece: int, arena: SlotArena, keep: dict):
+        self.spans, self.arena, self.keep = spans, arena, keep
+        self.left: dict[int, int] = {}
+        for i, *_ in _pieces(spans, piece):
+            self.left[i] = self.left.get(i, 0) + 1
+        self.open: dict[int, list] = {}  # span index -> [lease, view]
+
+    def view(self, i: int) -> memoryview:
+        if i not in self.open:
+            lease = self.arena.acquire()
+            self.open[i] = [lease, memoryview(lease).cast("B")]
+        return self.open[i][1]
+
+    def landed(self, i: int) -> None:
+        self.left[i] -= 1
+        if self.left[i]:
+            return
+        _lease, view = self.open.pop(i)
+        if i == self.keep["index"]:
+            s = self.spans[i]
+            head = s.offset - window(s)[0]
+            self.keep["bytes"] = bytes(view[head:head + s.length])
+        # the slot returns to the arena when the last reference (here) goes
+
+
 def run_uring_api(spans, qd: int, piece: int, arena: SlotArena, keep: dict, uring_api) -> None:
     fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in {s.path for s in spans}}
     ring = uring_api.Ring(entries=max(2, qd))
-    slots: dict[int, list] = {}  # span index -> [lease, view, requests not yet completed]
-    left_per_span = {}
-    for i, *_ in _pieces(spans, piece):
-        left_per_span[i] = left_per_span.get(i, 0) + 1
+    landing = _Landing(spans, piece, arena, keep)
     todo = _pieces(spans, piece)
     inflight = 0
     try:
@@ -118,10 +143,7 @@ def run_uring_api(spans, qd: int, piece: int, arena: SlotArena, keep: dict, urin
                 if nxt is None:
                     break
                 i, at, into, size, need = nxt
-                if i not in slots:
-                    lease = arena.acquire()
-                    slots[i] = [lease, memoryview(lease).cast("B"), left_per_span[i]]
-                ring.prepare_read(fds[spans[i].path], slots[i][1][into:into + size], at, (i, need))
+                ring.prepare_read(fds[spans[i].path], landing.view(i)[into:into + size], at, (i, need))
                 inflight += 1
             if not inflight:
                 break
@@ -130,13 +152,7 @@ def run_uring_api(spans, qd: int, piece: int, arena: SlotArena, keep: dict, urin
                 if c.res < need:  # an error, or short before the end of the file
                     raise OSError(-c.res if c.res < 0 else 0, f"uring read wanted {need} bytes, gave {c.res}")
                 inflight -= 1
-                slots[i][2] -= 1
-                if not slots[i][2]:
-                    lease, view, _ = slots.pop(i)
-                    if i == keep["index"]:
-                        head = spans[i].offset - window(spans[i])[0]
-                        keep["bytes"] = bytes(view[head:head + spans[i].length])
-                    del lease, view  # the slot returns to the arena here
+                landing.landed(i)
     finally:
         ring.close()
         for fd in fds.values():
@@ -148,11 +164,8 @@ def run_liburing(spans, qd: int, piece: int, arena: SlotArena, keep: dict, libur
     liburing.io_uring_queue_init(max(qd, 2) * 2, ring)
     fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in {s.path for s in spans}}
     cqe = liburing.Cqe()
-    views = {}
+    landing = _Landing(spans, piece, arena, keep)
     iovecs = {}  # kept alive until their read completes
-    left_per_span = {}
-    for i, *_ in _pieces(spans, piece):
-        left_per_span[i] = left_per_span.get(i, 0) + 1
     todo = _pieces(spans, piece)
     inflight, tag = 0, 0
     tags = {}
@@ -163,11 +176,8 @@ def run_liburing(spans, qd: int, piece: int, arena: SlotArena, keep: dict, libur
                 if nxt is None:
                     break
                 i, at, into, size, need = nxt
-                if i not in views:
-                    lease = arena.acquire()
-                    views[i] = [lease, memoryview(lease).cast("B"), left_per_span[i]]
                 sqe = liburing.io_uring_get_sqe(ring)
-                iovecs[tag] = liburing.Iovec([views[i][1][into:into + size]])
+                iovecs[tag] = liburing.Iovec([landing.view(i)[into:into + size]])
                 liburing.io_uring_prep_readv(sqe, fds[spans[i].path], iovecs[tag], at)
                 sqe.user_data = tag
                 tags[tag] = (i, need)
@@ -184,12 +194,7 @@ def run_liburing(spans, qd: int, piece: int, arena: SlotArena, keep: dict, libur
             iovecs.pop(entry.user_data)
             liburing.io_uring_cq_advance(ring, 1)
             inflight -= 1
-            views[i][2] -= 1
-            if not views[i][2]:
-                _lease, view, _ = views.pop(i)
-                if i == keep["index"]:
-                    head = spans[i].offset - window(spans[i])[0]
-                    keep["bytes"] = bytes(view[head:head + spans[i].length])
+            landing.landed(i)
     finally:
         for fd in fds.values():
             os.close(fd)
