@@ -24,7 +24,6 @@ import contextlib
 import fcntl
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -95,15 +94,13 @@ def child(a) -> dict:
 
 
 def run_tree(tree: Path, a) -> dict:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", a.model, "--budget", a.budget,
-            "--tokens", str(a.tokens), "--prompt-tokens", str(a.prompt_tokens), "--io-mode", a.io_mode,
-            "--chunk-size", str(a.chunk_size), "--prefetch-depth", str(a.prefetch_depth), "--io-threads",
-            str(a.io_threads), "--threads", str(a.threads)] + (["--ops"] if a.ops else [])
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        raise SystemExit(f"breakdown failed in {tree}: {out.stderr.strip()[-600:]}")
-    return json.loads(out.stdout)
+    # Imported here, in the parent only: the child must import the measured tree's packages.
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.trees import run_in_tree
+    return run_in_tree(__file__, tree, [
+        "--model", a.model, "--budget", a.budget, "--tokens", str(a.tokens), "--prompt-tokens", str(a.prompt_tokens),
+        "--io-mode", a.io_mode, "--chunk-size", str(a.chunk_size), "--prefetch-depth", str(a.prefetch_depth),
+        "--io-threads", str(a.io_threads), "--threads", str(a.threads)] + (["--ops"] if a.ops else []))
 
 
 def main() -> int:

@@ -13,6 +13,7 @@ import time
 import psutil
 import torch
 
+from . import native
 from .checkpoint import Checkpoint
 from .container import container_spec, dense_quantized, load_dense
 from .config import EngineConfig
@@ -84,6 +85,9 @@ class Engine:
         check_shapes(self.checkpoint, self.args, [n for n in dense_names if n not in quantized])
         self.layout = ExpertLayout(self.checkpoint, self.args) if self.args.is_moe else None
 
+        # bf16 decode's native kernels (engine/native): loaded before the overhead is measured;
+        # None when loaded, else why torch's matmuls are used instead.
+        self.native_unavailable = native.load() if self.dtype == torch.bfloat16 else "not a bf16 model"
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them
         self.kernel_name = self.kernel  # tries (and so pages in) a quantized container's packed kernel too
         self.plan: MemoryPlan = make_plan(self.checkpoint, self.args, self.layout, self.config, self.dtype,
@@ -127,7 +131,8 @@ class Engine:
         """The matmul the routed experts run through (what run/bench report next to the quant)."""
         from .quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT8, kernel_works
         if self.quant is None:
-            return f"F.linear ({str(self.dtype).replace('torch.', '')})"
+            dtype = str(self.dtype).replace('torch.', '')
+            return f"F.linear ({dtype})" if self.native_unavailable else f"F.linear ({dtype}), native bf16 decode"
         a, q = self.args, self.quant
         ok = all(kernel_works(q.quant, n, k, q.group_size, self.dtype)
                  for n, k in ((a.moe_intermediate_size, a.hidden_size), (a.hidden_size, a.moe_intermediate_size)))

@@ -13,6 +13,9 @@ What the model calls:
                                           then reads as they land); the caller sums in a
                                           fixed order, so the order here never shows.
     hint_experts(layer, experts)          a later layer will probably need these.
+    resident(layer, experts)              their weights if all are held in RAM for good
+                                          (ResidentExperts), else None: the decode step may
+                                          then batch them into one call.
     layer_weights(layer) / hint_layer(layer)   layer streaming: a layer's tensors by name.
 
 What the runtime and bench call:
@@ -50,6 +53,11 @@ class ExpertStore(ABC):
 
     def hint_experts(self, layer: int, experts: list[int]) -> None:
         """Default: nothing to read ahead."""
+
+    def resident(self, layer: int, experts: list[int]) -> list[tuple] | None:
+        """These experts' weights, in this order, if all are in RAM for good (no read, no cache
+        bookkeeping): the model may then compute them in one batched call. Default: None."""
+        return None
 
     def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} does not stream layers")
@@ -90,6 +98,9 @@ class ResidentExperts(ExpertStore):
     def for_each_expert(self, layer, experts, fn):
         for e in experts:
             fn(e, self._experts[(layer, e)])
+
+    def resident(self, layer, experts):
+        return [self._experts[(layer, e)] for e in experts]
 
     def stats(self) -> dict:
         return {"io_mode_effective": "resident", "expert_lookups": None}

@@ -8,9 +8,11 @@ VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 
 # fio for the probe; PostgreSQL for the multi-worker tune test; Chromium for the report's
-# browser check (tests/test_report_html.py; both tests skip, saying why, without them).
+# browser check (tests/test_report_html.py; both tests skip, saying why, without them); g++
+# for the native bf16 decode kernels (engine/native: without it torch's matmuls are used).
 missing=()
 command -v fio >/dev/null 2>&1 || missing+=(fio)
+command -v g++ >/dev/null 2>&1 || missing+=(g++)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
 if [ ${#missing[@]} -gt 0 ]; then

@@ -1,0 +1,119 @@
+"""Native decode kernels (bf16_decode.cpp): built on first use, loaded as torch ops, optional.
+
+Decode (one token) in bf16 is a stream of matrix-vector products; torch's bf16 matmul is tuned
+for many rows and reaches a quarter of the memory bandwidth there (docs/BENCHMARKS.md,
+"Resident decode"). The kernels here are plain dot products with AVX512-BF16 instructions.
+
+They are built with the system C++ compiler against the installed torch's headers the first
+time a bf16 engine starts (~6 s), into ~/.cache/colibri/kernels (COLIBRI_KERNEL_CACHE),
+keyed by the source, torch version, compiler and CPU flags; the build writes a temp file and
+renames it, so concurrent first runs are safe. Without a compiler, without AVX512-BF16, or
+with COLIBRI_NATIVE=0, `load()` says why and the engine keeps torch's ops: same model, other
+rounding of the sums, so tokens may differ from a native run (never between placements of one).
+
+    load() -> str | None    load the ops; None when ready, else why not (one line)
+    ready                   whether they are loaded (checked on the decode path)
+    linear(x, w)            x [1,K] @ w.T, bf16
+    experts(x, weights, n)  SwiGLU of several experts on one token: [E, H]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("bf16_decode.cpp")
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
+ready = False
+_why_not: str | None = None
+_tried = False
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _build(cxx: str, out: Path) -> None:
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch.compiled_with_cxx11_abi())
+    argv = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+            "-mavx512bf16", "-mfma", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
+            f"-I{torch_dir / 'include'}", str(SOURCE), "-o", str(out),
+            f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{cxx} failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:200]}")
+
+
+def _library_path(cxx: str, flags: set[str]) -> Path:
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(f"{torch.__version__}|{cxx}|{platform.machine()}|{sorted(flags & set(REQUIRED_FLAGS))}".encode())
+    root = Path(os.environ.get("COLIBRI_KERNEL_CACHE") or Path.home() / ".cache" / "colibri" / "kernels")
+    return root / f"colibri_bf16_{key.hexdigest()[:16]}.so"
+
+
+def load() -> str | None:
+    """Load the native ops (building them first if needed). None when ready, else the reason."""
+    global ready, _why_not, _tried
+    if _tried:
+        return _why_not
+    _tried = True
+    _why_not = _load()
+    ready = _why_not is None
+    return _why_not
+
+
+def _load() -> str | None:
+    if os.environ.get("COLIBRI_NATIVE", "1") == "0":
+        return "disabled by COLIBRI_NATIVE=0"
+    flags = cpu_flags()
+    missing = [f for f in REQUIRED_FLAGS if f not in flags]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    cxx = _compiler()
+    if cxx is None:
+        return "no C++ compiler (g++) on PATH"
+    lib = _library_path(cxx, flags)
+    try:
+        if not lib.exists():
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=lib.stem, suffix=".so.partial", dir=lib.parent)
+            os.close(fd)
+            try:
+                _build(cxx, Path(tmp))
+                os.replace(tmp, lib)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        torch.ops.load_library(str(lib))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return f"native kernels unavailable: {exc}"
+    return None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.colibri.linear_bf16(x, w)
+
+
+def experts(x: torch.Tensor, weights: list, per_expert: int) -> torch.Tensor:
+    return torch.ops.colibri.experts_bf16(x, weights, per_expert)
+
