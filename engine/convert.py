@@ -86,17 +86,8 @@ class Converter:
                     for n in expert_tensor_names(a, layer, e):
                         self.ckpt.info(n)  # a missing expert tensor is an error now, not mid-way
                         self.expert_of[n] = (layer, e)
-        self.fingerprint = self._fingerprint()
+        self.fingerprint = fingerprint(self.ckpt)
         self._fused_cache: dict[str, torch.Tensor] = {}
-
-    def _fingerprint(self) -> str:
-        """Identity of the source: config.json, every shard's size and header (not its data)."""
-        h = hashlib.sha256((self.ckpt.directory / "config.json").read_bytes())
-        for path in sorted({i.path for i in self.ckpt.tensors.values()}):
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                h.update(Path(path).name.encode() + os.path.getsize(path).to_bytes(8, "little") + f.read(n))
-        return h.hexdigest()
 
     def shards(self) -> dict[str, list[Item]]:
         """Output shard name → its items in order (the source shard's order, experts as units)."""
@@ -156,6 +147,16 @@ class Converter:
                 if progress:
                     progress(i + 1, len(items))
             w.restamp(self.spec.stamp(self.fingerprint, source_hash.hexdigest()))
+
+
+def fingerprint(ckpt: Checkpoint) -> str:
+    """Identity of a checkpoint: config.json, every shard's size and header (not its data)."""
+    h = hashlib.sha256((ckpt.directory / "config.json").read_bytes())
+    for path in sorted({i.path for i in ckpt.tensors.values()}):
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            h.update(Path(path).name.encode() + os.path.getsize(path).to_bytes(8, "little") + f.read(n))
+    return h.hexdigest()
 
 
 def _writer_dtype(info) -> str:

@@ -51,3 +51,9 @@ def torch_dtype(name: str):
     """A torch dtype from its short ('bf16') or full ('bfloat16') name; None if unknown."""
     full = {short: name for _, name, _, short in _ROWS if short}.get(name, name)
     return _torch(full) if full in ITEMSIZE else None
+
+
+def short_name(dtype) -> str:
+    """'bf16' for torch.bfloat16 (or 'bfloat16'); the full name where there is no short one."""
+    name = str(dtype).replace("torch.", "")
+    return next((short for _, full, _, short in _ROWS if full == name and short), name)

@@ -110,7 +110,7 @@ def make_run(out: Path, *, cold: bool = True, budget: int = 512 * MiB,
     rec = _entry(f"trial {RECOMMENDED}", RECOMMENDED, rec_params, budget, rec_decode * speed * 0.95, rec_ttft)
     base = _entry("baseline", 0, base_params, budget, base_decode * speed, base_ttft)
     result = {
-        "schema": "colibri.tune/1", "created_utc": "2026-12-01T07:05:00Z", "started_utc": "2026-12-01T07:02:00Z",
+        "schema": "colibri.tune/2", "created_utc": "2026-12-01T07:05:00Z", "started_utc": "2026-12-01T07:02:00Z",
         "model": {"name": model_name, "dir": model_dir, "geometry": GEOMETRY, "compute_dtype": "float32"},
         "budget_bytes": budget, "budget": f"{budget / MiB:.1f} MiB", "objective": "decode",
         "recommended": rec, "baseline": base, "gain_metric": "decode_tok_s",
@@ -135,6 +135,7 @@ def make_run(out: Path, *, cold: bool = True, budget: int = 512 * MiB,
             "search_space": {k: str(v) for k, v in DISTRIBUTIONS.items()},
             "versions": {"engine": "0.1.0", "git_commit": "32851d055f65", "optuna": optuna.__version__,
                          "python": "3.11.7"}},
+        "quant": "fp32", "quality": None,
     }
     (out / "result.json").write_text(json.dumps(result, indent=2))
     return out

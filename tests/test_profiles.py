@@ -17,6 +17,7 @@ import pytest
 from colibri_tune_fixtures import profile_path  # noqa: F401  (a real probe of this machine, shrunk)
 from report_fixture import GEOMETRY, hardware_profile, make_run
 from tuner import cli, profiles
+from tuner.probe.errors import ProfileError
 from tuner.probe.profile import compute_fingerprint
 from tuner.profile_schema import geometry_hash
 
@@ -186,6 +187,28 @@ def test_include_identity_keeps_it(this_machine_run):
     profiles.validate_shared(exported)
 
 
+def test_tune_reads_a_profile_exported_with_identity(this_machine_run, tmp_path):
+    """`tune --profile/--from-profile` (and `plan --profile`) accept the identity block: allowed,
+    not required, and left out of what the run keeps."""
+    from tuner.calibrate import probe_profile
+    from tuner.outputs import warm_start_entry
+    path = profiles.write_profile_file(profiles.export_profile(this_machine_run, include_identity=True),
+                                       tmp_path / "mine.json")
+    assert "identity" in json.loads(path.read_text())
+    run = tmp_path / "run"
+    run.mkdir()
+    profile, source = probe_profile(run, str(path), this_machine_run, log=lambda m: None)
+    assert source == str(path) and profile.fingerprint == json.loads(path.read_text())["fingerprint"]
+    assert "identity" not in json.loads((run / "profile.json").read_text())
+    entry = warm_start_entry(str(path), profile.best_configs[0]["geometry"], log=lambda m: None)
+    assert entry["config"] == profile.best_configs[0]["config"]
+    bad = json.loads(path.read_text())
+    bad["identity"] = "me"
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ProfileError, match="identity must be an object"):
+        probe_profile(run, str(tmp_path / "bad.json"), this_machine_run, log=lambda m: None)
+
+
 # --- strict import: one test per class of bad profile ---------------------------------------
 
 def _refit(d: dict) -> dict:
@@ -298,3 +321,24 @@ def test_diff_shows_hardware_and_best_configs_side_by_side(shared, tmp_path, cap
     assert pair["b"]["figures"]["decode_tok_s"] == pytest.approx(2 * pair["a"]["figures"]["decode_tok_s"])
     rc, out, _ = run_cli(["profile", "diff", str(shared), str(other)], capsys)
     assert rc == 0 and "* cpu" in out and "Other CPU 2" in out and "855.00 tok/s" in out
+
+
+# --- the shipped example ----------------------------------------------------------------------
+
+def test_shipped_profiles_import_strictly_and_identify_no_one(tmp_path, store):
+    """profiles/*.json: what a stranger downloads. Each passes strict import, carries no
+    identity (no `identity` block, no absolute path, no hostname or user of the tuning box, no
+    routing-histogram path), and the README's table lists it."""
+    root = Path(__file__).resolve().parent.parent / "profiles"
+    shipped = sorted(root.glob("*.json"))
+    assert shipped, "profiles/ ships an example profile"
+    readme = (root / "README.md").read_text()
+    for path in shipped:
+        data = profiles.read_profile_file(path)
+        assert "identity" not in data and data["best_configs"], path
+        strings = list(_strings(data))
+        assert not [s for s in strings if s.startswith(("/", "~")) or "/home/" in s or "/root/" in s], path
+        for e in data["best_configs"]:
+            assert e["config"]["routing_histogram"] == "" and "/" not in e["model"]
+        assert f"`{path.name}`" in readme
+        assert profiles.import_profile(path)[2] is True  # the store accepts it as is

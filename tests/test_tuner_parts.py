@@ -163,13 +163,41 @@ def test_published_json_schemas_are_current():
 
 
 def test_tune_result_loader_is_strict():
-    with pytest.raises(ResultError, match="not a colibri.tune/1 result"):
+    with pytest.raises(ResultError, match=r"not a colibri.tune/2 \(or colibri.tune/1\) result"):
         TuneResult.from_dict({"schema": "colibri.tune/0"})
     doc = schema_documents()["tune-result.schema.json"]
-    assert doc["properties"]["schema"] == {"enum": ["colibri.tune/1"]}
+    assert doc["properties"]["schema"] == {"enum": ["colibri.tune/2"]}
     assert set(doc["required"]) == set(doc["properties"])
-    with pytest.raises(ResultError, match="missing key"):
-        TuneResult.from_dict({"schema": "colibri.tune/1"})
+    for schema in ("colibri.tune/2", "colibri.tune/1"):  # migration fills what was added, not what is missing
+        with pytest.raises(ResultError, match="missing key"):
+            TuneResult.from_dict({"schema": schema})
+
+
+def test_a_stored_v1_result_is_read_migrated(tmp_path):
+    """tests/fixtures/tune-v1/result.json is a real colibri.tune/1 file of a demo run, written
+    before Figures.unconfirmed and RunFigures.prefill_tok_s (and others) existed."""
+    from tuner.rundir import open_run
+    stored = json.loads((ROOT / "tests" / "fixtures" / "tune-v1" / "result.json").read_text())
+    assert stored["schema"] == "colibri.tune/1" and "unconfirmed" not in stored["recommended"]["confirmed"]
+    assert "prefill_tok_s" not in stored["recommended"]["runs"][0] and "quant" not in stored
+    with pytest.raises(ResultError, match="missing key 'unconfirmed'"):  # what the strict /2 reader says of it
+        TuneResult.from_dict({**stored, "schema": "colibri.tune/2", "quant": None, "quality": None})
+
+    r = TuneResult.from_dict(stored)
+    assert r.schema == "colibri.tune/2" and r.quant is None and r.quality is None
+    assert r.recommended.confirmed.unconfirmed is False and r.recommended.runs[0].prefill_tok_s is None
+    # Nothing recorded is lost or changed: the migrated dict holds the old one.
+    migrated = r.to_dict()
+    assert migrated["recommended"]["confirmed"] == {**stored["recommended"]["confirmed"], "unconfirmed": False}
+    assert migrated["conditions"] == stored["conditions"] and migrated["study"] == stored["study"]
+    assert TuneResult.from_dict(migrated).to_dict() == migrated
+    assert stored == json.loads((ROOT / "tests" / "fixtures" / "tune-v1" / "result.json").read_text())
+
+    # Run-directory readers (report, profile export, compare) see the migrated form.
+    (tmp_path / "result.json").write_text(json.dumps(stored))
+    run = open_run(tmp_path)
+    assert run.result == migrated and run.result["recommended"]["confirmed"]["decode_tok_s"] == pytest.approx(
+        stored["recommended"]["confirmed"]["decode_tok_s"])
 
 
 def test_run_summary_schema_matches_what_confirm_records():

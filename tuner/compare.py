@@ -20,7 +20,7 @@ from engine.config import atomic_write_text, format_size
 from engine.errors import ColibriError
 from tuner import report_plots
 from tuner.html_page import e, img, page, table
-from tuner.printers import fmt, pct
+from tuner.printers import fmt, kl_text, pct
 from tuner.profiles import entry_from_run, hardware_facts, resolve
 from tuner.rundir import is_run_dir, open_run
 
@@ -116,7 +116,10 @@ def compare(refs: list[str], out_dir: str | Path | None = None, force: bool = Fa
     summary = {"schema": "colibri.compare/1", "inputs": [str(r) for r in refs], "forced": bool(blocking),
                "not_comparable": {k: [str(x) for x in v] for k, v in blocking.items()},
                "varying": {k: [str(x) for x in v] for k, v in differences(items, VARYING).items()},
-               "common": _common(items), "ranked": rows}
+               "common": _common(items), "ranked": rows,
+               "pareto_front": report_plots.pareto_front([(i.label, i.figure("kl_mean"), i.figure("decode_tok_s"))
+                                                          for i in ranked if i.figure("kl_mean") is not None
+                                                          and i.figure("decode_tok_s") is not None]) or None}
     plots = _plots(ranked, out / "plots")
     atomic_write_text(out / "compare.json", json.dumps(summary, indent=2) + "\n")
     atomic_write_text(out / "compare.md", render_markdown(summary, plots))
@@ -162,10 +165,11 @@ def _plots(items: list[Item], plots: Path) -> list[tuple[str, Path]]:
                                       "KL divergence to the reference (lower is better)", plots / "kl.png")
         if path:
             out.append(("quality: KL", path))
-        path = report_plots.plot_speed_quality([(i.label, i.figure("kl_mean"), i.figure("decode_tok_s"))
-                                                for i in items], plots / "speed_quality.png")
+        path = report_plots.plot_speed_quality([(i.label, i.figure("kl_mean"), i.figure("decode_tok_s"),
+                                                 i.figure("decode_min"), i.figure("decode_max")) for i in items],
+                                               plots / "speed_quality.png")
         if path:
-            out.append(("decode speed against quality", path))
+            out.append(("speed/quality Pareto plot", path))
     return out
 
 
@@ -187,7 +191,7 @@ def _cells(r: dict) -> list[str]:
          "of_best": pct(r["of_best"], 0), "ttft_s": fmt(r["ttft_s"], 4),
          "mib_read_per_token": fmt(r["mib_read_per_token"], 3),
          "hit_rate_ram": pct(r["hit_rate_ram"], 0),
-         "kl_mean": fmt(r["kl_mean"], 4), "machine": r["machine"][7:15]}
+         "kl_mean": kl_text(r["kl_mean"]), "machine": r["machine"][7:15]}
     return [str(v[k]) for k, _ in COLUMNS]
 
 
@@ -199,6 +203,9 @@ def _notes(s: dict) -> list[str]:
     if s["varying"]:
         lines.append("Compared: " + "; ".join(f"{k}: {' vs '.join(v)}" for k, v in s["varying"].items()))
     lines.append("Same for all: " + "; ".join(f"{k} {v}" for k, v in s["common"].items()))
+    if s.get("pareto_front"):
+        lines.append("Speed/quality Pareto front (no other input is both faster and closer to the reference): "
+                     + ", ".join(s["pareto_front"]))
     lines.append("Figures: each input's confirmed medians (min..max over repeats); MiB read per token and hit "
                  "rate are from the recommended config's search trial.")
     return lines

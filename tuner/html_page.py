@@ -15,7 +15,7 @@ padding:0 1em;line-height:1.4}
 h1{font-size:1.5em;margin-bottom:.2em} h2{font-size:1.2em;margin-top:1.8em;border-bottom:1px solid #ddd}
 .sub{color:#666} table{border-collapse:collapse;margin:.6em 0;font-size:.88em}
 th,td{border:1px solid #ddd;padding:.25em .55em;text-align:left} th{background:#f4f4f4}
-td.num{text-align:right;font-variant-numeric:tabular-nums} tr.changed td{background:#fff6d5}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap} tr.changed td{background:#fff6d5}
 .headline{font-size:1.1em;background:#eef6ee;border:1px solid #cde3cd;padding:.7em 1em;border-radius:6px}
 .warn{font-size:1.05em;background:#fdecea;border:1px solid #f1b0ab;padding:.7em 1em;border-radius:6px}
 .note{color:#666;font-size:.9em} img{max-width:100%;height:auto;display:block;margin:.6em 0}

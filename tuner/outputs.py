@@ -13,7 +13,7 @@ from engine.config import EngineConfig, atomic_write_text, format_size
 from tuner.printers import fmt, json_text, pct, trials_csv, utc_now
 from tuner.probe.errors import ProfileError
 from tuner.result import (BEST_CONFIG_SCHEMA, RESULT_SCHEMA, Conditions, ConfirmationInfo, MemoryLimit, ModelInfo,
-                          ProfileSummary, StudyInfo, TuneResult, Versions)
+                          ProfileSummary, QualityInfo, StudyInfo, TuneResult, Versions)
 from tuner.storage import redact_url
 
 # Geometry keys that make two models interchangeable for a recorded best config.
@@ -59,12 +59,14 @@ def best_config_entry(result: dict) -> dict:
         "model": result.get("model", {}).get("name"),
         "geometry": {k: result.get("model", {}).get("geometry", {}).get(k) for k in GEOMETRY_KEYS},
         "compute_dtype": result.get("model", {}).get("compute_dtype"),
+        "quant": result.get("quant"),
         "ram_budget": result.get("budget_bytes"),
         "objective": result.get("objective"),
         "config": rec.get("config"),
         "figures": rec.get("confirmed"),
         "baseline_figures": (result.get("baseline") or {}).get("confirmed"),
         "gain_over_baseline": result.get("gain_over_baseline"),
+        "quality": result.get("quality"),
         "conditions": result.get("conditions"),
         "created_utc": result.get("created_utc"),
     }
@@ -76,8 +78,9 @@ def same_geometry(a: dict | None, b: dict | None) -> bool:
     return all(a.get(k) == b.get(k) for k in GEOMETRY_KEYS)
 
 
-def warm_start_entry(profile_path: str, geometry: dict, log) -> dict | None:
-    """--from-profile: the fastest config the profile records for this model geometry."""
+def warm_start_entry(profile_path: str, geometry: dict, log, quant: str | None = None) -> dict | None:
+    """--from-profile: the fastest config the profile records for this model geometry (of
+    those for this quant, when it records any)."""
     from tuner.probe import load_profile
     profile = load_profile(profile_path)
     matches = [e for e in profile.best_configs
@@ -86,6 +89,7 @@ def warm_start_entry(profile_path: str, geometry: dict, log) -> dict | None:
         log(f"--from-profile: {profile_path} records no config for this model geometry; "
             f"warm start from the baseline only")
         return None
+    matches = [e for e in matches if e.get("quant") == quant] or matches
     return max(matches, key=lambda e: ((e.get("figures") or {}).get("decode_tok_s") or 0.0))
 
 
@@ -134,7 +138,17 @@ def build_result(run, decision) -> TuneResult:
             wall_seconds=round(run.clock.used(), 1), physical_cores=run.space.physical_cores,
             logical_cores=run.space.logical_cores, gpu=run.has_gpu,
             profile=profile_summary(run.profile, run.profile_source), search_space=run.space.describe(),
-            versions=versions()))
+            versions=versions()),
+        quant=run.facts.quant,
+        quality=decode_quality(opts.quality))
+
+
+def decode_quality(quality: dict | None) -> QualityInfo | None:
+    if quality is None:
+        return None
+    from tuner.result import ResultError
+    from tuner.schema import decode
+    return decode(QualityInfo, quality, "quality", ResultError)
 
 
 def profile_summary(p, source: str) -> ProfileSummary:
@@ -186,11 +200,20 @@ def write_outputs(run, result: dict) -> dict:
 
 def record_best_config(profile, result: dict, path: Path) -> Path:
     """The run's profile.json, its best_configs holding this run's winner (replacing an older
-    entry for the same geometry, budget and objective)."""
+    entry for the same geometry, quant, budget and objective)."""
+    return record_best_configs(profile, [best_config_entry(result)], path)
+
+
+def record_best_configs(profile, entries: list[dict], path: Path) -> Path:
+    """`profile` saved to `path` with `entries` in its best_configs, each replacing an older
+    entry of the same geometry, quant, budget and objective."""
     from tuner.probe import save_profile
-    entry = best_config_entry(result)
-    keep = [e for e in profile.best_configs
-            if not (isinstance(e, dict) and same_geometry(e.get("geometry"), entry["geometry"])
-                    and e.get("ram_budget") == entry["ram_budget"] and e.get("objective") == entry["objective"])]
-    profile.best_configs = keep + [entry]
+
+    def same(e, entry) -> bool:
+        return (isinstance(e, dict) and same_geometry(e.get("geometry"), entry["geometry"])
+                and e.get("quant") == entry["quant"] and e.get("ram_budget") == entry["ram_budget"]
+                and e.get("objective") == entry["objective"])
+
+    keep = [e for e in profile.best_configs if not any(same(e, entry) for entry in entries)]
+    profile.best_configs = keep + list(entries)
     return save_profile(profile, path)

@@ -230,3 +230,70 @@ def trials_markdown(trials) -> list[str]:
                      p.get("io_threads"), p.get("ctx_size"), pct(a.get("hit_rate_ram"), 0),
                      format_size(a.get("cgroup_peak_bytes") or a.get("peak_rss_bytes"))])
     return markdown_table(header, rows)
+
+
+# --- quant levels ---------------------------------------------------------------------------
+
+def convert_progress(enabled: bool = True, stream=None):
+    """engine.convert's progress(event, **fields) as lines on stderr (None when not enabled)."""
+    if not enabled:
+        return None
+
+    def progress(event, **f):
+        out = stream or sys.stderr
+        if event == "shard":
+            end = "\n" if f["done"] == f["total"] else ""
+            print(f"\r  shard {f['index']}/{f['shards']} {f['name']}: {f['done']}/{f['total']} tensors/experts",
+                  end=end, file=out, flush=True)
+        elif event == "check":
+            print(f"  kept {f['name']} (checksum {'ok' if f['ok'] else 'MISMATCH: rewriting'})", file=out)
+        elif event == "discard":
+            print(f"  discarding {f['path']}: {f['reason']}", file=out)
+    return progress
+
+
+def quality_progress(enabled: bool = True, stream=None):
+    """tuner.quality's progress(label, i, n) as one updating line per model on stderr."""
+    if not enabled:
+        return None
+
+    def progress(label, i, n):
+        print(f"\r  {label}: chunk {i}/{n}", end="\n" if i == n else "", file=stream or sys.stderr, flush=True)
+    return progress
+
+
+def kl_text(v) -> str:
+    """A KL divergence: they span decades (int8 ~1e-6, int4 ~1e-2 on real models), so small ones
+    in scientific notation rather than rounded to 0."""
+    if v is None:
+        return "-"
+    return "0" if v == 0 else f"{v:.2e}" if abs(v) < 1e-3 else f"{v:.4f}"
+
+
+def weights_line(r: dict) -> str:
+    """A result's weights and, from tune --quant, their quality against the reference."""
+    q = r.get("quality")
+    text = r.get("quant") or "-"
+    if q:
+        text += (f" (against {q['reference']} {q['reference_quant']}: KL mean {kl_text(q['kl_mean'])}, p99 "
+                 f"{kl_text(q['kl_p99'])}, same top-1 {pct(q['top1_agreement'], 2)}, perplexity {q['perplexity']:.4g}; "
+                 f"{q['scored_tokens']} scored tokens)")
+    return text
+
+
+def quant_tune_text(s: dict) -> str:
+    """`tune --quant`'s summary: one row per level, then where the comparison is."""
+    header = ["level", "status", "decode tok/s", "min..max", "TTFT s", "KL mean", "same top-1", "run"]
+    rows = []
+    for lv in s["levels"]:
+        r, q = lv.get("result") or {}, lv.get("quality") or {}
+        rows.append([lv["level"], lv.get("status", "prepared"),
+                     fmt(r.get("decode_tok_s")) + (" (unconfirmed)" if r.get("unconfirmed") else ""),
+                     f"{fmt(r.get('decode_min'))}..{fmt(r.get('decode_max'))}", fmt(r.get("ttft_s"), 3),
+                     kl_text(q.get("kl_mean")), pct(q.get("top1_agreement"), 2),
+                     lv["run_dir"]])
+    lines = [f"tune --quant of {s['model']}, budget {s['budget']}" + (" (prepared only: containers and quality)"
+                                                                     if s.get("prepared_only") else "")]
+    lines += text_table(header, rows)
+    lines += [f"  {k}: {v}" for k, v in s.get("files", {}).items()]
+    return "\n".join(lines)

@@ -38,18 +38,23 @@ DTYPE_QUANT = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "float32":
 
 def export_profile(source: str | Path, include_identity: bool = False) -> dict:
     """A run directory (its profile.json + result.json) or a profile/probe JSON → a shared profile."""
+    from tuner.quant_tune import PROBE_FILE, is_quant_run_dir, level_run_dirs
     source = Path(source)
     identity_dirs: list[str] = []
-    if is_run_dir(source):
-        run = open_run(source)
-        if run.profile is None:
-            raise ProfileError(f"{source}: no profile.json in the run directory")
-        data = run.profile.to_dict()
+    runs = [open_run(source)] if is_run_dir(source) else \
+        [open_run(d) for d in level_run_dirs(source)] if is_quant_run_dir(source) else None
+    if runs is not None:  # a tune run, or a tune --quant run (each level's best goes in)
+        probe = runs[0].profile if is_run_dir(source) else _load_probe(source / PROBE_FILE)
+        if probe is None or not runs:
+            raise ProfileError(f"{source}: no profile.json in the run directory" if probe is None else
+                               f"{source}: no level of the tune --quant run has finished yet")
+        data = probe.to_dict()
         old = [_normalize_entry(e) for e in data["best_configs"] if isinstance(e, dict)]
         entries = [e for e in old if e is not None]
-        if run.result.get("recommended"):
-            entries = _replace_entry(entries, entry_from_run(run))
-        identity_dirs.append(str((run.result.get("model") or {}).get("dir") or ""))
+        for run in runs:
+            if run.result.get("recommended"):
+                entries = _replace_entry(entries, entry_from_run(run))
+            identity_dirs.append(str((run.result.get("model") or {}).get("dir") or ""))
     else:
         data = _read_probe_json(source)
         entries = [e for e in (_normalize_entry(e) for e in data["best_configs"]) if e is not None]
@@ -60,6 +65,11 @@ def export_profile(source: str | Path, include_identity: bool = False) -> dict:
                             "model_dirs": [d for d in identity_dirs if d]}
     validate_shared(json.loads(json.dumps(data)))  # what we write must be what import accepts
     return data
+
+
+def _load_probe(path: Path):
+    from tuner.probe import load_profile
+    return load_profile(path) if path.is_file() else None
 
 
 def entry_from_run(run) -> dict:

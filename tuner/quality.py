@@ -111,7 +111,9 @@ def measure_quality(model_dir, reference_dir, tokens: int = 4096, ctx: int = 512
             for i, chunk in enumerate(chunks):
                 lq, lr = _chunk_logprobs(engine, chunk), ref_lp[i]
                 target = torch.tensor(chunk[len(chunk) // 2 + 1:])
-                kl.append((lr.exp() * (lr - lq)).sum(-1))
+                # KL >= 0, but in float32 two nearly equal distributions can sum to -1e-8: clamp
+                # the roundoff, or a mean of near-zero KLs may come out negative.
+                kl.append((lr.exp() * (lr - lq)).sum(-1).clamp_min(0.0))
                 same += int((lr.argmax(-1) == lq.argmax(-1)).sum())
                 nll_q -= float(lq.gather(1, target[:, None]).sum())
                 nll_r -= float(lr.gather(1, target[:, None]).sum())

@@ -15,7 +15,7 @@ import optuna
 from optuna.trial import TrialState
 
 from engine.config import atomic_write_text, format_size
-from tuner.printers import PARAM_COLUMNS, fmt, markdown_table, pct, trials_markdown
+from tuner.printers import PARAM_COLUMNS, fmt, markdown_table, pct, trials_markdown, weights_line
 from tuner.result import is_feasible
 
 MIN_TRIALS_FOR_IMPORTANCE = 6
@@ -57,7 +57,8 @@ def render_markdown(trials, result: dict, importances: dict, plots: list[str]) -
     cond = result.get("conditions", {})
     study = result.get("study", {})
     model = result.get("model", {})
-    L = [f"# colibri tune: {model.get('name')} under {result.get('budget')}", ""]
+    quant = f" {result['quant']}" if result.get("quant") else ""
+    L = [f"# colibri tune: {model.get('name')}{quant} under {result.get('budget')}", ""]
     L.append(f"{result.get('created_utc')} | objective **{result.get('objective')}** | "
              f"{study.get('trials')} trials ({study.get('feasible')} feasible) | sampler {study.get('sampler')} | "
              f"{cond.get('wall_seconds', 0):.0f} s")
@@ -106,6 +107,7 @@ def render_markdown(trials, result: dict, importances: dict, plots: list[str]) -
         f"- model: `{model.get('dir')}` ({model.get('geometry', {}).get('model_type')}, {model.get('compute_dtype')}, "
         f"{model.get('geometry', {}).get('experts')} experts top-{model.get('geometry', {}).get('top_k')}, "
         f"{format_size(model.get('geometry', {}).get('total_bytes_on_disk'))} on disk)",
+        f"- weights: {weights_line(result)}",
         f"- runs: {'cold' if cond.get('cold') else 'warm'} ({cond.get('cold_means')}); {cond.get('tokens')} decode "
         f"tokens x {cond.get('repeats')} repeats, prompt {cond.get('prompt_tokens')} tokens, seed {cond.get('seed')}",
         f"- memory: budget {result.get('budget')}, trial cgroup limit {format_size(mem.get('cgroup_limit_bytes'))}"

@@ -15,7 +15,7 @@ from pathlib import Path
 from engine.config import atomic_write_text, format_size
 from tuner import report_plots
 from tuner.html_page import e as _e, img as _img, page, table as _table
-from tuner.printers import fmt, pct
+from tuner.printers import fmt, pct, weights_line
 from tuner.result import is_feasible
 from tuner.rundir import RunDir, open_run
 
@@ -64,7 +64,8 @@ def render(run: RunDir) -> str:
     trials = _complete_trials(run)
     data = _trial_points(run, trials)
 
-    body = [f"<h1>colibri tune: {_e(model.get('name'))} under {_e(r.get('budget'))}</h1>",
+    quant = f" {r['quant']}" if r.get("quant") else ""
+    body = [f"<h1>colibri tune: {_e(model.get('name'))}{_e(quant)} under {_e(r.get('budget'))}</h1>",
             f"<p class='sub'>{_e(r.get('created_utc'))} · objective <b>{_e(r.get('objective'))}</b> · "
             f"{_e(study.get('trials'))} trials ({_e(study.get('feasible'))} feasible) · sampler "
             f"{_e(study.get('sampler'))} · {'cold' if cond.get('cold') else 'warm'} runs · "
@@ -210,6 +211,7 @@ def _conditions(r: dict) -> str:
         ("model", f"{model.get('name')} ({geo.get('model_type')}, {model.get('compute_dtype')}, {geo.get('layers')} "
                   f"layers, {geo.get('experts')} experts top-{geo.get('top_k')}, "
                   f"{format_size(geo.get('total_bytes_on_disk'))} on disk)"),
+        ("weights", weights_line(r)),
         ("runs", f"{'cold' if cond.get('cold') else 'warm'}: {cond.get('cold_means')}; {cond.get('tokens')} decode "
                  f"tokens x {cond.get('repeats')} repeats, prompt {cond.get('prompt_tokens')} tokens, seed "
                  f"{cond.get('seed')}"),

@@ -152,20 +152,42 @@ def plot_bars(labels: list[str], values: list, lows: list | None, highs: list | 
     return _save(fig, path)
 
 
-def plot_speed_quality(points: list[tuple[str, float | None, float | None]], path: Path) -> Path | None:
-    """Decode tok/s against KL (lower is better), one labelled point per input: the trade-off of
-    quant levels. Inputs without a KL figure are left out."""
+def pareto_front(points: list[tuple[str, float, float]]) -> list[str]:
+    """Labels of the (label, KL, speed) points no other point beats on both (lower KL, higher
+    speed, at least as good on the other), by rising KL."""
+    front = [p for p in points if not any(q[1] <= p[1] and q[2] >= p[2] and (q[1] < p[1] or q[2] > p[2])
+                                          for q in points)]
+    return [p[0] for p in sorted(front, key=lambda p: (p[1], -p[2]))]
+
+
+def plot_speed_quality(points: list[tuple], path: Path) -> Path | None:
+    """The speed/quality Pareto plot of quant levels: decode tok/s (min..max as error bars where
+    given) against KL to the reference (lower is better), the Pareto front joined. Points are
+    (label, KL, speed) or (label, KL, speed, low, high); inputs without a KL figure are left out.
+    KL spans decades between int8 and int4 and is 0 for the reference itself, so the axis is
+    symmetric-log, linear below the smallest non-zero KL."""
     import matplotlib.pyplot as plt
-    pts = [p for p in points if p[1] is not None and p[2] is not None]
+    pts = [tuple(p) + (None,) * (5 - len(p)) for p in points if p[1] is not None and p[2] is not None]
     if not pts:
         return None
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.scatter([p[1] for p in pts], [p[2] for p in pts], s=40, zorder=3)
-    for label, kl, speed in pts:
-        ax.annotate(label, (kl, speed), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    ax.margins(0.15)  # room for the labels of the extreme points
-    return _finish(fig, ax, "KL divergence to the reference (lower is better)", "decode tok/s",
-                   "Speed against quality", path, legend=False)
+    front = pareto_front([p[:3] for p in pts])
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for label, kl, speed, lo, hi in pts:
+        on = label in front
+        yerr = [[max(speed - lo, 0)], [max(hi - speed, 0)]] if lo is not None and hi is not None else None
+        ax.errorbar([kl], [speed], yerr=yerr, fmt="o", capsize=4, color="tab:red" if on else "tab:gray",
+                    markersize=7, zorder=3)
+        ax.annotate(label, (kl, speed), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    by_label = {p[0]: p for p in pts}
+    ax.plot([by_label[l][1] for l in front], [by_label[l][2] for l in front], "-", color="tab:red", alpha=0.6,
+            label="Pareto front (faster, or closer to the reference)", zorder=2)
+    nonzero = [p[1] for p in pts if p[1] > 0]
+    if nonzero:
+        ax.set_xscale("symlog", linthresh=min(nonzero) / 2)
+    ax.margins(x=0.2, y=0.2)  # room for the labels of the extreme points
+    ax.set_ylim(bottom=0)
+    return _finish(fig, ax, "KL divergence to the reference (mean; lower is better)", "decode tok/s",
+                   "Speed against quality: the Pareto front", path)
 
 
 def _ring_recommended(ax, pts: list[dict], x_key: str) -> None:

@@ -9,22 +9,26 @@ classes' fields, so a figure is named once. docs/schema/*.json is generated from
                "colibri.metrics/1" result, which carries much more: config, plan, per-repeat runs)
   TrialResult  what the trial runner saw of one subprocess: its outcome kind + the bench JSON
   TrialRecord  a trial of the study as stored in Optuna's user_attrs ("colibri.trial/1")
-  TuneResult   result.json of `colibri tune` ("colibri.tune/1")
+  TuneResult   result.json of `colibri tune` ("colibri.tune/2")
 
-Versioning: a schema id names a version; a field added or removed is a new version, and the
-loader refuses others.
+Versioning: a schema id names a version; a field added or removed is a new version. The loader
+reads the current version and migrates the one before it (`migrate_v1`); it refuses others.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from engine.errors import ConfigError
 from engine.metrics import SUMMARY_KEYS
 
-RESULT_SCHEMA = "colibri.tune/1"
+RESULT_SCHEMA = "colibri.tune/2"
+RESULT_SCHEMA_V1 = "colibri.tune/1"
 TRIAL_SCHEMA = "colibri.trial/1"
 BEST_CONFIG_SCHEMA = "colibri.best_config/1"
 
@@ -291,10 +295,31 @@ class Conditions:
 
 
 @dataclass
+class QualityInfo:
+    """How far the tuned model's next-token distributions are from a reference's (`colibri
+    quality`, tuner/quality.py): set by `tune --quant` for each quantized level."""
+
+    reference: str  # the reference model's name (the unquantized level), not its path
+    reference_quant: str
+    compute_dtype: str  # of both models (only the weights differ)
+    text: str
+    tokens: int
+    ctx: int
+    scored_tokens: int
+    kl_mean: float
+    kl_median: float
+    kl_p99: float
+    kl_max: float
+    top1_agreement: float
+    perplexity: float
+    perplexity_reference: float
+
+
+@dataclass
 class TuneResult:
     """result.json of `colibri tune`: the recommendation, the baseline, the evidence, the conditions."""
 
-    schema: Literal["colibri.tune/1"]
+    schema: Literal["colibri.tune/2"]
     created_utc: str
     started_utc: str
     model: ModelInfo
@@ -309,14 +334,60 @@ class TuneResult:
     confirmation: ConfirmationInfo
     study: StudyInfo
     conditions: Conditions
+    # New in colibri.tune/2:
+    quant: Optional[str] = None  # the tuned model's weights: int8, int4-g64, or the stored dtype (bf16)
+    quality: Optional[QualityInfo] = None  # against the unquantized level (tune --quant)
 
     def to_dict(self) -> dict:
         return _json(self)
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "result") -> "TuneResult":
+        """Strict: the current schema, or a colibri.tune/1 result migrated (migrate_v1)."""
         from tuner.schema import decode
+        if isinstance(data, dict) and data.get("schema") == RESULT_SCHEMA_V1:
+            data = migrate_v1(data)
         if not isinstance(data, dict) or data.get("schema") != RESULT_SCHEMA:
             got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise ResultError(f"{source}: not a {RESULT_SCHEMA} result (schema {got!r})")
+            raise ResultError(f"{source}: not a {RESULT_SCHEMA} (or {RESULT_SCHEMA_V1}) result (schema {got!r})")
         return decode(cls, data, source, ResultError)
+
+
+# --- migration ------------------------------------------------------------------------------
+
+def migrate_v1(data: dict) -> dict:
+    """A colibri.tune/1 result as colibri.tune/2 (a new dict; the input is not changed).
+
+    /1 files were written while the schema grew without a version bump: fields later added
+    with a default (Figures.unconfirmed, RunFigures.prefill_tok_s and others in a confirmation
+    run) are absent from older ones. A /1 file gets every such absent field at its default (the
+    value the tuner meant when it did not write one: False for unconfirmed, None, i.e. unknown,
+    for a figure) and /2's `quant` and `quality` as None (not recorded). A field without a
+    default that is missing is still an error: migration fills in what was added, it does not
+    repair a damaged file.
+    """
+    out = _with_defaults(TuneResult, copy.deepcopy(data))
+    out["schema"] = RESULT_SCHEMA
+    return out
+
+
+def _with_defaults(tp: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _with_defaults(inner, value)
+    if origin is list and isinstance(value, list):
+        (item,) = typing.get_args(tp)
+        return [_with_defaults(item, v) for v in value]
+    if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+        hints = typing.get_type_hints(tp)
+        for f in dataclasses.fields(tp):
+            if f.name in value:
+                value[f.name] = _with_defaults(hints[f.name], value[f.name])
+            elif f.default is not dataclasses.MISSING:
+                value[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                value[f.name] = f.default_factory()
+    return value

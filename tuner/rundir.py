@@ -72,9 +72,10 @@ def open_run(path: str | Path, study=None, storage: str | None = None) -> RunDir
     result_path = path / "result.json"
     if not result_path.is_file():
         raise RunDirError(f"{path}: no result.json (not a finished `colibri tune` run directory)")
-    result = read_json(result_path, RESULT_MAX_BYTES)
     from tuner.result import TuneResult
-    TuneResult.from_dict(result, source=str(result_path))  # the one result schema, strictly
+    # The one result schema, strictly; a result of the version before is read migrated, so every
+    # reader below sees the current fields.
+    result = TuneResult.from_dict(read_json(result_path, RESULT_MAX_BYTES), source=str(result_path)).to_dict()
     profile = None
     if (path / "profile.json").is_file():
         from tuner.probe import load_profile

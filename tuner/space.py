@@ -43,6 +43,7 @@ class ModelFacts:
     geometry: dict
     has_experts: bool
     max_position_embeddings: int
+    quant: str = "bf16"  # the weights as stored: a container's label (int8, int4-g64) or the dtype (bf16)
 
     @classmethod
     def read(cls, model_dir) -> "ModelFacts":
@@ -55,7 +56,16 @@ class ModelFacts:
             "experts": args.num_experts, "top_k": args.top_k, "moe_intermediate_size": args.moe_intermediate_size,
             "vocab_size": args.vocab_size, "total_bytes_on_disk": ckpt.nbytes(),
         }
-        return cls(Path(model_dir), geometry, args.is_moe, args.max_position_embeddings)
+        return cls(Path(model_dir), geometry, args.is_moe, args.max_position_embeddings, stored_quant(ckpt))
+
+
+def stored_quant(ckpt) -> str:
+    """'int8' / 'int4-g64' for a quantized container, else the stored float dtype's short name."""
+    from engine.container import container_spec
+    from engine.dtypes import short_name
+    from engine.runtime import checkpoint_dtype
+    spec = container_spec(ckpt)
+    return spec.label if spec is not None else short_name(checkpoint_dtype(ckpt))
 
 
 @dataclass

@@ -77,6 +77,10 @@ class TuneOptions:
     confirm_rounds: int = 2  # at most; at least one, more while the time budget allows
     sampler: str = "auto"  # gp for one objective, tpe for two (chosen by benchmarks/tuner_quality.py)
     cost_model: bool = True  # narrow read sizes / I/O threads to the probe curve, enqueue predicted best
+    # Set by `tune --quant` (tuner/quant_tune.py) for each level: the name the results carry (the
+    # source model's, so the levels compare as one model), and the level's quality figures.
+    model_name: str | None = None
+    quality: dict | None = None  # tuner.result.QualityInfo as a dict
 
     def validate(self) -> "TuneOptions":
         if self.objective not in OBJECTIVES:
@@ -159,7 +163,7 @@ class _Run:
         from engine.resolve import resolve_model
         opts = self.opts
         self.model_dir = resolve_model(opts.model, progress=True).resolve()
-        self.model_name = opts.model if not Path(opts.model).exists() else self.model_dir.name
+        self.model_name = opts.model_name or (opts.model if not Path(opts.model).exists() else self.model_dir.name)
         self.out = Path(opts.out) if opts.out else storage.default_out(self.model_name, opts.resume)
         recorded = read_run_record(self.out) if opts.resume else None
         if opts.ram_budget is not None:
@@ -176,15 +180,11 @@ class _Run:
         self.limit_bytes = opts.cgroup_limit or self.budget
         self.shared = storage.is_shared(opts.storage)
         self.storage_url = opts.storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
-        if opts.study_name:
-            self.study_name = opts.study_name
-        elif recorded and opts.ram_budget is None:
-            self.study_name = recorded["study_name"]
-            self.log(f"resume: study {self.study_name!r} as recorded in {self.out / RUN_FILE}")
-        else:
-            self.study_name = f"{self.model_name}-{size_label(self.budget, smallest='MiB')}-{opts.objective}"
-
         self.facts = ModelFacts.read(self.model_dir)
+        if not self.study_name_set(recorded):
+            # tune --quant's levels carry one model name and may share one storage: the quant tells them apart.
+            quant = f"-{self.facts.quant}" if opts.model_name else ""
+            self.study_name = f"{self.model_name}{quant}-{size_label(self.budget, smallest='MiB')}-{opts.objective}"
         import psutil
         import torch
         self.has_gpu = bool(torch.cuda.is_available())
@@ -200,7 +200,7 @@ class _Run:
                                              self.shared)
         write_run_record(self.out, model=opts.model, model_dir=self.model_dir, budget=self.budget,
                          study_name=self.study_name, objective=opts.objective, storage=redact_url(self.storage_url))
-        self.warm_entry = outputs.warm_start_entry(opts.from_profile, self.facts.geometry, self.log) \
+        self.warm_entry = outputs.warm_start_entry(opts.from_profile, self.facts.geometry, self.log, self.facts.quant) \
             if opts.from_profile else None
 
         self.profile, self.profile_source = probe_profile(self.out, opts.profile, self.model_dir, self.log)
@@ -219,6 +219,17 @@ class _Run:
             self.log(f"cost model: read sizes {', '.join(format_size(c) for c in region['chunk_size'])}; "
                      f"I/O threads {', '.join(map(str, region['io_threads']))} (the probe curve's rising or flat part)")
         self.study = self._open_study()
+
+    def study_name_set(self, recorded: dict | None) -> bool:
+        """--study-name, or the one run.json recorded for a resume; False: derive the default."""
+        if self.opts.study_name:
+            self.study_name = self.opts.study_name
+        elif recorded and self.opts.ram_budget is None:
+            self.study_name = recorded["study_name"]
+            self.log(f"resume: study {self.study_name!r} as recorded in {self.out / RUN_FILE}")
+        else:
+            return False
+        return True
 
     def settings(self) -> dict:
         """What a study is about: a resumed or joined study must match it."""

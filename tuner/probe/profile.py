@@ -305,6 +305,12 @@ def load_profile(path: str | os.PathLike) -> HardwareProfile:
     except OSError as exc:
         raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
     data = loads_limited(raw, str(path), error=ProfileError)
+    if isinstance(data, dict) and "identity" in data:
+        # A shared profile exported with --include-identity (tuner/profiles.py): who and where
+        # it came from is allowed, never required, and nothing the tuner reads.
+        if not isinstance(data["identity"], dict):
+            raise ProfileError(f"{path}: identity must be an object")
+        data = {k: v for k, v in data.items() if k != "identity"}
     try:
         return HardwareProfile.from_dict(data)
     except ProfileError as exc:

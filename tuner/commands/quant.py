@@ -27,24 +27,14 @@ def cmd_convert(args) -> int:
     import time
     from engine.convert import convert
     from engine.resolve import resolve_model
-
-    def progress(event, **f):
-        if args.json:
-            return
-        if event == "shard":
-            end = "\n" if f["done"] == f["total"] else ""
-            print(f"\r  shard {f['index']}/{f['shards']} {f['name']}: {f['done']}/{f['total']} tensors/experts",
-                  end=end, file=sys.stderr, flush=True)
-        elif event == "check":
-            print(f"  kept {f['name']} (checksum {'ok' if f['ok'] else 'MISMATCH: rewriting'})", file=sys.stderr)
-        elif event == "discard":
-            print(f"  discarding {f['path']}: {f['reason']}", file=sys.stderr)
+    from tuner.printers import convert_progress
 
     import torch
     torch.set_num_threads(max(args.threads, 1))
     src = resolve_model(args.src, progress=not args.json)
     t0 = time.perf_counter()
-    summary = convert(src, args.out, args.quant, args.group_size, args.scope, force=args.force, progress=progress)
+    summary = convert(src, args.out, args.quant, args.group_size, args.scope, force=args.force,
+                      progress=convert_progress(not args.json))
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     if args.json:
         _print_json(summary)
@@ -69,14 +59,12 @@ def add_quality(sub) -> None:
 
 
 def cmd_quality(args) -> int:
+    from tuner.printers import quality_progress
     from tuner.quality import format_quality, measure_quality
 
-    def progress(label, i, n):
-        if not args.json:
-            print(f"\r  {label}: chunk {i}/{n}", end="\n" if i == n else "", file=sys.stderr, flush=True)
-
     r = measure_quality(args.model, args.reference, tokens=args.tokens, ctx=args.ctx, text_file=args.text,
-                        dtype=args.dtype, threads=args.threads, progress=progress)
+                        dtype=args.dtype, threads=args.threads,
+                        progress=quality_progress(not args.json))
     if args.json:
         _print_json(r)
     else:
