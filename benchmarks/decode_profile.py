@@ -124,11 +124,10 @@ def main() -> int:
     if a.child:
         json.dump(child(a), sys.stdout)
         return 0
-    trees = [("after", ROOT)] + ([("before", Path(a.before_src).resolve())] if a.before_src else [])
-    rows = []
-    for side, tree in trees:
-        print(f"measuring {side} ({tree}) ...", file=sys.stderr)
-        rows.append({"side": side, "tree": str(tree), "load_avg_1m": os.getloadavg()[0], **run_tree(tree, a)})
+    sys.path.insert(0, str(ROOT))  # the parent's helpers (see run_tree)
+    from benchmarks.trees import measure_sides
+
+    rows = measure_sides(ROOT, a.before_src, lambda tree: run_tree(tree, a))
     if a.json:
         json.dump(rows, sys.stdout, indent=2)
         return 0

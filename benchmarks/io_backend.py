@@ -1,23 +1,34 @@
 """io_uring against the read pool's threads, at the expert store's read pattern.
 
-Reads `--reads` random expert-sized spans (the model's own expert spans, O_DIRECT, page cache
-dropped first) into a pre-faulted arena, `--qd` in flight, through:
+Reads `--reads` random expert spans of the model (its own spans, O_DIRECT, page cache dropped
+before each pass) into slots of a pre-faulted arena, QD requests in flight at the device,
+each span whole (request = span) or cut into `--piece` sized requests as the engine does past
+chunk_size, through:
 
-    threads    engine.io.ReadPool (io_threads = qd), one preadv per span into a slot
-    io_uring   the `liburing` binding from PyPI, one ring, qd reads submitted and reaped
+    threads    engine.io.ReadPool (io_threads = QD, chunk_size = piece): one preadv per request
+               into the slot, one Future per span; what the engine uses
+    uring-api  PyPI `uring-api` (a C extension over liburing 2.15): one ring, QD reads submitted
+               and reaped by this thread, no reader threads at all
+    liburing   PyPI `liburing` (a Zig wrapper): the same through its readv Iovec, when installed
 
-and prints GB/s (median of --passes, min-max). The engine keeps the thread pool unless io_uring
-measures faster here (docs/BENCHMARKS.md, "I/O backend"). io_uring needs `pip install liburing`
-(or --uring-path DIR where it was installed with --target).
+and prints GB/s (median of --passes, min-max) and the CPU time the process spent per GB read
+(user + sys, all threads): on a 2-core box the reader's CPU is taken from the matmuls. Within a
+pass each backend reads its own experts (no span read by two backends: this virtual disk
+serves blocks it read moments ago faster) and the backends' order rotates from pass to pass,
+so none is always first or last. It also checks every backend's bytes against a plain pread of
+the same span (one span per pass).
 
-    python benchmarks/io_backend.py [--model demo] [--reads 96] [--qd 4 8] [--passes 3]
+    python benchmarks/io_backend.py [--model demo] [--reads 256] [--qd 4 8] [--piece 0 1MiB]
+        [--passes 3] [--uring-path DIR] [--json]
+
+The bindings are not dependencies of the engine: `pip install --target DIR uring-api liburing`
+and pass --uring-path DIR (docs/BENCHMARKS.md, "I/O backend").
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
-import mmap
+import json
 import os
 import random
 import statistics
@@ -28,19 +39,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.checkpoint import Checkpoint  # noqa: E402
-from engine.io import ReadPool, align_up, direct_window_bytes  # noqa: E402
+from engine.config import format_size, parse_size  # noqa: E402
+from engine.io import ReadPool, align_down, direct_window_bytes  # noqa: E402
 from engine.layout import ExpertLayout  # noqa: E402
 from engine.model import ModelArgs  # noqa: E402
 from engine.resolve import resolve_model  # noqa: E402
 from engine.slots import SlotArena  # noqa: E402
 
 
-def spans_of(model_dir, n: int, seed: int):
+def disjoint_spans(model_dir, n: int, groups: int, seed: int) -> list[list]:
+    """`groups` lists of n expert spans, no span in two lists: each backend of a pass reads its
+    own experts, since this virtual disk reads blocks it served moments ago faster (host-side
+    caching), which would favour whichever backend came later over the same spans."""
     ckpt = Checkpoint(model_dir)
     layout = ExpertLayout(ckpt, ModelArgs.from_config(ckpt.config))
     keys = sorted(layout.keys())
-    rng = random.Random(seed)
-    return [layout.location(*k).spans[0] for k in rng.sample(keys, n)]
+    if n * groups > len(keys):
+        raise SystemExit(f"io_backend: error: {n} reads x {groups} backends need more than the "
+                         f"model's {len(keys)} experts; use --reads {len(keys) // groups}")
+    picked = random.Random(seed).sample(keys, n * groups)
+    return [[layout.location(*k).spans[0] for k in picked[g * n:(g + 1) * n]] for g in range(groups)]
 
 
 def drop(paths) -> None:
@@ -50,107 +68,223 @@ def drop(paths) -> None:
         os.close(fd)
 
 
-def run_threads(spans, qd: int, arena: SlotArena) -> float:
-    with ReadPool("direct", io_threads=qd, chunk_size=64 << 20) as pool:
-        t0 = time.perf_counter()
+def window(span) -> tuple[int, int]:
+    """The O_DIRECT window of a span: (aligned start, aligned length)."""
+    return align_down(span.offset), direct_window_bytes(span.offset, span.length)
+
+
+def run_threads(spans, qd: int, piece: int, arena: SlotArena, keep: dict) -> None:
+    with ReadPool("direct", io_threads=qd, chunk_size=piece or (1 << 30)) as pool:
         pending = []
-        for s in spans:
+        for i, s in enumerate(spans):
             if len(pending) >= qd:
                 pending.pop(0)[0].result()
             lease = arena.acquire()
-            pending.append((pool.submit(s.path, s.offset, s.length, into=lease), lease))
+            fut = pool.submit(s.path, s.offset, s.length, into=lease)
+            if i == keep["index"]:
+                keep["bytes"] = fut
+            pending.append((fut, lease))
         for fut, _lease in pending:
             fut.result()
-        return time.perf_counter() - t0
+        keep["bytes"] = bytes(keep["bytes"].result())
 
 
-def run_uring(spans, qd: int, arena: SlotArena, liburing) -> float:
+def _pieces(spans, piece: int):
+    """(span index, file offset, offset in the slot, size, bytes it must deliver) of every
+    request, in span order. The aligned window may run past the end of the file, where an
+    O_DIRECT read ends short: only the span's own bytes must arrive."""
+    for i, s in enumerate(spans):
+        lo, size = window(s)
+        step = piece or size
+        end = s.offset + s.length
+        for at in range(0, size, step):
+            n = min(step, size - at)
+            yield i, lo + at, at, n, max(0, min(n, end - lo - at))
+
+
+class _Landing:
+    """A slot per span, from its first request to its last completion (ring backends)."""
+
+    def __init__(self, spans, piece: int, arena: SlotArena, keep: dict):
+        self.spans, self.arena, self.keep = spans, arena, keep
+        self.left: dict[int, int] = {}
+        for i, *_ in _pieces(spans, piece):
+            self.left[i] = self.left.get(i, 0) + 1
+        self.open: dict[int, list] = {}  # span index -> [lease, view]
+
+    def view(self, i: int) -> memoryview:
+        if i not in self.open:
+            lease = self.arena.acquire()
+            self.open[i] = [lease, memoryview(lease).cast("B")]
+        return self.open[i][1]
+
+    def landed(self, i: int) -> None:
+        self.left[i] -= 1
+        if self.left[i]:
+            return
+        _lease, view = self.open.pop(i)
+        if i == self.keep["index"]:
+            s = self.spans[i]
+            head = s.offset - window(s)[0]
+            self.keep["bytes"] = bytes(view[head:head + s.length])
+        # the slot returns to the arena when the last reference (here) goes
+
+
+def run_uring_api(spans, qd: int, piece: int, arena: SlotArena, keep: dict, uring_api) -> None:
+    fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in {s.path for s in spans}}
+    ring = uring_api.Ring(entries=max(2, qd))
+    landing = _Landing(spans, piece, arena, keep)
+    todo = _pieces(spans, piece)
+    inflight = 0
+    try:
+        while True:
+            while inflight < qd:
+                nxt = next(todo, None)
+                if nxt is None:
+                    break
+                i, at, into, size, need = nxt
+                ring.prepare_read(fds[spans[i].path], landing.view(i)[into:into + size], at, (i, need))
+                inflight += 1
+            if not inflight:
+                break
+            for c in ring.wait() or ():
+                i, need = c.user_data
+                if c.res < need:  # an error, or short before the end of the file
+                    raise OSError(-c.res if c.res < 0 else 0, f"uring read wanted {need} bytes, gave {c.res}")
+                inflight -= 1
+                landing.landed(i)
+    finally:
+        ring.close()
+        for fd in fds.values():
+            os.close(fd)
+
+
+def run_liburing(spans, qd: int, piece: int, arena: SlotArena, keep: dict, liburing) -> None:
     ring = liburing.Ring()
     liburing.io_uring_queue_init(max(qd, 2) * 2, ring)
     fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in {s.path for s in spans}}
     cqe = liburing.Cqe()
-    leases = [arena.acquire() for _ in range(qd)]
-    views = [memoryview(lease) for lease in leases]
+    landing = _Landing(spans, piece, arena, keep)
+    iovecs = {}  # kept alive until their read completes
+    todo = _pieces(spans, piece)
+    inflight, tag = 0, 0
+    tags = {}
     try:
-        t0 = time.perf_counter()
-        it = iter(enumerate(spans))
-        inflight = 0
-        free = list(range(qd))
-        iovecs = [None] * qd  # kept alive until the read completes
-
-        def submit_more():
-            nonlocal inflight
-            while free:
-                nxt = next(it, None)
+        while True:
+            while inflight < qd:
+                nxt = next(todo, None)
                 if nxt is None:
                     break
-                _i, s = nxt
-                slot = free.pop()
-                lo = s.offset - s.offset % 4096
-                size = direct_window_bytes(s.offset, s.length)
+                i, at, into, size, need = nxt
                 sqe = liburing.io_uring_get_sqe(ring)
-                # The binding takes bytearray or memoryview only through Iovec (readv).
-                iovecs[slot] = liburing.Iovec([views[slot][:align_up(size)]])
-                liburing.io_uring_prep_readv(sqe, fds[s.path], iovecs[slot], lo)
-                sqe.user_data = slot
+                iovecs[tag] = liburing.Iovec([landing.view(i)[into:into + size]])
+                liburing.io_uring_prep_readv(sqe, fds[spans[i].path], iovecs[tag], at)
+                sqe.user_data = tag
+                tags[tag] = (i, need)
+                tag += 1
                 inflight += 1
+            if not inflight:
+                break
             liburing.io_uring_submit(ring)
-
-        submit_more()
-        while inflight:
             liburing.io_uring_wait_cqe(ring, cqe)
             entry = cqe[0]
-            if entry.res < 0:
-                raise OSError(-entry.res, os.strerror(-entry.res))
-            free.append(entry.user_data)
+            i, need = tags.pop(entry.user_data)
+            if entry.res < need:
+                raise OSError(-entry.res if entry.res < 0 else 0, f"liburing read wanted {need}, gave {entry.res}")
+            iovecs.pop(entry.user_data)
             liburing.io_uring_cq_advance(ring, 1)
             inflight -= 1
-            submit_more()
-        return time.perf_counter() - t0
+            landing.landed(i)
     finally:
         for fd in fds.values():
             os.close(fd)
         liburing.io_uring_queue_exit(ring)
 
 
+def reference(span) -> bytes:
+    with open(span.path, "rb") as f:
+        f.seek(span.offset)
+        return f.read(span.length)
+
+
 def main() -> int:
+    from benchmarks.benchlock import bench_lock
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
     ap.add_argument("--reads", type=int, default=96)
     ap.add_argument("--qd", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--piece", nargs="+", default=["0", "1MiB"], help="request size; 0 = the whole span")
     ap.add_argument("--passes", type=int, default=3)
-    ap.add_argument("--uring-path", help="directory liburing was pip-installed into with --target")
+    ap.add_argument("--uring-path", help="directory the bindings were pip-installed into with --target")
     ap.add_argument("--lock", default="/tmp/colibri-bench.lock")
+    ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.uring_path:
         sys.path.insert(0, a.uring_path)
+    backends = {"threads": run_threads}
+    try:
+        import uring_api
+        backends["uring-api"] = lambda *args: run_uring_api(*args, uring_api)
+    except ImportError:
+        print("io_backend: uring-api not importable (pip install uring-api): skipped", file=sys.stderr)
     try:
         import liburing
+        backends["liburing"] = lambda *args: run_liburing(*args, liburing)
     except ImportError:
-        print("io_backend: error: the liburing binding is not installed (pip install liburing)", file=sys.stderr)
-        return 2
+        print("io_backend: liburing not importable (pip install liburing): skipped", file=sys.stderr)
     model_dir = resolve_model(a.model)
-    print("| backend | QD | GB/s median (min-max) | reads x MiB |")
-    print("|---|---|---|---|")
-    with open(a.lock, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    pieces = [parse_size(p) for p in a.piece]
+    rows = []
+    with bench_lock(a.lock):
         for qd in a.qd:
-            results = {"threads": [], "io_uring": []}
-            for p in range(a.passes):
-                spans = spans_of(model_dir, a.reads, seed=p * 100 + qd)
-                nbytes = sum(s.length for s in spans)
-                paths = {s.path for s in spans}
-                # Interleaved, so a drift of the disk hits both backends alike.
-                for name in ("threads", "io_uring"):
-                    # A fresh arena each time: the binding's Iovec keeps its buffers referenced
-                    # after the ring is gone, so its slots never come back.
-                    arena = SlotArena(max(direct_window_bytes(s.offset, s.length) for s in spans), qd)
-                    drop(paths)
-                    secs = run_threads(spans, qd, arena) if name == "threads" else run_uring(spans, qd, arena, liburing)
-                    results[name].append(nbytes / secs / 1e9)
-            for name, vals in results.items():
-                print(f"| {name} | {qd} | {statistics.median(vals):.2f} ({min(vals):.2f}-{max(vals):.2f}) | "
-                      f"{a.reads} x {nbytes / a.reads / 2**20:.1f} |")
+            for piece in pieces:
+                results = {name: {"gbps": [], "cpu_s_per_gb": [], "bytes_ok": True} for name in backends}
+                names = list(backends)
+                for p in range(a.passes):
+                    sets = disjoint_spans(model_dir, a.reads, len(names), seed=p * 100 + qd)
+                    # The order rotates per pass, so none is always first (or last) at the disk.
+                    order = names[p % len(names):] + names[:p % len(names)]
+                    for name, spans in zip(order, sets):
+                        run = backends[name]
+                        nbytes = sum(s.length for s in spans)
+                        paths = {s.path for s in spans}
+                        want = reference(spans[a.reads // 2])
+                        # A fresh arena each time; liburing's Iovec keeps every slot it read into
+                        # referenced for good, so it gets one slot per read.
+                        slots = len(spans) if name == "liburing" else 2 * qd
+                        arena = SlotArena(max(window(s)[1] for s in spans), slots)
+                        keep = {"index": a.reads // 2}
+                        drop(paths)
+                        c0, t0 = os.times(), time.perf_counter()
+                        try:
+                            run(spans, qd, piece, arena, keep)
+                        except OSError as exc:  # a backend that fails is reported, not the end of the run
+                            results[name]["error"] = str(exc)
+                            continue
+                        secs, c1 = time.perf_counter() - t0, os.times()
+                        cpu = (c1.user - c0.user) + (c1.system - c0.system)
+                        results[name]["gbps"].append(nbytes / secs / 1e9)
+                        results[name]["cpu_s_per_gb"].append(cpu / (nbytes / 1e9))
+                        results[name]["bytes_ok"] &= keep.get("bytes") == want
+                for name, r in results.items():
+                    rows.append({"backend": name, "qd": qd, "request": piece or None, "reads": a.reads,
+                                 "span_bytes": nbytes / a.reads, **r})
+    if a.json:
+        json.dump(rows, sys.stdout, indent=2)
+        return 0
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.1f}, "
+          f"{a.passes} passes, O_DIRECT, page cache dropped before each read\n")
+    print("| backend | QD | request | GB/s median (min-max) | CPU s per GB (median) | bytes = pread | reads x MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        g = r["gbps"]
+        if not g:
+            print(f"| {r['backend']} | {r['qd']} | {r['request']} | failed: {r.get('error')} | | | |")
+            continue
+        req = format_size(r["request"]) if r["request"] else "whole span"
+        print(f"| {r['backend']} | {r['qd']} | {req} | {statistics.median(g):.2f} ({min(g):.2f}-{max(g):.2f}) | "
+              f"{statistics.median(r['cpu_s_per_gb']):.3f} | {'yes' if r['bytes_ok'] else 'NO'} | "
+              f"{r['reads']} x {r['span_bytes'] / 2**20:.1f} |")
     return 0
 
 

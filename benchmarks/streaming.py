@@ -4,16 +4,24 @@ For a handful of configs on `demo` under a 1 GiB budget, cold, each run as a rea
 (`colibri bench` in a subprocess inside a memory cgroup limited to the budget):
 
     bound s/token = bytes read per decode token / fio bandwidth at (request, QD, mode)
-                    + compute s/token of the fully resident run (same source tree)
+                    + compute s/token of the fully resident run (same source tree, measured at
+                      the start and at the end of the run; the faster one is used)
 
 and the ratio measured tok/s / bound tok/s. The disk term is measured by fio at exactly the
-engine's read pattern — request = what one read request of the engine is (this tree: one
-request per expert span, split across the workers only past chunk_size; the old tree: chunk
-size pieces), QD = io_threads synchronous readers, direct/buffered/mmap as the config — right
-before and right after the streaming run (fio, stream, fio), and the bound uses their mean.
-Each fio job runs --fio-seconds (default 6 s): about the bytes one streaming run reads here
-(~2-3 GB at this disk's 0.5-1 GB/s), so both see the disk over the same stretch of work and a
-short burst (or a stall) of the virtual disk moves either by the same share.
+engine's read pattern (benchmarks/fio_bound.py) — request = what one read request of the
+engine is (this tree: one request per expert span, split across the workers only past
+chunk_size; the old tree: chunk size pieces), QD = io_threads synchronous readers,
+direct/buffered/mmap as the config, inside a cgroup of the budget (so buffered/mmap fio cannot
+read from a page cache larger than the engine's) — right before and right after the streaming
+run (fio, stream, fio; with --before-src: fio, after, fio, before, fio, the middle job shared
+when both trees issue the same request), and the bound uses their mean. A row whose two fio
+figures differ by more than 20% is marked: the disk changed under it.
+
+Each fio job runs --fio-seconds (default 10 s). Why 10: this virtual disk's per-second rate
+at the engine's pattern wanders by +-5-10% (benchmarks/fio_bound.py's trace); two 2-5 s jobs
+differed by up to 21%, two 10 s jobs by 1-4%, and 20 s bought nothing more
+(docs/BENCHMARKS.md, "fio job length"). 10 s is also about the length of one streaming run
+here, so fio and the engine see the disk over comparable stretches.
 
 --before-src DIR runs every config a second time with the engine and CLI of DIR (for example
 the read-only checkout of the previous commit), right after this tree's run of the same config,
@@ -46,11 +54,14 @@ from engine.resolve import resolve_model  # noqa: E402
 from engine.runtime import physical_cores  # noqa: E402
 from tuner.trial import run_trial  # noqa: E402
 from benchmarks.benchlock import bench_lock  # noqa: E402
+from benchmarks.fio_bound import fio_run, request_bytes  # noqa: E402
 
 
 def configs(budget: int) -> dict[str, EngineConfig]:
     cores = physical_cores()
-    base = EngineConfig(ram_budget=budget, ctx_size=512)
+    # chunk_size is spelt out where a config once used the old 1 MiB default, so the table stays
+    # the table the issue compares (the default is 4 MiB now).
+    base = EngineConfig(ram_budget=budget, ctx_size=512, chunk_size=1 << 20)
     return {
         "rule of thumb": base.replace(prefetch_depth=2, threads=cores, cpu_cache_ratio=1.0, io_mode="buffered"),
         "direct 1MiB pf1 io4": base.replace(io_mode="direct", chunk_size=1 << 20, prefetch_depth=1, io_threads=4),
@@ -60,6 +71,26 @@ def configs(budget: int) -> dict[str, EngineConfig]:
         "buffered pf1 cache0.6": base.replace(io_mode="buffered", prefetch_depth=1, cpu_cache_ratio=0.6),
         "mmap pf1 cache0.6": base.replace(io_mode="mmap", prefetch_depth=1, cpu_cache_ratio=0.6),
     }
+
+
+def selected_configs(budget: int, only, vary: str | None) -> list[tuple[str, EngineConfig]]:
+    """The configs to run (--only), each in every variant of --vary KEY=V1,V2 (say
+    chunk_size=1MiB,4MiB: one read per span against spans split across the readers)."""
+    chosen = [(n, c) for n, c in configs(budget).items() if not only or n in only]
+    if not vary:
+        return chosen
+    key, _, values = vary.partition("=")
+    if key not in EngineConfig.field_names() or not values:
+        raise SystemExit(f"streaming: error: --vary wants KEY=V1,V2 with an engine config key, got {vary!r}")
+    out = []
+    for name, cfg in chosen:
+        for v in values.split(","):
+            current = getattr(cfg, key)
+            # Sizes go through the config's own parser ("4MiB"); other keys keep their type.
+            value = v if key in ("chunk_size", "ram_budget") or isinstance(current, str) else type(current)(v)
+            changed = EngineConfig.from_dict({**cfg.to_dict(), key: value})
+            out.append((f"{name} [{key}={v}]", changed))
+    return out
 
 
 _HELD = {"whole_run": False}
@@ -88,30 +119,6 @@ def source_tree(src: str | None):
             os.environ["PYTHONPATH"] = old_path
 
 
-def request_bytes(cfg: EngineConfig, expert_bytes: int, old_tree: bool) -> int:
-    """The size of one read request the engine issues for one expert span."""
-    chunk = cfg.chunk_size
-    if old_tree:
-        return min(chunk, expert_bytes)
-    pieces = min(cfg.io_threads, -(-expert_bytes // chunk))
-    return expert_bytes if pieces <= 1 else -(-expert_bytes // pieces)
-
-
-def fio_bandwidth(fio: str, files: list[Path], request: int, cfg: EngineConfig, seconds: float) -> float:
-    """fio random-read bandwidth (bytes/s) over the model's shards at the engine's pattern."""
-    engine = "mmap" if cfg.io_mode == "mmap" else "psync"
-    request = -(-request // 4096) * 4096  # fio wants block-multiple sizes for direct
-    argv = [fio, "--name=bound", "--filename=" + ":".join(str(f) for f in files), "--readonly",
-            "--rw=randread", f"--bs={request}", f"--ioengine={engine}", f"--numjobs={cfg.io_threads}",
-            f"--direct={1 if cfg.io_mode == 'direct' else 0}", "--invalidate=1", "--group_reporting",
-            "--time_based", f"--runtime={seconds:g}", "--ramp_time=1", "--output-format=json"]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120)
-    if out.returncode != 0:
-        raise SystemExit(f"fio failed: {out.stderr.strip()[-300:]}")
-    doc = json.loads(out.stdout[out.stdout.index("{"):])
-    return float(doc["jobs"][0]["read"]["bw_bytes"])
-
-
 def resident_row(model_dir, a, src) -> dict:
     with source_tree(src), _config_lock(a.lock):
         t = run_trial(model_dir, EngineConfig(ctx_size=512), tokens=a.tokens, repeats=a.repeats, cold=False,
@@ -129,70 +136,102 @@ def _side(src) -> str:
     return "before" if src else "after"
 
 
-def stream_row(name, cfg, model_dir, a, src, compute_s, bw) -> dict:
+def stream_row(name, cfg, model_dir, a, src) -> dict:
     with source_tree(src):
         t = run_trial(model_dir, cfg, tokens=a.tokens, repeats=a.repeats, cold=True, prompt_tokens=a.prompt_tokens,
                       limit_bytes=parse_size(a.budget), timeout=1800)
     if not t.ok:
         return dict(name=name, side=_side(src), error=f"{t.status}: {t.error}")
     m = t.metrics
-    bound_s = m["bytes_read_per_token"] / bw + compute_s
     return dict(name=name, side=_side(src), tok_s=m["decode_tok_s"], spread=m["summary"]["decode_tok_s"],
-                bytes_per_token=m["bytes_read_per_token"], bw=bw, bound_tok_s=1 / bound_s,
-                ratio=m["decode_tok_s"] * bound_s, hit=(m.get("hit_rate") or {}).get("ram"),
+                bytes_per_token=m["bytes_read_per_token"], hit=(m.get("hit_rate") or {}).get("ram"),
                 stall=m.get("io_stall_fraction"), recall=m.get("lookahead_recall"), peak=m["peak_rss_bytes"],
-                cgroup_peak=t.cgroup_peak_bytes, io=m["io_mode_effective"], commit=m.get("git_commit"),
+                cgroup_peak=t.cgroup_peak_bytes, read_gbps=m.get("read_gbps"), io=m["io_mode_effective"], commit=m.get("git_commit"),
                 output_ids=m.get("output_ids"), cold_method=m.get("cold_method"))
 
 
 def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
     sides = [None] + ([a.before_src] if a.before_src else [])
+    # The compute term: this run's resident decode of the same tree, measured at the start and
+    # again at the end of the run; the faster of the two is the compute (the work is the same,
+    # a slower one only met interference), and both are printed.
     resident = {src: resident_row(model_dir, a, src) for src in sides}
     rows = [resident[src] for src in sides]
-    expert = None
-    for name, cfg in configs(parse_size(a.budget)).items():
-        if a.only and name not in a.only:
-            continue
+    streamed = []
+    span = None
+    limit = parse_size(a.budget)
+    for name, cfg in selected_configs(limit, a.only, a.vary):
         print(f"running {name} ...", file=sys.stderr)
-        if expert is None:
+        if span is None:
             from engine.checkpoint import Checkpoint
             from engine.layout import ExpertLayout
             from engine.model import ModelArgs
             ckpt = Checkpoint(model_dir)
-            expert = ExpertLayout(ckpt, ModelArgs.from_config(ckpt.config)).expert_nbytes
+            span = ExpertLayout(ckpt, ModelArgs.from_config(ckpt.config)).expert_nbytes
         with _config_lock(a.lock):
+            # fio, stream, fio[, stream, fio]: each streaming run sits between two fio jobs at its
+            # own pattern; sides with the same request share the fio job between them.
+            last = None  # (request, bytes/s) of the fio job just run
             for src in sides:
-                request = request_bytes(cfg, expert, old_tree=src is not None)
-                before_fio = fio_bandwidth(fio, files, request, cfg, a.fio_seconds)
-                compute_s = 1.0 / resident[src]["tok_s"]
-                row = stream_row(name, cfg, model_dir, a, src, compute_s, 1.0)  # bound fixed up below
-                after_fio = fio_bandwidth(fio, files, request, cfg, a.fio_seconds)
-                bw = (before_fio + after_fio) / 2
-                if "error" not in row:
-                    bound_s = row["bytes_per_token"] / bw + compute_s
-                    row.update(bw=bw, fio=(before_fio, after_fio), request=request, bound_tok_s=1 / bound_s,
-                               ratio=row["tok_s"] * bound_s)
+                request = request_bytes(cfg.chunk_size, cfg.io_threads, span, old_tree=src is not None)
+
+                def fio_now():
+                    return fio_run(fio, files, request, cfg.io_threads, cfg.io_mode, a.fio_seconds, limit)["bw"]
+
+                before_fio = last[1] if last and last[0] == request else fio_now()
+                row = stream_row(name, cfg, model_dir, a, src)
+                after_fio = fio_now()
+                last = (request, after_fio)
+                row.update(bw=(before_fio + after_fio) / 2, fio=(before_fio, after_fio), request=request)
                 row["load_avg_1m"] = os.getloadavg()[0]  # the box is shared: say how busy it was
-                rows.append(row)
-    return rows
+                streamed.append(row)
+    for src in sides:
+        again = resident_row(model_dir, a, src)
+        first = resident[src]
+        first["resident_tok_s"] = (first["tok_s"], again["tok_s"])
+        first["tok_s"] = first["bound_tok_s"] = max(first["tok_s"], again["tok_s"])
+    for row in streamed:
+        if "error" not in row:
+            compute_s = 1.0 / resident[None if row["side"] == "after" else a.before_src]["tok_s"]
+            bound_s = row["bytes_per_token"] / row["bw"] + compute_s
+            row.update(compute_s=compute_s, bound_tok_s=1 / bound_s, ratio=row["tok_s"] * bound_s)
+    return rows + streamed
 
 
 def print_table(rows: list[dict]) -> None:
     pct = (lambda v: "-" if v is None else f"{v:.0%}")
-    print("| config | side | io | decode tok/s (median, min-max) | MiB read/token | request, fio GB/s before/after "
-          "| bound tok/s | measured/bound | RAM hit | I/O stall | peak RSS | cgroup peak | load avg |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| config | side | io | decode tok/s (median, min-max) | MiB read/token | engine read GB/s "
+          "| request: fio GB/s before / after (mean) | bound tok/s | measured/bound | RAM hit | I/O stall "
+          "| peak RSS | cgroup peak | tokens = after | load avg |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    after_ids = {r["name"]: r.get("output_ids") for r in rows if r.get("side") == "after"}
     for r in rows:
         if "error" in r:
-            print(f"| {r['name']} | {r['side']} | | {r['error']} | | | | | | | | |")
+            print(f"| {r['name']} | {r['side']} | | {r['error']} | | | | | | | | | | | |")
             continue
         s = r["spread"]
         fio = r.get("fio")
-        fio_cell = (f"{format_size(r['request'])}: {fio[0] / 1e9:.2f} / {fio[1] / 1e9:.2f}" if fio else "-")
+        fio_cell = (f"{format_size(r['request'])}: {fio[0] / 1e9:.2f} / {fio[1] / 1e9:.2f} ({r['bw'] / 1e9:.2f})"
+                    + (" unstable" if abs(fio[0] - fio[1]) > 0.2 * r["bw"] else "") if fio else "-")
+        gbps = r.get("read_gbps")
+        if r["io"] == "resident":  # both resident runs of this run (start, end); the faster is used
+            runs = " ".join(f"{v:.3f}" for v in r.get("resident_tok_s", [r["tok_s"]]))
+            print(f"| {r['name']} | {r['side']} | resident | {r['tok_s']:.3f} (runs: {runs}) "
+                  f"| 0 | - | - | - | - | - | - | {format_size(r['peak'])} | - | - | - |")
+            continue
+        same = ("ref" if r["side"] == "after" else
+                "yes" if r.get("output_ids") == after_ids.get(r["name"]) else "no")
         print(f"| {r['name']} | {r['side']} | {r['io']} | {r['tok_s']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | "
-              f"{r['bytes_per_token'] / 2**20:.0f} | {fio_cell} | {r['bound_tok_s']:.3f} | {r['ratio']:.2f} | "
-              f"{pct(r['hit'])} | {pct(r['stall'])} | {format_size(r['peak'])} | {format_size(r['cgroup_peak'])} | "
+              f"{r['bytes_per_token'] / 2**20:.0f} | {'-' if not gbps else f'{gbps:.2f}'} | {fio_cell} | "
+              f"{r['bound_tok_s']:.3f} | {r['ratio']:.2f} | {pct(r['hit'])} | {pct(r['stall'])} | "
+              f"{format_size(r['peak'])} | {format_size(r['cgroup_peak'])} | {same} | "
               f"{r.get('load_avg_1m', float('nan')):.1f} |")
+    best = {side: max((r for r in rows if r.get("side") == side and "error" not in r and r["io"] != "resident"),
+                      key=lambda r: r["tok_s"], default=None) for side in ("after", "before")}
+    if best["after"] and best["before"]:
+        print(f"\nbest after: {best['after']['name']} {best['after']['tok_s']:.3f} tok/s; best before: "
+              f"{best['before']['name']} {best['before']['tok_s']:.3f} tok/s; "
+              f"ratio {best['after']['tok_s'] / best['before']['tok_s']:.2f}x")
 
 
 def main() -> int:
@@ -203,12 +242,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=4)
     ap.add_argument("--before-src", help="also run every config with this source tree (the old engine)")
-    ap.add_argument("--fio-seconds", type=float, default=6.0)
+    ap.add_argument("--fio-seconds", type=float, default=10.0)
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole table (bound ratio over runs)")
     ap.add_argument("--lock", default="/tmp/colibri-bench.lock")
     ap.add_argument("--one-lock", action="store_true",
                     help="hold the lock for the whole run (fewer waits on a busy box; keep the run short)")
     ap.add_argument("--only", nargs="*", help="config names to run")
+    ap.add_argument("--vary", metavar="KEY=V1,V2", help="run each config once per value of one engine setting")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     fio = shutil.which("fio")

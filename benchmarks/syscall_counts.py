@@ -6,7 +6,11 @@ per chunk costs futex calls and context switches. This runs the same bench under
 and under `strace -c -f` for each source tree given (the "before" checkout and this one), so
 both sides are measured in one script run.
 
-    python benchmarks/syscall_counts.py [--src DIR ...] [--model demo] [--budget 1GiB] [--tokens 8]
+    python benchmarks/syscall_counts.py [--src DIR ...] [--chunk-sizes 1MiB 4MiB] [--model demo]
+        [--budget 1GiB] [--tokens 8]
+
+--chunk-sizes runs each tree once per chunk_size (the demo's 3 MiB expert span is split across
+the readers at 1 MiB and read with one request at 4 MiB).
 
 Needs `perf` and `strace` (Debian: apt-get install linux-perf strace).
 """
@@ -29,20 +33,21 @@ PERF_EVENTS = ("page-faults", "minor-faults", "major-faults", "context-switches"
 SYSCALLS = ("futex", "preadv2", "preadv", "pread64", "mmap", "munmap", "madvise", "io_uring_enter")
 
 
-def bench_cmd(args) -> list[str]:
+def bench_cmd(args, chunk: str | None) -> list[str]:
     return [sys.executable, "-m", "tuner.cli", "bench", "--model", args.model, "--ram-budget", args.budget,
-            "--cold", "--tokens", str(args.tokens), "--repeats", "1", "--json", *args.extra]
+            "--cold", "--tokens", str(args.tokens), "--repeats", "1", "--json",
+            *(["--chunk-size", chunk] if chunk else []), *args.extra]
 
 
 def _env(src: Path) -> dict:
     return {**os.environ, "PYTHONPATH": str(src)}
 
 
-def perf_counts(src: Path, args) -> dict:
+def perf_counts(src: Path, args, chunk) -> dict:
     with tempfile.NamedTemporaryFile("r", suffix=".csv") as out:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         proc = subprocess.run(["perf", "stat", "-x", ",", "-o", out.name, "-e", ",".join(PERF_EVENTS),
-                               *bench_cmd(args)], cwd=src, env=_env(src), capture_output=True, text=True)
+                               *bench_cmd(args, chunk)], cwd=src, env=_env(src), capture_output=True, text=True)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if proc.returncode != 0:
             raise SystemExit(f"bench under perf failed in {src}: {proc.stderr.strip()[-400:]}")
@@ -60,9 +65,9 @@ def perf_counts(src: Path, args) -> dict:
     return counts
 
 
-def strace_counts(src: Path, args) -> dict:
+def strace_counts(src: Path, args, chunk) -> dict:
     with tempfile.NamedTemporaryFile("r", suffix=".txt") as out:
-        proc = subprocess.run(["strace", "-c", "-f", "-o", out.name, *bench_cmd(args)], cwd=src, env=_env(src),
+        proc = subprocess.run(["strace", "-c", "-f", "-o", out.name, *bench_cmd(args, chunk)], cwd=src, env=_env(src),
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"bench under strace failed in {src}: {proc.stderr.strip()[-400:]}")
@@ -82,6 +87,7 @@ def main() -> int:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--budget", default="1GiB")
     ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--chunk-sizes", nargs="+", default=[None], help="run each tree once per chunk_size")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more bench flags")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -92,12 +98,14 @@ def main() -> int:
     rows = []
     for src in a.src:
         src = Path(src).resolve()
-        print(f"measuring {src} ...", file=sys.stderr)
-        rows.append({"src": str(src), **perf_counts(src, a), **strace_counts(src, a)})
+        for chunk in a.chunk_sizes:
+            print(f"measuring {src} chunk {chunk or 'default'} ...", file=sys.stderr)
+            rows.append({"src": str(src), "chunk_size": chunk or "default", "load_avg_1m": os.getloadavg()[0],
+                         **perf_counts(src, a, chunk), **strace_counts(src, a, chunk)})
     if a.json:
         json.dump(rows, sys.stdout, indent=2)
         return 0
-    cols = ["git_commit", "decode_tok_s", "user_s", "sys_s", *PERF_EVENTS, *SYSCALLS]
+    cols = ["git_commit", "chunk_size", "decode_tok_s", "user_s", "sys_s", *PERF_EVENTS, *SYSCALLS]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 
 def run_in_tree(script: str | Path, tree: Path, args: list[str], timeout: float = 1800) -> dict:
@@ -20,3 +21,13 @@ def run_in_tree(script: str | Path, tree: Path, args: list[str], timeout: float 
     if out.returncode != 0:
         raise SystemExit(f"{Path(script).name} failed in {tree}: {out.stderr.strip()[-800:]}")
     return json.loads(out.stdout)
+
+
+def measure_sides(root: Path, before_src: str | None, measure: Callable[[Path], dict]) -> list[dict]:
+    """The "after" tree (this checkout), then the "before" tree if given: one row per side."""
+    trees = [("after", root)] + ([("before", Path(before_src).resolve())] if before_src else [])
+    rows = []
+    for side, tree in trees:
+        print(f"measuring {side} ({tree}) ...", file=sys.stderr)
+        rows.append({"side": side, "tree": str(tree), "load_avg_1m": os.getloadavg()[0], **measure(tree)})
+    return rows

@@ -89,7 +89,10 @@ class EngineConfig:
     # Memory budget for the whole process (weights, KV, buffers, cache, runtime). 0 = no limit:
     # everything resident.
     ram_budget: int = 0
-    chunk_size: int = 1 << 20  # bytes per read request
+    # A span (one expert) larger than this is split across the io_threads readers; smaller ones
+    # are one request. 4 MiB: demo's 3 MiB experts are read whole, which measured 1.37x the
+    # decode speed of splitting them at 1 MiB (docs/BENCHMARKS.md, "One request per span").
+    chunk_size: int = 4 << 20
     prefetch_depth: int = 1  # layers of router lookahead
     cpu_cache_ratio: float = 1.0  # share of what the budget leaves that the RAM expert cache takes
     gpu_cache_ratio: float = 0.0  # share of free VRAM for the VRAM expert tier (CUDA only)

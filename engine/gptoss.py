@@ -89,6 +89,18 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # --- attention --------------------------------------------------------------------------------
 
+@dataclass
+class WindowedKVCache:
+    """Keys and values per layer, [Nkv, positions, D]. Full-attention layers hold ctx_size
+    positions; a sliding layer holds a ring of min(window, ctx_size), position p in slot
+    p % size: its queries never look further back than the window, so more would be memory
+    no query reads (half the layers of gpt-oss-120b at its 128K context)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    ctx_size: int
+
+
 @dataclass(frozen=True)
 class SinkAttention:
     num_heads: int
@@ -100,6 +112,23 @@ class SinkAttention:
         names = [f"{p}.{proj}.{kind}" for proj in ("q_proj", "k_proj", "v_proj", "o_proj") for kind in ("weight", "bias")]
         return names + [f"{p}.sinks"]
 
+    # --- the cache (KVCache.allocate / nbytes_for call these) ---------------------------------
+
+    def cache_positions(self, layer: int, ctx_size: int) -> int:
+        window = self.windows[layer]
+        return ctx_size if window is None else min(window, ctx_size)
+
+    def cache_nbytes(self, num_layers: int, ctx_size: int, dtype: torch.dtype) -> int:
+        per_position = 2 * self.num_kv_heads * self.head_dim * (torch.finfo(dtype).bits // 8)
+        return per_position * sum(self.cache_positions(i, ctx_size) for i in range(num_layers))
+
+    def allocate_cache(self, num_layers: int, ctx_size: int, dtype: torch.dtype) -> WindowedKVCache:
+        shapes = [(self.num_kv_heads, self.cache_positions(i, ctx_size), self.head_dim) for i in range(num_layers)]
+        return WindowedKVCache([torch.zeros(s, dtype=dtype) for s in shapes],
+                               [torch.zeros(s, dtype=dtype) for s in shapes], ctx_size)
+
+    # --- the forward pass --------------------------------------------------------------------
+
     def forward(self, w: dict, p: str, layer: int, x: torch.Tensor, start_pos: int, kv,
                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         T, N, Nkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -107,13 +136,11 @@ class SinkAttention:
         k = F.linear(x, w[f"{p}.k_proj.weight"], w[f"{p}.k_proj.bias"]).view(T, Nkv, D).transpose(0, 1)
         v = F.linear(x, w[f"{p}.v_proj.weight"], w[f"{p}.v_proj.bias"]).view(T, Nkv, D).transpose(0, 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        S = start_pos + T
-        kv.k[layer][:, start_pos:S] = k
-        kv.v[layer][:, start_pos:S] = v
-        keys = kv.k[layer][:, :S].to(q.dtype).repeat_interleave(N // Nkv, dim=0)  # [N, S, D]
-        values = kv.v[layer][:, :S].to(q.dtype).repeat_interleave(N // Nkv, dim=0)
-        scores = torch.matmul(q, keys.transpose(1, 2)) * D ** -0.5  # [N, T, S]
-        allowed = self._allowed(layer, start_pos, T)
+        keys, values, first = self._attended(layer, kv, k, v, start_pos)
+        keys = keys.to(q.dtype).repeat_interleave(N // Nkv, dim=0)  # [N, S', D]
+        values = values.to(q.dtype).repeat_interleave(N // Nkv, dim=0)
+        scores = torch.matmul(q, keys.transpose(1, 2)) * D ** -0.5  # [N, T, S']
+        allowed = self._allowed(layer, start_pos, T, first)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
         sinks = w[f"{p}.sinks"].to(scores.dtype).view(N, 1, 1).expand(N, T, 1)
@@ -123,12 +150,34 @@ class SinkAttention:
         out = torch.matmul(probs.to(values.dtype), values).transpose(0, 1).reshape(T, N * D)
         return F.linear(out, w[f"{p}.o_proj.weight"], w[f"{p}.o_proj.bias"])
 
-    def _allowed(self, layer: int, start_pos: int, T: int) -> torch.Tensor | None:
+    def _attended(self, layer: int, kv, k: torch.Tensor, v: torch.Tensor, start_pos: int):
+        """Store this step's k/v; return the keys and values its queries may attend, in position
+        order, with the position of the first. A full layer: positions 0..S-1 of its cache. A
+        sliding layer: the window's earlier positions from the ring, then this step's own
+        (read before they are written: a long prefill overwrites the ring it reads)."""
+        T, S = k.shape[1], start_pos + k.shape[1]
+        ck, cv = kv.k[layer], kv.v[layer]
+        if self.windows[layer] is None:
+            ck[:, start_pos:S] = k
+            cv[:, start_pos:S] = v
+            return ck[:, :S], cv[:, :S], 0
+        size = ck.shape[1]
+        first = max(0, start_pos - (self.windows[layer] - 1))  # the oldest position a query here sees
+        earlier = torch.arange(first, start_pos) % size
+        keys = torch.cat([ck.index_select(1, earlier), k], dim=1)
+        values = torch.cat([cv.index_select(1, earlier), v], dim=1)
+        kept = torch.arange(max(start_pos, S - size), S)  # the newest `size` positions stay
+        ck.index_copy_(1, kept % size, k[:, kept - start_pos])
+        cv.index_copy_(1, kept % size, v[:, kept - start_pos])
+        return keys, values, first
+
+    def _allowed(self, layer: int, start_pos: int, T: int, first: int) -> torch.Tensor | None:
+        """Which of the attended positions (first..S-1) each query may see; None: all of them."""
         window, S = self.windows[layer], start_pos + T
-        if T == 1 and (window is None or S <= window):
+        if T == 1:  # one query: every attended position is causal and, by `first`, in its window
             return None
         q_pos = torch.arange(start_pos, S)[:, None]
-        k_pos = torch.arange(S)[None, :]
+        k_pos = torch.arange(first, S)[None, :]
         allowed = k_pos <= q_pos
         if window is not None:
             allowed &= k_pos > q_pos - window

@@ -22,6 +22,7 @@ import collections
 import ctypes
 import mmap
 import threading
+import time
 import weakref
 
 from .io import ALIGN, align_up
@@ -44,7 +45,10 @@ class SlotArena:
         if prefault and self.nbytes:
             self._prefault()
         self._free = collections.deque(range(count))  # append/popleft are atomic: finalizers may run on workers
-        self._lock = threading.Lock()
+        # Reentrant: a finalizer (a release) can run in any thread at any allocation, including
+        # in one that holds the lock already.
+        self._lock = threading.RLock()
+        self._released = threading.Condition(self._lock)
         self.in_use = 0
         self.peak_in_use = 0
 
@@ -58,12 +62,24 @@ class SlotArena:
         except OSError:  # kernels before 5.14: touch every page
             ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(self._arena)), 0, self.nbytes)
 
-    def acquire(self):
-        """A free slot as a writable ctypes array of slot_bytes, or None when all are held."""
-        try:
-            index = self._free.popleft()
-        except IndexError:
-            return None
+    def acquire(self, wait_s: float = 0.0):
+        """A free slot as a writable ctypes array of slot_bytes, or None when all are still held
+        after waiting up to `wait_s` seconds for a release."""
+        deadline = None
+        while True:
+            try:
+                index = self._free.popleft()
+                break
+            except IndexError:
+                pass
+            with self._released:
+                if self._free:  # released meanwhile: a release appends under this lock
+                    continue
+                deadline = time.monotonic() + wait_s if deadline is None else deadline
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._released.wait(left)
         lease = (ctypes.c_char * self.slot_bytes).from_buffer(self._arena, index * self.slot_bytes)
         weakref.finalize(lease, self._release, index)
         with self._lock:
@@ -72,9 +88,10 @@ class SlotArena:
         return lease
 
     def _release(self, index: int) -> None:
-        with self._lock:
+        with self._released:
             self.in_use -= 1
-        self._free.append(index)
+            self._free.append(index)
+            self._released.notify()
 
     @property
     def free(self) -> int:

@@ -35,6 +35,9 @@ from .store import ExpertStore
 
 # Share of the RAM cache the pinned policy reserves for the recorded hottest experts.
 PINNED_FRACTION = 0.5
+# How long a read waits for a worker to release a slot before it counts an overflow: a guard
+# against a budget bug, far above the slowest pread.
+SLOT_WAIT_GUARD_S = 5.0
 
 
 def _to_device(value, device: str):
@@ -103,6 +106,7 @@ class StreamingExperts(ExpertStore):
             read = self.ready.pop(key, None)
             if read is not None:  # lookahead read it in time
                 self.prefetched_used += 1
+                self.cache.note_request(key)  # still a use of the expert: lru's admission counts it
                 self._compute(read, fn)
                 read = None  # a consumed read's slot belongs to the cache now, or to nobody
                 continue
@@ -173,16 +177,14 @@ class StreamingExperts(ExpertStore):
 
     def _lease(self):
         """A free slot. The budget guarantees one, except for a cancelled read whose job a worker
-        has not discarded yet (it still references its slot): give the workers a moment."""
+        has not discarded yet (it still references its slot, maybe for a whole pread on a busy
+        disk): wait for that release, not for a guess at how long it takes."""
         if self.arena is None:
             return None
-        for _ in range(1000):
-            lease = self.arena.acquire()
-            if lease is not None:
-                return lease
-            time.sleep(0.0001)
-        self.slot_overflows += 1  # a budget bug if ever > 0: the pool allocates a buffer instead
-        return None
+        lease = self.arena.acquire(wait_s=SLOT_WAIT_GUARD_S)
+        if lease is None:
+            self.slot_overflows += 1  # a budget bug if ever > 0: the pool allocates a buffer instead
+        return lease
 
     def _next_landed(self, stall: bool) -> _Read:
         """Block until some read has all its spans landed (counting the wait as an I/O stall)."""

@@ -1,5 +1,13 @@
+import signal
 import sys
 from pathlib import Path
+
+# A suite started in the background by a non-interactive shell (`cmd &`, nohup, some CI runners)
+# inherits SIGINT ignored, and exec keeps it ignored, so the Ctrl-C tests' children would never
+# raise KeyboardInterrupt and the tests would hang. A handled signal is reset to the default at
+# exec, so giving this process a handler makes every child start with Python's own Ctrl-C.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Tests run against the working tree even before `pip install -e .`.
 ROOT = Path(__file__).resolve().parent.parent

@@ -306,8 +306,49 @@ def test_bad_config_through_the_cli(tmp_path, capsys):
 
 
 def test_kv_cache_of_per_head_archs_is_unchanged(tmp_path):
-    build("gpt_oss", tmp_path)
+    build("glm4_moe", tmp_path)
     with fp32_engine(tmp_path) as engine:
         a = engine.args
         assert isinstance(engine.kv, KVCache)
         assert engine.plan.kv_bytes == 2 * a.num_layers * a.num_kv_heads * 64 * a.head_dim * 4
+        assert sum(t.nbytes for t in engine.kv.k + engine.kv.v) == engine.plan.kv_bytes
+
+
+# --- gpt_oss sliding layers: a ring of `sliding_window` positions, planned as allocated --------
+
+def test_gpt_oss_sliding_layers_hold_only_the_window(tmp_path):
+    build("gpt_oss", tmp_path)  # layers sliding, full, sliding; window 8, ctx 64
+    with fp32_engine(tmp_path) as engine:
+        a, window = engine.args, engine.checkpoint.config["sliding_window"]
+        positions = [t.shape[1] for t in engine.kv.k]
+        assert positions == [window, 64, window]
+        per_position = 2 * a.num_kv_heads * a.head_dim * 4
+        assert engine.plan.kv_bytes == per_position * (64 + 2 * window)
+        assert sum(t.nbytes for t in engine.kv.k + engine.kv.v) == engine.plan.kv_bytes
+    with Engine(tmp_path, EngineConfig(ctx_size=4, dtype="fp32", threads=1)) as small:
+        assert [t.shape[1] for t in small.kv.k] == [4, 4, 4]  # a context shorter than the window
+
+
+# Chunks of a teacher-forced sequence: shorter than the window, single decode steps, and longer
+# than the window (a prefill that overwrites the ring it reads), 44 positions in all (window 8).
+CHUNKS = [5, 1, 1, 7, 1, 12, 1, 1, 3, 1, 11]
+
+
+def test_gpt_oss_logits_match_transformers_past_the_window(tmp_path):
+    model = build("gpt_oss", tmp_path)
+    seq = [(11 * i + 5) % 256 for i in range(sum(CHUNKS))]
+    with fp32_engine(tmp_path) as engine:
+        ours, start = [], 0
+        for n in CHUNKS:
+            ours.append(engine.forward(seq[start:start + n], start))
+            start += n
+    diff = (torch.cat(ours) - hf_logits(model, seq)).abs().max().item()
+    print(f"gpt_oss past the window: max |dlogit| = {diff:.3e}")
+    assert diff <= ATOL
+
+
+def test_gpt_oss_generation_longer_than_the_window_matches_transformers(tmp_path):
+    model = build("gpt_oss", tmp_path)
+    prompt = PROMPT[:4]  # shorter than the window; the 40 new tokens wrap the ring five times
+    with fp32_engine(tmp_path) as engine:
+        assert generate(engine, prompt, 40, Sampler()).output_ids == hf_greedy(model, prompt, 40)

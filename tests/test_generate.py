@@ -1,6 +1,10 @@
 """colibri run: sampling, text prompts through tokenizer.json, the --json record, config files."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +14,10 @@ from engine.errors import ConfigError
 from engine.generate import Sampler, generate
 from engine.runtime import Engine
 from tuner.cli import main
+
+from colibri_sync import GUARD_S
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -66,19 +74,22 @@ def test_prompt_tokens_are_drawn_from_the_seed(tiny, capsys):
     assert ids(3) == ids(3) and len(ids(3)) == 7 and ids(3) != ids(4)
 
 
-def test_config_toml_round_trip_and_flags_override(tiny, tmp_path, capsys):
-    # A budget far above this (pytest) process's RSS, which the in-process plan counts as overhead:
-    # the test is about the round trip and the overrides, not about fitting.
-    cfg = EngineConfig(ram_budget=8 << 30, chunk_size=256 << 10, prefetch_depth=3, io_mode="buffered",
+def test_config_toml_round_trip_and_flags_override(tiny, tmp_path):
+    cfg = EngineConfig(ram_budget=1 << 30, chunk_size=256 << 10, prefetch_depth=3, io_mode="buffered",
                        cache_policy="lfu", ctx_size=96)
     path = tmp_path / "cfg.toml"
     cfg.save(path, header="test")
     assert EngineConfig.load(path) == cfg
-    main(["run", "--model", str(tiny), "--config", str(path), "--prefetch-depth", "1", "--prompt-tokens", "4",
-          "--max-new-tokens", "2", "--json"])
-    used = json.loads(capsys.readouterr().out)["config"]
+    # Run as a user does, in a fresh process: the memory plan counts the running process's RSS
+    # as overhead, and this (pytest) process's size depends on which tests ran before.
+    run = subprocess.run([sys.executable, "-m", "tuner.cli", "run", "--model", str(tiny), "--config", str(path),
+                          "--prefetch-depth", "1", "--prompt-tokens", "4", "--max-new-tokens", "2", "--json"],
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                         timeout=GUARD_S)
+    assert run.returncode == 0, run.stderr
+    used = json.loads(run.stdout)["config"]
     assert used["prefetch_depth"] == 1 and used["cache_policy"] == "lfu" and used["ctx_size"] == 96
-    assert used["ram_budget"] == 8 << 30
+    assert used["ram_budget"] == 1 << 30
 
 
 @pytest.mark.parametrize("bad", [{"chunk_size": 100}, {"io_mode": "aio"}, {"cpu_cache_ratio": 1.5},

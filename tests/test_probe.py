@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -22,6 +21,8 @@ from tuner.probe.profile import HardwareProfile
 from tuner.probe.storage import (
     KiB, MiB, TEST_FILE_PREFIX, StorageJob, StoragePlan, choose_file_bytes, scratch_file,
     storage_plan)
+
+from colibri_sync import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
@@ -232,19 +233,17 @@ def _start_cli(tmp_path: Path, *extra: str) -> subprocess.Popen:
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting")
-        time.sleep(0.01)
+def _scratch_files(directory: Path) -> list[str]:
+    """The storage test file (not the writability check's, which exists before the probe turns
+    SIGTERM into a clean stop, and only for a moment)."""
+    return [n for n in leftovers(directory) if n.endswith(".tmp")]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_while_writing_the_test_file_removes_it(tmp_path, sig):
     proc = _start_cli(tmp_path, "--no-fio")
     try:
-        _wait_for(lambda: leftovers(tmp_path) or proc.poll() is not None)
+        wait_until(lambda: _scratch_files(tmp_path), "the storage test file", proc)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -264,12 +263,10 @@ def test_sigterm_during_a_fio_job_kills_fio_and_removes_the_file(tmp_path):
 
         def fio_children():
             # `fio --version` runs before the test file exists; wait for a job on the file.
-            if not leftovers(tmp_path):
+            if not _scratch_files(tmp_path):
                 return []
             return [c for c in parent.children() if c.name() == "fio"]
-        _wait_for(lambda: fio_children() or proc.poll() is not None)
-        children = fio_children()
-        assert children, "fio never started"
+        children = wait_until(fio_children, "a fio job on the test file", proc)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:

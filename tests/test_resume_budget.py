@@ -4,10 +4,8 @@ free memory changed: the resume finds its study through run.json (budget and stu
 from __future__ import annotations
 
 import os
-import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -16,6 +14,7 @@ from engine.config import size_label
 from tuner.run_record import read_run_record
 from tuner.study import TuneOptions, default_budget, run_tune
 
+from colibri_sync import completed_trials, wait_until
 from colibri_tune_fixtures import ROOT, SMALL_CTX, model_dir, profile_path  # noqa: F401
 from test_tune import _reap
 
@@ -23,24 +22,11 @@ COMMON = ["--min-ctx", str(SMALL_CTX), "--tokens", "2", "--repeats", "1", "--pro
           "--confirm-top", "0", "--seed", "3"]
 
 
-def completed(db: Path) -> int:
-    """COMPLETE trials, read without Optuna (which would create tables while the tuner does)."""
-    try:
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as con:
-            return con.execute("SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0]
-    except sqlite3.Error:  # not created yet, or busy
-        return 0
-
-
-def wait_for_completed(proc, reports: Path, n: int, timeout: float = 300) -> Path:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"tune exited early: {proc.communicate()}"
-        for db in reports.glob("tune-*/study.db"):
-            if completed(db) >= n:
-                return db.parent
-        time.sleep(0.3)
-    raise AssertionError(f"no {n} completed trials within {timeout} s")
+def wait_for_completed(proc, reports: Path, n: int) -> Path:
+    """The run directory (reports/tune-*) once its study has n COMPLETE trials."""
+    def found():
+        return next((db.parent for db in reports.glob("tune-*/study.db") if completed_trials(db) >= n), None)
+    return wait_until(found, f"{n} completed trial(s)", proc)
 
 
 def test_resume_after_kill_9_with_less_free_memory_finds_the_study(model_dir, profile_path, tmp_path,
@@ -56,7 +42,7 @@ def test_resume_after_kill_9_with_less_free_memory_finds_the_study(model_dir, pr
     proc.communicate(timeout=60)
     _reap(children, proc.pid)
     recorded = read_run_record(out)
-    before = completed(out / "study.db")
+    before = completed_trials(out / "study.db")
     assert recorded["study_name"].startswith(f"{model_dir.name}-") and before >= 1
 
     # Less free memory now: hold (and touch) 1.5 GiB while resuming. The default budget, and with
@@ -73,4 +59,4 @@ def test_resume_after_kill_9_with_less_free_memory_finds_the_study(model_dir, pr
     assert outcome.result["study"]["name"] == recorded["study_name"]
     assert any("as recorded in" in ln and "budget" in ln for ln in lines), lines
     assert any(f"study {recorded['study_name']!r} as recorded" in ln for ln in lines), lines
-    assert completed(out / "study.db") == 3  # the killed run's trials count toward --trials
+    assert completed_trials(out / "study.db") == 3  # the killed run's trials count toward --trials

@@ -229,7 +229,7 @@ def test_mmap_make_cold_unmaps_resident_pages(moe_dir):
     store, _ckpt, _args = _expert_store("mmap", moe_dir)
     try:
         store.for_each_expert(0, [0, 1, 2, 3], lambda e, w: None)
-        mappings = list(store.pool._maps.values())
+        mappings = store.pool.files.mappings()
         assert _mapped_rss(mappings) > 0  # fault-in made the experts' pages resident in this process
         how = store.make_cold()
         assert _mapped_rss(mappings) == 0 and "madvise" in how

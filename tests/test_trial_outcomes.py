@@ -104,3 +104,60 @@ def test_peak_rss_is_the_trial_process_own_not_its_parents():
     del hog
     assert child.returncode == 0, child.stderr
     assert int(child.stdout) < 256 * MiB
+
+
+# A source tree from before outcome records (the kind benchmarks/streaming.py --before-src
+# measures): its `bench` has no --outcome and prints its JSON on stdout. Its engine is this one.
+OLD_CLI = '''
+import argparse, json, sys
+from engine.bench import run_bench
+from engine.config import EngineConfig
+
+p = argparse.ArgumentParser(prog="colibri")
+sub = p.add_subparsers(dest="cmd", required=True)
+b = sub.add_parser("bench")
+for flag in ("--model", "--config"):
+    b.add_argument(flag, required=True)
+for flag in ("--tokens", "--repeats", "--prompt-tokens", "--seed"):
+    b.add_argument(flag, type=int, default=1)
+b.add_argument("--cold", dest="cold", action="store_true", default=True)
+b.add_argument("--warm", dest="cold", action="store_false")
+b.add_argument("--json", action="store_true")
+b.add_argument("--fail", action="store_true")
+a = p.parse_args()
+if a.fail:
+    print("colibri bench: error: the old tree refuses", file=sys.stderr)
+    sys.exit(2)
+r = run_bench(a.model, EngineConfig.load(a.config), tokens=a.tokens, repeats=a.repeats, cold=a.cold,
+              prompt_tokens=a.prompt_tokens, seed=a.seed)
+print(json.dumps(r, default=str))
+'''
+
+
+@pytest.fixture
+def old_tree(tmp_path, monkeypatch):
+    from tuner.trial import THIS_TREE, bench_takes_outcome
+    tree = tmp_path / "old"
+    (tree / "tuner").mkdir(parents=True)
+    (tree / "tuner" / "__init__.py").write_text("")
+    (tree / "tuner" / "cli.py").write_text(OLD_CLI)
+    monkeypatch.chdir(tree)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tree), str(THIS_TREE)]))
+    bench_takes_outcome.cache_clear()
+    yield tree
+    bench_takes_outcome.cache_clear()
+
+
+def test_a_tree_without_outcome_records_is_not_passed_the_flag(model_dir, old_tree):
+    from tuner.trial import bench_takes_outcome
+    assert not bench_takes_outcome(str(old_tree), os.environ["PYTHONPATH"])
+    res = run_trial(model_dir, SMALL, timeout=300, **QUICK)  # the old argparse would exit 2 on --outcome
+    assert res.status == "ok", res
+    assert res.metrics["output_ids"] and res.metrics["summary"]["decode_tok_s"]["n"] == 1
+    failed = run_trial(model_dir, SMALL, timeout=300, extra_args=["--fail"], **QUICK)
+    assert failed.status == "crashed" and failed.error == "colibri bench: error: the old tree refuses"
+
+
+def test_this_tree_takes_outcome_without_asking():
+    from tuner.trial import THIS_TREE, bench_takes_outcome
+    assert bench_takes_outcome(str(THIS_TREE), "")

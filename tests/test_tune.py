@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import optuna
@@ -31,6 +30,7 @@ from tuner.sandbox import detect_memory_cgroup
 from tuner.space import CHUNK_SIZES, IO_THREADS, SearchSpace
 from tuner.study import TuneOptions, parse_duration, redact_url, run_tune
 
+from colibri_sync import completed_trials, wait_until
 from colibri_tune_fixtures import BUDGET, MIN_CTX, MiB, ROOT, SMALL_CTX, model_dir, profile_path  # noqa: F401
 
 
@@ -155,19 +155,8 @@ def _start(model_dir, profile_path, out, *extra) -> subprocess.Popen:
     return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for_completed(proc, out: Path, n: int, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"tune exited early: {proc.communicate()}"
-        if (out / "study.db").exists():
-            try:
-                done = load(out).get_trials(states=(TrialState.COMPLETE,))
-                if len(done) >= n:
-                    return
-            except Exception:  # the study may not exist yet
-                pass
-        time.sleep(0.3)
-    raise AssertionError(f"no {n} completed trials within {timeout} s")
+def _wait_for_completed(proc, out: Path, n: int) -> None:
+    wait_until(lambda: completed_trials(out / "study.db") >= n, f"{n} completed trial(s)", proc)
 
 
 def _snapshot(out: Path) -> dict:
@@ -228,12 +217,18 @@ def _reap(pids: list[int], tuner_pid: int) -> None:
     support = detect_memory_cgroup()
     if support.available:
         for d in Path(support.path).glob(f"colibri-{tuner_pid}-*"):
-            for _ in range(50):
-                try:
-                    d.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            wait_until(lambda: _removed(d), f"removal of the emptied cgroup {d}")
+
+
+def _removed(directory: Path) -> bool:
+    """rmdir; the kernel lets an emptied cgroup go once its last task has exited."""
+    try:
+        directory.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
 
 
 def _proc(pid):

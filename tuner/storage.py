@@ -102,15 +102,16 @@ def check_settings(study: optuna.Study, mine: dict) -> None:
                           f"use the same settings or another --study-name")
 
 
-def fail_unfinished(study: optuna.Study, shared: bool, log) -> None:
+def fail_unfinished(study: optuna.Study, shared: bool, log, when: str = "resume") -> None:
     """RUNNING trials nobody is measuring become FAIL (unmeasured), never fake figures."""
     if shared:
         optuna.storages.fail_stale_trials(study)
         return
-    # SQLite is one process at a time: a RUNNING trial here was left by a killed run.
+    # SQLite is one process at a time: a RUNNING trial here was left by a killed run (on resume)
+    # or by this one, interrupted between asking for a trial and measuring it.
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         study.tell(t.number, state=TrialState.FAIL)
-        log(f"resume: trial {t.number} was cut short by the interruption; recorded as FAIL (unmeasured)")
+        log(f"{when}: trial {t.number} was cut short by the interruption; recorded as FAIL (unmeasured)")
 
 
 class Heartbeat:

@@ -418,6 +418,11 @@ def run_tune(opts: TuneOptions, log: Log = _stderr) -> TuneOutcome:
             run.search()
             decision = run.confirm()
         except KeyboardInterrupt:
+            if not run.shared:
+                # Ctrl-C can land between `study.ask()` and the guarded measurement, or while a
+                # finished trial is being told: no trial of this run may stay RUNNING. (A shared
+                # storage is left to the heartbeats: other workers' trials are RUNNING there.)
+                storage.fail_unfinished(run.study, False, run.log, when="interrupted")
             done, _ = run.counts()
             run.write_trials_csv()
             again = (f"colibri tune --resume --model {opts.model} --out {run.out} --study-name {run.study_name}"

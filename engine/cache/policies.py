@@ -7,7 +7,14 @@ policy can make is refused (put returns False) without evicting anything, and ge
 only call that moves hit/miss counters.
 
 Policies:
-  lru     evict the least recently used item.
+  lru     evict the least recently used item; a newcomer that would push it out is admitted
+          only if requested more often than it (or it was never requested), else refused
+          (frequency admission, as in TinyLFU). A key's request count is its get() calls, kept after eviction (bounded
+          like lfu's). Why: experts are asked for in a cycle, every layer once per token, and
+          a plain LRU smaller than one token's working set (layers × top-k) evicts each expert
+          just before its next use: ~0% hits (the demo under 1 GiB). With admission the
+          popular experts stay and newcomers churn one entry; a cache bigger than the cycle
+          admits almost everything and behaves as plain LRU (benchmarks/cache_policies.py).
   lfu     evict the least frequently requested item, ties to the least recently used.
           A key's count is its get() calls (hits and misses), at least 1 once inserted, so a
           prefetched item that was never asked for ranks as one use. Counts survive eviction
@@ -63,6 +70,9 @@ class ExpertCache(ABC):
         self.bytes_used = 0
         self.stats = CacheStats()
         self._entries: dict[Key, tuple[Any, int]] = {}
+        # get() calls per key, hits and misses, kept after eviction (the key's popularity, not
+        # its residency; keys are bounded by layers × experts): lru's admission, lfu's order.
+        self._requests: Counter[Key] = Counter()
         self._lock = threading.RLock()
 
     # ---- contract --------------------------------------------------------------------------
@@ -70,7 +80,7 @@ class ExpertCache(ABC):
     def get(self, key: Key) -> Any | None:
         """The cached value, or None; counts a hit or a miss and updates the policy's order."""
         with self._lock:
-            self._on_request(key)
+            self._requests[key] += 1
             entry = self._entries.get(key)
             if entry is None:
                 self.stats.misses += 1
@@ -78,6 +88,12 @@ class ExpertCache(ABC):
             self.stats.hits += 1
             self._on_hit(key)
             return entry[0]
+
+    def note_request(self, key: Key) -> None:
+        """A request served without asking the cache (a lookahead read that landed in time):
+        it counts toward the key's popularity, not as a hit or a miss."""
+        with self._lock:
+            self._requests[key] += 1
 
     def peek(self, key: Key) -> Any | None:
         """The cached value, or None, without touching stats or the eviction order."""
@@ -101,7 +117,7 @@ class ExpertCache(ABC):
         with self._lock:
             if key in self._entries:
                 self._remove_locked(key)
-            if self.capacity_bytes == 0 or not self._fits_locked(key, nbytes):
+            if self.capacity_bytes == 0 or not self._fits_locked(key, nbytes) or not self._admits(key, nbytes):
                 self.stats.rejected += 1
                 return False, evicted
             self._plan_insert(key, nbytes)
@@ -119,7 +135,7 @@ class ExpertCache(ABC):
     def fits(self, key: Key, nbytes: int) -> bool:
         """Whether put(key, _, nbytes) would be accepted now (evictions allowed)."""
         with self._lock:
-            return self.capacity_bytes > 0 and self._fits_locked(key, nbytes)
+            return self.capacity_bytes > 0 and self._fits_locked(key, nbytes) and self._admits(key, nbytes)
 
     def nbytes_of(self, key: Key) -> int | None:
         with self._lock:
@@ -171,8 +187,10 @@ class ExpertCache(ABC):
     def _evictable_bytes(self) -> int:
         return self.bytes_used
 
-    def _on_request(self, key: Key) -> None:
-        """Every get(), hit or miss, before the lookup."""
+    def _admits(self, key: Key, nbytes: int) -> bool:
+        """Whether the policy takes `key` (absent, and known to fit) at the price of the
+        evictions it needs; every policy but lru takes whatever fits."""
+        return True
 
     def _plan_insert(self, key: Key, nbytes: int) -> None:
         """Called once an insert is known to fit, before evictions make room for it."""
@@ -198,6 +216,14 @@ class LRUCache(ExpertCache):
         super().__init__(capacity_bytes)
         self._order: OrderedDict[Key, None] = OrderedDict()  # oldest first
 
+    def _admits(self, key, nbytes):
+        if self.bytes_used + nbytes <= self.capacity_bytes or not self._order:
+            return True  # room without evicting: always
+        # Strictly more: in an even cycle (all counts equal) the residents stay and hit. A victim
+        # nobody ever asked for (a wrong lookahead guess, a preload) makes way for anything.
+        victim = self._requests[next(iter(self._order))]
+        return victim == 0 or self._requests[key] > victim
+
     def _on_hit(self, key):
         self._order.move_to_end(key)
 
@@ -218,16 +244,12 @@ class LFUCache(ExpertCache):
 
     def __init__(self, capacity_bytes: int):
         super().__init__(capacity_bytes)
-        self._requests: Counter[Key] = Counter()  # survives eviction on purpose
         self._buckets: dict[int, OrderedDict[Key, None]] = {}
         self._bucket_of: dict[Key, int] = {}
 
     def frequency(self, key: Key) -> int:
         with self._lock:
             return self._requests[key]
-
-    def _on_request(self, key):
-        self._requests[key] += 1
 
     def _on_hit(self, key):
         self._unbucket(key)

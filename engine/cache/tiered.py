@@ -73,11 +73,18 @@ class TieredCache:
                 if value is None:
                     continue
                 self.hits += 1
+                for _slower, other, _d in self._tiers[index + 1:]:
+                    other.note_request(key)  # its popularity, for a demotion there later
                 if index > 0 and self.promote:
                     value = self._promote(key, index, value)
                 return name, value
             self.misses += 1
             return None
+
+    def note_request(self, key: Key) -> None:
+        with self._lock:
+            for _name, cache, _device in self._tiers:
+                cache.note_request(key)
 
     def peek(self, key: Key) -> tuple[str, Any] | None:
         with self._lock:

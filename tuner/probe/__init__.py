@@ -82,7 +82,8 @@ def run_probe(directory: str | Path = ".", quick: bool = False, use_fio: Optiona
     started_utc = utc_now()
     plan = plan or probe_plan(quick)
     directory = check_directory(Path(directory))
-    check_writable(directory)
+    with sigterm_as_interrupt():  # `kill` now must not leave the check file behind either
+        check_writable(directory)
     file_bytes = choose_file_bytes(plan.storage, free_bytes(directory), directory)
 
     fio_bin = None

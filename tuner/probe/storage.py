@@ -113,12 +113,28 @@ def check_directory(directory: Path) -> Path:
 
 def check_writable(directory: Path) -> None:
     """Fail early, before minutes of work, if no test file can be created here."""
-    path = directory / f"{TEST_FILE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}.check"
+    with _new_test_file(directory, ".check") as (_, fd):
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _new_test_file(directory: Path, suffix: str) -> Iterator[tuple[Path, int]]:
+    """A new file (O_EXCL) in `directory` and its fd (the caller closes it), removed on exit
+    whatever happens. The removal hangs on the name, not on the fd: Ctrl-C (or SIGTERM under
+    `sigterm_as_interrupt`) may land right after the open returned, before the fd is bound."""
+    path = directory / f"{TEST_FILE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}{suffix}"
+    ours = True
     try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    except OSError as exc:
-        raise ProbeError(f"cannot write a test file in {directory}: {exc.strerror}") from None
-    os.unlink(path)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            ours = exc.errno != errno.EEXIST  # someone else's file: never remove it
+            raise ProbeError(f"cannot write a test file in {directory}: {exc.strerror}") from None
+        yield path, fd
+    finally:
+        if ours:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 @contextlib.contextmanager
@@ -126,12 +142,7 @@ def scratch_file(directory: Path, size: int) -> Iterator[Path]:
     """A file of `size` pseudo-random bytes in `directory`, dropped from the page cache, removed
     on exit whatever happens (exception, Ctrl-C, or SIGTERM while `sigterm_as_interrupt` is on).
     """
-    path = directory / f"{TEST_FILE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as exc:
-        raise ProbeError(f"cannot write a test file in {directory}: {exc.strerror}") from None
-    try:
+    with _new_test_file(directory, ".tmp") as (path, fd):
         try:
             _fill(fd, size)
         except OSError as exc:
@@ -142,9 +153,6 @@ def scratch_file(directory: Path, size: int) -> Iterator[Path]:
         finally:
             os.close(fd)
         yield path
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
 
 def _fill(fd: int, size: int) -> None:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 # Limits at or above this mean "no limit" (v1 writes PAGE_COUNTER_MAX * PAGE_SIZE, ~2**63).
 _UNLIMITED = 1 << 60
+# How long remove() waits for killed tasks to exit: a hang guard (they exit in milliseconds).
+REMOVE_GUARD_S = 60.0
 _counter = itertools.count()
 _PROC_CGROUP = "/proc/self/cgroup"
 _MOUNTINFO = "/proc/self/mountinfo"
@@ -325,20 +327,24 @@ class _Cgroup:
             except ProcessLookupError:
                 pass
 
-    def remove(self, attempts: int = 50) -> None:
-        """rmdir, killing leftovers (daemonized grandchildren) first; the kernel may need a few
-        milliseconds after the last task exits before it lets the directory go."""
-        for attempt in range(attempts):
+    def remove(self, guard_s: float = REMOVE_GUARD_S) -> None:
+        """rmdir, killing leftovers (daemonized grandchildren) first. The kernel lets the
+        directory go once the last killed task has run its exit, which on a loaded box can take
+        a while: poll for that (no notification exists on v1), up to a guard against a hang."""
+        deadline = time.monotonic() + guard_s
+        attempt = 0
+        while True:
             try:
                 self.path.rmdir()
                 return
             except FileNotFoundError:
                 return
             except OSError as err:
-                if err.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                if err.errno not in (errno.EBUSY, errno.ENOTEMPTY) or time.monotonic() > deadline:
                     break
             self.kill_all()
-            time.sleep(min(0.005 * (attempt + 1), 0.1))
+            attempt += 1
+            time.sleep(min(0.005 * attempt, 0.1))
         warnings.warn(f"could not remove cgroup {self.path}; remove it by hand", RuntimeWarning, stacklevel=3)
 
 

@@ -1,0 +1,87 @@
+"""RAM-cache hit rates of the expert cache policies at cache sizes around one token's working set.
+
+Experts are asked for in a cycle: every MoE layer once per token, top-k each, so one token's
+working set is layers × k entries. A plain LRU smaller than that evicts every expert just
+before its next use. This replays tokens drawn from a routing model (the cost model's: synth
+--routing-skew popularity and token-to-token locality, tuner/costmodel/routing.py) through the
+engine's own cache classes, in the order the engine asks, and prints decode hit rates:
+
+  warm   one cache, 64 unmeasured tokens, then 192 measured (steady state)
+  cold   8-token prompt + 8 tokens, cache emptied per repeat (the tuner's default trial), 3 repeats
+
+`lru (plain)` is LRU without the admission rule (what `lru` was before), replayed in the same
+run for the before/after.
+
+  .venv/bin/python benchmarks/cache_policies.py --skew 1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine.cache import policies  # noqa: E402
+from tuner.costmodel import routing  # noqa: E402
+
+SLOT_FACTORS = (0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)  # × one token's working set
+POLICIES = ("lru (plain)", "lru", "lfu", "pinned")
+
+
+class PlainLRU(policies.LRUCache):
+    """LRU that admits whatever fits: the policy before frequency admission."""
+
+    def _admits(self, key, nbytes):
+        return True
+
+
+def _make_cache(policy, capacity, **kw):
+    return PlainLRU(capacity) if policy == "lru (plain)" else policies.make_cache(policy, capacity, **kw)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=16, help="MoE layers (demo: 16)")
+    p.add_argument("--experts", type=int, default=64, help="experts per layer (demo: 64)")
+    p.add_argument("--top-k", type=int, default=8, help="experts per token (demo: 8)")
+    p.add_argument("--skew", type=float, default=1.0, help="synth --routing-skew (demo: 1.0)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    routing.make_cache = _make_cache  # the simulation builds caches by name; add the plain LRU
+    model = routing.synth_skew(args.layers, args.experts, args.top_k, args.skew)
+    working_set = args.layers * args.top_k
+    rows = []
+    for factor in SLOT_FACTORS:
+        slots = max(1, round(factor * working_set))
+        row = {"slots": slots, "factor": factor}
+        for policy in POLICIES:
+            warm = routing.simulate(model, args.top_k, slots, policy, cold=False, warmup_tokens=64, tokens=192,
+                                    seed=args.seed).decode
+            cold = routing.simulate(model, args.top_k, slots, policy, cold=True, prompt_tokens=8, tokens=8,
+                                    repeats=3, seed=args.seed).decode
+            row[policy] = {"warm": warm, "cold": cold}
+        rows.append(row)
+    if args.json:
+        json.dump({"args": vars(args), "working_set": working_set, "rows": rows}, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"# {args.layers} MoE layers x {args.experts} experts top-{args.top_k}, {model.description}; "
+          f"one token's working set {working_set} entries; decode hit rate warm / cold; seed {args.seed}")
+    head = "| cache entries | × working set | " + " | ".join(POLICIES) + " |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for r in rows:
+        cells = [f"{100 * r[pol]['warm']:.1f}% / {100 * r[pol]['cold']:.1f}%" for pol in POLICIES]
+        print(f"| {r['slots']} | {r['factor']:g} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
