@@ -106,7 +106,7 @@ class StreamingExperts(ExpertStore):
             read = self.ready.pop(key, None)
             if read is not None:  # lookahead read it in time
                 self.prefetched_used += 1
-                self.cache.note_request(key)  # still a use of the expert: lru's admission counts it
+                self.cache.note_request(key)  # still a use of the expert: lfu's popularity counts it
                 self._compute(read, fn)
                 read = None  # a consumed read's slot belongs to the cache now, or to nobody
                 continue

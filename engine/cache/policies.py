@@ -67,7 +67,7 @@ class ExpertCache(ABC):
         self.stats = CacheStats()
         self._entries: dict[Key, tuple[Any, int]] = {}
         # get() calls per key, hits and misses, kept after eviction (the key's popularity, not
-        # its residency; keys are bounded by layers × experts): lru's admission, lfu's order.
+        # its residency; keys are bounded by layers × experts): lfu's order.
         self._requests: Counter[Key] = Counter()
         self._lock = threading.RLock()
 
