@@ -12,8 +12,9 @@ lookahead, starts while `max_inflight` are held. Lookahead reads a layer did not
 cancelled (still queued) or dropped when they land (already reading) as soon as that layer
 has routed, so they never hold budget past it.
 
-Everything here runs on the compute thread except the reads themselves (ReadPool workers):
-workers only put finished reads on a queue, which the compute thread drains.
+Everything here runs on the compute thread except the reads themselves (the read pool's reader
+threads or io_uring completion thread): they only put finished reads on a queue, which the
+compute thread drains.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from .cache import TieredCache, hottest_keys, make_cache, routing_histogram_load
 from .config import EngineConfig
-from .io import IOStats, ReadPool, align_up
+from .io import IOStats, align_up, open_read_pool
 from .layout import ExpertLayout, group_into_spans, piece_tensor, tensors_from_buffers
 from .plan import MemoryPlan
 from .slots import SlotArena
@@ -65,7 +66,8 @@ class StreamingExperts(ExpertStore):
         self.dtype = dtype
         self.plan = plan
         self.io_stats = IOStats()
-        self.pool = ReadPool(config.io_mode, config.io_threads, config.chunk_size, stats=self.io_stats)
+        self.pool = open_read_pool(config.io_mode, config.io_backend, config.io_threads, config.chunk_size,
+                                   stats=self.io_stats)
         self.max_inflight = max(plan.max_inflight_experts, 1)
         # mmap reads are views of the page cache: nothing to land in, so no arena.
         self.arena = None if config.io_mode == "mmap" else SlotArena(plan.slot_bytes, plan.arena_slots)
@@ -333,6 +335,7 @@ class StreamingExperts(ExpertStore):
         n = self.lookups
         return {
             "io_mode_effective": self.pool.effective_mode,
+            "io_backend_effective": self.pool.backend,
             "bytes_read": io["bytes_read"],
             "bytes_requested": io["bytes_requested"],
             "read_requests": io["requests"],
@@ -365,7 +368,8 @@ class StreamingLayers(ExpertStore):
     def __init__(self, checkpoint, names_by_layer: dict[int, list[str]], config: EngineConfig, dtype: torch.dtype):
         self.dtype = dtype
         self.io_stats = IOStats()
-        self.pool = ReadPool(config.io_mode, config.io_threads, config.chunk_size, stats=self.io_stats)
+        self.pool = open_read_pool(config.io_mode, config.io_backend, config.io_threads, config.chunk_size,
+                                   stats=self.io_stats)
         self.layers: dict[int, tuple[list, list]] = {}
         for layer, names in names_by_layer.items():
             spans, pieces = group_into_spans([checkpoint.info(n) for n in names])
@@ -415,6 +419,7 @@ class StreamingLayers(ExpertStore):
         io = self.io_stats.snapshot()
         return {
             "io_mode_effective": self.pool.effective_mode,
+            "io_backend_effective": self.pool.backend,
             "bytes_read": io["bytes_read"], "bytes_requested": io["bytes_requested"],
             "read_requests": io["requests"],
             "read_gbps": io["bytes_read"] / window / 1e9 if window > 0 else None,
