@@ -147,7 +147,8 @@ def stream_row(name, cfg, model_dir, a, src) -> dict:
                 bytes_per_token=m["bytes_read_per_token"], hit=(m.get("hit_rate") or {}).get("ram"),
                 stall=m.get("io_stall_fraction"), recall=m.get("lookahead_recall"), peak=m["peak_rss_bytes"],
                 cgroup_peak=t.cgroup_peak_bytes, read_gbps=m.get("read_gbps"), io=m["io_mode_effective"], commit=m.get("git_commit"),
-                output_ids=m.get("output_ids"), cold_method=m.get("cold_method"))
+                output_ids=m.get("output_ids"), cold_method=m.get("cold_method"),
+                backend=m.get("io_backend_effective"), cpu_s_per_token=m.get("cpu_s_per_token"))
 
 
 def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_MODES, KV_DTYPES
+from engine.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_BACKENDS, IO_MODES, KV_DTYPES
 from tuner.printers import print_json as _print_json
 
 
@@ -20,6 +20,7 @@ def _add_engine_flags(p) -> None:
     p.add_argument("--gpu-cache-ratio", type=float)
     p.add_argument("--io-mode", choices=IO_MODES)
     p.add_argument("--io-threads", type=int)
+    p.add_argument("--io-backend", choices=IO_BACKENDS, help="what issues the reads: reader threads or io_uring")
     p.add_argument("--cache-policy", choices=CACHE_POLICIES)
     p.add_argument("--kv-dtype", choices=KV_DTYPES)
     p.add_argument("--dtype", choices=COMPUTE_DTYPES, help="compute dtype (auto: the checkpoint's)")
@@ -34,7 +35,8 @@ def engine_config_from_args(args):
         "chunk_size": parse_size(args.chunk_size) if args.chunk_size is not None else None,
         "ctx_size": args.ctx_size, "threads": args.threads, "prefetch_depth": args.prefetch_depth,
         "cpu_cache_ratio": args.cpu_cache_ratio, "gpu_cache_ratio": args.gpu_cache_ratio,
-        "io_mode": args.io_mode, "io_threads": args.io_threads, "cache_policy": args.cache_policy,
+        "io_mode": args.io_mode, "io_threads": args.io_threads,
+        "io_backend": args.io_backend, "cache_policy": args.cache_policy,
         "kv_dtype": args.kv_dtype, "dtype": args.dtype, "routing_histogram": args.routing_histogram,
     }
     return config.replace(**overrides)
