@@ -29,7 +29,13 @@ class PoolBase:
 
     backend = ""  # "threads" or "uring": what really issued the reads (the bench result records it)
 
-    def __init__(self, io_mode: str, io_threads: int, chunk_size: int, stats: IOStats | None):
+    def __init__(
+        self,
+        io_mode: str,
+        io_threads: int = 4,
+        chunk_size: int = 4 << 20,  # the EngineConfig default
+        stats: IOStats | None = None,
+    ):
         if io_mode not in IO_MODES:
             raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {io_mode!r}")
         if not isinstance(io_threads, int) or io_threads < 1:
@@ -44,6 +50,7 @@ class PoolBase:
         self.files = FileTable(io_mode)
         self._lock = threading.Lock()
         self._closed = False
+        self._start()
 
     # ---- public -------------------------------------------------------------------------
 
@@ -118,6 +125,10 @@ class PoolBase:
             os.close(fd)
 
     def close(self) -> None:
+        raise NotImplementedError
+
+    def _start(self) -> None:
+        """Start the readers (the arguments are checked and the file table exists)."""
         raise NotImplementedError
 
     def __enter__(self):

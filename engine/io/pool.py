@@ -14,7 +14,6 @@ from .base import PoolBase
 from .files import truncated
 from .align import align_down, align_up
 from .reads import fault_in, read_piece
-from .stats import IOStats
 
 
 class _Gather:
@@ -46,14 +45,8 @@ class ReadPool(PoolBase):
 
     backend = "threads"
 
-    def __init__(
-        self,
-        io_mode: str,
-        io_threads: int = 4,
-        chunk_size: int = 4 << 20,  # the EngineConfig default
-        stats: IOStats | None = None,
-    ):
-        super().__init__(io_mode, io_threads, chunk_size, stats)
+    def _start(self) -> None:
+        io_mode, io_threads = self.io_mode, self.io_threads
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._workers = [threading.Thread(target=self._work, name=f"colibri-io-{io_mode}-{i}", daemon=True)
                          for i in range(io_threads)]

@@ -31,7 +31,6 @@ from engine.errors import ConfigError
 from .align import ALIGN, align_up
 from .base import PoolBase
 from .files import truncated
-from .stats import IOStats
 
 # A read the kernel could not finish at once is simply issued again.
 _RETRY = (errno.EINTR, errno.EAGAIN)
@@ -92,23 +91,16 @@ class UringPool(PoolBase):
 
     backend = "uring"
 
-    def __init__(
-        self,
-        io_mode: str,
-        io_threads: int = 4,
-        chunk_size: int = 4 << 20,  # the EngineConfig default
-        stats: IOStats | None = None,
-    ):
-        super().__init__(io_mode, io_threads, chunk_size, stats)
-        if io_mode == "mmap":
+    def _start(self) -> None:
+        if self.io_mode == "mmap":
             raise ConfigError("io_backend 'uring' reads into buffers; mmap mode uses the reader threads")
         # Room for every read in flight plus the wake-up the close sends.
-        self._ring = open_ring(1 << io_threads.bit_length())
+        self._ring = open_ring(1 << self.io_threads.bit_length())
         self._queue: collections.deque[_Piece] = collections.deque()  # waiting for a place in the ring
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
         self._stopping = False
-        self._reaper = threading.Thread(target=self._reap, name=f"colibri-uring-{io_mode}", daemon=True)
+        self._reaper = threading.Thread(target=self._reap, name=f"colibri-uring-{self.io_mode}", daemon=True)
         self._reaper.start()
 
     def close(self) -> None:
