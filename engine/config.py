@@ -105,7 +105,7 @@ class EngineConfig:
     io_threads: int = 4  # reader threads; for io_backend uring, the reads in flight (queue depth)
     # threads: preadv on io_threads workers. uring: one io_uring ring (the uring-api package),
     # an error where the kernel refuses io_uring; auto: uring where it works, else threads.
-    # mmap mode always faults in on the threads. Default threads: docs/BENCHMARKS.md, "io_backend".
+    # mmap mode always faults in on the threads. Default threads: docs/BENCHMARKS.md, "io_backend in the engine".
     io_backend: str = "threads"
     cache_policy: str = "lru"
     routing_histogram: str = ""  # JSON recorded by --record-routing; used by cache_policy=pinned
