@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import parse_size  # noqa: E402
-from engine.io.align import align_up  # noqa: E402
+from engine.io.align import align_down, align_up  # noqa: E402
 from engine.io.trace import read_trace  # noqa: E402
 from benchmarks.fio_bound import drop_pages  # noqa: E402
 
@@ -75,11 +75,16 @@ def one_repeat(records: list[dict], repeat: int | None = None) -> list[dict]:
 def job_iologs(records: list[dict], *, jobs: int, io_threads: int, chunk_size: int, direct: bool,
                gap_s: float = 0.0, passes: int = 1) -> list[str]:
     """One fio v3 iolog per psync job: the trace's tokens `passes` times, each token's pieces
-    dealt round-robin to the jobs, an idle gap of gap_s before each job's first read of a token."""
+    dealt round-robin to the jobs, an idle gap of gap_s before each job's first read of a token.
+
+    An O_DIRECT window that runs past the end of its file (the last expert of a shard) ends
+    short there for the engine, which takes the short read; fio fails the job on it, so such a
+    piece is cut at the file's last whole 4 KiB block (less than 4 KiB of ~250 MiB a token)."""
     tokens: dict[int, list[dict]] = {}
     for r in sorted(records, key=lambda r: r["submit_s"]):
         tokens.setdefault(r["token"], []).append(r)
     files = sorted({r["file"] for r in records})
+    sizes = {f: os.path.getsize(f) for f in files} if direct else {}
     for f in files:
         if any(c.isspace() for c in f):
             raise ValueError(f"fio iologs cannot name a file with whitespace: {f!r}")
@@ -93,6 +98,10 @@ def job_iologs(records: list[dict], *, jobs: int, io_threads: int, chunk_size: i
             started = [False] * jobs
             for r in tokens[token]:
                 for off, length in split_window(r["offset"], r["nbytes"], io_threads, chunk_size, direct):
+                    if direct and off + length > sizes[r["file"]]:
+                        length = align_down(sizes[r["file"]] - off)
+                        if length <= 0:
+                            continue
                     j = turn % jobs
                     turn += 1
                     if not started[j]:
@@ -141,12 +150,17 @@ def replay_trace(fio: str, trace_path, *, gap_s: float, passes: int, limit_bytes
                       chunk_size=head["chunk_size"], direct=mode == "direct", gap_s=0.0 if no_stall else gap_s,
                       passes=passes)
     out = replay(fio, logs, mode, limit_bytes, sorted({r["file"] for r in records}), no_stall=no_stall)
-    expected = passes * sum(r["nbytes"] for r in records)
+    expected = iolog_bytes(logs)
     if out["bytes"] != expected:
-        raise RuntimeError(f"fio replayed {out['bytes']} bytes of the trace's {expected}")
+        raise RuntimeError(f"fio replayed {out['bytes']} bytes of the iologs' {expected}")
     out.update(s_per_token=out["seconds"] / (passes * head["tokens"]), passes=passes, gap_s=gap_s,
-               shape="no_stall" if no_stall else "paced", trace_bytes=expected // passes)
+               shape="no_stall" if no_stall else "paced", trace_bytes=sum(r["nbytes"] for r in records))
     return out
+
+
+def iolog_bytes(iologs: list[str]) -> int:
+    """The bytes the read lines of the iologs ask for."""
+    return sum(int(line.split()[4]) for text in iologs for line in text.splitlines() if " read " in line)
 
 
 def outstanding_fraction(records: list[dict], window_s: float) -> float:
@@ -159,6 +173,96 @@ def outstanding_fraction(records: list[dict], window_s: float) -> float:
         busy += hi - max(lo, end)
         end = hi
     return busy / window_s if window_s > 0 else 0.0
+
+
+# --- one row of benchmarks/streaming.py --trace-bound -------------------------------------------------
+
+
+def measure_row(name: str, cfg, *, stream, fio: str, files, limit: int | None, request: int, fio_seconds: float,
+                compute_s: float, passes: int, traces: dict, trace_dir) -> dict:
+    """old fio, paced replay, stream (recording its trace), paced replay, old fio, no-stall replay.
+
+    The paced replays sit right before and right after the streaming run: the before-job
+    replays the trace of this config's previous run (the first run records one in a warm-up
+    streaming run, not reported), the after-job the trace the streaming run just recorded.
+    The old continuous fio jobs at the request size (fio_bound.py) go around them."""
+    from benchmarks.fio_bound import fio_run
+    slug = "".join(c if c.isalnum() else "-" for c in name)
+    done = len([k for k in traces if k[0] == name])
+
+    def old_fio():
+        return fio_run(fio, files, request, cfg.io_threads, cfg.io_mode, fio_seconds, limit)["bw"]
+
+    def paced(path):
+        return replay_trace(fio, path, gap_s=compute_s, passes=passes, limit_bytes=limit)
+
+    previous = traces.get((name, done - 1))
+    warmup = None
+    try:
+        if previous is None:
+            previous = Path(trace_dir) / f"{slug}-warmup.jsonl"
+            warmup = stream(["--read-trace", str(previous)])
+            if "error" in warmup:
+                return warmup
+        fio_before = old_fio()
+        before = paced(previous)
+        this = Path(trace_dir) / f"{slug}-run{done + 1}.jsonl"
+        row = stream(["--read-trace", str(this)])
+        if "error" in row:
+            return row
+        after = paced(this)
+        fio_after = old_fio()
+        no_stall = replay_trace(fio, this, gap_s=0.0, passes=passes, limit_bytes=limit, no_stall=True)
+    except (ValueError, RuntimeError) as exc:
+        return {"name": name, "side": "after", "error": f"trace bound: {exc}"}
+    traces[(name, done)] = this
+    head, records = read_trace(this)
+    last = one_repeat(records)
+    row.update(bw=(fio_before + fio_after) / 2, fio=(fio_before, fio_after), request=request,
+               replay=(before, after), no_stall=no_stall, gap_s=compute_s, trace=str(this),
+               trace_bytes_per_token=sum(r["nbytes"] for r in last) / head["tokens"],
+               outstanding=outstanding_fraction(last, head["window_s"][-1]),
+               warmup_tok_s=warmup["tok_s"] if warmup else None)
+    return row
+
+
+def finish_row(row: dict, compute_s: float) -> None:
+    """The bound (declared before the 3-run test): the mean of the two paced replays' s/token.
+    The old bound (continuous fio at the request size + compute) and the no-stall replay's
+    (its rate + compute) are kept next to it."""
+    old_s = row["bytes_per_token"] / row["bw"] + compute_s
+    no_stall_s = row["bytes_per_token"] / row["no_stall"]["bw"] + compute_s
+    bound_s = sum(r["s_per_token"] for r in row["replay"]) / 2
+    row.update(old_bound_tok_s=1 / old_s, old_ratio=row["tok_s"] * old_s, no_stall_bound_tok_s=1 / no_stall_s,
+               no_stall_ratio=row["tok_s"] * no_stall_s, bound_tok_s=1 / bound_s, ratio=row["tok_s"] * bound_s)
+
+
+def print_rows(rows: list[dict]) -> None:
+    """The --trace-bound table: the pre-registered bound first, the old one next to it."""
+    resident = [r for r in rows if r.get("io") == "resident"]
+    if resident:
+        runs = " ".join(f"{v:.3f}" for v in resident[0].get("resident_tok_s", [resident[0]["tok_s"]]))
+        print(f"resident tok/s (start, end): {runs}\n")
+    print("| config | decode tok/s | MiB/token (trace) | engine read GB/s | reads outstanding | compute gap ms "
+          "| paced replay s/token before / after (mean) | **bound tok/s** | **measured/bound** "
+          "| no-stall replay GB/s -> bound, ratio | old fio GB/s before / after (mean) -> bound, ratio "
+          "| I/O stall | load avg |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.get("io") == "resident":
+            continue
+        if "error" in r:
+            print(f"| {r['name']} | {r['error']} |" + " |" * 11)
+            continue
+        b, a = (x["s_per_token"] for x in r["replay"])
+        fb, fa = r["fio"]
+        print(f"| {r['name']} | {r['tok_s']:.3f} | {r['bytes_per_token'] / 2**20:.0f} "
+              f"({r['trace_bytes_per_token'] / 2**20:.0f}) | {r.get('read_gbps') or 0:.2f} | {r['outstanding']:.0%} "
+              f"| {r['gap_s'] * 1e3:.1f} | {b:.4f} / {a:.4f} ({(a + b) / 2:.4f}) | **{r['bound_tok_s']:.3f}** "
+              f"| **{r['ratio']:.2f}** | {r['no_stall']['bw'] / 1e9:.2f} -> {r['no_stall_bound_tok_s']:.3f}, "
+              f"{r['no_stall_ratio']:.2f} | {fb / 1e9:.2f} / {fa / 1e9:.2f} ({r['bw'] / 1e9:.2f}) -> "
+              f"{r['old_bound_tok_s']:.3f}, {r['old_ratio']:.2f} | {r['stall'] or 0:.0%} "
+              f"| {r.get('load_avg_1m', float('nan')):.1f} |")
 
 
 def main() -> int:
