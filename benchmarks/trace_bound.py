@@ -114,14 +114,20 @@ def job_iologs(records: list[dict], *, jobs: int, io_threads: int, chunk_size: i
 
 
 def replay(fio: str, iologs: list[str], mode: str, limit_bytes: int | None, files, no_stall: bool = False,
-           timeout: float = 300) -> dict:
-    """Run the iologs as one group of psync jobs. {"bytes", "seconds" (the group's run time), "bw"}."""
+           timeout: float = 300, iodepth: int = 1) -> dict:
+    """Run the iologs as one group of jobs: psync ones (iodepth 1), or libaio ones holding up to
+    `iodepth` reads in flight each. {"bytes", "ios", "seconds" (the group's run time), "bw"}.
+
+    A libaio replay stops when its last read is issued: the reads still in flight then (at
+    most iodepth - 1) complete but are not in fio's byte count, so "bytes" can fall short of
+    the log's by those; "ios" counts every read."""
     from tuner.sandbox import run_limited
     if mode not in ("direct", "buffered"):
         raise ValueError(f"a trace replay models pread reads (direct, buffered), not {mode!r}")
     drop_pages(files)
     with tempfile.TemporaryDirectory(prefix="colibri-replay-") as tmp:
-        job = ["[global]", "ioengine=psync", f"direct={1 if mode == 'direct' else 0}", "group_reporting=1",
+        engine = ["ioengine=psync"] if iodepth <= 1 else ["ioengine=libaio", f"iodepth={iodepth}"]
+        job = ["[global]", *engine, f"direct={1 if mode == 'direct' else 0}", "group_reporting=1",
                f"replay_no_stall={1 if no_stall else 0}"]
         for i, text in enumerate(iologs):
             path = Path(tmp) / f"reader{i}.iolog"
@@ -135,27 +141,38 @@ def replay(fio: str, iologs: list[str], mode: str, limit_bytes: int | None, file
         doc = json.loads(run.stdout[run.stdout.index("{"):])
     read = doc["jobs"][0]["read"]
     seconds = read["runtime"] / 1000
-    return {"bytes": int(read["io_bytes"]), "seconds": seconds, "bw": read["io_bytes"] / seconds if seconds else 0.0}
+    return {"bytes": int(read["io_bytes"]), "ios": int(read["total_ios"]), "seconds": seconds,
+            "bw": read["io_bytes"] / seconds if seconds else 0.0}
 
 
 def replay_trace(fio: str, trace_path, *, gap_s: float, passes: int, limit_bytes: int | None,
-                 no_stall: bool = False) -> dict:
-    """Replay the last repeat of a trace file; adds s_per_token (the replay's time per token)."""
+                 no_stall: bool = False, queue: str = "psync") -> dict:
+    """Replay the last repeat of a trace file; adds s_per_token (the replay's time per token).
+
+    queue "psync": io_threads psync jobs, the pieces dealt round-robin; "shared": one libaio job
+    at iodepth io_threads, the pieces in the engine's order (its readers' one FIFO queue)."""
     head, records = read_trace(trace_path)
     records = one_repeat(records)
     if not records:
         raise ValueError(f"{trace_path}: the trace has no reads")
     mode = head.get("io_mode_effective") or head["io_mode"]
-    logs = job_iologs(records, jobs=head["io_threads"], io_threads=head["io_threads"],
+    qd = head["io_threads"]
+    logs = job_iologs(records, jobs=1 if queue == "shared" else qd, io_threads=head["io_threads"],
                       chunk_size=head["chunk_size"], direct=mode == "direct", gap_s=0.0 if no_stall else gap_s,
                       passes=passes)
-    out = replay(fio, logs, mode, limit_bytes, sorted({r["file"] for r in records}), no_stall=no_stall)
-    expected = iolog_bytes(logs)
-    if out["bytes"] != expected:
-        raise RuntimeError(f"fio replayed {out['bytes']} bytes of the iologs' {expected}")
+    out = replay(fio, logs, mode, limit_bytes, sorted({r["file"] for r in records}), no_stall=no_stall,
+                 iodepth=qd if queue == "shared" else 1)
+    expected, reads = iolog_bytes(logs), sum(text.count(" read ") for text in logs)
+    if out["ios"] != reads or not expected - (qd - 1) * max_read(logs) <= out["bytes"] <= expected:
+        raise RuntimeError(f"fio replayed {out['ios']} reads, {out['bytes']} bytes of the iologs' {reads}, {expected}")
+    out["bytes"] = expected
     out.update(s_per_token=out["seconds"] / (passes * head["tokens"]), passes=passes, gap_s=gap_s,
                shape="no_stall" if no_stall else "paced", trace_bytes=sum(r["nbytes"] for r in records))
     return out
+
+
+def max_read(iologs: list[str]) -> int:
+    return max(int(line.split()[4]) for text in iologs for line in text.splitlines() if " read " in line)
 
 
 def iolog_bytes(iologs: list[str]) -> int:
@@ -274,6 +291,8 @@ def main() -> int:
     ap.add_argument("--gap-s", type=float, default=0.05, help="the paced shape's compute gap per token")
     ap.add_argument("--budget", default="1GiB", help="the cgroup limit of each fio job")
     ap.add_argument("--no-stall", action="store_true", help="replay back-to-back instead of paced")
+    ap.add_argument("--queue", nargs="*", choices=("psync", "shared"), default=["psync"],
+                    help="io_threads psync jobs, or one libaio job at iodepth io_threads")
     a = ap.parse_args()
     fio = shutil.which("fio")
     if fio is None:
@@ -289,13 +308,14 @@ def main() -> int:
     print(f"trace {a.trace}: {len(last)} reads, {sum(r['nbytes'] for r in last) / 2**20:.0f} MiB, "
           f"{head['tokens']} tokens in {window:.2f} s, reads outstanding {outstanding_fraction(last, window):.0%} "
           f"of it; {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load {os.getloadavg()[0]:.1f}")
-    print("\n| passes | shape | replay s | GB/s | s/token |\n|---|---|---|---|---|")
+    print("\n| passes | queue | shape | replay s | GB/s | s/token |\n|---|---|---|---|---|---|")
     for _ in range(a.repeats):
         for passes in a.passes:
-            r = replay_trace(fio, a.trace, gap_s=a.gap_s, passes=passes, limit_bytes=parse_size(a.budget),
-                             no_stall=a.no_stall)
-            print(f"| {passes} | {r['shape']} | {r['seconds']:.2f} | {r['bw'] / 1e9:.2f} | {r['s_per_token']:.4f} |",
-                  flush=True)
+            for queue in a.queue:
+                r = replay_trace(fio, a.trace, gap_s=a.gap_s, passes=passes, limit_bytes=parse_size(a.budget),
+                                 no_stall=a.no_stall, queue=queue)
+                print(f"| {passes} | {queue} | {r['shape']} | {r['seconds']:.2f} | {r['bytes'] / r['seconds'] / 1e9:.2f} "
+                      f"| {r['s_per_token']:.4f} |", flush=True)
     print(f"load {os.getloadavg()[0]:.1f}")
     return 0
 
