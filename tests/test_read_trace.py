@@ -146,3 +146,20 @@ def test_bench_refuses_an_unwritable_trace_path(tmp_path):
     run = subprocess.run([sys.executable, "-m", "tuner.cli", "bench", "--model", str(tmp_path), "--read-trace",
                           str(tmp_path / "missing" / "t.jsonl")], capture_output=True, text=True)
     assert run.returncode == 2 and "--read-trace" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_pool_replay_reads_every_traced_byte_through_the_engine_reader(tmp_path):
+    from benchmarks.pool_replay import pool_replay
+    f = tmp_path / "weights.bin"
+    f.write_bytes(os.urandom(2 << 20))
+    spans = [(i * 196608 + 100, 150000) for i in range(8)]  # unaligned, as expert spans are
+    records = [{"file": str(f), "offset": off - off % 4096, "nbytes": -(-(off + n) // 4096) * 4096 - off + off % 4096,
+                "span_offset": off, "span_length": n, "submit_s": i * 1e-3, "complete_s": i * 1e-3 + 1e-4,
+                "token": i // 2, "layer": 0, "repeat": 0} for i, (off, n) in enumerate(spans)]
+    path = tmp_path / "t.jsonl"
+    write_trace(path, {"io_mode": "direct", "io_mode_effective": "direct", "io_threads": 2, "chunk_size": 65536,
+                       "tokens": 4, "window_s": [0.01]}, records)
+    out = pool_replay(path, gap_s=0.01, passes=2)
+    assert out["span_bytes"] == 2 * sum(n for _, n in spans)
+    assert out["bytes"] == 2 * sum(r["nbytes"] for r in records)  # the O_DIRECT windows, as the engine counts
+    assert out["seconds"] >= 0.9 * 2 * 4 * 0.01  # each token waited its gap
