@@ -464,3 +464,27 @@ def test_an_mmap_cache_hit_saves_only_what_the_page_cache_keeps(hw):
             assert lfu.components.disk_s == pytest.approx(lru.components.disk_s)
         else:
             assert lfu.components.disk_s < lru.components.disk_s
+
+
+def test_disk_bound_trials_leave_compute_efficiency_and_layer_overhead_at_their_defaults():
+    """Where every token waits on the disk, compute efficiency and per-layer overhead cannot be
+    told apart (nor from the overlap): the fit leaves them at 1 and 0 instead of wherever the
+    optimiser wanders; one compute-bound trial makes them fitted again."""
+    from tuner.costmodel.predict import Components
+
+    def trial(i, compute_s, disk_s, mode="direct"):
+        c = Components(layers=16, compute_s=compute_s, compute_is_memory=True, disk_s=disk_s, requests=100.0 + i,
+                       covered=0.9, prefill_compute_s=compute_s * 4, prefill_disk_s=disk_s * 4,
+                       prefill_requests=400.0, io_mode=mode)
+        t = cal.Trial(i, EngineConfig(prefetch_depth=1, io_mode=mode), 1.0, 1.0)
+        t.comps = c
+        out = combine(c, Factors(eta_io=0.8, c_layer=2e-3, overlap=0.3))
+        t.decode_tok_s, t.ttft_s = 1 / out["token_s"], out["ttft_s"]
+        return t
+
+    disk_bound = [trial(i, 0.02, 0.3 + 0.05 * i) for i in range(6)]
+    assert "eta_compute" not in cal.informed(disk_bound) and "c_layer" not in cal.informed(disk_bound)
+    got = cal.fit(disk_bound, 0.9)
+    assert got.eta_compute == 1.0 and got.c_layer == 0.0
+    mixed = disk_bound + [trial(10, 0.05, 0.01), trial(11, 0.08, 0.02)]
+    assert {"eta_compute", "c_layer"} <= set(cal.informed(mixed))
