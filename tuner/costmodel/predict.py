@@ -13,7 +13,8 @@ A decode token costs (seconds):
     hidden     − min(lookahead-covered share of disk, overlap · compute)   (prefetch_depth ≥ 1)
 
 The measured inputs come from the profile (hardware.py), the byte and request counts from the
-engine's memory plan (memplan.py) and the cache simulation (routing.py). The few efficiency
+engine's memory plan (memplan.py), the read pool's splitting (read_requests) and the cache
+simulation (routing.py; in mmap mode the page cache's recency order, residency_policy). The few efficiency
 factors (Factors) are what calibration fits to a study's trials; uncalibrated they are 1 and 0,
 i.e. the machine's measured curves exactly, with no overhead.
 
