@@ -84,6 +84,7 @@ class StreamingExperts(ExpertStore):
         self._landed: queue.SimpleQueue = queue.SimpleQueue()
         self.predicted: dict[int, set[int]] = {}
         self.slot_overflows = 0
+        self.tracer = None  # an engine/io/trace.py ReadTrace while `colibri bench --read-trace` records
         self.reset_stats()
         if pinned:
             self._preload(pinned)
@@ -167,6 +168,8 @@ class StreamingExperts(ExpertStore):
                 into = memoryview(lease)[at:at + size]
                 at += align_up(size)
             futures.append(self.pool.submit(s.path, s.offset, s.length, into=into))
+            if self.tracer is not None:
+                self.tracer.submitted(s.path, s.offset, s.length, key[0], futures[-1])
         read = _Read(key, futures, prefetch)
         # A weak reference: a strong one would make read <-> future a cycle, which only the
         # garbage collector frees, and the slot with it. The store holds the read until it lands.
@@ -371,11 +374,16 @@ class StreamingLayers(ExpertStore):
             spans, pieces = group_into_spans([checkpoint.info(n) for n in names])
             self.layers[layer] = (spans, list(zip(names, pieces)))
         self.inflight: dict[int, list[Future]] = {}
+        self.tracer = None  # an engine/io/trace.py ReadTrace while `colibri bench --read-trace` records
         self.reset_stats()
 
     def hint_layer(self, layer: int) -> None:
         if layer not in self.inflight:
-            self.inflight[layer] = [self.pool.submit(s.path, s.offset, s.length) for s in self.layers[layer][0]]
+            spans = self.layers[layer][0]
+            self.inflight[layer] = [self.pool.submit(s.path, s.offset, s.length) for s in spans]
+            if self.tracer is not None:
+                for s, f in zip(spans, self.inflight[layer]):
+                    self.tracer.submitted(s.path, s.offset, s.length, layer, f)
             self.prefetch_reads += 1
 
     def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:

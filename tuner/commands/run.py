@@ -95,6 +95,9 @@ def add_bench(sub) -> None:
     p.add_argument("--cgroup-limit", help="run inside a child memory cgroup limited to SIZE (page cache counts)")
     p.add_argument("--timeout", type=float, default=None, help="seconds, with --cgroup-limit")
     p.add_argument("--record-routing", metavar="FILE", help="write the routing histogram (for cache_policy=pinned)")
+    p.add_argument("--read-trace", metavar="FILE", help="write every decode read (file, offset, bytes, submit and "
+                                                        "completion time, token, layer) as JSON lines, for "
+                                                        "benchmarks/trace_bound.py's fio replay")
     p.add_argument("--outcome", metavar="FILE", help="write how the run ended as a JSON record (the tuner's "
                                                      "trials read it: ok with the results, or the error's kind)")
     _add_engine_flags(p)
@@ -102,15 +105,32 @@ def add_bench(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+def _check_writable(path: str) -> None:
+    """Refuse an output path up front, not after the whole run (one line, exit 2)."""
+    import os
+    from pathlib import Path
+
+    from engine.errors import ConfigError
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise ConfigError(f"--read-trace {path}: is a directory")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"--read-trace {path}: directory {parent} does not exist or is not writable")
+
+
 def cmd_bench(args) -> int:
     from engine.config import parse_size
     from engine.resolve import resolve_model
 
     config = engine_config_from_args(args)
+    if args.read_trace:
+        _check_writable(args.read_trace)
     model_dir = resolve_model(args.model, progress=not args.json)
     if args.cgroup_limit:
         from tuner.trial import run_trial
         extra = ["--record-routing", args.record_routing] if args.record_routing else []
+        extra += ["--read-trace", args.read_trace] if args.read_trace else []
         trial = run_trial(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                           prompt_tokens=args.prompt_tokens, seed=args.seed,
                           limit_bytes=parse_size(args.cgroup_limit), timeout=args.timeout, extra_args=extra)
@@ -129,7 +149,7 @@ def cmd_bench(args) -> int:
 
         result = run_bench(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                            prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
-                           record_routing=args.record_routing)
+                           record_routing=args.record_routing, read_trace=args.read_trace)
     if args.outcome:
         from tuner.outcome import Outcome, write_outcome
         write_outcome(args.outcome, Outcome("ok", metrics=result))
