@@ -34,6 +34,9 @@ from .predict import Components, Factors, RunConditions, combine, components
 from .routing import RoutingModel
 
 COST_MODEL_SCHEMA = "colibri.costmodel/1"
+# A trial informs the compute factors (and, prefetching, the overlap) when at least this share
+# of its token is compute at the measured curves.
+COMPUTE_INFORMS = 0.5
 TTFT_WEIGHT = 0.5  # TTFT is noisier (one prompt pass per repeat); it informs, decode decides
 # Bounds keep a fit on few trials physical: efficiencies between 2% and 5x of the measured
 # curve (a trial can beat the probe when the page cache helps), overheads below 50 ms.
@@ -181,20 +184,26 @@ def prepare(study: Study, geometry: ModelGeometry, quant: str, hw: HardwareView,
 
 def informed(trials: list[Trial]) -> tuple[str, ...]:
     """The factors these trials can tell anything about: a page-cache cost only when some trial
-    read through that mode, the overlap only when some trial prefetched. The others stay at
+    read through that mode, the compute factors only when some trial is compute-bound enough, the
+    overlap only when some such trial prefetched. The others stay at
     their defaults (no evidence, no cost) instead of drifting wherever the optimiser left them."""
     modes = {t.config.io_mode for t in trials}
     skip = {"c_page_buffered"} if "buffered" not in modes else set()
     skip |= {"c_page_mmap"} if "mmap" not in modes else set()
-    if not any(t.config.prefetch_depth > 0 for t in trials):
-        skip.add("overlap")
     # Compute efficiency and per-layer overhead only when some trial's token is at least half
     # compute at the measured curves: where every token waits on the disk they cannot be told
     # from each other or from the overlap, and left free they land anywhere (two disk-bound
     # demo studies fitted c_layer 5.1 ms and 0, eta_compute 0.99 and 0.54) and then decide
     # every compute-bound prediction: resident demo at 5.5-24 tok/s against 46 measured.
-    if not any(compute_share(t.comps) >= 0.5 for t in trials if t.comps is not None):
+    if not any(compute_share(t.comps) >= COMPUTE_INFORMS for t in trials if t.comps is not None):
         skip |= {"eta_compute", "c_layer"}
+    # The overlap scales the compute term (it hides at most overlap · compute of the reads), so
+    # the same test, over the trials that prefetched: a disk-bound token has too little compute
+    # for the overlap to move it beyond the trials' noise (demo studies fitted 0.12-0.80), and
+    # the engine's mechanism (reads on their own threads while the layers compute) says 1.
+    if not any(compute_share(t.comps) >= COMPUTE_INFORMS for t in trials
+               if t.comps is not None and t.config.prefetch_depth > 0):
+        skip.add("overlap")
     return tuple(k for k in Factors.FITTED if k not in skip)
 
 

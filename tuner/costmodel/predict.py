@@ -16,7 +16,8 @@ The measured inputs come from the profile (hardware.py), the byte and request co
 engine's memory plan (memplan.py), the read pool's splitting (read_requests) and the cache
 simulation (routing.py; in mmap mode the page cache's recency order, residency_policy). The few efficiency
 factors (Factors) are what calibration fits to a study's trials; uncalibrated they are 1 and 0,
-i.e. the machine's measured curves exactly, with no overhead.
+i.e. the machine's measured curves exactly, with no overhead, and reads that lookahead issued
+early hide behind the compute (overlap 1).
 
 The split into factor-free `Components` and `combine(components, factors)` is what makes
 calibration cheap: components are computed once per trial, the fit only recombines them.
@@ -45,7 +46,12 @@ BOTTLENECKS = ("disk", "memory", "compute", "overhead")
 class Factors:
     eta_io: float = 1.0  # share of the probe's read bandwidth the engine's reads achieve
     eta_compute: float = 1.0  # share of the probe's memory bandwidth / matmul rate compute achieves
-    overlap: float = 0.0  # share of compute time that can hide lookahead reads
+    # Share of compute time that can hide lookahead reads. 1 by default: the engine's reads run on
+    # the read pool's own threads (or io_uring's) while the compute thread works through the
+    # layers between a hint and its use, so a lookahead read can hide behind all of that compute
+    # (the physically perfect overlap, as eta 1 and overheads 0 are the measured curves exactly).
+    # Fitted only where some prefetching trial is compute-bound enough to inform it (calibrate.informed).
+    overlap: float = 1.0
     c_request: float = 0.0  # seconds per read request
     c_layer: float = 0.0  # seconds per layer per forward pass
     # Seconds per byte a read through the page cache costs beyond the probe's figure for it:
