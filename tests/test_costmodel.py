@@ -488,3 +488,34 @@ def test_disk_bound_trials_leave_compute_efficiency_and_layer_overhead_at_their_
     assert got.eta_compute == 1.0 and got.c_layer == 0.0
     mixed = disk_bound + [trial(10, 0.05, 0.01), trial(11, 0.08, 0.02)]
     assert {"eta_compute", "c_layer"} <= set(cal.informed(mixed))
+
+
+def test_overlap_defaults_to_one_and_is_fitted_only_from_compute_bound_prefetching_trials():
+    """Lookahead reads run on the read pool's threads while the layers compute, so by default
+    they hide behind all of it (overlap 1). A disk-bound token has too little compute for the
+    overlap to show, so disk-bound trials leave it at 1 even though the "truth" they were made
+    with says 0.2; a compute-bound trial informs it only if it prefetched."""
+    from tuner.costmodel.predict import Components
+
+    assert Factors().overlap == 1.0
+
+    def trial(i, compute_s, disk_s, depth):
+        c = Components(layers=16, compute_s=compute_s, compute_is_memory=True, disk_s=disk_s, requests=100.0 + i,
+                       covered=0.9, prefill_compute_s=compute_s * 4, prefill_disk_s=disk_s * 4,
+                       prefill_requests=400.0, io_mode="direct")
+        t = cal.Trial(i, EngineConfig(prefetch_depth=depth, io_mode="direct"), 1.0, 1.0)
+        t.comps = c
+        out = combine(c, Factors(eta_io=0.8, overlap=0.2))
+        t.decode_tok_s, t.ttft_s = 1 / out["token_s"], out["ttft_s"]
+        return t
+
+    disk_bound = [trial(i, 0.02, 0.3 + 0.05 * i, depth=i % 3) for i in range(6)]
+    assert "overlap" not in cal.informed(disk_bound)
+    assert cal.fit(disk_bound, 0.9).overlap == 1.0
+    # Compute-bound but without lookahead: it says nothing about hiding reads.
+    no_prefetch = disk_bound + [trial(10, 0.05, 0.01, depth=0), trial(11, 0.08, 0.02, depth=0)]
+    assert "eta_compute" in cal.informed(no_prefetch) and "overlap" not in cal.informed(no_prefetch)
+    prefetching = disk_bound + [trial(10, 0.05, 0.04, depth=2), trial(11, 0.08, 0.05, depth=1),
+                                trial(12, 0.06, 0.03, depth=0)]
+    assert "overlap" in cal.informed(prefetching)
+    assert cal.fit(prefetching, 0.9).overlap == pytest.approx(0.2, abs=0.05)
