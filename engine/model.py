@@ -37,7 +37,6 @@ from .modelargs import (DENSE_TYPES, EXT_MOE_TYPES, MOE_TYPES, SUPPORTED_TYPES, 
                         router_tensor_names)
 from .quant import linear
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: F401 (re-exported)
-from .workspace import Workspace
 
 
 class Transformer:
@@ -62,7 +61,6 @@ class Transformer:
         # biases + clamped SwiGLU), else SwiGLU over what layout.tensors_from_buffers made.
         self.expert_fn = swiglu_expert if args.expert_impl is None else args.expert_impl.forward
         self.routing_log: list[list[torch.Tensor]] | None = None  # per layer, ids [T, K] per call
-        self.ws = Workspace()  # decode's output buffers, reused every token
         self._qkv = self._fuse_qkv(weights)
 
     def _fuse_qkv(self, weights: dict) -> dict[int, torch.Tensor]:
@@ -114,7 +112,7 @@ class Transformer:
         if last_only:
             x = x[-1:]
         x = rms_norm(x, self.w["model.norm.weight"], self.args.rms_norm_eps)
-        return self.ws.linear("lm_head", x, self.lm_head).float()  # .float() copies out of the buffer
+        return linear(x, self.lm_head).float()
 
     def _mask(self, start_pos: int, T: int) -> torch.Tensor | None:
         window = self.args.sliding_window
@@ -164,7 +162,7 @@ class Transformer:
         T = x.shape[0]
         qkv = self._qkv.get(layer) if T == 1 and native.ready and x.dtype is torch.bfloat16 else None
         if qkv is not None and w is self.w:  # one native call; its rows are q, k, v's own (same bits)
-            q, k, v = self.ws.linear("qkv", x, qkv).split(
+            q, k, v = linear(x, qkv).split(
                 [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], dim=1)
         else:
             q = linear(x, w[f"{p}.q_proj.weight"], w.get(f"{p}.q_proj.bias"))  # [T, Nq*D]
@@ -190,7 +188,7 @@ class Transformer:
         out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                              attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads)
         out = out.squeeze(0).transpose(0, 1).reshape(T, a.num_heads * a.head_dim)  # [T, Nq*D]
-        return self.ws.linear("o_proj", out, w[f"{p}.o_proj.weight"])  # dead once added to the residual
+        return linear(out, w[f"{p}.o_proj.weight"])
 
     def _lookahead(self, layer: int, normed: torch.Tensor, residual: torch.Tensor) -> None:
         if self.experts is None or not self.lookahead_depth:
@@ -216,7 +214,7 @@ class Transformer:
         if self.routing_log is not None:
             self.routing_log[layer].append(ids)
         if x.shape[0] == 1:
-            out = moe.routed_decode(self.experts, self.expert_fn, layer, x, ids, weights, self.ws)
+            out = moe.routed_decode(self.experts, self.expert_fn, layer, x, ids, weights)
         else:
             out = moe.routed_prefill(self.experts, self.expert_fn, layer, x, ids, weights)
         if a.shared_experts_intermediate_size:  # deepseek-style: resident, always on, no gate

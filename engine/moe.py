@@ -22,12 +22,11 @@ from .layers import swiglu_expert
 
 
 def routed_decode(store, expert_fn, layer: int, x: torch.Tensor, ids: torch.Tensor,
-                  weights: torch.Tensor, ws=None) -> torch.Tensor:
-    """One token: x [1, H], ids/weights [1, K] → [1, H]; one [1,K] x [K,H] product sums the experts.
-    ws: the model's Workspace (engine/workspace.py), where the batched call writes its outputs."""
+                  weights: torch.Tensor) -> torch.Tensor:
+    """One token: x [1, H], ids/weights [1, K] → [1, H]; one [1,K] x [K,H] product sums the experts."""
     sorted_ids, order = torch.sort(ids[0])
     needed = sorted_ids.tolist()
-    ys = _batched_decode(store, expert_fn, layer, x, needed, ws)
+    ys = _batched_decode(store, expert_fn, layer, x, needed)
     if ys is None:
         position = {e: j for j, e in enumerate(needed)}
         outs: list = [None] * len(needed)
@@ -40,7 +39,7 @@ def routed_decode(store, expert_fn, layer: int, x: torch.Tensor, ids: torch.Tens
     return torch.mm(weights[0, order][None], ys)  # [1, H]
 
 
-def _batched_decode(store, expert_fn, layer: int, x: torch.Tensor, needed: list[int], ws=None) -> torch.Tensor | None:
+def _batched_decode(store, expert_fn, layer: int, x: torch.Tensor, needed: list[int]) -> torch.Tensor | None:
     """[K, H] from one native call, or None where that does not apply (then: per expert)."""
     if not native.ready or expert_fn is not swiglu_expert or x.dtype is not torch.bfloat16:
         return None
@@ -48,13 +47,7 @@ def _batched_decode(store, expert_fn, layer: int, x: torch.Tensor, needed: list[
     if held is None or type(held[0][0]) is not torch.Tensor or held[0][-1].device != x.device:
         return None  # streaming store, quantized experts or the VRAM tier: the per-expert path
     per_expert = len(held[0])
-    flat = [t for expert in held for t in expert]
-    if ws is None:
-        return native.experts(x, flat, per_expert)
-    down = held[0][-1]  # [H, I]; the outputs are dead once summed, so one buffer serves every layer
-    K, (H, inter) = len(held), down.shape
-    return native.experts(x, flat, per_expert, scratch=ws.get("experts_h", (K, inter), x.dtype),
-                          out=ws.get("experts_y", (K, H), x.dtype))
+    return native.experts(x, [t for expert in held for t in expert], per_expert)
 
 
 def routed_prefill(store, expert_fn, layer: int, x: torch.Tensor, ids: torch.Tensor,

@@ -73,7 +73,7 @@ def bf16_model(tmp_path_factory):
 def test_resident_decode_takes_the_batched_path(bf16_model, monkeypatch):
     calls = []
     real = native.experts
-    monkeypatch.setattr(native, "experts", lambda x, w, n, **out: calls.append(len(w) // n) or real(x, w, n, **out))
+    monkeypatch.setattr(native, "experts", lambda x, w, n: calls.append(len(w) // n) or real(x, w, n))
     with Engine(bf16_model, EngineConfig(threads=1, ctx_size=32)) as engine:
         assert engine.native_unavailable is None
         generate(engine, PROMPT, 1, Sampler())  # prefill: an expert with one routed row runs alone
@@ -105,7 +105,7 @@ def test_bf16_placement_never_changes_tokens(bf16_model, io_mode, prefetch):
         assert generate(engine, PROMPT, 8, Sampler()).output_ids == reference
 
 
-def test_fused_qkv_and_workspace_give_the_unfused_bits(bf16_model):
+def test_fused_qkv_gives_the_unfused_bits(bf16_model):
     with Engine(bf16_model, EngineConfig(threads=2, ctx_size=32)) as engine:
         model = engine.model
         assert set(model._qkv) == set(range(engine.args.num_layers))  # every layer's q/k/v fused at load
@@ -113,13 +113,7 @@ def test_fused_qkv_and_workspace_give_the_unfused_bits(bf16_model):
         # The dict's q/k/v are row views of the fused matrix: one copy of the bytes.
         assert model.w[f"{p}.q_proj.weight"].data_ptr() == model._qkv[0].data_ptr()
         generate(engine, PROMPT, 1, Sampler())
-        fused = engine.forward([11], len(PROMPT))
-        fused_then = fused.clone()
-        after = engine.forward([12], len(PROMPT) + 1)  # reuses every workspace buffer
-        model._qkv = {}  # three projections, and fresh outputs instead of the workspace
-        model.ws = type(model.ws)()
-        model.ws.get = lambda name, shape, dtype: torch.empty(shape, dtype=dtype)
-        apart = engine.forward([11], len(PROMPT))  # rewrites the same KV rows with the same values
-        apart_after = engine.forward([12], len(PROMPT) + 1)
-    assert torch.equal(fused, apart) and torch.equal(after, apart_after)
-    assert torch.equal(fused, fused_then)  # the next token did not write into a returned result
+        fused = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
+        model._qkv = {}  # three projections again
+        apart = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]  # same KV rows rewritten
+    assert all(torch.equal(f, s) for f, s in zip(fused, apart))

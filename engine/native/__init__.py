@@ -13,10 +13,8 @@ rounding of the sums, so tokens may differ from a native run (never between plac
 
     load() -> str | None    load the ops; None when ready, else why not (one line)
     ready                   whether they are loaded (checked on the decode path)
-    linear(x, w, out=None)  x [1,K] @ w.T, bf16 (into `out` [1,N] when given: no allocation)
-    experts(x, weights, n, scratch=None, out=None)
-                            SwiGLU of several experts on one token: [E, H] (into `out`, with
-                            `scratch` >= E*I bf16 elements for the intermediate, when given)
+    linear(x, w)            x [1,K] @ w.T, bf16
+    experts(x, weights, n)  SwiGLU of several experts on one token: [E, H]
 """
 
 from __future__ import annotations
@@ -112,15 +110,10 @@ def _load() -> str | None:
     return None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    if out is not None:
-        return torch.ops.colibri.linear_bf16_out(x, w, out)
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.colibri.linear_bf16(x, w)
 
 
-def experts(x: torch.Tensor, weights: list, per_expert: int, scratch: torch.Tensor | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
-    if out is not None:
-        return torch.ops.colibri.experts_bf16_out(x, weights, per_expert, scratch, out)
+def experts(x: torch.Tensor, weights: list, per_expert: int) -> torch.Tensor:
     return torch.ops.colibri.experts_bf16(x, weights, per_expert)
 

@@ -20,8 +20,6 @@
 //   linear_bf16(x [M,K], w [N,K]) -> [M,N]                        y = x @ w.T
 //   experts_bf16(x [1,H], weights, per_expert) -> [E,H]           SwiGLU of E experts on x;
 //       weights = per expert (gate_up [2I,H], down [H,I]) or (gate [I,H], up [I,H], down [H,I])
-//   linear_bf16_out(x, w, out [M,N]), experts_bf16_out(x, weights, per_expert, scratch >= [E,I], out [E,H]):
-//       the same into caller-owned buffers (the decode workspace), allocating nothing
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -32,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -82,53 +81,33 @@ const bf16* bf16_data(const at::Tensor& t, const char* what) {
   return reinterpret_cast<const bf16*>(t.data_ptr());
 }
 
-constexpr int64_t MAX_EXPERTS = 256;  // per experts_bf16 call (a layer's top-k, or a streamed one)
 constexpr int64_t GRAIN = 16;  // rows per task at least: a row is 1-4 KiB of weights
 
-// Checks an out= buffer: the engine's decode workspace hands the same one in every token, so
-// the ops allocate nothing on the decode path.
-bf16* out_data(const at::Tensor& out, int64_t rows, int64_t cols, const char* what) {
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == cols, what, " must be [", rows, ", ", cols, "]");
-  return const_cast<bf16*>(bf16_data(out, what));
-}
-
-void linear_into(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& out) {
+at::Tensor linear_bf16(const at::Tensor& x_in, const at::Tensor& w) {
   TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1), "linear_bf16: x [M,K], w [N,K]");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   const bf16* xp = bf16_data(x, "x");
   const bf16* wp = bf16_data(w, "w");
-  bf16* yp = out_data(out, M, N, "linear_bf16: out");
+  at::Tensor y = at::empty({M, N}, x.options());
+  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
   at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t m = 0; m < M; m++)
       for (int64_t n = begin; n < end; n++) yp[m * N + n] = to_bf16(dot(wp + n * K, xp + m * K, K));
   });
-}
-
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "linear_bf16: x [M,K], w [N,K]");
-  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-  linear_into(x, w, y);
   return y;
 }
 
-at::Tensor linear_bf16_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
-  linear_into(x, w, out);
-  return out;
-}
-
-// h [E, I] is scratch (silu(gate x) * (up x) per expert), y [E, H] the result.
-void experts_into(const at::Tensor& x_in, at::TensorList weights, int64_t per_expert, const at::Tensor& h,
-                  const at::Tensor& y) {
+at::Tensor experts_bf16(const at::Tensor& x_in, at::TensorList weights, int64_t per_expert) {
+  TORCH_CHECK(per_expert == 2 || per_expert == 3, "experts_bf16: 2 or 3 weights per expert");
+  TORCH_CHECK(weights.size() > 0 && weights.size() % per_expert == 0, "experts_bf16: weights come per expert");
   const at::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "experts_bf16: x must be [1, H]");
   const int64_t E = weights.size() / per_expert, H = x.size(1);
   const at::Tensor& down0 = weights[per_expert - 1];
   TORCH_CHECK(down0.dim() == 2 && down0.size(0) == H, "experts_bf16: down must be [H, I]");
   const int64_t I = down0.size(1);
-  // On the stack: a layer routes to a handful of experts, and the decode path allocates nothing.
-  TORCH_CHECK(E <= MAX_EXPERTS, "experts_bf16: at most ", MAX_EXPERTS, " experts per call");
-  const bf16 *gate[MAX_EXPERTS], *up[MAX_EXPERTS], *down[MAX_EXPERTS];
+  std::vector<const bf16*> gate(E), up(E), down(E);
   for (int64_t e = 0; e < E; e++) {
     const at::Tensor* w = &weights[e * per_expert];
     const at::Tensor& d = w[per_expert - 1];
@@ -146,10 +125,10 @@ void experts_into(const at::Tensor& x_in, at::TensorList weights, int64_t per_ex
     }
   }
   const bf16* xp = bf16_data(x, "x");
-  TORCH_CHECK(h.numel() >= E * I && h.is_contiguous() && h.scalar_type() == at::kBFloat16,
-              "experts_bf16: scratch must hold [E, I] bf16");
+  at::Tensor h = at::empty({E, I}, x.options());  // silu(gate x) * (up x), per expert
+  at::Tensor y = at::empty({E, H}, x.options());
   bf16* hp = reinterpret_cast<bf16*>(h.data_ptr());
-  bf16* yp = out_data(y, E, H, "experts_bf16: out");
+  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
   // Gate row i and up row i of one expert make h[i]: no barrier between the two products.
   at::parallel_for(0, E * I, GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) {
@@ -166,29 +145,7 @@ void experts_into(const at::Tensor& x_in, at::TensorList weights, int64_t per_ex
       yp[r] = to_bf16(dot(down[e] + n * I, hp + e * I, I));
     }
   });
-}
-
-int64_t experts_count(at::TensorList weights, int64_t per_expert) {
-  TORCH_CHECK(per_expert == 2 || per_expert == 3, "experts_bf16: 2 or 3 weights per expert");
-  TORCH_CHECK(weights.size() > 0 && weights.size() % per_expert == 0, "experts_bf16: weights come per expert");
-  return weights.size() / per_expert;
-}
-
-at::Tensor experts_bf16(const at::Tensor& x, at::TensorList weights, int64_t per_expert) {
-  const int64_t E = experts_count(weights, per_expert);
-  const at::Tensor& down = weights[per_expert - 1];
-  TORCH_CHECK(down.dim() == 2 && x.dim() == 2, "experts_bf16: down must be [H, I], x [1, H]");
-  at::Tensor h = at::empty({E, down.size(1)}, x.options());
-  at::Tensor y = at::empty({E, down.size(0)}, x.options());
-  experts_into(x, weights, per_expert, h, y);
   return y;
-}
-
-at::Tensor experts_bf16_out(const at::Tensor& x, at::TensorList weights, int64_t per_expert, at::Tensor& scratch,
-                            at::Tensor& out) {
-  experts_count(weights, per_expert);
-  experts_into(x, weights, per_expert, scratch, out);
-  return out;
 }
 
 }  // namespace
@@ -196,13 +153,9 @@ at::Tensor experts_bf16_out(const at::Tensor& x, at::TensorList weights, int64_t
 TORCH_LIBRARY(colibri, m) {
   m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("experts_bf16(Tensor x, Tensor[] weights, int per_expert) -> Tensor");
-  m.def("linear_bf16_out(Tensor x, Tensor w, Tensor(a!) out) -> Tensor(a!)");
-  m.def("experts_bf16_out(Tensor x, Tensor[] weights, int per_expert, Tensor(b!) scratch, Tensor(a!) out) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(colibri, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
   m.impl("experts_bf16", &experts_bf16);
-  m.impl("linear_bf16_out", &linear_bf16_out);
-  m.impl("experts_bf16_out", &experts_bf16_out);
 }
