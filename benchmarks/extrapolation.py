@@ -58,7 +58,7 @@ SMALL_GRID = {
     "io_threads": (4, 16),
     "cache_policy": ("lru", "lfu"),
 }
-COLD = RunConditions(prompt_tokens=8, tokens=16, repeats=1, cold=True)
+COLD = RunConditions(prompt_tokens=8, tokens=16, repeats=1, cold=True, prelude_tokens=0)  # no bench warm-up
 
 
 def predict_best(geometry, quant, hw, factors, routing, run, overhead):

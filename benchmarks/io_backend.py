@@ -6,10 +6,12 @@ each span whole (request = span) or cut into `--piece` sized requests as the eng
 chunk_size, through:
 
     threads    engine.io.ReadPool (io_threads = QD, chunk_size = piece): one preadv per request
-               into the slot, one Future per span; what the engine uses
-    uring-api  PyPI `uring-api` (a C extension over liburing 2.15): one ring, QD reads submitted
-               and reaped by this thread, no reader threads at all
-    liburing   PyPI `liburing` (a Zig wrapper): the same through its readv Iovec, when installed
+               into the slot, one Future per span (io_backend = "threads")
+    uring      engine.io.UringPool, the same contract over one io_uring ring (PyPI `uring-api`,
+               a C extension over liburing 2.15): QD reads in the kernel, one completion thread
+               (io_backend = "uring")
+    liburing   PyPI `liburing` (a Zig wrapper), raw: QD readv through its Iovec, submitted and
+               reaped by this thread, when installed (it cannot serve the engine: see below)
 
 and prints GB/s (median of --passes, min-max) and the CPU time the process spent per GB read
 (user + sys, all threads): on a 2-core box the reader's CPU is taken from the matmuls. Within a
@@ -21,8 +23,8 @@ the same span (one span per pass).
     python benchmarks/io_backend.py [--model demo] [--reads 256] [--qd 4 8] [--piece 0 1MiB]
         [--passes 3] [--uring-path DIR] [--json]
 
-The bindings are not dependencies of the engine: `pip install --target DIR uring-api liburing`
-and pass --uring-path DIR (docs/BENCHMARKS.md, "I/O backend").
+uring-api is a dependency of the engine; liburing is not: `pip install --target DIR liburing` and
+pass --uring-path DIR (docs/BENCHMARKS.md, "I/O backend").
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.checkpoint import Checkpoint  # noqa: E402
 from engine.config import format_size, parse_size  # noqa: E402
-from engine.io import ReadPool, align_down, direct_window_bytes  # noqa: E402
+from engine.io import ReadPool, UringPool, align_down, direct_window_bytes, uring_unavailable  # noqa: E402
 from engine.layout import ExpertLayout  # noqa: E402
 from engine.model import ModelArgs  # noqa: E402
 from engine.resolve import resolve_model  # noqa: E402
@@ -73,8 +75,9 @@ def window(span) -> tuple[int, int]:
     return align_down(span.offset), direct_window_bytes(span.offset, span.length)
 
 
-def run_threads(spans, qd: int, piece: int, arena: SlotArena, keep: dict) -> None:
-    with ReadPool("direct", io_threads=qd, chunk_size=piece or (1 << 30)) as pool:
+def run_pool(spans, qd: int, piece: int, arena: SlotArena, keep: dict, pool_class=ReadPool) -> None:
+    """QD spans in flight through one of the engine's read pools, each into its own slot."""
+    with pool_class("direct", io_threads=qd, chunk_size=piece or (1 << 30)) as pool:
         pending = []
         for i, s in enumerate(spans):
             if len(pending) >= qd:
@@ -103,7 +106,7 @@ def _pieces(spans, piece: int):
 
 
 class _Landing:
-    """A slot per span, from its first request to its last completion (ring backends)."""
+    """A slot per span, from its first request to its last completion (the raw liburing backend)."""
 
     def __init__(self, spans, piece: int, arena: SlotArena, keep: dict):
         self.spans, self.arena, self.keep = spans, arena, keep
@@ -128,35 +131,6 @@ class _Landing:
             head = s.offset - window(s)[0]
             self.keep["bytes"] = bytes(view[head:head + s.length])
         # the slot returns to the arena when the last reference (here) goes
-
-
-def run_uring_api(spans, qd: int, piece: int, arena: SlotArena, keep: dict, uring_api) -> None:
-    fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in {s.path for s in spans}}
-    ring = uring_api.Ring(entries=max(2, qd))
-    landing = _Landing(spans, piece, arena, keep)
-    todo = _pieces(spans, piece)
-    inflight = 0
-    try:
-        while True:
-            while inflight < qd:
-                nxt = next(todo, None)
-                if nxt is None:
-                    break
-                i, at, into, size, need = nxt
-                ring.prepare_read(fds[spans[i].path], landing.view(i)[into:into + size], at, (i, need))
-                inflight += 1
-            if not inflight:
-                break
-            for c in ring.wait() or ():
-                i, need = c.user_data
-                if c.res < need:  # an error, or short before the end of the file
-                    raise OSError(-c.res if c.res < 0 else 0, f"uring read wanted {need} bytes, gave {c.res}")
-                inflight -= 1
-                landing.landed(i)
-    finally:
-        ring.close()
-        for fd in fds.values():
-            os.close(fd)
 
 
 def run_liburing(spans, qd: int, piece: int, arena: SlotArena, keep: dict, liburing) -> None:
@@ -221,12 +195,12 @@ def main() -> int:
     a = ap.parse_args()
     if a.uring_path:
         sys.path.insert(0, a.uring_path)
-    backends = {"threads": run_threads}
-    try:
-        import uring_api
-        backends["uring-api"] = lambda *args: run_uring_api(*args, uring_api)
-    except ImportError:
-        print("io_backend: uring-api not importable (pip install uring-api): skipped", file=sys.stderr)
+    backends = {"threads": run_pool}
+    why = uring_unavailable()
+    if why is None:
+        backends["uring"] = lambda *args: run_pool(*args, pool_class=UringPool)
+    else:
+        print(f"io_backend: {why}: skipped", file=sys.stderr)
     try:
         import liburing
         backends["liburing"] = lambda *args: run_liburing(*args, liburing)

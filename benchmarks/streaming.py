@@ -23,6 +23,12 @@ differed by up to 21%, two 10 s jobs by 1-4%, and 20 s bought nothing more
 (docs/BENCHMARKS.md, "fio job length"). 10 s is also about the length of one streaming run
 here, so fio and the engine see the disk over comparable stretches.
 
+--trace-bound measures the disk term under the engine's own load instead (this tree only; see
+benchmarks/trace_bound.py): each streaming run records its read trace, and fio replays that
+trace paced by the resident compute per token, right before (the previous run's trace) and
+right after (this run's) the streaming run; the bound is the mean of the two replays' s/token.
+The continuous fio figures and their bound are printed next to it.
+
 --before-src DIR runs every config a second time with the engine and CLI of DIR (for example
 the read-only checkout of the previous commit), right after this tree's run of the same config,
 so before/after are measured in the same run and minutes apart.
@@ -42,6 +48,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,6 +61,7 @@ from engine.resolve import resolve_model  # noqa: E402
 from engine.runtime import physical_cores  # noqa: E402
 from tuner.trial import run_trial  # noqa: E402
 from benchmarks.benchlock import bench_lock  # noqa: E402
+from benchmarks import trace_bound  # noqa: E402
 from benchmarks.fio_bound import fio_run, request_bytes  # noqa: E402
 
 
@@ -94,6 +102,8 @@ def selected_configs(budget: int, only, vary: str | None) -> list[tuple[str, Eng
 
 
 _HELD = {"whole_run": False}
+_BEST_RESIDENT: dict = {}  # side -> fastest resident tok/s so far
+_TRACES: dict = {}  # (config, run index) -> the read trace its streaming run recorded
 
 
 def _config_lock(path: str):
@@ -136,10 +146,10 @@ def _side(src) -> str:
     return "before" if src else "after"
 
 
-def stream_row(name, cfg, model_dir, a, src) -> dict:
+def stream_row(name, cfg, model_dir, a, src, extra=None) -> dict:
     with source_tree(src):
         t = run_trial(model_dir, cfg, tokens=a.tokens, repeats=a.repeats, cold=True, prompt_tokens=a.prompt_tokens,
-                      limit_bytes=parse_size(a.budget), timeout=1800)
+                      limit_bytes=parse_size(a.budget), timeout=1800, extra_args=extra)
     if not t.ok:
         return dict(name=name, side=_side(src), error=f"{t.status}: {t.error}")
     m = t.metrics
@@ -147,7 +157,8 @@ def stream_row(name, cfg, model_dir, a, src) -> dict:
                 bytes_per_token=m["bytes_read_per_token"], hit=(m.get("hit_rate") or {}).get("ram"),
                 stall=m.get("io_stall_fraction"), recall=m.get("lookahead_recall"), peak=m["peak_rss_bytes"],
                 cgroup_peak=t.cgroup_peak_bytes, read_gbps=m.get("read_gbps"), io=m["io_mode_effective"], commit=m.get("git_commit"),
-                output_ids=m.get("output_ids"), cold_method=m.get("cold_method"))
+                output_ids=m.get("output_ids"), cold_method=m.get("cold_method"),
+                backend=m.get("io_backend_effective"), cpu_s_per_token=m.get("cpu_s_per_token"))
 
 
 def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
@@ -157,6 +168,11 @@ def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
     # a slower one only met interference), and both are printed.
     resident = {src: resident_row(model_dir, a, src) for src in sides}
     rows = [resident[src] for src in sides]
+    # The paced replay's compute gap: the fastest resident run of this tree so far in this script run
+    # (before the first run's replays, two: one slow resident run would stretch every gap of that run).
+    if a.trace_bound and None not in _BEST_RESIDENT:
+        _BEST_RESIDENT[None] = resident_row(model_dir, a, None)["tok_s"]
+    _BEST_RESIDENT[None] = max(_BEST_RESIDENT.get(None, 0.0), resident[None]["tok_s"])
     streamed = []
     span = None
     limit = parse_size(a.budget)
@@ -169,6 +185,14 @@ def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
             ckpt = Checkpoint(model_dir)
             span = ExpertLayout(ckpt, ModelArgs.from_config(ckpt.config)).expert_nbytes
         with _config_lock(a.lock):
+            if a.trace_bound:
+                streamed.append(trace_bound.measure_row(
+                    name, cfg, stream=lambda extra: stream_row(name, cfg, model_dir, a, None, extra), fio=fio,
+                    files=files, limit=limit, request=request_bytes(cfg.chunk_size, cfg.io_threads, span, False),
+                    fio_seconds=a.fio_seconds, compute_s=1 / _BEST_RESIDENT[None], passes=a.replay_passes,
+                    traces=_TRACES, trace_dir=a.trace_dir))
+                streamed[-1]["load_avg_1m"] = os.getloadavg()[0]
+                continue
             # fio, stream, fio[, stream, fio]: each streaming run sits between two fio jobs at its
             # own pattern; sides with the same request share the fio job between them.
             last = None  # (request, bytes/s) of the fio job just run
@@ -195,6 +219,8 @@ def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
             compute_s = 1.0 / resident[None if row["side"] == "after" else a.before_src]["tok_s"]
             bound_s = row["bytes_per_token"] / row["bw"] + compute_s
             row.update(compute_s=compute_s, bound_tok_s=1 / bound_s, ratio=row["tok_s"] * bound_s)
+            if "replay" in row:
+                trace_bound.finish_row(row, compute_s)
     return rows + streamed
 
 
@@ -249,8 +275,20 @@ def main() -> int:
                     help="hold the lock for the whole run (fewer waits on a busy box; keep the run short)")
     ap.add_argument("--only", nargs="*", help="config names to run")
     ap.add_argument("--vary", metavar="KEY=V1,V2", help="run each config once per value of one engine setting")
+    ap.add_argument("--trace-bound", action="store_true",
+                    help="the bound's disk term from fio replays of each run's own read trace (trace_bound.py)")
+    ap.add_argument("--replay-passes", type=int, default=4, help="--trace-bound: passes of the trace per replay")
+    ap.add_argument("--trace-dir", help="--trace-bound: keep the read traces here (default: a temp directory)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.trace_bound and a.before_src:
+        print("streaming: error: --trace-bound replays this tree's traces; run --before-src without it",
+              file=sys.stderr)
+        return 2
+    if a.trace_bound and not a.trace_dir:
+        a.trace_dir = tempfile.mkdtemp(prefix="colibri-traces-")
+    elif a.trace_dir:
+        Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
     fio = shutil.which("fio")
     if fio is None:
         print("streaming: error: fio not found (apt-get install fio)", file=sys.stderr)
@@ -278,7 +316,7 @@ def one_run(model_dir, a, fio, files, run) -> list[dict]:
         r["run"] = run + 1
     if not a.json:
         print(f"\nRun {run + 1}:\n", flush=True)
-        print_table(rows)
+        (trace_bound.print_rows if a.trace_bound else print_table)(rows)
     return rows
 
 

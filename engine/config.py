@@ -26,6 +26,8 @@ from .errors import ConfigError
 
 # The one home of the engine's enums: every module, flag and search space imports them from here.
 IO_MODES = ("direct", "buffered", "mmap")
+# What issues the reads (engine/io): reader threads, io_uring, or io_uring where the kernel allows.
+IO_BACKENDS = ("threads", "uring", "auto")
 CACHE_POLICIES = ("lru", "lfu", "pinned")
 KV_DTYPES = ("auto", *SHORT_NAMES)
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # fp16 is computed in fp32 on CPU (slow fp16 matmuls)
@@ -100,7 +102,11 @@ class EngineConfig:
     ctx_size: int = 2048
     kv_dtype: str = "auto"  # auto = the compute dtype
     io_mode: str = "direct"
-    io_threads: int = 4
+    io_threads: int = 4  # reader threads; for io_backend uring, the reads in flight (queue depth)
+    # threads: preadv on io_threads workers. uring: one io_uring ring (the uring-api package),
+    # an error where the kernel refuses io_uring; auto: uring where it works, else threads.
+    # mmap mode always faults in on the threads. Default threads: docs/BENCHMARKS.md, "io_backend in the engine".
+    io_backend: str = "threads"
     cache_policy: str = "lru"
     routing_histogram: str = ""  # JSON recorded by --record-routing; used by cache_policy=pinned
     dtype: str = "auto"  # compute dtype: auto (the checkpoint's), bf16, fp32
@@ -128,6 +134,8 @@ class EngineConfig:
         need(1 <= self.ctx_size <= 1 << 22, f"ctx_size must be in [1, 4194304], got {self.ctx_size}")
         need(1 <= self.io_threads <= 256, f"io_threads must be in [1, 256], got {self.io_threads}")
         need(self.io_mode in IO_MODES, f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")
+        need(self.io_backend in IO_BACKENDS,
+             f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {self.io_backend!r}")
         need(self.cache_policy in CACHE_POLICIES,
              f"cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {self.cache_policy!r}")
         need(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")

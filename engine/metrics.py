@@ -130,6 +130,8 @@ def envelope(engine, model_dir: str) -> dict:
         "kernel": engine.kernel,
         "threads": engine.threads,
         "io_mode_effective": engine.io_stats().get("io_mode_effective", "resident"),
+        # Which reader really ran: io_backend "auto" (and mmap mode) may not be what was asked.
+        "io_backend_effective": engine.io_stats().get("io_backend_effective", "resident"),
         "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
                     "torch": torch.__version__},
     }

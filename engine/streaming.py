@@ -12,8 +12,9 @@ lookahead, starts while `max_inflight` are held. Lookahead reads a layer did not
 cancelled (still queued) or dropped when they land (already reading) as soon as that layer
 has routed, so they never hold budget past it.
 
-Everything here runs on the compute thread except the reads themselves (ReadPool workers):
-workers only put finished reads on a queue, which the compute thread drains.
+Everything here runs on the compute thread except the reads themselves (the read pool's reader
+threads or io_uring completion thread): they only put finished reads on a queue, which the
+compute thread drains.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from .cache import TieredCache, hottest_keys, make_cache, routing_histogram_load
 from .config import EngineConfig
-from .io import IOStats, ReadPool, align_up
+from .io import IOStats, align_up, open_read_pool
 from .layout import ExpertLayout, group_into_spans, piece_tensor, tensors_from_buffers
 from .plan import MemoryPlan
 from .slots import SlotArena
@@ -65,7 +66,8 @@ class StreamingExperts(ExpertStore):
         self.dtype = dtype
         self.plan = plan
         self.io_stats = IOStats()
-        self.pool = ReadPool(config.io_mode, config.io_threads, config.chunk_size, stats=self.io_stats)
+        self.pool = open_read_pool(config.io_mode, config.io_backend, config.io_threads, config.chunk_size,
+                                   stats=self.io_stats)
         self.max_inflight = max(plan.max_inflight_experts, 1)
         # mmap reads are views of the page cache: nothing to land in, so no arena.
         self.arena = None if config.io_mode == "mmap" else SlotArena(plan.slot_bytes, plan.arena_slots)
@@ -84,6 +86,7 @@ class StreamingExperts(ExpertStore):
         self._landed: queue.SimpleQueue = queue.SimpleQueue()
         self.predicted: dict[int, set[int]] = {}
         self.slot_overflows = 0
+        self.tracer = None  # an engine/io/trace.py ReadTrace while `colibri bench --read-trace` records
         self.reset_stats()
         if pinned:
             self._preload(pinned)
@@ -167,6 +170,8 @@ class StreamingExperts(ExpertStore):
                 into = memoryview(lease)[at:at + size]
                 at += align_up(size)
             futures.append(self.pool.submit(s.path, s.offset, s.length, into=into))
+            if self.tracer is not None:
+                self.tracer.submitted(s.path, s.offset, s.length, key[0], futures[-1])
         read = _Read(key, futures, prefetch)
         # A weak reference: a strong one would make read <-> future a cycle, which only the
         # garbage collector frees, and the slot with it. The store holds the read until it lands.
@@ -333,6 +338,7 @@ class StreamingExperts(ExpertStore):
         n = self.lookups
         return {
             "io_mode_effective": self.pool.effective_mode,
+            "io_backend_effective": self.pool.backend,
             "bytes_read": io["bytes_read"],
             "bytes_requested": io["bytes_requested"],
             "read_requests": io["requests"],
@@ -365,17 +371,23 @@ class StreamingLayers(ExpertStore):
     def __init__(self, checkpoint, names_by_layer: dict[int, list[str]], config: EngineConfig, dtype: torch.dtype):
         self.dtype = dtype
         self.io_stats = IOStats()
-        self.pool = ReadPool(config.io_mode, config.io_threads, config.chunk_size, stats=self.io_stats)
+        self.pool = open_read_pool(config.io_mode, config.io_backend, config.io_threads, config.chunk_size,
+                                   stats=self.io_stats)
         self.layers: dict[int, tuple[list, list]] = {}
         for layer, names in names_by_layer.items():
             spans, pieces = group_into_spans([checkpoint.info(n) for n in names])
             self.layers[layer] = (spans, list(zip(names, pieces)))
         self.inflight: dict[int, list[Future]] = {}
+        self.tracer = None  # an engine/io/trace.py ReadTrace while `colibri bench --read-trace` records
         self.reset_stats()
 
     def hint_layer(self, layer: int) -> None:
         if layer not in self.inflight:
-            self.inflight[layer] = [self.pool.submit(s.path, s.offset, s.length) for s in self.layers[layer][0]]
+            spans = self.layers[layer][0]
+            self.inflight[layer] = [self.pool.submit(s.path, s.offset, s.length) for s in spans]
+            if self.tracer is not None:
+                for s, f in zip(spans, self.inflight[layer]):
+                    self.tracer.submitted(s.path, s.offset, s.length, layer, f)
             self.prefetch_reads += 1
 
     def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
@@ -415,6 +427,7 @@ class StreamingLayers(ExpertStore):
         io = self.io_stats.snapshot()
         return {
             "io_mode_effective": self.pool.effective_mode,
+            "io_backend_effective": self.pool.backend,
             "bytes_read": io["bytes_read"], "bytes_requested": io["bytes_requested"],
             "read_requests": io["requests"],
             "read_gbps": io["bytes_read"] / window / 1e9 if window > 0 else None,

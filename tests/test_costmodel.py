@@ -395,3 +395,96 @@ def test_faster_kernels_never_predict_slower():
     cfg = EngineConfig(ram_budget=int(1.5 * GiB), prefetch_depth=1, threads=0)
     base = make_profile(kernels=True)
     assert _decode(g, cfg, apply_what_if(base, ["matmul_scale=3"])) > _decode(g, cfg, base)
+
+
+# --- following the engine: read requests, the bench's repeats, mmap hits -------------------------
+
+@pytest.mark.parametrize("span", [3 * MiB, 64 << 10, 3 * MiB + 4096, 40 * MiB])
+@pytest.mark.parametrize("chunk", [64 << 10, 1 * MiB, 4 * MiB, 16 * MiB])
+@pytest.mark.parametrize("io_threads", [1, 4, 16])
+def test_read_requests_are_the_read_pools_pieces(span, chunk, io_threads):
+    """One request per expert span unless it exceeds chunk_size, then min(io_threads, spans /
+    chunk) pieces: exactly what engine/io/pool.py submits (its own splitting, asked directly)."""
+    from engine.io import ReadPool
+    from tuner.costmodel.predict import read_requests
+    with ReadPool("buffered", io_threads, chunk) as pool:
+        pieces = pool._pieces(0, span)
+    n, size = read_requests(span, chunk, io_threads)
+    assert n == len(pieces)
+    assert size == pytest.approx(max(hi - lo for lo, hi in pieces), rel=0.01, abs=4096)
+
+
+def test_cold_repeats_keep_lfu_counts_and_replay_the_same_tokens():
+    """colibri bench replays one prompt (greedy) in every repeat and empties the cache with
+    clear(), which keeps lfu's request counts: a replayed lru repeat hits exactly as often as
+    the first, lfu's later repeat hits more (it knows the stream's popular experts)."""
+    from tuner.costmodel.routing import simulate
+    routing = synth_skew(16, 64, 8, 1.0)
+    kw = dict(prompt_tokens=8, tokens=8, cold=True, replay=True, prelude_tokens=0, seed=3)
+    for policy, later_more in (("lru", False), ("lfu", True)):
+        one = simulate(routing, 8, 60, policy, repeats=1, **kw)
+        two = simulate(routing, 8, 60, policy, repeats=2, **kw)
+        assert two.prefill_misses_per_layer == one.prefill_misses_per_layer  # cold: the prompt misses again
+        if later_more:
+            assert two.decode_last > one.decode_last
+        else:
+            assert two.decode_last == one.decode_last
+    # Fresh tokens per repeat (no replay) give lfu no such head start.
+    fresh = simulate(routing, 8, 60, "lfu", repeats=2, **{**kw, "replay": False})
+    assert fresh.decode_last < simulate(routing, 8, 60, "lfu", repeats=2, **kw).decode_last
+
+
+def test_pinned_keys_from_a_sample_pin_less_of_the_popular_set():
+    """The engine pins the hottest experts of one recorded prompt, a sample: ranked by a small
+    sample the pins catch fewer of the tokens' experts than ranked by the true popularity."""
+    from tuner.costmodel.routing import simulate
+    routing = synth_skew(16, 64, 8, 1.0)
+    kw = dict(prompt_tokens=8, tokens=16, repeats=2, cold=True, replay=True, seed=5)
+    exact = simulate(routing, 8, 100, "pinned", pinned_from=None, **kw).decode
+    sampled = simulate(routing, 8, 100, "pinned", pinned_from=24, **kw).decode
+    assert sampled < exact
+
+
+def test_an_mmap_cache_hit_saves_only_what_the_page_cache_keeps(hw):
+    """mmap cache entries are views of page-cache pages the kernel reclaims by recency: a
+    policy's extra hits buy no disk time over lru's in mmap mode, while they do with pread."""
+    g = resolve("olmoe-1b-7b")  # a cache of 62 of its 1024 experts: lfu and lru differ
+    routing = synth_skew(g.moe_layers, g.num_experts, g.top_k, 1.0)
+
+    def pred(mode, policy):
+        cfg = EngineConfig(ram_budget=3 * GiB, cpu_cache_ratio=0.5, prefetch_depth=0, io_mode=mode,
+                           cache_policy=policy)
+        return predict(g, "bf16", cfg, hw, routing, Factors(c_page_mmap=2e-9), RunConditions(),
+                       overhead_bytes=300 * MiB)
+
+    for mode in ("mmap", "direct"):
+        lru, lfu = pred(mode, "lru"), pred(mode, "lfu")
+        assert lfu.hit_rate > lru.hit_rate  # what the engine's counters report, in both modes
+        if mode == "mmap":
+            assert lfu.components.disk_s == pytest.approx(lru.components.disk_s)
+        else:
+            assert lfu.components.disk_s < lru.components.disk_s
+
+
+def test_disk_bound_trials_leave_compute_efficiency_and_layer_overhead_at_their_defaults():
+    """Where every token waits on the disk, compute efficiency and per-layer overhead cannot be
+    told apart (nor from the overlap): the fit leaves them at 1 and 0 instead of wherever the
+    optimiser wanders; one compute-bound trial makes them fitted again."""
+    from tuner.costmodel.predict import Components
+
+    def trial(i, compute_s, disk_s, mode="direct"):
+        c = Components(layers=16, compute_s=compute_s, compute_is_memory=True, disk_s=disk_s, requests=100.0 + i,
+                       covered=0.9, prefill_compute_s=compute_s * 4, prefill_disk_s=disk_s * 4,
+                       prefill_requests=400.0, io_mode=mode)
+        t = cal.Trial(i, EngineConfig(prefetch_depth=1, io_mode=mode), 1.0, 1.0)
+        t.comps = c
+        out = combine(c, Factors(eta_io=0.8, c_layer=2e-3, overlap=0.3))
+        t.decode_tok_s, t.ttft_s = 1 / out["token_s"], out["ttft_s"]
+        return t
+
+    disk_bound = [trial(i, 0.02, 0.3 + 0.05 * i) for i in range(6)]
+    assert "eta_compute" not in cal.informed(disk_bound) and "c_layer" not in cal.informed(disk_bound)
+    got = cal.fit(disk_bound, 0.9)
+    assert got.eta_compute == 1.0 and got.c_layer == 0.0
+    mixed = disk_bound + [trial(10, 0.05, 0.01), trial(11, 0.08, 0.02)]
+    assert {"eta_compute", "c_layer"} <= set(cal.informed(mixed))

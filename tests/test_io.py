@@ -1,18 +1,25 @@
-"""Conformance tests for the read pool, run over every I/O mode on real files."""
+"""Conformance suite for the read pools: every test of the contract runs over every backend
+(reader threads, io_uring) and every I/O mode it reads, on real files; then backend choice."""
 
 import concurrent.futures
+import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import random
+import sys
+import termios
+import threading
 import warnings
 
 import numpy as np
 import pytest
 import torch
 
+from engine.config import EngineConfig
 from engine.errors import ConfigError, ModelFormatError
-from engine.io import ALIGN, IO_MODES, IOStats, ReadPool
+from engine.io import ALIGN, IO_MODES, IOStats, ReadPool, UringPool, open_read_pool, uring_unavailable
 
 FILE_SIZE = 3 * (1 << 20) + 12345  # not a multiple of the page size: the EOF case matters
 CHUNK_SIZES = (4096, 64 << 10, 1 << 20)
@@ -46,6 +53,59 @@ def _ranges(seed=1, n=40):
     return fixed + rand
 
 
+# ---- the pools under test ---------------------------------------------------------------------
+
+BACKENDS = ("threads", "uring")
+UNAVAILABLE = uring_unavailable()
+
+
+@contextlib.contextmanager
+def _occupy_threads(pool):
+    """Every reader thread busy until the block ends; yields the requests that costs (none)."""
+    gate = threading.Event()
+    for _ in range(pool.io_threads):
+        pool._jobs.put((concurrent.futures.Future(), None, None, gate.wait, ()))
+    try:
+        yield 0
+    finally:
+        gate.set()
+
+
+@contextlib.contextmanager
+def _occupy_uring(pool, tmp_path):
+    """Every place in the ring taken by a read of an empty FIFO until the block ends writes
+    to it; yields the requests that costs (one per place)."""
+    fifo = tmp_path / "occupy.fifo"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR)  # so the pool's O_RDONLY open does not block
+    try:
+        held = [pool.submit(str(fifo), 0, 1) for _ in range(pool.io_threads)]
+        yield pool.io_threads
+        os.write(writer, b"x" * pool.io_threads)
+        for f in held:
+            assert bytes(f.result(timeout=30)) == b"x"
+    finally:
+        os.close(writer)
+
+
+@pytest.fixture(params=BACKENDS)
+def make_pool(request, tmp_path):
+    """make_pool(io_mode, ...) builds this backend's pool; make_pool.occupy(pool) holds it busy."""
+    backend = request.param
+    if backend == "uring" and UNAVAILABLE:
+        pytest.skip(f"io_uring unavailable here: {UNAVAILABLE}")
+
+    def make(io_mode, io_threads=4, chunk_size=4 << 20, stats=None):
+        if backend == "uring" and io_mode == "mmap":
+            pytest.skip("mmap mode is read by the reader threads under every io_backend")
+        cls = ReadPool if backend == "threads" else UringPool
+        return cls(io_mode, io_threads=io_threads, chunk_size=chunk_size, stats=stats)
+
+    make.backend = backend
+    make.occupy = _occupy_threads if backend == "threads" else (lambda pool: _occupy_uring(pool, tmp_path))
+    return make
+
+
 def _fdinfo_flags(fd: int) -> int:
     with open(f"/proc/self/fdinfo/{fd}") as fh:
         for line in fh:
@@ -57,10 +117,10 @@ def _fdinfo_flags(fd: int) -> int:
 @pytest.mark.parametrize("io_threads", [1, 4])
 @pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
 @pytest.mark.parametrize("io_mode", IO_MODES)
-def test_reads_return_exact_file_bytes(data_file, io_mode, chunk_size, io_threads):
+def test_reads_return_exact_file_bytes(data_file, io_mode, chunk_size, io_threads, make_pool):
     path, data = data_file
     stats = IOStats()
-    with ReadPool(io_mode, io_threads=io_threads, chunk_size=chunk_size, stats=stats) as pool:
+    with make_pool(io_mode, io_threads=io_threads, chunk_size=chunk_size, stats=stats) as pool:
         for offset, length in _ranges():
             buf = pool.read(path, offset, length)
             assert len(buf) == length
@@ -74,17 +134,17 @@ def test_reads_return_exact_file_bytes(data_file, io_mode, chunk_size, io_thread
 
 
 @pytest.mark.parametrize("io_mode", IO_MODES)
-def test_span_is_one_request_unless_larger_than_chunk_size(data_file, io_mode):
+def test_span_is_one_request_unless_larger_than_chunk_size(data_file, io_mode, make_pool):
     path, data = data_file
     stats = IOStats()
-    with ReadPool(io_mode, io_threads=4, chunk_size=1 << 20, stats=stats) as pool:
+    with make_pool(io_mode, io_threads=4, chunk_size=1 << 20, stats=stats) as pool:
         buf = pool.read(path, 0, 1 << 20)  # aligned window, so the piece count is exact
         assert bytes(buf) == data[: 1 << 20] and stats.requests == 1
         # Larger than chunk_size: split, but across the workers, never into more pieces.
         buf = pool.read(path, 0, 3 << 20)
         assert bytes(buf) == data[: 3 << 20] and stats.requests == 1 + 3
     stats.reset()
-    with ReadPool(io_mode, io_threads=4, chunk_size=64 << 10, stats=stats) as pool:
+    with make_pool(io_mode, io_threads=4, chunk_size=64 << 10, stats=stats) as pool:
         buf = pool.read(path, 0, 1 << 20)
     assert bytes(buf) == data[: 1 << 20]
     assert stats.requests == 4  # 16 chunks' worth, but io_threads pieces
@@ -92,10 +152,10 @@ def test_span_is_one_request_unless_larger_than_chunk_size(data_file, io_mode):
 
 
 @pytest.mark.parametrize("io_mode", ("direct", "buffered"))
-def test_reads_land_in_the_given_buffer(data_file, io_mode):
+def test_reads_land_in_the_given_buffer(data_file, io_mode, make_pool):
     path, data = data_file
     slot = mmap.mmap(-1, 3 * ALIGN)
-    with ReadPool(io_mode, io_threads=2) as pool:
+    with make_pool(io_mode, io_threads=2) as pool:
         assert pool.buffer_bytes(100, 5000) == (2 * ALIGN if io_mode == "direct" else 5000)
         view = pool.read(path, 100, 5000, into=slot)
         assert bytes(view) == data[100:5100]
@@ -106,31 +166,54 @@ def test_reads_land_in_the_given_buffer(data_file, io_mode):
             pool.read(path, 0, 4 * ALIGN, into=slot)
 
 
-def test_cancelled_before_pickup_is_never_read(data_file):
+def test_cancelled_before_pickup_is_never_read(data_file, make_pool):
     path, _ = data_file
     stats = IOStats()
-    gate = __import__("threading").Event()
-    with ReadPool("buffered", io_threads=1, stats=stats) as pool:
-        pool._jobs.put((concurrent.futures.Future(), None, None, gate.wait, ()))  # occupy the worker
-        fut = pool.submit(path, 0, 4096)
-        assert fut.cancel()
-        gate.set()
+    with make_pool("buffered", io_threads=1, stats=stats) as pool:
+        with make_pool.occupy(pool) as occupying:
+            fut = pool.submit(path, 0, 4096)
+            assert fut.cancel()
         assert pool.read(path, 0, 10) == open(path, "rb").read(10)
-    assert stats.requests == 1  # only the second read reached the disk
+    assert fut.cancelled()
+    assert stats.requests == occupying + 1  # only the second read reached the disk
 
 
-def test_direct_rounds_chunk_size_to_pages():
-    with ReadPool("direct", chunk_size=5000) as pool:
+def test_cancelled_read_releases_its_slot(data_file, make_pool):
+    """A cancelled read's buffer (an arena slot) is not held by the pool once it is dropped."""
+    from engine.slots import SlotArena
+    path, data = data_file
+    arena = SlotArena(2 * ALIGN, 1)
+    with make_pool("buffered", io_threads=1) as pool:
+        with make_pool.occupy(pool):
+            lease = arena.acquire()
+            fut = pool.submit(path, 0, ALIGN, into=lease)
+            assert fut.cancel()
+            del lease
+        view = pool.read(path, 5, 10)  # the pool has moved past the cancelled read
+        assert bytes(view) == data[5:15]
+        assert arena.stats()["slots_in_use"] == 0
+
+
+def test_read_errors_keep_their_errno(tmp_path, make_pool):
+    """A read the kernel fails (here EISDIR: a directory) raises that OSError, errno and all."""
+    with make_pool("buffered") as pool:
+        with pytest.raises(IsADirectoryError) as info:
+            pool.read(str(tmp_path), 0, 10)
+        assert info.value.errno == errno.EISDIR
+
+
+def test_direct_rounds_chunk_size_to_pages(make_pool):
+    with make_pool("direct", chunk_size=5000) as pool:
         assert pool.chunk_size == 2 * ALIGN
-    with ReadPool("buffered", chunk_size=5000) as pool:
+    with make_pool("buffered", chunk_size=5000) as pool:
         assert pool.chunk_size == 5000
 
 
 @pytest.mark.parametrize("offset,length", [(1, 10), (4000, 200), (12345, 70000), (FILE_SIZE - 5000, 5000)])
-def test_direct_reads_whole_aligned_windows(data_file, offset, length):
+def test_direct_reads_whole_aligned_windows(data_file, offset, length, make_pool):
     path, data = data_file
     stats = IOStats()
-    with ReadPool("direct", io_threads=2, chunk_size=8192, stats=stats) as pool:
+    with make_pool("direct", io_threads=2, chunk_size=8192, stats=stats) as pool:
         buf = pool.read(path, offset, length)
     assert bytes(buf) == data[offset : offset + length]
     window = -(-(offset + length) // ALIGN) * ALIGN - (offset // ALIGN) * ALIGN
@@ -139,20 +222,20 @@ def test_direct_reads_whole_aligned_windows(data_file, offset, length):
     assert stats.bytes_requested == length
 
 
-def test_direct_really_opens_with_o_direct(data_file):
+def test_direct_really_opens_with_o_direct(data_file, make_pool):
     path, data = data_file
-    with ReadPool("direct") as pool:
+    with make_pool("direct") as pool:
         assert bytes(pool.read(path, 100, 5000)) == data[100:5100]
         assert pool.effective_mode == "direct"
         assert pool.open_flags(path) & os.O_DIRECT
         # Ask the kernel, not our bookkeeping.
         assert _fdinfo_flags(pool.fileno(path)) & os.O_DIRECT
-    with ReadPool("buffered") as pool:
+    with make_pool("buffered") as pool:
         pool.read(path, 0, 10)
         assert not _fdinfo_flags(pool.fileno(path)) & os.O_DIRECT
 
 
-def test_direct_falls_back_where_filesystem_refuses_o_direct():
+def test_direct_falls_back_where_filesystem_refuses_o_direct(make_pool):
     # tmpfs accepts O_DIRECT since Linux 6.6, but procfs still refuses it with EINVAL at open,
     # and it holds real files with stable contents to compare against.
     path = "/proc/self/cmdline"
@@ -163,7 +246,7 @@ def test_direct_falls_back_where_filesystem_refuses_o_direct():
         assert exc.errno == errno.EINVAL
     with open(path, "rb") as fh:
         expected = fh.read()
-    with ReadPool("direct", io_threads=2) as pool:
+    with make_pool("direct", io_threads=2) as pool:
         with pytest.warns(RuntimeWarning, match="O_DIRECT refused"):
             buf = pool.read(path, 0, len(expected))
         assert bytes(buf) == expected
@@ -174,7 +257,7 @@ def test_direct_falls_back_where_filesystem_refuses_o_direct():
             assert bytes(pool.read(path, 1, 3)) == expected[1:4]
 
 
-def test_tmpfs_o_direct_behaviour_is_handled(tmp_path):
+def test_tmpfs_o_direct_behaviour_is_handled(tmp_path, make_pool):
     """/dev/shm either reads with O_DIRECT or falls back; both must return the bytes."""
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
@@ -185,7 +268,7 @@ def test_tmpfs_o_direct_behaviour_is_handled(tmp_path):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            with ReadPool("direct") as pool:
+            with make_pool("direct") as pool:
                 assert bytes(pool.read(path, 5, len(data) - 5)) == data[5:]
                 refused = False
                 try:
@@ -198,10 +281,10 @@ def test_tmpfs_o_direct_behaviour_is_handled(tmp_path):
 
 
 @pytest.mark.parametrize("io_mode", IO_MODES)
-def test_concurrent_submits(data_file, io_mode):
+def test_concurrent_submits(data_file, io_mode, make_pool):
     path, data = data_file
     ranges = _ranges(seed=7, n=30)
-    with ReadPool(io_mode, io_threads=4, chunk_size=64 << 10) as pool:
+    with make_pool(io_mode, io_threads=4, chunk_size=64 << 10) as pool:
         futures = [pool.submit(path, off, length) for off, length in ranges]
         # Submitting from several threads at once, as the prefetcher does.
         with concurrent.futures.ThreadPoolExecutor(4) as callers:
@@ -211,10 +294,10 @@ def test_concurrent_submits(data_file, io_mode):
 
 
 @pytest.mark.parametrize("io_mode", IO_MODES)
-def test_truncated_file_raises_model_format_error(tmp_path, io_mode):
+def test_truncated_file_raises_model_format_error(tmp_path, io_mode, make_pool):
     path = tmp_path / "short.bin"
     path.write_bytes(os.urandom(10000))
-    with ReadPool(io_mode, chunk_size=4096) as pool:
+    with make_pool(io_mode, chunk_size=4096) as pool:
         with pytest.raises(ModelFormatError, match="truncated file .* offset"):
             pool.read(str(path), 8000, 5000)
         with pytest.raises(ModelFormatError, match="truncated"):
@@ -224,9 +307,9 @@ def test_truncated_file_raises_model_format_error(tmp_path, io_mode):
 
 
 @pytest.mark.parametrize("io_mode", IO_MODES)
-def test_buffers_work_with_torch_frombuffer(data_file, io_mode):
+def test_buffers_work_with_torch_frombuffer(data_file, io_mode, make_pool):
     path, data = data_file
-    with ReadPool(io_mode) as pool:
+    with make_pool(io_mode) as pool:
         buf = pool.read(path, 4096 + 8, 4 * 1000)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # mmap views are read-only
@@ -237,9 +320,9 @@ def test_buffers_work_with_torch_frombuffer(data_file, io_mode):
 
 
 @pytest.mark.parametrize("io_mode", ("direct", "buffered"))
-def test_pread_buffers_are_writable_and_page_aligned_for_direct(data_file, io_mode):
+def test_pread_buffers_are_writable_and_page_aligned_for_direct(data_file, io_mode, make_pool):
     path, _ = data_file
-    with ReadPool(io_mode) as pool:
+    with make_pool(io_mode) as pool:
         buf = pool.read(path, 0, 8192)
         assert not buf.readonly
         if io_mode == "direct":
@@ -247,37 +330,37 @@ def test_pread_buffers_are_writable_and_page_aligned_for_direct(data_file, io_mo
             assert address % mmap.PAGESIZE == 0
 
 
-def test_zero_length_and_bad_arguments(data_file):
+def test_zero_length_and_bad_arguments(data_file, make_pool):
     path, _ = data_file
-    with ReadPool("direct") as pool:
+    with make_pool("direct") as pool:
         assert len(pool.read(path, 10, 0)) == 0
         with pytest.raises(ValueError):
             pool.submit(path, -1, 10)
     with pytest.raises(ConfigError):
-        ReadPool("async")
+        make_pool("async")
     with pytest.raises(ConfigError):
-        ReadPool("direct", io_threads=0)
+        make_pool("direct", io_threads=0)
     with pytest.raises(ConfigError):
-        ReadPool("direct", chunk_size=0)
+        make_pool("direct", chunk_size=0)
 
 
-def test_missing_file_propagates(tmp_path):
-    with ReadPool("buffered") as pool:
+def test_missing_file_propagates(tmp_path, make_pool):
+    with make_pool("buffered") as pool:
         with pytest.raises(FileNotFoundError):
             pool.read(str(tmp_path / "nope.bin"), 0, 10)
 
 
-def test_drop_page_cache_and_reads_stay_correct(data_file):
+def test_drop_page_cache_and_reads_stay_correct(data_file, make_pool):
     path, data = data_file
-    with ReadPool("buffered") as pool:
+    with make_pool("buffered") as pool:
         pool.read(path, 0, 100)
         pool.drop_page_cache(path)
         assert bytes(pool.read(path, 50, 100)) == data[50:150]
 
 
-def test_close_releases_descriptors_and_refuses_new_work(data_file):
+def test_close_releases_descriptors_and_refuses_new_work(data_file, make_pool):
     path, _ = data_file
-    pool = ReadPool("direct")
+    pool = make_pool("direct")
     pool.read(path, 0, 10)
     fd = pool.fileno(path)
     pool.close()
@@ -288,18 +371,18 @@ def test_close_releases_descriptors_and_refuses_new_work(data_file):
     pool.close()  # idempotent
 
 
-def test_mmap_close_with_live_views(data_file):
+def test_mmap_close_with_live_views(data_file, make_pool):
     path, data = data_file
-    pool = ReadPool("mmap")
+    pool = make_pool("mmap")
     buf = pool.read(path, 10, 20)
     pool.close()
     assert bytes(buf) == data[10:30]  # the mapping outlives the pool while a view holds it
 
 
-def test_stats_shared_and_reset(data_file):
+def test_stats_shared_and_reset(data_file, make_pool):
     path, _ = data_file
     stats = IOStats()
-    with ReadPool("buffered", stats=stats) as a, ReadPool("direct", stats=stats) as b:
+    with make_pool("buffered", stats=stats) as a, make_pool("direct", stats=stats) as b:
         a.read(path, 0, 100)
         b.read(path, 0, 100)
     assert stats.bytes_requested == 200
@@ -307,3 +390,98 @@ def test_stats_shared_and_reset(data_file):
     assert stats.requests == 2
     stats.reset()
     assert stats.snapshot() == {"bytes_requested": 0, "bytes_read": 0, "requests": 0, "read_seconds": 0.0}
+
+
+def test_close_waits_for_reads_in_flight(tmp_path, make_pool):
+    """close() returns only after every submitted read has landed (none is lost or left
+    writing into a buffer the caller may free)."""
+    path = tmp_path / "data.bin"
+    data = os.urandom(1 << 20)
+    path.write_bytes(data)
+    pool = make_pool("direct", io_threads=2, chunk_size=64 << 10)
+    futures = [pool.submit(str(path), off, 200_000) for off in range(0, 800_000, 100_000)]
+    pool.close()
+    for off, fut in zip(range(0, 800_000, 100_000), futures):
+        assert fut.done() and bytes(fut.result()) == data[off:off + 200_000]
+
+
+# ---- io_uring specifics -------------------------------------------------------------------------
+
+needs_uring = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"io_uring unavailable here: {UNAVAILABLE}")
+
+
+def _fionread(fd: int) -> int:
+    return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4), sys.byteorder)
+
+
+@needs_uring
+def test_uring_short_read_is_issued_again_for_the_rest(tmp_path):
+    """io_uring returns what a buffered read had (a FIFO: what was written); the pool reads on."""
+    fifo = tmp_path / "short.fifo"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR)
+    stats = IOStats()
+    try:
+        with UringPool("buffered", io_threads=1, stats=stats) as pool:
+            fut = pool.submit(str(fifo), 0, 10)
+            os.write(writer, b"abcd")
+            for _ in range(10_000_000):  # until the ring's read has taken those 4 bytes
+                if _fionread(writer) == 0:
+                    break
+            assert not fut.done()
+            os.write(writer, b"efghij")
+            assert bytes(fut.result(timeout=30)) == b"abcdefghij"
+    finally:
+        os.close(writer)
+    assert stats.requests == 1 and stats.bytes_read == 10
+
+
+@needs_uring
+def test_uring_keeps_io_threads_reads_in_flight(tmp_path):
+    """io_threads is the ring's queue depth: with every place taken, the next read waits."""
+    fifo = tmp_path / "qd.fifo"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR)
+    try:
+        with UringPool("buffered", io_threads=3) as pool:
+            futures = [pool.submit(str(fifo), 0, 1) for _ in range(5)]
+            assert pool._inflight == 3 and len(pool._queue) == 2
+            os.write(writer, b"12345")
+            assert sorted(bytes(f.result(timeout=30)) for f in futures) == [b"1", b"2", b"3", b"4", b"5"]
+    finally:
+        os.close(writer)
+
+
+# ---- choosing the backend -----------------------------------------------------------------------
+
+
+def test_io_backend_is_validated_and_round_trips(tmp_path):
+    with pytest.raises(ConfigError, match="io_backend must be one of threads, uring, auto"):
+        EngineConfig(io_backend="aio")
+    path = tmp_path / "engine.toml"
+    EngineConfig(io_backend="auto").save(path)
+    assert EngineConfig.load(path).io_backend == "auto"
+    with pytest.raises(ConfigError, match="io_backend"):
+        open_read_pool("direct", "aio", 2, 1 << 20)
+
+
+@pytest.mark.parametrize("backend", ["threads", "uring", "auto"])
+def test_mmap_is_read_by_threads_under_every_backend(backend):
+    with open_read_pool("mmap", backend, 2, 1 << 20) as pool:
+        assert pool.backend == "threads"
+
+
+@needs_uring
+def test_open_read_pool_gives_each_backend():
+    for backend, want in (("threads", "threads"), ("uring", "uring"), ("auto", "uring")):
+        with open_read_pool("direct", backend, 2, 1 << 20) as pool:
+            assert pool.backend == want
+
+
+def test_without_the_binding_uring_fails_in_one_line_and_auto_falls_back(monkeypatch):
+    monkeypatch.setitem(sys.modules, "uring_api", None)  # what `import` sees where it is not installed
+    with pytest.raises(ConfigError, match="needs the uring-api package") as info:
+        open_read_pool("direct", "uring", 2, 1 << 20)
+    assert "\n" not in str(info.value)
+    with open_read_pool("direct", "auto", 2, 1 << 20) as pool:
+        assert pool.backend == "threads"

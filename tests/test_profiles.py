@@ -342,3 +342,22 @@ def test_shipped_profiles_import_strictly_and_identify_no_one(tmp_path, store):
             assert e["config"]["routing_histogram"] == "" and "/" not in e["model"]
         assert f"`{path.name}`" in readme
         assert profiles.import_profile(path)[2] is True  # the store accepts it as is
+
+
+def test_shipped_profile_carries_fitted_cost_model_factors_through_export_and_import(tmp_path, store, capsys):
+    """The shipped profile's `cost_model` (factors fitted on this box's demo study) is what
+    `colibri plan --profile` uses, and export → import keeps it unchanged."""
+    from tuner.costmodel.calibrate import factors_from_profile
+    from tuner.probe.profile import load_profile
+    path = Path(__file__).resolve().parent.parent / "profiles" / "amd-epyc-virtio-2a91f032.json"
+    factors = factors_from_profile(load_profile(path))
+    assert factors is not None and factors.eta_io > 0 and factors.c_page_mmap > 0
+    exported = tmp_path / "out.json"
+    assert cli.main(["profile", "export", str(path), "-o", str(exported)]) == 0
+    name, stored, _ = profiles.import_profile(exported)
+    assert json.loads(stored.read_text())["cost_model"] == json.loads(path.read_text())["cost_model"]
+    assert factors_from_profile(load_profile(stored)) == factors
+    capsys.readouterr()
+    assert cli.main(["plan", "--model", "demo", "--profile", str(stored), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["calibrated"] is True and out["factors"]["eta_io"] == pytest.approx(factors.eta_io)

@@ -57,7 +57,7 @@ def test_report_html_is_complete_and_self_contained(run_dir):
 def test_memory_plan_and_bound_use_the_trials_figures(run_dir):
     page = (run_dir / "report.html").read_text()
     # Memory plan table of the recommended trial: its ctx 256 x 1 KiB KV and 391 MiB runtime.
-    assert re.search(r"<td>recommended</td><td[^>]*>352.8 KiB</td><td[^>]*>256.0 KiB</td>", page)
+    assert re.search(r"<td[^>]*>recommended</td><td[^>]*>352.8 KiB</td><td[^>]*>256.0 KiB</td>", page)
     assert "391.0 MiB" in page and "512.0 MiB" in page
     # Bound of the recommended trial (mmap, 256 KiB, io_threads 16), by hand from the fixture:
     # disk 0.8 GB/s x buffered/direct at 1 MiB QD4 (0.8 / 1.05) = 0.610 GB/s; 38000 B/token -> 62.3 us;
@@ -147,3 +147,27 @@ def test_report_of_a_run_where_nothing_fit(tmp_path):
     assert "<h2>Trials</h2>" in page and "killed by the cgroup OOM killer" in page
     for png in _images(page):
         assert png.startswith(b"\x89PNG")
+
+
+def test_memory_plan_labels_only_segments_they_fit():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tuner.report_plots import _drop_overflowing
+
+    fig, ax = plt.subplots(figsize=(8, 2))
+    ax.set_xlim(0, 1)
+    wide = ax.barh(0, 0.5, left=0.0)[0]
+    narrow = ax.barh(0, 0.01, left=0.5)[0]
+    kept = ax.text(0.25, 0, "423.6 MiB", ha="center", fontsize=7)
+    dropped = ax.text(0.505, 0, "72.0 MiB", ha="center", fontsize=7)
+    _drop_overflowing(fig, [(kept, wide), (dropped, narrow)])
+    assert kept in ax.texts and dropped not in ax.texts
+    plt.close(fig)
+
+
+def test_one_word_cells_do_not_break_at_hyphens():
+    from tuner.html_page import table
+    html = table(["quant", "config"], [["int4-g64", "chunk 1.0 MiB, prefetch 0"]])
+    assert "<td class='word'>int4-g64</td>" in html
+    assert "<td>chunk 1.0 MiB, prefetch 0</td>" in html

@@ -12,6 +12,7 @@ from engine.checkpoint import Checkpoint
 from engine.config import EngineConfig
 from engine.errors import BudgetError, ModelFormatError
 from engine.generate import Sampler, generate
+from engine.io import uring_unavailable
 from engine.layout import ExpertLayout
 from engine.model import ModelArgs
 from engine.plan import ACTIVATION_MARGIN, make_plan
@@ -222,3 +223,19 @@ def test_dense_layer_streaming_keeps_tokens(dense_dir, io_mode, prefetch):
     reads = stats["demand_reads"] + stats["prefetch_reads"]
     assert stats["bytes_requested"] == reads * per_layer[0]
     assert 2 * NEW_TOKENS <= reads <= 2 * NEW_TOKENS + prefetch
+
+
+@pytest.mark.skipif(bool(uring_unavailable()), reason=f"io_uring unavailable here: {uring_unavailable()}")
+@pytest.mark.parametrize("io_mode,chunk_size,prefetch", [("direct", 4096, 0), ("direct", 1 << 20, 1),
+                                                          ("buffered", 65536, 2)])
+def test_uring_backend_keeps_tokens(model_dir, reference_tokens, io_mode, chunk_size, prefetch):
+    """The io_uring reader gives the same tokens, whole spans or split ones, with lookahead."""
+    config = EngineConfig(threads=1, ctx_size=64, io_threads=2, io_mode=io_mode, chunk_size=chunk_size,
+                          prefetch_depth=prefetch, io_backend="uring")
+    config = config.replace(ram_budget=budget_for_cache(model_dir, config, cache_experts=6))
+    with Engine(model_dir, config) as engine:
+        tokens = generate(engine, PROMPT, NEW_TOKENS, Sampler()).output_ids
+        stats = engine.io_stats()
+    assert tokens == reference_tokens
+    assert stats["io_backend_effective"] == "uring" and stats["bytes_read"] > 0
+    assert stats["slot_overflows"] == 0

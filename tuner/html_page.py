@@ -15,7 +15,7 @@ padding:0 1em;line-height:1.4}
 h1{font-size:1.5em;margin-bottom:.2em} h2{font-size:1.2em;margin-top:1.8em;border-bottom:1px solid #ddd}
 .sub{color:#666} table{border-collapse:collapse;margin:.6em 0;font-size:.88em}
 th,td{border:1px solid #ddd;padding:.25em .55em;text-align:left} th{background:#f4f4f4}
-td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap} tr.changed td{background:#fff6d5}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap} td.word{white-space:nowrap} tr.changed td{background:#fff6d5}
 .headline{font-size:1.1em;background:#eef6ee;border:1px solid #cde3cd;padding:.7em 1em;border-radius:6px}
 .warn{font-size:1.05em;background:#fdecea;border:1px solid #f1b0ab;padding:.7em 1em;border-radius:6px}
 .note{color:#666;font-size:.9em} img{max-width:100%;height:auto;display:block;margin:.6em 0}
@@ -45,8 +45,15 @@ def table(headers, rows, header: bool = True) -> str:
         out.append("<tr>" + "".join(f"<th>{e(h)}</th>" for h in headers) + "</tr>")
     for row in rows:
         out.append("<tr>" + "".join(
-            f"<td class='num'>{e(v)}</td>" if _numeric(v) else f"<td>{e(v)}</td>" for v in row) + "</tr>")
+            f"<td class='num'>{e(v)}</td>" if _numeric(v) else f"<td class='word'>{e(v)}</td>" if _one_word(v)
+            else f"<td>{e(v)}</td>" for v in row) + "</tr>")
     return "".join(out) + "</table>"
+
+
+def _one_word(v) -> bool:
+    """A short value without spaces ("int4-g64", a hash): breaking it at a hyphen misreads it."""
+    text = str(v)
+    return 0 < len(text) <= 24 and not any(c.isspace() for c in text)
 
 
 def _numeric(v) -> bool:

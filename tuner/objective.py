@@ -13,7 +13,7 @@ from tuner.result import RunFigures, TrialRecord, TrialResult
 
 OBJECTIVES = ("decode", "ttft", "both")
 DIRECTIONS = {"decode": ["maximize"], "ttft": ["minimize"], "both": ["maximize", "minimize"]}
-# How the study searches for it: auto is GP for one objective, TPE for two (study.make_sampler).
+# How the study searches for it: auto is GP for one objective, TPE for two (tune_options.make_sampler).
 SAMPLERS = ("auto", "gp", "tpe", "random")
 
 

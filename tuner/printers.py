@@ -109,7 +109,8 @@ def bench_text(r: dict) -> str:
     return "\n".join([
         f"model {r['model']} ({r['geometry']['model_type']}, {r['compute_dtype']}, {_quant(r)}) | "
         f"{'cold' if r['cold'] else 'warm'} | {r['tokens']} tokens x {r['repeats']} repeats | {cgroup}",
-        f"config: budget {format_size(c['ram_budget']) if c['ram_budget'] else 'none'}, io {r['io_mode_effective']}, "
+        f"config: budget {format_size(c['ram_budget']) if c['ram_budget'] else 'none'}, io {r['io_mode_effective']}"
+        f"{' via ' + r['io_backend_effective'] if r.get('io_backend_effective') not in (None, 'resident') else ''}, "
         f"chunk {format_size(c['chunk_size'])}, prefetch {c['prefetch_depth']}, cache {c['cache_policy']} "
         f"x{c['cpu_cache_ratio']}, threads {r['threads']}, io_threads {c['io_threads']}, ctx {c['ctx_size']}",
         f"decode tok/s: median {s['median'] or 0:.3f} (min {s['min'] or 0:.3f}, max {s['max'] or 0:.3f}, "

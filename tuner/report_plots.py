@@ -27,14 +27,16 @@ def plot_memory_plan(plans: dict[str, dict], path: Path) -> Path | None:
     labels = list(plans)[::-1]
     fig, ax = plt.subplots(figsize=(8, 1.1 * len(labels) + 1.6))
     gib = float(1 << 30)
+    segment_labels = []  # (text artist, bar patch): kept only where the text fits inside its segment
     for y, label in enumerate(labels):
         left = 0.0
         for key, name, color in PLAN_PARTS:
             width = (plans[label].get(key) or 0) / gib
-            ax.barh(y, width, left=left, color=color, label=name if y == 0 else None, edgecolor="white")
-            if width > 0.06 * (plans[label].get("budget") or 1) / gib:
-                ax.text(left + width / 2, y, format_size(plans[label].get(key)), ha="center", va="center",
-                        fontsize=7, color="white")
+            bars = ax.barh(y, width, left=left, color=color, label=name if y == 0 else None, edgecolor="white")
+            if width > 0:
+                text = ax.text(left + width / 2, y, format_size(plans[label].get(key)), ha="center",
+                               va="center", fontsize=7, color="white")
+                segment_labels.append((text, bars[0]))
             left += width
     budgets = {p.get("budget") for p in plans.values() if p.get("budget")}
     for b in budgets:
@@ -46,7 +48,19 @@ def plot_memory_plan(plans: dict[str, dict], path: Path) -> Path | None:
     ax.set_ylim(-0.6, len(labels) - 0.1)
     ax.set_title("Memory plan against the budget")
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    _drop_overflowing(fig, segment_labels)
     return _save(fig, path)
+
+
+def _drop_overflowing(fig, labelled: list) -> None:
+    """Remove each segment label wider than its segment. Measured in display pixels after the
+    layout is final, since whether "72.0 MiB" fits depends on the font and the figure's width,
+    not on the segment's share of the budget."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for text, patch in labelled:
+        if text.get_window_extent(renderer).width + 4 > patch.get_window_extent(renderer).width:
+            text.remove()
 
 
 def plot_ttft_decode(points: list[dict], path: Path) -> Path | None:

@@ -69,6 +69,7 @@ class RunFigures:
     threads: Optional[int] = None
     tokens_consistent: Optional[bool] = None
     io_mode_effective: Optional[str] = None
+    io_backend_effective: Optional[str] = None
     compute_dtype: Optional[str] = None
     load_seconds: Optional[float] = None
 

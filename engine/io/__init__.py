@@ -1,11 +1,22 @@
-"""Reading byte ranges of weight files: the read pool behind every I/O mode.
+"""Reading byte ranges of weight files: the read pools behind every I/O mode.
 
 One request is one contiguous span of a file (an expert's three adjacent matrices, say). It
-is read with one `preadv` by one of `io_threads` workers, straight into the destination
-buffer: a slot of the expert store's arena (`into=`), or a fresh page-aligned buffer for
-callers that have none. A span larger than `chunk_size` is split into at most `io_threads`
-pieces so one big span still uses every worker; smaller spans are never split, so the
-per-request Python work is one queue hand-off and one Future per span.
+is read with one read straight into the destination buffer: a slot of the expert store's
+arena (`into=`), or a fresh page-aligned buffer for callers that have none. A span larger than
+`chunk_size` is split into at most `io_threads` pieces so one big span still keeps that many
+reads going; smaller spans are never split, so the per-request Python work is one hand-off
+and one Future per span.
+
+Two backends issue the reads (EngineConfig.io_backend; `open_read_pool` picks):
+  threads   ReadPool: `io_threads` reader threads, one blocking `preadv` each. os.preadv
+            releases the GIL, which is what makes a thread pool a real I/O queue here.
+  uring     UringPool: one io_uring ring (the uring-api package); the caller's thread submits,
+            one completion thread reaps, at most `io_threads` reads in the kernel at once.
+            Unavailable where the kernel or a container refuses io_uring (a ConfigError;
+            "auto" falls back to threads). Direct and buffered modes only: mmap is always
+            the threads. Which one measured faster in the engine: docs/BENCHMARKS.md.
+Both keep one contract (engine/io/base.py), and one conformance suite runs over both
+(tests/test_io.py).
 
 Modes:
   direct    O_DIRECT: the reads bypass the page cache, so a run measures the disk, not RAM.
@@ -18,21 +29,24 @@ Modes:
             read overlaps compute like the other modes) and returns a zero-copy, read-only
             view of the mapping. Mapped pages are page cache; `into` is not used.
 
-os.preadv releases the GIL, which is what makes a thread pool a real I/O queue here. (An
-io_uring backend was measured against this pool: docs/BENCHMARKS.md, "I/O backend".)
-
 The modules, one job each:
-  align   page alignment arithmetic and the fallback buffer for callers without a slot
-  stats   the counters every worker adds to
-  files   the descriptors (with the O_DIRECT fallback) and the mappings, opened once per file
-  reads   what a worker does for one piece: the preadv loop, or the mmap fault-in
-  pool    ReadPool: the workers, the queue, splitting spans and completing Futures
+  align       page alignment arithmetic and the fallback buffer for callers without a slot
+  stats       the counters every reader adds to
+  files       the descriptors (with the O_DIRECT fallback) and the mappings, opened once per file
+  base        the contract both pools share: argument checks, the direct window, span splitting
+  reads       what a reader thread does for one piece: the preadv loop, or the mmap fault-in
+  pool        ReadPool: the threads, the queue, completing Futures
+  uring_pool  UringPool: the ring, the queue depth, the completion thread
+  choose      open_read_pool: the pool an engine config asks for
 """
 
-from engine.config import IO_MODES
+from engine.config import IO_BACKENDS, IO_MODES
 
 from .align import ALIGN, align_down, align_up, direct_window_bytes
+from .choose import open_read_pool
 from .pool import ReadPool
 from .stats import IOStats
+from .uring_pool import UringPool, uring_unavailable
 
-__all__ = ["ALIGN", "IO_MODES", "IOStats", "ReadPool", "align_down", "align_up", "direct_window_bytes"]
+__all__ = ["ALIGN", "IO_BACKENDS", "IO_MODES", "IOStats", "ReadPool", "UringPool", "align_down", "align_up",
+           "direct_window_bytes", "open_read_pool", "uring_unavailable"]

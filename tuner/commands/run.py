@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_MODES, KV_DTYPES
+from engine.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_BACKENDS, IO_MODES, KV_DTYPES
 from tuner.printers import print_json as _print_json
 
 
@@ -20,6 +20,7 @@ def _add_engine_flags(p) -> None:
     p.add_argument("--gpu-cache-ratio", type=float)
     p.add_argument("--io-mode", choices=IO_MODES)
     p.add_argument("--io-threads", type=int)
+    p.add_argument("--io-backend", choices=IO_BACKENDS, help="what issues the reads: reader threads or io_uring")
     p.add_argument("--cache-policy", choices=CACHE_POLICIES)
     p.add_argument("--kv-dtype", choices=KV_DTYPES)
     p.add_argument("--dtype", choices=COMPUTE_DTYPES, help="compute dtype (auto: the checkpoint's)")
@@ -34,7 +35,8 @@ def engine_config_from_args(args):
         "chunk_size": parse_size(args.chunk_size) if args.chunk_size is not None else None,
         "ctx_size": args.ctx_size, "threads": args.threads, "prefetch_depth": args.prefetch_depth,
         "cpu_cache_ratio": args.cpu_cache_ratio, "gpu_cache_ratio": args.gpu_cache_ratio,
-        "io_mode": args.io_mode, "io_threads": args.io_threads, "cache_policy": args.cache_policy,
+        "io_mode": args.io_mode, "io_threads": args.io_threads,
+        "io_backend": args.io_backend, "cache_policy": args.cache_policy,
         "kv_dtype": args.kv_dtype, "dtype": args.dtype, "routing_histogram": args.routing_histogram,
     }
     return config.replace(**overrides)
@@ -95,6 +97,9 @@ def add_bench(sub) -> None:
     p.add_argument("--cgroup-limit", help="run inside a child memory cgroup limited to SIZE (page cache counts)")
     p.add_argument("--timeout", type=float, default=None, help="seconds, with --cgroup-limit")
     p.add_argument("--record-routing", metavar="FILE", help="write the routing histogram (for cache_policy=pinned)")
+    p.add_argument("--read-trace", metavar="FILE", help="write every decode read (file, offset, bytes, submit and "
+                                                        "completion time, token, layer) as JSON lines, for "
+                                                        "benchmarks/trace_bound.py's fio replay")
     p.add_argument("--outcome", metavar="FILE", help="write how the run ended as a JSON record (the tuner's "
                                                      "trials read it: ok with the results, or the error's kind)")
     _add_engine_flags(p)
@@ -102,15 +107,32 @@ def add_bench(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+def _check_writable(path: str) -> None:
+    """Refuse an output path up front, not after the whole run (one line, exit 2)."""
+    import os
+    from pathlib import Path
+
+    from engine.errors import ConfigError
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise ConfigError(f"--read-trace {path}: is a directory")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"--read-trace {path}: directory {parent} does not exist or is not writable")
+
+
 def cmd_bench(args) -> int:
     from engine.config import parse_size
     from engine.resolve import resolve_model
 
     config = engine_config_from_args(args)
+    if args.read_trace:
+        _check_writable(args.read_trace)
     model_dir = resolve_model(args.model, progress=not args.json)
     if args.cgroup_limit:
         from tuner.trial import run_trial
         extra = ["--record-routing", args.record_routing] if args.record_routing else []
+        extra += ["--read-trace", args.read_trace] if args.read_trace else []
         trial = run_trial(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                           prompt_tokens=args.prompt_tokens, seed=args.seed,
                           limit_bytes=parse_size(args.cgroup_limit), timeout=args.timeout, extra_args=extra)
@@ -129,7 +151,7 @@ def cmd_bench(args) -> int:
 
         result = run_bench(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                            prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
-                           record_routing=args.record_routing)
+                           record_routing=args.record_routing, read_trace=args.read_trace)
     if args.outcome:
         from tuner.outcome import Outcome, write_outcome
         write_outcome(args.outcome, Outcome("ok", metrics=result))

@@ -145,7 +145,9 @@ def run_calibrate(args, profile) -> dict:
     section = cal.cost_model_section(factors, summary, geometry, quant, study)
     section["overhead_bytes"] = overhead
     section["routing"] = routing.description
-    section["fitted_on"]["sources"] = [os.fspath(d) for d in args.calibrate]
+    # The run directories' names, not their paths: a profile is shared (profiles/), and a path
+    # names the box's user and layout.
+    section["fitted_on"]["sources"] = [Path(d).name for d in args.calibrate]
     out = {"calibration": section, "held_out": [{**r, "config": r["config"].to_dict()} for r in rows],
            "profile": os.fspath(args.profile)}
     if args.test:
@@ -153,7 +155,7 @@ def run_calibrate(args, profile) -> dict:
         test.overhead_bytes = test.overhead_bytes or overhead
         test_trials = cal.prepare(test, geometry, quant, hw, routing, recall)
         test_rows = cal.predict_rows(test_trials, factors)
-        out["test"] = {"source": os.fspath(args.test), "summary": cal.error_summary(test_rows),
+        out["test"] = {"source": Path(args.test).name, "summary": cal.error_summary(test_rows),
                        "rows": [{**r, "config": r["config"].to_dict()} for r in test_rows]}
         section["test"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out["test"]["summary"].items()}
     profile.cost_model = section

@@ -13,7 +13,8 @@ A decode token costs (seconds):
     hidden     − min(lookahead-covered share of disk, overlap · compute)   (prefetch_depth ≥ 1)
 
 The measured inputs come from the profile (hardware.py), the byte and request counts from the
-engine's memory plan (memplan.py) and the cache simulation (routing.py). The few efficiency
+engine's memory plan (memplan.py), the read pool's splitting (read_requests) and the cache
+simulation (routing.py; in mmap mode the page cache's recency order, residency_policy). The few efficiency
 factors (Factors) are what calibration fits to a study's trials; uncalibrated they are 1 and 0,
 i.e. the machine's measured curves exactly, with no overhead.
 
@@ -71,19 +72,27 @@ class Factors:
 
 @dataclass
 class RunConditions:
-    """How the figure is measured: the tuner's trial (cold, short) or a steady state."""
+    """How the figure is measured: the tuner's trial (cold, short) or a steady state.
+
+    The defaults are the tuner's trial, `colibri bench` (engine/bench.py): a warm-up generation
+    of 2 tokens, then `repeats` runs of the same prompt, greedily decoded, so every run asks the
+    same experts in the same order (`replay`); cold empties the caches before each run.
+    """
 
     prompt_tokens: int = 8
     tokens: int = 8
     repeats: int = 2
     cold: bool = True
-    warmup_tokens: int = 0
+    warmup_tokens: int = 0  # unmeasured tokens at the start of a warm run's one long generation
+    replay: bool = True
+    prelude_tokens: int = 2  # engine/bench.py's run_bench(warmup_tokens=2)
 
     @classmethod
     def steady(cls) -> "RunConditions":
         """Long generation with a warm cache: what a user's chat session settles to (32 tokens
         measured after 32 unmeasured ones: enough lookups for a stable hit rate)."""
-        return cls(prompt_tokens=16, tokens=32, repeats=1, cold=False, warmup_tokens=32)
+        return cls(prompt_tokens=16, tokens=32, repeats=1, cold=False, warmup_tokens=32, replay=False,
+                   prelude_tokens=0)
 
 
 @dataclass
@@ -136,10 +145,14 @@ def components(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: Ha
                                lookahead_recall if config.prefetch_depth > 0 else None, seed)
     else:
         rates = None
+    disk_rates = rates
+    resident_by = residency_policy(config.io_mode, config.cache_policy)
+    if rates is not None and resident_by != config.cache_policy:
+        disk_rates = _simulate_once(routing, k, int(slots), resident_by, run,
+                                    lookahead_recall if config.prefetch_depth > 0 else None, seed)
     span = plan.expert_disk_bytes
-    reads = (rates.decode_misses_per_token + rates.wasted_prefetch_per_token) if rates else 0.0
-    per_expert = math.ceil(span / config.chunk_size) if span else 0
-    request = min(config.chunk_size, span) if span else config.chunk_size
+    reads = (disk_rates.decode_misses_per_token + disk_rates.wasted_prefetch_per_token) if rates else 0.0
+    per_expert, request = read_requests(span, config.chunk_size, config.io_threads)
     # Requests a layer has in flight: its misses' pieces plus the lookahead's, capped by the pool.
     per_layer = reads / max(geometry.moe_layers, 1) * per_expert * (1 + min(config.prefetch_depth, 1))
     qd = max(1, min(config.io_threads, math.ceil(per_layer)))
@@ -154,8 +167,8 @@ def components(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: Ha
 
     # Prefill: the prompt's rows share each weight read; experts are the prompt's union.
     P = run.prompt_tokens
-    pf_reads = (rates.prefill_misses_per_layer * geometry.moe_layers) if rates else 0.0
-    pf_per_layer = (rates.prefill_misses_per_layer if rates else 0.0) * per_expert
+    pf_reads = (disk_rates.prefill_misses_per_layer * geometry.moe_layers) if rates else 0.0
+    pf_per_layer = (disk_rates.prefill_misses_per_layer if rates else 0.0) * per_expert
     pf_bw = hw.read_bandwidth(request, max(1, min(config.io_threads, math.ceil(pf_per_layer))), config.io_mode)
     union = min(geometry.num_experts, (rates.prefill_misses_per_layer if rates else k))
     pf_bytes = wbytes + geometry.moe_layers * max(union - k, 0) * geometry.expert_bytes(quant)
@@ -176,6 +189,27 @@ def components(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: Ha
     return plan, rates, comps, request, qd
 
 
+def residency_policy(io_mode: str, cache_policy: str) -> str:
+    """Whose order decides which experts stay in RAM, so what the disk reads.
+
+    An mmap cache entry is a view of page-cache pages, which the engine does not lock: the
+    kernel keeps or reclaims them by its own recency order, so the disk reads what an LRU of
+    the same room misses, whatever the engine's policy counts as a hit (measured: lfu trials at
+    37-43% hits decoded no faster than lru ones at 0%, docs/BENCHMARKS.md). pread modes copy
+    into the engine's own slots, which stay until the policy evicts them."""
+    return "lru" if io_mode == "mmap" else cache_policy
+
+
+def read_requests(span: int, chunk_size: int, io_threads: int) -> tuple[int, int]:
+    """(requests, bytes each) of one expert span, as engine/io/pool.py's ReadPool issues them: one
+    request per span, split across the workers only when the span exceeds chunk_size — into
+    min(io_threads, ceil(span / chunk_size)) equal pieces (page-aligned; the alignment is ignored)."""
+    if not span:
+        return 0, chunk_size
+    pieces = max(1, min(io_threads, -(-span // max(chunk_size, 1))))
+    return pieces, -(-span // pieces)
+
+
 _SIMULATED: dict = {}
 
 
@@ -189,13 +223,15 @@ def _simulate_once(routing: RoutingModel, k: int, slots: int, policy: str, run: 
     if slots > 50:
         slots = int(round(1.02 ** round(math.log(slots, 1.02))))
     key = (id(routing), k, slots, policy, run.prompt_tokens, run.tokens, run.repeats, run.cold,
-           run.warmup_tokens, recall, seed)
+           run.warmup_tokens, run.replay, run.prelude_tokens, recall, seed)
     if key not in _SIMULATED:
         if len(_SIMULATED) > 4096:
             _SIMULATED.clear()
         _SIMULATED[key] = (routing, simulate(routing, k, slots, policy, prompt_tokens=run.prompt_tokens,
                                              tokens=run.tokens, repeats=run.repeats, cold=run.cold,
-                                             warmup_tokens=run.warmup_tokens, lookahead_recall=recall, seed=seed))
+                                             warmup_tokens=run.warmup_tokens, lookahead_recall=recall, seed=seed,
+                                             replay=run.replay, prelude_tokens=run.prelude_tokens,
+                                             pinned_from=routing.sample_routings))
     return _SIMULATED[key][1]
 
 
