@@ -46,6 +46,9 @@ def _mappings(store) -> list:
 
 
 def _cold(engine, how: str) -> None:
+    # Written out here rather than borrowed from fio_bound.drop_pages or the pool's
+    # drop_page_cache: this runs inside the measured tree, whose engine may predate both, and
+    # importing this tree's benchmarks would put this tree's engine on sys.path first.
     import gc
     import mmap
 
