@@ -59,7 +59,9 @@ def child(a) -> dict:
     # The MoE layer looks route_layer up in its own module's globals (split trees: where
     # Transformer is defined), so patch it there.
     moe_globals = type(m)._moe.__globals__
-    orig_route = moe_globals["route_layer"]
+    # Trees before the strategy objects (32851d0) call `route` there, later ones `route_layer`.
+    route_name = "route_layer" if "route_layer" in moe_globals else "route"
+    orig_route = moe_globals[route_name]
 
     def route_timed(*args, **kwargs):
         t0 = time.perf_counter()
@@ -67,7 +69,7 @@ def child(a) -> dict:
             return orig_route(*args, **kwargs)
         finally:
             acc["router"] += time.perf_counter() - t0
-    moe_globals["route_layer"] = route_timed
+    moe_globals[route_name] = route_timed
     for name, key in (("_attention", "attention_total"), ("_moe", "moe_total"), ("_layer", "layer_total"),
                       ("forward", "step_total")):
         _wrap(m, name, acc, key)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import moe
+from . import moe, native
 from .layers import KVCache, rms_norm, route, route_layer, swiglu, swiglu_expert  # noqa: F401 (re-exported)
 from .modelargs import (DENSE_TYPES, EXT_MOE_TYPES, MOE_TYPES, SUPPORTED_TYPES, ModelArgs,  # noqa: F401
                         dense_tensor_names, expert_tensor_names, fused_expert_tensor_names, layer_prefix,
@@ -61,6 +61,29 @@ class Transformer:
         # biases + clamped SwiGLU), else SwiGLU over what layout.tensors_from_buffers made.
         self.expert_fn = swiglu_expert if args.expert_impl is None else args.expert_impl.forward
         self.routing_log: list[list[torch.Tensor]] | None = None  # per layer, ids [T, K] per call
+        self._qkv = self._fuse_qkv(weights)
+
+    def _fuse_qkv(self, weights: dict) -> dict[int, torch.Tensor]:
+        """Per layer, q/k/v projections as one [Nq*D + 2*Nkv*D, H] matrix (concatenated once,
+        here), so decode runs one native call for the three. The dict's q/k/v entries become
+        row views of it: the same bytes, no second copy, and prefill's F.linear reads them as
+        before. Only for plain bf16 weights without biases (the native path's condition);
+        layers read per token (layer streaming) are not in `weights` and stay apart."""
+        a = self.args
+        if a.attention_impl is not None or self.dtype is not torch.bfloat16:
+            return {}
+        fused = {}
+        for layer in range(a.num_layers):
+            p = f"{layer_prefix(layer)}.self_attn"
+            names = [f"{p}.{n}_proj.weight" for n in "qkv"]
+            parts = [weights.get(n) for n in names]
+            if (any(type(t) is not torch.Tensor or t.dtype is not torch.bfloat16 for t in parts)
+                    or any(f"{p}.{n}_proj.bias" in weights for n in "qkv")):
+                continue
+            fused[layer] = torch.cat(parts)
+            for name, view in zip(names, fused[layer].split([t.shape[0] for t in parts])):
+                weights[name] = view
+        return fused
 
     def _rope(self, positions: torch.Tensor):
         if self.args.rope.get("rope_type") == "dynamic":
@@ -137,9 +160,14 @@ class Transformer:
         if a.attention_impl is not None:
             return a.attention_impl.forward(w, p, layer, x, start_pos, kv, cos, sin, mask)
         T = x.shape[0]
-        q = linear(x, w[f"{p}.q_proj.weight"], w.get(f"{p}.q_proj.bias"))  # [T, Nq*D]
-        k = linear(x, w[f"{p}.k_proj.weight"], w.get(f"{p}.k_proj.bias"))  # [T, Nkv*D]
-        v = linear(x, w[f"{p}.v_proj.weight"], w.get(f"{p}.v_proj.bias"))
+        qkv = self._qkv.get(layer) if T == 1 and native.ready and x.dtype is torch.bfloat16 else None
+        if qkv is not None and w is self.w:  # one native call; its rows are q, k, v's own (same bits)
+            q, k, v = linear(x, qkv).split(
+                [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], dim=1)
+        else:
+            q = linear(x, w[f"{p}.q_proj.weight"], w.get(f"{p}.q_proj.bias"))  # [T, Nq*D]
+            k = linear(x, w[f"{p}.k_proj.weight"], w.get(f"{p}.k_proj.bias"))  # [T, Nkv*D]
+            v = linear(x, w[f"{p}.v_proj.weight"], w.get(f"{p}.v_proj.bias"))
         if a.clip_qkv is not None:
             q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         if a.qk_norm == "full":

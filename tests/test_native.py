@@ -103,3 +103,17 @@ def test_bf16_placement_never_changes_tokens(bf16_model, io_mode, prefetch):
     with Engine(bf16_model, config) as engine:
         assert engine.plan.streaming  # experts one at a time, as their reads land
         assert generate(engine, PROMPT, 8, Sampler()).output_ids == reference
+
+
+def test_fused_qkv_gives_the_unfused_bits(bf16_model):
+    with Engine(bf16_model, EngineConfig(threads=2, ctx_size=32)) as engine:
+        model = engine.model
+        assert set(model._qkv) == set(range(engine.args.num_layers))  # every layer's q/k/v fused at load
+        p = "model.layers.0.self_attn"
+        # The dict's q/k/v are row views of the fused matrix: one copy of the bytes.
+        assert model.w[f"{p}.q_proj.weight"].data_ptr() == model._qkv[0].data_ptr()
+        generate(engine, PROMPT, 1, Sampler())
+        fused = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
+        model._qkv = {}  # three projections again
+        apart = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]  # same KV rows rewritten
+    assert all(torch.equal(f, s) for f, s in zip(fused, apart))

@@ -49,9 +49,15 @@ def read_piece(files: FileTable, stats: IOStats, path: str, dest: memoryview, po
 
 def fault_in(stats: IOStats, mapping: mmap.mmap, lo: int, hi: int) -> None:
     # Fault the pages in on the worker so the disk read overlaps compute instead of
-    # happening as page faults inside the matmul.
+    # happening as page faults inside the matmul. WILLNEED first reads exactly [lo, hi) in
+    # large requests; populating alone faults the range in through the kernel's mmap
+    # read-around, which reads read_ahead_kb around each missing page (8 MiB on this VM's
+    # disk, for a 3 MiB expert): measured 3x the bytes asked for from the disk, whose
+    # neighbours' pages then evict the ones in use from a budget-sized cgroup
+    # (docs/BENCHMARKS.md, "mmap io_mode: read-around").
     t0 = time.perf_counter()
     try:
+        mapping.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
         mapping.madvise(_MADV_POPULATE_READ, lo, hi - lo)
     except OSError:
         # Kernels before 5.14: ask for read-ahead, then touch one byte per page.
