@@ -69,6 +69,15 @@ class PoolBase:
         entry = self.files.cached(os.fspath(path))
         return None if entry is None else entry[0]
 
+    def device_window(self, path: str, offset: int, length: int) -> tuple[int, int]:
+        """The file bytes [start, stop) a read of this span asks the device for, as the
+        `bytes_read` counter counts them: pages around it for O_DIRECT and for mmap (clipped at
+        the end of the file), the span itself for buffered reads or a direct file that fell back."""
+        if self.io_mode == "mmap":
+            return align_down(offset), min(align_up(offset + length), len(self.files.mapping(path)))
+        _fd, flags = self.files.fd(path)
+        return _pread_window(offset, length, bool(flags & os.O_DIRECT))
+
     def buffer_bytes(self, offset: int, length: int) -> int:
         """How large an `into` buffer a read of this range needs in this mode."""
         return direct_window_bytes(offset, length) if self.io_mode == "direct" else length
@@ -164,7 +173,7 @@ class PoolBase:
         fd, flags = self.files.fd(path)
         direct = bool(flags & os.O_DIRECT)
         end = offset + length
-        start, stop = (align_down(offset), align_up(end)) if direct else (offset, end)
+        start, stop = _pread_window(offset, length, direct)
         if into is None:
             view = memoryview(aligned_buffer(stop - start))
         else:
@@ -173,3 +182,9 @@ class PoolBase:
                 raise ValueError(f"read buffer of {len(view)} bytes is smaller than the {stop - start}-byte window")
             view = view[: stop - start]
         return fd, direct, view, view[offset - start : offset - start + length], start, end
+
+
+def _pread_window(offset: int, length: int, direct: bool) -> tuple[int, int]:
+    """O_DIRECT reads whole pages around the span; a buffered read, the span itself."""
+    end = offset + length
+    return (align_down(offset), align_up(end)) if direct else (offset, end)

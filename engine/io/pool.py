@@ -12,7 +12,6 @@ import threading
 
 from .base import PoolBase
 from .files import truncated
-from .align import align_down, align_up
 from .reads import fault_in, read_piece
 
 
@@ -123,7 +122,7 @@ class ReadPool(PoolBase):
         if end > len(mapping):
             raise truncated(path, offset, length, len(mapping))
         result = memoryview(mapping)[offset:end]
-        start, stop = align_down(offset), min(align_up(end), len(mapping))
+        start, stop = self.device_window(path, offset, length)
         self._enqueue(outer, result, self._pieces(start, stop), self._fault_in,
                       lambda lo, hi: (mapping, lo, hi))
 

@@ -21,12 +21,9 @@ never read and is not recorded.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from functools import partial
-
-from .align import align_down, align_up, direct_window_bytes
 
 TRACE_FORMAT = "colibri-read-trace"
 TRACE_VERSION = 1
@@ -36,12 +33,10 @@ FIELDS = ("file", "offset", "nbytes", "span_offset", "span_length", "submit_s", 
 class ReadTrace:
     """Thread-safe: spans are submitted on the compute thread and land on reader threads."""
 
-    def __init__(self, io_mode: str, open_flags=None):
-        self.io_mode = io_mode
-        # The pool's descriptor flags for a path: a file whose O_DIRECT open fell back to
-        # buffered is read (and counted) unaligned, so its window is the span itself.
-        self._open_flags = open_flags
-        self._sizes: dict[str, int] = {}
+    def __init__(self, device_window):
+        # The pool's own rule for which bytes a span reads (PoolBase.device_window), so the
+        # trace counts exactly what the pool's bytes_read counter counts.
+        self._device_window = device_window
         self._lock = threading.Lock()
         self.restart()
 
@@ -62,8 +57,8 @@ class ReadTrace:
 
     def submitted(self, path: str, offset: int, length: int, layer: int, future) -> None:
         """A span of `path` was handed to the pool; its Future completes when it landed."""
-        start, nbytes = self._window(path, offset, length)
-        record = {"file": path, "offset": start, "nbytes": nbytes, "span_offset": offset, "span_length": length,
+        start, stop = self._device_window(path, offset, length)
+        record = {"file": path, "offset": start, "nbytes": stop - start, "span_offset": offset, "span_length": length,
                   "submit_s": time.perf_counter() - self._t0, "complete_s": None, "token": self.token,
                   "layer": layer}
         future.add_done_callback(partial(self._landed, record))
@@ -74,18 +69,6 @@ class ReadTrace:
         with self._lock:
             record["complete_s"] = time.perf_counter() - self._t0
             self._records.append(record)
-
-    def _window(self, path: str, offset: int, length: int) -> tuple[int, int]:
-        if self.io_mode == "mmap":
-            size = self._sizes.get(path)
-            if size is None:
-                size = self._sizes[path] = os.path.getsize(path)
-            start = align_down(offset)
-            return start, min(align_up(offset + length), size) - start
-        flags = self._open_flags(path) if self._open_flags is not None else None
-        if self.io_mode == "direct" and (flags is None or flags & os.O_DIRECT):
-            return align_down(offset), direct_window_bytes(offset, length)
-        return offset, length
 
     def records(self) -> list[dict]:
         """What landed since the last restart, in submit order."""
@@ -101,8 +84,7 @@ def attach(store) -> ReadTrace | None:
     """Start tracing a streaming store's reads (None for a store that reads nothing)."""
     if store is None or not getattr(store, "streams", False) or not hasattr(store, "tracer"):
         return None
-    pool = store.pool
-    store.tracer = ReadTrace(pool.io_mode, getattr(pool, "open_flags", None))
+    store.tracer = ReadTrace(store.pool.device_window)
     return store.tracer
 
 
