@@ -18,6 +18,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 
 from engine.config import CACHE_POLICIES, IO_MODES, EngineConfig, format_size
 from engine.errors import BudgetError
+from engine.kvquant import kv_storage
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -185,7 +186,7 @@ class SearchSpace:
             return True, 0, ""
         from engine.plan import make_plan
         ckpt, args, layout, dtype = self._inputs()
-        kv_dtype = dtype if config.kv_dtype == "auto" else _torch_dtype(config.kv_dtype)
+        kv_dtype = kv_storage(config.kv_dtype, dtype)
         try:
             plan = make_plan(ckpt, args, layout, config, dtype, kv_dtype, overhead_bytes=self.overhead_bytes)
         except BudgetError as exc:
@@ -197,7 +198,7 @@ class SearchSpace:
         """Everything but the expert cache, as the engine's plan counts it."""
         from engine.plan import make_plan
         ckpt, args, layout, dtype = self._inputs()
-        kv_dtype = dtype if config.kv_dtype == "auto" else _torch_dtype(config.kv_dtype)
+        kv_dtype = kv_storage(config.kv_dtype, dtype)
         # A budget nothing can exceed: the plan then itemises the fixed parts without raising.
         plan = make_plan(ckpt, args, layout, config.replace(ram_budget=1 << 62), dtype, kv_dtype,
                          overhead_bytes=self.overhead_bytes)
@@ -239,11 +240,6 @@ def _suggest(trial: optuna.Trial, name: str, dist):
     if isinstance(dist, IntDistribution):
         return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
     return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
-
-
-def _torch_dtype(name: str):
-    from engine.dtypes import short_dtypes
-    return short_dtypes()[name]
 
 
 def _nearest(choices, value):
