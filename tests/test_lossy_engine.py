@@ -6,16 +6,16 @@ import psutil
 import pytest
 import torch
 
-from engine.checkpoint import Checkpoint
-from engine.config import EngineConfig
-from engine.errors import BudgetError, ConfigError
-from engine.generate import Sampler, generate
-from engine.kvquant import SCALE_BYTES, QuantizedRows
-from engine.layout import ExpertLayout
-from engine.model import ModelArgs
-from engine.plan import make_plan
-from engine.routing import RoutingTrim
-from engine.runtime import Engine
+from engine.format.checkpoint import Checkpoint
+from engine.base.config import EngineConfig
+from engine.base.errors import BudgetError, ConfigError
+from engine.run.generate import Sampler, generate
+from engine.arch.kvquant import SCALE_BYTES, QuantizedRows
+from engine.format.layout import ExpertLayout
+from engine.arch.model import ModelArgs
+from engine.movement.plan import make_plan
+from engine.arch.router import RoutingTrim
+from engine.run.runtime import Engine
 from colibri_hf_models import build
 
 PROMPT = [(7 * i + 3) % 256 for i in range(24)]
