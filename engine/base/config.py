@@ -156,6 +156,11 @@ class EngineConfig:
              f"expert_threshold must be a number in [0, 1), got {self.expert_threshold!r}")
         return self
 
+    @property
+    def lossless(self) -> bool:
+        """No setting that changes the output tokens (placement and threads aside)."""
+        return self.kv_dtype not in KV_QUANT_NAMES and not self.top_k_reduction and not self.expert_threshold
+
     # --- construction -------------------------------------------------------------------------
 
     @classmethod

@@ -29,6 +29,7 @@ from engine.base.config import atomic_write_text, format_size
 from engine.base.errors import BudgetError, ConfigError
 from engine.base.jsonlimits import loads_limited
 from tuner.results.printers import kl_text, utc_now
+from tuner.search import lossy
 from tuner.search.study import Log, TuneOptions, _stderr, default_budget, run_tune
 
 RECORD_FILE = "quant-run.json"
@@ -116,6 +117,8 @@ def run_quant_tune(qopts: QuantTuneOptions, log: Log = _stderr) -> QuantTuneOutc
     source = resolve_model(opts.model, progress=True).resolve()
     name = opts.model if not Path(opts.model).exists() else source.name
     stored = quant_cache.check_source(source, qopts.levels)
+    if opts.lossy is not None:  # every level's lossy settings are scored against the unquantized source
+        opts = qopts.tune = dataclasses.replace(opts, lossy=dataclasses.replace(opts.lossy, reference=str(source)))
     out = Path(opts.out) if opts.out else default_quant_out(name, opts.resume)
     record = _open_record(out, opts, qopts.levels, source, name)
     budget = opts.ram_budget or record.get("budget") or default_budget(opts.model)
@@ -327,6 +330,12 @@ def _finish(out: Path, name: str, source: Path, budget: int, qopts: QuantTuneOpt
             files["pareto"] = str(plots)
     elif not qopts.prepare_only:
         log("compare: fewer than two levels have a recommended config; nothing to compare yet")
+    if qopts.tune.lossy is not None:  # --max-kl with --quant: one front over every level's settings
+        merged = lossy.merge_level_fronts(level_run_dirs(out), out)
+        if merged:
+            files[lossy.SUMMARY_FILE] = str(out / lossy.SUMMARY_FILE)
+            for line in lossy.markdown(merged).splitlines()[4:]:
+                log(line)
     summary = {"schema": SUMMARY_SCHEMA, "created_utc": utc_now(), "out": str(out), "model": name,
                "source_dir": str(source), "budget_bytes": budget, "budget": format_size(budget),
                "prepared_only": qopts.prepare_only, "levels": list(rows.values()),

@@ -84,6 +84,8 @@ class SearchSpace:
     # the probe's read curve still rises or is flat (tuner/costmodel/search.py:curve_region).
     chunk_sizes: tuple[int, ...] = CHUNK_SIZES
     io_thread_choices: tuple[int, ...] = IO_THREADS
+    # tune --max-kl / --min-top1: the lossy dimensions (tuner/search/lossy.py), empty = lossless.
+    lossy: dict = field(default_factory=dict)
     _plan_inputs: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -116,6 +118,7 @@ class SearchSpace:
         }
         if self.has_gpu:
             d["gpu_cache_ratio"] = FloatDistribution(GPU_CACHE_RATIO[0], GPU_CACHE_RATIO[1], step=GPU_CACHE_RATIO[2])
+        d.update(self.lossy)
         return d
 
     def describe(self) -> dict:
@@ -144,6 +147,8 @@ class SearchSpace:
             cpu_cache_ratio=cpu_ratio, gpu_cache_ratio=gpu_ratio, threads=int(p["threads"]),
             ctx_size=int(p["ctx_size"]), io_mode=p["io_mode"], io_threads=int(p["io_threads"]),
             cache_policy=policy, routing_histogram=self.routing_histogram if policy == "pinned" else "",
+            kv_dtype=p.get("kv_dtype", "auto"), top_k_reduction=int(p.get("top_k_reduction", 0)),
+            expert_threshold=float(p.get("expert_threshold", 0.0)),
         )
 
     def params_of(self, config: EngineConfig) -> dict:
@@ -160,6 +165,9 @@ class SearchSpace:
         }
         if self.has_gpu:
             params["gpu_cache_ratio"] = _snap(config.gpu_cache_ratio, *GPU_CACHE_RATIO)
+        for name, dist in self.lossy.items():  # a lossy value outside the choices: the nearest lossless one
+            value = getattr(config, name)
+            params[name] = value if value in dist.choices else dist.choices[0]
         return params
 
     def baseline(self) -> EngineConfig:
