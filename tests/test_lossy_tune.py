@@ -109,32 +109,39 @@ def strict_run(model_dir, profile_path, text_file, tmp_path_factory):
     return run_tune(opts, log=lambda m: None)
 
 
-def test_strict_bound_refuses_every_lossy_candidate(strict_run):
+def _setting(t) -> dict:
+    return {k: t.user_attrs["config"][k] for k in lossy.LOSSY_PARAMS}
+
+
+def test_strict_bound_refuses_every_candidate_that_breaks_it(strict_run):
     import optuna
     out = strict_run.out_dir
     study = optuna.load_study(study_name=optuna.study.get_all_study_names(f"sqlite:///{out / 'study.db'}")[0],
                               storage=f"sqlite:///{out / 'study.db'}")
     ran = [t for t in study.trials if t.user_attrs.get("quality")]
-    lossy_trials = [t for t in ran if not lossy.is_lossless({k: t.user_attrs["config"][k] for k in lossy.LOSSY_PARAMS})]
-    assert lossy_trials, "the random sampler drew no lossy setting in 6 trials"
-    for t in lossy_trials:
-        assert t.user_attrs["quality"]["kl_mean"] > 1e-9
+    assert {t.user_attrs.get("role") for t in ran} >= {"baseline", "lossy_probe"}
+    broke = [t for t in ran if t.user_attrs["quality"]["kl_mean"] > 1e-9]
+    assert broke and all(not lossy.is_lossless(_setting(t)) for t in broke)
+    for t in broke:
         assert t.user_attrs["status"] == "quality_bound" and t.user_attrs["constraint"] > 0
         seen = t.constraints  # what the sampler sees (named constraints: a dict in Optuna 5)
         assert list(seen.values() if isinstance(seen, dict) else seen) == [t.user_attrs["constraint"]]
+    # A lossy setting that changes nothing on this model (a threshold no expert falls below) is
+    # measured as such and may stand; whatever is recommended is inside the bound.
     rec = strict_run.result["recommended"]["config"]
-    assert (rec["kv_dtype"], rec["top_k_reduction"], rec["expert_threshold"]) == ("auto", 0, 0.0)
+    chosen = [t for t in ran if _setting(t) == {k: rec[k] for k in lossy.LOSSY_PARAMS}]
+    assert chosen and all(t.user_attrs["quality"]["kl_mean"] <= 1e-9 for t in chosen)
 
 
 def test_the_front_lists_each_setting_with_speed_and_quality(strict_run):
     out = strict_run.out_dir
     summary = json.loads((out / "lossy.json").read_text())
     labels = [p["label"] for p in summary["points"]]
-    assert len(labels) == len(set(labels)) >= 2
-    assert summary["chosen"] in labels and summary["chosen"].endswith("lossless")
+    assert len(labels) == len(set(labels)) >= 3  # the baseline and the probes, at least
+    assert any("KV" in name for name in labels) and any("k-1" in name for name in labels)
     chosen = next(p for p in summary["points"] if p["label"] == summary["chosen"])
-    assert chosen["within_bound"] and chosen["on_front"] and chosen["kl_mean"] == 0.0
-    assert all(not p["within_bound"] for p in summary["points"] if p is not chosen)
+    assert chosen["within_bound"] and chosen["kl_mean"] <= 1e-9
+    assert all(p["kl_mean"] > 1e-9 for p in summary["points"] if not p["within_bound"])
     report = (out / "report.md").read_text()
     assert "## Speed against quality (lossy settings)" in report and "**chosen**" in report
 

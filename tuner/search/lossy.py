@@ -97,6 +97,17 @@ def distributions(model_dir) -> dict:
     return d
 
 
+def probes(dists: dict) -> list[dict]:
+    """One step along each lossy dimension the space has (int8 KV, fp8 KV, k-1, the middle
+    threshold): measured first, at the baseline's placement."""
+    out = [{"kv_dtype": kind} for kind in ("int8", "fp8") if kind in getattr(dists.get("kv_dtype"), "choices", ())]
+    if 1 in getattr(dists.get("top_k_reduction"), "choices", ()):
+        out.append({"top_k_reduction": 1})
+    if 0.1 in getattr(dists.get("expert_threshold"), "choices", ()):
+        out.append({"expert_threshold": 0.1})
+    return out
+
+
 def setting_of(config: EngineConfig) -> dict:
     return {"kv_dtype": config.kv_dtype, "top_k_reduction": config.top_k_reduction,
             "expert_threshold": float(config.expert_threshold)}

@@ -176,8 +176,21 @@ class _Run:
                 study.enqueue_trial(self.space.params_of(config), user_attrs={"role": "from_profile"},
                                     skip_if_exists=True)
                 queued += 1
+        if self.space.lossy and fresh:
+            queued += self._enqueue_lossy_probes(study, queued)
         if self.opts.cost_model and self.facts.has_experts and fresh:
             self._enqueue_predicted(study, queued)
+
+    def _enqueue_lossy_probes(self, study: optuna.Study, queued: int) -> int:
+        """Each lossy dimension once at the baseline's placement, so its price in speed and
+        quality is measured even when the sampler would not go there in a short run."""
+        probes = lossy.probes(self.space.lossy)
+        if self.opts.trials is not None:
+            probes = probes[:max(0, self.opts.trials - queued - 1)]  # leave the sampler at least one
+        base = self.space.params_of(self.space.baseline())
+        for setting in probes:
+            study.enqueue_trial({**base, **setting}, user_attrs={"role": "lossy_probe"}, skip_if_exists=True)
+        return len(probes)
 
     def _enqueue_predicted(self, study: optuna.Study, queued: int) -> None:
         """The cost model's top predicted configs, measured right after the baseline."""
