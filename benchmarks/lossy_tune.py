@@ -1,7 +1,7 @@
 """A `tune --max-kl` run and its speed-quality front: every lossy setting it measured, with speed and quality.
 
     python benchmarks/lossy_tune.py --model DIR [--quant bf16,int8] [--max-kl 0.05] [--trials 12]
-        [--ram-budget 512MiB] [--quality-tokens 1024] [--quality-ctx 256] [--out DIR] [--json]
+        [--ram-budget 512MiB] [--profile FILE] [--quality-tokens 1024] [--quality-ctx 256] [--out DIR] [--json]
 
 Runs `colibri tune --max-kl ...` (with --quant: one study per level, tuner/search/quant_tune.py)
 as a user would, then prints the run's lossy.json as a table: per measured setting (quant level,
@@ -42,12 +42,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="run directory (default: reports/...)")
+    ap.add_argument("--profile", help="a saved probe (e.g. profiles/<machine>.json) instead of probing")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     bound = QualityBound(max_kl=a.max_kl, min_top1=a.min_top1, tokens=a.quality_tokens, ctx=a.quality_ctx).validate()
     opts = TuneOptions(model=a.model, ram_budget=parse_size(a.ram_budget), trials=a.trials, tokens=a.tokens,
                        repeats=a.repeats, seed=a.seed, out=Path(a.out) if a.out else None, confirm_top=2,
-                       confirm_rounds=1, lossy=bound)
+                       confirm_rounds=1, profile=a.profile, lossy=bound)
     if a.quant:
         out = run_quant_tune(QuantTuneOptions(opts, parse_levels(a.quant), quality_tokens=a.quality_tokens,
                                               quality_ctx=a.quality_ctx)).out_dir
