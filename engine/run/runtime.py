@@ -20,7 +20,9 @@ from engine.base.config import EngineConfig
 from engine.base.dtypes import FLOAT_NAMES, short_dtypes, torch_dtype
 from engine.arch.kvquant import kv_storage
 from engine.format.layout import ExpertLayout
-from engine.arch.model import KVCache, ModelArgs, Transformer, dense_tensor_names
+from engine.arch.layers import KVCache
+from engine.arch.args import ModelArgs, dense_tensor_names
+from engine.arch.model import Transformer
 from engine.movement.plan import MemoryPlan, make_plan
 from engine.arch.router import routing_trim
 from engine.format.tensor_checks import check_shapes
