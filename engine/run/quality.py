@@ -21,7 +21,10 @@ from pathlib import Path
 
 import torch
 
+from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError, PromptError
+from engine.run.generate import load_tokenizer
+from engine.run.runtime import Engine, checkpoint_dtype
 
 HELD_OUT_EVERY = 20  # one stdlib file in 20 is held out of training
 
@@ -52,7 +55,6 @@ def stdlib_corpus() -> tuple[str, str, dict]:
 
 def token_stream(reference_dir, tokens: int, text_file: str | None = None) -> tuple[list[int], str]:
     """The fixed stream both models are scored on, and a description of it."""
-    from engine.run.generate import load_tokenizer
     tok = load_tokenizer(reference_dir)
     if tok is None:
         raise PromptError(f"{reference_dir} has no tokenizer.json: quality needs text to score")
@@ -100,7 +102,6 @@ class Reference:
 
     def __init__(self, reference_dir, tokens: int, ctx: int, text_file: str | None = None, dtype: str = "auto",
                  threads: int = 0, progress=None):
-        from engine.base.config import EngineConfig
         if ctx < 4 or tokens < ctx:
             raise ConfigError(f"--tokens {tokens} must be at least --ctx {ctx} (and ctx at least 4)")
         self.reference_dir, self.tokens, self.ctx, self.progress = reference_dir, tokens, ctx, progress
@@ -111,7 +112,6 @@ class Reference:
         self.meta: dict = {}
 
     def logprobs(self) -> list[torch.Tensor]:
-        from engine.run.runtime import Engine
         if self._logprobs is None:
             with Engine(self.reference_dir, self.config) as engine:
                 self.vocab_size = engine.args.vocab_size
@@ -125,7 +125,6 @@ class Reference:
         return self._logprobs
 
     def score(self, model_dir, model_settings: dict | None = None) -> dict:
-        from engine.run.runtime import Engine
         ref_lp = self.logprobs()
         with Engine(model_dir, self.config.replace(**(model_settings or {}))) as engine:
             if engine.args.vocab_size != self.vocab_size:
@@ -164,7 +163,6 @@ def _meta(engine, directory) -> dict:
 
 def engine_quant_label(engine) -> str:
     """'int4-g64', or the stored dtype of an unquantized model ('bfloat16')."""
-    from engine.run.runtime import checkpoint_dtype
     spec = getattr(engine, "quant", None)
     return spec.label if spec is not None else str(checkpoint_dtype(engine.checkpoint)).replace("torch.", "")
 

@@ -28,9 +28,15 @@ from pathlib import Path
 
 from optuna.distributions import CategoricalDistribution
 
+from engine.arch.args import ModelArgs
+from engine.arch.kvquant import supports_quantized_kv
 from engine.base.config import KV_QUANT_NAMES, EngineConfig, atomic_write_text
 from engine.base.errors import ConfigError
 from engine.base.jsonlimits import loads_limited
+from engine.format.checkpoint import Checkpoint
+from engine.format.convert import fingerprint
+from engine.run.quality import Reference
+from tuner.results.printers import quality_progress
 
 KV_CHOICES = ("auto", *KV_QUANT_NAMES)
 TOP_K_REDUCTIONS = (0, 1, 2)
@@ -84,9 +90,6 @@ class QualityBound:
 def distributions(model_dir) -> dict:
     """The lossy dimensions this model has: KV quantization where its attention supports it,
     routing trims on MoE models (never below one expert)."""
-    from engine.arch.kvquant import supports_quantized_kv
-    from engine.arch.model import ModelArgs
-    from engine.format.checkpoint import Checkpoint
     args = ModelArgs.from_config(Checkpoint(model_dir).config)
     d = {}
     if supports_quantized_kv(args):
@@ -149,8 +152,6 @@ class QualityMeter:
 
     def key_base(self) -> dict:
         if self._key_base is None:
-            from engine.format.checkpoint import Checkpoint
-            from engine.format.convert import fingerprint
             self._key_base = {
                 "model_fingerprint": fingerprint(Checkpoint(self.model_dir)),
                 "reference_fingerprint": fingerprint(Checkpoint(self.reference_dir)),
@@ -175,8 +176,6 @@ class QualityMeter:
         return result
 
     def _measure(self, setting: dict) -> dict:
-        from engine.run.quality import Reference
-        from tuner.results.printers import quality_progress
         if self._reference is None:
             self._reference = Reference(self.reference_dir, self.bound.tokens, self.bound.ctx, self.bound.text,
                                         progress=quality_progress())
