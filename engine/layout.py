@@ -63,6 +63,10 @@ class ExpertLocation:
     # plain matrices (gpt_oss: fused with biases, or MXFP4 blocks dequantized on read).
     decode: Callable | None = None
     quant: QuantSpec | None = None  # a colibri int8/int4 container (engine/container.py)
+    # Formats that `decode` keeps as stored (gpt_oss MXFP4 for its native kernel): per piece,
+    # True where the compute reads the bytes in place, False where they become the compute dtype.
+    stored: tuple[bool, ...] | None = None
+    kernel: str | None = None  # the experts' matmul, where `decode` picks its own
 
     @property
     def nbytes(self) -> int:
@@ -133,6 +137,11 @@ class ExpertLayout:
     def expert_nbytes(self) -> int:
         """On-disk bytes of one expert (all experts have the same geometry)."""
         return next(iter(self._locations.values())).nbytes if self._locations else 0
+
+    @property
+    def kernel(self) -> str | None:
+        """The experts' matmul when the layout's format picks one (gpt_oss MXFP4), else None."""
+        return next(iter(self._locations.values())).kernel if self._locations else None
 
     @property
     def spans_per_expert(self) -> int:
@@ -215,6 +224,8 @@ def expert_memory_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
     if not layout.num_routed:
         return 0
     loc = next(iter(layout._locations.values()))
+    if loc.stored is not None:
+        return sum(p.nbytes if kept else _numel(p) * (torch.finfo(dtype).bits // 8) for p, kept in zip(loc.pieces, loc.stored))
     if loc.quant is None:  # every weight of the expert (gpt_oss: biases too) in the compute dtype
         return layout.args.expert_numel * (torch.finfo(dtype).bits // 8)
     elem = torch.finfo(dtype).bits // 8
@@ -227,6 +238,9 @@ def cast_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
     if not layout.num_routed:
         return 0
     loc = next(iter(layout._locations.values()))
+    if loc.stored is not None:
+        return sum(_numel(p) * (torch.finfo(dtype).bits // 8) for p, kept in zip(loc.pieces, loc.stored)
+                   if not kept and p.dtype != dtype)
     if loc.quant is None:
         return 0
     scales = [s for s in loc.pieces[1::2] if s.dtype != dtype]
@@ -239,7 +253,14 @@ def zero_copy(layout: ExpertLayout, dtype: torch.dtype) -> bool:
     if not layout.num_routed:
         return False
     loc = next(iter(layout._locations.values()))
-    return loc.quant is not None or all(p.dtype == dtype for p in loc.pieces)
+    return loc.quant is not None or loc.stored is not None or all(p.dtype == dtype for p in loc.pieces)
+
+
+def _numel(piece: Piece) -> int:
+    n = 1
+    for d in piece.shape:
+        n *= d
+    return n
 
 
 def slot_bytes(layout: ExpertLayout, direct: bool) -> int:
