@@ -65,6 +65,7 @@ ITEMSIZE = {"F32": 4, "BF16": 2, "F8_E4M3": 1, "U8": 1}
 INT4_GROUP = 128
 MODELS = {"deepseek-v3": {"shards": 163, "dtype": "fp8"}, "glm-5": {"shards": 282, "dtype": "bf16"}}
 PRESET_ONLY = ("name", "description", "materializable", "source", "published_total_params", "published_active_params")
+DEFAULT_PROFILE = str(ROOT / "profiles" / "amd-epyc-virtio-2a91f032.json")  # this machine class, bundled
 FINGERPRINT = "sparse-fullscale-builder"  # no source: the stamp says so
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]}
 
@@ -273,7 +274,7 @@ def _cli(argv: list[str], timeout: float) -> tuple[float, int, str]:
     return time.perf_counter() - t0, done.returncode, (tail[-1] if tail else "")[:300]
 
 
-def measure(model: Path, budget: int, decode: bool) -> list[str]:
+def measure(model: Path, budget: int, decode: bool, profile: str = DEFAULT_PROFILE) -> list[str]:
     rows = ["| step | wall s | RSS growth | notes |", "|---|---|---|---|"]
     opened, heap = _child(model, "open", budget), _child(model, "heap", budget)
     rows.append(f"| open (Checkpoint index, {opened['tensors']:,} tensors) | {opened['open_s']:.2f} | "
@@ -286,13 +287,14 @@ def measure(model: Path, budget: int, decode: bool) -> list[str]:
     planned = _child(model, "plan", budget)
     rows.append(f"| + make_plan at {format_size(budget)} | {planned['plan_s']:.2f} | "
                 f"{format_size(planned['plan_rss_bytes'])} (with index, layout) | {planned['plan']} |")
-    wall, rc, line = _cli(["plan", "--model", str(model), "--budget", format_size(budget).replace(" ", ""),
-                           "--json"], 1800)
-    rows.append(f"| `colibri plan --json` (whole command) | {wall:.2f} | - | exit {rc}: {line} |")
+    size = format_size(budget).replace(" ", "")
+    wall, rc, line = _cli(["plan", "--model", str(model), "--profile", profile, "--budget", size], 1800)
+    rows.append(f"| `colibri plan` (whole command: open, geometry, cost-model search) | {wall:.2f} | - | "
+                f"exit {rc}: {line} |")
     if decode:
         wall, rc, line = _cli(["bench", "--model", str(model), "--tokens", "1", "--repeats", "1",
-                               "--prompt-tokens", "1", "--ram-budget", format_size(budget).replace(" ", ""),
-                               "--cgroup-limit", format_size(budget).replace(" ", ""), "--json"], 3600)
+                               "--prompt-tokens", "1", "--ram-budget", size, "--cgroup-limit", size,
+                               "--timeout", "1200", "--json"], 1500)
         rows.append(f"| `colibri bench --tokens 1` in a {format_size(budget)} cgroup | {wall:.2f} | - | "
                     f"exit {rc}: {line} |")
     return rows
@@ -310,6 +312,7 @@ def main() -> int:
     m.add_argument("dir")
     m.add_argument("--budget", default="16GiB")
     m.add_argument("--decode", action="store_true", help="also one decode step under a cgroup of --budget")
+    m.add_argument("--profile", default=DEFAULT_PROFILE, help="hardware profile for `colibri plan`")
     al = sub.add_parser("all", help="build each model in a temp dir, measure it, delete it")
     al.add_argument("--dtype", choices=("fp8", "bf16", "int4"), help="default: each model's published dtype")
     al.add_argument("--budget", default="16GiB")
@@ -344,7 +347,7 @@ def main() -> int:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return 0
-    print("\n".join(measure(Path(a.dir), parse_size(a.budget), a.decode)))
+    print("\n".join(measure(Path(a.dir), parse_size(a.budget), a.decode, a.profile)))
     return 0
 
 

@@ -79,6 +79,7 @@ class ExpertLayout:
         self.ckpt = checkpoint
         self.quant = container_spec(checkpoint)
         self._locations: dict[tuple[int, int], ExpertLocation] = {}
+        self._slot_bytes: dict[bool, int] = {}
         for layer in range(args.num_layers):
             if not args.is_moe_layer(layer):
                 continue
@@ -157,7 +158,11 @@ class ExpertLayout:
         return zero_copy(self, dtype)
 
     def slot_bytes(self, direct: bool) -> int:
-        return slot_bytes(self, direct)
+        # A walk over every expert (DeepSeek-V3: 14,848), asked once per config the cost model
+        # plans (thousands): the locations never change, so once per io kind.
+        if direct not in self._slot_bytes:
+            self._slot_bytes[direct] = slot_bytes(self, direct)
+        return self._slot_bytes[direct]
 
     def keys(self):
         return self._locations.keys()
