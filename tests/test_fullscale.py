@@ -74,3 +74,22 @@ def test_fp8_variant_has_the_published_names_and_block_scales(tmp_path):
         assert kv_b["shape"] == [math.ceil(32768 / 128), 4]
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
+
+
+def test_int4_container_variant_plans_within_16_gib(tmp_path):
+    """Our `--scope all` int4 container of the same geometry: the dense part fits 16 GiB, and the
+    cost model's geometry reads its quantized dense matrices (it used to ask for lm_head.weight)."""
+    from tuner.costmodel.geometry import from_model_dir
+    d = tmp_path / "int4"
+    build("deepseek-v3", d, "int4")
+    ckpt = Checkpoint(d)
+    args = ModelArgs.from_config(ckpt.config)
+    layout = ExpertLayout(ckpt, args)
+    assert layout.quant.quant == "int4" and layout.spans_per_expert == 1
+    plan = make_plan(ckpt, args, layout, EngineConfig(ram_budget=16 * GiB), torch.bfloat16, torch.bfloat16,
+                     overhead_bytes=1 * GiB)
+    assert plan.streaming and plan.dense_bytes < 11 * GiB and plan.cache_slots > 100
+    geometry = from_model_dir(d)
+    shapes = {t.name: t.shape for t in geometry.dense}
+    assert shapes["lm_head.weight"] == (129280, 7168)
+    assert shapes["model.layers.5.self_attn.o_proj.weight"] == (7168, 16384)
