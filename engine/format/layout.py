@@ -229,8 +229,9 @@ def expert_memory_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
     if not layout.num_routed:
         return 0
     loc = next(iter(layout._locations.values()))
-    if loc.stored is not None:
-        return sum(p.nbytes if kept else _numel(p) * (torch.finfo(dtype).bits // 8) for p, kept in zip(loc.pieces, loc.stored))
+    stored = getattr(loc, "stored", None)  # the cost model's stand-in layouts have none
+    if stored is not None:
+        return sum(p.nbytes if kept else _numel(p) * (torch.finfo(dtype).bits // 8) for p, kept in zip(loc.pieces, stored))
     if loc.quant is None:  # every weight of the expert (gpt_oss: biases too) in the compute dtype
         return layout.args.expert_numel * (torch.finfo(dtype).bits // 8)
     elem = torch.finfo(dtype).bits // 8
@@ -243,8 +244,9 @@ def cast_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
     if not layout.num_routed:
         return 0
     loc = next(iter(layout._locations.values()))
-    if loc.stored is not None:
-        return sum(_numel(p) * (torch.finfo(dtype).bits // 8) for p, kept in zip(loc.pieces, loc.stored)
+    stored = getattr(loc, "stored", None)  # the cost model's stand-in layouts have none
+    if stored is not None:
+        return sum(_numel(p) * (torch.finfo(dtype).bits // 8) for p, kept in zip(loc.pieces, stored)
                    if not kept and p.dtype != dtype)
     if loc.quant is None:
         return 0
@@ -258,7 +260,7 @@ def zero_copy(layout: ExpertLayout, dtype: torch.dtype) -> bool:
     if not layout.num_routed:
         return False
     loc = next(iter(layout._locations.values()))
-    return loc.quant is not None or loc.stored is not None or all(p.dtype == dtype for p in loc.pieces)
+    return loc.quant is not None or getattr(loc, "stored", None) is not None or all(p.dtype == dtype for p in loc.pieces)
 
 
 def _numel(piece: Piece) -> int:
