@@ -49,6 +49,7 @@ class TuneOptions:
     tokens: int = 8
     repeats: int = 2
     prompt_tokens: int = 8
+    prompts: str | None = None  # the user's prompts file (tune_workload.py): trials run it instead
     cold: bool = True
     trial_timeout: float | None = None  # None: adaptive (5x a measured trial, at least 60 s)
     cgroup_limit: int | None = None  # None: the budget (tests use a smaller one to force OOM)
