@@ -158,15 +158,21 @@ def tune_text(r: dict, files: dict) -> str:
                                                      if st.get("measuring_share") is not None else ""),
     ]
     if r.get("workload"):
-        from tuner.tune_workload import workload_line
-        from tuner.schema import decode
-        from tuner.result import ResultError, WorkloadInfo
-        lines.append(f"workload: {workload_line(decode(WorkloadInfo, r['workload'], 'workload', ResultError))}")
+        lines.append(f"workload: {workload_text(r['workload'])}")
     for name in ("recommended.toml", "result.json", "trials.csv", "report.md", "report.html"):
         if name in files:
             lines.append(f"  {name}: {files[name]}")
     lines.append(f"  study: {r['study']['storage']} (optuna-dashboard can open it)")
     return "\n".join(lines)
+
+
+def workload_text(w: dict) -> str:
+    """result.json's `workload` in words (lengths and hash; the prompts' text is never recorded)."""
+    p, n = w["prompt_tokens"], w["max_new_tokens"]
+    if w["kind"] == "fixed":
+        return (f"fixed random prompt of {p['max']} tokens, {n['max']} decoded (tune --prompts FILE: your own)")
+    return (f"{w['requests']} prompt(s) from {w.get('source')} ({w.get('sha256')}): prompts {p['min']}..{p['max']} "
+            f"tokens (median {p['median']:g}), outputs {n['min']}..{n['max']} tokens")
 
 
 def _figures_text(f: dict) -> str:

@@ -69,13 +69,3 @@ def prepare_workload(prompts: str | None, model_dir: Path, prompt_tokens: int, t
                         max_new_tokens=Lengths(**d["max_new_tokens"]), sha256=d["sha256"],
                         source=Path(prompts).name)
     return TuneWorkload(info, requests)
-
-
-def workload_line(info: WorkloadInfo) -> str:
-    """How the text summary and the report name the workload."""
-    if info.kind == "fixed":
-        return (f"fixed random prompt of {info.prompt_tokens.max} tokens, {info.max_new_tokens.max} decoded "
-                f"(tune --prompts FILE: your own)")
-    p, n = info.prompt_tokens, info.max_new_tokens
-    return (f"{info.requests} prompt(s) from {info.source} ({info.sha256}): prompts {p.min}..{p.max} tokens "
-            f"(median {p.median:g}), outputs {n.min}..{n.max} tokens")
