@@ -16,12 +16,12 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState, create_trial
 
 from colibri_tune_fixtures import BUDGET, MIN_CTX, model_dir, profile_path  # noqa: F401
-from engine.config import EngineConfig
-from engine.errors import PromptError
-from engine.workload import Request, load_workload, read_prompts, workload_digest
-from tuner import confirm, explore, objective
-from tuner.result import TuneResult
-from tuner.study import TuneOptions, run_tune
+from engine.base.config import EngineConfig
+from engine.base.errors import PromptError
+from engine.run.workload import Request, load_workload, read_prompts, workload_digest
+from tuner.search import confirm, explore, objective
+from tuner.results.result import TuneResult
+from tuner.search.study import TuneOptions, run_tune
 
 
 class ReProposer(optuna.samplers.BaseSampler):
@@ -50,7 +50,7 @@ def options(model_dir, profile_path, out, **kw) -> TuneOptions:
 def stalled(model_dir, profile_path, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("tune-stall") / "run"
     mp = pytest.MonkeyPatch()
-    mp.setattr("tuner.study.make_sampler", lambda opts, shared: ReProposer())
+    mp.setattr("tuner.search.study.make_sampler", lambda opts, shared: ReProposer())
     log: list[str] = []
     try:
         outcome = run_tune(options(model_dir, profile_path, out), log=log.append)
@@ -145,7 +145,7 @@ def test_the_confirmation_measures_the_engine_defaults_and_the_headline_gain_is_
     assert r["gain_over_defaults"] == pytest.approx(rec / d - 1.0)
     assert r["gain_over_baseline"] == pytest.approx(rec / b - 1.0)
 
-    from tuner.printers import tune_text
+    from tuner.results.printers import tune_text
     text = tune_text(r, {})
     assert "engine defaults: decode" in text and "gain over the engine's defaults (decode_tok_s): " in text
     assert "(over the rules-of-thumb baseline: " in text
@@ -156,7 +156,7 @@ def test_the_confirmation_measures_the_engine_defaults_and_the_headline_gain_is_
     toml = (outcome.out_dir / "recommended.toml").read_text()
     assert "gain over the engine's defaults" in toml
 
-    from tuner.profiles import export_profile
+    from tuner.share.profiles import export_profile
     shared = export_profile(outcome.out_dir)  # validated exactly as `profile import` validates
     entry = shared["best_configs"][-1]
     assert entry["gain_over_defaults"] == pytest.approx(r["gain_over_defaults"])
@@ -167,7 +167,7 @@ def test_the_confirmation_measures_the_engine_defaults_and_the_headline_gain_is_
 def test_decide_ranks_request_latency_lower_first():
     def cont(label, role, request_s):
         c = confirm.Contender(label, None, role, EngineConfig(), None)
-        from tuner.result import RunSummary
+        from tuner.results.result import RunSummary
         c.runs = [RunSummary(status="ok", wall_seconds=1.0, decode_tok_s=5.0, ttft_s=0.1, request_s=request_s,
                              tokens_consistent=True, threads=1)]
         c.output_ids = [[1, 2]]
@@ -188,7 +188,7 @@ def test_plan_uses_a_profiles_recall_only_for_the_geometry_it_was_measured_on(mo
     from tuner.costmodel.geometry import from_model_dir
     from tuner.costmodel.model_facts import measured_on, recall_for
     from tuner.costmodel.predict import DEFAULT_LOOKAHEAD_RECALL
-    from tuner.probe.profile import save_profile
+    from tuner.probe.hardware_profile import save_profile
 
     tiny = from_model_dir(model_dir).to_dict()
     section = {"schema": "colibri.costmodel/1", "factors": {"eta_io": 1.0, "lookahead_recall": 0.95},
@@ -228,7 +228,7 @@ def test_the_shipped_profile_keys_its_demo_recall_to_the_demo_geometry():
 # --- 5. the user's workload ----------------------------------------------------------------------
 
 def test_prompts_files_parse_as_lines_or_json_lines(model_dir, tmp_path):  # noqa: F811
-    from engine.generate import load_tokenizer
+    from engine.run.generate import load_tokenizer
     lines = tmp_path / "p.txt"
     lines.write_text("def add(a, b):\n\n   return a + b\n")
     assert read_prompts(lines, 5) == [("def add(a, b):", 5), ("   return a + b", 5)]
