@@ -35,6 +35,7 @@ from tuner.search.run_record import RUN_FILE, read_run_record, write_run_record
 from tuner.search.space import DEFAULT_OVERHEAD_BYTES, ModelFacts, SearchSpace
 from tuner.search.study_storage import Heartbeat, open_storage, redact_url
 from tuner.search.trial import run_trial
+from tuner.search.warm_start import enqueue_warm_starts
 from tuner.search.workload import prepare_workload
 from tuner.search.options import (  # noqa: F401  (re-exported: callers import them from here)
     Log, TuneOptions, TuneOutcome, _stderr, default_budget, make_sampler,
@@ -167,46 +168,8 @@ class _Run:
                                     sampler=make_sampler(self.opts, self.shared), load_if_exists=True)
         storage.check_settings(study, self.settings())
         storage.fail_unfinished(study, self.shared, self.log)
-        self._enqueue_warm_starts(study)
+        enqueue_warm_starts(self, study)
         return study
-
-    def _enqueue_warm_starts(self, study: optuna.Study) -> None:
-        fresh = not study.trials
-        study.enqueue_trial(self.space.params_of(self.space.baseline()), user_attrs={"role": "baseline"},
-                            skip_if_exists=True)
-        # The engine's defaults: the point the headline gain is measured against, and a good start.
-        study.enqueue_trial(self.space.params_of(self.defaults_config()), user_attrs={"role": "defaults"},
-                            skip_if_exists=True)
-        queued = 2
-        if self.warm_entry:
-            try:
-                config = EngineConfig.from_dict(self.warm_entry["config"], source="--from-profile config")
-            except ConfigError as exc:
-                self.log(f"--from-profile: skipped an unusable recorded config ({exc})")
-            else:
-                study.enqueue_trial(self.space.params_of(config), user_attrs={"role": "from_profile"},
-                                    skip_if_exists=True)
-                queued += 1
-        if self.opts.cost_model and self.facts.has_experts and fresh:
-            self._enqueue_predicted(study, queued)
-
-    def _enqueue_predicted(self, study: optuna.Study, queued: int) -> None:
-        """The cost model's top predicted configs, measured right after the baseline."""
-        from tuner.costmodel.predict import RunConditions
-        from tuner.costmodel.search import study_warm_starts
-        o = self.opts
-        # Never more than the trial budget leaves after the baseline: queued trials that never
-        # run would sit in the study as WAITING.
-        n = 3 if o.trials is None else max(0, min(3, o.trials - queued))
-        if not n:
-            return
-        run = RunConditions(prompt_tokens=o.prompt_tokens, tokens=o.tokens, repeats=o.repeats, cold=o.cold)
-        for r in study_warm_starts(self.space, self.profile, self.model_dir, run, n):
-            study.enqueue_trial(self.space.params_of(r.config), skip_if_exists=True,
-                                user_attrs={"role": "model", "predicted_decode_tok_s": r.prediction.decode_tok_s})
-            self.log(f"cost model: warm start {r.config.io_mode}, chunk {format_size(r.config.chunk_size)}, "
-                     f"prefetch {r.config.prefetch_depth}, cache ratio {r.config.cpu_cache_ratio}, "
-                     f"{r.config.cache_policy}: predicted {r.prediction.decode_tok_s:.3g} tok/s")
 
     # --- search -------------------------------------------------------------------------------
 
