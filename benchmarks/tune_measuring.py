@@ -30,7 +30,8 @@ def summarize(run_dir: Path) -> dict:
               "cache_policy", "gpu_cache_ratio")
     distinct = {tuple(r.get(p, "") for p in params) for r in measured}
     trial_s = sum(float(r["wall_seconds"] or 0.0) for r in measured)
-    confirm_s = sum(run.get("wall_seconds") or 0.0 for c in result.get("candidates") or [] for run in c.get("runs") or [])
+    confirm_s = sum(run.get("wall_seconds") or 0.0
+                    for c in result.get("candidates") or [] for run in c.get("runs") or [])
     wall = float(result["conditions"]["wall_seconds"])
 
     def tok_s(key):

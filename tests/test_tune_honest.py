@@ -182,7 +182,7 @@ def test_decide_ranks_request_latency_lower_first():
 
 # --- 3. per-model facts stay per model -----------------------------------------------------------
 
-def test_plan_uses_a_profiles_recall_only_for_the_geometry_it_was_measured_on(model_dir, tmp_path, capsys):  # noqa: F811
+def test_plan_uses_a_profiles_recall_only_for_its_own_geometry(model_dir, tmp_path, capsys):  # noqa: F811
     from tests.test_probe_profile import make_profile
     from tuner.cli import main
     from tuner.costmodel.geometry import from_model_dir

@@ -169,7 +169,8 @@ def test_tune_result_loader_is_strict():
     doc = schema_documents()["tune-result.schema.json"]
     assert doc["properties"]["schema"] == {"enum": ["colibri.tune/3"]}
     assert set(doc["required"]) == set(doc["properties"])
-    for schema in ("colibri.tune/3", "colibri.tune/2", "colibri.tune/1"):  # migration fills what was added, not what is missing
+    # Migration fills what was added, not what is missing.
+    for schema in ("colibri.tune/3", "colibri.tune/2", "colibri.tune/1"):
         with pytest.raises(ResultError, match="missing key"):
             TuneResult.from_dict({"schema": schema})
 

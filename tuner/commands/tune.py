@@ -13,7 +13,7 @@ def add_tune(sub) -> None:
     p.add_argument("--ram-budget", help="memory budget, e.g. 1GiB (default: 1GiB for demo, else 88%% of available)")
     limit = p.add_argument_group("how long")
     limit.add_argument("--time-budget", help="wall time for the whole run, e.g. 10m (default 15m without --trials)")
-    limit.add_argument("--trials", type=int, help="completed trials in the study (resumed ones count)")
+    limit.add_argument("--trials", type=int, help="measured trials in the study (resumed ones count; a re-proposal of a measured point does not)")
     p.add_argument("--min-ctx", type=int, default=2048, help="smallest context size to consider (default 2048)")
     p.add_argument("--objective", choices=OBJECTIVES, default="decode")
     p.add_argument("--out", help="run directory (default: reports/tune-<model>-<time>; with --resume, the latest)")

@@ -3,8 +3,8 @@
 The round re-measures the top candidates, the engine's defaults (EngineConfig(): what a user
 who skips `tune` gets, so the headline gain is over them) and the rules-of-thumb baseline,
 interleaved, winner first and baseline last (leftover warm state then favours the references,
-not the winner), and chooses on medians with their spread. A candidate whose tokens change, or that fails when re-measured, is
-disqualified: placement must never change tokens.
+not the winner), and chooses on medians with their spread. A candidate whose tokens change, or
+that fails when re-measured, is disqualified: placement must never change tokens.
 """
 
 from __future__ import annotations
