@@ -7,6 +7,7 @@ a sampler that proposes one point forever); every trial is a real `colibri bench
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -85,12 +86,11 @@ def test_re_proposals_are_not_trials_and_the_search_explores_instead(stalled):
     assert len(explored) == 2 and all(t.user_attrs.get("duplicate_of") is None for t in explored)
     assert len({objective.point_key(t.params) for t in explored} | {objective.point_key(trials[0].params)}) == 3
 
-    rows = (outcome.out_dir / "trials.csv").read_text().splitlines()
-    header = rows[0].split(",")
-    col = {name: header.index(name) for name in ("measured", "point", "duplicate_of")}
-    cells = [r.split(",") for r in rows[1:]]
-    assert sum(c[col["measured"]] == "False" for c in cells) == 4
-    assert sorted({c[col["point"]] for c in cells}) == ["0", "1", "2", "3"]
+    with (outcome.out_dir / "trials.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 8 and sum(r["measured"] == "False" for r in rows) == 4
+    assert sorted({r["point"] for r in rows}) == ["0", "1", "2", "3"]
+    assert all(r["duplicate_of"] == "0" for r in rows if r["measured"] == "False")
 
 
 def test_exploration_picks_unmeasured_neighbours_then_converges():
@@ -197,12 +197,12 @@ def test_plan_uses_a_profiles_recall_only_for_its_own_geometry(model_dir, tmp_pa
     profile.cost_model = section
     save_profile(profile, tmp_path / "p.json")
 
-    def plan(model):
-        assert main(["plan", "--model", model, "--profile", str(tmp_path / "p.json"), "--budget", "400MiB",
+    def plan(model, budget):
+        assert main(["plan", "--model", model, "--profile", str(tmp_path / "p.json"), "--budget", budget,
                      "--json"]) == 0
         return json.loads(capsys.readouterr().out)
 
-    here, other = plan(str(model_dir)), plan("glm-5")
+    here, other = plan(str(model_dir), "400MiB"), plan("glm-5", "24GiB")
     assert here["factors"]["lookahead_recall"] == 0.95 and "measured on this geometry (tiny)" in \
         here["lookahead_recall_source"] and here["profile_routing"] == "recorded histogram"
     assert other["factors"]["lookahead_recall"] == DEFAULT_LOOKAHEAD_RECALL and other["profile_routing"] is None
@@ -254,7 +254,7 @@ def test_prompts_files_parse_as_lines_or_json_lines(model_dir, tmp_path):  # noq
     ('{"prompt": ""}\n', "\"prompt\" must be a non-empty string"),
     ('{"prompt": "a", "max_new_tokens": 0}\n', "\"max_new_tokens\" must be an integer"),
     ('{"prompt": "a", "max_new_tokens": true}\n', "\"max_new_tokens\" must be an integer"),
-    ('["a"]\n', "expected an object"),
+    ('{"prompt": "a"}\n["a"]\n', "line 2: expected an object"),
 ])
 def test_bad_prompts_files_are_one_error_line(content, message, tmp_path):
     path = tmp_path / "prompts"
@@ -275,7 +275,7 @@ def test_tune_refuses_a_bad_prompts_file_in_one_line(model_dir, tmp_path, capsys
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "line 1" in err and "max_new_tokens" in err
     long = tmp_path / "long.txt"
-    long.write_text("x " * 600 + "\n")  # the tiny model has 512 positions
+    long.write_text(" ".join(str(i) for i in range(1500)) + "\n")  # thousands of tokens; tiny has 512 positions
     rc = main(["tune", "--model", str(model_dir), "--ram-budget", "512MiB", "--trials", "1", "--prompts", str(long),
                "--out", str(tmp_path / "run2")])
     err = capsys.readouterr().err

@@ -46,7 +46,10 @@ def enqueue_predicted(run, study: optuna.Study, queued: int) -> None:
     n = 3 if o.trials is None else max(0, min(3, o.trials - queued))
     if not n:
         return
-    cond = RunConditions(prompt_tokens=o.prompt_tokens, tokens=o.tokens, repeats=o.repeats, cold=o.cold)
+    # The trials' own lengths: with --prompts, a typical request of the user's workload.
+    w = run.workload_info
+    cond = RunConditions(prompt_tokens=max(1, round(w.prompt_tokens.median)),
+                         tokens=max(1, round(w.max_new_tokens.median)), repeats=o.repeats, cold=o.cold)
     for r in study_warm_starts(run.space, run.profile, run.model_dir, cond, n):
         study.enqueue_trial(run.space.params_of(r.config), skip_if_exists=True,
                             user_attrs={"role": "model", "predicted_decode_tok_s": r.prediction.decode_tok_s})
