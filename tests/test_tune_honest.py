@@ -104,7 +104,7 @@ def test_exploration_picks_unmeasured_neighbours_then_converges():
     best = {"chunk": 2, "mode": "a", "depth": 1, "ratio": 0.75}
     done = [trial(0, best, 10.0)]
     seen = set()
-    for n in range(1, 7):  # the best point has 6 one-step neighbours
+    for n in range(1, 8):  # the best point has 7 one-step neighbours
         point, why = explore.exploration_point(done, dists, "decode", seed=0, number=100 + n)
         assert point is not None and "neighbour of the best point (trial #0)" in why
         key = objective.point_key(point)
