@@ -14,9 +14,8 @@ from tuner.results.printers import fmt, json_text, pct, trials_csv, utc_now
 from tuner.probe.errors import ProfileError
 from tuner.results.result import (
     BEST_CONFIG_SCHEMA, RESULT_SCHEMA, Conditions, ConfirmationInfo, Figures, MemoryLimit, ModelInfo, ProfileSummary,
-    QualityInfo, StudyInfo, TuneResult, Versions,
+    QualityInfo, StudyInfo, TuneResult, Versions, OBJECTIVE_KEY,
 )
-from tuner.search.objective import OBJECTIVE_KEY
 from tuner.search.study_storage import redact_url
 
 # Geometry keys that make two models interchangeable for a recorded best config.
@@ -120,8 +119,7 @@ def build_result(run, decision) -> TuneResult:
         s = t.user_attrs.get("status", t.state.name.lower())
         statuses[s] = statuses.get(s, 0) + 1
     from tuner.search.confirm import feasible
-    from tuner.search.explore import measured, search_counts
-    counts = search_counts([t for t in trials if t.state.name == "COMPLETE"])
+    counts = run.search_counts  # tuner/search/explore.py: measured, re-proposals, distinct points
     wall = run.clock.used()
     return TuneResult(
         schema=RESULT_SCHEMA, created_utc=utc_now(), started_utc=run.started_utc,
@@ -134,7 +132,7 @@ def build_result(run, decision) -> TuneResult:
         confirmation=ConfirmationInfo(rounds=decision.rounds, confirmed=decision.confirmed),
         study=StudyInfo(
             name=run.study_name, storage=redact_url(run.storage_url), trials=len(trials),
-            feasible=len(feasible(measured(trials))), by_status=statuses, sampler=type(run.study.sampler).__name__,
+            feasible=len(feasible([t for t in trials if t.user_attrs.get("duplicate_of") is None])), by_status=statuses, sampler=type(run.study.sampler).__name__,
             sampler_note="chosen by benchmarks/tuner_quality.py (GP for one objective, TPE for two)"
             if opts.sampler == "auto" else "set by --sampler", directions=[d.name for d in run.study.directions],
             measured_trials=counts.measured, re_proposals=counts.re_proposals,

@@ -13,8 +13,7 @@ import sys
 from typing import Any, Iterable, Sequence
 
 from engine.base.config import format_size
-from tuner.results.result import is_feasible
-from tuner.search.objective import point_key
+from tuner.results.result import is_feasible, point_key
 
 # --- formatters -----------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -32,6 +33,17 @@ RESULT_SCHEMA_V2 = "colibri.tune/2"
 RESULT_SCHEMA_V1 = "colibri.tune/1"
 TRIAL_SCHEMA = "colibri.trial/1"
 BEST_CONFIG_SCHEMA = "colibri.best_config/1"
+
+# The figure each objective ranks by and the result's gain is on (gain_metric); both: decode
+# first, then TTFT. request: the end-to-end latency of a request (TTFT + its decode), the mean
+# over the workload's requests (tune --prompts) or of the fixed prompt and --tokens.
+OBJECTIVE_KEY = {"decode": "decode_tok_s", "ttft": "ttft_s", "request": "request_s", "both": "decode_tok_s"}
+
+
+def point_key(params: dict) -> str:
+    """A trial's point in the search space, as an identity: stepped floats compare rounded
+    (0.8500000000000001 is 0.85)."""
+    return json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in params.items()}, sort_keys=True)
 
 # How a trial ended (tuner/search/outcome.py): recorded by the trial process, or seen by its parent
 # (timeout; oom_killed from the cgroup's own OOM counter; killed by another, named signal).

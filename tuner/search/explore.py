@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from tuner.search.confirm import ranked
-from tuner.search.objective import point_key
+from tuner.results.result import point_key
 
 # Re-proposals in a row before the search switches to exploration: one or two happen while the
 # sampler still learns; a third in a row means it has settled.

@@ -8,17 +8,13 @@ from 'hopeless'.
 
 from __future__ import annotations
 
-import json
-
 from engine.base.config import format_size
-from tuner.results.result import RunFigures, TrialRecord, TrialResult
+from tuner.results.result import OBJECTIVE_KEY, RunFigures, TrialRecord, TrialResult, point_key  # noqa: F401
 
 OBJECTIVES = ("decode", "ttft", "request", "both")
 DIRECTIONS = {"decode": ["maximize"], "ttft": ["minimize"], "request": ["minimize"], "both": ["maximize", "minimize"]}
-# The figure each single objective ranks by (both: decode first, then TTFT). request: the
-# end-to-end latency of a request (TTFT + its decode), the mean over the workload's requests
-# (tune --prompts) or of the fixed prompt and --tokens.
-OBJECTIVE_KEY = {"decode": "decode_tok_s", "ttft": "ttft_s", "request": "request_s", "both": "decode_tok_s"}
+# The figure each objective ranks by is OBJECTIVE_KEY (tuner/results/result.py, where the
+# result's gain_metric is named).
 LOWER_IS_BETTER = ("ttft", "request")
 
 
@@ -108,7 +104,3 @@ def same_point(trials, params: dict):
             return t
     return None
 
-
-def point_key(params: dict) -> str:
-    """A point's identity: stepped floats compare rounded (0.8500000000000001 is 0.85)."""
-    return json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in params.items()}, sort_keys=True)

@@ -354,6 +354,7 @@ def run_tune(opts: TuneOptions, log: Log = _stderr) -> TuneOutcome:
             log(f"interrupted: {done} completed trial(s) are saved in {redact_url(run.storage_url)}; "
                 f"continue with: {again}")
             raise
+        run.search_counts = explore.search_counts(run.complete())
         result = outputs.build_result(run, decision).to_dict()
         files = outputs.write_outputs(run, result)
     rec = result["recommended"]

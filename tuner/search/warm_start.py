@@ -1,8 +1,8 @@
 """The points a new or joined study measures first, enqueued before the sampler proposes any.
 
-The rules-of-thumb baseline, then the engine's defaults (the point the headline gain is measured
-against, and a good start), then with --from-profile the best config a profile records for this
-geometry, then the cost model's top predicted configs. `run` is tuner.search.study._Run.
+The rules-of-thumb baseline, then with --from-profile the best config a profile records for this
+geometry, then the engine's defaults (the point the headline gain is measured against, and a
+good start), then the cost model's top predicted configs. `run` is tuner.search.study._Run.
 """
 
 from __future__ import annotations
@@ -21,11 +21,6 @@ def enqueue_warm_starts(run, study: optuna.Study) -> None:
     study.enqueue_trial(run.space.params_of(run.space.baseline()), user_attrs={"role": "baseline"},
                         skip_if_exists=True)
     queued = 1
-    # A queued trial the trial budget never runs would sit in the study as WAITING.
-    if o.trials is None or o.trials > queued:
-        study.enqueue_trial(run.space.params_of(run.defaults_config()), user_attrs={"role": "defaults"},
-                            skip_if_exists=True)
-        queued += 1
     if run.warm_entry:
         try:
             config = EngineConfig.from_dict(run.warm_entry["config"], source="--from-profile config")
@@ -35,6 +30,11 @@ def enqueue_warm_starts(run, study: optuna.Study) -> None:
             study.enqueue_trial(run.space.params_of(config), user_attrs={"role": "from_profile"},
                                 skip_if_exists=True)
             queued += 1
+    # A queued trial the trial budget never runs would sit in the study as WAITING.
+    if o.trials is None or o.trials > queued:
+        study.enqueue_trial(run.space.params_of(run.defaults_config()), user_attrs={"role": "defaults"},
+                            skip_if_exists=True)
+        queued += 1
     if o.cost_model and run.facts.has_experts and fresh:
         enqueue_predicted(run, study, queued)
 
