@@ -190,9 +190,9 @@ def _gpt_oss_experts(g: dict, p: str, i: int, E: int, H: int, I: int) -> list:
 # --- weight recipe ----------------------------------------------------------------------------
 
 def make_recipe(g: dict, seed: int, skew: float):
-    from engine.synth import _Recipe
+    from engine.synth import Recipe
 
-    class ArchRecipe(_Recipe):
+    class ArchRecipe(Recipe):
         """synth's recipe plus the kinds of these architectures' tensors."""
 
         _quantized: tuple | None = None  # (base name, blocks, scales): one quantization per weight

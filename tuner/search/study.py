@@ -38,7 +38,7 @@ from tuner.search.trial import run_trial
 from tuner.search.warm_start import enqueue_warm_starts
 from tuner.search.workload import prepare_workload
 from tuner.search.options import (  # noqa: F401  (re-exported: callers import them from here)
-    Log, TuneOptions, TuneOutcome, _stderr, default_budget, make_sampler,
+    Log, TuneOptions, TuneOutcome, stderr_line, default_budget, make_sampler,
 )
 
 GiB = 1 << 30
@@ -327,7 +327,7 @@ class _Run:
         outputs.write_trials_csv(self.study.get_trials(deepcopy=False), self.out / "trials.csv")
 
 
-def run_tune(opts: TuneOptions, log: Log = _stderr) -> TuneOutcome:
+def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
     from tuner.probe.storage import sigterm_as_interrupt
     run = _Run(opts, log)
     with sigterm_as_interrupt():  # `kill` gets the same clean stop as Ctrl-C
