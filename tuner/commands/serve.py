@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from engine.base.config import parse_size
 from engine.base.errors import ConfigError
@@ -27,8 +28,10 @@ def add_serve(sub) -> None:
 
 
 def cmd_serve(args) -> int:
+    # The model id clients send: what the user typed for a preset ("demo"), else the directory's name.
+    name = args.model_name or Path(args.model).name
     opts = check_options(ServeOptions(args.host, args.port, args.api_key, args.queue_size,
-                                      parse_size(args.max_body), args.model_name))
+                                      parse_size(args.max_body), name))
     config = engine_config_from_args(args)
     model_dir = resolve_model(args.model, progress=True)
     serve(model_dir, config, opts, log=lambda m: print(m, file=sys.stderr, flush=True))
