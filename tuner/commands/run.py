@@ -8,7 +8,7 @@ from engine.base.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_BACKENDS, IO_M
 from tuner.results.printers import print_json as _print_json
 
 
-def _add_engine_flags(p) -> None:
+def add_engine_flags(p) -> None:
     """Flags shared by run and bench: each overrides the same key of --config."""
     p.add_argument("--config", help="engine config TOML (e.g. a tune run's recommended.toml)")
     p.add_argument("--ram-budget", help="memory budget, e.g. 1GiB (0 = everything resident)")
@@ -54,7 +54,7 @@ def add_run(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--record-routing", metavar="FILE", help="write the routing histogram (for cache_policy=pinned)")
-    _add_engine_flags(p)
+    add_engine_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (with prompt and output ids)")
     p.set_defaults(func=cmd_run)
 
@@ -108,7 +108,7 @@ def add_bench(sub) -> None:
                                                         "(default max_new_tokens: --tokens); needs tokenizer.json")
     work.add_argument("--workload", metavar="FILE", help="tokenized requests as `tune --prompts` saves them "
                                                          "(JSON Lines of {prompt_ids, max_new_tokens})")
-    _add_engine_flags(p)
+    add_engine_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
