@@ -19,7 +19,7 @@ LAYERS = [
     "engine.base", "engine.native", "engine.format.quant", "engine.arch", "engine.format",
     "engine.movement", "engine.synth", "engine.run", "engine.serve",
     "tuner.sandbox", "tuner.probe", "tuner.results", "tuner.share", "tuner.costmodel", "tuner.search",
-    "tuner.commands", "tuner.cli",
+    "tuner.doctor", "tuner.commands", "tuner.cli",
 ]
 
 # Known debt: (importer, imported) edges that go up a layer.
