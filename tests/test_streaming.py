@@ -14,7 +14,7 @@ from engine.base.errors import BudgetError, ModelFormatError
 from engine.run.generate import Sampler, generate
 from engine.movement.io import uring_unavailable
 from engine.format.layout import ExpertLayout
-from engine.arch.model import ModelArgs
+from engine.arch.args import ModelArgs
 from engine.movement.plan import ACTIVATION_MARGIN, make_plan
 from engine.run.runtime import Engine
 from colibri_hf_models import build

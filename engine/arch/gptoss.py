@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from engine.format.checkpoint import Checkpoint, TensorInfo
 from engine.base.errors import ModelFormatError
 from engine.format.layout import ExpertLocation, group_into_spans, piece_tensor
-from engine.arch.model import apply_rope
+from engine.arch.rope import apply_rope
 from engine import native
 
 # FP4 e2m1 code → value (codes 8-15 are the negatives of 0-7).
