@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.base.errors import ConfigError
+from engine.format.container import container_spec, dense_quantized
 
 INT4_GROUP = 64
 QUANTS = ("bf16", "fp32", "int8", "int4")
@@ -145,7 +146,6 @@ class ModelGeometry:
 def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
     """Exact sizes from a Hugging Face directory's headers (nothing but headers is read)."""
     from engine.format.checkpoint import Checkpoint
-    from engine.format.container import container_spec, dense_quantized
     from engine.arch.args import ModelArgs, dense_tensor_names
     from engine.run.runtime import checkpoint_dtype
     import torch
