@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.errors import ConfigError
+from engine.base.config import EngineConfig
+from engine.base.errors import ConfigError
 from tests.test_probe_profile import make_profile
 from tuner.cli import build_parser, main
 from tuner.commands import argtypes
-from tuner.probe.profile import save_profile
+from tuner.probe.hardware_profile import save_profile
 
 
 def cli(*argv) -> tuple[int, str, str]:

@@ -18,9 +18,9 @@ import re
 import tempfile
 from pathlib import Path
 
-from engine.config import parse_size
-from engine.errors import ColibriError, ConfigError
-from tuner.budget import parse_duration
+from engine.base.config import parse_size
+from engine.base.errors import ColibriError, ConfigError
+from tuner.search.budget import parse_duration
 
 # Python refuses int() of more than 4300 digits with a ValueError whose text talks about
 # sys.set_int_max_str_digits; anything near that long is not a count a user meant.

@@ -6,7 +6,7 @@ import sys
 
 from tuner.commands.argtypes import int_in, nonneg_int, positive_int
 from tuner.commands.run import CTX_MAX, TOKENS_MAX
-from tuner.printers import print_json as _print_json
+from tuner.results.printers import print_json as _print_json
 
 
 def add_convert(sub) -> None:
@@ -27,9 +27,9 @@ def add_convert(sub) -> None:
 
 def cmd_convert(args) -> int:
     import time
-    from engine.convert import convert
-    from engine.resolve import resolve_model
-    from tuner.printers import convert_progress
+    from engine.format.convert import convert
+    from engine.run.resolve import resolve_model
+    from tuner.results.printers import convert_progress
 
     import torch
     torch.set_num_threads(args.threads)
@@ -61,8 +61,8 @@ def add_quality(sub) -> None:
 
 
 def cmd_quality(args) -> int:
-    from tuner.printers import quality_progress
-    from tuner.quality import format_quality, measure_quality
+    from tuner.results.printers import quality_progress
+    from engine.run.quality import format_quality, measure_quality
 
     r = measure_quality(args.model, args.reference, tokens=args.tokens, ctx=args.ctx, text_file=args.text,
                         dtype=args.dtype, threads=args.threads,

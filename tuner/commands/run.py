@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sys
 
-from engine.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_BACKENDS, IO_MODES, KV_DTYPES
+from engine.base.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_BACKENDS, IO_MODES, KV_DTYPES
 from tuner.commands.argtypes import (check_output_file, finite_float, int_in, nonneg_int, positive_int, seconds,
                                      seed, size)
-from tuner.printers import print_json as _print_json
+from tuner.results.printers import print_json as _print_json
 
 # The same ranges as EngineConfig.validate (tests/test_argtypes.py checks that they agree), so a
 # bad flag is refused while parsing, naming the flag, before the model is opened.
@@ -36,7 +36,7 @@ def _add_engine_flags(p) -> None:
 
 
 def engine_config_from_args(args):
-    from engine.config import EngineConfig
+    from engine.base.config import EngineConfig
     config = EngineConfig.load(args.config) if args.config else EngineConfig()
     overrides = {
         "ram_budget": args.ram_budget, "chunk_size": args.chunk_size,  # bytes already (argtypes.size)
@@ -70,10 +70,10 @@ def add_run(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    from engine.generate import Sampler
-    from engine.resolve import resolve_model
-    from engine.session import run_generation
-    from tuner.printers import run_header, run_text
+    from engine.run.generate import Sampler
+    from engine.run.resolve import resolve_model
+    from engine.run.oneshot import run_generation
+    from tuner.results.printers import run_header, run_text
 
     config = engine_config_from_args(args)
     if args.record_routing:
@@ -121,8 +121,8 @@ def add_bench(sub) -> None:
 
 
 def cmd_bench(args) -> int:
-    from engine.errors import ConfigError
-    from engine.resolve import resolve_model
+    from engine.base.errors import ConfigError
+    from engine.run.resolve import resolve_model
 
     config = engine_config_from_args(args)
     for flag, path in (("--read-trace", args.read_trace), ("--record-routing", args.record_routing)):
@@ -132,7 +132,7 @@ def cmd_bench(args) -> int:
         raise ConfigError("--timeout goes with --cgroup-limit (a bench without a cgroup runs in this process)")
     model_dir = resolve_model(args.model, progress=not args.json)
     if args.cgroup_limit:
-        from tuner.trial import run_trial
+        from tuner.search.trial import run_trial
         extra = ["--record-routing", args.record_routing] if args.record_routing else []
         extra += ["--read-trace", args.read_trace] if args.read_trace else []
         trial = run_trial(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
@@ -145,7 +145,7 @@ def cmd_bench(args) -> int:
             return 1
         result = trial.metrics
     else:
-        from engine.bench import run_bench
+        from engine.run.bench import run_bench
 
         def progress(i, n, m):
             if not args.json:
@@ -155,11 +155,11 @@ def cmd_bench(args) -> int:
                            prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
                            record_routing=args.record_routing, read_trace=args.read_trace)
     if args.outcome:
-        from tuner.outcome import Outcome, write_outcome
+        from tuner.search.outcome import Outcome, write_outcome
         write_outcome(args.outcome, Outcome("ok", metrics=result))
     if args.json:
         _print_json(result)
     else:
-        from tuner.printers import bench_text
+        from tuner.results.printers import bench_text
         print(bench_text(result))
     return 0

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 from tuner.commands.argtypes import SEED_MAX, duration, int_in, nonneg_int, positive_int, seconds, size
 from tuner.commands.run import CTX_MAX, TOKENS_MAX
-from tuner.printers import print_json as _print_json
+from tuner.results.printers import print_json as _print_json
 
 
 def add_tune(sub) -> None:
-    from tuner.objective import OBJECTIVES, SAMPLERS
+    from tuner.search.objective import OBJECTIVES, SAMPLERS
     p = sub.add_parser("tune", help="search the engine settings for this machine and model (Optuna)")
     p.add_argument("--model", default="demo", help="model directory or synth preset (default: demo)")
     p.add_argument("--ram-budget", type=size(), help="memory budget, e.g. 1GiB (default: 1GiB for demo, else 88%% of available)")
@@ -58,7 +58,7 @@ def add_tune(sub) -> None:
 
 
 def cmd_tune(args) -> int:
-    from tuner.study import TuneOptions, format_outcome, run_tune
+    from tuner.search.study import TuneOptions, format_outcome, run_tune
 
     opts = TuneOptions(  # sizes in bytes and durations in seconds already (tuner/commands/argtypes.py)
         model=args.model, ram_budget=args.ram_budget, time_budget=args.time_budget, trials=args.trials,
@@ -81,7 +81,7 @@ def cmd_tune(args) -> int:
 
 
 def _tune_quant(args, opts) -> int:
-    from tuner.quant_tune import QuantTuneOptions, format_quant_outcome, parse_levels, run_quant_tune
+    from tuner.search.quant_tune import QuantTuneOptions, format_quant_outcome, parse_levels, run_quant_tune
     outcome = run_quant_tune(QuantTuneOptions(
         opts, parse_levels(args.quant), quality_tokens=args.quality_tokens, quality_ctx=args.quality_ctx,
         quality_text=args.quality_text, prepare_only=args.prepare_only))
