@@ -40,9 +40,10 @@ def _range_text(lo, hi, lo_open: bool = False) -> str:
     return f"in {'(' if lo_open else '['}{num(lo)}, {num(hi)}]"
 
 
-def _typed(func, name: str, range_text: str):
+def _typed(func, name: str, range_text: str, lo=None, hi=None):
     func.__name__ = name  # argparse names the type in its "invalid <type> value" messages
     func.range_text = range_text
+    func.lo, func.hi = lo, hi  # the closed bounds (None: unbounded), for docs and tests
     return func
 
 
@@ -57,7 +58,7 @@ def int_in(lo: int, hi: int | None = None, name: str = "integer"):
         if n < lo or (hi is not None and n > hi):
             raise argparse.ArgumentTypeError(f"{n}: must be {text}")
         return n
-    return _typed(parse, name, text)
+    return _typed(parse, name, text, lo, hi)
 
 
 def positive_int(hi: int | None = None):
@@ -96,7 +97,7 @@ def finite_float(lo: float | None = None, hi: float | None = None, lo_open: bool
         if below or (hi is not None and x > hi):
             raise argparse.ArgumentTypeError(f"{value}: must be {text}")
         return x
-    return _typed(parse, name, text)
+    return _typed(parse, name, text, 0.0 if zero_ok else lo, hi)
 
 
 def size(zero_ok: bool = False, lo: int = 1, hi: int | None = None, zero_means: str = ""):
@@ -123,7 +124,7 @@ def size(zero_ok: bool = False, lo: int = 1, hi: int | None = None, zero_means: 
         if hi is not None and n > hi:
             raise argparse.ArgumentTypeError(f"{value}: must be at most {hi} bytes")
         return n
-    return _typed(parse, "size", text)
+    return _typed(parse, "size", text, 0 if zero_ok else lo, hi)
 
 
 def duration(hi_s: float | None = None):
@@ -142,7 +143,7 @@ def duration(hi_s: float | None = None):
         if hi_s is not None and s > hi_s:
             raise argparse.ArgumentTypeError(f"{value}: must be at most {hi_s:g} s")
         return s
-    return _typed(parse, "duration", text)
+    return _typed(parse, "duration", text, 0.0, hi_s)
 
 
 def seconds(hi_s: float | None = None):
