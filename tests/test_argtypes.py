@@ -93,6 +93,10 @@ REFUSED = [
     (["tune", "--seed", str(argtypes.SEED_MAX)], "--seed"),
     (["plan", "--model", "m", "--profile", "p", "--budget", "-1GiB"], "must be positive"),
     (["plan", "--model", "m", "--profile", "p", "--top", "0"], "--top"),
+    # argparse (3.11) stores [] for a value of `--` without calling the type (found by the fuzzer)
+    (["bench", "--model", "m", "--tokens=--"], "--tokens: needs a value"),
+    (["run", "--model=--"], "--model: needs a value"),
+    (["plan", "--model", "m", "--profile", "p", "--what-if=--"], "--what-if: needs a value"),
 ]
 
 

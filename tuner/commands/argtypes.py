@@ -198,6 +198,20 @@ class ColibriArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"^-(\.?\d|inf|nan)", re.IGNORECASE)
 
+    def parse_known_args(self, args=None, namespace=None):
+        # Python 3.11's argparse drops a value of `--` (`--tokens=--`) and stores [] without
+        # calling the type, so `bench --tokens=--` reached the engine as a list (found by
+        # tests/test_fuzz_commands.py). An option that takes one value must have received one.
+        namespace, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            if not action.option_strings or action.nargs is not None or action.const is not None:
+                continue  # flags (store_true, ...) and multi-value options are not one-value options
+            value = getattr(namespace, action.dest, None)
+            appended = action.default == [] and isinstance(value, list)
+            if (value == [] and action.default != []) or (appended and any(v == [] for v in value)):
+                self.error(f"argument {'/'.join(action.option_strings)}: needs a value ('--' is not one)")
+        return namespace, extras
+
     def error(self, message: str):
         one_line = " ".join(str(message).split())
         self.exit(2, f"{self.prog}: error: {one_line} (see {self.prog} --help)\n")
