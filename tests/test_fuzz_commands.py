@@ -108,9 +108,9 @@ def reader_calls(w, p: Path, outs: Outs) -> list[Call]:
         ["quality", "--model", m, "--reference", m, "--text", ps, *small_quality],
         ["synth", "--geometry", ps, "-o", outs.path(), "--json"],
         ["plan", "--model", ps, "--profile", probe, "--json"],
-        ["plan", "--model", "glm-5", "--profile", ps, "--json"],
-        ["plan", "--model", "glm-5", "--profile", probe, "--config", ps, "--json"],
-        ["plan", "--model", "glm-5", "--profile", probe, "--routing", ps, "--json"],
+        ["plan", "--model", m, "--profile", ps, "--json"],
+        ["plan", "--model", m, "--profile", probe, "--config", ps, "--json"],
+        ["plan", "--model", m, "--profile", probe, "--routing", ps, "--json"],
         ["tune", "--model", m, "--profile", ps, "--trials", "1", "--out", outs.path(), "--json"],
         ["profile", "import", ps, "--json"],
         ["profile", "show", ps, "--json"],
@@ -134,7 +134,7 @@ def test_special_paths_in_every_reader(world, kind, tmp_path):
     memory. A FIFO must not block; /dev/zero and a 2 GB file must not be read whole."""
     p = world["special"][kind]
     victims = Victims().add(world["model"], world["run"], world["probe"], world["shared"])
-    assert_batch(reader_calls(world, p, Outs(tmp_path)), victims, call_s=20, env=batch_env(world))
+    assert_batch(reader_calls(world, p, Outs(tmp_path)), victims, call_s=10, env=batch_env(world))
 
 
 # --- mutated files of every kind --------------------------------------------------------------------
@@ -235,13 +235,13 @@ def build_case(w, kind: str, mutation, where: Path, outs: Outs) -> list[Call]:
     lines = {
         "geometry": [["synth", "--geometry", fs, "-o", outs.path(), "--json"],
                      ["plan", "--model", fs, "--profile", probe, "--json"]],
-        "probe_profile": [["plan", "--model", "glm-5", "--profile", fs, "--json"],
+        "probe_profile": [["plan", "--model", m, "--profile", fs, "--json"],
                           ["profile", "export", fs, "--json"], ["profile", "import", fs, "--json"]],
         "shared_profile": [["profile", "import", fs, "--json"], ["profile", "show", fs, "--json"],
                            ["profile", "diff", fs, shared, "--json"],
                            ["compare", fs, shared, "--out", outs.path(), "--json", "--force"]],
         "toml": [["run", "--model", m, *RUN_ARGS, "--json", "--config", fs],
-                 ["plan", "--model", "glm-5", "--profile", probe, "--config", fs, "--json"]],
+                 ["plan", "--model", m, "--profile", probe, "--config", fs, "--json"]],
         "text": [["quality", "--model", m, "--reference", m, "--text", fs, "--tokens", "32", "--ctx", "16",
                   "--json"]],
     }[kind]

@@ -100,7 +100,14 @@ def finite_float(lo: float | None = None, hi: float | None = None, lo_open: bool
     return _typed(parse, name, text, 0.0 if zero_ok else lo, hi)
 
 
-def size(zero_ok: bool = False, lo: int = 1, hi: int | None = None, zero_means: str = ""):
+# Far above any machine, low enough that no later arithmetic or syscall (a cgroup limit, a timer)
+# overflows: 1 PiB, a week per trial, a month per tune.
+SIZE_MAX = 1 << 50
+TIMEOUT_MAX_S = 7 * 86400
+DURATION_MAX_S = 30 * 86400
+
+
+def size(zero_ok: bool = False, lo: int = 1, hi: int = SIZE_MAX, zero_means: str = ""):
     """A byte size ('1GiB', '512M', '4096') -> int bytes, positive (zero_ok: or 0).
 
     `--ram-budget -1GiB` reaches here as a value (ColibriArgumentParser reads "-<digit>..." as a
@@ -108,7 +115,7 @@ def size(zero_ok: bool = False, lo: int = 1, hi: int | None = None, zero_means: 
     """
     text = _range_text(lo, hi) + " bytes"
     if zero_ok:
-        text = f"positive or 0{f' ({zero_means})' if zero_means else ''}"
+        text = f"0 ({zero_means}) or in [1, {hi}] bytes" if zero_means else f"in [0, {hi}] bytes"
 
     def parse(value: str) -> int:
         if value.strip().startswith("-"):
@@ -127,7 +134,7 @@ def size(zero_ok: bool = False, lo: int = 1, hi: int | None = None, zero_means: 
     return _typed(parse, "size", text, 0 if zero_ok else lo, hi)
 
 
-def duration(hi_s: float | None = None):
+def duration(hi_s: float = DURATION_MAX_S):
     """A positive duration ('10m', '90s', '1h30m', '45' = seconds) -> float seconds."""
     text = "positive" + (f", at most {hi_s:g} s" if hi_s else "")
 
@@ -146,7 +153,7 @@ def duration(hi_s: float | None = None):
     return _typed(parse, "duration", text, 0.0, hi_s)
 
 
-def seconds(hi_s: float | None = None):
+def seconds(hi_s: float = TIMEOUT_MAX_S):
     """A positive finite number of seconds (a timeout): `--timeout -1` is refused, not run and then
     reported as 'timed out after -1 s'."""
     return finite_float(0.0, hi_s, lo_open=True, name="seconds")
