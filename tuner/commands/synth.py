@@ -39,7 +39,8 @@ def cmd_synth(args) -> int:
     geometry = synth.load_geometry_file(args.geometry) if args.geometry else synth.load_preset(args.preset)
     t0 = time.perf_counter()
     out = synth.synthesize(geometry, args.out, seed=args.seed, routing_skew=args.routing_skew,
-                           progress=not args.json, force=args.force)
+                           progress=not args.json, force=args.force,
+                           sources=(args.geometry,) if args.geometry else ())
     summary = {**synth.summarize(out), "seconds": round(time.perf_counter() - t0, 2)}
     if args.json:
         _print_json(summary)
