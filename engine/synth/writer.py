@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from engine import synth_archs
+from engine.container import CONFIG_KEY
 from engine.dtypes import ITEMSIZE
 from engine.durable import DirectoryLock, fsync_dir
 from engine.errors import ConfigError
@@ -21,7 +22,13 @@ from engine.synth.hf_files import write_side_files
 from engine.synth.recipe import PlannedTensor, _Recipe, tensor_plan
 
 
-SYNTH_STAMP = stamped("config.json", "colibri_synth")  # what hf_files.py writes into every synthesized model
+_SYNTH_KEY = stamped("config.json", "colibri_synth")  # what hf_files.py writes into every synthesized model
+_CONTAINER_KEY = stamped("config.json", CONFIG_KEY)  # a container of one keeps the key: convert's, not ours
+
+
+def SYNTH_STAMP(path: Path) -> bool:
+    """A previous synth output: config.json stamped by synth and not (since) a convert container."""
+    return _SYNTH_KEY(path) and not _CONTAINER_KEY(path)
 
 
 def plan_shards(units: list[list[PlannedTensor]], dtype: str, max_shard_size: int) -> list[list[PlannedTensor]]:

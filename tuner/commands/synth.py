@@ -34,7 +34,7 @@ def cmd_synth(args) -> int:
         else:
             print(presets_text(rows))
         return 0
-    if not args.out:
+    if args.out is None:  # -o "" is refused by the output rules, naming it (it would mean the current directory)
         raise ConfigError("missing -o/--out DIR")
     geometry = synth.load_geometry_file(args.geometry) if args.geometry else synth.load_preset(args.preset)
     t0 = time.perf_counter()
