@@ -1,6 +1,6 @@
 """Never destroy what we did not write (issue 23, item 1): every writing command's output target.
 
-Each test names one rule of engine/output_target.py, drives the command as a user would (the CLI,
+Each test names one rule of engine/base/output_target.py, drives the command as a user would (the CLI,
 in process), and asserts three things: exit 2 with one line on stderr naming the problem, no
 traceback, and the would-be victim (a sentinel file, or the source model's bytes) intact.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine import synth
-from engine.convert import STATE_FILE
+from engine.format.convert import STATE_FILE
 from tuner import cli
 
 SENTINEL = "sentinel.txt"

@@ -11,12 +11,12 @@ import os
 import shutil
 from pathlib import Path
 
-from engine import synth_archs
-from engine.container import CONFIG_KEY
-from engine.dtypes import ITEMSIZE
-from engine.durable import DirectoryLock, fsync_dir
-from engine.errors import ConfigError
-from engine.output_target import DirectoryTarget, directory_target, replace_directory, stamped
+from engine.synth import arch_writers as synth_archs
+from engine.format.container import CONFIG_KEY
+from engine.base.dtypes import ITEMSIZE
+from engine.base.durable import DirectoryLock, fsync_dir
+from engine.base.errors import ConfigError
+from engine.base.output_target import DirectoryTarget, directory_target, replace_directory, stamped
 from engine.synth.geometry import validate_geometry
 from engine.synth.hf_files import write_side_files
 from engine.synth.recipe import PlannedTensor, _Recipe, tensor_plan
@@ -65,7 +65,7 @@ def synthesize(
     """Write a qwen3_moe HF directory for `geometry` to out_dir, atomically; returns its path.
 
     routing_skew None takes the geometry's own default (the presets' calibrated value).
-    out_dir is checked by engine/output_target.py first: never the current directory, `/`, one of
+    out_dir is checked by engine/base/output_target.py first: never the current directory, `/`, one of
     `sources` (e.g. the geometry file) or a directory around them; a non-empty out_dir is replaced
     (with force, and only once the new model is complete) only when it is a previous synth
     output, recognised by the `colibri_synth` stamp of its config.json. A second process synthesizing into the same out_dir waits for the first
@@ -79,8 +79,8 @@ def synthesize(
 
 def _synthesize(geometry: dict, target: DirectoryTarget, seed: int, routing_skew: float | None, progress: bool,
                 force: bool, sources: tuple) -> Path:
-    from engine.progress import Progress
-    from engine.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
+    from engine.base.progress import Progress
+    from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 
     g = validate_geometry(geometry)
     skew = g["routing_skew"] if routing_skew is None else routing_skew
@@ -157,7 +157,7 @@ def summarize(model_dir: str | os.PathLike) -> dict:
     index = d / "model.safetensors.index.json"
     tensors = len(json.loads(index.read_text())["weight_map"]) if index.exists() else None
     if tensors is None:
-        from engine.safetensors_writer import read_header
+        from engine.format.safetensors_writer import read_header
         tensors = len(read_header(shards[0])) if shards else 0
     return {
         "path": str(d),
