@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine import synth
+from report_fixture import hardware_profile, make_run
 from engine.format.convert import STATE_FILE
 from tuner import cli
 
@@ -243,3 +244,96 @@ def test_synth_leaves_look_alike_siblings_alone(tmp_path):
     keep = victim(tmp_path / "m.partial-mine")  # not <out>.partial-<pid>: not synth's debris
     synth.synthesize(synth.load_preset("tiny"), tmp_path / "m", progress=False)
     assert survives(keep)
+
+
+# --- compare --out ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def two_runs(tmp_path) -> list[Path]:
+    return [make_run(tmp_path / "slow"), make_run(tmp_path / "fast", speed=1.5,
+                                                   profile=hardware_profile("Fast CPU", seq_gbps=3.6))]
+
+
+def compare_argv(runs, out) -> list[str]:
+    return ["compare", *map(str, runs), "--out", str(out), "--json"]
+
+
+def test_compare_out_naming_an_existing_file_is_refused(two_runs, tmp_path, capsys):
+    out = tmp_path / "notes.txt"
+    out.write_text("the user's notes")
+    refused(compare_argv(two_runs, out), capsys, "not a directory")
+    assert out.read_text() == "the user's notes"
+
+
+def test_compare_out_into_a_foreign_directory_is_refused(two_runs, tmp_path, capsys):
+    out = victim(tmp_path / "docs")
+    refused(compare_argv(two_runs, out), capsys, "not a previous `colibri compare` output")
+    assert survives(out) and os.listdir(out) == [SENTINEL]
+
+
+def test_compare_out_inside_or_onto_an_input_is_refused(two_runs, capsys):
+    for out in (two_runs[0], two_runs[0] / "cmp", two_runs[0].parent):
+        before = digest(two_runs[0])
+        refused(compare_argv(two_runs, out), capsys, "source")
+        assert digest(two_runs[0]) == before
+
+
+def test_compare_replaces_its_previous_output_whole(two_runs, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert cli.main(compare_argv(two_runs, out)) == 0
+    (out / "plots" / "stale.png").write_bytes(b"from the previous comparison")
+    assert cli.main(compare_argv(two_runs, out)) == 0
+    assert not (out / "plots" / "stale.png").exists() and (out / "compare.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if ".partial" in p.name or ".old" in p.name]
+
+
+# --- probe -o, profile export -o, profile import ----------------------------------------------------
+
+def test_probe_output_onto_a_foreign_file_is_refused_before_probing(tmp_path, capsys):
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": true}')
+    refused(["probe", "--dir", str(tmp_path), "--no-fio", "-o", str(notes)], capsys, "refusing to overwrite")
+    assert notes.read_text() == '{"mine": true}'
+    assert sorted(os.listdir(tmp_path)) == ["notes.json"]  # not even the probe's test file
+
+
+@pytest.mark.parametrize("make", ["dir", "fifo"])
+def test_probe_output_onto_a_directory_or_fifo_is_refused(tmp_path, capsys, make):
+    target = tmp_path / "t"
+    if make == "dir":
+        victim(target)
+    else:
+        os.mkfifo(target)
+    refused(["probe", "--dir", str(tmp_path), "--no-fio", "-o", str(target)], capsys,
+            "a directory" if make == "dir" else "a FIFO")
+    assert survives(target) if make == "dir" else target.is_fifo()
+
+
+def test_profile_export_onto_its_source_or_into_its_run_is_refused(two_runs, tmp_path, capsys):
+    run = two_runs[0]
+    before = digest(run)
+    refused(["profile", "export", str(run), "-o", str(run / "profile.json")], capsys, "inside the source")
+    exported = tmp_path / "box.json"
+    assert cli.main(["profile", "export", str(run), "-o", str(exported)]) == 0
+    probe = exported.read_bytes()
+    refused(["profile", "export", str(exported), "-o", str(exported)], capsys, "is the source")
+    assert digest(run) == before and exported.read_bytes() == probe
+
+
+def test_profile_export_replaces_a_profile_but_not_another_file(two_runs, tmp_path, capsys):
+    out = tmp_path / "box.json"
+    assert cli.main(["profile", "export", str(two_runs[0]), "-o", str(out)]) == 0
+    assert cli.main(["profile", "export", str(two_runs[1]), "-o", str(out)]) == 0  # a previous profile: replaced
+    other = tmp_path / "config.json"
+    other.write_text('{"not": "a profile"}')
+    refused(["profile", "export", str(two_runs[0]), "-o", str(other)], capsys, "refusing to overwrite")
+    assert other.read_text() == '{"not": "a profile"}'
+
+
+def test_profile_import_force_never_replaces_a_directory(two_runs, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    exported = tmp_path / "box.json"
+    assert cli.main(["profile", "export", str(two_runs[0]), "-o", str(exported)]) == 0
+    squatter = victim(tmp_path / "cfg" / "colibri" / "profiles" / "box.json")
+    refused(["profile", "import", str(exported), "--name", "box", "--force"], capsys, "a directory")
+    assert survives(squatter)

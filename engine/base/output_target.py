@@ -226,5 +226,13 @@ def stamped(file_name: str, key: str, value: object = None) -> Recogniser:
     return recognise
 
 
+def json_file_with(*keys: str) -> Recogniser:
+    """A recogniser for a file output: a JSON object holding every one of `keys`."""
+    def recognise(path: Path) -> bool:
+        data = read_small_json(Path(path))
+        return isinstance(data, dict) and all(k in data for k in keys)
+    return recognise
+
+
 def any_of(*recognisers: Recogniser) -> Recogniser:
     return lambda path: any(r(path) for r in recognisers)
