@@ -19,7 +19,7 @@ from engine.base.errors import ConfigError
 from engine.base.output_target import DirectoryTarget, directory_target, replace_directory, stamped
 from engine.synth.geometry import validate_geometry
 from engine.synth.hf_files import write_side_files
-from engine.synth.recipe import PlannedTensor, _Recipe, tensor_plan
+from engine.synth.recipe import PlannedTensor, Recipe, tensor_plan
 
 
 _SYNTH_KEY = stamped("config.json", "colibri_synth")  # what hf_files.py writes into every synthesized model
@@ -119,7 +119,7 @@ def _synthesize(geometry: dict, target: DirectoryTarget, seed: int, routing_skew
     torch.set_num_threads(1)
     try:
         recipe = (synth_archs.make_recipe(g, seed, skew) if g["model_type"] in synth_archs.ARCH_TYPES
-                  else _Recipe(g, seed, skew))
+                  else Recipe(g, seed, skew))
         n = len(shards)
         names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map: dict[str, str] = {}

@@ -33,7 +33,7 @@ from engine.format.container import QuantSpec
 from engine.format.convert import Converter
 from tuner.probe import load_profile
 from tuner.search import quant_cache, run_guard
-from tuner.search.study import Log, TuneOptions, _stderr, default_budget, run_tune
+from tuner.search.study import Log, TuneOptions, stderr_line, default_budget, run_tune
 
 RECORD_FILE = "quant-run.json"
 RECORD_SCHEMA = "colibri.tune-quant/1"
@@ -111,7 +111,7 @@ class QuantTuneOutcome:
     files: dict = field(default_factory=dict)
 
 
-def run_quant_tune(qopts: QuantTuneOptions, log: Log = _stderr) -> QuantTuneOutcome:
+def run_quant_tune(qopts: QuantTuneOptions, log: Log = stderr_line) -> QuantTuneOutcome:
     from engine.run.resolve import resolve_model
     from tuner.search.preflight import probe_profile
     qopts.validate()
