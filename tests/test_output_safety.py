@@ -337,3 +337,34 @@ def test_profile_import_force_never_replaces_a_directory(two_runs, tmp_path, cap
     squatter = victim(tmp_path / "cfg" / "colibri" / "profiles" / "box.json")
     refused(["profile", "import", str(exported), "--name", "box", "--force"], capsys, "a directory")
     assert survives(squatter)
+
+
+# --- run / bench --record-routing -------------------------------------------------------------------
+
+def run_argv(model, path) -> list[str]:
+    return ["run", "--model", str(model), "--prompt-tokens", "4", "--max-new-tokens", "1", "--threads", "1",
+            "--json", "--record-routing", str(path)]
+
+
+@pytest.mark.parametrize("where,words", [("/proc/colibri-routing.json", "cannot create files in /proc"),
+                                         ("dir", "a directory"), ("foreign", "refusing to overwrite")])
+def test_record_routing_is_refused_before_the_run(tiny, tmp_path, capsys, where, words):
+    if where == "dir":
+        path = victim(tmp_path / "hist")
+    elif where == "foreign":
+        path = tmp_path / "notes.json"
+        path.write_text('{"mine": 1}')
+    else:
+        path = Path(where)
+    refused(run_argv(tiny, path), capsys, words)
+    if where == "dir":
+        assert survives(path)
+    elif where == "foreign":
+        assert path.read_text() == '{"mine": 1}'
+
+
+def test_record_routing_replaces_its_own_histogram(tiny, tmp_path, capsys):
+    path = tmp_path / "routing.json"
+    for _ in range(2):  # the second run finds the first one's histogram: replaced
+        assert cli.main(run_argv(tiny, path)) == 0
+        assert json.loads(path.read_text())["counts"]

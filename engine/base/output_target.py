@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -105,6 +106,14 @@ def _check_writable(target: Path, flag: str) -> None:
         raise OutputTargetError(f"{flag} {target}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputTargetError(f"{flag} {target}: directory {parent} is not writable")
+    # os.access says yes to root everywhere, and nothing of a read-only mount or of /proc: try it.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".colibri-write-check-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OutputTargetError(f"{flag} {target}: cannot create files in {parent} "
+                                f"({exc.strerror or exc})") from None
 
 
 def _kind_of(st: os.stat_result) -> str:

@@ -5,7 +5,18 @@ from __future__ import annotations
 import sys
 
 from engine.base.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_BACKENDS, IO_MODES, KV_DTYPES
+from engine.base.output_target import file_target, json_file_with
 from tuner.results.printers import print_json as _print_json
+
+
+ROUTING_FILE = json_file_with("schema", "counts")  # a routing histogram written before (engine/movement/cache)
+
+
+def _routing_output(args, command: str) -> None:
+    """--record-routing FILE is refused before the run (a directory, /proc/..., a stranger's file)."""
+    if args.record_routing is not None:
+        args.record_routing = str(file_target(args.record_routing, command=command, recognise=ROUTING_FILE,
+                                              flag="--record-routing"))
 
 
 def _add_engine_flags(p) -> None:
@@ -66,6 +77,7 @@ def cmd_run(args) -> int:
     from tuner.results.printers import run_header, run_text
 
     config = engine_config_from_args(args)
+    _routing_output(args, "run")
     model_dir = resolve_model(args.model, progress=not args.json)
     result = run_generation(model_dir, config, prompt=args.prompt, prompt_ids=args.prompt_ids,
                             prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
@@ -126,6 +138,7 @@ def cmd_bench(args) -> int:
     from engine.run.resolve import resolve_model
 
     config = engine_config_from_args(args)
+    _routing_output(args, "bench")
     if args.read_trace:
         _check_writable(args.read_trace)
     model_dir = resolve_model(args.model, progress=not args.json)
