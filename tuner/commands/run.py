@@ -43,6 +43,10 @@ def add_engine_flags(p) -> None:
     p.add_argument("--kv-dtype", choices=KV_DTYPES)
     p.add_argument("--dtype", choices=COMPUTE_DTYPES, help="compute dtype (auto: the checkpoint's)")
     p.add_argument("--routing-histogram", help="routing histogram JSON for cache_policy=pinned")
+    lossy = p.add_argument_group("lossy settings (off by default; each changes the output)")
+    lossy.add_argument("--top-k-reduction", type=int, help="route k-N experts per token instead of k (0: as the model)")
+    lossy.add_argument("--expert-threshold", type=float,
+                       help="skip an expert whose share of the token's routing weight is below this (0: none)")
 
 
 def engine_config_from_args(args):
@@ -55,6 +59,7 @@ def engine_config_from_args(args):
         "io_mode": args.io_mode, "io_threads": args.io_threads,
         "io_backend": args.io_backend, "cache_policy": args.cache_policy,
         "kv_dtype": args.kv_dtype, "dtype": args.dtype, "routing_histogram": args.routing_histogram,
+        "top_k_reduction": args.top_k_reduction, "expert_threshold": args.expert_threshold,
     }
     return config.replace(**overrides)
 

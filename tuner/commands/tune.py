@@ -57,6 +57,13 @@ def add_tune(sub) -> None:
     q.add_argument("--quality-text", metavar="FILE", help="text to score (default: held-out Python stdlib sources)")
     q.add_argument("--prepare-only", action="store_true",
                    help="convert the levels and score their quality, then stop (tune later with --resume)")
+    lossy = p.add_argument_group("lossy settings under a quality bound (off: the search never changes tokens)")
+    lossy.add_argument("--max-kl", type=float, metavar="NATS",
+                       help="search KV precision, top-k reduction and an expert threshold too (with --quant: the "
+                            "levels too), keeping configs whose mean KL to the lossless model is at most this, "
+                            "measured on --quality-tokens of --quality-text; e.g. 0.01")
+    lossy.add_argument("--min-top1", type=float, metavar="SHARE",
+                       help="as --max-kl, for the share of positions whose top-1 token agrees; e.g. 0.98")
     p.add_argument("--json", action="store_true", help="print result.json (with --quant: the levels' summary)")
     p.set_defaults(func=cmd_tune)
 
@@ -72,7 +79,7 @@ def cmd_tune(args) -> int:
         prompts=args.prompts, cold=args.cold,
         trial_timeout=args.trial_timeout, cgroup_limit=args.cgroup_limit,
         confirm_top=args.confirm_top, confirm_rounds=args.confirm_rounds, sampler=args.sampler,
-        cost_model=args.cost_model)
+        cost_model=args.cost_model, lossy=_quality_bound(args))
     if args.quant is not None:
         return _tune_quant(args, opts)
     if args.prepare_only:
@@ -83,6 +90,14 @@ def cmd_tune(args) -> int:
     else:
         print(format_outcome(outcome))
     return 0
+
+
+def _quality_bound(args):
+    from tuner.search.lossy import QualityBound
+    if args.max_kl is None and args.min_top1 is None:
+        return None
+    return QualityBound(max_kl=args.max_kl, min_top1=args.min_top1, tokens=args.quality_tokens,
+                        ctx=args.quality_ctx, text=args.quality_text).validate()
 
 
 def _tune_quant(args, opts) -> int:

@@ -21,7 +21,7 @@ from tuner.results.rundir import RunDir, open_run
 
 PLOTS = "plots"
 KNOBS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "gpu_cache_ratio", "threads", "ctx_size", "io_mode",
-         "io_threads", "io_backend", "cache_policy", "kv_dtype", "dtype")
+         "io_threads", "io_backend", "cache_policy", "kv_dtype", "dtype", "top_k_reduction", "expert_threshold")
 TABLE_COLUMNS = ("number", "role", "status", "feasible", "decode_tok_s", "ttft_s", "chunk_size", "prefetch_depth",
                  "cpu_cache_ratio", "threads", "ctx_size", "io_mode", "io_threads", "cache_policy",
                  "bytes_read_per_token", "hit_rate_ram", "io_stall_fraction", "cgroup_peak_bytes", "wall_seconds",

@@ -50,7 +50,8 @@ def point_key(params: dict) -> str:
 TrialStatus = Literal["ok", "over_budget", "oom_killed", "killed", "timeout", "crashed", "bad_config"]
 # What the study makes of a trial: its runner's status, or a verdict on a completed run.
 Verdict = Literal["ok", "over_budget", "oom_killed", "killed", "timeout", "crashed", "bad_config",
-                  "over_budget_plan", "tokens_inconsistent", "tokens_changed"]
+                  "over_budget_plan", "tokens_inconsistent", "tokens_changed",
+                  "quality_bound"]  # a lossy setting outside tune --max-kl / --min-top1 (tuner/search/lossy.py)
 
 
 def _json(obj) -> dict:

@@ -87,11 +87,14 @@ def not_launched(*, role: str, worker: str, config: dict, overshoot: int, budget
                        constraint=round(overshoot / budget, 6), error=message, wall_seconds=0.0)
 
 
-def reference_ids(trials, threads) -> list | None:
-    """Output tokens of the first ok trial run with `threads` compute threads."""
+def reference_ids(trials, threads, lossy: dict | None = None) -> list | None:
+    """Output tokens of the first ok trial run with `threads` compute threads (and, in a lossy
+    search, the same lossy settings: those change tokens by design; placement still must not)."""
     for t in sorted(trials, key=lambda t: t.number):
         a = t.user_attrs
-        if a.get("status") == "ok" and a.get("threads") == threads and a.get("output_ids") is not None:
+        same_lossy = lossy is None or all((a.get("config") or {}).get(k) == v for k, v in lossy.items())
+        if a.get("status") == "ok" and a.get("threads") == threads and a.get("output_ids") is not None \
+                and same_lossy:
             return a["output_ids"]
     return None
 

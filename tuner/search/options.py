@@ -17,6 +17,7 @@ from typing import Callable
 import optuna
 
 from engine.base.errors import ConfigError
+from tuner.search.lossy import QualityBound
 from tuner.search.objective import OBJECTIVES, SAMPLERS
 
 GiB = 1 << 30
@@ -62,6 +63,8 @@ class TuneOptions:
     # source model's, so the levels compare as one model), and the level's quality figures.
     model_name: str | None = None
     quality: dict | None = None  # tuner.result.QualityInfo as a dict
+    # tune --max-kl / --min-top1: search lossy settings under this bound (tuner/search/lossy.py)
+    lossy: QualityBound | None = None
 
     def validate(self) -> "TuneOptions":
         # NaN passes every `<= 0` test below, and inf is no time limit at all: refused first.
@@ -85,6 +88,8 @@ class TuneOptions:
             raise ConfigError(f"--min-ctx must be at least 1, got {self.min_ctx}")
         if self.confirm_top < 0 or self.confirm_rounds < 1:
             raise ConfigError("--confirm-top must be >= 0 and --confirm-rounds >= 1")
+        if self.lossy is not None:
+            self.lossy.validate()
         if self.trial_timeout is not None and self.trial_timeout <= 0:
             raise ConfigError(f"--trial-timeout must be positive, got {self.trial_timeout}")
         return self

@@ -32,7 +32,7 @@ from tuner.results.printers import kl_text, utc_now
 from engine.format.container import QuantSpec
 from engine.format.convert import Converter
 from tuner.probe import load_profile
-from tuner.search import quant_cache, run_guard
+from tuner.search import lossy, quant_cache, run_guard
 from tuner.search.study import Log, TuneOptions, stderr_line, default_budget, run_tune
 
 RECORD_FILE = "quant-run.json"
@@ -119,6 +119,8 @@ def run_quant_tune(qopts: QuantTuneOptions, log: Log = stderr_line) -> QuantTune
     source = resolve_model(opts.model, progress=True).resolve()
     name = opts.model if not Path(opts.model).exists() else source.name
     stored = quant_cache.check_source(source, qopts.levels)
+    if opts.lossy is not None:  # every level's lossy settings are scored against the unquantized source
+        opts = qopts.tune = dataclasses.replace(opts, lossy=dataclasses.replace(opts.lossy, reference=str(source)))
     out = run_guard.tune_out(opts.out if opts.out is not None else default_quant_out(name, opts.resume),
                              sources=[source, opts.profile, opts.from_profile, qopts.quality_text],
                              recognise=run_guard.QUANT_RUN)
@@ -351,6 +353,12 @@ def _finish(out: Path, name: str, source: Path, budget: int, qopts: QuantTuneOpt
             files["pareto"] = str(plots)
     elif not qopts.prepare_only:
         log("compare: fewer than two levels have a recommended config; nothing to compare yet")
+    if qopts.tune.lossy is not None:  # --max-kl with --quant: one front over every level's settings
+        merged = lossy.merge_level_fronts(level_run_dirs(out), out)
+        if merged:
+            files[lossy.SUMMARY_FILE] = str(out / lossy.SUMMARY_FILE)
+            for line in lossy.markdown(merged).splitlines()[4:]:
+                log(line)
     summary = {"schema": SUMMARY_SCHEMA, "created_utc": utc_now(), "out": str(out), "model": name,
                "source_dir": str(source), "budget_bytes": budget, "budget": format_size(budget),
                "prepared_only": qopts.prepare_only, "levels": list(rows.values()),

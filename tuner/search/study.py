@@ -15,6 +15,7 @@ run and found on resume); everything measured, feasible or not, is COMPLETE (obj
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 from pathlib import Path
@@ -26,7 +27,7 @@ from optuna.trial import TrialState
 
 from engine.base.config import EngineConfig, format_size, size_label
 from engine.base.errors import BudgetError, ConfigError
-from tuner.search import confirm, explore, objective, run_guard, study_storage as storage
+from tuner.search import confirm, explore, lossy, objective, run_guard, study_storage as storage
 from tuner.probe import load_profile
 from tuner.results import outputs
 from tuner.results.printers import trials_csv
@@ -111,6 +112,10 @@ class _Run:
                                  logical_cores=psutil.cpu_count() or 1, has_gpu=self.has_gpu,
                                  min_ctx=min_ctx, model=self.facts)
         self.space.check_budget()  # before anything slow: a budget below the dense part is a user error
+        self.quality_meter = None
+        if opts.lossy is not None:  # tune --max-kl / --min-top1: lossy dimensions, each priced in quality
+            self.space.lossy = lossy.distributions(self.model_dir)
+            self.quality_meter = lossy.QualityMeter(self.model_dir, opts.lossy, self.out, self.log)
         if opts.resume and opts.storage is None and not (self.out / "study.db").exists():
             raise ConfigError(f"nothing to resume: {self.out} holds no study.db")
         if opts.profile:
@@ -170,7 +175,8 @@ class _Run:
                 "geometry": {k: self.facts.geometry.get(k) for k in outputs.GEOMETRY_KEYS},
                 "budget": self.budget, "objective": o.objective, "space": self.space.describe(),
                 "tokens": o.tokens, "repeats": o.repeats, "prompt_tokens": o.prompt_tokens, "cold": o.cold,
-                "seed": o.seed, **({"workload": self.work.digest} if self.work.digest else {})}
+                "seed": o.seed, **({"workload": self.work.digest} if self.work.digest else {}),
+                **({"lossy": dataclasses.asdict(o.lossy)} if o.lossy else {})}
 
     def _open_study(self) -> optuna.Study:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -287,13 +293,17 @@ class _Run:
                                          overshoot=overshoot, budget=self.budget, message=message)
             return worst, rec.to_attrs()
         res = self.measure(config)
-        ref = objective.reference_ids(self.measured(), res.metrics.get("threads")) if res.ok else None
+        setting = lossy.setting_of(config) if self.quality_meter else None
+        ref = objective.reference_ids(self.measured(), res.metrics.get("threads"), setting) if res.ok else None
         status, constraint, error = objective.judge(res, self.budget, self.limit_bytes, ref)
         rec = objective.record(res, role=role, worker=self.worker, config=config.to_dict(), status=status,
                                constraint=constraint, error=error)
-        if constraint > 0:
-            return worst, rec.to_attrs()
-        return objective.objective_values(self.opts.objective, res.metrics, self.clock.trial_timeout()), rec.to_attrs()
+        attrs = rec.to_attrs()
+        if self.quality_meter and status == "ok":  # the bound is one more constraint, measured per setting
+            attrs = lossy.judge_quality(attrs, self.quality_meter.quality(setting), self.opts.lossy)
+        if attrs["constraint"] > 0:
+            return worst, attrs
+        return objective.objective_values(self.opts.objective, res.metrics, self.clock.trial_timeout()), attrs
 
     def measure(self, config: EngineConfig) -> TrialResult:
         o = self.opts
@@ -389,6 +399,11 @@ def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
         result = outputs.build_result(run, decision).to_dict()
         run.watch.check()
         files = outputs.write_outputs(run, result)
+        if opts.lossy is not None:
+            summary = lossy.front_summary(run.complete(), opts.lossy, result.get("recommended"), run.facts.quant)
+            files.update(lossy.write_summary(run.out, summary))
+            for line in lossy.markdown(summary).splitlines()[4:]:
+                log(line)
     rec = result["recommended"]
     if rec is None:
         raise BudgetError(f"no configuration ran within the budget {format_size(run.budget)} "

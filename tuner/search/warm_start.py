@@ -13,6 +13,7 @@ from engine.base.config import EngineConfig, format_size
 from engine.base.errors import ConfigError
 from tuner.costmodel.predict import RunConditions
 from tuner.costmodel.search import study_warm_starts
+from tuner.search import lossy
 
 
 def enqueue_warm_starts(run, study: optuna.Study) -> None:
@@ -35,8 +36,22 @@ def enqueue_warm_starts(run, study: optuna.Study) -> None:
         study.enqueue_trial(run.space.params_of(run.defaults_config()), user_attrs={"role": "defaults"},
                             skip_if_exists=True)
         queued += 1
+    if run.space.lossy and fresh:
+        queued += enqueue_lossy_probes(run, study, queued)
     if o.cost_model and run.facts.has_experts and fresh:
         enqueue_predicted(run, study, queued)
+
+
+def enqueue_lossy_probes(run, study: optuna.Study, queued: int) -> int:
+    """tune --max-kl: each lossy dimension once at the baseline's placement, so its price in speed
+    and quality is measured even when the sampler would not go there in a short run."""
+    probes = lossy.probes(run.space.lossy)
+    if run.opts.trials is not None:
+        probes = probes[:max(0, run.opts.trials - queued - 1)]  # leave the sampler at least one
+    base = run.space.params_of(run.space.baseline())
+    for setting in probes:
+        study.enqueue_trial({**base, **setting}, user_attrs={"role": "lossy_probe"}, skip_if_exists=True)
+    return len(probes)
 
 
 def enqueue_predicted(run, study: optuna.Study, queued: int) -> None:
