@@ -1,10 +1,14 @@
 """Where each routed expert's bytes are, and how to turn those bytes back into tensors.
 
-Two on-disk layouts:
+Three on-disk layouts:
 - per-expert tensors (what `save_pretrained` writes): gate, up and down are three tensors,
   usually adjacent in one shard, so one read covers the expert;
 - fused 3-D tensors: gate_up_proj [E, 2I, H] and down_proj [E, H, I]; expert e is a
-  contiguous slice of each, so two reads.
+  contiguous slice of each, so two reads;
+- FP8 block-scaled (engine/fp8.py): per-expert tensors plus a `weight_scale_inv` beside each
+  weight. safetensors writers order a shard's data by dtype then name, so an expert's three F32
+  scales sit together and its three F8 weights together: two spans (one when a writer keeps
+  them adjacent), each read whole.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from .checkpoint import Checkpoint, TensorInfo
 from .container import QuantSpec, check_quantized, container_spec
 from .errors import ModelFormatError
+from engine.fp8 import Fp8Spec, Fp8Weight, check_fp8, fp8_spec
 from .model import ModelArgs, expert_tensor_names, fused_expert_tensor_names
 from .quant import QuantWeight
 
@@ -63,6 +68,7 @@ class ExpertLocation:
     # plain matrices (gpt_oss: fused with biases, or MXFP4 blocks dequantized on read).
     decode: Callable | None = None
     quant: QuantSpec | None = None  # a colibri int8/int4 container (engine/container.py)
+    fp8: Fp8Spec | None = None  # a published FP8 block-scaled checkpoint: (weight, scale_inv) pairs
 
     @property
     def nbytes(self) -> int:
@@ -74,6 +80,7 @@ class ExpertLayout:
         self.args = args
         self.ckpt = checkpoint
         self.quant = container_spec(checkpoint)
+        self.fp8 = fp8_spec(checkpoint.config, f"{checkpoint.directory}/config.json")
         self._locations: dict[tuple[int, int], ExpertLocation] = {}
         for layer in range(args.num_layers):
             if not args.is_moe_layer(layer):
@@ -81,9 +88,10 @@ class ExpertLayout:
             if args.expert_impl is not None:  # the architecture knows its own expert tensors
                 self._locations.update(args.expert_impl.locations(checkpoint, layer))
                 continue
-            if self.quant is not None:
+            if self.quant is not None or self.fp8 is not None:
+                located = self._quantized if self.quant is not None else self._fp8
                 for e in range(args.num_experts):
-                    self._locations[(layer, e)] = self._quantized(expert_tensor_names(args, layer, e))
+                    self._locations[(layer, e)] = located(expert_tensor_names(args, layer, e))
                 continue
             fused = fused_expert_tensor_names(args, layer)
             if fused[0] in checkpoint and fused[1] in checkpoint:
@@ -109,6 +117,13 @@ class ExpertLayout:
         infos = [info for name, shape in zip(names, shapes) for info in check_quantized(self.ckpt, self.quant, name, shape)]
         spans, pieces = group_into_spans(infos)
         return ExpertLocation(tuple(spans), tuple(pieces), quant=self.quant)
+
+    def _fp8(self, names) -> ExpertLocation:
+        a = self.args
+        shapes = [(a.moe_intermediate_size, a.hidden_size)] * 2 + [(a.hidden_size, a.moe_intermediate_size)]
+        infos = [info for name, shape in zip(names, shapes) for info in check_fp8(self.ckpt, self.fp8, name, shape)]
+        spans, pieces = group_into_spans(infos)
+        return ExpertLocation(tuple(spans), tuple(pieces), fp8=self.fp8)
 
     def _add_fused(self, layer: int, gate_up: TensorInfo, down: TensorInfo) -> None:
         a = self.args
@@ -195,6 +210,10 @@ def tensors_from_buffers(loc: ExpertLocation, buffers: list, dtype: torch.dtype)
     """
     if loc.decode is not None:
         return loc.decode(loc, buffers, dtype)
+    if loc.fp8 is not None:  # codes stay views of the buffer; scales (a few hundred bytes) are checked
+        return tuple(Fp8Weight.from_stored(piece_tensor(buffers, w, w.dtype), piece_tensor(buffers, s, s.dtype),
+                                           loc.fp8.block, f"{loc.spans[0].path}: a routed expert's {('gate', 'up', 'down')[i]} scales")
+                     for i, (w, s) in enumerate(zip(loc.pieces[0::2], loc.pieces[1::2])))
     if loc.quant is not None:
         q = loc.quant
         return tuple(QuantWeight.prepare(piece_tensor(buffers, w, w.dtype), piece_tensor(buffers, s, s.dtype),
@@ -215,6 +234,8 @@ def expert_memory_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
     if not layout.num_routed:
         return 0
     loc = next(iter(layout._locations.values()))
+    if getattr(loc, "fp8", None) is not None:  # codes as stored, scales in fp32
+        return sum(w.nbytes + s.nbytes // s.dtype.itemsize * 4 for w, s in zip(loc.pieces[0::2], loc.pieces[1::2]))
     if loc.quant is None:  # every weight of the expert (gpt_oss: biases too) in the compute dtype
         return layout.args.expert_numel * (torch.finfo(dtype).bits // 8)
     elem = torch.finfo(dtype).bits // 8
@@ -227,6 +248,8 @@ def cast_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
     if not layout.num_routed:
         return 0
     loc = next(iter(layout._locations.values()))
+    if getattr(loc, "fp8", None) is not None:  # bf16-stored scales become fp32 copies
+        return sum(s.nbytes // s.dtype.itemsize * 4 for s in loc.pieces[1::2] if s.dtype != torch.float32)
     if loc.quant is None:
         return 0
     scales = [s for s in loc.pieces[1::2] if s.dtype != dtype]
@@ -239,7 +262,7 @@ def zero_copy(layout: ExpertLayout, dtype: torch.dtype) -> bool:
     if not layout.num_routed:
         return False
     loc = next(iter(layout._locations.values()))
-    return loc.quant is not None or all(p.dtype == dtype for p in loc.pieces)
+    return loc.quant is not None or getattr(loc, "fp8", None) is not None or all(p.dtype == dtype for p in loc.pieces)
 
 
 def slot_bytes(layout: ExpertLayout, direct: bool) -> int:

@@ -20,6 +20,7 @@ from .config import EngineConfig, format_size
 from .errors import BudgetError
 from .container import dense_nbytes, dense_quantized
 from .layout import cast_bytes, expert_memory_bytes
+from engine import fp8
 from .model import KVCache, ModelArgs, dense_tensor_names
 
 ACTIVATION_MARGIN = 64 << 20  # hidden states, logits, attention scores of a decode step
@@ -84,8 +85,12 @@ class MemoryPlan:
 def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, dtype: torch.dtype,
               kv_dtype: torch.dtype, overhead_bytes: int | None = None) -> MemoryPlan:
     quantized = dense_quantized(ckpt, getattr(layout, "quant", None), dense_tensor_names(args))
-    dense = sum(dense_nbytes(None, quantized[n], _elem(dtype)) if n in quantized else _count(ckpt, n) * _elem(dtype)
-                for n in dense_tensor_names(args))
+    # FP8 checkpoints: the kept projections at 1 byte/weight + fp32 scales; the few dequantized
+    # at load (engine/fp8.py) in the compute dtype, as every plain tensor.
+    fp8_kept, _ = fp8.dense_fp8(ckpt, getattr(layout, "fp8", None), dense_tensor_names(args))
+    dense = sum(dense_nbytes(None, quantized[n], _elem(dtype)) if n in quantized
+                else fp8.dense_nbytes(fp8_kept[n], _elem(dtype)) if n in fp8_kept
+                else _count(ckpt, n) * _elem(dtype) for n in dense_tensor_names(args))
     kv = KVCache.nbytes_for(args, config.ctx_size, kv_dtype)
     routed = layout.num_routed if layout is not None else 0
     disk_expert = layout.expert_nbytes if layout is not None else 0

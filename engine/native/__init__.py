@@ -51,24 +51,27 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build(cxx: str, out: Path) -> None:
+BF16_ARCH_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
+
+
+def _build(cxx: str, out: Path, source: Path = SOURCE, arch_flags=BF16_ARCH_FLAGS) -> None:
     torch_dir = Path(torch.__file__).parent
     abi = int(torch.compiled_with_cxx11_abi())
-    argv = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-            "-mavx512bf16", "-mfma", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
-            f"-I{torch_dir / 'include'}", str(SOURCE), "-o", str(out),
+    argv = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", *arch_flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
+            f"-I{torch_dir / 'include'}", str(source), "-o", str(out),
             f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"{cxx} failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:200]}")
 
 
-def _library_path(cxx: str, flags: set[str]) -> Path:
+def _library_path(cxx: str, flags: set[str], source: Path = SOURCE, required=REQUIRED_FLAGS,
+                  stem: str = "colibri_bf16") -> Path:
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
-    key.update(f"{torch.__version__}|{cxx}|{platform.machine()}|{sorted(flags & set(REQUIRED_FLAGS))}".encode())
+    key.update(source.read_bytes())
+    key.update(f"{torch.__version__}|{cxx}|{platform.machine()}|{sorted(flags & set(required))}".encode())
     root = Path(os.environ.get("COLIBRI_KERNEL_CACHE") or Path.home() / ".cache" / "colibri" / "kernels")
-    return root / f"colibri_bf16_{key.hexdigest()[:16]}.so"
+    return root / f"{stem}_{key.hexdigest()[:16]}.so"
 
 
 def load() -> str | None:
@@ -83,23 +86,29 @@ def load() -> str | None:
 
 
 def _load() -> str | None:
+    return build_and_load(SOURCE, "colibri_bf16", REQUIRED_FLAGS, BF16_ARCH_FLAGS)
+
+
+def build_and_load(source: Path, stem: str, required_flags, arch_flags) -> str | None:
+    """Build `source` (once per source, torch, compiler and CPU) and load its ops: None when
+    loaded, else why not. The kernels beside this one (fp8.py) load through here too."""
     if os.environ.get("COLIBRI_NATIVE", "1") == "0":
         return "disabled by COLIBRI_NATIVE=0"
     flags = cpu_flags()
-    missing = [f for f in REQUIRED_FLAGS if f not in flags]
+    missing = [f for f in required_flags if f not in flags]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
     cxx = _compiler()
     if cxx is None:
         return "no C++ compiler (g++) on PATH"
-    lib = _library_path(cxx, flags)
+    lib = _library_path(cxx, flags, source, required_flags, stem)
     try:
         if not lib.exists():
             lib.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=lib.stem, suffix=".so.partial", dir=lib.parent)
             os.close(fd)
             try:
-                _build(cxx, Path(tmp))
+                _build(cxx, Path(tmp), source, arch_flags)
                 os.replace(tmp, lib)
             finally:
                 if os.path.exists(tmp):

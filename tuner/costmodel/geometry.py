@@ -11,6 +11,8 @@ run yet but which users plan for.
 Quant levels are bytes per weight, scale overhead included:
   bf16  2 bytes;  fp32  4 bytes;
   int8  1 byte + one bf16 scale per output row (2 / K bytes per weight);
+  fp8   1 byte + one fp32 scale per 128x128 block (4 / 16384 bytes per weight): the published
+        FP8 e4m3 checkpoints (DeepSeek-V3/R1, Kimi-K2, GLM/Qwen3 FP8; engine/fp8.py);
   int4  half a byte + a bf16 scale and a bf16 zero per group of 64 (4 / 64 bytes per weight),
         the layout of torch's _weight_int4pack_mm (scales_and_zeros [K/group, N, 2]).
 These are engine/quant.py's containers (int8 per row, int4 group 64 by default) with scope
@@ -28,7 +30,8 @@ from pathlib import Path
 from engine.errors import ConfigError
 
 INT4_GROUP = 64
-QUANTS = ("bf16", "fp32", "int8", "int4")
+QUANTS = ("bf16", "fp32", "fp8", "int8", "int4")
+FP8_BLOCK = 128 * 128
 MATERIALIZED_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 MLA_TYPES = ("deepseek_v3", "glm_moe_dsa", "glm4_moe_dsa")
 
@@ -39,6 +42,8 @@ def bytes_per_weight(quant: str, in_features: int) -> float:
         return 2.0
     if quant == "fp32":
         return 4.0
+    if quant == "fp8":
+        return 1.0 + 4.0 / FP8_BLOCK
     if quant == "int8":
         return 1.0 + 2.0 / max(in_features, 1)
     if quant == "int4":
@@ -153,6 +158,8 @@ def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
     args = ModelArgs.from_config(ckpt.config)
     dense = [Tensor(n, tuple(ckpt.info(n).shape)) for n in dense_tensor_names(args)]
     native = {torch.float32: "fp32"}.get(checkpoint_dtype(ckpt), "bf16")
+    if (ckpt.config.get("quantization_config") or {}).get("quant_method") == "fp8":
+        native = "fp8"  # as published: the engine keeps the FP8 bytes (engine/fp8.py)
     synth = ckpt.config.get("colibri_synth") or {}
     return ModelGeometry(
         name=Path(model_dir).name, model_type=args.model_type, num_layers=args.num_layers,
