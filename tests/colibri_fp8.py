@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.fp8 import dequantize, quantize
+from engine.format.fp8 import dequantize, quantize
 
 QUANTIZED = re.compile(r"(_proj(_with_mqa)?|\.indexer\.(wq_b|wk))\.weight$")
 

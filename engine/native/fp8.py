@@ -2,7 +2,7 @@
 
 Needs AVX-512F/BW/VL only (the e4m3 → fp32 conversion and fp32 FMAs), not AVX512-BF16, so it
 loads on more CPUs than the bf16 kernels. Without it (COLIBRI_NATIVE=0, no compiler, another
-CPU) FP8 weights are dequantized block-wise and multiplied with F.linear (engine/fp8.py).
+CPU) FP8 weights are dequantized block-wise and multiplied with F.linear (engine/format/fp8.py).
 
     load() -> str | None                   None when ready, else why not (one line)
     ready                                  whether the op is loaded
