@@ -28,7 +28,7 @@ from engine.arch.model import ModelArgs
 from engine.native import fp8 as native_fp8
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
-from colibri_fp8 import oracle_model, write_fp8_checkpoint
+from colibri_fp8 import oracle_model, write_sharded_fp8
 from colibri_hf_models import build, hf_greedy, hf_logits
 from test_streaming import PLACEMENTS, budget_for_cache
 
@@ -47,7 +47,7 @@ def fp8_model(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"fp8-{arch}")
     build(arch, root / "src")
-    write_fp8_checkpoint(root / "src", root / "fp8", block=BLOCK, oracle_dir=root / "oracle")
+    write_sharded_fp8(root / "src", root / "fp8", BLOCK, oracle_dir=root / "oracle")
     return arch, root / "fp8", oracle_model(root / "oracle")
 
 
@@ -162,7 +162,7 @@ def test_quantize_is_dequantize_exact_on_e4m3_grid():
 def streaming_fp8(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8-stream")
     build("deepseek_v3", root / "src", moe_intermediate_size=384)  # experts of ~75 KiB at FP8
-    write_fp8_checkpoint(root / "src", root / "fp8", block=BLOCK)
+    write_sharded_fp8(root / "src", root / "fp8", BLOCK)
     d = root / "fp8"
     with Engine(d, EngineConfig(threads=1, ctx_size=64)) as engine:
         assert not engine.plan.streaming
@@ -192,7 +192,7 @@ def test_placement_never_changes_fp8_tokens(streaming_fp8, placement):
 def small_fp8(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8-bad")
     build("qwen3_moe", root / "src")
-    write_fp8_checkpoint(root / "src", root / "fp8", block=BLOCK)
+    write_sharded_fp8(root / "src", root / "fp8", BLOCK)
     return root / "fp8"
 
 
@@ -310,9 +310,9 @@ def mtp_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
     build("deepseek_v3", root / "src")
     layers = json.loads((root / "src" / "config.json").read_text())["num_hidden_layers"]
-    write_fp8_checkpoint(root / "src", root / "with", block=BLOCK, extra=_mtp_tensors(root / "src", layers),
+    write_sharded_fp8(root / "src", root / "with", BLOCK, extra=_mtp_tensors(root / "src", layers),
                          config_overrides={"num_nextn_predict_layers": 1})
-    write_fp8_checkpoint(root / "src", root / "without", block=BLOCK, config_overrides={"num_nextn_predict_layers": 1})
+    write_sharded_fp8(root / "src", root / "without", BLOCK, config_overrides={"num_nextn_predict_layers": 1})
     return root / "with", root / "without", layers
 
 

@@ -13,7 +13,7 @@ from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
 from engine.run.quality import measure_quality
 from engine.synth.bpe_tokenizer import build_tokenizer
-from colibri_fp8 import write_fp8_checkpoint
+from colibri_fp8 import write_sharded_fp8
 from colibri_hf_models import build
 from test_fp8 import BLOCK, _mtp_tensors
 
@@ -27,7 +27,7 @@ def fp8_source(tmp_path_factory):
     build("deepseek_v3", root / "src", moe_intermediate_size=64, vocab_size=300)
     build_tokenizer(300).save(str(root / "src" / "tokenizer.json"))  # quality scores text
     layers = json.loads((root / "src" / "config.json").read_text())["num_hidden_layers"]
-    write_fp8_checkpoint(root / "src", root / "fp8", block=BLOCK, extra=_mtp_tensors(root / "src", layers),
+    write_sharded_fp8(root / "src", root / "fp8", BLOCK, extra=_mtp_tensors(root / "src", layers),
                          config_overrides={"num_nextn_predict_layers": 1}, oracle_dir=root / "values")
     return root, layers
 
