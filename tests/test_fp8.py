@@ -336,3 +336,22 @@ def test_run_json_lists_mtp_layers_as_skipped(mtp_pair):
     out = json.loads(done.stdout)
     assert out["skipped"]["mtp_layers"] == [layers] and out["skipped"]["declared"] == 1
     assert out["quant"] == f"fp8-e4m3-b{BLOCK[0]}x{BLOCK[1]}" and "fp8" in out["kernel"]
+
+
+# --- the cost model ---------------------------------------------------------------------------------
+
+def test_cost_model_plans_fp8_bytes_as_the_engine_does(fp8_model):
+    from tuner.costmodel.geometry import bytes_per_weight, resolve
+    from tuner.costmodel.memplan import plan_memory
+    arch, d, _ = fp8_model
+    g = resolve(str(d))
+    assert g.native_quant == "fp8"
+    with Engine(d, EngineConfig(ctx_size=64, threads=1)) as engine:
+        planned = plan_memory(g, "fp8", EngineConfig(ctx_size=64, threads=1), overhead_bytes=engine.plan.overhead_bytes)
+        assert planned.dense_bytes == engine.plan.dense_bytes and planned.expert_bytes == engine.plan.expert_bytes
+    # Geometry-only specs (DeepSeek-V3 671B): 1 byte per projection weight + a fp32 per 128x128 block;
+    # embeddings, routers and lm_head stay bf16, so the dense part is a little over half of bf16's.
+    assert bytes_per_weight("fp8", 7168) == 1 + 4 / (128 * 128)
+    big = resolve("deepseek-v3")
+    assert big.expert_bytes("fp8") == pytest.approx(big.expert_bytes("bf16") / 2, rel=1e-3)
+    assert 0.5 < big.dense_bytes("fp8") / big.dense_bytes("bf16") < 0.7

@@ -42,8 +42,8 @@ def _tensors(d):
 @pytest.mark.parametrize("quant,group", [("int8", 0), ("int4", 32), ("int4", 64)])
 def test_fp8_converts_like_its_dequantized_values(fp8_source, quant, group):
     root, layers = fp8_source
-    a = convert(root / "fp8", root / f"from-fp8-{quant}{group}", quant, group or 64, "all")
-    b = convert(root / "values", root / f"from-values-{quant}{group}", quant, group or 64, "all")
+    a = convert(root / "fp8", root / f"from-fp8-{quant}{group}", quant, group or 64, "experts")
+    b = convert(root / "values", root / f"from-values-{quant}{group}", quant, group or 64, "experts")
     assert a["source_quant"] == f"fp8-e4m3-b{BLOCK[0]}x{BLOCK[1]}" and a["skipped"]["mtp_layers"] == [layers]
     ta, tb = _tensors(root / f"from-fp8-{quant}{group}"), _tensors(root / f"from-values-{quant}{group}")
     # Every matrix quantized from the FP8 file is the one quantized from its dequantized values.
@@ -72,7 +72,7 @@ def test_scope_experts_keeps_dense_fp8_as_bf16_and_is_deterministic(fp8_source):
 
 def test_quality_compares_an_fp8_model_with_its_conversion(fp8_source):
     root, _ = fp8_source
-    convert(root / "fp8", root / "q8", "int8", 64, "all")
+    convert(root / "fp8", root / "q8", "int8", 64, "experts")
     r = measure_quality(root / "q8", root / "fp8", tokens=64, ctx=32, dtype="fp32", threads=1)
     assert r["reference"]["quant"] == f"fp8-e4m3-b{BLOCK[0]}x{BLOCK[1]}" and r["model"]["quant"] == "int8"
     assert 0.0 <= r["kl_mean"] < 0.05 and r["top1_agreement"] > 0.8

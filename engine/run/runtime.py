@@ -23,6 +23,7 @@ from engine.arch.model import KVCache, ModelArgs, Transformer, dense_tensor_name
 from engine.movement.plan import MemoryPlan, make_plan
 from engine.format.tensor_checks import check_shapes
 from engine.movement.store import ExpertStore, ResidentExperts
+from engine.base.errors import UnsupportedModelError
 from engine.format import fp8
 from engine.format.checkpoint import read_tensor
 from engine.format.mtp import mtp_summary
@@ -107,6 +108,9 @@ class Engine:
                                           self.kv_dtype)
         t0 = time.perf_counter()
         streamed = self._streamed_layers()
+        if streamed and (fp8_kept or fp8_dequantized):  # StreamingLayers casts what it reads; FP8 needs its scales
+            raise UnsupportedModelError(f"{model_dir}: streaming the layers of a dense FP8 model is not supported; "
+                                        "give a budget that holds it, or convert it first (colibri convert)")
         weights = {n: self._load_dense(n, container, quantized, fp8_kept, fp8_dequantized)
                    for n in dense_names if _layer_of(n) not in streamed}
         self.layers = None

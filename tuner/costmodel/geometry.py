@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from engine.base.errors import ConfigError
 INT4_GROUP = 64
 QUANTS = ("bf16", "fp32", "fp8", "int8", "int4")
 FP8_BLOCK = 128 * 128
+FP8_QUANTIZED = re.compile(r"_proj(_with_mqa)?\.weight$")  # the projections FP8 releases store in e4m3
 MATERIALIZED_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 MLA_TYPES = ("deepseek_v3", "glm_moe_dsa", "glm4_moe_dsa")
 
@@ -65,6 +67,8 @@ class Tensor:
     def nbytes(self, quant: str) -> float:
         if len(self.shape) < 2:  # norms and biases stay in bf16 whatever the quant level
             return 2.0 * self.numel if quant != "fp32" else 4.0 * self.numel
+        if quant == "fp8" and not FP8_QUANTIZED.search(self.name):
+            return 2.0 * self.numel  # as published: embeddings, routers and lm_head stay bf16
         return bytes_per_weight(quant, self.shape[-1]) * self.numel
 
 
