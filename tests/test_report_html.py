@@ -16,6 +16,7 @@ from report_fixture import TRIALS, make_run
 from tuner import cli
 from tuner.results.browser import check_page, find_chromium, render_png
 from tuner.results.report_html import write_reports
+from colibri_requirements import needs
 
 SECTIONS = ("Hardware", "Recommended against the baseline", "Memory plan", "Optimization history",
             "Parameter importance", "Decode speed against each setting", "TTFT against decode speed",
@@ -99,9 +100,10 @@ def test_cli_report_and_bad_run_dir(run_dir, tmp_path, capsys):
 
 # --- in a browser ---------------------------------------------------------------------------
 
-# CI (.ci/run) sets COLIBRI_REQUIRE_CHROMIUM: there a missing browser fails instead of skipping.
-needs_chromium = pytest.mark.skipif(find_chromium() is None and not os.environ.get("COLIBRI_REQUIRE_CHROMIUM"),
-                                    reason="chromium not installed (scripts/setup.sh installs it for CI)")
+# CI (.ci/run) sets COLIBRI_REQUIRE_CHROMIUM: there a missing browser fails instead of skipping
+# (tests/colibri_requirements.py).
+needs_chromium = pytest.mark.skipif(find_chromium() is None,
+                                    reason=needs("chromium", "chromium not installed (scripts/setup.sh installs it for CI)"))
 
 
 @needs_chromium

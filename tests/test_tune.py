@@ -32,6 +32,7 @@ from tuner.search.study import TuneOptions, parse_duration, redact_url, run_tune
 
 from colibri_sync import completed_trials, wait_until
 from colibri_tune_fixtures import BUDGET, MIN_CTX, MiB, ROOT, SMALL_CTX, model_dir, profile_path  # noqa: F401
+from colibri_requirements import needs
 
 
 def options(model_dir, profile_path, out, **kw) -> TuneOptions:
@@ -244,7 +245,7 @@ def test_oom_trials_are_infeasible_and_the_study_goes_on(tuned, model_dir, profi
     # Checked here, not at collection: detecting a cgroup makes (and removes) a child cgroup.
     support = detect_memory_cgroup()
     if not support.available:
-        pytest.skip(f"an OOM kill needs the trials in a memory cgroup; here: {support.reason}")
+        pytest.skip(needs("cgroup", f"an OOM kill needs the trials in a memory cgroup; here: {support.reason}"))
     out = tmp_path / "run"
     reuse_calibration(tuned.out_dir, out)
     # 64 MiB cannot hold python + torch: every trial is OOM-killed inside its cgroup.

@@ -137,7 +137,7 @@ def _config_table(rec: dict, base: dict) -> list[str]:
 
 # --- plots ----------------------------------------------------------------------------------
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
     os.close(fd)
@@ -187,7 +187,7 @@ def _plot_history(trials, result: dict, path: Path) -> Path:
     ax.set_title("Optimization history")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _plot_params(feasible, result: dict, path: Path) -> Path:
@@ -221,7 +221,7 @@ def _plot_params(feasible, result: dict, path: Path) -> Path:
         ax.set_visible(False)
     fig.suptitle(f"{label} against each setting (feasible trials)", fontsize=10)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _importances(feasible, result: dict) -> dict:
@@ -248,7 +248,7 @@ def _plot_importance(importances: dict, path: Path) -> Path:
     ax.barh(names, [importances[n] for n in names], color="tab:blue")
     ax.set_xlabel("importance (PED-ANOVA, normalised)")
     ax.set_title("Which settings mattered")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _plot_confirmation(result: dict, path: Path) -> Path:
@@ -267,7 +267,7 @@ def _plot_confirmation(result: dict, path: Path) -> Path:
     ax.set_ylabel("decode tok/s (median, min..max)")
     ax.set_title("Confirmation round")
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _plot_pareto(trials, path: Path) -> Path:
@@ -282,4 +282,4 @@ def _plot_pareto(trials, path: Path) -> Path:
     ax.set_ylabel("decode tok/s")
     ax.set_title("Decode speed against time to first token")
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)

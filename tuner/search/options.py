@@ -25,7 +25,7 @@ AVAILABLE_SHARE = 0.88  # of the memory available to this process, as Colibrì's
 Log = Callable[[str], None]
 
 
-def _stderr(msg: str) -> None:
+def stderr_line(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 

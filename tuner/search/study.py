@@ -36,7 +36,7 @@ from tuner.search.space import DEFAULT_OVERHEAD_BYTES, ModelFacts, SearchSpace
 from tuner.search.study_storage import Heartbeat, open_storage, redact_url
 from tuner.search.trial import run_trial
 from tuner.search.options import (  # noqa: F401  (re-exported: callers import them from here)
-    Log, TuneOptions, TuneOutcome, _stderr, default_budget, make_sampler,
+    Log, TuneOptions, TuneOutcome, stderr_line, default_budget, make_sampler,
 )
 
 GiB = 1 << 30
@@ -297,7 +297,7 @@ class _Run:
         outputs.write_trials_csv(self.study.get_trials(deepcopy=False), self.out / "trials.csv")
 
 
-def run_tune(opts: TuneOptions, log: Log = _stderr) -> TuneOutcome:
+def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
     from tuner.probe.storage import sigterm_as_interrupt
     run = _Run(opts, log)
     with sigterm_as_interrupt():  # `kill` gets the same clean stop as Ctrl-C
