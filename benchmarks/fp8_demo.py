@@ -2,6 +2,8 @@
 
     python benchmarks/fp8_demo.py --work DIR [--layers 8] [--prepare-only]      # build the models
     python benchmarks/fp8_demo.py --work DIR --measure [--budget 1GiB] [--tokens 8] [--repeats 2]
+           [--part speed|quality]   # one part only (speed under `quiet bench`, quality needs no lock
+                                    # of its own); each part saves DIR/<part>.json, the table joins them
 
 Prepare (CPU-heavy, no timing; run it under `quiet test`): synthesizes the demo geometry (qwen3_moe,
 hidden 1024, 64 experts top-8, expert intermediate 512) with `--layers` layers (16 = the demo
@@ -56,20 +58,23 @@ def prepare(work: Path, layers: int) -> None:
             convert(bf16, work / label, quant, 64, "experts")
 
 
-def measure(work: Path, a) -> dict:
+def speed(work: Path, a) -> dict:
     models = [f"{label}={work / label}" for label in LABELS]
     argv = [sys.executable, str(HERE / "quant_demo.py"), "--budget", a.budget, "--tokens", str(a.tokens),
             "--repeats", str(a.repeats), "--threads", str(a.threads), "--json"]
     for m in models:
         argv += ["--model", m]
-    speed = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
+    return json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
+
+
+def quality(work: Path, a) -> dict:
     from engine.run.quality import measure_quality
     quality = {}
     for label in LABELS[1:]:
         r = measure_quality(work / label, work / "bf16", tokens=a.quality_tokens, ctx=a.ctx, threads=a.threads)
         quality[label] = {"kl_mean": r["kl_mean"], "kl_p99": r["kl_p99"], "top1": r["top1_agreement"],
                           "scored": r["scored_tokens"]}
-    return {"speed": speed, "quality": quality}
+    return quality
 
 
 def main() -> int:
@@ -84,6 +89,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quality-tokens", type=int, default=512)
     ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--part", choices=("speed", "quality"), help="measure one part only (saved in --work)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if not a.measure:
@@ -91,7 +97,18 @@ def main() -> int:
         if a.prepare_only:
             return 0
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    out = measure(a.work, a) | {"started": started, "commit": git_commit()}
+    for part, fn in (("speed", speed), ("quality", quality)):
+        if a.part in (None, part):
+            result = fn(a.work, a) | {"started": started, "commit": git_commit()}
+            (a.work / f"{part}.json").write_text(json.dumps(result, indent=2, default=str))
+    saved = {part: json.loads((a.work / f"{part}.json").read_text()) for part in ("speed", "quality")
+             if (a.work / f"{part}.json").exists()}
+    if "speed" not in saved:
+        print(json.dumps(saved, indent=2))
+        return 0
+    out = {"speed": saved["speed"], "quality": {k: v for k, v in saved.get("quality", {}).items()
+                                                if k in LABELS}, "started": saved["speed"]["started"],
+           "commit": saved["speed"]["commit"]}
     if a.json:
         print(json.dumps(out, indent=2, default=str))
         return 0
