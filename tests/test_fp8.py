@@ -29,6 +29,7 @@ from engine.native import fp8 as native_fp8
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
 from colibri_fp8 import oracle_model, write_sharded_fp8
+from colibri_requirements import needs
 from colibri_hf_models import build, hf_greedy, hf_logits
 from test_streaming import PLACEMENTS, budget_for_cache
 
@@ -114,7 +115,7 @@ KERNEL_SHAPES = [(37, 53, (16, 16)), (64, 128, (128, 128)), (100, 70, (32, 24)),
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_native_kernel_equals_torch_reference(n, k, block, dtype):
     if native_fp8.load() is not None:
-        pytest.skip(f"native FP8 kernel: {native_fp8.load()}")
+        pytest.skip(needs("native", f"native FP8 kernel: {native_fp8.load()}"))
     torch.manual_seed(n * 1000 + k)
     q, s = fp8.quantize(torch.randn(n, k) * 0.05, block)
     x = torch.randn(3, k).to(dtype)
@@ -129,7 +130,7 @@ def test_native_kernel_equals_torch_reference(n, k, block, dtype):
 
 def test_native_kernel_decodes_every_e4m3_code_exactly():
     if native_fp8.load() is not None:
-        pytest.skip(f"native FP8 kernel: {native_fp8.load()}")
+        pytest.skip(needs("native", f"native FP8 kernel: {native_fp8.load()}"))
     codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16).view(torch.float8_e4m3fn)  # subnormals, NaN, ±0
     one = torch.ones(1, 1)
     for col in range(16):
