@@ -1,7 +1,7 @@
 """The native FP8 e4m3 decode kernel (fp8_decode.cpp): built on first use like the bf16 ones.
 
-Needs AVX-512F/BW/VL only (the e4m3 → fp32 conversion and fp32 FMAs), not AVX512-BF16, so it
-loads on more CPUs than the bf16 kernels. Without it (COLIBRI_NATIVE=0, no compiler, another
+Built into the one native library with the bf16 and MXFP4 kernels (engine/native/__init__.py), so it
+loads where they do. Without it (COLIBRI_NATIVE=0, no compiler, another
 CPU) FP8 weights are dequantized block-wise and multiplied with F.linear (engine/format/fp8.py).
 
     load() -> str | None                   None when ready, else why not (one line)
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from engine.native import build_and_load
+from engine import native
 
-SOURCE = Path(__file__).with_name("fp8_decode.cpp")
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl")
-ARCH_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
+
+
+
 ready = False
 _why_not: str | None = None
 _tried = False
@@ -29,7 +29,7 @@ def load() -> str | None:
     global ready, _why_not, _tried
     if not _tried:
         _tried = True
-        _why_not = build_and_load(SOURCE, "colibri_fp8", REQUIRED_FLAGS, ARCH_FLAGS)
+        _why_not = native.load()  # fp8_decode.cpp is built into the one native library
         ready = _why_not is None
     return _why_not
 
