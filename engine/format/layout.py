@@ -283,8 +283,8 @@ def zero_copy(layout: ExpertLayout, dtype: torch.dtype) -> bool:
     if not layout.num_routed:
         return False
     loc = next(iter(layout._locations.values()))
-    return loc.quant is not None or getattr(loc, "stored", None) is not None
-            or getattr(loc, "fp8", None) is not None or all(p.dtype == dtype for p in loc.pieces)
+    return (loc.quant is not None or getattr(loc, "stored", None) is not None
+            or getattr(loc, "fp8", None) is not None or all(p.dtype == dtype for p in loc.pieces))
 
 
 def _numel(piece: Piece) -> int:
