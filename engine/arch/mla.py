@@ -26,6 +26,13 @@ import torch.nn.functional as F
 from engine.arch.kvquant import cache_bytes, kv_buffer
 from engine.arch.rope import apply_rope
 from engine.arch.layers import rms_norm
+from engine.format.quant import linear
+
+
+def _project(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T: F.linear for a plain weight, as always; a stored-quantized one (FP8 projections
+    of a published checkpoint, engine/format/fp8.py) through its own kernel."""
+    return F.linear(x, w, bias) if type(w) is torch.Tensor else linear(x, w, bias)
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -141,15 +148,15 @@ class MLAAttention:
         rope = rope_interleaved if self.rope_interleave else apply_rope
         if self.q_lora_rank is None:
             q_resid = None
-            q = F.linear(x, w[f"{p}.q_proj.weight"])
+            q = _project(x, w[f"{p}.q_proj.weight"])
         else:
-            q_resid = rms_norm(F.linear(x, w[f"{p}.q_a_proj.weight"], w.get(f"{p}.q_a_proj.bias")),
+            q_resid = rms_norm(_project(x, w[f"{p}.q_a_proj.weight"], w.get(f"{p}.q_a_proj.bias")),
                                w[f"{p}.q_a_layernorm.weight"], self.norm_eps)  # [T, q_lora_rank]
-            q = F.linear(q_resid, w[f"{p}.q_b_proj.weight"])
+            q = _project(q_resid, w[f"{p}.q_b_proj.weight"])
         q = q.view(T, N, P + R).transpose(0, 1)  # [N, T, P+R]
         q_nope, q_rope = q[..., :P], rope(q[..., P:], cos, sin)
 
-        compressed = F.linear(x, w[f"{p}.kv_a_proj_with_mqa.weight"], w.get(f"{p}.kv_a_proj_with_mqa.bias"))
+        compressed = _project(x, w[f"{p}.kv_a_proj_with_mqa.weight"], w.get(f"{p}.kv_a_proj_with_mqa.bias"))
         latent = rms_norm(compressed[:, :r], w[f"{p}.kv_a_layernorm.weight"], self.norm_eps)  # [T, r]
         k_rope = rope(compressed[:, r:], cos, sin)  # [T, R]
         S = start_pos + T
@@ -169,7 +176,7 @@ class MLAAttention:
                                              attn_mask=mask, scale=self.softmax_scale, enable_gqa=True)
         out = torch.matmul(out.squeeze(0), kv_b[:, P:].transpose(1, 2))  # [N, T, Vd]: W_uv after attention
         out = out.transpose(0, 1).reshape(T, N * Vd)
-        return F.linear(out, w[f"{p}.o_proj.weight"], w.get(f"{p}.o_proj.bias"))
+        return _project(out, w[f"{p}.o_proj.weight"], w.get(f"{p}.o_proj.bias"))
 
     def _sparse_mask(self, w, p, layer, x, q_resid, start_pos, cache, cos, sin, causal):
         """[T, S] bool: causal and among the query's top-`index_topk` positions by the indexer."""

@@ -9,6 +9,10 @@
   the same source and options keeps every recorded shard whose bytes still hash to it.
 - Deterministic: same source and options, same bytes (fixed order, no timestamps, and the
   quantization itself is deterministic fp32 math).
+- From a published FP8 checkpoint (engine/format/fp8.py): each FP8 weight is dequantized with
+  its block scales (fp32) and requantized; dense FP8 weights that stay unquantized (scope
+  "experts") are written as bf16; the `weight_scale_inv` tensors, the `quantization_config`
+  and the MTP layers (engine/format/mtp.py: the engine never loads them) are not carried over.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from engine.format.checkpoint import Checkpoint
+from engine.format.checkpoint import Checkpoint, read_tensor
 from engine.format.container import CONFIG_KEY, QuantSpec, container_spec, quant_names
 from engine.base.durable import DirectoryLock
 from engine.base.errors import ModelFormatError
@@ -30,6 +34,8 @@ from engine.format.quant import check_group, quantize, stored_shapes
 from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 from engine.base.output_target import (OutputTargetError, check_not_source, directory_target, read_small_json,
                                   replace_directory, stamped)
+from engine.format import fp8
+from engine.format.mtp import mtp_summary
 
 STATE_FILE = "convert-state.json"
 WRITER_DTYPE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -88,6 +94,12 @@ class Converter:
                     for n in expert_tensor_names(a, layer, e):
                         self.ckpt.info(n)  # a missing expert tensor is an error now, not mid-way
                         self.expert_of[n] = (layer, e)
+        self.fp8 = fp8.fp8_spec(self.ckpt.config, f"{src}/config.json")
+        # Not carried over from an FP8 source: the scales (folded into the weights) and MTP layers.
+        self.skipped = mtp_summary(self.ckpt, a)
+        mtp_prefixes = tuple(f"model.layers.{i}." for i in self.skipped["mtp_layers"])
+        self.dropped = {n for n in self.ckpt.tensors if n.startswith(mtp_prefixes)
+                        or (self.fp8 is not None and n.endswith(fp8.SCALE_SUFFIX))}
         self.fingerprint = fingerprint(self.ckpt)
         self._fused_cache: dict[str, torch.Tensor] = {}
 
@@ -95,6 +107,8 @@ class Converter:
         """Output shard name → its items in order (the source shard's order, experts as units)."""
         by_shard: dict[str, list] = {}
         for info in sorted(self.ckpt.tensors.values(), key=lambda i: (i.path, i.offset)):
+            if info.name in self.dropped:
+                continue
             by_shard.setdefault(Path(info.path).name, []).append(info)
         a, seen = self.args, set()
         out: dict[str, list[Item]] = {}
@@ -108,8 +122,8 @@ class Converter:
                             check_group(info.shape[1], self.spec.group_size, info.name)
                         items.append(Item(info.name, _qspecs(info.name, self.spec, *info.shape)))
                     else:
-                        items.append(Item(info.name, [TensorSpec(info.name, info.shape, _writer_dtype(info))],
-                                          quantized=False))
+                        dtype = "bfloat16" if info.dtype == fp8.FP8_TAG else _writer_dtype(info)
+                        items.append(Item(info.name, [TensorSpec(info.name, info.shape, dtype)], quantized=False))
                     continue
                 keys = [owner] if isinstance(owner, tuple) else [(owner, e) for e in range(a.num_experts)]
                 for key in keys:
@@ -126,7 +140,7 @@ class Converter:
         a = self.args
         names = expert_tensor_names(a, layer, e)
         if names[0] in self.ckpt:
-            return [self.ckpt.load(n) for n in names]
+            return [self._load(n) for n in names]
         gate_up_name, down_name = fused_expert_tensor_names(a, layer)
         if gate_up_name not in self._fused_cache:  # one layer's fused tensors at a time
             self._fused_cache = {n: self.ckpt.load(n) for n in (gate_up_name, down_name)}
@@ -134,12 +148,19 @@ class Converter:
         I = a.moe_intermediate_size
         return [gate_up[:I], gate_up[I:], down]
 
+    def _load(self, name: str) -> torch.Tensor:
+        """A source tensor as its values: FP8 weights dequantized with their block scales (fp32)."""
+        if self.fp8 is None or not fp8.is_fp8(self.ckpt, name):
+            return self.ckpt.load(name)
+        w, s = fp8.check_fp8(self.ckpt, self.fp8, name)
+        return fp8.load_dequantized((w, s), self.fp8, read_tensor, torch.float32)
+
     def write_shard(self, path: Path, items: list[Item], progress=None) -> None:
         specs = [s for item in items for s in item.specs]
         source_hash = hashlib.sha256()
         with ShardWriter(path, specs, self.spec.stamp(self.fingerprint, SHA_PLACEHOLDER)) as w:
             for i, item in enumerate(items):
-                sources = self._expert(*item.expert) if item.expert else [self.ckpt.load(item.name)]
+                sources = self._expert(*item.expert) if item.expert else [self._load(item.name)]
                 for t in sources:
                     source_hash.update(t.contiguous().view(torch.uint8).numpy())
                 tensors = [q for t in sources for q in quantize(t, self.spec.quant, self.spec.group_size)] \
@@ -220,7 +241,9 @@ def convert(src, dst, quant: str = "int4", group_size: int = 64, scope: str = "e
     return {"path": str(out), "quant": spec.quant, "group_size": spec.group_size, "scope": spec.scope,
             "label": spec.label, "shards": len(shards), "shards_written": len(written),
             "shards_kept": len(shards) - len(written), "bytes": sum(p.stat().st_size for p in out.glob("*.safetensors")),
-            "source_bytes": conv.ckpt.nbytes(), "source_fingerprint": conv.fingerprint}
+            "source_bytes": conv.ckpt.nbytes(), "source_fingerprint": conv.fingerprint,
+            "source_quant": conv.fp8.label if conv.fp8 is not None else None,
+            "skipped": conv.skipped}
 
 
 def _not_ours(tmp: Path, why: str) -> OutputTargetError:
@@ -282,6 +305,9 @@ def _finish(conv: Converter, shards: dict[str, list[Item]], tmp: Path, spec: Qua
         write_json_atomic(tmp / "model.safetensors.index.json",
                           {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     config = dict(conv.ckpt.config)
+    if conv.fp8 is not None:  # the container's weights are int8/int4 + bf16 now, not FP8
+        config.pop("quantization_config", None)
+        config["torch_dtype"] = "bfloat16"
     config[CONFIG_KEY] = spec.config_entry(conv.fingerprint)
     write_json_atomic(tmp / "config.json", config)
     for f in sorted(src.iterdir()):

@@ -1,10 +1,14 @@
 """Where each routed expert's bytes are, and how to turn those bytes back into tensors.
 
-Two on-disk layouts:
+Three on-disk layouts:
 - per-expert tensors (what `save_pretrained` writes): gate, up and down are three tensors,
   usually adjacent in one shard, so one read covers the expert;
 - fused 3-D tensors: gate_up_proj [E, 2I, H] and down_proj [E, H, I]; expert e is a
-  contiguous slice of each, so two reads.
+  contiguous slice of each, so two reads;
+- FP8 block-scaled (engine/format/fp8.py): per-expert tensors plus a `weight_scale_inv` beside each
+  weight. safetensors writers order a shard's data by dtype then name, so an expert's three F32
+  scales sit together and its three F8 weights together: two spans (one when a writer keeps
+  them adjacent), each read whole.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from engine.format.container import QuantSpec, check_quantized, container_spec
 from engine.base.errors import ModelFormatError
 from engine.arch.args import ModelArgs, expert_tensor_names, fused_expert_tensor_names
 from engine.format.quant import QuantWeight
+from engine.format.fp8 import Fp8Spec, Fp8Weight, check_fp8, fp8_spec
 
 # Gaps up to this size between an expert's tensors are read through rather than split into
 # two requests (safetensors may pad for alignment).
@@ -63,6 +68,7 @@ class ExpertLocation:
     # plain matrices (gpt_oss: fused with biases, or MXFP4 blocks dequantized on read).
     decode: Callable | None = None
     quant: QuantSpec | None = None  # a colibri int8/int4 container (engine/format/container.py)
+    fp8: Fp8Spec | None = None  # a published FP8 block-scaled checkpoint: (weight, scale_inv) pairs
     # Formats that `decode` keeps as stored (gpt_oss MXFP4 for its native kernel): per piece,
     # True where the compute reads the bytes in place, False where they become the compute dtype.
     stored: tuple[bool, ...] | None = None
@@ -78,6 +84,7 @@ class ExpertLayout:
         self.args = args
         self.ckpt = checkpoint
         self.quant = container_spec(checkpoint)
+        self.fp8 = fp8_spec(checkpoint.config, f"{checkpoint.directory}/config.json")
         self._locations: dict[tuple[int, int], ExpertLocation] = {}
         self._slot_bytes: dict[bool, int] = {}
         for layer in range(args.num_layers):
@@ -86,9 +93,10 @@ class ExpertLayout:
             if args.expert_impl is not None:  # the architecture knows its own expert tensors
                 self._locations.update(args.expert_impl.locations(checkpoint, layer))
                 continue
-            if self.quant is not None:
+            if self.quant is not None or self.fp8 is not None:
+                located = self._quantized if self.quant is not None else self._fp8
                 for e in range(args.num_experts):
-                    self._locations[(layer, e)] = self._quantized(expert_tensor_names(args, layer, e))
+                    self._locations[(layer, e)] = located(expert_tensor_names(args, layer, e))
                 continue
             fused = fused_expert_tensor_names(args, layer)
             if fused[0] in checkpoint and fused[1] in checkpoint:
@@ -114,6 +122,13 @@ class ExpertLayout:
         infos = [info for name, shape in zip(names, shapes) for info in check_quantized(self.ckpt, self.quant, name, shape)]
         spans, pieces = group_into_spans(infos)
         return ExpertLocation(tuple(spans), tuple(pieces), quant=self.quant)
+
+    def _fp8(self, names) -> ExpertLocation:
+        a = self.args
+        shapes = [(a.moe_intermediate_size, a.hidden_size)] * 2 + [(a.hidden_size, a.moe_intermediate_size)]
+        infos = [info for name, shape in zip(names, shapes) for info in check_fp8(self.ckpt, self.fp8, name, shape)]
+        spans, pieces = group_into_spans(infos)
+        return ExpertLocation(tuple(spans), tuple(pieces), fp8=self.fp8)
 
     def _add_fused(self, layer: int, gate_up: TensorInfo, down: TensorInfo) -> None:
         a = self.args
@@ -209,6 +224,10 @@ def tensors_from_buffers(loc: ExpertLocation, buffers: list, dtype: torch.dtype)
     """
     if loc.decode is not None:
         return loc.decode(loc, buffers, dtype)
+    if loc.fp8 is not None:  # codes stay views of the buffer; scales (a few hundred bytes) are checked
+        return tuple(Fp8Weight.from_stored(piece_tensor(buffers, w, w.dtype), piece_tensor(buffers, s, s.dtype),
+                                           loc.fp8.block, f"{loc.spans[0].path}: a routed expert's {('gate', 'up', 'down')[i]} scales")
+                     for i, (w, s) in enumerate(zip(loc.pieces[0::2], loc.pieces[1::2])))
     if loc.quant is not None:
         q = loc.quant
         return tuple(QuantWeight.prepare(piece_tensor(buffers, w, w.dtype), piece_tensor(buffers, s, s.dtype),
@@ -229,6 +248,8 @@ def expert_memory_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
     if not layout.num_routed:
         return 0
     loc = next(iter(layout._locations.values()))
+    if getattr(loc, "fp8", None) is not None:  # codes as stored, scales in fp32
+        return sum(w.nbytes + s.nbytes // s.dtype.itemsize * 4 for w, s in zip(loc.pieces[0::2], loc.pieces[1::2]))
     stored = getattr(loc, "stored", None)  # the cost model's stand-in layouts have none
     if stored is not None:
         return sum(p.nbytes if kept else _numel(p) * (torch.finfo(dtype).bits // 8) for p, kept in zip(loc.pieces, stored))
@@ -244,6 +265,8 @@ def cast_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
     if not layout.num_routed:
         return 0
     loc = next(iter(layout._locations.values()))
+    if getattr(loc, "fp8", None) is not None:  # bf16-stored scales become fp32 copies
+        return sum(s.nbytes // s.dtype.itemsize * 4 for s in loc.pieces[1::2] if s.dtype != torch.float32)
     stored = getattr(loc, "stored", None)  # the cost model's stand-in layouts have none
     if stored is not None:
         return sum(_numel(p) * (torch.finfo(dtype).bits // 8) for p, kept in zip(loc.pieces, stored)
@@ -260,7 +283,8 @@ def zero_copy(layout: ExpertLayout, dtype: torch.dtype) -> bool:
     if not layout.num_routed:
         return False
     loc = next(iter(layout._locations.values()))
-    return loc.quant is not None or getattr(loc, "stored", None) is not None or all(p.dtype == dtype for p in loc.pieces)
+    return (loc.quant is not None or getattr(loc, "stored", None) is not None
+            or getattr(loc, "fp8", None) is not None or all(p.dtype == dtype for p in loc.pieces))
 
 
 def _numel(piece: Piece) -> int:

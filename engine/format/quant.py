@@ -239,12 +239,12 @@ class QuantWeight:
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias) for a plain weight tensor or a QuantWeight.
+    """x @ w.T (+ bias) for a plain weight tensor or a QuantWeight (or FP8 Fp8Weight).
 
     One bf16 row without bias (decode) goes through the native kernel when it is loaded
     (engine/native): the same bits as F.linear in our tests, at about 3x the weight bandwidth
     (a bias stays with F.linear, whose addmm rounds once where adding it after would round twice)."""
-    if not isinstance(w, QuantWeight):
+    if isinstance(w, torch.Tensor):  # else a stored-quantized matrix: QuantWeight, fp8.Fp8Weight
         if (native.ready and bias is None and x.dim() == 2 and x.shape[0] == 1 and x.dtype is torch.bfloat16
                 and w.dtype is torch.bfloat16):
             return native.linear(x, w)

@@ -70,6 +70,17 @@ register_role("MXFP4 expert blocks/scales", r"\.mlp\.experts\.(gate_up|down)_pro
 # level stores, a missing or unknown stamp, and shapes are the container's own checks, made
 # where it reads the stamp, so they are not asked of config.json here.
 register_role("quantized codes", r"\.qweight$", {"I8", "U8"})
+
+
+def _is_fp8_checkpoint(config: dict) -> bool:
+    return (config.get("quantization_config") or {}).get("quant_method") == "fp8"
+
+
+# FP8 block-scaled checkpoints as published (engine/format/fp8.py): linear weights F8_E4M3 (or kept in
+# bf16, as some releases keep a few), and one fp32 scale per block beside each FP8 weight.
+register_role("FP8 block scales", r"\.weight_scale_inv$", {"F32", "BF16"}, applies=_is_fp8_checkpoint)
+register_role("FP8 linear weight", r"_proj(_with_mqa)?\.weight$|\.indexer\.\w+\.weight$", FLOATS | {"F8_E4M3"},
+              applies=_is_fp8_checkpoint)
 register_role("quantization scales", r"\.qscale$", {"BF16"})
 
 

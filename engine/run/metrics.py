@@ -131,6 +131,8 @@ def envelope(engine, model_dir: str) -> dict:
         "quant": engine.quant.label if engine.quant is not None else "none",
         "quant_scope": engine.quant.scope if engine.quant is not None else None,
         "kernel": engine.kernel,
+        # Tensors in the files the engine does not load (MTP layers, engine/format/mtp.py).
+        "skipped": getattr(engine, "skipped", None),
         "threads": engine.threads,
         "io_mode_effective": engine.io_stats().get("io_mode_effective", "resident"),
         # Which reader really ran: io_backend "auto" (and mmap mode) may not be what was asked.

@@ -27,6 +27,11 @@ from engine.movement.plan import MemoryPlan, make_plan
 from engine.arch.router import routing_trim
 from engine.format.tensor_checks import check_shapes
 from engine.movement.store import ExpertStore, ResidentExperts
+from engine.base.errors import UnsupportedModelError
+from engine.format import fp8
+from engine.format.checkpoint import read_tensor
+from engine.format.mtp import mtp_summary
+from engine.native import fp8 as native_fp8
 
 DTYPE_NAMES = short_dtypes()
 
@@ -40,7 +45,9 @@ def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
     by_config = torch_dtype(name) if name in FLOAT_NAMES else None
     if by_config is not None:
         return by_config
-    floats = [i.torch_dtype for i in ckpt.tensors.values() if i.torch_dtype.is_floating_point]
+    # FP8 weights are storage, not a compute dtype (their checkpoints say torch_dtype bfloat16).
+    floats = [i.torch_dtype for i in ckpt.tensors.values()
+              if i.torch_dtype.is_floating_point and i.torch_dtype.itemsize > 1]
     return floats[0] if floats else torch.float32
 
 
@@ -84,23 +91,33 @@ class Engine:
 
         # Validate everything we will read before reading any of it.
         trim = routing_trim(self.args, self.config.top_k_reduction, self.config.expert_threshold)
-        self.quant = container_spec(self.checkpoint)
+        container = container_spec(self.checkpoint)
+        self.fp8 = fp8.fp8_spec(self.checkpoint.config, f"{self.checkpoint.directory}/config.json")
+        self.quant = container or self.fp8  # what run/bench report as `quant`
+        # Multi-token-prediction layers in the files: recognised, never read (engine/format/mtp.py).
+        self.skipped = mtp_summary(self.checkpoint, self.args)
         dense_names = dense_tensor_names(self.args)
-        quantized = dense_quantized(self.checkpoint, self.quant, dense_names)  # checks their own shapes
+        quantized = dense_quantized(self.checkpoint, container, dense_names)  # checks their own shapes
+        fp8_kept, fp8_dequantized = fp8.dense_fp8(self.checkpoint, self.fp8, dense_names)  # checks their scales
         check_shapes(self.checkpoint, self.args, [n for n in dense_names if n not in quantized])
         self.layout = ExpertLayout(self.checkpoint, self.args) if self.args.is_moe else None
 
         # bf16 decode's native kernels (engine/native): loaded before the overhead is measured;
         # None when loaded, else why torch's matmuls are used instead.
         self.native_unavailable = native.load() if self.dtype == torch.bfloat16 else "not a bf16 model"
+        # FP8 weights' e4m3 kernel (bf16 or fp32 activations); None when loaded, else why not.
+        self.fp8_native_unavailable = native_fp8.load() if self.fp8 is not None else "not an FP8 model"
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them
         self.kernel_name = self.kernel  # tries (and so pages in) a quantized container's packed kernel too
         self.plan: MemoryPlan = make_plan(self.checkpoint, self.args, self.layout, self.config, self.dtype,
                                           self.kv_dtype)
         t0 = time.perf_counter()
         streamed = self._streamed_layers()
-        weights = {n: load_dense(self.checkpoint, self.quant, quantized[n], self.dtype) if n in quantized
-                   else self.checkpoint.load(n, self.dtype) for n in dense_names if _layer_of(n) not in streamed}
+        if streamed and (fp8_kept or fp8_dequantized):  # StreamingLayers casts what it reads; FP8 needs its scales
+            raise UnsupportedModelError(f"{model_dir}: streaming the layers of a dense FP8 model is not supported; "
+                                        "give a budget that holds it, or convert it first (colibri convert)")
+        weights = {n: self._load_dense(n, container, quantized, fp8_kept, fp8_dequantized)
+                   for n in dense_names if _layer_of(n) not in streamed}
         self.layers = None
         if streamed:
             from engine.movement.streaming import StreamingLayers
@@ -121,6 +138,15 @@ class Engine:
             self.model.stream_layers(self.layers, streamed)
         self.kv = KVCache.allocate(self.args, self.config.ctx_size, self.kv_dtype, self.dtype)
 
+    def _load_dense(self, name, container, quantized, fp8_kept, fp8_dequantized):
+        if name in quantized:
+            return load_dense(self.checkpoint, container, quantized[name], self.dtype)
+        if name in fp8_kept:  # 1 byte/weight, multiplied by the e4m3 kernel
+            return fp8.load_dense(fp8_kept[name], self.fp8, read_tensor)
+        if name in fp8_dequantized:  # read as a plain tensor by the model (engine/format/fp8.py says which)
+            return fp8.load_dequantized(fp8_dequantized[name], self.fp8, read_tensor, self.dtype)
+        return self.checkpoint.load(name, self.dtype)
+
     def _streamed_layers(self) -> list[int]:
         if self.layout is not None or not self.plan.streaming:
             return []
@@ -136,6 +162,8 @@ class Engine:
     def kernel(self) -> str:
         """The matmul the routed experts run through (what run/bench report next to the quant)."""
         from engine.format.quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT8, kernel_works
+        if self.fp8 is not None:
+            return fp8.KERNEL_TORCH if self.fp8_native_unavailable else fp8.KERNEL_NATIVE + ", prefill: " + fp8.KERNEL_TORCH
         if self.layout is not None and self.layout.kernel is not None:  # the format's own (gpt_oss MXFP4)
             return self.layout.kernel
         if self.quant is None:

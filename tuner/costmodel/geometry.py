@@ -11,6 +11,8 @@ run yet but which users plan for.
 Quant levels are bytes per weight, scale overhead included:
   bf16  2 bytes;  fp32  4 bytes;
   int8  1 byte + one bf16 scale per output row (2 / K bytes per weight);
+  fp8   1 byte + one fp32 scale per 128x128 block (4 / 16384 bytes per weight): the published
+        FP8 e4m3 checkpoints (DeepSeek-V3/R1, Kimi-K2, GLM/Qwen3 FP8; engine/format/fp8.py);
   int4  half a byte + a bf16 scale and a bf16 zero per group of 64 (4 / 64 bytes per weight),
         the layout of torch's _weight_int4pack_mm (scales_and_zeros [K/group, N, 2]).
 These are engine/format/quant.py's containers (int8 per row, int4 group 64 by default) with scope
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +32,9 @@ from engine.base.errors import ConfigError
 from engine.format.container import container_spec, dense_quantized
 
 INT4_GROUP = 64
-QUANTS = ("bf16", "fp32", "int8", "int4")
+QUANTS = ("bf16", "fp32", "fp8", "int8", "int4")
+FP8_BLOCK = 128 * 128
+FP8_QUANTIZED = re.compile(r"_proj(_with_mqa)?\.weight$")  # the projections FP8 releases store in e4m3
 MATERIALIZED_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 MLA_TYPES = ("deepseek_v3", "glm_moe_dsa", "glm4_moe_dsa")
 
@@ -40,6 +45,8 @@ def bytes_per_weight(quant: str, in_features: int) -> float:
         return 2.0
     if quant == "fp32":
         return 4.0
+    if quant == "fp8":
+        return 1.0 + 4.0 / FP8_BLOCK
     if quant == "int8":
         return 1.0 + 2.0 / max(in_features, 1)
     if quant == "int4":
@@ -61,6 +68,8 @@ class Tensor:
     def nbytes(self, quant: str) -> float:
         if len(self.shape) < 2:  # norms and biases stay in bf16 whatever the quant level
             return 2.0 * self.numel if quant != "fp32" else 4.0 * self.numel
+        if quant == "fp8" and not FP8_QUANTIZED.search(self.name):
+            return 2.0 * self.numel  # as published: embeddings, routers and lm_head stay bf16
         return bytes_per_weight(quant, self.shape[-1]) * self.numel
 
 
@@ -159,6 +168,8 @@ def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
     dense = [Tensor(n, _matrix_shape(quantized[n][0].shape, spec.quant) if n in quantized else tuple(ckpt.info(n).shape))
              for n in names]
     native = {torch.float32: "fp32"}.get(checkpoint_dtype(ckpt), "bf16")
+    if (ckpt.config.get("quantization_config") or {}).get("quant_method") == "fp8":
+        native = "fp8"  # as published: the engine keeps the FP8 bytes (engine/format/fp8.py)
     synth = ckpt.config.get("colibri_synth") or {}
     return ModelGeometry(
         name=Path(model_dir).name, model_type=args.model_type, num_layers=args.num_layers,
