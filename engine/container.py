@@ -15,9 +15,12 @@ Layout and rationale: docs/FORMAT.md.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from engine.inputs import printable
 
 from .errors import ModelFormatError
 from .quant import GROUP_SIZES, QUANTS, SCALE_DTYPE, check_group, stored_shapes
@@ -29,6 +32,8 @@ CONFIG_KEY = "colibri_quant"
 # Keys of the stamp in every shard's __metadata__ (safetensors metadata values are strings).
 STAMP_KEYS = ("colibri_format", "format_version", "quant", "group_size", "scope", "source_fingerprint",
               "source_sha256")
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 QWEIGHT, QSCALE = "qweight", "qscale"
 QWEIGHT_DTYPE = {"int8": "I8", "int4": "U8"}
@@ -112,6 +117,10 @@ def container_spec(ckpt) -> QuantSpec | None:
     if not isinstance(entry, dict):
         raise ModelFormatError(f"{ckpt.directory}/config.json: {CONFIG_KEY!r} is not an object")
     spec = _spec_from_stamp(f"{ckpt.directory}/config.json", {**entry, "colibri_format": entry.get("format")})
+    fp = entry.get("source_fingerprint")
+    if not isinstance(fp, str) or not _SHA256_HEX.fullmatch(fp):
+        raise ModelFormatError(f"{ckpt.directory}/config.json: {CONFIG_KEY}.source_fingerprint "
+                               f"{printable(fp)!r} is not a sha256 (64 hex digits)")
     for path in shards:
         if path not in stamped:
             raise ModelFormatError(f"{path}: no quantization stamp in __metadata__ (config.json says {spec.label})")
