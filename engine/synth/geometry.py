@@ -15,7 +15,10 @@ from engine.dtypes import FLOAT_NAMES
 # The tokenizer (engine/bpe_tokenizer.py): 256 byte tokens, <|endoftext|> at 256, then BPE merges.
 from engine.bpe_tokenizer import EOS_TOKEN, EOS_TOKEN_ID, MIN_VOCAB  # noqa: F401  (re-exported)
 from engine.errors import ConfigError, ModelFormatError
-from engine.jsonlimits import loads_limited
+from engine.inputs import printable
+from engine.jsonlimits import load_json_input
+from engine.synth.geometry_check import check_geometry
+from engine.synth.params import param_counts  # noqa: F401  (re-exported: engine.synth.param_counts)
 from engine.validate import validate_config
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
@@ -56,19 +59,14 @@ def load_preset(name: str) -> dict:
 def load_geometry_file(path: str | os.PathLike) -> dict:
     """A user geometry JSON with the same keys as a preset."""
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ConfigError(f"geometry file {str(path)!r} not found")
     return _read_geometry_json(path)
 
 
 def _read_geometry_json(path: Path) -> dict:
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path.name}: cannot read: {exc.strerror or exc}") from None
-    geom = loads_limited(raw, path.name, error=ConfigError)
-    if not isinstance(geom, dict):
-        raise ConfigError(f"{path.name}: expected a JSON object of geometry keys")
+    geom = load_json_input(path, "geometry", error=ConfigError, unique_keys=True)
+    check_geometry(geom, path.name)
     geom.setdefault("name", path.stem)
     return geom
 
@@ -78,6 +76,7 @@ def validate_geometry(geometry: dict) -> dict:
     if not isinstance(geometry, dict):
         raise ConfigError("geometry must be a JSON object")
     name = geometry.get("name", "custom")
+    check_geometry(geometry, f"geometry {printable(name)}")
     if geometry.get("materializable") is False:
         src = geometry.get("source", "its published config")
         raise ConfigError(

@@ -99,8 +99,8 @@ def _check_own_keys(g: dict, source: str) -> None:
         if v is not None and (not is_number(v) or v < 0):
             raise ConfigError(f"{source}: {key!r} must be a finite number >= 0, got {printable(repr(v))[:60]}")
     ms = g.get("max_shard_size")
-    if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int) or not 1 << 20 <= ms <= 1 << 40):
-        raise ConfigError(f"{source}: 'max_shard_size' must be an integer number of bytes in [1 MiB, 1 TiB], "
+    if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int) or not 1 << 12 <= ms <= 1 << 40):
+        raise ConfigError(f"{source}: 'max_shard_size' must be an integer number of bytes in [4 KiB, 1 TiB], "
                           f"got {printable(repr(ms))[:60]}")
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import ConfigError
+from engine.inputs import printable
+from engine.synth.geometry_check import check_geometry
 
 INT4_GROUP = 64
 QUANTS = ("bf16", "fp32", "int8", "int4")
@@ -168,6 +170,9 @@ def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
 
 def from_spec(spec: dict) -> ModelGeometry:
     """Sizes from a config.json-like spec (a bundled preset or a user's geometry JSON)."""
+    # The one geometry validator (synth's too): types, ranges, cross-field rules and a size
+    # bound, before the per-layer loop below allocates anything.
+    check_geometry(spec, f"geometry {printable(spec.get('name', '?') if isinstance(spec, dict) else '?')}")
     try:
         return _from_spec(spec)
     except (KeyError, TypeError, ValueError) as exc:
