@@ -13,7 +13,7 @@ import pytest
 
 from tuner.sandbox import cgroups as cgroup
 from tuner.sandbox import current_memory_limit, detect_memory_cgroup, run_limited
-from engine.errors import BudgetError
+from engine.base.errors import BudgetError
 
 from colibri_sync import GUARD_S, wait_until
 
@@ -223,7 +223,7 @@ def test_unprivileged_user_gets_a_reason_not_a_crash(support):
     # the unprivileged interpreter imports a world-readable copy of the sandbox and what it uses.
     readable = Path(tempfile.mkdtemp(prefix="colibri-nobody-"))
     try:
-        for rel in ("engine/__init__.py", "engine/errors.py", "tuner/__init__.py", *(
+        for rel in ("engine/__init__.py", "engine/base/__init__.py", "engine/base/errors.py", "tuner/__init__.py", *(
                 str(p.relative_to(ROOT)) for p in (ROOT / "tuner" / "sandbox").glob("*.py"))):
             (readable / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(ROOT / rel, readable / rel)

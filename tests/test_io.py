@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import ConfigError, ModelFormatError
-from engine.io import ALIGN, IO_MODES, IOStats, ReadPool, UringPool, open_read_pool, uring_unavailable
+from engine.base.config import EngineConfig
+from engine.base.errors import ConfigError, ModelFormatError
+from engine.movement.io import (
+    ALIGN, IO_MODES, IOStats, ReadPool, UringPool, open_read_pool, uring_unavailable,
+)
 
 FILE_SIZE = 3 * (1 << 20) + 12345  # not a multiple of the page size: the EOF case matters
 CHUNK_SIZES = (4096, 64 << 10, 1 << 20)
@@ -180,7 +182,7 @@ def test_cancelled_before_pickup_is_never_read(data_file, make_pool):
 
 def test_cancelled_read_releases_its_slot(data_file, make_pool):
     """A cancelled read's buffer (an arena slot) is not held by the pool once it is dropped."""
-    from engine.slots import SlotArena
+    from engine.movement.slots import SlotArena
     path, data = data_file
     arena = SlotArena(2 * ALIGN, 1)
     with make_pool("buffered", io_threads=1) as pool:

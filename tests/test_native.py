@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import native
-from engine.config import EngineConfig
-from engine.generate import Sampler, generate
-from engine.runtime import Engine
+from engine.base.config import EngineConfig
+from engine.run.generate import Sampler, generate
+from engine.run.runtime import Engine
 from colibri_tiny import make_tiny
 from test_streaming import budget_for_cache
 

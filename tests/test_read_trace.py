@@ -1,4 +1,4 @@
-"""The read-trace recorder (engine/io/trace.py) and its fio replay (benchmarks/trace_bound.py)."""
+"""The read-trace recorder (engine/movement/io/trace.py) and its fio replay (benchmarks/trace_bound.py)."""
 
 import json
 import os
@@ -9,14 +9,14 @@ import sys
 import psutil
 import pytest
 
-import engine.io.trace as trace_mod
+import engine.movement.io.trace as trace_mod
 from benchmarks.trace_bound import IOLOG_HEADER, iolog_bytes, job_iologs, outstanding_fraction, replay, split_window
-from engine.bench import run_bench
-from engine.config import EngineConfig
-from engine.io import ReadPool
-from engine.io.trace import read_trace, write_trace
-from engine.plan import ACTIVATION_MARGIN
-from engine.runtime import Engine
+from engine.run.bench import run_bench
+from engine.base.config import EngineConfig
+from engine.movement.io import ReadPool
+from engine.movement.io.trace import read_trace, write_trace
+from engine.movement.plan import ACTIVATION_MARGIN
+from engine.run.runtime import Engine
 from colibri_hf_models import build
 
 LAYERS = 3

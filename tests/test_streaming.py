@@ -7,16 +7,16 @@ import os
 import psutil
 import pytest
 
-from engine.bench import run_bench
-from engine.checkpoint import Checkpoint
-from engine.config import EngineConfig
-from engine.errors import BudgetError, ModelFormatError
-from engine.generate import Sampler, generate
-from engine.io import uring_unavailable
-from engine.layout import ExpertLayout
-from engine.model import ModelArgs
-from engine.plan import ACTIVATION_MARGIN, make_plan
-from engine.runtime import Engine
+from engine.run.bench import run_bench
+from engine.format.checkpoint import Checkpoint
+from engine.base.config import EngineConfig
+from engine.base.errors import BudgetError, ModelFormatError
+from engine.run.generate import Sampler, generate
+from engine.movement.io import uring_unavailable
+from engine.format.layout import ExpertLayout
+from engine.arch.model import ModelArgs
+from engine.movement.plan import ACTIVATION_MARGIN, make_plan
+from engine.run.runtime import Engine
 from colibri_hf_models import build
 
 PROMPT = [(5 * i + 11) % 256 for i in range(12)]
@@ -164,7 +164,7 @@ def test_hostile_offsets_rejected_before_any_read(model_dir, tmp_path):
 
 def test_bench_under_cgroup_limit_stays_in_budget(model_dir):
     from tuner.sandbox import detect_memory_cgroup
-    from tuner.trial import run_trial
+    from tuner.search.trial import run_trial
     budget = 480 << 20
     config = EngineConfig(threads=1, ctx_size=64, ram_budget=budget, io_mode="buffered", cpu_cache_ratio=0.5)
     trial = run_trial(model_dir, config, tokens=4, repeats=2, cold=True, limit_bytes=budget, timeout=120)

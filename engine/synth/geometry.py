@@ -10,16 +10,16 @@ import math
 import os
 from pathlib import Path
 
-from engine import synth_archs
-from engine.dtypes import FLOAT_NAMES
-# The tokenizer (engine/bpe_tokenizer.py): 256 byte tokens, <|endoftext|> at 256, then BPE merges.
-from engine.bpe_tokenizer import EOS_TOKEN, EOS_TOKEN_ID, MIN_VOCAB  # noqa: F401  (re-exported)
-from engine.errors import ConfigError, ModelFormatError
-from engine.inputs import printable
-from engine.jsonlimits import load_json_input
+from engine.synth import arch_writers as synth_archs
+from engine.base.dtypes import FLOAT_NAMES
+# The tokenizer (engine/synth/bpe_tokenizer.py): 256 byte tokens, <|endoftext|> at 256, then BPE merges.
+from engine.synth.bpe_tokenizer import EOS_TOKEN, EOS_TOKEN_ID, MIN_VOCAB  # noqa: F401  (re-exported)
+from engine.base.errors import ConfigError, ModelFormatError
+from engine.base.inputs import printable
+from engine.base.jsonlimits import load_json_input
 from engine.synth.geometry_check import check_geometry
 from engine.synth.params import param_counts  # noqa: F401  (re-exported: engine.synth.param_counts)
-from engine.validate import validate_config
+from engine.format.validate import validate_config
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 

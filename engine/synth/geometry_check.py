@@ -21,10 +21,10 @@ from __future__ import annotations
 import difflib
 import math
 
-from engine.errors import ConfigError, ModelFormatError
-from engine.inputs import printable
+from engine.base.errors import ConfigError, ModelFormatError
+from engine.base.inputs import printable
 from engine.synth.params import param_counts
-from engine.validate import RULES, Field, Rope, validate_config, is_number
+from engine.format.validate import RULES, Field, Rope, validate_config, is_number
 
 # Far above any real model (GLM-5: 744e9 parameters, 78 x 256 routed experts), far below what
 # would make the cost model's per-layer tensors and per-(layer, expert) tables exhaust memory.

@@ -3,7 +3,7 @@ nothing allocated, so it can bound a geometry's size before anything else looks 
 
 from __future__ import annotations
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 
 
 def param_counts(geometry: dict) -> dict:

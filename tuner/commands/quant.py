@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from tuner.printers import print_json as _print_json
+from tuner.results.printers import print_json as _print_json
 
 
 def add_convert(sub) -> None:
@@ -25,9 +25,9 @@ def add_convert(sub) -> None:
 
 def cmd_convert(args) -> int:
     import time
-    from engine.convert import convert
-    from engine.resolve import resolve_model
-    from tuner.printers import convert_progress
+    from engine.format.convert import convert
+    from engine.run.resolve import resolve_model
+    from tuner.results.printers import convert_progress
 
     import torch
     torch.set_num_threads(max(args.threads, 1))
@@ -59,8 +59,8 @@ def add_quality(sub) -> None:
 
 
 def cmd_quality(args) -> int:
-    from tuner.printers import quality_progress
-    from tuner.quality import format_quality, measure_quality
+    from tuner.results.printers import quality_progress
+    from engine.run.quality import format_quality, measure_quality
 
     r = measure_quality(args.model, args.reference, tokens=args.tokens, ctx=args.ctx, text_file=args.text,
                         dtype=args.dtype, threads=args.threads,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence, get_args
 
-from tuner.probe.profile import MatmulDtype, MatmulPoint, Quantity
+from tuner.probe.hardware_profile import MatmulDtype, MatmulPoint, Quantity
 
 EXPERT_K, EXPERT_N = 2048, 768
 DTYPES = get_args(MatmulDtype)

@@ -7,7 +7,7 @@ cgroup is an honest budget, and its peak is an honest figure to report next to p
 cgroup v1 (memory.limit_in_bytes, memory.max_usage_in_bytes, memory.oom_control) and v2
 (memory.max, memory.peak, memory.events) are both supported. Children are made under this
 process's own memory cgroup, named `colibri-<pid>-<n>`, and removed after the run
-(tuner/sandbox/run.py runs commands in them).
+(tuner/sandbox/limited.py runs commands in them).
 """
 
 from __future__ import annotations
