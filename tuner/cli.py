@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from engine.base.errors import ColibriError
+from engine.base.inputs import printable
 from tuner.commands.machine import add_plan, add_probe
 from tuner.commands.quant import add_convert, add_quality
 from tuner.commands.results import add_compare, add_profile, add_report
@@ -44,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
             from tuner.search.outcome import outcome_of_exception, write_outcome
             write_outcome(args.outcome, outcome_of_exception(exc))
         if isinstance(exc, ColibriError):
-            print(f"colibri {args.command}: error: {exc}", file=sys.stderr)
+            # printable: a message quotes names from files (models, profiles, tensors); their
+            # control characters are escaped so they cannot drive the terminal.
+            print(f"colibri {args.command}: error: {printable(str(exc), limit=4000)}", file=sys.stderr)
             return exc.exit_code
         if isinstance(exc, KeyboardInterrupt):
             print(f"colibri {args.command}: interrupted", file=sys.stderr)

@@ -139,7 +139,7 @@ def read_text_input(path: str | os.PathLike, kind: str, error: type[ColibriError
 
 
 def _size(n: int) -> str:
-    return f"{n // MiB} MiB" if n % MiB == 0 else f"{n}-byte"
+    return f"{n}-byte"
 
 
 # --- names from files, on a terminal ---------------------------------------------------------

@@ -45,11 +45,12 @@ def nesting_depth_exceeds(text: str, max_depth: int) -> bool:
 
 def loads_limited(data: bytes | str, source: str, *, max_bytes: int = DEFAULT_MAX_BYTES,
                   max_depth: int = DEFAULT_MAX_DEPTH, error: type[ColibriError] = ModelFormatError,
-                  unique_keys: bool = False) -> Any:
+                  unique_keys: bool = False, finite: bool = False) -> Any:
     """Parse JSON after checking its size and nesting; every failure is `error` with one line.
 
     unique_keys: refuse an object that names a key twice. json keeps the last value silently,
     so a safetensors header or index listing a tensor twice would load whichever came last.
+    finite: refuse NaN, Infinity and -Infinity (not JSON, but Python's parser takes them).
     """
     if len(data) > max_bytes:
         raise error(f"{source}: {len(data)} bytes is larger than the {max_bytes}-byte limit for this file")
@@ -61,8 +62,9 @@ def loads_limited(data: bytes | str, source: str, *, max_bytes: int = DEFAULT_MA
     if nesting_depth_exceeds(data, max_depth):
         raise error(f"{source}: JSON nested deeper than {max_depth} levels")
     try:
-        return json.loads(data, object_pairs_hook=_unique if unique_keys else None)
-    except DuplicateKey as exc:
+        return json.loads(data, object_pairs_hook=_unique if unique_keys else None,
+                          parse_constant=_no_constant if finite else None)
+    except StrictRefusal as exc:
         raise error(f"{source}: {exc}") from None
     except json.JSONDecodeError as exc:
         raise error(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
@@ -72,8 +74,12 @@ def loads_limited(data: bytes | str, source: str, *, max_bytes: int = DEFAULT_MA
         raise error(f"{source}: JSON nested too deeply") from None
 
 
-class DuplicateKey(ValueError):
+class StrictRefusal(ValueError):  # a duplicate key or a non-finite constant
     pass
+
+
+def _no_constant(name: str):
+    raise StrictRefusal(f"{name} is not valid JSON (numbers must be finite)")
 
 
 def _unique(pairs: list) -> dict:
@@ -81,7 +87,7 @@ def _unique(pairs: list) -> dict:
     if len(out) != len(pairs):
         seen: set = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise DuplicateKey(f"key {printable(dup)!r} appears more than once in one object")
+        raise StrictRefusal(f"duplicate key {printable(dup)!r} (an object names it twice)")
     return out
 
 

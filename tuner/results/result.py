@@ -29,6 +29,7 @@ from engine.run.metrics import SUMMARY_KEYS
 
 RESULT_SCHEMA = "colibri.tune/2"
 RESULT_SCHEMA_V1 = "colibri.tune/1"
+V2_ONLY_FIELDS = ("quant", "quality")  # top-level fields colibri.tune/2 added (migrate_v1)
 TRIAL_SCHEMA = "colibri.trial/1"
 BEST_CONFIG_SCHEMA = "colibri.best_config/1"
 
@@ -347,6 +348,12 @@ class TuneResult:
         """Strict: the current schema, or a colibri.tune/1 result migrated (migrate_v1)."""
         from tuner.results.schema import decode
         if isinstance(data, dict) and data.get("schema") == RESULT_SCHEMA_V1:
+            # The schema id is checked against the content: a /1 file holding /2-only fields is
+            # mislabelled (or edited), and migrating it would silently drop or keep them.
+            newer = sorted(k for k in V2_ONLY_FIELDS if k in data)
+            if newer:
+                raise ResultError(f"{source}: schema says {RESULT_SCHEMA_V1} but it holds {', '.join(newer)}, "
+                                  f"which only {RESULT_SCHEMA} results have")
             data = migrate_v1(data)
         if not isinstance(data, dict) or data.get("schema") != RESULT_SCHEMA:
             got = data.get("schema") if isinstance(data, dict) else type(data).__name__
