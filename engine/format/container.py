@@ -127,6 +127,12 @@ def container_spec(ckpt) -> QuantSpec | None:
         if shard_spec != spec:
             raise ModelFormatError(f"{path}: stamped {shard_spec.label}/{shard_spec.scope}, but config.json says "
                                    f"{spec.label}/{spec.scope}")
+        # Every shard was made from the same source as config.json says (docs/FORMAT.md): a shard
+        # from another conversion, or an edited stamp, is refused rather than mixed in.
+        if stamped[path].get("source_fingerprint") != fp:
+            raise ModelFormatError(f"{path}: source_fingerprint "
+                                   f"{printable(stamped[path].get('source_fingerprint'))!r} differs from "
+                                   f"config.json's ({fp[:16]}...): the shard comes from another source or was edited")
     return spec
 
 

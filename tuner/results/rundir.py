@@ -128,8 +128,7 @@ def check_study_belongs(path: Path, result: dict, study) -> None:
     """The study is the one result.json was written from: study names repeat across runs (model,
     budget, objective), so a study.db from another run of the same model has the same name.
     Its directions, at least the trials result.json counts, and the recommended trial's params
-    equal to the recommended config (and its measured values equal to the recorded ones) are what
-    only this run's study has."""
+    equal to the recommended config are what only this run's study has."""
     info = result.get("study") or {}
     directions = [d.name.lower() for d in study.directions]
     if info.get("directions") and [str(d).lower() for d in info["directions"]] != directions:
@@ -146,11 +145,6 @@ def check_study_belongs(path: Path, result: dict, study) -> None:
     trial = next((t for t in trials if t.number == number), None)
     if trial is None:
         raise RunDirError(f"{path}: the recommended trial #{number} is not in the study: not this run's study")
-    values = rec.get("search_values")
-    if values and trial.values and (len(values) != len(trial.values)
-                                    or not all(_same(a, b, 1e-6) for a, b in zip(values, trial.values))):
-        raise RunDirError(f"{path}: trial #{number} of the study measured {trial.values}, result.json records "
-                          f"{values}: not this run's study")
     differ = [k for k, v in trial.params.items() if k in config and not _same(v, config[k])]
     if differ:
         raise RunDirError(f"{path}: trial #{number} of the study has {differ[0]}={trial.params[differ[0]]!r}, "
