@@ -35,7 +35,7 @@ from engine import synth  # noqa: E402
 from engine.base.config import EngineConfig, format_size, parse_size  # noqa: E402
 from engine.arch.gptoss import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
 from engine.run.metrics import git_commit  # noqa: E402
-from engine.arch.model import ModelArgs  # noqa: E402
+from engine.arch.args import ModelArgs
 
 MLA_PRESETS = ("deepseek-v3", "glm-5", "deepseek-v3-small", "glm-5-small")
 

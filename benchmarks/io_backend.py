@@ -46,7 +46,7 @@ from engine.movement.io import (  # noqa: E402
     ReadPool, UringPool, align_down, direct_window_bytes, uring_unavailable,
 )
 from engine.format.layout import ExpertLayout  # noqa: E402
-from engine.arch.model import ModelArgs  # noqa: E402
+from engine.arch.args import ModelArgs
 from engine.run.resolve import resolve_model  # noqa: E402
 from engine.movement.slots import SlotArena  # noqa: E402
 

@@ -181,7 +181,7 @@ def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
         if span is None:
             from engine.format.checkpoint import Checkpoint
             from engine.format.layout import ExpertLayout
-            from engine.arch.model import ModelArgs
+            from engine.arch.args import ModelArgs
             ckpt = Checkpoint(model_dir)
             span = ExpertLayout(ckpt, ModelArgs.from_config(ckpt.config)).expert_nbytes
         with _config_lock(a.lock):

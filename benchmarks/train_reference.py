@@ -61,7 +61,8 @@ class Reference(torch.nn.Module):
 
     def __init__(self, c: dict):
         super().__init__()
-        from engine.arch.model import ModelArgs, rope_inv_freq
+        from engine.arch.args import ModelArgs
+        from engine.arch.rope import rope_inv_freq
         self.args = ModelArgs.from_config(c)
         a = self.args
         H, D, E, I, V = a.hidden_size, a.head_dim, a.num_experts, a.moe_intermediate_size, a.vocab_size
@@ -82,7 +83,8 @@ class Reference(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor):
         """tokens [B, T] → logits [B, T, V], load-balancing loss."""
-        from engine.arch.model import apply_rope, rms_norm, rope_cos_sin, route
+        from engine.arch.rope import apply_rope, rope_cos_sin
+        from engine.arch.layers import rms_norm, route
         a = self.args
         B, T = tokens.shape
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, torch.arange(T), torch.float32)

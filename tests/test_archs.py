@@ -15,7 +15,8 @@ import torch
 from engine.base.config import EngineConfig
 from engine.base.errors import ModelFormatError
 from engine.run.generate import Sampler, generate
-from engine.arch.model import KVCache, ModelArgs, rms_norm, route_layer
+from engine.arch.layers import KVCache, rms_norm, route_layer
+from engine.arch.args import ModelArgs
 from engine.run.runtime import Engine
 from colibri_hf_models import build, hf_greedy, hf_logits
 

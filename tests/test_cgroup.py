@@ -16,6 +16,7 @@ from tuner.sandbox import current_memory_limit, detect_memory_cgroup, run_limite
 from engine.base.errors import BudgetError
 
 from colibri_sync import GUARD_S, wait_until
+from colibri_requirements import needs
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -30,8 +31,8 @@ READ_BUFFERED = "import sys\nn = 0\nwith open(sys.argv[1], 'rb') as f:\n    whil
 def support():
     found = detect_memory_cgroup()
     if not found.available:
-        pytest.skip(f"needs a child memory cgroup (root with cgroup v1 memory, or a delegated v2 subtree); "
-                    f"here: {found.reason}")
+        pytest.skip(needs("cgroup", f"needs a child memory cgroup (root with cgroup v1 memory, or a delegated v2 subtree); "
+                    f"here: {found.reason}"))
     return found
 
 

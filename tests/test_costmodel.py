@@ -210,7 +210,7 @@ def test_curve_region_keeps_the_rising_part_and_the_plateau(hw):
 def test_prefilter_never_drops_a_config_the_engines_plan_accepts(tiny):
     from engine.format.checkpoint import Checkpoint
     from engine.format.layout import ExpertLayout
-    from engine.arch.model import ModelArgs
+    from engine.arch.args import ModelArgs
     from engine.movement.plan import make_plan
     import torch
     ckpt = Checkpoint(tiny)

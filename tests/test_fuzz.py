@@ -33,7 +33,7 @@ from engine import synth
 from engine.format.checkpoint import DTYPES
 from engine.base.config import EngineConfig
 from engine.base.errors import ColibriError
-from engine.arch.model import SUPPORTED_TYPES
+from engine.arch.args import SUPPORTED_TYPES
 from engine.format.validate import RULES, ROPE_TYPES
 from colibri_tiny import RUN_ARGS, TINY, make_tiny, read_header, write_header
 from tuner.cli import main

@@ -22,6 +22,7 @@ from engine.base.errors import ConfigError, ModelFormatError
 from engine.movement.io import (
     ALIGN, IO_MODES, IOStats, ReadPool, UringPool, open_read_pool, uring_unavailable,
 )
+from colibri_requirements import needs
 
 FILE_SIZE = 3 * (1 << 20) + 12345  # not a multiple of the page size: the EOF case matters
 CHUNK_SIZES = (4096, 64 << 10, 1 << 20)
@@ -95,7 +96,7 @@ def make_pool(request, tmp_path):
     """make_pool(io_mode, ...) builds this backend's pool; make_pool.occupy(pool) holds it busy."""
     backend = request.param
     if backend == "uring" and UNAVAILABLE:
-        pytest.skip(f"io_uring unavailable here: {UNAVAILABLE}")
+        pytest.skip(needs("uring", f"io_uring unavailable here: {UNAVAILABLE}"))
 
     def make(io_mode, io_threads=4, chunk_size=4 << 20, stats=None):
         if backend == "uring" and io_mode == "mmap":
@@ -409,7 +410,7 @@ def test_close_waits_for_reads_in_flight(tmp_path, make_pool):
 
 # ---- io_uring specifics -------------------------------------------------------------------------
 
-needs_uring = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"io_uring unavailable here: {UNAVAILABLE}")
+needs_uring = pytest.mark.skipif(bool(UNAVAILABLE), reason=needs("uring", f"io_uring unavailable here: {UNAVAILABLE}"))
 
 
 def _fionread(fd: int) -> int:

@@ -11,9 +11,10 @@ from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
 from colibri_tiny import make_tiny
 from test_streaming import budget_for_cache
+from colibri_requirements import needs
 
 WHY_NOT = native.load()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"native kernels: {WHY_NOT}")
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=needs("native", f"native kernels: {WHY_NOT}"))
 PROMPT = [3, 17, 42, 5, 99, 7]
 
 

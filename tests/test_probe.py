@@ -23,9 +23,10 @@ from tuner.probe.storage import (
     storage_plan)
 
 from colibri_sync import wait_until
+from colibri_requirements import needs
 
 ROOT = Path(__file__).resolve().parent.parent
-needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason=needs("fio", "fio is not installed"))
 
 
 def tiny_plan(min_file_bytes: int = 1 * MiB) -> ProbePlan:

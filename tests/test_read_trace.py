@@ -18,6 +18,7 @@ from engine.movement.io.trace import read_trace, write_trace
 from engine.movement.plan import ACTIVATION_MARGIN
 from engine.run.runtime import Engine
 from colibri_hf_models import build
+from colibri_requirements import needs
 
 LAYERS = 3
 FIO = shutil.which("fio")
@@ -112,7 +113,7 @@ def test_iologs_are_fio_v3_lines(tmp_path):
         assert sorted({int(r[0]) for r in reads}) == [1 + 10_000, 1 + 20_000]
 
 
-@pytest.mark.skipif(FIO is None, reason="fio is not installed (scripts/setup.sh installs it)")
+@pytest.mark.skipif(FIO is None, reason=needs("fio", "fio is not installed (scripts/setup.sh installs it)"))
 @pytest.mark.parametrize("no_stall", [False, True])
 def test_fio_replays_the_iologs(tmp_path, no_stall):
     f = tmp_path / "weights.bin"

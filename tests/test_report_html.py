@@ -16,9 +16,11 @@ from report_fixture import TRIALS, make_run
 from tuner import cli
 from tuner.results.browser import check_page, find_chromium, render_png
 from tuner.results.report_html import write_reports
+from colibri_requirements import needs
 
-SECTIONS = ("Hardware", "Recommended against the baseline", "Memory plan", "Optimization history",
-            "Parameter importance", "Decode speed against each setting", "TTFT against decode speed",
+SECTIONS = ("Hardware", "Recommended against the engine's defaults and the baseline", "Memory plan",
+            "Optimization history", "Parameter importance", "Decode speed against each setting",
+            "TTFT against decode speed",
             "Disk curve (probe)", "Measured speed against the bound", "Trials", "Conditions")
 PLOTS = ("confirmation", "memory_plan", "history", "importance", "params", "ttft_decode", "disk_curve", "bound")
 HOSTILE_NAME = "tiny<script>alert(1)</script>"
@@ -99,9 +101,10 @@ def test_cli_report_and_bad_run_dir(run_dir, tmp_path, capsys):
 
 # --- in a browser ---------------------------------------------------------------------------
 
-# CI (.ci/run) sets COLIBRI_REQUIRE_CHROMIUM: there a missing browser fails instead of skipping.
-needs_chromium = pytest.mark.skipif(find_chromium() is None and not os.environ.get("COLIBRI_REQUIRE_CHROMIUM"),
-                                    reason="chromium not installed (scripts/setup.sh installs it for CI)")
+# CI (.ci/run) sets COLIBRI_REQUIRE_CHROMIUM: there a missing browser fails instead of skipping
+# (tests/colibri_requirements.py).
+needs_chromium = pytest.mark.skipif(find_chromium() is None,
+                                    reason=needs("chromium", "chromium not installed (scripts/setup.sh installs it for CI)"))
 
 
 @needs_chromium

@@ -15,7 +15,7 @@ from engine.format.checkpoint import Checkpoint
 from engine.base.config import EngineConfig
 from engine.run.generate import Sampler, generate
 from engine.format.layout import ExpertLayout
-from engine.arch.model import ModelArgs, dense_tensor_names, expert_tensor_names, fused_expert_tensor_names
+from engine.arch.args import ModelArgs, dense_tensor_names, expert_tensor_names, fused_expert_tensor_names
 from engine.movement.plan import ACTIVATION_MARGIN, make_plan
 from engine.run.runtime import Engine
 from engine.movement.store import ExpertStore, ResidentExperts

@@ -14,10 +14,11 @@ from engine.base.errors import BudgetError, ModelFormatError
 from engine.run.generate import Sampler, generate
 from engine.movement.io import uring_unavailable
 from engine.format.layout import ExpertLayout
-from engine.arch.model import ModelArgs
+from engine.arch.args import ModelArgs
 from engine.movement.plan import ACTIVATION_MARGIN, make_plan
 from engine.run.runtime import Engine
 from colibri_hf_models import build
+from colibri_requirements import needs
 
 PROMPT = [(5 * i + 11) % 256 for i in range(12)]
 NEW_TOKENS = 8
@@ -225,7 +226,7 @@ def test_dense_layer_streaming_keeps_tokens(dense_dir, io_mode, prefetch):
     assert 2 * NEW_TOKENS <= reads <= 2 * NEW_TOKENS + prefetch
 
 
-@pytest.mark.skipif(bool(uring_unavailable()), reason=f"io_uring unavailable here: {uring_unavailable()}")
+@pytest.mark.skipif(bool(uring_unavailable()), reason=needs("uring", f"io_uring unavailable here: {uring_unavailable()}"))
 @pytest.mark.parametrize("io_mode,chunk_size,prefetch", [("direct", 4096, 0), ("direct", 1 << 20, 1),
                                                           ("buffered", 65536, 2)])
 def test_uring_backend_keeps_tokens(model_dir, reference_tokens, io_mode, chunk_size, prefetch):

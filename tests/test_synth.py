@@ -154,7 +154,7 @@ def test_failed_force_keeps_the_old_model(tmp_path, monkeypatch, tiny_dir):
     def boom(self, t):
         raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(synth._Recipe, "values", boom)
+    monkeypatch.setattr(synth.Recipe, "values", boom)
     with pytest.raises(RuntimeError):
         synth.synthesize(synth.load_preset("tiny"), dest, seed=5, force=True, progress=False)
     assert _tree_digest(dest) == before

@@ -18,6 +18,7 @@ from tuner.sandbox import detect_memory_cgroup
 from tuner.search.trial import run_trial
 
 from colibri_tune_fixtures import MiB, model_dir  # noqa: F401
+from colibri_requirements import needs
 
 QUICK = dict(tokens=2, repeats=1, prompt_tokens=4, cold=False)
 SMALL = EngineConfig(ctx_size=64)
@@ -62,7 +63,7 @@ def test_timeout(model_dir):
 def test_oom_killed_comes_from_the_cgroups_own_counter(model_dir):
     support = detect_memory_cgroup()
     if not support.available:
-        pytest.skip(f"an OOM kill needs a memory cgroup; here: {support.reason}")
+        pytest.skip(needs("cgroup", f"an OOM kill needs a memory cgroup; here: {support.reason}"))
     res = run_trial(model_dir, SMALL, limit_bytes=64 * MiB, timeout=300, **QUICK)  # python + torch need more
     assert res.status == "oom_killed", res
     assert res.signal == "SIGKILL" and res.cgroup_limited

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from engine.format.checkpoint import Checkpoint, TensorInfo
 from engine.base.errors import ModelFormatError
 from engine.format.layout import ExpertLocation, group_into_spans, piece_tensor
-from engine.arch.model import apply_rope
+from engine.arch.rope import apply_rope
 
 # FP4 e2m1 code → value (codes 8-15 are the negatives of 0-7).
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

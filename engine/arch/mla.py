@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.arch.model import apply_rope, rms_norm
+from engine.arch.rope import apply_rope
+from engine.arch.layers import rms_norm
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from engine.format.checkpoint import Checkpoint
 from engine.format.container import CONFIG_KEY, QuantSpec, container_spec, quant_names
 from engine.base.errors import ConfigError, ModelFormatError
-from engine.arch.model import ModelArgs, expert_tensor_names, fused_expert_tensor_names
+from engine.arch.args import ModelArgs, expert_tensor_names, fused_expert_tensor_names
 from engine.format.quant import check_group, quantize, stored_shapes
 from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 

@@ -18,7 +18,7 @@ import torch
 from engine.format.checkpoint import Checkpoint, TensorInfo
 from engine.format.container import QuantSpec, check_quantized, container_spec
 from engine.base.errors import ModelFormatError
-from engine.arch.model import ModelArgs, expert_tensor_names, fused_expert_tensor_names
+from engine.arch.args import ModelArgs, expert_tensor_names, fused_expert_tensor_names
 from engine.format.quant import QuantWeight
 
 # Gaps up to this size between an expert's tensors are read through rather than split into

@@ -370,9 +370,7 @@ def validate_config(cfg: Any, source: str = "config.json") -> None:
     model_type = cfg.get("model_type")
     rules = RULES.get(model_type) if isinstance(model_type, str) else None
     if rules is None:
-        from engine.arch.model import (  # an architecture registered in model.py before its rules: base rules
-            SUPPORTED_TYPES,
-        )
+        from engine.arch.args import SUPPORTED_TYPES
         if model_type not in SUPPORTED_TYPES:
             raise UnsupportedModelError(f"model_type {_short(model_type)} is not supported "
                                         f"(supported: {', '.join(SUPPORTED_TYPES)})")

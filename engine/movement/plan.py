@@ -20,7 +20,8 @@ from engine.base.config import EngineConfig, format_size
 from engine.base.errors import BudgetError
 from engine.format.container import dense_nbytes, dense_quantized
 from engine.format.layout import cast_bytes, expert_memory_bytes
-from engine.arch.model import KVCache, ModelArgs, dense_tensor_names
+from engine.arch.layers import KVCache
+from engine.arch.args import ModelArgs, dense_tensor_names
 
 ACTIVATION_MARGIN = 64 << 20  # hidden states, logits, attention scores of a decode step
 ALIGN_SLACK = 2 * 4096  # an O_DIRECT window can start up to 4 KiB early and end 4 KiB late

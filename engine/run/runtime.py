@@ -19,7 +19,9 @@ from engine.format.container import container_spec, dense_quantized, load_dense
 from engine.base.config import EngineConfig
 from engine.base.dtypes import FLOAT_NAMES, short_dtypes, torch_dtype
 from engine.format.layout import ExpertLayout
-from engine.arch.model import KVCache, ModelArgs, Transformer, dense_tensor_names
+from engine.arch.layers import KVCache
+from engine.arch.args import ModelArgs, dense_tensor_names
+from engine.arch.model import Transformer
 from engine.movement.plan import MemoryPlan, make_plan
 from engine.format.tensor_checks import check_shapes
 from engine.movement.store import ExpertStore, ResidentExperts

@@ -32,7 +32,7 @@ MLA_TYPES = ("deepseek_v3", "glm_moe_dsa")
 def validate(geometry: dict, defaults: dict) -> dict:
     """A geometry of one of ARCH_TYPES, with defaults filled in and checked by the engine's own
     config parser (so synth can only write what the engine and transformers can run)."""
-    from engine.arch.model import ModelArgs
+    from engine.arch.args import ModelArgs
     from engine.base.dtypes import FLOAT_NAMES as _DTYPES
     from engine.synth import EOS_TOKEN_ID, MIN_VOCAB
 
@@ -92,7 +92,7 @@ def hf_config(g: dict, seed: int, skew: float) -> dict:
 # biases and sinks, "zero_bias" for LayerNorm biases.
 
 def tensor_plan(g: dict) -> list:
-    from engine.arch.model import ModelArgs
+    from engine.arch.args import ModelArgs
     from engine.synth import PlannedTensor as T
     args = ModelArgs.from_config(hf_config(g, 0, 0.0))
     H, V, mt = g["hidden_size"], g["vocab_size"], g["model_type"]
@@ -190,9 +190,9 @@ def _gpt_oss_experts(g: dict, p: str, i: int, E: int, H: int, I: int) -> list:
 # --- weight recipe ----------------------------------------------------------------------------
 
 def make_recipe(g: dict, seed: int, skew: float):
-    from engine.synth import _Recipe
+    from engine.synth import Recipe
 
-    class ArchRecipe(_Recipe):
+    class ArchRecipe(Recipe):
         """synth's recipe plus the kinds of these architectures' tensors."""
 
         _quantized: tuple | None = None  # (base name, blocks, scales): one quantization per weight

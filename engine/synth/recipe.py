@@ -90,7 +90,7 @@ def _seed_for(seed: int, key: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-class _Recipe:
+class Recipe:
     """Values of each tensor as a float32 torch tensor, a pure function of (geometry, seed, skew, name)."""
 
     def __init__(self, g: dict, seed: int, skew: float):

@@ -17,7 +17,7 @@ from engine.base.durable import DirectoryLock, fsync_dir
 from engine.base.errors import ConfigError
 from engine.synth.geometry import validate_geometry
 from engine.synth.hf_files import write_side_files
-from engine.synth.recipe import PlannedTensor, _Recipe, tensor_plan
+from engine.synth.recipe import PlannedTensor, Recipe, tensor_plan
 
 
 def plan_shards(units: list[list[PlannedTensor]], dtype: str, max_shard_size: int) -> list[list[PlannedTensor]]:
@@ -104,7 +104,7 @@ def _synthesize(geometry: dict, out_dir, seed: int, routing_skew: float | None, 
     torch.set_num_threads(1)
     try:
         recipe = (synth_archs.make_recipe(g, seed, skew) if g["model_type"] in synth_archs.ARCH_TYPES
-                  else _Recipe(g, seed, skew))
+                  else Recipe(g, seed, skew))
         n = len(shards)
         names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map: dict[str, str] = {}

@@ -8,7 +8,7 @@ from engine.base.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_BACKENDS, IO_M
 from tuner.results.printers import print_json as _print_json
 
 
-def _add_engine_flags(p) -> None:
+def add_engine_flags(p) -> None:
     """Flags shared by run and bench: each overrides the same key of --config."""
     p.add_argument("--config", help="engine config TOML (e.g. a tune run's recommended.toml)")
     p.add_argument("--ram-budget", help="memory budget, e.g. 1GiB (0 = everything resident)")
@@ -54,7 +54,7 @@ def add_run(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--record-routing", metavar="FILE", help="write the routing histogram (for cache_policy=pinned)")
-    _add_engine_flags(p)
+    add_engine_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (with prompt and output ids)")
     p.set_defaults(func=cmd_run)
 
@@ -102,7 +102,13 @@ def add_bench(sub) -> None:
                                                         "benchmarks/trace_bound.py's fio replay")
     p.add_argument("--outcome", metavar="FILE", help="write how the run ended as a JSON record (the tuner's "
                                                      "trials read it: ok with the results, or the error's kind)")
-    _add_engine_flags(p)
+    work = p.add_mutually_exclusive_group()
+    work.add_argument("--prompts", metavar="FILE", help="run these prompts in each repeat instead of a random one: "
+                                                        "one per line, or JSON Lines of {prompt, max_new_tokens} "
+                                                        "(default max_new_tokens: --tokens); needs tokenizer.json")
+    work.add_argument("--workload", metavar="FILE", help="tokenized requests as `tune --prompts` saves them "
+                                                         "(JSON Lines of {prompt_ids, max_new_tokens})")
+    add_engine_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
@@ -121,6 +127,17 @@ def _check_writable(path: str) -> None:
         raise ConfigError(f"--read-trace {path}: directory {parent} does not exist or is not writable")
 
 
+def _bench_workload(args, model_dir):
+    """The requests of --prompts / --workload (checked before the engine loads), or None."""
+    from engine.run.workload import load_requests, load_workload
+    if args.workload:
+        return load_requests(args.workload)
+    if args.prompts:
+        from engine.run.generate import load_tokenizer
+        return load_workload(args.prompts, load_tokenizer(model_dir), args.tokens)
+    return None
+
+
 def cmd_bench(args) -> int:
     from engine.base.config import parse_size
     from engine.run.resolve import resolve_model
@@ -129,10 +146,13 @@ def cmd_bench(args) -> int:
     if args.read_trace:
         _check_writable(args.read_trace)
     model_dir = resolve_model(args.model, progress=not args.json)
+    workload = _bench_workload(args, model_dir)
     if args.cgroup_limit:
         from tuner.search.trial import run_trial
         extra = ["--record-routing", args.record_routing] if args.record_routing else []
         extra += ["--read-trace", args.read_trace] if args.read_trace else []
+        extra += ["--prompts", args.prompts] if args.prompts else []
+        extra += ["--workload", args.workload] if args.workload else []
         trial = run_trial(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                           prompt_tokens=args.prompt_tokens, seed=args.seed,
                           limit_bytes=parse_size(args.cgroup_limit), timeout=args.timeout, extra_args=extra)
@@ -151,7 +171,7 @@ def cmd_bench(args) -> int:
 
         result = run_bench(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                            prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
-                           record_routing=args.record_routing, read_trace=args.read_trace)
+                           record_routing=args.record_routing, read_trace=args.read_trace, workload=workload)
     if args.outcome:
         from tuner.search.outcome import Outcome, write_outcome
         write_outcome(args.outcome, Outcome("ok", metrics=result))

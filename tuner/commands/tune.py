@@ -13,7 +13,7 @@ def add_tune(sub) -> None:
     p.add_argument("--ram-budget", help="memory budget, e.g. 1GiB (default: 1GiB for demo, else 88%% of available)")
     limit = p.add_argument_group("how long")
     limit.add_argument("--time-budget", help="wall time for the whole run, e.g. 10m (default 15m without --trials)")
-    limit.add_argument("--trials", type=int, help="completed trials in the study (resumed ones count)")
+    limit.add_argument("--trials", type=int, help="measured trials in the study (resumed ones count; a re-proposal of a measured point does not)")
     p.add_argument("--min-ctx", type=int, default=2048, help="smallest context size to consider (default 2048)")
     p.add_argument("--objective", choices=OBJECTIVES, default="decode")
     p.add_argument("--out", help="run directory (default: reports/tune-<model>-<time>; with --resume, the latest)")
@@ -29,6 +29,10 @@ def add_tune(sub) -> None:
     t.add_argument("--tokens", type=int, default=8, help="decode tokens per repeat (default 8)")
     t.add_argument("--repeats", type=int, default=2, help="repeats per trial; the figure is their median (default 2)")
     t.add_argument("--prompt-tokens", type=int, default=8, help="prompt length (default 8)")
+    t.add_argument("--prompts", metavar="FILE",
+                   help="your workload: one prompt per line, or JSON Lines of {prompt, max_new_tokens} (default "
+                        "max_new_tokens: --tokens); each trial runs them all, the pinned policy's routing is "
+                        "recorded from them, and --objective request ranks by their end-to-end latency")
     t.add_argument("--warm", dest="cold", action="store_false", default=True,
                    help="keep caches across repeats (default: cold, weights from disk)")
     t.add_argument("--trial-timeout", type=float, help="seconds per trial (default: 5x a measured trial, >= 60)")
@@ -63,7 +67,8 @@ def cmd_tune(args) -> int:
         time_budget=parse_duration(args.time_budget) if args.time_budget else None, trials=args.trials,
         min_ctx=args.min_ctx, objective=args.objective, out=args.out, storage=args.storage,
         study_name=args.study_name, resume=args.resume, from_profile=args.from_profile, profile=args.profile,
-        seed=args.seed, tokens=args.tokens, repeats=args.repeats, prompt_tokens=args.prompt_tokens, cold=args.cold,
+        seed=args.seed, tokens=args.tokens, repeats=args.repeats, prompt_tokens=args.prompt_tokens,
+        prompts=args.prompts, cold=args.cold,
         trial_timeout=args.trial_timeout, cgroup_limit=parse_size(args.cgroup_limit) if args.cgroup_limit else None,
         confirm_top=args.confirm_top, confirm_rounds=args.confirm_rounds, sampler=args.sampler,
         cost_model=args.cost_model)

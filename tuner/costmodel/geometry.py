@@ -147,7 +147,7 @@ class ModelGeometry:
 def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
     """Exact sizes from a Hugging Face directory's headers (nothing but headers is read)."""
     from engine.format.checkpoint import Checkpoint
-    from engine.arch.model import ModelArgs, dense_tensor_names
+    from engine.arch.args import ModelArgs, dense_tensor_names
     from engine.run.runtime import checkpoint_dtype
     import torch
 

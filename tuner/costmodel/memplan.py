@@ -99,7 +99,7 @@ def planning_args(geometry: ModelGeometry):
     model: same layers, experts, shared expert and dense layers; the attention tensors' sizes
     come from the geometry by name, and the KV cache as one "head" of the latent's width.
     """
-    from engine.arch.model import ModelArgs
+    from engine.arch.args import ModelArgs
     g = geometry
     try:
         return ModelArgs.from_config(g.planning_config)
@@ -132,7 +132,7 @@ def _stand_ins(geometry: ModelGeometry, quant: str):
     """(checkpoint, args, layout) stand-ins for make_plan, built once per geometry and quant."""
     key = ("stand_ins", quant)
     if key not in geometry.memo:
-        from engine.arch.model import dense_tensor_names
+        from engine.arch.args import dense_tensor_names
         args = planning_args(geometry)
         expert = geometry.expert_bytes(quant)
         # The expert width that makes make_plan's 3·H·I·bf16 the stored size: no conversion copy.
@@ -152,7 +152,7 @@ def _native_inputs(model_dir: str):
     """The engine's plan inputs for a directory, parsed once (a search plans thousands of configs)."""
     from engine.format.checkpoint import Checkpoint
     from engine.format.layout import ExpertLayout
-    from engine.arch.model import ModelArgs
+    from engine.arch.args import ModelArgs
     from engine.run.runtime import checkpoint_dtype
     ckpt = Checkpoint(model_dir)
     args = ModelArgs.from_config(ckpt.config)

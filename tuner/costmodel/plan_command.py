@@ -6,6 +6,7 @@ held-out error, and store the factors in the profile (`cost_model`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from engine.base.errors import ConfigError
 from tuner.costmodel import fit as cal
 from tuner.costmodel.geometry import QUANTS, ModelGeometry, resolve
 from tuner.costmodel.hardware import HardwareView, apply_what_if
+from tuner.costmodel.model_facts import measured_on, recall_for, routing_for
 from tuner.costmodel.predict import Factors, RunConditions, predict
 from tuner.costmodel.routing_model import RoutingModel, from_histogram, synth_skew, uniform
 from tuner.costmodel.search import rank
@@ -59,6 +61,7 @@ class Setup:
     factors: Factors
     calibrated: bool
     overhead: int
+    recall_source: str = ""  # where the lookahead recall comes from (model_facts.recall_for)
 
 
 def make_routing(spec: str, geometry: ModelGeometry) -> RoutingModel:
@@ -87,8 +90,12 @@ def _setup(args, profile) -> Setup:
     fitted = cal.factors_from_profile(profile)
     section = getattr(profile, "cost_model", None) or {}
     overhead = int(section.get("overhead_bytes") or DEFAULT_OVERHEAD_BYTES)
-    return Setup(geometry, quant, hw, make_routing(args.routing, geometry), fitted or Factors(), fitted is not None,
-                 overhead)
+    # The machine's factors carry over to any model; the router's recall only to the geometry
+    # it was measured on (model_facts.py).
+    recall, source = recall_for(section, geometry.to_dict())
+    factors = dataclasses.replace(fitted or Factors(), lookahead_recall=recall)
+    return Setup(geometry, quant, hw, make_routing(args.routing, geometry), factors, fitted is not None,
+                 overhead, source)
 
 
 def _base_config(args, hw: HardwareView) -> EngineConfig:
@@ -115,7 +122,9 @@ def run_plan(args) -> dict:
     return {
         "model": s.geometry.to_dict(), "quant": s.quant, "routing": s.routing.description,
         "conditions": args.conditions, "what_if": list(args.what_if), "calibrated": s.calibrated,
-        "factors": s.factors.to_dict(), "overhead_bytes": s.overhead, "config": config.to_dict(),
+        "factors": s.factors.to_dict(), "lookahead_recall_source": s.recall_source,
+        "profile_routing": routing_for(getattr(profile, "cost_model", None), s.geometry.to_dict()),
+        "overhead_bytes": s.overhead, "config": config.to_dict(),
         "prediction": pred.to_dict(),
         "best": [{"config": r.config.to_dict(), "prediction": r.prediction.to_dict()} for r in ranked[:args.top]],
     }
@@ -145,6 +154,13 @@ def run_calibrate(args, profile) -> dict:
     section = cal.cost_model_section(factors, summary, geometry, quant, study)
     section["overhead_bytes"] = overhead
     section["routing"] = routing.description
+    # What was measured on the studied model, keyed by its geometry: plan applies it to that
+    # geometry only. The run's own result.json names the model it measured; a grid has none,
+    # and is taken to be of --model.
+    measured = (study.meta.get("model") or {})
+    section["measured_on"] = measured_on(measured.get("geometry") or geometry.to_dict(),
+                                         measured.get("name") or geometry.name, cal.measured_recall(all_trials),
+                                         routing.description)
     # The run directories' names, not their paths: a profile is shared (profiles/), and a path
     # names the box's user and layout.
     section["fitted_on"]["sources"] = [Path(d).name for d in args.calibrate]
@@ -176,6 +192,9 @@ def format_plan(r: dict) -> str:
         lines.append("what-if: " + ", ".join(r["what_if"]))
     lines.append(f"factors: {'calibrated' if r['calibrated'] else 'uncalibrated (the measured curves as they are)'}"
                  + "".join(f"; {k} {v:.3g}" for k, v in r["factors"].items()))
+    lines.append(f"lookahead recall: {r['lookahead_recall_source']}")
+    if r.get("profile_routing"):
+        lines.append(f"the profile's routing statistics for this geometry: {r['profile_routing']}")
     lines.append(_format_one("this config", r["config"], p))
     for i, b in enumerate(r["best"], 1):
         lines.append(_format_one(f"best predicted #{i}", b["config"], b["prediction"]))

@@ -263,11 +263,11 @@ def _interpolate_curve(curve: dict[tuple[int, int], float], size: int, qd: int) 
     for (s, q), bw in curve.items():
         by_qd.setdefault(q, []).append((s, bw))
     qds = sorted(by_qd)
-    at_size = [(q, _interp_log2(sorted(by_qd[q]), size)) for q in qds]
-    return _interp_log2(at_size, qd)
+    at_size = [(q, interp_log2(sorted(by_qd[q]), size)) for q in qds]
+    return interp_log2(at_size, qd)
 
 
-def _interp_log2(points: list[tuple[int, float]], x: int) -> float:
+def interp_log2(points: list[tuple[int, float]], x: int) -> float:
     """Piecewise-linear in log2(x) through sorted (x, y) points, clamped at both ends."""
     if x <= points[0][0]:
         return points[0][1]

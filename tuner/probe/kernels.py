@@ -25,7 +25,7 @@ import statistics
 import time
 from typing import Callable, Sequence
 
-from tuner.probe.cpu import _time_calls, each_thread_count
+from tuner.probe.cpu import time_calls, each_thread_count
 from tuner.probe.hardware_profile import KernelPoint, Quantity
 
 SHAPES = ((1024, 512), (6144, 2048))  # (k, n): demo-like and GLM-5-like expert projections
@@ -47,7 +47,7 @@ def measure_kernels(thread_counts: Sequence[int], ms: Sequence[int], min_time_s:
             fn_of, kernel, prepare_s = _kernel(quant, weights[(k, n)])
             for m in ms:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
-                calls, elapsed = _time_calls(fn_of(x), min_time_s)
+                calls, elapsed = time_calls(fn_of(x), min_time_s)
                 per_call = elapsed / calls
                 points.append(KernelPoint(
                     quant=quant, kernel=_bf16_kernel(m) if quant == "bf16" else kernel, group_size=INT4_GROUP if quant == "int4" else None,

@@ -2,7 +2,7 @@
 against decode speed, the probe's disk curve, and measured speed against the bound.
 
 Each takes plain data read from the run directory's files and writes one PNG (atomically, via
-report._save); it returns None when the run holds nothing to draw, and the page says so.
+report.save_figure); it returns None when the run holds nothing to draw, and the page says so.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from engine.base.config import format_size
-from tuner.results.report_md import _save
+from tuner.results.report_md import save_figure
 
 PLAN_PARTS = (("dense_bytes", "dense (resident)", "#4c72b0"), ("kv_bytes", "KV cache", "#dd8452"),
               ("buffer_bytes", "read slots", "#55a868"), ("cache_bytes", "expert cache", "#8172b3"),
@@ -49,7 +49,7 @@ def plot_memory_plan(plans: dict[str, dict], path: Path) -> Path | None:
     ax.set_title("Memory plan against the budget")
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     _drop_overflowing(fig, segment_labels)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _drop_overflowing(fig, labelled: list) -> None:
@@ -163,7 +163,7 @@ def plot_bars(labels: list[str], values: list, lows: list | None, highs: list | 
                        if max(map(len, labels)) > 12 else "center", fontsize=8)
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def pareto_front(points: list[tuple[str, float, float]]) -> list[str]:
@@ -218,4 +218,4 @@ def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: Path, legend: b
     ax.grid(alpha=0.3)
     if legend:
         ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)

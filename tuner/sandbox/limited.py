@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.base.errors import BudgetError
-from tuner.sandbox.cgroups import _Cgroup, _PeakSampler, detect_memory_cgroup
+from tuner.sandbox.cgroups import Cgroup, PeakSampler, detect_memory_cgroup
 
 _SHIM = Path(__file__).with_name("_exec.py")
 
@@ -97,7 +97,7 @@ def _join_all(readers: list[_PipeReader], seconds: float) -> bool:
 
 
 def _collect(
-    proc: subprocess.Popen, timeout: float | None, cgroup: "_Cgroup | None" = None
+    proc: subprocess.Popen, timeout: float | None, cgroup: "Cgroup | None" = None
 ) -> tuple[str, str, bool, float]:
     """Wait for the command (killing it at the timeout) and read its output. Returns stdout,
     stderr, whether it timed out, and the monotonic time at which it ended."""
@@ -184,7 +184,7 @@ def run_limited(
         return _run_unlimited(argv, limit_bytes, timeout, env, cwd, reason)
 
     try:
-        cgroup = _Cgroup.create(support, limit_bytes)
+        cgroup = Cgroup.create(support, limit_bytes)
     except OSError as err:
         reason = f"cannot create a limited child cgroup in {support.path}: {err.strerror or err}"
         if require:
@@ -202,7 +202,7 @@ def run_limited(
             os.close(status_w)
             status_w = -1
             if cgroup.version == 2 and not (cgroup.path / "memory.peak").exists():
-                sampler = _PeakSampler(cgroup)
+                sampler = PeakSampler(cgroup)
                 sampler.start()
             failure = _wait_for_exec(status_r, proc)
         finally:

@@ -25,7 +25,7 @@ AVAILABLE_SHARE = 0.88  # of the memory available to this process, as Colibrì's
 Log = Callable[[str], None]
 
 
-def _stderr(msg: str) -> None:
+def stderr_line(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -34,7 +34,7 @@ class TuneOptions:
     model: str = "demo"
     ram_budget: int | None = None  # None: 1 GiB for demo, else 88% of available memory
     time_budget: float | None = None  # seconds for the whole run; None with trials=None: 15 min
-    trials: int | None = None  # completed trials in the study (resumed ones count)
+    trials: int | None = None  # measured trials in the study (resumed ones count, re-proposals do not)
     min_ctx: int = 2048
     objective: str = "decode"
     out: Path | None = None  # None: reports/tune-<model>-<timestamp> (resume: the latest one)
@@ -49,6 +49,7 @@ class TuneOptions:
     tokens: int = 8
     repeats: int = 2
     prompt_tokens: int = 8
+    prompts: str | None = None  # the user's prompts file (tuner/search/workload.py): trials run it instead
     cold: bool = True
     trial_timeout: float | None = None  # None: adaptive (5x a measured trial, at least 60 s)
     cgroup_limit: int | None = None  # None: the budget (tests use a smaller one to force OOM)

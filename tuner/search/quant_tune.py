@@ -29,7 +29,7 @@ from engine.base.config import atomic_write_text, format_size
 from engine.base.errors import BudgetError, ConfigError
 from engine.base.jsonlimits import loads_limited
 from tuner.results.printers import kl_text, utc_now
-from tuner.search.study import Log, TuneOptions, _stderr, default_budget, run_tune
+from tuner.search.study import Log, TuneOptions, stderr_line, default_budget, run_tune
 
 RECORD_FILE = "quant-run.json"
 RECORD_SCHEMA = "colibri.tune-quant/1"
@@ -107,7 +107,7 @@ class QuantTuneOutcome:
     files: dict = field(default_factory=dict)
 
 
-def run_quant_tune(qopts: QuantTuneOptions, log: Log = _stderr) -> QuantTuneOutcome:
+def run_quant_tune(qopts: QuantTuneOptions, log: Log = stderr_line) -> QuantTuneOutcome:
     from engine.run.resolve import resolve_model
     from tuner.search import quant_cache
     from tuner.search.preflight import probe_profile

@@ -48,7 +48,7 @@ class ModelFacts:
     @classmethod
     def read(cls, model_dir) -> "ModelFacts":
         from engine.format.checkpoint import Checkpoint
-        from engine.arch.model import ModelArgs
+        from engine.arch.args import ModelArgs
         ckpt = Checkpoint(model_dir)
         args = ModelArgs.from_config(ckpt.config)
         geometry = {
@@ -220,7 +220,7 @@ class SearchSpace:
         if self._plan_inputs is None:
             from engine.format.checkpoint import Checkpoint
             from engine.format.layout import ExpertLayout
-            from engine.arch.model import ModelArgs
+            from engine.arch.args import ModelArgs
             from engine.run.runtime import checkpoint_dtype
             import torch
             ckpt = Checkpoint(self.model.model_dir)
