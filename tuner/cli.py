@@ -7,11 +7,11 @@ layer of argument parsing over importable library functions. Errors that are the
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from engine.base.errors import ColibriError
 from engine.base.inputs import printable
+from tuner.commands.argtypes import ColibriArgumentParser
 from tuner.commands.doctor import add_doctor
 from tuner.commands.machine import add_plan, add_probe
 from tuner.commands.quant import add_convert, add_quality
@@ -25,8 +25,8 @@ ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_plan, add_repo
           add_convert, add_quality, add_serve, add_chat, add_doctor]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> ColibriArgumentParser:
+    parser = ColibriArgumentParser(
         prog="colibri",
         description="Tune a streaming MoE engine for this machine: probe, run, bench, tune.",
     )

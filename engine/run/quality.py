@@ -65,7 +65,7 @@ def token_stream(reference_dir, tokens: int, text_file: str | None = None) -> tu
         what = "held-out " + info["description"]
     ids = tok.encode(text).ids
     if len(ids) < tokens:
-        raise ConfigError(f"the text has {len(ids)} tokens, fewer than --tokens {tokens}")
+        raise ConfigError(f"{what}: the text has {len(ids)} tokens, fewer than --tokens {tokens}")
     return ids[:tokens], what
 
 

@@ -132,6 +132,8 @@ class Engine:
     def kernel(self) -> str:
         """The matmul the routed experts run through (what run/bench report next to the quant)."""
         from engine.format.quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT8, kernel_works
+        if self.layout is not None and self.layout.kernel is not None:  # the format's own (gpt_oss MXFP4)
+            return self.layout.kernel
         if self.quant is None:
             dtype = str(self.dtype).replace('torch.', '')
             return f"F.linear ({dtype})" if self.native_unavailable else f"F.linear ({dtype}), native bf16 decode"

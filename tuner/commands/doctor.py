@@ -9,6 +9,8 @@ from engine.base.progress import Progress
 from engine.run.resolve import resolve_model
 from tuner.doctor.facts import gather
 from tuner.doctor.rules import diagnose
+from tuner.commands.argtypes import int_in, size
+from tuner.commands.run import CTX_MAX
 from tuner.probe import run_probe
 from tuner.probe.hardware_profile import load_profile
 from tuner.results.printers import print_json
@@ -19,8 +21,8 @@ MARKS = {"ok": "ok  ", "warn": "WARN", "problem": "FAIL"}
 def add_doctor(sub) -> None:
     p = sub.add_parser("doctor", help="check the machine, the model and the budget before streaming; say what to fix")
     p.add_argument("--model", help="model directory, or a synth preset name (its files, its memory plan)")
-    p.add_argument("--ram-budget", default=None, help="the budget to check the plan against (e.g. 1GiB)")
-    p.add_argument("--ctx-size", type=int, default=None)
+    p.add_argument("--ram-budget", type=size(), default=None, help="the budget to check the plan against (e.g. 1GiB)")
+    p.add_argument("--ctx-size", type=int_in(1, CTX_MAX), default=None)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", help="a saved probe (colibri probe -o P.json) for the SSD rules")
     src.add_argument("--probe", action="store_true", help="run a quick probe on the model's disk for the SSD rules")

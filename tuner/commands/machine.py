@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from tuner.commands.argtypes import check_output_file
 from tuner.results.printers import print_json as _print_json
 
 
@@ -25,6 +26,8 @@ def cmd_probe(args) -> int:
     from engine.base.progress import Progress
     from tuner.probe import format_summary, run_probe, save_profile
 
+    if args.output:  # refused now, not after minutes of measuring
+        check_output_file(args.output, "-o")
     with Progress(desc="probe", unit="step") as bar:
         profile = run_probe(args.dir, quick=args.quick, use_fio=False if args.no_fio else None,
                             progress=bar.step, fio_path=args.fio)

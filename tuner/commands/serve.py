@@ -11,16 +11,17 @@ from engine.run.resolve import resolve_model
 from engine.serve.chat import chat_loop
 from engine.serve.protocol import ApiError, Sampling, parse_sampling
 from engine.serve.server import API_KEY_ENV, LoadedModel, ServeOptions, check_options, serve
-from tuner.commands.run import add_engine_flags, engine_config_from_args
+from tuner.commands.argtypes import finite_float, int_in, positive_int, seed
+from tuner.commands.run import TOKENS_MAX, add_engine_flags, engine_config_from_args
 
 
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (one request at a time)")
     p.add_argument("--model", required=True, help="model directory, or a synth preset name (e.g. demo)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int_in(0, 65535), default=8000)
     p.add_argument("--api-key", help=f"required for a non-loopback --host (or set {API_KEY_ENV})")
-    p.add_argument("--queue-size", type=int, default=8, help="requests that may wait; more get 503 + Retry-After")
+    p.add_argument("--queue-size", type=positive_int(100_000), default=8, help="requests that may wait; more get 503 + Retry-After")
     p.add_argument("--max-body", default="4MiB", help="largest request body accepted")
     p.add_argument("--model-name", help="the model id clients use (default: the directory's name)")
     add_engine_flags(p)
@@ -42,10 +43,10 @@ def add_chat(sub) -> None:
     p = sub.add_parser("chat", help="talk to the model in the terminal (streamed answers, a speed line each)")
     p.add_argument("--model", required=True, help="model directory, or a synth preset name (e.g. demo)")
     p.add_argument("--system", help="a system prompt")
-    p.add_argument("--max-tokens", type=int, default=256, help="longest answer, in tokens")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=positive_int(TOKENS_MAX), default=256, help="longest answer, in tokens")
+    p.add_argument("--temperature", type=finite_float(0.01, 100.0, zero_ok=True), default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=1.0)
+    p.add_argument("--seed", type=seed(), default=0)
     add_engine_flags(p)
     p.set_defaults(func=cmd_chat)
 

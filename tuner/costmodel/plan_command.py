@@ -7,13 +7,14 @@ held-out error, and store the factors in the profile (`cost_model`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.base.config import EngineConfig, format_size, parse_size
+from engine.base.config import EngineConfig, format_size
 from engine.base.errors import ConfigError
-
+from tuner.commands.argtypes import positive_int, size
 from tuner.costmodel import fit as cal
 from tuner.costmodel.geometry import QUANTS, ModelGeometry, resolve
 from tuner.costmodel.hardware import HardwareView, apply_what_if
@@ -33,7 +34,7 @@ def add_plan_arguments(p) -> None:
     p.add_argument("--profile", required=True, help="hardware profile JSON (colibri probe / tune)")
     p.add_argument("--quant", choices=QUANTS, help="quant level (default: the model's own dtype)")
     p.add_argument("--config", help="engine config TOML to predict (default: the engine's defaults)")
-    p.add_argument("--budget", help="memory budget, e.g. 24GiB (default: the config's, else 88%% of the "
+    p.add_argument("--budget", type=size(), help="memory budget, e.g. 24GiB (default: the config's, else 88%% of the "
                                     "profile's available memory)")
     p.add_argument("--what-if", action="append", default=[], metavar="KEY=VALUE",
                    help="edit a measured figure: disk_bw=7GB/s, disk_scale=2, memory_bw=100GB/s, ram=64GiB, "
@@ -43,7 +44,7 @@ def add_plan_arguments(p) -> None:
                         "model's synth skew, else skew:1 — real models are far from uniform)")
     p.add_argument("--conditions", choices=("steady", "trial"), default="steady",
                    help="steady: long generation, warm cache (default); trial: the tuner's cold 8-token trial")
-    p.add_argument("--top", type=int, default=3, help="best predicted configs to list")
+    p.add_argument("--top", type=positive_int(1000), default=3, help="best predicted configs to list")
     p.add_argument("--calibrate", metavar="RUN_DIR", nargs="+",
                    help="fit the factors to the trials of tune run directories (or tuner_quality grid.json files), "
                         "print the cross-validated error, store the factors in --profile")
@@ -74,9 +75,12 @@ def make_routing(spec: str, geometry: ModelGeometry) -> RoutingModel:
     if spec.startswith("skew"):
         _, _, x = spec.partition(":")
         try:
-            return synth_skew(L, E, K, float(x) if x else REAL_MODEL_SKEW)
+            x = float(x) if x else REAL_MODEL_SKEW
         except ValueError:
             raise ConfigError(f"--routing {spec!r}: expected skew:X with X a number") from None
+        if not math.isfinite(x) or x < 0:  # synth's own range for a skew
+            raise ConfigError(f"--routing {spec!r}: the skew must be a finite number >= 0")
+        return synth_skew(L, E, K, x)
     from engine.movement.cache import routing_histogram_load
     hist = routing_histogram_load(spec)
     locality = synth_skew(L, E, K, float(skew)).locality if skew is not None else 0.0
@@ -101,7 +105,7 @@ def _setup(args, profile) -> Setup:
 def _base_config(args, hw: HardwareView) -> EngineConfig:
     config = EngineConfig.load(args.config) if args.config else EngineConfig()
     if args.budget:
-        config = config.replace(ram_budget=parse_size(args.budget))
+        config = config.replace(ram_budget=args.budget)  # bytes already (argtypes.size)
     elif not config.ram_budget:
         config = config.replace(ram_budget=int(hw.ram_bytes * 0.88))
     return config
