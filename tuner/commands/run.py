@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from engine.base.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_BACKENDS, IO_MODES, KV_DTYPES
+from engine.base.output_target import file_target, json_file_with
 from tuner.commands.argtypes import (check_output_file, finite_float, int_in, nonneg_int, positive_int, seconds,
                                      seed, size)
 from tuner.results.printers import print_json as _print_json
@@ -13,6 +14,15 @@ from tuner.results.printers import print_json as _print_json
 # bad flag is refused while parsing, naming the flag, before the model is opened.
 CTX_MAX = 1 << 22
 TOKENS_MAX = CTX_MAX  # prompt and new tokens must fit in a context
+
+ROUTING_FILE = json_file_with("schema", "counts")  # a routing histogram written before (engine/movement/cache)
+
+
+def _routing_output(args, command: str) -> None:
+    """--record-routing FILE is refused before the run (a directory, /proc/..., a stranger's file)."""
+    if args.record_routing is not None:
+        args.record_routing = str(file_target(args.record_routing, command=command, recognise=ROUTING_FILE,
+                                              flag="--record-routing"))
 
 
 def add_engine_flags(p) -> None:
@@ -78,6 +88,7 @@ def cmd_run(args) -> int:
     config = engine_config_from_args(args)
     if args.record_routing:
         check_output_file(args.record_routing, "--record-routing")
+    _routing_output(args, "run")
     model_dir = resolve_model(args.model, progress=not args.json)
     result = run_generation(model_dir, config, prompt=args.prompt, prompt_ids=args.prompt_ids,
                             prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
@@ -147,6 +158,7 @@ def cmd_bench(args) -> int:
             check_output_file(path, flag)
     if args.timeout is not None and not args.cgroup_limit:
         raise ConfigError("--timeout goes with --cgroup-limit (a bench without a cgroup runs in this process)")
+    _routing_output(args, "bench")
     model_dir = resolve_model(args.model, progress=not args.json)
     workload = _bench_workload(args, model_dir)
     if args.cgroup_limit:

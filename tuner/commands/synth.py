@@ -35,12 +35,13 @@ def cmd_synth(args) -> int:
         else:
             print(presets_text(rows))
         return 0
-    if not args.out:
+    if args.out is None:  # -o "" is refused by the output rules, naming it (it would mean the current directory)
         raise ConfigError("missing -o/--out DIR")
     geometry = synth.load_geometry_file(args.geometry) if args.geometry else synth.load_preset(args.preset)
     t0 = time.perf_counter()
     out = synth.synthesize(geometry, args.out, seed=args.seed, routing_skew=args.routing_skew,
-                           progress=not args.json, force=args.force)
+                           progress=not args.json, force=args.force,
+                           sources=(args.geometry,) if args.geometry else ())
     summary = {**synth.summarize(out), "seconds": round(time.perf_counter() - t0, 2)}
     if args.json:
         _print_json(summary)

@@ -7,6 +7,7 @@ validate options without importing the loop's parts.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -63,6 +64,13 @@ class TuneOptions:
     quality: dict | None = None  # tuner.result.QualityInfo as a dict
 
     def validate(self) -> "TuneOptions":
+        # NaN passes every `<= 0` test below, and inf is no time limit at all: refused first.
+        for flag, value in (("--trial-timeout", self.trial_timeout), ("--time-budget", self.time_budget)):
+            if value is not None and (isinstance(value, bool) or not math.isfinite(value)):
+                raise ConfigError(f"{flag} must be a finite number of seconds, got {value}")
+        for flag, value in (("--ram-budget", self.ram_budget), ("--cgroup-limit", self.cgroup_limit)):
+            if value is not None and value <= 0:
+                raise ConfigError(f"{flag} must be positive, got {value}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.sampler not in SAMPLERS:

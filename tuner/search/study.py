@@ -26,8 +26,10 @@ from optuna.trial import TrialState
 
 from engine.base.config import EngineConfig, format_size, size_label
 from engine.base.errors import BudgetError, ConfigError
-from tuner.search import confirm, explore, objective, study_storage as storage
+from tuner.search import confirm, explore, objective, run_guard, study_storage as storage
+from tuner.probe import load_profile
 from tuner.results import outputs
+from tuner.results.printers import trials_csv
 from tuner.search.budget import TimeBudget, format_clock, parse_duration
 from tuner.search.preflight import calibrate, probe_profile
 from tuner.results.result import TrialResult
@@ -56,14 +58,24 @@ class _Run:
         self.stop_reason = ""  # trials, time budget or converged
         self.measuring_seconds = 0.0  # this session's trial and confirmation runs (the share of wall spent measuring)
 
+    def __enter__(self) -> "_Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if getattr(self, "watch", None) is not None:
+            self.watch.close()
+
     # --- set-up -------------------------------------------------------------------------------
 
-    def setup(self) -> None:
+    def prepare(self) -> None:
+        """Every check of the options and inputs, writing nothing: a refused run leaves nothing behind."""
         from engine.run.resolve import resolve_model
         opts = self.opts
         self.model_dir = resolve_model(opts.model, progress=True).resolve()
         self.model_name = opts.model_name or (opts.model if not Path(opts.model).exists() else self.model_dir.name)
-        self.out = Path(opts.out) if opts.out else storage.default_out(self.model_name, opts.resume)
+        self.out = run_guard.tune_out(opts.out if opts.out is not None else
+                                      storage.default_out(self.model_name, opts.resume),
+                                      sources=[self.model_dir, opts.profile, opts.from_profile, opts.prompts])
         recorded = read_run_record(self.out) if opts.resume else None
         if opts.ram_budget is not None:
             self.budget = opts.ram_budget
@@ -79,6 +91,7 @@ class _Run:
         self.limit_bytes = opts.cgroup_limit or self.budget
         self.shared = storage.is_shared(opts.storage)
         self.storage_url = opts.storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
+        storage.check_url(self.storage_url)
         self.facts = ModelFacts.read(self.model_dir)
         # The user's prompts, parsed before anything slow (a bad file is one error line).
         self.work = prepare_workload(opts.prompts, self.model_dir, opts.prompt_tokens, opts.tokens,
@@ -86,7 +99,7 @@ class _Run:
         self.workload_info = self.work.info
         min_ctx = max(opts.min_ctx, self.work.ctx_needed)
         if min_ctx > opts.min_ctx:
-            log(f"--prompts: the longest request needs {min_ctx} tokens of context; --min-ctx {opts.min_ctx} raised")
+            self.log(f"--prompts: the longest request needs {min_ctx} tokens of context; --min-ctx {opts.min_ctx} raised")
         if not self.study_name_set(recorded):
             # tune --quant's levels carry one model name and may share one storage: the quant tells them apart.
             quant = f"-{self.facts.quant}" if opts.model_name else ""
@@ -100,15 +113,26 @@ class _Run:
         self.space.check_budget()  # before anything slow: a budget below the dense part is a user error
         if opts.resume and opts.storage is None and not (self.out / "study.db").exists():
             raise ConfigError(f"nothing to resume: {self.out} holds no study.db")
+        if opts.profile:
+            load_profile(opts.profile)  # refused now, not after the run directory and study exist
+        self.warm_entry = outputs.warm_start_entry(opts.from_profile, self.facts.geometry, self.log, self.facts.quant) \
+            if opts.from_profile else None
+        # A storage of the user's (PostgreSQL, or a SQLite file elsewhere) is opened now: a wrong
+        # URL is refused before anything is written; the default one lives in the run directory.
+        self.storage = open_storage(self.storage_url, self.shared) if opts.storage else None
+
+    def start(self) -> None:
+        """Create the run directory (or reuse a previous run's) and everything up to the study."""
+        opts = self.opts
         self.out.mkdir(parents=True, exist_ok=True)
+        self.watch = run_guard.RunDirWatch(self.out)
         self.work.save(self.out)
-        self.storage = open_storage(self.storage_url, self.shared)  # also before anything slow
+        if self.storage is None:
+            self.storage = open_storage(self.storage_url, self.shared)
         self.existing = storage.check_resume(self.storage, self.storage_url, self.study_name, opts.resume,
                                              self.shared)
         write_run_record(self.out, model=opts.model, model_dir=self.model_dir, budget=self.budget,
                          study_name=self.study_name, objective=opts.objective, storage=redact_url(self.storage_url))
-        self.warm_entry = outputs.warm_start_entry(opts.from_profile, self.facts.geometry, self.log, self.facts.quant) \
-            if opts.from_profile else None
 
         self.profile, self.profile_source = probe_profile(self.out, opts.profile, self.model_dir, self.log)
         self.calibration = calibrate(
@@ -188,6 +212,7 @@ class _Run:
 
     def search(self) -> None:
         while True:
+            self.watch.check()
             if self.shared:
                 optuna.storages.fail_stale_trials(self.study)
             done, running = self.counts()
@@ -324,14 +349,16 @@ class _Run:
                      if objective.point_key(t.params) == key), None)
 
     def write_trials_csv(self) -> None:
-        outputs.write_trials_csv(self.study.get_trials(deepcopy=False), self.out / "trials.csv")
+        # Through the held directory: a run directory the user deleted is never re-created.
+        self.watch.write_text("trials.csv", trials_csv(self.study.get_trials(deepcopy=False)))
 
 
 def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
     from tuner.probe.storage import sigterm_as_interrupt
     run = _Run(opts, log)
-    with sigterm_as_interrupt():  # `kill` gets the same clean stop as Ctrl-C
-        run.setup()
+    run.prepare()
+    with run_guard.hold(run.out, f"tuning {run.study_name}"), sigterm_as_interrupt(), run:  # `kill`: as Ctrl-C
+        run.start()
         done, _ = run.counts()
         log(f"study {run.study_name!r} in {redact_url(run.storage_url)}: {done} completed trial(s) so far; "
             f"budget {format_size(run.budget)}, objective {opts.objective}, "
@@ -341,6 +368,10 @@ def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
         try:
             run.search()
             decision = run.confirm()
+        except optuna.exceptions.StorageInternalError as exc:
+            run.watch.check()  # the usual cause: the run directory was deleted under the study
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise ConfigError(f"study storage {redact_url(run.storage_url)} failed: {first}") from None
         except KeyboardInterrupt:
             if not run.shared:
                 # Ctrl-C can land between `study.ask()` and the guarded measurement, or while a
@@ -356,6 +387,7 @@ def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
             raise
         run.search_counts = explore.search_counts(run.complete())
         result = outputs.build_result(run, decision).to_dict()
+        run.watch.check()
         files = outputs.write_outputs(run, result)
     rec = result["recommended"]
     if rec is None:

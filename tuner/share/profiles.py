@@ -20,6 +20,7 @@ from pathlib import Path
 
 from engine.base.config import atomic_write_text, format_size
 from engine.base.inputs import read_input
+from engine.base.output_target import file_target, json_file_with, read_small_json
 from tuner import __version__
 from tuner.results.printers import fmt, pct
 from tuner.probe.errors import ProfileError
@@ -239,6 +240,9 @@ def write_profile_file(data: dict, path: str | Path) -> Path:
     return path
 
 
+PROFILE_FILE = json_file_with("schema_version", "fingerprint")  # a probe's JSON or a shared profile
+
+
 def store_dir() -> Path:
     """$XDG_CONFIG_HOME/colibri/profiles (XDG: ~/.config when unset or not absolute)."""
     base = os.environ.get("XDG_CONFIG_HOME", "")
@@ -265,12 +269,14 @@ def import_profile(path: str | Path, name: str | None = None, force: bool = Fals
     store.mkdir(parents=True, exist_ok=True)
     dest = store / f"{name}.json"
     text = json.dumps(data, indent=2) + "\n"
-    if dest.exists():
-        if dest.read_text(encoding="utf-8") == text:
+    if os.path.lexists(dest):
+        if dest.is_file() and read_small_json(dest) == data:
             return name, dest, False
         if not force:
             raise ProfileError(f"a different profile named {name!r} is already in {store} "
                                f"(--name NEW to keep both, --force to replace it)")
+    # --force replaces only a profile: not a directory, a FIFO or a stranger's file of that name.
+    dest = file_target(dest, command="profile import", recognise=PROFILE_FILE, sources=[path], flag="--name")
     atomic_write_text(dest, text)
     return name, dest, True
 
