@@ -127,7 +127,7 @@ def test_load_rejects_bad_json_and_missing_file(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ProfileError, match="not valid JSON"):
         load_profile(bad)
-    with pytest.raises(ProfileError, match="cannot read profile"):
+    with pytest.raises(ProfileError, match="absent.json: no such file"):
         load_profile(tmp_path / "absent.json")
 
 

@@ -73,7 +73,7 @@ def test_synthesis_is_deterministic(tmp_path):
 
 @pytest.mark.parametrize("patch,needle", [
     (dict(topk_group=9), "topk_group 9 exceeds n_group 4"),
-    (dict(kv_lora_rank=0), "kv_lora_rank must be >= 1"),
+    (dict(kv_lora_rank=0), "kv_lora_rank = 0: must be an integer in"),
     (dict(expert_format="mxfp4"), "expert_format"),
 ])
 def test_bad_geometry_is_a_config_error(patch, needle):

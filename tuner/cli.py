@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from engine.base.errors import ColibriError
+from engine.base.inputs import printable
 from tuner.commands.argtypes import ColibriArgumentParser
 from tuner.commands.doctor import add_doctor
 from tuner.commands.machine import add_plan, add_probe
@@ -46,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
             from tuner.search.outcome import outcome_of_exception, write_outcome
             write_outcome(args.outcome, outcome_of_exception(exc))
         if isinstance(exc, ColibriError):
-            print(f"colibri {args.command}: error: {exc}", file=sys.stderr)
+            # printable: a message quotes names from files (models, profiles, tensors); their
+            # control characters are escaped so they cannot drive the terminal.
+            print(f"colibri {args.command}: error: {printable(str(exc), limit=4000)}", file=sys.stderr)
             return exc.exit_code
         if isinstance(exc, KeyboardInterrupt):
             print(f"colibri {args.command}: interrupted", file=sys.stderr)

@@ -23,6 +23,7 @@ import tomli_w
 from engine.base.dtypes import SHORT_NAMES
 from engine.base.durable import atomic_write_text  # noqa: F401  (re-exported: callers import it from here)
 from engine.base.errors import ConfigError
+from engine.base.inputs import LIMITS, read_text_input
 
 # The one home of the engine's enums: every module, flag and search space imports them from here.
 IO_MODES = ("direct", "buffered", "mmap")
@@ -36,7 +37,7 @@ MAX_TOP_K_REDUCTION = 8
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # fp16 is computed in fp32 on CPU (slow fp16 matmuls)
 
 # An engine config is a dozen keys; anything this large is not one (and is not read whole).
-MAX_TOML_BYTES = 1 << 20
+MAX_TOML_BYTES = LIMITS["engine config"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -192,18 +193,12 @@ class EngineConfig:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "EngineConfig":
         path = Path(path)
+        if not os.path.lexists(path):
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        text = read_text_input(path, "engine config", ConfigError, limit=MAX_TOML_BYTES)
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_TOML_BYTES + 1)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(path)!r} does not exist") from None
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
-        if len(raw) > MAX_TOML_BYTES:
-            raise ConfigError(f"{path}: larger than {MAX_TOML_BYTES} bytes: not an engine config")
-        try:
-            data = tomllib.loads(raw.decode("utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML ({exc})") from None
         except RecursionError:  # tomllib recurses per nesting level of arrays / inline tables
             raise ConfigError(f"{path}: not valid TOML (nested too deeply)") from None

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from engine.base.errors import ColibriError, ModelFormatError
+from engine.base.inputs import LIMITS, printable, read_input
 
 # Real config.json / index / profile files nest 4-6 levels; 64 is generous and far below the
 # recursion limit.
@@ -23,7 +24,11 @@ DEFAULT_MAX_BYTES = 64 << 20
 
 # A string token (with escapes): removed whole so brackets inside strings do not count; an
 # unterminated string is left for the parser to reject. Then everything but brackets goes.
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: one step per run of plain characters
+# The quantifiers are possessive (`++`, `*+`, Python 3.11+): `(?:[^"\\]|\\.)*` made the regex
+# engine keep a backtracking record per character of a string (~120 bytes each, so a 50 MB
+# "description" cost 6 GB), and the unrolled `[^"\\]*(?:\\.[^"\\]*)*` still keeps one per escape;
+# a possessive repeat never backtracks and keeps none (tests/test_input_limits.py measures it).
+_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
 _NOT_BRACKET = re.compile(r'[^\[\]{}]+')
 _DEPTH_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # as int8: +1 per opener, -1 per closer
 
@@ -43,8 +48,14 @@ def nesting_depth_exceeds(text: str, max_depth: int) -> bool:
 
 
 def loads_limited(data: bytes | str, source: str, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                  max_depth: int = DEFAULT_MAX_DEPTH, error: type[ColibriError] = ModelFormatError) -> Any:
-    """Parse JSON after checking its size and nesting; every failure is `error` with one line."""
+                  max_depth: int = DEFAULT_MAX_DEPTH, error: type[ColibriError] = ModelFormatError,
+                  unique_keys: bool = False, finite: bool = False) -> Any:
+    """Parse JSON after checking its size and nesting; every failure is `error` with one line.
+
+    unique_keys: refuse an object that names a key twice. json keeps the last value silently,
+    so a safetensors header or index listing a tensor twice would load whichever came last.
+    finite: refuse NaN, Infinity and -Infinity (not JSON, but Python's parser takes them).
+    """
     if len(data) > max_bytes:
         raise error(f"{source}: {len(data)} bytes is larger than the {max_bytes}-byte limit for this file")
     if isinstance(data, bytes):
@@ -55,10 +66,38 @@ def loads_limited(data: bytes | str, source: str, *, max_bytes: int = DEFAULT_MA
     if nesting_depth_exceeds(data, max_depth):
         raise error(f"{source}: JSON nested deeper than {max_depth} levels")
     try:
-        return json.loads(data)
+        return json.loads(data, object_pairs_hook=_unique if unique_keys else None,
+                          parse_constant=_no_constant if finite else None)
+    except StrictRefusal as exc:
+        raise error(f"{source}: {exc}") from None
     except json.JSONDecodeError as exc:
         raise error(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     except ValueError as exc:  # e.g. an integer literal longer than Python's int-digits limit
         raise error(f"{source}: not valid JSON ({exc})") from None
     except RecursionError:  # cannot happen after the depth check; kept so it never becomes a traceback
         raise error(f"{source}: JSON nested too deeply") from None
+
+
+class StrictRefusal(ValueError):  # a duplicate key or a non-finite constant
+    pass
+
+
+def _no_constant(name: str):
+    raise StrictRefusal(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def _unique(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise StrictRefusal(f"duplicate key {printable(dup)!r} (an object names it twice)")
+    return out
+
+
+def load_json_input(path, kind: str, *, error: type[ColibriError] = ModelFormatError,
+                    max_depth: int = DEFAULT_MAX_DEPTH, unique_keys: bool = False) -> Any:
+    """A user's JSON file of this kind (engine/base/inputs.py: regular file, size cap), parsed with the limits."""
+    raw = read_input(path, kind, error)
+    return loads_limited(raw, str(path), max_bytes=LIMITS[kind], max_depth=max_depth, error=error,
+                         unique_keys=unique_keys)

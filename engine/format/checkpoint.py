@@ -21,7 +21,8 @@ import torch
 
 from engine.base.dtypes import safetensors_dtypes
 from engine.base.errors import ModelFormatError
-from engine.base.jsonlimits import loads_limited
+from engine.base.inputs import LIMITS, open_input, printable
+from engine.base.jsonlimits import load_json_input, loads_limited
 from engine.format.tensor_checks import check_dtypes
 from engine.format.validate import validate_config
 
@@ -35,9 +36,9 @@ MAX_HEADER_BYTES = 100_000_000
 # {name: {"shape": [...]}} is three levels; anything deeper is not a safetensors header, and
 # checking before parsing keeps a "[[[[...]]]]" bomb away from the recursive JSON parser.
 MAX_HEADER_DEPTH = 3
-# config.json and the shard index: small files; generous caps that still stop a hostile one.
-MAX_CONFIG_BYTES = 16 << 20
-MAX_INDEX_BYTES = 64 << 20
+# config.json and the shard index: small files; their caps are engine/base/inputs.py's LIMITS.
+MAX_CONFIG_BYTES = LIMITS["config.json"]
+MAX_INDEX_BYTES = LIMITS["safetensors index"]
 
 
 @dataclass(frozen=True, slots=True)  # slots: ~90k of them at DeepSeek-V3 scale, no __dict__ each
@@ -61,26 +62,28 @@ class TensorInfo:
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     """Parse and validate one safetensors file's header. Reads only the header."""
     path = str(path)
+    fd, file_size = open_input(path, "safetensors shard", ModelFormatError)
     try:
-        file_size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise ModelFormatError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            header_len = int.from_bytes(prefix, "little")
-            if header_len > file_size - 8:
-                raise ModelFormatError(
-                    f"{path}: safetensors header length {header_len} is larger than the file "
-                    f"({file_size} bytes): truncated or corrupt")
-            if header_len > MAX_HEADER_BYTES:
-                raise ModelFormatError(f"{path}: safetensors header length {header_len} is implausibly large")
-            raw = f.read(header_len)
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise ModelFormatError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        header_len = int.from_bytes(prefix, "little")
+        if header_len > file_size - 8:
+            raise ModelFormatError(
+                f"{path}: safetensors header length {header_len} is larger than the file "
+                f"({file_size} bytes): truncated or corrupt")
+        if header_len > MAX_HEADER_BYTES:
+            raise ModelFormatError(f"{path}: safetensors header length {header_len} is implausibly large")
+        raw = os.pread(fd, header_len, 8)
     except OSError as exc:
         raise ModelFormatError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
     if len(raw) < header_len:
         raise ModelFormatError(f"{path}: truncated inside the safetensors header")
+    # unique_keys: a header naming a tensor twice would otherwise load whichever entry came last.
     header = loads_limited(raw, f"{path}: safetensors header", max_bytes=MAX_HEADER_BYTES,
-                           max_depth=MAX_HEADER_DEPTH)
+                           max_depth=MAX_HEADER_DEPTH, unique_keys=True)
     if not isinstance(header, dict):
         raise ModelFormatError(f"{path}: safetensors header is not a JSON object")
 
@@ -148,8 +151,8 @@ class Checkpoint:
     def _index_tensors(self) -> dict[str, TensorInfo]:
         index_path = self.directory / "model.safetensors.index.json"
         single = self.directory / "model.safetensors"
-        if index_path.exists():
-            index = loads_limited(_read_bytes(index_path), str(index_path), max_bytes=MAX_INDEX_BYTES)
+        if os.path.lexists(index_path):
+            index = load_json_input(index_path, "safetensors index", unique_keys=True)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise ModelFormatError(f"{index_path}: not a valid safetensors index "
@@ -160,19 +163,21 @@ class Checkpoint:
             for name, file in weight_map.items():
                 names_of.setdefault(file, []).append(name)
             tensors: dict[str, TensorInfo] = {}
+            seen_in: dict[str, Path] = {}
             for shard in sorted(names_of):
                 shard_path = self.directory / str(shard)
                 if Path(str(shard)).name != str(shard):
                     raise ModelFormatError(f"{index_path}: shard name {shard!r} is not a plain file name")
-                if not shard_path.is_file():
+                if not os.path.lexists(shard_path):
                     raise ModelFormatError(f"{index_path}: shard {shard!r} is missing")
                 infos = read_safetensors_header(shard_path)
+                _check_not_in_two_shards(seen_in, shard_path, infos)
                 for name in names_of[shard]:
                     if name not in infos:
                         raise ModelFormatError(f"{shard_path}: tensor {name!r} listed in the index is missing")
                     tensors[name] = infos[name]
             return tensors
-        if single.exists():
+        if os.path.lexists(single):
             return read_safetensors_header(single)
         raise ModelFormatError(
             f"{self.directory}: no model.safetensors or model.safetensors.index.json")
@@ -195,6 +200,17 @@ class Checkpoint:
         return sum(i.nbytes for i in self.tensors.values())
 
 
+def _check_not_in_two_shards(seen_in: dict[str, Path], shard: Path, infos: dict[str, TensorInfo]) -> None:
+    """A tensor stored in two shards is refused: which copy is "the" weight would depend on
+    which shard the index happens to name, and a converter or a hostile file could make the two
+    differ."""
+    for name in infos:
+        other = seen_in.setdefault(name, shard)
+        if other != shard:
+            raise ModelFormatError(f"{shard}: tensor {printable(name)!r} is also in {other.name}: "
+                                   "duplicate tensor names across shards")
+
+
 def read_tensor(info: TensorInfo) -> torch.Tensor:
     # Read straight into the tensor's storage: no intermediate bytes object.
     raw = torch.empty(info.nbytes, dtype=torch.uint8)
@@ -210,18 +226,9 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
 
 def load_config_json(directory: Path) -> dict:
     path = directory / "config.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ModelFormatError(f"{directory}: config.json is missing")
-    config = loads_limited(_read_bytes(path), str(path), max_bytes=MAX_CONFIG_BYTES)
+    config = load_json_input(path, "config.json")
     if not isinstance(config, dict):
         raise ModelFormatError(f"{path}: not a JSON object")
     return config
-
-
-def _read_bytes(path: Path, limit: int = MAX_INDEX_BYTES) -> bytes:
-    """At most limit + 1 bytes (enough for the size check to fire) of a small metadata file."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(limit + 1)
-    except OSError as exc:
-        raise ModelFormatError(f"{path}: cannot read: {exc.strerror or exc}") from None

@@ -15,11 +15,13 @@ Layout and rationale: docs/FORMAT.md.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.base.errors import ModelFormatError
+from engine.base.inputs import printable
 from engine.format.quant import GROUP_SIZES, QUANTS, SCALE_DTYPE, check_group, stored_shapes
 
 FORMAT_NAME = "colibri.quant"
@@ -29,6 +31,8 @@ CONFIG_KEY = "colibri_quant"
 # Keys of the stamp in every shard's __metadata__ (safetensors metadata values are strings).
 STAMP_KEYS = ("colibri_format", "format_version", "quant", "group_size", "scope", "source_fingerprint",
               "source_sha256")
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 QWEIGHT, QSCALE = "qweight", "qscale"
 QWEIGHT_DTYPE = {"int8": "I8", "int4": "U8"}
@@ -112,6 +116,10 @@ def container_spec(ckpt) -> QuantSpec | None:
     if not isinstance(entry, dict):
         raise ModelFormatError(f"{ckpt.directory}/config.json: {CONFIG_KEY!r} is not an object")
     spec = _spec_from_stamp(f"{ckpt.directory}/config.json", {**entry, "colibri_format": entry.get("format")})
+    fp = entry.get("source_fingerprint")
+    if not isinstance(fp, str) or not _SHA256_HEX.fullmatch(fp):
+        raise ModelFormatError(f"{ckpt.directory}/config.json: {CONFIG_KEY}.source_fingerprint "
+                               f"{printable(fp)!r} is not a sha256 (64 hex digits)")
     for path in shards:
         if path not in stamped:
             raise ModelFormatError(f"{path}: no quantization stamp in __metadata__ (config.json says {spec.label})")
@@ -119,6 +127,12 @@ def container_spec(ckpt) -> QuantSpec | None:
         if shard_spec != spec:
             raise ModelFormatError(f"{path}: stamped {shard_spec.label}/{shard_spec.scope}, but config.json says "
                                    f"{spec.label}/{spec.scope}")
+        # Every shard was made from the same source as config.json says (docs/FORMAT.md): a shard
+        # from another conversion, or an edited stamp, is refused rather than mixed in.
+        if stamped[path].get("source_fingerprint") != fp:
+            raise ModelFormatError(f"{path}: source_fingerprint "
+                                   f"{printable(stamped[path].get('source_fingerprint'))!r} differs from "
+                                   f"config.json's ({fp[:16]}...): the shard comes from another source or was edited")
     return spec
 
 

@@ -132,6 +132,23 @@ def dequantize(qweight: torch.Tensor, qscale: torch.Tensor, quant: str, group_si
     return dequantize_int8(qweight, qscale) if quant == "int8" else dequantize_int4(qweight, qscale, group_size)
 
 
+def check_scales(qscale: torch.Tensor, quant: str, shape: tuple[int, int]) -> None:
+    """Scales are finite and positive (int4's zeros finite), as quantize writes them.
+
+    A NaN or Inf scale does not crash a kernel: it silently turns a row of weights into NaN and
+    changes the tokens (and quality's KL becomes NaN). One pass over the scales, which are
+    1/K (int8) or 2/group (int4) of the codes, checked on every read of a quantized matrix.
+    """
+    if quant == "int4":  # scales_and_zeros [K/group, N, 2]
+        scales, zeros = qscale[..., 0], qscale[..., 1]
+        ok = bool((scales > 0).all()) and bool(torch.isfinite(scales).all()) and bool(torch.isfinite(zeros).all())
+    else:
+        ok = bool((qscale > 0).all()) and bool(torch.isfinite(qscale).all())
+    if not ok:
+        raise ModelFormatError(f"a {quant} [{shape[0]}x{shape[1]}] weight's scales hold NaN, Inf, zero or negative "
+                               "values: the container is corrupt (reconvert it)")
+
+
 def stored_shapes(quant: str, group_size: int, n: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of (qweight, qscale) for an [N, K] matrix."""
     if quant == "int8":
@@ -196,6 +213,7 @@ class QuantWeight:
                 dtype: torch.dtype, packed_kernel: bool = True) -> "QuantWeight":
         n = qweight.shape[0]
         k = qweight.shape[1] * (2 if quant == "int4" else 1)
+        check_scales(qscale, quant, (n, k))
         scale = qscale if qscale.dtype == dtype else qscale.to(dtype)
         if packed_kernel and kernel_works(quant, n, k, group_size, dtype):
             if quant == "int4":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import torch
 
 from engine.base.errors import PromptError
+from engine.base.inputs import read_text_input
 
 
 @dataclass
@@ -88,11 +90,14 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
 
 def load_tokenizer(model_dir: str | Path):
     path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
+    # Read through the bounded reader (a FIFO or a 20 GB file named tokenizer.json is one line),
+    # then parsed from the text: Tokenizer.from_file would open whatever the path is.
+    text = read_text_input(path, "tokenizer.json", PromptError)
     from tokenizers import Tokenizer
     try:
-        return CheckedTokenizer(Tokenizer.from_file(str(path)), path)
+        return CheckedTokenizer(Tokenizer.from_str(text), path)
     except BaseException as exc:
         if not _is_tokenizer_failure(exc):
             raise

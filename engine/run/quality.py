@@ -23,6 +23,7 @@ import torch
 
 from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError, PromptError
+from engine.base.inputs import read_text_input
 from engine.run.generate import load_tokenizer
 from engine.run.runtime import Engine, checkpoint_dtype
 
@@ -59,10 +60,8 @@ def token_stream(reference_dir, tokens: int, text_file: str | None = None) -> tu
     if tok is None:
         raise PromptError(f"{reference_dir} has no tokenizer.json: quality needs text to score")
     if text_file:
-        try:
-            text, what = Path(text_file).read_text(encoding="utf-8"), text_file
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{text_file}: cannot read text ({exc})") from None
+        # Bounded: `--text /dev/zero` used to read until the machine ran out of memory.
+        text, what = read_text_input(text_file, "text corpus", ConfigError), text_file
     else:
         _, text, info = stdlib_corpus()
         what = "held-out " + info["description"]

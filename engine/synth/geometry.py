@@ -15,7 +15,10 @@ from engine.base.dtypes import FLOAT_NAMES
 # The tokenizer (engine/synth/bpe_tokenizer.py): 256 byte tokens, <|endoftext|> at 256, then BPE merges.
 from engine.synth.bpe_tokenizer import EOS_TOKEN, EOS_TOKEN_ID, MIN_VOCAB  # noqa: F401  (re-exported)
 from engine.base.errors import ConfigError, ModelFormatError
-from engine.base.jsonlimits import loads_limited
+from engine.base.inputs import printable
+from engine.base.jsonlimits import load_json_input
+from engine.synth.geometry_check import check_geometry
+from engine.synth.params import param_counts  # noqa: F401  (re-exported: engine.synth.param_counts)
 from engine.format.validate import validate_config
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
@@ -56,19 +59,14 @@ def load_preset(name: str) -> dict:
 def load_geometry_file(path: str | os.PathLike) -> dict:
     """A user geometry JSON with the same keys as a preset."""
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ConfigError(f"geometry file {str(path)!r} not found")
     return _read_geometry_json(path)
 
 
 def _read_geometry_json(path: Path) -> dict:
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path.name}: cannot read: {exc.strerror or exc}") from None
-    geom = loads_limited(raw, path.name, error=ConfigError)
-    if not isinstance(geom, dict):
-        raise ConfigError(f"{path.name}: expected a JSON object of geometry keys")
+    geom = load_json_input(path, "geometry", error=ConfigError, unique_keys=True)
+    check_geometry(geom, path.name)
     geom.setdefault("name", path.stem)
     return geom
 
@@ -78,6 +76,7 @@ def validate_geometry(geometry: dict) -> dict:
     if not isinstance(geometry, dict):
         raise ConfigError("geometry must be a JSON object")
     name = geometry.get("name", "custom")
+    check_geometry(geometry, f"geometry {printable(name)}")
     if geometry.get("materializable") is False:
         src = geometry.get("source", "its published config")
         raise ConfigError(
@@ -113,72 +112,6 @@ def validate_geometry(geometry: dict) -> dict:
     if isinstance(ms, bool) or not isinstance(ms, int) or ms <= 0:
         raise ConfigError(f"{name}: 'max_shard_size' must be a positive integer (bytes), got {ms!r}")
     return g
-
-
-def param_counts(geometry: dict) -> dict:
-    """Parameter counts by role, for qwen3_moe, mixtral, olmoe, deepseek_v3, glm4_moe, glm_moe_dsa and gpt_oss.
-
-    Returns total, active (per token), routed_expert (one expert), routed_total, dense (everything
-    that is not a routed expert: the part a streaming engine keeps resident), num_moe_layers,
-    num_experts, top_k. Multi-token-prediction layers are not counted (inference skips them).
-    """
-    g = geometry
-    mt = g.get("model_type")
-    H, L, V = g["hidden_size"], g["num_hidden_layers"], g["vocab_size"]
-    E = g.get("num_experts") or g.get("n_routed_experts") or g.get("num_local_experts")
-    k = g["num_experts_per_tok"]
-    if not E:
-        raise ConfigError(f"{g.get('name', mt)}: geometry has no expert count")
-    nh = g["num_attention_heads"]
-    if mt in ("deepseek_v3", "glm_moe_dsa"):
-        qk_head = g["qk_nope_head_dim"] + g["qk_rope_head_dim"]
-        qr, kvr = g.get("q_lora_rank"), g["kv_lora_rank"]
-        q = (H * qr + qr + qr * nh * qk_head) if qr else H * nh * qk_head
-        kv = H * (kvr + g["qk_rope_head_dim"]) + kvr + kvr * nh * (g["qk_nope_head_dim"] + g["v_head_dim"])
-        attn = q + kv + nh * g["v_head_dim"] * H
-        if mt == "glm_moe_dsa":  # DSA lightning indexer
-            ih, idim = g["index_n_heads"], g["index_head_dim"]
-            attn += (qr or H) * ih * idim + H * idim + 2 * idim + H * ih
-        moe_i = g["moe_intermediate_size"]
-        dense_layers = g.get("first_k_dense_replace", 0)
-        shared = g.get("n_shared_experts", 0) or 0
-        router = E * H + E  # + e_score_correction_bias
-    else:
-        hd = g.get("head_dim") or H // nh
-        nkv = g.get("num_key_value_heads", nh)
-        attn = H * nh * hd + 2 * H * nkv * hd + nh * hd * H
-        if mt == "qwen3_moe" or (mt == "glm4_moe" and g.get("use_qk_norm")):
-            attn += 2 * hd
-        elif mt == "olmoe":
-            attn += H + nkv * hd
-        if mt == "gpt_oss" or (mt == "glm4_moe" and g.get("attention_bias")):
-            attn += nh * hd + 2 * nkv * hd
-        if mt == "gpt_oss":
-            attn += H + nh  # o_proj bias, attention sinks
-        moe_i = g["moe_intermediate_size"] if mt in ("qwen3_moe", "glm4_moe") else g["intermediate_size"]
-        dense_layers, shared, router = 0, 0, E * H
-        if mt == "glm4_moe":
-            dense_layers, shared, router = g.get("first_k_dense_replace", 1), g.get("n_shared_experts", 1), E * H + E
-        elif mt == "gpt_oss":
-            router = E * H + E
-    expert = 3 * H * moe_i + (2 * moe_i + H if mt == "gpt_oss" else 0)  # gpt_oss experts carry biases
-    moe_layers = L - dense_layers
-    norms = 2 * H
-    dense_mlp = 3 * H * g.get("intermediate_size", 0)
-    embed = V * H * (1 if g.get("tie_word_embeddings") else 2)
-    resident = (embed + H + L * (attn + norms) + dense_layers * dense_mlp
-                + moe_layers * (router + shared * expert))
-    routed_total = moe_layers * E * expert
-    return {
-        "total": resident + routed_total,
-        "active": resident + moe_layers * k * expert,
-        "routed_expert": expert,
-        "routed_total": routed_total,
-        "dense": resident,
-        "num_moe_layers": moe_layers,
-        "num_experts": E,
-        "top_k": k,
-    }
 
 
 def describe_presets() -> list[dict]:

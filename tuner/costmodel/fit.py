@@ -15,9 +15,9 @@ The fitted factors are stored in the profile under `cost_model` (COST_MODEL_SCHE
 
 from __future__ import annotations
 
-import csv
 import json
 import math
+import os
 import statistics
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -27,11 +27,14 @@ import numpy as np
 
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError, ConfigError
+from engine.base.jsonlimits import load_json_input
 
 from tuner.costmodel.geometry import ModelGeometry
 from tuner.costmodel.hardware import HardwareView
 from tuner.costmodel.predict import Components, Factors, RunConditions, combine, components
 from tuner.costmodel.routing_model import RoutingModel
+from tuner.probe.profile_checks import check_factors
+from tuner.results.rundir import read_trials_csv
 
 COST_MODEL_SCHEMA = "colibri.costmodel/1"
 # A trial informs the compute factors (and, prefetching, the overlap) when at least this share
@@ -86,7 +89,7 @@ def load_study(run_dir: str | Path) -> Study:
     if run_dir.name == "grid.json" or (run_dir / "grid.json").is_file() and not (run_dir / "trials.csv").is_file():
         return load_grid(run_dir if run_dir.name == "grid.json" else run_dir / "grid.json")
     csv_path = run_dir / "trials.csv"
-    if not csv_path.is_file():
+    if not os.path.lexists(csv_path):
         raise ConfigError(f"{run_dir}: no trials.csv (give a `colibri tune` run directory)")
     meta = _read_json(run_dir / "result.json")
     cond = meta.get("conditions", {})
@@ -96,28 +99,37 @@ def load_study(run_dir: str | Path) -> Study:
                         repeats=int(cond.get("repeats", 2)), cold=bool(cond.get("cold", True)))
     overhead = int(cond.get("precheck_overhead_bytes") or calib.get("overhead_bytes") or 0)
     trials = []
-    with csv_path.open(newline="") as fh:
-        for row in csv.DictReader(fh):
-            if row.get("status") != "ok" or row.get("feasible") != "True" or not row.get("decode_tok_s"):
-                continue
-            if row.get("duplicate_of"):
-                continue
-            cfg = {k: row[k] for k in _CONFIG_COLUMNS}
-            config = EngineConfig(ram_budget=budget or int(float(row.get("plan_cache_bytes") or 0)),
-                                  chunk_size=int(cfg["chunk_size"]), prefetch_depth=int(cfg["prefetch_depth"]),
-                                  cpu_cache_ratio=float(cfg["cpu_cache_ratio"]), threads=int(cfg["threads"]),
-                                  ctx_size=int(cfg["ctx_size"]), io_mode=cfg["io_mode"],
-                                  io_threads=int(cfg["io_threads"]), cache_policy=cfg["cache_policy"],
-                                  routing_histogram=str(run_dir / "routing.json") if cfg["cache_policy"] == "pinned" else "")
-            trials.append(Trial(int(row["number"]), config, float(row["decode_tok_s"]), float(row["ttft_s"]),
-                                _num(row.get("hit_rate_ram")), _num(row.get("bytes_read_per_token")),
-                                _num(row.get("lookahead_recall"))))
+    for i, row in enumerate(read_trials_csv(csv_path)):
+        try:
+            trial = _trial_from_row(row, budget, run_dir)
+        except (KeyError, TypeError, ValueError) as exc:  # a column missing, or a figure that is not a number
+            raise ConfigError(f"{csv_path}: row {i + 1}: bad or missing column ({exc})") from None
+        if trial is not None:
+            trials.append(trial)
     if not trials:
         raise ConfigError(f"{csv_path}: no feasible measured trial to calibrate on")
     routing = run_dir / "routing.json"
     profile = run_dir / "profile.json"
     return Study(trials, run, overhead, budget, profile if profile.is_file() else None,
                  routing if routing.is_file() else None, meta)
+
+
+def _trial_from_row(row: dict, budget: int, run_dir: Path) -> Trial | None:
+    """One feasible measured trial of trials.csv; None for the rows calibration skips."""
+    if row.get("status") != "ok" or row.get("feasible") != "True" or not row.get("decode_tok_s"):
+        return None
+    if row.get("duplicate_of"):
+        return None
+    cfg = {k: row[k] for k in _CONFIG_COLUMNS}
+    config = EngineConfig(ram_budget=budget or int(float(row.get("plan_cache_bytes") or 0)),
+                          chunk_size=int(cfg["chunk_size"]), prefetch_depth=int(cfg["prefetch_depth"]),
+                          cpu_cache_ratio=float(cfg["cpu_cache_ratio"]), threads=int(cfg["threads"]),
+                          ctx_size=int(cfg["ctx_size"]), io_mode=cfg["io_mode"],
+                          io_threads=int(cfg["io_threads"]), cache_policy=cfg["cache_policy"],
+                          routing_histogram=str(run_dir / "routing.json") if cfg["cache_policy"] == "pinned" else "")
+    return Trial(int(row["number"]), config, float(row["decode_tok_s"]), float(row["ttft_s"]),
+                 _num(row.get("hit_rate_ram")), _num(row.get("bytes_read_per_token")),
+                 _num(row.get("lookahead_recall")))
 
 
 def load_grid(path: Path) -> Study:
@@ -141,10 +153,12 @@ def load_grid(path: Path) -> Study:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc.msg})") from None
+    if not os.path.lexists(path):
+        return {}
+    data = load_json_input(path, "calibration" if path.name != "result.json" else "result.json", error=ConfigError)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data
 
 
 def _num(text) -> float | None:
@@ -322,7 +336,6 @@ def factors_from_profile(profile) -> Factors | None:
         return None
     if section.get("schema") != COST_MODEL_SCHEMA or not isinstance(section.get("factors"), dict):
         raise ConfigError(f"profile.cost_model: expected schema {COST_MODEL_SCHEMA!r} with a 'factors' object")
-    try:
-        return Factors.from_dict(section["factors"])
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"profile.cost_model.factors: {exc}") from None
+    # The profile's physical ranges (tuner/probe/profile_checks.py), also checked when it was loaded.
+    check_factors(section["factors"], "profile.cost_model.factors", ConfigError)
+    return Factors.from_dict(section["factors"])

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.base.errors import ConfigError
+from engine.base.inputs import printable
 from engine.format.container import container_spec, dense_quantized
+from engine.synth.geometry_check import check_geometry
 
 INT4_GROUP = 64
 QUANTS = ("bf16", "fp32", "fp8", "int8", "int4")
@@ -191,6 +193,9 @@ def _matrix_shape(codes_shape: tuple[int, ...], quant: str) -> tuple[int, int]:
 
 def from_spec(spec: dict) -> ModelGeometry:
     """Sizes from a config.json-like spec (a bundled preset or a user's geometry JSON)."""
+    # The one geometry validator (synth's too): types, ranges, cross-field rules and a size
+    # bound, before the per-layer loop below allocates anything.
+    check_geometry(spec, f"geometry {printable(spec.get('name', '?') if isinstance(spec, dict) else '?')}")
     try:
         return _from_spec(spec)
     except (KeyError, TypeError, ValueError) as exc:

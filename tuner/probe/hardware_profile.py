@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from engine.base.config import atomic_write_text
-from engine.base.jsonlimits import loads_limited
+from engine.base.inputs import read_input
 from tuner.probe.errors import ProfileError
+from tuner.probe.profile_checks import check_document, check_physics, check_ranges, parse_text
 from tuner.results.schema import decode, json_type
 
 SCHEMA_VERSION = 1
@@ -324,12 +325,13 @@ def save_profile(profile: HardwareProfile, path: str | os.PathLike) -> Path:
 
 
 def load_profile(path: str | os.PathLike) -> HardwareProfile:
+    """The strict loader every command that reads a profile uses (plan, tune --profile, a run's
+    profile.json, and profile import/show/diff under their shared-profile checks): a regular
+    file under the profile size cap, JSON with no NaN or duplicate keys, short control-free
+    strings, the typed schema with its units and fingerprint, plausible ranges and the physical
+    rules the cost model relies on (tuner/probe/profile_checks.py)."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
-    data = loads_limited(raw, str(path), error=ProfileError)
+    data = parse_text(read_input(path, "profile", ProfileError), str(path))
     if isinstance(data, dict) and "identity" in data:
         # A shared profile exported with --include-identity (tuner/share/profiles.py): who and where
         # it came from is allowed, never required, and nothing the tuner reads.
@@ -337,9 +339,13 @@ def load_profile(path: str | os.PathLike) -> HardwareProfile:
             raise ProfileError(f"{path}: identity must be an object")
         data = {k: v for k, v in data.items() if k != "identity"}
     try:
-        return HardwareProfile.from_dict(data)
+        check_document(data, "profile", 0)
+        profile = HardwareProfile.from_dict(data)
+        check_ranges(data)
+        check_physics(data)
     except ProfileError as exc:
         raise ProfileError(f"{path}: {exc}") from None
+    return profile
 
 
 # --- strict decoding (tuner/results/schema.py), with the profile's own rules ------------------------

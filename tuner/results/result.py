@@ -31,6 +31,7 @@ from engine.run.metrics import SUMMARY_KEYS
 RESULT_SCHEMA = "colibri.tune/3"
 RESULT_SCHEMA_V2 = "colibri.tune/2"
 RESULT_SCHEMA_V1 = "colibri.tune/1"
+V2_ONLY_FIELDS = ("quant", "quality")  # top-level fields colibri.tune/2 added
 TRIAL_SCHEMA = "colibri.trial/1"
 BEST_CONFIG_SCHEMA = "colibri.best_config/1"
 
@@ -399,6 +400,13 @@ class TuneResult:
     def from_dict(cls, data: Any, source: str = "result") -> "TuneResult":
         """Strict: the current schema, or a colibri.tune/1 or /2 result migrated (migrate)."""
         from tuner.results.schema import decode
+        if isinstance(data, dict) and data.get("schema") == RESULT_SCHEMA_V1:
+            # The schema id is checked against the content: a /1 file holding /2-only fields is
+            # mislabelled (or edited), and migrating it would silently drop or keep them.
+            newer = sorted(k for k in V2_ONLY_FIELDS if k in data)
+            if newer:
+                raise ResultError(f"{source}: schema says {RESULT_SCHEMA_V1} but it holds {', '.join(newer)}, "
+                                  f"which only {RESULT_SCHEMA_V2} and later results have")
         if isinstance(data, dict) and data.get("schema") in (RESULT_SCHEMA_V1, RESULT_SCHEMA_V2):
             data = migrate(data)
         if not isinstance(data, dict) or data.get("schema") != RESULT_SCHEMA:

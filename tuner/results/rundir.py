@@ -8,11 +8,14 @@ fault and come back as one ColibriError line.
 from __future__ import annotations
 
 import csv
+import io
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.base.errors import ColibriError
+from engine.base.inputs import printable, read_input, read_text_input
 
 RESULT_MAX_BYTES = 64 << 20  # a result.json is a few hundred KiB; anything far bigger is not ours
 
@@ -52,13 +55,24 @@ class RunDir:
     def trial_row(self, number: int | None) -> dict:
         """The trials.csv row of one trial: the figures without needing the study."""
         path = self.path / "trials.csv"
-        if number is None or not path.is_file():
+        if number is None or not os.path.lexists(path):
             return {}
-        with open(path, newline="", encoding="utf-8") as f:
-            for row in csv.DictReader(f):
-                if row.get("number") == str(number):
-                    return row
-        return {}
+        return next((row for row in read_trials_csv(path) if row.get("number") == str(number)), {})
+
+
+def read_trials_csv(path: Path) -> list[dict]:
+    """A run's trials.csv as rows: a regular file under the cap, strict UTF-8 text, parseable CSV.
+    A binary or truncated file is one RunDirError line, not a UnicodeDecodeError or csv.Error."""
+    text = read_text_input(path, "trials.csv", RunDirError)
+    if "\x00" in text:
+        raise RunDirError(f"{path}: trials.csv holds NUL bytes: not a CSV file")
+    try:
+        rows = list(csv.DictReader(io.StringIO(text, newline="")))
+    except csv.Error as exc:
+        raise RunDirError(f"{path}: not a valid CSV file ({exc})") from None
+    if rows and "number" not in rows[0]:
+        raise RunDirError(f"{path}: no 'number' column: not a colibri trials.csv")
+    return rows
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -96,10 +110,13 @@ def load_study(path: Path, result: dict, storage: str | None = None):
     try:
         names = optuna.study.get_all_study_names(url)
         if name not in names:
-            if len(names) != 1:
-                raise RunDirError(f"{path}: study {name!r} is not in the storage (it holds {names})")
-            name = names[0]
-        return optuna.load_study(study_name=name, storage=url)
+            # Never another study in its place: a study.db copied from another run would render
+            # that run's trials under this run's result.
+            raise RunDirError(f"{path}: study {printable(name)!r} of result.json is not in the storage "
+                              f"(it holds {', '.join(printable(n) for n in names[:5]) or 'none'}): not this run's study")
+        study = optuna.load_study(study_name=name, storage=url)
+        check_study_belongs(path, result, study)
+        return study
     except RunDirError:
         raise
     except Exception as exc:  # a corrupt or foreign database: say so in one line
@@ -107,16 +124,42 @@ def load_study(path: Path, result: dict, storage: str | None = None):
         raise RunDirError(f"{path}: cannot open the study ({type(exc).__name__}: {first})") from None
 
 
+def check_study_belongs(path: Path, result: dict, study) -> None:
+    """The study is the one result.json was written from: study names repeat across runs (model,
+    budget, objective), so a study.db from another run of the same model has the same name.
+    Its directions, at least the trials result.json counts, and the recommended trial's params
+    equal to the recommended config are what only this run's study has."""
+    info = result.get("study") or {}
+    directions = [d.name.lower() for d in study.directions]
+    if info.get("directions") and [str(d).lower() for d in info["directions"]] != directions:
+        raise RunDirError(f"{path}: the study's directions {directions} are not result.json's "
+                          f"{info['directions']}: not this run's study")
+    trials = study.get_trials(deepcopy=False)
+    if isinstance(info.get("trials"), int) and len(trials) < info["trials"]:
+        raise RunDirError(f"{path}: the study holds {len(trials)} trial(s), result.json counts {info['trials']}: "
+                          "not this run's study (or it was cut short)")
+    rec = result.get("recommended") or {}
+    number, config = rec.get("trial_number"), rec.get("config") or {}
+    if number is None:
+        return
+    trial = next((t for t in trials if t.number == number), None)
+    if trial is None:
+        raise RunDirError(f"{path}: the recommended trial #{number} is not in the study: not this run's study")
+    differ = [k for k, v in trial.params.items() if k in config and not _same(v, config[k])]
+    if differ:
+        raise RunDirError(f"{path}: trial #{number} of the study has {differ[0]}={trial.params[differ[0]]!r}, "
+                          f"result.json recommends {config[differ[0]]!r}: not this run's study")
+
+
+def _same(a, b, rel: float = 1e-9) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+    return a == b
+
+
 def read_json(path: Path, max_bytes: int):
     """Parse a JSON file no bigger than max_bytes; NaN/Infinity and duplicate keys are refused."""
-    try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise RunDirError(f"{path}: {size} bytes is over the {max_bytes}-byte limit")
-        with open(path, "rb") as f:
-            raw = f.read(max_bytes + 1)
-    except OSError as exc:
-        raise RunDirError(f"cannot read {path}: {exc.strerror or exc}") from None
+    raw = read_input(path, "result.json", RunDirError, limit=max_bytes)
     try:
         return strict_loads(raw)
     except ValueError as exc:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from engine.base.config import atomic_write_text, format_size
 from engine.base.errors import ColibriError
+from engine.base.inputs import printable
 from engine.base.output_target import directory_target, replace_directory, stamped
 from tuner.results import report_plots
 from tuner.results.html_page import e, img, page, table
@@ -121,7 +122,7 @@ def compare(refs: list[str], out_dir: str | Path | None = None, force: bool = Fa
     items = load_items(refs, model)
     blocking = differences(items, BLOCKING)
     if blocking and not force:
-        detail = "; ".join(f"{k}: {' vs '.join(map(str, v))}" for k, v in blocking.items())
+        detail = "; ".join(f"{k}: {' vs '.join(printable(x) for x in v)}" for k, v in blocking.items())
         raise CompareError(f"not comparable ({detail}); --force compares them anyway, marked as not like for like")
     ranked = sorted(items, key=lambda i: -(i.figure("decode_tok_s") or 0.0))
     best = ranked[0].figure("decode_tok_s") or 0.0

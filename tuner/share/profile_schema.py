@@ -13,34 +13,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 
 from tuner.probe.errors import ProfileError
-from tuner.results.rundir import strict_loads
+# The checks every profile gets, shared or local, live with the probe's schema; re-exported here.
+from tuner.probe.profile_checks import (CONTROL_RE, HARDWARE_RANGES, MAX_ARRAY, MAX_DEPTH,  # noqa: F401
+                                        MAX_FILE_BYTES, MAX_STRING, check_document, check_physics,
+                                        check_ranges, parse_text)
 
-MAX_FILE_BYTES = 1 << 20
-MAX_DEPTH = 12
-MAX_STRING = 256
-MAX_ARRAY = 512
 MAX_ENTRIES = 256
 ENTRY_SCHEMA = "colibri.best_config/1"
 QUANT_RE = re.compile(r"^(bf16|fp16|fp32|int8|int4)(-g(32|64|128))?$")
 HASH_RE = re.compile(r"^sha256:[0-9a-f]{16}$")
 UTC_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$")
-CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 GEOMETRY_KEYS = ("model_type", "layers", "hidden_size", "experts", "top_k", "moe_intermediate_size", "vocab_size")
-
-# Plausible ranges of the hardware figures: far beyond any real machine, far below nonsense.
-HARDWARE_RANGES = {
-    "system.cpu.physical_cores": (1, 65536), "system.cpu.logical_cores": (1, 65536),
-    "system.cpu.numa_nodes": (1, 1024), "system.memory.total": (1 << 26, 1 << 52),
-    "storage.points[].request_bytes": (512, 1 << 30), "storage.points[].queue_depth": (1, 65536),
-    "storage.points[].bandwidth": (0, 1e13), "storage.points[].iops": (0, 1e10),
-    "storage.points[].lat_p99": (0, 1e9), "memory_bandwidth[].bandwidth": (0, 1e14),
-    "cpu_matmul[].throughput": (0, 1e8), "expert_kernels[].throughput": (0, 1e8),
-    "expert_kernels[].prepare_time": (0, 1e9), "gpus[].vram": (0, 1 << 50),
-}
 
 # Entry spec: key → (type, nullable, range or choices). "figures" dicts share FIGURES.
 NUM, INT, STR, BOOL = "number", "integer", "string", "boolean"
@@ -90,15 +76,6 @@ def geometry_hash(geometry: dict) -> str:
     return "sha256:" + hashlib.sha256(basis.encode()).hexdigest()[:16]
 
 
-def parse_text(raw: bytes, where: str):
-    if len(raw) > MAX_FILE_BYTES:
-        raise ProfileError(f"{where}: {len(raw)} bytes is over the {MAX_FILE_BYTES}-byte limit for a profile")
-    try:
-        return strict_loads(raw)
-    except ValueError as exc:
-        raise ProfileError(f"{where}: {exc}") from None
-
-
 def validate_shared(data) -> "tuple[object, list[dict], dict | None]":
     """→ (HardwareProfile, best_configs entries, identity or None); ProfileError on any violation."""
     from tuner.probe.hardware_profile import HardwareProfile
@@ -114,41 +91,10 @@ def validate_shared(data) -> "tuple[object, list[dict], dict | None]":
         raise ProfileError(f"profile.best_configs: {len(entries)} entries, at most {MAX_ENTRIES}")
     profile = HardwareProfile.from_dict(hardware)
     check_ranges(hardware)
+    check_physics(hardware)
     for i, entry in enumerate(profile.best_configs):
         check_entry(entry, f"profile.best_configs[{i}]")
     return profile, profile.best_configs, identity
-
-
-def check_document(value, path: str, depth: int) -> None:
-    """Sizes and characters anywhere in the document (keys included)."""
-    if depth > MAX_DEPTH:
-        raise ProfileError(f"{path}: nested deeper than {MAX_DEPTH} levels")
-    if isinstance(value, str):
-        if len(value) > MAX_STRING:
-            raise ProfileError(f"{path}: string of {len(value)} characters, at most {MAX_STRING}")
-        if CONTROL_RE.search(value):
-            raise ProfileError(f"{path}: control characters are not allowed in strings")
-    elif isinstance(value, list):
-        if len(value) > MAX_ARRAY:
-            raise ProfileError(f"{path}: array of {len(value)} items, at most {MAX_ARRAY}")
-        for i, v in enumerate(value):
-            check_document(v, f"{path}[{i}]", depth + 1)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            check_document(k, f"{path} key", depth + 1)
-            check_document(v, f"{path}.{k}", depth + 1)
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise ProfileError(f"{path}: NaN and infinity are not allowed")
-    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2 ** 63:
-        raise ProfileError(f"{path}: integer out of range")
-
-
-def check_ranges(hardware: dict) -> None:
-    for dotted, (lo, hi) in HARDWARE_RANGES.items():
-        for path, value in _select(hardware, dotted.split("."), "profile"):
-            v = value.get("value") if isinstance(value, dict) else value
-            if v is not None and not (lo <= v <= hi):
-                raise ProfileError(f"{path}: {v} is outside the plausible range [{lo:g}, {hi:g}]")
 
 
 def check_entry(entry: dict, path: str) -> None:
@@ -206,23 +152,6 @@ def _check_value(v, kind, nullable, rule, path: str) -> None:
         raise ProfileError(f"{path}: {v!r} is not one of {', '.join(map(repr, rule))}")
     if isinstance(rule, re.Pattern) and not rule.match(v):
         raise ProfileError(f"{path}: {v!r} is not of the form {rule.pattern}")
-
-
-def _select(node, parts: list[str], path: str):
-    if not parts:
-        yield path, node
-        return
-    head, rest = parts[0], parts[1:]
-    many = head.endswith("[]")
-    key = head[:-2] if many else head
-    if not isinstance(node, dict) or key not in node:
-        return
-    child = node[key]
-    if many:
-        for i, item in enumerate(child if isinstance(child, list) else []):
-            yield from _select(item, rest, f"{path}.{key}[{i}]")
-    else:
-        yield from _select(child, rest, f"{path}.{key}")
 
 
 def _kind(v) -> str:

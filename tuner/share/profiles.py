@@ -19,6 +19,7 @@ import socket
 from pathlib import Path
 
 from engine.base.config import atomic_write_text, format_size
+from engine.base.inputs import read_input
 from engine.base.output_target import file_target, json_file_with, read_small_json
 from tuner import __version__
 from tuner.results.printers import fmt, pct
@@ -70,7 +71,7 @@ def export_profile(source: str | Path, include_identity: bool = False) -> dict:
 
 def _load_probe(path: Path):
     from tuner.probe import load_profile
-    return load_profile(path) if path.is_file() else None
+    return load_profile(path) if os.path.lexists(path) else None
 
 
 def entry_from_run(run) -> dict:
@@ -228,15 +229,7 @@ def _read_probe_json(path: Path) -> dict:
 
 
 def _read_limited(path: Path) -> bytes:
-    from tuner.share.profile_schema import MAX_FILE_BYTES
-    try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise ProfileError(f"{path}: {size} bytes is over the {MAX_FILE_BYTES}-byte limit for a profile")
-        with open(path, "rb") as f:
-            return f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ProfileError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return read_input(path, "profile", ProfileError)
 
 
 def write_profile_file(data: dict, path: str | Path) -> Path:
@@ -260,7 +253,10 @@ def store_dir() -> Path:
 def default_name(data: dict) -> str:
     cpu = data["system"]["cpu"]["model"]
     slug = re.sub(r"[^a-z0-9]+", "-", cpu.lower()).strip("-")[:32].strip("-") or "cpu"
-    return f"{slug}-{data['system']['disk']['transport'].replace(':', '-')}-{data['fingerprint'][7:15]}"
+    # The transport as the probe or another tool spelt it ("NVMe", "virtio:blk"): lower-cased and
+    # slugged like the CPU, since the user gave no name and must not be told theirs is bad.
+    transport = re.sub(r"[^a-z0-9]+", "-", data["system"]["disk"]["transport"].lower()).strip("-")[:16] or "disk"
+    return f"{slug}-{transport}-{data['fingerprint'][7:15]}"
 
 
 def import_profile(path: str | Path, name: str | None = None, force: bool = False) -> tuple[str, Path, bool]:
@@ -304,10 +300,10 @@ def list_profiles() -> list[dict]:
 def resolve(ref: str) -> tuple[str, dict]:
     """NAME in the store, or a FILE path, → (label, validated profile dict)."""
     path = Path(ref)
-    if path.is_file():
-        return path.name, read_profile_file(path)
     if path.is_dir():
         raise ProfileError(f"{ref}: a directory, but not a tune run directory (no result.json) nor a profile file")
+    if os.path.lexists(path):  # a file, or a FIFO/device/dangling link the reader names as such
+        return path.name, read_profile_file(path)
     stored = store_dir() / f"{ref}.json"
     if NAME_RE.match(ref) and stored.is_file():
         return ref, read_profile_file(stored)

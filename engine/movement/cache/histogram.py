@@ -11,6 +11,7 @@ from collections.abc import Hashable, Mapping
 
 from engine.base.config import atomic_write_text
 from engine.base.errors import ConfigError
+from engine.base.inputs import LIMITS, read_input
 from engine.base.jsonlimits import loads_limited
 
 ROUTING_SCHEMA = "colibri.routing/1"
@@ -33,14 +34,11 @@ def routing_histogram_save(hist: Mapping[tuple[int, int], int], path: str | os.P
 def routing_histogram_load(path: str | os.PathLike) -> Counter:
     """Counter {(layer, expert): count} from a file written by routing_histogram_save."""
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-    except FileNotFoundError:
-        raise _routing_error(path, "file not found") from None
-    except OSError as exc:
-        raise _routing_error(path, f"cannot read: {exc.strerror or exc}") from None
-    data = loads_limited(raw, f"routing histogram {path}", error=ConfigError)
+    if not os.path.lexists(path):
+        raise _routing_error(path, "file not found")
+    raw = read_input(path, "routing histogram", ConfigError)
+    data = loads_limited(raw, f"routing histogram {path}", error=ConfigError,
+                         max_bytes=LIMITS["routing histogram"], unique_keys=True)
     if not isinstance(data, dict) or data.get("schema") != ROUTING_SCHEMA:
         raise _routing_error(path, f'expected "schema": "{ROUTING_SCHEMA}"')
     counts = data.get("counts")
