@@ -1,0 +1,8 @@
+"""GGUF import: llama.cpp's GGUF files → a Hugging Face bf16 safetensors directory.
+
+reader.py opens single and split files and checks them; dequant.py turns each supported
+ggml type into float32; archs.py maps the GGUF metadata and tensor names of each MoE
+architecture back to config.json and HF names (undoing llama.cpp's q/k permutation and
+expert stacking); vocab.py rebuilds tokenizer.json; importer.py writes the directory.
+Entry point: `engine.gguf.importer.import_gguf` (the `colibri convert model.gguf` hook).
+"""
