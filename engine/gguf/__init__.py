@@ -6,3 +6,17 @@ architecture back to config.json and HF names (undoing llama.cpp's q/k permutati
 expert stacking); vocab.py rebuilds tokenizer.json; importer.py writes the directory.
 Entry point: `engine.gguf.importer.import_gguf` (the `colibri convert model.gguf` hook).
 """
+
+from pathlib import Path
+
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(path) -> bool:
+    """A regular file that starts with the GGUF magic: the convert command's dispatch test, kept
+    here so that asking does not import gguf-py (the CLI imports this module at start-up)."""
+    try:
+        with open(path, "rb") as f:
+            return Path(path).is_file() and f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False

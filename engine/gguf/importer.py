@@ -25,6 +25,8 @@ from engine.gguf.archs import Item, Plan
 from engine.gguf.reader import GGUFModel
 from engine.gguf.tensors import build_plan
 from engine.gguf.vocab import build_tokenizer
+from engine.modelargs import ModelArgs
+from engine.quant import check_group
 from engine.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 
 MAX_SHARD_BYTES = 4 << 30
@@ -116,6 +118,10 @@ def import_and_convert(src, dst, quant: str | None, group_size: int = 64, scope:
         return import_gguf(src, dst, force=force, progress=progress)
     if dst.exists() and any(dst.iterdir()) and not force:
         raise ConfigError(f"{dst} exists and is not empty (use --force to replace it)")
+    if quant == "int4":  # refuse a group size that cannot apply before importing anything
+        args = ModelArgs.from_config(build_plan(GGUFModel(src)).config)
+        check_group(args.hidden_size, group_size, "gate/up projections of the experts (hidden_size)")
+        check_group(args.moe_intermediate_size, group_size, "down projection of the experts (moe_intermediate_size)")
     bf16 = dst.parent / (dst.name + ".gguf-bf16")
     imported = import_gguf(src, bf16, force=True, progress=progress)
     summary = convert(bf16, dst, quant, group_size, scope, force=force, progress=progress)

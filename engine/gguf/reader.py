@@ -19,7 +19,6 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from engine.errors import ModelFormatError
 
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-GGUF_MAGIC = b"GGUF"
 
 
 @dataclass
@@ -33,15 +32,6 @@ class GGUFTensor:
     @property
     def type_name(self) -> str:
         return self.ggml_type.name
-
-
-def is_gguf(path: Path) -> bool:
-    """A regular file that starts with the GGUF magic (the convert command's dispatch test)."""
-    try:
-        with open(path, "rb") as f:
-            return Path(path).is_file() and f.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
 
 
 def split_paths(path: Path) -> list[Path]:
@@ -64,7 +54,12 @@ def _value(field):
     if field.types and field.types[0] == GGUFValueType.ARRAY and field.types[-1] == GGUFValueType.STRING:
         # Token strings are bytes in the file; decode leniently (a vocab may hold partial UTF-8).
         return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-    return field.contents()
+    value = field.contents()
+    if field.types == [GGUFValueType.FLOAT32]:
+        # The shortest decimal that is this float32 (1e-06, not 9.999999974752427e-07): what the
+        # converter was given.
+        return float(str(np.float32(value)))
+    return value
 
 
 class GGUFModel:
