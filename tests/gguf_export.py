@@ -44,7 +44,8 @@ def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:  # convert_hf_to_gguf
 
 
 def write_metadata(w: gguf.GGUFWriter, cfg: dict, mt: str) -> None:
-    w.add_block_count(cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0))
+    # Only GLM exports its MTP layers (as extra blocks); DeepseekV2Model skips them (skip_mtp).
+    w.add_block_count(cfg["num_hidden_layers"] + (cfg.get("num_nextn_predict_layers", 0) if mt == "glm4_moe" else 0))
     w.add_context_length(cfg.get("max_position_embeddings", 4096))
     w.add_embedding_length(cfg["hidden_size"])
     if cfg.get("intermediate_size"):
@@ -53,6 +54,16 @@ def write_metadata(w: gguf.GGUFWriter, cfg: dict, mt: str) -> None:
     w.add_head_count_kv(1 if mt == "deepseek_v3" else cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
     rope = cfg.get("rope_parameters") or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    if rope.get("rope_type") == "yarn":  # TextModel.set_gguf_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        if mt == "deepseek_v3" and rope.get("mscale_all_dim") is not None:  # DeepseekV2Model
+            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     w.add_layer_norm_rms_eps(1e-5 if mt == "olmoe" else float(cfg.get("rms_norm_eps", 1e-6)))
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
     w.add_expert_count(experts)
@@ -92,6 +103,8 @@ def write_metadata(w: gguf.GGUFWriter, cfg: dict, mt: str) -> None:
 
 
 def write_vocab(w: gguf.GGUFWriter, model_dir: Path, pre: str = "gpt-2") -> None:
+    if not (Path(model_dir) / "tokenizer.json").exists():  # transformers' tiny models have none
+        return
     tj = json.loads((Path(model_dir) / "tokenizer.json").read_text())
     vocab = dict(tj["model"]["vocab"])
     for added in tj.get("added_tokens", []):
@@ -106,12 +119,17 @@ def write_vocab(w: gguf.GGUFWriter, model_dir: Path, pre: str = "gpt-2") -> None
     w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(tokens))])
     w.add_token_merges(merges)
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    if cfg.get("eos_token_id") is not None:  # gguf.SpecialVocab reads them from config.json
+        w.add_eos_token_id(cfg["eos_token_id"])
+    if cfg.get("bos_token_id") is not None:
+        w.add_bos_token_id(cfg["bos_token_id"])
 
 
 def gguf_tensors(model_dir: Path, cfg: dict) -> list[tuple[str, torch.Tensor]]:
     """(GGUF name, float32 tensor in torch order), as the converter's modify_tensors yields them."""
     mt = cfg["model_type"]
-    layers = cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)
+    layers = cfg["num_hidden_layers"] + (cfg.get("num_nextn_predict_layers", 0) if mt == "glm4_moe" else 0)
     tmap = gguf.get_tensor_name_map(ARCH[mt], layers)
     tensors = hf_tensors(model_dir)
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
@@ -133,8 +151,8 @@ def gguf_tensors(model_dir: Path, cfg: dict) -> list[tuple[str, torch.Tensor]]:
             out.append((tmap.get_name(name.replace("kv_b_proj", "k_b_proj"), (".weight",)), k_b.transpose(1, 2)))
             out.append((tmap.get_name(name.replace("kv_b_proj", "v_b_proj"), (".weight",)), v_b))
             continue
-        if mt == "qwen2_moe" and name.endswith("shared_expert_gate.weight"):
-            pass  # kept [1, hidden] as the converter does
+        if name.endswith("e_score_correction_bias"):  # as conversion/base.py renames it before mapping
+            name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         gname = tmap.get_name(name, (".weight", ".bias"))
         assert gname is not None, f"gguf-py has no GGUF name for {name}"
         out.append((gname, t))
@@ -164,16 +182,36 @@ def encode(t: torch.Tensor, qtype: T) -> np.ndarray:
     return gguf.quants.quantize(x, qtype)
 
 
+def nextn_tensors(cfg: dict, layer: int) -> list[tuple[str, torch.Tensor]]:
+    """A GLM multi-token-prediction layer as the converter names it (blk.{L}.nextn.*, after the
+    main layers), with random weights: only its names and place matter to the import."""
+    H = cfg["hidden_size"]
+    g = torch.Generator().manual_seed(layer)
+    return [(f"blk.{layer}.nextn.eh_proj.weight", torch.randn(H, 2 * H, generator=g)),
+            (f"blk.{layer}.nextn.enorm.weight", torch.ones(H)), (f"blk.{layer}.nextn.hnorm.weight", torch.ones(H)),
+            (f"blk.{layer}.attn_norm.weight", torch.ones(H)),
+            (f"blk.{layer}.attn_q.weight", torch.randn(H, H, generator=g))]
+
+
 def export(model_dir: Path, out: Path, qtype: T = T.F16, *, pre: str = "gpt-2", split_max_tensors: int = 0,
-           arch_override: str | None = None) -> Path:
-    """Write the GGUF of an HF model dir; 2-D+ tensors in `qtype`, 1-D in F32, like llama.cpp."""
+           arch_override: str | None = None, extra_layers: int = 0, extra_tensors: dict | None = None) -> Path:
+    """Write the GGUF of an HF model dir; 2-D+ tensors in `qtype`, 1-D in F32, like llama.cpp.
+    extra_layers: GLM nextn (MTP) layers appended; extra_tensors: more (GGUF name → tensor)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     mt = cfg["model_type"]
+    if extra_layers:
+        cfg["num_nextn_predict_layers"] = extra_layers
+    elif mt == "glm4_moe":  # the HF model has no MTP weights; say so in the metadata as the converter would
+        cfg["num_nextn_predict_layers"] = 0
     arch = arch_override or gguf.MODEL_ARCH_NAMES[ARCH[mt]]
     w = gguf.GGUFWriter(out, arch, split_max_tensors=split_max_tensors)
     write_metadata(w, cfg, mt)
     write_vocab(w, model_dir, pre)
-    for name, t in gguf_tensors(model_dir, cfg):
+    tensors = gguf_tensors(model_dir, cfg)
+    for i in range(extra_layers):
+        tensors += nextn_tensors(cfg, cfg["num_hidden_layers"] + i)
+    tensors += list((extra_tensors or {}).items())
+    for name, t in tensors:
         kind = qtype if t.ndim >= 2 else T.F32
         data = encode(t, kind)
         if kind in (T.F32, T.F16):
@@ -184,6 +222,8 @@ def export(model_dir: Path, out: Path, qtype: T = T.F16, *, pre: str = "gpt-2", 
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if split_max_tensors:  # GGUFWriter names the parts <stem>-0000i-of-0000n.gguf
+        return sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
     return out
 
 

@@ -13,10 +13,16 @@ GGUF_MAGIC = b"GGUF"
 
 
 def is_gguf(path) -> bool:
-    """A regular file that starts with the GGUF magic: the convert command's dispatch test, kept
-    here so that asking does not import gguf-py (the CLI imports this module at start-up)."""
+    """A regular file named *.gguf or starting with the GGUF magic: the convert command's
+    dispatch test (a damaged .gguf then gets the GGUF reader's error, not "no such directory").
+    Kept here so that asking does not import gguf-py (the CLI imports this at start-up)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
     try:
         with open(path, "rb") as f:
-            return Path(path).is_file() and f.read(4) == GGUF_MAGIC
+            return f.read(4) == GGUF_MAGIC
     except OSError:
         return False

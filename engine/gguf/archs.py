@@ -51,6 +51,9 @@ SHARED_QWEN = {  # qwen2_moe: one gated shared expert
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+GLM_NAMES = {  # gguf-py maps GLM-4.5's post_attention_layernorm to ATTN_POST_NORM (no FFN_NORM in glm4moe)
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+}
 SHARED_DEEPSEEK = {  # deepseek / glm: ungated shared experts
     "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
@@ -153,9 +156,19 @@ def _common_config(m: GGUFModel, layers: int) -> dict:
     return cfg
 
 
+def expert_width(m: GGUFModel) -> int:
+    """Experts' intermediate size: the metadata's, else the stacked down projection's input width
+    (olmoe and mixtral GGUFs write only feed_forward_length)."""
+    if m.arch_key("expert_feed_forward_length"):
+        return int(m.arch_key("expert_feed_forward_length"))
+    for name, t in m.tensors.items():
+        if name.endswith(".ffn_down_exps.weight"):
+            return t.shape[2]
+    return int(m.require("feed_forward_length"))
+
+
 def _experts_common(m: GGUFModel) -> dict:
-    return {"num_experts_per_tok": int(m.require("expert_used_count")),
-            "moe_intermediate_size": int(m.require("expert_feed_forward_length"))}
+    return {"num_experts_per_tok": int(m.require("expert_used_count")), "moe_intermediate_size": expert_width(m)}
 
 
 def config_qwen_moe(m: GGUFModel, model_type: str, layers: int, moe_layers: list[bool]) -> dict:
@@ -175,8 +188,7 @@ def config_qwen_moe(m: GGUFModel, model_type: str, layers: int, moe_layers: list
 def config_olmoe(m: GGUFModel, layers: int, moe_layers: list[bool]) -> dict:
     return {**_common_config(m, layers), **_experts_common(m), "model_type": "olmoe",
             "architectures": ["OlmoeForCausalLM"], "num_experts": int(m.require("expert_count")),
-            "intermediate_size": int(m.require("expert_feed_forward_length")
-                                     if m.arch_key("expert_feed_forward_length") else m.require("feed_forward_length")),
+            "intermediate_size": expert_width(m),
             "norm_topk_prob": bool(m.arch_key("expert_weights_norm", False)), "clip_qkv": None}
 
 
@@ -187,8 +199,7 @@ def config_mixtral(m: GGUFModel, layers: int, moe_layers: list[bool]) -> dict:
     cfg = {**_common_config(m, layers), "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
            "num_local_experts": int(m.require("expert_count")),
            "num_experts_per_tok": int(m.require("expert_used_count")), "sliding_window": None}
-    # Mixtral's experts are `intermediate_size` wide; the converter writes it as feed_forward_length.
-    cfg["intermediate_size"] = int(m.arch_key("expert_feed_forward_length") or m.require("feed_forward_length"))
+    cfg["intermediate_size"] = expert_width(m)  # Mixtral's experts are `intermediate_size` wide
     return cfg
 
 
@@ -238,7 +249,7 @@ class Arch:
     config: Callable[[GGUFModel, int, list[bool]], dict]
     moe_prefix: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    shared: dict = field(default_factory=dict)
+    shared: dict = field(default_factory=dict)  # names beyond LAYER_NAMES (shared experts, arch-specific)
     permute_qk: bool = False  # llama family: undo the converter's q/k row permutation
 
 
@@ -249,7 +260,7 @@ ARCHS = {
     "llama": Arch("mixtral", config_mixtral, moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2"),
                   permute_qk=True),
     "deepseek2": Arch("deepseek_v3", config_deepseek2, shared=SHARED_DEEPSEEK),
-    "glm4moe": Arch("glm4_moe", config_glm4moe, shared=SHARED_DEEPSEEK),
+    "glm4moe": Arch("glm4_moe", config_glm4moe, shared={**SHARED_DEEPSEEK, **GLM_NAMES}),
 }
 
 
