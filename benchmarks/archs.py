@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from engine import synth  # noqa: E402
-from engine.config import EngineConfig, format_size, parse_size  # noqa: E402
-from engine.gptoss import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
-from engine.metrics import git_commit  # noqa: E402
-from engine.model import ModelArgs  # noqa: E402
+from engine.base.config import EngineConfig, format_size, parse_size  # noqa: E402
+from engine.arch.gptoss import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
+from engine.run.metrics import git_commit  # noqa: E402
+from engine.arch.args import ModelArgs
 
 MLA_PRESETS = ("deepseek-v3", "glm-5", "deepseek-v3-small", "glm-5-small")
 
@@ -54,7 +54,7 @@ def kv_table() -> list[str]:
 
 
 def allocated_kv(model_dir: Path, ctx: int) -> tuple[int, int]:
-    from engine.runtime import Engine
+    from engine.run.runtime import Engine
     with Engine(model_dir, EngineConfig(ctx_size=ctx, threads=1)) as engine:
         kv = engine.kv
         tensors = kv.latent + kv.rope_key + list(kv.index_key.values())
@@ -101,7 +101,7 @@ def dequant_table(repeats: int) -> list[str]:
 
 
 def decode_table(scratch: Path, budget: int, tokens: int, repeats: int) -> list[str]:
-    from tuner.trial import run_trial
+    from tuner.search.trial import run_trial
     rows = ["| gpt-oss-small experts | placement | decode tok/s (median, min-max) | MiB read/token | RAM hit "
             "| I/O stall | cgroup peak |", "|---|---|---|---|---|---|---|"]
     for fmt in ("mxfp4", "plain"):

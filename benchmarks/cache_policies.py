@@ -3,7 +3,7 @@
 Experts are asked for in a cycle: every MoE layer once per token, top-k each, so one token's
 working set is layers × k entries. A plain LRU smaller than that evicts every expert just
 before its next use. This replays tokens drawn from a routing model (the cost model's: synth
---routing-skew popularity and token-to-token locality, tuner/costmodel/routing.py) through the
+--routing-skew popularity and token-to-token locality, tuner/costmodel/routing_model.py) through the
 engine's own cache classes, in the order the engine asks, and prints decode hit rates:
 
   warm   one cache, 64 unmeasured tokens, then 192 measured (steady state)
@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.cache import policies  # noqa: E402
-from tuner.costmodel import routing  # noqa: E402
+from engine.movement.cache import policies  # noqa: E402
+from tuner.costmodel import routing_model as routing  # noqa: E402
 
 SLOT_FACTORS = (0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)  # × one token's working set
 POLICIES = ("lru", "lru + admission", "lfu", "pinned")

@@ -49,9 +49,9 @@ def _wrap(obj, name: str, acc: dict, key: str) -> None:
 def child(a) -> dict:
     import torch
 
-    from engine.config import EngineConfig
-    from engine.generate import Sampler, generate, random_prompt_ids
-    from engine.runtime import Engine
+    from engine.base.config import EngineConfig
+    from engine.run.generate import Sampler, generate, random_prompt_ids
+    from engine.run.runtime import Engine
 
     eng = Engine(a.model, EngineConfig(ram_budget=0, ctx_size=512, threads=a.threads))
     m = eng.model

@@ -23,14 +23,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.config import EngineConfig  # noqa: E402
-from tuner.costmodel.calibrate import factors_from_profile  # noqa: E402
-from tuner.costmodel.command import DEFAULT_OVERHEAD_BYTES, make_routing  # noqa: E402
+from engine.base.config import EngineConfig  # noqa: E402
+from tuner.costmodel.fit import factors_from_profile  # noqa: E402
+from tuner.costmodel.plan_command import DEFAULT_OVERHEAD_BYTES, make_routing  # noqa: E402
 from tuner.costmodel.geometry import resolve  # noqa: E402
 from tuner.costmodel.hardware import HardwareView, apply_what_if  # noqa: E402
 from tuner.costmodel.predict import Factors, RunConditions  # noqa: E402
 from tuner.costmodel.search import grid_configs, rank  # noqa: E402
-from tuner.probe.profile import load_profile  # noqa: E402
+from tuner.probe.hardware_profile import load_profile  # noqa: E402
 
 MiB = 1 << 20
 MODELS = ("glm-5", "deepseek-v3", "qwen3-235b-a22b", "mixtral-8x22b", "olmoe-1b-7b")

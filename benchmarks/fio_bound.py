@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import format_size, parse_size  # noqa: E402
+from engine.base.config import format_size, parse_size  # noqa: E402
 
 BLOCK = 4096
 
@@ -96,7 +96,7 @@ def _trace(logs) -> list[float]:
 
 
 def main() -> int:
-    from engine.resolve import resolve_model
+    from engine.run.resolve import resolve_model
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
     ap.add_argument("--request", default="1MiB")

@@ -40,13 +40,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.checkpoint import Checkpoint  # noqa: E402
-from engine.config import format_size, parse_size  # noqa: E402
-from engine.io import ReadPool, UringPool, align_down, direct_window_bytes, uring_unavailable  # noqa: E402
-from engine.layout import ExpertLayout  # noqa: E402
-from engine.model import ModelArgs  # noqa: E402
-from engine.resolve import resolve_model  # noqa: E402
-from engine.slots import SlotArena  # noqa: E402
+from engine.format.checkpoint import Checkpoint  # noqa: E402
+from engine.base.config import format_size, parse_size  # noqa: E402
+from engine.movement.io import (  # noqa: E402
+    ReadPool, UringPool, align_down, direct_window_bytes, uring_unavailable,
+)
+from engine.format.layout import ExpertLayout  # noqa: E402
+from engine.arch.args import ModelArgs
+from engine.run.resolve import resolve_model  # noqa: E402
+from engine.movement.slots import SlotArena  # noqa: E402
 
 
 def disjoint_spans(model_dir, n: int, groups: int, seed: int) -> list[list]:

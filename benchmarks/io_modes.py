@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from engine.io import IO_MODES, IOStats, ReadPool  # noqa: E402
+from engine.movement.io import IO_MODES, IOStats, ReadPool  # noqa: E402
 
 MiB = 1 << 20
 

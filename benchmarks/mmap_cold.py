@@ -52,7 +52,7 @@ def _cold(engine, how: str) -> None:
     import gc
     import mmap
 
-    from engine.bench import _make_cold
+    from engine.run.bench import _make_cold
     store = engine.store
     if how == "tree":
         _make_cold(engine)
@@ -73,9 +73,9 @@ def _cold(engine, how: str) -> None:
 
 
 def child(a) -> dict:
-    from engine.config import EngineConfig, parse_size
-    from engine.generate import Sampler, generate, random_prompt_ids
-    from engine.runtime import Engine
+    from engine.base.config import EngineConfig, parse_size
+    from engine.run.generate import Sampler, generate, random_prompt_ids
+    from engine.run.runtime import Engine
 
     cfg = EngineConfig(ram_budget=parse_size(a.budget), ctx_size=512, io_mode="mmap", prefetch_depth=1,
                        cpu_cache_ratio=0.6, chunk_size=1 << 20, threads=a.threads)
@@ -119,8 +119,8 @@ def main() -> int:
         json.dump(child(a), sys.stdout)
         return 0
     sys.path.insert(0, str(ROOT))
-    from engine.config import parse_size
-    from tuner.sandbox.run import run_limited
+    from engine.base.config import parse_size
+    from tuner.sandbox.limited import run_limited
 
     rows = []
     for tree in [Path(t).resolve() for t in (a.tree or [str(ROOT)])]:

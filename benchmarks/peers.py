@@ -44,9 +44,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.bpe_tokenizer import bytes_to_unicode  # noqa: E402
+from engine.synth.bpe_tokenizer import bytes_to_unicode  # noqa: E402
 from tuner.sandbox import detect_memory_cgroup, run_limited  # noqa: E402
-from engine.config import parse_size  # noqa: E402
+from engine.base.config import parse_size  # noqa: E402
 from benchmarks.benchlock import bench_lock  # noqa: E402
 
 PROMPT = "The history of the city begins with a small river crossing, where traders from the north met"
@@ -356,7 +356,7 @@ def git_commit(src: str) -> str:
 
 
 if __name__ == "__main__":
-    from engine.errors import ConfigError
+    from engine.base.errors import ConfigError
     try:
         sys.exit(main())
     except ConfigError as exc:

@@ -6,7 +6,7 @@ Everything after --llama-src goes to the converter unchanged.
 
 Why a wrapper: the converter identifies a BPE tokenizer's pre-tokenizer by hashing the tokens it
 gives for a fixed test string and looking the hash up in a table of known models. A tokenizer
-trained by `synth` (engine/bpe_tokenizer.py) has its own merges, so its hash is in no table and
+trained by `synth` (engine/synth/bpe_tokenizer.py) has its own merges, so its hash is in no table and
 the converter stops with "BPE pre-tokenizer was not recognized". Its pre-tokenizer is GPT-2's
 regex (tokenizers' ByteLevel with use_regex=True), which llama.cpp implements under the name
 "gpt-2". So the wrapper replaces `TextModel.get_vocab_base_pre` with one that asks the original

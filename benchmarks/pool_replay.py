@@ -4,7 +4,7 @@ A cross-check of the fio replay. Same trace, same pieces (the pool splits them i
 device QD (io_threads readers), same pacing (an idle gap before each token's reads, counted
 from the last submit, as fio counts a job's delay from its last issue) — but the engine's
 syscalls (preadv from Python threads), its one FIFO queue and its page-aligned, pre-faulted,
-THP-advised slot buffers (engine/slots.py) instead of fio's processes and malloc'd buffers.
+THP-advised slot buffers (engine/movement/slots.py) instead of fio's processes and malloc'd buffers.
 If this replay reads faster than fio's replay of the same trace, the difference is the I/O
 path, not the load shape. In-process and O_DIRECT or buffered as the trace; a direct read
 does not touch the page cache, so the budget's cgroup does not change it.
@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.io import ReadPool  # noqa: E402
-from engine.io.trace import read_trace  # noqa: E402
-from engine.slots import SlotArena  # noqa: E402
+from engine.movement.io import ReadPool  # noqa: E402
+from engine.movement.io.trace import read_trace  # noqa: E402
+from engine.movement.slots import SlotArena  # noqa: E402
 from benchmarks.fio_bound import drop_pages  # noqa: E402
 from benchmarks.trace_bound import one_repeat  # noqa: E402
 
@@ -78,7 +78,7 @@ def _land(inflight) -> int:
 def main() -> int:
     import shutil
     from benchmarks.trace_bound import replay_trace
-    from engine.config import parse_size
+    from engine.base.config import parse_size
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
     ap.add_argument("--gap-s", type=float, default=0.024)

@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import EngineConfig, format_size, parse_size  # noqa: E402
-from engine.metrics import git_commit  # noqa: E402
-from tuner.trial import run_trial  # noqa: E402
+from engine.base.config import EngineConfig, format_size, parse_size  # noqa: E402
+from engine.run.metrics import git_commit  # noqa: E402
+from tuner.search.trial import run_trial  # noqa: E402
 
 
 def _decode(trial) -> list[float]:

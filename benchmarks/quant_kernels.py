@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.quant import QuantWeight, quantize
+from engine.format.quant import QuantWeight, quantize
 
 
 def _time(fn, repeats: int, inner: int) -> dict:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.convert import convert  # noqa: E402
-from tuner.quality import measure_quality  # noqa: E402
+from engine.format.convert import convert  # noqa: E402
+from engine.run.quality import measure_quality  # noqa: E402
 
 CASES = [("int8", "int8", 0), ("int4-g32", "int4", 32), ("int4-g64", "int4", 64), ("int4-g128", "int4", 128)]
 # llama.cpp, Llama-3-8B vs FP16 (llama-perplexity --kl-divergence), as ANCHORS.md quotes them.

@@ -55,11 +55,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.config import EngineConfig, format_size, parse_size  # noqa: E402
-from engine.metrics import git_commit  # noqa: E402
-from engine.resolve import resolve_model  # noqa: E402
-from engine.runtime import physical_cores  # noqa: E402
-from tuner.trial import run_trial  # noqa: E402
+from engine.base.config import EngineConfig, format_size, parse_size  # noqa: E402
+from engine.run.metrics import git_commit  # noqa: E402
+from engine.run.resolve import resolve_model  # noqa: E402
+from engine.run.runtime import physical_cores  # noqa: E402
+from tuner.search.trial import run_trial  # noqa: E402
 from benchmarks.benchlock import bench_lock  # noqa: E402
 from benchmarks import trace_bound  # noqa: E402
 from benchmarks.fio_bound import fio_run, request_bytes  # noqa: E402
@@ -179,9 +179,9 @@ def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
     for name, cfg in selected_configs(limit, a.only, a.vary):
         print(f"running {name} ...", file=sys.stderr)
         if span is None:
-            from engine.checkpoint import Checkpoint
-            from engine.layout import ExpertLayout
-            from engine.model import ModelArgs
+            from engine.format.checkpoint import Checkpoint
+            from engine.format.layout import ExpertLayout
+            from engine.arch.args import ModelArgs
             ckpt = Checkpoint(model_dir)
             span = ExpertLayout(ckpt, ModelArgs.from_config(ckpt.config)).expert_nbytes
         with _config_lock(a.lock):

@@ -46,11 +46,11 @@ def child(a) -> dict:
     """Runs inside the tree being measured (its engine is the one on sys.path)."""
     import torch
 
-    import engine.model as model_module
-    from engine.bench import _make_cold
-    from engine.config import EngineConfig, parse_size
-    from engine.generate import Sampler, generate, random_prompt_ids
-    from engine.runtime import Engine
+    import engine.arch.model as model_module
+    from engine.run.bench import _make_cold
+    from engine.base.config import EngineConfig, parse_size
+    from engine.run.generate import Sampler, generate, random_prompt_ids
+    from engine.run.runtime import Engine
 
     cfg = EngineConfig(ram_budget=parse_size(a.budget), ctx_size=512, io_mode=a.io_mode, chunk_size=a.chunk_size,
                        prefetch_depth=a.prefetch_depth, io_threads=a.io_threads, threads=a.threads)

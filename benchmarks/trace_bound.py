@@ -6,7 +6,7 @@ a continuous fio job right after a streaming run sometimes measured 2.2-2.3 GB/s
 rate depends on its recent load (docs/BENCHMARKS.md, "The bound, and why fio alone does not
 make it sturdy on this disk"). So the disk term has to be measured under the engine's load.
 
-What is replayed: `colibri bench --read-trace` records every decode read (engine/io/trace.py):
+What is replayed: `colibri bench --read-trace` records every decode read (engine/movement/io/trace.py):
 file, device window, submit/complete times, token, layer. Each read is split exactly as the
 pool splits a span (at most io_threads pieces, only past chunk_size) and the pieces are dealt
 round-robin, in submit order, to io_threads fio psync jobs, one fio version 3 iolog each: the
@@ -42,9 +42,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import parse_size  # noqa: E402
-from engine.io.align import align_down, align_up  # noqa: E402
-from engine.io.trace import read_trace  # noqa: E402
+from engine.base.config import parse_size  # noqa: E402
+from engine.movement.io.align import align_down, align_up  # noqa: E402
+from engine.movement.io.trace import read_trace  # noqa: E402
 from benchmarks.fio_bound import drop_pages  # noqa: E402
 
 IOLOG_HEADER = "fio version 3 iolog"
@@ -54,7 +54,7 @@ T_START_US = 1
 
 
 def split_window(offset: int, nbytes: int, io_threads: int, chunk_size: int, direct: bool) -> list[tuple[int, int]]:
-    """The pieces the pool reads one window in (engine/io/pool.py ReadPool._pieces): one read,
+    """The pieces the pool reads one window in (engine/movement/io/pool.py ReadPool._pieces): one read,
     unless the window is larger than chunk_size, then at most io_threads page-aligned pieces."""
     chunk = align_up(chunk_size) if direct else chunk_size
     n = min(io_threads, -(-nbytes // chunk))

@@ -6,7 +6,7 @@ Random weights say little about quantization error (no outliers, near-uniform lo
 this trains a real, if small, model: 4 layers, 16 experts top-4, hidden 256, a 4096-token
 byte-level BPE (trained here with `tokenizers`), on text every CPython install has offline — the Python standard library's own
 `.py` sources (this interpreter's `sysconfig` stdlib directory, test packages excluded; see
-`tuner/quality.py: stdlib_corpus`). One file in 20 (by a hash of its path) is held out.
+`engine/run/quality.py: stdlib_corpus`). One file in 20 (by a hash of its path) is held out.
 
 Deterministic: fixed seeds, a fixed step count (not a time limit), one thread by default, files
 in sorted order; same Python stdlib, tokenizers and torch → same weights. The training loop is
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tuner.quality import stdlib_corpus  # noqa: E402
+from engine.run.quality import stdlib_corpus  # noqa: E402
 
 CONFIG = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=4096, hidden_size=256,
               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
@@ -55,13 +55,14 @@ def train_tokenizer(train_text: str):
 
 
 class Reference(torch.nn.Module):
-    """qwen3_moe in training form: the engine's own building blocks (engine/model.py: rms_norm,
+    """qwen3_moe in training form: the engine's own building blocks (engine/arch/model.py: rms_norm,
     rope, route), so the trained weights mean exactly what the engine computes; experts stacked
     per layer [E, I, H] so the sparse loop indexes instead of looking up 16 modules."""
 
     def __init__(self, c: dict):
         super().__init__()
-        from engine.model import ModelArgs, rope_inv_freq
+        from engine.arch.args import ModelArgs
+        from engine.arch.rope import rope_inv_freq
         self.args = ModelArgs.from_config(c)
         a = self.args
         H, D, E, I, V = a.hidden_size, a.head_dim, a.num_experts, a.moe_intermediate_size, a.vocab_size
@@ -82,7 +83,8 @@ class Reference(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor):
         """tokens [B, T] → logits [B, T, V], load-balancing loss."""
-        from engine.model import apply_rope, rms_norm, rope_cos_sin, route
+        from engine.arch.rope import apply_rope, rope_cos_sin
+        from engine.arch.layers import rms_norm, route
         a = self.args
         B, T = tokens.shape
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, torch.arange(T), torch.float32)
@@ -147,7 +149,7 @@ def perplexity(model, ids: torch.Tensor, seq: int, max_tokens: int) -> float:
 
 
 def save(model: Reference, tok, out_dir: Path) -> None:
-    from engine.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
+    from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
     tmp = out_dir.parent / (out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

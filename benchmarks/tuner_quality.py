@@ -40,9 +40,9 @@ sys.path.insert(0, str(ROOT))
 
 import optuna  # noqa: E402
 
-from engine.config import EngineConfig, atomic_write_text, format_size, parse_size  # noqa: E402
-from engine.resolve import resolve_model  # noqa: E402
-from tuner.trial import run_trial  # noqa: E402
+from engine.base.config import EngineConfig, atomic_write_text, format_size, parse_size  # noqa: E402
+from engine.run.resolve import resolve_model  # noqa: E402
+from tuner.search.trial import run_trial  # noqa: E402
 
 MiB = 1 << 20
 GRID = {
@@ -137,12 +137,12 @@ def run_tuner_model(table: dict, trials: int, seed: int, predicted: dict, warm_s
 def predict_grid(model_dir, profile_path: str, budget: int, threads: int, ctx: int, args) -> dict:
     """Cost-model decode tok/s of every grid point (None: predicted not to fit), with the factors
     the profile carries and the grid's own measurement conditions."""
-    from tuner.costmodel.calibrate import factors_from_profile
-    from tuner.costmodel.command import DEFAULT_OVERHEAD_BYTES, make_routing
+    from tuner.costmodel.fit import factors_from_profile
+    from tuner.costmodel.plan_command import DEFAULT_OVERHEAD_BYTES, make_routing
     from tuner.costmodel.geometry import resolve
     from tuner.costmodel.hardware import HardwareView
     from tuner.costmodel.predict import Factors, RunConditions, predict
-    from tuner.probe.profile import load_profile
+    from tuner.probe.hardware_profile import load_profile
     profile = load_profile(profile_path)
     factors = factors_from_profile(profile) or Factors()
     overhead = int((profile.cost_model or {}).get("overhead_bytes") or DEFAULT_OVERHEAD_BYTES)

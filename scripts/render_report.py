@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.errors import ColibriError  # noqa: E402
-from tuner.browser import check_page, render_png  # noqa: E402
+from engine.base.errors import ColibriError  # noqa: E402
+from tuner.results.browser import check_page, render_png  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -30,11 +30,19 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
     "$VENV/bin/pip" install -q --upgrade pip
 fi
-# torch first and pinned: this exact version is the CPU wheel; letting another package pull
-# an unpinned torch would download a multi-GB CUDA build.
+# torch first and pinned, before anything that depends on it (an unpinned torch pulled in by
+# another package would be a multi-GB CUDA build). What makes 2.13.0 the CPU build: on this
+# project's machines pip's configured index holds the CPU wheel of exactly that version; on a
+# stock machine PyPI's Linux wheel is the CUDA one, so there set
+#   TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# (PyTorch's CPU-only index). Either way the check below refuses a CUDA build.
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
     echo "setup: installing torch==2.13.0 (CPU)" >&2
-    "$VENV/bin/pip" install -q torch==2.13.0
+    "$VENV/bin/pip" install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+fi
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.version.cuda is not None)"; then
+    echo "setup: the installed torch is a CUDA build ($("$VENV/bin/python" -c 'import torch; print(torch.__version__)')); rerun with TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu after removing $VENV" >&2
+    exit 1
 fi
 STAMP="$VENV/.colibri-installed"
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then

@@ -2,6 +2,10 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
+
+from colibri_requirements import required_dependency_in
+
 # A suite started in the background by a non-interactive shell (`cmd &`, nohup, some CI runners)
 # inherits SIGINT ignored, and exec keeps it ignored, so the Ctrl-C tests' children would never
 # raise KeyboardInterrupt and the tests would hang. A handled signal is reset to the default at
@@ -26,3 +30,17 @@ def pytest_generate_tests(metafunc):
     if n > 1:
         metafunc.fixturenames.append("_repeat")
         metafunc.parametrize("_repeat", range(n), ids=lambda i: f"run{i + 1}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # A skip for a dependency that COLIBRI_REQUIRE_<DEP> makes required fails instead
+    # (tests/colibri_requirements.py): CI must run what it claims to run.
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2])
+        dep = required_dependency_in(reason)
+        if dep is not None:
+            report.outcome = "failed"
+            report.longrepr = f"COLIBRI_REQUIRE_{dep.upper()} is set but the test skipped: {reason}"

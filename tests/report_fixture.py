@@ -15,11 +15,12 @@ from pathlib import Path
 import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from engine.config import EngineConfig
-from tuner.probe.profile import (
-    SCHEMA_VERSION, CpuInfo, DiskInfo, HardwareProfile, MatmulPoint, MemoryBandwidthPoint, MemoryInfo, ProbeRun,
-    Quantity, StoragePoint, StorageResult, SystemInfo, ToolInfo, compute_fingerprint, save_profile)
-from tuner.outputs import write_trials_csv
+from engine.base.config import EngineConfig
+from tuner.probe.hardware_profile import (
+    SCHEMA_VERSION, CpuInfo, DiskInfo, HardwareProfile, MatmulPoint, MemoryBandwidthPoint, MemoryInfo,
+    ProbeRun, Quantity, StoragePoint, StorageResult, SystemInfo, ToolInfo, compute_fingerprint, save_profile,
+)
+from tuner.results.outputs import write_trials_csv
 
 MiB, GiB = 1 << 20, 1 << 30
 GEOMETRY = {"model_type": "qwen3_moe", "layers": 4, "hidden_size": 64, "experts": 8, "top_k": 2,

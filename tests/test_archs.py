@@ -12,11 +12,12 @@ import shutil
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import ModelFormatError
-from engine.generate import Sampler, generate
-from engine.model import KVCache, ModelArgs, rms_norm, route_layer
-from engine.runtime import Engine
+from engine.base.config import EngineConfig
+from engine.base.errors import ModelFormatError
+from engine.run.generate import Sampler, generate
+from engine.arch.layers import KVCache, rms_norm, route_layer
+from engine.arch.args import ModelArgs
+from engine.run.runtime import Engine
 from colibri_hf_models import build, hf_greedy, hf_logits
 
 ATOL = 1e-4
@@ -95,7 +96,7 @@ def test_dsa_selection_decides_what_is_attended(dsa, tmp_path):
 
 
 def test_dsa_query_blocks_change_nothing(dsa, monkeypatch):
-    import engine.mla as mla
+    import engine.arch.mla as mla
     model, d = dsa
     with fp32_engine(d) as engine:
         whole = engine.forward(PROMPT, 0)
@@ -173,7 +174,7 @@ def write_mxfp4_checkpoint(src, out):
     `<proj>_blocks` [E, out, in/32, 16] uint8, `<proj>_scales` [E, out, in/32], bf16 biases."""
     from safetensors.torch import load_file, save_file
 
-    from engine.gptoss import mxfp4_quantize
+    from engine.arch.gptoss import mxfp4_quantize
     state = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(f).items()}
     new = {}
     for name, t in state.items():
@@ -204,7 +205,7 @@ def mxfp4(tmp_path_factory):
 
 
 def test_mxfp4_dequantizes_exactly_as_transformers(mxfp4):
-    from engine.gptoss import mxfp4_dequantize
+    from engine.arch.gptoss import mxfp4_dequantize
     model, _, state = mxfp4
     for layer, block in enumerate(model.model.layers):
         for proj in ("gate_up_proj", "down_proj"):
@@ -216,7 +217,7 @@ def test_mxfp4_dequantizes_exactly_as_transformers(mxfp4):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp4_dequantize_matches_transformers_across_chunks(dtype, monkeypatch):
     """Every byte value and a spread of exponents, rows split over several uneven chunks."""
-    import engine.gptoss as gptoss
+    import engine.arch.gptoss as gptoss
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 70, 5, 16), dtype=torch.uint8, generator=gen)
@@ -228,7 +229,7 @@ def test_mxfp4_dequantize_matches_transformers_across_chunks(dtype, monkeypatch)
 
 
 def test_mxfp4_quantize_round_trips_representable_values():
-    from engine.gptoss import FP4_VALUES, mxfp4_dequantize, mxfp4_quantize
+    from engine.arch.gptoss import FP4_VALUES, mxfp4_dequantize, mxfp4_quantize
     values = torch.tensor(FP4_VALUES).repeat(4)  # 64 values: two blocks whose largest is 6
     w = torch.stack([values * 2.0 ** -3, values * 2.0 ** 5])  # [2, 64]: exponents -3 and 5
     blocks, scales = mxfp4_quantize(w)

@@ -4,10 +4,10 @@ sigmoid group routing, gpt_oss experts plain and MXFP4-dequantized on read)."""
 
 import pytest
 
-from engine.bench import run_bench
-from engine.config import EngineConfig
-from engine.generate import Sampler, generate
-from engine.runtime import Engine
+from engine.run.bench import run_bench
+from engine.base.config import EngineConfig
+from engine.run.generate import Sampler, generate
+from engine.run.runtime import Engine
 from colibri_hf_models import build
 from test_archs import write_mxfp4_checkpoint
 from test_streaming import PLACEMENTS, budget_for_cache

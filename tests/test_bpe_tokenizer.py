@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from engine import bpe_tokenizer, synth
+from engine.synth import bpe_tokenizer
+from engine import synth
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_VOCAB = synth.load_preset("tiny")["vocab_size"]
@@ -32,7 +33,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 def _tokenizer_json_in_fresh_process(vocab_size: int) -> str:
     # A fresh interpreter: the trainer's hash maps are seeded per process, so this is what could differ.
-    code = f"from engine.bpe_tokenizer import build_tokenizer; print(build_tokenizer({vocab_size}).to_str())"
+    code = f"from engine.synth.bpe_tokenizer import build_tokenizer; print(build_tokenizer({vocab_size}).to_str())"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env=env).stdout
@@ -73,7 +74,7 @@ def test_vocab_has_bytes_eos_and_merges(vocab_size):
 
 
 def test_merges_shorten_text_and_text_round_trips():
-    code = ("import json, sys; from engine.bpe_tokenizer import build_tokenizer; t = build_tokenizer(32000); "
+    code = ("import json, sys; from engine.synth.bpe_tokenizer import build_tokenizer; t = build_tokenizer(32000); "
             f"s = json.loads({json.dumps(json.dumps(SAMPLES))}); "
             "print(json.dumps([[t.decode(t.encode(x).ids), len(t.encode(x).ids)] for x in s]))")
     out = json.loads(_in_child(code))

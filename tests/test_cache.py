@@ -7,17 +7,11 @@ from collections import Counter
 
 import pytest
 
-from engine.cache import (
-    CACHE_POLICIES,
-    ROUTING_SCHEMA,
-    CacheStats,
-    TieredCache,
-    hottest_keys,
-    make_cache,
-    routing_histogram_load,
-    routing_histogram_save,
+from engine.movement.cache import (
+    CACHE_POLICIES, ROUTING_SCHEMA, CacheStats, TieredCache, hottest_keys, make_cache,
+    routing_histogram_load, routing_histogram_save,
 )
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 
 
 def _make(policy, capacity, **kw):

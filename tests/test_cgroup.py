@@ -13,9 +13,10 @@ import pytest
 
 from tuner.sandbox import cgroups as cgroup
 from tuner.sandbox import current_memory_limit, detect_memory_cgroup, run_limited
-from engine.errors import BudgetError
+from engine.base.errors import BudgetError
 
 from colibri_sync import GUARD_S, wait_until
+from colibri_requirements import needs
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -30,8 +31,8 @@ READ_BUFFERED = "import sys\nn = 0\nwith open(sys.argv[1], 'rb') as f:\n    whil
 def support():
     found = detect_memory_cgroup()
     if not found.available:
-        pytest.skip(f"needs a child memory cgroup (root with cgroup v1 memory, or a delegated v2 subtree); "
-                    f"here: {found.reason}")
+        pytest.skip(needs("cgroup", f"needs a child memory cgroup (root with cgroup v1 memory, or a delegated v2 subtree); "
+                    f"here: {found.reason}"))
     return found
 
 
@@ -223,7 +224,7 @@ def test_unprivileged_user_gets_a_reason_not_a_crash(support):
     # the unprivileged interpreter imports a world-readable copy of the sandbox and what it uses.
     readable = Path(tempfile.mkdtemp(prefix="colibri-nobody-"))
     try:
-        for rel in ("engine/__init__.py", "engine/errors.py", "tuner/__init__.py", *(
+        for rel in ("engine/__init__.py", "engine/base/__init__.py", "engine/base/errors.py", "tuner/__init__.py", *(
                 str(p.relative_to(ROOT)) for p in (ROOT / "tuner" / "sandbox").glob("*.py"))):
             (readable / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(ROOT / rel, readable / rel)

@@ -7,15 +7,15 @@ import math
 import pytest
 
 from engine import synth
-from engine.config import EngineConfig
-from engine.errors import BudgetError
+from engine.base.config import EngineConfig
+from engine.base.errors import BudgetError
 from tests.test_probe_profile import make_profile
-from tuner.costmodel import calibrate as cal
+from tuner.costmodel import fit as cal
 from tuner.costmodel.geometry import bytes_per_weight, from_model_dir, resolve
 from tuner.costmodel.hardware import HardwareView, apply_what_if
 from tuner.costmodel.memplan import fits, plan_memory
 from tuner.costmodel.predict import Factors, RunConditions, combine, components, predict
-from tuner.costmodel.routing import synth_skew, uniform
+from tuner.costmodel.routing_model import synth_skew, uniform
 from tuner.costmodel.search import curve_region, prefilter
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -53,7 +53,7 @@ def test_glm5_sizes_at_int4_and_mla_kv():
     assert plan.kv_bytes == 78 * (512 + 64 + 128) * 8192 * 2
     assert plan.dense_bytes == pytest.approx(g.dense_bytes("int4"), abs=4096)
     left = 64 * GiB - plan.dense_bytes - plan.kv_bytes - plan.buffer_bytes - 300 * MiB
-    entry = plan.cache_entry_bytes  # the cache is whole slots (engine/slots.py)
+    entry = plan.cache_entry_bytes  # the cache is whole slots (engine/movement/slots.py)
     assert plan.cache_bytes == int(left) // entry * entry
 
 
@@ -145,7 +145,7 @@ def test_calibration_recovers_known_factors_from_synthetic_trials(tiny, hw):
 
 
 def test_fitted_factors_round_trip_through_the_profile(tmp_path):
-    from tuner.probe.profile import HardwareProfile, load_profile, save_profile
+    from tuner.probe.hardware_profile import HardwareProfile, load_profile, save_profile
     profile = make_profile()
     data = profile.to_dict()
     del data["cost_model"]  # a profile written before the section existed still loads
@@ -190,7 +190,7 @@ def test_what_if_disk_bw_sets_the_best_random_read():
 
 @pytest.mark.parametrize("edit", ["disk_bw", "speed=3", "ram=lots", "cores=0"])
 def test_what_if_rejects_bad_edits(edit):
-    from engine.errors import ConfigError
+    from engine.base.errors import ConfigError
     with pytest.raises(ConfigError, match="--what-if"):
         apply_what_if(make_profile(), [edit])
 
@@ -208,10 +208,10 @@ def test_curve_region_keeps_the_rising_part_and_the_plateau(hw):
 
 
 def test_prefilter_never_drops_a_config_the_engines_plan_accepts(tiny):
-    from engine.checkpoint import Checkpoint
-    from engine.layout import ExpertLayout
-    from engine.model import ModelArgs
-    from engine.plan import make_plan
+    from engine.format.checkpoint import Checkpoint
+    from engine.format.layout import ExpertLayout
+    from engine.arch.args import ModelArgs
+    from engine.movement.plan import make_plan
     import torch
     ckpt = Checkpoint(tiny)
     args = ModelArgs.from_config(ckpt.config)
@@ -237,7 +237,7 @@ def test_prefilter_never_drops_a_config_the_engines_plan_accepts(tiny):
 
 def test_warm_starts_are_distinct_fitting_points_of_the_space(tiny, hw):
     from tuner.costmodel.search import warm_starts
-    from tuner.space import ModelFacts, SearchSpace
+    from tuner.search.space import ModelFacts, SearchSpace
     space = SearchSpace(budget=400 * MiB, physical_cores=2, logical_cores=2, has_gpu=False, min_ctx=256,
                         overhead_bytes=200 * MiB, model=ModelFacts.read(tiny))
     g = from_model_dir(tiny)
@@ -261,7 +261,7 @@ def _run_cli(argv, capsys):
 
 def test_plan_cli_prints_plan_prediction_and_best_configs(tiny, tmp_path, capsys):
     import json
-    from tuner.probe.profile import save_profile
+    from tuner.probe.hardware_profile import save_profile
     save_profile(make_profile(), tmp_path / "p.json")
     rc, out, _ = _run_cli(["plan", "--model", "mixtral-8x22b", "--profile", str(tmp_path / "p.json"), "--quant", "int4",
                            "--budget", "48GiB", "--what-if", "disk_bw=7GB/s", "--top", "2"], capsys)
@@ -281,7 +281,7 @@ def test_plan_cli_prints_plan_prediction_and_best_configs(tiny, tmp_path, capsys
     (["--model", "glm-5", "--calibrate", "/"], "no trials.csv"),
 ])
 def test_plan_cli_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
-    from tuner.probe.profile import save_profile
+    from tuner.probe.hardware_profile import save_profile
     save_profile(make_profile(), tmp_path / "p.json")
     rc, out, err = _run_cli(["plan", "--profile", str(tmp_path / "p.json"), *argv], capsys)
     assert rc == 2 and message in err and err.count("\n") == 1
@@ -289,7 +289,7 @@ def test_plan_cli_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, caps
 
 def test_plan_cli_calibrates_a_grid_and_stores_the_factors(tiny, tmp_path, capsys, hw):
     import json
-    from tuner.probe.profile import load_profile, save_profile
+    from tuner.probe.hardware_profile import load_profile, save_profile
     g = from_model_dir(tiny)
     truth = Factors(eta_io=0.5, eta_compute=0.7, overlap=0.4, c_request=1e-4, c_layer=2e-3)
     cond = {"budget": 380 * MiB, "threads": 2, "ctx_size": 256, "tokens": 8, "repeats": 2, "prompt_tokens": 8,
@@ -318,7 +318,7 @@ def test_plan_cli_calibrates_a_grid_and_stores_the_factors(tiny, tmp_path, capsy
 
 def test_narrow_space_keeps_the_curve_region_and_the_baseline(tiny):
     from tuner.costmodel.search import narrow_space
-    from tuner.space import ModelFacts, SearchSpace
+    from tuner.search.space import ModelFacts, SearchSpace
     profile = make_profile()
     # Past 1 MiB the disk gets slower at every queue depth: bigger reads are not searched.
     profile.storage.points = [dataclasses.replace(p, bandwidth=dataclasses.replace(p.bandwidth, value=p.bandwidth.value * 0.3))
@@ -404,8 +404,8 @@ def test_faster_kernels_never_predict_slower():
 @pytest.mark.parametrize("io_threads", [1, 4, 16])
 def test_read_requests_are_the_read_pools_pieces(span, chunk, io_threads):
     """One request per expert span unless it exceeds chunk_size, then min(io_threads, spans /
-    chunk) pieces: exactly what engine/io/pool.py submits (its own splitting, asked directly)."""
-    from engine.io import ReadPool
+    chunk) pieces: exactly what engine/movement/io/pool.py submits (its own splitting, asked directly)."""
+    from engine.movement.io import ReadPool
     from tuner.costmodel.predict import read_requests
     with ReadPool("buffered", io_threads, chunk) as pool:
         pieces = pool._pieces(0, span)
@@ -418,7 +418,7 @@ def test_cold_repeats_keep_lfu_counts_and_replay_the_same_tokens():
     """colibri bench replays one prompt (greedy) in every repeat and empties the cache with
     clear(), which keeps lfu's request counts: a replayed lru repeat hits exactly as often as
     the first, lfu's later repeat hits more (it knows the stream's popular experts)."""
-    from tuner.costmodel.routing import simulate
+    from tuner.costmodel.routing_model import simulate
     routing = synth_skew(16, 64, 8, 1.0)
     kw = dict(prompt_tokens=8, tokens=8, cold=True, replay=True, prelude_tokens=0, seed=3)
     for policy, later_more in (("lru", False), ("lfu", True)):
@@ -437,7 +437,7 @@ def test_cold_repeats_keep_lfu_counts_and_replay_the_same_tokens():
 def test_pinned_keys_from_a_sample_pin_less_of_the_popular_set():
     """The engine pins the hottest experts of one recorded prompt, a sample: ranked by a small
     sample the pins catch fewer of the tokens' experts than ranked by the true popularity."""
-    from tuner.costmodel.routing import simulate
+    from tuner.costmodel.routing_model import simulate
     routing = synth_skew(16, 64, 8, 1.0)
     kw = dict(prompt_tokens=8, tokens=16, repeats=2, cold=True, replay=True, seed=5)
     exact = simulate(routing, 8, 100, "pinned", pinned_from=None, **kw).decode

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import durable
-from engine.durable import DirectoryLock, atomic_write_text, lock_path_for
-from engine.errors import BusyError
+from engine.base import durable
+from engine.base.durable import DirectoryLock, atomic_write_text, lock_path_for
+from engine.base.errors import BusyError
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ["-m", "tuner.cli", "run", "--model", "tiny", "--prompt-tokens", "3", "--max-new-tokens", "2",
@@ -28,7 +28,7 @@ def env(**extra):
 
 def test_atomic_write_is_utf8_whatever_the_locale(tmp_path):
     target = tmp_path / "report.md"
-    code = f"from engine.config import atomic_write_text; atomic_write_text({str(target)!r}, 'caf\\u00e9 \\u2713 \\u4e2d')"
+    code = f"from engine.base.config import atomic_write_text; atomic_write_text({str(target)!r}, 'caf\\u00e9 \\u2713 \\u4e2d')"
     # An ASCII locale with Python's UTF-8 coercion off: open(..., "w") alone would raise here.
     proc = subprocess.run([sys.executable, "-c", code], env=env(LC_ALL="C", LANG="C", PYTHONCOERCECLOCALE="0",
                                                                   PYTHONUTF8="0"),
@@ -141,7 +141,7 @@ def test_two_processes_racing_for_one_preset_both_succeed_on_one_copy(tmp_path):
 
 def test_kill_9_of_the_holder_releases_the_lock(tmp_path):
     out = tmp_path / "model"
-    code = ("import sys; from engine.durable import DirectoryLock\n"
+    code = ("import sys; from engine.base.durable import DirectoryLock\n"
             f"with DirectoryLock({str(out)!r}, 'holding'):\n"
             "    print('locked', flush=True); sys.stdin.read()\n")
     holder = subprocess.Popen([sys.executable, "-c", code], env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,

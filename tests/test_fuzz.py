@@ -30,11 +30,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import synth
-from engine.checkpoint import DTYPES
-from engine.config import EngineConfig
-from engine.errors import ColibriError
-from engine.model import SUPPORTED_TYPES
-from engine.validate import RULES, ROPE_TYPES
+from engine.format.checkpoint import DTYPES
+from engine.base.config import EngineConfig
+from engine.base.errors import ColibriError
+from engine.arch.args import SUPPORTED_TYPES
+from engine.format.validate import RULES, ROPE_TYPES
 from colibri_tiny import RUN_ARGS, TINY, make_tiny, read_header, write_header
 from tuner.cli import main
 
@@ -357,27 +357,27 @@ def _profile_json() -> str:
 
 
 def _routing_json() -> str:
-    from engine.cache import ROUTING_SCHEMA
+    from engine.movement.cache import ROUTING_SCHEMA
     return json.dumps({"schema": ROUTING_SCHEMA, "counts": {"0:1": 3, "1:7": 2}})
 
 
 def _load_profile(path):
-    from tuner.probe.profile import load_profile
+    from tuner.probe.hardware_profile import load_profile
     return load_profile(path)
 
 
 def _load_routing(path):
-    from engine.cache import routing_histogram_load
+    from engine.movement.cache import routing_histogram_load
     return routing_histogram_load(path)
 
 
 def _read_shared_profile(path):
-    from tuner.profiles import read_profile_file
+    from tuner.share.profiles import read_profile_file
     return read_profile_file(path)
 
 
 def _read_probe_for_import(path):
-    from tuner.profiles import _read_probe_json
+    from tuner.share.profiles import _read_probe_json
     return _read_probe_json(Path(path))
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from engine import synth
-from engine.config import EngineConfig
-from engine.errors import ConfigError
-from engine.generate import Sampler, generate
-from engine.runtime import Engine
+from engine.base.config import EngineConfig
+from engine.base.errors import ConfigError
+from engine.run.generate import Sampler, generate
+from engine.run.runtime import Engine
 from tuner.cli import main
 
 from colibri_sync import GUARD_S
@@ -47,7 +47,7 @@ def test_tiny_top_p_is_greedy(engine):
 
 
 def test_sampler_rejects_bad_values():
-    from engine.errors import PromptError
+    from engine.base.errors import PromptError
     with pytest.raises(PromptError):
         Sampler(temperature=-1)
     with pytest.raises(PromptError):

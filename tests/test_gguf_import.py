@@ -1,4 +1,4 @@
-"""GGUF import (engine/gguf/): block math, every supported type on a tiny model, each MoE
+"""GGUF import (engine/format/gguf/): block math, every supported type on a tiny model, each MoE
 architecture against transformers, split files, the tokenizer, resume, and bad files.
 
 The GGUF files are written by tests/gguf_export.py the way llama.cpp's convert_hf_to_gguf.py
@@ -20,14 +20,14 @@ import torch
 from gguf import GGMLQuantizationType as T
 from tokenizers import Tokenizer
 
-import engine.gguf.importer as importer
+import engine.format.gguf.importer as importer
 from engine import synth
-from engine.config import EngineConfig
-from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.generate import Sampler, generate
-from engine.gguf.dequant import dequantize
-from engine.gguf.reader import GGUFModel
-from engine.runtime import Engine
+from engine.base.config import EngineConfig
+from engine.base.errors import ModelFormatError, UnsupportedModelError
+from engine.run.generate import Sampler, generate
+from engine.format.gguf.dequant import dequantize
+from engine.format.gguf.reader import GGUFModel
+from engine.run.runtime import Engine
 from colibri_hf_models import build, hf_greedy, hf_logits
 from gguf_export import export, hf_tensors, kquant_codes, kquant_pack, kquant_values
 from tuner.cli import main as cli_main

@@ -17,9 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import ConfigError, ModelFormatError
-from engine.io import ALIGN, IO_MODES, IOStats, ReadPool, UringPool, open_read_pool, uring_unavailable
+from engine.base.config import EngineConfig
+from engine.base.errors import ConfigError, ModelFormatError
+from engine.movement.io import (
+    ALIGN, IO_MODES, IOStats, ReadPool, UringPool, open_read_pool, uring_unavailable,
+)
+from colibri_requirements import needs
 
 FILE_SIZE = 3 * (1 << 20) + 12345  # not a multiple of the page size: the EOF case matters
 CHUNK_SIZES = (4096, 64 << 10, 1 << 20)
@@ -93,7 +96,7 @@ def make_pool(request, tmp_path):
     """make_pool(io_mode, ...) builds this backend's pool; make_pool.occupy(pool) holds it busy."""
     backend = request.param
     if backend == "uring" and UNAVAILABLE:
-        pytest.skip(f"io_uring unavailable here: {UNAVAILABLE}")
+        pytest.skip(needs("uring", f"io_uring unavailable here: {UNAVAILABLE}"))
 
     def make(io_mode, io_threads=4, chunk_size=4 << 20, stats=None):
         if backend == "uring" and io_mode == "mmap":
@@ -180,7 +183,7 @@ def test_cancelled_before_pickup_is_never_read(data_file, make_pool):
 
 def test_cancelled_read_releases_its_slot(data_file, make_pool):
     """A cancelled read's buffer (an arena slot) is not held by the pool once it is dropped."""
-    from engine.slots import SlotArena
+    from engine.movement.slots import SlotArena
     path, data = data_file
     arena = SlotArena(2 * ALIGN, 1)
     with make_pool("buffered", io_threads=1) as pool:
@@ -407,7 +410,7 @@ def test_close_waits_for_reads_in_flight(tmp_path, make_pool):
 
 # ---- io_uring specifics -------------------------------------------------------------------------
 
-needs_uring = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"io_uring unavailable here: {UNAVAILABLE}")
+needs_uring = pytest.mark.skipif(bool(UNAVAILABLE), reason=needs("uring", f"io_uring unavailable here: {UNAVAILABLE}"))
 
 
 def _fionread(fd: int) -> int:

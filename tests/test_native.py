@@ -6,14 +6,15 @@ import torch
 import torch.nn.functional as F
 
 from engine import native
-from engine.config import EngineConfig
-from engine.generate import Sampler, generate
-from engine.runtime import Engine
+from engine.base.config import EngineConfig
+from engine.run.generate import Sampler, generate
+from engine.run.runtime import Engine
 from colibri_tiny import make_tiny
 from test_streaming import budget_for_cache
+from colibri_requirements import needs
 
 WHY_NOT = native.load()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"native kernels: {WHY_NOT}")
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=needs("native", f"native kernels: {WHY_NOT}"))
 PROMPT = [3, 17, 42, 5, 99, 7]
 
 

@@ -10,9 +10,9 @@ norm, rope, routing normalisation or bias) moves logits by 1e-2 or more.
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.generate import Sampler, generate
-from engine.runtime import Engine
+from engine.base.config import EngineConfig
+from engine.run.generate import Sampler, generate
+from engine.run.runtime import Engine
 from colibri_hf_models import ARCHS, build, hf_greedy, hf_logits
 
 ATOL = 1e-4

@@ -17,15 +17,16 @@ from tuner.cli import main
 from tuner.probe import ProbePlan, format_summary, run_probe
 from tuner.probe import fallback, system
 from tuner.probe.errors import ProbeError
-from tuner.probe.profile import HardwareProfile
+from tuner.probe.hardware_profile import HardwareProfile
 from tuner.probe.storage import (
     KiB, MiB, TEST_FILE_PREFIX, StorageJob, StoragePlan, choose_file_bytes, scratch_file,
     storage_plan)
 
 from colibri_sync import wait_until
+from colibri_requirements import needs
 
 ROOT = Path(__file__).resolve().parent.parent
-needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason=needs("fio", "fio is not installed"))
 
 
 def tiny_plan(min_file_bytes: int = 1 * MiB) -> ProbePlan:
@@ -71,7 +72,7 @@ def check_complete_profile(profile: HardwareProfile, tmp_path: Path, plan: Probe
         {("bf16", 1), ("bf16", 4), ("fp32", 1), ("fp32", 4)}
     assert all(m.throughput.value > 0 for m in profile.cpu_matmul)
     # Expert kernels: every weight format at every shape and row count, through the kernel the
-    # engine picks for it (engine/quant.py) — never silently the bf16 one for a quantized format.
+    # engine picks for it (engine/format/quant.py) — never silently the bf16 one for a quantized format.
     assert {(k.quant, k.m, k.k, k.n) for k in profile.expert_kernels} == \
         {(q, m, 256, 128) for q in ("bf16", "int8", "int4") for m in (1, 2)}
     kernels = {k.quant: k.kernel for k in profile.expert_kernels}

@@ -12,9 +12,10 @@ import pytest
 from tuner.probe import fio
 from tuner.probe.errors import ProbeError
 from tuner.probe.storage import KiB, MiB, StorageJob, scratch_file
+from colibri_requirements import needs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "fio"
-needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason=needs("fio", "fio is not installed"))
 
 CASES = {
     "randread_64k_qd4_io_uring": StorageJob("curve", "randread", 64 * KiB, 4),

@@ -8,10 +8,11 @@ import os
 import pytest
 
 from tuner.probe.errors import ProfileError
-from tuner.probe.profile import (
+from tuner.probe.hardware_profile import (
     SCHEMA_VERSION, CpuInfo, DiskInfo, GpuInfo, HardwareProfile, KernelPoint, MatmulPoint,
-    MemoryBandwidthPoint, MemoryInfo, ProbeRun, Quantity, StoragePoint, StorageResult,
-    SystemInfo, ToolInfo, compute_fingerprint, fingerprint_basis, load_profile, save_profile)
+    MemoryBandwidthPoint, MemoryInfo, ProbeRun, Quantity, StoragePoint, StorageResult, SystemInfo, ToolInfo,
+    compute_fingerprint, fingerprint_basis, load_profile, save_profile,
+)
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB)
@@ -285,7 +286,7 @@ def test_docs_describe_every_field():
 
 
 def test_shared_profile_import_checks_the_expert_kernels_too():
-    from tuner.profile_schema import validate_shared
+    from tuner.share.profile_schema import validate_shared
     data = make_profile(kernels=True).to_dict()
     profile, _, _ = validate_shared(copy.deepcopy(data))
     assert len(profile.expert_kernels) == len(make_profile(kernels=True).expert_kernels)

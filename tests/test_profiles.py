@@ -16,10 +16,11 @@ import pytest
 
 from colibri_tune_fixtures import profile_path  # noqa: F401  (a real probe of this machine, shrunk)
 from report_fixture import GEOMETRY, hardware_profile, make_run
-from tuner import cli, profiles
+from tuner import cli
+from tuner.share import profiles
 from tuner.probe.errors import ProfileError
-from tuner.probe.profile import compute_fingerprint
-from tuner.profile_schema import geometry_hash
+from tuner.probe.hardware_profile import compute_fingerprint
+from tuner.share.profile_schema import geometry_hash
 
 MiB = 1 << 20
 
@@ -190,8 +191,8 @@ def test_include_identity_keeps_it(this_machine_run):
 def test_tune_reads_a_profile_exported_with_identity(this_machine_run, tmp_path):
     """`tune --profile/--from-profile` (and `plan --profile`) accept the identity block: allowed,
     not required, and left out of what the run keeps."""
-    from tuner.calibrate import probe_profile
-    from tuner.outputs import warm_start_entry
+    from tuner.search.preflight import probe_profile
+    from tuner.results.outputs import warm_start_entry
     path = profiles.write_profile_file(profiles.export_profile(this_machine_run, include_identity=True),
                                        tmp_path / "mine.json")
     assert "identity" in json.loads(path.read_text())
@@ -213,7 +214,7 @@ def test_tune_reads_a_profile_exported_with_identity(this_machine_run, tmp_path)
 
 def _refit(d: dict) -> dict:
     """Recompute the fingerprint after a hardware edit, so the edit under test is what fails."""
-    from tuner.probe.profile import GpuInfo, SystemInfo, _decode
+    from tuner.probe.hardware_profile import GpuInfo, SystemInfo, _decode
     system = _decode(SystemInfo, d["system"], "system")
     gpus = [_decode(GpuInfo, g, "gpu") for g in d["gpus"]]
     d["fingerprint"] = compute_fingerprint(system, gpus)
@@ -347,8 +348,8 @@ def test_shipped_profiles_import_strictly_and_identify_no_one(tmp_path, store):
 def test_shipped_profile_carries_fitted_cost_model_factors_through_export_and_import(tmp_path, store, capsys):
     """The shipped profile's `cost_model` (factors fitted on this box's demo study) is what
     `colibri plan --profile` uses, and export → import keeps it unchanged."""
-    from tuner.costmodel.calibrate import factors_from_profile
-    from tuner.probe.profile import load_profile
+    from tuner.costmodel.fit import factors_from_profile
+    from tuner.probe.hardware_profile import load_profile
     path = Path(__file__).resolve().parent.parent / "profiles" / "amd-epyc-virtio-2a91f032.json"
     factors = factors_from_profile(load_profile(path))
     assert factors is not None and factors.eta_io > 0 and factors.c_page_mmap > 0

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine import synth
-from engine.convert import convert
+from engine.format.convert import convert
 from colibri_hf_models import build
-from tuner.quality import measure_quality
+from engine.run.quality import measure_quality
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 40
 
@@ -56,9 +56,9 @@ def test_int4_is_further_from_the_reference_than_int8(models):
 
 def test_kl_matches_a_direct_computation(models):
     """The first scored position's KL, recomputed here from both engines' logits."""
-    from engine.config import EngineConfig
-    from engine.generate import load_tokenizer
-    from engine.runtime import Engine
+    from engine.base.config import EngineConfig
+    from engine.run.generate import load_tokenizer
+    from engine.run.runtime import Engine
     ids = load_tokenizer(models["src"]).encode(TEXT).ids[:64]
     lp = {}
     for q in ("src", "int8"):

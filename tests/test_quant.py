@@ -8,14 +8,16 @@ import sys
 import pytest
 import torch
 
-from engine.checkpoint import Checkpoint
-from engine.config import EngineConfig
-from engine.container import container_spec
-from engine.convert import Converter, convert
-from engine.generate import Sampler, generate
-from engine.quant import (INT4_MID, QuantWeight, dequantize_int4, dequantize_int8, kernel_works, pack_int4,
-                          quantize_int4, quantize_int8, stored_int4_is_native, unpack_int4)
-from engine.runtime import Engine
+from engine.format.checkpoint import Checkpoint
+from engine.base.config import EngineConfig
+from engine.format.container import container_spec
+from engine.format.convert import Converter, convert
+from engine.run.generate import Sampler, generate
+from engine.format.quant import (
+    INT4_MID, QuantWeight, dequantize_int4, dequantize_int8, kernel_works, pack_int4, quantize_int4,
+    quantize_int8, stored_int4_is_native, unpack_int4,
+)
+from engine.run.runtime import Engine
 from test_streaming import PLACEMENTS, budget_for_cache, model_dir  # noqa: F401 (a fixture)
 
 PROMPT = [(5 * i + 11) % 256 for i in range(12)]
@@ -220,7 +222,7 @@ def test_placement_never_changes_tokens_on_containers(containers, container_refe
     model = containers[label]
     hist = tmp_path_factory.getbasetemp() / f"hist-{label}.json"
     if not hist.exists():
-        from engine.bench import run_bench
+        from engine.run.bench import run_bench
         run_bench(model, EngineConfig(threads=1, ctx_size=64), tokens=4, repeats=1, cold=False,
                   record_routing=str(hist))
     config = EngineConfig(threads=1, ctx_size=64, io_threads=2, routing_histogram=str(hist), **placement)

@@ -1,4 +1,4 @@
-"""The read-trace recorder (engine/io/trace.py) and its fio replay (benchmarks/trace_bound.py)."""
+"""The read-trace recorder (engine/movement/io/trace.py) and its fio replay (benchmarks/trace_bound.py)."""
 
 import json
 import os
@@ -9,15 +9,16 @@ import sys
 import psutil
 import pytest
 
-import engine.io.trace as trace_mod
+import engine.movement.io.trace as trace_mod
 from benchmarks.trace_bound import IOLOG_HEADER, iolog_bytes, job_iologs, outstanding_fraction, replay, split_window
-from engine.bench import run_bench
-from engine.config import EngineConfig
-from engine.io import ReadPool
-from engine.io.trace import read_trace, write_trace
-from engine.plan import ACTIVATION_MARGIN
-from engine.runtime import Engine
+from engine.run.bench import run_bench
+from engine.base.config import EngineConfig
+from engine.movement.io import ReadPool
+from engine.movement.io.trace import read_trace, write_trace
+from engine.movement.plan import ACTIVATION_MARGIN
+from engine.run.runtime import Engine
 from colibri_hf_models import build
+from colibri_requirements import needs
 
 LAYERS = 3
 FIO = shutil.which("fio")
@@ -112,7 +113,7 @@ def test_iologs_are_fio_v3_lines(tmp_path):
         assert sorted({int(r[0]) for r in reads}) == [1 + 10_000, 1 + 20_000]
 
 
-@pytest.mark.skipif(FIO is None, reason="fio is not installed (scripts/setup.sh installs it)")
+@pytest.mark.skipif(FIO is None, reason=needs("fio", "fio is not installed (scripts/setup.sh installs it)"))
 @pytest.mark.parametrize("no_stall", [False, True])
 def test_fio_replays_the_iologs(tmp_path, no_stall):
     f = tmp_path / "weights.bin"

@@ -99,7 +99,7 @@ def test_compare_needs_two_inputs_and_a_result(tmp_path, capsys):
 
 
 def test_model_filter_picks_a_profiles_entries(tmp_path, capsys):
-    from tuner.probe.profile import HardwareProfile
+    from tuner.probe.hardware_profile import HardwareProfile
     first = tmp_path / "first.json"
     export(make_run(tmp_path / "a"), first)
     prof = HardwareProfile.from_dict(json.loads(first.read_text()))  # carries tiny's entry

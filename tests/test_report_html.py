@@ -14,8 +14,9 @@ import pytest
 
 from report_fixture import TRIALS, make_run
 from tuner import cli
-from tuner.browser import check_page, find_chromium, render_png
-from tuner.report_html import write_reports
+from tuner.results.browser import check_page, find_chromium, render_png
+from tuner.results.report_html import write_reports
+from colibri_requirements import needs
 
 SECTIONS = ("Hardware", "Recommended against the baseline", "Memory plan", "Optimization history",
             "Parameter importance", "Decode speed against each setting", "TTFT against decode speed",
@@ -99,9 +100,10 @@ def test_cli_report_and_bad_run_dir(run_dir, tmp_path, capsys):
 
 # --- in a browser ---------------------------------------------------------------------------
 
-# CI (.ci/run) sets COLIBRI_REQUIRE_CHROMIUM: there a missing browser fails instead of skipping.
-needs_chromium = pytest.mark.skipif(find_chromium() is None and not os.environ.get("COLIBRI_REQUIRE_CHROMIUM"),
-                                    reason="chromium not installed (scripts/setup.sh installs it for CI)")
+# CI (.ci/run) sets COLIBRI_REQUIRE_CHROMIUM: there a missing browser fails instead of skipping
+# (tests/colibri_requirements.py).
+needs_chromium = pytest.mark.skipif(find_chromium() is None,
+                                    reason=needs("chromium", "chromium not installed (scripts/setup.sh installs it for CI)"))
 
 
 @needs_chromium
@@ -153,7 +155,7 @@ def test_memory_plan_labels_only_segments_they_fit():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from tuner.report_plots import _drop_overflowing
+    from tuner.results.report_plots import _drop_overflowing
 
     fig, ax = plt.subplots(figsize=(8, 2))
     ax.set_xlim(0, 1)
@@ -167,7 +169,7 @@ def test_memory_plan_labels_only_segments_they_fit():
 
 
 def test_one_word_cells_do_not_break_at_hyphens():
-    from tuner.html_page import table
+    from tuner.results.html_page import table
     html = table(["quant", "config"], [["int4-g64", "chunk 1.0 MiB, prefetch 0"]])
     assert "<td class='word'>int4-g64</td>" in html
     assert "<td>chunk 1.0 MiB, prefetch 0</td>" in html

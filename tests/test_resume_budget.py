@@ -10,9 +10,9 @@ from pathlib import Path
 
 import psutil
 
-from engine.config import size_label
-from tuner.run_record import read_run_record
-from tuner.study import TuneOptions, default_budget, run_tune
+from engine.base.config import size_label
+from tuner.search.run_record import read_run_record
+from tuner.search.study import TuneOptions, default_budget, run_tune
 
 from colibri_sync import completed_trials, wait_until
 from colibri_tune_fixtures import ROOT, SMALL_CTX, model_dir, profile_path  # noqa: F401

@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Each opener imports everything, says so, then waits on its stdin: released together, they all
 # start creating the tables at the same moment.
-OPENER = ("import sys; from tuner.storage import open_storage; url = sys.argv[1]; print('ready', flush=True); "
+OPENER = ("import sys; from tuner.search.study_storage import open_storage; url = sys.argv[1]; print('ready', flush=True); "
           "sys.stdin.read(2); open_storage(url, shared=False); print('ok', flush=True)")
 
 

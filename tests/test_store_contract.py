@@ -1,6 +1,6 @@
 """Conformance suite for the ExpertStore contract, run over every store and every I/O mode.
 
-The model only ever talks to its weights through this contract (engine/store.py), so what is
+The model only ever talks to its weights through this contract (engine/movement/store.py), so what is
 checked here is what every placement must give it: the exact checkpoint tensors, each asked-for
 expert exactly once, reads that never outlive clear_caches, and a budget that holds.
 """
@@ -11,15 +11,15 @@ import psutil
 import pytest
 import torch
 
-from engine.checkpoint import Checkpoint
-from engine.config import EngineConfig
-from engine.generate import Sampler, generate
-from engine.layout import ExpertLayout
-from engine.model import ModelArgs, dense_tensor_names, expert_tensor_names, fused_expert_tensor_names
-from engine.plan import ACTIVATION_MARGIN, make_plan
-from engine.runtime import Engine
-from engine.store import ExpertStore, ResidentExperts
-from engine.streaming import StreamingExperts, StreamingLayers
+from engine.format.checkpoint import Checkpoint
+from engine.base.config import EngineConfig
+from engine.run.generate import Sampler, generate
+from engine.format.layout import ExpertLayout
+from engine.arch.args import ModelArgs, dense_tensor_names, expert_tensor_names, fused_expert_tensor_names
+from engine.movement.plan import ACTIVATION_MARGIN, make_plan
+from engine.run.runtime import Engine
+from engine.movement.store import ExpertStore, ResidentExperts
+from engine.movement.streaming import StreamingExperts, StreamingLayers
 from colibri_hf_models import build
 
 IO_MODES = ("direct", "buffered", "mmap")

@@ -7,17 +7,18 @@ import os
 import psutil
 import pytest
 
-from engine.bench import run_bench
-from engine.checkpoint import Checkpoint
-from engine.config import EngineConfig
-from engine.errors import BudgetError, ModelFormatError
-from engine.generate import Sampler, generate
-from engine.io import uring_unavailable
-from engine.layout import ExpertLayout
-from engine.model import ModelArgs
-from engine.plan import ACTIVATION_MARGIN, make_plan
-from engine.runtime import Engine
+from engine.run.bench import run_bench
+from engine.format.checkpoint import Checkpoint
+from engine.base.config import EngineConfig
+from engine.base.errors import BudgetError, ModelFormatError
+from engine.run.generate import Sampler, generate
+from engine.movement.io import uring_unavailable
+from engine.format.layout import ExpertLayout
+from engine.arch.args import ModelArgs
+from engine.movement.plan import ACTIVATION_MARGIN, make_plan
+from engine.run.runtime import Engine
 from colibri_hf_models import build
+from colibri_requirements import needs
 
 PROMPT = [(5 * i + 11) % 256 for i in range(12)]
 NEW_TOKENS = 8
@@ -164,7 +165,7 @@ def test_hostile_offsets_rejected_before_any_read(model_dir, tmp_path):
 
 def test_bench_under_cgroup_limit_stays_in_budget(model_dir):
     from tuner.sandbox import detect_memory_cgroup
-    from tuner.trial import run_trial
+    from tuner.search.trial import run_trial
     budget = 480 << 20
     config = EngineConfig(threads=1, ctx_size=64, ram_budget=budget, io_mode="buffered", cpu_cache_ratio=0.5)
     trial = run_trial(model_dir, config, tokens=4, repeats=2, cold=True, limit_bytes=budget, timeout=120)
@@ -225,7 +226,7 @@ def test_dense_layer_streaming_keeps_tokens(dense_dir, io_mode, prefetch):
     assert 2 * NEW_TOKENS <= reads <= 2 * NEW_TOKENS + prefetch
 
 
-@pytest.mark.skipif(bool(uring_unavailable()), reason=f"io_uring unavailable here: {uring_unavailable()}")
+@pytest.mark.skipif(bool(uring_unavailable()), reason=needs("uring", f"io_uring unavailable here: {uring_unavailable()}"))
 @pytest.mark.parametrize("io_mode,chunk_size,prefetch", [("direct", 4096, 0), ("direct", 1 << 20, 1),
                                                           ("buffered", 65536, 2)])
 def test_uring_backend_keeps_tokens(model_dir, reference_tokens, io_mode, chunk_size, prefetch):

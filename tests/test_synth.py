@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import synth
-from engine.errors import ConfigError
-from engine.safetensors_writer import DATA_ALIGN, ShardWriter, read_header
+from engine.base.errors import ConfigError
+from engine.format.safetensors_writer import DATA_ALIGN, ShardWriter, read_header
 
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
@@ -91,7 +91,7 @@ def test_expert_matrices_are_adjacent_and_data_aligned(tiny_dir):
 
 
 def test_shard_writer_refuses_a_header_that_would_lie(tmp_path):
-    from engine.safetensors_writer import TensorSpec
+    from engine.format.safetensors_writer import TensorSpec
     specs = [TensorSpec("a", (2, 2), "float32"), TensorSpec("b", (3,), "bfloat16")]
     with pytest.raises(ValueError, match="expected a"):
         with ShardWriter(tmp_path / "x.safetensors", specs) as w:
@@ -154,7 +154,7 @@ def test_failed_force_keeps_the_old_model(tmp_path, monkeypatch, tiny_dir):
     def boom(self, t):
         raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(synth._Recipe, "values", boom)
+    monkeypatch.setattr(synth.Recipe, "values", boom)
     with pytest.raises(RuntimeError):
         synth.synthesize(synth.load_preset("tiny"), dest, seed=5, force=True, progress=False)
     assert _tree_digest(dest) == before

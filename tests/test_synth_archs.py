@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from engine import synth
-from engine.config import EngineConfig
-from engine.errors import ConfigError
-from engine.generate import Sampler, generate
-from engine.runtime import Engine
+from engine.base.config import EngineConfig
+from engine.base.errors import ConfigError
+from engine.run.generate import Sampler, generate
+from engine.run.runtime import Engine
 from colibri_hf_models import hf_greedy, hf_logits
 
 ATOL = 1e-4
@@ -58,7 +58,7 @@ def test_gpt_oss_mxfp4_synth_writes_published_layout(tmp_path):
     index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in index
     assert "model.layers.0.mlp.experts.gate_up_proj" not in index
-    from engine.checkpoint import Checkpoint
+    from engine.format.checkpoint import Checkpoint
     info = Checkpoint(d).info("model.layers.0.mlp.experts.down_proj_scales")
     assert info.dtype == "U8" and info.shape == (8, 64, 2)
 

@@ -13,11 +13,12 @@ import time
 import psutil
 import pytest
 
-from engine.config import EngineConfig
+from engine.base.config import EngineConfig
 from tuner.sandbox import detect_memory_cgroup
-from tuner.trial import run_trial
+from tuner.search.trial import run_trial
 
 from colibri_tune_fixtures import MiB, model_dir  # noqa: F401
+from colibri_requirements import needs
 
 QUICK = dict(tokens=2, repeats=1, prompt_tokens=4, cold=False)
 SMALL = EngineConfig(ctx_size=64)
@@ -62,7 +63,7 @@ def test_timeout(model_dir):
 def test_oom_killed_comes_from_the_cgroups_own_counter(model_dir):
     support = detect_memory_cgroup()
     if not support.available:
-        pytest.skip(f"an OOM kill needs a memory cgroup; here: {support.reason}")
+        pytest.skip(needs("cgroup", f"an OOM kill needs a memory cgroup; here: {support.reason}"))
     res = run_trial(model_dir, SMALL, limit_bytes=64 * MiB, timeout=300, **QUICK)  # python + torch need more
     assert res.status == "oom_killed", res
     assert res.signal == "SIGKILL" and res.cgroup_limited
@@ -99,7 +100,7 @@ def test_peak_rss_is_the_trial_process_own_not_its_parents():
     import sys
     from colibri_tune_fixtures import ROOT
     hog = b"\x01" * (1024 * MiB)  # this process: over 1 GiB resident
-    child = subprocess.run([sys.executable, "-c", "from engine.metrics import peak_rss_bytes; print(peak_rss_bytes())"],
+    child = subprocess.run([sys.executable, "-c", "from engine.run.metrics import peak_rss_bytes; print(peak_rss_bytes())"],
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
     del hog
     assert child.returncode == 0, child.stderr
@@ -110,8 +111,8 @@ def test_peak_rss_is_the_trial_process_own_not_its_parents():
 # measures): its `bench` has no --outcome and prints its JSON on stdout. Its engine is this one.
 OLD_CLI = '''
 import argparse, json, sys
-from engine.bench import run_bench
-from engine.config import EngineConfig
+from engine.run.bench import run_bench
+from engine.base.config import EngineConfig
 
 p = argparse.ArgumentParser(prog="colibri")
 sub = p.add_subparsers(dest="cmd", required=True)
@@ -136,7 +137,7 @@ print(json.dumps(r, default=str))
 
 @pytest.fixture
 def old_tree(tmp_path, monkeypatch):
-    from tuner.trial import THIS_TREE, bench_takes_outcome
+    from tuner.search.trial import THIS_TREE, bench_takes_outcome
     tree = tmp_path / "old"
     (tree / "tuner").mkdir(parents=True)
     (tree / "tuner" / "__init__.py").write_text("")
@@ -149,7 +150,7 @@ def old_tree(tmp_path, monkeypatch):
 
 
 def test_a_tree_without_outcome_records_is_not_passed_the_flag(model_dir, old_tree):
-    from tuner.trial import bench_takes_outcome
+    from tuner.search.trial import bench_takes_outcome
     assert not bench_takes_outcome(str(old_tree), os.environ["PYTHONPATH"])
     res = run_trial(model_dir, SMALL, timeout=300, **QUICK)  # the old argparse would exit 2 on --outcome
     assert res.status == "ok", res
@@ -159,5 +160,5 @@ def test_a_tree_without_outcome_records_is_not_passed_the_flag(model_dir, old_tr
 
 
 def test_this_tree_takes_outcome_without_asking():
-    from tuner.trial import THIS_TREE, bench_takes_outcome
+    from tuner.search.trial import THIS_TREE, bench_takes_outcome
     assert bench_takes_outcome(str(THIS_TREE), "")

@@ -22,16 +22,17 @@ import psutil
 import pytest
 from optuna.trial import TrialState
 
-from engine.config import EngineConfig
-from engine.errors import BudgetError, ConfigError, ModelFormatError
+from engine.base.config import EngineConfig
+from engine.base.errors import BudgetError, ConfigError, ModelFormatError
 from tuner import cli
-from tuner.result import TuneResult
+from tuner.results.result import TuneResult
 from tuner.sandbox import detect_memory_cgroup
-from tuner.space import CHUNK_SIZES, IO_THREADS, SearchSpace
-from tuner.study import TuneOptions, parse_duration, redact_url, run_tune
+from tuner.search.space import CHUNK_SIZES, IO_THREADS, SearchSpace
+from tuner.search.study import TuneOptions, parse_duration, redact_url, run_tune
 
 from colibri_sync import completed_trials, wait_until
 from colibri_tune_fixtures import BUDGET, MIN_CTX, MiB, ROOT, SMALL_CTX, model_dir, profile_path  # noqa: F401
+from colibri_requirements import needs
 
 
 def options(model_dir, profile_path, out, **kw) -> TuneOptions:
@@ -244,7 +245,7 @@ def test_oom_trials_are_infeasible_and_the_study_goes_on(tuned, model_dir, profi
     # Checked here, not at collection: detecting a cgroup makes (and removes) a child cgroup.
     support = detect_memory_cgroup()
     if not support.available:
-        pytest.skip(f"an OOM kill needs the trials in a memory cgroup; here: {support.reason}")
+        pytest.skip(needs("cgroup", f"an OOM kill needs the trials in a memory cgroup; here: {support.reason}"))
     out = tmp_path / "run"
     reuse_calibration(tuned.out_dir, out)
     # 64 MiB cannot hold python + torch: every trial is OOM-killed inside its cgroup.
@@ -346,7 +347,7 @@ def _rounded(params: dict) -> dict:
 
 
 def test_precheck_uses_the_engine_memory_plan(model_dir):
-    from tuner.space import ModelFacts
+    from tuner.search.space import ModelFacts
     space = SearchSpace(budget=BUDGET, physical_cores=1, logical_cores=1, has_gpu=False, min_ctx=MIN_CTX,
                         model=ModelFacts.read(model_dir), overhead_bytes=300 * MiB)
     fits, overshoot, _ = space.precheck(space.baseline())
@@ -363,5 +364,5 @@ def test_helpers():
         parse_duration("soon")
     assert redact_url("postgresql://bob:pw@host:5432/db") == "postgresql://bob:***@host:5432/db"
     with pytest.raises(ModelFormatError):
-        from engine.resolve import resolve_model
+        from engine.run.resolve import resolve_model
         resolve_model("no-such-preset")

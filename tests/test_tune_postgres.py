@@ -21,6 +21,7 @@ import pytest
 from optuna.trial import TrialState
 
 from colibri_tune_fixtures import MIN_CTX, ROOT, model_dir, profile_path  # noqa: F401  (fixtures)
+from colibri_requirements import needs
 
 pytestmark = pytest.mark.postgres
 PORT = "5439"
@@ -48,16 +49,16 @@ def postgres_url():
     try:
         import psycopg2
     except ImportError:
-        pytest.skip("psycopg2 is not installed (pip install 'colibri-tune[postgres]')")
+        pytest.skip(needs("postgres", "psycopg2 is not installed (pip install 'colibri-tune[postgres]')"))
     bindir = _pg_bin()
     if bindir is None:
-        pytest.skip("PostgreSQL server binaries not found (apt-get install postgresql)")
+        pytest.skip(needs("postgres", "PostgreSQL server binaries not found (apt-get install postgresql)"))
     if os.geteuid() == 0:
         import pwd
         try:
             pw = pwd.getpwnam("postgres")
         except KeyError:
-            pytest.skip("running as root and there is no 'postgres' user to run the server as")
+            pytest.skip(needs("postgres", "running as root and there is no 'postgres' user to run the server as"))
     base = Path(tempfile.mkdtemp(prefix="colibri-pg-"))
     data, log = base / "data", base / "server.log"
     if os.geteuid() == 0:
@@ -67,13 +68,13 @@ def postgres_url():
         init = subprocess.run(_as_db_user([str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",
                                            "--no-sync"]), capture_output=True, text=True, timeout=120)
         if init.returncode != 0:
-            pytest.skip(f"initdb failed: {(init.stderr or init.stdout).strip().splitlines()[-1:]}")
+            pytest.skip(needs("postgres", f"initdb failed: {(init.stderr or init.stdout).strip().splitlines()[-1:]}"))
         opts = f"-k {base} -c listen_addresses='' -p {PORT} -c fsync=off"
         start = subprocess.run(_as_db_user([str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", opts,
                                             "-w", "-t", "60", "start"]), capture_output=True, text=True, timeout=90)
         if start.returncode != 0:
             tail = log.read_text()[-300:] if log.exists() else start.stderr
-            pytest.skip(f"PostgreSQL did not start: {tail.strip()}")
+            pytest.skip(needs("postgres", f"PostgreSQL did not start: {tail.strip()}"))
         started = True
         conn = psycopg2.connect(dbname="postgres", user="postgres", host=str(base), port=PORT)
         conn.autocommit = True

@@ -14,11 +14,12 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from tuner import cli, profiles
-from tuner.printers import kl_text
-from tuner.quant_tune import QuantTuneOptions, parse_levels, run_quant_tune
-from tuner.result import TuneResult
-from tuner.study import TuneOptions
+from tuner import cli
+from tuner.share import profiles
+from tuner.results.printers import kl_text
+from tuner.search.quant_tune import QuantTuneOptions, parse_levels, run_quant_tune
+from tuner.results.result import TuneResult
+from tuner.search.study import TuneOptions
 
 from colibri_tune_fixtures import BUDGET, ROOT, SMALL_CTX, MiB, profile_path  # noqa: F401
 
@@ -182,9 +183,9 @@ def test_a_later_session_naming_one_level_keeps_the_others(tuned, resumed, bf16_
 
 def test_an_interrupted_conversion_resumes(bf16_model, cache, tmp_path):
     """ensure_container converts into the cache; after an interrupt it keeps finished shards."""
-    from engine.container import QuantSpec
-    from engine.convert import Converter, convert
-    from tuner import quant_cache
+    from engine.format.container import QuantSpec
+    from engine.format.convert import Converter, convert
+    from tuner.search import quant_cache
     level = parse_levels("int4-g32")[0]
     fingerprint = Converter(bf16_model, QuantSpec("int4", 32, "experts")).fingerprint
     dst = quant_cache.container_dir(bf16_model, fingerprint, "int4-g32")

@@ -13,13 +13,13 @@ import pytest
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import create_trial
 
-from engine.config import EngineConfig
-from engine.progress import Progress
-from tuner import confirm, objective
-from tuner.budget import TimeBudget
-from tuner.printers import csv_text, fmt, markdown_table, pct, text_table
-from tuner.result import ResultError, RunSummary, TrialRecord, TrialResult, TuneResult, is_feasible
-from tuner.schema import render, schema_documents
+from engine.base.config import EngineConfig
+from engine.base.progress import Progress
+from tuner.search import confirm, objective
+from tuner.search.budget import TimeBudget
+from tuner.results.printers import csv_text, fmt, markdown_table, pct, text_table
+from tuner.results.result import ResultError, RunSummary, TrialRecord, TrialResult, TuneResult, is_feasible
+from tuner.results.schema import render, schema_documents
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -159,7 +159,7 @@ def test_time_budget_keeps_room_for_the_confirmation_round():
 def test_published_json_schemas_are_current():
     for name, doc in schema_documents().items():
         path = ROOT / "docs" / "schema" / name
-        assert path.read_text() == render(doc), f"{path} is stale: run python -m tuner.schema"
+        assert path.read_text() == render(doc), f"{path} is stale: run python -m tuner.results.schema"
 
 
 def test_tune_result_loader_is_strict():
@@ -176,7 +176,7 @@ def test_tune_result_loader_is_strict():
 def test_a_stored_v1_result_is_read_migrated(tmp_path):
     """tests/fixtures/tune-v1/result.json is a real colibri.tune/1 file of a demo run, written
     before Figures.unconfirmed and RunFigures.prefill_tok_s (and others) existed."""
-    from tuner.rundir import open_run
+    from tuner.results.rundir import open_run
     stored = json.loads((ROOT / "tests" / "fixtures" / "tune-v1" / "result.json").read_text())
     assert stored["schema"] == "colibri.tune/1" and "unconfirmed" not in stored["recommended"]["confirmed"]
     assert "prefill_tok_s" not in stored["recommended"]["runs"][0] and "quant" not in stored
@@ -247,8 +247,8 @@ def test_progress_into_a_pipe_is_a_few_whole_lines():
 
 
 def test_study_settings_refuse_another_setup(tmp_path):
-    from engine.errors import ConfigError
-    from tuner import storage
+    from engine.base.errors import ConfigError
+    from tuner.search import study_storage as storage
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", study_name="s")
     storage.check_settings(study, {"budget": 1, "seed": 0})
     storage.check_settings(study, {"budget": 1, "seed": 5})  # another seed joins the same study

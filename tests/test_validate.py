@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 
-from engine import tensor_checks
-from engine.checkpoint import MAX_HEADER_BYTES, TensorInfo
-from engine.errors import ModelFormatError
-from engine.model import SUPPORTED_TYPES
-from engine.validate import RULES, Consistent, Int, config_problems, validate_config
+from engine.format import tensor_checks
+from engine.format.checkpoint import MAX_HEADER_BYTES, TensorInfo
+from engine.base.errors import ModelFormatError
+from engine.arch.args import SUPPORTED_TYPES
+from engine.format.validate import RULES, Consistent, Int, config_problems, validate_config
 from colibri_tiny import RUN_ARGS, make_tiny, read_header, write_header
 from tuner.cli import main
 

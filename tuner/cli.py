@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.errors import ColibriError
+from engine.base.errors import ColibriError
 from tuner.commands.machine import add_plan, add_probe
 from tuner.commands.quant import add_convert, add_quality
 from tuner.commands.results import add_compare, add_profile, add_report
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except BaseException as exc:
         if getattr(args, "outcome", None):  # a trial process: the tuner reads how it ended from here
-            from tuner.outcome import outcome_of_exception, write_outcome
+            from tuner.search.outcome import outcome_of_exception, write_outcome
             write_outcome(args.outcome, outcome_of_exception(exc))
         if isinstance(exc, ColibriError):
             print(f"colibri {args.command}: error: {exc}", file=sys.stderr)

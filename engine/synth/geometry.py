@@ -10,13 +10,13 @@ import math
 import os
 from pathlib import Path
 
-from engine import synth_archs
-from engine.dtypes import FLOAT_NAMES
-# The tokenizer (engine/bpe_tokenizer.py): 256 byte tokens, <|endoftext|> at 256, then BPE merges.
-from engine.bpe_tokenizer import EOS_TOKEN, EOS_TOKEN_ID, MIN_VOCAB  # noqa: F401  (re-exported)
-from engine.errors import ConfigError, ModelFormatError
-from engine.jsonlimits import loads_limited
-from engine.validate import validate_config
+from engine.synth import arch_writers as synth_archs
+from engine.base.dtypes import FLOAT_NAMES
+# The tokenizer (engine/synth/bpe_tokenizer.py): 256 byte tokens, <|endoftext|> at 256, then BPE merges.
+from engine.synth.bpe_tokenizer import EOS_TOKEN, EOS_TOKEN_ID, MIN_VOCAB  # noqa: F401  (re-exported)
+from engine.base.errors import ConfigError, ModelFormatError
+from engine.base.jsonlimits import loads_limited
+from engine.format.validate import validate_config
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 

@@ -1,5 +1,5 @@
 """The Hugging Face side files of a synthetic model: config.json, generation_config.json and a
-byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json, trained by engine/bpe_tokenizer.py).
+byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json, trained by engine/synth/bpe_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from engine.synth.recipe import SYNTH_VERSION
 
 def hf_config(g: dict, seed: int, skew: float) -> dict:
     """config.json as transformers' Qwen3MoeConfig writes it, readable by transformers 4.x and 5.x."""
-    from engine import synth_archs
+    from engine.synth import arch_writers as synth_archs
     if g["model_type"] in synth_archs.ARCH_TYPES:
         return synth_archs.hf_config(g, seed, skew)
     return {
@@ -63,8 +63,8 @@ def hf_config(g: dict, seed: int, skew: float) -> dict:
 
 
 def _write_tokenizer(dir_: Path, g: dict) -> None:
-    from engine.bpe_tokenizer import build_tokenizer, tokenizer_config
-    from engine.safetensors_writer import write_json_atomic
+    from engine.synth.bpe_tokenizer import build_tokenizer, tokenizer_config
+    from engine.format.safetensors_writer import write_json_atomic
     tok = build_tokenizer(g["vocab_size"])
     tmp = dir_ / f".tokenizer.json.tmp-{os.getpid()}"
     tok.save(str(tmp), pretty=False)
@@ -73,7 +73,7 @@ def _write_tokenizer(dir_: Path, g: dict) -> None:
 
 
 def write_side_files(dir_: Path, g: dict, seed: int, skew: float) -> None:
-    from engine.safetensors_writer import write_json_atomic
+    from engine.format.safetensors_writer import write_json_atomic
     write_json_atomic(dir_ / "config.json", hf_config(g, seed, skew))
     write_json_atomic(dir_ / "generation_config.json", {
         "bos_token_id": None, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": None, "do_sample": False,

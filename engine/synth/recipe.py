@@ -49,7 +49,7 @@ def tensor_plan(g: dict) -> list[list[PlannedTensor]]:
     An expert's gate, up and down projections form one unit so they are adjacent on disk and
     the streaming engine can read an expert with a single request.
     """
-    from engine import synth_archs
+    from engine.synth import arch_writers as synth_archs
     if g["model_type"] in synth_archs.ARCH_TYPES:
         return synth_archs.tensor_plan(g)
     H, L = g["hidden_size"], g["num_hidden_layers"]
@@ -90,7 +90,7 @@ def _seed_for(seed: int, key: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-class _Recipe:
+class Recipe:
     """Values of each tensor as a float32 torch tensor, a pure function of (geometry, seed, skew, name)."""
 
     def __init__(self, g: dict, seed: int, skew: float):

@@ -11,13 +11,13 @@ import os
 import shutil
 from pathlib import Path
 
-from engine import synth_archs
-from engine.dtypes import ITEMSIZE
-from engine.durable import DirectoryLock, fsync_dir
-from engine.errors import ConfigError
+from engine.synth import arch_writers as synth_archs
+from engine.base.dtypes import ITEMSIZE
+from engine.base.durable import DirectoryLock, fsync_dir
+from engine.base.errors import ConfigError
 from engine.synth.geometry import validate_geometry
 from engine.synth.hf_files import write_side_files
-from engine.synth.recipe import PlannedTensor, _Recipe, tensor_plan
+from engine.synth.recipe import PlannedTensor, Recipe, tensor_plan
 
 
 def plan_shards(units: list[list[PlannedTensor]], dtype: str, max_shard_size: int) -> list[list[PlannedTensor]]:
@@ -55,7 +55,7 @@ def synthesize(
     routing_skew None takes the geometry's own default (the presets' calibrated value).
     Refuses an existing non-empty out_dir unless force (then it is replaced only once the new
     model is complete). A second process synthesizing into the same out_dir waits for the first
-    (engine/durable.py DirectoryLock) and then finds the directory non-empty.
+    (engine/base/durable.py DirectoryLock) and then finds the directory non-empty.
     """
     name = geometry.get("name", "custom") if isinstance(geometry, dict) else "custom"
     with DirectoryLock(out_dir, f"synthesizing {name}"):
@@ -64,8 +64,8 @@ def synthesize(
 
 def _synthesize(geometry: dict, out_dir, seed: int, routing_skew: float | None, progress: bool,
                 force: bool) -> Path:
-    from engine.progress import Progress
-    from engine.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
+    from engine.base.progress import Progress
+    from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 
     g = validate_geometry(geometry)
     skew = g["routing_skew"] if routing_skew is None else routing_skew
@@ -104,7 +104,7 @@ def _synthesize(geometry: dict, out_dir, seed: int, routing_skew: float | None, 
     torch.set_num_threads(1)
     try:
         recipe = (synth_archs.make_recipe(g, seed, skew) if g["model_type"] in synth_archs.ARCH_TYPES
-                  else _Recipe(g, seed, skew))
+                  else Recipe(g, seed, skew))
         n = len(shards)
         names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map: dict[str, str] = {}
@@ -157,7 +157,7 @@ def summarize(model_dir: str | os.PathLike) -> dict:
     index = d / "model.safetensors.index.json"
     tensors = len(json.loads(index.read_text())["weight_map"]) if index.exists() else None
     if tensors is None:
-        from engine.safetensors_writer import read_header
+        from engine.format.safetensors_writer import read_header
         tensors = len(read_header(shards[0])) if shards else 0
     return {
         "path": str(d),

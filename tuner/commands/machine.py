@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from tuner.printers import print_json as _print_json
+from tuner.results.printers import print_json as _print_json
 
 
 def add_probe(sub) -> None:
@@ -22,7 +22,7 @@ def add_probe(sub) -> None:
 
 
 def cmd_probe(args) -> int:
-    from engine.progress import Progress
+    from engine.base.progress import Progress
     from tuner.probe import format_summary, run_probe, save_profile
 
     with Progress(desc="probe", unit="step") as bar:
@@ -39,7 +39,7 @@ def cmd_probe(args) -> int:
 
 
 def add_plan(sub) -> None:
-    from tuner.costmodel.command import add_plan_arguments
+    from tuner.costmodel.plan_command import add_plan_arguments
     p = sub.add_parser("plan", help="predict the memory plan, speed and bottleneck of a model on a profile; "
                                     "calibrate the prediction on a tune run")
     add_plan_arguments(p)
@@ -47,7 +47,7 @@ def add_plan(sub) -> None:
 
 
 def cmd_plan(args) -> int:
-    from tuner.costmodel.command import format_plan, run_plan
+    from tuner.costmodel.plan_command import format_plan, run_plan
     result = run_plan(args)
     if args.json:
         _print_json(result)

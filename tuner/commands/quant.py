@@ -6,8 +6,8 @@ import sys
 import time
 from pathlib import Path
 
-from engine.gguf import is_gguf
-from tuner.printers import print_json as _print_json
+from engine.format.gguf import is_gguf
+from tuner.results.printers import print_json as _print_json
 
 
 def add_convert(sub) -> None:
@@ -29,9 +29,9 @@ def add_convert(sub) -> None:
 
 
 def cmd_convert(args) -> int:
-    from engine.convert import convert
-    from engine.resolve import resolve_model
-    from tuner.printers import convert_progress
+    from engine.format.convert import convert
+    from engine.run.resolve import resolve_model
+    from tuner.results.printers import convert_progress
 
     import torch
     torch.set_num_threads(max(args.threads, 1))
@@ -53,8 +53,8 @@ def cmd_convert(args) -> int:
 
 def _convert_gguf(args, t0: float) -> int:
     # Imported here like the commands above: the CLI starts without loading gguf-py and torch.
-    from engine.gguf.importer import import_and_convert
-    from tuner.printers import convert_progress
+    from engine.format.gguf.importer import import_and_convert
+    from tuner.results.printers import convert_progress
 
     summary = import_and_convert(args.src, args.out, args.quant, args.group_size, args.scope, force=args.force,
                                  progress=convert_progress(not args.json))
@@ -88,8 +88,8 @@ def add_quality(sub) -> None:
 
 
 def cmd_quality(args) -> int:
-    from tuner.printers import quality_progress
-    from tuner.quality import format_quality, measure_quality
+    from tuner.results.printers import quality_progress
+    from engine.run.quality import format_quality, measure_quality
 
     r = measure_quality(args.model, args.reference, tokens=args.tokens, ctx=args.ctx, text_file=args.text,
                         dtype=args.dtype, threads=args.threads,

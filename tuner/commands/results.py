@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from tuner.printers import print_json as _print_json
+from tuner.results.printers import print_json as _print_json
 
 
 def add_report(sub) -> None:
@@ -17,7 +17,7 @@ def add_report(sub) -> None:
 
 
 def cmd_report(args) -> int:
-    from tuner.report_html import write_reports
+    from tuner.results.report_html import write_reports
     files = write_reports(args.run_dir, storage=args.storage)
     if args.json:
         _print_json({k: str(v) for k, v in files.items()})
@@ -55,8 +55,8 @@ def add_profile(sub) -> None:
 
 
 def cmd_profile(args) -> int:
-    from engine.config import format_size
-    from tuner import profiles
+    from engine.base.config import format_size
+    from tuner.share import profiles
     if args.action == "export":
         data = profiles.export_profile(args.source, include_identity=args.include_identity)
         if args.output:
@@ -110,7 +110,7 @@ def add_compare(sub) -> None:
 
 
 def cmd_compare(args) -> int:
-    from tuner.compare import compare, format_text
+    from tuner.share.compare import compare, format_text
     summary = compare(args.inputs, out_dir=args.out, force=args.force, model=args.model)
     if args.json:
         _print_json(summary)

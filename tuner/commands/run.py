@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from engine.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_BACKENDS, IO_MODES, KV_DTYPES
-from tuner.printers import print_json as _print_json
+from engine.base.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_BACKENDS, IO_MODES, KV_DTYPES
+from tuner.results.printers import print_json as _print_json
 
 
 def _add_engine_flags(p) -> None:
@@ -28,7 +28,7 @@ def _add_engine_flags(p) -> None:
 
 
 def engine_config_from_args(args):
-    from engine.config import EngineConfig, parse_size
+    from engine.base.config import EngineConfig, parse_size
     config = EngineConfig.load(args.config) if args.config else EngineConfig()
     overrides = {
         "ram_budget": parse_size(args.ram_budget) if args.ram_budget is not None else None,
@@ -60,10 +60,10 @@ def add_run(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    from engine.generate import Sampler
-    from engine.resolve import resolve_model
-    from engine.session import run_generation
-    from tuner.printers import run_header, run_text
+    from engine.run.generate import Sampler
+    from engine.run.resolve import resolve_model
+    from engine.run.oneshot import run_generation
+    from tuner.results.printers import run_header, run_text
 
     config = engine_config_from_args(args)
     model_dir = resolve_model(args.model, progress=not args.json)
@@ -112,7 +112,7 @@ def _check_writable(path: str) -> None:
     import os
     from pathlib import Path
 
-    from engine.errors import ConfigError
+    from engine.base.errors import ConfigError
     target = Path(path)
     parent = target.parent if str(target.parent) else Path(".")
     if target.is_dir():
@@ -122,15 +122,15 @@ def _check_writable(path: str) -> None:
 
 
 def cmd_bench(args) -> int:
-    from engine.config import parse_size
-    from engine.resolve import resolve_model
+    from engine.base.config import parse_size
+    from engine.run.resolve import resolve_model
 
     config = engine_config_from_args(args)
     if args.read_trace:
         _check_writable(args.read_trace)
     model_dir = resolve_model(args.model, progress=not args.json)
     if args.cgroup_limit:
-        from tuner.trial import run_trial
+        from tuner.search.trial import run_trial
         extra = ["--record-routing", args.record_routing] if args.record_routing else []
         extra += ["--read-trace", args.read_trace] if args.read_trace else []
         trial = run_trial(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
@@ -143,7 +143,7 @@ def cmd_bench(args) -> int:
             return 1
         result = trial.metrics
     else:
-        from engine.bench import run_bench
+        from engine.run.bench import run_bench
 
         def progress(i, n, m):
             if not args.json:
@@ -153,11 +153,11 @@ def cmd_bench(args) -> int:
                            prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
                            record_routing=args.record_routing, read_trace=args.read_trace)
     if args.outcome:
-        from tuner.outcome import Outcome, write_outcome
+        from tuner.search.outcome import Outcome, write_outcome
         write_outcome(args.outcome, Outcome("ok", metrics=result))
     if args.json:
         _print_json(result)
     else:
-        from tuner.printers import bench_text
+        from tuner.results.printers import bench_text
         print(bench_text(result))
     return 0

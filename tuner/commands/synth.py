@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.printers import print_json as _print_json
+from tuner.results.printers import print_json as _print_json
 
 
 def add_synth(sub) -> None:
@@ -23,9 +23,9 @@ def add_synth(sub) -> None:
 def cmd_synth(args) -> int:
     import time
     from engine import synth
-    from engine.errors import ConfigError
+    from engine.base.errors import ConfigError
 
-    from tuner.printers import presets_text, synth_text
+    from tuner.results.printers import presets_text, synth_text
 
     if args.list:
         rows = synth.describe_presets()

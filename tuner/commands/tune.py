@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from engine.errors import ConfigError
-from tuner.printers import print_json as _print_json
+from engine.base.errors import ConfigError
+from tuner.results.printers import print_json as _print_json
 
 
 def add_tune(sub) -> None:
-    from tuner.objective import OBJECTIVES, SAMPLERS
+    from tuner.search.objective import OBJECTIVES, SAMPLERS
     p = sub.add_parser("tune", help="search the engine settings for this machine and model (Optuna)")
     p.add_argument("--model", default="demo", help="model directory or synth preset (default: demo)")
     p.add_argument("--ram-budget", help="memory budget, e.g. 1GiB (default: 1GiB for demo, else 88%% of available)")
@@ -55,8 +55,8 @@ def add_tune(sub) -> None:
 
 
 def cmd_tune(args) -> int:
-    from engine.config import parse_size
-    from tuner.study import TuneOptions, format_outcome, parse_duration, run_tune
+    from engine.base.config import parse_size
+    from tuner.search.study import TuneOptions, format_outcome, parse_duration, run_tune
 
     opts = TuneOptions(
         model=args.model, ram_budget=parse_size(args.ram_budget) if args.ram_budget else None,
@@ -80,7 +80,7 @@ def cmd_tune(args) -> int:
 
 
 def _tune_quant(args, opts) -> int:
-    from tuner.quant_tune import QuantTuneOptions, format_quant_outcome, parse_levels, run_quant_tune
+    from tuner.search.quant_tune import QuantTuneOptions, format_quant_outcome, parse_levels, run_quant_tune
     outcome = run_quant_tune(QuantTuneOptions(
         opts, parse_levels(args.quant), quality_tokens=args.quality_tokens, quality_ctx=args.quality_ctx,
         quality_text=args.quality_text, prepare_only=args.prepare_only))

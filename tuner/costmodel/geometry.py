@@ -13,7 +13,7 @@ Quant levels are bytes per weight, scale overhead included:
   int8  1 byte + one bf16 scale per output row (2 / K bytes per weight);
   int4  half a byte + a bf16 scale and a bf16 zero per group of 64 (4 / 64 bytes per weight),
         the layout of torch's _weight_int4pack_mm (scales_and_zeros [K/group, N, 2]).
-These are engine/quant.py's containers (int8 per row, int4 group 64 by default) with scope
+These are engine/format/quant.py's containers (int8 per row, int4 group 64 by default) with scope
 "all": every matrix quantized, embeddings included, as Colibrì keeps GLM-5's dense part at
 int4; norms (1-D) stay in bf16.
 """
@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import ConfigError
+from engine.base.errors import ConfigError
 
 INT4_GROUP = 64
 QUANTS = ("bf16", "fp32", "int8", "int4")
@@ -144,9 +144,9 @@ class ModelGeometry:
 
 def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
     """Exact sizes from a Hugging Face directory's headers (nothing but headers is read)."""
-    from engine.checkpoint import Checkpoint
-    from engine.model import ModelArgs, dense_tensor_names
-    from engine.runtime import checkpoint_dtype
+    from engine.format.checkpoint import Checkpoint
+    from engine.arch.args import ModelArgs, dense_tensor_names
+    from engine.run.runtime import checkpoint_dtype
     import torch
 
     ckpt = Checkpoint(model_dir)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import copy
 
-from engine.config import parse_size
-from engine.errors import ConfigError
+from engine.base.config import parse_size
+from engine.base.errors import ConfigError
 
 WHAT_IF_KEYS = ("disk_bw", "disk_scale", "memory_bw", "ram", "cores", "matmul_scale")
 
@@ -56,7 +56,7 @@ def _apply_one(p, key: str, value: str) -> None:
     """Edit `p` in place (its point records are frozen: they are replaced, not mutated)."""
     from dataclasses import replace
 
-    from tuner.probe.profile import Quantity
+    from tuner.probe.hardware_profile import Quantity
 
     def scaled(q, factor):
         return Quantity(q.value * factor, q.unit)
@@ -133,8 +133,8 @@ class HardwareView:
         """FLOP/s of F.linear at `m` rows; between measured m, linear in log2(m)."""
         table = self._matmul.get(dtype) or next(iter(self._matmul.values()))
         ms = sorted(table)
-        from tuner.probe.profile import _interp_log2  # the probe's own interpolation
-        return _interp_log2([(mm, _by_threads(sorted(table[mm]), threads, grows=True)) for mm in ms], m)
+        from tuner.probe.hardware_profile import interp_log2  # the probe's own interpolation
+        return interp_log2([(mm, _by_threads(sorted(table[mm]), threads, grows=True)) for mm in ms], m)
 
 
     def has_kernels(self, quant: str) -> bool:
@@ -150,13 +150,13 @@ class HardwareView:
         table = self._kernels.get(quant)
         if not table:
             return self.matmul_flops("fp32" if quant == "fp32" else "bf16", m, threads)
-        from tuner.probe.profile import _interp_log2
+        from tuner.probe.hardware_profile import interp_log2
         top_m = min(max(ms) for ms in table.values())
         at = min(m, top_m)
-        by_shape = sorted((kk * nn, _interp_log2(
+        by_shape = sorted((kk * nn, interp_log2(
             [(mm, _by_threads(sorted(pts), threads, grows=True)) for mm, pts in sorted(rows.items())], at))
             for (kk, nn), rows in table.items())
-        rate = _interp_log2(by_shape, k * n)
+        rate = interp_log2(by_shape, k * n)
         if m > top_m:
             rate *= self.matmul_flops("bf16", m, threads) / self.matmul_flops("bf16", top_m, threads)
         return rate
@@ -166,8 +166,8 @@ class HardwareView:
         table = self._prepare.get(quant)
         if not table:
             return 0.0
-        from tuner.probe.profile import _interp_log2
-        return _interp_log2(sorted((kk * nn, s) for (kk, nn), s in table.items()), k * n)
+        from tuner.probe.hardware_profile import interp_log2
+        return interp_log2(sorted((kk * nn, s) for (kk, nn), s in table.items()), k * n)
 
 
 def _by_threads(points: list[tuple[int, float]], threads: int, grows: bool) -> float:

@@ -28,13 +28,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from engine.config import EngineConfig
-from engine.errors import BudgetError
+from engine.base.config import EngineConfig
+from engine.base.errors import BudgetError
 
-from .geometry import ModelGeometry
-from .hardware import HardwareView
-from .memplan import plan_memory
-from .routing import RoutingModel, simulate
+from tuner.costmodel.geometry import ModelGeometry
+from tuner.costmodel.hardware import HardwareView
+from tuner.costmodel.memplan import plan_memory
+from tuner.costmodel.routing_model import RoutingModel, simulate
 
 # Published figure for router lookahead (Colibrì on GLM-5: 71.6% of the true top-8), used when
 # no study measured this model's recall.
@@ -80,7 +80,7 @@ class Factors:
 class RunConditions:
     """How the figure is measured: the tuner's trial (cold, short) or a steady state.
 
-    The defaults are the tuner's trial, `colibri bench` (engine/bench.py): a warm-up generation
+    The defaults are the tuner's trial, `colibri bench` (engine/run/bench.py): a warm-up generation
     of 2 tokens, then `repeats` runs of the same prompt, greedily decoded, so every run asks the
     same experts in the same order (`replay`); cold empties the caches before each run.
     """
@@ -91,7 +91,7 @@ class RunConditions:
     cold: bool = True
     warmup_tokens: int = 0  # unmeasured tokens at the start of a warm run's one long generation
     replay: bool = True
-    prelude_tokens: int = 2  # engine/bench.py's run_bench(warmup_tokens=2)
+    prelude_tokens: int = 2  # engine/run/bench.py's run_bench(warmup_tokens=2)
 
     @classmethod
     def steady(cls) -> "RunConditions":
@@ -207,7 +207,7 @@ def residency_policy(io_mode: str, cache_policy: str) -> str:
 
 
 def read_requests(span: int, chunk_size: int, io_threads: int) -> tuple[int, int]:
-    """(requests, bytes each) of one expert span, as engine/io/pool.py's ReadPool issues them: one
+    """(requests, bytes each) of one expert span, as engine/movement/io/pool.py's ReadPool issues them: one
     request per span, split across the workers only when the span exceeds chunk_size — into
     min(io_threads, ceil(span / chunk_size)) equal pieces (page-aligned; the alignment is ignored)."""
     if not span:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
+from engine.base.config import EngineConfig
 
-from .geometry import ModelGeometry
-from .hardware import HardwareView
-from .predict import Factors, Prediction, RunConditions, predict
-from .routing import RoutingModel
+from tuner.costmodel.geometry import ModelGeometry
+from tuner.costmodel.hardware import HardwareView
+from tuner.costmodel.predict import Factors, Prediction, RunConditions, predict
+from tuner.costmodel.routing_model import RoutingModel
 
 KiB, MiB = 1 << 10, 1 << 20
 GRID = {
@@ -90,7 +90,7 @@ def prefilter(geometry: ModelGeometry, quant: str, configs, overhead_bytes: int)
     margin): the plan is monotone in the overhead, so a config the engine's own plan accepts at
     its real, larger overhead is never dropped here.
     """
-    from .memplan import fits
+    from tuner.costmodel.memplan import fits
     return [cfg for cfg in configs if fits(geometry, quant, cfg, overhead_bytes)]
 
 
@@ -148,7 +148,7 @@ def narrow_space(space, profile) -> dict:
     """Set the space's read sizes and I/O thread counts to the probe curve's rising-or-flat
     region (the baseline's values always stay, so the baseline is a point of the space).
     Call it on a new study only; a resumed or joined study keeps the space it was made with."""
-    from tuner.space import CHUNK_SIZES, IO_THREADS
+    from tuner.search.space import CHUNK_SIZES, IO_THREADS
     base = space.baseline()
     region = curve_region(HardwareView(profile), CHUNK_SIZES, IO_THREADS, "direct", CURVE_TOLERANCE)
     space.chunk_sizes = tuple(sorted(set(region["chunk_size"]) | {base.chunk_size}))
@@ -159,9 +159,9 @@ def narrow_space(space, profile) -> dict:
 def study_warm_starts(space, profile, model_dir, run: RunConditions, n: int = 3) -> list[Ranked]:
     """The n configs of the space the cost model predicts fastest, with the profile's fitted
     factors when it carries them (else the measured curves as they are)."""
-    from .calibrate import factors_from_profile
-    from .command import make_routing
-    from .geometry import from_model_dir
+    from tuner.costmodel.fit import factors_from_profile
+    from tuner.costmodel.plan_command import make_routing
+    from tuner.costmodel.geometry import from_model_dir
     geometry = from_model_dir(model_dir)
     routing = make_routing(space.routing_histogram or "auto", geometry)
     factors = factors_from_profile(profile) or Factors()

@@ -15,15 +15,16 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 from tuner import __version__
-from tuner.printers import utc_now
+from tuner.results.printers import utc_now
 from tuner.probe import fallback, fio
 from tuner.probe.cpu import measure_matmul
 from tuner.probe.kernels import KERNEL_QUANTS, SHAPES as KERNEL_SHAPES, measure_kernels
 from tuner.probe.errors import ProbeError, ProfileError
 from tuner.probe.memory import measure_memory_bandwidth
-from tuner.probe.profile import (
-    SCHEMA_VERSION, HardwareProfile, ProbeRun, Quantity, StorageResult, ToolInfo,
-    compute_fingerprint, load_profile, save_profile)
+from tuner.probe.hardware_profile import (
+    SCHEMA_VERSION, HardwareProfile, ProbeRun, Quantity, StorageResult, ToolInfo, compute_fingerprint,
+    load_profile, save_profile,
+)
 from tuner.probe.storage import (
     MiB, StoragePlan, check_directory, check_writable, choose_file_bytes, free_bytes,
     sigterm_as_interrupt, storage_plan, scratch_file)

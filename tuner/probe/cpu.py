@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence, get_args
 
-from tuner.probe.profile import MatmulDtype, MatmulPoint, Quantity
+from tuner.probe.hardware_profile import MatmulDtype, MatmulPoint, Quantity
 
 EXPERT_K, EXPERT_N = 2048, 768
 DTYPES = get_args(MatmulDtype)
@@ -28,7 +28,7 @@ def measure_matmul(thread_counts: Sequence[int], ms: Sequence[int], min_time_s: 
         w = torch.randn(n, k, generator=gen).to(torch_dtype[dtype])
         for m in ms:
             x = torch.randn(m, k, generator=gen).to(torch_dtype[dtype])
-            calls, elapsed = _time_calls(lambda: F.linear(x, w), min_time_s)
+            calls, elapsed = time_calls(lambda: F.linear(x, w), min_time_s)
             per_call = elapsed / calls
             points.append(MatmulPoint(
                 dtype=dtype, m=m, k=k, n=n, threads=threads, calls=calls,
@@ -54,7 +54,7 @@ def each_thread_count(thread_counts: Sequence[int], kinds: Sequence[str], what: 
         torch.set_num_threads(previous)
 
 
-def _time_calls(fn: Callable[[], object], min_time_s: float) -> tuple[int, float]:
+def time_calls(fn: Callable[[], object], min_time_s: float) -> tuple[int, float]:
     """Calls and seconds for one batch lasting about min_time_s, sized from a timed warm-up."""
     fn()  # first call: kernel selection, thread pool start
     t0 = time.perf_counter()

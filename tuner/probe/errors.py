@@ -1,6 +1,6 @@
 """The probe's user-facing errors: one line each, printed by the CLI."""
 
-from engine.errors import ColibriError
+from engine.base.errors import ColibriError
 
 
 class ProfileError(ColibriError):

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from tuner.probe.errors import ProbeError
-from tuner.probe.profile import StoragePoint
+from tuner.probe.hardware_profile import StoragePoint
 from tuner.probe.storage import StorageJob, make_point
 
 TOOL = "python O_DIRECT threads"

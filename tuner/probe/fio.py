@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.probe.errors import ProbeError
-from tuner.probe.profile import StoragePoint
+from tuner.probe.hardware_profile import StoragePoint
 from tuner.probe.storage import StorageJob, make_point
 
 ENGINE_PREFERENCE = ("io_uring", "libaio", "psync")

@@ -4,7 +4,7 @@ The cost model charges a token's expert matmuls at the rate of the kernel that c
 bf16 goes through `engine.quant.linear`, as the engine calls it: one row (decode) on the native
 AVX512-BF16 kernel when engine/native loads on this machine, `F.linear` otherwise.
 A quantized expert is not multiplied by `F.linear`: the engine runs `QuantWeight.linear`
-(engine/quant.py), i.e. `aten._weight_int8pack_mm` for int8, `aten._weight_int4pack_mm_for_cpu`
+(engine/format/quant.py), i.e. `aten._weight_int8pack_mm` for int8, `aten._weight_int4pack_mm_for_cpu`
 for int4, or dequantize-then-matmul where the packed op refuses the shape on this build. Those
 kernels' speed has little to do with the bf16 GEMV's (the int4 one unpacks nibbles, the int8 one
 converts codes), so each is measured here, through `QuantWeight` itself: the point records which
@@ -25,12 +25,12 @@ import statistics
 import time
 from typing import Callable, Sequence
 
-from tuner.probe.cpu import _time_calls, each_thread_count
-from tuner.probe.profile import KernelPoint, Quantity
+from tuner.probe.cpu import time_calls, each_thread_count
+from tuner.probe.hardware_profile import KernelPoint, Quantity
 
 SHAPES = ((1024, 512), (6144, 2048))  # (k, n): demo-like and GLM-5-like expert projections
 KERNEL_QUANTS = ("bf16", "int8", "int4")
-INT4_GROUP = 64  # the containers' default group (engine/convert.py), the cost model's int4
+INT4_GROUP = 64  # the containers' default group (engine/format/convert.py), the cost model's int4
 NATIVE_BF16 = "engine.native.linear"
 PREPARE_REPEATS = 5  # median of 5: a repack on another CPU's layout takes tens of ms, a view microseconds
 
@@ -47,7 +47,7 @@ def measure_kernels(thread_counts: Sequence[int], ms: Sequence[int], min_time_s:
             fn_of, kernel, prepare_s = _kernel(quant, weights[(k, n)])
             for m in ms:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
-                calls, elapsed = _time_calls(fn_of(x), min_time_s)
+                calls, elapsed = time_calls(fn_of(x), min_time_s)
                 per_call = elapsed / calls
                 points.append(KernelPoint(
                     quant=quant, kernel=_bf16_kernel(m) if quant == "bf16" else kernel, group_size=INT4_GROUP if quant == "int4" else None,
@@ -67,7 +67,7 @@ def _weights(shapes) -> dict:
     """bf16 weight and its stored int8 / int4 forms per shape (quantized once: the slow part)."""
     import torch
 
-    from engine.quant import quantize
+    from engine.format.quant import quantize
     gen = torch.Generator().manual_seed(0)
     out = {}
     for k, n in shapes:
@@ -82,7 +82,7 @@ def _kernel(quant: str, forms: dict):
     import torch
 
     from engine import native
-    from engine.quant import QuantWeight, linear
+    from engine.format.quant import QuantWeight, linear
     if quant == "bf16":
         w = forms["bf16"]
         # engine.quant.linear is the engine's call: the native kernel for one bf16 row when it

@@ -10,7 +10,7 @@ import statistics
 import time
 from typing import Callable, Sequence
 
-from tuner.probe.profile import MemoryBandwidthPoint, Quantity
+from tuner.probe.hardware_profile import MemoryBandwidthPoint, Quantity
 
 
 def measure_memory_bandwidth(thread_counts: Sequence[int], buffer_bytes: int, repeats: int,

@@ -19,9 +19,9 @@ from typing import Iterator
 
 import numpy as np
 
-from engine.config import size_label
+from engine.base.config import size_label
 from tuner.probe.errors import ProbeError
-from tuner.probe.profile import Quantity, StoragePoint, StorageRole
+from tuner.probe.hardware_profile import Quantity, StoragePoint, StorageRole
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tuner.probe.profile import HardwareProfile, Quantity
-from engine.config import size_label
-from tuner.printers import text_table
+from tuner.probe.hardware_profile import HardwareProfile, Quantity
+from engine.base.config import size_label
+from tuner.results.printers import text_table
 
 GiB = 1 << 30
 

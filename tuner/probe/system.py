@@ -15,7 +15,7 @@ from typing import Optional
 
 import psutil
 
-from tuner.probe.profile import CpuInfo, DiskInfo, GpuInfo, MemoryInfo, Quantity, SystemInfo
+from tuner.probe.hardware_profile import CpuInfo, DiskInfo, GpuInfo, MemoryInfo, Quantity, SystemInfo
 
 # Flags that decide which matmul kernels a CPU can run (x86 names, then Arm names).
 INTERESTING_CPU_FLAGS = (

@@ -2,7 +2,7 @@
 
 Usage: python -I -S _exec.py <cgroup.procs file> <status fd> -- <argv...>
 
-tuner/sandbox/run.py runs this file by path (not `-m tuner.sandbox._exec`) so that joining the
+tuner/sandbox/limited.py runs this file by path (not `-m tuner.sandbox._exec`) so that joining the
 cgroup imports nothing but os and sys: the tuner package imports optuna and torch, and the
 shim must not depend on the caller's cwd or PYTHONPATH. Joining happens before exec, so every
 page the command touches is charged to the cgroup. The interpreter's own start-up (a few MB) is

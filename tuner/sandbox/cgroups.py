@@ -7,7 +7,7 @@ cgroup is an honest budget, and its peak is an honest figure to report next to p
 cgroup v1 (memory.limit_in_bytes, memory.max_usage_in_bytes, memory.oom_control) and v2
 (memory.max, memory.peak, memory.events) are both supported. Children are made under this
 process's own memory cgroup, named `colibri-<pid>-<n>`, and removed after the run
-(tuner/sandbox/run.py runs commands in them).
+(tuner/sandbox/limited.py runs commands in them).
 """
 
 from __future__ import annotations
@@ -235,14 +235,14 @@ def current_memory_limit() -> int | None:
 # --- one child cgroup -------------------------------------------------------------------------
 
 
-class _Cgroup:
+class Cgroup:
     """One child cgroup for one run; knows its version's file names."""
 
     def __init__(self, version: int, path: Path):
         self.version, self.path = version, path
 
     @classmethod
-    def create(cls, support: CgroupSupport, limit_bytes: int) -> "_Cgroup":
+    def create(cls, support: CgroupSupport, limit_bytes: int) -> "Cgroup":
         cgroup = cls(support.version, _new_child(Path(support.path)))
         try:
             cgroup._set_limit(limit_bytes)
@@ -348,11 +348,11 @@ class _Cgroup:
         warnings.warn(f"could not remove cgroup {self.path}; remove it by hand", RuntimeWarning, stacklevel=3)
 
 
-class _PeakSampler(threading.Thread):
+class PeakSampler(threading.Thread):
     """Fallback for v2 kernels without memory.peak (< 5.19): poll memory.current. It can miss a
     short spike, which is why memory.peak is preferred whenever it exists."""
 
-    def __init__(self, cgroup: _Cgroup, interval: float = 0.02):
+    def __init__(self, cgroup: Cgroup, interval: float = 0.02):
         super().__init__(daemon=True)
         self.cgroup, self.interval = cgroup, interval
         self.peak: int | None = None

@@ -1,0 +1,222 @@
+"""config.json → ModelArgs, and the tensor names of each architecture (HF's names).
+
+The architectures differ only in a handful of switches, collected in `ModelArgs`: q/k norms
+(none / per head / over the whole projection), qkv bias, shared expert, how the top-k routing
+weights are normalised, and which layers are MoE. deepseek_v3, glm4_moe, glm_moe_dsa and
+gpt_oss also swap in their own attention, routing rule and expert math through strategy
+objects on ModelArgs (engine/arch/parsers.py builds them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.base.errors import ModelFormatError, UnsupportedModelError
+
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+DENSE_TYPES = ("llama", "qwen2", "qwen3")
+# Parsed by engine/arch/parsers.py; they plug in through the strategy fields at the end of ModelArgs.
+EXT_MOE_TYPES = ("deepseek_v3", "glm4_moe", "glm_moe_dsa", "gpt_oss")
+SUPPORTED_TYPES = MOE_TYPES + EXT_MOE_TYPES + DENSE_TYPES
+
+
+# --- configuration ----------------------------------------------------------------------------
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP (dense models, and MoE layers listed as mlp-only)
+    rms_norm_eps: float
+    rope: dict  # rope_type, rope_theta and the scaling parameters
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: str = "none"  # "none" | "head" (qwen3: per head) | "full" (olmoe: whole projection)
+    clip_qkv: float | None = None
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    # MoE
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layer_flags: list[bool] = field(default_factory=list)
+    moe_prefix: str = "mlp"  # mixtral: "block_sparse_moe"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # Extensions (engine/arch/parsers.py): None/0 keeps the behaviour of the architectures above.
+    rotary_dim: int = 0  # 0 = all of head_dim; glm4_moe rotates partial_rotary_factor of it
+    shared_experts_intermediate_size: int = 0  # deepseek-style ungated `mlp.shared_experts`
+    attention_impl: object | None = None  # engine.mla.MLAAttention | engine.gptoss.SinkAttention
+    router: object | None = None  # engine.routing.*: names(prefix), route(w, prefix, x)
+    expert_impl: object | None = None  # engine.gptoss.GptOssExperts: numel, locations, forward
+
+    def __post_init__(self):
+        if not self.moe_layer_flags:
+            self.moe_layer_flags = [self.num_experts > 0] * self.num_layers
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.moe_layer_flags)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe_layer_flags[layer]
+
+    @property
+    def expert_numel(self) -> int:
+        """Elements of one routed expert in the compute dtype."""
+        if self.expert_impl is not None:
+            return self.expert_impl.numel
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ModelArgs":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+        try:
+            return _args_from_config(model_type, cfg)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelFormatError(f"config.json for {model_type} is missing or has a bad field: {exc}") from None
+
+
+def _rope_params(cfg: dict) -> dict:
+    # transformers 5 writes `rope_parameters`; 4.x wrote `rope_theta` + `rope_scaling`.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params.update({k: v for k, v in scaling.items() if k not in params})
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return params
+
+
+def _args_from_config(model_type: str, cfg: dict) -> ModelArgs:
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    layers = int(cfg["num_hidden_layers"])
+    common = dict(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=_rope_params(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        hidden_act=cfg.get("hidden_act", "silu"),
+    )
+    if common["hidden_act"] not in ("silu", "swish"):
+        raise UnsupportedModelError(f"hidden_act {common['hidden_act']!r} is not supported (silu only)")
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mixtral") else None
+    if model_type in EXT_MOE_TYPES:
+        from engine.arch.parsers import ext_fields
+        fields = ext_fields(model_type, cfg, common)
+        return ModelArgs(**common, **fields)
+
+    if model_type in ("llama", "qwen2", "qwen3"):
+        return ModelArgs(
+            **common,
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm="head" if model_type == "qwen3" else "none",
+            sliding_window=window,
+        )
+
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg["num_experts_per_tok"])
+    if model_type == "mixtral":
+        return ModelArgs(
+            **common, num_experts=num_experts, top_k=top_k,
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,  # Mixtral: softmax over the top-k logits == renormalised top-k
+            sliding_window=window,
+            moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2"),
+        )
+    if model_type == "olmoe":
+        return ModelArgs(
+            **common, num_experts=num_experts, top_k=top_k,
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            qk_norm="full", clip_qkv=cfg.get("clip_qkv"),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+        )
+    # qwen2_moe / qwen3_moe: some layers may be plain MLPs.
+    mlp_only = set(cfg.get("mlp_only_layers") or [])
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    flags = [(i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(layers)]
+    return ModelArgs(
+        **common, num_experts=num_experts, top_k=top_k,
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "qwen3_moe")),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+        if model_type == "qwen2_moe" else 0,
+        attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2_moe")),
+        qk_norm="head" if model_type == "qwen3_moe" else "none",
+        sliding_window=window,
+        moe_layer_flags=flags,
+    )
+
+
+# --- tensor names -----------------------------------------------------------------------------
+
+def layer_prefix(layer: int) -> str:
+    return f"model.layers.{layer}"
+
+
+def expert_tensor_names(args: ModelArgs, layer: int, expert: int) -> tuple[str, str, str]:
+    """Per-expert (gate, up, down) tensor names, as save_pretrained writes them."""
+    base = f"{layer_prefix(layer)}.{args.moe_prefix}.experts.{expert}"
+    return tuple(f"{base}.{n}.weight" for n in args.expert_names)  # type: ignore[return-value]
+
+
+def fused_expert_tensor_names(args: ModelArgs, layer: int) -> tuple[str, str]:
+    """Fused 3-D layout: gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I]."""
+    base = f"{layer_prefix(layer)}.{args.moe_prefix}.experts"
+    return f"{base}.gate_up_proj", f"{base}.down_proj"
+
+
+def dense_tensor_names(args: ModelArgs) -> list[str]:
+    """Every tensor that stays resident: all but the routed experts."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not args.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(args.num_layers):
+        p = layer_prefix(i)
+        names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        if args.attention_impl is not None:
+            names += args.attention_impl.layer_names(f"{p}.self_attn", i)
+        else:
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                names.append(f"{p}.self_attn.{proj}.weight")
+                if args.attention_bias and proj != "o_proj":
+                    names.append(f"{p}.self_attn.{proj}.bias")
+        if args.qk_norm != "none":
+            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
+        if args.is_moe_layer(i):
+            names += router_tensor_names(args, i)
+            if args.shared_experts_intermediate_size:
+                names += [f"{p}.mlp.shared_experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+            if args.shared_expert_intermediate_size:
+                names += [f"{p}.mlp.shared_expert.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+                names.append(f"{p}.mlp.shared_expert_gate.weight")
+        else:
+            names += [f"{p}.mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+    return names
+
+
+def router_tensor_names(args: ModelArgs, layer: int) -> list[str]:
+    if args.router is not None:
+        return args.router.names(layer_prefix(layer))
+    return [f"{layer_prefix(layer)}.{args.moe_prefix}.gate.weight"]

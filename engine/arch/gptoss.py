@@ -1,0 +1,255 @@
+"""gpt_oss: attention with sinks over alternating sliding/full layers, and its experts.
+
+Attention: grouped-query attention with biases on q/k/v/o; every head has a learned "sink"
+logit that joins the softmax and is then dropped, so a head can attend to nothing; layers
+alternate between a sliding window and full attention (`layer_types`).
+
+Experts carry biases and use a clamped SwiGLU: gate ≤ limit, |up| ≤ limit,
+out = (up + 1) · gate · σ(α·gate), with gate/up interleaved in one gate_up matrix. On disk
+they are fused per layer, in one of two storages:
+  * plain (bf16/fp32): gate_up_proj [E, H, 2I], gate_up_proj_bias [E, 2I],
+                       down_proj [E, I, H], down_proj_bias [E, H];
+  * MXFP4, as the published checkpoints store them: `<proj>_blocks` [E, rows, cols/32, 16]
+    uint8 (two FP4 e2m1 codes per byte, low nibble first) and `<proj>_scales`
+    [E, rows, cols/32] uint8 (a power-of-two exponent per 32 values, bias 127), rows being the
+    output features (gate_up: 2I, down: H). Biases stay in bf16.
+An expert is a slice of each tensor (four or six reads); MXFP4 experts are dequantized when
+read (before the cache), so the cache and the matmuls see ordinary tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.format.checkpoint import Checkpoint, TensorInfo
+from engine.base.errors import ModelFormatError
+from engine.format.layout import ExpertLocation, group_into_spans, piece_tensor
+from engine.arch.rope import apply_rope
+
+# FP4 e2m1 code → value (codes 8-15 are the negatives of 0-7).
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MX_BLOCK = 32  # values sharing one scale
+SCALE_BIAS = 127
+DEQUANT_CHUNK = 1 << 20  # block bytes dequantized per step (bounds the transient index tensor)
+
+
+# --- MXFP4 ------------------------------------------------------------------------------------
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks [..., G, 16] uint8, scales [..., G] uint8 → [..., G*32] in `dtype`.
+
+    Exact, and bit-identical to transformers' dequantization: every FP4 value and every power
+    of two 2^(scale-127) is representable in bf16 and fp32, and their product rounds the same.
+    One index_select per byte from a 256-entry table of (low, high) value pairs, then one
+    multiply by the block's power of two (measured 7-17x faster than two nibble gathers and
+    torch.ldexp, see docs/BENCHMARKS.md). Rows go in chunks so the int32 index never exceeds
+    4 x DEQUANT_CHUNK bytes, whatever the expert size.
+    """
+    pairs = _pair_table(dtype)
+    lead, G = blocks.shape[:-2], blocks.shape[-2]
+    rows = blocks.reshape(-1, G * 16)
+    powers = torch.exp2((scales.reshape(-1, G).to(torch.int32) - SCALE_BIAS).to(torch.float32)).to(dtype)
+    out = torch.empty(rows.shape[0], G, 32, dtype=dtype)
+    step = max(1, DEQUANT_CHUNK // (G * 16))
+    for r in range(0, rows.shape[0], step):
+        chunk = out[r:r + step]
+        torch.index_select(pairs, 0, rows[r:r + step].reshape(-1).to(torch.int32), out=chunk.view(-1, 2))
+        chunk.mul_(powers[r:r + step].unsqueeze(-1))
+    return out.view(*lead, G * 32)
+
+
+def _pair_table(dtype: torch.dtype) -> torch.Tensor:
+    """[256, 2]: byte b → (FP4 value of its low nibble, of its high nibble)."""
+    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    return torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1)
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., C] (C a multiple of 32) → (blocks [..., C/32, 16] uint8, scales [..., C/32] uint8).
+
+    Each block's exponent is the smallest that keeps its largest value within ±6 (no clipping);
+    values round to the nearest FP4 magnitude."""
+    *lead, C = w.shape
+    if C % MX_BLOCK:
+        raise ValueError(f"MXFP4 needs the input dimension to be a multiple of {MX_BLOCK}, got {C}")
+    g = w.float().reshape(*lead, C // MX_BLOCK, MX_BLOCK)
+    amax = g.abs().amax(dim=-1)
+    exp = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.full_like(amax, -SCALE_BIAS))
+    exp = exp.clamp(-SCALE_BIAS, SCALE_BIAS)
+    scaled = g / torch.exp2(exp).unsqueeze(-1)
+    mags = torch.tensor(FP4_VALUES[:8])
+    code = (scaled.abs().unsqueeze(-1) - mags).abs().argmin(dim=-1)
+    code = (code + 8 * (scaled < 0)).to(torch.uint8)
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + SCALE_BIAS).to(torch.uint8)
+
+
+# --- attention --------------------------------------------------------------------------------
+
+@dataclass
+class WindowedKVCache:
+    """Keys and values per layer, [Nkv, positions, D]. Full-attention layers hold ctx_size
+    positions; a sliding layer holds a ring of min(window, ctx_size), position p in slot
+    p % size: its queries never look further back than the window, so more would be memory
+    no query reads (half the layers of gpt-oss-120b at its 128K context)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    ctx_size: int
+
+
+@dataclass(frozen=True)
+class SinkAttention:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    windows: tuple[int | None, ...]  # per layer: the sliding window, or None for full attention
+
+    def layer_names(self, p: str, layer: int) -> list[str]:
+        names = [f"{p}.{proj}.{kind}" for proj in ("q_proj", "k_proj", "v_proj", "o_proj") for kind in ("weight", "bias")]
+        return names + [f"{p}.sinks"]
+
+    # --- the cache (KVCache.allocate / nbytes_for call these) ---------------------------------
+
+    def cache_positions(self, layer: int, ctx_size: int) -> int:
+        window = self.windows[layer]
+        return ctx_size if window is None else min(window, ctx_size)
+
+    def cache_nbytes(self, num_layers: int, ctx_size: int, dtype: torch.dtype) -> int:
+        per_position = 2 * self.num_kv_heads * self.head_dim * (torch.finfo(dtype).bits // 8)
+        return per_position * sum(self.cache_positions(i, ctx_size) for i in range(num_layers))
+
+    def allocate_cache(self, num_layers: int, ctx_size: int, dtype: torch.dtype) -> WindowedKVCache:
+        shapes = [(self.num_kv_heads, self.cache_positions(i, ctx_size), self.head_dim) for i in range(num_layers)]
+        return WindowedKVCache([torch.zeros(s, dtype=dtype) for s in shapes],
+                               [torch.zeros(s, dtype=dtype) for s in shapes], ctx_size)
+
+    # --- the forward pass --------------------------------------------------------------------
+
+    def forward(self, w: dict, p: str, layer: int, x: torch.Tensor, start_pos: int, kv,
+                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        T, N, Nkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = F.linear(x, w[f"{p}.q_proj.weight"], w[f"{p}.q_proj.bias"]).view(T, N, D).transpose(0, 1)
+        k = F.linear(x, w[f"{p}.k_proj.weight"], w[f"{p}.k_proj.bias"]).view(T, Nkv, D).transpose(0, 1)
+        v = F.linear(x, w[f"{p}.v_proj.weight"], w[f"{p}.v_proj.bias"]).view(T, Nkv, D).transpose(0, 1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values, first = self._attended(layer, kv, k, v, start_pos)
+        keys = keys.to(q.dtype).repeat_interleave(N // Nkv, dim=0)  # [N, S', D]
+        values = values.to(q.dtype).repeat_interleave(N // Nkv, dim=0)
+        scores = torch.matmul(q, keys.transpose(1, 2)) * D ** -0.5  # [N, T, S']
+        allowed = self._allowed(layer, start_pos, T, first)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        sinks = w[f"{p}.sinks"].to(scores.dtype).view(N, 1, 1).expand(N, T, 1)
+        logits = torch.cat([scores, sinks], dim=-1)
+        logits = logits - logits.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # the sink's share is dropped
+        out = torch.matmul(probs.to(values.dtype), values).transpose(0, 1).reshape(T, N * D)
+        return F.linear(out, w[f"{p}.o_proj.weight"], w[f"{p}.o_proj.bias"])
+
+    def _attended(self, layer: int, kv, k: torch.Tensor, v: torch.Tensor, start_pos: int):
+        """Store this step's k/v; return the keys and values its queries may attend, in position
+        order, with the position of the first. A full layer: positions 0..S-1 of its cache. A
+        sliding layer: the window's earlier positions from the ring, then this step's own
+        (read before they are written: a long prefill overwrites the ring it reads)."""
+        T, S = k.shape[1], start_pos + k.shape[1]
+        ck, cv = kv.k[layer], kv.v[layer]
+        if self.windows[layer] is None:
+            ck[:, start_pos:S] = k
+            cv[:, start_pos:S] = v
+            return ck[:, :S], cv[:, :S], 0
+        size = ck.shape[1]
+        first = max(0, start_pos - (self.windows[layer] - 1))  # the oldest position a query here sees
+        earlier = torch.arange(first, start_pos) % size
+        keys = torch.cat([ck.index_select(1, earlier), k], dim=1)
+        values = torch.cat([cv.index_select(1, earlier), v], dim=1)
+        kept = torch.arange(max(start_pos, S - size), S)  # the newest `size` positions stay
+        ck.index_copy_(1, kept % size, k[:, kept - start_pos])
+        cv.index_copy_(1, kept % size, v[:, kept - start_pos])
+        return keys, values, first
+
+    def _allowed(self, layer: int, start_pos: int, T: int, first: int) -> torch.Tensor | None:
+        """Which of the attended positions (first..S-1) each query may see; None: all of them."""
+        window, S = self.windows[layer], start_pos + T
+        if T == 1:  # one query: every attended position is causal and, by `first`, in its window
+            return None
+        q_pos = torch.arange(start_pos, S)[:, None]
+        k_pos = torch.arange(first, S)[None, :]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        return allowed
+
+
+# --- experts ----------------------------------------------------------------------------------
+
+def _slice(info: TensorInfo, e: int, E: int, shape: tuple[int, ...]) -> TensorInfo:
+    """Expert e's slice of a fused [E, ...] tensor, as a TensorInfo of its own."""
+    step = info.nbytes // E
+    return TensorInfo(f"{info.name}[{e}]", info.path, info.dtype, shape, info.offset + e * step, step)
+
+
+@dataclass(frozen=True)
+class GptOssExperts:
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    alpha: float
+    limit: float
+
+    @property
+    def numel(self) -> int:
+        """Elements of one expert in the compute dtype (weights and biases)."""
+        H, I = self.hidden_size, self.intermediate_size
+        return 2 * I * H + 2 * I + H * I + H
+
+    def locations(self, ckpt: Checkpoint, layer: int) -> dict:
+        base = f"model.layers.{layer}.mlp.experts"
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        mx = f"{base}.gate_up_proj_blocks" in ckpt
+        if mx:
+            expect = {"gate_up_proj_blocks": (E, 2 * I, H // MX_BLOCK, 16), "gate_up_proj_scales": (E, 2 * I, H // MX_BLOCK),
+                      "gate_up_proj_bias": (E, 2 * I),
+                      "down_proj_blocks": (E, H, I // MX_BLOCK, 16), "down_proj_scales": (E, H, I // MX_BLOCK),
+                      "down_proj_bias": (E, H)}
+        else:
+            expect = {"gate_up_proj": (E, H, 2 * I), "gate_up_proj_bias": (E, 2 * I),
+                      "down_proj": (E, I, H), "down_proj_bias": (E, H)}
+        infos = {}
+        for name, shape in expect.items():
+            info = ckpt.info(f"{base}.{name}")
+            if info.shape != shape:
+                raise ModelFormatError(f"{info.path}: tensor {info.name!r} has shape {list(info.shape)}, "
+                                       f"config.json implies {list(shape)}")
+            if name.endswith(("_blocks", "_scales")) and info.dtype != "U8":
+                raise ModelFormatError(f"{info.path}: tensor {info.name!r} is {info.dtype}, MXFP4 needs U8")
+            infos[name] = info
+        decode = self._decode_mxfp4 if mx else self._decode_plain
+        out = {}
+        for e in range(E):
+            spans, pieces = group_into_spans([_slice(i, e, E, s[1:]) for i, s in zip(infos.values(), expect.values())])
+            out[(layer, e)] = ExpertLocation(tuple(spans), tuple(pieces), decode=decode)
+        return out
+
+    @staticmethod
+    def _decode_plain(loc, buffers, dtype):
+        gate_up, gate_up_bias, down, down_bias = (piece_tensor(buffers, p, dtype) for p in loc.pieces)
+        # Stored as x @ W ([in, out]); the transposes are views in F.linear's [out, in] layout.
+        return gate_up.t(), gate_up_bias, down.t(), down_bias
+
+    @staticmethod
+    def _decode_mxfp4(loc, buffers, dtype):
+        gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = (
+            piece_tensor(buffers, p, p.dtype) for p in loc.pieces)
+        return (mxfp4_dequantize(gu_blocks, gu_scales, dtype), gu_bias.to(dtype),
+                mxfp4_dequantize(d_blocks, d_scales, dtype), d_bias.to(dtype))
+
+    def forward(self, x: torch.Tensor, expert) -> torch.Tensor:
+        gate_up_w, gate_up_b, down_w, down_b = expert  # [2I, H], [2I], [H, I], [H]
+        gate_up = F.linear(x, gate_up_w, gate_up_b)
+        gate = gate_up[..., 0::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return F.linear((up + 1) * (gate * torch.sigmoid(gate * self.alpha)), down_w, down_b)

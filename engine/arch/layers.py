@@ -1,0 +1,90 @@
+"""The building blocks every architecture shares: RMSNorm, SwiGLU (dense and routed experts),
+top-k routing, and the KV cache.
+
+Shape legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, D head_dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine import native
+from engine.arch.args import ModelArgs, layer_prefix
+from engine.format.quant import linear
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 whatever the compute dtype, as the reference implementations do.
+    # F.rms_norm is one fused op where the written-out form was five (x * rsqrt(mean(x^2) + eps)),
+    # with the same result bit for bit.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    # x: [T, H]; gate/up: [I, H]; down: [H, I]
+    # Weights may be QuantWeights (quantized containers): `linear` picks their kernel.
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def swiglu_expert(x: torch.Tensor, weights: tuple) -> torch.Tensor:
+    """One routed expert: x [T, H] → [T, H], from what layout.tensors_from_buffers made of its
+    bytes: (gate_up [2I, H], down [H, I]), or (gate, up, down) where the file keeps them apart.
+
+    The one place the MoE layer reads an expert's weights; a new format replaces both.
+    """
+    down = weights[-1]
+    if down.device != x.device:  # the expert sits in the VRAM tier
+        return swiglu_expert(x.to(down.device), weights).to(x.device)
+    if native.ready and x.shape[0] == 1 and x.dtype is torch.bfloat16 and type(down) is torch.Tensor:
+        return native.experts(x, list(weights), len(weights))  # [1, H]; what moe's batched call computes
+    if len(weights) == 3:
+        return swiglu(x, *weights)
+    gu = F.linear(x, weights[0])  # [T, 2I]
+    inter = down.shape[1]
+    return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
+
+
+def route(args: ModelArgs, router_weight: torch.Tensor, x: torch.Tensor):
+    """Top-k routing with each architecture's normalisation. x: [T, H] → ids [T, K], weights [T, K]."""
+    logits = linear(x, router_weight)  # [T, E]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, args.top_k, dim=-1)
+    if args.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(x.dtype)
+
+
+def route_layer(args: ModelArgs, w: dict, layer: int, x: torch.Tensor):
+    """Layer `layer`'s routing rule (the architecture's own) on x: ids [T, K], weights [T, K]."""
+    if args.router is not None:
+        return args.router.route(w, layer_prefix(layer), x)
+    return route(args, w[f"{layer_prefix(layer)}.{args.moe_prefix}.gate.weight"], x)
+
+
+@dataclass
+class KVCache:
+    """Keys and values for every layer, preallocated for ctx_size positions."""
+
+    k: list[torch.Tensor]  # per layer [Nkv, ctx, D]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, args: ModelArgs, ctx_size: int, dtype: torch.dtype) -> "KVCache":
+        if hasattr(args.attention_impl, "allocate_cache"):  # MLA: compressed latents instead
+            return args.attention_impl.allocate_cache(args.num_layers, ctx_size, dtype)
+        shape = (args.num_kv_heads, ctx_size, args.head_dim)
+        return cls([torch.zeros(shape, dtype=dtype) for _ in range(args.num_layers)],
+                   [torch.zeros(shape, dtype=dtype) for _ in range(args.num_layers)])
+
+    @staticmethod
+    def nbytes_for(args: ModelArgs, ctx_size: int, dtype: torch.dtype) -> int:
+        if hasattr(args.attention_impl, "cache_nbytes"):
+            return args.attention_impl.cache_nbytes(args.num_layers, ctx_size, dtype)
+        elem = torch.finfo(dtype).bits // 8
+        return 2 * args.num_layers * args.num_kv_heads * ctx_size * args.head_dim * elem
+
+    @property
+    def ctx_size(self) -> int:
+        return self.k[0].shape[1]

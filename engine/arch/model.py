@@ -1,0 +1,231 @@
+"""The forward pass (after gpt-fast's model.py): the transformer over resident dense weights
+and an ExpertStore for routed experts.
+
+Supported `model_type`s: qwen3_moe, qwen2_moe, mixtral, olmoe (MoE) and llama, qwen2, qwen3
+(dense), plus deepseek_v3, glm4_moe, glm_moe_dsa and gpt_oss through the strategy objects on
+ModelArgs (engine/arch/parsers.py builds them; engine/arch/mla.py, engine/arch/router.py, engine/arch/gptoss.py
+implement them). The parts live beside this file, one job each:
+
+    modelargs.py   config.json → ModelArgs; tensor names
+    rope.py        rotary embeddings
+    layers.py      RMSNorm, SwiGLU, routing, KV cache
+    moe.py         the routed experts of one MoE layer (decode and prefill paths)
+    model.py       this file: attention, the layer loop, lookahead, layer streaming
+
+Shape legend used in comments:
+    T  tokens in this forward call        S  positions attended (start + T)
+    H  hidden size                        D  head_dim
+    Nq query heads   Nkv key/value heads  V  vocab
+    E  routed experts   K  experts per token (top-k)   I  expert intermediate size
+
+Weights are plain tensors in dicts, not nn.Modules: the runtime decides where each one lives
+(resident, streamed from disk, cached), and the math here only asks for them. Routed experts
+come from an ExpertStore (engine/movement/store.py), the seam between this file and the streaming runtime;
+the MoE layer hands each expert's weights to one function, `Transformer.expert_fn`, which a new
+weight format replaces together with the layout's bytes → weights step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.arch import moe
+from engine import native
+from engine.arch.layers import (  # noqa: F401 (re-exported)
+    KVCache, rms_norm, route, route_layer, swiglu, swiglu_expert,
+)
+from engine.arch.args import (  # noqa: F401
+    DENSE_TYPES, EXT_MOE_TYPES, MOE_TYPES, SUPPORTED_TYPES, ModelArgs, dense_tensor_names,
+    expert_tensor_names, fused_expert_tensor_names, layer_prefix, router_tensor_names,
+)
+from engine.format.quant import linear
+from engine.arch.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: F401 (re-exported)
+
+
+class Transformer:
+    """Forward pass over resident dense weights and an ExpertStore for routed experts."""
+
+    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], experts, dtype: torch.dtype):
+        self.args = args
+        self.w = weights
+        self.experts = experts
+        self.dtype = dtype
+        self.lm_head = weights["model.embed_tokens.weight"] if args.tie_word_embeddings else weights["lm_head.weight"]
+        self._rope_seq = 0
+        self._inv_freq, self._rope_scale = rope_inv_freq(args)
+        # Router lookahead: after layer L's attention, layer L+1's router applied to the same
+        # hidden state predicts L+1's experts well enough to start their reads early.
+        self.lookahead_depth = 0
+        # Layer streaming (dense models over budget): these layers are read per token.
+        self.layer_source = None
+        self.streamed_layers: list[int] = []
+        self._streamed: frozenset[int] = frozenset()  # membership test on the per-layer path
+        # What computes one routed expert from its weights: the architecture's own (gpt_oss:
+        # biases + clamped SwiGLU), else SwiGLU over what layout.tensors_from_buffers made.
+        self.expert_fn = swiglu_expert if args.expert_impl is None else args.expert_impl.forward
+        self.routing_log: list[list[torch.Tensor]] | None = None  # per layer, ids [T, K] per call
+        self._qkv = self._fuse_qkv(weights)
+
+    def _fuse_qkv(self, weights: dict) -> dict[int, torch.Tensor]:
+        """Per layer, q/k/v projections as one [Nq*D + 2*Nkv*D, H] matrix (concatenated once,
+        here), so decode runs one native call for the three. The dict's q/k/v entries become
+        row views of it: the same bytes, no second copy, and prefill's F.linear reads them as
+        before. Only for plain bf16 weights without biases (the native path's condition);
+        layers read per token (layer streaming) are not in `weights` and stay apart."""
+        a = self.args
+        if a.attention_impl is not None or self.dtype is not torch.bfloat16:
+            return {}
+        fused = {}
+        for layer in range(a.num_layers):
+            p = f"{layer_prefix(layer)}.self_attn"
+            names = [f"{p}.{n}_proj.weight" for n in "qkv"]
+            parts = [weights.get(n) for n in names]
+            if (any(type(t) is not torch.Tensor or t.dtype is not torch.bfloat16 for t in parts)
+                    or any(f"{p}.{n}_proj.bias" in weights for n in "qkv")):
+                continue
+            fused[layer] = torch.cat(parts)
+            for name, view in zip(names, fused[layer].split([t.shape[0] for t in parts])):
+                weights[name] = view
+        return fused
+
+    def _rope(self, positions: torch.Tensor):
+        if self.args.rope.get("rope_type") == "dynamic":
+            seq = int(positions[-1]) + 1
+            if seq > self._rope_seq:  # dynamic NTK only ever grows, as in transformers
+                self._rope_seq = seq
+                self._inv_freq, self._rope_scale = rope_inv_freq(self.args, seq)
+        return rope_cos_sin(self._inv_freq, self._rope_scale, positions, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start_pos: int, kv: KVCache, last_only: bool = False) -> torch.Tensor:
+        """tokens: [T] int64 → logits [T, V] (fp32), writing K/V at positions start_pos..start_pos+T.
+
+        last_only: logits of the last position only ([1, V]); generation needs no more, and the
+        lm_head is the largest matmul of a prefill.
+        """
+        T = tokens.shape[0]
+        if start_pos + T > kv.ctx_size:
+            raise ValueError(f"{start_pos + T} positions exceed ctx_size {kv.ctx_size}")
+        positions = torch.arange(start_pos, start_pos + T)
+        cos, sin = self._rope(positions)
+        mask = self._mask(start_pos, T)
+        x = F.embedding(tokens, self.w["model.embed_tokens.weight"])  # [T, H]
+        for layer in range(self.args.num_layers):
+            x = self._layer(layer, x, start_pos, kv, cos, sin, mask)
+        if last_only:
+            x = x[-1:]
+        x = rms_norm(x, self.w["model.norm.weight"], self.args.rms_norm_eps)
+        return linear(x, self.lm_head).float()
+
+    def _mask(self, start_pos: int, T: int) -> torch.Tensor | None:
+        window = self.args.sliding_window
+        S = start_pos + T
+        if T == 1 and (window is None or S <= window):
+            return None  # one new token sees every cached position
+        q_pos = torch.arange(start_pos, S)[:, None]
+        k_pos = torch.arange(S)[None, :]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        return allowed  # [T, S] bool
+
+    def _layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """This layer's weights: the resident dict, or (layer streaming) a fresh read."""
+        if layer not in self._streamed:
+            return self.w
+        # Reads for the next streamed layers (wrapping to the next token's) are in flight while
+        # this one computes.
+        for step in range(1, self.lookahead_depth + 1):
+            ahead = (layer + step) % self.args.num_layers
+            if ahead in self._streamed:
+                self.layer_source.hint_layer(ahead)
+        return self.layer_source.layer_weights(layer)
+
+    def stream_layers(self, source, layers: list[int]) -> None:
+        """Read `layers` from `source` per forward pass instead of keeping them resident."""
+        self.layer_source, self.streamed_layers = source, list(layers)
+        self._streamed = frozenset(layers)
+
+    def _layer(self, layer, x, start_pos, kv, cos, sin, mask):
+        p, a = layer_prefix(layer), self.args
+        w = self._layer_weights(layer)
+        h = x + self._attention(layer, w, rms_norm(x, w[f"{p}.input_layernorm.weight"], a.rms_norm_eps),
+                                start_pos, kv, cos, sin, mask)
+        normed = rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)
+        self._lookahead(layer, normed, h)
+        if a.is_moe_layer(layer):
+            return h + self._moe(layer, w, normed)
+        return h + swiglu(normed, w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"],
+                          w[f"{p}.mlp.down_proj.weight"])
+
+    def _attention(self, layer, w, x, start_pos, kv, cos, sin, mask):
+        p, a = f"{layer_prefix(layer)}.self_attn", self.args
+        if a.attention_impl is not None:
+            return a.attention_impl.forward(w, p, layer, x, start_pos, kv, cos, sin, mask)
+        T = x.shape[0]
+        qkv = self._qkv.get(layer) if T == 1 and native.ready and x.dtype is torch.bfloat16 else None
+        if qkv is not None and w is self.w:  # one native call; its rows are q, k, v's own (same bits)
+            q, k, v = linear(x, qkv).split(
+                [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], dim=1)
+        else:
+            q = linear(x, w[f"{p}.q_proj.weight"], w.get(f"{p}.q_proj.bias"))  # [T, Nq*D]
+            k = linear(x, w[f"{p}.k_proj.weight"], w.get(f"{p}.k_proj.bias"))  # [T, Nkv*D]
+            v = linear(x, w[f"{p}.v_proj.weight"], w.get(f"{p}.v_proj.bias"))
+        if a.clip_qkv is not None:
+            q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+        if a.qk_norm == "full":
+            q = rms_norm(q, w[f"{p}.q_norm.weight"], a.rms_norm_eps)
+            k = rms_norm(k, w[f"{p}.k_norm.weight"], a.rms_norm_eps)
+        q = q.view(T, a.num_heads, a.head_dim).transpose(0, 1)  # [Nq, T, D]
+        k = k.view(T, a.num_kv_heads, a.head_dim).transpose(0, 1)  # [Nkv, T, D]
+        v = v.view(T, a.num_kv_heads, a.head_dim).transpose(0, 1)
+        if a.qk_norm == "head":
+            q = rms_norm(q, w[f"{p}.q_norm.weight"], a.rms_norm_eps)
+            k = rms_norm(k, w[f"{p}.k_norm.weight"], a.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        S = start_pos + T
+        kv.k[layer][:, start_pos:S] = k
+        kv.v[layer][:, start_pos:S] = v
+        keys = kv.k[layer][:, :S].to(q.dtype)  # [Nkv, S, D]
+        values = kv.v[layer][:, :S].to(q.dtype)
+        out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                             attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads)
+        out = out.squeeze(0).transpose(0, 1).reshape(T, a.num_heads * a.head_dim)  # [T, Nq*D]
+        return linear(out, w[f"{p}.o_proj.weight"])
+
+    def _lookahead(self, layer: int, normed: torch.Tensor, residual: torch.Tensor) -> None:
+        if self.experts is None or not self.lookahead_depth:
+            return
+        a = self.args
+        for ahead in range(1, self.lookahead_depth + 1):
+            target = layer + ahead
+            if target >= a.num_layers or not a.is_moe_layer(target):
+                continue
+            tp = layer_prefix(target)
+            # The target layer's own norm and router on today's residual stream: cheap (an
+            # [T,H]x[H,E] product) and right most of the time, because the residual changes
+            # slowly from layer to layer.
+            guess_in = rms_norm(residual, self.w[f"{tp}.post_attention_layernorm.weight"], a.rms_norm_eps)
+            ids, _ = route_layer(a, self.w, target, guess_in)  # the architecture's own rule
+            predicted = ids[0].tolist() if ids.shape[0] == 1 else torch.unique(ids).tolist()
+            self.experts.hint_experts(target, predicted)
+
+    def _moe(self, layer: int, w: dict, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]
+        p, a = layer_prefix(layer), self.args
+        ids, weights = route_layer(a, w, layer, x)  # [T, K] each
+        if self.routing_log is not None:
+            self.routing_log[layer].append(ids)
+        if x.shape[0] == 1:
+            out = moe.routed_decode(self.experts, self.expert_fn, layer, x, ids, weights)
+        else:
+            out = moe.routed_prefill(self.experts, self.expert_fn, layer, x, ids, weights)
+        if a.shared_experts_intermediate_size:  # deepseek-style: resident, always on, no gate
+            out = out + swiglu(x, *(w[f"{p}.mlp.shared_experts.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj")))
+        if a.shared_expert_intermediate_size:
+            shared = swiglu(x, w[f"{p}.mlp.shared_expert.gate_proj.weight"],
+                            w[f"{p}.mlp.shared_expert.up_proj.weight"],
+                            w[f"{p}.mlp.shared_expert.down_proj.weight"])
+            out = out + torch.sigmoid(F.linear(x, w[f"{p}.mlp.shared_expert_gate.weight"])) * shared
+        return out

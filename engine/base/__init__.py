@@ -1,0 +1,6 @@
+"""The engine's foundations: errors a user can cause, the dtype table, EngineConfig (every knob),
+durable files, bounded JSON reading and progress lines.
+
+Owns: what every other engine package needs and nothing that knows about models or files of weights.
+May import: nothing of the project (only the standard library, torch, tomli/tomli_w, tqdm).
+"""

@@ -1,0 +1,204 @@
+"""EngineConfig: every knob of the engine, validated, with TOML load/save.
+
+The same file is what `tune` recommends (`recommended.toml`) and what `run --config` reads, so
+an unknown key is an error (a misspelt knob silently ignored is a classic tuning trap).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+import tomli_w
+
+from engine.base.dtypes import SHORT_NAMES
+from engine.base.durable import atomic_write_text  # noqa: F401  (re-exported: callers import it from here)
+from engine.base.errors import ConfigError
+
+# The one home of the engine's enums: every module, flag and search space imports them from here.
+IO_MODES = ("direct", "buffered", "mmap")
+# What issues the reads (engine/io): reader threads, io_uring, or io_uring where the kernel allows.
+IO_BACKENDS = ("threads", "uring", "auto")
+CACHE_POLICIES = ("lru", "lfu", "pinned")
+KV_DTYPES = ("auto", *SHORT_NAMES)
+COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # fp16 is computed in fp32 on CPU (slow fp16 matmuls)
+
+# An engine config is a dozen keys; anything this large is not one (and is not read whole).
+MAX_TOML_BYTES = 1 << 20
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value) -> int:
+    """'1GiB', '512M', '1.5g', 4096 → bytes (binary units: K=1024)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"size {value!r} is not a number of bytes")
+    if isinstance(value, (int, float)):
+        number, unit = value, ""
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m:
+            raise ConfigError(f"cannot parse size {_short(value)} (examples: 1GiB, 512M, 4096)")
+        number, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b").rstrip("i")
+    # int(inf) / int(nan) raise; "9" * 400 + "G" parses to inf: all one error, not a traceback.
+    if isinstance(number, float) and not math.isfinite(number * _UNITS[unit]):
+        raise ConfigError(f"size {_short(value)} is not a finite number of bytes")
+    return int(number * _UNITS[unit])
+
+
+def _short(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def format_size(n: int | float | None) -> str:
+    """A readable approximate size: 1.5 GiB, 300.0 MiB, 512 B; '-' when unknown."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def size_label(n: int, smallest: str = "B") -> str:
+    """A compact exact label, the inverse of parse_size: 1048576 → '1MiB', 1536 → '1536B'.
+
+    Below `smallest` ("KiB", "MiB") nothing is spelt out: the value is rounded down to it.
+    """
+    units = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+    floor = dict(units)[smallest]
+    for unit, size in units:
+        if size >= floor and n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n // floor}{smallest}"
+
+
+@dataclass
+class EngineConfig:
+    # Memory budget for the whole process (weights, KV, buffers, cache, runtime). 0 = no limit:
+    # everything resident.
+    ram_budget: int = 0
+    # A span (one expert) larger than this is split across the io_threads readers; smaller ones
+    # are one request. 4 MiB: demo's 3 MiB experts are read whole, which measured 1.37x the
+    # decode speed of splitting them at 1 MiB (docs/BENCHMARKS.md, "One request per span").
+    chunk_size: int = 4 << 20
+    prefetch_depth: int = 1  # layers of router lookahead
+    cpu_cache_ratio: float = 1.0  # share of what the budget leaves that the RAM expert cache takes
+    gpu_cache_ratio: float = 0.0  # share of free VRAM for the VRAM expert tier (CUDA only)
+    threads: int = 0  # torch compute threads; 0 = physical cores
+    ctx_size: int = 2048
+    kv_dtype: str = "auto"  # auto = the compute dtype
+    io_mode: str = "direct"
+    io_threads: int = 4  # reader threads; for io_backend uring, the reads in flight (queue depth)
+    # threads: preadv on io_threads workers. uring: one io_uring ring (the uring-api package),
+    # an error where the kernel refuses io_uring; auto: uring where it works, else threads.
+    # mmap mode always faults in on the threads. Default threads: docs/BENCHMARKS.md, "io_backend in the engine".
+    io_backend: str = "threads"
+    cache_policy: str = "lru"
+    routing_histogram: str = ""  # JSON recorded by --record-routing; used by cache_policy=pinned
+    dtype: str = "auto"  # compute dtype: auto (the checkpoint's), bf16, fp32
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> "EngineConfig":
+        def need(cond, msg):
+            if not cond:
+                raise ConfigError(msg)
+
+        for name, typ in (("ram_budget", int), ("chunk_size", int), ("prefetch_depth", int), ("threads", int),
+                          ("ctx_size", int), ("io_threads", int)):
+            value = getattr(self, name)
+            need(isinstance(value, typ) and not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
+        for name in ("cpu_cache_ratio", "gpu_cache_ratio"):
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0,
+                 f"{name} must be a number in [0, 1], got {value!r}")
+        need(self.ram_budget >= 0, f"ram_budget must be >= 0, got {self.ram_budget}")
+        need(4096 <= self.chunk_size <= 1 << 30, f"chunk_size must be in [4 KiB, 1 GiB], got {self.chunk_size}")
+        need(0 <= self.prefetch_depth <= 16, f"prefetch_depth must be in [0, 16], got {self.prefetch_depth}")
+        need(0 <= self.threads <= 1024, f"threads must be in [0, 1024], got {self.threads}")
+        need(1 <= self.ctx_size <= 1 << 22, f"ctx_size must be in [1, 4194304], got {self.ctx_size}")
+        need(1 <= self.io_threads <= 256, f"io_threads must be in [1, 256], got {self.io_threads}")
+        need(self.io_mode in IO_MODES, f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")
+        need(self.io_backend in IO_BACKENDS,
+             f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {self.io_backend!r}")
+        need(self.cache_policy in CACHE_POLICIES,
+             f"cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {self.cache_policy!r}")
+        need(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        need(self.dtype in COMPUTE_DTYPES, f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
+        need(isinstance(self.routing_histogram, str), "routing_histogram must be a path string")
+        return self
+
+    # --- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config") -> "EngineConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a table of engine settings")
+        if set(data) == {"engine"}:
+            data = data["engine"]
+            if not isinstance(data, dict):
+                raise ConfigError(f"{source}: [engine] must be a table of engine settings")
+        data = dict(data)
+        unknown = sorted(set(data) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)} "
+                              f"(known: {', '.join(cls.field_names())})")
+        if "ram_budget" in data:
+            data["ram_budget"] = parse_size(data["ram_budget"])
+        if "chunk_size" in data:
+            data["chunk_size"] = parse_size(data["chunk_size"])
+        try:
+            return cls(**data)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "EngineConfig":
+        path = Path(path)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_TOML_BYTES + 1)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        if len(raw) > MAX_TOML_BYTES:
+            raise ConfigError(f"{path}: larger than {MAX_TOML_BYTES} bytes: not an engine config")
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+        except RecursionError:  # tomllib recurses per nesting level of arrays / inline tables
+            raise ConfigError(f"{path}: not valid TOML (nested too deeply)") from None
+        return cls.from_dict(data, source=str(path))
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | os.PathLike, header: str = "") -> None:
+        text = tomli_w.dumps({"engine": self.to_dict()})
+        if header:
+            text = "".join(f"# {line}\n" for line in header.splitlines()) + text
+        atomic_write_text(path, text)

@@ -1,0 +1,162 @@
+"""The memory plan: what goes where under the budget, decided before anything is loaded.
+
+    budget = dense (resident, compute dtype) + KV (ctx_size, kv_dtype) + read buffers
+             + runtime overhead + RAM expert cache
+
+The runtime overhead is measured, not guessed: the process's resident set at planning time
+(interpreter, torch, the checkpoint index) plus a margin for activations and logits. If the
+parts cannot fit, one error lists them, so the user sees which part to shrink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import psutil
+import torch
+
+from engine.format.checkpoint import Checkpoint
+from engine.base.config import EngineConfig, format_size
+from engine.base.errors import BudgetError
+from engine.format.container import dense_nbytes, dense_quantized
+from engine.format.layout import cast_bytes, expert_memory_bytes
+from engine.arch.layers import KVCache
+from engine.arch.args import ModelArgs, dense_tensor_names
+
+ACTIVATION_MARGIN = 64 << 20  # hidden states, logits, attention scores of a decode step
+ALIGN_SLACK = 2 * 4096  # an O_DIRECT window can start up to 4 KiB early and end 4 KiB late
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+@dataclass
+class MemoryPlan:
+    budget: int
+    streaming: bool
+    dense_bytes: int
+    kv_bytes: int
+    buffer_bytes: int
+    overhead_bytes: int
+    cache_bytes: int  # RAM expert tier
+    gpu_cache_bytes: int
+    expert_bytes: int  # one routed expert in the compute dtype
+    expert_disk_bytes: int
+    routed_experts: int
+    max_inflight_experts: int
+    # Layer streaming (dense models): the first `resident_layers` stay in RAM, the rest are
+    # read per token, `prefetch_depth` layers ahead.
+    resident_layers: int = 0
+    layer_bytes: int = 0
+    # Expert streaming: every read lands in a slot of `slot_bytes`; the arena has `arena_slots`
+    # (the reads in flight, plus one per cache entry when the cache holds the slots themselves,
+    # i.e. when compute tensors are zero-copy views of the read bytes). A cache entry is
+    # charged `cache_entry_bytes`: a slot, or a converted expert.
+    slot_bytes: int = 0
+    arena_slots: int = 0
+    cache_entry_bytes: int = 0
+
+    @property
+    def cache_slots(self) -> int:
+        entry = self.cache_entry_bytes or self.expert_bytes
+        return self.cache_bytes // entry if entry else 0
+
+    @property
+    def projected_hit_rate(self) -> float:
+        """Share of expert bytes the caches can hold: the hit rate of uniform routing."""
+        if not self.routed_experts:
+            return 1.0
+        held = self.cache_slots + self.gpu_cache_bytes // max(self.expert_bytes, 1)
+        return min(1.0, held / self.routed_experts)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["cache_slots"] = self.cache_slots
+        d["projected_hit_rate"] = round(self.projected_hit_rate, 4)
+        return d
+
+    def describe(self) -> str:
+        return (f"dense {format_size(self.dense_bytes)} + KV {format_size(self.kv_bytes)} + read buffers "
+                f"{format_size(self.buffer_bytes)} + runtime {format_size(self.overhead_bytes)} + expert cache "
+                f"{format_size(self.cache_bytes)} of budget {format_size(self.budget)}")
+
+
+def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, dtype: torch.dtype,
+              kv_dtype: torch.dtype, overhead_bytes: int | None = None) -> MemoryPlan:
+    quantized = dense_quantized(ckpt, getattr(layout, "quant", None), dense_tensor_names(args))
+    dense = sum(dense_nbytes(None, quantized[n], _elem(dtype)) if n in quantized else _count(ckpt, n) * _elem(dtype)
+                for n in dense_tensor_names(args))
+    kv = KVCache.nbytes_for(args, config.ctx_size, kv_dtype)
+    routed = layout.num_routed if layout is not None else 0
+    disk_expert = layout.expert_nbytes if layout is not None else 0
+    expert = expert_memory_bytes(layout, dtype) if routed else 0
+    if overhead_bytes is None:
+        overhead_bytes = psutil.Process().memory_info().rss + ACTIVATION_MARGIN
+    # Reads in flight, demand and lookahead together: the current layer's misses plus
+    # `prefetch_depth` layers of lookahead. The store never holds more.
+    inflight = args.top_k * (1 + config.prefetch_depth) if routed else 0
+    mapped = config.io_mode == "mmap"
+    views = layout is not None and routed and layout.zero_copy(dtype)
+    slot = 0 if mapped or not routed else layout.slot_bytes(direct=config.io_mode == "direct")
+    # mmap reads are page-cache pages (the expert's disk bytes); others land in a slot. A cast
+    # expert (bf16 on disk, fp32 compute) also exists converted while its read is held.
+    # A quantized expert's codes are views of its slot; scales cast to the compute dtype are not.
+    cast = cast_bytes(layout, dtype) if views else 0
+    buffers = inflight * ((disk_expert if mapped else slot) + (cast if views else expert))
+    entry = slot + cast if views and not mapped else expert
+    budget = config.ram_budget
+
+    if budget > 0 and routed == 0:
+        return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes)
+    if budget <= 0 or routed == 0:
+        return MemoryPlan(budget, False, dense, kv, 0, overhead_bytes, routed * expert, 0, expert, disk_expert,
+                          routed, inflight)
+    fixed = dense + kv + buffers + overhead_bytes
+    if fixed > budget:
+        raise BudgetError(
+            f"memory budget {format_size(budget)} is too small: dense weights {format_size(dense)} + KV cache "
+            f"at ctx_size {config.ctx_size} {format_size(kv)} + read buffers {format_size(buffers)} + runtime "
+            f"{format_size(overhead_bytes)} = {format_size(fixed)} before any expert cache")
+    # Whole entries only, so the cache's byte capacity is exactly its slots.
+    cache = min(int((budget - fixed) * config.cpu_cache_ratio) // entry, routed) * entry
+    gpu_cache = 0
+    if config.gpu_cache_ratio > 0 and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info()
+        gpu_cache = min(int(free * config.gpu_cache_ratio), routed * expert)
+    arena = 0 if mapped else inflight + (cache // entry if views else 0)
+    return MemoryPlan(budget, True, dense, kv, buffers, overhead_bytes, cache, gpu_cache, expert, disk_expert,
+                      routed, inflight, slot_bytes=slot, arena_slots=arena, cache_entry_bytes=entry)
+
+
+def _layer_names(args: ModelArgs, layer: int) -> list[str]:
+    prefix = f"model.layers.{layer}."
+    return [n for n in dense_tensor_names(args) if n.startswith(prefix)]
+
+
+def _dense_plan(ckpt, args, config, dtype, kv, overhead) -> MemoryPlan:
+    """Dense model under a budget: as many whole layers resident as fit, the rest streamed."""
+    layer_bytes = max(sum(_count(ckpt, n) for n in _layer_names(args, i)) for i in range(args.num_layers)) * _elem(dtype)
+    layer_disk = max(sum(ckpt.info(n).nbytes for n in _layer_names(args, i)) for i in range(args.num_layers))
+    layered = {n for i in range(args.num_layers) for n in _layer_names(args, i)}
+    base = sum(_count(ckpt, n) * _elem(dtype) for n in dense_tensor_names(args) if n not in layered)
+    # In flight: the layer being computed and `prefetch_depth` ahead, each as read + converted.
+    buffers = (1 + config.prefetch_depth) * (layer_disk + ALIGN_SLACK + (layer_bytes if layer_bytes != layer_disk else 0))
+    fixed = base + kv + buffers + overhead
+    budget = config.ram_budget
+    if fixed > budget:
+        raise BudgetError(
+            f"memory budget {format_size(budget)} is too small: dense weights outside the layers {format_size(base)} "
+            f"+ KV cache at ctx_size {config.ctx_size} {format_size(kv)} + read buffers (layer streaming) "
+            f"{format_size(buffers)} + runtime {format_size(overhead)} = {format_size(fixed)}")
+    resident = min(args.num_layers, int((budget - fixed) * config.cpu_cache_ratio) // max(layer_bytes, 1))
+    return MemoryPlan(budget, resident < args.num_layers, base + resident * layer_bytes, kv,
+                      buffers if resident < args.num_layers else 0, overhead, 0, 0, 0, 0, 0, 0,
+                      resident_layers=resident, layer_bytes=layer_bytes)
+
+
+def _count(ckpt: Checkpoint, name: str) -> int:
+    n = 1
+    for d in ckpt.info(name).shape:
+        n *= d
+    return n

@@ -1,0 +1,103 @@
+"""The expert store's slot allocator: one pre-faulted arena of equal byte slots, reused forever.
+
+Every expert read lands in a slot; the tensors torch builds over it are zero-copy views, so
+a cached expert *is* its slot. Sizing comes from the memory plan (one slot per cache entry
+plus the reads in flight), so the plan's read-buffer + cache figures are the memory used.
+
+Slots are plain bytes: a bf16 expert, an int4 container or an MXFP4 block all fit the same
+way; what the bytes mean is the layout's business (engine/format/layout.py).
+
+A slot is handed out as a `ctypes` array over its bytes. torch.frombuffer keeps that object
+alive for as long as any tensor view of it lives, so a weakref finalizer on it returns the
+slot exactly when the last view dies: whether the cache evicted it, a read was given up, or
+the compute thread dropped its last reference. Nothing can reuse a slot a tensor still reads.
+
+Why pre-faulted: a fresh anonymous buffer per read costs one zero-fill page fault per 4 KiB
+and an munmap (with a TLB shootdown) per eviction; the arena pays the faults once, at load.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import mmap
+import threading
+import time
+import weakref
+
+from engine.movement.io import ALIGN, align_up
+
+# Linux >= 5.14: fault a whole range in, writable, with one call.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+
+
+class SlotArena:
+    """`count` slots of `slot_bytes` (rounded up to pages), page-aligned, faulted in up front."""
+
+    def __init__(self, slot_bytes: int, count: int, prefault: bool = True):
+        if slot_bytes < 0 or count < 0:
+            raise ValueError(f"slot_bytes and count must be >= 0, got {slot_bytes}, {count}")
+        self.slot_bytes = align_up(max(slot_bytes, 1))
+        self.count = count
+        self.nbytes = self.slot_bytes * count
+        self._arena = mmap.mmap(-1, max(self.nbytes, ALIGN))
+        if prefault and self.nbytes:
+            self._prefault()
+        self._free = collections.deque(range(count))  # append/popleft are atomic: finalizers may run on workers
+        # Reentrant: a finalizer (a release) can run in any thread at any allocation, including
+        # in one that holds the lock already.
+        self._lock = threading.RLock()
+        self._released = threading.Condition(self._lock)
+        self.in_use = 0
+        self.peak_in_use = 0
+
+    def _prefault(self) -> None:
+        try:
+            self._arena.madvise(_MADV_HUGEPAGE)  # fewer TLB misses over a large arena, where THP allows
+        except OSError:
+            pass
+        try:
+            self._arena.madvise(_MADV_POPULATE_WRITE)
+        except OSError:  # kernels before 5.14: touch every page
+            ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(self._arena)), 0, self.nbytes)
+
+    def acquire(self, wait_s: float = 0.0):
+        """A free slot as a writable ctypes array of slot_bytes, or None when all are still held
+        after waiting up to `wait_s` seconds for a release."""
+        deadline = None
+        while True:
+            try:
+                index = self._free.popleft()
+                break
+            except IndexError:
+                pass
+            with self._released:
+                if self._free:  # released meanwhile: a release appends under this lock
+                    continue
+                deadline = time.monotonic() + wait_s if deadline is None else deadline
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._released.wait(left)
+        lease = (ctypes.c_char * self.slot_bytes).from_buffer(self._arena, index * self.slot_bytes)
+        weakref.finalize(lease, self._release, index)
+        with self._lock:
+            self.in_use += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return lease
+
+    def _release(self, index: int) -> None:
+        with self._released:
+            self.in_use -= 1
+            self._free.append(index)
+            self._released.notify()
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"slots": self.count, "slot_bytes": self.slot_bytes, "arena_bytes": self.nbytes,
+                    "slots_in_use": self.in_use, "slots_peak": self.peak_in_use}

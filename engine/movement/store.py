@@ -1,0 +1,114 @@
+"""The ExpertStore contract: what the model asks of the weights it does not hold itself.
+
+Three stores implement it (the conformance suite, tests/test_store_contract.py, runs over
+every one of them):
+
+    ResidentExperts    every routed expert in RAM (here): the reference placement
+    StreamingExperts   routed experts read from disk into slots and tiered caches (streaming.py)
+    StreamingLayers    a dense model's layers read per forward pass (streaming.py)
+
+What the model calls:
+    for_each_expert(layer, experts, fn)   call fn(expert, weights) once per expert, in the
+                                          order the weights become available (hits first,
+                                          then reads as they land); the caller sums in a
+                                          fixed order, so the order here never shows.
+    hint_experts(layer, experts)          a later layer will probably need these.
+    resident(layer, experts)              their weights if all are held in RAM for good
+                                          (ResidentExperts), else None: the decode step may
+                                          then batch them into one call.
+    layer_weights(layer) / hint_layer(layer)   layer streaming: a layer's tensors by name.
+
+What the runtime and bench call:
+    streams           whether a disk is in the loop (bench makes those cold; io stats exist)
+    clear_caches()    forget every cached weight; reads in flight are waited for or cancelled
+    make_cold()       clear_caches() + drop the weights' pages; returns how cold was achieved
+    reset_stats(), stats(), close()
+
+`weights` is whatever the layout's decode step made of the bytes (today
+layout.tensors_from_buffers: (gate_up [2I,H], down [H,I]) in the compute dtype); the model's
+expert function is the one thing that reads it, so a new container format replaces both.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from engine.base.errors import ModelFormatError
+from engine.format.layout import ExpertLayout, tensors_from_buffers
+
+ExpertFn = Callable[[int, tuple], None]
+
+
+class ExpertStore(ABC):
+    streams: bool = False
+
+    # ---- what the model asks ------------------------------------------------------------------
+
+    def for_each_expert(self, layer: int, experts: list[int], fn: ExpertFn) -> None:
+        raise NotImplementedError(f"{type(self).__name__} holds no routed experts")
+
+    def hint_experts(self, layer: int, experts: list[int]) -> None:
+        """Default: nothing to read ahead."""
+
+    def resident(self, layer: int, experts: list[int]) -> list[tuple] | None:
+        """These experts' weights, in this order, if all are in RAM for good (no read, no cache
+        bookkeeping): the model may then compute them in one batched call. Default: None."""
+        return None
+
+    def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} does not stream layers")
+
+    def hint_layer(self, layer: int) -> None:
+        """Default: nothing to read ahead."""
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def clear_caches(self) -> None:
+        """Default: nothing cached."""
+
+    def make_cold(self) -> str:
+        """Empty the caches and drop the weights' pages; the answer says what was done."""
+        self.clear_caches()
+        return "resident: nothing to make cold"
+
+    def reset_stats(self) -> None:
+        """Default: no counters."""
+
+    @abstractmethod
+    def stats(self) -> dict: ...
+
+    def close(self) -> None:
+        """Default: nothing to release."""
+
+
+class ResidentExperts(ExpertStore):
+    """Every routed expert loaded once into RAM."""
+
+    def __init__(self, layout: ExpertLayout, dtype: torch.dtype):
+        self._experts = {}
+        for key in layout.keys():
+            loc = layout.location(*key)
+            buffers = [read_span(s) for s in loc.spans]
+            self._experts[key] = tensors_from_buffers(loc, buffers, dtype)
+
+    def for_each_expert(self, layer, experts, fn):
+        for e in experts:
+            fn(e, self._experts[(layer, e)])
+
+    def resident(self, layer, experts):
+        return [self._experts[(layer, e)] for e in experts]
+
+    def stats(self) -> dict:
+        return {"io_mode_effective": "resident", "expert_lookups": None}
+
+
+def read_span(span) -> bytearray:
+    buf = bytearray(span.length)
+    with open(span.path, "rb", buffering=0) as f:
+        if os.preadv(f.fileno(), [buf], span.offset) != span.length:
+            raise ModelFormatError(f"{span.path}: truncated (expert bytes at {span.offset} missing)")
+    return buf

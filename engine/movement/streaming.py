@@ -1,0 +1,442 @@
+"""The streaming stores: routed experts (MoE) or whole layers (dense) read from disk per use.
+
+StreamingExperts, per layer:
+    for_each_expert   cache hits are computed at once; reads already in flight (issued by a
+                      hint) and demand reads for the rest are computed as they land, in
+                      completion order, so a hit never waits behind the slowest miss.
+    hint_experts      router lookahead predicted these for a later layer: start reading.
+
+Memory is the plan's, exactly: every read lands in a slot of one pre-faulted arena
+(engine/movement/slots.py) sized for the cache entries plus `max_inflight` reads; no read, demand or
+lookahead, starts while `max_inflight` are held. Lookahead reads a layer did not use are
+cancelled (still queued) or dropped when they land (already reading) as soon as that layer
+has routed, so they never hold budget past it.
+
+Everything here runs on the compute thread except the reads themselves (the read pool's reader
+threads or io_uring completion thread): they only put finished reads on a queue, which the
+compute thread drains.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import weakref
+from concurrent.futures import Future, wait
+
+import torch
+
+from engine.movement.cache import TieredCache, hottest_keys, make_cache, routing_histogram_load
+from engine.base.config import EngineConfig
+from engine.movement.io import IOStats, align_up, open_read_pool
+from engine.format.layout import ExpertLayout, group_into_spans, piece_tensor, tensors_from_buffers
+from engine.movement.plan import MemoryPlan
+from engine.movement.slots import SlotArena
+from engine.movement.store import ExpertStore
+
+# Share of the RAM cache the pinned policy reserves for the recorded hottest experts.
+PINNED_FRACTION = 0.5
+# How long a read waits for a worker to release a slot before it counts an overflow: a guard
+# against a budget bug, far above the slowest pread.
+SLOT_WAIT_GUARD_S = 5.0
+
+
+def _to_device(value, device: str):
+    return tuple(t.to(device, non_blocking=False) for t in value)
+
+
+class _Read:
+    """One expert's read: a Future per span, all landing in one slot (`lease`)."""
+
+    __slots__ = ("key", "futures", "left", "wanted", "prefetch", "__weakref__")
+
+    def __init__(self, key, futures: list[Future], prefetch: bool):
+        self.key = key
+        self.futures = futures
+        self.left = len(futures)  # spans not yet landed; counted down on the compute thread only
+        self.wanted = True  # False once its layer routed elsewhere: dropped when it lands
+        self.prefetch = prefetch
+
+
+class StreamingExperts(ExpertStore):
+    streams = True
+
+    def __init__(self, layout: ExpertLayout, config: EngineConfig, plan: MemoryPlan, dtype: torch.dtype):
+        self.layout = layout
+        self.dtype = dtype
+        self.plan = plan
+        self.io_stats = IOStats()
+        self.pool = open_read_pool(config.io_mode, config.io_backend, config.io_threads, config.chunk_size,
+                                   stats=self.io_stats)
+        self.max_inflight = max(plan.max_inflight_experts, 1)
+        # mmap reads are views of the page cache: nothing to land in, so no arena.
+        self.arena = None if config.io_mode == "mmap" else SlotArena(plan.slot_bytes, plan.arena_slots)
+        pinned = []
+        if config.cache_policy == "pinned" and config.routing_histogram:
+            pinned = hottest_keys(routing_histogram_load(config.routing_histogram))
+        tiers = []
+        if plan.gpu_cache_bytes:
+            tiers.append(("vram", make_cache("lru", plan.gpu_cache_bytes), "cuda"))
+        tiers.append(("ram", make_cache(config.cache_policy, plan.cache_bytes, pinned_keys=pinned,
+                                          pinned_fraction=PINNED_FRACTION), "cpu"))
+        self.cache = TieredCache(tiers, to_device=_to_device)
+        self.reads: dict[tuple[int, int], _Read] = {}  # in flight
+        self.ready: dict[tuple[int, int], _Read] = {}  # landed lookahead reads, not yet used
+        self.orphans: set[_Read] = set()  # in flight, no longer wanted: held until they land
+        self._landed: queue.SimpleQueue = queue.SimpleQueue()
+        self.predicted: dict[int, set[int]] = {}
+        self.slot_overflows = 0
+        self.tracer = None  # an engine/movement/io/trace.py ReadTrace while `colibri bench --read-trace` records
+        self.reset_stats()
+        if pinned:
+            self._preload(pinned)
+
+    # --- the ExpertStore contract ----------------------------------------------------------
+
+    def for_each_expert(self, layer, experts, fn) -> None:
+        self._drain()
+        needed = set(experts)
+        self._release_mispredicted(layer, needed)
+        predicted = self.predicted.pop(layer, None)
+        if predicted is not None:
+            self.recall_hits += len(predicted & needed)
+            self.recall_total += len(needed)
+        waiting: set[tuple[int, int]] = set()
+        to_read = []
+        for e in experts:
+            key = (layer, e)
+            self.lookups += 1
+            read = self.ready.pop(key, None)
+            if read is not None:  # lookahead read it in time
+                self.prefetched_used += 1
+                self.cache.note_request(key)  # still a use of the expert: lfu's popularity counts it
+                self._compute(read, fn)
+                read = None  # a consumed read's slot belongs to the cache now, or to nobody
+                continue
+            hit = self.cache.get(key)
+            if hit is not None:
+                tier, value = hit
+                self.tier_hits[tier] = self.tier_hits.get(tier, 0) + 1
+                fn(e, value)
+                del value, hit
+                continue
+            if key in self.reads:
+                self.prefetched_used += 1
+                waiting.add(key)
+            else:
+                self.demand_reads += 1
+                to_read.append(key)
+        while waiting or to_read:
+            while to_read and self._room():
+                key = to_read.pop(0)
+                self.reads[key] = self._submit(key, prefetch=False)
+                waiting.add(key)
+            if not waiting:  # every slot is held by lookahead for later layers: give one up
+                self._give_up_lookahead(layer)
+                continue
+            read = self._next_landed(stall=True)
+            if read.key in waiting and read.wanted:
+                waiting.discard(read.key)
+                self._compute(read, fn)
+            else:
+                self._landed_elsewhere(read)
+            read = None
+
+    def hint_experts(self, layer, experts) -> None:
+        self._drain()
+        self.predicted[layer] = set(experts)
+        for e in experts:
+            key = (layer, e)
+            if key in self.reads or key in self.ready or key in self.cache:
+                continue
+            if not self._room():
+                return  # read buffers are budgeted: never more than max_inflight held
+            self.reads[key] = self._submit(key, prefetch=True)
+            self.prefetch_reads += 1
+
+    # --- reads -----------------------------------------------------------------------------
+
+    def _room(self) -> bool:
+        return len(self.reads) + len(self.ready) + len(self.orphans) < self.max_inflight
+
+    def _submit(self, key, prefetch: bool) -> _Read:
+        loc = self.layout.location(*key)
+        lease = self._lease()
+        futures, at = [], 0
+        for s in loc.spans:
+            into = None
+            if lease is not None:
+                size = self.pool.buffer_bytes(s.offset, s.length)
+                into = memoryview(lease)[at:at + size]
+                at += align_up(size)
+            futures.append(self.pool.submit(s.path, s.offset, s.length, into=into))
+            if self.tracer is not None:
+                self.tracer.submitted(s.path, s.offset, s.length, key[0], futures[-1])
+        read = _Read(key, futures, prefetch)
+        # A weak reference: a strong one would make read <-> future a cycle, which only the
+        # garbage collector frees, and the slot with it. The store holds the read until it lands.
+        landed, ref = self._landed, weakref.ref(read)
+        for f in futures:
+            f.add_done_callback(lambda _f: landed.put(ref()))
+        return read
+
+    def _lease(self):
+        """A free slot. The budget guarantees one, except for a cancelled read whose job a worker
+        has not discarded yet (it still references its slot, maybe for a whole pread on a busy
+        disk): wait for that release, not for a guess at how long it takes."""
+        if self.arena is None:
+            return None
+        lease = self.arena.acquire(wait_s=SLOT_WAIT_GUARD_S)
+        if lease is None:
+            self.slot_overflows += 1  # a budget bug if ever > 0: the pool allocates a buffer instead
+        return lease
+
+    def _next_landed(self, stall: bool) -> _Read:
+        """Block until some read has all its spans landed (counting the wait as an I/O stall)."""
+        while True:
+            try:
+                read = self._landed.get_nowait()
+            except queue.Empty:
+                t0 = time.perf_counter()
+                read = self._landed.get()
+                if stall:
+                    self.stall_seconds += time.perf_counter() - t0
+            read.left -= 1
+            if read.left == 0:
+                if self.reads.get(read.key) is read:
+                    del self.reads[read.key]
+                return read
+
+    def _drain(self) -> None:
+        """Move reads that landed since the last call out of flight, without waiting."""
+        while True:
+            try:
+                read = self._landed.get_nowait()
+            except queue.Empty:
+                return
+            read.left -= 1
+            if read.left == 0:
+                if self.reads.get(read.key) is read:
+                    del self.reads[read.key]
+                self._landed_elsewhere(read)
+
+    def _landed_elsewhere(self, read: _Read) -> None:
+        """A read that landed while the compute thread was waiting for another one (or was
+        cancelled: a cancelled span "lands" too, so every span arrives exactly once)."""
+        if read in self.orphans:
+            self.orphans.discard(read)  # nobody wants it: dropping it frees its slot
+        elif read.wanted:
+            self.ready[read.key] = read
+
+    def _release_mispredicted(self, layer: int, needed: set[int]) -> None:
+        for key in [k for k in self.ready if k[0] == layer and k[1] not in needed]:
+            self._keep(key, self._value(self.ready.pop(key)))  # read already paid: offer it to the cache
+        for key in [k for k in self.reads if k[0] == layer and k[1] not in needed]:
+            self._abandon(self.reads.pop(key))
+
+    def _give_up_lookahead(self, layer: int) -> None:
+        """Free budget for this layer's demand reads (lookahead for later layers holds it all)."""
+        if self.orphans:  # abandoned reads still reading: wait for one, its slot is then free
+            self._landed_elsewhere(self._next_landed(stall=True))
+            return
+        later = [k for k in self.ready if k[0] != layer]
+        if later:
+            self.ready.pop(max(later))
+            return
+        later = [k for k in self.reads if k[0] != layer]
+        if not later:
+            raise RuntimeError("read budget exhausted with nothing in flight (max_inflight < 1?)")
+        self._abandon(self.reads.pop(max(later)))
+
+    def _abandon(self, read: _Read) -> None:
+        """Cancel what is still queued; the read lands (or "lands" cancelled) and is dropped."""
+        read.wanted = False
+        self.orphans.add(read)
+        for f in read.futures:
+            f.cancel()  # a cancelled span's callback queues it at once
+
+    def _result(self, read: _Read):
+        return [f.result() for f in read.futures]  # re-raises a read error (e.g. truncated shard)
+
+    def _value(self, read: _Read):
+        """The landed read as the expert's compute tensors (views of its slot when dtypes match)."""
+        return tensors_from_buffers(self.layout.location(*read.key), self._result(read), self.dtype)
+
+    def _compute(self, read: _Read, fn) -> None:
+        value = self._value(read)
+        fn(read.key[1], value)
+        # After the compute, so an eviction this causes frees a slot nobody is using.
+        self._keep(read.key, value)
+
+    def _keep(self, key, value) -> None:
+        """Offer a used (or given-up) expert to the cache; if refused, its slot goes back now."""
+        self.cache.put(key, value, self.plan.cache_entry_bytes)
+
+    def _preload(self, keys) -> None:
+        """Read the pinned experts up front, as many as the pinned share of the cache holds."""
+        room = int(self.plan.cache_bytes * PINNED_FRACTION) // max(self.plan.cache_entry_bytes, 1)
+        known = self.layout.keys()
+        keys = [k for k in keys if k in known][:room]
+        for start in range(0, len(keys), self.max_inflight):
+            batch = [self._submit(key, prefetch=False) for key in keys[start:start + self.max_inflight]]
+            for read in batch:
+                wait(read.futures)
+                self._keep(read.key, self._value(read))
+        while not self._landed.empty():  # their completions were consumed above
+            self._landed.get_nowait()
+
+    # --- measurement and lifecycle ---------------------------------------------------------
+
+    def reset_stats(self) -> None:
+        self.io_stats.reset()
+        self.stall_seconds = 0.0
+        self.recall_hits = self.recall_total = 0
+        self.demand_reads = self.prefetch_reads = self.prefetched_used = 0
+        self.lookups = 0
+        self.tier_hits: dict[str, int] = {}
+        self._window_start = time.perf_counter()
+
+    def _settle(self) -> None:
+        """Cancel every read not yet started and wait for the rest, so nothing lands later."""
+        for read in list(self.reads.values()) + list(self.orphans):
+            for f in read.futures:
+                f.cancel()
+        wait([f for read in list(self.reads.values()) + list(self.orphans) for f in read.futures])
+        while not self._landed.empty():
+            self._landed.get_nowait()
+        self.reads.clear()
+        self.orphans.clear()
+        self.ready.clear()
+        self.predicted.clear()
+
+    def clear_caches(self) -> None:
+        """Forget every cached expert (a cold start), and every read in flight with it."""
+        self._settle()
+        for name in self.cache.tier_names:
+            self.cache.tier(name).clear()
+
+    def drop_page_cache(self) -> None:
+        for path in {s.path for key in self.layout.keys() for s in self.layout.location(*key).spans}:
+            self.pool.drop_page_cache(path)
+
+    def make_cold(self) -> str:
+        self.clear_caches()
+        self.drop_page_cache()
+        how = "expert caches emptied, in-flight reads settled; page cache dropped (posix_fadvise DONTNEED)"
+        if self.pool.io_mode == "mmap":
+            how += " after unmapping the mapped pages (madvise DONTNEED)"
+        elif self.pool.effective_mode == "direct":
+            how += "; reads are O_DIRECT"
+        return how
+
+    def stats(self) -> dict:
+        """Counters since reset_stats(). Every expert lookup is exactly one of: a hit in a cache
+        tier (kept from an earlier use), a prefetch that lookahead issued in time or in flight,
+        or a demand read; the three rates add up to 1."""
+        window = time.perf_counter() - self._window_start
+        io = self.io_stats.snapshot()
+        n = self.lookups
+        return {
+            "io_mode_effective": self.pool.effective_mode,
+            "io_backend_effective": self.pool.backend,
+            "bytes_read": io["bytes_read"],
+            "bytes_requested": io["bytes_requested"],
+            "read_requests": io["requests"],
+            "read_gbps": io["bytes_read"] / window / 1e9 if window > 0 else None,
+            "expert_lookups": n,
+            "hit_rate": {name: (self.tier_hits.get(name, 0) / n if n else None) for name in self.cache.tier_names},
+            "prefetch_coverage": self.prefetched_used / n if n else None,
+            "demand_read_rate": self.demand_reads / n if n else None,
+            "cache_items": {name: s["items"] for name, s in self.cache.stats().items()},
+            "demand_reads": self.demand_reads,
+            "prefetch_reads": self.prefetch_reads,
+            "prefetched_used": self.prefetched_used,
+            "lookahead_recall": self.recall_hits / self.recall_total if self.recall_total else None,
+            "io_stall_s": self.stall_seconds,
+            "io_stall_fraction": self.stall_seconds / window if window > 0 else None,
+            **(self.arena.stats() if self.arena is not None else {}),
+            "slot_overflows": self.slot_overflows,
+        }
+
+    def close(self) -> None:
+        self._settle()
+        self.pool.close()
+
+
+class StreamingLayers(ExpertStore):
+    """Layer streaming for dense models: a layer's tensors are read per token, ahead of use."""
+
+    streams = True
+
+    def __init__(self, checkpoint, names_by_layer: dict[int, list[str]], config: EngineConfig, dtype: torch.dtype):
+        self.dtype = dtype
+        self.io_stats = IOStats()
+        self.pool = open_read_pool(config.io_mode, config.io_backend, config.io_threads, config.chunk_size,
+                                   stats=self.io_stats)
+        self.layers: dict[int, tuple[list, list]] = {}
+        for layer, names in names_by_layer.items():
+            spans, pieces = group_into_spans([checkpoint.info(n) for n in names])
+            self.layers[layer] = (spans, list(zip(names, pieces)))
+        self.inflight: dict[int, list[Future]] = {}
+        self.tracer = None  # an engine/movement/io/trace.py ReadTrace while `colibri bench --read-trace` records
+        self.reset_stats()
+
+    def hint_layer(self, layer: int) -> None:
+        if layer not in self.inflight:
+            spans = self.layers[layer][0]
+            self.inflight[layer] = [self.pool.submit(s.path, s.offset, s.length) for s in spans]
+            if self.tracer is not None:
+                for s, f in zip(spans, self.inflight[layer]):
+                    self.tracer.submitted(s.path, s.offset, s.length, layer, f)
+            self.prefetch_reads += 1
+
+    def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        if layer not in self.inflight:
+            self.demand_reads += 1
+            self.hint_layer(layer)
+            self.prefetch_reads -= 1
+        t0 = time.perf_counter()
+        buffers = [f.result() for f in self.inflight.pop(layer)]
+        self.stall_seconds += time.perf_counter() - t0
+        return {name: piece_tensor(buffers, piece, self.dtype) for name, piece in self.layers[layer][1]}
+
+    def clear_caches(self) -> None:
+        """Streamed layers are never cached; reads in flight are cancelled or waited for."""
+        for futures in self.inflight.values():
+            for f in futures:
+                f.cancel()
+        wait([f for fs in self.inflight.values() for f in fs])
+        self.inflight.clear()
+
+    def make_cold(self) -> str:
+        self.clear_caches()
+        for spans, _ in self.layers.values():
+            for s in spans:
+                self.pool.drop_page_cache(s.path)
+        how = "in-flight layer reads settled; page cache dropped (posix_fadvise DONTNEED)"
+        return how + (" after unmapping the mapped pages (madvise DONTNEED)" if self.pool.io_mode == "mmap" else "")
+
+    def reset_stats(self) -> None:
+        self.io_stats.reset()
+        self.stall_seconds = 0.0
+        self.demand_reads = self.prefetch_reads = 0
+        self._window_start = time.perf_counter()
+
+    def stats(self) -> dict:
+        window = time.perf_counter() - self._window_start
+        io = self.io_stats.snapshot()
+        return {
+            "io_mode_effective": self.pool.effective_mode,
+            "io_backend_effective": self.pool.backend,
+            "bytes_read": io["bytes_read"], "bytes_requested": io["bytes_requested"],
+            "read_requests": io["requests"],
+            "read_gbps": io["bytes_read"] / window / 1e9 if window > 0 else None,
+            "hit_rate": {}, "demand_reads": self.demand_reads, "prefetch_reads": self.prefetch_reads,
+            "streamed_layers": len(self.layers), "lookahead_recall": None,
+            "io_stall_s": self.stall_seconds,
+            "io_stall_fraction": self.stall_seconds / window if window > 0 else None,
+        }
+
+    def close(self) -> None:
+        self.clear_caches()
+        self.pool.close()

@@ -1,0 +1,136 @@
+"""`colibri bench`: a warm-up, then N decode tokens K times; medians and spread.
+
+This is the trial the tuner runs in a subprocess, so its JSON is the tuner's input. The same
+prompt is used in every repeat, so the output tokens must match across repeats (and across
+configs): a changed token means a placement bug, and the result says so.
+
+cold: before every repeat the engine's caches are emptied and its in-flight reads settled, and
+the model's pages are dropped from the page cache (posix_fadvise DONTNEED; in mmap mode after
+madvise DONTNEED unmaps them, since mapped pages stay resident), so every expert the repeat
+needs comes from the disk. The result's `cold_method` says what was done. warm: caches persist across repeats (steady state).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+from engine.base.config import EngineConfig
+from engine.run.generate import Sampler, generate, random_prompt_ids
+from engine.movement.io import trace
+from engine.run.metrics import SUMMARY_KEYS, envelope, peak_rss_bytes, rss_file_bytes, run_metrics, spread
+from engine.run.runtime import Engine
+
+
+def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 3, cold: bool = True,
+              prompt_tokens: int = 16, seed: int = 0, warmup_tokens: int = 2, progress=None,
+              record_routing: str | None = None, read_trace: str | None = None) -> dict:
+    t_start = time.perf_counter()
+    engine = Engine(model_dir, config)
+    try:
+        tracer = trace.attach(engine.store) if read_trace else None
+        traced: list[dict] = []  # every repeat's reads, each tagged with its repeat
+        windows: list[float] = []
+        prompt = random_prompt_ids(prompt_tokens, engine.args.vocab_size, seed)
+        if record_routing:
+            engine.record_routing()
+        if warmup_tokens:
+            generate(engine, prompt, warmup_tokens, Sampler())
+        runs = []
+        cold_how = None
+        for rep in range(repeats):
+            if cold:
+                cold_how = _make_cold(engine)
+            _reset_stats(engine)
+            # I/O counters restart after the first token, so bytes, hit rates and stalls
+            # describe decode alone (prefill touches nearly every expert and would swamp them).
+            first = []
+
+            def after_prefill(_token, first=first):
+                if not first:
+                    first.append(_cpu_seconds())
+                    _reset_stats(engine)
+                elif tracer is not None:
+                    tracer.next_token()
+
+            gen = generate(engine, prompt, tokens + 1, Sampler(), on_token=after_prefill)  # +1: TTFT token
+            m = run_metrics(engine, gen)
+            m["output_ids"] = gen.output_ids
+            # CPU of the whole process (compute, readers, the kernel's io_uring workers) per
+            # decode token: on a 2-core box what the readers burn is taken from the matmuls.
+            m["cpu_s_per_token"] = (_cpu_seconds() - first[0]) / max(len(gen.token_seconds), 1) if first else None
+            runs.append(m)
+            if tracer is not None:
+                windows.append(tracer.elapsed())
+                traced += [dict(r, repeat=rep) for r in tracer.records()]
+            if progress:
+                progress(rep + 1, repeats, m)
+        result = envelope(engine, str(model_dir))
+        result.update({
+            "kind": "bench",
+            "cold": cold,
+            "cold_method": cold_how,
+            "tokens": tokens,
+            "repeats": repeats,
+            "prompt_tokens": prompt_tokens,
+            "seed": seed,
+            "load_seconds": engine.load_seconds,
+            "summary": {k: spread([r.get(k) for r in runs]) for k in SUMMARY_KEYS},
+            "runs": runs,
+            "output_ids": runs[0]["output_ids"] if runs else [],
+            "tokens_consistent": all(r["output_ids"] == runs[0]["output_ids"] for r in runs),
+            "peak_rss_bytes": peak_rss_bytes(),
+            "rss_file_bytes": rss_file_bytes(),
+            "wall_seconds": time.perf_counter() - t_start,
+        })
+        # Headline figures at top level (medians), so every printer finds them in one place.
+        for k in SUMMARY_KEYS:
+            result[k] = result["summary"][k]["median"]
+        result["bytes_read_per_token"] = spread([r.get("bytes_read", 0) / max(len(r["output_ids"]) - 1, 1)
+                                                 for r in runs])["median"]
+        result["cpu_s_per_token"] = spread([r.get("cpu_s_per_token") for r in runs])["median"]
+        result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
+        if record_routing:
+            engine.save_routing(record_routing)
+            result["routing_histogram"] = record_routing
+        if read_trace:
+            result["read_trace"] = _write_read_trace(read_trace, engine, config, result, traced, windows)
+        return result
+    finally:
+        engine.close()
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _make_cold(engine: Engine) -> str:
+    """Make the next repeat read from the disk; the answer says how (it goes in the result)."""
+    store = engine.store
+    if store is None or not store.streams:
+        return "resident: no disk in the loop"
+    how = store.make_cold()
+    gc.collect()
+    return how
+
+
+def _reset_stats(engine: Engine) -> None:
+    if engine.store is not None:
+        engine.store.reset_stats()
+        tracer = getattr(engine.store, "tracer", None)
+        if tracer is not None:  # the trace covers the same window as the I/O counters
+            tracer.restart()
+
+
+def _write_read_trace(path: str, engine: Engine, config: EngineConfig, result: dict, records: list[dict],
+                      windows: list[float]) -> dict:
+    """Write every repeat's decode reads (engine/movement/io/trace.py); what the result says about the file."""
+    header = {"model": result.get("model"), "commit": result.get("git_commit"), "io_mode": config.io_mode,
+              "io_mode_effective": engine.io_stats().get("io_mode_effective"), "io_threads": config.io_threads,
+              "chunk_size": config.chunk_size, "tokens": result["tokens"], "repeats": result["repeats"],
+              "cold": result["cold"], "window_s": windows,
+              "bytes_read": [r.get("bytes_read", 0) for r in result["runs"]]}
+    trace.write_trace(path, header, records)
+    return {"path": str(path), "reads": len(records), "bytes": sum(r["nbytes"] for r in records)}

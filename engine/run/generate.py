@@ -1,0 +1,148 @@
+"""Prompt handling, sampling and the generate loop (prefill, then one token at a time)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.base.errors import PromptError
+
+
+@dataclass
+class Sampler:
+    """Greedy when temperature == 0; otherwise seeded temperature + nucleus (top-p) sampling."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise PromptError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise PromptError(f"top_p must be in (0, 1], got {self.top_p}")
+        self._gen = torch.Generator().manual_seed(self.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        # logits: [V] fp32
+        if self.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < self.top_p  # always keeps the top token
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=self._gen))
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    ttft_seconds: float = 0.0
+    token_seconds: list[float] = field(default_factory=list)  # each decode step after the first token
+
+
+def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler | None = None,
+             stop_ids: set[int] | None = None, on_token=None) -> Generation:
+    sampler = sampler or Sampler()
+    n = len(prompt_ids)
+    if n == 0:
+        raise PromptError("the prompt is empty")
+    ctx = engine.kv.ctx_size
+    if n + max_new_tokens > ctx:
+        raise PromptError(f"prompt of {n} tokens + {max_new_tokens} new tokens exceeds ctx_size {ctx}")
+    vocab = engine.args.vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    gen = Generation(list(prompt_ids))
+    if max_new_tokens <= 0:
+        return gen
+    t0 = time.perf_counter()
+    logits = engine.forward(prompt_ids, 0, last_only=True)
+    gen.prefill_seconds = time.perf_counter() - t0
+    token = sampler(logits[-1])
+    gen.ttft_seconds = time.perf_counter() - t0
+    gen.output_ids.append(token)
+    if on_token:
+        on_token(token)
+    pos = n
+    while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
+        t = time.perf_counter()
+        logits = engine.forward([token], pos)
+        token = sampler(logits[-1])
+        gen.token_seconds.append(time.perf_counter() - t)
+        gen.output_ids.append(token)
+        pos += 1
+        if on_token:
+            on_token(token)
+    return gen
+
+
+def load_tokenizer(model_dir: str | Path):
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+    try:
+        return CheckedTokenizer(Tokenizer.from_file(str(path)), path)
+    except BaseException as exc:
+        if not _is_tokenizer_failure(exc):
+            raise
+        raise PromptError(f"{path}: cannot load tokenizer ({_one_line(exc)})") from None
+
+
+def _is_tokenizer_failure(exc: BaseException) -> bool:
+    # The tokenizers library raises its own exception types, and turns a Rust panic (which a
+    # malformed tokenizer.json can cause in encode) into pyo3's PanicException, a BaseException.
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
+class CheckedTokenizer:
+    """A tokenizers.Tokenizer whose failures in encode/decode are one-line PromptErrors."""
+
+    def __init__(self, tokenizer, path: Path):
+        self._tokenizer, self._path = tokenizer, path
+
+    def _call(self, method: str, *args, **kwargs):
+        try:
+            return getattr(self._tokenizer, method)(*args, **kwargs)
+        except BaseException as exc:
+            if not _is_tokenizer_failure(exc):
+                raise
+            raise PromptError(f"{self._path}: the tokenizer failed in {method} ({_one_line(exc)})") from None
+
+    def encode(self, *args, **kwargs):
+        return self._call("encode", *args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        return self._call("decode", *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise PromptError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise PromptError("--prompt-ids is empty")
+    return ids
+
+
+def random_prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
+    if n <= 0:
+        raise PromptError(f"--prompt-tokens must be positive, got {n}")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()

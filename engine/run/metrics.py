@@ -1,0 +1,145 @@
+"""The result every run and bench produces (JSON, schema id "colibri.metrics/1"), and the
+helpers that fill it.
+
+The tuner reads it into its typed schema (tuner/results/result.py: RunFigures) and prints it through
+tuner/results/printers.py, so a figure means the same thing wherever it is shown.
+"""
+
+from __future__ import annotations
+
+import platform
+import resource
+import statistics
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+from engine import __version__
+
+SCHEMA = "colibri.metrics/1"
+# The headline figures of a run, each a top-level key of the result; a bench also gives each one's
+# spread over its repeats under "summary" (and the median at top level).
+SUMMARY_KEYS = ("decode_tok_s", "ttft_s", "prefill_tok_s", "token_latency_p50_ms", "token_latency_p99_ms",
+                "read_gbps", "io_stall_fraction", "lookahead_recall")
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident high-water mark (VmHWM) since it exec'd.
+
+    Not ru_maxrss: that one survives fork + exec, so a trial started by a 2 GiB parent (a tuner,
+    a test runner) reported a peak of at least 2 GiB whatever it used itself.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def rss_file_bytes() -> int | None:
+    """Resident pages backed by files (torch's shared libraries, mmap'd weights): shared,
+    clean and reclaimable, so a memory budget does not own them the way it owns anonymous
+    memory. Peak RSS minus this is the process's own high-water mark, near enough."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@lru_cache(maxsize=1)
+def git_commit() -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        if out.returncode == 0:
+            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return "unknown"
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def geometry_of(engine) -> dict:
+    a = engine.args
+    return {
+        "model_type": a.model_type, "layers": a.num_layers, "hidden_size": a.hidden_size,
+        "experts": a.num_experts, "top_k": a.top_k, "moe_intermediate_size": a.moe_intermediate_size,
+        "moe_layers": sum(a.moe_layer_flags), "vocab_size": a.vocab_size,
+        "total_bytes_on_disk": engine.checkpoint.nbytes(),
+        "expert_bytes_on_disk": engine.layout.expert_nbytes if engine.layout is not None else 0,
+    }
+
+
+def run_metrics(engine, gen, io_before: dict | None = None) -> dict:
+    """Metrics of one generation: timings from the generation, I/O from the expert store."""
+    decode_s = sum(gen.token_seconds)
+    io = engine.io_stats()
+    n_decode = len(gen.token_seconds)
+    m = {
+        "schema": SCHEMA,
+        "prompt_tokens": len(gen.prompt_ids),
+        "generated_tokens": len(gen.output_ids),
+        "ttft_s": gen.ttft_seconds,
+        "prefill_tok_s": len(gen.prompt_ids) / gen.prefill_seconds if gen.prefill_seconds else None,
+        "decode_tok_s": n_decode / decode_s if decode_s else None,
+        "token_latency_p50_ms": _ms(percentile(gen.token_seconds, 0.5)),
+        "token_latency_p99_ms": _ms(percentile(gen.token_seconds, 0.99)),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "rss_file_bytes": rss_file_bytes(),
+        **io,
+    }
+    return m
+
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1000.0
+
+
+def envelope(engine, model_dir: str) -> dict:
+    """Conditions every result carries: config, plan, geometry, versions, machine."""
+    import torch
+    return {
+        "schema": SCHEMA,
+        "engine_version": __version__,
+        "git_commit": git_commit(),
+        "model": str(model_dir),
+        "geometry": geometry_of(engine),
+        "config": engine.config.to_dict(),
+        "plan": engine.plan.to_dict(),
+        "compute_dtype": str(engine.dtype).replace("torch.", ""),
+        "quant": engine.quant.label if engine.quant is not None else "none",
+        "quant_scope": engine.quant.scope if engine.quant is not None else None,
+        "kernel": engine.kernel,
+        "threads": engine.threads,
+        "io_mode_effective": engine.io_stats().get("io_mode_effective", "resident"),
+        # Which reader really ran: io_backend "auto" (and mmap mode) may not be what was asked.
+        "io_backend_effective": engine.io_stats().get("io_backend_effective", "resident"),
+        "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+                    "torch": torch.__version__},
+    }
+
+
+def spread(values: list[float]) -> dict:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "stdev": None, "n": 0}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
+            "stdev": statistics.stdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}

@@ -1,0 +1,153 @@
+"""`colibri quality`: how far a (quantized) model's next-token distributions are from a reference.
+
+The figures llama.cpp's `llama-perplexity --kl-divergence` reports, computed the same way so
+they compare: the token stream is cut into chunks of `ctx` tokens, each evaluated from an empty
+context (teacher-forced: the true tokens are fed, never the model's own), and only the second
+half of each chunk is scored, so every scored token has at least ctx/2 tokens of context.
+Per scored position: KL(P_ref || P_q) of the full next-token distributions, whether the two
+argmaxes agree, and each model's negative log-likelihood of the true next token.
+
+Both models run through the engine (`engine.runtime.Engine`), fully resident, one after the
+other; only the reference's per-chunk log-probabilities are held while the other model runs
+(float32 [ctx/2, V] per chunk).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from engine.base.errors import ConfigError, PromptError
+
+HELD_OUT_EVERY = 20  # one stdlib file in 20 is held out of training
+
+
+def stdlib_corpus() -> tuple[str, str, dict]:
+    """(train text, held-out text, description): this interpreter's standard library sources.
+
+    Every CPython install has them, offline. Test packages, idlelib, turtledemo and
+    site-packages are left out (tests are mostly data); files are sorted by relative path and
+    one in HELD_OUT_EVERY (by a hash of that path) is held out, so the split is the same on
+    every machine with the same Python version.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = ("test", "tests", "idlelib", "turtledemo", "site-packages", "lib2to3", "__pycache__")
+    files = sorted(p for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
+    train, held = [], []
+    for p in files:
+        rel = str(p.relative_to(root))
+        text = p.read_text(encoding="utf-8", errors="replace")
+        (held if int(hashlib.sha256(rel.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0 else train).append(text)
+    import platform
+    info = {"description": f"Python {platform.python_version()} standard library .py sources under {root} "
+                           f"(tests, idlelib, turtledemo, lib2to3 excluded), 1 file in {HELD_OUT_EVERY} held out",
+            "root": str(root), "files_train": len(train), "files_held": len(held)}
+    sep = "\n<|endoftext|>\n"
+    return sep.join(train), sep.join(held), info
+
+
+def token_stream(reference_dir, tokens: int, text_file: str | None = None) -> tuple[list[int], str]:
+    """The fixed stream both models are scored on, and a description of it."""
+    from engine.run.generate import load_tokenizer
+    tok = load_tokenizer(reference_dir)
+    if tok is None:
+        raise PromptError(f"{reference_dir} has no tokenizer.json: quality needs text to score")
+    if text_file:
+        try:
+            text, what = Path(text_file).read_text(encoding="utf-8"), text_file
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{text_file}: cannot read text ({exc})") from None
+    else:
+        _, text, info = stdlib_corpus()
+        what = "held-out " + info["description"]
+    ids = tok.encode(text).ids
+    if len(ids) < tokens:
+        raise ConfigError(f"the text has {len(ids)} tokens, fewer than --tokens {tokens}")
+    return ids[:tokens], what
+
+
+def _chunks(ids: list[int], ctx: int):
+    for s in range(0, len(ids) - ctx + 1, ctx):
+        yield ids[s:s + ctx]
+
+
+@torch.no_grad()
+def _chunk_logprobs(engine, chunk: list[int]) -> torch.Tensor:
+    """log-softmax of the logits that predict chunk[ctx/2 + 1 :], from an empty context."""
+    logits = engine.forward(chunk, 0)  # [ctx, V] fp32
+    half = len(chunk) // 2
+    return torch.log_softmax(logits[half:-1].float(), dim=-1)
+
+
+def measure_quality(model_dir, reference_dir, tokens: int = 4096, ctx: int = 512, text_file: str | None = None,
+                    dtype: str = "auto", threads: int = 0, progress=None) -> dict:
+    from engine.base.config import EngineConfig
+    from engine.run.runtime import Engine
+    if ctx < 4 or tokens < ctx:
+        raise ConfigError(f"--tokens {tokens} must be at least --ctx {ctx} (and ctx at least 4)")
+    ids, what = token_stream(reference_dir, tokens, text_file)
+    chunks = list(_chunks(ids, ctx))
+    config = EngineConfig(ctx_size=ctx, dtype=dtype, threads=threads)
+
+    ref_lp: list[torch.Tensor] = []
+    meta = {}
+    for label, directory in (("reference", reference_dir), ("model", model_dir)):
+        with Engine(directory, config) as engine:
+            if engine.args.vocab_size != (ref_lp[0].shape[-1] if ref_lp else engine.args.vocab_size):
+                raise ConfigError(f"{directory}: vocab size {engine.args.vocab_size} differs from the reference's")
+            meta[label] = {"path": str(directory), "quant": engine_quant_label(engine),
+                           "compute_dtype": str(engine.dtype).replace("torch.", "")}
+            if label == "reference":
+                for i, chunk in enumerate(chunks):
+                    ref_lp.append(_chunk_logprobs(engine, chunk))
+                    if progress:
+                        progress(label, i + 1, len(chunks))
+                continue
+            kl, same, nll_q, nll_r = [], 0, 0.0, 0.0
+            for i, chunk in enumerate(chunks):
+                lq, lr = _chunk_logprobs(engine, chunk), ref_lp[i]
+                target = torch.tensor(chunk[len(chunk) // 2 + 1:])
+                # KL >= 0, but in float32 two nearly equal distributions can sum to -1e-8: clamp
+                # the roundoff, or a mean of near-zero KLs may come out negative.
+                kl.append((lr.exp() * (lr - lq)).sum(-1).clamp_min(0.0))
+                same += int((lr.argmax(-1) == lq.argmax(-1)).sum())
+                nll_q -= float(lq.gather(1, target[:, None]).sum())
+                nll_r -= float(lr.gather(1, target[:, None]).sum())
+                if progress:
+                    progress(label, i + 1, len(chunks))
+    kl_all = torch.cat(kl).double()
+    n = kl_all.numel()
+    ppl_q, ppl_r = math.exp(nll_q / n), math.exp(nll_r / n)
+    return {
+        "kind": "quality", "model": meta["model"], "reference": meta["reference"], "text": what,
+        "tokens": tokens, "ctx": ctx, "chunks": len(chunks), "scored_tokens": n,
+        "kl_mean": float(kl_all.mean()), "kl_median": float(kl_all.median()),
+        "kl_p99": float(torch.quantile(kl_all, 0.99)), "kl_max": float(kl_all.max()),
+        "top1_agreement": same / n,
+        "ppl_model": ppl_q, "ppl_reference": ppl_r,
+        "ppl_ratio": ppl_q / ppl_r, "ppl_change": ppl_q / ppl_r - 1.0, "ppl_delta": ppl_q - ppl_r,
+    }
+
+
+def engine_quant_label(engine) -> str:
+    """'int4-g64', or the stored dtype of an unquantized model ('bfloat16')."""
+    from engine.run.runtime import checkpoint_dtype
+    spec = getattr(engine, "quant", None)
+    return spec.label if spec is not None else str(checkpoint_dtype(engine.checkpoint)).replace("torch.", "")
+
+
+def format_quality(r: dict) -> str:
+    return "\n".join([
+        f"model {r['model']['path']} ({r['model']['quant']}) vs reference {r['reference']['path']} "
+        f"({r['reference']['quant']}), compute {r['model']['compute_dtype']}",
+        f"text: {r['text']}; {r['scored_tokens']} scored tokens ({r['chunks']} chunks of {r['ctx']}, second halves)",
+        f"KL divergence: mean {r['kl_mean']:.6f}, median {r['kl_median']:.6f}, p99 {r['kl_p99']:.6f}, "
+        f"max {r['kl_max']:.6f}",
+        f"same top-1: {100 * r['top1_agreement']:.2f}%",
+        f"perplexity: model {r['ppl_model']:.4f}, reference {r['ppl_reference']:.4f} "
+        f"(ratio {r['ppl_ratio']:.5f}, change {100 * r['ppl_change']:+.3f}%, delta {r['ppl_delta']:+.4f})",
+    ])

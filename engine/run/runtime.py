@@ -1,0 +1,181 @@
+"""Engine: load plan, resident or streaming placement, prefill and decode steps.
+
+With no memory budget everything is resident. With a budget, the dense part stays resident and
+routed experts stream from disk through the expert store (engine/movement/streaming.py); the memory plan
+decides how much RAM the expert cache gets.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import torch
+
+from engine import native
+from engine.format.checkpoint import Checkpoint
+from engine.format.container import container_spec, dense_quantized, load_dense
+from engine.base.config import EngineConfig
+from engine.base.dtypes import FLOAT_NAMES, short_dtypes, torch_dtype
+from engine.format.layout import ExpertLayout
+from engine.arch.layers import KVCache
+from engine.arch.args import ModelArgs, dense_tensor_names
+from engine.arch.model import Transformer
+from engine.movement.plan import MemoryPlan, make_plan
+from engine.format.tensor_checks import check_shapes
+from engine.movement.store import ExpertStore, ResidentExperts
+
+DTYPE_NAMES = short_dtypes()
+
+
+def physical_cores() -> int:
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def checkpoint_dtype(ckpt: Checkpoint) -> torch.dtype:
+    name = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype")
+    by_config = torch_dtype(name) if name in FLOAT_NAMES else None
+    if by_config is not None:
+        return by_config
+    floats = [i.torch_dtype for i in ckpt.tensors.values() if i.torch_dtype.is_floating_point]
+    return floats[0] if floats else torch.float32
+
+
+def _touch_compute_kernels(dtype: torch.dtype, threads: int) -> None:
+    """Run each kind of op the forward pass uses once, on toy tensors.
+
+    The memory plan measures the runtime's overhead as the process's RSS; torch maps in its
+    kernels (and starts its thread pool) on first use, which adds tens of MiB. Doing that first
+    makes the measurement include them instead of surprising the budget later.
+    """
+    import torch.nn.functional as F
+    with torch.inference_mode():
+        x = torch.randn(4, 64).to(dtype)
+        w = torch.randn(32, 64).to(dtype)
+        y = F.silu(F.linear(x, w)) * F.linear(x, w)
+        torch.topk(torch.softmax(F.linear(x, w), dim=-1, dtype=torch.float), 2, dim=-1)
+        torch.zeros_like(y).index_add_(0, torch.tensor([0, 1]), y[:2])
+        q = torch.randn(1, 4, 3, 16).to(dtype)
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool))
+        F.embedding(torch.tensor([1, 2]), w)
+        x.float().pow(2).mean(-1)
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[1] == "layers" else None
+
+
+class Engine:
+    """One loaded model, ready to prefill and decode."""
+
+    def __init__(self, model_dir: str | os.PathLike, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.checkpoint = Checkpoint(model_dir)
+        self.args = ModelArgs.from_config(self.checkpoint.config)
+        self.dtype = self._compute_dtype()
+        self.kv_dtype = self.dtype if self.config.kv_dtype == "auto" else DTYPE_NAMES[self.config.kv_dtype]
+        threads = self.config.threads or physical_cores()
+        torch.set_num_threads(threads)
+        self.threads = threads
+
+        # Validate everything we will read before reading any of it.
+        self.quant = container_spec(self.checkpoint)
+        dense_names = dense_tensor_names(self.args)
+        quantized = dense_quantized(self.checkpoint, self.quant, dense_names)  # checks their own shapes
+        check_shapes(self.checkpoint, self.args, [n for n in dense_names if n not in quantized])
+        self.layout = ExpertLayout(self.checkpoint, self.args) if self.args.is_moe else None
+
+        # bf16 decode's native kernels (engine/native): loaded before the overhead is measured;
+        # None when loaded, else why torch's matmuls are used instead.
+        self.native_unavailable = native.load() if self.dtype == torch.bfloat16 else "not a bf16 model"
+        _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them
+        self.kernel_name = self.kernel  # tries (and so pages in) a quantized container's packed kernel too
+        self.plan: MemoryPlan = make_plan(self.checkpoint, self.args, self.layout, self.config, self.dtype,
+                                          self.kv_dtype)
+        t0 = time.perf_counter()
+        streamed = self._streamed_layers()
+        weights = {n: load_dense(self.checkpoint, self.quant, quantized[n], self.dtype) if n in quantized
+                   else self.checkpoint.load(n, self.dtype) for n in dense_names if _layer_of(n) not in streamed}
+        self.layers = None
+        if streamed:
+            from engine.movement.streaming import StreamingLayers
+            names = {i: [n for n in dense_names if _layer_of(n) == i] for i in streamed}
+            self.layers = StreamingLayers(self.checkpoint, names, self.config, self.dtype)
+        if self.layout is None:
+            self.experts = None
+        elif self.plan.streaming:
+            from engine.movement.streaming import StreamingExperts
+            self.experts = StreamingExperts(self.layout, self.config, self.plan, self.dtype)
+        else:
+            self.experts = ResidentExperts(self.layout, self.dtype)
+        self.load_seconds = time.perf_counter() - t0
+        self.model = Transformer(self.args, weights, self.experts, self.dtype)
+        self.model.lookahead_depth = self.config.prefetch_depth if self.plan.streaming else 0
+        if self.layers is not None:
+            self.model.stream_layers(self.layers, streamed)
+        self.kv = KVCache.allocate(self.args, self.config.ctx_size, self.kv_dtype)
+
+    def _streamed_layers(self) -> list[int]:
+        if self.layout is not None or not self.plan.streaming:
+            return []
+        return list(range(self.plan.resident_layers, self.args.num_layers))
+
+    @property
+    def store(self) -> ExpertStore | None:
+        """The store behind the weights the model does not hold: experts or layers (None for a
+        dense model held whole). `store.streams` says whether a disk is in the loop."""
+        return self.experts if self.experts is not None else self.layers
+
+    @property
+    def kernel(self) -> str:
+        """The matmul the routed experts run through (what run/bench report next to the quant)."""
+        from engine.format.quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT8, kernel_works
+        if self.quant is None:
+            dtype = str(self.dtype).replace('torch.', '')
+            return f"F.linear ({dtype})" if self.native_unavailable else f"F.linear ({dtype}), native bf16 decode"
+        a, q = self.args, self.quant
+        ok = all(kernel_works(q.quant, n, k, q.group_size, self.dtype)
+                 for n, k in ((a.moe_intermediate_size, a.hidden_size), (a.hidden_size, a.moe_intermediate_size)))
+        return (KERNEL_INT4 if q.quant == "int4" else KERNEL_INT8) if ok else KERNEL_DEQUANT
+
+    def _compute_dtype(self) -> torch.dtype:
+        if self.config.dtype == "auto":
+            d = checkpoint_dtype(self.checkpoint)
+            return torch.float32 if d == torch.float16 else d  # fp16 matmuls are slow on CPU
+        return DTYPE_NAMES[self.config.dtype]
+
+    def forward(self, tokens: list[int] | torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
+        """Logits [T, V] for every position, or [1, V] for the last one (what generation needs)."""
+        t = torch.as_tensor(tokens, dtype=torch.long)
+        return self.model.forward(t, start_pos, self.kv, last_only=last_only)
+
+    def record_routing(self) -> None:
+        """Start logging every routing decision (for --record-routing / cache_policy=pinned)."""
+        self.model.routing_log = [[] for _ in range(self.args.num_layers)]
+
+    def save_routing(self, path) -> None:
+        """Write the (layer, expert) → count histogram of what was routed since record_routing()."""
+        from collections import Counter
+
+        from engine.movement.cache import routing_histogram_save
+        hist: Counter = Counter()
+        for layer, calls in enumerate(self.model.routing_log or []):
+            for ids in calls:
+                hist.update((layer, e) for e in ids.flatten().tolist())
+        routing_histogram_save(hist, path)
+
+    def io_stats(self) -> dict:
+        store = self.store
+        return store.stats() if store is not None and store.streams else {}
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,29 @@
+"""Optional dependencies of the suite, and the switch that makes them required.
+
+A test that cannot run without fio, PostgreSQL, a memory cgroup, io_uring, the native kernels or
+Chromium skips with a reason made by `needs(dep, why)`. Where the environment sets
+`COLIBRI_REQUIRE_<DEP>=1` (CI sets every one, .ci/run), tests/conftest.py turns such a skip into a
+failure, so a green CI cannot hide a dependency that setup.sh failed to install.
+"""
+
+import os
+
+DEPENDENCIES = ("fio", "postgres", "cgroup", "uring", "native", "chromium")
+
+
+def needs(dep: str, why: str) -> str:
+    """The skip reason for a test that needs `dep`: tagged so the require switch can find it."""
+    assert dep in DEPENDENCIES, dep
+    return f"[requires {dep}] {why}"
+
+
+def required(dep: str) -> bool:
+    return os.environ.get(f"COLIBRI_REQUIRE_{dep.upper()}", "") not in ("", "0")
+
+
+def required_dependency_in(reason: str) -> str | None:
+    """The dependency a skip reason names when that dependency is required here, else None."""
+    for dep in DEPENDENCIES:
+        if f"[requires {dep}]" in reason and required(dep):
+            return dep
+    return None

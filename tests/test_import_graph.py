@@ -1,0 +1,173 @@
+"""The import graph of engine/ and tuner/, drawn from the code: no import circles, nothing imported
+from a higher layer, engine never imports tuner, and no reaching into another module's private names.
+
+What is not yet true is listed below as known debt (issue 24); the test fails on anything new
+and on any listed item that is gone, so the lists can only shrink.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Low → high. A module may import its own package and any package listed before it. The longest
+# matching prefix decides a module's layer: engine.format.quant is the weight kernels the model
+# computes with, below engine.arch; the rest of engine.format reads files and knows the
+# architectures' tensor names, above it.
+LAYERS = [
+    "engine", "tuner",  # the root packages hold only __version__
+    "engine.base", "engine.native", "engine.format.quant", "engine.arch", "engine.format",
+    "engine.movement", "engine.synth", "engine.run", "engine",
+    "tuner.sandbox", "tuner.probe", "tuner.results", "tuner.share", "tuner.costmodel", "tuner.search",
+    "tuner.commands", "tuner.cli",
+]
+
+# Known debt: (importer, imported) edges that go up a layer.
+KNOWN_UPWARD = {
+    ("engine.arch.gptoss", "engine.format.checkpoint"),
+    ("engine.arch.gptoss", "engine.format.layout"),
+    ("engine.format.layout", "engine.movement.io"),
+    ("tuner.probe.hardware_profile", "tuner.results.schema"),
+    ("tuner.probe.summary", "tuner.results.printers"),
+    ("tuner.probe", "tuner.results.printers"),
+    ("tuner.results.outputs", "tuner.search.confirm"),
+    ("tuner.results.outputs", "tuner.search.study_storage"),
+    ("tuner.results.report_html", "tuner.share.profiles"),
+    ("tuner.share.profiles", "tuner.search.quant_tune"),
+    ("tuner.costmodel.search", "tuner.search.space"),
+}
+# Known debt: the import circles (strongly connected components), each as a sorted tuple.
+KNOWN_CYCLES = {
+    ("engine.arch.args", "engine.arch.gptoss", "engine.arch.layers", "engine.arch.mla", "engine.arch.parsers",
+     "engine.arch.rope", "engine.format.checkpoint", "engine.format.container", "engine.format.layout",
+     "engine.format.validate"),
+    ("engine.synth", "engine.synth.arch_writers", "engine.synth.geometry", "engine.synth.hf_files",
+     "engine.synth.recipe", "engine.synth.writer"),
+    ("tuner.probe.hardware_profile", "tuner.results.result", "tuner.results.schema"),
+    ("tuner.costmodel.plan_command", "tuner.costmodel.search"),
+    ("tuner.results.outputs", "tuner.results.report_html", "tuner.search.quant_tune", "tuner.search.study",
+     "tuner.share.compare", "tuner.share.profiles"),
+}
+# Known debt: function-level project imports (they hid the circles). The count may only fall.
+KNOWN_FUNCTION_LEVEL_IMPORTS = 129
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in ("engine", "tuner"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _target(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: Path):
+    """(imported module, imported names, at function level?) for every project import."""
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = module.split(".") if is_pkg else module.split(".")[:-1]
+                    parts = parts[: len(parts) - (child.level - 1)]
+                    base = ".".join(parts + ([child.module] if child.module else []))
+                for alias in child.names:
+                    full = f"{base}.{alias.name}"
+                    if full in MODULES:
+                        yield full, None, in_function
+                    elif _target(base):
+                        yield _target(base), alias.name, in_function
+            elif isinstance(child, ast.Import):
+                for alias in child.names:
+                    if _target(alias.name):
+                        yield _target(alias.name), None, in_function
+            yield from visit(child, nested)
+
+    yield from visit(tree, False)
+
+
+GRAPH = {m: [(t, n, f) for t, n, f in _imports(m, p) if t != m] for m, p in MODULES.items()}
+
+
+def _layer(module: str) -> int:
+    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS.index(best)
+
+
+def _cycles() -> set[tuple[str, ...]]:
+    edges = {m: {t for t, _, _ in deps} for m, deps in GRAPH.items()}
+    index, low, stack, on, out = {}, {}, [], set(), set()
+
+    def strong(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.add(tuple(sorted(comp)))
+
+    for v in edges:
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_engine_never_imports_tuner():
+    bad = [(m, t) for m, deps in GRAPH.items() if m.startswith("engine") for t, _, _ in deps if t.startswith("tuner")]
+    assert bad == []
+
+
+def test_no_new_import_circles_and_none_of_the_known_ones_is_gone():
+    found = _cycles()
+    assert found - KNOWN_CYCLES == set(), "new import circle(s)"
+    assert KNOWN_CYCLES - found == set(), "a known circle is gone: remove it from KNOWN_CYCLES"
+
+
+def test_no_module_imports_from_a_higher_layer():
+    upward = {(m, t) for m, deps in GRAPH.items() for t, _, _ in deps if _layer(t) > _layer(m)}
+    assert upward - KNOWN_UPWARD == set(), "import(s) from a higher layer"
+    assert KNOWN_UPWARD - upward == set(), "a known upward import is gone: remove it from KNOWN_UPWARD"
+
+
+def test_function_level_project_imports_only_fall():
+    count = len({(m, t) for m, deps in GRAPH.items() for t, _, fn in deps if fn})
+    assert count <= KNOWN_FUNCTION_LEVEL_IMPORTS, (
+        f"{count} function-level project imports (was {KNOWN_FUNCTION_LEVEL_IMPORTS}): import at module level")
+
+
+def test_no_module_reaches_another_modules_private_names():
+    private = sorted({(m, t, n) for m, deps in GRAPH.items() for t, n, _ in deps
+                      if n and n.startswith("_") and not n.startswith("__")})
+    assert private == KNOWN_PRIVATE_REACHES, "a private name imported across packages"
+
+
+# Known debt: private names imported from another module.
+KNOWN_PRIVATE_REACHES = []

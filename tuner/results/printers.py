@@ -1,0 +1,300 @@
+"""Every printer of a result: text tables, markdown, CSV (pandas) and JSON, and the formatters.
+
+One schema (tuner/results/result.py), many printers, as llama-bench does it: `colibri run`, `bench`,
+`tune`, the probe summary, trials.csv and report.md all format through this module, so a figure
+reads the same wherever it is shown and a formatter is defined once.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from typing import Any, Iterable, Sequence
+
+from engine.base.config import format_size
+from tuner.results.result import is_feasible
+
+# --- formatters -----------------------------------------------------------------------------
+
+
+def fmt(v, digits: int = 2) -> str:
+    """A number with `digits` decimals, or '-' when unknown."""
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def pct(v, digits: int = 1, signed: bool = False) -> str:
+    """0.123 -> '12.3%' ('+12.3%' signed), or '-' when unknown."""
+    return "-" if v is None else f"{v:{'+' if signed else ''}.{digits}%}"
+
+
+def utc_now() -> str:
+    """Now as an ISO 8601 UTC timestamp to the second: 2026-12-01T07:00:00Z."""
+    from datetime import datetime, timezone
+    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def json_text(obj) -> str:
+    return json.dumps(obj, indent=2, default=str) + "\n"
+
+
+def print_json(obj, stream=None) -> None:
+    (stream or sys.stdout).write(json_text(obj))
+
+
+# --- tables ---------------------------------------------------------------------------------
+
+def text_table(header: Sequence[str], rows: Iterable[Sequence[str]], left: int = 0) -> list[str]:
+    """Aligned columns: the first `left` columns (labels) flush left, the numbers right."""
+    rows = [list(r) for r in rows]
+    widths = [max(len(r[i]) for r in [list(header)] + rows) for i in range(len(header))]
+
+    def line(row) -> str:
+        cells = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        return "  " + "  ".join(cells).rstrip()
+
+    return [line(header), line(["-" * w for w in widths])] + [line(r) for r in rows]
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def csv_text(rows: list[dict], columns: Sequence[str]) -> str:
+    """CSV through pandas (the format people open it with); cells keep their Python types."""
+    import pandas as pd
+    frame = pd.DataFrame(rows, columns=list(columns), dtype=object)
+    buf = io.StringIO()
+    frame.to_csv(buf, index=False, lineterminator="\n")
+    return buf.getvalue()
+
+
+# --- one run (colibri run / bench) ----------------------------------------------------------
+
+def run_text(m: dict) -> str:
+    """The figures of one run or bench: latency, speed, memory, and I/O when it streamed."""
+    lines = [
+        f"TTFT {fmt(m.get('ttft_s'), 3)} s | prefill {fmt(m.get('prefill_tok_s'))} tok/s | "
+        f"decode {fmt(m.get('decode_tok_s'))} tok/s (p50 {fmt(m.get('token_latency_p50_ms'), 1)} ms, "
+        f"p99 {fmt(m.get('token_latency_p99_ms'), 1)} ms) | peak RSS {format_size(m.get('peak_rss_bytes'))}"
+        + (f" ({format_size(m['rss_file_bytes'])} of it file-backed)" if m.get("rss_file_bytes") else ""),
+    ]
+    if m.get("bytes_read") is not None:
+        hit = m.get("hit_rate", {}) or {}
+        hits = ", ".join(f"{k} {v:.1%}" for k, v in hit.items() if v is not None)
+        lines.append(
+            f"read {format_size(m.get('bytes_read'))} at {fmt(m.get('read_gbps'))} GB/s | hit rate {hits or '-'} | "
+            f"lookahead recall {pct(m.get('lookahead_recall'))} | I/O stall {pct(m.get('io_stall_fraction'))}")
+    return "\n".join(lines)
+
+
+def run_header(r: dict) -> str:
+    mode = f"streaming ({r['config']['io_mode']})" if r["plan"]["streaming"] else "resident"
+    return (f"[{mode}, {r['compute_dtype']}, {_quant(r)}, {r['threads']} threads, prompt {r['prompt_tokens']} "
+            f"tokens, {r['generated_tokens']} generated]")
+
+
+def _quant(r: dict) -> str:
+    """Which weights and which matmul: 'int4-g64 via aten._weight_int4pack_mm_for_cpu'."""
+    return f"{r.get('quant') or 'none'} via {r.get('kernel') or '?'}"
+
+
+def bench_text(r: dict) -> str:
+    s = r["summary"]["decode_tok_s"]
+    cg = r.get("cgroup") or {}
+    cgroup = (f"cgroup limit {format_size(cg.get('limit_bytes'))}, peak {format_size(cg.get('peak_bytes'))}"
+              if cg.get("limited") else f"no cgroup ({cg.get('reason') or 'not requested'})")
+    c = r["config"]
+    return "\n".join([
+        f"model {r['model']} ({r['geometry']['model_type']}, {r['compute_dtype']}, {_quant(r)}) | "
+        f"{'cold' if r['cold'] else 'warm'} | {r['tokens']} tokens x {r['repeats']} repeats | {cgroup}",
+        f"config: budget {format_size(c['ram_budget']) if c['ram_budget'] else 'none'}, io {r['io_mode_effective']}"
+        f"{' via ' + r['io_backend_effective'] if r.get('io_backend_effective') not in (None, 'resident') else ''}, "
+        f"chunk {format_size(c['chunk_size'])}, prefetch {c['prefetch_depth']}, cache {c['cache_policy']} "
+        f"x{c['cpu_cache_ratio']}, threads {r['threads']}, io_threads {c['io_threads']}, ctx {c['ctx_size']}",
+        f"decode tok/s: median {s['median'] or 0:.3f} (min {s['min'] or 0:.3f}, max {s['max'] or 0:.3f}, "
+        f"n={s['n']})" + ("" if r.get("tokens_consistent", True) else "  WARNING: tokens differ across repeats"),
+        run_text(r),
+    ])
+
+
+def config_line(c: dict) -> str:
+    return (f"chunk {format_size(c['chunk_size'])}, prefetch {c['prefetch_depth']}, cache {c['cache_policy']} "
+            f"x{c['cpu_cache_ratio']}, threads {c['threads']}, io {c['io_mode']} x{c['io_threads']}, "
+            f"ctx {c['ctx_size']}")
+
+
+def synth_text(s: dict) -> str:
+    return (f"wrote {s['path']}: {s['bytes'] / 2**30:.2f} GiB in {s['shards']} shard(s), {s['tensors']} tensors, "
+            f"seed {s['seed']}, routing skew {s['routing_skew']} ({s['seconds']:.1f} s)")
+
+
+def presets_text(rows: list[dict]) -> str:
+    return "\n".join(f"{r['name']:<16} {'synth' if r['materializable'] else 'geometry only':<13} "
+                     f"{r['total_params'] / 1e9:8.2f}B params ({r['active_params'] / 1e9:.2f}B active)  "
+                     f"{r['description']}" for r in rows)
+
+
+# --- a tune run ------------------------------------------------------------------------------
+
+def tune_text(r: dict, files: dict) -> str:
+    """The summary `colibri tune` prints: the winner against the baseline, and where the files are."""
+    rec, base = r["recommended"], r["baseline"]
+    wf, bf = rec.get("confirmed") or {}, (base or {}).get("confirmed") or {}
+    lines = [
+        f"recommended ({rec['label']}, {'confirmed' if r['confirmation']['confirmed'] else 'unconfirmed'} over "
+        f"{r['confirmation']['rounds']} round(s)): decode {fmt(wf.get('decode_tok_s'))} tok/s "
+        f"[{fmt(wf.get('decode_min'))}..{fmt(wf.get('decode_max'))}], TTFT {fmt(wf.get('ttft_s'), 3)} s",
+        f"baseline: decode {fmt(bf.get('decode_tok_s'))} tok/s [{fmt(bf.get('decode_min'))}.."
+        f"{fmt(bf.get('decode_max'))}], TTFT {fmt(bf.get('ttft_s'), 3)} s"
+        + (f" ({base.get('disqualified')})" if base and base.get("disqualified") else ""),
+        f"gain over baseline ({r['gain_metric']}): {pct(r['gain_over_baseline'], signed=True)}",
+        f"config: {config_line(rec['config'])}",
+        f"trials: {r['study']['trials']} ({r['study']['feasible']} feasible) | {r['budget']} budget | "
+        f"{'cold' if r['conditions']['cold'] else 'warm'} | {r['conditions']['wall_seconds']:.0f} s",
+    ]
+    for name in ("recommended.toml", "result.json", "trials.csv", "report.md", "report.html"):
+        if name in files:
+            lines.append(f"  {name}: {files[name]}")
+    lines.append(f"  study: {r['study']['storage']} (optuna-dashboard can open it)")
+    return "\n".join(lines)
+
+
+def trial_line(done: int, total: str, number: int, attrs: dict, objective: str, best, clock: str) -> str:
+    """One progress line of the search: this trial's figure, the best so far, the clock."""
+    if attrs.get("constraint", 1) > 0:
+        figure = f"{attrs.get('status')} (infeasible)"
+    elif objective == "ttft":
+        figure = f"TTFT {fmt(attrs.get('ttft_s'), 3)} s"
+    else:
+        figure = f"{fmt(attrs.get('decode_tok_s'))} tok/s"
+    if attrs.get("duplicate_of") is not None:
+        figure += f" (= trial {attrs['duplicate_of']}, not re-run)"
+    best_txt = ""
+    if best is not None:
+        key = "ttft_s" if objective == "ttft" else "decode_tok_s"
+        best_txt = f" (best {fmt(best.user_attrs.get(key), 3 if key == 'ttft_s' else 2)}, trial {best.number})"
+    return f"trial {done}/{total} [#{number} {attrs.get('role')}] | {figure}{best_txt} | {clock}"
+
+
+# --- the trials of a study (trials.csv, report.md) ---------------------------------------------
+
+PARAM_COLUMNS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "gpu_cache_ratio", "threads", "ctx_size",
+                 "io_mode", "io_threads", "cache_policy")
+# Trial figures with their own CSV columns (the full bench JSON stays in the study).
+METRIC_COLUMNS = ("decode_tok_s", "ttft_s", "prefill_tok_s", "token_latency_p50_ms", "token_latency_p99_ms",
+                  "read_gbps", "io_stall_fraction", "lookahead_recall", "bytes_read_per_token", "hit_rate_ram",
+                  "peak_rss_bytes", "cgroup_peak_bytes", "plan_cache_bytes")
+TRIAL_COLUMNS = ("number", "state", "status", "role", "feasible", "constraint", "value", "value2", *PARAM_COLUMNS,
+                 *METRIC_COLUMNS, "wall_seconds", "duplicate_of", "worker", "error")
+
+
+def trial_rows(trials) -> list[dict]:
+    """One flat row per Optuna trial (FrozenTrial), in trial-number order."""
+    rows = []
+    for t in sorted(trials, key=lambda t: t.number):
+        a = t.user_attrs
+        row = {"number": t.number, "state": t.state.name, "status": a.get("status", ""), "role": a.get("role", ""),
+               "feasible": is_feasible(a) if "constraint" in a else "",
+               "constraint": a.get("constraint", "")}
+        values = t.values or []
+        row["value"] = values[0] if len(values) > 0 else ""
+        row["value2"] = values[1] if len(values) > 1 else ""
+        for p in PARAM_COLUMNS:
+            v = t.params.get(p, "")
+            row[p] = round(v, 6) if isinstance(v, float) else v  # 0.8500000000000001 is a step artefact
+        for m in METRIC_COLUMNS:
+            v = a.get(m)
+            row[m] = "" if v is None else v
+        row["wall_seconds"] = round(a["wall_seconds"], 3) if isinstance(a.get("wall_seconds"), (int, float)) else ""
+        row["duplicate_of"] = a.get("duplicate_of", "")
+        row["worker"] = a.get("worker", "")
+        row["error"] = a.get("error", "")
+        rows.append(row)
+    return rows
+
+
+def trials_csv(trials) -> str:
+    return csv_text(trial_rows(trials), TRIAL_COLUMNS)
+
+
+def trials_markdown(trials) -> list[str]:
+    header = ["#", "role", "status", "decode tok/s", "TTFT s", "chunk", "prefetch", "cache", "threads", "io",
+              "io thr", "ctx", "hit", "peak"]
+    rows = []
+    for t in trials:
+        a, p = t.user_attrs, t.params
+        rows.append([t.number, a.get("role", ""), a.get("status", ""), fmt(a.get("decode_tok_s")),
+                     fmt(a.get("ttft_s"), 3), format_size(p.get("chunk_size")), p.get("prefetch_depth"),
+                     f"{p.get('cache_policy')} x{fmt(p.get('cpu_cache_ratio'))}", p.get("threads"), p.get("io_mode"),
+                     p.get("io_threads"), p.get("ctx_size"), pct(a.get("hit_rate_ram"), 0),
+                     format_size(a.get("cgroup_peak_bytes") or a.get("peak_rss_bytes"))])
+    return markdown_table(header, rows)
+
+
+# --- quant levels ---------------------------------------------------------------------------
+
+def convert_progress(enabled: bool = True, stream=None):
+    """engine.convert's progress(event, **fields) as lines on stderr (None when not enabled)."""
+    if not enabled:
+        return None
+
+    def progress(event, **f):
+        out = stream or sys.stderr
+        if event == "shard":
+            end = "\n" if f["done"] == f["total"] else ""
+            print(f"\r  shard {f['index']}/{f['shards']} {f['name']}: {f['done']}/{f['total']} tensors/experts",
+                  end=end, file=out, flush=True)
+        elif event == "check":
+            print(f"  kept {f['name']} (checksum {'ok' if f['ok'] else 'MISMATCH: rewriting'})", file=out)
+        elif event == "discard":
+            print(f"  discarding {f['path']}: {f['reason']}", file=out)
+    return progress
+
+
+def quality_progress(enabled: bool = True, stream=None):
+    """tuner.quality's progress(label, i, n) as one updating line per model on stderr."""
+    if not enabled:
+        return None
+
+    def progress(label, i, n):
+        print(f"\r  {label}: chunk {i}/{n}", end="\n" if i == n else "", file=stream or sys.stderr, flush=True)
+    return progress
+
+
+def kl_text(v) -> str:
+    """A KL divergence: they span decades (int8 ~1e-6, int4 ~1e-2 on real models), so small ones
+    in scientific notation rather than rounded to 0."""
+    if v is None:
+        return "-"
+    return "0" if v == 0 else f"{v:.2e}" if abs(v) < 1e-3 else f"{v:.4f}"
+
+
+def weights_line(r: dict) -> str:
+    """A result's weights and, from tune --quant, their quality against the reference."""
+    q = r.get("quality")
+    text = r.get("quant") or "-"
+    if q:
+        text += (f" (against {q['reference']} {q['reference_quant']}: KL mean {kl_text(q['kl_mean'])}, p99 "
+                 f"{kl_text(q['kl_p99'])}, same top-1 {pct(q['top1_agreement'], 2)}, perplexity {q['perplexity']:.4g}; "
+                 f"{q['scored_tokens']} scored tokens)")
+    return text
+
+
+def quant_tune_text(s: dict) -> str:
+    """`tune --quant`'s summary: one row per level, then where the comparison is."""
+    header = ["level", "status", "decode tok/s", "min..max", "TTFT s", "KL mean", "same top-1", "run"]
+    rows = []
+    for lv in s["levels"]:
+        r, q = lv.get("result") or {}, lv.get("quality") or {}
+        rows.append([lv["level"], lv.get("status", "prepared"),
+                     fmt(r.get("decode_tok_s")) + (" (unconfirmed)" if r.get("unconfirmed") else ""),
+                     f"{fmt(r.get('decode_min'))}..{fmt(r.get('decode_max'))}", fmt(r.get("ttft_s"), 3),
+                     kl_text(q.get("kl_mean")), pct(q.get("top1_agreement"), 2),
+                     lv["run_dir"]])
+    lines = [f"tune --quant of {s['model']}, budget {s['budget']}" + (" (prepared only: containers and quality)"
+                                                                     if s.get("prepared_only") else "")]
+    lines += text_table(header, rows)
+    lines += [f"  {k}: {v}" for k, v in s.get("files", {}).items()]
+    return "\n".join(lines)

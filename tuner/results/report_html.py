@@ -1,0 +1,286 @@
+"""report.html: one self-contained page per tune run, for people with a browser.
+
+Read from the run directory's files (tuner.rundir): result.json for the decision and its
+conditions, profile.json for the machine and the disk curve, the study for every trial. Plots
+are PNGs embedded as data: URIs and the page's Content-Security-Policy allows nothing else, so
+it opens offline, from an e-mail attachment or a CI artefact, and never fetches anything.
+Every string from the files is HTML-escaped (a model name is data, not markup).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from engine.base.config import atomic_write_text, format_size
+from tuner.results import report_plots
+from tuner.results.html_page import e as _e, img as _img, page, table as _table
+from tuner.results.printers import fmt, pct, weights_line
+from tuner.results.result import is_feasible
+from tuner.results.rundir import RunDir, open_run
+
+PLOTS = "plots"
+KNOBS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "gpu_cache_ratio", "threads", "ctx_size", "io_mode",
+         "io_threads", "io_backend", "cache_policy", "kv_dtype", "dtype")
+TABLE_COLUMNS = ("number", "role", "status", "feasible", "decode_tok_s", "ttft_s", "chunk_size", "prefetch_depth",
+                 "cpu_cache_ratio", "threads", "ctx_size", "io_mode", "io_threads", "cache_policy",
+                 "bytes_read_per_token", "hit_rate_ram", "io_stall_fraction", "cgroup_peak_bytes", "wall_seconds",
+                 "error")
+SIZE_COLUMNS = ("chunk_size", "bytes_read_per_token", "cgroup_peak_bytes")
+SHORT_NAMES = {"decode_tok_s": "decode tok/s", "ttft_s": "TTFT s", "chunk_size": "chunk", "prefetch_depth": "prefetch",
+               "cpu_cache_ratio": "cache ratio", "io_threads": "io thr", "cache_policy": "policy", "ctx_size": "ctx",
+               "bytes_read_per_token": "read/token", "hit_rate_ram": "hit", "io_stall_fraction": "stall",
+               "cgroup_peak_bytes": "peak", "wall_seconds": "wall s"}
+
+
+
+def write_html_report(run_dir: str | Path, study=None, storage: str | None = None) -> Path:
+    """Write <run_dir>/report.html (and its new plots under plots/); returns its path."""
+    run = open_run(run_dir, study=study, storage=storage)
+    page = render(run)
+    path = run.path / "report.html"
+    atomic_write_text(path, page)
+    return path
+
+
+def write_reports(run_dir: str | Path, storage: str | None = None) -> dict:
+    """`colibri report`: report.md with its plots (tuner.report), then report.html."""
+    from tuner.results.report_md import write_report
+    run = open_run(run_dir, storage=storage)
+    files = write_report(run.study, run.result, run.path)
+    files["report.html"] = write_html_report(run.path, study=run.study)
+    return files
+
+
+# --- the page -------------------------------------------------------------------------------
+
+def render(run: RunDir) -> str:
+    r = run.result
+    model = r.get("model") or {}
+    study = r.get("study") or {}
+    cond = r.get("conditions") or {}
+    plots = run.path / PLOTS
+    plots.mkdir(exist_ok=True)
+    trials = _complete_trials(run)
+    data = _trial_points(run, trials)
+
+    quant = f" {r['quant']}" if r.get("quant") else ""
+    body = [f"<h1>colibri tune: {_e(model.get('name'))}{_e(quant)} under {_e(r.get('budget'))}</h1>",
+            f"<p class='sub'>{_e(r.get('created_utc'))} · objective <b>{_e(r.get('objective'))}</b> · "
+            f"{_e(study.get('trials'))} trials ({_e(study.get('feasible'))} feasible) · sampler "
+            f"{_e(study.get('sampler'))} · {'cold' if cond.get('cold') else 'warm'} runs · "
+            f"{fmt(cond.get('wall_seconds'), 0)} s</p>"]
+    body += _headline(r)
+    body += ["<h2>Hardware</h2>", _hardware_table(run)]
+    body += ["<h2>Recommended against the baseline</h2>", _config_table(r), _figures_table(r),
+             _img(plots / "confirmation.png", "confirmation round: median decode tok/s, min..max")]
+
+    rec_attrs = run.trial_attrs((r.get("recommended") or {}).get("trial_number"))
+    base_attrs = run.trial_attrs((r.get("baseline") or {}).get("trial_number"))
+    plans = {"recommended": (rec_attrs.get("metrics") or {}).get("plan"),
+             "baseline": (base_attrs.get("metrics") or {}).get("plan")}
+    body += ["<h2>Memory plan</h2>",
+             _img(report_plots.plot_memory_plan(plans, plots / "memory_plan.png"), "memory plan"),
+             _plan_table(plans)]
+
+    body += ["<h2>Optimization history</h2>", _img(plots / "history.png", "optimization history")]
+    body += ["<h2>Parameter importance</h2>",
+             _img(plots / "importance.png", "parameter importance",
+                  missing=f"Not computed: it needs at least 6 feasible trials with varied settings.")]
+    body += ["<h2>Decode speed against each setting</h2>", _img(plots / "params.png", "decode tok/s per setting")]
+    body += ["<h2>TTFT against decode speed</h2>",
+             _img(report_plots.plot_ttft_decode(data, plots / "ttft_decode.png"), "TTFT against decode tok/s")]
+    if (plots / "pareto.png").is_file() and r.get("objective") == "both":
+        body.append(_img(plots / "pareto.png", "Pareto front"))
+
+    curve, chosen = _disk_curve(run)
+    body += ["<h2>Disk curve (probe)</h2>",
+             _img(report_plots.plot_disk_curve(curve, chosen, plots / "disk_curve.png"), "disk curve",
+                  missing="The profile holds no direct random-read curve.")]
+    body += ["<h2>Measured speed against the bound</h2>",
+             "<p class='note'>Bound per trial: disk time = bytes read per token ÷ the probe's bandwidth at the "
+             "trial's read size and io_threads (buffered figure for buffered/mmap); memory time = bytes touched "
+             "per token (dense part + top-k experts of every MoE layer) ÷ the probe's best memory read "
+             "bandwidth; bound = 1 ÷ the larger of the two (perfect overlap, no compute cost).</p>",
+             _img(report_plots.plot_bound(data, plots / "bound.png"), "measured against bound",
+                  missing="No trial carries both a byte count and a profile to bound it with."),
+             _bound_table(data)]
+    body += ["<h2>Trials</h2>", _trials_table(run)]
+    body += ["<h2>Conditions</h2>", _conditions(r)]
+    return page(f"colibri tune: {model.get('name')}", body)
+
+
+def _headline(r: dict) -> list[str]:
+    rec, base = r.get("recommended"), r.get("baseline") or {}
+    if not rec:
+        return ["<p class='headline'><b>No configuration ran within the budget.</b> See the trials below.</p>"]
+    w, b = rec.get("confirmed") or {}, base.get("confirmed") or {}
+    gain = r.get("gain_over_baseline")
+    confirmed = (r.get("confirmation") or {}).get("confirmed")
+    return [f"<p class='headline'><b>Recommended: {_e(rec.get('label'))}</b> — decode "
+            f"<b>{fmt(w.get('decode_tok_s'))} tok/s</b> [{fmt(w.get('decode_min'))}..{fmt(w.get('decode_max'))}] "
+            f"against the baseline's {fmt(b.get('decode_tok_s'))} tok/s "
+            f"[{fmt(b.get('decode_min'))}..{fmt(b.get('decode_max'))}]; gain on {_e(r.get('gain_metric'))}: "
+            f"<b>{pct(gain, signed=True)}</b>"
+            + ("" if confirmed else " (not re-measured: no confirmation round)")
+            + "<br>Use it: <code>colibri run --model &lt;dir&gt; --config recommended.toml</code></p>"]
+
+
+def _hardware_table(run: RunDir) -> str:
+    from tuner.share.profiles import hardware_facts
+    if run.profile is None:
+        return "<p class='note'>No profile.json in the run directory.</p>"
+    return _table(["", ""], list(hardware_facts(run.profile.to_dict()).items()), header=False)
+
+
+def _config_table(r: dict) -> str:
+    rc = (r.get("recommended") or {}).get("config") or {}
+    bc = (r.get("baseline") or {}).get("config") or {}
+    out = ["<table><tr><th>setting</th><th>recommended</th><th>baseline</th></tr>"]
+    for k in KNOBS:
+        rv, bv = rc.get(k), bc.get(k)
+        fmt = format_size if k == "chunk_size" else str
+        cls = " class='changed'" if rv != bv else ""
+        out.append(f"<tr{cls}><td>{k}</td><td>{_e(fmt(rv))}</td><td>{_e(fmt(bv))}</td></tr>")
+    return "".join(out) + "</table><p class='note'>Highlighted: settings the search changed.</p>"
+
+
+def _figures_table(r: dict) -> str:
+    rows = []
+    for c in r.get("candidates") or []:
+        f = c.get("confirmed") or {}
+        verdict = c.get("disqualified") or c.get("note") or (
+            "recommended" if r.get("recommended") and c.get("label") == r["recommended"].get("label") else "")
+        rows.append((c.get("label"), fmt(f.get("decode_tok_s")),
+                     f"{fmt(f.get('decode_min'))}..{fmt(f.get('decode_max'))}",
+                     fmt(f.get("decode_stdev")), f.get("samples"), fmt(f.get("ttft_s"), 4),
+                     f"{fmt(f.get('ttft_min'), 4)}..{fmt(f.get('ttft_max'), 4)}", verdict))
+    conf = r.get("confirmation") or {}
+    return (_table(["candidate", "decode tok/s (median)", "min..max", "stdev", "samples", "TTFT s", "TTFT min..max",
+                    "verdict"], rows)
+            + f"<p class='note'>{_e(conf.get('rounds'))} confirmation round(s), {_e(conf.get('order'))}; "
+              f"figure: {_e(conf.get('figure'))}.</p>")
+
+
+def _plan_table(plans: dict) -> str:
+    rows = []
+    for label, plan in plans.items():
+        if plan:
+            parts = [format_size(plan.get(k)) for k, _, _ in report_plots.PLAN_PARTS]
+            used = sum(plan.get(k) or 0 for k, _, _ in report_plots.PLAN_PARTS)
+            rows.append((label, *parts, format_size(plan.get("budget")), format_size(max(plan["budget"] - used, 0))))
+    if not rows:
+        return "<p class='note'>The trials' plans are not in the study.</p>"
+    return _table(["config", *(name for _, name, _ in report_plots.PLAN_PARTS), "budget", "left unused"], rows)
+
+
+def _bound_table(points: list[dict]) -> str:
+    rec = next((p for p in points if p.get("recommended")), None)
+    if not rec or not rec.get("bound_tok_s"):
+        return ""
+    rows = [("recommended (trial %s)" % rec["number"], format_size(rec["bytes_read_per_token"]),
+             fmt(rec["disk_gbps"], 3), fmt(rec["disk_ms"], 3), fmt(rec["memory_ms"], 3), rec["limit"],
+             fmt(rec["bound_tok_s"]), fmt(rec["decode_tok_s"]),
+             pct(rec["decode_tok_s"] / rec["bound_tok_s"], 0))]
+    return _table(["config", "read per token", "disk GB/s at its read size", "disk ms/token", "memory ms/token",
+                   "limit", "bound tok/s", "measured tok/s", "of bound"], rows)
+
+
+def _trials_table(run: RunDir) -> str:
+    import pandas as pd
+    from tuner.results.printers import TRIAL_COLUMNS, trial_rows
+    if not run.has_study:
+        return "<p class='note'>No study in the run directory.</p>"
+    # The rows trials.csv is written from (tuner.printers), as one pandas frame.
+    df = pd.DataFrame(trial_rows(run.study.get_trials(deepcopy=False)), columns=list(TRIAL_COLUMNS), dtype=object)
+    shown = df[list(TABLE_COLUMNS)].replace("", None)
+    for c in SIZE_COLUMNS:
+        shown[c] = shown[c].map(lambda v: format_size(v) if isinstance(v, (int, float)) else v)
+    for c in ("hit_rate_ram", "io_stall_fraction"):
+        shown[c] = shown[c].map(lambda v: pct(v, 0) if isinstance(v, (int, float)) else v)
+    shown = shown.rename(columns=SHORT_NAMES).fillna("")  # an absent figure is a blank cell, not "None"
+    return ("<div class='scroll'>" + shown.to_html(index=False, escape=True, na_rep="", classes="trials",
+                                                   border=0, float_format=lambda v: f"{v:.4g}")
+            + "</div><p class='note'>Sizes in binary units; every column at full precision is in trials.csv.</p>")
+
+
+def _conditions(r: dict) -> str:
+    cond, model = r.get("conditions") or {}, r.get("model") or {}
+    geo, mem = model.get("geometry") or {}, cond.get("memory_limit") or {}
+    rows = [
+        ("model", f"{model.get('name')} ({geo.get('model_type')}, {model.get('compute_dtype')}, {geo.get('layers')} "
+                  f"layers, {geo.get('experts')} experts top-{geo.get('top_k')}, "
+                  f"{format_size(geo.get('total_bytes_on_disk'))} on disk)"),
+        ("weights", weights_line(r)),
+        ("runs", f"{'cold' if cond.get('cold') else 'warm'}: {cond.get('cold_means')}; {cond.get('tokens')} decode "
+                 f"tokens x {cond.get('repeats')} repeats, prompt {cond.get('prompt_tokens')} tokens, seed "
+                 f"{cond.get('seed')}"),
+        ("memory", f"budget {r.get('budget')}, trial cgroup limit {format_size(mem.get('cgroup_limit_bytes'))} "
+                   + ("(enforced)" if mem.get("cgroup") else f"(NOT enforced: {mem.get('reason') or 'unknown'})")),
+        ("time", f"budget {cond.get('time_budget_s')} s, used {cond.get('wall_seconds')} s"),
+        ("versions", ", ".join(f"{k} {v}" for k, v in (cond.get("versions") or {}).items())),
+    ]
+    return _table(["", ""], rows, header=False)
+
+
+# --- data from the run ----------------------------------------------------------------------
+
+def _complete_trials(run: RunDir) -> list:
+    if not run.has_study:
+        return []
+    from optuna.trial import TrialState
+    return sorted(run.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.number)
+
+
+def _trial_points(run: RunDir, trials) -> list[dict]:
+    """Feasible trials as flat points with their bound (see the page's note for the formula)."""
+    rec_number = (run.result.get("recommended") or {}).get("trial_number")
+    geo = (run.result.get("model") or {}).get("geometry") or {}
+    mem_bw = max((m.bandwidth.value for m in run.profile.memory_bandwidth if m.op == "read"), default=0.0) \
+        if run.profile else 0.0
+    out = []
+    for t in trials:
+        a = t.user_attrs
+        if not is_feasible(a):
+            continue
+        p = {"number": t.number, "decode_tok_s": a.get("decode_tok_s"), "ttft_s": a.get("ttft_s"),
+             "ctx_size": t.params.get("ctx_size"), "recommended": t.number == rec_number,
+             "bytes_read_per_token": a.get("bytes_read_per_token")}
+        p.update(_bound(run.profile, t.params, (a.get("metrics") or {}).get("plan") or {}, geo,
+                        a.get("bytes_read_per_token"), mem_bw))
+        out.append(p)
+    return out
+
+
+def _bound(profile, params: dict, plan: dict, geo: dict, read_per_token, mem_bw: float) -> dict:
+    if profile is None or read_per_token is None or not params.get("chunk_size") or not mem_bw:
+        return {}
+    try:
+        disk_bw = profile.read_bandwidth(int(params["chunk_size"]), int(params.get("io_threads") or 1),
+                                         direct=params.get("io_mode") == "direct")
+    except Exception:  # no curve or no buffered point in this profile: no bound to draw
+        return {}
+    touched = (plan.get("dense_bytes") or 0) + (geo.get("moe_layers") or 0) * (geo.get("top_k") or 0) * (
+        plan.get("expert_bytes") or 0)
+    disk_s = read_per_token / disk_bw if disk_bw > 0 else math.inf
+    mem_s = touched / mem_bw
+    worst = max(disk_s, mem_s)
+    return {"disk_gbps": disk_bw / 1e9, "disk_ms": disk_s * 1e3, "memory_ms": mem_s * 1e3,
+            "limit": "disk" if disk_s >= mem_s else "memory",
+            "bound_tok_s": (1.0 / worst) if worst > 0 else None}
+
+
+def _disk_curve(run: RunDir) -> tuple[list[dict], dict | None]:
+    if run.profile is None:
+        return [], None
+    pts = [{"request_bytes": p.request_bytes, "queue_depth": p.queue_depth, "bandwidth": p.bandwidth.value}
+           for p in run.profile.storage.points if p.role == "curve" and p.direct]
+    cfg = (run.result.get("recommended") or {}).get("config")
+    if not pts or not cfg:
+        return pts, None
+    chosen = {"chunk_size": cfg.get("chunk_size"), "io_threads": cfg.get("io_threads")}
+    try:
+        chosen["bandwidth"] = run.profile.read_bandwidth(int(cfg["chunk_size"]), int(cfg.get("io_threads") or 1))
+    except Exception:
+        chosen["bandwidth"] = None
+    return pts, chosen

@@ -1,0 +1,187 @@
+"""Ranking the search's trials and the confirmation round that picks the winner.
+
+The round re-measures the top candidates and the baseline, interleaved, winner first and
+baseline last (leftover warm state then favours the baseline, not the winner), and chooses on
+medians with their spread. A candidate whose tokens change, or that fails when re-measured, is
+disqualified: placement must never change tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.base.config import EngineConfig
+from tuner.results.printers import fmt
+from tuner.results.result import Candidate, Figures, RunFigures, RunSummary, TrialResult, is_feasible
+
+
+@dataclass
+class Contender:
+    """A candidate while it is being re-measured (its output tokens are compared, not kept)."""
+
+    label: str
+    trial_number: int | None
+    role: str | None
+    config: EngineConfig
+    search_values: list[float] | None
+    runs: list[RunSummary] = field(default_factory=list)
+    output_ids: list = field(default_factory=list)  # one per run
+    confirmed: Figures | None = None
+    disqualified: str | None = None
+    note: str | None = None
+
+    def candidate(self) -> Candidate:
+        return Candidate(label=self.label, trial_number=self.trial_number, role=self.role,
+                         config=self.config.to_dict(), confirmed=self.confirmed, search_values=self.search_values,
+                         runs=self.runs, disqualified=self.disqualified, note=self.note)
+
+
+@dataclass
+class Decision:
+    contenders: list[Contender]
+    rounds: int
+    winner: Contender | None
+    baseline: Contender
+    confirmed: bool
+
+
+# --- ranking --------------------------------------------------------------------------------
+
+def dominates(a, b) -> bool:
+    (ad, at), (bd, bt) = a.values, b.values
+    return ad >= bd and at <= bt and (ad > bd or at < bt)
+
+
+def feasible(trials) -> list:
+    return [t for t in trials if is_feasible(t.user_attrs)]
+
+
+def ranked(trials, objective: str) -> list:
+    """Feasible trials best first. Both objectives: the Pareto front first (by decode), then
+    the rest by decode."""
+    feas = feasible(trials)
+    if objective == "decode":
+        return sorted(feas, key=lambda t: -t.values[0])
+    if objective == "ttft":
+        return sorted(feas, key=lambda t: t.values[0])
+    front = [t for t in feas if not any(dominates(o, t) for o in feas)]
+    rest = [t for t in feas if t not in front]
+    return sorted(front, key=lambda t: (-t.values[0], t.values[1])) + sorted(rest, key=lambda t: -t.values[0])
+
+
+def contenders(ranked_trials, top: int, baseline: EngineConfig, baseline_params: dict, baseline_trial,
+               config_of: Callable[[dict], EngineConfig]) -> list[Contender]:
+    """The best `top` distinct points (the baseline's own point excluded), then the baseline."""
+    seen, out = set(), []
+    for t in ranked_trials:
+        key = json.dumps(t.params, sort_keys=True)
+        if key in seen or t.params == baseline_params:
+            continue
+        seen.add(key)
+        out.append(Contender(f"trial {t.number}", t.number, t.user_attrs.get("role", "search"),
+                             config_of(t.params), list(t.values)))
+        if len(out) >= top:
+            break
+    out.append(Contender("baseline", baseline_trial.number if baseline_trial else None, "baseline", baseline,
+                         list(baseline_trial.values) if baseline_trial else None))
+    return out
+
+
+# --- the round ------------------------------------------------------------------------------
+
+def run_summary(res: TrialResult) -> tuple[RunSummary, list | None]:
+    """One re-measurement, and its output tokens."""
+    if not res.ok:
+        return RunSummary(status=res.status, wall_seconds=round(res.wall_seconds, 3),
+                          cgroup_peak_bytes=res.cgroup_peak_bytes, error=res.error), None
+    m = res.metrics
+    figures = dataclasses.asdict(RunFigures.from_metrics(m))
+    return RunSummary(
+        status="ok", wall_seconds=round(res.wall_seconds, 3), cgroup_peak_bytes=res.cgroup_peak_bytes,
+        decode_samples=[r.get("decode_tok_s") for r in m.get("runs", [])],
+        ttft_samples=[r.get("ttft_s") for r in m.get("runs", [])], **figures), m.get("output_ids")
+
+
+def confirm(entries: list[Contender], rounds: int, measure: Callable[[EngineConfig], TrialResult],
+            room_for_round: Callable[[int], bool], log) -> int:
+    """Up to `rounds` rounds (the first always, later ones while time allows); rounds run."""
+    done = 0
+    while done < rounds:
+        if done >= 1 and not room_for_round(len(entries)):
+            break
+        done += 1
+        for i, e in enumerate(entries):
+            log(f"confirm round {done}: {i + 1}/{len(entries)} {e.label} ...")
+            summary, ids = run_summary(measure(e.config))
+            e.runs.append(summary)
+            e.output_ids.append(ids)
+            log(f"confirm round {done}: {e.label}: " + (
+                f"{fmt(summary.decode_tok_s)} tok/s, TTFT {fmt(summary.ttft_s, 3)} s"
+                if summary.status == "ok" else summary.status))
+    return done
+
+
+def figures(runs: list[RunSummary]) -> Figures | None:
+    ok = [r for r in runs if r.status == "ok"]
+    if not ok:
+        return None
+
+    def med(key):
+        vals = [getattr(r, key) for r in ok if getattr(r, key) is not None]
+        return statistics.median(vals) if vals else None
+
+    dec = [v for r in ok for v in r.decode_samples if v is not None]
+    ttft = [v for r in ok for v in r.ttft_samples if v is not None]
+    return Figures(
+        decode_tok_s=med("decode_tok_s"), ttft_s=med("ttft_s"), measurements=len(ok),
+        decode_min=min(dec) if dec else None, decode_max=max(dec) if dec else None,
+        decode_stdev=statistics.stdev(dec) if len(dec) > 1 else 0.0,
+        ttft_min=min(ttft) if ttft else None, ttft_max=max(ttft) if ttft else None, samples=len(dec))
+
+
+def figures_of_trial(a: dict) -> Figures:
+    """A search trial's own figures, for a run without a confirmation round."""
+    summary = (a.get("metrics") or {}).get("summary") or {}
+    s, t = summary.get("decode_tok_s") or {}, summary.get("ttft_s") or {}
+    return Figures(decode_tok_s=a.get("decode_tok_s"), ttft_s=a.get("ttft_s"), measurements=1,
+                   decode_min=s.get("min"), decode_max=s.get("max"), decode_stdev=s.get("stdev"),
+                   ttft_min=t.get("min"), ttft_max=t.get("max"), samples=s.get("n"), unconfirmed=True)
+
+
+def decide(entries: list[Contender], rounds: int, objective: str) -> Decision:
+    base = entries[-1]
+    base_ok = bool(figures(base.runs)) and base.runs[0].status == "ok"
+    for e in entries:
+        e.confirmed = figures(e.runs)
+        bad = [r for r in e.runs if r.status != "ok"]
+        if bad:
+            e.disqualified = f"{bad[0].status} in confirmation: {bad[0].error or ''}"[:300]
+        elif not all(r.tokens_consistent is not False for r in e.runs):
+            e.disqualified = "output tokens differ between repeats"
+        elif e is not base and base_ok and e.output_ids[0] != base.output_ids[0]:
+            if e.runs[0].threads == base.runs[0].threads:
+                e.disqualified = "output tokens differ from the baseline's (placement must not change them)"
+            else:
+                e.note = ("output tokens differ from the baseline's, whose thread count differs "
+                          "(float reduction order); not disqualified")
+    ok = [e for e in entries if not e.disqualified and e.confirmed]
+    winner = None
+    if ok:
+        if objective == "ttft":
+            winner = min(ok, key=lambda e: e.confirmed.ttft_s if e.confirmed.ttft_s is not None else float("inf"))
+        else:
+            winner = max(ok, key=lambda e: (e.confirmed.decode_tok_s or 0.0, -(e.confirmed.ttft_s or 0.0)))
+    return Decision(entries, rounds, winner, base, confirmed=True)
+
+
+def unconfirmed(ranked_trials, base: Contender, baseline_trial, config_of) -> Decision:
+    """No confirmation round: the best search trial as it was measured, against the baseline's trial."""
+    entries = [Contender(f"trial {t.number}", t.number, t.user_attrs.get("role"), config_of(t.params),
+                         list(t.values), confirmed=figures_of_trial(t.user_attrs)) for t in ranked_trials[:1]]
+    base.confirmed = figures_of_trial(baseline_trial.user_attrs) \
+        if baseline_trial is not None and baseline_trial.user_attrs.get("status") == "ok" else None
+    return Decision(entries + [base], 0, entries[0] if entries else None, base, confirmed=False)

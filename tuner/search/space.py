@@ -1,0 +1,255 @@
+"""The search space: which engine settings the tuner tries, and the memory pre-check.
+
+Ranges are fixed for the whole study (Optuna's multivariate TPE silently falls back to
+independent sampling when a parameter's range depends on another one), and every quantity that
+depends on several knobs (cache bytes, read-buffer bytes) is derived by the engine's own memory
+plan, not sampled. The same `SearchSpace` is rebuilt identically on resume and on every worker of
+a shared study: it depends only on the model, the budget, the machine's core count, the GPU and
+the user's minimum context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import optuna
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+from engine.base.config import CACHE_POLICIES, IO_MODES, EngineConfig, format_size
+from engine.base.errors import BudgetError
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+# Read request sizes: expert-sized, 64 KiB..16 MiB, the range the probe measures.
+CHUNK_SIZES = tuple(64 * KiB << i for i in range(9))
+PREFETCH_DEPTHS = (0, 4)  # inclusive int range
+CPU_CACHE_RATIO = (0.25, 1.0, 0.05)  # low, high, step: a bigger cache is not always faster
+GPU_CACHE_RATIO = (0.0, 0.9, 0.1)
+IO_THREADS = (1, 2, 4, 8, 16)
+CTX_MULTIPLES = (1, 2, 4)  # ctx_size choices: the user's minimum and two doublings
+
+# Memory a fresh trial process spends before the model is touched (interpreter, torch, the
+# checkpoint index) plus the engine's activation margin. Replaced by a measured figure when one
+# is available (the calibration run's plan); this is the fallback measured on a Linux x86 box.
+DEFAULT_OVERHEAD_BYTES = 310 * MiB
+
+
+@dataclass
+class ModelFacts:
+    """What the space and the pre-check need from the checkpoint, read once."""
+
+    model_dir: Path
+    geometry: dict
+    has_experts: bool
+    max_position_embeddings: int
+    quant: str = "bf16"  # the weights as stored: a container's label (int8, int4-g64) or the dtype (bf16)
+
+    @classmethod
+    def read(cls, model_dir) -> "ModelFacts":
+        from engine.format.checkpoint import Checkpoint
+        from engine.arch.args import ModelArgs
+        ckpt = Checkpoint(model_dir)
+        args = ModelArgs.from_config(ckpt.config)
+        geometry = {
+            "model_type": args.model_type, "layers": args.num_layers, "hidden_size": args.hidden_size,
+            "experts": args.num_experts, "top_k": args.top_k, "moe_intermediate_size": args.moe_intermediate_size,
+            "vocab_size": args.vocab_size, "total_bytes_on_disk": ckpt.nbytes(),
+        }
+        return cls(Path(model_dir), geometry, args.is_moe, args.max_position_embeddings, stored_quant(ckpt))
+
+
+def stored_quant(ckpt) -> str:
+    """'int8' / 'int4-g64' for a quantized container, else the stored float dtype's short name."""
+    from engine.format.container import container_spec
+    from engine.base.dtypes import short_name
+    from engine.run.runtime import checkpoint_dtype
+    spec = container_spec(ckpt)
+    return spec.label if spec is not None else short_name(checkpoint_dtype(ckpt))
+
+
+@dataclass
+class SearchSpace:
+    budget: int
+    physical_cores: int
+    logical_cores: int
+    has_gpu: bool
+    min_ctx: int
+    with_pinned: bool = False  # a routing histogram exists to pin from
+    routing_histogram: str = ""
+    overhead_bytes: int = DEFAULT_OVERHEAD_BYTES
+    model: ModelFacts | None = None
+    # Read sizes and I/O threads to search: all by default; the cost model narrows them to where
+    # the probe's read curve still rises or is flat (tuner/costmodel/search.py:curve_region).
+    chunk_sizes: tuple[int, ...] = CHUNK_SIZES
+    io_thread_choices: tuple[int, ...] = IO_THREADS
+    _plan_inputs: tuple | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.min_ctx < 1:
+            raise BudgetError(f"--min-ctx must be at least 1, got {self.min_ctx}")
+        self.physical_cores = max(1, self.physical_cores)
+        self.logical_cores = max(self.physical_cores, self.logical_cores)
+
+    # --- the distributions --------------------------------------------------------------------
+
+    @property
+    def ctx_sizes(self) -> tuple[int, ...]:
+        return tuple(self.min_ctx * m for m in CTX_MULTIPLES)
+
+    @property
+    def cache_policies(self) -> tuple[str, ...]:
+        # pinned needs a recorded routing histogram (the calibration run's)
+        return CACHE_POLICIES if self.with_pinned else tuple(p for p in CACHE_POLICIES if p != "pinned")
+
+    def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
+        d = {
+            "chunk_size": CategoricalDistribution(self.chunk_sizes),
+            "prefetch_depth": IntDistribution(*PREFETCH_DEPTHS),
+            "cpu_cache_ratio": FloatDistribution(CPU_CACHE_RATIO[0], CPU_CACHE_RATIO[1], step=CPU_CACHE_RATIO[2]),
+            "threads": IntDistribution(1, self.logical_cores),
+            "ctx_size": CategoricalDistribution(self.ctx_sizes),
+            "io_mode": CategoricalDistribution(IO_MODES),
+            "io_threads": CategoricalDistribution(self.io_thread_choices),
+            "cache_policy": CategoricalDistribution(self.cache_policies),
+        }
+        if self.has_gpu:
+            d["gpu_cache_ratio"] = FloatDistribution(GPU_CACHE_RATIO[0], GPU_CACHE_RATIO[1], step=GPU_CACHE_RATIO[2])
+        return d
+
+    def describe(self) -> dict:
+        """JSON-able description; stored with the study so a resume can check it is the same."""
+        out = {}
+        for name, dist in self.distributions().items():
+            if isinstance(dist, CategoricalDistribution):
+                out[name] = list(dist.choices)
+            else:
+                out[name] = {"low": dist.low, "high": dist.high, "step": dist.step, "log": dist.log}
+        return out
+
+    # --- params <-> EngineConfig --------------------------------------------------------------
+
+    def suggest(self, trial: optuna.Trial) -> EngineConfig:
+        params = {name: _suggest(trial, name, dist) for name, dist in self.distributions().items()}
+        return self.config_from_params(params)
+
+    def config_from_params(self, params: dict) -> EngineConfig:
+        p = dict(params)
+        policy = p.get("cache_policy", "lru")
+        cpu_ratio = round(float(p["cpu_cache_ratio"]), 4)
+        gpu_ratio = round(float(p.get("gpu_cache_ratio", 0.0)), 4)
+        return EngineConfig(
+            ram_budget=self.budget, chunk_size=int(p["chunk_size"]), prefetch_depth=int(p["prefetch_depth"]),
+            cpu_cache_ratio=cpu_ratio, gpu_cache_ratio=gpu_ratio, threads=int(p["threads"]),
+            ctx_size=int(p["ctx_size"]), io_mode=p["io_mode"], io_threads=int(p["io_threads"]),
+            cache_policy=policy, routing_histogram=self.routing_histogram if policy == "pinned" else "",
+        )
+
+    def params_of(self, config: EngineConfig) -> dict:
+        """The point of this space a config sits on (for enqueueing warm starts)."""
+        params = {
+            "chunk_size": _nearest(self.chunk_sizes, config.chunk_size),
+            "prefetch_depth": min(max(config.prefetch_depth, PREFETCH_DEPTHS[0]), PREFETCH_DEPTHS[1]),
+            "cpu_cache_ratio": _snap(config.cpu_cache_ratio, *CPU_CACHE_RATIO),
+            "threads": min(max(config.threads or self.physical_cores, 1), self.logical_cores),
+            "ctx_size": min((c for c in self.ctx_sizes if c >= config.ctx_size), default=self.ctx_sizes[-1]),
+            "io_mode": config.io_mode,
+            "io_threads": _nearest(self.io_thread_choices, config.io_threads),
+            "cache_policy": config.cache_policy if config.cache_policy in self.cache_policies else "lru",
+        }
+        if self.has_gpu:
+            params["gpu_cache_ratio"] = _snap(config.gpu_cache_ratio, *GPU_CACHE_RATIO)
+        return params
+
+    def baseline(self) -> EngineConfig:
+        """The rules of thumb practitioners start from: read ahead 2 layers, one compute thread per
+        physical core, the rest of the budget as expert cache, buffered reads."""
+        params = {"chunk_size": 1 * MiB, "prefetch_depth": 2, "cpu_cache_ratio": 1.0,
+                  "threads": min(self.physical_cores, self.logical_cores), "ctx_size": self.min_ctx,
+                  "io_mode": "buffered", "io_threads": 4, "cache_policy": "lru"}
+        if self.has_gpu:
+            params["gpu_cache_ratio"] = 0.9
+        return self.config_from_params(params)
+
+    def smallest(self) -> EngineConfig:
+        """The config that needs the least fixed memory: if this cannot fit, nothing can."""
+        return self.baseline().replace(prefetch_depth=0)
+
+    # --- the memory pre-check ------------------------------------------------------------------
+
+    def precheck(self, config: EngineConfig) -> tuple[bool, int, str]:
+        """(fits, overshoot bytes, message) from the engine's own memory plan, without loading
+        any weight. A config whose dense part, KV cache, read buffers and runtime exceed the
+        budget is infeasible by `overshoot` bytes."""
+        if self.model is None:
+            return True, 0, ""
+        from engine.movement.plan import make_plan
+        ckpt, args, layout, dtype = self._inputs()
+        kv_dtype = dtype if config.kv_dtype == "auto" else _torch_dtype(config.kv_dtype)
+        try:
+            plan = make_plan(ckpt, args, layout, config, dtype, kv_dtype, overhead_bytes=self.overhead_bytes)
+        except BudgetError as exc:
+            fixed = self.fixed_bytes(config)
+            return False, max(1, fixed - config.ram_budget), str(exc)
+        return True, 0, plan.describe()
+
+    def fixed_bytes(self, config: EngineConfig) -> int:
+        """Everything but the expert cache, as the engine's plan counts it."""
+        from engine.movement.plan import make_plan
+        ckpt, args, layout, dtype = self._inputs()
+        kv_dtype = dtype if config.kv_dtype == "auto" else _torch_dtype(config.kv_dtype)
+        # A budget nothing can exceed: the plan then itemises the fixed parts without raising.
+        plan = make_plan(ckpt, args, layout, config.replace(ram_budget=1 << 62), dtype, kv_dtype,
+                         overhead_bytes=self.overhead_bytes)
+        return plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes
+
+    def check_budget(self) -> None:
+        """Fail before the study starts when even the leanest config cannot fit."""
+        fits, overshoot, message = self.precheck(self.smallest())
+        if not fits:
+            raise BudgetError(f"{message}; even with prefetch_depth 0 and ctx_size {self.min_ctx} the budget is "
+                              f"{format_size(overshoot)} short (raise --ram-budget or lower --min-ctx)")
+
+    def compute_dtype_name(self) -> str:
+        """The dtype trials compute in ('bfloat16', 'float32'), or '' without a model."""
+        if self.model is None:
+            return ""
+        return str(self._inputs()[3]).replace("torch.", "")
+
+    def _inputs(self):
+        if self._plan_inputs is None:
+            from engine.format.checkpoint import Checkpoint
+            from engine.format.layout import ExpertLayout
+            from engine.arch.args import ModelArgs
+            from engine.run.runtime import checkpoint_dtype
+            import torch
+            ckpt = Checkpoint(self.model.model_dir)
+            args = ModelArgs.from_config(ckpt.config)
+            layout = ExpertLayout(ckpt, args) if args.is_moe else None
+            dtype = checkpoint_dtype(ckpt)
+            # Same rule as Engine._compute_dtype: fp16 matmuls are slow on CPU, computed in fp32.
+            dtype = torch.float32 if dtype == torch.float16 else dtype
+            self._plan_inputs = (ckpt, args, layout, dtype)
+        return self._plan_inputs
+
+
+def _suggest(trial: optuna.Trial, name: str, dist):
+    if isinstance(dist, CategoricalDistribution):
+        return trial.suggest_categorical(name, dist.choices)
+    if isinstance(dist, IntDistribution):
+        return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
+    return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
+
+
+def _torch_dtype(name: str):
+    from engine.base.dtypes import short_dtypes
+    return short_dtypes()[name]
+
+
+def _nearest(choices, value):
+    return min(choices, key=lambda c: (abs(c - value), c))
+
+
+def _snap(value: float, low: float, high: float, step: float) -> float:
+    k = round((min(max(value, low), high) - low) / step)
+    return round(low + k * step, 4)

@@ -1,0 +1,342 @@
+"""`colibri tune`: probe, search the engine's settings with Optuna, confirm, recommend.
+
+    outcome = run_tune(TuneOptions(model="demo", trials=20))
+    outcome.result["recommended"]["config"]       # also in <out>/recommended.toml
+
+Flow (one direction): probe (or a saved profile) → search space → calibration run
+(calibrate.py) → Optuna study (ask/tell; every trial is `colibri bench` in a subprocess in a
+memory cgroup, judged by objective.py) → confirmation round (confirm.py) → outputs
+(outputs.py). This module keeps the options and the loop that ties those parts together; the
+time budget is budget.py's, the storage and resume rules storage.py's.
+
+FAIL is kept for trials that were not measured at all (interrupted, or left RUNNING by a killed
+run and found on resume); everything measured, feasible or not, is COMPLETE (objective.py).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import optuna
+import pandas  # noqa: F401  (trials.csv is written through it after every trial: imported up front,
+#                a Ctrl-C can never land inside its import and leave it half-initialized)
+from optuna.trial import TrialState
+
+from engine.base.config import EngineConfig, format_size, size_label
+from engine.base.errors import BudgetError, ConfigError
+from tuner.search import confirm, objective, study_storage as storage
+from tuner.results import outputs
+from tuner.search.budget import TimeBudget, format_clock, parse_duration
+from tuner.search.preflight import calibrate, probe_profile
+from tuner.results.result import TrialResult
+from tuner.search.run_record import RUN_FILE, read_run_record, write_run_record
+from tuner.search.space import DEFAULT_OVERHEAD_BYTES, ModelFacts, SearchSpace
+from tuner.search.study_storage import Heartbeat, open_storage, redact_url
+from tuner.search.trial import run_trial
+from tuner.search.options import (  # noqa: F401  (re-exported: callers import them from here)
+    Log, TuneOptions, TuneOutcome, stderr_line, default_budget, make_sampler,
+)
+
+GiB = 1 << 30
+
+class _Run:
+    """One tune session: its settings resolved, its study open, its clock running."""
+
+    def __init__(self, opts: TuneOptions, log: Log):
+        self.opts = opts.validate()
+        self.log = log
+        self.clock = TimeBudget.for_run(opts.time_budget, opts.trials, opts.confirm_top, opts.trial_timeout)
+        self.started_utc = outputs.utc_now()
+        self.worker = f"{platform.node()}:{os.getpid()}"
+
+    # --- set-up -------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        from engine.run.resolve import resolve_model
+        opts = self.opts
+        self.model_dir = resolve_model(opts.model, progress=True).resolve()
+        self.model_name = opts.model_name or (opts.model if not Path(opts.model).exists() else self.model_dir.name)
+        self.out = Path(opts.out) if opts.out else storage.default_out(self.model_name, opts.resume)
+        recorded = read_run_record(self.out) if opts.resume else None
+        if opts.ram_budget is not None:
+            self.budget = opts.ram_budget
+        elif recorded:
+            # Free memory moves between runs; the study was made with the budget it recorded.
+            self.budget = recorded["budget"]
+            self.log(f"resume: budget {format_size(self.budget)} as recorded in {self.out / RUN_FILE} "
+                     f"(the default here now would be {format_size(default_budget(opts.model))})")
+        else:
+            self.budget = default_budget(opts.model)
+        if self.budget <= 0:
+            raise BudgetError(f"--ram-budget must be positive, got {self.budget}")
+        self.limit_bytes = opts.cgroup_limit or self.budget
+        self.shared = storage.is_shared(opts.storage)
+        self.storage_url = opts.storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
+        self.facts = ModelFacts.read(self.model_dir)
+        if not self.study_name_set(recorded):
+            # tune --quant's levels carry one model name and may share one storage: the quant tells them apart.
+            quant = f"-{self.facts.quant}" if opts.model_name else ""
+            self.study_name = f"{self.model_name}{quant}-{size_label(self.budget, smallest='MiB')}-{opts.objective}"
+        import psutil
+        import torch
+        self.has_gpu = bool(torch.cuda.is_available())
+        self.space = SearchSpace(budget=self.budget, physical_cores=psutil.cpu_count(logical=False) or 1,
+                                 logical_cores=psutil.cpu_count() or 1, has_gpu=self.has_gpu,
+                                 min_ctx=opts.min_ctx, model=self.facts)
+        self.space.check_budget()  # before anything slow: a budget below the dense part is a user error
+        if opts.resume and opts.storage is None and not (self.out / "study.db").exists():
+            raise ConfigError(f"nothing to resume: {self.out} holds no study.db")
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.storage = open_storage(self.storage_url, self.shared)  # also before anything slow
+        self.existing = storage.check_resume(self.storage, self.storage_url, self.study_name, opts.resume,
+                                             self.shared)
+        write_run_record(self.out, model=opts.model, model_dir=self.model_dir, budget=self.budget,
+                         study_name=self.study_name, objective=opts.objective, storage=redact_url(self.storage_url))
+        self.warm_entry = outputs.warm_start_entry(opts.from_profile, self.facts.geometry, self.log, self.facts.quant) \
+            if opts.from_profile else None
+
+        self.profile, self.profile_source = probe_profile(self.out, opts.profile, self.model_dir, self.log)
+        self.calibration = calibrate(
+            out=self.out, model_dir=self.model_dir, budget=self.budget, limit_bytes=self.limit_bytes,
+            space=self.space, has_experts=self.facts.has_experts, tokens=opts.tokens,
+            prompt_tokens=opts.prompt_tokens, cold=opts.cold, seed=opts.seed, trial_timeout=opts.trial_timeout,
+            record_wall=self.clock.record, log=self.log)
+        self.space.overhead_bytes = self.calibration.get("overhead_bytes") or DEFAULT_OVERHEAD_BYTES
+        hist = self.calibration.get("routing_histogram")
+        self.space.with_pinned = bool(hist and Path(hist).exists())
+        self.space.routing_histogram = hist or ""
+        if opts.cost_model and self.study_name not in self.existing:
+            from tuner.costmodel.search import narrow_space
+            region = narrow_space(self.space, self.profile)
+            self.log(f"cost model: read sizes {', '.join(format_size(c) for c in region['chunk_size'])}; "
+                     f"I/O threads {', '.join(map(str, region['io_threads']))} (the probe curve's rising or flat part)")
+        self.study = self._open_study()
+
+    def study_name_set(self, recorded: dict | None) -> bool:
+        """--study-name, or the one run.json recorded for a resume; False: derive the default."""
+        if self.opts.study_name:
+            self.study_name = self.opts.study_name
+        elif recorded and self.opts.ram_budget is None:
+            self.study_name = recorded["study_name"]
+            self.log(f"resume: study {self.study_name!r} as recorded in {self.out / RUN_FILE}")
+        else:
+            return False
+        return True
+
+    def settings(self) -> dict:
+        """What a study is about: a resumed or joined study must match it."""
+        o = self.opts
+        return {"model": self.model_name,
+                "geometry": {k: self.facts.geometry.get(k) for k in outputs.GEOMETRY_KEYS},
+                "budget": self.budget, "objective": o.objective, "space": self.space.describe(),
+                "tokens": o.tokens, "repeats": o.repeats, "prompt_tokens": o.prompt_tokens, "cold": o.cold,
+                "seed": o.seed}
+
+    def _open_study(self) -> optuna.Study:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        if self.study_name in self.existing:
+            # The space must be the one the study was made with (pinned or not).
+            recorded = storage.recorded_settings(self.storage, self.study_name)
+            if recorded:
+                had_pinned = "pinned" in recorded["space"].get("cache_policy", [])
+                if had_pinned and not self.space.with_pinned:
+                    raise ConfigError(f"study {self.study_name!r} searches cache_policy=pinned but no routing "
+                                      f"histogram could be recorded here (calibration: "
+                                      f"{self.calibration.get('status')})")
+                self.space.with_pinned = had_pinned
+                # Read sizes and I/O threads as the study was made with: identical on every worker.
+                self.space.chunk_sizes = tuple(recorded["space"].get("chunk_size", self.space.chunk_sizes))
+                self.space.io_thread_choices = tuple(recorded["space"].get("io_threads", self.space.io_thread_choices))
+        study = optuna.create_study(storage=self.storage, study_name=self.study_name,
+                                    directions=objective.DIRECTIONS[self.opts.objective],
+                                    sampler=make_sampler(self.opts, self.shared), load_if_exists=True)
+        storage.check_settings(study, self.settings())
+        storage.fail_unfinished(study, self.shared, self.log)
+        self._enqueue_warm_starts(study)
+        return study
+
+    def _enqueue_warm_starts(self, study: optuna.Study) -> None:
+        fresh = not study.trials
+        study.enqueue_trial(self.space.params_of(self.space.baseline()), user_attrs={"role": "baseline"},
+                            skip_if_exists=True)
+        queued = 1
+        if self.warm_entry:
+            try:
+                config = EngineConfig.from_dict(self.warm_entry["config"], source="--from-profile config")
+            except ConfigError as exc:
+                self.log(f"--from-profile: skipped an unusable recorded config ({exc})")
+            else:
+                study.enqueue_trial(self.space.params_of(config), user_attrs={"role": "from_profile"},
+                                    skip_if_exists=True)
+                queued += 1
+        if self.opts.cost_model and self.facts.has_experts and fresh:
+            self._enqueue_predicted(study, queued)
+
+    def _enqueue_predicted(self, study: optuna.Study, queued: int) -> None:
+        """The cost model's top predicted configs, measured right after the baseline."""
+        from tuner.costmodel.predict import RunConditions
+        from tuner.costmodel.search import study_warm_starts
+        o = self.opts
+        # Never more than the trial budget leaves after the baseline: queued trials that never
+        # run would sit in the study as WAITING.
+        n = 3 if o.trials is None else max(0, min(3, o.trials - queued))
+        if not n:
+            return
+        run = RunConditions(prompt_tokens=o.prompt_tokens, tokens=o.tokens, repeats=o.repeats, cold=o.cold)
+        for r in study_warm_starts(self.space, self.profile, self.model_dir, run, n):
+            study.enqueue_trial(self.space.params_of(r.config), skip_if_exists=True,
+                                user_attrs={"role": "model", "predicted_decode_tok_s": r.prediction.decode_tok_s})
+            self.log(f"cost model: warm start {r.config.io_mode}, chunk {format_size(r.config.chunk_size)}, "
+                     f"prefetch {r.config.prefetch_depth}, cache ratio {r.config.cpu_cache_ratio}, "
+                     f"{r.config.cache_policy}: predicted {r.prediction.decode_tok_s:.3g} tok/s")
+
+    # --- search -------------------------------------------------------------------------------
+
+    def complete(self) -> list:
+        return self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+
+    def counts(self) -> tuple[int, int]:
+        trials = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
+        done = sum(t.state == TrialState.COMPLETE for t in trials)
+        return done, len(trials) - done
+
+    def search(self) -> None:
+        while True:
+            if self.shared:
+                optuna.storages.fail_stale_trials(self.study)
+            done, running = self.counts()
+            if self.opts.trials is not None and done + running >= self.opts.trials:
+                break
+            if not self.clock.room_for_trial():
+                self.log(f"time budget: no room for another trial ({format_clock(self.clock.used())} used); "
+                         f"confirming")
+                break
+            trial = self.study.ask()
+            try:
+                with Heartbeat(self.storage, trial, enabled=self.shared):
+                    values, attrs = self.evaluate(trial)
+            except BaseException:
+                # Not measured: FAIL is the honest state (the sampler must not learn from it).
+                try:
+                    self.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+                except Exception:
+                    pass
+                raise
+            for k, v in attrs.items():
+                trial.set_user_attr(k, v)
+            # Optuna 5 samplers read constraints set on the trial (constraints_func is deprecated).
+            trial.set_constraint("violation", attrs["constraint"])
+            self.study.tell(trial, values)
+            self.progress(trial.number, attrs)
+            self.write_trials_csv()
+
+    def evaluate(self, trial: optuna.Trial) -> tuple[list[float], dict]:
+        config = self.space.suggest(trial)
+        role = trial.user_attrs.get("role", "search")
+        earlier = objective.same_point(self.complete(), trial.params)
+        if earlier is not None:
+            # TPE re-proposes points of a small categorical space; a re-run would spend a whole
+            # trial on one more sample of a known point (the confirmation round re-measures anyway).
+            attrs = {k: v for k, v in earlier.user_attrs.items() if k not in ("role", "worker")}
+            attrs.update(role=role, worker=self.worker, duplicate_of=earlier.number)
+            return list(earlier.values), attrs
+        worst = objective.worst_values(self.opts.objective, self.clock.trial_timeout())
+        fits, overshoot, message = self.space.precheck(config)
+        if not fits:
+            rec = objective.not_launched(role=role, worker=self.worker, config=config.to_dict(),
+                                         overshoot=overshoot, budget=self.budget, message=message)
+            return worst, rec.to_attrs()
+        res = self.measure(config)
+        ref = objective.reference_ids(self.complete(), res.metrics.get("threads")) if res.ok else None
+        status, constraint, error = objective.judge(res, self.budget, self.limit_bytes, ref)
+        rec = objective.record(res, role=role, worker=self.worker, config=config.to_dict(), status=status,
+                               constraint=constraint, error=error)
+        if constraint > 0:
+            return worst, rec.to_attrs()
+        return objective.objective_values(self.opts.objective, res.metrics, self.clock.trial_timeout()), rec.to_attrs()
+
+    def measure(self, config: EngineConfig) -> TrialResult:
+        o = self.opts
+        res = run_trial(self.model_dir, config, tokens=o.tokens, repeats=o.repeats, cold=o.cold,
+                        prompt_tokens=o.prompt_tokens, seed=o.seed, limit_bytes=self.limit_bytes,
+                        timeout=self.clock.trial_timeout())
+        if res.status != "timeout":
+            self.clock.record(res.wall_seconds)
+        return res
+
+    def progress(self, number: int, attrs: dict) -> None:
+        from tuner.results.printers import trial_line
+        done, _ = self.counts()
+        total = str(self.opts.trials) if self.opts.trials else f"~{done + self.clock.trials_left()}"
+        ranked = self.ranked()
+        self.log(trial_line(done, total, number, attrs, self.opts.objective, ranked[0] if ranked else None,
+                            self.clock.clock()))
+
+    def ranked(self) -> list:
+        return confirm.ranked(self.complete(), self.opts.objective)
+
+    # --- confirmation and outputs -------------------------------------------------------------
+
+    def confirm(self) -> confirm.Decision:
+        ranked = self.ranked()
+        baseline = self.space.baseline()
+        baseline_params = self.space.params_of(baseline)
+        baseline_trial = next((t for t in sorted(self.complete(), key=lambda t: t.number)
+                               if t.params == baseline_params), None)
+        entries = confirm.contenders(ranked, self.opts.confirm_top, baseline, baseline_params, baseline_trial,
+                                     self.space.config_from_params)
+        if self.opts.confirm_top == 0:
+            return confirm.unconfirmed(ranked, entries[-1], baseline_trial, self.space.config_from_params)
+        rounds = confirm.confirm(entries, self.opts.confirm_rounds, self.measure, self.clock.room_for_round,
+                                 self.log)
+        return confirm.decide(entries, rounds, self.opts.objective)
+
+    def write_trials_csv(self) -> None:
+        outputs.write_trials_csv(self.study.get_trials(deepcopy=False), self.out / "trials.csv")
+
+
+def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
+    from tuner.probe.storage import sigterm_as_interrupt
+    run = _Run(opts, log)
+    with sigterm_as_interrupt():  # `kill` gets the same clean stop as Ctrl-C
+        run.setup()
+        done, _ = run.counts()
+        log(f"study {run.study_name!r} in {redact_url(run.storage_url)}: {done} completed trial(s) so far; "
+            f"budget {format_size(run.budget)}, objective {opts.objective}, "
+            + (f"{opts.trials} trials" if opts.trials else "")
+            + (", " if opts.trials and run.clock.seconds else "")
+            + (f"time budget {format_clock(run.clock.seconds)}" if run.clock.seconds else ""))
+        try:
+            run.search()
+            decision = run.confirm()
+        except KeyboardInterrupt:
+            if not run.shared:
+                # Ctrl-C can land between `study.ask()` and the guarded measurement, or while a
+                # finished trial is being told: no trial of this run may stay RUNNING. (A shared
+                # storage is left to the heartbeats: other workers' trials are RUNNING there.)
+                storage.fail_unfinished(run.study, False, run.log, when="interrupted")
+            done, _ = run.counts()
+            run.write_trials_csv()
+            again = (f"colibri tune --resume --model {opts.model} --out {run.out} --study-name {run.study_name}"
+                     + (f" --storage {redact_url(run.storage_url)}" if opts.storage else ""))
+            log(f"interrupted: {done} completed trial(s) are saved in {redact_url(run.storage_url)}; "
+                f"continue with: {again}")
+            raise
+        result = outputs.build_result(run, decision).to_dict()
+        files = outputs.write_outputs(run, result)
+    rec = result["recommended"]
+    if rec is None:
+        raise BudgetError(f"no configuration ran within the budget {format_size(run.budget)} "
+                          f"({result['study']['by_status']}); see {run.out / 'trials.csv'}")
+    return TuneOutcome(out_dir=run.out, result=result, recommended_path=files.get("recommended.toml"), files=files)
+
+
+def format_outcome(outcome: TuneOutcome) -> str:
+    from tuner.results.printers import tune_text
+    return tune_text(outcome.result, outcome.files)
+
+
+__all__ = ["TuneOptions", "TuneOutcome", "run_tune", "format_outcome", "parse_duration", "default_budget",
+           "open_storage", "redact_url"]

@@ -1,0 +1,240 @@
+"""`colibri compare`: tune runs and shared profiles side by side.
+
+Each input becomes one or more items of the same shape: a run directory gives its recommended
+config as the entry a profile export would carry (tuner.profiles.entry_from_run), a profile
+gives each of its best_configs. What may vary is the point of a comparison (the machine, the
+disk, the quant level); what must not is checked before anything is ranked: the model
+geometry, the budget, cold or warm, the decode and prompt token counts, and the tool version.
+If any of those differ the comparison is refused, naming them, unless forced; a forced one says
+on every output that it is not like for like.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from engine.base.config import atomic_write_text, format_size
+from engine.base.errors import ColibriError
+from tuner.results import report_plots
+from tuner.results.html_page import e, img, page, table
+from tuner.results.printers import fmt, kl_text, pct
+from tuner.share.profiles import entry_from_run, hardware_facts, resolve
+from tuner.results.rundir import is_run_dir, open_run
+
+# Conditions that make figures comparable: (name, how to read it from an item).
+BLOCKING = (("model geometry", lambda i: f"{i.entry['model']} [{i.entry['geometry_hash'][7:15]}]"),
+            ("budget", lambda i: format_size(i.entry["ram_budget"])),
+            ("cold/warm", lambda i: "cold" if i.entry["conditions"]["cold"] else "warm"),
+            ("decode tokens", lambda i: i.entry["conditions"]["tokens"]),
+            ("prompt tokens", lambda i: i.entry["conditions"]["prompt_tokens"]),
+            ("tool version", lambda i: i.entry["tool"]["version"]))
+# Shown when they differ, never blocking: these are what people compare.
+VARYING = (("machine", lambda i: i.machine["fingerprint"]), ("CPU", lambda i: i.machine["cpu"]),
+           ("disk", lambda i: i.machine["disk"]), ("quant", lambda i: i.entry["quant"]),
+           ("repeats", lambda i: i.entry["conditions"]["repeats"]),
+           ("objective", lambda i: i.entry["objective"]), ("git commit", lambda i: i.entry["tool"].get("git_commit")))
+METRICS = (("decode_tok_s", "decode tok/s (median)", "decode_min", "decode_max", 1.0),
+           ("ttft_s", "TTFT s (median)", "ttft_min", "ttft_max", 1.0),
+           ("bytes_read_per_token", "MiB read per token", None, None, 1.0 / (1 << 20)),
+           ("hit_rate_ram", "RAM hit rate", None, None, 1.0))
+
+
+class CompareError(ColibriError):
+    pass
+
+
+@dataclass
+class Item:
+    label: str
+    source: str
+    machine: dict
+    entry: dict
+
+    def figure(self, key):
+        if key == "kl_mean":
+            return (self.entry.get("quality") or {}).get("kl_mean")
+        return self.entry["figures"].get(key)
+
+
+def load_items(refs: list[str], model: str | None = None) -> list[Item]:
+    """Each input's items; `model` (a name or geometry hash prefix) picks a profile's entries."""
+    items: list[Item] = []
+    for ref in refs:
+        if is_run_dir(ref):
+            run = open_run(ref)
+            if not run.result.get("recommended") or run.profile is None:
+                raise CompareError(f"{ref}: the run has no recommended config or no profile.json to compare")
+            facts = hardware_facts(run.profile.to_dict())
+            items.append(Item(Path(ref).name, str(ref), facts, entry_from_run(run)))
+            continue
+        label, data = resolve(ref)
+        if not data["best_configs"]:
+            raise CompareError(f"{ref}: the profile records no tune result (best_configs is empty)")
+        facts = hardware_facts(data)
+        entries = [e for e in data["best_configs"] if model is None or e["model"] == model
+                   or e["geometry_hash"].removeprefix("sha256:").startswith(model.removeprefix("sha256:"))]
+        if not entries:
+            raise CompareError(f"{ref}: no best config for model {model!r}")
+        for entry in entries:
+            suffix = f":{entry['model']}/{entry['quant']}/{format_size(entry['ram_budget'])}" \
+                if len(entries) > 1 else ""
+            items.append(Item(Path(label).stem + suffix, str(ref), facts, entry))
+    seen: dict[str, int] = {}
+    for it in items:  # two inputs of the same name (run dirs on two disks): number them
+        seen[it.label] = seen.get(it.label, 0) + 1
+        if seen[it.label] > 1:
+            it.label = f"{it.label}#{seen[it.label]}"
+    if len(items) < 2:
+        raise CompareError("compare needs at least two runs or profile entries")
+    return items
+
+
+def differences(items: list[Item], which) -> dict[str, list]:
+    out = {}
+    for name, get in which:
+        values = [get(i) for i in items]
+        if len(set(map(str, values))) > 1:
+            out[name] = values
+    return out
+
+
+def compare(refs: list[str], out_dir: str | Path | None = None, force: bool = False,
+            model: str | None = None) -> dict:
+    items = load_items(refs, model)
+    blocking = differences(items, BLOCKING)
+    if blocking and not force:
+        detail = "; ".join(f"{k}: {' vs '.join(map(str, v))}" for k, v in blocking.items())
+        raise CompareError(f"not comparable ({detail}); --force compares them anyway, marked as not like for like")
+    ranked = sorted(items, key=lambda i: -(i.figure("decode_tok_s") or 0.0))
+    best = ranked[0].figure("decode_tok_s") or 0.0
+    out = Path(out_dir) if out_dir else Path("reports") / f"compare-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    rows = [_row(rank, it, best) for rank, it in enumerate(ranked, 1)]
+    summary = {"schema": "colibri.compare/1", "inputs": [str(r) for r in refs], "forced": bool(blocking),
+               "not_comparable": {k: [str(x) for x in v] for k, v in blocking.items()},
+               "varying": {k: [str(x) for x in v] for k, v in differences(items, VARYING).items()},
+               "common": _common(items), "ranked": rows,
+               "pareto_front": report_plots.pareto_front([(i.label, i.figure("kl_mean"), i.figure("decode_tok_s"))
+                                                          for i in ranked if i.figure("kl_mean") is not None
+                                                          and i.figure("decode_tok_s") is not None]) or None}
+    plots = _plots(ranked, out / "plots")
+    atomic_write_text(out / "compare.json", json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(out / "compare.md", render_markdown(summary, plots))
+    atomic_write_text(out / "compare.html", render_html(summary, plots))
+    summary["files"] = {n: str(out / n) for n in ("compare.md", "compare.html", "compare.json")}
+    return summary
+
+
+def _row(rank: int, it: Item, best: float) -> dict:
+    f, c = it.entry["figures"], it.entry["config"]
+    q = it.entry.get("quality") or {}
+    return {"rank": rank, "label": it.label, "source": it.source, "machine": it.machine["fingerprint"],
+            "cpu": it.machine["cpu"], "disk": it.machine["disk"], "quant": it.entry["quant"],
+            "decode_tok_s": f.get("decode_tok_s"), "decode_min": f.get("decode_min"), "decode_max": f.get("decode_max"),
+            "of_best": (f.get("decode_tok_s") or 0.0) / best if best else None,
+            "ttft_s": f.get("ttft_s"), "ttft_min": f.get("ttft_min"), "ttft_max": f.get("ttft_max"),
+            "mib_read_per_token": _scaled(f.get("bytes_read_per_token"), 1.0 / (1 << 20)),
+            "hit_rate_ram": f.get("hit_rate_ram"), "kl_mean": q.get("kl_mean"),
+            "top1_agreement": q.get("top1_agreement"),
+            "unconfirmed": f.get("unconfirmed"),
+            "config": f"chunk {format_size(c.get('chunk_size'))}, prefetch {c.get('prefetch_depth')}, "
+                      f"{c.get('cache_policy')} x{c.get('cpu_cache_ratio')}, threads {c.get('threads')}, "
+                      f"io {c.get('io_mode')} x{c.get('io_threads')}, ctx {c.get('ctx_size')}"}
+
+
+def _common(items: list[Item]) -> dict:
+    first = items[0]
+    return {name: str(get(first)) for name, get in BLOCKING + VARYING
+            if len({str(get(i)) for i in items}) == 1}
+
+
+def _plots(items: list[Item], plots: Path) -> list[tuple[str, Path]]:
+    out = []
+    for key, title, lo, hi, scale in METRICS:
+        path = report_plots.plot_bars(
+            [i.label for i in items], [_scaled(i.figure(key), scale) for i in items],
+            [_scaled(i.figure(lo), scale) for i in items] if lo else None,
+            [_scaled(i.figure(hi), scale) for i in items] if hi else None, title, plots / f"{key}.png")
+        if path:
+            out.append((title, path))
+    if any(i.figure("kl_mean") is not None for i in items):
+        path = report_plots.plot_bars([i.label for i in items], [i.figure("kl_mean") for i in items], None, None,
+                                      "KL divergence to the reference (lower is better)", plots / "kl.png")
+        if path:
+            out.append(("quality: KL", path))
+        path = report_plots.plot_speed_quality([(i.label, i.figure("kl_mean"), i.figure("decode_tok_s"),
+                                                 i.figure("decode_min"), i.figure("decode_max")) for i in items],
+                                               plots / "speed_quality.png")
+        if path:
+            out.append(("speed/quality Pareto plot", path))
+    return out
+
+
+def _scaled(v, scale):
+    return None if v is None else v * scale
+
+
+# --- printers -------------------------------------------------------------------------------
+
+COLUMNS = (("rank", "rank"), ("label", "input"), ("quant", "quant"), ("decode_tok_s", "decode tok/s"),
+           ("decode_range", "min..max"), ("of_best", "of best"), ("ttft_s", "TTFT s"),
+           ("mib_read_per_token", "MiB read/token"), ("hit_rate_ram", "RAM hit"), ("kl_mean", "KL"),
+           ("machine", "machine"), ("disk", "disk"), ("config", "config"))
+
+
+def _cells(r: dict) -> list[str]:
+    v = {**r, "decode_tok_s": fmt(r["decode_tok_s"]) + (" (unconfirmed)" if r.get("unconfirmed") else ""),
+         "decode_range": f"{fmt(r['decode_min'])}..{fmt(r['decode_max'])}",
+         "of_best": pct(r["of_best"], 0), "ttft_s": fmt(r["ttft_s"], 4),
+         "mib_read_per_token": fmt(r["mib_read_per_token"], 3),
+         "hit_rate_ram": pct(r["hit_rate_ram"], 0),
+         "kl_mean": kl_text(r["kl_mean"]), "machine": r["machine"][7:15]}
+    return [str(v[k]) for k, _ in COLUMNS]
+
+
+def _notes(s: dict) -> list[str]:
+    lines = []
+    if s["forced"]:
+        lines.append("NOT LIKE FOR LIKE (--force): " + "; ".join(
+            f"{k} differs: {' vs '.join(v)}" for k, v in s["not_comparable"].items()))
+    if s["varying"]:
+        lines.append("Compared: " + "; ".join(f"{k}: {' vs '.join(v)}" for k, v in s["varying"].items()))
+    lines.append("Same for all: " + "; ".join(f"{k} {v}" for k, v in s["common"].items()))
+    if s.get("pareto_front"):
+        lines.append("Speed/quality Pareto front (no other input is both faster and closer to the reference): "
+                     + ", ".join(s["pareto_front"]))
+    lines.append("Figures: each input's confirmed medians (min..max over repeats); MiB read per token and hit "
+                 "rate are from the recommended config's search trial.")
+    return lines
+
+
+def render_markdown(s: dict, plots: list[tuple[str, Path]]) -> str:
+    L = ["# colibri compare", ""]
+    L += [f"- {n}" for n in _notes(s)] + [""]
+    L.append("| " + " | ".join(h for _, h in COLUMNS) + " |")
+    L.append("|" + "---|" * len(COLUMNS))
+    L += ["| " + " | ".join(c.replace("|", "\\|") for c in _cells(r)) + " |" for r in s["ranked"]]
+    L.append("")
+    L += [f"![{t}](plots/{p.name})" for t, p in plots]
+    return "\n".join(L) + "\n"
+
+
+def render_html(s: dict, plots: list[tuple[str, Path]]) -> str:
+    body = ["<h1>colibri compare</h1>"]
+    body += [f"<p class='{'warn' if i == 0 and s['forced'] else 'note'}'>{e(n)}</p>"
+             for i, n in enumerate(_notes(s))]
+    body.append(table([h for _, h in COLUMNS], [_cells(r) for r in s["ranked"]]))
+    body.append("<div class='plots'>" + "".join(img(p, t) for t, p in plots) + "</div>")
+    return page("colibri compare", body)
+
+
+def format_text(s: dict) -> str:
+    widths = [max(len(h), *(len(_cells(r)[i]) for r in s["ranked"])) for i, (_, h) in enumerate(COLUMNS)]
+    lines = _notes(s) + [""]
+    lines.append("  ".join(h.ljust(w) for (_, h), w in zip(COLUMNS, widths)).rstrip())
+    lines += ["  ".join(c.ljust(w) for c, w in zip(_cells(r), widths)).rstrip() for r in s["ranked"]]
+    lines += [""] + [f"{k}: {v}" for k, v in s.get("files", {}).items()]
+    return "\n".join(lines)

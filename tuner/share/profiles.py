@@ -1,0 +1,385 @@
+"""Shareable hardware profiles: export, import into a local store, list, show, diff.
+
+A shared profile is the probe's HardwareProfile JSON (so `tune --profile/--from-profile` read
+it) whose best_configs hold one strict entry per (model geometry, quant, budget, objective):
+the recommended config, its confirmed figures, the conditions they were measured under and the
+tool version and commit (docs/PROFILE.md). Export leaves out what identifies a person or a box
+(hostname, user, serial numbers, MAC/IP, absolute paths: a model path becomes the model's name
+and a geometry hash) unless asked with include_identity. Import validates strictly
+(tuner.profile_schema) and copies into $XDG_CONFIG_HOME/colibri/profiles.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+import socket
+from pathlib import Path
+
+from engine.base.config import atomic_write_text, format_size
+from tuner import __version__
+from tuner.results.printers import fmt
+from tuner.probe.errors import ProfileError
+from tuner.share.profile_schema import ENTRY_SCHEMA, GEOMETRY_KEYS, geometry_hash, parse_text, validate_shared
+from tuner.results.rundir import is_run_dir, open_run
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+FIGURE_KEYS = ("decode_tok_s", "ttft_s", "decode_min", "decode_max", "decode_stdev", "ttft_min", "ttft_max",
+               "measurements", "samples")
+TRIAL_FIGURES = (("bytes_read_per_token", "bytes_read_per_token"), ("read_gbps", "read_gbps"),
+                 ("io_stall_fraction", "io_stall_fraction"), ("hit_rate_ram", "hit_rate_ram"),
+                 ("peak_bytes", "cgroup_peak_bytes"))
+DTYPE_QUANT = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "float32": "fp32", "fp32": "fp32"}
+
+
+# --- export ---------------------------------------------------------------------------------
+
+def export_profile(source: str | Path, include_identity: bool = False) -> dict:
+    """A run directory (its profile.json + result.json) or a profile/probe JSON → a shared profile."""
+    from tuner.search.quant_tune import PROBE_FILE, is_quant_run_dir, level_run_dirs
+    source = Path(source)
+    identity_dirs: list[str] = []
+    runs = [open_run(source)] if is_run_dir(source) else \
+        [open_run(d) for d in level_run_dirs(source)] if is_quant_run_dir(source) else None
+    if runs is not None:  # a tune run, or a tune --quant run (each level's best goes in)
+        probe = runs[0].profile if is_run_dir(source) else _load_probe(source / PROBE_FILE)
+        if probe is None or not runs:
+            raise ProfileError(f"{source}: no profile.json in the run directory" if probe is None else
+                               f"{source}: no level of the tune --quant run has finished yet")
+        data = probe.to_dict()
+        old = [_normalize_entry(e) for e in data["best_configs"] if isinstance(e, dict)]
+        entries = [e for e in old if e is not None]
+        for run in runs:
+            if run.result.get("recommended"):
+                entries = _replace_entry(entries, entry_from_run(run))
+            identity_dirs.append(str((run.result.get("model") or {}).get("dir") or ""))
+    else:
+        data = _read_probe_json(source)
+        entries = [e for e in (_normalize_entry(e) for e in data["best_configs"]) if e is not None]
+    data["best_configs"] = entries
+    data["tool"] = {"name": "colibri-tune", "version": __version__}
+    if include_identity:
+        data["identity"] = {"hostname": socket.gethostname(), "user": _user(),
+                            "model_dirs": [d for d in identity_dirs if d]}
+    validate_shared(json.loads(json.dumps(data)))  # what we write must be what import accepts
+    return data
+
+
+def _load_probe(path: Path):
+    from tuner.probe import load_profile
+    return load_profile(path) if path.is_file() else None
+
+
+def entry_from_run(run) -> dict:
+    r = run.result
+    rec, base = r["recommended"], r.get("baseline") or {}
+    cond, model, study = r.get("conditions") or {}, r.get("model") or {}, r.get("study") or {}
+    figures = _figures(rec.get("confirmed"))
+    trial = run.trial_row(rec.get("trial_number"))
+    for out_key, csv_key in TRIAL_FIGURES:
+        figures[out_key] = _number(trial.get(csv_key))
+    return {
+        "schema": ENTRY_SCHEMA, "model": model_name(model.get("name"), model.get("dir")),
+        "geometry": {k: (model.get("geometry") or {}).get(k) for k in GEOMETRY_KEYS},
+        "geometry_hash": geometry_hash(model.get("geometry") or {}),
+        "quant": r.get("quant") or DTYPE_QUANT.get(model.get("compute_dtype"), "bf16"),
+        "compute_dtype": model.get("compute_dtype") or "", "ram_budget": r.get("budget_bytes"),
+        "objective": r.get("objective"), "config": _shareable_config(rec.get("config") or {}),
+        "figures": figures, "baseline_figures": _figures(base.get("confirmed")) if base.get("confirmed") else None,
+        "gain_over_baseline": r.get("gain_over_baseline"), "quality": _quality(r.get("quality")),
+        "conditions": _conditions(cond, (r.get("confirmation") or {}).get("rounds"), study),
+        "tool": _tool(cond),
+        "created_utc": r.get("created_utc"),
+    }
+
+
+def model_name(name, directory) -> str:
+    """A model's name without any path (a preset name stays; a directory becomes its basename)."""
+    text = str(name or directory or "model")
+    return re.split(r"[\\/]", text.rstrip("/\\"))[-1][:128] or "model"
+
+
+def _normalize_entry(e: dict) -> dict | None:
+    """An entry already in the shared form passes; the tuner's own run-local form is converted;
+    anything else is dropped (export never forwards what it cannot vouch for)."""
+    if not isinstance(e, dict) or e.get("schema") != ENTRY_SCHEMA:
+        return None
+    if "geometry_hash" in e:
+        return e
+    cond = e.get("conditions") or {}
+    geometry = e.get("geometry") or {}
+    return {
+        "schema": ENTRY_SCHEMA, "model": model_name(e.get("model"), None),
+        "geometry": {k: geometry.get(k) for k in GEOMETRY_KEYS}, "geometry_hash": geometry_hash(geometry),
+        "quant": e.get("quant") or DTYPE_QUANT.get(e.get("compute_dtype"), "bf16"),
+        "compute_dtype": e.get("compute_dtype") or "", "ram_budget": e.get("ram_budget"),
+        "objective": e.get("objective"), "config": _shareable_config(e.get("config") or {}),
+        "figures": _figures(e.get("figures")),
+        "baseline_figures": _figures(e.get("baseline_figures")) if e.get("baseline_figures") else None,
+        "gain_over_baseline": e.get("gain_over_baseline"), "quality": _quality(e.get("quality")),
+        "conditions": _conditions(cond, None, {}), "tool": _tool(cond),
+        "created_utc": e.get("created_utc"),
+    }
+
+
+def _conditions(cond: dict, rounds, study: dict) -> dict:
+    """The measurement conditions a shared entry keeps (result.json's `conditions`, less the
+    paths and the machine details the profile holds anyway)."""
+    return {"cold": bool(cond.get("cold")), "tokens": cond.get("tokens"), "repeats": cond.get("repeats"),
+            "prompt_tokens": cond.get("prompt_tokens"), "seed": cond.get("seed"), "min_ctx": cond.get("min_ctx"),
+            "cgroup_enforced": (cond.get("memory_limit") or {}).get("cgroup"), "confirmation_rounds": rounds,
+            "trials": study.get("trials"), "feasible": study.get("feasible"), "sampler": study.get("sampler"),
+            "wall_seconds": cond.get("wall_seconds")}
+
+
+def _tool(cond: dict) -> dict:
+    """The tool that measured the figures (not the one exporting them): result.json records the
+    package version as the engine's (one pyproject) and the commit."""
+    versions = cond.get("versions") or {}
+    return {"name": "colibri-tune", "version": versions.get("engine") or __version__,
+            "engine_version": versions.get("engine"), "git_commit": versions.get("git_commit")}
+
+
+def entry_key(e: dict) -> tuple:
+    return (e.get("geometry_hash"), e.get("quant"), e.get("ram_budget"), e.get("objective"))
+
+
+def _replace_entry(entries: list[dict], new: dict) -> list[dict]:
+    return [e for e in entries if entry_key(e) != entry_key(new)] + [new]
+
+
+def _shareable_config(config: dict) -> dict:
+    # The routing histogram is a file on the tuning machine: its path means nothing elsewhere
+    # and names a directory there. `pinned` without it falls back to recording one.
+    return {**config, "routing_histogram": ""}
+
+
+def _figures(f: dict | None) -> dict:
+    f = f or {}
+    out = {k: f.get(k) for k in FIGURE_KEYS}
+    out["unconfirmed"] = bool(f.get("unconfirmed", False))
+    return {**out, **{k: f.get(k) for k, _ in TRIAL_FIGURES}}
+
+
+def _quality(q) -> dict | None:
+    if not isinstance(q, dict):
+        return None
+    return {"kl_mean": q.get("kl_mean"), "top1_agreement": q.get("top1_agreement"),
+            "perplexity": q.get("perplexity"), "reference": model_name(q.get("reference"), None)
+            if q.get("reference") else None}
+
+
+def _number(text):
+    if text in (None, ""):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _user() -> str | None:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return None
+
+
+# --- files and the store --------------------------------------------------------------------
+
+def read_profile_file(path: str | Path) -> dict:
+    """A profile file, strictly validated; returns the JSON dict."""
+    path = Path(path)
+    data = parse_text(_read_limited(path), str(path))
+    try:
+        validate_shared(data)
+    except ProfileError as exc:
+        raise ProfileError(f"{path}: {exc}") from None
+    return data
+
+
+def _read_probe_json(path: Path) -> dict:
+    """A probe's JSON (best_configs in any form) or a shared profile (identity dropped)."""
+    from tuner.probe.hardware_profile import HardwareProfile
+    from tuner.share.profile_schema import check_document
+    data = parse_text(_read_limited(path), str(path))
+    if isinstance(data, dict):
+        data.pop("identity", None)
+    try:
+        check_document(data, "profile", 0)
+        return HardwareProfile.from_dict(data).to_dict()
+    except ProfileError as exc:
+        raise ProfileError(f"{path}: {exc}") from None
+
+
+def _read_limited(path: Path) -> bytes:
+    from tuner.share.profile_schema import MAX_FILE_BYTES
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise ProfileError(f"{path}: {size} bytes is over the {MAX_FILE_BYTES}-byte limit for a profile")
+        with open(path, "rb") as f:
+            return f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ProfileError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def write_profile_file(data: dict, path: str | Path) -> Path:
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ProfileError(f"cannot write {path}: directory {path.parent} does not exist")
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def store_dir() -> Path:
+    """$XDG_CONFIG_HOME/colibri/profiles (XDG: ~/.config when unset or not absolute)."""
+    base = os.environ.get("XDG_CONFIG_HOME", "")
+    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".config"
+    return root / "colibri" / "profiles"
+
+
+def default_name(data: dict) -> str:
+    cpu = data["system"]["cpu"]["model"]
+    slug = re.sub(r"[^a-z0-9]+", "-", cpu.lower()).strip("-")[:32].strip("-") or "cpu"
+    return f"{slug}-{data['system']['disk']['transport'].replace(':', '-')}-{data['fingerprint'][7:15]}"
+
+
+def import_profile(path: str | Path, name: str | None = None, force: bool = False) -> tuple[str, Path, bool]:
+    """Validate and copy into the store → (name, stored path, changed)."""
+    data = read_profile_file(path)
+    name = name or default_name(data)
+    if not NAME_RE.match(name):
+        raise ProfileError(f"profile name {name!r}: use lower-case letters, digits, '.', '_', '-' (at most 64)")
+    store = store_dir()
+    store.mkdir(parents=True, exist_ok=True)
+    dest = store / f"{name}.json"
+    text = json.dumps(data, indent=2) + "\n"
+    if dest.exists():
+        if dest.read_text(encoding="utf-8") == text:
+            return name, dest, False
+        if not force:
+            raise ProfileError(f"a different profile named {name!r} is already in {store} "
+                               f"(--name NEW to keep both, --force to replace it)")
+    atomic_write_text(dest, text)
+    return name, dest, True
+
+
+def list_profiles() -> list[dict]:
+    rows = []
+    for p in sorted(store_dir().glob("*.json")) if store_dir().is_dir() else []:
+        try:
+            d = read_profile_file(p)
+        except ProfileError as exc:
+            rows.append({"name": p.stem, "path": str(p), "error": str(exc)})
+            continue
+        s = d["system"]
+        rows.append({"name": p.stem, "path": str(p), "fingerprint": d["fingerprint"], "cpu": s["cpu"]["model"],
+                     "cores": s["cpu"]["physical_cores"], "ram_bytes": s["memory"]["total"]["value"],
+                     "disk": f"{s['disk']['transport']} {s['disk']['model'] or ''}".strip(),
+                     "configs": len(d["best_configs"]), "created_utc": d["created_utc"]})
+    return rows
+
+
+def resolve(ref: str) -> tuple[str, dict]:
+    """NAME in the store, or a FILE path, → (label, validated profile dict)."""
+    path = Path(ref)
+    if path.is_file():
+        return path.name, read_profile_file(path)
+    if path.is_dir():
+        raise ProfileError(f"{ref}: a directory, but not a tune run directory (no result.json) nor a profile file")
+    stored = store_dir() / f"{ref}.json"
+    if NAME_RE.match(ref) and stored.is_file():
+        return ref, read_profile_file(stored)
+    raise ProfileError(f"{ref!r}: no such file, and no profile of that name in {store_dir()}")
+
+
+# --- show and diff --------------------------------------------------------------------------
+
+def format_show(label: str, data: dict) -> str:
+    from tuner.probe.hardware_profile import HardwareProfile
+    from tuner.probe.summary import format_summary
+    profile = HardwareProfile.from_dict({k: v for k, v in data.items() if k != "identity"})
+    lines = [f"{label}", format_summary(profile), ""]
+    if data.get("identity"):
+        lines.append(f"identity: {data['identity']}")
+    lines.append(f"best configs ({len(data['best_configs'])}):")
+    for e in data["best_configs"]:
+        lines.append("  " + entry_line(e))
+    return "\n".join(lines)
+
+
+def entry_line(e: dict) -> str:
+    f, c = e["figures"], e["config"]
+    return (f"{e['model']} [{e['geometry_hash'][7:15]}] {e['quant']} budget {format_size(e['ram_budget'])} "
+            f"{'cold' if e['conditions']['cold'] else 'warm'}: decode {fmt(f.get('decode_tok_s'))} tok/s "
+            f"[{fmt(f.get('decode_min'))}..{fmt(f.get('decode_max'))}], TTFT {fmt(f.get('ttft_s'), 3)} s | chunk "
+            f"{format_size(c.get('chunk_size'))}, prefetch {c.get('prefetch_depth')}, {c.get('cache_policy')} "
+            f"x{c.get('cpu_cache_ratio')}, threads {c.get('threads')}, io {c.get('io_mode')} x{c.get('io_threads')} "
+            f"| tool {e['tool']['version']} ({e['tool'].get('git_commit')})")
+
+
+def hardware_facts(data: dict) -> dict:
+    """The figures people compare machines by, as label → printable value."""
+    from tuner.probe.hardware_profile import HardwareProfile
+    p = HardwareProfile.from_dict({k: v for k, v in data.items() if k != "identity"})
+    s = p.system
+    seq, lat = p.storage_point("sequential"), p.storage_point("latency_4k")
+    try:
+        mib_qd4 = f"{p.read_bandwidth(1 << 20, 4) / 1e9:.2f} GB/s"
+    except ProfileError:
+        mib_qd4 = "-"
+    iops = p.storage_point("iops_4k")
+    mem = max((m.bandwidth.value for m in p.memory_bandwidth if m.op == "read"), default=None)
+    gemv = max((m.throughput.value for m in p.cpu_matmul if m.m == 1), default=None)
+    return {
+        "fingerprint": p.fingerprint, "cpu": f"{s.cpu.model} ({s.cpu.arch})",
+        "cores": f"{s.cpu.physical_cores} physical / {s.cpu.logical_cores} logical, {s.cpu.numa_nodes} NUMA node(s)",
+        "cpu flags": " ".join(s.cpu.flags), "RAM": format_size(s.memory.total.value)
+        + (f", cgroup limit {format_size(s.memory.cgroup_limit.value)}" if s.memory.cgroup_limit else ""),
+        "disk": f"{s.disk.transport} {s.disk.model or ''} ({s.disk.filesystem}, rotational {s.disk.rotational})"
+        .replace("  ", " "),
+        "storage method": f"{p.storage.method} ({p.storage.tool}, {p.storage.ioengine}), {p.probe.mode} probe",
+        "sequential read": f"{seq.bandwidth.value / 1e9:.2f} GB/s" if seq else "-",
+        "1 MiB QD4 random read": mib_qd4,
+        "4 KiB QD1 latency p50": f"{lat.lat_p50.value:.0f} us" if lat else "-",
+        "4 KiB QD32 random read": f"{iops.iops.value:.0f} IO/s" if iops else "-",
+        "memory read bandwidth": f"{mem / 1e9:.2f} GB/s" if mem else "-",
+        "matmul (expert GEMV, best)": f"{gemv:.2f} GFLOP/s" if gemv else "-",
+        "GPUs": ", ".join(f"{g.name} {format_size(g.vram.value)}" for g in p.gpus) or "none",
+        "tool": p.tool.version,
+    }
+
+
+def diff(a: tuple[str, dict], b: tuple[str, dict]) -> dict:
+    (la, da), (lb, db) = a, b
+    fa, fb = hardware_facts(da), hardware_facts(db)
+    hardware = [{"item": k, "a": fa[k], "b": fb[k], "differs": fa[k] != fb[k]} for k in fa]
+    pairs = []
+    for ea in da["best_configs"]:
+        for eb in db["best_configs"]:
+            if (ea["geometry_hash"], ea["quant"]) == (eb["geometry_hash"], eb["quant"]):
+                pairs.append({"model": ea["model"], "geometry_hash": ea["geometry_hash"], "quant": ea["quant"],
+                              "a": ea, "b": eb,
+                              "same_conditions": ea["ram_budget"] == eb["ram_budget"]
+                              and ea["conditions"]["cold"] == eb["conditions"]["cold"]})
+    return {"a": la, "b": lb, "hardware": hardware, "configs": pairs}
+
+
+def format_diff(d: dict) -> str:
+    lines = [f"hardware: {d['a']}  vs  {d['b']}"]
+    w = max(len(h["item"]) for h in d["hardware"])
+    for h in d["hardware"]:
+        mark = "*" if h["differs"] else " "
+        lines.append(f" {mark} {h['item']:<{w}}  {h['a']}  |  {h['b']}")
+    if not d["configs"]:
+        lines.append("best configs: none for the same model geometry and quant in both")
+    for p in d["configs"]:
+        lines.append(f"best configs for {p['model']} [{p['geometry_hash'][7:15]}] {p['quant']}"
+                     + ("" if p["same_conditions"] else " (budget or cold/warm differ: not like for like)") + ":")
+        lines.append(f"   a: {entry_line(p['a'])}")
+        lines.append(f"   b: {entry_line(p['b'])}")
+    lines.append("(* = differs)")
+    return "\n".join(lines)
