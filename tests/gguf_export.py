@@ -271,13 +271,19 @@ def kquant_values(qtype: T, d, q, sc, dmin=None, mn=None) -> np.ndarray:
             - dmin * np.repeat(mn.astype(np.float32), 32, axis=1))
 
 
+def _f16_scale(v: np.ndarray) -> np.ndarray:
+    """A block scale as stored (f16), never 0 (an all-zero block then gets codes 0)."""
+    d = v.astype(np.float16).astype(np.float32)
+    return np.where(d > 0, d, np.float32(2.0 ** -24))
+
+
 def kquant_codes(x: np.ndarray, qtype: T):
     """Simple (not llama.cpp's optimised) codes for weights x [B, 256]."""
     B = x.shape[0]
     if qtype == T.Q6_K:
         sub = x.reshape(B, 16, 16)
         s = np.abs(sub).max(axis=2) / 31
-        d = np.maximum(s.max(axis=1) / 127, 1e-12).astype(np.float16).astype(np.float32)
+        d = _f16_scale(s.max(axis=1) / 127)
         sc = np.clip(np.round(s / d[:, None]), -128, 127).astype(np.int8)
         step = d[:, None, None] * sc[:, :, None]
         q = np.clip(np.round(np.divide(sub, step, out=np.zeros_like(sub), where=step != 0)), -32, 31)
@@ -286,8 +292,8 @@ def kquant_codes(x: np.ndarray, qtype: T):
     sub = x.reshape(B, 8, 32)
     lo = np.minimum(sub.min(axis=2), 0)
     s = (sub.max(axis=2) - lo) / top
-    d = np.maximum(s.max(axis=1) / 63, 1e-12).astype(np.float16).astype(np.float32)
-    dmin = np.maximum((-lo).max(axis=1) / 63, 1e-12).astype(np.float16).astype(np.float32)
+    d = _f16_scale(s.max(axis=1) / 63)
+    dmin = _f16_scale((-lo).max(axis=1) / 63)
     sc = np.clip(np.round(s / d[:, None]), 1, 63).astype(np.int32)
     mn = np.clip(np.round(-lo / dmin[:, None]), 0, 63).astype(np.int32)
     step = d[:, None, None] * sc[:, :, None]

@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 
 from engine.format.gguf import is_gguf
+from engine.format.gguf.importer import import_and_convert
+from tuner.results.printers import convert_progress
 from tuner.results.printers import print_json as _print_json
 
 
@@ -31,7 +33,6 @@ def add_convert(sub) -> None:
 def cmd_convert(args) -> int:
     from engine.format.convert import convert
     from engine.run.resolve import resolve_model
-    from tuner.results.printers import convert_progress
 
     import torch
     torch.set_num_threads(max(args.threads, 1))
@@ -52,10 +53,6 @@ def cmd_convert(args) -> int:
 
 
 def _convert_gguf(args, t0: float) -> int:
-    # Imported here like the commands above: the CLI starts without loading gguf-py and torch.
-    from engine.format.gguf.importer import import_and_convert
-    from tuner.results.printers import convert_progress
-
     summary = import_and_convert(args.src, args.out, args.quant, args.group_size, args.scope, force=args.force,
                                  progress=convert_progress(not args.json))
     summary["seconds"] = round(time.perf_counter() - t0, 2)
