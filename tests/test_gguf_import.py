@@ -10,7 +10,6 @@ with transformers given the same bf16-rounded weights the import writes.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import gguf
@@ -23,13 +22,13 @@ from tokenizers import Tokenizer
 import engine.format.gguf.importer as importer
 from engine import synth
 from engine.base.config import EngineConfig
-from engine.base.errors import ModelFormatError, UnsupportedModelError
+from engine.base.errors import ModelFormatError
 from engine.run.generate import Sampler, generate
 from engine.format.gguf.dequant import dequantize
 from engine.format.gguf.reader import GGUFModel
 from engine.run.runtime import Engine
 from colibri_hf_models import build, hf_greedy, hf_logits
-from gguf_export import export, hf_tensors, kquant_codes, kquant_pack, kquant_values
+from gguf_export import export, hf_tensors, kquant_pack, kquant_values
 from tuner.cli import main as cli_main
 
 PROMPT = [(7 * i + 3) % 256 for i in range(32)]
@@ -187,6 +186,14 @@ def test_convert_gguf_to_int8_container(source, tmp_path, capsys):
     assert summary["label"] == "int8" and summary["imported"]["model_type"] == "qwen3_moe"
     assert not (tmp_path / "int8.gguf-bf16").exists()
     assert len(greedy(tmp_path / "int8", 4)) == 4
+
+
+def test_int4_group_refused_before_import(tmp_path, capsys):
+    model = synth.synthesize({**GEOMETRY, "moe_intermediate_size": 96}, tmp_path / "src", progress=False)
+    g = export(model, tmp_path / "m.gguf", T.Q8_0)
+    assert cli_main(["convert", str(g), "-o", str(tmp_path / "o"), "--quant", "int4", "--group-size", "64"]) == 2
+    assert "does not divide" in capsys.readouterr().err
+    assert not any(p.name.startswith("o") for p in tmp_path.iterdir())  # nothing imported, nothing left
 
 
 # --- each MoE architecture against transformers ---------------------------------------------------

@@ -23,8 +23,7 @@ from typing import Callable
 import torch
 
 from engine.base.errors import ModelFormatError, UnsupportedModelError
-from engine.format.gguf.dequant import dequantize
-from engine.format.gguf.reader import GGUFModel, GGUFTensor
+from engine.format.gguf.reader import GGUFModel
 
 # GGUF tensor (after `blk.N.`) → HF tensor (after `model.layers.N.`); `{moe}` is the arch's MoE prefix.
 LAYER_NAMES = {
