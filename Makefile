@@ -22,7 +22,7 @@ test: setup
 # A longer, random fuzz campaign than CI's bounded one (tests/test_fuzz.py); FUZZ_EXAMPLES per property.
 FUZZ_EXAMPLES ?= 2000
 fuzz: setup
-	COLIBRI_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VENV)/bin/python -m pytest -q tests/test_fuzz.py --hypothesis-show-statistics
+	COLIBRI_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VENV)/bin/python -m pytest -q tests/test_fuzz.py tests/test_fuzz_commands.py --hypothesis-show-statistics
 
 test-all: setup
 	$(VENV)/bin/python -m pytest -q

@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from engine import native
 from engine.base.config import EngineConfig
 from engine.base.errors import ModelFormatError
 from engine.run.generate import Sampler, generate
@@ -237,13 +238,27 @@ def test_mxfp4_quantize_round_trips_representable_values():
     assert torch.equal(mxfp4_dequantize(blocks, scales, torch.float32), w)
 
 
-def test_mxfp4_checkpoint_matches_transformers(mxfp4):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "dequantize-on-read"])
+def test_mxfp4_checkpoint_matches_transformers(mxfp4, fused, monkeypatch):
+    """The native fused kernel (experts kept as stored) and the torch fallback (dequantized on
+    read, as without AVX-512 or with COLIBRI_NATIVE=0) both match transformers."""
+    import engine.arch.gptoss as gptoss
+    if fused and not gptoss.fused_kernel_available():
+        pytest.skip(f"native kernels unavailable: {native.load()}")
+    if not fused:
+        monkeypatch.setattr(gptoss, "fused_kernel_available", lambda: False)
     model, d, _ = mxfp4
     with fp32_engine(d) as engine:
-        # 4.25 bits per weight + bf16 biases (+ small gaps read through) against fp32 in memory
-        assert engine.layout.expert_nbytes < engine.plan.expert_bytes / 5
+        assert engine.kernel == (gptoss.MXFP4_FUSED if fused else gptoss.MXFP4_DEQUANT)
+        a = engine.args
+        H, I = a.hidden_size, a.moe_intermediate_size
+        if fused:  # the plan counts the stored 4.25 bits per weight, biases in the compute dtype (fp32)
+            stored = (2 * I * H + H * I) // 32 * 17
+            assert engine.plan.expert_bytes == stored + (2 * I + H) * 4
+        else:  # 4.25 bits per weight + bf16 biases (+ small gaps read through) against fp32 in memory
+            assert engine.layout.expert_nbytes < engine.plan.expert_bytes / 5
         diff = (engine.forward(PROMPT, 0) - hf_logits(model, PROMPT)).abs().max().item()
-    print(f"gpt_oss MXFP4: max |dlogit| = {diff:.3e}")
+    print(f"gpt_oss MXFP4 {'fused' if fused else 'dequantized'}: max |dlogit| = {diff:.3e}")
     assert diff <= ATOL
     with fp32_engine(d) as engine:
         assert generate(engine, PROMPT, 16, Sampler()).output_ids == hf_greedy(model, PROMPT, 16)

@@ -331,7 +331,7 @@ def test_fuzz_engine_toml(base, settings_, wrap, junk):
         assert_clean_exit(code, err, "run")
 
 
-def _walk_mutate(obj, path_picks: list[int], value, delete: bool):
+def walk_mutate(obj, path_picks: list[int], value, delete: bool):
     """Replace (or delete) one node of a JSON document, chosen by successive index picks."""
     node, parent, key = obj, None, None
     for pick in path_picks:
@@ -405,7 +405,7 @@ def test_fuzz_json_readers(name, valid, reader, edits, raw_cut, nest):
     """Each reader returns a value or raises a ColibriError (one line): nothing else escapes."""
     doc = json.loads(valid())
     for picks, value, delete in edits:
-        doc = _walk_mutate(doc, picks, value, delete)
+        doc = walk_mutate(doc, picks, value, delete)
     text = dump_json(doc, raw_cut)
     if nest:
         text = "[" * nest + text + "]" * nest
@@ -428,7 +428,7 @@ def test_fuzz_tokenizer_json(base, edits, raw_cut, prompt):
     with copy_of(base["single"]) as d:
         doc = json.loads((d / "tokenizer.json").read_text())
         for picks, value, delete in edits:
-            doc = _walk_mutate(doc, picks, value, delete)
+            doc = walk_mutate(doc, picks, value, delete)
         (d / "tokenizer.json").write_text(dump_json(doc, raw_cut))
         code, out, err = cli("run", "--model", d, "--prompt", prompt, "--max-new-tokens", "2", "--ctx-size", "64",
                              "--json")

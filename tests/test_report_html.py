@@ -18,8 +18,9 @@ from tuner.results.browser import check_page, find_chromium, render_png
 from tuner.results.report_html import write_reports
 from colibri_requirements import needs
 
-SECTIONS = ("Hardware", "Recommended against the baseline", "Memory plan", "Optimization history",
-            "Parameter importance", "Decode speed against each setting", "TTFT against decode speed",
+SECTIONS = ("Hardware", "Recommended against the engine's defaults and the baseline", "Memory plan",
+            "Optimization history", "Parameter importance", "Decode speed against each setting",
+            "TTFT against decode speed",
             "Disk curve (probe)", "Measured speed against the bound", "Trials", "Conditions")
 PLOTS = ("confirmation", "memory_plan", "history", "importance", "params", "ttft_decode", "disk_curve", "bound")
 HOSTILE_NAME = "tiny<script>alert(1)</script>"

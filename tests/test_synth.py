@@ -161,15 +161,26 @@ def test_failed_force_keeps_the_old_model(tmp_path, monkeypatch, tiny_dir):
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
-def test_refuses_non_empty_dir_unless_force(tmp_path):
+def test_refuses_non_empty_dir_even_with_force(tmp_path):
     dest = tmp_path / "model"
     dest.mkdir()
     (dest / "keep.txt").write_text("mine")
-    with pytest.raises(ConfigError, match="not empty"):
+    for force in (False, True):  # not a previous synth output: --force does not make it one
+        with pytest.raises(ConfigError, match="not empty"):
+            synth.synthesize(synth.load_preset("tiny"), dest, force=force, progress=False)
+        assert (dest / "keep.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_force_replaces_a_previous_synth_output(tmp_path, tiny_dir):
+    import shutil
+    dest = tmp_path / "model"
+    shutil.copytree(tiny_dir, dest)
+    (dest / "stale.txt").write_text("from the previous output")
+    with pytest.raises(ConfigError, match="--force"):
         synth.synthesize(synth.load_preset("tiny"), dest, progress=False)
-    assert (dest / "keep.txt").exists()
     synth.synthesize(synth.load_preset("tiny"), dest, force=True, progress=False)
-    assert not (dest / "keep.txt").exists() and (dest / "config.json").exists()
+    assert not (dest / "stale.txt").exists() and (dest / "config.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 

@@ -145,8 +145,9 @@ def test_time_budget_keeps_room_for_the_confirmation_round():
     clock.record(10.0)
     clock.record(30.0)
     assert clock.est_trial_s() == 20.0 and clock.trial_timeout() == 100.0
-    # reserve: at most 3 candidates plus the baseline, 20 s each; one more trial needs 20 s on top.
-    assert clock.confirm_reserve() == 80.0
+    # reserve: at most 3 candidates plus the engine's defaults and the baseline, 20 s each; one
+    # more trial needs 20 s on top.
+    assert clock.confirm_reserve() == 100.0
     clock.t0 -= 5.0
     assert clock.room_for_trial() is False and clock.trials_left() == 0
     assert TimeBudget(seconds=None, confirm_top=0).room_for_trial()
@@ -163,12 +164,13 @@ def test_published_json_schemas_are_current():
 
 
 def test_tune_result_loader_is_strict():
-    with pytest.raises(ResultError, match=r"not a colibri.tune/2 \(or colibri.tune/1\) result"):
+    with pytest.raises(ResultError, match=r"not a colibri.tune/3 \(or colibri.tune/2, colibri.tune/1\) result"):
         TuneResult.from_dict({"schema": "colibri.tune/0"})
     doc = schema_documents()["tune-result.schema.json"]
-    assert doc["properties"]["schema"] == {"enum": ["colibri.tune/2"]}
+    assert doc["properties"]["schema"] == {"enum": ["colibri.tune/3"]}
     assert set(doc["required"]) == set(doc["properties"])
-    for schema in ("colibri.tune/2", "colibri.tune/1"):  # migration fills what was added, not what is missing
+    # Migration fills what was added, not what is missing.
+    for schema in ("colibri.tune/3", "colibri.tune/2", "colibri.tune/1"):
         with pytest.raises(ResultError, match="missing key"):
             TuneResult.from_dict({"schema": schema})
 
@@ -180,16 +182,21 @@ def test_a_stored_v1_result_is_read_migrated(tmp_path):
     stored = json.loads((ROOT / "tests" / "fixtures" / "tune-v1" / "result.json").read_text())
     assert stored["schema"] == "colibri.tune/1" and "unconfirmed" not in stored["recommended"]["confirmed"]
     assert "prefill_tok_s" not in stored["recommended"]["runs"][0] and "quant" not in stored
-    with pytest.raises(ResultError, match="missing key 'unconfirmed'"):  # what the strict /2 reader says of it
-        TuneResult.from_dict({**stored, "schema": "colibri.tune/2", "quant": None, "quality": None})
+    with pytest.raises(ResultError, match="missing key 'unconfirmed'"):  # what the strict /3 reader says of it
+        TuneResult.from_dict({**stored, "schema": "colibri.tune/3", "quant": None, "quality": None,
+                              "defaults": None, "gain_over_defaults": None, "workload": None})
 
     r = TuneResult.from_dict(stored)
-    assert r.schema == "colibri.tune/2" and r.quant is None and r.quality is None
+    assert r.schema == "colibri.tune/3" and r.quant is None and r.quality is None
+    assert r.defaults is None and r.gain_over_defaults is None and r.study.re_proposals is None
     assert r.recommended.confirmed.unconfirmed is False and r.recommended.runs[0].prefill_tok_s is None
     # Nothing recorded is lost or changed: the migrated dict holds the old one.
     migrated = r.to_dict()
-    assert migrated["recommended"]["confirmed"] == {**stored["recommended"]["confirmed"], "unconfirmed": False}
-    assert migrated["conditions"] == stored["conditions"] and migrated["study"] == stored["study"]
+    assert migrated["recommended"]["confirmed"] == {**stored["recommended"]["confirmed"], "unconfirmed": False,
+                                                    "request_s": None}
+    assert migrated["conditions"] == stored["conditions"]
+    assert {k: v for k, v in migrated["study"].items() if k in stored["study"]} == stored["study"]
+    assert migrated["study"]["measured_trials"] is None  # not recorded before colibri.tune/3
     assert TuneResult.from_dict(migrated).to_dict() == migrated
     assert stored == json.loads((ROOT / "tests" / "fixtures" / "tune-v1" / "result.json").read_text())
 

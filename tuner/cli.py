@@ -7,23 +7,25 @@ layer of argument parsing over importable library functions. Errors that are the
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from engine.base.errors import ColibriError
+from tuner.commands.argtypes import ColibriArgumentParser
+from tuner.commands.doctor import add_doctor
 from tuner.commands.machine import add_plan, add_probe
 from tuner.commands.quant import add_convert, add_quality
 from tuner.commands.results import add_compare, add_profile, add_report
 from tuner.commands.run import add_bench, add_run
+from tuner.commands.serve import add_chat, add_serve
 from tuner.commands.synth import add_synth
 from tuner.commands.tune import add_tune
 
 ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_plan, add_report, add_profile, add_compare,
-          add_convert, add_quality]
+          add_convert, add_quality, add_serve, add_chat, add_doctor]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> ColibriArgumentParser:
+    parser = ColibriArgumentParser(
         prog="colibri",
         description="Tune a streaming MoE engine for this machine: probe, run, bench, tune.",
     )

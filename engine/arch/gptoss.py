@@ -13,12 +13,17 @@ they are fused per layer, in one of two storages:
     uint8 (two FP4 e2m1 codes per byte, low nibble first) and `<proj>_scales`
     [E, rows, cols/32] uint8 (a power-of-two exponent per 32 values, bias 127), rows being the
     output features (gate_up: 2I, down: H). Biases stay in bf16.
-An expert is a slice of each tensor (four or six reads); MXFP4 experts are dequantized when
-read (before the cache), so the cache and the matmuls see ordinary tensors.
+An expert is a slice of each tensor (four or six reads). MXFP4 experts stay as stored where
+the native kernels load (engine/native/mxfp4_decode.cpp: the FP4 codes and block exponents are
+decoded inside the matrix-vector product): the cache holds them, and the plan counts them, at
+4.25 bits per weight. Without the native kernels (COLIBRI_NATIVE=0, no AVX-512, no compiler)
+they are dequantized when read, before the cache, so the cache and torch's matmuls see
+ordinary tensors, as the published weights would be in bf16.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +33,14 @@ from engine.format.checkpoint import Checkpoint, TensorInfo
 from engine.base.errors import ModelFormatError
 from engine.format.layout import ExpertLocation, group_into_spans, piece_tensor
 from engine.arch.rope import apply_rope
+from engine import native
 
 # FP4 e2m1 code → value (codes 8-15 are the negatives of 0-7).
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MX_BLOCK = 32  # values sharing one scale
 SCALE_BIAS = 127
+MXFP4_FUSED = "mxfp4 fused (native)"  # what run/bench report as the experts' kernel
+MXFP4_DEQUANT = "mxfp4 dequantized on read + F.linear"
 DEQUANT_CHUNK = 1 << 20  # block bytes dequantized per step (bounds the transient index tensor)
 
 
@@ -87,6 +95,45 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), (exp + SCALE_BIAS).to(torch.uint8)
 
 
+def fused_kernel_available() -> bool:
+    """Whether MXFP4 experts are computed from their stored bytes: the native kernels load
+    (built on first use) and COLIBRI_MXFP4_FUSED is not 0 (the A/B switch of
+    benchmarks/mxfp4_fused.py: dequantize on read, the other kernels native as before).
+    Decided before the layout and the plan."""
+    return os.environ.get("COLIBRI_MXFP4_FUSED", "1") != "0" and native.load() is None
+
+
+@dataclass(frozen=True)
+class Mxfp4Matrix:
+    """One expert matrix [N, K] as stored: blocks [N, K/32, 16] and scales [N, K/32] uint8,
+    views of the read bytes. `linear` is x @ W.T + bias without a dequantized copy of W."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if native.ready and self.blocks.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            return native.mxfp4_linear(x, self.blocks, self.scales, bias)
+        # Another device (the VRAM tier) or dtype (fp16): torch's matmul on a transient copy.
+        return F.linear(x, mxfp4_dequantize(self.blocks, self.scales, x.dtype), bias)
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes + self.scales.nbytes
+
+    def to(self, device, non_blocking: bool = False) -> "Mxfp4Matrix":
+        return Mxfp4Matrix(self.blocks.to(device, non_blocking=non_blocking),
+                           self.scales.to(device, non_blocking=non_blocking))
+
+
+def _linear(x: torch.Tensor, w, bias: torch.Tensor) -> torch.Tensor:
+    return w.linear(x, bias) if isinstance(w, Mxfp4Matrix) else F.linear(x, w, bias)
+
+
 # --- attention --------------------------------------------------------------------------------
 
 @dataclass
@@ -122,7 +169,10 @@ class SinkAttention:
         per_position = 2 * self.num_kv_heads * self.head_dim * (torch.finfo(dtype).bits // 8)
         return per_position * sum(self.cache_positions(i, ctx_size) for i in range(num_layers))
 
-    def allocate_cache(self, num_layers: int, ctx_size: int, dtype: torch.dtype) -> WindowedKVCache:
+    def allocate_cache(self, num_layers: int, ctx_size: int, dtype: torch.dtype,
+                       compute_dtype: torch.dtype | None = None) -> WindowedKVCache:
+        # compute_dtype is what quantized caches read back in; this one is never quantized
+        # (engine/kvquant.py:check_kv_dtype refuses int8/fp8 here).
         shapes = [(self.num_kv_heads, self.cache_positions(i, ctx_size), self.head_dim) for i in range(num_layers)]
         return WindowedKVCache([torch.zeros(s, dtype=dtype) for s in shapes],
                                [torch.zeros(s, dtype=dtype) for s in shapes], ctx_size)
@@ -227,11 +277,15 @@ class GptOssExperts:
             if name.endswith(("_blocks", "_scales")) and info.dtype != "U8":
                 raise ModelFormatError(f"{info.path}: tensor {info.name!r} is {info.dtype}, MXFP4 needs U8")
             infos[name] = info
-        decode = self._decode_mxfp4 if mx else self._decode_plain
+        fused = mx and fused_kernel_available()
+        decode = (self._decode_mxfp4_stored if fused else self._decode_mxfp4) if mx else self._decode_plain
+        # Fused: blocks and scales are computed on as stored, biases in the compute dtype.
+        stored = tuple(name.endswith(("_blocks", "_scales")) for name in expect) if fused else None
+        kernel = (MXFP4_FUSED if fused else MXFP4_DEQUANT) if mx else None
         out = {}
         for e in range(E):
             spans, pieces = group_into_spans([_slice(i, e, E, s[1:]) for i, s in zip(infos.values(), expect.values())])
-            out[(layer, e)] = ExpertLocation(tuple(spans), tuple(pieces), decode=decode)
+            out[(layer, e)] = ExpertLocation(tuple(spans), tuple(pieces), decode=decode, stored=stored, kernel=kernel)
         return out
 
     @staticmethod
@@ -247,9 +301,15 @@ class GptOssExperts:
         return (mxfp4_dequantize(gu_blocks, gu_scales, dtype), gu_bias.to(dtype),
                 mxfp4_dequantize(d_blocks, d_scales, dtype), d_bias.to(dtype))
 
+    @staticmethod
+    def _decode_mxfp4_stored(loc, buffers, dtype):
+        gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = (
+            piece_tensor(buffers, p, p.dtype) for p in loc.pieces)
+        return (Mxfp4Matrix(gu_blocks, gu_scales), gu_bias.to(dtype), Mxfp4Matrix(d_blocks, d_scales), d_bias.to(dtype))
+
     def forward(self, x: torch.Tensor, expert) -> torch.Tensor:
-        gate_up_w, gate_up_b, down_w, down_b = expert  # [2I, H], [2I], [H, I], [H]
-        gate_up = F.linear(x, gate_up_w, gate_up_b)
+        gate_up_w, gate_up_b, down_w, down_b = expert  # [2I, H] (or its Mxfp4Matrix), [2I], [H, I], [H]
+        gate_up = _linear(x, gate_up_w, gate_up_b)
         gate = gate_up[..., 0::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
-        return F.linear((up + 1) * (gate * torch.sigmoid(gate * self.alpha)), down_w, down_b)
+        return _linear((up + 1) * (gate * torch.sigmoid(gate * self.alpha)), down_w, down_b)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from engine import native
 from engine.arch.args import ModelArgs, layer_prefix
 from engine.format.quant import linear
+from engine.arch.kvquant import cache_bytes, check_kv_dtype, kv_buffer
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 whatever the compute dtype, as the reference implementations do.
@@ -56,34 +57,46 @@ def route(args: ModelArgs, router_weight: torch.Tensor, x: torch.Tensor):
     return ids, weights.to(x.dtype)
 
 
-def route_layer(args: ModelArgs, w: dict, layer: int, x: torch.Tensor):
-    """Layer `layer`'s routing rule (the architecture's own) on x: ids [T, K], weights [T, K]."""
+def route_layer(args: ModelArgs, w: dict, layer: int, x: torch.Tensor, trim=None):
+    """Layer `layer`'s routing rule (the architecture's own) on x: ids [T, K], weights [T, K].
+
+    trim: an engine/routing.py RoutingTrim (lossy: fewer experts, skipped slots id -1), or None.
+    """
     if args.router is not None:
-        return args.router.route(w, layer_prefix(layer), x)
-    return route(args, w[f"{layer_prefix(layer)}.{args.moe_prefix}.gate.weight"], x)
+        ids, weights = args.router.route(w, layer_prefix(layer), x)
+    else:
+        ids, weights = route(args, w[f"{layer_prefix(layer)}.{args.moe_prefix}.gate.weight"], x)
+    return (ids, weights) if trim is None else trim.apply(ids, weights)
 
 
 @dataclass
 class KVCache:
-    """Keys and values for every layer, preallocated for ctx_size positions."""
+    """Keys and values for every layer, preallocated for ctx_size positions.
 
-    k: list[torch.Tensor]  # per layer [Nkv, ctx, D]
-    v: list[torch.Tensor]
+    kv_dtype: a torch float dtype (plain tensors), or 'int8' / 'fp8' (engine/kvquant.py:
+    QuantizedRows, one scale per token per head; reads dequantize to the compute dtype).
+    """
+
+    k: list  # per layer [Nkv, ctx, D]: torch.Tensor or QuantizedRows
+    v: list
 
     @classmethod
-    def allocate(cls, args: ModelArgs, ctx_size: int, dtype: torch.dtype) -> "KVCache":
+    def allocate(cls, args: ModelArgs, ctx_size: int, kv_dtype, compute_dtype: torch.dtype | None = None):
+        check_kv_dtype(args, kv_dtype)
+        compute_dtype = compute_dtype or (kv_dtype if isinstance(kv_dtype, torch.dtype) else torch.float32)
         if hasattr(args.attention_impl, "allocate_cache"):  # MLA: compressed latents instead
-            return args.attention_impl.allocate_cache(args.num_layers, ctx_size, dtype)
+            return args.attention_impl.allocate_cache(args.num_layers, ctx_size, kv_dtype, compute_dtype)
         shape = (args.num_kv_heads, ctx_size, args.head_dim)
-        return cls([torch.zeros(shape, dtype=dtype) for _ in range(args.num_layers)],
-                   [torch.zeros(shape, dtype=dtype) for _ in range(args.num_layers)])
+        return cls([kv_buffer(shape, kv_dtype, compute_dtype) for _ in range(args.num_layers)],
+                   [kv_buffer(shape, kv_dtype, compute_dtype) for _ in range(args.num_layers)])
 
     @staticmethod
-    def nbytes_for(args: ModelArgs, ctx_size: int, dtype: torch.dtype) -> int:
+    def nbytes_for(args: ModelArgs, ctx_size: int, kv_dtype) -> int:
+        check_kv_dtype(args, kv_dtype)
         if hasattr(args.attention_impl, "cache_nbytes"):
-            return args.attention_impl.cache_nbytes(args.num_layers, ctx_size, dtype)
-        elem = torch.finfo(dtype).bits // 8
-        return 2 * args.num_layers * args.num_kv_heads * ctx_size * args.head_dim * elem
+            return args.attention_impl.cache_nbytes(args.num_layers, ctx_size, kv_dtype)
+        rows = 2 * args.num_layers * args.num_kv_heads * ctx_size  # one K and one V row per head per token
+        return cache_bytes(rows * args.head_dim, rows, kv_dtype)
 
     @property
     def ctx_size(self) -> int:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.arch.kvquant import cache_bytes, kv_buffer
 from engine.arch.rope import apply_rope
 from engine.arch.layers import rms_norm
 
@@ -49,11 +50,12 @@ class IndexerArgs:
 
 @dataclass
 class LatentCache:
-    """Per layer: latent [ctx, r] and rope key [ctx, R]; indexer keys [ctx, Di] where used."""
+    """Per layer: latent [ctx, r] and rope key [ctx, R]; indexer keys [ctx, Di] where used.
+    Each a torch.Tensor, or QuantizedRows (kv_dtype int8 / fp8, engine/kvquant.py)."""
 
-    latent: list[torch.Tensor]
-    rope_key: list[torch.Tensor]
-    index_key: dict[int, torch.Tensor] = field(default_factory=dict)
+    latent: list
+    rope_key: list
+    index_key: dict = field(default_factory=dict)
     selection: torch.Tensor | None = None  # the last indexer's [T, S] mask, within one forward
 
     @property
@@ -107,16 +109,27 @@ class MLAAttention:
             n += len(self.indexer.full_layers) * self.indexer.head_dim
         return n
 
-    def cache_nbytes(self, num_layers: int, ctx_size: int, dtype: torch.dtype) -> int:
-        return self.per_token_elems(num_layers) * ctx_size * (torch.finfo(dtype).bits // 8)
+    quantized_cache = True  # int8 / fp8 latents work (engine/kvquant.py): one scale per row
 
-    def allocate_cache(self, num_layers: int, ctx_size: int, dtype: torch.dtype) -> LatentCache:
+    def cache_rows(self, num_layers: int) -> int:
+        """Rows one token adds over all layers (each gets its own scale when quantized)."""
+        return 2 * num_layers + (len(self.indexer.full_layers) if self.indexer is not None else 0)
+
+    def cache_nbytes(self, num_layers: int, ctx_size: int, kv_dtype) -> int:
+        return cache_bytes(self.per_token_elems(num_layers) * ctx_size, self.cache_rows(num_layers) * ctx_size,
+                           kv_dtype)
+
+    def allocate_cache(self, num_layers: int, ctx_size: int, kv_dtype,
+                       compute_dtype: torch.dtype | None = None) -> LatentCache:
+        compute_dtype = compute_dtype or (kv_dtype if isinstance(kv_dtype, torch.dtype) else torch.float32)
         index = {}
         if self.indexer is not None:
-            index = {i: torch.zeros(ctx_size, self.indexer.head_dim, dtype=dtype)
+            index = {i: kv_buffer((ctx_size, self.indexer.head_dim), kv_dtype, compute_dtype)
                      for i in sorted(self.indexer.full_layers)}
-        return LatentCache([torch.zeros(ctx_size, self.kv_lora_rank, dtype=dtype) for _ in range(num_layers)],
-                           [torch.zeros(ctx_size, self.qk_rope_head_dim, dtype=dtype) for _ in range(num_layers)],
+        return LatentCache([kv_buffer((ctx_size, self.kv_lora_rank), kv_dtype, compute_dtype)
+                            for _ in range(num_layers)],
+                           [kv_buffer((ctx_size, self.qk_rope_head_dim), kv_dtype, compute_dtype)
+                            for _ in range(num_layers)],
                            index)
 
     # --- the forward pass --------------------------------------------------------------------

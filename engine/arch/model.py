@@ -65,6 +65,9 @@ class Transformer:
         # biases + clamped SwiGLU), else SwiGLU over what layout.tensors_from_buffers made.
         self.expert_fn = swiglu_expert if args.expert_impl is None else args.expert_impl.forward
         self.routing_log: list[list[torch.Tensor]] | None = None  # per layer, ids [T, K] per call
+        # Lossy routing (EngineConfig.top_k_reduction / expert_threshold): None = the rule as is.
+        # The MoE layer and lookahead both apply it, so lookahead predicts the experts used.
+        self.routing_trim = None
         self._qkv = self._fuse_qkv(weights)
 
     def _fuse_qkv(self, weights: dict) -> dict[int, torch.Tensor]:
@@ -207,14 +210,15 @@ class Transformer:
             # [T,H]x[H,E] product) and right most of the time, because the residual changes
             # slowly from layer to layer.
             guess_in = rms_norm(residual, self.w[f"{tp}.post_attention_layernorm.weight"], a.rms_norm_eps)
-            ids, _ = route_layer(a, self.w, target, guess_in)  # the architecture's own rule
-            predicted = ids[0].tolist() if ids.shape[0] == 1 else torch.unique(ids).tolist()
+            ids, _ = route_layer(a, self.w, target, guess_in, self.routing_trim)  # the architecture's own rule
+            # -1: a slot the routing threshold skipped (several tokens only)
+            predicted = ids[0].tolist() if ids.shape[0] == 1 else [e for e in torch.unique(ids).tolist() if e >= 0]
             self.experts.hint_experts(target, predicted)
 
     def _moe(self, layer: int, w: dict, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
         p, a = layer_prefix(layer), self.args
-        ids, weights = route_layer(a, w, layer, x)  # [T, K] each
+        ids, weights = route_layer(a, w, layer, x, self.routing_trim)  # [T, K] each
         if self.routing_log is not None:
             self.routing_log[layer].append(ids)
         if x.shape[0] == 1:

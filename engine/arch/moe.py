@@ -54,7 +54,13 @@ def routed_prefill(store, expert_fn, layer: int, x: torch.Tensor, ids: torch.Ten
                    weights: torch.Tensor) -> torch.Tensor:
     """Several tokens: x [T, H] → [T, H]; each expert gets the rows routed to it (one sort groups them)."""
     K = ids.shape[1]
-    sorted_ids, order = torch.sort(ids.flatten(), stable=True)  # [T*K], grouped by expert
+    flat = ids.flatten()
+    if bool((flat < 0).any()):  # slots the routing threshold skipped (id -1): routed nowhere
+        slots = torch.nonzero(flat >= 0).squeeze(1)
+        sorted_ids, order = torch.sort(flat[slots], stable=True)
+        order = slots[order]
+    else:
+        sorted_ids, order = torch.sort(flat, stable=True)  # [T*K], grouped by expert
     experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     needed, counts = experts.tolist(), counts.tolist()
     starts = [0] * len(counts)

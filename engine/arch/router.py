@@ -20,6 +20,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from engine.base.errors import ConfigError
+
 
 class _TwoTensorRouter:
     """A router stored as `<prefix>.weight` plus one bias tensor, named by the subclass."""
@@ -75,3 +77,57 @@ class BiasedTopkSoftmax(_TwoTensorRouter):
         logits = F.linear(x, weight, bias)  # [T, E]
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         return ids, torch.softmax(top, dim=-1, dtype=top.dtype)
+
+
+# --- lossy trims (EngineConfig.top_k_reduction / expert_threshold; off by default) -------------
+
+@dataclass(frozen=True)
+class RoutingTrim:
+    """Fewer experts per token than the architecture routes, at a cost in quality.
+
+    reduction: use the K - reduction heaviest of the rule's K experts. threshold: skip an
+    expert whose share of the K experts' total weight is below it (the heaviest always stays,
+    so every token keeps one). renormalize: whether the architecture normalises its top-k
+    weights (norm_topk_prob, softmax over the chosen logits); then the kept weights are scaled
+    back to the K experts' total (1, or routed_scaling_factor), as that rule would have given
+    had it chosen fewer; otherwise they keep their raw probabilities.
+    """
+
+    reduction: int
+    threshold: float
+    renormalize: bool
+
+    def apply(self, ids: torch.Tensor, weights: torch.Tensor):
+        """ids, weights [T, K] → [T, K - reduction]. A skipped slot is id -1 with weight 0, except
+        for one token (decode), whose skipped slots are dropped: ids [1, kept]."""
+        T, K = ids.shape
+        w = weights.float()
+        total = w.sum(dim=-1, keepdim=True)  # [T, 1]
+        kept_w, order = torch.topk(w, K - self.reduction, dim=-1)  # heaviest first
+        kept_ids = ids.gather(1, order)
+        skip = None
+        if self.threshold > 0:
+            skip = kept_w < self.threshold * total
+            skip[:, 0] = False
+            kept_w = kept_w.masked_fill(skip, 0.0)
+        if self.renormalize:
+            kept_w = kept_w * (total / kept_w.sum(dim=-1, keepdim=True).clamp_min(1e-20))
+        if skip is not None and skip.any():
+            if T == 1:
+                keep = ~skip[0]
+                return kept_ids[:, keep], kept_w[:, keep].to(weights.dtype)
+            kept_ids = kept_ids.masked_fill(skip, -1)
+        return kept_ids, kept_w.to(weights.dtype)
+
+
+def routing_trim(args, reduction: int, threshold: float) -> RoutingTrim | None:
+    """The trim an EngineConfig asks for on this model; None when off (routing untouched)."""
+    if not reduction and not threshold:
+        return None
+    if not args.is_moe:
+        raise ConfigError(f"top_k_reduction / expert_threshold apply to routed experts; {args.model_type} "
+                          f"is a dense model")
+    if reduction >= args.top_k:
+        raise ConfigError(f"top_k_reduction {reduction} leaves no expert: the model routes {args.top_k} per token")
+    renormalize = args.norm_topk_prob if args.router is None else getattr(args.router, "norm_topk_prob", True)
+    return RoutingTrim(reduction, float(threshold), bool(renormalize))

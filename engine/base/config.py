@@ -29,7 +29,10 @@ IO_MODES = ("direct", "buffered", "mmap")
 # What issues the reads (engine/io): reader threads, io_uring, or io_uring where the kernel allows.
 IO_BACKENDS = ("threads", "uring", "auto")
 CACHE_POLICIES = ("lru", "lfu", "pinned")
-KV_DTYPES = ("auto", *SHORT_NAMES)
+# int8 / fp8 (e4m3): a quantized KV cache, one scale per token per head (engine/kvquant.py); lossy.
+KV_QUANT_NAMES = ("fp8", "int8")
+KV_DTYPES = ("auto", *SHORT_NAMES, *KV_QUANT_NAMES)
+MAX_TOP_K_REDUCTION = 8
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # fp16 is computed in fp32 on CPU (slow fp16 matmuls)
 
 # An engine config is a dozen keys; anything this large is not one (and is not read whole).
@@ -110,6 +113,11 @@ class EngineConfig:
     cache_policy: str = "lru"
     routing_histogram: str = ""  # JSON recorded by --record-routing; used by cache_policy=pinned
     dtype: str = "auto"  # compute dtype: auto (the checkpoint's), bf16, fp32
+    # Lossy routing, off by default (engine/routing.py:trim_routes): use top_k - top_k_reduction
+    # experts per token, and skip an expert whose share of the chosen experts' routing weight is
+    # below expert_threshold (the heaviest is always kept); both change the output tokens.
+    top_k_reduction: int = 0
+    expert_threshold: float = 0.0
 
     def __post_init__(self):
         self.validate()
@@ -120,7 +128,7 @@ class EngineConfig:
                 raise ConfigError(msg)
 
         for name, typ in (("ram_budget", int), ("chunk_size", int), ("prefetch_depth", int), ("threads", int),
-                          ("ctx_size", int), ("io_threads", int)):
+                          ("ctx_size", int), ("io_threads", int), ("top_k_reduction", int)):
             value = getattr(self, name)
             need(isinstance(value, typ) and not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
         for name in ("cpu_cache_ratio", "gpu_cache_ratio"):
@@ -141,7 +149,17 @@ class EngineConfig:
         need(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         need(self.dtype in COMPUTE_DTYPES, f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
         need(isinstance(self.routing_histogram, str), "routing_histogram must be a path string")
+        need(0 <= self.top_k_reduction <= MAX_TOP_K_REDUCTION,
+             f"top_k_reduction must be in [0, {MAX_TOP_K_REDUCTION}], got {self.top_k_reduction}")
+        need(isinstance(self.expert_threshold, (int, float)) and not isinstance(self.expert_threshold, bool)
+             and 0.0 <= self.expert_threshold < 1.0,
+             f"expert_threshold must be a number in [0, 1), got {self.expert_threshold!r}")
         return self
+
+    @property
+    def lossless(self) -> bool:
+        """No setting that changes the output tokens (placement and threads aside)."""
+        return self.kv_dtype not in KV_QUANT_NAMES and not self.top_k_reduction and not self.expert_threshold
 
     # --- construction -------------------------------------------------------------------------
 

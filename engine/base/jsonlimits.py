@@ -12,6 +12,8 @@ import json
 import re
 from typing import Any
 
+import numpy as np
+
 from engine.base.errors import ColibriError, ModelFormatError
 
 # Real config.json / index / profile files nest 4-6 levels; 64 is generous and far below the
@@ -19,23 +21,25 @@ from engine.base.errors import ColibriError, ModelFormatError
 DEFAULT_MAX_DEPTH = 64
 DEFAULT_MAX_BYTES = 64 << 20
 
-# A string token (with escapes) or one bracket. Strings are matched whole so brackets inside
-# them do not count; an unterminated string is left for the parser to reject.
-_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+# A string token (with escapes): removed whole so brackets inside strings do not count; an
+# unterminated string is left for the parser to reject. Then everything but brackets goes.
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: one step per run of plain characters
+_NOT_BRACKET = re.compile(r'[^\[\]{}]+')
+_DEPTH_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # as int8: +1 per opener, -1 per closer
 
 
 def nesting_depth_exceeds(text: str, max_depth: int) -> bool:
-    """True if brackets outside strings nest deeper than max_depth. One regex pass, no recursion."""
-    depth = 0
-    for m in _TOKEN.finditer(text):
-        c = m.group()
-        if c in "[{":
-            depth += 1
-            if depth > max_depth:
-                return True
-        elif c in "]}":
-            depth -= 1
-    return False
+    """True if brackets outside strings nest deeper than max_depth. No recursion.
+
+    Strings, then everything but brackets, are dropped by two regex substitutions, and the depth
+    is the running sum of +1 per opener, -1 per closer (numpy): no Python step per token. A
+    DeepSeek-V3 shard header is mostly strings, and a match object per string was a third of
+    the checkpoint's open time (163 shards, 92k tensors)."""
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text)).encode("ascii")
+    if not brackets:
+        return False
+    steps = np.frombuffer(brackets.translate(_DEPTH_STEP), dtype=np.int8)
+    return int(np.cumsum(steps, dtype=np.int64).max()) > max_depth
 
 
 def loads_limited(data: bytes | str, source: str, *, max_bytes: int = DEFAULT_MAX_BYTES,

@@ -40,7 +40,7 @@ MAX_CONFIG_BYTES = 16 << 20
 MAX_INDEX_BYTES = 64 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: ~90k of them at DeepSeek-V3 scale, no __dict__ each
 class TensorInfo:
     name: str
     path: str  # absolute path of the shard
@@ -154,19 +154,23 @@ class Checkpoint:
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise ModelFormatError(f"{index_path}: not a valid safetensors index "
                                        "(needs a weight_map object of tensor name → shard file name)")
+            # Names grouped by shard in one pass: matching every name against every shard is
+            # shards x tensors (DeepSeek-V3: 163 x 91k = 15M steps, seconds of the open time).
+            names_of: dict[str, list[str]] = {}
+            for name, file in weight_map.items():
+                names_of.setdefault(file, []).append(name)
             tensors: dict[str, TensorInfo] = {}
-            for shard in sorted(set(weight_map.values())):
+            for shard in sorted(names_of):
                 shard_path = self.directory / str(shard)
                 if Path(str(shard)).name != str(shard):
                     raise ModelFormatError(f"{index_path}: shard name {shard!r} is not a plain file name")
                 if not shard_path.is_file():
                     raise ModelFormatError(f"{index_path}: shard {shard!r} is missing")
                 infos = read_safetensors_header(shard_path)
-                for name, file in weight_map.items():
-                    if file == shard:
-                        if name not in infos:
-                            raise ModelFormatError(f"{shard_path}: tensor {name!r} listed in the index is missing")
-                        tensors[name] = infos[name]
+                for name in names_of[shard]:
+                    if name not in infos:
+                        raise ModelFormatError(f"{shard_path}: tensor {name!r} listed in the index is missing")
+                    tensors[name] = infos[name]
             return tensors
         if single.exists():
             return read_safetensors_header(single)

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -24,10 +23,13 @@ import torch
 
 from engine.format.checkpoint import Checkpoint
 from engine.format.container import CONFIG_KEY, QuantSpec, container_spec, quant_names
-from engine.base.errors import ConfigError, ModelFormatError
+from engine.base.durable import DirectoryLock
+from engine.base.errors import ModelFormatError
 from engine.arch.args import ModelArgs, expert_tensor_names, fused_expert_tensor_names
 from engine.format.quant import check_group, quantize, stored_shapes
 from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
+from engine.base.output_target import (OutputTargetError, check_not_source, directory_target, read_small_json,
+                                  replace_directory, stamped)
 
 STATE_FILE = "convert-state.json"
 WRITER_DTYPE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -175,63 +177,97 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def container_recogniser():
+    """A previous `convert` output: its config.json carries the container stamp."""
+    return stamped("config.json", CONFIG_KEY)
+
+
 def convert(src, dst, quant: str = "int4", group_size: int = 64, scope: str = "experts", force: bool = False,
             progress=None) -> dict:
-    """Write the container; returns a summary. `progress(event, **fields)` is told each step."""
+    """Write the container; returns a summary. `progress(event, **fields)` is told each step.
+
+    dst is checked by engine/base/output_target.py before anything is read or written: never the
+    source, inside it or above it, and a non-empty dst is replaced (with force) only when it is
+    a previous container."""
     spec = QuantSpec(quant, group_size if quant == "int4" else 0, scope)
-    dst = Path(dst)
-    if dst.exists() and any(dst.iterdir()) and not force:
-        raise ConfigError(f"{dst} exists and is not empty (use --force to replace it)")
-    conv = Converter(src, spec)
-    shards = conv.shards()
-    tmp = dst.parent / (dst.name + ".partial")
-    options = {**spec.config_entry(conv.fingerprint)}
-    kept = _resume_state(tmp, options, progress)
-    tmp.mkdir(parents=True, exist_ok=True)
-    state = {"options": options, "shards": kept}
-    written = []
-    for i, (name, items) in enumerate(shards.items(), 1):
-        if name in kept:
-            continue
-        part = tmp / (name + ".tmp")
-        conv.write_shard(part, items, progress=(lambda done, total, name=name, i=i: progress(
-            "shard", index=i, shards=len(shards), name=name, done=done, total=total)) if progress else None)
-        os.replace(part, tmp / name)
-        state["shards"][name] = file_sha256(tmp / name)
-        write_json_atomic(tmp / STATE_FILE, state)
-        written.append(name)
-    _finish(conv, shards, tmp, spec)
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.replace(tmp, dst)
-    return {"path": str(dst), "quant": spec.quant, "group_size": spec.group_size, "scope": spec.scope,
+    source = Path(src).expanduser().resolve()
+    target = directory_target(dst, command="convert", recognise=container_recogniser(), sources=[source],
+                              force=force)
+    tmp = target.sibling("partial")
+    check_not_source(tmp, [source], "-o", what="the work directory")
+    with DirectoryLock(target.path, f"converting {source.name}"):
+        conv = Converter(source, spec)
+        shards = conv.shards()
+        options = {**spec.config_entry(conv.fingerprint)}
+        kept = _resume_state(tmp, options, progress)
+        tmp.mkdir(parents=True, exist_ok=True)
+        state = {"options": options, "shards": kept}
+        write_json_atomic(tmp / STATE_FILE, state)  # first: a .partial without it is not ours
+        written = []
+        for i, (name, items) in enumerate(shards.items(), 1):
+            if name in kept:
+                continue
+            part = tmp / (name + ".tmp")
+            conv.write_shard(part, items, progress=(lambda done, total, name=name, i=i: progress(
+                "shard", index=i, shards=len(shards), name=name, done=done, total=total)) if progress else None)
+            os.replace(part, tmp / name)
+            state["shards"][name] = file_sha256(tmp / name)
+            write_json_atomic(tmp / STATE_FILE, state)
+            written.append(name)
+        _finish(conv, shards, tmp, spec)
+        replace_directory(tmp, target)
+    out = target.path
+    return {"path": str(out), "quant": spec.quant, "group_size": spec.group_size, "scope": spec.scope,
             "label": spec.label, "shards": len(shards), "shards_written": len(written),
-            "shards_kept": len(shards) - len(written), "bytes": sum(p.stat().st_size for p in dst.glob("*.safetensors")),
+            "shards_kept": len(shards) - len(written), "bytes": sum(p.stat().st_size for p in out.glob("*.safetensors")),
             "source_bytes": conv.ckpt.nbytes(), "source_fingerprint": conv.fingerprint}
+
+
+def _not_ours(tmp: Path, why: str) -> OutputTargetError:
+    return OutputTargetError(f"{tmp}: {why}, so it is not an interrupted `colibri convert`; "
+                             "remove it or choose another -o")
+
+
+def _read_state(tmp: Path) -> dict | None:
+    """The state of an interrupted run in tmp, None for an empty tmp; anything else is refused."""
+    if tmp.is_symlink() or not tmp.is_dir():
+        raise _not_ours(tmp, "exists and is not a directory")
+    state_path = tmp / STATE_FILE
+    if not os.path.lexists(state_path):
+        if any(os.scandir(tmp)):
+            raise _not_ours(tmp, f"holds files but no {STATE_FILE}")
+        return None
+    state = read_small_json(state_path)
+    if (not isinstance(state, dict) or not isinstance(state.get("options"), dict)
+            or not isinstance(state.get("shards"), dict)
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in state["shards"].items())):
+        raise _not_ours(tmp, f"its {STATE_FILE} is not a conversion state")
+    for entry in os.scandir(tmp):
+        if entry.is_dir(follow_symlinks=False) or not (entry.is_file(follow_symlinks=False)):
+            raise _not_ours(tmp, f"it holds {entry.name!r}, which is not a file convert writes")
+    return state
 
 
 def _resume_state(tmp: Path, options: dict, progress) -> dict[str, str]:
     """Shards of an interrupted run to keep: same source and options, bytes still matching."""
-    if not tmp.exists():
+    if not os.path.lexists(tmp):
         return {}
-    try:
-        state = json.loads((tmp / STATE_FILE).read_text())
-        same = state.get("options") == options
-    except (OSError, ValueError, AttributeError):
-        state, same = {}, False
-    if not same:
+    state = _read_state(tmp)
+    if state is None:
+        return {}
+    if state["options"] != options:
         if progress:
             progress("discard", path=str(tmp), reason="made from another source or with other options")
         shutil.rmtree(tmp)
         return {}
     kept = {}
-    for name, digest in (state.get("shards") or {}).items():
-        ok = (tmp / name).is_file() and file_sha256(tmp / name) == digest
+    for name, digest in state["shards"].items():
+        ok = Path(name).name == name and (tmp / name).is_file() and file_sha256(tmp / name) == digest
         if progress:
             progress("check", name=name, ok=ok)
         if ok:
             kept[name] = digest
-    for stray in tmp.iterdir():  # half-written .tmp shards and anything unrecorded
+    for stray in tmp.iterdir():  # half-written .tmp shards and anything unrecorded (files only: checked)
         if stray.name != STATE_FILE and stray.name not in kept:
             stray.unlink()
     return kept

@@ -63,6 +63,10 @@ class ExpertLocation:
     # plain matrices (gpt_oss: fused with biases, or MXFP4 blocks dequantized on read).
     decode: Callable | None = None
     quant: QuantSpec | None = None  # a colibri int8/int4 container (engine/format/container.py)
+    # Formats that `decode` keeps as stored (gpt_oss MXFP4 for its native kernel): per piece,
+    # True where the compute reads the bytes in place, False where they become the compute dtype.
+    stored: tuple[bool, ...] | None = None
+    kernel: str | None = None  # the experts' matmul, where `decode` picks its own
 
     @property
     def nbytes(self) -> int:
@@ -75,6 +79,7 @@ class ExpertLayout:
         self.ckpt = checkpoint
         self.quant = container_spec(checkpoint)
         self._locations: dict[tuple[int, int], ExpertLocation] = {}
+        self._slot_bytes: dict[bool, int] = {}
         for layer in range(args.num_layers):
             if not args.is_moe_layer(layer):
                 continue
@@ -135,6 +140,11 @@ class ExpertLayout:
         return next(iter(self._locations.values())).nbytes if self._locations else 0
 
     @property
+    def kernel(self) -> str | None:
+        """The experts' matmul when the layout's format picks one (gpt_oss MXFP4), else None."""
+        return next(iter(self._locations.values())).kernel if self._locations else None
+
+    @property
     def spans_per_expert(self) -> int:
         """Read requests per expert (1 per-expert, 2 fused, 4-6 gpt_oss): each may need alignment slack."""
         return max((len(loc.spans) for loc in self._locations.values()), default=1)
@@ -148,7 +158,11 @@ class ExpertLayout:
         return zero_copy(self, dtype)
 
     def slot_bytes(self, direct: bool) -> int:
-        return slot_bytes(self, direct)
+        # A walk over every expert (DeepSeek-V3: 14,848), asked once per config the cost model
+        # plans (thousands): the locations never change, so once per io kind.
+        if direct not in self._slot_bytes:
+            self._slot_bytes[direct] = slot_bytes(self, direct)
+        return self._slot_bytes[direct]
 
     def keys(self):
         return self._locations.keys()
@@ -215,6 +229,9 @@ def expert_memory_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
     if not layout.num_routed:
         return 0
     loc = next(iter(layout._locations.values()))
+    stored = getattr(loc, "stored", None)  # the cost model's stand-in layouts have none
+    if stored is not None:
+        return sum(p.nbytes if kept else _numel(p) * (torch.finfo(dtype).bits // 8) for p, kept in zip(loc.pieces, stored))
     if loc.quant is None:  # every weight of the expert (gpt_oss: biases too) in the compute dtype
         return layout.args.expert_numel * (torch.finfo(dtype).bits // 8)
     elem = torch.finfo(dtype).bits // 8
@@ -227,6 +244,10 @@ def cast_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
     if not layout.num_routed:
         return 0
     loc = next(iter(layout._locations.values()))
+    stored = getattr(loc, "stored", None)  # the cost model's stand-in layouts have none
+    if stored is not None:
+        return sum(_numel(p) * (torch.finfo(dtype).bits // 8) for p, kept in zip(loc.pieces, stored)
+                   if not kept and p.dtype != dtype)
     if loc.quant is None:
         return 0
     scales = [s for s in loc.pieces[1::2] if s.dtype != dtype]
@@ -239,7 +260,14 @@ def zero_copy(layout: ExpertLayout, dtype: torch.dtype) -> bool:
     if not layout.num_routed:
         return False
     loc = next(iter(layout._locations.values()))
-    return loc.quant is not None or all(p.dtype == dtype for p in loc.pieces)
+    return loc.quant is not None or getattr(loc, "stored", None) is not None or all(p.dtype == dtype for p in loc.pieces)
+
+
+def _numel(piece: Piece) -> int:
+    n = 1
+    for d in piece.shape:
+        n *= d
+    return n
 
 
 def slot_bytes(layout: ExpertLayout, direct: bool) -> int:

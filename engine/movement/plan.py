@@ -84,9 +84,7 @@ class MemoryPlan:
 
 def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, dtype: torch.dtype,
               kv_dtype: torch.dtype, overhead_bytes: int | None = None) -> MemoryPlan:
-    quantized = dense_quantized(ckpt, getattr(layout, "quant", None), dense_tensor_names(args))
-    dense = sum(dense_nbytes(None, quantized[n], _elem(dtype)) if n in quantized else _count(ckpt, n) * _elem(dtype)
-                for n in dense_tensor_names(args))
+    dense = _dense_bytes(ckpt, args, getattr(layout, "quant", None), dtype)
     kv = KVCache.nbytes_for(args, config.ctx_size, kv_dtype)
     routed = layout.num_routed if layout is not None else 0
     disk_expert = layout.expert_nbytes if layout is not None else 0
@@ -127,6 +125,29 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     arena = 0 if mapped else inflight + (cache // entry if views else 0)
     return MemoryPlan(budget, True, dense, kv, buffers, overhead_bytes, cache, gpu_cache, expert, disk_expert,
                       routed, inflight, slot_bytes=slot, arena_slots=arena, cache_entry_bytes=entry)
+
+
+# (id(ckpt), id(args), quant, dtype) → (ckpt, args, bytes): the cost model plans thousands of
+# configs of one checkpoint, and checking every dense tensor each time (DeepSeek-V3: ~450
+# quantized matrices) was a third of `colibri plan`. The objects are kept with the figure so an
+# id is never reused while its entry lives.
+_DENSE_MEMO: dict = {}
+
+
+def _dense_bytes(ckpt: Checkpoint, args: ModelArgs, quant, dtype: torch.dtype) -> int:
+    """Resident bytes of the dense tensors in the compute dtype (quantized ones as stored)."""
+    key = (id(ckpt), id(args), quant, dtype)
+    hit = _DENSE_MEMO.get(key)
+    if hit is not None and hit[0] is ckpt and hit[1] is args:
+        return hit[2]
+    names = dense_tensor_names(args)
+    quantized = dense_quantized(ckpt, quant, names)
+    dense = sum(dense_nbytes(None, quantized[n], _elem(dtype)) if n in quantized else _count(ckpt, n) * _elem(dtype)
+                for n in names)
+    if len(_DENSE_MEMO) >= 8:
+        _DENSE_MEMO.clear()
+    _DENSE_MEMO[key] = (ckpt, args, dense)
+    return dense
 
 
 def _layer_names(args: ModelArgs, layer: int) -> list[str]:

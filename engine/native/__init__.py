@@ -1,4 +1,4 @@
-"""Native decode kernels (bf16_decode.cpp): built on first use, loaded as torch ops, optional.
+"""Native decode kernels (bf16_decode.cpp, mxfp4_decode.cpp): built on first use, loaded as torch ops, optional.
 
 Decode (one token) in bf16 is a stream of matrix-vector products; torch's bf16 matmul is tuned
 for many rows and reaches a quarter of the memory bandwidth there (docs/BENCHMARKS.md,
@@ -15,6 +15,7 @@ rounding of the sums, so tokens may differ from a native run (never between plac
     ready                   whether they are loaded (checked on the decode path)
     linear(x, w)            x [1,K] @ w.T, bf16
     experts(x, weights, n)  SwiGLU of several experts on one token: [E, H]
+    mxfp4_linear(x, blocks, scales, bias)  x @ dequant(blocks, scales).T + bias, fp32 or bf16
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("bf16_decode.cpp")
+# Every .cpp here goes into the one library (each registers its ops in namespace colibri).
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 ready = False
 _why_not: str | None = None
@@ -56,7 +58,7 @@ def _build(cxx: str, out: Path) -> None:
     abi = int(torch.compiled_with_cxx11_abi())
     argv = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
             "-mavx512bf16", "-mfma", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
-            f"-I{torch_dir / 'include'}", str(SOURCE), "-o", str(out),
+            f"-I{torch_dir / 'include'}", *map(str, SOURCES), "-o", str(out),
             f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
@@ -65,7 +67,8 @@ def _build(cxx: str, out: Path) -> None:
 
 def _library_path(cxx: str, flags: set[str]) -> Path:
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        key.update(source.read_bytes())
     key.update(f"{torch.__version__}|{cxx}|{platform.machine()}|{sorted(flags & set(REQUIRED_FLAGS))}".encode())
     root = Path(os.environ.get("COLIBRI_KERNEL_CACHE") or Path.home() / ".cache" / "colibri" / "kernels")
     return root / f"colibri_bf16_{key.hexdigest()[:16]}.so"
@@ -117,3 +120,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def experts(x: torch.Tensor, weights: list, per_expert: int) -> torch.Tensor:
     return torch.ops.colibri.experts_bf16(x, weights, per_expert)
 
+
+
+def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.colibri.mxfp4_linear(x, blocks, scales, bias)

@@ -14,18 +14,29 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import time
 
 from engine.base.config import EngineConfig
+from engine.base.errors import ConfigError
 from engine.run.generate import Sampler, generate, random_prompt_ids
 from engine.movement.io import trace
-from engine.run.metrics import SUMMARY_KEYS, envelope, peak_rss_bytes, rss_file_bytes, run_metrics, spread
+from engine.run.metrics import SUMMARY_KEYS, envelope, peak_rss_bytes, percentile, rss_file_bytes, run_metrics, spread
 from engine.run.runtime import Engine
+from engine.run.workload import Request, workload_digest
 
 
 def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 3, cold: bool = True,
               prompt_tokens: int = 16, seed: int = 0, warmup_tokens: int = 2, progress=None,
-              record_routing: str | None = None, read_trace: str | None = None) -> dict:
+              record_routing: str | None = None, read_trace: str | None = None,
+              workload: list[Request] | None = None) -> dict:
+    """workload: the user's requests (engine/workload.py), each repeat running all of them in
+    order, instead of `tokens` tokens after a random prompt of `prompt_tokens`."""
+    if workload:
+        if read_trace:
+            raise ConfigError("--read-trace measures the fixed prompt; it does not go with a workload")
+        return _run_workload_bench(model_dir, config, workload, repeats, cold, seed, warmup_tokens, progress,
+                                   record_routing)
     t_start = time.perf_counter()
     engine = Engine(model_dir, config)
     try:
@@ -99,6 +110,76 @@ def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 
         return result
     finally:
         engine.close()
+
+
+def _run_workload_bench(model_dir, config: EngineConfig, workload: list[Request], repeats: int, cold: bool,
+                        seed: int, warmup_tokens: int, progress, record_routing: str | None) -> dict:
+    """Each repeat runs every request in order, as one user's session would (cold: from an empty
+    cache at the repeat's start). Its figures are over the whole workload: TTFT and request
+    latency are means per request, decode tok/s is all decode tokens over all decode time, and
+    the I/O counters cover prefill and decode of every request."""
+    t_start = time.perf_counter()
+    engine = Engine(model_dir, config)
+    try:
+        if record_routing:
+            engine.record_routing()  # the routing of the user's own prompts: what pinned pins
+        if warmup_tokens:
+            generate(engine, list(workload[0].prompt_ids), warmup_tokens, Sampler())
+        runs, cold_how = [], None
+        for rep in range(repeats):
+            if cold:
+                cold_how = _make_cold(engine)
+            _reset_stats(engine)
+            gens = [generate(engine, list(r.prompt_ids), r.max_new_tokens, Sampler()) for r in workload]
+            m = _workload_metrics(engine, gens)
+            runs.append(m)
+            if progress:
+                progress(rep + 1, repeats, m)
+        result = envelope(engine, str(model_dir))
+        result.update({
+            "kind": "bench", "cold": cold, "cold_method": cold_how, "repeats": repeats, "seed": seed,
+            "tokens": sum(r.max_new_tokens for r in workload),
+            "prompt_tokens": sum(len(r.prompt_ids) for r in workload),
+            "workload": {"requests": len(workload), "sha256": workload_digest(workload)},
+            "load_seconds": engine.load_seconds,
+            "summary": {k: spread([r.get(k) for r in runs]) for k in SUMMARY_KEYS}, "runs": runs,
+            "output_ids": runs[0]["output_ids"] if runs else [],
+            "tokens_consistent": all(r["output_ids"] == runs[0]["output_ids"] for r in runs),
+            "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": rss_file_bytes(),
+            "wall_seconds": time.perf_counter() - t_start,
+        })
+        for k in SUMMARY_KEYS:
+            result[k] = result["summary"][k]["median"]
+        result["bytes_read_per_token"] = spread([r.get("bytes_read", 0) / max(r["generated_tokens"], 1)
+                                                 for r in runs])["median"]
+        result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
+        if record_routing:
+            engine.save_routing(record_routing)
+            result["routing_histogram"] = record_routing
+        return result
+    finally:
+        engine.close()
+
+
+def _workload_metrics(engine: Engine, gens: list) -> dict:
+    # R requests; per request: prefill + first token (ttft), then its decode steps
+    per = [run_metrics(engine, g) for g in gens]  # I/O figures: the engine's counters, whole repeat
+    steps = [s for g in gens for s in g.token_seconds]
+    decode_s = sum(steps)
+    m = dict(per[-1])  # the I/O counters and memory figures as they stand after the last request
+    m.update({
+        "requests": len(gens),
+        "prompt_tokens": sum(len(g.prompt_ids) for g in gens),
+        "generated_tokens": sum(len(g.output_ids) for g in gens),
+        "ttft_s": statistics.fmean(g.ttft_seconds for g in gens),
+        "request_s": statistics.fmean(x["request_s"] for x in per if x["request_s"] is not None),
+        "prefill_tok_s": sum(len(g.prompt_ids) for g in gens) / max(sum(g.prefill_seconds for g in gens), 1e-12),
+        "decode_tok_s": len(steps) / decode_s if decode_s else None,
+        "token_latency_p50_ms": percentile(steps, 0.5) * 1000.0 if steps else None,
+        "token_latency_p99_ms": percentile(steps, 0.99) * 1000.0 if steps else None,
+        "output_ids": [t for g in gens for t in g.output_ids],
+    })
+    return m
 
 
 def _cpu_seconds() -> float:

@@ -49,6 +49,8 @@ class Generation:
 
 def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler | None = None,
              stop_ids: set[int] | None = None, on_token=None) -> Generation:
+    """Prefill, then decode until max_new_tokens, a stop id, or `on_token(token)` returning True
+    (how a server stops at a stop sequence or when its client has gone)."""
     sampler = sampler or Sampler()
     n = len(prompt_ids)
     if n == 0:
@@ -69,8 +71,8 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
     token = sampler(logits[-1])
     gen.ttft_seconds = time.perf_counter() - t0
     gen.output_ids.append(token)
-    if on_token:
-        on_token(token)
+    if on_token and on_token(token) is True:
+        return gen
     pos = n
     while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
         t = time.perf_counter()
@@ -79,8 +81,8 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
         gen.token_seconds.append(time.perf_counter() - t)
         gen.output_ids.append(token)
         pos += 1
-        if on_token:
-            on_token(token)
+        if on_token and on_token(token) is True:
+            break
     return gen
 
 

@@ -19,8 +19,8 @@ from engine import __version__
 SCHEMA = "colibri.metrics/1"
 # The headline figures of a run, each a top-level key of the result; a bench also gives each one's
 # spread over its repeats under "summary" (and the median at top level).
-SUMMARY_KEYS = ("decode_tok_s", "ttft_s", "prefill_tok_s", "token_latency_p50_ms", "token_latency_p99_ms",
-                "read_gbps", "io_stall_fraction", "lookahead_recall")
+SUMMARY_KEYS = ("decode_tok_s", "ttft_s", "request_s", "prefill_tok_s", "token_latency_p50_ms",
+                "token_latency_p99_ms", "read_gbps", "io_stall_fraction", "lookahead_recall")
 
 
 def peak_rss_bytes() -> int:
@@ -98,6 +98,9 @@ def run_metrics(engine, gen, io_before: dict | None = None) -> dict:
         "prompt_tokens": len(gen.prompt_ids),
         "generated_tokens": len(gen.output_ids),
         "ttft_s": gen.ttft_seconds,
+        # End to end: the prompt's prefill and first token, then every decode step (what a
+        # request of this prompt and output length costs its user).
+        "request_s": gen.ttft_seconds + decode_s if gen.output_ids else None,
         "prefill_tok_s": len(gen.prompt_ids) / gen.prefill_seconds if gen.prefill_seconds else None,
         "decode_tok_s": n_decode / decode_s if decode_s else None,
         "token_latency_p50_ms": _ms(percentile(gen.token_seconds, 0.5)),

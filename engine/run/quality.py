@@ -21,7 +21,10 @@ from pathlib import Path
 
 import torch
 
+from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError, PromptError
+from engine.run.generate import load_tokenizer
+from engine.run.runtime import Engine, checkpoint_dtype
 
 HELD_OUT_EVERY = 20  # one stdlib file in 20 is held out of training
 
@@ -52,7 +55,6 @@ def stdlib_corpus() -> tuple[str, str, dict]:
 
 def token_stream(reference_dir, tokens: int, text_file: str | None = None) -> tuple[list[int], str]:
     """The fixed stream both models are scored on, and a description of it."""
-    from engine.run.generate import load_tokenizer
     tok = load_tokenizer(reference_dir)
     if tok is None:
         raise PromptError(f"{reference_dir} has no tokenizer.json: quality needs text to score")
@@ -66,7 +68,7 @@ def token_stream(reference_dir, tokens: int, text_file: str | None = None) -> tu
         what = "held-out " + info["description"]
     ids = tok.encode(text).ids
     if len(ids) < tokens:
-        raise ConfigError(f"the text has {len(ids)} tokens, fewer than --tokens {tokens}")
+        raise ConfigError(f"{what}: the text has {len(ids)} tokens, fewer than --tokens {tokens}")
     return ids[:tokens], what
 
 
@@ -84,31 +86,52 @@ def _chunk_logprobs(engine, chunk: list[int]) -> torch.Tensor:
 
 
 def measure_quality(model_dir, reference_dir, tokens: int = 4096, ctx: int = 512, text_file: str | None = None,
-                    dtype: str = "auto", threads: int = 0, progress=None) -> dict:
-    from engine.base.config import EngineConfig
-    from engine.run.runtime import Engine
-    if ctx < 4 or tokens < ctx:
-        raise ConfigError(f"--tokens {tokens} must be at least --ctx {ctx} (and ctx at least 4)")
-    ids, what = token_stream(reference_dir, tokens, text_file)
-    chunks = list(_chunks(ids, ctx))
-    config = EngineConfig(ctx_size=ctx, dtype=dtype, threads=threads)
+                    dtype: str = "auto", threads: int = 0, progress=None, model_settings: dict | None = None) -> dict:
+    """KL / top-1 / perplexity of model_dir against reference_dir on a fixed text.
 
-    ref_lp: list[torch.Tensor] = []
-    meta = {}
-    for label, directory in (("reference", reference_dir), ("model", model_dir)):
-        with Engine(directory, config) as engine:
-            if engine.args.vocab_size != (ref_lp[0].shape[-1] if ref_lp else engine.args.vocab_size):
-                raise ConfigError(f"{directory}: vocab size {engine.args.vocab_size} differs from the reference's")
-            meta[label] = {"path": str(directory), "quant": engine_quant_label(engine),
-                           "compute_dtype": str(engine.dtype).replace("torch.", "")}
-            if label == "reference":
-                for i, chunk in enumerate(chunks):
-                    ref_lp.append(_chunk_logprobs(engine, chunk))
-                    if progress:
-                        progress(label, i + 1, len(chunks))
-                continue
+    model_settings: EngineConfig fields for the scored model only (the lossy ones: kv_dtype,
+    top_k_reduction, expert_threshold); the reference always runs as stored, lossless.
+    """
+    reference = Reference(reference_dir, tokens, ctx, text_file, dtype, threads, progress)
+    return reference.score(model_dir, model_settings)
+
+
+class Reference:
+    """The fixed text's chunks and the reference's log-probabilities on them, computed once, so
+    several models or settings are scored against one run of the reference."""
+
+    def __init__(self, reference_dir, tokens: int, ctx: int, text_file: str | None = None, dtype: str = "auto",
+                 threads: int = 0, progress=None):
+        if ctx < 4 or tokens < ctx:
+            raise ConfigError(f"--tokens {tokens} must be at least --ctx {ctx} (and ctx at least 4)")
+        self.reference_dir, self.tokens, self.ctx, self.progress = reference_dir, tokens, ctx, progress
+        ids, self.text = token_stream(reference_dir, tokens, text_file)
+        self.chunks = list(_chunks(ids, ctx))
+        self.config = EngineConfig(ctx_size=ctx, dtype=dtype, threads=threads)
+        self._logprobs: list[torch.Tensor] | None = None
+        self.meta: dict = {}
+
+    def logprobs(self) -> list[torch.Tensor]:
+        if self._logprobs is None:
+            with Engine(self.reference_dir, self.config) as engine:
+                self.vocab_size = engine.args.vocab_size
+                self.meta = _meta(engine, self.reference_dir)
+                lps = []
+                for i, chunk in enumerate(self.chunks):
+                    lps.append(_chunk_logprobs(engine, chunk))
+                    if self.progress:
+                        self.progress("reference", i + 1, len(self.chunks))
+            self._logprobs = lps
+        return self._logprobs
+
+    def score(self, model_dir, model_settings: dict | None = None) -> dict:
+        ref_lp = self.logprobs()
+        with Engine(model_dir, self.config.replace(**(model_settings or {}))) as engine:
+            if engine.args.vocab_size != self.vocab_size:
+                raise ConfigError(f"{model_dir}: vocab size {engine.args.vocab_size} differs from the reference's")
+            meta = _meta(engine, model_dir)
             kl, same, nll_q, nll_r = [], 0, 0.0, 0.0
-            for i, chunk in enumerate(chunks):
+            for i, chunk in enumerate(self.chunks):
                 lq, lr = _chunk_logprobs(engine, chunk), ref_lp[i]
                 target = torch.tensor(chunk[len(chunk) // 2 + 1:])
                 # KL >= 0, but in float32 two nearly equal distributions can sum to -1e-8: clamp
@@ -117,25 +140,29 @@ def measure_quality(model_dir, reference_dir, tokens: int = 4096, ctx: int = 512
                 same += int((lr.argmax(-1) == lq.argmax(-1)).sum())
                 nll_q -= float(lq.gather(1, target[:, None]).sum())
                 nll_r -= float(lr.gather(1, target[:, None]).sum())
-                if progress:
-                    progress(label, i + 1, len(chunks))
-    kl_all = torch.cat(kl).double()
-    n = kl_all.numel()
-    ppl_q, ppl_r = math.exp(nll_q / n), math.exp(nll_r / n)
-    return {
-        "kind": "quality", "model": meta["model"], "reference": meta["reference"], "text": what,
-        "tokens": tokens, "ctx": ctx, "chunks": len(chunks), "scored_tokens": n,
-        "kl_mean": float(kl_all.mean()), "kl_median": float(kl_all.median()),
-        "kl_p99": float(torch.quantile(kl_all, 0.99)), "kl_max": float(kl_all.max()),
-        "top1_agreement": same / n,
-        "ppl_model": ppl_q, "ppl_reference": ppl_r,
-        "ppl_ratio": ppl_q / ppl_r, "ppl_change": ppl_q / ppl_r - 1.0, "ppl_delta": ppl_q - ppl_r,
-    }
+                if self.progress:
+                    self.progress("model", i + 1, len(self.chunks))
+        kl_all = torch.cat(kl).double()
+        n = kl_all.numel()
+        ppl_q, ppl_r = math.exp(nll_q / n), math.exp(nll_r / n)
+        return {
+            "kind": "quality", "model": meta, "reference": self.meta, "text": self.text,
+            "tokens": self.tokens, "ctx": self.ctx, "chunks": len(self.chunks), "scored_tokens": n,
+            "kl_mean": float(kl_all.mean()), "kl_median": float(kl_all.median()),
+            "kl_p99": float(torch.quantile(kl_all, 0.99)), "kl_max": float(kl_all.max()),
+            "top1_agreement": same / n,
+            "ppl_model": ppl_q, "ppl_reference": ppl_r,
+            "ppl_ratio": ppl_q / ppl_r, "ppl_change": ppl_q / ppl_r - 1.0, "ppl_delta": ppl_q - ppl_r,
+        }
+
+
+def _meta(engine, directory) -> dict:
+    return {"path": str(directory), "quant": engine_quant_label(engine),
+            "compute_dtype": str(engine.dtype).replace("torch.", "")}
 
 
 def engine_quant_label(engine) -> str:
     """'int4-g64', or the stored dtype of an unquantized model ('bfloat16')."""
-    from engine.run.runtime import checkpoint_dtype
     spec = getattr(engine, "quant", None)
     return spec.label if spec is not None else str(checkpoint_dtype(engine.checkpoint)).replace("torch.", "")
 

@@ -18,11 +18,13 @@ from engine.format.checkpoint import Checkpoint
 from engine.format.container import container_spec, dense_quantized, load_dense
 from engine.base.config import EngineConfig
 from engine.base.dtypes import FLOAT_NAMES, short_dtypes, torch_dtype
+from engine.arch.kvquant import kv_storage
 from engine.format.layout import ExpertLayout
 from engine.arch.layers import KVCache
 from engine.arch.args import ModelArgs, dense_tensor_names
 from engine.arch.model import Transformer
 from engine.movement.plan import MemoryPlan, make_plan
+from engine.arch.router import routing_trim
 from engine.format.tensor_checks import check_shapes
 from engine.movement.store import ExpertStore, ResidentExperts
 
@@ -75,12 +77,13 @@ class Engine:
         self.checkpoint = Checkpoint(model_dir)
         self.args = ModelArgs.from_config(self.checkpoint.config)
         self.dtype = self._compute_dtype()
-        self.kv_dtype = self.dtype if self.config.kv_dtype == "auto" else DTYPE_NAMES[self.config.kv_dtype]
+        self.kv_dtype = kv_storage(self.config.kv_dtype, self.dtype)  # a torch dtype, or 'int8' / 'fp8'
         threads = self.config.threads or physical_cores()
         torch.set_num_threads(threads)
         self.threads = threads
 
         # Validate everything we will read before reading any of it.
+        trim = routing_trim(self.args, self.config.top_k_reduction, self.config.expert_threshold)
         self.quant = container_spec(self.checkpoint)
         dense_names = dense_tensor_names(self.args)
         quantized = dense_quantized(self.checkpoint, self.quant, dense_names)  # checks their own shapes
@@ -113,9 +116,10 @@ class Engine:
         self.load_seconds = time.perf_counter() - t0
         self.model = Transformer(self.args, weights, self.experts, self.dtype)
         self.model.lookahead_depth = self.config.prefetch_depth if self.plan.streaming else 0
+        self.model.routing_trim = trim
         if self.layers is not None:
             self.model.stream_layers(self.layers, streamed)
-        self.kv = KVCache.allocate(self.args, self.config.ctx_size, self.kv_dtype)
+        self.kv = KVCache.allocate(self.args, self.config.ctx_size, self.kv_dtype, self.dtype)
 
     def _streamed_layers(self) -> list[int]:
         if self.layout is not None or not self.plan.streaming:
@@ -132,6 +136,8 @@ class Engine:
     def kernel(self) -> str:
         """The matmul the routed experts run through (what run/bench report next to the quant)."""
         from engine.format.quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT8, kernel_works
+        if self.layout is not None and self.layout.kernel is not None:  # the format's own (gpt_oss MXFP4)
+            return self.layout.kernel
         if self.quant is None:
             dtype = str(self.dtype).replace('torch.', '')
             return f"F.linear ({dtype})" if self.native_unavailable else f"F.linear ({dtype}), native bf16 decode"
@@ -163,7 +169,7 @@ class Engine:
         hist: Counter = Counter()
         for layer, calls in enumerate(self.model.routing_log or []):
             for ids in calls:
-                hist.update((layer, e) for e in ids.flatten().tolist())
+                hist.update((layer, e) for e in ids.flatten().tolist() if e >= 0)  # -1: a skipped slot
         routing_histogram_save(hist, path)
 
     def io_stats(self) -> dict:

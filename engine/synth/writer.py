@@ -12,12 +12,23 @@ import shutil
 from pathlib import Path
 
 from engine.synth import arch_writers as synth_archs
+from engine.format.container import CONFIG_KEY
 from engine.base.dtypes import ITEMSIZE
 from engine.base.durable import DirectoryLock, fsync_dir
 from engine.base.errors import ConfigError
+from engine.base.output_target import DirectoryTarget, directory_target, replace_directory, stamped
 from engine.synth.geometry import validate_geometry
 from engine.synth.hf_files import write_side_files
 from engine.synth.recipe import PlannedTensor, Recipe, tensor_plan
+
+
+_SYNTH_KEY = stamped("config.json", "colibri_synth")  # what hf_files.py writes into every synthesized model
+_CONTAINER_KEY = stamped("config.json", CONFIG_KEY)  # a container of one keeps the key: convert's, not ours
+
+
+def SYNTH_STAMP(path: Path) -> bool:
+    """A previous synth output: config.json stamped by synth and not (since) a convert container."""
+    return _SYNTH_KEY(path) and not _CONTAINER_KEY(path)
 
 
 def plan_shards(units: list[list[PlannedTensor]], dtype: str, max_shard_size: int) -> list[list[PlannedTensor]]:
@@ -49,21 +60,25 @@ def synthesize(
     routing_skew: float | None = None,
     progress: bool = True,
     force: bool = False,
+    sources: tuple = (),
 ) -> Path:
     """Write a qwen3_moe HF directory for `geometry` to out_dir, atomically; returns its path.
 
     routing_skew None takes the geometry's own default (the presets' calibrated value).
-    Refuses an existing non-empty out_dir unless force (then it is replaced only once the new
-    model is complete). A second process synthesizing into the same out_dir waits for the first
-    (engine/base/durable.py DirectoryLock) and then finds the directory non-empty.
+    out_dir is checked by engine/base/output_target.py first: never the current directory, `/`, one of
+    `sources` (e.g. the geometry file) or a directory around them; a non-empty out_dir is replaced
+    (with force, and only once the new model is complete) only when it is a previous synth
+    output, recognised by the `colibri_synth` stamp of its config.json. A second process synthesizing into the same out_dir waits for the first
+    (engine/durable.py DirectoryLock) and then finds the directory non-empty.
     """
     name = geometry.get("name", "custom") if isinstance(geometry, dict) else "custom"
-    with DirectoryLock(out_dir, f"synthesizing {name}"):
-        return _synthesize(geometry, out_dir, seed, routing_skew, progress, force)
+    target = directory_target(out_dir, command="synth", recognise=SYNTH_STAMP, sources=sources, force=force)
+    with DirectoryLock(target.path, f"synthesizing {name}"):
+        return _synthesize(geometry, target, seed, routing_skew, progress, force, sources)
 
 
-def _synthesize(geometry: dict, out_dir, seed: int, routing_skew: float | None, progress: bool,
-                force: bool) -> Path:
+def _synthesize(geometry: dict, target: DirectoryTarget, seed: int, routing_skew: float | None, progress: bool,
+                force: bool, sources: tuple) -> Path:
     from engine.base.progress import Progress
     from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 
@@ -75,11 +90,9 @@ def _synthesize(geometry: dict, out_dir, seed: int, routing_skew: float | None, 
         raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
     skew = float(skew)
 
-    out = Path(out_dir).expanduser().absolute()
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"output {str(out)!r} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ConfigError(f"output directory {str(out)!r} is not empty (use --force to replace it)")
+    # Checked again under the lock: a process we waited for may have filled it meanwhile.
+    target = directory_target(target.path, command="synth", recognise=SYNTH_STAMP, sources=sources, force=force)
+    out = target.path
     out.parent.mkdir(parents=True, exist_ok=True)
 
     units = tensor_plan(g)
@@ -93,9 +106,11 @@ def _synthesize(geometry: dict, out_dir, seed: int, routing_skew: float | None, 
 
     # We hold out's lock, so a sibling left by an earlier writer is debris of one that died
     # (kill -9, power loss), not work in progress: remove it before it fills the disk.
+    # Only names this module makes (<out>.partial-<pid>, <out>.old-<pid>), never a user's look-alike.
     for stale in [*out.parent.glob(f"{out.name}.partial-*"), *out.parent.glob(f"{out.name}.old-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = out.parent / f"{out.name}.partial-{os.getpid()}"
+        if stale.name.rsplit("-", 1)[-1].isdigit() and stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = target.sibling(f"partial-{os.getpid()}")
     tmp.mkdir()
     import torch
     threads = torch.get_num_threads()
@@ -124,28 +139,13 @@ def _synthesize(geometry: dict, out_dir, seed: int, routing_skew: float | None, 
             })
         write_side_files(tmp, g, seed, skew)
         fsync_dir(tmp)
-        _move_into_place(tmp, out)
+        replace_directory(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         torch.set_num_threads(threads)
     return out
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished directory to out; an existing out (only with force) is removed afterwards."""
-    old = None
-    if out.exists():
-        if not any(out.iterdir()):
-            out.rmdir()
-        else:
-            old = out.parent / f"{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-    os.replace(tmp, out)
-    fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def summarize(model_dir: str | os.PathLike) -> dict:

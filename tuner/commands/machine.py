@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from engine.base.output_target import file_target
 from tuner.results.printers import print_json as _print_json
+from tuner.share.profiles import PROFILE_FILE
 
 
 def add_probe(sub) -> None:
@@ -25,11 +27,12 @@ def cmd_probe(args) -> int:
     from engine.base.progress import Progress
     from tuner.probe import format_summary, run_probe, save_profile
 
+    output = file_target(args.output, command="probe", recognise=PROFILE_FILE) if args.output is not None else None
     with Progress(desc="probe", unit="step") as bar:
         profile = run_probe(args.dir, quick=args.quick, use_fio=False if args.no_fio else None,
                             progress=bar.step, fio_path=args.fio)
-    if args.output:
-        save_profile(profile, args.output)
+    if output:
+        save_profile(profile, output)
         print(f"profile written to {args.output}", file=sys.stderr)
     if args.json:
         _print_json(profile.to_dict())

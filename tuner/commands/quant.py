@@ -8,6 +8,8 @@ from pathlib import Path
 
 from engine.format.gguf import is_gguf
 from engine.format.gguf.importer import import_and_convert
+from tuner.commands.argtypes import int_in, nonneg_int, positive_int
+from tuner.commands.run import CTX_MAX, TOKENS_MAX
 from tuner.results.printers import convert_progress
 from tuner.results.printers import print_json as _print_json
 
@@ -23,7 +25,7 @@ def add_convert(sub) -> None:
     p.add_argument("--scope", choices=["experts", "all"], default="experts",
                    help="experts (default): routed experts only; all: every linear weight but embeddings/routers")
     p.add_argument("--force", action="store_true", help="replace a non-empty DST")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive_int(1024), default=1,
                    help="torch threads (default 1: the per-matrix work is small, and on a shared box extra "
                         "threads spin more than they compute)")
     p.add_argument("--json", action="store_true")
@@ -35,7 +37,7 @@ def cmd_convert(args) -> int:
     from engine.run.resolve import resolve_model
 
     import torch
-    torch.set_num_threads(max(args.threads, 1))
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     if is_gguf(Path(args.src)):
         return _convert_gguf(args, t0)
@@ -75,11 +77,11 @@ def add_quality(sub) -> None:
     p = sub.add_parser("quality", help="KL divergence, top-1 agreement and perplexity of a model against a reference")
     p.add_argument("--model", required=True, help="the model under test (e.g. a quantized container)")
     p.add_argument("--reference", required=True, help="the reference model (e.g. the bf16 source)")
-    p.add_argument("--tokens", type=int, default=4096, help="length of the token stream (default 4096)")
-    p.add_argument("--ctx", type=int, default=512, help="chunk length; the second half of each is scored")
+    p.add_argument("--tokens", type=positive_int(TOKENS_MAX), default=4096, help="length of the token stream (default 4096)")
+    p.add_argument("--ctx", type=int_in(4, CTX_MAX), default=512, help="chunk length; the second half of each is scored")
     p.add_argument("--text", help="UTF-8 text file to score (default: held-out Python stdlib sources)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="compute dtype of both models")
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=nonneg_int(1024), default=0, help="torch threads (0 = physical cores)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_quality)
 

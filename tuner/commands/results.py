@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from engine.base.output_target import file_target
 from tuner.results.printers import print_json as _print_json
 
 
@@ -58,9 +59,11 @@ def cmd_profile(args) -> int:
     from engine.base.config import format_size
     from tuner.share import profiles
     if args.action == "export":
+        output = file_target(args.output, command="profile export", recognise=profiles.PROFILE_FILE,
+                             sources=[args.source]) if args.output is not None else None
         data = profiles.export_profile(args.source, include_identity=args.include_identity)
-        if args.output:
-            profiles.write_profile_file(data, args.output)
+        if output:
+            profiles.write_profile_file(data, output)
             print(f"profile written to {args.output} ({len(data['best_configs'])} best config(s)"
                   + (", WITH identity" if args.include_identity else "") + ")", file=sys.stderr)
         if args.json or not args.output:

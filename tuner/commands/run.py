@@ -5,39 +5,61 @@ from __future__ import annotations
 import sys
 
 from engine.base.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_BACKENDS, IO_MODES, KV_DTYPES
+from engine.base.output_target import file_target, json_file_with
+from tuner.commands.argtypes import (check_output_file, finite_float, int_in, nonneg_int, positive_int, seconds,
+                                     seed, size)
 from tuner.results.printers import print_json as _print_json
 
+# The same ranges as EngineConfig.validate (tests/test_argtypes.py checks that they agree), so a
+# bad flag is refused while parsing, naming the flag, before the model is opened.
+CTX_MAX = 1 << 22
+TOKENS_MAX = CTX_MAX  # prompt and new tokens must fit in a context
 
-def _add_engine_flags(p) -> None:
+ROUTING_FILE = json_file_with("schema", "counts")  # a routing histogram written before (engine/movement/cache)
+
+
+def _routing_output(args, command: str) -> None:
+    """--record-routing FILE is refused before the run (a directory, /proc/..., a stranger's file)."""
+    if args.record_routing is not None:
+        args.record_routing = str(file_target(args.record_routing, command=command, recognise=ROUTING_FILE,
+                                              flag="--record-routing"))
+
+
+def add_engine_flags(p) -> None:
     """Flags shared by run and bench: each overrides the same key of --config."""
     p.add_argument("--config", help="engine config TOML (e.g. a tune run's recommended.toml)")
-    p.add_argument("--ram-budget", help="memory budget, e.g. 1GiB (0 = everything resident)")
-    p.add_argument("--ctx-size", type=int)
-    p.add_argument("--threads", type=int)
-    p.add_argument("--chunk-size", help="read request size, e.g. 1MiB")
-    p.add_argument("--prefetch-depth", type=int)
-    p.add_argument("--cpu-cache-ratio", type=float)
-    p.add_argument("--gpu-cache-ratio", type=float)
+    p.add_argument("--ram-budget", type=size(zero_ok=True, zero_means="everything resident"),
+                   help="memory budget, e.g. 1GiB (0 = everything resident)")
+    p.add_argument("--ctx-size", type=int_in(1, CTX_MAX))
+    p.add_argument("--threads", type=int_in(0, 1024), help="torch compute threads (0 = physical cores)")
+    p.add_argument("--chunk-size", type=size(lo=4096, hi=1 << 30), help="read request size, e.g. 1MiB")
+    p.add_argument("--prefetch-depth", type=int_in(0, 16))
+    p.add_argument("--cpu-cache-ratio", type=finite_float(0.0, 1.0))
+    p.add_argument("--gpu-cache-ratio", type=finite_float(0.0, 1.0))
     p.add_argument("--io-mode", choices=IO_MODES)
-    p.add_argument("--io-threads", type=int)
+    p.add_argument("--io-threads", type=int_in(1, 256))
     p.add_argument("--io-backend", choices=IO_BACKENDS, help="what issues the reads: reader threads or io_uring")
     p.add_argument("--cache-policy", choices=CACHE_POLICIES)
     p.add_argument("--kv-dtype", choices=KV_DTYPES)
     p.add_argument("--dtype", choices=COMPUTE_DTYPES, help="compute dtype (auto: the checkpoint's)")
     p.add_argument("--routing-histogram", help="routing histogram JSON for cache_policy=pinned")
+    lossy = p.add_argument_group("lossy settings (off by default; each changes the output)")
+    lossy.add_argument("--top-k-reduction", type=int, help="route k-N experts per token instead of k (0: as the model)")
+    lossy.add_argument("--expert-threshold", type=float,
+                       help="skip an expert whose share of the token's routing weight is below this (0: none)")
 
 
 def engine_config_from_args(args):
-    from engine.base.config import EngineConfig, parse_size
+    from engine.base.config import EngineConfig
     config = EngineConfig.load(args.config) if args.config else EngineConfig()
     overrides = {
-        "ram_budget": parse_size(args.ram_budget) if args.ram_budget is not None else None,
-        "chunk_size": parse_size(args.chunk_size) if args.chunk_size is not None else None,
+        "ram_budget": args.ram_budget, "chunk_size": args.chunk_size,  # bytes already (argtypes.size)
         "ctx_size": args.ctx_size, "threads": args.threads, "prefetch_depth": args.prefetch_depth,
         "cpu_cache_ratio": args.cpu_cache_ratio, "gpu_cache_ratio": args.gpu_cache_ratio,
         "io_mode": args.io_mode, "io_threads": args.io_threads,
         "io_backend": args.io_backend, "cache_policy": args.cache_policy,
         "kv_dtype": args.kv_dtype, "dtype": args.dtype, "routing_histogram": args.routing_histogram,
+        "top_k_reduction": args.top_k_reduction, "expert_threshold": args.expert_threshold,
     }
     return config.replace(**overrides)
 
@@ -48,13 +70,16 @@ def add_run(sub) -> None:
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json)")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids")
-    prompt.add_argument("--prompt-tokens", type=int, help="N token ids drawn deterministically from --seed")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0, help="seed for --prompt-tokens and sampling")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    prompt.add_argument("--prompt-tokens", type=positive_int(TOKENS_MAX),
+                        help="N token ids drawn deterministically from --seed")
+    p.add_argument("--max-new-tokens", type=nonneg_int(TOKENS_MAX), default=32)
+    p.add_argument("--seed", type=seed(), default=0, help="seed for --prompt-tokens and sampling")
+    # Below 0.01 logits / temperature overflow fp32 to inf and softmax gives NaN probabilities.
+    p.add_argument("--temperature", type=finite_float(0.01, 100.0, zero_ok=True), default=0.0,
+                   help="0 = greedy, else in [0.01, 100]")
+    p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=1.0, help="in (0, 1]")
     p.add_argument("--record-routing", metavar="FILE", help="write the routing histogram (for cache_policy=pinned)")
-    _add_engine_flags(p)
+    add_engine_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (with prompt and output ids)")
     p.set_defaults(func=cmd_run)
 
@@ -66,6 +91,9 @@ def cmd_run(args) -> int:
     from tuner.results.printers import run_header, run_text
 
     config = engine_config_from_args(args)
+    if args.record_routing:
+        check_output_file(args.record_routing, "--record-routing")
+    _routing_output(args, "run")
     model_dir = resolve_model(args.model, progress=not args.json)
     result = run_generation(model_dir, config, prompt=args.prompt, prompt_ids=args.prompt_ids,
                             prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
@@ -86,56 +114,67 @@ def cmd_run(args) -> int:
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="measure decode speed: warm-up, then N tokens K times (median, spread)")
     p.add_argument("--model", required=True, help="model directory, or a synth preset name")
-    p.add_argument("--tokens", type=int, default=16, help="decode tokens per repeat")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=positive_int(TOKENS_MAX), default=16, help="decode tokens per repeat")
+    p.add_argument("--repeats", type=positive_int(1000), default=3)
+    p.add_argument("--prompt-tokens", type=positive_int(TOKENS_MAX), default=16)
+    p.add_argument("--seed", type=seed(), default=0)
     temp = p.add_mutually_exclusive_group()
     temp.add_argument("--cold", dest="cold", action="store_true", default=True,
                       help="drop the model's pages and the expert caches before each repeat (default)")
     temp.add_argument("--warm", dest="cold", action="store_false", help="keep caches across repeats")
-    p.add_argument("--cgroup-limit", help="run inside a child memory cgroup limited to SIZE (page cache counts)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds, with --cgroup-limit")
+    p.add_argument("--cgroup-limit", type=size(), help="run inside a child memory cgroup limited to SIZE "
+                                                      "(page cache counts)")
+    p.add_argument("--timeout", type=seconds(), default=None, help="seconds, with --cgroup-limit")
     p.add_argument("--record-routing", metavar="FILE", help="write the routing histogram (for cache_policy=pinned)")
     p.add_argument("--read-trace", metavar="FILE", help="write every decode read (file, offset, bytes, submit and "
                                                         "completion time, token, layer) as JSON lines, for "
                                                         "benchmarks/trace_bound.py's fio replay")
     p.add_argument("--outcome", metavar="FILE", help="write how the run ended as a JSON record (the tuner's "
                                                      "trials read it: ok with the results, or the error's kind)")
-    _add_engine_flags(p)
+    work = p.add_mutually_exclusive_group()
+    work.add_argument("--prompts", metavar="FILE", help="run these prompts in each repeat instead of a random one: "
+                                                        "one per line, or JSON Lines of {prompt, max_new_tokens} "
+                                                        "(default max_new_tokens: --tokens); needs tokenizer.json")
+    work.add_argument("--workload", metavar="FILE", help="tokenized requests as `tune --prompts` saves them "
+                                                         "(JSON Lines of {prompt_ids, max_new_tokens})")
+    add_engine_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
 
-def _check_writable(path: str) -> None:
-    """Refuse an output path up front, not after the whole run (one line, exit 2)."""
-    import os
-    from pathlib import Path
-
-    from engine.base.errors import ConfigError
-    target = Path(path)
-    parent = target.parent if str(target.parent) else Path(".")
-    if target.is_dir():
-        raise ConfigError(f"--read-trace {path}: is a directory")
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--read-trace {path}: directory {parent} does not exist or is not writable")
+def _bench_workload(args, model_dir):
+    """The requests of --prompts / --workload (checked before the engine loads), or None."""
+    from engine.run.workload import load_requests, load_workload
+    if args.workload:
+        return load_requests(args.workload)
+    if args.prompts:
+        from engine.run.generate import load_tokenizer
+        return load_workload(args.prompts, load_tokenizer(model_dir), args.tokens)
+    return None
 
 
 def cmd_bench(args) -> int:
-    from engine.base.config import parse_size
+    from engine.base.errors import ConfigError
     from engine.run.resolve import resolve_model
 
     config = engine_config_from_args(args)
-    if args.read_trace:
-        _check_writable(args.read_trace)
+    for flag, path in (("--read-trace", args.read_trace), ("--record-routing", args.record_routing)):
+        if path:
+            check_output_file(path, flag)
+    if args.timeout is not None and not args.cgroup_limit:
+        raise ConfigError("--timeout goes with --cgroup-limit (a bench without a cgroup runs in this process)")
+    _routing_output(args, "bench")
     model_dir = resolve_model(args.model, progress=not args.json)
+    workload = _bench_workload(args, model_dir)
     if args.cgroup_limit:
         from tuner.search.trial import run_trial
         extra = ["--record-routing", args.record_routing] if args.record_routing else []
         extra += ["--read-trace", args.read_trace] if args.read_trace else []
+        extra += ["--prompts", args.prompts] if args.prompts else []
+        extra += ["--workload", args.workload] if args.workload else []
         trial = run_trial(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                           prompt_tokens=args.prompt_tokens, seed=args.seed,
-                          limit_bytes=parse_size(args.cgroup_limit), timeout=args.timeout, extra_args=extra)
+                          limit_bytes=args.cgroup_limit, timeout=args.timeout, extra_args=extra)
         if not trial.ok:
             if args.json:
                 _print_json(trial.to_dict())
@@ -151,7 +190,7 @@ def cmd_bench(args) -> int:
 
         result = run_bench(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                            prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
-                           record_routing=args.record_routing, read_trace=args.read_trace)
+                           record_routing=args.record_routing, read_trace=args.read_trace, workload=workload)
     if args.outcome:
         from tuner.search.outcome import Outcome, write_outcome
         write_outcome(args.outcome, Outcome("ok", metrics=result))

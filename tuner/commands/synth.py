@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tuner.commands.argtypes import finite_float, seed
 from tuner.results.printers import print_json as _print_json
 
 
@@ -12,8 +13,8 @@ def add_synth(sub) -> None:
     src.add_argument("--geometry", metavar="FILE", help="geometry JSON with the same keys as a preset")
     src.add_argument("--list", action="store_true", help="list the presets and their sizes")
     p.add_argument("-o", "--out", metavar="DIR", help="output directory (written atomically)")
-    p.add_argument("--seed", type=int, default=0, help="same seed, same bytes (default 0)")
-    p.add_argument("--routing-skew", type=float, default=None, metavar="X",
+    p.add_argument("--seed", type=seed(), default=0, help="same seed, same bytes (default 0)")
+    p.add_argument("--routing-skew", type=finite_float(0.0), default=None, metavar="X",
                    help="0 = near-uniform routing; default: the preset's calibrated value (see docs/SYNTH.md)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -34,12 +35,13 @@ def cmd_synth(args) -> int:
         else:
             print(presets_text(rows))
         return 0
-    if not args.out:
+    if args.out is None:  # -o "" is refused by the output rules, naming it (it would mean the current directory)
         raise ConfigError("missing -o/--out DIR")
     geometry = synth.load_geometry_file(args.geometry) if args.geometry else synth.load_preset(args.preset)
     t0 = time.perf_counter()
     out = synth.synthesize(geometry, args.out, seed=args.seed, routing_skew=args.routing_skew,
-                           progress=not args.json, force=args.force)
+                           progress=not args.json, force=args.force,
+                           sources=(args.geometry,) if args.geometry else ())
     summary = {**synth.summarize(out), "seconds": round(time.perf_counter() - t0, 2)}
     if args.json:
         _print_json(summary)

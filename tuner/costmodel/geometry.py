@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.base.errors import ConfigError
+from engine.format.container import container_spec, dense_quantized
 
 INT4_GROUP = 64
 QUANTS = ("bf16", "fp32", "int8", "int4")
@@ -151,7 +152,12 @@ def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
 
     ckpt = Checkpoint(model_dir)
     args = ModelArgs.from_config(ckpt.config)
-    dense = [Tensor(n, tuple(ckpt.info(n).shape)) for n in dense_tensor_names(args)]
+    names = dense_tensor_names(args)
+    # A `--scope all` container stores dense matrices as codes + scales: the matrix's shape from its codes.
+    spec = container_spec(ckpt)
+    quantized = dense_quantized(ckpt, spec, names)
+    dense = [Tensor(n, _matrix_shape(quantized[n][0].shape, spec.quant) if n in quantized else tuple(ckpt.info(n).shape))
+             for n in names]
     native = {torch.float32: "fp32"}.get(checkpoint_dtype(ckpt), "bf16")
     synth = ckpt.config.get("colibri_synth") or {}
     return ModelGeometry(
@@ -162,6 +168,12 @@ def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
         kv_elems_per_layer=2 * args.num_kv_heads * args.head_dim, source=str(model_dir),
         model_dir=Path(model_dir), routing_skew=synth.get("routing_skew"), planning_config=dict(ckpt.config),
     )
+
+
+def _matrix_shape(codes_shape: tuple[int, ...], quant: str) -> tuple[int, int]:
+    """[N, K] of a quantized matrix from its codes: int4 packs two codes a byte."""
+    n, k = codes_shape
+    return (n, k * 2) if quant == "int4" else (n, k)
 
 
 # --- from a geometry spec -----------------------------------------------------------------------

@@ -20,6 +20,7 @@ A what-if edits a copy of the profile's measured figures and nothing else:
 from __future__ import annotations
 
 import copy
+import math
 
 from engine.base.config import parse_size
 from engine.base.errors import ConfigError
@@ -35,6 +36,16 @@ def _rate(text: str) -> float:
         if s.endswith(unit):
             return float(s[: -len(unit)]) * mult
     return float(s)
+
+
+def _positive(x: float, hi: float | None = None) -> float:
+    """A what-if figure must be a finite positive number: float() takes 'inf' and 'nan', and
+    `not nan > 0` would have been the only guard (disk_scale=inf predicted 0 s reads)."""
+    if not math.isfinite(x) or x <= 0:
+        raise ValueError("must be a finite positive number")
+    if hi is not None and x > hi:
+        raise ValueError(f"must be at most {hi:g}")
+    return x
 
 
 def apply_what_if(profile, edits: list[str]):
@@ -64,30 +75,29 @@ def _apply_one(p, key: str, value: str) -> None:
     if key in ("disk_bw", "disk_scale"):
         if key == "disk_bw":
             best = max(pt.bandwidth.value for pt in p.storage.points if pt.role == "curve")
-            factor = _rate(value) / best
+            factor = _positive(_rate(value)) / best
         else:
-            factor = float(value)
-        if not factor > 0:
-            raise ValueError("must be positive")
+            factor = _positive(float(value), hi=1e6)
+        _positive(factor)
         p.storage.points = [replace(pt, bandwidth=scaled(pt.bandwidth, factor), iops=scaled(pt.iops, factor))
                             for pt in p.storage.points]
     elif key == "memory_bw":
-        bw = _rate(value)
+        bw = _positive(_rate(value))
         p.memory_bandwidth = [replace(pt, bandwidth=Quantity(bw * (2 if pt.op == "copy" else 1), "B/s"))
                               for pt in p.memory_bandwidth]
     elif key == "ram":
-        n = float(parse_size(value))
+        n = _positive(float(parse_size(value)))
         p.system.memory.total = Quantity(n, "B")
         p.system.memory.available = Quantity(n, "B")
     elif key == "cores":
         n = int(value)
-        if n < 1:
-            raise ValueError("must be at least 1")
+        if not 1 <= n <= 65536:
+            raise ValueError("must be in [1, 65536]")
         smt = max(1, p.system.cpu.logical_cores // max(p.system.cpu.physical_cores, 1))
         p.system.cpu.physical_cores = n
         p.system.cpu.logical_cores = n * smt
     elif key == "matmul_scale":
-        f = float(value)
+        f = _positive(float(value), hi=1e6)
         p.cpu_matmul = [replace(pt, throughput=scaled(pt.throughput, f)) for pt in p.cpu_matmul]
         p.expert_kernels = [replace(pt, throughput=scaled(pt.throughput, f)) for pt in p.expert_kernels]
 

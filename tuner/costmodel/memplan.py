@@ -25,6 +25,7 @@ import torch
 
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError
+from engine.arch.kvquant import kv_storage
 from engine.movement.plan import MemoryPlan, make_plan
 
 from tuner.costmodel.geometry import ModelGeometry
@@ -162,9 +163,8 @@ def _native_inputs(model_dir: str):
     return ckpt, args, layout, dtype
 
 
-def _kv_dtype(config: EngineConfig, compute: torch.dtype) -> torch.dtype:
-    from engine.run.runtime import DTYPE_NAMES
-    return compute if config.kv_dtype == "auto" else DTYPE_NAMES[config.kv_dtype]
+def _kv_dtype(config: EngineConfig, compute: torch.dtype):
+    return kv_storage(config.kv_dtype, compute)  # a torch dtype, or "int8" / "fp8"
 
 
 def fits(geometry: ModelGeometry, quant: str, config: EngineConfig, overhead_bytes: int) -> bool:

@@ -6,16 +6,19 @@ held-out error, and store the factors in the profile (`cost_model`).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.base.config import EngineConfig, format_size, parse_size
+from engine.base.config import EngineConfig, format_size
 from engine.base.errors import ConfigError
-
+from tuner.commands.argtypes import positive_int, size
 from tuner.costmodel import fit as cal
 from tuner.costmodel.geometry import QUANTS, ModelGeometry, resolve
 from tuner.costmodel.hardware import HardwareView, apply_what_if
+from tuner.costmodel.model_facts import measured_on, recall_for, routing_for
 from tuner.costmodel.predict import Factors, RunConditions, predict
 from tuner.costmodel.routing_model import RoutingModel, from_histogram, synth_skew, uniform
 from tuner.costmodel.search import rank
@@ -31,7 +34,7 @@ def add_plan_arguments(p) -> None:
     p.add_argument("--profile", required=True, help="hardware profile JSON (colibri probe / tune)")
     p.add_argument("--quant", choices=QUANTS, help="quant level (default: the model's own dtype)")
     p.add_argument("--config", help="engine config TOML to predict (default: the engine's defaults)")
-    p.add_argument("--budget", help="memory budget, e.g. 24GiB (default: the config's, else 88%% of the "
+    p.add_argument("--budget", type=size(), help="memory budget, e.g. 24GiB (default: the config's, else 88%% of the "
                                     "profile's available memory)")
     p.add_argument("--what-if", action="append", default=[], metavar="KEY=VALUE",
                    help="edit a measured figure: disk_bw=7GB/s, disk_scale=2, memory_bw=100GB/s, ram=64GiB, "
@@ -41,7 +44,7 @@ def add_plan_arguments(p) -> None:
                         "model's synth skew, else skew:1 — real models are far from uniform)")
     p.add_argument("--conditions", choices=("steady", "trial"), default="steady",
                    help="steady: long generation, warm cache (default); trial: the tuner's cold 8-token trial")
-    p.add_argument("--top", type=int, default=3, help="best predicted configs to list")
+    p.add_argument("--top", type=positive_int(1000), default=3, help="best predicted configs to list")
     p.add_argument("--calibrate", metavar="RUN_DIR", nargs="+",
                    help="fit the factors to the trials of tune run directories (or tuner_quality grid.json files), "
                         "print the cross-validated error, store the factors in --profile")
@@ -59,6 +62,7 @@ class Setup:
     factors: Factors
     calibrated: bool
     overhead: int
+    recall_source: str = ""  # where the lookahead recall comes from (model_facts.recall_for)
 
 
 def make_routing(spec: str, geometry: ModelGeometry) -> RoutingModel:
@@ -71,9 +75,12 @@ def make_routing(spec: str, geometry: ModelGeometry) -> RoutingModel:
     if spec.startswith("skew"):
         _, _, x = spec.partition(":")
         try:
-            return synth_skew(L, E, K, float(x) if x else REAL_MODEL_SKEW)
+            x = float(x) if x else REAL_MODEL_SKEW
         except ValueError:
             raise ConfigError(f"--routing {spec!r}: expected skew:X with X a number") from None
+        if not math.isfinite(x) or x < 0:  # synth's own range for a skew
+            raise ConfigError(f"--routing {spec!r}: the skew must be a finite number >= 0")
+        return synth_skew(L, E, K, x)
     from engine.movement.cache import routing_histogram_load
     hist = routing_histogram_load(spec)
     locality = synth_skew(L, E, K, float(skew)).locality if skew is not None else 0.0
@@ -87,14 +94,18 @@ def _setup(args, profile) -> Setup:
     fitted = cal.factors_from_profile(profile)
     section = getattr(profile, "cost_model", None) or {}
     overhead = int(section.get("overhead_bytes") or DEFAULT_OVERHEAD_BYTES)
-    return Setup(geometry, quant, hw, make_routing(args.routing, geometry), fitted or Factors(), fitted is not None,
-                 overhead)
+    # The machine's factors carry over to any model; the router's recall only to the geometry
+    # it was measured on (model_facts.py).
+    recall, source = recall_for(section, geometry.to_dict())
+    factors = dataclasses.replace(fitted or Factors(), lookahead_recall=recall)
+    return Setup(geometry, quant, hw, make_routing(args.routing, geometry), factors, fitted is not None,
+                 overhead, source)
 
 
 def _base_config(args, hw: HardwareView) -> EngineConfig:
     config = EngineConfig.load(args.config) if args.config else EngineConfig()
     if args.budget:
-        config = config.replace(ram_budget=parse_size(args.budget))
+        config = config.replace(ram_budget=args.budget)  # bytes already (argtypes.size)
     elif not config.ram_budget:
         config = config.replace(ram_budget=int(hw.ram_bytes * 0.88))
     return config
@@ -115,7 +126,9 @@ def run_plan(args) -> dict:
     return {
         "model": s.geometry.to_dict(), "quant": s.quant, "routing": s.routing.description,
         "conditions": args.conditions, "what_if": list(args.what_if), "calibrated": s.calibrated,
-        "factors": s.factors.to_dict(), "overhead_bytes": s.overhead, "config": config.to_dict(),
+        "factors": s.factors.to_dict(), "lookahead_recall_source": s.recall_source,
+        "profile_routing": routing_for(getattr(profile, "cost_model", None), s.geometry.to_dict()),
+        "overhead_bytes": s.overhead, "config": config.to_dict(),
         "prediction": pred.to_dict(),
         "best": [{"config": r.config.to_dict(), "prediction": r.prediction.to_dict()} for r in ranked[:args.top]],
     }
@@ -145,6 +158,13 @@ def run_calibrate(args, profile) -> dict:
     section = cal.cost_model_section(factors, summary, geometry, quant, study)
     section["overhead_bytes"] = overhead
     section["routing"] = routing.description
+    # What was measured on the studied model, keyed by its geometry: plan applies it to that
+    # geometry only. The run's own result.json names the model it measured; a grid has none,
+    # and is taken to be of --model.
+    measured = (study.meta.get("model") or {})
+    section["measured_on"] = measured_on(measured.get("geometry") or geometry.to_dict(),
+                                         measured.get("name") or geometry.name, cal.measured_recall(all_trials),
+                                         routing.description)
     # The run directories' names, not their paths: a profile is shared (profiles/), and a path
     # names the box's user and layout.
     section["fitted_on"]["sources"] = [Path(d).name for d in args.calibrate]
@@ -176,6 +196,9 @@ def format_plan(r: dict) -> str:
         lines.append("what-if: " + ", ".join(r["what_if"]))
     lines.append(f"factors: {'calibrated' if r['calibrated'] else 'uncalibrated (the measured curves as they are)'}"
                  + "".join(f"; {k} {v:.3g}" for k, v in r["factors"].items()))
+    lines.append(f"lookahead recall: {r['lookahead_recall_source']}")
+    if r.get("profile_routing"):
+        lines.append(f"the profile's routing statistics for this geometry: {r['profile_routing']}")
     lines.append(_format_one("this config", r["config"], p))
     for i, b in enumerate(r["best"], 1):
         lines.append(_format_one(f"best predicted #{i}", b["config"], b["prediction"]))

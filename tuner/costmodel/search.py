@@ -8,6 +8,8 @@ curve to say which request sizes and I/O thread counts are worth searching.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from dataclasses import dataclass
 
@@ -15,6 +17,7 @@ from engine.base.config import EngineConfig
 
 from tuner.costmodel.geometry import ModelGeometry
 from tuner.costmodel.hardware import HardwareView
+from tuner.costmodel.model_facts import recall_for
 from tuner.costmodel.predict import Factors, Prediction, RunConditions, predict
 from tuner.costmodel.routing_model import RoutingModel
 
@@ -164,5 +167,6 @@ def study_warm_starts(space, profile, model_dir, run: RunConditions, n: int = 3)
     from tuner.costmodel.geometry import from_model_dir
     geometry = from_model_dir(model_dir)
     routing = make_routing(space.routing_histogram or "auto", geometry)
-    factors = factors_from_profile(profile) or Factors()
+    recall, _ = recall_for(getattr(profile, "cost_model", None), geometry.to_dict())  # this model's router only
+    factors = dataclasses.replace(factors_from_profile(profile) or Factors(), lookahead_recall=recall)
     return warm_starts(space, geometry, HardwareView(profile), routing, factors, run, space.overhead_bytes, n)

@@ -13,8 +13,8 @@ from engine.base.config import EngineConfig, atomic_write_text, format_size
 from tuner.results.printers import fmt, json_text, pct, trials_csv, utc_now
 from tuner.probe.errors import ProfileError
 from tuner.results.result import (
-    BEST_CONFIG_SCHEMA, RESULT_SCHEMA, Conditions, ConfirmationInfo, MemoryLimit, ModelInfo, ProfileSummary,
-    QualityInfo, StudyInfo, TuneResult, Versions,
+    BEST_CONFIG_SCHEMA, RESULT_SCHEMA, Conditions, ConfirmationInfo, Figures, MemoryLimit, ModelInfo, ProfileSummary,
+    QualityInfo, StudyInfo, TuneResult, Versions, OBJECTIVE_KEY,
 )
 from tuner.search.study_storage import redact_url
 
@@ -38,15 +38,18 @@ def write_recommended_toml(config: EngineConfig, result: dict, path: str | Path)
     base = result.get("baseline") or {}
     fig = rec.get("confirmed") or {}
     bfig = base.get("confirmed") or {}
+    dfig = (result.get("defaults") or {}).get("confirmed") or {}
     cond = result.get("conditions", {})
     lines = [
         f"colibri tune recommendation ({result.get('created_utc', '')})",
         f"model: {result.get('model', {}).get('name', '')} ({result.get('model', {}).get('dir', '')})",
         f"budget: {format_size(result.get('budget_bytes'))}, objective: {result.get('objective')}, "
         f"{'cold' if cond.get('cold', True) else 'warm'} runs of {cond.get('tokens')} tokens x {cond.get('repeats')}",
-        f"decode: {fmt(fig.get('decode_tok_s'))} tok/s (baseline {fmt(bfig.get('decode_tok_s'))}), "
-        f"TTFT: {fmt(fig.get('ttft_s'), 3)} s (baseline {fmt(bfig.get('ttft_s'), 3)})",
-        f"gain over baseline: {pct(result.get('gain_over_baseline'), signed=True)}; "
+        f"decode: {fmt(fig.get('decode_tok_s'))} tok/s (defaults {fmt(dfig.get('decode_tok_s'))}, baseline "
+        f"{fmt(bfig.get('decode_tok_s'))}), TTFT: {fmt(fig.get('ttft_s'), 3)} s (defaults {fmt(dfig.get('ttft_s'), 3)}, "
+        f"baseline {fmt(bfig.get('ttft_s'), 3)})",
+        f"gain over the engine's defaults: {pct(result.get('gain_over_defaults'), signed=True)} "
+        f"(over the rules-of-thumb baseline: {pct(result.get('gain_over_baseline'), signed=True)}); "
         f"source: trial {rec.get('trial_number')} of study {result.get('study', {}).get('name', '')!r}",
     ]
     config.save(path, header="\n".join(lines))
@@ -68,6 +71,9 @@ def best_config_entry(result: dict) -> dict:
         "figures": rec.get("confirmed"),
         "baseline_figures": (result.get("baseline") or {}).get("confirmed"),
         "gain_over_baseline": result.get("gain_over_baseline"),
+        "defaults_figures": (result.get("defaults") or {}).get("confirmed"),
+        "gain_over_defaults": result.get("gain_over_defaults"),
+        "workload": result.get("workload"),
         "quality": result.get("quality"),
         "conditions": result.get("conditions"),
         "created_utc": result.get("created_utc"),
@@ -104,32 +110,35 @@ COLD_MEANS = ("the model's pages are dropped from the page cache and the engine'
 def build_result(run, decision) -> TuneResult:
     """The TuneResult of a finished session (`run` is study._Run, `decision` confirm.Decision)."""
     opts = run.opts
-    winner, base = decision.winner, decision.baseline
-    wfig, bfig = (winner.confirmed if winner else None), base.confirmed
-    key = "ttft_s" if opts.objective == "ttft" else "decode_tok_s"
-    gain = None
-    if wfig and bfig and getattr(wfig, key) and getattr(bfig, key):
-        w, b = getattr(wfig, key), getattr(bfig, key)
-        gain = (b / w - 1.0) if key == "ttft_s" else (w / b - 1.0)
+    winner, base, defaults = decision.winner, decision.baseline, decision.defaults
+    key = OBJECTIVE_KEY[opts.objective]
+    wfig = winner.confirmed if winner else None
     trials = run.study.get_trials(deepcopy=False)
     statuses: dict[str, int] = {}
     for t in trials:
         s = t.user_attrs.get("status", t.state.name.lower())
         statuses[s] = statuses.get(s, 0) + 1
     from tuner.search.confirm import feasible
+    counts = run.search_counts  # tuner/search/explore.py: measured, re-proposals, distinct points
+    wall = run.clock.used()
     return TuneResult(
         schema=RESULT_SCHEMA, created_utc=utc_now(), started_utc=run.started_utc,
         model=ModelInfo(name=run.model_name, dir=str(run.model_dir), geometry=run.facts.geometry,
                         compute_dtype=run.space.compute_dtype_name()),
         budget_bytes=run.budget, budget=format_size(run.budget), objective=opts.objective,
         recommended=winner.candidate() if winner else None, baseline=base.candidate(),
-        gain_over_baseline=gain, gain_metric=key, candidates=[e.candidate() for e in decision.contenders],
+        gain_over_baseline=gain(wfig, base.confirmed, key), gain_metric=key,
+        candidates=[e.candidate() for e in decision.contenders],
         confirmation=ConfirmationInfo(rounds=decision.rounds, confirmed=decision.confirmed),
         study=StudyInfo(
             name=run.study_name, storage=redact_url(run.storage_url), trials=len(trials),
-            feasible=len(feasible(trials)), by_status=statuses, sampler=type(run.study.sampler).__name__,
+            feasible=len(feasible([t for t in trials if t.user_attrs.get("duplicate_of") is None])), by_status=statuses, sampler=type(run.study.sampler).__name__,
             sampler_note="chosen by benchmarks/tuner_quality.py (GP for one objective, TPE for two)"
-            if opts.sampler == "auto" else "set by --sampler", directions=[d.name for d in run.study.directions]),
+            if opts.sampler == "auto" else "set by --sampler", directions=[d.name for d in run.study.directions],
+            measured_trials=counts.measured, re_proposals=counts.re_proposals,
+            distinct_points=counts.distinct_points, explored=counts.explored, stop_reason=run.stop_reason or None,
+            measuring_seconds=round(run.measuring_seconds, 1),
+            measuring_share=round(run.measuring_seconds / wall, 4) if wall > 0 else None),
         conditions=Conditions(
             cold=opts.cold, cold_means=COLD_MEANS if opts.cold else "warm: caches persist across repeats",
             tokens=opts.tokens, repeats=opts.repeats, prompt_tokens=opts.prompt_tokens, seed=opts.seed,
@@ -142,7 +151,19 @@ def build_result(run, decision) -> TuneResult:
             profile=profile_summary(run.profile, run.profile_source), search_space=run.space.describe(),
             versions=versions()),
         quant=run.facts.quant,
-        quality=decode_quality(opts.quality))
+        quality=decode_quality(opts.quality),
+        defaults=defaults.candidate() if defaults else None,
+        gain_over_defaults=gain(wfig, defaults.confirmed if defaults else None, key),
+        workload=run.workload_info)
+
+
+def gain(winner: Figures | None, reference: Figures | None, key: str) -> float | None:
+    """The winner's gain over a reference on the objective's figure (> 0: better; for seconds,
+    how much faster: reference / winner - 1)."""
+    w, b = getattr(winner, key, None), getattr(reference, key, None)
+    if not w or not b:
+        return None
+    return (b / w - 1.0) if key in ("ttft_s", "request_s") else (w / b - 1.0)
 
 
 def decode_quality(quality: dict | None) -> QualityInfo | None:

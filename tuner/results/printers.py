@@ -13,7 +13,7 @@ import sys
 from typing import Any, Iterable, Sequence
 
 from engine.base.config import format_size
-from tuner.results.result import is_feasible
+from tuner.results.result import is_feasible, point_key
 
 # --- formatters -----------------------------------------------------------------------------
 
@@ -139,21 +139,25 @@ def presets_text(rows: list[dict]) -> str:
 # --- a tune run ------------------------------------------------------------------------------
 
 def tune_text(r: dict, files: dict) -> str:
-    """The summary `colibri tune` prints: the winner against the baseline, and where the files are."""
-    rec, base = r["recommended"], r["baseline"]
-    wf, bf = rec.get("confirmed") or {}, (base or {}).get("confirmed") or {}
+    """The summary `colibri tune` prints: the winner against the engine's defaults (the headline)
+    and the rules-of-thumb baseline, how the search spent its trials, and where the files are."""
+    rec, base, dflt = r["recommended"], r["baseline"], r.get("defaults")
+    wf = rec.get("confirmed") or {}
+    st = r["study"]
     lines = [
         f"recommended ({rec['label']}, {'confirmed' if r['confirmation']['confirmed'] else 'unconfirmed'} over "
-        f"{r['confirmation']['rounds']} round(s)): decode {fmt(wf.get('decode_tok_s'))} tok/s "
-        f"[{fmt(wf.get('decode_min'))}..{fmt(wf.get('decode_max'))}], TTFT {fmt(wf.get('ttft_s'), 3)} s",
-        f"baseline: decode {fmt(bf.get('decode_tok_s'))} tok/s [{fmt(bf.get('decode_min'))}.."
-        f"{fmt(bf.get('decode_max'))}], TTFT {fmt(bf.get('ttft_s'), 3)} s"
-        + (f" ({base.get('disqualified')})" if base and base.get("disqualified") else ""),
-        f"gain over baseline ({r['gain_metric']}): {pct(r['gain_over_baseline'], signed=True)}",
+        f"{r['confirmation']['rounds']} round(s)): {_figures_text(wf)}",
+        reference_line("engine defaults", dflt),
+        reference_line("baseline (rules of thumb)", base),
+        f"gain over the engine's defaults ({r['gain_metric']}): {pct(r.get('gain_over_defaults'), signed=True)} "
+        f"(over the rules-of-thumb baseline: {pct(r['gain_over_baseline'], signed=True)})",
         f"config: {config_line(rec['config'])}",
-        f"trials: {r['study']['trials']} ({r['study']['feasible']} feasible) | {r['budget']} budget | "
-        f"{'cold' if r['conditions']['cold'] else 'warm'} | {r['conditions']['wall_seconds']:.0f} s",
+        f"trials: {search_line(st)} | {r['budget']} budget | {'cold' if r['conditions']['cold'] else 'warm'} | "
+        f"{r['conditions']['wall_seconds']:.0f} s" + (f", {pct(st.get('measuring_share'), 0)} of it measuring"
+                                                     if st.get("measuring_share") is not None else ""),
     ]
+    if r.get("workload"):
+        lines.append(f"workload: {workload_text(r['workload'])}")
     for name in ("recommended.toml", "result.json", "trials.csv", "report.md", "report.html"):
         if name in files:
             lines.append(f"  {name}: {files[name]}")
@@ -161,21 +165,56 @@ def tune_text(r: dict, files: dict) -> str:
     return "\n".join(lines)
 
 
-def trial_line(done: int, total: str, number: int, attrs: dict, objective: str, best, clock: str) -> str:
-    """One progress line of the search: this trial's figure, the best so far, the clock."""
+def workload_text(w: dict) -> str:
+    """result.json's `workload` in words (lengths and hash; the prompts' text is never recorded)."""
+    p, n = w["prompt_tokens"], w["max_new_tokens"]
+    if w["kind"] == "fixed":
+        return (f"fixed random prompt of {p['max']} tokens, {n['max']} decoded (tune --prompts FILE: your own)")
+    return (f"{w['requests']} prompt(s) from {w.get('source')} ({w.get('sha256')}): prompts {p['min']}..{p['max']} "
+            f"tokens (median {p['median']:g}), outputs {n['min']}..{n['max']} tokens")
+
+
+def _figures_text(f: dict) -> str:
+    return (f"decode {fmt(f.get('decode_tok_s'))} tok/s [{fmt(f.get('decode_min'))}..{fmt(f.get('decode_max'))}], "
+            f"TTFT {fmt(f.get('ttft_s'), 3)} s, request {fmt(f.get('request_s'), 3)} s")
+
+
+def reference_line(name: str, c: dict | None) -> str:
+    if not c:
+        return f"{name}: not measured"
+    return (f"{name}: {_figures_text(c.get('confirmed') or {})}"
+            + (f" ({c.get('disqualified')})" if c.get("disqualified") else ""))
+
+
+def search_line(st: dict) -> str:
+    """How a study's trials split (result.json `study`); older results only know the total."""
+    if st.get("measured_trials") is None:
+        return f"{st['trials']} ({st['feasible']} feasible)"
+    return (f"{st['measured_trials']} measured ({st['distinct_points']} distinct points, {st['feasible']} feasible), "
+            f"{st['re_proposals']} re-proposal(s) not measured"
+            + (f", {st['explored']} explored" if st.get("explored") else "")
+            + (f"; stopped: {st['stop_reason']}" if st.get("stop_reason") else ""))
+
+
+def trial_line(done: int, total: str, number: int, attrs: dict, objective: str, best, clock: str,
+               counts: str = "") -> str:
+    """One progress line of the search: this trial's figure, the best so far, the clock, and how
+    the study's trials split (measured, distinct, re-proposals)."""
+    key = {"ttft": "ttft_s", "request": "request_s"}.get(objective, "decode_tok_s")
     if attrs.get("constraint", 1) > 0:
         figure = f"{attrs.get('status')} (infeasible)"
-    elif objective == "ttft":
+    elif key == "ttft_s":
         figure = f"TTFT {fmt(attrs.get('ttft_s'), 3)} s"
+    elif key == "request_s":
+        figure = f"request {fmt(attrs.get('request_s'), 3)} s"
     else:
         figure = f"{fmt(attrs.get('decode_tok_s'))} tok/s"
-    if attrs.get("duplicate_of") is not None:
-        figure += f" (= trial {attrs['duplicate_of']}, not re-run)"
     best_txt = ""
     if best is not None:
-        key = "ttft_s" if objective == "ttft" else "decode_tok_s"
-        best_txt = f" (best {fmt(best.user_attrs.get(key), 3 if key == 'ttft_s' else 2)}, trial {best.number})"
-    return f"trial {done}/{total} [#{number} {attrs.get('role')}] | {figure}{best_txt} | {clock}"
+        seconds = key != "decode_tok_s"
+        best_txt = f" (best {fmt(best.user_attrs.get(key), 3 if seconds else 2)}, trial {best.number})"
+    return (f"trial {done}/{total} [#{number} {attrs.get('role')}] | {figure}{best_txt} | "
+            + (f"{counts} | " if counts else "") + clock)
 
 
 # --- the trials of a study (trials.csv, report.md) ---------------------------------------------
@@ -183,20 +222,27 @@ def trial_line(done: int, total: str, number: int, attrs: dict, objective: str, 
 PARAM_COLUMNS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "gpu_cache_ratio", "threads", "ctx_size",
                  "io_mode", "io_threads", "cache_policy")
 # Trial figures with their own CSV columns (the full bench JSON stays in the study).
-METRIC_COLUMNS = ("decode_tok_s", "ttft_s", "prefill_tok_s", "token_latency_p50_ms", "token_latency_p99_ms",
+METRIC_COLUMNS = ("decode_tok_s", "ttft_s", "request_s", "prefill_tok_s", "token_latency_p50_ms", "token_latency_p99_ms",
                   "read_gbps", "io_stall_fraction", "lookahead_recall", "bytes_read_per_token", "hit_rate_ram",
                   "peak_rss_bytes", "cgroup_peak_bytes", "plan_cache_bytes")
-TRIAL_COLUMNS = ("number", "state", "status", "role", "feasible", "constraint", "value", "value2", *PARAM_COLUMNS,
-                 *METRIC_COLUMNS, "wall_seconds", "duplicate_of", "worker", "error")
+# measured: the trial evaluated its point (False: a re-proposal of `duplicate_of`, not run);
+# point: the distinct point's number, in the order the study first measured it.
+TRIAL_COLUMNS = ("number", "state", "status", "role", "measured", "point", "feasible", "constraint", "value", "value2",
+                 *PARAM_COLUMNS, *METRIC_COLUMNS, "wall_seconds", "duplicate_of", "worker", "error")
 
 
 def trial_rows(trials) -> list[dict]:
     """One flat row per Optuna trial (FrozenTrial), in trial-number order."""
-    rows = []
+    rows, points = [], {}
     for t in sorted(trials, key=lambda t: t.number):
         a = t.user_attrs
+        ran = "constraint" in a
+        key = point_key(t.params)
+        if ran and a.get("duplicate_of") is None:
+            points.setdefault(key, len(points))
         row = {"number": t.number, "state": t.state.name, "status": a.get("status", ""), "role": a.get("role", ""),
-               "feasible": is_feasible(a) if "constraint" in a else "",
+               "measured": (a.get("duplicate_of") is None) if ran else "", "point": points.get(key, ""),
+               "feasible": is_feasible(a) if ran else "",
                "constraint": a.get("constraint", "")}
         values = t.values or []
         row["value"] = values[0] if len(values) > 0 else ""

@@ -15,13 +15,13 @@ from pathlib import Path
 from engine.base.config import atomic_write_text, format_size
 from tuner.results import report_plots
 from tuner.results.html_page import e as _e, img as _img, page, table as _table
-from tuner.results.printers import fmt, pct, weights_line
+from tuner.results.printers import fmt, pct, search_line, weights_line, workload_text
 from tuner.results.result import is_feasible
 from tuner.results.rundir import RunDir, open_run
 
 PLOTS = "plots"
 KNOBS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "gpu_cache_ratio", "threads", "ctx_size", "io_mode",
-         "io_threads", "io_backend", "cache_policy", "kv_dtype", "dtype")
+         "io_threads", "io_backend", "cache_policy", "kv_dtype", "dtype", "top_k_reduction", "expert_threshold")
 TABLE_COLUMNS = ("number", "role", "status", "feasible", "decode_tok_s", "ttft_s", "chunk_size", "prefetch_depth",
                  "cpu_cache_ratio", "threads", "ctx_size", "io_mode", "io_threads", "cache_policy",
                  "bytes_read_per_token", "hit_rate_ram", "io_stall_fraction", "cgroup_peak_bytes", "wall_seconds",
@@ -67,12 +67,15 @@ def render(run: RunDir) -> str:
     quant = f" {r['quant']}" if r.get("quant") else ""
     body = [f"<h1>colibri tune: {_e(model.get('name'))}{_e(quant)} under {_e(r.get('budget'))}</h1>",
             f"<p class='sub'>{_e(r.get('created_utc'))} · objective <b>{_e(r.get('objective'))}</b> · "
-            f"{_e(study.get('trials'))} trials ({_e(study.get('feasible'))} feasible) · sampler "
+            f"trials: {_e(search_line(study))} · sampler "
             f"{_e(study.get('sampler'))} · {'cold' if cond.get('cold') else 'warm'} runs · "
-            f"{fmt(cond.get('wall_seconds'), 0)} s</p>"]
+            f"{fmt(cond.get('wall_seconds'), 0)} s"
+            + (f" ({pct(study.get('measuring_share'), 0)} of it measuring)"
+               if study.get("measuring_share") is not None else "") + "</p>"]
     body += _headline(r)
     body += ["<h2>Hardware</h2>", _hardware_table(run)]
-    body += ["<h2>Recommended against the baseline</h2>", _config_table(r), _figures_table(r),
+    body += ["<h2>Recommended against the engine's defaults and the baseline</h2>", _config_table(r),
+             _figures_table(r),
              _img(plots / "confirmation.png", "confirmation round: median decode tok/s, min..max")]
 
     rec_attrs = run.trial_attrs((r.get("recommended") or {}).get("trial_number"))
@@ -115,13 +118,15 @@ def _headline(r: dict) -> list[str]:
     if not rec:
         return ["<p class='headline'><b>No configuration ran within the budget.</b> See the trials below.</p>"]
     w, b = rec.get("confirmed") or {}, base.get("confirmed") or {}
-    gain = r.get("gain_over_baseline")
+    d = (r.get("defaults") or {}).get("confirmed") or {}
     confirmed = (r.get("confirmation") or {}).get("confirmed")
     return [f"<p class='headline'><b>Recommended: {_e(rec.get('label'))}</b> — decode "
             f"<b>{fmt(w.get('decode_tok_s'))} tok/s</b> [{fmt(w.get('decode_min'))}..{fmt(w.get('decode_max'))}] "
-            f"against the baseline's {fmt(b.get('decode_tok_s'))} tok/s "
-            f"[{fmt(b.get('decode_min'))}..{fmt(b.get('decode_max'))}]; gain on {_e(r.get('gain_metric'))}: "
-            f"<b>{pct(gain, signed=True)}</b>"
+            f"against the engine's defaults' {fmt(d.get('decode_tok_s'))} tok/s "
+            f"[{fmt(d.get('decode_min'))}..{fmt(d.get('decode_max'))}]: gain on {_e(r.get('gain_metric'))} "
+            f"<b>{pct(r.get('gain_over_defaults'), signed=True)}</b>; against the rules-of-thumb baseline's "
+            f"{fmt(b.get('decode_tok_s'))} tok/s [{fmt(b.get('decode_min'))}..{fmt(b.get('decode_max'))}]: "
+            f"{pct(r.get('gain_over_baseline'), signed=True)}"
             + ("" if confirmed else " (not re-measured: no confirmation round)")
             + "<br>Use it: <code>colibri run --model &lt;dir&gt; --config recommended.toml</code></p>"]
 
@@ -135,14 +140,16 @@ def _hardware_table(run: RunDir) -> str:
 
 def _config_table(r: dict) -> str:
     rc = (r.get("recommended") or {}).get("config") or {}
+    dc = (r.get("defaults") or {}).get("config") or {}
     bc = (r.get("baseline") or {}).get("config") or {}
-    out = ["<table><tr><th>setting</th><th>recommended</th><th>baseline</th></tr>"]
+    out = ["<table><tr><th>setting</th><th>recommended</th><th>engine defaults</th><th>baseline</th></tr>"]
     for k in KNOBS:
-        rv, bv = rc.get(k), bc.get(k)
+        rv, dv, bv = rc.get(k), dc.get(k), bc.get(k)
         fmt = format_size if k == "chunk_size" else str
-        cls = " class='changed'" if rv != bv else ""
-        out.append(f"<tr{cls}><td>{k}</td><td>{_e(fmt(rv))}</td><td>{_e(fmt(bv))}</td></tr>")
-    return "".join(out) + "</table><p class='note'>Highlighted: settings the search changed.</p>"
+        cls = " class='changed'" if dc and rv != dv else ""
+        out.append(f"<tr{cls}><td>{k}</td><td>{_e(fmt(rv))}</td><td>{_e(fmt(dv)) if dc else '-'}</td>"
+                   f"<td>{_e(fmt(bv))}</td></tr>")
+    return "".join(out) + "</table><p class='note'>Highlighted: settings that differ from the engine's defaults.</p>"
 
 
 def _figures_table(r: dict) -> str:
@@ -154,10 +161,10 @@ def _figures_table(r: dict) -> str:
         rows.append((c.get("label"), fmt(f.get("decode_tok_s")),
                      f"{fmt(f.get('decode_min'))}..{fmt(f.get('decode_max'))}",
                      fmt(f.get("decode_stdev")), f.get("samples"), fmt(f.get("ttft_s"), 4),
-                     f"{fmt(f.get('ttft_min'), 4)}..{fmt(f.get('ttft_max'), 4)}", verdict))
+                     f"{fmt(f.get('ttft_min'), 4)}..{fmt(f.get('ttft_max'), 4)}", fmt(f.get("request_s"), 4), verdict))
     conf = r.get("confirmation") or {}
     return (_table(["candidate", "decode tok/s (median)", "min..max", "stdev", "samples", "TTFT s", "TTFT min..max",
-                    "verdict"], rows)
+                    "request s", "verdict"], rows)
             + f"<p class='note'>{_e(conf.get('rounds'))} confirmation round(s), {_e(conf.get('order'))}; "
               f"figure: {_e(conf.get('figure'))}.</p>")
 
@@ -212,6 +219,7 @@ def _conditions(r: dict) -> str:
                   f"layers, {geo.get('experts')} experts top-{geo.get('top_k')}, "
                   f"{format_size(geo.get('total_bytes_on_disk'))} on disk)"),
         ("weights", weights_line(r)),
+        ("workload", workload_text(r["workload"]) if r.get("workload") else "not recorded"),
         ("runs", f"{'cold' if cond.get('cold') else 'warm'}: {cond.get('cold_means')}; {cond.get('tokens')} decode "
                  f"tokens x {cond.get('repeats')} repeats, prompt {cond.get('prompt_tokens')} tokens, seed "
                  f"{cond.get('seed')}"),

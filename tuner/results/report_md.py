@@ -15,7 +15,8 @@ import optuna
 from optuna.trial import TrialState
 
 from engine.base.config import atomic_write_text, format_size
-from tuner.results.printers import PARAM_COLUMNS, fmt, markdown_table, pct, trials_markdown, weights_line
+from tuner.results.printers import (PARAM_COLUMNS, fmt, markdown_table, pct, search_line, trials_markdown, weights_line,
+                                    workload_text)
 from tuner.results.result import is_feasible
 
 MIN_TRIALS_FOR_IMPORTANCE = 6
@@ -60,18 +61,21 @@ def render_markdown(trials, result: dict, importances: dict, plots: list[str]) -
     quant = f" {result['quant']}" if result.get("quant") else ""
     L = [f"# colibri tune: {model.get('name')}{quant} under {result.get('budget')}", ""]
     L.append(f"{result.get('created_utc')} | objective **{result.get('objective')}** | "
-             f"{study.get('trials')} trials ({study.get('feasible')} feasible) | sampler {study.get('sampler')} | "
-             f"{cond.get('wall_seconds', 0):.0f} s")
+             f"trials: {search_line(study)} | sampler {study.get('sampler')} | {cond.get('wall_seconds', 0):.0f} s"
+             + (f", {pct(study.get('measuring_share'), 0)} of it measuring"
+                if study.get("measuring_share") is not None else ""))
     L.append("")
     if rec:
         w, b = rec.get("confirmed") or {}, base.get("confirmed") or {}
-        gain = result.get("gain_over_baseline")
-        L.append(f"**Recommended: {rec['label']}** — decode {fmt(w.get('decode_tok_s'))} tok/s vs baseline "
-                 f"{fmt(b.get('decode_tok_s'))} tok/s; gain on {result.get('gain_metric')}: "
-                 f"{pct(gain, signed=True)}"
+        d = (result.get("defaults") or {}).get("confirmed") or {}
+        L.append(f"**Recommended: {rec['label']}** — decode {fmt(w.get('decode_tok_s'))} tok/s vs the engine's "
+                 f"defaults {fmt(d.get('decode_tok_s'))} tok/s and the rules-of-thumb baseline "
+                 f"{fmt(b.get('decode_tok_s'))} tok/s; gain on {result.get('gain_metric')} over the defaults "
+                 f"**{pct(result.get('gain_over_defaults'), signed=True)}** (over the baseline: "
+                 f"{pct(result.get('gain_over_baseline'), signed=True)})"
                  + ("" if result.get("confirmation", {}).get("confirmed") else " (not re-measured: no confirmation round)"))
         L += ["", "Use it: `colibri run --model <dir> --config recommended.toml`", ""]
-        L += _config_table(rec, base)
+        L += _config_table(rec, result.get("defaults") or {}, base)
     else:
         L += ["**No configuration ran within the budget.** See the trial table below and trials.csv.", ""]
 
@@ -84,10 +88,10 @@ def render_markdown(trials, result: dict, importances: dict, plots: list[str]) -
         verdict = c.get("disqualified") or c.get("note") or ("winner" if rec and c["label"] == rec["label"] else "")
         sv = c.get("search_values")
         rows.append([c["label"], fmt(f.get("decode_tok_s")), f"{fmt(f.get('decode_min'))}..{fmt(f.get('decode_max'))}",
-                     fmt(f.get("decode_stdev")), fmt(f.get("ttft_s"), 3), ", ".join(fmt(v) for v in sv) if sv else "-",
-                     verdict])
-    L += [""] + markdown_table(["candidate", "decode tok/s (median)", "min..max", "stdev", "TTFT s", "search value",
-                                "verdict"], rows) + [""]
+                     fmt(f.get("decode_stdev")), fmt(f.get("ttft_s"), 3), fmt(f.get("request_s"), 3),
+                     ", ".join(fmt(v) for v in sv) if sv else "-", verdict])
+    L += [""] + markdown_table(["candidate", "decode tok/s (median)", "min..max", "stdev", "TTFT s", "request s",
+                                "search value", "verdict"], rows) + [""]
 
     if plots:
         L += ["## Plots", ""]
@@ -108,6 +112,7 @@ def render_markdown(trials, result: dict, importances: dict, plots: list[str]) -
         f"{model.get('geometry', {}).get('experts')} experts top-{model.get('geometry', {}).get('top_k')}, "
         f"{format_size(model.get('geometry', {}).get('total_bytes_on_disk'))} on disk)",
         f"- weights: {weights_line(result)}",
+        f"- workload: {workload_text(result['workload']) if result.get('workload') else 'not recorded'}",
         f"- runs: {'cold' if cond.get('cold') else 'warm'} ({cond.get('cold_means')}); {cond.get('tokens')} decode "
         f"tokens x {cond.get('repeats')} repeats, prompt {cond.get('prompt_tokens')} tokens, seed {cond.get('seed')}",
         f"- memory: budget {result.get('budget')}, trial cgroup limit {format_size(mem.get('cgroup_limit_bytes'))}"
@@ -124,15 +129,18 @@ def render_markdown(trials, result: dict, importances: dict, plots: list[str]) -
     return "\n".join(L)
 
 
-def _config_table(rec: dict, base: dict) -> list[str]:
-    rc, bc = rec.get("config") or {}, base.get("config") or {}
+def _config_table(rec: dict, defaults: dict, base: dict) -> list[str]:
+    """The recommended settings beside the engine's defaults (marked where they differ) and the baseline."""
+    rc, dc, bc = rec.get("config") or {}, defaults.get("config") or {}, base.get("config") or {}
     rows = []
     for k in PARAM_COLUMNS:
-        rv, bv = rc.get(k), bc.get(k)
+        rv, dv, bv = rc.get(k), dc.get(k), bc.get(k)
         if k == "chunk_size":
-            rv, bv = format_size(rv), format_size(bv)
-        rows.append([k, f"{rv}{' (changed)' if rv != bv else ''}", bv])
-    return markdown_table(["setting", "recommended", "baseline"], rows) + [""]
+            rv, dv, bv = format_size(rv), format_size(dv) if dc else None, format_size(bv)
+        changed = dc and rv != dv
+        rows.append([k, f"{rv}{' (changed)' if changed else ''}", "-" if not dc else dv, bv])
+    return markdown_table(["setting", "recommended", "engine defaults", "baseline"], rows) + [""]
+
 
 
 # --- plots ----------------------------------------------------------------------------------

@@ -9,16 +9,17 @@ classes' fields, so a figure is named once. docs/schema/*.json is generated from
                "colibri.metrics/1" result, which carries much more: config, plan, per-repeat runs)
   TrialResult  what the trial runner saw of one subprocess: its outcome kind + the bench JSON
   TrialRecord  a trial of the study as stored in Optuna's user_attrs ("colibri.trial/1")
-  TuneResult   result.json of `colibri tune` ("colibri.tune/2")
+  TuneResult   result.json of `colibri tune` ("colibri.tune/3")
 
 Versioning: a schema id names a version; a field added or removed is a new version. The loader
-reads the current version and migrates the one before it (`migrate_v1`); it refuses others.
+reads the current version and migrates the ones before it (`migrate`); it refuses others.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,17 +28,30 @@ from typing import Any, Literal, Optional
 from engine.base.errors import ConfigError
 from engine.run.metrics import SUMMARY_KEYS
 
-RESULT_SCHEMA = "colibri.tune/2"
+RESULT_SCHEMA = "colibri.tune/3"
+RESULT_SCHEMA_V2 = "colibri.tune/2"
 RESULT_SCHEMA_V1 = "colibri.tune/1"
 TRIAL_SCHEMA = "colibri.trial/1"
 BEST_CONFIG_SCHEMA = "colibri.best_config/1"
+
+# The figure each objective ranks by and the result's gain is on (gain_metric); both: decode
+# first, then TTFT. request: the end-to-end latency of a request (TTFT + its decode), the mean
+# over the workload's requests (tune --prompts) or of the fixed prompt and --tokens.
+OBJECTIVE_KEY = {"decode": "decode_tok_s", "ttft": "ttft_s", "request": "request_s", "both": "decode_tok_s"}
+
+
+def point_key(params: dict) -> str:
+    """A trial's point in the search space, as an identity: stepped floats compare rounded
+    (0.8500000000000001 is 0.85)."""
+    return json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in params.items()}, sort_keys=True)
 
 # How a trial ended (tuner/search/outcome.py): recorded by the trial process, or seen by its parent
 # (timeout; oom_killed from the cgroup's own OOM counter; killed by another, named signal).
 TrialStatus = Literal["ok", "over_budget", "oom_killed", "killed", "timeout", "crashed", "bad_config"]
 # What the study makes of a trial: its runner's status, or a verdict on a completed run.
 Verdict = Literal["ok", "over_budget", "oom_killed", "killed", "timeout", "crashed", "bad_config",
-                  "over_budget_plan", "tokens_inconsistent", "tokens_changed"]
+                  "over_budget_plan", "tokens_inconsistent", "tokens_changed",
+                  "quality_bound"]  # a lossy setting outside tune --max-kl / --min-top1 (tuner/search/lossy.py)
 
 
 def _json(obj) -> dict:
@@ -56,6 +70,7 @@ class RunFigures:
 
     decode_tok_s: Optional[float] = None
     ttft_s: Optional[float] = None
+    request_s: Optional[float] = None  # end to end: prefill, first token and the decode (per request)
     prefill_tok_s: Optional[float] = None
     token_latency_p50_ms: Optional[float] = None
     token_latency_p99_ms: Optional[float] = None
@@ -187,6 +202,7 @@ class Figures:
     ttft_max: Optional[float] = None
     samples: Optional[int] = None
     unconfirmed: bool = False  # True: the search trial's own figures (no confirmation round)
+    request_s: Optional[float] = None  # new in colibri.tune/3
 
 
 @dataclass
@@ -236,6 +252,15 @@ class StudyInfo:
     sampler: str
     sampler_note: str
     directions: list[str]
+    # New in colibri.tune/3 (None in older results: not recorded). `trials` counts every Optuna
+    # trial; a re-proposal is the sampler proposing a measured point (told its figures, not run).
+    measured_trials: Optional[int] = None  # trials that evaluated a point (bench run or memory-plan refusal)
+    re_proposals: Optional[int] = None
+    distinct_points: Optional[int] = None
+    explored: Optional[int] = None  # measured points proposed by the exploration rule (tuner/explore.py)
+    stop_reason: Optional[str] = None  # trials, time budget, converged (or interrupted before)
+    measuring_seconds: Optional[float] = None  # this session's trial and confirmation runs
+    measuring_share: Optional[float] = None  # of this session's wall time
 
 
 @dataclass(frozen=True)
@@ -317,16 +342,39 @@ class QualityInfo:
 
 
 @dataclass
+class Lengths:
+    """Token counts over a workload's requests."""
+
+    min: int
+    median: float
+    max: int
+    total: int
+
+
+@dataclass
+class WorkloadInfo:
+    """What the trials ran: the fixed random prompt, or the user's prompts (tune --prompts),
+    described by their lengths and a hash, never their text."""
+
+    kind: Literal["fixed", "prompts"]
+    requests: int
+    prompt_tokens: Lengths
+    max_new_tokens: Lengths
+    sha256: Optional[str]  # of the tokenized requests (ids and output lengths); None for the fixed prompt
+    source: Optional[str] = None  # the prompts file's name (no directory)
+
+
+@dataclass
 class TuneResult:
     """result.json of `colibri tune`: the recommendation, the baseline, the evidence, the conditions."""
 
-    schema: Literal["colibri.tune/2"]
+    schema: Literal["colibri.tune/3"]
     created_utc: str
     started_utc: str
     model: ModelInfo
     budget_bytes: int
     budget: str
-    objective: Literal["decode", "ttft", "both"]
+    objective: Literal["decode", "ttft", "request", "both"]
     recommended: Optional[Candidate]
     baseline: Optional[Candidate]
     gain_over_baseline: Optional[float]
@@ -338,26 +386,36 @@ class TuneResult:
     # New in colibri.tune/2:
     quant: Optional[str] = None  # the tuned model's weights: int8, int4-g64, or the stored dtype (bf16)
     quality: Optional[QualityInfo] = None  # against the unquantized level (tune --quant)
+    # New in colibri.tune/3: the engine's defaults as re-measured beside the baseline, the
+    # headline gain over them, and the workload the trials ran.
+    defaults: Optional[Candidate] = None
+    gain_over_defaults: Optional[float] = None
+    workload: Optional[WorkloadInfo] = None
 
     def to_dict(self) -> dict:
         return _json(self)
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "result") -> "TuneResult":
-        """Strict: the current schema, or a colibri.tune/1 result migrated (migrate_v1)."""
+        """Strict: the current schema, or a colibri.tune/1 or /2 result migrated (migrate)."""
         from tuner.results.schema import decode
-        if isinstance(data, dict) and data.get("schema") == RESULT_SCHEMA_V1:
-            data = migrate_v1(data)
+        if isinstance(data, dict) and data.get("schema") in (RESULT_SCHEMA_V1, RESULT_SCHEMA_V2):
+            data = migrate(data)
         if not isinstance(data, dict) or data.get("schema") != RESULT_SCHEMA:
             got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise ResultError(f"{source}: not a {RESULT_SCHEMA} (or {RESULT_SCHEMA_V1}) result (schema {got!r})")
+            raise ResultError(f"{source}: not a {RESULT_SCHEMA} (or {RESULT_SCHEMA_V2}, {RESULT_SCHEMA_V1}) result "
+                              f"(schema {got!r})")
         return decode(cls, data, source, ResultError)
 
 
 # --- migration ------------------------------------------------------------------------------
 
-def migrate_v1(data: dict) -> dict:
-    """A colibri.tune/1 result as colibri.tune/2 (a new dict; the input is not changed).
+def migrate(data: dict) -> dict:
+    """A colibri.tune/1 or /2 result as colibri.tune/3 (a new dict; the input is not changed).
+
+    /2 → /3 added fields with defaults only (the defaults' candidate, the gain over them, the
+    workload, request_s, the study's measured/re-proposal counts): absent, they are None (not
+    recorded).
 
     /1 files were written while the schema grew without a version bump: fields later added
     with a default (Figures.unconfirmed, RunFigures.prefill_tok_s and others in a confirmation

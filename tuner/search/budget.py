@@ -54,7 +54,8 @@ class TimeBudget:
 
     def confirm_reserve(self) -> float:
         est = self.est_trial_s() or 0.0
-        return est * (min(self.confirm_top, CONFIRM_RESERVE_MAX) + 1) if self.confirm_top else 0.0
+        # the candidates, then the engine's defaults and the baseline
+        return est * (min(self.confirm_top, CONFIRM_RESERVE_MAX) + 2) if self.confirm_top else 0.0
 
     def room_for_trial(self) -> bool:
         left = self.left()

@@ -1,15 +1,15 @@
 """Ranking the search's trials and the confirmation round that picks the winner.
 
-The round re-measures the top candidates and the baseline, interleaved, winner first and
-baseline last (leftover warm state then favours the baseline, not the winner), and chooses on
-medians with their spread. A candidate whose tokens change, or that fails when re-measured, is
-disqualified: placement must never change tokens.
+The round re-measures the top candidates, the engine's defaults (EngineConfig(): what a user
+who skips `tune` gets, so the headline gain is over them) and the rules-of-thumb baseline,
+interleaved, winner first and baseline last (leftover warm state then favours the references,
+not the winner), and chooses on medians with their spread. A candidate whose tokens change, or
+that fails when re-measured, is disqualified: placement must never change tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,6 +17,7 @@ from typing import Callable
 from engine.base.config import EngineConfig
 from tuner.results.printers import fmt
 from tuner.results.result import Candidate, Figures, RunFigures, RunSummary, TrialResult, is_feasible
+from tuner.search.objective import OBJECTIVE_KEY, point_key, ranks_lower
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Decision:
     winner: Contender | None
     baseline: Contender
     confirmed: bool
+    defaults: Contender | None = None  # the engine's defaults (None: not measured, e.g. no confirmation round)
 
 
 # --- ranking --------------------------------------------------------------------------------
@@ -66,7 +68,7 @@ def ranked(trials, objective: str) -> list:
     feas = feasible(trials)
     if objective == "decode":
         return sorted(feas, key=lambda t: -t.values[0])
-    if objective == "ttft":
+    if ranks_lower(objective):
         return sorted(feas, key=lambda t: t.values[0])
     front = [t for t in feas if not any(dominates(o, t) for o in feas)]
     rest = [t for t in feas if t not in front]
@@ -74,21 +76,35 @@ def ranked(trials, objective: str) -> list:
 
 
 def contenders(ranked_trials, top: int, baseline: EngineConfig, baseline_params: dict, baseline_trial,
-               config_of: Callable[[dict], EngineConfig]) -> list[Contender]:
-    """The best `top` distinct points (the baseline's own point excluded), then the baseline."""
+               config_of: Callable[[dict], EngineConfig], defaults: Reference | None = None) -> list[Contender]:
+    """The best `top` distinct points (the references' own points excluded), then the engine's
+    defaults (when given), then the baseline."""
+    references = {point_key(baseline_params)} | ({point_key(defaults.params)} if defaults else set())
     seen, out = set(), []
     for t in ranked_trials:
-        key = json.dumps(t.params, sort_keys=True)
-        if key in seen or t.params == baseline_params:
+        key = point_key(t.params)
+        if key in seen or key in references:
             continue
         seen.add(key)
         out.append(Contender(f"trial {t.number}", t.number, t.user_attrs.get("role", "search"),
                              config_of(t.params), list(t.values)))
         if len(out) >= top:
             break
+    if defaults is not None:
+        out.append(Contender("defaults", defaults.trial.number if defaults.trial else None, "defaults",
+                             defaults.config, list(defaults.trial.values) if defaults.trial else None))
     out.append(Contender("baseline", baseline_trial.number if baseline_trial else None, "baseline", baseline,
                          list(baseline_trial.values) if baseline_trial else None))
     return out
+
+
+@dataclass
+class Reference:
+    """A config the winner is compared with: as it runs, its point in the space, its search trial."""
+
+    config: EngineConfig
+    params: dict
+    trial: object | None = None  # the FrozenTrial that measured the point in the search, if any
 
 
 # --- the round ------------------------------------------------------------------------------
@@ -120,7 +136,8 @@ def confirm(entries: list[Contender], rounds: int, measure: Callable[[EngineConf
             e.runs.append(summary)
             e.output_ids.append(ids)
             log(f"confirm round {done}: {e.label}: " + (
-                f"{fmt(summary.decode_tok_s)} tok/s, TTFT {fmt(summary.ttft_s, 3)} s"
+                f"{fmt(summary.decode_tok_s)} tok/s, TTFT {fmt(summary.ttft_s, 3)} s, "
+                f"request {fmt(summary.request_s, 3)} s"
                 if summary.status == "ok" else summary.status))
     return done
 
@@ -137,7 +154,7 @@ def figures(runs: list[RunSummary]) -> Figures | None:
     dec = [v for r in ok for v in r.decode_samples if v is not None]
     ttft = [v for r in ok for v in r.ttft_samples if v is not None]
     return Figures(
-        decode_tok_s=med("decode_tok_s"), ttft_s=med("ttft_s"), measurements=len(ok),
+        decode_tok_s=med("decode_tok_s"), ttft_s=med("ttft_s"), request_s=med("request_s"), measurements=len(ok),
         decode_min=min(dec) if dec else None, decode_max=max(dec) if dec else None,
         decode_stdev=statistics.stdev(dec) if len(dec) > 1 else 0.0,
         ttft_min=min(ttft) if ttft else None, ttft_max=max(ttft) if ttft else None, samples=len(dec))
@@ -147,13 +164,15 @@ def figures_of_trial(a: dict) -> Figures:
     """A search trial's own figures, for a run without a confirmation round."""
     summary = (a.get("metrics") or {}).get("summary") or {}
     s, t = summary.get("decode_tok_s") or {}, summary.get("ttft_s") or {}
-    return Figures(decode_tok_s=a.get("decode_tok_s"), ttft_s=a.get("ttft_s"), measurements=1,
+    return Figures(decode_tok_s=a.get("decode_tok_s"), ttft_s=a.get("ttft_s"), request_s=a.get("request_s"),
+                   measurements=1,
                    decode_min=s.get("min"), decode_max=s.get("max"), decode_stdev=s.get("stdev"),
                    ttft_min=t.get("min"), ttft_max=t.get("max"), samples=s.get("n"), unconfirmed=True)
 
 
 def decide(entries: list[Contender], rounds: int, objective: str) -> Decision:
     base = entries[-1]
+    defaults = next((e for e in entries if e.role == "defaults"), None)
     base_ok = bool(figures(base.runs)) and base.runs[0].status == "ok"
     for e in entries:
         e.confirmed = figures(e.runs)
@@ -162,7 +181,8 @@ def decide(entries: list[Contender], rounds: int, objective: str) -> Decision:
             e.disqualified = f"{bad[0].status} in confirmation: {bad[0].error or ''}"[:300]
         elif not all(r.tokens_consistent is not False for r in e.runs):
             e.disqualified = "output tokens differ between repeats"
-        elif e is not base and base_ok and e.output_ids[0] != base.output_ids[0]:
+        elif e is not base and base_ok and e.output_ids[0] != base.output_ids[0] and e.config.lossless:
+            # (a lossy candidate, tune --max-kl, changes tokens by design: its quality was measured)
             if e.runs[0].threads == base.runs[0].threads:
                 e.disqualified = "output tokens differ from the baseline's (placement must not change them)"
             else:
@@ -171,17 +191,24 @@ def decide(entries: list[Contender], rounds: int, objective: str) -> Decision:
     ok = [e for e in entries if not e.disqualified and e.confirmed]
     winner = None
     if ok:
-        if objective == "ttft":
-            winner = min(ok, key=lambda e: e.confirmed.ttft_s if e.confirmed.ttft_s is not None else float("inf"))
+        if ranks_lower(objective):
+            key = OBJECTIVE_KEY[objective]
+            winner = min(ok, key=lambda e: v if (v := getattr(e.confirmed, key)) is not None else float("inf"))
         else:
             winner = max(ok, key=lambda e: (e.confirmed.decode_tok_s or 0.0, -(e.confirmed.ttft_s or 0.0)))
-    return Decision(entries, rounds, winner, base, confirmed=True)
+    return Decision(entries, rounds, winner, base, confirmed=True, defaults=defaults)
 
 
-def unconfirmed(ranked_trials, base: Contender, baseline_trial, config_of) -> Decision:
-    """No confirmation round: the best search trial as it was measured, against the baseline's trial."""
+def unconfirmed(ranked_trials, base: Contender, baseline_trial, config_of, defaults: Reference | None = None) -> Decision:
+    """No confirmation round: the best search trial as it was measured, against the baseline's
+    trial (and the defaults' trial, when the search measured that point)."""
     entries = [Contender(f"trial {t.number}", t.number, t.user_attrs.get("role"), config_of(t.params),
                          list(t.values), confirmed=figures_of_trial(t.user_attrs)) for t in ranked_trials[:1]]
     base.confirmed = figures_of_trial(baseline_trial.user_attrs) \
         if baseline_trial is not None and baseline_trial.user_attrs.get("status") == "ok" else None
-    return Decision(entries + [base], 0, entries[0] if entries else None, base, confirmed=False)
+    ref = None
+    if defaults is not None and defaults.trial is not None and defaults.trial.user_attrs.get("status") == "ok":
+        ref = Contender("defaults", defaults.trial.number, "defaults", defaults.config, list(defaults.trial.values),
+                        confirmed=figures_of_trial(defaults.trial.user_attrs))
+    return Decision(entries + ([ref] if ref else []) + [base], 0, entries[0] if entries else None, base,
+                    confirmed=False, defaults=ref)

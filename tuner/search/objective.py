@@ -9,10 +9,18 @@ from 'hopeless'.
 from __future__ import annotations
 
 from engine.base.config import format_size
-from tuner.results.result import RunFigures, TrialRecord, TrialResult
+from tuner.results.result import OBJECTIVE_KEY, RunFigures, TrialRecord, TrialResult, point_key  # noqa: F401
 
-OBJECTIVES = ("decode", "ttft", "both")
-DIRECTIONS = {"decode": ["maximize"], "ttft": ["minimize"], "both": ["maximize", "minimize"]}
+OBJECTIVES = ("decode", "ttft", "request", "both")
+DIRECTIONS = {"decode": ["maximize"], "ttft": ["minimize"], "request": ["minimize"], "both": ["maximize", "minimize"]}
+# The figure each objective ranks by is OBJECTIVE_KEY (tuner/results/result.py, where the
+# result's gain_metric is named).
+LOWER_IS_BETTER = ("ttft", "request")
+
+
+def ranks_lower(objective: str) -> bool:
+    """Whether a smaller figure of the objective's key is better (seconds, not tok/s)."""
+    return objective in LOWER_IS_BETTER
 # How the study searches for it: auto is GP for one objective, TPE for two (tune_options.make_sampler).
 SAMPLERS = ("auto", "gp", "tpe", "random")
 
@@ -47,15 +55,18 @@ def judge(res: TrialResult, budget: int, limit_bytes: int, reference_ids: list |
 
 
 def worst_values(objective: str, timeout: float) -> list[float]:
-    """An infeasible trial's objective: nothing decoded, TTFT as long as the trial may take."""
-    return {"decode": [0.0], "ttft": [float(timeout)], "both": [0.0, float(timeout)]}[objective]
+    """An infeasible trial's objective: nothing decoded, TTFT (or a request) as long as the trial may take."""
+    return {"decode": [0.0], "ttft": [float(timeout)], "request": [float(timeout)],
+            "both": [0.0, float(timeout)]}[objective]
 
 
 def objective_values(objective: str, metrics: dict, timeout: float) -> list[float]:
     decode = float(metrics.get("decode_tok_s") or 0.0)
     ttft = metrics.get("ttft_s")
     ttft = float(ttft) if ttft is not None else float(timeout)
-    return {"decode": [decode], "ttft": [ttft], "both": [decode, ttft]}[objective]
+    request = metrics.get("request_s")
+    request = float(request) if request is not None else float(timeout)
+    return {"decode": [decode], "ttft": [ttft], "request": [request], "both": [decode, ttft]}[objective]
 
 
 def record(res: TrialResult, *, role: str, worker: str, config: dict, status: str, constraint: float,
@@ -76,18 +87,23 @@ def not_launched(*, role: str, worker: str, config: dict, overshoot: int, budget
                        constraint=round(overshoot / budget, 6), error=message, wall_seconds=0.0)
 
 
-def reference_ids(trials, threads) -> list | None:
-    """Output tokens of the first ok trial run with `threads` compute threads."""
+def reference_ids(trials, threads, lossy: dict | None = None) -> list | None:
+    """Output tokens of the first ok trial run with `threads` compute threads (and, in a lossy
+    search, the same lossy settings: those change tokens by design; placement still must not)."""
     for t in sorted(trials, key=lambda t: t.number):
         a = t.user_attrs
-        if a.get("status") == "ok" and a.get("threads") == threads and a.get("output_ids") is not None:
+        same_lossy = lossy is None or all((a.get("config") or {}).get(k) == v for k, v in lossy.items())
+        if a.get("status") == "ok" and a.get("threads") == threads and a.get("output_ids") is not None \
+                and same_lossy:
             return a["output_ids"]
     return None
 
 
 def same_point(trials, params: dict):
-    """An earlier complete trial at exactly these params, or None."""
+    """An earlier complete trial at these params (stepped floats compared rounded), or None."""
+    key = point_key(params)
     for t in trials:
-        if t.params == params and "constraint" in t.user_attrs and t.values is not None:
+        if "constraint" in t.user_attrs and t.values is not None and point_key(t.params) == key:
             return t
     return None
+

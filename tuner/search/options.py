@@ -7,6 +7,7 @@ validate options without importing the loop's parts.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Callable
 import optuna
 
 from engine.base.errors import ConfigError
+from tuner.search.lossy import QualityBound
 from tuner.search.objective import OBJECTIVES, SAMPLERS
 
 GiB = 1 << 30
@@ -34,7 +36,7 @@ class TuneOptions:
     model: str = "demo"
     ram_budget: int | None = None  # None: 1 GiB for demo, else 88% of available memory
     time_budget: float | None = None  # seconds for the whole run; None with trials=None: 15 min
-    trials: int | None = None  # completed trials in the study (resumed ones count)
+    trials: int | None = None  # measured trials in the study (resumed ones count, re-proposals do not)
     min_ctx: int = 2048
     objective: str = "decode"
     out: Path | None = None  # None: reports/tune-<model>-<timestamp> (resume: the latest one)
@@ -49,6 +51,7 @@ class TuneOptions:
     tokens: int = 8
     repeats: int = 2
     prompt_tokens: int = 8
+    prompts: str | None = None  # the user's prompts file (tuner/search/workload.py): trials run it instead
     cold: bool = True
     trial_timeout: float | None = None  # None: adaptive (5x a measured trial, at least 60 s)
     cgroup_limit: int | None = None  # None: the budget (tests use a smaller one to force OOM)
@@ -60,8 +63,17 @@ class TuneOptions:
     # source model's, so the levels compare as one model), and the level's quality figures.
     model_name: str | None = None
     quality: dict | None = None  # tuner.result.QualityInfo as a dict
+    # tune --max-kl / --min-top1: search lossy settings under this bound (tuner/search/lossy.py)
+    lossy: QualityBound | None = None
 
     def validate(self) -> "TuneOptions":
+        # NaN passes every `<= 0` test below, and inf is no time limit at all: refused first.
+        for flag, value in (("--trial-timeout", self.trial_timeout), ("--time-budget", self.time_budget)):
+            if value is not None and (isinstance(value, bool) or not math.isfinite(value)):
+                raise ConfigError(f"{flag} must be a finite number of seconds, got {value}")
+        for flag, value in (("--ram-budget", self.ram_budget), ("--cgroup-limit", self.cgroup_limit)):
+            if value is not None and value <= 0:
+                raise ConfigError(f"{flag} must be positive, got {value}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.sampler not in SAMPLERS:
@@ -76,6 +88,8 @@ class TuneOptions:
             raise ConfigError(f"--min-ctx must be at least 1, got {self.min_ctx}")
         if self.confirm_top < 0 or self.confirm_rounds < 1:
             raise ConfigError("--confirm-top must be >= 0 and --confirm-rounds >= 1")
+        if self.lossy is not None:
+            self.lossy.validate()
         if self.trial_timeout is not None and self.trial_timeout <= 0:
             raise ConfigError(f"--trial-timeout must be positive, got {self.trial_timeout}")
         return self

@@ -1,6 +1,8 @@
 """What a tune run measures before its search: the probe, and the calibration run.
 
-The calibration run is the baseline once, on a different prompt (seed + 1), before the search.
+The calibration run is the baseline once, on a different prompt (seed + 1), before the search;
+with `tune --prompts`, on the user's own prompts (routing, and so what `pinned` should pin,
+depends on the text).
 
 Its routing histogram feeds the `pinned` policy without being an oracle of the measured prompt,
 and its memory plan gives the trial process's real overhead for the pre-check. The record is
@@ -21,13 +23,17 @@ from tuner.search.trial import run_trial
 
 def calibrate(*, out: Path, model_dir: Path, budget: int, limit_bytes: int, space, has_experts: bool,
               tokens: int, prompt_tokens: int, cold: bool, seed: int, trial_timeout: float | None,
-              record_wall, log) -> dict:
-    """The calibration record: status, overhead_bytes, routing_histogram path, cgroup facts."""
+              record_wall, log, workload_args: list[str] | None = None, workload: str | None = None) -> dict:
+    """The calibration record: status, overhead_bytes, routing_histogram path, cgroup facts.
+
+    workload_args / workload: the user's prompts (tune --prompts) as bench arguments and their
+    digest: the routing histogram is then recorded from those prompts."""
     path = out / "calibration.json"
     if path.exists():
         try:
             record = json.loads(path.read_text())
-            if record.get("model_dir") == str(model_dir) and record.get("budget") == budget:
+            if (record.get("model_dir") == str(model_dir) and record.get("budget") == budget
+                    and record.get("workload") == workload):
                 if record.get("wall_seconds"):
                     record_wall(record["wall_seconds"])
                 return record
@@ -37,14 +43,16 @@ def calibrate(*, out: Path, model_dir: Path, budget: int, limit_bytes: int, spac
     if not space.precheck(config)[0]:
         config = space.smallest()
     routing = (out / "routing.json").resolve() if has_experts else None
-    extra = ["--record-routing", str(routing)] if routing else []
-    log(f"calibration: baseline config once on another prompt ({'recording routing, ' if routing else ''}"
+    extra = (["--record-routing", str(routing)] if routing else []) + list(workload_args or [])
+    log(f"calibration: baseline config once on {'your prompts' if workload else 'another prompt'} "
+        f"({'recording routing, ' if routing else ''}"
         f"budget {format_size(budget)}) ...")
     res = run_trial(model_dir, config, tokens=tokens, repeats=1, cold=cold, prompt_tokens=prompt_tokens,
                     seed=seed + 1, limit_bytes=limit_bytes, timeout=trial_timeout or FIRST_TRIAL_TIMEOUT_S,
                     extra_args=extra)
     record_wall(res.wall_seconds)
-    record = {"model_dir": str(model_dir), "budget": budget, "status": res.status, "error": res.error,
+    record = {"model_dir": str(model_dir), "budget": budget, "workload": workload, "status": res.status,
+              "error": res.error,
               "wall_seconds": res.wall_seconds, "config": config.to_dict(),
               "cgroup_limited": res.cgroup_limited, "cgroup_reason": res.cgroup_reason}
     if res.ok:

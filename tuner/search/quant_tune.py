@@ -29,6 +29,10 @@ from engine.base.config import atomic_write_text, format_size
 from engine.base.errors import BudgetError, ConfigError
 from engine.base.jsonlimits import loads_limited
 from tuner.results.printers import kl_text, utc_now
+from engine.format.container import QuantSpec
+from engine.format.convert import Converter
+from tuner.probe import load_profile
+from tuner.search import lossy, quant_cache, run_guard
 from tuner.search.study import Log, TuneOptions, stderr_line, default_budget, run_tune
 
 RECORD_FILE = "quant-run.json"
@@ -109,22 +113,44 @@ class QuantTuneOutcome:
 
 def run_quant_tune(qopts: QuantTuneOptions, log: Log = stderr_line) -> QuantTuneOutcome:
     from engine.run.resolve import resolve_model
-    from tuner.search import quant_cache
     from tuner.search.preflight import probe_profile
     qopts.validate()
     opts = qopts.tune
     source = resolve_model(opts.model, progress=True).resolve()
     name = opts.model if not Path(opts.model).exists() else source.name
     stored = quant_cache.check_source(source, qopts.levels)
-    out = Path(opts.out) if opts.out else default_quant_out(name, opts.resume)
+    if opts.lossy is not None:  # every level's lossy settings are scored against the unquantized source
+        opts = qopts.tune = dataclasses.replace(opts, lossy=dataclasses.replace(opts.lossy, reference=str(source)))
+    out = run_guard.tune_out(opts.out if opts.out is not None else default_quant_out(name, opts.resume),
+                             sources=[source, opts.profile, opts.from_profile, qopts.quality_text],
+                             recognise=run_guard.QUANT_RUN)
     record = _open_record(out, opts, qopts.levels, source, name)
     budget = opts.ram_budget or record.get("budget") or default_budget(opts.model)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_record(out, record, budget, qopts.levels)
-    log(f"tune --quant {','.join(l.label for l in qopts.levels)} of {name} ({stored} as stored), budget "
-        f"{format_size(budget)}: runs in {out}/<level>/")
-    probe_profile(out, opts.profile, source, log)  # once, for every level: <out>/profile.json → probe.json
-    _keep_probe(out)
+    _check_before_start(qopts, source)
+    with run_guard.hold(out, f"tuning {name} at {','.join(l.label for l in qopts.levels)}"):
+        out.mkdir(parents=True, exist_ok=True)
+        _write_record(out, record, budget, qopts.levels)
+        log(f"tune --quant {','.join(l.label for l in qopts.levels)} of {name} ({stored} as stored), budget "
+            f"{format_size(budget)}: runs in {out}/<level>/")
+        probe_profile(out, opts.profile, source, log)  # once, for every level: <out>/profile.json → probe.json
+        _keep_probe(out)
+        return _run_levels(qopts, source, name, stored, out, budget, log)
+
+
+def _check_before_start(qopts: QuantTuneOptions, source: Path) -> None:
+    """What would fail later refused now, before the run directory exists: the saved probe, and
+    every quantized level's conversion of this source (e.g. an int4 group that does not divide
+    the model's sizes)."""
+    if qopts.tune.profile:
+        load_profile(qopts.tune.profile)
+    for level in qopts.levels:
+        if level.quant is not None:
+            Converter(source, QuantSpec(level.quant, level.group_size, quant_cache.SCOPE))
+
+
+def _run_levels(qopts: QuantTuneOptions, source: Path, name: str, stored: str, out: Path, budget: int,
+                log: Log) -> QuantTuneOutcome:
+    opts = qopts.tune
 
     models, conversions = {}, {}
     for level in qopts.levels:
@@ -320,13 +346,19 @@ def _finish(out: Path, name: str, source: Path, budget: int, qopts: QuantTuneOpt
     compare_summary = None
     if len(tuned) >= 2:
         from tuner.share.compare import compare
-        compare_summary = compare(tuned, out_dir=out)
+        compare_summary = compare(tuned, out_dir=out, in_place=True)
         files.update(compare_summary["files"])
         plots = out / "plots" / "speed_quality.png"
         if plots.is_file():
             files["pareto"] = str(plots)
     elif not qopts.prepare_only:
         log("compare: fewer than two levels have a recommended config; nothing to compare yet")
+    if qopts.tune.lossy is not None:  # --max-kl with --quant: one front over every level's settings
+        merged = lossy.merge_level_fronts(level_run_dirs(out), out)
+        if merged:
+            files[lossy.SUMMARY_FILE] = str(out / lossy.SUMMARY_FILE)
+            for line in lossy.markdown(merged).splitlines()[4:]:
+                log(line)
     summary = {"schema": SUMMARY_SCHEMA, "created_utc": utc_now(), "out": str(out), "model": name,
                "source_dir": str(source), "budget_bytes": budget, "budget": format_size(budget),
                "prepared_only": qopts.prepare_only, "levels": list(rows.values()),

@@ -18,6 +18,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 
 from engine.base.config import CACHE_POLICIES, IO_MODES, EngineConfig, format_size
 from engine.base.errors import BudgetError
+from engine.arch.kvquant import kv_storage
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -83,6 +84,8 @@ class SearchSpace:
     # the probe's read curve still rises or is flat (tuner/costmodel/search.py:curve_region).
     chunk_sizes: tuple[int, ...] = CHUNK_SIZES
     io_thread_choices: tuple[int, ...] = IO_THREADS
+    # tune --max-kl / --min-top1: the lossy dimensions (tuner/search/lossy.py), empty = lossless.
+    lossy: dict = field(default_factory=dict)
     _plan_inputs: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -115,6 +118,7 @@ class SearchSpace:
         }
         if self.has_gpu:
             d["gpu_cache_ratio"] = FloatDistribution(GPU_CACHE_RATIO[0], GPU_CACHE_RATIO[1], step=GPU_CACHE_RATIO[2])
+        d.update(self.lossy)
         return d
 
     def describe(self) -> dict:
@@ -143,6 +147,8 @@ class SearchSpace:
             cpu_cache_ratio=cpu_ratio, gpu_cache_ratio=gpu_ratio, threads=int(p["threads"]),
             ctx_size=int(p["ctx_size"]), io_mode=p["io_mode"], io_threads=int(p["io_threads"]),
             cache_policy=policy, routing_histogram=self.routing_histogram if policy == "pinned" else "",
+            kv_dtype=p.get("kv_dtype", "auto"), top_k_reduction=int(p.get("top_k_reduction", 0)),
+            expert_threshold=float(p.get("expert_threshold", 0.0)),
         )
 
     def params_of(self, config: EngineConfig) -> dict:
@@ -159,6 +165,9 @@ class SearchSpace:
         }
         if self.has_gpu:
             params["gpu_cache_ratio"] = _snap(config.gpu_cache_ratio, *GPU_CACHE_RATIO)
+        for name, dist in self.lossy.items():  # a lossy value outside the choices: the nearest lossless one
+            value = getattr(config, name)
+            params[name] = value if value in dist.choices else dist.choices[0]
         return params
 
     def baseline(self) -> EngineConfig:
@@ -185,7 +194,7 @@ class SearchSpace:
             return True, 0, ""
         from engine.movement.plan import make_plan
         ckpt, args, layout, dtype = self._inputs()
-        kv_dtype = dtype if config.kv_dtype == "auto" else _torch_dtype(config.kv_dtype)
+        kv_dtype = kv_storage(config.kv_dtype, dtype)
         try:
             plan = make_plan(ckpt, args, layout, config, dtype, kv_dtype, overhead_bytes=self.overhead_bytes)
         except BudgetError as exc:
@@ -197,7 +206,7 @@ class SearchSpace:
         """Everything but the expert cache, as the engine's plan counts it."""
         from engine.movement.plan import make_plan
         ckpt, args, layout, dtype = self._inputs()
-        kv_dtype = dtype if config.kv_dtype == "auto" else _torch_dtype(config.kv_dtype)
+        kv_dtype = kv_storage(config.kv_dtype, dtype)
         # A budget nothing can exceed: the plan then itemises the fixed parts without raising.
         plan = make_plan(ckpt, args, layout, config.replace(ram_budget=1 << 62), dtype, kv_dtype,
                          overhead_bytes=self.overhead_bytes)
@@ -239,11 +248,6 @@ def _suggest(trial: optuna.Trial, name: str, dist):
     if isinstance(dist, IntDistribution):
         return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
     return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
-
-
-def _torch_dtype(name: str):
-    from engine.base.dtypes import short_dtypes
-    return short_dtypes()[name]
 
 
 def _nearest(choices, value):

@@ -15,6 +15,7 @@ run and found on resume); everything measured, feasible or not, is COMPLETE (obj
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 from pathlib import Path
@@ -26,8 +27,10 @@ from optuna.trial import TrialState
 
 from engine.base.config import EngineConfig, format_size, size_label
 from engine.base.errors import BudgetError, ConfigError
-from tuner.search import confirm, objective, study_storage as storage
+from tuner.search import confirm, explore, lossy, objective, run_guard, study_storage as storage
+from tuner.probe import load_profile
 from tuner.results import outputs
+from tuner.results.printers import trials_csv
 from tuner.search.budget import TimeBudget, format_clock, parse_duration
 from tuner.search.preflight import calibrate, probe_profile
 from tuner.results.result import TrialResult
@@ -35,6 +38,8 @@ from tuner.search.run_record import RUN_FILE, read_run_record, write_run_record
 from tuner.search.space import DEFAULT_OVERHEAD_BYTES, ModelFacts, SearchSpace
 from tuner.search.study_storage import Heartbeat, open_storage, redact_url
 from tuner.search.trial import run_trial
+from tuner.search.warm_start import enqueue_warm_starts
+from tuner.search.workload import prepare_workload
 from tuner.search.options import (  # noqa: F401  (re-exported: callers import them from here)
     Log, TuneOptions, TuneOutcome, stderr_line, default_budget, make_sampler,
 )
@@ -50,15 +55,28 @@ class _Run:
         self.clock = TimeBudget.for_run(opts.time_budget, opts.trials, opts.confirm_top, opts.trial_timeout)
         self.started_utc = outputs.utc_now()
         self.worker = f"{platform.node()}:{os.getpid()}"
+        self.stall = explore.Stall()
+        self.stop_reason = ""  # trials, time budget or converged
+        self.measuring_seconds = 0.0  # this session's trial and confirmation runs (the share of wall spent measuring)
+
+    def __enter__(self) -> "_Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if getattr(self, "watch", None) is not None:
+            self.watch.close()
 
     # --- set-up -------------------------------------------------------------------------------
 
-    def setup(self) -> None:
+    def prepare(self) -> None:
+        """Every check of the options and inputs, writing nothing: a refused run leaves nothing behind."""
         from engine.run.resolve import resolve_model
         opts = self.opts
         self.model_dir = resolve_model(opts.model, progress=True).resolve()
         self.model_name = opts.model_name or (opts.model if not Path(opts.model).exists() else self.model_dir.name)
-        self.out = Path(opts.out) if opts.out else storage.default_out(self.model_name, opts.resume)
+        self.out = run_guard.tune_out(opts.out if opts.out is not None else
+                                      storage.default_out(self.model_name, opts.resume),
+                                      sources=[self.model_dir, opts.profile, opts.from_profile, opts.prompts])
         recorded = read_run_record(self.out) if opts.resume else None
         if opts.ram_budget is not None:
             self.budget = opts.ram_budget
@@ -74,7 +92,15 @@ class _Run:
         self.limit_bytes = opts.cgroup_limit or self.budget
         self.shared = storage.is_shared(opts.storage)
         self.storage_url = opts.storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
+        storage.check_url(self.storage_url)
         self.facts = ModelFacts.read(self.model_dir)
+        # The user's prompts, parsed before anything slow (a bad file is one error line).
+        self.work = prepare_workload(opts.prompts, self.model_dir, opts.prompt_tokens, opts.tokens,
+                                     self.facts.max_position_embeddings)
+        self.workload_info = self.work.info
+        min_ctx = max(opts.min_ctx, self.work.ctx_needed)
+        if min_ctx > opts.min_ctx:
+            self.log(f"--prompts: the longest request needs {min_ctx} tokens of context; --min-ctx {opts.min_ctx} raised")
         if not self.study_name_set(recorded):
             # tune --quant's levels carry one model name and may share one storage: the quant tells them apart.
             quant = f"-{self.facts.quant}" if opts.model_name else ""
@@ -84,25 +110,42 @@ class _Run:
         self.has_gpu = bool(torch.cuda.is_available())
         self.space = SearchSpace(budget=self.budget, physical_cores=psutil.cpu_count(logical=False) or 1,
                                  logical_cores=psutil.cpu_count() or 1, has_gpu=self.has_gpu,
-                                 min_ctx=opts.min_ctx, model=self.facts)
+                                 min_ctx=min_ctx, model=self.facts)
         self.space.check_budget()  # before anything slow: a budget below the dense part is a user error
+        self.quality_meter = None
+        if opts.lossy is not None:  # tune --max-kl / --min-top1: lossy dimensions, each priced in quality
+            self.space.lossy = lossy.distributions(self.model_dir)
+            self.quality_meter = lossy.QualityMeter(self.model_dir, opts.lossy, self.out, self.log)
         if opts.resume and opts.storage is None and not (self.out / "study.db").exists():
             raise ConfigError(f"nothing to resume: {self.out} holds no study.db")
+        if opts.profile:
+            load_profile(opts.profile)  # refused now, not after the run directory and study exist
+        self.warm_entry = outputs.warm_start_entry(opts.from_profile, self.facts.geometry, self.log, self.facts.quant) \
+            if opts.from_profile else None
+        # A storage of the user's (PostgreSQL, or a SQLite file elsewhere) is opened now: a wrong
+        # URL is refused before anything is written; the default one lives in the run directory.
+        self.storage = open_storage(self.storage_url, self.shared) if opts.storage else None
+
+    def start(self) -> None:
+        """Create the run directory (or reuse a previous run's) and everything up to the study."""
+        opts = self.opts
         self.out.mkdir(parents=True, exist_ok=True)
-        self.storage = open_storage(self.storage_url, self.shared)  # also before anything slow
+        self.watch = run_guard.RunDirWatch(self.out)
+        self.work.save(self.out)
+        if self.storage is None:
+            self.storage = open_storage(self.storage_url, self.shared)
         self.existing = storage.check_resume(self.storage, self.storage_url, self.study_name, opts.resume,
                                              self.shared)
         write_run_record(self.out, model=opts.model, model_dir=self.model_dir, budget=self.budget,
                          study_name=self.study_name, objective=opts.objective, storage=redact_url(self.storage_url))
-        self.warm_entry = outputs.warm_start_entry(opts.from_profile, self.facts.geometry, self.log, self.facts.quant) \
-            if opts.from_profile else None
 
         self.profile, self.profile_source = probe_profile(self.out, opts.profile, self.model_dir, self.log)
         self.calibration = calibrate(
             out=self.out, model_dir=self.model_dir, budget=self.budget, limit_bytes=self.limit_bytes,
             space=self.space, has_experts=self.facts.has_experts, tokens=opts.tokens,
             prompt_tokens=opts.prompt_tokens, cold=opts.cold, seed=opts.seed, trial_timeout=opts.trial_timeout,
-            record_wall=self.clock.record, log=self.log)
+            record_wall=self.clock.record, log=self.log, workload_args=self.work.bench_args,
+            workload=self.work.digest)
         self.space.overhead_bytes = self.calibration.get("overhead_bytes") or DEFAULT_OVERHEAD_BYTES
         hist = self.calibration.get("routing_histogram")
         self.space.with_pinned = bool(hist and Path(hist).exists())
@@ -132,7 +175,8 @@ class _Run:
                 "geometry": {k: self.facts.geometry.get(k) for k in outputs.GEOMETRY_KEYS},
                 "budget": self.budget, "objective": o.objective, "space": self.space.describe(),
                 "tokens": o.tokens, "repeats": o.repeats, "prompt_tokens": o.prompt_tokens, "cold": o.cold,
-                "seed": o.seed}
+                "seed": o.seed, **({"workload": self.work.digest} if self.work.digest else {}),
+                **({"lossy": dataclasses.asdict(o.lossy)} if o.lossy else {})}
 
     def _open_study(self) -> optuna.Study:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -154,69 +198,49 @@ class _Run:
                                     sampler=make_sampler(self.opts, self.shared), load_if_exists=True)
         storage.check_settings(study, self.settings())
         storage.fail_unfinished(study, self.shared, self.log)
-        self._enqueue_warm_starts(study)
+        enqueue_warm_starts(self, study)
         return study
-
-    def _enqueue_warm_starts(self, study: optuna.Study) -> None:
-        fresh = not study.trials
-        study.enqueue_trial(self.space.params_of(self.space.baseline()), user_attrs={"role": "baseline"},
-                            skip_if_exists=True)
-        queued = 1
-        if self.warm_entry:
-            try:
-                config = EngineConfig.from_dict(self.warm_entry["config"], source="--from-profile config")
-            except ConfigError as exc:
-                self.log(f"--from-profile: skipped an unusable recorded config ({exc})")
-            else:
-                study.enqueue_trial(self.space.params_of(config), user_attrs={"role": "from_profile"},
-                                    skip_if_exists=True)
-                queued += 1
-        if self.opts.cost_model and self.facts.has_experts and fresh:
-            self._enqueue_predicted(study, queued)
-
-    def _enqueue_predicted(self, study: optuna.Study, queued: int) -> None:
-        """The cost model's top predicted configs, measured right after the baseline."""
-        from tuner.costmodel.predict import RunConditions
-        from tuner.costmodel.search import study_warm_starts
-        o = self.opts
-        # Never more than the trial budget leaves after the baseline: queued trials that never
-        # run would sit in the study as WAITING.
-        n = 3 if o.trials is None else max(0, min(3, o.trials - queued))
-        if not n:
-            return
-        run = RunConditions(prompt_tokens=o.prompt_tokens, tokens=o.tokens, repeats=o.repeats, cold=o.cold)
-        for r in study_warm_starts(self.space, self.profile, self.model_dir, run, n):
-            study.enqueue_trial(self.space.params_of(r.config), skip_if_exists=True,
-                                user_attrs={"role": "model", "predicted_decode_tok_s": r.prediction.decode_tok_s})
-            self.log(f"cost model: warm start {r.config.io_mode}, chunk {format_size(r.config.chunk_size)}, "
-                     f"prefetch {r.config.prefetch_depth}, cache ratio {r.config.cpu_cache_ratio}, "
-                     f"{r.config.cache_policy}: predicted {r.prediction.decode_tok_s:.3g} tok/s")
 
     # --- search -------------------------------------------------------------------------------
 
     def complete(self) -> list:
         return self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
 
+    def measured(self) -> list:
+        """COMPLETE trials that evaluated their point (re-proposals left out: explore.py)."""
+        return explore.measured(self.complete())
+
     def counts(self) -> tuple[int, int]:
+        """(measured trials, running trials): what --trials counts (re-proposals do not)."""
         trials = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
-        done = sum(t.state == TrialState.COMPLETE for t in trials)
-        return done, len(trials) - done
+        done = sum(t.state == TrialState.COMPLETE and not explore.is_re_proposal(t.user_attrs) for t in trials)
+        return done, sum(t.state == TrialState.RUNNING for t in trials)
 
     def search(self) -> None:
         while True:
+            self.watch.check()
             if self.shared:
                 optuna.storages.fail_stale_trials(self.study)
             done, running = self.counts()
             if self.opts.trials is not None and done + running >= self.opts.trials:
+                self.stop_reason = "trials"
                 break
             if not self.clock.room_for_trial():
                 self.log(f"time budget: no room for another trial ({format_clock(self.clock.used())} used); "
                          f"confirming")
+                self.stop_reason = "time budget"
                 break
             trial = self.study.ask()
             try:
                 with Heartbeat(self.storage, trial, enabled=self.shared):
-                    values, attrs = self.evaluate(trial)
+                    config = self.space.suggest(trial)
+                    earlier = objective.same_point(self.measured(), trial.params)
+                    if earlier is not None:
+                        self.tell_re_proposal(trial, earlier)
+                        if self.stall.re_proposed() and not self.explore_next(trial.number):
+                            break
+                        continue
+                    values, attrs = self.evaluate(trial, config)
             except BaseException:
                 # Not measured: FAIL is the honest state (the sampler must not learn from it).
                 try:
@@ -224,6 +248,7 @@ class _Run:
                 except Exception:
                     pass
                 raise
+            self.stall.measured()
             for k, v in attrs.items():
                 trial.set_user_attr(k, v)
             # Optuna 5 samplers read constraints set on the trial (constraints_func is deprecated).
@@ -232,16 +257,35 @@ class _Run:
             self.progress(trial.number, attrs)
             self.write_trials_csv()
 
-    def evaluate(self, trial: optuna.Trial) -> tuple[list[float], dict]:
-        config = self.space.suggest(trial)
+    def tell_re_proposal(self, trial: optuna.Trial, earlier) -> None:
+        """The sampler proposed a measured point: it is told the earlier figures (a re-run would
+        spend a whole trial on one more sample of a known point; the confirmation round
+        re-measures anyway), and the trial is marked so nothing counts it as measured."""
+        attrs = {k: v for k, v in earlier.user_attrs.items() if k not in ("role", "worker")}
+        attrs.update(role=trial.user_attrs.get("role", "search"), worker=self.worker, duplicate_of=earlier.number)
+        for k, v in attrs.items():
+            trial.set_user_attr(k, v)
+        trial.set_constraint("violation", attrs["constraint"])
+        self.study.tell(trial, list(earlier.values))
+        self.log(f"re-proposal [#{trial.number}] of trial {earlier.number}: not measured, not counted "
+                 f"({self.stall.in_a_row + 1} in a row) | {self.clock.clock()}")
+
+    def explore_next(self, number: int) -> bool:
+        """Enqueue an unmeasured point for the next trial; False: the search has converged."""
+        point, why = explore.exploration_point(self.complete(), self.space.distributions(), self.opts.objective,
+                                               self.opts.seed, number)
+        if point is None:
+            done, _ = self.counts()
+            self.log(f"converged after {done} measured trials: the sampler re-proposes measured points and {why}; "
+                     f"confirming ({format_clock(self.clock.used())} used)")
+            self.stop_reason = "converged"
+            return False
+        self.study.enqueue_trial(point, user_attrs={"role": "explore"})
+        self.log(f"exploring: the sampler re-proposes measured points; next, {why}")
+        return True
+
+    def evaluate(self, trial: optuna.Trial, config: EngineConfig) -> tuple[list[float], dict]:
         role = trial.user_attrs.get("role", "search")
-        earlier = objective.same_point(self.complete(), trial.params)
-        if earlier is not None:
-            # TPE re-proposes points of a small categorical space; a re-run would spend a whole
-            # trial on one more sample of a known point (the confirmation round re-measures anyway).
-            attrs = {k: v for k, v in earlier.user_attrs.items() if k not in ("role", "worker")}
-            attrs.update(role=role, worker=self.worker, duplicate_of=earlier.number)
-            return list(earlier.values), attrs
         worst = objective.worst_values(self.opts.objective, self.clock.trial_timeout())
         fits, overshoot, message = self.space.precheck(config)
         if not fits:
@@ -249,21 +293,26 @@ class _Run:
                                          overshoot=overshoot, budget=self.budget, message=message)
             return worst, rec.to_attrs()
         res = self.measure(config)
-        ref = objective.reference_ids(self.complete(), res.metrics.get("threads")) if res.ok else None
+        setting = lossy.setting_of(config) if self.quality_meter else None
+        ref = objective.reference_ids(self.measured(), res.metrics.get("threads"), setting) if res.ok else None
         status, constraint, error = objective.judge(res, self.budget, self.limit_bytes, ref)
         rec = objective.record(res, role=role, worker=self.worker, config=config.to_dict(), status=status,
                                constraint=constraint, error=error)
-        if constraint > 0:
-            return worst, rec.to_attrs()
-        return objective.objective_values(self.opts.objective, res.metrics, self.clock.trial_timeout()), rec.to_attrs()
+        attrs = rec.to_attrs()
+        if self.quality_meter and status == "ok":  # the bound is one more constraint, measured per setting
+            attrs = lossy.judge_quality(attrs, self.quality_meter.quality(setting), self.opts.lossy)
+        if attrs["constraint"] > 0:
+            return worst, attrs
+        return objective.objective_values(self.opts.objective, res.metrics, self.clock.trial_timeout()), attrs
 
     def measure(self, config: EngineConfig) -> TrialResult:
         o = self.opts
         res = run_trial(self.model_dir, config, tokens=o.tokens, repeats=o.repeats, cold=o.cold,
                         prompt_tokens=o.prompt_tokens, seed=o.seed, limit_bytes=self.limit_bytes,
-                        timeout=self.clock.trial_timeout())
+                        timeout=self.clock.trial_timeout(), extra_args=self.work.bench_args)
         if res.status != "timeout":
             self.clock.record(res.wall_seconds)
+        self.measuring_seconds += res.wall_seconds
         return res
 
     def progress(self, number: int, attrs: dict) -> None:
@@ -272,10 +321,10 @@ class _Run:
         total = str(self.opts.trials) if self.opts.trials else f"~{done + self.clock.trials_left()}"
         ranked = self.ranked()
         self.log(trial_line(done, total, number, attrs, self.opts.objective, ranked[0] if ranked else None,
-                            self.clock.clock()))
+                            self.clock.clock(), explore.search_counts(self.complete()).line()))
 
     def ranked(self) -> list:
-        return confirm.ranked(self.complete(), self.opts.objective)
+        return confirm.ranked(self.measured(), self.opts.objective)
 
     # --- confirmation and outputs -------------------------------------------------------------
 
@@ -283,25 +332,43 @@ class _Run:
         ranked = self.ranked()
         baseline = self.space.baseline()
         baseline_params = self.space.params_of(baseline)
-        baseline_trial = next((t for t in sorted(self.complete(), key=lambda t: t.number)
-                               if t.params == baseline_params), None)
+        baseline_trial = self.trial_at(baseline_params)
+        defaults = self.defaults()
         entries = confirm.contenders(ranked, self.opts.confirm_top, baseline, baseline_params, baseline_trial,
-                                     self.space.config_from_params)
+                                     self.space.config_from_params, defaults)
         if self.opts.confirm_top == 0:
-            return confirm.unconfirmed(ranked, entries[-1], baseline_trial, self.space.config_from_params)
+            return confirm.unconfirmed(ranked, entries[-1], baseline_trial, self.space.config_from_params, defaults)
         rounds = confirm.confirm(entries, self.opts.confirm_rounds, self.measure, self.clock.room_for_round,
                                  self.log)
         return confirm.decide(entries, rounds, self.opts.objective)
 
+    def defaults_config(self) -> EngineConfig:
+        """What a user who skips `tune` runs: EngineConfig() with this budget (and a context the
+        user's minimum, or the workload's longest request, fits in)."""
+        return EngineConfig(ram_budget=self.budget, ctx_size=max(EngineConfig().ctx_size, self.space.min_ctx))
+
+    def defaults(self) -> confirm.Reference:
+        config = self.defaults_config()
+        params = self.space.params_of(config)
+        return confirm.Reference(config, params, self.trial_at(params))
+
+    def trial_at(self, params: dict):
+        """The first measured trial at this point, or None."""
+        key = objective.point_key(params)
+        return next((t for t in sorted(self.measured(), key=lambda t: t.number)
+                     if objective.point_key(t.params) == key), None)
+
     def write_trials_csv(self) -> None:
-        outputs.write_trials_csv(self.study.get_trials(deepcopy=False), self.out / "trials.csv")
+        # Through the held directory: a run directory the user deleted is never re-created.
+        self.watch.write_text("trials.csv", trials_csv(self.study.get_trials(deepcopy=False)))
 
 
 def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
     from tuner.probe.storage import sigterm_as_interrupt
     run = _Run(opts, log)
-    with sigterm_as_interrupt():  # `kill` gets the same clean stop as Ctrl-C
-        run.setup()
+    run.prepare()
+    with run_guard.hold(run.out, f"tuning {run.study_name}"), sigterm_as_interrupt(), run:  # `kill`: as Ctrl-C
+        run.start()
         done, _ = run.counts()
         log(f"study {run.study_name!r} in {redact_url(run.storage_url)}: {done} completed trial(s) so far; "
             f"budget {format_size(run.budget)}, objective {opts.objective}, "
@@ -311,6 +378,10 @@ def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
         try:
             run.search()
             decision = run.confirm()
+        except optuna.exceptions.StorageInternalError as exc:
+            run.watch.check()  # the usual cause: the run directory was deleted under the study
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise ConfigError(f"study storage {redact_url(run.storage_url)} failed: {first}") from None
         except KeyboardInterrupt:
             if not run.shared:
                 # Ctrl-C can land between `study.ask()` and the guarded measurement, or while a
@@ -324,8 +395,15 @@ def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
             log(f"interrupted: {done} completed trial(s) are saved in {redact_url(run.storage_url)}; "
                 f"continue with: {again}")
             raise
+        run.search_counts = explore.search_counts(run.complete())
         result = outputs.build_result(run, decision).to_dict()
+        run.watch.check()
         files = outputs.write_outputs(run, result)
+        if opts.lossy is not None:
+            summary = lossy.front_summary(run.complete(), opts.lossy, result.get("recommended"), run.facts.quant)
+            files.update(lossy.write_summary(run.out, summary))
+            for line in lossy.markdown(summary).splitlines()[4:]:
+                log(line)
     rec = result["recommended"]
     if rec is None:
         raise BudgetError(f"no configuration ran within the budget {format_size(run.budget)} "

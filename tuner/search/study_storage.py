@@ -47,6 +47,24 @@ def is_shared(url: str | None) -> bool:
 _CREATION_RACE = ("duplicate", "already exists", "unique constraint failed")
 
 
+STORAGE_BACKENDS = ("sqlite", "postgresql", "mysql")  # the RDB backends Optuna supports
+
+
+def check_url(url: str) -> None:
+    """Refuse a malformed storage URL, or one of a database Optuna cannot use, in one line
+    (before the run creates anything; opening it may still fail, also in one line)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError) as exc:
+        raise ConfigError(f"cannot open study storage {redact_url(str(url))!r}: not a database URL ({exc}); e.g. "
+                          "sqlite:///study.db or postgresql://user@host/db") from None
+    if parsed.get_backend_name() not in STORAGE_BACKENDS:
+        raise ConfigError(f"cannot open study storage {redact_url(str(url))!r}: {parsed.get_backend_name()!r} is not a database "
+                          f"Optuna can use ({', '.join(STORAGE_BACKENDS)})")
+
+
 def open_storage(url: str, shared: bool):
     """An Optuna RDB storage, or one clear error naming the URL (password hidden)."""
     kwargs = {}

@@ -12,12 +12,15 @@ on every output that it is not like for like.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from engine.base.config import atomic_write_text, format_size
 from engine.base.errors import ColibriError
+from engine.base.output_target import directory_target, replace_directory, stamped
 from tuner.results import report_plots
 from tuner.results.html_page import e, img, page, table
 from tuner.results.printers import fmt, kl_text, pct
@@ -101,8 +104,20 @@ def differences(items: list[Item], which) -> dict[str, list]:
     return out
 
 
+# A previous compare output is replaced (compare's --force is about the conditions, not files).
+COMPARE_OUTPUT = stamped("compare.json", "schema", "colibri.compare/1")
+
+
 def compare(refs: list[str], out_dir: str | Path | None = None, force: bool = False,
-            model: str | None = None) -> dict:
+            model: str | None = None, in_place: bool = False) -> dict:
+    """Compare, and write compare.md/.html/.json + plots/ into out_dir, a new directory built in a
+    temp sibling and renamed into place (engine/base/output_target.py's rules: never an input,
+    inside or above one, and a non-empty directory only when it is a previous comparison).
+    in_place: out_dir is the caller's own run directory (tune --quant), whose files are replaced
+    one by one (each atomically), the rest of it kept."""
+    raw_out = out_dir if out_dir is not None else Path("reports") / f"compare-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    target = None if in_place else directory_target(raw_out, command="compare", recognise=COMPARE_OUTPUT,
+                                                    sources=refs_paths(refs), force=True, flag="--out")
     items = load_items(refs, model)
     blocking = differences(items, BLOCKING)
     if blocking and not force:
@@ -110,8 +125,6 @@ def compare(refs: list[str], out_dir: str | Path | None = None, force: bool = Fa
         raise CompareError(f"not comparable ({detail}); --force compares them anyway, marked as not like for like")
     ranked = sorted(items, key=lambda i: -(i.figure("decode_tok_s") or 0.0))
     best = ranked[0].figure("decode_tok_s") or 0.0
-    out = Path(out_dir) if out_dir else Path("reports") / f"compare-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
-    (out / "plots").mkdir(parents=True, exist_ok=True)
     rows = [_row(rank, it, best) for rank, it in enumerate(ranked, 1)]
     summary = {"schema": "colibri.compare/1", "inputs": [str(r) for r in refs], "forced": bool(blocking),
                "not_comparable": {k: [str(x) for x in v] for k, v in blocking.items()},
@@ -120,12 +133,34 @@ def compare(refs: list[str], out_dir: str | Path | None = None, force: bool = Fa
                "pareto_front": report_plots.pareto_front([(i.label, i.figure("kl_mean"), i.figure("decode_tok_s"))
                                                           for i in ranked if i.figure("kl_mean") is not None
                                                           and i.figure("decode_tok_s") is not None]) or None}
+    if target is None:
+        out = Path(raw_out)
+        _write(out, summary, ranked)
+    else:
+        out = target.path
+        tmp = target.sibling(f"partial-{os.getpid()}")
+        tmp.mkdir(parents=True)
+        try:
+            _write(tmp, summary, ranked)
+            replace_directory(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    summary["files"] = {n: str(out / n) for n in ("compare.md", "compare.html", "compare.json")}
+    return summary
+
+
+def refs_paths(refs: list[str]) -> list[str]:
+    """The inputs that are paths (a profile may also be a name in the local store)."""
+    return [r for r in refs if os.path.lexists(r)]
+
+
+def _write(out: Path, summary: dict, ranked: list) -> None:
+    (out / "plots").mkdir(parents=True, exist_ok=True)
     plots = _plots(ranked, out / "plots")
     atomic_write_text(out / "compare.json", json.dumps(summary, indent=2) + "\n")
     atomic_write_text(out / "compare.md", render_markdown(summary, plots))
     atomic_write_text(out / "compare.html", render_html(summary, plots))
-    summary["files"] = {n: str(out / n) for n in ("compare.md", "compare.html", "compare.json")}
-    return summary
 
 
 def _row(rank: int, it: Item, best: float) -> dict:

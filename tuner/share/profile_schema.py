@@ -61,16 +61,27 @@ QUALITY = {"kl_mean": (NUM, True, (0, 1e6)), "top1_agreement": (NUM, True, (0, 1
            "perplexity": (NUM, True, (0, 1e9)), "reference": (STR, True, None)}
 TOOL = {"name": (STR, False, None), "version": (STR, False, None), "engine_version": (STR, True, None),
         "git_commit": (STR, True, None)}
+LENGTHS = {"min": (INT, False, (0, 1 << 22)), "median": (NUM, False, (0, 1 << 22)), "max": (INT, False, (0, 1 << 22)),
+           "total": (INT, False, (0, 1 << 40))}
+# The workload an entry was tuned for: its lengths and a hash of the tokenized prompts, never text.
+WORKLOAD = {"kind": (STR, False, ("fixed", "prompts")), "requests": (INT, False, (1, 1 << 20)),
+            "prompt_tokens": (LENGTHS, False, None), "max_new_tokens": (LENGTHS, False, None),
+            "sha256": (STR, True, HASH_RE)}
 GEOMETRY = {k: (INT, False, (1, 1 << 24)) for k in GEOMETRY_KEYS if k != "model_type"}
 GEOMETRY["model_type"] = (STR, False, None)
 ENTRY_SPEC = {
     "schema": (STR, False, (ENTRY_SCHEMA,)), "model": (STR, False, None), "geometry": (GEOMETRY, False, None),
     "geometry_hash": (STR, False, HASH_RE), "quant": (STR, False, QUANT_RE), "compute_dtype": (STR, False, None),
-    "ram_budget": (INT, False, (1 << 20, 1 << 52)), "objective": (STR, False, ("decode", "ttft", "both")),
+    "ram_budget": (INT, False, (1 << 20, 1 << 52)),
+    "objective": (STR, False, ("decode", "ttft", "request", "both")),
     "config": ("config", False, None), "figures": (FIGURES, False, None), "baseline_figures": (FIGURES, True, None),
     "gain_over_baseline": (NUM, True, (-1, 1e6)), "quality": (QUALITY, True, None),
     "conditions": (CONDITIONS, False, None), "tool": (TOOL, False, None), "created_utc": (STR, False, UTC_RE),
+    # Added later: an entry written before may lack them (ENTRY_OPTIONAL).
+    "defaults_figures": (FIGURES, True, None), "gain_over_defaults": (NUM, True, (-1, 1e6)),
+    "workload": (WORKLOAD, True, None),
 }
+ENTRY_OPTIONAL = ("defaults_figures", "gain_over_defaults", "workload")
 IDENTITY = {"hostname": (STR, True, None), "user": (STR, True, None), "model_dirs": ("strings", False, None)}
 
 
@@ -143,7 +154,7 @@ def check_ranges(hardware: dict) -> None:
 def check_entry(entry: dict, path: str) -> None:
     from engine.base.config import EngineConfig
     from engine.base.errors import ConfigError
-    check_spec(entry, ENTRY_SPEC, path)
+    check_spec(entry, ENTRY_SPEC, path, optional=ENTRY_OPTIONAL)
     try:
         EngineConfig.from_dict(entry["config"], source=f"{path}.config")
     except ConfigError as exc:
@@ -154,7 +165,8 @@ def check_entry(entry: dict, path: str) -> None:
         raise ProfileError(f"{path}.geometry_hash: does not match the geometry it describes")
 
 
-def check_spec(value, spec: dict, path: str) -> None:
+def check_spec(value, spec: dict, path: str, optional: tuple[str, ...] = ()) -> None:
+    """`optional`: keys added to the spec later, which older documents may lack."""
     if not isinstance(value, dict):
         raise ProfileError(f"{path}: expected an object, got {_kind(value)}")
     unknown = sorted(set(value) - set(spec))
@@ -162,6 +174,8 @@ def check_spec(value, spec: dict, path: str) -> None:
         raise ProfileError(f"{path}: unknown key {unknown[0]!r}")
     for key, (kind, nullable, rule) in spec.items():
         if key not in value:
+            if key in optional:
+                continue
             raise ProfileError(f"{path}: missing key {key!r}")
         _check_value(value[key], kind, nullable, rule, f"{path}.{key}")
 

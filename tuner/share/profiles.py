@@ -19,8 +19,9 @@ import socket
 from pathlib import Path
 
 from engine.base.config import atomic_write_text, format_size
+from engine.base.output_target import file_target, json_file_with, read_small_json
 from tuner import __version__
-from tuner.results.printers import fmt
+from tuner.results.printers import fmt, pct
 from tuner.probe.errors import ProfileError
 from tuner.share.profile_schema import ENTRY_SCHEMA, GEOMETRY_KEYS, geometry_hash, parse_text, validate_shared
 from tuner.results.rundir import is_run_dir, open_run
@@ -92,6 +93,7 @@ def entry_from_run(run) -> dict:
         "conditions": _conditions(cond, (r.get("confirmation") or {}).get("rounds"), study),
         "tool": _tool(cond),
         "created_utc": r.get("created_utc"),
+        **_honest_gain(r.get("defaults"), r.get("gain_over_defaults"), r.get("workload")),
     }
 
 
@@ -121,7 +123,18 @@ def _normalize_entry(e: dict) -> dict | None:
         "gain_over_baseline": e.get("gain_over_baseline"), "quality": _quality(e.get("quality")),
         "conditions": _conditions(cond, None, {}), "tool": _tool(cond),
         "created_utc": e.get("created_utc"),
+        **_honest_gain({"confirmed": e.get("defaults_figures")} if e.get("defaults_figures") else None,
+                       e.get("gain_over_defaults"), e.get("workload")),
     }
+
+
+def _honest_gain(defaults: dict | None, gain, workload: dict | None) -> dict:
+    """The engine defaults' figures and the gain over them, and the workload tuned for (its
+    lengths and hash: the prompts' text and file name stay on the tuning machine)."""
+    return {"defaults_figures": _figures(defaults.get("confirmed")) if defaults and defaults.get("confirmed") else None,
+            "gain_over_defaults": gain,
+            "workload": {k: workload.get(k) for k in ("kind", "requests", "prompt_tokens", "max_new_tokens", "sha256")}
+            if workload else None}
 
 
 def _conditions(cond: dict, rounds, study: dict) -> dict:
@@ -234,6 +247,9 @@ def write_profile_file(data: dict, path: str | Path) -> Path:
     return path
 
 
+PROFILE_FILE = json_file_with("schema_version", "fingerprint")  # a probe's JSON or a shared profile
+
+
 def store_dir() -> Path:
     """$XDG_CONFIG_HOME/colibri/profiles (XDG: ~/.config when unset or not absolute)."""
     base = os.environ.get("XDG_CONFIG_HOME", "")
@@ -257,12 +273,14 @@ def import_profile(path: str | Path, name: str | None = None, force: bool = Fals
     store.mkdir(parents=True, exist_ok=True)
     dest = store / f"{name}.json"
     text = json.dumps(data, indent=2) + "\n"
-    if dest.exists():
-        if dest.read_text(encoding="utf-8") == text:
+    if os.path.lexists(dest):
+        if dest.is_file() and read_small_json(dest) == data:
             return name, dest, False
         if not force:
             raise ProfileError(f"a different profile named {name!r} is already in {store} "
                                f"(--name NEW to keep both, --force to replace it)")
+    # --force replaces only a profile: not a directory, a FIFO or a stranger's file of that name.
+    dest = file_target(dest, command="profile import", recognise=PROFILE_FILE, sources=[path], flag="--name")
     atomic_write_text(dest, text)
     return name, dest, True
 
@@ -315,7 +333,11 @@ def entry_line(e: dict) -> str:
     f, c = e["figures"], e["config"]
     return (f"{e['model']} [{e['geometry_hash'][7:15]}] {e['quant']} budget {format_size(e['ram_budget'])} "
             f"{'cold' if e['conditions']['cold'] else 'warm'}: decode {fmt(f.get('decode_tok_s'))} tok/s "
-            f"[{fmt(f.get('decode_min'))}..{fmt(f.get('decode_max'))}], TTFT {fmt(f.get('ttft_s'), 3)} s | chunk "
+            f"[{fmt(f.get('decode_min'))}..{fmt(f.get('decode_max'))}], TTFT {fmt(f.get('ttft_s'), 3)} s"
+            + (f", {pct(e['gain_over_defaults'], signed=True)} over the engine's defaults"
+               if e.get("gain_over_defaults") is not None else "")
+            + (f" (tuned for {e['workload']['requests']} prompt(s), {e['workload']['sha256']})"
+               if (e.get("workload") or {}).get("kind") == "prompts" else "") + " | chunk "
             f"{format_size(c.get('chunk_size'))}, prefetch {c.get('prefetch_depth')}, {c.get('cache_policy')} "
             f"x{c.get('cpu_cache_ratio')}, threads {c.get('threads')}, io {c.get('io_mode')} x{c.get('io_threads')} "
             f"| tool {e['tool']['version']} ({e['tool'].get('git_commit')})")

@@ -1,0 +1,73 @@
+"""A `tune --max-kl` run and its speed-quality front: every lossy setting it measured, with speed and quality.
+
+    python benchmarks/lossy_tune.py --model DIR [--quant bf16,int8] [--max-kl 0.05] [--trials 12]
+        [--ram-budget 512MiB] [--profile FILE] [--quality-tokens 1024] [--quality-ctx 256] [--out DIR] [--json]
+
+Runs `colibri tune --max-kl ...` (with --quant: one study per level, tuner/search/quant_tune.py)
+as a user would, then prints the run's lossy.json as a table: per measured setting (quant level,
+KV precision, top-k reduction, expert threshold) its fastest search trial's decode tok/s, its
+mean KL and same-top-1 against the lossless (unquantized) model on the fixed text, whether it is
+inside the bound and on the Pareto front, and the chosen point. The search is Optuna's (GP by
+default), so which settings get measured depends on the seed and the trial count: the table
+says what was measured, not every combination.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.base.config import parse_size  # noqa: E402
+from tuner.search.lossy import QualityBound  # noqa: E402
+from tuner.search.quant_tune import QuantTuneOptions, parse_levels, run_quant_tune  # noqa: E402
+from tuner.search.study import TuneOptions, run_tune  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="model directory or synth preset")
+    ap.add_argument("--quant", help="levels, e.g. bf16,int8 (one study each)")
+    ap.add_argument("--max-kl", type=float, default=0.05)
+    ap.add_argument("--min-top1", type=float)
+    ap.add_argument("--trials", type=int, default=12, help="per level")
+    ap.add_argument("--ram-budget", default="512MiB")
+    ap.add_argument("--quality-tokens", type=int, default=1024)
+    ap.add_argument("--quality-ctx", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="run directory (default: reports/...)")
+    ap.add_argument("--profile", help="a saved probe (e.g. profiles/<machine>.json) instead of probing")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    bound = QualityBound(max_kl=a.max_kl, min_top1=a.min_top1, tokens=a.quality_tokens, ctx=a.quality_ctx).validate()
+    opts = TuneOptions(model=a.model, ram_budget=parse_size(a.ram_budget), trials=a.trials, tokens=a.tokens,
+                       repeats=a.repeats, seed=a.seed, out=Path(a.out) if a.out else None, confirm_top=2,
+                       confirm_rounds=1, profile=a.profile, lossy=bound)
+    if a.quant:
+        out = run_quant_tune(QuantTuneOptions(opts, parse_levels(a.quant), quality_tokens=a.quality_tokens,
+                                              quality_ctx=a.quality_ctx)).out_dir
+    else:
+        out = run_tune(opts).out_dir
+    summary = json.loads((Path(out) / "lossy.json").read_text(encoding="utf-8"))
+    if a.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"model {a.model}, budget {a.ram_budget}, {a.trials} trials per level, bound {summary['bound_text']}, "
+          f"quality on {a.quality_tokens} tokens (ctx {a.quality_ctx}), {a.tokens} decode tokens x {a.repeats} "
+          f"repeats, cold; {platform.machine()} {platform.python_version()}; run {out}")
+    print(f"{'setting':<34} {'decode tok/s':>12} {'KL mean':>9} {'top-1':>7}  bound  front  chosen")
+    for p in summary["points"]:
+        print(f"{p['label']:<34} {p['decode_tok_s']:>12.3g} {p['kl_mean']:>9.5f} {100 * p['top1_agreement']:>6.2f}%"
+              f"  {'in ' if p['within_bound'] else 'OUT'}    {'yes' if p['on_front'] else '   '}    "
+              f"{'<-' if p['label'] == summary['chosen'] else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

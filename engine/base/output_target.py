@@ -1,0 +1,247 @@
+"""Where a command may write: the one set of rules every writing command checks before it starts.
+
+A tool that streams 400 GB models must never delete what it did not write. So an output target
+(a directory that `convert`, `synth`, `tune` or `compare` fills, or a file that `probe -o` or
+`profile export -o` writes) is refused, with one line naming the rule, when it is:
+
+- empty text ("" would mean the current directory), the current directory, or `/`;
+- a source of the command (the model being converted, the run being exported), inside one, or
+  an ancestor of one (replacing it would take the source with it);
+- for a directory output: an existing file, or a non-empty directory that is not a previous
+  output of the same command. A previous output is recognised by its stamp (the key its config
+  or record carries, see `stamped`); `--force` replaces only such a directory, never another;
+- for a file output: a directory or a special file (FIFO, device), or an existing file that is
+  not a previous output of the same kind;
+- somewhere this process cannot write (a read-only directory): refused now, not after the work.
+
+Symlinks are resolved first, so a link to the source is the source. The directory is then filled
+in a fresh temporary sibling and renamed into place (`replace_directory`); files are written with
+engine/durable.py's temp file + rename. A replaced previous output is moved aside, the new one
+renamed in, and only then is the old one removed, after checking again that it still is ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from engine.base.durable import fsync_dir
+from engine.base.errors import ConfigError
+
+STAMP_MAX_BYTES = 16 << 20  # a config.json / run record read to find a stamp; real ones are KiB
+
+Recogniser = Callable[[Path], bool]  # True when the path holds a previous output of this command
+
+
+class OutputTargetError(ConfigError):
+    """An output path that would overwrite or delete something the command did not write."""
+
+
+@dataclass(frozen=True)
+class DirectoryTarget:
+    path: Path  # absolute, symlinks resolved
+    command: str  # "convert", "synth", ... for messages and the temp siblings' names
+    recognise: Recogniser
+    replaces: bool  # a previous output is there and will be replaced (only with force)
+
+    def sibling(self, suffix: str) -> Path:
+        """A temp sibling in the same directory (so the final rename never crosses filesystems)."""
+        return self.path.parent / f"{self.path.name}.{suffix}"
+
+
+def resolved(raw: str | os.PathLike, flag: str) -> Path:
+    """The absolute path with every symlink resolved; empty text is refused (it means '.')."""
+    text = os.fspath(raw)
+    if not str(text).strip():
+        raise OutputTargetError(f"{flag}: empty path (it would mean the current directory)")
+    try:
+        return Path(text).expanduser().resolve(strict=False)
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise OutputTargetError(f"{flag} {text}: cannot resolve the path ({exc})") from None
+
+
+def _cwd() -> Path | None:
+    try:
+        return Path.cwd().resolve()
+    except OSError:  # the current directory was deleted
+        return None
+
+
+def check_not_source(target: Path, sources: Iterable[str | os.PathLike], flag: str, what: str = "the output") -> None:
+    """Refuse a target that is a source, inside one, or an ancestor of one (all resolved)."""
+    for raw in sources:
+        if raw is None or not str(raw):
+            continue
+        src = Path(raw).expanduser().resolve(strict=False)
+        if target == src:
+            raise OutputTargetError(f"{flag} {target}: {what} is the source {src}; choose another path")
+        if src in target.parents:
+            raise OutputTargetError(f"{flag} {target}: {what} is inside the source {src}; choose a path outside it")
+        if target in src.parents:
+            raise OutputTargetError(f"{flag} {target}: {what} contains the source {src}; replacing it would "
+                                    "delete the source")
+
+
+def _check_common(target: Path, sources, flag: str) -> None:
+    if target == Path(target.anchor):
+        raise OutputTargetError(f"{flag} {target}: refusing to write to the root directory")
+    if target == _cwd():
+        raise OutputTargetError(f"{flag} {target}: refusing to write to the current directory itself; "
+                                "name a new subdirectory")
+    check_not_source(target, sources, flag)
+
+
+def _check_writable(target: Path, flag: str) -> None:
+    """The nearest existing ancestor must be a writable directory (we create the rest)."""
+    parent = target.parent
+    while not os.path.lexists(parent):
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputTargetError(f"{flag} {target}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputTargetError(f"{flag} {target}: directory {parent} is not writable")
+    # os.access says yes to root everywhere, and nothing of a read-only mount or of /proc: try it.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".colibri-write-check-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OutputTargetError(f"{flag} {target}: cannot create files in {parent} "
+                                f"({exc.strerror or exc})") from None
+
+
+def _kind_of(st: os.stat_result) -> str:
+    m = st.st_mode
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(m):
+            return name
+    return "a file" if stat.S_ISREG(m) else "not a regular file"
+
+
+def directory_target(raw: str | os.PathLike, *, command: str, recognise: Recogniser, sources=(),
+                     force: bool = False, flag: str = "-o") -> DirectoryTarget:
+    """Check a directory output before any work; returns where to write. See the module doc."""
+    target = resolved(raw, flag)
+    _check_common(target, sources, flag)
+    replaces = False
+    if os.path.lexists(target):
+        st = os.stat(target)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OutputTargetError(f"{flag} {target}: exists and is {_kind_of(st)}, not a directory")
+        if any(os.scandir(target)):
+            if not recognise(target):
+                raise OutputTargetError(f"{flag} {target}: is not empty and is not a previous `colibri {command}` "
+                                        "output; refusing to replace it (even with --force)")
+            if not force:
+                raise OutputTargetError(f"{flag} {target}: is not empty: it holds a previous `colibri {command}` "
+                                        "output (use --force to replace it)")
+            replaces = True
+            if not os.access(target, os.W_OK | os.X_OK):
+                raise OutputTargetError(f"{flag} {target}: the previous output is read-only; cannot replace it")
+    _check_writable(target, flag)
+    return DirectoryTarget(target, command, recognise, replaces)
+
+
+def run_directory_target(raw: str | os.PathLike, *, command: str, recognise: Recogniser, sources=(),
+                         flag: str = "--out") -> Path:
+    """A directory a command keeps writing into over time (a tune run): the same refusals, but a
+    previous output of the command is reused in place (resume), never replaced."""
+    target = resolved(raw, flag)
+    _check_common(target, sources, flag)
+    if os.path.lexists(target):
+        st = os.stat(target)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OutputTargetError(f"{flag} {target}: exists and is {_kind_of(st)}, not a directory")
+        if any(os.scandir(target)) and not recognise(target):
+            raise OutputTargetError(f"{flag} {target}: a non-empty directory that is not a previous "
+                                    f"`colibri {command}` run directory; choose a new or empty one")
+        if not os.access(target, os.W_OK | os.X_OK):
+            raise OutputTargetError(f"{flag} {target}: directory is not writable")
+    _check_writable(target, flag)
+    return target
+
+
+def file_target(raw: str | os.PathLike, *, command: str, recognise: Recogniser | None, sources=(),
+                flag: str = "-o") -> Path:
+    """Check a single-file output. An existing file is replaced only when `recognise` says it is a
+    previous output of this kind (recognise None: any existing regular file is refused)."""
+    target = resolved(raw, flag)
+    _check_common(target, sources, flag)
+    if os.path.lexists(target):
+        st = os.stat(target)
+        if not stat.S_ISREG(st.st_mode):
+            raise OutputTargetError(f"{flag} {target}: exists and is {_kind_of(st)}, not a file it may replace")
+        if recognise is None or not recognise(target):
+            raise OutputTargetError(f"{flag} {target}: an existing file that is not a previous `colibri {command}` "
+                                    "output; refusing to overwrite it")
+        if not os.access(target.parent, os.W_OK | os.X_OK):
+            raise OutputTargetError(f"{flag} {target}: directory {target.parent} is not writable")
+    _check_writable(target, flag)
+    return target
+
+
+def replace_directory(tmp: Path, target: DirectoryTarget) -> None:
+    """Rename the finished `tmp` to the target. What is there now must still be empty or a previous
+    output (it was checked at the start; a user may have put something there since): it is moved
+    aside, the new directory renamed in, and the old one removed only then."""
+    path = target.path
+    old = None
+    if os.path.lexists(path):
+        if not path.is_dir() or path.is_symlink():
+            raise OutputTargetError(f"{path}: became something other than a directory while `colibri "
+                                    f"{target.command}` ran; the new output is left in {tmp}")
+        if any(os.scandir(path)):
+            if not (target.replaces and target.recognise(path)):
+                raise OutputTargetError(f"{path}: filled with other files while `colibri {target.command}` ran; "
+                                        f"not replacing it; the new output is left in {tmp}")
+            old = target.sibling(f"old-{os.getpid()}")
+            os.replace(path, old)
+        else:
+            path.rmdir()
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --- stamps: how a previous output of each command is recognised ----------------------------------
+
+def read_small_json(path: Path):
+    """A regular file's JSON, or None when it is missing, too big, special or not JSON (not ours)."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > STAMP_MAX_BYTES:
+            return None
+        with open(path, "rb") as f:
+            return json.loads(f.read(STAMP_MAX_BYTES + 1).decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def stamped(file_name: str, key: str, value: object = None) -> Recogniser:
+    """A recogniser: `<dir>/<file_name>` is a JSON object holding `key` (equal to `value` if given)."""
+    def recognise(directory: Path) -> bool:
+        data = read_small_json(Path(directory) / file_name)
+        if not isinstance(data, dict) or key not in data:
+            return False
+        return value is None or data[key] == value
+    return recognise
+
+
+def json_file_with(*keys: str) -> Recogniser:
+    """A recogniser for a file output: a JSON object holding every one of `keys`."""
+    def recognise(path: Path) -> bool:
+        data = read_small_json(Path(path))
+        return isinstance(data, dict) and all(k in data for k in keys)
+    return recognise
+
+
+def any_of(*recognisers: Recogniser) -> Recogniser:
+    return lambda path: any(r(path) for r in recognisers)

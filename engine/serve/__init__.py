@@ -1,0 +1,6 @@
+"""Serving the engine: `colibri serve` (an OpenAI-compatible HTTP API on Starlette + uvicorn) and
+`colibri chat` (a terminal conversation), both on one loaded model and one generation worker.
+
+Owns: requests from people and their tools, one at a time, on a model that stays loaded.
+May import: every other engine package (it sits on top of engine.run).
+"""

@@ -1,0 +1,188 @@
+"""The OpenAI request fields `colibri serve` accepts, validated, and the error objects it answers with.
+
+Clients send more fields than any one server honours, so unknown fields are ignored (as OpenAI's
+own API and llama-server do); a known field with a wrong type or an out-of-range value is a 400
+with an OpenAI-style error object naming the field. Fields we cannot honour (n > 1, logprobs,
+echo, best_of, suffix, tools) are refused by name rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 1024
+ROLES = ("system", "developer", "user", "assistant", "tool")
+SEED_MAX = 2 ** 63 - 1
+
+
+class ApiError(Exception):
+    """One refused request: the HTTP status and the OpenAI error object's fields."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+@dataclass
+class Sampling:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass
+class CompletionRequest:
+    model: str | None
+    prompt: str | list[int]
+    sampling: Sampling
+
+
+@dataclass
+class ChatRequest:
+    model: str | None
+    messages: list[dict]
+    sampling: Sampling
+
+
+def _int(body: dict, key: str, default, lo: int, hi: int) -> int:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(key, f"must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise bad(key, f"must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _float(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(key, f"must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+        raise bad(key, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
+    return value
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(key, f"must be true or false, got {type(value).__name__}")
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad("stop", "must be a string or a list of strings")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise bad("stop", f"at most {MAX_STOP_SEQUENCES} sequences, got {len(items)}")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in items):
+        raise bad("stop", f"each sequence must have 1 to {MAX_STOP_CHARS} characters")
+    return items
+
+
+def _refuse_unsupported(body: dict) -> None:
+    if _int(body, "n", 1, 1, 128) != 1:
+        raise bad("n", "only n = 1 is supported (one generation at a time)")
+    for key, harmless in (("logprobs", (None, False, 0)), ("top_logprobs", (None, 0)), ("echo", (None, False)),
+                          ("best_of", (None, 1)), ("suffix", (None, "")), ("tools", (None, [])),
+                          ("functions", (None, []))):
+        if body.get(key, None) not in harmless:
+            raise bad(key, "is not supported by this server")
+
+
+def _model(body: dict) -> str | None:
+    value = body.get("model")
+    if value is not None and not isinstance(value, str):
+        raise bad("model", "must be a string")
+    return value
+
+
+def parse_sampling(body: dict, default_max_tokens: int) -> Sampling:
+    _refuse_unsupported(body)
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad("stream_options", "must be an object")
+    include_usage = bool(options and _bool(options, "include_usage", False))
+    # max_completion_tokens is the chat API's newer name for max_tokens.
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return Sampling(
+        max_tokens=_int(body, key, default_max_tokens, 1, 1 << 20),
+        temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        seed=_int(body, "seed", 0, 0, SEED_MAX),
+        stop=_stop(body), stream=stream, include_usage=include_usage)
+
+
+def parse_completion(body, default_max_tokens: int = 16) -> CompletionRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise bad("prompt", "must be a string, a list with one string, or a non-empty list of token ids")
+    elif not isinstance(prompt, str):
+        raise bad("prompt", "is required: a string or a list of token ids")
+    return CompletionRequest(_model(body), prompt, parse_sampling(body, default_max_tokens))
+
+
+def _content_text(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}].content", "only text parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
+
+
+def parse_chat(body, default_max_tokens: int = 256) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "is required: a non-empty list of {role, content}")
+    if len(messages) > MAX_MESSAGES:
+        raise bad("messages", f"at most {MAX_MESSAGES} messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", "must be an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
+        clean.append({"role": role, "content": _content_text(m.get("content"), i)})
+    return ChatRequest(_model(body), clean, parse_sampling(body, default_max_tokens))

@@ -1,0 +1,124 @@
+"""Start `colibri serve`: load the model once, then answer OpenAI requests until stopped.
+
+Bound to localhost by default. Any other address needs an API key (`--api-key` or the
+COLIBRI_API_KEY environment variable): a model server on a LAN without one is anyone's.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from engine.base.config import EngineConfig
+from engine.base.errors import ConfigError, ModelFormatError
+from engine.run.generate import load_tokenizer
+from engine.run.runtime import Engine
+from engine.serve.app import DEFAULT_MAX_BODY, ServeState, build_app
+from engine.serve.chat_template import ChatTemplate
+from engine.serve.metrics import ServerMetrics
+from engine.serve.worker import GenerationWorker
+
+API_KEY_ENV = "COLIBRI_API_KEY"
+MAX_QUEUE = 1024
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    queue_size: int = 8
+    max_body: int = DEFAULT_MAX_BODY
+    model_name: str | None = None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_options(opts: ServeOptions) -> ServeOptions:
+    """Refuse unsafe or impossible options before the model is loaded."""
+    key = opts.api_key if opts.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+    if key is not None and (not key.strip() or any(c.isspace() for c in key)):
+        raise ConfigError("the API key must be non-empty and contain no whitespace")
+    if not is_loopback(opts.host) and key is None:
+        raise ConfigError(f"--host {opts.host} is not a loopback address: set --api-key (or {API_KEY_ENV}) "
+                          "so that strangers on the network cannot use the model")
+    if not 0 <= opts.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {opts.port}")
+    if not 1 <= opts.queue_size <= MAX_QUEUE:
+        raise ConfigError(f"--queue-size must be in [1, {MAX_QUEUE}], got {opts.queue_size}")
+    if opts.max_body < 1024:
+        raise ConfigError(f"--max-body must be at least 1 KiB, got {opts.max_body}")
+    return ServeOptions(opts.host, opts.port, key, opts.queue_size, opts.max_body, opts.model_name)
+
+
+def eos_ids(checkpoint_config: dict, model_dir: Path) -> set[int]:
+    """End-of-sequence ids from config.json and generation_config.json (an int or a list)."""
+    ids: set[int] = set()
+    sources = [checkpoint_config]
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file() and gen_path.stat().st_size < (1 << 20):
+        try:
+            sources.append(json.loads(gen_path.read_text()))
+        except (ValueError, UnicodeDecodeError):
+            raise ModelFormatError(f"{gen_path}: not valid JSON") from None
+    for cfg in sources:
+        value = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                ids.add(v)
+    return ids
+
+
+class LoadedModel:
+    """The engine, its tokenizer, chat template and worker: what serve and chat share."""
+
+    def __init__(self, model_dir: str | os.PathLike, config: EngineConfig, queue_size: int = 8):
+        self.model_dir = Path(model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        if self.tokenizer is None:
+            raise ModelFormatError(f"{self.model_dir} has no tokenizer.json: serve and chat need text")
+        self.template = ChatTemplate.for_model(self.model_dir)
+        self.engine = Engine(self.model_dir, config)
+        try:
+            self.metrics = ServerMetrics()
+            self.worker = GenerationWorker(self.engine, self.tokenizer, eos_ids(self.engine.checkpoint.config,
+                                                                                self.model_dir),
+                                           queue_size, self.metrics)
+        except BaseException:
+            self.engine.close()
+            raise
+
+    def close(self) -> None:
+        self.worker.close()
+        self.engine.close()
+
+
+def make_state(model: LoadedModel, opts: ServeOptions) -> ServeState:
+    name = opts.model_name or model.model_dir.resolve().name
+    return ServeState(model.worker, model.tokenizer, model.template, name, api_key=opts.api_key,
+                      max_body=opts.max_body, metrics=model.metrics)
+
+
+def serve(model_dir, config: EngineConfig, opts: ServeOptions, log=print) -> None:
+    opts = check_options(opts)
+    model = LoadedModel(model_dir, config, opts.queue_size)
+    try:
+        state = make_state(model, opts)
+        log(f"colibri serve: {state.model_id} on http://{opts.host}:{opts.port}/v1 "
+            f"(ctx {model.worker.ctx_size}, queue {opts.queue_size}, chat template: {model.template.source})")
+        uvicorn.run(build_app(state), host=opts.host, port=opts.port, log_level="warning",
+                    timeout_graceful_shutdown=5)
+    finally:
+        model.close()

@@ -1,0 +1,185 @@
+"""One generation at a time, behind a bounded FIFO queue, on a model that stays loaded.
+
+People who stream a 300-700B model from an SSD found that serial requests are the stable choice
+(continuous batching ran their machines out of memory; concurrent requests all timed out), so the
+engine runs one job at a time on its own thread and the rest wait in arrival order. A full queue
+is refused at once (the HTTP layer answers 503 with Retry-After) rather than growing without
+bound. A job whose client has gone is cancelled at its next token, and a queued one is skipped.
+The model, its caches and the native kernels are loaded once and reused, and nothing is
+allocated per request beyond the generation itself, so the memory plan holds for the server's
+life.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from engine.run.generate import Generation, Sampler, generate
+from engine.serve.metrics import ServerMetrics
+from engine.serve.protocol import ApiError, Sampling
+
+
+class TextStream:
+    """Token ids → text pieces as they become final: whole UTF-8 characters only, and never the
+    beginning of a stop sequence that a later token may complete."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+            return ""
+        self.text = text
+        for stop in self.stops:
+            at = text.find(stop, max(0, self.sent - len(stop) + 1))
+            if at != -1:
+                self.text, self.stopped = text[:at], True
+                return self._take(at)
+        return self._take(max(self.sent, len(text) - self.hold))
+
+    def flush(self) -> str:
+        """The rest, at the end: a trailing partial character stays a replacement character, as
+        a whole-text decode gives it."""
+        if not self.stopped and self.ids:
+            self.text = self.tokenizer.decode(self.ids)
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        piece = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return piece
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    sampling: Sampling
+    emit: object  # emit(kind, value), called on the worker thread: ("text", str) then ("done", JobResult)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    seq: int = 0
+
+
+@dataclass
+class JobResult:
+    text: str
+    output_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int
+    generation: Generation | None
+    error: str | None = None
+
+
+class GenerationWorker:
+    def __init__(self, engine, tokenizer, eos_ids: set[int], queue_size: int, metrics: ServerMetrics):
+        self.engine, self.tokenizer, self.eos_ids = engine, tokenizer, eos_ids
+        self.metrics = metrics
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
+        self.busy = False
+        self.started_order: list[int] = []  # the seq of each job as it starts (FIFO is tested on it)
+        self._seq = itertools.count(1)
+        self._thread = threading.Thread(target=self._loop, name="colibri-generation", daemon=True)
+        self._thread.start()
+
+    @property
+    def ctx_size(self) -> int:
+        return self.engine.kv.ctx_size
+
+    def check_fits(self, prompt_ids: list[int], max_tokens: int) -> None:
+        """Refuse, before it is queued, a request the KV cache or the vocabulary cannot hold."""
+        if not prompt_ids:
+            raise ApiError(400, "prompt: encodes to zero tokens", param="prompt")
+        if len(prompt_ids) + max_tokens > self.ctx_size:
+            raise ApiError(400, f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the context "
+                                f"of {self.ctx_size} tokens", param="max_tokens", code="context_length_exceeded")
+        vocab = self.engine.args.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+
+    def submit(self, job: Job) -> int:
+        job.seq = next(self._seq)
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            with self.metrics.lock:
+                self.metrics.rejected_full += 1
+            raise ApiError(503, "the server is busy: the request queue is full, retry later", type="server_error",
+                           code="queue_full", headers={"Retry-After": "1"}) from None
+        return job.seq
+
+    def queue_length(self) -> int:
+        return self.jobs.qsize()
+
+    def close(self) -> None:
+        # Queued jobs are told the server is going; the running one stops at its next token.
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancelled.set()
+                job.emit("done", JobResult("", [], "cancelled", len(job.prompt_ids), None))
+        self.jobs.put(None)
+        self._thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():  # its client left while it waited
+                job.emit("done", JobResult("", [], "cancelled", len(job.prompt_ids), None))
+                continue
+            self.busy = True
+            self.started_order.append(job.seq)
+            try:
+                job.emit("done", self._run(job))
+            except Exception as exc:  # a failed generation must not take the server down
+                job.emit("done", JobResult("", [], "error", len(job.prompt_ids), None, error=f"{type(exc).__name__}: {exc}"))
+            finally:
+                self.busy = False
+
+    def _run(self, job: Job) -> JobResult:
+        s = job.sampling
+        stream = TextStream(self.tokenizer, s.stop)
+        started = time.perf_counter()
+
+        def on_token(token: int) -> bool:
+            if job.cancelled.is_set():
+                return True
+            if token in self.eos_ids:
+                return True
+            piece = stream.push(token)
+            if piece:
+                job.emit("text", piece)
+            return stream.stopped
+
+        gen = generate(self.engine, job.prompt_ids, s.max_tokens, Sampler(s.temperature, s.top_p, s.seed),
+                       on_token=on_token)
+        ids = gen.output_ids
+        if job.cancelled.is_set():
+            reason = "cancelled"
+        elif stream.stopped or (ids and ids[-1] in self.eos_ids):
+            reason = "stop"
+        else:
+            reason = "length"
+        if reason != "cancelled" and not stream.stopped:
+            tail = stream.flush()
+            if tail:
+                job.emit("text", tail)
+        output_ids = ids[:-1] if ids and ids[-1] in self.eos_ids else ids
+        self.metrics.record_generation(len(job.prompt_ids), len(ids), gen.ttft_seconds, gen.token_seconds,
+                                       time.perf_counter() - started, reason == "cancelled")
+        return JobResult(stream.text, output_ids, reason, len(job.prompt_ids), gen)

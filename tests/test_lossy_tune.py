@@ -1,0 +1,162 @@
+"""`tune --max-kl / --min-top1`: lossy dimensions searched under a measured quality bound."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.base.errors import ConfigError
+from engine.run import quality as quality_module
+from tuner import cli
+from tuner.search import lossy
+from tuner.search.lossy import QualityBound, QualityMeter
+from tuner.search.space import SearchSpace
+from tuner.search.study import TuneOptions, run_tune
+
+from colibri_tune_fixtures import BUDGET, SMALL_CTX, model_dir, profile_path  # noqa: F401
+
+TEXT = " ".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200))
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("lossy-text") / "text.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def bound(text_file, **kw) -> QualityBound:
+    return QualityBound(**{"tokens": 64, "ctx": 32, "text": str(text_file), **kw}).validate()
+
+
+# --- the bound ---------------------------------------------------------------------------------
+
+def test_violation_is_zero_inside_and_graded_outside():
+    b = QualityBound(max_kl=0.01, min_top1=0.98)
+    assert b.violation({"kl_mean": 0.004, "top1_agreement": 0.99}) == 0.0
+    assert b.violation({"kl_mean": 0.02, "top1_agreement": 0.99}) == pytest.approx(1.0)
+    assert b.violation({"kl_mean": 0.0, "top1_agreement": 0.49}) == pytest.approx(0.5)
+    assert b.violation({"kl_mean": 0.04, "top1_agreement": 0.49}) == pytest.approx(3.0)  # the worse of the two
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(), "needs --max-kl or --min-top1"),
+    (dict(max_kl=0.0), "--max-kl must be positive"),
+    (dict(min_top1=1.5), "--min-top1 must be in (0, 1]"),
+    (dict(max_kl=0.1, tokens=8, ctx=16), "--quality-tokens 8 must be at least --quality-ctx 16"),
+])
+def test_bad_bounds_are_one_line_errors(kw, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        QualityBound(**kw).validate()
+
+
+def test_judge_refuses_a_setting_whose_kl_exceeds_the_bound():
+    attrs = {"status": "ok", "constraint": 0.0, "decode_tok_s": 9.0}
+    b = QualityBound(max_kl=0.01)
+    out = lossy.judge_quality(attrs, {"kl_mean": 0.03, "top1_agreement": 0.9}, b)
+    assert out["status"] == "quality_bound" and out["constraint"] == pytest.approx(2.0)
+    assert "KL mean 0.03000" in out["error"]
+    inside = lossy.judge_quality(attrs, {"kl_mean": 0.005, "top1_agreement": 0.9}, b)
+    assert inside["status"] == "ok" and inside["constraint"] == 0.0 and inside["quality"]["kl_mean"] == 0.005
+
+
+# --- the space ---------------------------------------------------------------------------------
+
+def test_the_space_opens_lossy_dimensions_only_when_asked(model_dir):
+    plain = SearchSpace(budget=BUDGET, physical_cores=2, logical_cores=2, has_gpu=False, min_ctx=SMALL_CTX)
+    assert not set(lossy.LOSSY_PARAMS) & set(plain.distributions())
+    opened = SearchSpace(budget=BUDGET, physical_cores=2, logical_cores=2, has_gpu=False, min_ctx=SMALL_CTX,
+                         lossy=lossy.distributions(model_dir))
+    assert set(lossy.LOSSY_PARAMS) <= set(opened.distributions())
+    params = opened.params_of(opened.baseline())
+    assert {k: params[k] for k in lossy.LOSSY_PARAMS} == lossy.LOSSLESS  # the baseline stays lossless
+    config = opened.config_from_params({**params, "kv_dtype": "int8", "top_k_reduction": 1, "expert_threshold": 0.1})
+    assert (config.kv_dtype, config.top_k_reduction, config.expert_threshold) == ("int8", 1, 0.1)
+    assert not config.lossless and opened.baseline().lossless
+
+
+# --- measuring quality ---------------------------------------------------------------------------
+
+def test_quality_is_measured_once_per_setting_and_cached(model_dir, text_file, tmp_path, monkeypatch):
+    scored = []
+    real = quality_module.Reference.score
+    monkeypatch.setattr(quality_module.Reference, "score",
+                        lambda self, m, s=None: scored.append(s) or real(self, m, s))
+    meter = QualityMeter(model_dir, bound(text_file, max_kl=0.01), tmp_path, log=lambda m: None)
+    setting = {"kv_dtype": "int8", "top_k_reduction": 1, "expert_threshold": 0.0}
+    first = meter.quality(setting)
+    assert first["kl_mean"] > 0 and 0 < first["top1_agreement"] <= 1
+    assert meter.quality(setting) == first
+    again = QualityMeter(model_dir, bound(text_file, max_kl=0.01), tmp_path, log=lambda m: None)
+    assert again.quality(setting) == first  # from lossy-quality.json, across sessions
+    assert scored == [{"kv_dtype": "int8", "top_k_reduction": 1}]
+    assert meter.quality(dict(lossy.LOSSLESS))["kl_mean"] == 0.0  # the reference itself: not scored
+    assert len(scored) == 1
+
+
+# --- the study -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def strict_run(model_dir, profile_path, text_file, tmp_path_factory):
+    """A bound no lossy setting meets (KL 1e-9): only lossless configs may be feasible."""
+    out = tmp_path_factory.mktemp("lossy-tune") / "run"
+    opts = TuneOptions(model=str(model_dir), ram_budget=BUDGET, min_ctx=SMALL_CTX, tokens=2, repeats=1,
+                       prompt_tokens=8, out=out, profile=str(profile_path), seed=0, confirm_top=2,
+                       confirm_rounds=1, trials=6, sampler="random", cost_model=False,
+                       lossy=bound(text_file, max_kl=1e-9))
+    return run_tune(opts, log=lambda m: None)
+
+
+def _setting(t) -> dict:
+    return {k: t.user_attrs["config"][k] for k in lossy.LOSSY_PARAMS}
+
+
+def test_strict_bound_refuses_every_candidate_that_breaks_it(strict_run):
+    import optuna
+    out = strict_run.out_dir
+    study = optuna.load_study(study_name=optuna.study.get_all_study_names(f"sqlite:///{out / 'study.db'}")[0],
+                              storage=f"sqlite:///{out / 'study.db'}")
+    ran = [t for t in study.trials if t.user_attrs.get("quality")]
+    assert {t.user_attrs.get("role") for t in ran} >= {"baseline", "lossy_probe"}
+    broke = [t for t in ran if t.user_attrs["quality"]["kl_mean"] > 1e-9]
+    assert broke and all(not lossy.is_lossless(_setting(t)) for t in broke)
+    for t in broke:
+        assert t.user_attrs["status"] == "quality_bound" and t.user_attrs["constraint"] > 0
+        seen = t.constraints  # what the sampler sees (named constraints: a dict in Optuna 5)
+        assert list(seen.values() if isinstance(seen, dict) else seen) == [t.user_attrs["constraint"]]
+    # A lossy setting that changes nothing on this model (a threshold no expert falls below) is
+    # measured as such and may stand; whatever is recommended is inside the bound.
+    rec = strict_run.result["recommended"]["config"]
+    chosen = [t for t in ran if _setting(t) == {k: rec[k] for k in lossy.LOSSY_PARAMS}]
+    assert chosen and all(t.user_attrs["quality"]["kl_mean"] <= 1e-9 for t in chosen)
+
+
+def test_the_front_lists_each_setting_with_speed_and_quality(strict_run):
+    out = strict_run.out_dir
+    summary = json.loads((out / "lossy.json").read_text())
+    labels = [p["label"] for p in summary["points"]]
+    assert len(labels) == len(set(labels)) >= 3  # the baseline and the probes, at least
+    assert any("KV" in name for name in labels) and any("k-1" in name for name in labels)
+    chosen = next(p for p in summary["points"] if p["label"] == summary["chosen"])
+    assert chosen["within_bound"] and chosen["kl_mean"] <= 1e-9
+    assert all(p["kl_mean"] > 1e-9 for p in summary["points"] if not p["within_bound"])
+    report = (out / "report.md").read_text()
+    assert "## Speed against quality (lossy settings)" in report and "**chosen**" in report
+
+
+def test_without_a_bound_the_cli_adds_no_lossy_dimension(tmp_path):
+    args = cli.build_parser().parse_args(["tune", "--trials", "1"])
+    assert args.max_kl is None and args.min_top1 is None
+    from tuner.commands.tune import _quality_bound
+    assert _quality_bound(args) is None
+    bounded = cli.build_parser().parse_args(["tune", "--max-kl", "0.01", "--quality-tokens", "64",
+                                             "--quality-ctx", "32"])
+    assert _quality_bound(bounded) == QualityBound(max_kl=0.01, tokens=64, ctx=32)
+
+
+def test_bad_bound_on_the_cli_is_one_line(capsys):
+    assert cli.main(["tune", "--max-kl", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--max-kl must be positive" in err[0]

@@ -1,0 +1,66 @@
+"""`colibri serve` (the tuned engine behind an OpenAI-compatible API) and `colibri chat`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from engine.base.config import parse_size
+from engine.base.errors import ConfigError
+from engine.run.resolve import resolve_model
+from engine.serve.chat import chat_loop
+from engine.serve.protocol import ApiError, Sampling, parse_sampling
+from engine.serve.server import API_KEY_ENV, LoadedModel, ServeOptions, check_options, serve
+from tuner.commands.argtypes import finite_float, int_in, positive_int, seed
+from tuner.commands.run import TOKENS_MAX, add_engine_flags, engine_config_from_args
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (one request at a time)")
+    p.add_argument("--model", required=True, help="model directory, or a synth preset name (e.g. demo)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    p.add_argument("--port", type=int_in(0, 65535), default=8000)
+    p.add_argument("--api-key", help=f"required for a non-loopback --host (or set {API_KEY_ENV})")
+    p.add_argument("--queue-size", type=positive_int(100_000), default=8, help="requests that may wait; more get 503 + Retry-After")
+    p.add_argument("--max-body", default="4MiB", help="largest request body accepted")
+    p.add_argument("--model-name", help="the model id clients use (default: the directory's name)")
+    add_engine_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    # The model id clients send: what the user typed for a preset ("demo"), else the directory's name.
+    name = args.model_name or Path(args.model).name
+    opts = check_options(ServeOptions(args.host, args.port, args.api_key, args.queue_size,
+                                      parse_size(args.max_body), name))
+    config = engine_config_from_args(args)
+    model_dir = resolve_model(args.model, progress=True)
+    serve(model_dir, config, opts, log=lambda m: print(m, file=sys.stderr, flush=True))
+    return 0
+
+
+def add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="talk to the model in the terminal (streamed answers, a speed line each)")
+    p.add_argument("--model", required=True, help="model directory, or a synth preset name (e.g. demo)")
+    p.add_argument("--system", help="a system prompt")
+    p.add_argument("--max-tokens", type=positive_int(TOKENS_MAX), default=256, help="longest answer, in tokens")
+    p.add_argument("--temperature", type=finite_float(0.01, 100.0, zero_ok=True), default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=1.0)
+    p.add_argument("--seed", type=seed(), default=0)
+    add_engine_flags(p)
+    p.set_defaults(func=cmd_chat)
+
+
+def cmd_chat(args) -> int:
+    # The same checks a request gets (ranges, finite numbers), through the same parser.
+    try:
+        sampling: Sampling = parse_sampling({"max_tokens": args.max_tokens, "temperature": args.temperature,
+                                             "top_p": args.top_p, "seed": args.seed}, args.max_tokens)
+    except ApiError as exc:
+        raise ConfigError(f"--{exc.param.replace('_', '-')}: {exc.message.split(': ', 1)[-1]}") from None
+    config = engine_config_from_args(args)
+    model = LoadedModel(resolve_model(args.model, progress=True), config, queue_size=1)
+    try:
+        return chat_loop(model, sampling, system=args.system)
+    finally:
+        model.close()

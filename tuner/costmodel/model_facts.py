@@ -1,0 +1,68 @@
+"""Facts of one model that a calibrated profile carries: keyed by the geometry they were measured on.
+
+The efficiency factors a calibration fits (eta_io, c_request, ...) describe the machine and the
+engine, and carry over to other models. The router-lookahead recall and the routing statistics
+describe one model's router: the synthetic demo's lookahead finds ~97% of the next layer's
+experts, a real model's router far fewer (the published figure, Colibrì on GLM-5: 71.6%). So the
+profile's `cost_model.measured_on` names the geometry they were measured on, and `plan` uses
+them only for that geometry; for any other, the published default. It says which.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from tuner.costmodel.predict import DEFAULT_LOOKAHEAD_RECALL
+
+# The geometry that makes two models the same model for these facts (as tuner/outputs.py keys
+# best configs).
+GEOMETRY_KEYS = ("model_type", "layers", "hidden_size", "experts", "top_k", "moe_intermediate_size", "vocab_size")
+PUBLISHED = f"the published default {DEFAULT_LOOKAHEAD_RECALL:.3f} (Colibrì on GLM-5: 71.6% of the true top-8)"
+
+
+def geometry_key(geometry: dict) -> dict:
+    """The identifying part of a geometry dict (ModelGeometry.to_dict() or result.json's)."""
+    return {k: geometry.get(k) for k in GEOMETRY_KEYS}
+
+
+def geometry_hash(geometry: dict) -> str:
+    basis = json.dumps(geometry_key(geometry), sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(basis.encode()).hexdigest()[:16]
+
+
+def measured_on(geometry: dict, model: str, recall: float | None, routing: str) -> dict:
+    """The profile's record of what was measured on which model (cost_model.measured_on)."""
+    return {"model": model, "geometry": geometry_key(geometry), "geometry_hash": geometry_hash(geometry),
+            "lookahead_recall": recall, "routing": routing}
+
+
+def recall_for(section: dict | None, geometry: dict) -> tuple[float, str]:
+    """(recall to predict with, where it comes from) for a model of `geometry`, given a profile's
+    cost_model section (None or {} when the profile was never calibrated)."""
+    section = section or {}
+    facts = section.get("measured_on")
+    stored = (section.get("factors") or {}).get("lookahead_recall")
+    if not isinstance(facts, dict) or not isinstance(facts.get("geometry"), dict):
+        if stored is not None and stored != DEFAULT_LOOKAHEAD_RECALL:
+            return DEFAULT_LOOKAHEAD_RECALL, (f"{PUBLISHED}: the profile's recall {stored:.3f} names no model "
+                                              f"geometry (recorded before recall was keyed), so it is not used")
+        return DEFAULT_LOOKAHEAD_RECALL, PUBLISHED
+    recall = facts.get("lookahead_recall")
+    if geometry_key(facts["geometry"]) == geometry_key(geometry):
+        if recall is None:
+            return DEFAULT_LOOKAHEAD_RECALL, f"{PUBLISHED}: no trial of {facts.get('model')} measured it"
+        return float(recall), f"measured on this geometry ({facts.get('model')}): {float(recall):.3f}"
+    if recall is None:
+        return DEFAULT_LOOKAHEAD_RECALL, PUBLISHED
+    return DEFAULT_LOOKAHEAD_RECALL, (f"{PUBLISHED}: the profile's {float(recall):.3f} was measured on "
+                                      f"{facts.get('model')}, another geometry")
+
+
+def routing_for(section: dict | None, geometry: dict) -> str | None:
+    """The profile's routing statistics when they were measured on this geometry, else None."""
+    facts = (section or {}).get("measured_on")
+    if isinstance(facts, dict) and isinstance(facts.get("geometry"), dict) \
+            and geometry_key(facts["geometry"]) == geometry_key(geometry):
+        return facts.get("routing")
+    return None

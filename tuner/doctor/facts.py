@@ -1,0 +1,166 @@
+"""What `colibri doctor` measures: the machine, the model's files and a probe, as `Facts`.
+
+Everything here is a reading (statvfs, /proc, sysfs, FIEMAP, one O_DIRECT read, the engine's own
+memory plan); the judging is in rules.py. A reading that fails leaves its fact None.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import psutil
+
+from engine import native
+from engine.arch.args import ModelArgs
+from engine.base.config import EngineConfig
+from engine.base.errors import BudgetError, ColibriError
+from engine.format.checkpoint import Checkpoint
+from engine.format.layout import ExpertLayout
+from engine.movement.plan import make_plan
+from engine.run.runtime import DTYPE_NAMES, checkpoint_dtype
+from tuner.doctor.rules import GiB, Facts
+from tuner.probe.hardware_profile import HardwareProfile
+from tuner.sandbox import detect_memory_cgroup
+
+FS_IOC_FIEMAP = 0xC020660B
+FRAGMENTATION_MIN_FILE = 64 << 20
+FIEMAP_HEADER = struct.Struct("=QQLLLL")  # start, length, flags, mapped_extents, extent_count, reserved
+# The runtime a bench process carries (torch, the index) before any expert: the tuner's fallback.
+OVERHEAD_BYTES = 310 << 20
+
+
+def extent_count(path: Path) -> int | None:
+    """Extents of a file from the FIEMAP ioctl (extent_count 0 asks only for the count)."""
+    buf = array.array("B", FIEMAP_HEADER.pack(0, 0xFFFFFFFFFFFFFFFF, 0, 0, 0, 0))
+    try:
+        with open(path, "rb") as f:
+            fcntl.ioctl(f.fileno(), FS_IOC_FIEMAP, buf)
+    except OSError:
+        return None
+    return FIEMAP_HEADER.unpack(buf.tobytes())[3]
+
+
+def o_direct_read(path: Path) -> str | None:
+    """None if a 4 KiB O_DIRECT read of `path` works, else why not."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    try:
+        buf = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT needs
+        try:
+            os.preadv(fd, [buf], 0)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        finally:
+            buf.close()
+    finally:
+        os.close(fd)
+    return None
+
+
+def _model_files(model_dir: Path) -> list[Path]:
+    return sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix == ".safetensors")
+
+
+def model_facts(model_dir: Path, facts: Facts) -> None:
+    files = _model_files(model_dir)
+    facts.model_dir = str(model_dir)
+    facts.model_bytes = sum(p.stat().st_size for p in files)
+    st = os.statvfs(model_dir)
+    facts.disk_free_bytes = st.f_bavail * st.f_frsize
+    if files:
+        facts.o_direct_error = o_direct_read(files[0])
+        facts.o_direct = facts.o_direct_error is None
+        # Extents per GiB only mean something for big files: a small one is one extent whatever.
+        big = [p for p in files if p.stat().st_size >= FRAGMENTATION_MIN_FILE]
+        counts = {p: extent_count(p) for p in big}
+        if big and all(c is not None for c in counts.values()):
+            facts.extents_per_gib = sum(counts.values()) / (sum(p.stat().st_size for p in big) / GiB)
+            worst = max(big, key=lambda p: counts[p] / p.stat().st_size)
+            facts.worst_file = f"{worst.name}: {counts[worst]} extents in {worst.stat().st_size / GiB:.2f} GiB"
+
+
+def plan_facts(model_dir: Path, config: EngineConfig, facts: Facts) -> None:
+    facts.budget_bytes = config.ram_budget
+    ckpt = Checkpoint(model_dir)
+    args = ModelArgs.from_config(ckpt.config)
+    layout = ExpertLayout(ckpt, args) if args.is_moe else None
+    dtype = checkpoint_dtype(ckpt)
+    facts.model_dtype = next((k for k, v in DTYPE_NAMES.items() if v == dtype), str(dtype))
+    kv = dtype if config.kv_dtype == "auto" else DTYPE_NAMES[config.kv_dtype]
+    try:
+        plan = make_plan(ckpt, args, layout, config, dtype, kv, overhead_bytes=OVERHEAD_BYTES)
+    except BudgetError as exc:
+        facts.plan_error = str(exc)
+        return
+    facts.plan_fixed_bytes = plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes
+    facts.plan_cache_bytes = plan.cache_bytes
+
+
+def machine_facts(facts: Facts) -> None:
+    vm, sw = psutil.virtual_memory(), psutil.swap_memory()
+    facts.mem_total_bytes, facts.mem_available_bytes = vm.total, vm.available
+    facts.swap_total_bytes, facts.swap_used_bytes = sw.total, sw.used
+    facts.native_error = native.load()
+    facts.native_checked = True
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
+        facts.cpu_has_avx512_bf16 = "avx512_bf16" in flags
+    except (OSError, IndexError):
+        pass
+    support = detect_memory_cgroup()
+    facts.cgroup_available, facts.cgroup_reason = support.available, support.reason
+    facts.freq_ratio = cpu_freq_ratio()
+    facts.throttle_events = throttle_events()
+
+
+def cpu_freq_ratio(root: Path = Path("/sys/devices/system/cpu")) -> float | None:
+    ratios = []
+    for cpu in root.glob("cpu[0-9]*/cpufreq"):
+        try:
+            ratios.append(int((cpu / "scaling_cur_freq").read_text()) / int((cpu / "cpuinfo_max_freq").read_text()))
+        except (OSError, ValueError, ZeroDivisionError):
+            continue
+    return min(ratios) if ratios else None
+
+
+def throttle_events(root: Path = Path("/sys/devices/system/cpu")) -> int | None:
+    counts = []
+    for f in root.glob("cpu[0-9]*/thermal_throttle/*_throttle_count"):
+        try:
+            counts.append(int(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sum(counts) if counts else None
+
+
+def probe_facts(profile: HardwareProfile, facts: Facts) -> None:
+    lat = profile.storage_point("latency_4k")
+    iops = profile.storage_point("iops_4k")
+    if lat is not None:
+        facts.qd1_latency_us = lat.lat_p50.value or lat.lat_mean.value
+    if iops is not None:
+        facts.iops_4k = iops.iops.value
+        facts.iops_source = f"{profile.storage.method} {iops.request_bytes // 1024} KiB QD{iops.queue_depth}"
+
+
+def gather(model_dir: Path | None, config: EngineConfig | None, profile: HardwareProfile | None) -> Facts:
+    """Every reading; the memory plan only when a budget (config) is given."""
+    facts = Facts()
+    machine_facts(facts)
+    if model_dir is not None:
+        model_facts(model_dir, facts)
+    if model_dir is not None and config is not None:
+        try:
+            plan_facts(model_dir, config, facts)
+        except ColibriError as exc:
+            facts.plan_error = str(exc)
+    if profile is not None:
+        probe_facts(profile, facts)
+    return facts
