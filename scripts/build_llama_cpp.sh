@@ -16,7 +16,8 @@ VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 DEST="${1:-${LLAMA_CPP_DIR:-/work/tools/llama.cpp}}"
 JOBS="${JOBS:-2}"
 PY="${PYTHON:-python3}"
-TARGETS=(llama-simple llama-bench llama-tokenize)
+# EXTRA_TARGETS="llama-quantize" adds binaries (benchmarks/gguf_roundtrip.py needs llama-quantize).
+TARGETS=(llama-simple llama-bench llama-tokenize ${EXTRA_TARGETS:-})
 
 mkdir -p "$DEST"
 DEST="$(cd "$DEST" && pwd)"

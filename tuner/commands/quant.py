@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import sys
+import time
+from pathlib import Path
 
+from engine.format.gguf import is_gguf
+from engine.format.gguf.importer import import_and_convert
 from tuner.commands.argtypes import int_in, nonneg_int, positive_int
 from tuner.commands.run import CTX_MAX, TOKENS_MAX
+from tuner.results.printers import convert_progress
 from tuner.results.printers import print_json as _print_json
 
 
 def add_convert(sub) -> None:
     p = sub.add_parser("convert", help="write an int8 / int4 quantized container of a model (docs/FORMAT.md)")
-    p.add_argument("src", help="source model directory, or a synth preset name")
+    p.add_argument("src", help="source model directory, a synth preset name, or a GGUF file (single, or any "
+                               "part of a split -0000N-of-0000M.gguf): imported to bf16, then --quant if given")
     p.add_argument("-o", "--out", required=True, metavar="DST", help="output directory (written atomically)")
-    p.add_argument("--quant", choices=["int8", "int4"], default="int4")
+    p.add_argument("--quant", choices=["int8", "int4"], default=None,
+                   help="default int4 for a model directory; none for a GGUF (the bf16 import only)")
     p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64, help="int4 group size (default 64)")
     p.add_argument("--scope", choices=["experts", "all"], default="experts",
                    help="experts (default): routed experts only; all: every linear weight but embeddings/routers")
@@ -26,16 +33,16 @@ def add_convert(sub) -> None:
 
 
 def cmd_convert(args) -> int:
-    import time
     from engine.format.convert import convert
     from engine.run.resolve import resolve_model
-    from tuner.results.printers import convert_progress
 
     import torch
     torch.set_num_threads(args.threads)
-    src = resolve_model(args.src, progress=not args.json)
     t0 = time.perf_counter()
-    summary = convert(src, args.out, args.quant, args.group_size, args.scope, force=args.force,
+    if is_gguf(Path(args.src)):
+        return _convert_gguf(args, t0)
+    src = resolve_model(args.src, progress=not args.json)
+    summary = convert(src, args.out, args.quant or "int4", args.group_size, args.scope, force=args.force,
                       progress=convert_progress(not args.json))
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     if args.json:
@@ -44,6 +51,25 @@ def cmd_convert(args) -> int:
         print(f"wrote {summary['path']}: {summary['label']} ({summary['scope']}), {summary['bytes'] / 2**20:.1f} MiB "
               f"from {summary['source_bytes'] / 2**20:.1f} MiB, {summary['shards']} shard(s) "
               f"({summary['shards_kept']} kept from an interrupted run), {summary['seconds']:.1f} s")
+    return 0
+
+
+def _convert_gguf(args, t0: float) -> int:
+    summary = import_and_convert(args.src, args.out, args.quant, args.group_size, args.scope, force=args.force,
+                                 progress=convert_progress(not args.json))
+    summary["seconds"] = round(time.perf_counter() - t0, 2)
+    if args.json:
+        _print_json(summary)
+        return 0
+    imported = summary.get("imported", summary)
+    what = f"{summary['label']} ({summary['scope']})" if args.quant else "bf16"
+    print(f"wrote {summary['path']}: {imported['model_type']} {what} from GGUF {imported['source']['file']} "
+          f"({', '.join(f'{k} x{v}' for k, v in imported['source']['types'].items())}), "
+          f"{summary['bytes'] / 2**20:.1f} MiB, {summary['shards']} shard(s), {summary['seconds']:.1f} s")
+    print(f"  tokenizer: {imported['tokenizer']}")
+    if imported["skipped"]:
+        print(f"  skipped {len(imported['skipped'])} tensor(s): {'; '.join(imported['skipped'][:4])}"
+              f"{' ...' if len(imported['skipped']) > 4 else ''}")
     return 0
 
 

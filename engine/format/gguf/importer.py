@@ -1,0 +1,170 @@
+"""`colibri convert model.gguf -o DIR`: a GGUF (single or split) → a bf16 HF safetensors directory.
+
+Same rules as engine/convert.py: written under `<DIR>.partial/` and renamed at the end (atomic);
+after each shard `convert-state.json` records its sha256, and a re-run from the same GGUF keeps
+every recorded shard whose bytes still match (resumable); fixed order and no timestamps
+(deterministic). Shards hold whole items (an expert's three matrices never straddle two), about
+`max_shard_bytes` each. With `quant`, the bf16 directory is an intermediate
+(`<DIR>.gguf-bf16`) that engine.convert quantizes into DIR and that is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from engine.format.convert import STATE_FILE, convert, file_sha256
+from engine.base.errors import ConfigError
+from engine.format.gguf.archs import Item, Plan
+from engine.format.gguf.reader import GGUFModel
+from engine.format.gguf.tensors import build_plan
+from engine.format.gguf.vocab import build_tokenizer
+from engine.arch.args import ModelArgs
+from engine.format.quant import check_group
+from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
+
+MAX_SHARD_BYTES = 4 << 30
+PROVENANCE_KEY = "colibri_gguf_source"
+
+
+def fingerprint(m: GGUFModel) -> str:
+    """Identity of the GGUF: each part's name, size and header (metadata + tensor table)."""
+    h = hashlib.sha256()
+    for part in m.paths:
+        with open(part, "rb") as f:
+            h.update(part.name.encode() + part.stat().st_size.to_bytes(8, "little") + f.read(m.header_sizes[part]))
+    return h.hexdigest()
+
+
+def plan_shards(items: list[Item], max_bytes: int) -> dict[str, list[Item]]:
+    groups: list[list[Item]] = [[]]
+    size = 0
+    for item in items:
+        if groups[-1] and size + item.nbytes_bf16 > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item.nbytes_bf16
+    if len(groups) == 1:
+        return {"model.safetensors": groups[0]}
+    n = len(groups)
+    return {f"model-{i:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups, 1)}
+
+
+def _write_shard(path: Path, items: list[Item], progress) -> None:
+    specs = [TensorSpec(t.name, t.shape, "bfloat16") for item in items for t in item.tensors]
+    with ShardWriter(path, specs, {"format": "pt"}) as w:
+        for i, item in enumerate(items, 1):
+            for t in item.tensors:
+                x = t.load()
+                if tuple(x.shape) != tuple(t.shape):  # a bug in the plan, not the user's input
+                    raise AssertionError(f"{t.name}: made {tuple(x.shape)}, planned {t.shape}")
+                w.write(t.name, x.to(torch.bfloat16).contiguous())
+            if progress:
+                progress(i, len(items))
+
+
+def import_gguf(src, dst, force: bool = False, progress=None, max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
+    """Write the bf16 directory; returns a summary. `progress(event, **fields)` as engine.convert's."""
+    dst = Path(dst)
+    if dst.exists() and any(dst.iterdir()) and not force:
+        raise ConfigError(f"{dst} exists and is not empty (use --force to replace it)")
+    m = GGUFModel(src)
+    plan = build_plan(m)
+    tokenizer, tokenizer_note = build_tokenizer(m)
+    shards = plan_shards(plan.items, max_shard_bytes)
+    source = {"file": m.paths[0].name, "parts": len(m.paths), "architecture": m.arch,
+              "fingerprint": fingerprint(m),
+              "types": dict(sorted(Counter(t.type_name for t in m.tensors.values()).items()))}
+    options = {"source": source, "max_shard_bytes": max_shard_bytes}
+    tmp = dst.parent / (dst.name + ".partial")
+    kept = _resume(tmp, options, progress)
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {"options": options, "shards": kept}
+    written = []
+    for i, (name, items) in enumerate(shards.items(), 1):
+        if name in kept:
+            continue
+        part = tmp / (name + ".tmp")
+        _write_shard(part, items, (lambda done, total, name=name, i=i: progress(
+            "shard", index=i, shards=len(shards), name=name, done=done, total=total)) if progress else None)
+        os.replace(part, tmp / name)
+        state["shards"][name] = file_sha256(tmp / name)
+        write_json_atomic(tmp / STATE_FILE, state)
+        written.append(name)
+    _finish(tmp, plan, shards, source, tokenizer)
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
+    return {"path": str(dst), "source": source, "model_type": plan.config["model_type"], "dtype": "bfloat16",
+            "tensors": sum(len(item.tensors) for item in plan.items), "shards": len(shards),
+            "shards_written": len(written), "shards_kept": len(shards) - len(written),
+            "bytes": sum(p.stat().st_size for p in dst.glob("*.safetensors")),
+            "source_bytes": sum(p.stat().st_size for p in m.paths), "skipped": plan.skipped,
+            "tokenizer": tokenizer_note if tokenizer is not None else f"not written: {tokenizer_note}"}
+
+
+def import_and_convert(src, dst, quant: str | None, group_size: int = 64, scope: str = "experts",
+                       force: bool = False, progress=None) -> dict:
+    """The `colibri convert x.gguf` command: import to bf16, then optionally quantize."""
+    dst = Path(dst)
+    if quant is None:
+        return import_gguf(src, dst, force=force, progress=progress)
+    if dst.exists() and any(dst.iterdir()) and not force:
+        raise ConfigError(f"{dst} exists and is not empty (use --force to replace it)")
+    if quant == "int4":  # refuse a group size that cannot apply before importing anything
+        args = ModelArgs.from_config(build_plan(GGUFModel(src)).config)
+        check_group(args.hidden_size, group_size, "gate/up projections of the experts (hidden_size)")
+        check_group(args.moe_intermediate_size, group_size, "down projection of the experts (moe_intermediate_size)")
+    bf16 = dst.parent / (dst.name + ".gguf-bf16")
+    imported = import_gguf(src, bf16, force=True, progress=progress)
+    summary = convert(bf16, dst, quant, group_size, scope, force=force, progress=progress)
+    shutil.rmtree(bf16)
+    return {**summary, "imported": {k: imported[k] for k in ("source", "model_type", "tensors", "skipped",
+                                                             "tokenizer")}}
+
+
+def _resume(tmp: Path, options: dict, progress) -> dict[str, str]:
+    """Shards of an interrupted import to keep: same GGUF and options, bytes still matching."""
+    if not tmp.exists():
+        return {}
+    try:
+        state = json.loads((tmp / STATE_FILE).read_text())
+        same = isinstance(state, dict) and state.get("options") == options
+    except (OSError, ValueError):
+        state, same = {}, False
+    if not same:
+        if progress:
+            progress("discard", path=str(tmp), reason="made from another GGUF or with other options")
+        shutil.rmtree(tmp)
+        return {}
+    kept = {}
+    for name, digest in (state.get("shards") or {}).items():
+        ok = isinstance(name, str) and "/" not in name and (tmp / name).is_file() and file_sha256(tmp / name) == digest
+        if progress:
+            progress("check", name=name, ok=ok)
+        if ok:
+            kept[name] = digest
+    for stray in tmp.iterdir():
+        if stray.name != STATE_FILE and stray.name not in kept:
+            shutil.rmtree(stray) if stray.is_dir() and not stray.is_symlink() else stray.unlink()
+    return kept
+
+
+def _finish(tmp: Path, plan: Plan, shards: dict[str, list[Item]], source: dict, tokenizer) -> None:
+    if len(shards) > 1:
+        weight_map = {t.name: shard for shard, items in shards.items() for item in items for t in item.tensors}
+        total = sum(item.nbytes_bf16 for items in shards.values() for item in items)
+        write_json_atomic(tmp / "model.safetensors.index.json",
+                          {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    write_json_atomic(tmp / "config.json", {**plan.config, PROVENANCE_KEY: source})
+    if tokenizer is not None:
+        tokenizer.save(str(tmp / "tokenizer.json.tmp"))
+        os.replace(tmp / "tokenizer.json.tmp", tmp / "tokenizer.json")
+    (tmp / STATE_FILE).unlink(missing_ok=True)
