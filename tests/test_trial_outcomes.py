@@ -15,6 +15,7 @@ import pytest
 
 from engine.base.config import EngineConfig
 from tuner.sandbox import detect_memory_cgroup
+from tuner.search.outcome import outcome_of_exception
 from tuner.search.trial import run_trial
 
 from colibri_tune_fixtures import MiB, model_dir  # noqa: F401
@@ -46,13 +47,19 @@ def test_bad_config_is_an_input_error_of_the_trial(model_dir, tmp_path):
     assert "num_attention_heads = 0" in res.error
 
 
-def test_crashed_names_the_exception(model_dir):
-    # The run succeeds, then writing the routing histogram where nobody may write (/sys) raises
-    # an OSError the engine does not turn into an input error: an unexpected exception, a crash.
+def test_an_unwritable_output_is_refused_before_the_run(model_dir):
+    # Writing the routing histogram where nobody may write (/sys) used to fail after the whole
+    # run, as a crash; the path is now checked before anything runs: an input error.
     res = run_trial(model_dir, SMALL, timeout=300, extra_args=["--record-routing", "/sys/colibri-routing.json"],
                     **QUICK)
-    assert res.status == "crashed", res
-    assert res.exception == "PermissionError" and res.error.startswith("PermissionError: ")
+    assert res.status == "bad_config", res
+    assert "--record-routing" in res.error and "/sys" in res.error
+
+
+def test_an_unexpected_exception_is_a_crash_named_by_its_type():
+    outcome = outcome_of_exception(PermissionError(13, "Permission denied"))
+    assert outcome.kind == "crashed" and outcome.exception == "PermissionError"
+    assert outcome.error.startswith("PermissionError: ")
 
 
 def test_timeout(model_dir):

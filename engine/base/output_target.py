@@ -78,7 +78,10 @@ def check_not_source(target: Path, sources: Iterable[str | os.PathLike], flag: s
     for raw in sources:
         if raw is None or not str(raw):
             continue
-        src = Path(raw).expanduser().resolve(strict=False)
+        try:
+            src = Path(raw).expanduser().resolve(strict=False)
+        except (OSError, RuntimeError) as exc:  # a source that is a symlink loop
+            raise OutputTargetError(f"{raw}: cannot resolve the path ({exc})") from None
         if target == src:
             raise OutputTargetError(f"{flag} {target}: {what} is the source {src}; choose another path")
         if src in target.parents:

@@ -65,10 +65,26 @@ def token_stream(reference_dir, tokens: int, text_file: str | None = None) -> tu
     else:
         _, text, info = stdlib_corpus()
         what = "held-out " + info["description"]
-    ids = tok.encode(text).ids
+    ids = _encode_prefix(tok, text, tokens)
     if len(ids) < tokens:
         raise ConfigError(f"{what}: the text has {len(ids)} tokens, fewer than --tokens {tokens}")
     return ids[:tokens], what
+
+
+def _encode_prefix(tok, text: str, tokens: int) -> list[int]:
+    """The first `tokens` ids of the text, encoding only as much of it as that needs.
+
+    A 64 MiB corpus (or one long JSON string) would otherwise be tokenized whole for 4k tokens.
+    The byte-level pre-tokenizer splits text into words before merging, so a prefix's ids equal
+    the whole text's except around the cut; a margin of words past `tokens` keeps the cut out of
+    what is returned."""
+    margin = 256
+    chars = max(64 * (tokens + margin), 1 << 16)
+    while True:
+        ids = tok.encode(text[:chars]).ids
+        if chars >= len(text) or len(ids) >= tokens + margin:
+            return ids
+        chars *= 4
 
 
 def _chunks(ids: list[int], ctx: int):

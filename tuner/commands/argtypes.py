@@ -171,10 +171,13 @@ def check_output_file(path: str, flag: str) -> None:
     target = Path(path)
     if not path:
         raise ConfigError(f"{flag}: empty path")
-    if target.is_dir():
-        raise ConfigError(f"{flag} {path}: is a directory")
-    if target.exists() and not target.is_file():
-        raise ConfigError(f"{flag} {path}: exists and is not a regular file")
+    try:
+        if target.is_dir():
+            raise ConfigError(f"{flag} {path}: is a directory")
+        if target.exists() and not target.is_file():
+            raise ConfigError(f"{flag} {path}: exists and is not a regular file")
+    except OSError as exc:  # a name too long for the filesystem, ...
+        raise ConfigError(f"{flag}: cannot use this path ({exc.strerror or exc})") from None
     parent = target.parent if str(target.parent) else Path(".")
     if not parent.is_dir():
         raise ConfigError(f"{flag} {path}: directory {parent} does not exist")

@@ -7,6 +7,7 @@ import sys
 from engine.base.output_target import file_target
 from tuner.results.printers import print_json as _print_json
 from tuner.share.profiles import PROFILE_FILE
+from tuner.commands.argtypes import check_output_file
 
 
 def add_probe(sub) -> None:
@@ -28,6 +29,8 @@ def cmd_probe(args) -> int:
     from tuner.probe import format_summary, run_probe, save_profile
 
     output = file_target(args.output, command="probe", recognise=PROFILE_FILE) if args.output is not None else None
+    if output is not None:
+        check_output_file(str(output), "-o")  # its directory must exist and take files, before the probe runs
     with Progress(desc="probe", unit="step") as bar:
         profile = run_probe(args.dir, quick=args.quick, use_fio=False if args.no_fio else None,
                             progress=bar.step, fio_path=args.fio)

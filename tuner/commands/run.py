@@ -44,8 +44,8 @@ def add_engine_flags(p) -> None:
     p.add_argument("--dtype", choices=COMPUTE_DTYPES, help="compute dtype (auto: the checkpoint's)")
     p.add_argument("--routing-histogram", help="routing histogram JSON for cache_policy=pinned")
     lossy = p.add_argument_group("lossy settings (off by default; each changes the output)")
-    lossy.add_argument("--top-k-reduction", type=int, help="route k-N experts per token instead of k (0: as the model)")
-    lossy.add_argument("--expert-threshold", type=float,
+    lossy.add_argument("--top-k-reduction", type=nonneg_int(8), help="route k-N experts per token instead of k (0: as the model)")
+    lossy.add_argument("--expert-threshold", type=finite_float(0.0, 0.999999),
                        help="skip an expert whose share of the token's routing weight is below this (0: none)")
 
 

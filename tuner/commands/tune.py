@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from engine.base.errors import ConfigError
-from tuner.commands.argtypes import SEED_MAX, duration, int_in, nonneg_int, positive_int, seconds, size
+from tuner.commands.argtypes import SEED_MAX, duration, finite_float, int_in, nonneg_int, positive_int, seconds, size
 from tuner.commands.run import CTX_MAX, TOKENS_MAX
 from tuner.results.printers import print_json as _print_json
+from engine.base.inputs import check_regular
 
 
 def add_tune(sub) -> None:
@@ -58,11 +59,11 @@ def add_tune(sub) -> None:
     q.add_argument("--prepare-only", action="store_true",
                    help="convert the levels and score their quality, then stop (tune later with --resume)")
     lossy = p.add_argument_group("lossy settings under a quality bound (off: the search never changes tokens)")
-    lossy.add_argument("--max-kl", type=float, metavar="NATS",
+    lossy.add_argument("--max-kl", type=finite_float(0.0, 100.0, lo_open=True), metavar="NATS",
                        help="search KV precision, top-k reduction and an expert threshold too (with --quant: the "
                             "levels too), keeping configs whose mean KL to the lossless model is at most this, "
                             "measured on --quality-tokens of --quality-text; e.g. 0.01")
-    lossy.add_argument("--min-top1", type=float, metavar="SHARE",
+    lossy.add_argument("--min-top1", type=finite_float(0.0, 1.0, lo_open=True), metavar="SHARE",
                        help="as --max-kl, for the share of positions whose top-1 token agrees; e.g. 0.98")
     p.add_argument("--json", action="store_true", help="print result.json (with --quant: the levels' summary)")
     p.set_defaults(func=cmd_tune)
@@ -70,6 +71,9 @@ def add_tune(sub) -> None:
 
 def cmd_tune(args) -> int:
     from tuner.search.study import TuneOptions, format_outcome, run_tune
+
+    if args.quality_text is not None:  # refused before anything starts (a FIFO, /dev/zero, too big)
+        check_regular(args.quality_text, "text corpus", ConfigError)
 
     opts = TuneOptions(  # sizes in bytes and durations in seconds already (tuner/commands/argtypes.py)
         model=args.model, ram_budget=args.ram_budget, time_budget=args.time_budget, trials=args.trials,
