@@ -23,6 +23,9 @@ from engine.serve.metrics import ServerMetrics
 from engine.serve.protocol import ApiError, Sampling
 
 
+STARTED_KEPT = 4096
+
+
 class TextStream:
     """Token ids → text pieces as they become final: whole UTF-8 characters only, and never the
     beginning of a stop sequence that a later token may complete."""
@@ -86,7 +89,9 @@ class GenerationWorker:
         self.metrics = metrics
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self.busy = False
-        self.started_order: list[int] = []  # the seq of each job as it starts (FIFO is tested on it)
+        # The seq of the most recent jobs as they start (FIFO is checked on it); capped, so a
+        # server that runs for weeks does not grow by one entry per request.
+        self.started_order: list[int] = []
         self._seq = itertools.count(1)
         self._thread = threading.Thread(target=self._loop, name="colibri-generation", daemon=True)
         self._thread.start()
@@ -144,6 +149,8 @@ class GenerationWorker:
                 continue
             self.busy = True
             self.started_order.append(job.seq)
+            if len(self.started_order) > STARTED_KEPT:
+                del self.started_order[:-STARTED_KEPT]
             try:
                 job.emit("done", self._run(job))
             except Exception as exc:  # a failed generation must not take the server down
