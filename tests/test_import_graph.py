@@ -18,7 +18,7 @@ LAYERS = [
     "engine", "tuner",  # the root packages hold only __version__
     "engine.base", "engine.native", "engine.format.quant", "engine.arch", "engine.format",
     "engine.movement", "engine.synth", "engine.run", "engine.serve",
-    "tuner.sandbox", "tuner.probe", "tuner.results", "tuner.share", "tuner.costmodel", "tuner.search",
+    "tuner.base", "tuner.sandbox", "tuner.probe", "tuner.results", "tuner.share", "tuner.costmodel", "tuner.search",
     "tuner.doctor", "tuner.commands", "tuner.cli",
 ]
 
@@ -27,9 +27,6 @@ KNOWN_UPWARD = {
     ("engine.arch.gptoss", "engine.format.checkpoint"),
     ("engine.arch.gptoss", "engine.format.layout"),
     ("engine.format.layout", "engine.movement.io"),
-    ("tuner.probe.hardware_profile", "tuner.results.schema"),
-    ("tuner.probe.summary", "tuner.results.printers"),
-    ("tuner.probe", "tuner.results.printers"),
     ("tuner.results.outputs", "tuner.search.confirm"),
     ("tuner.results.outputs", "tuner.search.study_storage"),
     ("tuner.results.report_html", "tuner.share.profiles"),
@@ -45,7 +42,6 @@ KNOWN_CYCLES = {
      "engine.format.validate"),
     ("engine.synth", "engine.synth.arch_writers", "engine.synth.geometry", "engine.synth.hf_files",
      "engine.synth.recipe", "engine.synth.writer"),
-    ("tuner.probe.hardware_profile", "tuner.results.result", "tuner.results.schema"),
     ("tuner.costmodel.plan_command", "tuner.costmodel.search"),
     ("tuner.results.outputs", "tuner.results.report_html", "tuner.search.quant_tune", "tuner.search.study",
      "tuner.share.compare", "tuner.share.profiles"),

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 from tuner import __version__
-from tuner.results.printers import utc_now
+from tuner.base.text import utc_now
 from tuner.probe import fallback, fio
 from tuner.probe.cpu import measure_matmul
 from tuner.probe.kernels import KERNEL_QUANTS, SHAPES as KERNEL_SHAPES, measure_kernels

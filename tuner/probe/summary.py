@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tuner.probe.hardware_profile import HardwareProfile, Quantity
 from engine.base.config import size_label
-from tuner.results.printers import text_table
+from tuner.base.text import text_table
 
 GiB = 1 << 30
 

@@ -169,8 +169,6 @@ def gain(winner: Figures | None, reference: Figures | None, key: str) -> float |
 def decode_quality(quality: dict | None) -> QualityInfo | None:
     if quality is None:
         return None
-    from tuner.results.result import ResultError
-    from tuner.results.schema import decode
     return decode(QualityInfo, quality, "quality", ResultError)
 
 

@@ -1,4 +1,4 @@
-"""Every printer of a result: text tables, markdown, CSV (pandas) and JSON, and the formatters.
+"""Every printer of a result: text tables, markdown, CSV (pandas) and JSON (formatters: tuner/base/text.py).
 
 One schema (tuner/results/result.py), many printers, as llama-bench does it: `colibri run`, `bench`,
 `tune`, the probe summary, trials.csv and report.md all format through this module, so a figure
@@ -8,58 +8,15 @@ reads the same wherever it is shown and a formatter is defined once.
 from __future__ import annotations
 
 import io
-import json
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Sequence
 
 from engine.base.config import format_size
+from tuner.base.text import (  # noqa: F401  (re-exported: the printers' callers format with them too)
+    fmt, json_text, kl_text, markdown_table, pct, print_json, text_table, utc_now)
 from tuner.results.result import is_feasible, point_key
 
-# --- formatters -----------------------------------------------------------------------------
-
-
-def fmt(v, digits: int = 2) -> str:
-    """A number with `digits` decimals, or '-' when unknown."""
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
-def pct(v, digits: int = 1, signed: bool = False) -> str:
-    """0.123 -> '12.3%' ('+12.3%' signed), or '-' when unknown."""
-    return "-" if v is None else f"{v:{'+' if signed else ''}.{digits}%}"
-
-
-def utc_now() -> str:
-    """Now as an ISO 8601 UTC timestamp to the second: 2026-12-01T07:00:00Z."""
-    from datetime import datetime, timezone
-    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def json_text(obj) -> str:
-    return json.dumps(obj, indent=2, default=str) + "\n"
-
-
-def print_json(obj, stream=None) -> None:
-    (stream or sys.stdout).write(json_text(obj))
-
-
 # --- tables ---------------------------------------------------------------------------------
-
-def text_table(header: Sequence[str], rows: Iterable[Sequence[str]], left: int = 0) -> list[str]:
-    """Aligned columns: the first `left` columns (labels) flush left, the numbers right."""
-    rows = [list(r) for r in rows]
-    widths = [max(len(r[i]) for r in [list(header)] + rows) for i in range(len(header))]
-
-    def line(row) -> str:
-        cells = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        return "  " + "  ".join(cells).rstrip()
-
-    return [line(header), line(["-" * w for w in widths])] + [line(r) for r in rows]
-
-
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-
 
 def csv_text(rows: list[dict], columns: Sequence[str]) -> str:
     """CSV through pandas (the format people open it with); cells keep their Python types."""
@@ -307,14 +264,6 @@ def quality_progress(enabled: bool = True, stream=None):
     def progress(label, i, n):
         print(f"\r  {label}: chunk {i}/{n}", end="\n" if i == n else "", file=stream or sys.stderr, flush=True)
     return progress
-
-
-def kl_text(v) -> str:
-    """A KL divergence: they span decades (int8 ~1e-6, int4 ~1e-2 on real models), so small ones
-    in scientific notation rather than rounded to 0."""
-    if v is None:
-        return "-"
-    return "0" if v == 0 else f"{v:.2e}" if abs(v) < 1e-3 else f"{v:.4f}"
 
 
 def weights_line(r: dict) -> str:

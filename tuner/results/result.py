@@ -1,7 +1,7 @@
 """The result schema: one typed, versioned definition of a run's figures, a trial and a tune run.
 
 Dataclasses, not pydantic: the hardware profile is dataclasses already, so both share one
-strict loader and one JSON Schema generator (tuner/results/schema.py) and the tuner gains no
+strict loader and one JSON Schema generator (tuner/base/typed_json.py) and the tuner gains no
 dependency. Every printer (tuner/results/printers.py), file (tuner/results/outputs.py) and report reads these
 classes' fields, so a figure is named once. docs/schema/*.json is generated from them.
 
@@ -27,6 +27,7 @@ from typing import Any, Literal, Optional
 
 from engine.base.errors import ConfigError
 from engine.run.metrics import SUMMARY_KEYS
+from tuner.base.typed_json import decode
 
 RESULT_SCHEMA = "colibri.tune/3"
 RESULT_SCHEMA_V2 = "colibri.tune/2"
@@ -399,7 +400,6 @@ class TuneResult:
     @classmethod
     def from_dict(cls, data: Any, source: str = "result") -> "TuneResult":
         """Strict: the current schema, or a colibri.tune/1 or /2 result migrated (migrate)."""
-        from tuner.results.schema import decode
         if isinstance(data, dict) and data.get("schema") == RESULT_SCHEMA_V1:
             # The schema id is checked against the content: a /1 file holding /2-only fields is
             # mislabelled (or edited), and migrating it would silently drop or keep them.
