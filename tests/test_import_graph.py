@@ -32,8 +32,6 @@ KNOWN_UPWARD = {
     ("tuner.results.report_html", "tuner.share.profiles"),
     ("tuner.share.profiles", "tuner.search.quant_tune"),
     ("tuner.costmodel.search", "tuner.search.space"),
-    # `plan`'s argument parser lives in the cost model; its value types are the CLI's.
-    ("tuner.costmodel.plan_command", "tuner.commands.argtypes"),
 }
 # Known debt: the import circles (strongly connected components), each as a sorted tuple.
 KNOWN_CYCLES = {
@@ -42,7 +40,6 @@ KNOWN_CYCLES = {
      "engine.format.validate"),
     ("engine.synth", "engine.synth.arch_writers", "engine.synth.geometry", "engine.synth.hf_files",
      "engine.synth.recipe", "engine.synth.writer"),
-    ("tuner.costmodel.plan_command", "tuner.costmodel.search"),
     ("tuner.results.outputs", "tuner.results.report_html", "tuner.search.quant_tune", "tuner.search.study",
      "tuner.share.compare", "tuner.share.profiles"),
 }

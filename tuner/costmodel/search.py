@@ -15,11 +15,13 @@ from dataclasses import dataclass
 
 from engine.base.config import EngineConfig
 
-from tuner.costmodel.geometry import ModelGeometry
+from tuner.costmodel.fit import factors_from_profile
+from tuner.costmodel.geometry import ModelGeometry, from_model_dir
 from tuner.costmodel.hardware import HardwareView
 from tuner.costmodel.model_facts import recall_for
 from tuner.costmodel.predict import Factors, Prediction, RunConditions, predict
-from tuner.costmodel.routing_model import RoutingModel
+from tuner.costmodel.memplan import fits
+from tuner.costmodel.routing_model import RoutingModel, make_routing
 
 KiB, MiB = 1 << 10, 1 << 20
 GRID = {
@@ -93,7 +95,6 @@ def prefilter(geometry: ModelGeometry, quant: str, configs, overhead_bytes: int)
     margin): the plan is monotone in the overhead, so a config the engine's own plan accepts at
     its real, larger overhead is never dropped here.
     """
-    from tuner.costmodel.memplan import fits
     return [cfg for cfg in configs if fits(geometry, quant, cfg, overhead_bytes)]
 
 
@@ -162,9 +163,6 @@ def narrow_space(space, profile) -> dict:
 def study_warm_starts(space, profile, model_dir, run: RunConditions, n: int = 3) -> list[Ranked]:
     """The n configs of the space the cost model predicts fastest, with the profile's fitted
     factors when it carries them (else the measured curves as they are)."""
-    from tuner.costmodel.fit import factors_from_profile
-    from tuner.costmodel.plan_command import make_routing
-    from tuner.costmodel.geometry import from_model_dir
     geometry = from_model_dir(model_dir)
     routing = make_routing(space.routing_histogram or "auto", geometry)
     recall, _ = recall_for(getattr(profile, "cost_model", None), geometry.to_dict())  # this model's router only
