@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from engine.base.config import atomic_write_text, format_size
+from tuner.probe.summary import hardware_facts
 from tuner.results import report_plots
 from tuner.results.html_page import e as _e, img as _img, page, table as _table
 from tuner.results.printers import fmt, pct, search_line, weights_line, workload_text
@@ -132,7 +133,6 @@ def _headline(r: dict) -> list[str]:
 
 
 def _hardware_table(run: RunDir) -> str:
-    from tuner.share.profiles import hardware_facts
     if run.profile is None:
         return "<p class='note'>No profile.json in the run directory.</p>"
     return _table(["", ""], list(hardware_facts(run.profile.to_dict()).items()), header=False)

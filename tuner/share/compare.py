@@ -25,7 +25,8 @@ from engine.base.output_target import directory_target, replace_directory, stamp
 from tuner.results import report_plots
 from tuner.results.html_page import e, img, page, table
 from tuner.results.printers import fmt, kl_text, pct
-from tuner.share.profiles import entry_from_run, hardware_facts, resolve
+from tuner.probe.summary import hardware_facts
+from tuner.share.profiles import entry_from_run, resolve
 from tuner.results.rundir import is_run_dir, open_run
 
 # Conditions that make figures comparable: (name, how to read it from an item).

@@ -25,6 +25,8 @@ from tuner import __version__
 from tuner.results.printers import fmt, pct
 from tuner.probe.errors import ProfileError
 from tuner.share.profile_schema import ENTRY_SCHEMA, GEOMETRY_KEYS, geometry_hash, parse_text, validate_shared
+from tuner.probe.summary import hardware_facts
+from tuner.results.quant_rundir import PROBE_FILE, is_quant_run_dir, level_run_dirs
 from tuner.results.rundir import is_run_dir, open_run
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -40,7 +42,6 @@ DTYPE_QUANT = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "float32":
 
 def export_profile(source: str | Path, include_identity: bool = False) -> dict:
     """A run directory (its profile.json + result.json) or a profile/probe JSON → a shared profile."""
-    from tuner.search.quant_tune import PROBE_FILE, is_quant_run_dir, level_run_dirs
     source = Path(source)
     identity_dirs: list[str] = []
     runs = [open_run(source)] if is_run_dir(source) else \
@@ -337,38 +338,6 @@ def entry_line(e: dict) -> str:
             f"{format_size(c.get('chunk_size'))}, prefetch {c.get('prefetch_depth')}, {c.get('cache_policy')} "
             f"x{c.get('cpu_cache_ratio')}, threads {c.get('threads')}, io {c.get('io_mode')} x{c.get('io_threads')} "
             f"| tool {e['tool']['version']} ({e['tool'].get('git_commit')})")
-
-
-def hardware_facts(data: dict) -> dict:
-    """The figures people compare machines by, as label → printable value."""
-    from tuner.probe.hardware_profile import HardwareProfile
-    p = HardwareProfile.from_dict({k: v for k, v in data.items() if k != "identity"})
-    s = p.system
-    seq, lat = p.storage_point("sequential"), p.storage_point("latency_4k")
-    try:
-        mib_qd4 = f"{p.read_bandwidth(1 << 20, 4) / 1e9:.2f} GB/s"
-    except ProfileError:
-        mib_qd4 = "-"
-    iops = p.storage_point("iops_4k")
-    mem = max((m.bandwidth.value for m in p.memory_bandwidth if m.op == "read"), default=None)
-    gemv = max((m.throughput.value for m in p.cpu_matmul if m.m == 1), default=None)
-    return {
-        "fingerprint": p.fingerprint, "cpu": f"{s.cpu.model} ({s.cpu.arch})",
-        "cores": f"{s.cpu.physical_cores} physical / {s.cpu.logical_cores} logical, {s.cpu.numa_nodes} NUMA node(s)",
-        "cpu flags": " ".join(s.cpu.flags), "RAM": format_size(s.memory.total.value)
-        + (f", cgroup limit {format_size(s.memory.cgroup_limit.value)}" if s.memory.cgroup_limit else ""),
-        "disk": f"{s.disk.transport} {s.disk.model or ''} ({s.disk.filesystem}, rotational {s.disk.rotational})"
-        .replace("  ", " "),
-        "storage method": f"{p.storage.method} ({p.storage.tool}, {p.storage.ioengine}), {p.probe.mode} probe",
-        "sequential read": f"{seq.bandwidth.value / 1e9:.2f} GB/s" if seq else "-",
-        "1 MiB QD4 random read": mib_qd4,
-        "4 KiB QD1 latency p50": f"{lat.lat_p50.value:.0f} us" if lat else "-",
-        "4 KiB QD32 random read": f"{iops.iops.value:.0f} IO/s" if iops else "-",
-        "memory read bandwidth": f"{mem / 1e9:.2f} GB/s" if mem else "-",
-        "matmul (expert GEMV, best)": f"{gemv:.2f} GFLOP/s" if gemv else "-",
-        "GPUs": ", ".join(f"{g.name} {format_size(g.vram.value)}" for g in p.gpus) or "none",
-        "tool": p.tool.version,
-    }
 
 
 def diff(a: tuple[str, dict], b: tuple[str, dict]) -> dict:
