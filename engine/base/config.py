@@ -90,35 +90,65 @@ def size_label(n: int, smallest: str = "B") -> str:
     return f"{n // floor}{smallest}"
 
 
+def knob(default, doc: str, *, kind: str, label: str, short: str, lo=None, hi=None, choices=None, unit: str = "",
+         zero_means: str = "", lossy: bool = False):
+    """An EngineConfig field with what every reader of a knob needs, in one place: the CLI flag
+    (tuner/commands/engine_flags.py: `--name`, its ranged type from kind + lo/hi or its choices,
+    `doc` as its help; zero_means: what 0 means, for a size that may be 0) and the tables' column (tuner/results/columns.py: label,
+    short name, unit). kind: int, size (bytes; flags take 1GiB), float, choice, path. lo/hi are
+    EngineConfig.validate's closed bounds (tests/test_argtypes.py checks that they agree)."""
+    return dataclasses.field(default=default, metadata={
+        "doc": doc, "zero_means": zero_means, "kind": kind, "label": label, "short": short, "lo": lo, "hi": hi,
+        "choices": choices, "unit": unit, "lossy": lossy})
+
+
 @dataclass
 class EngineConfig:
     # Memory budget for the whole process (weights, KV, buffers, cache, runtime). 0 = no limit:
     # everything resident.
-    ram_budget: int = 0
+    ram_budget: int = knob(0, "memory budget, e.g. 1GiB (0 = everything resident)", kind="size", lo=0,
+                           hi=1 << 50, zero_means="everything resident", label="RAM budget", short="budget", unit="B")
     # A span (one expert) larger than this is split across the io_threads readers; smaller ones
     # are one request. 4 MiB: demo's 3 MiB experts are read whole, which measured 1.37x the
     # decode speed of splitting them at 1 MiB (docs/BENCHMARKS.md, "One request per span").
-    chunk_size: int = 4 << 20
-    prefetch_depth: int = 1  # layers of router lookahead
-    cpu_cache_ratio: float = 1.0  # share of what the budget leaves that the RAM expert cache takes
-    gpu_cache_ratio: float = 0.0  # share of free VRAM for the VRAM expert tier (CUDA only)
-    threads: int = 0  # torch compute threads; 0 = physical cores
-    ctx_size: int = 2048
-    kv_dtype: str = "auto"  # auto = the compute dtype
-    io_mode: str = "direct"
-    io_threads: int = 4  # reader threads; for io_backend uring, the reads in flight (queue depth)
+    chunk_size: int = knob(4 << 20, "read request size, e.g. 1MiB", kind="size", lo=4096, hi=1 << 30,
+                           label="read size", short="chunk", unit="B")
+    prefetch_depth: int = knob(1, "layers of router lookahead", kind="int", lo=0, hi=16, label="prefetch depth",
+                               short="prefetch")
+    cpu_cache_ratio: float = knob(1.0, "share of what the budget leaves that the RAM expert cache takes",
+                                  kind="float", lo=0.0, hi=1.0, label="RAM cache share", short="cache")
+    gpu_cache_ratio: float = knob(0.0, "share of free VRAM for the VRAM expert tier (CUDA only)", kind="float",
+                                  lo=0.0, hi=1.0, label="VRAM cache share", short="vram")
+    threads: int = knob(0, "torch compute threads (0 = physical cores)", kind="int", lo=0, hi=1024,
+                        label="compute threads", short="threads")
+    ctx_size: int = knob(2048, "context size in tokens", kind="int", lo=1, hi=1 << 22, label="context",
+                         short="ctx")
+    kv_dtype: str = knob("auto", "KV cache precision (auto = the compute dtype; int8 / fp8 are lossy)",
+                         kind="choice", choices=KV_DTYPES, label="KV dtype", short="kv", lossy=True)
+    io_mode: str = knob("direct", "how expert bytes are read: O_DIRECT, the page cache, or mmap", kind="choice",
+                        choices=IO_MODES, label="I/O mode", short="io")
+    io_threads: int = knob(4, "reader threads (io_backend uring: reads in flight)", kind="int", lo=1, hi=256,
+                           label="I/O threads", short="io thr")
     # threads: preadv on io_threads workers. uring: one io_uring ring (the uring-api package),
     # an error where the kernel refuses io_uring; auto: uring where it works, else threads.
     # mmap mode always faults in on the threads. Default threads: docs/BENCHMARKS.md, "io_backend in the engine".
-    io_backend: str = "threads"
-    cache_policy: str = "lru"
-    routing_histogram: str = ""  # JSON recorded by --record-routing; used by cache_policy=pinned
-    dtype: str = "auto"  # compute dtype: auto (the checkpoint's), bf16, fp32
+    io_backend: str = knob("threads", "what issues the reads: reader threads or io_uring", kind="choice",
+                           choices=IO_BACKENDS, label="I/O backend", short="backend")
+    cache_policy: str = knob("lru", "expert cache policy", kind="choice", choices=CACHE_POLICIES,
+                             label="cache policy", short="policy")
+    routing_histogram: str = knob("", "routing histogram JSON for cache_policy=pinned (from --record-routing)",
+                                  kind="path", label="routing histogram", short="histogram")
+    dtype: str = knob("auto", "compute dtype (auto: the checkpoint's)", kind="choice", choices=COMPUTE_DTYPES,
+                      label="compute dtype", short="dtype")
     # Lossy routing, off by default (engine/routing.py:trim_routes): use top_k - top_k_reduction
     # experts per token, and skip an expert whose share of the chosen experts' routing weight is
     # below expert_threshold (the heaviest is always kept); both change the output tokens.
-    top_k_reduction: int = 0
-    expert_threshold: float = 0.0
+    top_k_reduction: int = knob(0, "route k-N experts per token instead of k (0: as the model)", kind="int", lo=0,
+                                hi=MAX_TOP_K_REDUCTION, label="top-k reduction", short="k-", lossy=True)
+    # validate's bound is [0, 1): the flag's closed upper bound is the largest value below 1 it takes
+    expert_threshold: float = knob(0.0, "skip an expert whose share of the token's routing weight is below this "
+                                   "(0: none)", kind="float", lo=0.0, hi=0.999999, label="expert threshold",
+                                   short="thresh", lossy=True)
 
     def __post_init__(self):
         self.validate()

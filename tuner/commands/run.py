@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
-from engine.base.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_BACKENDS, IO_MODES, KV_DTYPES
+from engine.base.config import EngineConfig, size_label
 from engine.base.output_target import file_target, json_file_with
 from tuner.commands.argtypes import (check_output_file, finite_float, int_in, nonneg_int, positive_int, seconds,
                                      seed, size)
 from tuner.results.printers import print_json as _print_json
 
-# The same ranges as EngineConfig.validate (tests/test_argtypes.py checks that they agree), so a
-# bad flag is refused while parsing, naming the flag, before the model is opened.
-CTX_MAX = 1 << 22
+# The engine flags' ranges are EngineConfig's field metadata (tests/test_argtypes.py checks that
+# they agree with EngineConfig.validate), so a bad flag is refused while parsing, naming the flag,
+# before the model is opened.
+CTX_MAX = dataclasses.fields(EngineConfig)[EngineConfig.field_names().index("ctx_size")].metadata["hi"]
 TOKENS_MAX = CTX_MAX  # prompt and new tokens must fit in a context
 
 ROUTING_FILE = json_file_with("schema", "counts")  # a routing histogram written before (engine/movement/cache)
@@ -25,43 +27,48 @@ def _routing_output(args, command: str) -> None:
                                               flag="--record-routing"))
 
 
+def knob_flag(f: dataclasses.Field) -> tuple[str, dict]:
+    """The flag of one knob (an EngineConfig or TuneOptions field made with `knob`): its name
+    and add_argument keywords, from the field's metadata: a ranged type (argtypes) from its kind
+    and bounds, or its choices, and its doc as the help with the default."""
+    m = f.metadata
+    kind, lo, hi = m["kind"], m.get("lo"), m.get("hi")
+    kw: dict = {}
+    if kind == "size":
+        kw["type"] = size(zero_ok=lo == 0, lo=max(lo or 1, 1), hi=hi, zero_means=m.get("zero_means", ""))
+    elif kind == "int":
+        kw["type"] = int_in(lo, hi)
+    elif kind == "float":
+        kw["type"] = finite_float(lo, hi)
+    elif kind == "choice":
+        kw["choices"] = m["choices"]
+    elif kind != "path":
+        raise TypeError(f"{f.name}: unknown knob kind {kind!r}")
+    default = f.default
+    shown = [kw["type"].range_text] if "type" in kw and kind != "size" else []
+    if default not in ("", None):
+        shown.append(f"default {size_label(default) if kind == 'size' and default else default}")
+    kw["help"] = (m["doc"] + (f" ({', '.join(shown)})" if shown else "")).replace("%", "%%")
+    if kind == "path":
+        kw["metavar"] = "FILE"
+    return "--" + f.name.replace("_", "-"), kw
+
+
 def add_engine_flags(p) -> None:
-    """Flags shared by run and bench: each overrides the same key of --config."""
+    """Flags shared by run, bench, serve and chat, one per EngineConfig field (engine/base/config.py:
+    the field's metadata is the flag); each overrides the same key of --config."""
     p.add_argument("--config", help="engine config TOML (e.g. a tune run's recommended.toml)")
-    p.add_argument("--ram-budget", type=size(zero_ok=True, zero_means="everything resident"),
-                   help="memory budget, e.g. 1GiB (0 = everything resident)")
-    p.add_argument("--ctx-size", type=int_in(1, CTX_MAX))
-    p.add_argument("--threads", type=int_in(0, 1024), help="torch compute threads (0 = physical cores)")
-    p.add_argument("--chunk-size", type=size(lo=4096, hi=1 << 30), help="read request size, e.g. 1MiB")
-    p.add_argument("--prefetch-depth", type=int_in(0, 16))
-    p.add_argument("--cpu-cache-ratio", type=finite_float(0.0, 1.0))
-    p.add_argument("--gpu-cache-ratio", type=finite_float(0.0, 1.0))
-    p.add_argument("--io-mode", choices=IO_MODES)
-    p.add_argument("--io-threads", type=int_in(1, 256))
-    p.add_argument("--io-backend", choices=IO_BACKENDS, help="what issues the reads: reader threads or io_uring")
-    p.add_argument("--cache-policy", choices=CACHE_POLICIES)
-    p.add_argument("--kv-dtype", choices=KV_DTYPES)
-    p.add_argument("--dtype", choices=COMPUTE_DTYPES, help="compute dtype (auto: the checkpoint's)")
-    p.add_argument("--routing-histogram", help="routing histogram JSON for cache_policy=pinned")
     lossy = p.add_argument_group("lossy settings (off by default; each changes the output)")
-    lossy.add_argument("--top-k-reduction", type=nonneg_int(8), help="route k-N experts per token instead of k (0: as the model)")
-    lossy.add_argument("--expert-threshold", type=finite_float(0.0, 0.999999),
-                       help="skip an expert whose share of the token's routing weight is below this (0: none)")
+    for f in dataclasses.fields(EngineConfig):
+        flag, kw = knob_flag(f)
+        (lossy if f.metadata.get("lossy") else p).add_argument(flag, **kw)
 
 
-def engine_config_from_args(args):
-    from engine.base.config import EngineConfig
+def engine_config_from_args(args) -> EngineConfig:
+    """--config (or the defaults) with every engine flag given on the command line applied."""
     config = EngineConfig.load(args.config) if args.config else EngineConfig()
-    overrides = {
-        "ram_budget": args.ram_budget, "chunk_size": args.chunk_size,  # bytes already (argtypes.size)
-        "ctx_size": args.ctx_size, "threads": args.threads, "prefetch_depth": args.prefetch_depth,
-        "cpu_cache_ratio": args.cpu_cache_ratio, "gpu_cache_ratio": args.gpu_cache_ratio,
-        "io_mode": args.io_mode, "io_threads": args.io_threads,
-        "io_backend": args.io_backend, "cache_policy": args.cache_policy,
-        "kv_dtype": args.kv_dtype, "dtype": args.dtype, "routing_histogram": args.routing_histogram,
-        "top_k_reduction": args.top_k_reduction, "expert_threshold": args.expert_threshold,
-    }
-    return config.replace(**overrides)
+    # sizes are bytes already (argtypes.size); a flag not given is None and changes nothing
+    return config.replace(**{name: getattr(args, name) for name in EngineConfig.field_names()})
 
 
 def add_run(sub) -> None:

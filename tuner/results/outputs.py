@@ -15,10 +15,8 @@ from tuner.probe import load_profile, save_profile
 from tuner.results.printers import fmt, json_text, pct, trials_csv
 from tuner.results.report_html import write_html_report
 from tuner.results.report_md import write_report
-from tuner.results.result import BEST_CONFIG_SCHEMA
+from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS  # noqa: F401  (study reads outputs.GEOMETRY_KEYS)
 
-# Geometry keys that make two models interchangeable for a recorded best config.
-GEOMETRY_KEYS = ("model_type", "layers", "hidden_size", "experts", "top_k", "moe_intermediate_size", "vocab_size")
 
 
 def write_trials_csv(trials, path: str | Path) -> Path:

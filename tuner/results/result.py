@@ -34,7 +34,10 @@ RESULT_SCHEMA_V2 = "colibri.tune/2"
 RESULT_SCHEMA_V1 = "colibri.tune/1"
 V2_ONLY_FIELDS = ("quant", "quality")  # top-level fields colibri.tune/2 added
 TRIAL_SCHEMA = "colibri.trial/1"
-BEST_CONFIG_SCHEMA = "colibri.best_config/1"
+BEST_CONFIG_SCHEMA = "colibri.best_config/1"  # a profile's record of a run's winner (tuner/share/profile_schema.py)
+# Geometry keys that make two models interchangeable for a recorded best config, a fitted factor
+# or a measured recall (profiles, outputs, the cost model's model facts).
+GEOMETRY_KEYS = ("model_type", "layers", "hidden_size", "experts", "top_k", "moe_intermediate_size", "vocab_size")
 
 # The figure each objective ranks by and the result's gain is on (gain_metric); both: decode
 # first, then TTFT. request: the end-to-end latency of a request (TTFT + its decode), the mean
@@ -56,6 +59,16 @@ Verdict = Literal["ok", "over_budget", "oom_killed", "killed", "timeout", "crash
                   "quality_bound"]  # a lossy setting outside tune --max-kl / --min-top1 (tuner/search/lossy.py)
 
 
+def figure(label: str, short: str, kind: str, unit: str = "", default=None):
+    """A figure field with its column (tuner/results/columns.py): label, short name, kind (how it
+    reads: float, seconds, share, bytes, kl) and unit; the unit is stated in the JSON Schema."""
+    meta = {"label": label, "short": short, "kind": kind, "unit": unit} if unit else \
+        {"label": label, "short": short, "kind": kind}
+    if default is dataclasses.MISSING:
+        return field(metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 def _json(obj) -> dict:
     return dataclasses.asdict(obj)
 
@@ -70,25 +83,26 @@ class ResultError(ConfigError):
 class RunFigures:
     """The headline figures of one engine run or bench (bench: medians over the repeats)."""
 
-    decode_tok_s: Optional[float] = None
-    ttft_s: Optional[float] = None
-    request_s: Optional[float] = None  # end to end: prefill, first token and the decode (per request)
-    prefill_tok_s: Optional[float] = None
-    token_latency_p50_ms: Optional[float] = None
-    token_latency_p99_ms: Optional[float] = None
-    read_gbps: Optional[float] = None
-    io_stall_fraction: Optional[float] = None
-    lookahead_recall: Optional[float] = None
-    bytes_read_per_token: Optional[float] = None
-    hit_rate_ram: Optional[float] = None
-    peak_rss_bytes: Optional[int] = None
-    plan_cache_bytes: Optional[int] = None
+    decode_tok_s: Optional[float] = figure("decode tok/s", "decode", "float", "tok/s")
+    ttft_s: Optional[float] = figure("TTFT s", "TTFT", "seconds", "s")
+    # end to end: prefill, first token and the decode (per request)
+    request_s: Optional[float] = figure("request s", "request", "seconds", "s")
+    prefill_tok_s: Optional[float] = figure("prefill tok/s", "prefill", "float", "tok/s")
+    token_latency_p50_ms: Optional[float] = figure("token latency p50 ms", "p50 ms", "float", "ms")
+    token_latency_p99_ms: Optional[float] = figure("token latency p99 ms", "p99 ms", "float", "ms")
+    read_gbps: Optional[float] = figure("read GB/s", "read", "float", "GB/s")
+    io_stall_fraction: Optional[float] = figure("I/O stall", "stall", "share")
+    lookahead_recall: Optional[float] = figure("lookahead recall", "recall", "share")
+    bytes_read_per_token: Optional[float] = figure("read per token", "read/tok", "bytes", "B")
+    hit_rate_ram: Optional[float] = figure("RAM hit rate", "hit", "share")
+    peak_rss_bytes: Optional[int] = figure("peak RSS", "peak", "bytes", "B")
+    plan_cache_bytes: Optional[int] = figure("planned cache", "cache", "bytes", "B")
     threads: Optional[int] = None
     tokens_consistent: Optional[bool] = None
     io_mode_effective: Optional[str] = None
     io_backend_effective: Optional[str] = None
     compute_dtype: Optional[str] = None
-    load_seconds: Optional[float] = None
+    load_seconds: Optional[float] = figure("load s", "load", "seconds", "s")
 
     @classmethod
     def from_metrics(cls, m: dict) -> "RunFigures":
@@ -145,7 +159,7 @@ class TrialRecord:
     trial_status: Optional[TrialStatus] = None  # the runner's own status; None: never launched
     cgroup_limited: Optional[bool] = None
     cgroup_limit_bytes: Optional[int] = None
-    cgroup_peak_bytes: Optional[int] = None
+    cgroup_peak_bytes: Optional[int] = figure("cgroup peak", "cg peak", "bytes", "B")
     cgroup_reason: Optional[str] = None
     duplicate_of: Optional[int] = None  # an earlier trial at the same point, whose figures these are
     figures: RunFigures = field(default_factory=RunFigures)
@@ -334,11 +348,11 @@ class QualityInfo:
     tokens: int
     ctx: int
     scored_tokens: int
-    kl_mean: float
+    kl_mean: float = figure("KL mean", "KL", "kl", "nats", default=dataclasses.MISSING)
     kl_median: float
     kl_p99: float
     kl_max: float
-    top1_agreement: float
+    top1_agreement: float = figure("same top-1", "top-1", "share", default=dataclasses.MISSING)
     perplexity: float
     perplexity_reference: float
 

@@ -16,17 +16,18 @@ import json
 import re
 
 from tuner.probe.errors import ProfileError
+from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS
 # The checks every profile gets, shared or local, live with the probe's schema; re-exported here.
 from tuner.probe.profile_checks import (CONTROL_RE, HARDWARE_RANGES, MAX_ARRAY, MAX_DEPTH,  # noqa: F401
                                         MAX_FILE_BYTES, MAX_STRING, check_document, check_physics,
                                         check_ranges, parse_text)
 
 MAX_ENTRIES = 256
-ENTRY_SCHEMA = "colibri.best_config/1"
+# A stored quant level: tune --quant's labels (tuner/results/quant_rundir.LEVEL_RE) with only the group
+# sizes the converter writes.
 QUANT_RE = re.compile(r"^(bf16|fp16|fp32|int8|int4)(-g(32|64|128))?$")
 HASH_RE = re.compile(r"^sha256:[0-9a-f]{16}$")
 UTC_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$")
-GEOMETRY_KEYS = ("model_type", "layers", "hidden_size", "experts", "top_k", "moe_intermediate_size", "vocab_size")
 
 # Entry spec: key → (type, nullable, range or choices). "figures" dicts share FIGURES.
 NUM, INT, STR, BOOL = "number", "integer", "string", "boolean"
@@ -56,7 +57,7 @@ WORKLOAD = {"kind": (STR, False, ("fixed", "prompts")), "requests": (INT, False,
 GEOMETRY = {k: (INT, False, (1, 1 << 24)) for k in GEOMETRY_KEYS if k != "model_type"}
 GEOMETRY["model_type"] = (STR, False, None)
 ENTRY_SPEC = {
-    "schema": (STR, False, (ENTRY_SCHEMA,)), "model": (STR, False, None), "geometry": (GEOMETRY, False, None),
+    "schema": (STR, False, (BEST_CONFIG_SCHEMA,)), "model": (STR, False, None), "geometry": (GEOMETRY, False, None),
     "geometry_hash": (STR, False, HASH_RE), "quant": (STR, False, QUANT_RE), "compute_dtype": (STR, False, None),
     "ram_budget": (INT, False, (1 << 20, 1 << 52)),
     "objective": (STR, False, ("decode", "ttft", "request", "both")),

@@ -24,7 +24,8 @@ from engine.base.output_target import file_target, json_file_with, read_small_js
 from tuner import __version__
 from tuner.results.printers import fmt, pct
 from tuner.probe.errors import ProfileError
-from tuner.share.profile_schema import ENTRY_SCHEMA, GEOMETRY_KEYS, geometry_hash, parse_text, validate_shared
+from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS
+from tuner.share.profile_schema import geometry_hash, parse_text, validate_shared
 from tuner.probe.summary import hardware_facts
 from tuner.results.quant_rundir import PROBE_FILE, is_quant_run_dir, level_run_dirs
 from tuner.results.rundir import is_run_dir, open_run
@@ -84,7 +85,7 @@ def entry_from_run(run) -> dict:
     for out_key, csv_key in TRIAL_FIGURES:
         figures[out_key] = _number(trial.get(csv_key))
     return {
-        "schema": ENTRY_SCHEMA, "model": model_name(model.get("name"), model.get("dir")),
+        "schema": BEST_CONFIG_SCHEMA, "model": model_name(model.get("name"), model.get("dir")),
         "geometry": {k: (model.get("geometry") or {}).get(k) for k in GEOMETRY_KEYS},
         "geometry_hash": geometry_hash(model.get("geometry") or {}),
         "quant": r.get("quant") or DTYPE_QUANT.get(model.get("compute_dtype"), "bf16"),
@@ -108,14 +109,14 @@ def model_name(name, directory) -> str:
 def _normalize_entry(e: dict) -> dict | None:
     """An entry already in the shared form passes; the tuner's own run-local form is converted;
     anything else is dropped (export never forwards what it cannot vouch for)."""
-    if not isinstance(e, dict) or e.get("schema") != ENTRY_SCHEMA:
+    if not isinstance(e, dict) or e.get("schema") != BEST_CONFIG_SCHEMA:
         return None
     if "geometry_hash" in e:
         return e
     cond = e.get("conditions") or {}
     geometry = e.get("geometry") or {}
     return {
-        "schema": ENTRY_SCHEMA, "model": model_name(e.get("model"), None),
+        "schema": BEST_CONFIG_SCHEMA, "model": model_name(e.get("model"), None),
         "geometry": {k: geometry.get(k) for k in GEOMETRY_KEYS}, "geometry_hash": geometry_hash(geometry),
         "quant": e.get("quant") or DTYPE_QUANT.get(e.get("compute_dtype"), "bf16"),
         "compute_dtype": e.get("compute_dtype") or "", "ram_budget": e.get("ram_budget"),
