@@ -34,6 +34,7 @@ CACHE_POLICIES = ("lru", "lfu", "pinned")
 KV_QUANT_NAMES = ("fp8", "int8")
 KV_DTYPES = ("auto", *SHORT_NAMES, *KV_QUANT_NAMES)
 MAX_TOP_K_REDUCTION = 8
+CTX_MAX = 1 << 22  # the longest context a config may ask for (prompt and new tokens must fit in it)
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # fp16 is computed in fp32 on CPU (slow fp16 matmuls)
 
 # An engine config is a dozen keys; anything this large is not one (and is not read whole).
@@ -90,16 +91,20 @@ def size_label(n: int, smallest: str = "B") -> str:
     return f"{n // floor}{smallest}"
 
 
-def knob(default, doc: str, *, kind: str, label: str, short: str, lo=None, hi=None, choices=None, unit: str = "",
-         zero_means: str = "", lossy: bool = False):
+def knob(default, doc: str, *, kind: str, label: str = "", short: str = "", lo=None, hi=None, choices=None,
+         unit: str = "", zero_means: str = "", lossy: bool = False, **flag):
     """An EngineConfig field with what every reader of a knob needs, in one place: the CLI flag
     (tuner/commands/engine_flags.py: `--name`, its ranged type from kind + lo/hi or its choices,
     `doc` as its help; zero_means: what 0 means, for a size that may be 0) and the tables' column (tuner/results/columns.py: label,
     short name, unit). kind: int, size (bytes; flags take 1GiB), float, choice, path. lo/hi are
-    EngineConfig.validate's closed bounds (tests/test_argtypes.py checks that they agree)."""
-    return dataclasses.field(default=default, metadata={
-        "doc": doc, "zero_means": zero_means, "kind": kind, "label": label, "short": short, "lo": lo, "hi": hi,
-        "choices": choices, "unit": unit, "lossy": lossy})
+    EngineConfig.validate's closed bounds (tests/test_argtypes.py checks that they agree).
+    The tuner's options (tuner/search/options.py TuneOptions) are knobs too, with more kinds
+    (duration, seconds, switch, text) and `flag` keywords: flag (its name), group, metavar."""
+    meta = {"doc": doc, "zero_means": zero_means, "kind": kind, "lo": lo, "hi": hi, "choices": choices,
+            "lossy": lossy, **flag}
+    if label:  # a column of the tables (tuner/results/columns.py)
+        meta.update(label=label, short=short, unit=unit)
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclass
@@ -121,7 +126,7 @@ class EngineConfig:
                                   lo=0.0, hi=1.0, label="VRAM cache share", short="vram")
     threads: int = knob(0, "torch compute threads (0 = physical cores)", kind="int", lo=0, hi=1024,
                         label="compute threads", short="threads")
-    ctx_size: int = knob(2048, "context size in tokens", kind="int", lo=1, hi=1 << 22, label="context",
+    ctx_size: int = knob(2048, "context size in tokens", kind="int", lo=1, hi=CTX_MAX, label="context",
                          short="ctx")
     kv_dtype: str = knob("auto", "KV cache precision (auto = the compute dtype; int8 / fp8 are lossy)",
                          kind="choice", choices=KV_DTYPES, label="KV dtype", short="kv", lossy=True)
@@ -170,7 +175,7 @@ class EngineConfig:
         need(4096 <= self.chunk_size <= 1 << 30, f"chunk_size must be in [4 KiB, 1 GiB], got {self.chunk_size}")
         need(0 <= self.prefetch_depth <= 16, f"prefetch_depth must be in [0, 16], got {self.prefetch_depth}")
         need(0 <= self.threads <= 1024, f"threads must be in [0, 1024], got {self.threads}")
-        need(1 <= self.ctx_size <= 1 << 22, f"ctx_size must be in [1, 4194304], got {self.ctx_size}")
+        need(1 <= self.ctx_size <= CTX_MAX, f"ctx_size must be in [1, {CTX_MAX}], got {self.ctx_size}")
         need(1 <= self.io_threads <= 256, f"io_threads must be in [1, 256], got {self.io_threads}")
         need(self.io_mode in IO_MODES, f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")
         need(self.io_backend in IO_BACKENDS,

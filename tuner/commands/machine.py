@@ -5,11 +5,13 @@ from __future__ import annotations
 import sys
 
 from engine.base.output_target import file_target
-from tuner.results.printers import print_json as _print_json
-from tuner.share.profiles import PROFILE_FILE
+from engine.base.progress import Progress
 from tuner.commands.argtypes import check_output_file, positive_int, size
 from tuner.costmodel.geometry import QUANTS
 from tuner.costmodel.plan_command import format_plan, run_plan
+from tuner.probe import format_summary, run_probe, save_profile
+from tuner.results.printers import print_json as _print_json
+from tuner.share.profiles import PROFILE_FILE
 
 
 def add_probe(sub) -> None:
@@ -27,9 +29,6 @@ def add_probe(sub) -> None:
 
 
 def cmd_probe(args) -> int:
-    from engine.base.progress import Progress
-    from tuner.probe import format_summary, run_probe, save_profile
-
     output = file_target(args.output, command="probe", recognise=PROFILE_FILE) if args.output is not None else None
     if output is not None:
         check_output_file(str(output), "-o")  # its directory must exist and take files, before the probe runs

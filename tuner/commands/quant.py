@@ -6,12 +6,16 @@ import sys
 import time
 from pathlib import Path
 
+from engine.format.convert import convert
 from engine.format.gguf import is_gguf
 from engine.format.gguf.importer import import_and_convert
+from engine.run.quality import format_quality, measure_quality
+from engine.run.resolve import resolve_model
 from tuner.commands.argtypes import int_in, nonneg_int, positive_int
 from tuner.commands.run import CTX_MAX, TOKENS_MAX
 from tuner.results.printers import convert_progress
 from tuner.results.printers import print_json as _print_json
+from tuner.results.printers import quality_progress
 
 
 def add_convert(sub) -> None:
@@ -33,9 +37,6 @@ def add_convert(sub) -> None:
 
 
 def cmd_convert(args) -> int:
-    from engine.format.convert import convert
-    from engine.run.resolve import resolve_model
-
     import torch
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -87,9 +88,6 @@ def add_quality(sub) -> None:
 
 
 def cmd_quality(args) -> int:
-    from tuner.results.printers import quality_progress
-    from engine.run.quality import format_quality, measure_quality
-
     r = measure_quality(args.model, args.reference, tokens=args.tokens, ctx=args.ctx, text_file=args.text,
                         dtype=args.dtype, threads=args.threads,
                         progress=quality_progress(not args.json))

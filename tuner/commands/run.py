@@ -5,16 +5,21 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from engine.base.config import EngineConfig, size_label
+from engine.base.config import CTX_MAX, EngineConfig, size_label
+from engine.base.errors import ConfigError
 from engine.base.output_target import file_target, json_file_with
-from tuner.commands.argtypes import (check_output_file, finite_float, int_in, nonneg_int, positive_int, seconds,
-                                     seed, size)
+from engine.run.bench import run_bench
+from engine.run.generate import Sampler, load_tokenizer
+from engine.run.oneshot import run_generation
+from engine.run.resolve import resolve_model
+from engine.run.workload import load_requests, load_workload
+from tuner.commands.argtypes import check_output_file, finite_float, nonneg_int, positive_int, seconds, seed, size
+from tuner.commands.knob_flags import knob_flag
 from tuner.results.printers import print_json as _print_json
+from tuner.results.printers import bench_text, run_header, run_text
+from tuner.search.outcome import Outcome, write_outcome
+from tuner.search.trial import run_trial
 
-# The engine flags' ranges are EngineConfig's field metadata (tests/test_argtypes.py checks that
-# they agree with EngineConfig.validate), so a bad flag is refused while parsing, naming the flag,
-# before the model is opened.
-CTX_MAX = dataclasses.fields(EngineConfig)[EngineConfig.field_names().index("ctx_size")].metadata["hi"]
 TOKENS_MAX = CTX_MAX  # prompt and new tokens must fit in a context
 
 ROUTING_FILE = json_file_with("schema", "counts")  # a routing histogram written before (engine/movement/cache)
@@ -27,40 +32,16 @@ def _routing_output(args, command: str) -> None:
                                               flag="--record-routing"))
 
 
-def knob_flag(f: dataclasses.Field) -> tuple[str, dict]:
-    """The flag of one knob (an EngineConfig or TuneOptions field made with `knob`): its name
-    and add_argument keywords, from the field's metadata: a ranged type (argtypes) from its kind
-    and bounds, or its choices, and its doc as the help with the default."""
-    m = f.metadata
-    kind, lo, hi = m["kind"], m.get("lo"), m.get("hi")
-    kw: dict = {}
-    if kind == "size":
-        kw["type"] = size(zero_ok=lo == 0, lo=max(lo or 1, 1), hi=hi, zero_means=m.get("zero_means", ""))
-    elif kind == "int":
-        kw["type"] = int_in(lo, hi)
-    elif kind == "float":
-        kw["type"] = finite_float(lo, hi)
-    elif kind == "choice":
-        kw["choices"] = m["choices"]
-    elif kind != "path":
-        raise TypeError(f"{f.name}: unknown knob kind {kind!r}")
-    default = f.default
-    shown = [kw["type"].range_text] if "type" in kw and kind != "size" else []
-    if default not in ("", None):
-        shown.append(f"default {size_label(default) if kind == 'size' and default else default}")
-    kw["help"] = (m["doc"] + (f" ({', '.join(shown)})" if shown else "")).replace("%", "%%")
-    if kind == "path":
-        kw["metavar"] = "FILE"
-    return "--" + f.name.replace("_", "-"), kw
-
-
 def add_engine_flags(p) -> None:
     """Flags shared by run, bench, serve and chat, one per EngineConfig field (engine/base/config.py:
     the field's metadata is the flag); each overrides the same key of --config."""
     p.add_argument("--config", help="engine config TOML (e.g. a tune run's recommended.toml)")
     lossy = p.add_argument_group("lossy settings (off by default; each changes the output)")
+    # Each flag's range is its field's metadata (tests/test_argtypes.py checks that it agrees with
+    # EngineConfig.validate), so a bad flag is refused while parsing, before the model is opened.
+    # No default: a flag not given leaves --config's value.
     for f in dataclasses.fields(EngineConfig):
-        flag, kw = knob_flag(f)
+        flag, kw = knob_flag(f, with_default=False)
         (lossy if f.metadata.get("lossy") else p).add_argument(flag, **kw)
 
 
@@ -92,11 +73,6 @@ def add_run(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    from engine.run.generate import Sampler
-    from engine.run.resolve import resolve_model
-    from engine.run.oneshot import run_generation
-    from tuner.results.printers import run_header, run_text
-
     config = engine_config_from_args(args)
     if args.record_routing:
         check_output_file(args.record_routing, "--record-routing")
@@ -151,19 +127,14 @@ def add_bench(sub) -> None:
 
 def _bench_workload(args, model_dir):
     """The requests of --prompts / --workload (checked before the engine loads), or None."""
-    from engine.run.workload import load_requests, load_workload
     if args.workload:
         return load_requests(args.workload)
     if args.prompts:
-        from engine.run.generate import load_tokenizer
         return load_workload(args.prompts, load_tokenizer(model_dir), args.tokens)
     return None
 
 
 def cmd_bench(args) -> int:
-    from engine.base.errors import ConfigError
-    from engine.run.resolve import resolve_model
-
     config = engine_config_from_args(args)
     for flag, path in (("--read-trace", args.read_trace), ("--record-routing", args.record_routing)):
         if path:
@@ -174,7 +145,6 @@ def cmd_bench(args) -> int:
     model_dir = resolve_model(args.model, progress=not args.json)
     workload = _bench_workload(args, model_dir)
     if args.cgroup_limit:
-        from tuner.search.trial import run_trial
         extra = ["--record-routing", args.record_routing] if args.record_routing else []
         extra += ["--read-trace", args.read_trace] if args.read_trace else []
         extra += ["--prompts", args.prompts] if args.prompts else []
@@ -189,8 +159,6 @@ def cmd_bench(args) -> int:
             return 1
         result = trial.metrics
     else:
-        from engine.run.bench import run_bench
-
         def progress(i, n, m):
             if not args.json:
                 print(f"  repeat {i}/{n}: decode {m.get('decode_tok_s') or 0:.2f} tok/s", file=sys.stderr)
@@ -199,11 +167,9 @@ def cmd_bench(args) -> int:
                            prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
                            record_routing=args.record_routing, read_trace=args.read_trace, workload=workload)
     if args.outcome:
-        from tuner.search.outcome import Outcome, write_outcome
         write_outcome(args.outcome, Outcome("ok", metrics=result))
     if args.json:
         _print_json(result)
     else:
-        from tuner.results.printers import bench_text
         print(bench_text(result))
     return 0

@@ -25,6 +25,8 @@ import statistics
 import time
 from typing import Callable, Sequence
 
+from engine import native
+from engine.format.quant import QuantWeight, linear, quantize
 from tuner.probe.cpu import time_calls, each_thread_count
 from tuner.probe.hardware_profile import KernelPoint, Quantity
 
@@ -59,7 +61,6 @@ def measure_kernels(thread_counts: Sequence[int], ms: Sequence[int], min_time_s:
 
 
 def _bf16_kernel(m: int) -> str:
-    from engine import native
     return NATIVE_BF16 if native.ready and m == 1 else "F.linear"
 
 
@@ -67,7 +68,6 @@ def _weights(shapes) -> dict:
     """bf16 weight and its stored int8 / int4 forms per shape (quantized once: the slow part)."""
     import torch
 
-    from engine.format.quant import quantize
     gen = torch.Generator().manual_seed(0)
     out = {}
     for k, n in shapes:
@@ -81,8 +81,6 @@ def _kernel(quant: str, forms: dict):
     """(x → call, kernel name, seconds to prepare the stored matrix) as the engine runs it."""
     import torch
 
-    from engine import native
-    from engine.format.quant import QuantWeight, linear
     if quant == "bf16":
         w = forms["bf16"]
         # engine.quant.linear is the engine's call: the native kernel for one bf16 row when it

@@ -15,10 +15,11 @@ from pathlib import Path
 from engine.base.config import atomic_write_text, format_size
 from tuner.probe.summary import hardware_facts
 from tuner.results import report_plots
-from tuner.results.html_page import e as _e, img as _img, page, table as _table
 from tuner.results.columns import BY_NAME, CONFIG_COLUMNS
+from tuner.results.html_page import e as _e, img as _img, page, table as _table
 from tuner.results.printers import (QUALITY_COLUMN_NAMES, fmt, pct, search_line, trials_frame, weights_line,
                                     workload_text)
+from tuner.results.report_md import write_report
 from tuner.results.result import is_feasible
 from tuner.results.rundir import RunDir, open_run
 
@@ -43,7 +44,6 @@ def write_html_report(run_dir: str | Path, study=None, storage: str | None = Non
 
 def write_reports(run_dir: str | Path, storage: str | None = None) -> dict:
     """`colibri report`: report.md with its plots (tuner.report), then report.html."""
-    from tuner.results.report_md import write_report
     run = open_run(run_dir, storage=storage)
     files = write_report(run.study, run.result, run.path)
     files["report.html"] = write_html_report(run.path, study=run.study)

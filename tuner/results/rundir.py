@@ -16,6 +16,8 @@ from pathlib import Path
 
 from engine.base.errors import ColibriError
 from engine.base.inputs import printable, read_input, read_text_input
+from tuner.probe import load_profile
+from tuner.results.result import TuneResult
 
 RESULT_MAX_BYTES = 64 << 20  # a result.json is a few hundred KiB; anything far bigger is not ours
 
@@ -86,13 +88,11 @@ def open_run(path: str | Path, study=None, storage: str | None = None) -> RunDir
     result_path = path / "result.json"
     if not result_path.is_file():
         raise RunDirError(f"{path}: no result.json (not a finished `colibri tune` run directory)")
-    from tuner.results.result import TuneResult
     # The one result schema, strictly; a result of the version before is read migrated, so every
     # reader below sees the current fields.
     result = TuneResult.from_dict(read_json(result_path, RESULT_MAX_BYTES), source=str(result_path)).to_dict()
     profile = None
     if (path / "profile.json").is_file():
-        from tuner.probe import load_profile
         profile = load_profile(path / "profile.json")
     return RunDir(path=path, result=result, profile=profile, _study=study, storage=storage)
 

@@ -15,7 +15,10 @@ import hashlib
 import json
 import re
 
+from engine.base.config import EngineConfig
+from engine.base.errors import ConfigError
 from tuner.probe.errors import ProfileError
+from tuner.probe.hardware_profile import HardwareProfile
 from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS
 # The checks every profile gets, shared or local, live with the probe's schema; re-exported here.
 from tuner.probe.profile_checks import (CONTROL_RE, HARDWARE_RANGES, MAX_ARRAY, MAX_DEPTH,  # noqa: F401
@@ -79,7 +82,6 @@ def geometry_hash(geometry: dict) -> str:
 
 def validate_shared(data) -> "tuple[object, list[dict], dict | None]":
     """→ (HardwareProfile, best_configs entries, identity or None); ProfileError on any violation."""
-    from tuner.probe.hardware_profile import HardwareProfile
     if not isinstance(data, dict):
         raise ProfileError("profile: expected a JSON object")
     check_document(data, "profile", 0)
@@ -99,8 +101,6 @@ def validate_shared(data) -> "tuple[object, list[dict], dict | None]":
 
 
 def check_entry(entry: dict, path: str) -> None:
-    from engine.base.config import EngineConfig
-    from engine.base.errors import ConfigError
     check_spec(entry, ENTRY_SPEC, path, optional=ENTRY_OPTIONAL)
     try:
         EngineConfig.from_dict(entry["config"], source=f"{path}.config")

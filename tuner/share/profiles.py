@@ -22,13 +22,17 @@ from engine.base.config import atomic_write_text, format_size
 from engine.base.inputs import read_input
 from engine.base.output_target import file_target, json_file_with, read_small_json
 from tuner import __version__
-from tuner.results.printers import fmt, pct
+from tuner.probe import load_profile
 from tuner.probe.errors import ProfileError
-from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS
-from tuner.share.profile_schema import geometry_hash, parse_text, validate_shared
+from tuner.probe.hardware_profile import HardwareProfile
 from tuner.probe.summary import hardware_facts
+from tuner.probe.summary import format_summary
+from tuner.results.printers import fmt, pct
 from tuner.results.quant_rundir import PROBE_FILE, is_quant_run_dir, level_run_dirs
+from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS
 from tuner.results.rundir import is_run_dir, open_run
+from tuner.share.profile_schema import geometry_hash, parse_text, validate_shared
+from tuner.share.profile_schema import check_document
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 FIGURE_KEYS = ("decode_tok_s", "ttft_s", "decode_min", "decode_max", "decode_stdev", "ttft_min", "ttft_max",
@@ -72,7 +76,6 @@ def export_profile(source: str | Path, include_identity: bool = False) -> dict:
 
 
 def _load_probe(path: Path):
-    from tuner.probe import load_profile
     return load_profile(path) if os.path.lexists(path) else None
 
 
@@ -218,8 +221,6 @@ def read_profile_file(path: str | Path) -> dict:
 
 def _read_probe_json(path: Path) -> dict:
     """A probe's JSON (best_configs in any form) or a shared profile (identity dropped)."""
-    from tuner.probe.hardware_profile import HardwareProfile
-    from tuner.share.profile_schema import check_document
     data = parse_text(_read_limited(path), str(path))
     if isinstance(data, dict):
         data.pop("identity", None)
@@ -315,8 +316,6 @@ def resolve(ref: str) -> tuple[str, dict]:
 # --- show and diff --------------------------------------------------------------------------
 
 def format_show(label: str, data: dict) -> str:
-    from tuner.probe.hardware_profile import HardwareProfile
-    from tuner.probe.summary import format_summary
     profile = HardwareProfile.from_dict({k: v for k, v in data.items() if k != "identity"})
     lines = [f"{label}", format_summary(profile), ""]
     if data.get("identity"):
