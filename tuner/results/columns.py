@@ -19,7 +19,8 @@ from typing import Any
 
 from engine.base.config import EngineConfig, format_size, size_label
 from tuner.base.text import fmt, kl_text, pct
-from tuner.results.result import QualityInfo, RunFigures, TrialRecord
+from tuner.results.result import QualityInfo
+from tuner.results.trial_record import RunFigures, TrialRecord
 
 
 @dataclass(frozen=True)
