@@ -92,19 +92,44 @@ def size_label(n: int, smallest: str = "B") -> str:
 
 
 def knob(default, doc: str, *, kind: str, label: str = "", short: str = "", lo=None, hi=None, choices=None,
-         unit: str = "", zero_means: str = "", lossy: bool = False, **flag):
+         lt=None, unit: str = "", zero_means: str = "", lossy: bool = False, **flag):
     """An EngineConfig field with what every reader of a knob needs, in one place: the CLI flag
     (tuner/commands/engine_flags.py: `--name`, its ranged type from kind + lo/hi or its choices,
     `doc` as its help; zero_means: what 0 means, for a size that may be 0) and the tables' column (tuner/results/columns.py: label,
     short name, unit). kind: int, size (bytes; flags take 1GiB), float, choice, path. lo/hi are
-    EngineConfig.validate's closed bounds (tests/test_argtypes.py checks that they agree).
+    the closed bounds EngineConfig.validate checks (knob_problem; lt: an open upper bound instead),
+    the same the flag parses with (tests/test_argtypes.py checks both ends of each).
     The tuner's options (tuner/search/options.py TuneOptions) are knobs too, with more kinds
     (duration, seconds, switch, text) and `flag` keywords: flag (its name), group, metavar."""
-    meta = {"doc": doc, "zero_means": zero_means, "kind": kind, "lo": lo, "hi": hi, "choices": choices,
+    meta = {"doc": doc, "zero_means": zero_means, "kind": kind, "lo": lo, "hi": hi, "lt": lt, "choices": choices,
             "lossy": lossy, **flag}
     if label:  # a column of the tables (tuner/results/columns.py)
         meta.update(label=label, short=short, unit=unit)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def knob_problem(f: dataclasses.Field, value) -> str:
+    """What `value` of knob field `f` must be, when it is not ("" when it is fine)."""
+    m = f.metadata
+    kind, lo, hi, lt = m["kind"], m.get("lo"), m.get("hi"), m.get("lt")
+    if kind in ("int", "size"):
+        if not isinstance(value, int) or isinstance(value, bool):
+            return "an integer"
+        show = (lambda n: size_label(n) if n else "0") if kind == "size" else str
+        if value < lo or (hi is not None and value > hi):
+            return f"in [{show(lo)}, {show(hi)}]" if hi is not None else f">= {show(lo)}"
+    elif kind == "float":
+        top = lt if lt is not None else hi
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value \
+            and (value < lt if lt is not None else value <= hi)  # NaN fails every comparison
+        if not ok:
+            return f"a number in [{lo:g}, {top:g}{')' if lt is not None else ']'}"
+    elif kind == "choice":
+        if value not in m["choices"]:
+            return f"one of {', '.join(m['choices'])}"
+    elif not isinstance(value, str):
+        return "a path string"
+    return ""
 
 
 @dataclass
@@ -112,7 +137,7 @@ class EngineConfig:
     # Memory budget for the whole process (weights, KV, buffers, cache, runtime). 0 = no limit:
     # everything resident.
     ram_budget: int = knob(0, "memory budget, e.g. 1GiB (0 = everything resident)", kind="size", lo=0,
-                           hi=1 << 50, zero_means="everything resident", label="RAM budget", short="budget", unit="B")
+                           zero_means="everything resident", label="RAM budget", short="budget", unit="B")
     # A span (one expert) larger than this is split across the io_threads readers; smaller ones
     # are one request. 4 MiB: demo's 3 MiB experts are read whole, which measured 1.37x the
     # decode speed of splitting them at 1 MiB (docs/BENCHMARKS.md, "One request per span").
@@ -150,46 +175,21 @@ class EngineConfig:
     # below expert_threshold (the heaviest is always kept); both change the output tokens.
     top_k_reduction: int = knob(0, "route k-N experts per token instead of k (0: as the model)", kind="int", lo=0,
                                 hi=MAX_TOP_K_REDUCTION, label="top-k reduction", short="k-", lossy=True)
-    # validate's bound is [0, 1): the flag's closed upper bound is the largest value below 1 it takes
+    # [0, 1) (lt: an open upper bound); the flag's closed bound hi is the largest value below 1 it takes
     expert_threshold: float = knob(0.0, "skip an expert whose share of the token's routing weight is below this "
-                                   "(0: none)", kind="float", lo=0.0, hi=0.999999, label="expert threshold",
+                                   "(0: none)", kind="float", lo=0.0, hi=0.999999, lt=1.0, label="expert threshold",
                                    short="thresh", lossy=True)
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> "EngineConfig":
-        def need(cond, msg):
-            if not cond:
-                raise ConfigError(msg)
-
-        for name, typ in (("ram_budget", int), ("chunk_size", int), ("prefetch_depth", int), ("threads", int),
-                          ("ctx_size", int), ("io_threads", int), ("top_k_reduction", int)):
-            value = getattr(self, name)
-            need(isinstance(value, typ) and not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
-        for name in ("cpu_cache_ratio", "gpu_cache_ratio"):
-            value = getattr(self, name)
-            need(isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0,
-                 f"{name} must be a number in [0, 1], got {value!r}")
-        need(self.ram_budget >= 0, f"ram_budget must be >= 0, got {self.ram_budget}")
-        need(4096 <= self.chunk_size <= 1 << 30, f"chunk_size must be in [4 KiB, 1 GiB], got {self.chunk_size}")
-        need(0 <= self.prefetch_depth <= 16, f"prefetch_depth must be in [0, 16], got {self.prefetch_depth}")
-        need(0 <= self.threads <= 1024, f"threads must be in [0, 1024], got {self.threads}")
-        need(1 <= self.ctx_size <= CTX_MAX, f"ctx_size must be in [1, {CTX_MAX}], got {self.ctx_size}")
-        need(1 <= self.io_threads <= 256, f"io_threads must be in [1, 256], got {self.io_threads}")
-        need(self.io_mode in IO_MODES, f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")
-        need(self.io_backend in IO_BACKENDS,
-             f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {self.io_backend!r}")
-        need(self.cache_policy in CACHE_POLICIES,
-             f"cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {self.cache_policy!r}")
-        need(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        need(self.dtype in COMPUTE_DTYPES, f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
-        need(isinstance(self.routing_histogram, str), "routing_histogram must be a path string")
-        need(0 <= self.top_k_reduction <= MAX_TOP_K_REDUCTION,
-             f"top_k_reduction must be in [0, {MAX_TOP_K_REDUCTION}], got {self.top_k_reduction}")
-        need(isinstance(self.expert_threshold, (int, float)) and not isinstance(self.expert_threshold, bool)
-             and 0.0 <= self.expert_threshold < 1.0,
-             f"expert_threshold must be a number in [0, 1), got {self.expert_threshold!r}")
+        """Every field against its knob metadata (kind, bounds, choices): one rule per field, the
+        same one its flag parses with (tuner/commands/knob_flags.py)."""
+        for f in fields(self):
+            problem = knob_problem(f, getattr(self, f.name))
+            if problem:
+                raise ConfigError(f"{f.name} must be {problem}, got {getattr(self, f.name)!r}")
         return self
 
     @property

@@ -70,7 +70,7 @@ def load_items(refs: list[str], model: str | None = None) -> list[Item]:
     for ref in refs:
         if is_run_dir(ref):
             run = open_run(ref)
-            if not run.result.get("recommended") or run.profile is None:
+            if run.tune.recommended is None or run.profile is None:
                 raise CompareError(f"{ref}: the run has no recommended config or no profile.json to compare")
             facts = hardware_facts(run.profile.to_dict())
             items.append(Item(Path(ref).name, str(ref), facts, entry_from_run(run)))

@@ -60,9 +60,9 @@ def export_profile(source: str | Path, include_identity: bool = False) -> dict:
         old = [_normalize_entry(e) for e in data["best_configs"] if isinstance(e, dict)]
         entries = [e for e in old if e is not None]
         for run in runs:
-            if run.result.get("recommended"):
+            if run.tune.recommended is not None:
                 entries = _replace_entry(entries, entry_from_run(run))
-            identity_dirs.append(str((run.result.get("model") or {}).get("dir") or ""))
+            identity_dirs.append(run.tune.model.dir)
     else:
         data = _read_probe_json(source)
         entries = [e for e in (_normalize_entry(e) for e in data["best_configs"]) if e is not None]
