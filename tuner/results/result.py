@@ -41,7 +41,10 @@ GEOMETRY_KEYS = ("model_type", "layers", "hidden_size", "experts", "top_k", "moe
 # The figure each objective ranks by and the result's gain is on (gain_metric); both: decode
 # first, then TTFT. request: the end-to-end latency of a request (TTFT + its decode), the mean
 # over the workload's requests (tune --prompts) or of the fixed prompt and --tokens.
+Objective = Literal["decode", "ttft", "request", "both"]
+OBJECTIVES = typing.get_args(Objective)  # the one list: tune --objective, result.json, shared profiles
 OBJECTIVE_KEY = {"decode": "decode_tok_s", "ttft": "ttft_s", "request": "request_s", "both": "decode_tok_s"}
+assert tuple(OBJECTIVE_KEY) == OBJECTIVES
 
 
 def _json(obj) -> dict:
@@ -252,7 +255,7 @@ class TuneResult:
     model: ModelInfo
     budget_bytes: int
     budget: str
-    objective: Literal["decode", "ttft", "request", "both"]
+    objective: Objective
     recommended: Optional[Candidate]
     baseline: Optional[Candidate]
     gain_over_baseline: Optional[float]

@@ -19,7 +19,7 @@ from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
 from tuner.probe.errors import ProfileError
 from tuner.probe.hardware_profile import HardwareProfile
-from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS
+from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS, OBJECTIVES
 # The checks every profile gets, shared or local, live with the probe's schema; re-exported here.
 from tuner.probe.profile_checks import (CONTROL_RE, HARDWARE_RANGES, MAX_ARRAY, MAX_DEPTH,  # noqa: F401
                                         MAX_FILE_BYTES, MAX_STRING, check_document, check_physics,
@@ -63,7 +63,7 @@ ENTRY_SPEC = {
     "schema": (STR, False, (BEST_CONFIG_SCHEMA,)), "model": (STR, False, None), "geometry": (GEOMETRY, False, None),
     "geometry_hash": (STR, False, HASH_RE), "quant": (STR, False, QUANT_RE), "compute_dtype": (STR, False, None),
     "ram_budget": (INT, False, (1 << 20, 1 << 52)),
-    "objective": (STR, False, ("decode", "ttft", "request", "both")),
+    "objective": (STR, False, OBJECTIVES),
     "config": ("config", False, None), "figures": (FIGURES, False, None), "baseline_figures": (FIGURES, True, None),
     "gain_over_baseline": (NUM, True, (-1, 1e6)), "quality": (QUALITY, True, None),
     "conditions": (CONDITIONS, False, None), "tool": (TOOL, False, None), "created_utc": (STR, False, UTC_RE),
