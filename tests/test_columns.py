@@ -23,14 +23,16 @@ from tuner.results.trial_record import RunFigures, TrialRecord
 from tuner.search.options import TuneOptions
 
 
-def _trial(number, params, config, quality=None, metrics=None, **figures):
+def _trial(number, params, config, quality=None, metrics=None, cgroup_peak_bytes=None, **figures):
     dists = {k: CategoricalDistribution((v,)) for k, v in params.items()}
     attrs = TrialRecord(role="search", worker="w", config=config, status="ok", constraint=0.0, wall_seconds=1.5,
-                        figures=RunFigures(**figures), metrics=metrics).to_attrs()
+                        cgroup_peak_bytes=cgroup_peak_bytes, figures=RunFigures(**figures), metrics=metrics).to_attrs()
     if quality is not None:
         attrs["quality"] = quality
-    return create_trial(number=number, state=TrialState.COMPLETE, params=params, distributions=dists,
-                        values=[figures.get("decode_tok_s", 1.0)], user_attrs=attrs)
+    trial = create_trial(state=TrialState.COMPLETE, params=params, distributions=dists,
+                         values=[figures.get("decode_tok_s", 1.0)], user_attrs=attrs)
+    trial.number = number
+    return trial
 
 
 LOSSY = EngineConfig(chunk_size=1 << 20, kv_dtype="int8", top_k_reduction=1, expert_threshold=0.05,
