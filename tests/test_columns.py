@@ -8,6 +8,8 @@ import argparse
 import csv
 import dataclasses
 import io
+import json
+from pathlib import Path
 
 import pytest
 from optuna.distributions import CategoricalDistribution
@@ -18,8 +20,10 @@ from engine.base.errors import ConfigError
 from tuner.cli import build_parser
 from tuner.commands.knob_flags import add_knob_flags, knob_values
 from tuner.results.columns import BY_NAME, CONFIG_COLUMNS, QUALITY_COLUMNS, config_from_row
+from tuner.results.result import SettingQuality, TuneResult
 from tuner.results.printers import TRIAL_COLUMNS, trial_rows, trials_csv, trials_markdown
 from tuner.results.trial_record import RunFigures, TrialRecord
+from tuner.search.assemble import setting_quality, with_quality
 from tuner.search.options import TuneOptions
 
 
@@ -126,3 +130,18 @@ def test_tune_flags_are_generated_from_tune_options():
 def test_quality_columns_come_from_quality_info():
     assert [c.name for c in QUALITY_COLUMNS] == ["kl_mean", "top1_agreement"]
     assert trial_rows(TRIALS)[1]["kl_mean"] == 0.004
+
+
+def test_result_json_carries_each_candidates_lossy_quality():
+    """colibri.tune/4: a candidate's lossy setting's quality, from its search trial; a /1-/3 file
+    reads with none (a lossless search, or not recorded)."""
+    stored = json.loads((Path(__file__).parent / "fixtures" / "tune-v1" / "result.json").read_text())
+    result = TuneResult.from_dict(stored)
+    assert result.schema == "colibri.tune/4" and result.recommended.quality is None
+    number = result.recommended.trial_number
+    trial = _trial(number, {"kv_dtype": "int8"}, LOSSY.to_dict(), decode_tok_s=3.0,
+                   quality={"kl_mean": 0.004, "kl_p99": 0.05, "top1_agreement": 0.97, "ppl_ratio": 1.0})
+    with_quality(result.recommended, setting_quality([trial, TRIALS[0]]))
+    data = result.to_dict()
+    assert data["recommended"]["quality"] == {"kl_mean": 0.004, "kl_p99": 0.05, "top1_agreement": 0.97}
+    assert TuneResult.from_dict(data).recommended.quality == SettingQuality(0.004, 0.05, 0.97)

@@ -8,7 +8,7 @@ classes' fields, so a figure is named once. docs/schema/*.json is generated from
   RunFigures   the headline figures of one `colibri run`/`bench` JSON  } tuner/results/trial_record.py
   TrialResult  what the trial runner saw of one subprocess             } (re-exported here)
   TrialRecord  a trial of the study as stored in Optuna's user_attrs   }
-  TuneResult   result.json of `colibri tune` ("colibri.tune/3"), with its parts and their migration
+  TuneResult   result.json of `colibri tune` ("colibri.tune/4"), with its parts and their migration
 
 Versioning: a schema id names a version; a field added or removed is a new version. The loader
 reads the current version and migrates the ones before it (`migrate`); it refuses others.
@@ -29,7 +29,8 @@ from tuner.results.trial_record import (  # noqa: F401  (re-exported: the result
     FIGURE_NAMES, TRIAL_SCHEMA, RunFigures, TrialRecord, TrialResult, TrialStatus, Verdict, figure, is_feasible,
     point_key)
 
-RESULT_SCHEMA = "colibri.tune/3"
+RESULT_SCHEMA = "colibri.tune/4"
+RESULT_SCHEMA_V3 = "colibri.tune/3"
 RESULT_SCHEMA_V2 = "colibri.tune/2"
 RESULT_SCHEMA_V1 = "colibri.tune/1"
 V2_ONLY_FIELDS = ("quant", "quality")  # top-level fields colibri.tune/2 added
@@ -87,6 +88,16 @@ class Figures:
 
 
 @dataclass
+class SettingQuality:
+    """A lossy setting's quality against the lossless reference (tune --max-kl / --min-top1,
+    tuner/search/lossy.py), measured once per setting on the fixed text."""
+
+    kl_mean: float = figure("KL mean", "KL", "kl", "nats", default=dataclasses.MISSING)
+    kl_p99: float
+    top1_agreement: float = figure("same top-1", "top-1", "share", default=dataclasses.MISSING)
+
+
+@dataclass
 class Candidate:
     """A config re-measured in the confirmation round (or the best search trial, unconfirmed)."""
 
@@ -99,6 +110,7 @@ class Candidate:
     runs: list[RunSummary]
     disqualified: Optional[str] = None
     note: Optional[str] = None
+    quality: Optional[SettingQuality] = None  # new in colibri.tune/4: its lossy setting's (None: lossless search)
 
 
 @dataclass
@@ -249,7 +261,7 @@ class WorkloadInfo:
 class TuneResult:
     """result.json of `colibri tune`: the recommendation, the baseline, the evidence, the conditions."""
 
-    schema: Literal["colibri.tune/3"]
+    schema: Literal["colibri.tune/4"]
     created_utc: str
     started_utc: str
     model: ModelInfo
@@ -278,7 +290,7 @@ class TuneResult:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "result") -> "TuneResult":
-        """Strict: the current schema, or a colibri.tune/1 or /2 result migrated (migrate)."""
+        """Strict: the current schema, or a colibri.tune/1, /2 or /3 result migrated (migrate)."""
         if isinstance(data, dict) and data.get("schema") == RESULT_SCHEMA_V1:
             # The schema id is checked against the content: a /1 file holding /2-only fields is
             # mislabelled (or edited), and migrating it would silently drop or keep them.
@@ -286,11 +298,12 @@ class TuneResult:
             if newer:
                 raise ResultError(f"{source}: schema says {RESULT_SCHEMA_V1} but it holds {', '.join(newer)}, "
                                   f"which only {RESULT_SCHEMA_V2} and later results have")
-        if isinstance(data, dict) and data.get("schema") in (RESULT_SCHEMA_V1, RESULT_SCHEMA_V2):
+        if isinstance(data, dict) and data.get("schema") in (RESULT_SCHEMA_V1, RESULT_SCHEMA_V2, RESULT_SCHEMA_V3):
             data = migrate(data)
         if not isinstance(data, dict) or data.get("schema") != RESULT_SCHEMA:
             got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise ResultError(f"{source}: not a {RESULT_SCHEMA} (or {RESULT_SCHEMA_V2}, {RESULT_SCHEMA_V1}) result "
+            raise ResultError(f"{source}: not a {RESULT_SCHEMA} (or {RESULT_SCHEMA_V3}, {RESULT_SCHEMA_V2}, "
+                              f"{RESULT_SCHEMA_V1}) result "
                               f"(schema {got!r})")
         return decode(cls, data, source, ResultError)
 
@@ -298,7 +311,10 @@ class TuneResult:
 # --- migration ------------------------------------------------------------------------------
 
 def migrate(data: dict) -> dict:
-    """A colibri.tune/1 or /2 result as colibri.tune/3 (a new dict; the input is not changed).
+    """A colibri.tune/1, /2 or /3 result as colibri.tune/4 (a new dict; the input is not changed).
+
+    /3 → /4 added each candidate's lossy-setting quality (Candidate.quality, default None: a
+    lossless search, or not recorded).
 
     /2 → /3 added fields with defaults only (the defaults' candidate, the gain over them, the
     workload, request_s, the study's measured/re-proposal counts): absent, they are None (not

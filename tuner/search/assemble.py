@@ -19,8 +19,8 @@ from tuner.base.text import utc_now
 from tuner.base.typed_json import decode
 from tuner.probe.errors import ProfileError
 from tuner.results.result import (
-    OBJECTIVE_KEY, RESULT_SCHEMA, Conditions, ConfirmationInfo, Figures, MemoryLimit, ModelInfo, ProfileSummary,
-    QualityInfo, ResultError, StudyInfo, TuneResult, Versions,
+    OBJECTIVE_KEY, RESULT_SCHEMA, Candidate, Conditions, ConfirmationInfo, Figures, MemoryLimit, ModelInfo, ProfileSummary,
+    QualityInfo, ResultError, SettingQuality, StudyInfo, TuneResult, Versions,
 )
 from tuner.search.confirm import feasible
 from tuner.search.study_storage import redact_url
@@ -40,6 +40,7 @@ def build_result(run, decision) -> TuneResult:
     for t in trials:
         s = t.user_attrs.get("status", t.state.name.lower())
         statuses[s] = statuses.get(s, 0) + 1
+    quality = setting_quality(trials)
     counts = run.search_counts  # tuner/search/explore.py: measured, re-proposals, distinct points
     wall = run.clock.used()
     return TuneResult(
@@ -47,9 +48,10 @@ def build_result(run, decision) -> TuneResult:
         model=ModelInfo(name=run.model_name, dir=str(run.model_dir), geometry=run.facts.geometry,
                         compute_dtype=run.space.compute_dtype_name()),
         budget_bytes=run.budget, budget=format_size(run.budget), objective=opts.objective,
-        recommended=winner.candidate() if winner else None, baseline=base.candidate(),
+        recommended=with_quality(winner.candidate(), quality) if winner else None,
+        baseline=with_quality(base.candidate(), quality),
         gain_over_baseline=gain(wfig, base.confirmed, key), gain_metric=key,
-        candidates=[e.candidate() for e in decision.contenders],
+        candidates=[with_quality(e.candidate(), quality) for e in decision.contenders],
         confirmation=ConfirmationInfo(rounds=decision.rounds, confirmed=decision.confirmed),
         study=StudyInfo(
             name=run.study_name, storage=redact_url(run.storage_url), trials=len(trials),
@@ -73,9 +75,26 @@ def build_result(run, decision) -> TuneResult:
             versions=versions()),
         quant=run.facts.quant,
         quality=decode_quality(opts.quality),
-        defaults=defaults.candidate() if defaults else None,
+        defaults=with_quality(defaults.candidate(), quality) if defaults else None,
         gain_over_defaults=gain(wfig, defaults.confirmed if defaults else None, key),
         workload=run.workload_info)
+
+
+def setting_quality(trials) -> dict[int, SettingQuality]:
+    """Each measured lossy trial's quality (tune --max-kl / --min-top1 put it in its user_attrs)."""
+    out = {}
+    for t in trials:
+        q = t.user_attrs.get("quality")
+        if isinstance(q, dict) and all(isinstance(q.get(k), (int, float)) for k in ("kl_mean", "kl_p99",
+                                                                                  "top1_agreement")):
+            out[t.number] = SettingQuality(kl_mean=q["kl_mean"], kl_p99=q["kl_p99"], top1_agreement=q["top1_agreement"])
+    return out
+
+
+def with_quality(candidate: Candidate, quality: dict[int, SettingQuality]) -> Candidate:
+    """The candidate with its search trial's lossy-setting quality, when it has one."""
+    candidate.quality = quality.get(candidate.trial_number)
+    return candidate
 
 
 def gain(winner: Figures | None, reference: Figures | None, key: str) -> float | None:
