@@ -182,7 +182,8 @@ def test_a_stored_v1_result_is_read_migrated(tmp_path):
     stored = json.loads((ROOT / "tests" / "fixtures" / "tune-v1" / "result.json").read_text())
     assert stored["schema"] == "colibri.tune/1" and "unconfirmed" not in stored["recommended"]["confirmed"]
     assert "prefill_tok_s" not in stored["recommended"]["runs"][0] and "quant" not in stored
-    with pytest.raises(ResultError, match="missing key 'unconfirmed'"):  # what the strict /3 reader says of it
+    # what the strict /4 reader says of it: the first field /1 lacks (a candidate's /4 quality)
+    with pytest.raises(ResultError, match="result.recommended: missing key 'quality'"):
         TuneResult.from_dict({**stored, "schema": "colibri.tune/4", "quant": None, "quality": None,
                               "defaults": None, "gain_over_defaults": None, "workload": None})
 
