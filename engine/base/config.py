@@ -93,10 +93,10 @@ def size_label(n: int, smallest: str = "B") -> str:
 
 def knob(default, doc: str, *, kind: str, label: str = "", short: str = "", lo=None, hi=None, choices=None,
          lt=None, unit: str = "", zero_means: str = "", lossy: bool = False, **flag):
-    """An EngineConfig field with what every reader of a knob needs, in one place: the CLI flag
-    (tuner/commands/engine_flags.py: `--name`, its ranged type from kind + lo/hi or its choices,
-    `doc` as its help; zero_means: what 0 means, for a size that may be 0) and the tables' column (tuner/results/columns.py: label,
-    short name, unit). kind: int, size (bytes; flags take 1GiB), float, choice, path. lo/hi are
+    """An EngineConfig field with what every reader of a knob needs, in one place: its validation
+    (knob_problem), the CLI flag (tuner/commands/knob_flags.py: `--name`, its ranged type from
+    kind + lo/hi or its choices, `doc` as its help; zero_means: what 0 means, for a size that may
+    be 0) and the tables' column (tuner/results/columns.py: label, short name, unit). kind: int, size (bytes; flags take 1GiB), float, choice, path. lo/hi are
     the closed bounds EngineConfig.validate checks (knob_problem; lt: an open upper bound instead),
     the same the flag parses with (tests/test_argtypes.py checks both ends of each).
     The tuner's options (tuner/search/options.py TuneOptions) are knobs too, with more kinds

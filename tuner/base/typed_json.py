@@ -1,13 +1,13 @@
 """Typed JSON schemas from dataclasses: strict decoding and JSON Schema generation.
 
-The hardware profile (tuner/probe/hardware_profile.py), the run/trial/tune results
-(tuner/results/result.py) and the shared profile entries (tuner/share/profile_schema.py) are plain
-dataclasses with type hints; this module is the one place that turns such a class into a strict
-loader (unknown keys, missing keys and wrong types are one-line errors naming the path) and into
-a JSON Schema document (docs/schema/*.json, written by tuner/results/schema.py, checked to be
-current by tests/test_tuner_parts.py). It sits below every tuner package that has a schema, so
-the probe's profile and the results share it without importing each other. A field may carry `metadata={"unit": "B/s"}`: the loader
-then demands that unit of a Quantity, and the schema states it.
+The hardware profile (tuner/probe/hardware_profile.py) and the run/trial/tune results
+(tuner/results/trial_record.py, result.py) are plain dataclasses with type hints; this module is
+the one place that turns such a class into a strict loader (unknown keys, missing keys and wrong
+types are one-line errors naming the path) and into a JSON Schema document (docs/schema/*.json,
+written by tuner/results/schema.py, checked to be current by tests/test_tuner_parts.py). It sits
+below every tuner package that has a schema, so the probe's profile and the results share it
+without importing each other. A field may carry `metadata={"unit": "B/s"}`: the loader then
+demands that unit of a Quantity, and the schema states it.
 """
 
 from __future__ import annotations
