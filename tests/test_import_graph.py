@@ -27,7 +27,6 @@ KNOWN_UPWARD = {
     ("engine.arch.gptoss", "engine.format.checkpoint"),
     ("engine.arch.gptoss", "engine.format.layout"),
     ("engine.format.layout", "engine.movement.io"),
-    ("tuner.costmodel.search", "tuner.search.space"),
 }
 # Known debt: the import circles (strongly connected components), each as a sorted tuple.
 KNOWN_CYCLES = {
@@ -38,7 +37,7 @@ KNOWN_CYCLES = {
      "engine.synth.recipe", "engine.synth.writer"),
 }
 # Known debt: function-level project imports (they hid the circles). The count may only fall.
-KNOWN_FUNCTION_LEVEL_IMPORTS = 53
+KNOWN_FUNCTION_LEVEL_IMPORTS = 52
 
 
 def _modules() -> dict[str, Path]:

@@ -152,9 +152,9 @@ def narrow_space(space, profile) -> dict:
     """Set the space's read sizes and I/O thread counts to the probe curve's rising-or-flat
     region (the baseline's values always stay, so the baseline is a point of the space).
     Call it on a new study only; a resumed or joined study keeps the space it was made with."""
-    from tuner.search.space import CHUNK_SIZES, IO_THREADS
     base = space.baseline()
-    region = curve_region(HardwareView(profile), CHUNK_SIZES, IO_THREADS, "direct", CURVE_TOLERANCE)
+    # the new space's full ranges (tuner/search/space.py), read from the space itself
+    region = curve_region(HardwareView(profile), space.chunk_sizes, space.io_thread_choices, "direct", CURVE_TOLERANCE)
     space.chunk_sizes = tuple(sorted(set(region["chunk_size"]) | {base.chunk_size}))
     space.io_thread_choices = tuple(sorted(set(region["io_threads"]) | {base.io_threads}))
     return {"chunk_size": list(space.chunk_sizes), "io_threads": list(space.io_thread_choices)}
