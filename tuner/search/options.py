@@ -18,6 +18,7 @@ import optuna
 
 from engine.base.config import CTX_MAX, knob
 from engine.base.errors import ConfigError
+from tuner.sandbox import current_memory_limit
 from tuner.search.lossy import QualityBound
 from tuner.search.objective import OBJECTIVES, SAMPLERS
 
@@ -145,7 +146,6 @@ def default_budget(model_spec: str) -> int:
     if model_spec == "demo":
         return DEMO_BUDGET
     import psutil
-    from tuner.sandbox import current_memory_limit
     available = psutil.virtual_memory().available
     limit = current_memory_limit()
     if limit is not None:
