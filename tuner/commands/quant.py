@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from engine.format.convert import convert
+from engine.format.quant import QUANTS
 from engine.format.gguf import is_gguf
 from engine.format.gguf.importer import import_and_convert
 from engine.run.quality import format_quality, measure_quality
@@ -23,7 +24,7 @@ def add_convert(sub) -> None:
     p.add_argument("src", help="source model directory, a synth preset name, or a GGUF file (single, or any "
                                "part of a split -0000N-of-0000M.gguf): imported to bf16, then --quant if given")
     p.add_argument("-o", "--out", required=True, metavar="DST", help="output directory (written atomically)")
-    p.add_argument("--quant", choices=["int8", "int4"], default=None,
+    p.add_argument("--quant", choices=QUANTS, default=None,
                    help="default int4 for a model directory; none for a GGUF (the bf16 import only)")
     p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64, help="int4 group size (default 64)")
     p.add_argument("--scope", choices=["experts", "all"], default="experts",

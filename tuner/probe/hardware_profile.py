@@ -157,6 +157,7 @@ class MatmulPoint:
 
 
 KernelQuant = Literal["bf16", "int8", "int4"]  # the expert weight formats tuner/probe/kernels.py times
+KERNEL_QUANTS = typing.get_args(KernelQuant)  # the one list: the probe, its summary, the cost model
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,9 @@ from typing import Callable, Sequence
 from engine import native
 from engine.format.quant import QuantWeight, linear, quantize
 from tuner.probe.cpu import time_calls, each_thread_count
-from tuner.probe.hardware_profile import KernelPoint, Quantity
+from tuner.probe.hardware_profile import KERNEL_QUANTS, KernelPoint, Quantity
 
 SHAPES = ((1024, 512), (6144, 2048))  # (k, n): demo-like and GLM-5-like expert projections
-KERNEL_QUANTS = ("bf16", "int8", "int4")
 INT4_GROUP = 64  # the containers' default group (engine/format/convert.py), the cost model's int4
 NATIVE_BF16 = "engine.native.linear"
 PREPARE_REPEATS = 5  # median of 5: a repack on another CPU's layout takes tens of ms, a view microseconds

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.probe.hardware_profile import HardwareProfile, Quantity
+from tuner.probe.hardware_profile import KERNEL_QUANTS, HardwareProfile, Quantity
 from engine.base.config import format_size, size_label
 from tuner.probe.errors import ProfileError
 from tuner.base.text import text_table
@@ -107,7 +107,7 @@ def _kernel_lines(p: HardwareProfile) -> list[str]:
         return []
     cols = sorted({(pt.k, pt.n, pt.m) for pt in p.expert_kernels})
     keys = sorted({(pt.threads, pt.quant, pt.kernel) for pt in p.expert_kernels},
-                  key=lambda t: (t[0], ("bf16", "int8", "int4").index(t[1])))
+                  key=lambda t: (t[0], KERNEL_QUANTS.index(t[1])))
     cell = {(pt.threads, pt.quant, pt.kernel, pt.k, pt.n, pt.m): pt for pt in p.expert_kernels}
     rows = []
     for t, quant, kernel in keys:

@@ -12,12 +12,17 @@ from pathlib import Path
 
 from engine.base.errors import ConfigError
 from engine.base.jsonlimits import loads_limited
+from engine.format.quant import GROUP_SIZES, QUANTS
 from tuner.results.rundir import is_run_dir
 
 RECORD_FILE = "quant-run.json"
 PROBE_FILE = "probe.json"  # the probe every level shares; profile.json is it plus the levels' best configs
-# A level's label: the source as stored (bf16/fp16/fp32), int8, or int4 with its group size.
-LEVEL_RE = re.compile(r"^(bf16|fp16|fp32|int8|int4)(?:-g(\d+))?$")
+# A level's label: the source as stored (bf16/fp16/fp32), int8, or int4 with its group size (any
+# number here: tune --quant names the group sizes the converter takes; a stored profile entry
+# allows only those, QUANT_LABEL_RE).
+UNQUANTIZED = ("bf16", "fp16", "fp32")
+LEVEL_RE = re.compile(rf"^({'|'.join(UNQUANTIZED + QUANTS)})(?:-g(\d+))?$")
+QUANT_LABEL_RE = re.compile(rf"^({'|'.join(UNQUANTIZED + QUANTS)})(-g({'|'.join(map(str, GROUP_SIZES))}))?$")
 
 
 def is_quant_run_dir(path) -> bool:

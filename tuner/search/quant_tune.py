@@ -32,14 +32,13 @@ from engine.format.container import QuantSpec
 from engine.format.convert import Converter
 from tuner.probe import load_profile
 from tuner.results.quant_rundir import (  # noqa: F401  (is_quant_run_dir, level_run_dirs: callers import them from here)
-    LEVEL_RE, PROBE_FILE, RECORD_FILE, is_quant_run_dir, level_run_dirs, recorded_levels)
+    LEVEL_RE, PROBE_FILE, RECORD_FILE, UNQUANTIZED, is_quant_run_dir, level_run_dirs, recorded_levels)
 from tuner.search import lossy, quant_cache, run_guard
 from tuner.search.study import Log, TuneOptions, stderr_line, default_budget, run_tune
 
 RECORD_SCHEMA = "colibri.tune-quant/1"
 SUMMARY_FILE = "quant-result.json"
 SUMMARY_SCHEMA = "colibri.tune-quant-result/1"
-UNQUANTIZED = ("bf16", "fp16", "fp32")  # the source as stored
 DEFAULT_GROUP = 64
 
 

@@ -19,6 +19,7 @@ from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
 from tuner.probe.errors import ProfileError
 from tuner.probe.hardware_profile import HardwareProfile
+from tuner.results.quant_rundir import QUANT_LABEL_RE  # a stored level: only the group sizes the converter writes
 from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS, OBJECTIVES
 # The checks every profile gets, shared or local, live with the probe's schema; re-exported here.
 from tuner.probe.profile_checks import (CONTROL_RE, HARDWARE_RANGES, MAX_ARRAY, MAX_DEPTH,  # noqa: F401
@@ -26,9 +27,6 @@ from tuner.probe.profile_checks import (CONTROL_RE, HARDWARE_RANGES, MAX_ARRAY, 
                                         check_ranges, parse_text)
 
 MAX_ENTRIES = 256
-# A stored quant level: tune --quant's labels (tuner/results/quant_rundir.LEVEL_RE) with only the group
-# sizes the converter writes.
-QUANT_RE = re.compile(r"^(bf16|fp16|fp32|int8|int4)(-g(32|64|128))?$")
 HASH_RE = re.compile(r"^sha256:[0-9a-f]{16}$")
 UTC_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$")
 
@@ -61,7 +59,7 @@ GEOMETRY = {k: (INT, False, (1, 1 << 24)) for k in GEOMETRY_KEYS if k != "model_
 GEOMETRY["model_type"] = (STR, False, None)
 ENTRY_SPEC = {
     "schema": (STR, False, (BEST_CONFIG_SCHEMA,)), "model": (STR, False, None), "geometry": (GEOMETRY, False, None),
-    "geometry_hash": (STR, False, HASH_RE), "quant": (STR, False, QUANT_RE), "compute_dtype": (STR, False, None),
+    "geometry_hash": (STR, False, HASH_RE), "quant": (STR, False, QUANT_LABEL_RE), "compute_dtype": (STR, False, None),
     "ram_budget": (INT, False, (1 << 20, 1 << 52)),
     "objective": (STR, False, OBJECTIVES),
     "config": ("config", False, None), "figures": (FIGURES, False, None), "baseline_figures": (FIGURES, True, None),
