@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from engine.base.config import CTX_MAX, EngineConfig, size_label
+from engine.base.config import CTX_MAX, EngineConfig
 from engine.base.errors import ConfigError
 from engine.base.output_target import file_target, json_file_with
 from engine.run.bench import run_bench

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.base.config import EngineConfig, format_size
-from engine.base.errors import ConfigError
 from tuner.costmodel import fit as cal
 from tuner.costmodel.geometry import ModelGeometry, resolve
 from tuner.costmodel.hardware import HardwareView, apply_what_if
