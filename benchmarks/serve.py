@@ -87,6 +87,9 @@ class ServerProcess:
             self.stop()
             raise
         self.up_seconds = time.monotonic() - self.started
+        # One client with a kept-alive connection, as the openai client keeps one: a new
+        # httpx client per request builds an SSL context (25-300 ms here), which is not the server's.
+        self.http = httpx.Client(base_url=self.base, timeout=600)
 
     def _wait_up(self) -> None:
         deadline = time.monotonic() + 600
@@ -104,7 +107,7 @@ class ServerProcess:
 
     def scrape(self) -> dict[str, float]:
         out = {}
-        for line in httpx.get(self.base + "/metrics", timeout=30).text.splitlines():
+        for line in self.http.get("/metrics").text.splitlines():
             if line and not line.startswith("#"):
                 key, _, value = line.rpartition(" ")
                 out[key] = float(value)
@@ -121,6 +124,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if getattr(self, "http", None) is not None:
+            self.http.close()
         if self.cgroup is not None:
             self.cgroup.remove()
         self.log.close()
@@ -132,7 +137,7 @@ def _join_cgroup(procs_file: str) -> None:
         f.write(str(os.getpid()))
 
 
-def streamed(base: str, tokens: int, prompt: str = PROMPT, chat: bool = False, seed: int | None = None,
+def streamed(http: httpx.Client, tokens: int, prompt: str = PROMPT, chat: bool = False, seed: int | None = None,
              temperature: float = 0.0) -> dict:
     """One streamed request, timed at the client: TTFT at the first text chunk, decode from it
     to the last one over the tokens after the first."""
@@ -144,8 +149,7 @@ def streamed(base: str, tokens: int, prompt: str = PROMPT, chat: bool = False, s
         body["prompt"] = prompt
     t0 = time.perf_counter()
     times, usage = [], None
-    with httpx.stream("POST", base + ("/v1/chat/completions" if chat else "/v1/completions"), json=body,
-                      timeout=600) as r:
+    with http.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -227,7 +231,7 @@ def overhead(args) -> dict:
         try:
             for i in range(1 + args.warm_requests):
                 before = server.scrape()
-                client = streamed(server.base, args.tokens)
+                client = streamed(server.http, args.tokens)
                 eng = engine_side(before, server.scrape())
                 kind = "cold" if i == 0 else "warm"
                 rows[f"served_{kind}"].append(client)
@@ -320,7 +324,7 @@ def soak(args) -> dict:
     try:
         while (elapsed := time.monotonic() - t0) < args.soak * 60:
             try:
-                r = streamed(server.base, args.tokens, SOAK_PROMPTS[n % len(SOAK_PROMPTS)], chat=n % 2 == 1,
+                r = streamed(server.http, args.tokens, SOAK_PROMPTS[n % len(SOAK_PROMPTS)], chat=n % 2 == 1,
                              seed=n, temperature=0.8)
             except httpx.HTTPError as exc:  # counted, not fatal: a soak reports what went wrong
                 errors += 1
