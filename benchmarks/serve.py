@@ -346,26 +346,45 @@ def soak(args) -> dict:
         samples.append(row)
     finally:
         server.stop()
-    rss = [s["rss_mib"] for s in samples]
-    minutes = [s["t_s"] / 60 for s in samples]
-    slope = _slope(minutes, rss) * 60 if len(rss) > 2 else None
-    summary = {"requests": n, "errors": errors, "rss_first_mib": rss[0], "rss_last_mib": rss[-1],
-               "rss_max_mib": max(rss), "rss_drift_mib": round(rss[-1] - rss[0], 1),
-               "rss_slope_mib_per_hour": round(slope, 2) if slope is not None else None,
-               "cgroup_first_mib": samples[0]["cgroup_mib"], "cgroup_last_mib": samples[-1]["cgroup_mib"],
-               "cgroup_max_mib": max((s["cgroup_mib"] or 0) for s in samples) or None}
     doc = {"model": args.model, "config": args.config, "ram_budget": args.ram_budget, "tokens_per_request": args.tokens,
            "minutes": args.soak, "every_s": args.every, "commit": git_commit(), "cgroup": server.cgroup_note,
-           "server_up_s": round(server.up_seconds, 1), "summary": summary, "samples": samples, "requests": requests}
-    out = Path(args.out)
+           "server_up_s": round(server.up_seconds, 1), "errors": errors, "samples": samples, "requests": requests}
+    return write_soak(doc, Path(args.out))
+
+
+def soak_summary(doc: dict) -> dict:
+    """First/last/max memory and the drift: over the whole soak, and after its first tenth (the
+    expert cache fills to its planned size in the first requests; growth after that is a leak)."""
+    samples = doc["samples"]
+    rss = [s["rss_mib"] for s in samples]
+    cg = [s["cgroup_mib"] for s in samples if s["cgroup_mib"] is not None]
+    settled = [s for s in samples if s["t_s"] >= samples[-1]["t_s"] / 10] or samples
+    hits = [s.get("hit_ram_interval") for s in settled if s.get("hit_ram_interval") is not None]
+    slope = _slope([s["t_s"] / 3600 for s in settled], [s["rss_mib"] for s in settled]) if len(settled) > 2 else None
+    return {"requests": samples[-1]["requests"], "errors": doc.get("errors", 0),
+            "rss_first_mib": rss[0], "rss_last_mib": rss[-1], "rss_max_mib": max(rss),
+            "rss_drift_mib": round(rss[-1] - rss[0], 1),
+            "settled_from_s": settled[0]["t_s"], "rss_settled_drift_mib": round(rss[-1] - settled[0]["rss_mib"], 1),
+            "rss_settled_slope_mib_per_hour": round(slope, 2) if slope is not None else None,
+            "cgroup_first_mib": cg[0] if cg else None, "cgroup_last_mib": cg[-1] if cg else None,
+            "cgroup_max_mib": max(cg) if cg else None,
+            "ram_hit_interval_min_max": [min(hits), max(hits)] if hits else None,
+            "ram_hit_since_start_last": samples[-1].get("hit_ram_total")}
+
+
+def write_soak(doc: dict, out: Path) -> dict:
+    doc["summary"] = soak_summary(doc)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "soak.json", json.dumps(doc, indent=1))
-    atomic_write_text(out / "soak.csv", _csv(samples))
+    atomic_write_text(out / "soak.csv", _csv(doc["samples"]))
     plot_soak(doc, out / "soak.png")
-    print(f"soak: {n} requests in {args.soak} min, {errors} errors; RSS first {rss[0]:.1f} MiB, last {rss[-1]:.1f}, "
-          f"max {max(rss):.1f}, drift {summary['rss_drift_mib']:+.1f} MiB (slope {summary['rss_slope_mib_per_hour']} "
-          f"MiB/h); cgroup first {summary['cgroup_first_mib']}, last {summary['cgroup_last_mib']}, "
-          f"max {summary['cgroup_max_mib']} MiB ({server.cgroup_note})")
+    m = doc["summary"]
+    print(f"soak: {m['requests']} requests in {doc['minutes']} min, {m['errors']} errors; RSS first {m['rss_first_mib']} "
+          f"MiB, last {m['rss_last_mib']}, max {m['rss_max_mib']}, drift {m['rss_drift_mib']:+} MiB; after "
+          f"{m['settled_from_s'] / 60:.1f} min (the cache full): drift {m['rss_settled_drift_mib']:+} MiB, slope "
+          f"{m['rss_settled_slope_mib_per_hour']} MiB/h; cgroup first {m['cgroup_first_mib']}, last "
+          f"{m['cgroup_last_mib']}, max {m['cgroup_max_mib']} MiB ({doc['cgroup']}); RAM hit rate per interval "
+          f"{m['ram_hit_interval_min_max']} after the first tenth, {m['ram_hit_since_start_last']} since start")
     print(f"wrote {out / 'soak.json'}, {out / 'soak.csv'} and {out / 'soak.png'}")
     return doc
 
@@ -424,6 +443,7 @@ def main() -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--overhead", action="store_true")
     mode.add_argument("--soak", type=float, metavar="MINUTES")
+    mode.add_argument("--replot", metavar="SOAK_JSON", help="summary, CSV and plot again from a soak's soak.json")
     p.add_argument("--model", default="demo")
     p.add_argument("--config", help="engine config TOML (a tune run's recommended.toml)")
     p.add_argument("--ram-budget", help="overrides the config's budget")
@@ -436,7 +456,10 @@ def main() -> None:
     p.add_argument("--out", help="default: reports/serve-overhead or reports/serve-soak")
     args = p.parse_args()
     args.out = args.out or str(ROOT / "reports" / ("serve-overhead" if args.overhead else "serve-soak"))
-    overhead(args) if args.overhead else soak(args)
+    if args.replot:
+        write_soak(json.loads(Path(args.replot).read_text()), Path(args.out))
+    else:
+        overhead(args) if args.overhead else soak(args)
 
 
 if __name__ == "__main__":
