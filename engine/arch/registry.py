@@ -11,37 +11,24 @@ from typing import Any
 
 from engine.arch.architecture import Architecture
 from engine.arch.args import ModelArgs, common_fields
-from engine.arch.config_rules import COMMON, M4, MOE, Int, Number, config_problems, short_repr
+from engine.arch.config_rules import config_problems, short_repr
 from engine.arch.families.deepseek_v3 import DEEPSEEK_V3
-from engine.arch.families.dense import DENSE_LLAMA, llama_family_shape
+from engine.arch.families.dense import DENSE_LLAMA
 from engine.arch.families.glm4_moe import GLM4_MOE
 from engine.arch.families.glm_moe_dsa import GLM_MOE_DSA
 from engine.arch.families.gpt_oss import GPT_OSS
 from engine.arch.families.mixtral import MIXTRAL
+from engine.arch.families.olmoe import OLMOE
 from engine.arch.families.qwen2_moe import QWEN2_MOE
 from engine.arch.families.qwen3_moe import QWEN3_MOE
 from engine.base.errors import ModelFormatError, UnsupportedModelError
 
 
-def _olmoe_args(model_type: str, cfg: dict, common: dict) -> ModelArgs:
-    return ModelArgs(
-        **common, num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
-        top_k=int(cfg["num_experts_per_tok"]),
-        moe_intermediate_size=int(cfg["intermediate_size"]),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        qk_norm="full", clip_qkv=cfg.get("clip_qkv"),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-    )
-
-
-_OLMOE = Architecture("olmoe", ("olmoe",), _olmoe_args, tensor_shape=llama_family_shape, rules=lambda model_type: (
-    *COMMON, *MOE, Int("intermediate_size", 1, M4, required=True), Number("clip_qkv", 0, nullable=True)))
-
 ARCHITECTURES: tuple[Architecture, ...] = (
     QWEN3_MOE,
     QWEN2_MOE,
     MIXTRAL,
-    _OLMOE,
+    OLMOE,
     DEEPSEEK_V3,
     GLM4_MOE,
     GLM_MOE_DSA,
