@@ -157,6 +157,11 @@ def test_function_level_project_imports_only_fall():
         f"{count} function-level project imports (was {KNOWN_FUNCTION_LEVEL_IMPORTS}): import at module level")
 
 
+def test_the_engine_has_no_function_level_project_imports():
+    found = sorted({(m, t) for m, deps in GRAPH.items() if m.startswith("engine") for t, _, fn in deps if fn})
+    assert found == [], "import at module level (engine/ has no circle to hide)"
+
+
 def test_no_module_reaches_another_modules_private_names():
     private = sorted({(m, t, n) for m, deps in GRAPH.items() for t, n, _ in deps
                       if n and n.startswith("_") and not n.startswith("__")})
