@@ -11,6 +11,8 @@ holds everything that differs between architectures:
     rules         config.json validation (engine/arch/config_rules.py), run before any tensor
                   is read.
     tensor_shape  the shape config.json implies for a resident tensor (None: no opinion).
+    tensor_roles  dtypes its checkpoints may store beyond the float ones, by tensor name pattern
+                  (gpt_oss: MXFP4 blocks and scales are U8), checked by engine/format/tensor_checks.py.
     synth         how `colibri synth` writes one of these models, or None if it cannot.
 
 `PlannedTensor` (a tensor of a synthetic model: name, shape and how its values are made) lives
@@ -62,4 +64,5 @@ class Architecture:
     parse: Callable[[str, dict, dict], ModelArgs]
     rules: Callable[[str], tuple]  # model_type → its config_rules tuple
     tensor_shape: Callable[[ModelArgs, str], tuple[int, ...] | None] | None = None
+    tensor_roles: tuple[tuple[str, str, frozenset], ...] = ()  # (role name, regex, allowed dtypes)
     synth: SynthRecipe | None = None

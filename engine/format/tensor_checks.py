@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.arch.registry import architecture
+from engine.arch.registry import ARCHITECTURES, architecture
 from engine.base.dtypes import FLOAT_NAMES, TAG_OF
 from engine.base.errors import ModelFormatError
 
@@ -62,9 +62,11 @@ for _name, _pattern in (
         ("weight", r"\.(weight|bias)$")):
     register_role(_name, _pattern, FLOATS, first=False)
 
-# gpt_oss checkpoints as published: MXFP4 experts are uint8 blocks and scales (engine/arch/gptoss.py).
-register_role("MXFP4 expert blocks/scales", r"\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales)$", {"U8"},
-              applies=lambda config: config.get("model_type") == "gpt_oss")
+# An architecture's own stored dtypes (gpt_oss: MXFP4 blocks and scales), for its checkpoints only.
+for _arch in ARCHITECTURES:
+    for _name, _pattern, _dtypes in _arch.tensor_roles:
+        register_role(_name, _pattern, _dtypes,
+                      applies=lambda config, types=_arch.model_types: config.get("model_type") in types)
 
 
 # colibri int8/int4 containers (engine/format/container.py, docs/FORMAT.md): `<name>.qweight` codes

@@ -78,5 +78,8 @@ GPT_OSS = Architecture(
     rules=lambda model_type: (*COMMON, Int("num_local_experts", 1, M4, required=True),
                               Int("num_experts_per_tok", 1, K16, required=True),
                               Int("intermediate_size", 1, M4, required=True), Int("sliding_window", 1, M4, nullable=True)),
+    # Checkpoints as published: MXFP4 experts are uint8 blocks and scales.
+    tensor_roles=(("MXFP4 expert blocks/scales", r"\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales)$",
+                   frozenset({"U8"})),),
     synth=SynthRecipe(lambda g, eos, stamp: synth_config(g, "GptOssForCausalLM", eos, stamp, _finish_config(g)),
                       _synth_plan, expert_formats=("plain", "mxfp4")))
