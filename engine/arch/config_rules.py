@@ -3,8 +3,9 @@
 Why: values that are each well-typed but together inconsistent (`num_attention_heads: 0`,
 top-k above the expert count, `rope_scaling` as a list, kv heads that do not divide the heads)
 used to reach the model code and die there with a traceback. Every field the engine reads is
-described here once — type, range, whether it may be null — plus the cross-field rules; a
-failure is one line naming the field, its value and the rule.
+described once — type, range, whether it may be null — plus the cross-field rules, here when
+architectures share it, else in its architecture's module; a failure is one line naming the
+field, its value and the rule.
 
 Each architecture (engine/arch/families/) builds its rule tuple from the blocks below (COMMON,
 MOE, ...) and fields of its own; engine/arch/registry.validate_config runs the tuple of a
