@@ -28,7 +28,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.arch.args import ModelArgs, dense_tensor_names
+from engine.arch.args import dense_tensor_names
+from engine.arch.registry import model_args
 from engine.base.errors import ConfigError
 from engine.base.inputs import printable
 from engine.format.checkpoint import Checkpoint
@@ -163,7 +164,7 @@ def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
     import torch
 
     ckpt = Checkpoint(model_dir)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     names = dense_tensor_names(args)
     # A `--scope all` container stores dense matrices as codes + scales: the matrix's shape from its codes.
     spec = container_spec(ckpt)
