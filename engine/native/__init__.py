@@ -87,10 +87,13 @@ def _library_path(cxx: str, flags: set[str]) -> Path:
     return root / f"colibri_bf16_{key.hexdigest()[:16]}.so"
 
 
-def load() -> str | None:
-    """Load the native ops (building them first if needed). None when ready, else the reason."""
+def load(again: bool = False) -> str | None:
+    """Load the native ops (building them first if needed). None when ready, else the reason.
+
+    The answer is kept for the process; again=True asks once more (after installing a compiler,
+    or in tests that change the environment). A library already loaded stays loaded."""
     global ready, int_ready, _why_not, _tried
-    if _tried:
+    if _tried and not again:
         return _why_not
     _tried = True
     _why_not = _load()
