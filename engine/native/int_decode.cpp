@@ -135,25 +135,42 @@ QMat int4_mat(const at::Tensor& packed, const at::Tensor& sz, int64_t group) {
 
 // --- int8 ---------------------------------------------------------------------------------
 
-inline float int8_row(const QMat& m, int64_t n, const QuantRow& x) {
-  const int8_t* w = m.codes + n * m.K;
+// Rows n .. n+R-1 (R <= 4) of m against x: one pass over xq, R independent accumulator chains
+// (vpdpwssd's latency, not its throughput, bounds a single chain).
+template <int R>
+inline void int8_rows(const QMat& m, int64_t n, const QuantRow& x, float* out) {
   const int16_t* xq = x.q.data();
-  __m512 accf = _mm512_setzero_ps();
+  __m512 accf[R];
+  for (int r = 0; r < R; r++) accf[r] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < m.K; k0 += INT8_FLUSH) {
     const int64_t k1 = std::min(m.K, k0 + INT8_FLUSH);
-    __m512i acc = _mm512_setzero_si512();
+    __m512i acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
     int64_t k = k0;
     for (; k + 32 <= k1; k += 32) {
-      const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
-      acc = _mm512_dpwssd_epi32(acc, wv, _mm512_loadu_si512(xq + k));
+      const __m512i xv = _mm512_loadu_si512(xq + k);
+      for (int r = 0; r < R; r++) {
+        const int8_t* w = m.codes + (n + r) * m.K + k;
+        acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))), xv);
+      }
     }
     if (k < k1) {  // xq is zero-padded; the weights are loaded under a mask
-      const __m256i tail = _mm256_maskz_loadu_epi8((__mmask32)((1ull << (k1 - k)) - 1), w + k);
-      acc = _mm512_dpwssd_epi32(acc, _mm512_cvtepi8_epi16(tail), _mm512_loadu_si512(xq + k));
+      const __m512i xv = _mm512_loadu_si512(xq + k);
+      const __mmask32 mask = (__mmask32)((1ull << (k1 - k)) - 1);
+      for (int r = 0; r < R; r++)
+        acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, m.codes + (n + r) * m.K + k)), xv);
     }
-    accf = _mm512_add_ps(accf, _mm512_cvtepi32_ps(acc));
+    for (int r = 0; r < R; r++) accf[r] = _mm512_add_ps(accf[r], _mm512_cvtepi32_ps(acc[r]));
   }
-  return _mm512_reduce_add_ps(accf) * x.sx * m.scale_at(n);
+  for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(accf[r]) * x.sx * m.scale_at(n + r);
+}
+
+// Any row range: tiles of 4 rows, the rest one by one. A row's result does not depend on its tile
+// (each row has its own chain in the same order), so every split gives the same bits.
+void int8_range(const QMat& m, const QuantRow& x, int64_t begin, int64_t end, float* out) {
+  int64_t n = begin;
+  for (; n + 4 <= end; n += 4) int8_rows<4>(m, n, x, out + (n - begin));
+  for (; n < end; n++) int8_rows<1>(m, n, x, out + (n - begin));
 }
 
 // --- int4 ---------------------------------------------------------------------------------
@@ -202,17 +219,23 @@ void int4_block(const QMat& m, int64_t nb, const QuantRow& x, float* out) {
   __m512 y[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   const int64_t G = m.K / m.group;
   for (int64_t g = 0; g < G; g++) {
-    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-    for (int64_t k = g * m.group; k < (g + 1) * m.group; k += 2) {
-      const __m512i bytes = _mm512_loadu_si512(base + k * 32);  // k and k+1, 32 bytes each
-      const __m512i lo = _mm512_and_si512(bytes, nib);                       // rows 0-31
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nib);  // rows 32-63
-      const __m512i xv = _mm512_set1_epi32(xpairs[k / 2]);
-      acc[0] = _mm512_dpwssd_epi32(acc[0], _mm512_maskz_permutexvar_epi8(EVEN_BYTES, idx.low, lo), xv);
-      acc[1] = _mm512_dpwssd_epi32(acc[1], _mm512_maskz_permutexvar_epi8(EVEN_BYTES, idx.high, lo), xv);
-      acc[2] = _mm512_dpwssd_epi32(acc[2], _mm512_maskz_permutexvar_epi8(EVEN_BYTES, idx.low, hi), xv);
-      acc[3] = _mm512_dpwssd_epi32(acc[3], _mm512_maskz_permutexvar_epi8(EVEN_BYTES, idx.high, hi), xv);
+    // Two sets of 4 chains, alternating k pairs (a group has an even number of pairs: 32/64/128 inputs).
+    __m512i acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_si512();
+    for (int64_t k = g * m.group; k < (g + 1) * m.group; k += 4) {
+      for (int h = 0; h < 2; h++) {
+        const __m512i bytes = _mm512_loadu_si512(base + (k + 2 * h) * 32);  // k and k+1, 32 bytes each
+        const __m512i lo = _mm512_and_si512(bytes, nib);                       // rows 0-31
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nib);  // rows 32-63
+        const __m512i xv = _mm512_set1_epi32(xpairs[(k + 2 * h) / 2]);
+        __m512i* a = acc + 4 * h;
+        a[0] = _mm512_dpwssd_epi32(a[0], _mm512_maskz_permutexvar_epi8(EVEN_BYTES, idx.low, lo), xv);
+        a[1] = _mm512_dpwssd_epi32(a[1], _mm512_maskz_permutexvar_epi8(EVEN_BYTES, idx.high, lo), xv);
+        a[2] = _mm512_dpwssd_epi32(a[2], _mm512_maskz_permutexvar_epi8(EVEN_BYTES, idx.low, hi), xv);
+        a[3] = _mm512_dpwssd_epi32(a[3], _mm512_maskz_permutexvar_epi8(EVEN_BYTES, idx.high, hi), xv);
+      }
     }
+    for (int i = 0; i < 4; i++) acc[i] = _mm512_add_epi32(acc[i], acc[i + 4]);
     const __m512i mid = _mm512_set1_epi32(8 * x.qsum[g]);
     const __m512 xs = _mm512_set1_ps(x.xsum[g]);
     for (int i = 0; i < 4; i++) {
@@ -243,24 +266,23 @@ float int4_tail_row(const QMat& m, int64_t n, const QuantRow& x) {
 
 // Rows [begin, end) of m x into out[0 .. end-begin). int4: begin/end on block bounds or in the tail.
 void rows(const QMat& m, const QuantRow& x, int64_t begin, int64_t end, float* out) {
-  if (m.group == 0) {
-    for (int64_t n = begin; n < end; n++) out[n - begin] = int8_row(m, n, x);
-    return;
-  }
+  if (m.group == 0) return int8_range(m, x, begin, end, out);
   const int64_t full = m.N - m.N % BLOCK;
   int64_t n = begin;
   for (; n + BLOCK <= std::min(end, full); n += BLOCK) int4_block(m, n / BLOCK, x, out + (n - begin));
   for (; n < end; n++) out[n - begin] = int4_tail_row(m, n, x);
 }
 
-// Work units of a matrix: int8 rows, int4 whole blocks then tail rows.
-inline int64_t units(const QMat& m) { return m.group ? m.N / BLOCK + m.N % BLOCK : m.N; }
+// Work units of a matrix: int8 runs of 16 rows (the last one shorter), int4 whole blocks then
+// tail rows.
+constexpr int64_t INT8_UNIT = 16;
+inline int64_t units(const QMat& m) { return m.group ? m.N / BLOCK + m.N % BLOCK : (m.N + INT8_UNIT - 1) / INT8_UNIT; }
 inline int64_t unit_row(const QMat& m, int64_t u) {
-  if (!m.group) return u;
+  if (!m.group) return std::min(m.N, u * INT8_UNIT);
   const int64_t nb = m.N / BLOCK;
   return u < nb ? u * BLOCK : nb * BLOCK + (u - nb);
 }
-inline int64_t unit_grain(const QMat& m) { return m.group ? 1 : GRAIN; }
+inline int64_t unit_grain(const QMat&) { return 1; }
 
 at::Tensor linear(const at::Tensor& x_in, const QMat& m) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == m.K, "x must be [M, K] with the weight's K");
