@@ -68,6 +68,7 @@ def measure(hidden: int, inter: int, repeats: int, inner: int) -> list[dict]:
                      "bytes": sum(q.nbytes + s.nbytes for q, s in stored),
                      "compute": _time(expert_q, repeats, inner), "prepare": _time(prep, repeats, max(inner // 4, 1))})
     native.int_ready = int_native
+    native.int8_decode = True  # measured here even where the engine keeps it off
     if native_why is not None:
         print(f"native kernels: {native_why}")
         return rows

@@ -18,6 +18,12 @@ WHY_NOT = native.load()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None or not native.int_ready,
                                 reason=needs("native", f"native int kernels: {WHY_NOT or 'no VNNI/VBMI'}"))
 
+@pytest.fixture(autouse=True)
+def int8_native_on(monkeypatch):
+    """int8 decode is off by default (measured slower end to end); these tests exercise it."""
+    monkeypatch.setattr(native, "int8_decode", True)
+
+
 # (N, K, group): full 64-row blocks, a partial last block (N % 64 = 2, 6, 50), ragged int8 K
 # (not a multiple of 32), one group per row and many.
 SHAPES = [(64, 64, 32), (130, 96, 32), (70, 256, 128), (2, 64, 64), (198, 192, 64), (512, 1024, 64)]

@@ -226,7 +226,8 @@ class QuantWeight:
         stored layout (int4 repacked for another CPU's torch kernel is not), where VNNI/VBMI exist."""
         return (native.int_ready and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float32)
                 and x.device.type == "cpu" and self.qweight.device.type == "cpu"
-                and (self.quant == "int8" or self.kernel != KERNEL_INT4 or stored_int4_is_native()))
+                and (native.int8_decode if self.quant == "int8" else
+                     self.kernel != KERNEL_INT4 or stored_int4_is_native()))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_decode(x):  # decode: integer dot products, ~3x fewer instructions per weight

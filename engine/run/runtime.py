@@ -174,7 +174,8 @@ class Engine:
         ok = all(kernel_works(q.quant, n, k, q.group_size, self.dtype)
                  for n, k in ((a.moe_intermediate_size, a.hidden_size), (a.hidden_size, a.moe_intermediate_size)))
         torch_kernel = (KERNEL_INT4 if q.quant == "int4" else KERNEL_INT8) if ok else KERNEL_DEQUANT
-        return f"native {q.quant} decode (VNNI), prefill: {torch_kernel}" if native.int_ready else torch_kernel
+        on = native.int_ready and (q.quant == "int4" or native.int8_decode)
+        return f"native {q.quant} decode (VNNI), prefill: {torch_kernel}" if on else torch_kernel
 
     def _compute_dtype(self) -> torch.dtype:
         if self.config.dtype == "auto":
