@@ -22,7 +22,8 @@ from pathlib import Path
 
 from engine.base.errors import ModelFormatError
 from engine.base.inputs import printable
-from engine.format.quant import GROUP_SIZES, QUANTS, SCALE_DTYPE, check_group, stored_shapes
+from engine.format.checkpoint import read_tensor
+from engine.format.quant import GROUP_SIZES, QUANTS, SCALE_DTYPE, QuantWeight, check_group, stored_shapes
 
 FORMAT_NAME = "colibri.quant"
 FORMAT_VERSION = 1
@@ -182,8 +183,6 @@ def dense_quantized(ckpt, spec: QuantSpec | None, names: list[str]) -> dict:
 
 def load_dense(ckpt, spec: QuantSpec, infos, dtype):
     """One resident quantized matrix, ready for its kernel."""
-    from engine.format.checkpoint import read_tensor
-    from engine.format.quant import QuantWeight
     q, s = infos
     return QuantWeight.prepare(read_tensor(q), read_tensor(s), spec.quant, spec.group_size, dtype)
 
