@@ -221,7 +221,19 @@ class QuantWeight:
             return cls(quant, group_size, (n, k), KERNEL_INT8, qweight, scale)
         return cls(quant, group_size, (n, k), KERNEL_DEQUANT, qweight, scale)
 
+    def native_decode(self, x: torch.Tensor) -> bool:
+        """Whether engine/native's int8/int4 kernel takes x @ W.T: one row (decode), on the CPU, in the
+        stored layout (int4 repacked for another CPU's torch kernel is not), where VNNI/VBMI exist."""
+        return (native.int_ready and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float32)
+                and x.device.type == "cpu" and self.qweight.device.type == "cpu"
+                and (native.int8_decode if self.quant == "int8" else
+                     self.kernel != KERNEL_INT4 or stored_int4_is_native()))
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_decode(x):  # decode: integer dot products, ~3x fewer instructions per weight
+            if self.quant == "int8":
+                return native.int8_linear(x, self.qweight, self.qscale)
+            return native.int4_linear(x, self.qweight, self.qscale, self.group_size)
         if self.kernel == KERNEL_INT4:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size, self.qscale)
         if self.kernel == KERNEL_INT8:
