@@ -368,3 +368,33 @@ def test_gpt_oss_generation_longer_than_the_window_matches_transformers(tmp_path
     prompt = PROMPT[:4]  # shorter than the window; the 40 new tokens wrap the ring five times
     with fp32_engine(tmp_path) as engine:
         assert generate(engine, prompt, 40, Sampler()).output_ids == hf_greedy(model, prompt, 40)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+@pytest.mark.parametrize("quant,group", [("int8", 0), ("int4", 32)])
+def test_mla_runs_a_scope_all_container(arch, quant, group, tmp_path):
+    """`convert --scope all` quantizes every MLA projection, the DSA indexer's included: each is
+    multiplied by its kernel (it used to be F.linear on a QuantWeight), and kv_b_proj, which the
+    absorbed form views per head, is dequantized at load. The logits equal the same model's with
+    every quantized matrix replaced by its dequantized values, and the plan counts kv_b_proj in
+    the compute dtype."""
+    from engine.format.convert import convert
+    from engine.format.quant import QuantWeight
+    src = tmp_path / "src"
+    build(arch, src, kv_lora_rank=32, v_head_dim=16)  # groups of 32 divide every projection's input
+    out = convert(src, tmp_path / "all", quant, group_size=group or 64, scope="all")["path"]
+    with fp32_engine(out) as engine:
+        w = engine.model.w
+        kv_b = [n for n in w if n.endswith("kv_b_proj.weight")]
+        assert kv_b and all(type(w[n]) is torch.Tensor and w[n].dtype == torch.float32 for n in kv_b)
+        quantized = [n for n in w if isinstance(w[n], QuantWeight)]
+        assert any(".self_attn.o_proj." in n for n in quantized)
+        if arch == "glm_moe_dsa":
+            assert any(".indexer.weights_proj." in n for n in quantized)
+        assert engine.plan.dense_bytes == sum(t.nbytes for t in w.values())  # what is held, as held
+        logits = engine.forward(PROMPT, 0)
+        for n in quantized:
+            w[n] = w[n].dequantize().float()
+        engine.kv = KVCache.allocate(engine.args, 64, torch.float32, torch.float32)
+        reference = engine.forward(PROMPT, 0)
+    assert float((logits - reference).abs().max()) <= 1e-4 * float(reference.abs().max())
