@@ -398,3 +398,15 @@ def test_mla_runs_a_scope_all_container(arch, quant, group, tmp_path):
         engine.kv = KVCache.allocate(engine.args, 64, torch.float32, torch.float32)
         reference = engine.forward(PROMPT, 0)
     assert float((logits - reference).abs().max()) <= 1e-4 * float(reference.abs().max())
+
+
+def test_convert_refuses_gpt_oss_in_one_line(tmp_path):
+    """gpt_oss's experts (fused [E, H, 2I] with biases, or MXFP4) have no container layout: a
+    clear refusal before anything is written (it crashed mid-write on a shape mismatch)."""
+    from engine.base.errors import UnsupportedModelError
+    from engine.format.convert import convert
+    build("gpt_oss", tmp_path / "src")
+    with pytest.raises(UnsupportedModelError) as err:
+        convert(tmp_path / "src", tmp_path / "out", "int8", 0, "experts")
+    assert "gpt_oss" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
