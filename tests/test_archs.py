@@ -19,15 +19,10 @@ from engine.run.generate import Sampler, generate
 from engine.arch.layers import KVCache, rms_norm, route_layer
 from engine.arch.args import ModelArgs
 from engine.run.runtime import Engine
-from colibri_hf_models import build, hf_greedy, hf_logits
+from colibri_hf_models import (ATOL, PROMPT, assert_greedy_match, assert_logits_match, build, fp32_engine,
+                                hf_greedy, hf_logits)
 
-ATOL = 1e-4
-PROMPT = [(7 * i + 3) % 256 for i in range(32)]
 NEW_ARCHS = ["deepseek_v3", "glm4_moe", "glm_moe_dsa", "gpt_oss"]
-
-
-def fp32_engine(d, **kw) -> Engine:
-    return Engine(d, EngineConfig(ctx_size=64, dtype="fp32", threads=1, **kw))
 
 
 @pytest.fixture(scope="module", params=[(a, s) for a in NEW_ARCHS for s in (False, True)],
@@ -43,16 +38,12 @@ def arch_pair(request, tmp_path_factory):
 
 def test_logits_match_transformers(arch_pair):
     arch, model, d = arch_pair
-    with fp32_engine(d) as engine:
-        diff = (engine.forward(PROMPT, 0) - hf_logits(model, PROMPT)).abs().max().item()
-    print(f"{arch}: max |dlogit| = {diff:.3e}")
-    assert diff <= ATOL, f"{arch}: max |dlogit| {diff:.3e} > {ATOL}"
+    assert_logits_match(d, model, arch)
 
 
 def test_greedy_tokens_match_transformers(arch_pair):
-    arch, model, d = arch_pair
-    with fp32_engine(d) as engine:
-        assert generate(engine, PROMPT, 16, Sampler()).output_ids == hf_greedy(model, PROMPT, 16)
+    _, model, d = arch_pair
+    assert_greedy_match(d, model)
 
 
 VARIANTS = {
