@@ -29,8 +29,11 @@ Measurements (`measure`; each step in a fresh interpreter so its RSS is its own)
   plan    + make_plan under --budget: time, and what the plan says (or its one-line refusal)
   cli     `colibri plan --model DIR --budget B --json`: wall time of the whole command
   decode  `colibri bench --tokens 1` under a memory cgroup of --budget: one decode step on holes
+          (needs a `--decodable` build: zero scales are refused as corrupt; the written router
+          biases route every layer to experts 0..K-1, whose scales are the ones written)
 
     quiet test .venv/bin/python benchmarks/fullscale.py build deepseek-v3 --dtype bf16 --out /tmp/fs-dsv3
+        [--decodable]   # also the scales and router biases a decode step reads (int4: ~1 GiB on disk)
     quiet bench .venv/bin/python benchmarks/fullscale.py measure /tmp/fs-dsv3 [--budget 16GiB]
     quiet bench .venv/bin/python benchmarks/fullscale.py all [--dtype bf16] [--decode]   # build each, measure, delete
 """
