@@ -302,12 +302,26 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
-def _cli(argv: list[str], timeout: float) -> tuple[float, int, str]:
+def _cli(argv: list[str], timeout: float, whole: bool = False) -> tuple[float, int, str]:
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "tuner.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, env=_env(), cwd=ROOT)
+    if whole:
+        return time.perf_counter() - t0, done.returncode, done.stdout.strip() or done.stderr.strip()
     tail = (done.stdout.strip() or done.stderr.strip()).splitlines()
     return time.perf_counter() - t0, done.returncode, (tail[-1] if tail else "")[:300]
+
+
+def _bench_summary(out: str) -> str:
+    """`bench --json`'s outcome in a table cell: status, the error or the step's figures, peak."""
+    try:
+        r = json.loads(out)
+    except ValueError:
+        return (out.splitlines()[-1] if out else "")[:300]
+    peak = r.get("cgroup_peak_bytes")
+    m = r.get("metrics") or {}
+    what = r.get("error") or ", ".join(f"{k} {m[k]:.3g}" for k in ("decode_tok_s", "load_seconds") if k in m)
+    return f"{r.get('status')}: {what}; cgroup peak {format_size(peak) if peak else '-'}"[:400]
 
 
 def measure(model: Path, budget: int, decode: bool, profile: str = DEFAULT_PROFILE) -> list[str]:
@@ -328,11 +342,11 @@ def measure(model: Path, budget: int, decode: bool, profile: str = DEFAULT_PROFI
     rows.append(f"| `colibri plan` (whole command: open, geometry, cost-model search) | {wall:.2f} | - | "
                 f"exit {rc}: {line} |")
     if decode:
-        wall, rc, line = _cli(["bench", "--model", str(model), "--tokens", "1", "--repeats", "1",
-                               "--prompt-tokens", "1", "--ram-budget", size, "--cgroup-limit", size,
-                               "--timeout", "1200", "--json"], 1500)
+        wall, rc, out = _cli(["bench", "--model", str(model), "--tokens", "1", "--repeats", "1",
+                              "--prompt-tokens", "1", "--ram-budget", size, "--cgroup-limit", size,
+                              "--timeout", "1200", "--json"], 1500, whole=True)
         rows.append(f"| `colibri bench --tokens 1` in a {format_size(budget)} cgroup | {wall:.2f} | - | "
-                    f"exit {rc}: {line} |")
+                    f"exit {rc}: {_bench_summary(out)} |")
     return rows
 
 
