@@ -35,7 +35,7 @@ from engine import synth  # noqa: E402
 from engine.base.config import EngineConfig, format_size, parse_size  # noqa: E402
 from engine.arch.gptoss import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
 from engine.run.metrics import git_commit  # noqa: E402
-from engine.arch.args import ModelArgs  # noqa: E402
+from engine.arch.registry import model_args  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402
 
 MLA_PRESETS = ("deepseek-v3", "glm-5", "deepseek-v3-small", "glm-5-small")
@@ -46,7 +46,7 @@ def kv_table() -> list[str]:
     for name in MLA_PRESETS:
         g = synth.load_preset(name)
         cfg = synth.hf_config(synth.validate_geometry(g), 0, 0.0) if g.get("materializable") else g
-        args = ModelArgs.from_config(cfg)
+        args = model_args(cfg)
         m = args.attention_impl
         latent = m.cache_nbytes(args.num_layers, 1, torch.bfloat16)
         per_head = args.num_layers * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * 2

@@ -161,8 +161,8 @@ def hf_config(name: str, fmt: str) -> dict:
 
 def indexer_layers_of(cfg: dict) -> set[int]:
     """Layers whose attention runs the DSA indexer, as the engine's parser decides them."""
-    from engine.arch.model import ModelArgs
-    mla = ModelArgs.from_config(cfg).attention_impl
+    from engine.arch.registry import model_args
+    mla = model_args(cfg).attention_impl
     indexer = getattr(mla, "indexer", None)
     return set(indexer.full_layers) if indexer is not None else set()
 
@@ -261,7 +261,7 @@ def measure_step(model: Path, step: str, budget: int) -> dict:
     """One step in this (fresh) interpreter: what it costs beyond the imports."""
     import torch
     from engine.base.errors import ColibriError
-    from engine.arch.model import ModelArgs
+    from engine.arch.registry import model_args
     from engine.format.checkpoint import Checkpoint
     from engine.format.layout import ExpertLayout
     from engine.movement.plan import make_plan
@@ -275,7 +275,7 @@ def measure_step(model: Path, step: str, budget: int) -> dict:
     result = {"open_s": time.perf_counter() - t0, "tensors": len(ckpt.tensors), "open_rss_bytes": _rss() - base}
     if step in ("layout", "plan"):
         t0 = time.perf_counter()
-        args = ModelArgs.from_config(ckpt.config)
+        args = model_args(ckpt.config)
         layout = ExpertLayout(ckpt, args)
         result.update(layout_s=time.perf_counter() - t0, routed_experts=layout.num_routed,
                       expert_disk_bytes=layout.expert_nbytes, layout_rss_bytes=_rss() - base)

@@ -25,7 +25,7 @@ ARCHS: dict[str, dict] = {
                                    "original_max_position_embeddings": 64}),
     "qwen3": dict(head_dim=16, max_position_embeddings=256, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                 "original_max_position_embeddings": 64}),
-    # The architectures with their own attention, routing and experts (engine/arch/parsers.py).
+    # The architectures with their own attention, routing and experts (engine/arch/families/).
     # Four groups of two with topk_group 2 make the group limit bite; dense first layer;
     # yarn with mscale_all_dim moves the softmax scale; rope_interleave is DeepSeek's default.
     "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,

@@ -17,7 +17,7 @@ from engine.base.config import EngineConfig
 from engine.base.errors import ModelFormatError
 from engine.run.generate import Sampler, generate
 from engine.arch.layers import KVCache, rms_norm, route_layer
-from engine.arch.args import ModelArgs
+from engine.arch.registry import model_args
 from engine.run.runtime import Engine
 from colibri_hf_models import (ATOL, PROMPT, assert_greedy_match, assert_logits_match, build, fp32_engine,
                                 hf_greedy, hf_logits)
@@ -294,7 +294,7 @@ BAD = [
 def test_bad_config_is_one_line_error(configs, arch, patch, needle):
     cfg = {**configs[arch], **patch}
     with pytest.raises(ModelFormatError) as err:
-        ModelArgs.from_config(cfg)
+        model_args(cfg)
     message = str(err.value)
     assert "\n" not in message and needle in message and arch in message, message
 

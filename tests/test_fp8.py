@@ -24,7 +24,7 @@ from engine.base.errors import ModelFormatError
 from engine.format import fp8
 from engine.format.checkpoint import Checkpoint
 from engine.format.layout import ExpertLayout
-from engine.arch.model import ModelArgs
+from engine.arch.args import ModelArgs
 from engine.native import fp8 as native_fp8
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine

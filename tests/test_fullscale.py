@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.fullscale import build
-from engine.arch.model import ModelArgs
+from engine.arch.registry import model_args
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError
 from engine.format.checkpoint import Checkpoint
@@ -41,7 +41,7 @@ def test_engine_opens_lays_out_and_plans_the_full_model(deepseek_bf16):
     ckpt = Checkpoint(d)
     assert len(ckpt.tensors) == info["tensors"]
     assert ckpt.nbytes() == info["apparent_bytes"]
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args)
     # 58 MoE layers x 256 experts; the MTP layer 61 is in the files but not a layer the engine runs
     assert layout.num_routed == 58 * 256
@@ -83,7 +83,7 @@ def test_int4_container_variant_plans_within_16_gib(tmp_path):
     d = tmp_path / "int4"
     build("deepseek-v3", d, "int4")
     ckpt = Checkpoint(d)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args)
     assert layout.quant.quant == "int4" and layout.spans_per_expert == 1
     plan = make_plan(ckpt, args, layout, EngineConfig(ram_budget=16 * GiB), torch.bfloat16, torch.bfloat16,

@@ -14,7 +14,7 @@ from engine.base.errors import BudgetError, ModelFormatError
 from engine.run.generate import Sampler, generate
 from engine.movement.io import uring_unavailable
 from engine.format.layout import ExpertLayout
-from engine.arch.args import ModelArgs
+from engine.arch.registry import model_args
 from engine.movement.plan import ACTIVATION_MARGIN, make_plan
 from engine.run.runtime import Engine
 from colibri_hf_models import build
@@ -51,7 +51,7 @@ def histogram(model_dir, tmp_path_factory):
 def budget_for_cache(model_dir, config: EngineConfig, cache_experts: int) -> int:
     """A budget whose plan leaves about `cache_experts` experts of RAM cache at this ratio."""
     ckpt = Checkpoint(model_dir)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args)
     import torch
     plan = make_plan(ckpt, args, layout, config.replace(ram_budget=0), torch.float32, torch.float32)
@@ -193,7 +193,7 @@ def dense_dir(tmp_path_factory):
 def dense_budget(dense_dir, config, resident_layers):
     import torch
     ckpt = Checkpoint(dense_dir)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     overhead = psutil.Process().memory_info().rss + ACTIVATION_MARGIN
     probe = make_plan(ckpt, args, None, config.replace(ram_budget=1 << 40), torch.float32, torch.float32, overhead)
     base = probe.dense_bytes - probe.resident_layers * probe.layer_bytes

@@ -29,9 +29,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.format.checkpoint import Checkpoint, TensorInfo
-from engine.base.errors import ModelFormatError
-from engine.format.layout import ExpertLocation, group_into_spans, piece_tensor
 from engine.format.quant import StoredMatrix
 from engine.arch.rope import apply_rope
 from engine import native
@@ -229,12 +226,6 @@ class SinkAttention:
 
 # --- experts ----------------------------------------------------------------------------------
 
-def _slice(info: TensorInfo, e: int, E: int, shape: tuple[int, ...]) -> TensorInfo:
-    """Expert e's slice of a fused [E, ...] tensor, as a TensorInfo of its own."""
-    step = info.nbytes // E
-    return TensorInfo(f"{info.name}[{e}]", info.path, info.dtype, shape, info.offset + e * step, step)
-
-
 @dataclass(frozen=True)
 class GptOssExperts:
     num_experts: int
@@ -248,62 +239,6 @@ class GptOssExperts:
         """Elements of one expert in the compute dtype (weights and biases)."""
         H, I = self.hidden_size, self.intermediate_size
         return 2 * I * H + 2 * I + H * I + H
-
-    def locations(self, ckpt: Checkpoint, layer: int) -> dict:
-        base = f"model.layers.{layer}.mlp.experts"
-        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
-        mx = f"{base}.gate_up_proj_blocks" in ckpt
-        if mx:
-            expect = {"gate_up_proj_blocks": (E, 2 * I, H // MX_BLOCK, 16), "gate_up_proj_scales": (E, 2 * I, H // MX_BLOCK),
-                      "gate_up_proj_bias": (E, 2 * I),
-                      "down_proj_blocks": (E, H, I // MX_BLOCK, 16), "down_proj_scales": (E, H, I // MX_BLOCK),
-                      "down_proj_bias": (E, H)}
-        else:
-            expect = {"gate_up_proj": (E, H, 2 * I), "gate_up_proj_bias": (E, 2 * I),
-                      "down_proj": (E, I, H), "down_proj_bias": (E, H)}
-        infos = {}
-        for name, shape in expect.items():
-            info = ckpt.info(f"{base}.{name}")
-            if info.shape != shape:
-                raise ModelFormatError(f"{info.path}: tensor {info.name!r} has shape {list(info.shape)}, "
-                                       f"config.json implies {list(shape)}")
-            if name.endswith(("_blocks", "_scales")) and info.dtype != "U8":
-                raise ModelFormatError(f"{info.path}: tensor {info.name!r} is {info.dtype}, MXFP4 needs U8")
-            infos[name] = info
-        fused = mx and fused_kernel_available()
-        decode = (self._decode_mxfp4_stored if fused else self._decode_mxfp4) if mx else self._decode_plain
-        # Fused: blocks and scales are computed on as stored, biases in the compute dtype.
-        stored = tuple(name.endswith(("_blocks", "_scales")) for name in expect) if fused else None
-        kernel = (MXFP4_FUSED if fused else MXFP4_DEQUANT) if mx else None
-        out = {}
-        for e in range(E):
-            spans, pieces = group_into_spans([_slice(i, e, E, s[1:]) for i, s in zip(infos.values(), expect.values())])
-            out[(layer, e)] = ExpertLocation(tuple(spans), tuple(pieces), decode=decode, stored=stored, kernel=kernel)
-        return out
-
-    @staticmethod
-    def _decode_plain(loc, buffers, dtype):
-        gate_up, gate_up_bias, down, down_bias = (piece_tensor(buffers, p, dtype) for p in loc.pieces)
-        # Stored as x @ W ([in, out]); the transposes are views in F.linear's [out, in] layout.
-        return gate_up.t(), gate_up_bias, down.t(), down_bias
-
-    @staticmethod
-    def _decode_mxfp4(loc, buffers, dtype):
-        gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = (
-            piece_tensor(buffers, p, p.dtype) for p in loc.pieces)
-        # Copies, never views: this layout is not zero-copy (the plan gives the store read slots
-        # only, no slot per cache entry), so a cached expert holding a view of its slot (a bias
-        # already in the compute dtype: `.to` returns it as is) pinned it, and once the cache had
-        # taken every slot each read waited out the store's slot guard (5 s) — the "hang" of
-        # the dequantize path streamed on gpt-oss-small.
-        return (mxfp4_dequantize(gu_blocks, gu_scales, dtype), gu_bias.to(dtype, copy=True),
-                mxfp4_dequantize(d_blocks, d_scales, dtype), d_bias.to(dtype, copy=True))
-
-    @staticmethod
-    def _decode_mxfp4_stored(loc, buffers, dtype):
-        gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = (
-            piece_tensor(buffers, p, p.dtype) for p in loc.pieces)
-        return (Mxfp4Matrix(gu_blocks, gu_scales), gu_bias.to(dtype), Mxfp4Matrix(d_blocks, d_scales), d_bias.to(dtype))
 
     def forward(self, x: torch.Tensor, expert) -> torch.Tensor:
         gate_up_w, gate_up_b, down_w, down_b = expert  # [2I, H] (or its Mxfp4Matrix), [2I], [H, I], [H]

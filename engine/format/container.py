@@ -22,7 +22,9 @@ from pathlib import Path
 
 from engine.base.errors import ModelFormatError
 from engine.base.inputs import printable
-from engine.format.quant import GROUP_SIZES, QUANTS, SCALE_DTYPE, check_group, check_scales, dequantize, stored_shapes
+from engine.format.checkpoint import read_tensor
+from engine.format.quant import (GROUP_SIZES, QUANTS, SCALE_DTYPE, QuantWeight, check_group, check_scales,
+                                  dequantize, stored_shapes)
 
 FORMAT_NAME = "colibri.quant"
 FORMAT_VERSION = 1
@@ -194,8 +196,6 @@ def dequantized_at_load(infos) -> bool:
 def load_dense(ckpt, spec: QuantSpec, infos, dtype):
     """One resident quantized matrix, ready for its kernel (or a plain tensor in `dtype`, for
     the one the model reads as a tensor)."""
-    from engine.format.checkpoint import read_tensor
-    from engine.format.quant import QuantWeight
     q, s = infos
     codes, scales = read_tensor(q), read_tensor(s)
     if dequantized_at_load(infos):

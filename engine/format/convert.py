@@ -29,7 +29,8 @@ from engine.format.checkpoint import Checkpoint, read_tensor
 from engine.format.container import CONFIG_KEY, QuantSpec, container_spec, quant_names
 from engine.base.durable import DirectoryLock
 from engine.base.errors import ModelFormatError, UnsupportedModelError
-from engine.arch.args import ModelArgs, expert_tensor_names, fused_expert_tensor_names
+from engine.arch.args import expert_tensor_names, fused_expert_tensor_names
+from engine.arch.registry import model_args
 from engine.format.quant import check_group, quantize, stored_shapes
 from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 from engine.base.output_target import (OutputTargetError, check_not_source, directory_target, read_small_json,
@@ -72,7 +73,7 @@ class Converter:
     def __init__(self, src, spec: QuantSpec):
         self.ckpt = Checkpoint(src)
         self.spec = spec
-        self.args = ModelArgs.from_config(self.ckpt.config)
+        self.args = model_args(self.ckpt.config)
         if not self.args.is_moe:
             raise ModelFormatError(f"{src}: not a MoE model (convert quantizes routed experts)")
         if container_spec(self.ckpt) is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 
 import psutil
 import torch
@@ -21,12 +22,16 @@ from engine.base.dtypes import FLOAT_NAMES, short_dtypes, torch_dtype
 from engine.arch.kvquant import kv_storage
 from engine.format.layout import ExpertLayout
 from engine.arch.layers import KVCache
-from engine.arch.args import ModelArgs, dense_tensor_names
+from engine.arch.args import dense_tensor_names
+from engine.arch.registry import model_args
 from engine.arch.model import Transformer
 from engine.movement.plan import MemoryPlan, make_plan
 from engine.arch.router import routing_trim
 from engine.format.tensor_checks import check_shapes
+from engine.movement.cache import routing_histogram_save
 from engine.movement.store import ExpertStore, ResidentExperts
+from engine.movement.streaming import StreamingExperts, StreamingLayers
+from engine.format.quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT8, kernel_works
 from engine.base.errors import UnsupportedModelError
 from engine.format import fp8
 from engine.format.checkpoint import read_tensor
@@ -82,7 +87,7 @@ class Engine:
     def __init__(self, model_dir: str | os.PathLike, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
         self.checkpoint = Checkpoint(model_dir)
-        self.args = ModelArgs.from_config(self.checkpoint.config)
+        self.args = model_args(self.checkpoint.config)
         self.dtype = self._compute_dtype()
         self.kv_dtype = kv_storage(self.config.kv_dtype, self.dtype)  # a torch dtype, or 'int8' / 'fp8'
         threads = self.config.threads or physical_cores()
@@ -120,13 +125,11 @@ class Engine:
                    for n in dense_names if _layer_of(n) not in streamed}
         self.layers = None
         if streamed:
-            from engine.movement.streaming import StreamingLayers
             names = {i: [n for n in dense_names if _layer_of(n) == i] for i in streamed}
             self.layers = StreamingLayers(self.checkpoint, names, self.config, self.dtype)
         if self.layout is None:
             self.experts = None
         elif self.plan.streaming:
-            from engine.movement.streaming import StreamingExperts
             self.experts = StreamingExperts(self.layout, self.config, self.plan, self.dtype)
         else:
             self.experts = ResidentExperts(self.layout, self.dtype)
@@ -161,7 +164,6 @@ class Engine:
     @property
     def kernel(self) -> str:
         """The matmul the routed experts run through (what run/bench report next to the quant)."""
-        from engine.format.quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT8, kernel_works
         if self.fp8 is not None:
             return fp8.KERNEL_TORCH if self.fp8_native_unavailable else fp8.KERNEL_NATIVE + ", prefill: " + fp8.KERNEL_TORCH
         if self.layout is not None and self.layout.kernel is not None:  # the format's own (gpt_oss MXFP4)
@@ -191,9 +193,6 @@ class Engine:
 
     def save_routing(self, path) -> None:
         """Write the (layer, expert) → count histogram of what was routed since record_routing()."""
-        from collections import Counter
-
-        from engine.movement.cache import routing_histogram_save
         hist: Counter = Counter()
         for layer, calls in enumerate(self.model.routing_log or []):
             for ids in calls:
