@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from colibri_fuzz import Call, Victims, assert_batch, record, special_paths
+from colibri_fuzz import Call, Victims, assert_batch, make_read_only, record, special_paths, undo_read_only
 from colibri_tiny import RUN_ARGS, TINY, make_tiny
 from engine.base.config import EngineConfig
 from report_fixture import make_run
@@ -267,8 +267,9 @@ def test_fuzz_user_files_through_the_cli(world, tmp_path_factory, cases):
 def test_output_paths_never_destroy_a_victim(world, tmp_path):
     """Each writing command aimed at a path that is not its own previous output: the source, inside
     or above the source, the working directory, '', a non-empty foreign directory, a file, a symlink
-    to the source, a FIFO. It refuses in one line (or writes elsewhere); every sentinel and the
-    source survive. ('/' is not tried: a bug there would wipe the machine.)"""
+    to the source, a FIFO, a read-only directory (immutable when run as root). It refuses in one
+    line (or writes elsewhere); every sentinel and the source survive. ('/' is not tried: a bug
+    there would wipe the machine.)"""
     v = Victims()
     top = tmp_path / "top"
     parent = top / "parent"
@@ -308,9 +309,29 @@ def test_output_paths_never_destroy_a_victim(world, tmp_path):
     calls.append(Call(["run", "--model", s, *RUN_ARGS, "--record-routing", str(a_file)], cwd=c,
                       note="--record-routing over a file of the user's: allowed only as a plain replace"))
     v.digests.pop(a_file)  # the one place a named output file may be replaced, so not a victim here
-    for c in calls:
-        c.kind = "output path"
-    assert_batch(calls, v, call_s=30, env=batch_env(world))
+    # A directory nobody may write in (root included: chattr +i): every writer refuses up front.
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    why_not = make_read_only(ro)
+    if why_not is None:
+        r = str(ro)
+        calls += [Call(["convert", s, "-o", f"{r}/q", "--json"], cwd=c, names=(r,), note="convert into a read-only dir"),
+                  Call(["synth", "tiny", "-o", f"{r}/m", "--json"], cwd=c, names=(r,), note="synth into a read-only dir"),
+                  Call(["compare", str(run), str(world["run"]), "--out", f"{r}/c.md", "--json"], cwd=c, names=(r,),
+                       note="compare into a read-only dir"),
+                  Call(["profile", "export", str(run), "-o", f"{r}/p.json", "--json"], cwd=c, names=(r,),
+                       note="export into a read-only dir"),
+                  Call(["probe", "--quick", "--no-fio", "--dir", str(tmp_path), "-o", f"{r}/p.json", "--json"],
+                       cwd=c, names=(r,), note="probe -o into a read-only dir")]
+    for call in calls:
+        call.kind = "output path"
+    try:
+        assert_batch(calls, v, call_s=30, env=batch_env(world))
+        if why_not is None:
+            assert os.listdir(ro) == [], "a writer left something in the read-only directory"
+    finally:
+        if why_not is None:
+            undo_read_only(ro)
 
 
 def test_refused_tune_leaves_nothing_behind(world, tmp_path):

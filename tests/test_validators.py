@@ -309,6 +309,62 @@ def test_result_json_schema_is_checked_against_its_content(tmp_path, capsys):
     assert rc == 2 and "schema says colibri.tune/1 but it holds quality, quant" in line
 
 
+@pytest.mark.parametrize("declared", ["colibri.tune/2", "colibri.tune/1"])
+def test_result_json_declaring_an_older_schema_than_its_colibri_tune_3_content_is_refused(tmp_path, capsys, declared):
+    """A /3 result relabelled /2 (or /1) would be migrated: the /3 fields kept as if /2 had them."""
+    run = make_run(tmp_path / "run")
+    result = json.loads((run / "result.json").read_text())
+    assert result["schema"] == "colibri.tune/3" and "defaults" in result  # the fixture is a current result
+    result["schema"] = declared
+    (run / "result.json").write_text(json.dumps(result))
+    for argv in (["report", run], ["profile", "export", run], ["compare", run, run, "--out", tmp_path / "c.md"]):
+        rc, line = run_cli(argv, capsys)
+        assert rc == 2 and f"schema says {declared} but it holds defaults" in line, line
+        assert "(added in colibri.tune/3)" in line and str(run / "result.json") in line
+    assert not (tmp_path / "c.md").exists()
+
+
+def test_result_json_holding_only_a_nested_colibri_tune_3_field_is_refused(tmp_path, capsys):
+    """The check walks into the candidates: one /3 figure (request_s) in a /2 file is enough."""
+    run = make_run(tmp_path / "run")
+    result = json.loads((run / "result.json").read_text())
+    for key in ("defaults", "gain_over_defaults", "workload"):
+        result.pop(key)
+    result["study"] = {k: v for k, v in result["study"].items()
+                       if k not in ("measured_trials", "re_proposals", "distinct_points", "explored", "stop_reason",
+                                    "measuring_seconds", "measuring_share")}
+    result["schema"] = "colibri.tune/2"
+    strip_request_s(result)
+    (run / "result.json").write_text(json.dumps(result))
+    rc, line = run_cli(["profile", "export", run], capsys)
+    assert rc == 0, line  # a true /2 result: migrated and read (export: the report would draw for seconds)
+    result["candidates"][-1]["runs"][0]["request_s"] = 1.5
+    (run / "result.json").write_text(json.dumps(result))
+    rc, line = run_cli(["report", run], capsys)
+    assert rc == 2 and "schema says colibri.tune/2 but it holds candidate.runs[].request_s" in line, line
+
+
+def strip_request_s(node):
+    if isinstance(node, dict):
+        node.pop("request_s", None)
+        for v in node.values():
+            strip_request_s(v)
+    elif isinstance(node, list):
+        for v in node:
+            strip_request_s(v)
+
+
+@pytest.mark.parametrize("missing", ["defaults", "workload", "study.measured_trials"])
+def test_colibri_tune_3_result_missing_a_colibri_tune_3_field_is_refused(tmp_path, capsys, missing):
+    run = make_run(tmp_path / "run")
+    result = json.loads((run / "result.json").read_text())
+    node, key = (result["study"], "measured_trials") if "." in missing else (result, missing)
+    del node[key]
+    (run / "result.json").write_text(json.dumps(result))
+    rc, line = run_cli(["report", run], capsys)
+    assert rc == 2 and f"missing key {key!r}" in line and "result.json" in line, line
+
+
 def test_report_refuses_another_runs_study_db(tmp_path, capsys):
     mine = make_run(tmp_path / "mine")
     other = make_run(tmp_path / "other", model_name="other-model")  # the only study in its study.db
