@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -302,30 +301,6 @@ def special_paths(root: Path, source: Path | None = None) -> dict[str, Path]:
             f.truncate(2 << 30)
     paths["huge_sparse"] = big
     return paths
-
-
-def make_read_only(path: Path) -> str | None:
-    """Make `path` (a directory) one nobody may create files in, root included; None when done,
-    else why not. Mode 555 stops everyone but root (root ignores permission bits), so as root the
-    directory is made immutable instead (chattr +i: not even root can add an entry until the flag
-    is removed); a filesystem without the flag (tmpfs before Linux 6.0, overlayfs) cannot."""
-    if os.geteuid() != 0:
-        path.chmod(0o555)
-        return None
-    chattr = shutil.which("chattr")
-    if chattr is None:
-        return "running as root and chattr is not installed"
-    done = subprocess.run([chattr, "+i", str(path)], capture_output=True, text=True)
-    if done.returncode != 0:
-        return f"running as root and {path} does not take chattr +i ({done.stderr.strip()[-200:]})"
-    return None
-
-
-def undo_read_only(path: Path) -> None:
-    if os.geteuid() != 0:
-        path.chmod(0o755)
-    else:
-        subprocess.run([shutil.which("chattr") or "chattr", "-i", str(path)], check=True, capture_output=True)
 
 
 if __name__ == "__main__":  # `make fuzz`: python tests/colibri_fuzz.py REPORT.jsonl [--json]

@@ -25,7 +25,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from colibri_fuzz import Call, Victims, assert_batch, make_read_only, record, special_paths, undo_read_only
+from colibri_fuzz import Call, Victims, assert_batch, record, special_paths
+from colibri_readonly import make_read_only, undo_read_only
 from colibri_tiny import RUN_ARGS, TINY, make_tiny
 from engine.base.config import EngineConfig
 from report_fixture import make_run

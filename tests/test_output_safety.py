@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from colibri_fuzz import make_read_only, undo_read_only
+from colibri_readonly import make_read_only, undo_read_only
 from engine import synth
 from report_fixture import hardware_profile, make_run
 from engine.format.convert import STATE_FILE
