@@ -22,7 +22,7 @@ test: setup
 # A longer, random fuzz campaign than CI's bounded one (tests/test_fuzz*.py): FUZZ_EXAMPLES per
 # property (fewer where an example is a batch of processes), then the outcomes per input kind,
 # counted by the suite itself (FUZZ_REPORT, one JSON line per call; docs/VALIDATION.md).
-FUZZ_EXAMPLES ?= 600
+FUZZ_EXAMPLES ?= 400
 FUZZ_REPORT ?= fuzz-report.jsonl
 fuzz: setup
 	rm -f $(FUZZ_REPORT)

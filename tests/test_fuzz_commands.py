@@ -249,7 +249,7 @@ def build_case(w, kind: str, mutation, where: Path, outs: Outs) -> list[Call]:
     return [Call(a, names=(fs, f.name), cwd=outs.cwd(), note=f"mutated {kind}", kind=f"mutated {kind}") for a in lines]
 
 
-@batches(4)
+@batches(4, campaign_share=0.025)
 @given(cases=st.lists(CASE, min_size=7, max_size=7))
 def test_fuzz_user_files_through_the_cli(world, tmp_path_factory, cases):
     """Mutated geometry, probe and shared profiles, engine TOML, result.json, trials.csv and text,
