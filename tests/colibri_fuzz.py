@@ -55,6 +55,7 @@ class Result:
     seconds: float = 0.0
     peak_rss: int = 0
     stdout: str = ""
+    peak_bound: int = PEAK_RSS_BYTES
 
     def outcome(self) -> str:
         """The summary's outcome class: exit 0, exit 2, or which way it broke the property."""
@@ -62,7 +63,7 @@ class Result:
             return self.code
         if "Traceback (most recent call last)" in self.stderr:
             return "traceback"
-        if self.peak_rss > PEAK_RSS_BYTES:
+        if self.peak_rss > self.peak_bound:
             return "bound exceeded"
         if self.code in (0, 2):
             return f"exit {self.code}" if self.problem() is None else "bad error line"
@@ -74,8 +75,8 @@ class Result:
             return f"{self.code}: {self.traceback.strip()[-1500:] or self.stderr.strip()[-800:]}"
         if "Traceback (most recent call last)" in self.stderr:
             return f"traceback on stderr: {self.stderr[-1500:]}"
-        if self.peak_rss > PEAK_RSS_BYTES:
-            return f"peak RSS {self.peak_rss / 2**20:.0f} MiB > {PEAK_RSS_BYTES >> 20} MiB"
+        if self.peak_rss > self.peak_bound:
+            return f"peak RSS {self.peak_rss / 2**20:.0f} MiB > {self.peak_bound >> 20} MiB"
         if self.code == 0:
             return None
         lines = [ln for ln in self.stderr.splitlines() if ln.strip()]
@@ -89,7 +90,7 @@ class Result:
 
 
 def run_batch(calls: list[Call], call_s: float = CALL_S, as_bytes: int = AS_BYTES,
-              env: dict | None = None) -> list[Result]:
+              env: dict | None = None, peak_bound: int = PEAK_RSS_BYTES, **request) -> list[Result]:
     """Run the calls in order, each in its own fork of the session's server (one torch import for
     the whole session). A call that hangs, blows up or kills its process is that call's failure;
     the rest still run."""
@@ -97,9 +98,9 @@ def run_batch(calls: list[Call], call_s: float = CALL_S, as_bytes: int = AS_BYTE
     results = []
     for c in calls:
         record = server.call({"argv": [str(a) for a in c.argv], "cwd": c.cwd, "env": env or {},
-                              "as_bytes": as_bytes, "call_s": call_s})
+                              "as_bytes": as_bytes, "call_s": call_s, **request})
         results.append(Result(c, record["code"], record["stderr"], record["traceback"], record["seconds"],
-                              record["peak_rss"], record["stdout"]))
+                              record["peak_rss"], record["stdout"], peak_bound))
     report(results)
     return results
 

@@ -4,6 +4,9 @@
 Usage: python colibri_fuzz_runner.py CONTROL_FD   (requests: one JSON line per call on stdin,
 {"argv": [...], "cwd": ..., "env": {...}, "as_bytes": N, "call_s": S}; one JSON result line per
 request on CONTROL_FD, in order). The server's own stdout/stderr go to the parent's log file.
+A request may name another entry point than `tuner.cli.main` ("entry": "module:function", and
+"grace_s"): tests/test_fuzz_harness.py checks with misbehaving ones that every way a call can
+break the property is caught.
 
 Why a fork per call: a child process per batch paid the torch + CLI import (seconds) once per
 batch, and a hang or a blow-up poisoned the rest of its batch. A fork starts from the imported
@@ -75,6 +78,9 @@ def _restart_peak_rss() -> None:
 
 def run_in_grandchild(cli_main, req: dict) -> dict:
     """The call itself (in the forked grandchild): its result record."""
+    if req.get("entry"):
+        module, name = req["entry"].split(":")
+        cli_main = getattr(importlib.import_module(module), name)
     resource.setrlimit(resource.RLIMIT_AS, (req["as_bytes"], req["as_bytes"]))
     os.chdir(req.get("cwd") or os.getcwd())
     os.environ.update(req.get("env") or {})
@@ -123,7 +129,8 @@ def serve_one(cli_main, req: dict, control_fd: int) -> dict:
         finally:
             os._exit(status)
     os.close(w)
-    deadline = t0 + req["call_s"] + GRACE_S
+    grace = req.get("grace_s", GRACE_S)
+    deadline = t0 + req["call_s"] + grace
     chunks, killed = [], False
     while True:
         left = deadline - time.monotonic()
@@ -143,7 +150,7 @@ def serve_one(cli_main, req: dict, control_fd: int) -> dict:
     seconds = round(time.monotonic() - t0, 3)
     if killed:
         return {"code": "hang", "stderr": "", "stdout": "", "peak_rss": 0, "seconds": seconds,
-                "traceback": f"still running {GRACE_S} s after its alarm ({req['call_s']} s): killed"}
+                "traceback": f"still running {grace} s after its alarm ({req['call_s']} s): killed"}
     try:
         return json.loads(b"".join(chunks))
     except ValueError:
