@@ -319,8 +319,9 @@ def test_result_json_declaring_an_older_schema_than_its_colibri_tune_3_content_i
     (run / "result.json").write_text(json.dumps(result))
     for argv in (["report", run], ["profile", "export", run], ["compare", run, run, "--out", tmp_path / "c.md"]):
         rc, line = run_cli(argv, capsys)
-        assert rc == 2 and f"schema says {declared} but it holds defaults" in line, line
-        assert "(added in colibri.tune/3)" in line and str(run / "result.json") in line
+        assert rc == 2 and f"schema says {declared} but it holds " in line, line
+        assert "defaults, gain_over_defaults" in line and "(added in colibri.tune/3)" in line, line
+        assert str(run / "result.json") in line
     assert not (tmp_path / "c.md").exists()
 
 
