@@ -19,10 +19,15 @@ demo: setup
 test: setup
 	$(VENV)/bin/python -m pytest -q -m "not slow"
 
-# A longer, random fuzz campaign than CI's bounded one (tests/test_fuzz.py); FUZZ_EXAMPLES per property.
-FUZZ_EXAMPLES ?= 2000
+# A longer, random fuzz campaign than CI's bounded one (tests/test_fuzz*.py): FUZZ_EXAMPLES per
+# property (fewer where an example is a batch of processes), then the outcomes per input kind,
+# counted by the suite itself (FUZZ_REPORT, one JSON line per call; docs/VALIDATION.md).
+FUZZ_EXAMPLES ?= 400
+FUZZ_REPORT ?= fuzz-report.jsonl
 fuzz: setup
-	COLIBRI_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VENV)/bin/python -m pytest -q tests/test_fuzz.py tests/test_fuzz_commands.py --hypothesis-show-statistics
+	rm -f $(FUZZ_REPORT)
+	COLIBRI_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) COLIBRI_FUZZ_REPORT=$(abspath $(FUZZ_REPORT)) $(VENV)/bin/python -m pytest -q tests/test_fuzz.py tests/test_fuzz_commands.py --hypothesis-show-statistics; \
+	status=$$?; $(VENV)/bin/python tests/colibri_fuzz.py $(FUZZ_REPORT); exit $$status
 
 test-all: setup
 	$(VENV)/bin/python -m pytest -q

@@ -97,3 +97,30 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
             out.append(tok)
             seq.append(tok)
     return out
+
+
+# --- the oracle checks the architecture suites share (test_archs.py, test_fp8.py) ---------------
+
+ATOL = 1e-4  # fp32, max |logit difference| (test_oracle.py's rule)
+PROMPT = [(7 * i + 3) % 256 for i in range(32)]
+
+
+def fp32_engine(d, **kw):
+    from engine.base.config import EngineConfig
+    from engine.run.runtime import Engine
+    return Engine(d, EngineConfig(ctx_size=64, dtype="fp32", threads=1, **kw))
+
+
+def assert_logits_match(d, model, label: str, prompt: list[int] = PROMPT, atol: float = ATOL) -> float:
+    """The engine on directory d against transformers' `model`: max |dlogit| over the prompt."""
+    with fp32_engine(d) as engine:
+        diff = (engine.forward(prompt, 0) - hf_logits(model, prompt)).abs().max().item()
+    print(f"{label}: max |dlogit| = {diff:.3e}")
+    assert diff <= atol, f"{label}: max |dlogit| {diff:.3e} > {atol}"
+    return diff
+
+
+def assert_greedy_match(d, model, n: int = 16, prompt: list[int] = PROMPT) -> None:
+    from engine.run.generate import Sampler, generate
+    with fp32_engine(d) as engine:
+        assert generate(engine, prompt, n, Sampler()).output_ids == hf_greedy(model, prompt, n)

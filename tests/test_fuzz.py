@@ -36,6 +36,7 @@ from engine.base.errors import ColibriError
 from engine.arch.registry import SUPPORTED_TYPES
 from engine.arch.config_rules import ROPE_TYPES
 from engine.arch.registry import RULES
+from colibri_fuzz import record
 from colibri_tiny import RUN_ARGS, TINY, make_tiny, read_header, write_header
 from tuner.cli import main
 
@@ -70,20 +71,29 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def cli(*argv) -> tuple[int, str, str]:
+def cli(*argv, kind: str) -> tuple[int, str, str]:
+    """One in-process call; an exception escaping main (or a hang) is recorded for the campaign
+    summary under `kind` (the input kind) and fails the example."""
     out, err = io.StringIO(), io.StringIO()
-    with time_limit(LIMIT_S), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in argv])
+    try:
+        with time_limit(LIMIT_S), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(a) for a in argv])
+    except BaseException as exc:
+        record(kind, str(argv[0]), "hang" if isinstance(exc, ExampleHang) else "traceback")
+        raise
     return code, out.getvalue(), err.getvalue()
 
 
-def assert_clean_exit(code: int, err: str, command: str) -> None:
+def assert_clean_exit(code: int, err: str, command: str, kind: str) -> None:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    clean_error = code == 2 and len(lines) == 1 and lines[0].startswith(f"colibri {command}: error: ")
+    record(kind, command, "traceback" if "Traceback" in err else "exit 0" if code == 0 else
+           "exit 2" if clean_error else "bad error line" if code == 2 else "other exit")
     assert "Traceback" not in err, err
     if code == 0:
         return
-    lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2, (code, err)
-    assert len(lines) == 1 and lines[0].startswith(f"colibri {command}: error: "), err
+    assert clean_error, err
 
 
 # --- strategies --------------------------------------------------------------------------------
@@ -242,9 +252,9 @@ PLACEMENTS = st.sampled_from([(), ("--ram-budget", "8GiB", "--io-mode", "direct"
                               ("--ram-budget", "8GiB", "--io-mode", "mmap")])
 
 
-def run_and_check(model: Path, *extra) -> int:
-    code, out, err = cli("run", "--model", model, *RUN_ARGS, "--json", *extra)
-    assert_clean_exit(code, err, "run")
+def run_and_check(model: Path, *extra, kind: str) -> int:
+    code, out, err = cli("run", "--model", model, *RUN_ARGS, "--json", *extra, kind=kind)
+    assert_clean_exit(code, err, "run", kind)
     if code == 0:
         assert json.loads(out)["output_ids"]
     return code
@@ -259,7 +269,7 @@ def test_fuzz_config_json(base, mutations, raw_cut, sharded, placement):
     with copy_of(base["sharded" if sharded else "single"]) as d:
         cfg = apply_config_mutations(json.loads((d / "config.json").read_text()), mutations)
         (d / "config.json").write_text(dump_json(cfg, raw_cut))
-        run_and_check(d, *placement)
+        run_and_check(d, *placement, kind="config.json")
 
 
 @fuzz(150)
@@ -272,7 +282,7 @@ def test_fuzz_safetensors_header(base, ops, raw_ops, sharded, shard_pick, placem
         header, data = read_header(f)
         mutated = mutate_header(header, ops)
         apply_raw(f, mutated if isinstance(mutated, str) else json.dumps(mutated), data, raw_ops)
-        run_and_check(d, *placement)
+        run_and_check(d, *placement, kind="safetensors header")
 
 
 @fuzz(60)
@@ -289,7 +299,7 @@ def test_fuzz_shard_index(base, target, key_pick, value):
         else:
             index = value
         path.write_text(json.dumps(index))
-        run_and_check(d)
+        run_and_check(d, kind="shard index")
 
 
 @fuzz(40)
@@ -306,10 +316,10 @@ def test_fuzz_geometry_file(mutations):
             small = True  # refused: the CLI must say so in one line
         if not small:
             return  # valid but too big to write in a test; validate_geometry already ran on it
-        code, _, err = cli("synth", "--geometry", geom, "-o", out, "--json")
-        assert_clean_exit(code, err, "synth")
+        code, _, err = cli("synth", "--geometry", geom, "-o", out, "--json", kind="geometry (synth, then run)")
+        assert_clean_exit(code, err, "synth", "geometry (synth, then run)")
         if code == 0:
-            assert run_and_check(out) == 0
+            assert run_and_check(out, kind="geometry (synth, then run)") == 0
 
 
 TOML_VALUES = st.one_of(
@@ -328,8 +338,8 @@ def test_fuzz_engine_toml(base, settings_, wrap, junk):
         path = Path(tmp) / "engine.toml"
         text = tomli_w.dumps({"engine": settings_} if wrap else settings_)
         path.write_text(text + (junk or ""), encoding="utf-8", errors="surrogatepass")
-        code, out, err = cli("run", "--model", base["single"], *RUN_ARGS, "--json", "--config", path)
-        assert_clean_exit(code, err, "run")
+        code, out, err = cli("run", "--model", base["single"], *RUN_ARGS, "--json", "--config", path, kind="engine TOML")
+        assert_clean_exit(code, err, "run", "engine TOML")
 
 
 def walk_mutate(obj, path_picks: list[int], value, delete: bool):
@@ -413,14 +423,21 @@ def test_fuzz_json_readers(name, valid, reader, edits, raw_cut, nest):
     with tempfile.TemporaryDirectory(prefix="colibri-fuzz-") as tmp:
         path = Path(tmp) / "f.json"
         path.write_text(text)
-        with time_limit(LIMIT_S):
-            try:
+        kind = f"{name} (reader)"
+        try:
+            with time_limit(LIMIT_S):
                 reader(path)
-            except ColibriError as exc:
-                assert "\n" not in str(exc), str(exc)
+        except ColibriError as exc:
+            record(kind, "reader", "exit 2" if "\n" not in str(exc) else "bad error line")
+            assert "\n" not in str(exc), str(exc)
+        except BaseException as exc:
+            record(kind, "reader", "hang" if isinstance(exc, ExampleHang) else "traceback")
+            raise
+        else:
+            record(kind, "reader", "exit 0")
 
 
-@fuzz(30)
+@fuzz(30, campaign_share=0.25)  # half a second an example (the tokenizers library builds the whole vocabulary)
 @given(edits=st.lists(st.tuples(st.lists(st.integers(0, 400), min_size=1, max_size=4), VALUES, st.booleans()),
                       min_size=1, max_size=3), raw_cut=st.none() | st.floats(0, 1),
        prompt=st.sampled_from(["hello", "<|endoftext|>", "x" * 40, "\u00e9\u4e2d"]))
@@ -432,8 +449,8 @@ def test_fuzz_tokenizer_json(base, edits, raw_cut, prompt):
             doc = walk_mutate(doc, picks, value, delete)
         (d / "tokenizer.json").write_text(dump_json(doc, raw_cut))
         code, out, err = cli("run", "--model", d, "--prompt", prompt, "--max-new-tokens", "2", "--ctx-size", "64",
-                             "--json")
-        assert_clean_exit(code, err, "run")
+                             "--json", kind="tokenizer.json")
+        assert_clean_exit(code, err, "run", "tokenizer.json")
 
 
 # --- the same property through a real process ------------------------------------------------------
@@ -452,4 +469,4 @@ def test_fuzz_through_the_cli_process(base, mutations, ops, raw_ops):
         proc = subprocess.run([sys.executable, "-m", "tuner.cli", "run", "--model", str(d), *RUN_ARGS, "--json"],
                               env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                               timeout=300)
-        assert_clean_exit(proc.returncode, proc.stderr, "run")
+        assert_clean_exit(proc.returncode, proc.stderr, "run", "config.json + header (a real process)")

@@ -25,7 +25,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from colibri_fuzz import Call, Victims, assert_batch, special_paths
+from colibri_fuzz import Call, Victims, assert_batch, record, special_paths
+from colibri_readonly import make_read_only, undo_read_only
 from colibri_tiny import RUN_ARGS, TINY, make_tiny
 from engine.base.config import EngineConfig
 from report_fixture import make_run
@@ -90,7 +91,7 @@ class Outs:
         return str(d)
 
 
-def reader_calls(w, p: Path, outs: Outs) -> list[Call]:
+def reader_calls(w, p: Path, outs: Outs, kind: str = "") -> list[Call]:
     """Every command line that reads a user path, with `p` in that place."""
     m, probe, shared, run = str(w["model"]), str(w["probe"]), str(w["shared"]), str(w["run"])
     ps = str(p)
@@ -120,7 +121,7 @@ def reader_calls(w, p: Path, outs: Outs) -> list[Call]:
         ["compare", ps, run, "--out", outs.path(), "--json"],
     ]
     names = (ps, p.name)
-    return [Call(argv, names=names, cwd=outs.cwd()) for argv in lines]
+    return [Call(argv, names=names, cwd=outs.cwd(), kind=f"special path: {kind}") for argv in lines]
 
 
 SPECIAL_KINDS = ["fifo", "dev_zero", "directory", "symlink_loop", "missing", "empty", "binary", "huge_sparse",
@@ -134,7 +135,7 @@ def test_special_paths_in_every_reader(world, kind, tmp_path):
     memory. A FIFO must not block; /dev/zero and a 2 GB file must not be read whole."""
     p = world["special"][kind]
     victims = Victims().add(world["model"], world["run"], world["probe"], world["shared"])
-    assert_batch(reader_calls(world, p, Outs(tmp_path)), victims, call_s=10, env=batch_env(world))
+    assert_batch(reader_calls(world, p, Outs(tmp_path), kind), victims, call_s=10, env=batch_env(world))
 
 
 # --- mutated files of every kind --------------------------------------------------------------------
@@ -223,7 +224,7 @@ def build_case(w, kind: str, mutation, where: Path, outs: Outs) -> list[Call]:
         names = (str(rd), rd.name, name)
         lines = [["report", str(rd), "--json"], ["compare", str(rd), run, "--out", outs.path(), "--json"],
                  ["profile", "export", str(rd), "--json"]]
-        return [Call(a, names=names, cwd=outs.cwd(), note=f"mutated {name}") for a in lines]
+        return [Call(a, names=names, cwd=outs.cwd(), note=f"mutated {name}", kind=f"mutated {name}") for a in lines]
     source = {"geometry": w["geometry"], "probe_profile": w["probe"], "shared_profile": w["shared"],
               "toml": w["toml"], "text": w["text"]}[kind]
     f = where / source.name
@@ -245,10 +246,10 @@ def build_case(w, kind: str, mutation, where: Path, outs: Outs) -> list[Call]:
         "text": [["quality", "--model", m, "--reference", m, "--text", fs, "--tokens", "32", "--ctx", "16",
                   "--json"]],
     }[kind]
-    return [Call(a, names=(fs, f.name), cwd=outs.cwd(), note=f"mutated {kind}") for a in lines]
+    return [Call(a, names=(fs, f.name), cwd=outs.cwd(), note=f"mutated {kind}", kind=f"mutated {kind}") for a in lines]
 
 
-@batches(4)
+@batches(4, campaign_share=0.025)
 @given(cases=st.lists(CASE, min_size=7, max_size=7))
 def test_fuzz_user_files_through_the_cli(world, tmp_path_factory, cases):
     """Mutated geometry, probe and shared profiles, engine TOML, result.json, trials.csv and text,
@@ -267,8 +268,9 @@ def test_fuzz_user_files_through_the_cli(world, tmp_path_factory, cases):
 def test_output_paths_never_destroy_a_victim(world, tmp_path):
     """Each writing command aimed at a path that is not its own previous output: the source, inside
     or above the source, the working directory, '', a non-empty foreign directory, a file, a symlink
-    to the source, a FIFO. It refuses in one line (or writes elsewhere); every sentinel and the
-    source survive. ('/' is not tried: a bug there would wipe the machine.)"""
+    to the source, a FIFO, a read-only directory (immutable when run as root). It refuses in one
+    line (or writes elsewhere); every sentinel and the source survive. ('/' is not tried: a bug
+    there would wipe the machine.)"""
     v = Victims()
     top = tmp_path / "top"
     parent = top / "parent"
@@ -308,7 +310,29 @@ def test_output_paths_never_destroy_a_victim(world, tmp_path):
     calls.append(Call(["run", "--model", s, *RUN_ARGS, "--record-routing", str(a_file)], cwd=c,
                       note="--record-routing over a file of the user's: allowed only as a plain replace"))
     v.digests.pop(a_file)  # the one place a named output file may be replaced, so not a victim here
-    assert_batch(calls, v, call_s=30, env=batch_env(world))
+    # A directory nobody may write in (root included: chattr +i): every writer refuses up front.
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    why_not = make_read_only(ro)
+    if why_not is None:
+        r = str(ro)
+        calls += [Call(["convert", s, "-o", f"{r}/q", "--json"], cwd=c, names=(r,), note="convert into a read-only dir"),
+                  Call(["synth", "tiny", "-o", f"{r}/m", "--json"], cwd=c, names=(r,), note="synth into a read-only dir"),
+                  Call(["compare", str(run), str(world["run"]), "--out", f"{r}/c.md", "--json"], cwd=c, names=(r,),
+                       note="compare into a read-only dir"),
+                  Call(["profile", "export", str(run), "-o", f"{r}/p.json", "--json"], cwd=c, names=(r,),
+                       note="export into a read-only dir"),
+                  Call(["probe", "--quick", "--no-fio", "--dir", str(tmp_path), "-o", f"{r}/p.json", "--json"],
+                       cwd=c, names=(r,), note="probe -o into a read-only dir")]
+    for call in calls:
+        call.kind = "output path"
+    try:
+        assert_batch(calls, v, call_s=30, env=batch_env(world))
+        if why_not is None:
+            assert os.listdir(ro) == [], "a writer left something in the read-only directory"
+    finally:
+        if why_not is None:
+            undo_read_only(ro)
 
 
 def test_refused_tune_leaves_nothing_behind(world, tmp_path):
@@ -332,7 +356,7 @@ def test_refused_tune_leaves_nothing_behind(world, tmp_path):
         out = outs.path("tune")
         outs_of.append(out)
         calls.append(Call(["tune", "--model", m, "--trials", "1", "--out", out, *extra, "--json"], names=(name,),
-                          cwd=outs.cwd(), note="refused tune"))
+                          cwd=outs.cwd(), note="refused tune", kind="refused tune"))
     assert_batch(calls, Victims().add(world["model"], world["probe"]), call_s=30, env=batch_env(world))
     left = [o for o in outs_of if Path(o).exists()]
     assert not left, f"refused tunes left run directories behind: {left}"
@@ -374,7 +398,13 @@ def test_fuzz_numeric_flag_values(pick, value, joined):
             parsed = getattr(build_parser().parse_args(argv), dest)
         except SystemExit as exc:
             lines = err.getvalue().splitlines()
-            assert exc.code == 2 and len(lines) == 1 and ": error: " in lines[0], (argv, err.getvalue())
+            clean = exc.code == 2 and len(lines) == 1 and ": error: " in lines[0]
+            record("flag value", prefix[0], "exit 2" if clean else "bad error line")
+            assert clean, (argv, err.getvalue())
             return
+        except BaseException:
+            record("flag value", prefix[0], "traceback")
+            raise
+    record("flag value", prefix[0], "exit 0")
     assert isinstance(parsed, (int, float)) and not isinstance(parsed, bool) and math.isfinite(parsed), (argv, parsed)
     assert (parse.lo is None or parsed >= parse.lo) and (parse.hi is None or parsed <= parse.hi), (argv, parsed)

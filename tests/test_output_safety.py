@@ -7,6 +7,7 @@ traceback, and the would-be victim (a sentinel file, or the source model's bytes
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from colibri_readonly import make_read_only, undo_read_only
 from engine import synth
 from report_fixture import hardware_profile, make_run
 from engine.format.convert import STATE_FILE
@@ -167,16 +169,25 @@ def test_convert_onto_a_symlink_to_a_foreign_directory_is_refused(tiny, tmp_path
     assert survives(dst)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
-def test_convert_into_a_read_only_directory_is_refused_up_front(tiny, tmp_path, capsys):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o555)
+@contextlib.contextmanager
+def read_only_directory(path: Path):
+    """A directory nobody may create files in, root included (colibri_fuzz.make_read_only)."""
+    path.mkdir()
+    why_not = make_read_only(path)
+    if why_not:
+        pytest.skip(f"{why_not}: no directory is read-only to root here")
     try:
-        refused(convert_argv(tiny, ro / "q"), capsys, "not writable")
-        assert os.listdir(ro) == []
+        yield path
     finally:
-        ro.chmod(0o755)
+        undo_read_only(path)
+
+
+def test_convert_into_a_read_only_directory_is_refused_up_front(tiny, tmp_path, capsys):
+    with read_only_directory(tmp_path / "ro") as ro:
+        line = refused(convert_argv(tiny, ro / "q"), capsys, str(ro))
+        # os.access answers for the permission bits; as root the write probe finds the immutable flag
+        assert "not writable" in line or "cannot create files" in line, line
+        assert os.listdir(ro) == []
 
 
 def test_convert_partial_that_is_a_file_is_refused(tiny, tmp_path, capsys):

@@ -60,12 +60,25 @@ def budget_for_cache(model_dir, config: EngineConfig, cache_experts: int) -> int
     return fixed + int(cache_experts * plan.expert_bytes / ratio) + (1 << 20)
 
 
+AXES = {"io_mode": ["direct", "buffered", "mmap"], "chunk_size": [4096, 65536], "prefetch_depth": [0, 1, 3],
+        "cpu_cache_ratio": [0.0, 0.3, 1.0]}
+POLICIES = ["lru", "lfu", "pinned"]
+# Every combination of the four axes (54), each with one cache policy chosen by the sum of the axes'
+# indices mod 3: a Latin-square assignment, so every policy meets every value of every axis (each
+# (policy, ratio) pair 6 times) without tripling the grid. A plain cycle would tie each policy to
+# one ratio (lru only ever with ratio 0, an empty cache), which test_grid_crosses_policy_with_every_axis
+# guards against.
 PLACEMENTS = [
-    dict(io_mode=io, chunk_size=chunk, prefetch_depth=pf, cpu_cache_ratio=ratio, cache_policy=policy)
-    for (io, chunk, pf, ratio), policy in zip(
-        itertools.product(["direct", "buffered", "mmap"], [4096, 65536], [0, 1, 3], [0.0, 0.3, 1.0]),
-        itertools.cycle(["lru", "lfu", "pinned"]))
+    dict(zip(AXES, (values[i] for values, i in zip(AXES.values(), idx))), cache_policy=POLICIES[sum(idx) % 3])
+    for idx in itertools.product(*(range(len(v)) for v in AXES.values()))
 ]
+
+
+def test_grid_crosses_policy_with_every_axis():
+    for axis, values in AXES.items():
+        pairs = {(p["cache_policy"], p[axis]) for p in PLACEMENTS}
+        assert pairs == set(itertools.product(POLICIES, values)), axis
+    assert len({tuple(p.values()) for p in PLACEMENTS}) == len(PLACEMENTS) == 54
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: "-".join(str(v) for v in p.values()))

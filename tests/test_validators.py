@@ -26,6 +26,7 @@ from report_fixture import hardware_profile, make_run
 from tuner import cli
 from tuner.costmodel.geometry import from_spec
 from tuner.probe.hardware_profile import compute_fingerprint, load_profile
+from tuner.results.result import TuneResult
 from tuner.probe.errors import ProfileError
 
 
@@ -307,6 +308,60 @@ def test_result_json_schema_is_checked_against_its_content(tmp_path, capsys):
     (run / "result.json").write_text(json.dumps(result))
     rc, line = run_cli(["report", run], capsys)
     assert rc == 2 and "schema says colibri.tune/1 but it holds quality, quant" in line
+
+
+@pytest.mark.parametrize("declared", ["colibri.tune/2", "colibri.tune/1"])
+def test_result_json_declaring_an_older_schema_than_its_colibri_tune_3_content_is_refused(tmp_path, capsys, declared):
+    """A /3 result relabelled /2 (or /1) would be migrated: the /3 fields kept as if /2 had them."""
+    run = make_run(tmp_path / "run")
+    result = as_current(run)
+    result["schema"] = declared
+    (run / "result.json").write_text(json.dumps(result))
+    for argv in (["report", run], ["profile", "export", run], ["compare", run, run, "--out", tmp_path / "c.md"]):
+        rc, line = run_cli(argv, capsys)
+        assert rc == 2 and f"schema says {declared} but it holds " in line, line
+        assert "defaults, gain_over_defaults" in line and "(added in colibri.tune/3)" in line, line
+        assert str(run / "result.json") in line
+    assert not (tmp_path / "c.md").exists()
+
+
+def test_result_json_holding_only_a_nested_colibri_tune_3_field_is_refused(tmp_path, capsys):
+    """The check walks into the candidates: one /3 figure (request_s) in a /2 file is enough."""
+    run = make_run(tmp_path / "run")  # the fixture writes a colibri.tune/2 result
+    result = json.loads((run / "result.json").read_text())
+    assert result["schema"] == "colibri.tune/2" and "request_s" not in json.dumps(result)
+    rc, line = run_cli(["profile", "export", run], capsys)
+    assert rc == 0, line  # a true /2 result: migrated and read (export: the report would draw for seconds)
+    result["candidates"][-1]["confirmed"]["request_s"] = 1.5
+    (run / "result.json").write_text(json.dumps(result))
+    rc, line = run_cli(["report", run], capsys)
+    assert rc == 2 and "schema says colibri.tune/2 but it holds candidate.confirmed.request_s" in line, line
+    del result["candidates"][-1]["confirmed"]["request_s"]
+    result["candidates"][-1]["runs"] = [{"request_s": 1.5}]  # a run summary's own figure: found as deep
+    (run / "result.json").write_text(json.dumps(result))
+    rc, line = run_cli(["report", run], capsys)
+    assert rc == 2 and "holds candidate.runs[].request_s (added in colibri.tune/3)" in line, line
+
+
+def as_current(run: Path) -> dict:
+    """The fixture's result.json (colibri.tune/2) as the tuner writes it now (colibri.tune/4)."""
+    result = TuneResult.from_dict(json.loads((run / "result.json").read_text())).to_dict()
+    assert result["schema"] == "colibri.tune/4" and "defaults" in result and "measured_trials" in result["study"]
+    (run / "result.json").write_text(json.dumps(result))
+    return result
+
+
+@pytest.mark.parametrize("missing", ["defaults", "workload", "study.measured_trials"])
+def test_colibri_tune_3_result_missing_a_colibri_tune_3_field_is_refused(tmp_path, capsys, missing):
+    run = make_run(tmp_path / "run")
+    result = as_current(run)
+    rc, line = run_cli(["profile", "export", run], capsys)
+    assert rc == 0, line
+    node, key = (result["study"], "measured_trials") if "." in missing else (result, missing)
+    del node[key]
+    (run / "result.json").write_text(json.dumps(result))
+    rc, line = run_cli(["report", run], capsys)
+    assert rc == 2 and f"missing key {key!r}" in line and "result.json" in line, line
 
 
 def test_report_refuses_another_runs_study_db(tmp_path, capsys):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.format.quant import StoredMatrix
 from engine.arch.rope import apply_rope
 from engine import native
 
@@ -101,10 +102,11 @@ def fused_kernel_available() -> bool:
 
 
 @dataclass(frozen=True)
-class Mxfp4Matrix:
+class Mxfp4Matrix(StoredMatrix):
     """One expert matrix [N, K] as stored: blocks [N, K/32, 16] and scales [N, K/32] uint8,
     views of the read bytes. `linear` is x @ W.T + bias without a dequantized copy of W."""
 
+    tensor_fields = ("blocks", "scales")
     blocks: torch.Tensor
     scales: torch.Tensor
 
@@ -114,17 +116,8 @@ class Mxfp4Matrix:
         # Another device (the VRAM tier) or dtype (fp16): torch's matmul on a transient copy.
         return F.linear(x, mxfp4_dequantize(self.blocks, self.scales, x.dtype), bias)
 
-    @property
-    def device(self) -> torch.device:
-        return self.blocks.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.nbytes + self.scales.nbytes
-
     def to(self, device, non_blocking: bool = False) -> "Mxfp4Matrix":
-        return Mxfp4Matrix(self.blocks.to(device, non_blocking=non_blocking),
-                           self.scales.to(device, non_blocking=non_blocking))
+        return self.moved(device, non_blocking)
 
 
 def _linear(x: torch.Tensor, w, bias: torch.Tensor) -> torch.Tensor:

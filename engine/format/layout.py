@@ -357,8 +357,13 @@ def _decode_gpt_oss_plain(loc, buffers, dtype):
 def _decode_mxfp4(loc, buffers, dtype):
     gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = (
         piece_tensor(buffers, p, p.dtype) for p in loc.pieces)
-    return (mxfp4_dequantize(gu_blocks, gu_scales, dtype), gu_bias.to(dtype),
-            mxfp4_dequantize(d_blocks, d_scales, dtype), d_bias.to(dtype))
+    # Copies, never views: this layout is not zero-copy (the plan gives the store read slots
+    # only, no slot per cache entry), so a cached expert holding a view of its slot (a bias
+    # already in the compute dtype: `.to` returns it as is) pinned it, and once the cache had
+    # taken every slot each read waited out the store's slot guard (5 s): the "hang" of the
+    # dequantize path streamed on gpt-oss-small.
+    return (mxfp4_dequantize(gu_blocks, gu_scales, dtype), gu_bias.to(dtype, copy=True),
+            mxfp4_dequantize(d_blocks, d_scales, dtype), d_bias.to(dtype, copy=True))
 
 
 def _decode_mxfp4_stored(loc, buffers, dtype):

@@ -24,6 +24,7 @@ import torch
 from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError, PromptError
 from engine.base.inputs import read_text_input
+from engine.format.checkpoint import Checkpoint
 from engine.run.generate import load_tokenizer
 from engine.run.runtime import Engine, checkpoint_dtype
 
@@ -107,6 +108,7 @@ def measure_quality(model_dir, reference_dir, tokens: int = 4096, ctx: int = 512
     model_settings: EngineConfig fields for the scored model only (the lossy ones: kv_dtype,
     top_k_reduction, expert_threshold); the reference always runs as stored, lossless.
     """
+    Checkpoint(model_dir)  # a bad model is refused before the reference runs (seconds to hours), not after
     reference = Reference(reference_dir, tokens, ctx, text_file, dtype, threads, progress)
     return reference.score(model_dir, model_settings)
 

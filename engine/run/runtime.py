@@ -107,9 +107,10 @@ class Engine:
         check_shapes(self.checkpoint, self.args, [n for n in dense_names if n not in quantized])
         self.layout = ExpertLayout(self.checkpoint, self.args) if self.args.is_moe else None
 
-        # bf16 decode's native kernels (engine/native): loaded before the overhead is measured;
-        # None when loaded, else why torch's matmuls are used instead.
-        self.native_unavailable = native.load() if self.dtype == torch.bfloat16 else "not a bf16 model"
+        # bf16 and int8/int4 decode's native kernels (engine/native): loaded before the overhead is
+        # measured; None when loaded, else why torch's matmuls are used instead.
+        self.native_unavailable = (native.load() if self.dtype == torch.bfloat16 or self.quant is not None
+                                   else "not a bf16 or int8/int4 model")
         # FP8 weights' e4m3 kernel (bf16 or fp32 activations); None when loaded, else why not.
         self.fp8_native_unavailable = native_fp8.load() if self.fp8 is not None else "not an FP8 model"
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them
@@ -174,7 +175,9 @@ class Engine:
         a, q = self.args, self.quant
         ok = all(kernel_works(q.quant, n, k, q.group_size, self.dtype)
                  for n, k in ((a.moe_intermediate_size, a.hidden_size), (a.hidden_size, a.moe_intermediate_size)))
-        return (KERNEL_INT4 if q.quant == "int4" else KERNEL_INT8) if ok else KERNEL_DEQUANT
+        torch_kernel = (KERNEL_INT4 if q.quant == "int4" else KERNEL_INT8) if ok else KERNEL_DEQUANT
+        on = native.int_ready and (q.quant == "int4" or native.int8_decode)
+        return f"native {q.quant} decode (VNNI), prefill: {torch_kernel}" if on else torch_kernel
 
     def _compute_dtype(self) -> torch.dtype:
         if self.config.dtype == "auto":

@@ -106,13 +106,60 @@ def open_run(path: str | Path, study=None, storage: str | None = None) -> RunDir
     result_path = path / "result.json"
     if not result_path.is_file():
         raise RunDirError(f"{path}: no result.json (not a finished `colibri tune` run directory)")
-    # The one result schema, strictly; a result of a version before is read migrated, so every
+    # The one result schema, strictly; a result of the versions before is read migrated, so every
     # reader sees the current fields.
-    tune = TuneResult.from_dict(read_json(result_path, RESULT_MAX_BYTES), source=str(result_path))
+    data = read_json(result_path, RESULT_MAX_BYTES)
+    check_schema_against_content(data, str(result_path))
+    tune = TuneResult.from_dict(data, source=str(result_path))
     profile = None
     if (path / "profile.json").is_file():
         profile = load_profile(path / "profile.json")
     return RunDir(path=path, tune=tune, profile=profile, _study=study, storage=storage)
+
+
+# What each result version added (tuner/results/result.py), as paths into result.json; "*" is
+# every item of a list, CANDIDATE every candidate (recommended, baseline, defaults, candidates[*]).
+CANDIDATE = "candidate"
+ADDED_IN = {
+    "colibri.tune/2": [("quant",), ("quality",)],
+    "colibri.tune/3": [("defaults",), ("gain_over_defaults",), ("workload",),
+                       *[("study", k) for k in ("measured_trials", "re_proposals", "distinct_points", "explored",
+                                                "stop_reason", "measuring_seconds", "measuring_share")],
+                       (CANDIDATE, "confirmed", "request_s"), (CANDIDATE, "runs", "*", "request_s")],
+    "colibri.tune/4": [(CANDIDATE, "quality")],
+}
+VERSIONS = ["colibri.tune/1", *ADDED_IN]
+
+
+def check_schema_against_content(data, source: str) -> None:
+    """A result.json whose schema names a version older than its content is refused: it was
+    mislabelled or edited, and migrating it (which fills in what the newer versions added) would
+    silently keep or overwrite the newer fields. (A current one missing its version's fields is
+    refused by the strict decoder: "missing key".)"""
+    if not isinstance(data, dict) or data.get("schema") not in VERSIONS[:-1]:
+        return
+    declared = data["schema"]
+    found = []
+    for version in VERSIONS[VERSIONS.index(declared) + 1:]:
+        names = sorted(".".join(p).replace(".*", "[]") for p in ADDED_IN[version] if _holds(data, p))
+        if names:
+            found.append(f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''} (added in {version})")
+    if found:
+        raise RunDirError(f"{source}: schema says {declared} but it holds {'; '.join(found)}: "
+                          "a mislabelled or edited result")
+
+
+def _holds(node, path: tuple[str, ...]) -> bool:
+    if not path:
+        return True
+    head, rest = path[0], path[1:]
+    if head == CANDIDATE and isinstance(node, dict):
+        candidates = [node.get(k) for k in ("recommended", "baseline", "defaults")]
+        candidates += node.get("candidates") if isinstance(node.get("candidates"), list) else []
+        return any(_holds(c, rest) for c in candidates)
+    if head == "*":
+        return isinstance(node, list) and any(_holds(item, rest) for item in node)
+    return isinstance(node, dict) and head in node and _holds(node[head], rest)
 
 
 def load_study(path: Path, result: TuneResult, storage: str | None = None):
