@@ -8,9 +8,9 @@
 - `conditions(**extra)`: the machine (CPU model and the kernel-relevant flags, cores, RAM),
   commit, UTC date, memory cgroup, load average and torch build, plus what the caller adds
   (io mode, budget, repeats, cold/warm). docs/BENCHMARKS.md quotes these.
-- `emit(tool, rows, conditions, as_json, columns)`: prints either one JSON document,
-  {"schema": "colibri.bench/1", "tool", "conditions", "rows"}, or a markdown table of the rows
-  under a one-line summary of the conditions — the same two printers in every tool.
+- `emit(tool, rows, conditions, as_json, columns, notes)`: prints either one JSON document,
+  {"schema": "colibri.bench/1", "tool", "conditions", "rows", "notes"}, or a markdown table of
+  the rows under a one-line summary of the conditions — the same two printers in every tool.
 - `spread(values)`: the median and its min-max, the way every headline figure is quoted.
 """
 
@@ -116,14 +116,19 @@ def _cell(value) -> str:
 
 
 def emit(tool: str, rows: list[dict], cond: dict, as_json: bool, columns: Sequence[Column],
-         out=None) -> None:
-    """Print the run: one JSON document (as_json) or the summary line and a markdown table."""
+         notes: dict | None = None, out=None) -> None:
+    """Print the run: one JSON document (as_json) or the summary line, the notes (one
+    "name: value" line each: a figure that is not a row, such as a per-second trace) and a
+    markdown table."""
     out = out or sys.stdout
     if as_json:
-        json.dump({"schema": SCHEMA, "tool": tool, "conditions": cond, "rows": rows}, out, indent=2, default=str)
+        doc = {"schema": SCHEMA, "tool": tool, "conditions": cond, "rows": rows, "notes": notes or {}}
+        json.dump(doc, out, indent=2, default=str)
         out.write("\n")
         return
-    out.write(summary_line(cond) + "\n\n" + md_table(rows, columns) + "\n")
+    text = [summary_line(cond), ""]
+    text += [f"{k}: {v}" for k, v in (notes or {}).items()] + ([""] if notes else [])
+    out.write("\n".join(text) + md_table(rows, columns) + "\n")
 
 
 def refuse(tool: str, message: str) -> int:
