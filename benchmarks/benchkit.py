@@ -128,7 +128,7 @@ def emit(tool: str, rows: list[dict], cond: dict, as_json: bool, columns: Sequen
         return
     text = [summary_line(cond), ""]
     text += [f"{k}: {v}" for k, v in (notes or {}).items()] + ([""] if notes else [])
-    out.write("\n".join(text) + md_table(rows, columns) + "\n")
+    out.write("\n".join(text) + "\n" + md_table(rows, columns) + "\n")
 
 
 def refuse(tool: str, message: str) -> int:
