@@ -12,6 +12,7 @@
   {"schema": "colibri.bench/1", "tool", "conditions", "rows", "notes"}, or a markdown table of
   the rows under a one-line summary of the conditions — the same two printers in every tool.
 - `spread(values)`: the median and its min-max, the way every headline figure is quoted.
+- `add_run_flags(parser, budget=..., tokens=...)`: the measurement flags every tool spells alike.
 """
 
 from __future__ import annotations
@@ -129,6 +130,19 @@ def emit(tool: str, rows: list[dict], cond: dict, as_json: bool, columns: Sequen
     text = [summary_line(cond), ""]
     text += [f"{k}: {v}" for k, v in (notes or {}).items()] + ([""] if notes else [])
     out.write("\n".join(text) + "\n" + md_table(rows, columns) + "\n")
+
+
+RUN_FLAGS = {"budget": "the memory budget (and the cold trials' cgroup limit)", "tokens": "decode tokens per repeat",
+             "repeats": "repeats per measurement (the median is quoted)", "prompt_tokens": "prompt tokens",
+             "threads": "compute threads"}
+
+
+def add_run_flags(parser, **defaults) -> None:
+    """The measurement flags the tools share (--budget, --tokens, --repeats, --prompt-tokens,
+    --threads), each with the tool's own default; only those given a default are added."""
+    for name, default in defaults.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, default=default, type=type(default), help=f"{RUN_FLAGS[name]} (default {default})")
 
 
 def refuse(tool: str, message: str) -> int:

@@ -36,7 +36,7 @@ from engine.base.config import EngineConfig, format_size, parse_size  # noqa: E4
 from engine.format.convert import convert  # noqa: E402
 from engine.run.quality import measure_quality  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402
-from benchmarks.benchkit import conditions, emit, fmt_spread, refuse, spread  # noqa: E402
+from benchmarks.benchkit import add_run_flags, conditions, emit, fmt_spread, refuse, spread  # noqa: E402
 
 TOOL = "quant"
 CASES = [("int8", "int8", 0), ("int4-g32", "int4", 32), ("int4-g64", "int4", 64), ("int4-g128", "int4", 128)]
@@ -137,19 +137,15 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("speed", help="cold and resident decode of several containers of one model")
     s.add_argument("--model", action="append", required=True, metavar="LABEL=DIR")
-    s.add_argument("--budget", default="1GiB")
-    s.add_argument("--tokens", type=int, default=8)
-    s.add_argument("--repeats", type=int, default=2)
-    s.add_argument("--prompt-tokens", type=int, default=4)
+    add_run_flags(s, budget="1GiB", tokens=8, repeats=2, prompt_tokens=4, threads=2)
     s.add_argument("--rounds", type=int, default=1)
-    s.add_argument("--threads", type=int, default=2)
     s.add_argument("--skip-resident", action="store_true")
     q = sub.add_parser("quality", help="KL, top-1 and perplexity of each container against bf16")
     q.add_argument("--reference", required=True)
     q.add_argument("--work", required=True, help="where the containers are written")
-    q.add_argument("--tokens", type=int, default=8192)
+    q.add_argument("--tokens", type=int, default=8192, help="held-out tokens (the second half of each chunk is scored)")
+    add_run_flags(q, threads=1)
     q.add_argument("--ctx", type=int, default=512)
-    q.add_argument("--threads", type=int, default=1)
     for p in (s, q):
         p.add_argument("--json", action="store_true")
     return ap
