@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RETIRED = {"benchmarks/mmap_cold.py", "benchmarks/syscall_counts.py"}  # cited with the commit that has them
+RETIRED = {"benchmarks/mmap_cold.py", "benchmarks/syscall_counts.py", "benchmarks/token_breakdown.py"}  # cited with the commit that has them
 
 
 def _current() -> str:
