@@ -19,10 +19,9 @@ from engine.format.checkpoint import Checkpoint
 from engine.movement.plan import PREFILL_CHUNK, prefill_activation_bytes, prefill_tokens_per_pass
 from engine.run.runtime import Engine
 from tuner.search.space import ModelFacts, SearchSpace
-from tuner.search.study import run_tune
 from tuner.search.workload import prepare_workload
 
-from colibri_tune_fixtures import MiB, model_dir, profile_path  # noqa: F401
+from colibri_tune_fixtures import MiB, model_dir  # noqa: F401
 
 
 def test_prefill_activations_grow_with_the_tokens_of_a_pass(model_dir):  # noqa: F811
@@ -60,9 +59,9 @@ def test_the_plan_grows_with_the_longest_request(model_dir):  # noqa: F811
 def test_a_chunked_prefill_gives_the_unchunked_logits_and_kv(model_dir):  # noqa: F811
     """Engine.forward(last_only) passes a long prompt through in chunks: same next-token
     distribution and same K/V as one pass over the whole prompt."""
-    n = PREFILL_CHUNK * 2 + 17
+    n = PREFILL_CHUNK + 40  # two passes: a whole chunk, then the rest
     ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(0))
-    with Engine(model_dir, EngineConfig(ctx_size=1024)) as engine:
+    with Engine(model_dir, EngineConfig(ctx_size=512)) as engine:
         chunked = engine.forward(ids, 0, last_only=True)
         k_chunked = engine.kv.k[0][:, :n].clone()
         whole = engine.model.forward(ids, 0, engine.kv, last_only=True)  # one pass, overwriting the same KV
@@ -79,20 +78,20 @@ def _prompts(tmp_path, name: str, words: int) -> str:
     return str(path)
 
 
-def _tune_run(model_dir, profile_path, out, budget: int, prompts: str):  # noqa: F811
+def _tune_run(model_dir, out, budget: int, prompts: str):  # noqa: F811
     from tuner.search.study import TuneOptions, _Run
     opts = TuneOptions(model=str(model_dir), ram_budget=budget, min_ctx=16, tokens=2, repeats=1, prompt_tokens=8,
-                       out=out, profile=str(profile_path), seed=0, confirm_top=0, trials=1, prompts=prompts)
+                       out=out, seed=0, confirm_top=0, trials=1, prompts=prompts)
     run = _Run(opts, log=lambda m: None)
     run.prepare()
     return run
 
 
-def test_a_long_prompt_tune_under_a_tight_budget_is_refused_before_running(model_dir, profile_path, tmp_path):  # noqa: F811
+def test_a_long_prompt_tune_under_a_tight_budget_is_refused_before_running(model_dir, tmp_path):  # noqa: F811
     """A budget that holds the short workload's plan but not the long one's (its KV at the longest
     request's context, its prefill chunk): the long one is one BudgetError before the run
     directory, the calibration or any trial exists; the short one passes the same check."""
-    short, long_ = _prompts(tmp_path, "short.jsonl", 4), _prompts(tmp_path, "long.jsonl", 400)
+    short, long_ = _prompts(tmp_path, "short.jsonl", 4), _prompts(tmp_path, "long.jsonl", 110)
     facts = ModelFacts.read(model_dir)
     need = {}
     for name, path in (("short", short), ("long", long_)):
@@ -102,8 +101,8 @@ def test_a_long_prompt_tune_under_a_tight_budget_is_refused_before_running(model
         need[name] = (ctx, space.fixed_bytes(space.smallest()))
     assert need["long"][0] > 300 and need["long"][1] > need["short"][1]
     budget = need["short"][1] + (need["long"][1] - need["short"][1]) // 2
-    run = _tune_run(model_dir, profile_path, tmp_path / "short-run", budget, short)
+    run = _tune_run(model_dir, tmp_path / "short-run", budget, short)
     assert run.space.min_ctx == max(16, need["short"][0])  # fits: the run could start
     with pytest.raises(BudgetError, match=rf"ctx_size {need['long'][0]}.*prefill"):
-        _tune_run(model_dir, profile_path, tmp_path / "long-run", budget, long_)
+        _tune_run(model_dir, tmp_path / "long-run", budget, long_)
     assert not (tmp_path / "long-run").exists()

@@ -34,9 +34,12 @@ ALIGN_SLACK = 2 * 4096  # an O_DIRECT window can start up to 4 KiB early and end
 # a layer is [T, ...], and every distinct per-expert row count is one more cached oneDNN matmul
 # primitive) and was OOM-killed under a 400 MiB budget the plan said it fitted.
 PREFILL_CHUNK = 256
-# Transients are freed and re-allocated per layer: the allocator's resident high-water mark
-# measured ~2x the live bytes counted below (demo-small, 256-token chunks).
-PREFILL_ALLOCATOR_FACTOR = 2
+# The counted live bytes of a pass (prefill_activation_bytes) understate its resident high-water
+# mark: transients are freed and re-allocated per layer and per expert, and oneDNN keeps
+# primitives and scratch (engine/base/heap.py bounds both). Measured on demo-small (hidden 512,
+# 2,000-token prompt, 256-token passes, heap.py's bounds on): ~31 MiB above the steady state
+# for ~6.6 MiB counted, so 5x.
+PREFILL_ALLOCATOR_FACTOR = 5
 
 
 def _elem(dtype: torch.dtype) -> int:

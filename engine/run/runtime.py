@@ -14,6 +14,7 @@ import psutil
 import torch
 
 from engine import native
+from engine.base import heap  # first: caps oneDNN's primitive cache before any matmul
 from engine.format.checkpoint import Checkpoint
 from engine.format.container import container_spec, dense_quantized, load_dense
 from engine.base.config import EngineConfig
@@ -191,6 +192,7 @@ class Engine:
             return self.model.forward(t, start_pos, self.kv, last_only=last_only)
         for begin in range(0, t.shape[0], step):
             logits = self.model.forward(t[begin:begin + step], start_pos + begin, self.kv, last_only=True)
+            heap.release_freed()  # the pass's transients, so the next pass starts from what is live
         return logits
 
     def record_routing(self) -> None:
