@@ -123,7 +123,7 @@ def prefill_activation_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype) -
     moe = (3 * args.top_k * args.hidden_size * e + 3 * args.top_k * args.moe_intermediate_size * e
            + 2 * 4 * args.num_experts) if args.num_experts else 0
     per_token = residual + attention + max(dense_mlp, moe)
-    return PREFILL_ALLOCATOR_FACTOR * tokens * per_token + 4 * args.vocab_size
+    return int(PREFILL_ALLOCATOR_FACTOR * tokens * per_token + 4 * args.vocab_size)
 
 
 def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, dtype: torch.dtype,
