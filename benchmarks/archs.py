@@ -35,7 +35,8 @@ from engine import synth  # noqa: E402
 from engine.base.config import EngineConfig, format_size, parse_size  # noqa: E402
 from engine.arch.gptoss import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
 from engine.run.metrics import git_commit  # noqa: E402
-from engine.arch.args import ModelArgs
+from engine.arch.registry import model_args  # noqa: E402
+from tuner.search.trial import run_trial  # noqa: E402
 
 MLA_PRESETS = ("deepseek-v3", "glm-5", "deepseek-v3-small", "glm-5-small")
 
@@ -45,7 +46,7 @@ def kv_table() -> list[str]:
     for name in MLA_PRESETS:
         g = synth.load_preset(name)
         cfg = synth.hf_config(synth.validate_geometry(g), 0, 0.0) if g.get("materializable") else g
-        args = ModelArgs.from_config(cfg)
+        args = model_args(cfg)
         m = args.attention_impl
         latent = m.cache_nbytes(args.num_layers, 1, torch.bfloat16)
         per_head = args.num_layers * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * 2
@@ -100,39 +101,53 @@ def dequant_table(repeats: int) -> list[str]:
     return rows
 
 
+def placements(budget: int) -> tuple:
+    """The two placements of the gpt-oss-small decode tables (here and benchmarks/mxfp4_fused.py):
+    resident, and streamed cold (io direct, prefetch 1) in a memory cgroup at `budget`; each
+    (label, config, cgroup limit, cold)."""
+    return (("resident", EngineConfig(ctx_size=512), None, False),
+            (f"streamed {format_size(budget)} cold", EngineConfig(ctx_size=512, ram_budget=budget, io_mode="direct",
+                                                                 prefetch_depth=1), budget, True))
+
+
+def trial_cells(t) -> str:
+    """A trial's decode tok/s (median, min-max) | MiB read/token | RAM hit | cgroup peak, or why it failed."""
+    if not t.ok:
+        return f"{t.status}: {t.error} | | |"
+    m, s = t.metrics, t.metrics["summary"]["decode_tok_s"]
+    hit = (m.get("hit_rate") or {}).get("ram")
+    return (f"{m['decode_tok_s']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | {m['bytes_read_per_token'] / 2**20:.2f} | "
+            f"{'-' if hit is None else f'{hit:.0%}'} | "
+            f"{format_size(t.cgroup_peak_bytes) if t.cgroup_peak_bytes else '-'}")
+
+
+def decode_arguments(ap: argparse.ArgumentParser, scratch: str) -> None:
+    """The options of a gpt-oss-small decode table (here and benchmarks/mxfp4_fused.py)."""
+    ap.add_argument("--budget", default="560MiB")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--scratch", default=scratch)
+    ap.add_argument("--skip-decode", action="store_true")
+
+
 def decode_table(scratch: Path, budget: int, tokens: int, repeats: int) -> list[str]:
-    from tuner.search.trial import run_trial
     rows = ["| gpt-oss-small experts | placement | decode tok/s (median, min-max) | MiB read/token | RAM hit "
-            "| I/O stall | cgroup peak |", "|---|---|---|---|---|---|---|"]
+            "| cgroup peak | I/O stall |", "|---|---|---|---|---|---|---|"]
     for fmt in ("mxfp4", "plain"):
         d = scratch / f"gpt-oss-small-{fmt}"
         if not (d / "config.json").exists():
             synth.synthesize({**synth.load_preset("gpt-oss-small"), "expert_format": fmt}, d, seed=0, progress=False)
-        for label, cfg, limit, cold in (
-                ("resident", EngineConfig(ctx_size=512), None, False),
-                (f"streamed {format_size(budget)} cold", EngineConfig(ctx_size=512, ram_budget=budget, io_mode="direct",
-                                                                     prefetch_depth=1), budget, True)):
+        for label, cfg, limit, cold in placements(budget):
             t = run_trial(d, cfg, tokens=tokens, repeats=repeats, cold=cold, limit_bytes=limit, timeout=1800)
-            if not t.ok:
-                rows.append(f"| {fmt} | {label} | {t.status}: {t.error} | | | | |")
-                continue
-            m, s = t.metrics, t.metrics["summary"]["decode_tok_s"]
-            hit = (m.get("hit_rate") or {}).get("ram")
-            stall = m.get("io_stall_fraction")
-            rows.append(f"| {fmt} | {label} | {m['decode_tok_s']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | "
-                        f"{m['bytes_read_per_token'] / 2**20:.1f} | {'-' if hit is None else f'{hit:.0%}'} | "
-                        f"{'-' if stall is None else f'{stall:.0%}'} | {format_size(t.cgroup_peak_bytes)} |")
+            stall = t.metrics.get("io_stall_fraction") if t.ok else None
+            rows.append(f"| {fmt} | {label} | {trial_cells(t)} | {'-' if stall is None else f'{stall:.0%}'} |")
     return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", default="560MiB")
-    ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--scratch", default="/tmp/colibri-archs-bench")
+    decode_arguments(ap, "/tmp/colibri-archs-bench")
     ap.add_argument("--glm5", help="a synthesized glm-5-small directory (default: synthesize one in --scratch)")
-    ap.add_argument("--skip-decode", action="store_true")
     a = ap.parse_args()
     scratch = Path(a.scratch)
     scratch.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,7 @@ def prepare(work: Path, layers: int) -> None:
 
 
 def speed(work: Path, a) -> dict:
-    models = [f"{label}={work / label}" for label in LABELS]
+    models = [f"{label}={work / label}" for label in a.labels]
     argv = [sys.executable, str(HERE / "quant_demo.py"), "--budget", a.budget, "--tokens", str(a.tokens),
             "--repeats", str(a.repeats), "--threads", str(a.threads), "--json"]
     for m in models:
@@ -70,7 +70,7 @@ def speed(work: Path, a) -> dict:
 def quality(work: Path, a) -> dict:
     from engine.run.quality import measure_quality
     quality = {}
-    for label in LABELS[1:]:
+    for label in a.labels[1:]:
         r = measure_quality(work / label, work / "bf16", tokens=a.quality_tokens, ctx=a.ctx, threads=a.threads)
         quality[label] = {"kl_mean": r["kl_mean"], "kl_p99": r["kl_p99"], "top1": r["top1_agreement"],
                           "scored": r["scored_tokens"]}
@@ -90,8 +90,12 @@ def main() -> int:
     ap.add_argument("--quality-tokens", type=int, default=512)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--part", choices=("speed", "quality"), help="measure one part only (saved in --work)")
+    ap.add_argument("--labels", default=",".join(LABELS), help="which of the models, bf16 first (default: all)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    a.labels = a.labels.split(",")
+    if a.labels[0] != "bf16" or not set(a.labels) <= set(LABELS):
+        ap.error(f"--labels: bf16 first, then any of {', '.join(LABELS[1:])}")
     if not a.measure:
         prepare(a.work, a.layers)
         if a.prepare_only:

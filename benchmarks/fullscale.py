@@ -29,8 +29,11 @@ Measurements (`measure`; each step in a fresh interpreter so its RSS is its own)
   plan    + make_plan under --budget: time, and what the plan says (or its one-line refusal)
   cli     `colibri plan --model DIR --budget B --json`: wall time of the whole command
   decode  `colibri bench --tokens 1` under a memory cgroup of --budget: one decode step on holes
+          (needs a `--decodable` build: zero scales are refused as corrupt; the written router
+          biases route every layer to experts 0..K-1, whose scales are the ones written)
 
     quiet test .venv/bin/python benchmarks/fullscale.py build deepseek-v3 --dtype bf16 --out /tmp/fs-dsv3
+        [--decodable]   # also the scales and router biases a decode step reads (int4: ~1 GiB on disk)
     quiet bench .venv/bin/python benchmarks/fullscale.py measure /tmp/fs-dsv3 [--budget 16GiB]
     quiet bench .venv/bin/python benchmarks/fullscale.py all [--dtype bf16] [--decode]   # build each, measure, delete
 """
@@ -43,6 +46,7 @@ import json
 import math
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -157,16 +161,39 @@ def hf_config(name: str, fmt: str) -> dict:
 
 def indexer_layers_of(cfg: dict) -> set[int]:
     """Layers whose attention runs the DSA indexer, as the engine's parser decides them."""
-    from engine.arch.model import ModelArgs
-    mla = ModelArgs.from_config(cfg).attention_impl
+    from engine.arch.registry import model_args
+    mla = model_args(cfg).attention_impl
     indexer = getattr(mla, "indexer", None)
     return set(indexer.full_layers) if indexer is not None else set()
 
 
 # --- writing ---------------------------------------------------------------------------------
 
-def _write_shard(path: Path, tensors: list, fmt: str) -> int:
-    """Header for real, data as a hole: the file is truncated to its full size. Published
+# The few bytes written for real, so that a decode step on holes runs (the engine refuses zero
+# scales as corrupt, and all-equal router scores would route to whichever experts ties pick):
+#   * every scale the decode step reads: FP8 scale_inv 1.0; int4 (scale 2^-10, zero 8 * 2^-10),
+#     so a hole's codes (0) dequantize to exactly 0 (engine/format/quant.py: (code - 8) * s + z);
+#   * e_score_correction_bias = -e * 2^-10: the router's scores all tie at sigmoid(0) on holes,
+#     the bias then picks experts 0..K-1 in every layer, so only their scales need writing
+#     (K = num_experts_per_tok; ~0.6 GiB of int4 scales for DeepSeek-V3 instead of 20 GiB).
+SCALE_FILL = {"F32": struct.pack("<f", 1.0), "BF16": struct.pack("<HH", 0x3A80, 0x3C00)}  # bf16 2^-10, 2^-7
+BIAS_STEP = 2.0 ** -10
+
+
+def _real_bytes(name: str, tag: str, shape: tuple, routed_k: int) -> bytes | None:
+    """The bytes a tensor gets instead of a hole (see SCALE_FILL), or None for a hole."""
+    if name.endswith("e_score_correction_bias"):
+        return struct.pack(f"<{shape[0]}f", *(-e * BIAS_STEP for e in range(shape[0])))
+    if not name.endswith(("_scale_inv", ".qscale")):
+        return None
+    if ".mlp.experts." in name and int(name.split(".mlp.experts.")[1].split(".")[0]) >= routed_k:
+        return None  # an expert the biased router never picks: its scales stay a hole
+    return SCALE_FILL[tag] * (math.prod(shape) * ITEMSIZE[tag] // len(SCALE_FILL[tag]))
+
+
+def _write_shard(path: Path, tensors: list, fmt: str, routed_k: int | None) -> int:
+    """Header for real, data as a hole: the file is truncated to its full size, and only the
+    scales and router biases a decode step reads are written (`_real_bytes`). Published
     formats in the safetensors library's order; our container keeps each expert's six tensors
     in one range (docs/FORMAT.md), its data 4 KiB-aligned, its stamp in __metadata__."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
@@ -186,10 +213,17 @@ def _write_shard(path: Path, tensors: list, fmt: str) -> int:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         f.truncate(8 + len(raw) + offset)
+        for name, tag, shape in ordered if routed_k is not None else ():
+            data = _real_bytes(name, tag, shape, routed_k)
+            if data is not None:
+                f.seek(8 + len(raw) + header[name]["data_offsets"][0])
+                f.write(data)
     return 8 + len(raw) + offset
 
 
-def build(name: str, out: Path, dtype: str, shards: int | None = None) -> dict:
+def build(name: str, out: Path, dtype: str, shards: int | None = None, decodable: bool = False) -> dict:
+    """decodable: also write the scales and router biases a decode step reads (`_real_bytes`;
+    ~1 GiB for an int4 container), else every tensor is a hole (the metadata figures)."""
     cfg = hf_config(name, dtype)
     groups = tensor_groups(cfg, dtype, indexer_layers_of(cfg))
     total = sum(_nbytes(t) for g in groups for t in g)
@@ -208,7 +242,7 @@ def build(name: str, out: Path, dtype: str, shards: int | None = None) -> dict:
     weight_map, n = {}, len(assigned)
     for k, tensors in enumerate(assigned, 1):
         file = f"model-{k:05d}-of-{n:06d}.safetensors"
-        _write_shard(out / file, tensors, dtype)
+        _write_shard(out / file, tensors, dtype, cfg["num_experts_per_tok"] if decodable else None)
         weight_map.update({t[0]: file for t in tensors})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                    "weight_map": weight_map}, indent=2))
@@ -227,7 +261,7 @@ def measure_step(model: Path, step: str, budget: int) -> dict:
     """One step in this (fresh) interpreter: what it costs beyond the imports."""
     import torch
     from engine.base.errors import ColibriError
-    from engine.arch.model import ModelArgs
+    from engine.arch.registry import model_args
     from engine.format.checkpoint import Checkpoint
     from engine.format.layout import ExpertLayout
     from engine.movement.plan import make_plan
@@ -241,7 +275,7 @@ def measure_step(model: Path, step: str, budget: int) -> dict:
     result = {"open_s": time.perf_counter() - t0, "tensors": len(ckpt.tensors), "open_rss_bytes": _rss() - base}
     if step in ("layout", "plan"):
         t0 = time.perf_counter()
-        args = ModelArgs.from_config(ckpt.config)
+        args = model_args(ckpt.config)
         layout = ExpertLayout(ckpt, args)
         result.update(layout_s=time.perf_counter() - t0, routed_experts=layout.num_routed,
                       expert_disk_bytes=layout.expert_nbytes, layout_rss_bytes=_rss() - base)
@@ -268,12 +302,26 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
-def _cli(argv: list[str], timeout: float) -> tuple[float, int, str]:
+def _cli(argv: list[str], timeout: float, whole: bool = False) -> tuple[float, int, str]:
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "tuner.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, env=_env(), cwd=ROOT)
+    if whole:
+        return time.perf_counter() - t0, done.returncode, done.stdout.strip() or done.stderr.strip()
     tail = (done.stdout.strip() or done.stderr.strip()).splitlines()
     return time.perf_counter() - t0, done.returncode, (tail[-1] if tail else "")[:300]
+
+
+def _bench_summary(out: str) -> str:
+    """`bench --json`'s outcome in a table cell: status, the error or the step's figures, peak."""
+    try:
+        r = json.loads(out)
+    except ValueError:
+        return (out.splitlines()[-1] if out else "")[:300]
+    peak = r.get("cgroup_peak_bytes")
+    m = r.get("metrics") or {}
+    what = r.get("error") or ", ".join(f"{k} {m[k]:.3g}" for k in ("decode_tok_s", "load_seconds") if k in m)
+    return f"{r.get('status')}: {what}; cgroup peak {format_size(peak) if peak else '-'}"[:400]
 
 
 def measure(model: Path, budget: int, decode: bool, profile: str = DEFAULT_PROFILE) -> list[str]:
@@ -294,11 +342,11 @@ def measure(model: Path, budget: int, decode: bool, profile: str = DEFAULT_PROFI
     rows.append(f"| `colibri plan` (whole command: open, geometry, cost-model search) | {wall:.2f} | - | "
                 f"exit {rc}: {line} |")
     if decode:
-        wall, rc, line = _cli(["bench", "--model", str(model), "--tokens", "1", "--repeats", "1",
-                               "--prompt-tokens", "1", "--ram-budget", size, "--cgroup-limit", size,
-                               "--timeout", "1200", "--json"], 1500)
+        wall, rc, out = _cli(["bench", "--model", str(model), "--tokens", "1", "--repeats", "1",
+                              "--prompt-tokens", "1", "--ram-budget", size, "--cgroup-limit", size,
+                              "--timeout", "1200", "--json"], 1500, whole=True)
         rows.append(f"| `colibri bench --tokens 1` in a {format_size(budget)} cgroup | {wall:.2f} | - | "
-                    f"exit {rc}: {line} |")
+                    f"exit {rc}: {_bench_summary(out)} |")
     return rows
 
 
@@ -310,6 +358,8 @@ def main() -> int:
     b.add_argument("--dtype", choices=("fp8", "bf16", "int4"))
     b.add_argument("--shards", type=int)
     b.add_argument("--out", required=True)
+    b.add_argument("--decodable", action="store_true", help="write the scales and router biases a decode step "
+                   "reads, so `measure --decode` runs (int4: ~1 GiB on disk)")
     m = sub.add_parser("measure", help="open, layout, plan (and decode) figures of a checkpoint")
     m.add_argument("dir")
     m.add_argument("--budget", default="16GiB")
@@ -327,7 +377,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.cmd == "build":
         t0 = time.perf_counter()
-        info = build(a.model, Path(a.out), a.dtype or MODELS[a.model]["dtype"], a.shards)
+        info = build(a.model, Path(a.out), a.dtype or MODELS[a.model]["dtype"], a.shards, a.decodable)
         info["build_s"] = round(time.perf_counter() - t0, 2)
         print(json.dumps(info))
         return 0
@@ -341,7 +391,7 @@ def main() -> int:
             tmp = Path(tempfile.mkdtemp(prefix=f"colibri-fullscale-{name}-", dir=a.scratch))
             try:
                 t0 = time.perf_counter()
-                info = build(name, tmp / "model", a.dtype or MODELS[name]["dtype"])
+                info = build(name, tmp / "model", a.dtype or MODELS[name]["dtype"], decodable=a.decode)
                 print(f"\n## {name} {info['dtype']}: {info['shards']} shards, {info['tensors']:,} tensors, "
                       f"{format_size(info['apparent_bytes'])} apparent, {format_size(info['disk_bytes'])} on disk "
                       f"(built in {time.perf_counter() - t0:.1f} s)\n")

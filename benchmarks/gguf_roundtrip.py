@@ -12,7 +12,9 @@ is imported with `colibri convert`, and for each the table says:
   --allow-requantize to F32 is ggml's to_float; only for the quantized types);
 - tokens: 16 greedy tokens from a 32-token prompt identical to the original model's (fp32 compute);
 - KL / top-1: `colibri quality` of the import against the original (fp32, --tokens/--ctx).
-llama.cpp is built by scripts/build_llama_cpp.sh (EXTRA_TARGETS=llama-quantize) if missing.
+llama.cpp is built by scripts/build_llama_cpp.sh (EXTRA_TARGETS=llama-quantize) into --llama-dir
+(default $LLAMA_CPP_DIR or ~/.cache/colibri/llama.cpp) if it is not built there yet, so the
+table is reproducible from a clean clone; the output's first line is the command that made it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from engine.run.quality import measure_quality  # noqa: E402
 from engine.run.runtime import Engine  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 256 for i in range(32)]
+# Where scripts/build_llama_cpp.sh builds llama.cpp (the pinned llama-cpp-python sdist) when no
+# --llama-dir is given: the user's cache, as benchmarks/peers.py keeps its models; never the repo.
+DEFAULT_LLAMA_DIR = "~/.cache/colibri/llama.cpp"
 QWEN3_GEOMETRY = {**synth.load_preset("tiny"), "hidden_size": 256, "moe_intermediate_size": 256,
                   "intermediate_size": 512, "num_hidden_layers": 4, "head_dim": 64, "num_experts": 8,
                   "dtype": "bfloat16", "max_shard_size": 1 << 30}
@@ -133,15 +138,17 @@ def one_arch(arch: str, args, llama: Path) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--llama-dir", default=os.environ.get("LLAMA_CPP_DIR", "/work/tools/llama.cpp"))
+    p.add_argument("--llama-dir", default=os.environ.get("LLAMA_CPP_DIR", DEFAULT_LLAMA_DIR),
+                   help="llama.cpp built by scripts/build_llama_cpp.sh (built there if missing; default "
+                        f"$LLAMA_CPP_DIR or {DEFAULT_LLAMA_DIR})")
     p.add_argument("--work", default="/tmp/colibri-gguf-roundtrip")
     p.add_argument("--archs", default=",".join(ALL_ARCHS))
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    llama = Path(args.llama_dir)
-    if not (llama / "build/bin/llama-quantize").exists():
+    llama = Path(args.llama_dir).expanduser()
+    if not ((llama / "READY").exists() and (llama / "build/bin/llama-quantize").exists()):
         subprocess.run([str(REPO / "scripts" / "build_llama_cpp.sh"), str(llama)], check=True,
                        env={**os.environ, "PYTHON": sys.executable, "EXTRA_TARGETS": "llama-quantize"})
     rows = [r for arch in args.archs.split(",") for r in one_arch(arch, args, llama)]
@@ -149,7 +156,9 @@ def main(argv=None) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     info = (llama / "BUILD_INFO").read_text().split() if (llama / "BUILD_INFO").exists() else []
-    print(f"llama.cpp: {' '.join(i for i in info if i.startswith(('llama_cpp_python_version', 'llama_cpp_commit')))}")
+    print("command: " + " ".join(["python benchmarks/gguf_roundtrip.py", *(argv if argv is not None else sys.argv[1:])]))
+    print(f"llama.cpp: {' '.join(i for i in info if i.startswith(('llama_cpp_python_version', 'llama_cpp_commit')))} "
+          f"(scripts/build_llama_cpp.sh into {llama})")
     print(f"quality: {args.tokens} tokens, ctx {args.ctx}, fp32 compute; tokens: 16 greedy from a 32-token prompt\n")
     print("| arch | GGUF | tensor types | dequant = llama.cpp | greedy tokens = original | KL mean | same top-1 | tokenizer |")
     print("|---|---|---|---|---|---|---|---|")

@@ -46,7 +46,7 @@ from engine.movement.io import (  # noqa: E402
     ReadPool, UringPool, align_down, direct_window_bytes, uring_unavailable,
 )
 from engine.format.layout import ExpertLayout  # noqa: E402
-from engine.arch.args import ModelArgs
+from engine.arch.registry import model_args
 from engine.run.resolve import resolve_model  # noqa: E402
 from engine.movement.slots import SlotArena  # noqa: E402
 
@@ -56,7 +56,7 @@ def disjoint_spans(model_dir, n: int, groups: int, seed: int) -> list[list]:
     own experts, since this virtual disk reads blocks it served moments ago faster (host-side
     caching), which would favour whichever backend came later over the same spans."""
     ckpt = Checkpoint(model_dir)
-    layout = ExpertLayout(ckpt, ModelArgs.from_config(ckpt.config))
+    layout = ExpertLayout(ckpt, model_args(ckpt.config))
     keys = sorted(layout.keys())
     if n * groups > len(keys):
         raise SystemExit(f"io_backend: error: {n} reads x {groups} backends need more than the "

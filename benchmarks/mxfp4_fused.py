@@ -33,10 +33,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine import native, synth  # noqa: E402
-from engine.base.config import EngineConfig, format_size, parse_size  # noqa: E402
+from engine.base.config import format_size, parse_size  # noqa: E402
 from engine.arch.gptoss import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
 from engine.run.metrics import git_commit  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402
+from benchmarks.archs import decode_arguments, placements, trial_cells  # noqa: E402
 
 GEOMETRIES = (("gpt-oss-small 512 x 512", 512, 512), ("gpt-oss-120b 2880 x 2880", 2880, 2880))
 
@@ -88,31 +89,16 @@ def decode_table(model: Path, budget: int, tokens: int, repeats: int) -> list[st
             "| cgroup peak | kernel |", "|---|---|---|---|---|---|---|"]
     for arm, env in (("fused (native)", "1"), ("dequantized on read", "0")):
         os.environ["COLIBRI_MXFP4_FUSED"] = env  # the bench child inherits it
-        for label, cfg, limit, cold in (
-                ("resident", EngineConfig(ctx_size=512), None, False),
-                (f"streamed {format_size(budget)} cold", EngineConfig(ctx_size=512, ram_budget=budget,
-                                                                     io_mode="direct", prefetch_depth=1), budget, True)):
+        for label, cfg, limit, cold in placements(budget):
             t = run_trial(model, cfg, tokens=tokens, repeats=repeats, cold=cold, limit_bytes=limit, timeout=1200)
-            if not t.ok:
-                rows.append(f"| {arm} | {label} | {t.status}: {t.error} | | | | |")
-                continue
-            m, s = t.metrics, t.metrics["summary"]["decode_tok_s"]
-            hit = (m.get("hit_rate") or {}).get("ram")
-            rows.append(f"| {arm} | {label} | {m['decode_tok_s']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | "
-                        f"{m['bytes_read_per_token'] / 2**20:.2f} | {'-' if hit is None else f'{hit:.0%}'} | "
-                        f"{format_size(t.cgroup_peak_bytes) if t.cgroup_peak_bytes else '-'} | "
-                        f"{m.get('kernel', '?')} |")
+            rows.append(f"| {arm} | {label} | {trial_cells(t)} | {t.metrics.get('kernel', '?') if t.ok else ''} |")
     os.environ.pop("COLIBRI_MXFP4_FUSED", None)
     return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", default="560MiB")
-    ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--scratch", default="/tmp/colibri-mxfp4-bench")
-    ap.add_argument("--skip-decode", action="store_true")
+    decode_arguments(ap, "/tmp/colibri-mxfp4-bench")
     a = ap.parse_args()
     why = native.load()
     if why is not None:

@@ -27,6 +27,13 @@ stops itself at the cap; llama-simple is asked for fewer tokens when llama-bench
 before it, says --tokens would not fit in the cap; the tokens column says how many).
 Token agreement: transformers' ids are compared with ours; llama-simple prints text, so its
 bytes are compared with the bytes of our tokens (N/M = tokens of ours that it reproduced).
+
+--quant int8,int4-g32,int4-g64 adds quantized rows: each side quantizes the bf16 model with its
+own tool (`colibri convert --quant int8|int4 --group-size G` into WORK/<preset>-<quant>;
+`llama-quantize` of the bf16 GGUF to the counterpart: int8 ↔ Q8_0, int4-g32 ↔ Q4_0 (both 32
+per group), int4-g64 ↔ Q4_K_M), then ours and llama-bench race on them, in every --modes, with
+the same prompt and tokens. Quality (KL against bf16) is not measured here: `colibri quality`
+for ours; llama-perplexity is not built by scripts/build_llama_cpp.sh.
 """
 
 from __future__ import annotations
@@ -111,6 +118,34 @@ def llama_prompt_ids(args, gguf: Path, prompt: str) -> list[int]:
     out = subprocess.run([str(Path(args.llama_dir) / "build/bin/llama-tokenize"), "-m", str(gguf), "-p", prompt,
                           "--ids", "--log-disable", "--no-bos"], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+QUANT_PAIRS = {"int8": "Q8_0", "int4-g32": "Q4_0", "int4-g64": "Q4_K_M"}
+
+
+def quantized_pair(args, model: Path, gguf: Path, quant: str) -> tuple[Path, Path]:
+    """(our container, their GGUF) for one --quant entry, each made by its own tool (once)."""
+    if quant not in QUANT_PAIRS:
+        raise SystemExit(f"error: --quant {quant!r}: expected one of {', '.join(QUANT_PAIRS)}")
+    work = Path(args.work_dir).expanduser()
+    ours = work / f"{args.preset}-{quant}"
+    if not (ours / "config.json").exists():
+        kind, _, group = quant.partition("-g")
+        argv = [sys.executable, "-m", "tuner.cli", "convert", str(model), "-o", str(ours), "--quant", kind,
+                "--force"] + (["--group-size", group] if group else [])
+        print(f"peers: {' '.join(argv[1:])}", file=sys.stderr)
+        with bench_lock(args.lock):
+            subprocess.run(argv, check=True, stdout=subprocess.DEVNULL,
+                           env={**os.environ, "PYTHONPATH": str(Path(args.ours_src).resolve())})
+    theirs = work / f"{args.preset}-{QUANT_PAIRS[quant]}.gguf"
+    if not theirs.exists():
+        tmp = theirs.with_suffix(".gguf.partial")
+        argv = [str(Path(args.llama_dir) / "build/bin/llama-quantize"), str(gguf), str(tmp), QUANT_PAIRS[quant]]
+        print(f"peers: {' '.join(argv)}", file=sys.stderr)
+        with bench_lock(args.lock):
+            subprocess.run(argv, check=True, capture_output=True)
+        os.replace(tmp, theirs)
+    return ours, theirs
 
 
 # --- the engines -----------------------------------------------------------------------------
@@ -240,25 +275,27 @@ def print_table(rows: list[dict], conditions: dict) -> None:
     print("\n## peers\n")
     for k, v in conditions.items():
         print(f"- {k}: {v}")
-    print("\n| mode | engine | status | tokens | load s | TTFT s | decode tok/s | cgroup peak MiB | "
+    print("\n| mode | weights | engine | status | tokens | load s | TTFT s | decode tok/s | cgroup peak MiB | "
           "limit MiB | wall s | tokens = ours |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         dec = fmt(r.get("decode_tok_s"))
         if r.get("decode_sd") is not None:
             dec += f" ± {r['decode_sd']:.2f}"
         mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
-        print(f"| {r['mode']} | {r['engine']} | {r['status']}{' (capped)' if r.get('capped') else ''} | "
+        print(f"| {r['mode']} | {r.get('quant', 'bf16')} | {r['engine']} | {r['status']}{' (capped)' if r.get('capped') else ''} | "
               f"{r.get('tokens', '-')} | {fmt(r.get('load_s'))} | {fmt(r.get('ttft_s'))} | {dec} | "
               f"{mib(r.get('peak_bytes'))} | {mib(r.get('limit_bytes'))} | {fmt(r.get('wall_s'), '{:.0f}')} | "
               f"{r.get('agree', '-')} |")
-    by = {(r["mode"], r["engine"]): r.get("decode_tok_s") for r in rows if r["status"] == "ok"}
+    by = {(r["mode"], r.get("quant", "bf16"), r["engine"]): r.get("decode_tok_s") for r in rows if r["status"] == "ok"}
     print()
     for mode in ("cold", "resident"):
-        ours = by.get((mode, "ours"))
-        for peer in ("llama-bench", "llama-simple", "transformers+accelerate", "transformers"):
-            if ours and by.get((mode, peer)):
-                print(f"- {mode}: ours / {peer} decode = {ours / by[(mode, peer)]:.3g}x")
+        for quant in ["bf16", *QUANT_PAIRS]:
+            ours = by.get((mode, quant, "ours"))
+            for peer in ("llama-bench", "llama-simple", "transformers+accelerate", "transformers"):
+                if ours and by.get((mode, quant, peer)):
+                    theirs = "" if quant == "bf16" else f" ({QUANT_PAIRS[quant]})"
+                    print(f"- {mode} {quant}: ours / {peer}{theirs} decode = {ours / by[(mode, quant, peer)]:.3g}x")
 
 
 def main(argv=None) -> int:
@@ -279,6 +316,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="llama-bench repetitions when resident")
     p.add_argument("--cap-seconds", type=float, default=300.0, help="wall-time cap of one peer's generation")
     p.add_argument("--load-cap-seconds", type=float, default=600.0, help="extra time for transformers' load")
+    p.add_argument("--quant", default="", help="also race quantized: comma list of int8, int4-g32, int4-g64 "
+                   "(against Q8_0, Q4_0, Q4_K_M); --quant-only skips the bf16 rows")
+    p.add_argument("--quant-only", action="store_true")
     p.add_argument("--lock", help="flock this file around each measured step (shared machines)")
     p.add_argument("--json", help="write all rows and conditions to this file")
     args = p.parse_args(argv)
@@ -310,34 +350,45 @@ def main(argv=None) -> int:
         "cap": f"{args.cap_seconds:.0f} s of generation per peer run (a capped row covers the tokens made in that time)",
         "cgroup": support.reason if not support.available else f"v{support.version}",
     }
+    quants = [q for q in args.quant.split(",") if q]
+    variants = ([] if args.quant_only else [("bf16", model, gguf, engines)]) + [
+        (q, *quantized_pair(args, model, gguf, q), [e for e in engines if e in ("ours", "llama-bench")])
+        for q in quants]
+    if quants:
+        conditions["quantized"] = ("ours: `colibri convert --quant` of the bf16 model (routed experts); theirs: "
+                                   "`llama-quantize` of the bf16 GGUF (every tensor it quantizes by default): "
+                                   + ", ".join(f"{q} vs {QUANT_PAIRS[q]}" for q in quants))
     rows: list[dict] = []
-    runners = {
-        "ours": lambda mode, lim: run_ours(args, model, mode, lim),
-        "llama-simple": lambda mode, lim: run_llama_simple(args, gguf, mode, lim, next(
-            (r.get("decode_tok_s") for r in rows if r["mode"] == mode and r["engine"] == "llama-bench"), None)),
-        "llama-bench": lambda mode, lim: run_llama_bench(args, gguf, mode, lim, len(prompt_ids)),
-        "accelerate": lambda mode, lim: run_accelerate(args, model, mode, lim, offload),
-    }
-    for mode in args.modes.split(","):
-        limit = cold_limit if mode == "cold" else resident_limit
-        # One lock hold per mode (about 10 min cold, 5 resident on the demo): short enough for a
-        # shared box, and the engines of one mode are measured back to back under the same load.
-        with bench_lock(args.lock):
-            for name in engines:
-                files = [model, gguf] + ([offload] if offload.exists() else [])
-                if mode == "cold":
-                    drop_pages(files)
-                else:
-                    read_into_page_cache([gguf] if name.startswith("llama") else [model])
-                print(f"peers: {mode} {name} ...", file=sys.stderr, flush=True)
-                row = runners[name](mode, limit)
-                print(f"peers: {mode} {name}: {row['status']}, decode {fmt(row.get('decode_tok_s'))} tok/s, "
-                      f"wall {row['wall_s']:.0f} s", file=sys.stderr, flush=True)
-                rows.append(row)
-    for mode in args.modes.split(","):
-        ref = next((r.get("output_ids") for r in rows if r["mode"] == mode and r["engine"] == "ours"), None)
-        for r in rows:
-            if r["mode"] == mode:
+    for quant, ours_model, their_gguf, names in variants:
+        runners = {
+            "ours": lambda mode, lim: run_ours(args, ours_model, mode, lim),
+            "llama-simple": lambda mode, lim: run_llama_simple(args, their_gguf, mode, lim, next(
+                (r.get("decode_tok_s") for r in rows if r["mode"] == mode and r["engine"] == "llama-bench"
+                 and r["quant"] == quant), None)),
+            "llama-bench": lambda mode, lim: run_llama_bench(args, their_gguf, mode, lim, len(prompt_ids)),
+            "accelerate": lambda mode, lim: run_accelerate(args, ours_model, mode, lim, offload),
+        }
+        for mode in args.modes.split(","):
+            limit = cold_limit if mode == "cold" else resident_limit
+            # One lock hold per mode (about 10 min cold, 5 resident on the demo): short enough for a
+            # shared box, and the engines of one mode are measured back to back under the same load.
+            with bench_lock(args.lock):
+                for name in names:
+                    files = [ours_model, their_gguf] + ([offload] if offload.exists() else [])
+                    if mode == "cold":
+                        drop_pages(files)
+                    else:
+                        read_into_page_cache([their_gguf] if name.startswith("llama") else [ours_model])
+                    print(f"peers: {mode} {quant} {name} ...", file=sys.stderr, flush=True)
+                    row = {**runners[name](mode, limit), "quant": quant}
+                    print(f"peers: {mode} {quant} {name}: {row['status']}, decode {fmt(row.get('decode_tok_s'))} "
+                          f"tok/s, wall {row['wall_s']:.0f} s", file=sys.stderr, flush=True)
+                    rows.append(row)
+    for quant, *_ in variants:
+        for mode in args.modes.split(","):
+            same = [r for r in rows if r["mode"] == mode and r["quant"] == quant]
+            ref = next((r.get("output_ids") for r in same if r["engine"] == "ours"), None)
+            for r in same:
                 r["agree"] = "ref" if r["engine"] == "ours" else agreement(ref, r, pieces)
     print_table(rows, conditions)
     if args.json:

@@ -4,7 +4,10 @@
 
 One routed expert of the demo geometry (gate/up [I, H], down [H, I]) at batch 1, bf16
 activations. Rows: bf16 F.linear (the baseline), `_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`
-per group size, and the dequantize-then-matmul fallback. The "prepare" column is the one-off
+per group size, the dequantize-then-matmul fallback (torch's kernels: engine/native's int ops
+held off), then the native decode kernels (engine/native: bf16 experts_bf16, int8/int4
+quant_experts) for one expert per call and for 8 experts in one call (per expert: what a
+resident MoE layer's one call costs, divided by 8). The "prepare" column is the one-off
 work to turn the bytes read from disk into the kernel's operands (what a cache miss pays on top
 of the read): it decides whether containers store raw nibbles or the kernel's packed layout
 (docs/FORMAT.md). Medians of --repeats timings of --inner calls each; min/max alongside.
@@ -20,6 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from engine import native
+from engine.arch.layers import native_quant_operands
 from engine.format.quant import QuantWeight, quantize
 
 
@@ -45,6 +50,8 @@ def measure(hidden: int, inter: int, repeats: int, inner: int) -> list[dict]:
         h = F.silu(F.linear(x_h, bf[0])) * F.linear(x_h, bf[1])
         return F.linear(x_i, bf[2]) if h is not None else None
 
+    native_why = native.load()
+    int_native, native.int_ready = native.int_ready, False  # torch's kernels first
     rows = [{"kernel": "bf16 F.linear", "quant": "bf16", "group": None,
              "bytes": sum(m.nbytes for m in bf), "compute": _time(expert_bf16, repeats, inner), "prepare": None}]
     cases = [("int8", 0, True)] + [("int4", g, True) for g in (32, 64, 128)] + [("int4", 64, False), ("int8", 0, False)]
@@ -60,7 +67,32 @@ def measure(hidden: int, inter: int, repeats: int, inner: int) -> list[dict]:
         rows.append({"kernel": ws[0].kernel, "quant": quant, "group": group or None,
                      "bytes": sum(q.nbytes + s.nbytes for q, s in stored),
                      "compute": _time(expert_q, repeats, inner), "prepare": _time(prep, repeats, max(inner // 4, 1))})
+    native.int_ready = int_native
+    native.int8_decode = True  # measured here even where the engine keeps it off
+    if native_why is not None:
+        print(f"native kernels: {native_why}")
+        return rows
+    fused = [torch.cat([bf[0], bf[1]]), bf[2]]
+    for n in (1, 8):
+        rows.append({"kernel": f"native experts_bf16 x{n}", "quant": "bf16", "group": None,
+                     "bytes": sum(m.nbytes for m in bf), "prepare": None,
+                     "compute": _per(_time(lambda: native.experts(x_h, fused * n, 2), repeats, inner), n)})
+    if not native.int_ready:
+        print("native int8/int4 kernels: this CPU lacks VNNI or VBMI")
+        return rows
+    for quant, group in [("int8", 0)] + [("int4", g) for g in (32, 64, 128)]:
+        stored = [quantize(m, quant, group) for m in mats]
+        ws = [QuantWeight.prepare(q, s, quant, group, dtype) for q, s in stored]
+        for n in (1, 8):
+            operands, g = native_quant_operands(x_h, [ws] * n)
+            rows.append({"kernel": f"native {quant} quant_experts x{n}", "quant": quant, "group": group or None,
+                         "bytes": sum(q.nbytes + s.nbytes for q, s in stored), "prepare": None,
+                         "compute": _per(_time(lambda: native.quant_experts(x_h, operands, g), repeats, inner), n)})
     return rows
+
+
+def _per(t: dict, n: int) -> dict:
+    return {k: v / n for k, v in t.items()}
 
 
 def main() -> None:

@@ -181,9 +181,9 @@ def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
         if span is None:
             from engine.format.checkpoint import Checkpoint
             from engine.format.layout import ExpertLayout
-            from engine.arch.args import ModelArgs
+            from engine.arch.registry import model_args
             ckpt = Checkpoint(model_dir)
-            span = ExpertLayout(ckpt, ModelArgs.from_config(ckpt.config)).expert_nbytes
+            span = ExpertLayout(ckpt, model_args(ckpt.config)).expert_nbytes
         with _config_lock(a.lock):
             if a.trace_bound:
                 streamed.append(trace_bound.measure_row(

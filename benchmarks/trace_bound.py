@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.base.config import parse_size  # noqa: E402
-from engine.movement.io.align import align_down, align_up  # noqa: E402
+from engine.base.align import align_down, align_up  # noqa: E402
 from engine.movement.io.trace import read_trace  # noqa: E402
 from benchmarks.fio_bound import drop_pages  # noqa: E402
 

@@ -61,9 +61,9 @@ class Reference(torch.nn.Module):
 
     def __init__(self, c: dict):
         super().__init__()
-        from engine.arch.args import ModelArgs
+        from engine.arch.registry import model_args
         from engine.arch.rope import rope_inv_freq
-        self.args = ModelArgs.from_config(c)
+        self.args = model_args(c)
         a = self.args
         H, D, E, I, V = a.hidden_size, a.head_dim, a.num_experts, a.moe_intermediate_size, a.vocab_size
         P = lambda *shape, std=0.02: torch.nn.Parameter(torch.randn(*shape) * std)  # noqa: E731

@@ -25,7 +25,7 @@ ARCHS: dict[str, dict] = {
                                    "original_max_position_embeddings": 64}),
     "qwen3": dict(head_dim=16, max_position_embeddings=256, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                 "original_max_position_embeddings": 64}),
-    # The architectures with their own attention, routing and experts (engine/arch/parsers.py).
+    # The architectures with their own attention, routing and experts (engine/arch/families/).
     # Four groups of two with topk_group 2 make the group limit bite; dense first layer;
     # yarn with mscale_all_dim moves the softmax scale; rope_interleave is DeepSeek's default.
     "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -97,3 +97,30 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
             out.append(tok)
             seq.append(tok)
     return out
+
+
+# --- the oracle checks the architecture suites share (test_archs.py, test_fp8.py) ---------------
+
+ATOL = 1e-4  # fp32, max |logit difference| (test_oracle.py's rule)
+PROMPT = [(7 * i + 3) % 256 for i in range(32)]
+
+
+def fp32_engine(d, **kw):
+    from engine.base.config import EngineConfig
+    from engine.run.runtime import Engine
+    return Engine(d, EngineConfig(ctx_size=64, dtype="fp32", threads=1, **kw))
+
+
+def assert_logits_match(d, model, label: str, prompt: list[int] = PROMPT, atol: float = ATOL) -> float:
+    """The engine on directory d against transformers' `model`: max |dlogit| over the prompt."""
+    with fp32_engine(d) as engine:
+        diff = (engine.forward(prompt, 0) - hf_logits(model, prompt)).abs().max().item()
+    print(f"{label}: max |dlogit| = {diff:.3e}")
+    assert diff <= atol, f"{label}: max |dlogit| {diff:.3e} > {atol}"
+    return diff
+
+
+def assert_greedy_match(d, model, n: int = 16, prompt: list[int] = PROMPT) -> None:
+    from engine.run.generate import Sampler, generate
+    with fp32_engine(d) as engine:
+        assert generate(engine, prompt, n, Sampler()).output_ids == hf_greedy(model, prompt, n)

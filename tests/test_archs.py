@@ -17,17 +17,12 @@ from engine.base.config import EngineConfig
 from engine.base.errors import ModelFormatError
 from engine.run.generate import Sampler, generate
 from engine.arch.layers import KVCache, rms_norm, route_layer
-from engine.arch.args import ModelArgs
+from engine.arch.registry import model_args
 from engine.run.runtime import Engine
-from colibri_hf_models import build, hf_greedy, hf_logits
+from colibri_hf_models import (ATOL, PROMPT, assert_greedy_match, assert_logits_match, build, fp32_engine,
+                                hf_greedy, hf_logits)
 
-ATOL = 1e-4
-PROMPT = [(7 * i + 3) % 256 for i in range(32)]
 NEW_ARCHS = ["deepseek_v3", "glm4_moe", "glm_moe_dsa", "gpt_oss"]
-
-
-def fp32_engine(d, **kw) -> Engine:
-    return Engine(d, EngineConfig(ctx_size=64, dtype="fp32", threads=1, **kw))
 
 
 @pytest.fixture(scope="module", params=[(a, s) for a in NEW_ARCHS for s in (False, True)],
@@ -43,16 +38,12 @@ def arch_pair(request, tmp_path_factory):
 
 def test_logits_match_transformers(arch_pair):
     arch, model, d = arch_pair
-    with fp32_engine(d) as engine:
-        diff = (engine.forward(PROMPT, 0) - hf_logits(model, PROMPT)).abs().max().item()
-    print(f"{arch}: max |dlogit| = {diff:.3e}")
-    assert diff <= ATOL, f"{arch}: max |dlogit| {diff:.3e} > {ATOL}"
+    assert_logits_match(d, model, arch)
 
 
 def test_greedy_tokens_match_transformers(arch_pair):
-    arch, model, d = arch_pair
-    with fp32_engine(d) as engine:
-        assert generate(engine, PROMPT, 16, Sampler()).output_ids == hf_greedy(model, PROMPT, 16)
+    _, model, d = arch_pair
+    assert_greedy_match(d, model)
 
 
 VARIANTS = {
@@ -303,7 +294,7 @@ BAD = [
 def test_bad_config_is_one_line_error(configs, arch, patch, needle):
     cfg = {**configs[arch], **patch}
     with pytest.raises(ModelFormatError) as err:
-        ModelArgs.from_config(cfg)
+        model_args(cfg)
     message = str(err.value)
     assert "\n" not in message and needle in message and arch in message, message
 
@@ -368,3 +359,45 @@ def test_gpt_oss_generation_longer_than_the_window_matches_transformers(tmp_path
     prompt = PROMPT[:4]  # shorter than the window; the 40 new tokens wrap the ring five times
     with fp32_engine(tmp_path) as engine:
         assert generate(engine, prompt, 40, Sampler()).output_ids == hf_greedy(model, prompt, 40)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+@pytest.mark.parametrize("quant,group", [("int8", 0), ("int4", 32)])
+def test_mla_runs_a_scope_all_container(arch, quant, group, tmp_path):
+    """`convert --scope all` quantizes every MLA projection, the DSA indexer's included: each is
+    multiplied by its kernel (it used to be F.linear on a QuantWeight), and kv_b_proj, which the
+    absorbed form views per head, is dequantized at load. The logits equal the same model's with
+    every quantized matrix replaced by its dequantized values, and the plan counts kv_b_proj in
+    the compute dtype."""
+    from engine.format.convert import convert
+    from engine.format.quant import QuantWeight
+    src = tmp_path / "src"
+    build(arch, src, kv_lora_rank=32, v_head_dim=16)  # groups of 32 divide every projection's input
+    out = convert(src, tmp_path / "all", quant, group_size=group or 64, scope="all")["path"]
+    with fp32_engine(out) as engine:
+        w = engine.model.w
+        kv_b = [n for n in w if n.endswith("kv_b_proj.weight")]
+        assert kv_b and all(type(w[n]) is torch.Tensor and w[n].dtype == torch.float32 for n in kv_b)
+        quantized = [n for n in w if isinstance(w[n], QuantWeight)]
+        assert any(".self_attn.o_proj." in n for n in quantized)
+        if arch == "glm_moe_dsa":
+            assert any(".indexer.weights_proj." in n for n in quantized)
+        assert engine.plan.dense_bytes == sum(t.nbytes for t in w.values())  # what is held, as held
+        logits = engine.forward(PROMPT, 0)
+        for n in quantized:
+            w[n] = w[n].dequantize().float()
+        engine.kv = KVCache.allocate(engine.args, 64, torch.float32, torch.float32)
+        reference = engine.forward(PROMPT, 0)
+    assert float((logits - reference).abs().max()) <= 1e-4 * float(reference.abs().max())
+
+
+def test_convert_refuses_gpt_oss_in_one_line(tmp_path):
+    """gpt_oss's experts (fused [E, H, 2I] with biases, or MXFP4) have no container layout: a
+    clear refusal before anything is written (it crashed mid-write on a shape mismatch)."""
+    from engine.base.errors import UnsupportedModelError
+    from engine.format.convert import convert
+    build("gpt_oss", tmp_path / "src")
+    with pytest.raises(UnsupportedModelError) as err:
+        convert(tmp_path / "src", tmp_path / "out", "int8", 0, "experts")
+    assert "gpt_oss" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()

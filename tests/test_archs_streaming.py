@@ -4,6 +4,7 @@ sigmoid group routing, gpt_oss experts plain and MXFP4-dequantized on read)."""
 
 import pytest
 
+from engine.arch.gptoss import MXFP4_DEQUANT
 from engine.run.bench import run_bench
 from engine.base.config import EngineConfig
 from engine.run.generate import Sampler, generate
@@ -68,3 +69,24 @@ def test_lookahead_prefetches_with_the_architectures_router(model):
         assert generate(engine, PROMPT, NEW_TOKENS, Sampler()).output_ids == reference
         stats = engine.io_stats()
     assert stats["prefetch_reads"] > 0 and stats["lookahead_recall"] is not None
+
+
+@pytest.mark.parametrize("model", ["gpt_oss_mxfp4"], indirect=True)
+def test_mxfp4_dequantized_on_read_frees_its_read_slots(model, monkeypatch):
+    """The dequantize-on-read path (COLIBRI_MXFP4_FUSED=0) is not zero-copy: the plan gives its
+    store read slots only, so a cached expert must hold no view of its slot. It held one (its
+    biases, already bf16, were returned as views) and every read past the cache's fill waited
+    the slot guard out (5 s): the streamed run that looked hung."""
+    _name, d, _, _ = model
+    monkeypatch.setenv("COLIBRI_MXFP4_FUSED", "0")
+    # bf16 compute, as gpt-oss runs: the biases are stored bf16, so `.to(bf16)` would be a view.
+    with Engine(d, EngineConfig(threads=1, ctx_size=64, dtype="bf16")) as engine:
+        reference = generate(engine, PROMPT, NEW_TOKENS, Sampler()).output_ids
+    config = EngineConfig(threads=1, ctx_size=64, io_threads=2, io_mode="direct", prefetch_depth=1, dtype="bf16")
+    config = config.replace(ram_budget=budget_for_cache(d, config, cache_experts=6) + RUNTIME_SLACK)
+    with Engine(d, config) as engine:
+        assert engine.plan.streaming and engine.kernel == MXFP4_DEQUANT
+        tokens = generate(engine, PROMPT, NEW_TOKENS, Sampler()).output_ids
+        stats = engine.io_stats()
+    assert tokens == reference
+    assert stats["slot_overflows"] == 0 and stats["bytes_read"] > 0

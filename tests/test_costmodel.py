@@ -210,11 +210,11 @@ def test_curve_region_keeps_the_rising_part_and_the_plateau(hw):
 def test_prefilter_never_drops_a_config_the_engines_plan_accepts(tiny):
     from engine.format.checkpoint import Checkpoint
     from engine.format.layout import ExpertLayout
-    from engine.arch.args import ModelArgs
+    from engine.arch.registry import model_args
     from engine.movement.plan import make_plan
     import torch
     ckpt = Checkpoint(tiny)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args)
     g = from_model_dir(tiny)
     import psutil

@@ -24,23 +24,17 @@ from engine.base.errors import ModelFormatError
 from engine.format import fp8
 from engine.format.checkpoint import Checkpoint
 from engine.format.layout import ExpertLayout
-from engine.arch.model import ModelArgs
+from engine.arch.args import ModelArgs
 from engine.native import fp8 as native_fp8
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
 from colibri_fp8 import oracle_model, write_sharded_fp8
 from colibri_requirements import needs
-from colibri_hf_models import build, hf_greedy, hf_logits
+from colibri_hf_models import PROMPT, assert_greedy_match, assert_logits_match, build, fp32_engine, hf_logits
 from test_streaming import PLACEMENTS, budget_for_cache
 
-ATOL = 1e-4
 BLOCK = (24, 20)
-PROMPT = [(7 * i + 3) % 256 for i in range(32)]
 ARCHS = ["deepseek_v3", "glm4_moe", "glm_moe_dsa", "qwen3_moe"]
-
-
-def fp32_engine(d, **kw) -> Engine:
-    return Engine(d, EngineConfig(ctx_size=64, dtype="fp32", threads=1, **kw))
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -54,16 +48,12 @@ def fp8_model(request, tmp_path_factory):
 
 def test_logits_match_transformers_on_the_dequantized_weights(fp8_model):
     arch, d, model = fp8_model
-    with fp32_engine(d) as engine:
-        diff = (engine.forward(PROMPT, 0) - hf_logits(model, PROMPT)).abs().max().item()
-    print(f"{arch} fp8: max |dlogit| = {diff:.3e}")
-    assert diff <= ATOL, f"{arch}: max |dlogit| {diff:.3e} > {ATOL}"
+    assert_logits_match(d, model, f"{arch} fp8")
 
 
 def test_greedy_tokens_match_transformers(fp8_model):
-    arch, d, model = fp8_model
-    with fp32_engine(d) as engine:
-        assert generate(engine, PROMPT, 16, Sampler()).output_ids == hf_greedy(model, PROMPT, 16)
+    _, d, model = fp8_model
+    assert_greedy_match(d, model)
 
 
 def test_weights_stay_at_their_stored_size(fp8_model):

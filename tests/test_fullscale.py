@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.fullscale import build
-from engine.arch.model import ModelArgs
+from engine.arch.registry import model_args
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError
 from engine.format.checkpoint import Checkpoint
@@ -41,7 +41,7 @@ def test_engine_opens_lays_out_and_plans_the_full_model(deepseek_bf16):
     ckpt = Checkpoint(d)
     assert len(ckpt.tensors) == info["tensors"]
     assert ckpt.nbytes() == info["apparent_bytes"]
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args)
     # 58 MoE layers x 256 experts; the MTP layer 61 is in the files but not a layer the engine runs
     assert layout.num_routed == 58 * 256
@@ -83,13 +83,34 @@ def test_int4_container_variant_plans_within_16_gib(tmp_path):
     d = tmp_path / "int4"
     build("deepseek-v3", d, "int4")
     ckpt = Checkpoint(d)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args)
     assert layout.quant.quant == "int4" and layout.spans_per_expert == 1
     plan = make_plan(ckpt, args, layout, EngineConfig(ram_budget=16 * GiB), torch.bfloat16, torch.bfloat16,
                      overhead_bytes=1 * GiB)
-    assert plan.streaming and plan.dense_bytes < 11 * GiB and plan.cache_slots > 100
+    # 11.6 GiB: int4 projections + bf16 embeddings + kv_b_proj dequantized at load (2 GiB in bf16)
+    assert plan.streaming and plan.dense_bytes < 12 * GiB and plan.cache_slots > 100
     geometry = from_model_dir(d)
     shapes = {t.name: t.shape for t in geometry.dense}
     assert shapes["lm_head.weight"] == (129280, 7168)
     assert shapes["model.layers.5.self_attn.o_proj.weight"] == (7168, 16384)
+
+
+def test_decodable_build_writes_the_scales_and_biases_a_decode_step_reads():
+    """`build --decodable`: the bytes a decode step on holes reads are real — int4 scales whose
+    hole codes dequantize to exactly 0, FP8 scales 1.0, and router biases that make experts
+    0..K-1 win every tie — and nothing else (an expert the router never picks stays a hole)."""
+    from benchmarks.fullscale import _real_bytes
+    from engine.format.quant import dequantize_int4
+    K = 8
+    qscale = _real_bytes("model.layers.5.mlp.experts.3.down_proj.qscale", "BF16", (16, 7168, 2), K)
+    codes = torch.zeros(7168, 1024, dtype=torch.uint8)  # a hole: every nibble 0
+    scales = torch.frombuffer(bytearray(qscale), dtype=torch.bfloat16).view(16, 7168, 2)
+    assert bool((scales[..., 0] > 0).all()) and float(dequantize_int4(codes, scales, 128).abs().max()) == 0.0
+    assert _real_bytes("model.layers.5.mlp.experts.8.down_proj.qscale", "BF16", (16, 7168, 2), K) is None
+    assert _real_bytes("model.layers.5.mlp.experts.8.down_proj.qweight", "U8", (7168, 1024), K) is None
+    fp8_scale = _real_bytes("model.layers.5.self_attn.o_proj.weight_scale_inv", "F32", (56, 128), K)
+    assert torch.equal(torch.frombuffer(bytearray(fp8_scale), dtype=torch.float32), torch.ones(56 * 128))
+    bias = torch.frombuffer(bytearray(_real_bytes("model.layers.5.mlp.gate.e_score_correction_bias", "F32", (256,), K)),
+                            dtype=torch.float32)
+    assert torch.equal(bias.topk(K).indices.sort().values, torch.arange(K))  # ties broken toward 0..K-1

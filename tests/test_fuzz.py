@@ -33,8 +33,9 @@ from engine import synth
 from engine.format.checkpoint import DTYPES
 from engine.base.config import EngineConfig
 from engine.base.errors import ColibriError
-from engine.arch.args import SUPPORTED_TYPES
-from engine.format.validate import RULES, ROPE_TYPES
+from engine.arch.registry import SUPPORTED_TYPES
+from engine.arch.config_rules import ROPE_TYPES
+from engine.arch.registry import RULES
 from colibri_tiny import RUN_ARGS, TINY, make_tiny, read_header, write_header
 from tuner.cli import main
 

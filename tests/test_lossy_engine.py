@@ -12,7 +12,7 @@ from engine.base.errors import BudgetError, ConfigError
 from engine.run.generate import Sampler, generate
 from engine.arch.kvquant import SCALE_BYTES, QuantizedRows
 from engine.format.layout import ExpertLayout
-from engine.arch.model import ModelArgs
+from engine.arch.registry import model_args
 from engine.movement.plan import make_plan
 from engine.arch.router import RoutingTrim
 from engine.run.runtime import Engine
@@ -105,7 +105,7 @@ def test_quantized_kv_bytes_are_planned_and_allocated(qwen):
 def test_a_budget_the_full_cache_exceeds_fits_the_quantized_one(qwen):
     """The plan charges the quantized cache's own bytes: codes and scales, not the compute dtype's."""
     ckpt = Checkpoint(qwen)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args)
     config = EngineConfig(ctx_size=4096, ram_budget=1 << 40)
     quant = make_plan(ckpt, args, layout, config, torch.float32, "int8", overhead_bytes=64 << 20)

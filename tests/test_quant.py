@@ -181,7 +181,7 @@ def test_convert_discards_partial_made_with_other_options(src, tmp_path, monkeyp
 @pytest.mark.parametrize("label", ["int8", "int4-g32", "int4-g64"])
 def test_engine_on_container_equals_dequantized_experts(containers, label):
     with Engine(containers[label], EngineConfig(threads=1, ctx_size=64)) as engine:
-        assert engine.kernel.startswith("aten._weight_int")
+        assert "aten._weight_int" in engine.kernel  # prefill; decode may be native (engine/native)
         logits = engine.forward(PROMPT, 0)
         store = engine.experts._experts
         for key, ws in store.items():

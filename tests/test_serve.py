@@ -24,13 +24,17 @@ import uvicorn
 
 from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
+from engine.run.generate import Sampler, generate
+from engine.run.runtime import Engine
 from engine.serve.app import build_app
 from engine.serve.chat_template import ChatTemplate
+from engine.serve.metrics import ServerMetrics
 from engine.serve.protocol import Sampling
 from engine.serve.server import LoadedModel, ServeOptions, check_options, make_state
 from engine.serve.worker import Job, TextStream
 
 from colibri_tiny import make_tiny
+from test_streaming import budget_for_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 CTX = 2048
@@ -330,6 +334,31 @@ def test_text_stream_holds_back_a_possible_stop_and_cuts_at_it():
     assert s.push(ord("D")) == "" and s.stopped and s.text == "abc"
     s2 = TextStream(_Chars(), ["END"])
     assert "".join(s2.push(ord(c)) for c in "abENx") + s2.flush() == "abENx"
+
+
+def _scraped(text: str) -> dict[str, float]:
+    return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines() if line and line[0] != "#")}
+
+
+def test_metrics_count_lookups_and_hits_per_tier_of_a_streaming_store(tiny):
+    # The counters let a scraper take the hit rate over any window (the soak's per-interval rate);
+    # they must be the store's own counts, and agree with the since-start rates beside them.
+    config = EngineConfig(threads=1, ctx_size=64, cpu_cache_ratio=1.0)
+    # 16 MiB over the plan: the RSS grows a little between this estimate and the engine's own.
+    config = config.replace(ram_budget=budget_for_cache(tiny, config, cache_experts=6) + (16 << 20))
+    with Engine(tiny, config) as engine:
+        assert engine.plan.streaming
+        generate(engine, [1, 2, 3, 4], 6, Sampler())
+        first = _scraped(ServerMetrics().render(0, False, engine.io_stats()))
+        generate(engine, [5, 6, 7], 6, Sampler())
+        second = _scraped(ServerMetrics().render(0, False, engine.io_stats()))
+        store = engine.store
+        assert second["colibri_expert_lookups_total"] == store.lookups > first["colibri_expert_lookups_total"] > 0
+        for tier in store.cache.tier_names:
+            hits = second[f'colibri_expert_hits_total{{tier="{tier}"}}']
+            assert hits == store.tier_hits.get(tier, 0)
+            assert hits / store.lookups == pytest.approx(second[f'colibri_expert_hit_rate{{tier="{tier}"}}'], abs=1e-6)
+        assert second['colibri_expert_hits_total{tier="ram"}'] > first['colibri_expert_hits_total{tier="ram"}']
 
 
 def test_chat_template_renders_as_transformers_does(tiny, tmp_path):

@@ -16,6 +16,7 @@ from engine.base.config import EngineConfig
 from engine.run.generate import Sampler, generate
 from engine.format.layout import ExpertLayout
 from engine.arch.args import ModelArgs, dense_tensor_names, expert_tensor_names, fused_expert_tensor_names
+from engine.arch.registry import model_args
 from engine.movement.plan import ACTIVATION_MARGIN, make_plan
 from engine.run.runtime import Engine
 from engine.movement.store import ExpertStore, ResidentExperts
@@ -58,7 +59,7 @@ def _as_gate_up_down(weights):
 
 def _expert_store(kind: str, moe_dir, cache_entries: int = 2):
     ckpt = Checkpoint(moe_dir)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args)
     if kind == "resident":
         return ResidentExperts(layout, torch.float32), ckpt, args
@@ -159,7 +160,7 @@ def test_slots_bound_every_read_and_cache_entry(moe_dir, io_mode):
 
 def test_layer_store_contract(dense_dir):
     ckpt = Checkpoint(dense_dir)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     names = {1: [n for n in dense_tensor_names(args) if n.startswith("model.layers.1.")]}
     for io_mode in IO_MODES:
         store = StreamingLayers(ckpt, names, EngineConfig(io_mode=io_mode, io_threads=2), torch.float32)

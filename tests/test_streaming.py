@@ -14,7 +14,7 @@ from engine.base.errors import BudgetError, ModelFormatError
 from engine.run.generate import Sampler, generate
 from engine.movement.io import uring_unavailable
 from engine.format.layout import ExpertLayout
-from engine.arch.args import ModelArgs
+from engine.arch.registry import model_args
 from engine.movement.plan import ACTIVATION_MARGIN, make_plan
 from engine.run.runtime import Engine
 from colibri_hf_models import build
@@ -51,7 +51,7 @@ def histogram(model_dir, tmp_path_factory):
 def budget_for_cache(model_dir, config: EngineConfig, cache_experts: int) -> int:
     """A budget whose plan leaves about `cache_experts` experts of RAM cache at this ratio."""
     ckpt = Checkpoint(model_dir)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args)
     import torch
     plan = make_plan(ckpt, args, layout, config.replace(ram_budget=0), torch.float32, torch.float32)
@@ -61,12 +61,25 @@ def budget_for_cache(model_dir, config: EngineConfig, cache_experts: int) -> int
     return fixed + int(cache_experts * plan.expert_bytes / ratio) + (1 << 20)
 
 
+AXES = {"io_mode": ["direct", "buffered", "mmap"], "chunk_size": [4096, 65536], "prefetch_depth": [0, 1, 3],
+        "cpu_cache_ratio": [0.0, 0.3, 1.0]}
+POLICIES = ["lru", "lfu", "pinned"]
+# Every combination of the four axes (54), each with one cache policy chosen by the sum of the axes'
+# indices mod 3: a Latin-square assignment, so every policy meets every value of every axis (each
+# (policy, ratio) pair 6 times) without tripling the grid. A plain cycle would tie each policy to
+# one ratio (lru only ever with ratio 0, an empty cache), which test_grid_crosses_policy_with_every_axis
+# guards against.
 PLACEMENTS = [
-    dict(io_mode=io, chunk_size=chunk, prefetch_depth=pf, cpu_cache_ratio=ratio, cache_policy=policy)
-    for (io, chunk, pf, ratio), policy in zip(
-        itertools.product(["direct", "buffered", "mmap"], [4096, 65536], [0, 1, 3], [0.0, 0.3, 1.0]),
-        itertools.cycle(["lru", "lfu", "pinned"]))
+    dict(zip(AXES, (values[i] for values, i in zip(AXES.values(), idx))), cache_policy=POLICIES[sum(idx) % 3])
+    for idx in itertools.product(*(range(len(v)) for v in AXES.values()))
 ]
+
+
+def test_grid_crosses_policy_with_every_axis():
+    for axis, values in AXES.items():
+        pairs = {(p["cache_policy"], p[axis]) for p in PLACEMENTS}
+        assert pairs == set(itertools.product(POLICIES, values)), axis
+    assert len({tuple(p.values()) for p in PLACEMENTS}) == len(PLACEMENTS) == 54
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: "-".join(str(v) for v in p.values()))
@@ -194,7 +207,7 @@ def dense_dir(tmp_path_factory):
 def dense_budget(dense_dir, config, resident_layers):
     import torch
     ckpt = Checkpoint(dense_dir)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     overhead = psutil.Process().memory_info().rss + ACTIVATION_MARGIN
     probe = make_plan(ckpt, args, None, config.replace(ram_budget=1 << 40), torch.float32, torch.float32, overhead)
     base = probe.dense_bytes - probe.resident_layers * probe.layer_bytes

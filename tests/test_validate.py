@@ -9,8 +9,9 @@ import pytest
 from engine.format import tensor_checks
 from engine.format.checkpoint import MAX_HEADER_BYTES, TensorInfo
 from engine.base.errors import ModelFormatError
-from engine.arch.args import SUPPORTED_TYPES
-from engine.format.validate import RULES, Consistent, Int, config_problems, validate_config
+from engine.arch.registry import SUPPORTED_TYPES
+from engine.arch.config_rules import Consistent, Int, config_problems
+from engine.arch.registry import RULES, validate_config
 from colibri_tiny import RUN_ARGS, make_tiny, read_header, write_header
 from tuner.cli import main
 

@@ -1,24 +1,19 @@
-"""config.json → ModelArgs, and the tensor names of each architecture (HF's names).
+"""ModelArgs (what the forward pass needs to know of a model), the fields every config.json
+shares, and the tensor names (HF's names) the switches of ModelArgs imply.
 
 The architectures differ only in a handful of switches, collected in `ModelArgs`: q/k norms
 (none / per head / over the whole projection), qkv bias, shared expert, how the top-k routing
 weights are normalised, and which layers are MoE. deepseek_v3, glm4_moe, glm_moe_dsa and
 gpt_oss also swap in their own attention, routing rule and expert math through strategy
-objects on ModelArgs (engine/arch/parsers.py builds them).
+objects on ModelArgs. Each architecture's parse (engine/arch/families/) sets them;
+engine/arch/registry.py turns a config.json into ModelArgs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.base.errors import ModelFormatError, UnsupportedModelError
-
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-DENSE_TYPES = ("llama", "qwen2", "qwen3")
-# Parsed by engine/arch/parsers.py; they plug in through the strategy fields at the end of ModelArgs.
-EXT_MOE_TYPES = ("deepseek_v3", "glm4_moe", "glm_moe_dsa", "gpt_oss")
-SUPPORTED_TYPES = MOE_TYPES + EXT_MOE_TYPES + DENSE_TYPES
-
+from engine.base.errors import UnsupportedModelError
 
 # --- configuration ----------------------------------------------------------------------------
 
@@ -50,12 +45,12 @@ class ModelArgs:
     moe_layer_flags: list[bool] = field(default_factory=list)
     moe_prefix: str = "mlp"  # mixtral: "block_sparse_moe"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    # Extensions (engine/arch/parsers.py): None/0 keeps the behaviour of the architectures above.
+    # Extensions (engine/arch/families/): None/0 keeps the behaviour of the architectures above.
     rotary_dim: int = 0  # 0 = all of head_dim; glm4_moe rotates partial_rotary_factor of it
     shared_experts_intermediate_size: int = 0  # deepseek-style ungated `mlp.shared_experts`
-    attention_impl: object | None = None  # engine.mla.MLAAttention | engine.gptoss.SinkAttention
-    router: object | None = None  # engine.routing.*: names(prefix), route(w, prefix, x)
-    expert_impl: object | None = None  # engine.gptoss.GptOssExperts: numel, locations, forward
+    attention_impl: object | None = None  # engine.arch.mla.MLAAttention | engine.arch.gptoss.SinkAttention
+    router: object | None = None  # engine.arch.router.*: names(prefix), route(w, prefix, x)
+    expert_impl: object | None = None  # engine.arch.gptoss.GptOssExperts: numel, forward
 
     def __post_init__(self):
         if not self.moe_layer_flags:
@@ -75,17 +70,6 @@ class ModelArgs:
             return self.expert_impl.numel
         return 3 * self.hidden_size * self.moe_intermediate_size
 
-    @classmethod
-    def from_config(cls, cfg: dict) -> "ModelArgs":
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_TYPES:
-            raise UnsupportedModelError(
-                f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
-        try:
-            return _args_from_config(model_type, cfg)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ModelFormatError(f"config.json for {model_type} is missing or has a bad field: {exc}") from None
-
 
 def _rope_params(cfg: dict) -> dict:
     # transformers 5 writes `rope_parameters`; 4.x wrote `rope_theta` + `rope_scaling`.
@@ -99,15 +83,15 @@ def _rope_params(cfg: dict) -> dict:
     return params
 
 
-def _args_from_config(model_type: str, cfg: dict) -> ModelArgs:
+def common_fields(model_type: str, cfg: dict) -> dict:
+    """The ModelArgs fields every architecture reads the same way (a family's parse adds its own)."""
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
-    layers = int(cfg["num_hidden_layers"])
     common = dict(
         model_type=model_type,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
-        num_layers=layers,
+        num_layers=int(cfg["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -120,53 +104,12 @@ def _args_from_config(model_type: str, cfg: dict) -> ModelArgs:
     )
     if common["hidden_act"] not in ("silu", "swish"):
         raise UnsupportedModelError(f"hidden_act {common['hidden_act']!r} is not supported (silu only)")
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mixtral") else None
-    if model_type in EXT_MOE_TYPES:
-        from engine.arch.parsers import ext_fields
-        fields = ext_fields(model_type, cfg, common)
-        return ModelArgs(**common, **fields)
+    return common
 
-    if model_type in ("llama", "qwen2", "qwen3"):
-        return ModelArgs(
-            **common,
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm="head" if model_type == "qwen3" else "none",
-            sliding_window=window,
-        )
 
-    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    top_k = int(cfg["num_experts_per_tok"])
-    if model_type == "mixtral":
-        return ModelArgs(
-            **common, num_experts=num_experts, top_k=top_k,
-            moe_intermediate_size=int(cfg["intermediate_size"]),
-            norm_topk_prob=True,  # Mixtral: softmax over the top-k logits == renormalised top-k
-            sliding_window=window,
-            moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2"),
-        )
-    if model_type == "olmoe":
-        return ModelArgs(
-            **common, num_experts=num_experts, top_k=top_k,
-            moe_intermediate_size=int(cfg["intermediate_size"]),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            qk_norm="full", clip_qkv=cfg.get("clip_qkv"),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-        )
-    # qwen2_moe / qwen3_moe: some layers may be plain MLPs.
-    mlp_only = set(cfg.get("mlp_only_layers") or [])
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    flags = [(i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(layers)]
-    return ModelArgs(
-        **common, num_experts=num_experts, top_k=top_k,
-        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "qwen3_moe")),
-        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
-        if model_type == "qwen2_moe" else 0,
-        attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2_moe")),
-        qk_norm="head" if model_type == "qwen3_moe" else "none",
-        sliding_window=window,
-        moe_layer_flags=flags,
-    )
+def sliding_window(cfg: dict, used_by_default: bool) -> int | None:
+    """The attention window, when the config turns sliding-window attention on."""
+    return cfg.get("sliding_window") if cfg.get("use_sliding_window", used_by_default) else None
 
 
 # --- tensor names -----------------------------------------------------------------------------

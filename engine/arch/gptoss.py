@@ -29,9 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.format.checkpoint import Checkpoint, TensorInfo
-from engine.base.errors import ModelFormatError
-from engine.format.layout import ExpertLocation, group_into_spans, piece_tensor
+from engine.format.quant import StoredMatrix
 from engine.arch.rope import apply_rope
 from engine import native
 
@@ -104,10 +102,11 @@ def fused_kernel_available() -> bool:
 
 
 @dataclass(frozen=True)
-class Mxfp4Matrix:
+class Mxfp4Matrix(StoredMatrix):
     """One expert matrix [N, K] as stored: blocks [N, K/32, 16] and scales [N, K/32] uint8,
     views of the read bytes. `linear` is x @ W.T + bias without a dequantized copy of W."""
 
+    tensor_fields = ("blocks", "scales")
     blocks: torch.Tensor
     scales: torch.Tensor
 
@@ -117,17 +116,8 @@ class Mxfp4Matrix:
         # Another device (the VRAM tier) or dtype (fp16): torch's matmul on a transient copy.
         return F.linear(x, mxfp4_dequantize(self.blocks, self.scales, x.dtype), bias)
 
-    @property
-    def device(self) -> torch.device:
-        return self.blocks.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.nbytes + self.scales.nbytes
-
     def to(self, device, non_blocking: bool = False) -> "Mxfp4Matrix":
-        return Mxfp4Matrix(self.blocks.to(device, non_blocking=non_blocking),
-                           self.scales.to(device, non_blocking=non_blocking))
+        return self.moved(device, non_blocking)
 
 
 def _linear(x: torch.Tensor, w, bias: torch.Tensor) -> torch.Tensor:
@@ -236,12 +226,6 @@ class SinkAttention:
 
 # --- experts ----------------------------------------------------------------------------------
 
-def _slice(info: TensorInfo, e: int, E: int, shape: tuple[int, ...]) -> TensorInfo:
-    """Expert e's slice of a fused [E, ...] tensor, as a TensorInfo of its own."""
-    step = info.nbytes // E
-    return TensorInfo(f"{info.name}[{e}]", info.path, info.dtype, shape, info.offset + e * step, step)
-
-
 @dataclass(frozen=True)
 class GptOssExperts:
     num_experts: int
@@ -255,57 +239,6 @@ class GptOssExperts:
         """Elements of one expert in the compute dtype (weights and biases)."""
         H, I = self.hidden_size, self.intermediate_size
         return 2 * I * H + 2 * I + H * I + H
-
-    def locations(self, ckpt: Checkpoint, layer: int) -> dict:
-        base = f"model.layers.{layer}.mlp.experts"
-        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
-        mx = f"{base}.gate_up_proj_blocks" in ckpt
-        if mx:
-            expect = {"gate_up_proj_blocks": (E, 2 * I, H // MX_BLOCK, 16), "gate_up_proj_scales": (E, 2 * I, H // MX_BLOCK),
-                      "gate_up_proj_bias": (E, 2 * I),
-                      "down_proj_blocks": (E, H, I // MX_BLOCK, 16), "down_proj_scales": (E, H, I // MX_BLOCK),
-                      "down_proj_bias": (E, H)}
-        else:
-            expect = {"gate_up_proj": (E, H, 2 * I), "gate_up_proj_bias": (E, 2 * I),
-                      "down_proj": (E, I, H), "down_proj_bias": (E, H)}
-        infos = {}
-        for name, shape in expect.items():
-            info = ckpt.info(f"{base}.{name}")
-            if info.shape != shape:
-                raise ModelFormatError(f"{info.path}: tensor {info.name!r} has shape {list(info.shape)}, "
-                                       f"config.json implies {list(shape)}")
-            if name.endswith(("_blocks", "_scales")) and info.dtype != "U8":
-                raise ModelFormatError(f"{info.path}: tensor {info.name!r} is {info.dtype}, MXFP4 needs U8")
-            infos[name] = info
-        fused = mx and fused_kernel_available()
-        decode = (self._decode_mxfp4_stored if fused else self._decode_mxfp4) if mx else self._decode_plain
-        # Fused: blocks and scales are computed on as stored, biases in the compute dtype.
-        stored = tuple(name.endswith(("_blocks", "_scales")) for name in expect) if fused else None
-        kernel = (MXFP4_FUSED if fused else MXFP4_DEQUANT) if mx else None
-        out = {}
-        for e in range(E):
-            spans, pieces = group_into_spans([_slice(i, e, E, s[1:]) for i, s in zip(infos.values(), expect.values())])
-            out[(layer, e)] = ExpertLocation(tuple(spans), tuple(pieces), decode=decode, stored=stored, kernel=kernel)
-        return out
-
-    @staticmethod
-    def _decode_plain(loc, buffers, dtype):
-        gate_up, gate_up_bias, down, down_bias = (piece_tensor(buffers, p, dtype) for p in loc.pieces)
-        # Stored as x @ W ([in, out]); the transposes are views in F.linear's [out, in] layout.
-        return gate_up.t(), gate_up_bias, down.t(), down_bias
-
-    @staticmethod
-    def _decode_mxfp4(loc, buffers, dtype):
-        gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = (
-            piece_tensor(buffers, p, p.dtype) for p in loc.pieces)
-        return (mxfp4_dequantize(gu_blocks, gu_scales, dtype), gu_bias.to(dtype),
-                mxfp4_dequantize(d_blocks, d_scales, dtype), d_bias.to(dtype))
-
-    @staticmethod
-    def _decode_mxfp4_stored(loc, buffers, dtype):
-        gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = (
-            piece_tensor(buffers, p, p.dtype) for p in loc.pieces)
-        return (Mxfp4Matrix(gu_blocks, gu_scales), gu_bias.to(dtype), Mxfp4Matrix(d_blocks, d_scales), d_bias.to(dtype))
 
     def forward(self, x: torch.Tensor, expert) -> torch.Tensor:
         gate_up_w, gate_up_b, down_w, down_b = expert  # [2I, H] (or its Mxfp4Matrix), [2I], [H, I], [H]

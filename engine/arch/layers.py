@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from engine import native
 from engine.arch.args import ModelArgs, layer_prefix
-from engine.format.quant import linear
+from engine.format.quant import QuantWeight, linear
 from engine.arch.kvquant import cache_bytes, check_kv_dtype, kv_buffer
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,11 +40,30 @@ def swiglu_expert(x: torch.Tensor, weights: tuple) -> torch.Tensor:
         return swiglu_expert(x.to(down.device), weights).to(x.device)
     if native.ready and x.shape[0] == 1 and x.dtype is torch.bfloat16 and type(down) is torch.Tensor:
         return native.experts(x, list(weights), len(weights))  # [1, H]; what moe's batched call computes
+    quantized = native_quant_operands(x, [weights])
+    if quantized is not None:  # int8/int4 decode: the same op as moe's batched call, with one expert
+        return native.quant_experts(x, *quantized)
     if len(weights) == 3:
         return swiglu(x, *weights)
     gu = F.linear(x, weights[0])  # [T, 2I]
     inter = down.shape[1]
     return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
+
+
+def native_quant_operands(x: torch.Tensor, experts: list) -> tuple[list, int] | None:
+    """(tensors, group) for native.quant_experts when every expert is (gate, up, down) QuantWeights
+    of one kind that the native int8/int4 kernel takes for x (group 0 = int8); else None."""
+    first = experts[0][0]
+    if type(first) is not QuantWeight or not first.native_decode(x):
+        return None
+    flat = []
+    for expert in experts:
+        if len(expert) != 3 or any(type(w) is not QuantWeight or w.quant != first.quant
+                                   or w.group_size != first.group_size or not w.native_decode(x) for w in expert):
+            return None
+        for w in expert:
+            flat += [w.qweight, w.qscale]
+    return flat, (first.group_size if first.quant == "int4" else 0)
 
 
 def route(args: ModelArgs, router_weight: torch.Tensor, x: torch.Tensor):

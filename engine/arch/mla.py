@@ -31,7 +31,9 @@ from engine.format.quant import linear
 
 def _project(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T: F.linear for a plain weight, as always; a stored-quantized one (FP8 projections
-    of a published checkpoint, engine/format/fp8.py) through its own kernel."""
+    of a published checkpoint, engine/format/fp8.py; int8/int4 of a `convert --scope all`
+    container, the indexer's included) through its own kernel. Every projection goes through
+    here; kv_b_proj, viewed per head, is a plain tensor whatever the format (dequantized at load)."""
     return F.linear(x, w, bias) if type(w) is torch.Tensor else linear(x, w, bias)
 
 
@@ -187,14 +189,14 @@ class MLAAttention:
             return cache.selection
         T, S, R = x.shape[0], start_pos + x.shape[0], self.qk_rope_head_dim
         i = f"{p}.indexer"
-        q = F.linear(q_resid, w[f"{i}.wq_b.weight"]).view(T, ix.n_heads, ix.head_dim)  # [T, Hi, Di]
+        q = _project(q_resid, w[f"{i}.wq_b.weight"]).view(T, ix.n_heads, ix.head_dim)  # [T, Hi, Di]
         q = torch.cat([rope_interleaved(q[..., :R].transpose(0, 1), cos, sin).transpose(0, 1), q[..., R:]], dim=-1)
-        k = F.layer_norm(F.linear(x, w[f"{i}.wk.weight"]), (ix.head_dim,), w[f"{i}.k_norm.weight"],
+        k = F.layer_norm(_project(x, w[f"{i}.wk.weight"]), (ix.head_dim,), w[f"{i}.k_norm.weight"],
                          w[f"{i}.k_norm.bias"], 1e-6)  # [T, Di]
         k = torch.cat([rope_interleaved(k[:, :R], cos, sin), k[:, R:]], dim=-1)
         cache.index_key[layer][start_pos:S] = k
         keys = cache.index_key[layer][:S].float().t()  # [Di, S]
-        head_w = F.linear(x, w[f"{i}.weights_proj.weight"]).float() * ix.n_heads ** -0.5  # [T, Hi]
+        head_w = _project(x, w[f"{i}.weights_proj.weight"]).float() * ix.n_heads ** -0.5  # [T, Hi]
         if causal is None:
             causal = torch.ones(T, S, dtype=torch.bool)
         selected = torch.zeros(T, S, dtype=torch.bool)

@@ -3,10 +3,10 @@ and an ExpertStore for routed experts.
 
 Supported `model_type`s: qwen3_moe, qwen2_moe, mixtral, olmoe (MoE) and llama, qwen2, qwen3
 (dense), plus deepseek_v3, glm4_moe, glm_moe_dsa and gpt_oss through the strategy objects on
-ModelArgs (engine/arch/parsers.py builds them; engine/arch/mla.py, engine/arch/router.py, engine/arch/gptoss.py
-implement them). The parts live beside this file, one job each:
+ModelArgs (each architecture's parse in engine/arch/families/ builds them; engine/arch/mla.py,
+engine/arch/router.py, engine/arch/gptoss.py implement them). The parts live beside this file, one job each:
 
-    modelargs.py   config.json → ModelArgs; tensor names
+    args.py        ModelArgs; tensor names (registry.py: config.json → ModelArgs)
     rope.py        rotary embeddings
     layers.py      RMSNorm, SwiGLU, routing, KV cache
     moe.py         the routed experts of one MoE layer (decode and prefill paths)
@@ -32,15 +32,10 @@ import torch.nn.functional as F
 
 from engine.arch import moe
 from engine import native
-from engine.arch.layers import (  # noqa: F401 (re-exported)
-    KVCache, rms_norm, route, route_layer, swiglu, swiglu_expert,
-)
-from engine.arch.args import (  # noqa: F401
-    DENSE_TYPES, EXT_MOE_TYPES, MOE_TYPES, SUPPORTED_TYPES, ModelArgs, dense_tensor_names,
-    expert_tensor_names, fused_expert_tensor_names, layer_prefix, router_tensor_names,
-)
+from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
+from engine.arch.args import ModelArgs, layer_prefix
 from engine.format.quant import linear
-from engine.arch.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: F401 (re-exported)
+from engine.arch.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
 class Transformer:

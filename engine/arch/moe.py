@@ -7,8 +7,8 @@ they land) but sum them in ascending expert order: the sum is then the same bit 
 every placement, which the placement-invariance tests rely on.
 
 Decode (T == 1) has a batched form: when the store holds every selected expert in RAM
-(`ExpertStore.resident`) and the native bf16 kernels are loaded, the layer's K experts run in
-one call (engine/native: gate/up/down rows of all K experts spread over the threads, no
+(`ExpertStore.resident`) and the native kernels are loaded (bf16, or int8/int4 where the CPU has
+VNNI and VBMI), the layer's K experts run in one call (engine/native: gate/up/down rows of all K experts spread over the threads, no
 per-expert Python). Each expert's output is computed exactly as the per-expert call computes
 it, so the batched and the per-expert (streaming) paths give the same bits.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine import native
-from engine.arch.layers import swiglu_expert
+from engine.arch.layers import native_quant_operands, swiglu_expert
 
 
 def routed_decode(store, expert_fn, layer: int, x: torch.Tensor, ids: torch.Tensor,
@@ -41,11 +41,16 @@ def routed_decode(store, expert_fn, layer: int, x: torch.Tensor, ids: torch.Tens
 
 def _batched_decode(store, expert_fn, layer: int, x: torch.Tensor, needed: list[int]) -> torch.Tensor | None:
     """[K, H] from one native call, or None where that does not apply (then: per expert)."""
-    if not native.ready or expert_fn is not swiglu_expert or x.dtype is not torch.bfloat16:
+    if not native.ready or expert_fn is not swiglu_expert:
         return None
     held = store.resident(layer, needed)
-    if held is None or type(held[0][0]) is not torch.Tensor or held[0][-1].device != x.device:
-        return None  # streaming store, quantized experts or the VRAM tier: the per-expert path
+    if held is None:
+        return None  # streaming store: the per-expert path
+    quantized = native_quant_operands(x, held)
+    if quantized is not None:  # int8/int4 experts: one native call, as swiglu_expert makes per expert
+        return native.quant_experts(x, *quantized)
+    if type(held[0][0]) is not torch.Tensor or held[0][-1].device != x.device or x.dtype is not torch.bfloat16:
+        return None  # other formats or the VRAM tier: the per-expert path
     per_expert = len(held[0])
     return native.experts(x, [t for expert in held for t in expert], per_expert)
 

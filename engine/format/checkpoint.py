@@ -24,7 +24,7 @@ from engine.base.errors import ModelFormatError
 from engine.base.inputs import LIMITS, open_input, printable
 from engine.base.jsonlimits import load_json_input, loads_limited
 from engine.format.tensor_checks import check_dtypes
-from engine.format.validate import validate_config
+from engine.arch.registry import validate_config
 
 # safetensors dtype tag → (torch dtype, bytes per element)
 DTYPES: dict[str, tuple[torch.dtype, int]] = safetensors_dtypes()

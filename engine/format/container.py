@@ -22,7 +22,9 @@ from pathlib import Path
 
 from engine.base.errors import ModelFormatError
 from engine.base.inputs import printable
-from engine.format.quant import GROUP_SIZES, QUANTS, SCALE_DTYPE, check_group, stored_shapes
+from engine.format.checkpoint import read_tensor
+from engine.format.quant import (GROUP_SIZES, QUANTS, SCALE_DTYPE, QuantWeight, check_group, check_scales,
+                                  dequantize, stored_shapes)
 
 FORMAT_NAME = "colibri.quant"
 FORMAT_VERSION = 1
@@ -180,15 +182,33 @@ def dense_quantized(ckpt, spec: QuantSpec | None, names: list[str]) -> dict:
     return out
 
 
+# MLA's kv_b_proj is never multiplied as a matrix: its absorbed form views it per head
+# (engine/arch/mla.py). Quantized by `convert --scope all` like every projection, it is
+# dequantized once at load into the compute dtype (and counted so by the plan), as FP8
+# checkpoints' is (engine/format/fp8.py).
+_DEQUANTIZED_AT_LOAD = re.compile(r"kv_b_proj\.qweight$")
+
+
+def dequantized_at_load(infos) -> bool:
+    return bool(_DEQUANTIZED_AT_LOAD.search(infos[0].name))
+
+
 def load_dense(ckpt, spec: QuantSpec, infos, dtype):
-    """One resident quantized matrix, ready for its kernel."""
-    from engine.format.checkpoint import read_tensor
-    from engine.format.quant import QuantWeight
+    """One resident quantized matrix, ready for its kernel (or a plain tensor in `dtype`, for
+    the one the model reads as a tensor)."""
     q, s = infos
-    return QuantWeight.prepare(read_tensor(q), read_tensor(s), spec.quant, spec.group_size, dtype)
+    codes, scales = read_tensor(q), read_tensor(s)
+    if dequantized_at_load(infos):
+        n, k = q.shape[0], q.shape[1] * (2 if spec.quant == "int4" else 1)
+        check_scales(scales, spec.quant, (n, k))
+        return dequantize(codes, scales, spec.quant, spec.group_size).to(dtype)
+    return QuantWeight.prepare(codes, scales, spec.quant, spec.group_size, dtype)
 
 
 def dense_nbytes(spec: QuantSpec | None, infos, dtype_bytes: int) -> int:
-    """RAM of one resident quantized matrix: codes as stored, scales in the compute dtype."""
+    """RAM of one resident quantized matrix: codes as stored, scales in the compute dtype (or
+    the whole matrix in the compute dtype where it is dequantized at load)."""
     q, s = infos
+    if dequantized_at_load(infos):
+        return q.shape[0] * q.shape[1] * (2 if q.dtype == QWEIGHT_DTYPE["int4"] else 1) * dtype_bytes
     return q.nbytes + s.nbytes // 2 * dtype_bytes

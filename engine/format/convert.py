@@ -28,8 +28,9 @@ import torch
 from engine.format.checkpoint import Checkpoint, read_tensor
 from engine.format.container import CONFIG_KEY, QuantSpec, container_spec, quant_names
 from engine.base.durable import DirectoryLock
-from engine.base.errors import ModelFormatError
-from engine.arch.args import ModelArgs, expert_tensor_names, fused_expert_tensor_names
+from engine.base.errors import ModelFormatError, UnsupportedModelError
+from engine.arch.args import expert_tensor_names, fused_expert_tensor_names
+from engine.arch.registry import model_args
 from engine.format.quant import check_group, quantize, stored_shapes
 from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 from engine.base.output_target import (OutputTargetError, check_not_source, directory_target, read_small_json,
@@ -72,11 +73,15 @@ class Converter:
     def __init__(self, src, spec: QuantSpec):
         self.ckpt = Checkpoint(src)
         self.spec = spec
-        self.args = ModelArgs.from_config(self.ckpt.config)
+        self.args = model_args(self.ckpt.config)
         if not self.args.is_moe:
             raise ModelFormatError(f"{src}: not a MoE model (convert quantizes routed experts)")
         if container_spec(self.ckpt) is not None:
             raise ModelFormatError(f"{src}: already a quantized container")
+        if self.args.expert_impl is not None:  # gpt_oss: experts fused [E, H, 2I] with biases, or MXFP4
+            raise UnsupportedModelError(f"{src}: convert does not write {self.ckpt.config.get('model_type')} "
+                                        "containers (its experts carry biases in their own fused layout); "
+                                        "run the checkpoint as published (MXFP4 experts stream at 4.25 bits/weight)")
         a = self.args
         if spec.quant == "int4":
             check_group(a.hidden_size, spec.group_size, "gate/up projections of the experts (hidden_size)")

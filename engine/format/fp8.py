@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.base.errors import ModelFormatError
+from engine.format.quant import StoredMatrix
 from engine.native import fp8 as native_fp8
 
 FP8_TAG = "F8_E4M3"
@@ -177,9 +178,10 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
 
 
 @dataclass
-class Fp8Weight:
+class Fp8Weight(StoredMatrix):
     """One FP8 block-scaled [N, K] matrix at its stored size; `linear(x)` = x @ W.T."""
 
+    tensor_fields = ("weight", "scale")
     weight: torch.Tensor  # float8_e4m3fn [N, K] (a view of the read buffer when streamed)
     scale: torch.Tensor  # fp32 [ceil(N/bn), ceil(K/bk)]
     block: tuple[int, int]
@@ -213,23 +215,12 @@ class Fp8Weight:
         return dequantize(self.weight, self.scale, self.block)
 
     @property
-    def device(self) -> torch.device:
-        return self.weight.device
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.weight.dtype
 
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes + self.scale.nbytes
-
     def to(self, device, non_blocking: bool = False) -> "Fp8Weight":
         # The VRAM tier moves cached experts; there the torch fallback computes them.
-        if torch.device(device).type == "cpu":
-            return self
-        return Fp8Weight(self.weight.to(device, non_blocking=non_blocking),
-                         self.scale.to(device, non_blocking=non_blocking), self.block)
+        return self if torch.device(device).type == "cpu" else self.moved(device, non_blocking)
 
 
 def load_dense(infos, spec: Fp8Spec, read_tensor) -> Fp8Weight:

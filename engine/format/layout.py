@@ -21,8 +21,11 @@ import torch
 
 from engine.format.checkpoint import Checkpoint, TensorInfo
 from engine.format.container import QuantSpec, check_quantized, container_spec
+from engine.base.align import align_up, direct_window_bytes
 from engine.base.errors import ModelFormatError
 from engine.arch.args import ModelArgs, expert_tensor_names, fused_expert_tensor_names
+from engine.arch import gptoss
+from engine.arch.gptoss import MX_BLOCK, MXFP4_DEQUANT, MXFP4_FUSED, GptOssExperts, Mxfp4Matrix, mxfp4_dequantize
 from engine.format.quant import QuantWeight
 from engine.format.fp8 import Fp8Spec, Fp8Weight, check_fp8, fp8_spec
 
@@ -90,8 +93,8 @@ class ExpertLayout:
         for layer in range(args.num_layers):
             if not args.is_moe_layer(layer):
                 continue
-            if args.expert_impl is not None:  # the architecture knows its own expert tensors
-                self._locations.update(args.expert_impl.locations(checkpoint, layer))
+            if isinstance(args.expert_impl, GptOssExperts):  # fused with biases, plain or MXFP4
+                self._locations.update(gpt_oss_locations(args.expert_impl, checkpoint, layer))
                 continue
             if self.quant is not None or self.fp8 is not None:
                 located = self._quantized if self.quant is not None else self._fp8
@@ -296,9 +299,74 @@ def _numel(piece: Piece) -> int:
 
 def slot_bytes(layout: ExpertLayout, direct: bool) -> int:
     """Bytes one expert's read needs: each span page-aligned in the slot, widened for O_DIRECT."""
-    from engine.movement.io import align_up, direct_window_bytes
     worst = 0
     for loc in layout._locations.values():
         need = sum(align_up(direct_window_bytes(s.offset, s.length) if direct else s.length) for s in loc.spans)
         worst = max(worst, need)
     return worst
+
+
+# --- gpt_oss: fused experts with biases, plain or MXFP4 (engine/arch/gptoss.py has the math) ----
+
+def _slice(info: TensorInfo, e: int, E: int, shape: tuple[int, ...]) -> TensorInfo:
+    """Expert e's slice of a fused [E, ...] tensor, as a TensorInfo of its own."""
+    step = info.nbytes // E
+    return TensorInfo(f"{info.name}[{e}]", info.path, info.dtype, shape, info.offset + e * step, step)
+
+
+def gpt_oss_locations(experts: GptOssExperts, ckpt: Checkpoint, layer: int) -> dict:
+    """(layer, expert) → ExpertLocation of one layer's fused gpt_oss experts, in either storage."""
+    base = f"model.layers.{layer}.mlp.experts"
+    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    mx = f"{base}.gate_up_proj_blocks" in ckpt
+    if mx:
+        expect = {"gate_up_proj_blocks": (E, 2 * I, H // MX_BLOCK, 16), "gate_up_proj_scales": (E, 2 * I, H // MX_BLOCK),
+                  "gate_up_proj_bias": (E, 2 * I),
+                  "down_proj_blocks": (E, H, I // MX_BLOCK, 16), "down_proj_scales": (E, H, I // MX_BLOCK),
+                  "down_proj_bias": (E, H)}
+    else:
+        expect = {"gate_up_proj": (E, H, 2 * I), "gate_up_proj_bias": (E, 2 * I),
+                  "down_proj": (E, I, H), "down_proj_bias": (E, H)}
+    infos = {}
+    for name, shape in expect.items():
+        info = ckpt.info(f"{base}.{name}")
+        if info.shape != shape:
+            raise ModelFormatError(f"{info.path}: tensor {info.name!r} has shape {list(info.shape)}, "
+                                   f"config.json implies {list(shape)}")
+        if name.endswith(("_blocks", "_scales")) and info.dtype != "U8":
+            raise ModelFormatError(f"{info.path}: tensor {info.name!r} is {info.dtype}, MXFP4 needs U8")
+        infos[name] = info
+    fused = mx and gptoss.fused_kernel_available()  # through the module: benchmarks and tests switch it
+    decode = (_decode_mxfp4_stored if fused else _decode_mxfp4) if mx else _decode_gpt_oss_plain
+    # Fused: blocks and scales are computed on as stored, biases in the compute dtype.
+    stored = tuple(name.endswith(("_blocks", "_scales")) for name in expect) if fused else None
+    kernel = (MXFP4_FUSED if fused else MXFP4_DEQUANT) if mx else None
+    out = {}
+    for e in range(E):
+        spans, pieces = group_into_spans([_slice(i, e, E, s[1:]) for i, s in zip(infos.values(), expect.values())])
+        out[(layer, e)] = ExpertLocation(tuple(spans), tuple(pieces), decode=decode, stored=stored, kernel=kernel)
+    return out
+
+
+def _decode_gpt_oss_plain(loc, buffers, dtype):
+    gate_up, gate_up_bias, down, down_bias = (piece_tensor(buffers, p, dtype) for p in loc.pieces)
+    # Stored as x @ W ([in, out]); the transposes are views in F.linear's [out, in] layout.
+    return gate_up.t(), gate_up_bias, down.t(), down_bias
+
+
+def _decode_mxfp4(loc, buffers, dtype):
+    gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = (
+        piece_tensor(buffers, p, p.dtype) for p in loc.pieces)
+    # Copies, never views: this layout is not zero-copy (the plan gives the store read slots
+    # only, no slot per cache entry), so a cached expert holding a view of its slot (a bias
+    # already in the compute dtype: `.to` returns it as is) pinned it, and once the cache had
+    # taken every slot each read waited out the store's slot guard (5 s): the "hang" of the
+    # dequantize path streamed on gpt-oss-small.
+    return (mxfp4_dequantize(gu_blocks, gu_scales, dtype), gu_bias.to(dtype, copy=True),
+            mxfp4_dequantize(d_blocks, d_scales, dtype), d_bias.to(dtype, copy=True))
+
+
+def _decode_mxfp4_stored(loc, buffers, dtype):
+    gu_blocks, gu_scales, gu_bias, d_blocks, d_scales, d_bias = (
+        piece_tensor(buffers, p, p.dtype) for p in loc.pieces)
+    return (Mxfp4Matrix(gu_blocks, gu_scales), gu_bias.to(dtype), Mxfp4Matrix(d_blocks, d_scales), d_bias.to(dtype))

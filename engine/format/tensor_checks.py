@@ -10,7 +10,8 @@ matching pattern; each role lists the dtypes it may have. A quantized format add
 
 Shapes: every resident tensor's shape follows from config.json (q_proj is [heads*head_dim,
 hidden], ...); a mismatch is one line naming the tensor, both shapes and the fields, instead of
-a matmul error deep in the forward pass. Per model_type, a function name → expected shape.
+a matmul error deep in the forward pass. Each architecture's record gives them
+(`Architecture.tensor_shape`, engine/arch/families/).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.arch.registry import ARCHITECTURES, architecture
 from engine.base.dtypes import FLOAT_NAMES, TAG_OF
 from engine.base.errors import ModelFormatError
 
@@ -60,9 +62,11 @@ for _name, _pattern in (
         ("weight", r"\.(weight|bias)$")):
     register_role(_name, _pattern, FLOATS, first=False)
 
-# gpt_oss checkpoints as published: MXFP4 experts are uint8 blocks and scales (engine/arch/gptoss.py).
-register_role("MXFP4 expert blocks/scales", r"\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales)$", {"U8"},
-              applies=lambda config: config.get("model_type") == "gpt_oss")
+# An architecture's own stored dtypes (gpt_oss: MXFP4 blocks and scales), for its checkpoints only.
+for _arch in ARCHITECTURES:
+    for _name, _pattern, _dtypes in _arch.tensor_roles:
+        register_role(_name, _pattern, _dtypes,
+                      applies=lambda config, types=_arch.model_types: config.get("model_type") in types)
 
 
 # colibri int8/int4 containers (engine/format/container.py, docs/FORMAT.md): `<name>.qweight` codes
@@ -103,41 +107,9 @@ def check_dtypes(tensors: dict, config: dict) -> None:
 
 # --- shapes ----------------------------------------------------------------------------------------
 
-def llama_family_shape(args, name: str) -> tuple[int, ...] | None:
-    """Expected shape of a resident tensor in the llama / qwen / mixtral / olmoe layouts (None: not known)."""
-    H, D, V = args.hidden_size, args.head_dim, args.vocab_size
-    q, kv = args.num_heads * D, args.num_kv_heads * D
-    I, E, Is = args.intermediate_size, args.num_experts, args.shared_expert_intermediate_size
-    norm_q, norm_k = ((D,), (D,)) if args.qk_norm == "head" else ((q,), (kv,))
-    table = {
-        "embed_tokens.weight": (V, H), "lm_head.weight": (V, H), "norm.weight": (H,),
-        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-        "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H), "self_attn.v_proj.weight": (kv, H),
-        "self_attn.o_proj.weight": (H, q), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-        "self_attn.v_proj.bias": (kv,), "self_attn.q_norm.weight": norm_q, "self_attn.k_norm.weight": norm_k,
-        f"{args.moe_prefix}.gate.weight": (E, H),
-        "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
-        "mlp.shared_expert.gate_proj.weight": (Is, H), "mlp.shared_expert.up_proj.weight": (Is, H),
-        "mlp.shared_expert.down_proj.weight": (H, Is), "mlp.shared_expert_gate.weight": (1, H),
-    }
-    # "model.layers.3.self_attn.q_proj.weight" → "self_attn.q_proj.weight"; top-level names as they are.
-    m = re.match(r"^model\.layers\.\d+\.(.+)$", name)
-    key = m.group(1) if m else name.removeprefix("model.")
-    return table.get(key)
-
-
-SHAPES: dict[str, Callable] = {t: llama_family_shape for t in
-                               ("llama", "qwen2", "qwen3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")}
-
-
-def register_shapes(model_type: str, expected: Callable) -> None:
-    """expected(args, tensor_name) → the shape config.json implies, or None when it has no opinion."""
-    SHAPES[model_type] = expected
-
-
 def check_shapes(checkpoint, args, names) -> None:
     """Each listed tensor exists and has the shape config.json implies."""
-    expected_of = SHAPES.get(args.model_type)
+    expected_of = architecture(args.model_type).tensor_shape
     for name in names:
         info = checkpoint.info(name)
         expected = expected_of(args, name) if expected_of else None

@@ -1,4 +1,4 @@
-"""Native decode kernels (bf16_decode.cpp, mxfp4_decode.cpp): built on first use, loaded as torch ops, optional.
+"""Native decode kernels (bf16, int8/int4, FP8, MXFP4 *.cpp): built on first use, loaded as torch ops, optional.
 
 Decode (one token) in bf16 is a stream of matrix-vector products; torch's bf16 matmul is tuned
 for many rows and reaches a quarter of the memory bandwidth there (docs/BENCHMARKS.md,
@@ -7,15 +7,25 @@ for many rows and reaches a quarter of the memory bandwidth there (docs/BENCHMAR
 They are built with the system C++ compiler against the installed torch's headers the first
 time a bf16 engine starts (~6 s), into ~/.cache/colibri/kernels (COLIBRI_KERNEL_CACHE),
 keyed by the source, torch version, compiler and CPU flags; the build writes a temp file and
-renames it, so concurrent first runs are safe. Without a compiler, without AVX512-BF16, or
-with COLIBRI_NATIVE=0, `load()` says why and the engine keeps torch's ops: same model, other
-rounding of the sums, so tokens may differ from a native run (never between placements of one).
+renames it, so concurrent first runs are safe. A build that fails is remembered beside the
+library (`<name>.failed`, holding the compiler's last line): later runs, and every trial of a
+tune, read the reason instead of compiling again, until the sources, torch or the compiler
+change (they key the name). Without a compiler, without AVX512-BF16, or with COLIBRI_NATIVE=0,
+`load()` says why and the engine keeps torch's ops: same model, other rounding of the sums, so
+tokens may differ from a native run (never between placements of one).
+
+The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS); without them
+`int_ready` stays False and quantized weights keep torch's packed kernels (engine/format/quant.py).
 
     load() -> str | None    load the ops; None when ready, else why not (one line)
     ready                   whether they are loaded (checked on the decode path)
+    int_ready               whether the int8/int4 ops may run too (ready and INT_FLAGS present)
     linear(x, w)            x [1,K] @ w.T, bf16
     experts(x, weights, n)  SwiGLU of several experts on one token: [E, H]
     mxfp4_linear(x, blocks, scales, bias)  x @ dequant(blocks, scales).T + bias, fp32 or bf16
+    int8_linear(x, codes, scales)          x @ (codes * scales).T, per-row scales
+    int4_linear(x, packed, scales_zeros, group)   x @ dequant_int4(...).T, the stored blocked layout
+    quant_experts(x, weights, group)       SwiGLU of several int8 (group 0) / int4 experts: [E, H]
 """
 
 from __future__ import annotations
@@ -32,8 +42,15 @@ import torch
 
 # Every .cpp here goes into the one library (each registers its ops in namespace colibri).
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources: part of the key
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
+INT_FLAGS = ("avx512_vnni", "avx512vbmi")
+# int8 decode through the native op: off by default because on the demo it measured slower end to
+# end than torch's _weight_int8pack_mm (docs/BENCHMARKS.md, "resident: profile, native int8/int4"),
+# though faster per expert in cache; COLIBRI_NATIVE_INT8=1 turns it on to re-measure. int4 is on.
+int8_decode = os.environ.get("COLIBRI_NATIVE_INT8", "0") == "1"
 ready = False
+int_ready = False
 _why_not: str | None = None
 _tried = False
 
@@ -57,7 +74,7 @@ def _build(cxx: str, out: Path) -> None:
     torch_dir = Path(torch.__file__).parent
     abi = int(torch.compiled_with_cxx11_abi())
     argv = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-            "-mavx512bf16", "-mfma", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
+            "-mavx512bf16", "-mfma", f"-I{Path(__file__).parent}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
             f"-I{torch_dir / 'include'}", *map(str, SOURCES), "-o", str(out),
             f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
@@ -67,21 +84,25 @@ def _build(cxx: str, out: Path) -> None:
 
 def _library_path(cxx: str, flags: set[str]) -> Path:
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
     key.update(f"{torch.__version__}|{cxx}|{platform.machine()}|{sorted(flags & set(REQUIRED_FLAGS))}".encode())
     root = Path(os.environ.get("COLIBRI_KERNEL_CACHE") or Path.home() / ".cache" / "colibri" / "kernels")
     return root / f"colibri_bf16_{key.hexdigest()[:16]}.so"
 
 
-def load() -> str | None:
-    """Load the native ops (building them first if needed). None when ready, else the reason."""
-    global ready, _why_not, _tried
-    if _tried:
+def load(again: bool = False) -> str | None:
+    """Load the native ops (building them first if needed). None when ready, else the reason.
+
+    The answer is kept for the process; again=True asks once more (after installing a compiler,
+    or in tests that change the environment). A library already loaded stays loaded."""
+    global ready, int_ready, _why_not, _tried
+    if _tried and not again:
         return _why_not
     _tried = True
     _why_not = _load()
     ready = _why_not is None
+    int_ready = ready and all(f in cpu_flags() for f in INT_FLAGS)
     return _why_not
 
 
@@ -96,13 +117,20 @@ def _load() -> str | None:
     if cxx is None:
         return "no C++ compiler (g++) on PATH"
     lib = _library_path(cxx, flags)
+    failed = lib.with_suffix(".failed")
+    if not lib.exists() and failed.exists():
+        return f"native kernels unavailable: {_read_failure(failed)} (an earlier build; delete {failed} to retry)"
     try:
         if not lib.exists():
             lib.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=lib.stem, suffix=".so.partial", dir=lib.parent)
             os.close(fd)
             try:
-                _build(cxx, Path(tmp))
+                try:
+                    _build(cxx, Path(tmp))
+                except (RuntimeError, subprocess.SubprocessError) as exc:
+                    _remember_failure(failed, str(exc))
+                    raise
                 os.replace(tmp, lib)
             finally:
                 if os.path.exists(tmp):
@@ -111,6 +139,24 @@ def _load() -> str | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return f"native kernels unavailable: {exc}"
     return None
+
+
+def _remember_failure(path: Path, why: str) -> None:
+    """Write the failed build's reason beside the library (temp + rename: a reader sees all or nothing)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".failed.partial", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(why[:400] + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache: the next run tries again, nothing worse
+
+
+def _read_failure(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "the build failed"
+    except OSError:
+        return "the build failed"
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -124,3 +170,15 @@ def experts(x: torch.Tensor, weights: list, per_expert: int) -> torch.Tensor:
 
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.colibri.mxfp4_linear(x, blocks, scales, bias)
+
+
+def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.ops.colibri_int.int8_linear(x, codes, scales)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    return torch.ops.colibri_int.int4_linear(x, packed, scales_zeros, group)
+
+
+def quant_experts(x: torch.Tensor, weights: list, group: int) -> torch.Tensor:
+    return torch.ops.colibri_int.experts(x, weights, group)

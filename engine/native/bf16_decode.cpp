@@ -32,9 +32,11 @@
 #include <cstring>
 #include <vector>
 
+#include "native_common.h"
+
 namespace {
 
-using bf16 = uint16_t;
+using namespace colibri_native;
 
 inline __m512bh load32(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
@@ -58,30 +60,11 @@ inline float dot(const bf16* w, const bf16* x, int64_t K) {
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
-inline bf16 to_bf16(float f) {  // round to nearest even, as torch's float -> bfloat16
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (bf16)(u >> 16);
-}
-
-inline float to_f32(bf16 b) {
-  uint32_t u = (uint32_t)b << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline float round_bf16(float f) { return to_f32(to_bf16(f)); }
-
 const bf16* bf16_data(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, what, " must be bfloat16");
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
   return reinterpret_cast<const bf16*>(t.data_ptr());
 }
-
-constexpr int64_t GRAIN = 16;  // rows per task at least: a row is 1-4 KiB of weights
 
 at::Tensor linear_bf16(const at::Tensor& x_in, const at::Tensor& w) {
   TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1), "linear_bf16: x [M,K], w [N,K]");

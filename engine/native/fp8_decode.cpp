@@ -31,7 +31,13 @@
 #include <cstring>
 #include <vector>
 
+#include "native_common.h"
+
 namespace {
+
+using colibri_native::GRAIN;
+using colibri_native::to_bf16;
+using colibri_native::to_f32;
 
 inline __m512 e4m3_to_f32(__m128i bytes) {
   const __m512i v = _mm512_cvtepu8_epi32(bytes);
@@ -62,23 +68,6 @@ inline __m512 block_dot(const uint8_t* w, const float* x, int64_t k0, int64_t k1
   return acc;
 }
 
-inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's float -> bfloat16
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-
-inline float bf16_to_f32(uint16_t b) {
-  uint32_t u = (uint32_t)b << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-constexpr int64_t GRAIN = 16;  // rows per task at least
-
 at::Tensor fp8_linear(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& scale_in, int64_t bn,
                       int64_t bk) {
   TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 2 && x_in.size(1) == w_in.size(1), "fp8_linear: x [M,K], w [N,K]");
@@ -97,7 +86,7 @@ at::Tensor fp8_linear(const at::Tensor& x_in, const at::Tensor& w_in, const at::
     std::memcpy(xf.data(), x.data_ptr<float>(), sizeof(float) * M * K);
   } else {
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(xb[i]);
+    for (int64_t i = 0; i < M * K; i++) xf[i] = to_f32(xb[i]);
   }
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
   const float* sp = scale.data_ptr<float>();

@@ -36,11 +36,16 @@
 #include <optional>
 #include <vector>
 
+#include "native_common.h"
+
 namespace {
+
+using colibri_native::GRAIN;
+using colibri_native::to_bf16;
+using colibri_native::to_f32;
 
 constexpr int64_t MX_BLOCK = 32;  // values per scale
 constexpr int64_t HALF = 16;       // even (or odd) values per block, one zmm of fp32
-constexpr int64_t GRAIN = 16;      // output rows per task at least
 constexpr int MAX_ROWS = 4;        // rows of x sharing one decoded block
 
 struct Pow2Table {  // e8m0 byte -> 2^(s-127) as fp32; 255 (E8M0 NaN) -> inf, as torch.exp2 gives
@@ -50,21 +55,6 @@ struct Pow2Table {  // e8m0 byte -> 2^(s-127) as fp32; 255 (E8M0 NaN) -> inf, as
   }
 };
 const Pow2Table POW2;
-
-inline float bf16_to_f32(uint16_t b) {
-  uint32_t u = (uint32_t)b << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch's float -> bfloat16
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
 
 // out[r] for rows r < MB of x (deinterleaved: xe/xo [MB][G*16]) against weight row `blocks`/`scales`.
 template <int MB>
@@ -129,8 +119,8 @@ at::Tensor mxfp4_linear(const at::Tensor& x_in, const at::Tensor& blocks, const 
   for (int64_t m = 0; m < M; m++)
     for (int64_t k = 0; k < K; k += 2) {
       const int64_t i = m * K + k;
-      xe[m * stride + k / 2] = bf16 ? bf16_to_f32(xb[i]) : xf[i];
-      xo[m * stride + k / 2] = bf16 ? bf16_to_f32(xb[i + 1]) : xf[i + 1];
+      xe[m * stride + k / 2] = bf16 ? to_f32(xb[i]) : xf[i];
+      xo[m * stride + k / 2] = bf16 ? to_f32(xb[i + 1]) : xf[i + 1];
     }
 
   at::Tensor y = at::empty({M, N}, x.options());
@@ -147,7 +137,7 @@ at::Tensor mxfp4_linear(const at::Tensor& x_in, const at::Tensor& blocks, const 
         for (int r = 0; r < mb; r++) {
           const float v = sums[r] + bias[n];
           if (bf16)
-            yb[(m0 + r) * N + n] = f32_to_bf16(v);
+            yb[(m0 + r) * N + n] = to_bf16(v);
           else
             yf[(m0 + r) * N + n] = v;
         }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from engine import synth
 from engine.base.durable import DirectoryLock
 from engine.base.errors import ModelFormatError
 
@@ -23,7 +24,6 @@ def resolve_model(spec: str, seed: int = 0, progress: bool = True) -> Path:
         if not path.is_dir():
             raise ModelFormatError(f"model directory {spec!r} does not exist")
         return path
-    from engine import synth
     if spec not in synth.list_presets():
         raise ModelFormatError(f"model {spec!r} is neither a directory nor a preset "
                                f"(presets: {', '.join(synth.list_presets())})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 
 import psutil
 import torch
@@ -22,12 +23,16 @@ from engine.base.dtypes import FLOAT_NAMES, short_dtypes, torch_dtype
 from engine.arch.kvquant import kv_storage
 from engine.format.layout import ExpertLayout
 from engine.arch.layers import KVCache
-from engine.arch.args import ModelArgs, dense_tensor_names
+from engine.arch.args import dense_tensor_names
+from engine.arch.registry import model_args
 from engine.arch.model import Transformer
 from engine.movement.plan import MemoryPlan, make_plan, prefill_tokens_per_pass
 from engine.arch.router import routing_trim
 from engine.format.tensor_checks import check_shapes
+from engine.movement.cache import routing_histogram_save
 from engine.movement.store import ExpertStore, ResidentExperts
+from engine.movement.streaming import StreamingExperts, StreamingLayers
+from engine.format.quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT8, kernel_works
 from engine.base.errors import UnsupportedModelError
 from engine.format import fp8
 from engine.format.checkpoint import read_tensor
@@ -83,7 +88,7 @@ class Engine:
     def __init__(self, model_dir: str | os.PathLike, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
         self.checkpoint = Checkpoint(model_dir)
-        self.args = ModelArgs.from_config(self.checkpoint.config)
+        self.args = model_args(self.checkpoint.config)
         self.dtype = self._compute_dtype()
         self.kv_dtype = kv_storage(self.config.kv_dtype, self.dtype)  # a torch dtype, or 'int8' / 'fp8'
         threads = self.config.threads or physical_cores()
@@ -103,9 +108,10 @@ class Engine:
         check_shapes(self.checkpoint, self.args, [n for n in dense_names if n not in quantized])
         self.layout = ExpertLayout(self.checkpoint, self.args) if self.args.is_moe else None
 
-        # bf16 decode's native kernels (engine/native): loaded before the overhead is measured;
-        # None when loaded, else why torch's matmuls are used instead.
-        self.native_unavailable = native.load() if self.dtype == torch.bfloat16 else "not a bf16 model"
+        # bf16 and int8/int4 decode's native kernels (engine/native): loaded before the overhead is
+        # measured; None when loaded, else why torch's matmuls are used instead.
+        self.native_unavailable = (native.load() if self.dtype == torch.bfloat16 or self.quant is not None
+                                   else "not a bf16 or int8/int4 model")
         # FP8 weights' e4m3 kernel (bf16 or fp32 activations); None when loaded, else why not.
         self.fp8_native_unavailable = native_fp8.load() if self.fp8 is not None else "not an FP8 model"
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them
@@ -121,13 +127,11 @@ class Engine:
                    for n in dense_names if _layer_of(n) not in streamed}
         self.layers = None
         if streamed:
-            from engine.movement.streaming import StreamingLayers
             names = {i: [n for n in dense_names if _layer_of(n) == i] for i in streamed}
             self.layers = StreamingLayers(self.checkpoint, names, self.config, self.dtype)
         if self.layout is None:
             self.experts = None
         elif self.plan.streaming:
-            from engine.movement.streaming import StreamingExperts
             self.experts = StreamingExperts(self.layout, self.config, self.plan, self.dtype)
         else:
             self.experts = ResidentExperts(self.layout, self.dtype)
@@ -162,7 +166,6 @@ class Engine:
     @property
     def kernel(self) -> str:
         """The matmul the routed experts run through (what run/bench report next to the quant)."""
-        from engine.format.quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT8, kernel_works
         if self.fp8 is not None:
             return fp8.KERNEL_TORCH if self.fp8_native_unavailable else fp8.KERNEL_NATIVE + ", prefill: " + fp8.KERNEL_TORCH
         if self.layout is not None and self.layout.kernel is not None:  # the format's own (gpt_oss MXFP4)
@@ -173,7 +176,9 @@ class Engine:
         a, q = self.args, self.quant
         ok = all(kernel_works(q.quant, n, k, q.group_size, self.dtype)
                  for n, k in ((a.moe_intermediate_size, a.hidden_size), (a.hidden_size, a.moe_intermediate_size)))
-        return (KERNEL_INT4 if q.quant == "int4" else KERNEL_INT8) if ok else KERNEL_DEQUANT
+        torch_kernel = (KERNEL_INT4 if q.quant == "int4" else KERNEL_INT8) if ok else KERNEL_DEQUANT
+        on = native.int_ready and (q.quant == "int4" or native.int8_decode)
+        return f"native {q.quant} decode (VNNI), prefill: {torch_kernel}" if on else torch_kernel
 
     def _compute_dtype(self) -> torch.dtype:
         if self.config.dtype == "auto":
@@ -201,9 +206,6 @@ class Engine:
 
     def save_routing(self, path) -> None:
         """Write the (layer, expert) → count histogram of what was routed since record_routing()."""
-        from collections import Counter
-
-        from engine.movement.cache import routing_histogram_save
         hist: Counter = Counter()
         for layer, calls in enumerate(self.model.routing_log or []):
             for ids in calls:

@@ -121,6 +121,15 @@ class ServerMetrics:
         metric("colibri_expert_hit_rate", "gauge", "Share of expert lookups served by each cache tier since start.",
                [f'colibri_expert_hit_rate{{tier="{t}"}} {v:.6f}' for t, v in sorted(hit.items()) if v is not None]
                or ["colibri_expert_hit_rate 0"])
+        # Counts beside the rates, so a scraper gets the hit rate over any window (rate() of the
+        # two counters), not only since start; the store keeps hits as rates of its lookups.
+        lookups = store_stats.get("expert_lookups")
+        if isinstance(lookups, int):
+            metric("colibri_expert_lookups_total", "counter", "Expert lookups since start.",
+                   [f"colibri_expert_lookups_total {lookups}"])
+            metric("colibri_expert_hits_total", "counter", "Expert lookups served by each cache tier since start.",
+                   [f'colibri_expert_hits_total{{tier="{t}"}} {round(v * lookups)}'
+                    for t, v in sorted(hit.items()) if v is not None] or ["colibri_expert_hits_total 0"])
         for key, help_ in (("bytes_read", "Bytes read from disk by the expert store since start."),
                            ("read_requests", "Read requests issued since start."),
                            ("demand_reads", "Expert reads the compute had to wait for."),

@@ -10,16 +10,16 @@ import math
 import os
 from pathlib import Path
 
-from engine.synth import arch_writers as synth_archs
+from engine.arch.registry import SYNTH_TYPES, architecture, model_args, validate_config
 from engine.base.dtypes import FLOAT_NAMES
 # The tokenizer (engine/synth/bpe_tokenizer.py): 256 byte tokens, <|endoftext|> at 256, then BPE merges.
 from engine.synth.bpe_tokenizer import EOS_TOKEN, EOS_TOKEN_ID, MIN_VOCAB  # noqa: F401  (re-exported)
-from engine.base.errors import ConfigError, ModelFormatError
+from engine.base.errors import ColibriError, ConfigError, ModelFormatError
 from engine.base.inputs import printable
 from engine.base.jsonlimits import load_json_input
 from engine.synth.geometry_check import check_geometry
+from engine.synth.hf_files import hf_config
 from engine.synth.params import param_counts  # noqa: F401  (re-exported: engine.synth.param_counts)
-from engine.format.validate import validate_config
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 
@@ -84,11 +84,12 @@ def validate_geometry(geometry: dict) -> dict:
             "it is never materialized — use 'tiny', 'demo' or --geometry FILE"
         )
     g = {**_DEFAULTS, **geometry}
-    if g["model_type"] in synth_archs.ARCH_TYPES:
-        return synth_archs.validate(geometry, _DEFAULTS)
-    if g["model_type"] != "qwen3_moe":
-        raise ConfigError(f"{name}: synth writes model_type qwen3_moe or "
-                          f"{', '.join(synth_archs.ARCH_TYPES)}, not {g['model_type']!r}")
+    if g["model_type"] not in SYNTH_TYPES:
+        raise ConfigError(f"{name}: synth writes model_type {SYNTH_TYPES[0]} or "
+                          f"{', '.join(SYNTH_TYPES[1:])}, not {g['model_type']!r}")
+    recipe = architecture(g["model_type"]).synth
+    if not recipe.native_geometry:
+        return _derived_geometry(geometry, recipe.expert_formats)
     # The same rules the engine applies to the config.json this geometry becomes.
     try:
         validate_config(g, source=f"geometry {name}")
@@ -111,6 +112,38 @@ def validate_geometry(geometry: dict) -> dict:
     ms = g["max_shard_size"]
     if isinstance(ms, bool) or not isinstance(ms, int) or ms <= 0:
         raise ConfigError(f"{name}: 'max_shard_size' must be a positive integer (bytes), got {ms!r}")
+    return g
+
+
+def _derived_geometry(geometry: dict, expert_formats: tuple[str, ...]) -> dict:
+    """A geometry of config.json keys (deepseek_v3, glm4_moe, glm_moe_dsa, gpt_oss), with defaults
+    filled in and checked by the engine's own config parser (so synth can only write what the
+    engine and transformers can run), plus the sizes synth's recipe reads, derived from it."""
+    g = {**{k: v for k, v in _DEFAULTS.items() if k != "model_type"}, **geometry}
+    name, mt = g.get("name", "custom"), g["model_type"]
+    if g.get("intermediate_size") is None:
+        g["intermediate_size"] = g.get("moe_intermediate_size")
+    if g["dtype"] not in FLOAT_NAMES:
+        raise ConfigError(f"{name}: dtype must be one of {', '.join(FLOAT_NAMES)}, got {g['dtype']!r}")
+    vocab = g.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < MIN_VOCAB:
+        raise ConfigError(f"{name}: vocab_size must be an integer of at least {MIN_VOCAB}, got {vocab!r}")
+    fmt = g.setdefault("expert_format", "plain")
+    if fmt not in expert_formats:
+        raise ConfigError(f"{name}: expert_format must be 'plain'{''.join(f' or {f}' for f in expert_formats[1:])}, "
+                          f"got {fmt!r}")
+    try:
+        args = model_args(hf_config(g, seed=0, skew=0.0))
+    except ColibriError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    if fmt == "mxfp4" and (args.hidden_size % 32 or args.moe_intermediate_size % 32):
+        raise ConfigError(f"{name}: MXFP4 experts need hidden_size and intermediate_size divisible by 32")
+    # What synth's recipe reads: the expert count, a rope dimension and theta.
+    g["num_experts"] = args.num_experts
+    g["head_dim"] = args.head_dim
+    g["rope_theta"] = float(args.rope["rope_theta"])
+    g["num_key_value_heads"] = args.num_kv_heads
+    g["_eos"] = EOS_TOKEN_ID
     return g
 
 

@@ -9,7 +9,7 @@ file and the key:
 
 1. keys: every key is one the engine, synth or the cost model reads (or harmless Hugging Face
    config boilerplate); an unknown key gets the closest known one as a suggestion (difflib);
-2. the engine's config.json rules for the geometry's model_type (engine/validate.py: types,
+2. the engine's config.json rules for the geometry's model_type (engine/arch/registry.validate_config: types,
    ranges, cross-field rules such as 1 <= top-k <= experts, MLA ranks for deepseek_v3);
 3. the geometry's own keys (name, description, routing_skew, published counts...);
 4. size, arithmetically before anything is allocated: total parameters and the number of
@@ -24,7 +24,8 @@ import math
 from engine.base.errors import ConfigError, ModelFormatError
 from engine.base.inputs import printable
 from engine.synth.params import param_counts
-from engine.format.validate import RULES, Field, Rope, validate_config, is_number
+from engine.arch.config_rules import Field, Rope, is_number
+from engine.arch.registry import RULES, validate_config
 
 # Far above any real model (GLM-5: 744e9 parameters, 78 x 256 routed experts), far below what
 # would make the cost model's per-layer tensors and per-(layer, expert) tables exhaust memory.

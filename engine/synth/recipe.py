@@ -13,13 +13,20 @@ MoE model's than uniform random routing (see docs/SYNTH.md for the measured effe
     tokens, and o_proj (gain grows with X) writes that windowed context back into the residual,
     so consecutive tokens' router inputs share most of their context and pick overlapping experts.
 X = 0 gives the plain random initialisation (near-uniform routing).
+
+The tensors themselves (names, shapes, kinds) are each architecture's synth plan
+(engine/arch/families/); the kinds beyond qwen3_moe's are explained in
+engine/arch/families/synth_plans.py. MXFP4 experts (gpt_oss) are quantized from the same seeded
+weights the plain format would hold.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+
+from engine.arch.architecture import PlannedTensor
+from engine.arch.gptoss import mxfp4_quantize
 
 SYNTH_VERSION = 1  # bump when the weight recipe changes (the same seed then gives other bytes)
 
@@ -29,57 +36,6 @@ POPULARITY = 0.9       # router bias spread per unit of X, in units of the token
 CONTEXT_GAIN = 1.3     # layer-0 windowed-context scale per unit of X, relative to the embedding
 ATTN_PEAK = 14.0       # score of a token attending to itself under the positional kernel
 ROPE_BAND = (0.01, 0.3)  # RoPE frequencies (rad/token) the positional kernel uses: a ~4-6 token window
-
-
-# --- planning ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class PlannedTensor:
-    name: str
-    shape: tuple[int, ...]
-    kind: str            # what the recipe makes of it: embed, lm_head, norm, q, k, v, o, q_norm, ...
-    layer: int = -1
-    expert: int = -1
-    dtype: str | None = None  # None: the geometry's dtype (MXFP4 blocks and scales are uint8)
-
-
-def tensor_plan(g: dict) -> list[list[PlannedTensor]]:
-    """Tensors in file order, grouped into units that must stay together in one shard.
-
-    An expert's gate, up and down projections form one unit so they are adjacent on disk and
-    the streaming engine can read an expert with a single request.
-    """
-    from engine.synth import arch_writers as synth_archs
-    if g["model_type"] in synth_archs.ARCH_TYPES:
-        return synth_archs.tensor_plan(g)
-    H, L = g["hidden_size"], g["num_hidden_layers"]
-    nh, nkv, hd = g["num_attention_heads"], g["num_key_value_heads"], g["head_dim"]
-    E, I, V = g["num_experts"], g["moe_intermediate_size"], g["vocab_size"]
-    units: list[list[PlannedTensor]] = [[PlannedTensor("model.embed_tokens.weight", (V, H), "embed")]]
-    for i in range(L):
-        p = f"model.layers.{i}."
-        for name, shape, kind in (
-            ("input_layernorm.weight", (H,), "norm"),
-            ("self_attn.q_proj.weight", (nh * hd, H), "q"),
-            ("self_attn.k_proj.weight", (nkv * hd, H), "k"),
-            ("self_attn.v_proj.weight", (nkv * hd, H), "v"),
-            ("self_attn.o_proj.weight", (H, nh * hd), "o"),
-            ("self_attn.q_norm.weight", (hd,), "qk_norm"),
-            ("self_attn.k_norm.weight", (hd,), "qk_norm"),
-            ("post_attention_layernorm.weight", (H,), "norm"),
-            ("mlp.gate.weight", (E, H), "router"),
-        ):
-            units.append([PlannedTensor(p + name, shape, kind, i)])
-        for e in range(E):
-            q = f"{p}mlp.experts.{e}."
-            units.append([
-                PlannedTensor(q + "gate_proj.weight", (I, H), "expert_in", i, e),
-                PlannedTensor(q + "up_proj.weight", (I, H), "expert_in", i, e),
-                PlannedTensor(q + "down_proj.weight", (H, I), "expert_out", i, e),
-            ])
-    units.append([PlannedTensor("model.norm.weight", (H,), "norm")])
-    units.append([PlannedTensor("lm_head.weight", (V, H), "lm_head")])
-    return units
 
 
 # --- the weight recipe ------------------------------------------------------------------------
@@ -92,6 +48,8 @@ def _seed_for(seed: int, key: str) -> int:
 
 class Recipe:
     """Values of each tensor as a float32 torch tensor, a pure function of (geometry, seed, skew, name)."""
+
+    _quantized: tuple | None = None  # (base name, blocks, scales): one MXFP4 quantization per weight
 
     def __init__(self, g: dict, seed: int, skew: float):
         import torch
@@ -210,4 +168,42 @@ class Recipe:
             if self.structured:
                 w[0, :] = 0.0
             return w
+        return self._other_values(t)
+
+    def _other_values(self, t: PlannedTensor):
+        """The kinds of the architectures beyond qwen3_moe (engine/arch/families/synth_plans.py)."""
+        torch, kind, shape = self.torch, t.kind, t.shape
+        if kind in ("read", "inner", "fused_in"):
+            w = self._normal(t.name, shape, self.std)
+            if self.structured and kind == "read":
+                w[:, 0] = 0.0
+            return w
+        if kind in ("write", "fused_out"):
+            w = self._normal(t.name, shape, self.out_std)
+            if self.structured:
+                if kind == "write":
+                    w[0, :] = 0.0
+                else:  # x @ W layout: output channels are the last dimension
+                    w[..., 0] = 0.0
+            return w
+        if kind in ("small", "write_bias"):
+            w = self._normal(t.name, shape, self.std)
+            if self.structured and kind == "write_bias":
+                w[..., 0] = 0.0
+            return w
+        if kind == "zero_bias":
+            return torch.zeros(shape)
+        if kind in ("mx_blocks", "mx_scales"):
+            return self._mxfp4(t)[0 if kind == "mx_blocks" else 1]
         raise AssertionError(f"no recipe for tensor kind {kind!r}")
+
+    def _mxfp4(self, t: PlannedTensor):
+        """The MXFP4 form of the float weight the plain format would hold ([E, out, in])."""
+        base = t.name.rsplit("_", 1)[0]  # ...gate_up_proj_blocks → ...gate_up_proj
+        if self._quantized is None or self._quantized[0] != base:
+            E, rows, groups = t.shape[:3]
+            w = self._normal(base, (E, rows, groups * 32), self.std if "gate_up" in base else self.out_std)
+            if self.structured and "down" in base:
+                w[:, 0, :] = 0.0
+            self._quantized = (base, *mxfp4_quantize(w))
+        return self._quantized[1:]

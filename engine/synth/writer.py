@@ -11,15 +11,18 @@ import os
 import shutil
 from pathlib import Path
 
-from engine.synth import arch_writers as synth_archs
+from engine.arch.architecture import PlannedTensor
+from engine.arch.registry import architecture, model_args
+from engine.base.progress import Progress
 from engine.format.container import CONFIG_KEY
 from engine.base.dtypes import ITEMSIZE
 from engine.base.durable import DirectoryLock, fsync_dir
 from engine.base.errors import ConfigError
 from engine.base.output_target import DirectoryTarget, directory_target, replace_directory, stamped
 from engine.synth.geometry import validate_geometry
-from engine.synth.hf_files import write_side_files
-from engine.synth.recipe import PlannedTensor, Recipe, tensor_plan
+from engine.format.safetensors_writer import ShardWriter, TensorSpec, read_header, write_json_atomic
+from engine.synth.hf_files import hf_config, write_side_files
+from engine.synth.recipe import Recipe
 
 
 _SYNTH_KEY = stamped("config.json", "colibri_synth")  # what hf_files.py writes into every synthesized model
@@ -29,6 +32,13 @@ _CONTAINER_KEY = stamped("config.json", CONFIG_KEY)  # a container of one keeps 
 def SYNTH_STAMP(path: Path) -> bool:
     """A previous synth output: config.json stamped by synth and not (since) a convert container."""
     return _SYNTH_KEY(path) and not _CONTAINER_KEY(path)
+
+
+def tensor_plan(g: dict) -> list[list[PlannedTensor]]:
+    """A validated geometry's tensors in file order, in units that stay together in one shard
+    (an expert's matrices: the streaming engine reads an expert with one request): its
+    architecture's synth plan (engine/arch/families/)."""
+    return architecture(g["model_type"]).synth.plan(g, model_args(hf_config(g, 0, 0.0)))
 
 
 def plan_shards(units: list[list[PlannedTensor]], dtype: str, max_shard_size: int) -> list[list[PlannedTensor]]:
@@ -79,9 +89,6 @@ def synthesize(
 
 def _synthesize(geometry: dict, target: DirectoryTarget, seed: int, routing_skew: float | None, progress: bool,
                 force: bool, sources: tuple) -> Path:
-    from engine.base.progress import Progress
-    from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
-
     g = validate_geometry(geometry)
     skew = g["routing_skew"] if routing_skew is None else routing_skew
     if isinstance(skew, bool) or not isinstance(skew, (int, float)) or not math.isfinite(skew) or skew < 0:
@@ -118,8 +125,7 @@ def _synthesize(geometry: dict, target: DirectoryTarget, seed: int, routing_skew
     # the cores are busy (60x slower measured on a loaded 2-core box); randn is serial anyway.
     torch.set_num_threads(1)
     try:
-        recipe = (synth_archs.make_recipe(g, seed, skew) if g["model_type"] in synth_archs.ARCH_TYPES
-                  else Recipe(g, seed, skew))
+        recipe = Recipe(g, seed, skew)
         n = len(shards)
         names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map: dict[str, str] = {}
@@ -157,7 +163,6 @@ def summarize(model_dir: str | os.PathLike) -> dict:
     index = d / "model.safetensors.index.json"
     tensors = len(json.loads(index.read_text())["weight_map"]) if index.exists() else None
     if tensors is None:
-        from engine.format.safetensors_writer import read_header
         tensors = len(read_header(shards[0])) if shards else 0
     return {
         "path": str(d),

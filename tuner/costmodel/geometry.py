@@ -157,12 +157,13 @@ class ModelGeometry:
 def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
     """Exact sizes from a Hugging Face directory's headers (nothing but headers is read)."""
     from engine.format.checkpoint import Checkpoint
-    from engine.arch.args import ModelArgs, dense_tensor_names
+    from engine.arch.args import dense_tensor_names
+    from engine.arch.registry import model_args
     from engine.run.runtime import checkpoint_dtype
     import torch
 
     ckpt = Checkpoint(model_dir)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     names = dense_tensor_names(args)
     # A `--scope all` container stores dense matrices as codes + scales: the matrix's shape from its codes.
     spec = container_spec(ckpt)

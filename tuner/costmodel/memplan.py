@@ -100,16 +100,16 @@ def planning_args(geometry: ModelGeometry):
     model: same layers, experts, shared expert and dense layers; the attention tensors' sizes
     come from the geometry by name, and the KV cache as one "head" of the latent's width.
     """
-    from engine.arch.args import ModelArgs
+    from engine.arch.registry import model_args
     g = geometry
     try:
-        return ModelArgs.from_config(g.planning_config)
+        return model_args(g.planning_config)
     except Exception:  # noqa: BLE001 - any architecture the engine cannot parse is planned generically
         pass
     cfg = g.planning_config
     first_dense = int(cfg.get("first_k_dense_replace", 0))
     shared = int(cfg.get("n_shared_experts", 0)) * g.moe_intermediate_size
-    return ModelArgs.from_config({
+    return model_args({
         "model_type": "qwen2_moe", "hidden_size": g.hidden_size, "num_hidden_layers": g.num_layers,
         "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": g.kv_elems_per_layer / 2,
         "vocab_size": g.vocab_size, "intermediate_size": int(cfg.get("intermediate_size") or 0),
@@ -153,10 +153,10 @@ def _native_inputs(model_dir: str):
     """The engine's plan inputs for a directory, parsed once (a search plans thousands of configs)."""
     from engine.format.checkpoint import Checkpoint
     from engine.format.layout import ExpertLayout
-    from engine.arch.args import ModelArgs
+    from engine.arch.registry import model_args
     from engine.run.runtime import checkpoint_dtype
     ckpt = Checkpoint(model_dir)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args) if args.is_moe else None
     dtype = checkpoint_dtype(ckpt)
     dtype = torch.float32 if dtype == torch.float16 else dtype  # the engine's rule: no fp16 CPU matmuls

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from engine import native
-from engine.arch.args import ModelArgs
+from engine.arch.registry import model_args
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError, ColibriError
 from engine.format.checkpoint import Checkpoint
@@ -89,7 +89,7 @@ def model_facts(model_dir: Path, facts: Facts) -> None:
 def plan_facts(model_dir: Path, config: EngineConfig, facts: Facts) -> None:
     facts.budget_bytes = config.ram_budget
     ckpt = Checkpoint(model_dir)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args) if args.is_moe else None
     dtype = checkpoint_dtype(ckpt)
     facts.model_dtype = next((k for k, v in DTYPE_NAMES.items() if v == dtype), str(dtype))

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from optuna.distributions import CategoricalDistribution
 
-from engine.arch.args import ModelArgs
+from engine.arch.registry import model_args
 from engine.arch.kvquant import supports_quantized_kv
 from engine.base.config import KV_QUANT_NAMES, EngineConfig, atomic_write_text
 from engine.base.errors import ConfigError
@@ -91,7 +91,7 @@ class QualityBound:
 def distributions(model_dir) -> dict:
     """The lossy dimensions this model has: KV quantization where its attention supports it,
     routing trims on MoE models (never below one expert)."""
-    args = ModelArgs.from_config(Checkpoint(model_dir).config)
+    args = model_args(Checkpoint(model_dir).config)
     d = {}
     if supports_quantized_kv(args):
         d["kv_dtype"] = CategoricalDistribution(KV_CHOICES)

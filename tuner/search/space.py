@@ -49,9 +49,9 @@ class ModelFacts:
     @classmethod
     def read(cls, model_dir) -> "ModelFacts":
         from engine.format.checkpoint import Checkpoint
-        from engine.arch.args import ModelArgs
+        from engine.arch.registry import model_args
         ckpt = Checkpoint(model_dir)
-        args = ModelArgs.from_config(ckpt.config)
+        args = model_args(ckpt.config)
         geometry = {
             "model_type": args.model_type, "layers": args.num_layers, "hidden_size": args.hidden_size,
             "experts": args.num_experts, "top_k": args.top_k, "moe_intermediate_size": args.moe_intermediate_size,
@@ -229,11 +229,11 @@ class SearchSpace:
         if self._plan_inputs is None:
             from engine.format.checkpoint import Checkpoint
             from engine.format.layout import ExpertLayout
-            from engine.arch.args import ModelArgs
+            from engine.arch.registry import model_args
             from engine.run.runtime import checkpoint_dtype
             import torch
             ckpt = Checkpoint(self.model.model_dir)
-            args = ModelArgs.from_config(ckpt.config)
+            args = model_args(ckpt.config)
             layout = ExpertLayout(ckpt, args) if args.is_moe else None
             dtype = checkpoint_dtype(ckpt)
             # Same rule as Engine._compute_dtype: fp16 matmuls are slow on CPU, computed in fp32.

@@ -25,7 +25,7 @@ from engine.format.gguf.archs import Item, Plan
 from engine.format.gguf.reader import GGUFModel
 from engine.format.gguf.tensors import build_plan
 from engine.format.gguf.vocab import build_tokenizer
-from engine.arch.args import ModelArgs
+from engine.arch.registry import model_args
 from engine.format.quant import check_group
 from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 
@@ -119,7 +119,7 @@ def import_and_convert(src, dst, quant: str | None, group_size: int = 64, scope:
     if dst.exists() and any(dst.iterdir()) and not force:
         raise ConfigError(f"{dst} exists and is not empty (use --force to replace it)")
     if quant == "int4":  # refuse a group size that cannot apply before importing anything
-        args = ModelArgs.from_config(build_plan(GGUFModel(src)).config)
+        args = model_args(build_plan(GGUFModel(src)).config)
         check_group(args.hidden_size, group_size, "gate/up projections of the experts (hidden_size)")
         check_group(args.moe_intermediate_size, group_size, "down projection of the experts (moe_intermediate_size)")
     bf16 = dst.parent / (dst.name + ".gguf-bf16")

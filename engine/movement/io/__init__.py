@@ -42,7 +42,7 @@ The modules, one job each:
 
 from engine.base.config import IO_BACKENDS, IO_MODES
 
-from engine.movement.io.align import ALIGN, align_down, align_up, direct_window_bytes
+from engine.base.align import ALIGN, align_down, align_up, direct_window_bytes
 from engine.movement.io.choose import open_read_pool
 from engine.movement.io.pool import ReadPool
 from engine.movement.io.stats import IOStats

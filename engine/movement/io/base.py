@@ -19,7 +19,7 @@ import threading
 from engine.base.config import IO_MODES
 from engine.base.errors import ConfigError
 
-from engine.movement.io.align import align_down, align_up, aligned_buffer, direct_window_bytes
+from engine.base.align import align_down, align_up, aligned_buffer, direct_window_bytes
 from engine.movement.io.files import FileTable
 from engine.movement.io.stats import IOStats
 

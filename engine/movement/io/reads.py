@@ -7,7 +7,7 @@ import mmap
 import os
 import time
 
-from engine.movement.io.align import ALIGN, align_up
+from engine.base.align import ALIGN, align_up
 from engine.movement.io.files import FileTable, truncated
 from engine.movement.io.stats import IOStats
 

@@ -25,6 +25,8 @@ import threading
 import time
 from functools import partial
 
+from engine.base.durable import atomic_write_text
+
 TRACE_FORMAT = "colibri-read-trace"
 TRACE_VERSION = 1
 FIELDS = ("file", "offset", "nbytes", "span_offset", "span_length", "submit_s", "complete_s", "token", "layer")
@@ -97,7 +99,6 @@ def trace_text(header: dict, records: list[dict]) -> str:
 
 def write_trace(path, header: dict, records: list[dict]) -> None:
     """Temp file + rename: a reader never sees half a trace."""
-    from engine.base.durable import atomic_write_text
     atomic_write_text(path, trace_text(header, records))
 
 

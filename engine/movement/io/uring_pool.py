@@ -28,7 +28,7 @@ import time
 
 from engine.base.errors import ConfigError
 
-from engine.movement.io.align import ALIGN, align_up
+from engine.base.align import ALIGN, align_up
 from engine.movement.io.base import PoolBase
 from engine.movement.io.files import truncated
 

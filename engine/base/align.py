@@ -1,4 +1,5 @@
-"""Page alignment for O_DIRECT: windows widened to 4 KiB boundaries, page-aligned buffers."""
+"""Page alignment for O_DIRECT: windows widened to 4 KiB boundaries, page-aligned buffers (the read
+pools, the slot arena, and the expert layout sizing a slot use it)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,18 @@
-"""Strict config.json validation, one table of rules per `model_type`, run before any tensor is read.
+"""Strict config.json validation: the rule types and the blocks architectures share, run before any tensor is read.
 
 Why: values that are each well-typed but together inconsistent (`num_attention_heads: 0`,
 top-k above the expert count, `rope_scaling` as a list, kv heads that do not divide the heads)
 used to reach the model code and die there with a traceback. Every field the engine reads is
-described here once — type, range, whether it may be null — plus the cross-field rules; a
-failure is one line naming the field, its value and the rule.
+described once — type, range, whether it may be null — plus the cross-field rules, here when
+architectures share it, else in its architecture's module; a failure is one line naming the
+field, its value and the rule.
 
-Adding an architecture: build its rule tuple from the blocks below (COMMON, MOE, ...) and any
-fields of its own, then `register_rules("my_type", *rules)`. Nothing else here changes.
+Each architecture (engine/arch/families/) builds its rule tuple from the blocks below (COMMON,
+MOE, ...) and fields of its own; engine/arch/registry.validate_config runs the tuple of a
+config's model_type:
 
-    register_rules("my_moe", *COMMON, *MOE, Int("my_rank", 1, 1 << 16, required=True),
-                   Consistent(lambda c: ..., "my_rank", "must be ..."))
+    rules=lambda model_type: (*COMMON, *MOE, Int("my_rank", 1, 1 << 16, required=True),
+                              Consistent(lambda c: ..., "my_rank", "must be ..."))
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any, Callable, Iterator
 
-from engine.base.errors import ModelFormatError, UnsupportedModelError
 
 MISSING: Any = object()
 
@@ -34,10 +35,10 @@ class Problem:
     def line(self) -> str:
         if self.value is MISSING:
             return f"{self.field} is missing: {self.rule}"
-        return f"{self.field} = {_short(self.value)}: {self.rule}"
+        return f"{self.field} = {short_repr(self.value)}: {self.rule}"
 
 
-def _short(value: Any, limit: int = 60) -> str:
+def short_repr(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -314,40 +315,7 @@ QWEN_MOE: tuple = (
                "intermediate_size", "is needed (> 0) when mlp_only_layers or decoder_sparse_step > 1 make dense layers"),
 )
 
-RULES: dict[str, tuple] = {}
-
-
-def register_rules(model_type: str, *rules) -> None:
-    """Declare the rules of one model_type (replacing any earlier set)."""
-    RULES[model_type] = tuple(rules)
-
-
-for _t in ("llama", "qwen2", "qwen3"):
-    register_rules(_t, *COMMON, *DENSE)
-register_rules("mixtral", *COMMON, *MOE, Int("intermediate_size", 1, M4, required=True), sliding_window_rule(True))
-register_rules("olmoe", *COMMON, *MOE, Int("intermediate_size", 1, M4, required=True),
-               Number("clip_qkv", 0, nullable=True))
-register_rules("qwen3_moe", *COMMON, *MOE, *QWEN_MOE)
-register_rules("qwen2_moe", *COMMON, *MOE, *QWEN_MOE, Int("shared_expert_intermediate_size", 0, M4, nullable=True))
-# The second wave's architectures: field ranges here; the cross-field checks (groups, top-k
-# per group, indexer layers, layer types) are engine/arch/parsers.py's, each one line naming the field.
-_ROUTED = (Int("n_routed_experts", 1, M4, required=True), Int("num_experts_per_tok", 1, K16, required=True),
-           Int("moe_intermediate_size", 1, M4, required=True), Int("n_shared_experts", 0, K16, nullable=True),
-           Int("n_group", 1, K16, nullable=True), Int("topk_group", 1, K16, nullable=True),
-           Int("first_k_dense_replace", 0, M4, nullable=True), Number("routed_scaling_factor", 0, nullable=True))
-_MLA = (Int("kv_lora_rank", 1, M4, required=True), Int("q_lora_rank", 1, M4, nullable=True),
-        Int("qk_nope_head_dim", 1, K16, required=True), Int("qk_rope_head_dim", 1, K16, required=True),
-        Int("v_head_dim", 1, K16, required=True))
-register_rules("deepseek_v3", *COMMON, *_ROUTED, *_MLA)
-register_rules("glm_moe_dsa", *COMMON, *_ROUTED, *_MLA, Int("index_topk", 1, M4, required=True),
-               Int("index_n_heads", 1, K16, required=True), Int("index_head_dim", 1, K16, required=True))
-register_rules("glm4_moe", *COMMON, *_ROUTED)
-register_rules("gpt_oss", *COMMON, Int("num_local_experts", 1, M4, required=True),
-               Int("num_experts_per_tok", 1, K16, required=True), Int("intermediate_size", 1, M4, required=True),
-               Int("sliding_window", 1, M4, nullable=True))
-
-
-# --- entry point ---------------------------------------------------------------------------------
+# --- running the rules ---------------------------------------------------------------------------
 
 def config_problems(cfg: dict, rules: tuple) -> list[Problem]:
     """Every problem of cfg under rules: field rules first; cross rules only if those all pass."""
@@ -361,21 +329,3 @@ def config_problems(cfg: dict, rules: tuple) -> list[Problem]:
                 problems.append(p)
                 break  # later cross rules may assume this one (e.g. a divisor > 0)
     return problems
-
-
-def validate_config(cfg: Any, source: str = "config.json") -> None:
-    """Raise one ModelFormatError line for the first problem (with how many more there are)."""
-    if not isinstance(cfg, dict):
-        raise ModelFormatError(f"{source}: not a JSON object")
-    model_type = cfg.get("model_type")
-    rules = RULES.get(model_type) if isinstance(model_type, str) else None
-    if rules is None:
-        from engine.arch.args import SUPPORTED_TYPES
-        if model_type not in SUPPORTED_TYPES:
-            raise UnsupportedModelError(f"model_type {_short(model_type)} is not supported "
-                                        f"(supported: {', '.join(SUPPORTED_TYPES)})")
-        rules = COMMON
-    problems = config_problems(cfg, rules)
-    if problems:
-        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-        raise ModelFormatError(f"{source}: {problems[0].line()}{more}")

@@ -1,0 +1,7 @@
+"""One module per architecture (or a family of sibling model_types): its `Architecture` record
+(engine/arch/architecture.py) with the config parsing, validation rules, tensor shapes and synth
+recipe, built on the shared pieces here (dense.py's llama layout, routed.py's sigmoid-routed MoE,
+synth_plans.py's layer skeleton). engine/arch/registry.py lists every record once.
+
+May import: engine.base, engine.native, engine.format.quant and the rest of engine.arch.
+"""

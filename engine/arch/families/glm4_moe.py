@@ -1,0 +1,33 @@
+"""glm4_moe: grouped-query attention with partial RoPE (`partial_rotary_factor` of head_dim),
+optional per-head q/k norms and qkv biases, over deepseek-style sigmoid-routed experts."""
+
+from __future__ import annotations
+
+from engine.arch.architecture import Architecture, SynthRecipe
+from engine.arch.args import ModelArgs
+from engine.arch.config_rules import COMMON
+from engine.arch.families.routed import ROUTED_RULES, bad, moe_flags, routed_fields, routed_moe_plan
+from engine.arch.families.synth_plans import gqa_plan, layered_plan, synth_config
+
+
+def _parse(model_type: str, cfg: dict, common: dict) -> ModelArgs:
+    fields = routed_fields(model_type, cfg, lambda: moe_flags(cfg, model_type, common["num_layers"],
+                                                              first_dense_default=1))
+    rope = common["rope"]
+    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5)))
+    rotary = int(common["head_dim"] * factor)
+    if not 0 < factor <= 1 or rotary % 2:
+        raise bad(model_type, f"partial_rotary_factor {factor} must give an even rotary dimension in "
+                              f"(0, head_dim {common['head_dim']}], got {rotary}")
+    return ModelArgs(**common, **fields, rotary_dim=rotary, attention_bias=bool(cfg.get("attention_bias", False)),
+                     qk_norm="head" if cfg.get("use_qk_norm") else "none")
+
+
+def _synth_plan(g: dict, args: ModelArgs):
+    return layered_plan(args, lambda p, i: gqa_plan(args, p, i, biases=args.attention_bias),
+                        lambda p, i: routed_moe_plan(args, p, i))
+
+
+GLM4_MOE = Architecture(
+    "glm4_moe", ("glm4_moe",), _parse, rules=lambda model_type: (*COMMON, *ROUTED_RULES),
+    synth=SynthRecipe(lambda g, eos, stamp: synth_config(g, "Glm4MoeForCausalLM", eos, stamp), _synth_plan))

@@ -1,0 +1,24 @@
+"""olmoe: the llama layout with q/k RMSNorm over the whole projection, optional qkv clipping,
+and softmax top-k routing (renormalised only when norm_topk_prob)."""
+
+from __future__ import annotations
+
+from engine.arch.architecture import Architecture
+from engine.arch.args import ModelArgs
+from engine.arch.config_rules import COMMON, M4, MOE, Int, Number
+from engine.arch.families.dense import llama_family_shape
+
+
+def _parse(model_type: str, cfg: dict, common: dict) -> ModelArgs:
+    return ModelArgs(
+        **common, num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
+        top_k=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        qk_norm="full", clip_qkv=cfg.get("clip_qkv"),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+    )
+
+
+OLMOE = Architecture("olmoe", ("olmoe",), _parse, tensor_shape=llama_family_shape, rules=lambda model_type: (
+    *COMMON, *MOE, Int("intermediate_size", 1, M4, required=True), Number("clip_qkv", 0, nullable=True)))

@@ -1,0 +1,12 @@
+"""qwen2_moe: qwen3_moe's layout without q/k norms, with qkv biases and a gated shared expert."""
+
+from __future__ import annotations
+
+from engine.arch.architecture import Architecture
+from engine.arch.config_rules import COMMON, M4, MOE, QWEN_MOE, Int
+from engine.arch.families.dense import llama_family_shape
+from engine.arch.families.qwen3_moe import parse_qwen_moe
+
+QWEN2_MOE = Architecture("qwen2_moe", ("qwen2_moe",), parse_qwen_moe, tensor_shape=llama_family_shape,
+                         rules=lambda model_type: (*COMMON, *MOE, *QWEN_MOE,
+                                                   Int("shared_expert_intermediate_size", 0, M4, nullable=True)))

@@ -1,0 +1,153 @@
+"""The native int8/int4 decode kernels (engine/native/int_decode.cpp): right products on odd shapes
+and edge groups, the same bits batched or per expert, and torch's kernels as the fallback when
+native is disabled, when the CPU lacks VNNI/VBMI, when there is no compiler, or when a build
+failed before (remembered, not retried)."""
+
+import os
+import stat
+
+import pytest
+import torch
+
+from engine import native
+from engine.arch.layers import native_quant_operands, swiglu_expert
+from engine.format.quant import QuantWeight, dequantize, quantize
+from colibri_requirements import needs
+
+WHY_NOT = native.load()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None or not native.int_ready,
+                                reason=needs("native", f"native int kernels: {WHY_NOT or 'no VNNI/VBMI'}"))
+
+@pytest.fixture(autouse=True)
+def int8_native_on(monkeypatch):
+    """int8 decode is off by default (measured slower end to end); these tests exercise it."""
+    monkeypatch.setattr(native, "int8_decode", True)
+
+
+# (N, K, group): full 64-row blocks, a partial last block (N % 64 = 2, 6, 50), ragged int8 K
+# (not a multiple of 32), one group per row and many.
+SHAPES = [(64, 64, 32), (130, 96, 32), (70, 256, 128), (2, 64, 64), (198, 192, 64), (512, 1024, 64)]
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> bool:
+    """Within `rel` of the reference's scale (int16 activations: ~1e-4 of max|x|·|w| per sum)."""
+    return float((y.float() - ref).abs().max()) <= rel * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_matches_the_dequantized_reference(quant, n, k, group, dtype):
+    g = torch.Generator().manual_seed(n * k + group)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(2, k, generator=g)  # two rows: the op loops over M
+    if quant == "int8" and k % 32 == 0:
+        w, x = w[:, : k - 5], x[:, : k - 5]  # a ragged K: the masked tail
+    qw, qs = quantize(w, quant, group)
+    ref = x @ dequantize(qw, qs, quant, group).T
+    xs = x.to(dtype)
+    y = (native.int8_linear(xs, qw, qs.to(dtype)) if quant == "int8"
+         else native.int4_linear(xs, qw, qs.to(dtype), group))
+    assert y.shape == ref.shape and y.dtype == dtype
+    # fp32: only the int16 activations' error; bf16: plus one rounding of x and of y
+    assert _close(y, ref, 2e-4 if dtype == torch.float32 else 1.5e-2)
+
+
+def _experts(quant: str, group: int, n: int, hidden: int = 128, inter: int = 96, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(n):
+        mats = [torch.randn(inter, hidden, generator=g) * 0.2, torch.randn(inter, hidden, generator=g) * 0.2,
+                torch.randn(hidden, inter, generator=g) * 0.2]
+        out.append(tuple(QuantWeight.prepare(*quantize(m, quant, group), quant, group, dtype) for m in mats))
+    return out
+
+
+# int4 g32 with I = 160: the gate/up rows end in a partial 32-row block
+@pytest.mark.parametrize("quant,group,inter", [("int8", 0, 96), ("int4", 32, 160), ("int4", 64, 192)])
+def test_experts_batched_equal_alone_and_match_swiglu(quant, group, inter):
+    experts = _experts(quant, group, 5, inter=inter)
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
+    operands, g = native_quant_operands(x, experts)
+    batched = native.quant_experts(x, operands, g)
+    assert batched.shape == (5, 128)
+    for j, ws in enumerate(experts):
+        alone = swiglu_expert(x, ws)  # the per-expert (streaming) path
+        assert torch.equal(alone[0], batched[j])
+        gate, up, down = (w.dequantize().float() for w in ws)
+        h = torch.nn.functional.silu((x.float() @ gate.T).bfloat16()) * (x.float() @ up.T).bfloat16()
+        assert _close(batched[j:j + 1], h.float() @ down.T, 2e-2)
+
+
+def test_prefill_and_mixed_experts_keep_torchs_kernels():
+    ws = _experts("int8", 0, 1)[0]
+    x = torch.randn(3, 128).bfloat16()
+    assert not ws[0].native_decode(x)  # several rows: torch's packed kernel
+    mixed = [ws, _experts("int4", 32, 1)[0]]
+    assert native_quant_operands(x[:1], mixed) is None
+
+
+@pytest.fixture
+def fresh_native(monkeypatch):
+    """native.load() re-run in a changed environment, then the real state restored."""
+    yield monkeypatch
+    monkeypatch.undo()
+    native.load(again=True)
+    assert native.ready and native.int_ready
+
+
+def _fallback_matches_torch(ws, x):
+    """The decode product goes through torch's own kernel: equal to calling it directly."""
+    direct = torch.ops.aten._weight_int8pack_mm(x, ws.qweight, ws.qscale)
+    assert not ws.native_decode(x)
+    assert torch.equal(ws.linear(x), direct)
+
+
+def test_disabled_native_falls_back_to_torch(fresh_native):
+    fresh_native.setenv("COLIBRI_NATIVE", "0")
+    assert native.load(again=True) == "disabled by COLIBRI_NATIVE=0"
+    assert not native.ready and not native.int_ready
+    ws = _experts("int8", 0, 1)[0]
+    _fallback_matches_torch(ws[0], torch.randn(1, 128).bfloat16())
+    assert native_quant_operands(torch.randn(1, 128).bfloat16(), [ws]) is None
+
+
+def test_cpu_without_vnni_keeps_bf16_kernels_but_not_int(fresh_native):
+    flags = native.cpu_flags() - {"avx512_vnni"}
+    fresh_native.setattr(native, "cpu_flags", lambda: flags)
+    assert native.load(again=True) is None  # bf16 kernels still load
+    assert native.ready and not native.int_ready
+    _fallback_matches_torch(_experts("int8", 0, 1)[0][0], torch.randn(1, 128).bfloat16())
+
+
+def test_cpu_without_avx512_bf16_loads_nothing(fresh_native):
+    flags = native.cpu_flags() - {"avx512_bf16"}
+    fresh_native.setattr(native, "cpu_flags", lambda: flags)
+    assert "lacks avx512_bf16" in native.load(again=True)
+    assert not native.int_ready
+
+
+def test_no_compiler(fresh_native):
+    fresh_native.delenv("CXX", raising=False)
+    fresh_native.setenv("PATH", "/nonexistent")
+    assert native.load(again=True) == "no C++ compiler (g++) on PATH"
+    assert not native.int_ready
+
+
+def test_a_failed_build_is_remembered_not_retried(fresh_native, tmp_path):
+    calls = tmp_path / "calls"
+    cxx = tmp_path / "broken-g++"
+    cxx.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'error: broken compiler' >&2\nexit 1\n")
+    cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
+    fresh_native.setenv("CXX", str(cxx))
+    fresh_native.setenv("COLIBRI_KERNEL_CACHE", str(tmp_path / "kernels"))
+    first = native.load(again=True)
+    assert "broken compiler" in first and not native.int_ready
+    second = native.load(again=True)  # another process or trial: the remembered reason, no build
+    assert "broken compiler" in second and "earlier build" in second
+    assert calls.read_text().count("x") == 1
+    failed = list((tmp_path / "kernels").glob("*.failed"))
+    assert len(failed) == 1
+    os.unlink(failed[0])  # deleting the marker retries
+    native.load(again=True)
+    assert calls.read_text().count("x") == 2
