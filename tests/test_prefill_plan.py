@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from engine.arch.args import ModelArgs
+from engine.arch.registry import model_args
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError
 from engine.format.checkpoint import Checkpoint
@@ -25,7 +25,7 @@ from colibri_tune_fixtures import MiB, model_dir  # noqa: F401
 
 
 def test_prefill_activations_grow_with_the_tokens_of_a_pass(model_dir):  # noqa: F811
-    args = ModelArgs.from_config(Checkpoint(model_dir).config)
+    args = model_args(Checkpoint(model_dir).config)
     one, chunk = (prefill_activation_bytes(args, t, torch.bfloat16) for t in (1, PREFILL_CHUNK))
     per_token = prefill_activation_bytes(args, 2, torch.bfloat16) - one
     assert per_token > args.hidden_size * 2  # at least the residual stream, in bf16
@@ -45,7 +45,7 @@ def test_the_plan_grows_with_the_longest_request(model_dir):  # noqa: F811
         fixed[n] = space.fixed_bytes(space.smallest())
     assert fixed[8] < fixed[200] < fixed[4000]
     ckpt = Checkpoint(model_dir)
-    args = ModelArgs.from_config(ckpt.config)
+    args = model_args(ckpt.config)
     from engine.format.layout import ExpertLayout
     from engine.movement.plan import make_plan
     plans = {n: make_plan(ckpt, args, ExpertLayout(ckpt, args), EngineConfig(ram_budget=512 * MiB, ctx_size=n),

@@ -207,7 +207,8 @@ def test_scope_all_levels_quantize_the_dense_part_too_and_are_priced_in_quality(
     """int8-all: its own container (convert's scope "all": the attention and dense projections
     quantized too), a smaller resident part than int8's, and a quality cost measured against
     the source like any level's, which a bound it breaks refuses."""
-    from engine.arch.args import ModelArgs, dense_tensor_names
+    from engine.arch.args import dense_tensor_names
+    from engine.arch.registry import model_args
     from engine.format.checkpoint import Checkpoint
     from engine.format.container import container_spec, dense_quantized
     from tuner.search import lossy, quant_cache
@@ -220,7 +221,7 @@ def test_scope_all_levels_quantize_the_dense_part_too_and_are_priced_in_quality(
     for label, d in dirs.items():
         ckpt = Checkpoint(d)
         spec = container_spec(ckpt)
-        quantized[label] = dense_quantized(ckpt, spec, dense_tensor_names(ModelArgs.from_config(ckpt.config)))
+        quantized[label] = dense_quantized(ckpt, spec, dense_tensor_names(model_args(ckpt.config)))
         assert spec.scope == ("all" if label == "int8-all" else "experts")
     assert not quantized["int8"] and any("self_attn" in n for n in quantized["int8-all"])
     text = str(ROOT / "README.md")
