@@ -39,7 +39,7 @@ def streaming_config(model_dir, **kw) -> EngineConfig:
     with Engine(model_dir, config.replace(ram_budget=0)) as resident:
         plan = resident.plan
     fixed = (plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + psutil.Process().memory_info().rss
-             + ACTIVATION_MARGIN)
+             + ACTIVATION_MARGIN + plan.prefill_bytes)
     return config.replace(ram_budget=fixed + int(4 * plan.expert_bytes / 0.3) + (1 << 20))
 
 
