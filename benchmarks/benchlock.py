@@ -1,20 +1,9 @@
-"""The shared benchmark lock: one flock file, so timed runs on a shared box never overlap."""
+"""The shared benchmark lock; it lives in benchmarks/benchkit.py with the rest of what the tools share.
 
-from __future__ import annotations
+Kept as a name only because peers.py and streaming.py (other streams' files this session) import
+it from here; once they import benchmarks.benchkit, this module goes.
+"""
 
-import contextlib
-import fcntl
+from benchmarks.benchkit import bench_lock
 
-
-@contextlib.contextmanager
-def bench_lock(path: str | None):
-    """Hold the lock at `path` for one step (a build, a conversion, one measured run); None: no lock."""
-    if not path:
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+__all__ = ["bench_lock"]

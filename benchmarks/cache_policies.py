@@ -19,7 +19,6 @@ so the engine's `lru` stays plain.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ if str(ROOT) not in sys.path:
 
 from engine.movement.cache import policies  # noqa: E402
 from tuner.costmodel import routing_model as routing  # noqa: E402
+from benchmarks.benchkit import conditions, emit  # noqa: E402
 
 SLOT_FACTORS = (0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)  # × one token's working set
 POLICIES = ("lru", "lru + admission", "lfu", "pinned")
@@ -75,20 +75,14 @@ def main(argv=None) -> int:
                                     repeats=3, seed=args.seed).decode
             row[policy] = {"warm": warm, "cold": cold}
         rows.append(row)
-    if args.json:
-        json.dump({"args": vars(args), "working_set": working_set, "rows": rows}, sys.stdout, indent=2)
-        print()
-        return 0
-    print(f"# {args.layers} MoE layers x {args.experts} experts top-{args.top_k}, {model.description}; "
-          f"one token's working set {working_set} entries; decode hit rate warm / cold; seed {args.seed}")
-    head = "| cache entries | × working set | " + " | ".join(POLICIES) + " |"
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
-    for r in rows:
-        cells = [f"{100 * r[pol]['warm']:.1f}% / {100 * r[pol]['cold']:.1f}%" for pol in POLICIES]
-        print(f"| {r['slots']} | {r['factor']:g} | " + " | ".join(cells) + " |")
+    cond = conditions(layers=args.layers, experts=args.experts, top_k=args.top_k, routing=model.description,
+                      working_set=working_set, seed=args.seed,
+                      measured="decode hit rate warm (64 + 192 tokens) / cold (8 + 8 tokens, 3 repeats)")
+    columns = [("cache entries", lambda r: r["slots"]), ("× working set", lambda r: f"{r['factor']:g}")]
+    columns += [(pol, lambda r, pol=pol: f"{100 * r[pol]['warm']:.1f}% / {100 * r[pol]['cold']:.1f}%")
+                for pol in POLICIES]
+    emit("cache_policies", rows, cond, args.json, columns)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

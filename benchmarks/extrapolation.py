@@ -16,7 +16,6 @@ Published figures (ANCHORS.md, Colibrì's measurements) are printed next to the 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from tuner.costmodel.hardware import HardwareView, apply_what_if  # noqa: E402
 from tuner.costmodel.predict import Factors, RunConditions  # noqa: E402
 from tuner.costmodel.search import grid_configs, rank  # noqa: E402
 from tuner.probe.hardware_profile import load_profile  # noqa: E402
+from benchmarks.benchkit import conditions, emit  # noqa: E402
 
 MiB = 1 << 20
 MODELS = ("glm-5", "deepseek-v3", "qwen3-235b-a22b", "mixtral-8x22b", "olmoe-1b-7b")
@@ -107,29 +107,30 @@ def main(argv=None) -> int:
                 print(f"{machine:28} {name:16} {quant}: " + "; ".join(
                     f"{k} warm {_f(v['warm_tok_s'])} ({v['warm_bottleneck']}) cold {_f(v['cold_tok_s'])}"
                     for k, v in row.items() if isinstance(v, dict) and "warm_tok_s" in v), file=sys.stderr)
-    if args.json:
-        print(json.dumps({"factors": {k: f.to_dict() for k, f in sets.items()}, "rows": rows}, indent=2))
-        return 0
     cal = "calibrated" in sets
-    print("| machine | model | quant | curves only: warm / cold tok/s | bottleneck | warm RAM hit | GB read/token |"
-          + (" calibrated: warm / cold tok/s | bottleneck |" if cal else "") + " published |")
-    print("|---|---|---|---|---|---|---|" + ("---|---|" if cal else "") + "---|")
-    for r in rows:
-        c = r["curves"]
-        hit = "-" if c["warm_hit_rate"] is None else f"{c['warm_hit_rate']:.0%}"
-        gb = "-" if c["gb_read_per_token"] is None else f"{c['gb_read_per_token']:.2f}"
-        line = (f"| {r['machine']} | {r['model']} | {r['quant']} | {_f(c['warm_tok_s'])} / {_f(c['cold_tok_s'])} | "
-                f"{c['warm_bottleneck']} | {hit} | {gb} |")
-        if cal:
-            k = r["calibrated"]
-            line += f" {_f(k['warm_tok_s'])} / {_f(k['cold_tok_s'])} | {k['warm_bottleneck']} |"
-        print(line + f" {r['published']} |")
-    print("\nmachines (what-if edits of the profile): " + "; ".join(
-        f"{m}: {', '.join(e) or 'as measured'}" for m, e in MACHINES.items()))
-    for label, f in sets.items():
-        print(f"factors ({label}): " + ", ".join(f"{k} {v:.3g}" for k, v in f.to_dict().items()))
-    return 0
 
+    def speeds(label):
+        return lambda r: f"{_f(r[label]['warm_tok_s'])} / {_f(r[label]['cold_tok_s'])}"
+
+    columns = [("machine", lambda r: r["machine"]), ("model", lambda r: r["model"]), ("quant", lambda r: r["quant"]),
+               ("curves only: warm / cold tok/s", speeds("curves")),
+               ("bottleneck", lambda r: r["curves"]["warm_bottleneck"]),
+               ("warm RAM hit", lambda r: None if r["curves"]["warm_hit_rate"] is None
+                else f"{r['curves']['warm_hit_rate']:.0%}"),
+               ("GB read/token", lambda r: None if r["curves"]["gb_read_per_token"] is None
+                else f"{r['curves']['gb_read_per_token']:.2f}")]
+    if cal:
+        columns += [("calibrated: warm / cold tok/s", speeds("calibrated")),
+                    ("bottleneck", lambda r: r["calibrated"]["warm_bottleneck"])]
+    columns.append(("published", lambda r: r["published"] or ""))
+    notes = {"machines (what-if edits of the profile)": "; ".join(
+        f"{m}: {', '.join(e) or 'as measured'}" for m, e in MACHINES.items())}
+    for label, f in sets.items():
+        notes[f"factors ({label})"] = ", ".join(f"{k} {v:.3g}" for k, v in f.to_dict().items())
+    emit("extrapolation", rows, conditions(profile=args.profile, routing="synth skew 1 (make_routing auto)",
+                                           budget="88% of RAM", ctx=4096, quant_scope="all"),
+         args.json, columns, notes=notes)
+    return 0
 
 def _transferable(f: Factors, edits: list[str]) -> Factors:
     """The fitted factors for a described machine. A what-if that names the disk's bandwidth

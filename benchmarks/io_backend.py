@@ -30,7 +30,6 @@ pass --uring-path DIR (docs/BENCHMARKS.md, "I/O backend").
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -46,9 +45,11 @@ from engine.movement.io import (  # noqa: E402
     ReadPool, UringPool, align_down, direct_window_bytes, uring_unavailable,
 )
 from engine.format.layout import ExpertLayout  # noqa: E402
-from engine.arch.registry import model_args
+from engine.arch.registry import model_args  # noqa: E402
 from engine.run.resolve import resolve_model  # noqa: E402
 from engine.movement.slots import SlotArena  # noqa: E402
+from benchmarks.benchkit import bench_lock, conditions, emit  # noqa: E402
+from benchmarks.io_jobs import drop_pages  # noqa: E402
 
 
 def disjoint_spans(model_dir, n: int, groups: int, seed: int) -> list[list]:
@@ -63,13 +64,6 @@ def disjoint_spans(model_dir, n: int, groups: int, seed: int) -> list[list]:
                          f"model's {len(keys)} experts; use --reads {len(keys) // groups}")
     picked = random.Random(seed).sample(keys, n * groups)
     return [[layout.location(*k).spans[0] for k in picked[g * n:(g + 1) * n]] for g in range(groups)]
-
-
-def drop(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
 
 
 def window(span) -> tuple[int, int]:
@@ -184,7 +178,6 @@ def reference(span) -> bytes:
 
 
 def main() -> int:
-    from benchmarks.benchlock import bench_lock
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
     ap.add_argument("--reads", type=int, default=96)
@@ -192,7 +185,7 @@ def main() -> int:
     ap.add_argument("--piece", nargs="+", default=["0", "1MiB"], help="request size; 0 = the whole span")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--uring-path", help="directory the bindings were pip-installed into with --target")
-    ap.add_argument("--lock", default="/tmp/colibri-bench.lock")
+    ap.add_argument("--lock", help="flock this file around the measurement (not under `quiet bench`: see benchkit.py)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.uring_path:
@@ -230,7 +223,7 @@ def main() -> int:
                         slots = len(spans) if name == "liburing" else 2 * qd
                         arena = SlotArena(max(window(s)[1] for s in spans), slots)
                         keep = {"index": a.reads // 2}
-                        drop(paths)
+                        drop_pages(paths)
                         c0, t0 = os.times(), time.perf_counter()
                         try:
                             run(spans, qd, piece, arena, keep)
@@ -245,24 +238,21 @@ def main() -> int:
                 for name, r in results.items():
                     rows.append({"backend": name, "qd": qd, "request": piece or None, "reads": a.reads,
                                  "span_bytes": nbytes / a.reads, **r})
-    if a.json:
-        json.dump(rows, sys.stdout, indent=2)
-        return 0
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.1f}, "
-          f"{a.passes} passes, O_DIRECT, page cache dropped before each read\n")
-    print("| backend | QD | request | GB/s median (min-max) | CPU s per GB (median) | bytes = pread | reads x MiB |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        g = r["gbps"]
-        if not g:
-            print(f"| {r['backend']} | {r['qd']} | {r['request']} | failed: {r.get('error')} | | | |")
-            continue
-        req = format_size(r["request"]) if r["request"] else "whole span"
-        print(f"| {r['backend']} | {r['qd']} | {req} | {statistics.median(g):.2f} ({min(g):.2f}-{max(g):.2f}) | "
-              f"{statistics.median(r['cpu_s_per_gb']):.3f} | {'yes' if r['bytes_ok'] else 'NO'} | "
-              f"{r['reads']} x {r['span_bytes'] / 2**20:.1f} |")
-    return 0
+    cond = conditions(io_mode="direct", cold="page cache dropped before each read", passes=a.passes,
+                      backends_skipped=[n for n in ("uring", "liburing") if n not in backends] or None)
 
+    def gbps(r):
+        g = r["gbps"]
+        return f"{statistics.median(g):.2f} ({min(g):.2f}-{max(g):.2f})" if g else f"failed: {r.get('error')}"
+
+    emit("io_backend", rows, cond, a.json, [
+        ("backend", lambda r: r["backend"]), ("QD", lambda r: r["qd"]),
+        ("request", lambda r: format_size(r["request"]) if r["request"] else "whole span"),
+        ("GB/s median (min-max)", gbps),
+        ("CPU s per GB (median)", lambda r: f"{statistics.median(r['cpu_s_per_gb']):.3f}" if r["gbps"] else None),
+        ("bytes = pread", lambda r: "yes" if r["bytes_ok"] else "NO"),
+        ("reads x MiB", lambda r: f"{r['reads']} x {r['span_bytes'] / 2**20:.1f}")])
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,9 +12,7 @@ with its min-max spread.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -28,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tqdm import tqdm  # noqa: E402
 
 from engine.movement.io import IO_MODES, IOStats, ReadPool  # noqa: E402
+from benchmarks.benchkit import conditions, emit  # noqa: E402
 
 MiB = 1 << 20
 
@@ -124,32 +123,14 @@ def main(argv=None) -> int:
                 "chunk_requests_per_pass": runs[0]["requests"],
             }
         )
-    conditions = {
-        "file_mib": size // MiB,
-        "path": str(path),
-        "request_mib": args.request_mib,
-        "inflight": args.inflight,
-        "repeats": args.repeats,
-        "cold": "posix_fadvise(DONTNEED) before every pass",
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",
-    }
-    if args.json:
-        print(json.dumps({"conditions": conditions, "results": summary}, indent=1))
-        return 0
-    print(
-        f"cold reads of {conditions['file_mib']} MiB, {args.request_mib:g} MiB requests at shuffled offsets, "
-        f"{args.inflight} in flight, median of {args.repeats} (min-max); {conditions['machine']}"
-    )
-    print(f"| {'mode':8} | {'chunk':>8} | {'threads':>7} | {'GB/s':>6} | {'min-max':>13} |")
-    print(f"|{'-' * 10}|{'-' * 10}|{'-' * 9}|{'-' * 8}|{'-' * 15}|")
-    for s in summary:
-        mode = s["mode"] if s["mode"] == s["effective_mode"] else f"{s['mode']}->{s['effective_mode']}"
-        print(
-            f"| {mode:8} | {s['chunk_kib']:>5} KiB | {s['io_threads']:>7} | {s['median_gbps']:>6.2f} "
-            f"| {s['min_gbps']:>5.2f}-{s['max_gbps']:<7.2f} |"
-        )
+    cond = conditions(file_mib=size // MiB, request_mib=args.request_mib, inflight=args.inflight,
+                      repeats=args.repeats, cold="posix_fadvise(DONTNEED) before every pass")
+    emit("io_modes", summary, cond, args.json, [
+        ("mode", lambda s: s["mode"] if s["mode"] == s["effective_mode"] else f"{s['mode']}->{s['effective_mode']}"),
+        ("chunk", lambda s: f"{s['chunk_kib']} KiB"), ("threads", lambda s: s["io_threads"]),
+        ("GB/s (median)", lambda s: f"{s['median_gbps']:.2f}"),
+        ("min-max", lambda s: f"{s['min_gbps']:.2f}-{s['max_gbps']:.2f}")])
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

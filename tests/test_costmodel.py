@@ -52,7 +52,7 @@ def test_glm5_sizes_at_int4_and_mla_kv():
     # KV: latent 512 + rope key 64 + indexer key 128 per position per layer, bf16.
     assert plan.kv_bytes == 78 * (512 + 64 + 128) * 8192 * 2
     assert plan.dense_bytes == pytest.approx(g.dense_bytes("int4"), abs=4096)
-    left = 64 * GiB - plan.dense_bytes - plan.kv_bytes - plan.buffer_bytes - 300 * MiB
+    left = 64 * GiB - plan.dense_bytes - plan.kv_bytes - plan.buffer_bytes - 300 * MiB - plan.prefill_bytes
     entry = plan.cache_entry_bytes  # the cache is whole slots (engine/movement/slots.py)
     assert plan.cache_bytes == int(left) // entry * entry
 

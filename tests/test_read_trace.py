@@ -1,4 +1,4 @@
-"""The read-trace recorder (engine/movement/io/trace.py) and its fio replay (benchmarks/trace_bound.py)."""
+"""The read-trace recorder (engine/movement/io/trace.py) and its replays (benchmarks/io_jobs.py, io_bound.py)."""
 
 import json
 import os
@@ -10,7 +10,8 @@ import psutil
 import pytest
 
 import engine.movement.io.trace as trace_mod
-from benchmarks.trace_bound import IOLOG_HEADER, iolog_bytes, job_iologs, outstanding_fraction, replay, split_window
+from benchmarks import io_bound
+from benchmarks.io_jobs import IOLOG_HEADER, iolog_bytes, job_iologs, outstanding_fraction, replay, split_window
 from engine.run.bench import run_bench
 from engine.base.config import EngineConfig
 from engine.movement.io import ReadPool
@@ -38,7 +39,7 @@ def streaming_config(model_dir, **kw) -> EngineConfig:
     with Engine(model_dir, config.replace(ram_budget=0)) as resident:
         plan = resident.plan
     fixed = (plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + psutil.Process().memory_info().rss
-             + ACTIVATION_MARGIN)
+             + ACTIVATION_MARGIN + plan.prefill_bytes)
     return config.replace(ram_budget=fixed + int(4 * plan.expert_bytes / 0.3) + (1 << 20))
 
 
@@ -129,7 +130,7 @@ def test_fio_replays_the_iologs(tmp_path, no_stall):
         assert out["seconds"] >= 0.9 * 2 * tokens * gap
 
 
-def test_a_bad_trace_is_one_clear_error(tmp_path):
+def test_a_bad_trace_is_one_clear_error(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"format": "something else"}) + "\n")
     with pytest.raises(ValueError, match="not a colibri-read-trace"):
@@ -138,9 +139,10 @@ def test_a_bad_trace_is_one_clear_error(tmp_path):
     write_trace(good, {"tokens": 1}, [{"file": "x"}])
     with pytest.raises(ValueError, match="line 2 is not a read record"):
         read_trace(good)
-    run = subprocess.run([sys.executable, "benchmarks/trace_bound.py", str(bad)], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "not a colibri-read-trace" in run.stderr
+    for command in ("replay", "pool"):  # refused before anything runs, fio installed or not
+        assert io_bound.main([command, str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("io_bound: error:") and "not a colibri-read-trace" in err
 
 
 def test_bench_refuses_an_unwritable_trace_path(tmp_path):
@@ -149,8 +151,8 @@ def test_bench_refuses_an_unwritable_trace_path(tmp_path):
     assert run.returncode == 2 and "--read-trace" in run.stderr and "Traceback" not in run.stderr
 
 
-def test_pool_replay_reads_every_traced_byte_through_the_engine_reader(tmp_path):
-    from benchmarks.pool_replay import pool_replay
+def _small_trace(tmp_path):
+    """A direct-mode trace of 8 unaligned spans of one file, 4 tokens."""
     f = tmp_path / "weights.bin"
     f.write_bytes(os.urandom(2 << 20))
     spans = [(i * 196608 + 100, 150000) for i in range(8)]  # unaligned, as expert spans are
@@ -160,7 +162,23 @@ def test_pool_replay_reads_every_traced_byte_through_the_engine_reader(tmp_path)
     path = tmp_path / "t.jsonl"
     write_trace(path, {"io_mode": "direct", "io_mode_effective": "direct", "io_threads": 2, "chunk_size": 65536,
                        "tokens": 4, "window_s": [0.01]}, records)
+    return path, spans, records
+
+
+def test_pool_replay_reads_every_traced_byte_through_the_engine_reader(tmp_path):
+    from benchmarks.io_jobs import pool_replay
+    path, spans, records = _small_trace(tmp_path)
     out = pool_replay(path, gap_s=0.01, passes=2)
     assert out["span_bytes"] == 2 * sum(n for _, n in spans)
     assert out["bytes"] == 2 * sum(r["nbytes"] for r in records)  # the O_DIRECT windows, as the engine counts
     assert out["seconds"] >= 0.9 * 2 * 4 * 0.01  # each token waited its gap
+
+
+def test_io_bound_pool_prints_the_bench_document(tmp_path, capsys):
+    path, _, records = _small_trace(tmp_path)
+    assert io_bound.main(["pool", str(path), "--passes", "1", "--repeats", "2", "--gap-s", "0", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == "colibri.bench/1" and doc["tool"] == "io_bound" and doc["conditions"]["repeats"] == 2
+    assert [r["reader"] for r in doc["rows"]] == ["engine pool", "engine pool"]
+    assert all(r["bytes"] == sum(x["nbytes"] for x in records) for r in doc["rows"])
+    assert "8 reads" in doc["notes"]["trace"]

@@ -66,7 +66,7 @@ def _expert_store(kind: str, moe_dir, cache_entries: int = 2):
     config = EngineConfig(io_mode=kind, io_threads=2, prefetch_depth=1, ctx_size=64)
     probe = make_plan(ckpt, args, layout, config.replace(ram_budget=1 << 40), torch.float32, torch.float32)
     budget = (probe.dense_bytes + probe.kv_bytes + probe.buffer_bytes + psutil.Process().memory_info().rss
-              + ACTIVATION_MARGIN + (cache_entries + 0.5) * probe.cache_entry_bytes + (64 << 20))
+              + ACTIVATION_MARGIN + probe.prefill_bytes + (cache_entries + 0.5) * probe.cache_entry_bytes + (64 << 20))
     plan = make_plan(ckpt, args, layout, config.replace(ram_budget=int(budget)), torch.float32, torch.float32,
                      overhead_bytes=psutil.Process().memory_info().rss + ACTIVATION_MARGIN + (64 << 20))
     assert plan.streaming

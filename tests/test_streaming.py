@@ -56,6 +56,7 @@ def budget_for_cache(model_dir, config: EngineConfig, cache_experts: int) -> int
     import torch
     plan = make_plan(ckpt, args, layout, config.replace(ram_budget=0), torch.float32, torch.float32)
     fixed = plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + psutil.Process().memory_info().rss + ACTIVATION_MARGIN
+    fixed += plan.prefill_bytes
     ratio = config.cpu_cache_ratio or 1.0
     return fixed + int(cache_experts * plan.expert_bytes / ratio) + (1 << 20)
 
@@ -211,7 +212,7 @@ def dense_budget(dense_dir, config, resident_layers):
     probe = make_plan(ckpt, args, None, config.replace(ram_budget=1 << 40), torch.float32, torch.float32, overhead)
     base = probe.dense_bytes - probe.resident_layers * probe.layer_bytes
     buffers = (1 + config.prefetch_depth) * (probe.layer_bytes + 2 * 4096)  # fp32 on disk and in compute
-    fixed = base + probe.kv_bytes + buffers + overhead
+    fixed = base + probe.kv_bytes + buffers + overhead + probe.prefill_bytes
     return fixed + resident_layers * probe.layer_bytes + probe.layer_bytes // 2
 
 

@@ -203,12 +203,44 @@ def test_an_interrupted_conversion_resumes(bf16_model, cache, tmp_path):
     assert info["action"] == "reused"
 
 
+def test_scope_all_levels_quantize_the_dense_part_too_and_are_priced_in_quality(bf16_model, cache, tmp_path):
+    """int8-all: its own container (convert's scope "all": the attention and dense projections
+    quantized too), a smaller resident part than int8's, and a quality cost measured against
+    the source like any level's, which a bound it breaks refuses."""
+    from engine.arch.args import dense_tensor_names
+    from engine.arch.registry import model_args
+    from engine.format.checkpoint import Checkpoint
+    from engine.format.container import container_spec, dense_quantized
+    from tuner.search import lossy, quant_cache
+    experts, everything = parse_levels("int8,int8-all")
+    assert (experts.label, experts.scope, everything.label, everything.scope) == ("int8", "experts", "int8-all", "all")
+    assert parse_levels("int4-g32-all")[0].label == "int4-g32-all"
+    dirs = {lv.label: quant_cache.ensure_container(bf16_model, lv, log=lambda m: None)[0] for lv in (experts, everything)}
+    assert dirs["int8"] != dirs["int8-all"]
+    quantized = {}
+    for label, d in dirs.items():
+        ckpt = Checkpoint(d)
+        spec = container_spec(ckpt)
+        quantized[label] = dense_quantized(ckpt, spec, dense_tensor_names(model_args(ckpt.config)))
+        assert spec.scope == ("all" if label == "int8-all" else "experts")
+    assert not quantized["int8"] and any("self_attn" in n for n in quantized["int8-all"])
+    text = str(ROOT / "README.md")
+    q = {label: quant_cache.quality(d, bf16_model, tmp_path / f"{label}.json", tokens=128, ctx=64, text=text,
+                                    log=lambda m: None) for label, d in dirs.items()}
+    assert q["int8-all"]["kl_mean"] > 0 and q["int8-all"]["kl_mean"] != q["int8"]["kl_mean"]
+    strict = lossy.QualityBound(max_kl=q["int8-all"]["kl_mean"] / 2)
+    assert strict.violation(q["int8-all"]) > 0
+    assert lossy.QualityBound(max_kl=q["int8-all"]["kl_mean"] * 2).violation(q["int8-all"]) == 0
+
+
 @pytest.mark.parametrize("levels, message", [
     ("bf16,int9", "unknown level 'int9'"),
     ("int8,bf16,int8", "level 'int8' is given twice"),
     ("int4,int4-g64", "level 'int4-g64' is given twice"),
     ("int4-g48", "group size 48"),
     ("int8-g32", "unknown level 'int8-g32'"),
+    ("bf16-all,int8", "unknown level 'bf16-all'"),
+    ("int8-all,int8-all", "level 'int8-all' is given twice"),
     ("bf16,fp32", "both name the unquantized source"),
     ("", "no levels given"),
     ("fp32,int8", "stored as bf16"),

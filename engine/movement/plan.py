@@ -1,10 +1,13 @@
 """The memory plan: what goes where under the budget, decided before anything is loaded.
 
     budget = dense (resident, compute dtype) + KV (ctx_size, kv_dtype) + read buffers
-             + runtime overhead + RAM expert cache
+             + runtime overhead + prefill activations + RAM expert cache
 
 The runtime overhead is measured, not guessed: the process's resident set at planning time
-(interpreter, torch, the checkpoint index) plus a margin for activations and logits. If the
+(interpreter, torch, the checkpoint index) plus a margin for a decode step's activations and
+logits. A prompt is prefilled in chunks of at most PREFILL_CHUNK tokens (engine/run/generate.py),
+so a long prompt's activations are bounded by one chunk's; the plan charges the chunk a prompt
+under ctx_size can fill, counted from the model's geometry (prefill_activation_bytes). If the
 parts cannot fit, one error lists them, so the user sees which part to shrink.
 """
 
@@ -26,6 +29,17 @@ from engine.format import fp8
 
 ACTIVATION_MARGIN = 64 << 20  # hidden states, logits, attention scores of a decode step
 ALIGN_SLACK = 2 * 4096  # an O_DIRECT window can start up to 4 KiB early and end 4 KiB late
+# Prompt tokens per forward pass of a prefill. Without a bound, a 2,000-token prompt on demo-small
+# (hidden 512) grew the trial's resident set by ~310 MiB over an 8-token one (every transient of
+# a layer is [T, ...], and every distinct per-expert row count is one more cached oneDNN matmul
+# primitive) and was OOM-killed under a 400 MiB budget the plan said it fitted.
+PREFILL_CHUNK = 256
+# The counted live bytes of a pass (prefill_activation_bytes) understate its resident high-water
+# mark: transients are freed and re-allocated per layer and per expert, and oneDNN keeps
+# primitives and scratch (engine/base/heap.py bounds both). Measured on demo-small (hidden 512,
+# 2,000-token prompt, 256-token passes, heap.py's bounds on): ~31 MiB above the steady state
+# for ~6.6 MiB counted, so 5x.
+PREFILL_ALLOCATOR_FACTOR = 5
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -57,6 +71,9 @@ class MemoryPlan:
     slot_bytes: int = 0
     arena_slots: int = 0
     cache_entry_bytes: int = 0
+    # One prefill chunk's activations (prefill_activation_bytes), beside the decode margin the
+    # runtime overhead already holds.
+    prefill_bytes: int = 0
 
     @property
     def cache_slots(self) -> int:
@@ -79,14 +96,42 @@ class MemoryPlan:
 
     def describe(self) -> str:
         return (f"dense {format_size(self.dense_bytes)} + KV {format_size(self.kv_bytes)} + read buffers "
-                f"{format_size(self.buffer_bytes)} + runtime {format_size(self.overhead_bytes)} + expert cache "
+                f"{format_size(self.buffer_bytes)} + runtime {format_size(self.overhead_bytes)} + prefill "
+                f"{format_size(self.prefill_bytes)} + expert cache "
                 f"{format_size(self.cache_bytes)} of budget {format_size(self.budget)}")
+
+
+def prefill_tokens_per_pass(ctx_size: int) -> int:
+    """The most prompt tokens one forward pass holds: a chunk, or the whole context if shorter."""
+    return max(1, min(ctx_size, PREFILL_CHUNK))
+
+
+def prefill_activation_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype) -> int:
+    """Peak transient bytes of one layer's forward over `tokens` prompt tokens (one chunk).
+
+    Per token (e = compute dtype bytes; H hidden, Nq/Nkv heads of D, K top-k, I expert
+    intermediate, E experts): the residual stream and its norms (3 tensors of H, plus the fp32
+    norm), q/k/v and the attention output, and the larger of the MLP parts: a dense MLP's gate,
+    up and product (3 of its intermediate), or a MoE layer's K gathered input rows, K weighted
+    outputs and their concatenation (3K of H), one expert's rows' gate, up and product (3 I each
+    of K slots), the router's fp32 probabilities (2 of E). Times the allocator's high-water factor;
+    plus the fp32 logits of the last position."""
+    e = _elem(dtype)
+    residual = (3 * e + 4) * args.hidden_size
+    attention = e * (2 * args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+    dense_mlp = 3 * e * args.intermediate_size
+    moe = (3 * args.top_k * args.hidden_size * e + 3 * args.top_k * args.moe_intermediate_size * e
+           + 2 * 4 * args.num_experts) if args.num_experts else 0
+    per_token = residual + attention + max(dense_mlp, moe)
+    return int(PREFILL_ALLOCATOR_FACTOR * tokens * per_token + 4 * args.vocab_size)
 
 
 def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, dtype: torch.dtype,
               kv_dtype: torch.dtype, overhead_bytes: int | None = None) -> MemoryPlan:
     dense = _dense_bytes(ckpt, args, getattr(layout, "quant", None), dtype)
     kv = KVCache.nbytes_for(args, config.ctx_size, kv_dtype)
+    # Any prompt up to ctx_size may come: charge the largest chunk one can fill.
+    prefill = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size), dtype)
     routed = layout.num_routed if layout is not None else 0
     disk_expert = layout.expert_nbytes if layout is not None else 0
     expert = expert_memory_bytes(layout, dtype) if routed else 0
@@ -107,16 +152,17 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     budget = config.ram_budget
 
     if budget > 0 and routed == 0:
-        return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes)
+        return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes, prefill)
     if budget <= 0 or routed == 0:
         return MemoryPlan(budget, False, dense, kv, 0, overhead_bytes, routed * expert, 0, expert, disk_expert,
-                          routed, inflight)
-    fixed = dense + kv + buffers + overhead_bytes
+                          routed, inflight, prefill_bytes=prefill)
+    fixed = dense + kv + buffers + overhead_bytes + prefill
     if fixed > budget:
         raise BudgetError(
             f"memory budget {format_size(budget)} is too small: dense weights {format_size(dense)} + KV cache "
             f"at ctx_size {config.ctx_size} {format_size(kv)} + read buffers {format_size(buffers)} + runtime "
-            f"{format_size(overhead_bytes)} = {format_size(fixed)} before any expert cache")
+            f"{format_size(overhead_bytes)} + prefill activations ({prefill_tokens_per_pass(config.ctx_size)}-token "
+            f"chunks) {format_size(prefill)} = {format_size(fixed)} before any expert cache")
     # Whole entries only, so the cache's byte capacity is exactly its slots.
     cache = min(int((budget - fixed) * config.cpu_cache_ratio) // entry, routed) * entry
     gpu_cache = 0
@@ -125,7 +171,8 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
         gpu_cache = min(int(free * config.gpu_cache_ratio), routed * expert)
     arena = 0 if mapped else inflight + (cache // entry if views else 0)
     return MemoryPlan(budget, True, dense, kv, buffers, overhead_bytes, cache, gpu_cache, expert, disk_expert,
-                      routed, inflight, slot_bytes=slot, arena_slots=arena, cache_entry_bytes=entry)
+                      routed, inflight, slot_bytes=slot, arena_slots=arena, cache_entry_bytes=entry,
+                      prefill_bytes=prefill)
 
 
 # (id(ckpt), id(args), quant, dtype) → (ckpt, args, bytes): the cost model plans thousands of
@@ -160,7 +207,7 @@ def _layer_names(args: ModelArgs, layer: int) -> list[str]:
     return [n for n in dense_tensor_names(args) if n.startswith(prefix)]
 
 
-def _dense_plan(ckpt, args, config, dtype, kv, overhead) -> MemoryPlan:
+def _dense_plan(ckpt, args, config, dtype, kv, overhead, prefill) -> MemoryPlan:
     """Dense model under a budget: as many whole layers resident as fit, the rest streamed."""
     layer_bytes = max(sum(_count(ckpt, n) for n in _layer_names(args, i)) for i in range(args.num_layers)) * _elem(dtype)
     layer_disk = max(sum(ckpt.info(n).nbytes for n in _layer_names(args, i)) for i in range(args.num_layers))
@@ -168,17 +215,18 @@ def _dense_plan(ckpt, args, config, dtype, kv, overhead) -> MemoryPlan:
     base = sum(_count(ckpt, n) * _elem(dtype) for n in dense_tensor_names(args) if n not in layered)
     # In flight: the layer being computed and `prefetch_depth` ahead, each as read + converted.
     buffers = (1 + config.prefetch_depth) * (layer_disk + ALIGN_SLACK + (layer_bytes if layer_bytes != layer_disk else 0))
-    fixed = base + kv + buffers + overhead
+    fixed = base + kv + buffers + overhead + prefill
     budget = config.ram_budget
     if fixed > budget:
         raise BudgetError(
             f"memory budget {format_size(budget)} is too small: dense weights outside the layers {format_size(base)} "
             f"+ KV cache at ctx_size {config.ctx_size} {format_size(kv)} + read buffers (layer streaming) "
-            f"{format_size(buffers)} + runtime {format_size(overhead)} = {format_size(fixed)}")
+            f"{format_size(buffers)} + runtime {format_size(overhead)} + prefill activations {format_size(prefill)} "
+            f"= {format_size(fixed)}")
     resident = min(args.num_layers, int((budget - fixed) * config.cpu_cache_ratio) // max(layer_bytes, 1))
     return MemoryPlan(budget, resident < args.num_layers, base + resident * layer_bytes, kv,
                       buffers if resident < args.num_layers else 0, overhead, 0, 0, 0, 0, 0, 0,
-                      resident_layers=resident, layer_bytes=layer_bytes)
+                      resident_layers=resident, layer_bytes=layer_bytes, prefill_bytes=prefill)
 
 
 def _count(ckpt: Checkpoint, name: str) -> int:

@@ -15,6 +15,7 @@ import psutil
 import torch
 
 from engine import native
+from engine.base import heap  # first: caps oneDNN's primitive cache before any matmul
 from engine.format.checkpoint import Checkpoint
 from engine.format.container import container_spec, dense_quantized, load_dense
 from engine.base.config import EngineConfig
@@ -25,7 +26,7 @@ from engine.arch.layers import KVCache
 from engine.arch.args import dense_tensor_names
 from engine.arch.registry import model_args
 from engine.arch.model import Transformer
-from engine.movement.plan import MemoryPlan, make_plan
+from engine.movement.plan import MemoryPlan, make_plan, prefill_tokens_per_pass
 from engine.arch.router import routing_trim
 from engine.format.tensor_checks import check_shapes
 from engine.movement.cache import routing_histogram_save
@@ -186,9 +187,18 @@ class Engine:
         return DTYPE_NAMES[self.config.dtype]
 
     def forward(self, tokens: list[int] | torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
-        """Logits [T, V] for every position, or [1, V] for the last one (what generation needs)."""
+        """Logits [T, V] for every position, or [1, V] for the last one (what generation needs).
+
+        last_only: the prompt goes through in passes of at most the plan's prefill chunk, so a
+        long prompt's activations stay within what the memory plan charged (engine/movement/plan.py)."""
         t = torch.as_tensor(tokens, dtype=torch.long)
-        return self.model.forward(t, start_pos, self.kv, last_only=last_only)
+        step = prefill_tokens_per_pass(self.kv.ctx_size)
+        if not last_only or t.shape[0] <= step:
+            return self.model.forward(t, start_pos, self.kv, last_only=last_only)
+        for begin in range(0, t.shape[0], step):
+            logits = self.model.forward(t[begin:begin + step], start_pos + begin, self.kv, last_only=True)
+            heap.release_freed()  # the pass's transients, so the next pass starts from what is live
+        return logits
 
     def record_routing(self) -> None:
         """Start logging every routing decision (for --record-routing / cache_policy=pinned)."""

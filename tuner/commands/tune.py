@@ -23,7 +23,8 @@ def add_tune(sub) -> None:
     q = p.add_argument_group("quant levels (one study per level, then a comparison)")
     q.add_argument("--quant", metavar="LEVELS",
                    help="e.g. bf16,int8,int4: the source as stored (bf16/fp16/fp32), int8, int4 or int4-g32/64/128 "
-                        "(int4 = g64); each quantized level is converted once into the model cache and scored "
+                        "(int4 = g64), and int8-all / int4-g64-all with the dense part quantized too; each quantized "
+                        "level is converted once into the model cache and scored "
                         "against the source; --trials and --time-budget apply to each level")
     q.add_argument("--quality-tokens", type=positive_int(TOKENS_MAX), default=2048, help="tokens of text scored per level (default 2048)")
     q.add_argument("--quality-ctx", type=int_in(4, CTX_MAX), default=512, help="quality chunk length (default 512)")

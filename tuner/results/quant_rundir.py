@@ -21,7 +21,7 @@ PROBE_FILE = "probe.json"  # the probe every level shares; profile.json is it pl
 # number here: tune --quant names the group sizes the converter takes; a stored profile entry
 # allows only those, QUANT_LABEL_RE).
 UNQUANTIZED = ("bf16", "fp16", "fp32")
-LEVEL_RE = re.compile(rf"^({'|'.join(UNQUANTIZED + QUANTS)})(?:-g(\d+))?$")
+LEVEL_RE = re.compile(rf"^({'|'.join(UNQUANTIZED + QUANTS)})(?:-g(\d+))?(-all)?$")  # -all: scope "all"
 QUANT_LABEL_RE = re.compile(rf"^({'|'.join(UNQUANTIZED + QUANTS)})(-g({'|'.join(map(str, GROUP_SIZES))}))?$")
 
 

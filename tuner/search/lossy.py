@@ -6,7 +6,8 @@ also searches
     top_k_reduction   0, 1, 2: route k-1 or k-2 experts per token
     expert_threshold  0, 0.05, 0.1, 0.2: skip experts below that share of the routing weight
 and, with `--quant LEVELS`, the quant level (one study per level, tuner/search/quant_tune.py;
-every level is scored against the unquantized source).
+every level is scored against the unquantized source), the dense part's too with an `-all` level
+(int8-all, int4-all: convert's scope "all").
 
 Every lossy setting's quality is measured once with engine/run/quality.py's figures (KL of the
 next-token distributions and top-1 agreement against the lossless reference, teacher-forced on

@@ -27,7 +27,7 @@ from engine.run.resolve import cache_root
 from tuner.results.printers import convert_progress, quality_progress
 from tuner.search.space import stored_quant
 
-SCOPE = "experts"  # what tune --quant converts: the routed experts, the part that streams
+SCOPE = "experts"  # what a tune --quant level converts by default: the routed experts, the part that streams
 
 
 def check_source(source: Path, levels) -> str:
@@ -52,26 +52,26 @@ def ensure_container(source: Path, level, log) -> tuple[Path, dict]:
     """(container directory, what happened): reused from the cache, or converted into it now."""
     import torch
 
-    spec = QuantSpec(level.quant, level.group_size, SCOPE)
+    spec = QuantSpec(level.quant, level.group_size, level.scope)
     fingerprint = Converter(source, spec).fingerprint  # also checks the source converts (MoE, group fits)
-    dst = container_dir(source, fingerprint, spec.label)
+    dst = container_dir(source, fingerprint, level.label)  # int8 and int8-all: two containers
     if _matches(dst, spec, fingerprint):
-        log(f"{spec.label}: reusing {dst}")
+        log(f"{level.label}: reusing {dst}")
         return dst.resolve(), {"action": "reused", "path": str(dst)}
-    with DirectoryLock(dst, f"converting {source.name} to {spec.label}"):
+    with DirectoryLock(dst, f"converting {source.name} to {level.label}"):
         if _matches(dst, spec, fingerprint):  # another process converted it while we waited
             return dst.resolve(), {"action": "reused", "path": str(dst)}
         if dst.exists() or dst.is_symlink():
-            raise ConfigError(f"{dst} exists but is not the {spec.label} container of {source} (another "
+            raise ConfigError(f"{dst} exists but is not the {level.label} container of {source} (another "
                               f"source or options); remove it and run again")
-        log(f"{spec.label}: converting {source} into {dst} (once; an interrupted conversion resumes) ...")
+        log(f"{level.label}: converting {source} into {dst} (once; an interrupted conversion resumes) ...")
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # per-matrix work is small; on a shared box extra threads only spin
         try:
-            summary = convert(source, dst, spec.quant, spec.group_size, SCOPE, progress=convert_progress())
+            summary = convert(source, dst, spec.quant, spec.group_size, spec.scope, progress=convert_progress())
         finally:
             torch.set_num_threads(threads)
-    log(f"{spec.label}: {summary['bytes'] / 2**20:.1f} MiB from {summary['source_bytes'] / 2**20:.1f} MiB, "
+    log(f"{level.label}: {summary['bytes'] / 2**20:.1f} MiB from {summary['source_bytes'] / 2**20:.1f} MiB, "
         f"{summary['shards']} shard(s) ({summary['shards_kept']} kept from an interrupted conversion)")
     return dst.resolve(), {"action": "converted", "path": str(dst), "shards": summary["shards"],
                            "shards_kept": summary["shards_kept"]}

@@ -39,6 +39,7 @@ from tuner.search.study import Log, TuneOptions, stderr_line, default_budget, ru
 RECORD_SCHEMA = "colibri.tune-quant/1"
 SUMMARY_FILE = "quant-result.json"
 SUMMARY_SCHEMA = "colibri.tune-quant-result/1"
+SCOPE_ALL_SUFFIX = "-all"  # int8-all, int4-g64-all: the dense projections quantized too (convert's scope "all")
 DEFAULT_GROUP = 64
 
 
@@ -49,12 +50,17 @@ class Level:
     quant: str | None  # None, "int8" or "int4"
     group_size: int = 0  # int4 only
     dtype: str = ""  # the unquantized level's name (bf16, fp16, fp32)
+    # "experts": the routed experts only (the part that streams); "all": the attention, dense-MLP
+    # and shared-expert projections too (embeddings, norms and routers never), a smaller resident
+    # part that leaves the expert cache more of the budget, at a quality cost measured like any level's.
+    scope: str = quant_cache.SCOPE
 
     @property
     def label(self) -> str:
         if self.quant is None:
             return self.dtype
-        return "int8" if self.quant == "int8" else f"int4-g{self.group_size}"
+        base = "int8" if self.quant == "int8" else f"int4-g{self.group_size}"
+        return base + (SCOPE_ALL_SUFFIX if self.scope == "all" else "")
 
 
 def parse_levels(text: str) -> list[Level]:
@@ -66,13 +72,16 @@ def parse_levels(text: str) -> list[Level]:
     levels: list[Level] = []
     for name in names:
         m = LEVEL_RE.match(name)
-        if not m or (m.group(2) and m.group(1) != "int4"):
+        if not m or (m.group(2) and m.group(1) != "int4") or (m.group(3) and m.group(1) in UNQUANTIZED):
             raise ConfigError(f"--quant: unknown level {name!r} (known: bf16, fp16, fp32 for the source as "
-                              f"stored; int8; int4 or int4-g{'/'.join(map(str, GROUP_SIZES))})")
+                              f"stored; int8; int4 or int4-g{'/'.join(map(str, GROUP_SIZES))}; a quantized level "
+                              f"with -all, e.g. int8-all, quantizes the dense part too)")
         kind, group = m.group(1), int(m.group(2) or DEFAULT_GROUP)
         if kind == "int4" and group not in GROUP_SIZES:
             raise ConfigError(f"--quant {name}: group size {group} is not one of {', '.join(map(str, GROUP_SIZES))}")
-        level = Level(None, dtype=kind) if kind in UNQUANTIZED else Level(kind, group if kind == "int4" else 0)
+        scope = "all" if m.group(3) else quant_cache.SCOPE
+        level = (Level(None, dtype=kind) if kind in UNQUANTIZED
+                 else Level(kind, group if kind == "int4" else 0, scope=scope))
         if any(other.label == level.label for other in levels):
             raise ConfigError(f"--quant: level {level.label!r} is given twice")
         if level.quant is None and any(other.quant is None for other in levels):
@@ -142,7 +151,7 @@ def _check_before_start(qopts: QuantTuneOptions, source: Path) -> None:
         load_profile(qopts.tune.profile)
     for level in qopts.levels:
         if level.quant is not None:
-            Converter(source, QuantSpec(level.quant, level.group_size, quant_cache.SCOPE))
+            Converter(source, QuantSpec(level.quant, level.group_size, level.scope))
 
 
 def _run_levels(qopts: QuantTuneOptions, source: Path, name: str, stored: str, out: Path, budget: int,

@@ -210,7 +210,7 @@ class SearchSpace:
         # A budget nothing can exceed: the plan then itemises the fixed parts without raising.
         plan = make_plan(ckpt, args, layout, config.replace(ram_budget=1 << 62), dtype, kv_dtype,
                          overhead_bytes=self.overhead_bytes)
-        return plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes
+        return plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes + plan.prefill_bytes
 
     def check_budget(self) -> None:
         """Fail before the study starts when even the leanest config cannot fit."""

@@ -1,0 +1,151 @@
+"""What every benchmark script shares: the lock, the conditions block, one JSON output, one table printer.
+
+- `bench_lock(path)`: the shared benchmark lock, held for one measured step. On the team's box
+  the convention is `quiet bench CMD` (an exclusive flock on /tmp/colibri-bench.lock held by the
+  shell around the whole command); `--lock PATH` is the finer one, held per step by the script.
+  Use one or the other on a given file, never both: the script's own flock on the file the
+  shell already holds would wait for itself.
+- `conditions(**extra)`: the machine (CPU model and the kernel-relevant flags, cores, RAM),
+  commit, UTC date, memory cgroup, load average and torch build, plus what the caller adds
+  (io mode, budget, repeats, cold/warm). docs/BENCHMARKS.md quotes these.
+- `emit(tool, rows, conditions, as_json, columns, notes)`: prints either one JSON document,
+  {"schema": "colibri.bench/1", "tool", "conditions", "rows", "notes"}, or a markdown table of
+  the rows under a one-line summary of the conditions — the same two printers in every tool.
+- `spread(values)`: the median and its min-max, the way every headline figure is quoted.
+- `add_run_flags(parser, budget=..., tokens=...)`: the measurement flags every tool spells alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Iterable, Sequence
+
+import psutil
+
+from engine.run.metrics import git_commit
+from tuner.probe.system import cpu_info
+from tuner.sandbox import detect_memory_cgroup
+
+SCHEMA = "colibri.bench/1"
+
+
+@contextlib.contextmanager
+def bench_lock(path: str | None):
+    """Hold the lock at `path` for one step (a build, a conversion, one measured run); None: no lock."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def conditions(**extra) -> dict:
+    """The conditions block of one run: machine, commit, date, cgroup, load, plus the caller's own."""
+    cpu = cpu_info()
+    cgroup = detect_memory_cgroup()
+    # torch is named only when the tool loaded it (it measured the engine); a pure I/O tool does
+    # not pay the import for a line that would not describe its figures.
+    torch = sys.modules.get("torch")
+    torch_build = None if torch is None else (
+        f"{torch.__version__} ({'CPU' if torch.version.cuda is None else 'CUDA ' + torch.version.cuda})")
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "commit": git_commit(),
+        "machine": {"cpu": cpu.model, "logical_cores": cpu.logical_cores, "physical_cores": cpu.physical_cores,
+                    "flags": [f for f in cpu.flags if f.startswith(("avx512", "amx"))],
+                    "ram_bytes": psutil.virtual_memory().total},
+        "cgroup": f"v{cgroup.version}" if cgroup.available else f"none ({cgroup.reason})",
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "torch": torch_build,
+        **extra,
+    }
+
+
+def summary_line(cond: dict) -> str:
+    """The conditions as the one line above a table."""
+    m = cond["machine"]
+    fixed = (f"{cond['date']}, commit {cond['commit']}, {m['cpu']} ({m['logical_cores']} vCPU, "
+             f"{m['ram_bytes'] / 2**30:.1f} GiB, {'+'.join(m['flags']) or 'no AVX-512'}), cgroup {cond['cgroup']}, "
+             f"load {cond['load_avg_1m']}")
+    known = {"date", "commit", "machine", "cgroup", "load_avg_1m", "torch"}
+    rest = ", ".join(f"{k} {v}" for k, v in cond.items() if k not in known and v is not None)
+    return fixed + (f"; {rest}" if rest else "")
+
+
+def spread(values: Iterable[float]) -> dict | None:
+    """{"median", "min", "max", "n"} of the values (None when there are none)."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def fmt_spread(s: dict | None, digits: int = 3) -> str:
+    """'median (min-max)', the form every table quotes a repeated figure in."""
+    if not s:
+        return "-"
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+Column = tuple[str, Callable[[dict], object]]  # (header, the cell of one row)
+
+
+def md_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
+    """A markdown table: one line per row, cells from each column's function."""
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(get(row)) for _, get in columns) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def emit(tool: str, rows: list[dict], cond: dict, as_json: bool, columns: Sequence[Column],
+         notes: dict | None = None, out=None) -> None:
+    """Print the run: one JSON document (as_json) or the summary line, the notes (one
+    "name: value" line each: a figure that is not a row, such as a per-second trace) and a
+    markdown table."""
+    out = out or sys.stdout
+    if as_json:
+        doc = {"schema": SCHEMA, "tool": tool, "conditions": cond, "rows": rows, "notes": notes or {}}
+        json.dump(doc, out, indent=2, default=str)
+        out.write("\n")
+        return
+    text = [summary_line(cond), ""]
+    text += [f"{k}: {v}" for k, v in (notes or {}).items()] + ([""] if notes else [])
+    out.write("\n".join(text) + "\n" + md_table(rows, columns) + "\n")
+
+
+RUN_FLAGS = {"budget": "the memory budget (and the cold trials' cgroup limit)", "tokens": "decode tokens per repeat",
+             "repeats": "repeats per measurement (the median is quoted)", "prompt_tokens": "prompt tokens",
+             "threads": "compute threads"}
+
+
+def add_run_flags(parser, **defaults) -> None:
+    """The measurement flags the tools share (--budget, --tokens, --repeats, --prompt-tokens,
+    --threads), each with the tool's own default; only those given a default are added."""
+    for name, default in defaults.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, default=default, type=type(default), help=f"{RUN_FLAGS[name]} (default {default})")
+
+
+def refuse(tool: str, message: str) -> int:
+    """The one-line refusal every tool prints for bad input (and the exit status it returns)."""
+    print(f"{tool}: error: {message}", file=sys.stderr)
+    return 2

@@ -1,0 +1,45 @@
+"""benchmarks/benchkit.py: the lock, conditions block, JSON document and table every benchmark tool prints."""
+
+import fcntl
+import io
+import json
+
+import pytest
+
+from benchmarks import benchkit
+
+
+def test_the_lock_excludes_another_holder_while_held(tmp_path):
+    path = tmp_path / "bench.lock"
+    with benchkit.bench_lock(str(path)):
+        with open(path) as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(path) as other:  # released on exit
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with benchkit.bench_lock(None):  # no path: no lock, no file
+        pass
+
+
+def test_conditions_describe_the_machine_and_carry_the_callers_own():
+    cond = benchkit.conditions(io_mode="direct", repeats=3)
+    assert cond["machine"]["logical_cores"] >= 1 and cond["machine"]["ram_bytes"] > 0
+    assert cond["commit"] and cond["date"].endswith("UTC") and cond["cgroup"]
+    assert (cond["io_mode"], cond["repeats"]) == ("direct", 3)
+    line = benchkit.summary_line(cond)
+    assert cond["commit"] in line and "io_mode direct" in line and "repeats 3" in line
+
+
+def test_emit_prints_one_json_document_or_the_table_of_the_same_rows():
+    rows = [{"name": "a", "tok_s": benchkit.spread([1.0, 3.0, 2.0])}, {"name": "b", "tok_s": None}]
+    cols = [("config", lambda r: r["name"]), ("tok/s", lambda r: benchkit.fmt_spread(r["tok_s"], 2))]
+    cond = benchkit.conditions(budget="1GiB")
+    out = io.StringIO()
+    benchkit.emit("demo", rows, cond, True, cols, notes={"trace": "1 2 3"}, out=out)
+    doc = json.loads(out.getvalue())
+    assert doc["schema"] == benchkit.SCHEMA and doc["tool"] == "demo" and doc["notes"] == {"trace": "1 2 3"}
+    assert doc["rows"][0]["tok_s"] == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    out = io.StringIO()
+    benchkit.emit("demo", rows, cond, False, cols, notes={"trace": "1 2 3"}, out=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == benchkit.summary_line(cond) and "trace: 1 2 3" in lines
+    assert lines[-4:] == ["| config | tok/s |", "|---|---|", "| a | 2.00 (1.00-3.00) |", "| b | - |"]

@@ -1,0 +1,108 @@
+"""A long prompt under a memory budget: the plan counts one prefill chunk's activations and the
+KV cache the workload's longest request needs, the engine prefills in chunks of that size, and
+`tune --prompts` refuses a budget such prompts cannot fit before anything runs.
+
+The tiny model (engine/presets/tiny.json); no trial subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.arch.registry import model_args
+from engine.base.config import EngineConfig
+from engine.base.errors import BudgetError
+from engine.format.checkpoint import Checkpoint
+from engine.movement.plan import PREFILL_CHUNK, prefill_activation_bytes, prefill_tokens_per_pass
+from engine.run.runtime import Engine
+from tuner.search.space import ModelFacts, SearchSpace
+from tuner.search.workload import prepare_workload
+
+from colibri_tune_fixtures import MiB, model_dir  # noqa: F401
+
+
+def test_prefill_activations_grow_with_the_tokens_of_a_pass(model_dir):  # noqa: F811
+    args = model_args(Checkpoint(model_dir).config)
+    one, chunk = (prefill_activation_bytes(args, t, torch.bfloat16) for t in (1, PREFILL_CHUNK))
+    per_token = prefill_activation_bytes(args, 2, torch.bfloat16) - one
+    assert per_token > args.hidden_size * 2  # at least the residual stream, in bf16
+    assert chunk == one + (PREFILL_CHUNK - 1) * per_token  # linear in the pass's tokens
+    # A pass holds at most one chunk: a longer context charges no more.
+    assert prefill_tokens_per_pass(16) == 16 and prefill_tokens_per_pass(1 << 20) == PREFILL_CHUNK
+
+
+def test_the_plan_grows_with_the_longest_request(model_dir):  # noqa: F811
+    """The tuner's pre-check: ctx_size follows the workload's longest prompt + output, and the
+    plan's fixed part grows with it (KV for every position, the prefill chunk up to its cap)."""
+    facts = ModelFacts.read(model_dir)
+    fixed = {}
+    for n in (8, 200, 4000):
+        space = SearchSpace(budget=512 * MiB, physical_cores=1, logical_cores=1, has_gpu=False, min_ctx=n,
+                            model=facts, overhead_bytes=100 * MiB)
+        fixed[n] = space.fixed_bytes(space.smallest())
+    assert fixed[8] < fixed[200] < fixed[4000]
+    ckpt = Checkpoint(model_dir)
+    args = model_args(ckpt.config)
+    from engine.format.layout import ExpertLayout
+    from engine.movement.plan import make_plan
+    plans = {n: make_plan(ckpt, args, ExpertLayout(ckpt, args), EngineConfig(ram_budget=512 * MiB, ctx_size=n),
+                          torch.float32, torch.float32, overhead_bytes=100 * MiB) for n in (8, 200, 4000)}
+    assert plans[8].prefill_bytes < plans[200].prefill_bytes < plans[4000].prefill_bytes
+    assert plans[4000].prefill_bytes == prefill_activation_bytes(args, PREFILL_CHUNK, torch.float32)
+    assert plans[8].kv_bytes < plans[200].kv_bytes < plans[4000].kv_bytes
+    assert "prefill" in plans[4000].describe()
+
+
+def test_a_chunked_prefill_gives_the_unchunked_logits_and_kv(model_dir):  # noqa: F811
+    """Engine.forward(last_only) passes a long prompt through in chunks: same next-token
+    distribution and same K/V as one pass over the whole prompt."""
+    n = PREFILL_CHUNK + 40  # two passes: a whole chunk, then the rest
+    ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(0))
+    with Engine(model_dir, EngineConfig(ctx_size=512)) as engine:
+        chunked = engine.forward(ids, 0, last_only=True)
+        k_chunked = engine.kv.k[0][:, :n].clone()
+        whole = engine.model.forward(ids, 0, engine.kv, last_only=True)  # one pass, overwriting the same KV
+        k_whole = engine.kv.k[0][:, :n]
+    assert chunked.shape == whole.shape == (1, engine.args.vocab_size)
+    torch.testing.assert_close(chunked, whole, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(k_chunked, k_whole, atol=1e-3, rtol=1e-3)
+    assert int(chunked.argmax()) == int(whole.argmax())
+
+
+def _prompts(tmp_path, name: str, words: int) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps({"prompt": " ".join(f"w{i % 50}" for i in range(words)), "max_new_tokens": 4}) + "\n")
+    return str(path)
+
+
+def _tune_run(model_dir, out, budget: int, prompts: str):  # noqa: F811
+    from tuner.search.study import TuneOptions, _Run
+    opts = TuneOptions(model=str(model_dir), ram_budget=budget, min_ctx=16, tokens=2, repeats=1, prompt_tokens=8,
+                       out=out, seed=0, confirm_top=0, trials=1, prompts=prompts)
+    run = _Run(opts, log=lambda m: None)
+    run.prepare()
+    return run
+
+
+def test_a_long_prompt_tune_under_a_tight_budget_is_refused_before_running(model_dir, tmp_path):  # noqa: F811
+    """A budget that holds the short workload's plan but not the long one's (its KV at the longest
+    request's context, its prefill chunk): the long one is one BudgetError before the run
+    directory, the calibration or any trial exists; the short one passes the same check."""
+    short, long_ = _prompts(tmp_path, "short.jsonl", 4), _prompts(tmp_path, "long.jsonl", 110)
+    facts = ModelFacts.read(model_dir)
+    need = {}
+    for name, path in (("short", short), ("long", long_)):
+        ctx = prepare_workload(path, model_dir, 8, 2, facts.max_position_embeddings).ctx_needed
+        space = SearchSpace(budget=1 << 40, physical_cores=1, logical_cores=1, has_gpu=False, min_ctx=max(16, ctx),
+                            model=facts)  # the default overhead, as the check before calibration uses
+        need[name] = (ctx, space.fixed_bytes(space.smallest()))
+    assert need["long"][0] > 300 and need["long"][1] > need["short"][1]
+    budget = need["short"][1] + (need["long"][1] - need["short"][1]) // 2
+    run = _tune_run(model_dir, tmp_path / "short-run", budget, short)
+    assert run.space.min_ctx == max(16, need["short"][0])  # fits: the run could start
+    with pytest.raises(BudgetError, match=rf"ctx_size {need['long'][0]}.*prefill"):
+        _tune_run(model_dir, tmp_path / "long-run", budget, long_)
+    assert not (tmp_path / "long-run").exists()
