@@ -160,3 +160,21 @@ def test_bad_bound_on_the_cli_is_one_line(capsys):
     assert cli.main(["tune", "--max-kl", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--max-kl" in err[0] and "must be in (0, 100]" in err[0]  # refused while parsing
+
+
+def test_trials_csv_and_result_json_carry_lossy_settings_and_quality(strict_run):
+    """issue 20 item 4: each trial's lossy settings and measured quality are trials.csv columns
+    (the column registry), and result.json's candidates carry their setting's quality."""
+    import csv
+    out = strict_run.out_dir
+    rows = list(csv.DictReader((out / "trials.csv").open()))
+    scored = [r for r in rows if r["kl_mean"] != ""]
+    assert scored and all(r["top1_agreement"] != "" for r in scored)
+    assert {r["kv_dtype"] for r in scored} >= {"auto"} and any(
+        r["kv_dtype"] != "auto" or r["top_k_reduction"] != "0" or r["expert_threshold"] != "0.0" for r in scored)
+    result = json.loads((out / "result.json").read_text())
+    assert result["schema"] == "colibri.tune/4"
+    rec = result["recommended"]
+    assert rec["quality"] is not None and rec["quality"]["kl_mean"] <= 1e-9
+    row = next(r for r in rows if r["number"] == str(rec["trial_number"]))
+    assert float(row["kl_mean"]) == rec["quality"]["kl_mean"]

@@ -20,6 +20,7 @@ from tuner.commands.run import add_bench, add_run
 from tuner.commands.serve import add_chat, add_serve
 from tuner.commands.synth import add_synth
 from tuner.commands.tune import add_tune
+from tuner.search.outcome import outcome_of_exception, write_outcome
 
 ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_plan, add_report, add_profile, add_compare,
           add_convert, add_quality, add_serve, add_chat, add_doctor]
@@ -47,7 +48,6 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except BaseException as exc:
         if getattr(args, "outcome", None):  # a trial process: the tuner reads how it ended from here
-            from tuner.search.outcome import outcome_of_exception, write_outcome
             write_outcome(args.outcome, outcome_of_exception(exc))
         if isinstance(exc, ColibriError):
             # printable: a message quotes names from files (models, profiles, tensors); their

@@ -34,6 +34,7 @@ CACHE_POLICIES = ("lru", "lfu", "pinned")
 KV_QUANT_NAMES = ("fp8", "int8")
 KV_DTYPES = ("auto", *SHORT_NAMES, *KV_QUANT_NAMES)
 MAX_TOP_K_REDUCTION = 8
+CTX_MAX = 1 << 22  # the longest context a config may ask for (prompt and new tokens must fit in it)
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # fp16 is computed in fp32 on CPU (slow fp16 matmuls)
 
 # An engine config is a dozen keys; anything this large is not one (and is not read whole).
@@ -90,71 +91,105 @@ def size_label(n: int, smallest: str = "B") -> str:
     return f"{n // floor}{smallest}"
 
 
+def knob(default, doc: str, *, kind: str, label: str = "", short: str = "", lo=None, hi=None, choices=None,
+         lt=None, unit: str = "", zero_means: str = "", lossy: bool = False, **flag):
+    """An EngineConfig field with what every reader of a knob needs, in one place: its validation
+    (knob_problem), the CLI flag (tuner/commands/knob_flags.py: `--name`, its ranged type from
+    kind + lo/hi or its choices, `doc` as its help; zero_means: what 0 means, for a size that may
+    be 0) and the tables' column (tuner/results/columns.py: label, short name, unit). kind: int, size (bytes; flags take 1GiB), float, choice, path. lo/hi are
+    the closed bounds EngineConfig.validate checks (knob_problem; lt: an open upper bound instead),
+    the same the flag parses with (tests/test_argtypes.py checks both ends of each).
+    The tuner's options (tuner/search/options.py TuneOptions) are knobs too, with more kinds
+    (duration, seconds, switch, text) and `flag` keywords: flag (its name), group, metavar."""
+    meta = {"doc": doc, "zero_means": zero_means, "kind": kind, "lo": lo, "hi": hi, "lt": lt, "choices": choices,
+            "lossy": lossy, **flag}
+    if label:  # a column of the tables (tuner/results/columns.py)
+        meta.update(label=label, short=short, unit=unit)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def knob_problem(f: dataclasses.Field, value) -> str:
+    """What `value` of knob field `f` must be, when it is not ("" when it is fine)."""
+    m = f.metadata
+    kind, lo, hi, lt = m["kind"], m.get("lo"), m.get("hi"), m.get("lt")
+    if kind in ("int", "size"):
+        if not isinstance(value, int) or isinstance(value, bool):
+            return "an integer"
+        show = (lambda n: size_label(n) if n else "0") if kind == "size" else str
+        if value < lo or (hi is not None and value > hi):
+            return f"in [{show(lo)}, {show(hi)}]" if hi is not None else f">= {show(lo)}"
+    elif kind == "float":
+        top = lt if lt is not None else hi
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value \
+            and (value < lt if lt is not None else value <= hi)  # NaN fails every comparison
+        if not ok:
+            return f"a number in [{lo:g}, {top:g}{')' if lt is not None else ']'}"
+    elif kind == "choice":
+        if value not in m["choices"]:
+            return f"one of {', '.join(m['choices'])}"
+    elif not isinstance(value, str):
+        return "a path string"
+    return ""
+
+
 @dataclass
 class EngineConfig:
     # Memory budget for the whole process (weights, KV, buffers, cache, runtime). 0 = no limit:
     # everything resident.
-    ram_budget: int = 0
+    ram_budget: int = knob(0, "memory budget, e.g. 1GiB (0 = everything resident)", kind="size", lo=0,
+                           zero_means="everything resident", label="RAM budget", short="budget", unit="B")
     # A span (one expert) larger than this is split across the io_threads readers; smaller ones
     # are one request. 4 MiB: demo's 3 MiB experts are read whole, which measured 1.37x the
     # decode speed of splitting them at 1 MiB (docs/BENCHMARKS.md, "One request per span").
-    chunk_size: int = 4 << 20
-    prefetch_depth: int = 1  # layers of router lookahead
-    cpu_cache_ratio: float = 1.0  # share of what the budget leaves that the RAM expert cache takes
-    gpu_cache_ratio: float = 0.0  # share of free VRAM for the VRAM expert tier (CUDA only)
-    threads: int = 0  # torch compute threads; 0 = physical cores
-    ctx_size: int = 2048
-    kv_dtype: str = "auto"  # auto = the compute dtype
-    io_mode: str = "direct"
-    io_threads: int = 4  # reader threads; for io_backend uring, the reads in flight (queue depth)
+    chunk_size: int = knob(4 << 20, "read request size, e.g. 1MiB", kind="size", lo=4096, hi=1 << 30,
+                           label="read size", short="chunk", unit="B")
+    prefetch_depth: int = knob(1, "layers of router lookahead", kind="int", lo=0, hi=16, label="prefetch depth",
+                               short="prefetch")
+    cpu_cache_ratio: float = knob(1.0, "share of what the budget leaves that the RAM expert cache takes",
+                                  kind="float", lo=0.0, hi=1.0, label="RAM cache share", short="cache")
+    gpu_cache_ratio: float = knob(0.0, "share of free VRAM for the VRAM expert tier (CUDA only)", kind="float",
+                                  lo=0.0, hi=1.0, label="VRAM cache share", short="vram")
+    threads: int = knob(0, "torch compute threads (0 = physical cores)", kind="int", lo=0, hi=1024,
+                        label="compute threads", short="threads")
+    ctx_size: int = knob(2048, "context size in tokens", kind="int", lo=1, hi=CTX_MAX, label="context",
+                         short="ctx")
+    kv_dtype: str = knob("auto", "KV cache precision (auto = the compute dtype; int8 / fp8 are lossy)",
+                         kind="choice", choices=KV_DTYPES, label="KV dtype", short="kv", lossy=True)
+    io_mode: str = knob("direct", "how expert bytes are read: O_DIRECT, the page cache, or mmap", kind="choice",
+                        choices=IO_MODES, label="I/O mode", short="io")
+    io_threads: int = knob(4, "reader threads (io_backend uring: reads in flight)", kind="int", lo=1, hi=256,
+                           label="I/O threads", short="io thr")
     # threads: preadv on io_threads workers. uring: one io_uring ring (the uring-api package),
     # an error where the kernel refuses io_uring; auto: uring where it works, else threads.
     # mmap mode always faults in on the threads. Default threads: docs/BENCHMARKS.md, "io_backend in the engine".
-    io_backend: str = "threads"
-    cache_policy: str = "lru"
-    routing_histogram: str = ""  # JSON recorded by --record-routing; used by cache_policy=pinned
-    dtype: str = "auto"  # compute dtype: auto (the checkpoint's), bf16, fp32
+    io_backend: str = knob("threads", "what issues the reads: reader threads or io_uring", kind="choice",
+                           choices=IO_BACKENDS, label="I/O backend", short="backend")
+    cache_policy: str = knob("lru", "expert cache policy", kind="choice", choices=CACHE_POLICIES,
+                             label="cache policy", short="policy")
+    routing_histogram: str = knob("", "routing histogram JSON for cache_policy=pinned (from --record-routing)",
+                                  kind="path", label="routing histogram", short="histogram")
+    dtype: str = knob("auto", "compute dtype (auto: the checkpoint's)", kind="choice", choices=COMPUTE_DTYPES,
+                      label="compute dtype", short="dtype")
     # Lossy routing, off by default (engine/routing.py:trim_routes): use top_k - top_k_reduction
     # experts per token, and skip an expert whose share of the chosen experts' routing weight is
     # below expert_threshold (the heaviest is always kept); both change the output tokens.
-    top_k_reduction: int = 0
-    expert_threshold: float = 0.0
+    top_k_reduction: int = knob(0, "route k-N experts per token instead of k (0: as the model)", kind="int", lo=0,
+                                hi=MAX_TOP_K_REDUCTION, label="top-k reduction", short="k-", lossy=True)
+    # [0, 1) (lt: an open upper bound); the flag's closed bound hi is the largest value below 1 it takes
+    expert_threshold: float = knob(0.0, "skip an expert whose share of the token's routing weight is below this "
+                                   "(0: none)", kind="float", lo=0.0, hi=0.999999, lt=1.0, label="expert threshold",
+                                   short="thresh", lossy=True)
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> "EngineConfig":
-        def need(cond, msg):
-            if not cond:
-                raise ConfigError(msg)
-
-        for name, typ in (("ram_budget", int), ("chunk_size", int), ("prefetch_depth", int), ("threads", int),
-                          ("ctx_size", int), ("io_threads", int), ("top_k_reduction", int)):
-            value = getattr(self, name)
-            need(isinstance(value, typ) and not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
-        for name in ("cpu_cache_ratio", "gpu_cache_ratio"):
-            value = getattr(self, name)
-            need(isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0,
-                 f"{name} must be a number in [0, 1], got {value!r}")
-        need(self.ram_budget >= 0, f"ram_budget must be >= 0, got {self.ram_budget}")
-        need(4096 <= self.chunk_size <= 1 << 30, f"chunk_size must be in [4 KiB, 1 GiB], got {self.chunk_size}")
-        need(0 <= self.prefetch_depth <= 16, f"prefetch_depth must be in [0, 16], got {self.prefetch_depth}")
-        need(0 <= self.threads <= 1024, f"threads must be in [0, 1024], got {self.threads}")
-        need(1 <= self.ctx_size <= 1 << 22, f"ctx_size must be in [1, 4194304], got {self.ctx_size}")
-        need(1 <= self.io_threads <= 256, f"io_threads must be in [1, 256], got {self.io_threads}")
-        need(self.io_mode in IO_MODES, f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")
-        need(self.io_backend in IO_BACKENDS,
-             f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {self.io_backend!r}")
-        need(self.cache_policy in CACHE_POLICIES,
-             f"cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {self.cache_policy!r}")
-        need(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        need(self.dtype in COMPUTE_DTYPES, f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
-        need(isinstance(self.routing_histogram, str), "routing_histogram must be a path string")
-        need(0 <= self.top_k_reduction <= MAX_TOP_K_REDUCTION,
-             f"top_k_reduction must be in [0, {MAX_TOP_K_REDUCTION}], got {self.top_k_reduction}")
-        need(isinstance(self.expert_threshold, (int, float)) and not isinstance(self.expert_threshold, bool)
-             and 0.0 <= self.expert_threshold < 1.0,
-             f"expert_threshold must be a number in [0, 1), got {self.expert_threshold!r}")
+        """Every field against its knob metadata (kind, bounds, choices): one rule per field, the
+        same one its flag parses with (tuner/commands/knob_flags.py)."""
+        for f in fields(self):
+            problem = knob_problem(f, getattr(self, f.name))
+            if problem:
+                raise ConfigError(f"{f.name} must be {problem}, got {getattr(self, f.name)!r}")
         return self
 
     @property

@@ -5,9 +5,13 @@ from __future__ import annotations
 import sys
 
 from engine.base.output_target import file_target
+from engine.base.progress import Progress
+from tuner.commands.argtypes import check_output_file, positive_int, size
+from tuner.costmodel.geometry import QUANTS
+from tuner.costmodel.plan_command import format_plan, run_plan
+from tuner.probe import format_summary, run_probe, save_profile
 from tuner.results.printers import print_json as _print_json
 from tuner.share.profiles import PROFILE_FILE
-from tuner.commands.argtypes import check_output_file
 
 
 def add_probe(sub) -> None:
@@ -25,9 +29,6 @@ def add_probe(sub) -> None:
 
 
 def cmd_probe(args) -> int:
-    from engine.base.progress import Progress
-    from tuner.probe import format_summary, run_probe, save_profile
-
     output = file_target(args.output, command="probe", recognise=PROFILE_FILE) if args.output is not None else None
     if output is not None:
         check_output_file(str(output), "-o")  # its directory must exist and take files, before the probe runs
@@ -44,8 +45,31 @@ def cmd_probe(args) -> int:
     return 0
 
 
+def add_plan_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="model directory, bundled geometry (e.g. glm-5) or geometry JSON")
+    p.add_argument("--profile", required=True, help="hardware profile JSON (colibri probe / tune)")
+    p.add_argument("--quant", choices=QUANTS, help="quant level (default: the model's own dtype)")
+    p.add_argument("--config", help="engine config TOML to predict (default: the engine's defaults)")
+    p.add_argument("--budget", type=size(), help="memory budget, e.g. 24GiB (default: the config's, else 88%% of the "
+                                    "profile's available memory)")
+    p.add_argument("--what-if", action="append", default=[], metavar="KEY=VALUE",
+                   help="edit a measured figure: disk_bw=7GB/s, disk_scale=2, memory_bw=100GB/s, ram=64GiB, "
+                        "cores=16, matmul_scale=2 (repeatable)")
+    p.add_argument("--routing", default="auto",
+                   help="uniform, skew[:X] (synth's routing skew), or a routing histogram JSON (default: the "
+                        "model's synth skew, else skew:1 — real models are far from uniform)")
+    p.add_argument("--conditions", choices=("steady", "trial"), default="steady",
+                   help="steady: long generation, warm cache (default); trial: the tuner's cold 8-token trial")
+    p.add_argument("--top", type=positive_int(1000), default=3, help="best predicted configs to list")
+    p.add_argument("--calibrate", metavar="RUN_DIR", nargs="+",
+                   help="fit the factors to the trials of tune run directories (or tuner_quality grid.json files), "
+                        "print the cross-validated error, store the factors in --profile")
+    p.add_argument("--test", metavar="RUN_DIR", help="with --calibrate: also predict this run's trials with the "
+                                                      "factors fitted on the others (a fully separate hold-out)")
+    p.add_argument("--json", action="store_true")
+
+
 def add_plan(sub) -> None:
-    from tuner.costmodel.plan_command import add_plan_arguments
     p = sub.add_parser("plan", help="predict the memory plan, speed and bottleneck of a model on a profile; "
                                     "calibrate the prediction on a tune run")
     add_plan_arguments(p)
@@ -53,7 +77,6 @@ def add_plan(sub) -> None:
 
 
 def cmd_plan(args) -> int:
-    from tuner.costmodel.plan_command import format_plan, run_plan
     result = run_plan(args)
     if args.json:
         _print_json(result)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
+from engine.format.convert import convert
+from engine.format.quant import QUANTS
 from engine.format.gguf import is_gguf
 from engine.format.gguf.importer import import_and_convert
+from engine.run.quality import format_quality, measure_quality
+from engine.run.resolve import resolve_model
 from tuner.commands.argtypes import int_in, nonneg_int, positive_int
 from tuner.commands.run import CTX_MAX, TOKENS_MAX
 from tuner.results.printers import convert_progress
 from tuner.results.printers import print_json as _print_json
+from tuner.results.printers import quality_progress
 
 
 def add_convert(sub) -> None:
@@ -19,7 +23,7 @@ def add_convert(sub) -> None:
     p.add_argument("src", help="source model directory, a synth preset name, or a GGUF file (single, or any "
                                "part of a split -0000N-of-0000M.gguf): imported to bf16, then --quant if given")
     p.add_argument("-o", "--out", required=True, metavar="DST", help="output directory (written atomically)")
-    p.add_argument("--quant", choices=["int8", "int4"], default=None,
+    p.add_argument("--quant", choices=QUANTS, default=None,
                    help="default int4 for a model directory; none for a GGUF (the bf16 import only)")
     p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64, help="int4 group size (default 64)")
     p.add_argument("--scope", choices=["experts", "all"], default="experts",
@@ -33,9 +37,6 @@ def add_convert(sub) -> None:
 
 
 def cmd_convert(args) -> int:
-    from engine.format.convert import convert
-    from engine.run.resolve import resolve_model
-
     import torch
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -87,9 +88,6 @@ def add_quality(sub) -> None:
 
 
 def cmd_quality(args) -> int:
-    from tuner.results.printers import quality_progress
-    from engine.run.quality import format_quality, measure_quality
-
     r = measure_quality(args.model, args.reference, tokens=args.tokens, ctx=args.ctx, text_file=args.text,
                         dtype=args.dtype, threads=args.threads,
                         progress=quality_progress(not args.json))

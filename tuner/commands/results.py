@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import sys
 
+from engine.base.config import format_size
 from engine.base.output_target import file_target
 from tuner.results.printers import print_json as _print_json
+from tuner.results.report_html import write_reports
+from tuner.share import profiles
+from tuner.share.compare import compare, format_text
 
 
 def add_report(sub) -> None:
@@ -18,7 +22,6 @@ def add_report(sub) -> None:
 
 
 def cmd_report(args) -> int:
-    from tuner.results.report_html import write_reports
     files = write_reports(args.run_dir, storage=args.storage)
     if args.json:
         _print_json({k: str(v) for k, v in files.items()})
@@ -56,8 +59,6 @@ def add_profile(sub) -> None:
 
 
 def cmd_profile(args) -> int:
-    from engine.base.config import format_size
-    from tuner.share import profiles
     if args.action == "export":
         output = file_target(args.output, command="profile export", recognise=profiles.PROFILE_FILE,
                              sources=[args.source]) if args.output is not None else None
@@ -113,7 +114,6 @@ def add_compare(sub) -> None:
 
 
 def cmd_compare(args) -> int:
-    from tuner.share.compare import compare, format_text
     summary = compare(args.inputs, out_dir=args.out, force=args.force, model=args.model)
     if args.json:
         _print_json(summary)

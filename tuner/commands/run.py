@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
-from engine.base.config import CACHE_POLICIES, COMPUTE_DTYPES, IO_BACKENDS, IO_MODES, KV_DTYPES
+from engine.base.config import CTX_MAX, EngineConfig
+from engine.base.errors import ConfigError
 from engine.base.output_target import file_target, json_file_with
-from tuner.commands.argtypes import (check_output_file, finite_float, int_in, nonneg_int, positive_int, seconds,
-                                     seed, size)
+from engine.run.bench import run_bench
+from engine.run.generate import Sampler, load_tokenizer
+from engine.run.oneshot import run_generation
+from engine.run.resolve import resolve_model
+from engine.run.workload import load_requests, load_workload
+from tuner.commands.argtypes import check_output_file, finite_float, nonneg_int, positive_int, seconds, seed, size
+from tuner.commands.knob_flags import knob_flag
 from tuner.results.printers import print_json as _print_json
+from tuner.results.printers import bench_text, run_header, run_text
+from tuner.search.outcome import Outcome, write_outcome
+from tuner.search.trial import run_trial
 
-# The same ranges as EngineConfig.validate (tests/test_argtypes.py checks that they agree), so a
-# bad flag is refused while parsing, naming the flag, before the model is opened.
-CTX_MAX = 1 << 22
 TOKENS_MAX = CTX_MAX  # prompt and new tokens must fit in a context
 
 ROUTING_FILE = json_file_with("schema", "counts")  # a routing histogram written before (engine/movement/cache)
@@ -26,42 +33,23 @@ def _routing_output(args, command: str) -> None:
 
 
 def add_engine_flags(p) -> None:
-    """Flags shared by run and bench: each overrides the same key of --config."""
+    """Flags shared by run, bench, serve and chat, one per EngineConfig field (engine/base/config.py:
+    the field's metadata is the flag); each overrides the same key of --config."""
     p.add_argument("--config", help="engine config TOML (e.g. a tune run's recommended.toml)")
-    p.add_argument("--ram-budget", type=size(zero_ok=True, zero_means="everything resident"),
-                   help="memory budget, e.g. 1GiB (0 = everything resident)")
-    p.add_argument("--ctx-size", type=int_in(1, CTX_MAX))
-    p.add_argument("--threads", type=int_in(0, 1024), help="torch compute threads (0 = physical cores)")
-    p.add_argument("--chunk-size", type=size(lo=4096, hi=1 << 30), help="read request size, e.g. 1MiB")
-    p.add_argument("--prefetch-depth", type=int_in(0, 16))
-    p.add_argument("--cpu-cache-ratio", type=finite_float(0.0, 1.0))
-    p.add_argument("--gpu-cache-ratio", type=finite_float(0.0, 1.0))
-    p.add_argument("--io-mode", choices=IO_MODES)
-    p.add_argument("--io-threads", type=int_in(1, 256))
-    p.add_argument("--io-backend", choices=IO_BACKENDS, help="what issues the reads: reader threads or io_uring")
-    p.add_argument("--cache-policy", choices=CACHE_POLICIES)
-    p.add_argument("--kv-dtype", choices=KV_DTYPES)
-    p.add_argument("--dtype", choices=COMPUTE_DTYPES, help="compute dtype (auto: the checkpoint's)")
-    p.add_argument("--routing-histogram", help="routing histogram JSON for cache_policy=pinned")
     lossy = p.add_argument_group("lossy settings (off by default; each changes the output)")
-    lossy.add_argument("--top-k-reduction", type=nonneg_int(8), help="route k-N experts per token instead of k (0: as the model)")
-    lossy.add_argument("--expert-threshold", type=finite_float(0.0, 0.999999),
-                       help="skip an expert whose share of the token's routing weight is below this (0: none)")
+    # Each flag's range is its field's metadata (tests/test_argtypes.py checks that it agrees with
+    # EngineConfig.validate), so a bad flag is refused while parsing, before the model is opened.
+    # No default: a flag not given leaves --config's value.
+    for f in dataclasses.fields(EngineConfig):
+        flag, kw = knob_flag(f, with_default=False)
+        (lossy if f.metadata.get("lossy") else p).add_argument(flag, **kw)
 
 
-def engine_config_from_args(args):
-    from engine.base.config import EngineConfig
+def engine_config_from_args(args) -> EngineConfig:
+    """--config (or the defaults) with every engine flag given on the command line applied."""
     config = EngineConfig.load(args.config) if args.config else EngineConfig()
-    overrides = {
-        "ram_budget": args.ram_budget, "chunk_size": args.chunk_size,  # bytes already (argtypes.size)
-        "ctx_size": args.ctx_size, "threads": args.threads, "prefetch_depth": args.prefetch_depth,
-        "cpu_cache_ratio": args.cpu_cache_ratio, "gpu_cache_ratio": args.gpu_cache_ratio,
-        "io_mode": args.io_mode, "io_threads": args.io_threads,
-        "io_backend": args.io_backend, "cache_policy": args.cache_policy,
-        "kv_dtype": args.kv_dtype, "dtype": args.dtype, "routing_histogram": args.routing_histogram,
-        "top_k_reduction": args.top_k_reduction, "expert_threshold": args.expert_threshold,
-    }
-    return config.replace(**overrides)
+    # sizes are bytes already (argtypes.size); a flag not given is None and changes nothing
+    return config.replace(**{name: getattr(args, name) for name in EngineConfig.field_names()})
 
 
 def add_run(sub) -> None:
@@ -85,11 +73,6 @@ def add_run(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    from engine.run.generate import Sampler
-    from engine.run.resolve import resolve_model
-    from engine.run.oneshot import run_generation
-    from tuner.results.printers import run_header, run_text
-
     config = engine_config_from_args(args)
     if args.record_routing:
         check_output_file(args.record_routing, "--record-routing")
@@ -144,19 +127,14 @@ def add_bench(sub) -> None:
 
 def _bench_workload(args, model_dir):
     """The requests of --prompts / --workload (checked before the engine loads), or None."""
-    from engine.run.workload import load_requests, load_workload
     if args.workload:
         return load_requests(args.workload)
     if args.prompts:
-        from engine.run.generate import load_tokenizer
         return load_workload(args.prompts, load_tokenizer(model_dir), args.tokens)
     return None
 
 
 def cmd_bench(args) -> int:
-    from engine.base.errors import ConfigError
-    from engine.run.resolve import resolve_model
-
     config = engine_config_from_args(args)
     for flag, path in (("--read-trace", args.read_trace), ("--record-routing", args.record_routing)):
         if path:
@@ -167,7 +145,6 @@ def cmd_bench(args) -> int:
     model_dir = resolve_model(args.model, progress=not args.json)
     workload = _bench_workload(args, model_dir)
     if args.cgroup_limit:
-        from tuner.search.trial import run_trial
         extra = ["--record-routing", args.record_routing] if args.record_routing else []
         extra += ["--read-trace", args.read_trace] if args.read_trace else []
         extra += ["--prompts", args.prompts] if args.prompts else []
@@ -182,8 +159,6 @@ def cmd_bench(args) -> int:
             return 1
         result = trial.metrics
     else:
-        from engine.run.bench import run_bench
-
         def progress(i, n, m):
             if not args.json:
                 print(f"  repeat {i}/{n}: decode {m.get('decode_tok_s') or 0:.2f} tok/s", file=sys.stderr)
@@ -192,11 +167,9 @@ def cmd_bench(args) -> int:
                            prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
                            record_routing=args.record_routing, read_trace=args.read_trace, workload=workload)
     if args.outcome:
-        from tuner.search.outcome import Outcome, write_outcome
         write_outcome(args.outcome, Outcome("ok", metrics=result))
     if args.json:
         _print_json(result)
     else:
-        from tuner.results.printers import bench_text
         print(bench_text(result))
     return 0

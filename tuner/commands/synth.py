@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from engine import synth
+from engine.base.errors import ConfigError
 from tuner.commands.argtypes import finite_float, seed
 from tuner.results.printers import print_json as _print_json
+from tuner.results.printers import presets_text, synth_text
 
 
 def add_synth(sub) -> None:
@@ -23,10 +26,6 @@ def add_synth(sub) -> None:
 
 def cmd_synth(args) -> int:
     import time
-    from engine import synth
-    from engine.base.errors import ConfigError
-
-    from tuner.results.printers import presets_text, synth_text
 
     if args.list:
         rows = synth.describe_presets()

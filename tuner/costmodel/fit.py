@@ -34,6 +34,7 @@ from tuner.costmodel.hardware import HardwareView
 from tuner.costmodel.predict import Components, Factors, RunConditions, combine, components
 from tuner.costmodel.routing_model import RoutingModel
 from tuner.probe.profile_checks import check_factors
+from tuner.results.columns import config_from_row
 from tuner.results.rundir import read_trials_csv
 
 COST_MODEL_SCHEMA = "colibri.costmodel/1"
@@ -78,8 +79,6 @@ class Study:
     meta: dict = field(default_factory=dict)
 
 
-_CONFIG_COLUMNS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "threads", "ctx_size", "io_mode",
-                   "io_threads", "cache_policy")
 
 
 def load_study(run_dir: str | Path) -> Study:
@@ -120,13 +119,10 @@ def _trial_from_row(row: dict, budget: int, run_dir: Path) -> Trial | None:
         return None
     if row.get("duplicate_of"):
         return None
-    cfg = {k: row[k] for k in _CONFIG_COLUMNS}
-    config = EngineConfig(ram_budget=budget or int(float(row.get("plan_cache_bytes") or 0)),
-                          chunk_size=int(cfg["chunk_size"]), prefetch_depth=int(cfg["prefetch_depth"]),
-                          cpu_cache_ratio=float(cfg["cpu_cache_ratio"]), threads=int(cfg["threads"]),
-                          ctx_size=int(cfg["ctx_size"]), io_mode=cfg["io_mode"],
-                          io_threads=int(cfg["io_threads"]), cache_policy=cfg["cache_policy"],
-                          routing_histogram=str(run_dir / "routing.json") if cfg["cache_policy"] == "pinned" else "")
+    # Every setting the row records (the column registry); the budget and the routing histogram
+    # are the run directory's, wherever it now is.
+    config = config_from_row(row, ram_budget=budget or int(float(row.get("plan_cache_bytes") or 0)))
+    config = config.replace(routing_histogram=str(run_dir / "routing.json") if config.cache_policy == "pinned" else "")
     return Trial(int(row["number"]), config, float(row["decode_tok_s"]), float(row["ttft_s"]),
                  _num(row.get("hit_rate_ram")), _num(row.get("bytes_read_per_token")),
                  _num(row.get("lookahead_recall")))

@@ -28,9 +28,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.arch.args import dense_tensor_names
+from engine.arch.registry import model_args
 from engine.base.errors import ConfigError
 from engine.base.inputs import printable
+from engine.format.checkpoint import Checkpoint
 from engine.format.container import container_spec, dense_quantized
+from engine.run.runtime import checkpoint_dtype
+from engine.synth import list_presets, load_geometry_file, load_preset
 from engine.synth.geometry_check import check_geometry
 
 INT4_GROUP = 64
@@ -156,10 +161,6 @@ class ModelGeometry:
 
 def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
     """Exact sizes from a Hugging Face directory's headers (nothing but headers is read)."""
-    from engine.format.checkpoint import Checkpoint
-    from engine.arch.args import dense_tensor_names
-    from engine.arch.registry import model_args
-    from engine.run.runtime import checkpoint_dtype
     import torch
 
     ckpt = Checkpoint(model_dir)
@@ -290,7 +291,6 @@ def _mla_attention(g: dict, H: int, nh: int):
 
 def resolve(model: str) -> ModelGeometry:
     """A model directory, a bundled preset name, or a geometry JSON file."""
-    from engine.synth import list_presets, load_geometry_file, load_preset
     path = Path(os.path.expanduser(model))
     if path.is_dir():
         return from_model_dir(path)

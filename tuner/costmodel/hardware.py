@@ -24,6 +24,7 @@ import math
 
 from engine.base.config import parse_size
 from engine.base.errors import ConfigError
+from tuner.probe.hardware_profile import Quantity, interp_log2
 
 WHAT_IF_KEYS = ("disk_bw", "disk_scale", "memory_bw", "ram", "cores", "matmul_scale")
 
@@ -66,8 +67,6 @@ def apply_what_if(profile, edits: list[str]):
 def _apply_one(p, key: str, value: str) -> None:
     """Edit `p` in place (its point records are frozen: they are replaced, not mutated)."""
     from dataclasses import replace
-
-    from tuner.probe.hardware_profile import Quantity
 
     def scaled(q, factor):
         return Quantity(q.value * factor, q.unit)
@@ -143,9 +142,7 @@ class HardwareView:
         """FLOP/s of F.linear at `m` rows; between measured m, linear in log2(m)."""
         table = self._matmul.get(dtype) or next(iter(self._matmul.values()))
         ms = sorted(table)
-        from tuner.probe.hardware_profile import interp_log2  # the probe's own interpolation
         return interp_log2([(mm, _by_threads(sorted(table[mm]), threads, grows=True)) for mm in ms], m)
-
 
     def has_kernels(self, quant: str) -> bool:
         return quant in self._kernels
@@ -160,7 +157,6 @@ class HardwareView:
         table = self._kernels.get(quant)
         if not table:
             return self.matmul_flops("fp32" if quant == "fp32" else "bf16", m, threads)
-        from tuner.probe.hardware_profile import interp_log2
         top_m = min(max(ms) for ms in table.values())
         at = min(m, top_m)
         by_shape = sorted((kk * nn, interp_log2(
@@ -176,7 +172,6 @@ class HardwareView:
         table = self._prepare.get(quant)
         if not table:
             return 0.0
-        from tuner.probe.hardware_profile import interp_log2
         return interp_log2(sorted((kk * nn, s) for (kk, nn), s in table.items()), k * n)
 
 

@@ -23,11 +23,16 @@ from functools import lru_cache
 
 import torch
 
+from engine.arch.args import dense_tensor_names
+from engine.arch.registry import model_args
+from engine.arch.kvquant import kv_storage
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError
-from engine.arch.kvquant import kv_storage
+from engine.format.checkpoint import Checkpoint
+from engine.format.layout import ExpertLayout
+from engine.movement.io import align_up
 from engine.movement.plan import MemoryPlan, make_plan
-
+from engine.run.runtime import checkpoint_dtype
 from tuner.costmodel.geometry import ModelGeometry
 
 BF16 = 2  # bytes per element of the stand-in checkpoint's dtype
@@ -84,7 +89,6 @@ class _SizedLayout:
 
     def slot_bytes(self, direct: bool) -> int:
         """One span per expert: page-rounded, plus an O_DIRECT window's two edge pages."""
-        from engine.movement.io import align_up
         return align_up(int(math.ceil(self.expert_nbytes))) + (2 * 4096 if direct else 0)
 
     @property
@@ -100,7 +104,6 @@ def planning_args(geometry: ModelGeometry):
     model: same layers, experts, shared expert and dense layers; the attention tensors' sizes
     come from the geometry by name, and the KV cache as one "head" of the latent's width.
     """
-    from engine.arch.registry import model_args
     g = geometry
     try:
         return model_args(g.planning_config)
@@ -133,7 +136,6 @@ def _stand_ins(geometry: ModelGeometry, quant: str):
     """(checkpoint, args, layout) stand-ins for make_plan, built once per geometry and quant."""
     key = ("stand_ins", quant)
     if key not in geometry.memo:
-        from engine.arch.args import dense_tensor_names
         args = planning_args(geometry)
         expert = geometry.expert_bytes(quant)
         # The expert width that makes make_plan's 3·H·I·bf16 the stored size: no conversion copy.
@@ -151,10 +153,6 @@ def _native_plan(geometry: ModelGeometry, config: EngineConfig, overhead_bytes: 
 @lru_cache(maxsize=8)
 def _native_inputs(model_dir: str):
     """The engine's plan inputs for a directory, parsed once (a search plans thousands of configs)."""
-    from engine.format.checkpoint import Checkpoint
-    from engine.format.layout import ExpertLayout
-    from engine.arch.registry import model_args
-    from engine.run.runtime import checkpoint_dtype
     ckpt = Checkpoint(model_dir)
     args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args) if args.is_moe else None

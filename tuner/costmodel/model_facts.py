@@ -14,10 +14,8 @@ import hashlib
 import json
 
 from tuner.costmodel.predict import DEFAULT_LOOKAHEAD_RECALL
+from tuner.results.result import GEOMETRY_KEYS  # the same model for these facts as for a best config
 
-# The geometry that makes two models the same model for these facts (as tuner/outputs.py keys
-# best configs).
-GEOMETRY_KEYS = ("model_type", "layers", "hidden_size", "experts", "top_k", "moe_intermediate_size", "vocab_size")
 PUBLISHED = f"the published default {DEFAULT_LOOKAHEAD_RECALL:.3f} (Colibrì on GLM-5: 71.6% of the true top-8)"
 
 

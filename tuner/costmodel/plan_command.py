@@ -7,50 +7,23 @@ held-out error, and store the factors in the profile (`cost_model`).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.base.config import EngineConfig, format_size
-from engine.base.errors import ConfigError
-from tuner.commands.argtypes import positive_int, size
 from tuner.costmodel import fit as cal
-from tuner.costmodel.geometry import QUANTS, ModelGeometry, resolve
+from tuner.costmodel.geometry import ModelGeometry, resolve
 from tuner.costmodel.hardware import HardwareView, apply_what_if
 from tuner.costmodel.model_facts import measured_on, recall_for, routing_for
 from tuner.costmodel.predict import Factors, RunConditions, predict
-from tuner.costmodel.routing_model import RoutingModel, from_histogram, synth_skew, uniform
+from tuner.costmodel.routing_model import RoutingModel, make_routing  # noqa: F401  (benchmarks import it from here)
 from tuner.costmodel.search import rank
+from tuner.probe.hardware_profile import load_profile, save_profile
 
 # Memory a trial process spends before the model (interpreter, torch, index) when no study
 # measured it: the tuner's fallback figure (tuner/search/space.py).
 DEFAULT_OVERHEAD_BYTES = 310 << 20
-REAL_MODEL_SKEW = 1.0  # synth's skew 1 matches GLM-5's ~41% reuse and OLMoE's LRU curve (docs/SYNTH.md)
-
-
-def add_plan_arguments(p) -> None:
-    p.add_argument("--model", required=True, help="model directory, bundled geometry (e.g. glm-5) or geometry JSON")
-    p.add_argument("--profile", required=True, help="hardware profile JSON (colibri probe / tune)")
-    p.add_argument("--quant", choices=QUANTS, help="quant level (default: the model's own dtype)")
-    p.add_argument("--config", help="engine config TOML to predict (default: the engine's defaults)")
-    p.add_argument("--budget", type=size(), help="memory budget, e.g. 24GiB (default: the config's, else 88%% of the "
-                                    "profile's available memory)")
-    p.add_argument("--what-if", action="append", default=[], metavar="KEY=VALUE",
-                   help="edit a measured figure: disk_bw=7GB/s, disk_scale=2, memory_bw=100GB/s, ram=64GiB, "
-                        "cores=16, matmul_scale=2 (repeatable)")
-    p.add_argument("--routing", default="auto",
-                   help="uniform, skew[:X] (synth's routing skew), or a routing histogram JSON (default: the "
-                        "model's synth skew, else skew:1 — real models are far from uniform)")
-    p.add_argument("--conditions", choices=("steady", "trial"), default="steady",
-                   help="steady: long generation, warm cache (default); trial: the tuner's cold 8-token trial")
-    p.add_argument("--top", type=positive_int(1000), default=3, help="best predicted configs to list")
-    p.add_argument("--calibrate", metavar="RUN_DIR", nargs="+",
-                   help="fit the factors to the trials of tune run directories (or tuner_quality grid.json files), "
-                        "print the cross-validated error, store the factors in --profile")
-    p.add_argument("--test", metavar="RUN_DIR", help="with --calibrate: also predict this run's trials with the "
-                                                      "factors fitted on the others (a fully separate hold-out)")
-    p.add_argument("--json", action="store_true")
 
 
 @dataclass
@@ -63,28 +36,6 @@ class Setup:
     calibrated: bool
     overhead: int
     recall_source: str = ""  # where the lookahead recall comes from (model_facts.recall_for)
-
-
-def make_routing(spec: str, geometry: ModelGeometry) -> RoutingModel:
-    L, E, K = geometry.moe_layers, geometry.num_experts, geometry.top_k
-    skew = geometry.routing_skew
-    if spec == "auto":
-        return synth_skew(L, E, K, REAL_MODEL_SKEW if skew is None else float(skew))
-    if spec == "uniform":
-        return uniform(L, E)
-    if spec.startswith("skew"):
-        _, _, x = spec.partition(":")
-        try:
-            x = float(x) if x else REAL_MODEL_SKEW
-        except ValueError:
-            raise ConfigError(f"--routing {spec!r}: expected skew:X with X a number") from None
-        if not math.isfinite(x) or x < 0:  # synth's own range for a skew
-            raise ConfigError(f"--routing {spec!r}: the skew must be a finite number >= 0")
-        return synth_skew(L, E, K, x)
-    from engine.movement.cache import routing_histogram_load
-    hist = routing_histogram_load(spec)
-    locality = synth_skew(L, E, K, float(skew)).locality if skew is not None else 0.0
-    return from_histogram(hist, L, E, locality)
 
 
 def _setup(args, profile) -> Setup:
@@ -112,7 +63,6 @@ def _base_config(args, hw: HardwareView) -> EngineConfig:
 
 
 def run_plan(args) -> dict:
-    from tuner.probe.hardware_profile import load_profile
     profile = load_profile(args.profile)
     if args.calibrate:
         return run_calibrate(args, profile)
@@ -135,7 +85,6 @@ def run_plan(args) -> dict:
 
 
 def run_calibrate(args, profile) -> dict:
-    from tuner.probe.hardware_profile import save_profile
     geometry = resolve(args.model)
     quant = args.quant or geometry.native_quant
     hw = HardwareView(profile)

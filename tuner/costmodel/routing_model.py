@@ -24,7 +24,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from engine.movement.cache import hottest_keys, make_cache
+from engine.base.errors import ConfigError
+from engine.movement.cache import hottest_keys, make_cache, routing_histogram_load
+from tuner.costmodel.geometry import ModelGeometry
 
 # Measured with benchmarks/routing_skew.py on the demo geometry (docs/SYNTH.md): per skew X,
 # the share of the previous token's experts a token reuses, and the same against the token 32
@@ -299,3 +301,30 @@ def _offer_wrong_guesses(rng, cache, layer: int, chosen: list[int], experts: int
             read += 1
             cache.put((layer, int(e)), True, 1)
     return read
+
+
+REAL_MODEL_SKEW = 1.0  # synth's skew 1 matches GLM-5's ~41% reuse and OLMoE's LRU curve (docs/SYNTH.md)
+
+
+def make_routing(spec: str, geometry: ModelGeometry) -> RoutingModel:
+    """`--routing SPEC` (`colibri plan`; the study's warm starts pass the space's histogram or
+    "auto"): auto (the geometry's synth skew, else REAL_MODEL_SKEW), uniform, skew[:X], or a
+    routing histogram JSON."""
+    L, E, K = geometry.moe_layers, geometry.num_experts, geometry.top_k
+    skew = geometry.routing_skew
+    if spec == "auto":
+        return synth_skew(L, E, K, REAL_MODEL_SKEW if skew is None else float(skew))
+    if spec == "uniform":
+        return uniform(L, E)
+    if spec.startswith("skew"):
+        _, _, x = spec.partition(":")
+        try:
+            x = float(x) if x else REAL_MODEL_SKEW
+        except ValueError:
+            raise ConfigError(f"--routing {spec!r}: expected skew:X with X a number") from None
+        if not math.isfinite(x) or x < 0:  # synth's own range for a skew
+            raise ConfigError(f"--routing {spec!r}: the skew must be a finite number >= 0")
+        return synth_skew(L, E, K, x)
+    hist = routing_histogram_load(spec)
+    locality = synth_skew(L, E, K, float(skew)).locality if skew is not None else 0.0
+    return from_histogram(hist, L, E, locality)

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 
 from engine.base.config import EngineConfig
 
-from tuner.costmodel.geometry import ModelGeometry
+from tuner.costmodel.fit import factors_from_profile
+from tuner.costmodel.geometry import ModelGeometry, from_model_dir
 from tuner.costmodel.hardware import HardwareView
 from tuner.costmodel.model_facts import recall_for
 from tuner.costmodel.predict import Factors, Prediction, RunConditions, predict
-from tuner.costmodel.routing_model import RoutingModel
+from tuner.costmodel.memplan import fits
+from tuner.costmodel.routing_model import RoutingModel, make_routing
 
 KiB, MiB = 1 << 10, 1 << 20
 GRID = {
@@ -93,7 +95,6 @@ def prefilter(geometry: ModelGeometry, quant: str, configs, overhead_bytes: int)
     margin): the plan is monotone in the overhead, so a config the engine's own plan accepts at
     its real, larger overhead is never dropped here.
     """
-    from tuner.costmodel.memplan import fits
     return [cfg for cfg in configs if fits(geometry, quant, cfg, overhead_bytes)]
 
 
@@ -151,9 +152,9 @@ def narrow_space(space, profile) -> dict:
     """Set the space's read sizes and I/O thread counts to the probe curve's rising-or-flat
     region (the baseline's values always stay, so the baseline is a point of the space).
     Call it on a new study only; a resumed or joined study keeps the space it was made with."""
-    from tuner.search.space import CHUNK_SIZES, IO_THREADS
     base = space.baseline()
-    region = curve_region(HardwareView(profile), CHUNK_SIZES, IO_THREADS, "direct", CURVE_TOLERANCE)
+    # the new space's full ranges (tuner/search/space.py), read from the space itself
+    region = curve_region(HardwareView(profile), space.chunk_sizes, space.io_thread_choices, "direct", CURVE_TOLERANCE)
     space.chunk_sizes = tuple(sorted(set(region["chunk_size"]) | {base.chunk_size}))
     space.io_thread_choices = tuple(sorted(set(region["io_threads"]) | {base.io_threads}))
     return {"chunk_size": list(space.chunk_sizes), "io_threads": list(space.io_thread_choices)}
@@ -162,9 +163,6 @@ def narrow_space(space, profile) -> dict:
 def study_warm_starts(space, profile, model_dir, run: RunConditions, n: int = 3) -> list[Ranked]:
     """The n configs of the space the cost model predicts fastest, with the profile's fitted
     factors when it carries them (else the measured curves as they are)."""
-    from tuner.costmodel.fit import factors_from_profile
-    from tuner.costmodel.plan_command import make_routing
-    from tuner.costmodel.geometry import from_model_dir
     geometry = from_model_dir(model_dir)
     routing = make_routing(space.routing_histogram or "auto", geometry)
     recall, _ = recall_for(getattr(profile, "cost_model", None), geometry.to_dict())  # this model's router only

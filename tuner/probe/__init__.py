@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 from tuner import __version__
-from tuner.results.printers import utc_now
+from tuner.base.text import utc_now
 from tuner.probe import fallback, fio
 from tuner.probe.cpu import measure_matmul
-from tuner.probe.kernels import KERNEL_QUANTS, SHAPES as KERNEL_SHAPES, measure_kernels
+from tuner.probe.kernels import SHAPES as KERNEL_SHAPES, measure_kernels
 from tuner.probe.errors import ProbeError, ProfileError
 from tuner.probe.memory import measure_memory_bandwidth
 from tuner.probe.hardware_profile import (
-    SCHEMA_VERSION, HardwareProfile, ProbeRun, Quantity, StorageResult, ToolInfo, compute_fingerprint,
+    KERNEL_QUANTS, SCHEMA_VERSION, HardwareProfile, ProbeRun, Quantity, StorageResult, ToolInfo, compute_fingerprint,
     load_profile, save_profile,
 )
 from tuner.probe.storage import (

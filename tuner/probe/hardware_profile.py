@@ -22,7 +22,7 @@ from engine.base.config import atomic_write_text
 from engine.base.inputs import read_input
 from tuner.probe.errors import ProfileError
 from tuner.probe.profile_checks import check_document, check_physics, check_ranges, parse_text
-from tuner.results.schema import decode, json_type
+from tuner.base.typed_json import decode, json_type
 
 SCHEMA_VERSION = 1
 
@@ -157,6 +157,7 @@ class MatmulPoint:
 
 
 KernelQuant = Literal["bf16", "int8", "int4"]  # the expert weight formats tuner/probe/kernels.py times
+KERNEL_QUANTS = typing.get_args(KernelQuant)  # the one list: the probe, its summary, the cost model
 
 
 @dataclass(frozen=True)
@@ -348,7 +349,7 @@ def load_profile(path: str | os.PathLike) -> HardwareProfile:
     return profile
 
 
-# --- strict decoding (tuner/results/schema.py), with the profile's own rules ------------------------
+# --- strict decoding (tuner/base/typed_json.py), with the profile's own rules ------------------------
 
 def _decode(tp: Any, data: Any, path: str) -> Any:
     return decode(tp, data, path, ProfileError, _check_units_and_signs)

@@ -25,11 +25,12 @@ import statistics
 import time
 from typing import Callable, Sequence
 
+from engine import native
+from engine.format.quant import QuantWeight, linear, quantize
 from tuner.probe.cpu import time_calls, each_thread_count
-from tuner.probe.hardware_profile import KernelPoint, Quantity
+from tuner.probe.hardware_profile import KERNEL_QUANTS, KernelPoint, Quantity
 
 SHAPES = ((1024, 512), (6144, 2048))  # (k, n): demo-like and GLM-5-like expert projections
-KERNEL_QUANTS = ("bf16", "int8", "int4")
 INT4_GROUP = 64  # the containers' default group (engine/format/convert.py), the cost model's int4
 NATIVE_BF16 = "engine.native.linear"
 PREPARE_REPEATS = 5  # median of 5: a repack on another CPU's layout takes tens of ms, a view microseconds
@@ -59,7 +60,6 @@ def measure_kernels(thread_counts: Sequence[int], ms: Sequence[int], min_time_s:
 
 
 def _bf16_kernel(m: int) -> str:
-    from engine import native
     return NATIVE_BF16 if native.ready and m == 1 else "F.linear"
 
 
@@ -67,7 +67,6 @@ def _weights(shapes) -> dict:
     """bf16 weight and its stored int8 / int4 forms per shape (quantized once: the slow part)."""
     import torch
 
-    from engine.format.quant import quantize
     gen = torch.Generator().manual_seed(0)
     out = {}
     for k, n in shapes:
@@ -81,8 +80,6 @@ def _kernel(quant: str, forms: dict):
     """(x → call, kernel name, seconds to prepare the stored matrix) as the engine runs it."""
     import torch
 
-    from engine import native
-    from engine.format.quant import QuantWeight, linear
     if quant == "bf16":
         w = forms["bf16"]
         # engine.quant.linear is the engine's call: the native kernel for one bf16 row when it

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from tuner.probe.hardware_profile import HardwareProfile, Quantity
-from engine.base.config import size_label
-from tuner.results.printers import text_table
+from tuner.probe.hardware_profile import KERNEL_QUANTS, HardwareProfile, Quantity
+from engine.base.config import format_size, size_label
+from tuner.probe.errors import ProfileError
+from tuner.base.text import text_table
 
 GiB = 1 << 30
 
@@ -106,7 +107,7 @@ def _kernel_lines(p: HardwareProfile) -> list[str]:
         return []
     cols = sorted({(pt.k, pt.n, pt.m) for pt in p.expert_kernels})
     keys = sorted({(pt.threads, pt.quant, pt.kernel) for pt in p.expert_kernels},
-                  key=lambda t: (t[0], ("bf16", "int8", "int4").index(t[1])))
+                  key=lambda t: (t[0], KERNEL_QUANTS.index(t[1])))
     cell = {(pt.threads, pt.quant, pt.kernel, pt.k, pt.n, pt.m): pt for pt in p.expert_kernels}
     rows = []
     for t, quant, kernel in keys:
@@ -117,3 +118,34 @@ def _kernel_lines(p: HardwareProfile) -> list[str]:
             else "-" for k, n, m in cols] + [f"{prep:,.0f}"])
     return ["", "Expert kernels (GFLOP/s; x[m,k] times W[n,k]^T through the engine's kernel per weight format)"] + \
         text_table(["threads", "weights", "kernel"] + [f"{k}x{n} m={m}" for k, n, m in cols] + ["prepare µs"], rows)
+
+
+def hardware_facts(data: dict) -> dict:
+    """The figures people compare machines by, as label → printable value."""
+    p = HardwareProfile.from_dict({k: v for k, v in data.items() if k != "identity"})
+    s = p.system
+    seq, lat = p.storage_point("sequential"), p.storage_point("latency_4k")
+    try:
+        mib_qd4 = f"{p.read_bandwidth(1 << 20, 4) / 1e9:.2f} GB/s"
+    except ProfileError:
+        mib_qd4 = "-"
+    iops = p.storage_point("iops_4k")
+    mem = max((m.bandwidth.value for m in p.memory_bandwidth if m.op == "read"), default=None)
+    gemv = max((m.throughput.value for m in p.cpu_matmul if m.m == 1), default=None)
+    return {
+        "fingerprint": p.fingerprint, "cpu": f"{s.cpu.model} ({s.cpu.arch})",
+        "cores": f"{s.cpu.physical_cores} physical / {s.cpu.logical_cores} logical, {s.cpu.numa_nodes} NUMA node(s)",
+        "cpu flags": " ".join(s.cpu.flags), "RAM": format_size(s.memory.total.value)
+        + (f", cgroup limit {format_size(s.memory.cgroup_limit.value)}" if s.memory.cgroup_limit else ""),
+        "disk": f"{s.disk.transport} {s.disk.model or ''} ({s.disk.filesystem}, rotational {s.disk.rotational})"
+        .replace("  ", " "),
+        "storage method": f"{p.storage.method} ({p.storage.tool}, {p.storage.ioengine}), {p.probe.mode} probe",
+        "sequential read": f"{seq.bandwidth.value / 1e9:.2f} GB/s" if seq else "-",
+        "1 MiB QD4 random read": mib_qd4,
+        "4 KiB QD1 latency p50": f"{lat.lat_p50.value:.0f} us" if lat else "-",
+        "4 KiB QD32 random read": f"{iops.iops.value:.0f} IO/s" if iops else "-",
+        "memory read bandwidth": f"{mem / 1e9:.2f} GB/s" if mem else "-",
+        "matmul (expert GEMV, best)": f"{gemv:.2f} GFLOP/s" if gemv else "-",
+        "GPUs": ", ".join(f"{g.name} {format_size(g.vram.value)}" for g in p.gpus) or "none",
+        "tool": p.tool.version,
+    }

@@ -16,6 +16,7 @@ from typing import Optional
 import psutil
 
 from tuner.probe.hardware_profile import CpuInfo, DiskInfo, GpuInfo, MemoryInfo, Quantity, SystemInfo
+from tuner.sandbox import current_memory_limit
 
 # Flags that decide which matmul kernels a CPU can run (x86 names, then Arm names).
 INTERESTING_CPU_FLAGS = (
@@ -90,8 +91,6 @@ def thread_counts(physical_cores: int) -> list[int]:
 # --- memory ---------------------------------------------------------------------------------
 
 def memory_info() -> MemoryInfo:
-    from tuner.sandbox import current_memory_limit
-
     vm = psutil.virtual_memory()
     limit = current_memory_limit()
     return MemoryInfo(

@@ -1,4 +1,5 @@
-"""What a tune run leaves in its run directory: trials.csv, result.json, recommended.toml.
+"""What a tune run leaves in its run directory: trials.csv, result.json, recommended.toml, the reports
+and profile.json (the result itself is assembled by tuner/search/assemble.py).
 
 All three are written atomically (temp file + rename), so an interrupted run leaves either the
 previous complete file or the new one, never half of one. result.json follows
@@ -10,16 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.base.config import EngineConfig, atomic_write_text, format_size
-from tuner.results.printers import fmt, json_text, pct, trials_csv, utc_now
-from tuner.probe.errors import ProfileError
-from tuner.results.result import (
-    BEST_CONFIG_SCHEMA, RESULT_SCHEMA, Conditions, ConfirmationInfo, Figures, MemoryLimit, ModelInfo, ProfileSummary,
-    QualityInfo, StudyInfo, TuneResult, Versions, OBJECTIVE_KEY,
-)
-from tuner.search.study_storage import redact_url
+from tuner.probe import load_profile, save_profile
+from tuner.results.printers import fmt, json_text, pct, trials_csv
+from tuner.results.report_html import write_html_report
+from tuner.results.report_md import write_report
+from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS  # noqa: F401  (study reads outputs.GEOMETRY_KEYS)
 
-# Geometry keys that make two models interchangeable for a recorded best config.
-GEOMETRY_KEYS = ("model_type", "layers", "hidden_size", "experts", "top_k", "moe_intermediate_size", "vocab_size")
 
 
 def write_trials_csv(trials, path: str | Path) -> Path:
@@ -89,7 +86,6 @@ def same_geometry(a: dict | None, b: dict | None) -> bool:
 def warm_start_entry(profile_path: str, geometry: dict, log, quant: str | None = None) -> dict | None:
     """--from-profile: the fastest config the profile records for this model geometry (of
     those for this quant, when it records any)."""
-    from tuner.probe import load_profile
     profile = load_profile(profile_path)
     matches = [e for e in profile.best_configs
                if isinstance(e, dict) and same_geometry(e.get("geometry"), geometry) and isinstance(e.get("config"), dict)]
@@ -101,103 +97,7 @@ def warm_start_entry(profile_path: str, geometry: dict, log, quant: str | None =
     return max(matches, key=lambda e: ((e.get("figures") or {}).get("decode_tok_s") or 0.0))
 
 
-# --- assembling and writing a run's result --------------------------------------------------
-
-COLD_MEANS = ("the model's pages are dropped from the page cache and the engine's caches emptied "
-              "before every repeat: weights come from disk")
-
-
-def build_result(run, decision) -> TuneResult:
-    """The TuneResult of a finished session (`run` is study._Run, `decision` confirm.Decision)."""
-    opts = run.opts
-    winner, base, defaults = decision.winner, decision.baseline, decision.defaults
-    key = OBJECTIVE_KEY[opts.objective]
-    wfig = winner.confirmed if winner else None
-    trials = run.study.get_trials(deepcopy=False)
-    statuses: dict[str, int] = {}
-    for t in trials:
-        s = t.user_attrs.get("status", t.state.name.lower())
-        statuses[s] = statuses.get(s, 0) + 1
-    from tuner.search.confirm import feasible
-    counts = run.search_counts  # tuner/search/explore.py: measured, re-proposals, distinct points
-    wall = run.clock.used()
-    return TuneResult(
-        schema=RESULT_SCHEMA, created_utc=utc_now(), started_utc=run.started_utc,
-        model=ModelInfo(name=run.model_name, dir=str(run.model_dir), geometry=run.facts.geometry,
-                        compute_dtype=run.space.compute_dtype_name()),
-        budget_bytes=run.budget, budget=format_size(run.budget), objective=opts.objective,
-        recommended=winner.candidate() if winner else None, baseline=base.candidate(),
-        gain_over_baseline=gain(wfig, base.confirmed, key), gain_metric=key,
-        candidates=[e.candidate() for e in decision.contenders],
-        confirmation=ConfirmationInfo(rounds=decision.rounds, confirmed=decision.confirmed),
-        study=StudyInfo(
-            name=run.study_name, storage=redact_url(run.storage_url), trials=len(trials),
-            feasible=len(feasible([t for t in trials if t.user_attrs.get("duplicate_of") is None])), by_status=statuses, sampler=type(run.study.sampler).__name__,
-            sampler_note="chosen by benchmarks/tuner_quality.py (GP for one objective, TPE for two)"
-            if opts.sampler == "auto" else "set by --sampler", directions=[d.name for d in run.study.directions],
-            measured_trials=counts.measured, re_proposals=counts.re_proposals,
-            distinct_points=counts.distinct_points, explored=counts.explored, stop_reason=run.stop_reason or None,
-            measuring_seconds=round(run.measuring_seconds, 1),
-            measuring_share=round(run.measuring_seconds / wall, 4) if wall > 0 else None),
-        conditions=Conditions(
-            cold=opts.cold, cold_means=COLD_MEANS if opts.cold else "warm: caches persist across repeats",
-            tokens=opts.tokens, repeats=opts.repeats, prompt_tokens=opts.prompt_tokens, seed=opts.seed,
-            min_ctx=opts.min_ctx,
-            memory_limit=MemoryLimit(cgroup_limit_bytes=run.limit_bytes, cgroup=run.calibration.get("cgroup_limited"),
-                                     reason=run.calibration.get("cgroup_reason") or ""),
-            precheck_overhead_bytes=run.space.overhead_bytes, time_budget_s=run.clock.seconds,
-            wall_seconds=round(run.clock.used(), 1), physical_cores=run.space.physical_cores,
-            logical_cores=run.space.logical_cores, gpu=run.has_gpu,
-            profile=profile_summary(run.profile, run.profile_source), search_space=run.space.describe(),
-            versions=versions()),
-        quant=run.facts.quant,
-        quality=decode_quality(opts.quality),
-        defaults=defaults.candidate() if defaults else None,
-        gain_over_defaults=gain(wfig, defaults.confirmed if defaults else None, key),
-        workload=run.workload_info)
-
-
-def gain(winner: Figures | None, reference: Figures | None, key: str) -> float | None:
-    """The winner's gain over a reference on the objective's figure (> 0: better; for seconds,
-    how much faster: reference / winner - 1)."""
-    w, b = getattr(winner, key, None), getattr(reference, key, None)
-    if not w or not b:
-        return None
-    return (b / w - 1.0) if key in ("ttft_s", "request_s") else (w / b - 1.0)
-
-
-def decode_quality(quality: dict | None) -> QualityInfo | None:
-    if quality is None:
-        return None
-    from tuner.results.result import ResultError
-    from tuner.results.schema import decode
-    return decode(QualityInfo, quality, "quality", ResultError)
-
-
-def profile_summary(p, source: str) -> ProfileSummary:
-    out = ProfileSummary(source=source, fingerprint=p.fingerprint, probe_mode=p.probe.mode,
-                         storage_method=p.storage.method, disk_transport=p.system.disk.transport,
-                         disk_model=p.system.disk.model, filesystem=p.system.disk.filesystem)
-    try:
-        out.read_gbps_1MiB_qd4_direct = round(p.read_bandwidth(1 << 20, 4) / 1e9, 3)
-    except ProfileError:  # a profile without a direct curve: the figure is simply unknown
-        pass
-    seq = p.storage_point("sequential")
-    if seq is not None:
-        out.sequential_gbps = round(seq.bandwidth.value / 1e9, 3)
-    return out
-
-
-def versions() -> Versions:
-    import platform
-
-    import optuna
-
-    from engine import __version__ as engine_version
-    from engine.run.metrics import git_commit
-    return Versions(engine=engine_version, git_commit=git_commit(), optuna=optuna.__version__,
-                    python=platform.python_version())
-
+# --- writing a run's files ------------------------------------------------------------------
 
 def write_outputs(run, result: dict) -> dict:
     """trials.csv, recommended.toml, result.json, report.md + plots, report.html, profile.json
@@ -210,9 +110,7 @@ def write_outputs(run, result: dict) -> dict:
         files["recommended.toml"] = write_recommended_toml(config, result, out / "recommended.toml")
     files["result.json"] = write_result_json(result, out / "result.json")
     try:
-        from tuner.results.report_md import write_report
         files.update(write_report(run.study, result, out))
-        from tuner.results.report_html import write_html_report
         files["report.html"] = write_html_report(out, study=run.study)
     except Exception as exc:  # the numbers are saved; a plotting problem must not lose them
         run.log(f"report: could not be written ({type(exc).__name__}: {exc})")
@@ -230,7 +128,6 @@ def record_best_config(profile, result: dict, path: Path) -> Path:
 def record_best_configs(profile, entries: list[dict], path: Path) -> Path:
     """`profile` saved to `path` with `entries` in its best_configs, each replacing an older
     entry of the same geometry, quant, budget and objective."""
-    from tuner.probe import save_profile
 
     def same(e, entry) -> bool:
         return (isinstance(e, dict) and same_geometry(e.get("geometry"), entry["geometry"])

@@ -1,4 +1,4 @@
-"""Every printer of a result: text tables, markdown, CSV (pandas) and JSON, and the formatters.
+"""Every printer of a result: text tables, markdown, CSV (pandas) and JSON (formatters: tuner/base/text.py).
 
 One schema (tuner/results/result.py), many printers, as llama-bench does it: `colibri run`, `bench`,
 `tune`, the probe summary, trials.csv and report.md all format through this module, so a figure
@@ -8,62 +8,21 @@ reads the same wherever it is shown and a formatter is defined once.
 from __future__ import annotations
 
 import io
-import json
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Sequence
+
+import pandas as pd
 
 from engine.base.config import format_size
-from tuner.results.result import is_feasible, point_key
-
-# --- formatters -----------------------------------------------------------------------------
-
-
-def fmt(v, digits: int = 2) -> str:
-    """A number with `digits` decimals, or '-' when unknown."""
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
-def pct(v, digits: int = 1, signed: bool = False) -> str:
-    """0.123 -> '12.3%' ('+12.3%' signed), or '-' when unknown."""
-    return "-" if v is None else f"{v:{'+' if signed else ''}.{digits}%}"
-
-
-def utc_now() -> str:
-    """Now as an ISO 8601 UTC timestamp to the second: 2026-12-01T07:00:00Z."""
-    from datetime import datetime, timezone
-    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def json_text(obj) -> str:
-    return json.dumps(obj, indent=2, default=str) + "\n"
-
-
-def print_json(obj, stream=None) -> None:
-    (stream or sys.stdout).write(json_text(obj))
-
+from tuner.base.text import (  # noqa: F401  (re-exported: the printers' callers format with them too)
+    fmt, json_text, kl_text, markdown_table, pct, print_json, text_table, utc_now)
+from tuner.results.columns import CONFIG_COLUMNS, FIGURE_COLUMNS, QUALITY_COLUMNS, column
+from tuner.results.trial_record import is_feasible, point_key
 
 # --- tables ---------------------------------------------------------------------------------
 
-def text_table(header: Sequence[str], rows: Iterable[Sequence[str]], left: int = 0) -> list[str]:
-    """Aligned columns: the first `left` columns (labels) flush left, the numbers right."""
-    rows = [list(r) for r in rows]
-    widths = [max(len(r[i]) for r in [list(header)] + rows) for i in range(len(header))]
-
-    def line(row) -> str:
-        cells = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        return "  " + "  ".join(cells).rstrip()
-
-    return [line(header), line(["-" * w for w in widths])] + [line(r) for r in rows]
-
-
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-
-
 def csv_text(rows: list[dict], columns: Sequence[str]) -> str:
     """CSV through pandas (the format people open it with); cells keep their Python types."""
-    import pandas as pd
     frame = pd.DataFrame(rows, columns=list(columns), dtype=object)
     buf = io.StringIO()
     frame.to_csv(buf, index=False, lineterminator="\n")
@@ -219,16 +178,24 @@ def trial_line(done: int, total: str, number: int, attrs: dict, objective: str, 
 
 # --- the trials of a study (trials.csv, report.md) ---------------------------------------------
 
-PARAM_COLUMNS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "gpu_cache_ratio", "threads", "ctx_size",
-                 "io_mode", "io_threads", "cache_policy")
-# Trial figures with their own CSV columns (the full bench JSON stays in the study).
-METRIC_COLUMNS = ("decode_tok_s", "ttft_s", "request_s", "prefill_tok_s", "token_latency_p50_ms", "token_latency_p99_ms",
-                  "read_gbps", "io_stall_fraction", "lookahead_recall", "bytes_read_per_token", "hit_rate_ram",
-                  "peak_rss_bytes", "cgroup_peak_bytes", "plan_cache_bytes")
-# measured: the trial evaluated its point (False: a re-proposal of `duplicate_of`, not run);
-# point: the distinct point's number, in the order the study first measured it.
+# The columns come from the column registry (tuner/results/columns.py): every engine setting the
+# trial ran (its lossy settings included), the weights it ran with, every figure, and a lossy
+# trial's quality. measured: the trial evaluated its point (False: a re-proposal of
+# `duplicate_of`, not run); point: the distinct point's number, in the order the study first
+# measured it.
+PARAM_COLUMNS = tuple(c.name for c in CONFIG_COLUMNS)
+WEIGHTS_COLUMNS = ("quant", "quant_scope")  # from the trial's bench JSON: int8, int4-g64, none; experts / all
+METRIC_COLUMNS = tuple(c.name for c in FIGURE_COLUMNS)
+QUALITY_COLUMN_NAMES = tuple(c.name for c in QUALITY_COLUMNS)
 TRIAL_COLUMNS = ("number", "state", "status", "role", "measured", "point", "feasible", "constraint", "value", "value2",
-                 *PARAM_COLUMNS, *METRIC_COLUMNS, "wall_seconds", "duplicate_of", "worker", "error")
+                 *PARAM_COLUMNS, *WEIGHTS_COLUMNS, *METRIC_COLUMNS, *QUALITY_COLUMN_NAMES,
+                 "wall_seconds", "duplicate_of", "worker", "error")
+
+
+def _cell(v):
+    if v is None:
+        return ""
+    return round(v, 6) if isinstance(v, float) else v  # 0.8500000000000001 is a step artefact
 
 
 def trial_rows(trials) -> list[dict]:
@@ -247,12 +214,18 @@ def trial_rows(trials) -> list[dict]:
         values = t.values or []
         row["value"] = values[0] if len(values) > 0 else ""
         row["value2"] = values[1] if len(values) > 1 else ""
+        # What the trial ran (user_attrs config: every setting); a trial that never ran: its params.
+        config = a.get("config") if isinstance(a.get("config"), dict) else {}
         for p in PARAM_COLUMNS:
-            v = t.params.get(p, "")
-            row[p] = round(v, 6) if isinstance(v, float) else v  # 0.8500000000000001 is a step artefact
+            row[p] = _cell(config.get(p, t.params.get(p)))
+        bench = a.get("metrics") if isinstance(a.get("metrics"), dict) else {}
+        for w in WEIGHTS_COLUMNS:
+            row[w] = _cell(bench.get(w))
         for m in METRIC_COLUMNS:
-            v = a.get(m)
-            row[m] = "" if v is None else v
+            row[m] = _cell(a.get(m))
+        quality = a.get("quality") if isinstance(a.get("quality"), dict) else {}
+        for q in QUALITY_COLUMN_NAMES:
+            row[q] = _cell(quality.get(q))
         row["wall_seconds"] = round(a["wall_seconds"], 3) if isinstance(a.get("wall_seconds"), (int, float)) else ""
         row["duplicate_of"] = a.get("duplicate_of", "")
         row["worker"] = a.get("worker", "")
@@ -261,21 +234,37 @@ def trial_rows(trials) -> list[dict]:
     return rows
 
 
+def trials_frame(trials) -> pd.DataFrame:
+    """The trials as one pandas frame, trials.csv's columns in order (cells keep their types):
+    trials.csv and report.html's table are both written from it."""
+    return pd.DataFrame(trial_rows(trials), columns=list(TRIAL_COLUMNS), dtype=object)
+
+
 def trials_csv(trials) -> str:
-    return csv_text(trial_rows(trials), TRIAL_COLUMNS)
+    buf = io.StringIO()
+    trials_frame(trials).to_csv(buf, index=False, lineterminator="\n")
+    return buf.getvalue()
 
 
 def trials_markdown(trials) -> list[str]:
-    header = ["#", "role", "status", "decode tok/s", "TTFT s", "chunk", "prefetch", "cache", "threads", "io",
-              "io thr", "ctx", "hit", "peak"]
+    """report.md's trial table: the searched settings and the headline figures, with the
+    registry's short names and formats."""
+    figures = [column(n) for n in ("decode_tok_s", "ttft_s", "hit_rate_ram")]
+    settings = [column(n) for n in ("chunk_size", "prefetch_depth", "cache_policy", "cpu_cache_ratio", "threads",
+                                    "io_mode", "io_threads", "ctx_size")]
+    lossy = [c for c in CONFIG_COLUMNS if c.lossy and any(c.name in t.params for t in trials)]
+    quality = [c for c in QUALITY_COLUMNS if any((t.user_attrs.get("quality") or {}).get(c.name) is not None
+                                                 for t in trials)]
+    header = ["#", "role", "status"] + [c.label for c in figures[:2]] + [c.short for c in settings + lossy] \
+        + [c.short for c in figures[2:]] + ["peak"] + [c.label for c in quality]
     rows = []
     for t in trials:
         a, p = t.user_attrs, t.params
-        rows.append([t.number, a.get("role", ""), a.get("status", ""), fmt(a.get("decode_tok_s")),
-                     fmt(a.get("ttft_s"), 3), format_size(p.get("chunk_size")), p.get("prefetch_depth"),
-                     f"{p.get('cache_policy')} x{fmt(p.get('cpu_cache_ratio'))}", p.get("threads"), p.get("io_mode"),
-                     p.get("io_threads"), p.get("ctx_size"), pct(a.get("hit_rate_ram"), 0),
-                     format_size(a.get("cgroup_peak_bytes") or a.get("peak_rss_bytes"))])
+        q = a.get("quality") or {}
+        rows.append([t.number, a.get("role", ""), a.get("status", "")] + [c.text(a.get(c.name)) for c in figures[:2]]
+                    + [c.text(p.get(c.name)) for c in settings + lossy] + [c.text(a.get(c.name)) for c in figures[2:]]
+                    + [format_size(a.get("cgroup_peak_bytes") or a.get("peak_rss_bytes"))]
+                    + [c.text(q.get(c.name)) for c in quality])
     return markdown_table(header, rows)
 
 
@@ -307,14 +296,6 @@ def quality_progress(enabled: bool = True, stream=None):
     def progress(label, i, n):
         print(f"\r  {label}: chunk {i}/{n}", end="\n" if i == n else "", file=stream or sys.stderr, flush=True)
     return progress
-
-
-def kl_text(v) -> str:
-    """A KL divergence: they span decades (int8 ~1e-6, int4 ~1e-2 on real models), so small ones
-    in scientific notation rather than rounded to 0."""
-    if v is None:
-        return "-"
-    return "0" if v == 0 else f"{v:.2e}" if abs(v) < 1e-3 else f"{v:.4f}"
 
 
 def weights_line(r: dict) -> str:

@@ -13,24 +13,23 @@ import math
 from pathlib import Path
 
 from engine.base.config import atomic_write_text, format_size
+from tuner.probe.summary import hardware_facts
 from tuner.results import report_plots
+from tuner.results.columns import BY_NAME, CONFIG_COLUMNS
 from tuner.results.html_page import e as _e, img as _img, page, table as _table
-from tuner.results.printers import fmt, pct, search_line, weights_line, workload_text
+from tuner.results.printers import (QUALITY_COLUMN_NAMES, fmt, pct, search_line, trials_frame, weights_line,
+                                    workload_text)
+from tuner.results.report_md import write_report
 from tuner.results.result import is_feasible
 from tuner.results.rundir import RunDir, open_run
 
 PLOTS = "plots"
-KNOBS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "gpu_cache_ratio", "threads", "ctx_size", "io_mode",
-         "io_threads", "io_backend", "cache_policy", "kv_dtype", "dtype", "top_k_reduction", "expert_threshold")
-TABLE_COLUMNS = ("number", "role", "status", "feasible", "decode_tok_s", "ttft_s", "chunk_size", "prefetch_depth",
-                 "cpu_cache_ratio", "threads", "ctx_size", "io_mode", "io_threads", "cache_policy",
-                 "bytes_read_per_token", "hit_rate_ram", "io_stall_fraction", "cgroup_peak_bytes", "wall_seconds",
-                 "error")
-SIZE_COLUMNS = ("chunk_size", "bytes_read_per_token", "cgroup_peak_bytes")
-SHORT_NAMES = {"decode_tok_s": "decode tok/s", "ttft_s": "TTFT s", "chunk_size": "chunk", "prefetch_depth": "prefetch",
-               "cpu_cache_ratio": "cache ratio", "io_threads": "io thr", "cache_policy": "policy", "ctx_size": "ctx",
-               "bytes_read_per_token": "read/token", "hit_rate_ram": "hit", "io_stall_fraction": "stall",
-               "cgroup_peak_bytes": "peak", "wall_seconds": "wall s"}
+# report.html's trial table: who, then the headline figures, the settings the study searched, the
+# figures that explain them and a lossy trial's quality (names, headers and formats: the column
+# registry, tuner/results/columns.py).
+LEAD_COLUMNS = ("number", "role", "status", "feasible")
+HEADLINE_FIGURES = ("decode_tok_s", "ttft_s")
+EXPLAINING_FIGURES = ("bytes_read_per_token", "hit_rate_ram", "io_stall_fraction", "cgroup_peak_bytes")
 
 
 
@@ -45,7 +44,6 @@ def write_html_report(run_dir: str | Path, study=None, storage: str | None = Non
 
 def write_reports(run_dir: str | Path, storage: str | None = None) -> dict:
     """`colibri report`: report.md with its plots (tuner.report), then report.html."""
-    from tuner.results.report_md import write_report
     run = open_run(run_dir, storage=storage)
     files = write_report(run.study, run.result, run.path)
     files["report.html"] = write_html_report(run.path, study=run.study)
@@ -132,7 +130,6 @@ def _headline(r: dict) -> list[str]:
 
 
 def _hardware_table(run: RunDir) -> str:
-    from tuner.share.profiles import hardware_facts
     if run.profile is None:
         return "<p class='note'>No profile.json in the run directory.</p>"
     return _table(["", ""], list(hardware_facts(run.profile.to_dict()).items()), header=False)
@@ -143,12 +140,11 @@ def _config_table(r: dict) -> str:
     dc = (r.get("defaults") or {}).get("config") or {}
     bc = (r.get("baseline") or {}).get("config") or {}
     out = ["<table><tr><th>setting</th><th>recommended</th><th>engine defaults</th><th>baseline</th></tr>"]
-    for k in KNOBS:
-        rv, dv, bv = rc.get(k), dc.get(k), bc.get(k)
-        fmt = format_size if k == "chunk_size" else str
+    for c in CONFIG_COLUMNS:
+        rv, dv, bv = rc.get(c.name), dc.get(c.name), bc.get(c.name)
         cls = " class='changed'" if dc and rv != dv else ""
-        out.append(f"<tr{cls}><td>{k}</td><td>{_e(fmt(rv))}</td><td>{_e(fmt(dv)) if dc else '-'}</td>"
-                   f"<td>{_e(fmt(bv))}</td></tr>")
+        out.append(f"<tr{cls}><td>{c.name}</td><td>{_e(c.text(rv))}</td><td>{_e(c.text(dv)) if dc else '-'}</td>"
+                   f"<td>{_e(c.text(bv))}</td></tr>")
     return "".join(out) + "</table><p class='note'>Highlighted: settings that differ from the engine's defaults.</p>"
 
 
@@ -194,18 +190,18 @@ def _bound_table(points: list[dict]) -> str:
 
 
 def _trials_table(run: RunDir) -> str:
-    import pandas as pd
-    from tuner.results.printers import TRIAL_COLUMNS, trial_rows
     if not run.has_study:
         return "<p class='note'>No study in the run directory.</p>"
-    # The rows trials.csv is written from (tuner.printers), as one pandas frame.
-    df = pd.DataFrame(trial_rows(run.study.get_trials(deepcopy=False)), columns=list(TRIAL_COLUMNS), dtype=object)
-    shown = df[list(TABLE_COLUMNS)].replace("", None)
-    for c in SIZE_COLUMNS:
-        shown[c] = shown[c].map(lambda v: format_size(v) if isinstance(v, (int, float)) else v)
-    for c in ("hit_rate_ram", "io_stall_fraction"):
-        shown[c] = shown[c].map(lambda v: pct(v, 0) if isinstance(v, (int, float)) else v)
-    shown = shown.rename(columns=SHORT_NAMES).fillna("")  # an absent figure is a blank cell, not "None"
+    trials = run.study.get_trials(deepcopy=False)
+    df = trials_frame(trials)  # the frame trials.csv is written from
+    searched = [c.name for c in CONFIG_COLUMNS if any(c.name in t.params for t in trials)]
+    quality = [n for n in QUALITY_COLUMN_NAMES if (df[n] != "").any()]
+    shown = df[[*LEAD_COLUMNS, *HEADLINE_FIGURES, *searched, *EXPLAINING_FIGURES, *quality, "wall_seconds", "error"]]
+    shown = shown.replace("", None)
+    for name in shown.columns:
+        if name in BY_NAME:  # the registry's format; a blank cell for an absent figure, not "None" or "-"
+            shown[name] = shown[name].map(lambda v, c=BY_NAME[name]: "" if v is None else c.text(v))
+    shown = shown.rename(columns={n: BY_NAME[n].short for n in shown.columns if n in BY_NAME}).fillna("")
     return ("<div class='scroll'>" + shown.to_html(index=False, escape=True, na_rep="", classes="trials",
                                                    border=0, float_format=lambda v: f"{v:.4g}")
             + "</div><p class='note'>Sizes in binary units; every column at full precision is in trials.csv.</p>")

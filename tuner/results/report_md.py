@@ -15,6 +15,7 @@ import optuna
 from optuna.trial import TrialState
 
 from engine.base.config import atomic_write_text, format_size
+from tuner.results.columns import CONFIG_COLUMNS
 from tuner.results.printers import (PARAM_COLUMNS, fmt, markdown_table, pct, search_line, trials_markdown, weights_line,
                                     workload_text)
 from tuner.results.result import is_feasible
@@ -133,12 +134,11 @@ def _config_table(rec: dict, defaults: dict, base: dict) -> list[str]:
     """The recommended settings beside the engine's defaults (marked where they differ) and the baseline."""
     rc, dc, bc = rec.get("config") or {}, defaults.get("config") or {}, base.get("config") or {}
     rows = []
-    for k in PARAM_COLUMNS:
-        rv, dv, bv = rc.get(k), dc.get(k), bc.get(k)
-        if k == "chunk_size":
-            rv, dv, bv = format_size(rv), format_size(dv) if dc else None, format_size(bv)
+    for c in CONFIG_COLUMNS:
+        rv, dv, bv = rc.get(c.name), dc.get(c.name), bc.get(c.name)
         changed = dc and rv != dv
-        rows.append([k, f"{rv}{' (changed)' if changed else ''}", "-" if not dc else dv, bv])
+        rows.append([c.name, f"{c.text(rv)}{' (changed)' if changed else ''}", "-" if not dc else c.text(dv),
+                     c.text(bv)])
     return markdown_table(["setting", "recommended", "engine defaults", "baseline"], rows) + [""]
 
 

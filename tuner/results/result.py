@@ -1,15 +1,14 @@
 """The result schema: one typed, versioned definition of a run's figures, a trial and a tune run.
 
 Dataclasses, not pydantic: the hardware profile is dataclasses already, so both share one
-strict loader and one JSON Schema generator (tuner/results/schema.py) and the tuner gains no
+strict loader and one JSON Schema generator (tuner/base/typed_json.py) and the tuner gains no
 dependency. Every printer (tuner/results/printers.py), file (tuner/results/outputs.py) and report reads these
 classes' fields, so a figure is named once. docs/schema/*.json is generated from them.
 
-  RunFigures   the headline figures of one `colibri run`/`bench` JSON (the engine's
-               "colibri.metrics/1" result, which carries much more: config, plan, per-repeat runs)
-  TrialResult  what the trial runner saw of one subprocess: its outcome kind + the bench JSON
-  TrialRecord  a trial of the study as stored in Optuna's user_attrs ("colibri.trial/1")
-  TuneResult   result.json of `colibri tune` ("colibri.tune/3")
+  RunFigures   the headline figures of one `colibri run`/`bench` JSON  } tuner/results/trial_record.py
+  TrialResult  what the trial runner saw of one subprocess             } (re-exported here)
+  TrialRecord  a trial of the study as stored in Optuna's user_attrs   }
+  TuneResult   result.json of `colibri tune` ("colibri.tune/4"), with its parts and their migration
 
 Versioning: a schema id names a version; a field added or removed is a new version. The loader
 reads the current version and migrates the ones before it (`migrate`); it refuses others.
@@ -19,40 +18,34 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from engine.base.errors import ConfigError
-from engine.run.metrics import SUMMARY_KEYS
+from tuner.base.typed_json import decode
+from tuner.results.trial_record import (  # noqa: F401  (re-exported: the result schema is one import for its readers)
+    FIGURE_NAMES, TRIAL_SCHEMA, RunFigures, TrialRecord, TrialResult, TrialStatus, Verdict, figure, is_feasible,
+    point_key)
 
-RESULT_SCHEMA = "colibri.tune/3"
+RESULT_SCHEMA = "colibri.tune/4"
+RESULT_SCHEMA_V3 = "colibri.tune/3"
 RESULT_SCHEMA_V2 = "colibri.tune/2"
 RESULT_SCHEMA_V1 = "colibri.tune/1"
 V2_ONLY_FIELDS = ("quant", "quality")  # top-level fields colibri.tune/2 added
-TRIAL_SCHEMA = "colibri.trial/1"
-BEST_CONFIG_SCHEMA = "colibri.best_config/1"
+BEST_CONFIG_SCHEMA = "colibri.best_config/1"  # a profile's record of a run's winner (tuner/share/profile_schema.py)
+# Geometry keys that make two models interchangeable for a recorded best config, a fitted factor
+# or a measured recall (profiles, outputs, the cost model's model facts).
+GEOMETRY_KEYS = ("model_type", "layers", "hidden_size", "experts", "top_k", "moe_intermediate_size", "vocab_size")
 
 # The figure each objective ranks by and the result's gain is on (gain_metric); both: decode
 # first, then TTFT. request: the end-to-end latency of a request (TTFT + its decode), the mean
 # over the workload's requests (tune --prompts) or of the fixed prompt and --tokens.
+Objective = Literal["decode", "ttft", "request", "both"]
+OBJECTIVES = typing.get_args(Objective)  # the one list: tune --objective, result.json, shared profiles
 OBJECTIVE_KEY = {"decode": "decode_tok_s", "ttft": "ttft_s", "request": "request_s", "both": "decode_tok_s"}
-
-
-def point_key(params: dict) -> str:
-    """A trial's point in the search space, as an identity: stepped floats compare rounded
-    (0.8500000000000001 is 0.85)."""
-    return json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in params.items()}, sort_keys=True)
-
-# How a trial ended (tuner/search/outcome.py): recorded by the trial process, or seen by its parent
-# (timeout; oom_killed from the cgroup's own OOM counter; killed by another, named signal).
-TrialStatus = Literal["ok", "over_budget", "oom_killed", "killed", "timeout", "crashed", "bad_config"]
-# What the study makes of a trial: its runner's status, or a verdict on a completed run.
-Verdict = Literal["ok", "over_budget", "oom_killed", "killed", "timeout", "crashed", "bad_config",
-                  "over_budget_plan", "tokens_inconsistent", "tokens_changed",
-                  "quality_bound"]  # a lossy setting outside tune --max-kl / --min-top1 (tuner/search/lossy.py)
+assert tuple(OBJECTIVE_KEY) == OBJECTIVES
 
 
 def _json(obj) -> dict:
@@ -61,118 +54,6 @@ def _json(obj) -> dict:
 
 class ResultError(ConfigError):
     """A result file is malformed or of another schema version."""
-
-
-# --- one run --------------------------------------------------------------------------------
-
-@dataclass
-class RunFigures:
-    """The headline figures of one engine run or bench (bench: medians over the repeats)."""
-
-    decode_tok_s: Optional[float] = None
-    ttft_s: Optional[float] = None
-    request_s: Optional[float] = None  # end to end: prefill, first token and the decode (per request)
-    prefill_tok_s: Optional[float] = None
-    token_latency_p50_ms: Optional[float] = None
-    token_latency_p99_ms: Optional[float] = None
-    read_gbps: Optional[float] = None
-    io_stall_fraction: Optional[float] = None
-    lookahead_recall: Optional[float] = None
-    bytes_read_per_token: Optional[float] = None
-    hit_rate_ram: Optional[float] = None
-    peak_rss_bytes: Optional[int] = None
-    plan_cache_bytes: Optional[int] = None
-    threads: Optional[int] = None
-    tokens_consistent: Optional[bool] = None
-    io_mode_effective: Optional[str] = None
-    io_backend_effective: Optional[str] = None
-    compute_dtype: Optional[str] = None
-    load_seconds: Optional[float] = None
-
-    @classmethod
-    def from_metrics(cls, m: dict) -> "RunFigures":
-        """From the engine's run/bench JSON; keys it lacks stay None (a resident run reads nothing)."""
-        own = {f.name for f in dataclasses.fields(cls)} - {"hit_rate_ram", "plan_cache_bytes"}
-        return cls(**{k: m.get(k) for k in own}, hit_rate_ram=(m.get("hit_rate") or {}).get("ram"),
-                   plan_cache_bytes=(m.get("plan") or {}).get("cache_bytes"))
-
-
-FIGURE_NAMES = tuple(f.name for f in dataclasses.fields(RunFigures))
-assert set(SUMMARY_KEYS) <= set(FIGURE_NAMES), "every summarized bench figure is a RunFigures field"
-
-
-# --- one trial ------------------------------------------------------------------------------
-
-@dataclass
-class TrialResult:
-    """One config run by the trial runner (tuner/search/trial.py) in a subprocess."""
-
-    status: TrialStatus
-    metrics: dict[str, Any] = field(default_factory=dict)  # the bench JSON when ok
-    error: str = ""
-    exception: str = ""  # crashed: the exception's type
-    signal: str = ""  # killed / oom_killed: the signal's name
-    cgroup_limited: bool = False
-    cgroup_limit_bytes: Optional[int] = None
-    cgroup_peak_bytes: Optional[int] = None
-    cgroup_reason: str = ""
-    wall_seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    def to_dict(self) -> dict:
-        return _json(self)
-
-
-@dataclass
-class TrialRecord:
-    """A trial as the study stores it (Optuna user_attrs): verdict, constraint, figures, bench JSON.
-
-    constraint <= 0 is feasible; a positive value grades how badly a config missed (the sampler
-    learns 'nearly fits' from 'hopeless'). metrics holds the whole bench JSON of a run trial.
-    """
-
-    role: str
-    worker: str
-    config: dict[str, Any]
-    status: Verdict
-    constraint: float
-    wall_seconds: float
-    error: Optional[str] = None
-    trial_status: Optional[TrialStatus] = None  # the runner's own status; None: never launched
-    cgroup_limited: Optional[bool] = None
-    cgroup_limit_bytes: Optional[int] = None
-    cgroup_peak_bytes: Optional[int] = None
-    cgroup_reason: Optional[str] = None
-    duplicate_of: Optional[int] = None  # an earlier trial at the same point, whose figures these are
-    figures: RunFigures = field(default_factory=RunFigures)
-    output_ids: Optional[list[int]] = None
-    metrics: Optional[dict[str, Any]] = None
-
-    def to_attrs(self) -> dict:
-        """Flat user_attrs: the figures at top level, so the dashboard and the CSV show them."""
-        d = _json(self)
-        d.update(d.pop("figures"))
-        # Absent means unknown: a trial that never launched has no cgroup figures, no metrics.
-        return {"schema": TRIAL_SCHEMA, **{k: v for k, v in d.items() if v is not None}}
-
-    @classmethod
-    def from_attrs(cls, attrs: dict) -> "TrialRecord":
-        own = {f.name for f in dataclasses.fields(cls)} - {"figures"}
-        figures = RunFigures(**{k: attrs.get(k) for k in FIGURE_NAMES})
-        return cls(**{k: attrs.get(k) for k in own if k in attrs or _has_default(cls, k)}, figures=figures)
-
-
-def _has_default(cls, name: str) -> bool:
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-
-
-def is_feasible(attrs: dict) -> bool:
-    """The one feasibility test: a trial that ran, was judged ok, and violates no constraint."""
-    return attrs.get("constraint", 1.0) <= 0 and attrs.get("status") == "ok"
 
 
 # --- the tune result ------------------------------------------------------------------------
@@ -207,6 +88,16 @@ class Figures:
 
 
 @dataclass
+class SettingQuality:
+    """A lossy setting's quality against the lossless reference (tune --max-kl / --min-top1,
+    tuner/search/lossy.py), measured once per setting on the fixed text."""
+
+    kl_mean: float = figure("KL mean", "KL", "kl", "nats", default=dataclasses.MISSING)
+    kl_p99: float
+    top1_agreement: float = figure("same top-1", "top-1", "share", default=dataclasses.MISSING)
+
+
+@dataclass
 class Candidate:
     """A config re-measured in the confirmation round (or the best search trial, unconfirmed)."""
 
@@ -219,6 +110,7 @@ class Candidate:
     runs: list[RunSummary]
     disqualified: Optional[str] = None
     note: Optional[str] = None
+    quality: Optional[SettingQuality] = None  # new in colibri.tune/4: its lossy setting's (None: lossless search)
 
 
 @dataclass
@@ -333,11 +225,11 @@ class QualityInfo:
     tokens: int
     ctx: int
     scored_tokens: int
-    kl_mean: float
+    kl_mean: float = figure("KL mean", "KL", "kl", "nats", default=dataclasses.MISSING)
     kl_median: float
     kl_p99: float
     kl_max: float
-    top1_agreement: float
+    top1_agreement: float = figure("same top-1", "top-1", "share", default=dataclasses.MISSING)
     perplexity: float
     perplexity_reference: float
 
@@ -369,13 +261,13 @@ class WorkloadInfo:
 class TuneResult:
     """result.json of `colibri tune`: the recommendation, the baseline, the evidence, the conditions."""
 
-    schema: Literal["colibri.tune/3"]
+    schema: Literal["colibri.tune/4"]
     created_utc: str
     started_utc: str
     model: ModelInfo
     budget_bytes: int
     budget: str
-    objective: Literal["decode", "ttft", "request", "both"]
+    objective: Objective
     recommended: Optional[Candidate]
     baseline: Optional[Candidate]
     gain_over_baseline: Optional[float]
@@ -398,8 +290,7 @@ class TuneResult:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "result") -> "TuneResult":
-        """Strict: the current schema, or a colibri.tune/1 or /2 result migrated (migrate)."""
-        from tuner.results.schema import decode
+        """Strict: the current schema, or a colibri.tune/1, /2 or /3 result migrated (migrate)."""
         if isinstance(data, dict) and data.get("schema") == RESULT_SCHEMA_V1:
             # The schema id is checked against the content: a /1 file holding /2-only fields is
             # mislabelled (or edited), and migrating it would silently drop or keep them.
@@ -407,11 +298,12 @@ class TuneResult:
             if newer:
                 raise ResultError(f"{source}: schema says {RESULT_SCHEMA_V1} but it holds {', '.join(newer)}, "
                                   f"which only {RESULT_SCHEMA_V2} and later results have")
-        if isinstance(data, dict) and data.get("schema") in (RESULT_SCHEMA_V1, RESULT_SCHEMA_V2):
+        if isinstance(data, dict) and data.get("schema") in (RESULT_SCHEMA_V1, RESULT_SCHEMA_V2, RESULT_SCHEMA_V3):
             data = migrate(data)
         if not isinstance(data, dict) or data.get("schema") != RESULT_SCHEMA:
             got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise ResultError(f"{source}: not a {RESULT_SCHEMA} (or {RESULT_SCHEMA_V2}, {RESULT_SCHEMA_V1}) result "
+            raise ResultError(f"{source}: not a {RESULT_SCHEMA} (or {RESULT_SCHEMA_V3}, {RESULT_SCHEMA_V2}, "
+                              f"{RESULT_SCHEMA_V1}) result "
                               f"(schema {got!r})")
         return decode(cls, data, source, ResultError)
 
@@ -419,7 +311,10 @@ class TuneResult:
 # --- migration ------------------------------------------------------------------------------
 
 def migrate(data: dict) -> dict:
-    """A colibri.tune/1 or /2 result as colibri.tune/3 (a new dict; the input is not changed).
+    """A colibri.tune/1, /2 or /3 result as colibri.tune/4 (a new dict; the input is not changed).
+
+    /3 → /4 added each candidate's lossy-setting quality (Candidate.quality, default None: a
+    lossless search, or not recorded).
 
     /2 → /3 added fields with defaults only (the defaults' candidate, the gain over them, the
     workload, request_s, the study's measured/re-proposal counts): absent, they are None (not

@@ -8,6 +8,7 @@ fault and come back as one ColibriError line.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import os
@@ -16,6 +17,10 @@ from pathlib import Path
 
 from engine.base.errors import ColibriError
 from engine.base.inputs import printable, read_input, read_text_input
+from tuner.probe import load_profile
+from tuner.probe.hardware_profile import HardwareProfile
+from tuner.results.result import TuneResult
+from tuner.results.trial_record import TRIAL_SCHEMA, TrialRecord
 
 RESULT_MAX_BYTES = 64 << 20  # a result.json is a few hundred KiB; anything far bigger is not ours
 
@@ -26,18 +31,33 @@ class RunDirError(ColibriError):
 
 @dataclass
 class RunDir:
+    """A run directory read back: its result as the typed TuneResult (strictly loaded, older
+    versions migrated), its profile, and its study's trials as TrialRecords."""
+
     path: Path
-    result: dict
-    profile: object | None = None  # tuner.probe.HardwareProfile, when profile.json is there
+    tune: TuneResult
+    profile: HardwareProfile | None = None  # when profile.json is there
     _study: object | None = field(default=None, repr=False)
     storage: str | None = None
+
+    @functools.cached_property
+    def result(self) -> dict:
+        """result.json's keys as the current schema writes them (the same fields as `tune`), for
+        the printers that format a result file's keys."""
+        return self.tune.to_dict()
 
     @property
     def study(self):
         """The Optuna study (loaded on first use): study.db, or the storage URL given."""
         if self._study is None:
-            self._study = load_study(self.path, self.result, self.storage)
+            self._study = load_study(self.path, self.tune, self.storage)
         return self._study
+
+    def trials(self) -> list[TrialRecord]:
+        """The study's measured trials (those with a record), typed, in trial-number order."""
+        return [TrialRecord.from_attrs(t.user_attrs)
+                for t in sorted(self.study.get_trials(deepcopy=False), key=lambda t: t.number)
+                if t.user_attrs.get("schema") == TRIAL_SCHEMA]
 
     @property
     def has_study(self) -> bool:
@@ -86,17 +106,15 @@ def open_run(path: str | Path, study=None, storage: str | None = None) -> RunDir
     result_path = path / "result.json"
     if not result_path.is_file():
         raise RunDirError(f"{path}: no result.json (not a finished `colibri tune` run directory)")
-    from tuner.results.result import TuneResult
     # The one result schema, strictly; a result of the versions before is read migrated, so every
-    # reader below sees the current fields.
+    # reader sees the current fields.
     data = read_json(result_path, RESULT_MAX_BYTES)
     check_schema_against_content(data, str(result_path))
-    result = TuneResult.from_dict(data, source=str(result_path)).to_dict()
+    tune = TuneResult.from_dict(data, source=str(result_path))
     profile = None
     if (path / "profile.json").is_file():
-        from tuner.probe import load_profile
         profile = load_profile(path / "profile.json")
-    return RunDir(path=path, result=result, profile=profile, _study=study, storage=storage)
+    return RunDir(path=path, tune=tune, profile=profile, _study=study, storage=storage)
 
 
 # What each result version added (tuner/results/result.py), as paths into result.json; "*" is
@@ -108,6 +126,7 @@ ADDED_IN = {
                        *[("study", k) for k in ("measured_trials", "re_proposals", "distinct_points", "explored",
                                                 "stop_reason", "measuring_seconds", "measuring_share")],
                        (CANDIDATE, "confirmed", "request_s"), (CANDIDATE, "runs", "*", "request_s")],
+    "colibri.tune/4": [(CANDIDATE, "quality")],
 }
 VERSIONS = ["colibri.tune/1", *ADDED_IN]
 
@@ -143,7 +162,7 @@ def _holds(node, path: tuple[str, ...]) -> bool:
     return isinstance(node, dict) and head in node and _holds(node[head], rest)
 
 
-def load_study(path: Path, result: dict, storage: str | None = None):
+def load_study(path: Path, result: TuneResult, storage: str | None = None):
     import optuna
     url = storage
     if url is None:
@@ -152,7 +171,7 @@ def load_study(path: Path, result: dict, storage: str | None = None):
             raise RunDirError(f"{path}: no study.db (a study in PostgreSQL? pass its URL with --storage)")
         url = f"sqlite:///{db}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    name = (result.get("study") or {}).get("name")
+    name = result.study.name
     try:
         names = optuna.study.get_all_study_names(url)
         if name not in names:
@@ -170,24 +189,24 @@ def load_study(path: Path, result: dict, storage: str | None = None):
         raise RunDirError(f"{path}: cannot open the study ({type(exc).__name__}: {first})") from None
 
 
-def check_study_belongs(path: Path, result: dict, study) -> None:
+def check_study_belongs(path: Path, result: TuneResult, study) -> None:
     """The study is the one result.json was written from: study names repeat across runs (model,
     budget, objective), so a study.db from another run of the same model has the same name.
     Its directions, at least the trials result.json counts, and the recommended trial's params
     equal to the recommended config are what only this run's study has."""
-    info = result.get("study") or {}
+    info = result.study
     directions = [d.name.lower() for d in study.directions]
-    if info.get("directions") and [str(d).lower() for d in info["directions"]] != directions:
+    if info.directions and [str(d).lower() for d in info.directions] != directions:
         raise RunDirError(f"{path}: the study's directions {directions} are not result.json's "
-                          f"{info['directions']}: not this run's study")
+                          f"{info.directions}: not this run's study")
     trials = study.get_trials(deepcopy=False)
-    if isinstance(info.get("trials"), int) and len(trials) < info["trials"]:
-        raise RunDirError(f"{path}: the study holds {len(trials)} trial(s), result.json counts {info['trials']}: "
+    if len(trials) < info.trials:
+        raise RunDirError(f"{path}: the study holds {len(trials)} trial(s), result.json counts {info.trials}: "
                           "not this run's study (or it was cut short)")
-    rec = result.get("recommended") or {}
-    number, config = rec.get("trial_number"), rec.get("config") or {}
-    if number is None:
+    rec = result.recommended
+    if rec is None or rec.trial_number is None:
         return
+    number, config = rec.trial_number, rec.config
     trial = next((t for t in trials if t.number == number), None)
     if trial is None:
         raise RunDirError(f"{path}: the recommended trial #{number} is not in the study: not this run's study")

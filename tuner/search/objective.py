@@ -9,9 +9,9 @@ from 'hopeless'.
 from __future__ import annotations
 
 from engine.base.config import format_size
-from tuner.results.result import OBJECTIVE_KEY, RunFigures, TrialRecord, TrialResult, point_key  # noqa: F401
+from tuner.results.result import (  # noqa: F401
+    OBJECTIVE_KEY, OBJECTIVES, RunFigures, TrialRecord, TrialResult, point_key)
 
-OBJECTIVES = ("decode", "ttft", "request", "both")
 DIRECTIONS = {"decode": ["maximize"], "ttft": ["minimize"], "request": ["minimize"], "both": ["maximize", "minimize"]}
 # The figure each objective ranks by is OBJECTIVE_KEY (tuner/results/result.py, where the
 # result's gain_metric is named).

@@ -16,7 +16,9 @@ from typing import Callable
 
 import optuna
 
+from engine.base.config import CTX_MAX, knob
 from engine.base.errors import ConfigError
+from tuner.sandbox import current_memory_limit
 from tuner.search.lossy import QualityBound
 from tuner.search.objective import OBJECTIVES, SAMPLERS
 
@@ -33,32 +35,63 @@ def stderr_line(msg: str) -> None:
 
 @dataclass
 class TuneOptions:
-    model: str = "demo"
-    ram_budget: int | None = None  # None: 1 GiB for demo, else 88% of available memory
-    time_budget: float | None = None  # seconds for the whole run; None with trials=None: 15 min
-    trials: int | None = None  # measured trials in the study (resumed ones count, re-proposals do not)
-    min_ctx: int = 2048
-    objective: str = "decode"
-    out: Path | None = None  # None: reports/tune-<model>-<timestamp> (resume: the latest one)
-    storage: str | None = None  # None: sqlite file in the run directory
-    study_name: str | None = None
-    resume: bool = False
-    from_profile: str | None = None  # warm start from the best config recorded there
-    profile: str | None = None  # a saved probe to reuse instead of probing
-    seed: int = 0
+    """What `colibri tune` is asked to do. Each field made with `knob` is a `tune` flag
+    (tuner/commands/knob_flags.py): its kind, range, help and group are here, once."""
+
+    model: str = knob("demo", "model directory or synth preset", kind="text")
+    ram_budget: int | None = knob(None, "memory budget, e.g. 1GiB (default: 1GiB for demo, else 88% of available)",
+                                  kind="size")
+    # seconds for the whole run; None with trials=None: 15 min
+    time_budget: float | None = knob(None, "wall time for the whole run, e.g. 10m (default 15m without --trials)",
+                                     kind="duration", group="how long")
+    trials: int | None = knob(None, "measured trials in the study (resumed ones count; a re-proposal of a measured "
+                              "point does not)", kind="int", lo=1, hi=100_000, type_name="positive integer",
+                              group="how long")
+    min_ctx: int = knob(2048, "smallest context size to consider", kind="int", lo=1, hi=CTX_MAX)
+    objective: str = knob("decode", "what the study ranks by: decode tok/s, TTFT, request latency, or decode and "
+                          "TTFT as two objectives", kind="choice", choices=OBJECTIVES)
+    out: Path | None = knob(None, "run directory (default: reports/tune-<model>-<time>; with --resume, the latest)",
+                            kind="text")
+    storage: str | None = knob(None, "Optuna storage URL (default: sqlite file in the run directory); "
+                               "postgresql://... lets several machines share one study", kind="text")
+    study_name: str | None = knob(None, "default: <model>-<budget>-<objective>", kind="text")
+    resume: bool = knob(False, "continue the study in --out / --storage", kind="switch")
+    from_profile: str | None = knob(None, "warm start from the best config a profile records for this model geometry",
+                                    kind="path")
+    profile: str | None = knob(None, "reuse a saved probe instead of probing", kind="path")
+    # The calibration trial runs `bench --seed SEED+1`: the top seed (argtypes.SEED_MAX) is left for it.
+    seed: int = knob(0, "sampler and prompt seed", kind="int", lo=0, hi=2**32 - 2, type_name="seed")
     # Sized for the default 15-minute run on demo (a cold trial there reads most of the model in
     # prefill); each figure is still a median over repeats, and the confirmation round re-measures.
-    tokens: int = 8
-    repeats: int = 2
-    prompt_tokens: int = 8
-    prompts: str | None = None  # the user's prompts file (tuner/search/workload.py): trials run it instead
-    cold: bool = True
-    trial_timeout: float | None = None  # None: adaptive (5x a measured trial, at least 60 s)
-    cgroup_limit: int | None = None  # None: the budget (tests use a smaller one to force OOM)
-    confirm_top: int = 3  # 0: no confirmation round (recommend the best search trial as is)
-    confirm_rounds: int = 2  # at most; at least one, more while the time budget allows
-    sampler: str = "auto"  # gp for one objective, tpe for two (chosen by benchmarks/tuner_quality.py)
-    cost_model: bool = True  # narrow read sizes / I/O threads to the probe curve, enqueue predicted best
+    tokens: int = knob(8, "decode tokens per repeat", kind="int", lo=1, hi=CTX_MAX, type_name="positive integer",
+                       group="trial measurement")
+    repeats: int = knob(2, "repeats per trial; the figure is their median", kind="int", lo=1, hi=1000,
+                        type_name="positive integer", group="trial measurement")
+    prompt_tokens: int = knob(8, "prompt length", kind="int", lo=1, hi=CTX_MAX, type_name="positive integer",
+                              group="trial measurement")
+    # the user's prompts file (tuner/search/workload.py): trials run it instead
+    prompts: str | None = knob(None, "your workload: one prompt per line, or JSON Lines of {prompt, max_new_tokens} "
+                               "(default max_new_tokens: --tokens); each trial runs them all, the pinned policy's "
+                               "routing is recorded from them, and --objective request ranks by their end-to-end "
+                               "latency", kind="path", group="trial measurement")
+    cold: bool = knob(True, "keep caches across repeats (default: cold, weights from disk)", kind="switch",
+                      flag="--warm", group="trial measurement")
+    trial_timeout: float | None = knob(None, "seconds per trial (default: 5x a measured trial, >= 60)",
+                                       kind="seconds", group="trial measurement")
+    # None: the budget (tests use a smaller one to force OOM)
+    cgroup_limit: int | None = knob(None, "trial memory cgroup limit (default: the budget)", kind="size",
+                                    group="trial measurement")
+    confirm_top: int = knob(3, "candidates re-measured against the baseline (0: no confirmation round)", kind="int",
+                            lo=0, hi=100, type_name="non-negative integer", group="trial measurement")
+    # at least one, more while the time budget allows
+    confirm_rounds: int = knob(2, "most confirmation rounds (time permitting)", kind="int", lo=1, hi=100,
+                               type_name="positive integer", group="trial measurement")
+    # gp for one objective, tpe for two (chosen by benchmarks/tuner_quality.py)
+    sampler: str = knob("auto", "auto: GP for one objective, TPE for --objective both", kind="choice",
+                        choices=SAMPLERS, group="trial measurement")
+    # narrow read sizes / I/O threads to the probe curve, enqueue predicted best
+    cost_model: bool = knob(True, "search the full read-size / I/O-thread ranges and enqueue no predicted configs",
+                            kind="switch", flag="--no-cost-model", group="trial measurement")
     # Set by `tune --quant` (tuner/search/quant_tune.py) for each level: the name the results carry (the
     # source model's, so the levels compare as one model), and the level's quality figures.
     model_name: str | None = None
@@ -113,7 +146,6 @@ def default_budget(model_spec: str) -> int:
     if model_spec == "demo":
         return DEMO_BUDGET
     import psutil
-    from tuner.sandbox import current_memory_limit
     available = psutil.virtual_memory().available
     limit = current_memory_limit()
     if limit is not None:

@@ -16,8 +16,10 @@ import json
 from pathlib import Path
 
 from engine.base.config import atomic_write_text, format_size
-from tuner.search.budget import FIRST_TRIAL_TIMEOUT_S
+from engine.base.progress import Progress
+from tuner.probe import load_profile, run_probe, save_profile
 from tuner.results.printers import fmt
+from tuner.search.budget import FIRST_TRIAL_TIMEOUT_S
 from tuner.search.trial import run_trial
 
 
@@ -72,8 +74,6 @@ def calibrate(*, out: Path, model_dir: Path, budget: int, limit_bytes: int, spac
 
 def probe_profile(out: Path, saved: str | None, model_dir: Path, log):
     """(profile, source): the saved probe if given, else the run's cached one, else a quick probe."""
-    from engine.base.progress import Progress
-    from tuner.probe import load_profile, run_probe, save_profile
     cached = out / "profile.json"
     if saved:
         profile = load_profile(saved)

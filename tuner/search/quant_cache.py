@@ -17,7 +17,15 @@ import json
 from pathlib import Path
 
 from engine.base.config import atomic_write_text
+from engine.base.durable import DirectoryLock
 from engine.base.errors import ConfigError, ModelFormatError
+from engine.format.checkpoint import Checkpoint
+from engine.format.container import CONFIG_KEY, QuantSpec
+from engine.format.convert import Converter, convert, fingerprint
+from engine.run.quality import measure_quality
+from engine.run.resolve import cache_root
+from tuner.results.printers import convert_progress, quality_progress
+from tuner.search.space import stored_quant
 
 SCOPE = "experts"  # what a tune --quant level converts by default: the routed experts, the part that streams
 
@@ -25,8 +33,6 @@ SCOPE = "experts"  # what a tune --quant level converts by default: the routed e
 def check_source(source: Path, levels) -> str:
     """The source's stored dtype ('bf16'); an error if it is a container or another dtype than
     the unquantized level names."""
-    from engine.format.checkpoint import Checkpoint
-    from tuner.search.space import stored_quant
     stored = stored_quant(Checkpoint(source))
     if stored.startswith("int"):
         raise ModelFormatError(f"{source} is already a quantized container ({stored}); tune --quant needs the "
@@ -39,7 +45,6 @@ def check_source(source: Path, levels) -> str:
 
 
 def container_dir(source: Path, fingerprint: str, label: str) -> Path:
-    from engine.run.resolve import cache_root
     return cache_root() / f"{source.name}-{label}-{fingerprint[:12]}"
 
 
@@ -47,10 +52,6 @@ def ensure_container(source: Path, level, log) -> tuple[Path, dict]:
     """(container directory, what happened): reused from the cache, or converted into it now."""
     import torch
 
-    from engine.format.container import QuantSpec
-    from engine.format.convert import Converter, convert
-    from engine.base.durable import DirectoryLock
-    from tuner.results.printers import convert_progress
     spec = QuantSpec(level.quant, level.group_size, level.scope)
     fingerprint = Converter(source, spec).fingerprint  # also checks the source converts (MoE, group fits)
     dst = container_dir(source, fingerprint, level.label)  # int8 and int8-all: two containers
@@ -77,7 +78,6 @@ def ensure_container(source: Path, level, log) -> tuple[Path, dict]:
 
 
 def _matches(dst: Path, spec, fingerprint: str) -> bool:
-    from engine.format.container import CONFIG_KEY
     try:
         config = json.loads((dst / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -88,8 +88,6 @@ def _matches(dst: Path, spec, fingerprint: str) -> bool:
 def quality(model_dir: Path, reference_dir: Path, path: Path, *, tokens: int, ctx: int, text: str | None,
             log) -> dict:
     """measure_quality's result, from `path` when it was measured with the same inputs."""
-    from tuner.results.printers import quality_progress
-    from engine.run.quality import measure_quality
     key = {"model": str(model_dir), "model_fingerprint": _fingerprint(model_dir),
            **_reference_key(reference_dir, tokens, ctx, text)}
     cached = _read_cached(path)
@@ -125,6 +123,4 @@ def _read_cached(path: Path) -> dict | None:
 
 
 def _fingerprint(model_dir: Path) -> str:
-    from engine.format.checkpoint import Checkpoint
-    from engine.format.convert import fingerprint
     return fingerprint(Checkpoint(model_dir))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -32,16 +31,14 @@ from tuner.results.printers import kl_text, utc_now
 from engine.format.container import QuantSpec
 from engine.format.convert import Converter
 from tuner.probe import load_profile
+from tuner.results.quant_rundir import (  # noqa: F401  (is_quant_run_dir, level_run_dirs: callers import them from here)
+    LEVEL_RE, PROBE_FILE, RECORD_FILE, UNQUANTIZED, is_quant_run_dir, level_run_dirs, recorded_levels)
 from tuner.search import lossy, quant_cache, run_guard
 from tuner.search.study import Log, TuneOptions, stderr_line, default_budget, run_tune
 
-RECORD_FILE = "quant-run.json"
 RECORD_SCHEMA = "colibri.tune-quant/1"
 SUMMARY_FILE = "quant-result.json"
 SUMMARY_SCHEMA = "colibri.tune-quant-result/1"
-PROBE_FILE = "probe.json"  # the probe every level shares; profile.json is it plus the levels' best configs
-UNQUANTIZED = ("bf16", "fp16", "fp32")  # the source as stored
-LEVEL_RE = re.compile(r"^(bf16|fp16|fp32|int8|int4)(?:-g(\d+))?(-all)?$")
 SCOPE_ALL_SUFFIX = "-all"  # int8-all, int4-g64-all: the dense projections quantized too (convert's scope "all")
 DEFAULT_GROUP = 64
 
@@ -191,25 +188,6 @@ def default_quant_out(model_name: str, resume: bool, root: Path = Path("reports"
     return root / f"tune-{model_name}-quant-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def is_quant_run_dir(path) -> bool:
-    return (Path(path) / RECORD_FILE).is_file()
-
-
-def level_run_dirs(path) -> list[Path]:
-    """A tune --quant run's level directories that finished (hold result.json), in level order."""
-    from tuner.results.rundir import is_run_dir
-    return [Path(path) / l for l in _recorded_levels(path) if is_run_dir(Path(path) / l)]
-
-
-def _recorded_levels(path) -> list[str]:
-    record_path = Path(path) / RECORD_FILE
-    record = loads_limited(record_path.read_bytes(), str(record_path), error=ConfigError)
-    levels = record.get("levels") if isinstance(record, dict) else None
-    if not isinstance(levels, list) or not all(isinstance(l, str) and LEVEL_RE.match(l) for l in levels):
-        raise ConfigError(f"{record_path}: not a tune --quant record (no list of levels)")
-    return levels
-
-
 def _open_record(out: Path, opts: TuneOptions, levels: list[Level], source: Path, name: str) -> dict:
     """The parent's record: what every level shares. A resume must be about the same source."""
     path = out / RECORD_FILE
@@ -336,7 +314,7 @@ def _finish(out: Path, name: str, source: Path, budget: int, qopts: QuantTuneOpt
     # earlier session tuned and this one did not name.
     for run_dir in level_run_dirs(out):
         rows.setdefault(run_dir.name, {"level": run_dir.name, "run_dir": str(run_dir), "status": "earlier session"})
-    order = {label: i for i, label in enumerate(_recorded_levels(out))}
+    order = {label: i for i, label in enumerate(recorded_levels(out))}
     rows = dict(sorted(rows.items(), key=lambda kv: order.get(kv[0], len(order))))
     files: dict[str, str] = {}
     entries, tuned = [], []

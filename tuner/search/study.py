@@ -27,8 +27,9 @@ from optuna.trial import TrialState
 
 from engine.base.config import EngineConfig, format_size, size_label
 from engine.base.errors import BudgetError, ConfigError
-from tuner.search import confirm, explore, lossy, objective, run_guard, study_storage as storage
+from tuner.search import assemble, confirm, explore, lossy, objective, run_guard, study_storage as storage
 from tuner.probe import load_profile
+from tuner.base.text import utc_now
 from tuner.results import outputs
 from tuner.results.printers import trials_csv
 from tuner.search.budget import TimeBudget, format_clock, parse_duration
@@ -53,7 +54,7 @@ class _Run:
         self.opts = opts.validate()
         self.log = log
         self.clock = TimeBudget.for_run(opts.time_budget, opts.trials, opts.confirm_top, opts.trial_timeout)
-        self.started_utc = outputs.utc_now()
+        self.started_utc = utc_now()
         self.worker = f"{platform.node()}:{os.getpid()}"
         self.stall = explore.Stall()
         self.stop_reason = ""  # trials, time budget or converged
@@ -396,7 +397,7 @@ def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
                 f"continue with: {again}")
             raise
         run.search_counts = explore.search_counts(run.complete())
-        result = outputs.build_result(run, decision).to_dict()
+        result = assemble.build_result(run, decision).to_dict()
         run.watch.check()
         files = outputs.write_outputs(run, result)
         if opts.lossy is not None:

@@ -18,14 +18,18 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pandas as pd
+
 from engine.base.config import atomic_write_text, format_size
 from engine.base.errors import ColibriError
 from engine.base.inputs import printable
 from engine.base.output_target import directory_target, replace_directory, stamped
 from tuner.results import report_plots
 from tuner.results.html_page import e, img, page, table
-from tuner.results.printers import fmt, kl_text, pct
-from tuner.share.profiles import entry_from_run, hardware_facts, resolve
+from tuner.results.columns import column
+from tuner.results.printers import fmt, markdown_table, pct
+from tuner.probe.summary import hardware_facts
+from tuner.share.profiles import entry_from_run, resolve
 from tuner.results.rundir import is_run_dir, open_run
 
 # Conditions that make figures comparable: (name, how to read it from an item).
@@ -69,7 +73,7 @@ def load_items(refs: list[str], model: str | None = None) -> list[Item]:
     for ref in refs:
         if is_run_dir(ref):
             run = open_run(ref)
-            if not run.result.get("recommended") or run.profile is None:
+            if run.tune.recommended is None or run.profile is None:
                 raise CompareError(f"{ref}: the run has no recommended config or no profile.json to compare")
             facts = hardware_facts(run.profile.to_dict())
             items.append(Item(Path(ref).name, str(ref), facts, entry_from_run(run)))
@@ -215,10 +219,12 @@ def _scaled(v, scale):
 
 # --- printers -------------------------------------------------------------------------------
 
-COLUMNS = (("rank", "rank"), ("label", "input"), ("quant", "quant"), ("decode_tok_s", "decode tok/s"),
-           ("decode_range", "min..max"), ("of_best", "of best"), ("ttft_s", "TTFT s"),
-           ("mib_read_per_token", "MiB read/token"), ("hit_rate_ram", "RAM hit"), ("kl_mean", "KL"),
-           ("machine", "machine"), ("disk", "disk"), ("config", "config"))
+# The ranked table: (key of a ranked row, header). Figures take their headers from the column
+# registry (tuner/results/columns.py); the rest are compare's own.
+COLUMNS = (("rank", "rank"), ("label", "input"), ("quant", "quant"), ("decode_tok_s", column("decode_tok_s").label),
+           ("decode_range", "min..max"), ("of_best", "of best"), ("ttft_s", column("ttft_s").label),
+           ("mib_read_per_token", "MiB read/token"), ("hit_rate_ram", column("hit_rate_ram").label),
+           ("kl_mean", column("kl_mean").label), ("machine", "machine"), ("disk", "disk"), ("config", "config"))
 
 
 def _cells(r: dict) -> list[str]:
@@ -226,9 +232,15 @@ def _cells(r: dict) -> list[str]:
          "decode_range": f"{fmt(r['decode_min'])}..{fmt(r['decode_max'])}",
          "of_best": pct(r["of_best"], 0), "ttft_s": fmt(r["ttft_s"], 4),
          "mib_read_per_token": fmt(r["mib_read_per_token"], 3),
-         "hit_rate_ram": pct(r["hit_rate_ram"], 0),
-         "kl_mean": kl_text(r["kl_mean"]), "machine": r["machine"][7:15]}
+         "hit_rate_ram": column("hit_rate_ram").text(r["hit_rate_ram"]),
+         "kl_mean": column("kl_mean").text(r["kl_mean"]), "machine": r["machine"][7:15]}
     return [str(v[k]) for k, _ in COLUMNS]
+
+
+def ranked_frame(s: dict) -> pd.DataFrame:
+    """The ranked inputs as one pandas frame of printed cells, headers as columns: the markdown,
+    html and text tables are all written from it."""
+    return pd.DataFrame([_cells(r) for r in s["ranked"]], columns=[h for _, h in COLUMNS], dtype=object)
 
 
 def _notes(s: dict) -> list[str]:
@@ -250,9 +262,8 @@ def _notes(s: dict) -> list[str]:
 def render_markdown(s: dict, plots: list[tuple[str, Path]]) -> str:
     L = ["# colibri compare", ""]
     L += [f"- {n}" for n in _notes(s)] + [""]
-    L.append("| " + " | ".join(h for _, h in COLUMNS) + " |")
-    L.append("|" + "---|" * len(COLUMNS))
-    L += ["| " + " | ".join(c.replace("|", "\\|") for c in _cells(r)) + " |" for r in s["ranked"]]
+    frame = ranked_frame(s)
+    L += markdown_table(list(frame.columns), [[c.replace("|", "\\|") for c in row] for row in frame.values.tolist()])
     L.append("")
     L += [f"![{t}](plots/{p.name})" for t, p in plots]
     return "\n".join(L) + "\n"
@@ -262,15 +273,18 @@ def render_html(s: dict, plots: list[tuple[str, Path]]) -> str:
     body = ["<h1>colibri compare</h1>"]
     body += [f"<p class='{'warn' if i == 0 and s['forced'] else 'note'}'>{e(n)}</p>"
              for i, n in enumerate(_notes(s))]
-    body.append(table([h for _, h in COLUMNS], [_cells(r) for r in s["ranked"]]))
+    frame = ranked_frame(s)
+    body.append(table(list(frame.columns), frame.values.tolist()))
     body.append("<div class='plots'>" + "".join(img(p, t) for t, p in plots) + "</div>")
     return page("colibri compare", body)
 
 
 def format_text(s: dict) -> str:
-    widths = [max(len(h), *(len(_cells(r)[i]) for r in s["ranked"])) for i, (_, h) in enumerate(COLUMNS)]
+    frame = ranked_frame(s)
+    rows = frame.values.tolist()
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(frame.columns)]
     lines = _notes(s) + [""]
-    lines.append("  ".join(h.ljust(w) for (_, h), w in zip(COLUMNS, widths)).rstrip())
-    lines += ["  ".join(c.ljust(w) for c, w in zip(_cells(r), widths)).rstrip() for r in s["ranked"]]
+    lines.append("  ".join(h.ljust(w) for h, w in zip(frame.columns, widths)).rstrip())
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines += [""] + [f"{k}: {v}" for k, v in s.get("files", {}).items()]
     return "\n".join(lines)

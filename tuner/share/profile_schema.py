@@ -15,18 +15,20 @@ import hashlib
 import json
 import re
 
+from engine.base.config import EngineConfig
+from engine.base.errors import ConfigError
 from tuner.probe.errors import ProfileError
+from tuner.probe.hardware_profile import HardwareProfile
+from tuner.results.quant_rundir import QUANT_LABEL_RE  # a stored level: only the group sizes the converter writes
+from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS, OBJECTIVES
 # The checks every profile gets, shared or local, live with the probe's schema; re-exported here.
 from tuner.probe.profile_checks import (CONTROL_RE, HARDWARE_RANGES, MAX_ARRAY, MAX_DEPTH,  # noqa: F401
                                         MAX_FILE_BYTES, MAX_STRING, check_document, check_physics,
                                         check_ranges, parse_text)
 
 MAX_ENTRIES = 256
-ENTRY_SCHEMA = "colibri.best_config/1"
-QUANT_RE = re.compile(r"^(bf16|fp16|fp32|int8|int4)(-g(32|64|128))?$")
 HASH_RE = re.compile(r"^sha256:[0-9a-f]{16}$")
 UTC_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$")
-GEOMETRY_KEYS = ("model_type", "layers", "hidden_size", "experts", "top_k", "moe_intermediate_size", "vocab_size")
 
 # Entry spec: key → (type, nullable, range or choices). "figures" dicts share FIGURES.
 NUM, INT, STR, BOOL = "number", "integer", "string", "boolean"
@@ -56,10 +58,10 @@ WORKLOAD = {"kind": (STR, False, ("fixed", "prompts")), "requests": (INT, False,
 GEOMETRY = {k: (INT, False, (1, 1 << 24)) for k in GEOMETRY_KEYS if k != "model_type"}
 GEOMETRY["model_type"] = (STR, False, None)
 ENTRY_SPEC = {
-    "schema": (STR, False, (ENTRY_SCHEMA,)), "model": (STR, False, None), "geometry": (GEOMETRY, False, None),
-    "geometry_hash": (STR, False, HASH_RE), "quant": (STR, False, QUANT_RE), "compute_dtype": (STR, False, None),
+    "schema": (STR, False, (BEST_CONFIG_SCHEMA,)), "model": (STR, False, None), "geometry": (GEOMETRY, False, None),
+    "geometry_hash": (STR, False, HASH_RE), "quant": (STR, False, QUANT_LABEL_RE), "compute_dtype": (STR, False, None),
     "ram_budget": (INT, False, (1 << 20, 1 << 52)),
-    "objective": (STR, False, ("decode", "ttft", "request", "both")),
+    "objective": (STR, False, OBJECTIVES),
     "config": ("config", False, None), "figures": (FIGURES, False, None), "baseline_figures": (FIGURES, True, None),
     "gain_over_baseline": (NUM, True, (-1, 1e6)), "quality": (QUALITY, True, None),
     "conditions": (CONDITIONS, False, None), "tool": (TOOL, False, None), "created_utc": (STR, False, UTC_RE),
@@ -78,7 +80,6 @@ def geometry_hash(geometry: dict) -> str:
 
 def validate_shared(data) -> "tuple[object, list[dict], dict | None]":
     """→ (HardwareProfile, best_configs entries, identity or None); ProfileError on any violation."""
-    from tuner.probe.hardware_profile import HardwareProfile
     if not isinstance(data, dict):
         raise ProfileError("profile: expected a JSON object")
     check_document(data, "profile", 0)
@@ -98,8 +99,6 @@ def validate_shared(data) -> "tuple[object, list[dict], dict | None]":
 
 
 def check_entry(entry: dict, path: str) -> None:
-    from engine.base.config import EngineConfig
-    from engine.base.errors import ConfigError
     check_spec(entry, ENTRY_SPEC, path, optional=ENTRY_OPTIONAL)
     try:
         EngineConfig.from_dict(entry["config"], source=f"{path}.config")

@@ -22,10 +22,17 @@ from engine.base.config import atomic_write_text, format_size
 from engine.base.inputs import read_input
 from engine.base.output_target import file_target, json_file_with, read_small_json
 from tuner import __version__
-from tuner.results.printers import fmt, pct
+from tuner.probe import load_profile
 from tuner.probe.errors import ProfileError
-from tuner.share.profile_schema import ENTRY_SCHEMA, GEOMETRY_KEYS, geometry_hash, parse_text, validate_shared
+from tuner.probe.hardware_profile import HardwareProfile
+from tuner.probe.summary import hardware_facts
+from tuner.probe.summary import format_summary
+from tuner.results.printers import fmt, pct
+from tuner.results.quant_rundir import PROBE_FILE, is_quant_run_dir, level_run_dirs
+from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS
 from tuner.results.rundir import is_run_dir, open_run
+from tuner.share.profile_schema import geometry_hash, parse_text, validate_shared
+from tuner.share.profile_schema import check_document
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 FIGURE_KEYS = ("decode_tok_s", "ttft_s", "decode_min", "decode_max", "decode_stdev", "ttft_min", "ttft_max",
@@ -40,7 +47,6 @@ DTYPE_QUANT = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "float32":
 
 def export_profile(source: str | Path, include_identity: bool = False) -> dict:
     """A run directory (its profile.json + result.json) or a profile/probe JSON → a shared profile."""
-    from tuner.search.quant_tune import PROBE_FILE, is_quant_run_dir, level_run_dirs
     source = Path(source)
     identity_dirs: list[str] = []
     runs = [open_run(source)] if is_run_dir(source) else \
@@ -54,9 +60,9 @@ def export_profile(source: str | Path, include_identity: bool = False) -> dict:
         old = [_normalize_entry(e) for e in data["best_configs"] if isinstance(e, dict)]
         entries = [e for e in old if e is not None]
         for run in runs:
-            if run.result.get("recommended"):
+            if run.tune.recommended is not None:
                 entries = _replace_entry(entries, entry_from_run(run))
-            identity_dirs.append(str((run.result.get("model") or {}).get("dir") or ""))
+            identity_dirs.append(run.tune.model.dir)
     else:
         data = _read_probe_json(source)
         entries = [e for e in (_normalize_entry(e) for e in data["best_configs"]) if e is not None]
@@ -70,7 +76,6 @@ def export_profile(source: str | Path, include_identity: bool = False) -> dict:
 
 
 def _load_probe(path: Path):
-    from tuner.probe import load_profile
     return load_profile(path) if os.path.lexists(path) else None
 
 
@@ -83,7 +88,7 @@ def entry_from_run(run) -> dict:
     for out_key, csv_key in TRIAL_FIGURES:
         figures[out_key] = _number(trial.get(csv_key))
     return {
-        "schema": ENTRY_SCHEMA, "model": model_name(model.get("name"), model.get("dir")),
+        "schema": BEST_CONFIG_SCHEMA, "model": model_name(model.get("name"), model.get("dir")),
         "geometry": {k: (model.get("geometry") or {}).get(k) for k in GEOMETRY_KEYS},
         "geometry_hash": geometry_hash(model.get("geometry") or {}),
         "quant": r.get("quant") or DTYPE_QUANT.get(model.get("compute_dtype"), "bf16"),
@@ -107,14 +112,14 @@ def model_name(name, directory) -> str:
 def _normalize_entry(e: dict) -> dict | None:
     """An entry already in the shared form passes; the tuner's own run-local form is converted;
     anything else is dropped (export never forwards what it cannot vouch for)."""
-    if not isinstance(e, dict) or e.get("schema") != ENTRY_SCHEMA:
+    if not isinstance(e, dict) or e.get("schema") != BEST_CONFIG_SCHEMA:
         return None
     if "geometry_hash" in e:
         return e
     cond = e.get("conditions") or {}
     geometry = e.get("geometry") or {}
     return {
-        "schema": ENTRY_SCHEMA, "model": model_name(e.get("model"), None),
+        "schema": BEST_CONFIG_SCHEMA, "model": model_name(e.get("model"), None),
         "geometry": {k: geometry.get(k) for k in GEOMETRY_KEYS}, "geometry_hash": geometry_hash(geometry),
         "quant": e.get("quant") or DTYPE_QUANT.get(e.get("compute_dtype"), "bf16"),
         "compute_dtype": e.get("compute_dtype") or "", "ram_budget": e.get("ram_budget"),
@@ -216,8 +221,6 @@ def read_profile_file(path: str | Path) -> dict:
 
 def _read_probe_json(path: Path) -> dict:
     """A probe's JSON (best_configs in any form) or a shared profile (identity dropped)."""
-    from tuner.probe.hardware_profile import HardwareProfile
-    from tuner.share.profile_schema import check_document
     data = parse_text(_read_limited(path), str(path))
     if isinstance(data, dict):
         data.pop("identity", None)
@@ -313,8 +316,6 @@ def resolve(ref: str) -> tuple[str, dict]:
 # --- show and diff --------------------------------------------------------------------------
 
 def format_show(label: str, data: dict) -> str:
-    from tuner.probe.hardware_profile import HardwareProfile
-    from tuner.probe.summary import format_summary
     profile = HardwareProfile.from_dict({k: v for k, v in data.items() if k != "identity"})
     lines = [f"{label}", format_summary(profile), ""]
     if data.get("identity"):
@@ -337,38 +338,6 @@ def entry_line(e: dict) -> str:
             f"{format_size(c.get('chunk_size'))}, prefetch {c.get('prefetch_depth')}, {c.get('cache_policy')} "
             f"x{c.get('cpu_cache_ratio')}, threads {c.get('threads')}, io {c.get('io_mode')} x{c.get('io_threads')} "
             f"| tool {e['tool']['version']} ({e['tool'].get('git_commit')})")
-
-
-def hardware_facts(data: dict) -> dict:
-    """The figures people compare machines by, as label → printable value."""
-    from tuner.probe.hardware_profile import HardwareProfile
-    p = HardwareProfile.from_dict({k: v for k, v in data.items() if k != "identity"})
-    s = p.system
-    seq, lat = p.storage_point("sequential"), p.storage_point("latency_4k")
-    try:
-        mib_qd4 = f"{p.read_bandwidth(1 << 20, 4) / 1e9:.2f} GB/s"
-    except ProfileError:
-        mib_qd4 = "-"
-    iops = p.storage_point("iops_4k")
-    mem = max((m.bandwidth.value for m in p.memory_bandwidth if m.op == "read"), default=None)
-    gemv = max((m.throughput.value for m in p.cpu_matmul if m.m == 1), default=None)
-    return {
-        "fingerprint": p.fingerprint, "cpu": f"{s.cpu.model} ({s.cpu.arch})",
-        "cores": f"{s.cpu.physical_cores} physical / {s.cpu.logical_cores} logical, {s.cpu.numa_nodes} NUMA node(s)",
-        "cpu flags": " ".join(s.cpu.flags), "RAM": format_size(s.memory.total.value)
-        + (f", cgroup limit {format_size(s.memory.cgroup_limit.value)}" if s.memory.cgroup_limit else ""),
-        "disk": f"{s.disk.transport} {s.disk.model or ''} ({s.disk.filesystem}, rotational {s.disk.rotational})"
-        .replace("  ", " "),
-        "storage method": f"{p.storage.method} ({p.storage.tool}, {p.storage.ioengine}), {p.probe.mode} probe",
-        "sequential read": f"{seq.bandwidth.value / 1e9:.2f} GB/s" if seq else "-",
-        "1 MiB QD4 random read": mib_qd4,
-        "4 KiB QD1 latency p50": f"{lat.lat_p50.value:.0f} us" if lat else "-",
-        "4 KiB QD32 random read": f"{iops.iops.value:.0f} IO/s" if iops else "-",
-        "memory read bandwidth": f"{mem / 1e9:.2f} GB/s" if mem else "-",
-        "matmul (expert GEMV, best)": f"{gemv:.2f} GFLOP/s" if gemv else "-",
-        "GPUs": ", ".join(f"{g.name} {format_size(g.vram.value)}" for g in p.gpus) or "none",
-        "tool": p.tool.version,
-    }
 
 
 def diff(a: tuple[str, dict], b: tuple[str, dict]) -> dict:
