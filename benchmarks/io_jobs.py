@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from engine.movement.io import ReadPool
-from engine.movement.io.align import align_down, align_up
+from engine.base.align import align_down, align_up
 from engine.movement.io.trace import read_trace
 from engine.movement.slots import SlotArena
 from tuner.sandbox import run_limited
