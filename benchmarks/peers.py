@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO))
 from engine.synth.bpe_tokenizer import bytes_to_unicode  # noqa: E402
 from tuner.sandbox import detect_memory_cgroup, run_limited  # noqa: E402
 from engine.base.config import parse_size  # noqa: E402
-from benchmarks.benchlock import bench_lock  # noqa: E402
+from benchmarks.benchkit import bench_lock  # noqa: E402
 
 PROMPT = "The history of the city begins with a small river crossing, where traders from the north met"
 GiB = 1 << 30

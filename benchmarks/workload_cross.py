@@ -11,7 +11,7 @@ medians. The table gives decode tok/s for the fixed workload and TTFT / request 
 FILE's, so a recommendation's rank on each shows whether the objectives pick differently, and
 the config columns say how the picks differ.
 
-Timed: run it under `quiet bench` (or give --lock FILE to take benchmarks/benchlock.py's lock
+Timed: run it under `quiet bench` (or give --lock FILE to take benchmarks/benchkit.py's lock
 per measured run).
 """
 
@@ -26,7 +26,7 @@ import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlock import bench_lock  # noqa: E402
+from benchkit import bench_lock  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOBS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "threads", "ctx_size", "io_mode", "io_threads",
