@@ -88,8 +88,10 @@ def test_int4_container_variant_plans_within_16_gib(tmp_path):
     assert layout.quant.quant == "int4" and layout.spans_per_expert == 1
     plan = make_plan(ckpt, args, layout, EngineConfig(ram_budget=16 * GiB), torch.bfloat16, torch.bfloat16,
                      overhead_bytes=1 * GiB)
-    # 11.6 GiB: int4 projections + bf16 embeddings + kv_b_proj dequantized at load (2 GiB in bf16)
-    assert plan.streaming and plan.dense_bytes < 12 * GiB and plan.cache_slots > 100
+    # 11.6 GiB: int4 projections + bf16 embeddings + kv_b_proj dequantized at load (2 GiB in bf16);
+    # the plan also charges one prefill pass's activations (~0.7 GiB at this width), so ~100 slots remain
+    assert plan.streaming and plan.dense_bytes < 12 * GiB and plan.prefill_bytes < 1 * GiB
+    assert plan.cache_slots >= 64
     geometry = from_model_dir(d)
     shapes = {t.name: t.shape for t in geometry.dense}
     assert shapes["lm_head.weight"] == (129280, 7168)
