@@ -56,10 +56,13 @@ def native_quant_operands(x: torch.Tensor, experts: list) -> tuple[list, int] | 
     first = experts[0][0]
     if type(first) is not QuantWeight or not first.native_decode(x):
         return None
+    # What native_decode checks of x holds for every weight once it holds for the first; a weight of
+    # the same quant, group, kernel and device answers as the first does (a per-token loop: K x 3).
     flat = []
     for expert in experts:
         if len(expert) != 3 or any(type(w) is not QuantWeight or w.quant != first.quant
-                                   or w.group_size != first.group_size or not w.native_decode(x) for w in expert):
+                                   or w.group_size != first.group_size or w.kernel != first.kernel
+                                   or w.qweight.device != first.qweight.device for w in expert):
             return None
         for w in expert:
             flat += [w.qweight, w.qscale]
