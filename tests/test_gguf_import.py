@@ -266,16 +266,6 @@ def test_unknown_architecture(source, tmp_path, capsys):
     assert "architecture 'falcon' is not supported" in _cli_error(capsys, g, tmp_path / "o")
 
 
-@pytest.mark.parametrize("arch,model_type", [("gpt-oss", "gpt_oss"), ("glm-dsa", "glm_moe_dsa")])
-def test_llama_cpp_archs_not_yet_imported_are_refused_by_name(source, tmp_path, capsys, arch, model_type):
-    """llama.cpp writes these (conversion/gpt_oss.py, GlmMoeDsaModel); import refuses them by
-    name, saying what has no mapping and which published checkpoint opens instead."""
-    g = export(source, tmp_path / "m.gguf", T.F16, arch_override=arch)
-    err = _cli_error(capsys, g, tmp_path / "o")
-    assert f"architecture {arch!r} is not imported" in err and model_type in err and "Hugging Face" in err
-    assert not (tmp_path / "o").exists()
-
-
 def test_unsupported_type_named(source, tmp_path, capsys):
     w = gguf.GGUFWriter(tmp_path / "iq.gguf", "qwen3moe")
     w.add_tensor("token_embd.weight", np.zeros((4, 144), np.uint8), raw_shape=(4, 144), raw_dtype=T.IQ4_NL)
