@@ -6,8 +6,8 @@ For each architecture a tiny bf16 model is made ("synth": `colibri synth`'s qwen
 so every K-quant applies; "gpt_oss-mxfp4": synth's gpt_oss with MXFP4 experts as published; the
 others: transformers' own random classes as tests/colibri_hf_models.py builds them, qwen3_moe
 256-wide too, with synth's tokenizer copied in, plus GLM's special tokens for the GLM models),
-converted by llama.cpp's own converter (through benchmarks/peers_convert.py, which only names
-synth's pre-tokenizer) to F16, BF16 and Q8_0 (gpt-oss's MXFP4 experts stay MXFP4 in all three), and
+converted by llama.cpp's own converter (tests/gguf_llama.py: one process per architecture, with
+benchmarks/peers_convert.py's fallback that only names synth's pre-tokenizer) to F16, BF16 and Q8_0 (gpt-oss's MXFP4 experts stay MXFP4 in all three), and
 the bf16 GGUF quantized by llama-quantize to Q4_0, Q4_K_M, Q5_K_M, Q6_K and MXFP4_MOE. Each GGUF
 is imported with `colibri convert`, and for each the table says:
 - exact: our dequantization of every tensor equals llama.cpp's own, bit for bit (llama-quantize
@@ -42,7 +42,7 @@ from engine.format.gguf.reader import GGUFModel  # noqa: E402
 from engine.run.generate import Sampler, generate  # noqa: E402
 from engine.run.quality import measure_quality  # noqa: E402
 from engine.run.runtime import Engine  # noqa: E402
-from gguf_llama import write_glm_tokenizer  # noqa: E402
+from gguf_llama import convert_all, write_glm_tokenizer  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 256 for i in range(32)]
 # Where scripts/build_llama_cpp.sh builds llama.cpp (the pinned llama-cpp-python sdist) when no
@@ -125,12 +125,13 @@ def one_arch(arch: str, args, llama: Path) -> list[dict]:
         synth.synthesize({**synth.load_preset("tiny"), "num_hidden_layers": 1}, tok, progress=False)
     src = make_model(arch, work / "src", tok)
     want = greedy(src)
-    ggufs = {}
-    for t in CONVERTER_TYPES:
-        ggufs[t.upper()] = work / f"m-{t}.gguf"
-        if not ggufs[t.upper()].exists():
-            run([sys.executable, str(REPO / "benchmarks" / "peers_convert.py"), "--llama-src", str(llama / "src"),
-                 str(src), "--outfile", str(ggufs[t.upper()]), "--outtype", t], work / f"convert-{t}.log")
+    ggufs = {t.upper(): work / f"m-{t}.gguf" for t in CONVERTER_TYPES}
+    todo = [(src, g, t.lower()) for t, g in ggufs.items() if not g.exists()]
+    if todo:  # one converter process for the arch's types (tests/gguf_llama.py)
+        try:
+            convert_all(todo, work / "convert.log", llama / "src")
+        except AssertionError:
+            raise SystemExit(f"error: llama.cpp's converter failed on {arch}; see {work / 'convert.log'}") from None
     if arch in KQUANT_ARCHS:
         for t in QUANTIZE_TYPES:
             ggufs[t] = work / f"m-{t}.gguf"
@@ -143,7 +144,7 @@ def one_arch(arch: str, args, llama: Path) -> list[dict]:
         s = import_gguf(g, out, force=True)
         types = ", ".join(f"{k}x{v}" for k, v in s["source"]["types"].items())
         q = measure_quality(out, src, tokens=args.tokens, ctx=args.ctx, dtype="fp32", threads=1)
-        quantized = label not in ("F16", "BF16")
+        quantized = any(k not in ("F32", "F16", "BF16") for k in s["source"]["types"])  # gpt-oss: MXFP4 in all
         rows.append({"arch": arch, "gguf": label, "types": types,
                      "exact": same_as_llama(g, llama / "build/bin", work) if quantized else None,
                      "tokens_same": greedy(out) == want, "kl_mean": q["kl_mean"], "top1": q["top1_agreement"],

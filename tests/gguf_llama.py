@@ -31,9 +31,10 @@ def llama_dir() -> Path | None:
     return None
 
 
-def convert_all(jobs: list[tuple[Path, Path, str]], log: Path) -> None:
-    """Convert each (model dir, out .gguf, outtype) with llama.cpp's converter; one process."""
-    src = llama_dir() / "src"
+def convert_all(jobs: list[tuple[Path, Path, str]], log: Path, src: Path | None = None) -> None:
+    """Convert each (model dir, out .gguf, outtype) with llama.cpp's converter (the tree at `src`,
+    default llama_dir()'s); one process."""
+    src = src or llama_dir() / "src"
     spec = log.with_suffix(".jobs.json")
     spec.write_text(json.dumps([[str(a), str(b), t] for a, b, t in jobs]))
     with open(log, "w") as f:
@@ -59,9 +60,6 @@ def _main(src: Path, spec: Path) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(_main(Path(sys.argv[1]), Path(sys.argv[2])))
-
 
 # llama.cpp's GLM vocabulary path (conversion/base.py _set_vocab_glm, for glm4moe and glm-dsa)
 # looks these up by name, as GLM's own tokenizer has them.
@@ -70,6 +68,8 @@ GLM_SPECIALS = ("[gMASK]", "<|user|>", "<|observation|>")
 
 def write_glm_tokenizer(model_dir: Path, vocab_size: int) -> None:
     """synth's byte-level BPE with GLM's special tokens as its last ids, `vocab_size` in all."""
+    # Imported here: run as the converter's script, this module must import nothing of the engine
+    # (it could load the installed gguf package before the vendored gguf-py the converter uses).
     from tokenizers import AddedToken
 
     from engine.synth.bpe_tokenizer import build_tokenizer, tokenizer_config
@@ -79,3 +79,7 @@ def write_glm_tokenizer(model_dir: Path, vocab_size: int) -> None:
     tok.save(str(Path(model_dir) / "tokenizer.json"))
     if not (Path(model_dir) / "tokenizer_config.json").exists():
         (Path(model_dir) / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(4096)))
+
+
+if __name__ == "__main__":
+    sys.exit(_main(Path(sys.argv[1]), Path(sys.argv[2])))
