@@ -46,7 +46,7 @@ def stores_mxfp4(m: GGUFModel) -> bool:
 
 def ggml_mxfp4_to_hf(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """One expert's ggml MXFP4 rows [N, G*17] uint8 → HF (blocks [N, G, 16], scales [N, G]) uint8."""
-    blocks = torch.from_numpy(np.ascontiguousarray(raw)).reshape(raw.shape[0], -1, MX_BLOCK_BYTES)
+    blocks = torch.from_numpy(np.array(raw)).reshape(raw.shape[0], -1, MX_BLOCK_BYTES)  # a copy: the map is read-only
     scales, qs = blocks[..., 0], blocks[..., 1:]
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, G, 32]: values 0..15, then 16..31
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), scales.contiguous()
