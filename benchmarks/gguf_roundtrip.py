@@ -58,8 +58,15 @@ QUANTIZE_TYPES = ("Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "MXFP4_MOE")
 # the GLM models get synth's tokenizer with GLM's special tokens, which llama.cpp's GLM vocab path
 # (conversion/base.py _set_vocab_glm) looks up by name (tests/gguf_llama.py).
 ALL_ARCHS = ("synth", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "glm_moe_dsa",
-             "gpt_oss", "gpt_oss-mxfp4")
-GLM_ARCHS = ("glm4_moe", "glm_moe_dsa")
+             "glm_moe_dsa-synth", "gpt_oss", "gpt_oss-mxfp4")
+GLM_ARCHS = ("glm4_moe", "glm_moe_dsa", "glm_moe_dsa-synth")
+# synth's glm_moe_dsa (as tests/test_gguf_llama_cpp.py): structured weights, where transformers'
+# random ones (init std 0.2) make logits chaotic in the weights, the indexer's top-k most of all.
+GLM_DSA_SYNTH = {**synth.load_preset("glm-5-small"), "hidden_size": 64, "num_hidden_layers": 3,
+                 "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                 "num_attention_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+                 "qk_rope_head_dim": 8, "v_head_dim": 12, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 6,
+                 "vocab_size": 300, "max_shard_size": 1 << 30}
 GPT_OSS_MXFP4 = {**synth.load_preset("gpt-oss-small"), "hidden_size": 64, "num_hidden_layers": 2,
                  "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "num_attention_heads": 4,
                  "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8, "vocab_size": 300,
@@ -90,6 +97,10 @@ def make_model(arch: str, out: Path, tokenizer_src: Path) -> Path:
         return synth.synthesize(QWEN3_GEOMETRY, out, progress=False)
     if arch == "gpt_oss-mxfp4":
         return synth.synthesize(GPT_OSS_MXFP4, out, progress=False)
+    if arch == "glm_moe_dsa-synth":
+        synth.synthesize(GLM_DSA_SYNTH, out, progress=False)
+        write_glm_tokenizer(out, GLM_DSA_SYNTH["vocab_size"])
+        return out
     from colibri_hf_models import build
     model = build(arch, out, vocab_size=300, **HF_OVERRIDES.get(arch, {}))
     with torch.no_grad():  # bf16 weights, as published checkpoints are
