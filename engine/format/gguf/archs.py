@@ -10,7 +10,11 @@ glm}.py and gguf-py's tensor_mapping.py):
   HF's rotate-half RoPE layout to ggml's interleaved one; `unpermute` reverses it exactly;
 - DeepSeek MLA: newer converters split `kv_b_proj` into `attn_k_b` (transposed) and `attn_v_b`;
   they are joined back;
-- multi-token-prediction layers (GLM's `nextn`) are left out and listed as skipped.
+- multi-token-prediction layers (GLM's `nextn`) are left out and listed as skipped;
+- gpt-oss (conversion/gpt_oss.py): attention sinks, q/k/v/o biases, the biased router, and the
+  experts fused back into HF's per-layer tensors, MXFP4 kept as stored (gptoss.py);
+- glm-dsa (GLM-5, conversion/glm.py GlmMoeDsaModel): deepseek2's MLA plus the DSA indexer's
+  tensors and its `attention.indexer.*` metadata.
 A GGUF whose architecture is not listed in ARCHS is refused with one line naming it.
 """
 
