@@ -48,14 +48,14 @@ _NUM = r"([-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
 # kl_divergence()): (name, regex, scale to a fraction where it prints a percentage).
 _KLD_FIELDS = [
     ("chunks", r"computing over (\d+) chunks, n_ctx=(\d+)", None),
-    ("ppl_model", rf"Mean PPL\(Q\)\s*:\s*{_NUM} ± {_NUM}", 1.0),
-    ("ppl_reference", rf"Mean PPL\(base\)\s*:\s*{_NUM} ± {_NUM}", 1.0),
-    ("ppl_ratio", rf"Mean PPL\(Q\)/PPL\(base\)\s*:\s*{_NUM} ± {_NUM}", 1.0),
-    ("kl_mean", rf"Mean\s+KLD:\s*{_NUM} ± {_NUM}", 1.0),
+    ("ppl_model", rf"Mean PPL\(Q\)\s*:\s*{_NUM}\s*±\s*{_NUM}", 1.0),
+    ("ppl_reference", rf"Mean PPL\(base\)\s*:\s*{_NUM}\s*±\s*{_NUM}", 1.0),
+    ("ppl_ratio", rf"Mean PPL\(Q\)/PPL\(base\)\s*:\s*{_NUM}\s*±\s*{_NUM}", 1.0),
+    ("kl_mean", rf"Mean\s+KLD:\s*{_NUM}\s*±\s*{_NUM}", 1.0),
     ("kl_max", rf"Maximum KLD:\s*{_NUM}", 1.0),
     ("kl_p99", rf"99\.0%\s+KLD:\s*{_NUM}", 1.0),
     ("kl_median", rf"Median\s+KLD:\s*{_NUM}", 1.0),
-    ("top1_agreement", rf"Same top p:\s*{_NUM} ± {_NUM} %", 0.01),
+    ("top1_agreement", rf"Same top p:\s*{_NUM}\s*±\s*{_NUM}\s*%", 0.01),
 ]
 
 
