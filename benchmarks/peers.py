@@ -269,6 +269,8 @@ def main(argv=None) -> int:
                    help="KL / top-1 against bf16 of the --quant pairs, both tools (auto: after the races; "
                         "only: no races, nothing timed)")
     p.add_argument("--quality-from", help="take the KL rows from this earlier --json instead of measuring them")
+    p.add_argument("--rows-from", help="take the race rows from this earlier --json instead of racing (the "
+                   "report, the bound and the KL table over a finished race)")
     p.add_argument("--kl-tokens", type=int, default=4096, help="tokens of the KL text (whole chunks of --kl-ctx)")
     p.add_argument("--kl-ctx", type=int, default=512, help="chunk length of the KL measurement")
     p.add_argument("--lock", help="flock this file around each measured step (shared machines)")
@@ -321,8 +323,10 @@ def main(argv=None) -> int:
         conditions["quantized"] = ("ours: `colibri convert --quant` of the bf16 model (routed experts); theirs: "
                                    "`llama-quantize` of the bf16 GGUF (every tensor it quantizes by default): "
                                    + ", ".join(f"{q} vs {QUANT_PAIRS[q]}" for q in quants))
-    rows: list[dict] = []
-    for run in range(args.runs if modes else 0):
+    rows: list[dict] = json.loads(Path(args.rows_from).read_text())["rows"] if args.rows_from else []
+    if args.rows_from:
+        conditions["races"] = f"from {args.rows_from} ({json.loads(Path(args.rows_from).read_text())['conditions']['date']})"
+    for run in range(args.runs if modes and not args.rows_from else 0):
         rows += race(args, run, variants, modes, (cold_limit, resident_limit), len(prompt_ids), offload, pieces)
         write_json(args.json, conditions, rows)  # each run kept as soon as it is measured
     bound = bandwidth_bound(args, variants, summarize(rows), bench_lock(args.lock)) if "resident" in modes else []

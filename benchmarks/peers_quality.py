@@ -167,19 +167,25 @@ def measure(work: Path, llama_dir: Path, model: Path, gguf: Path, pairs: list[tu
     agree = same_prefix(ours_ids, llama_text_ids(llama_dir, gguf, text), tokens)
     common = ["-c", str(ctx), "-b", str(ctx), "-t", str(threads)]
     base = work / f"{gguf.stem}-{tokens}x{ctx}.kld"
-    log(f"peers: llama-perplexity base logits of {gguf.name} ({chunks} chunks of {ctx})")
-    base_info = parse_base(llama_perplexity(llama_dir, gguf, ["-f", str(text), "--chunks", str(chunks),
-                                                              "--kl-divergence-base", str(base), *common],
-                                            base.with_suffix(".log")))
+    base_log = base.with_suffix(".log")
+    if base.exists() and base_log.exists() and f"saving all logits to {base}" in base_log.read_text():
+        base_info = parse_base(base_log.read_text())  # the same text and settings: its logits are kept
+    else:
+        log(f"peers: llama-perplexity base logits of {gguf.name} ({chunks} chunks of {ctx})")
+        base_info = parse_base(llama_perplexity(llama_dir, gguf, ["-f", str(text), "--chunks", str(chunks),
+                                                                  "--kl-divergence-base", str(base), *common],
+                                                base_log))
     if (base_info["chunks"], base_info["ctx"]) != (chunks, ctx):
         raise PerplexityOutputError(f"llama-perplexity scored {base_info['chunks']} chunks of {base_info['ctx']}, "
                                     f"not {chunks} of {ctx} (fewer tokens of the text than ours?)")
     rows = []
     for quant, theirs, ours_dir, their_gguf in pairs:
         log(f"peers: KL of {their_gguf.name} (llama-perplexity) and {ours_dir.name} (colibri quality)")
-        llama = parse_kld(llama_perplexity(llama_dir, their_gguf, ["--kl-divergence-base", str(base),
-                                                                   "--kl-divergence", *common],
-                                           work / f"{their_gguf.stem}-{tokens}x{ctx}.kld.log"))
+        kept = work / f"{their_gguf.stem}-{tokens}x{ctx}.kld.log"
+        llama = parse_kld(kept.read_text() if kept.exists() and kept.stat().st_mtime > base.stat().st_mtime and
+                          "Same top p" in kept.read_text() else
+                          llama_perplexity(llama_dir, their_gguf, ["--kl-divergence-base", str(base),
+                                                                   "--kl-divergence", *common], kept))
         ours = ours_quality(ours_dir, model, text, tokens, ctx, threads, src)
         rows.append({"quant": quant, "theirs": theirs, "ours": {k: ours[k] for k in QUALITY_KEYS},
                      "llama": llama})
