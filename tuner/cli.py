@@ -7,9 +7,8 @@ layer of argument parsing over importable library functions. Errors that are the
 
 from __future__ import annotations
 
-import sys
-
 import importlib
+import sys
 
 from engine.base.errors import ColibriError
 from engine.base.inputs import printable
@@ -20,7 +19,7 @@ from tuner.search.outcome import outcome_of_exception, write_outcome
 # The modules are imported by name, and for `colibri <command>` only that command's: each one
 # pulls in its own libraries (the server, Optuna and SQLAlchemy, the report's plots, pandas), and
 # a process that runs one command need not pay for the others. That matters most for
-# `colibri bench`, which a tune starts once per trial (tuner/search/trial.py): ~0.45 s of CPU
+# `colibri bench`, which a tune starts once per trial (tuner/search/trial.py): ~0.5 s of CPU
 # less per trial process on this project's 2-vCPU box (docs/BENCHMARKS.md, cispeed).
 COMMANDS = {"run": "tuner.commands.run", "bench": "tuner.commands.run", "probe": "tuner.commands.machine",
             "tune": "tuner.commands.tune", "synth": "tuner.commands.synth", "plan": "tuner.commands.machine",
