@@ -183,14 +183,14 @@ class Transformer:
         if (x.shape[0] != 1 or mask is not None or not native.ready or w is not self.w
                 or x.dtype is not torch.bfloat16 or cos.dtype is not torch.bfloat16):
             return None
-        k_cache, v_cache = kv.k[layer], kv.v[layer]
-        if type(k_cache) is not torch.Tensor or k_cache.dtype is not torch.bfloat16 or not k_cache.is_contiguous():
-            return None  # a quantized KV cache (int8 / fp8 rows): the unfused path dequantizes
         if layer not in self._fused_attention:
             self._fused_attention[layer] = self._attention_operands(layer)
         operands = self._fused_attention[layer]
         if operands is None:
-            return None
+            return None  # (before the cache: MLA's compressed cache has no k/v rows)
+        k_cache, v_cache = kv.k[layer], kv.v[layer]
+        if type(k_cache) is not torch.Tensor or k_cache.dtype is not torch.bfloat16 or not k_cache.is_contiguous():
+            return None  # a quantized KV cache (int8 / fp8 rows): the unfused path dequantizes
         norm_w, qkv, q_norm, k_norm, o_w = operands
         a = self.args
         return native.attention_decode(x, norm_w, a.rms_norm_eps, qkv, q_norm, k_norm, cos, sin, k_cache, v_cache,
