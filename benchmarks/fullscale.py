@@ -374,7 +374,8 @@ def decode_row(model: Path, budget: int, limit: int) -> str:
              f"{format_size(cg['cache'] - cg['shmem'])}" if cg else "no cgroup stat")
     return (f"{head} {format_size(after['peak_rss'])} peak | load {r['loaded']['load_s']:.1f} s, step "
             f"{after['step_s']:.2f} s; RSS after load {format_size(r['loaded']['rss'])}, after the step "
-            f"{format_size(after['rss'])}; plan without prefill {format_size(held)} ({r['describe']}); cgroup "
+            f"{format_size(after['rss'])}; plan without prefill {format_size(held)}, peak RSS over it "
+            f"{(after['peak_rss'] - held) / 2**20:+.0f} MiB ({r['describe']}); cgroup "
             f"peak {format_size(run.peak_bytes or 0)} ({split}); kernel {r['kernel']} |")
 
 
