@@ -3,9 +3,11 @@
     python benchmarks/gguf_roundtrip.py [--llama-dir DIR] [--work DIR] [--archs qwen3_moe,mixtral,...] [--json]
 
 For each architecture a tiny bf16 model is made ("synth": `colibri synth`'s qwen3_moe, 256-wide
-so every K-quant applies; the others: transformers' own random classes as
-tests/colibri_hf_models.py builds them, qwen3_moe 256-wide too, with synth's tokenizer copied in), converted by llama.cpp's own converter (through
-benchmarks/peers_convert.py, which only names synth's pre-tokenizer) to F16, BF16 and Q8_0, and
+so every K-quant applies; "gpt_oss-mxfp4": synth's gpt_oss with MXFP4 experts as published; the
+others: transformers' own random classes as tests/colibri_hf_models.py builds them, qwen3_moe
+256-wide too, with synth's tokenizer copied in, plus GLM's special tokens for the GLM models),
+converted by llama.cpp's own converter (tests/gguf_llama.py: one process per architecture, with
+benchmarks/peers_convert.py's fallback that only names synth's pre-tokenizer) to F16, BF16 and Q8_0 (gpt-oss's MXFP4 experts stay MXFP4 in all three), and
 the bf16 GGUF quantized by llama-quantize to Q4_0, Q4_K_M, Q5_K_M, Q6_K and MXFP4_MOE. Each GGUF
 is imported with `colibri convert`, and for each the table says:
 - exact: our dequantization of every tensor equals llama.cpp's own, bit for bit (llama-quantize
@@ -40,6 +42,7 @@ from engine.format.gguf.reader import GGUFModel  # noqa: E402
 from engine.run.generate import Sampler, generate  # noqa: E402
 from engine.run.quality import measure_quality  # noqa: E402
 from engine.run.runtime import Engine  # noqa: E402
+from gguf_llama import convert_all, write_glm_tokenizer  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 256 for i in range(32)]
 # Where scripts/build_llama_cpp.sh builds llama.cpp (the pinned llama-cpp-python sdist) when no
@@ -50,10 +53,26 @@ QWEN3_GEOMETRY = {**synth.load_preset("tiny"), "hidden_size": 256, "moe_intermed
                   "dtype": "bfloat16", "max_shard_size": 1 << 30}
 CONVERTER_TYPES = ("f16", "bf16", "q8_0")
 QUANTIZE_TYPES = ("Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "MXFP4_MOE")
-# glm4_moe is not here: llama.cpp's GLM vocab path (conversion/base.py _set_vocab_glm) requires GLM's
-# own special tokens ([gMASK], ...), which a synthesized tokenizer does not have; its GGUF layout is
-# covered by tests/test_gguf_import.py through gguf-py's tensor map.
-ALL_ARCHS = ("synth", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3")
+# gpt_oss (transformers' class: plain bf16 experts, which the converter splits and transposes) and
+# gpt_oss-mxfp4 (`colibri synth`'s, experts in MXFP4 as published, which the converter keeps);
+# the GLM models get synth's tokenizer with GLM's special tokens, which llama.cpp's GLM vocab path
+# (conversion/base.py _set_vocab_glm) looks up by name (tests/gguf_llama.py).
+ALL_ARCHS = ("synth", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "glm_moe_dsa",
+             "glm_moe_dsa-synth", "gpt_oss", "gpt_oss-mxfp4")
+GLM_ARCHS = ("glm4_moe", "glm_moe_dsa", "glm_moe_dsa-synth")
+# synth's glm_moe_dsa (as tests/test_gguf_llama_cpp.py): structured weights, where transformers'
+# random ones (init std 0.2) make logits chaotic in the weights, the indexer's top-k most of all.
+GLM_DSA_SYNTH = {**synth.load_preset("glm-5-small"), "hidden_size": 64, "num_hidden_layers": 3,
+                 "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                 "num_attention_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+                 "qk_rope_head_dim": 8, "v_head_dim": 12, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 6,
+                 "vocab_size": 300, "max_shard_size": 1 << 30}
+GPT_OSS_MXFP4 = {**synth.load_preset("gpt-oss-small"), "hidden_size": 64, "num_hidden_layers": 2,
+                 "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8, "vocab_size": 300,
+                 "max_position_embeddings": 4096, "max_shard_size": 1 << 30,
+                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128}}
 KQUANT_ARCHS = ("synth", "qwen3_moe")  # 256-wide: the others are 64-wide (their test geometry), where
 # llama-quantize's K-quants would fall back to other types; they get the converter's types only.
 HF_OVERRIDES = {"qwen3_moe": {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 512,
@@ -76,12 +95,20 @@ def make_model(arch: str, out: Path, tokenizer_src: Path) -> Path:
         return out
     if arch == "synth":  # `colibri synth`'s own qwen3_moe (structured attention, calibrated routing)
         return synth.synthesize(QWEN3_GEOMETRY, out, progress=False)
+    if arch == "gpt_oss-mxfp4":
+        return synth.synthesize(GPT_OSS_MXFP4, out, progress=False)
+    if arch == "glm_moe_dsa-synth":
+        synth.synthesize(GLM_DSA_SYNTH, out, progress=False)
+        write_glm_tokenizer(out, GLM_DSA_SYNTH["vocab_size"])
+        return out
     from colibri_hf_models import build
     model = build(arch, out, vocab_size=300, **HF_OVERRIDES.get(arch, {}))
     with torch.no_grad():  # bf16 weights, as published checkpoints are
         model.to(torch.bfloat16).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tokenizer_src / name, out / name)
+    if arch in GLM_ARCHS:
+        write_glm_tokenizer(out, 300)
     return out
 
 
@@ -109,12 +136,13 @@ def one_arch(arch: str, args, llama: Path) -> list[dict]:
         synth.synthesize({**synth.load_preset("tiny"), "num_hidden_layers": 1}, tok, progress=False)
     src = make_model(arch, work / "src", tok)
     want = greedy(src)
-    ggufs = {}
-    for t in CONVERTER_TYPES:
-        ggufs[t.upper()] = work / f"m-{t}.gguf"
-        if not ggufs[t.upper()].exists():
-            run([sys.executable, str(REPO / "benchmarks" / "peers_convert.py"), "--llama-src", str(llama / "src"),
-                 str(src), "--outfile", str(ggufs[t.upper()]), "--outtype", t], work / f"convert-{t}.log")
+    ggufs = {t.upper(): work / f"m-{t}.gguf" for t in CONVERTER_TYPES}
+    todo = [(src, g, t.lower()) for t, g in ggufs.items() if not g.exists()]
+    if todo:  # one converter process for the arch's types (tests/gguf_llama.py)
+        try:
+            convert_all(todo, work / "convert.log", llama / "src")
+        except AssertionError:
+            raise SystemExit(f"error: llama.cpp's converter failed on {arch}; see {work / 'convert.log'}") from None
     if arch in KQUANT_ARCHS:
         for t in QUANTIZE_TYPES:
             ggufs[t] = work / f"m-{t}.gguf"
@@ -127,7 +155,7 @@ def one_arch(arch: str, args, llama: Path) -> list[dict]:
         s = import_gguf(g, out, force=True)
         types = ", ".join(f"{k}x{v}" for k, v in s["source"]["types"].items())
         q = measure_quality(out, src, tokens=args.tokens, ctx=args.ctx, dtype="fp32", threads=1)
-        quantized = label not in ("F16", "BF16")
+        quantized = any(k not in ("F32", "F16", "BF16") for k in s["source"]["types"])  # gpt-oss: MXFP4 in all
         rows.append({"arch": arch, "gguf": label, "types": types,
                      "exact": same_as_llama(g, llama / "build/bin", work) if quantized else None,
                      "tokens_same": greedy(out) == want, "kl_mean": q["kl_mean"], "top1": q["top1_agreement"],

@@ -37,6 +37,8 @@ if [ ! -f "$DEST/src/CMakeLists.txt" ]; then
     mv "$tmp/SOURCE_COMMIT" "$DEST/SOURCE_COMMIT"
     mv "$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp" "$DEST/src"   # rename: no half-extracted tree
 fi
+# SOURCE_ONLY=1: the tree only (its Python GGUF converter needs no build; scripts/setup.sh).
+[ -n "${SOURCE_ONLY:-}" ] && { echo "peers: llama.cpp source in $DEST/src (not built)" >&2; exit 0; }
 
 echo "peers: configuring (Release, GGML_NATIVE=ON, CPU only)" >&2
 cmake -S "$DEST/src" -B "$DEST/build" -G Ninja \

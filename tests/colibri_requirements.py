@@ -1,14 +1,15 @@
 """Optional dependencies of the suite, and the switch that makes them required.
 
-A test that cannot run without fio, PostgreSQL, a memory cgroup, io_uring, the native kernels or
-Chromium skips with a reason made by `needs(dep, why)`. Where the environment sets
-`COLIBRI_REQUIRE_<DEP>=1` (CI sets every one, .ci/run), tests/conftest.py turns such a skip into a
-failure, so a green CI cannot hide a dependency that setup.sh failed to install.
+A test that cannot run without fio, PostgreSQL, a memory cgroup, io_uring, the native kernels,
+Chromium or llama.cpp's source tree (its GGUF converter) skips with a reason made by
+`needs(dep, why)`. Where the environment sets `COLIBRI_REQUIRE_<DEP>=1` (CI sets every one,
+.ci/run), tests/conftest.py turns such a skip into a failure, so a green CI cannot hide a
+dependency that setup.sh failed to install.
 """
 
 import os
 
-DEPENDENCIES = ("fio", "postgres", "cgroup", "uring", "native", "chromium")
+DEPENDENCIES = ("fio", "postgres", "cgroup", "uring", "native", "chromium", "llama_cpp")
 
 
 def needs(dep: str, why: str) -> str:

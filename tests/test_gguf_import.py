@@ -24,7 +24,9 @@ from engine import synth
 from engine.base.config import EngineConfig
 from engine.base.errors import ModelFormatError
 from engine.run.generate import Sampler, generate
+from engine.arch.gptoss import mxfp4_dequantize
 from engine.format.gguf.dequant import dequantize
+from engine.format.gguf.gptoss import ggml_mxfp4_to_hf
 from engine.format.gguf.reader import GGUFModel
 from engine.run.runtime import Engine
 from colibri_hf_models import build, hf_greedy, hf_logits
@@ -98,6 +100,20 @@ def test_simple_blocks_decode_to_their_codes(tmp_path):
     blocks = np.concatenate([e[:, None], q4[:, :16] | (q4[:, 16:] << 4)], 1)
     got = dequantize(_tensor_of(tmp_path, T.MXFP4, blocks, 2, 64))
     assert torch.equal(got, torch.from_numpy((e2m1[q4] * np.exp2(e.astype(np.float32) - 127)[:, None]).reshape(2, 64)))
+
+
+def test_ggml_mxfp4_rows_become_hf_blocks(tmp_path):
+    """gpt-oss's experts kept as stored: ggml's nibble order (value j low, j+16 high) re-packed as
+    HF's (2b low, 2b+1 high) decode, by the engine's MXFP4 path, to what gguf-py decodes."""
+    rng = np.random.default_rng(2)
+    codes = rng.integers(0, 16, (6, 32)).astype(np.uint8)
+    e = rng.integers(115, 135, 6).astype(np.uint8)
+    blocks = np.concatenate([e[:, None], codes[:, :16] | (codes[:, 16:] << 4)], 1)  # block_mxfp4
+    t = _tensor_of(tmp_path, T.MXFP4, blocks, 2, 96)
+    hf_blocks, hf_scales = ggml_mxfp4_to_hf(t.data)
+    assert hf_blocks.shape == (2, 3, 16) and torch.equal(hf_scales.flatten(), torch.from_numpy(e))
+    assert torch.equal(hf_blocks.reshape(6, 16), torch.from_numpy(codes[:, 0::2] | (codes[:, 1::2] << 4)))
+    assert torch.equal(mxfp4_dequantize(hf_blocks, hf_scales, torch.float32), dequantize(t))
 
 
 # --- every supported type on a tiny model ---------------------------------------------------------
@@ -264,16 +280,6 @@ def test_truncated_file(source, tmp_path, capsys):
 def test_unknown_architecture(source, tmp_path, capsys):
     g = export(source, tmp_path / "m.gguf", T.F16, arch_override="falcon")
     assert "architecture 'falcon' is not supported" in _cli_error(capsys, g, tmp_path / "o")
-
-
-@pytest.mark.parametrize("arch,model_type", [("gpt-oss", "gpt_oss"), ("glm-dsa", "glm_moe_dsa")])
-def test_llama_cpp_archs_not_yet_imported_are_refused_by_name(source, tmp_path, capsys, arch, model_type):
-    """llama.cpp writes these (conversion/gpt_oss.py, GlmMoeDsaModel); import refuses them by
-    name, saying what has no mapping and which published checkpoint opens instead."""
-    g = export(source, tmp_path / "m.gguf", T.F16, arch_override=arch)
-    err = _cli_error(capsys, g, tmp_path / "o")
-    assert f"architecture {arch!r} is not imported" in err and model_type in err and "Hugging Face" in err
-    assert not (tmp_path / "o").exists()
 
 
 def test_unsupported_type_named(source, tmp_path, capsys):

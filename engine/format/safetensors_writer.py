@@ -104,6 +104,29 @@ class ShardWriter:
             raise ValueError(
                 f"{self.path.name}: expected {spec.name}{list(spec.shape)}, got {name}{list(tensor.shape)}"
             )
+        self._write_data(spec, tensor)
+        self._next += 1
+        return spec.nbytes
+
+    def write_rows(self, name: str, chunks) -> int:
+        """Write the next planned tensor from consecutive slices along its first dimension, so a
+        large tensor (a layer's fused experts) never has to exist whole in memory."""
+        assert self._f is not None, "ShardWriter used outside its context"
+        if self._next >= len(self.specs) or self.specs[self._next].name != name:
+            raise ValueError(f"{self.path.name}: unplanned tensor {name}")
+        spec, rows = self.specs[self._next], 0
+        for chunk in chunks:
+            if tuple(chunk.shape[1:]) != tuple(spec.shape[1:]) or rows + chunk.shape[0] > spec.shape[0]:
+                raise ValueError(f"{self.path.name}: {name}{list(spec.shape)} got a slice {list(chunk.shape)} "
+                                 f"after {rows} rows")
+            self._write_data(spec, chunk)
+            rows += chunk.shape[0]
+        if rows != spec.shape[0]:
+            raise ValueError(f"{self.path.name}: {name}{list(spec.shape)} got {rows} rows")
+        self._next += 1
+        return spec.nbytes
+
+    def _write_data(self, spec: TensorSpec, tensor: torch.Tensor) -> None:
         view_dtype = DTYPES[spec.dtype][2]
         target = torch_dtype(spec.dtype)
         if tensor.dtype == target:
@@ -120,8 +143,6 @@ class ShardWriter:
         if sys.byteorder != "little":  # the format is little-endian on every host
             arr = arr.byteswap()
         self._f.write(memoryview(arr).cast("B"))
-        self._next += 1
-        return spec.nbytes
 
     def __exit__(self, exc_type, exc, tb) -> None:
         assert self._f is not None

@@ -10,7 +10,11 @@ glm}.py and gguf-py's tensor_mapping.py):
   HF's rotate-half RoPE layout to ggml's interleaved one; `unpermute` reverses it exactly;
 - DeepSeek MLA: newer converters split `kv_b_proj` into `attn_k_b` (transposed) and `attn_v_b`;
   they are joined back;
-- multi-token-prediction layers (GLM's `nextn`) are left out and listed as skipped.
+- multi-token-prediction layers (GLM's `nextn`) are left out and listed as skipped;
+- gpt-oss (conversion/gpt_oss.py): attention sinks, q/k/v/o biases, the biased router, and the
+  experts fused back into HF's per-layer tensors, MXFP4 kept as stored (gptoss.py);
+- glm-dsa (GLM-5, conversion/glm.py GlmMoeDsaModel): deepseek2's MLA plus the DSA indexer's
+  tensors and its `attention.indexer.*` metadata.
 A GGUF whose architecture is not listed in ARCHS is refused with one line naming it.
 """
 
@@ -23,6 +27,7 @@ from typing import Callable
 import torch
 
 from engine.base.errors import ModelFormatError, UnsupportedModelError
+from engine.format.gguf import gptoss
 from engine.format.gguf.reader import GGUFModel
 
 # GGUF tensor (after `blk.N.`) → HF tensor (after `model.layers.N.`); `{moe}` is the arch's MoE prefix.
@@ -58,6 +63,16 @@ SHARED_DEEPSEEK = {  # deepseek / glm: ungated shared experts
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
 }
+GPT_OSS_NAMES = {  # beyond LAYER_NAMES; its experts are gptoss.experts
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.bias": "self_attn.o_proj.bias", "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
+}
+DSA_INDEXER_NAMES = {  # GLM-5's sparse-attention indexer (gguf-py MODEL_TENSOR.INDEXER_*)
+    "indexer.attn_q_b.weight": "self_attn.indexer.wq_b.weight", "indexer.attn_k.weight": "self_attn.indexer.wk.weight",
+    "indexer.k_norm.weight": "self_attn.indexer.k_norm.weight", "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
+    "indexer.proj.weight": "self_attn.indexer.weights_proj.weight",
+}
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
 EXPERT_PARTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
@@ -65,39 +80,6 @@ FUSED_GATE_UP = "ffn_gate_up_exps.weight"
 # Tensors llama.cpp derives and the HF model does not have (RoPE frequency tables).
 DERIVED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-
-
-@dataclass
-class OutTensor:
-    name: str
-    shape: tuple[int, ...]
-    load: Callable[[], torch.Tensor]  # float32, HF layout
-
-
-@dataclass
-class Item:
-    """A unit of writing and of progress: one dense tensor, or one routed expert's three."""
-    label: str
-    layer: int  # -1 for the embeddings / final norm / lm_head
-    tensors: list[OutTensor]
-
-    @property
-    def nbytes_bf16(self) -> int:
-        return sum(2 * _numel(t.shape) for t in self.tensors)
-
-
-@dataclass
-class Plan:
-    config: dict
-    items: list[Item]
-    skipped: list[str] = field(default_factory=list)  # GGUF tensors deliberately left out, with why
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -242,6 +224,38 @@ def config_glm4moe(m: GGUFModel, layers: int, moe_layers: list[bool]) -> dict:
     return cfg
 
 
+def config_glm_dsa(m: GGUFModel, layers: int, moe_layers: list[bool]) -> dict:
+    """deepseek2's MLA and routing (GlmMoeDsaModel derives from DeepseekV2Model) plus the indexer."""
+    cfg = {**config_deepseek2(m, layers, moe_layers), "model_type": "glm_moe_dsa",
+           "architectures": ["GlmMoeDsaForCausalLM"], "num_nextn_predict_layers": 0,
+           "index_n_heads": int(m.require("attention.indexer.head_count")),
+           "index_head_dim": int(m.require("attention.indexer.key_length")),
+           "index_topk": int(m.require("attention.indexer.top_k"))}
+    types = m.arch_key("attention.indexer.types")  # per layer: True runs the indexer, False reuses
+    if types is not None:
+        if not isinstance(types, list) or len(types) < layers:
+            raise ModelFormatError(f"{m.paths[0]}: {m.arch}.attention.indexer.types does not list the {layers} layers")
+        cfg["indexer_types"] = ["full" if t else "shared" for t in types[:layers]]
+    return cfg
+
+
+def config_gpt_oss(m: GGUFModel, layers: int, moe_layers: list[bool]) -> dict:
+    """What llama.cpp's gpt-oss graph assumes and the GGUF does not store is set as the published
+    config has it: sliding window on even layers (llama.cpp's swa pattern 2, HF's layer_types),
+    q/k/v/o biases, SwiGLU alpha 1.702 and limit 7.0, and YaRN without truncation."""
+    cfg = {**_common_config(m, layers), "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+           "num_local_experts": int(m.require("expert_count")),
+           "num_experts_per_tok": int(m.require("expert_used_count")), "intermediate_size": expert_width(m),
+           "sliding_window": int(m.require("attention.sliding_window")),
+           "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+           "attention_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+    if cfg.get("rope_scaling", {}).get("rope_type") == "yarn":
+        cfg["rope_scaling"]["truncate"] = False
+    if gptoss.stores_mxfp4(m):
+        cfg["quantization_config"] = dict(gptoss.MXFP4_QUANT_CONFIG)
+    return cfg
+
+
 @dataclass(frozen=True)
 class Arch:
     model_type: str
@@ -250,6 +264,7 @@ class Arch:
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared: dict = field(default_factory=dict)  # names beyond LAYER_NAMES (shared experts, arch-specific)
     permute_qk: bool = False  # llama family: undo the converter's q/k row permutation
+    experts: Callable | None = None  # the routed experts' items when not per-expert HF tensors (gpt_oss)
 
 
 ARCHS = {
@@ -260,24 +275,13 @@ ARCHS = {
                   permute_qk=True),
     "deepseek2": Arch("deepseek_v3", config_deepseek2, shared=SHARED_DEEPSEEK),
     "glm4moe": Arch("glm4_moe", config_glm4moe, shared={**SHARED_DEEPSEEK, **GLM_NAMES}),
-}
-
-
-# Architectures llama.cpp's converter writes (conversion/gpt_oss.py, conversion/glm.py
-# GlmMoeDsaModel) whose GGUF tensors import does not map back yet: refused by name with what is
-# missing, and the published checkpoint the engine opens as it is instead.
-NOT_YET = {
-    "gpt-oss": "gpt_oss: its attention sinks, expert biases and ggml's MXFP4 nibble order have no "
-               "mapping back yet; open the published Hugging Face checkpoint instead (MXFP4 experts as stored)",
-    "glm-dsa": "glm_moe_dsa (GLM-5): the DSA indexer's tensors and metadata have no mapping back yet; "
-               "open the published Hugging Face checkpoint instead (bf16 or FP8)",
+    "glm-dsa": Arch("glm_moe_dsa", config_glm_dsa, shared={**SHARED_DEEPSEEK, **DSA_INDEXER_NAMES}),
+    "gpt-oss": Arch("gpt_oss", config_gpt_oss, shared=GPT_OSS_NAMES, experts=gptoss.experts),
 }
 
 
 def arch_for(m: GGUFModel) -> Arch:
     arch = ARCHS.get(m.arch)
-    if m.arch in NOT_YET:
-        raise UnsupportedModelError(f"{m.paths[0]}: GGUF architecture {m.arch!r} is not imported: {NOT_YET[m.arch]}")
     if arch is None:
         raise UnsupportedModelError(f"{m.paths[0]}: GGUF architecture {m.arch!r} is not supported by import "
                                     f"(supported: {', '.join(sorted(ARCHS))})")

@@ -1,4 +1,5 @@
-"""`colibri convert model.gguf -o DIR`: a GGUF (single or split) → a bf16 HF safetensors directory.
+"""`colibri convert model.gguf -o DIR`: a GGUF (single or split) → a bf16 HF safetensors directory
+(gpt-oss's MXFP4 experts kept as stored).
 
 Same rules as engine/convert.py: written under `<DIR>.partial/` and renamed at the end (atomic);
 after each shard `convert-state.json` records its sha256, and a re-run from the same GGUF keeps
@@ -20,8 +21,8 @@ from pathlib import Path
 import torch
 
 from engine.format.convert import STATE_FILE, convert, file_sha256
-from engine.base.errors import ConfigError
-from engine.format.gguf.archs import Item, Plan
+from engine.base.errors import ConfigError, UnsupportedModelError
+from engine.format.gguf.items import Item, Plan
 from engine.format.gguf.reader import GGUFModel
 from engine.format.gguf.tensors import build_plan
 from engine.format.gguf.vocab import build_tokenizer
@@ -46,11 +47,11 @@ def plan_shards(items: list[Item], max_bytes: int) -> dict[str, list[Item]]:
     groups: list[list[Item]] = [[]]
     size = 0
     for item in items:
-        if groups[-1] and size + item.nbytes_bf16 > max_bytes:
+        if groups[-1] and size + item.nbytes > max_bytes:
             groups.append([])
             size = 0
         groups[-1].append(item)
-        size += item.nbytes_bf16
+        size += item.nbytes
     if len(groups) == 1:
         return {"model.safetensors": groups[0]}
     n = len(groups)
@@ -58,14 +59,17 @@ def plan_shards(items: list[Item], max_bytes: int) -> dict[str, list[Item]]:
 
 
 def _write_shard(path: Path, items: list[Item], progress) -> None:
-    specs = [TensorSpec(t.name, t.shape, "bfloat16") for item in items for t in item.tensors]
+    specs = [TensorSpec(t.name, t.shape, t.dtype) for item in items for t in item.tensors]
     with ShardWriter(path, specs, {"format": "pt"}) as w:
         for i, item in enumerate(items, 1):
             for t in item.tensors:
+                if t.chunks is not None:  # written slice by slice (ShardWriter checks the shapes)
+                    w.write_rows(t.name, t.chunks())
+                    continue
                 x = t.load()
                 if tuple(x.shape) != tuple(t.shape):  # a bug in the plan, not the user's input
                     raise AssertionError(f"{t.name}: made {tuple(x.shape)}, planned {t.shape}")
-                w.write(t.name, x.to(torch.bfloat16).contiguous())
+                w.write(t.name, x if t.dtype == "uint8" else x.to(torch.bfloat16).contiguous())
             if progress:
                 progress(i, len(items))
 
@@ -118,8 +122,11 @@ def import_and_convert(src, dst, quant: str | None, group_size: int = 64, scope:
         return import_gguf(src, dst, force=force, progress=progress)
     if dst.exists() and any(dst.iterdir()) and not force:
         raise ConfigError(f"{dst} exists and is not empty (use --force to replace it)")
-    if quant == "int4":  # refuse a group size that cannot apply before importing anything
-        args = model_args(build_plan(GGUFModel(src)).config)
+    args = model_args(build_plan(GGUFModel(src)).config)  # refuse what cannot apply before importing anything
+    if args.expert_impl is not None:
+        raise UnsupportedModelError(f"{src}: --quant does not apply to {args.model_type} (its experts carry biases "
+                                    f"in their own fused layout); import it without --quant and run it as it is")
+    if quant == "int4":
         check_group(args.hidden_size, group_size, "gate/up projections of the experts (hidden_size)")
         check_group(args.moe_intermediate_size, group_size, "down projection of the experts (moe_intermediate_size)")
     bf16 = dst.parent / (dst.name + ".gguf-bf16")
@@ -160,7 +167,7 @@ def _resume(tmp: Path, options: dict, progress) -> dict[str, str]:
 def _finish(tmp: Path, plan: Plan, shards: dict[str, list[Item]], source: dict, tokenizer) -> None:
     if len(shards) > 1:
         weight_map = {t.name: shard for shard, items in shards.items() for item in items for t in item.tensors}
-        total = sum(item.nbytes_bf16 for items in shards.values() for item in items)
+        total = sum(item.nbytes for items in shards.values() for item in items)
         write_json_atomic(tmp / "model.safetensors.index.json",
                           {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     write_json_atomic(tmp / "config.json", {**plan.config, PROVENANCE_KEY: source})

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from engine.base.errors import ModelFormatError
-from engine.format.gguf.archs import (BLK_RE, DERIVED, EXPERT_PARTS, FUSED_GATE_UP, GLOBAL_NAMES, LAYER_NAMES, Arch, Item,
-                               OutTensor, Plan, arch_for, unpermute)
+from engine.format.gguf.archs import (BLK_RE, DERIVED, EXPERT_PARTS, FUSED_GATE_UP, GLOBAL_NAMES, LAYER_NAMES, Arch,
+                                      arch_for, unpermute)
+from engine.format.gguf.items import Item, OutTensor, Plan
 from engine.format.gguf.dequant import check_type, dequantize
 from engine.format.gguf.reader import GGUFModel, GGUFTensor
 
@@ -84,7 +85,7 @@ def _layer_items(m: GGUFModel, arch: Arch, config: dict, layer: int, used: set) 
         out.append(_dense(m, gname, hf_name, layer, used, transform, shape))
     if pre + "attn_k_b.weight" in m.tensors:
         out.append(_kv_b(m, pre, hf_pre, config, layer, used))
-    out += _experts(m, arch, config, layer, used)
+    out += (arch.experts or _experts)(m, arch, config, layer, used)
     return out
 
 
