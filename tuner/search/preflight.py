@@ -22,6 +22,24 @@ from tuner.results.printers import fmt
 from tuner.search.budget import FIRST_TRIAL_TIMEOUT_S
 from tuner.search.trial import run_trial
 
+# A trial's decode figure is tokens / decode time; below about a quarter of a second per repeat one
+# scheduling or I/O stall moves it by tens of percent. Measured: on the trained reference at ~300
+# tok/s, 8 tokens (27 ms) gave one config 328 tok/s in its tune and 149 re-measured minutes later
+# (docs/BENCHMARKS.md, tunebench).
+SHORT_DECODE_S = 0.25
+
+
+def longer_decode(tokens: int, decode_tok_s: float | None) -> int | None:
+    """The --tokens to suggest when `tokens` decode in under SHORT_DECODE_S at the calibration's
+    speed (a power of two decoding for at least twice that), else None."""
+    if not decode_tok_s or decode_tok_s <= 0 or tokens / decode_tok_s >= SHORT_DECODE_S:
+        return None
+    want = 2 * SHORT_DECODE_S * decode_tok_s
+    n = max(tokens, 1)
+    while n < want:
+        n *= 2
+    return n
+
 
 def calibrate(*, out: Path, model_dir: Path, budget: int, limit_bytes: int, space, has_experts: bool,
               tokens: int, prompt_tokens: int, cold: bool, seed: int, trial_timeout: float | None,
@@ -65,6 +83,12 @@ def calibrate(*, out: Path, model_dir: Path, budget: int, limit_bytes: int, spac
         log(f"calibration: {fmt(res.metrics.get('decode_tok_s'))} tok/s in {res.wall_seconds:.0f} s; "
             f"trial process overhead {format_size(record['overhead_bytes'])}"
             + ("" if res.cgroup_limited else f"; no memory cgroup ({res.cgroup_reason})"))
+        suggest = None if workload else longer_decode(tokens, record["decode_tok_s"])
+        if suggest:
+            record["short_decode"] = {"tokens": tokens, "suggested_tokens": suggest}
+            log(f"calibration: warning: {tokens} decode tokens take {1000 * tokens / record['decode_tok_s']:.0f} ms "
+                f"per repeat here, too short for a stable figure (one stall moves it by tens of percent); "
+                f"consider --tokens {suggest}")
     else:
         log(f"calibration: the baseline config did not run ({res.status}: {res.error}); "
             f"searching without the pinned policy")
