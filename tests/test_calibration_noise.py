@@ -1,6 +1,6 @@
-"""tune's calibration warns when a trial's decode is too short to measure (tuner/search/preflight.py)."""
+"""tune's calibration warns when a trial's decode is too short to measure (tuner/search/budget.py: longer_decode)."""
 
-from tuner.search.preflight import SHORT_DECODE_S, longer_decode
+from tuner.search.budget import SHORT_DECODE_S, longer_decode
 
 
 def test_a_decode_long_enough_gets_no_suggestion():

@@ -19,26 +19,8 @@ from engine.base.config import atomic_write_text, format_size
 from engine.base.progress import Progress
 from tuner.probe import load_profile, run_probe, save_profile
 from tuner.results.printers import fmt
-from tuner.search.budget import FIRST_TRIAL_TIMEOUT_S
+from tuner.search.budget import FIRST_TRIAL_TIMEOUT_S, longer_decode
 from tuner.search.trial import run_trial
-
-# A trial's decode figure is tokens / decode time; below about a quarter of a second per repeat one
-# scheduling or I/O stall moves it by tens of percent. Measured: on the trained reference at ~300
-# tok/s, 8 tokens (27 ms) gave one config 328 tok/s in its tune and 149 re-measured minutes later
-# (docs/BENCHMARKS.md, tunebench).
-SHORT_DECODE_S = 0.25
-
-
-def longer_decode(tokens: int, decode_tok_s: float | None) -> int | None:
-    """The --tokens to suggest when `tokens` decode in under SHORT_DECODE_S at the calibration's
-    speed (a power of two decoding for at least twice that), else None."""
-    if not decode_tok_s or decode_tok_s <= 0 or tokens / decode_tok_s >= SHORT_DECODE_S:
-        return None
-    want = 2 * SHORT_DECODE_S * decode_tok_s
-    n = max(tokens, 1)
-    while n < want:
-        n *= 2
-    return n
 
 
 def calibrate(*, out: Path, model_dir: Path, budget: int, limit_bytes: int, space, has_experts: bool,
