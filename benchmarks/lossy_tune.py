@@ -73,9 +73,11 @@ def main() -> int:
     print(f"model {a.model}, budget {a.ram_budget}, {a.trials} trials per level, bound {summary['bound_text']}, "
           f"quality on {a.quality_tokens} tokens (ctx {a.quality_ctx}), {a.tokens} decode tokens x {a.repeats} "
           f"repeats, cold; {platform.machine()} {platform.python_version()}; run {out}")
-    print(f"{'setting':<34} {'decode tok/s':>12} {'KL mean':>9} {'top-1':>7}  bound  front  chosen")
+    print(f"{'setting':<34} {'decode tok/s':>12} {'vs same place':>13} {'KL mean':>9} {'top-1':>7}  bound  front  chosen")
     for p in summary["points"]:
-        print(f"{p['label']:<34} {p['decode_tok_s']:>12.3g} {p['kl_mean']:>9.5f} {100 * p['top1_agreement']:>6.2f}%"
+        ratio = p.get("vs_lossless_same_placement")  # over lossless at the same placement (None: none ran)
+        print(f"{p['label']:<34} {p['decode_tok_s']:>12.3g} {f'{ratio - 1:+.0%}' if ratio else '-':>13} "
+              f"{p['kl_mean']:>9.5f} {100 * p['top1_agreement']:>6.2f}%"
               f"  {'in ' if p['within_bound'] else 'OUT'}    {'yes' if p['on_front'] else '   '}    "
               f"{'<-' if p['label'] == summary['chosen'] else ''}")
     return 0
