@@ -2,12 +2,17 @@
 
     python benchmarks/lossy_tune.py --model DIR [--quant bf16,int8] [--max-kl 0.05] [--trials 12]
         [--ram-budget 512MiB] [--profile FILE] [--quality-tokens 1024] [--quality-ctx 256] [--out DIR] [--json]
+        [--prepare-only | --resume]
 
 Runs `colibri tune --max-kl ...` (with --quant: one study per level, tuner/search/quant_tune.py)
 as a user would, then prints the run's lossy.json as a table: per measured setting (quant level,
 KV precision, top-k reduction, expert threshold) its fastest search trial's decode tok/s, its
 mean KL and same-top-1 against the lossless (unquantized) model on the fixed text, whether it is
-inside the bound and on the Pareto front, and the chosen point. The search is Optuna's (GP by
+inside the bound and on the Pareto front, and the chosen point.
+
+With --quant, `--prepare-only` converts the levels and scores their quality (untimed: run it under
+`quiet test`), and `--resume --out DIR` then runs the studies alone (timed: `quiet bench`), so the
+bench time goes to trials; the lossy settings' own quality is scored inside the studies. The search is Optuna's (GP by
 default), so which settings get measured depends on the seed and the trial count: the table
 says what was measured, not every combination.
 """
@@ -43,15 +48,22 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="run directory (default: reports/...)")
     ap.add_argument("--profile", help="a saved probe (e.g. profiles/<machine>.json) instead of probing")
+    ap.add_argument("--prepare-only", action="store_true", help="with --quant: convert and score, tune nothing")
+    ap.add_argument("--resume", action="store_true", help="continue the run in --out (e.g. after --prepare-only)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.prepare_only and not a.quant:
+        ap.error("--prepare-only needs --quant (the levels to convert and score)")
     bound = QualityBound(max_kl=a.max_kl, min_top1=a.min_top1, tokens=a.quality_tokens, ctx=a.quality_ctx).validate()
     opts = TuneOptions(model=a.model, ram_budget=parse_size(a.ram_budget), trials=a.trials, tokens=a.tokens,
                        repeats=a.repeats, seed=a.seed, out=Path(a.out) if a.out else None, confirm_top=2,
-                       confirm_rounds=1, profile=a.profile, lossy=bound)
+                       confirm_rounds=1, profile=a.profile, lossy=bound, resume=a.resume)
     if a.quant:
         out = run_quant_tune(QuantTuneOptions(opts, parse_levels(a.quant), quality_tokens=a.quality_tokens,
-                                              quality_ctx=a.quality_ctx)).out_dir
+                                              quality_ctx=a.quality_ctx, prepare_only=a.prepare_only)).out_dir
+        if a.prepare_only:
+            print(f"prepared {a.quant} in {out}: run again with --resume --out {out}")
+            return 0
     else:
         out = run_tune(opts).out_dir
     summary = json.loads((Path(out) / "lossy.json").read_text(encoding="utf-8"))
@@ -61,9 +73,11 @@ def main() -> int:
     print(f"model {a.model}, budget {a.ram_budget}, {a.trials} trials per level, bound {summary['bound_text']}, "
           f"quality on {a.quality_tokens} tokens (ctx {a.quality_ctx}), {a.tokens} decode tokens x {a.repeats} "
           f"repeats, cold; {platform.machine()} {platform.python_version()}; run {out}")
-    print(f"{'setting':<34} {'decode tok/s':>12} {'KL mean':>9} {'top-1':>7}  bound  front  chosen")
+    print(f"{'setting':<34} {'decode tok/s':>12} {'vs same place':>13} {'KL mean':>9} {'top-1':>7}  bound  front  chosen")
     for p in summary["points"]:
-        print(f"{p['label']:<34} {p['decode_tok_s']:>12.3g} {p['kl_mean']:>9.5f} {100 * p['top1_agreement']:>6.2f}%"
+        ratio = p.get("vs_lossless_same_placement")  # over lossless at the same placement (None: none ran)
+        print(f"{p['label']:<34} {p['decode_tok_s']:>12.3g} {f'{ratio - 1:+.0%}' if ratio else '-':>13} "
+              f"{p['kl_mean']:>9.5f} {100 * p['top1_agreement']:>6.2f}%"
               f"  {'in ' if p['within_bound'] else 'OUT'}    {'yes' if p['on_front'] else '   '}    "
               f"{'<-' if p['label'] == summary['chosen'] else ''}")
     return 0

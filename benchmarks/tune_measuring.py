@@ -8,6 +8,14 @@ version: a run from before re-proposals were counted apart is read the same way 
 is a trials.csv row with `duplicate_of` set). The measuring time is computed alike for every run:
 the calibration run + every measured trial's wall + every confirmation run's wall; the share is
 that over the run's wall time (result.json conditions.wall_seconds).
+
+Two runs on a noisy disk, minutes apart, are not one measurement: with
+`--remeasure NAME=TREE [NAME=TREE ...]` the runs' baseline and recommended configs are measured
+again now, each under each named source tree's own CLI (`colibri bench`, cold, in a cgroup of the
+budget), interleaved for `--rounds` rounds, so a tree-to-tree difference of the same config is a
+ratio within one run. Timed: run it under `quiet bench`.
+
+    python benchmarks/tune_measuring.py before after --remeasure before=../tune-before after=. --rounds 2
 """
 
 from __future__ import annotations
@@ -15,8 +23,16 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
+import statistics
+import subprocess
 import sys
 from pathlib import Path
+
+# The knobs every version of `colibri bench` takes as flags (a config TOML of a newer version may
+# carry keys an older one refuses).
+BENCH_FLAGS = ("ram_budget", "chunk_size", "prefetch_depth", "cpu_cache_ratio", "threads", "ctx_size", "io_mode",
+               "io_threads", "cache_policy")
 
 
 def summarize(run_dir: Path) -> dict:
@@ -68,11 +84,77 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def bench_config(tree: Path, model: str, config: dict, tokens: int, repeats: int) -> dict:
+    """One cold `colibri bench` of config under tree's own code; its decode tok/s (median of repeats)."""
+    cmd = [sys.executable, "-m", "tuner.cli", "bench", "--model", model, "--json", "--cold", "--repeats", str(repeats),
+           "--tokens", str(tokens), "--prompt-tokens", "8", "--cgroup-limit", str(config["ram_budget"])]
+    for k in BENCH_FLAGS:
+        cmd += [f"--{k.replace('_', '-')}", str(config[k])]
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"}
+    return {"decode_tok_s": json.loads(proc.stdout).get("decode_tok_s")}
+
+
+def remeasure(run_dirs: list[Path], trees: dict[str, Path], rounds: int) -> list[dict]:
+    """Every run's baseline and recommended config x every tree, interleaved per round."""
+    configs = []
+    for d in run_dirs:
+        result = json.loads((d / "result.json").read_text())
+        for key in ("baseline", "recommended"):
+            config = {k: result[key]["config"][k] for k in BENCH_FLAGS}
+            same = [i for i, c in enumerate(configs) if c[1] == config]
+            if same:  # one config (e.g. the baseline, unchanged between versions) is measured once
+                configs[same[0]] = (f"{configs[same[0]][0]} = {d.name} {key}", config, configs[same[0]][2])
+            else:
+                configs.append((f"{d.name} {key}", config, result["model"]["name"]))
+    figures: dict[tuple[str, str], list] = {}
+    for r in range(rounds):
+        for label, config, model in configs:
+            for tree_name, tree in trees.items():
+                got = bench_config(tree, model, config, 8, 2)
+                figures.setdefault((label, tree_name), []).append(got.get("decode_tok_s") or got.get("error"))
+                print(f"tune_measuring: round {r + 1}/{rounds}: {label} under {tree_name}: {got}", file=sys.stderr)
+    rows = []
+    for label, config, _ in configs:
+        row = {"config": label, **{k: config[k] for k in BENCH_FLAGS[1:]}}
+        for tree_name in trees:
+            runs = figures[(label, tree_name)]
+            ok = [v for v in runs if isinstance(v, float)]
+            row[tree_name] = {"median": statistics.median(ok) if ok else None, "runs": runs}
+        rows.append(row)
+    return rows
+
+
+def remeasure_table(rows: list[dict], trees: list[str]) -> str:
+    head = ("config", *BENCH_FLAGS[1:], *(f"{t}: decode tok/s median (runs)" for t in trees))
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["config"], *(str(r[k]) for k in BENCH_FLAGS[1:])]
+        for t in trees:
+            runs = ", ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r[t]["runs"])
+            cells.append(f"{_f(r[t]['median'], '.2f')} ({runs})")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--remeasure", nargs="+", metavar="NAME=TREE",
+                    help="measure the runs' baseline and recommended configs again under each source tree")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    trees = {}
+    for spec in args.remeasure or []:
+        name, sep, tree = spec.partition("=")
+        if not sep or not (Path(tree) / "tuner" / "cli.py").is_file():
+            print(f"tune_measuring: --remeasure {spec!r}: expected NAME=TREE, TREE a colibri-tune source tree",
+                  file=sys.stderr)
+            return 2
+        trees[name] = Path(tree).resolve()
     rows = []
     for d in args.runs:
         if not (d / "result.json").is_file() or not (d / "trials.csv").is_file():
@@ -80,7 +162,14 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
         rows.append(summarize(d))
-    print(json.dumps(rows, indent=2) if args.json else table(rows))
+    again = remeasure(args.runs, trees, args.rounds) if trees else None
+    if args.json:
+        print(json.dumps({"runs": rows, "remeasured": again}, indent=2) if trees else json.dumps(rows, indent=2))
+        return 0
+    print(table(rows))
+    if again:
+        print()
+        print(remeasure_table(again, list(trees)))
     return 0
 
 

@@ -35,9 +35,11 @@ KNOBS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "threads", "ctx_size
 
 def bench(model: str, config: Path | None, budget: int, ctx: int, workload: list[str], repeats: int,
           lock: str | None) -> dict:
+    """One recommendation as its run wrote it (its own ctx_size: the memory plan's split depends
+    on it), or the engine's defaults under the budget at the largest context any run chose."""
     cmd = [sys.executable, "-m", "tuner.cli", "bench", "--model", model, "--json", "--cold", "--repeats", str(repeats),
-           "--cgroup-limit", str(budget), "--ctx-size", str(ctx), *workload]
-    cmd += ["--config", str(config)] if config else ["--ram-budget", str(budget)]
+           "--cgroup-limit", str(budget), *workload]
+    cmd += ["--config", str(config)] if config else ["--ram-budget", str(budget), "--ctx-size", str(ctx)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     with bench_lock(lock):
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)

@@ -93,3 +93,22 @@ def format_clock(seconds: float | None) -> str:
         return "-"
     s = int(round(seconds))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
+
+
+# A trial's decode figure is tokens / decode time; below about a quarter of a second per repeat one
+# scheduling or I/O stall moves it by tens of percent. Measured: on the trained reference at ~300
+# tok/s, 8 tokens (27 ms) gave one config 328 tok/s in its tune and 149 re-measured minutes later
+# (docs/BENCHMARKS.md, tunebench).
+SHORT_DECODE_S = 0.25
+
+
+def longer_decode(tokens: int, decode_tok_s: float | None) -> int | None:
+    """The --tokens to suggest when `tokens` decode in under SHORT_DECODE_S at the calibration's
+    speed (a power of two decoding for at least twice that), else None."""
+    if not decode_tok_s or decode_tok_s <= 0 or tokens / decode_tok_s >= SHORT_DECODE_S:
+        return None
+    want = 2 * SHORT_DECODE_S * decode_tok_s
+    n = max(tokens, 1)
+    while n < want:
+        n *= 2
+    return n

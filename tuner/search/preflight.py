@@ -19,7 +19,7 @@ from engine.base.config import atomic_write_text, format_size
 from engine.base.progress import Progress
 from tuner.probe import load_profile, run_probe, save_profile
 from tuner.results.printers import fmt
-from tuner.search.budget import FIRST_TRIAL_TIMEOUT_S
+from tuner.search.budget import FIRST_TRIAL_TIMEOUT_S, longer_decode
 from tuner.search.trial import run_trial
 
 
@@ -65,6 +65,12 @@ def calibrate(*, out: Path, model_dir: Path, budget: int, limit_bytes: int, spac
         log(f"calibration: {fmt(res.metrics.get('decode_tok_s'))} tok/s in {res.wall_seconds:.0f} s; "
             f"trial process overhead {format_size(record['overhead_bytes'])}"
             + ("" if res.cgroup_limited else f"; no memory cgroup ({res.cgroup_reason})"))
+        suggest = None if workload else longer_decode(tokens, record["decode_tok_s"])
+        if suggest:
+            record["short_decode"] = {"tokens": tokens, "suggested_tokens": suggest}
+            log(f"calibration: warning: {tokens} decode tokens take {1000 * tokens / record['decode_tok_s']:.0f} ms "
+                f"per repeat here, too short for a stable figure (one stall moves it by tens of percent); "
+                f"consider --tokens {suggest}")
     else:
         log(f"calibration: the baseline config did not run ({res.status}: {res.error}); "
             f"searching without the pinned policy")
