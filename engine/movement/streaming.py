@@ -29,14 +29,12 @@ import torch
 
 from engine.base.config import EngineConfig
 from engine.format.layout import ExpertLayout, tensors_from_buffers
-from engine.movement.cache import TieredCache, hottest_keys, make_cache, routing_histogram_load
+from engine.movement.cache import PINNED_FRACTION, TieredCache, hottest_keys, make_cache, routing_histogram_load
 from engine.movement.io import align_up
 from engine.movement.plan import MemoryPlan
 from engine.movement.reading_store import ReadingStore
 from engine.movement.slots import SlotArena
 
-# Share of the RAM cache the pinned policy reserves for the recorded hottest experts.
-PINNED_FRACTION = 0.5
 # How long a read waits for a worker to release a slot before it counts an overflow: a guard
 # against a budget bug, far above the slowest pread.
 SLOT_WAIT_GUARD_S = 5.0
@@ -197,10 +195,7 @@ class StreamingExperts(ReadingStore):
                 read = self._landed.get()
                 if stall:
                     self.stall_seconds += time.perf_counter() - t0
-            read.left -= 1
-            if read.left == 0:
-                if self.reads.get(read.key) is read:
-                    del self.reads[read.key]
+            if self._span_landed(read):
                 return read
 
     def _drain(self) -> None:
@@ -210,11 +205,17 @@ class StreamingExperts(ReadingStore):
                 read = self._landed.get_nowait()
             except queue.Empty:
                 return
-            read.left -= 1
-            if read.left == 0:
-                if self.reads.get(read.key) is read:
-                    del self.reads[read.key]
+            if self._span_landed(read):
                 self._landed_elsewhere(read)
+
+    def _span_landed(self, read: _Read) -> bool:
+        """Count one landed span of `read`; True (and out of flight) once all have landed."""
+        read.left -= 1
+        if read.left:
+            return False
+        if self.reads.get(read.key) is read:
+            del self.reads[read.key]
+        return True
 
     def _landed_elsewhere(self, read: _Read) -> None:
         """A read that landed while the compute thread was waiting for another one (or was

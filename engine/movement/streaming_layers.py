@@ -1,4 +1,4 @@
-"""StreamingLayers: a dense model's layers read from disk per forward pass, one layer ahead of use
+"""StreamingLayers: a dense model's layers read from disk per forward pass, ahead of use
 (the read pool, counters and read figures: reading_store.py, shared with StreamingExperts)."""
 
 from __future__ import annotations
