@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from engine.arch.args import dense_tensor_names, dense_tensors
-from engine.arch.layers import KVCache
 from engine.arch.registry import model_args
 from engine.base.errors import ConfigError, ModelFormatError
 from engine.base.inputs import printable
@@ -95,8 +94,6 @@ class ModelGeometry:
     native_quant: str  # the dtype the weights are published in (bf16 for every bundled spec)
     # Resident tensors by the names the engine's plan asks for (see memplan.py).
     dense: list[Tensor] = field(default_factory=list)
-    # KV elements per position per layer (K + V, or MLA's compressed latent + rope key).
-    kv_elems_per_layer: int = 0
     source: str = ""
     model_dir: Path | None = None
     routing_skew: float | None = None  # synth's --routing-skew, when the model is synthetic
@@ -179,7 +176,7 @@ def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
         moe_layers=sum(args.moe_layer_flags), num_experts=args.num_experts, top_k=args.top_k,
         hidden_size=args.hidden_size, moe_intermediate_size=args.moe_intermediate_size,
         vocab_size=args.vocab_size, native_quant=native, dense=dense,
-        kv_elems_per_layer=2 * args.num_kv_heads * args.head_dim, source=str(model_dir),
+        source=str(model_dir),
         model_dir=Path(model_dir), routing_skew=synth.get("routing_skew"), planning_config=dict(ckpt.config),
     )
 
@@ -207,23 +204,22 @@ def _from_spec(g: dict) -> ModelGeometry:
     # The geometry is the config.json it describes (synth's default architecture when it names
     # none): the registry parses it, and the resident tensors' shapes are the engine's own
     # (engine/arch/args.dense_tensors), so every architecture the engine runs is planned alike.
+    config = {"model_type": "qwen3_moe", **g}
     try:
-        args = model_args({"model_type": "qwen3_moe", **g})
+        args = model_args(config)
     except ModelFormatError as exc:  # a geometry is a file the user wrote, not a model's config.json
         raise ConfigError(str(exc)) from None
     if not args.num_experts:
         raise ConfigError(f"geometry {g.get('name', '?')!r}: model_type {args.model_type} has no routed experts")
     dense = [Tensor(name, shape) for name, shape in dense_tensors(args).items()]
-    # KV elements per position per layer: K + V, or MLA's compressed latent + rope key (+ the indexer's key).
-    kv_elems = KVCache.nbytes_for(args, 1, torch.float32) // (4 * args.num_layers)
     return ModelGeometry(
         name=str(g.get("name", "custom")), model_type=args.model_type, num_layers=args.num_layers,
         moe_layers=sum(args.moe_layer_flags), num_experts=args.num_experts, top_k=args.top_k,
         hidden_size=args.hidden_size, moe_intermediate_size=args.moe_intermediate_size, vocab_size=args.vocab_size,
-        native_quant={"float32": "fp32"}.get(g.get("dtype"), "bf16"), dense=dense, kv_elems_per_layer=kv_elems,
+        native_quant={"float32": "fp32"}.get(g.get("dtype"), "bf16"), dense=dense,
         source=str(g.get("source", "spec")), routing_skew=g.get("routing_skew"),
         published_total_params=g.get("published_total_params"),
-        published_active_params=g.get("published_active_params"), planning_config=dict(g),
+        published_active_params=g.get("published_active_params"), planning_config=config,
     )
 
 
