@@ -9,9 +9,11 @@ import pytest
 from engine import synth
 from engine.arch import registry
 from engine.arch.args import dense_tensor_names, dense_tensors, expert_tensor_names
+from engine.base.config import EngineConfig
 from engine.base.errors import ModelFormatError, UnsupportedModelError
 from engine.format.tensor_checks import check_shapes
 from tuner.costmodel.geometry import from_spec
+from tuner.costmodel.memplan import fits
 
 MATERIALIZABLE = [p for p in synth.list_presets() if synth.load_preset(p).get("materializable", True)]
 
@@ -110,3 +112,11 @@ def test_every_architecture_has_a_transformers_oracle():
     from colibri_hf_models import ARCHS
     assert set(ARCHS) <= set(registry.SUPPORTED_TYPES)
     assert all(a.oracle is not None for a in registry.ARCHITECTURES)
+
+
+@pytest.mark.parametrize("preset", ["glm4-moe-small", "gpt-oss-small"])
+def test_every_family_plans_from_a_spec(preset):
+    """The cost model's spec geometry is the registry's: architectures it had no formulas for plan too."""
+    geometry = from_spec(synth.load_preset(preset))
+    assert fits(geometry, "bf16", EngineConfig(ram_budget=4 << 30), overhead_bytes=0)
+    assert not fits(geometry, "bf16", EngineConfig(ram_budget=geometry.dense_params), overhead_bytes=0)
