@@ -7,53 +7,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.arch.registry import ARCHITECTURES
+
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, initializer_range=0.2,
             tie_word_embeddings=False)
 
-# Each architecture's own knobs, set so that every code path is exercised: experts of a
-# different size from the dense MLP, a shared expert, mlp-only layers, q/k norms, qkv bias.
-ARCHS: dict[str, dict] = {
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-                      head_dim=16, mlp_only_layers=[1]),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "olmoe": dict(num_experts=8, num_experts_per_tok=2, eos_token_id=1, pad_token_id=0),
-    "llama": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 64}),
-    "qwen3": dict(head_dim=16, max_position_embeddings=256, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                "original_max_position_embeddings": 64}),
-    # The architectures with their own attention, routing and experts (engine/arch/families/).
-    # Four groups of two with topk_group 2 make the group limit bite; dense first layer;
-    # yarn with mscale_all_dim moves the softmax scale; rope_interleave is DeepSeek's default.
-    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                        n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
-                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4,
-                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                         "original_max_position_embeddings": 128, "mscale": 1.0,
-                                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
-    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                     first_k_dense_replace=1, head_dim=16, use_qk_norm=True, attention_bias=True,
-                     routed_scaling_factor=1.5, n_group=2, topk_group=1),
-    # index_topk 6 < the 32-token prompt, so the indexer's selection decides what is attended;
-    # layer 2 reuses layer 1's selection.
-    "glm_moe_dsa": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-                        qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4, index_topk=6,
-                        index_head_dim=16, index_n_heads=8, indexer_types=["full", "full", "shared"]),
-    # sliding window 8 < the prompt; yarn as the published config (truncate=False).
-    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=8, intermediate_size=32,
-                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
-                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
-}
-
+# Each architecture's own knobs (its record's `oracle`, engine/arch/families/), set so that every
+# code path is exercised: experts of a different size from the dense MLP, a shared expert,
+# mlp-only layers, q/k norms, qkv bias, the routers, attentions and RoPE scalings of each family.
+ARCHS: dict[str, dict] = {t: cfg for a in ARCHITECTURES if a.oracle for t, cfg in a.oracle.configs.items()}
 
 # transformers initialises biases, attention sinks and the routers' score-correction bias to
-# zero; left so, a test could not tell "correction bias used for selection only" from "not used"
-# or a missing bias from a present one. These architectures get them random before saving.
-RANDOMIZED_ZEROS = ("deepseek_v3", "glm4_moe", "glm_moe_dsa", "gpt_oss")
+# zero; these architectures get them random before saving (TinyOracle.randomize_zeros).
+RANDOMIZED_ZEROS = tuple(t for a in ARCHITECTURES if a.oracle and a.oracle.randomize_zeros for t in a.oracle.configs)
 
 
 def randomize_zero_tensors(model, std: float = 0.3) -> None:

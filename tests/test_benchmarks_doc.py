@@ -7,10 +7,34 @@ ROOT = Path(__file__).resolve().parents[1]
 RETIRED = {"benchmarks/mmap_cold.py", "benchmarks/syscall_counts.py", "benchmarks/token_breakdown.py"}  # cited with the commit that has them
 
 
-def _current() -> str:
+def _parts() -> tuple[str, str]:
+    """(the current figures, History and any dated sections appended after it)."""
     text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
-    assert "\n## History\n" in text and text.rstrip().count("\n## Added this session\n") == 1
-    return text.split("\n## History\n", 1)[0]
+    assert text.count("\n## History\n") == 1
+    current, history = text.split("\n## History\n", 1)
+    return current, history
+
+
+def _current() -> str:
+    return _parts()[0]
+
+
+def test_every_topic_opens_with_its_headline_and_how_to_reproduce_it():
+    topics = re.split(r"\n(?=## )", _current())[2:]  # past the title and "How to read this file"
+    assert len(topics) >= 10
+    for topic in topics:
+        opening = topic.split("\n### ", 1)[0]  # the text before the topic's first table section
+        title = topic.splitlines()[0]
+        assert "**Headline" in opening, f"{title}: no headline before its tables"
+        assert re.search(r"[Rr]eproduce", opening) and "`" in opening, f"{title}: no command that reproduces it"
+
+
+def test_only_dated_sections_follow_history():
+    # History's entries are ### sections; figures appended since the last rebuild are dated
+    # top-level sections ("## 2026-12-02 — stream: title") until they are folded into a topic.
+    for line in _parts()[1].splitlines():
+        if line.startswith("## "):
+            assert re.match(r"## \d{4}-\d{2}-\d{2} — \S", line), line
 
 
 def test_every_tool_the_current_figures_cite_exists():

@@ -20,7 +20,8 @@ from engine.arch.registry import model_args
 from engine.movement.plan import ACTIVATION_MARGIN, make_plan
 from engine.run.runtime import Engine
 from engine.movement.store import ExpertStore, ResidentExperts
-from engine.movement.streaming import StreamingExperts, StreamingLayers
+from engine.movement.streaming import StreamingExperts
+from engine.movement.streaming_layers import StreamingLayers
 from colibri_hf_models import build
 
 IO_MODES = ("direct", "buffered", "mmap")

@@ -10,10 +10,14 @@ holds everything that differs between architectures:
                   lookahead rule: lookahead predicts with the very rule the layer will use.
     rules         config.json validation (engine/arch/config_rules.py), run before any tensor
                   is read.
-    tensor_shape  the shape config.json implies for a resident tensor (None: no opinion).
     tensor_roles  dtypes its checkpoints may store beyond the float ones, by tensor name pattern
                   (gpt_oss: MXFP4 blocks and scales are U8), checked by engine/format/tensor_checks.py.
     synth         how `colibri synth` writes one of these models, or None if it cannot.
+    oracle        the tiny config.json the tests build with transformers' own classes to check
+                  this architecture's forward pass against (tests/colibri_hf_models.py).
+
+Derived from ModelArgs, not per record: every resident tensor's shape (engine/arch/args.dense_tensors:
+shape checks at load, synth/params.param_counts, the cost model's geometry) and one expert's size.
 
 `PlannedTensor` (a tensor of a synthetic model: name, shape and how its values are made) lives
 here so that an architecture's synth plan stays in its own module, below engine/synth/.
@@ -21,7 +25,7 @@ here so that an architecture's synth plan stays in its own module, below engine/
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.arch.args import ModelArgs
@@ -56,6 +60,18 @@ class SynthRecipe:
 
 
 @dataclass(frozen=True)
+class TinyOracle:
+    """The transformers oracle's tiny model of an architecture: per model_type, the config.json
+    fields beyond the small sizes every oracle shares (tests/colibri_hf_models.BASE), set so that
+    each of its code paths runs. transformers initialises biases, attention sinks and the routers'
+    score-correction bias to zero; left so, a test could not tell "used for selection only" from
+    "not used", so `randomize_zeros` has the tests draw them before saving."""
+
+    configs: dict[str, dict]
+    randomize_zeros: bool = False
+
+
+@dataclass(frozen=True)
 class Architecture:
     name: str
     model_types: tuple[str, ...]
@@ -63,6 +79,6 @@ class Architecture:
     # KeyError / TypeError / ValueError become one ModelFormatError line (registry.model_args).
     parse: Callable[[str, dict, dict], ModelArgs]
     rules: Callable[[str], tuple]  # model_type → its config_rules tuple
-    tensor_shape: Callable[[ModelArgs, str], tuple[int, ...] | None] | None = None
     tensor_roles: tuple[tuple[str, str, frozenset], ...] = ()  # (role name, regex, allowed dtypes)
     synth: SynthRecipe | None = None
+    oracle: TinyOracle | None = field(default=None, hash=False, compare=False)

@@ -11,6 +11,7 @@ engine/arch/registry.py turns a config.json into ModelArgs.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.base.errors import UnsupportedModelError
@@ -132,31 +133,55 @@ def fused_expert_tensor_names(args: ModelArgs, layer: int) -> tuple[str, str]:
 
 def dense_tensor_names(args: ModelArgs) -> list[str]:
     """Every tensor that stays resident: all but the routed experts."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    return list(dense_tensors(args))
+
+
+def dense_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every resident tensor (all but the routed experts), in file order, with the shape its
+    config.json implies: the one size formula behind shape checks at load, parameter counts and
+    the cost model's geometry. The architecture's own attention and router say theirs."""
+    return dict(iter_dense_tensors(args))
+
+
+def iter_dense_tensors(args: ModelArgs) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """dense_tensors one at a time (a count over a geometry of many layers holds none of them)."""
+    H, V, D = args.hidden_size, args.vocab_size, args.head_dim
+    q, kv, I = args.num_heads * D, args.num_kv_heads * D, args.intermediate_size
+    yield "model.embed_tokens.weight", (V, H)
+    yield "model.norm.weight", (H,)
     if not args.tie_word_embeddings:
-        names.append("lm_head.weight")
+        yield "lm_head.weight", (V, H)
     for i in range(args.num_layers):
         p = layer_prefix(i)
-        names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        yield f"{p}.input_layernorm.weight", (H,)
+        yield f"{p}.post_attention_layernorm.weight", (H,)
         if args.attention_impl is not None:
-            names += args.attention_impl.layer_names(f"{p}.self_attn", i)
+            yield from args.attention_impl.layer_shapes(f"{p}.self_attn", i, H).items()
         else:
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                names.append(f"{p}.self_attn.{proj}.weight")
-                if args.attention_bias and proj != "o_proj":
-                    names.append(f"{p}.self_attn.{proj}.bias")
-        if args.qk_norm != "none":
-            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
+            for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                yield f"{p}.self_attn.{proj}.weight", (rows, H)
+                if args.attention_bias:
+                    yield f"{p}.self_attn.{proj}.bias", (rows,)
+            yield f"{p}.self_attn.o_proj.weight", (H, q)
+        if args.qk_norm != "none":  # qwen3: per head; olmoe: over the whole projection
+            head = args.qk_norm == "head"
+            yield f"{p}.self_attn.q_norm.weight", (D,) if head else (q,)
+            yield f"{p}.self_attn.k_norm.weight", (D,) if head else (kv,)
         if args.is_moe_layer(i):
-            names += router_tensor_names(args, i)
+            weight, *bias = router_tensor_names(args, i)  # [E, H] (+ one [E] bias: the rules beyond softmax)
+            yield weight, (args.num_experts, H)
+            yield from ((b, (args.num_experts,)) for b in bias)
             if args.shared_experts_intermediate_size:
-                names += [f"{p}.mlp.shared_experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+                yield from _mlp(f"{p}.mlp.shared_experts", H, args.shared_experts_intermediate_size)
             if args.shared_expert_intermediate_size:
-                names += [f"{p}.mlp.shared_expert.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
-                names.append(f"{p}.mlp.shared_expert_gate.weight")
+                yield from _mlp(f"{p}.mlp.shared_expert", H, args.shared_expert_intermediate_size)
+                yield f"{p}.mlp.shared_expert_gate.weight", (1, H)
         else:
-            names += [f"{p}.mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
-    return names
+            yield from _mlp(f"{p}.mlp", H, I)
+
+
+def _mlp(p: str, H: int, I: int) -> tuple[tuple[str, tuple[int, int]], ...]:
+    return (f"{p}.gate_proj.weight", (I, H)), (f"{p}.up_proj.weight", (I, H)), (f"{p}.down_proj.weight", (H, I))
 
 
 def router_tensor_names(args: ModelArgs, layer: int) -> list[str]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 
 MISSING: Any = object()
@@ -116,21 +116,25 @@ class Number(Field):
 
 
 @dataclass(frozen=True)
-class Bool(Field):
+class Typed(Field):
+    """A value of one JSON type; each subclass names the type and how the rule reads."""
+
+    json_type: ClassVar[type] = object
+    described: ClassVar[str] = "any value"
+
     def accepts(self, value) -> bool:
-        return isinstance(value, bool)
+        return isinstance(value, self.json_type)
 
     def rule(self) -> str:
-        return "must be true or false"
+        return f"must be {self.described}"
 
 
-@dataclass(frozen=True)
-class Str(Field):
-    def accepts(self, value) -> bool:
-        return isinstance(value, str)
+class Bool(Typed):
+    json_type, described = bool, "true or false"
 
-    def rule(self) -> str:
-        return "must be a string"
+
+class Str(Typed):
+    json_type, described = str, "a string"
 
 
 @dataclass(frozen=True)

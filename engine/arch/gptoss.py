@@ -145,9 +145,15 @@ class SinkAttention:
     head_dim: int
     windows: tuple[int | None, ...]  # per layer: the sliding window, or None for full attention
 
-    def layer_names(self, p: str, layer: int) -> list[str]:
-        names = [f"{p}.{proj}.{kind}" for proj in ("q_proj", "k_proj", "v_proj", "o_proj") for kind in ("weight", "bias")]
-        return names + [f"{p}.sinks"]
+    def layer_shapes(self, p: str, layer: int, hidden: int) -> dict[str, tuple[int, ...]]:
+        """One layer's attention tensors and their shapes: q/k/v/o with biases, one sink per head."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        out = {}
+        for proj, (rows, cols) in (("q_proj", (q, hidden)), ("k_proj", (kv, hidden)), ("v_proj", (kv, hidden)),
+                                   ("o_proj", (hidden, q))):
+            out.update({f"{p}.{proj}.weight": (rows, cols), f"{p}.{proj}.bias": (rows,)})
+        out[f"{p}.sinks"] = (self.num_heads,)
+        return out
 
     # --- the cache (KVCache.allocate / nbytes_for call these) ---------------------------------
 

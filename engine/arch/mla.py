@@ -88,27 +88,27 @@ class MLAAttention:
 
     # --- what the runtime needs to know ------------------------------------------------------
 
-    def names(self, p: str) -> list[str]:
-        """Resident tensors of one layer's attention; p = "model.layers.{i}.self_attn"."""
-        if self.q_lora_rank is None:
-            names = [f"{p}.q_proj.weight"]
+    def layer_shapes(self, p: str, layer: int, hidden: int) -> dict[str, tuple[int, ...]]:
+        """Resident tensors of one layer's attention and their shapes; p = "model.layers.{i}.self_attn"."""
+        H, N, R, r = hidden, self.num_heads, self.qk_rope_head_dim, self.kv_lora_rank
+        qk, qr = self.qk_nope_head_dim + R, self.q_lora_rank
+        if qr is None:
+            out = {f"{p}.q_proj.weight": (N * qk, H)}
         else:
-            names = [f"{p}.q_a_proj.weight", f"{p}.q_a_layernorm.weight", f"{p}.q_b_proj.weight"]
-        names += [f"{p}.kv_a_proj_with_mqa.weight", f"{p}.kv_a_layernorm.weight", f"{p}.kv_b_proj.weight",
-                  f"{p}.o_proj.weight"]
+            out = {f"{p}.q_a_proj.weight": (qr, H), f"{p}.q_a_layernorm.weight": (qr,), f"{p}.q_b_proj.weight": (N * qk, qr)}
+        out.update({f"{p}.kv_a_proj_with_mqa.weight": (r + R, H), f"{p}.kv_a_layernorm.weight": (r,),
+                    f"{p}.kv_b_proj.weight": (N * (self.qk_nope_head_dim + self.v_head_dim), r),
+                    f"{p}.o_proj.weight": (H, N * self.v_head_dim)})
         if self.attention_bias:
-            names += [f"{p}.kv_a_proj_with_mqa.bias", f"{p}.o_proj.bias"]
-            if self.q_lora_rank is not None:
-                names.append(f"{p}.q_a_proj.bias")
-        return names
-
-    def layer_names(self, p: str, layer: int) -> list[str]:
-        names = self.names(p)
-        if self.indexer is not None and layer in self.indexer.full_layers:
-            i = f"{p}.indexer"
-            names += [f"{i}.wq_b.weight", f"{i}.wk.weight", f"{i}.k_norm.weight", f"{i}.k_norm.bias",
-                      f"{i}.weights_proj.weight"]
-        return names
+            out.update({f"{p}.kv_a_proj_with_mqa.bias": (r + R,), f"{p}.o_proj.bias": (H,)})
+            if qr is not None:
+                out[f"{p}.q_a_proj.bias"] = (qr,)
+        ix = self.indexer
+        if ix is not None and layer in ix.full_layers:
+            i, Di = f"{p}.indexer", ix.head_dim
+            out.update({f"{i}.wq_b.weight": (ix.n_heads * Di, qr), f"{i}.wk.weight": (Di, H),
+                        f"{i}.k_norm.weight": (Di,), f"{i}.k_norm.bias": (Di,), f"{i}.weights_proj.weight": (ix.n_heads, H)})
+        return out
 
     def per_token_elems(self, num_layers: int) -> int:
         """Cache elements one token costs over all layers: the latent, the rope key, and the

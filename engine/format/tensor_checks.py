@@ -10,8 +10,8 @@ matching pattern; each role lists the dtypes it may have. A quantized format add
 
 Shapes: every resident tensor's shape follows from config.json (q_proj is [heads*head_dim,
 hidden], ...); a mismatch is one line naming the tensor, both shapes and the fields, instead of
-a matmul error deep in the forward pass. Each architecture's record gives them
-(`Architecture.tensor_shape`, engine/arch/families/).
+a matmul error deep in the forward pass. The shapes are engine/arch/args.dense_tensors's, the
+same formula the parameter counts and the cost model use (every architecture, no per-family table).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.arch.registry import ARCHITECTURES, architecture
+from engine.arch.args import dense_tensors
+from engine.arch.registry import ARCHITECTURES
 from engine.base.dtypes import FLOAT_NAMES, TAG_OF
 from engine.base.errors import ModelFormatError
 
@@ -109,10 +110,10 @@ def check_dtypes(tensors: dict, config: dict) -> None:
 
 def check_shapes(checkpoint, args, names) -> None:
     """Each listed tensor exists and has the shape config.json implies."""
-    expected_of = architecture(args.model_type).tensor_shape
+    implied = dense_tensors(args)
     for name in names:
         info = checkpoint.info(name)
-        expected = expected_of(args, name) if expected_of else None
+        expected = implied.get(name)
         if expected is not None and tuple(info.shape) != tuple(expected):
             raise ModelFormatError(
                 f"{info.path}: tensor {name!r} has shape {list(info.shape)}, config.json implies {list(expected)} "

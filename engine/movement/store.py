@@ -5,7 +5,7 @@ every one of them):
 
     ResidentExperts    every routed expert in RAM (here): the reference placement
     StreamingExperts   routed experts read from disk into slots and tiered caches (streaming.py)
-    StreamingLayers    a dense model's layers read per forward pass (streaming.py)
+    StreamingLayers    a dense model's layers read per forward pass (streaming_layers.py)
 
 What the model calls:
     for_each_expert(layer, experts, fn)   call fn(expert, weights) once per expert, in the

@@ -1,6 +1,7 @@
-"""The streaming stores: routed experts (MoE) or whole layers (dense) read from disk per use.
+"""StreamingExperts: a MoE model's routed experts read from disk per use (a dense model's layers:
+streaming_layers.py; the pool, counters and read figures both share: reading_store.py).
 
-StreamingExperts, per layer:
+Per layer:
     for_each_expert   cache hits are computed at once; reads already in flight (issued by a
                       hint) and demand reads for the rest are computed as they land, in
                       completion order, so a hit never waits behind the slowest miss.
@@ -26,16 +27,14 @@ from concurrent.futures import Future, wait
 
 import torch
 
-from engine.movement.cache import TieredCache, hottest_keys, make_cache, routing_histogram_load
 from engine.base.config import EngineConfig
-from engine.movement.io import IOStats, align_up, open_read_pool
-from engine.format.layout import ExpertLayout, group_into_spans, piece_tensor, tensors_from_buffers
+from engine.format.layout import ExpertLayout, tensors_from_buffers
+from engine.movement.cache import PINNED_FRACTION, TieredCache, hottest_keys, make_cache, routing_histogram_load
+from engine.movement.io import align_up
 from engine.movement.plan import MemoryPlan
+from engine.movement.reading_store import ReadingStore
 from engine.movement.slots import SlotArena
-from engine.movement.store import ExpertStore
 
-# Share of the RAM cache the pinned policy reserves for the recorded hottest experts.
-PINNED_FRACTION = 0.5
 # How long a read waits for a worker to release a slot before it counts an overflow: a guard
 # against a budget bug, far above the slowest pread.
 SLOT_WAIT_GUARD_S = 5.0
@@ -58,16 +57,12 @@ class _Read:
         self.prefetch = prefetch
 
 
-class StreamingExperts(ExpertStore):
-    streams = True
-
+class StreamingExperts(ReadingStore):
     def __init__(self, layout: ExpertLayout, config: EngineConfig, plan: MemoryPlan, dtype: torch.dtype):
         self.layout = layout
         self.dtype = dtype
         self.plan = plan
-        self.io_stats = IOStats()
-        self.pool = open_read_pool(config.io_mode, config.io_backend, config.io_threads, config.chunk_size,
-                                   stats=self.io_stats)
+        self.open_reads(config)
         self.max_inflight = max(plan.max_inflight_experts, 1)
         # mmap reads are views of the page cache: nothing to land in, so no arena.
         self.arena = None if config.io_mode == "mmap" else SlotArena(plan.slot_bytes, plan.arena_slots)
@@ -86,7 +81,6 @@ class StreamingExperts(ExpertStore):
         self._landed: queue.SimpleQueue = queue.SimpleQueue()
         self.predicted: dict[int, set[int]] = {}
         self.slot_overflows = 0
-        self.tracer = None  # an engine/movement/io/trace.py ReadTrace while `colibri bench --read-trace` records
         self.reset_stats()
         if pinned:
             self._preload(pinned)
@@ -201,10 +195,7 @@ class StreamingExperts(ExpertStore):
                 read = self._landed.get()
                 if stall:
                     self.stall_seconds += time.perf_counter() - t0
-            read.left -= 1
-            if read.left == 0:
-                if self.reads.get(read.key) is read:
-                    del self.reads[read.key]
+            if self._span_landed(read):
                 return read
 
     def _drain(self) -> None:
@@ -214,11 +205,17 @@ class StreamingExperts(ExpertStore):
                 read = self._landed.get_nowait()
             except queue.Empty:
                 return
-            read.left -= 1
-            if read.left == 0:
-                if self.reads.get(read.key) is read:
-                    del self.reads[read.key]
+            if self._span_landed(read):
                 self._landed_elsewhere(read)
+
+    def _span_landed(self, read: _Read) -> bool:
+        """Count one landed span of `read`; True (and out of flight) once all have landed."""
+        read.left -= 1
+        if read.left:
+            return False
+        if self.reads.get(read.key) is read:
+            del self.reads[read.key]
+        return True
 
     def _landed_elsewhere(self, read: _Read) -> None:
         """A read that landed while the compute thread was waiting for another one (or was
@@ -288,13 +285,11 @@ class StreamingExperts(ExpertStore):
     # --- measurement and lifecycle ---------------------------------------------------------
 
     def reset_stats(self) -> None:
-        self.io_stats.reset()
-        self.stall_seconds = 0.0
+        self.reset_window()
         self.recall_hits = self.recall_total = 0
         self.demand_reads = self.prefetch_reads = self.prefetched_used = 0
         self.lookups = 0
         self.tier_hits: dict[str, int] = {}
-        self._window_start = time.perf_counter()
 
     def _settle(self) -> None:
         """Cancel every read not yet started and wait for the rest, so nothing lands later."""
@@ -315,17 +310,13 @@ class StreamingExperts(ExpertStore):
         for name in self.cache.tier_names:
             self.cache.tier(name).clear()
 
-    def drop_page_cache(self) -> None:
-        for path in {s.path for key in self.layout.keys() for s in self.layout.location(*key).spans}:
-            self.pool.drop_page_cache(path)
+    def drop_page_cache(self) -> str:
+        return self.drop_pages({s.path for key in self.layout.keys() for s in self.layout.location(*key).spans})
 
     def make_cold(self) -> str:
         self.clear_caches()
-        self.drop_page_cache()
-        how = "expert caches emptied, in-flight reads settled; page cache dropped (posix_fadvise DONTNEED)"
-        if self.pool.io_mode == "mmap":
-            how += " after unmapping the mapped pages (madvise DONTNEED)"
-        elif self.pool.effective_mode == "direct":
+        how = "expert caches emptied, in-flight reads settled; " + self.drop_page_cache()
+        if self.pool.io_mode != "mmap" and self.pool.effective_mode == "direct":
             how += "; reads are O_DIRECT"
         return how
 
@@ -333,16 +324,9 @@ class StreamingExperts(ExpertStore):
         """Counters since reset_stats(). Every expert lookup is exactly one of: a hit in a cache
         tier (kept from an earlier use), a prefetch that lookahead issued in time or in flight,
         or a demand read; the three rates add up to 1."""
-        window = time.perf_counter() - self._window_start
-        io = self.io_stats.snapshot()
         n = self.lookups
         return {
-            "io_mode_effective": self.pool.effective_mode,
-            "io_backend_effective": self.pool.backend,
-            "bytes_read": io["bytes_read"],
-            "bytes_requested": io["bytes_requested"],
-            "read_requests": io["requests"],
-            "read_gbps": io["bytes_read"] / window / 1e9 if window > 0 else None,
+            **self.read_figures(),
             "expert_lookups": n,
             "hit_rate": {name: (self.tier_hits.get(name, 0) / n if n else None) for name in self.cache.tier_names},
             "prefetch_coverage": self.prefetched_used / n if n else None,
@@ -352,91 +336,10 @@ class StreamingExperts(ExpertStore):
             "prefetch_reads": self.prefetch_reads,
             "prefetched_used": self.prefetched_used,
             "lookahead_recall": self.recall_hits / self.recall_total if self.recall_total else None,
-            "io_stall_s": self.stall_seconds,
-            "io_stall_fraction": self.stall_seconds / window if window > 0 else None,
             **(self.arena.stats() if self.arena is not None else {}),
             "slot_overflows": self.slot_overflows,
         }
 
     def close(self) -> None:
         self._settle()
-        self.pool.close()
-
-
-class StreamingLayers(ExpertStore):
-    """Layer streaming for dense models: a layer's tensors are read per token, ahead of use."""
-
-    streams = True
-
-    def __init__(self, checkpoint, names_by_layer: dict[int, list[str]], config: EngineConfig, dtype: torch.dtype):
-        self.dtype = dtype
-        self.io_stats = IOStats()
-        self.pool = open_read_pool(config.io_mode, config.io_backend, config.io_threads, config.chunk_size,
-                                   stats=self.io_stats)
-        self.layers: dict[int, tuple[list, list]] = {}
-        for layer, names in names_by_layer.items():
-            spans, pieces = group_into_spans([checkpoint.info(n) for n in names])
-            self.layers[layer] = (spans, list(zip(names, pieces)))
-        self.inflight: dict[int, list[Future]] = {}
-        self.tracer = None  # an engine/movement/io/trace.py ReadTrace while `colibri bench --read-trace` records
-        self.reset_stats()
-
-    def hint_layer(self, layer: int) -> None:
-        if layer not in self.inflight:
-            spans = self.layers[layer][0]
-            self.inflight[layer] = [self.pool.submit(s.path, s.offset, s.length) for s in spans]
-            if self.tracer is not None:
-                for s, f in zip(spans, self.inflight[layer]):
-                    self.tracer.submitted(s.path, s.offset, s.length, layer, f)
-            self.prefetch_reads += 1
-
-    def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
-        if layer not in self.inflight:
-            self.demand_reads += 1
-            self.hint_layer(layer)
-            self.prefetch_reads -= 1
-        t0 = time.perf_counter()
-        buffers = [f.result() for f in self.inflight.pop(layer)]
-        self.stall_seconds += time.perf_counter() - t0
-        return {name: piece_tensor(buffers, piece, self.dtype) for name, piece in self.layers[layer][1]}
-
-    def clear_caches(self) -> None:
-        """Streamed layers are never cached; reads in flight are cancelled or waited for."""
-        for futures in self.inflight.values():
-            for f in futures:
-                f.cancel()
-        wait([f for fs in self.inflight.values() for f in fs])
-        self.inflight.clear()
-
-    def make_cold(self) -> str:
-        self.clear_caches()
-        for spans, _ in self.layers.values():
-            for s in spans:
-                self.pool.drop_page_cache(s.path)
-        how = "in-flight layer reads settled; page cache dropped (posix_fadvise DONTNEED)"
-        return how + (" after unmapping the mapped pages (madvise DONTNEED)" if self.pool.io_mode == "mmap" else "")
-
-    def reset_stats(self) -> None:
-        self.io_stats.reset()
-        self.stall_seconds = 0.0
-        self.demand_reads = self.prefetch_reads = 0
-        self._window_start = time.perf_counter()
-
-    def stats(self) -> dict:
-        window = time.perf_counter() - self._window_start
-        io = self.io_stats.snapshot()
-        return {
-            "io_mode_effective": self.pool.effective_mode,
-            "io_backend_effective": self.pool.backend,
-            "bytes_read": io["bytes_read"], "bytes_requested": io["bytes_requested"],
-            "read_requests": io["requests"],
-            "read_gbps": io["bytes_read"] / window / 1e9 if window > 0 else None,
-            "hit_rate": {}, "demand_reads": self.demand_reads, "prefetch_reads": self.prefetch_reads,
-            "streamed_layers": len(self.layers), "lookahead_recall": None,
-            "io_stall_s": self.stall_seconds,
-            "io_stall_fraction": self.stall_seconds / window if window > 0 else None,
-        }
-
-    def close(self) -> None:
-        self.clear_caches()
         self.pool.close()

@@ -31,7 +31,8 @@ from engine.arch.router import routing_trim
 from engine.format.tensor_checks import check_shapes
 from engine.movement.cache import routing_histogram_save
 from engine.movement.store import ExpertStore, ResidentExperts
-from engine.movement.streaming import StreamingExperts, StreamingLayers
+from engine.movement.streaming import StreamingExperts
+from engine.movement.streaming_layers import StreamingLayers
 from engine.format.quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT8, kernel_works
 from engine.base.errors import UnsupportedModelError
 from engine.format import fp8

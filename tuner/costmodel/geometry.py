@@ -4,9 +4,9 @@ What the cost model needs from a model is its tensor sizes, not its bytes: how m
 stay resident (attention, norms, embeddings, shared experts, dense layers), how big one routed
 expert is, how many routed experts there are and how many a token uses, and how big the KV
 cache is per position. A model directory gives these exactly from its safetensors headers; a
-spec (engine/presets/*.json, a config.json-like dict) gives them from the architecture's
-formulas, including multi-head latent attention (DeepSeek-V3, GLM-5), which the engine cannot
-run yet but which users plan for.
+spec (engine/presets/*.json, a config.json-like dict) gives them from the shapes the engine itself
+implies for that config (engine/arch/args.dense_tensors: one formula for every architecture in the
+registry, multi-head latent attention included), so a spec plans what the engine would load.
 
 Quant levels are bytes per weight, scale overhead included:
   bf16  2 bytes;  fp32  4 bytes;
@@ -28,9 +28,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.arch.args import dense_tensor_names
+import torch
+
+from engine.arch.args import dense_tensor_names, dense_tensors
 from engine.arch.registry import model_args
-from engine.base.errors import ConfigError
+from engine.base.errors import ConfigError, ModelFormatError
 from engine.base.inputs import printable
 from engine.format.checkpoint import Checkpoint
 from engine.format.container import container_spec, dense_quantized
@@ -42,8 +44,6 @@ INT4_GROUP = 64
 QUANTS = ("bf16", "fp32", "fp8", "int8", "int4")
 FP8_BLOCK = 128 * 128
 FP8_QUANTIZED = re.compile(r"_proj(_with_mqa)?\.weight$")  # the projections FP8 releases store in e4m3
-MATERIALIZED_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-MLA_TYPES = ("deepseek_v3", "glm_moe_dsa", "glm4_moe_dsa")
 
 
 def bytes_per_weight(quant: str, in_features: int) -> float:
@@ -94,8 +94,6 @@ class ModelGeometry:
     native_quant: str  # the dtype the weights are published in (bf16 for every bundled spec)
     # Resident tensors by the names the engine's plan asks for (see memplan.py).
     dense: list[Tensor] = field(default_factory=list)
-    # KV elements per position per layer (K + V, or MLA's compressed latent + rope key).
-    kv_elems_per_layer: int = 0
     source: str = ""
     model_dir: Path | None = None
     routing_skew: float | None = None  # synth's --routing-skew, when the model is synthetic
@@ -161,8 +159,6 @@ class ModelGeometry:
 
 def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
     """Exact sizes from a Hugging Face directory's headers (nothing but headers is read)."""
-    import torch
-
     ckpt = Checkpoint(model_dir)
     args = model_args(ckpt.config)
     names = dense_tensor_names(args)
@@ -180,7 +176,7 @@ def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
         moe_layers=sum(args.moe_layer_flags), num_experts=args.num_experts, top_k=args.top_k,
         hidden_size=args.hidden_size, moe_intermediate_size=args.moe_intermediate_size,
         vocab_size=args.vocab_size, native_quant=native, dense=dense,
-        kv_elems_per_layer=2 * args.num_kv_heads * args.head_dim, source=str(model_dir),
+        source=str(model_dir),
         model_dir=Path(model_dir), routing_skew=synth.get("routing_skew"), planning_config=dict(ckpt.config),
     )
 
@@ -205,86 +201,26 @@ def from_spec(spec: dict) -> ModelGeometry:
 
 
 def _from_spec(g: dict) -> ModelGeometry:
-    mt = g.get("model_type")
-    H, L, V = int(g["hidden_size"]), int(g["num_hidden_layers"]), int(g["vocab_size"])
-    nh = int(g["num_attention_heads"])
-    E = int(g.get("n_routed_experts") or g.get("num_experts") or g.get("num_local_experts") or 0)
-    K = int(g["num_experts_per_tok"])
-    # Mixtral and OLMoE name the expert width intermediate_size; the others moe_intermediate_size.
-    I = int(g.get("moe_intermediate_size") or g["intermediate_size"])
-    first_dense = int(g.get("first_k_dense_replace", 0))
-    dense_I = int(g.get("intermediate_size") or I)
-    shared_I = int(g.get("n_shared_experts", 0)) * I
-    tied = bool(g.get("tie_word_embeddings", False))
-
-    dense: list[Tensor] = [Tensor("model.embed_tokens.weight", (V, H)), Tensor("model.norm.weight", (H,))]
-    if not tied:
-        dense.append(Tensor("lm_head.weight", (V, H)))
-    if mt in MLA_TYPES:
-        attn, kv_elems = _mla_attention(g, H, nh)
-    elif mt in MATERIALIZED_TYPES:
-        attn, kv_elems = _gqa_attention(g, H, nh)
-    else:
-        raise ConfigError(f"geometry {g.get('name', '?')!r}: model_type {mt!r} has no size formulas "
-                          f"(known: {', '.join(MATERIALIZED_TYPES + MLA_TYPES)})")
-    for i in range(L):
-        p = f"model.layers.{i}."
-        dense += [Tensor(p + "input_layernorm.weight", (H,)), Tensor(p + "post_attention_layernorm.weight", (H,))]
-        dense += [Tensor(p + name, shape) for name, shape in attn]
-        if i < first_dense:
-            dense += [Tensor(p + f"mlp.{n}.weight", s) for n, s in
-                      (("gate_proj", (dense_I, H)), ("up_proj", (dense_I, H)), ("down_proj", (H, dense_I)))]
-        else:
-            router = "block_sparse_moe" if mt == "mixtral" else "mlp"
-            dense.append(Tensor(p + f"{router}.gate.weight", (E, H)))
-            if shared_I:
-                dense += [Tensor(p + f"mlp.shared_expert.{n}.weight", s) for n, s in
-                          (("gate_proj", (shared_I, H)), ("up_proj", (shared_I, H)), ("down_proj", (H, shared_I)))]
+    # The geometry is the config.json it describes (synth's default architecture when it names
+    # none): the registry parses it, and the resident tensors' shapes are the engine's own
+    # (engine/arch/args.dense_tensors), so every architecture the engine runs is planned alike.
+    config = {"model_type": "qwen3_moe", **g}
+    try:
+        args = model_args(config)
+    except ModelFormatError as exc:  # a geometry is a file the user wrote, not a model's config.json
+        raise ConfigError(str(exc)) from None
+    if not args.num_experts:
+        raise ConfigError(f"geometry {g.get('name', '?')!r}: model_type {args.model_type} has no routed experts")
+    dense = [Tensor(name, shape) for name, shape in dense_tensors(args).items()]
     return ModelGeometry(
-        name=str(g.get("name", "custom")), model_type=mt, num_layers=L, moe_layers=L - first_dense,
-        num_experts=E, top_k=K, hidden_size=H, moe_intermediate_size=I, vocab_size=V,
-        native_quant={"float32": "fp32"}.get(g.get("dtype"), "bf16"), dense=dense, kv_elems_per_layer=kv_elems,
+        name=str(g.get("name", "custom")), model_type=args.model_type, num_layers=args.num_layers,
+        moe_layers=sum(args.moe_layer_flags), num_experts=args.num_experts, top_k=args.top_k,
+        hidden_size=args.hidden_size, moe_intermediate_size=args.moe_intermediate_size, vocab_size=args.vocab_size,
+        native_quant={"float32": "fp32"}.get(g.get("dtype"), "bf16"), dense=dense,
         source=str(g.get("source", "spec")), routing_skew=g.get("routing_skew"),
         published_total_params=g.get("published_total_params"),
-        published_active_params=g.get("published_active_params"), planning_config=dict(g),
+        published_active_params=g.get("published_active_params"), planning_config=config,
     )
-
-
-def _gqa_attention(g: dict, H: int, nh: int):
-    nkv = int(g.get("num_key_value_heads") or nh)
-    hd = int(g.get("head_dim") or H // nh)
-    shapes = [("self_attn.q_proj.weight", (nh * hd, H)), ("self_attn.k_proj.weight", (nkv * hd, H)),
-              ("self_attn.v_proj.weight", (nkv * hd, H)), ("self_attn.o_proj.weight", (H, nh * hd))]
-    if g.get("model_type") == "olmoe":  # q/k norm over the whole projection
-        shapes += [("self_attn.q_norm.weight", (nh * hd,)), ("self_attn.k_norm.weight", (nkv * hd,))]
-    elif g.get("model_type") == "qwen3_moe":  # per-head q/k norm
-        shapes += [("self_attn.q_norm.weight", (hd,)), ("self_attn.k_norm.weight", (hd,))]
-    return shapes, 2 * nkv * hd
-
-
-def _mla_attention(g: dict, H: int, nh: int):
-    """Multi-head latent attention (DeepSeek-V2/V3, GLM-5), and GLM-5's sparse-attention indexer.
-
-    The KV cache holds the compressed latent (kv_lora_rank) plus the shared rope key per
-    position, not per-head K and V: that is what makes 128K contexts affordable.
-    """
-    q_lora, kv_lora = int(g["q_lora_rank"]), int(g["kv_lora_rank"])
-    nope, rope, v = int(g["qk_nope_head_dim"]), int(g["qk_rope_head_dim"]), int(g["v_head_dim"])
-    shapes = [
-        ("self_attn.q_a_proj.weight", (q_lora, H)), ("self_attn.q_a_layernorm.weight", (q_lora,)),
-        ("self_attn.q_b_proj.weight", (nh * (nope + rope), q_lora)),
-        ("self_attn.kv_a_proj_with_mqa.weight", (kv_lora + rope, H)),
-        ("self_attn.kv_a_layernorm.weight", (kv_lora,)),
-        ("self_attn.kv_b_proj.weight", (nh * (nope + v), kv_lora)),
-        ("self_attn.o_proj.weight", (H, nh * v)),
-    ]
-    kv = kv_lora + rope
-    if g.get("index_n_heads"):  # DeepSeek sparse attention's lightning indexer (GLM-5)
-        ih, ihd = int(g["index_n_heads"]), int(g["index_head_dim"])
-        shapes += [("self_attn.indexer.wq_b.weight", (ih * ihd, q_lora)), ("self_attn.indexer.wk.weight", (ihd, H)),
-                   ("self_attn.indexer.weights_proj.weight", (ih, H))]
-        kv += ihd  # the indexer caches one key per position
-    return shapes, kv
 
 
 # --- resolving the --model argument -------------------------------------------------------------

@@ -98,29 +98,9 @@ class _SizedLayout:
 
 
 def planning_args(geometry: ModelGeometry):
-    """ModelArgs the plan can walk (tensor names, KV shape, top-k) for any geometry.
-
-    Specs whose architecture the engine does not run (MLA) are planned as a qwen2_moe-shaped
-    model: same layers, experts, shared expert and dense layers; the attention tensors' sizes
-    come from the geometry by name, and the KV cache as one "head" of the latent's width.
-    """
-    g = geometry
-    try:
-        return model_args(g.planning_config)
-    except Exception:  # noqa: BLE001 - any architecture the engine cannot parse is planned generically
-        pass
-    cfg = g.planning_config
-    first_dense = int(cfg.get("first_k_dense_replace", 0))
-    shared = int(cfg.get("n_shared_experts", 0)) * g.moe_intermediate_size
-    return model_args({
-        "model_type": "qwen2_moe", "hidden_size": g.hidden_size, "num_hidden_layers": g.num_layers,
-        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": g.kv_elems_per_layer / 2,
-        "vocab_size": g.vocab_size, "intermediate_size": int(cfg.get("intermediate_size") or 0),
-        "moe_intermediate_size": g.moe_intermediate_size, "num_experts": g.num_experts,
-        "num_experts_per_tok": g.top_k, "shared_expert_intermediate_size": shared,
-        "mlp_only_layers": list(range(first_dense)), "attention_bias": False,
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-    })
+    """ModelArgs the plan walks (tensor names, KV shape, top-k): the geometry's config.json parsed by
+    the registry, as the engine parses it (every architecture in it, MLA included)."""
+    return model_args(geometry.planning_config)
 
 
 def plan_memory(geometry: ModelGeometry, quant: str, config: EngineConfig, overhead_bytes: int) -> MemoryPlan:

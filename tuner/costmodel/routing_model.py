@@ -25,7 +25,7 @@ from functools import lru_cache
 import numpy as np
 
 from engine.base.errors import ConfigError
-from engine.movement.cache import hottest_keys, make_cache, routing_histogram_load
+from engine.movement.cache import PINNED_FRACTION, hottest_keys, make_cache, routing_histogram_load
 from tuner.costmodel.geometry import ModelGeometry
 
 # Measured with benchmarks/routing_skew.py on the demo geometry (docs/SYNTH.md): per skew X,
@@ -37,7 +37,6 @@ SYNTH_SKEW_TABLE = (  # X, reuse, reuse@32
     (1.0, 0.403, 0.219),
     (2.0, 0.531, 0.252),
 )
-PINNED_FRACTION = 0.5  # engine/movement/streaming.py's share of the RAM cache the pinned policy pins
 
 
 @dataclass

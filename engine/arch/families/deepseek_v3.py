@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from engine.arch.architecture import Architecture, PlannedTensor as T, SynthRecipe
+from engine.arch.architecture import Architecture, PlannedTensor as T, SynthRecipe, TinyOracle
 from engine.arch.args import ModelArgs
 from engine.arch.config_rules import COMMON, K16, M4, Int
 from engine.arch.families.routed import (ROUTED_RULES, bad, config_int, moe_flags, routed_fields,
@@ -101,4 +101,13 @@ def mla_synth_plan(g: dict, args: ModelArgs) -> list[list[T]]:
 DEEPSEEK_V3 = Architecture(
     "deepseek_v3", ("deepseek_v3",), _parse, rules=lambda model_type: (*COMMON, *ROUTED_RULES, *MLA_RULES),
     synth=SynthRecipe(lambda g, eos, stamp: synth_config(g, "DeepseekV3ForCausalLM", eos, stamp, finish_mla_config),
-                      mla_synth_plan))
+                      mla_synth_plan),
+    # Four groups of two with topk_group 2 make the group limit bite; a dense first layer; yarn
+    # with mscale_all_dim moves the softmax scale; rope_interleave is DeepSeek's default.
+    oracle=TinyOracle({"deepseek_v3": dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=4,
+        topk_group=2, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                         "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})},
+        randomize_zeros=True))

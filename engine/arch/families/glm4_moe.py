@@ -3,7 +3,7 @@ optional per-head q/k norms and qkv biases, over deepseek-style sigmoid-routed e
 
 from __future__ import annotations
 
-from engine.arch.architecture import Architecture, SynthRecipe
+from engine.arch.architecture import Architecture, SynthRecipe, TinyOracle
 from engine.arch.args import ModelArgs
 from engine.arch.config_rules import COMMON
 from engine.arch.families.routed import ROUTED_RULES, bad, moe_flags, routed_fields, routed_moe_plan
@@ -30,4 +30,8 @@ def _synth_plan(g: dict, args: ModelArgs):
 
 GLM4_MOE = Architecture(
     "glm4_moe", ("glm4_moe",), _parse, rules=lambda model_type: (*COMMON, *ROUTED_RULES),
-    synth=SynthRecipe(lambda g, eos, stamp: synth_config(g, "Glm4MoeForCausalLM", eos, stamp), _synth_plan))
+    synth=SynthRecipe(lambda g, eos, stamp: synth_config(g, "Glm4MoeForCausalLM", eos, stamp), _synth_plan),
+    oracle=TinyOracle({"glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        n_shared_experts=1, first_k_dense_replace=1, head_dim=16, use_qk_norm=True,
+                                        attention_bias=True, routed_scaling_factor=1.5, n_group=2, topk_group=1)},
+                      randomize_zeros=True))

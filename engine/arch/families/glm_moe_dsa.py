@@ -4,7 +4,7 @@ may be listed dense/sparse in `mlp_layer_types`."""
 
 from __future__ import annotations
 
-from engine.arch.architecture import Architecture, SynthRecipe
+from engine.arch.architecture import Architecture, SynthRecipe, TinyOracle
 from engine.arch.args import ModelArgs
 from engine.arch.config_rules import COMMON, K16, M4, Int
 from engine.arch.families.deepseek_v3 import (MLA_RULES, finish_mla_config, mla_args, mla_attention,
@@ -50,4 +50,11 @@ GLM_MOE_DSA = Architecture(
     rules=lambda model_type: (*COMMON, *ROUTED_RULES, *MLA_RULES, Int("index_topk", 1, M4, required=True),
                               Int("index_n_heads", 1, K16, required=True), Int("index_head_dim", 1, K16, required=True)),
     synth=SynthRecipe(lambda g, eos, stamp: synth_config(g, "GlmMoeDsaForCausalLM", eos, stamp, finish_mla_config),
-                      mla_synth_plan))
+                      mla_synth_plan),
+    # index_topk 6 < the oracle's 32-token prompt, so the indexer's selection decides what is
+    # attended; layer 2 reuses layer 1's selection.
+    oracle=TinyOracle({"glm_moe_dsa": dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, num_key_value_heads=4, index_topk=6, index_head_dim=16, index_n_heads=8,
+        indexer_types=["full", "full", "shared"])}, randomize_zeros=True))

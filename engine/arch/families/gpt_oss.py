@@ -6,7 +6,7 @@ quantized from the same seeded weights the plain format would hold)."""
 
 from __future__ import annotations
 
-from engine.arch.architecture import Architecture, PlannedTensor as T, SynthRecipe
+from engine.arch.architecture import Architecture, PlannedTensor as T, SynthRecipe, TinyOracle
 from engine.arch.args import ModelArgs
 from engine.arch.config_rules import COMMON, K16, M4, Int
 from engine.arch.families.routed import bad, config_int
@@ -82,4 +82,10 @@ GPT_OSS = Architecture(
     tensor_roles=(("MXFP4 expert blocks/scales", r"\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales)$",
                    frozenset({"U8"})),),
     synth=SynthRecipe(lambda g, eos, stamp: synth_config(g, "GptOssForCausalLM", eos, stamp, _finish_config(g)),
-                      _synth_plan, expert_formats=("plain", "mxfp4")))
+                      _synth_plan, expert_formats=("plain", "mxfp4")),
+    # sliding window 8 < the oracle's prompt; yarn as the published config (truncate=False).
+    oracle=TinyOracle({"gpt_oss": dict(
+        num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=8, intermediate_size=32,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})},
+        randomize_zeros=True))

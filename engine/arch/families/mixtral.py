@@ -3,10 +3,9 @@ sliding-window attention on by default."""
 
 from __future__ import annotations
 
-from engine.arch.architecture import Architecture
+from engine.arch.architecture import Architecture, TinyOracle
 from engine.arch.args import ModelArgs, sliding_window
 from engine.arch.config_rules import COMMON, M4, MOE, Int, sliding_window_rule
-from engine.arch.families.dense import llama_family_shape
 
 
 def _parse(model_type: str, cfg: dict, common: dict) -> ModelArgs:
@@ -20,5 +19,6 @@ def _parse(model_type: str, cfg: dict, common: dict) -> ModelArgs:
     )
 
 
-MIXTRAL = Architecture("mixtral", ("mixtral",), _parse, tensor_shape=llama_family_shape, rules=lambda model_type: (
-    *COMMON, *MOE, Int("intermediate_size", 1, M4, required=True), sliding_window_rule(True)))
+MIXTRAL = Architecture("mixtral", ("mixtral",), _parse, rules=lambda model_type: (
+    *COMMON, *MOE, Int("intermediate_size", 1, M4, required=True), sliding_window_rule(True)),
+    oracle=TinyOracle({"mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from engine.arch.architecture import Architecture
+from engine.arch.architecture import Architecture, TinyOracle
 from engine.arch.config_rules import COMMON, M4, MOE, QWEN_MOE, Int
-from engine.arch.families.dense import llama_family_shape
 from engine.arch.families.qwen3_moe import parse_qwen_moe
 
-QWEN2_MOE = Architecture("qwen2_moe", ("qwen2_moe",), parse_qwen_moe, tensor_shape=llama_family_shape,
+QWEN2_MOE = Architecture("qwen2_moe", ("qwen2_moe",), parse_qwen_moe,
                          rules=lambda model_type: (*COMMON, *MOE, *QWEN_MOE,
-                                                   Int("shared_expert_intermediate_size", 0, M4, nullable=True)))
+                                                   Int("shared_expert_intermediate_size", 0, M4, nullable=True)),
+                         # a gated shared expert; qkv biases by default
+                         oracle=TinyOracle({"qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                              shared_expert_intermediate_size=48)}))

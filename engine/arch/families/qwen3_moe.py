@@ -6,10 +6,9 @@ attention (engine/synth/recipe.py).
 
 from __future__ import annotations
 
-from engine.arch.architecture import Architecture, PlannedTensor, SynthRecipe
+from engine.arch.architecture import Architecture, PlannedTensor, SynthRecipe, TinyOracle
 from engine.arch.args import ModelArgs, sliding_window
 from engine.arch.config_rules import COMMON, MOE, QWEN_MOE
-from engine.arch.families.dense import llama_family_shape
 
 
 def parse_qwen_moe(model_type: str, cfg: dict, common: dict) -> ModelArgs:
@@ -112,6 +111,9 @@ def synth_plan(g: dict, args: ModelArgs) -> list[list[PlannedTensor]]:
     return units
 
 
-QWEN3_MOE = Architecture("qwen3_moe", ("qwen3_moe",), parse_qwen_moe, tensor_shape=llama_family_shape,
+QWEN3_MOE = Architecture("qwen3_moe", ("qwen3_moe",), parse_qwen_moe,
                          rules=lambda model_type: (*COMMON, *MOE, *QWEN_MOE),
-                         synth=SynthRecipe(synth_config, synth_plan, native_geometry=True))
+                         synth=SynthRecipe(synth_config, synth_plan, native_geometry=True),
+                         # experts of a different size from the dense MLP, an mlp-only layer, per-head q/k norms
+                         oracle=TinyOracle({"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                              norm_topk_prob=True, head_dim=16, mlp_only_layers=[1])}))

@@ -7,12 +7,12 @@ histogram the pinned policy reads.
 """
 
 from engine.movement.cache.policies import (
-    CACHE_POLICIES, CacheStats, ExpertCache, LFUCache, LRUCache, PinnedCache, make_cache,
+    CACHE_POLICIES, PINNED_FRACTION, CacheStats, ExpertCache, LFUCache, LRUCache, PinnedCache, make_cache,
 )
 from engine.movement.cache.histogram import (
     ROUTING_SCHEMA, hottest_keys, routing_histogram_load, routing_histogram_save,
 )
 from engine.movement.cache.tiered import TieredCache
 
-__all__ = ["CACHE_POLICIES", "ROUTING_SCHEMA", "CacheStats", "ExpertCache", "LFUCache", "LRUCache", "PinnedCache",
+__all__ = ["CACHE_POLICIES", "PINNED_FRACTION", "ROUTING_SCHEMA", "CacheStats", "ExpertCache", "LFUCache", "LRUCache", "PinnedCache",
            "TieredCache", "hottest_keys", "make_cache", "routing_histogram_load", "routing_histogram_save"]

@@ -37,6 +37,11 @@ Key = Hashable
 Evicted = tuple[Key, Any, int]  # (key, value, nbytes)
 
 
+# Share of the RAM cache the pinned policy reserves for the recorded hottest experts (the engine's
+# store and the cost model's routing simulation both use it).
+PINNED_FRACTION = 0.5
+
+
 @dataclass
 class CacheStats:
     hits: int = 0
@@ -277,7 +282,7 @@ class PinnedCache(ExpertCache):
 
     policy = "pinned"
 
-    def __init__(self, capacity_bytes: int, pinned_keys: Sequence[Key] = (), pinned_fraction: float = 0.5):
+    def __init__(self, capacity_bytes: int, pinned_keys: Sequence[Key] = (), pinned_fraction: float = PINNED_FRACTION):
         super().__init__(capacity_bytes)
         if not 0.0 <= pinned_fraction <= 1.0:
             raise ConfigError(f"pinned_fraction must be within [0, 1], got {pinned_fraction!r}")
@@ -353,7 +358,7 @@ def make_cache(
     capacity_bytes: int,
     *,
     pinned_keys: Sequence[Key] = (),
-    pinned_fraction: float = 0.5,
+    pinned_fraction: float = PINNED_FRACTION,
 ) -> ExpertCache:
     """A cache of the named policy; pinned_keys/pinned_fraction only matter for "pinned"."""
     if policy == "lru":
