@@ -18,7 +18,7 @@ from engine.base.errors import BudgetError
 from engine.format.checkpoint import Checkpoint
 from engine.movement.plan import PREFILL_CHUNK, prefill_activation_bytes, prefill_tokens_per_pass
 from engine.run.runtime import Engine
-from tuner.search.space import ModelFacts, SearchSpace
+from tuner.search.space import MIN_PREFILL_CHUNK, ModelFacts, SearchSpace, prefill_chunk_for
 from tuner.search.workload import prepare_workload
 
 from colibri_tune_fixtures import MiB
@@ -72,6 +72,41 @@ def test_a_chunked_prefill_gives_the_unchunked_logits_and_kv(model_dir):  # noqa
     assert int(chunked.argmax()) == int(whole.argmax())
 
 
+@pytest.mark.parametrize("chunk", [32, 7])
+def test_the_configured_prefill_pass_sets_the_passes_and_keeps_the_logits(model_dir, chunk):  # noqa: F811
+    """prefill_chunk is what the engine passes a prompt through in (and what the plan charges): a
+    70-token prompt goes through in ceil(70 / chunk) passes with the one-pass logits."""
+    n = 70
+    ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(1))
+    with Engine(model_dir, EngineConfig(ctx_size=512, prefill_chunk=chunk)) as engine:
+        passes = []
+        one_pass = engine.model.forward
+        engine.model.forward = lambda t, *a, **k: passes.append(t.shape[0]) or one_pass(t, *a, **k)
+        chunked = engine.forward(ids, 0, last_only=True)
+        engine.model.forward = one_pass
+        whole = engine.model.forward(ids, 0, engine.kv, last_only=True)
+        assert engine.plan.prefill_bytes == prefill_activation_bytes(engine.args, chunk, engine.dtype)
+    assert passes == [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+    torch.testing.assert_close(chunked, whole, atol=1e-3, rtol=1e-3)
+
+
+def test_a_tune_sizes_the_prefill_pass_to_its_workloads_longest_prompt(model_dir, tmp_path):  # noqa: F811
+    """The fixed 8-token prompt runs every candidate with MIN_PREFILL_CHUNK-token passes, so the plan
+    charges ~1/8 of the default pass and the expert cache gets the rest; a long prompt keeps the
+    engine's default pass."""
+    assert [prefill_chunk_for(n) for n in (1, 8, 32, 33, 200, 4000)] == [32, 32, 32, 64, 256, PREFILL_CHUNK]
+    run = _tune_run(model_dir, tmp_path / "fixed", 1 << 30, None)
+    assert run.space.prefill_chunk == MIN_PREFILL_CHUNK
+    config = run.space.baseline()
+    assert config.prefill_chunk == MIN_PREFILL_CHUNK
+    assert EngineConfig().prefill_chunk == PREFILL_CHUNK  # what a user without `tune` gets is unchanged
+    args = model_args(Checkpoint(model_dir).config)
+    assert prefill_activation_bytes(args, MIN_PREFILL_CHUNK, torch.bfloat16) < \
+        prefill_activation_bytes(args, PREFILL_CHUNK, torch.bfloat16) / 4
+    long_run = _tune_run(model_dir, tmp_path / "long", 1 << 30, _prompts(tmp_path, "long.jsonl", 60))
+    assert long_run.space.prefill_chunk == PREFILL_CHUNK
+
+
 def _prompts(tmp_path, name: str, words: int) -> str:
     path = tmp_path / name
     path.write_text(json.dumps({"prompt": " ".join(f"w{i % 50}" for i in range(words)), "max_new_tokens": 4}) + "\n")
@@ -95,9 +130,11 @@ def test_a_long_prompt_tune_under_a_tight_budget_is_refused_before_running(model
     facts = ModelFacts.read(model_dir)
     need = {}
     for name, path in (("short", short), ("long", long_)):
-        ctx = prepare_workload(path, model_dir, 8, 2, facts.max_position_embeddings).ctx_needed
+        work = prepare_workload(path, model_dir, 8, 2, facts.max_position_embeddings)
+        ctx = work.ctx_needed
         space = SearchSpace(budget=1 << 40, physical_cores=1, logical_cores=1, has_gpu=False, min_ctx=max(16, ctx),
-                            model=facts)  # the default overhead, as the check before calibration uses
+                            model=facts,  # the default overhead, as the check before calibration uses
+                            prefill_chunk=prefill_chunk_for(work.info.prompt_tokens.max))
         need[name] = (ctx, space.fixed_bytes(space.smallest()))
     assert need["long"][0] > 300 and need["long"][1] > need["short"][1]
     budget = need["short"][1] + (need["long"][1] - need["short"][1]) // 2

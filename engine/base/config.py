@@ -35,6 +35,12 @@ KV_QUANT_NAMES = ("fp8", "int8")
 KV_DTYPES = ("auto", *SHORT_NAMES, *KV_QUANT_NAMES)
 MAX_TOP_K_REDUCTION = 8
 CTX_MAX = 1 << 22  # the longest context a config may ask for (prompt and new tokens must fit in it)
+# Prompt tokens per forward pass of a prefill (the default of `prefill_chunk`). Without a bound, a
+# 2,000-token prompt on demo-small (hidden 512) grew the trial's resident set by ~310 MiB over an
+# 8-token one (every transient of a layer is [T, ...], and every distinct per-expert row count is
+# one more cached oneDNN matmul primitive) and was OOM-killed under a 400 MiB budget the plan said
+# it fitted. The memory plan charges one pass's activations (engine/movement/plan.py).
+PREFILL_CHUNK = 256
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # fp16 is computed in fp32 on CPU (slow fp16 matmuls)
 
 # An engine config is a dozen keys; anything this large is not one (and is not read whole).
@@ -153,6 +159,10 @@ class EngineConfig:
                         label="compute threads", short="threads")
     ctx_size: int = knob(2048, "context size in tokens", kind="int", lo=1, hi=CTX_MAX, label="context",
                          short="ctx")
+    # Smaller passes shrink the plan's prefill charge (more room for the expert cache) at the cost of
+    # more passes on long prompts, each re-reading the experts the cache cannot hold.
+    prefill_chunk: int = knob(PREFILL_CHUNK, "prompt tokens per prefill pass (the memory plan charges one pass)",
+                              kind="int", lo=1, hi=CTX_MAX, label="prefill pass", short="pass")
     kv_dtype: str = knob("auto", "KV cache precision (auto = the compute dtype; int8 / fp8 are lossy)",
                          kind="choice", choices=KV_DTYPES, label="KV dtype", short="kv", lossy=True)
     io_mode: str = knob("direct", "how expert bytes are read: O_DIRECT, the page cache, or mmap", kind="choice",

@@ -5,7 +5,7 @@
 
 The runtime overhead is measured, not guessed: the process's resident set at planning time
 (interpreter, torch, the checkpoint index) plus a margin for a decode step's activations and
-logits. A prompt is prefilled in chunks of at most PREFILL_CHUNK tokens (engine/run/generate.py),
+logits. A prompt is prefilled in passes of at most `prefill_chunk` tokens (engine/run/runtime.py),
 so a long prompt's activations are bounded by one chunk's; the plan charges the chunk a prompt
 under ctx_size can fill, counted from the model's geometry (prefill_activation_bytes). If the
 parts cannot fit, one error lists them, so the user sees which part to shrink.
@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from engine.format.checkpoint import Checkpoint
-from engine.base.config import EngineConfig, format_size
+from engine.base.config import PREFILL_CHUNK, EngineConfig, format_size
 from engine.base.errors import BudgetError
 from engine.format.container import dense_nbytes, dense_quantized
 from engine.format.layout import cast_bytes, expert_memory_bytes
@@ -29,11 +29,6 @@ from engine.format import fp8
 
 ACTIVATION_MARGIN = 64 << 20  # hidden states, logits, attention scores of a decode step
 ALIGN_SLACK = 2 * 4096  # an O_DIRECT window can start up to 4 KiB early and end 4 KiB late
-# Prompt tokens per forward pass of a prefill. Without a bound, a 2,000-token prompt on demo-small
-# (hidden 512) grew the trial's resident set by ~310 MiB over an 8-token one (every transient of
-# a layer is [T, ...], and every distinct per-expert row count is one more cached oneDNN matmul
-# primitive) and was OOM-killed under a 400 MiB budget the plan said it fitted.
-PREFILL_CHUNK = 256
 # The counted live bytes of a pass (prefill_activation_bytes) understate its resident high-water
 # mark: transients are freed and re-allocated per layer and per expert, and oneDNN keeps
 # primitives and scratch (engine/base/heap.py bounds both). Measured on demo-small (hidden 512,
@@ -101,9 +96,10 @@ class MemoryPlan:
                 f"{format_size(self.cache_bytes)} of budget {format_size(self.budget)}")
 
 
-def prefill_tokens_per_pass(ctx_size: int) -> int:
-    """The most prompt tokens one forward pass holds: a chunk, or the whole context if shorter."""
-    return max(1, min(ctx_size, PREFILL_CHUNK))
+def prefill_tokens_per_pass(ctx_size: int, chunk: int = PREFILL_CHUNK) -> int:
+    """The most prompt tokens one forward pass holds: a chunk (EngineConfig.prefill_chunk), or the
+    whole context if shorter."""
+    return max(1, min(ctx_size, chunk))
 
 
 def prefill_activation_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype) -> int:
@@ -131,7 +127,7 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     dense = _dense_bytes(ckpt, args, getattr(layout, "quant", None), dtype)
     kv = KVCache.nbytes_for(args, config.ctx_size, kv_dtype)
     # Any prompt up to ctx_size may come: charge the largest chunk one can fill.
-    prefill = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size), dtype)
+    prefill = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size, config.prefill_chunk), dtype)
     routed = layout.num_routed if layout is not None else 0
     disk_expert = layout.expert_nbytes if layout is not None else 0
     expert = expert_memory_bytes(layout, dtype) if routed else 0
@@ -161,8 +157,9 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
         raise BudgetError(
             f"memory budget {format_size(budget)} is too small: dense weights {format_size(dense)} + KV cache "
             f"at ctx_size {config.ctx_size} {format_size(kv)} + read buffers {format_size(buffers)} + runtime "
-            f"{format_size(overhead_bytes)} + prefill activations ({prefill_tokens_per_pass(config.ctx_size)}-token "
-            f"chunks) {format_size(prefill)} = {format_size(fixed)} before any expert cache")
+            f"{format_size(overhead_bytes)} + prefill activations "
+            f"({prefill_tokens_per_pass(config.ctx_size, config.prefill_chunk)}-token chunks) {format_size(prefill)} "
+            f"= {format_size(fixed)} before any expert cache")
     # Whole entries only, so the cache's byte capacity is exactly its slots.
     cache = min(int((budget - fixed) * config.cpu_cache_ratio) // entry, routed) * entry
     gpu_cache = 0

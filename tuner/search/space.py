@@ -16,7 +16,7 @@ from pathlib import Path
 import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from engine.base.config import CACHE_POLICIES, IO_MODES, EngineConfig, format_size
+from engine.base.config import CACHE_POLICIES, IO_MODES, PREFILL_CHUNK, EngineConfig, format_size
 from engine.base.errors import BudgetError
 from engine.arch.kvquant import kv_storage
 
@@ -29,6 +29,16 @@ CPU_CACHE_RATIO = (0.25, 1.0, 0.05)  # low, high, step: a bigger cache is not al
 GPU_CACHE_RATIO = (0.0, 0.9, 0.1)
 IO_THREADS = (1, 2, 4, 8, 16)
 CTX_MULTIPLES = (1, 2, 4)  # ctx_size choices: the user's minimum and two doublings
+# The smallest prefill pass a tune recommends: a prompt a little longer than the tuned workload's
+# then still goes through in few passes, for a charge of a few MiB.
+MIN_PREFILL_CHUNK = 32
+
+
+def prefill_chunk_for(longest_prompt: int) -> int:
+    """The prefill pass for a workload whose longest prompt is `longest_prompt` tokens: the next
+    power of two, between MIN_PREFILL_CHUNK and the engine's default pass."""
+    fit = 1 << max(0, int(longest_prompt) - 1).bit_length()
+    return min(PREFILL_CHUNK, max(MIN_PREFILL_CHUNK, fit))
 
 # Memory a fresh trial process spends before the model is touched (interpreter, torch, the
 # checkpoint index) plus the engine's activation margin. Replaced by a measured figure when one
@@ -86,6 +96,10 @@ class SearchSpace:
     io_thread_choices: tuple[int, ...] = IO_THREADS
     # tune --max-kl / --min-top1: the lossy dimensions (tuner/search/lossy.py), empty = lossless.
     lossy: dict = field(default_factory=dict)
+    # Prompt tokens per prefill pass every candidate runs with: fixed from the workload's longest
+    # prompt (prefill_chunk_for), not searched, because a pass longer than any prompt the workload
+    # sends only charges the plan activations that the expert cache could have had.
+    prefill_chunk: int = PREFILL_CHUNK
     _plan_inputs: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -148,7 +162,7 @@ class SearchSpace:
             ctx_size=int(p["ctx_size"]), io_mode=p["io_mode"], io_threads=int(p["io_threads"]),
             cache_policy=policy, routing_histogram=self.routing_histogram if policy == "pinned" else "",
             kv_dtype=p.get("kv_dtype", "auto"), top_k_reduction=int(p.get("top_k_reduction", 0)),
-            expert_threshold=float(p.get("expert_threshold", 0.0)),
+            expert_threshold=float(p.get("expert_threshold", 0.0)), prefill_chunk=self.prefill_chunk,
         )
 
     def params_of(self, config: EngineConfig) -> dict:

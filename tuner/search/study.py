@@ -36,7 +36,7 @@ from tuner.search.budget import TimeBudget, format_clock, parse_duration
 from tuner.search.preflight import calibrate, probe_profile
 from tuner.results.result import TrialResult
 from tuner.search.run_record import RUN_FILE, read_run_record, write_run_record
-from tuner.search.space import DEFAULT_OVERHEAD_BYTES, ModelFacts, SearchSpace
+from tuner.search.space import DEFAULT_OVERHEAD_BYTES, ModelFacts, SearchSpace, prefill_chunk_for
 from tuner.search.study_storage import Heartbeat, open_storage, redact_url
 from tuner.search.trial import run_trial
 from tuner.search.warm_start import enqueue_warm_starts
@@ -111,7 +111,8 @@ class _Run:
         self.has_gpu = bool(torch.cuda.is_available())
         self.space = SearchSpace(budget=self.budget, physical_cores=psutil.cpu_count(logical=False) or 1,
                                  logical_cores=psutil.cpu_count() or 1, has_gpu=self.has_gpu,
-                                 min_ctx=min_ctx, model=self.facts)
+                                 min_ctx=min_ctx, model=self.facts,
+                                 prefill_chunk=prefill_chunk_for(self.workload_info.prompt_tokens.max))
         self.space.check_budget()  # before anything slow: a budget below the dense part is a user error
         self.quality_meter = None
         if opts.lossy is not None:  # tune --max-kl / --min-top1: lossy dimensions, each priced in quality
