@@ -1,4 +1,5 @@
-"""The search space: which engine settings the tuner tries, and the memory pre-check.
+"""The search space: which engine settings the tuner tries, and the memory pre-check over
+the model facts (model_facts.py: the engine's own plan).
 
 Ranges are fixed for the whole study (Optuna's multivariate TPE silently falls back to
 independent sampling when a parameter's range depends on another one), and every quantity that
@@ -11,14 +12,14 @@ the user's minimum context.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from engine.base.config import CACHE_POLICIES, IO_MODES, EngineConfig, format_size
 from engine.base.errors import BudgetError
-from engine.arch.kvquant import kv_storage
+from engine.movement.plan import MemoryPlan
+from tuner.search.model_facts import ModelFacts
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -37,39 +38,6 @@ DEFAULT_OVERHEAD_BYTES = 310 * MiB
 
 
 @dataclass
-class ModelFacts:
-    """What the space and the pre-check need from the checkpoint, read once."""
-
-    model_dir: Path
-    geometry: dict
-    has_experts: bool
-    max_position_embeddings: int
-    quant: str = "bf16"  # the weights as stored: a container's label (int8, int4-g64) or the dtype (bf16)
-
-    @classmethod
-    def read(cls, model_dir) -> "ModelFacts":
-        from engine.format.checkpoint import Checkpoint
-        from engine.arch.registry import model_args
-        ckpt = Checkpoint(model_dir)
-        args = model_args(ckpt.config)
-        geometry = {
-            "model_type": args.model_type, "layers": args.num_layers, "hidden_size": args.hidden_size,
-            "experts": args.num_experts, "top_k": args.top_k, "moe_intermediate_size": args.moe_intermediate_size,
-            "vocab_size": args.vocab_size, "total_bytes_on_disk": ckpt.nbytes(),
-        }
-        return cls(Path(model_dir), geometry, args.is_moe, args.max_position_embeddings, stored_quant(ckpt))
-
-
-def stored_quant(ckpt) -> str:
-    """'int8' / 'int4-g64' for a quantized container, else the stored float dtype's short name."""
-    from engine.format.container import container_spec
-    from engine.base.dtypes import short_name
-    from engine.run.runtime import checkpoint_dtype
-    spec = container_spec(ckpt)
-    return spec.label if spec is not None else short_name(checkpoint_dtype(ckpt))
-
-
-@dataclass
 class SearchSpace:
     budget: int
     physical_cores: int
@@ -79,14 +47,13 @@ class SearchSpace:
     with_pinned: bool = False  # a routing histogram exists to pin from
     routing_histogram: str = ""
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES
-    model: ModelFacts | None = None
+    model: ModelFacts | None = None  # None: no memory pre-check (every config fits)
     # Read sizes and I/O threads to search: all by default; the cost model narrows them to where
     # the probe's read curve still rises or is flat (tuner/costmodel/search.py:curve_region).
     chunk_sizes: tuple[int, ...] = CHUNK_SIZES
     io_thread_choices: tuple[int, ...] = IO_THREADS
     # tune --max-kl / --min-top1: the lossy dimensions (tuner/search/lossy.py), empty = lossless.
     lossy: dict = field(default_factory=dict)
-    _plan_inputs: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.min_ctx < 1:
@@ -192,11 +159,8 @@ class SearchSpace:
         budget is infeasible by `overshoot` bytes."""
         if self.model is None:
             return True, 0, ""
-        from engine.movement.plan import make_plan
-        ckpt, args, layout, dtype = self._inputs()
-        kv_dtype = kv_storage(config.kv_dtype, dtype)
         try:
-            plan = make_plan(ckpt, args, layout, config, dtype, kv_dtype, overhead_bytes=self.overhead_bytes)
+            plan = self.model.plan(config, self.overhead_bytes)
         except BudgetError as exc:
             fixed = self.fixed_bytes(config)
             return False, max(1, fixed - config.ram_budget), str(exc)
@@ -204,12 +168,8 @@ class SearchSpace:
 
     def fixed_bytes(self, config: EngineConfig) -> int:
         """Everything but the expert cache, as the engine's plan counts it."""
-        from engine.movement.plan import make_plan
-        ckpt, args, layout, dtype = self._inputs()
-        kv_dtype = kv_storage(config.kv_dtype, dtype)
         # A budget nothing can exceed: the plan then itemises the fixed parts without raising.
-        plan = make_plan(ckpt, args, layout, config.replace(ram_budget=1 << 62), dtype, kv_dtype,
-                         overhead_bytes=self.overhead_bytes)
+        plan: MemoryPlan = self.model.plan(config.replace(ram_budget=1 << 62), self.overhead_bytes)
         return plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes + plan.prefill_bytes
 
     def check_budget(self) -> None:
@@ -223,23 +183,7 @@ class SearchSpace:
         """The dtype trials compute in ('bfloat16', 'float32'), or '' without a model."""
         if self.model is None:
             return ""
-        return str(self._inputs()[3]).replace("torch.", "")
-
-    def _inputs(self):
-        if self._plan_inputs is None:
-            from engine.format.checkpoint import Checkpoint
-            from engine.format.layout import ExpertLayout
-            from engine.arch.registry import model_args
-            from engine.run.runtime import checkpoint_dtype
-            import torch
-            ckpt = Checkpoint(self.model.model_dir)
-            args = model_args(ckpt.config)
-            layout = ExpertLayout(ckpt, args) if args.is_moe else None
-            dtype = checkpoint_dtype(ckpt)
-            # Same rule as Engine._compute_dtype: fp16 matmuls are slow on CPU, computed in fp32.
-            dtype = torch.float32 if dtype == torch.float16 else dtype
-            self._plan_inputs = (ckpt, args, layout, dtype)
-        return self._plan_inputs
+        return str(self.model.dtype).replace("torch.", "")
 
 
 def _suggest(trial: optuna.Trial, name: str, dist):
