@@ -253,8 +253,8 @@ def trials_markdown(trials) -> list[str]:
     """report.md's trial table: the searched settings and the headline figures, with the
     registry's short names and formats."""
     figures = [column(n) for n in ("decode_tok_s", "ttft_s", "hit_rate_ram")]
-    settings = [column(n) for n in ("chunk_size", "prefetch_depth", "cache_policy", "cpu_cache_ratio", "threads",
-                                    "io_mode", "io_threads", "ctx_size")]
+    # the settings the study searched (knob(search=...) ones, then lossy ones), in field order
+    settings = [c for c in CONFIG_COLUMNS if c.searched and any(c.name in t.params for t in trials)]
     lossy = [c for c in CONFIG_COLUMNS if c.lossy and any(c.name in t.params for t in trials)]
     quality = [c for c in QUALITY_COLUMNS if any((t.user_attrs.get("quality") or {}).get(c.name) is not None
                                                  for t in trials)]
