@@ -6,8 +6,9 @@
 Flow (one direction): probe (or a saved profile) → search space → calibration run
 (calibrate.py) → Optuna study (ask/tell; every trial is `colibri bench` in a subprocess in a
 memory cgroup, judged by objective.py) → confirmation round (confirm.py) → outputs
-(outputs.py). This module keeps the options and the loop that ties those parts together; the
-time budget is budget.py's, the storage and resume rules storage.py's.
+(outputs.py). The session's set-up (every check, then the run directory, storage, probe and
+calibration) is setup.py's; this module keeps the Optuna study and the loop that ties those parts
+together; the time budget is budget.py's, the storage and resume rules study_storage.py's.
 
 FAIL is kept for trials that were not measured at all (interrupted, or left RUNNING by a killed
 run and found on resume); everything measured, feasible or not, is COMPLETE (objective.py).
