@@ -5,9 +5,11 @@ wait) measured apart before. Own timers (time.perf_counter) around seams every t
 old and the new code are cut at the same places:
 
     attention       Transformer._attention: q/k/v/o projections, q/k norms, rope, KV write, SDPA
+                    (or _decode_attention, the one native call for all of it, input norm included)
     router          the MoE layer's routing call (route_layer): router matmul, softmax, top-k
     experts         the rest of Transformer._moe: the selected experts' matmuls, SwiGLU, the
-                    weighted sum (and the store's lookups); minus read wait when streaming
+                    weighted sum (and the store's lookups); minus read wait when streaming (or
+                    _resident_moe_call, the fused layer: norm and router included, so router is 0)
     read wait       the store's own I/O stall counter (cold runs: --budget > 0)
     layer rest      the rest of Transformer._layer: the two RMSNorms, residual adds, lookahead
     head            the rest of forward(): embedding, rope tables, final norm, lm_head
@@ -104,6 +106,10 @@ def child(a) -> dict:
     moe_globals[route_name] = route_timed
     for name, key in (("_attention", "attention"), ("_moe", "moe"), ("_layer", "layer")):
         _wrap(m, name, acc, key + "_total", layers[key])
+    # Newer trees: the fused decode seams (one native call each), beside the unfused ones they replace.
+    for name, key in (("_decode_attention", "attention"), ("_resident_moe_call", "moe")):
+        if hasattr(m, name):
+            _wrap(m, name, acc, key + "_total", layers[key])
     _wrap(m, "forward", acc, "step_total")
     prompt = random_prompt_ids(a.prompt_tokens, eng.args.vocab_size, 0)
     generate(eng, prompt, 2, Sampler())  # warm-up: kernels, thread pool, first-touch of KV pages

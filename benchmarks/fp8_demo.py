@@ -64,7 +64,8 @@ def speed(work: Path, a) -> dict:
             "--repeats", str(a.repeats), "--threads", str(a.threads), "--json"]
     for m in models:
         argv += ["--model", m]
-    return json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
+    # stderr passes through: a failed trial says so there (it used to be captured and lost)
+    return json.loads(subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True).stdout)
 
 
 def quality(work: Path, a) -> dict:

@@ -28,13 +28,16 @@ Measurements (`measure`; each step in a fresh interpreter so its RSS is its own)
   layout  + ExpertLayout (every routed expert's spans): time, RSS growth
   plan    + make_plan under --budget: time, and what the plan says (or its one-line refusal)
   cli     `colibri plan --model DIR --budget B --json`: wall time of the whole command
-  decode  `colibri bench --tokens 1` under a memory cgroup of --budget: one decode step on holes
+  decode  Engine(dir, ram_budget) and one token after a one-token prompt, in a fresh memory cgroup
+          of --budget: load and step time, RSS after each, VmHWM, the cgroup's peak and its split
+          (anon, shmem = the expert arena, page cache) beside the plan; one decode step on holes
           (needs a `--decodable` build: zero scales are refused as corrupt; the written router
           biases route every layer to experts 0..K-1, whose scales are the ones written)
 
     quiet test .venv/bin/python benchmarks/fullscale.py build deepseek-v3 --dtype bf16 --out /tmp/fs-dsv3
         [--decodable]   # also the scales and router biases a decode step reads (int4: ~1 GiB on disk)
     quiet bench .venv/bin/python benchmarks/fullscale.py measure /tmp/fs-dsv3 [--budget 16GiB]
+    quiet bench .venv/bin/python benchmarks/fullscale.py decode /tmp/fs-dsv3 --budget 16GiB [--cgroup 16GiB]
     quiet bench .venv/bin/python benchmarks/fullscale.py all [--dtype bf16] [--decode]   # build each, measure, delete
 """
 
@@ -149,8 +152,14 @@ def _nbytes(t) -> int:
     return math.prod(t[2]) * ITEMSIZE[t[1]]
 
 
-def hf_config(name: str, fmt: str) -> dict:
+def hf_config(name: str, fmt: str, layers: int | None = None) -> dict:
+    """layers: keep only the first N decoder layers (the same widths, experts and shard size), so a
+    memory question about the full model can be asked of a few layers and scaled by the layer count."""
     cfg = {k: v for k, v in synth.load_preset(name).items() if k not in PRESET_ONLY}
+    if layers is not None:
+        if not cfg["first_k_dense_replace"] < layers <= cfg["num_hidden_layers"]:
+            raise ValueError(f"--layers must be in ({cfg['first_k_dense_replace']}, {cfg['num_hidden_layers']}]")
+        cfg["num_hidden_layers"] = layers
     if fmt == "fp8":
         cfg["quantization_config"] = dict(FP8_CONFIG)
     if fmt == "int4":
@@ -221,13 +230,16 @@ def _write_shard(path: Path, tensors: list, fmt: str, routed_k: int | None) -> i
     return 8 + len(raw) + offset
 
 
-def build(name: str, out: Path, dtype: str, shards: int | None = None, decodable: bool = False) -> dict:
+def build(name: str, out: Path, dtype: str, shards: int | None = None, decodable: bool = False,
+          layers: int | None = None) -> dict:
     """decodable: also write the scales and router biases a decode step reads (`_real_bytes`;
-    ~1 GiB for an int4 container), else every tensor is a hole (the metadata figures)."""
-    cfg = hf_config(name, dtype)
+    ~1 GiB for an int4 container), else every tensor is a hole (the metadata figures).
+    layers: the first N layers only (hf_config), in as many shards as keep the published shard size."""
+    cfg = hf_config(name, dtype, layers)
     groups = tensor_groups(cfg, dtype, indexer_layers_of(cfg))
     total = sum(_nbytes(t) for g in groups for t in g)
-    count = shards or MODELS[name]["shards"]
+    full_layers = synth.load_preset(name)["num_hidden_layers"]
+    count = shards or max(1, round(MODELS[name]["shards"] * cfg["num_hidden_layers"] / full_layers))
     target = total / count
     assigned: list[list] = [[]]
     size = 0
@@ -290,6 +302,40 @@ def measure_step(model: Path, step: str, budget: int) -> dict:
     return result
 
 
+def _cgroup_memory() -> dict:
+    """This process's memory cgroup (v1) as the kernel counts it: usage, peak, and its split into
+    anonymous memory, shmem (the expert arena), page cache and mapped file pages."""
+    own = [line.split(":", 2)[2].strip() for line in open("/proc/self/cgroup") if ":memory:" in line]
+    d = Path("/sys/fs/cgroup/memory" + own[0]) if own and own[0] != "/" else None
+    if d is None or not (d / "memory.stat").exists():
+        return {}
+    stat = dict(line.split() for line in (d / "memory.stat").read_text().splitlines())
+    return {"usage": int((d / "memory.usage_in_bytes").read_text()),
+            "peak": int((d / "memory.max_usage_in_bytes").read_text()),
+            **{k: int(stat.get(k, 0)) for k in ("rss", "shmem", "cache", "mapped_file")}}
+
+
+def decode_step(model: Path, budget: int) -> dict:
+    """Open the engine under `budget` and decode one token after a one-token prompt, in this
+    interpreter (run inside a memory cgroup by `measure --decode`): what the plan counts beside
+    what the process and its cgroup hold after load and after the step."""
+    import torch
+    from engine.run.generate import Sampler, generate
+    from engine.run.metrics import peak_rss_bytes
+    from engine.run.runtime import Engine
+    t0 = time.perf_counter()
+    engine = Engine(model, EngineConfig(ram_budget=budget))
+    loaded = {"load_s": time.perf_counter() - t0, "rss": _rss(), "cgroup": _cgroup_memory()}
+    print(json.dumps({"loaded": loaded, "describe": engine.plan.describe()}), file=sys.stderr, flush=True)  # kept if the step is killed
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = generate(engine, [1], 1, Sampler())
+    stepped = {"step_s": time.perf_counter() - t0, "rss": _rss(), "peak_rss": peak_rss_bytes(),
+               "cgroup": _cgroup_memory()}
+    return {"plan": engine.plan.to_dict(), "describe": engine.plan.describe(), "kernel": engine.kernel_name,
+            "loaded": loaded, "stepped": stepped, "tokens": out.output_ids}
+
+
 def _child(model: Path, step: str, budget: int) -> dict:
     argv = [sys.executable, __file__, "_step", str(model), step, "--budget", str(budget)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=_env())
@@ -302,26 +348,35 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
-def _cli(argv: list[str], timeout: float, whole: bool = False) -> tuple[float, int, str]:
+def _cli(argv: list[str], timeout: float) -> tuple[float, int, str]:
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "tuner.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, env=_env(), cwd=ROOT)
-    if whole:
-        return time.perf_counter() - t0, done.returncode, done.stdout.strip() or done.stderr.strip()
     tail = (done.stdout.strip() or done.stderr.strip()).splitlines()
     return time.perf_counter() - t0, done.returncode, (tail[-1] if tail else "")[:300]
 
 
-def _bench_summary(out: str) -> str:
-    """`bench --json`'s outcome in a table cell: status, the error or the step's figures, peak."""
-    try:
-        r = json.loads(out)
-    except ValueError:
-        return (out.splitlines()[-1] if out else "")[:300]
-    peak = r.get("cgroup_peak_bytes")
-    m = r.get("metrics") or {}
-    what = r.get("error") or ", ".join(f"{k} {m[k]:.3g}" for k in ("decode_tok_s", "load_seconds") if k in m)
-    return f"{r.get('status')}: {what}; cgroup peak {format_size(peak) if peak else '-'}"[:400]
+def decode_row(model: Path, budget: int, limit: int) -> str:
+    """One decode step (`_step decode`) inside a fresh memory cgroup of `limit`, as a table row:
+    the plan's parts, then what the process and the cgroup held after load and after the step."""
+    from tuner.sandbox.limited import run_limited
+    argv = [sys.executable, __file__, "_step", str(model), "decode", "--budget", str(budget)]
+    run = run_limited(argv, limit, timeout=1500, env=_env(), require=True)
+    head = f"| decode step, budget {format_size(budget)}, cgroup {format_size(limit)} | {run.wall_seconds:.1f} |"
+    if run.returncode != 0:
+        why = "OOM-killed" if run.oom_killed else f"exit {run.returncode}"
+        return f"{head} - | {why}; cgroup peak {format_size(run.peak_bytes or 0)}; {run.stderr.strip()[-1500:]} |"
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    plan, after = r["plan"], r["stepped"]
+    held = plan["budget"] - plan["prefill_bytes"]  # a one-token prompt fills no prefill chunk
+    cg = after["cgroup"]
+    split = (f"anon {format_size(cg['rss'])}, shmem {format_size(cg['shmem'])}, page cache "
+             f"{format_size(cg['cache'] - cg['shmem'])}" if cg else "no cgroup stat")
+    return (f"{head} {format_size(after['peak_rss'])} peak | load {r['loaded']['load_s']:.1f} s, step "
+            f"{after['step_s']:.2f} s; RSS after load {format_size(r['loaded']['rss'])}, after the step "
+            f"{format_size(after['rss'])}; plan without prefill {format_size(held)}, peak RSS over it "
+            f"{(after['peak_rss'] - held) / 2**20:+.0f} MiB ({r['describe']}); cgroup "
+            f"peak {format_size(run.peak_bytes or 0)} ({split}); kernel {r['kernel']} |")
 
 
 def measure(model: Path, budget: int, decode: bool, profile: str = DEFAULT_PROFILE) -> list[str]:
@@ -342,11 +397,7 @@ def measure(model: Path, budget: int, decode: bool, profile: str = DEFAULT_PROFI
     rows.append(f"| `colibri plan` (whole command: open, geometry, cost-model search) | {wall:.2f} | - | "
                 f"exit {rc}: {line} |")
     if decode:
-        wall, rc, out = _cli(["bench", "--model", str(model), "--tokens", "1", "--repeats", "1",
-                              "--prompt-tokens", "1", "--ram-budget", size, "--cgroup-limit", size,
-                              "--timeout", "1200", "--json"], 1500, whole=True)
-        rows.append(f"| `colibri bench --tokens 1` in a {format_size(budget)} cgroup | {wall:.2f} | - | "
-                    f"exit {rc}: {_bench_summary(out)} |")
+        rows.append(decode_row(model, budget, budget))
     return rows
 
 
@@ -357,6 +408,8 @@ def main() -> int:
     b.add_argument("model", choices=sorted(MODELS))
     b.add_argument("--dtype", choices=("fp8", "bf16", "int4"))
     b.add_argument("--shards", type=int)
+    b.add_argument("--layers", type=int, help="the first N decoder layers only (same widths; a reduced-layer "
+                   "variant for memory questions)")
     b.add_argument("--out", required=True)
     b.add_argument("--decodable", action="store_true", help="write the scales and router biases a decode step "
                    "reads, so `measure --decode` runs (int4: ~1 GiB on disk)")
@@ -365,6 +418,10 @@ def main() -> int:
     m.add_argument("--budget", default="16GiB")
     m.add_argument("--decode", action="store_true", help="also one decode step under a cgroup of --budget")
     m.add_argument("--profile", default=DEFAULT_PROFILE, help="hardware profile for `colibri plan`")
+    dc = sub.add_parser("decode", help="only the decode step of `measure --decode` (one cgroup run)")
+    dc.add_argument("dir")
+    dc.add_argument("--budget", default="16GiB")
+    dc.add_argument("--cgroup", help="the cgroup's limit (default: the budget)")
     al = sub.add_parser("all", help="build each model in a temp dir, measure it, delete it")
     al.add_argument("--dtype", choices=("fp8", "bf16", "int4"), help="default: each model's published dtype")
     al.add_argument("--budget", default="16GiB")
@@ -372,17 +429,22 @@ def main() -> int:
     al.add_argument("--scratch", default="/tmp")
     s = sub.add_parser("_step")
     s.add_argument("dir")
-    s.add_argument("step", choices=("open", "heap", "layout", "plan"))
+    s.add_argument("step", choices=("open", "heap", "layout", "plan", "decode"))
     s.add_argument("--budget", type=int, required=True)
     a = ap.parse_args()
     if a.cmd == "build":
         t0 = time.perf_counter()
-        info = build(a.model, Path(a.out), a.dtype or MODELS[a.model]["dtype"], a.shards, a.decodable)
+        info = build(a.model, Path(a.out), a.dtype or MODELS[a.model]["dtype"], a.shards, a.decodable, a.layers)
         info["build_s"] = round(time.perf_counter() - t0, 2)
         print(json.dumps(info))
         return 0
     if a.cmd == "_step":
-        print(json.dumps(measure_step(Path(a.dir), a.step, a.budget)))
+        step = decode_step if a.step == "decode" else lambda d, b: measure_step(d, a.step, b)
+        print(json.dumps(step(Path(a.dir), a.budget)))
+        return 0
+    if a.cmd == "decode":
+        budget = parse_size(a.budget)
+        print(decode_row(Path(a.dir), budget, parse_size(a.cgroup) if a.cgroup else budget))
         return 0
     if a.cmd == "all":
         from engine.run.metrics import git_commit

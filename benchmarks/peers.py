@@ -32,8 +32,16 @@ bytes are compared with the bytes of our tokens (N/M = tokens of ours that it re
 own tool (`colibri convert --quant int8|int4 --group-size G` into WORK/<preset>-<quant>;
 `llama-quantize` of the bf16 GGUF to the counterpart: int8 ↔ Q8_0, int4-g32 ↔ Q4_0 (both 32
 per group), int4-g64 ↔ Q4_K_M), then ours and llama-bench race on them, in every --modes, with
-the same prompt and tokens. Quality (KL against bf16) is not measured here: `colibri quality`
-for ours; llama-perplexity is not built by scripts/build_llama_cpp.sh.
+the same prompt and tokens, and each pair's KL divergence / top-1 agreement against bf16 is
+measured by both tools on the same text (benchmarks/peers_quality.py: llama-perplexity
+--kl-divergence for theirs, `colibri quality` for ours) and printed beside its speed.
+--quality only measures just that (no timing: it may run on a shared lock); --quality-from FILE
+takes it from such a run's --json.
+
+Measurement rules (issue 22): every race figure is measured --runs times (default 3; each run
+every engine once, back to back), quoted as the median with its min-max; the bound's arithmetic
+(the probe's memory-bandwidth measurement, active weight bytes per token of each file) is
+printed under the table (benchmarks/peers_report.py).
 """
 
 from __future__ import annotations
@@ -51,37 +59,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.synth.bpe_tokenizer import bytes_to_unicode  # noqa: E402
 from tuner.sandbox import detect_memory_cgroup, run_limited  # noqa: E402
 from engine.base.config import parse_size  # noqa: E402
 from benchmarks.benchkit import bench_lock  # noqa: E402
+from benchmarks import peers_quality  # noqa: E402
+from benchmarks.page_cache import cached_bytes, drop_pages, read_into_page_cache  # noqa: E402
+from benchmarks.peers_report import (QUANT_PAIRS, agreement, bandwidth_bound, quality_table,  # noqa: E402
+                                     race_table, ratio_lines, summarize, token_bytes)
 
 PROMPT = "The history of the city begins with a small river crossing, where traders from the north met"
 GiB = 1 << 30
-
-
-def drop_pages(paths: list[Path]) -> int:
-    """posix_fadvise(DONTNEED) on every file under paths; returns the bytes covered."""
-    total = 0
-    for root in paths:
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-        for f in files:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # dirty pages cannot be dropped
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                total += os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-    return total
-
-
-def read_into_page_cache(paths: list[Path]) -> None:
-    for root in paths:
-        for f in ([root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())):
-            with open(f, "rb", buffering=0) as fh:
-                while fh.read(16 << 20):
-                    pass
 
 
 # --- preparation -----------------------------------------------------------------------------
@@ -118,9 +105,6 @@ def llama_prompt_ids(args, gguf: Path, prompt: str) -> list[int]:
     out = subprocess.run([str(Path(args.llama_dir) / "build/bin/llama-tokenize"), "-m", str(gguf), "-p", prompt,
                           "--ids", "--log-disable", "--no-bos"], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
-
-
-QUANT_PAIRS = {"int8": "Q8_0", "int4-g32": "Q4_0", "int4-g64": "Q4_K_M"}
 
 
 def quantized_pair(args, model: Path, gguf: Path, quant: str) -> tuple[Path, Path]:
@@ -241,61 +225,22 @@ def run_accelerate(args, model: Path, mode: str, limit: int, offload: Path) -> d
     return _result("transformers+accelerate" if mode == "cold" else "transformers", mode, run, **fields)
 
 
-# --- agreement and the table -----------------------------------------------------------------
+# --- the bound and the tables ----------------------------------------------------------------
 
-def token_bytes(tokenizer_json: Path) -> dict[int, bytes]:
-    u2b = {u: b for b, u in bytes_to_unicode().items()}
-    vocab = json.loads(tokenizer_json.read_text())["model"]["vocab"]
-    return {i: bytes(u2b[c] for c in tok) if all(c in u2b for c in tok) else tok.encode() for tok, i in vocab.items()}
-
-
-def agreement(ref_ids: list[int] | None, row: dict, pieces: dict[int, bytes]) -> str:
-    if not ref_ids:
-        return "-"
-    if row.get("output_ids") is not None:
-        other = row["output_ids"]
-        same = next((i for i, (a, b) in enumerate(zip(ref_ids, other)) if a != b), min(len(ref_ids), len(other)))
-        return f"{same}/{len(other)}"
-    if row.get("text") is not None:
-        # Bytes, not ids: llama-simple prints pieces. A token that ends inside a multi-byte
-        # character only matches once the next one completes it, hence the largest matching k.
-        target = row["text"]
-        decoded = [b"".join(pieces[t] for t in ref_ids[:k]).decode("utf-8", "replace") for k in range(len(ref_ids) + 1)]
-        same = max(k for k, text in enumerate(decoded) if target.startswith(text))
-        n = row.get("tokens") or len(ref_ids)
-        return f"{min(same, n)}/{n}" + (" (same text)" if target == decoded[-1] else "")
-    return "-"
-
-
-def fmt(v, spec="{:.2f}"):
-    return "-" if v is None else spec.format(v)
-
-
-def print_table(rows: list[dict], conditions: dict) -> None:
+def print_report(rows: list[dict], conditions: dict, modes: list[str], bound: list[str], quality: list[dict]) -> None:
     print("\n## peers\n")
     for k, v in conditions.items():
         print(f"- {k}: {v}")
-    print("\n| mode | weights | engine | status | tokens | load s | TTFT s | decode tok/s | cgroup peak MiB | "
-          "limit MiB | wall s | tokens = ours |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        dec = fmt(r.get("decode_tok_s"))
-        if r.get("decode_sd") is not None:
-            dec += f" ± {r['decode_sd']:.2f}"
-        mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
-        print(f"| {r['mode']} | {r.get('quant', 'bf16')} | {r['engine']} | {r['status']}{' (capped)' if r.get('capped') else ''} | "
-              f"{r.get('tokens', '-')} | {fmt(r.get('load_s'))} | {fmt(r.get('ttft_s'))} | {dec} | "
-              f"{mib(r.get('peak_bytes'))} | {mib(r.get('limit_bytes'))} | {fmt(r.get('wall_s'), '{:.0f}')} | "
-              f"{r.get('agree', '-')} |")
-    by = {(r["mode"], r.get("quant", "bf16"), r["engine"]): r.get("decode_tok_s") for r in rows if r["status"] == "ok"}
-    print()
-    for mode in ("cold", "resident"):
-        for quant in ["bf16", *QUANT_PAIRS]:
-            ours = by.get((mode, quant, "ours"))
-            for peer in ("llama-bench", "llama-simple", "transformers+accelerate", "transformers"):
-                if ours and by.get((mode, quant, peer)):
-                    theirs = "" if quant == "bf16" else f" ({QUANT_PAIRS[quant]})"
-                    print(f"- {mode} {quant}: ours / {peer}{theirs} decode = {ours / by[(mode, quant, peer)]:.3g}x")
+    summary = summarize(rows)
+    if rows:
+        print("\n" + race_table(summary) + "\n")
+        print("\n".join(ratio_lines(summary, modes)))
+    if bound:
+        print("\nThe memory-bandwidth bound (resident decode):\n")
+        print("\n".join(bound))
+    if quality:
+        print("\nKL divergence and top-1 agreement against bf16, beside resident decode speed (medians):\n")
+        print(quality_table(quality, summary))
 
 
 def main(argv=None) -> int:
@@ -319,10 +264,23 @@ def main(argv=None) -> int:
     p.add_argument("--quant", default="", help="also race quantized: comma list of int8, int4-g32, int4-g64 "
                    "(against Q8_0, Q4_0, Q4_K_M); --quant-only skips the bf16 rows")
     p.add_argument("--quant-only", action="store_true")
+    p.add_argument("--runs", type=int, default=3, help="runs of every race figure (median and min-max quoted)")
+    p.add_argument("--quality", choices=("auto", "only", "off"), default="auto",
+                   help="KL / top-1 against bf16 of the --quant pairs, both tools (auto: after the races; "
+                        "only: no races, nothing timed)")
+    p.add_argument("--quality-from", help="take the KL rows from this earlier --json instead of measuring them")
+    p.add_argument("--rows-from", help="take the race rows from this earlier --json instead of racing (the "
+                   "report, the bound and the KL table over a finished race)")
+    p.add_argument("--kl-tokens", type=int, default=4096, help="tokens of the KL text (whole chunks of --kl-ctx)")
+    p.add_argument("--kl-ctx", type=int, default=512, help="chunk length of the KL measurement")
     p.add_argument("--lock", help="flock this file around each measured step (shared machines)")
     p.add_argument("--json", help="write all rows and conditions to this file")
     args = p.parse_args(argv)
+    if args.runs < 1 or args.kl_ctx < 4 or args.kl_tokens < 2 * args.kl_ctx:
+        raise SystemExit("error: --runs must be >= 1, --kl-ctx >= 4 and --kl-tokens >= 2 x --kl-ctx "
+                         "(llama-perplexity needs two chunks)")
     engines = args.engines.split(",")
+    modes = [] if args.quality == "only" else [m for m in args.modes.split(",") if m]
     cold_limit, resident_limit = parse_size(args.cgroup), parse_size(args.resident_cgroup)
     if args.ours_budget:
         args.ours_budget = str(parse_size(args.ours_budget))
@@ -333,20 +291,27 @@ def main(argv=None) -> int:
     model, gguf = prepare(args)
     offload = Path(args.work_dir).expanduser() / f"{args.preset}-offload"
     from tokenizers import Tokenizer
-    prompt_ids = Tokenizer.from_file(str(model / "tokenizer.json")).encode(args.prompt).ids
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    prompt_ids = tokenizer.encode(args.prompt).ids
     llama_ids = llama_prompt_ids(args, gguf, args.prompt)
     pieces = token_bytes(model / "tokenizer.json")
     info = dict(line.split("=", 1) for line in (Path(args.llama_dir) / "BUILD_INFO").read_text().splitlines() if "=" in line)
     conditions = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / GiB:.0f} GiB RAM, {platform.platform()}",
+        "load average at start": f"{os.getloadavg()[0]:.2f}",
         "ours": f"{args.ours_src} @ {git_commit(args.ours_src)}",
         "llama.cpp": f"llama-cpp-python {info.get('llama_cpp_python_version')} sdist, commit {info.get('llama_cpp_commit')}, {info.get('cmake_flags')}",
         "model": f"{model} ({sum(f.stat().st_size for f in model.glob('*.safetensors')) / GiB:.2f} GiB {json.loads((model / 'config.json').read_text()).get('dtype')}, synth preset {args.preset} seed 0); GGUF {gguf.name} ({gguf.stat().st_size / GiB:.2f} GiB, bf16, converted by llama.cpp)",
         "prompt": f"{args.prompt!r} = {len(prompt_ids)} tokens; llama.cpp tokenizes it identically: {llama_ids == prompt_ids}",
         "generation": f"greedy, {args.tokens} new tokens, {args.threads} threads (llama-simple: 4, fixed)",
-        "cold": f"fresh cgroup limited to {cold_limit / GiB:.2f} GiB (page cache counts), files' pages dropped (fadvise DONTNEED) before each run",
-        "resident": f"weights in RAM (ours ram_budget 0; llama.cpp mmap over a warm page cache; transformers without offload), cgroup {resident_limit / GiB:.0f} GiB",
+        "runs": f"{args.runs} per figure, every engine once per run, back to back; medians with min-max",
+        "cold": f"fresh cgroup limited to {cold_limit / GiB:.2f} GiB (page cache counts), every file's pages dropped "
+                "(fsync + fadvise DONTNEED, then checked with mincore) before each run of each engine; llama-bench "
+                "cold is tg only (-p 0 -r 1 --no-warmup: a pp test first would page the model in), llama-simple "
+                "runs the prompt",
+        "resident": f"weights in RAM (ours ram_budget 0; llama.cpp mmap over a warm page cache, llama-bench -r "
+                    f"{args.repeats} after its warm-up; transformers without offload), cgroup {resident_limit / GiB:.0f} GiB",
         "cap": f"{args.cap_seconds:.0f} s of generation per peer run (a capped row covers the tokens made in that time)",
         "cgroup": support.reason if not support.available else f"v{support.version}",
     }
@@ -358,6 +323,31 @@ def main(argv=None) -> int:
         conditions["quantized"] = ("ours: `colibri convert --quant` of the bf16 model (routed experts); theirs: "
                                    "`llama-quantize` of the bf16 GGUF (every tensor it quantizes by default): "
                                    + ", ".join(f"{q} vs {QUANT_PAIRS[q]}" for q in quants))
+    rows: list[dict] = json.loads(Path(args.rows_from).read_text())["rows"] if args.rows_from else []
+    if args.rows_from:
+        conditions["races"] = f"from {args.rows_from} ({json.loads(Path(args.rows_from).read_text())['conditions']['date']})"
+    for run in range(args.runs if modes and not args.rows_from else 0):
+        rows += race(args, run, variants, modes, (cold_limit, resident_limit), len(prompt_ids), offload, pieces)
+        write_json(args.json, conditions, rows)  # each run kept as soon as it is measured
+    bound = bandwidth_bound(args, variants, summarize(rows), bench_lock(args.lock)) if "resident" in modes else []
+    quality, quality_conditions = measure_quality(args, model, gguf, variants, tokenizer)
+    conditions.update(quality_conditions)
+    print_report(rows, conditions, modes, bound, quality)
+    write_json(args.json, conditions, rows, bound=bound, quality=quality)
+    return 0
+
+
+def write_json(path: str | None, conditions: dict, rows: list[dict], **more) -> None:
+    if path:
+        tmp = Path(path + ".tmp")
+        tmp.write_text(json.dumps({"conditions": conditions, "rows": rows, "summary": summarize(rows), **more},
+                                  indent=1))
+        os.replace(tmp, path)
+
+
+def race(args, run: int, variants, modes: list[str], limits: tuple[int, int], prompt_len: int, offload: Path,
+         pieces) -> list[dict]:
+    """One run of every race: each variant, each mode, each engine once; rows tagged with the run."""
     rows: list[dict] = []
     for quant, ours_model, their_gguf, names in variants:
         runners = {
@@ -365,37 +355,51 @@ def main(argv=None) -> int:
             "llama-simple": lambda mode, lim: run_llama_simple(args, their_gguf, mode, lim, next(
                 (r.get("decode_tok_s") for r in rows if r["mode"] == mode and r["engine"] == "llama-bench"
                  and r["quant"] == quant), None)),
-            "llama-bench": lambda mode, lim: run_llama_bench(args, their_gguf, mode, lim, len(prompt_ids)),
+            "llama-bench": lambda mode, lim: run_llama_bench(args, their_gguf, mode, lim, prompt_len),
             "accelerate": lambda mode, lim: run_accelerate(args, ours_model, mode, lim, offload),
         }
-        for mode in args.modes.split(","):
-            limit = cold_limit if mode == "cold" else resident_limit
+        for mode in modes:
+            limit = limits[0] if mode == "cold" else limits[1]
             # One lock hold per mode (about 10 min cold, 5 resident on the demo): short enough for a
             # shared box, and the engines of one mode are measured back to back under the same load.
             with bench_lock(args.lock):
                 for name in names:
                     files = [ours_model, their_gguf] + ([offload] if offload.exists() else [])
+                    cached = None
                     if mode == "cold":
                         drop_pages(files)
+                        cached = cached_bytes(files)
                     else:
                         read_into_page_cache([their_gguf] if name.startswith("llama") else [ours_model])
-                    print(f"peers: {mode} {quant} {name} ...", file=sys.stderr, flush=True)
-                    row = {**runners[name](mode, limit), "quant": quant}
-                    print(f"peers: {mode} {quant} {name}: {row['status']}, decode {fmt(row.get('decode_tok_s'))} "
-                          f"tok/s, wall {row['wall_s']:.0f} s", file=sys.stderr, flush=True)
+                    print(f"peers: run {run + 1}/{args.runs} {mode} {quant} {name} ...", file=sys.stderr, flush=True)
+                    row = {**runners[name](mode, limit), "quant": quant, "run": run + 1, "cached_at_start": cached}
+                    dec = row.get("decode_tok_s")
+                    print(f"peers: run {run + 1} {mode} {quant} {name}: {row['status']}, decode "
+                          f"{'-' if dec is None else f'{dec:.2f}'} tok/s, wall {row['wall_s']:.0f} s", file=sys.stderr,
+                          flush=True)
                     rows.append(row)
-    for quant, *_ in variants:
-        for mode in args.modes.split(","):
+        for mode in modes:
             same = [r for r in rows if r["mode"] == mode and r["quant"] == quant]
             ref = next((r.get("output_ids") for r in same if r["engine"] == "ours"), None)
             for r in same:
                 r["agree"] = "ref" if r["engine"] == "ours" else agreement(ref, r, pieces)
-    print_table(rows, conditions)
-    if args.json:
-        tmp = Path(args.json + ".tmp")
-        tmp.write_text(json.dumps({"conditions": conditions, "rows": rows}, indent=1))
-        os.replace(tmp, args.json)
-    return 0
+    return rows
+
+
+def measure_quality(args, model: Path, gguf: Path, variants, tokenizer) -> tuple[list[dict], dict]:
+    pairs = [(q, QUANT_PAIRS[q], ours, theirs) for q, ours, theirs, _ in variants if q in QUANT_PAIRS]
+    if not pairs or args.quality == "off":
+        return [], {}
+    if args.quality_from:
+        doc = json.loads(Path(args.quality_from).read_text())
+        keep = ("text", "token stream", "llama-perplexity", "colibri quality")
+        return doc["quality"], {f"quality ({k})": f"{doc['conditions'][k]} [from {args.quality_from}, "
+                                                  f"{doc['conditions']['date']}]" for k in keep}
+    rows, conditions = peers_quality.measure(
+        Path(args.work_dir).expanduser(), Path(args.llama_dir), model, gguf, pairs, args.kl_tokens, args.kl_ctx,
+        args.threads, str(Path(args.ours_src).resolve()), tokenizer,
+        log=lambda m: print(m, file=sys.stderr, flush=True))
+    return rows, conditions
 
 
 def git_commit(src: str) -> str:

@@ -6,7 +6,7 @@
 #   scripts/build_llama_cpp.sh [DEST]        DEST defaults to $LLAMA_CPP_DIR or /work/tools/llama.cpp
 #
 # Result: DEST/src (the vendored tree, untouched), DEST/build/bin/{llama-simple,llama-bench,
-# llama-tokenize}, DEST/BUILD_INFO (version, commit, flags) and DEST/READY once both binaries run.
+# llama-tokenize,llama-perplexity}, DEST/BUILD_INFO (version, commit, flags) and DEST/READY once both binaries run.
 # Nothing is written into this repository. Re-running skips the download and reuses the build
 # directory (cmake rebuilds only what changed). Build jobs: $JOBS (default 2), at nice 19;
 # BUILD_LOCK=FILE holds that flock for the compile step only.
@@ -17,7 +17,8 @@ DEST="${1:-${LLAMA_CPP_DIR:-/work/tools/llama.cpp}}"
 JOBS="${JOBS:-2}"
 PY="${PYTHON:-python3}"
 # EXTRA_TARGETS="llama-quantize" adds binaries (benchmarks/gguf_roundtrip.py needs llama-quantize).
-TARGETS=(llama-simple llama-bench llama-tokenize ${EXTRA_TARGETS:-})
+# llama-perplexity: peers.py --quant's KL against bf16 (--kl-divergence).
+TARGETS=(llama-simple llama-bench llama-tokenize llama-perplexity ${EXTRA_TARGETS:-})
 
 mkdir -p "$DEST"
 DEST="$(cd "$DEST" && pwd)"
@@ -49,7 +50,7 @@ lock=()
 [ -n "${BUILD_LOCK:-}" ] && lock=(flock "$BUILD_LOCK")
 nice -n 19 "${lock[@]}" cmake --build "$DEST/build" --target "${TARGETS[@]}" -j "$JOBS"
 
-for t in llama-simple llama-bench; do
+for t in llama-simple llama-bench llama-perplexity; do
     "$DEST/build/bin/$t" --help >/dev/null 2>&1 || [ $? -le 1 ] || { echo "peers: $t does not run" >&2; exit 1; }
 done
 {

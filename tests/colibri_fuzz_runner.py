@@ -162,7 +162,10 @@ def serve_one(cli_main, req: dict, control_fd: int) -> dict:
 def main(control_fd: int) -> int:
     for name in WARM_MODULES:
         importlib.import_module(name)
-    cli_main = sys.modules["tuner.cli"].main
+    cli = sys.modules["tuner.cli"]
+    for name in sorted(set(cli.COMMANDS.values())):  # the CLI imports a command's module on first use only
+        importlib.import_module(name)
+    cli_main = cli.main
     with os.fdopen(control_fd, "w", encoding="utf-8") as control:
         control.write(json.dumps({"ready": True}) + "\n")
         control.flush()

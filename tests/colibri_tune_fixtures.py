@@ -1,6 +1,11 @@
-"""Fixtures shared by the tune tests (test_tune.py, test_tune_postgres.py): the tiny model and a
-shrunk probe. Imported by module name (pytest puts tests/ on sys.path, pyproject.toml), never as
-`tests.…`: an installed distribution that ships a top-level `tests` package would shadow that.
+"""Fixtures shared by the tune tests (test_tune*.py, test_lossy_tune.py, test_trial_outcomes.py, ...):
+the tiny model and a shrunk probe, and their constants. Imported by module name (pytest puts
+tests/ on sys.path, pyproject.toml), never as `tests.…`: an installed distribution that ships a
+top-level `tests` package would shadow that.
+
+The two fixtures are session-wide, registered by conftest.py: one model and one probe for every
+module (neither is ever written to; a tune copies the probe into its run directory). A module
+must not import them itself: pytest would then build that module its own copy.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ MIN_CTX = 65536
 SMALL_CTX = 256  # every ctx choice fits: each trial really runs
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     from engine import synth
     d = tmp_path_factory.mktemp("tune-model") / "tiny"
@@ -24,7 +29,7 @@ def model_dir(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def profile_path(tmp_path_factory) -> Path:
     """A real probe, shrunk to a few tiny jobs (the tune command reuses it via --profile)."""
     from tuner.probe import ProbePlan, run_probe, save_profile

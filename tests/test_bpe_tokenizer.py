@@ -31,17 +31,31 @@ def tiny_dir(tmp_path_factory) -> Path:
                             seed=0, progress=False)
 
 
-def _tokenizer_json_in_fresh_process(vocab_size: int) -> str:
-    # A fresh interpreter: the trainer's hash maps are seeded per process, so this is what could differ.
-    code = f"from engine.synth.bpe_tokenizer import build_tokenizer; print(build_tokenizer({vocab_size}).to_str())"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          env=env).stdout
+def _in_fresh_process(code: str) -> str:
+    # A fresh interpreter, with its own hash seed. The module needs only the standard library and
+    # tokenizers, so it is imported as the top-level module it also runs as (its training child):
+    # the engine.synth package would import torch first, seconds of each child's time.
+    prelude = f"import sys; sys.path.insert(0, {str(REPO / 'engine' / 'synth')!r}); import bpe_tokenizer; "
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+
+
+@pytest.fixture(scope="module")
+def demo_sized() -> dict:
+    """The demo-sized tokenizer (32000 ids), built in a child: it adds ~30 MB to a process, which
+    later tests' memory plans would measure as runtime overhead. The child also round-trips SAMPLES."""
+    code = ("import json; t = bpe_tokenizer.build_tokenizer(32000); "
+            f"s = json.loads({json.dumps(json.dumps(SAMPLES))}); "
+            "print(json.dumps({'json': t.to_str(), "
+            "'round_trips': [[t.decode(t.encode(x).ids), len(t.encode(x).ids)] for x in s]}))")
+    return json.loads(_in_fresh_process(code))
 
 
 def test_training_gives_the_same_bytes_in_two_processes():
-    first = _tokenizer_json_in_fresh_process(TINY_VOCAB)
-    assert first and first == _tokenizer_json_in_fresh_process(TINY_VOCAB)
+    # The trainer's hash maps are seeded per process, so this is what could differ: a build in a
+    # fresh interpreter against one here (each trains in its own child, tokenizer.json byte for byte).
+    first = _in_fresh_process(f"print(bpe_tokenizer.build_tokenizer({TINY_VOCAB}).to_str())").rstrip("\n")
+    assert first and first == bpe_tokenizer.build_tokenizer(TINY_VOCAB).to_str()
     assert json.loads(first)["model"]["merges"]
 
 
@@ -52,16 +66,11 @@ def test_synth_writes_the_trained_tokenizer(tiny_dir):
     assert info == bpe_tokenizer.corpus_info() and info["files"] > 50
 
 
-def _in_child(code: str) -> str:
-    # The demo-sized tokenizer is built in a child: it adds ~30 MB to a process, which later
-    # tests' memory plans would measure as runtime overhead.
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
-
-
 @pytest.mark.parametrize("vocab_size", [TINY_VOCAB, 32000])
-def test_vocab_has_bytes_eos_and_merges(vocab_size):
-    model = json.loads(_tokenizer_json_in_fresh_process(vocab_size))["model"]
+def test_vocab_has_bytes_eos_and_merges(vocab_size, request):
+    built = request.getfixturevalue("demo_sized")["json"] if vocab_size == 32000 else \
+        bpe_tokenizer.build_tokenizer(vocab_size).to_str()
+    model = json.loads(built)["model"]
     vocab, merges = model["vocab"], model["merges"]
     assert sorted(vocab.values()) == list(range(vocab_size))
     b2u = bpe_tokenizer.bytes_to_unicode()
@@ -73,11 +82,8 @@ def test_vocab_has_bytes_eos_and_merges(vocab_size):
         assert left in vocab and right in vocab and left + right in vocab
 
 
-def test_merges_shorten_text_and_text_round_trips():
-    code = ("import json, sys; from engine.synth.bpe_tokenizer import build_tokenizer; t = build_tokenizer(32000); "
-            f"s = json.loads({json.dumps(json.dumps(SAMPLES))}); "
-            "print(json.dumps([[t.decode(t.encode(x).ids), len(t.encode(x).ids)] for x in s]))")
-    out = json.loads(_in_child(code))
+def test_merges_shorten_text_and_text_round_trips(demo_sized):
+    out = demo_sized["round_trips"]
     assert [text for text, _ in out] == SAMPLES
     english = SAMPLES[0]
     assert out[0][1] < len(english.encode()) / 2

@@ -116,3 +116,30 @@ def test_decodable_build_writes_the_scales_and_biases_a_decode_step_reads():
     bias = torch.frombuffer(bytearray(_real_bytes("model.layers.5.mlp.gate.e_score_correction_bias", "F32", (256,), K)),
                             dtype=torch.float32)
     assert torch.equal(bias.topk(K).indices.sort().values, torch.arange(K))  # ties broken toward 0..K-1
+
+
+def test_reduced_layer_variant_keeps_the_per_layer_geometry(tmp_path):
+    """`build --layers N`: the first N layers of the same model (widths, experts, shard size), so a
+    memory figure measured on a few layers scales by the layer count. One more MoE layer adds
+    exactly one layer's dense bytes to the plan and 256 experts to the layout, and the full model's
+    dense part is the reduced one's plus its other layers at that rate."""
+    def planned(layers):
+        d = tmp_path / f"l{layers}"
+        info = build("deepseek-v3", d, "int4", layers=layers)
+        ckpt = Checkpoint(d)
+        args = model_args(ckpt.config)
+        layout = ExpertLayout(ckpt, args)
+        plan = make_plan(ckpt, args, layout, EngineConfig(ram_budget=64 * GiB), torch.bfloat16, torch.bfloat16,
+                         overhead_bytes=1 * GiB)
+        return info, args, layout, plan
+    info4, args4, layout4, plan4 = planned(4)
+    info5, args5, layout5, plan5 = planned(5)
+    assert (args4.num_layers, args5.num_layers) == (4, 5)
+    assert (layout4.num_routed, layout5.num_routed) == (256, 512)
+    assert info5["shards"] > info4["shards"] >= 1
+    assert "model.layers.5.eh_proj.weight" in Checkpoint(tmp_path / "l5")  # the MTP layer follows the last one
+    per_layer = plan5.dense_bytes - plan4.dense_bytes
+    # one MoE layer: int4 attention and shared expert, kv_b_proj dequantized to bf16, router in bf16
+    assert 140e6 < per_layer < 160e6
+    with pytest.raises(ValueError):
+        build("deepseek-v3", tmp_path / "bad", "int4", layers=3)  # no MoE layer left

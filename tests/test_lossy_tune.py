@@ -15,7 +15,7 @@ from tuner.search.lossy import QualityBound, QualityMeter
 from tuner.search.space import SearchSpace
 from tuner.search.study import TuneOptions, run_tune
 
-from colibri_tune_fixtures import BUDGET, SMALL_CTX, model_dir, profile_path  # noqa: F401
+from colibri_tune_fixtures import BUDGET, SMALL_CTX
 
 TEXT = " ".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200))
 

@@ -21,7 +21,7 @@ from engine.run.runtime import Engine
 from tuner.search.space import ModelFacts, SearchSpace
 from tuner.search.workload import prepare_workload
 
-from colibri_tune_fixtures import MiB, model_dir  # noqa: F401
+from colibri_tune_fixtures import MiB
 
 
 def test_prefill_activations_grow_with_the_tokens_of_a_pass(model_dir):  # noqa: F811

@@ -14,7 +14,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from colibri_tune_fixtures import profile_path  # noqa: F401  (a real probe of this machine, shrunk)
 from report_fixture import GEOMETRY, hardware_profile, make_run
 from tuner import cli
 from tuner.share import profiles

@@ -15,7 +15,7 @@ from tuner.search.run_record import read_run_record
 from tuner.search.study import TuneOptions, default_budget, run_tune
 
 from colibri_sync import completed_trials, wait_until
-from colibri_tune_fixtures import ROOT, SMALL_CTX, model_dir, profile_path  # noqa: F401
+from colibri_tune_fixtures import ROOT, SMALL_CTX
 from test_tune import _reap
 
 COMMON = ["--min-ctx", str(SMALL_CTX), "--tokens", "2", "--repeats", "1", "--prompt-tokens", "8",

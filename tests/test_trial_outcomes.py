@@ -18,7 +18,7 @@ from tuner.sandbox import detect_memory_cgroup
 from tuner.search.outcome import outcome_of_exception
 from tuner.search.trial import run_trial
 
-from colibri_tune_fixtures import MiB, model_dir  # noqa: F401
+from colibri_tune_fixtures import MiB
 from colibri_requirements import needs
 
 QUICK = dict(tokens=2, repeats=1, prompt_tokens=4, cold=False)

@@ -31,7 +31,7 @@ from tuner.search.space import CHUNK_SIZES, IO_THREADS, SearchSpace
 from tuner.search.study import TuneOptions, parse_duration, redact_url, run_tune
 
 from colibri_sync import completed_trials, wait_until
-from colibri_tune_fixtures import BUDGET, MIN_CTX, MiB, ROOT, SMALL_CTX, model_dir, profile_path  # noqa: F401
+from colibri_tune_fixtures import BUDGET, MIN_CTX, MiB, ROOT, SMALL_CTX
 from colibri_requirements import needs
 
 
@@ -150,10 +150,16 @@ def test_report_and_plots(tuned):
 
 # --- interrupts and resume ----------------------------------------------------------------------
 
+# Session 1 is interrupted after its first completed trial and session 2 killed after one more
+# (each may finish one more before the signal lands); the third resumes to RESUME_TRIALS.
+RESUME_TRIALS = 4
+
+
 def _start(model_dir, profile_path, out, *extra) -> subprocess.Popen:
     argv = [sys.executable, "-m", "tuner.cli", "tune", "--model", str(model_dir), "--ram-budget", "512MiB",
-            "--min-ctx", str(SMALL_CTX), "--trials", "5", "--tokens", "2", "--repeats", "1", "--prompt-tokens", "8",
-            "--confirm-top", "0", "--out", str(out), "--profile", str(profile_path), "--seed", "3", *extra]
+            "--min-ctx", str(SMALL_CTX), "--trials", str(RESUME_TRIALS), "--tokens", "2", "--repeats", "1",
+            "--prompt-tokens", "8", "--confirm-top", "0", "--out", str(out), "--profile", str(profile_path),
+            "--seed", "3", *extra]
     return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -183,7 +189,8 @@ def test_interrupt_then_kill_then_resume_keeps_every_completed_trial(tuned, mode
 
     # Without --resume the existing study is not silently extended.
     with pytest.raises(ConfigError, match="--resume"):
-        run_tune(options(model_dir, profile_path, out, trials=5, seed=3, min_ctx=SMALL_CTX), log=lambda m: None)
+        run_tune(options(model_dir, profile_path, out, trials=RESUME_TRIALS, seed=3, min_ctx=SMALL_CTX),
+                 log=lambda m: None)
 
     # kill -9 in the middle of a trial: SQLite has committed every finished one.
     proc = _start(model_dir, profile_path, out, "--resume")
@@ -195,10 +202,10 @@ def test_interrupt_then_kill_then_resume_keeps_every_completed_trial(tuned, mode
     after_kill = _snapshot(out)
     assert set(after_int) <= set(after_kill) and len(after_kill) > len(after_int)
 
-    outcome = run_tune(options(model_dir, profile_path, out, trials=5, seed=3, resume=True, min_ctx=SMALL_CTX),
-                       log=lambda m: None)
+    outcome = run_tune(options(model_dir, profile_path, out, trials=RESUME_TRIALS, seed=3, resume=True,
+                               min_ctx=SMALL_CTX), log=lambda m: None)
     final = _snapshot(out)
-    assert len(final) == 5  # completed trials from every session count toward --trials
+    assert len(final) == RESUME_TRIALS  # completed trials from every session count toward --trials
     for number, record in after_kill.items():
         assert final[number] == record
     # A trial cut short by kill -9 is FAIL (unmeasured), not a fake measurement.

@@ -16,7 +16,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 
-from colibri_tune_fixtures import BUDGET, MIN_CTX, model_dir, profile_path  # noqa: F401
+from colibri_tune_fixtures import BUDGET, MIN_CTX
 from engine.base.config import EngineConfig
 from engine.base.errors import PromptError
 from engine.run.workload import Request, load_workload, read_prompts, workload_digest

@@ -20,7 +20,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from colibri_tune_fixtures import MIN_CTX, ROOT, model_dir, profile_path  # noqa: F401  (fixtures)
+from colibri_tune_fixtures import MIN_CTX, ROOT
 from colibri_requirements import needs
 
 pytestmark = pytest.mark.postgres

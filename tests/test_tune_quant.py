@@ -21,7 +21,7 @@ from tuner.search.quant_tune import QuantTuneOptions, parse_levels, run_quant_tu
 from tuner.results.result import TuneResult
 from tuner.search.study import TuneOptions
 
-from colibri_tune_fixtures import BUDGET, ROOT, SMALL_CTX, MiB, profile_path  # noqa: F401
+from colibri_tune_fixtures import BUDGET, ROOT, SMALL_CTX, MiB
 
 QUALITY = ["--quality-tokens", "128", "--quality-ctx", "64", "--quality-text", str(ROOT / "README.md")]
 

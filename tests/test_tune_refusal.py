@@ -18,7 +18,7 @@ import pytest
 from tuner import cli
 
 from colibri_sync import completed_trials, wait_until
-from colibri_tune_fixtures import ROOT, SMALL_CTX, model_dir, profile_path  # noqa: F401
+from colibri_tune_fixtures import ROOT, SMALL_CTX
 
 
 def tune_argv(model_dir, profile_path, out, *extra) -> list[str]:

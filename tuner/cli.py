@@ -7,39 +7,47 @@ layer of argument parsing over importable library functions. Errors that are the
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 from engine.base.errors import ColibriError
 from engine.base.inputs import printable
 from tuner.commands.argtypes import ColibriArgumentParser
-from tuner.commands.doctor import add_doctor
-from tuner.commands.machine import add_plan, add_probe
-from tuner.commands.quant import add_convert, add_quality
-from tuner.commands.results import add_compare, add_profile, add_report
-from tuner.commands.run import add_bench, add_run
-from tuner.commands.serve import add_chat, add_serve
-from tuner.commands.synth import add_synth
-from tuner.commands.tune import add_tune
 from tuner.search.outcome import outcome_of_exception, write_outcome
 
-ADDERS = [add_run, add_bench, add_probe, add_tune, add_synth, add_plan, add_report, add_profile, add_compare,
-          add_convert, add_quality, add_serve, add_chat, add_doctor]
+# Every subcommand, in `colibri --help` order: its name → the module that declares it (add_<name>).
+# The modules are imported by name, and for `colibri <command>` only that command's: each one
+# pulls in its own libraries (the server, Optuna and SQLAlchemy, the report's plots, pandas), and
+# a process that runs one command need not pay for the others. That matters most for
+# `colibri bench`, which a tune starts once per trial (tuner/search/trial.py): ~0.5 s of CPU
+# less per trial process on this project's 2-vCPU box (docs/BENCHMARKS.md, cispeed).
+COMMANDS = {"run": "tuner.commands.run", "bench": "tuner.commands.run", "probe": "tuner.commands.machine",
+            "tune": "tuner.commands.tune", "synth": "tuner.commands.synth", "plan": "tuner.commands.machine",
+            "report": "tuner.commands.results", "profile": "tuner.commands.results",
+            "compare": "tuner.commands.results", "convert": "tuner.commands.quant",
+            "quality": "tuner.commands.quant", "serve": "tuner.commands.serve", "chat": "tuner.commands.serve",
+            "doctor": "tuner.commands.doctor"}
 
 
-def build_parser() -> ColibriArgumentParser:
+def build_parser(only: str | None = None) -> ColibriArgumentParser:
+    """The parser of every command, or of `only` (one of COMMANDS) alone."""
     parser = ColibriArgumentParser(
         prog="colibri",
         description="Tune a streaming MoE engine for this machine: probe, run, bench, tune.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for add in ADDERS:
-        add(sub)
+    for name, module in COMMANDS.items():
+        if only is None or name == only:
+            getattr(importlib.import_module(module), f"add_{name}")(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # A known command first: only its parser. Anything else (--help, a typo, nothing) gets the
+    # whole parser, so the listing and the "invalid choice" line name every command.
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # a refused argument (one line already printed) or --help: return its code

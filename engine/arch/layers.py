@@ -19,7 +19,12 @@ from engine.arch.kvquant import cache_bytes, check_kv_dtype, kv_buffer
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 whatever the compute dtype, as the reference implementations do.
     # F.rms_norm is one fused op where the written-out form was five (x * rsqrt(mean(x^2) + eps)),
-    # with the same result bit for bit.
+    # with the same result bit for bit. One token in bf16 (x [1, H], or per head [N, 1, D]) takes
+    # the native op instead: one call where this is three, and the fused MoE layer's own norm, so
+    # a layer computed fused or apart gives the same bits.
+    if (native.ready and x.dtype is torch.bfloat16 and x.dim() >= 2 and x.shape[-2] == 1
+            and type(weight) is torch.Tensor and weight.dtype is torch.bfloat16 and x.device.type == "cpu"):
+        return native.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -71,6 +76,9 @@ def native_quant_operands(x: torch.Tensor, experts: list) -> tuple[list, int] | 
 
 def route(args: ModelArgs, router_weight: torch.Tensor, x: torch.Tensor):
     """Top-k routing with each architecture's normalisation. x: [T, H] → ids [T, K], weights [T, K]."""
+    if (native.ready and x.shape[0] == 1 and x.dtype is torch.bfloat16 and type(router_weight) is torch.Tensor
+            and router_weight.dtype is torch.bfloat16):  # one native call; the fused MoE layer's own routing
+        return native.route_topk(x, router_weight, args.top_k, bool(args.norm_topk_prob))
     logits = linear(x, router_weight)  # [T, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     weights, ids = torch.topk(probs, args.top_k, dim=-1)

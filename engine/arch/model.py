@@ -64,6 +64,8 @@ class Transformer:
         # The MoE layer and lookahead both apply it, so lookahead predicts the experts used.
         self.routing_trim = None
         self._qkv = self._fuse_qkv(weights)
+        self._fused_moe: dict[int, moe.ResidentMoeLayer | None] = {}  # per layer, built at its first decode
+        self._fused_attention: dict[int, tuple | None] = {}  # per layer: the native attention's operands
 
     def _fuse_qkv(self, weights: dict) -> dict[int, torch.Tensor]:
         """Per layer, q/k/v projections as one [Nq*D + 2*Nkv*D, H] matrix (concatenated once,
@@ -148,14 +150,75 @@ class Transformer:
     def _layer(self, layer, x, start_pos, kv, cos, sin, mask):
         p, a = layer_prefix(layer), self.args
         w = self._layer_weights(layer)
-        h = x + self._attention(layer, w, rms_norm(x, w[f"{p}.input_layernorm.weight"], a.rms_norm_eps),
-                                start_pos, kv, cos, sin, mask)
+        h = self._decode_attention(layer, w, x, start_pos, kv, cos, sin, mask)  # one native call, or None
+        if h is None:
+            h = x + self._attention(layer, w, rms_norm(x, w[f"{p}.input_layernorm.weight"], a.rms_norm_eps),
+                                    start_pos, kv, cos, sin, mask)
+        fused = self._resident_moe(layer, w, h)
+        if fused is not None:
+            return self._resident_moe_call(layer, fused, h)
         normed = rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)
         self._lookahead(layer, normed, h)
         if a.is_moe_layer(layer):
             return h + self._moe(layer, w, normed)
         return h + swiglu(normed, w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"],
                           w[f"{p}.mlp.down_proj.weight"])
+
+    def _resident_moe(self, layer: int, w: dict, h: torch.Tensor):
+        """The fused decode of this MoE layer (moe.ResidentMoeLayer) when it applies to this call:
+        one bf16 token, native ops loaded, resident weights, and nothing that watches or changes the
+        routing (routing log, trim, lookahead); else None. Whether the layer itself qualifies is
+        decided once per layer."""
+        if (h.shape[0] != 1 or not native.ready or h.dtype is not torch.bfloat16 or w is not self.w
+                or self.routing_log is not None or self.routing_trim is not None or self.lookahead_depth):
+            return None
+        if layer not in self._fused_moe:
+            self._fused_moe[layer] = moe.resident_layer(self.args, self.w, self.experts, layer, self.expert_fn)
+        return self._fused_moe[layer]
+
+    def _decode_attention(self, layer, w, x, start_pos, kv, cos, sin, mask):
+        """x + attention(rms_norm(x)) for one bf16 token as one native call (attention_decode.cpp:
+        norm, q/k/v, per-head norms, rope, the K/V write, attention, o_proj, residual), or None where
+        it does not apply (then _attention). Whether the layer qualifies is decided once per layer."""
+        if (x.shape[0] != 1 or mask is not None or not native.ready or w is not self.w
+                or x.dtype is not torch.bfloat16 or cos.dtype is not torch.bfloat16):
+            return None
+        if layer not in self._fused_attention:
+            self._fused_attention[layer] = self._attention_operands(layer)
+        operands = self._fused_attention[layer]
+        if operands is None:
+            return None  # (before the cache: MLA's compressed cache has no k/v rows)
+        k_cache, v_cache = kv.k[layer], kv.v[layer]
+        if type(k_cache) is not torch.Tensor or k_cache.dtype is not torch.bfloat16 or not k_cache.is_contiguous():
+            return None  # a quantized KV cache (int8 / fp8 rows): the unfused path dequantizes
+        norm_w, qkv, q_norm, k_norm, o_w = operands
+        a = self.args
+        return native.attention_decode(x, norm_w, a.rms_norm_eps, qkv, q_norm, k_norm, cos, sin, k_cache, v_cache,
+                                       start_pos, a.num_heads, a.num_kv_heads, o_w)
+
+    def _attention_operands(self, layer: int) -> tuple | None:
+        """(input norm, fused q/k/v, q norm, k norm, o_proj) of a layer the native attention decode
+        covers (plain attention, q/k/v fused at load: bf16, no biases; no clipping; no norm or a per-head
+        one; rope over the whole head), else None."""
+        a, p = self.args, layer_prefix(layer)
+        qkv = self._qkv.get(layer)
+        if (qkv is None or a.clip_qkv is not None or a.qk_norm not in ("none", "head") or a.head_dim % 2
+                or (a.rotary_dim or a.head_dim) != a.head_dim):
+            return None
+        none = torch.empty(0, dtype=torch.bfloat16)
+        names = [f"{p}.input_layernorm.weight", f"{p}.self_attn.o_proj.weight"]
+        if a.qk_norm == "head":
+            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
+        tensors = [self.w.get(n) for n in names]
+        if not all(type(t) is torch.Tensor and t.dtype is torch.bfloat16 and t.is_contiguous() for t in tensors):
+            return None
+        norm_w, o_w, q_norm, k_norm = (tensors + [none, none])[:4]
+        return norm_w, qkv, q_norm, k_norm, o_w
+
+    def _resident_moe_call(self, layer: int, fused, h: torch.Tensor) -> torch.Tensor:
+        # norm, router, top-k, experts, sum and residual: one native call (a seam of its own for
+        # benchmarks/decode_profile.py, which times the layer's parts by method)
+        return fused(h)
 
     def _attention(self, layer, w, x, start_pos, kv, cos, sin, mask):
         p, a = f"{layer_prefix(layer)}.self_attn", self.args

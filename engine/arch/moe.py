@@ -11,13 +11,20 @@ Decode (T == 1) has a batched form: when the store holds every selected expert i
 VNNI and VBMI), the layer's K experts run in one call (engine/native: gate/up/down rows of all K experts spread over the threads, no
 per-expert Python). Each expert's output is computed exactly as the per-expert call computes
 it, so the batched and the per-expert (streaming) paths give the same bits.
+
+With every expert of the layer resident in bf16 and the softmax top-k rule, the whole layer (its
+norm, router, top-k, the K experts, the weighted sum, the residual add) is one native call instead
+(ResidentMoeLayer, engine/native/moe_decode.cpp); the unfused decode path calls the same pieces as
+separate native ops (layers.rms_norm, layers.route, native.combine), so the two give the same bits.
 """
+
 
 from __future__ import annotations
 
 import torch
 
 from engine import native
+from engine.arch.args import ModelArgs, layer_prefix
 from engine.arch.layers import native_quant_operands, swiglu_expert
 
 
@@ -36,7 +43,10 @@ def routed_decode(store, expert_fn, layer: int, x: torch.Tensor, ids: torch.Tens
 
         store.for_each_expert(layer, needed, run)
         ys = torch.cat(outs)  # [K, H]
-    return torch.mm(weights[0, order][None], ys)  # [1, H]
+    chosen = weights[0, order]  # [K], ascending expert id as ys
+    if native.ready and ys.dtype is torch.bfloat16 and chosen.dtype is torch.bfloat16:
+        return native.combine(ys, chosen)  # [1, H]; the sum the fused layer (ResidentMoeLayer) makes
+    return torch.mm(chosen[None], ys)  # [1, H]
 
 
 def _batched_decode(store, expert_fn, layer: int, x: torch.Tensor, needed: list[int]) -> torch.Tensor | None:
@@ -83,3 +93,62 @@ def routed_prefill(store, expert_fn, layer: int, x: torch.Tensor, ids: torch.Ten
 
     store.for_each_expert(layer, needed, run)
     return torch.zeros_like(x).index_add_(0, token_of, torch.cat(ys))
+
+
+class ResidentMoeLayer:
+    """One MoE layer of a decode step as one native call: h [1, H] → h + moe(rms_norm(h)) [1, H].
+
+    The op reads each chosen expert's rows through a table of addresses (int64 [E, 3]: gate, up,
+    down), built once here from the store's tensors, which this object holds so the addresses stay
+    valid for its lifetime (the store keeps them too: ResidentExperts loads every expert for good)."""
+
+    def __init__(self, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor, top_k: int, norm_topk: bool,
+                 experts: list[tuple]):
+        self.norm_w, self.eps, self.router_w = norm_w, float(eps), router_w
+        self.top_k, self.norm_topk = int(top_k), bool(norm_topk)
+        self.inter = experts[0][-1].shape[1]
+        self._tensors = experts  # what the addresses point into
+        rows = []
+        for expert in experts:
+            if len(expert) == 2:  # gate_up [2I, H]: up's rows start I rows in
+                gate_up, down = expert
+                rows.append([gate_up.data_ptr(), gate_up[self.inter:].data_ptr(), down.data_ptr()])
+            else:
+                rows.append([t.data_ptr() for t in expert])
+        self.table = torch.tensor(rows, dtype=torch.int64)  # [E, 3]
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return native.moe_layer(h, self.norm_w, self.eps, self.router_w, self.top_k, self.norm_topk,
+                                self.table, self.inter)
+
+
+def resident_layer(args: ModelArgs, w: dict, store, layer: int, expert_fn) -> ResidentMoeLayer | None:
+    """The fused decode of `layer` where it applies, else None (the unfused path): an MoE layer with
+    the softmax top-k rule (rules in engine/arch/router.py and shared experts stay unfused), SwiGLU
+    experts all resident in RAM as plain contiguous bf16 tensors of one shape, a bf16 router and norm."""
+    if (not args.is_moe_layer(layer) or args.router is not None or expert_fn is not swiglu_expert
+            or args.shared_experts_intermediate_size or args.shared_expert_intermediate_size):
+        return None
+    p = layer_prefix(layer)
+    norm_w = w.get(f"{p}.post_attention_layernorm.weight")
+    router_w = w.get(f"{p}.{args.moe_prefix}.gate.weight")
+    if not all(type(t) is torch.Tensor and t.dtype is torch.bfloat16 and t.is_contiguous()
+               and t.device.type == "cpu" for t in (norm_w, router_w)):
+        return None
+    held = store.resident(layer, list(range(args.num_experts))) if store is not None else None
+    if not held or router_w.shape[0] != len(held):
+        return None
+    H = router_w.shape[1]
+    down = held[0][-1]
+    if not _plain_bf16(down) or down.shape[0] != H:
+        return None
+    shapes = ((2 * down.shape[1], H), tuple(down.shape)) if len(held[0]) == 2 else \
+        ((down.shape[1], H), (down.shape[1], H), tuple(down.shape))
+    if any(len(e) != len(shapes) or any(not _plain_bf16(t) or tuple(t.shape) != s for t, s in zip(e, shapes))
+           for e in held):
+        return None
+    return ResidentMoeLayer(norm_w, args.rms_norm_eps, router_w, args.top_k, args.norm_topk_prob, held)
+
+
+def _plain_bf16(t) -> bool:
+    return type(t) is torch.Tensor and t.dtype is torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu"

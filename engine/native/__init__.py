@@ -22,6 +22,11 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
     int_ready               whether the int8/int4 ops may run too (ready and INT_FLAGS present)
     linear(x, w)            x [1,K] @ w.T, bf16
     experts(x, weights, n)  SwiGLU of several experts on one token: [E, H]
+    rms_norm(x, w, eps)     per row of x [..., H] (moe_decode.cpp)
+    route_topk(x, w, k, norm)          softmax top-k routing of one token: ids [1,k], weights [1,k]
+    combine(ys, weights)               sum of the K experts' rows, weighted: [1, H]
+    moe_layer(h, ...)       a whole MoE layer of one token, residual included (engine/arch/moe.py)
+    attention_decode(x, ...)           a layer's attention half of one token, K/V written (attention_decode.cpp)
     mxfp4_linear(x, blocks, scales, bias)  x @ dequant(blocks, scales).T + bias, fp32 or bf16
     int8_linear(x, codes, scales)          x @ (codes * scales).T, per-row scales
     int4_linear(x, packed, scales_zeros, group)   x @ dequant_int4(...).T, the stored blocked layout
@@ -166,6 +171,29 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def experts(x: torch.Tensor, weights: list, per_expert: int) -> torch.Tensor:
     return torch.ops.colibri.experts_bf16(x, weights, per_expert)
 
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.colibri.rms_norm_bf16(x, w, eps)
+
+
+def route_topk(x: torch.Tensor, w: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.colibri.route_topk_bf16(x, w, k, norm)
+
+
+def combine(ys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return torch.ops.colibri.combine_bf16(ys, weights)
+
+
+def moe_layer(h: torch.Tensor, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor, k: int, norm: bool,
+              experts: torch.Tensor, inter: int) -> torch.Tensor:
+    return torch.ops.colibri.moe_layer_bf16(h, norm_w, eps, router_w, k, norm, experts, inter)
+
+
+def attention_decode(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, q_norm: torch.Tensor,
+                     k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int, o_w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.colibri.attention_decode_bf16(x, norm_w, eps, qkv_w, q_norm, k_norm, cos, sin, k_cache, v_cache,
+                                                   pos, heads, kv_heads, o_w)
 
 
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

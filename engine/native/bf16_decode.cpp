@@ -32,39 +32,11 @@
 #include <cstring>
 #include <vector>
 
-#include "native_common.h"
+#include "bf16_kernels.h"
 
 namespace {
 
 using namespace colibri_native;
-
-inline __m512bh load32(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-
-inline __m512bh load_tail(const bf16* p, int64_t n) {  // n < 32 elements, the rest zero
-  return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1u << n) - 1), p);
-}
-
-// fp32 dot product of K bf16 elements.
-inline float dot(const bf16* w, const bf16* x, int64_t K) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    a0 = _mm512_dpbf16_ps(a0, load32(w + k), load32(x + k));
-    a1 = _mm512_dpbf16_ps(a1, load32(w + k + 32), load32(x + k + 32));
-  }
-  if (k + 32 <= K) {
-    a0 = _mm512_dpbf16_ps(a0, load32(w + k), load32(x + k));
-    k += 32;
-  }
-  if (k < K) a1 = _mm512_dpbf16_ps(a1, load_tail(w + k, K - k), load_tail(x + k, K - k));
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-}
-
-const bf16* bf16_data(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, what, " must be bfloat16");
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
-  return reinterpret_cast<const bf16*>(t.data_ptr());
-}
 
 at::Tensor linear_bf16(const at::Tensor& x_in, const at::Tensor& w) {
   TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1), "linear_bf16: x [M,K], w [N,K]");
@@ -110,24 +82,8 @@ at::Tensor experts_bf16(const at::Tensor& x_in, at::TensorList weights, int64_t 
   const bf16* xp = bf16_data(x, "x");
   at::Tensor h = at::empty({E, I}, x.options());  // silu(gate x) * (up x), per expert
   at::Tensor y = at::empty({E, H}, x.options());
-  bf16* hp = reinterpret_cast<bf16*>(h.data_ptr());
-  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
-  // Gate row i and up row i of one expert make h[i]: no barrier between the two products.
-  at::parallel_for(0, E * I, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) {
-      const int64_t e = r / I, i = r % I;
-      const float g = round_bf16(dot(gate[e] + i * H, xp, H));
-      const float u = round_bf16(dot(up[e] + i * H, xp, H));
-      const float s = round_bf16(g / (1.0f + std::exp(-g)));
-      hp[r] = to_bf16(s * u);
-    }
-  });
-  at::parallel_for(0, E * H, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) {
-      const int64_t e = r / H, n = r % H;
-      yp[r] = to_bf16(dot(down[e] + n * I, hp + e * I, I));
-    }
-  });
+  swiglu_experts(xp, gate.data(), up.data(), down.data(), E, H, I, reinterpret_cast<bf16*>(h.data_ptr()),
+                 reinterpret_cast<bf16*>(y.data_ptr()));
   return y;
 }
 

@@ -1,0 +1,74 @@
+"""What one `colibri` process costs before it does anything: `python -m tuner.cli ARGS` from one or
+more checkouts, alternated run by run (so a noisy box loads each alike), CPU (user + sys, the
+child's own) and wall time, median [min, max].
+
+A tune starts one `colibri bench` process per trial (tuner/search/trial.py), and the test suite
+hundreds of `colibri` processes, so this start-up is paid per trial. Compare two commits with a
+second checkout (`git worktree add ../before <commit>`):
+
+    python benchmarks/cli_startup.py --tree . --tree ../before --repeats 8 --args "bench --help"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def one_run(tree: Path, args: list[str]) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of `python -m tuner.cli ARGS` run from `tree`."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "tuner.cli", *args], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, wall
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tree", action="append", type=Path, help="a checkout to run from (repeatable; default: this one)")
+    p.add_argument("--args", default="bench --help", help="the colibri arguments (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--json", action="store_true")
+    opts = p.parse_args(argv)
+    trees = [t.resolve() for t in (opts.tree or [Path(__file__).resolve().parent.parent])]
+    args = shlex.split(opts.args)
+    cpu: dict[Path, list[float]] = {t: [] for t in trees}
+    wall: dict[Path, list[float]] = {t: [] for t in trees}
+    for i in range(opts.repeats):
+        for tree in trees:
+            c, w = one_run(tree, args)
+            cpu[tree].append(c)
+            wall[tree].append(w)
+        print(f"round {i + 1}/{opts.repeats}", file=sys.stderr, flush=True)
+    rows = [{"tree": str(t), "cpu_s": spread(cpu[t]), "wall_s": spread(wall[t]), "runs": opts.repeats} for t in trees]
+    if opts.json:
+        print(json.dumps({"args": args, "load": os.getloadavg(), "rows": rows}, indent=2))
+        return 0
+    load = os.getloadavg()[0]
+    print(f"`colibri {' '.join(args)}`, {opts.repeats} runs each, alternated; load {load:.1f} at the end\n")
+    print("| tree | CPU s: median [min, max] | wall s: median [min, max] |")
+    print("|---|---|---|")
+    for r in rows:
+        c, w = r["cpu_s"], r["wall_s"]
+        print(f"| {r['tree']} | {c['median']:.2f} [{c['min']:.2f}, {c['max']:.2f}] "
+              f"| {w['median']:.2f} [{w['min']:.2f}, {w['max']:.2f}] |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
