@@ -146,7 +146,7 @@ def test_the_confirmation_measures_the_engine_defaults_and_the_headline_gain_is_
     assert r["gain_over_baseline"] == pytest.approx(rec / b - 1.0)
 
     from tuner.results.printers import tune_text
-    text = tune_text(r, {})
+    text = tune_text(outcome.tune, {})
     assert "engine defaults: decode" in text and "gain over the engine's defaults (decode_tok_s): " in text
     assert "(over the rules-of-thumb baseline: " in text
     md = (outcome.out_dir / "report.md").read_text()

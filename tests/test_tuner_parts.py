@@ -204,7 +204,7 @@ def test_a_stored_v1_result_is_read_migrated(tmp_path):
     # Run-directory readers (report, profile export, compare) see the migrated form.
     (tmp_path / "result.json").write_text(json.dumps(stored))
     run = open_run(tmp_path)
-    assert run.result == migrated and run.result["recommended"]["confirmed"]["decode_tok_s"] == pytest.approx(
+    assert run.tune.to_dict() == migrated and run.tune.recommended.confirmed.decode_tok_s == pytest.approx(
         stored["recommended"]["confirmed"]["decode_tok_s"])
 
 

@@ -98,19 +98,26 @@ def size_label(n: int, smallest: str = "B") -> str:
 
 
 def knob(default, doc: str, *, kind: str, label: str = "", short: str = "", lo=None, hi=None, choices=None,
-         lt=None, unit: str = "", zero_means: str = "", lossy: bool = False, **flag):
+         lt=None, unit: str = "", zero_means: str = "", lossy: bool = False, search: dict | None = None, **flag):
     """An EngineConfig field with what every reader of a knob needs, in one place: its validation
     (knob_problem), the CLI flag (tuner/commands/knob_flags.py: `--name`, its ranged type from
     kind + lo/hi or its choices, `doc` as its help; zero_means: what 0 means, for a size that may
     be 0) and the tables' column (tuner/results/columns.py: label, short name, unit). kind: int, size (bytes; flags take 1GiB), float, choice, path. lo/hi are
     the closed bounds EngineConfig.validate checks (knob_problem; lt: an open upper bound instead),
     the same the flag parses with (tests/test_argtypes.py checks both ends of each).
+    search: the range `colibri tune` searches this knob over (tuner/search/space.py reads it; no
+    search: the tuner leaves it at its default): choices=(...), or low/high (+ step for a
+    float); baseline=, the rules-of-thumb value the study starts from; a range may name a fact
+    of the tuning run instead of a number (logical_cores, physical_cores, min_ctx; multiples=
+    of min_ctx), needs="gpu", and with_histogram=(choices offered only with a routing histogram).
     The tuner's options (tuner/search/options.py TuneOptions) are knobs too, with more kinds
     (duration, seconds, switch, text) and `flag` keywords: flag (its name), group, metavar."""
     meta = {"doc": doc, "zero_means": zero_means, "kind": kind, "lo": lo, "hi": hi, "lt": lt, "choices": choices,
             "lossy": lossy, **flag}
     if label:  # a column of the tables (tuner/results/columns.py)
         meta.update(label=label, short=short, unit=unit)
+    if search:  # searched by `colibri tune` (tuner/search/space.py)
+        meta["search"] = search
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -147,35 +154,45 @@ class EngineConfig:
     # A span (one expert) larger than this is split across the io_threads readers; smaller ones
     # are one request. 4 MiB: demo's 3 MiB experts are read whole, which measured 1.37x the
     # decode speed of splitting them at 1 MiB (docs/BENCHMARKS.md, "One request per span").
+    # Searched: expert-sized read requests, 64 KiB..16 MiB, the range the probe measures.
     chunk_size: int = knob(4 << 20, "read request size, e.g. 1MiB", kind="size", lo=4096, hi=1 << 30,
-                           label="read size", short="chunk", unit="B")
+                           label="read size", short="chunk", unit="B",
+                           search=dict(choices=tuple(64 << 10 << i for i in range(9)), baseline=1 << 20))
     prefetch_depth: int = knob(1, "layers of router lookahead", kind="int", lo=0, hi=16, label="prefetch depth",
-                               short="prefetch")
+                               short="prefetch", search=dict(low=0, high=4, baseline=2))
+    # Searched from 0.25: a bigger cache is not always faster (it leaves the page cache less).
     cpu_cache_ratio: float = knob(1.0, "share of what the budget leaves that the RAM expert cache takes",
-                                  kind="float", lo=0.0, hi=1.0, label="RAM cache share", short="cache")
+                                  kind="float", lo=0.0, hi=1.0, label="RAM cache share", short="cache",
+                                  search=dict(low=0.25, high=1.0, step=0.05, baseline=1.0))
     gpu_cache_ratio: float = knob(0.0, "share of free VRAM for the VRAM expert tier (CUDA only)", kind="float",
-                                  lo=0.0, hi=1.0, label="VRAM cache share", short="vram")
+                                  lo=0.0, hi=1.0, label="VRAM cache share", short="vram",
+                                  search=dict(low=0.0, high=0.9, step=0.1, baseline=0.9, needs="gpu"))
     threads: int = knob(0, "torch compute threads (0 = physical cores)", kind="int", lo=0, hi=1024,
-                        label="compute threads", short="threads")
+                        label="compute threads", short="threads",
+                        search=dict(low=1, high="logical_cores", baseline="physical_cores", zero="physical_cores"))
+    # Searched: the user's minimum context and two doublings (a config that fits is what matters).
     ctx_size: int = knob(2048, "context size in tokens", kind="int", lo=1, hi=CTX_MAX, label="context",
-                         short="ctx")
+                         short="ctx", search=dict(multiples=(1, 2, 4), baseline="min_ctx"))
     # Smaller passes shrink the plan's prefill charge (more room for the expert cache) at the cost of
-    # more passes on long prompts, each re-reading the experts the cache cannot hold.
+    # more passes on long prompts, each re-reading the experts the cache cannot hold. Not searched:
+    # tune fixes it from its workload's longest prompt (tuner/search/space.py:prefill_chunk_for).
     prefill_chunk: int = knob(PREFILL_CHUNK, "prompt tokens per prefill pass (the memory plan charges one pass)",
                               kind="int", lo=1, hi=CTX_MAX, label="prefill pass", short="pass")
     kv_dtype: str = knob("auto", "KV cache precision (auto = the compute dtype; int8 / fp8 are lossy)",
                          kind="choice", choices=KV_DTYPES, label="KV dtype", short="kv", lossy=True)
     io_mode: str = knob("direct", "how expert bytes are read: O_DIRECT, the page cache, or mmap", kind="choice",
-                        choices=IO_MODES, label="I/O mode", short="io")
+                        choices=IO_MODES, label="I/O mode", short="io",
+                        search=dict(choices=IO_MODES, baseline="buffered"))
     io_threads: int = knob(4, "reader threads (io_backend uring: reads in flight)", kind="int", lo=1, hi=256,
-                           label="I/O threads", short="io thr")
+                           label="I/O threads", short="io thr", search=dict(choices=(1, 2, 4, 8, 16), baseline=4))
     # threads: preadv on io_threads workers. uring: one io_uring ring (the uring-api package),
     # an error where the kernel refuses io_uring; auto: uring where it works, else threads.
     # mmap mode always faults in on the threads. Default threads: docs/BENCHMARKS.md, "io_backend in the engine".
     io_backend: str = knob("threads", "what issues the reads: reader threads or io_uring", kind="choice",
                            choices=IO_BACKENDS, label="I/O backend", short="backend")
     cache_policy: str = knob("lru", "expert cache policy", kind="choice", choices=CACHE_POLICIES,
-                             label="cache policy", short="policy")
+                             label="cache policy", short="policy",
+                             search=dict(choices=CACHE_POLICIES, baseline="lru", with_histogram=("pinned",)))
     routing_histogram: str = knob("", "routing histogram JSON for cache_policy=pinned (from --record-routing)",
                                   kind="path", label="routing histogram", short="histogram")
     dtype: str = knob("auto", "compute dtype (auto: the checkpoint's)", kind="choice", choices=COMPUTE_DTYPES,

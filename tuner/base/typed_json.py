@@ -7,13 +7,17 @@ types are one-line errors naming the path) and into a JSON Schema document (docs
 written by tuner/results/schema.py, checked to be current by tests/test_tuner_parts.py). It sits
 below every tuner package that has a schema, so the probe's profile and the results share it
 without importing each other. A field may carry `metadata={"unit": "B/s"}`: the loader then
-demands that unit of a Quantity, and the schema states it.
+demands that unit of a Quantity, and the schema states it; and value rules the loader checks
+(`rules(...)`: closed bounds, a regular expression a string must match, or the strings allowed),
+so a document such as a shared profile's best config (tuner/share/profile_schema.py) is checked
+by this one validator, from its dataclasses.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from typing import Any, Callable, Literal, Union
@@ -83,9 +87,33 @@ def _decode_dataclass(cls: type, data: Any, path: str, error, check, unit) -> An
     hints = typing.get_type_hints(cls)
     values = {name: decode(hints[name], data[name], f"{path}.{name}", error, check, f.metadata.get("unit"))
               for name, f in fields.items() if name in data}
+    for name, value in values.items():
+        _check_rules(fields[name].metadata, value, f"{path}.{name}", error)
     if check is not None:
         values = check(cls, values, path, unit)
     return cls(**values)
+
+
+def rules(*, bounds: tuple | None = None, pattern: re.Pattern | None = None, choices: tuple | None = None,
+          **meta) -> dict:
+    """Field metadata with the value rules decode() checks: `bounds` (lo, hi) closed, for a
+    number; `pattern`, a regular expression a string must match; `choices`, the strings allowed.
+    Other keywords (optional, unit, doc, ...) pass through."""
+    return {**meta, **({"bounds": bounds} if bounds else {}), **({"pattern": pattern} if pattern else {}),
+            **({"choices": choices} if choices else {})}
+
+
+def _check_rules(meta, value: Any, path: str, error) -> None:
+    if value is None:
+        return
+    if "bounds" in meta:
+        lo, hi = meta["bounds"]
+        if not lo <= value <= hi:
+            raise error(f"{path}: {value} is outside [{lo:g}, {hi:g}]")
+    if "pattern" in meta and not meta["pattern"].match(value):
+        raise error(f"{path}: {value!r} is not of the form {meta['pattern'].pattern}"[:300])
+    if "choices" in meta and value not in meta["choices"]:
+        raise error(f"{path}: {value!r} is not one of {', '.join(map(repr, meta['choices']))}"[:300])
 
 
 def _decode_scalar(tp: Any, data: Any, path: str, error) -> Any:

@@ -33,6 +33,7 @@ class Column:
     kind: str  # how a value reads: size, bytes, int, float, share, seconds, kl, choice, path, bool
     unit: str = ""
     lossy: bool = False  # an engine setting that changes the output tokens
+    searched: bool = False  # an engine setting `colibri tune` searches (its knob's search= range)
 
     def text(self, value: Any) -> str:
         """The value as every table prints it ('-' when unknown)."""
@@ -67,7 +68,7 @@ class Column:
 
 def _columns(cls) -> tuple[Column, ...]:
     return tuple(Column(f.name, f.metadata["label"], f.metadata["short"], f.metadata["kind"],
-                        f.metadata.get("unit", ""), bool(f.metadata.get("lossy")))
+                        f.metadata.get("unit", ""), bool(f.metadata.get("lossy")), bool(f.metadata.get("search")))
                  for f in dataclasses.fields(cls) if "label" in f.metadata)
 
 

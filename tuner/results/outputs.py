@@ -12,11 +12,11 @@ from pathlib import Path
 
 from engine.base.config import EngineConfig, atomic_write_text, format_size
 from tuner.probe import load_profile, save_profile
-from tuner.results.printers import fmt, json_text, pct, trials_csv
+from tuner.results.printers import NOT_MEASURED, fmt, json_text, pct, trials_csv
 from tuner.results.report_html import write_html_report
 from tuner.results.report_md import write_report
-from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS  # noqa: F401  (study reads outputs.GEOMETRY_KEYS)
-
+from tuner.results.result import (  # noqa: F401  (study reads outputs.GEOMETRY_KEYS)
+    BEST_CONFIG_SCHEMA, GEOMETRY_KEYS, Candidate, Figures, TuneResult, plain)
 
 
 def write_trials_csv(trials, path: str | Path) -> Path:
@@ -24,56 +24,56 @@ def write_trials_csv(trials, path: str | Path) -> Path:
     return Path(path)
 
 
-def write_result_json(result: dict, path: str | Path) -> Path:
-    atomic_write_text(path, json_text(result))
+def write_result_json(result: TuneResult, path: str | Path) -> Path:
+    atomic_write_text(path, json_text(result.to_dict()))
     return Path(path)
 
 
-def write_recommended_toml(config: EngineConfig, result: dict, path: str | Path) -> Path:
+def write_recommended_toml(config: EngineConfig, r: TuneResult, path: str | Path) -> Path:
     """The winner as an engine config (`colibri run --config`), with a header saying where from."""
-    rec = result.get("recommended") or {}
-    base = result.get("baseline") or {}
-    fig = rec.get("confirmed") or {}
-    bfig = base.get("confirmed") or {}
-    dfig = (result.get("defaults") or {}).get("confirmed") or {}
-    cond = result.get("conditions", {})
+    fig, dfig, bfig = (_confirmed(c) for c in (r.recommended, r.defaults, r.baseline))
+    cond = r.conditions
     lines = [
-        f"colibri tune recommendation ({result.get('created_utc', '')})",
-        f"model: {result.get('model', {}).get('name', '')} ({result.get('model', {}).get('dir', '')})",
-        f"budget: {format_size(result.get('budget_bytes'))}, objective: {result.get('objective')}, "
-        f"{'cold' if cond.get('cold', True) else 'warm'} runs of {cond.get('tokens')} tokens x {cond.get('repeats')}",
-        f"decode: {fmt(fig.get('decode_tok_s'))} tok/s (defaults {fmt(dfig.get('decode_tok_s'))}, baseline "
-        f"{fmt(bfig.get('decode_tok_s'))}), TTFT: {fmt(fig.get('ttft_s'), 3)} s (defaults {fmt(dfig.get('ttft_s'), 3)}, "
-        f"baseline {fmt(bfig.get('ttft_s'), 3)})",
-        f"gain over the engine's defaults: {pct(result.get('gain_over_defaults'), signed=True)} "
-        f"(over the rules-of-thumb baseline: {pct(result.get('gain_over_baseline'), signed=True)}); "
-        f"source: trial {rec.get('trial_number')} of study {result.get('study', {}).get('name', '')!r}",
+        f"colibri tune recommendation ({r.created_utc})",
+        f"model: {r.model.name} ({r.model.dir})",
+        f"budget: {format_size(r.budget_bytes)}, objective: {r.objective}, "
+        f"{'cold' if cond.cold else 'warm'} runs of {cond.tokens} tokens x {cond.repeats}",
+        f"decode: {fmt(fig.decode_tok_s)} tok/s (defaults {fmt(dfig.decode_tok_s)}, baseline "
+        f"{fmt(bfig.decode_tok_s)}), TTFT: {fmt(fig.ttft_s, 3)} s (defaults {fmt(dfig.ttft_s, 3)}, "
+        f"baseline {fmt(bfig.ttft_s, 3)})",
+        f"gain over the engine's defaults: {pct(r.gain_over_defaults, signed=True)} "
+        f"(over the rules-of-thumb baseline: {pct(r.gain_over_baseline, signed=True)}); "
+        f"source: trial {r.recommended.trial_number if r.recommended else None} of study {r.study.name!r}",
     ]
     config.save(path, header="\n".join(lines))
     return Path(path)
 
 
-def best_config_entry(result: dict) -> dict:
+def _confirmed(c: Candidate | None) -> Figures:
+    return c.confirmed if c and c.confirmed else NOT_MEASURED
+
+
+def best_config_entry(r: TuneResult) -> dict:
     """The record a hardware profile keeps of this run (profile.best_configs), keyed by geometry."""
-    rec = result.get("recommended") or {}
+    rec = r.recommended
     return {
         "schema": BEST_CONFIG_SCHEMA,
-        "model": result.get("model", {}).get("name"),
-        "geometry": {k: result.get("model", {}).get("geometry", {}).get(k) for k in GEOMETRY_KEYS},
-        "compute_dtype": result.get("model", {}).get("compute_dtype"),
-        "quant": result.get("quant"),
-        "ram_budget": result.get("budget_bytes"),
-        "objective": result.get("objective"),
-        "config": rec.get("config"),
-        "figures": rec.get("confirmed"),
-        "baseline_figures": (result.get("baseline") or {}).get("confirmed"),
-        "gain_over_baseline": result.get("gain_over_baseline"),
-        "defaults_figures": (result.get("defaults") or {}).get("confirmed"),
-        "gain_over_defaults": result.get("gain_over_defaults"),
-        "workload": result.get("workload"),
-        "quality": result.get("quality"),
-        "conditions": result.get("conditions"),
-        "created_utc": result.get("created_utc"),
+        "model": r.model.name,
+        "geometry": {k: r.model.geometry.get(k) for k in GEOMETRY_KEYS},
+        "compute_dtype": r.model.compute_dtype,
+        "quant": r.quant,
+        "ram_budget": r.budget_bytes,
+        "objective": r.objective,
+        "config": dict(rec.config) if rec else None,
+        "figures": plain(rec.confirmed) if rec else None,
+        "baseline_figures": plain(r.baseline.confirmed) if r.baseline else None,
+        "gain_over_baseline": r.gain_over_baseline,
+        "defaults_figures": plain(r.defaults.confirmed) if r.defaults else None,
+        "gain_over_defaults": r.gain_over_defaults,
+        "workload": plain(r.workload),
+        "quality": plain(r.quality),
+        "conditions": plain(r.conditions),
+        "created_utc": r.created_utc,
     }
 
 
@@ -99,14 +99,14 @@ def warm_start_entry(profile_path: str, geometry: dict, log, quant: str | None =
 
 # --- writing a run's files ------------------------------------------------------------------
 
-def write_outputs(run, result: dict) -> dict:
+def write_outputs(run, result: TuneResult) -> dict:
     """trials.csv, recommended.toml, result.json, report.md + plots, report.html, profile.json
     ({name: path})."""
     out = run.out
     files = {"trials.csv": write_trials_csv(run.study.get_trials(deepcopy=False), out / "trials.csv")}
-    rec = result.get("recommended")
+    rec = result.recommended
     if rec:
-        config = EngineConfig.from_dict(rec["config"], source="recommended config")
+        config = EngineConfig.from_dict(rec.config, source="recommended config")
         files["recommended.toml"] = write_recommended_toml(config, result, out / "recommended.toml")
     files["result.json"] = write_result_json(result, out / "result.json")
     try:
@@ -119,7 +119,7 @@ def write_outputs(run, result: dict) -> dict:
     return files
 
 
-def record_best_config(profile, result: dict, path: Path) -> Path:
+def record_best_config(profile, result: TuneResult, path: Path) -> Path:
     """The run's profile.json, its best_configs holding this run's winner (replacing an older
     entry for the same geometry, quant, budget and objective)."""
     return record_best_configs(profile, [best_config_entry(result)], path)

@@ -2,7 +2,8 @@
 
 One schema (tuner/results/result.py), many printers, as llama-bench does it: `colibri run`, `bench`,
 `tune`, the probe summary, trials.csv and report.md all format through this module, so a figure
-reads the same wherever it is shown and a formatter is defined once.
+reads the same wherever it is shown and a formatter is defined once. A tune run's printers read
+the typed TuneResult (its attributes, not result.json's keys).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from engine.base.config import format_size
 from tuner.base.text import (  # noqa: F401  (re-exported: the printers' callers format with them too)
     fmt, json_text, kl_text, markdown_table, pct, print_json, text_table, utc_now)
 from tuner.results.columns import CONFIG_COLUMNS, FIGURE_COLUMNS, QUALITY_COLUMNS, column
+from tuner.results.result import Candidate, Figures, StudyInfo, TuneResult, WorkloadInfo
 from tuner.results.trial_record import is_feasible, point_key
 
 # --- tables ---------------------------------------------------------------------------------
@@ -97,62 +99,63 @@ def presets_text(rows: list[dict]) -> str:
 
 # --- a tune run ------------------------------------------------------------------------------
 
-def tune_text(r: dict, files: dict) -> str:
+def tune_text(r: TuneResult, files: dict) -> str:
     """The summary `colibri tune` prints: the winner against the engine's defaults (the headline)
     and the rules-of-thumb baseline, how the search spent its trials, and where the files are."""
-    rec, base, dflt = r["recommended"], r["baseline"], r.get("defaults")
-    wf = rec.get("confirmed") or {}
-    st = r["study"]
+    rec, st, cond = r.recommended, r.study, r.conditions
     lines = [
-        f"recommended ({rec['label']}, {'confirmed' if r['confirmation']['confirmed'] else 'unconfirmed'} over "
-        f"{r['confirmation']['rounds']} round(s)): {_figures_text(wf)}",
-        reference_line("engine defaults", dflt),
-        reference_line("baseline (rules of thumb)", base),
-        f"gain over the engine's defaults ({r['gain_metric']}): {pct(r.get('gain_over_defaults'), signed=True)} "
-        f"(over the rules-of-thumb baseline: {pct(r['gain_over_baseline'], signed=True)})",
-        f"config: {config_line(rec['config'])}",
-        f"trials: {search_line(st)} | {r['budget']} budget | {'cold' if r['conditions']['cold'] else 'warm'} | "
-        f"{r['conditions']['wall_seconds']:.0f} s" + (f", {pct(st.get('measuring_share'), 0)} of it measuring"
-                                                     if st.get("measuring_share") is not None else ""),
+        f"recommended ({rec.label}, {'confirmed' if r.confirmation.confirmed else 'unconfirmed'} over "
+        f"{r.confirmation.rounds} round(s)): {_figures_text(rec.confirmed)}",
+        reference_line("engine defaults", r.defaults),
+        reference_line("baseline (rules of thumb)", r.baseline),
+        f"gain over the engine's defaults ({r.gain_metric}): {pct(r.gain_over_defaults, signed=True)} "
+        f"(over the rules-of-thumb baseline: {pct(r.gain_over_baseline, signed=True)})",
+        f"config: {config_line(rec.config)}",
+        f"trials: {search_line(st)} | {r.budget} budget | {'cold' if cond.cold else 'warm'} | "
+        f"{cond.wall_seconds:.0f} s" + (f", {pct(st.measuring_share, 0)} of it measuring"
+                                         if st.measuring_share is not None else ""),
     ]
-    if r.get("workload"):
-        lines.append(f"workload: {workload_text(r['workload'])}")
+    if r.workload:
+        lines.append(f"workload: {workload_text(r.workload)}")
     for name in ("recommended.toml", "result.json", "trials.csv", "report.md", "report.html"):
         if name in files:
             lines.append(f"  {name}: {files[name]}")
-    lines.append(f"  study: {r['study']['storage']} (optuna-dashboard can open it)")
+    lines.append(f"  study: {st.storage} (optuna-dashboard can open it)")
     return "\n".join(lines)
 
 
-def workload_text(w: dict) -> str:
+def workload_text(w: WorkloadInfo) -> str:
     """result.json's `workload` in words (lengths and hash; the prompts' text is never recorded)."""
-    p, n = w["prompt_tokens"], w["max_new_tokens"]
-    if w["kind"] == "fixed":
-        return (f"fixed random prompt of {p['max']} tokens, {n['max']} decoded (tune --prompts FILE: your own)")
-    return (f"{w['requests']} prompt(s) from {w.get('source')} ({w.get('sha256')}): prompts {p['min']}..{p['max']} "
-            f"tokens (median {p['median']:g}), outputs {n['min']}..{n['max']} tokens")
+    p, n = w.prompt_tokens, w.max_new_tokens
+    if w.kind == "fixed":
+        return (f"fixed random prompt of {p.max} tokens, {n.max} decoded (tune --prompts FILE: your own)")
+    return (f"{w.requests} prompt(s) from {w.source} ({w.sha256}): prompts {p.min}..{p.max} "
+            f"tokens (median {p.median:g}), outputs {n.min}..{n.max} tokens")
 
 
-def _figures_text(f: dict) -> str:
-    return (f"decode {fmt(f.get('decode_tok_s'))} tok/s [{fmt(f.get('decode_min'))}..{fmt(f.get('decode_max'))}], "
-            f"TTFT {fmt(f.get('ttft_s'), 3)} s, request {fmt(f.get('request_s'), 3)} s")
+NOT_MEASURED = Figures(decode_tok_s=None, ttft_s=None, measurements=0)  # a candidate without confirmed figures
 
 
-def reference_line(name: str, c: dict | None) -> str:
+def _figures_text(f: Figures | None) -> str:
+    f = f or NOT_MEASURED
+    return (f"decode {fmt(f.decode_tok_s)} tok/s [{fmt(f.decode_min)}..{fmt(f.decode_max)}], "
+            f"TTFT {fmt(f.ttft_s, 3)} s, request {fmt(f.request_s, 3)} s")
+
+
+def reference_line(name: str, c: Candidate | None) -> str:
     if not c:
         return f"{name}: not measured"
-    return (f"{name}: {_figures_text(c.get('confirmed') or {})}"
-            + (f" ({c.get('disqualified')})" if c.get("disqualified") else ""))
+    return f"{name}: {_figures_text(c.confirmed)}" + (f" ({c.disqualified})" if c.disqualified else "")
 
 
-def search_line(st: dict) -> str:
+def search_line(st: StudyInfo) -> str:
     """How a study's trials split (result.json `study`); older results only know the total."""
-    if st.get("measured_trials") is None:
-        return f"{st['trials']} ({st['feasible']} feasible)"
-    return (f"{st['measured_trials']} measured ({st['distinct_points']} distinct points, {st['feasible']} feasible), "
-            f"{st['re_proposals']} re-proposal(s) not measured"
-            + (f", {st['explored']} explored" if st.get("explored") else "")
-            + (f"; stopped: {st['stop_reason']}" if st.get("stop_reason") else ""))
+    if st.measured_trials is None:
+        return f"{st.trials} ({st.feasible} feasible)"
+    return (f"{st.measured_trials} measured ({st.distinct_points} distinct points, {st.feasible} feasible), "
+            f"{st.re_proposals} re-proposal(s) not measured"
+            + (f", {st.explored} explored" if st.explored else "")
+            + (f"; stopped: {st.stop_reason}" if st.stop_reason else ""))
 
 
 def trial_line(done: int, total: str, number: int, attrs: dict, objective: str, best, clock: str,
@@ -250,8 +253,8 @@ def trials_markdown(trials) -> list[str]:
     """report.md's trial table: the searched settings and the headline figures, with the
     registry's short names and formats."""
     figures = [column(n) for n in ("decode_tok_s", "ttft_s", "hit_rate_ram")]
-    settings = [column(n) for n in ("chunk_size", "prefetch_depth", "cache_policy", "cpu_cache_ratio", "threads",
-                                    "io_mode", "io_threads", "ctx_size")]
+    # the settings the study searched (knob(search=...) ones, then lossy ones), in field order
+    settings = [c for c in CONFIG_COLUMNS if c.searched and any(c.name in t.params for t in trials)]
     lossy = [c for c in CONFIG_COLUMNS if c.lossy and any(c.name in t.params for t in trials)]
     quality = [c for c in QUALITY_COLUMNS if any((t.user_attrs.get("quality") or {}).get(c.name) is not None
                                                  for t in trials)]
@@ -298,14 +301,14 @@ def quality_progress(enabled: bool = True, stream=None):
     return progress
 
 
-def weights_line(r: dict) -> str:
+def weights_line(r: TuneResult) -> str:
     """A result's weights and, from tune --quant, their quality against the reference."""
-    q = r.get("quality")
-    text = r.get("quant") or "-"
+    q = r.quality
+    text = r.quant or "-"
     if q:
-        text += (f" (against {q['reference']} {q['reference_quant']}: KL mean {kl_text(q['kl_mean'])}, p99 "
-                 f"{kl_text(q['kl_p99'])}, same top-1 {pct(q['top1_agreement'], 2)}, perplexity {q['perplexity']:.4g}; "
-                 f"{q['scored_tokens']} scored tokens)")
+        text += (f" (against {q.reference} {q.reference_quant}: KL mean {kl_text(q.kl_mean)}, p99 "
+                 f"{kl_text(q.kl_p99)}, same top-1 {pct(q.top1_agreement, 2)}, perplexity {q.perplexity:.4g}; "
+                 f"{q.scored_tokens} scored tokens)")
     return text
 
 

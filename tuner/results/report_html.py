@@ -1,7 +1,7 @@
 """report.html: one self-contained page per tune run, for people with a browser.
 
-Read from the run directory's files (tuner.rundir): result.json for the decision and its
-conditions, profile.json for the machine and the disk curve, the study for every trial. Plots
+Read from the run directory's files (tuner.rundir): result.json, as the typed TuneResult, for the
+decision and its conditions, profile.json for the machine and the disk curve, the study for every trial. Plots
 are PNGs embedded as data: URIs and the page's Content-Security-Policy allows nothing else, so
 it opens offline, from an e-mail attachment or a CI artefact, and never fetches anything.
 Every string from the files is HTML-escaped (a model name is data, not markup).
@@ -9,6 +9,7 @@ Every string from the files is HTML-escaped (a model name is data, not markup).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -17,10 +18,10 @@ from tuner.probe.summary import hardware_facts
 from tuner.results import report_plots
 from tuner.results.columns import BY_NAME, CONFIG_COLUMNS
 from tuner.results.html_page import e as _e, img as _img, page, table as _table
-from tuner.results.printers import (QUALITY_COLUMN_NAMES, fmt, pct, search_line, trials_frame, weights_line,
-                                    workload_text)
+from tuner.results.printers import (NOT_MEASURED, QUALITY_COLUMN_NAMES, fmt, pct, search_line, trials_frame,
+                                    weights_line, workload_text)
 from tuner.results.report_md import write_report
-from tuner.results.result import is_feasible
+from tuner.results.result import Candidate, Figures, TuneResult, is_feasible
 from tuner.results.rundir import RunDir, open_run
 
 PLOTS = "plots"
@@ -45,7 +46,7 @@ def write_html_report(run_dir: str | Path, study=None, storage: str | None = Non
 def write_reports(run_dir: str | Path, storage: str | None = None) -> dict:
     """`colibri report`: report.md with its plots (tuner.report), then report.html."""
     run = open_run(run_dir, storage=storage)
-    files = write_report(run.study, run.result, run.path)
+    files = write_report(run.study, run.tune, run.path)
     files["report.html"] = write_html_report(run.path, study=run.study)
     return files
 
@@ -53,31 +54,29 @@ def write_reports(run_dir: str | Path, storage: str | None = None) -> dict:
 # --- the page -------------------------------------------------------------------------------
 
 def render(run: RunDir) -> str:
-    r = run.result
-    model = r.get("model") or {}
-    study = r.get("study") or {}
-    cond = r.get("conditions") or {}
+    r = run.tune
+    model, study, cond = r.model, r.study, r.conditions
     plots = run.path / PLOTS
     plots.mkdir(exist_ok=True)
     trials = _complete_trials(run)
     data = _trial_points(run, trials)
 
-    quant = f" {r['quant']}" if r.get("quant") else ""
-    body = [f"<h1>colibri tune: {_e(model.get('name'))}{_e(quant)} under {_e(r.get('budget'))}</h1>",
-            f"<p class='sub'>{_e(r.get('created_utc'))} · objective <b>{_e(r.get('objective'))}</b> · "
+    quant = f" {r.quant}" if r.quant else ""
+    body = [f"<h1>colibri tune: {_e(model.name)}{_e(quant)} under {_e(r.budget)}</h1>",
+            f"<p class='sub'>{_e(r.created_utc)} · objective <b>{_e(r.objective)}</b> · "
             f"trials: {_e(search_line(study))} · sampler "
-            f"{_e(study.get('sampler'))} · {'cold' if cond.get('cold') else 'warm'} runs · "
-            f"{fmt(cond.get('wall_seconds'), 0)} s"
-            + (f" ({pct(study.get('measuring_share'), 0)} of it measuring)"
-               if study.get("measuring_share") is not None else "") + "</p>"]
+            f"{_e(study.sampler)} · {'cold' if cond.cold else 'warm'} runs · "
+            f"{fmt(cond.wall_seconds, 0)} s"
+            + (f" ({pct(study.measuring_share, 0)} of it measuring)"
+               if study.measuring_share is not None else "") + "</p>"]
     body += _headline(r)
     body += ["<h2>Hardware</h2>", _hardware_table(run)]
     body += ["<h2>Recommended against the engine's defaults and the baseline</h2>", _config_table(r),
              _figures_table(r),
              _img(plots / "confirmation.png", "confirmation round: median decode tok/s, min..max")]
 
-    rec_attrs = run.trial_attrs((r.get("recommended") or {}).get("trial_number"))
-    base_attrs = run.trial_attrs((r.get("baseline") or {}).get("trial_number"))
+    rec_attrs = run.trial_attrs(r.recommended.trial_number if r.recommended else None)
+    base_attrs = run.trial_attrs(r.baseline.trial_number if r.baseline else None)
     plans = {"recommended": (rec_attrs.get("metrics") or {}).get("plan"),
              "baseline": (base_attrs.get("metrics") or {}).get("plan")}
     body += ["<h2>Memory plan</h2>",
@@ -91,7 +90,7 @@ def render(run: RunDir) -> str:
     body += ["<h2>Decode speed against each setting</h2>", _img(plots / "params.png", "decode tok/s per setting")]
     body += ["<h2>TTFT against decode speed</h2>",
              _img(report_plots.plot_ttft_decode(data, plots / "ttft_decode.png"), "TTFT against decode tok/s")]
-    if (plots / "pareto.png").is_file() and r.get("objective") == "both":
+    if (plots / "pareto.png").is_file() and r.objective == "both":
         body.append(_img(plots / "pareto.png", "Pareto front"))
 
     curve, chosen = _disk_curve(run)
@@ -108,24 +107,22 @@ def render(run: RunDir) -> str:
              _bound_table(data)]
     body += ["<h2>Trials</h2>", _trials_table(run)]
     body += ["<h2>Conditions</h2>", _conditions(r)]
-    return page(f"colibri tune: {model.get('name')}", body)
+    return page(f"colibri tune: {model.name}", body)
 
 
-def _headline(r: dict) -> list[str]:
-    rec, base = r.get("recommended"), r.get("baseline") or {}
+def _headline(r: TuneResult) -> list[str]:
+    rec = r.recommended
     if not rec:
         return ["<p class='headline'><b>No configuration ran within the budget.</b> See the trials below.</p>"]
-    w, b = rec.get("confirmed") or {}, base.get("confirmed") or {}
-    d = (r.get("defaults") or {}).get("confirmed") or {}
-    confirmed = (r.get("confirmation") or {}).get("confirmed")
-    return [f"<p class='headline'><b>Recommended: {_e(rec.get('label'))}</b> — decode "
-            f"<b>{fmt(w.get('decode_tok_s'))} tok/s</b> [{fmt(w.get('decode_min'))}..{fmt(w.get('decode_max'))}] "
-            f"against the engine's defaults' {fmt(d.get('decode_tok_s'))} tok/s "
-            f"[{fmt(d.get('decode_min'))}..{fmt(d.get('decode_max'))}]: gain on {_e(r.get('gain_metric'))} "
-            f"<b>{pct(r.get('gain_over_defaults'), signed=True)}</b>; against the rules-of-thumb baseline's "
-            f"{fmt(b.get('decode_tok_s'))} tok/s [{fmt(b.get('decode_min'))}..{fmt(b.get('decode_max'))}]: "
-            f"{pct(r.get('gain_over_baseline'), signed=True)}"
-            + ("" if confirmed else " (not re-measured: no confirmation round)")
+    w, d, b = (_confirmed(c) for c in (rec, r.defaults, r.baseline))
+    return [f"<p class='headline'><b>Recommended: {_e(rec.label)}</b> — decode "
+            f"<b>{fmt(w.decode_tok_s)} tok/s</b> [{fmt(w.decode_min)}..{fmt(w.decode_max)}] "
+            f"against the engine's defaults' {fmt(d.decode_tok_s)} tok/s "
+            f"[{fmt(d.decode_min)}..{fmt(d.decode_max)}]: gain on {_e(r.gain_metric)} "
+            f"<b>{pct(r.gain_over_defaults, signed=True)}</b>; against the rules-of-thumb baseline's "
+            f"{fmt(b.decode_tok_s)} tok/s [{fmt(b.decode_min)}..{fmt(b.decode_max)}]: "
+            f"{pct(r.gain_over_baseline, signed=True)}"
+            + ("" if r.confirmation.confirmed else " (not re-measured: no confirmation round)")
             + "<br>Use it: <code>colibri run --model &lt;dir&gt; --config recommended.toml</code></p>"]
 
 
@@ -135,10 +132,12 @@ def _hardware_table(run: RunDir) -> str:
     return _table(["", ""], list(hardware_facts(run.profile.to_dict()).items()), header=False)
 
 
-def _config_table(r: dict) -> str:
-    rc = (r.get("recommended") or {}).get("config") or {}
-    dc = (r.get("defaults") or {}).get("config") or {}
-    bc = (r.get("baseline") or {}).get("config") or {}
+def _confirmed(c: Candidate | None) -> Figures:
+    return c.confirmed if c and c.confirmed else NOT_MEASURED
+
+
+def _config_table(r: TuneResult) -> str:
+    rc, dc, bc = (c.config if c else {} for c in (r.recommended, r.defaults, r.baseline))
     out = ["<table><tr><th>setting</th><th>recommended</th><th>engine defaults</th><th>baseline</th></tr>"]
     for c in CONFIG_COLUMNS:
         rv, dv, bv = rc.get(c.name), dc.get(c.name), bc.get(c.name)
@@ -148,21 +147,19 @@ def _config_table(r: dict) -> str:
     return "".join(out) + "</table><p class='note'>Highlighted: settings that differ from the engine's defaults.</p>"
 
 
-def _figures_table(r: dict) -> str:
+def _figures_table(r: TuneResult) -> str:
     rows = []
-    for c in r.get("candidates") or []:
-        f = c.get("confirmed") or {}
-        verdict = c.get("disqualified") or c.get("note") or (
-            "recommended" if r.get("recommended") and c.get("label") == r["recommended"].get("label") else "")
-        rows.append((c.get("label"), fmt(f.get("decode_tok_s")),
-                     f"{fmt(f.get('decode_min'))}..{fmt(f.get('decode_max'))}",
-                     fmt(f.get("decode_stdev")), f.get("samples"), fmt(f.get("ttft_s"), 4),
-                     f"{fmt(f.get('ttft_min'), 4)}..{fmt(f.get('ttft_max'), 4)}", fmt(f.get("request_s"), 4), verdict))
-    conf = r.get("confirmation") or {}
+    for c in r.candidates:
+        f = _confirmed(c)
+        verdict = c.disqualified or c.note or ("recommended" if r.recommended and c.label == r.recommended.label else "")
+        rows.append((c.label, fmt(f.decode_tok_s), f"{fmt(f.decode_min)}..{fmt(f.decode_max)}",
+                     fmt(f.decode_stdev), f.samples, fmt(f.ttft_s, 4),
+                     f"{fmt(f.ttft_min, 4)}..{fmt(f.ttft_max, 4)}", fmt(f.request_s, 4), verdict))
+    conf = r.confirmation
     return (_table(["candidate", "decode tok/s (median)", "min..max", "stdev", "samples", "TTFT s", "TTFT min..max",
                     "request s", "verdict"], rows)
-            + f"<p class='note'>{_e(conf.get('rounds'))} confirmation round(s), {_e(conf.get('order'))}; "
-              f"figure: {_e(conf.get('figure'))}.</p>")
+            + f"<p class='note'>{_e(conf.rounds)} confirmation round(s), {_e(conf.order)}; "
+              f"figure: {_e(conf.figure)}.</p>")
 
 
 def _plan_table(plans: dict) -> str:
@@ -207,22 +204,21 @@ def _trials_table(run: RunDir) -> str:
             + "</div><p class='note'>Sizes in binary units; every column at full precision is in trials.csv.</p>")
 
 
-def _conditions(r: dict) -> str:
-    cond, model = r.get("conditions") or {}, r.get("model") or {}
-    geo, mem = model.get("geometry") or {}, cond.get("memory_limit") or {}
+def _conditions(r: TuneResult) -> str:
+    cond, model = r.conditions, r.model
+    geo, mem = model.geometry, cond.memory_limit
     rows = [
-        ("model", f"{model.get('name')} ({geo.get('model_type')}, {model.get('compute_dtype')}, {geo.get('layers')} "
+        ("model", f"{model.name} ({geo.get('model_type')}, {model.compute_dtype}, {geo.get('layers')} "
                   f"layers, {geo.get('experts')} experts top-{geo.get('top_k')}, "
                   f"{format_size(geo.get('total_bytes_on_disk'))} on disk)"),
         ("weights", weights_line(r)),
-        ("workload", workload_text(r["workload"]) if r.get("workload") else "not recorded"),
-        ("runs", f"{'cold' if cond.get('cold') else 'warm'}: {cond.get('cold_means')}; {cond.get('tokens')} decode "
-                 f"tokens x {cond.get('repeats')} repeats, prompt {cond.get('prompt_tokens')} tokens, seed "
-                 f"{cond.get('seed')}"),
-        ("memory", f"budget {r.get('budget')}, trial cgroup limit {format_size(mem.get('cgroup_limit_bytes'))} "
-                   + ("(enforced)" if mem.get("cgroup") else f"(NOT enforced: {mem.get('reason') or 'unknown'})")),
-        ("time", f"budget {cond.get('time_budget_s')} s, used {cond.get('wall_seconds')} s"),
-        ("versions", ", ".join(f"{k} {v}" for k, v in (cond.get("versions") or {}).items())),
+        ("workload", workload_text(r.workload) if r.workload else "not recorded"),
+        ("runs", f"{'cold' if cond.cold else 'warm'}: {cond.cold_means}; {cond.tokens} decode "
+                 f"tokens x {cond.repeats} repeats, prompt {cond.prompt_tokens} tokens, seed {cond.seed}"),
+        ("memory", f"budget {r.budget}, trial cgroup limit {format_size(mem.cgroup_limit_bytes)} "
+                   + ("(enforced)" if mem.cgroup else f"(NOT enforced: {mem.reason or 'unknown'})")),
+        ("time", f"budget {cond.time_budget_s} s, used {cond.wall_seconds} s"),
+        ("versions", ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(cond.versions).items())),
     ]
     return _table(["", ""], rows, header=False)
 
@@ -238,8 +234,8 @@ def _complete_trials(run: RunDir) -> list:
 
 def _trial_points(run: RunDir, trials) -> list[dict]:
     """Feasible trials as flat points with their bound (see the page's note for the formula)."""
-    rec_number = (run.result.get("recommended") or {}).get("trial_number")
-    geo = (run.result.get("model") or {}).get("geometry") or {}
+    rec_number = run.tune.recommended.trial_number if run.tune.recommended else None
+    geo = run.tune.model.geometry
     mem_bw = max((m.bandwidth.value for m in run.profile.memory_bandwidth if m.op == "read"), default=0.0) \
         if run.profile else 0.0
     out = []
@@ -279,7 +275,7 @@ def _disk_curve(run: RunDir) -> tuple[list[dict], dict | None]:
         return [], None
     pts = [{"request_bytes": p.request_bytes, "queue_depth": p.queue_depth, "bandwidth": p.bandwidth.value}
            for p in run.profile.storage.points if p.role == "curve" and p.direct]
-    cfg = (run.result.get("recommended") or {}).get("config")
+    cfg = run.tune.recommended.config if run.tune.recommended else None
     if not pts or not cfg:
         return pts, None
     chosen = {"chunk_size": cfg.get("chunk_size"), "io_threads": cfg.get("io_threads")}

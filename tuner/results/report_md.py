@@ -1,12 +1,13 @@
 """The human report of a tune run: report.md with tables, and PNG plots beside it.
 
-Everything here reads the study's trials and result.json's dict (the same figures the CSV and
+Everything here reads the study's trials and the typed TuneResult (the same figures the CSV and
 JSON carry), so the report cannot disagree with them. matplotlib runs on the Agg backend (no
 display needed); every file is written to a temp name and renamed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -16,15 +17,15 @@ from optuna.trial import TrialState
 
 from engine.base.config import atomic_write_text, format_size
 from tuner.results.columns import CONFIG_COLUMNS
-from tuner.results.printers import (PARAM_COLUMNS, fmt, markdown_table, pct, search_line, trials_markdown, weights_line,
-                                    workload_text)
-from tuner.results.result import is_feasible
+from tuner.results.printers import (NOT_MEASURED, PARAM_COLUMNS, fmt, markdown_table, pct, search_line, trials_markdown,
+                                    weights_line, workload_text)
+from tuner.results.result import Candidate, TuneResult, is_feasible
 
 MIN_TRIALS_FOR_IMPORTANCE = 6
 PLOTS_DIR = "plots"
 
 
-def write_report(study: optuna.Study, result: dict, out_dir: str | Path) -> dict:
+def write_report(study: optuna.Study, result: TuneResult, out_dir: str | Path) -> dict:
     """Write report.md and plots/*.png; returns {name: path}."""
     import matplotlib
     matplotlib.use("Agg", force=True)
@@ -40,9 +41,9 @@ def write_report(study: optuna.Study, result: dict, out_dir: str | Path) -> dict
     importances = _importances(feasible, result)
     if importances:
         files["plots/importance.png"] = _plot_importance(importances, out_dir / PLOTS_DIR / "importance.png")
-    if any(c.get("confirmed") for c in result.get("candidates") or []):
+    if any(c.confirmed for c in result.candidates):
         files["plots/confirmation.png"] = _plot_confirmation(result, out_dir / PLOTS_DIR / "confirmation.png")
-    if result.get("objective") == "both" and feasible:
+    if result.objective == "both" and feasible:
         files["plots/pareto.png"] = _plot_pareto(trials, out_dir / PLOTS_DIR / "pareto.png")
     order = ["plots/history.png", "plots/confirmation.png", "plots/pareto.png", "plots/importance.png",
              "plots/params.png"]
@@ -54,42 +55,37 @@ def write_report(study: optuna.Study, result: dict, out_dir: str | Path) -> dict
 
 # --- markdown -------------------------------------------------------------------------------
 
-def render_markdown(trials, result: dict, importances: dict, plots: list[str]) -> str:
-    rec, base = result.get("recommended"), result.get("baseline") or {}
-    cond = result.get("conditions", {})
-    study = result.get("study", {})
-    model = result.get("model", {})
-    quant = f" {result['quant']}" if result.get("quant") else ""
-    L = [f"# colibri tune: {model.get('name')}{quant} under {result.get('budget')}", ""]
-    L.append(f"{result.get('created_utc')} | objective **{result.get('objective')}** | "
-             f"trials: {search_line(study)} | sampler {study.get('sampler')} | {cond.get('wall_seconds', 0):.0f} s"
-             + (f", {pct(study.get('measuring_share'), 0)} of it measuring"
-                if study.get("measuring_share") is not None else ""))
+def render_markdown(trials, result: TuneResult, importances: dict, plots: list[str]) -> str:
+    r, rec, cond, study, model = result, result.recommended, result.conditions, result.study, result.model
+    geo = model.geometry
+    quant = f" {r.quant}" if r.quant else ""
+    L = [f"# colibri tune: {model.name}{quant} under {r.budget}", ""]
+    L.append(f"{r.created_utc} | objective **{r.objective}** | "
+             f"trials: {search_line(study)} | sampler {study.sampler} | {cond.wall_seconds:.0f} s"
+             + (f", {pct(study.measuring_share, 0)} of it measuring" if study.measuring_share is not None else ""))
     L.append("")
     if rec:
-        w, b = rec.get("confirmed") or {}, base.get("confirmed") or {}
-        d = (result.get("defaults") or {}).get("confirmed") or {}
-        L.append(f"**Recommended: {rec['label']}** — decode {fmt(w.get('decode_tok_s'))} tok/s vs the engine's "
-                 f"defaults {fmt(d.get('decode_tok_s'))} tok/s and the rules-of-thumb baseline "
-                 f"{fmt(b.get('decode_tok_s'))} tok/s; gain on {result.get('gain_metric')} over the defaults "
-                 f"**{pct(result.get('gain_over_defaults'), signed=True)}** (over the baseline: "
-                 f"{pct(result.get('gain_over_baseline'), signed=True)})"
-                 + ("" if result.get("confirmation", {}).get("confirmed") else " (not re-measured: no confirmation round)"))
+        L.append(f"**Recommended: {rec.label}** — decode {fmt(_decode(rec))} tok/s vs the engine's "
+                 f"defaults {fmt(_decode(r.defaults))} tok/s and the rules-of-thumb baseline "
+                 f"{fmt(_decode(r.baseline))} tok/s; gain on {r.gain_metric} over the defaults "
+                 f"**{pct(r.gain_over_defaults, signed=True)}** (over the baseline: "
+                 f"{pct(r.gain_over_baseline, signed=True)})"
+                 + ("" if r.confirmation.confirmed else " (not re-measured: no confirmation round)"))
         L += ["", "Use it: `colibri run --model <dir> --config recommended.toml`", ""]
-        L += _config_table(rec, result.get("defaults") or {}, base)
+        L += _config_table(rec, r.defaults, r.baseline)
     else:
         L += ["**No configuration ran within the budget.** See the trial table below and trials.csv.", ""]
 
     L += ["## Confirmation", ""]
-    conf = result.get("confirmation", {})
-    L.append(f"{conf.get('rounds', 0)} round(s), {conf.get('order', '')}; figure: {conf.get('figure', '')}.")
+    conf = r.confirmation
+    L.append(f"{conf.rounds} round(s), {conf.order}; figure: {conf.figure}.")
     rows = []
-    for c in result.get("candidates") or []:
-        f = c.get("confirmed") or {}
-        verdict = c.get("disqualified") or c.get("note") or ("winner" if rec and c["label"] == rec["label"] else "")
-        sv = c.get("search_values")
-        rows.append([c["label"], fmt(f.get("decode_tok_s")), f"{fmt(f.get('decode_min'))}..{fmt(f.get('decode_max'))}",
-                     fmt(f.get("decode_stdev")), fmt(f.get("ttft_s"), 3), fmt(f.get("request_s"), 3),
+    for c in r.candidates:
+        f = c.confirmed or NOT_MEASURED
+        verdict = c.disqualified or c.note or ("winner" if rec and c.label == rec.label else "")
+        sv = c.search_values
+        rows.append([c.label, fmt(f.decode_tok_s), f"{fmt(f.decode_min)}..{fmt(f.decode_max)}",
+                     fmt(f.decode_stdev), fmt(f.ttft_s, 3), fmt(f.request_s, 3),
                      ", ".join(fmt(v) for v in sv) if sv else "-", verdict])
     L += [""] + markdown_table(["candidate", "decode tok/s (median)", "min..max", "stdev", "TTFT s", "request s",
                                 "search value", "verdict"], rows) + [""]
@@ -106,33 +102,37 @@ def render_markdown(trials, result: dict, importances: dict, plots: list[str]) -
     L += ["## Trials", ""] + trials_markdown(trials) + [""]
 
     L += ["## Conditions", ""]
-    mem = cond.get("memory_limit", {})
-    prof = cond.get("profile", {})
+    mem, prof = cond.memory_limit, cond.profile
     L += [
-        f"- model: `{model.get('dir')}` ({model.get('geometry', {}).get('model_type')}, {model.get('compute_dtype')}, "
-        f"{model.get('geometry', {}).get('experts')} experts top-{model.get('geometry', {}).get('top_k')}, "
-        f"{format_size(model.get('geometry', {}).get('total_bytes_on_disk'))} on disk)",
-        f"- weights: {weights_line(result)}",
-        f"- workload: {workload_text(result['workload']) if result.get('workload') else 'not recorded'}",
-        f"- runs: {'cold' if cond.get('cold') else 'warm'} ({cond.get('cold_means')}); {cond.get('tokens')} decode "
-        f"tokens x {cond.get('repeats')} repeats, prompt {cond.get('prompt_tokens')} tokens, seed {cond.get('seed')}",
-        f"- memory: budget {result.get('budget')}, trial cgroup limit {format_size(mem.get('cgroup_limit_bytes'))}"
-        + (" (enforced)" if mem.get("cgroup") else f" (NOT enforced: {mem.get('reason') or 'unknown'})"),
-        f"- machine: {cond.get('physical_cores')} physical / {cond.get('logical_cores')} logical cores, "
-        f"GPU {'yes' if cond.get('gpu') else 'no'}; disk {prof.get('disk_transport')} {prof.get('disk_model') or ''} "
-        f"({prof.get('filesystem')}), probe {prof.get('storage_method')} {prof.get('probe_mode')}: sequential "
-        f"{fmt(prof.get('sequential_gbps'))} GB/s, 1 MiB QD4 direct {fmt(prof.get('read_gbps_1MiB_qd4_direct'))} GB/s; "
-        f"fingerprint {prof.get('fingerprint')}",
-        f"- study: `{study.get('name')}` in `{study.get('storage')}`; statuses {study.get('by_status')}",
-        f"- versions: {cond.get('versions')}",
+        f"- model: `{model.dir}` ({geo.get('model_type')}, {model.compute_dtype}, "
+        f"{geo.get('experts')} experts top-{geo.get('top_k')}, "
+        f"{format_size(geo.get('total_bytes_on_disk'))} on disk)",
+        f"- weights: {weights_line(r)}",
+        f"- workload: {workload_text(r.workload) if r.workload else 'not recorded'}",
+        f"- runs: {'cold' if cond.cold else 'warm'} ({cond.cold_means}); {cond.tokens} decode "
+        f"tokens x {cond.repeats} repeats, prompt {cond.prompt_tokens} tokens, seed {cond.seed}",
+        f"- memory: budget {r.budget}, trial cgroup limit {format_size(mem.cgroup_limit_bytes)}"
+        + (" (enforced)" if mem.cgroup else f" (NOT enforced: {mem.reason or 'unknown'})"),
+        f"- machine: {cond.physical_cores} physical / {cond.logical_cores} logical cores, "
+        f"GPU {'yes' if cond.gpu else 'no'}; disk {prof.disk_transport} {prof.disk_model or ''} "
+        f"({prof.filesystem}), probe {prof.storage_method} {prof.probe_mode}: sequential "
+        f"{fmt(prof.sequential_gbps)} GB/s, 1 MiB QD4 direct {fmt(prof.read_gbps_1MiB_qd4_direct)} GB/s; "
+        f"fingerprint {prof.fingerprint}",
+        f"- study: `{study.name}` in `{study.storage}`; statuses {study.by_status}",
+        f"- versions: {dataclasses.asdict(cond.versions)}",
         "",
     ]
     return "\n".join(L)
 
 
-def _config_table(rec: dict, defaults: dict, base: dict) -> list[str]:
+def _decode(c: Candidate | None):
+    """A candidate's confirmed median decode speed (None: not measured)."""
+    return c.confirmed.decode_tok_s if c and c.confirmed else None
+
+
+def _config_table(rec: Candidate, defaults: Candidate | None, base: Candidate | None) -> list[str]:
     """The recommended settings beside the engine's defaults (marked where they differ) and the baseline."""
-    rc, dc, bc = rec.get("config") or {}, defaults.get("config") or {}, base.get("config") or {}
+    rc, dc, bc = rec.config, defaults.config if defaults else {}, base.config if base else {}
     rows = []
     for c in CONFIG_COLUMNS:
         rv, dv, bv = rc.get(c.name), dc.get(c.name), bc.get(c.name)
@@ -140,7 +140,6 @@ def _config_table(rec: dict, defaults: dict, base: dict) -> list[str]:
         rows.append([c.name, f"{c.text(rv)}{' (changed)' if changed else ''}", "-" if not dc else c.text(dv),
                      c.text(bv)])
     return markdown_table(["setting", "recommended", "engine defaults", "baseline"], rows) + [""]
-
 
 
 # --- plots ----------------------------------------------------------------------------------
@@ -161,13 +160,13 @@ def save_figure(fig, path: Path) -> Path:
     return path
 
 
-def _objective_label(result: dict) -> tuple[str, bool]:
-    if result.get("objective") == "ttft":
+def _objective_label(result: TuneResult) -> tuple[str, bool]:
+    if result.objective == "ttft":
         return "TTFT (s, lower is better)", True
     return "decode tok/s (median of repeats)", False
 
 
-def _plot_history(trials, result: dict, path: Path) -> Path:
+def _plot_history(trials, result: TuneResult, path: Path) -> Path:
     import matplotlib.pyplot as plt
     label, lower = _objective_label(result)
     key = "ttft_s" if lower else "decode_tok_s"
@@ -187,7 +186,7 @@ def _plot_history(trials, result: dict, path: Path) -> Path:
     if infeas:
         floor = 0.0 if not lower else (max(y for _, y in feas) if feas else 1.0)
         ax.scatter(infeas, [floor] * len(infeas), marker="x", color="tab:red", label="infeasible (OOM, timeout, ...)")
-    base = ((result.get("baseline") or {}).get("confirmed") or {}).get(key)
+    base = getattr(result.baseline.confirmed, key) if result.baseline and result.baseline.confirmed else None
     if base is not None:
         ax.axhline(base, linestyle="--", color="gray", label="baseline (confirmed)")
     ax.set_xlabel("trial")
@@ -198,7 +197,7 @@ def _plot_history(trials, result: dict, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def _plot_params(feasible, result: dict, path: Path) -> Path:
+def _plot_params(feasible, result: TuneResult, path: Path) -> Path:
     import matplotlib.pyplot as plt
     label, lower = _objective_label(result)
     key = "ttft_s" if lower else "decode_tok_s"
@@ -232,10 +231,10 @@ def _plot_params(feasible, result: dict, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def _importances(feasible, result: dict) -> dict:
+def _importances(feasible, result: TuneResult) -> dict:
     if len(feasible) < MIN_TRIALS_FOR_IMPORTANCE:
         return {}
-    lower = result.get("objective") == "ttft"
+    lower = result.objective == "ttft"
     study = optuna.create_study(direction="minimize" if lower else "maximize")
     key = "ttft_s" if lower else "decode_tok_s"
     for t in feasible:
@@ -259,16 +258,14 @@ def _plot_importance(importances: dict, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def _plot_confirmation(result: dict, path: Path) -> Path:
+def _plot_confirmation(result: TuneResult, path: Path) -> Path:
     import matplotlib.pyplot as plt
-    cands = [c for c in result.get("candidates") or [] if c.get("confirmed")]
-    labels = [c["label"] for c in cands]
-    med = [c["confirmed"].get("decode_tok_s") or 0.0 for c in cands]
-    lo = [m - (c["confirmed"].get("decode_min") if c["confirmed"].get("decode_min") is not None else m)
-          for m, c in zip(med, cands)]
-    hi = [(c["confirmed"].get("decode_max") if c["confirmed"].get("decode_max") is not None else m) - m
-          for m, c in zip(med, cands)]
-    rec = (result.get("recommended") or {}).get("label")
+    figs = [(c.label, c.confirmed) for c in result.candidates if c.confirmed]
+    labels = [label for label, _ in figs]
+    med = [f.decode_tok_s or 0.0 for _, f in figs]
+    lo = [m - (f.decode_min if f.decode_min is not None else m) for m, (_, f) in zip(med, figs)]
+    hi = [(f.decode_max if f.decode_max is not None else m) - m for m, (_, f) in zip(med, figs)]
+    rec = result.recommended.label if result.recommended else None
     colors = ["tab:green" if lab == rec else ("gray" if lab == "baseline" else "tab:blue") for lab in labels]
     fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(labels)), 3.5))
     ax.bar(labels, med, yerr=[lo, hi], capsize=4, color=colors)

@@ -52,6 +52,12 @@ def _json(obj) -> dict:
     return dataclasses.asdict(obj)
 
 
+def plain(part) -> dict | None:
+    """A part of the typed result as result.json writes it (None stays None): for the formats
+    that copy a part whole (a profile's best_configs entry, tune --quant's summary)."""
+    return dataclasses.asdict(part) if part is not None else None
+
+
 class ResultError(ConfigError):
     """A result file is malformed or of another schema version."""
 

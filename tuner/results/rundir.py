@@ -8,7 +8,6 @@ fault and come back as one ColibriError line.
 from __future__ import annotations
 
 import csv
-import functools
 import io
 import json
 import os
@@ -39,12 +38,6 @@ class RunDir:
     profile: HardwareProfile | None = None  # when profile.json is there
     _study: object | None = field(default=None, repr=False)
     storage: str | None = None
-
-    @functools.cached_property
-    def result(self) -> dict:
-        """result.json's keys as the current schema writes them (the same fields as `tune`), for
-        the printers that format a result file's keys."""
-        return self.tune.to_dict()
 
     @property
     def study(self):

@@ -7,6 +7,7 @@ validate options without importing the loop's parts.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -18,6 +19,7 @@ import optuna
 
 from engine.base.config import CTX_MAX, knob
 from engine.base.errors import ConfigError
+from tuner.results.result import TuneResult
 from tuner.sandbox import current_memory_limit
 from tuner.search.lossy import QualityBound
 from tuner.search.objective import OBJECTIVES, SAMPLERS
@@ -137,9 +139,14 @@ class TuneOptions:
 @dataclass
 class TuneOutcome:
     out_dir: Path
-    result: dict
+    tune: TuneResult  # result.json, typed: what the printers read
     recommended_path: Path | None
     files: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def result(self) -> dict:
+        """result.json's JSON (what `tune --json` prints)."""
+        return self.tune.to_dict()
 
 
 def default_budget(model_spec: str) -> int:

@@ -25,7 +25,7 @@ from engine.format.convert import Converter, convert, fingerprint
 from engine.run.quality import measure_quality
 from engine.run.resolve import cache_root
 from tuner.results.printers import convert_progress, quality_progress
-from tuner.search.space import stored_quant
+from tuner.search.model_facts import stored_quant
 
 SCOPE = "experts"  # what a tune --quant level converts by default: the routed experts, the part that streams
 

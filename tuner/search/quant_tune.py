@@ -24,16 +24,25 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import optuna
+
 from engine.base.config import atomic_write_text, format_size
 from engine.base.errors import BudgetError, ConfigError
 from engine.base.jsonlimits import loads_limited
-from tuner.results.printers import kl_text, utc_now
-from engine.format.container import QuantSpec
+from engine.format.container import GROUP_SIZES, QuantSpec
 from engine.format.convert import Converter
+from engine.run.resolve import resolve_model
 from tuner.probe import load_profile
+from tuner.results.outputs import best_config_entry, record_best_configs
+from tuner.results.printers import kl_text, quant_tune_text, utc_now
 from tuner.results.quant_rundir import (  # noqa: F401  (is_quant_run_dir, level_run_dirs: callers import them from here)
     LEVEL_RE, PROBE_FILE, RECORD_FILE, UNQUANTIZED, is_quant_run_dir, level_run_dirs, recorded_levels)
+from tuner.results.result import TuneResult, plain
+from tuner.results.rundir import is_run_dir, open_run
+from tuner.share.compare import compare
 from tuner.search import lossy, quant_cache, run_guard
+from tuner.search.preflight import probe_profile
+from tuner.search.run_record import read_run_record
 from tuner.search.study import Log, TuneOptions, stderr_line, default_budget, run_tune
 
 RECORD_SCHEMA = "colibri.tune-quant/1"
@@ -65,7 +74,6 @@ class Level:
 
 def parse_levels(text: str) -> list[Level]:
     """'bf16,int8,int4' → levels; an unknown or repeated level is a ConfigError naming it."""
-    from engine.format.container import GROUP_SIZES
     names = [t.strip() for t in str(text).split(",")]
     if not any(names):
         raise ConfigError("--quant: no levels given (e.g. --quant bf16,int8,int4)")
@@ -118,8 +126,6 @@ class QuantTuneOutcome:
 
 
 def run_quant_tune(qopts: QuantTuneOptions, log: Log = stderr_line) -> QuantTuneOutcome:
-    from engine.run.resolve import resolve_model
-    from tuner.search.preflight import probe_profile
     qopts.validate()
     opts = qopts.tune
     source = resolve_model(opts.model, progress=True).resolve()
@@ -228,7 +234,6 @@ def _qualities(qopts: QuantTuneOptions, source: Path, name: str, stored: str, mo
                log: Log) -> dict[str, dict]:
     """QualityInfo dicts by level: measured (or cached) for each container against the source;
     the source's own level is the reference (KL 0, same top-1 1, its perplexity)."""
-    from tuner.search import quant_cache
     measured = {}
     for label, model_dir in models.items():
         if model_dir == source:
@@ -288,9 +293,6 @@ def _tune_level(opts: TuneOptions, out: Path, label: str, model_dir: Path, name:
 def _has_study(run_dir: Path, storage: str | None) -> bool:
     """Whether a level's study was created (an interrupt during its calibration leaves study.db
     without one: that level starts afresh)."""
-    import optuna
-
-    from tuner.search.run_record import read_run_record
     url = storage or f"sqlite:///{run_dir / 'study.db'}"
     if storage is None and not (run_dir / "study.db").is_file():
         return False
@@ -307,9 +309,6 @@ def _has_study(run_dir: Path, storage: str | None) -> bool:
 
 def _finish(out: Path, name: str, source: Path, budget: int, qopts: QuantTuneOptions, rows: dict,
             log: Log) -> QuantTuneOutcome:
-    from tuner.results.outputs import best_config_entry, record_best_configs
-    from tuner.probe import load_profile
-    from tuner.results.rundir import is_run_dir, open_run
     # The run directory's profile and comparison cover every level it holds, also those an
     # earlier session tuned and this one did not name.
     for run_dir in level_run_dirs(out):
@@ -321,18 +320,16 @@ def _finish(out: Path, name: str, source: Path, budget: int, qopts: QuantTuneOpt
     for label, row in rows.items():
         if not is_run_dir(row["run_dir"]):
             continue
-        result = open_run(row["run_dir"]).result
-        rec = result.get("recommended")
+        result = open_run(row["run_dir"]).tune
         row["result"] = _figures(result)
-        row.setdefault("quality", result.get("quality"))
-        if rec:
+        row.setdefault("quality", plain(result.quality))
+        if result.recommended:
             entries.append(best_config_entry(result))
             tuned.append(row["run_dir"])
     if entries:
         files["profile.json"] = str(record_best_configs(load_profile(out / PROBE_FILE), entries, out / "profile.json"))
     compare_summary = None
     if len(tuned) >= 2:
-        from tuner.share.compare import compare
         compare_summary = compare(tuned, out_dir=out, in_place=True)
         files.update(compare_summary["files"])
         plots = out / "plots" / "speed_quality.png"
@@ -356,13 +353,14 @@ def _finish(out: Path, name: str, source: Path, budget: int, qopts: QuantTuneOpt
     return QuantTuneOutcome(out_dir=out, summary=summary, files=files)
 
 
-def _figures(result: dict) -> dict:
-    fig = (result.get("recommended") or {}).get("confirmed") or {}
-    return {"quant": result.get("quant"), "decode_tok_s": fig.get("decode_tok_s"), "decode_min": fig.get("decode_min"),
-            "decode_max": fig.get("decode_max"), "ttft_s": fig.get("ttft_s"), "unconfirmed": fig.get("unconfirmed"),
-            "gain_over_baseline": result.get("gain_over_baseline"), "trials": (result.get("study") or {}).get("trials")}
+def _figures(result: TuneResult) -> dict:
+    """A level's row of the summary: its recommended config's confirmed figures (None: none)."""
+    fig = result.recommended.confirmed if result.recommended else None
+    shown = {k: getattr(fig, k) if fig else None
+             for k in ("decode_tok_s", "decode_min", "decode_max", "ttft_s", "unconfirmed")}
+    return {"quant": result.quant, **shown, "gain_over_baseline": result.gain_over_baseline,
+            "trials": result.study.trials}
 
 
 def format_quant_outcome(outcome: QuantTuneOutcome) -> str:
-    from tuner.results.printers import quant_tune_text
     return quant_tune_text(outcome.summary)

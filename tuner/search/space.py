@@ -1,4 +1,5 @@
-"""The search space: which engine settings the tuner tries, and the memory pre-check.
+"""The search space: which engine settings the tuner tries, and the memory pre-check over
+the model facts (model_facts.py: the engine's own plan).
 
 Ranges are fixed for the whole study (Optuna's multivariate TPE silently falls back to
 independent sampling when a parameter's range depends on another one), and every quantity that
@@ -10,25 +11,26 @@ the user's minimum context.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from engine.base.config import CACHE_POLICIES, IO_MODES, PREFILL_CHUNK, EngineConfig, format_size
+from engine.base.config import PREFILL_CHUNK, EngineConfig, format_size
 from engine.base.errors import BudgetError
-from engine.arch.kvquant import kv_storage
+from engine.movement.plan import MemoryPlan
+from tuner.search.model_facts import ModelFacts
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-# Read request sizes: expert-sized, 64 KiB..16 MiB, the range the probe measures.
-CHUNK_SIZES = tuple(64 * KiB << i for i in range(9))
-PREFETCH_DEPTHS = (0, 4)  # inclusive int range
-CPU_CACHE_RATIO = (0.25, 1.0, 0.05)  # low, high, step: a bigger cache is not always faster
-GPU_CACHE_RATIO = (0.0, 0.9, 0.1)
-IO_THREADS = (1, 2, 4, 8, 16)
-CTX_MULTIPLES = (1, 2, 4)  # ctx_size choices: the user's minimum and two doublings
+# Which knobs the search tunes, their ranges and the rules-of-thumb baseline: EngineConfig's
+# knob(search=...) metadata (engine/base/config.py), in field order; a new searched knob is its field.
+SEARCHED = {f.name: f.metadata["search"] for f in dataclasses.fields(EngineConfig) if f.metadata.get("search")}
+KINDS = {f.name: f.metadata["kind"] for f in dataclasses.fields(EngineConfig)}
+CHUNK_SIZES = SEARCHED["chunk_size"]["choices"]
+IO_THREADS = SEARCHED["io_threads"]["choices"]
+FACTS = ("physical_cores", "logical_cores", "min_ctx")  # what a range may name instead of a number
 # The smallest prefill pass a tune recommends: a prompt a little longer than the tuned workload's
 # then still goes through in few passes, for a charge of a few MiB.
 MIN_PREFILL_CHUNK = 32
@@ -47,39 +49,6 @@ DEFAULT_OVERHEAD_BYTES = 310 * MiB
 
 
 @dataclass
-class ModelFacts:
-    """What the space and the pre-check need from the checkpoint, read once."""
-
-    model_dir: Path
-    geometry: dict
-    has_experts: bool
-    max_position_embeddings: int
-    quant: str = "bf16"  # the weights as stored: a container's label (int8, int4-g64) or the dtype (bf16)
-
-    @classmethod
-    def read(cls, model_dir) -> "ModelFacts":
-        from engine.format.checkpoint import Checkpoint
-        from engine.arch.registry import model_args
-        ckpt = Checkpoint(model_dir)
-        args = model_args(ckpt.config)
-        geometry = {
-            "model_type": args.model_type, "layers": args.num_layers, "hidden_size": args.hidden_size,
-            "experts": args.num_experts, "top_k": args.top_k, "moe_intermediate_size": args.moe_intermediate_size,
-            "vocab_size": args.vocab_size, "total_bytes_on_disk": ckpt.nbytes(),
-        }
-        return cls(Path(model_dir), geometry, args.is_moe, args.max_position_embeddings, stored_quant(ckpt))
-
-
-def stored_quant(ckpt) -> str:
-    """'int8' / 'int4-g64' for a quantized container, else the stored float dtype's short name."""
-    from engine.format.container import container_spec
-    from engine.base.dtypes import short_name
-    from engine.run.runtime import checkpoint_dtype
-    spec = container_spec(ckpt)
-    return spec.label if spec is not None else short_name(checkpoint_dtype(ckpt))
-
-
-@dataclass
 class SearchSpace:
     budget: int
     physical_cores: int
@@ -89,7 +58,7 @@ class SearchSpace:
     with_pinned: bool = False  # a routing histogram exists to pin from
     routing_histogram: str = ""
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES
-    model: ModelFacts | None = None
+    model: ModelFacts | None = None  # None: no memory pre-check (every config fits)
     # Read sizes and I/O threads to search: all by default; the cost model narrows them to where
     # the probe's read curve still rises or is flat (tuner/costmodel/search.py:curve_region).
     chunk_sizes: tuple[int, ...] = CHUNK_SIZES
@@ -100,7 +69,6 @@ class SearchSpace:
     # prompt (prefill_chunk_for), not searched, because a pass longer than any prompt the workload
     # sends only charges the plan activations that the expert cache could have had.
     prefill_chunk: int = PREFILL_CHUNK
-    _plan_inputs: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.min_ctx < 1:
@@ -108,30 +76,31 @@ class SearchSpace:
         self.physical_cores = max(1, self.physical_cores)
         self.logical_cores = max(self.physical_cores, self.logical_cores)
 
-    # --- the distributions --------------------------------------------------------------------
+    # --- the distributions (from the knobs' search metadata) -----------------------------------
 
-    @property
-    def ctx_sizes(self) -> tuple[int, ...]:
-        return tuple(self.min_ctx * m for m in CTX_MULTIPLES)
+    def _fact(self, value):
+        """A range's number, or the tuning run's fact it names (FACTS)."""
+        return getattr(self, value) if isinstance(value, str) and value in FACTS else value
 
-    @property
-    def cache_policies(self) -> tuple[str, ...]:
+    def _choices(self, name: str, rule: dict) -> tuple:
+        if "multiples" in rule:
+            return tuple(self._fact("min_ctx") * m for m in rule["multiples"])
+        # The cost model narrows the read sizes and I/O threads (tuner/costmodel/search.py).
+        choices = {"chunk_size": self.chunk_sizes, "io_threads": self.io_thread_choices}.get(name, rule["choices"])
         # pinned needs a recorded routing histogram (the calibration run's)
-        return CACHE_POLICIES if self.with_pinned else tuple(p for p in CACHE_POLICIES if p != "pinned")
+        return tuple(c for c in choices if self.with_pinned or c not in rule.get("with_histogram", ()))
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
-        d = {
-            "chunk_size": CategoricalDistribution(self.chunk_sizes),
-            "prefetch_depth": IntDistribution(*PREFETCH_DEPTHS),
-            "cpu_cache_ratio": FloatDistribution(CPU_CACHE_RATIO[0], CPU_CACHE_RATIO[1], step=CPU_CACHE_RATIO[2]),
-            "threads": IntDistribution(1, self.logical_cores),
-            "ctx_size": CategoricalDistribution(self.ctx_sizes),
-            "io_mode": CategoricalDistribution(IO_MODES),
-            "io_threads": CategoricalDistribution(self.io_thread_choices),
-            "cache_policy": CategoricalDistribution(self.cache_policies),
-        }
-        if self.has_gpu:
-            d["gpu_cache_ratio"] = FloatDistribution(GPU_CACHE_RATIO[0], GPU_CACHE_RATIO[1], step=GPU_CACHE_RATIO[2])
+        d = {}
+        for name, rule in SEARCHED.items():
+            if rule.get("needs") == "gpu" and not self.has_gpu:
+                continue
+            if "choices" in rule or "multiples" in rule:
+                d[name] = CategoricalDistribution(self._choices(name, rule))
+            elif KINDS[name] == "float":
+                d[name] = FloatDistribution(rule["low"], self._fact(rule["high"]), step=rule.get("step"))
+            else:
+                d[name] = IntDistribution(rule["low"], self._fact(rule["high"]))
         d.update(self.lossy)
         return d
 
@@ -152,47 +121,42 @@ class SearchSpace:
         return self.config_from_params(params)
 
     def config_from_params(self, params: dict) -> EngineConfig:
-        p = dict(params)
-        policy = p.get("cache_policy", "lru")
-        cpu_ratio = round(float(p["cpu_cache_ratio"]), 4)
-        gpu_ratio = round(float(p.get("gpu_cache_ratio", 0.0)), 4)
-        return EngineConfig(
-            ram_budget=self.budget, chunk_size=int(p["chunk_size"]), prefetch_depth=int(p["prefetch_depth"]),
-            cpu_cache_ratio=cpu_ratio, gpu_cache_ratio=gpu_ratio, threads=int(p["threads"]),
-            ctx_size=int(p["ctx_size"]), io_mode=p["io_mode"], io_threads=int(p["io_threads"]),
-            cache_policy=policy, routing_histogram=self.routing_histogram if policy == "pinned" else "",
-            kv_dtype=p.get("kv_dtype", "auto"), top_k_reduction=int(p.get("top_k_reduction", 0)),
-            expert_threshold=float(p.get("expert_threshold", 0.0)), prefill_chunk=self.prefill_chunk,
-        )
+        """A point as the engine config it stands for: each value as its knob's kind (a stepped
+        float rounded off its step artefacts); unsearched knobs at their defaults."""
+        values = {}
+        for name, value in params.items():
+            kind = KINDS[name]
+            if kind in ("int", "size"):
+                values[name] = int(value)
+            elif kind == "float":
+                values[name] = round(float(value), 4) if SEARCHED.get(name, {}).get("step") else float(value)
+            else:
+                values[name] = value
+        pinned = values.get("cache_policy") == "pinned"
+        return EngineConfig(ram_budget=self.budget, routing_histogram=self.routing_histogram if pinned else "",
+                            prefill_chunk=self.prefill_chunk, **values)
 
     def params_of(self, config: EngineConfig) -> dict:
         """The point of this space a config sits on (for enqueueing warm starts)."""
-        params = {
-            "chunk_size": _nearest(self.chunk_sizes, config.chunk_size),
-            "prefetch_depth": min(max(config.prefetch_depth, PREFETCH_DEPTHS[0]), PREFETCH_DEPTHS[1]),
-            "cpu_cache_ratio": _snap(config.cpu_cache_ratio, *CPU_CACHE_RATIO),
-            "threads": min(max(config.threads or self.physical_cores, 1), self.logical_cores),
-            "ctx_size": min((c for c in self.ctx_sizes if c >= config.ctx_size), default=self.ctx_sizes[-1]),
-            "io_mode": config.io_mode,
-            "io_threads": _nearest(self.io_thread_choices, config.io_threads),
-            "cache_policy": config.cache_policy if config.cache_policy in self.cache_policies else "lru",
-        }
-        if self.has_gpu:
-            params["gpu_cache_ratio"] = _snap(config.gpu_cache_ratio, *GPU_CACHE_RATIO)
+        params = {}
+        for name, dist in self.distributions().items():
+            if name in self.lossy:
+                continue
+            rule, value = SEARCHED[name], getattr(config, name)
+            if "zero" in rule and not value:  # threads 0: the physical cores
+                value = self._fact(rule["zero"])
+            params[name] = _point(dist, value, rule, self._fact(rule["baseline"]))
         for name, dist in self.lossy.items():  # a lossy value outside the choices: the nearest lossless one
             value = getattr(config, name)
             params[name] = value if value in dist.choices else dist.choices[0]
         return params
 
     def baseline(self) -> EngineConfig:
-        """The rules of thumb practitioners start from: read ahead 2 layers, one compute thread per
-        physical core, the rest of the budget as expert cache, buffered reads."""
-        params = {"chunk_size": 1 * MiB, "prefetch_depth": 2, "cpu_cache_ratio": 1.0,
-                  "threads": min(self.physical_cores, self.logical_cores), "ctx_size": self.min_ctx,
-                  "io_mode": "buffered", "io_threads": 4, "cache_policy": "lru"}
-        if self.has_gpu:
-            params["gpu_cache_ratio"] = 0.9
-        return self.config_from_params(params)
+        """The rules of thumb practitioners start from (each searched knob's baseline): read ahead
+        2 layers, one compute thread per physical core, the rest of the budget as expert cache,
+        buffered reads."""
+        return self.config_from_params({name: self._fact(SEARCHED[name]["baseline"])
+                                        for name in self.distributions() if name not in self.lossy})
 
     def smallest(self) -> EngineConfig:
         """The config that needs the least fixed memory: if this cannot fit, nothing can."""
@@ -206,11 +170,8 @@ class SearchSpace:
         budget is infeasible by `overshoot` bytes."""
         if self.model is None:
             return True, 0, ""
-        from engine.movement.plan import make_plan
-        ckpt, args, layout, dtype = self._inputs()
-        kv_dtype = kv_storage(config.kv_dtype, dtype)
         try:
-            plan = make_plan(ckpt, args, layout, config, dtype, kv_dtype, overhead_bytes=self.overhead_bytes)
+            plan = self.model.plan(config, self.overhead_bytes)
         except BudgetError as exc:
             fixed = self.fixed_bytes(config)
             return False, max(1, fixed - config.ram_budget), str(exc)
@@ -218,12 +179,8 @@ class SearchSpace:
 
     def fixed_bytes(self, config: EngineConfig) -> int:
         """Everything but the expert cache, as the engine's plan counts it."""
-        from engine.movement.plan import make_plan
-        ckpt, args, layout, dtype = self._inputs()
-        kv_dtype = kv_storage(config.kv_dtype, dtype)
         # A budget nothing can exceed: the plan then itemises the fixed parts without raising.
-        plan = make_plan(ckpt, args, layout, config.replace(ram_budget=1 << 62), dtype, kv_dtype,
-                         overhead_bytes=self.overhead_bytes)
+        plan: MemoryPlan = self.model.plan(config.replace(ram_budget=1 << 62), self.overhead_bytes)
         return plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes + plan.prefill_bytes
 
     def check_budget(self) -> None:
@@ -237,23 +194,7 @@ class SearchSpace:
         """The dtype trials compute in ('bfloat16', 'float32'), or '' without a model."""
         if self.model is None:
             return ""
-        return str(self._inputs()[3]).replace("torch.", "")
-
-    def _inputs(self):
-        if self._plan_inputs is None:
-            from engine.format.checkpoint import Checkpoint
-            from engine.format.layout import ExpertLayout
-            from engine.arch.registry import model_args
-            from engine.run.runtime import checkpoint_dtype
-            import torch
-            ckpt = Checkpoint(self.model.model_dir)
-            args = model_args(ckpt.config)
-            layout = ExpertLayout(ckpt, args) if args.is_moe else None
-            dtype = checkpoint_dtype(ckpt)
-            # Same rule as Engine._compute_dtype: fp16 matmuls are slow on CPU, computed in fp32.
-            dtype = torch.float32 if dtype == torch.float16 else dtype
-            self._plan_inputs = (ckpt, args, layout, dtype)
-        return self._plan_inputs
+        return str(self.model.dtype).replace("torch.", "")
 
 
 def _suggest(trial: optuna.Trial, name: str, dist):
@@ -262,6 +203,21 @@ def _suggest(trial: optuna.Trial, name: str, dist):
     if isinstance(dist, IntDistribution):
         return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
     return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
+
+
+def _point(dist, value, rule: dict, fallback):
+    """The value of `dist` nearest to a config's `value`: a number among numeric choices (the
+    smallest at least it for a context, which must fit), a choice itself or else `fallback`, a
+    number clamped into its range (and onto its step)."""
+    if isinstance(dist, CategoricalDistribution):
+        if isinstance(dist.choices[0], str):
+            return value if value in dist.choices else fallback
+        if "multiples" in rule:
+            return min((c for c in dist.choices if c >= value), default=dist.choices[-1])
+        return _nearest(dist.choices, value)
+    if isinstance(dist, FloatDistribution) and dist.step:
+        return _snap(value, dist.low, dist.high, dist.step)
+    return min(max(value, dist.low), dist.high)
 
 
 def _nearest(choices, value):

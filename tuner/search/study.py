@@ -6,8 +6,9 @@
 Flow (one direction): probe (or a saved profile) → search space → calibration run
 (calibrate.py) → Optuna study (ask/tell; every trial is `colibri bench` in a subprocess in a
 memory cgroup, judged by objective.py) → confirmation round (confirm.py) → outputs
-(outputs.py). This module keeps the options and the loop that ties those parts together; the
-time budget is budget.py's, the storage and resume rules storage.py's.
+(outputs.py). The session's set-up (every check, then the run directory, storage, probe and
+calibration) is setup.py's; this module keeps the Optuna study and the loop that ties those parts
+together; the time budget is budget.py's, the storage and resume rules study_storage.py's.
 
 FAIL is kept for trials that were not measured at all (interrupted, or left RUNNING by a killed
 run and found on resume); everything measured, feasible or not, is COMPLETE (objective.py).
@@ -16,159 +17,36 @@ run and found on resume); everything measured, feasible or not, is COMPLETE (obj
 from __future__ import annotations
 
 import dataclasses
-import os
-import platform
-from pathlib import Path
 
 import optuna
 import pandas  # noqa: F401  (trials.csv is written through it after every trial: imported up front,
 #                a Ctrl-C can never land inside its import and leave it half-initialized)
 from optuna.trial import TrialState
 
-from engine.base.config import EngineConfig, format_size, size_label
+from engine.base.config import EngineConfig, format_size
 from engine.base.errors import BudgetError, ConfigError
-from tuner.search import assemble, confirm, explore, lossy, objective, run_guard, study_storage as storage
-from tuner.probe import load_profile
-from tuner.base.text import utc_now
+from tuner.probe.storage import sigterm_as_interrupt
 from tuner.results import outputs
-from tuner.results.printers import trials_csv
-from tuner.search.budget import TimeBudget, format_clock, parse_duration
-from tuner.search.preflight import calibrate, probe_profile
+from tuner.results.printers import trial_line, trials_csv, tune_text
 from tuner.results.result import TrialResult
-from tuner.search.run_record import RUN_FILE, read_run_record, write_run_record
-from tuner.search.space import DEFAULT_OVERHEAD_BYTES, ModelFacts, SearchSpace, prefill_chunk_for
+from tuner.search import assemble, confirm, explore, lossy, objective, run_guard, study_storage as storage
+from tuner.search.budget import format_clock, parse_duration
+from tuner.search.setup import TuneSetup
 from tuner.search.study_storage import Heartbeat, open_storage, redact_url
 from tuner.search.trial import run_trial
 from tuner.search.warm_start import enqueue_warm_starts
-from tuner.search.workload import prepare_workload
 from tuner.search.options import (  # noqa: F401  (re-exported: callers import them from here)
     Log, TuneOptions, TuneOutcome, stderr_line, default_budget, make_sampler,
 )
 
 GiB = 1 << 30
 
-class _Run:
-    """One tune session: its settings resolved, its study open, its clock running."""
-
-    def __init__(self, opts: TuneOptions, log: Log):
-        self.opts = opts.validate()
-        self.log = log
-        self.clock = TimeBudget.for_run(opts.time_budget, opts.trials, opts.confirm_top, opts.trial_timeout)
-        self.started_utc = utc_now()
-        self.worker = f"{platform.node()}:{os.getpid()}"
-        self.stall = explore.Stall()
-        self.stop_reason = ""  # trials, time budget or converged
-        self.measuring_seconds = 0.0  # this session's trial and confirmation runs (the share of wall spent measuring)
-
-    def __enter__(self) -> "_Run":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if getattr(self, "watch", None) is not None:
-            self.watch.close()
-
-    # --- set-up -------------------------------------------------------------------------------
-
-    def prepare(self) -> None:
-        """Every check of the options and inputs, writing nothing: a refused run leaves nothing behind."""
-        from engine.run.resolve import resolve_model
-        opts = self.opts
-        self.model_dir = resolve_model(opts.model, progress=True).resolve()
-        self.model_name = opts.model_name or (opts.model if not Path(opts.model).exists() else self.model_dir.name)
-        self.out = run_guard.tune_out(opts.out if opts.out is not None else
-                                      storage.default_out(self.model_name, opts.resume),
-                                      sources=[self.model_dir, opts.profile, opts.from_profile, opts.prompts])
-        recorded = read_run_record(self.out) if opts.resume else None
-        if opts.ram_budget is not None:
-            self.budget = opts.ram_budget
-        elif recorded:
-            # Free memory moves between runs; the study was made with the budget it recorded.
-            self.budget = recorded["budget"]
-            self.log(f"resume: budget {format_size(self.budget)} as recorded in {self.out / RUN_FILE} "
-                     f"(the default here now would be {format_size(default_budget(opts.model))})")
-        else:
-            self.budget = default_budget(opts.model)
-        if self.budget <= 0:
-            raise BudgetError(f"--ram-budget must be positive, got {self.budget}")
-        self.limit_bytes = opts.cgroup_limit or self.budget
-        self.shared = storage.is_shared(opts.storage)
-        self.storage_url = opts.storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
-        storage.check_url(self.storage_url)
-        self.facts = ModelFacts.read(self.model_dir)
-        # The user's prompts, parsed before anything slow (a bad file is one error line).
-        self.work = prepare_workload(opts.prompts, self.model_dir, opts.prompt_tokens, opts.tokens,
-                                     self.facts.max_position_embeddings)
-        self.workload_info = self.work.info
-        min_ctx = max(opts.min_ctx, self.work.ctx_needed)
-        if min_ctx > opts.min_ctx:
-            self.log(f"--prompts: the longest request needs {min_ctx} tokens of context; --min-ctx {opts.min_ctx} raised")
-        if not self.study_name_set(recorded):
-            # tune --quant's levels carry one model name and may share one storage: the quant tells them apart.
-            quant = f"-{self.facts.quant}" if opts.model_name else ""
-            self.study_name = f"{self.model_name}{quant}-{size_label(self.budget, smallest='MiB')}-{opts.objective}"
-        import psutil
-        import torch
-        self.has_gpu = bool(torch.cuda.is_available())
-        self.space = SearchSpace(budget=self.budget, physical_cores=psutil.cpu_count(logical=False) or 1,
-                                 logical_cores=psutil.cpu_count() or 1, has_gpu=self.has_gpu,
-                                 min_ctx=min_ctx, model=self.facts,
-                                 prefill_chunk=prefill_chunk_for(self.workload_info.prompt_tokens.max))
-        self.space.check_budget()  # before anything slow: a budget below the dense part is a user error
-        self.quality_meter = None
-        if opts.lossy is not None:  # tune --max-kl / --min-top1: lossy dimensions, each priced in quality
-            self.space.lossy = lossy.distributions(self.model_dir)
-            self.quality_meter = lossy.QualityMeter(self.model_dir, opts.lossy, self.out, self.log)
-        if opts.resume and opts.storage is None and not (self.out / "study.db").exists():
-            raise ConfigError(f"nothing to resume: {self.out} holds no study.db")
-        if opts.profile:
-            load_profile(opts.profile)  # refused now, not after the run directory and study exist
-        self.warm_entry = outputs.warm_start_entry(opts.from_profile, self.facts.geometry, self.log, self.facts.quant) \
-            if opts.from_profile else None
-        # A storage of the user's (PostgreSQL, or a SQLite file elsewhere) is opened now: a wrong
-        # URL is refused before anything is written; the default one lives in the run directory.
-        self.storage = open_storage(self.storage_url, self.shared) if opts.storage else None
+class _Run(TuneSetup):
+    """One tune session: its set-up (setup.py), its study open, its clock running."""
 
     def start(self) -> None:
-        """Create the run directory (or reuse a previous run's) and everything up to the study."""
-        opts = self.opts
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.watch = run_guard.RunDirWatch(self.out)
-        self.work.save(self.out)
-        if self.storage is None:
-            self.storage = open_storage(self.storage_url, self.shared)
-        self.existing = storage.check_resume(self.storage, self.storage_url, self.study_name, opts.resume,
-                                             self.shared)
-        write_run_record(self.out, model=opts.model, model_dir=self.model_dir, budget=self.budget,
-                         study_name=self.study_name, objective=opts.objective, storage=redact_url(self.storage_url))
-
-        self.profile, self.profile_source = probe_profile(self.out, opts.profile, self.model_dir, self.log)
-        self.calibration = calibrate(
-            out=self.out, model_dir=self.model_dir, budget=self.budget, limit_bytes=self.limit_bytes,
-            space=self.space, has_experts=self.facts.has_experts, tokens=opts.tokens,
-            prompt_tokens=opts.prompt_tokens, cold=opts.cold, seed=opts.seed, trial_timeout=opts.trial_timeout,
-            record_wall=self.clock.record, log=self.log, workload_args=self.work.bench_args,
-            workload=self.work.digest)
-        self.space.overhead_bytes = self.calibration.get("overhead_bytes") or DEFAULT_OVERHEAD_BYTES
-        hist = self.calibration.get("routing_histogram")
-        self.space.with_pinned = bool(hist and Path(hist).exists())
-        self.space.routing_histogram = hist or ""
-        if opts.cost_model and self.study_name not in self.existing:
-            from tuner.costmodel.search import narrow_space
-            region = narrow_space(self.space, self.profile)
-            self.log(f"cost model: read sizes {', '.join(format_size(c) for c in region['chunk_size'])}; "
-                     f"I/O threads {', '.join(map(str, region['io_threads']))} (the probe curve's rising or flat part)")
-        self.study = self._open_study()
-
-    def study_name_set(self, recorded: dict | None) -> bool:
-        """--study-name, or the one run.json recorded for a resume; False: derive the default."""
-        if self.opts.study_name:
-            self.study_name = self.opts.study_name
-        elif recorded and self.opts.ram_budget is None:
-            self.study_name = recorded["study_name"]
-            self.log(f"resume: study {self.study_name!r} as recorded in {self.out / RUN_FILE}")
-        else:
-            return False
-        return True
+        super().start()
+        self.study = self.open_study()
 
     def settings(self) -> dict:
         """What a study is about: a resumed or joined study must match it."""
@@ -180,7 +58,7 @@ class _Run:
                 "seed": o.seed, **({"workload": self.work.digest} if self.work.digest else {}),
                 **({"lossy": dataclasses.asdict(o.lossy)} if o.lossy else {})}
 
-    def _open_study(self) -> optuna.Study:
+    def open_study(self) -> optuna.Study:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         if self.study_name in self.existing:
             # The space must be the one the study was made with (pinned or not).
@@ -318,7 +196,6 @@ class _Run:
         return res
 
     def progress(self, number: int, attrs: dict) -> None:
-        from tuner.results.printers import trial_line
         done, _ = self.counts()
         total = str(self.opts.trials) if self.opts.trials else f"~{done + self.clock.trials_left()}"
         ranked = self.ranked()
@@ -366,7 +243,6 @@ class _Run:
 
 
 def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
-    from tuner.probe.storage import sigterm_as_interrupt
     run = _Run(opts, log)
     run.prepare()
     with run_guard.hold(run.out, f"tuning {run.study_name}"), sigterm_as_interrupt(), run:  # `kill`: as Ctrl-C
@@ -398,24 +274,23 @@ def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
                 f"continue with: {again}")
             raise
         run.search_counts = explore.search_counts(run.complete())
-        result = assemble.build_result(run, decision).to_dict()
+        tune = assemble.build_result(run, decision)
+        result = tune.to_dict()
         run.watch.check()
-        files = outputs.write_outputs(run, result)
+        files = outputs.write_outputs(run, tune)
         if opts.lossy is not None:
             summary = lossy.front_summary(run.complete(), opts.lossy, result.get("recommended"), run.facts.quant)
             files.update(lossy.write_summary(run.out, summary))
             for line in lossy.markdown(summary).splitlines()[4:]:
                 log(line)
-    rec = result["recommended"]
-    if rec is None:
+    if tune.recommended is None:
         raise BudgetError(f"no configuration ran within the budget {format_size(run.budget)} "
-                          f"({result['study']['by_status']}); see {run.out / 'trials.csv'}")
-    return TuneOutcome(out_dir=run.out, result=result, recommended_path=files.get("recommended.toml"), files=files)
+                          f"({tune.study.by_status}); see {run.out / 'trials.csv'}")
+    return TuneOutcome(out_dir=run.out, tune=tune, recommended_path=files.get("recommended.toml"), files=files)
 
 
 def format_outcome(outcome: TuneOutcome) -> str:
-    from tuner.results.printers import tune_text
-    return tune_text(outcome.result, outcome.files)
+    return tune_text(outcome.tune, outcome.files)
 
 
 __all__ = ["TuneOptions", "TuneOutcome", "run_tune", "format_outcome", "parse_duration", "default_budget",

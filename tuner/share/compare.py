@@ -11,6 +11,7 @@ on every output that it is not like for like.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ from tuner.results.html_page import e, img, page, table
 from tuner.results.columns import column
 from tuner.results.printers import fmt, markdown_table, pct
 from tuner.probe.summary import hardware_facts
+from tuner.share.profile_schema import SharedFigures
 from tuner.share.profiles import entry_from_run, resolve
 from tuner.results.rundir import is_run_dir, open_run
 
@@ -44,10 +46,28 @@ VARYING = (("machine", lambda i: i.machine["fingerprint"]), ("CPU", lambda i: i.
            ("disk", lambda i: i.machine["disk"]), ("quant", lambda i: i.entry["quant"]),
            ("repeats", lambda i: i.entry["conditions"]["repeats"]),
            ("objective", lambda i: i.entry["objective"]), ("git commit", lambda i: i.entry["tool"].get("git_commit")))
-METRICS = (("decode_tok_s", "decode tok/s (median)", "decode_min", "decode_max", 1.0),
-           ("ttft_s", "TTFT s (median)", "ttft_min", "ttft_max", 1.0),
-           ("bytes_read_per_token", "MiB read per token", None, None, 1.0 / (1 << 20)),
-           ("hit_rate_ram", "RAM hit rate", None, None, 1.0))
+# The figures compared, one bar plot each, of a shared entry's figures (profile_schema.SharedFigures).
+COMPARED = ("decode_tok_s", "ttft_s", "bytes_read_per_token", "hit_rate_ram")
+SHARED_FIGURES = {f.name for f in dataclasses.fields(SharedFigures)}
+
+
+def _metric(name: str) -> tuple:
+    """(figure, plot title, spread's low and high figures or None, scale): the title from the
+    column registry's label (tuner/results/columns.py); the spread where the entry carries one
+    (decode_min/decode_max); bytes shown in MiB."""
+    if name not in SHARED_FIGURES:
+        raise KeyError(f"{name} is not a figure of a shared profile entry")
+    c = column(name)
+    stem = name.split("_")[0]
+    lo, hi = f"{stem}_min", f"{stem}_max"
+    if c.kind == "bytes":
+        return name, f"MiB {c.label}", None, None, 1.0 / (1 << 20)
+    if lo in SHARED_FIGURES and hi in SHARED_FIGURES:
+        return name, f"{c.label} (median)", lo, hi, 1.0
+    return name, c.label, None, None, 1.0
+
+
+METRICS = tuple(_metric(name) for name in COMPARED)
 
 
 class CompareError(ColibriError):

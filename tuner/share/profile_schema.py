@@ -5,8 +5,10 @@ printed: the file's size; JSON with no NaN, no duplicate keys, bounded nesting; 
 short and free of control characters (a terminal escape in a CPU name would rewrite the
 screen of whoever runs `colibri profile show`); array lengths; the hardware part through the
 probe's own strict decoder (types, units, fingerprint) plus plausible ranges; and every
-best_configs entry against ENTRY_SPEC, its config through EngineConfig's own validation, its
-geometry hash recomputed. The first violation is one ProfileError line naming its path.
+best_configs entry through the same strict decoder (tuner/base/typed_json.py) against the
+SharedEntry dataclasses below (types, required keys, bounds, patterns), its config through
+EngineConfig's own validation, its geometry hash recomputed. The first violation is one
+ProfileError line naming its path.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import typing
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Literal, Optional
 
 from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
+from tuner.base.typed_json import decode, rules
 from tuner.probe.errors import ProfileError
 from tuner.probe.hardware_profile import HardwareProfile
 from tuner.results.quant_rundir import QUANT_LABEL_RE  # a stored level: only the group sizes the converter writes
-from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS, OBJECTIVES
+from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS, Objective
 # The checks every profile gets, shared or local, live with the probe's schema; re-exported here.
 from tuner.probe.profile_checks import (CONTROL_RE, HARDWARE_RANGES, MAX_ARRAY, MAX_DEPTH,  # noqa: F401
                                         MAX_FILE_BYTES, MAX_STRING, check_document, check_physics,
@@ -29,48 +35,133 @@ from tuner.probe.profile_checks import (CONTROL_RE, HARDWARE_RANGES, MAX_ARRAY, 
 MAX_ENTRIES = 256
 HASH_RE = re.compile(r"^sha256:[0-9a-f]{16}$")
 UTC_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$")
+SCALE = {"tok/s": (0, 1e9), "s": (0, 1e7), "B": (0, 2 ** 52), "GB/s": (0, 1e5), "share": (0, 1)}  # plausible
+COUNT = (0, 10 ** 6)
 
-# Entry spec: key → (type, nullable, range or choices). "figures" dicts share FIGURES.
-NUM, INT, STR, BOOL = "number", "integer", "string", "boolean"
-FIGURES = {k: (NUM, True, (0, 1e9)) for k in ("decode_tok_s", "decode_min", "decode_max", "decode_stdev")}
-FIGURES.update({k: (NUM, True, (0, 1e7)) for k in ("ttft_s", "ttft_min", "ttft_max")})  # seconds
-FIGURES.update({k: (NUM, True, (0, 2 ** 52)) for k in ("bytes_read_per_token", "peak_bytes")})
-FIGURES.update({k: (NUM, True, (0, 1)) for k in ("io_stall_fraction", "hit_rate_ram")})
-FIGURES.update({"read_gbps": (NUM, True, (0, 1e5))})
-FIGURES.update({"measurements": (INT, True, (0, 10 ** 6)), "samples": (INT, True, (0, 10 ** 6)),
-                "unconfirmed": (BOOL, False, None)})  # true: a search figure, not re-measured
-CONDITIONS = {"cold": (BOOL, False, None), "tokens": (INT, False, (1, 10 ** 6)), "repeats": (INT, False, (1, 10 ** 4)),
-              "prompt_tokens": (INT, False, (0, 10 ** 7)), "seed": (INT, True, (0, 2 ** 63)),
-              "min_ctx": (INT, True, (1, 1 << 22)), "cgroup_enforced": (BOOL, True, None),
-              "confirmation_rounds": (INT, True, (0, 10 ** 4)), "trials": (INT, True, (0, 10 ** 7)),
-              "feasible": (INT, True, (0, 10 ** 7)), "sampler": (STR, True, None),
-              "wall_seconds": (NUM, True, (0, 1e8))}
-QUALITY = {"kl_mean": (NUM, True, (0, 1e6)), "top1_agreement": (NUM, True, (0, 1)),
-           "perplexity": (NUM, True, (0, 1e9)), "reference": (STR, True, None)}
-TOOL = {"name": (STR, False, None), "version": (STR, False, None), "engine_version": (STR, True, None),
-        "git_commit": (STR, True, None)}
-LENGTHS = {"min": (INT, False, (0, 1 << 22)), "median": (NUM, False, (0, 1 << 22)), "max": (INT, False, (0, 1 << 22)),
-           "total": (INT, False, (0, 1 << 40))}
-# The workload an entry was tuned for: its lengths and a hash of the tokenized prompts, never text.
-WORKLOAD = {"kind": (STR, False, ("fixed", "prompts")), "requests": (INT, False, (1, 1 << 20)),
-            "prompt_tokens": (LENGTHS, False, None), "max_new_tokens": (LENGTHS, False, None),
-            "sha256": (STR, True, HASH_RE)}
-GEOMETRY = {k: (INT, False, (1, 1 << 24)) for k in GEOMETRY_KEYS if k != "model_type"}
-GEOMETRY["model_type"] = (STR, False, None)
-ENTRY_SPEC = {
-    "schema": (STR, False, (BEST_CONFIG_SCHEMA,)), "model": (STR, False, None), "geometry": (GEOMETRY, False, None),
-    "geometry_hash": (STR, False, HASH_RE), "quant": (STR, False, QUANT_LABEL_RE), "compute_dtype": (STR, False, None),
-    "ram_budget": (INT, False, (1 << 20, 1 << 52)),
-    "objective": (STR, False, OBJECTIVES),
-    "config": ("config", False, None), "figures": (FIGURES, False, None), "baseline_figures": (FIGURES, True, None),
-    "gain_over_baseline": (NUM, True, (-1, 1e6)), "quality": (QUALITY, True, None),
-    "conditions": (CONDITIONS, False, None), "tool": (TOOL, False, None), "created_utc": (STR, False, UTC_RE),
-    # Added later: an entry written before may lack them (ENTRY_OPTIONAL).
-    "defaults_figures": (FIGURES, True, None), "gain_over_defaults": (NUM, True, (-1, 1e6)),
-    "workload": (WORKLOAD, True, None),
-}
-ENTRY_OPTIONAL = ("defaults_figures", "gain_over_defaults", "workload")
-IDENTITY = {"hostname": (STR, True, None), "user": (STR, True, None), "model_dirs": ("strings", False, None)}
+
+# --- a best_configs entry, as dataclasses: the one validator (tuner/base/typed_json.py) checks it ---
+
+def _num(unit: str, **meta):
+    return field(default=None, metadata=rules(bounds=SCALE[unit], unit=unit, **meta))
+
+
+@dataclass
+class SharedFigures:
+    """A best config's figures: its confirmed medians and spread (result.json's Figures) and,
+    `trial=`, what explains them, copied from its trial's trials.csv column of that name (the
+    column registry, tuner/results/columns.py). Every key is required; null: not measured."""
+
+    decode_tok_s: Optional[float] = _num("tok/s")
+    ttft_s: Optional[float] = _num("s")
+    decode_min: Optional[float] = _num("tok/s")
+    decode_max: Optional[float] = _num("tok/s")
+    decode_stdev: Optional[float] = _num("tok/s")
+    ttft_min: Optional[float] = _num("s")
+    ttft_max: Optional[float] = _num("s")
+    measurements: Optional[int] = field(default=None, metadata=rules(bounds=COUNT))
+    samples: Optional[int] = field(default=None, metadata=rules(bounds=COUNT))
+    unconfirmed: bool = False  # true: a search figure, not re-measured
+    bytes_read_per_token: Optional[float] = _num("B", trial="bytes_read_per_token")
+    read_gbps: Optional[float] = _num("GB/s", trial="read_gbps")
+    io_stall_fraction: Optional[float] = _num("share", trial="io_stall_fraction")
+    hit_rate_ram: Optional[float] = _num("share", trial="hit_rate_ram")
+    peak_bytes: Optional[float] = _num("B", trial="cgroup_peak_bytes")  # a trials.csv number
+
+
+@dataclass
+class SharedConditions:
+    """What the figures were measured under (result.json's conditions, less paths and machine)."""
+
+    cold: bool
+    tokens: int = field(metadata=rules(bounds=(1, 10 ** 6)))
+    repeats: int = field(metadata=rules(bounds=(1, 10 ** 4)))
+    prompt_tokens: int = field(metadata=rules(bounds=(0, 10 ** 7)))
+    seed: Optional[int] = field(metadata=rules(bounds=(0, 2 ** 63)))
+    min_ctx: Optional[int] = field(metadata=rules(bounds=(1, 1 << 22)))
+    cgroup_enforced: Optional[bool]
+    confirmation_rounds: Optional[int] = field(metadata=rules(bounds=(0, 10 ** 4)))
+    trials: Optional[int] = field(metadata=rules(bounds=(0, 10 ** 7)))
+    feasible: Optional[int] = field(metadata=rules(bounds=(0, 10 ** 7)))
+    sampler: Optional[str]
+    wall_seconds: Optional[float] = field(metadata=rules(bounds=(0, 1e8)))
+
+
+@dataclass
+class SharedQuality:
+    kl_mean: Optional[float] = field(metadata=rules(bounds=(0, 1e6)))
+    top1_agreement: Optional[float] = field(metadata=rules(bounds=(0, 1)))
+    perplexity: Optional[float] = field(metadata=rules(bounds=(0, 1e9)))
+    reference: Optional[str]
+
+
+@dataclass
+class Tool:
+    name: str
+    version: str
+    engine_version: Optional[str]
+    git_commit: Optional[str]
+
+
+@dataclass
+class SharedLengths:
+    min: int = field(metadata=rules(bounds=(0, 1 << 22)))
+    median: float = field(metadata=rules(bounds=(0, 1 << 22)))
+    max: int = field(metadata=rules(bounds=(0, 1 << 22)))
+    total: int = field(metadata=rules(bounds=(0, 1 << 40)))
+
+
+@dataclass
+class SharedWorkload:
+    """The workload an entry was tuned for: its lengths and a hash of the tokenized prompts, never text."""
+
+    kind: Literal["fixed", "prompts"]
+    requests: int = field(metadata=rules(bounds=(1, 1 << 20)))
+    prompt_tokens: SharedLengths
+    max_new_tokens: SharedLengths
+    sha256: Optional[str] = field(metadata=rules(pattern=HASH_RE))
+
+
+# GEOMETRY_KEYS' sizes, plus the architecture's name.
+Geometry = make_dataclass("Geometry", [("model_type", str)] + [
+    (k, int, field(metadata=rules(bounds=(1, 1 << 24)))) for k in GEOMETRY_KEYS if k != "model_type"])
+
+
+@dataclass
+class SharedEntry:
+    """One best_configs entry of a shared profile (colibri.best_config/1)."""
+
+    schema: Literal["colibri.best_config/1"]
+    model: str
+    geometry: Geometry
+    geometry_hash: str = field(metadata=rules(pattern=HASH_RE))
+    quant: str = field(metadata=rules(pattern=QUANT_LABEL_RE))
+    compute_dtype: str
+    ram_budget: int = field(metadata=rules(bounds=(1 << 20, 1 << 52)))
+    objective: Objective
+    config: dict[str, Any]  # checked by EngineConfig's own validation (check_entry)
+    figures: SharedFigures
+    baseline_figures: Optional[SharedFigures]
+    gain_over_baseline: Optional[float] = field(metadata=rules(bounds=(-1, 1e6)))
+    quality: Optional[SharedQuality]
+    conditions: SharedConditions
+    tool: Tool
+    created_utc: str = field(metadata=rules(pattern=UTC_RE))
+    # Added later: an entry written before may lack them (optional).
+    defaults_figures: Optional[SharedFigures] = field(default=None, metadata={"optional": True})
+    gain_over_defaults: Optional[float] = field(default=None, metadata=rules(bounds=(-1, 1e6), optional=True))
+    workload: Optional[SharedWorkload] = field(default=None, metadata={"optional": True})
+
+
+@dataclass
+class Identity:
+    """What identifies a person or a box: only with `profile export --include-identity`."""
+
+    hostname: Optional[str]
+    user: Optional[str]
+    model_dirs: list[str]
+
+
+assert typing.get_args(typing.get_type_hints(SharedEntry)["schema"]) == (BEST_CONFIG_SCHEMA,)  # one schema id
 
 
 def geometry_hash(geometry: dict) -> str:
@@ -85,7 +176,7 @@ def validate_shared(data) -> "tuple[object, list[dict], dict | None]":
     check_document(data, "profile", 0)
     identity = data.get("identity")
     if identity is not None or "identity" in data:
-        check_spec(identity, IDENTITY, "profile.identity")
+        decode(Identity, identity, "profile.identity", ProfileError)
     hardware = {k: v for k, v in data.items() if k != "identity"}
     entries = hardware.get("best_configs")
     if isinstance(entries, list) and len(entries) > MAX_ENTRIES:
@@ -99,7 +190,7 @@ def validate_shared(data) -> "tuple[object, list[dict], dict | None]":
 
 
 def check_entry(entry: dict, path: str) -> None:
-    check_spec(entry, ENTRY_SPEC, path, optional=ENTRY_OPTIONAL)
+    decode(SharedEntry, entry, path, ProfileError)
     try:
         EngineConfig.from_dict(entry["config"], source=f"{path}.config")
     except ConfigError as exc:
@@ -108,51 +199,3 @@ def check_entry(entry: dict, path: str) -> None:
         raise ProfileError(f"{path}.model: a model name, not a path")
     if entry["geometry_hash"] != geometry_hash(entry["geometry"]):
         raise ProfileError(f"{path}.geometry_hash: does not match the geometry it describes")
-
-
-def check_spec(value, spec: dict, path: str, optional: tuple[str, ...] = ()) -> None:
-    """`optional`: keys added to the spec later, which older documents may lack."""
-    if not isinstance(value, dict):
-        raise ProfileError(f"{path}: expected an object, got {_kind(value)}")
-    unknown = sorted(set(value) - set(spec))
-    if unknown:
-        raise ProfileError(f"{path}: unknown key {unknown[0]!r}")
-    for key, (kind, nullable, rule) in spec.items():
-        if key not in value:
-            if key in optional:
-                continue
-            raise ProfileError(f"{path}: missing key {key!r}")
-        _check_value(value[key], kind, nullable, rule, f"{path}.{key}")
-
-
-def _check_value(v, kind, nullable, rule, path: str) -> None:
-    if v is None:
-        if nullable:
-            return
-        raise ProfileError(f"{path}: must not be null")
-    if isinstance(kind, dict):
-        return check_spec(v, kind, path)
-    if kind == "config":
-        if not isinstance(v, dict):
-            raise ProfileError(f"{path}: expected an object, got {_kind(v)}")
-        return
-    if kind == "strings":
-        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-            raise ProfileError(f"{path}: expected an array of strings")
-        return
-    ok = {INT: isinstance(v, int) and not isinstance(v, bool),
-          NUM: isinstance(v, (int, float)) and not isinstance(v, bool),
-          STR: isinstance(v, str), BOOL: isinstance(v, bool)}[kind]
-    if not ok:
-        raise ProfileError(f"{path}: expected {kind}, got {_kind(v)}")
-    if isinstance(rule, tuple) and kind in (INT, NUM) and not (rule[0] <= v <= rule[1]):
-        raise ProfileError(f"{path}: {v} is outside [{rule[0]:g}, {rule[1]:g}]")
-    if isinstance(rule, tuple) and kind == STR and v not in rule:
-        raise ProfileError(f"{path}: {v!r} is not one of {', '.join(map(repr, rule))}")
-    if isinstance(rule, re.Pattern) and not rule.match(v):
-        raise ProfileError(f"{path}: {v!r} is not of the form {rule.pattern}")
-
-
-def _kind(v) -> str:
-    return {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
-            dict: "object"}.get(type(v), type(v).__name__)

@@ -11,6 +11,7 @@ and a geometry hash) unless asked with include_identity. Import validates strict
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import json
 import os
@@ -29,17 +30,19 @@ from tuner.probe.summary import hardware_facts
 from tuner.probe.summary import format_summary
 from tuner.results.printers import fmt, pct
 from tuner.results.quant_rundir import PROBE_FILE, is_quant_run_dir, level_run_dirs
-from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS
+from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS, plain
 from tuner.results.rundir import is_run_dir, open_run
-from tuner.share.profile_schema import geometry_hash, parse_text, validate_shared
-from tuner.share.profile_schema import check_document
+from tuner.results.columns import column
+from tuner.share.profile_schema import SharedFigures, check_document, geometry_hash, parse_text, validate_shared
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-FIGURE_KEYS = ("decode_tok_s", "ttft_s", "decode_min", "decode_max", "decode_stdev", "ttft_min", "ttft_max",
-               "measurements", "samples")
-TRIAL_FIGURES = (("bytes_read_per_token", "bytes_read_per_token"), ("read_gbps", "read_gbps"),
-                 ("io_stall_fraction", "io_stall_fraction"), ("hit_rate_ram", "hit_rate_ram"),
-                 ("peak_bytes", "cgroup_peak_bytes"))
+# A shared entry's figures (profile_schema.SharedFigures, the format on disk): those copied from
+# the confirmed figures, and those copied from the trial's trials.csv column its `trial` metadata
+# names (a column of the registry, tuner/results/columns.py: `column` refuses any other).
+FIGURE_KEYS = tuple(f.name for f in dataclasses.fields(SharedFigures)
+                    if "bounds" in f.metadata and "trial" not in f.metadata)  # the numbers (not `unconfirmed`)
+TRIAL_FIGURES = tuple((f.name, column(f.metadata["trial"]).name) for f in dataclasses.fields(SharedFigures)
+                      if "trial" in f.metadata)
 DTYPE_QUANT = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "float32": "fp32", "fp32": "fp32"}
 
 
@@ -80,26 +83,26 @@ def _load_probe(path: Path):
 
 
 def entry_from_run(run) -> dict:
-    r = run.result
-    rec, base = r["recommended"], r.get("baseline") or {}
-    cond, model, study = r.get("conditions") or {}, r.get("model") or {}, r.get("study") or {}
-    figures = _figures(rec.get("confirmed"))
-    trial = run.trial_row(rec.get("trial_number"))
+    """A run directory's (rundir.RunDir) winner as a shared entry, read from its typed TuneResult."""
+    r = run.tune
+    rec, base, model = r.recommended, r.baseline, r.model
+    figures = _figures(plain(rec.confirmed))
+    trial = run.trial_row(rec.trial_number)
     for out_key, csv_key in TRIAL_FIGURES:
         figures[out_key] = _number(trial.get(csv_key))
     return {
-        "schema": BEST_CONFIG_SCHEMA, "model": model_name(model.get("name"), model.get("dir")),
-        "geometry": {k: (model.get("geometry") or {}).get(k) for k in GEOMETRY_KEYS},
-        "geometry_hash": geometry_hash(model.get("geometry") or {}),
-        "quant": r.get("quant") or DTYPE_QUANT.get(model.get("compute_dtype"), "bf16"),
-        "compute_dtype": model.get("compute_dtype") or "", "ram_budget": r.get("budget_bytes"),
-        "objective": r.get("objective"), "config": _shareable_config(rec.get("config") or {}),
-        "figures": figures, "baseline_figures": _figures(base.get("confirmed")) if base.get("confirmed") else None,
-        "gain_over_baseline": r.get("gain_over_baseline"), "quality": _quality(r.get("quality")),
-        "conditions": _conditions(cond, (r.get("confirmation") or {}).get("rounds"), study),
-        "tool": _tool(cond),
-        "created_utc": r.get("created_utc"),
-        **_honest_gain(r.get("defaults"), r.get("gain_over_defaults"), r.get("workload")),
+        "schema": BEST_CONFIG_SCHEMA, "model": model_name(model.name, model.dir),
+        "geometry": {k: model.geometry.get(k) for k in GEOMETRY_KEYS},
+        "geometry_hash": geometry_hash(model.geometry),
+        "quant": r.quant or DTYPE_QUANT.get(model.compute_dtype, "bf16"),
+        "compute_dtype": model.compute_dtype or "", "ram_budget": r.budget_bytes,
+        "objective": r.objective, "config": _shareable_config(rec.config),
+        "figures": figures, "baseline_figures": _figures(plain(base.confirmed)) if base and base.confirmed else None,
+        "gain_over_baseline": r.gain_over_baseline, "quality": _quality(plain(r.quality)),
+        "conditions": _conditions(plain(r.conditions), r.confirmation.rounds, plain(r.study)),
+        "tool": _tool(plain(r.conditions)),
+        "created_utc": r.created_utc,
+        **_honest_gain(plain(r.defaults), r.gain_over_defaults, plain(r.workload)),
     }
 
 
