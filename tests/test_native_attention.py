@@ -11,15 +11,11 @@ from engine.base.config import EngineConfig
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
 from colibri_requirements import needs
-from colibri_tiny import make_tiny
+from colibri_native_cases import PROMPT, bf16_model, count_calls, rand_bf16  # noqa: F401 (bf16_model: a fixture)
 
 WHY_NOT = native.load()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=needs("native", f"native kernels: {WHY_NOT}"))
-PROMPT = [3, 17, 42, 5, 99, 7]
-
-
-def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16()
+_rand = rand_bf16
 
 
 def _norm(x, w, eps=1e-6):  # layers.rms_norm on torch's ops
@@ -74,22 +70,11 @@ def test_bad_operands_are_refused():
                                 _rand(1, 16, seed=5), cache, cache.clone(), 0, 4, 2, _rand(64, 64, seed=6))
 
 
-@pytest.fixture(scope="module")
-def bf16_model(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("bf16") / "m", dtype="bfloat16", num_hidden_layers=3)
-
-
-def _count(monkeypatch, name: str) -> list:
-    calls, real = [], getattr(native, name)
-    monkeypatch.setattr(native, name, lambda *a: calls.append(1) or real(*a))
-    return calls
-
-
 def test_decode_runs_one_attention_call_per_layer_close_to_the_unfused_path(bf16_model, monkeypatch):
     with Engine(bf16_model, EngineConfig(threads=2, ctx_size=32)) as engine:
         model = engine.model
         generate(engine, PROMPT, 1, Sampler())
-        calls = _count(monkeypatch, "attention_decode")
+        calls = count_calls(monkeypatch, "attention_decode")
         fused = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
         assert len(calls) == 2 * engine.args.num_layers
         model._fused_attention = {layer: None for layer in range(engine.args.num_layers)}  # _attention's path
@@ -101,7 +86,7 @@ def test_decode_runs_one_attention_call_per_layer_close_to_the_unfused_path(bf16
 @pytest.mark.parametrize("config", [dict(kv_dtype="int8"), dict(dtype="fp32")])
 def test_what_it_does_not_cover_takes_the_unfused_path(bf16_model, monkeypatch, config):
     with Engine(bf16_model, EngineConfig(threads=1, ctx_size=32, **config)) as engine:
-        calls = _count(monkeypatch, "attention_decode")
+        calls = count_calls(monkeypatch, "attention_decode")
         assert len(generate(engine, PROMPT, 3, Sampler()).output_ids) == 3
         assert calls == []
 
@@ -109,6 +94,6 @@ def test_what_it_does_not_cover_takes_the_unfused_path(bf16_model, monkeypatch, 
 def test_without_native_ops_attention_runs_on_torch(bf16_model, monkeypatch):
     with Engine(bf16_model, EngineConfig(threads=1, ctx_size=32)) as engine:
         monkeypatch.setattr(native, "ready", False)  # as COLIBRI_NATIVE=0 or a CPU without avx512_bf16
-        calls = _count(monkeypatch, "attention_decode")
+        calls = count_calls(monkeypatch, "attention_decode")
         assert len(generate(engine, PROMPT, 3, Sampler()).output_ids) == 3
         assert calls == []

@@ -14,15 +14,11 @@ from engine.base.config import EngineConfig
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
 from colibri_requirements import needs
-from colibri_tiny import make_tiny
+from colibri_native_cases import PROMPT, bf16_model, count_calls, rand_bf16  # noqa: F401 (bf16_model: a fixture)
 
 WHY_NOT = native.load()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=needs("native", f"native kernels: {WHY_NOT}"))
-PROMPT = [3, 17, 42, 5, 99, 7]
-
-
-def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16()
+_rand = rand_bf16
 
 
 @pytest.mark.parametrize("shape", [(1, 100), (5, 1, 31), (1, 1024)])  # a token, per-head rows, ragged H
@@ -111,21 +107,10 @@ def test_bad_operands_are_refused():
 
 # --- in the engine -----------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def bf16_model(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("bf16") / "m", dtype="bfloat16", num_hidden_layers=3)
-
-
-def _count(monkeypatch, name: str) -> list:
-    calls, real = [], getattr(native, name)
-    monkeypatch.setattr(native, name, lambda *a: calls.append(1) or real(*a))
-    return calls
-
-
 def test_resident_decode_runs_one_call_per_moe_layer(bf16_model, monkeypatch):
     with Engine(bf16_model, EngineConfig(threads=1, ctx_size=32)) as engine:
         generate(engine, PROMPT, 1, Sampler())
-        fused, batched = _count(monkeypatch, "moe_layer"), _count(monkeypatch, "experts")
+        fused, batched = count_calls(monkeypatch, "moe_layer"), count_calls(monkeypatch, "experts")
         engine.forward([11], len(PROMPT))
         engine.forward([12], len(PROMPT) + 1)
         assert len(fused) == 2 * sum(engine.args.moe_layer_flags) and batched == []
@@ -145,7 +130,7 @@ def test_fused_and_unfused_decode_give_the_same_logits(bf16_model):
 def test_watching_the_routing_or_trimming_it_takes_the_unfused_path(bf16_model, monkeypatch):
     config = EngineConfig(threads=1, ctx_size=32, top_k_reduction=1)
     with Engine(bf16_model, config) as engine:
-        fused = _count(monkeypatch, "moe_layer")
+        fused = count_calls(monkeypatch, "moe_layer")
         generate(engine, PROMPT, 3, Sampler())
         assert fused == []  # a trimmed rule: moe_layer_bf16 does not apply it
 
@@ -154,7 +139,7 @@ def test_without_native_ops_decode_runs_on_torch(bf16_model, monkeypatch):
     with Engine(bf16_model, EngineConfig(threads=1, ctx_size=32)) as engine:
         reference = generate(engine, PROMPT, 4, Sampler()).output_ids
         monkeypatch.setattr(native, "ready", False)  # as COLIBRI_NATIVE=0 or a CPU without avx512_bf16
-        fused, norms = _count(monkeypatch, "moe_layer"), _count(monkeypatch, "rms_norm")
+        fused, norms = count_calls(monkeypatch, "moe_layer"), count_calls(monkeypatch, "rms_norm")
         slow = generate(engine, PROMPT, 4, Sampler()).output_ids
         assert fused == [] and norms == [] and len(slow) == len(reference)
 
@@ -167,6 +152,6 @@ def test_a_router_rule_it_does_not_cover_falls_back(tmp_path, monkeypatch):
     d = synth.synthesize(geometry, tmp_path / "glm", progress=False)
     with Engine(d, EngineConfig(threads=1, ctx_size=32)) as engine:
         assert engine.args.router is not None  # sigmoid, grouped, biased choice
-        fused = _count(monkeypatch, "moe_layer")
+        fused = count_calls(monkeypatch, "moe_layer")
         assert len(generate(engine, PROMPT, 3, Sampler()).output_ids) == 3
         assert fused == [] and set(engine.model._fused_moe.values()) <= {None}
