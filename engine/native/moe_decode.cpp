@@ -34,63 +34,11 @@
 #include <vector>
 
 #include "bf16_kernels.h"
+#include "moe_kernels.h"
 
 namespace {
 
 using namespace colibri_native;
-
-// One row: w * round_bf16(x * rsqrt(mean(x^2) + eps)), rounded; squares summed in fp32, in order.
-inline void rms_norm_row(const bf16* x, const bf16* w, int64_t H, float eps, bf16* out) {
-  float ss = 0.0f;
-  for (int64_t i = 0; i < H; i++) {
-    const float v = to_f32(x[i]);
-    ss += v * v;
-  }
-  const float r = 1.0f / std::sqrt(ss / (float)H + eps);
-  for (int64_t i = 0; i < H; i++) out[i] = to_bf16(to_f32(w[i]) * round_bf16(to_f32(x[i]) * r));
-}
-
-// Router logits (bf16, as linear_bf16 rounds them), softmax in fp32, the k best: ids and weights
-// in descending weight order (ties: the lower id), as torch.topk gives them.
-inline void route_topk(const bf16* x, const bf16* w, int64_t E, int64_t H, int64_t k, bool norm,
-                       float* probs, int64_t* ids, float* weights) {
-  at::parallel_for(0, E, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end; e++) probs[e] = round_bf16(dot(w + e * H, x, H));
-  });
-  float m = probs[0];
-  for (int64_t e = 1; e < E; e++) m = std::max(m, probs[e]);
-  float s = 0.0f;
-  for (int64_t e = 0; e < E; e++) {
-    probs[e] = std::exp(probs[e] - m);
-    s += probs[e];
-  }
-  for (int64_t e = 0; e < E; e++) probs[e] /= s;
-  float total = 0.0f;
-  for (int64_t j = 0; j < k; j++) {  // k passes over E: k and E are small (8 of 64..256)
-    int64_t best = -1;
-    for (int64_t e = 0; e < E; e++) {
-      if (probs[e] < 0.0f) continue;  // taken
-      if (best < 0 || probs[e] > probs[best]) best = e;
-    }
-    ids[j] = best;
-    weights[j] = probs[best];
-    total += probs[best];
-    probs[best] = -1.0f;
-  }
-  if (norm)
-    for (int64_t j = 0; j < k; j++) weights[j] /= total;
-}
-
-// out[n] = sum over k (in row order) of weights[k] * ys[k, n], fp32, rounded once.
-inline void combine(const bf16* ys, const float* weights, int64_t K, int64_t H, bf16* out) {
-  at::parallel_for(0, H, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; n++) {
-      float acc = 0.0f;
-      for (int64_t j = 0; j < K; j++) acc += weights[j] * to_f32(ys[j * H + n]);
-      out[n] = to_bf16(acc);
-    }
-  });
-}
 
 at::Tensor rms_norm_bf16(const at::Tensor& x_in, const at::Tensor& w, double eps) {
   const at::Tensor x = x_in.contiguous();
