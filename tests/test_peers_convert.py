@@ -1,7 +1,8 @@
 """llama.cpp's converter on a synth model: refused as shipped, accepted through benchmarks/peers_convert.py.
 
-Needs the llama.cpp tree that scripts/build_llama_cpp.sh unpacks ($LLAMA_CPP_DIR, default
-/work/tools/llama.cpp); skipped without it. Slow (the converter imports torch and transformers).
+Needs the llama.cpp tree that scripts/build_llama_cpp.sh unpacks, found where the other llama.cpp
+tests find it (tests/gguf_llama.py: $LLAMA_CPP_DIR, then ~/.cache/colibri/llama.cpp); skipped,
+tagged [requires llama_cpp], without it. Slow (the converter imports torch and transformers).
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from colibri_requirements import needs
 from engine import synth
+from gguf_llama import llama_dir
 
 REPO = Path(__file__).resolve().parents[1]
-LLAMA = Path(os.environ.get("LLAMA_CPP_DIR", "/work/tools/llama.cpp"))
+LLAMA = llama_dir()
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not (LLAMA / "src" / "convert_hf_to_gguf.py").is_file(),
-                                 reason=f"no llama.cpp tree at {LLAMA} (scripts/build_llama_cpp.sh)")]
+              pytest.mark.skipif(LLAMA is None, reason=needs(
+                  "llama_cpp", "no llama.cpp source tree with convert_hf_to_gguf.py ($LLAMA_CPP_DIR; "
+                               "scripts/build_llama_cpp.sh unpacks it)"))]
 TEXTS = ["the quick brown fox", "def main(argv):\n    return 0\n", "naïve café 🦙 3.14"]
 
 

@@ -128,16 +128,27 @@ def _kind_of(st: os.stat_result) -> str:
     return "a file" if stat.S_ISREG(m) else "not a regular file"
 
 
+def _target(raw: str | os.PathLike, sources, flag: str, *, directory: bool) -> tuple[Path, bool]:
+    """The resolved target, its common checks passed, and whether it exists; one that exists as
+    another kind of thing than the output (a directory, or a regular file) is refused here."""
+    target = resolved(raw, flag)
+    _check_common(target, sources, flag)
+    if not os.path.lexists(target):
+        return target, False
+    st = os.stat(target)
+    if directory and not stat.S_ISDIR(st.st_mode):
+        raise OutputTargetError(f"{flag} {target}: exists and is {_kind_of(st)}, not a directory")
+    if not directory and not stat.S_ISREG(st.st_mode):
+        raise OutputTargetError(f"{flag} {target}: exists and is {_kind_of(st)}, not a file it may replace")
+    return target, True
+
+
 def directory_target(raw: str | os.PathLike, *, command: str, recognise: Recogniser, sources=(),
                      force: bool = False, flag: str = "-o") -> DirectoryTarget:
     """Check a directory output before any work; returns where to write. See the module doc."""
-    target = resolved(raw, flag)
-    _check_common(target, sources, flag)
+    target, exists = _target(raw, sources, flag, directory=True)
     replaces = False
-    if os.path.lexists(target):
-        st = os.stat(target)
-        if not stat.S_ISDIR(st.st_mode):
-            raise OutputTargetError(f"{flag} {target}: exists and is {_kind_of(st)}, not a directory")
+    if exists:
         if any(os.scandir(target)):
             if not recognise(target):
                 raise OutputTargetError(f"{flag} {target}: is not empty and is not a previous `colibri {command}` "
@@ -156,12 +167,8 @@ def run_directory_target(raw: str | os.PathLike, *, command: str, recognise: Rec
                          flag: str = "--out") -> Path:
     """A directory a command keeps writing into over time (a tune run): the same refusals, but a
     previous output of the command is reused in place (resume), never replaced."""
-    target = resolved(raw, flag)
-    _check_common(target, sources, flag)
-    if os.path.lexists(target):
-        st = os.stat(target)
-        if not stat.S_ISDIR(st.st_mode):
-            raise OutputTargetError(f"{flag} {target}: exists and is {_kind_of(st)}, not a directory")
+    target, exists = _target(raw, sources, flag, directory=True)
+    if exists:
         if any(os.scandir(target)) and not recognise(target):
             raise OutputTargetError(f"{flag} {target}: a non-empty directory that is not a previous "
                                     f"`colibri {command}` run directory; choose a new or empty one")
@@ -175,12 +182,8 @@ def file_target(raw: str | os.PathLike, *, command: str, recognise: Recogniser |
                 flag: str = "-o") -> Path:
     """Check a single-file output. An existing file is replaced only when `recognise` says it is a
     previous output of this kind (recognise None: any existing regular file is refused)."""
-    target = resolved(raw, flag)
-    _check_common(target, sources, flag)
-    if os.path.lexists(target):
-        st = os.stat(target)
-        if not stat.S_ISREG(st.st_mode):
-            raise OutputTargetError(f"{flag} {target}: exists and is {_kind_of(st)}, not a file it may replace")
+    target, exists = _target(raw, sources, flag, directory=False)
+    if exists:
         if recognise is None or not recognise(target):
             raise OutputTargetError(f"{flag} {target}: an existing file that is not a previous `colibri {command}` "
                                     "output; refusing to overwrite it")

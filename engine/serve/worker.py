@@ -28,39 +28,83 @@ STARTED_KEPT = 4096
 
 class TextStream:
     """Token ids → text pieces as they become final: whole UTF-8 characters only, and never the
-    beginning of a stop sequence that a later token may complete."""
+    beginning of a stop sequence that a later token may complete.
+
+    Incremental: each token decodes a short window of ids, not the whole output (which made a
+    streamed answer quadratic in its length). The window is `ids[prefix:]`; its first part,
+    `ids[prefix:read]`, is already text and is decoded again only as context, because decoders
+    treat a sequence's first token specially (Metaspace and Strip drop its leading space) and
+    merge bytes across tokens (ByteLevel, ByteFallback): the new text is the window's decode
+    past that context's decode, which is the whole-text decode's new tail. `prefix` stays at a
+    token that produced text, so a skipped special token never becomes the window's first.
+    """
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.stops = tokenizer, stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0
+        self.prefix = 0  # the window's first id
+        self.read = 0    # ids[:read] are text already (sent or pending)
+        self.sent: list[str] = []
+        self.pending = ""  # text past what was sent: held back as the possible start of a stop
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """All the text so far (up to a stop, once one is found)."""
+        return "".join(self.sent) + self.pending
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+        new = self._new_text(final=False)
+        if new is None:  # a character split across tokens: wait for the rest
             return ""
-        self.text = text
-        for stop in self.stops:
-            at = text.find(stop, max(0, self.sent - len(stop) + 1))
-            if at != -1:
-                self.text, self.stopped = text[:at], True
-                return self._take(at)
-        return self._take(max(self.sent, len(text) - self.hold))
+        return self._accept(new, self.hold)
 
     def flush(self) -> str:
         """The rest, at the end: a trailing partial character stays a replacement character, as
         a whole-text decode gives it."""
-        if not self.stopped and self.ids:
-            self.text = self.tokenizer.decode(self.ids)
-        return self._take(len(self.text))
+        if self.stopped:
+            return ""
+        return self._accept(self._new_text(final=True), 0)
 
-    def _take(self, end: int) -> str:
-        piece = self.text[self.sent:end]
-        self.sent = max(self.sent, end)
+    def _accept(self, new: str, hold: int) -> str:
+        buf = self.pending + new
+        # The earliest stop in what was not sent: one that began earlier would have been found
+        # then, since `hold` kept the last len(longest stop) - 1 characters unsent.
+        found = [at for at in (buf.find(stop) for stop in self.stops) if at != -1]
+        if found:
+            self.stopped = True
+            self.pending = ""
+            return self._send(buf[:min(found)])
+        end = max(0, len(buf) - hold)
+        self.pending = buf[end:]
+        return self._send(buf[:end])
+
+    def _new_text(self, final: bool) -> str | None:
+        """The text of ids[read:], or None while it ends inside a character (unless final)."""
+        if self.read == len(self.ids):
+            return ""
+        decode = self.tokenizer.decode
+        if self.read == 0:
+            new = decode(self.ids)
+        else:
+            context = decode(self.ids[self.prefix:self.read])
+            window = decode(self.ids[self.prefix:])
+            if window.startswith(context):
+                new = window[len(context):]
+            else:  # a decoder that rewrites text across the window's start: decode it all, once
+                new = decode(self.ids)[len(self.text):]
+        if new.endswith("\ufffd") and not final:
+            return None
+        if new:
+            self.prefix = self.read
+        self.read = len(self.ids)
+        return new
+
+    def _send(self, piece: str) -> str:
+        if piece:
+            self.sent.append(piece)
         return piece
 
 
@@ -176,16 +220,18 @@ class GenerationWorker:
         gen = generate(self.engine, job.prompt_ids, s.max_tokens, Sampler(s.temperature, s.top_p, s.seed),
                        on_token=on_token)
         ids = gen.output_ids
+        if not job.cancelled.is_set():
+            # Before the finish reason: the tail may complete a stop (after a character that
+            # was still split when the last token came).
+            tail = stream.flush()
+            if tail:
+                job.emit("text", tail)
         if job.cancelled.is_set():
             reason = "cancelled"
         elif stream.stopped or (ids and ids[-1] in self.eos_ids):
             reason = "stop"
         else:
             reason = "length"
-        if reason != "cancelled" and not stream.stopped:
-            tail = stream.flush()
-            if tail:
-                job.emit("text", tail)
         output_ids = ids[:-1] if ids and ids[-1] in self.eos_ids else ids
         self.metrics.record_generation(len(job.prompt_ids), len(ids), gen.ttft_seconds, gen.token_seconds,
                                        time.perf_counter() - started, reason == "cancelled")

@@ -107,6 +107,17 @@ TIMEOUT_MAX_S = 7 * 86400
 DURATION_MAX_S = 30 * 86400
 
 
+def _unsigned(value: str, parser, sign: str):
+    """parser(value), its ColibriError as argparse's error; a leading "-" is refused as a sign
+    (see size), not handed to the parser."""
+    if value.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"{value}: must be {sign}")
+    try:
+        return parser(value)
+    except ColibriError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def size(zero_ok: bool = False, lo: int = 1, hi: int = SIZE_MAX, zero_means: str = ""):
     """A byte size ('1GiB', '512M', '4096') -> int bytes, positive (zero_ok: or 0).
 
@@ -118,12 +129,7 @@ def size(zero_ok: bool = False, lo: int = 1, hi: int = SIZE_MAX, zero_means: str
         text = f"0 ({zero_means}) or in [1, {hi}] bytes" if zero_means else f"in [0, {hi}] bytes"
 
     def parse(value: str) -> int:
-        if value.strip().startswith("-"):
-            raise argparse.ArgumentTypeError(f"{value}: must be {'positive or 0' if zero_ok else 'positive'}")
-        try:
-            n = parse_size(value)
-        except ColibriError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+        n = _unsigned(value, parse_size, "positive or 0" if zero_ok else "positive")
         if n == 0 and zero_ok:
             return 0
         if n == 0 or n < lo:
@@ -139,12 +145,7 @@ def duration(hi_s: float = DURATION_MAX_S):
     text = "positive" + (f", at most {hi_s:g} s" if hi_s else "")
 
     def parse(value: str) -> float:
-        if value.strip().startswith("-"):
-            raise argparse.ArgumentTypeError(f"{value}: must be positive")
-        try:
-            s = parse_duration(value)
-        except ColibriError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+        s = _unsigned(value, parse_duration, "positive")
         if not math.isfinite(s) or s <= 0:
             raise argparse.ArgumentTypeError(f"{value}: must be positive")
         if hi_s is not None and s > hi_s:
