@@ -31,6 +31,7 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
     int8_linear(x, codes, scales)          x @ (codes * scales).T, per-row scales
     int4_linear(x, packed, scales_zeros, group)   x @ dequant_int4(...).T, the stored blocked layout
     quant_experts(x, weights, group)       SwiGLU of several int8 (group 0) / int4 experts: [E, H]
+    moe_layer_int(h, ..., group)           moe_layer for int8 / int4 experts (moe_decode_int.cpp; engine/arch/moe_quant.py)
 """
 
 from __future__ import annotations
@@ -210,3 +211,8 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
 
 def quant_experts(x: torch.Tensor, weights: list, group: int) -> torch.Tensor:
     return torch.ops.colibri_int.experts(x, weights, group)
+
+
+def moe_layer_int(h: torch.Tensor, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor, k: int, norm: bool,
+                  experts: torch.Tensor, inter: int, group: int) -> torch.Tensor:
+    return torch.ops.colibri_int.moe_layer_int(h, norm_w, eps, router_w, k, norm, experts, inter, group)
