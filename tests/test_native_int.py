@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(WHY_NOT is not None or not native.int_ready,
 
 @pytest.fixture(autouse=True)
 def int8_native_on(monkeypatch):
-    """int8 decode is off by default (measured slower end to end); these tests exercise it."""
+    """Whatever COLIBRI_NATIVE_INT8 says in this environment, these tests exercise the native int8 kernel."""
     monkeypatch.setattr(native, "int8_decode", True)
 
 

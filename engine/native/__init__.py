@@ -51,10 +51,10 @@ SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources: part of the key
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 INT_FLAGS = ("avx512_vnni", "avx512vbmi")
-# int8 decode through the native op: off by default because on the demo it measured slower end to
-# end than torch's _weight_int8pack_mm (docs/BENCHMARKS.md, "resident: profile, native int8/int4"),
-# though faster per expert in cache; COLIBRI_NATIVE_INT8=1 turns it on to re-measure. int4 is on.
-int8_decode = os.environ.get("COLIBRI_NATIVE_INT8", "0") == "1"
+# int8 decode through the native op: on by default since its rows prefetch the next tile and resident
+# layers run fused (demo int8 resident: 1.6x torch's _weight_int8pack_mm end to end, docs/BENCHMARKS.md,
+# "intkern"); COLIBRI_NATIVE_INT8=0 keeps torch's kernel. int4 has no switch.
+int8_decode = os.environ.get("COLIBRI_NATIVE_INT8", "1") == "1"
 ready = False
 int_ready = False
 _why_not: str | None = None

@@ -42,7 +42,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <vector>
 
 #include "native_common.h"
@@ -62,41 +61,22 @@ constexpr float XQ_MAX = 32767.0f;
 constexpr int64_t INT8_FLUSH = 2048;  // inputs per int32 partial: 2048/32 steps x 2 x 127 x 32767 < 2^31
 constexpr int64_t BLOCK = 64;         // int4 rows per packed block
 
+// Software prefetch distances: int8, two tiles ahead (8 rows); int4, 1 KiB of codes ahead and the
+// next block's scales. Measured from DRAM (docs/BENCHMARKS.md, "intkern"): without them a tile's
+// short row streams, and the scales' one 256-byte run per group 2+ KiB apart, each start a
+// hardware-prefetch stream too late (int8 18.5 -> 25-30 GB/s, int4 17-18 -> 24 GB/s).
+constexpr int64_t INT8_AHEAD = 8;     // rows
+constexpr int64_t INT4_AHEAD = 1024;  // bytes of codes; past the matrix's end is harmless
+
 // One activation row, quantized: int16 codes (padded with zeros to a multiple of 64), its scale,
 // and per int4 group the sum of the codes and of the real values.
-// int4 against int8 activations (vpdpbusd, 4 products a lane; what ggml does for Q4_0) instead of
-// int16 ones (vpdpwssd, 2): COLIBRI_INT4_X8=1 (read once).
-inline bool x8_int4() {
-  static const bool on = [] {
-    const char* v = std::getenv("COLIBRI_INT4_X8");
-    return v && v[0] == '1';
-  }();
-  return on;
-}
-
-// Software prefetch distance (COLIBRI_INT_PF, read once; default 1): int8, tiles ahead (0: none);
-// int4, 1 KiB of codes ahead per level, and the next block's scales.
-inline int prefetch_level() {
-  static const int level = [] {
-    const char* v = std::getenv("COLIBRI_INT_PF");
-    return v && v[0] >= '0' && v[0] <= '9' ? v[0] - '0' : 1;
-  }();
-  return level;
-}
-
 struct QuantRow {
   std::vector<int16_t> q;
   float sx = 0.0f;
   std::vector<int32_t> qsum;
   std::vector<float> xsum;
-  // int4 with int8 activations (x8_int4()): per group, int8 codes with their own scale
-  // sx8 = max|x_g| / 127, and the sum of those codes.
-  std::vector<int8_t> q8;
-  std::vector<float> sx8;
-  std::vector<int32_t> q8sum;
 
   void set(const float* x, int64_t K, int64_t group) {
-    if (group > 0 && x8_int4()) set8(x, K, group);
     float amax = 0.0f;
     for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(x[k]));
     sx = amax / XQ_MAX;
@@ -112,21 +92,6 @@ struct QuantRow {
           qsum[g] += q[k];
           xsum[g] += x[k];
         }
-    }
-  }
-
-  void set8(const float* x, int64_t K, int64_t group) {
-    const int64_t G = K / group;
-    q8.assign(K, 0), sx8.assign(G, 0.0f), q8sum.assign(G, 0);
-    for (int64_t g = 0; g < G; g++) {
-      float amax = 0.0f;
-      for (int64_t k = g * group; k < (g + 1) * group; k++) amax = std::max(amax, std::fabs(x[k]));
-      sx8[g] = amax / 127.0f;
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      for (int64_t k = g * group; k < (g + 1) * group; k++) {
-        q8[k] = (int8_t)std::nearbyint(x[k] * inv);
-        q8sum[g] += q8[k];
-      }
     }
   }
 };
@@ -184,8 +149,8 @@ inline QMat int4_mat(const at::Tensor& packed, const at::Tensor& sz, int64_t gro
 // Rows n .. n+R-1 (R <= 4) of m against x: one pass over xq, R independent accumulator chains
 // (vpdpwssd's latency, not its throughput, bounds a single chain).
 //
-// `next` (or null): the first row of the tile after this one, whose lines are prefetched while
-// this one runs. A tile reads R short row streams (0.5-1 KiB each) inside one or two pages, each
+// `next` (or null): the first row of a tile ahead (INT8_AHEAD rows on), whose lines are prefetched
+// while this one runs. A tile reads R short row streams (0.5-1 KiB each) inside one or two pages, each
 // too short for the hardware prefetcher to lock on; from DRAM that stream is what bounds int8
 // (docs/BENCHMARKS.md, "peers": 17.6 -> 10.7 ms of experts a token with it).
 template <int R>
@@ -222,9 +187,8 @@ inline void int8_rows(const QMat& m, int64_t n, const QuantRow& x, float* out, c
 // (each row has its own chain in the same order), so every split gives the same bits.
 inline void int8_range(const QMat& m, const QuantRow& x, int64_t begin, int64_t end, float* out) {
   int64_t n = begin;
-  const int64_t ahead = 4 * prefetch_level();
   for (; n + 4 <= end; n += 4)
-    int8_rows<4>(m, n, x, out + (n - begin), ahead && n + ahead + 4 <= m.N ? m.codes + (n + ahead) * m.K : nullptr);
+    int8_rows<4>(m, n, x, out + (n - begin), n + INT8_AHEAD + 4 <= m.N ? m.codes + (n + INT8_AHEAD) * m.K : nullptr);
   for (; n < end; n++) int8_rows<1>(m, n, x, out + (n - begin), nullptr);
 }
 
@@ -268,8 +232,7 @@ inline void load_scale_zero(const QMat& m, int64_t g, int64_t r0, __m512& s, __m
 inline void int4_block(const QMat& m, int64_t nb, const QuantRow& x, float* out) {
   static const PairIndex idx;
   const uint8_t* base = m.packed + nb * BLOCK * m.K / 2;
-  const int64_t ahead = 1024 * prefetch_level();
-  const bool next_block = ahead && (nb + 2) * BLOCK <= m.N;
+  const bool next_block = (nb + 2) * BLOCK <= m.N;
   const int32_t* xpairs = reinterpret_cast<const int32_t*>(x.q.data());  // (xq[k], xq[k+1]) per int32
   const __m512i nib = _mm512_set1_epi8(0x0F);
   const __m512 sx = _mm512_set1_ps(x.sx);
@@ -281,7 +244,7 @@ inline void int4_block(const QMat& m, int64_t nb, const QuantRow& x, float* out)
     for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_si512();
     for (int64_t k = g * m.group; k < (g + 1) * m.group; k += 4) {
       for (int h = 0; h < 2; h++) {
-        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(base + (k + 2 * h) * 32 + ahead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(base + (k + 2 * h) * 32 + INT4_AHEAD), _MM_HINT_T0);
         const __m512i bytes = _mm512_loadu_si512(base + (k + 2 * h) * 32);  // k and k+1, 32 bytes each
         const __m512i lo = _mm512_and_si512(bytes, nib);                       // rows 0-31
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nib);  // rows 32-63
@@ -296,74 +259,7 @@ inline void int4_block(const QMat& m, int64_t nb, const QuantRow& x, float* out)
     for (int i = 0; i < 4; i++) acc[i] = _mm512_add_epi32(acc[i], acc[i + 4]);
     const __m512i mid = _mm512_set1_epi32(8 * x.qsum[g]);
     const __m512 xs = _mm512_set1_ps(x.xsum[g]);
-    if (next_block && !m.scales_f32)
-      for (int i = 0; i < 4; i++)
-        _mm_prefetch(reinterpret_cast<const char*>(static_cast<const bf16*>(m.scales) + (g * m.N + (nb + 1) * BLOCK) * 2) + 64 * i,
-                     _MM_HINT_T0);
-    for (int i = 0; i < 4; i++) {
-      __m512 s, z;
-      load_scale_zero(m, g, nb * BLOCK + 16 * i, s, z);
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], mid));
-      y[i] = _mm512_fmadd_ps(_mm512_mul_ps(s, sx), dot, _mm512_fmadd_ps(z, xs, y[i]));
-    }
-  }
-  for (int i = 0; i < 4; i++) _mm512_storeu_ps(out + 16 * i, y[i]);
-}
-
-// Byte indices of vpermt2b over [bytes of k, k+1 | bytes of k+2, k+3] (128 bytes, 32 per k) giving
-// 16 dword lanes (byte[r,k], byte[r,k+1], byte[r,k+2], byte[r,k+3]) for rows r0 .. r0+15 of the 32:
-// each byte still holds row r's code (low nibble) and row r+32's (high), unpacked after the permute.
-struct QuadIndex {
-  __m512i low, high;  // rows 0-15, 16-31 of the 32
-  QuadIndex() {
-    alignas(64) uint8_t a[64], b[64];
-    for (int r = 0; r < 16; r++)
-      for (int j = 0; j < 4; j++) {
-        a[4 * r + j] = (uint8_t)(32 * j + r);
-        b[4 * r + j] = (uint8_t)(32 * j + 16 + r);
-      }
-    low = _mm512_load_si512(a);
-    high = _mm512_load_si512(b);
-  }
-};
-
-// int4_block against int8 activations: per 4 inputs, 2 loads, 2 permutes and 4 vpdpbusd for 64 rows
-// (u8 codes x s8 x); per group y += scale * sx8[g] * (dot - 8 sum q8) + zero * sum x.
-inline void int4_block_x8(const QMat& m, int64_t nb, const QuantRow& x, float* out) {
-  static const QuadIndex idx;
-  const uint8_t* base = m.packed + nb * BLOCK * m.K / 2;
-  const int64_t ahead = 1024 * prefetch_level();  // bytes of codes; past the matrix's end is harmless
-  const bool next_block = ahead && (nb + 2) * BLOCK <= m.N;
-  const int32_t* xquads = reinterpret_cast<const int32_t*>(x.q8.data());  // xq8[k..k+3] per int32
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  __m512 y[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  const int64_t G = m.K / m.group;
-  for (int64_t g = 0; g < G; g++) {
-    // Two sets of 4 chains, alternating 4-input steps (a group has an even number of them: 32/64/128 inputs).
-    __m512i acc[8];
-    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_si512();
-    for (int64_t k = g * m.group; k < (g + 1) * m.group; k += 8) {
-      for (int h = 0; h < 2; h++) {
-        const uint8_t* p = base + (k + 4 * h) * 32;
-        if (ahead) {
-          _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 64), _MM_HINT_T0);
-        }
-        const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64);  // k, k+1 | k+2, k+3
-        const __m512i lo = _mm512_permutex2var_epi8(a, idx.low, b);    // rows 0-15 | 32-47 (high nibbles)
-        const __m512i hi = _mm512_permutex2var_epi8(a, idx.high, b);   // rows 16-31 | 48-63
-        const __m512i xv = _mm512_set1_epi32(xquads[(k + 4 * h) / 4]);
-        __m512i* c = acc + 4 * h;
-        c[0] = _mm512_dpbusd_epi32(c[0], _mm512_and_si512(lo, nib), xv);
-        c[1] = _mm512_dpbusd_epi32(c[1], _mm512_and_si512(hi, nib), xv);
-        c[2] = _mm512_dpbusd_epi32(c[2], _mm512_and_si512(_mm512_srli_epi16(lo, 4), nib), xv);
-        c[3] = _mm512_dpbusd_epi32(c[3], _mm512_and_si512(_mm512_srli_epi16(hi, 4), nib), xv);
-      }
-    }
-    for (int i = 0; i < 4; i++) acc[i] = _mm512_add_epi32(acc[i], acc[i + 4]);
-    const __m512i mid = _mm512_set1_epi32(8 * x.q8sum[g]);
-    const __m512 xs = _mm512_set1_ps(x.xsum[g]), sx = _mm512_set1_ps(x.sx8[g]);
-    if (next_block && !m.scales_f32)  // the next block's (scale, zero) of this group: 4 lines, 4 KiB+ away
+    if (next_block && !m.scales_f32)  // the next block's (scale, zero) of this group: 4 lines
       for (int i = 0; i < 4; i++)
         _mm_prefetch(reinterpret_cast<const char*>(static_cast<const bf16*>(m.scales) + (g * m.N + (nb + 1) * BLOCK) * 2) + 64 * i,
                      _MM_HINT_T0);
@@ -382,15 +278,13 @@ inline float int4_tail_row(const QMat& m, int64_t n, const QuantRow& x) {
   const int64_t full = m.N - m.N % BLOCK, rows = m.N - full, p = (n - full) / 2;
   const uint8_t* base = m.packed + full * m.K / 2;
   const int shift = (int)((n - full) % 2) * 4;
-  const bool x8 = x8_int4();
   float y = 0.0f;
   for (int64_t g = 0; g < m.K / m.group; g++) {
     int32_t acc = 0;
     for (int64_t k = g * m.group; k < (g + 1) * m.group; k++)
-      acc += (int32_t)((base[k * (rows / 2) + p] >> shift) & 0xF) * (x8 ? (int32_t)x.q8[k] : (int32_t)x.q[k]);
+      acc += (int32_t)((base[k * (rows / 2) + p] >> shift) & 0xF) * x.q[k];
     const float s = m.scale_at((g * m.N + n) * 2), z = m.scale_at((g * m.N + n) * 2 + 1);
-    y = x8 ? std::fma(s * x.sx8[g], (float)(acc - 8 * x.q8sum[g]), std::fma(z, x.xsum[g], y))
-           : std::fma(s * x.sx, (float)(acc - 8 * x.qsum[g]), std::fma(z, x.xsum[g], y));
+    y = std::fma(s * x.sx, (float)(acc - 8 * x.qsum[g]), std::fma(z, x.xsum[g], y));
   }
   return y;
 }
@@ -400,9 +294,7 @@ inline void rows(const QMat& m, const QuantRow& x, int64_t begin, int64_t end, f
   if (m.group == 0) return int8_range(m, x, begin, end, out);
   const int64_t full = m.N - m.N % BLOCK;
   int64_t n = begin;
-  const bool x8 = x8_int4();
-  for (; n + BLOCK <= std::min(end, full); n += BLOCK)
-    (x8 ? int4_block_x8 : int4_block)(m, n / BLOCK, x, out + (n - begin));
+  for (; n + BLOCK <= std::min(end, full); n += BLOCK) int4_block(m, n / BLOCK, x, out + (n - begin));
   for (; n < end; n++) out[n - begin] = int4_tail_row(m, n, x);
 }
 
