@@ -13,18 +13,10 @@ from engine.format.convert import convert
 from engine.format.quant import QuantWeight, quantize
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
-from colibri_native_cases import PROMPT, bf16_model, count_calls, rand_bf16  # noqa: F401 (bf16_model: a fixture)
-from colibri_requirements import needs
+from colibri_native_cases import (PROMPT, bf16_model, count_calls, int8_native_on,  # noqa: F401 (fixtures)
+                                  needs_native_int, rand_bf16)
 
-WHY_NOT = native.load()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None or not native.int_ready,
-                                reason=needs("native", f"native int kernels: {WHY_NOT or 'no VNNI/VBMI'}"))
-
-
-@pytest.fixture(autouse=True)
-def int8_native_on(monkeypatch):
-    """Whatever the default of COLIBRI_NATIVE_INT8, these tests run the native int8 kernel."""
-    monkeypatch.setattr(native, "int8_decode", True)
+pytestmark = needs_native_int()
 
 
 def _experts(quant: str, group: int, n: int, H: int, I: int, seed: int) -> list[tuple]:
