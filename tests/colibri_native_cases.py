@@ -1,6 +1,7 @@
-"""What the fused-decode tests share (tests/test_native_moe.py, test_native_attention.py): seeded
-bf16 operands, the prompt they decode, the tiny bf16 model they run, and a spy that counts
-calls to one native op while still running it."""
+"""What the fused-decode tests share (tests/test_native_moe.py, test_native_attention.py,
+test_native_int.py, test_native_moe_int.py): seeded bf16 operands, the prompt they decode, the tiny
+bf16 model they run, a spy that counts calls to one native op while still running it, and the int
+kernels' skip mark and int8 switch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from engine import native
+from colibri_requirements import needs
 from colibri_tiny import make_tiny
 
 PROMPT = [3, 17, 42, 5, 99, 7]
@@ -29,3 +31,17 @@ def count_calls(monkeypatch, name: str) -> list:
     calls, real = [], getattr(native, name)
     monkeypatch.setattr(native, name, lambda *a: calls.append(1) or real(*a))
     return calls
+
+
+def needs_native_int():
+    """The skip mark of the int8/int4 kernel tests: native ops loaded and VNNI/VBMI present."""
+    why = native.load()
+    return pytest.mark.skipif(why is not None or not native.int_ready,
+                              reason=needs("native", f"native int kernels: {why or 'no VNNI/VBMI'}"))
+
+
+@pytest.fixture(autouse=True)
+def int8_native_on(monkeypatch):
+    """Whatever COLIBRI_NATIVE_INT8 says in this environment, a test module that imports this
+    fixture exercises the native int8 kernel."""
+    monkeypatch.setattr(native, "int8_decode", True)

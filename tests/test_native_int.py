@@ -12,16 +12,9 @@ import torch
 from engine import native
 from engine.arch.layers import native_quant_operands, swiglu_expert
 from engine.format.quant import QuantWeight, dequantize, quantize
-from colibri_requirements import needs
+from colibri_native_cases import int8_native_on, needs_native_int  # noqa: F401 (int8_native_on: a fixture)
 
-WHY_NOT = native.load()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None or not native.int_ready,
-                                reason=needs("native", f"native int kernels: {WHY_NOT or 'no VNNI/VBMI'}"))
-
-@pytest.fixture(autouse=True)
-def int8_native_on(monkeypatch):
-    """int8 decode is off by default (measured slower end to end); these tests exercise it."""
-    monkeypatch.setattr(native, "int8_decode", True)
+pytestmark = needs_native_int()
 
 
 # (N, K, group): full 64-row blocks, a partial last block (N % 64 = 2, 6, 50), ragged int8 K

@@ -25,6 +25,7 @@ import torch
 
 from engine import native
 from engine.arch.args import ModelArgs, layer_prefix
+from engine.arch import moe_quant
 from engine.arch.layers import native_quant_operands, swiglu_expert
 
 
@@ -138,6 +139,9 @@ def resident_layer(args: ModelArgs, w: dict, store, layer: int, expert_fn) -> Re
     held = store.resident(layer, list(range(args.num_experts))) if store is not None else None
     if not held or router_w.shape[0] != len(held):
         return None
+    quantized = moe_quant.resident_layer(norm_w, args.rms_norm_eps, router_w, args.top_k, args.norm_topk_prob, held)
+    if quantized is not None:  # int8 / int4 experts: the fused layer's quantized twin
+        return quantized
     H = router_w.shape[1]
     down = held[0][-1]
     if not _plain_bf16(down) or down.shape[0] != H:

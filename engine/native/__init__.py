@@ -31,6 +31,7 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
     int8_linear(x, codes, scales)          x @ (codes * scales).T, per-row scales
     int4_linear(x, packed, scales_zeros, group)   x @ dequant_int4(...).T, the stored blocked layout
     quant_experts(x, weights, group)       SwiGLU of several int8 (group 0) / int4 experts: [E, H]
+    moe_layer_int(h, ..., group)           moe_layer for int8 / int4 experts (moe_decode_int.cpp; engine/arch/moe_quant.py)
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources: part of the key
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 INT_FLAGS = ("avx512_vnni", "avx512vbmi")
-# int8 decode through the native op: off by default because on the demo it measured slower end to
-# end than torch's _weight_int8pack_mm (docs/BENCHMARKS.md, "resident: profile, native int8/int4"),
-# though faster per expert in cache; COLIBRI_NATIVE_INT8=1 turns it on to re-measure. int4 is on.
-int8_decode = os.environ.get("COLIBRI_NATIVE_INT8", "0") == "1"
+# int8 decode through the native op: on by default since its rows prefetch the next tile and resident
+# layers run fused (demo int8 resident: 1.6x torch's _weight_int8pack_mm end to end, docs/BENCHMARKS.md,
+# "intkern"); COLIBRI_NATIVE_INT8=0 keeps torch's kernel. int4 has no switch.
+int8_decode = os.environ.get("COLIBRI_NATIVE_INT8", "1") == "1"
 ready = False
 int_ready = False
 _why_not: str | None = None
@@ -210,3 +211,8 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tenso
 
 def quant_experts(x: torch.Tensor, weights: list, group: int) -> torch.Tensor:
     return torch.ops.colibri_int.experts(x, weights, group)
+
+
+def moe_layer_int(h: torch.Tensor, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor, k: int, norm: bool,
+                  experts: torch.Tensor, inter: int, group: int) -> torch.Tensor:
+    return torch.ops.colibri_int.moe_layer_int(h, norm_w, eps, router_w, k, norm, experts, inter, group)
