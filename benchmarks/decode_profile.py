@@ -29,7 +29,9 @@ default (--budget 0); --budget 1GiB makes it cold (the store's make_cold before 
 generation), as token_breakdown.py did.
 
     python benchmarks/decode_profile.py --model DIR [--model DIR2 ...] [--before-src TREE]
-        [--tokens 32] [--threads 2] [--budget 0] [--io-mode direct] [--json]
+        [--rounds 3] [--tokens 32] [--threads 2] [--budget 0] [--io-mode direct] [--json]
+
+--rounds N alternates the trees N times (after, before, after, ...) and adds a table of medians.
 """
 
 from __future__ import annotations
@@ -168,12 +170,14 @@ def print_tables(rows: list[dict], a) -> None:
     mode = "resident" if a.budget == "0" else f"cold, budget {a.budget}, {a.io_mode}"
     print(f"decode, {mode}, {a.tokens} decode tokens after a {a.prompt_tokens}-token prompt, {a.threads} threads,"
           f" ms per token\n")
-    print("| model | side | tok/s | ms/token | " + " | ".join(PARTS) + " | native ops | torch ops | Python between ops"
+    if a.rounds > 1:
+        print_medians(rows)
+    print("| model | side | round | tok/s | ms/token | " + " | ".join(PARTS) + " | native ops | torch ops | Python between ops"
           " | top-level ops/step | load |")
-    print("|---|---|---|---|" + "---|" * len(PARTS) + "---|---|---|---|---|")
+    print("|---|---|---|---|---|" + "---|" * len(PARTS) + "---|---|---|---|---|")
     for r in rows:
         p, prof = r["parts_ms"], r["profile"]
-        print(f"| {Path(r['model']).name} | {r['side']} | {r['decode_tok_s']:.2f} | {r['token_ms']:.2f} | "
+        print(f"| {Path(r['model']).name} | {r['side']} | {r['round'] + 1} | {r['decode_tok_s']:.2f} | {r['token_ms']:.2f} | "
               + " | ".join(f"{p[k]:.2f}" for k in PARTS)
               + f" | {prof['native_ms']:.2f} | {prof['torch_ms']:.2f} | {prof['python_ms']:.2f} | {prof['calls']:.0f}"
               f" | {r['load_avg_1m']:.2f} |")
@@ -200,9 +204,25 @@ def print_tables(rows: list[dict], a) -> None:
     for r in rows:
         by_model[r["model"]].append(r)
     for model, sides in by_model.items():
-        if len(sides) == 2:
-            same = sides[0]["output_ids"] == sides[1]["output_ids"]
+        if len({r["side"] for r in sides}) == 2:
+            same = all(r["output_ids"] == sides[0]["output_ids"] for r in sides)
             print(f"\n{Path(model).name}: the two trees produced {'the same' if same else 'different'} tokens")
+
+
+def print_medians(rows: list[dict]) -> None:
+    """Per model and side, the median over rounds (min-max for tok/s) of the unprofiled figures."""
+    print("median over rounds (tok/s: min-max)\n")
+    print("| model | side | rounds | tok/s | ms/token | " + " | ".join(PARTS) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(PARTS))
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["model"], r["side"])].append(r)
+    for (model, side), rs in groups.items():
+        tok = [r["decode_tok_s"] for r in rs]
+        parts = [statistics.median(r["parts_ms"][k] for r in rs) for k in PARTS]
+        print(f"| {Path(model).name} | {side} | {len(rs)} | {statistics.median(tok):.2f} ({min(tok):.2f}-{max(tok):.2f})"
+              f" | {statistics.median(r['token_ms'] for r in rs):.2f} | " + " | ".join(f"{v:.2f}" for v in parts) + " |")
+    print()
 
 
 def main() -> int:
@@ -217,6 +237,7 @@ def main() -> int:
     ap.add_argument("--profile-steps", type=int, default=4)
     ap.add_argument("--op-rows", type=int, default=14)
     ap.add_argument("--before-src", help="a second tree (the old code) measured in the same run")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of the trees alternating (after, before, ...)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     models = a.model or [str(Path.home() / ".cache/colibri/models/demo")]
@@ -225,12 +246,11 @@ def main() -> int:
         json.dump(child(a), sys.stdout)
         return 0
     sys.path.insert(0, str(ROOT))  # the parent's helpers (see run_tree)
-    from benchmarks.trees import measure_sides
+    from benchmarks.trees import alternate_sides
 
     rows = []
     for model in models:
-        for row in measure_sides(ROOT, a.before_src, lambda tree, model=model: run_tree(tree, model, a)):
-            rows.append(row)
+        rows += alternate_sides(ROOT, a.before_src, a.rounds, lambda tree, model=model: run_tree(tree, model, a))
     if a.json:
         json.dump(rows, sys.stdout, indent=2)
         return 0

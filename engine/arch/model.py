@@ -35,7 +35,7 @@ from engine import native
 from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
 from engine.arch.args import ModelArgs, layer_prefix
 from engine.format.quant import linear
-from engine.arch.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from engine.arch.rope import RopeTable, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 class Transformer:
@@ -49,6 +49,7 @@ class Transformer:
         self.lm_head = weights["model.embed_tokens.weight"] if args.tie_word_embeddings else weights["lm_head.weight"]
         self._rope_seq = 0
         self._inv_freq, self._rope_scale = rope_inv_freq(args)
+        self._rope_table: RopeTable | None = None  # decode's cos/sin rows (not for dynamic NTK: it changes)
         # Router lookahead: after layer L's attention, layer L+1's router applied to the same
         # hidden state predicts L+1's experts well enough to start their reads early.
         self.lookahead_depth = 0
@@ -89,13 +90,17 @@ class Transformer:
                 weights[name] = view
         return fused
 
-    def _rope(self, positions: torch.Tensor):
+    def _rope(self, start_pos: int, T: int):
         if self.args.rope.get("rope_type") == "dynamic":
-            seq = int(positions[-1]) + 1
+            seq = start_pos + T
             if seq > self._rope_seq:  # dynamic NTK only ever grows, as in transformers
                 self._rope_seq = seq
                 self._inv_freq, self._rope_scale = rope_inv_freq(self.args, seq)
-        return rope_cos_sin(self._inv_freq, self._rope_scale, positions, self.dtype)
+        elif T == 1:  # decode: a row of the table, no per-token ops
+            if self._rope_table is None:
+                self._rope_table = RopeTable(self._inv_freq, self._rope_scale, self.dtype)
+            return self._rope_table.row(start_pos)
+        return rope_cos_sin(self._inv_freq, self._rope_scale, torch.arange(start_pos, start_pos + T), self.dtype)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, kv: KVCache, last_only: bool = False) -> torch.Tensor:
@@ -107,8 +112,7 @@ class Transformer:
         T = tokens.shape[0]
         if start_pos + T > kv.ctx_size:
             raise ValueError(f"{start_pos + T} positions exceed ctx_size {kv.ctx_size}")
-        positions = torch.arange(start_pos, start_pos + T)
-        cos, sin = self._rope(positions)
+        cos, sin = self._rope(start_pos, T)
         mask = self._mask(start_pos, T)
         x = F.embedding(tokens, self.w["model.embed_tokens.weight"])  # [T, H]
         for layer in range(self.args.num_layers):

@@ -22,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -86,8 +87,9 @@ at::Tensor attention_decode_bf16(const at::Tensor& x_in, const at::Tensor& norm_
   const bf16* wo = bf16_data(o_w, "o_w");
   bf16* kc = const_cast<bf16*>(bf16_data(k_cache, "k_cache"));
   bf16* vc = const_cast<bf16*>(bf16_data(v_cache, "v_cache"));
-  static thread_local Scratch s;
-  s.normed.resize(H), s.qkv.resize(Q + 2 * KV), s.attn.resize(Q);
+  static thread_local Scratch scratch;
+  Scratch& s = scratch;  // the caller's: the region's threads share it (a thread_local named there is theirs)
+  s.normed.resize(H), s.qkv.resize(Q + 2 * KV), s.attn.resize(Q), s.tmp.resize(D);
   {  // the input norm: as layers.rms_norm of one token
     float ss = 0.0f;
     for (int64_t i = 0; i < H; i++) ss += to_f32(xp[i]) * to_f32(xp[i]);
@@ -97,56 +99,68 @@ at::Tensor attention_decode_bf16(const at::Tensor& x_in, const at::Tensor& norm_
   }
   bf16* qkv = s.qkv.data();
   const bf16* normed = s.normed.data();
-  at::parallel_for(0, Q + 2 * KV, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; n++) qkv[n] = to_bf16(dot(wq + n * H, normed, H));
-  });
   bf16 *q = qkv, *k = qkv + Q, *v = qkv + Q + KV;
-  s.tmp.resize(D);
   float* tmp = s.tmp.data();
-  if (q_norm.numel()) {
-    norm_heads(q, heads, D, bf16_data(q_norm, "q_norm"), (float)eps);
-    norm_heads(k, kv_heads, D, bf16_data(k_norm, "k_norm"), (float)eps);
-  }
+  const bf16* qn = q_norm.numel() ? bf16_data(q_norm, "q_norm") : nullptr;
+  const bf16* kn = q_norm.numel() ? bf16_data(k_norm, "k_norm") : nullptr;
   const bf16* cp = bf16_data(cos, "cos");
   const bf16* sp = bf16_data(sin, "sin");
-  rope_heads(q, heads, D, cp, sp, tmp);
-  rope_heads(k, kv_heads, D, cp, sp, tmp);
-  for (int64_t g = 0; g < kv_heads; g++) {  // the cache rows of this position
-    std::copy(k + g * D, k + (g + 1) * D, kc + (g * ctx + pos) * D);
-    std::copy(v + g * D, v + (g + 1) * D, vc + (g * ctx + pos) * D);
-  }
   const int64_t S = pos + 1, group = heads / kv_heads;
   const float scale = 1.0f / std::sqrt((float)D);
   bf16* attn = s.attn.data();
-  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
-    static thread_local std::vector<float> p, acc;  // per worker thread, reused across calls
-    p.resize(S), acc.resize(D);
-    for (int64_t hd = begin; hd < end; hd++) {
-      const bf16* keys = kc + (hd / group) * ctx * D;
-      const bf16* values = vc + (hd / group) * ctx * D;
-      float m = -INFINITY;
-      for (int64_t j = 0; j < S; j++) {
-        p[j] = dot(keys + j * D, q + hd * D, D) * scale;
-        m = std::max(m, p[j]);
-      }
-      float sum = 0.0f;
-      for (int64_t j = 0; j < S; j++) {
-        p[j] = std::exp(p[j] - m);
-        sum += p[j];
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < S; j++) {
-        const bf16* vr = values + j * D;
-        for (int64_t i = 0; i < D; i++) acc[i] += p[j] * to_f32(vr[i]);
-      }
-      for (int64_t i = 0; i < D; i++) attn[hd * D + i] = to_bf16(acc[i] / sum);
-    }
-  });
   at::Tensor y = at::empty({1, H}, x.options());
   bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
-  at::parallel_for(0, H, GRAIN, [&](int64_t begin, int64_t end) {  // o_proj, then the residual add
-    for (int64_t n = begin; n < end; n++) yp[n] = to_bf16(to_f32(xp[n]) + round_bf16(dot(wo + n * Q, attn, Q)));
-  });
+  // One parallel region (q/k/v rows | per-head norms, rope, cache write | heads | o_proj rows),
+  // split statically: barriers where separate parallel loops paid a fork and join each.
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t b, e;
+    thread_share(Q + 2 * KV, 4, t, T, b, e);
+    dot_rows(wq, H, normed, b, e, [&](int64_t n, float val) { qkv[n] = to_bf16(val); });
+#pragma omp barrier
+#pragma omp single
+    {  // a few hundred elements: one thread (the single's implicit barrier publishes them)
+      if (qn) {
+        norm_heads(q, heads, D, qn, (float)eps);
+        norm_heads(k, kv_heads, D, kn, (float)eps);
+      }
+      rope_heads(q, heads, D, cp, sp, tmp);
+      rope_heads(k, kv_heads, D, cp, sp, tmp);
+      for (int64_t g = 0; g < kv_heads; g++) {  // the cache rows of this position
+        std::copy(k + g * D, k + (g + 1) * D, kc + (g * ctx + pos) * D);
+        std::copy(v + g * D, v + (g + 1) * D, vc + (g * ctx + pos) * D);
+      }
+    }
+    thread_share(heads, 1, t, T, b, e);
+    if (b < e) {
+      static thread_local std::vector<float> p, acc;  // per worker thread, reused across calls
+      p.resize(S), acc.resize(D);
+      for (int64_t hd = b; hd < e; hd++) {
+        const bf16* keys = kc + (hd / group) * ctx * D;
+        const bf16* values = vc + (hd / group) * ctx * D;
+        float m = -INFINITY;
+        dot_rows(keys, D, q + hd * D, 0, S, [&](int64_t j, float val) {
+          p[j] = val * scale;
+          m = std::max(m, p[j]);
+        });
+        float sum = 0.0f;
+        for (int64_t j = 0; j < S; j++) {
+          p[j] = std::exp(p[j] - m);
+          sum += p[j];
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t j = 0; j < S; j++) {
+          const bf16* vr = values + j * D;
+          for (int64_t i = 0; i < D; i++) acc[i] += p[j] * to_f32(vr[i]);
+        }
+        for (int64_t i = 0; i < D; i++) attn[hd * D + i] = to_bf16(acc[i] / sum);
+      }
+    }
+#pragma omp barrier
+    thread_share(H, 4, t, T, b, e);  // o_proj, then the residual add
+    dot_rows(wo, Q, attn, b, e, [&](int64_t n, float val) { yp[n] = to_bf16(to_f32(xp[n]) + round_bf16(val)); });
+  }
   return y;
 }
 
