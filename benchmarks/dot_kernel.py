@@ -6,12 +6,12 @@ over that bandwidth). Three shapes, each over weights several times the L3 cache
 call streams from DRAM as decode does:
 
     linear      colibri::linear_bf16 of x [1, 1024] against an lm_head-sized W [32000, 1024]
-                (65.5 MB), 6 copies in turn
+                (65.5 MB), 4 copies in turn
     experts     colibri::experts_bf16 of 8 experts (gate, up [512, 1024], down [1024, 512]:
                 3 MiB each) drawn from 64, a fresh draw per call (24 MiB per call)
     moe_layer   colibri::moe_layer_bf16, the fused layer (norm, router over 64 experts, the 8
                 chosen, combine, residual) on a fresh random token per call, 64 experts per layer,
-                4 layers in turn
+                2 layers in turn
 
 Each (tree, round) runs in its own subprocess importing that tree's engine (benchmarks/trees.py);
 with --before-src the two trees alternate for --rounds rounds, and the table gives per tree the
@@ -60,7 +60,7 @@ def child(a) -> dict:
 
     out = {}
     H, I, E, K = 1024, 512, 64, 8
-    heads = [rand(32000, H) for _ in range(6)]
+    heads = [rand(32000, H) for _ in range(4)]
     x = rand(1, H)
     out["linear"] = _best_rate(lambda i: native.linear(x, heads[i % len(heads)]), a.calls, heads[0].numel() * 2)
     del heads
@@ -70,7 +70,7 @@ def child(a) -> dict:
     out["experts"] = _best_rate(lambda i: native.experts(x, [t for e in draws[i] for t in experts[e]], 3),
                                 a.calls, per_call)
     layers = []
-    for _ in range(4):
+    for _ in range(2):
         own = [(rand(I, H), rand(I, H), rand(H, I)) for _ in range(E)]
         table = torch.tensor([[t.data_ptr() for t in e] for e in own], dtype=torch.int64)
         layers.append((own, rand(H) + 1, rand(E, H), table))
