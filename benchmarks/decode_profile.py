@@ -235,7 +235,8 @@ def print_medians(rows: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model", action="append", help="model directory (repeat for several: bf16, int8, int4)")
+    ap.add_argument("--model", action="append",
+                    help="model directory or synth preset (repeat for several: bf16, int8, int4; default demo)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
@@ -249,13 +250,16 @@ def main() -> int:
                     help="keep one native call per attention half and MoE layer (the parts split), not one per step")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    models = a.model or [str(Path.home() / ".cache/colibri/models/demo")]
     if a.child:
-        a.model = models[0]
+        a.model = a.model[0]  # the parent resolved it to a directory
         json.dump(child(a), sys.stdout)
         return 0
     sys.path.insert(0, str(ROOT))  # the parent's helpers (see run_tree)
     from benchmarks.trees import alternate_sides
+    from engine.run.resolve import resolve_model
+
+    # Resolved once here, so every tree measured reads the same synthesized directory.
+    models = [str(resolve_model(m)) for m in (a.model or ["demo"])]
 
     rows = []
     for model in models:

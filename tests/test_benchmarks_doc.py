@@ -8,7 +8,7 @@ RETIRED = {"benchmarks/mmap_cold.py", "benchmarks/syscall_counts.py", "benchmark
 
 
 def _parts() -> tuple[str, str]:
-    """(the current figures, History and any dated sections appended after it)."""
+    """(the current figures, History)."""
     text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
     assert text.count("\n## History\n") == 1
     current, history = text.split("\n## History\n", 1)
@@ -29,12 +29,15 @@ def test_every_topic_opens_with_its_headline_and_how_to_reproduce_it():
         assert re.search(r"[Rr]eproduce", opening) and "`" in opening, f"{title}: no command that reproduces it"
 
 
-def test_only_dated_sections_follow_history():
-    # History's entries are ### sections; figures appended since the last rebuild are dated
-    # top-level sections ("## 2026-12-02 — stream: title") until they are folded into a topic.
-    for line in _parts()[1].splitlines():
-        if line.startswith("## "):
-            assert re.match(r"## \d{4}-\d{2}-\d{2} — \S", line), line
+def test_history_is_the_last_section_and_holds_only_dated_entries():
+    # New figures go into their topic as a ### subsection, never after History: a top-level
+    # section there is outside every topic, so no headline ever points at it.
+    history = _parts()[1]
+    top = [line for line in history.splitlines() if line.startswith("## ")]
+    assert not top, f"top-level sections after History (fold them into their topics): {top}"
+    for line in history.splitlines():
+        if line.startswith("### "):
+            assert re.match(r"### \d{4}-\d{2}-\d{2}\b", line), f"History entry without its date: {line}"
 
 
 def test_every_tool_the_current_figures_cite_exists():

@@ -42,3 +42,15 @@ def test_a_known_commands_own_errors_are_unchanged(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["colibri bench: error: argument --tokens: 'zero': expected an integer in [1, 4194304] "
                    "(see colibri bench --help)"]
+
+
+def test_a_trial_process_imports_no_table_or_study_libraries():
+    """Every trial is a `colibri bench` process, and the memory plan charges its RSS as runtime
+    overhead: pandas (~40 MiB, through the CSV printers) and optuna have no business there."""
+    import subprocess
+    import sys
+    code = ("import sys; from tuner import cli; cli.build_parser(only='bench'); import tuner.commands.run; "
+            "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "torch" in out and "engine" in out  # the bench's own imports did run
+    assert not {"pandas", "optuna", "matplotlib", "sqlalchemy", "transformers"} & set(out)

@@ -21,7 +21,8 @@ from tuner.cli import build_parser
 from tuner.commands.knob_flags import add_knob_flags, knob_values
 from tuner.results.columns import BY_NAME, CONFIG_COLUMNS, QUALITY_COLUMNS, config_from_row
 from tuner.results.result import SettingQuality, TuneResult
-from tuner.results.printers import TRIAL_COLUMNS, trial_rows, trials_csv, trials_markdown
+from tuner.results.frames import trials_csv
+from tuner.results.printers import TRIAL_COLUMNS, trial_rows, trials_markdown
 from tuner.results.trial_record import RunFigures, TrialRecord
 from tuner.search.assemble import setting_quality, with_quality
 from tuner.search.options import TuneOptions

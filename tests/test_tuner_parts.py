@@ -17,7 +17,8 @@ from engine.base.config import EngineConfig
 from engine.base.progress import Progress
 from tuner.search import confirm, objective
 from tuner.search.budget import TimeBudget
-from tuner.results.printers import csv_text, fmt, markdown_table, pct, text_table
+from tuner.results.frames import csv_text
+from tuner.results.printers import fmt, markdown_table, pct, text_table
 from tuner.results.result import ResultError, RunSummary, TrialRecord, TrialResult, TuneResult, is_feasible
 from tuner.results.schema import render, schema_documents
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from engine.base.config import EngineConfig, atomic_write_text, format_size
 from tuner.probe import load_profile, save_profile
-from tuner.results.printers import NOT_MEASURED, fmt, json_text, pct, trials_csv
+from tuner.results.frames import trials_csv
+from tuner.results.printers import NOT_MEASURED, fmt, json_text, pct
 from tuner.results.report_html import write_html_report
 from tuner.results.report_md import write_report
 from tuner.results.result import (  # noqa: F401  (study reads outputs.GEOMETRY_KEYS)

@@ -1,4 +1,4 @@
-"""Every printer of a result: text tables, markdown, CSV (pandas) and JSON (formatters: tuner/base/text.py).
+"""Every printer of a result: text tables, markdown and JSON (formatters: tuner/base/text.py; CSV: frames.py).
 
 One schema (tuner/results/result.py), many printers, as llama-bench does it: `colibri run`, `bench`,
 `tune`, the probe summary, trials.csv and report.md all format through this module, so a figure
@@ -8,11 +8,7 @@ the typed TuneResult (its attributes, not result.json's keys).
 
 from __future__ import annotations
 
-import io
 import sys
-from typing import Sequence
-
-import pandas as pd
 
 from engine.base.config import format_size
 from tuner.base.text import (  # noqa: F401  (re-exported: the printers' callers format with them too)
@@ -20,16 +16,6 @@ from tuner.base.text import (  # noqa: F401  (re-exported: the printers' callers
 from tuner.results.columns import CONFIG_COLUMNS, FIGURE_COLUMNS, QUALITY_COLUMNS, column
 from tuner.results.result import Candidate, Figures, StudyInfo, TuneResult, WorkloadInfo
 from tuner.results.trial_record import is_feasible, point_key
-
-# --- tables ---------------------------------------------------------------------------------
-
-def csv_text(rows: list[dict], columns: Sequence[str]) -> str:
-    """CSV through pandas (the format people open it with); cells keep their Python types."""
-    frame = pd.DataFrame(rows, columns=list(columns), dtype=object)
-    buf = io.StringIO()
-    frame.to_csv(buf, index=False, lineterminator="\n")
-    return buf.getvalue()
-
 
 # --- one run (colibri run / bench) ----------------------------------------------------------
 
@@ -235,18 +221,6 @@ def trial_rows(trials) -> list[dict]:
         row["error"] = a.get("error", "")
         rows.append(row)
     return rows
-
-
-def trials_frame(trials) -> pd.DataFrame:
-    """The trials as one pandas frame, trials.csv's columns in order (cells keep their types):
-    trials.csv and report.html's table are both written from it."""
-    return pd.DataFrame(trial_rows(trials), columns=list(TRIAL_COLUMNS), dtype=object)
-
-
-def trials_csv(trials) -> str:
-    buf = io.StringIO()
-    trials_frame(trials).to_csv(buf, index=False, lineterminator="\n")
-    return buf.getvalue()
 
 
 def trials_markdown(trials) -> list[str]:

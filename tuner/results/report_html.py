@@ -18,8 +18,9 @@ from tuner.probe.summary import hardware_facts
 from tuner.results import report_plots
 from tuner.results.columns import BY_NAME, CONFIG_COLUMNS
 from tuner.results.html_page import e as _e, img as _img, page, table as _table
-from tuner.results.printers import (NOT_MEASURED, QUALITY_COLUMN_NAMES, fmt, pct, search_line, trials_frame,
-                                    weights_line, workload_text)
+from tuner.results.frames import trials_frame
+from tuner.results.printers import (NOT_MEASURED, QUALITY_COLUMN_NAMES, fmt, pct, search_line, weights_line,
+                                    workload_text)
 from tuner.results.report_md import write_report
 from tuner.results.result import Candidate, Figures, TuneResult, is_feasible
 from tuner.results.rundir import RunDir, open_run

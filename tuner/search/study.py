@@ -19,15 +19,14 @@ from __future__ import annotations
 import dataclasses
 
 import optuna
-import pandas  # noqa: F401  (trials.csv is written through it after every trial: imported up front,
-#                a Ctrl-C can never land inside its import and leave it half-initialized)
 from optuna.trial import TrialState
 
 from engine.base.config import EngineConfig, format_size
 from engine.base.errors import BudgetError, ConfigError
 from tuner.probe.storage import sigterm_as_interrupt
 from tuner.results import outputs
-from tuner.results.printers import trial_line, trials_csv, tune_text
+from tuner.results.frames import trials_csv
+from tuner.results.printers import trial_line, tune_text
 from tuner.results.result import TrialResult
 from tuner.search import assemble, confirm, explore, lossy, objective, run_guard, study_storage as storage
 from tuner.search.budget import format_clock, parse_duration
