@@ -84,19 +84,16 @@ inline void gate_up_rows(const bf16* x, const bf16* const* gate, const bf16* con
 // gate[e], up[e] ([I, H] each) and down[e] ([H, I]). Each output element is one thread's, in one
 // order, whatever E, the thread count or the split: an expert gives the same bits alone or batched
 // (and as the fused MoE layer computes it, which calls the same row functions).
-// One parallel region, one barrier (h complete before down reads it), a static split of the work.
+// Two at::parallel_for loops, not one OpenMP region with a barrier: this is the streaming path's
+// per-expert op, and the one-region form measured 0.52x cold streaming tok/s (docs/BENCHMARKS.md,
+// "bf16kern"), where at::parallel_for's inline path for small ranges and its region ends leave
+// the second core to the reader threads.
 inline void swiglu_experts(const bf16* x, const bf16* const* gate, const bf16* const* up,
                            const bf16* const* down, int64_t E, int64_t H, int64_t I, bf16* h, bf16* y) {
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int64_t b, e;
-    thread_share(E * I, t, T, b, e);
-    gate_up_rows(x, gate, up, H, I, b, e, h);
-#pragma omp barrier
-    thread_share(E * H, t, T, b, e);  // expert-major: each expert's down rows one stream
+  at::parallel_for(0, E * I, GRAIN, [&](int64_t b, int64_t e) { gate_up_rows(x, gate, up, H, I, b, e, h); });
+  at::parallel_for(0, E * H, GRAIN, [&](int64_t b, int64_t e) {  // expert-major: each expert's down rows one stream
     for (int64_t r = b; r < e; r++) y[r] = to_bf16(dot(down[r / H] + (r % H) * I, h + (r / H) * I, I));
-  }
+  });
 }
 
 }  // namespace colibri_native
