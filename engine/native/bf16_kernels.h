@@ -84,10 +84,10 @@ inline void gate_up_rows(const bf16* x, const bf16* const* gate, const bf16* con
 // gate[e], up[e] ([I, H] each) and down[e] ([H, I]). Each output element is one thread's, in one
 // order, whatever E, the thread count or the split: an expert gives the same bits alone or batched
 // (and as the fused MoE layer computes it, which calls the same row functions).
-// Two at::parallel_for loops, not one OpenMP region with a barrier: this is the streaming path's
-// per-expert op, and the one-region form measured 0.52x cold streaming tok/s (docs/BENCHMARKS.md,
-// "bf16kern"), where at::parallel_for's inline path for small ranges and its region ends leave
-// the second core to the reader threads.
+// Two at::parallel_for loops, as before bf16kern: this is the streaming path's per-expert op (one
+// call per expert as its read lands), and the tree that ran it as one OpenMP region with a barrier
+// measured 0.52x cold streaming tok/s against main (docs/BENCHMARKS.md, "bf16kern"); the resident
+// paths (moe_bf16.h, decode_step.cpp) keep their one region.
 inline void swiglu_experts(const bf16* x, const bf16* const* gate, const bf16* const* up,
                            const bf16* const* down, int64_t E, int64_t H, int64_t I, bf16* h, bf16* y) {
   at::parallel_for(0, E * I, GRAIN, [&](int64_t b, int64_t e) { gate_up_rows(x, gate, up, H, I, b, e, h); });
