@@ -29,22 +29,6 @@ static inline float dot1(const bf16* w, const bf16* x, int64_t K) {
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 template <int PF>
-static inline void dot4(const bf16* w, int64_t ld, const bf16* x, int64_t K, float* out) {
-  __m512 a[8];
-  for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
-  const bf16 *w0 = w, *w1 = w + ld, *w2 = w + 2 * ld, *w3 = w + 3 * ld;
-  for (int64_t k = 0; k + 64 <= K; k += 64) {
-    if (PF) { _mm_prefetch((const char*)(w0 + k + PF), _MM_HINT_T0); _mm_prefetch((const char*)(w1 + k + PF), _MM_HINT_T0);
-              _mm_prefetch((const char*)(w2 + k + PF), _MM_HINT_T0); _mm_prefetch((const char*)(w3 + k + PF), _MM_HINT_T0); }
-    __m512bh x0 = load32(x + k), x1 = load32(x + k + 32);
-    a[0] = _mm512_dpbf16_ps(a[0], load32(w0 + k), x0); a[1] = _mm512_dpbf16_ps(a[1], load32(w0 + k + 32), x1);
-    a[2] = _mm512_dpbf16_ps(a[2], load32(w1 + k), x0); a[3] = _mm512_dpbf16_ps(a[3], load32(w1 + k + 32), x1);
-    a[4] = _mm512_dpbf16_ps(a[4], load32(w2 + k), x0); a[5] = _mm512_dpbf16_ps(a[5], load32(w2 + k + 32), x1);
-    a[6] = _mm512_dpbf16_ps(a[6], load32(w3 + k), x0); a[7] = _mm512_dpbf16_ps(a[7], load32(w3 + k + 32), x1);
-  }
-  for (int r = 0; r < 4; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a[2 * r], a[2 * r + 1]));
-}
-template <int PF>
 static inline void dot4p(const bf16* w0, const bf16* w1, const bf16* w2, const bf16* w3, const bf16* x, int64_t K, float* out) {
   __m512 a[8];
   for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
@@ -58,6 +42,11 @@ static inline void dot4p(const bf16* w0, const bf16* w1, const bf16* w2, const b
     a[6] = _mm512_dpbf16_ps(a[6], load32(w3 + k), x0); a[7] = _mm512_dpbf16_ps(a[7], load32(w3 + k + 32), x1);
   }
   for (int r = 0; r < 4; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a[2 * r], a[2 * r + 1]));
+}
+// four adjacent rows of a row-major W (leading dimension ld)
+template <int PF>
+static inline void dot4(const bf16* w, int64_t ld, const bf16* x, int64_t K, float* out) {
+  dot4p<PF>(w, w + ld, w + 2 * ld, w + 3 * ld, x, K, out);
 }
 // read-only bandwidth reference: sum of vectors
 static inline float rd(const bf16* w, int64_t n) {
