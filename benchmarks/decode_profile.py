@@ -12,6 +12,8 @@ old and the new code are cut at the same places:
                     _resident_moe_call, the fused layer: norm and router included, so router is 0)
     read wait       the store's own I/O stall counter (cold runs: --budget > 0)
     layer rest      the rest of Transformer._layer: the two RMSNorms, residual adds, lookahead
+    layers one call Transformer._decode_step: every layer in one native call (decode_step.cpp), where
+                    it applies; then the per-layer parts above are 0 (--per-layer-calls splits them)
     head            the rest of forward(): embedding, rope tables, final norm, lm_head
     outside forward sampling and the generation loop
 
@@ -29,7 +31,9 @@ default (--budget 0); --budget 1GiB makes it cold (the store's make_cold before 
 generation), as token_breakdown.py did.
 
     python benchmarks/decode_profile.py --model DIR [--model DIR2 ...] [--before-src TREE]
-        [--tokens 32] [--threads 2] [--budget 0] [--io-mode direct] [--json]
+        [--rounds 3] [--per-layer-calls] [--tokens 32] [--threads 2] [--budget 0] [--io-mode direct] [--json]
+
+--rounds N alternates the trees N times (after, before, after, ...) and adds a table of medians.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("attention", "router", "experts", "read_wait", "layer_rest", "head", "outside_forward")
+PARTS = ("layers_one_call", "attention", "router", "experts", "read_wait", "layer_rest", "head", "outside_forward")
 
 
 def _wrap(obj, name: str, acc: dict, key: str, per_layer: dict | None = None) -> None:
@@ -110,6 +114,9 @@ def child(a) -> dict:
     for name, key in (("_decode_attention", "attention"), ("_resident_moe_call", "moe")):
         if hasattr(m, name):
             _wrap(m, name, acc, key + "_total", layers[key])
+    if hasattr(m, "_decode_step"):  # newer trees: the whole step's layers in one native call
+        _wrap(m, "_decode_step", acc, "decode_step_total")
+        m.step_loop = not a.per_layer_calls
     _wrap(m, "forward", acc, "step_total")
     prompt = random_prompt_ids(a.prompt_tokens, eng.args.vocab_size, 0)
     generate(eng, prompt, 2, Sampler())  # warm-up: kernels, thread pool, first-touch of KV pages
@@ -129,10 +136,11 @@ def child(a) -> dict:
     d = {k: (last.get(k, 0.0) - first.get(k, 0.0)) / n for k in last}
     token_s = sum(gen.token_seconds) / len(gen.token_seconds)  # decode steps only (no prefill)
     stall = (eng.io_stats().get("io_stall_s", 0.0) or 0.0) / len(gen.token_seconds)
-    parts = {"attention": d["attention_total"], "router": d.get("router", 0.0),
+    parts = {"layers_one_call": d.get("decode_step_total", 0.0), "attention": d["attention_total"],
+             "router": d.get("router", 0.0),
              "experts": d["moe_total"] - d.get("router", 0.0) - stall, "read_wait": stall,
              "layer_rest": d["layer_total"] - d["attention_total"] - d["moe_total"],
-             "head": d["step_total"] - d["layer_total"], "outside_forward": token_s - d["step_total"]}
+             "head": d["step_total"] - d["layer_total"] - d.get("decode_step_total", 0.0), "outside_forward": token_s - d["step_total"]}
     per_layer = []
     for layer in range(eng.args.num_layers):
         delta = {k: (last_l[k].get(layer, 0.0) - first_l[k].get(layer, 0.0)) / n for k in layers}
@@ -161,19 +169,22 @@ def run_tree(tree: Path, model: str, a) -> dict:
     from benchmarks.trees import run_in_tree
     return run_in_tree(__file__, tree, ["--model", model, "--tokens", str(a.tokens), "--prompt-tokens",
                                         str(a.prompt_tokens), "--threads", str(a.threads), "--budget", a.budget,
-                                        "--io-mode", a.io_mode, "--profile-steps", str(a.profile_steps)])
+                                        "--io-mode", a.io_mode, "--profile-steps", str(a.profile_steps)]
+                       + (["--per-layer-calls"] if a.per_layer_calls else []))
 
 
 def print_tables(rows: list[dict], a) -> None:
     mode = "resident" if a.budget == "0" else f"cold, budget {a.budget}, {a.io_mode}"
     print(f"decode, {mode}, {a.tokens} decode tokens after a {a.prompt_tokens}-token prompt, {a.threads} threads,"
           f" ms per token\n")
-    print("| model | side | tok/s | ms/token | " + " | ".join(PARTS) + " | native ops | torch ops | Python between ops"
+    if a.rounds > 1:
+        print_medians(rows)
+    print("| model | side | round | tok/s | ms/token | " + " | ".join(PARTS) + " | native ops | torch ops | Python between ops"
           " | top-level ops/step | load |")
-    print("|---|---|---|---|" + "---|" * len(PARTS) + "---|---|---|---|---|")
+    print("|---|---|---|---|---|" + "---|" * len(PARTS) + "---|---|---|---|---|")
     for r in rows:
         p, prof = r["parts_ms"], r["profile"]
-        print(f"| {Path(r['model']).name} | {r['side']} | {r['decode_tok_s']:.2f} | {r['token_ms']:.2f} | "
+        print(f"| {Path(r['model']).name} | {r['side']} | {r['round'] + 1} | {r['decode_tok_s']:.2f} | {r['token_ms']:.2f} | "
               + " | ".join(f"{p[k]:.2f}" for k in PARTS)
               + f" | {prof['native_ms']:.2f} | {prof['torch_ms']:.2f} | {prof['python_ms']:.2f} | {prof['calls']:.0f}"
               f" | {r['load_avg_1m']:.2f} |")
@@ -200,9 +211,25 @@ def print_tables(rows: list[dict], a) -> None:
     for r in rows:
         by_model[r["model"]].append(r)
     for model, sides in by_model.items():
-        if len(sides) == 2:
-            same = sides[0]["output_ids"] == sides[1]["output_ids"]
+        if len({r["side"] for r in sides}) == 2:
+            same = all(r["output_ids"] == sides[0]["output_ids"] for r in sides)
             print(f"\n{Path(model).name}: the two trees produced {'the same' if same else 'different'} tokens")
+
+
+def print_medians(rows: list[dict]) -> None:
+    """Per model and side, the median over rounds (min-max for tok/s) of the unprofiled figures."""
+    print("median over rounds (tok/s: min-max)\n")
+    print("| model | side | rounds | tok/s | ms/token | " + " | ".join(PARTS) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(PARTS))
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["model"], r["side"])].append(r)
+    for (model, side), rs in groups.items():
+        tok = [r["decode_tok_s"] for r in rs]
+        parts = [statistics.median(r["parts_ms"][k] for r in rs) for k in PARTS]
+        print(f"| {Path(model).name} | {side} | {len(rs)} | {statistics.median(tok):.2f} ({min(tok):.2f}-{max(tok):.2f})"
+              f" | {statistics.median(r['token_ms'] for r in rs):.2f} | " + " | ".join(f"{v:.2f}" for v in parts) + " |")
+    print()
 
 
 def main() -> int:
@@ -218,6 +245,9 @@ def main() -> int:
     ap.add_argument("--profile-steps", type=int, default=4)
     ap.add_argument("--op-rows", type=int, default=14)
     ap.add_argument("--before-src", help="a second tree (the old code) measured in the same run")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of the trees alternating (after, before, ...)")
+    ap.add_argument("--per-layer-calls", action="store_true",
+                    help="keep one native call per attention half and MoE layer (the parts split), not one per step")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.child:
@@ -225,7 +255,7 @@ def main() -> int:
         json.dump(child(a), sys.stdout)
         return 0
     sys.path.insert(0, str(ROOT))  # the parent's helpers (see run_tree)
-    from benchmarks.trees import measure_sides
+    from benchmarks.trees import alternate_sides
     from engine.run.resolve import resolve_model
 
     # Resolved once here, so every tree measured reads the same synthesized directory.
@@ -233,8 +263,7 @@ def main() -> int:
 
     rows = []
     for model in models:
-        for row in measure_sides(ROOT, a.before_src, lambda tree, model=model: run_tree(tree, model, a)):
-            rows.append(row)
+        rows += alternate_sides(ROOT, a.before_src, a.rounds, lambda tree, model=model: run_tree(tree, model, a))
     if a.json:
         json.dump(rows, sys.stdout, indent=2)
         return 0

@@ -66,10 +66,18 @@ def run_in_tree(script: str | Path, tree: Path, args: list[str], timeout: float 
 def measure_sides(root: Path, before_src: str | None, measure: Callable[[Path], dict]) -> list[dict]:
     """The "after" tree (this checkout), then the "before" tree if given (a directory or a
     revision): one row per side."""
+    return [{k: v for k, v in row.items() if k != "round"} for row in alternate_sides(root, before_src, 1, measure)]
+
+
+def alternate_sides(root: Path, before_src: str | None, rounds: int, measure: Callable[[Path], dict]) -> list[dict]:
+    """measure_sides for `rounds` rounds, the trees alternating (after, before, after, ...), so slow
+    drift of a noisy box falls on both; one row per (round, side), "round" in each."""
     rows = []
     with contextlib.ExitStack() as stack:
         trees = [("after", root)] + ([("before", stack.enter_context(source_tree(before_src)))] if before_src else [])
-        for side, tree in trees:
-            print(f"measuring {side} ({tree}) ...", file=sys.stderr)
-            rows.append({"side": side, "tree": str(tree), "load_avg_1m": os.getloadavg()[0], **measure(tree)})
+        for r in range(rounds):
+            for side, tree in trees:
+                print(f"round {r + 1}/{rounds}: measuring {side} ({tree}) ...", file=sys.stderr)
+                rows.append({"side": side, "round": r, "tree": str(tree), "load_avg_1m": os.getloadavg()[0],
+                             **measure(tree)})
     return rows

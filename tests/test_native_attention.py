@@ -73,6 +73,7 @@ def test_bad_operands_are_refused():
 def test_decode_runs_one_attention_call_per_layer_close_to_the_unfused_path(bf16_model, monkeypatch):
     with Engine(bf16_model, EngineConfig(threads=2, ctx_size=32)) as engine:
         model = engine.model
+        model.step_loop = False  # per-layer calls (the whole step's: tests/test_native_moe.py)
         generate(engine, PROMPT, 1, Sampler())
         calls = count_calls(monkeypatch, "attention_decode")
         fused = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
@@ -86,14 +87,14 @@ def test_decode_runs_one_attention_call_per_layer_close_to_the_unfused_path(bf16
 @pytest.mark.parametrize("config", [dict(kv_dtype="int8"), dict(dtype="fp32")])
 def test_what_it_does_not_cover_takes_the_unfused_path(bf16_model, monkeypatch, config):
     with Engine(bf16_model, EngineConfig(threads=1, ctx_size=32, **config)) as engine:
-        calls = count_calls(monkeypatch, "attention_decode")
+        calls, steps = count_calls(monkeypatch, "attention_decode"), count_calls(monkeypatch, "decode_layers")
         assert len(generate(engine, PROMPT, 3, Sampler()).output_ids) == 3
-        assert calls == []
+        assert calls == [] and steps == []
 
 
 def test_without_native_ops_attention_runs_on_torch(bf16_model, monkeypatch):
     with Engine(bf16_model, EngineConfig(threads=1, ctx_size=32)) as engine:
         monkeypatch.setattr(native, "ready", False)  # as COLIBRI_NATIVE=0 or a CPU without avx512_bf16
-        calls = count_calls(monkeypatch, "attention_decode")
+        calls, steps = count_calls(monkeypatch, "attention_decode"), count_calls(monkeypatch, "decode_layers")
         assert len(generate(engine, PROMPT, 3, Sampler()).output_ids) == 3
-        assert calls == []
+        assert calls == [] and steps == []

@@ -109,6 +109,7 @@ def test_bad_operands_are_refused():
 
 def test_resident_decode_runs_one_call_per_moe_layer(bf16_model, monkeypatch):
     with Engine(bf16_model, EngineConfig(threads=1, ctx_size=32)) as engine:
+        engine.model.step_loop = False  # per-layer calls (the whole step in one: test_the_step_loop_...)
         generate(engine, PROMPT, 1, Sampler())
         fused, batched = count_calls(monkeypatch, "moe_layer"), count_calls(monkeypatch, "experts")
         engine.forward([11], len(PROMPT))
@@ -119,6 +120,7 @@ def test_resident_decode_runs_one_call_per_moe_layer(bf16_model, monkeypatch):
 def test_fused_and_unfused_decode_give_the_same_logits(bf16_model):
     with Engine(bf16_model, EngineConfig(threads=2, ctx_size=32)) as engine:
         model = engine.model
+        model.step_loop = False
         generate(engine, PROMPT, 1, Sampler())
         fused = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
         assert all(layer is not None for layer in model._fused_moe.values())
@@ -127,12 +129,31 @@ def test_fused_and_unfused_decode_give_the_same_logits(bf16_model):
     assert all(torch.equal(f, s) for f, s in zip(fused, apart))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_step_loop_gives_the_per_layer_bits_in_one_call_per_token(bf16_model, monkeypatch, threads):
+    with Engine(bf16_model, EngineConfig(threads=threads, ctx_size=32)) as engine:
+        model = engine.model
+        generate(engine, PROMPT, 1, Sampler())
+        steps, layers = count_calls(monkeypatch, "decode_layers"), count_calls(monkeypatch, "moe_layer")
+        looped = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
+        assert len(steps) == 2 and layers == []
+        model.step_loop = False  # one call per attention half and per MoE layer
+        apart = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]  # same KV rows rewritten
+        assert len(steps) == 2 and len(layers) == 2 * engine.args.num_layers
+        model.step_loop = True
+        cache = engine.kv.k[0].clone()
+        engine.forward([13], len(PROMPT) + 2)  # K/V written by the loop, at its position only
+        assert torch.equal(engine.kv.k[0][:, :len(PROMPT) + 2], cache[:, :len(PROMPT) + 2])
+        assert not torch.equal(engine.kv.k[0][:, len(PROMPT) + 2], cache[:, len(PROMPT) + 2])
+    assert all(torch.equal(f, s) for f, s in zip(looped, apart))
+
+
 def test_watching_the_routing_or_trimming_it_takes_the_unfused_path(bf16_model, monkeypatch):
     config = EngineConfig(threads=1, ctx_size=32, top_k_reduction=1)
     with Engine(bf16_model, config) as engine:
-        fused = count_calls(monkeypatch, "moe_layer")
+        fused, steps = count_calls(monkeypatch, "moe_layer"), count_calls(monkeypatch, "decode_layers")
         generate(engine, PROMPT, 3, Sampler())
-        assert fused == []  # a trimmed rule: moe_layer_bf16 does not apply it
+        assert fused == [] and steps == []  # a trimmed rule: moe_layer_bf16 does not apply it
 
 
 def test_without_native_ops_decode_runs_on_torch(bf16_model, monkeypatch):
@@ -140,8 +161,9 @@ def test_without_native_ops_decode_runs_on_torch(bf16_model, monkeypatch):
         reference = generate(engine, PROMPT, 4, Sampler()).output_ids
         monkeypatch.setattr(native, "ready", False)  # as COLIBRI_NATIVE=0 or a CPU without avx512_bf16
         fused, norms = count_calls(monkeypatch, "moe_layer"), count_calls(monkeypatch, "rms_norm")
+        steps = count_calls(monkeypatch, "decode_layers")
         slow = generate(engine, PROMPT, 4, Sampler()).output_ids
-        assert fused == [] and norms == [] and len(slow) == len(reference)
+        assert fused == [] and norms == [] and steps == [] and len(slow) == len(reference)
 
 
 def test_a_router_rule_it_does_not_cover_falls_back(tmp_path, monkeypatch):
@@ -152,6 +174,6 @@ def test_a_router_rule_it_does_not_cover_falls_back(tmp_path, monkeypatch):
     d = synth.synthesize(geometry, tmp_path / "glm", progress=False)
     with Engine(d, EngineConfig(threads=1, ctx_size=32)) as engine:
         assert engine.args.router is not None  # sigmoid, grouped, biased choice
-        fused = count_calls(monkeypatch, "moe_layer")
+        fused, steps = count_calls(monkeypatch, "moe_layer"), count_calls(monkeypatch, "decode_layers")
         assert len(generate(engine, PROMPT, 3, Sampler()).output_ids) == 3
-        assert fused == [] and set(engine.model._fused_moe.values()) <= {None}
+        assert fused == [] and steps == [] and set(engine.model._fused_moe.values()) <= {None}

@@ -35,7 +35,7 @@ from engine import native
 from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
 from engine.arch.args import ModelArgs, layer_prefix
 from engine.format.quant import linear
-from engine.arch.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from engine.arch.rope import RopeTable, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 class Transformer:
@@ -49,6 +49,7 @@ class Transformer:
         self.lm_head = weights["model.embed_tokens.weight"] if args.tie_word_embeddings else weights["lm_head.weight"]
         self._rope_seq = 0
         self._inv_freq, self._rope_scale = rope_inv_freq(args)
+        self._rope_table: RopeTable | None = None  # decode's cos/sin rows (not for dynamic NTK: it changes)
         # Router lookahead: after layer L's attention, layer L+1's router applied to the same
         # hidden state predicts L+1's experts well enough to start their reads early.
         self.lookahead_depth = 0
@@ -66,6 +67,10 @@ class Transformer:
         self._qkv = self._fuse_qkv(weights)
         self._fused_moe: dict[int, moe.ResidentMoeLayer | None] = {}  # per layer, built at its first decode
         self._fused_attention: dict[int, tuple | None] = {}  # per layer: the native attention's operands
+        # The whole step's layers as one native call where every layer qualifies (_decode_step);
+        # False keeps the per-layer calls (benchmarks/decode_profile.py times the layers' parts so).
+        self.step_loop = True
+        self._step_operands: tuple | None = None  # (kv, its cache tensors, decode_layers' operands)
 
     def _fuse_qkv(self, weights: dict) -> dict[int, torch.Tensor]:
         """Per layer, q/k/v projections as one [Nq*D + 2*Nkv*D, H] matrix (concatenated once,
@@ -89,13 +94,17 @@ class Transformer:
                 weights[name] = view
         return fused
 
-    def _rope(self, positions: torch.Tensor):
+    def _rope(self, start_pos: int, T: int):
         if self.args.rope.get("rope_type") == "dynamic":
-            seq = int(positions[-1]) + 1
+            seq = start_pos + T
             if seq > self._rope_seq:  # dynamic NTK only ever grows, as in transformers
                 self._rope_seq = seq
                 self._inv_freq, self._rope_scale = rope_inv_freq(self.args, seq)
-        return rope_cos_sin(self._inv_freq, self._rope_scale, positions, self.dtype)
+        elif T == 1:  # decode: a row of the table, no per-token ops
+            if self._rope_table is None:
+                self._rope_table = RopeTable(self._inv_freq, self._rope_scale, self.dtype)
+            return self._rope_table.row(start_pos)
+        return rope_cos_sin(self._inv_freq, self._rope_scale, torch.arange(start_pos, start_pos + T), self.dtype)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, kv: KVCache, last_only: bool = False) -> torch.Tensor:
@@ -107,16 +116,58 @@ class Transformer:
         T = tokens.shape[0]
         if start_pos + T > kv.ctx_size:
             raise ValueError(f"{start_pos + T} positions exceed ctx_size {kv.ctx_size}")
-        positions = torch.arange(start_pos, start_pos + T)
-        cos, sin = self._rope(positions)
+        cos, sin = self._rope(start_pos, T)
         mask = self._mask(start_pos, T)
         x = F.embedding(tokens, self.w["model.embed_tokens.weight"])  # [T, H]
-        for layer in range(self.args.num_layers):
-            x = self._layer(layer, x, start_pos, kv, cos, sin, mask)
+        step = self._decode_step(x, start_pos, kv, cos, sin, mask)  # every layer in one native call, or None
+        if step is not None:
+            x = step
+        else:
+            for layer in range(self.args.num_layers):
+                x = self._layer(layer, x, start_pos, kv, cos, sin, mask)
         if last_only:
             x = x[-1:]
         x = rms_norm(x, self.w["model.norm.weight"], self.args.rms_norm_eps)
         return linear(x, self.lm_head).float()
+
+    def _decode_step(self, x, start_pos, kv, cos, sin, mask):
+        """Every layer of one bf16 token as one native call (decode_step.cpp: per layer the attention
+        half, then the fused MoE layer), where every layer would take both per-layer native calls
+        (_decode_attention, _resident_moe) anyway; else None. The same bits as those calls."""
+        if (x.shape[0] != 1 or mask is not None or not native.ready or x.dtype is not torch.bfloat16
+                or cos.dtype is not torch.bfloat16 or self._streamed or self.routing_log is not None
+                or self.routing_trim is not None or self.lookahead_depth or not self.step_loop):
+            return None
+        operands = self._step_operands
+        if operands is None or operands[0] is not kv or any(a is not b for a, b in zip(operands[1], kv.k + kv.v)):
+            operands = self._step_operands = (kv, list(kv.k + kv.v), self._step_lists(kv))
+        if operands[2] is None:
+            return None
+        attention, moe_operands, inter = operands[2]
+        a = self.args
+        return native.decode_layers(x, attention, moe_operands, cos, sin, start_pos, a.num_heads, a.num_kv_heads,
+                                    a.rms_norm_eps, a.top_k, bool(a.norm_topk_prob), inter)
+
+    def _step_lists(self, kv) -> tuple | None:
+        """(attention tensors, MoE tensors, inter) for decode_layers_bf16, or None where a layer would
+        not take both fused per-layer calls (operands decided once per layer, as those calls do)."""
+        attention, moe_operands, inters = [], [], set()
+        for layer in range(self.args.num_layers):
+            if layer not in self._fused_attention:
+                self._fused_attention[layer] = self._attention_operands(layer)
+            if layer not in self._fused_moe:
+                self._fused_moe[layer] = moe.resident_layer(self.args, self.w, self.experts, layer, self.expert_fn)
+            att, fused = self._fused_attention[layer], self._fused_moe[layer]
+            k_cache, v_cache = kv.k[layer], kv.v[layer]
+            if (att is None or type(fused) is not moe.ResidentMoeLayer or any(
+                    type(c) is not torch.Tensor or c.dtype is not torch.bfloat16 or not c.is_contiguous()
+                    for c in (k_cache, v_cache))):
+                return None
+            norm_w, qkv, q_norm, k_norm, o_w = att
+            attention += [norm_w, qkv, q_norm, k_norm, o_w, k_cache, v_cache]
+            moe_operands += [fused.norm_w, fused.router_w, fused.table]
+            inters.add(fused.inter)
+        return (attention, moe_operands, inters.pop()) if len(inters) == 1 else None
 
     def _mask(self, start_pos: int, T: int) -> torch.Tensor | None:
         window = self.args.sliding_window

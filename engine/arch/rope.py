@@ -81,6 +81,31 @@ def rope_cos_sin(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor, 
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
+class RopeTable:
+    """cos/sin rows of one position for decode, computed a block of positions at a time and kept.
+
+    A decode step otherwise builds its own row (arange, the product, cat, cos, sin, scale, casts: ~8
+    small ops a token). Each block is rope_cos_sin of consecutive positions, sized to stay one
+    thread's work (torch splits elementwise ops at 32,768 elements) with a length a multiple of 32,
+    so every element takes the vectorised path; a position alone takes it too when D is a multiple
+    of 32, and then a row from here is the row rope_cos_sin makes for that position by itself
+    (tests/test_native_attention.py checks it). Every placement of a model reads the same table."""
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
+        self.inv_freq, self.scale, self.dtype = inv_freq, scale, dtype
+        self.block = max(32, 32768 // (2 * inv_freq.shape[0]) // 32 * 32)  # positions per block
+        self._blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def row(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, D] (views into the block) for position pos."""
+        b, i = divmod(pos, self.block)
+        block = self._blocks.get(b)
+        if block is None:
+            positions = torch.arange(b * self.block, (b + 1) * self.block)
+            block = self._blocks[b] = rope_cos_sin(self.inv_freq, self.scale, positions, self.dtype)
+        return block[0][i:i + 1], block[1][i:i + 1]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [N, T, D]; cos/sin: [T, Dr], Dr <= D (partial rotary: the rest passes through)
     if cos.shape[-1] < x.shape[-1]:

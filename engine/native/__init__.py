@@ -27,6 +27,7 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
     combine(ys, weights)               sum of the K experts' rows, weighted: [1, H]
     moe_layer(h, ...)       a whole MoE layer of one token, residual included (engine/arch/moe.py)
     attention_decode(x, ...)           a layer's attention half of one token, K/V written (attention_decode.cpp)
+    decode_layers(x, ...)   every layer of one token: attention half + fused MoE per layer (decode_step.cpp)
     mxfp4_linear(x, blocks, scales, bias)  x @ dequant(blocks, scales).T + bias, fp32 or bf16
     int8_linear(x, codes, scales)          x @ (codes * scales).T, per-row scales
     int4_linear(x, packed, scales_zeros, group)   x @ dequant_int4(...).T, the stored blocked layout
@@ -195,6 +196,11 @@ def attention_decode(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: t
                      v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int, o_w: torch.Tensor) -> torch.Tensor:
     return torch.ops.colibri.attention_decode_bf16(x, norm_w, eps, qkv_w, q_norm, k_norm, cos, sin, k_cache, v_cache,
                                                    pos, heads, kv_heads, o_w)
+
+
+def decode_layers(x: torch.Tensor, attention: list, moe: list, cos: torch.Tensor, sin: torch.Tensor, pos: int,
+                  heads: int, kv_heads: int, eps: float, k: int, norm: bool, inter: int) -> torch.Tensor:
+    return torch.ops.colibri.decode_layers_bf16(x, attention, moe, cos, sin, pos, heads, kv_heads, eps, k, norm, inter)
 
 
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -20,48 +20,15 @@
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <vector>
 
-#include "bf16_kernels.h"
+#include "attention_kernels.h"
 
 namespace {
 
 using namespace colibri_native;
-
-// Per-head RMSNorm of n rows of D, in place (as layers.rms_norm: round(w * round(x * r))).
-inline void norm_heads(bf16* rows, int64_t n, int64_t D, const bf16* w, float eps) {
-  for (int64_t r = 0; r < n; r++) {
-    bf16* x = rows + r * D;
-    float ss = 0.0f;
-    for (int64_t i = 0; i < D; i++) ss += to_f32(x[i]) * to_f32(x[i]);
-    const float inv = 1.0f / std::sqrt(ss / (float)D + eps);
-    for (int64_t i = 0; i < D; i++) x[i] = to_bf16(to_f32(w[i]) * round_bf16(to_f32(x[i]) * inv));
-  }
-}
-
-// Rotate-half rope of n rows of D in place: x * cos + cat(-x2, x1) * sin, each product rounded.
-inline void rope_heads(bf16* rows, int64_t n, int64_t D, const bf16* cos, const bf16* sin, float* tmp) {
-  const int64_t half = D / 2;
-  for (int64_t r = 0; r < n; r++) {
-    bf16* x = rows + r * D;
-    for (int64_t i = 0; i < D; i++) {
-      const float rotated = i < half ? -to_f32(x[i + half]) : to_f32(x[i - half]);
-      tmp[i] = round_bf16(round_bf16(to_f32(x[i]) * to_f32(cos[i])) + round_bf16(rotated * to_f32(sin[i])));
-    }
-    for (int64_t i = 0; i < D; i++) x[i] = to_bf16(tmp[i]);
-  }
-}
-
-struct Scratch {  // per calling thread, reused across calls: no allocation per token but the output
-  std::vector<bf16> normed, qkv, attn;
-  std::vector<float> tmp;
-};
 
 at::Tensor attention_decode_bf16(const at::Tensor& x_in, const at::Tensor& norm_w, double eps, const at::Tensor& qkv_w,
                                  const at::Tensor& q_norm, const at::Tensor& k_norm, const at::Tensor& cos,
@@ -69,89 +36,17 @@ at::Tensor attention_decode_bf16(const at::Tensor& x_in, const at::Tensor& norm_
                                  int64_t heads, int64_t kv_heads, const at::Tensor& o_w) {
   const at::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "attention_decode_bf16: x must be [1, H]");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == kv_heads,
-              "attention_decode_bf16: caches must be [Nkv, ctx, D]");
-  TORCH_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0, "attention_decode_bf16: heads % kv_heads");
-  const int64_t H = x.size(1), D = k_cache.size(2), ctx = k_cache.size(1), Q = heads * D, KV = kv_heads * D;
-  TORCH_CHECK(pos >= 0 && pos < ctx, "attention_decode_bf16: pos outside the cache");
-  TORCH_CHECK(D % 2 == 0 && cos.numel() == D && sin.numel() == D, "attention_decode_bf16: cos/sin must be [D]");
-  TORCH_CHECK(norm_w.numel() == H, "attention_decode_bf16: norm_w must be [H]");
-  TORCH_CHECK(qkv_w.dim() == 2 && qkv_w.size(0) == Q + 2 * KV && qkv_w.size(1) == H,
-              "attention_decode_bf16: qkv_w must be [(Nq + 2 Nkv) D, H]");
-  TORCH_CHECK(o_w.dim() == 2 && o_w.size(0) == H && o_w.size(1) == Q, "attention_decode_bf16: o_w must be [H, Nq D]");
-  TORCH_CHECK((q_norm.numel() == 0 || q_norm.numel() == D) && q_norm.numel() == k_norm.numel(),
-              "attention_decode_bf16: q_norm/k_norm must both be [D] or both empty");
-  const bf16* xp = bf16_data(x, "x");
-  const bf16* wq = bf16_data(qkv_w, "qkv_w");
-  const bf16* wo = bf16_data(o_w, "o_w");
-  bf16* kc = const_cast<bf16*>(bf16_data(k_cache, "k_cache"));
-  bf16* vc = const_cast<bf16*>(bf16_data(v_cache, "v_cache"));
-  static thread_local Scratch s;
-  s.normed.resize(H), s.qkv.resize(Q + 2 * KV), s.attn.resize(Q);
-  {  // the input norm: as layers.rms_norm of one token
-    float ss = 0.0f;
-    for (int64_t i = 0; i < H; i++) ss += to_f32(xp[i]) * to_f32(xp[i]);
-    const float inv = 1.0f / std::sqrt(ss / (float)H + (float)eps);
-    const bf16* nw = bf16_data(norm_w, "norm_w");
-    for (int64_t i = 0; i < H; i++) s.normed[i] = to_bf16(to_f32(nw[i]) * round_bf16(to_f32(xp[i]) * inv));
-  }
-  bf16* qkv = s.qkv.data();
-  const bf16* normed = s.normed.data();
-  at::parallel_for(0, Q + 2 * KV, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; n++) qkv[n] = to_bf16(dot(wq + n * H, normed, H));
-  });
-  bf16 *q = qkv, *k = qkv + Q, *v = qkv + Q + KV;
-  s.tmp.resize(D);
-  float* tmp = s.tmp.data();
-  if (q_norm.numel()) {
-    norm_heads(q, heads, D, bf16_data(q_norm, "q_norm"), (float)eps);
-    norm_heads(k, kv_heads, D, bf16_data(k_norm, "k_norm"), (float)eps);
-  }
-  const bf16* cp = bf16_data(cos, "cos");
-  const bf16* sp = bf16_data(sin, "sin");
-  rope_heads(q, heads, D, cp, sp, tmp);
-  rope_heads(k, kv_heads, D, cp, sp, tmp);
-  for (int64_t g = 0; g < kv_heads; g++) {  // the cache rows of this position
-    std::copy(k + g * D, k + (g + 1) * D, kc + (g * ctx + pos) * D);
-    std::copy(v + g * D, v + (g + 1) * D, vc + (g * ctx + pos) * D);
-  }
-  const int64_t S = pos + 1, group = heads / kv_heads;
-  const float scale = 1.0f / std::sqrt((float)D);
-  bf16* attn = s.attn.data();
-  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
-    static thread_local std::vector<float> p, acc;  // per worker thread, reused across calls
-    p.resize(S), acc.resize(D);
-    for (int64_t hd = begin; hd < end; hd++) {
-      const bf16* keys = kc + (hd / group) * ctx * D;
-      const bf16* values = vc + (hd / group) * ctx * D;
-      float m = -INFINITY;
-      for (int64_t j = 0; j < S; j++) {
-        p[j] = dot(keys + j * D, q + hd * D, D) * scale;
-        m = std::max(m, p[j]);
-      }
-      float sum = 0.0f;
-      for (int64_t j = 0; j < S; j++) {
-        p[j] = std::exp(p[j] - m);
-        sum += p[j];
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < S; j++) {
-        const bf16* vr = values + j * D;
-        for (int64_t i = 0; i < D; i++) acc[i] += p[j] * to_f32(vr[i]);
-      }
-      for (int64_t i = 0; i < D; i++) attn[hd * D + i] = to_bf16(acc[i] / sum);
-    }
-  });
-  at::Tensor y = at::empty({1, H}, x.options());
-  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
-  at::parallel_for(0, H, GRAIN, [&](int64_t begin, int64_t end) {  // o_proj, then the residual add
-    for (int64_t n = begin; n < end; n++) yp[n] = to_bf16(to_f32(xp[n]) + round_bf16(dot(wo + n * Q, attn, Q)));
-  });
+  const AttnLayer L = attention_layer(x.size(1), norm_w, qkv_w, q_norm, k_norm, k_cache, v_cache, heads, kv_heads, o_w);
+  TORCH_CHECK(pos >= 0 && pos < L.ctx, "attention_decode_bf16: pos outside the cache");
+  TORCH_CHECK(cos.numel() == L.D && sin.numel() == L.D, "attention_decode_bf16: cos/sin must be [D]");
+  static thread_local AttnScratch scratch;
+  at::Tensor y = at::empty({1, L.H}, x.options());
+  attention_rows(L, bf16_data(x, "x"), bf16_data(cos, "cos"), bf16_data(sin, "sin"), pos, (float)eps, scratch,
+                 reinterpret_cast<bf16*>(y.data_ptr()));
   return y;
 }
 
 }  // namespace
-
 TORCH_LIBRARY_FRAGMENT(colibri, m) {
   m.def("attention_decode_bf16(Tensor x, Tensor norm_w, float eps, Tensor qkv_w, Tensor q_norm, Tensor k_norm, "
         "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, int heads, int kv_heads, "

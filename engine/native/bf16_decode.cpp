@@ -48,7 +48,7 @@ at::Tensor linear_bf16(const at::Tensor& x_in, const at::Tensor& w) {
   bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
   at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t m = 0; m < M; m++)
-      for (int64_t n = begin; n < end; n++) yp[m * N + n] = to_bf16(dot(wp + n * K, xp + m * K, K));
+      dot_rows(wp, K, xp + m * K, begin, end, [&](int64_t n, float v) { yp[m * N + n] = to_bf16(v); });
   });
   return y;
 }

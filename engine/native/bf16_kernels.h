@@ -6,7 +6,9 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -36,33 +38,61 @@ inline float dot(const bf16* w, const bf16* x, int64_t K) {
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
+// Rows [begin, end) of a row-major W [N, K] against x: emit(n, dot) for each, one row after the
+// other. One row per pass on purpose: four rows per pass sharing the x loads (with or without
+// software prefetch) measured no faster and often slower on this machine class, because the weight
+// stream is then four interleaved 1-2 KiB streams where the hardware prefetcher follows one
+// sequential stream best (docs/BENCHMARKS.md, "bf16kern"); the kernel already runs at the
+// memory's read bandwidth.
+template <class Emit>
+inline void dot_rows(const bf16* w, int64_t K, const bf16* x, int64_t begin, int64_t end, Emit emit) {
+  for (int64_t n = begin; n < end; n++) emit(n, dot(w + n * K, x, K));
+}
+
+// This thread's share [begin, end) of n items split over T threads: the static partition of the
+// one-region kernels (each thread's rows one contiguous stream).
+inline void thread_share(int64_t n, int t, int T, int64_t& begin, int64_t& end) {
+  begin = n * t / T;
+  end = n * (t + 1) / T;
+}
+
 inline const bf16* bf16_data(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, what, " must be bfloat16");
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
   return reinterpret_cast<const bf16*>(t.data_ptr());
 }
 
+// One SwiGLU output from its gate and up dot products, rounded as the torch ops this replaces:
+// gate and up products, silu, and their product each to bf16.
+inline bf16 swiglu_value(float gate_dot, float up_dot) {
+  const float g = round_bf16(gate_dot), u = round_bf16(up_dot);
+  const float s = round_bf16(g / (1.0f + std::exp(-g)));
+  return to_bf16(s * u);
+}
+
+// Gate/up rows [r0, r1) of E experts (row r: row r % I of expert r / I), each expert's gate and up
+// rows streamed in order: h[r] = silu(gate . x) * (up . x), h [E, I].
+inline void gate_up_rows(const bf16* x, const bf16* const* gate, const bf16* const* up, int64_t H, int64_t I,
+                         int64_t r0, int64_t r1, bf16* h) {
+  for (int64_t r = r0; r < r1; r++) {
+    const int64_t e = r / I, i = r % I;
+    h[r] = swiglu_value(dot(gate[e] + i * H, x, H), dot(up[e] + i * H, x, H));
+  }
+}
+
 // SwiGLU of E experts on one token x [H]: h [E, I] scratch, y [E, H] out. Expert e's rows are
 // gate[e], up[e] ([I, H] each) and down[e] ([H, I]). Each output element is one thread's, in one
-// order, whatever E, the thread count or the split: an expert gives the same bits alone or batched.
-// Roundings as the torch ops this replaces: gate and up products, silu, and their product each to bf16.
+// order, whatever E, the thread count or the split: an expert gives the same bits alone or batched
+// (and as the fused MoE layer computes it, which calls the same row functions).
+// Two at::parallel_for loops, as before bf16kern: this is the streaming path's per-expert op (one
+// call per expert as its read lands), and the tree that ran it as one OpenMP region with a barrier
+// measured 0.52x cold streaming tok/s against main (docs/BENCHMARKS.md, "bf16kern"); the resident
+// paths (moe_bf16.h, decode_step.cpp) keep their one region.
 inline void swiglu_experts(const bf16* x, const bf16* const* gate, const bf16* const* up,
                            const bf16* const* down, int64_t E, int64_t H, int64_t I, bf16* h, bf16* y) {
-  // Gate row i and up row i of one expert make h[i]: no barrier between the two products.
-  at::parallel_for(0, E * I, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) {
-      const int64_t e = r / I, i = r % I;
-      const float g = round_bf16(dot(gate[e] + i * H, x, H));
-      const float u = round_bf16(dot(up[e] + i * H, x, H));
-      const float s = round_bf16(g / (1.0f + std::exp(-g)));
-      h[r] = to_bf16(s * u);
-    }
-  });
-  at::parallel_for(0, E * H, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) {
-      const int64_t e = r / H, n = r % H;
-      y[r] = to_bf16(dot(down[e] + n * I, h + e * I, I));
-    }
+  at::parallel_for(0, E * I, GRAIN, [&](int64_t b, int64_t e) { gate_up_rows(x, gate, up, H, I, b, e, h); });
+  at::parallel_for(0, E * H, GRAIN, [&](int64_t b, int64_t e) {  // expert-major: each expert's down rows one stream
+    for (int64_t r = b; r < e; r++) y[r] = to_bf16(dot(down[r / H] + (r % H) * I, h + (r / H) * I, I));
   });
 }
 

@@ -25,6 +25,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -34,6 +35,7 @@
 #include <vector>
 
 #include "bf16_kernels.h"
+#include "moe_bf16.h"
 #include "moe_kernels.h"
 
 namespace {
@@ -82,56 +84,18 @@ at::Tensor combine_bf16(const at::Tensor& ys_in, const at::Tensor& weights_in) {
   return y;
 }
 
-// Per-thread scratch reused across calls: no allocation per token but the output.
-struct Scratch {
-  std::vector<bf16> normed, h, ys, mixed;
-  std::vector<float> probs, weights;
-  std::vector<int64_t> ids;
-  std::vector<std::pair<int64_t, float>> chosen;
-  std::vector<const bf16*> gate, up, down;
-};
-
 at::Tensor moe_layer_bf16(const at::Tensor& h_in, const at::Tensor& norm_w, double eps, const at::Tensor& router_w,
                           int64_t k, bool norm, const at::Tensor& experts, int64_t inter) {
   const at::Tensor h = h_in.contiguous();
   TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "moe_layer_bf16: h must be [1, H]");
-  const int64_t H = h.size(1), E = router_w.size(0), I = inter;
-  TORCH_CHECK(router_w.dim() == 2 && router_w.size(1) == H, "moe_layer_bf16: router_w must be [E, H]");
-  TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == H, "moe_layer_bf16: norm_w must be [H]");
-  TORCH_CHECK(experts.scalar_type() == at::kLong && experts.dim() == 2 && experts.size(0) == E &&
-              experts.size(1) == 3 && experts.is_contiguous(), "moe_layer_bf16: experts must be int64 [E, 3]");
-  TORCH_CHECK(k >= 1 && k <= E && I >= 1, "moe_layer_bf16: k in 1..E, inter >= 1");
-  const bf16* hp = bf16_data(h, "h");
-  const bf16* rw = bf16_data(router_w, "router_w");
-  const bf16* nw = bf16_data(norm_w, "norm_w");
-  static thread_local Scratch s;
-  s.normed.resize(H), s.h.resize(k * I), s.ys.resize(k * H), s.mixed.resize(H);
-  s.probs.resize(E), s.weights.resize(k), s.ids.resize(k);
-  rms_norm_row(hp, nw, H, (float)eps, s.normed.data());
-  route_topk(s.normed.data(), rw, E, H, k, norm, s.probs.data(), s.ids.data(), s.weights.data());
-  // Ascending id order, as the unfused path sums (moe.routed_decode sorts the ids).
-  auto& chosen = s.chosen;
-  chosen.resize(k), s.gate.resize(k), s.up.resize(k), s.down.resize(k);
-  for (int64_t j = 0; j < k; j++) chosen[j] = {s.ids[j], round_bf16(s.weights[j])};  // weights are bf16 there
-  std::sort(chosen.begin(), chosen.end());
-  const int64_t* table = experts.data_ptr<int64_t>();
-  for (int64_t j = 0; j < k; j++) {
-    const int64_t* row = table + 3 * chosen[j].first;
-    s.gate[j] = reinterpret_cast<const bf16*>(row[0]);
-    s.up[j] = reinterpret_cast<const bf16*>(row[1]);
-    s.down[j] = reinterpret_cast<const bf16*>(row[2]);
-    s.weights[j] = chosen[j].second;
-  }
-  swiglu_experts(s.normed.data(), s.gate.data(), s.up.data(), s.down.data(), k, H, I, s.h.data(), s.ys.data());
-  combine(s.ys.data(), s.weights.data(), k, H, s.mixed.data());
-  at::Tensor y = at::empty({1, H}, h.options());
-  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
-  for (int64_t n = 0; n < H; n++) yp[n] = to_bf16(to_f32(hp[n]) + to_f32(s.mixed[n]));  // the residual add
+  const MoeLayer L = moe_layer(h.size(1), norm_w, router_w, experts, k, inter);
+  static thread_local MoeScratch scratch;
+  at::Tensor y = at::empty({1, L.H}, h.options());
+  moe_rows(L, bf16_data(h, "h"), (float)eps, k, norm, scratch, reinterpret_cast<bf16*>(y.data_ptr()));
   return y;
 }
 
 }  // namespace
-
 TORCH_LIBRARY_FRAGMENT(colibri, m) {
   m.def("rms_norm_bf16(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("route_topk_bf16(Tensor x, Tensor w, int k, bool norm) -> (Tensor, Tensor)");

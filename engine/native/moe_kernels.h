@@ -26,13 +26,9 @@ inline void rms_norm_row(const bf16* x, const bf16* w, int64_t H, float eps, bf1
   for (int64_t i = 0; i < H; i++) out[i] = to_bf16(to_f32(w[i]) * round_bf16(to_f32(x[i]) * r));
 }
 
-// Router logits (bf16, as linear_bf16 rounds them), softmax in fp32, the k best: ids and weights
-// in descending weight order (ties: the lower id), as torch.topk gives them.
-inline void route_topk(const bf16* x, const bf16* w, int64_t E, int64_t H, int64_t k, bool norm,
-                       float* probs, int64_t* ids, float* weights) {
-  at::parallel_for(0, E, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end; e++) probs[e] = round_bf16(dot(w + e * H, x, H));
-  });
+// Softmax over E router logits (in probs, bf16 values), then the k best: ids and weights in
+// descending weight order (ties: the lower id), as torch.topk gives them. probs is overwritten.
+inline void select_topk(float* probs, int64_t E, int64_t k, bool norm, int64_t* ids, float* weights) {
   float m = probs[0];
   for (int64_t e = 1; e < E; e++) m = std::max(m, probs[e]);
   float s = 0.0f;
@@ -55,6 +51,18 @@ inline void route_topk(const bf16* x, const bf16* w, int64_t E, int64_t H, int64
   }
   if (norm)
     for (int64_t j = 0; j < k; j++) weights[j] /= total;
+}
+
+// Router logits rows [begin, end) of w [E, H] on x, rounded to bf16 as linear_bf16 rounds them.
+inline void router_rows(const bf16* x, const bf16* w, int64_t H, int64_t begin, int64_t end, float* probs) {
+  dot_rows(w, H, x, begin, end, [&](int64_t e, float v) { probs[e] = round_bf16(v); });
+}
+
+// Router logits, softmax in fp32, the k best (select_topk).
+inline void route_topk(const bf16* x, const bf16* w, int64_t E, int64_t H, int64_t k, bool norm,
+                       float* probs, int64_t* ids, float* weights) {
+  at::parallel_for(0, E, GRAIN, [&](int64_t begin, int64_t end) { router_rows(x, w, H, begin, end, probs); });
+  select_topk(probs, E, k, norm, ids, weights);
 }
 
 // out[n] = sum over k (in row order) of weights[k] * ys[k, n], fp32, rounded once.

@@ -1,0 +1,78 @@
+// Every layer of one bf16 decode step in one call: for each layer, the attention half
+// (attention_kernels.h) then the fused MoE layer (moe_bf16.h), the hidden state handed from one to
+// the next in C++ buffers.
+//
+// Why: with one native call per attention half and per MoE layer, a 16-layer step still made ~35
+// Python-level calls (two per layer, each with its checks, dispatch and a fresh [1, H] tensor);
+// while the interpreter ran, the cores streamed no weights. Here the step's layers are one call.
+//
+// Bits: the same inline functions as the per-layer ops, in the same order, so a step gives the
+// same bits whichever way it runs (engine/arch/model.py takes this path only where every layer
+// would have taken both per-layer ops).
+//
+// Op (namespace colibri):
+//   decode_layers_bf16(x [1,H], attention, moe, cos [D], sin [D], pos, heads, kv_heads, eps, k, norm,
+//       inter) -> [1,H]
+//   attention: per layer (input norm [H], qkv [(Nq+2Nkv)D, H], q_norm [D]|[0], k_norm [D]|[0],
+//       o_proj [H, Nq D], k_cache [Nkv,ctx,D], v_cache), 7 tensors a layer; moe: per layer
+//       (post-attention norm [H], router [E,H], expert table int64 [E,3]), 3 a layer.
+
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "attention_kernels.h"
+#include "moe_bf16.h"
+
+namespace {
+
+using namespace colibri_native;
+
+at::Tensor decode_layers_bf16(const at::Tensor& x_in, at::TensorList attention, at::TensorList moe,
+                              const at::Tensor& cos, const at::Tensor& sin, int64_t pos, int64_t heads,
+                              int64_t kv_heads, double eps, int64_t k, bool norm, int64_t inter) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "decode_layers_bf16: x must be [1, H]");
+  TORCH_CHECK(attention.size() % 7 == 0 && moe.size() % 3 == 0 && attention.size() / 7 == moe.size() / 3,
+              "decode_layers_bf16: 7 attention and 3 MoE tensors per layer");
+  const int64_t H = x.size(1), layers = (int64_t)moe.size() / 3;
+  std::vector<AttnLayer> att(layers);
+  std::vector<MoeLayer> mix(layers);
+  for (int64_t l = 0; l < layers; l++) {  // every check before any layer runs
+    const at::Tensor* a = &attention[7 * l];
+    att[l] = attention_layer(H, a[0], a[1], a[2], a[3], a[5], a[6], heads, kv_heads, a[4]);
+    TORCH_CHECK(pos >= 0 && pos < att[l].ctx, "decode_layers_bf16: pos outside the cache");
+    TORCH_CHECK(cos.numel() == att[l].D && sin.numel() == att[l].D, "decode_layers_bf16: cos/sin must be [D]");
+    mix[l] = moe_layer(H, moe[3 * l], moe[3 * l + 1], moe[3 * l + 2], k, inter);
+  }
+  static thread_local AttnScratch attn_scratch;
+  static thread_local MoeScratch moe_scratch;
+  static thread_local std::vector<bf16> mid;  // the hidden state between the halves
+  mid.resize(H);
+  at::Tensor y = at::empty({1, H}, x.options());
+  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
+  const bf16* cp = bf16_data(cos, "cos");
+  const bf16* sp = bf16_data(sin, "sin");
+  const bf16* in = bf16_data(x, "x");
+  for (int64_t l = 0; l < layers; l++) {
+    attention_rows(att[l], in, cp, sp, pos, (float)eps, attn_scratch, mid.data());
+    moe_rows(mix[l], mid.data(), (float)eps, k, norm, moe_scratch, yp);
+    in = yp;  // moe_rows reads mid and writes y; the next attention reads y and writes mid
+  }
+  if (layers == 0) std::copy(in, in + H, yp);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(colibri, m) {
+  m.def("decode_layers_bf16(Tensor x, Tensor[] attention, Tensor[] moe, Tensor cos, Tensor sin, int pos, int heads, "
+        "int kv_heads, float eps, int k, bool norm, int inter) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(colibri, CPU, m) {
+  m.impl("decode_layers_bf16", &decode_layers_bf16);
+}

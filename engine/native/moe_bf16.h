@@ -1,0 +1,101 @@
+// The fused bf16 MoE layer of one decode token as inline functions: the op of moe_decode.cpp and
+// the whole-step loop of decode_step.cpp both run moe_rows, so a layer gives the same bits either
+// way, and the same bits as the separate ops (it is made of their row functions, in their order).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "bf16_kernels.h"
+#include "moe_kernels.h"
+
+namespace colibri_native {
+
+// One layer's MoE operands as raw rows (checked once by moe_layer): `table` holds per expert the
+// addresses of its gate [I,H], up [I,H], down [H,I] rows (bf16, contiguous), kept alive by the caller.
+struct MoeLayer {
+  const bf16 *norm_w, *router_w;
+  const int64_t* table;
+  int64_t E, H, I;
+};
+
+inline MoeLayer moe_layer(int64_t H, const at::Tensor& norm_w, const at::Tensor& router_w, const at::Tensor& experts,
+                          int64_t k, int64_t inter) {
+  const int64_t E = router_w.size(0);
+  TORCH_CHECK(router_w.dim() == 2 && router_w.size(1) == H, "moe_layer_bf16: router_w must be [E, H]");
+  TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == H, "moe_layer_bf16: norm_w must be [H]");
+  TORCH_CHECK(experts.scalar_type() == at::kLong && experts.dim() == 2 && experts.size(0) == E &&
+              experts.size(1) == 3 && experts.is_contiguous(), "moe_layer_bf16: experts must be int64 [E, 3]");
+  TORCH_CHECK(k >= 1 && k <= E && inter >= 1, "moe_layer_bf16: k in 1..E, inter >= 1");
+  return {bf16_data(norm_w, "norm_w"), bf16_data(router_w, "router_w"), experts.data_ptr<int64_t>(), E, H, inter};
+}
+
+// Per calling thread, reused across calls: no allocation per token but the output.
+struct MoeScratch {
+  std::vector<bf16> normed, h, ys;
+  std::vector<float> probs, weights;
+  std::vector<int64_t> ids;
+  std::vector<std::pair<int64_t, float>> chosen;
+  std::vector<const bf16*> gate, up, down;
+};
+
+// y = h + combine(experts of route(rms_norm(h))) [H], experts in ascending id order. h, y may not alias.
+inline void moe_rows(const MoeLayer& L, const bf16* hp, float eps, int64_t k, bool norm, MoeScratch& s, bf16* yp) {
+  const int64_t E = L.E, H = L.H, I = L.I;
+  const bf16 *rw = L.router_w, *nw = L.norm_w;
+  s.normed.resize(H), s.h.resize(k * I), s.ys.resize(k * H), s.probs.resize(E), s.weights.resize(k), s.ids.resize(k);
+  s.chosen.resize(k), s.gate.resize(k), s.up.resize(k), s.down.resize(k);
+  rms_norm_row(hp, nw, H, eps, s.normed.data());
+  const bf16* x = s.normed.data();
+  const int64_t* table = L.table;
+  // One parallel region for the layer (router | top-k | gate/up | down + combine + residual), split
+  // statically: three barriers where separate ops paid a fork and join each. Every value is made
+  // by the row functions the separate ops use, in their order, so the bits are theirs.
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t b, e;
+    thread_share(E, t, T, b, e);
+    router_rows(x, rw, H, b, e, s.probs.data());
+#pragma omp barrier
+#pragma omp single
+    {  // (the single's implicit barrier publishes the chosen experts)
+      select_topk(s.probs.data(), E, k, norm, s.ids.data(), s.weights.data());
+      // Ascending id order, as the unfused path sums (moe.routed_decode sorts the ids).
+      auto& chosen = s.chosen;
+      for (int64_t j = 0; j < k; j++) chosen[j] = {s.ids[j], round_bf16(s.weights[j])};  // bf16 there
+      std::sort(chosen.begin(), chosen.end());
+      for (int64_t j = 0; j < k; j++) {
+        const int64_t* row = table + 3 * chosen[j].first;
+        s.gate[j] = reinterpret_cast<const bf16*>(row[0]);
+        s.up[j] = reinterpret_cast<const bf16*>(row[1]);
+        s.down[j] = reinterpret_cast<const bf16*>(row[2]);
+        s.weights[j] = chosen[j].second;
+      }
+    }
+    thread_share(k * I, t, T, b, e);
+    gate_up_rows(x, s.gate.data(), s.up.data(), H, I, b, e, s.h.data());
+#pragma omp barrier
+    // Output rows [b, e) of this thread: each expert's down rows there as one stream (bf16, as
+    // experts_bf16 stores them), then per row the sum in expert order as combine() sums, rounded,
+    // and the residual add.
+    thread_share(H, t, T, b, e);
+    bf16* ys = s.ys.data();
+    for (int64_t j = 0; j < k; j++) {
+      const bf16* hj = s.h.data() + j * I;
+      dot_rows(s.down[j], I, hj, b, e, [&](int64_t n, float v) { ys[j * H + n] = to_bf16(v); });
+    }
+    for (int64_t n = b; n < e; n++) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < k; j++) acc += s.weights[j] * to_f32(ys[j * H + n]);
+      yp[n] = to_bf16(to_f32(hp[n]) + round_bf16(acc));
+    }
+  }
+}
+
+}  // namespace colibri_native
