@@ -1,15 +1,19 @@
 """Does tuning for the user's workload matter? Each tune run's recommendation measured on each workload.
 
-    python benchmarks/workload_cross.py --model DIR --prompts FILE RUN_DIR [RUN_DIR ...] [--repeats 3] [--json]
+    python benchmarks/workload_cross.py --model DIR --prompts FILE RUN_DIR [RUN_DIR ...] [--repeats 3]
+        [--tokens 8] [--json]
 
 Every RUN_DIR is a finished `colibri tune` run (its recommended.toml); typically one tuned with
 the default decode objective on the fixed prompt, one with `--prompts FILE --objective ttft`.
 Each recommendation (and the engine's defaults under the same budget) runs `colibri bench` on
-two workloads: the fixed one (8-token random prompt, 8 decoded tokens, what `tune` measures by
-default) and FILE's requests; cold, in a memory cgroup of the budget, `--repeats` runs each,
-medians. The table gives decode tok/s for the fixed workload and TTFT / request latency for
-FILE's, so a recommendation's rank on each shows whether the objectives pick differently, and
-the config columns say how the picks differ.
+two workloads: the fixed one (8-token random prompt, `--tokens` decoded tokens: 8 is what `tune`
+measures by default; give the decode tune's own --tokens) and FILE's requests; cold, in a memory
+cgroup of the budget, `--repeats` runs each, medians (min..max). The table gives decode tok/s
+for the fixed workload and TTFT / request latency for FILE's, so a recommendation's rank on each
+shows whether the objectives pick differently, and the config columns say how the picks differ.
+The "why" columns: per decode token of the fixed workload, MiB read and the RAM hit rate; per
+request of FILE's, its prefill passes (each prompt in passes of the config's `prefill_chunk`,
+every pass routing its own tokens), MiB read and the hit rate.
 
 Timed: run it under `quiet bench` (or give --lock FILE to take benchmarks/benchkit.py's lock
 per measured run).
@@ -22,15 +26,19 @@ import json
 import os
 import subprocess
 import sys
+import math
 import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from benchkit import bench_lock  # noqa: E402
+from engine.base.config import PREFILL_CHUNK  # noqa: E402  (the defaults' pass)
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOBS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "threads", "ctx_size", "io_mode", "io_threads",
-         "cache_policy")
+         "cache_policy", "prefill_chunk")
+MiB = 1 << 20
 
 
 def bench(model: str, config: Path | None, budget: int, ctx: int, workload: list[str], repeats: int,
@@ -47,7 +55,25 @@ def bench(model: str, config: Path | None, budget: int, ctx: int, workload: list
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
         return {"error": f"exit {proc.returncode}: {tail}"}
     out = json.loads(proc.stdout)  # the medians over the repeats, at the top level
-    return {k: out.get(k) for k in ("decode_tok_s", "ttft_s", "request_s")}
+    row = {k: out.get(k) for k in ("decode_tok_s", "ttft_s", "request_s", "bytes_read_per_token")}
+    hit = out.get("hit_rate")  # per tier ({"ram": ..}); the RAM cache's is the one a CPU box has
+    row["hit_rate"] = hit.get("ram") if isinstance(hit, dict) else hit
+    for k in ("decode_tok_s", "ttft_s", "request_s"):  # the spread over the repeats beside each median
+        sp = (out.get("summary") or {}).get(k) or {}
+        row[f"{k}_range"] = [sp.get("min"), sp.get("max")]
+    runs = out.get("runs") or []
+    per_request = sorted(r.get("bytes_read", 0) / max(r.get("requests") or 1, 1) for r in runs)
+    row["bytes_read_per_request"] = per_request[len(per_request) // 2] if per_request else None
+    return row
+
+
+def prefill_passes(model: str, prompts: str, chunk: int) -> int:
+    """Forward passes FILE's prompts take in passes of at most `chunk` tokens (engine/run/runtime.py)."""
+    from engine.run.generate import load_tokenizer
+    from engine.run.resolve import resolve_model
+    from engine.run.workload import load_workload
+    requests = load_workload(prompts, load_tokenizer(resolve_model(model)), 8)
+    return sum(math.ceil(len(r.prompt_ids) / chunk) for r in requests)
 
 
 def main(argv=None) -> int:
@@ -56,6 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=8, help="decode tokens of the fixed workload")
     ap.add_argument("--lock")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -72,27 +99,36 @@ def main(argv=None) -> int:
         result = json.loads((run / "result.json").read_text())
         configs.append((f"{run.name} ({result.get('objective')})", toml, engine))
     configs.append(("engine defaults", None, {}))
-    fixed = ["--prompt-tokens", "8", "--tokens", "8"]
+    fixed = ["--prompt-tokens", "8", "--tokens", str(args.tokens)]
     mine = ["--prompts", args.prompts]
     rows = []
     for name, toml, engine in configs:
         row = {"config": name, **{k: engine.get(k) for k in KNOBS},
                "fixed": bench(args.model, toml, budget, ctx, fixed, args.repeats, args.lock),
                "prompts": bench(args.model, toml, budget, ctx, mine, args.repeats, args.lock)}
+        row["prefill_passes"] = prefill_passes(args.model, args.prompts, engine.get("prefill_chunk") or PREFILL_CHUNK)
         rows.append(row)
         print(f"workload_cross: {name}: {row['fixed']} | {row['prompts']}", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    head = ("config", *KNOBS, "fixed: decode tok/s", "prompts: TTFT s", "prompts: request s", "prompts: decode tok/s")
+    head = ("config", *KNOBS, "fixed: decode tok/s", "fixed: MiB/token", "fixed: hit rate", "prompts: TTFT s",
+            "prompts: request s", "prompts: prefill passes", "prompts: MiB/request", "prompts: hit rate")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+
+    def ranged(d, k, spec):
+        lo, hi = d.get(f"{k}_range") or (None, None)
+        return f(d.get(k), spec) + (f" ({f(lo, spec)}..{f(hi, spec)})" if lo is not None and hi is not None else "")
     for r in rows:
         knobs = [str(r[k]) if r[k] is not None else "default" for k in KNOBS]
-        print("| " + " | ".join([r["config"], *knobs, r["fixed"].get("error") or f(r["fixed"].get("decode_tok_s"), ".2f"),
-                                 r["prompts"].get("error") or f(r["prompts"].get("ttft_s"), ".2f"),
-                                 f(r["prompts"].get("request_s"), ".2f"), f(r["prompts"].get("decode_tok_s"), ".2f")])
-              + " |")
+        fx, pr = r["fixed"], r["prompts"]
+        mib = lambda v: None if v is None else v / MiB  # noqa: E731
+        print("| " + " | ".join([r["config"], *knobs, fx.get("error") or ranged(fx, "decode_tok_s", ".3g"),
+                                 f(mib(fx.get("bytes_read_per_token")), ".1f"), f(fx.get("hit_rate"), ".2f"),
+                                 pr.get("error") or ranged(pr, "ttft_s", ".3f"), ranged(pr, "request_s", ".3f"),
+                                 str(r["prefill_passes"]), f(mib(pr.get("bytes_read_per_request")), ".1f"),
+                                 f(pr.get("hit_rate"), ".2f")]) + " |")
     return 0
 
 

@@ -103,7 +103,7 @@ def distributions(model_dir) -> dict:
 
 def probes(dists: dict) -> list[dict]:
     """One step along each lossy dimension the space has (int8 KV, fp8 KV, k-1, the middle
-    threshold): measured first, at the baseline's placement."""
+    threshold): measured early, at the best lossless warm start's placement (warm_start.py)."""
     out = [{"kv_dtype": kind} for kind in ("int8", "fp8") if kind in getattr(dists.get("kv_dtype"), "choices", ())]
     if 1 in getattr(dists.get("top_k_reduction"), "choices", ()):
         out.append({"top_k_reduction": 1})
@@ -251,8 +251,9 @@ def placement(config: dict) -> tuple:
 def same_placement_ratios(points: list[dict], trials) -> None:
     """Each lossy point's speed over the fastest lossless trial at the same placement (None when
     the study ran none there). The front compares each setting's fastest trial, and a probe runs
-    at the baseline's placement while lossless settings get searched: on demo at 1 GiB, k-1 was
-    +37% over lossless at the same placement yet off the front (docs/BENCHMARKS.md, tunebench)."""
+    at one placement while lossless settings get searched: when probes ran at the baseline's, on
+    demo at 1 GiB k-1 was +37% over lossless at the same placement yet off the front
+    (docs/BENCHMARKS.md, tunebench)."""
     lossless: dict[tuple, float] = {}
     by_number = {}
     for t in trials:

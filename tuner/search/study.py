@@ -33,7 +33,7 @@ from tuner.search.budget import format_clock, parse_duration
 from tuner.search.setup import TuneSetup
 from tuner.search.study_storage import Heartbeat, open_storage, redact_url
 from tuner.search.trial import run_trial
-from tuner.search.warm_start import enqueue_warm_starts
+from tuner.search.warm_start import enqueue_warm_starts, place_lossy_probes
 from tuner.search.options import (  # noqa: F401  (re-exported: callers import them from here)
     Log, TuneOptions, TuneOutcome, stderr_line, default_budget, make_sampler,
 )
@@ -100,6 +100,7 @@ class _Run(TuneSetup):
             self.watch.check()
             if self.shared:
                 optuna.storages.fail_stale_trials(self.study)
+            place_lossy_probes(self, self.study)  # tune --max-kl: once the warm starts are measured
             done, running = self.counts()
             if self.opts.trials is not None and done + running >= self.opts.trials:
                 self.stop_reason = "trials"

@@ -3,17 +3,30 @@
 The rules-of-thumb baseline, then with --from-profile the best config a profile records for this
 geometry, then the engine's defaults (the point the headline gain is measured against, and a
 good start), then the cost model's top predicted configs. `run` is tuner.search.study._Run.
+
+With a quality bound, the lossy probes (one step along each lossy dimension) come after those:
+their settings are fixed when the study is made, their placement once every lossless warm start
+has been measured, at the fastest of them (place_lossy_probes), so the speed–quality front
+compares settings at one good placement rather than a probe's placement with the search's best.
 """
 
 from __future__ import annotations
 
 import optuna
+from optuna.trial import TrialState
 
 from engine.base.config import EngineConfig, format_size
 from engine.base.errors import ConfigError
 from tuner.costmodel.predict import RunConditions
 from tuner.costmodel.search import study_warm_starts
-from tuner.search import lossy
+from tuner.search import confirm, explore, lossy
+
+# Study attributes (in the storage, so every worker of a shared study reads the same ones):
+PROBES_ATTR = "lossy_probes"  # the probe settings, fixed when the study is made
+PLACED_ATTR = "lossy_probes_at"  # the trial whose placement they were enqueued at (None: the baseline's)
+# The warm starts whose placement the probes may take: enqueued before any probe, so the set is
+# the same on every worker, and all of it is measured before the probes are placed.
+WARM_ROLES = ("baseline", "from_profile", "defaults", "model")
 
 
 def enqueue_warm_starts(run, study: optuna.Study) -> None:
@@ -37,21 +50,55 @@ def enqueue_warm_starts(run, study: optuna.Study) -> None:
                             skip_if_exists=True)
         queued += 1
     if run.space.lossy and fresh:
-        queued += enqueue_lossy_probes(run, study, queued)
+        queued += reserve_lossy_probes(run, study, queued)
     if o.cost_model and run.facts.has_experts and fresh:
         enqueue_predicted(run, study, queued)
 
 
-def enqueue_lossy_probes(run, study: optuna.Study, queued: int) -> int:
-    """tune --max-kl: each lossy dimension once at the baseline's placement, so its price in speed
-    and quality is measured even when the sampler would not go there in a short run."""
+def reserve_lossy_probes(run, study: optuna.Study, queued: int) -> int:
+    """tune --max-kl: each lossy dimension once, so its price in speed and quality is measured even
+    when the sampler would not go there in a short run. Only the settings are fixed here (and
+    counted against --trials); place_lossy_probes enqueues them once the warm starts are measured."""
     probes = lossy.probes(run.space.lossy)
     if run.opts.trials is not None:
         probes = probes[:max(0, run.opts.trials - queued - 1)]  # leave the sampler at least one
-    base = run.space.params_of(run.space.baseline())
-    for setting in probes:
-        study.enqueue_trial({**base, **setting}, user_attrs={"role": "lossy_probe"}, skip_if_exists=True)
+    if probes:
+        study.set_user_attr(PROBES_ATTR, probes)
     return len(probes)
+
+
+def probe_placement(trials, objective: str):
+    """The fastest feasible lossless warm start (ties: the lowest trial number), or None while a
+    warm start is still waiting or running (None too when none is feasible: `ready` says which)."""
+    warm = sorted((t for t in trials if t.user_attrs.get("role") in WARM_ROLES), key=lambda t: t.number)
+    if any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in warm):
+        return None, False
+    done = [t for t in explore.measured(warm) if t.state == TrialState.COMPLETE
+            and lossy.is_lossless({k: t.params.get(k, v) for k, v in lossy.LOSSLESS.items()})]
+    best = confirm.ranked(done, objective)  # a stable sort: equal figures keep trial order
+    return (best[0] if best else None), True
+
+
+def place_lossy_probes(run, study: optuna.Study) -> None:
+    """Enqueue the reserved probes at the best lossless placement the warm starts measured.
+
+    Deterministic for a shared study: the candidates are the warm starts only (a fixed set, all
+    finished before any worker places), and the first worker to place records it in the study,
+    so the others skip; two placing at once enqueue the same points (skip_if_exists keeps one)."""
+    probes = study.user_attrs.get(PROBES_ATTR)
+    if not probes or PLACED_ATTR in study.user_attrs:
+        return
+    best, ready = probe_placement(study.get_trials(deepcopy=False), run.opts.objective)
+    if not ready:
+        return
+    params = dict(best.params) if best is not None else run.space.params_of(run.space.baseline())
+    study.set_user_attr(PLACED_ATTR, best.number if best is not None else None)
+    for setting in probes:
+        study.enqueue_trial({**params, **setting}, skip_if_exists=True,
+                            user_attrs={"role": "lossy_probe", "placement_of": best.number if best else None})
+    where = f"trial {best.number}'s placement ({best.user_attrs.get('role')})" if best is not None else \
+        "the baseline's placement (no lossless warm start was feasible)"
+    run.log(f"lossy probes: {', '.join(lossy.label({**lossy.LOSSLESS, **p}) for p in probes)} at {where}")
 
 
 def enqueue_predicted(run, study: optuna.Study, queued: int) -> None:
