@@ -14,7 +14,7 @@ chunk_size; the old tree: chunk size pieces), QD = io_threads synchronous reader
 direct/buffered/mmap as the config, inside a cgroup of the budget (so buffered/mmap fio cannot
 read from a page cache larger than the engine's) — right before and right after the streaming
 run (fio, stream, fio; with --before-src: fio, after, fio, before, fio, the middle job shared
-when both trees issue the same request), and the bound uses their mean. A row whose two fio
+when both trees issue the same request; the second run of --runs puts before first, and so on), and the bound uses their mean. A row whose two fio
 figures differ by more than 20% is marked: the disk changed under it.
 
 Each fio job runs --fio-seconds (default 10 s). Why 10: this virtual disk's per-second rate
@@ -161,8 +161,13 @@ def stream_row(name, cfg, model_dir, a, src, extra=None) -> dict:
                 backend=m.get("io_backend_effective"), cpu_s_per_token=m.get("cpu_s_per_token"))
 
 
-def run_table(model_dir, a, fio: str, files: list[Path]) -> list[dict]:
+def run_table(model_dir, a, fio: str, files: list[Path], run: int = 0) -> list[dict]:
     sides = [None] + ([a.before_src] if a.before_src else [])
+    # The side that streams first in a run was the slower one in all 7 pairs of 2026-12-02 (0.52-0.70x
+    # first, 1.02-1.08x second, whichever tree it was): the disk's state after the first fio job, not
+    # the engine. So the order alternates from run to run; read a ratio over an even --runs.
+    if run % 2:
+        sides.reverse()
     # The compute term: this run's resident decode of the same tree, measured at the start and
     # again at the end of the run; the faster of the two is the compute (the work is the same,
     # a slower one only met interference), and both are printed.
@@ -311,7 +316,7 @@ def one_run(model_dir, a, fio, files, run) -> list[dict]:
     print(f"# streaming benchmark run {run + 1}/{a.runs} {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
           f"commit {git_commit()} model {Path(model_dir).name} budget {a.budget} cold, {a.tokens} tokens x "
           f"{a.repeats} repeats, prompt {a.prompt_tokens}, fio {a.fio_seconds:g} s x 2 per row", file=sys.stderr)
-    rows = run_table(model_dir, a, fio, files)
+    rows = run_table(model_dir, a, fio, files, run)
     for r in rows:
         r["run"] = run + 1
     if not a.json:
