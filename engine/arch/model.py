@@ -136,7 +136,8 @@ class Transformer:
         (_decode_attention, _resident_moe) anyway; else None. The same bits as those calls."""
         if (x.shape[0] != 1 or mask is not None or not native.ready or x.dtype is not torch.bfloat16
                 or cos.dtype is not torch.bfloat16 or self._streamed or self.routing_log is not None
-                or self.routing_trim is not None or self.lookahead_depth or not self.step_loop):
+                or self.routing_trim is not None or self.lookahead_depth or not self.step_loop
+                or type(kv) is not KVCache):  # MLA's latent cache, gpt-oss's windowed one: per-layer paths
             return None
         operands = self._step_operands
         if operands is None or operands[0] is not kv or any(a is not b for a, b in zip(operands[1], kv.k + kv.v)):
