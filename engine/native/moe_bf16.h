@@ -49,7 +49,7 @@ inline void moe_rows(const MoeLayer& L, const bf16* hp, float eps, int64_t k, bo
   const int64_t E = L.E, H = L.H, I = L.I;
   const bf16 *rw = L.router_w, *nw = L.norm_w;
   s.normed.resize(H), s.h.resize(k * I), s.ys.resize(k * H), s.probs.resize(E), s.weights.resize(k), s.ids.resize(k);
-  s.chosen.resize(k), s.gate.resize(k), s.up.resize(k), s.down.resize(k);
+  s.gate.resize(k), s.up.resize(k), s.down.resize(k);
   rms_norm_row(hp, nw, H, eps, s.normed.data());
   const bf16* x = s.normed.data();
   const int64_t* table = L.table;
@@ -66,10 +66,8 @@ inline void moe_rows(const MoeLayer& L, const bf16* hp, float eps, int64_t k, bo
 #pragma omp single
     {  // (the single's implicit barrier publishes the chosen experts)
       select_topk(s.probs.data(), E, k, norm, s.ids.data(), s.weights.data());
-      // Ascending id order, as the unfused path sums (moe.routed_decode sorts the ids).
-      auto& chosen = s.chosen;
-      for (int64_t j = 0; j < k; j++) chosen[j] = {s.ids[j], round_bf16(s.weights[j])};  // bf16 there
-      std::sort(chosen.begin(), chosen.end());
+      ascending_experts(s.ids.data(), s.weights.data(), k, s.chosen);
+      const auto& chosen = s.chosen;
       for (int64_t j = 0; j < k; j++) {
         const int64_t* row = table + 3 * chosen[j].first;
         s.gate[j] = reinterpret_cast<const bf16*>(row[0]);

@@ -63,11 +63,9 @@ at::Tensor moe_layer_int(const at::Tensor& h_in, const at::Tensor& norm_w, doubl
   s.probs.resize(E), s.weights.resize(k), s.ids.resize(k);
   rms_norm_row(hp, nw, H, (float)eps, s.normed.data());
   route_topk(s.normed.data(), rw, E, H, k, norm, s.probs.data(), s.ids.data(), s.weights.data());
-  // Ascending id order, as the unfused path sums (moe.routed_decode sorts the ids).
-  auto& chosen = s.chosen;
-  chosen.resize(k), s.gate.resize(k), s.up.resize(k), s.down.resize(k);
-  for (int64_t j = 0; j < k; j++) chosen[j] = {s.ids[j], round_bf16(s.weights[j])};  // weights are bf16 there
-  std::sort(chosen.begin(), chosen.end());
+  s.gate.resize(k), s.up.resize(k), s.down.resize(k);
+  ascending_experts(s.ids.data(), s.weights.data(), k, s.chosen);
+  const auto& chosen = s.chosen;
   const int64_t* table = experts.data_ptr<int64_t>();
   for (int64_t j = 0; j < k; j++) {
     const void* const* row = reinterpret_cast<const void* const*>(table + 6 * chosen[j].first);

@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "bf16_kernels.h"
 
@@ -74,6 +76,16 @@ inline void combine(const bf16* ys, const float* weights, int64_t K, int64_t H, 
       out[n] = to_bf16(acc);
     }
   });
+}
+
+// The chosen experts in ascending id order, each with its weight rounded to bf16: the order and the
+// weights the unfused path sums in (moe.routed_decode sorts the ids; its weights are bf16). Every
+// fused layer takes its experts from here, so fused and unfused give the same bits.
+inline void ascending_experts(const int64_t* ids, const float* weights, int64_t k,
+                              std::vector<std::pair<int64_t, float>>& chosen) {
+  chosen.resize(k);
+  for (int64_t j = 0; j < k; j++) chosen[j] = {ids[j], round_bf16(weights[j])};
+  std::sort(chosen.begin(), chosen.end());
 }
 
 }  // namespace colibri_native
