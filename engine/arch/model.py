@@ -32,10 +32,22 @@ import torch.nn.functional as F
 
 from engine.arch import moe
 from engine import native
+from engine.arch.kvquant import QuantizedRows
 from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
 from engine.arch.args import ModelArgs, layer_prefix
 from engine.format.quant import linear
 from engine.arch.rope import RopeTable, apply_rope, rope_cos_sin, rope_inv_freq
+
+
+def _native_cache(rows) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows or codes, scales) of one layer's K or V cache as the native attention reads it: a
+    contiguous bf16 tensor (no scales), or a QuantizedRows read back as bf16 (its int8 / e4m3 codes
+    and fp32 scales: the native op quantizes and dequantizes as QuantizedRows does); else None."""
+    if type(rows) is torch.Tensor:
+        return (rows, native.NO_SCALES) if rows.dtype is torch.bfloat16 and rows.is_contiguous() else None
+    if type(rows) is QuantizedRows and rows.dtype is torch.bfloat16:
+        return rows.codes, rows.scales
+    return None
 
 
 class Transformer:
@@ -159,13 +171,11 @@ class Transformer:
             if layer not in self._fused_moe:
                 self._fused_moe[layer] = moe.resident_layer(self.args, self.w, self.experts, layer, self.expert_fn)
             att, fused = self._fused_attention[layer], self._fused_moe[layer]
-            k_cache, v_cache = kv.k[layer], kv.v[layer]
-            if (att is None or type(fused) is not moe.ResidentMoeLayer or any(
-                    type(c) is not torch.Tensor or c.dtype is not torch.bfloat16 or not c.is_contiguous()
-                    for c in (k_cache, v_cache))):
+            k_cache, v_cache = _native_cache(kv.k[layer]), _native_cache(kv.v[layer])
+            if att is None or type(fused) is not moe.ResidentMoeLayer or k_cache is None or v_cache is None:
                 return None
             norm_w, qkv, q_norm, k_norm, o_w = att
-            attention += [norm_w, qkv, q_norm, k_norm, o_w, k_cache, v_cache]
+            attention += [norm_w, qkv, q_norm, k_norm, o_w, k_cache[0], v_cache[0], k_cache[1], v_cache[1]]
             moe_operands += [fused.norm_w, fused.router_w, fused.table]
             inters.add(fused.inter)
         return (attention, moe_operands, inters.pop()) if len(inters) == 1 else None
@@ -240,13 +250,13 @@ class Transformer:
         operands = self._fused_attention[layer]
         if operands is None:
             return None  # (before the cache: MLA's compressed cache has no k/v rows)
-        k_cache, v_cache = kv.k[layer], kv.v[layer]
-        if type(k_cache) is not torch.Tensor or k_cache.dtype is not torch.bfloat16 or not k_cache.is_contiguous():
-            return None  # a quantized KV cache (int8 / fp8 rows): the unfused path dequantizes
+        k_cache, v_cache = _native_cache(kv.k[layer]), _native_cache(kv.v[layer])
+        if k_cache is None or v_cache is None:
+            return None
         norm_w, qkv, q_norm, k_norm, o_w = operands
         a = self.args
-        return native.attention_decode(x, norm_w, a.rms_norm_eps, qkv, q_norm, k_norm, cos, sin, k_cache, v_cache,
-                                       start_pos, a.num_heads, a.num_kv_heads, o_w)
+        return native.attention_decode(x, norm_w, a.rms_norm_eps, qkv, q_norm, k_norm, cos, sin, k_cache[0], v_cache[0],
+                                       start_pos, a.num_heads, a.num_kv_heads, o_w, k_cache[1], v_cache[1])
 
     def _attention_operands(self, layer: int) -> tuple | None:
         """(input norm, fused q/k/v, q norm, k norm, o_proj) of a layer the native attention decode

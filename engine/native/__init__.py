@@ -26,7 +26,8 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
     route_topk(x, w, k, norm)          softmax top-k routing of one token: ids [1,k], weights [1,k]
     combine(ys, weights)               sum of the K experts' rows, weighted: [1, H]
     moe_layer(h, ...)       a whole MoE layer of one token, residual included (engine/arch/moe.py)
-    attention_decode(x, ...)           a layer's attention half of one token, K/V written (attention_decode.cpp)
+    attention_decode(x, ...)           a layer's attention half of one token, K/V written (attention_decode.cpp;
+                                       the cache bf16, or int8 / fp8 codes + scales)
     decode_layers(x, ...)   every layer of one token: attention half + fused MoE per layer (decode_step.cpp)
     mxfp4_linear(x, blocks, scales, bias)  x @ dequant(blocks, scales).T + bias, fp32 or bf16
     int8_linear(x, codes, scales)          x @ (codes * scales).T, per-row scales
@@ -191,11 +192,18 @@ def moe_layer(h: torch.Tensor, norm_w: torch.Tensor, eps: float, router_w: torch
     return torch.ops.colibri.moe_layer_bf16(h, norm_w, eps, router_w, k, norm, experts, inter)
 
 
+# A bf16 cache's scales: none (one empty tensor for every call, not one per token).
+NO_SCALES = torch.empty(0, dtype=torch.float32)
+
+
 def attention_decode(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, q_norm: torch.Tensor,
                      k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int, o_w: torch.Tensor) -> torch.Tensor:
+                     v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int, o_w: torch.Tensor,
+                     k_scales: torch.Tensor = NO_SCALES, v_scales: torch.Tensor = NO_SCALES) -> torch.Tensor:
+    """k_cache/v_cache: bf16 [Nkv, ctx, D], or int8 / float8_e4m3fn codes with k_scales/v_scales
+    [Nkv, ctx] fp32 (a QuantizedRows' codes and scales)."""
     return torch.ops.colibri.attention_decode_bf16(x, norm_w, eps, qkv_w, q_norm, k_norm, cos, sin, k_cache, v_cache,
-                                                   pos, heads, kv_heads, o_w)
+                                                   k_scales, v_scales, pos, heads, kv_heads, o_w)
 
 
 def decode_layers(x: torch.Tensor, attention: list, moe: list, cos: torch.Tensor, sin: torch.Tensor, pos: int,

@@ -14,7 +14,9 @@
 //   decode_layers_bf16(x [1,H], attention, moe, cos [D], sin [D], pos, heads, kv_heads, eps, k, norm,
 //       inter) -> [1,H]
 //   attention: per layer (input norm [H], qkv [(Nq+2Nkv)D, H], q_norm [D]|[0], k_norm [D]|[0],
-//       o_proj [H, Nq D], k_cache [Nkv,ctx,D], v_cache), 7 tensors a layer; moe: per layer
+//       o_proj [H, Nq D], k_cache [Nkv,ctx,D], v_cache, k_scales [Nkv,ctx] | [0], v_scales), 9 tensors
+//       a layer (the caches bf16 with empty scales, or int8 / e4m3 codes with their scales, as
+//       attention_decode_bf16 takes them); moe: per layer
 //       (post-attention norm [H], router [E,H], expert table int64 [E,3]), 3 a layer.
 
 #include <torch/library.h>
@@ -36,14 +38,14 @@ at::Tensor decode_layers_bf16(const at::Tensor& x_in, at::TensorList attention, 
                               int64_t kv_heads, double eps, int64_t k, bool norm, int64_t inter) {
   const at::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "decode_layers_bf16: x must be [1, H]");
-  TORCH_CHECK(attention.size() % 7 == 0 && moe.size() % 3 == 0 && attention.size() / 7 == moe.size() / 3,
-              "decode_layers_bf16: 7 attention and 3 MoE tensors per layer");
+  TORCH_CHECK(attention.size() % 9 == 0 && moe.size() % 3 == 0 && attention.size() / 9 == moe.size() / 3,
+              "decode_layers_bf16: 9 attention and 3 MoE tensors per layer");
   const int64_t H = x.size(1), layers = (int64_t)moe.size() / 3;
   std::vector<AttnLayer> att(layers);
   std::vector<MoeLayer> mix(layers);
   for (int64_t l = 0; l < layers; l++) {  // every check before any layer runs
-    const at::Tensor* a = &attention[7 * l];
-    att[l] = attention_layer(H, a[0], a[1], a[2], a[3], a[5], a[6], heads, kv_heads, a[4]);
+    const at::Tensor* a = &attention[9 * l];
+    att[l] = attention_layer(H, a[0], a[1], a[2], a[3], a[5], a[6], a[7], a[8], heads, kv_heads, a[4]);
     TORCH_CHECK(pos >= 0 && pos < att[l].ctx, "decode_layers_bf16: pos outside the cache");
     TORCH_CHECK(cos.numel() == att[l].D && sin.numel() == att[l].D, "decode_layers_bf16: cos/sin must be [D]");
     mix[l] = moe_layer(H, moe[3 * l], moe[3 * l + 1], moe[3 * l + 2], k, inter);
