@@ -36,6 +36,7 @@ from engine.arch.kvquant import QuantizedRows
 from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
 from engine.arch.args import ModelArgs, layer_prefix
 from engine.format.quant import linear
+from engine.arch.router import trim_operands
 from engine.arch.rope import RopeTable, apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -148,7 +149,7 @@ class Transformer:
         (_decode_attention, _resident_moe) anyway; else None. The same bits as those calls."""
         if (x.shape[0] != 1 or mask is not None or not native.ready or x.dtype is not torch.bfloat16
                 or cos.dtype is not torch.bfloat16 or self._streamed or self.routing_log is not None
-                or self.routing_trim is not None or self.lookahead_depth or not self.step_loop
+                or self.lookahead_depth or not self.step_loop
                 or type(kv) is not KVCache):  # MLA's latent cache, gpt-oss's windowed one: per-layer paths
             return None
         operands = self._step_operands
@@ -159,7 +160,8 @@ class Transformer:
         attention, moe_operands, inter = operands[2]
         a = self.args
         return native.decode_layers(x, attention, moe_operands, cos, sin, start_pos, a.num_heads, a.num_kv_heads,
-                                    a.rms_norm_eps, a.top_k, bool(a.norm_topk_prob), inter)
+                                    a.rms_norm_eps, a.top_k, bool(a.norm_topk_prob), inter,
+                                    *trim_operands(self.routing_trim))  # the trim applied inside
 
     def _step_lists(self, kv) -> tuple | None:
         """(attention tensors, MoE tensors, inter) for decode_layers_bf16, or None where a layer would
@@ -228,11 +230,12 @@ class Transformer:
 
     def _resident_moe(self, layer: int, w: dict, h: torch.Tensor):
         """The fused decode of this MoE layer (moe.ResidentMoeLayer) when it applies to this call:
-        one bf16 token, native ops loaded, resident weights, and nothing that watches or changes the
-        routing (routing log, trim, lookahead); else None. Whether the layer itself qualifies is
-        decided once per layer."""
+        one bf16 token, native ops loaded, resident weights, and nothing that watches the routing
+        (routing log, lookahead); else None. A routing trim runs inside the fused call (the same
+        experts and weights as RoutingTrim.apply). Whether the layer itself qualifies is decided
+        once per layer."""
         if (h.shape[0] != 1 or not native.ready or h.dtype is not torch.bfloat16 or w is not self.w
-                or self.routing_log is not None or self.routing_trim is not None or self.lookahead_depth):
+                or self.routing_log is not None or self.lookahead_depth):
             return None
         if layer not in self._fused_moe:
             self._fused_moe[layer] = moe.resident_layer(self.args, self.w, self.experts, layer, self.expert_fn)
@@ -280,7 +283,7 @@ class Transformer:
     def _resident_moe_call(self, layer: int, fused, h: torch.Tensor) -> torch.Tensor:
         # norm, router, top-k, experts, sum and residual: one native call (a seam of its own for
         # benchmarks/decode_profile.py, which times the layer's parts by method)
-        return fused(h)
+        return fused(h, self.routing_trim)
 
     def _attention(self, layer, w, x, start_pos, kv, cos, sin, mask):
         p, a = f"{layer_prefix(layer)}.self_attn", self.args
