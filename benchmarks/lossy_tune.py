@@ -1,8 +1,8 @@
 """A `tune --max-kl` run and its speed-quality front: every lossy setting it measured, with speed and quality.
 
     python benchmarks/lossy_tune.py --model DIR [--quant bf16,int8] [--max-kl 0.05] [--trials 12]
-        [--ram-budget 512MiB] [--profile FILE] [--quality-tokens 1024] [--quality-ctx 256] [--out DIR] [--json]
-        [--prepare-only | --resume]
+        [--ram-budget 512MiB] [--min-ctx 2048] [--prompts FILE] [--profile FILE] [--quality-tokens 1024]
+        [--quality-ctx 256] [--out DIR] [--json] [--prepare-only | --resume]
 
 Runs `colibri tune --max-kl ...` (with --quant: one study per level, tuner/search/quant_tune.py)
 as a user would, then prints the run's lossy.json as a table: per measured setting (quant level,
@@ -15,6 +15,11 @@ With --quant, `--prepare-only` converts the levels and scores their quality (unt
 bench time goes to trials; the lossy settings' own quality is scored inside the studies. The search is Optuna's (GP by
 default), so which settings get measured depends on the seed and the trial count: the table
 says what was measured, not every combination.
+
+--min-ctx and --prompts are tune's own (the context every candidate must hold, and the user's
+requests instead of the fixed prompt): a long context is where KV precision matters, because the
+memory plan charges the KV cache for the whole ctx_size and what int8 / fp8 KV saves goes to the
+expert cache (docs/TUNING.md, "Lossy settings").
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from tuner.search.quant_tune import QuantTuneOptions, parse_levels, run_quant_tu
 from tuner.search.study import TuneOptions, run_tune  # noqa: E402
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="model directory or synth preset")
     ap.add_argument("--quant", help="levels, e.g. bf16,int8 (one study each)")
@@ -43,6 +48,9 @@ def main() -> int:
     ap.add_argument("--ram-budget", default="512MiB")
     ap.add_argument("--quality-tokens", type=int, default=1024)
     ap.add_argument("--quality-ctx", type=int, default=256)
+    ap.add_argument("--min-ctx", type=int, default=TuneOptions.min_ctx,
+                    help="smallest context every candidate holds (tune's --min-ctx; the KV cache is planned for it)")
+    ap.add_argument("--prompts", help="tune's --prompts: your requests (one per line, or JSONL) instead of the fixed prompt")
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -51,13 +59,24 @@ def main() -> int:
     ap.add_argument("--prepare-only", action="store_true", help="with --quant: convert and score, tune nothing")
     ap.add_argument("--resume", action="store_true", help="continue the run in --out (e.g. after --prepare-only)")
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.prepare_only and not a.quant:
         ap.error("--prepare-only needs --quant (the levels to convert and score)")
+    return a
+
+
+def tune_options(a: argparse.Namespace) -> TuneOptions:
+    """The tune a user would run with these flags (the bound checked here: one error line)."""
     bound = QualityBound(max_kl=a.max_kl, min_top1=a.min_top1, tokens=a.quality_tokens, ctx=a.quality_ctx).validate()
-    opts = TuneOptions(model=a.model, ram_budget=parse_size(a.ram_budget), trials=a.trials, tokens=a.tokens,
+    return TuneOptions(model=a.model, ram_budget=parse_size(a.ram_budget), trials=a.trials, tokens=a.tokens,
                        repeats=a.repeats, seed=a.seed, out=Path(a.out) if a.out else None, confirm_top=2,
-                       confirm_rounds=1, profile=a.profile, lossy=bound, resume=a.resume)
+                       confirm_rounds=1, profile=a.profile, lossy=bound, resume=a.resume, min_ctx=a.min_ctx,
+                       prompts=a.prompts)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    opts = tune_options(a)
     if a.quant:
         out = run_quant_tune(QuantTuneOptions(opts, parse_levels(a.quant), quality_tokens=a.quality_tokens,
                                               quality_ctx=a.quality_ctx, prepare_only=a.prepare_only)).out_dir
@@ -70,9 +89,10 @@ def main() -> int:
     if a.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"model {a.model}, budget {a.ram_budget}, {a.trials} trials per level, bound {summary['bound_text']}, "
-          f"quality on {a.quality_tokens} tokens (ctx {a.quality_ctx}), {a.tokens} decode tokens x {a.repeats} "
-          f"repeats, cold; {platform.machine()} {platform.python_version()}; run {out}")
+    workload = f"prompts {a.prompts}" if a.prompts else f"{a.tokens} decode tokens x {a.repeats} repeats"
+    print(f"model {a.model}, budget {a.ram_budget}, min ctx {a.min_ctx}, {a.trials} trials per level, "
+          f"bound {summary['bound_text']}, quality on {a.quality_tokens} tokens (ctx {a.quality_ctx}), {workload}, "
+          f"cold; {platform.machine()} {platform.python_version()}; run {out}")
     print(f"{'setting':<34} {'decode tok/s':>12} {'vs same place':>13} {'KL mean':>9} {'top-1':>7}  bound  front  chosen")
     for p in summary["points"]:
         ratio = p.get("vs_lossless_same_placement")  # over lossless at the same placement (None: none ran)
