@@ -148,12 +148,15 @@ def test_the_step_loop_gives_the_per_layer_bits_in_one_call_per_token(bf16_model
     assert all(torch.equal(f, s) for f, s in zip(looped, apart))
 
 
-def test_watching_the_routing_or_trimming_it_takes_the_unfused_path(bf16_model, monkeypatch):
+def test_watching_the_routing_takes_the_unfused_path(bf16_model, monkeypatch):
+    # (a routing trim does not: the fused ops apply it, tests/test_native_trim.py)
     config = EngineConfig(threads=1, ctx_size=32, top_k_reduction=1)
     with Engine(bf16_model, config) as engine:
+        engine.record_routing()  # the log wants each layer's ids, which the fused call keeps inside
         fused, steps = count_calls(monkeypatch, "moe_layer"), count_calls(monkeypatch, "decode_layers")
         generate(engine, PROMPT, 3, Sampler())
-        assert fused == [] and steps == []  # a trimmed rule: moe_layer_bf16 does not apply it
+        assert fused == [] and steps == []
+        assert all(len(calls) == 3 for calls in engine.model.routing_log)
 
 
 def test_without_native_ops_decode_runs_on_torch(bf16_model, monkeypatch):

@@ -32,10 +32,23 @@ import torch.nn.functional as F
 
 from engine.arch import moe
 from engine import native
+from engine.arch.kvquant import QuantizedRows
 from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
 from engine.arch.args import ModelArgs, layer_prefix
 from engine.format.quant import linear
+from engine.arch.router import trim_operands
 from engine.arch.rope import RopeTable, apply_rope, rope_cos_sin, rope_inv_freq
+
+
+def _native_cache(rows) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows or codes, scales) of one layer's K or V cache as the native attention reads it: a
+    contiguous bf16 tensor (no scales), or a QuantizedRows read back as bf16 (its int8 / e4m3 codes
+    and fp32 scales: the native op quantizes and dequantizes as QuantizedRows does); else None."""
+    if type(rows) is torch.Tensor:
+        return (rows, native.NO_SCALES) if rows.dtype is torch.bfloat16 and rows.is_contiguous() else None
+    if type(rows) is QuantizedRows and rows.dtype is torch.bfloat16:
+        return rows.codes, rows.scales
+    return None
 
 
 class Transformer:
@@ -136,7 +149,7 @@ class Transformer:
         (_decode_attention, _resident_moe) anyway; else None. The same bits as those calls."""
         if (x.shape[0] != 1 or mask is not None or not native.ready or x.dtype is not torch.bfloat16
                 or cos.dtype is not torch.bfloat16 or self._streamed or self.routing_log is not None
-                or self.routing_trim is not None or self.lookahead_depth or not self.step_loop
+                or self.lookahead_depth or not self.step_loop
                 or type(kv) is not KVCache):  # MLA's latent cache, gpt-oss's windowed one: per-layer paths
             return None
         operands = self._step_operands
@@ -147,7 +160,8 @@ class Transformer:
         attention, moe_operands, inter = operands[2]
         a = self.args
         return native.decode_layers(x, attention, moe_operands, cos, sin, start_pos, a.num_heads, a.num_kv_heads,
-                                    a.rms_norm_eps, a.top_k, bool(a.norm_topk_prob), inter)
+                                    a.rms_norm_eps, a.top_k, bool(a.norm_topk_prob), inter,
+                                    *trim_operands(self.routing_trim))  # the trim applied inside
 
     def _step_lists(self, kv) -> tuple | None:
         """(attention tensors, MoE tensors, inter) for decode_layers_bf16, or None where a layer would
@@ -159,13 +173,11 @@ class Transformer:
             if layer not in self._fused_moe:
                 self._fused_moe[layer] = moe.resident_layer(self.args, self.w, self.experts, layer, self.expert_fn)
             att, fused = self._fused_attention[layer], self._fused_moe[layer]
-            k_cache, v_cache = kv.k[layer], kv.v[layer]
-            if (att is None or type(fused) is not moe.ResidentMoeLayer or any(
-                    type(c) is not torch.Tensor or c.dtype is not torch.bfloat16 or not c.is_contiguous()
-                    for c in (k_cache, v_cache))):
+            k_cache, v_cache = _native_cache(kv.k[layer]), _native_cache(kv.v[layer])
+            if att is None or type(fused) is not moe.ResidentMoeLayer or k_cache is None or v_cache is None:
                 return None
             norm_w, qkv, q_norm, k_norm, o_w = att
-            attention += [norm_w, qkv, q_norm, k_norm, o_w, k_cache, v_cache]
+            attention += [norm_w, qkv, q_norm, k_norm, o_w, k_cache[0], v_cache[0], k_cache[1], v_cache[1]]
             moe_operands += [fused.norm_w, fused.router_w, fused.table]
             inters.add(fused.inter)
         return (attention, moe_operands, inters.pop()) if len(inters) == 1 else None
@@ -218,11 +230,12 @@ class Transformer:
 
     def _resident_moe(self, layer: int, w: dict, h: torch.Tensor):
         """The fused decode of this MoE layer (moe.ResidentMoeLayer) when it applies to this call:
-        one bf16 token, native ops loaded, resident weights, and nothing that watches or changes the
-        routing (routing log, trim, lookahead); else None. Whether the layer itself qualifies is
-        decided once per layer."""
+        one bf16 token, native ops loaded, resident weights, and nothing that watches the routing
+        (routing log, lookahead); else None. A routing trim runs inside the fused call (the same
+        experts and weights as RoutingTrim.apply). Whether the layer itself qualifies is decided
+        once per layer."""
         if (h.shape[0] != 1 or not native.ready or h.dtype is not torch.bfloat16 or w is not self.w
-                or self.routing_log is not None or self.routing_trim is not None or self.lookahead_depth):
+                or self.routing_log is not None or self.lookahead_depth):
             return None
         if layer not in self._fused_moe:
             self._fused_moe[layer] = moe.resident_layer(self.args, self.w, self.experts, layer, self.expert_fn)
@@ -240,13 +253,13 @@ class Transformer:
         operands = self._fused_attention[layer]
         if operands is None:
             return None  # (before the cache: MLA's compressed cache has no k/v rows)
-        k_cache, v_cache = kv.k[layer], kv.v[layer]
-        if type(k_cache) is not torch.Tensor or k_cache.dtype is not torch.bfloat16 or not k_cache.is_contiguous():
-            return None  # a quantized KV cache (int8 / fp8 rows): the unfused path dequantizes
+        k_cache, v_cache = _native_cache(kv.k[layer]), _native_cache(kv.v[layer])
+        if k_cache is None or v_cache is None:
+            return None
         norm_w, qkv, q_norm, k_norm, o_w = operands
         a = self.args
-        return native.attention_decode(x, norm_w, a.rms_norm_eps, qkv, q_norm, k_norm, cos, sin, k_cache, v_cache,
-                                       start_pos, a.num_heads, a.num_kv_heads, o_w)
+        return native.attention_decode(x, norm_w, a.rms_norm_eps, qkv, q_norm, k_norm, cos, sin, k_cache[0], v_cache[0],
+                                       start_pos, a.num_heads, a.num_kv_heads, o_w, k_cache[1], v_cache[1])
 
     def _attention_operands(self, layer: int) -> tuple | None:
         """(input norm, fused q/k/v, q norm, k norm, o_proj) of a layer the native attention decode
@@ -270,7 +283,7 @@ class Transformer:
     def _resident_moe_call(self, layer: int, fused, h: torch.Tensor) -> torch.Tensor:
         # norm, router, top-k, experts, sum and residual: one native call (a seam of its own for
         # benchmarks/decode_profile.py, which times the layer's parts by method)
-        return fused(h)
+        return fused(h, self.routing_trim)
 
     def _attention(self, layer, w, x, start_pos, kv, cos, sin, mask):
         p, a = f"{layer_prefix(layer)}.self_attn", self.args

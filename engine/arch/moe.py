@@ -16,6 +16,8 @@ With every expert of the layer resident in bf16 and the softmax top-k rule, the 
 norm, router, top-k, the K experts, the weighted sum, the residual add) is one native call instead
 (ResidentMoeLayer, engine/native/moe_decode.cpp); the unfused decode path calls the same pieces as
 separate native ops (layers.rms_norm, layers.route, native.combine), so the two give the same bits.
+A routing trim (router.RoutingTrim) runs inside the call too (moe_kernels.h trim_experts), with
+apply's experts and weights bit for bit.
 """
 
 
@@ -26,6 +28,7 @@ import torch
 from engine import native
 from engine.arch.args import ModelArgs, layer_prefix
 from engine.arch import moe_quant
+from engine.arch.router import trim_operands
 from engine.arch.layers import native_quant_operands, swiglu_expert
 
 
@@ -118,9 +121,11 @@ class ResidentMoeLayer:
                 rows.append([t.data_ptr() for t in expert])
         self.table = torch.tensor(rows, dtype=torch.int64)  # [E, 3]
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, trim=None) -> torch.Tensor:
+        """trim: an engine/arch/router.py RoutingTrim the op applies (the same experts and weights as
+        RoutingTrim.apply on the unfused path's routing), or None."""
         return native.moe_layer(h, self.norm_w, self.eps, self.router_w, self.top_k, self.norm_topk,
-                                self.table, self.inter)
+                                self.table, self.inter, *trim_operands(trim))
 
 
 def resident_layer(args: ModelArgs, w: dict, store, layer: int, expert_fn) -> ResidentMoeLayer | None:

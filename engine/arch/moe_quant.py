@@ -15,6 +15,7 @@ import torch
 
 from engine import native
 from engine.arch.layers import native_quant_operands
+from engine.arch.router import trim_operands
 from engine.format.quant import QuantWeight
 
 
@@ -34,9 +35,10 @@ class ResidentQuantMoeLayer:
         self.table = torch.tensor([[t.data_ptr() for w in expert for t in (w.qweight, w.qscale)] for expert in experts],
                                   dtype=torch.int64)  # [E, 6]
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, trim=None) -> torch.Tensor:
+        """trim: a RoutingTrim the op applies, as moe.ResidentMoeLayer's, or None."""
         return native.moe_layer_int(h, self.norm_w, self.eps, self.router_w, self.top_k, self.norm_topk,
-                                    self.table, self.inter, self.group)
+                                    self.table, self.inter, self.group, *trim_operands(trim))
 
 
 def resident_layer(norm_w: torch.Tensor, eps: float, router_w: torch.Tensor, top_k: int, norm_topk: bool,

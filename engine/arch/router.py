@@ -99,11 +99,17 @@ class RoutingTrim:
 
     def apply(self, ids: torch.Tensor, weights: torch.Tensor):
         """ids, weights [T, K] → [T, K - reduction]. A skipped slot is id -1 with weight 0, except
-        for one token (decode), whose skipped slots are dropped: ids [1, kept]."""
+        for one token (decode), whose skipped slots are dropped: ids [1, kept].
+
+        Every step has one defined result, so the fused native layers (engine/native/moe_kernels.h
+        trim_experts) reproduce it bit for bit: a stable sort (equal weights keep the rule's order;
+        torch.topk leaves ties unordered) and fp32 totals summed left to right (torch.sum's order
+        is its own)."""
         T, K = ids.shape
         w = weights.float()
-        total = w.sum(dim=-1, keepdim=True)  # [T, 1]
-        kept_w, order = torch.topk(w, K - self.reduction, dim=-1)  # heaviest first
+        total = _sum_left_to_right(w)  # [T, 1]
+        kept_w, order = torch.sort(w, dim=-1, descending=True, stable=True)  # heaviest first
+        kept_w, order = kept_w[:, :K - self.reduction], order[:, :K - self.reduction]
         kept_ids = ids.gather(1, order)
         skip = None
         if self.threshold > 0:
@@ -111,13 +117,27 @@ class RoutingTrim:
             skip[:, 0] = False
             kept_w = kept_w.masked_fill(skip, 0.0)
         if self.renormalize:
-            kept_w = kept_w * (total / kept_w.sum(dim=-1, keepdim=True).clamp_min(1e-20))
+            kept_w = kept_w * (total / _sum_left_to_right(kept_w).clamp_min(1e-20))
         if skip is not None and skip.any():
             if T == 1:
                 keep = ~skip[0]
                 return kept_ids[:, keep], kept_w[:, keep].to(weights.dtype)
             kept_ids = kept_ids.masked_fill(skip, -1)
         return kept_ids, kept_w.to(weights.dtype)
+
+
+def _sum_left_to_right(w: torch.Tensor) -> torch.Tensor:
+    """[T, n] fp32 → [T, 1]: the row sums, column after column (a handful: n is top_k)."""
+    total = w[:, :1].clone()
+    for j in range(1, w.shape[1]):
+        total += w[:, j:j + 1]
+    return total
+
+
+def trim_operands(trim: RoutingTrim | None) -> tuple[int, float, bool]:
+    """(reduction, threshold, renormalize) for the fused native layers, which apply the trim inside
+    (engine/native/moe_kernels.h trim_experts, the same bits as apply); (0, 0.0, False): no trim."""
+    return (0, 0.0, False) if trim is None else (int(trim.reduction), float(trim.threshold), bool(trim.renormalize))
 
 
 def routing_trim(args, reduction: int, threshold: float) -> RoutingTrim | None:

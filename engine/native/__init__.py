@@ -25,8 +25,10 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
     rms_norm(x, w, eps)     per row of x [..., H] (moe_decode.cpp)
     route_topk(x, w, k, norm)          softmax top-k routing of one token: ids [1,k], weights [1,k]
     combine(ys, weights)               sum of the K experts' rows, weighted: [1, H]
-    moe_layer(h, ...)       a whole MoE layer of one token, residual included (engine/arch/moe.py)
-    attention_decode(x, ...)           a layer's attention half of one token, K/V written (attention_decode.cpp)
+    moe_layer(h, ...)       a whole MoE layer of one token, residual included, a routing trim applied
+                            when given (reduction, threshold, renormalize; engine/arch/moe.py)
+    attention_decode(x, ...)           a layer's attention half of one token, K/V written (attention_decode.cpp;
+                                       the cache bf16, or int8 / fp8 codes + scales)
     decode_layers(x, ...)   every layer of one token: attention half + fused MoE per layer (decode_step.cpp)
     mxfp4_linear(x, blocks, scales, bias)  x @ dequant(blocks, scales).T + bias, fp32 or bf16
     int8_linear(x, codes, scales)          x @ (codes * scales).T, per-row scales
@@ -187,20 +189,31 @@ def combine(ys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def moe_layer(h: torch.Tensor, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor, k: int, norm: bool,
-              experts: torch.Tensor, inter: int) -> torch.Tensor:
-    return torch.ops.colibri.moe_layer_bf16(h, norm_w, eps, router_w, k, norm, experts, inter)
+              experts: torch.Tensor, inter: int, reduction: int = 0, threshold: float = 0.0,
+              renormalize: bool = False) -> torch.Tensor:
+    return torch.ops.colibri.moe_layer_bf16(h, norm_w, eps, router_w, k, norm, experts, inter, reduction, threshold,
+                                            renormalize)
+
+
+# A bf16 cache's scales: none (one empty tensor for every call, not one per token).
+NO_SCALES = torch.empty(0, dtype=torch.float32)
 
 
 def attention_decode(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, q_norm: torch.Tensor,
                      k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int, o_w: torch.Tensor) -> torch.Tensor:
+                     v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int, o_w: torch.Tensor,
+                     k_scales: torch.Tensor = NO_SCALES, v_scales: torch.Tensor = NO_SCALES) -> torch.Tensor:
+    """k_cache/v_cache: bf16 [Nkv, ctx, D], or int8 / float8_e4m3fn codes with k_scales/v_scales
+    [Nkv, ctx] fp32 (a QuantizedRows' codes and scales)."""
     return torch.ops.colibri.attention_decode_bf16(x, norm_w, eps, qkv_w, q_norm, k_norm, cos, sin, k_cache, v_cache,
-                                                   pos, heads, kv_heads, o_w)
+                                                   k_scales, v_scales, pos, heads, kv_heads, o_w)
 
 
 def decode_layers(x: torch.Tensor, attention: list, moe: list, cos: torch.Tensor, sin: torch.Tensor, pos: int,
-                  heads: int, kv_heads: int, eps: float, k: int, norm: bool, inter: int) -> torch.Tensor:
-    return torch.ops.colibri.decode_layers_bf16(x, attention, moe, cos, sin, pos, heads, kv_heads, eps, k, norm, inter)
+                  heads: int, kv_heads: int, eps: float, k: int, norm: bool, inter: int, reduction: int = 0,
+                  threshold: float = 0.0, renormalize: bool = False) -> torch.Tensor:
+    return torch.ops.colibri.decode_layers_bf16(x, attention, moe, cos, sin, pos, heads, kv_heads, eps, k, norm, inter,
+                                                reduction, threshold, renormalize)
 
 
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -220,5 +233,7 @@ def quant_experts(x: torch.Tensor, weights: list, group: int) -> torch.Tensor:
 
 
 def moe_layer_int(h: torch.Tensor, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor, k: int, norm: bool,
-                  experts: torch.Tensor, inter: int, group: int) -> torch.Tensor:
-    return torch.ops.colibri_int.moe_layer_int(h, norm_w, eps, router_w, k, norm, experts, inter, group)
+                  experts: torch.Tensor, inter: int, group: int, reduction: int = 0, threshold: float = 0.0,
+                  renormalize: bool = False) -> torch.Tensor:
+    return torch.ops.colibri_int.moe_layer_int(h, norm_w, eps, router_w, k, norm, experts, inter, group, reduction,
+                                               threshold, renormalize)

@@ -12,11 +12,18 @@
 // the op is deterministic (one thread per head and per output row, fixed order), and every
 // placement of a model runs it the same way.
 //
+// A quantized cache (kv_dtype int8 / fp8: codes + one fp32 scale per token per head, as
+// engine/arch/kvquant.py's QuantizedRows) is written and read here too: the new row's codes and
+// scale are what QuantizedRows.__setitem__ stores, and each cached row is read as its
+// __getitem__ returns it (code * scale in fp32, rounded to bf16) before the scores and the
+// weighted sum, so the fused and unfused paths differ only as they do for a bf16 cache.
+//
 // Op (namespace colibri):
 //   attention_decode_bf16(x [1,H], norm_w [H], eps, qkv_w [(Nq+2Nkv)D, H], q_norm [D] | [0],
-//       k_norm [D] | [0], cos [D], sin [D], k_cache [Nkv,ctx,D], v_cache, pos, heads, kv_heads,
-//       o_w [H, Nq D]) -> [1, H]
-//   q_norm/k_norm empty: no per-head norm. Writes k_cache/v_cache[:, pos]; attends positions 0..pos.
+//       k_norm [D] | [0], cos [D], sin [D], k_cache [Nkv,ctx,D], v_cache, k_scales [Nkv,ctx] | [0],
+//       v_scales, pos, heads, kv_heads, o_w [H, Nq D]) -> [1, H]
+//   q_norm/k_norm empty: no per-head norm. Caches bf16 with empty scales, or int8 / float8_e4m3fn
+//   codes with fp32 scales. Writes k_cache/v_cache[:, pos] (and the scales'); attends positions 0..pos.
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -32,11 +39,13 @@ using namespace colibri_native;
 
 at::Tensor attention_decode_bf16(const at::Tensor& x_in, const at::Tensor& norm_w, double eps, const at::Tensor& qkv_w,
                                  const at::Tensor& q_norm, const at::Tensor& k_norm, const at::Tensor& cos,
-                                 const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t pos,
+                                 const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& k_scales, const at::Tensor& v_scales, int64_t pos,
                                  int64_t heads, int64_t kv_heads, const at::Tensor& o_w) {
   const at::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "attention_decode_bf16: x must be [1, H]");
-  const AttnLayer L = attention_layer(x.size(1), norm_w, qkv_w, q_norm, k_norm, k_cache, v_cache, heads, kv_heads, o_w);
+  const AttnLayer L = attention_layer(x.size(1), norm_w, qkv_w, q_norm, k_norm, k_cache, v_cache, k_scales, v_scales,
+                                      heads, kv_heads, o_w);
   TORCH_CHECK(pos >= 0 && pos < L.ctx, "attention_decode_bf16: pos outside the cache");
   TORCH_CHECK(cos.numel() == L.D && sin.numel() == L.D, "attention_decode_bf16: cos/sin must be [D]");
   static thread_local AttnScratch scratch;
@@ -49,7 +58,8 @@ at::Tensor attention_decode_bf16(const at::Tensor& x_in, const at::Tensor& norm_
 }  // namespace
 TORCH_LIBRARY_FRAGMENT(colibri, m) {
   m.def("attention_decode_bf16(Tensor x, Tensor norm_w, float eps, Tensor qkv_w, Tensor q_norm, Tensor k_norm, "
-        "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, int heads, int kv_heads, "
+        "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scales, Tensor(d!) v_scales, "
+        "int pos, int heads, int kv_heads, "
         "Tensor o_w) -> Tensor");
 }
 

@@ -1,9 +1,11 @@
 // The attention half of a decoder layer for one decode token, bf16, as inline functions: the one
 // op of attention_decode.cpp and the whole-step loop of decode_step.cpp both run attention_rows, so
 // a layer gives the same bits either way. (Roundings and order: attention_decode.cpp's header.)
+// The K/V cache is either bf16 rows or codes (int8 / e4m3) with one fp32 scale per row (KvRows).
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -39,18 +41,113 @@ inline void rope_heads(bf16* rows, int64_t n, int64_t D, const bf16* cos, const 
   }
 }
 
+// One layer's K or V cache [Nkv, ctx, D]: bf16 rows, or codes with one fp32 scale per row (per
+// token per head), as engine/arch/kvquant.py's QuantizedRows holds them. Writes quantize as its
+// __setitem__ does and reads dequantize as its __getitem__ does (code * scale in fp32, rounded to
+// bf16), so the scores and the weighted sum see the numbers the unfused path's SDPA sees.
+enum class KvCode { bf16, int8, e4m3 };
+
+// float -> bf16 of 16 lanes, round to nearest even, NaN kept quiet: to_bf16's integer steps, so
+// a denormal product rounds as torch rounds it (VCVTNEPS2BF16 would flush it to zero).
+inline __m256i to_bf16_x16(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+struct KvRows {
+  void* data = nullptr;     // [Nkv, ctx, D]: bf16, int8 or e4m3 bytes
+  float* scales = nullptr;  // [Nkv, ctx]: codes only
+  KvCode code = KvCode::bf16;
+  int64_t ctx = 0, D = 0;
+
+  // Row (g, pos) <- src [D] (bf16). Codes: scale = max(amax |x|, 1e-30) / qmax, code = x / scale,
+  // int8 rounded half to even and clamped to +-127, e4m3 clamped to +-448 then cast (torch's
+  // c10 conversion: round to nearest even). fp32 throughout, as QuantizedRows.__setitem__.
+  inline void write(int64_t g, int64_t pos, const bf16* src) const {
+    const int64_t row = g * ctx + pos;
+    if (code == KvCode::bf16) {
+      std::copy(src, src + D, reinterpret_cast<bf16*>(data) + row * D);
+      return;
+    }
+    const float qmax = code == KvCode::int8 ? 127.0f : 448.0f;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < D; i++) {  // a NaN propagates, as torch's amax
+      const float a = std::fabs(to_f32(src[i]));
+      amax = (a > amax || std::isnan(a)) && !std::isnan(amax) ? a : amax;
+    }
+    const float scale = (std::isnan(amax) ? amax : std::max(amax, 1e-30f)) / qmax;
+    scales[row] = scale;
+    if (code == KvCode::int8) {
+      int8_t* out = reinterpret_cast<int8_t*>(data) + row * D;
+      for (int64_t i = 0; i < D; i++)  // (a NaN code: torch's float -> int8 cast is undefined there too)
+        out[i] = (int8_t)std::min(std::max(std::nearbyint(to_f32(src[i]) / scale), -qmax), qmax);
+    } else {
+      uint8_t* out = reinterpret_cast<uint8_t*>(data) + row * D;
+      for (int64_t i = 0; i < D; i++) {
+        const float x = to_f32(src[i]) / scale;
+        out[i] = c10::Float8_e4m3fn(std::isnan(x) ? x : std::min(std::max(x, -qmax), qmax)).x;
+      }
+    }
+  }
+
+  // Rows j0 .. j0+n of head g as bf16: the cache's own rows, or (codes) dequantized into buf [n, D].
+  inline const bf16* rows(int64_t g, int64_t j0, int64_t n, bf16* buf) const {
+    const int64_t row0 = g * ctx + j0;
+    if (code == KvCode::bf16) return reinterpret_cast<const bf16*>(data) + row0 * D;
+    for (int64_t j = 0; j < n; j++) {
+      const __m512 s = _mm512_set1_ps(scales[row0 + j]);
+      const uint8_t* c = reinterpret_cast<const uint8_t*>(data) + (row0 + j) * D;
+      bf16* out = buf + j * D;
+      for (int64_t i = 0; i < D; i += 16) {
+        const __mmask16 m = D - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - i)) - 1);
+        const __m128i bytes = _mm_maskz_loadu_epi8(m, c + i);
+        const __m512 f = code == KvCode::int8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)) : e4m3_to_f32(bytes);
+        _mm256_mask_storeu_epi16(out + i, m, to_bf16_x16(_mm512_mul_ps(f, s)));
+      }
+    }
+    return buf;
+  }
+};
+
+// A cache tensor [Nkv, ctx, D] and its scales ([Nkv, ctx] fp32 for int8 / e4m3 codes, empty for bf16).
+inline KvRows kv_rows(const at::Tensor& cache, const at::Tensor& scales, const char* what) {
+  TORCH_CHECK(cache.dim() == 3 && cache.device().is_cpu() && cache.is_contiguous(), what,
+              " must be a contiguous CPU [Nkv, ctx, D] tensor");
+  KvRows r;
+  r.data = cache.data_ptr();
+  r.ctx = cache.size(1), r.D = cache.size(2);
+  const auto type = cache.scalar_type();
+  if (type == at::kBFloat16) {
+    TORCH_CHECK(scales.numel() == 0, what, ": a bf16 cache has no scales");
+    return r;
+  }
+  TORCH_CHECK(type == at::kChar || type == at::kFloat8_e4m3fn, what, " must be bfloat16, int8 or float8_e4m3fn");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.device().is_cpu() && scales.is_contiguous() &&
+                  scales.dim() == 2 && scales.size(0) == cache.size(0) && scales.size(1) == r.ctx,
+              what, " scales must be a contiguous fp32 [Nkv, ctx] tensor");
+  r.code = type == at::kChar ? KvCode::int8 : KvCode::e4m3;
+  r.scales = scales.data_ptr<float>();
+  return r;
+}
+
 // One layer's attention operands as raw rows (checked once by attention_layer).
 struct AttnLayer {
   const bf16 *norm_w, *qkv_w, *q_norm, *k_norm, *o_w;  // q_norm / k_norm null: no per-head norm
-  bf16 *k_cache, *v_cache;                             // [Nkv, ctx, D]
+  KvRows k_cache, v_cache;                             // [Nkv, ctx, D]
   int64_t H, D, ctx, heads, kv_heads;
 };
 
 inline AttnLayer attention_layer(int64_t H, const at::Tensor& norm_w, const at::Tensor& qkv_w, const at::Tensor& q_norm,
                                  const at::Tensor& k_norm, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                 int64_t heads, int64_t kv_heads, const at::Tensor& o_w) {
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == kv_heads,
-              "attention_decode_bf16: caches must be [Nkv, ctx, D]");
+                                 const at::Tensor& k_scales, const at::Tensor& v_scales, int64_t heads,
+                                 int64_t kv_heads, const at::Tensor& o_w) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == kv_heads &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "attention_decode_bf16: caches must be [Nkv, ctx, D], both of one dtype");
   TORCH_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0, "attention_decode_bf16: heads % kv_heads");
   const int64_t D = k_cache.size(2), Q = heads * D, KV = kv_heads * D;
   TORCH_CHECK(D % 2 == 0, "attention_decode_bf16: head_dim must be even");
@@ -66,11 +163,14 @@ inline AttnLayer attention_layer(int64_t H, const at::Tensor& norm_w, const at::
   L.o_w = bf16_data(o_w, "o_w");
   L.q_norm = q_norm.numel() ? bf16_data(q_norm, "q_norm") : nullptr;
   L.k_norm = q_norm.numel() ? bf16_data(k_norm, "k_norm") : nullptr;
-  L.k_cache = const_cast<bf16*>(bf16_data(k_cache, "k_cache"));
-  L.v_cache = const_cast<bf16*>(bf16_data(v_cache, "v_cache"));
+  L.k_cache = kv_rows(k_cache, k_scales, "attention_decode_bf16: k_cache");
+  L.v_cache = kv_rows(v_cache, v_scales, "attention_decode_bf16: v_cache");
   L.H = H, L.D = D, L.ctx = k_cache.size(1), L.heads = heads, L.kv_heads = kv_heads;
   return L;
 }
+
+// Cache rows per block of the heads loop: 64 rows of D = 128 are 16 KiB of bf16, L1-sized.
+constexpr int64_t KV_BLOCK = 64;
 
 struct AttnScratch {  // per calling thread, reused across calls: no allocation per token
   std::vector<bf16> normed, qkv, attn;
@@ -84,7 +184,7 @@ inline void attention_rows(const AttnLayer& L, const bf16* xp, const bf16* cp, c
   const int64_t H = L.H, D = L.D, ctx = L.ctx, heads = L.heads, kv_heads = L.kv_heads;
   const int64_t Q = heads * D, KV = kv_heads * D;
   const bf16 *wq = L.qkv_w, *wo = L.o_w, *qn = L.q_norm, *kn = L.k_norm;
-  bf16 *kc = L.k_cache, *vc = L.v_cache;
+  const KvRows &kc = L.k_cache, &vc = L.v_cache;
   s.normed.resize(H), s.qkv.resize(Q + 2 * KV), s.attn.resize(Q), s.tmp.resize(D);
   {  // the input norm: as layers.rms_norm of one token
     float ss = 0.0f;
@@ -117,35 +217,56 @@ inline void attention_rows(const AttnLayer& L, const bf16* xp, const bf16* cp, c
       }
       rope_heads(q, heads, D, cp, sp, tmp);
       rope_heads(k, kv_heads, D, cp, sp, tmp);
-      for (int64_t g = 0; g < kv_heads; g++) {  // the cache rows of this position
-        std::copy(k + g * D, k + (g + 1) * D, kc + (g * ctx + pos) * D);
-        std::copy(v + g * D, v + (g + 1) * D, vc + (g * ctx + pos) * D);
+      for (int64_t g = 0; g < kv_heads; g++) {  // the cache rows of this position (quantized: their codes)
+        kc.write(g, pos, k + g * D);
+        vc.write(g, pos, v + g * D);
       }
     }
     thread_share(heads, t, T, b, e);
-    if (b < e) {
-      static thread_local std::vector<float> p, acc;  // per worker thread, reused across calls
-      p.resize(S), acc.resize(D);
-      for (int64_t hd = b; hd < e; hd++) {
-        const bf16* keys = kc + (hd / group) * ctx * D;
-        const bf16* values = vc + (hd / group) * ctx * D;
-        float m = -INFINITY;
-        dot_rows(keys, D, q + hd * D, 0, S, [&](int64_t j, float val) {
-          p[j] = val * scale;
-          m = std::max(m, p[j]);
-        });
-        float sum = 0.0f;
-        for (int64_t j = 0; j < S; j++) {
-          p[j] = std::exp(p[j] - m);
-          sum += p[j];
+    // This thread's heads, a run of one K/V head's group at a time: each block of cache rows is
+    // read (quantized: dequantized) once for the run, not once per query head. Per head the sums
+    // run in the same order as one head alone (positions ascending), whatever the runs.
+    static thread_local std::vector<float> p, acc, m, sum;  // per worker thread, reused across calls
+    static thread_local std::vector<bf16> block;            // dequantized rows (quantized caches)
+    for (int64_t h0 = b; h0 < e;) {
+      const int64_t g = h0 / group, h1 = std::min(e, (g + 1) * group), n = h1 - h0;
+      p.resize(n * S), acc.resize(n * D), m.assign(n, -INFINITY), sum.assign(n, 0.0f);
+      if (kc.code != KvCode::bf16) block.resize(KV_BLOCK * D);
+      for (int64_t j0 = 0; j0 < S; j0 += KV_BLOCK) {
+        const int64_t rows = std::min(KV_BLOCK, S - j0);
+        const bf16* keys = kc.rows(g, j0, rows, block.data());
+        for (int64_t h = 0; h < n; h++) {
+          float* ph = p.data() + h * S + j0;
+          const bf16* qh = q + (h0 + h) * D;
+          for (int64_t j = 0; j < rows; j++) {
+            ph[j] = dot(keys + j * D, qh, D) * scale;
+            m[h] = std::max(m[h], ph[j]);
+          }
         }
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t j = 0; j < S; j++) {
-          const bf16* vr = values + j * D;
-          for (int64_t i = 0; i < D; i++) acc[i] += p[j] * to_f32(vr[i]);
-        }
-        for (int64_t i = 0; i < D; i++) attn[hd * D + i] = to_bf16(acc[i] / sum);
       }
+      for (int64_t h = 0; h < n; h++) {
+        float* ph = p.data() + h * S;
+        for (int64_t j = 0; j < S; j++) {
+          ph[j] = std::exp(ph[j] - m[h]);
+          sum[h] += ph[j];
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j0 = 0; j0 < S; j0 += KV_BLOCK) {
+        const int64_t rows = std::min(KV_BLOCK, S - j0);
+        const bf16* values = vc.rows(g, j0, rows, block.data());
+        for (int64_t h = 0; h < n; h++) {
+          const float* ph = p.data() + h * S + j0;
+          float* ah = acc.data() + h * D;
+          for (int64_t j = 0; j < rows; j++) {
+            const bf16* vr = values + j * D;
+            for (int64_t i = 0; i < D; i++) ah[i] += ph[j] * to_f32(vr[i]);
+          }
+        }
+      }
+      for (int64_t h = 0; h < n; h++)
+        for (int64_t i = 0; i < D; i++) attn[(h0 + h) * D + i] = to_bf16(acc[h * D + i] / sum[h]);
+      h0 = h1;
     }
 #pragma omp barrier
     thread_share(H, t, T, b, e);  // o_proj, then the residual add

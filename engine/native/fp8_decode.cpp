@@ -39,18 +39,7 @@ using colibri_native::GRAIN;
 using colibri_native::to_bf16;
 using colibri_native::to_f32;
 
-inline __m512 e4m3_to_f32(__m128i bytes) {
-  const __m512i v = _mm512_cvtepu8_epi32(bytes);
-  const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
-  __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
-  const __mmask16 sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
-  const __m512 subv = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512.0f));
-  normal = _mm512_mask_blend_ps(sub, normal, subv);
-  const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f));
-  normal = _mm512_mask_blend_ps(nan, normal, _mm512_set1_ps(__builtin_nanf("")));
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(normal), sign));
-}
+using colibri_native::e4m3_to_f32;  // native_common.h (the quantized KV cache reads e4m3 too)
 
 // Partial sums of one row over the k range [k0, k1): 16-lane fp32 vector.
 inline __m512 block_dot(const uint8_t* w, const float* x, int64_t k0, int64_t k1) {

@@ -25,13 +25,14 @@ struct MoeLayer {
 };
 
 inline MoeLayer moe_layer(int64_t H, const at::Tensor& norm_w, const at::Tensor& router_w, const at::Tensor& experts,
-                          int64_t k, int64_t inter) {
+                          int64_t k, int64_t inter, const RoutingTrim& trim) {
   const int64_t E = router_w.size(0);
   TORCH_CHECK(router_w.dim() == 2 && router_w.size(1) == H, "moe_layer_bf16: router_w must be [E, H]");
   TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == H, "moe_layer_bf16: norm_w must be [H]");
   TORCH_CHECK(experts.scalar_type() == at::kLong && experts.dim() == 2 && experts.size(0) == E &&
               experts.size(1) == 3 && experts.is_contiguous(), "moe_layer_bf16: experts must be int64 [E, 3]");
   TORCH_CHECK(k >= 1 && k <= E && inter >= 1, "moe_layer_bf16: k in 1..E, inter >= 1");
+  check_trim(trim, k, "moe_layer_bf16");
   return {bf16_data(norm_w, "norm_w"), bf16_data(router_w, "router_w"), experts.data_ptr<int64_t>(), E, H, inter};
 }
 
@@ -42,10 +43,12 @@ struct MoeScratch {
   std::vector<int64_t> ids;
   std::vector<std::pair<int64_t, float>> chosen;
   std::vector<const bf16*> gate, up, down;
+  int64_t kept = 0;  // experts the token uses (k, or fewer under a routing trim)
 };
 
-// y = h + combine(experts of route(rms_norm(h))) [H], experts in ascending id order. h, y may not alias.
-inline void moe_rows(const MoeLayer& L, const bf16* hp, float eps, int64_t k, bool norm, MoeScratch& s, bf16* yp) {
+// y = h + combine(experts of trim(route(rms_norm(h)))) [H], experts in ascending id order. h, y may not alias.
+inline void moe_rows(const MoeLayer& L, const bf16* hp, float eps, int64_t k, bool norm, const RoutingTrim& trim,
+                     MoeScratch& s, bf16* yp) {
   const int64_t E = L.E, H = L.H, I = L.I;
   const bf16 *rw = L.router_w, *nw = L.norm_w;
   s.normed.resize(H), s.h.resize(k * I), s.ys.resize(k * H), s.probs.resize(E), s.weights.resize(k), s.ids.resize(k);
@@ -66,9 +69,10 @@ inline void moe_rows(const MoeLayer& L, const bf16* hp, float eps, int64_t k, bo
 #pragma omp single
     {  // (the single's implicit barrier publishes the chosen experts)
       select_topk(s.probs.data(), E, k, norm, s.ids.data(), s.weights.data());
-      ascending_experts(s.ids.data(), s.weights.data(), k, s.chosen);
+      s.kept = trim_experts(trim, k, s.ids.data(), s.weights.data());
+      ascending_experts(s.ids.data(), s.weights.data(), s.kept, s.chosen);
       const auto& chosen = s.chosen;
-      for (int64_t j = 0; j < k; j++) {
+      for (int64_t j = 0; j < s.kept; j++) {
         const int64_t* row = table + 3 * chosen[j].first;
         s.gate[j] = reinterpret_cast<const bf16*>(row[0]);
         s.up[j] = reinterpret_cast<const bf16*>(row[1]);
@@ -76,7 +80,8 @@ inline void moe_rows(const MoeLayer& L, const bf16* hp, float eps, int64_t k, bo
         s.weights[j] = chosen[j].second;
       }
     }
-    thread_share(k * I, t, T, b, e);
+    const int64_t kept = s.kept;
+    thread_share(kept * I, t, T, b, e);
     gate_up_rows(x, s.gate.data(), s.up.data(), H, I, b, e, s.h.data());
 #pragma omp barrier
     // Output rows [b, e) of this thread: each expert's down rows there as one stream (bf16, as
@@ -84,13 +89,13 @@ inline void moe_rows(const MoeLayer& L, const bf16* hp, float eps, int64_t k, bo
     // and the residual add.
     thread_share(H, t, T, b, e);
     bf16* ys = s.ys.data();
-    for (int64_t j = 0; j < k; j++) {
+    for (int64_t j = 0; j < kept; j++) {
       const bf16* hj = s.h.data() + j * I;
       dot_rows(s.down[j], I, hj, b, e, [&](int64_t n, float v) { ys[j * H + n] = to_bf16(v); });
     }
     for (int64_t n = b; n < e; n++) {
       float acc = 0.0f;
-      for (int64_t j = 0; j < k; j++) acc += s.weights[j] * to_f32(ys[j * H + n]);
+      for (int64_t j = 0; j < kept; j++) acc += s.weights[j] * to_f32(ys[j * H + n]);
       yp[n] = to_bf16(to_f32(hp[n]) + round_bf16(acc));
     }
   }

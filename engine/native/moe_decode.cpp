@@ -16,8 +16,10 @@
 //   route_topk_bf16(x [1,H], w [E,H], k, norm) -> (ids [1,k] int64, weights [1,k] bf16)
 //       softmax over the bf16 router logits, the k best (ties: lower id), renormalised when norm
 //   combine_bf16(ys [K,H], weights [K]) -> [1,H]           sum_k weights[k] ys[k], in row order
-//   moe_layer_bf16(h [1,H], norm_w, eps, router_w [E,H], k, norm, experts int64 [E,3], inter) -> [1,H]
-//       h + combine(experts of route(rms_norm(h))), experts in ascending id order; `experts` holds
+//   moe_layer_bf16(h [1,H], norm_w, eps, router_w [E,H], k, norm, experts int64 [E,3], inter, reduction,
+//       threshold, renormalize) -> [1,H]
+//       h + combine(experts of trim(route(rms_norm(h)))), experts in ascending id order; the trim
+//       (moe_kernels.h trim_experts: RoutingTrim.apply's rule and bits; 0, 0 = none); `experts` holds
 //       per expert the addresses of its gate [I,H], up [I,H], down [H,I] rows (bf16, contiguous),
 //       which the caller keeps alive (engine/arch/moe.py: ResidentMoeLayer holds the tensors).
 
@@ -85,13 +87,15 @@ at::Tensor combine_bf16(const at::Tensor& ys_in, const at::Tensor& weights_in) {
 }
 
 at::Tensor moe_layer_bf16(const at::Tensor& h_in, const at::Tensor& norm_w, double eps, const at::Tensor& router_w,
-                          int64_t k, bool norm, const at::Tensor& experts, int64_t inter) {
+                          int64_t k, bool norm, const at::Tensor& experts, int64_t inter, int64_t reduction,
+                          double threshold, bool renormalize) {
   const at::Tensor h = h_in.contiguous();
   TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "moe_layer_bf16: h must be [1, H]");
-  const MoeLayer L = moe_layer(h.size(1), norm_w, router_w, experts, k, inter);
+  const RoutingTrim trim{reduction, threshold, renormalize};
+  const MoeLayer L = moe_layer(h.size(1), norm_w, router_w, experts, k, inter, trim);
   static thread_local MoeScratch scratch;
   at::Tensor y = at::empty({1, L.H}, h.options());
-  moe_rows(L, bf16_data(h, "h"), (float)eps, k, norm, scratch, reinterpret_cast<bf16*>(y.data_ptr()));
+  moe_rows(L, bf16_data(h, "h"), (float)eps, k, norm, trim, scratch, reinterpret_cast<bf16*>(y.data_ptr()));
   return y;
 }
 
@@ -101,7 +105,7 @@ TORCH_LIBRARY_FRAGMENT(colibri, m) {
   m.def("route_topk_bf16(Tensor x, Tensor w, int k, bool norm) -> (Tensor, Tensor)");
   m.def("combine_bf16(Tensor ys, Tensor weights) -> Tensor");
   m.def("moe_layer_bf16(Tensor h, Tensor norm_w, float eps, Tensor router_w, int k, bool norm, Tensor experts, "
-        "int inter) -> Tensor");
+        "int inter, int reduction=0, float threshold=0., bool renormalize=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(colibri, CPU, m) {

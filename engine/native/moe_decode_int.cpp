@@ -11,8 +11,10 @@
 // (streaming: experts one at a time as their reads land, then combine_bf16) give the same bits.
 //
 // Op (namespace colibri_int):
-//   moe_layer_int(h [1,H], norm_w, eps, router_w [E,H], k, norm, experts int64 [E,6], inter, group) -> [1,H]
-//       h + combine(experts of route(rms_norm(h))), experts in ascending id order; `experts` holds
+//   moe_layer_int(h [1,H], norm_w, eps, router_w [E,H], k, norm, experts int64 [E,6], inter, group, reduction,
+//       threshold, renormalize) -> [1,H]
+//       h + combine(experts of trim(route(rms_norm(h)))), experts in ascending id order; the trim as
+//       moe_layer_bf16's (moe_kernels.h trim_experts; 0, 0 = none); `experts` holds
 //       per expert the addresses of its gate, up and down codes and scales in the stored layouts
 //       (int_kernels.h; group 0 = int8, else int4 of that group; scales bf16), which the caller keeps
 //       alive and has checked for shape (engine/arch/moe_quant.py: ResidentQuantMoeLayer).
@@ -44,7 +46,8 @@ struct Scratch {
 };
 
 at::Tensor moe_layer_int(const at::Tensor& h_in, const at::Tensor& norm_w, double eps, const at::Tensor& router_w,
-                         int64_t k, bool norm, const at::Tensor& experts, int64_t inter, int64_t group) {
+                         int64_t k, bool norm, const at::Tensor& experts, int64_t inter, int64_t group,
+                         int64_t reduction, double threshold, bool renormalize) {
   const at::Tensor h = h_in.contiguous();
   TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "moe_layer_int: h must be [1, H]");
   const int64_t H = h.size(1), E = router_w.size(0), I = inter;
@@ -53,6 +56,8 @@ at::Tensor moe_layer_int(const at::Tensor& h_in, const at::Tensor& norm_w, doubl
   TORCH_CHECK(experts.scalar_type() == at::kLong && experts.dim() == 2 && experts.size(0) == E &&
               experts.size(1) == 6 && experts.is_contiguous(), "moe_layer_int: experts must be int64 [E, 6]");
   TORCH_CHECK(k >= 1 && k <= E && I >= 1, "moe_layer_int: k in 1..E, inter >= 1");
+  const RoutingTrim trim{reduction, threshold, renormalize};
+  check_trim(trim, k, "moe_layer_int");
   TORCH_CHECK(group == 0 || ((group == 32 || group == 64 || group == 128) && H % group == 0 && I % group == 0 &&
                              H % 2 == 0 && I % 2 == 0), "moe_layer_int: group 0 (int8) or an int4 group dividing H and I");
   const bf16* hp = bf16_data(h, "h");
@@ -64,10 +69,11 @@ at::Tensor moe_layer_int(const at::Tensor& h_in, const at::Tensor& norm_w, doubl
   rms_norm_row(hp, nw, H, (float)eps, s.normed.data());
   route_topk(s.normed.data(), rw, E, H, k, norm, s.probs.data(), s.ids.data(), s.weights.data());
   s.gate.resize(k), s.up.resize(k), s.down.resize(k);
-  ascending_experts(s.ids.data(), s.weights.data(), k, s.chosen);
+  const int64_t kept = trim_experts(trim, k, s.ids.data(), s.weights.data());
+  ascending_experts(s.ids.data(), s.weights.data(), kept, s.chosen);
   const auto& chosen = s.chosen;
   const int64_t* table = experts.data_ptr<int64_t>();
-  for (int64_t j = 0; j < k; j++) {
+  for (int64_t j = 0; j < kept; j++) {
     const void* const* row = reinterpret_cast<const void* const*>(table + 6 * chosen[j].first);
     s.gate[j] = raw_mat(row[0], row[1], I, H, group, false);
     s.up[j] = raw_mat(row[2], row[3], I, H, group, false);
@@ -75,9 +81,9 @@ at::Tensor moe_layer_int(const at::Tensor& h_in, const at::Tensor& norm_w, doubl
     s.weights[j] = chosen[j].second;
   }
   for (int64_t n = 0; n < H; n++) s.xf[n] = to_f32(s.normed[n]);
-  quant_swiglu(s.xf.data(), s.gate.data(), s.up.data(), s.down.data(), k, true, s.swiglu);
-  for (int64_t i = 0; i < k * H; i++) s.ys[i] = to_bf16(s.swiglu.y[i]);  // as the experts op stores them
-  combine(s.ys.data(), s.weights.data(), k, H, s.mixed.data());
+  quant_swiglu(s.xf.data(), s.gate.data(), s.up.data(), s.down.data(), kept, true, s.swiglu);
+  for (int64_t i = 0; i < kept * H; i++) s.ys[i] = to_bf16(s.swiglu.y[i]);  // as the experts op stores them
+  combine(s.ys.data(), s.weights.data(), kept, H, s.mixed.data());
   at::Tensor y = at::empty({1, H}, h.options());
   bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
   for (int64_t n = 0; n < H; n++) yp[n] = to_bf16(to_f32(hp[n]) + to_f32(s.mixed[n]));  // the residual add
@@ -90,7 +96,7 @@ COLIBRI_INT_TARGET_END
 
 TORCH_LIBRARY_FRAGMENT(colibri_int, m) {
   m.def("moe_layer_int(Tensor h, Tensor norm_w, float eps, Tensor router_w, int k, bool norm, Tensor experts, "
-        "int inter, int group) -> Tensor");
+        "int inter, int group, int reduction=0, float threshold=0., bool renormalize=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(colibri_int, CPU, m) { m.impl("moe_layer_int", &moe_layer_int); }

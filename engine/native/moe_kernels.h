@@ -78,6 +78,56 @@ inline void combine(const bf16* ys, const float* weights, int64_t K, int64_t H, 
   });
 }
 
+// A lossy routing trim (EngineConfig.top_k_reduction / expert_threshold); {0, 0, false} routes as
+// the model does. The rule and its bits are engine/arch/router.py RoutingTrim.apply's.
+struct RoutingTrim {
+  int64_t reduction = 0;
+  double threshold = 0.0;
+  bool renormalize = false;
+  bool off() const { return reduction == 0 && threshold == 0.0; }
+};
+
+// One check for every op that takes a trim: it must leave an expert and be a share.
+inline void check_trim(const RoutingTrim& trim, int64_t k, const char* op) {
+  TORCH_CHECK(trim.reduction >= 0 && trim.reduction < k && trim.threshold >= 0.0 && trim.threshold <= 1.0, op,
+              ": the trim must keep an expert (reduction in 0..k-1) and its threshold be in [0, 1]");
+}
+
+// The trim on select_topk's k experts (ids, weights heaviest first, ties by the lower id), in place:
+// returns how many are kept, ids[0..kept) and weights[0..kept) heaviest first. The same bits as
+// RoutingTrim.apply on the weights the unfused path hands it (route_topk_bf16's, rounded to bf16):
+// its stable descending sort keeps select_topk's order (bf16 rounding is monotone: it can tie two
+// weights, never swap them), so the K - reduction heaviest are the first ones; the totals are
+// fp32 sums left to right as apply sums them; the threshold compares against
+// float(threshold) * total (a Python float times an fp32 tensor: the scalar cast to fp32 first);
+// renormalising multiplies by total / max(kept total, 1e-20), in fp32. Off: nothing changes.
+inline int64_t trim_experts(const RoutingTrim& trim, int64_t k, int64_t* ids, float* weights) {
+  if (trim.off()) return k;
+  float total = 0.0f;
+  for (int64_t j = 0; j < k; j++) {
+    weights[j] = round_bf16(weights[j]);  // the weights as the unfused path has them (bf16)
+    total = j ? total + weights[j] : weights[j];
+  }
+  const int64_t width = k - trim.reduction;
+  if (trim.threshold > 0.0) {
+    const float limit = (float)trim.threshold * total;
+    for (int64_t j = 1; j < width; j++)  // the heaviest always stays
+      if (weights[j] < limit) weights[j] = 0.0f, ids[j] = -1;  // skipped (apply: weight 0, id -1)
+  }
+  if (trim.renormalize) {
+    float kept_total = weights[0];
+    for (int64_t j = 1; j < width; j++) kept_total = kept_total + weights[j];
+    const float scale = total / std::max(kept_total, (float)1e-20);
+    for (int64_t j = 0; j < width; j++) weights[j] = weights[j] * scale;
+  }
+  int64_t kept = 0;
+  for (int64_t j = 0; j < width; j++) {
+    if (ids[j] < 0) continue;  // one token: apply drops the skipped slots
+    ids[kept] = ids[j], weights[kept] = weights[j], kept++;
+  }
+  return kept;
+}
+
 // The chosen experts in ascending id order, each with its weight rounded to bf16: the order and the
 // weights the unfused path sums in (moe.routed_decode sorts the ids; its weights are bf16). Every
 // fused layer takes its experts from here, so fused and unfused give the same bits.

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
@@ -29,6 +30,25 @@ inline float to_f32(bf16 b) {
 }
 
 inline float round_bf16(float f) { return to_f32(to_bf16(f)); }
+
+// e4m3fn -> fp32, 16 lanes at a time: bits s.eeee.mmm. Normal (e > 0): fp32 bits
+// (eeee.mmm << 20) + (120 << 23) (rebias 7 -> 127), subnormal (e == 0): m * 2^-9, computed by an
+// int -> float conversion so that no fp32 denormal is ever formed (exact under FTZ/DAZ too);
+// s.1111.111 is NaN (e4m3fn has no infinity); the sign is or-ed in last. The same values as
+// torch's c10::Float8_e4m3fn -> float. Used by fp8_decode.cpp (weights) and attention_kernels.h
+// (the fp8 KV cache).
+inline __m512 e4m3_to_f32(__m128i bytes) {
+  const __m512i v = _mm512_cvtepu8_epi32(bytes);
+  const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+  __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+  const __mmask16 sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
+  const __m512 subv = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512.0f));
+  normal = _mm512_mask_blend_ps(sub, normal, subv);
+  const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f));
+  normal = _mm512_mask_blend_ps(nan, normal, _mm512_set1_ps(__builtin_nanf("")));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(normal), sign));
+}
 
 // Rows per parallel task at least: a weight row is 0.5-4 KiB, so a task streams >= 8 KiB.
 constexpr int64_t GRAIN = 16;
