@@ -85,7 +85,11 @@ def main(argv=None) -> int:
             return 0
     else:
         out = run_tune(opts).out_dir
-    summary = json.loads((Path(out) / "lossy.json").read_text(encoding="utf-8"))
+    lossy = Path(out) / "lossy.json"
+    if not lossy.is_file():  # every level refused (e.g. a budget below the plan): tune said why above
+        print(f"lossy_tune: error: no lossy.json in {out}: no level measured a trial", file=sys.stderr)
+        return 1
+    summary = json.loads(lossy.read_text(encoding="utf-8"))
     if a.json:
         print(json.dumps(summary, indent=2))
         return 0
