@@ -34,3 +34,13 @@ def test_prepare_only_needs_levels(capsys):
     with pytest.raises(SystemExit) as exc:
         lossy_tune.parse_args(["--model", "demo", "--prepare-only"])
     assert exc.value.code == 2 and "--prepare-only needs --quant" in capsys.readouterr().err
+
+
+def test_a_run_that_measured_nothing_is_one_error_line(tmp_path, monkeypatch, capsys):
+    """Every level refused (a budget below the plan): tune wrote no lossy.json; the script says so in
+    one line and exits 1 instead of a traceback. (The tune itself is replaced by the run directory it
+    leaves in that case: one that holds no lossy.json.)"""
+    monkeypatch.setattr(lossy_tune, "run_tune", lambda opts: type("Run", (), {"out_dir": tmp_path})())
+    assert lossy_tune.main(["--model", "demo", "--max-kl", "0.01", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"lossy_tune: error: no lossy.json in {tmp_path}: no level measured a trial"]
