@@ -1,6 +1,6 @@
 """Train the small *trained* qwen3_moe that quantization quality is measured on.
 
-    nice -n 10 python benchmarks/train_reference.py -o /work/scratch/quant/reference [--steps N] [--json]
+    nice -n 10 python benchmarks/train_reference.py -o ../reference [--steps N] [--experts E] [--json]
 
 Random weights say little about quantization error (no outliers, near-uniform logits), so
 this trains a real, if small, model: 4 layers, 16 experts top-4, hidden 256, a 4096-token
@@ -13,7 +13,11 @@ in sorted order; same Python stdlib, tokenizers and torch → same weights. The 
 plain torch over the engine's own building blocks (rms_norm, rope, route), so the weights mean
 what the engine computes (transformers' own MoE loop trained at ~100 tok/s here). One thread:
 on a shared 2-core box torch's second thread cost ~10x more CPU per step than it saved.
-Defaults (700 steps x 8 x 128 tokens) take under 10 minutes of CPU here. Prints held-out
+`--experts 64` trains the same model with 64 experts per layer (top-4 still): its routed experts
+are 96 MiB of bf16 against 6 MiB of dense weights, so under a few hundred MiB both bf16 and int8
+must stream, as on the big models this tool is for (the default 16-expert model's int8 experts,
+12 MiB, fit in any budget that holds torch). Defaults (700 steps x 8 x 128 tokens) take under 10
+minutes of CPU here. Prints held-out
 perplexity and writes an HF directory (config.json, model.safetensors in bf16, tokenizer.json).
 """
 
@@ -148,7 +152,7 @@ def perplexity(model, ids: torch.Tensor, seq: int, max_tokens: int) -> float:
     return math.exp(nll / max(n, 1))
 
 
-def save(model: Reference, tok, out_dir: Path) -> None:
+def save(model: Reference, tok, out_dir: Path, config: dict) -> None:
     from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
     tmp = out_dir.parent / (out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -158,7 +162,7 @@ def save(model: Reference, tok, out_dir: Path) -> None:
     with ShardWriter(tmp / "model.safetensors", specs) as w:
         for n, t in tensors.items():
             w.write(n, t)
-    write_json_atomic(tmp / "config.json", CONFIG)
+    write_json_atomic(tmp / "config.json", config)
     tok.save(str(tmp / "tokenizer.json"))
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -174,6 +178,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--experts", type=int, default=CONFIG["num_experts"],
+                   help="routed experts per layer (top-4 of them per token)")
     p.add_argument("--eval-tokens", type=int, default=16384)
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
@@ -188,7 +194,8 @@ def main() -> None:
     log(f"corpus: {corpus['files_train']} train files ({train_ids.numel()} tokens), {corpus['files_held']} held-out "
         f"({held_ids.numel()} tokens); tokenizer {time.perf_counter() - t0:.0f} s")
 
-    model = Reference(CONFIG)
+    config = dict(CONFIG, num_experts=a.experts)
+    model = Reference(config)
     decay = [q for q in model.parameters() if q.dim() >= 2]
     no_decay = [q for q in model.parameters() if q.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -211,8 +218,8 @@ def main() -> None:
                 f"{time.process_time() - cpu_train:.0f} s CPU  ({step * a.batch * a.seq / el:.0f} tok/s)")
     train_s, train_cpu = time.perf_counter() - t_train, time.process_time() - cpu_train
     held_ppl = perplexity(model, held_ids, 256, a.eval_tokens)
-    save(model, tok, Path(a.out))
-    summary = {"out": a.out, "config": CONFIG, "steps": a.steps, "seq": a.seq, "batch": a.batch,
+    save(model, tok, Path(a.out), config)
+    summary = {"out": a.out, "config": config, "steps": a.steps, "seq": a.seq, "batch": a.batch,
                "train_tokens_seen": a.steps * a.seq * a.batch, "train_wall_s": round(train_s, 1),
                "train_cpu_s": round(train_cpu, 1), "total_wall_s": round(time.perf_counter() - t0, 1),
                "threads": a.threads, "held_out_ppl_fp32": round(held_ppl, 3), "eval_tokens": a.eval_tokens,
