@@ -283,8 +283,13 @@ def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
             summary = lossy.front_summary(trials, opts.lossy, result.get("recommended"), run.facts.quant)
             # The search figures favour the setting searched most (best of many noisy trials):
             # the front rounds re-measure its points alike before it is drawn.
-            summary = front_confirm.confirm_front(summary, trials, opts.front_rounds, run.measure,
-                                                  run.clock.room_for_round, log)
+            try:
+                summary = front_confirm.confirm_front(summary, trials, opts.front_rounds, run.measure,
+                                                      run.clock.room_for_round, log)
+            except KeyboardInterrupt:  # the rest is written: lossy.json keeps the search figures
+                lossy.write_summary(run.out, summary)
+                log("interrupted in the front rounds: lossy.json holds the search figures only")
+                raise
             files.update(lossy.write_summary(run.out, summary))
             for line in lossy.markdown(summary).splitlines()[4:]:
                 log(line)
