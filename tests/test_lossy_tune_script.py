@@ -44,3 +44,13 @@ def test_a_run_that_measured_nothing_is_one_error_line(tmp_path, monkeypatch, ca
     assert lossy_tune.main(["--model", "demo", "--max-kl", "0.01", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"lossy_tune: error: no lossy.json in {tmp_path}: no level measured a trial"]
+
+
+def test_front_rounds_reach_the_tune_and_a_negative_count_is_one_line(capsys):
+    opts = lossy_tune.tune_options(lossy_tune.parse_args(["--model", "demo", "--front-rounds", "3"]))
+    assert opts.front_rounds == 3
+    assert lossy_tune.tune_options(lossy_tune.parse_args(["--model", "demo"])).front_rounds == TuneOptions().front_rounds
+    with pytest.raises(SystemExit) as exc:
+        lossy_tune.parse_args(["--model", "demo", "--front-rounds", "-1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1].endswith("--front-rounds must be a non-negative integer, got -1")

@@ -156,6 +156,14 @@ def test_time_budget_keeps_room_for_the_confirmation_round():
     assert TimeBudget(None, 3, fixed_trial_timeout=2.5).trial_timeout() == 2.5
 
 
+def test_time_budget_keeps_room_for_the_fronts_first_round_too():
+    clock = TimeBudget(seconds=300.0, confirm_top=3, front_runs=5)  # tune --max-kl with --front-rounds
+    clock.record(20.0)
+    assert clock.confirm_reserve() == 20.0 * (3 + 2 + 5)
+    clock.t0 -= 90.0  # 210 s left: room for the reserve (200 s), not for one more trial on top
+    assert clock.room_for_trial() is False and clock.room_for_round(5)
+
+
 # --- schema and printers ------------------------------------------------------------------------
 
 def test_published_json_schemas_are_current():

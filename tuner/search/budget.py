@@ -16,22 +16,28 @@ DEFAULT_TIME_BUDGET_S = 15 * 60  # the whole run (probe, search, confirmation) o
 MIN_TRIAL_TIMEOUT_S = 60.0
 FIRST_TRIAL_TIMEOUT_S = 600.0
 CONFIRM_RESERVE_MAX = 3  # candidates the reserve plans for (plus the baseline)
+# tune --max-kl --front-rounds: one front round's runs the reserve plans for (lossless and the four
+# probes, the usual front; front_confirm.py runs further rounds only while time allows), so a
+# time-budgeted run does not spend on the search the time its front needs to be measured fairly.
+FRONT_RESERVE_RUNS = 5
 
 
 class TimeBudget:
-    def __init__(self, seconds: float | None, confirm_top: int, fixed_trial_timeout: float | None = None):
+    def __init__(self, seconds: float | None, confirm_top: int, fixed_trial_timeout: float | None = None,
+                 front_runs: int = 0):
         self.t0 = time.monotonic()
         self.seconds = seconds  # None: no time limit (the trial count limits the run)
         self.confirm_top = confirm_top
+        self.front_runs = front_runs  # runs reserved for the front's first round (0: no front rounds)
         self.fixed_trial_timeout = fixed_trial_timeout
         self.walls: list[float] = []  # wall seconds of this session's measurements
 
     @classmethod
     def for_run(cls, time_budget: float | None, trials: int | None, confirm_top: int,
-                trial_timeout: float | None) -> "TimeBudget":
+                trial_timeout: float | None, front_runs: int = 0) -> "TimeBudget":
         """No budget and no trial count: the default 15 minutes."""
         seconds = float(DEFAULT_TIME_BUDGET_S) if time_budget is None and trials is None else time_budget
-        return cls(seconds, confirm_top, trial_timeout)
+        return cls(seconds, confirm_top, trial_timeout, front_runs)
 
     def record(self, wall_seconds: float) -> None:
         self.walls.append(wall_seconds)
@@ -54,8 +60,9 @@ class TimeBudget:
 
     def confirm_reserve(self) -> float:
         est = self.est_trial_s() or 0.0
-        # the candidates, then the engine's defaults and the baseline
-        return est * (min(self.confirm_top, CONFIRM_RESERVE_MAX) + 2) if self.confirm_top else 0.0
+        # the candidates, then the engine's defaults and the baseline; then the front's first round
+        confirm = (min(self.confirm_top, CONFIRM_RESERVE_MAX) + 2) if self.confirm_top else 0
+        return est * (confirm + self.front_runs)
 
     def room_for_trial(self) -> bool:
         left = self.left()

@@ -18,7 +18,9 @@ placement: trials that differ only in I/O or cache knobs share one measurement.
 
 After the search, <out>/lossy.json and report.md's "Speed against quality" section list every
 measured setting's best speed and quality, and the Pareto front (faster, or closer to the
-reference) with the recommended point marked.
+reference) with the recommended point marked. With `--front-rounds N` (front_confirm.py) the
+points inside the bound are re-measured in N interleaved rounds first and the front is drawn from
+those medians, since a setting measured once competes badly with the best of many lossless trials.
 """
 
 from __future__ import annotations
@@ -232,15 +234,27 @@ def front_summary(trials, bound: QualityBound, recommended: dict | None, quant: 
                           "within_bound": bound.violation(q) == 0}
     points = sorted(best.values(), key=lambda p: (p["kl_mean"], -p["decode_tok_s"]))
     same_placement_ratios(points, trials)
-    for p in points:
-        p["on_front"] = not any(o["kl_mean"] <= p["kl_mean"] and o["decode_tok_s"] >= p["decode_tok_s"]
-                                and (o["kl_mean"] < p["kl_mean"] or o["decode_tok_s"] > p["decode_tok_s"])
-                                for o in points)
+    mark_front(points)
     chosen = None
     if recommended:
         chosen = label({k: recommended["config"].get(k, LOSSLESS[k]) for k in LOSSY_PARAMS}, quant)
     return {"bound": asdict(bound), "bound_text": bound.describe(), "quant": quant, "points": points,
             "chosen": chosen}
+
+
+def front_speed(point: dict) -> float:
+    """The speed a point stands on the front with: its confirmed median where the front rounds
+    measured one (front_confirm.py), else its fastest search trial."""
+    return point.get("front_tok_s", point["decode_tok_s"])
+
+
+def mark_front(points: list[dict]) -> None:
+    """Each point's `on_front` (no other point both at most as far from the reference and at
+    least as fast, and better in one), by front_speed."""
+    for p in points:
+        kl, speed = p["kl_mean"], front_speed(p)
+        p["on_front"] = not any(o["kl_mean"] <= kl and front_speed(o) >= speed
+                                and (o["kl_mean"] < kl or front_speed(o) > speed) for o in points)
 
 
 def placement(config: dict) -> tuple:
@@ -271,6 +285,8 @@ def same_placement_ratios(points: list[dict], trials) -> None:
 
 
 def markdown(summary: dict) -> str:
+    if "front_confirmation" in summary:
+        return confirmed_markdown(summary)
     rows = ["## Speed against quality (lossy settings)", "",
             f"Bound: {summary['bound_text']}, measured on {summary['bound']['tokens']} tokens (ctx "
             f"{summary['bound']['ctx']}) against the lossless reference. Speed: the setting's fastest search "
@@ -282,6 +298,37 @@ def markdown(summary: dict) -> str:
         ratio = p.get("vs_lossless_same_placement")
         rows.append(f"| {p['label']} | {p['decode_tok_s']:.3g} | {f'{ratio - 1:+.0%}' if ratio else '-'} | "
                     f"{p['kl_mean']:.5f} | "
+                    f"{100 * p['top1_agreement']:.2f}% | {'yes' if p['within_bound'] else 'no'} | "
+                    f"{'yes' if p['on_front'] else ''} | {'**chosen**' if p['label'] == summary['chosen'] else ''} |")
+    return "\n".join(rows) + "\n"
+
+
+def confirmed_markdown(summary: dict) -> str:
+    """The table of a front the front rounds re-measured (front_confirm.py): the confirmed median
+    and its spread first, the search figure beside it; '(search)' marks a point standing on its
+    search figure (not re-measured: outside the bound, out of time, or every run failed)."""
+    fc = summary["front_confirmation"]
+    rounds = (f"{fc['rounds_run']} of {fc['rounds']} interleaved rounds" + (f" ({fc['stopped']})" if fc.get("stopped")
+                                                                           else "")) if "rounds" in fc else \
+        "each level's own interleaved rounds"
+    rows = ["## Speed against quality (lossy settings)", "",
+            f"Bound: {summary['bound_text']}, measured on {summary['bound']['tokens']} tokens (ctx "
+            f"{summary['bound']['ctx']}) against the lossless reference. Speed: the median of {rounds} re-measuring "
+            f"each setting's fastest search trial (min-max over every repeat); '(search)': not re-measured, the "
+            f"fastest search trial stands. The front is drawn from these figures.", "",
+            "| setting | decode tok/s | min-max | runs | search trial | vs lossless, same placement | KL mean | "
+            "same top-1 | within bound | Pareto front | chosen |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in summary["points"]:
+        conf = p.get("confirmed")
+        speed = f"{conf['decode_tok_s']:.3g}" if conf else f"{p['decode_tok_s']:.3g} (search)"
+        spread = f"{conf['decode_min']:.3g}-{conf['decode_max']:.3g}" \
+            if conf and conf.get("decode_min") is not None and conf.get("decode_max") is not None else "-"
+        ratio, marked = p.get("vs_lossless_same_placement_confirmed"), ""
+        if ratio is None and p.get("vs_lossless_same_placement"):
+            ratio, marked = p["vs_lossless_same_placement"], " (search)"
+        rows.append(f"| {p['label']} | {speed} | {spread} | {conf['runs'] if conf else '-'} | "
+                    f"{p['decode_tok_s']:.3g} | {f'{ratio - 1:+.0%}{marked}' if ratio else '-'} | {p['kl_mean']:.5f} | "
                     f"{100 * p['top1_agreement']:.2f}% | {'yes' if p['within_bound'] else 'no'} | "
                     f"{'yes' if p['on_front'] else ''} | {'**chosen**' if p['label'] == summary['chosen'] else ''} |")
     return "\n".join(rows) + "\n"
@@ -308,15 +355,18 @@ def merge_level_fronts(level_dirs: list[Path], out: Path) -> dict | None:
             continue
     if not summaries:
         return None
+    # Each level's points stand with their own confirmed medians (front_speed): the levels'
+    # front rounds ran in their own studies, each against its own lossless setting.
     points = [dict(p) for s in summaries for p in s.get("points", [])]
-    for p in points:
-        p["on_front"] = not any(o["kl_mean"] <= p["kl_mean"] and o["decode_tok_s"] >= p["decode_tok_s"]
-                                and (o["kl_mean"] < p["kl_mean"] or o["decode_tok_s"] > p["decode_tok_s"])
-                                for o in points)
-    points.sort(key=lambda p: (p["kl_mean"], -p["decode_tok_s"]))
+    mark_front(points)
+    points.sort(key=lambda p: (p["kl_mean"], -front_speed(p)))
     inside = [p for p in points if p["within_bound"]]
-    best = max(inside, key=lambda p: p["decode_tok_s"]) if inside else None
+    best = max(inside, key=front_speed) if inside else None
     merged = {**summaries[0], "quant": None, "points": points, "chosen": best["label"] if best else None,
               "levels_chosen": [s.get("chosen") for s in summaries]}
+    merged.pop("front_confirmation", None)  # level 0's alone would misdescribe the merge
+    if any("front_confirmation" in s for s in summaries):
+        merged["front_confirmation"] = {"levels": [s.get("quant") for s in summaries],
+                                        "per_level": [s.get("front_confirmation") for s in summaries]}
     atomic_write_text(Path(out) / SUMMARY_FILE, json.dumps(merged, indent=2) + "\n")
     return merged

@@ -88,6 +88,11 @@ class TuneOptions:
     # at least one, more while the time budget allows
     confirm_rounds: int = knob(2, "most confirmation rounds (time permitting)", kind="int", lo=1, hi=100,
                                type_name="positive integer", group="trial measurement")
+    # tune --max-kl: the front's points re-measured after the confirmation round (front_confirm.py)
+    front_rounds: int = knob(2, "with --max-kl / --min-top1: interleaved rounds re-measuring every setting inside "
+                             "the bound (and lossless) before the speed-quality front is drawn, time permitting "
+                             "(0: the front from each setting's fastest search trial)", kind="int", lo=0, hi=100,
+                             type_name="non-negative integer", group="trial measurement")
     # gp for one objective, tpe for two (chosen by benchmarks/tuner_quality.py)
     sampler: str = knob("auto", "auto: GP for one objective, TPE for --objective both", kind="choice",
                         choices=SAMPLERS, group="trial measurement")
@@ -123,6 +128,8 @@ class TuneOptions:
             raise ConfigError(f"--min-ctx must be at least 1, got {self.min_ctx}")
         if self.confirm_top < 0 or self.confirm_rounds < 1:
             raise ConfigError("--confirm-top must be >= 0 and --confirm-rounds >= 1")
+        if isinstance(self.front_rounds, bool) or not isinstance(self.front_rounds, int) or self.front_rounds < 0:
+            raise ConfigError(f"--front-rounds must be a non-negative integer, got {self.front_rounds!r}")
         if self.lossy is not None:
             self.lossy.validate()
         if self.trial_timeout is not None and self.trial_timeout <= 0:

@@ -24,7 +24,7 @@ from tuner.costmodel.search import narrow_space
 from tuner.probe import load_profile
 from tuner.results import outputs
 from tuner.search import explore, lossy, run_guard, study_storage as storage
-from tuner.search.budget import TimeBudget
+from tuner.search.budget import FRONT_RESERVE_RUNS, TimeBudget
 from tuner.search.model_facts import ModelFacts
 from tuner.search.options import Log, TuneOptions, default_budget
 from tuner.search.preflight import calibrate, probe_profile
@@ -42,7 +42,9 @@ class TuneSetup:
     def __init__(self, opts: TuneOptions, log: Log):
         self.opts = opts.validate()
         self.log = log
-        self.clock = TimeBudget.for_run(opts.time_budget, opts.trials, opts.confirm_top, opts.trial_timeout)
+        front_runs = FRONT_RESERVE_RUNS if opts.lossy is not None and opts.front_rounds else 0
+        self.clock = TimeBudget.for_run(opts.time_budget, opts.trials, opts.confirm_top, opts.trial_timeout,
+                                        front_runs)
         self.started_utc = utc_now()
         self.worker = f"{platform.node()}:{os.getpid()}"
         self.stall = explore.Stall()

@@ -28,7 +28,7 @@ from tuner.results import outputs
 from tuner.results.frames import trials_csv
 from tuner.results.printers import trial_line, tune_text
 from tuner.results.result import TrialResult
-from tuner.search import assemble, confirm, explore, lossy, objective, run_guard, study_storage as storage
+from tuner.search import assemble, confirm, explore, front_confirm, lossy, objective, run_guard, study_storage as storage
 from tuner.search.budget import format_clock, parse_duration
 from tuner.search.setup import TuneSetup
 from tuner.search.study_storage import Heartbeat, open_storage, redact_url
@@ -279,7 +279,17 @@ def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
         run.watch.check()
         files = outputs.write_outputs(run, tune)
         if opts.lossy is not None:
-            summary = lossy.front_summary(run.complete(), opts.lossy, result.get("recommended"), run.facts.quant)
+            trials = run.complete()
+            summary = lossy.front_summary(trials, opts.lossy, result.get("recommended"), run.facts.quant)
+            # The search figures favour the setting searched most (best of many noisy trials):
+            # the front rounds re-measure its points alike before it is drawn.
+            try:
+                summary = front_confirm.confirm_front(summary, trials, opts.front_rounds, run.measure,
+                                                      run.clock.room_for_round, log)
+            except KeyboardInterrupt:  # the rest is written: lossy.json keeps the search figures
+                lossy.write_summary(run.out, summary)
+                log("interrupted in the front rounds: lossy.json holds the search figures only")
+                raise
             files.update(lossy.write_summary(run.out, summary))
             for line in lossy.markdown(summary).splitlines()[4:]:
                 log(line)
