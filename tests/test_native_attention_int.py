@@ -20,6 +20,7 @@ from engine.format.convert import convert
 from engine.format.quant import QuantWeight, quantize
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
+from test_streaming import budget_for_cache
 from colibri_native_cases import (PROMPT, bf16_model, count_calls, int8_native_on,  # noqa: F401 (fixtures)
                                   needs_native_int, rand_bf16)
 
@@ -248,3 +249,22 @@ def test_layers_it_does_not_cover_are_refused(scope_all):
     plain = dict(w)  # bf16 projections: the bf16 op's (fused q/k/v at load)
     plain["model.layers.0.self_attn.o_proj.weight"] = w["model.layers.0.self_attn.o_proj.weight"].dequantize().bfloat16()
     assert attention_quant.layer_operands(a, plain, 0) is None
+
+
+@pytest.mark.parametrize("placement", [dict(io_mode="direct", prefetch_depth=0, cpu_cache_ratio=0.0),
+                                       dict(io_mode="buffered", prefetch_depth=1, cpu_cache_ratio=1.0,
+                                            cache_policy="lfu")])
+def test_streaming_experts_keep_the_resident_tokens(scope_all, placement, monkeypatch):
+    """Streamed experts run the per-layer int attention and the unfused MoE, the resident run the
+    whole int step: the same tokens (placement never changes them)."""
+    path = scope_all["int4", 32]
+    with Engine(path, EngineConfig(threads=2, ctx_size=32)) as engine:
+        assert not engine.plan.streaming
+        reference = generate(engine, PROMPT, 8, Sampler()).output_ids
+    config = EngineConfig(threads=2, ctx_size=32, io_threads=2, **placement)
+    config = config.replace(ram_budget=budget_for_cache(path, config, cache_experts=3))
+    with Engine(path, config) as engine:
+        assert engine.plan.streaming
+        calls = count_calls(monkeypatch, "attention_decode_int")
+        tokens = generate(engine, PROMPT, 8, Sampler()).output_ids
+    assert tokens == reference and len(calls) == 7 * engine.args.num_layers
