@@ -173,10 +173,10 @@ def test_every_layer_takes_the_int_op_close_to_the_unfused_path(scope_all, quant
     assert all(torch.allclose(f, s, rtol=0.02, atol=0.02) for f, s in zip(fused, apart))
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("kv_dtype,threads", [("bf16", 2), ("int8", 2), ("bf16", 1)])
 @pytest.mark.parametrize("quant,group", KINDS)
-def test_the_whole_step_gives_the_per_layer_bits_in_one_call(scope_all, quant, group, kv_dtype, monkeypatch):
-    config = EngineConfig(threads=2, ctx_size=32, **({} if kv_dtype == "bf16" else {"kv_dtype": kv_dtype}))
+def test_the_whole_step_gives_the_per_layer_bits_in_one_call(scope_all, quant, group, kv_dtype, threads, monkeypatch):
+    config = EngineConfig(threads=threads, ctx_size=32, **({} if kv_dtype == "bf16" else {"kv_dtype": kv_dtype}))
     with Engine(scope_all[quant, group], config) as engine:
         model, layers = engine.model, engine.args.num_layers
         steps = count_calls(monkeypatch, "decode_layers_int")
