@@ -296,7 +296,7 @@ class Transformer:
         qkv = self._qkv.get(layer)
         if qkv is None:
             return attention_quant.layer_operands(a, self.w, layer) if native.int_ready else None
-        if (qkv is None or a.clip_qkv is not None or a.qk_norm not in ("none", "head") or a.head_dim % 2
+        if (a.clip_qkv is not None or a.qk_norm not in ("none", "head") or a.head_dim % 2
                 or (a.rotary_dim or a.head_dim) != a.head_dim):
             return None
         none = torch.empty(0, dtype=torch.bfloat16)

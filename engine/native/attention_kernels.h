@@ -1,6 +1,8 @@
 // The attention half of a decoder layer for one decode token, bf16, as inline functions: the one
 // op of attention_decode.cpp and the whole-step loop of decode_step.cpp both run attention_rows, so
 // a layer gives the same bits either way. (Roundings and order: attention_decode.cpp's header.)
+// attention_rows is a template on the projections' kind: Bf16Proj here (bf16 rows), QuantProj in
+// attention_int.h (int8 / int4); everything between the projections is the same code for both.
 // The K/V cache is either bf16 rows or codes (int8 / e4m3) with one fp32 scale per row (KvRows).
 #pragma once
 
