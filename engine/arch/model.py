@@ -30,9 +30,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.arch import moe
+from engine.arch import attention_quant, moe
 from engine import native
 from engine.arch.kvquant import QuantizedRows
+from engine.arch.moe_quant import ResidentQuantMoeLayer
 from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
 from engine.arch.args import ModelArgs, layer_prefix
 from engine.format.quant import linear
@@ -145,8 +146,9 @@ class Transformer:
 
     def _decode_step(self, x, start_pos, kv, cos, sin, mask):
         """Every layer of one bf16 token as one native call (decode_step.cpp: per layer the attention
-        half, then the fused MoE layer), where every layer would take both per-layer native calls
-        (_decode_attention, _resident_moe) anyway; else None. The same bits as those calls."""
+        half, then the fused MoE layer; decode_step_int.cpp where every projection and expert is int8 /
+        int4), where every layer would take both per-layer native calls (_decode_attention,
+        _resident_moe) anyway; else None. The same bits as those calls."""
         if (x.shape[0] != 1 or mask is not None or not native.ready or x.dtype is not torch.bfloat16
                 or cos.dtype is not torch.bfloat16 or self._streamed or self.routing_log is not None
                 or self.lookahead_depth or not self.step_loop
@@ -157,16 +159,24 @@ class Transformer:
             operands = self._step_operands = (kv, list(kv.k + kv.v), self._step_lists(kv))
         if operands[2] is None:
             return None
-        attention, moe_operands, inter = operands[2]
+        attention, moe_operands, inter, groups = operands[2]
         a = self.args
+        if groups is not None:  # int8 / int4 projections and experts (their per-layer ops' own condition)
+            if not native.int_ready:
+                return None
+            return native.decode_layers_int(x, attention, moe_operands, cos, sin, start_pos, a.num_heads,
+                                            a.num_kv_heads, a.rms_norm_eps, a.top_k, bool(a.norm_topk_prob), inter,
+                                            *groups, *trim_operands(self.routing_trim))
         return native.decode_layers(x, attention, moe_operands, cos, sin, start_pos, a.num_heads, a.num_kv_heads,
                                     a.rms_norm_eps, a.top_k, bool(a.norm_topk_prob), inter,
                                     *trim_operands(self.routing_trim))  # the trim applied inside
 
     def _step_lists(self, kv) -> tuple | None:
-        """(attention tensors, MoE tensors, inter) for decode_layers_bf16, or None where a layer would
-        not take both fused per-layer calls (operands decided once per layer, as those calls do)."""
-        attention, moe_operands, inters = [], [], set()
+        """(attention tensors, MoE tensors, inter, groups) for decode_layers_bf16 (groups None) or, every
+        layer's projections and experts int8 / int4, decode_layers_int (groups: the attention's and the
+        experts' kind); None where a layer would not take both fused per-layer calls, or the layers'
+        kinds differ (operands decided once per layer, as those calls do)."""
+        attention, moe_operands, inters, kinds = [], [], set(), set()
         for layer in range(self.args.num_layers):
             if layer not in self._fused_attention:
                 self._fused_attention[layer] = self._attention_operands(layer)
@@ -174,13 +184,23 @@ class Transformer:
                 self._fused_moe[layer] = moe.resident_layer(self.args, self.w, self.experts, layer, self.expert_fn)
             att, fused = self._fused_attention[layer], self._fused_moe[layer]
             k_cache, v_cache = _native_cache(kv.k[layer]), _native_cache(kv.v[layer])
-            if att is None or type(fused) is not moe.ResidentMoeLayer or k_cache is None or v_cache is None:
+            if att is None or fused is None or k_cache is None or v_cache is None:
                 return None
-            norm_w, qkv, q_norm, k_norm, o_w = att
-            attention += [norm_w, qkv, q_norm, k_norm, o_w, k_cache[0], v_cache[0], k_cache[1], v_cache[1]]
+            caches = [k_cache[0], v_cache[0], k_cache[1], v_cache[1]]
+            if type(att) is attention_quant.QuantAttention and type(fused) is ResidentQuantMoeLayer:
+                attention += [att.norm_w, att.q_norm, att.k_norm, *att.proj, *caches]
+                kinds.add((att.group, fused.group))
+            elif type(att) is tuple and type(fused) is moe.ResidentMoeLayer:
+                norm_w, qkv, q_norm, k_norm, o_w = att
+                attention += [norm_w, qkv, q_norm, k_norm, o_w, *caches]
+                kinds.add(None)
+            else:
+                return None
             moe_operands += [fused.norm_w, fused.router_w, fused.table]
             inters.add(fused.inter)
-        return (attention, moe_operands, inters.pop()) if len(inters) == 1 else None
+        if len(inters) != 1 or len(kinds) != 1:
+            return None
+        return attention, moe_operands, inters.pop(), kinds.pop()
 
     def _mask(self, start_pos: int, T: int) -> torch.Tensor | None:
         window = self.args.sliding_window
@@ -256,18 +276,27 @@ class Transformer:
         k_cache, v_cache = _native_cache(kv.k[layer]), _native_cache(kv.v[layer])
         if k_cache is None or v_cache is None:
             return None
-        norm_w, qkv, q_norm, k_norm, o_w = operands
         a = self.args
+        if type(operands) is attention_quant.QuantAttention:  # int8 / int4 projections
+            if not native.int_ready:
+                return None
+            return native.attention_decode_int(x, operands.norm_w, a.rms_norm_eps, operands.proj, operands.group,
+                                               operands.q_norm, operands.k_norm, cos, sin, k_cache[0], v_cache[0],
+                                               start_pos, a.num_heads, a.num_kv_heads, k_cache[1], v_cache[1])
+        norm_w, qkv, q_norm, k_norm, o_w = operands
         return native.attention_decode(x, norm_w, a.rms_norm_eps, qkv, q_norm, k_norm, cos, sin, k_cache[0], v_cache[0],
                                        start_pos, a.num_heads, a.num_kv_heads, o_w, k_cache[1], v_cache[1])
 
-    def _attention_operands(self, layer: int) -> tuple | None:
+    def _attention_operands(self, layer: int):
         """(input norm, fused q/k/v, q norm, k norm, o_proj) of a layer the native attention decode
         covers (plain attention, q/k/v fused at load: bf16, no biases; no clipping; no norm or a per-head
-        one; rope over the whole head), else None."""
+        one; rope over the whole head); for int8 / int4 projections (scope all) the layer's
+        attention_quant.QuantAttention, where the native int attention covers it; else None."""
         a, p = self.args, layer_prefix(layer)
         qkv = self._qkv.get(layer)
-        if (qkv is None or a.clip_qkv is not None or a.qk_norm not in ("none", "head") or a.head_dim % 2
+        if qkv is None:
+            return attention_quant.layer_operands(a, self.w, layer) if native.int_ready else None
+        if (a.clip_qkv is not None or a.qk_norm not in ("none", "head") or a.head_dim % 2
                 or (a.rotary_dim or a.head_dim) != a.head_dim):
             return None
         none = torch.empty(0, dtype=torch.bfloat16)

@@ -35,6 +35,9 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
     int4_linear(x, packed, scales_zeros, group)   x @ dequant_int4(...).T, the stored blocked layout
     quant_experts(x, weights, group)       SwiGLU of several int8 (group 0) / int4 experts: [E, H]
     moe_layer_int(h, ..., group)           moe_layer for int8 / int4 experts (moe_decode_int.cpp; engine/arch/moe_quant.py)
+    attention_decode_int(x, ..., proj, group)  attention_decode with int8 / int4 q/k/v/o (attention_decode_int.cpp;
+                                       engine/arch/attention_quant.py)
+    decode_layers_int(x, ...)              decode_layers for int8 / int4 projections and experts (decode_step_int.cpp)
 """
 
 from __future__ import annotations
@@ -237,3 +240,21 @@ def moe_layer_int(h: torch.Tensor, norm_w: torch.Tensor, eps: float, router_w: t
                   renormalize: bool = False) -> torch.Tensor:
     return torch.ops.colibri_int.moe_layer_int(h, norm_w, eps, router_w, k, norm, experts, inter, group, reduction,
                                                threshold, renormalize)
+
+
+def attention_decode_int(x: torch.Tensor, norm_w: torch.Tensor, eps: float, proj: list, group: int,
+                         q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int,
+                         k_scales: torch.Tensor = NO_SCALES, v_scales: torch.Tensor = NO_SCALES) -> torch.Tensor:
+    """attention_decode with quantized projections: proj = q, k, v, o codes and scales (8 tensors, the
+    stored layouts), group 0 = int8, else int4's group. Needs int_ready (VNNI/VBMI)."""
+    return torch.ops.colibri_int.attention_decode_int(x, norm_w, eps, proj, group, q_norm, k_norm, cos, sin, k_cache,
+                                                      v_cache, k_scales, v_scales, pos, heads, kv_heads)
+
+
+def decode_layers_int(x: torch.Tensor, attention: list, moe: list, cos: torch.Tensor, sin: torch.Tensor, pos: int,
+                      heads: int, kv_heads: int, eps: float, k: int, norm: bool, inter: int, attn_group: int,
+                      moe_group: int, reduction: int = 0, threshold: float = 0.0,
+                      renormalize: bool = False) -> torch.Tensor:
+    return torch.ops.colibri_int.decode_layers_int(x, attention, moe, cos, sin, pos, heads, kv_heads, eps, k, norm,
+                                                   inter, attn_group, moe_group, reduction, threshold, renormalize)

@@ -44,11 +44,11 @@ at::Tensor attention_decode_bf16(const at::Tensor& x_in, const at::Tensor& norm_
                                  int64_t heads, int64_t kv_heads, const at::Tensor& o_w) {
   const at::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "attention_decode_bf16: x must be [1, H]");
-  const AttnLayer L = attention_layer(x.size(1), norm_w, qkv_w, q_norm, k_norm, k_cache, v_cache, k_scales, v_scales,
+  const AttnLayer<Bf16Proj> L = attention_layer(x.size(1), norm_w, qkv_w, q_norm, k_norm, k_cache, v_cache, k_scales, v_scales,
                                       heads, kv_heads, o_w);
   TORCH_CHECK(pos >= 0 && pos < L.ctx, "attention_decode_bf16: pos outside the cache");
   TORCH_CHECK(cos.numel() == L.D && sin.numel() == L.D, "attention_decode_bf16: cos/sin must be [D]");
-  static thread_local AttnScratch scratch;
+  static thread_local AttnScratch<Bf16Proj> scratch;
   at::Tensor y = at::empty({1, L.H}, x.options());
   attention_rows(L, bf16_data(x, "x"), bf16_data(cos, "cos"), bf16_data(sin, "sin"), pos, (float)eps, scratch,
                  reinterpret_cast<bf16*>(y.data_ptr()));

@@ -1,6 +1,8 @@
 // The attention half of a decoder layer for one decode token, bf16, as inline functions: the one
 // op of attention_decode.cpp and the whole-step loop of decode_step.cpp both run attention_rows, so
 // a layer gives the same bits either way. (Roundings and order: attention_decode.cpp's header.)
+// attention_rows is a template on the projections' kind: Bf16Proj here (bf16 rows), QuantProj in
+// attention_int.h (int8 / int4); everything between the projections is the same code for both.
 // The K/V cache is either bf16 rows or codes (int8 / e4m3) with one fp32 scale per row (KvRows).
 #pragma once
 
@@ -11,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "bf16_kernels.h"
@@ -134,56 +137,99 @@ inline KvRows kv_rows(const at::Tensor& cache, const at::Tensor& scales, const c
   return r;
 }
 
-// One layer's attention operands as raw rows (checked once by attention_layer).
+// The bf16 projections: q/k/v as one fused [(Nq + 2 Nkv) D, H] matrix and o_proj [H, Nq D], bf16 rows
+// (the other kind, int8 / int4 QMats, is attention_int.h's QuantProj). attention_rows calls
+// prepare_in once before its parallel region, qkv_rows / o_rows from every thread (each emits
+// emit(n, fp32 dot) for its rows), and prepare_out in a single between the heads and o_proj where
+// prepares_out says so (bf16: no extra barrier, the loop as before the template).
+struct Bf16Proj {
+  const bf16 *qkv_w = nullptr, *o_w = nullptr;
+  struct Scratch {};
+  static constexpr bool prepares_out = false;
+  void prepare_in(const bf16*, int64_t, Scratch&) const {}
+  void prepare_out(const bf16*, int64_t, Scratch&) const {}
+  template <class Emit>
+  void qkv_rows(const bf16* x, int64_t H, int64_t N, int t, int T, Scratch&, Emit emit) const {
+    int64_t b, e;
+    thread_share(N, t, T, b, e);
+    dot_rows(qkv_w, H, x, b, e, emit);
+  }
+  template <class Emit>
+  void o_rows(const bf16* a, int64_t Q, int64_t H, int t, int T, Scratch&, Emit emit) const {
+    int64_t b, e;
+    thread_share(H, t, T, b, e);
+    dot_rows(o_w, Q, a, b, e, emit);
+  }
+};
+
+// One layer's attention operands as raw rows (checked once by attention_layer / attention_common).
+template <class Proj>
 struct AttnLayer {
-  const bf16 *norm_w, *qkv_w, *q_norm, *k_norm, *o_w;  // q_norm / k_norm null: no per-head norm
-  KvRows k_cache, v_cache;                             // [Nkv, ctx, D]
+  const bf16 *norm_w, *q_norm, *k_norm;  // q_norm / k_norm null: no per-head norm
+  Proj proj;
+  KvRows k_cache, v_cache;  // [Nkv, ctx, D]
   int64_t H, D, ctx, heads, kv_heads;
 };
 
-inline AttnLayer attention_layer(int64_t H, const at::Tensor& norm_w, const at::Tensor& qkv_w, const at::Tensor& q_norm,
-                                 const at::Tensor& k_norm, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                 const at::Tensor& k_scales, const at::Tensor& v_scales, int64_t heads,
-                                 int64_t kv_heads, const at::Tensor& o_w) {
+// Everything of a layer but its projections (the caller checks and sets L.proj), `what` naming the op.
+template <class Proj>
+inline void attention_common(int64_t H, const at::Tensor& norm_w, const at::Tensor& q_norm, const at::Tensor& k_norm,
+                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scales,
+                             const at::Tensor& v_scales, int64_t heads, int64_t kv_heads, const std::string& what,
+                             AttnLayer<Proj>& L) {
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == kv_heads &&
                   k_cache.scalar_type() == v_cache.scalar_type(),
-              "attention_decode_bf16: caches must be [Nkv, ctx, D], both of one dtype");
-  TORCH_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0, "attention_decode_bf16: heads % kv_heads");
-  const int64_t D = k_cache.size(2), Q = heads * D, KV = kv_heads * D;
-  TORCH_CHECK(D % 2 == 0, "attention_decode_bf16: head_dim must be even");
-  TORCH_CHECK(norm_w.numel() == H, "attention_decode_bf16: norm_w must be [H]");
+              what, ": caches must be [Nkv, ctx, D], both of one dtype");
+  TORCH_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0, what, ": heads % kv_heads");
+  const int64_t D = k_cache.size(2);
+  TORCH_CHECK(D % 2 == 0, what, ": head_dim must be even");
+  TORCH_CHECK(norm_w.numel() == H, what, ": norm_w must be [H]");
+  TORCH_CHECK((q_norm.numel() == 0 || q_norm.numel() == D) && q_norm.numel() == k_norm.numel(),
+              what, ": q_norm/k_norm must both be [D] or both empty");
+  L.norm_w = bf16_data(norm_w, "norm_w");
+  L.q_norm = q_norm.numel() ? bf16_data(q_norm, "q_norm") : nullptr;
+  L.k_norm = q_norm.numel() ? bf16_data(k_norm, "k_norm") : nullptr;
+  L.k_cache = kv_rows(k_cache, k_scales, (what + ": k_cache").c_str());
+  L.v_cache = kv_rows(v_cache, v_scales, (what + ": v_cache").c_str());
+  L.H = H, L.D = D, L.ctx = k_cache.size(1), L.heads = heads, L.kv_heads = kv_heads;
+}
+
+inline AttnLayer<Bf16Proj> attention_layer(int64_t H, const at::Tensor& norm_w, const at::Tensor& qkv_w,
+                                           const at::Tensor& q_norm, const at::Tensor& k_norm,
+                                           const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                           const at::Tensor& k_scales, const at::Tensor& v_scales, int64_t heads,
+                                           int64_t kv_heads, const at::Tensor& o_w) {
+  AttnLayer<Bf16Proj> L;
+  attention_common(H, norm_w, q_norm, k_norm, k_cache, v_cache, k_scales, v_scales, heads, kv_heads,
+                   "attention_decode_bf16", L);
+  const int64_t Q = heads * L.D, KV = kv_heads * L.D;
   TORCH_CHECK(qkv_w.dim() == 2 && qkv_w.size(0) == Q + 2 * KV && qkv_w.size(1) == H,
               "attention_decode_bf16: qkv_w must be [(Nq + 2 Nkv) D, H]");
   TORCH_CHECK(o_w.dim() == 2 && o_w.size(0) == H && o_w.size(1) == Q, "attention_decode_bf16: o_w must be [H, Nq D]");
-  TORCH_CHECK((q_norm.numel() == 0 || q_norm.numel() == D) && q_norm.numel() == k_norm.numel(),
-              "attention_decode_bf16: q_norm/k_norm must both be [D] or both empty");
-  AttnLayer L;
-  L.norm_w = bf16_data(norm_w, "norm_w");
-  L.qkv_w = bf16_data(qkv_w, "qkv_w");
-  L.o_w = bf16_data(o_w, "o_w");
-  L.q_norm = q_norm.numel() ? bf16_data(q_norm, "q_norm") : nullptr;
-  L.k_norm = q_norm.numel() ? bf16_data(k_norm, "k_norm") : nullptr;
-  L.k_cache = kv_rows(k_cache, k_scales, "attention_decode_bf16: k_cache");
-  L.v_cache = kv_rows(v_cache, v_scales, "attention_decode_bf16: v_cache");
-  L.H = H, L.D = D, L.ctx = k_cache.size(1), L.heads = heads, L.kv_heads = kv_heads;
+  L.proj.qkv_w = bf16_data(qkv_w, "qkv_w");
+  L.proj.o_w = bf16_data(o_w, "o_w");
   return L;
 }
 
 // Cache rows per block of the heads loop: 64 rows of D = 128 are 16 KiB of bf16, L1-sized.
 constexpr int64_t KV_BLOCK = 64;
 
+template <class Proj>
 struct AttnScratch {  // per calling thread, reused across calls: no allocation per token
   std::vector<bf16> normed, qkv, attn;
   std::vector<float> tmp;
+  typename Proj::Scratch proj;
 };
 
 // y = x + o_proj(attention(rope(norm_heads(qkv_proj(rms_norm(x)))))) for one token at `pos`
 // (0 <= pos < ctx), writing the caches' rows at pos. x and y [H] may not alias.
-inline void attention_rows(const AttnLayer& L, const bf16* xp, const bf16* cp, const bf16* sp, int64_t pos,
-                           float eps, AttnScratch& s, bf16* yp) {
+template <class Proj>
+inline void attention_rows(const AttnLayer<Proj>& L, const bf16* xp, const bf16* cp, const bf16* sp, int64_t pos,
+                           float eps, AttnScratch<Proj>& s, bf16* yp) {
   const int64_t H = L.H, D = L.D, ctx = L.ctx, heads = L.heads, kv_heads = L.kv_heads;
   const int64_t Q = heads * D, KV = kv_heads * D;
-  const bf16 *wq = L.qkv_w, *wo = L.o_w, *qn = L.q_norm, *kn = L.k_norm;
+  const bf16 *qn = L.q_norm, *kn = L.k_norm;
+  const Proj& proj = L.proj;
   const KvRows &kc = L.k_cache, &vc = L.v_cache;
   s.normed.resize(H), s.qkv.resize(Q + 2 * KV), s.attn.resize(Q), s.tmp.resize(D);
   {  // the input norm: as layers.rms_norm of one token
@@ -195,6 +241,7 @@ inline void attention_rows(const AttnLayer& L, const bf16* xp, const bf16* cp, c
   }
   bf16* qkv = s.qkv.data();
   const bf16* normed = s.normed.data();
+  proj.prepare_in(normed, H, s.proj);  // (int: the row quantized once, as the int linear op does)
   bf16 *q = qkv, *k = qkv + Q, *v = qkv + Q + KV;
   float* tmp = s.tmp.data();
   const int64_t S = pos + 1, group = heads / kv_heads;
@@ -206,8 +253,7 @@ inline void attention_rows(const AttnLayer& L, const bf16* xp, const bf16* cp, c
   {
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
     int64_t b, e;
-    thread_share(Q + 2 * KV, t, T, b, e);
-    dot_rows(wq, H, normed, b, e, [&](int64_t n, float val) { qkv[n] = to_bf16(val); });
+    proj.qkv_rows(normed, H, Q + 2 * KV, t, T, s.proj, [&](int64_t n, float val) { qkv[n] = to_bf16(val); });
 #pragma omp barrier
 #pragma omp single
     {  // a few hundred elements: one thread (the single's implicit barrier publishes them)
@@ -269,8 +315,13 @@ inline void attention_rows(const AttnLayer& L, const bf16* xp, const bf16* cp, c
       h0 = h1;
     }
 #pragma omp barrier
-    thread_share(H, t, T, b, e);  // o_proj, then the residual add
-    dot_rows(wo, Q, attn, b, e, [&](int64_t n, float val) { yp[n] = to_bf16(to_f32(xp[n]) + round_bf16(val)); });
+    if constexpr (Proj::prepares_out) {
+#pragma omp single
+      proj.prepare_out(attn, Q, s.proj);  // (the single's implicit barrier publishes it)
+    }
+    // o_proj, then the residual add
+    proj.o_rows(attn, Q, H, t, T, s.proj,
+                [&](int64_t n, float val) { yp[n] = to_bf16(to_f32(xp[n]) + round_bf16(val)); });
   }
 }
 

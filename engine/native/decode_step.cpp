@@ -43,7 +43,7 @@ at::Tensor decode_layers_bf16(const at::Tensor& x_in, at::TensorList attention, 
               "decode_layers_bf16: 9 attention and 3 MoE tensors per layer");
   const int64_t H = x.size(1), layers = (int64_t)moe.size() / 3;
   const RoutingTrim trim{reduction, threshold, renormalize};
-  std::vector<AttnLayer> att(layers);
+  std::vector<AttnLayer<Bf16Proj>> att(layers);
   std::vector<MoeLayer> mix(layers);
   for (int64_t l = 0; l < layers; l++) {  // every check before any layer runs
     const at::Tensor* a = &attention[9 * l];
@@ -52,7 +52,7 @@ at::Tensor decode_layers_bf16(const at::Tensor& x_in, at::TensorList attention, 
     TORCH_CHECK(cos.numel() == att[l].D && sin.numel() == att[l].D, "decode_layers_bf16: cos/sin must be [D]");
     mix[l] = moe_layer(H, moe[3 * l], moe[3 * l + 1], moe[3 * l + 2], k, inter, trim);
   }
-  static thread_local AttnScratch attn_scratch;
+  static thread_local AttnScratch<Bf16Proj> attn_scratch;
   static thread_local MoeScratch moe_scratch;
   static thread_local std::vector<bf16> mid;  // the hidden state between the halves
   mid.resize(H);

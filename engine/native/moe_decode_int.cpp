@@ -22,12 +22,7 @@
 #include <torch/library.h>
 #include <ATen/ops/empty.h>
 
-#include <algorithm>
-#include <utility>
-#include <vector>
-
-#include "int_kernels.h"
-#include "moe_kernels.h"
+#include "moe_int.h"
 
 COLIBRI_INT_TARGET_BEGIN
 
@@ -35,58 +30,16 @@ namespace {
 
 using namespace colibri_int_kernels;
 
-// Per-thread scratch reused across calls: no allocation per token but the output.
-struct Scratch {
-  std::vector<bf16> normed, ys, mixed;
-  std::vector<float> xf, probs, weights;
-  std::vector<int64_t> ids;
-  std::vector<std::pair<int64_t, float>> chosen;
-  std::vector<QMat> gate, up, down;
-  SwigluScratch swiglu;
-};
-
 at::Tensor moe_layer_int(const at::Tensor& h_in, const at::Tensor& norm_w, double eps, const at::Tensor& router_w,
                          int64_t k, bool norm, const at::Tensor& experts, int64_t inter, int64_t group,
                          int64_t reduction, double threshold, bool renormalize) {
   const at::Tensor h = h_in.contiguous();
   TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "moe_layer_int: h must be [1, H]");
-  const int64_t H = h.size(1), E = router_w.size(0), I = inter;
-  TORCH_CHECK(router_w.dim() == 2 && router_w.size(1) == H, "moe_layer_int: router_w must be [E, H]");
-  TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == H, "moe_layer_int: norm_w must be [H]");
-  TORCH_CHECK(experts.scalar_type() == at::kLong && experts.dim() == 2 && experts.size(0) == E &&
-              experts.size(1) == 6 && experts.is_contiguous(), "moe_layer_int: experts must be int64 [E, 6]");
-  TORCH_CHECK(k >= 1 && k <= E && I >= 1, "moe_layer_int: k in 1..E, inter >= 1");
   const RoutingTrim trim{reduction, threshold, renormalize};
-  check_trim(trim, k, "moe_layer_int");
-  TORCH_CHECK(group == 0 || ((group == 32 || group == 64 || group == 128) && H % group == 0 && I % group == 0 &&
-                             H % 2 == 0 && I % 2 == 0), "moe_layer_int: group 0 (int8) or an int4 group dividing H and I");
-  const bf16* hp = bf16_data(h, "h");
-  const bf16* rw = bf16_data(router_w, "router_w");
-  const bf16* nw = bf16_data(norm_w, "norm_w");
-  static thread_local Scratch s;
-  s.normed.resize(H), s.ys.resize(k * H), s.mixed.resize(H), s.xf.resize(H);
-  s.probs.resize(E), s.weights.resize(k), s.ids.resize(k);
-  rms_norm_row(hp, nw, H, (float)eps, s.normed.data());
-  route_topk(s.normed.data(), rw, E, H, k, norm, s.probs.data(), s.ids.data(), s.weights.data());
-  s.gate.resize(k), s.up.resize(k), s.down.resize(k);
-  const int64_t kept = trim_experts(trim, k, s.ids.data(), s.weights.data());
-  ascending_experts(s.ids.data(), s.weights.data(), kept, s.chosen);
-  const auto& chosen = s.chosen;
-  const int64_t* table = experts.data_ptr<int64_t>();
-  for (int64_t j = 0; j < kept; j++) {
-    const void* const* row = reinterpret_cast<const void* const*>(table + 6 * chosen[j].first);
-    s.gate[j] = raw_mat(row[0], row[1], I, H, group, false);
-    s.up[j] = raw_mat(row[2], row[3], I, H, group, false);
-    s.down[j] = raw_mat(row[4], row[5], H, I, group, false);
-    s.weights[j] = chosen[j].second;
-  }
-  for (int64_t n = 0; n < H; n++) s.xf[n] = to_f32(s.normed[n]);
-  quant_swiglu(s.xf.data(), s.gate.data(), s.up.data(), s.down.data(), kept, true, s.swiglu);
-  for (int64_t i = 0; i < kept * H; i++) s.ys[i] = to_bf16(s.swiglu.y[i]);  // as the experts op stores them
-  combine(s.ys.data(), s.weights.data(), kept, H, s.mixed.data());
-  at::Tensor y = at::empty({1, H}, h.options());
-  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
-  for (int64_t n = 0; n < H; n++) yp[n] = to_bf16(to_f32(hp[n]) + to_f32(s.mixed[n]));  // the residual add
+  const MoeIntLayer L = moe_int_layer(h.size(1), norm_w, router_w, experts, k, inter, group, trim);
+  static thread_local MoeIntScratch s;
+  at::Tensor y = at::empty({1, L.H}, h.options());
+  moe_int_rows(L, bf16_data(h, "h"), (float)eps, k, norm, trim, s, reinterpret_cast<bf16*>(y.data_ptr()));
   return y;
 }
 
