@@ -44,7 +44,7 @@ from engine.arch.rope import RopeTable, apply_rope, rope_cos_sin, rope_inv_freq
 def _native_cache(rows) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows or codes, scales) of one layer's K or V cache as the native attention reads it: a
     contiguous bf16 tensor (no scales), or a QuantizedRows read back as bf16 (its int8 / e4m3 codes
-    and fp32 scales: the native op quantizes and dequantizes as QuantizedRows does); else None."""
+    and fp32 scales: the native op quantizes as QuantizedRows does and applies the scales per row); else None."""
     if type(rows) is torch.Tensor:
         return (rows, native.NO_SCALES) if rows.dtype is torch.bfloat16 and rows.is_contiguous() else None
     if type(rows) is QuantizedRows and rows.dtype is torch.bfloat16:

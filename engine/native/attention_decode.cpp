@@ -14,9 +14,10 @@
 //
 // A quantized cache (kv_dtype int8 / fp8: codes + one fp32 scale per token per head, as
 // engine/arch/kvquant.py's QuantizedRows) is written and read here too: the new row's codes and
-// scale are what QuantizedRows.__setitem__ stores, and each cached row is read as its
-// __getitem__ returns it (code * scale in fp32, rounded to bf16) before the scores and the
-// weighted sum, so the fused and unfused paths differ only as they do for a bf16 cache.
+// scale are what QuantizedRows.__setitem__ stores; a cached row's codes enter the scores and the
+// weighted sum as they are, its scale applied once per row (attention_kernels.h, KvRows), where
+// the unfused path rounds code * scale to bf16 first: the paths differ by that rounding and the
+// order of the sums.
 //
 // Op (namespace colibri):
 //   attention_decode_bf16(x [1,H], norm_w [H], eps, qkv_w [(Nq+2Nkv)D, H], q_norm [D] | [0],

@@ -46,20 +46,16 @@ inline void rope_heads(bf16* rows, int64_t n, int64_t D, const bf16* cos, const 
 
 // One layer's K or V cache [Nkv, ctx, D]: bf16 rows, or codes with one fp32 scale per row (per
 // token per head), as engine/arch/kvquant.py's QuantizedRows holds them. Writes quantize as its
-// __setitem__ does and reads dequantize as its __getitem__ does (code * scale in fp32, rounded to
-// bf16), so the scores and the weighted sum see the numbers the unfused path's SDPA sees.
+// __setitem__ does. Reads give the codes themselves as bf16 (exact: an int8 code has 7 significant
+// bits, an e4m3 value 4, bf16 holds 8, and the smallest e4m3 value 2^-9 is no fp32 denormal) and
+// the row's scale is applied once per row: to the score (q . code) * scale and to the softmax
+// weight p * scale before the weighted sum. Why: rounding code * scale to bf16 per element (as
+// QuantizedRows.__getitem__ does) cost a multiply and ~8 integer steps per 16 numbers, which made a
+// resident int8 / fp8 cache slower than bf16 at demo's sizes though it moves half the bytes; per
+// row it is one multiply. The sums differ from the unfused path's only in that bf16 rounding
+// (skipped here, so these are the closer to the exact code * scale), as a bf16 cache's sums differ
+// from SDPA's in their order.
 enum class KvCode { bf16, int8, e4m3 };
-
-// float -> bf16 of 16 lanes, round to nearest even, NaN kept quiet: to_bf16's integer steps, so
-// a denormal product rounds as torch rounds it (VCVTNEPS2BF16 would flush it to zero).
-inline __m256i to_bf16_x16(__m512 f) {
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(r);
-}
 
 struct KvRows {
   void* data = nullptr;     // [Nkv, ctx, D]: bf16, int8 or e4m3 bytes
@@ -97,22 +93,27 @@ struct KvRows {
     }
   }
 
-  // Rows j0 .. j0+n of head g as bf16: the cache's own rows, or (codes) dequantized into buf [n, D].
+  // Rows j0 .. j0+n of head g as bf16: the cache's own rows, or (codes) the codes converted exactly
+  // into buf [n, D], their scales (row_scales) still to apply.
   inline const bf16* rows(int64_t g, int64_t j0, int64_t n, bf16* buf) const {
     const int64_t row0 = g * ctx + j0;
     if (code == KvCode::bf16) return reinterpret_cast<const bf16*>(data) + row0 * D;
     for (int64_t j = 0; j < n; j++) {
-      const __m512 s = _mm512_set1_ps(scales[row0 + j]);
       const uint8_t* c = reinterpret_cast<const uint8_t*>(data) + (row0 + j) * D;
       bf16* out = buf + j * D;
       for (int64_t i = 0; i < D; i += 16) {
         const __mmask16 m = D - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - i)) - 1);
         const __m128i bytes = _mm_maskz_loadu_epi8(m, c + i);
         const __m512 f = code == KvCode::int8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)) : e4m3_to_f32(bytes);
-        _mm256_mask_storeu_epi16(out + i, m, to_bf16_x16(_mm512_mul_ps(f, s)));
+        _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(f));  // exact (see above)
       }
     }
     return buf;
+  }
+
+  // The scales of rows j0 .. j0+n of head g (codes only; a bf16 cache has none: nullptr).
+  inline const float* row_scales(int64_t g, int64_t j0) const {
+    return code == KvCode::bf16 ? nullptr : scales + g * ctx + j0;
   }
 };
 
@@ -270,10 +271,10 @@ inline void attention_rows(const AttnLayer<Proj>& L, const bf16* xp, const bf16*
     }
     thread_share(heads, t, T, b, e);
     // This thread's heads, a run of one K/V head's group at a time: each block of cache rows is
-    // read (quantized: dequantized) once for the run, not once per query head. Per head the sums
+    // read (quantized: its codes converted) once for the run, not once per query head. Per head the sums
     // run in the same order as one head alone (positions ascending), whatever the runs.
     static thread_local std::vector<float> p, acc, m, sum;  // per worker thread, reused across calls
-    static thread_local std::vector<bf16> block;            // dequantized rows (quantized caches)
+    static thread_local std::vector<bf16> block;            // codes as bf16 (quantized caches)
     for (int64_t h0 = b; h0 < e;) {
       const int64_t g = h0 / group, h1 = std::min(e, (g + 1) * group), n = h1 - h0;
       p.resize(n * S), acc.resize(n * D), m.assign(n, -INFINITY), sum.assign(n, 0.0f);
@@ -281,11 +282,12 @@ inline void attention_rows(const AttnLayer<Proj>& L, const bf16* xp, const bf16*
       for (int64_t j0 = 0; j0 < S; j0 += KV_BLOCK) {
         const int64_t rows = std::min(KV_BLOCK, S - j0);
         const bf16* keys = kc.rows(g, j0, rows, block.data());
+        const float* ks = kc.row_scales(g, j0);
         for (int64_t h = 0; h < n; h++) {
           float* ph = p.data() + h * S + j0;
           const bf16* qh = q + (h0 + h) * D;
           for (int64_t j = 0; j < rows; j++) {
-            ph[j] = dot(keys + j * D, qh, D) * scale;
+            ph[j] = ks ? dot(keys + j * D, qh, D) * ks[j] * scale : dot(keys + j * D, qh, D) * scale;
             m[h] = std::max(m[h], ph[j]);
           }
         }
@@ -301,12 +303,14 @@ inline void attention_rows(const AttnLayer<Proj>& L, const bf16* xp, const bf16*
       for (int64_t j0 = 0; j0 < S; j0 += KV_BLOCK) {
         const int64_t rows = std::min(KV_BLOCK, S - j0);
         const bf16* values = vc.rows(g, j0, rows, block.data());
+        const float* vs = vc.row_scales(g, j0);
         for (int64_t h = 0; h < n; h++) {
           const float* ph = p.data() + h * S + j0;
           float* ah = acc.data() + h * D;
           for (int64_t j = 0; j < rows; j++) {
             const bf16* vr = values + j * D;
-            for (int64_t i = 0; i < D; i++) ah[i] += ph[j] * to_f32(vr[i]);
+            const float w = vs ? ph[j] * vs[j] : ph[j];  // codes: the row's scale folded into its weight
+            for (int64_t i = 0; i < D; i++) ah[i] += w * to_f32(vr[i]);
           }
         }
       }
