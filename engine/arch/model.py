@@ -36,8 +36,9 @@ from engine.arch.kvquant import QuantizedRows
 from engine.arch.moe_quant import ResidentQuantMoeLayer
 from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
 from engine.arch.args import ModelArgs, layer_prefix
-from engine.format.quant import linear
+from engine.format.quant import StoredMatrix, linear
 from engine.arch.router import trim_operands
+from engine.base.hugepages import rehome
 from engine.arch.rope import RopeTable, apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -85,6 +86,40 @@ class Transformer:
         # False keeps the per-layer calls (benchmarks/decode_profile.py times the layers' parts so).
         self.step_loop = True
         self._step_operands: tuple | None = None  # (kv, its cache tensors, decode_layers' operands)
+        self.dense_arena = self._dense_on_huge_pages()
+
+    def _dense_on_huge_pages(self):
+        """Move the resident dense tensors (the fused q/k/v, the lm_head, and the codes and scales
+        of int8/int4/FP8 matrices) into one arena that asks for huge pages
+        (engine/base/hugepages.py); views and ties stay as they were. The sources are emptied
+        first so `every` holds the only references and each old tensor is freed as its copy is made."""
+        every = {}
+        for name, t in self.w.items():
+            if isinstance(t, StoredMatrix):
+                every.update({("m", name, f): getattr(t, f) for f in t.tensor_fields})
+            else:
+                every[("w", name)] = t
+        every.update({("qkv", layer): t for layer, t in self._qkv.items()})
+        every[("lm_head",)] = self.lm_head
+        matrices = {name: t for name, t in self.w.items() if isinstance(t, StoredMatrix)}
+        order = list(self.w)
+        self.w.clear()
+        self._qkv.clear()
+        self.lm_head = None
+        for m in matrices.values():
+            for f in m.tensor_fields:
+                setattr(m, f, None)
+        arena = rehome(every)
+        for key, t in every.items():
+            if key[0] == "m":
+                setattr(matrices[key[1]], key[2], t)
+            elif key[0] == "qkv":
+                self._qkv[key[1]] = t
+            elif key[0] == "lm_head":
+                self.lm_head = t
+        moved = {key[1]: t for key, t in every.items() if key[0] == "w"}
+        self.w.update((name, matrices[name] if name in matrices else moved[name]) for name in order)
+        return arena
 
     def _fuse_qkv(self, weights: dict) -> dict[int, torch.Tensor]:
         """Per layer, q/k/v projections as one [Nq*D + 2*Nkv*D, H] matrix (concatenated once,

@@ -41,7 +41,8 @@ class SlotArena:
         self.slot_bytes = align_up(max(slot_bytes, 1))
         self.count = count
         self.nbytes = self.slot_bytes * count
-        self._arena = mmap.mmap(-1, max(self.nbytes, ALIGN))
+        # MAP_PRIVATE: Python's anonymous default, MAP_SHARED, is shmem, which ignores MADV_HUGEPAGE.
+        self._arena = mmap.mmap(-1, max(self.nbytes, ALIGN), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if prefault and self.nbytes:
             self._prefault()
         self._free = collections.deque(range(count))  # append/popleft are atomic: finalizers may run on workers

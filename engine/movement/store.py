@@ -38,6 +38,7 @@ from collections.abc import Callable
 import torch
 
 from engine.base.errors import ModelFormatError
+from engine.base.hugepages import HugePageArena, arena_bytes
 from engine.format.layout import ExpertLayout, tensors_from_buffers
 
 ExpertFn = Callable[[int, tuple], None]
@@ -86,13 +87,15 @@ class ExpertStore(ABC):
 
 
 class ResidentExperts(ExpertStore):
-    """Every routed expert loaded once into RAM."""
+    """Every routed expert loaded once into RAM, all of them in one arena that asks for huge
+    pages (engine/base/hugepages.py): decode streams them through the TLB once a token."""
 
     def __init__(self, layout: ExpertLayout, dtype: torch.dtype):
         self._experts = {}
-        for key in layout.keys():
-            loc = layout.location(*key)
-            buffers = [read_span(s) for s in loc.spans]
+        locations = {key: layout.location(*key) for key in layout.keys()}
+        self.arena = HugePageArena(arena_bytes(s.length for loc in locations.values() for s in loc.spans))
+        for key, loc in locations.items():
+            buffers = [read_span(s, self.arena.take(s.length)) for s in loc.spans]
             self._experts[key] = tensors_from_buffers(loc, buffers, dtype)
 
     def for_each_expert(self, layer, experts, fn):
@@ -106,8 +109,9 @@ class ResidentExperts(ExpertStore):
         return {"io_mode_effective": "resident", "expert_lookups": None}
 
 
-def read_span(span) -> bytearray:
-    buf = bytearray(span.length)
+def read_span(span, buf=None):
+    """The span's bytes, into `buf` (a writable buffer of span.length bytes) or a new bytearray."""
+    buf = bytearray(span.length) if buf is None else buf
     with open(span.path, "rb", buffering=0) as f:
         if os.preadv(f.fileno(), [buf], span.offset) != span.length:
             raise ModelFormatError(f"{span.path}: truncated (expert bytes at {span.offset} missing)")

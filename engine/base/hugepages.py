@@ -1,0 +1,136 @@
+"""Long-lived weights in one anonymous mapping that asks for transparent huge pages.
+
+Why: resident decode reads every active weight once a token, ~0.55 GB on demo bf16, spread
+over hundreds of 1-3 MiB matrices. In 4 KiB pages that is one TLB miss (a page walk) per 4 KiB
+streamed, and torch's / malloc's large allocations only get 2 MiB pages where THP is "always";
+most distributions ship "madvise". One mapping, 2 MiB aligned, with MADV_HUGEPAGE, lets the
+kernel back the weights with 2 MiB pages (512x fewer TLB entries), and the matrix-vector
+kernels read closer to plain-read bandwidth (docs/BENCHMARKS.md, "Resident weights on huge pages").
+
+Nothing here is needed for correctness: where THP is off, or the kernel refuses the advice,
+the arena is an ordinary anonymous mapping with 4 KiB pages and every byte is the same.
+The bytes are the callers' to fill (read from a file, or copied from a tensor); views of them
+keep the mapping alive (torch.frombuffer holds a reference to the exported buffer).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE = 2 << 20
+PIECE_ALIGN = 64  # each piece starts on a cache line: AVX-512 loads never split one
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode(path: Path = THP_ENABLED) -> str:
+    """The kernel's THP setting as the bracketed word of `enabled` (always, madvise, never), or
+    "unavailable" where the file is missing (no THP in this kernel, or not Linux)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return "unavailable"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else "unavailable"
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class HugePageArena:
+    """`nbytes` of anonymous memory, handed out in 64-byte-aligned pieces by take(); its start is on
+    a 2 MiB boundary so whole huge pages can back it. Pages are faulted in as they are written."""
+
+    def __init__(self, nbytes: int):
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        self.nbytes = nbytes
+        # One huge page of slack to move the start onto a 2 MiB boundary; the slack before it is
+        # never touched, so it never costs memory.
+        # MAP_PRIVATE: Python's default for an anonymous map is MAP_SHARED, which is shmem, and
+        # shmem follows shmem_enabled (usually "never"), not the advice.
+        self._map = mmap.mmap(-1, _round_up(max(nbytes, 1), HUGE_PAGE) + HUGE_PAGE,
+                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self._start = (-base) % HUGE_PAGE
+        self.address = base + self._start
+        self.advised = False
+        try:
+            self._map.madvise(_MADV_HUGEPAGE, self._start, _round_up(max(nbytes, 1), HUGE_PAGE))
+            self.advised = True
+        except (OSError, ValueError):  # THP not built in, or a kernel that refuses: 4 KiB pages
+            pass
+        self._used = 0
+        self._view = memoryview(self._map)
+
+    def take(self, nbytes: int) -> memoryview:
+        """The next `nbytes` (a writable memoryview), starting on a 64-byte boundary."""
+        offset = _round_up(self._used, PIECE_ALIGN)
+        if offset + nbytes > self.nbytes:
+            raise MemoryError(f"arena of {self.nbytes} bytes cannot give {nbytes} more at {offset}")
+        self._used = offset + nbytes
+        return self._view[self._start + offset:self._start + offset + nbytes]
+
+    def huge_bytes(self) -> int | None:
+        """Bytes of this mapping backed by huge pages now (AnonHugePages in /proc/self/smaps), or
+        None where smaps cannot be read."""
+        return mapping_huge_bytes(self.address - self._start)
+
+
+def arena_bytes(sizes) -> int:
+    """The arena size that holds pieces of these sizes, each aligned as take() places them."""
+    return sum(_round_up(n, PIECE_ALIGN) for n in sizes)
+
+
+def mapping_huge_bytes(address: int, smaps: Path = Path("/proc/self/smaps")) -> int | None:
+    """AnonHugePages of the mapping that contains `address`, in bytes; None if unreadable."""
+    try:
+        lines = smaps.read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split(" ", 1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, _, hi = head.partition("-")
+            try:
+                inside = int(lo, 16) <= address < int(hi, 16)
+            except ValueError:
+                inside = False
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def rehome(tensors: dict) -> HugePageArena | None:
+    """Copy the plain CPU tensors among `tensors`' values into one HugePageArena, in place.
+
+    Views stay views: tensors that share a storage (a fused q/k/v matrix and its row views, a
+    tied embedding and lm_head) are copied once and rebuilt as the same views of the copy. Each
+    old storage is dropped as soon as its copy is made, so the peak is the weights plus the
+    largest one (the caller must hold no other reference for that to hold). Values that are not
+    plain CPU tensors (quantized or FP8 weight objects, None) are left as they are. Returns the
+    arena (None when there was nothing to move), which the new tensors keep alive anyway."""
+    groups: dict[int, list] = {}
+    for key, t in tensors.items():
+        if type(t) is torch.Tensor and t.device.type == "cpu" and not t.requires_grad and t.numel():
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append(key)
+    if not groups:
+        return None
+    storages = {ptr: tensors[keys[0]].untyped_storage() for ptr, keys in groups.items()}
+    arena = HugePageArena(arena_bytes(s.nbytes() for s in storages.values()))
+    for ptr, keys in groups.items():
+        old = storages.pop(ptr)
+        raw = torch.frombuffer(arena.take(old.nbytes()), dtype=torch.uint8)
+        raw.copy_(torch.empty(0, dtype=torch.uint8).set_(old))
+        new = raw.untyped_storage()
+        for key in keys:
+            t = tensors[key]
+            tensors[key] = torch.empty(0, dtype=t.dtype).set_(new, t.storage_offset(), t.shape, t.stride())
+        del old, t
+    return arena
