@@ -112,11 +112,11 @@ def quantized_pair(args, model: Path, gguf: Path, quant: str) -> tuple[Path, Pat
     if quant not in QUANT_PAIRS:
         raise SystemExit(f"error: --quant {quant!r}: expected one of {', '.join(QUANT_PAIRS)}")
     work = Path(args.work_dir).expanduser()
-    ours = work / f"{args.preset}-{quant}"
+    ours = work / (f"{args.preset}-{quant}" + ("-all" if args.scope == "all" else ""))
     if not (ours / "config.json").exists():
         kind, _, group = quant.partition("-g")
         argv = [sys.executable, "-m", "tuner.cli", "convert", str(model), "-o", str(ours), "--quant", kind,
-                "--force"] + (["--group-size", group] if group else [])
+                "--scope", args.scope, "--force"] + (["--group-size", group] if group else [])
         print(f"peers: {' '.join(argv[1:])}", file=sys.stderr)
         with bench_lock(args.lock):
             subprocess.run(argv, check=True, stdout=subprocess.DEVNULL,
@@ -191,7 +191,8 @@ def run_llama_simple(args, gguf: Path, mode: str, limit: int, bench_rate: float 
 def run_llama_bench(args, gguf: Path, mode: str, limit: int, prompt_len: int) -> dict:
     argv = [str(Path(args.llama_dir) / "build/bin/llama-bench"), "-m", str(gguf), "-t", str(args.threads),
             "-n", str(args.tokens), "-o", "json"]
-    argv += ["-p", "0", "-r", "1", "--no-warmup"] if mode == "cold" else ["-p", str(prompt_len), "-r",
+    resident_p = prompt_len if args.bench_prompt_tokens is None else args.bench_prompt_tokens
+    argv += ["-p", "0", "-r", "1", "--no-warmup"] if mode == "cold" else ["-p", str(resident_p), "-r",
                                                                             str(args.repeats)]
     run = run_limited(argv, limit, timeout=args.cap_seconds)
     fields: dict = {"threads": args.threads}
@@ -264,6 +265,12 @@ def main(argv=None) -> int:
     p.add_argument("--quant", default="", help="also race quantized: comma list of int8, int4-g32, int4-g64 "
                    "(against Q8_0, Q4_0, Q4_K_M); --quant-only skips the bf16 rows")
     p.add_argument("--quant-only", action="store_true")
+    p.add_argument("--scope", choices=("experts", "all"), default="experts",
+                   help="what `colibri convert` quantizes in our containers: the routed experts (WORK/<preset>-<quant>) "
+                        "or every linear but embeddings and routers (WORK/<preset>-<quant>-all), as llama-quantize does")
+    p.add_argument("--bench-prompt-tokens", type=int, default=None,
+                   help="llama-bench's -p when resident (default: the prompt's length; 0 = decode only, for a build "
+                        "whose prompt path fails, such as the AMX one on Q8_0/Q4_0 here)")
     p.add_argument("--runs", type=int, default=3, help="runs of every race figure (median and min-max quoted)")
     p.add_argument("--quality", choices=("auto", "only", "off"), default="auto",
                    help="KL / top-1 against bf16 of the --quant pairs, both tools (auto: after the races; "
@@ -276,6 +283,8 @@ def main(argv=None) -> int:
     p.add_argument("--lock", help="flock this file around each measured step (shared machines)")
     p.add_argument("--json", help="write all rows and conditions to this file")
     args = p.parse_args(argv)
+    if args.bench_prompt_tokens is not None and args.bench_prompt_tokens < 0:
+        raise SystemExit("error: --bench-prompt-tokens must be >= 0")
     if args.runs < 1 or args.kl_ctx < 4 or args.kl_tokens < 2 * args.kl_ctx:
         raise SystemExit("error: --runs must be >= 1, --kl-ctx >= 4 and --kl-tokens >= 2 x --kl-ctx "
                          "(llama-perplexity needs two chunks)")
@@ -311,7 +320,9 @@ def main(argv=None) -> int:
                 "cold is tg only (-p 0 -r 1 --no-warmup: a pp test first would page the model in), llama-simple "
                 "runs the prompt",
         "resident": f"weights in RAM (ours ram_budget 0; llama.cpp mmap over a warm page cache, llama-bench -r "
-                    f"{args.repeats} after its warm-up; transformers without offload), cgroup {resident_limit / GiB:.0f} GiB",
+                    f"{args.repeats} after its warm-up"
+                    + (f", -p {args.bench_prompt_tokens}" if args.bench_prompt_tokens is not None else "")
+                    + f"; transformers without offload), cgroup {resident_limit / GiB:.0f} GiB",
         "cap": f"{args.cap_seconds:.0f} s of generation per peer run (a capped row covers the tokens made in that time)",
         "cgroup": support.reason if not support.available else f"v{support.version}",
     }
@@ -320,7 +331,9 @@ def main(argv=None) -> int:
         (q, *quantized_pair(args, model, gguf, q), [e for e in engines if e in ("ours", "llama-bench")])
         for q in quants]
     if quants:
-        conditions["quantized"] = ("ours: `colibri convert --quant` of the bf16 model (routed experts); theirs: "
+        conditions["quantized"] = (f"ours: `colibri convert --quant --scope {args.scope}` of the bf16 model ("
+                                   + ("routed experts" if args.scope == "experts" else "every linear but embeddings and routers")
+                                   + "); theirs: "
                                    "`llama-quantize` of the bf16 GGUF (every tensor it quantizes by default): "
                                    + ", ".join(f"{q} vs {QUANT_PAIRS[q]}" for q in quants))
     rows: list[dict] = json.loads(Path(args.rows_from).read_text())["rows"] if args.rows_from else []

@@ -18,6 +18,11 @@ JOBS="${JOBS:-2}"
 PY="${PYTHON:-python3}"
 # EXTRA_TARGETS="llama-quantize" adds binaries (benchmarks/gguf_roundtrip.py needs llama-quantize).
 # llama-perplexity: peers.py --quant's KL against bf16 (--kl-divergence).
+# CPU_FLAGS replaces -DGGML_NATIVE=ON, e.g. a build without the AMX path (which segfaults on
+# Q8_0/Q4_0 prompt processing on the Sapphire-Rapids-class Xeon here, docs/BENCHMARKS.md):
+#   CPU_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+#              -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+CPU_FLAGS="${CPU_FLAGS:--DGGML_NATIVE=ON}"
 TARGETS=(llama-simple llama-bench llama-tokenize llama-perplexity ${EXTRA_TARGETS:-})
 
 mkdir -p "$DEST"
@@ -40,9 +45,10 @@ fi
 # SOURCE_ONLY=1: the tree only (its Python GGUF converter needs no build; scripts/setup.sh).
 [ -n "${SOURCE_ONLY:-}" ] && { echo "peers: llama.cpp source in $DEST/src (not built)" >&2; exit 0; }
 
-echo "peers: configuring (Release, GGML_NATIVE=ON, CPU only)" >&2
+echo "peers: configuring (Release, $CPU_FLAGS, CPU only)" >&2
+# shellcheck disable=SC2086  # CPU_FLAGS is a list of words
 cmake -S "$DEST/src" -B "$DEST/build" -G Ninja \
-    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+    -DCMAKE_BUILD_TYPE=Release $CPU_FLAGS -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON >/dev/null
 
@@ -58,7 +64,7 @@ done
 {
     echo "llama_cpp_python_version=$VERSION"
     echo "llama_cpp_commit=$(cat "$DEST/SOURCE_COMMIT" 2>/dev/null || echo unknown)"
-    echo "cmake_flags=Release GGML_NATIVE=ON BUILD_SHARED_LIBS=OFF CPU"
+    echo "cmake_flags=Release $CPU_FLAGS BUILD_SHARED_LIBS=OFF CPU"
     echo "compiler=$(c++ --version | head -1)"
     echo "built_at=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 } > "$DEST/BUILD_INFO.tmp"
