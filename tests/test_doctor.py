@@ -44,6 +44,7 @@ def test_a_rule_without_its_fact_says_nothing():
                                                            model_dtype="bf16"), "warn"),
     (rules.cgroup, dict(cgroup_available=True), dict(cgroup_available=False, cgroup_reason="not root"), "warn"),
     (rules.throttling, dict(freq_ratio=0.98, throttle_events=0), dict(freq_ratio=0.4), "warn"),
+    (rules.huge_pages, dict(thp_mode="madvise"), dict(thp_mode="never"), "warn"),
     (rules.budget, dict(budget_bytes=GiB, plan_fixed_bytes=300 << 20, plan_cache_bytes=600 << 20),
      dict(budget_bytes=64 << 20, plan_error="memory budget 64 MiB is too small"), "problem"),
 ])

@@ -1,5 +1,5 @@
-"""Resident weights in one huge-page arena (engine/base/hugepages.py): same bytes, same views,
-private (not shmem) memory that asks for THP, and an engine whose weights all live there."""
+"""Resident weights in huge-page arenas (engine/base/hugepages.py): private (not shmem) memory
+that asks for THP, pieces of one storage, and an engine whose weights all live there."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
 from test_streaming import budget_for_cache
 from colibri_native_cases import PROMPT, bf16_model  # noqa: F401 (fixture)
-from engine.base.hugepages import (HUGE_PAGE, PIECE_ALIGN, HugePageArena, arena_bytes, mapping_huge_bytes,
-                                   rehome, thp_mode)
+from engine.base.hugepages import HUGE_PAGE, PIECE_ALIGN, HugePageArena, arena_bytes, mapping_huge_bytes, thp_mode
 
 
 def _address(view: memoryview) -> int:
@@ -85,37 +84,40 @@ def test_mapping_huge_bytes_of_an_unmapped_address_or_unreadable_smaps(tmp_path)
     assert mapping_huge_bytes(1 << 20, tmp_path / "missing") is None
 
 
-def test_rehome_keeps_values_views_ties_and_other_objects():
-    g = torch.Generator().manual_seed(0)
-    fused = torch.randn(12, 8, generator=g).to(torch.bfloat16)
-    q, k, v = fused.split([6, 3, 3])
-    embed = torch.randn(5, 8, generator=g)
-    marker = object()
-    tensors = {"fused": fused, "q": q, "k": k, "v": v, "embed": embed, "head": embed, "t": fused.t(),
-               "other": marker, "none": None, "empty": torch.empty(0)}
-    expected = {key: t.clone() for key, t in tensors.items() if type(t) is torch.Tensor}
-    old_ptrs = {fused.untyped_storage().data_ptr(), embed.untyped_storage().data_ptr()}
-    del fused, q, k, v, embed
-    arena = rehome(tensors)
-    assert arena is not None
-    for key, want in expected.items():
-        assert torch.equal(tensors[key], want) and tensors[key].dtype == want.dtype, key
-        assert tensors[key].shape == want.shape and tensors[key].stride() == want.stride(), key
-    moved = {tensors[key].untyped_storage().data_ptr() for key in ("fused", "embed")}
-    assert not moved & old_ptrs
-    assert all(arena.address <= p < arena.address + arena.nbytes for p in moved)
-    # the views are still views: one write shows through every tensor over the same bytes
-    assert tensors["q"].untyped_storage().data_ptr() == tensors["fused"].untyped_storage().data_ptr()
-    tensors["fused"][0, 0] = 7.0
-    assert tensors["q"][0, 0].item() == 7.0 and tensors["t"][0, 0].item() == 7.0
-    tensors["embed"][1, 2] = -3.0
-    assert tensors["head"][1, 2].item() == -3.0
-    assert tensors["other"] is marker and tensors["none"] is None
+def test_allocator_pieces_share_one_storage_and_fall_back_past_the_end():
+    arena = HugePageArena(arena_bytes([128, 64]))
+    alloc = arena.allocator()
+    a, b = alloc(128), alloc(64)
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() == arena.address
+    assert b.storage_offset() == 128 and a.data_ptr() % PIECE_ALIGN == 0
+    c = alloc(1 << 20)  # past the end: a plain tensor, not an error
+    assert c.numel() == 1 << 20 and not arena.address <= c.data_ptr() < arena.address + arena.nbytes
+    assert HugePageArena(0).allocator()(16).numel() == 16
 
 
-def test_rehome_with_nothing_to_move():
-    marker = object()
-    assert rehome({"a": marker, "b": None}) is None
+def test_adjacent_rows_views_back_to_back_parts_and_refuses_the_rest():
+    from engine.arch.model import _adjacent_rows
+
+    whole = torch.arange(24, dtype=torch.float32)
+    q, k, v = whole[:12].view(3, 4), whole[12:16].view(1, 4), whole[16:24].view(2, 4)
+    fused = _adjacent_rows([q, k, v])
+    assert fused.shape == (6, 4) and torch.equal(fused, torch.cat([q, k, v]))
+    assert fused.data_ptr() == q.data_ptr()  # a view: no copy
+    assert _adjacent_rows([q, v]) is None  # a gap between them
+    assert _adjacent_rows([q, torch.zeros(1, 4)]) is None  # another storage
+    assert _adjacent_rows([k, q]) is None  # out of order
+
+
+def test_checkpoint_load_into_an_allocator_reads_and_casts_there(bf16_model):
+    from engine.format.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(bf16_model)
+    name = "model.embed_tokens.weight"
+    arena = HugePageArena(4 * ckpt.info(name).nbytes)
+    alloc = arena.allocator()
+    same, cast = ckpt.load(name, torch.bfloat16, alloc), ckpt.load(name, torch.float32, alloc)
+    assert torch.equal(same, ckpt.load(name)) and torch.equal(cast, ckpt.load(name).float())
+    assert all(arena.address <= t.data_ptr() < arena.address + arena.nbytes for t in (same, cast))
 
 
 def _inside(arena: HugePageArena, t: torch.Tensor) -> bool:
@@ -141,8 +143,11 @@ def test_a_resident_engine_holds_every_weight_in_its_arenas(bf16_model, tmp_path
                 assert _inside(store.arena, codes), key
         dense = [t for t in net.w.values() if type(t) is torch.Tensor]
         dense += [getattr(m, f) for m in net.w.values() if isinstance(m, StoredMatrix) for f in m.tensor_fields]
-        assert dense and all(_inside(net.dense_arena, t) for t in dense)
-        assert _inside(net.dense_arena, net.lm_head if type(net.lm_head) is torch.Tensor else net.lm_head.qweight)
+        assert dense and all(_inside(engine.dense_arena, t) for t in dense)
+        head = net.lm_head if type(net.lm_head) is torch.Tensor else net.lm_head.qweight
+        assert _inside(engine.dense_arena, head)
+        if not quant:  # the fused q/k/v is a view of the three, not a copy
+            assert net._qkv and all(_inside(engine.dense_arena, t) for t in net._qkv.values())
         assert any(isinstance(m, StoredMatrix) for m in net.w.values()) == bool(quant)
         reference = generate(engine, PROMPT, 6, Sampler()).output_ids
     config = config.replace(ram_budget=budget_for_cache(model, config, cache_experts=3))

@@ -36,9 +36,8 @@ from engine.arch.kvquant import QuantizedRows
 from engine.arch.moe_quant import ResidentQuantMoeLayer
 from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
 from engine.arch.args import ModelArgs, layer_prefix
-from engine.format.quant import StoredMatrix, linear
+from engine.format.quant import linear
 from engine.arch.router import trim_operands
-from engine.base.hugepages import rehome
 from engine.arch.rope import RopeTable, apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -51,6 +50,20 @@ def _native_cache(rows) -> tuple[torch.Tensor, torch.Tensor] | None:
     if type(rows) is QuantizedRows and rows.dtype is torch.bfloat16:
         return rows.codes, rows.scales
     return None
+
+
+def _adjacent_rows(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The row-concatenation of `parts` as a view, where they already lie back to back in one
+    storage (the runtime loads a layer's q, k, v so, into its huge-page arena), else None."""
+    first = parts[0]
+    storage, offset = first.untyped_storage(), first.storage_offset()
+    for t in parts:
+        if (not t.is_contiguous() or t.dim() != 2 or t.shape[1] != first.shape[1]
+                or t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != offset):
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in parts)
+    return torch.empty(0, dtype=first.dtype).set_(storage, first.storage_offset(), (rows, first.shape[1]))
 
 
 class Transformer:
@@ -86,40 +99,6 @@ class Transformer:
         # False keeps the per-layer calls (benchmarks/decode_profile.py times the layers' parts so).
         self.step_loop = True
         self._step_operands: tuple | None = None  # (kv, its cache tensors, decode_layers' operands)
-        self.dense_arena = self._dense_on_huge_pages()
-
-    def _dense_on_huge_pages(self):
-        """Move the resident dense tensors (the fused q/k/v, the lm_head, and the codes and scales
-        of int8/int4/FP8 matrices) into one arena that asks for huge pages
-        (engine/base/hugepages.py); views and ties stay as they were. The sources are emptied
-        first so `every` holds the only references and each old tensor is freed as its copy is made."""
-        every = {}
-        for name, t in self.w.items():
-            if isinstance(t, StoredMatrix):
-                every.update({("m", name, f): getattr(t, f) for f in t.tensor_fields})
-            else:
-                every[("w", name)] = t
-        every.update({("qkv", layer): t for layer, t in self._qkv.items()})
-        every[("lm_head",)] = self.lm_head
-        matrices = {name: t for name, t in self.w.items() if isinstance(t, StoredMatrix)}
-        order = list(self.w)
-        self.w.clear()
-        self._qkv.clear()
-        self.lm_head = None
-        for m in matrices.values():
-            for f in m.tensor_fields:
-                setattr(m, f, None)
-        arena = rehome(every)
-        for key, t in every.items():
-            if key[0] == "m":
-                setattr(matrices[key[1]], key[2], t)
-            elif key[0] == "qkv":
-                self._qkv[key[1]] = t
-            elif key[0] == "lm_head":
-                self.lm_head = t
-        moved = {key[1]: t for key, t in every.items() if key[0] == "w"}
-        self.w.update((name, matrices[name] if name in matrices else moved[name]) for name in order)
-        return arena
 
     def _fuse_qkv(self, weights: dict) -> dict[int, torch.Tensor]:
         """Per layer, q/k/v projections as one [Nq*D + 2*Nkv*D, H] matrix (concatenated once,
@@ -138,7 +117,9 @@ class Transformer:
             if (any(type(t) is not torch.Tensor or t.dtype is not torch.bfloat16 for t in parts)
                     or any(f"{p}.{n}_proj.bias" in weights for n in "qkv")):
                 continue
-            fused[layer] = torch.cat(parts)
+            fused[layer] = _adjacent_rows(parts)
+            if fused[layer] is None:
+                fused[layer] = torch.cat(parts)
             for name, view in zip(names, fused[layer].split([t.shape[0] for t in parts])):
                 weights[name] = view
         return fused

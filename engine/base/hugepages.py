@@ -9,8 +9,9 @@ kernels read closer to plain-read bandwidth (docs/BENCHMARKS.md, "Resident weigh
 
 Nothing here is needed for correctness: where THP is off, or the kernel refuses the advice,
 the arena is an ordinary anonymous mapping with 4 KiB pages and every byte is the same.
-The bytes are the callers' to fill (read from a file, or copied from a tensor); views of them
-keep the mapping alive (torch.frombuffer holds a reference to the exported buffer).
+The bytes are the callers' to fill, straight from the file (take() for ResidentExperts' spans,
+allocator() for the runtime's dense tensors), so nothing is read twice or held twice; views of
+them keep the mapping alive (torch.frombuffer holds a reference to the exported buffer).
 """
 
 from __future__ import annotations
@@ -76,6 +77,23 @@ class HugePageArena:
         self._used = offset + nbytes
         return self._view[self._start + offset:self._start + offset + nbytes]
 
+    def allocator(self):
+        """alloc(nbytes) -> a uint8 tensor over the next `nbytes` (64-byte aligned). All of them are
+        slices of one tensor, one storage, so pieces placed back to back can be viewed as one matrix
+        (the model's fused q/k/v). Past the arena's end it returns a plain torch.empty: a size
+        estimate that fell short costs the huge pages of the rest, never the load."""
+        whole = (torch.frombuffer(self._view[self._start:self._start + self.nbytes], dtype=torch.uint8)
+                 if self.nbytes else None)
+
+        def alloc(nbytes: int) -> torch.Tensor:
+            offset = _round_up(self._used, PIECE_ALIGN)
+            if whole is None or offset + nbytes > self.nbytes:
+                return torch.empty(nbytes, dtype=torch.uint8)
+            self._used = offset + nbytes
+            return whole[offset:offset + nbytes]
+
+        return alloc
+
     def huge_bytes(self) -> int | None:
         """Bytes of this mapping backed by huge pages now (AnonHugePages in /proc/self/smaps), or
         None where smaps cannot be read."""
@@ -105,32 +123,3 @@ def mapping_huge_bytes(address: int, smaps: Path = Path("/proc/self/smaps")) -> 
         elif inside and line.startswith("AnonHugePages:"):
             return int(line.split()[1]) * 1024
     return None
-
-
-def rehome(tensors: dict) -> HugePageArena | None:
-    """Copy the plain CPU tensors among `tensors`' values into one HugePageArena, in place.
-
-    Views stay views: tensors that share a storage (a fused q/k/v matrix and its row views, a
-    tied embedding and lm_head) are copied once and rebuilt as the same views of the copy. Each
-    old storage is dropped as soon as its copy is made, so the peak is the weights plus the
-    largest one (the caller must hold no other reference for that to hold). Values that are not
-    plain CPU tensors (quantized or FP8 weight objects, None) are left as they are. Returns the
-    arena (None when there was nothing to move), which the new tensors keep alive anyway."""
-    groups: dict[int, list] = {}
-    for key, t in tensors.items():
-        if type(t) is torch.Tensor and t.device.type == "cpu" and not t.requires_grad and t.numel():
-            groups.setdefault(t.untyped_storage().data_ptr(), []).append(key)
-    if not groups:
-        return None
-    storages = {ptr: tensors[keys[0]].untyped_storage() for ptr, keys in groups.items()}
-    arena = HugePageArena(arena_bytes(s.nbytes() for s in storages.values()))
-    for ptr, keys in groups.items():
-        old = storages.pop(ptr)
-        raw = torch.frombuffer(arena.take(old.nbytes()), dtype=torch.uint8)
-        raw.copy_(torch.empty(0, dtype=torch.uint8).set_(old))
-        new = raw.untyped_storage()
-        for key in keys:
-            t = tensors[key]
-            tensors[key] = torch.empty(0, dtype=t.dtype).set_(new, t.storage_offset(), t.shape, t.stride())
-        del old, t
-    return arena

@@ -191,10 +191,17 @@ class Checkpoint:
         except KeyError:
             raise ModelFormatError(f"{self.directory}: missing tensor {name!r}") from None
 
-    def load(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Read one tensor into memory (buffered pread), optionally casting it."""
-        tensor = read_tensor(self.info(name))
-        return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+    def load(self, name: str, dtype: torch.dtype | None = None, alloc=None) -> torch.Tensor:
+        """Read one tensor into memory (buffered pread), optionally casting it. `alloc(nbytes)`, if
+        given, makes the uint8 storage of the result (the runtime's huge-page arena)."""
+        info = self.info(name)
+        if dtype is None or info.torch_dtype == dtype:
+            return read_tensor(info, alloc)
+        tensor = read_tensor(info)
+        if alloc is None:
+            return tensor.to(dtype)
+        out = alloc(tensor.numel() * dtype.itemsize).view(dtype).view(tensor.shape)
+        return out.copy_(tensor)
 
     def nbytes(self) -> int:
         return sum(i.nbytes for i in self.tensors.values())
@@ -211,9 +218,10 @@ def _check_not_in_two_shards(seen_in: dict[str, Path], shard: Path, infos: dict[
                                    "duplicate tensor names across shards")
 
 
-def read_tensor(info: TensorInfo) -> torch.Tensor:
-    # Read straight into the tensor's storage: no intermediate bytes object.
-    raw = torch.empty(info.nbytes, dtype=torch.uint8)
+def read_tensor(info: TensorInfo, alloc=None) -> torch.Tensor:
+    """One tensor read straight into its storage (no intermediate bytes object): a new one, or
+    `alloc(nbytes)`'s uint8 tensor."""
+    raw = torch.empty(info.nbytes, dtype=torch.uint8) if alloc is None else alloc(info.nbytes)
     try:
         with open(info.path, "rb", buffering=0) as f:
             got = os.preadv(f.fileno(), [raw.numpy()], info.offset) if info.nbytes else 0

@@ -193,11 +193,12 @@ def dequantized_at_load(infos) -> bool:
     return bool(_DEQUANTIZED_AT_LOAD.search(infos[0].name))
 
 
-def load_dense(ckpt, spec: QuantSpec, infos, dtype):
+def load_dense(ckpt, spec: QuantSpec, infos, dtype, alloc=None):
     """One resident quantized matrix, ready for its kernel (or a plain tensor in `dtype`, for
-    the one the model reads as a tensor)."""
+    the one the model reads as a tensor). `alloc` makes the codes' and scales' storage."""
     q, s = infos
-    codes, scales = read_tensor(q), read_tensor(s)
+    alloc = None if dequantized_at_load(infos) else alloc  # the codes die here: not worth arena space
+    codes, scales = read_tensor(q, alloc), read_tensor(s, alloc)
     if dequantized_at_load(infos):
         n, k = q.shape[0], q.shape[1] * (2 if spec.quant == "int4" else 1)
         check_scales(scales, spec.quant, (n, k))

@@ -16,6 +16,7 @@ import torch
 
 from engine import native
 from engine.base import heap  # first: caps oneDNN's primitive cache before any matmul
+from engine.base.hugepages import HugePageArena, arena_bytes
 from engine.format.checkpoint import Checkpoint
 from engine.format.container import container_spec, dense_quantized, load_dense
 from engine.base.config import EngineConfig
@@ -78,6 +79,22 @@ def _touch_compute_kernels(dtype: torch.dtype, threads: int) -> None:
         x.float().pow(2).mean(-1)
 
 
+def _qkv_adjacent(names: list[str]) -> list[str]:
+    """`names` with each attention's k_proj and v_proj weights moved right after its q_proj weight."""
+    present = set(names)
+    moved = {n for n in names if n.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight"))
+             and n[:-len("k_proj.weight")] + "q_proj.weight" in present}
+    out = []
+    for n in names:
+        if n in moved:
+            continue
+        out.append(n)
+        if n.endswith("self_attn.q_proj.weight"):
+            out += [m for m in (n[:-len("q_proj.weight")] + "k_proj.weight", n[:-len("q_proj.weight")] + "v_proj.weight")
+                    if m in moved]
+    return out
+
+
 def _layer_of(name: str) -> int | None:
     parts = name.split(".")
     return int(parts[2]) if len(parts) > 3 and parts[1] == "layers" else None
@@ -124,8 +141,16 @@ class Engine:
         if streamed and (fp8_kept or fp8_dequantized):  # StreamingLayers casts what it reads; FP8 needs its scales
             raise UnsupportedModelError(f"{model_dir}: streaming the layers of a dense FP8 model is not supported; "
                                         "give a budget that holds it, or convert it first (colibri convert)")
-        weights = {n: self._load_dense(n, container, quantized, fp8_kept, fp8_dequantized)
-                   for n in dense_names if _layer_of(n) not in streamed}
+        resident_dense = _qkv_adjacent([n for n in dense_names if _layer_of(n) not in streamed])
+        # Every resident dense tensor read straight into one huge-page arena (engine/base/hugepages.py):
+        # no second copy, no transient; a layer's q, k, v back to back, so the model's fused q/k/v
+        # is a view of them.
+        self.dense_arena = HugePageArena(arena_bytes(
+            self._dense_bytes(n, quantized, fp8_kept, fp8_dequantized) for n in resident_dense))
+        alloc = self.dense_arena.allocator()
+        weights = {n: self._load_dense(n, container, quantized, fp8_kept, fp8_dequantized, alloc)
+                   for n in resident_dense}
+        weights = {n: weights[n] for n in dense_names if n in weights}  # the names' own order
         self.layers = None
         if streamed:
             names = {i: [n for n in dense_names if _layer_of(n) == i] for i in streamed}
@@ -144,14 +169,26 @@ class Engine:
             self.model.stream_layers(self.layers, streamed)
         self.kv = KVCache.allocate(self.args, self.config.ctx_size, self.kv_dtype, self.dtype)
 
-    def _load_dense(self, name, container, quantized, fp8_kept, fp8_dequantized):
+    def _load_dense(self, name, container, quantized, fp8_kept, fp8_dequantized, alloc=None):
         if name in quantized:
-            return load_dense(self.checkpoint, container, quantized[name], self.dtype)
+            return load_dense(self.checkpoint, container, quantized[name], self.dtype, alloc)
         if name in fp8_kept:  # 1 byte/weight, multiplied by the e4m3 kernel
-            return fp8.load_dense(fp8_kept[name], self.fp8, read_tensor)
+            return fp8.load_dense(fp8_kept[name], self.fp8, lambda info: read_tensor(info, alloc))
         if name in fp8_dequantized:  # read as a plain tensor by the model (engine/format/fp8.py says which)
             return fp8.load_dequantized(fp8_dequantized[name], self.fp8, read_tensor, self.dtype)
-        return self.checkpoint.load(name, self.dtype)
+        return self.checkpoint.load(name, self.dtype, alloc)
+
+    def _dense_bytes(self, name, quantized, fp8_kept, fp8_dequantized) -> int:
+        """An upper bound of the arena bytes _load_dense takes for `name` (what is not taken is
+        never touched, so never resident)."""
+        if name in quantized:
+            return arena_bytes(i.nbytes for i in quantized[name])
+        if name in fp8_kept:
+            return arena_bytes(i.nbytes for i in fp8_kept[name])
+        if name in fp8_dequantized:
+            return 0
+        info = self.checkpoint.info(name)
+        return max(info.nbytes, info.nbytes // info.torch_dtype.itemsize * self.dtype.itemsize)
 
     def _streamed_layers(self) -> list[int]:
         if self.layout is not None or not self.plan.streaming:

@@ -19,6 +19,7 @@ from engine import native
 from engine.arch.registry import model_args
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError, ColibriError
+from engine.base.hugepages import thp_mode
 from engine.format.checkpoint import Checkpoint
 from engine.format.layout import ExpertLayout
 from engine.movement.plan import make_plan
@@ -118,6 +119,8 @@ def machine_facts(facts: Facts) -> None:
     facts.cgroup_available, facts.cgroup_reason = support.available, support.reason
     facts.freq_ratio = cpu_freq_ratio()
     facts.throttle_events = throttle_events()
+    mode = thp_mode()
+    facts.thp_mode = None if mode == "unavailable" else mode
 
 
 def cpu_freq_ratio(root: Path = Path("/sys/devices/system/cpu")) -> float | None:
