@@ -40,7 +40,10 @@ def completed_trials(db: Path) -> int:
     """COMPLETE trials of the study in `db`, read without Optuna, which would create its tables
     (a second writer) while the tuner does."""
     try:
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        # A short busy timeout: the caller polls again in 20 ms. Waiting up to 5 s on the tuner's
+        # write lock let a fast tune finish trials past the one a test waits for (it then
+        # interrupted a tune that had ended).
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=0.05)
     except sqlite3.Error:  # not created yet
         return 0
     try:
