@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.arch.registry import model_args
-from engine.base.config import EngineConfig
+from engine.base.config import RESIDENT_PREFILL_CHUNK, EngineConfig
 from engine.base.errors import BudgetError
 from engine.format.checkpoint import Checkpoint
 from engine.movement.plan import PREFILL_CHUNK, prefill_activation_bytes, prefill_tokens_per_pass
@@ -61,7 +61,7 @@ def test_a_chunked_prefill_gives_the_unchunked_logits_and_kv(model_dir):  # noqa
     distribution and same K/V as one pass over the whole prompt."""
     n = PREFILL_CHUNK + 40  # two passes: a whole chunk, then the rest
     ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(0))
-    with Engine(model_dir, EngineConfig(ctx_size=512)) as engine:
+    with Engine(model_dir, EngineConfig(ctx_size=512, prefill_chunk=PREFILL_CHUNK)) as engine:
         chunked = engine.forward(ids, 0, last_only=True)
         k_chunked = engine.kv.k[0][:, :n].clone()
         whole = engine.model.forward(ids, 0, engine.kv, last_only=True)  # one pass, overwriting the same KV
@@ -70,6 +70,36 @@ def test_a_chunked_prefill_gives_the_unchunked_logits_and_kv(model_dir):  # noqa
     torch.testing.assert_close(chunked, whole, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(k_chunked, k_whole, atol=1e-3, rtol=1e-3)
     assert int(chunked.argmax()) == int(whole.argmax())
+
+
+def _passes(engine, ids) -> list[int]:
+    """The token counts of the forward passes Engine.forward(last_only) makes over `ids`."""
+    passes = []
+    one_pass = engine.model.forward
+    engine.model.forward = lambda t, *a, **k: passes.append(t.shape[0]) or one_pass(t, *a, **k)
+    try:
+        engine.forward(ids, 0, last_only=True)
+    finally:
+        engine.model.forward = one_pass
+    return passes
+
+
+def test_the_default_pass_is_the_budgets_resident_passes_are_longer(model_dir):  # noqa: F811
+    """prefill_chunk 0 (the default) takes 256-token passes under a budget, where the plan trades
+    the pass's charge against the expert cache, and 512-token passes resident (no budget: nothing
+    to trade, and the experts' matmuls run at a higher FLOP rate on more rows); a set chunk wins."""
+    assert EngineConfig().prefill_chunk == 0
+    assert EngineConfig().prefill_pass == RESIDENT_PREFILL_CHUNK > PREFILL_CHUNK
+    assert EngineConfig(ram_budget=1 << 30).prefill_pass == PREFILL_CHUNK
+    assert EngineConfig(prefill_chunk=96).prefill_pass == EngineConfig(ram_budget=1 << 30, prefill_chunk=96).prefill_pass == 96
+    n = RESIDENT_PREFILL_CHUNK + 40
+    ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(2))
+    with Engine(model_dir, EngineConfig(ctx_size=1024)) as engine:
+        assert _passes(engine, ids) == [RESIDENT_PREFILL_CHUNK, 40]
+        assert engine.plan.prefill_bytes == prefill_activation_bytes(engine.args, RESIDENT_PREFILL_CHUNK, engine.dtype)
+    with Engine(model_dir, EngineConfig(ctx_size=1024, ram_budget=4 << 30)) as engine:
+        assert _passes(engine, ids) == [PREFILL_CHUNK, PREFILL_CHUNK, n - 2 * PREFILL_CHUNK]
+        assert engine.plan.prefill_bytes == prefill_activation_bytes(engine.args, PREFILL_CHUNK, engine.dtype)
 
 
 @pytest.mark.parametrize("chunk", [32, 7])
@@ -99,7 +129,7 @@ def test_a_tune_sizes_the_prefill_pass_to_its_workloads_longest_prompt(model_dir
     assert run.space.prefill_chunk == MIN_PREFILL_CHUNK
     config = run.space.baseline()
     assert config.prefill_chunk == MIN_PREFILL_CHUNK
-    assert EngineConfig().prefill_chunk == PREFILL_CHUNK  # what a user without `tune` gets is unchanged
+    assert EngineConfig(ram_budget=1 << 30).prefill_pass == PREFILL_CHUNK  # what a user without `tune` gets
     args = model_args(Checkpoint(model_dir).config)
     assert prefill_activation_bytes(args, MIN_PREFILL_CHUNK, torch.bfloat16) < \
         prefill_activation_bytes(args, PREFILL_CHUNK, torch.bfloat16) / 4

@@ -41,6 +41,11 @@ CTX_MAX = 1 << 22  # the longest context a config may ask for (prompt and new to
 # one more cached oneDNN matmul primitive) and was OOM-killed under a 400 MiB budget the plan said
 # it fitted. The memory plan charges one pass's activations (engine/movement/plan.py).
 PREFILL_CHUNK = 256
+# The pass of a resident engine (no budget): nothing to trade the charge against, and a pass's matmuls
+# run each expert over the rows routed to it, ~T*K/E of them, which torch's bf16 GEMM runs at 0.70x the
+# FLOP rate at 32 rows as at 64 (demo: 345 prefill tok/s at 256-token passes, 500 at 512, on a 512-token
+# prompt; docs/BENCHMARKS.md, "Resident prefill"). 512 is llama.cpp's default ubatch.
+RESIDENT_PREFILL_CHUNK = 512
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # fp16 is computed in fp32 on CPU (slow fp16 matmuls)
 
 # An engine config is a dozen keys; anything this large is not one (and is not read whole).
@@ -176,8 +181,10 @@ class EngineConfig:
     # Smaller passes shrink the plan's prefill charge (more room for the expert cache) at the cost of
     # more passes on long prompts, each re-reading the experts the cache cannot hold. Not searched:
     # tune fixes it from its workload's longest prompt (tuner/search/space.py:prefill_chunk_for).
-    prefill_chunk: int = knob(PREFILL_CHUNK, "prompt tokens per prefill pass (the memory plan charges one pass)",
-                              kind="int", lo=1, hi=CTX_MAX, label="prefill pass", short="pass")
+    # 0: the default for the budget (`prefill_pass`).
+    prefill_chunk: int = knob(0, "prompt tokens per prefill pass (the memory plan charges one pass; "
+                              f"0 = {PREFILL_CHUNK} under a budget, {RESIDENT_PREFILL_CHUNK} resident)",
+                              kind="int", lo=0, hi=CTX_MAX, label="prefill pass", short="pass")
     kv_dtype: str = knob("auto", "KV cache precision (auto = the compute dtype; int8 / fp8 are lossy)",
                          kind="choice", choices=KV_DTYPES, label="KV dtype", short="kv", lossy=True)
     io_mode: str = knob("direct", "how expert bytes are read: O_DIRECT, the page cache, or mmap", kind="choice",
@@ -218,6 +225,13 @@ class EngineConfig:
             if problem:
                 raise ConfigError(f"{f.name} must be {problem}, got {getattr(self, f.name)!r}")
         return self
+
+    @property
+    def prefill_pass(self) -> int:
+        """Prompt tokens per prefill pass: `prefill_chunk`, or for 0 the default of the budget."""
+        if self.prefill_chunk:
+            return self.prefill_chunk
+        return RESIDENT_PREFILL_CHUNK if self.ram_budget == 0 else PREFILL_CHUNK
 
     @property
     def lossless(self) -> bool:

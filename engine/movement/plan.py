@@ -5,7 +5,8 @@
 
 The runtime overhead is measured, not guessed: the process's resident set at planning time
 (interpreter, torch, the checkpoint index) plus a margin for a decode step's activations and
-logits. A prompt is prefilled in passes of at most `prefill_chunk` tokens (engine/run/runtime.py),
+logits. A prompt is prefilled in passes of at most `prefill_pass` tokens (EngineConfig: `prefill_chunk`, or
+by default 256 under a budget and 512 resident; engine/run/runtime.py),
 so a long prompt's activations are bounded by one chunk's; the plan charges the chunk a prompt
 under ctx_size can fill, counted from the model's geometry (prefill_activation_bytes). If the
 parts cannot fit, one error lists them, so the user sees which part to shrink.
@@ -97,7 +98,7 @@ class MemoryPlan:
 
 
 def prefill_tokens_per_pass(ctx_size: int, chunk: int = PREFILL_CHUNK) -> int:
-    """The most prompt tokens one forward pass holds: a chunk (EngineConfig.prefill_chunk), or the
+    """The most prompt tokens one forward pass holds: a chunk (EngineConfig.prefill_pass), or the
     whole context if shorter."""
     return max(1, min(ctx_size, chunk))
 
@@ -127,7 +128,7 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     dense = _dense_bytes(ckpt, args, getattr(layout, "quant", None), dtype)
     kv = KVCache.nbytes_for(args, config.ctx_size, kv_dtype)
     # Any prompt up to ctx_size may come: charge the largest chunk one can fill.
-    prefill = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size, config.prefill_chunk), dtype)
+    prefill = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size, config.prefill_pass), dtype)
     routed = layout.num_routed if layout is not None else 0
     disk_expert = layout.expert_nbytes if layout is not None else 0
     expert = expert_memory_bytes(layout, dtype) if routed else 0
@@ -158,7 +159,7 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
             f"memory budget {format_size(budget)} is too small: dense weights {format_size(dense)} + KV cache "
             f"at ctx_size {config.ctx_size} {format_size(kv)} + read buffers {format_size(buffers)} + runtime "
             f"{format_size(overhead_bytes)} + prefill activations "
-            f"({prefill_tokens_per_pass(config.ctx_size, config.prefill_chunk)}-token chunks) {format_size(prefill)} "
+            f"({prefill_tokens_per_pass(config.ctx_size, config.prefill_pass)}-token chunks) {format_size(prefill)} "
             f"= {format_size(fixed)} before any expert cache")
     # Whole entries only, so the cache's byte capacity is exactly its slots.
     cache = min(int((budget - fixed) * config.cpu_cache_ratio) // entry, routed) * entry

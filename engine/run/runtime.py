@@ -230,7 +230,7 @@ class Engine:
         last_only: the prompt goes through in passes of at most the plan's prefill chunk, so a
         long prompt's activations stay within what the memory plan charged (engine/movement/plan.py)."""
         t = torch.as_tensor(tokens, dtype=torch.long)
-        step = prefill_tokens_per_pass(self.kv.ctx_size, self.config.prefill_chunk)
+        step = prefill_tokens_per_pass(self.kv.ctx_size, self.config.prefill_pass)
         if not last_only or t.shape[0] <= step:
             return self.model.forward(t, start_pos, self.kv, last_only=last_only)
         for begin in range(0, t.shape[0], step):
