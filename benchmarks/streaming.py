@@ -55,7 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.base.config import EngineConfig, format_size, parse_size  # noqa: E402
+from engine.base.config import PREFILL_CHUNK, EngineConfig, format_size, parse_size  # noqa: E402
 from engine.run.metrics import git_commit  # noqa: E402
 from engine.run.resolve import resolve_model  # noqa: E402
 from engine.run.runtime import physical_cores  # noqa: E402
@@ -68,8 +68,9 @@ from benchmarks.io_jobs import fio_run, request_bytes  # noqa: E402
 def configs(budget: int) -> dict[str, EngineConfig]:
     cores = physical_cores()
     # chunk_size is spelt out where a config once used the old 1 MiB default, so the table stays
-    # the table the issue compares (the default is 4 MiB now).
-    base = EngineConfig(ram_budget=budget, ctx_size=512, chunk_size=1 << 20)
+    # the table the issue compares (the default is 4 MiB now); prefill_chunk too, as a --before-src
+    # tree older than its 0 (= by the budget) reads the config this tree writes.
+    base = EngineConfig(ram_budget=budget, ctx_size=512, chunk_size=1 << 20, prefill_chunk=PREFILL_CHUNK)
     return {
         "rule of thumb": base.replace(prefetch_depth=2, threads=cores, cpu_cache_ratio=1.0, io_mode="buffered"),
         "direct 1MiB pf1 io4": base.replace(io_mode="direct", chunk_size=1 << 20, prefetch_depth=1, io_threads=4),
@@ -131,7 +132,7 @@ def source_tree(src: str | None):
 
 def resident_row(model_dir, a, src) -> dict:
     with source_tree(src), _config_lock(a.lock):
-        t = run_trial(model_dir, EngineConfig(ctx_size=512), tokens=a.tokens, repeats=a.repeats, cold=False,
+        t = run_trial(model_dir, EngineConfig(ctx_size=512, prefill_chunk=PREFILL_CHUNK), tokens=a.tokens, repeats=a.repeats, cold=False,
                       prompt_tokens=a.prompt_tokens, timeout=1800)
     if not t.ok:
         raise SystemExit(f"resident run failed ({src or 'this tree'}): {t.error}")
