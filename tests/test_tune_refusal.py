@@ -152,7 +152,11 @@ def test_a_run_directory_deleted_under_a_live_tune_stops_it_with_one_line(model_
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: completed_trials(out / "study.db") >= 1, "1 completed trial", proc)
-        shutil.rmtree(out)
+        # Gone from its path in one step, then emptied: an rmtree of the live directory itself raced
+        # the tune's next write (a file created between rmtree's listing and its rmdir: ENOTEMPTY).
+        gone = tmp_path / "deleted-run"
+        os.rename(out, gone)
+        shutil.rmtree(gone, ignore_errors=True)
         _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
