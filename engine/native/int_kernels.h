@@ -61,11 +61,9 @@ constexpr float XQ_MAX = 32767.0f;
 constexpr int64_t INT8_FLUSH = 2048;  // inputs per int32 partial: 2048/32 steps x 2 x 127 x 32767 < 2^31
 constexpr int64_t BLOCK = 64;         // int4 rows per packed block
 
-// Software prefetch distances: int8, two tiles ahead (8 rows); int4, 1 KiB of codes ahead and the
-// next block's scales. Measured from DRAM (docs/BENCHMARKS.md, "intkern"): without them a tile's
-// short row streams, and the scales' one 256-byte run per group 2+ KiB apart, each start a
-// hardware-prefetch stream too late (int8 18.5 -> 25-30 GB/s, int4 17-18 -> 24 GB/s).
-constexpr int64_t INT8_AHEAD = 8;     // rows
+// Software prefetch distance (int4): 1 KiB of codes ahead, and the next block's scales. Measured from
+// DRAM (docs/BENCHMARKS.md, "intkern"): without them the scales' one 256-byte run per group 2+ KiB
+// apart each starts a hardware-prefetch stream too late (int4 17-18 -> 24 GB/s).
 constexpr int64_t INT4_AHEAD = 1024;  // bytes of codes; past the matrix's end is harmless
 
 // One activation row, quantized: int16 codes (padded with zeros to a multiple of 64), its scale,
@@ -146,50 +144,44 @@ inline QMat int4_mat(const at::Tensor& packed, const at::Tensor& sz, int64_t gro
 
 // --- int8 ---------------------------------------------------------------------------------
 
-// Rows n .. n+R-1 (R <= 4) of m against x: one pass over xq, R independent accumulator chains
-// (vpdpwssd's latency, not its throughput, bounds a single chain).
-//
-// `next` (or null): the first row of a tile ahead (INT8_AHEAD rows on), whose lines are prefetched
-// while this one runs. A tile reads R short row streams (0.5-1 KiB each) inside one or two pages, each
-// too short for the hardware prefetcher to lock on; from DRAM that stream is what bounds int8
-// (docs/BENCHMARKS.md, "peers": 17.6 -> 10.7 ms of experts a token with it).
-template <int R>
-inline void int8_rows(const QMat& m, int64_t n, const QuantRow& x, float* out, const int8_t* next) {
+// Row n of m against x: one sequential pass over the row (the hardware prefetcher follows one
+// stream best, as bf16's dot_rows), two accumulator chains over alternate 32-input blocks
+// (vpdpwssd's latency, not its throughput, bounds a single chain). The chains' int32 sums are exact,
+// so their total per flush is the one-chain sum: the bits of the 4-row tiles with software prefetch
+// this replaced, which read 29.9 GB/s from DRAM on 2 threads against this loop's 34.9 (AMD EPYC,
+// docs/BENCHMARKS.md, "What stands between int4-g32 and 1.1x here").
+inline float int8_row(const QMat& m, int64_t n, const QuantRow& x) {
   const int16_t* xq = x.q.data();
-  __m512 accf[R];
-  for (int r = 0; r < R; r++) accf[r] = _mm512_setzero_ps();
+  const int8_t* w = m.codes + n * m.K;
+  __m512 accf = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < m.K; k0 += INT8_FLUSH) {
     const int64_t k1 = std::min(m.K, k0 + INT8_FLUSH);
-    __m512i acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
     int64_t k = k0;
-    for (; k + 32 <= k1; k += 32) {
-      const __m512i xv = _mm512_loadu_si512(xq + k);
-      if (next && !(k & 63))  // one line of each of the next tile's rows per 64 inputs
-        for (int r = 0; r < R; r++) _mm_prefetch(reinterpret_cast<const char*>(next + r * m.K + k), _MM_HINT_T0);
-      for (int r = 0; r < R; r++) {
-        const int8_t* w = m.codes + (n + r) * m.K + k;
-        acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))), xv);
-      }
+    for (; k + 64 <= k1; k += 64) {
+      a0 = _mm512_dpwssd_epi32(a0, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k))),
+                               _mm512_loadu_si512(xq + k));
+      a1 = _mm512_dpwssd_epi32(a1, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k + 32))),
+                               _mm512_loadu_si512(xq + k + 32));
+    }
+    if (k + 32 <= k1) {
+      a0 = _mm512_dpwssd_epi32(a0, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k))),
+                               _mm512_loadu_si512(xq + k));
+      k += 32;
     }
     if (k < k1) {  // xq is zero-padded; the weights are loaded under a mask
-      const __m512i xv = _mm512_loadu_si512(xq + k);
       const __mmask32 mask = (__mmask32)((1ull << (k1 - k)) - 1);
-      for (int r = 0; r < R; r++)
-        acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, m.codes + (n + r) * m.K + k)), xv);
+      a1 = _mm512_dpwssd_epi32(a1, _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w + k)), _mm512_loadu_si512(xq + k));
     }
-    for (int r = 0; r < R; r++) accf[r] = _mm512_add_ps(accf[r], _mm512_cvtepi32_ps(acc[r]));
+    accf = _mm512_add_ps(accf, _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)));
   }
-  for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(accf[r]) * x.sx * m.scale_at(n + r);
+  return _mm512_reduce_add_ps(accf) * x.sx * m.scale_at(n);
 }
 
-// Any row range: tiles of 4 rows, the rest one by one. A row's result does not depend on its tile
-// (each row has its own chain in the same order), so every split gives the same bits.
+// Any row range, row by row. A row's result does not depend on the range it is in, so every split
+// gives the same bits.
 inline void int8_range(const QMat& m, const QuantRow& x, int64_t begin, int64_t end, float* out) {
-  int64_t n = begin;
-  for (; n + 4 <= end; n += 4)
-    int8_rows<4>(m, n, x, out + (n - begin), n + INT8_AHEAD + 4 <= m.N ? m.codes + (n + INT8_AHEAD) * m.K : nullptr);
-  for (; n < end; n++) int8_rows<1>(m, n, x, out + (n - begin), nullptr);
+  for (int64_t n = begin; n < end; n++) out[n - begin] = int8_row(m, n, x);
 }
 
 // --- int4 ---------------------------------------------------------------------------------
