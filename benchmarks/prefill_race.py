@@ -1,7 +1,7 @@
 """Resident prefill against llama.cpp: one prompt length, our engine at each prefill pass, llama-bench -p.
 
     .venv/bin/python benchmarks/prefill_race.py --gguf ../peers-work/demo-bf16.gguf \
-        --llama-dir /work/tools/llama.cpp [--model demo] [--prompt-tokens 512,1024] [--chunks 0,256] [--runs 3]
+        --llama-dir ../llama.cpp [--model demo] [--prompt-tokens 512,1024] [--chunks 0,256] [--runs 3]
 
 For each prompt length and run: `colibri bench --ram-budget 0 --warm --tokens 1 --prompt-tokens N`
 (this tree's CLI; ctx 2N) at every --chunks value (0: the engine's default pass, `EngineConfig.prefill_pass`;

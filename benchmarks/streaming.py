@@ -132,8 +132,8 @@ def source_tree(src: str | None):
 
 def resident_row(model_dir, a, src) -> dict:
     with source_tree(src), _config_lock(a.lock):
-        t = run_trial(model_dir, EngineConfig(ctx_size=512, prefill_chunk=PREFILL_CHUNK), tokens=a.tokens, repeats=a.repeats, cold=False,
-                      prompt_tokens=a.prompt_tokens, timeout=1800)
+        t = run_trial(model_dir, EngineConfig(ctx_size=512, prefill_chunk=PREFILL_CHUNK), tokens=a.tokens,
+                      repeats=a.repeats, cold=False, prompt_tokens=a.prompt_tokens, timeout=1800)
     if not t.ok:
         raise SystemExit(f"resident run failed ({src or 'this tree'}): {t.error}")
     m = t.metrics

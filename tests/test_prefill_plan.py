@@ -72,16 +72,16 @@ def test_a_chunked_prefill_gives_the_unchunked_logits_and_kv(model_dir):  # noqa
     assert int(chunked.argmax()) == int(whole.argmax())
 
 
-def _passes(engine, ids) -> list[int]:
-    """The token counts of the forward passes Engine.forward(last_only) makes over `ids`."""
+def _passes(engine, ids) -> tuple[list[int], torch.Tensor]:
+    """The token counts of the forward passes Engine.forward(last_only) makes over `ids`, and its logits."""
     passes = []
     one_pass = engine.model.forward
     engine.model.forward = lambda t, *a, **k: passes.append(t.shape[0]) or one_pass(t, *a, **k)
     try:
-        engine.forward(ids, 0, last_only=True)
+        logits = engine.forward(ids, 0, last_only=True)
     finally:
         engine.model.forward = one_pass
-    return passes
+    return passes, logits
 
 
 def test_the_default_pass_is_the_budgets_resident_passes_are_longer(model_dir):  # noqa: F811
@@ -95,10 +95,10 @@ def test_the_default_pass_is_the_budgets_resident_passes_are_longer(model_dir): 
     n = RESIDENT_PREFILL_CHUNK + 40
     ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(2))
     with Engine(model_dir, EngineConfig(ctx_size=1024)) as engine:
-        assert _passes(engine, ids) == [RESIDENT_PREFILL_CHUNK, 40]
+        assert _passes(engine, ids)[0] == [RESIDENT_PREFILL_CHUNK, 40]
         assert engine.plan.prefill_bytes == prefill_activation_bytes(engine.args, RESIDENT_PREFILL_CHUNK, engine.dtype)
     with Engine(model_dir, EngineConfig(ctx_size=1024, ram_budget=4 << 30)) as engine:
-        assert _passes(engine, ids) == [PREFILL_CHUNK, PREFILL_CHUNK, n - 2 * PREFILL_CHUNK]
+        assert _passes(engine, ids)[0] == [PREFILL_CHUNK, PREFILL_CHUNK, n - 2 * PREFILL_CHUNK]
         assert engine.plan.prefill_bytes == prefill_activation_bytes(engine.args, PREFILL_CHUNK, engine.dtype)
 
 
@@ -109,11 +109,7 @@ def test_the_configured_prefill_pass_sets_the_passes_and_keeps_the_logits(model_
     n = 70
     ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(1))
     with Engine(model_dir, EngineConfig(ctx_size=512, prefill_chunk=chunk)) as engine:
-        passes = []
-        one_pass = engine.model.forward
-        engine.model.forward = lambda t, *a, **k: passes.append(t.shape[0]) or one_pass(t, *a, **k)
-        chunked = engine.forward(ids, 0, last_only=True)
-        engine.model.forward = one_pass
+        passes, chunked = _passes(engine, ids)
         whole = engine.model.forward(ids, 0, engine.kv, last_only=True)
         assert engine.plan.prefill_bytes == prefill_activation_bytes(engine.args, chunk, engine.dtype)
     assert passes == [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])

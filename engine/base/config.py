@@ -43,8 +43,9 @@ CTX_MAX = 1 << 22  # the longest context a config may ask for (prompt and new to
 PREFILL_CHUNK = 256
 # The pass of a resident engine (no budget): nothing to trade the charge against, and a pass's matmuls
 # run each expert over the rows routed to it, ~T*K/E of them, which torch's bf16 GEMM runs at 0.70x the
-# FLOP rate at 32 rows as at 64 (demo: 345 prefill tok/s at 256-token passes, 500 at 512, on a 512-token
-# prompt; docs/BENCHMARKS.md, "Resident prefill"). 512 is llama.cpp's default ubatch.
+# FLOP rate at 32 rows as at 64 (demo: 312 prefill tok/s at 256-token passes, 490 at 512, on a 512-token
+# prompt; docs/BENCHMARKS.md, "Resident race and prefill on an AMD EPYC box"). 512 is llama.cpp's
+# default ubatch.
 RESIDENT_PREFILL_CHUNK = 512
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # fp16 is computed in fp32 on CPU (slow fp16 matmuls)
 

@@ -148,8 +148,8 @@ inline QMat int4_mat(const at::Tensor& packed, const at::Tensor& sz, int64_t gro
 // stream best, as bf16's dot_rows), two accumulator chains over alternate 32-input blocks
 // (vpdpwssd's latency, not its throughput, bounds a single chain). The chains' int32 sums are exact,
 // so their total per flush is the one-chain sum: the bits of the 4-row tiles with software prefetch
-// this replaced, which read 29.9 GB/s from DRAM on 2 threads against this loop's 34.9 (AMD EPYC,
-// docs/BENCHMARKS.md, "What stands between int4-g32 and 1.1x here").
+// this replaced, whose resident int8 decode it runs 1.16x (AMD EPYC; docs/BENCHMARKS.md, "The int8
+// decode kernel one row at a time").
 inline float int8_row(const QMat& m, int64_t n, const QuantRow& x) {
   const int16_t* xq = x.q.data();
   const int8_t* w = m.codes + n * m.K;
