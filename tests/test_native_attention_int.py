@@ -128,7 +128,7 @@ def test_bad_operands_are_refused():
         _call(x, norm_w, [mats[1], mats[1], mats[2], mats[3]], 0, None, None, cos, sin, cache, cache.clone(), 0, 4, 2)
     with pytest.raises(RuntimeError, match="pos outside"):
         _call(x, norm_w, mats, 0, None, None, cos, sin, cache, cache.clone(), 8, 4, 2)
-    with pytest.raises(RuntimeError, match="int4 codes must be uint8"):  # int8 codes read as int4
+    with pytest.raises(RuntimeError, match="int4 weights must be uint8"):  # int8 codes read as int4
         _call(x, norm_w, mats, 32, None, None, cos, sin, cache, cache.clone(), 0, 4, 2)
     with pytest.raises(RuntimeError, match="8 tensors"):
         native.attention_decode_int(x, norm_w, 1e-6, [mats[0].qweight], 0, NONE, NONE, cos, sin, cache, cache.clone(),

@@ -11,7 +11,8 @@ import torch
 
 from engine import native
 from engine.arch.layers import native_quant_operands, swiglu_expert
-from engine.format.quant import QuantWeight, dequantize, quantize
+from engine.format.quant import (KERNEL_INT4_STRIPS, QuantWeight, dequantize, pack_int4_strips, quantize,
+                                 strip_row_bytes, unpack_int4, unpack_int4_strips)
 from colibri_native_cases import int8_native_on, needs_native_int  # noqa: F401 (int8_native_on: a fixture)
 
 pytestmark = needs_native_int()
@@ -39,11 +40,50 @@ def test_linear_matches_the_dequantized_reference(quant, n, k, group, dtype):
     qw, qs = quantize(w, quant, group)
     ref = x @ dequantize(qw, qs, quant, group).T
     xs = x.to(dtype)
-    y = (native.int8_linear(xs, qw, qs.to(dtype)) if quant == "int8"
-         else native.int4_linear(xs, qw, qs.to(dtype), group))
+    if quant == "int8":
+        y = native.int8_linear(xs, qw, qs.to(dtype))
+        # fp32: only the int16 activations' error; bf16: plus one rounding of x and of y
+        assert _close(y, ref, 2e-4 if dtype == torch.float32 else 1.5e-2)
+    else:
+        strips = torch.empty(n, strip_row_bytes(k, group), dtype=torch.uint8)
+        native.int4_strips(qw, qs, group, strips)
+        y = native.int4_linear(xs, strips, group)
+        # int8 activations per 32 inputs (Q8_0's): <= max|x_b| / 254 an element, ~5e-3 of the largest output
+        assert _close(y, ref, 1.2e-2 if dtype == torch.float32 else 2e-2)
     assert y.shape == ref.shape and y.dtype == dtype
-    # fp32: only the int16 activations' error; bf16: plus one rounding of x and of y
-    assert _close(y, ref, 2e-4 if dtype == torch.float32 else 1.5e-2)
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_int4_strips_repack_matches_the_reference_and_round_trips(n, k, group):
+    """native.int4_strips (the stored layout → strips, AVX-512 byte permutes over full 64-row blocks,
+    a scalar path for the rest) writes pack_int4_strips' bytes, which unpack to the stored codes and
+    scales exactly; and it repacks in place over the pair's own bytes (what a slot read does)."""
+    g = torch.Generator().manual_seed(n + k + group)
+    qw, qs = quantize(torch.randn(n, k, generator=g), "int4", group)
+    ref = pack_int4_strips(unpack_int4(qw), qs, group)
+    out = torch.empty_like(ref)
+    native.int4_strips(qw, qs, group, out)
+    assert torch.equal(out, ref)
+    codes, sz = unpack_int4_strips(ref, k, group)
+    assert torch.equal(codes, unpack_int4(qw)) and torch.equal(sz, qs)
+    joined = torch.cat([qw.reshape(-1), qs.view(torch.uint8).reshape(-1)])
+    weight = QuantWeight.prepare(joined[:qw.numel()].view(qw.shape), joined[qw.numel():].view(torch.bfloat16).view(qs.shape),
+                                 "int4", group, torch.bfloat16, joined=joined)
+    assert weight.kernel == KERNEL_INT4_STRIPS and weight.qweight.data_ptr() == joined.data_ptr()
+    assert torch.equal(joined.view(ref.shape), ref)
+    assert torch.equal(weight.dequantize(), dequantize(qw, qs, "int4", group))
+
+
+def test_int4_strips_give_every_row_the_same_bits_in_a_strip_or_past_them():
+    """The tail rows' scalar loop sums in the strips' order: a row's output is the same whether the
+    matrix has 18 rows (row 16 in the tail) or 32 (row 16 in the second strip)."""
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(32, 128, generator=g), torch.randn(1, 128, generator=g)
+    y = {}
+    for n in (18, 32):
+        qw, qs = quantize(w[:n], "int4", 32)
+        y[n] = QuantWeight.prepare(qw, qs, "int4", 32, torch.float32).linear(x)
+    assert torch.equal(y[18], y[32][:, :18])
 
 
 def _experts(quant: str, group: int, n: int, hidden: int = 128, inter: int = 96, dtype=torch.bfloat16):

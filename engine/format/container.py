@@ -23,7 +23,7 @@ from pathlib import Path
 from engine.base.errors import ModelFormatError
 from engine.base.inputs import printable
 from engine.format.checkpoint import read_tensor
-from engine.format.quant import (GROUP_SIZES, QUANTS, SCALE_DTYPE, QuantWeight, check_group, check_scales,
+from engine.format.quant import (GROUP_SIZES, QUANTS, SCALE_DTYPE, QuantWeight, check_group, check_scales, int4_strips_on,
                                   dequantize, stored_shapes)
 
 FORMAT_NAME = "colibri.quant"
@@ -198,12 +198,18 @@ def load_dense(ckpt, spec: QuantSpec, infos, dtype, alloc=None):
     the one the model reads as a tensor). `alloc` makes the codes' and scales' storage."""
     q, s = infos
     alloc = None if dequantized_at_load(infos) else alloc  # the codes die here: not worth arena space
+    joined = None
+    if spec.quant == "int4" and not dequantized_at_load(infos):
+        # codes then scales in one allocation: the strips are repacked there, in place
+        joined = torch.empty(q.nbytes + s.nbytes, dtype=torch.uint8) if alloc is None else alloc(q.nbytes + s.nbytes)
+        halves = iter((joined[:q.nbytes], joined[q.nbytes:]))
+        alloc = lambda nbytes: next(halves)  # noqa: E731
     codes, scales = read_tensor(q, alloc), read_tensor(s, alloc)
     if dequantized_at_load(infos):
         n, k = q.shape[0], q.shape[1] * (2 if spec.quant == "int4" else 1)
         check_scales(scales, spec.quant, (n, k))
         return dequantize(codes, scales, spec.quant, spec.group_size).to(dtype)
-    return QuantWeight.prepare(codes, scales, spec.quant, spec.group_size, dtype)
+    return QuantWeight.prepare(codes, scales, spec.quant, spec.group_size, dtype, joined=joined)
 
 
 def dense_nbytes(spec: QuantSpec | None, infos, dtype_bytes: int) -> int:
@@ -212,4 +218,6 @@ def dense_nbytes(spec: QuantSpec | None, infos, dtype_bytes: int) -> int:
     q, s = infos
     if dequantized_at_load(infos):
         return q.shape[0] * q.shape[1] * (2 if q.dtype == QWEIGHT_DTYPE["int4"] else 1) * dtype_bytes
+    if q.dtype == QWEIGHT_DTYPE["int4"] and int4_strips_on():
+        return q.nbytes + s.nbytes  # the strips: as stored, bf16 scales inside
     return q.nbytes + s.nbytes // 2 * dtype_bytes

@@ -26,7 +26,7 @@ from engine.base.errors import ModelFormatError
 from engine.arch.args import ModelArgs, expert_tensor_names, fused_expert_tensor_names
 from engine.arch import gptoss
 from engine.arch.gptoss import MX_BLOCK, MXFP4_DEQUANT, MXFP4_FUSED, GptOssExperts, Mxfp4Matrix, mxfp4_dequantize
-from engine.format.quant import QuantWeight
+from engine.format.quant import QuantWeight, int4_strips_on
 from engine.format.fp8 import Fp8Spec, Fp8Weight, check_fp8, fp8_spec
 
 # Gaps up to this size between an expert's tensors are read through rather than split into
@@ -213,6 +213,16 @@ def piece_tensor(buffers: list, piece: Piece, dtype: torch.dtype) -> torch.Tenso
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def joined_pair(buffers: list, codes: Piece, scales: Piece) -> torch.Tensor | None:
+    """uint8 over a quantized matrix's codes and scales where the scales follow the codes in one
+    writable buffer (convert writes them so): the int4 strips are repacked there, in place. None
+    for a read-only buffer (mmap io_mode) or pieces apart."""
+    buf = buffers[codes.span]
+    if scales.span != codes.span or scales.start != codes.start + codes.nbytes or memoryview(buf).readonly:
+        return None
+    return torch.frombuffer(buf, dtype=torch.uint8, count=codes.nbytes + scales.nbytes, offset=codes.start)
+
+
 def tensors_from_buffers(loc: ExpertLocation, buffers: list, dtype: torch.dtype):
     """Span buffers (bytes-like, one per span) → the expert's weights in the compute dtype:
     (gate_up [2I,H], down [H,I]) where gate and up are adjacent in one span (both HF layouts
@@ -234,7 +244,8 @@ def tensors_from_buffers(loc: ExpertLocation, buffers: list, dtype: torch.dtype)
     if loc.quant is not None:
         q = loc.quant
         return tuple(QuantWeight.prepare(piece_tensor(buffers, w, w.dtype), piece_tensor(buffers, s, s.dtype),
-                                         q.quant, q.group_size, dtype) for w, s in zip(loc.pieces[0::2], loc.pieces[1::2]))
+                                         q.quant, q.group_size, dtype, joined=joined_pair(buffers, w, s))
+                     for w, s in zip(loc.pieces[0::2], loc.pieces[1::2]))
     gate, up, down = loc.pieces
     if (gate.span == up.span and up.start == gate.start + gate.nbytes and gate.dtype == up.dtype
             and gate.shape == up.shape):
@@ -258,6 +269,8 @@ def expert_memory_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
         return sum(p.nbytes if kept else _numel(p) * (torch.finfo(dtype).bits // 8) for p, kept in zip(loc.pieces, stored))
     if loc.quant is None:  # every weight of the expert (gpt_oss: biases too) in the compute dtype
         return layout.args.expert_numel * (torch.finfo(dtype).bits // 8)
+    if loc.quant.quant == "int4" and int4_strips_on():  # the strips: as stored, bf16 scales inside
+        return sum(p.nbytes for p in loc.pieces)
     elem = torch.finfo(dtype).bits // 8
     return sum(w.nbytes + s.nbytes // s.dtype.itemsize * elem for w, s in zip(loc.pieces[0::2], loc.pieces[1::2]))
 
@@ -274,7 +287,7 @@ def cast_bytes(layout: "ExpertLayout", dtype: torch.dtype) -> int:
     if stored is not None:
         return sum(_numel(p) * (torch.finfo(dtype).bits // 8) for p, kept in zip(loc.pieces, stored)
                    if not kept and p.dtype != dtype)
-    if loc.quant is None:
+    if loc.quant is None or (loc.quant.quant == "int4" and int4_strips_on()):  # strips: repacked in the slot
         return 0
     scales = [s for s in loc.pieces[1::2] if s.dtype != dtype]
     return sum(s.nbytes // s.dtype.itemsize * (torch.finfo(dtype).bits // 8) for s in scales)

@@ -37,6 +37,8 @@ INT4_MID = 8  # the kernel subtracts 8 from every code
 
 KERNEL_INT8 = "aten._weight_int8pack_mm"
 KERNEL_INT4 = "aten._weight_int4pack_mm_for_cpu"
+KERNEL_INT4_STRIPS = "colibri int4 strips (VNNI)"
+KERNEL_INT4_STRIPS_REFERENCE = "int4 strips, float64 reference"
 KERNEL_DEQUANT = "dequantize+linear"
 
 
@@ -118,6 +120,79 @@ def dequantize_int4(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size
     return ((g - INT4_MID) * sz[..., 0:1] + sz[..., 1:2]).reshape(N, K)
 
 
+# The engine's own int4 layout, in memory only: what engine/native's int4 kernel reads (its header,
+# int_kernels.h, says why). Rows in strips of 16; a strip is K/g groups, each g/8 chunks of 64 code
+# bytes (chunk c covers inputs k0 .. k0+7 of the group, k0 = 8c: byte 4r + j = row r's code of k0 + j
+# in the low nibble, of k0 + 4 + j in the high one) then the 16 rows' (scale, zero) bf16 pairs. Rows
+# past the last full strip follow one by one: K/2 bytes (low nibble = even k), then their K/g pairs.
+# The same bytes as the stored pair (N * K/2 + 4 * N * K/g), so a matrix is repacked in place as
+# it is read (native.int4_strips); these two functions are the reference the tests hold it to.
+INT4_STRIP = 16
+
+
+def strip_row_bytes(k: int, group_size: int) -> int:
+    return k // 2 + 4 * (k // group_size)
+
+
+def pack_int4_strips(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """codes 0..15 uint8 [N, K], scales_zeros bf16 [K/g, N, 2] → uint8 [N, K/2 + 4K/g] strips."""
+    N, K = codes.shape
+    G, full = K // group_size, N - N % INT4_STRIP
+    pairs = scales_zeros.to(SCALE_DTYPE).contiguous().view(torch.uint8).reshape(G, N, 4)
+    parts = []
+    if full:
+        S = full // INT4_STRIP
+        c = codes[:full].reshape(S, INT4_STRIP, K // 8, 2, 4)  # [strip, row, chunk, low/high, j]
+        chunks = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [S, K/8, 16, 4]
+        chunks = chunks.reshape(S, G, group_size // 8 * 64)
+        sz = pairs[:, :full].reshape(G, S, INT4_STRIP * 4).transpose(0, 1)  # [S, G, 64]
+        parts.append(torch.cat([chunks, sz], dim=2).reshape(-1))
+    if full < N:
+        r = codes[full:].reshape(N - full, K // 2, 2)
+        parts.append(torch.cat([r[..., 0] | (r[..., 1] << 4), pairs[:, full:].transpose(0, 1).reshape(N - full, 4 * G)],
+                               dim=1).reshape(-1))
+    return torch.cat(parts).reshape(N, strip_row_bytes(K, group_size))
+
+
+def unpack_int4_strips(strips: torch.Tensor, k: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [N, K/2 + 4K/g] strips → (codes 0..15 uint8 [N, K], scales_zeros bf16 [K/g, N, 2])."""
+    N, K, G = strips.shape[0], k, k // group_size
+    flat = strips.reshape(-1)
+    full = N - N % INT4_STRIP
+    codes, pairs = [], []
+    if full:
+        S = full // INT4_STRIP
+        b = flat[: full * strip_row_bytes(K, group_size)].reshape(S, G, group_size // 8 * 64 + 64)
+        c = b[:, :, :-64].reshape(S, K // 8, INT4_STRIP, 4).permute(0, 2, 1, 3)  # [S, 16, K/8, 4]
+        codes.append(torch.stack([c & 0xF, c >> 4], dim=3).reshape(full, K))
+        pairs.append(b[:, :, -64:].transpose(0, 1).reshape(G, full, 4))
+    if full < N:
+        r = flat[full * strip_row_bytes(K, group_size):].reshape(N - full, strip_row_bytes(K, group_size))
+        codes.append(torch.stack([r[:, : K // 2] & 0xF, r[:, : K // 2] >> 4], dim=2).reshape(N - full, K))
+        pairs.append(r[:, K // 2:].reshape(N - full, G, 4).transpose(0, 1))
+    sz = torch.cat(pairs, dim=1).contiguous().view(SCALE_DTYPE).reshape(G, N, 2)
+    return torch.cat(codes), sz
+
+
+def strips_reference_linear(x: torch.Tensor, strips: torch.Tensor, k: int, group_size: int) -> torch.Tensor:
+    """What engine/native's strip kernel computes for x @ W.T, in torch ops: x quantized to int8 per
+    32 inputs in fp32 as the kernel does, exact integer dot products, the rest in float64 (the
+    kernel's fp32 sums differ by ~1e-7 of the scale). The oracle that engine-level tests swap in
+    for the kernel, where a dequantized matrix would differ by the activations' rounding."""
+    codes, sz = unpack_int4_strips(strips, k, group_size)
+    M, B, G = x.shape[0], k // 32, k // group_size
+    xf = x.float().reshape(M, B, 32)
+    amax = xf.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv).clamp_(-127, 127).to(torch.int64)  # [M, B, 32]
+    c = codes.to(torch.int64).reshape(-1, B, 32)  # [N, B, 32]
+    dots = torch.einsum("mbi,nbi->mnb", q, c) - 8 * q.sum(dim=2)[:, None, :]  # [M, N, B] exact
+    f = (dots.double() * (amax / 127.0).double().reshape(M, 1, B)).reshape(M, -1, G, group_size // 32).sum(dim=3)
+    scale, zero = sz.double().transpose(0, 1).unbind(dim=2)  # [N, G] each
+    xsum = x.double().reshape(M, G, group_size).sum(dim=2)  # [M, G]
+    return ((f * scale[None]).sum(dim=2) + xsum @ zero.T).to(x.dtype)
+
+
 def check_group(k: int, group_size: int, what: str) -> None:
     if group_size not in GROUP_SIZES:
         raise ModelFormatError(f"{what}: int4 group size {group_size} is not one of {GROUP_SIZES}")
@@ -179,6 +254,20 @@ def _pack_int4_for_kernel(packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(packed).to(torch.int32), 1)
 
 
+def int4_strips_on() -> bool:
+    """Whether int4 matrices are repacked into engine/native's strips as they are read: its library
+    loads on a VNNI/VBMI CPU. Then they hold their bytes as stored (bf16 scales inside), whatever
+    the compute dtype: what the memory plan charges."""
+    return native.load() is None and native.int_ready
+
+
+def strips_apply(qweight: torch.Tensor, qscale: torch.Tensor) -> bool:
+    """Whether this int4 pair goes to the strips: they are on, and it is as stored (CPU,
+    contiguous, bf16 scales)."""
+    return (int4_strips_on() and qweight.device.type == "cpu" and qweight.dtype == torch.uint8
+            and qweight.is_contiguous() and qscale.dtype == SCALE_DTYPE and qscale.is_contiguous())
+
+
 @lru_cache(maxsize=None)
 def kernel_works(quant: str, n: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
     """Whether the packed CPU op runs for this shape and activation dtype on this build.
@@ -230,15 +319,24 @@ class QuantWeight(StoredMatrix):
     group_size: int
     shape: tuple[int, int]  # (N, K) of the original weight
     kernel: str
-    qweight: torch.Tensor  # int8 codes, int4 nibbles, or the kernel's packed int4
-    qscale: torch.Tensor  # scales [N] / scales_zeros [K/g, N, 2], in the compute dtype
+    qweight: torch.Tensor  # int8 codes, int4 nibbles, torch's packed int4, or int4 strips (scales inside)
+    qscale: torch.Tensor  # scales [N] / scales_zeros [K/g, N, 2] in the compute dtype; strips: empty, that dtype
 
     @classmethod
     def prepare(cls, qweight: torch.Tensor, qscale: torch.Tensor, quant: str, group_size: int,
-                dtype: torch.dtype, packed_kernel: bool = True) -> "QuantWeight":
+                dtype: torch.dtype, packed_kernel: bool = True, joined: torch.Tensor | None = None) -> "QuantWeight":
+        """joined: uint8 over the pair's own bytes where the scales follow the codes in one writable
+        buffer (a slot, the arena): int4 strips are written there, in place, so a cached expert is
+        still its slot; without it they take new memory."""
         n = qweight.shape[0]
         k = qweight.shape[1] * (2 if quant == "int4" else 1)
         check_scales(qscale, quant, (n, k))
+        if quant == "int4" and packed_kernel and strips_apply(qweight, qscale):
+            rows = strip_row_bytes(k, group_size)
+            out = (joined.view(n, rows) if joined is not None and joined.numel() == n * rows
+                   else torch.empty(n, rows, dtype=torch.uint8))
+            native.int4_strips(qweight, qscale, group_size, out)
+            return cls(quant, group_size, (n, k), KERNEL_INT4_STRIPS, out, torch.empty(0, dtype=dtype))
         scale = qscale if qscale.dtype == dtype else qscale.to(dtype)
         if packed_kernel and kernel_works(quant, n, k, group_size, dtype):
             if quant == "int4":
@@ -247,25 +345,36 @@ class QuantWeight(StoredMatrix):
         return cls(quant, group_size, (n, k), KERNEL_DEQUANT, qweight, scale)
 
     def native_decode(self, x: torch.Tensor) -> bool:
-        """Whether engine/native's int8/int4 kernel takes x @ W.T: one row (decode), on the CPU, in the
-        stored layout (int4 repacked for another CPU's torch kernel is not), where VNNI/VBMI exist."""
-        return (native.int_ready and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float32)
-                and x.device.type == "cpu" and self.qweight.device.type == "cpu"
-                and (native.int8_decode if self.quant == "int8" else
-                     self.kernel != KERNEL_INT4 or stored_int4_is_native()))
+        """Whether engine/native's int8/int4 kernel takes x @ W.T for one row (decode) on the CPU:
+        int8 where VNNI exists (and COLIBRI_NATIVE_INT8 allows), int4 when it is in strips."""
+        return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
+                and (self.kernel == KERNEL_INT4_STRIPS if self.quant == "int4" else
+                     native.int_ready and native.int8_decode and self.qweight.device.type == "cpu"))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == KERNEL_INT4_STRIPS:  # every row count: strips have no other kernel
+            return native.int4_linear(x, self.qweight, self.group_size)
+        if self.kernel == KERNEL_INT4_STRIPS_REFERENCE:
+            return strips_reference_linear(x, self.qweight, self.shape[1], self.group_size)
         if self.native_decode(x):  # decode: integer dot products, ~3x fewer instructions per weight
-            if self.quant == "int8":
-                return native.int8_linear(x, self.qweight, self.qscale)
-            return native.int4_linear(x, self.qweight, self.qscale, self.group_size)
+            return native.int8_linear(x, self.qweight, self.qscale)
         if self.kernel == KERNEL_INT4:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size, self.qscale)
         if self.kernel == KERNEL_INT8:
             return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.qscale)
         return F.linear(x, self.dequantize().to(x.dtype))
 
+    def reference(self):
+        """A stand-in that computes what this matrix's kernel does, in plain torch (tests): the
+        dequantized tensor, or for int4 strips their float64 reference (strips_reference_linear)."""
+        if self.kernel == KERNEL_INT4_STRIPS:
+            return dataclasses.replace(self, kernel=KERNEL_INT4_STRIPS_REFERENCE)
+        return self.dequantize()
+
     def dequantize(self) -> torch.Tensor:
+        if self.kernel in (KERNEL_INT4_STRIPS, KERNEL_INT4_STRIPS_REFERENCE):
+            codes, sz = unpack_int4_strips(self.qweight, self.shape[1], self.group_size)
+            return dequantize_int4(pack_int4(codes), sz, self.group_size)
         if self.kernel == KERNEL_INT4 and not stored_int4_is_native():
             raise ValueError("int4 weights repacked for this CPU's kernel layout cannot be dequantized")
         return dequantize(self.qweight, self.qscale, self.quant, self.group_size)
@@ -274,11 +383,15 @@ class QuantWeight(StoredMatrix):
     def dtype(self) -> torch.dtype:
         return self.qscale.dtype
 
+    @property
+    def strips(self) -> bool:
+        return self.kernel == KERNEL_INT4_STRIPS
+
     def to(self, device, non_blocking: bool = False) -> "QuantWeight":
         # The VRAM tier moves cached experts; the CPU ops do not run there, so the fallback does.
         if torch.device(device).type == "cpu":
             return self
-        if self.kernel == KERNEL_INT4:
+        if self.kernel in (KERNEL_INT4, KERNEL_INT4_STRIPS):
             raise ValueError("int4 experts packed for the CPU kernel cannot move to another device")
         return self.moved(device, non_blocking, kernel=KERNEL_DEQUANT)
 

@@ -198,6 +198,8 @@ def moe_layer(h: torch.Tensor, norm_w: torch.Tensor, eps: float, router_w: torch
                                             renormalize)
 
 
+# int4 strips hold their scales: the ops' scales argument is this one empty tensor.
+_NO_SCALES = torch.empty(0, dtype=torch.bfloat16)
 # A bf16 cache's scales: none (one empty tensor for every call, not one per token).
 NO_SCALES = torch.empty(0, dtype=torch.float32)
 
@@ -227,8 +229,15 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
     return torch.ops.colibri_int.int8_linear(x, codes, scales)
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
-    return torch.ops.colibri_int.int4_linear(x, packed, scales_zeros, group)
+def int4_linear(x: torch.Tensor, strips: torch.Tensor, group: int) -> torch.Tensor:
+    """x @ W.T for W in the strip layout (engine/format/quant.py pack_int4_strips), any number of rows."""
+    return torch.ops.colibri_int.int4_linear(x, strips, _NO_SCALES, group)
+
+
+def int4_strips(packed: torch.Tensor, scales_zeros: torch.Tensor, group: int, out: torch.Tensor) -> None:
+    """The stored int4 pair (codes [N, K/2], bf16 scales_zeros [K/g, N, 2]) → strips, into `out`
+    ([N, K/2 + 4K/g] uint8), which may be the pair's own bytes (codes then scales, adjacent)."""
+    torch.ops.colibri_int.int4_strips(packed, scales_zeros, group, out)
 
 
 def quant_experts(x: torch.Tensor, weights: list, group: int) -> torch.Tensor:

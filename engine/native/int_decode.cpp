@@ -4,7 +4,10 @@
 //
 // Ops (namespace colibri_int):
 //   int8_linear(x [M,K], codes int8 [N,K], scales [N]) -> [M,N]               x's dtype (bf16|fp32)
-//   int4_linear(x [M,K], packed uint8 [N,K/2], scales_zeros [K/g,N,2], g) -> [M,N]
+//   int4_linear(x [M,K], strips uint8 [N, K/2 + 4K/g], empty, g) -> [M,N]
+//   int4_strips(packed uint8 [N,K/2], scales_zeros bf16 [K/g,N,2], g, out uint8 [N, K/2 + 4K/g])
+//       the stored layout -> the kernel's strips (int_kernels.h), into out, which may be the
+//       inputs' own bytes (codes then scales, adjacent): the engine repacks in place as it reads
 //   experts(x [1,H], weights, group) -> [E,H]  SwiGLU of E quantized experts; weights per expert:
 //       (gate codes, gate scales, up codes, up scales, down codes, down scales); group 0 = int8
 
@@ -28,17 +31,23 @@ at::Tensor linear(const at::Tensor& x_in, const QMat& m) {
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, m.N}, x.options());
-  std::vector<float> xf(m.K), yf(m.N);
-  QuantRow xq;
+  // Every row quantized first, then one parallel pass over the matrix's units in which each unit
+  // (16 rows of weights: a few KiB) meets all M rows while it sits in L1: a prefill's expert reads
+  // its weights once, not once per token, and forks once. A row's outputs are what a call with that
+  // row alone gives (rows() does not depend on M).
+  std::vector<float> xf(m.K), yf(M * m.N);
+  std::vector<QuantRow> xq(M);
   for (int64_t r = 0; r < M; r++) {
     load_f32(x, r * m.K, m.K, xf.data());
-    xq.set(xf.data(), m.K, m.group);
-    at::parallel_for(0, units(m), unit_grain(m), [&](int64_t u0, int64_t u1) {
-      const int64_t n0 = unit_row(m, u0), n1 = u1 < units(m) ? unit_row(m, u1) : m.N;
-      rows(m, xq, n0, n1, yf.data() + n0);
-    });
-    for (int64_t n = 0; n < m.N; n++) store(y, r * m.N + n, yf[n]);
+    xq[r].set(xf.data(), m.K, m.group);
   }
+  at::parallel_for(0, units(m), unit_grain(m), [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; u++) {
+      const int64_t n0 = unit_row(m, u), n1 = u + 1 < units(m) ? unit_row(m, u + 1) : m.N;
+      for (int64_t r = 0; r < M; r++) rows(m, xq[r], n0, n1, yf.data() + r * m.N + n0);
+    }
+  });
+  for (int64_t i = 0; i < M * m.N; i++) store(y, i, yf[i]);
   return y;
 }
 
@@ -48,6 +57,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t group) {
   return linear(x, int4_mat(packed, sz, group));
+}
+
+void int4_strips(const at::Tensor& packed, const at::Tensor& sz, int64_t group, const at::Tensor& out) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2, "int4_strips: codes must be uint8 [N, K/2]");
+  TORCH_CHECK(group == 32 || group == 64 || group == 128, "int4_strips: group must be 32, 64 or 128");
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  TORCH_CHECK(N % 2 == 0 && K % group == 0, "int4_strips: N must be even and the group must divide K");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 3 && sz.size(0) == K / group && sz.size(1) == N &&
+              sz.size(2) == 2, "int4_strips: scales_zeros must be bf16 [K/group, N, 2]");
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.dim() == 2 && out.size(0) == N &&
+              out.size(1) == K / 2 + 4 * (K / group), "int4_strips: out must be uint8 [N, K/2 + 4 K/group]");
+  check_cpu_contiguous(packed, "int4 codes");
+  check_cpu_contiguous(sz, "int4 scales_zeros");
+  check_cpu_contiguous(out, "int4 strips");
+  repack_strips(packed.data_ptr<uint8_t>(), reinterpret_cast<const bf16*>(sz.data_ptr()), N, K, group,
+                out.data_ptr<uint8_t>());
 }
 
 at::Tensor experts(const at::Tensor& x_in, at::TensorList w, int64_t group) {
@@ -83,11 +108,13 @@ COLIBRI_INT_TARGET_END
 TORCH_LIBRARY(colibri_int, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group) -> Tensor");
+  m.def("int4_strips(Tensor packed, Tensor scales_zeros, int group, Tensor(a!) out) -> ()");
   m.def("experts(Tensor x, Tensor[] weights, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(colibri_int, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("int4_strips", &int4_strips);
   m.impl("experts", &experts);
 }

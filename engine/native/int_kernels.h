@@ -1,27 +1,23 @@
-// The int8 (per-row scales) and int4 group-wise decode kernels for the stored container layouts
-// (docs/FORMAT.md), and the SwiGLU of a set of quantized experts on one token. Header-only (inline),
-// included by int_decode.cpp (the separate ops) and moe_decode_int.cpp (the fused MoE layer), so an
-// expert computed by either is the same code, the same order of sums and the same bits.
+// The int8 (per-row scales) and int4 group-wise decode kernels, and the SwiGLU of a set of
+// quantized experts on one token. Header-only (inline), included by int_decode.cpp (the separate ops)
+// and moe_decode_int.cpp (the fused MoE layer), so an expert computed by either is the same code, the
+// same order of sums and the same bits.
 //
-// AVX512-VNNI integer dot products (vpdpwssd) and, for int4, the nibbles unpacked in registers
-// (AVX512-VBMI byte permutes). Why: torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`
-// convert every weight to fp32 and multiply in fp32 (three vector instructions per 16 weights),
-// which makes a decode token compute-bound on 2 cores; here a weight costs one sign/zero-extension
-// and half of one vpdpwssd (32 products per instruction).
+// Why native: torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` convert every weight to
+// fp32 and multiply in fp32 (three vector instructions per 16 weights), which makes a decode token
+// compute-bound on 2 cores.
 //
-// Activations: the row x is quantized once per call to int16 with one scale, sx = max|x| / 32767
-// (the error, <= max|x| / 65534 per element, is well under bf16's own rounding of x for all but
-// the smallest elements), then dot products are exact int32 sums, flushed to fp32 per 2048
-// inputs (int8) or per group (int4) before they could overflow.
+// int8: the row x quantized once per call to int16 with one scale, sx = max|x| / 32767 (the error,
+// <= max|x| / 65534 per element, is well under bf16's own rounding of x for all but the smallest
+// elements), AVX512-VNNI vpdpwssd (32 products an instruction), exact int32 sums flushed to fp32
+// per 2048 inputs:
+//   y[n] = scale[n] * sx * sum_k q[n,k] xq[k]
 //
-//   int8:  y[n] = scale[n] * sx * sum_k q[n,k] xq[k]
-//   int4:  y[n] = sum over groups g of scale[g,n] * sx * (sum_k c[n,k] xq[k] - 8 sum_k xq[k])
-//                                    + zero[g,n] * sum_k x[k]          (k in group g; c = code 0..15)
-//
-// int4 layout (pack_int4): rows in blocks of 64, k-major inside a block: the 32 bytes of (block,
-// k) hold row j's code (low nibble) and row j+32's (high), so the 64 bytes of k and k+1 are one
-// load, and four byte permutes turn them into (code[r,k], code[r,k+1]) int16 pairs for 64 rows.
-// A last block of fewer than 64 rows (pairs n, n+1 per byte) takes a scalar path.
+// int4: the engine's strip layout (below; repacked from the stored layout as a matrix is read), x
+// quantized to int8 per 32 inputs (scale sx_b = max|x_b| / 127, as llama.cpp's Q8_0 that its Q4_0
+// decode multiplies by), vpdpbusd (64 products an instruction: unsigned codes x signed activations):
+//   y[n] = sum over groups g of scale[g,n] * (sum over its 32-blocks b of sx_b * (sum_k c[n,k] q8[k] - 8 sum_k q8[k]))
+//                            + zero[g,n] * sum_k x[k]          (k in g; c = code 0..15)
 //
 // Determinism: every output is computed by one thread in one fixed order whatever the thread
 // count or the split, so an expert alone (streaming) and inside a batched or fused call (resident)
@@ -29,8 +25,8 @@
 // experts_bf16 (bf16_kernels.h): gate and up products, silu and their product each rounded to the
 // compute dtype (bf16 only).
 //
-// The VNNI/VBMI code is compiled for those instruction sets only (push/pop around it: the library
-// is built for AVX512-BF16 CPUs, some of which lack VBMI); engine/native/__init__.py calls these
+// The VNNI/VBMI code (VBMI: the repack's byte permutes) is compiled for those instruction sets only
+// (push/pop around it: the library is built for AVX512-BF16 CPUs, some of which lack VBMI); engine/native/__init__.py calls these
 // ops only where /proc/cpuinfo lists both (INT_FLAGS). An includer puts its own ops that call them
 // inside COLIBRI_INT_TARGET_BEGIN / END as well.
 #pragma once
@@ -42,6 +38,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "native_common.h"
@@ -59,38 +56,50 @@ using namespace colibri_native;
 
 constexpr float XQ_MAX = 32767.0f;
 constexpr int64_t INT8_FLUSH = 2048;  // inputs per int32 partial: 2048/32 steps x 2 x 127 x 32767 < 2^31
-constexpr int64_t BLOCK = 64;         // int4 rows per packed block
+constexpr int64_t BLOCK = 64;         // int4 rows per block of the stored layout
 
-// Software prefetch distance (int4): 1 KiB of codes ahead, and the next block's scales. Measured from
-// DRAM (docs/BENCHMARKS.md, "intkern"): without them the scales' one 256-byte run per group 2+ KiB
-// apart each starts a hardware-prefetch stream too late (int4 17-18 -> 24 GB/s).
-constexpr int64_t INT4_AHEAD = 1024;  // bytes of codes; past the matrix's end is harmless
 
-// One activation row, quantized: int16 codes (padded with zeros to a multiple of 64), its scale,
-// and per int4 group the sum of the codes and of the real values.
+// One activation row, quantized. int8 weights (group 0): int16 codes (padded with zeros to a
+// multiple of 64) and one scale. int4 (group > 0): int8 codes with one scale per 32 inputs, as
+// llama.cpp's Q8_0 (vpdpbusd multiplies unsigned 4-bit codes by signed bytes), the sum of each
+// 32-input block's codes (for the codes' offset of 8) and each weight group's sum of the real values
+// (for the zeros).
 struct QuantRow {
-  std::vector<int16_t> q;
+  std::vector<int16_t> q;  // int8 weights
   float sx = 0.0f;
+  std::vector<int8_t> q8;  // int4 weights
+  std::vector<float> sxb;
   std::vector<int32_t> qsum;
   std::vector<float> xsum;
 
   void set(const float* x, int64_t K, int64_t group) {
-    float amax = 0.0f;
-    for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(x[k]));
-    sx = amax / XQ_MAX;
-    const float inv = amax > 0.0f ? XQ_MAX / amax : 0.0f;
-    q.assign((K + 63) / 64 * 64, 0);
-    for (int64_t k = 0; k < K; k++) q[k] = (int16_t)std::nearbyint(x[k] * inv);
-    if (group > 0) {
-      const int64_t G = K / group;
-      qsum.assign(G, 0);
-      xsum.assign(G, 0.0f);
-      for (int64_t g = 0; g < G; g++)
-        for (int64_t k = g * group; k < (g + 1) * group; k++) {
-          qsum[g] += q[k];
-          xsum[g] += x[k];
-        }
+    if (group == 0) {
+      float amax = 0.0f;
+      for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(x[k]));
+      sx = amax / XQ_MAX;
+      const float inv = amax > 0.0f ? XQ_MAX / amax : 0.0f;
+      q.assign((K + 63) / 64 * 64, 0);
+      for (int64_t k = 0; k < K; k++) q[k] = (int16_t)std::nearbyint(x[k] * inv);
+      return;
     }
+    const int64_t B = K / 32, G = K / group;  // the group (32, 64 or 128) divides K
+    q8.resize(K), sxb.resize(B), qsum.resize(B), xsum.assign(G, 0.0f);
+    for (int64_t b = 0; b < B; b++) {
+      const float* xb = x + 32 * b;
+      float amax = 0.0f;
+      for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(xb[i]));
+      sxb[b] = amax / 127.0f;
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t qs = 0;
+      for (int i = 0; i < 32; i++) {
+        const int8_t c = (int8_t)std::max(-127.0f, std::min(127.0f, std::nearbyint(xb[i] * inv)));
+        q8[32 * b + i] = c;
+        qs += c;
+      }
+      qsum[b] = qs;
+    }
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t k = g * group; k < (g + 1) * group; k++) xsum[g] += x[k];
   }
 };
 
@@ -122,23 +131,22 @@ inline QMat int8_mat(const at::Tensor& codes, const at::Tensor& scales) {
   return m;
 }
 
-inline QMat int4_mat(const at::Tensor& packed, const at::Tensor& sz, int64_t group) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2, "int4 codes must be uint8 [N, K/2]");
+// An int4 matrix in the strip layout (below): one uint8 tensor [N, K/2 + 4 K/g] holding codes and
+// scales (int4_strips writes it from the stored pair); the stored scales_zeros argument is empty.
+inline QMat int4_mat(const at::Tensor& strips, const at::Tensor& sz, int64_t group) {
+  TORCH_CHECK(strips.scalar_type() == at::kByte && strips.dim() == 2,
+              "int4 weights must be uint8 [N, K/2 + 4 K/group] in the strip layout (int4_strips)");
   TORCH_CHECK(group == 32 || group == 64 || group == 128, "int4 group must be 32, 64 or 128");
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  TORCH_CHECK(N % 2 == 0 && K % group == 0, "int4: N must be even and the group must divide K");
-  TORCH_CHECK(sz.dim() == 3 && sz.size(0) == K / group && sz.size(1) == N && sz.size(2) == 2,
-              "int4 scales_zeros must be [K/group, N, 2]");
-  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 || sz.scalar_type() == at::kFloat, "scales: bf16 or fp32");
-  check_cpu_contiguous(packed, "int4 codes");
-  check_cpu_contiguous(sz, "int4 scales_zeros");
+  TORCH_CHECK(sz.numel() == 0, "int4: the strip layout holds its scales; pass an empty scales_zeros");
+  const int64_t N = strips.size(0), cols = strips.size(1), K = 2 * group * cols / (group + 8);
+  TORCH_CHECK(K > 0 && K % group == 0 && K / 2 + 4 * (K / group) == cols,
+              "int4: strip rows of ", cols, " bytes fit no K that the group ", group, " divides");
+  check_cpu_contiguous(strips, "int4 strips");
   QMat m;
   m.N = N;
   m.K = K;
   m.group = group;
-  m.packed = packed.data_ptr<uint8_t>();
-  m.scales = sz.data_ptr();
-  m.scales_f32 = sz.scalar_type() == at::kFloat;
+  m.packed = strips.data_ptr<uint8_t>();
   return m;
 }
 
@@ -186,118 +194,180 @@ inline void int8_range(const QMat& m, const QuantRow& x, int64_t begin, int64_t 
 
 // --- int4 ---------------------------------------------------------------------------------
 
-// Byte indices turning [codes of k (32 rows) | codes of k+1 (32 rows)] into 16 lanes of
-// (code[r,k], 0, code[r,k+1], 0): rows 0-15 (LOW) and 16-31 (HIGH) of the 32.
-struct PairIndex {
-  __m512i low, high;
-  PairIndex() {
-    alignas(64) uint8_t a[64], b[64];
-    for (int r = 0; r < 16; r++) {
-      a[4 * r] = (uint8_t)r;
-      a[4 * r + 2] = (uint8_t)(32 + r);
-      b[4 * r] = (uint8_t)(16 + r);
-      b[4 * r + 2] = (uint8_t)(48 + r);
-      a[4 * r + 1] = a[4 * r + 3] = b[4 * r + 1] = b[4 * r + 3] = 0;
-    }
-    low = _mm512_load_si512(a);
-    high = _mm512_load_si512(b);
-  }
-};
-constexpr __mmask64 EVEN_BYTES = 0x5555555555555555ull;
+// The int4 strip layout (engine/format/quant.py pack_int4_strips is the reference): rows in strips
+// of 16, each strip one sequential run of G = K/g groups, a group = g/8 chunks of 64 codes bytes then
+// the 16 rows' (scale, zero) bf16 pairs (64 bytes). Chunk c of a group covers inputs k0 .. k0+7
+// (k0 = group start + 8c): byte 4r+j holds row r's code of k0+j (low nibble) and of k0+4+j (high),
+// so one 64-byte load unpacks (an AND, a shift and an AND) into two registers whose 32-bit lane r
+// is four consecutive codes of row r: vpdpbusd multiplies them by four broadcast int8 activations
+// and sums into row r's lane, with no byte permutes. Rows past the last full strip (N % 16) follow,
+// each K/2 bytes (low nibble = even k) then its G (scale, zero) pairs, computed by a scalar loop in
+// the same order of sums (the same bits as if they sat in a strip).
+//
+// Why this layout (docs/BENCHMARKS.md, "int4 strips"): the stored 64-row layout needs four byte
+// permutes and four vpdpwssd per 64 bytes, and its scales are a second stream 4 * N bytes apart per
+// group; the kernel ran at ~19 GB/s from DRAM on one thread where bf16 reads ~29. The strips read
+// one stream, and half the vector work per weight, at ~29 (1 thread) and ~37 (2 threads) against 27.
+// The engine repacks the stored layout into this one as an expert is read (int4_strips below):
+// stored files keep the layout torch's packed kernel reads (docs/FORMAT.md).
 
-// 16 rows' (scale, zero) of group g as fp32 vectors.
-inline void load_scale_zero(const QMat& m, int64_t g, int64_t r0, __m512& s, __m512& z) {
-  if (!m.scales_f32) {  // dword = scale (low bf16) | zero (high bf16)
-    const __m512i d = _mm512_loadu_si512(static_cast<const bf16*>(m.scales) + (g * m.N + r0) * 2);
-    s = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
-    z = _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32((int)0xffff0000u)));
-  } else {
-    const float* p = static_cast<const float*>(m.scales) + (g * m.N + r0) * 2;
-    const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    s = _mm512_permutex2var_ps(a, even, b);
-    z = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
-  }
+constexpr int64_t STRIP = 16;
+constexpr int64_t XBLOCK = 32;  // int4 activations: int8 codes with one scale per 32 inputs (as Q8_0)
+
+inline int64_t strip_bytes(const QMat& m) { return (m.K / 2 + 4 * (m.K / m.group)) * STRIP; }
+inline int64_t row_bytes(const QMat& m) { return m.K / 2 + 4 * (m.K / m.group); }
+
+inline int32_t load4(const int8_t* p) {  // four activation bytes as one lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
-// 64 outputs of full block `nb` (rows nb*64 .. +63) into out[0..63].
-inline void int4_block(const QMat& m, int64_t nb, const QuantRow& x, float* out) {
-  static const PairIndex idx;
-  const uint8_t* base = m.packed + nb * BLOCK * m.K / 2;
-  const bool next_block = (nb + 2) * BLOCK <= m.N;
-  const int32_t* xpairs = reinterpret_cast<const int32_t*>(x.q.data());  // (xq[k], xq[k+1]) per int32
+inline __m512 bf16_pairs_low(__m512i d) { return _mm512_castsi512_ps(_mm512_slli_epi32(d, 16)); }
+inline __m512 bf16_pairs_high(__m512i d) {
+  return _mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+// 16 outputs of full strip `s` (rows 16s .. 16s+15) into out[0..15].
+inline void int4_strip(const QMat& m, int64_t s, const QuantRow& x, float* out) {
+  const uint8_t* p = m.packed + s * strip_bytes(m);
+  const int8_t* x8 = x.q8.data();
   const __m512i nib = _mm512_set1_epi8(0x0F);
-  const __m512 sx = _mm512_set1_ps(x.sx);
-  __m512 y[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  const int64_t G = m.K / m.group;
+  const int64_t G = m.K / m.group, blocks = m.group / XBLOCK;
+  __m512 y = _mm512_setzero_ps();
+  int64_t k = 0;
   for (int64_t g = 0; g < G; g++) {
-    // Two sets of 4 chains, alternating k pairs (a group has an even number of pairs: 32/64/128 inputs).
-    __m512i acc[8];
-    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_si512();
-    for (int64_t k = g * m.group; k < (g + 1) * m.group; k += 4) {
-      for (int h = 0; h < 2; h++) {
-        _mm_prefetch(reinterpret_cast<const char*>(base + (k + 2 * h) * 32 + INT4_AHEAD), _MM_HINT_T0);
-        const __m512i bytes = _mm512_loadu_si512(base + (k + 2 * h) * 32);  // k and k+1, 32 bytes each
-        const __m512i lo = _mm512_and_si512(bytes, nib);                       // rows 0-31
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nib);  // rows 32-63
-        const __m512i xv = _mm512_set1_epi32(xpairs[(k + 2 * h) / 2]);
-        __m512i* a = acc + 4 * h;
-        a[0] = _mm512_dpwssd_epi32(a[0], _mm512_maskz_permutexvar_epi8(EVEN_BYTES, idx.low, lo), xv);
-        a[1] = _mm512_dpwssd_epi32(a[1], _mm512_maskz_permutexvar_epi8(EVEN_BYTES, idx.high, lo), xv);
-        a[2] = _mm512_dpwssd_epi32(a[2], _mm512_maskz_permutexvar_epi8(EVEN_BYTES, idx.low, hi), xv);
-        a[3] = _mm512_dpwssd_epi32(a[3], _mm512_maskz_permutexvar_epi8(EVEN_BYTES, idx.high, hi), xv);
+    __m512 f = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++, k += XBLOCK) {
+      // Four chains (two chunks x low/high nibbles): vpdpbusd's latency, not its throughput, bounds one.
+      __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+      for (int c = 0; c < 4; c++, p += 64) {
+        const __m512i bytes = _mm512_loadu_si512(p);
+        const __m512i lo = _mm512_and_si512(bytes, nib);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nib);
+        const int8_t* xk = x8 + k + 8 * c;
+        a[2 * (c & 1)] = _mm512_dpbusd_epi32(a[2 * (c & 1)], lo, _mm512_set1_epi32(load4(xk)));
+        a[2 * (c & 1) + 1] = _mm512_dpbusd_epi32(a[2 * (c & 1) + 1], hi, _mm512_set1_epi32(load4(xk + 4)));
       }
+      const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(8 * x.qsum[k / XBLOCK])));
+      const __m512 sx = _mm512_set1_ps(x.sxb[k / XBLOCK]);
+      f = b == 0 ? _mm512_mul_ps(sx, dot) : _mm512_fmadd_ps(sx, dot, f);
     }
-    for (int i = 0; i < 4; i++) acc[i] = _mm512_add_epi32(acc[i], acc[i + 4]);
-    const __m512i mid = _mm512_set1_epi32(8 * x.qsum[g]);
-    const __m512 xs = _mm512_set1_ps(x.xsum[g]);
-    if (next_block && !m.scales_f32)  // the next block's (scale, zero) of this group: 4 lines
-      for (int i = 0; i < 4; i++)
-        _mm_prefetch(reinterpret_cast<const char*>(static_cast<const bf16*>(m.scales) + (g * m.N + (nb + 1) * BLOCK) * 2) + 64 * i,
-                     _MM_HINT_T0);
-    for (int i = 0; i < 4; i++) {
-      __m512 s, z;
-      load_scale_zero(m, g, nb * BLOCK + 16 * i, s, z);
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], mid));
-      y[i] = _mm512_fmadd_ps(_mm512_mul_ps(s, sx), dot, _mm512_fmadd_ps(z, xs, y[i]));
-    }
+    const __m512i d = _mm512_loadu_si512(p);  // the strip's 16 (scale, zero) pairs of group g
+    p += 64;
+    y = _mm512_fmadd_ps(bf16_pairs_low(d), f, _mm512_fmadd_ps(bf16_pairs_high(d), _mm512_set1_ps(x.xsum[g]), y));
   }
-  for (int i = 0; i < 4; i++) _mm512_storeu_ps(out + 16 * i, y[i]);
+  _mm512_storeu_ps(out, y);
 }
 
-// One output row of the last, partial block (rows paired n, n+1 per byte, [K, rows/2]).
+// One row past the last full strip: the same sums in the same order, one lane's worth.
 inline float int4_tail_row(const QMat& m, int64_t n, const QuantRow& x) {
-  const int64_t full = m.N - m.N % BLOCK, rows = m.N - full, p = (n - full) / 2;
-  const uint8_t* base = m.packed + full * m.K / 2;
-  const int shift = (int)((n - full) % 2) * 4;
+  const int64_t full = m.N / STRIP * STRIP;
+  const uint8_t* p = m.packed + full / STRIP * strip_bytes(m) + (n - full) * row_bytes(m);
+  const bf16* sz = reinterpret_cast<const bf16*>(p + m.K / 2);
+  const int64_t G = m.K / m.group, blocks = m.group / XBLOCK;
   float y = 0.0f;
-  for (int64_t g = 0; g < m.K / m.group; g++) {
-    int32_t acc = 0;
-    for (int64_t k = g * m.group; k < (g + 1) * m.group; k++)
-      acc += (int32_t)((base[k * (rows / 2) + p] >> shift) & 0xF) * x.q[k];
-    const float s = m.scale_at((g * m.N + n) * 2), z = m.scale_at((g * m.N + n) * 2 + 1);
-    y = std::fma(s * x.sx, (float)(acc - 8 * x.qsum[g]), std::fma(z, x.xsum[g], y));
+  int64_t k = 0;
+  for (int64_t g = 0; g < G; g++) {
+    float f = 0.0f;
+    for (int64_t b = 0; b < blocks; b++, k += XBLOCK) {
+      int32_t acc = 0;
+      for (int64_t i = k; i < k + XBLOCK; i++) acc += (int32_t)((p[i / 2] >> (4 * (i & 1))) & 0xF) * x.q8[i];
+      const float dot = (float)(acc - 8 * x.qsum[k / XBLOCK]);
+      f = b == 0 ? x.sxb[k / XBLOCK] * dot : std::fma(x.sxb[k / XBLOCK], dot, f);
+    }
+    y = std::fma(to_f32(sz[2 * g]), f, std::fma(to_f32(sz[2 * g + 1]), x.xsum[g], y));
   }
   return y;
 }
 
-// Rows [begin, end) of m x into out[0 .. end-begin). int4: begin/end on block bounds or in the tail.
+// --- the stored int4 layout -> strips (once per matrix, as it is read) ------------------------
+
+// Code (0..15) of row n, input k in the stored blocked layout (pack_int4): full 64-row blocks
+// k-major (byte (k, j): row j low, row j+32 high), a last partial block [K, rows/2] (row pairs).
+inline int stored_code(const uint8_t* packed, int64_t N, int64_t K, int64_t n, int64_t k) {
+  const int64_t full = N - N % BLOCK;
+  if (n < full) {
+    const uint8_t byte = packed[(n / BLOCK) * BLOCK * K / 2 + k * 32 + (n % BLOCK) % 32];
+    return (n % BLOCK) < 32 ? (byte & 0xF) : (byte >> 4);
+  }
+  const int64_t rows = N - full, r = n - full;
+  const uint8_t byte = packed[full * K / 2 + k * (rows / 2) + r / 2];
+  return r % 2 == 0 ? (byte & 0xF) : (byte >> 4);
+}
+
+// Writes the strips of a stored matrix (codes [N, K/2], scales_zeros bf16 [K/g, N, 2]) to out
+// (N * (K/2 + 4 K/g) bytes). out may overlap the inputs: they are copied first.
+inline void repack_strips(const uint8_t* packed_in, const bf16* sz_in, int64_t N, int64_t K, int64_t group, uint8_t* out) {
+  const int64_t G = K / group, codes_bytes = N * K / 2;
+  static thread_local std::vector<uint8_t> copy;
+  copy.resize(codes_bytes + G * N * 4);
+  std::memcpy(copy.data(), packed_in, codes_bytes);
+  std::memcpy(copy.data() + codes_bytes, sz_in, G * N * 4);
+  const uint8_t* packed = copy.data();
+  const uint32_t* sz = reinterpret_cast<const uint32_t*>(copy.data() + codes_bytes);  // (scale, zero) pairs
+  QMat m;
+  m.N = N, m.K = K, m.group = group;
+  const int64_t S = N / STRIP, full_blocks = N / BLOCK;
+  // Byte-permute indices: for the 256 stored bytes of (block, k0 .. k0+7), strip q's chunk byte 4r+j
+  // takes row 16q+r's byte of input k0+j (from the first 128 bytes) and of k0+4+j (the second 128).
+  alignas(64) uint8_t idx[2][64];
+  for (int q = 0; q < 2; q++)
+    for (int r = 0; r < 16; r++)
+      for (int j = 0; j < 4; j++) idx[q][4 * r + j] = (uint8_t)(j * 32 + 16 * q + r);
+  const __m512i nib = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
+  for (int64_t s = 0; s < S; s++) {
+    uint8_t* o = out + s * strip_bytes(m);
+    const int64_t nb = s * STRIP / BLOCK, q = (s * STRIP % BLOCK) / STRIP;
+    for (int64_t g = 0; g < G; g++) {
+      for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8, o += 64) {
+        if (nb < full_blocks) {
+          const uint8_t* src = packed + nb * BLOCK * K / 2 + k0 * 32;
+          const __m512i ix = _mm512_load_si512(idx[q % 2]);
+          const __m512i a = _mm512_permutex2var_epi8(_mm512_loadu_si512(src), ix, _mm512_loadu_si512(src + 64));
+          const __m512i b = _mm512_permutex2var_epi8(_mm512_loadu_si512(src + 128), ix, _mm512_loadu_si512(src + 192));
+          const __m512i v = q < 2 ? _mm512_or_si512(_mm512_and_si512(a, nib), _mm512_slli_epi16(_mm512_and_si512(b, nib), 4))
+                                  : _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), nib), _mm512_and_si512(b, high));
+          _mm512_storeu_si512(o, v);
+        } else {
+          for (int r = 0; r < 16; r++)
+            for (int j = 0; j < 4; j++) {
+              const int64_t n = s * STRIP + r;
+              o[4 * r + j] = (uint8_t)(stored_code(packed, N, K, n, k0 + j) | (stored_code(packed, N, K, n, k0 + 4 + j) << 4));
+            }
+        }
+      }
+      std::memcpy(o, sz + g * N + s * STRIP, 64);
+      o += 64;
+    }
+  }
+  for (int64_t n = S * STRIP; n < N; n++) {
+    uint8_t* o = out + S * strip_bytes(m) + (n - S * STRIP) * row_bytes(m);
+    for (int64_t k = 0; k < K; k += 2)
+      o[k / 2] = (uint8_t)(stored_code(packed, N, K, n, k) | (stored_code(packed, N, K, n, k + 1) << 4));
+    uint32_t* pairs = reinterpret_cast<uint32_t*>(o + K / 2);
+    for (int64_t g = 0; g < G; g++) std::memcpy(pairs + g, sz + g * N + n, 4);
+  }
+}
+
+// Rows [begin, end) of m x into out[0 .. end-begin). int4: begin/end on strip bounds or in the tail.
 inline void rows(const QMat& m, const QuantRow& x, int64_t begin, int64_t end, float* out) {
   if (m.group == 0) return int8_range(m, x, begin, end, out);
-  const int64_t full = m.N - m.N % BLOCK;
+  const int64_t full = m.N - m.N % STRIP;
   int64_t n = begin;
-  for (; n + BLOCK <= std::min(end, full); n += BLOCK) int4_block(m, n / BLOCK, x, out + (n - begin));
+  for (; n + STRIP <= std::min(end, full); n += STRIP) int4_strip(m, n / STRIP, x, out + (n - begin));
   for (; n < end; n++) out[n - begin] = int4_tail_row(m, n, x);
 }
 
-// Work units of a matrix: int8 runs of 16 rows (the last one shorter), int4 whole blocks then
+// Work units of a matrix: int8 runs of 16 rows (the last one shorter), int4 whole strips then
 // tail rows.
 constexpr int64_t INT8_UNIT = 16;
-inline int64_t units(const QMat& m) { return m.group ? m.N / BLOCK + m.N % BLOCK : (m.N + INT8_UNIT - 1) / INT8_UNIT; }
+inline int64_t units(const QMat& m) { return m.group ? m.N / STRIP + m.N % STRIP : (m.N + INT8_UNIT - 1) / INT8_UNIT; }
 inline int64_t unit_row(const QMat& m, int64_t u) {
   if (!m.group) return std::min(m.N, u * INT8_UNIT);
-  const int64_t nb = m.N / BLOCK;
-  return u < nb ? u * BLOCK : nb * BLOCK + (u - nb);
+  const int64_t ns = m.N / STRIP;
+  return u < ns ? u * STRIP : ns * STRIP + (u - ns);
 }
 inline int64_t unit_grain(const QMat&) { return 1; }
 

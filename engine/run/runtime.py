@@ -34,7 +34,7 @@ from engine.movement.cache import routing_histogram_save
 from engine.movement.store import ExpertStore, ResidentExperts
 from engine.movement.streaming import StreamingExperts
 from engine.movement.streaming_layers import StreamingLayers
-from engine.format.quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT8, kernel_works
+from engine.format.quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT4_STRIPS, KERNEL_INT8, kernel_works
 from engine.base.errors import UnsupportedModelError
 from engine.format import fp8
 from engine.format.checkpoint import read_tensor
@@ -215,7 +215,9 @@ class Engine:
         ok = all(kernel_works(q.quant, n, k, q.group_size, self.dtype)
                  for n, k in ((a.moe_intermediate_size, a.hidden_size), (a.hidden_size, a.moe_intermediate_size)))
         torch_kernel = (KERNEL_INT4 if q.quant == "int4" else KERNEL_INT8) if ok else KERNEL_DEQUANT
-        on = native.int_ready and (q.quant == "int4" or native.int8_decode)
+        if q.quant == "int4" and native.int_ready:
+            return f"{KERNEL_INT4_STRIPS}, decode and prefill"
+        on = native.int_ready and native.int8_decode
         return f"native {q.quant} decode (VNNI), prefill: {torch_kernel}" if on else torch_kernel
 
     def _compute_dtype(self) -> torch.dtype:
