@@ -107,12 +107,16 @@ def measure(hidden: int, inter: int, repeats: int, inner: int, working_set: int 
         nbytes = sum(q.nbytes + s.nbytes for q, s in stored)
         experts = [[QuantWeight.prepare(q.clone(), s.clone(), quant, group, dtype) for q, s in stored]
                    for _ in range(_copies(nbytes, working_set))]
+        # int4: what a read pays to repack the stored pair into the strips (int_kernels.h), here into
+        # new memory (a slot read repacks in place: the same work)
+        prepare = (_time(lambda i: [QuantWeight.prepare(q, s, quant, group, dtype) for q, s in stored],
+                         repeats, max(inner // 4, 1)) if quant == "int4" else None)
         for n in (1, 8):
             # one operand list per call, prepared beforehand: call i takes experts i*n .. i*n+n-1
             calls = [native_quant_operands(x_h, [experts[(c * n + j) % len(experts)] for j in range(n)])
                      for c in range(max(1, len(experts) // n))]
             rows.append({"kernel": f"native {quant} quant_experts x{n}", "quant": quant, "group": group or None,
-                         "experts": len(experts), "bytes": nbytes, "prepare": None,
+                         "experts": len(experts), "bytes": nbytes, "prepare": prepare,
                          "compute": _per(_time(lambda i: native.quant_experts(x_h, *calls[i % len(calls)]),
                                                repeats, inner), n)})
         del experts

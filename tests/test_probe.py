@@ -81,7 +81,8 @@ def check_complete_profile(profile: HardwareProfile, tmp_path: Path, plan: Probe
     assert {k.kernel for k in profile.expert_kernels if k.quant == "bf16"} <= {"F.linear", "engine.native.linear"}
     assert {k.kernel for k in profile.expert_kernels if k.quant == "bf16" and k.m > 1} == {"F.linear"}
     assert kernels["int8"] in ("aten._weight_int8pack_mm", "dequantize+linear")
-    assert kernels["int4"] in ("aten._weight_int4pack_mm_for_cpu", "dequantize+linear")
+    # int4: engine/native's strips where its int kernels load (VNNI/VBMI), else torch's
+    assert kernels["int4"] in ("colibri int4 strips (VNNI)", "aten._weight_int4pack_mm_for_cpu", "dequantize+linear")
     assert all(k.throughput.value > 0 and k.calls >= 1 for k in profile.expert_kernels)
     assert all((k.group_size == 64) == (k.quant == "int4") for k in profile.expert_kernels)
     assert "Expert kernels" in format_summary(profile)

@@ -32,7 +32,8 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
     decode_layers(x, ...)   every layer of one token: attention half + fused MoE per layer (decode_step.cpp)
     mxfp4_linear(x, blocks, scales, bias)  x @ dequant(blocks, scales).T + bias, fp32 or bf16
     int8_linear(x, codes, scales)          x @ (codes * scales).T, per-row scales
-    int4_linear(x, packed, scales_zeros, group)   x @ dequant_int4(...).T, the stored blocked layout
+    int4_linear(x, strips, group)          x @ dequant_int4(...).T, W in the engine's int4 strips, any rows
+    int4_strips(packed, scales_zeros, group, out)  the stored int4 pair → strips (in place where out is its bytes)
     quant_experts(x, weights, group)       SwiGLU of several int8 (group 0) / int4 experts: [E, H]
     moe_layer_int(h, ..., group)           moe_layer for int8 / int4 experts (moe_decode_int.cpp; engine/arch/moe_quant.py)
     attention_decode_int(x, ..., proj, group)  attention_decode with int8 / int4 q/k/v/o (attention_decode_int.cpp;
