@@ -154,8 +154,8 @@ def run_ours(args, model: Path, mode: str, limit: int) -> dict:
         argv += ["--config", args.ours_config]
     argv += ["--ram-budget", "0"] if mode == "resident" else ["--ram-budget", str(args.ours_budget or limit),
                                                               "--io-mode", "direct"]
-    run = run_limited(argv, limit, timeout=args.cap_seconds + 120,
-                      env={**os.environ, "PYTHONPATH": str(Path(args.ours_src).resolve())})
+    src = str(Path(args.ours_src).resolve())  # cwd too: `-m` puts it first on sys.path, ahead of PYTHONPATH
+    run = run_limited(argv, limit, timeout=args.cap_seconds + 120, cwd=src, env={**os.environ, "PYTHONPATH": src})
     fields = {}
     if run.returncode == 0 and not run.timed_out:
         out = json.loads(run.stdout)

@@ -148,7 +148,8 @@ def llama_perplexity(llama_dir: Path, gguf: Path, argv: list[str], save: Path) -
 def ours_quality(model: Path, reference: Path, text: Path, tokens: int, ctx: int, threads: int, src: str) -> dict:
     argv = [sys.executable, "-m", "tuner.cli", "quality", "--model", str(model), "--reference", str(reference),
             "--text", str(text), "--tokens", str(tokens), "--ctx", str(ctx), "--threads", str(threads), "--json"]
-    run = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": src})
+    # cwd too: `-m` puts the working directory first on sys.path, ahead of PYTHONPATH
+    run = subprocess.run(argv, capture_output=True, text=True, cwd=src, env={**os.environ, "PYTHONPATH": src})
     if run.returncode != 0:
         raise PerplexityOutputError(f"colibri quality --model {model.name} failed: "
                                     f"{(run.stderr.strip().splitlines() or ['?'])[-1][:200]}")

@@ -32,22 +32,27 @@ at::Tensor linear(const at::Tensor& x_in, const QMat& m) {
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, m.N}, x.options());
   // Every row quantized first, then one parallel pass over the matrix's units in which each unit
-  // (16 rows of weights: a few KiB) meets all M rows while it sits in L1: a prefill's expert reads
-  // its weights once, not once per token, and forks once. A row's outputs are what a call with that
-  // row alone gives (rows() does not depend on M).
-  std::vector<float> xf(m.K), yf(M * m.N);
+  // (16 rows of weights: a few KiB) meets all M rows while it sits in L1 (int4: four rows a pass over
+  // it, rows_multi): a prefill's expert reads its weights once, not once per token, and forks once.
+  // A row's outputs are what a call with that row alone gives.
+  std::vector<float> yf(M * m.N);
   std::vector<QuantRow> xq(M);
-  for (int64_t r = 0; r < M; r++) {
-    load_f32(x, r * m.K, m.K, xf.data());
-    xq[r].set(xf.data(), m.K, m.group);
-  }
+  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {  // each row's quantization is its own
+    std::vector<float> xf(m.K);
+    for (int64_t r = r0; r < r1; r++) {
+      load_f32(x, r * m.K, m.K, xf.data());
+      xq[r].set(xf.data(), m.K, m.group);
+    }
+  });
   at::parallel_for(0, units(m), unit_grain(m), [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; u++) {
       const int64_t n0 = unit_row(m, u), n1 = u + 1 < units(m) ? unit_row(m, u + 1) : m.N;
-      for (int64_t r = 0; r < M; r++) rows(m, xq[r], n0, n1, yf.data() + r * m.N + n0);
+      rows_multi(m, xq.data(), M, n0, n1, yf.data(), m.N);
     }
   });
-  for (int64_t i = 0; i < M * m.N; i++) store(y, i, yf[i]);
+  at::parallel_for(0, M * m.N, 4096, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) store(y, i, yf[i]);
+  });
   return y;
 }
 

@@ -261,6 +261,50 @@ inline void int4_strip(const QMat& m, int64_t s, const QuantRow& x, float* out) 
   _mm512_storeu_ps(out, y);
 }
 
+// int4_strip for R activation rows at once (prefill): each 64-byte chunk is loaded and unpacked once
+// and multiplied by every row's activations, so a chunk costs 3 + 2R vector ops, not 6R. A row's
+// outputs are int4_strip's bits (its int32 sums are exact whatever the chains; the fp32 steps are
+// the same, in the same order).
+template <int R>
+inline void int4_strip_rows(const QMat& m, int64_t s, const QuantRow* const* x, float* const* out) {
+  const uint8_t* p = m.packed + s * strip_bytes(m);
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const int64_t G = m.K / m.group, blocks = m.group / XBLOCK;
+  __m512 y[R];
+  const int8_t* xq[R];
+  for (int r = 0; r < R; r++) y[r] = _mm512_setzero_ps(), xq[r] = x[r]->q8.data();
+  int64_t k = 0;
+  for (int64_t g = 0; g < G; g++) {
+    __m512 f[R];
+    for (int64_t b = 0; b < blocks; b++, k += XBLOCK) {
+      __m512i a[R][2];
+      for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; c++, p += 64) {
+        const __m512i bytes = _mm512_loadu_si512(p);
+        const __m512i lo = _mm512_and_si512(bytes, nib);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nib);
+        for (int r = 0; r < R; r++) {
+          const int8_t* xk = xq[r] + k + 8 * c;
+          a[r][0] = _mm512_dpbusd_epi32(a[r][0], lo, _mm512_set1_epi32(load4(xk)));
+          a[r][1] = _mm512_dpbusd_epi32(a[r][1], hi, _mm512_set1_epi32(load4(xk + 4)));
+        }
+      }
+      for (int r = 0; r < R; r++) {
+        const __m512i sum = _mm512_add_epi32(a[r][0], a[r][1]);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(8 * x[r]->qsum[k / XBLOCK])));
+        const __m512 sx = _mm512_set1_ps(x[r]->sxb[k / XBLOCK]);
+        f[r] = b == 0 ? _mm512_mul_ps(sx, dot) : _mm512_fmadd_ps(sx, dot, f[r]);
+      }
+    }
+    const __m512i d = _mm512_loadu_si512(p);
+    p += 64;
+    const __m512 scale = bf16_pairs_low(d), zero = bf16_pairs_high(d);
+    for (int r = 0; r < R; r++)
+      y[r] = _mm512_fmadd_ps(scale, f[r], _mm512_fmadd_ps(zero, _mm512_set1_ps(x[r]->xsum[g]), y[r]));
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], y[r]);
+}
+
 // One row past the last full strip: the same sums in the same order, one lane's worth.
 inline float int4_tail_row(const QMat& m, int64_t n, const QuantRow& x) {
   const int64_t full = m.N / STRIP * STRIP;
@@ -358,6 +402,26 @@ inline void rows(const QMat& m, const QuantRow& x, int64_t begin, int64_t end, f
   int64_t n = begin;
   for (; n + STRIP <= std::min(end, full); n += STRIP) int4_strip(m, n / STRIP, x, out + (n - begin));
   for (; n < end; n++) out[n - begin] = int4_tail_row(m, n, x);
+}
+
+// Rows [begin, end) of m against M activation rows: out[r] (row stride ldo) gets row r's outputs,
+// the same bits as rows() of each alone. int4 strips take four activation rows a pass.
+inline void rows_multi(const QMat& m, const QuantRow* x, int64_t M, int64_t begin, int64_t end, float* out, int64_t ldo) {
+  int64_t r = 0;
+  if (m.group) {
+    const int64_t full = m.N - m.N % STRIP;
+    for (; r + 4 <= M; r += 4) {
+      const QuantRow* xs[4] = {&x[r], &x[r + 1], &x[r + 2], &x[r + 3]};
+      int64_t n = begin;
+      for (; n + STRIP <= std::min(end, full); n += STRIP) {
+        float* outs[4] = {out + r * ldo + n, out + (r + 1) * ldo + n, out + (r + 2) * ldo + n, out + (r + 3) * ldo + n};
+        int4_strip_rows<4>(m, n / STRIP, xs, outs);
+      }
+      for (; n < end; n++)
+        for (int i = 0; i < 4; i++) out[(r + i) * ldo + n] = int4_tail_row(m, n, x[r + i]);
+    }
+  }
+  for (; r < M; r++) rows(m, x[r], begin, end, out + r * ldo + begin);
 }
 
 // Work units of a matrix: int8 runs of 16 rows (the last one shorter), int4 whole strips then
