@@ -184,3 +184,20 @@ def test_a_failed_build_is_remembered_not_retried(fresh_native, tmp_path):
     os.unlink(failed[0])  # deleting the marker retries
     native.load(again=True)
     assert calls.read_text().count("x") == 2
+
+
+@pytest.mark.parametrize("part,value", [(0, float("nan")), (0, float("inf")), (0, 0.0), (0, -1.0),
+                                        (1, float("nan")), (1, float("-inf"))])
+def test_int4_strips_refuse_bad_scales_before_writing(part, value):
+    """The repack checks the scales (check_scales' test, on the strips' path) before it writes: a bad
+    scale or zero in the last pair is a ModelFormatError, and the bytes it would have repacked over
+    are left as they were."""
+    from engine.base.errors import ModelFormatError
+    qw, qs = quantize(torch.randn(130, 96, generator=torch.Generator().manual_seed(1)), "int4", 32)
+    qs[-1, -1, part] = value
+    joined = torch.cat([qw.reshape(-1), qs.view(torch.uint8).reshape(-1)])
+    before = joined.clone()
+    with pytest.raises(ModelFormatError, match="scales hold NaN, Inf, zero or negative values"):
+        QuantWeight.prepare(joined[:qw.numel()].view(qw.shape), joined[qw.numel():].view(torch.bfloat16).view(qs.shape),
+                            "int4", 32, torch.bfloat16, joined=joined)
+    assert torch.equal(joined, before)

@@ -222,8 +222,12 @@ def check_scales(qscale: torch.Tensor, quant: str, shape: tuple[int, int]) -> No
     else:
         ok = bool((qscale > 0).all()) and bool(torch.isfinite(qscale).all())
     if not ok:
-        raise ModelFormatError(f"a {quant} [{shape[0]}x{shape[1]}] weight's scales hold NaN, Inf, zero or negative "
-                               "values: the container is corrupt (reconvert it)")
+        raise ModelFormatError(bad_scales_message(quant, shape))
+
+
+def bad_scales_message(quant: str, shape: tuple[int, int]) -> str:
+    return (f"a {quant} [{shape[0]}x{shape[1]}] weight's scales hold NaN, Inf, zero or negative values: the container "
+            "is corrupt (reconvert it)")
 
 
 def stored_shapes(quant: str, group_size: int, n: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -330,13 +334,14 @@ class QuantWeight(StoredMatrix):
         still its slot; without it they take new memory."""
         n = qweight.shape[0]
         k = qweight.shape[1] * (2 if quant == "int4" else 1)
-        check_scales(qscale, quant, (n, k))
         if quant == "int4" and packed_kernel and strips_apply(qweight, qscale):
             rows = strip_row_bytes(k, group_size)
             out = (joined.view(n, rows) if joined is not None and joined.numel() == n * rows
                    else torch.empty(n, rows, dtype=torch.uint8))
-            native.int4_strips(qweight, qscale, group_size, out)
+            if not native.int4_strips(qweight, qscale, group_size, out):  # check_scales' test, in the copy
+                raise ModelFormatError(bad_scales_message(quant, (n, k)))
             return cls(quant, group_size, (n, k), KERNEL_INT4_STRIPS, out, torch.empty(0, dtype=dtype))
+        check_scales(qscale, quant, (n, k))
         scale = qscale if qscale.dtype == dtype else qscale.to(dtype)
         if packed_kernel and kernel_works(quant, n, k, group_size, dtype):
             if quant == "int4":

@@ -235,10 +235,11 @@ def int4_linear(x: torch.Tensor, strips: torch.Tensor, group: int) -> torch.Tens
     return torch.ops.colibri_int.int4_linear(x, strips, _NO_SCALES, group)
 
 
-def int4_strips(packed: torch.Tensor, scales_zeros: torch.Tensor, group: int, out: torch.Tensor) -> None:
+def int4_strips(packed: torch.Tensor, scales_zeros: torch.Tensor, group: int, out: torch.Tensor) -> bool:
     """The stored int4 pair (codes [N, K/2], bf16 scales_zeros [K/g, N, 2]) → strips, into `out`
-    ([N, K/2 + 4K/g] uint8), which may be the pair's own bytes (codes then scales, adjacent)."""
-    torch.ops.colibri_int.int4_strips(packed, scales_zeros, group, out)
+    ([N, K/2 + 4K/g] uint8), which may be the pair's own bytes (codes then scales, adjacent).
+    False, `out` untouched, where a scale is not finite and > 0 or a zero not finite."""
+    return torch.ops.colibri_int.int4_strips(packed, scales_zeros, group, out)
 
 
 def quant_experts(x: torch.Tensor, weights: list, group: int) -> torch.Tensor:

@@ -5,9 +5,10 @@
 // Ops (namespace colibri_int):
 //   int8_linear(x [M,K], codes int8 [N,K], scales [N]) -> [M,N]               x's dtype (bf16|fp32)
 //   int4_linear(x [M,K], strips uint8 [N, K/2 + 4K/g], empty, g) -> [M,N]
-//   int4_strips(packed uint8 [N,K/2], scales_zeros bf16 [K/g,N,2], g, out uint8 [N, K/2 + 4K/g])
+//   int4_strips(packed uint8 [N,K/2], scales_zeros bf16 [K/g,N,2], g, out uint8 [N, K/2 + 4K/g]) -> bool
 //       the stored layout -> the kernel's strips (int_kernels.h), into out, which may be the
-//       inputs' own bytes (codes then scales, adjacent): the engine repacks in place as it reads
+//       inputs' own bytes (codes then scales, adjacent): the engine repacks in place as it reads.
+//       false (out untouched) where a scale is not finite and > 0 or a zero not finite
 //   experts(x [1,H], weights, group) -> [E,H]  SwiGLU of E quantized experts; weights per expert:
 //       (gate codes, gate scales, up codes, up scales, down codes, down scales); group 0 = int8
 
@@ -64,7 +65,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return linear(x, int4_mat(packed, sz, group));
 }
 
-void int4_strips(const at::Tensor& packed, const at::Tensor& sz, int64_t group, const at::Tensor& out) {
+bool int4_strips(const at::Tensor& packed, const at::Tensor& sz, int64_t group, const at::Tensor& out) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2, "int4_strips: codes must be uint8 [N, K/2]");
   TORCH_CHECK(group == 32 || group == 64 || group == 128, "int4_strips: group must be 32, 64 or 128");
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
@@ -76,8 +77,8 @@ void int4_strips(const at::Tensor& packed, const at::Tensor& sz, int64_t group, 
   check_cpu_contiguous(packed, "int4 codes");
   check_cpu_contiguous(sz, "int4 scales_zeros");
   check_cpu_contiguous(out, "int4 strips");
-  repack_strips(packed.data_ptr<uint8_t>(), reinterpret_cast<const bf16*>(sz.data_ptr()), N, K, group,
-                out.data_ptr<uint8_t>());
+  return repack_strips(packed.data_ptr<uint8_t>(), reinterpret_cast<const bf16*>(sz.data_ptr()), N, K, group,
+                       out.data_ptr<uint8_t>());
 }
 
 at::Tensor experts(const at::Tensor& x_in, at::TensorList w, int64_t group) {
@@ -113,7 +114,7 @@ COLIBRI_INT_TARGET_END
 TORCH_LIBRARY(colibri_int, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group) -> Tensor");
-  m.def("int4_strips(Tensor packed, Tensor scales_zeros, int group, Tensor(a!) out) -> ()");
+  m.def("int4_strips(Tensor packed, Tensor scales_zeros, int group, Tensor(a!) out) -> bool");
   m.def("experts(Tensor x, Tensor[] weights, int group) -> Tensor");
 }
 

@@ -341,10 +341,25 @@ inline int stored_code(const uint8_t* packed, int64_t N, int64_t K, int64_t n, i
   return r % 2 == 0 ? (byte & 0xF) : (byte >> 4);
 }
 
+// Whether every (scale, zero) bf16 pair has a finite scale > 0 and a finite zero, as quantize writes
+// them (quant.py check_scales, which this replaces on the strips' path: a bad scale turns a row into
+// NaN silently). On the bits: exponent all ones is Inf/NaN; a scale with the sign bit or no bits set is
+// not > 0.
+inline bool scales_ok(const uint32_t* pairs, int64_t n) {
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const uint32_t s = pairs[i] & 0xffffu, z = pairs[i] >> 16;
+    bad |= ((s & 0x7f80u) == 0x7f80u) | ((s & 0x8000u) != 0) | (s == 0) | ((z & 0x7f80u) == 0x7f80u);
+  }
+  return bad == 0;
+}
+
 // Writes the strips of a stored matrix (codes [N, K/2], scales_zeros bf16 [K/g, N, 2]) to out
-// (N * (K/2 + 4 K/g) bytes). out may overlap the inputs: they are copied first.
-inline void repack_strips(const uint8_t* packed_in, const bf16* sz_in, int64_t N, int64_t K, int64_t group, uint8_t* out) {
+// (N * (K/2 + 4 K/g) bytes), once its scales pass scales_ok (else false, out untouched). out may
+// overlap the inputs: they are copied first.
+inline bool repack_strips(const uint8_t* packed_in, const bf16* sz_in, int64_t N, int64_t K, int64_t group, uint8_t* out) {
   const int64_t G = K / group, codes_bytes = N * K / 2;
+  if (!scales_ok(reinterpret_cast<const uint32_t*>(sz_in), G * N)) return false;
   static thread_local std::vector<uint8_t> copy;
   copy.resize(codes_bytes + G * N * 4);
   std::memcpy(copy.data(), packed_in, codes_bytes);
@@ -393,6 +408,7 @@ inline void repack_strips(const uint8_t* packed_in, const bf16* sz_in, int64_t N
     uint32_t* pairs = reinterpret_cast<uint32_t*>(o + K / 2);
     for (int64_t g = 0; g < G; g++) std::memcpy(pairs + g, sz + g * N + n, 4);
   }
+  return true;
 }
 
 // Rows [begin, end) of m x into out[0 .. end-begin). int4: begin/end on strip bounds or in the tail.
