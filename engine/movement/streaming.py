@@ -257,7 +257,12 @@ class StreamingExperts(ReadingStore):
 
     def _value(self, read: _Read):
         """The landed read as the expert's compute tensors (views of its slot when dtypes match)."""
-        return tensors_from_buffers(self.layout.location(*read.key), self._result(read), self.dtype)
+        loc = self.layout.location(*read.key)
+        value = tensors_from_buffers(loc, self._result(read), self.dtype)
+        if self.pool.io_mode == "mmap" and any(getattr(w, "strips", False) for w in value):
+            for span in loc.spans:  # copied out of the mapping (read-only): its pages are not the expert
+                self.pool.drop_range(span.path, span.offset, span.length)
+        return value
 
     def _compute(self, read: _Read, fn) -> None:
         value = self._value(read)

@@ -133,6 +133,25 @@ class PoolBase:
         finally:
             os.close(fd)
 
+    def drop_range(self, path: str, offset: int, length: int) -> None:
+        """Release the whole pages of [offset, offset + length) of `path` that a read mapped (mmap
+        mode): unmapped from this process (madvise DONTNEED), then dropped from the page cache
+        (posix_fadvise DONTNEED; pages a neighbour shares at either end stay). For bytes the engine
+        has copied out (int4 strips): the copy is what the plan charges, the mapped pages would be
+        the same expert counted twice in the memory cgroup."""
+        mapping = self.files.mapped(os.fspath(path))
+        if mapping is None:
+            return
+        start, end = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE, (offset + length) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end <= start:
+            return
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
     def close(self) -> None:
         raise NotImplementedError
 
