@@ -237,3 +237,29 @@ def test_mmap_make_cold_unmaps_resident_pages(moe_dir):
         assert _mapped_rss(mappings) == 0 and "madvise" in how
     finally:
         store.close()
+
+
+def test_mmap_int4_strips_release_the_mapped_pages_they_were_copied_from(tmp_path):
+    """mmap maps the files read-only, so an int4 expert is repacked into strips in new memory; the
+    pages it was copied from are released then (StreamingExperts._value, pool.drop_range), else the
+    memory cgroup would hold every cached expert twice. Whole pages inside each read expert's span
+    leave this process: less than one expert's bytes stay mapped after four were read (the pages a
+    neighbour shares, and what the kernel's fault-around mapped of experts not read)."""
+    from engine.format.convert import convert
+    from engine.format.quant import int4_strips_on
+    if not int4_strips_on():
+        pytest.skip("int4 strips need engine/native's int kernels (VNNI/VBMI)")
+    src = tmp_path / "src"
+    build("qwen3_moe", src, num_hidden_layers=2, moe_intermediate_size=256, hidden_size=256, mlp_only_layers=[])
+    out = convert(src, tmp_path / "int4", "int4", group_size=32)["path"]
+    store, _ckpt, _args = _expert_store("mmap", out)
+    try:
+        seen = []
+        store.for_each_expert(0, [0, 1, 2, 3], lambda e, w: seen.append(all(getattr(m, "strips", False) for m in w)))
+        assert seen == [True] * 4
+        page = __import__("mmap").PAGESIZE
+        span = store.layout.location(0, 0).spans[0].length
+        assert span >= 16 * page  # so a release that did not happen would show
+        assert _mapped_rss(store.pool.files.mappings()) < span
+    finally:
+        store.close()
