@@ -201,3 +201,14 @@ def test_int4_strips_refuse_bad_scales_before_writing(part, value):
         QuantWeight.prepare(joined[:qw.numel()].view(qw.shape), joined[qw.numel():].view(torch.bfloat16).view(qs.shape),
                             "int4", 32, torch.bfloat16, joined=joined)
     assert torch.equal(joined, before)
+
+
+@pytest.mark.parametrize("n,k,group", [(130, 96, 32), (512, 1024, 64), (70, 256, 128)])
+def test_int4_prefill_rows_equal_the_decode_rows(n, k, group):
+    """int4_linear over M rows (prefill: four activation rows a pass over a strip, the rest one at a
+    time, the tail rows scalar) gives every row the bits of a one-row call (decode)."""
+    g = torch.Generator().manual_seed(n + group)
+    qw, qs = quantize(torch.randn(n, k, generator=g), "int4", group)
+    weight = QuantWeight.prepare(qw, qs, "int4", group, torch.bfloat16)
+    x = torch.randn(7, k, generator=g).bfloat16()  # 4 + 3: one four-row pass, three single rows
+    assert torch.equal(weight.linear(x), torch.cat([weight.linear(x[i:i + 1]) for i in range(7)]))
