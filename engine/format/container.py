@@ -202,9 +202,9 @@ def load_dense(ckpt, spec: QuantSpec, infos, dtype, alloc=None):
     if spec.quant == "int4" and not dequantized_at_load(infos):
         # codes then scales in one allocation: the strips are repacked there, in place
         joined = torch.empty(q.nbytes + s.nbytes, dtype=torch.uint8) if alloc is None else alloc(q.nbytes + s.nbytes)
-        halves = iter((joined[:q.nbytes], joined[q.nbytes:]))
-        alloc = lambda nbytes: next(halves)  # noqa: E731
-    codes, scales = read_tensor(q, alloc), read_tensor(s, alloc)
+        codes, scales = read_tensor(q, lambda n: joined[:n]), read_tensor(s, lambda n: joined[q.nbytes:q.nbytes + n])
+    else:
+        codes, scales = read_tensor(q, alloc), read_tensor(s, alloc)
     if dequantized_at_load(infos):
         n, k = q.shape[0], q.shape[1] * (2 if spec.quant == "int4" else 1)
         check_scales(scales, spec.quant, (n, k))

@@ -214,8 +214,8 @@ inline void int8_range(const QMat& m, const QuantRow& x, int64_t begin, int64_t 
 constexpr int64_t STRIP = 16;
 constexpr int64_t XBLOCK = 32;  // int4 activations: int8 codes with one scale per 32 inputs (as Q8_0)
 
-inline int64_t strip_bytes(const QMat& m) { return (m.K / 2 + 4 * (m.K / m.group)) * STRIP; }
 inline int64_t row_bytes(const QMat& m) { return m.K / 2 + 4 * (m.K / m.group); }
+inline int64_t strip_bytes(const QMat& m) { return row_bytes(m) * STRIP; }
 
 inline int32_t load4(const int8_t* p) {  // four activation bytes as one lane
   int32_t v;
@@ -264,7 +264,9 @@ inline void int4_strip(const QMat& m, int64_t s, const QuantRow& x, float* out) 
 // int4_strip for R activation rows at once (prefill): each 64-byte chunk is loaded and unpacked once
 // and multiplied by every row's activations, so a chunk costs 3 + 2R vector ops, not 6R. A row's
 // outputs are int4_strip's bits (its int32 sums are exact whatever the chains; the fp32 steps are
-// the same, in the same order).
+// the same, in the same order). Decode keeps int4_strip apart: this template at R = 1 (with
+// int4_strip's four chains) ran demo int4-g32 scope-all decode at 0.86-0.99x of it, 7 of 7
+// alternated rounds (decode_profile.py --before-src, 2026-12-05).
 template <int R>
 inline void int4_strip_rows(const QMat& m, int64_t s, const QuantRow* const* x, float* const* out) {
   const uint8_t* p = m.packed + s * strip_bytes(m);
