@@ -1,4 +1,4 @@
-"""What one `colibri` process costs before it does anything: `python -m tuner.cli ARGS` from one or
+"""What one `colibri` process costs before it does anything: `python -m colibri.cli ARGS` from one or
 more checkouts, alternated run by run (so a noisy box loads each alike), CPU (user + sys, the
 child's own) and wall time, median [min, max].
 
@@ -24,10 +24,10 @@ from pathlib import Path
 
 
 def one_run(tree: Path, args: list[str]) -> tuple[float, float]:
-    """(CPU seconds, wall seconds) of `python -m tuner.cli ARGS` run from `tree`."""
+    """(CPU seconds, wall seconds) of `python -m colibri.cli ARGS` run from `tree`."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "tuner.cli", *args], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+    subprocess.run([sys.executable, "-m", "colibri.cli", *args], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

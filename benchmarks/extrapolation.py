@@ -25,10 +25,10 @@ sys.path.insert(0, str(ROOT))
 from engine.base.config import EngineConfig  # noqa: E402
 from tuner.costmodel.fit import factors_from_profile  # noqa: E402
 from tuner.costmodel.plan_command import DEFAULT_OVERHEAD_BYTES, make_routing  # noqa: E402
-from tuner.costmodel.geometry import resolve  # noqa: E402
+from tuner.costmodel.model_geometry import resolve  # noqa: E402
 from tuner.costmodel.hardware import HardwareView, apply_what_if  # noqa: E402
 from tuner.costmodel.predict import Factors, RunConditions  # noqa: E402
-from tuner.costmodel.search import grid_configs, rank  # noqa: E402
+from tuner.costmodel.best_config import grid_configs, rank  # noqa: E402
 from tuner.probe.hardware_profile import load_profile  # noqa: E402
 from benchmarks.benchkit import conditions, emit  # noqa: E402
 

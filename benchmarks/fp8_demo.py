@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.run.metrics import git_commit  # noqa: E402
+from engine.run.run_metrics import git_commit  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 LABELS = ("bf16", "fp8", "int8", "int4-g64")
@@ -45,7 +45,7 @@ def prepare(work: Path, layers: int) -> None:
         geometry.update(name=f"demo-{layers}l", num_hidden_layers=layers)
         spec = work / "geometry.json"
         spec.write_text(json.dumps(geometry))
-        subprocess.run([sys.executable, "-m", "tuner.cli", "synth", "--geometry", str(spec), "-o", str(bf16)],
+        subprocess.run([sys.executable, "-m", "colibri.cli", "synth", "--geometry", str(spec), "-o", str(bf16)],
                        check=True)
     if not (work / "fp8").exists():
         t0 = time.perf_counter()

@@ -22,10 +22,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine import native  # noqa: E402
-from engine.format import fp8  # noqa: E402
-from engine.format.quant import linear  # noqa: E402
-from engine.native import fp8 as native_fp8  # noqa: E402
-from engine.run.metrics import git_commit  # noqa: E402
+from engine.weights import fp8  # noqa: E402
+from engine.weights.quantized import linear  # noqa: E402
+from engine.native import fp8_kernels as native_fp8  # noqa: E402
+from engine.run.run_metrics import git_commit  # noqa: E402
 
 
 def _time(fn, repeats: int) -> list[float]:

@@ -181,7 +181,7 @@ def indexer_layers_of(cfg: dict) -> set[int]:
 # The few bytes written for real, so that a decode step on holes runs (the engine refuses zero
 # scales as corrupt, and all-equal router scores would route to whichever experts ties pick):
 #   * every scale the decode step reads: FP8 scale_inv 1.0; int4 (scale 2^-10, zero 8 * 2^-10),
-#     so a hole's codes (0) dequantize to exactly 0 (engine/format/quant.py: (code - 8) * s + z);
+#     so a hole's codes (0) dequantize to exactly 0 (engine/weights/quantized.py: (code - 8) * s + z);
 #   * e_score_correction_bias = -e * 2^-10: the router's scores all tie at sigmoid(0) on holes,
 #     the bias then picks experts 0..K-1 in every layer, so only their scales need writing
 #     (K = num_experts_per_tok; ~0.6 GiB of int4 scales for DeepSeek-V3 instead of 20 GiB).
@@ -321,7 +321,7 @@ def decode_step(model: Path, budget: int) -> dict:
     what the process and its cgroup hold after load and after the step."""
     import torch
     from engine.run.generate import Sampler, generate
-    from engine.run.metrics import peak_rss_bytes
+    from engine.run.run_metrics import peak_rss_bytes
     from engine.run.runtime import Engine
     t0 = time.perf_counter()
     engine = Engine(model, EngineConfig(ram_budget=budget))
@@ -350,7 +350,7 @@ def _env() -> dict:
 
 def _cli(argv: list[str], timeout: float) -> tuple[float, int, str]:
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "tuner.cli", *argv], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "colibri.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, env=_env(), cwd=ROOT)
     tail = (done.stdout.strip() or done.stderr.strip()).splitlines()
     return time.perf_counter() - t0, done.returncode, (tail[-1] if tail else "")[:300]
@@ -447,7 +447,7 @@ def main() -> int:
         print(decode_row(Path(a.dir), budget, parse_size(a.cgroup) if a.cgroup else budget))
         return 0
     if a.cmd == "all":
-        from engine.run.metrics import git_commit
+        from engine.run.run_metrics import git_commit
         print(f"# full-scale metadata {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} commit {git_commit()}")
         for name in MODELS:
             tmp = Path(tempfile.mkdtemp(prefix=f"colibri-fullscale-{name}-", dir=a.scratch))

@@ -115,7 +115,7 @@ def quantized_pair(args, model: Path, gguf: Path, quant: str) -> tuple[Path, Pat
     ours = work / (f"{args.preset}-{quant}" + ("-all" if args.scope == "all" else ""))
     if not (ours / "config.json").exists():
         kind, _, group = quant.partition("-g")
-        argv = [sys.executable, "-m", "tuner.cli", "convert", str(model), "-o", str(ours), "--quant", kind,
+        argv = [sys.executable, "-m", "colibri.cli", "convert", str(model), "-o", str(ours), "--quant", kind,
                 "--scope", args.scope, "--force"] + (["--group-size", group] if group else [])
         print(f"peers: {' '.join(argv[1:])}", file=sys.stderr)
         with bench_lock(args.lock):
@@ -148,7 +148,7 @@ def _result(engine, mode, run, **fields) -> dict:
 
 
 def run_ours(args, model: Path, mode: str, limit: int) -> dict:
-    argv = [sys.executable, "-m", "tuner.cli", "run", "--model", str(model), "--prompt", args.prompt,
+    argv = [sys.executable, "-m", "colibri.cli", "run", "--model", str(model), "--prompt", args.prompt,
             "--max-new-tokens", str(args.tokens), "--threads", str(args.threads), "--ctx-size", "256", "--json"]
     if args.ours_config:
         argv += ["--config", args.ours_config]

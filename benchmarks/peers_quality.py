@@ -146,7 +146,7 @@ def llama_perplexity(llama_dir: Path, gguf: Path, argv: list[str], save: Path) -
 
 
 def ours_quality(model: Path, reference: Path, text: Path, tokens: int, ctx: int, threads: int, src: str) -> dict:
-    argv = [sys.executable, "-m", "tuner.cli", "quality", "--model", str(model), "--reference", str(reference),
+    argv = [sys.executable, "-m", "colibri.cli", "quality", "--model", str(model), "--reference", str(reference),
             "--text", str(text), "--tokens", str(tokens), "--ctx", str(ctx), "--threads", str(threads), "--json"]
     # cwd too: `-m` puts the working directory first on sys.path, ahead of PYTHONPATH
     run = subprocess.run(argv, capture_output=True, text=True, cwd=src, env={**os.environ, "PYTHONPATH": src})

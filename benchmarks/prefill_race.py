@@ -29,7 +29,7 @@ TOOL = "prefill_race"
 
 
 def ours(model: str, prompt_tokens: int, chunk: int, threads: int) -> float:
-    argv = [sys.executable, "-m", "tuner.cli", "bench", "--model", model, "--ram-budget", "0", "--warm",
+    argv = [sys.executable, "-m", "colibri.cli", "bench", "--model", model, "--ram-budget", "0", "--warm",
             "--tokens", "1", "--prompt-tokens", str(prompt_tokens), "--ctx-size", str(2 * prompt_tokens),
             "--threads", str(threads), "--json"] + (["--prefill-chunk", str(chunk)] if chunk else [])
     out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=1800)

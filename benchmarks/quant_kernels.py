@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from engine import native
 from engine.arch.layers import native_quant_operands
-from engine.format.quant import QuantWeight, quantize
+from engine.weights.quantized import QuantWeight, quantize
 
 
 def _time(fn, repeats: int, inner: int) -> dict:

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.base.config import atomic_write_text, parse_size  # noqa: E402
-from engine.run.metrics import git_commit  # noqa: E402
+from engine.run.run_metrics import git_commit  # noqa: E402
 from tuner.sandbox.cgroups import Cgroup, detect_memory_cgroup  # noqa: E402
 
 PROMPT = "The streaming engine reads the routed experts of each layer from the disk, and"
@@ -72,7 +72,7 @@ class ServerProcess:
         support = detect_memory_cgroup()
         self.cgroup = Cgroup.create(support, parse_size(args.cgroup_ceiling)) if support.available else None
         self.cgroup_note = ("own child cgroup, ceiling " + args.cgroup_ceiling) if self.cgroup else support.reason
-        cmd = [sys.executable, "-m", "tuner.cli", "serve", "--model", args.model, "--port", str(port),
+        cmd = [sys.executable, "-m", "colibri.cli", "serve", "--model", args.model, "--port", str(port),
                "--model-name", "bench", *(["--config", args.config] if args.config else []),
                *(["--ram-budget", args.ram_budget] if args.ram_budget else [])]
         # The log goes to a file: a pipe nobody reads would block the server once it filled.
@@ -190,7 +190,7 @@ def _json_of(cmd: list[str]) -> dict:
 
 
 def engine_run(args, tokens: int) -> dict:
-    cmd = [sys.executable, "-m", "tuner.cli", "run", "--model", args.model, "--prompt", PROMPT, "--max-new-tokens",
+    cmd = [sys.executable, "-m", "colibri.cli", "run", "--model", args.model, "--prompt", PROMPT, "--max-new-tokens",
            str(tokens), "--json", *(["--config", args.config] if args.config else []),
            *(["--ram-budget", args.ram_budget] if args.ram_budget else [])]
     out = _json_of(cmd)
@@ -199,7 +199,7 @@ def engine_run(args, tokens: int) -> dict:
 
 
 def engine_bench_warm(args, tokens: int, repeats: int, prompts_file: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "tuner.cli", "bench", "--model", args.model, "--warm", "--prompts",
+    cmd = [sys.executable, "-m", "colibri.cli", "bench", "--model", args.model, "--warm", "--prompts",
            str(prompts_file), "--tokens", str(tokens), "--repeats", str(repeats), "--json",
            *(["--config", args.config] if args.config else []),
            *(["--ram-budget", args.ram_budget] if args.ram_budget else [])]

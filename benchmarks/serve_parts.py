@@ -1,7 +1,7 @@
 """Two parts of `colibri serve` measured without HTTP: the streamed text's cost per token, and the
 first request's TTFT on the worker thread against the same engine's first request elsewhere.
 
-detok: serve's TextStream (engine/serve/worker.py) turning a long output into streamed pieces, in
+detok: serve's TextStream (colibri/serve/worker.py) turning a long output into streamed pieces, in
 this tree and in --before-src (a revision or a directory), rounds alternating which goes first.
 The ids are the demo tokenizer's encoding of real text (Python's own textwrap.py, then a line of
 accented, CJK and emoji text, repeated to --tokens), pushed one at a time as the worker pushes
@@ -47,7 +47,7 @@ def _ids(tokenizer, n: int) -> list[int]:
 
 def detok_child(a) -> dict:
     from engine.run.generate import load_tokenizer
-    from engine.serve.worker import TextStream
+    from colibri.serve.worker import TextStream
     tokenizer = load_tokenizer(a.model_dir)
     ids = _ids(tokenizer, a.tokens)
     stream = TextStream(tokenizer, [STOP])
@@ -67,9 +67,9 @@ def detok_child(a) -> dict:
 def first_request_child(a) -> dict:
     from engine.base.config import EngineConfig
     from engine.run.generate import Sampler, generate
-    from engine.serve.protocol import Sampling
-    from engine.serve.server import LoadedModel
-    from engine.serve.worker import Job
+    from colibri.serve.protocol import Sampling
+    from colibri.serve.server import LoadedModel
+    from colibri.serve.worker import Job
     config = EngineConfig.load(a.config) if a.config else EngineConfig()
     t0 = time.perf_counter()
     model = LoadedModel(a.model_dir, config, queue_size=1)  # what serve loads; its worker idles unless used

@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.base.config import PREFILL_CHUNK, EngineConfig, format_size, parse_size  # noqa: E402
-from engine.run.metrics import git_commit  # noqa: E402
+from engine.run.run_metrics import git_commit  # noqa: E402
 from engine.run.resolve import resolve_model  # noqa: E402
 from engine.run.runtime import physical_cores  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402

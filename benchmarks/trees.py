@@ -4,7 +4,7 @@ A benchmark that compares two commits measures each with its own engine and its 
 product code carries no compatibility shims for older trees. `source_tree(spec)` turns a
 --before-src value into a tree — a directory as given, or any git revision of this repository
 checked out into a temporary worktree (removed afterwards) — and everything run there gets the
-tree as its cwd and PYTHONPATH, so `python -m tuner.cli` and `import engine` are that tree's.
+tree as its cwd and PYTHONPATH, so `python -m colibri.cli` and `import engine` are that tree's.
 `run_in_tree` runs a benchmark's own child half there (it prints one JSON object, which comes
 back parsed); `tree_cli` runs the tree's `colibri` CLI.
 """
@@ -50,7 +50,7 @@ def source_tree(spec: str, repo: Path = ROOT) -> Iterator[Path]:
 
 def tree_cli(tree: Path, args: list[str], timeout: float = 1800) -> subprocess.CompletedProcess:
     """`colibri ARGS` as `tree` ships it (its cwd first on sys.path, then its PYTHONPATH)."""
-    return subprocess.run([sys.executable, "-m", "tuner.cli", *args], cwd=tree, env=tree_env(tree),
+    return subprocess.run([sys.executable, "-m", "colibri.cli", *args], cwd=tree, env=tree_env(tree),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -86,7 +86,7 @@ def table(rows: list[dict]) -> str:
 
 def bench_config(tree: Path, model: str, config: dict, tokens: int, repeats: int) -> dict:
     """One cold `colibri bench` of config under tree's own code; its decode tok/s (median of repeats)."""
-    cmd = [sys.executable, "-m", "tuner.cli", "bench", "--model", model, "--json", "--cold", "--repeats", str(repeats),
+    cmd = [sys.executable, "-m", "colibri.cli", "bench", "--model", model, "--json", "--cold", "--repeats", str(repeats),
            "--tokens", str(tokens), "--prompt-tokens", "8", "--cgroup-limit", str(config["ram_budget"])]
     for k in BENCH_FLAGS:
         cmd += [f"--{k.replace('_', '-')}", str(config[k])]

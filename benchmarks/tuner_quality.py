@@ -139,7 +139,7 @@ def predict_grid(model_dir, profile_path: str, budget: int, threads: int, ctx: i
     the profile carries and the grid's own measurement conditions."""
     from tuner.costmodel.fit import factors_from_profile
     from tuner.costmodel.plan_command import DEFAULT_OVERHEAD_BYTES, make_routing
-    from tuner.costmodel.geometry import resolve
+    from tuner.costmodel.model_geometry import resolve
     from tuner.costmodel.hardware import HardwareView
     from tuner.costmodel.predict import Factors, RunConditions, predict
     from tuner.probe.hardware_profile import load_profile

@@ -45,7 +45,7 @@ def bench(model: str, config: Path | None, budget: int, ctx: int, workload: list
           lock: str | None) -> dict:
     """One recommendation as its run wrote it (its own ctx_size: the memory plan's split depends
     on it), or the engine's defaults under the budget at the largest context any run chose."""
-    cmd = [sys.executable, "-m", "tuner.cli", "bench", "--model", model, "--json", "--cold", "--repeats", str(repeats),
+    cmd = [sys.executable, "-m", "colibri.cli", "bench", "--model", model, "--json", "--cold", "--repeats", str(repeats),
            "--cgroup-limit", str(budget), *workload]
     cmd += ["--config", str(config)] if config else ["--ram-budget", str(budget), "--ctx-size", str(ctx)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -71,7 +71,7 @@ def prefill_passes(model: str, prompts: str, chunk: int) -> int:
     """Forward passes FILE's prompts take in passes of at most `chunk` tokens (engine/run/runtime.py)."""
     from engine.run.generate import load_tokenizer
     from engine.run.resolve import resolve_model
-    from engine.run.workload import load_workload
+    from engine.run.prompts_file import load_workload
     requests = load_workload(prompts, load_tokenizer(resolve_model(model)), 8)
     return sum(math.ceil(len(r.prompt_ids) / chunk) for r in requests)
 

@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # colibri_browser: test tooling
 
 from engine.base.errors import ColibriError  # noqa: E402
-from tuner.results.browser import check_page, render_png  # noqa: E402
+from colibri_browser import check_page, render_png  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,7 @@
 Usage: python colibri_fuzz_runner.py CONTROL_FD   (requests: one JSON line per call on stdin,
 {"argv": [...], "cwd": ..., "env": {...}, "as_bytes": N, "call_s": S}; one JSON result line per
 request on CONTROL_FD, in order). The server's own stdout/stderr go to the parent's log file.
-A request may name another entry point than `tuner.cli.main` ("entry": "module:function", and
+A request may name another entry point than `colibri.cli.main` ("entry": "module:function", and
 "grace_s"): tests/test_fuzz_harness.py checks with misbehaving ones that every way a call can
 break the property is caught.
 
@@ -39,12 +39,12 @@ import traceback
 
 GRACE_S = 20  # past call_s: the alarm did not stop the call (blocked in native code); kill it
 
-# What the commands import on first use (function-level imports in tuner/commands/*): imported
+# What the commands import on first use (function-level imports in colibri/commands/*): imported
 # once here so that no grandchild pays for them. Only imports: no torch operation runs here.
 WARM_MODULES = [
-    "tuner.cli", "torch", "optuna", "tokenizers", "safetensors",
+    "colibri.cli", "torch", "optuna", "tokenizers", "safetensors",
     "engine.run.oneshot", "engine.run.generate", "engine.run.bench", "engine.run.quality", "engine.run.resolve",
-    "engine.run.workload", "engine.format.convert", "engine.synth", "tuner.results.report_html",
+    "engine.run.prompts_file", "engine.format.convert", "engine.synth", "tuner.results.report_html",
     "tuner.results.printers", "tuner.share.compare", "tuner.share.profiles", "tuner.search.study",
     "tuner.search.quant_tune", "tuner.search.trial", "tuner.costmodel.plan_command", "tuner.probe",
 ]
@@ -162,7 +162,7 @@ def serve_one(cli_main, req: dict, control_fd: int) -> dict:
 def main(control_fd: int) -> int:
     for name in WARM_MODULES:
         importlib.import_module(name)
-    cli = sys.modules["tuner.cli"]
+    cli = sys.modules["colibri.cli"]
     for name in sorted(set(cli.COMMANDS.values())):  # the CLI imports a command's module on first use only
         importlib.import_module(name)
     cli_main = cli.main

@@ -23,11 +23,11 @@ if str(ROOT) not in sys.path:
 
 def pytest_sessionstart(session):
     # The suite starts hundreds of Python processes (every tune trial is a `colibri bench`), and
-    # each one imports engine/ and tuner/. Where PYTHONDONTWRITEBYTECODE is set (this project's
+    # each one imports engine/, tuner/ and colibri/. Where PYTHONDONTWRITEBYTECODE is set (this project's
     # dev and CI boxes), no process writes the bytecode it compiles, so every one of them
     # recompiles the tree (~0.2 s of CPU each). Compiled once here (only what changed since the
     # last session; the source's mtime invalidates it), every child reads it instead.
-    for package in ("engine", "tuner", "tests"):
+    for package in ("engine", "tuner", "colibri", "tests"):
         compileall.compile_dir(ROOT / package, quiet=1)
 
 

@@ -166,7 +166,7 @@ def write_mxfp4_checkpoint(src, out):
     `<proj>_blocks` [E, out, in/32, 16] uint8, `<proj>_scales` [E, out, in/32], bf16 biases."""
     from safetensors.torch import load_file, save_file
 
-    from engine.arch.gptoss import mxfp4_quantize
+    from engine.arch.gpt_oss_layers import mxfp4_quantize
     state = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(f).items()}
     new = {}
     for name, t in state.items():
@@ -197,7 +197,7 @@ def mxfp4(tmp_path_factory):
 
 
 def test_mxfp4_dequantizes_exactly_as_transformers(mxfp4):
-    from engine.arch.gptoss import mxfp4_dequantize
+    from engine.arch.gpt_oss_layers import mxfp4_dequantize
     model, _, state = mxfp4
     for layer, block in enumerate(model.model.layers):
         for proj in ("gate_up_proj", "down_proj"):
@@ -209,7 +209,7 @@ def test_mxfp4_dequantizes_exactly_as_transformers(mxfp4):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp4_dequantize_matches_transformers_across_chunks(dtype, monkeypatch):
     """Every byte value and a spread of exponents, rows split over several uneven chunks."""
-    import engine.arch.gptoss as gptoss
+    import engine.arch.gpt_oss_layers as gptoss
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 70, 5, 16), dtype=torch.uint8, generator=gen)
@@ -221,7 +221,7 @@ def test_mxfp4_dequantize_matches_transformers_across_chunks(dtype, monkeypatch)
 
 
 def test_mxfp4_quantize_round_trips_representable_values():
-    from engine.arch.gptoss import FP4_VALUES, mxfp4_dequantize, mxfp4_quantize
+    from engine.arch.gpt_oss_layers import FP4_VALUES, mxfp4_dequantize, mxfp4_quantize
     values = torch.tensor(FP4_VALUES).repeat(4)  # 64 values: two blocks whose largest is 6
     w = torch.stack([values * 2.0 ** -3, values * 2.0 ** 5])  # [2, 64]: exponents -3 and 5
     blocks, scales = mxfp4_quantize(w)
@@ -233,7 +233,7 @@ def test_mxfp4_quantize_round_trips_representable_values():
 def test_mxfp4_checkpoint_matches_transformers(mxfp4, fused, monkeypatch):
     """The native fused kernel (experts kept as stored) and the torch fallback (dequantized on
     read, as without AVX-512 or with COLIBRI_NATIVE=0) both match transformers."""
-    import engine.arch.gptoss as gptoss
+    import engine.arch.gpt_oss_layers as gptoss
     if fused and not gptoss.fused_kernel_available():
         pytest.skip(f"native kernels unavailable: {native.load()}")
     if not fused:
@@ -301,7 +301,7 @@ def test_bad_config_is_one_line_error(configs, arch, patch, needle):
 
 def test_bad_config_through_the_cli(tmp_path, capsys):
     from test_bad_input import assert_one_line_error
-    from tuner.cli import main
+    from colibri.cli import main
     build("deepseek_v3", tmp_path, num_hidden_layers=2)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["topk_group"] = 7
@@ -370,7 +370,7 @@ def test_mla_runs_a_scope_all_container(arch, quant, group, tmp_path):
     every quantized matrix replaced by its dequantized values, and the plan counts kv_b_proj in
     the compute dtype."""
     from engine.format.convert import convert
-    from engine.format.quant import QuantWeight
+    from engine.weights.quantized import QuantWeight
     src = tmp_path / "src"
     build(arch, src, kv_lora_rank=32, v_head_dim=16)  # groups of 32 divide every projection's input
     out = convert(src, tmp_path / "all", quant, group_size=group or 64, scope="all")["path"]

@@ -1,5 +1,5 @@
 """CLI values (issue 23, item 4): every numeric flag is parsed by a ranged type from
-tuner/commands/argtypes.py; a value outside its range, NaN or Inf is one line and exit 2, before
+colibri/commands/argtypes.py; a value outside its range, NaN or Inf is one line and exit 2, before
 anything runs."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
 from tests.test_probe_profile import make_profile
-from tuner.cli import build_parser, main
-from tuner.commands import argtypes
+from colibri.cli import build_parser, main
+from colibri.commands import argtypes
 from tuner.probe.hardware_profile import save_profile
 
 

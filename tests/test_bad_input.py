@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from colibri_hf_models import build
-from tuner.cli import main
+from colibri.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -121,7 +121,7 @@ def test_transformers_loads_it_and_agrees(tiny_dir):
 def test_engine_text_prompt_uses_the_merges(tiny_dir):
     # `colibri run` in a child, as a user runs it (and so this process's RSS stays as it was).
     text = "the quick brown fox"
-    run = subprocess.run([sys.executable, "-m", "tuner.cli", "run", "--model", str(tiny_dir), "--prompt", text,
+    run = subprocess.run([sys.executable, "-m", "colibri.cli", "run", "--model", str(tiny_dir), "--prompt", text,
                           "--max-new-tokens", "3", "--ctx-size", "64", "--threads", "1", "--json"],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 0, run.stderr[-500:]

@@ -1,9 +1,9 @@
-"""tuner/cli.py builds the parser of the one command it runs (a `colibri bench` trial process then
-imports only tuner/commands/run.py's libraries), and the whole parser for anything else."""
+"""colibri/cli.py builds the parser of the one command it runs (a `colibri bench` trial process then
+imports only colibri/commands/run.py's libraries), and the whole parser for anything else."""
 
 from __future__ import annotations
 
-from tuner import cli
+from colibri import cli
 
 
 def _choices(parser) -> set[str]:
@@ -49,7 +49,7 @@ def test_a_trial_process_imports_no_table_or_study_libraries():
     overhead: pandas (~40 MiB, through the CSV printers) and optuna have no business there."""
     import subprocess
     import sys
-    code = ("import sys; from tuner import cli; cli.build_parser(only='bench'); import tuner.commands.run; "
+    code = ("import sys; from colibri import cli; cli.build_parser(only='bench'); import colibri.commands.run; "
             "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert "torch" in out and "engine" in out  # the bench's own imports did run

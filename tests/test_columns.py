@@ -17,8 +17,8 @@ from optuna.trial import TrialState, create_trial
 
 from engine.base.config import EngineConfig, knob
 from engine.base.errors import ConfigError
-from tuner.cli import build_parser
-from tuner.commands.knob_flags import add_knob_flags, knob_values
+from colibri.cli import build_parser
+from colibri.commands.knob_flags import add_knob_flags, knob_values
 from tuner.results.columns import BY_NAME, CONFIG_COLUMNS, QUALITY_COLUMNS, config_from_row
 from tuner.results.result import SettingQuality, TuneResult
 from tuner.results.frames import trials_csv

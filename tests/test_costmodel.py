@@ -11,12 +11,12 @@ from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError
 from tests.test_probe_profile import make_profile
 from tuner.costmodel import fit as cal
-from tuner.costmodel.geometry import bytes_per_weight, from_model_dir, resolve
+from tuner.costmodel.model_geometry import bytes_per_weight, from_model_dir, resolve
 from tuner.costmodel.hardware import HardwareView, apply_what_if
 from tuner.costmodel.memplan import fits, plan_memory
 from tuner.costmodel.predict import Factors, RunConditions, combine, components, predict
 from tuner.costmodel.routing_model import synth_skew, uniform
-from tuner.costmodel.search import curve_region, prefilter
+from tuner.costmodel.best_config import curve_region, prefilter
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -236,7 +236,7 @@ def test_prefilter_never_drops_a_config_the_engines_plan_accepts(tiny):
 
 
 def test_warm_starts_are_distinct_fitting_points_of_the_space(tiny, hw):
-    from tuner.costmodel.search import warm_starts
+    from tuner.costmodel.best_config import warm_starts
     from tuner.search.space import ModelFacts, SearchSpace
     space = SearchSpace(budget=400 * MiB, physical_cores=2, logical_cores=2, has_gpu=False, min_ctx=256,
                         overhead_bytes=200 * MiB, model=ModelFacts.read(tiny))
@@ -253,7 +253,7 @@ def test_warm_starts_are_distinct_fitting_points_of_the_space(tiny, hw):
 # --- the CLI -----------------------------------------------------------------------------------
 
 def _run_cli(argv, capsys):
-    from tuner.cli import main
+    from colibri.cli import main
     rc = main(argv)
     out = capsys.readouterr()
     return rc, out.out, out.err
@@ -317,7 +317,7 @@ def test_plan_cli_calibrates_a_grid_and_stores_the_factors(tiny, tmp_path, capsy
 
 
 def test_narrow_space_keeps_the_curve_region_and_the_baseline(tiny):
-    from tuner.costmodel.search import narrow_space
+    from tuner.costmodel.best_config import narrow_space
     from tuner.search.space import ModelFacts, SearchSpace
     profile = make_profile()
     # Past 1 MiB the disk gets slower at every queue depth: bigger reads are not searched.

@@ -110,7 +110,7 @@ def test_doctor_command_json_and_exit_code(tmp_path):
     model = make_tiny(tmp_path / "tiny")
 
     def doctor(*extra):
-        return subprocess.run([sys.executable, "-m", "tuner.cli", "doctor", "--model", str(model), "--json", *extra],
+        return subprocess.run([sys.executable, "-m", "colibri.cli", "doctor", "--model", str(model), "--json", *extra],
                               capture_output=True, text=True, cwd=ROOT, timeout=120)
 
     good = doctor("--ram-budget", "1GiB")

@@ -15,7 +15,7 @@ from engine.base.durable import DirectoryLock, atomic_write_text, lock_path_for
 from engine.base.errors import BusyError
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN = ["-m", "tuner.cli", "run", "--model", "tiny", "--prompt-tokens", "3", "--max-new-tokens", "2",
+RUN = ["-m", "colibri.cli", "run", "--model", "tiny", "--prompt-tokens", "3", "--max-new-tokens", "2",
        "--ctx-size", "16", "--json"]
 
 
@@ -92,7 +92,7 @@ def one_error_line(stderr: str) -> str:
 def test_second_process_fails_clearly_when_told_not_to_wait(tmp_path):
     out = tmp_path / "model"
     with DirectoryLock(out, "converting a test model"):
-        proc = subprocess.run([sys.executable, "-m", "tuner.cli", "synth", "tiny", "-o", str(out)],
+        proc = subprocess.run([sys.executable, "-m", "colibri.cli", "synth", "tiny", "-o", str(out)],
                               env=env(**{durable.LOCK_TIMEOUT_ENV: "0"}), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     line = one_error_line(proc.stderr)
@@ -103,7 +103,7 @@ def test_second_process_fails_clearly_when_told_not_to_wait(tmp_path):
 def test_second_process_gives_up_after_the_timeout(tmp_path):
     out = tmp_path / "model"
     with DirectoryLock(out, "synthesizing"):
-        proc = subprocess.run([sys.executable, "-m", "tuner.cli", "synth", "tiny", "-o", str(out)],
+        proc = subprocess.run([sys.executable, "-m", "colibri.cli", "synth", "tiny", "-o", str(out)],
                               env=env(**{durable.LOCK_TIMEOUT_ENV: "0.5"}), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "still locked by pid" in proc.stderr and "after 0.5 s" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,4 +1,4 @@
-"""FP8 block-scaled checkpoints as published (engine/format/fp8.py), MTP layers (engine/format/mtp.py).
+"""FP8 block-scaled checkpoints as published (engine/weights/fp8.py), MTP layers (engine/format/mtp.py).
 
 Each architecture: a tiny random model built with transformers' classes, written the way the FP8
 releases store it (tests/colibri_fp8.py: e4m3 weights + weight_scale_inv F32 per block, blocks of
@@ -21,11 +21,11 @@ import torch
 
 from engine.base.config import EngineConfig
 from engine.base.errors import ModelFormatError
-from engine.format import fp8
+from engine.weights import fp8
 from engine.format.checkpoint import Checkpoint
 from engine.format.layout import ExpertLayout
 from engine.arch.args import ModelArgs
-from engine.native import fp8 as native_fp8
+from engine.native import fp8_kernels as native_fp8
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
 from colibri_fp8 import oracle_model, write_sharded_fp8
@@ -269,7 +269,7 @@ def test_nan_expert_scale_is_an_error_when_read(small_fp8, tmp_path):
 
 def test_bad_fp8_file_on_the_command_line_is_one_line(small_fp8, tmp_path):
     d = _rewrite(small_fp8, tmp_path / "bad", change_tensors=lambda t: _expert_scale(t, drop=True))
-    done = subprocess.run([sys.executable, "-m", "tuner.cli", "run", "--model", str(d), "--prompt-ids", "1,2,3",
+    done = subprocess.run([sys.executable, "-m", "colibri.cli", "run", "--model", str(d), "--prompt-ids", "1,2,3",
                            "--max-new-tokens", "2"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
@@ -320,7 +320,7 @@ def test_mtp_layers_are_recognised_and_not_loaded(mtp_pair):
 
 def test_run_json_lists_mtp_layers_as_skipped(mtp_pair):
     with_mtp, _, layers = mtp_pair
-    done = subprocess.run([sys.executable, "-m", "tuner.cli", "run", "--model", str(with_mtp), "--prompt-ids", "1,2,3",
+    done = subprocess.run([sys.executable, "-m", "colibri.cli", "run", "--model", str(with_mtp), "--prompt-ids", "1,2,3",
                            "--max-new-tokens", "2", "--threads", "1", "--json"], capture_output=True, text=True,
                           timeout=180)
     assert done.returncode == 0, done.stderr
@@ -332,7 +332,7 @@ def test_run_json_lists_mtp_layers_as_skipped(mtp_pair):
 # --- the cost model ---------------------------------------------------------------------------------
 
 def test_cost_model_plans_fp8_bytes_as_the_engine_does(fp8_model):
-    from tuner.costmodel.geometry import bytes_per_weight, resolve
+    from tuner.costmodel.model_geometry import bytes_per_weight, resolve
     from tuner.costmodel.memplan import plan_memory
     arch, d, _ = fp8_model
     g = resolve(str(d))

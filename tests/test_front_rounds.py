@@ -11,7 +11,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from tuner import cli
+from colibri import cli
 from tuner.search import front_confirm, lossy
 from tuner.search.trial import run_trial
 

@@ -79,7 +79,7 @@ def test_fp8_variant_has_the_published_names_and_block_scales(tmp_path):
 def test_int4_container_variant_plans_within_16_gib(tmp_path):
     """Our `--scope all` int4 container of the same geometry: the dense part fits 16 GiB, and the
     cost model's geometry reads its quantized dense matrices (it used to ask for lm_head.weight)."""
-    from tuner.costmodel.geometry import from_model_dir
+    from tuner.costmodel.model_geometry import from_model_dir
     d = tmp_path / "int4"
     build("deepseek-v3", d, "int4")
     ckpt = Checkpoint(d)
@@ -103,7 +103,7 @@ def test_decodable_build_writes_the_scales_and_biases_a_decode_step_reads():
     hole codes dequantize to exactly 0, FP8 scales 1.0, and router biases that make experts
     0..K-1 win every tie — and nothing else (an expert the router never picks stays a hole)."""
     from benchmarks.fullscale import _real_bytes
-    from engine.format.quant import dequantize_int4
+    from engine.weights.quantized import dequantize_int4
     K = 8
     qscale = _real_bytes("model.layers.5.mlp.experts.3.down_proj.qscale", "BF16", (16, 7168, 2), K)
     codes = torch.zeros(7168, 1024, dtype=torch.uint8)  # a hole: every nibble 0

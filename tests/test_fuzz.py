@@ -5,8 +5,8 @@ TOML files and profile / routing-histogram JSON. The property: the command exits
 with exactly one stderr line `colibri <cmd>: error: ...` — never a traceback (an exception
 escaping `main` fails the example), never a hang (a per-example time limit).
 
-Most examples run the CLI in-process (`tuner.cli.main`: tens of ms each); a few go through a
-real `python -m tuner.cli` subprocess so the installed entry path is covered too.
+Most examples run the CLI in-process (`colibri.cli.main`: tens of ms each); a few go through a
+real `python -m colibri.cli` subprocess so the installed entry path is covered too.
 
 CI runs a bounded, derandomized set. `make fuzz` sets COLIBRI_FUZZ_EXAMPLES for a longer,
 random campaign (and keeps Hypothesis's example database so a failure replays).
@@ -38,7 +38,7 @@ from engine.arch.config_rules import ROPE_TYPES
 from engine.arch.registry import RULES
 from colibri_fuzz import record
 from colibri_tiny import RUN_ARGS, TINY, make_tiny, read_header, write_header
-from tuner.cli import main
+from colibri.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 CAMPAIGN = int(os.environ.get("COLIBRI_FUZZ_EXAMPLES", "0"))
@@ -466,7 +466,7 @@ def test_fuzz_through_the_cli_process(base, mutations, ops, raw_ops):
         header, data = read_header(f)
         mutated = mutate_header(header, ops)
         apply_raw(f, mutated if isinstance(mutated, str) else json.dumps(mutated), data, raw_ops)
-        proc = subprocess.run([sys.executable, "-m", "tuner.cli", "run", "--model", str(d), *RUN_ARGS, "--json"],
+        proc = subprocess.run([sys.executable, "-m", "colibri.cli", "run", "--model", str(d), *RUN_ARGS, "--json"],
                               env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                               timeout=300)
         assert_clean_exit(proc.returncode, proc.stderr, "run", "config.json + header (a real process)")

@@ -32,7 +32,7 @@ from engine.base.config import EngineConfig
 from report_fixture import make_run
 from test_fuzz import VALUES, dump_json, walk_mutate
 from tests.test_probe_profile import make_profile
-from tuner.cli import build_parser
+from colibri.cli import build_parser
 from tuner.probe.hardware_profile import save_profile
 from tuner.share.profiles import export_profile, write_profile_file
 
@@ -365,7 +365,7 @@ def test_refused_tune_leaves_nothing_behind(world, tmp_path):
 # --- flag values ------------------------------------------------------------------------------------
 
 def _numeric_flags():
-    """(argv prefix, flag, dest, type) for every flag with a ranged type (tuner/commands/argtypes.py)."""
+    """(argv prefix, flag, dest, type) for every flag with a ranged type (colibri/commands/argtypes.py)."""
     from test_argtypes import subparsers
     prefixes = {"colibri run": ["run", "--model", "m"], "colibri bench": ["bench", "--model", "m"],
                 "colibri convert": ["convert", "s", "-o", "d"],

@@ -1,7 +1,7 @@
 """The fuzz harness itself (tests/colibri_fuzz.py + its fork server): every way a call can break
 the property is caught and classified, so a green fuzz run means the commands behaved, not that
 the harness looked away. Each misbehaviour below is a function the server runs in place of
-`tuner.cli.main` (the request's "entry"), in the same forked grandchild under the same limits.
+`colibri.cli.main` (the request's "entry"), in the same forked grandchild under the same limits.
 """
 
 from __future__ import annotations

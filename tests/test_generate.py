@@ -13,7 +13,7 @@ from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
-from tuner.cli import main
+from colibri.cli import main
 
 from colibri_sync import GUARD_S
 
@@ -82,7 +82,7 @@ def test_config_toml_round_trip_and_flags_override(tiny, tmp_path):
     assert EngineConfig.load(path) == cfg
     # Run as a user does, in a fresh process: the memory plan counts the running process's RSS
     # as overhead, and this (pytest) process's size depends on which tests ran before.
-    run = subprocess.run([sys.executable, "-m", "tuner.cli", "run", "--model", str(tiny), "--config", str(path),
+    run = subprocess.run([sys.executable, "-m", "colibri.cli", "run", "--model", str(tiny), "--config", str(path),
                           "--prefetch-depth", "1", "--prompt-tokens", "4", "--max-new-tokens", "2", "--json"],
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                          timeout=GUARD_S)

@@ -24,14 +24,14 @@ from engine import synth
 from engine.base.config import EngineConfig
 from engine.base.errors import ModelFormatError
 from engine.run.generate import Sampler, generate
-from engine.arch.gptoss import mxfp4_dequantize
+from engine.arch.gpt_oss_layers import mxfp4_dequantize
 from engine.format.gguf.dequant import dequantize
-from engine.format.gguf.gptoss import ggml_mxfp4_to_hf
+from engine.format.gguf.gpt_oss_experts import ggml_mxfp4_to_hf
 from engine.format.gguf.reader import GGUFModel
 from engine.run.runtime import Engine
 from colibri_hf_models import build, hf_greedy, hf_logits
 from gguf_export import export, hf_tensors, kquant_pack, kquant_values
-from tuner.cli import main as cli_main
+from colibri.cli import main as cli_main
 
 PROMPT = [(7 * i + 3) % 256 for i in range(32)]
 ATOL = 1e-4

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as T
 import engine.format.gguf.importer as importer
 from colibri_requirements import needs
 from engine import synth
-from engine.arch.gptoss import mxfp4_dequantize
+from engine.arch.gpt_oss_layers import mxfp4_dequantize
 from engine.base.config import EngineConfig
 from engine.format.gguf.dequant import dequantize
 from engine.format.gguf.reader import GGUFModel
@@ -31,7 +31,7 @@ from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
 from gguf_export import hf_tensors
 from gguf_llama import convert_all, llama_dir, write_glm_tokenizer
-from tuner.cli import main as cli_main
+from colibri.cli import main as cli_main
 
 pytestmark = pytest.mark.skipif(llama_dir() is None, reason=needs(
     "llama_cpp", "no llama.cpp source tree with convert_hf_to_gguf.py ($LLAMA_CPP_DIR; scripts/setup.sh fetches it)"))

@@ -1,5 +1,6 @@
-"""The import graph of engine/ and tuner/, drawn from the code: no import circles, nothing imported
-from a higher layer, engine never imports tuner, and no reaching into another module's private names.
+"""The import graph of engine/, tuner/ and the entry points (colibri/), drawn from the code: no import
+circles, nothing imported from a higher layer, engine never imports tuner, neither imports the entry
+points, and no reaching into another module's private names.
 
 What is not yet true is listed below as known debt (issue 24); the test fails on anything new
 and on any listed item that is gone, so the lists can only shrink.
@@ -11,15 +12,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # Low → high. A module may import its own package and any package listed before it. The longest
-# matching prefix decides a module's layer: engine.format.quant is the weight kernels the model
-# computes with, below engine.arch; the rest of engine.format reads files and knows the
-# architectures' tensor names, above it.
+# matching prefix decides a module's layer: engine.weights is the weight operators the model
+# computes with, below engine.arch and engine.format (which reads files and knows the
+# architectures' tensor names). colibri/ holds the entry points (the HTTP server, the CLI) above both.
 LAYERS = [
-    "engine", "tuner",  # the root packages hold only __version__
-    "engine.base", "engine.native", "engine.format.quant", "engine.arch", "engine.format",
-    "engine.movement", "engine.synth", "engine.run", "engine.serve",
+    "engine", "tuner", "colibri",  # the root packages hold only __version__
+    "engine.base", "engine.native", "engine.weights", "engine.arch", "engine.format",
+    "engine.movement", "engine.synth", "engine.run",
     "tuner.base", "tuner.sandbox", "tuner.probe", "tuner.results", "tuner.share", "tuner.costmodel", "tuner.search",
-    "tuner.doctor", "tuner.commands", "tuner.cli",
+    "tuner.doctor",
+    "colibri.serve", "colibri.commands", "colibri.cli",
 ]
 
 # Known debt: (importer, imported) edges that go up a layer.
@@ -33,7 +35,7 @@ ALLOWED_FUNCTION_LEVEL_IMPORTS = set()
 
 def _modules() -> dict[str, Path]:
     mods = {}
-    for pkg in ("engine", "tuner"):
+    for pkg in ("engine", "tuner", "colibri"):
         for path in sorted((ROOT / pkg).rglob("*.py")):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -121,6 +123,12 @@ def _cycles() -> set[tuple[str, ...]]:
 
 def test_engine_never_imports_tuner():
     bad = [(m, t) for m, deps in GRAPH.items() if m.startswith("engine") for t, _, _ in deps if t.startswith("tuner")]
+    assert bad == []
+
+
+def test_engine_and_tuner_never_import_the_entry_points():
+    bad = [(m, t) for m, deps in GRAPH.items() if not m.startswith("colibri") for t, _, _ in deps
+           if t.startswith("colibri")]
     assert bad == []
 
 

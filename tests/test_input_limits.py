@@ -27,8 +27,8 @@ from engine.base.jsonlimits import load_json_input, loads_limited, nesting_depth
 from engine.format.checkpoint import Checkpoint
 from engine.run.generate import load_tokenizer
 from report_fixture import hardware_profile, make_run
-from tuner import cli
-from tuner.probe.errors import ProfileError
+from colibri import cli
+from tuner.probe.probe_errors import ProfileError
 from tuner.probe.hardware_profile import load_profile, save_profile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def colibri(args: list[str], timeout: float = 120, address_space: int = 6 * GiB)
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    return subprocess.run([sys.executable, "-m", "tuner.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "colibri.cli", *args], capture_output=True, text=True,
                           timeout=timeout, preexec_fn=limit, env=env, cwd=ROOT)
 
 

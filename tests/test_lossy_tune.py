@@ -9,7 +9,7 @@ import pytest
 
 from engine.base.errors import ConfigError
 from engine.run import quality as quality_module
-from tuner import cli
+from colibri import cli
 from tuner.search import lossy
 from tuner.search.lossy import QualityBound, QualityMeter
 from tuner.search.space import SearchSpace
@@ -219,7 +219,7 @@ def test_the_front_lists_each_setting_with_speed_and_quality(strict_run):
 def test_without_a_bound_the_cli_adds_no_lossy_dimension(tmp_path):
     args = cli.build_parser().parse_args(["tune", "--trials", "1"])
     assert args.max_kl is None and args.min_top1 is None
-    from tuner.commands.tune import _quality_bound
+    from colibri.commands.tune import _quality_bound
     assert _quality_bound(args) is None
     bounded = cli.build_parser().parse_args(["tune", "--max-kl", "0.01", "--quality-tokens", "64",
                                              "--quality-ctx", "32"])

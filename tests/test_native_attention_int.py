@@ -17,7 +17,7 @@ from engine.arch.layers import rms_norm
 from engine.arch.rope import apply_rope
 from engine.base.config import EngineConfig
 from engine.format.convert import convert
-from engine.format.quant import QuantWeight, quantize
+from engine.weights.quantized import QuantWeight, quantize
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
 from test_streaming import budget_for_cache

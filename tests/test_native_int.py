@@ -11,7 +11,7 @@ import torch
 
 from engine import native
 from engine.arch.layers import native_quant_operands, swiglu_expert
-from engine.format.quant import (KERNEL_INT4_STRIPS, QuantWeight, dequantize, pack_int4_strips, quantize,
+from engine.weights.quantized import (KERNEL_INT4_STRIPS, QuantWeight, dequantize, pack_int4_strips, quantize,
                                  strip_row_bytes, unpack_int4, unpack_int4_strips)
 from colibri_native_cases import int8_native_on, needs_native_int  # noqa: F401 (int8_native_on: a fixture)
 

@@ -10,7 +10,7 @@ from engine import native
 from engine.arch import moe_quant
 from engine.base.config import EngineConfig
 from engine.format.convert import convert
-from engine.format.quant import QuantWeight, quantize
+from engine.weights.quantized import QuantWeight, quantize
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
 from colibri_native_cases import (PROMPT, bf16_model, count_calls, int8_native_on,  # noqa: F401 (fixtures)

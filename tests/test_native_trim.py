@@ -12,7 +12,7 @@ from engine.arch import moe, moe_quant
 from engine.arch.router import RoutingTrim
 from engine.base.config import EngineConfig
 from engine.format.convert import convert
-from engine.format.quant import QuantWeight, quantize
+from engine.weights.quantized import QuantWeight, quantize
 from engine.run.runtime import Engine
 from colibri_native_cases import PROMPT, count_calls, int8_native_on, needs_native_int, rand_bf16  # noqa: F401
 from colibri_tiny import make_tiny

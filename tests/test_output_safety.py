@@ -20,7 +20,7 @@ from colibri_readonly import make_read_only, undo_read_only
 from engine import synth
 from report_fixture import hardware_profile, make_run
 from engine.format.convert import STATE_FILE
-from tuner import cli
+from colibri import cli
 
 SENTINEL = "sentinel.txt"
 

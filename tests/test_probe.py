@@ -13,10 +13,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tuner.cli import main
+from colibri.cli import main
 from tuner.probe import ProbePlan, format_summary, run_probe
 from tuner.probe import fallback, system
-from tuner.probe.errors import ProbeError
+from tuner.probe.probe_errors import ProbeError
 from tuner.probe.hardware_profile import HardwareProfile
 from tuner.probe.storage import (
     KiB, MiB, TEST_FILE_PREFIX, StorageJob, StoragePlan, choose_file_bytes, scratch_file,
@@ -73,7 +73,7 @@ def check_complete_profile(profile: HardwareProfile, tmp_path: Path, plan: Probe
         {("bf16", 1), ("bf16", 4), ("fp32", 1), ("fp32", 4)}
     assert all(m.throughput.value > 0 for m in profile.cpu_matmul)
     # Expert kernels: every weight format at every shape and row count, through the kernel the
-    # engine picks for it (engine/format/quant.py) — never silently the bf16 one for a quantized format.
+    # engine picks for it (engine/weights/quantized.py) — never silently the bf16 one for a quantized format.
     assert {(k.quant, k.m, k.k, k.n) for k in profile.expert_kernels} == \
         {(q, m, 256, 128) for q in ("bf16", "int8", "int4") for m in (1, 2)}
     kernels = {k.quant: k.kernel for k in profile.expert_kernels}
@@ -233,7 +233,7 @@ def test_cli_prints_one_error_line(tmp_path, capsys):
 
 def _start_cli(tmp_path: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tuner.cli", "probe", "--dir", str(tmp_path), "--quick", *extra],
+        [sys.executable, "-m", "colibri.cli", "probe", "--dir", str(tmp_path), "--quick", *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tuner.probe import fio
-from tuner.probe.errors import ProbeError
+from tuner.probe.probe_errors import ProbeError
 from tuner.probe.storage import KiB, MiB, StorageJob, scratch_file
 from colibri_requirements import needs
 

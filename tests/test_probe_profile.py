@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tuner.probe.errors import ProfileError
+from tuner.probe.probe_errors import ProfileError
 from tuner.probe.hardware_profile import (
     SCHEMA_VERSION, CpuInfo, DiskInfo, GpuInfo, HardwareProfile, KernelPoint, MatmulPoint,
     MemoryBandwidthPoint, MemoryInfo, ProbeRun, Quantity, StoragePoint, StorageResult, SystemInfo, ToolInfo,

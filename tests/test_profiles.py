@@ -15,9 +15,9 @@ import psutil
 import pytest
 
 from report_fixture import GEOMETRY, hardware_profile, make_run
-from tuner import cli
+from colibri import cli
 from tuner.share import profiles
-from tuner.probe.errors import ProfileError
+from tuner.probe.probe_errors import ProfileError
 from tuner.probe.hardware_profile import compute_fingerprint
 from tuner.share.profile_schema import geometry_hash
 

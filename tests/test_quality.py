@@ -71,7 +71,7 @@ def test_kl_matches_a_direct_computation(models):
 
 
 def test_cli_json_and_errors(models, tmp_path):
-    cmd = [sys.executable, "-m", "tuner.cli", "quality", "--model", models["int8"], "--reference", models["src"],
+    cmd = [sys.executable, "-m", "colibri.cli", "quality", "--model", models["int8"], "--reference", models["src"],
            "--tokens", "128", "--ctx", "64", "--text", models["text"], "--threads", "1"]
     out = subprocess.run(cmd + ["--json"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

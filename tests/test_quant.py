@@ -14,7 +14,7 @@ from engine.base.config import EngineConfig
 from engine.format.container import container_spec
 from engine.format.convert import Converter, convert
 from engine.run.generate import Sampler, generate
-from engine.format.quant import (
+from engine.weights.quantized import (
     INT4_MID, KERNEL_INT4_STRIPS, QuantWeight, dequantize_int4, dequantize_int8, kernel_works, pack_int4, quantize_int4,
     quantize_int8, stored_int4_is_native, unpack_int4,
 )
@@ -278,7 +278,7 @@ def _shard_with(d, name):
 
 
 def _run_cli(model):
-    proc = subprocess.run([sys.executable, "-m", "tuner.cli", "run", "--model", str(model), "--prompt-ids", "1,2,3",
+    proc = subprocess.run([sys.executable, "-m", "colibri.cli", "run", "--model", str(model), "--prompt-ids", "1,2,3",
                            "--max-new-tokens", "1"], capture_output=True, text=True)
     return proc.returncode, proc.stderr.strip()
 
@@ -349,7 +349,7 @@ def test_bad_container_is_one_line_exit_2(containers, tmp_path, case):
 
 
 def test_convert_group_not_dividing_source_is_one_line(src, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tuner.cli", "convert", str(src), "-o", str(tmp_path / "x"),
+    proc = subprocess.run([sys.executable, "-m", "colibri.cli", "convert", str(src), "-o", str(tmp_path / "x"),
                            "--group-size", "128"], capture_output=True, text=True)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "group size 128 does not divide the input dimension 64" in proc.stderr

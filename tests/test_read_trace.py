@@ -146,7 +146,7 @@ def test_a_bad_trace_is_one_clear_error(tmp_path, capsys):
 
 
 def test_bench_refuses_an_unwritable_trace_path(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "tuner.cli", "bench", "--model", str(tmp_path), "--read-trace",
+    run = subprocess.run([sys.executable, "-m", "colibri.cli", "bench", "--model", str(tmp_path), "--read-trace",
                           str(tmp_path / "missing" / "t.jsonl")], capture_output=True, text=True)
     assert run.returncode == 2 and "--read-trace" in run.stderr and "Traceback" not in run.stderr
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner.cli import COMMANDS, build_parser
+from colibri.cli import COMMANDS, build_parser
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

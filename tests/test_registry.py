@@ -12,7 +12,7 @@ from engine.arch.args import dense_tensor_names, dense_tensors, expert_tensor_na
 from engine.base.config import EngineConfig
 from engine.base.errors import ModelFormatError, UnsupportedModelError
 from engine.format.tensor_checks import check_shapes
-from tuner.costmodel.geometry import from_spec
+from tuner.costmodel.model_geometry import from_spec
 from tuner.costmodel.memplan import fits
 
 MATERIALIZABLE = [p for p in synth.list_presets() if synth.load_preset(p).get("materializable", True)]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from report_fixture import hardware_profile, make_run
-from tuner import cli
+from colibri import cli
 
 MiB = 1 << 20
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from report_fixture import TRIALS, make_run
-from tuner import cli
-from tuner.results.browser import check_page, find_chromium, render_png
+from colibri import cli
+from colibri_browser import check_page, find_chromium, render_png
 from tuner.results.report_html import write_reports
 from colibri_requirements import needs
 

@@ -32,7 +32,7 @@ def wait_for_completed(proc, reports: Path, n: int) -> Path:
 def test_resume_after_kill_9_with_less_free_memory_finds_the_study(model_dir, profile_path, tmp_path,
                                                                    monkeypatch):
     monkeypatch.chdir(tmp_path)  # reports/ lands here, and --resume without --out looks here
-    argv = [sys.executable, "-m", "tuner.cli", "tune", "--model", str(model_dir), "--trials", "3",
+    argv = [sys.executable, "-m", "colibri.cli", "tune", "--model", str(model_dir), "--trials", "3",
             "--profile", str(profile_path), *COMMON]
     proc = subprocess.Popen(argv, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -26,12 +26,12 @@ from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
-from engine.serve.app import build_app
-from engine.serve.chat_template import ChatTemplate
-from engine.serve.metrics import ServerMetrics
-from engine.serve.protocol import Sampling
-from engine.serve.server import LoadedModel, ServeOptions, check_options, make_state
-from engine.serve.worker import Job, TextStream
+from colibri.serve.app import build_app
+from colibri.serve.chat_template import ChatTemplate
+from colibri.serve.prometheus import ServerMetrics
+from colibri.serve.protocol import Sampling
+from colibri.serve.server import LoadedModel, ServeOptions, check_options, make_state
+from colibri.serve.worker import Job, TextStream
 
 from colibri_tiny import make_tiny
 from test_streaming import budget_for_cache
@@ -89,7 +89,7 @@ def server(tiny):
 
 def test_completion_greedy_equals_colibri_run(server, tiny):
     out = server.client().completions.create(model="tiny", prompt="Hello there", max_tokens=8, temperature=0)
-    run = subprocess.run([sys.executable, "-m", "tuner.cli", "run", "--model", str(tiny), "--prompt", "Hello there",
+    run = subprocess.run([sys.executable, "-m", "colibri.cli", "run", "--model", str(tiny), "--prompt", "Hello there",
                           "--max-new-tokens", "8", "--ctx-size", str(CTX), "--json"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -382,7 +382,7 @@ def test_chat_in_a_pseudo_terminal(tiny):
     pid, fd = pty.fork()
     if pid == 0:  # the child: the chat command on the terminal's other end
         os.chdir(ROOT)
-        os.execv(sys.executable, [sys.executable, "-m", "tuner.cli", "chat", "--model", str(tiny), "--ctx-size", "256",
+        os.execv(sys.executable, [sys.executable, "-m", "colibri.cli", "chat", "--model", str(tiny), "--ctx-size", "256",
                                   "--max-tokens", "6"])
     out = b""
 

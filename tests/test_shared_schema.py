@@ -16,7 +16,7 @@ import pytest
 
 from report_fixture import make_run
 from tuner.base.typed_json import decode, rules
-from tuner.probe.errors import ProfileError
+from tuner.probe.probe_errors import ProfileError
 from tuner.share import compare, profiles
 from tuner.share.profile_schema import validate_shared
 

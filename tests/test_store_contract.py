@@ -20,7 +20,7 @@ from engine.arch.registry import model_args
 from engine.movement.plan import ACTIVATION_MARGIN, make_plan
 from engine.run.runtime import Engine
 from engine.movement.store import ExpertStore, ResidentExperts
-from engine.movement.streaming import StreamingExperts
+from engine.movement.streaming_experts import StreamingExperts
 from engine.movement.streaming_layers import StreamingLayers
 from colibri_hf_models import build
 
@@ -246,7 +246,7 @@ def test_mmap_int4_strips_release_the_mapped_pages_they_were_copied_from(tmp_pat
     leave this process: less than one expert's bytes stay mapped after four were read (the pages a
     neighbour shares, and what the kernel's fault-around mapped of experts not read)."""
     from engine.format.convert import convert
-    from engine.format.quant import int4_strips_on
+    from engine.weights.quantized import int4_strips_on
     if not int4_strips_on():
         pytest.skip("int4 strips need engine/native's int kernels (VNNI/VBMI)")
     src = tmp_path / "src"

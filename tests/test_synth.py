@@ -225,7 +225,7 @@ def test_malformed_geometry_file_is_one_line_error(tmp_path):
 
 
 def test_cli_synth(tmp_path, capsys):
-    from tuner.cli import main
+    from colibri.cli import main
     geom = tmp_path / "g.json"
     geom.write_text(json.dumps({**synth.load_preset("tiny"), "num_hidden_layers": 2}))
     assert main(["synth", "--geometry", str(geom), "-o", str(tmp_path / "m"), "--seed", "3", "--json"]) == 0

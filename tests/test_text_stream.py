@@ -11,7 +11,7 @@ import random
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
-from engine.serve.worker import TextStream
+from colibri.serve.worker import TextStream
 from engine.synth.bpe_tokenizer import bytes_to_unicode
 
 WORDS = ["the", "expert", "cache", "reads", "é", "ß", "€", "日本", "🙂", "END", "\n", "a", "b", "."]

@@ -88,7 +88,7 @@ def test_killed_by_another_signal_is_not_called_an_oom(model_dir, sig):
     while victim is None and time.monotonic() < deadline:  # wait until the bench process exists
         for child in psutil.Process().children(recursive=True):
             try:
-                if "bench" in child.cmdline() and "tuner.cli" in child.cmdline():
+                if "bench" in child.cmdline() and "colibri.cli" in child.cmdline():
                     victim = child
             except psutil.NoSuchProcess:
                 pass
@@ -107,7 +107,7 @@ def test_peak_rss_is_the_trial_process_own_not_its_parents():
     import sys
     from colibri_tune_fixtures import ROOT
     hog = b"\x01" * (1024 * MiB)  # this process: over 1 GiB resident
-    child = subprocess.run([sys.executable, "-c", "from engine.run.metrics import peak_rss_bytes; print(peak_rss_bytes())"],
+    child = subprocess.run([sys.executable, "-c", "from engine.run.run_metrics import peak_rss_bytes; print(peak_rss_bytes())"],
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
     del hog
     assert child.returncode == 0, child.stderr

@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError, ConfigError, ModelFormatError
-from tuner import cli
+from colibri import cli
 from tuner.results.result import TuneResult
 from tuner.sandbox import detect_memory_cgroup
 from tuner.search.space import CHUNK_SIZES, IO_THREADS, SearchSpace
@@ -127,7 +127,7 @@ def test_recommended_toml_loads_and_runs(tuned, model_dir):
     assert path.read_text().startswith("# colibri tune recommendation")
     # As a user would: `colibri run --config recommended.toml`, in a fresh process (the budget
     # counts the process's own memory, so the test process is not the place to run it).
-    run = subprocess.run([sys.executable, "-m", "tuner.cli", "run", "--model", str(model_dir), "--config", str(path),
+    run = subprocess.run([sys.executable, "-m", "colibri.cli", "run", "--model", str(model_dir), "--config", str(path),
                           "--prompt-tokens", "4", "--max-new-tokens", "2", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
@@ -156,7 +156,7 @@ RESUME_TRIALS = 4
 
 
 def _start(model_dir, profile_path, out, *extra) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "tuner.cli", "tune", "--model", str(model_dir), "--ram-budget", "512MiB",
+    argv = [sys.executable, "-m", "colibri.cli", "tune", "--model", str(model_dir), "--ram-budget", "512MiB",
             "--min-ctx", str(SMALL_CTX), "--trials", str(RESUME_TRIALS), "--tokens", "2", "--repeats", "1",
             "--prompt-tokens", "8", "--confirm-top", "0", "--out", str(out), "--profile", str(profile_path),
             "--seed", "3", *extra]

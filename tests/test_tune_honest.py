@@ -19,7 +19,7 @@ from optuna.trial import TrialState, create_trial
 from colibri_tune_fixtures import BUDGET, MIN_CTX
 from engine.base.config import EngineConfig
 from engine.base.errors import PromptError
-from engine.run.workload import Request, load_workload, read_prompts, workload_digest
+from engine.run.prompts_file import Request, load_workload, read_prompts, workload_digest
 from tuner.search import confirm, explore, objective
 from tuner.results.result import TuneResult
 from tuner.search.study import TuneOptions, run_tune
@@ -184,9 +184,9 @@ def test_decide_ranks_request_latency_lower_first():
 
 def test_plan_uses_a_profiles_recall_only_for_its_own_geometry(model_dir, tmp_path, capsys):  # noqa: F811
     from tests.test_probe_profile import make_profile
-    from tuner.cli import main
-    from tuner.costmodel.geometry import from_model_dir
-    from tuner.costmodel.model_facts import measured_on, recall_for
+    from colibri.cli import main
+    from tuner.costmodel.model_geometry import from_model_dir
+    from tuner.costmodel.calibrated_facts import measured_on, recall_for
     from tuner.costmodel.predict import DEFAULT_LOOKAHEAD_RECALL
     from tuner.probe.hardware_profile import save_profile
 
@@ -215,8 +215,8 @@ def test_plan_uses_a_profiles_recall_only_for_its_own_geometry(model_dir, tmp_pa
 
 
 def test_the_shipped_profile_keys_its_demo_recall_to_the_demo_geometry():
-    from tuner.costmodel.geometry import resolve
-    from tuner.costmodel.model_facts import recall_for
+    from tuner.costmodel.model_geometry import resolve
+    from tuner.costmodel.calibrated_facts import recall_for
     path = Path(__file__).resolve().parent.parent / "profiles" / "amd-epyc-virtio-2a91f032.json"
     section = json.loads(path.read_text())["cost_model"]
     demo = {"model_type": "qwen3_moe", "layers": 16, "hidden_size": 1024, "experts": 64, "top_k": 8,
@@ -267,7 +267,7 @@ def test_bad_prompts_files_are_one_error_line(content, message, tmp_path):
 
 
 def test_tune_refuses_a_bad_prompts_file_in_one_line(model_dir, tmp_path, capsys):  # noqa: F811
-    from tuner.cli import main
+    from colibri.cli import main
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "a", "max_new_tokens": -1}\n')
     rc = main(["tune", "--model", str(model_dir), "--ram-budget", "512MiB", "--trials", "1", "--prompts", str(bad),
@@ -283,7 +283,7 @@ def test_tune_refuses_a_bad_prompts_file_in_one_line(model_dir, tmp_path, capsys
 
 
 def test_bench_runs_a_prompts_file(model_dir, tmp_path, capsys):  # noqa: F811
-    from tuner.cli import main
+    from colibri.cli import main
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "import os", "max_new_tokens": 3}\n{"prompt": "def f(x):", "max_new_tokens": 2}\n')
     assert main(["bench", "--model", str(model_dir), "--prompts", str(prompts), "--repeats", "2", "--warm",

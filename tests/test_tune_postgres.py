@@ -91,7 +91,7 @@ def postgres_url():
 
 def test_two_workers_share_one_study(postgres_url, model_dir, profile_path, tmp_path):  # noqa: F811
     def worker(name: str) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "tuner.cli", "tune", "--model", str(model_dir), "--ram-budget", "512MiB",
+        argv = [sys.executable, "-m", "colibri.cli", "tune", "--model", str(model_dir), "--ram-budget", "512MiB",
                 "--min-ctx", str(MIN_CTX), "--trials", str(TRIALS), "--tokens", "2", "--repeats", "1",
                 "--prompt-tokens", "8", "--confirm-top", "0", "--storage", postgres_url, "--study-name", "shared",
                 "--out", str(tmp_path / name), "--profile", str(profile_path), "--json"]

@@ -14,7 +14,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from tuner import cli
+from colibri import cli
 from tuner.share import profiles
 from tuner.results.printers import kl_text
 from tuner.search.quant_tune import QuantTuneOptions, parse_levels, run_quant_tune

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner import cli
+from colibri import cli
 
 from colibri_sync import completed_trials, wait_until
 from colibri_tune_fixtures import ROOT, SMALL_CTX
@@ -147,7 +147,7 @@ def test_a_run_directory_held_by_a_live_tune_is_refused(model_dir, profile_path,
 
 def test_a_run_directory_deleted_under_a_live_tune_stops_it_with_one_line(model_dir, profile_path, tmp_path):
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "tuner.cli", *tune_argv(model_dir, profile_path, out)]
+    argv = [sys.executable, "-m", "colibri.cli", *tune_argv(model_dir, profile_path, out)]
     argv[argv.index("--trials") + 1] = "50"
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

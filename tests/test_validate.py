@@ -13,7 +13,7 @@ from engine.arch.registry import SUPPORTED_TYPES
 from engine.arch.config_rules import Consistent, Int, config_problems
 from engine.arch.registry import RULES, validate_config
 from colibri_tiny import RUN_ARGS, make_tiny, read_header, write_header
-from tuner.cli import main
+from colibri.cli import main
 
 
 @pytest.fixture(scope="module")

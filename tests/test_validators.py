@@ -23,11 +23,11 @@ from engine.base.errors import ConfigError, ModelFormatError
 from engine.format.checkpoint import Checkpoint
 from engine.synth.geometry_check import MAX_LAYER_EXPERT_PAIRS, check_geometry
 from report_fixture import hardware_profile, make_run
-from tuner import cli
-from tuner.costmodel.geometry import from_spec
+from colibri import cli
+from tuner.costmodel.model_geometry import from_spec
 from tuner.probe.hardware_profile import compute_fingerprint, load_profile
 from tuner.results.result import TuneResult
-from tuner.probe.errors import ProfileError
+from tuner.probe.probe_errors import ProfileError
 
 
 def run_cli(args, capsys) -> tuple[int, str]:

@@ -5,5 +5,5 @@ the forward pass (gpt-fast style, our own torch code), its layers, rotary embedd
 dispatch, MLA, gpt-oss's attention and experts, and the routing rules.
 
 Owns: the math of a forward pass and what each architecture is.
-May import: engine.base, engine.native, engine.format.quant (weights as linear operators).
+May import: engine.base, engine.native, engine.weights (weights as linear operators).
 """

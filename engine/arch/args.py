@@ -49,9 +49,9 @@ class ModelArgs:
     # Extensions (engine/arch/families/): None/0 keeps the behaviour of the architectures above.
     rotary_dim: int = 0  # 0 = all of head_dim; glm4_moe rotates partial_rotary_factor of it
     shared_experts_intermediate_size: int = 0  # deepseek-style ungated `mlp.shared_experts`
-    attention_impl: object | None = None  # engine.arch.mla.MLAAttention | engine.arch.gptoss.SinkAttention
+    attention_impl: object | None = None  # engine.arch.mla.MLAAttention | engine.arch.gpt_oss_layers.SinkAttention
     router: object | None = None  # engine.arch.router.*: names(prefix), route(w, prefix, x)
-    expert_impl: object | None = None  # engine.arch.gptoss.GptOssExperts: numel, forward
+    expert_impl: object | None = None  # engine.arch.gpt_oss_layers.GptOssExperts: numel, forward
 
     def __post_init__(self):
         if not self.moe_layer_flags:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.arch.args import ModelArgs, layer_prefix
-from engine.format.quant import QuantWeight
+from engine.weights.quantized import QuantWeight
 
 _PROBE = torch.empty(1, 1, dtype=torch.bfloat16)  # what native_decode asks of x: one bf16 row on the CPU
 

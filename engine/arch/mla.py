@@ -26,12 +26,12 @@ import torch.nn.functional as F
 from engine.arch.kvquant import cache_bytes, kv_buffer
 from engine.arch.rope import apply_rope
 from engine.arch.layers import rms_norm
-from engine.format.quant import linear
+from engine.weights.quantized import linear
 
 
 def _project(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T: F.linear for a plain weight, as always; a stored-quantized one (FP8 projections
-    of a published checkpoint, engine/format/fp8.py; int8/int4 of a `convert --scope all`
+    of a published checkpoint, engine/weights/fp8.py; int8/int4 of a `convert --scope all`
     container, the indexer's included) through its own kernel. Every projection goes through
     here; kv_b_proj, viewed per head, is a plain tensor whatever the format (dequantized at load)."""
     return F.linear(x, w, bias) if type(w) is torch.Tensor else linear(x, w, bias)

@@ -4,7 +4,7 @@ and an ExpertStore for routed experts.
 Supported `model_type`s: qwen3_moe, qwen2_moe, mixtral, olmoe (MoE) and llama, qwen2, qwen3
 (dense), plus deepseek_v3, glm4_moe, glm_moe_dsa and gpt_oss through the strategy objects on
 ModelArgs (each architecture's parse in engine/arch/families/ builds them; engine/arch/mla.py,
-engine/arch/router.py, engine/arch/gptoss.py implement them). The parts live beside this file, one job each:
+engine/arch/router.py, engine/arch/gpt_oss_layers.py implement them). The parts live beside this file, one job each:
 
     args.py        ModelArgs; tensor names (registry.py: config.json → ModelArgs)
     rope.py        rotary embeddings
@@ -36,7 +36,7 @@ from engine.arch.kvquant import QuantizedRows
 from engine.arch.moe_quant import ResidentQuantMoeLayer
 from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
 from engine.arch.args import ModelArgs, layer_prefix
-from engine.format.quant import linear
+from engine.weights.quantized import linear
 from engine.arch.router import trim_operands
 from engine.arch.rope import RopeTable, apply_rope, rope_cos_sin, rope_inv_freq
 

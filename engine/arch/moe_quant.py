@@ -16,7 +16,7 @@ import torch
 from engine import native
 from engine.arch.layers import native_quant_operands
 from engine.arch.router import trim_operands
-from engine.format.quant import QuantWeight
+from engine.weights.quantized import QuantWeight
 
 
 class ResidentQuantMoeLayer:

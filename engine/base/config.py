@@ -106,7 +106,7 @@ def size_label(n: int, smallest: str = "B") -> str:
 def knob(default, doc: str, *, kind: str, label: str = "", short: str = "", lo=None, hi=None, choices=None,
          lt=None, unit: str = "", zero_means: str = "", lossy: bool = False, search: dict | None = None, **flag):
     """An EngineConfig field with what every reader of a knob needs, in one place: its validation
-    (knob_problem), the CLI flag (tuner/commands/knob_flags.py: `--name`, its ranged type from
+    (knob_problem), the CLI flag (colibri/commands/knob_flags.py: `--name`, its ranged type from
     kind + lo/hi or its choices, `doc` as its help; zero_means: what 0 means, for a size that may
     be 0) and the tables' column (tuner/results/columns.py: label, short name, unit). kind: int, size (bytes; flags take 1GiB), float, choice, path. lo/hi are
     the closed bounds EngineConfig.validate checks (knob_problem; lt: an open upper bound instead),
@@ -220,7 +220,7 @@ class EngineConfig:
 
     def validate(self) -> "EngineConfig":
         """Every field against its knob metadata (kind, bounds, choices): one rule per field, the
-        same one its flag parses with (tuner/commands/knob_flags.py)."""
+        same one its flag parses with (colibri/commands/knob_flags.py)."""
         for f in fields(self):
             problem = knob_problem(f, getattr(self, f.name))
             if problem:

@@ -21,7 +21,7 @@ _ROWS = (
     ("I8", "int8", 1, None),
     ("U8", "uint8", 1, None),
     ("BOOL", "bool", 1, None),
-    # FP8 e4m3 weights of published block-scaled checkpoints (engine/format/fp8.py): never a compute dtype.
+    # FP8 e4m3 weights of published block-scaled checkpoints (engine/weights/fp8.py): never a compute dtype.
     ("F8_E4M3", "float8_e4m3fn", 1, None),
 )
 

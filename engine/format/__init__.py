@@ -3,5 +3,5 @@ tensor rules, quantized containers (stamp, names, checks), quantization math, th
 expert's bytes, conversion, and the streaming safetensors writer.
 
 Owns: bytes ↔ tensors and what a valid file is.
-May import: engine.base, engine.native, engine.arch.args (names and shapes of an architecture's tensors).
+May import: engine.base, engine.native, engine.weights, engine.arch.args (names and shapes of an architecture's tensors).
 """

@@ -23,7 +23,7 @@ from pathlib import Path
 from engine.base.errors import ModelFormatError
 from engine.base.inputs import printable
 from engine.format.checkpoint import read_tensor
-from engine.format.quant import (GROUP_SIZES, QUANTS, SCALE_DTYPE, QuantWeight, check_group, check_scales, int4_strips_on,
+from engine.weights.quantized import (GROUP_SIZES, QUANTS, SCALE_DTYPE, QuantWeight, check_group, check_scales, int4_strips_on,
                                   dequantize, stored_shapes)
 
 FORMAT_NAME = "colibri.quant"
@@ -185,7 +185,7 @@ def dense_quantized(ckpt, spec: QuantSpec | None, names: list[str]) -> dict:
 # MLA's kv_b_proj is never multiplied as a matrix: its absorbed form views it per head
 # (engine/arch/mla.py). Quantized by `convert --scope all` like every projection, it is
 # dequantized once at load into the compute dtype (and counted so by the plan), as FP8
-# checkpoints' is (engine/format/fp8.py).
+# checkpoints' is (engine/weights/fp8.py).
 _DEQUANTIZED_AT_LOAD = re.compile(r"kv_b_proj\.qweight$")
 
 

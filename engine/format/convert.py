@@ -9,7 +9,7 @@
   the same source and options keeps every recorded shard whose bytes still hash to it.
 - Deterministic: same source and options, same bytes (fixed order, no timestamps, and the
   quantization itself is deterministic fp32 math).
-- From a published FP8 checkpoint (engine/format/fp8.py): each FP8 weight is dequantized with
+- From a published FP8 checkpoint (engine/weights/fp8.py): each FP8 weight is dequantized with
   its block scales (fp32) and requantized; dense FP8 weights that stay unquantized (scope
   "experts") are written as bf16; the `weight_scale_inv` tensors, the `quantization_config`
   and the MTP layers (engine/format/mtp.py: the engine never loads them) are not carried over.
@@ -31,11 +31,11 @@ from engine.base.durable import DirectoryLock
 from engine.base.errors import ModelFormatError, UnsupportedModelError
 from engine.arch.args import expert_tensor_names, fused_expert_tensor_names
 from engine.arch.registry import model_args
-from engine.format.quant import check_group, quantize, stored_shapes
+from engine.weights.quantized import check_group, quantize, stored_shapes
 from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 from engine.base.output_target import (OutputTargetError, check_not_source, directory_target, read_small_json,
                                   replace_directory, stamped)
-from engine.format import fp8
+from engine.weights import fp8
 from engine.format.mtp import mtp_summary
 
 STATE_FILE = "convert-state.json"

@@ -2,5 +2,5 @@
 store contract and the streaming stores that read routed experts or whole layers from disk per use.
 
 Owns: which bytes are where, and getting them there in time.
-May import: engine.base, engine.format, engine.arch.
+May import: engine.base, engine.weights, engine.format, engine.arch.
 """

@@ -15,7 +15,7 @@ change (they key the name). Without a compiler, without AVX512-BF16, or with COL
 tokens may differ from a native run (never between placements of one).
 
 The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS); without them
-`int_ready` stays False and quantized weights keep torch's packed kernels (engine/format/quant.py).
+`int_ready` stays False and quantized weights keep torch's packed kernels (engine/weights/quantized.py).
 
     load() -> str | None    load the ops; None when ready, else why not (one line)
     ready                   whether they are loaded (checked on the decode path)
@@ -231,7 +231,7 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
 
 
 def int4_linear(x: torch.Tensor, strips: torch.Tensor, group: int) -> torch.Tensor:
-    """x @ W.T for W in the strip layout (engine/format/quant.py pack_int4_strips), any number of rows."""
+    """x @ W.T for W in the strip layout (engine/weights/quantized.py pack_int4_strips), any number of rows."""
     return torch.ops.colibri_int.int4_linear(x, strips, _NO_SCALES, group)
 
 

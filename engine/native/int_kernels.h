@@ -194,7 +194,7 @@ inline void int8_range(const QMat& m, const QuantRow& x, int64_t begin, int64_t 
 
 // --- int4 ---------------------------------------------------------------------------------
 
-// The int4 strip layout (engine/format/quant.py pack_int4_strips is the reference): rows in strips
+// The int4 strip layout (engine/weights/quantized.py pack_int4_strips is the reference): rows in strips
 // of 16, each strip one sequential run of G = K/g groups, a group = g/8 chunks of 64 codes bytes then
 // the 16 rows' (scale, zero) bf16 pairs (64 bytes). Chunk c of a group covers inputs k0 .. k0+7
 // (k0 = group start + 8c): byte 4r+j holds row r's code of k0+j (low nibble) and of k0+4+j (high),

@@ -21,16 +21,16 @@ from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
 from engine.run.generate import Sampler, generate, random_prompt_ids
 from engine.movement.io import trace
-from engine.run.metrics import SUMMARY_KEYS, envelope, peak_rss_bytes, percentile, rss_file_bytes, run_metrics, spread
+from engine.run.run_metrics import SUMMARY_KEYS, envelope, peak_rss_bytes, percentile, rss_file_bytes, run_metrics, spread
 from engine.run.runtime import Engine
-from engine.run.workload import Request, workload_digest
+from engine.run.prompts_file import Request, workload_digest
 
 
 def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 3, cold: bool = True,
               prompt_tokens: int = 16, seed: int = 0, warmup_tokens: int = 2, progress=None,
               record_routing: str | None = None, read_trace: str | None = None,
               workload: list[Request] | None = None) -> dict:
-    """workload: the user's requests (engine/workload.py), each repeat running all of them in
+    """workload: the user's requests (engine/run/prompts_file.py), each repeat running all of them in
     order, instead of `tokens` tokens after a random prompt of `prompt_tokens`."""
     if workload:
         if read_trace:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.base.config import EngineConfig
 from engine.base.errors import PromptError
 from engine.run.generate import Sampler, generate, load_tokenizer, parse_prompt_ids, random_prompt_ids
-from engine.run.metrics import envelope, run_metrics
+from engine.run.run_metrics import envelope, run_metrics
 from engine.run.runtime import Engine
 
 

@@ -1,7 +1,7 @@
 """Engine: load plan, resident or streaming placement, prefill and decode steps.
 
 With no memory budget everything is resident. With a budget, the dense part stays resident and
-routed experts stream from disk through the expert store (engine/movement/streaming.py); the memory plan
+routed experts stream from disk through the expert store (engine/movement/streaming_experts.py); the memory plan
 decides how much RAM the expert cache gets.
 """
 
@@ -32,14 +32,14 @@ from engine.arch.router import routing_trim
 from engine.format.tensor_checks import check_shapes
 from engine.movement.cache import routing_histogram_save
 from engine.movement.store import ExpertStore, ResidentExperts
-from engine.movement.streaming import StreamingExperts
+from engine.movement.streaming_experts import StreamingExperts
 from engine.movement.streaming_layers import StreamingLayers
-from engine.format.quant import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT4_STRIPS, KERNEL_INT8, kernel_works
+from engine.weights.quantized import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT4_STRIPS, KERNEL_INT8, kernel_works
 from engine.base.errors import UnsupportedModelError
-from engine.format import fp8
+from engine.weights import fp8
 from engine.format.checkpoint import read_tensor
 from engine.format.mtp import mtp_summary
-from engine.native import fp8 as native_fp8
+from engine.native import fp8_kernels as native_fp8
 
 DTYPE_NAMES = short_dtypes()
 
@@ -174,7 +174,7 @@ class Engine:
             return load_dense(self.checkpoint, container, quantized[name], self.dtype, alloc)
         if name in fp8_kept:  # 1 byte/weight, multiplied by the e4m3 kernel
             return fp8.load_dense(fp8_kept[name], self.fp8, lambda info: read_tensor(info, alloc))
-        if name in fp8_dequantized:  # read as a plain tensor by the model (engine/format/fp8.py says which)
+        if name in fp8_dequantized:  # read as a plain tensor by the model (engine/weights/fp8.py says which)
             return fp8.load_dequantized(fp8_dequantized[name], self.fp8, read_tensor, self.dtype)
         return self.checkpoint.load(name, self.dtype, alloc)
 

@@ -4,7 +4,7 @@ models they build (no FP8 release is small enough to download into a test).
 
 Quantized, as the releases do: every linear projection (attention, dense MLP, shared and routed
 experts, MLA's low-rank projections, the DSA indexer's query/key, MTP's eh_proj) as F8_E4M3 with
-`<name>.weight_scale_inv` F32 per [bn, bk] block (engine/format/fp8.py: amax / 448 per block);
+`<name>.weight_scale_inv` F32 per [bn, bk] block (engine/weights/fp8.py: amax / 448 per block);
 embeddings, norms, routers and lm_head stay bf16. Fused 3-D experts are split per expert, as the
 releases store them. Shards are written with safetensors' own `save_file`, so the order inside a
 shard (by dtype, then name) is the one the published files have. One source shard at a time.
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.format.fp8 import dequantize, quantize
+from engine.weights.fp8 import dequantize, quantize
 
 QUANTIZED = re.compile(r"(_proj(_with_mqa)?|\.indexer\.(wq_b|wk))\.weight$")
 _FUSED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")

@@ -29,7 +29,7 @@ from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError, ConfigError
 from engine.base.jsonlimits import load_json_input
 
-from tuner.costmodel.geometry import ModelGeometry
+from tuner.costmodel.model_geometry import ModelGeometry
 from tuner.costmodel.hardware import HardwareView
 from tuner.costmodel.predict import Components, Factors, RunConditions, combine, components
 from tuner.costmodel.routing_model import RoutingModel

@@ -33,7 +33,7 @@ from engine.format.layout import ExpertLayout
 from engine.movement.io import align_up
 from engine.movement.plan import MemoryPlan, make_plan
 from engine.run.runtime import checkpoint_dtype
-from tuner.costmodel.geometry import ModelGeometry
+from tuner.costmodel.model_geometry import ModelGeometry
 
 BF16 = 2  # bytes per element of the stand-in checkpoint's dtype
 

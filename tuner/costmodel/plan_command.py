@@ -13,12 +13,12 @@ from pathlib import Path
 
 from engine.base.config import EngineConfig, format_size
 from tuner.costmodel import fit as cal
-from tuner.costmodel.geometry import ModelGeometry, resolve
+from tuner.costmodel.model_geometry import ModelGeometry, resolve
 from tuner.costmodel.hardware import HardwareView, apply_what_if
-from tuner.costmodel.model_facts import measured_on, recall_for, routing_for
+from tuner.costmodel.calibrated_facts import measured_on, recall_for, routing_for
 from tuner.costmodel.predict import Factors, RunConditions, predict
 from tuner.costmodel.routing_model import RoutingModel, make_routing  # noqa: F401  (benchmarks import it from here)
-from tuner.costmodel.search import rank
+from tuner.costmodel.best_config import rank
 from tuner.probe.hardware_profile import load_profile, save_profile
 
 # Memory a trial process spends before the model (interpreter, torch, index) when no study

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError
 
-from tuner.costmodel.geometry import ModelGeometry
+from tuner.costmodel.model_geometry import ModelGeometry
 from tuner.costmodel.hardware import HardwareView
 from tuner.costmodel.memplan import plan_memory
 from tuner.costmodel.routing_model import RoutingModel, simulate

@@ -19,7 +19,7 @@ from tuner.base.text import utc_now
 from tuner.probe import fallback, fio
 from tuner.probe.cpu import measure_matmul
 from tuner.probe.kernels import SHAPES as KERNEL_SHAPES, measure_kernels
-from tuner.probe.errors import ProbeError, ProfileError
+from tuner.probe.probe_errors import ProbeError, ProfileError
 from tuner.probe.memory import measure_memory_bandwidth
 from tuner.probe.hardware_profile import (
     KERNEL_QUANTS, SCHEMA_VERSION, HardwareProfile, ProbeRun, Quantity, StorageResult, ToolInfo, compute_fingerprint,

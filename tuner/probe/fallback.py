@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tuner.probe.errors import ProbeError
+from tuner.probe.probe_errors import ProbeError
 from tuner.probe.hardware_profile import StoragePoint
 from tuner.probe.storage import StorageJob, make_point
 

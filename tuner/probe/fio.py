@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from tuner.probe.errors import ProbeError
+from tuner.probe.probe_errors import ProbeError
 from tuner.probe.hardware_profile import StoragePoint
 from tuner.probe.storage import StorageJob, make_point
 

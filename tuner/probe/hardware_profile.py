@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional
 
 from engine.base.config import atomic_write_text
 from engine.base.inputs import read_input
-from tuner.probe.errors import ProfileError
+from tuner.probe.probe_errors import ProfileError
 from tuner.probe.profile_checks import check_document, check_physics, check_ranges, parse_text
 from tuner.base.typed_json import decode, json_type
 
@@ -163,7 +163,7 @@ KERNEL_QUANTS = typing.get_args(KernelQuant)  # the one list: the probe, its sum
 @dataclass(frozen=True)
 class KernelPoint:
     """One expert projection x[m,k] times W[n,k]^T through the kernel the engine runs for its
-    weight format (F.linear for bf16; engine/format/quant.py's QuantWeight.linear for int8 / int4)."""
+    weight format (F.linear for bf16; engine/weights/quantized.py's QuantWeight.linear for int8 / int4)."""
 
     quant: KernelQuant
     kernel: str  # e.g. "F.linear", "aten._weight_int8pack_mm", "dequantize+linear"

@@ -4,7 +4,7 @@ The cost model charges a token's expert matmuls at the rate of the kernel that c
 bf16 goes through `engine.quant.linear`, as the engine calls it: one row (decode) on the native
 AVX512-BF16 kernel when engine/native loads on this machine, `F.linear` otherwise.
 A quantized expert is not multiplied by `F.linear`: the engine runs `QuantWeight.linear`
-(engine/format/quant.py), i.e. `aten._weight_int8pack_mm` for int8, `aten._weight_int4pack_mm_for_cpu`
+(engine/weights/quantized.py), i.e. `aten._weight_int8pack_mm` for int8, `aten._weight_int4pack_mm_for_cpu`
 for int4, or dequantize-then-matmul where the packed op refuses the shape on this build. Those
 kernels' speed has little to do with the bf16 GEMV's (the int4 one unpacks nibbles, the int8 one
 converts codes), so each is measured here, through `QuantWeight` itself: the point records which
@@ -26,7 +26,7 @@ import time
 from typing import Callable, Sequence
 
 from engine import native
-from engine.format.quant import QuantWeight, linear, quantize
+from engine.weights.quantized import QuantWeight, linear, quantize
 from tuner.probe.cpu import time_calls, each_thread_count
 from tuner.probe.hardware_profile import KERNEL_QUANTS, KernelPoint, Quantity
 

@@ -18,7 +18,7 @@ import re
 
 from engine.base.errors import ColibriError
 from engine.base.jsonlimits import loads_limited
-from tuner.probe.errors import ProfileError
+from tuner.probe.probe_errors import ProfileError
 
 MAX_FILE_BYTES = 1 << 20  # engine/base/inputs.py LIMITS['profile']
 MAX_DEPTH = 12

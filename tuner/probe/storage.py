@@ -20,7 +20,7 @@ from typing import Iterator
 import numpy as np
 
 from engine.base.config import size_label
-from tuner.probe.errors import ProbeError
+from tuner.probe.probe_errors import ProbeError
 from tuner.probe.hardware_profile import Quantity, StoragePoint, StorageRole
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

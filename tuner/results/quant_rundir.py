@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine.base.errors import ConfigError
 from engine.base.jsonlimits import loads_limited
-from engine.format.quant import GROUP_SIZES, QUANTS
+from engine.weights.quantized import GROUP_SIZES, QUANTS
 from tuner.results.rundir import is_run_dir
 
 RECORD_FILE = "quant-run.json"

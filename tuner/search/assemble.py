@@ -14,10 +14,10 @@ import optuna
 
 from engine import __version__ as engine_version
 from engine.base.config import format_size
-from engine.run.metrics import git_commit
+from engine.run.run_metrics import git_commit
 from tuner.base.text import utc_now
 from tuner.base.typed_json import decode
-from tuner.probe.errors import ProfileError
+from tuner.probe.probe_errors import ProfileError
 from tuner.results.result import (
     OBJECTIVE_KEY, RESULT_SCHEMA, Candidate, Conditions, ConfirmationInfo, Figures, MemoryLimit, ModelInfo, ProfileSummary,
     QualityInfo, ResultError, SettingQuality, StudyInfo, TuneResult, Versions,

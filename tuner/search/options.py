@@ -38,7 +38,7 @@ def stderr_line(msg: str) -> None:
 @dataclass
 class TuneOptions:
     """What `colibri tune` is asked to do. Each field made with `knob` is a `tune` flag
-    (tuner/commands/knob_flags.py): its kind, range, help and group are here, once."""
+    (colibri/commands/knob_flags.py): its kind, range, help and group are here, once."""
 
     model: str = knob("demo", "model directory or synth preset", kind="text")
     ram_budget: int | None = knob(None, "memory budget, e.g. 1GiB (default: 1GiB for demo, else 88% of available)",

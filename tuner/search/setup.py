@@ -20,7 +20,7 @@ from engine.base.config import format_size, size_label
 from engine.base.errors import BudgetError, ConfigError
 from engine.run.resolve import resolve_model
 from tuner.base.text import utc_now
-from tuner.costmodel.search import narrow_space
+from tuner.costmodel.best_config import narrow_space
 from tuner.probe import load_profile
 from tuner.results import outputs
 from tuner.search import explore, lossy, run_guard, study_storage as storage

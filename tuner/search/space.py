@@ -60,7 +60,7 @@ class SearchSpace:
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES
     model: ModelFacts | None = None  # None: no memory pre-check (every config fits)
     # Read sizes and I/O threads to search: all by default; the cost model narrows them to where
-    # the probe's read curve still rises or is flat (tuner/costmodel/search.py:curve_region).
+    # the probe's read curve still rises or is flat (tuner/costmodel/best_config.py:curve_region).
     chunk_sizes: tuple[int, ...] = CHUNK_SIZES
     io_thread_choices: tuple[int, ...] = IO_THREADS
     # tune --max-kl / --min-top1: the lossy dimensions (tuner/search/lossy.py), empty = lossless.
@@ -85,7 +85,7 @@ class SearchSpace:
     def _choices(self, name: str, rule: dict) -> tuple:
         if "multiples" in rule:
             return tuple(self._fact("min_ctx") * m for m in rule["multiples"])
-        # The cost model narrows the read sizes and I/O threads (tuner/costmodel/search.py).
+        # The cost model narrows the read sizes and I/O threads (tuner/costmodel/best_config.py).
         choices = {"chunk_size": self.chunk_sizes, "io_threads": self.io_thread_choices}.get(name, rule["choices"])
         # pinned needs a recorded routing histogram (the calibration run's)
         return tuple(c for c in choices if self.with_pinned or c not in rule.get("with_histogram", ()))

@@ -23,7 +23,7 @@ from tuner.sandbox import run_limited
 
 def bench_argv(model_dir, config_path: str, tokens: int, repeats: int, cold: bool, prompt_tokens: int,
                seed: int, extra: list[str] | None = None, outcome_path: str | None = None) -> list[str]:
-    return [sys.executable, "-m", "tuner.cli", "bench", "--model", str(model_dir), "--config", config_path,
+    return [sys.executable, "-m", "colibri.cli", "bench", "--model", str(model_dir), "--config", config_path,
             "--tokens", str(tokens), "--repeats", str(repeats), "--cold" if cold else "--warm",
             "--prompt-tokens", str(prompt_tokens), "--seed", str(seed), "--json",
             *(["--outcome", outcome_path] if outcome_path else []), *(extra or [])]

@@ -18,7 +18,7 @@ from optuna.trial import TrialState
 from engine.base.config import EngineConfig, format_size
 from engine.base.errors import ConfigError
 from tuner.costmodel.predict import RunConditions
-from tuner.costmodel.search import study_warm_starts
+from tuner.costmodel.best_config import study_warm_starts
 from tuner.search import confirm, explore, lossy
 
 # Study attributes (in the storage, so every worker of a shared study reads the same ones):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine.base.errors import ConfigError
 from engine.run.generate import load_tokenizer
-from engine.run.workload import Request, describe, load_workload, save_requests
+from engine.run.prompts_file import Request, describe, load_workload, save_requests
 from tuner.results.result import Lengths, WorkloadInfo
 
 WORKLOAD_FILE = "workload.jsonl"

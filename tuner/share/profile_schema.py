@@ -23,7 +23,7 @@ from typing import Any, Literal, Optional
 from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
 from tuner.base.typed_json import decode, rules
-from tuner.probe.errors import ProfileError
+from tuner.probe.probe_errors import ProfileError
 from tuner.probe.hardware_profile import HardwareProfile
 from tuner.results.quant_rundir import QUANT_LABEL_RE  # a stored level: only the group sizes the converter writes
 from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS, Objective

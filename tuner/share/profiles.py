@@ -24,7 +24,7 @@ from engine.base.inputs import read_input
 from engine.base.output_target import file_target, json_file_with, read_small_json
 from tuner import __version__
 from tuner.probe import load_profile
-from tuner.probe.errors import ProfileError
+from tuner.probe.probe_errors import ProfileError
 from tuner.probe.hardware_profile import HardwareProfile
 from tuner.probe.summary import hardware_facts
 from tuner.probe.summary import format_summary

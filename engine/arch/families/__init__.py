@@ -4,5 +4,5 @@ transformers oracle's tiny config, built on the shared pieces here (dense.py's l
 routed.py's sigmoid-routed MoE, synth_plans.py's layer skeleton). engine/arch/registry.py lists
 every record once; tensor names and shapes follow from the parsed ModelArgs (engine/arch/args.py).
 
-May import: engine.base, engine.native, engine.format.quant and the rest of engine.arch.
+May import: engine.base, engine.native, engine.weights and the rest of engine.arch.
 """

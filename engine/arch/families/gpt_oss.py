@@ -1,6 +1,6 @@
 """gpt_oss: attention with sinks over alternating sliding/full layers, a biased softmax top-k
 router, and fused experts with biases and a clamped SwiGLU, stored plain or as MXFP4
-(engine/arch/gptoss.py has the math; engine/format/layout.py reads both storages).
+(engine/arch/gpt_oss_layers.py has the math; engine/format/layout.py reads both storages).
 Synth writes either storage (`expert_format: "mxfp4"`: as the published checkpoints store them,
 quantized from the same seeded weights the plain format would hold)."""
 
@@ -11,7 +11,7 @@ from engine.arch.args import ModelArgs
 from engine.arch.config_rules import COMMON, K16, M4, Int
 from engine.arch.families.routed import bad, config_int
 from engine.arch.families.synth_plans import gqa_plan, layered_plan, synth_config
-from engine.arch.gptoss import GptOssExperts, SinkAttention
+from engine.arch.gpt_oss_layers import GptOssExperts, SinkAttention
 from engine.arch.router import BiasedTopkSoftmax
 
 

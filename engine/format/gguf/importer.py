@@ -27,7 +27,7 @@ from engine.format.gguf.reader import GGUFModel
 from engine.format.gguf.tensors import build_plan
 from engine.format.gguf.vocab import build_tokenizer
 from engine.arch.registry import model_args
-from engine.format.quant import check_group
+from engine.weights.quantized import check_group
 from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 
 MAX_SHARD_BYTES = 4 << 30

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.base.errors import ModelFormatError
-from engine.format.gguf.archs import (BLK_RE, DERIVED, EXPERT_PARTS, FUSED_GATE_UP, GLOBAL_NAMES, LAYER_NAMES, Arch,
+from engine.format.gguf.gguf_names import (BLK_RE, DERIVED, EXPERT_PARTS, FUSED_GATE_UP, GLOBAL_NAMES, LAYER_NAMES, Arch,
                                       arch_for, unpermute)
 from engine.format.gguf.items import Item, OutTensor, Plan
 from engine.format.gguf.dequant import check_type, dequantize

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 from engine.run.generate import Generation, Sampler, generate
-from engine.serve.metrics import ServerMetrics
-from engine.serve.protocol import ApiError, Sampling
+from colibri.serve.prometheus import ServerMetrics
+from colibri.serve.protocol import ApiError, Sampling
 
 
 STARTED_KEPT = 4096

@@ -6,13 +6,13 @@ import time
 from pathlib import Path
 
 from engine.format.convert import convert
-from engine.format.quant import QUANTS
+from engine.weights.quantized import QUANTS
 from engine.format.gguf import is_gguf
 from engine.format.gguf.importer import import_and_convert
 from engine.run.quality import format_quality, measure_quality
 from engine.run.resolve import resolve_model
-from tuner.commands.argtypes import int_in, nonneg_int, positive_int
-from tuner.commands.run import CTX_MAX, TOKENS_MAX
+from colibri.commands.argtypes import int_in, nonneg_int, positive_int
+from colibri.commands.run import CTX_MAX, TOKENS_MAX
 from tuner.results.printers import convert_progress
 from tuner.results.printers import print_json as _print_json
 from tuner.results.printers import quality_progress

@@ -6,8 +6,8 @@ import sys
 
 from engine.base.output_target import file_target
 from engine.base.progress import Progress
-from tuner.commands.argtypes import check_output_file, positive_int, size
-from tuner.costmodel.geometry import QUANTS
+from colibri.commands.argtypes import check_output_file, positive_int, size
+from tuner.costmodel.model_geometry import QUANTS
 from tuner.costmodel.plan_command import format_plan, run_plan
 from tuner.probe import format_summary, run_probe, save_profile
 from tuner.results.printers import print_json as _print_json

@@ -5,9 +5,9 @@ from __future__ import annotations
 from engine.base.config import CTX_MAX
 from engine.base.errors import ConfigError
 from engine.base.inputs import check_regular
-from tuner.commands.argtypes import finite_float, int_in, positive_int
-from tuner.commands.knob_flags import add_knob_flags, knob_values
-from tuner.commands.run import TOKENS_MAX
+from colibri.commands.argtypes import finite_float, int_in, positive_int
+from colibri.commands.knob_flags import add_knob_flags, knob_values
+from colibri.commands.run import TOKENS_MAX
 from tuner.results.printers import print_json as _print_json
 from tuner.search.lossy import QualityBound
 from tuner.search.options import TuneOptions
@@ -46,7 +46,7 @@ def cmd_tune(args) -> int:
     if args.quality_text is not None:  # refused before anything starts (a FIFO, /dev/zero, too big)
         check_regular(args.quality_text, "text corpus", ConfigError)
 
-    # sizes in bytes and durations in seconds already (tuner/commands/argtypes.py)
+    # sizes in bytes and durations in seconds already (colibri/commands/argtypes.py)
     opts = TuneOptions(**knob_values(args, TuneOptions), lossy=_quality_bound(args))
     if args.quant is not None:
         return _tune_quant(args, opts)

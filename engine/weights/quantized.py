@@ -294,7 +294,7 @@ def kernel_works(quant: str, n: int, k: int, group_size: int, dtype: torch.dtype
 
 class StoredMatrix:
     """What every matrix kept in its stored form shares: int8/int4 (QuantWeight), FP8 block-scaled
-    (fp8.Fp8Weight) and MXFP4 (arch/gptoss.Mxfp4Matrix) are codes plus scales multiplied by their
+    (fp8.Fp8Weight) and MXFP4 (arch/gpt_oss_layers.Mxfp4Matrix) are codes plus scales multiplied by their
     own kernel; the store and the VRAM tier need only their device, their bytes, and a copy on
     another device. Each names the dataclass fields that hold its tensors, codes first."""
 

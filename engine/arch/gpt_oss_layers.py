@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.format.quant import StoredMatrix
+from engine.weights.quantized import StoredMatrix
 from engine.arch.rope import apply_rope
 from engine import native
 

@@ -1,4 +1,4 @@
-"""The `colibri` command line: one parser over the per-command modules in tuner/commands/.
+"""The `colibri` command line: one parser over the per-command modules in colibri/commands/.
 
 Every subcommand is `add_<name>(subparsers)` + `cmd_<name>(args) -> int` in its module, a thin
 layer of argument parsing over importable library functions. Errors that are the input's fault
@@ -12,7 +12,7 @@ import sys
 
 from engine.base.errors import ColibriError
 from engine.base.inputs import printable
-from tuner.commands.argtypes import ColibriArgumentParser
+from colibri.commands.argtypes import ColibriArgumentParser
 from tuner.search.outcome import outcome_of_exception, write_outcome
 
 # Every subcommand, in `colibri --help` order: its name → the module that declares it (add_<name>).
@@ -21,12 +21,12 @@ from tuner.search.outcome import outcome_of_exception, write_outcome
 # a process that runs one command need not pay for the others. That matters most for
 # `colibri bench`, which a tune starts once per trial (tuner/search/trial.py): ~0.5 s of CPU
 # less per trial process on this project's 2-vCPU box (docs/BENCHMARKS.md, cispeed).
-COMMANDS = {"run": "tuner.commands.run", "bench": "tuner.commands.run", "probe": "tuner.commands.machine",
-            "tune": "tuner.commands.tune", "synth": "tuner.commands.synth", "plan": "tuner.commands.machine",
-            "report": "tuner.commands.results", "profile": "tuner.commands.results",
-            "compare": "tuner.commands.results", "convert": "tuner.commands.quant",
-            "quality": "tuner.commands.quant", "serve": "tuner.commands.serve", "chat": "tuner.commands.serve",
-            "doctor": "tuner.commands.doctor"}
+COMMANDS = {"run": "colibri.commands.run", "bench": "colibri.commands.run", "probe": "colibri.commands.machine",
+            "tune": "colibri.commands.tune", "synth": "colibri.commands.synth", "plan": "colibri.commands.machine",
+            "report": "colibri.commands.results", "profile": "colibri.commands.results",
+            "compare": "colibri.commands.results", "convert": "colibri.commands.convert",
+            "quality": "colibri.commands.convert", "serve": "colibri.commands.serve", "chat": "colibri.commands.serve",
+            "doctor": "colibri.commands.doctor"}
 
 
 def build_parser(only: str | None = None) -> ColibriArgumentParser:

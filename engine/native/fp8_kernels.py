@@ -2,7 +2,7 @@
 
 Built into the one native library with the bf16 and MXFP4 kernels (engine/native/__init__.py), so it
 loads where they do. Without it (COLIBRI_NATIVE=0, no compiler, another
-CPU) FP8 weights are dequantized block-wise and multiplied with F.linear (engine/format/fp8.py).
+CPU) FP8 weights are dequantized block-wise and multiplied with F.linear (engine/weights/fp8.py).
 
     load() -> str | None                   None when ready, else why not (one line)
     ready                                  whether the op is loaded

@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 import threading
 
-from engine.serve.protocol import Sampling
-from engine.serve.worker import Job, JobResult
+from colibri.serve.protocol import Sampling
+from colibri.serve.worker import Job, JobResult
 
 HELP = "/reset clears the history, /exit (or Ctrl-D) quits, Ctrl-C stops an answer"
 

@@ -3,7 +3,7 @@
 EngineConfig's fields (engine/base/config.py) are `run`/`bench`/`serve`/`chat`'s engine flags;
 TuneOptions' fields (tuner/search/options.py) are `tune`'s. Each field's metadata (made by
 engine.base.config.knob) names its kind, bounds or choices, help text and, where it differs from
-the field's name, its flag; the ranged argparse types are tuner/commands/argtypes.py's, so every
+the field's name, its flag; the ranged argparse types are colibri/commands/argtypes.py's, so every
 generated numeric flag keeps a range (tests/test_argtypes.py walks the parser).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.base.config import size_label
-from tuner.commands.argtypes import duration, finite_float, int_in, seconds, size
+from colibri.commands.argtypes import duration, finite_float, int_in, seconds, size
 
 
 def knob_flag(f: dataclasses.Field, with_default: bool = True) -> tuple[str, dict]:

@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streamed with server-sent events
 when asked), GET /v1/models, GET /health, GET /metrics. Every request body is size-limited and
-validated (engine/serve/protocol.py); every refusal is an OpenAI error object. When an API key is
+validated (colibri/serve/protocol.py); every refusal is an OpenAI error object. When an API key is
 set, every route but /health needs `Authorization: Bearer <key>`, compared in constant time.
 """
 
@@ -21,9 +21,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from engine.base.errors import ColibriError
-from engine.serve.metrics import ServerMetrics
-from engine.serve.protocol import ApiError, Sampling, parse_chat, parse_completion
-from engine.serve.worker import GenerationWorker, Job, JobResult
+from colibri.serve.prometheus import ServerMetrics
+from colibri.serve.protocol import ApiError, Sampling, parse_chat, parse_completion
+from colibri.serve.worker import GenerationWorker, Job, JobResult
 
 DEFAULT_MAX_BODY = 4 << 20
 

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.base.errors import ModelFormatError
-from engine.format.quant import StoredMatrix
-from engine.native import fp8 as native_fp8
+from engine.weights.quantized import StoredMatrix
+from engine.native import fp8_kernels as native_fp8
 
 FP8_TAG = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"

@@ -18,10 +18,10 @@ from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError, ModelFormatError
 from engine.run.generate import load_tokenizer
 from engine.run.runtime import Engine
-from engine.serve.app import DEFAULT_MAX_BODY, ServeState, build_app
-from engine.serve.chat_template import ChatTemplate
-from engine.serve.metrics import ServerMetrics
-from engine.serve.worker import GenerationWorker
+from colibri.serve.app import DEFAULT_MAX_BODY, ServeState, build_app
+from colibri.serve.chat_template import ChatTemplate
+from colibri.serve.prometheus import ServerMetrics
+from colibri.serve.worker import GenerationWorker
 
 API_KEY_ENV = "COLIBRI_API_KEY"
 MAX_QUEUE = 1024

@@ -9,8 +9,8 @@ from engine.base.progress import Progress
 from engine.run.resolve import resolve_model
 from tuner.doctor.facts import gather
 from tuner.doctor.rules import diagnose
-from tuner.commands.argtypes import int_in, size
-from tuner.commands.run import CTX_MAX
+from colibri.commands.argtypes import int_in, size
+from colibri.commands.run import CTX_MAX
 from tuner.probe import run_probe
 from tuner.probe.hardware_profile import load_profile
 from tuner.results.printers import print_json

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from engine.base.config import EngineConfig
 
 from tuner.costmodel.fit import factors_from_profile
-from tuner.costmodel.geometry import ModelGeometry, from_model_dir
+from tuner.costmodel.model_geometry import ModelGeometry, from_model_dir
 from tuner.costmodel.hardware import HardwareView
-from tuner.costmodel.model_facts import recall_for
+from tuner.costmodel.calibrated_facts import recall_for
 from tuner.costmodel.predict import Factors, Prediction, RunConditions, predict
 from tuner.costmodel.memplan import fits
 from tuner.costmodel.routing_model import RoutingModel, make_routing

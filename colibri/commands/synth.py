@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine import synth
 from engine.base.errors import ConfigError
-from tuner.commands.argtypes import finite_float, seed
+from colibri.commands.argtypes import finite_float, seed
 from tuner.results.printers import print_json as _print_json
 from tuner.results.printers import presets_text, synth_text
 

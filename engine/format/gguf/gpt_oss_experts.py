@@ -1,4 +1,4 @@
-"""gpt-oss GGUF experts → the fused per-layer experts the engine reads (engine/arch/gptoss.py).
+"""gpt-oss GGUF experts → the fused per-layer experts the engine reads (engine/arch/gpt_oss_layers.py).
 
 llama.cpp's converter (conversion/gpt_oss.py) splits HF's fused experts: `gate_up_proj`
 [E, H, 2I] (gate at even output columns, up at odd) becomes `ffn_gate_exps` / `ffn_up_exps`

@@ -12,10 +12,10 @@ Quant levels are bytes per weight, scale overhead included:
   bf16  2 bytes;  fp32  4 bytes;
   int8  1 byte + one bf16 scale per output row (2 / K bytes per weight);
   fp8   1 byte + one fp32 scale per 128x128 block (4 / 16384 bytes per weight): the published
-        FP8 e4m3 checkpoints (DeepSeek-V3/R1, Kimi-K2, GLM/Qwen3 FP8; engine/format/fp8.py);
+        FP8 e4m3 checkpoints (DeepSeek-V3/R1, Kimi-K2, GLM/Qwen3 FP8; engine/weights/fp8.py);
   int4  half a byte + a bf16 scale and a bf16 zero per group of 64 (4 / 64 bytes per weight),
         the layout of torch's _weight_int4pack_mm (scales_and_zeros [K/group, N, 2]).
-These are engine/format/quant.py's containers (int8 per row, int4 group 64 by default) with scope
+These are engine/weights/quantized.py's containers (int8 per row, int4 group 64 by default) with scope
 "all": every matrix quantized, embeddings included, as Colibrì keeps GLM-5's dense part at
 int4; norms (1-D) stay in bf16.
 """
@@ -169,7 +169,7 @@ def from_model_dir(model_dir: str | os.PathLike) -> ModelGeometry:
              for n in names]
     native = {torch.float32: "fp32"}.get(checkpoint_dtype(ckpt), "bf16")
     if (ckpt.config.get("quantization_config") or {}).get("quant_method") == "fp8":
-        native = "fp8"  # as published: the engine keeps the FP8 bytes (engine/format/fp8.py)
+        native = "fp8"  # as published: the engine keeps the FP8 bytes (engine/weights/fp8.py)
     synth = ckpt.config.get("colibri_synth") or {}
     return ModelGeometry(
         name=Path(model_dir).name, model_type=args.model_type, num_layers=args.num_layers,

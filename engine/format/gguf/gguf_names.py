@@ -12,7 +12,7 @@ glm}.py and gguf-py's tensor_mapping.py):
   they are joined back;
 - multi-token-prediction layers (GLM's `nextn`) are left out and listed as skipped;
 - gpt-oss (conversion/gpt_oss.py): attention sinks, q/k/v/o biases, the biased router, and the
-  experts fused back into HF's per-layer tensors, MXFP4 kept as stored (gptoss.py);
+  experts fused back into HF's per-layer tensors, MXFP4 kept as stored (gpt_oss_experts.py);
 - glm-dsa (GLM-5, conversion/glm.py GlmMoeDsaModel): deepseek2's MLA plus the DSA indexer's
   tensors and its `attention.indexer.*` metadata.
 A GGUF whose architecture is not listed in ARCHS is refused with one line naming it.
@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from engine.base.errors import ModelFormatError, UnsupportedModelError
-from engine.format.gguf import gptoss
+from engine.format.gguf import gpt_oss_experts
 from engine.format.gguf.reader import GGUFModel
 
 # GGUF tensor (after `blk.N.`) → HF tensor (after `model.layers.N.`); `{moe}` is the arch's MoE prefix.
@@ -63,7 +63,7 @@ SHARED_DEEPSEEK = {  # deepseek / glm: ungated shared experts
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
 }
-GPT_OSS_NAMES = {  # beyond LAYER_NAMES; its experts are gptoss.experts
+GPT_OSS_NAMES = {  # beyond LAYER_NAMES; its experts are gpt_oss_experts.experts
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "attn_output.bias": "self_attn.o_proj.bias", "attn_sinks.weight": "self_attn.sinks",
     "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
@@ -251,8 +251,8 @@ def config_gpt_oss(m: GGUFModel, layers: int, moe_layers: list[bool]) -> dict:
            "attention_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
     if cfg.get("rope_scaling", {}).get("rope_type") == "yarn":
         cfg["rope_scaling"]["truncate"] = False
-    if gptoss.stores_mxfp4(m):
-        cfg["quantization_config"] = dict(gptoss.MXFP4_QUANT_CONFIG)
+    if gpt_oss_experts.stores_mxfp4(m):
+        cfg["quantization_config"] = dict(gpt_oss_experts.MXFP4_QUANT_CONFIG)
     return cfg
 
 
@@ -276,7 +276,7 @@ ARCHS = {
     "deepseek2": Arch("deepseek_v3", config_deepseek2, shared=SHARED_DEEPSEEK),
     "glm4moe": Arch("glm4_moe", config_glm4moe, shared={**SHARED_DEEPSEEK, **GLM_NAMES}),
     "glm-dsa": Arch("glm_moe_dsa", config_glm_dsa, shared={**SHARED_DEEPSEEK, **DSA_INDEXER_NAMES}),
-    "gpt-oss": Arch("gpt_oss", config_gpt_oss, shared=GPT_OSS_NAMES, experts=gptoss.experts),
+    "gpt-oss": Arch("gpt_oss", config_gpt_oss, shared=GPT_OSS_NAMES, experts=gpt_oss_experts.experts),
 }
 
 

@@ -12,9 +12,9 @@ from engine.run.bench import run_bench
 from engine.run.generate import Sampler, load_tokenizer
 from engine.run.oneshot import run_generation
 from engine.run.resolve import resolve_model
-from engine.run.workload import load_requests, load_workload
-from tuner.commands.argtypes import check_output_file, finite_float, nonneg_int, positive_int, seconds, seed, size
-from tuner.commands.knob_flags import knob_flag
+from engine.run.prompts_file import load_requests, load_workload
+from colibri.commands.argtypes import check_output_file, finite_float, nonneg_int, positive_int, seconds, seed, size
+from colibri.commands.knob_flags import knob_flag
 from tuner.results.printers import print_json as _print_json
 from tuner.results.printers import bench_text, run_header, run_text
 from tuner.search.outcome import Outcome, write_outcome

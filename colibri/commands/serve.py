@@ -8,11 +8,11 @@ from pathlib import Path
 from engine.base.config import parse_size
 from engine.base.errors import ConfigError
 from engine.run.resolve import resolve_model
-from engine.serve.chat import chat_loop
-from engine.serve.protocol import ApiError, Sampling, parse_sampling
-from engine.serve.server import API_KEY_ENV, LoadedModel, ServeOptions, check_options, serve
-from tuner.commands.argtypes import finite_float, int_in, positive_int, seed
-from tuner.commands.run import TOKENS_MAX, add_engine_flags, engine_config_from_args
+from colibri.serve.chat import chat_loop
+from colibri.serve.protocol import ApiError, Sampling, parse_sampling
+from colibri.serve.server import API_KEY_ENV, LoadedModel, ServeOptions, check_options, serve
+from colibri.commands.argtypes import finite_float, int_in, positive_int, seed
+from colibri.commands.run import TOKENS_MAX, add_engine_flags, engine_config_from_args
 
 
 def add_serve(sub) -> None:

@@ -1,2 +1,0 @@
-"""The `colibri` subcommands, one module per group: `add_<name>(subparsers)` declares the
-arguments, `cmd_<name>(args)` calls the library and prints (tuner/cli.py is the dispatcher)."""
