@@ -2,7 +2,7 @@
 the measurement window, and the read figures their stats() report under the same keys (so bench,
 the tuner and the server read either store alike).
 
-    StreamingExperts   routed experts read into slots and tiered caches (streaming.py)
+    StreamingExperts   routed experts read into slots and tiered caches (streaming_experts.py)
     StreamingLayers    a dense model's layers read per forward pass (streaming_layers.py)
 """
 
@@ -12,10 +12,12 @@ import time
 
 from engine.base.config import EngineConfig
 from engine.movement.io import IOStats, open_read_pool
-from engine.movement.store import ExpertStore
+from engine.movement.store import WeightStore
 
 
-class ReadingStore(ExpertStore):
+class ReadingStore(WeightStore):
+    """The read side both streaming stores share (a base of each, beside its own contract)."""
+
     streams = True
 
     def open_reads(self, config: EngineConfig) -> None:

@@ -1,13 +1,17 @@
-"""The ExpertStore contract: what the model asks of the weights it does not hold itself.
+"""The store contracts: what the model asks of the weights it does not hold itself.
 
-Three stores implement it (the conformance suite, tests/test_store_contract.py, runs over
-every one of them):
+Two contracts on one lifecycle (`WeightStore`), since a store either holds routed experts or
+streams a dense model's layers, never both:
 
-    ResidentExperts    every routed expert in RAM (here): the reference placement
-    StreamingExperts   routed experts read from disk into slots and tiered caches (streaming.py)
-    StreamingLayers    a dense model's layers read per forward pass (streaming_layers.py)
+    ExpertStore   routed experts by (layer, expert)
+        ResidentExperts    every routed expert in RAM (here): the reference placement
+        StreamingExperts   read from disk into slots and tiered caches (streaming_experts.py)
+    LayerStore    a dense model's layers by name
+        StreamingLayers    read per forward pass, ahead of use (streaming_layers.py)
 
-What the model calls:
+The conformance suite (tests/test_store_contract.py) runs over every one of them.
+
+What the model calls of an ExpertStore:
     for_each_expert(layer, experts, fn)   call fn(expert, weights) once per expert, in the
                                           order the weights become available (hits first,
                                           then reads as they land); the caller sums in a
@@ -16,9 +20,10 @@ What the model calls:
     resident(layer, experts)              their weights if all are held in RAM for good
                                           (ResidentExperts), else None: the decode step may
                                           then batch them into one call.
-    layer_weights(layer) / hint_layer(layer)   layer streaming: a layer's tensors by name.
+of a LayerStore:
+    layer_weights(layer) / hint_layer(layer)   a layer's tensors by name; read ahead.
 
-What the runtime and bench call:
+What the runtime and bench call of either (WeightStore):
     streams           whether a disk is in the loop (bench makes those cold; io stats exist)
     clear_caches()    forget every cached weight; reads in flight are waited for or cancelled
     make_cold()       clear_caches() + drop the weights' pages; returns how cold was achieved
@@ -44,29 +49,10 @@ from engine.format.layout import ExpertLayout, tensors_from_buffers
 ExpertFn = Callable[[int, tuple], None]
 
 
-class ExpertStore(ABC):
+class WeightStore(ABC):
+    """The lifecycle every store shares: the runtime and bench call these, never the model."""
+
     streams: bool = False
-
-    # ---- what the model asks ------------------------------------------------------------------
-
-    def for_each_expert(self, layer: int, experts: list[int], fn: ExpertFn) -> None:
-        raise NotImplementedError(f"{type(self).__name__} holds no routed experts")
-
-    def hint_experts(self, layer: int, experts: list[int]) -> None:
-        """Default: nothing to read ahead."""
-
-    def resident(self, layer: int, experts: list[int]) -> list[tuple] | None:
-        """These experts' weights, in this order, if all are in RAM for good (no read, no cache
-        bookkeeping): the model may then compute them in one batched call. Default: None."""
-        return None
-
-    def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
-        raise NotImplementedError(f"{type(self).__name__} does not stream layers")
-
-    def hint_layer(self, layer: int) -> None:
-        """Default: nothing to read ahead."""
-
-    # ---- lifecycle ------------------------------------------------------------------------------
 
     def clear_caches(self) -> None:
         """Default: nothing cached."""
@@ -84,6 +70,31 @@ class ExpertStore(ABC):
 
     def close(self) -> None:
         """Default: nothing to release."""
+
+
+class ExpertStore(WeightStore):
+    """Routed experts by (layer, expert): what the MoE layers ask for."""
+
+    @abstractmethod
+    def for_each_expert(self, layer: int, experts: list[int], fn: ExpertFn) -> None: ...
+
+    def hint_experts(self, layer: int, experts: list[int]) -> None:
+        """Default: nothing to read ahead."""
+
+    def resident(self, layer: int, experts: list[int]) -> list[tuple] | None:
+        """These experts' weights, in this order, if all are in RAM for good (no read, no cache
+        bookkeeping): the model may then compute them in one batched call. Default: None."""
+        return None
+
+
+class LayerStore(WeightStore):
+    """A dense model's layers by name: what a streamed dense layer asks for."""
+
+    @abstractmethod
+    def layer_weights(self, layer: int) -> dict[str, torch.Tensor]: ...
+
+    def hint_layer(self, layer: int) -> None:
+        """Default: nothing to read ahead."""
 
 
 class ResidentExperts(ExpertStore):

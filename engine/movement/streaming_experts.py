@@ -34,6 +34,7 @@ from engine.movement.io import align_up
 from engine.movement.plan import MemoryPlan
 from engine.movement.reading_store import ReadingStore
 from engine.movement.slots import SlotArena
+from engine.movement.store import ExpertStore
 
 # How long a read waits for a worker to release a slot before it counts an overflow: a guard
 # against a budget bug, far above the slowest pread.
@@ -57,7 +58,7 @@ class _Read:
         self.prefetch = prefetch
 
 
-class StreamingExperts(ReadingStore):
+class StreamingExperts(ReadingStore, ExpertStore):
     def __init__(self, layout: ExpertLayout, config: EngineConfig, plan: MemoryPlan, dtype: torch.dtype):
         self.layout = layout
         self.dtype = dtype

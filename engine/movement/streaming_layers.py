@@ -11,9 +11,10 @@ import torch
 from engine.base.config import EngineConfig
 from engine.format.layout import group_into_spans, piece_tensor
 from engine.movement.reading_store import ReadingStore
+from engine.movement.store import LayerStore
 
 
-class StreamingLayers(ReadingStore):
+class StreamingLayers(ReadingStore, LayerStore):
     """Layer streaming for dense models: a layer's tensors are read per token, ahead of use."""
 
     def __init__(self, checkpoint, names_by_layer: dict[int, list[str]], config: EngineConfig, dtype: torch.dtype):

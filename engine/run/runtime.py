@@ -31,7 +31,7 @@ from engine.movement.plan import MemoryPlan, make_plan, prefill_tokens_per_pass
 from engine.arch.router import routing_trim
 from engine.format.tensor_checks import check_shapes
 from engine.movement.cache import routing_histogram_save
-from engine.movement.store import ExpertStore, ResidentExperts
+from engine.movement.store import ResidentExperts, WeightStore
 from engine.movement.streaming_experts import StreamingExperts
 from engine.movement.streaming_layers import StreamingLayers
 from engine.weights.quantized import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT4_STRIPS, KERNEL_INT8, kernel_works
@@ -196,7 +196,7 @@ class Engine:
         return list(range(self.plan.resident_layers, self.args.num_layers))
 
     @property
-    def store(self) -> ExpertStore | None:
+    def store(self) -> WeightStore | None:
         """The store behind the weights the model does not hold: experts or layers (None for a
         dense model held whole). `store.streams` says whether a disk is in the loop."""
         return self.experts if self.experts is not None else self.layers
