@@ -100,23 +100,22 @@ def warm_start_entry(profile_path: str, geometry: dict, log, quant: str | None =
 
 # --- writing a run's files ------------------------------------------------------------------
 
-def write_outputs(run, result: TuneResult) -> dict:
+def write_outputs(out: Path, study, profile, result: TuneResult, log) -> dict:
     """trials.csv, recommended.toml, result.json, report.md + plots, report.html, profile.json
-    ({name: path})."""
-    out = run.out
-    files = {"trials.csv": write_trials_csv(run.study.get_trials(deepcopy=False), out / "trials.csv")}
+    ({name: path}) in `out`, from the finished `study` (an optuna.Study) and `result`."""
+    files = {"trials.csv": write_trials_csv(study.get_trials(deepcopy=False), out / "trials.csv")}
     rec = result.recommended
     if rec:
         config = EngineConfig.from_dict(rec.config, source="recommended config")
         files["recommended.toml"] = write_recommended_toml(config, result, out / "recommended.toml")
     files["result.json"] = write_result_json(result, out / "result.json")
     try:
-        files.update(write_report(run.study, result, out))
-        files["report.html"] = write_html_report(out, study=run.study)
+        files.update(write_report(study, result, out))
+        files["report.html"] = write_html_report(out, study=study)
     except Exception as exc:  # the numbers are saved; a plotting problem must not lose them
-        run.log(f"report: could not be written ({type(exc).__name__}: {exc})")
+        log(f"report: could not be written ({type(exc).__name__}: {exc})")
     if rec:
-        files["profile.json"] = record_best_config(run.profile, result, out / "profile.json")
+        files["profile.json"] = record_best_config(profile, result, out / "profile.json")
     return files
 
 

@@ -1,14 +1,17 @@
 """A finished tune session as its TuneResult: the recommendation, the references, the study's
 counts, the conditions and the versions (result.json, tuner/results/result.py).
 
-It reads the session the study ran (`study._Run`, duck-typed: its options, clock, space, facts,
-profile and counts) and the confirmation round's decision (confirm.Decision); tuner/results/outputs.py
-writes the files from the result.
+It reads a `FinishedSession` (the typed record of what the study ran: its options, clock, space,
+facts, profile and counts; study.py makes one when the search and confirmation are over) and the
+confirmation round's decision (confirm.Decision); tuner/results/outputs.py writes the files from
+the result.
 """
 
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass
+from pathlib import Path
 
 import optuna
 
@@ -20,17 +23,49 @@ from tuner.base.typed_json import decode
 from tuner.probe.probe_errors import ProfileError
 from tuner.results.result import (
     OBJECTIVE_KEY, RESULT_SCHEMA, Candidate, Conditions, ConfirmationInfo, Figures, MemoryLimit, ModelInfo, ProfileSummary,
-    QualityInfo, ResultError, SettingQuality, StudyInfo, TuneResult, Versions,
+    QualityInfo, ResultError, SettingQuality, StudyInfo, TuneResult, Versions, WorkloadInfo,
 )
-from tuner.search.confirm import feasible
+from tuner.search.budget import TimeBudget
+from tuner.search.confirm import Decision, feasible
+from tuner.search.explore import SearchCounts
+from tuner.search.model_facts import ModelFacts
+from tuner.search.options import TuneOptions
+from tuner.search.space import SearchSpace
 from tuner.search.study_storage import redact_url
 
 COLD_MEANS = ("the model's pages are dropped from the page cache and the engine's caches emptied "
               "before every repeat: weights come from disk")
 
 
-def build_result(run, decision) -> TuneResult:
-    """The TuneResult of a finished session (`run` is study._Run, `decision` confirm.Decision)."""
+@dataclass(frozen=True)
+class FinishedSession:
+    """What a tune session ran, once its search and confirmation are over: everything the
+    result is built from, typed, so the result does not depend on the session's internals."""
+
+    opts: TuneOptions
+    model_name: str
+    model_dir: Path
+    facts: ModelFacts
+    space: SearchSpace
+    budget: int
+    limit_bytes: int
+    has_gpu: bool
+    study: optuna.Study
+    study_name: str
+    storage_url: str
+    started_utc: str
+    clock: TimeBudget
+    profile: object  # tuner.probe's HardwareProfile
+    profile_source: str
+    calibration: dict  # the calibration trial's facts (preflight.calibrate)
+    workload_info: WorkloadInfo
+    search_counts: SearchCounts
+    stop_reason: str
+    measuring_seconds: float
+
+
+def build_result(run: FinishedSession, decision: Decision) -> TuneResult:
+    """The TuneResult of a finished session."""
     opts = run.opts
     winner, base, defaults = decision.winner, decision.baseline, decision.defaults
     key = OBJECTIVE_KEY[opts.objective]

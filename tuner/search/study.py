@@ -237,6 +237,17 @@ class _Run(TuneSetup):
         return next((t for t in sorted(self.measured(), key=lambda t: t.number)
                      if objective.point_key(t.params) == key), None)
 
+    def finished(self) -> assemble.FinishedSession:
+        """The typed record of this session that its result is built from."""
+        return assemble.FinishedSession(
+            opts=self.opts, model_name=self.model_name, model_dir=self.model_dir, facts=self.facts,
+            space=self.space, budget=self.budget, limit_bytes=self.limit_bytes, has_gpu=self.has_gpu,
+            study=self.study, study_name=self.study_name, storage_url=self.storage_url,
+            started_utc=self.started_utc, clock=self.clock, profile=self.profile,
+            profile_source=self.profile_source, calibration=self.calibration, workload_info=self.workload_info,
+            search_counts=explore.search_counts(self.complete()), stop_reason=self.stop_reason,
+            measuring_seconds=self.measuring_seconds)
+
     def write_trials_csv(self) -> None:
         # Through the held directory: a run directory the user deleted is never re-created.
         self.watch.write_text("trials.csv", trials_csv(self.study.get_trials(deepcopy=False)))
@@ -273,11 +284,10 @@ def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
             log(f"interrupted: {done} completed trial(s) are saved in {redact_url(run.storage_url)}; "
                 f"continue with: {again}")
             raise
-        run.search_counts = explore.search_counts(run.complete())
-        tune = assemble.build_result(run, decision)
+        tune = assemble.build_result(run.finished(), decision)
         result = tune.to_dict()
         run.watch.check()
-        files = outputs.write_outputs(run, tune)
+        files = outputs.write_outputs(run.out, run.study, run.profile, tune, run.log)
         if opts.lossy is not None:
             trials = run.complete()
             summary = lossy.front_summary(trials, opts.lossy, result.get("recommended"), run.facts.quant)
