@@ -284,13 +284,18 @@ def same_placement_ratios(points: list[dict], trials) -> None:
         p["vs_lossless_same_placement"] = round(p["decode_tok_s"] / base, 4) if base else None
 
 
+def _heading(summary: dict, speed: str) -> list[str]:
+    """Both tables' title and bound line; `speed` says what the speed column is."""
+    return ["## Speed against quality (lossy settings)", "",
+            f"Bound: {summary['bound_text']}, measured on {summary['bound']['tokens']} tokens (ctx "
+            f"{summary['bound']['ctx']}) against the lossless reference. Speed: {speed}", ""]
+
+
 def markdown(summary: dict) -> str:
     if "front_confirmation" in summary:
         return confirmed_markdown(summary)
-    rows = ["## Speed against quality (lossy settings)", "",
-            f"Bound: {summary['bound_text']}, measured on {summary['bound']['tokens']} tokens (ctx "
-            f"{summary['bound']['ctx']}) against the lossless reference. Speed: the setting's fastest search "
-            f"trial (decode tok/s); the recommended config's confirmed figure is above.", "",
+    rows = _heading(summary, "the setting's fastest search trial (decode tok/s); the recommended config's "
+                             "confirmed figure is above.") + [
             "| setting | decode tok/s | vs lossless, same placement | KL mean | same top-1 | within bound | "
             "Pareto front | chosen |",
             "|---|---|---|---|---|---|---|---|"]
@@ -311,11 +316,9 @@ def confirmed_markdown(summary: dict) -> str:
     rounds = (f"{fc['rounds_run']} of {fc['rounds']} interleaved rounds" + (f" ({fc['stopped']})" if fc.get("stopped")
                                                                            else "")) if "rounds" in fc else \
         "each level's own interleaved rounds"
-    rows = ["## Speed against quality (lossy settings)", "",
-            f"Bound: {summary['bound_text']}, measured on {summary['bound']['tokens']} tokens (ctx "
-            f"{summary['bound']['ctx']}) against the lossless reference. Speed: the median of {rounds} re-measuring "
-            f"each setting's fastest search trial (min-max over every repeat); '(search)': not re-measured, the "
-            f"fastest search trial stands. The front is drawn from these figures.", "",
+    rows = _heading(summary, f"the median of {rounds} re-measuring each setting's fastest search trial (min-max "
+                             f"over every repeat); '(search)': not re-measured, the fastest search trial stands. "
+                             f"The front is drawn from these figures.") + [
             "| setting | decode tok/s | min-max | runs | search trial | vs lossless, same placement | KL mean | "
             "same top-1 | within bound | Pareto front | chosen |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
