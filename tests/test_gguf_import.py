@@ -24,7 +24,7 @@ from engine import synth
 from engine.base.config import EngineConfig
 from engine.base.errors import ModelFormatError
 from engine.run.generate import Sampler, generate
-from engine.arch.gpt_oss_layers import mxfp4_dequantize
+from engine.weights.mxfp4 import mxfp4_dequantize
 from engine.format.gguf.dequant import dequantize
 from engine.format.gguf.gpt_oss_experts import ggml_mxfp4_to_hf
 from engine.format.gguf.reader import GGUFModel

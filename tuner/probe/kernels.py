@@ -26,7 +26,8 @@ import time
 from typing import Callable, Sequence
 
 from engine import native
-from engine.weights.quantized import QuantWeight, linear, quantize
+from engine.weights.quantized import QuantWeight, quantize
+from engine.weights.stored import linear
 from tuner.probe.cpu import time_calls, each_thread_count
 from tuner.probe.hardware_profile import KERNEL_QUANTS, KernelPoint, Quantity
 
