@@ -1,4 +1,5 @@
-"""FP8 block-scaled checkpoints as published (engine/weights/fp8.py, engine/format/fp8_checkpoint.py), MTP layers (engine/format/mtp.py).
+"""FP8 block-scaled checkpoints as published (engine/format/fp8_checkpoint.py, engine/weights/fp8.py), MTP layers
+(engine/format/mtp.py).
 
 Each architecture: a tiny random model built with transformers' classes, written the way the FP8
 releases store it (tests/colibri_fp8.py: e4m3 weights + weight_scale_inv F32 per block, blocks of

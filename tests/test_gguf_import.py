@@ -282,6 +282,17 @@ def test_unknown_architecture(source, tmp_path, capsys):
     assert "architecture 'falcon' is not supported" in _cli_error(capsys, g, tmp_path / "o")
 
 
+def test_every_gguf_record_has_its_config_mapping():
+    """The records with GGUF names (engine/arch/families/, registry.BY_GGUF_ARCH) are what import takes:
+    each has its metadata → config.json function in gguf_names.CONFIGS, which names no other, and
+    one model_type to write."""
+    from engine.arch.registry import BY_GGUF_ARCH
+    from engine.format.gguf.gguf_names import CONFIGS, FUSED_EXPERTS
+    names = {a.name for a in BY_GGUF_ARCH.values()}
+    assert set(CONFIGS) == names and set(FUSED_EXPERTS) <= names
+    assert all(a.model_types == (a.name,) for a in BY_GGUF_ARCH.values())
+
+
 def test_unsupported_type_named(source, tmp_path, capsys):
     w = gguf.GGUFWriter(tmp_path / "iq.gguf", "qwen3moe")
     w.add_tensor("token_embd.weight", np.zeros((4, 144), np.uint8), raw_shape=(4, 144), raw_dtype=T.IQ4_NL)

@@ -122,7 +122,8 @@ class Engine:
         self.skipped = mtp_summary(self.checkpoint, self.args)
         dense_names = dense_tensor_names(self.args)
         quantized = dense_quantized(self.checkpoint, container, dense_names)  # checks their own shapes
-        fp8_kept, fp8_dequantized = fp8_checkpoint.dense_fp8(self.checkpoint, self.fp8, dense_names)  # checks their scales
+        # checks their scales
+        fp8_kept, fp8_dequantized = fp8_checkpoint.dense_fp8(self.checkpoint, self.fp8, dense_names)
         check_shapes(self.checkpoint, self.args, [n for n in dense_names if n not in quantized])
         self.layout = ExpertLayout(self.checkpoint, self.args) if self.args.is_moe else None
 
