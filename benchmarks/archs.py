@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from engine import synth  # noqa: E402
 from engine.base.config import EngineConfig, format_size, parse_size  # noqa: E402
-from engine.arch.gpt_oss_layers import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
+from engine.weights.mxfp4 import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
 from engine.run.run_metrics import git_commit  # noqa: E402
 from engine.arch.registry import model_args  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402

@@ -5,7 +5,7 @@ Two tables (run under `quiet bench` on the shared box):
 1. One expert's decode compute (one token, one thread, median of --repeats with min-max): the
    fused kernel (engine/native/mxfp4_decode.cpp, gate_up then down straight from blocks +
    scales) against what the engine did before, dequantize both matrices to bf16
-   (engine.arch.gpt_oss_layers.mxfp4_dequantize) and then F.linear, at the gpt-oss-small and the published
+   (engine.weights.mxfp4.mxfp4_dequantize) and then F.linear, at the gpt-oss-small and the published
    gpt-oss-120b expert geometry (hidden 2880, intermediate 2880). Weight bytes touched per
    expert and the fused kernel's GB/s of stored weights beside them.
 2. Decode tok/s of gpt-oss-small (`colibri synth gpt-oss-small`, MXFP4 experts) fused and with
@@ -34,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine import native, synth  # noqa: E402
 from engine.base.config import format_size, parse_size  # noqa: E402
-from engine.arch.gpt_oss_layers import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
+from engine.weights.mxfp4 import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
 from engine.run.run_metrics import git_commit  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402
 from benchmarks.archs import decode_arguments, placements, trial_cells  # noqa: E402

@@ -166,7 +166,7 @@ def write_mxfp4_checkpoint(src, out):
     `<proj>_blocks` [E, out, in/32, 16] uint8, `<proj>_scales` [E, out, in/32], bf16 biases."""
     from safetensors.torch import load_file, save_file
 
-    from engine.arch.gpt_oss_layers import mxfp4_quantize
+    from engine.weights.mxfp4 import mxfp4_quantize
     state = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(f).items()}
     new = {}
     for name, t in state.items():
@@ -197,7 +197,7 @@ def mxfp4(tmp_path_factory):
 
 
 def test_mxfp4_dequantizes_exactly_as_transformers(mxfp4):
-    from engine.arch.gpt_oss_layers import mxfp4_dequantize
+    from engine.weights.mxfp4 import mxfp4_dequantize
     model, _, state = mxfp4
     for layer, block in enumerate(model.model.layers):
         for proj in ("gate_up_proj", "down_proj"):
@@ -209,19 +209,19 @@ def test_mxfp4_dequantizes_exactly_as_transformers(mxfp4):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp4_dequantize_matches_transformers_across_chunks(dtype, monkeypatch):
     """Every byte value and a spread of exponents, rows split over several uneven chunks."""
-    import engine.arch.gpt_oss_layers as gptoss
+    import engine.weights.mxfp4 as mx
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 70, 5, 16), dtype=torch.uint8, generator=gen)
     # Every exponent byte but 255 (E8M0's NaN): subnormal and huge powers of two round the same.
     scales = (torch.arange(3 * 70 * 5) % 255).to(torch.uint8).view(3, 70, 5)
-    monkeypatch.setattr(gptoss, "DEQUANT_CHUNK", 3 * 5 * 16)  # 3 rows per chunk; 70 is not a multiple
-    ours = gptoss.mxfp4_dequantize(blocks, scales, dtype)
+    monkeypatch.setattr(mx, "DEQUANT_CHUNK", 3 * 5 * 16)  # 3 rows per chunk; 70 is not a multiple
+    ours = mx.mxfp4_dequantize(blocks, scales, dtype)
     assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=dtype).transpose(1, 2))
 
 
 def test_mxfp4_quantize_round_trips_representable_values():
-    from engine.arch.gpt_oss_layers import FP4_VALUES, mxfp4_dequantize, mxfp4_quantize
+    from engine.weights.mxfp4 import FP4_VALUES, mxfp4_dequantize, mxfp4_quantize
     values = torch.tensor(FP4_VALUES).repeat(4)  # 64 values: two blocks whose largest is 6
     w = torch.stack([values * 2.0 ** -3, values * 2.0 ** 5])  # [2, 64]: exponents -3 and 5
     blocks, scales = mxfp4_quantize(w)
@@ -233,14 +233,14 @@ def test_mxfp4_quantize_round_trips_representable_values():
 def test_mxfp4_checkpoint_matches_transformers(mxfp4, fused, monkeypatch):
     """The native fused kernel (experts kept as stored) and the torch fallback (dequantized on
     read, as without AVX-512 or with COLIBRI_NATIVE=0) both match transformers."""
-    import engine.arch.gpt_oss_layers as gptoss
-    if fused and not gptoss.fused_kernel_available():
+    import engine.weights.mxfp4 as mx
+    if fused and not mx.fused_kernel_available():
         pytest.skip(f"native kernels unavailable: {native.load()}")
     if not fused:
-        monkeypatch.setattr(gptoss, "fused_kernel_available", lambda: False)
+        monkeypatch.setattr(mx, "fused_kernel_available", lambda: False)
     model, d, _ = mxfp4
     with fp32_engine(d) as engine:
-        assert engine.kernel == (gptoss.MXFP4_FUSED if fused else gptoss.MXFP4_DEQUANT)
+        assert engine.kernel == (mx.MXFP4_FUSED if fused else mx.MXFP4_DEQUANT)
         a = engine.args
         H, I = a.hidden_size, a.moe_intermediate_size
         if fused:  # the plan counts the stored 4.25 bits per weight, biases in the compute dtype (fp32)

@@ -4,7 +4,7 @@ sigmoid group routing, gpt_oss experts plain and MXFP4-dequantized on read)."""
 
 import pytest
 
-from engine.arch.gpt_oss_layers import MXFP4_DEQUANT
+from engine.weights.mxfp4 import MXFP4_DEQUANT
 from engine.run.bench import run_bench
 from engine.base.config import EngineConfig
 from engine.run.generate import Sampler, generate

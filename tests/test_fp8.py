@@ -1,4 +1,5 @@
-"""FP8 block-scaled checkpoints as published (engine/weights/fp8.py), MTP layers (engine/format/mtp.py).
+"""FP8 block-scaled checkpoints as published (engine/format/fp8_checkpoint.py, engine/weights/fp8.py), MTP layers
+(engine/format/mtp.py).
 
 Each architecture: a tiny random model built with transformers' classes, written the way the FP8
 releases store it (tests/colibri_fp8.py: e4m3 weights + weight_scale_inv F32 per block, blocks of
@@ -25,7 +26,7 @@ from engine.weights import fp8
 from engine.format.checkpoint import Checkpoint
 from engine.format.layout import ExpertLayout
 from engine.arch.args import ModelArgs
-from engine.native import fp8_kernels as native_fp8
+from engine import native
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
 from colibri_fp8 import oracle_model, write_sharded_fp8
@@ -60,7 +61,7 @@ def test_weights_stay_at_their_stored_size(fp8_model):
     arch, d, _ = fp8_model
     with fp32_engine(d) as engine:
         assert engine.quant.label == f"fp8-e4m3-b{BLOCK[0]}x{BLOCK[1]}"
-        assert engine.kernel.startswith(fp8.KERNEL_NATIVE if native_fp8.ready else fp8.KERNEL_TORCH)
+        assert engine.kernel.startswith(fp8.KERNEL_NATIVE if native.ready else fp8.KERNEL_TORCH)
         ckpt, args = engine.checkpoint, engine.args
         # Routed experts: on-disk bytes, read in at most two spans (scales together, weights together).
         e = next(i for i in range(args.num_layers) if args.is_moe_layer(i))
@@ -104,13 +105,13 @@ KERNEL_SHAPES = [(37, 53, (16, 16)), (64, 128, (128, 128)), (100, 70, (32, 24)),
 @pytest.mark.parametrize("n,k,block", KERNEL_SHAPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_native_kernel_equals_torch_reference(n, k, block, dtype):
-    if native_fp8.load() is not None:
-        pytest.skip(needs("native", f"native FP8 kernel: {native_fp8.load()}"))
+    if native.load() is not None:
+        pytest.skip(needs("native", f"native FP8 kernel: {native.load()}"))
     torch.manual_seed(n * 1000 + k)
     q, s = fp8.quantize(torch.randn(n, k) * 0.05, block)
     x = torch.randn(3, k).to(dtype)
     ref = x.float() @ fp8.dequantize(q, s, block).T
-    got = native_fp8.linear(x, q, s, block)
+    got = native.fp8_linear(x, q, s, block)
     assert got.dtype == dtype and got.shape == (3, n)
     if dtype is torch.float32:  # the same products, summed per block first
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
@@ -119,14 +120,14 @@ def test_native_kernel_equals_torch_reference(n, k, block, dtype):
 
 
 def test_native_kernel_decodes_every_e4m3_code_exactly():
-    if native_fp8.load() is not None:
-        pytest.skip(needs("native", f"native FP8 kernel: {native_fp8.load()}"))
+    if native.load() is not None:
+        pytest.skip(needs("native", f"native FP8 kernel: {native.load()}"))
     codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16).view(torch.float8_e4m3fn)  # subnormals, NaN, ±0
     one = torch.ones(1, 1)
     for col in range(16):
         x = torch.zeros(1, 16)
         x[0, col] = 1.0
-        got = native_fp8.linear(x, codes, one, (16, 16))[0]
+        got = native.fp8_linear(x, codes, one, (16, 16))[0]
         torch.testing.assert_close(got, x[0] @ codes.float().T, rtol=0, atol=0, equal_nan=True)
 
 

@@ -24,7 +24,7 @@ from engine import synth
 from engine.base.config import EngineConfig
 from engine.base.errors import ModelFormatError
 from engine.run.generate import Sampler, generate
-from engine.arch.gpt_oss_layers import mxfp4_dequantize
+from engine.weights.mxfp4 import mxfp4_dequantize
 from engine.format.gguf.dequant import dequantize
 from engine.format.gguf.gpt_oss_experts import ggml_mxfp4_to_hf
 from engine.format.gguf.reader import GGUFModel
@@ -280,6 +280,17 @@ def test_truncated_file(source, tmp_path, capsys):
 def test_unknown_architecture(source, tmp_path, capsys):
     g = export(source, tmp_path / "m.gguf", T.F16, arch_override="falcon")
     assert "architecture 'falcon' is not supported" in _cli_error(capsys, g, tmp_path / "o")
+
+
+def test_every_gguf_record_has_its_config_mapping():
+    """The records with GGUF names (engine/arch/families/, registry.BY_GGUF_ARCH) are what import takes:
+    each has its metadata → config.json function in gguf_names.CONFIGS, which names no other, and
+    one model_type to write."""
+    from engine.arch.registry import BY_GGUF_ARCH
+    from engine.format.gguf.gguf_names import CONFIGS, FUSED_EXPERTS
+    names = {a.name for a in BY_GGUF_ARCH.values()}
+    assert set(CONFIGS) == names and set(FUSED_EXPERTS) <= names
+    assert all(a.model_types == (a.name,) for a in BY_GGUF_ARCH.values())
 
 
 def test_unsupported_type_named(source, tmp_path, capsys):

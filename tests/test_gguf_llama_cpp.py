@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as T
 import engine.format.gguf.importer as importer
 from colibri_requirements import needs
 from engine import synth
-from engine.arch.gpt_oss_layers import mxfp4_dequantize
+from engine.weights.mxfp4 import mxfp4_dequantize
 from engine.base.config import EngineConfig
 from engine.format.gguf.dequant import dequantize
 from engine.format.gguf.reader import GGUFModel

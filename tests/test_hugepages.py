@@ -11,7 +11,7 @@ import torch
 
 from engine.base.config import EngineConfig
 from engine.format.convert import convert
-from engine.weights.quantized import StoredMatrix
+from engine.weights.stored import StoredMatrix
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
 from test_streaming import budget_for_cache

@@ -1,5 +1,5 @@
 """The native fused MXFP4 matrix-vector kernel (engine/native/mxfp4_decode.cpp) against its torch
-reference (dequantize with engine.arch.gpt_oss_layers.mxfp4_dequantize, then F.linear), and the torch
+reference (dequantize with engine.weights.mxfp4.mxfp4_dequantize, then F.linear), and the torch
 fallback of Mxfp4Matrix when the native kernels are off.
 
 Tolerance: fp32 sums in another order than torch's matmul: |difference| <= 1e-5 of the sum of
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import native
-from engine.arch.gpt_oss_layers import Mxfp4Matrix, mxfp4_dequantize
+from engine.weights.mxfp4 import Mxfp4Matrix, mxfp4_dequantize
 
 # (rows of x, output rows N, blocks per row G): one block, odd N (not a multiple of the threads'
 # grain of 16), more rows of x than one group of four shares, a gpt-oss-sized row.

@@ -15,6 +15,8 @@ holds everything that differs between architectures:
     synth         how `colibri synth` writes one of these models, or None if it cannot.
     oracle        the tiny config.json the tests build with transformers' own classes to check
                   this architecture's forward pass against (tests/colibri_hf_models.py).
+    gguf          how llama.cpp's GGUF files name it (`colibri convert model.gguf` imports them,
+                  engine/format/gguf/), or None if import does not take it.
 
 Derived from ModelArgs, not per record: every resident tensor's shape (engine/arch/args.dense_tensors:
 shape checks at load, synth/params.param_counts, the cost model's geometry) and one expert's size.
@@ -72,6 +74,30 @@ class TinyOracle:
 
 
 @dataclass(frozen=True)
+class GgufNames:
+    """How llama.cpp's GGUF files name an architecture, for engine/format/gguf/ to import them as a
+    Hugging Face directory of the record's model_type (its only one; a record of several, such as
+    the dense llama layout, takes no GGUF).
+
+    arch:        the file's `general.architecture` (llama.cpp's name: "qwen3moe", "deepseek2", ...).
+    tensors:     per layer, GGUF name after `blk.N.` → HF name after `model.layers.N.`, beyond the
+                 names every architecture shares (engine/format/gguf/gguf_names.LAYER_NAMES:
+                 attention, norms, dense MLP, router): shared experts, sinks, indexers.
+    permute_qk:  llama.cpp's converter permuted q/k rows to its interleaved RoPE (the llama
+                 family); import undoes it.
+    The HF names of the routed experts and the router come from the parsed ModelArgs
+    (moe_prefix, expert_names), as for a safetensors checkpoint. The metadata → config.json
+    mapping is engine/format/gguf/gguf_names.CONFIGS, one function per record keyed by its name:
+    it reads GGUF keys and tensor types through the GGUF reader (gpt-oss's MXFP4 experts through
+    gguf-py's type enum), which engine/arch must not import.
+    """
+
+    arch: str
+    tensors: dict[str, str] = field(default_factory=dict)
+    permute_qk: bool = False
+
+
+@dataclass(frozen=True)
 class Architecture:
     name: str
     model_types: tuple[str, ...]
@@ -82,3 +108,4 @@ class Architecture:
     tensor_roles: tuple[tuple[str, str, frozenset], ...] = ()  # (role name, regex, allowed dtypes)
     synth: SynthRecipe | None = None
     oracle: TinyOracle | None = field(default=None, hash=False, compare=False)
+    gguf: GgufNames | None = field(default=None, hash=False, compare=False)

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from engine import native
 from engine.arch.args import ModelArgs, layer_prefix
-from engine.weights.quantized import QuantWeight, linear
+from engine.weights.quantized import QuantWeight
+from engine.weights.stored import linear
 from engine.arch.kvquant import cache_bytes, check_kv_dtype, kv_buffer
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from engine.arch.kvquant import cache_bytes, kv_buffer
 from engine.arch.rope import apply_rope
 from engine.arch.layers import rms_norm
-from engine.weights.quantized import linear
+from engine.weights.stored import linear
 
 
 def _project(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -36,7 +36,7 @@ from engine.arch.kvquant import QuantizedRows
 from engine.arch.moe_quant import ResidentQuantMoeLayer
 from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
 from engine.arch.args import ModelArgs, layer_prefix
-from engine.weights.quantized import linear
+from engine.weights.stored import linear
 from engine.arch.router import trim_operands
 from engine.arch.rope import RopeTable, apply_rope, rope_cos_sin, rope_inv_freq
 

@@ -42,6 +42,8 @@ SUPPORTED_TYPES: tuple[str, ...] = tuple(BY_TYPE)
 RULES: dict[str, tuple] = {t: tuple(a.rules(t)) for t, a in BY_TYPE.items()}
 # The model_types `colibri synth` can write.
 SYNTH_TYPES: tuple[str, ...] = tuple(t for t, a in BY_TYPE.items() if a.synth is not None)
+# GGUF `general.architecture` → the record `colibri convert model.gguf` imports it as.
+BY_GGUF_ARCH: dict[str, Architecture] = {a.gguf.arch: a for a in ARCHITECTURES if a.gguf is not None}
 
 
 def _unsupported(model_type: Any) -> UnsupportedModelError:

@@ -1,7 +1,10 @@
 """Weights on disk: Hugging Face checkpoints (safetensors headers validated), config.json validation,
-tensor rules, quantized containers (stamp, names, checks), quantization math, the layout of each
-expert's bytes, conversion, and the streaming safetensors writer.
+tensor rules, quantized containers (stamp, names, checks), published FP8 checkpoints
+(fp8_checkpoint.py), the layout of each expert's bytes, conversion, GGUF import (gguf/), and the
+streaming safetensors writer. What it reads becomes engine/weights' operators (QuantWeight,
+Fp8Weight, Mxfp4Matrix), whose math lives there.
 
 Owns: bytes ↔ tensors and what a valid file is.
-May import: engine.base, engine.native, engine.weights, engine.arch.args (names and shapes of an architecture's tensors).
+May import: engine.base, engine.native, engine.weights, engine.arch (the registry's records: tensor
+names and shapes, config rules, each architecture's GGUF names).
 """

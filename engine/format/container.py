@@ -185,7 +185,7 @@ def dense_quantized(ckpt, spec: QuantSpec | None, names: list[str]) -> dict:
 # MLA's kv_b_proj is never multiplied as a matrix: its absorbed form views it per head
 # (engine/arch/mla.py). Quantized by `convert --scope all` like every projection, it is
 # dequantized once at load into the compute dtype (and counted so by the plan), as FP8
-# checkpoints' is (engine/weights/fp8.py).
+# checkpoints' is (engine/format/fp8_checkpoint.py).
 _DEQUANTIZED_AT_LOAD = re.compile(r"kv_b_proj\.qweight$")
 
 

@@ -9,7 +9,7 @@
   the same source and options keeps every recorded shard whose bytes still hash to it.
 - Deterministic: same source and options, same bytes (fixed order, no timestamps, and the
   quantization itself is deterministic fp32 math).
-- From a published FP8 checkpoint (engine/weights/fp8.py): each FP8 weight is dequantized with
+- From a published FP8 checkpoint (engine/format/fp8_checkpoint.py): each FP8 weight is dequantized with
   its block scales (fp32) and requantized; dense FP8 weights that stay unquantized (scope
   "experts") are written as bf16; the `weight_scale_inv` tensors, the `quantization_config`
   and the MTP layers (engine/format/mtp.py: the engine never loads them) are not carried over.
@@ -35,7 +35,7 @@ from engine.weights.quantized import check_group, quantize, stored_shapes
 from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 from engine.base.output_target import (OutputTargetError, check_not_source, directory_target, read_small_json,
                                   replace_directory, stamped)
-from engine.weights import fp8
+from engine.format import fp8_checkpoint
 from engine.format.mtp import mtp_summary
 
 STATE_FILE = "convert-state.json"
@@ -99,12 +99,12 @@ class Converter:
                     for n in expert_tensor_names(a, layer, e):
                         self.ckpt.info(n)  # a missing expert tensor is an error now, not mid-way
                         self.expert_of[n] = (layer, e)
-        self.fp8 = fp8.fp8_spec(self.ckpt.config, f"{src}/config.json")
+        self.fp8 = fp8_checkpoint.fp8_spec(self.ckpt.config, f"{src}/config.json")
         # Not carried over from an FP8 source: the scales (folded into the weights) and MTP layers.
         self.skipped = mtp_summary(self.ckpt, a)
         mtp_prefixes = tuple(f"model.layers.{i}." for i in self.skipped["mtp_layers"])
         self.dropped = {n for n in self.ckpt.tensors if n.startswith(mtp_prefixes)
-                        or (self.fp8 is not None and n.endswith(fp8.SCALE_SUFFIX))}
+                        or (self.fp8 is not None and n.endswith(fp8_checkpoint.SCALE_SUFFIX))}
         self.fingerprint = fingerprint(self.ckpt)
         self._fused_cache: dict[str, torch.Tensor] = {}
 
@@ -127,7 +127,7 @@ class Converter:
                             check_group(info.shape[1], self.spec.group_size, info.name)
                         items.append(Item(info.name, _qspecs(info.name, self.spec, *info.shape)))
                     else:
-                        dtype = "bfloat16" if info.dtype == fp8.FP8_TAG else _writer_dtype(info)
+                        dtype = "bfloat16" if info.dtype == fp8_checkpoint.FP8_TAG else _writer_dtype(info)
                         items.append(Item(info.name, [TensorSpec(info.name, info.shape, dtype)], quantized=False))
                     continue
                 keys = [owner] if isinstance(owner, tuple) else [(owner, e) for e in range(a.num_experts)]
@@ -155,10 +155,10 @@ class Converter:
 
     def _load(self, name: str) -> torch.Tensor:
         """A source tensor as its values: FP8 weights dequantized with their block scales (fp32)."""
-        if self.fp8 is None or not fp8.is_fp8(self.ckpt, name):
+        if self.fp8 is None or not fp8_checkpoint.is_fp8(self.ckpt, name):
             return self.ckpt.load(name)
-        w, s = fp8.check_fp8(self.ckpt, self.fp8, name)
-        return fp8.load_dequantized((w, s), self.fp8, read_tensor, torch.float32)
+        w, s = fp8_checkpoint.check_fp8(self.ckpt, self.fp8, name)
+        return fp8_checkpoint.load_dequantized((w, s), self.fp8, read_tensor, torch.float32)
 
     def write_shard(self, path: Path, items: list[Item], progress=None) -> None:
         specs = [s for item in items for s in item.specs]

@@ -5,7 +5,7 @@ Three on-disk layouts:
   usually adjacent in one shard, so one read covers the expert;
 - fused 3-D tensors: gate_up_proj [E, 2I, H] and down_proj [E, H, I]; expert e is a
   contiguous slice of each, so two reads;
-- FP8 block-scaled (engine/weights/fp8.py): per-expert tensors plus a `weight_scale_inv` beside each
+- FP8 block-scaled (engine/format/fp8_checkpoint.py): per-expert tensors plus a `weight_scale_inv` beside each
   weight. safetensors writers order a shard's data by dtype then name, so an expert's three F32
   scales sit together and its three F8 weights together: two spans (one when a writer keeps
   them adjacent), each read whole.
@@ -24,10 +24,12 @@ from engine.format.container import QuantSpec, check_quantized, container_spec
 from engine.base.align import align_up, direct_window_bytes
 from engine.base.errors import ModelFormatError
 from engine.arch.args import ModelArgs, expert_tensor_names, fused_expert_tensor_names
-from engine.arch import gpt_oss_layers
-from engine.arch.gpt_oss_layers import MX_BLOCK, MXFP4_DEQUANT, MXFP4_FUSED, GptOssExperts, Mxfp4Matrix, mxfp4_dequantize
+from engine.arch.gpt_oss_layers import GptOssExperts
+from engine.weights import mxfp4
+from engine.weights.mxfp4 import MX_BLOCK, MXFP4_DEQUANT, MXFP4_FUSED, Mxfp4Matrix, mxfp4_dequantize
 from engine.weights.quantized import QuantWeight, int4_strips_on
-from engine.weights.fp8 import Fp8Spec, Fp8Weight, check_fp8, fp8_spec
+from engine.weights.fp8 import Fp8Weight
+from engine.format.fp8_checkpoint import Fp8Spec, check_fp8, fp8_spec
 
 # Gaps up to this size between an expert's tensors are read through rather than split into
 # two requests (safetensors may pad for alignment).
@@ -319,7 +321,7 @@ def slot_bytes(layout: ExpertLayout, direct: bool) -> int:
     return worst
 
 
-# --- gpt_oss: fused experts with biases, plain or MXFP4 (engine/arch/gpt_oss_layers.py has the math) ----
+# --- gpt_oss: fused experts with biases, plain or MXFP4 (engine/weights/mxfp4.py has the MXFP4 math) ----
 
 def _slice(info: TensorInfo, e: int, E: int, shape: tuple[int, ...]) -> TensorInfo:
     """Expert e's slice of a fused [E, ...] tensor, as a TensorInfo of its own."""
@@ -349,7 +351,7 @@ def gpt_oss_locations(experts: GptOssExperts, ckpt: Checkpoint, layer: int) -> d
         if name.endswith(("_blocks", "_scales")) and info.dtype != "U8":
             raise ModelFormatError(f"{info.path}: tensor {info.name!r} is {info.dtype}, MXFP4 needs U8")
         infos[name] = info
-    fused = mx and gpt_oss_layers.fused_kernel_available()  # through the module: benchmarks and tests switch it
+    fused = mx and mxfp4.fused_kernel_available()  # through the module: benchmarks and tests switch it
     decode = (_decode_mxfp4_stored if fused else _decode_mxfp4) if mx else _decode_gpt_oss_plain
     # Fused: blocks and scales are computed on as stored, biases in the compute dtype.
     stored = tuple(name.endswith(("_blocks", "_scales")) for name in expect) if fused else None

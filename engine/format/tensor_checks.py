@@ -81,7 +81,7 @@ def _is_fp8_checkpoint(config: dict) -> bool:
     return (config.get("quantization_config") or {}).get("quant_method") == "fp8"
 
 
-# FP8 block-scaled checkpoints as published (engine/weights/fp8.py): linear weights F8_E4M3 (or kept in
+# FP8 block-scaled checkpoints as published (engine/format/fp8_checkpoint.py): linear weights F8_E4M3 (or kept in
 # bf16, as some releases keep a few), and one fp32 scale per block beside each FP8 weight.
 register_role("FP8 block scales", r"\.weight_scale_inv$", {"F32", "BF16"}, applies=_is_fp8_checkpoint)
 register_role("FP8 linear weight", r"_proj(_with_mqa)?\.weight$|\.indexer\.\w+\.weight$", FLOATS | {"F8_E4M3"},

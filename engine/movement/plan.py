@@ -26,7 +26,7 @@ from engine.format.container import dense_nbytes, dense_quantized
 from engine.format.layout import cast_bytes, expert_memory_bytes
 from engine.arch.layers import KVCache
 from engine.arch.args import ModelArgs, dense_tensor_names
-from engine.weights import fp8
+from engine.format import fp8_checkpoint
 
 ACTIVATION_MARGIN = 64 << 20  # hidden states, logits, attention scores of a decode step
 ALIGN_SLACK = 2 * 4096  # an O_DIRECT window can start up to 4 KiB early and end 4 KiB late
@@ -189,10 +189,10 @@ def _dense_bytes(ckpt: Checkpoint, args: ModelArgs, quant, dtype: torch.dtype) -
     names = dense_tensor_names(args)
     quantized = dense_quantized(ckpt, quant, names)
     # FP8 checkpoints: the kept projections at 1 byte/weight + fp32 scales; the few dequantized
-    # at load (engine/weights/fp8.py) in the compute dtype, as every plain tensor.
-    fp8_kept, _ = fp8.dense_fp8(ckpt, fp8.fp8_spec(getattr(ckpt, "config", {})), names)
+    # at load (engine/format/fp8_checkpoint.py) in the compute dtype, as every plain tensor.
+    fp8_kept, _ = fp8_checkpoint.dense_fp8(ckpt, fp8_checkpoint.fp8_spec(getattr(ckpt, "config", {})), names)
     dense = sum(dense_nbytes(None, quantized[n], _elem(dtype)) if n in quantized
-                else fp8.dense_nbytes(fp8_kept[n], _elem(dtype)) if n in fp8_kept
+                else fp8_checkpoint.dense_nbytes(fp8_kept[n], _elem(dtype)) if n in fp8_kept
                 else _count(ckpt, n) * _elem(dtype) for n in names)
     if len(_DENSE_MEMO) >= 8:
         _DENSE_MEMO.clear()

@@ -31,6 +31,8 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
                                        the cache bf16, or int8 / fp8 codes + scales)
     decode_layers(x, ...)   every layer of one token: attention half + fused MoE per layer (decode_step.cpp)
     mxfp4_linear(x, blocks, scales, bias)  x @ dequant(blocks, scales).T + bias, fp32 or bf16
+    fp8_linear(x, w, scale, block)         x [M,K] @ dequant(w).T in x's dtype (bf16 or fp32), FP8 e4m3 w with
+                                           one fp32 scale per block (fp8_decode.cpp; engine/weights/fp8.py)
     int8_linear(x, codes, scales)          x @ (codes * scales).T, per-row scales
     int4_linear(x, strips, group)          x @ dequant_int4(...).T, W in the engine's int4 strips, any rows
     int4_strips(packed, scales_zeros, group, out)  the stored int4 pair → strips (in place where out is its bytes)
@@ -224,6 +226,10 @@ def decode_layers(x: torch.Tensor, attention: list, moe: list, cos: torch.Tensor
 
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.colibri.mxfp4_linear(x, blocks, scales, bias)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    return torch.ops.colibri_fp8.linear(x, w, scale, block[0], block[1])
 
 
 def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

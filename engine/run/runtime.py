@@ -36,10 +36,10 @@ from engine.movement.streaming_experts import StreamingExperts
 from engine.movement.streaming_layers import StreamingLayers
 from engine.weights.quantized import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT4_STRIPS, KERNEL_INT8, kernel_works
 from engine.base.errors import UnsupportedModelError
+from engine.format import fp8_checkpoint
 from engine.weights import fp8
 from engine.format.checkpoint import read_tensor
 from engine.format.mtp import mtp_summary
-from engine.native import fp8_kernels as native_fp8
 
 DTYPE_NAMES = short_dtypes()
 
@@ -116,13 +116,14 @@ class Engine:
         # Validate everything we will read before reading any of it.
         trim = routing_trim(self.args, self.config.top_k_reduction, self.config.expert_threshold)
         container = container_spec(self.checkpoint)
-        self.fp8 = fp8.fp8_spec(self.checkpoint.config, f"{self.checkpoint.directory}/config.json")
+        self.fp8 = fp8_checkpoint.fp8_spec(self.checkpoint.config, f"{self.checkpoint.directory}/config.json")
         self.quant = container or self.fp8  # what run/bench report as `quant`
         # Multi-token-prediction layers in the files: recognised, never read (engine/format/mtp.py).
         self.skipped = mtp_summary(self.checkpoint, self.args)
         dense_names = dense_tensor_names(self.args)
         quantized = dense_quantized(self.checkpoint, container, dense_names)  # checks their own shapes
-        fp8_kept, fp8_dequantized = fp8.dense_fp8(self.checkpoint, self.fp8, dense_names)  # checks their scales
+        # checks their scales
+        fp8_kept, fp8_dequantized = fp8_checkpoint.dense_fp8(self.checkpoint, self.fp8, dense_names)
         check_shapes(self.checkpoint, self.args, [n for n in dense_names if n not in quantized])
         self.layout = ExpertLayout(self.checkpoint, self.args) if self.args.is_moe else None
 
@@ -131,7 +132,7 @@ class Engine:
         self.native_unavailable = (native.load() if self.dtype == torch.bfloat16 or self.quant is not None
                                    else "not a bf16 or int8/int4 model")
         # FP8 weights' e4m3 kernel (bf16 or fp32 activations); None when loaded, else why not.
-        self.fp8_native_unavailable = native_fp8.load() if self.fp8 is not None else "not an FP8 model"
+        self.fp8_native_unavailable = native.load() if self.fp8 is not None else "not an FP8 model"
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them
         self.kernel_name = self.kernel  # tries (and so pages in) a quantized container's packed kernel too
         self.plan: MemoryPlan = make_plan(self.checkpoint, self.args, self.layout, self.config, self.dtype,
@@ -173,9 +174,9 @@ class Engine:
         if name in quantized:
             return load_dense(self.checkpoint, container, quantized[name], self.dtype, alloc)
         if name in fp8_kept:  # 1 byte/weight, multiplied by the e4m3 kernel
-            return fp8.load_dense(fp8_kept[name], self.fp8, lambda info: read_tensor(info, alloc))
-        if name in fp8_dequantized:  # read as a plain tensor by the model (engine/weights/fp8.py says which)
-            return fp8.load_dequantized(fp8_dequantized[name], self.fp8, read_tensor, self.dtype)
+            return fp8_checkpoint.load_dense(fp8_kept[name], self.fp8, lambda info: read_tensor(info, alloc))
+        if name in fp8_dequantized:  # read as a plain tensor by the model (engine/format/fp8_checkpoint.py says which)
+            return fp8_checkpoint.load_dequantized(fp8_dequantized[name], self.fp8, read_tensor, self.dtype)
         return self.checkpoint.load(name, self.dtype, alloc)
 
     def _dense_bytes(self, name, quantized, fp8_kept, fp8_dequantized) -> int:

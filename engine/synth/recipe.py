@@ -26,7 +26,7 @@ import hashlib
 import math
 
 from engine.arch.architecture import PlannedTensor
-from engine.arch.gpt_oss_layers import mxfp4_quantize
+from engine.weights.mxfp4 import mxfp4_quantize
 
 SYNTH_VERSION = 1  # bump when the weight recipe changes (the same seed then gives other bytes)
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from engine import native
 from engine.base.errors import ModelFormatError
+from engine.weights.stored import StoredMatrix
 
 QUANTS = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -292,28 +292,6 @@ def kernel_works(quant: str, n: int, k: int, group_size: int, dtype: torch.dtype
         return False
 
 
-class StoredMatrix:
-    """What every matrix kept in its stored form shares: int8/int4 (QuantWeight), FP8 block-scaled
-    (fp8.Fp8Weight) and MXFP4 (arch/gpt_oss_layers.Mxfp4Matrix) are codes plus scales multiplied by their
-    own kernel; the store and the VRAM tier need only their device, their bytes, and a copy on
-    another device. Each names the dataclass fields that hold its tensors, codes first."""
-
-    tensor_fields: ClassVar[tuple[str, ...]]
-
-    @property
-    def device(self) -> torch.device:
-        return getattr(self, self.tensor_fields[0]).device
-
-    @property
-    def nbytes(self) -> int:
-        return sum(getattr(self, name).nbytes for name in self.tensor_fields)
-
-    def moved(self, device, non_blocking: bool = False, **changes):
-        """The same matrix with its tensors on `device` (and any other field changed)."""
-        moved = {name: getattr(self, name).to(device, non_blocking=non_blocking) for name in self.tensor_fields}
-        return dataclasses.replace(self, **moved, **changes)
-
-
 @dataclass
 class QuantWeight(StoredMatrix):
     """One quantized [N, K] matrix in the form its kernel wants; `linear(x)` = x @ W.T."""
@@ -399,18 +377,3 @@ class QuantWeight(StoredMatrix):
         if self.kernel in (KERNEL_INT4, KERNEL_INT4_STRIPS):
             raise ValueError("int4 experts packed for the CPU kernel cannot move to another device")
         return self.moved(device, non_blocking, kernel=KERNEL_DEQUANT)
-
-
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias) for a plain weight tensor or a QuantWeight (or FP8 Fp8Weight).
-
-    One bf16 row without bias (decode) goes through the native kernel when it is loaded
-    (engine/native): the same bits as F.linear in our tests, at about 3x the weight bandwidth
-    (a bias stays with F.linear, whose addmm rounds once where adding it after would round twice)."""
-    if isinstance(w, torch.Tensor):  # else a stored-quantized matrix: QuantWeight, fp8.Fp8Weight
-        if (native.ready and bias is None and x.dim() == 2 and x.shape[0] == 1 and x.dtype is torch.bfloat16
-                and w.dtype is torch.bfloat16):
-            return native.linear(x, w)
-        return F.linear(x, w, bias)
-    y = w.linear(x)
-    return y if bias is None else y + bias

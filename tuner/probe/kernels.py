@@ -1,7 +1,7 @@
 """Expert-kernel throughput at decode shape: bf16, int8 and int4, through the engine's own kernels.
 
 The cost model charges a token's expert matmuls at the rate of the kernel that computes them.
-bf16 goes through `engine.quant.linear`, as the engine calls it: one row (decode) on the native
+bf16 goes through `engine.weights.stored.linear`, as the engine calls it: one row (decode) on the native
 AVX512-BF16 kernel when engine/native loads on this machine, `F.linear` otherwise.
 A quantized expert is not multiplied by `F.linear`: the engine runs `QuantWeight.linear`
 (engine/weights/quantized.py), i.e. `aten._weight_int8pack_mm` for int8, `aten._weight_int4pack_mm_for_cpu`
@@ -26,7 +26,8 @@ import time
 from typing import Callable, Sequence
 
 from engine import native
-from engine.weights.quantized import QuantWeight, linear, quantize
+from engine.weights.quantized import QuantWeight, quantize
+from engine.weights.stored import linear
 from tuner.probe.cpu import time_calls, each_thread_count
 from tuner.probe.hardware_profile import KERNEL_QUANTS, KernelPoint, Quantity
 
@@ -82,7 +83,7 @@ def _kernel(quant: str, forms: dict):
 
     if quant == "bf16":
         w = forms["bf16"]
-        # engine.quant.linear is the engine's call: the native kernel for one bf16 row when it
+        # engine.weights.stored.linear is the engine's call: the native kernel for one bf16 row when it
         # loads (engine/native; built once per machine, as the first bf16 engine would), else F.linear.
         native.load()
         return (lambda x: (lambda: linear(x, w))), "F.linear", 0.0

@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from engine.arch.architecture import Architecture, PlannedTensor as T, SynthRecipe, TinyOracle
+from engine.arch.architecture import Architecture, GgufNames, PlannedTensor as T, SynthRecipe, TinyOracle
 from engine.arch.args import ModelArgs
 from engine.arch.config_rules import COMMON, K16, M4, Int
-from engine.arch.families.routed import (ROUTED_RULES, bad, config_int, moe_flags, routed_fields,
+from engine.arch.families.routed import (GGUF_SHARED_EXPERTS, ROUTED_RULES, bad, config_int, moe_flags, routed_fields,
                                          routed_moe_plan)
 from engine.arch.families.synth_plans import layered_plan, synth_config
 from engine.arch.mla import IndexerArgs, MLAAttention
@@ -110,4 +110,5 @@ DEEPSEEK_V3 = Architecture(
         qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
                          "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})},
-        randomize_zeros=True))
+        randomize_zeros=True),
+    gguf=GgufNames("deepseek2", GGUF_SHARED_EXPERTS))

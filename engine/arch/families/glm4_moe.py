@@ -3,10 +3,11 @@ optional per-head q/k norms and qkv biases, over deepseek-style sigmoid-routed e
 
 from __future__ import annotations
 
-from engine.arch.architecture import Architecture, SynthRecipe, TinyOracle
+from engine.arch.architecture import Architecture, GgufNames, SynthRecipe, TinyOracle
 from engine.arch.args import ModelArgs
 from engine.arch.config_rules import COMMON
-from engine.arch.families.routed import ROUTED_RULES, bad, moe_flags, routed_fields, routed_moe_plan
+from engine.arch.families.routed import (GGUF_SHARED_EXPERTS, ROUTED_RULES, bad, moe_flags, routed_fields,
+                                         routed_moe_plan)
 from engine.arch.families.synth_plans import gqa_plan, layered_plan, synth_config
 
 
@@ -34,4 +35,6 @@ GLM4_MOE = Architecture(
     oracle=TinyOracle({"glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                         n_shared_experts=1, first_k_dense_replace=1, head_dim=16, use_qk_norm=True,
                                         attention_bias=True, routed_scaling_factor=1.5, n_group=2, topk_group=1)},
-                      randomize_zeros=True))
+                      randomize_zeros=True),
+    # gguf-py maps GLM-4.5's post_attention_layernorm to ATTN_POST_NORM (no FFN_NORM in glm4moe)
+    gguf=GgufNames("glm4moe", {**GGUF_SHARED_EXPERTS, "post_attention_norm.weight": "post_attention_layernorm.weight"}))

@@ -4,12 +4,12 @@ may be listed dense/sparse in `mlp_layer_types`."""
 
 from __future__ import annotations
 
-from engine.arch.architecture import Architecture, SynthRecipe, TinyOracle
+from engine.arch.architecture import Architecture, GgufNames, SynthRecipe, TinyOracle
 from engine.arch.args import ModelArgs
 from engine.arch.config_rules import COMMON, K16, M4, Int
 from engine.arch.families.deepseek_v3 import (MLA_RULES, finish_mla_config, mla_args, mla_attention,
                                               mla_synth_plan)
-from engine.arch.families.routed import ROUTED_RULES, bad, config_int, moe_flags, routed_fields
+from engine.arch.families.routed import GGUF_SHARED_EXPERTS, ROUTED_RULES, bad, config_int, moe_flags, routed_fields
 from engine.arch.families.synth_plans import synth_config
 from engine.arch.mla import IndexerArgs
 
@@ -45,6 +45,12 @@ def _parse(model_type: str, cfg: dict, common: dict) -> ModelArgs:
     return mla_args(common, fields, attention)
 
 
+GGUF_INDEXER_TENSORS = {  # GLM-5's sparse-attention indexer (gguf-py MODEL_TENSOR.INDEXER_*)
+    "indexer.attn_q_b.weight": "self_attn.indexer.wq_b.weight", "indexer.attn_k.weight": "self_attn.indexer.wk.weight",
+    "indexer.k_norm.weight": "self_attn.indexer.k_norm.weight", "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
+    "indexer.proj.weight": "self_attn.indexer.weights_proj.weight",
+}
+
 GLM_MOE_DSA = Architecture(
     "glm_moe_dsa", ("glm_moe_dsa",), _parse,
     rules=lambda model_type: (*COMMON, *ROUTED_RULES, *MLA_RULES, Int("index_topk", 1, M4, required=True),
@@ -57,4 +63,5 @@ GLM_MOE_DSA = Architecture(
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=12, num_key_value_heads=4, index_topk=6, index_head_dim=16, index_n_heads=8,
-        indexer_types=["full", "full", "shared"])}, randomize_zeros=True))
+        indexer_types=["full", "full", "shared"])}, randomize_zeros=True),
+    gguf=GgufNames("glm-dsa", {**GGUF_SHARED_EXPERTS, **GGUF_INDEXER_TENSORS}))

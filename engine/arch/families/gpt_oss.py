@@ -1,12 +1,12 @@
 """gpt_oss: attention with sinks over alternating sliding/full layers, a biased softmax top-k
 router, and fused experts with biases and a clamped SwiGLU, stored plain or as MXFP4
-(engine/arch/gpt_oss_layers.py has the math; engine/format/layout.py reads both storages).
-Synth writes either storage (`expert_format: "mxfp4"`: as the published checkpoints store them,
-quantized from the same seeded weights the plain format would hold)."""
+(engine/arch/gpt_oss_layers.py has the math, engine/weights/mxfp4.py MXFP4's; engine/format/layout.py
+reads both storages). Synth writes either storage (`expert_format: "mxfp4"`: as the published
+checkpoints store them, quantized from the same seeded weights the plain format would hold)."""
 
 from __future__ import annotations
 
-from engine.arch.architecture import Architecture, PlannedTensor as T, SynthRecipe, TinyOracle
+from engine.arch.architecture import Architecture, GgufNames, PlannedTensor as T, SynthRecipe, TinyOracle
 from engine.arch.args import ModelArgs
 from engine.arch.config_rules import COMMON, K16, M4, Int
 from engine.arch.families.routed import bad, config_int
@@ -73,6 +73,12 @@ def _synth_plan(g: dict, args: ModelArgs):
                         lambda p, i: _experts_plan(g, args, p, i))
 
 
+GGUF_TENSORS = {  # beyond gguf_names.LAYER_NAMES; its experts are engine/format/gguf/gpt_oss_experts.py's
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.bias": "self_attn.o_proj.bias", "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
+}
+
 GPT_OSS = Architecture(
     "gpt_oss", ("gpt_oss",), _parse,
     rules=lambda model_type: (*COMMON, Int("num_local_experts", 1, M4, required=True),
@@ -88,4 +94,6 @@ GPT_OSS = Architecture(
         num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=8, intermediate_size=32,
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})},
-        randomize_zeros=True))
+        randomize_zeros=True),
+    # llama.cpp's conversion/gpt_oss.py; the experts are fused back by engine/format/gguf/gpt_oss_experts.py.
+    gguf=GgufNames("gpt-oss", GGUF_TENSORS))

@@ -3,7 +3,7 @@ sliding-window attention on by default."""
 
 from __future__ import annotations
 
-from engine.arch.architecture import Architecture, TinyOracle
+from engine.arch.architecture import Architecture, GgufNames, TinyOracle
 from engine.arch.args import ModelArgs, sliding_window
 from engine.arch.config_rules import COMMON, M4, MOE, Int, sliding_window_rule
 
@@ -21,4 +21,6 @@ def _parse(model_type: str, cfg: dict, common: dict) -> ModelArgs:
 
 MIXTRAL = Architecture("mixtral", ("mixtral",), _parse, rules=lambda model_type: (
     *COMMON, *MOE, Int("intermediate_size", 1, M4, required=True), sliding_window_rule(True)),
-    oracle=TinyOracle({"mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}))
+    oracle=TinyOracle({"mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}),
+    # llama.cpp writes Mixtral as a "llama" with experts, its q/k rows permuted for ggml's RoPE.
+    gguf=GgufNames("llama", permute_qk=True))

@@ -3,7 +3,7 @@ and softmax top-k routing (renormalised only when norm_topk_prob)."""
 
 from __future__ import annotations
 
-from engine.arch.architecture import Architecture, TinyOracle
+from engine.arch.architecture import Architecture, GgufNames, TinyOracle
 from engine.arch.args import ModelArgs
 from engine.arch.config_rules import COMMON, M4, MOE, Int, Number
 
@@ -21,4 +21,5 @@ def _parse(model_type: str, cfg: dict, common: dict) -> ModelArgs:
 
 OLMOE = Architecture("olmoe", ("olmoe",), _parse, rules=lambda model_type: (
     *COMMON, *MOE, Int("intermediate_size", 1, M4, required=True), Number("clip_qkv", 0, nullable=True)),
-    oracle=TinyOracle({"olmoe": dict(num_experts=8, num_experts_per_tok=2, eos_token_id=1, pad_token_id=0)}))
+    oracle=TinyOracle({"olmoe": dict(num_experts=8, num_experts_per_tok=2, eos_token_id=1, pad_token_id=0)}),
+    gguf=GgufNames("olmoe"))

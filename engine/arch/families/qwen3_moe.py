@@ -6,7 +6,7 @@ attention (engine/synth/recipe.py).
 
 from __future__ import annotations
 
-from engine.arch.architecture import Architecture, PlannedTensor, SynthRecipe, TinyOracle
+from engine.arch.architecture import Architecture, GgufNames, PlannedTensor, SynthRecipe, TinyOracle
 from engine.arch.args import ModelArgs, sliding_window
 from engine.arch.config_rules import COMMON, MOE, QWEN_MOE
 
@@ -116,4 +116,5 @@ QWEN3_MOE = Architecture("qwen3_moe", ("qwen3_moe",), parse_qwen_moe,
                          synth=SynthRecipe(synth_config, synth_plan, native_geometry=True),
                          # experts of a different size from the dense MLP, an mlp-only layer, per-head q/k norms
                          oracle=TinyOracle({"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                                              norm_topk_prob=True, head_dim=16, mlp_only_layers=[1])}))
+                                                              norm_topk_prob=True, head_dim=16, mlp_only_layers=[1])}),
+                         gguf=GgufNames("qwen3moe"))

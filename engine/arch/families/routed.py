@@ -16,6 +16,13 @@ from engine.arch.config_rules import K16, M4, Int, Number
 from engine.arch.router import SigmoidGroupRouter
 from engine.base.errors import ModelFormatError
 
+# GGUF names of the ungated shared experts (deepseek2, glm4moe, glm-dsa: GgufNames.tensors).
+GGUF_SHARED_EXPERTS = {
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+
 # The field ranges; the cross-field checks (groups, top-k per group, indexer layers, layer
 # types) are the parsers', each one line naming the field.
 ROUTED_RULES = (Int("n_routed_experts", 1, M4, required=True), Int("num_experts_per_tok", 1, K16, required=True),

@@ -1,9 +1,10 @@
 """GGUF import: llama.cpp's GGUF files → a Hugging Face bf16 safetensors directory.
 
 reader.py opens single and split files and checks them; dequant.py turns each supported
-ggml type into float32; archs.py maps the GGUF metadata and tensor names of each MoE
+ggml type into float32; gguf_names.py maps the GGUF metadata and tensor names of each MoE
 architecture back to config.json and HF names (undoing llama.cpp's q/k permutation and
-expert stacking), tensors.py plans every tensor to write (items.py) and gpt_oss_experts.py fuses
+expert stacking), each architecture's own names read from its registry record
+(engine/arch/architecture.GgufNames); tensors.py plans every tensor to write (items.py) and gpt_oss_experts.py fuses
 gpt-oss's experts back (MXFP4 kept as stored); vocab.py rebuilds tokenizer.json; importer.py
 writes the directory.
 Entry point: `engine.format.gguf.importer.import_gguf` (the `colibri convert model.gguf` hook).

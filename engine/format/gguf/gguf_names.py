@@ -1,5 +1,11 @@
 """GGUF metadata and tensor names → config.json and HF tensor names, per MoE architecture.
 
+The names every architecture shares are here (LAYER_NAMES, GLOBAL_NAMES, the stacked experts);
+each architecture's own (its GGUF `general.architecture`, shared experts, sinks, indexer, llama's
+q/k permutation) are its registry record's `gguf` (engine/arch/architecture.GgufNames, in its
+module under engine/arch/families/); the metadata → config.json functions are here, one per
+record (CONFIGS). The HF names of routed experts and the router come from the parsed ModelArgs.
+
 This inverts what llama.cpp's convert_hf_to_gguf.py does (conversion/{qwen,olmo,llama,deepseek,
 glm}.py and gguf-py's tensor_mapping.py):
 - names: `blk.N.attn_q.weight` → `model.layers.N.self_attn.q_proj.weight`, and so on (LAYER_NAMES);
@@ -15,22 +21,25 @@ glm}.py and gguf-py's tensor_mapping.py):
   experts fused back into HF's per-layer tensors, MXFP4 kept as stored (gpt_oss_experts.py);
 - glm-dsa (GLM-5, conversion/glm.py GlmMoeDsaModel): deepseek2's MLA plus the DSA indexer's
   tensors and its `attention.indexer.*` metadata.
-A GGUF whose architecture is not listed in ARCHS is refused with one line naming it.
+A GGUF whose architecture no record names (engine/arch/registry.BY_GGUF_ARCH) is refused with one
+line naming it.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from engine.arch.architecture import Architecture
+from engine.arch.registry import BY_GGUF_ARCH
 from engine.base.errors import ModelFormatError, UnsupportedModelError
 from engine.format.gguf import gpt_oss_experts
 from engine.format.gguf.reader import GGUFModel
 
-# GGUF tensor (after `blk.N.`) → HF tensor (after `model.layers.N.`); `{moe}` is the arch's MoE prefix.
+# GGUF tensor (after `blk.N.`) → HF tensor (after `model.layers.N.`), the names every architecture
+# shares; an architecture's own are its record's GgufNames.tensors. `{moe}` is ModelArgs.moe_prefix.
 LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -48,30 +57,6 @@ LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
     # router
     "ffn_gate_inp.weight": "{moe}.gate.weight", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-}
-SHARED_QWEN = {  # qwen2_moe: one gated shared expert
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-}
-GLM_NAMES = {  # gguf-py maps GLM-4.5's post_attention_layernorm to ATTN_POST_NORM (no FFN_NORM in glm4moe)
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-}
-SHARED_DEEPSEEK = {  # deepseek / glm: ungated shared experts
-    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
-}
-GPT_OSS_NAMES = {  # beyond LAYER_NAMES; its experts are gpt_oss_experts.experts
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "attn_output.bias": "self_attn.o_proj.bias", "attn_sinks.weight": "self_attn.sinks",
-    "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
-}
-DSA_INDEXER_NAMES = {  # GLM-5's sparse-attention indexer (gguf-py MODEL_TENSOR.INDEXER_*)
-    "indexer.attn_q_b.weight": "self_attn.indexer.wq_b.weight", "indexer.attn_k.weight": "self_attn.indexer.wk.weight",
-    "indexer.k_norm.weight": "self_attn.indexer.k_norm.weight", "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
-    "indexer.proj.weight": "self_attn.indexer.weights_proj.weight",
 }
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
@@ -256,33 +241,29 @@ def config_gpt_oss(m: GGUFModel, layers: int, moe_layers: list[bool]) -> dict:
     return cfg
 
 
-@dataclass(frozen=True)
-class Arch:
-    model_type: str
-    config: Callable[[GGUFModel, int, list[bool]], dict]
-    moe_prefix: str = "mlp"
-    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    shared: dict = field(default_factory=dict)  # names beyond LAYER_NAMES (shared experts, arch-specific)
-    permute_qk: bool = False  # llama family: undo the converter's q/k row permutation
-    experts: Callable | None = None  # the routed experts' items when not per-expert HF tensors (gpt_oss)
-
-
-ARCHS = {
-    "qwen3moe": Arch("qwen3_moe", lambda m, n, f: config_qwen_moe(m, "qwen3_moe", n, f)),
-    "qwen2moe": Arch("qwen2_moe", lambda m, n, f: config_qwen_moe(m, "qwen2_moe", n, f), shared=SHARED_QWEN),
-    "olmoe": Arch("olmoe", config_olmoe),
-    "llama": Arch("mixtral", config_mixtral, moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2"),
-                  permute_qk=True),
-    "deepseek2": Arch("deepseek_v3", config_deepseek2, shared=SHARED_DEEPSEEK),
-    "glm4moe": Arch("glm4_moe", config_glm4moe, shared={**SHARED_DEEPSEEK, **GLM_NAMES}),
-    "glm-dsa": Arch("glm_moe_dsa", config_glm_dsa, shared={**SHARED_DEEPSEEK, **DSA_INDEXER_NAMES}),
-    "gpt-oss": Arch("gpt_oss", config_gpt_oss, shared=GPT_OSS_NAMES, experts=gpt_oss_experts.experts),
+# The metadata → config.json mapping of each registry record with GGUF names (Architecture.gguf),
+# keyed by the record's name; gpt-oss's experts have their own items (FUSED_EXPERTS). These stay in
+# engine/format rather than joining the records in engine/arch/families/: they read GGUF keys and
+# tensors through the reader (GGUFModel) and, for gpt-oss, the experts' ggml types through gguf-py
+# (gpt_oss_experts), which engine/arch may not import (format sits above arch). The records hold
+# the names, plain data; tests/test_gguf_import.py checks that every such record has its function.
+CONFIGS: dict[str, Callable[[GGUFModel, int, list[bool]], dict]] = {
+    "qwen3_moe": lambda m, n, f: config_qwen_moe(m, "qwen3_moe", n, f),
+    "qwen2_moe": lambda m, n, f: config_qwen_moe(m, "qwen2_moe", n, f),
+    "olmoe": config_olmoe,
+    "mixtral": config_mixtral,
+    "deepseek_v3": config_deepseek2,
+    "glm4_moe": config_glm4moe,
+    "glm_moe_dsa": config_glm_dsa,
+    "gpt_oss": config_gpt_oss,
 }
+FUSED_EXPERTS: dict[str, Callable] = {"gpt_oss": gpt_oss_experts.experts}
 
 
-def arch_for(m: GGUFModel) -> Arch:
-    arch = ARCHS.get(m.arch)
+def arch_for(m: GGUFModel) -> Architecture:
+    """The registry record this GGUF's `general.architecture` imports as."""
+    arch = BY_GGUF_ARCH.get(m.arch)
     if arch is None:
         raise UnsupportedModelError(f"{m.paths[0]}: GGUF architecture {m.arch!r} is not supported by import "
-                                    f"(supported: {', '.join(sorted(ARCHS))})")
+                                    f"(supported: {', '.join(sorted(BY_GGUF_ARCH))})")
     return arch

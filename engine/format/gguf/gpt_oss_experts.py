@@ -57,8 +57,8 @@ def _interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
 
 
-def experts(m: GGUFModel, arch, config: dict, layer: int, used: set) -> list[Item]:
-    """The layer's fused experts as one Item (the Arch.experts hook of the gpt-oss entry)."""
+def experts(m: GGUFModel, args, config: dict, layer: int, used: set) -> list[Item]:
+    """The layer's fused experts as one Item (gguf_names.FUSED_EXPERTS' gpt-oss entry; args: its ModelArgs)."""
     pre = f"blk.{layer}."
     weights = [m.tensors.get(f"{pre}{p}.weight") for p in PARTS]
     biases = [m.tensors.get(f"{pre}{p}.bias") for p in PARTS]

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from engine.arch.architecture import Architecture
+from engine.arch.args import ModelArgs, expert_tensor_names
+from engine.arch.registry import model_args
 from engine.base.errors import ModelFormatError
-from engine.format.gguf.gguf_names import (BLK_RE, DERIVED, EXPERT_PARTS, FUSED_GATE_UP, GLOBAL_NAMES, LAYER_NAMES, Arch,
-                                      arch_for, unpermute)
+from engine.format.gguf.gguf_names import (BLK_RE, CONFIGS, DERIVED, EXPERT_PARTS, FUSED_EXPERTS, FUSED_GATE_UP,
+                                           GLOBAL_NAMES, LAYER_NAMES, arch_for, unpermute)
 from engine.format.gguf.items import Item, OutTensor, Plan
 from engine.format.gguf.dequant import check_type, dequantize
 from engine.format.gguf.reader import GGUFModel, GGUFTensor
@@ -37,14 +40,15 @@ def build_plan(m: GGUFModel) -> Plan:
     moe_layers = [f"blk.{i}.ffn_gate_inp.weight" in m.tensors for i in range(layers)]
     if not any(moe_layers):
         raise ModelFormatError(f"{m.paths[0]}: no layer has routed experts (ffn_gate_inp); not a MoE model")
-    config = arch.config(m, layers, moe_layers)
+    config = CONFIGS[arch.name](m, layers, moe_layers)
+    args = model_args(config)  # the HF names of the experts and the router, as for a safetensors checkpoint
     used: set[str] = set()
     items: list[Item] = []
     for gname, hf in GLOBAL_NAMES.items():
         if gname in m.tensors:
             items.append(_dense(m, gname, hf, -1, used))
     for layer in range(layers):
-        items += _layer_items(m, arch, config, layer, used)
+        items += _layer_items(m, arch, args, config, layer, used)
     skipped = []
     for name in m.tensors:
         if name in used:
@@ -66,17 +70,17 @@ def _dense(m: GGUFModel, gname: str, hf: str, layer: int, used: set, transform=N
     return Item(hf, layer, [OutTensor(hf, tuple(shape or t.shape), _load(t, None, transform))])
 
 
-def _layer_items(m: GGUFModel, arch: Arch, config: dict, layer: int, used: set) -> list[Item]:
+def _layer_items(m: GGUFModel, arch: Architecture, args: ModelArgs, config: dict, layer: int, used: set) -> list[Item]:
     pre, out = f"blk.{layer}.", []
     hf_pre = f"model.layers.{layer}."
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    for suffix, hf in {**LAYER_NAMES, **arch.shared}.items():
+    for suffix, hf in {**LAYER_NAMES, **arch.gguf.tensors}.items():
         gname = pre + suffix
         if gname not in m.tensors:
             continue
-        hf_name = hf_pre + hf.format(moe=arch.moe_prefix)
+        hf_name = hf_pre + hf.format(moe=args.moe_prefix)
         t, transform, shape = m.tensors[gname], None, None
-        if arch.permute_qk and suffix.startswith(("attn_q.", "attn_k.")):
+        if arch.gguf.permute_qk and suffix.startswith(("attn_q.", "attn_k.")):
             n = heads if suffix.startswith("attn_q.") else kv_heads
             transform = lambda x, n=n: unpermute(x, n)  # noqa: E731
         if suffix == "ffn_gate_inp_shexp.weight":  # HF keeps it as a [1, hidden] linear
@@ -85,7 +89,7 @@ def _layer_items(m: GGUFModel, arch: Arch, config: dict, layer: int, used: set) 
         out.append(_dense(m, gname, hf_name, layer, used, transform, shape))
     if pre + "attn_k_b.weight" in m.tensors:
         out.append(_kv_b(m, pre, hf_pre, config, layer, used))
-    out += (arch.experts or _experts)(m, arch, config, layer, used)
+    out += FUSED_EXPERTS.get(arch.name, _experts)(m, args, config, layer, used)
     return out
 
 
@@ -109,7 +113,7 @@ def _kv_b(m: GGUFModel, pre: str, hf_pre: str, config: dict, layer: int, used: s
     return Item(name, int(pre.split(".")[1]), [OutTensor(name, (H * (nope + v), rank), load)])
 
 
-def _experts(m: GGUFModel, arch: Arch, config: dict, layer: int, used: set) -> list[Item]:
+def _experts(m: GGUFModel, args: ModelArgs, config: dict, layer: int, used: set) -> list[Item]:
     """One Item per routed expert: its gate, up, down sliced out of the stacked 3-D tensors."""
     pre = f"blk.{layer}."
     gate, up, down = (m.tensors.get(pre + p) for p in EXPERT_PARTS)
@@ -123,8 +127,6 @@ def _experts(m: GGUFModel, arch: Arch, config: dict, layer: int, used: set) -> l
         if t is not None and tuple(t.shape) != want:
             raise ModelFormatError(f"{m.paths[0]}: {t.name} has shape {t.shape}, expected {want} from {down.name}")
     used.update(t.name for t in (gate, up, down, fused) if t is not None)
-    base = f"model.layers.{layer}.{arch.moe_prefix}.experts"
-    g, u, d = arch.expert_names
     items = []
     for e in range(E):
         if fused is not None:
@@ -132,8 +134,7 @@ def _experts(m: GGUFModel, arch: Arch, config: dict, layer: int, used: set) -> l
             up_load = _load(fused, e, lambda x: x[I:].contiguous())
         else:
             gate_load, up_load = _load(gate, e), _load(up, e)
+        g, u, d = expert_tensor_names(args, layer, e)
         items.append(Item(f"layer {layer} expert {e}", layer, [
-            OutTensor(f"{base}.{e}.{g}.weight", (I, H), gate_load),
-            OutTensor(f"{base}.{e}.{u}.weight", (I, H), up_load),
-            OutTensor(f"{base}.{e}.{d}.weight", (H, I), _load(down, e))]))
+            OutTensor(g, (I, H), gate_load), OutTensor(u, (I, H), up_load), OutTensor(d, (H, I), _load(down, e))]))
     return items
