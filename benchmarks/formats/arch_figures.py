@@ -14,9 +14,9 @@ Three tables (run under `flock /tmp/colibri-bench.lock` on a shared box):
    resident and streamed (cold, io direct, in a memory cgroup at --budget), so the cost of
    dequantizing shows next to what the 3.8x smaller reads save.
 
-(The GLM-5-structured streaming figure comes from benchmarks/streaming.py --model glm-5-small.)
+(The GLM-5-structured streaming figure comes from benchmarks/io/streaming_roofline.py --model glm-5-small.)
 
-    .venv/bin/python benchmarks/archs.py [--budget 560MiB] [--tokens 16] [--repeats 3] [--scratch DIR]
+    .venv/bin/python benchmarks/formats/arch_figures.py [--budget 560MiB] [--tokens 16] [--repeats 3] [--scratch DIR]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -102,7 +102,7 @@ def dequant_table(repeats: int) -> list[str]:
 
 
 def placements(budget: int) -> tuple:
-    """The two placements of the gpt-oss-small decode tables (here and benchmarks/mxfp4_fused.py):
+    """The two placements of the gpt-oss-small decode tables (here and benchmarks/quant/mxfp4_fused.py):
     resident, and streamed cold (io direct, prefetch 1) in a memory cgroup at `budget`; each
     (label, config, cgroup limit, cold)."""
     return (("resident", EngineConfig(ctx_size=512), None, False),
@@ -122,7 +122,7 @@ def trial_cells(t) -> str:
 
 
 def decode_arguments(ap: argparse.ArgumentParser, scratch: str) -> None:
-    """The options of a gpt-oss-small decode table (here and benchmarks/mxfp4_fused.py)."""
+    """The options of a gpt-oss-small decode table (here and benchmarks/quant/mxfp4_fused.py)."""
     ap.add_argument("--budget", default="560MiB")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)

@@ -34,11 +34,11 @@ Measurements (`measure`; each step in a fresh interpreter so its RSS is its own)
           (needs a `--decodable` build: zero scales are refused as corrupt; the written router
           biases route every layer to experts 0..K-1, whose scales are the ones written)
 
-    quiet test .venv/bin/python benchmarks/fullscale.py build deepseek-v3 --dtype bf16 --out /tmp/fs-dsv3
+    quiet test .venv/bin/python benchmarks/formats/fullscale.py build deepseek-v3 --dtype bf16 --out /tmp/fs-dsv3
         [--decodable]   # also the scales and router biases a decode step reads (int4: ~1 GiB on disk)
-    quiet bench .venv/bin/python benchmarks/fullscale.py measure /tmp/fs-dsv3 [--budget 16GiB]
-    quiet bench .venv/bin/python benchmarks/fullscale.py decode /tmp/fs-dsv3 --budget 16GiB [--cgroup 16GiB]
-    quiet bench .venv/bin/python benchmarks/fullscale.py all [--dtype bf16] [--decode]   # build each, measure, delete
+    quiet bench .venv/bin/python benchmarks/formats/fullscale.py measure /tmp/fs-dsv3 [--budget 16GiB]
+    quiet bench .venv/bin/python benchmarks/formats/fullscale.py decode /tmp/fs-dsv3 --budget 16GiB [--cgroup 16GiB]
+    quiet bench .venv/bin/python benchmarks/formats/fullscale.py all [--dtype bf16] [--decode]   # build each, measure, delete
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402

@@ -1,13 +1,13 @@
 """GGUF import against the real llama.cpp: convert_hf_to_gguf.py + llama-quantize → `colibri convert`.
 
-    python benchmarks/gguf_roundtrip.py [--llama-dir DIR] [--work DIR] [--archs qwen3_moe,mixtral,...] [--json]
+    python benchmarks/formats/gguf_roundtrip.py [--llama-dir DIR] [--work DIR] [--archs qwen3_moe,mixtral,...] [--json]
 
 For each architecture a tiny bf16 model is made ("synth": `colibri synth`'s qwen3_moe, 256-wide
 so every K-quant applies; "gpt_oss-mxfp4": synth's gpt_oss with MXFP4 experts as published; the
 others: transformers' own random classes as tests/colibri_hf_models.py builds them, qwen3_moe
 256-wide too, with synth's tokenizer copied in, plus GLM's special tokens for the GLM models),
 converted by llama.cpp's own converter (tests/gguf_llama.py: one process per architecture, with
-benchmarks/peers_convert.py's fallback that only names synth's pre-tokenizer) to F16, BF16 and Q8_0 (gpt-oss's MXFP4 experts stay MXFP4 in all three), and
+benchmarks/peers/peers_convert.py's fallback that only names synth's pre-tokenizer) to F16, BF16 and Q8_0 (gpt-oss's MXFP4 experts stay MXFP4 in all three), and
 the bf16 GGUF quantized by llama-quantize to Q4_0, Q4_K_M, Q5_K_M, Q6_K and MXFP4_MOE. Each GGUF
 is imported with `colibri convert`, and for each the table says:
 - exact: our dequantization of every tensor equals llama.cpp's own, bit for bit (llama-quantize
@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
@@ -46,7 +46,7 @@ from gguf_llama import convert_all, write_glm_tokenizer  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 256 for i in range(32)]
 # Where scripts/build_llama_cpp.sh builds llama.cpp (the pinned llama-cpp-python sdist) when no
-# --llama-dir is given: the user's cache, as benchmarks/peers.py keeps its models; never the repo.
+# --llama-dir is given: the user's cache, as benchmarks/peers/peers.py keeps its models; never the repo.
 DEFAULT_LLAMA_DIR = "~/.cache/colibri/llama.cpp"
 QWEN3_GEOMETRY = {**synth.load_preset("tiny"), "hidden_size": 256, "moe_intermediate_size": 256,
                   "intermediate_size": 512, "num_hidden_layers": 4, "head_dim": 64, "num_experts": 8,
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     info = (llama / "BUILD_INFO").read_text().split() if (llama / "BUILD_INFO").exists() else []
-    print("command: " + " ".join(["python benchmarks/gguf_roundtrip.py", *(argv if argv is not None else sys.argv[1:])]))
+    print("command: " + " ".join(["python benchmarks/formats/gguf_roundtrip.py", *(argv if argv is not None else sys.argv[1:])]))
     print(f"llama.cpp: {' '.join(i for i in info if i.startswith(('llama_cpp_python_version', 'llama_cpp_commit')))} "
           f"(scripts/build_llama_cpp.sh into {llama})")
     print(f"quality: {args.tokens} tokens, ctx {args.ctx}, fp32 compute; tokens: 16 greedy from a 32-token prompt\n")

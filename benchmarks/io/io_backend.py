@@ -20,7 +20,7 @@ serves blocks it read moments ago faster) and the backends' order rotates from p
 so none is always first or last. It also checks every backend's bytes against a plain pread of
 the same span (one span per pass).
 
-    python benchmarks/io_backend.py [--model demo] [--reads 256] [--qd 4 8] [--piece 0 1MiB]
+    python benchmarks/io/io_backend.py [--model demo] [--reads 256] [--qd 4 8] [--piece 0 1MiB]
         [--passes 3] [--uring-path DIR] [--json]
 
 uring-api is a dependency of the engine; liburing is not: `pip install --target DIR liburing` and
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.format.checkpoint import Checkpoint  # noqa: E402
 from engine.base.config import format_size, parse_size  # noqa: E402
@@ -49,7 +49,7 @@ from engine.arch.registry import model_args  # noqa: E402
 from engine.run.resolve import resolve_model  # noqa: E402
 from engine.movement.slots import SlotArena  # noqa: E402
 from benchmarks.benchkit import bench_lock, conditions, emit  # noqa: E402
-from benchmarks.io_jobs import drop_pages  # noqa: E402
+from benchmarks.io.io_jobs import drop_pages  # noqa: E402
 
 
 def disjoint_spans(model_dir, n: int, groups: int, seed: int) -> list[list]:

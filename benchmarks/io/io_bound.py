@@ -1,10 +1,10 @@
 """The I/O bound tool: what this disk delivers at the engine's own read pattern.
 
-Three measurements, one command each (the jobs themselves are in benchmarks/io_jobs.py):
+Three measurements, one command each (the jobs themselves are in benchmarks/io/io_jobs.py):
 
     fio     continuous fio at one (request, QD, mode): one long job with a per-second bandwidth
             trace, then repeated jobs of several lengths, interleaved — the stability study that
-            picked streaming.py's 10 s fio job (docs/BENCHMARKS.md, "fio job length").
+            picked streaming_roofline.py's 10 s fio job (docs/BENCHMARKS.md, "fio job length").
     replay  fio replays of one `colibri bench --read-trace` file at several lengths (passes of
             the trace), paced by --gap-s (the resident compute per token: the bound's shape) or
             --no-stall, io_threads psync jobs or one shared libaio queue.
@@ -14,14 +14,14 @@ Three measurements, one command each (the jobs themselves are in benchmarks/io_j
 Why the trace: on this virtual disk fio's continuous random load measures ~1.1-1.3 GB/s, yet
 the engine, which reads in bursts between compute, often reads faster; the disk's rate depends
 on its recent load ("The bound, and why fio alone does not make it sturdy on this disk"), so
-the streaming bound's disk term is measured under the engine's load. benchmarks/streaming.py
+the streaming bound's disk term is measured under the engine's load. benchmarks/io/streaming_roofline.py
 --trace-bound builds its rows with `measure_row` / `finish_row` / `print_rows` below.
 
-    python benchmarks/io_bound.py fio [--model demo] [--request 1MiB] [--qd 4] [--mode direct]
+    python benchmarks/io/io_bound.py fio [--model demo] [--request 1MiB] [--qd 4] [--mode direct]
         [--trace-seconds 40] [--lengths 2 4 8 16] [--repeats 3] [--budget 1GiB] [--region 256MiB] [--json]
-    python benchmarks/io_bound.py replay TRACE [--passes 1 3] [--repeats 2] [--gap-s 0.05]
+    python benchmarks/io/io_bound.py replay TRACE [--passes 1 3] [--repeats 2] [--gap-s 0.05]
         [--no-stall] [--queue psync shared] [--budget 1GiB] [--json]
-    python benchmarks/io_bound.py pool TRACE [--gap-s 0.024] [--passes 4] [--repeats 2] [--with-fio] [--json]
+    python benchmarks/io/io_bound.py pool TRACE [--gap-s 0.024] [--passes 4] [--repeats 2] [--with-fio] [--json]
 
 Each needs fio except `pool` without --with-fio (apt-get install fio).
 """
@@ -35,18 +35,18 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.base.config import format_size, parse_size  # noqa: E402
 from engine.movement.io.trace import read_trace  # noqa: E402
 from engine.run.resolve import resolve_model  # noqa: E402
 from benchmarks.benchkit import conditions, emit, refuse  # noqa: E402
-from benchmarks.io_jobs import fio_run, one_repeat, outstanding_fraction, pool_replay, replay_trace  # noqa: E402
+from benchmarks.io.io_jobs import fio_run, one_repeat, outstanding_fraction, pool_replay, replay_trace  # noqa: E402
 
 TOOL = "io_bound"
 
 
-# --- one row of benchmarks/streaming.py --trace-bound -------------------------------------------------
+# --- one row of benchmarks/io/streaming_roofline.py --trace-bound -------------------------------------------------
 
 
 def measure_row(name: str, cfg, *, stream, fio: str, files, limit: int | None, request: int, fio_seconds: float,

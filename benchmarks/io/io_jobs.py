@@ -1,4 +1,4 @@
-"""The I/O jobs behind benchmarks/io_bound.py: fio at the engine's read pattern, fio replays of
+"""The I/O jobs behind benchmarks/io/io_bound.py: fio at the engine's read pattern, fio replays of
 the engine's own read trace, and the same trace replayed through the engine's reader.
 
 - `fio_run`: one continuous fio job at the engine's pattern (request, QD, mode): request = the

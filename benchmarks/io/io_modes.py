@@ -6,7 +6,7 @@ Before every measured pass the file's pages are dropped with posix_fadvise(DONTN
 fresh pool is opened, so buffered and mmap start cold too. Prints the median GB/s over repeats
 with its min-max spread.
 
-    .venv/bin/python benchmarks/io_modes.py [--file PATH] [--size-mib 512] [--json]
+    .venv/bin/python benchmarks/io/io_modes.py [--file PATH] [--size-mib 512] [--json]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tqdm import tqdm  # noqa: E402
 

@@ -5,7 +5,7 @@ Both runners read the same test file at the same points (the default probe plan:
 (fio, fallback, fio, fallback, ...) so drift in a shared or virtual disk hits both alike, and
 the median of the repeats is compared. Prints a table; exits non-zero only if a runner fails.
 
-    .venv/bin/python benchmarks/probe_fallback_agreement.py --dir /models --repeats 3
+    .venv/bin/python benchmarks/io/probe_fallback_agreement.py --dir /models --repeats 3
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tuner.probe import fallback, fio  # noqa: E402

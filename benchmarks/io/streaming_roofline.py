@@ -8,7 +8,7 @@ For a handful of configs on `demo` under a 1 GiB budget, cold, each run as a rea
                       the start and at the end of the run; the faster one is used)
 
 and the ratio measured tok/s / bound tok/s. The disk term is measured by fio at exactly the
-engine's read pattern (benchmarks/io_bound.py fio) — request = what one read request of the
+engine's read pattern (benchmarks/io/io_bound.py fio) — request = what one read request of the
 engine is (this tree: one request per expert span, split across the workers only past
 chunk_size; the old tree: chunk size pieces), QD = io_threads synchronous readers,
 direct/buffered/mmap as the config, inside a cgroup of the budget (so buffered/mmap fio cannot
@@ -18,13 +18,13 @@ when both trees issue the same request; the second run of --runs puts before fir
 figures differ by more than 20% is marked: the disk changed under it.
 
 Each fio job runs --fio-seconds (default 10 s). Why 10: this virtual disk's per-second rate
-at the engine's pattern wanders by +-5-10% (benchmarks/io_bound.py fio's trace); two 2-5 s jobs
+at the engine's pattern wanders by +-5-10% (benchmarks/io/io_bound.py fio's trace); two 2-5 s jobs
 differed by up to 21%, two 10 s jobs by 1-4%, and 20 s bought nothing more
 (docs/BENCHMARKS.md, "fio job length"). 10 s is also about the length of one streaming run
 here, so fio and the engine see the disk over comparable stretches.
 
 --trace-bound measures the disk term under the engine's own load instead (this tree only; see
-benchmarks/io_bound.py replay): each streaming run records its read trace, and fio replays that
+benchmarks/io/io_bound.py replay): each streaming run records its read trace, and fio replays that
 trace paced by the resident compute per token, right before (the previous run's trace) and
 right after (this run's) the streaming run; the bound is the mean of the two replays' s/token.
 The continuous fio figures and their bound are printed next to it.
@@ -35,7 +35,7 @@ so before/after are measured in the same run and minutes apart.
 
 Every measurement holds the shared benchmark lock (flock on --lock) only for its own config.
 
-    .venv/bin/python benchmarks/streaming.py [--before-src /work/wt/base] [--only NAME ...]
+    .venv/bin/python benchmarks/io/streaming_roofline.py [--before-src /work/wt/base] [--only NAME ...]
         [--tokens 8] [--repeats 2] [--runs 1] [--json]
 """
 
@@ -52,7 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from engine.base.config import PREFILL_CHUNK, EngineConfig, format_size, parse_size  # noqa: E402
@@ -61,8 +61,8 @@ from engine.run.resolve import resolve_model  # noqa: E402
 from engine.run.runtime import physical_cores  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402
 from benchmarks.benchkit import bench_lock  # noqa: E402
-from benchmarks import io_bound as trace_bound  # noqa: E402
-from benchmarks.io_jobs import fio_run, request_bytes  # noqa: E402
+from benchmarks.io import io_bound as trace_bound  # noqa: E402
+from benchmarks.io.io_jobs import fio_run, request_bytes  # noqa: E402
 
 
 def configs(budget: int) -> dict[str, EngineConfig]:

@@ -1,13 +1,13 @@
 """Race our engine against llama.cpp and transformers + accelerate disk offload, on one model.
 
-    python benchmarks/peers.py --work-dir /work/scratch/peers --lock /tmp/colibri-bench.lock
+    python benchmarks/peers/peers.py --work-dir /work/scratch/peers --lock /tmp/colibri-bench.lock
 
 One command does everything, each step skipped when its output already exists:
   1. builds llama.cpp from the llama-cpp-python sdist (scripts/build_llama_cpp.sh) into --llama-dir;
   2. synthesizes the model (`--preset`, default demo: 3.2 GiB bf16) into WORK/<preset>, with
      synth's trained byte-level BPE tokenizer;
   3. converts it to GGUF (bf16, no quantization) with llama.cpp's own convert_hf_to_gguf.py,
-     through benchmarks/peers_convert.py (maps the unknown pre-tokenizer hash to gpt-2);
+     through benchmarks/peers/peers_convert.py (maps the unknown pre-tokenizer hash to gpt-2);
   4. checks that llama.cpp's tokenizer gives our prompt ids for the prompt text;
   5. runs, for each mode and engine, the same text prompt, greedy, --tokens new tokens:
        cold:     each engine in a fresh memory cgroup of --cgroup bytes (page cache counts),
@@ -21,7 +21,7 @@ One command does everything, each step skipped when its output already exists:
 Engines: `ours` (`colibri run`, io_mode direct), `llama-simple` (its generation loop: greedy,
 GGML_DEFAULT_N_THREADS = 4 threads, which it does not let us change), `llama-bench`
 (tg --tokens at -t --threads; cold: 1 repetition, no warm-up; resident: --repeats with warm-up,
-mean ± sd as it reports them), `accelerate` (benchmarks/peers_hf.py). A peer slower than
+mean ± sd as it reports them), `accelerate` (benchmarks/peers/peers_hf.py). A peer slower than
 --cap-seconds is stopped and its figures cover the tokens it made in that time (transformers
 stops itself at the cap; llama-simple is asked for fewer tokens when llama-bench, run just
 before it, says --tokens would not fit in the cap; the tokens column says how many).
@@ -33,7 +33,7 @@ own tool (`colibri convert --quant int8|int4 --group-size G` into WORK/<preset>-
 `llama-quantize` of the bf16 GGUF to the counterpart: int8 ↔ Q8_0, int4-g32 ↔ Q4_0 (both 32
 per group), int4-g64 ↔ Q4_K_M), then ours and llama-bench race on them, in every --modes, with
 the same prompt and tokens, and each pair's KL divergence / top-1 agreement against bf16 is
-measured by both tools on the same text (benchmarks/peers_quality.py: llama-perplexity
+measured by both tools on the same text (benchmarks/peers/peers_quality.py: llama-perplexity
 --kl-divergence for theirs, `colibri quality` for ours) and printed beside its speed.
 --quality only measures just that (no timing: it may run on a shared lock); --quality-from FILE
 takes it from such a run's --json.
@@ -41,7 +41,7 @@ takes it from such a run's --json.
 Measurement rules (issue 22): every race figure is measured --runs times (default 3; each run
 every engine once, back to back), quoted as the median with its min-max; the bound's arithmetic
 (the probe's memory-bandwidth measurement, active weight bytes per token of each file) is
-printed under the table (benchmarks/peers_report.py).
+printed under the table (benchmarks/peers/peers_report.py).
 """
 
 from __future__ import annotations
@@ -56,15 +56,15 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tuner.sandbox import detect_memory_cgroup, run_limited  # noqa: E402
 from engine.base.config import parse_size  # noqa: E402
 from benchmarks.benchkit import bench_lock  # noqa: E402
-from benchmarks import peers_quality  # noqa: E402
-from benchmarks.page_cache import cached_bytes, drop_pages, read_into_page_cache  # noqa: E402
-from benchmarks.peers_report import (QUANT_PAIRS, agreement, bandwidth_bound, quality_table,  # noqa: E402
+from benchmarks.peers import peers_quality  # noqa: E402
+from benchmarks.io.page_cache import cached_bytes, drop_pages, read_into_page_cache  # noqa: E402
+from benchmarks.peers.peers_report import (QUANT_PAIRS, agreement, bandwidth_bound, quality_table,  # noqa: E402
                                      race_table, ratio_lines, summarize, token_bytes)
 
 PROMPT = "The history of the city begins with a small river crossing, where traders from the north met"
@@ -94,7 +94,7 @@ def prepare(args) -> tuple[Path, Path]:
         print(f"peers: converting to {gguf} with llama.cpp's convert_hf_to_gguf.py", file=sys.stderr)
         tmp = gguf.with_suffix(".gguf.partial")
         with bench_lock(args.lock):
-            subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers_convert.py"), "--llama-src",
+            subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers" / "peers_convert.py"), "--llama-src",
                             str(llama / "src"), str(model), "--outfile", str(tmp), "--outtype", "bf16"],
                            check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
         os.replace(tmp, gguf)
@@ -211,7 +211,7 @@ def run_llama_bench(args, gguf: Path, mode: str, limit: int, prompt_len: int) ->
 
 
 def run_accelerate(args, model: Path, mode: str, limit: int, offload: Path) -> dict:
-    argv = [sys.executable, str(REPO / "benchmarks" / "peers_hf.py"), "--model", str(model), "--prompt",
+    argv = [sys.executable, str(REPO / "benchmarks" / "peers" / "peers_hf.py"), "--model", str(model), "--prompt",
             args.prompt, "--tokens", str(args.tokens), "--threads", str(args.threads),
             "--cap-seconds", str(args.cap_seconds)]
     argv += ["--resident"] if mode == "resident" else ["--offload-dir", str(offload)]

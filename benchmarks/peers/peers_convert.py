@@ -1,6 +1,6 @@
 """Run llama.cpp's own convert_hf_to_gguf.py on a colibri-synth model, without editing llama.cpp.
 
-    python benchmarks/peers_convert.py --llama-src /work/tools/llama.cpp/src MODEL_DIR --outfile X.gguf --outtype bf16
+    python benchmarks/peers/peers_convert.py --llama-src /work/tools/llama.cpp/src MODEL_DIR --outfile X.gguf --outtype bf16
 
 Everything after --llama-src goes to the converter unchanged.
 

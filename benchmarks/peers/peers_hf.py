@@ -1,9 +1,9 @@
 """One greedy generation with transformers, disk-offloaded by accelerate or fully resident; prints one JSON line.
 
-    python benchmarks/peers_hf.py --model DIR --prompt TEXT --tokens N --threads T
+    python benchmarks/peers/peers_hf.py --model DIR --prompt TEXT --tokens N --threads T
                                   (--offload-dir DIR | --resident) [--cap-seconds S]
 
-benchmarks/peers.py runs this inside the memory cgroup. Disk offload is accelerate's, as
+benchmarks/peers/peers.py runs this inside the memory cgroup. Disk offload is accelerate's, as
 `from_pretrained(device_map={"": "disk"}, offload_folder=...)` sets it up: every module's
 weights live on disk and accelerate's hooks load them for each forward pass (the
 checkpoint's own safetensors where a tensor is stored as the model wants it; experts, which

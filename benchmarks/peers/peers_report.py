@@ -1,4 +1,4 @@
-"""The tables of benchmarks/peers.py: runs folded into medians with spread, token agreement, the
+"""The tables of benchmarks/peers/peers.py: runs folded into medians with spread, token agreement, the
 memory-bandwidth bound's arithmetic, and KL against bf16 beside the speed of each quantization.
 
 Every figure of a race is measured --runs times (each run: every engine once, back to back);

@@ -1,6 +1,6 @@
 """KL of a model's decode-path logits against a reference's: every position a one-token step.
 
-    python benchmarks/decode_kl.py --model Q [--model Q2 ...] --reference REF [--tokens 256] [--threads 2]
+    python benchmarks/quant/decode_kl.py --model Q [--model Q2 ...] --reference REF [--tokens 256] [--threads 2]
 
 `colibri quality` scores each chunk in one forward pass (T > 1: prefill, where quantized weights go
 through torch's packed kernels), so it never runs the native int8/int4 decode kernels, which take

@@ -1,7 +1,7 @@
 """bf16 vs FP8 (as published: e4m3 + 128x128 block scales) vs int8 vs int4-g64 of one model, in one run.
 
-    python benchmarks/fp8_demo.py --work DIR [--layers 8] [--prepare-only]      # build the models
-    python benchmarks/fp8_demo.py --work DIR --measure [--budget 1GiB] [--tokens 8] [--repeats 2]
+    python benchmarks/quant/fp8_demo.py --work DIR [--layers 8] [--prepare-only]      # build the models
+    python benchmarks/quant/fp8_demo.py --work DIR --measure [--budget 1GiB] [--tokens 8] [--repeats 2]
            [--part speed|quality]   # one part only (speed under `quiet bench`, quality needs no lock
                                     # of its own); each part saves DIR/<part>.json, the table joins them
 
@@ -10,7 +10,7 @@ hidden 1024, 64 experts top-8, expert intermediate 512) with `--layers` layers (
 preset; 8 halves the time and still streams under 1 GiB), writes its FP8 twin in the published
 layout (engine/synth/fp8_writer.py), and converts int8 and int4-g64 containers of the bf16 model.
 
-Measure (run it under `quiet bench`): `benchmarks/quant.py speed`'s trials over the four models
+Measure (run it under `quiet bench`): `benchmarks/quant/quant_formats.py speed`'s trials over the four models
 (cold: `colibri bench` in a memory cgroup of --budget, O_DIRECT 1 MiB, prefetch 1, caches and page
 cache emptied before each repeat; resident: no budget, warm) — decode tok/s median (min-max),
 MiB read per token — and `colibri quality` of each against bf16 (KL divergence, top-1 agreement
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.run.run_metrics import git_commit  # noqa: E402
 
@@ -60,7 +60,7 @@ def prepare(work: Path, layers: int) -> None:
 
 def speed(work: Path, a) -> dict:
     models = [f"{label}={work / label}" for label in a.labels]
-    argv = [sys.executable, str(HERE / "quant.py"), "speed", "--budget", a.budget, "--tokens", str(a.tokens),
+    argv = [sys.executable, str(HERE / "quant_formats.py"), "speed", "--budget", a.budget, "--tokens", str(a.tokens),
             "--repeats", str(a.repeats), "--threads", str(a.threads), "--json"]
     for m in models:
         argv += ["--model", m]

@@ -1,7 +1,7 @@
 """Compute cost of one routed expert at decode (one token) in FP8: the native e4m3 kernel vs
 dequantize-then-F.linear (the fallback), with bf16 beside them.
 
-    python benchmarks/fp8_kernels.py [--hidden 1024] [--inter 512] [--threads 2] [--repeats 200]
+    python benchmarks/quant/fp8_expert.py [--hidden 1024] [--inter 512] [--threads 2] [--repeats 200]
 
 One demo expert by default (gate/up [512x1024], down [1024x512]), FP8 e4m3 with 128x128 block
 scales as published, bf16 activations [1, H]; each row: median (min-max) microseconds of the
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -14,7 +14,7 @@
 //   int4 busd 2stream pf512 / pf1024   that with a software prefetch of the scale stream
 // GB/s counts codes + scales. Build and run (argv: threads N K working-set-KiB; 512 MiB: DRAM,
 // 1024 KiB: L2):
-//   g++ -O3 -march=native -fopenmp benchmarks/int4_layout_probe.cpp -o int4_layout_probe
+//   g++ -O3 -march=native -fopenmp benchmarks/quant/int4_layout_probe.cpp -o int4_layout_probe
 //   for t in 1 2; do ./int4_layout_probe $t 512 1024 524288; ./int4_layout_probe $t 512 1024 1024; done
 #include <immintrin.h>
 #include <omp.h>

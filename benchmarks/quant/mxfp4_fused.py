@@ -14,7 +14,7 @@ Two tables (run under `quiet bench` on the shared box):
    --budget), one `colibri bench` child process each: decode tok/s, MiB read per token, RAM
    hit rate, the cgroup's peak, and the kernel the run reports.
 
-    quiet bench .venv/bin/python benchmarks/mxfp4_fused.py [--budget 560MiB] [--tokens 16]
+    quiet bench .venv/bin/python benchmarks/quant/mxfp4_fused.py [--budget 560MiB] [--tokens 16]
         [--repeats 3] [--scratch DIR]
 """
 
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -37,7 +37,7 @@ from engine.base.config import format_size, parse_size  # noqa: E402
 from engine.arch.gpt_oss_layers import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
 from engine.run.run_metrics import git_commit  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402
-from benchmarks.archs import decode_arguments, placements, trial_cells  # noqa: E402
+from benchmarks.formats.arch_figures import decode_arguments, placements, trial_cells  # noqa: E402
 
 GEOMETRIES = (("gpt-oss-small 512 x 512", 512, 512), ("gpt-oss-120b 2880 x 2880", 2880, 2880))
 

@@ -1,7 +1,7 @@
 """The quant tool: what a weight format costs in speed and in quality, one command each.
 
     speed    bf16 vs int8 vs int4 containers of one model, side by side, in one run:
-             python benchmarks/quant.py speed --model bf16=DIR --model int8=DIR --model int4-g64=DIR
+             python benchmarks/quant/quant_formats.py speed --model bf16=DIR --model int8=DIR --model int4-g64=DIR
                  [--budget 1GiB] [--tokens 8] [--repeats 2] [--rounds 1] [--skip-resident] [--json]
              For each container: on-disk MiB per expert, and two trials (`colibri bench` in a
              subprocess): cold decode under a memory cgroup limited to the budget (page cache
@@ -11,15 +11,15 @@
              first model (the bf16 baseline). With --rounds R the containers are measured in R
              interleaved rounds (the figures are the medians over all repeats of all rounds).
     quality  int8 and int4 g32/g64/g128 against bf16 on the trained reference:
-             python benchmarks/quant.py quality --reference DIR --work DIR [--tokens 8192] [--ctx 512] [--json]
-             Converts the reference (benchmarks/train_reference.py) into each container under
+             python benchmarks/quant/quant_formats.py quality --reference DIR --work DIR [--tokens 8192] [--ctx 512] [--json]
+             Converts the reference (benchmarks/quant/train_reference.py) into each container under
              --work, then `colibri quality` for each (teacher-forced on the held-out Python stdlib
              text, chunks of --ctx with the second half of each scored, as llama-perplexity does),
              both models computed in fp32 so the figures are the weights' error alone. Printed
              next to llama.cpp's published figures for Llama-3-8B (/work/shared/notes/ANCHORS.md
              quotes them) — a different model and size, the same definitions.
 
-The per-expert kernel timings are benchmarks/quant_kernels.py.
+The per-expert kernel timings are benchmarks/quant/quant_kernels.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -110,7 +110,7 @@ def speed(a) -> int:
 
 def quality(a) -> int:
     if not Path(a.reference, "config.json").is_file():
-        return refuse(TOOL, f"--reference {a.reference}: no config.json (train one with benchmarks/train_reference.py)")
+        return refuse(TOOL, f"--reference {a.reference}: no config.json (train one with benchmarks/quant/train_reference.py)")
     torch.set_num_threads(a.threads)
     rows = []
     for label, quant, group in CASES:
@@ -133,7 +133,7 @@ def quality(a) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="quant.py", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="quant_formats.py", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("speed", help="cold and resident decode of several containers of one model")
     s.add_argument("--model", action="append", required=True, metavar="LABEL=DIR")

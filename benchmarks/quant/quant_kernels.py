@@ -1,6 +1,6 @@
 """Per-expert CPU cost of each quantized kernel, and of preparing a stored expert for it.
 
-    python benchmarks/quant_kernels.py [--hidden 1024] [--inter 512] [--threads 2] [--json]
+    python benchmarks/quant/quant_kernels.py [--hidden 1024] [--inter 512] [--threads 2] [--json]
 
 One routed expert of the demo geometry (gate/up [I, H], down [H, I]) at batch 1, bf16
 activations. Rows: bf16 F.linear (the baseline), `_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`

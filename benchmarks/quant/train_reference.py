@@ -1,6 +1,6 @@
 """Train the small *trained* qwen3_moe that quantization quality is measured on.
 
-    nice -n 10 python benchmarks/train_reference.py -o ../reference [--steps N] [--experts E] [--json]
+    nice -n 10 python benchmarks/quant/train_reference.py -o ../reference [--steps N] [--experts E] [--json]
 
 Random weights say little about quantization error (no outliers, near-uniform logits), so
 this trains a real, if small, model: 4 layers, 16 experts top-4, hidden 256, a 4096-token
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.run.quality import stdlib_corpus  # noqa: E402
 
 CONFIG = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=4096, hidden_size=256,

@@ -20,8 +20,8 @@ The server runs as a subprocess in a child memory cgroup of its own (when one ca
 limit is a safety ceiling, --cgroup-ceiling, not the budget: the engine's memory plan holds the
 budget), so the cgroup figure is the server's alone, page cache it faulted in included.
 
-    .venv/bin/python benchmarks/serve.py --overhead --config benchmarks/serve_demo_1GiB.toml
-    .venv/bin/python benchmarks/serve.py --soak 30 --config benchmarks/serve_demo_1GiB.toml
+    .venv/bin/python benchmarks/serving/serve_client.py --overhead --config benchmarks/serving/serve_demo_1GiB.toml
+    .venv/bin/python benchmarks/serving/serve_client.py --soak 30 --config benchmarks/serving/serve_demo_1GiB.toml
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from engine.base.config import atomic_write_text, parse_size  # noqa: E402

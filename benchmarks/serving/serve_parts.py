@@ -13,8 +13,8 @@ first-request: a fresh process per run loads the engine (--config) and times one
 new thread, through serve's GenerationWorker (its thread, its job queue), and on the main thread
 after an idle pause like the one between a server's start and its first request.
 
-    .venv/bin/python benchmarks/serve_parts.py detok --before-src s21-start --tokens 512 --rounds 3
-    .venv/bin/python benchmarks/serve_parts.py first-request --config benchmarks/serve_demo_1GiB.toml --rounds 3
+    .venv/bin/python benchmarks/serving/serve_parts.py detok --before-src s21-start --tokens 512 --rounds 3
+    .venv/bin/python benchmarks/serving/serve_parts.py first-request --config benchmarks/serving/serve_demo_1GiB.toml --rounds 3
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STOP = "\x00\x01\x02\x03"  # never in the text: the stop's hold is paid, the stop never cuts
 MIXED = "\nnaïve café, 日本語のテキスト, emoji 🙂🦙 and ß€ — across tokens.\n"
 PROMPT = "The streaming engine reads the routed experts of each layer from the disk, and"

@@ -6,7 +6,7 @@ A tune starts one `colibri bench` process per trial (tuner/search/trial.py), and
 hundreds of `colibri` processes, so this start-up is paid per trial. Compare two commits with a
 second checkout (`git worktree add ../before <commit>`):
 
-    python benchmarks/cli_startup.py --tree . --tree ../before --repeats 8 --args "bench --help"
+    python benchmarks/time/cli_startup.py --tree . --tree ../before --repeats 8 --args "bench --help"
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--json", action="store_true")
     opts = p.parse_args(argv)
-    trees = [t.resolve() for t in (opts.tree or [Path(__file__).resolve().parent.parent])]
+    trees = [t.resolve() for t in (opts.tree or [Path(__file__).resolve().parents[2]])]
     args = shlex.split(opts.args)
     cpu: dict[Path, list[float]] = {t: [] for t in trees}
     wall: dict[Path, list[float]] = {t: [] for t in trees}

@@ -30,7 +30,7 @@ warm-up, `--tokens` decode steps timed after a prefill (the prefill token exclud
 default (--budget 0); --budget 1GiB makes it cold (the store's make_cold before the measured
 generation), as token_breakdown.py did.
 
-    python benchmarks/decode_profile.py --model DIR [--model DIR2 ...] [--before-src TREE]
+    python benchmarks/time/decode_profile.py --model DIR [--model DIR2 ...] [--before-src TREE]
         [--rounds 3] [--per-layer-calls] [--tokens 32] [--threads 2] [--budget 0] [--io-mode direct] [--json]
 
 --rounds N alternates the trees N times (after, before, after, ...) and adds a table of medians.
@@ -46,7 +46,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("layers_one_call", "attention", "router", "experts", "read_wait", "layer_rest", "head", "outside_forward")
 
 

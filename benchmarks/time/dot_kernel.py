@@ -17,7 +17,7 @@ Each (tree, round) runs in its own subprocess importing that tree's engine (benc
 with --before-src the two trees alternate for --rounds rounds, and the table gives per tree the
 median GB/s over rounds with the min-max.
 
-    python benchmarks/dot_kernel.py [--before-src REV] [--rounds 3] [--threads 2] [--calls 40] [--json]
+    python benchmarks/time/dot_kernel.py [--before-src REV] [--rounds 3] [--threads 2] [--calls 40] [--json]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHAPES = ("linear", "experts", "moe_layer")
 
 

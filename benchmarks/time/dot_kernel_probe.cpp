@@ -7,7 +7,7 @@
 //   mode 6  four rows from four far-apart sub-ranges (four long sequential streams); 7: with prefetch
 //   mode 5  plain reads of the same bytes (xor of vectors): the memory's read bandwidth
 // Every result feeds a sink the compiler cannot drop. Build and run:
-//   g++ -O3 -fopenmp -mavx512f -mavx512bw -mavx512vl -mavx512bf16 benchmarks/dot_kernel_probe.cpp -o dot_kernel_probe
+//   g++ -O3 -fopenmp -mavx512f -mavx512bw -mavx512vl -mavx512bf16 benchmarks/time/dot_kernel_probe.cpp -o dot_kernel_probe
 //   for m in 5 0 1 2 6 7; do OMP_NUM_THREADS=2 ./dot_kernel_probe 1024 $m; done
 #include <immintrin.h>
 #include <omp.h>

@@ -24,7 +24,7 @@ positions; the rest of the step is the same weights either way).
 Each (tree, round) runs in its own subprocess (cwd and PYTHONPATH = that tree, benchmarks/trees.py);
 --rounds alternates the trees (after, before, after, ...).
 
-    python benchmarks/kv_decode.py [--model demo] [--before-src REV] [--rounds 3] [--tokens 32]
+    python benchmarks/time/kv_decode.py [--model demo] [--before-src REV] [--rounds 3] [--tokens 32]
         [--contexts 2048,4096] [--ctx 4608] [--kv-dtypes auto,int8,fp8] [--threads 2] [--json]
 """
 
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PATHS = ("decode_layers", "attention_decode")  # the engine's native entry points, whole step first
 
 

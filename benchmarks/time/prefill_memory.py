@@ -1,6 +1,6 @@
 """Peak resident memory of a long prefill: one pass over the whole prompt against the engine's passes.
 
-    python benchmarks/prefill_memory.py --model DIR --ram-budget 400MiB --tokens 2000 [--whole] [--json]
+    python benchmarks/time/prefill_memory.py --model DIR --ram-budget 400MiB --tokens 2000 [--whole] [--json]
 
 Loads the model under the budget (ctx 4096), samples the process's RSS every 2 ms while a random
 prompt of --tokens tokens is prefilled, and prints the RSS after load, the peak, and the plan's

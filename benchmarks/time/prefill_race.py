@@ -1,6 +1,6 @@
 """Resident prefill against llama.cpp: one prompt length, our engine at each prefill pass, llama-bench -p.
 
-    .venv/bin/python benchmarks/prefill_race.py --gguf ../peers-work/demo-bf16.gguf \
+    .venv/bin/python benchmarks/time/prefill_race.py --gguf ../peers-work/demo-bf16.gguf \
         --llama-dir ../llama.cpp [--model demo] [--prompt-tokens 512,1024] [--chunks 0,256] [--runs 3]
 
 For each prompt length and run: `colibri bench --ram-budget 0 --warm --tokens 1 --prompt-tokens N`
@@ -8,7 +8,7 @@ For each prompt length and run: `colibri bench --ram-budget 0 --warm --tokens 1 
 a number: `--prefill-chunk`), then `llama-bench -p N -n 0 -r 1` (its default 512-token ubatch), all
 interleaved within a run so the box's drift falls on every side. The table gives each side's prefill
 tok/s, median (min-max) over --runs, and its ratio to llama-bench's median. The GGUF is the same model,
-converted by benchmarks/peers.py (WORK/<preset>-bf16.gguf); llama.cpp by scripts/build_llama_cpp.sh.
+converted by benchmarks/peers/peers.py (WORK/<preset>-bf16.gguf); llama.cpp by scripts/build_llama_cpp.sh.
 Resident: weights in memory, so the disk does not enter (warm: the figure is the second prefill).
 """
 
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.benchkit import conditions, emit, fmt_spread, refuse, spread  # noqa: E402
@@ -51,7 +51,7 @@ def llama(llama_dir: Path, gguf: Path, prompt_tokens: int, threads: int) -> floa
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo", help="our model: a directory or a synth preset (default demo)")
-    ap.add_argument("--gguf", required=True, help="the same model as a bf16 GGUF (benchmarks/peers.py makes it)")
+    ap.add_argument("--gguf", required=True, help="the same model as a bf16 GGUF (benchmarks/peers/peers.py makes it)")
     ap.add_argument("--llama-dir", required=True, help="a llama.cpp built by scripts/build_llama_cpp.sh")
     ap.add_argument("--prompt-tokens", default="512", help="comma list of prompt lengths (default 512)")
     ap.add_argument("--chunks", default="0,256", help="our prefill passes, comma list; 0 = the default (default 0,256)")

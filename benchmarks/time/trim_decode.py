@@ -14,7 +14,7 @@ warm-up, then --tokens timed decode steps after a 4-token prompt (the prefill ex
 alternate per run (after first on odd runs, before first on even ones), so drift of a noisy box
 falls on both.
 
-    python benchmarks/trim_decode.py [--model demo] [--quant bf16,int8] [--before-src REV]
+    python benchmarks/time/trim_decode.py [--model demo] [--quant bf16,int8] [--before-src REV]
         [--runs 3] [--tokens 32] [--threads 2] [--json]
 
 --quant: the levels of tune --quant (int8, int4-g64, ...): a quantized level is the model's
@@ -29,7 +29,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # (label, top_k_reduction, expert_threshold)
 TRIMS = (("untrimmed", 0, 0.0), ("k-1", 1, 0.0), ("k-2", 2, 0.0), ("threshold 0.1", 0, 0.1))
 

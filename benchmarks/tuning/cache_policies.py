@@ -13,7 +13,7 @@ engine's own cache classes, in the order the engine asks, and prints decode hit 
 here below one working set, but measured fewer RAM hits on the real demo (docs/BENCHMARKS.md),
 so the engine's `lru` stays plain.
 
-  .venv/bin/python benchmarks/cache_policies.py --skew 1.0
+  .venv/bin/python benchmarks/tuning/cache_policies.py --skew 1.0
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

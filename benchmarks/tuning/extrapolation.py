@@ -1,6 +1,6 @@
 """Predicted decode tok/s of the bundled real-model geometries, on this machine and on described ones.
 
-    .venv/bin/python benchmarks/extrapolation.py --profile PROFILE.json [--json]
+    .venv/bin/python benchmarks/tuning/extrapolation.py --profile PROFILE.json [--json]
 
 For GLM-5 744B, DeepSeek-V3, Qwen3-235B-A22B, Mixtral-8x22B and OLMoE-1B-7B at int4 and int8,
 the cost model (tuner/costmodel) predicts the best config of a grid on each machine, cold (the
@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from engine.base.config import EngineConfig  # noqa: E402

@@ -1,6 +1,6 @@
 """A `tune --max-kl` run and its speed-quality front: every lossy setting it measured, with speed and quality.
 
-    python benchmarks/lossy_tune.py --model DIR [--quant bf16,int8] [--max-kl 0.05] [--trials 12]
+    python benchmarks/tuning/lossy_tune.py --model DIR [--quant bf16,int8] [--max-kl 0.05] [--trials 12]
         [--ram-budget 512MiB] [--min-ctx 2048] [--prompts FILE] [--profile FILE] [--quality-tokens 1024]
         [--quality-ctx 256] [--front-rounds 2] [--out DIR] [--json] [--prepare-only | --resume]
 
@@ -35,7 +35,7 @@ import platform
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.base.config import parse_size  # noqa: E402
 from tuner.search.lossy import QualityBound  # noqa: E402

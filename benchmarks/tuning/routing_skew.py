@@ -13,7 +13,7 @@ Two workloads: teacher-forced prompts of random token ids, and sampled generatio
 from a short random prompt. References: uniform random top-k; real OLMoE LRU 28/54/68/79% at
 8/16/24/32 slots; GLM-5 reuse ~41% (docs/SYNTH.md, shared notes ANCHORS.md).
 
-  .venv/bin/python benchmarks/routing_skew.py --preset demo --layers 4 --skews 0,0.5,1,2
+  .venv/bin/python benchmarks/tuning/routing_skew.py --preset demo --layers 4 --skews 0,0.5,1,2
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -1,7 +1,7 @@
 """How a tune run spent its wall time: measured trials, re-proposals, the share spent measuring,
 and the recommendation against the engine's defaults and the rules-of-thumb baseline.
 
-    python benchmarks/tune_measuring.py RUN_DIR [RUN_DIR ...] [--json]
+    python benchmarks/tuning/tune_measuring.py RUN_DIR [RUN_DIR ...] [--json]
 
 Reads each `colibri tune` run directory (trials.csv, result.json, calibration.json), of any
 version: a run from before re-proposals were counted apart is read the same way (a re-proposal
@@ -15,7 +15,7 @@ again now, each under each named source tree's own CLI (`colibri bench`, cold, i
 budget), interleaved for `--rounds` rounds, so a tree-to-tree difference of the same config is a
 ratio within one run. Timed: run it under `quiet bench`.
 
-    python benchmarks/tune_measuring.py before after --remeasure before=../tune-before after=. --rounds 2
+    python benchmarks/tuning/tune_measuring.py before after --remeasure before=../tune-before after=. --rounds 2
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How close does each search method get to the best configuration, at the same trial budget?
 
-    .venv/bin/python benchmarks/tuner_quality.py                  # demo preset, 1 GiB budget
-    .venv/bin/python benchmarks/tuner_quality.py --trials 10 --seeds 20 --tokens 8 --repeats 2
+    .venv/bin/python benchmarks/tuning/tuner_quality.py                  # demo preset, 1 GiB budget
+    .venv/bin/python benchmarks/tuning/tuner_quality.py --trials 10 --seeds 20 --tokens 8 --repeats 2
 
 1. Exhaustive grid over a reduced space (chunk size x prefetch depth x cache ratio x io mode, the
    other knobs at the baseline's values): every point measured once as a real trial (`colibri
@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import optuna  # noqa: E402

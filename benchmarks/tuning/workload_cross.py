@@ -1,6 +1,6 @@
 """Does tuning for the user's workload matter? Each tune run's recommendation measured on each workload.
 
-    python benchmarks/workload_cross.py --model DIR --prompts FILE RUN_DIR [RUN_DIR ...] [--repeats 3]
+    python benchmarks/tuning/workload_cross.py --model DIR --prompts FILE RUN_DIR [RUN_DIR ...] [--repeats 3]
         [--tokens 8] [--json]
 
 Every RUN_DIR is a finished `colibri tune` run (its recommended.toml); typically one tuned with
@@ -31,11 +31,11 @@ import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
 from benchkit import bench_lock  # noqa: E402
 from engine.base.config import PREFILL_CHUNK  # noqa: E402  (the defaults' pass)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KNOBS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "threads", "ctx_size", "io_mode", "io_threads",
          "cache_policy", "prefill_chunk")
 MiB = 1 << 20

@@ -28,7 +28,7 @@ from engine.base.errors import ConfigError
 from engine.movement.cache import PINNED_FRACTION, hottest_keys, make_cache, routing_histogram_load
 from tuner.costmodel.model_geometry import ModelGeometry
 
-# Measured with benchmarks/routing_skew.py on the demo geometry (docs/SYNTH.md): per skew X,
+# Measured with benchmarks/tuning/routing_skew.py on the demo geometry (docs/SYNTH.md): per skew X,
 # the share of the previous token's experts a token reuses, and the same against the token 32
 # back (what popularity alone gives). Interpolated linearly in X between these points.
 SYNTH_SKEW_TABLE = (  # X, reuse, reuse@32
