@@ -40,7 +40,7 @@ NATIVE_MAX_ROWS = 16  # the kernel re-reads the weights once per row: a GEMM win
 
 # Resident FP8 weights kept at 1 byte/weight are the linear projections the model multiplies
 # through `quant.linear`. MLA's kv_b_proj is not multiplied as a matrix (its absorbed form views
-# it per head, engine/mla.py), and anything else stored FP8 is read as a plain tensor: those are
+# it per head, engine/arch/mla.py), and anything else stored FP8 is read as a plain tensor: those are
 # dequantized once at load into the compute dtype (and counted so by the plan).
 _KEPT = re.compile(r"_proj(_with_mqa)?\.weight$")
 _DEQUANTIZED_AT_LOAD = re.compile(r"kv_b_proj\.weight$|\.indexer\.")
