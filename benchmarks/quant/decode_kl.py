@@ -13,14 +13,22 @@ are read once per process: run once per setting.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: engine, benchmarks
 
-from engine.base.config import EngineConfig
-from engine.run.quality import token_stream
-from engine.run.runtime import Engine
+import torch  # noqa: E402
+
+from engine.base.config import EngineConfig  # noqa: E402
+from engine.run.quality import token_stream  # noqa: E402
+from engine.run.runtime import Engine  # noqa: E402
+from benchmarks.benchkit import conditions, emit  # noqa: E402
+
+COLUMNS = [("model", lambda r: r["model"]), ("KL mean", lambda r: f"{r['kl_mean']:.6f}"),
+           ("KL p99", lambda r: f"{r['kl_p99']:.6f}"), ("KL max", lambda r: f"{r['kl_max']:.6f}"),
+           ("top-1", lambda r: f"{100 * r['top1']:.2f}%")]
 
 
 def decode_logprobs(model_dir: str, ids: list[int], threads: int) -> torch.Tensor:
@@ -51,14 +59,9 @@ def main() -> None:
         rows.append({"model": model, "tokens": len(ids), "kl_mean": float(kl.mean()),
                      "kl_p99": float(torch.quantile(kl, 0.99)), "kl_max": float(kl.max()),
                      "top1": float((ref.argmax(-1) == lq.argmax(-1)).double().mean())})
-    if a.json:
-        print(json.dumps({"text": text, "env": env, "rows": rows}, indent=2))
-        return
-    print(f"decode-path KL against {a.reference}, {len(ids)} one-token steps of {text}; env {env or '-'}")
-    print("| model | KL mean | KL p99 | KL max | top-1 |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['model']} | {r['kl_mean']:.6f} | {r['kl_p99']:.6f} | {r['kl_max']:.6f} | {100 * r['top1']:.2f}% |")
+    # The native kernels' switches are read once per process, so they are part of the conditions.
+    cond = conditions(reference=a.reference, tokens=len(ids), text=text, threads=a.threads, env=env or None)
+    emit("decode_kl", rows, cond, a.json, COLUMNS)
 
 
 if __name__ == "__main__":

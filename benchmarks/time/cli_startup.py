@@ -12,15 +12,18 @@ second checkout (`git worktree add ../before <commit>`):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shlex
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # benchmarks.benchkit; the measured trees get their own PYTHONPATH
+
+from benchmarks.benchkit import conditions, emit, fmt_spread, spread  # noqa: E402
 
 
 def one_run(tree: Path, args: list[str]) -> tuple[float, float]:
@@ -34,10 +37,6 @@ def one_run(tree: Path, args: list[str]) -> tuple[float, float]:
     return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, wall
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tree", action="append", type=Path, help="a checkout to run from (repeatable; default: this one)")
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--json", action="store_true")
     opts = p.parse_args(argv)
-    trees = [t.resolve() for t in (opts.tree or [Path(__file__).resolve().parents[2]])]
+    trees = [t.resolve() for t in (opts.tree or [ROOT])]
     args = shlex.split(opts.args)
     cpu: dict[Path, list[float]] = {t: [] for t in trees}
     wall: dict[Path, list[float]] = {t: [] for t in trees}
@@ -56,17 +55,11 @@ def main(argv: list[str] | None = None) -> int:
             wall[tree].append(w)
         print(f"round {i + 1}/{opts.repeats}", file=sys.stderr, flush=True)
     rows = [{"tree": str(t), "cpu_s": spread(cpu[t]), "wall_s": spread(wall[t]), "runs": opts.repeats} for t in trees]
-    if opts.json:
-        print(json.dumps({"args": args, "load": os.getloadavg(), "rows": rows}, indent=2))
-        return 0
-    load = os.getloadavg()[0]
-    print(f"`colibri {' '.join(args)}`, {opts.repeats} runs each, alternated; load {load:.1f} at the end\n")
-    print("| tree | CPU s: median [min, max] | wall s: median [min, max] |")
-    print("|---|---|---|")
-    for r in rows:
-        c, w = r["cpu_s"], r["wall_s"]
-        print(f"| {r['tree']} | {c['median']:.2f} [{c['min']:.2f}, {c['max']:.2f}] "
-              f"| {w['median']:.2f} [{w['min']:.2f}, {w['max']:.2f}] |")
+    cond = conditions(args=" ".join(args), repeats=opts.repeats, alternated=len(trees) > 1)
+    emit("cli_startup", rows, cond, opts.json, [
+        ("tree", lambda r: r["tree"]),
+        ("CPU s: median (min-max)", lambda r: fmt_spread(r["cpu_s"], 2)),
+        ("wall s: median (min-max)", lambda r: fmt_spread(r["wall_s"], 2))])
     return 0
 
 

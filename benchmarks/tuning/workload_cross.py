@@ -30,9 +30,8 @@ import math
 import tomllib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
-from benchkit import bench_lock  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: engine, benchmarks
+from benchmarks.benchkit import bench_lock  # noqa: E402
 from engine.base.config import PREFILL_CHUNK  # noqa: E402  (the defaults' pass)
 
 ROOT = Path(__file__).resolve().parents[2]
