@@ -56,3 +56,12 @@ def test_a_converted_tool_prints_the_shared_document(capsys):
     assert doc["conditions"]["args"] == "--help" and doc["conditions"]["repeats"] == 1
     (row,) = doc["rows"]
     assert row["cpu_s"]["n"] == 1 and row["cpu_s"]["median"] > 0 and row["wall_s"]["median"] > 0
+
+
+def test_run_conditions_carry_the_runs_flags_but_not_how_it_prints():
+    import argparse
+
+    args = argparse.Namespace(model=["demo"], tokens=32, rounds=3, before_src=None, json=True, child=False)
+    cond = benchkit.run_conditions(args, cpu_capability="AVX512")
+    assert (cond["model"], cond["tokens"], cond["rounds"], cond["cpu_capability"]) == (["demo"], 32, 3, "AVX512")
+    assert "json" not in cond and "child" not in cond and cond["commit"]

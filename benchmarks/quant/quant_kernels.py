@@ -22,16 +22,20 @@ faster in cache but not from DRAM is limited by how it streams memory, not by it
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: engine, benchmarks
 
-from engine import native
-from engine.arch.layers import native_quant_operands
-from engine.weights.quantized import QuantWeight, quantize
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from engine import native  # noqa: E402
+from engine.arch.layers import native_quant_operands  # noqa: E402
+from engine.weights.quantized import QuantWeight, quantize  # noqa: E402
+from benchmarks.benchkit import emit, run_conditions  # noqa: E402
 
 
 def _time(fn, repeats: int, inner: int) -> dict:
@@ -141,9 +145,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     rows = measure(a.hidden, a.inter, a.repeats, a.inner, a.working_set << 20)
     if a.json:
-        print(json.dumps({"hidden": a.hidden, "inter": a.inter, "threads": a.threads, "torch": torch.__version__,
-                          "working_set_bytes": a.working_set << 20,
-                          "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": rows}, indent=2))
+        emit("quant_kernels", rows, run_conditions(a, working_set_bytes=a.working_set << 20,
+                                                   cpu_capability=torch.backends.cpu.get_cpu_capability()), True, [])
         return
     print(f"one expert: gate/up [{a.inter}x{a.hidden}], down [{a.hidden}x{a.inter}], batch 1, bf16 activations, "
           f"{a.threads} threads, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}); "

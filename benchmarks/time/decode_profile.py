@@ -265,7 +265,8 @@ def main() -> int:
     for model in models:
         rows += alternate_sides(ROOT, a.before_src, a.rounds, lambda tree, model=model: run_tree(tree, model, a))
     if a.json:
-        json.dump(rows, sys.stdout, indent=2)
+        from benchmarks.benchkit import emit, run_conditions  # the parent only: the child prints its wire JSON
+        emit('decode_profile', rows, run_conditions(a), True, [])
         return 0
     print_tables(rows, a)
     return 0

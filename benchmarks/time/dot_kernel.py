@@ -103,7 +103,8 @@ def main() -> int:
     args = ["--threads", str(a.threads), "--calls", str(a.calls)]
     rows = alternate_sides(ROOT, a.before_src, a.rounds, lambda tree: run_in_tree(__file__, tree, args))
     if a.json:
-        json.dump(rows, sys.stdout, indent=2)
+        from benchmarks.benchkit import emit, run_conditions  # the parent only: the child prints its wire JSON
+        emit('dot_kernel', rows, run_conditions(a), True, [])
         return 0
     print(f"bf16 decode kernels, GB/s of weights streamed (median call of {a.calls}; per tree the median over"
           f" {a.rounds} rounds, min-max), {a.threads} threads\n")

@@ -182,7 +182,8 @@ def main() -> int:
     model = str(resolve_model(a.model))  # once, so every tree reads the same synthesized directory
     runs = alternate_sides(ROOT, a.before_src, a.rounds, lambda tree: run_tree(tree, model, a))
     if a.json:
-        json.dump(runs, sys.stdout, indent=2)
+        from benchmarks.benchkit import emit, run_conditions  # the parent only: the child prints its wire JSON
+        emit('kv_decode', runs, run_conditions(a), True, [])
         return 0
     print_tables(runs, a)
     return 0

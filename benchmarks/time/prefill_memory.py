@@ -14,15 +14,19 @@ the environment to see oneDNN's default cache.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import threading
 import time
+from pathlib import Path
 
-import psutil
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: engine, benchmarks
 
-from engine.base.config import EngineConfig, parse_size
-from engine.run.runtime import Engine
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+from engine.base.config import EngineConfig, parse_size  # noqa: E402
+from engine.run.runtime import Engine  # noqa: E402
+from benchmarks.benchkit import emit, run_conditions  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -60,7 +64,7 @@ def main(argv=None) -> int:
            "plan_prefill_mib": round(plan.prefill_bytes / 2**20, 1), "plan_cache_mib": round(plan.cache_bytes / 2**20, 1),
            "budget_mib": plan.budget >> 20, "prefill_s": round(seconds, 1)}
     if args.json:
-        print(json.dumps(row))
+        emit("prefill_memory", [row], run_conditions(args), True, [])
     else:
         print("| " + " | ".join(row) + " |\n|" + "---|" * len(row) + "\n| " + " | ".join(map(str, row.values())) + " |")
     engine.close()

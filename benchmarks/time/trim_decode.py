@@ -114,7 +114,8 @@ def main() -> int:
                     for trim, r in got["trims"].items():
                         rows.append({"model": label, "side": side, "run": run + 1, "trim": trim, **r})
     if a.json:
-        print(json.dumps(rows, indent=1))
+        from benchmarks.benchkit import emit, run_conditions  # the parent only: the child prints its wire JSON
+        emit('trim_decode', rows, run_conditions(a), True, [])
         return 0
     print_table(rows, a)
     return 0

@@ -19,7 +19,6 @@ from a short random prompt. References: uniform random top-k; real OLMoE LRU 28/
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -164,8 +163,8 @@ def main(argv=None) -> int:
             print(f"skew {skew}: done in {res['seconds']:.0f} s", file=sys.stderr)
     ref = uniform_reference(E, k)
     if args.json:
-        json.dump({"geometry": geometry, "uniform": ref, "results": results}, sys.stdout, indent=2)
-        print()
+        from benchmarks.benchkit import emit, run_conditions
+        emit("routing_skew", results, run_conditions(args), True, [], notes={"geometry": geometry, "uniform": ref})
         return 0
 
     print(f"# {args.preset} geometry, {geometry['num_hidden_layers']} layers, {E} experts top-{k}, seed {args.seed}; "

@@ -29,6 +29,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.benchkit
+
+from benchmarks.benchkit import emit, run_conditions  # noqa: E402
+
 # The knobs every version of `colibri bench` takes as flags (a config TOML of a newer version may
 # carry keys an older one refuses).
 BENCH_FLAGS = ("ram_budget", "chunk_size", "prefetch_depth", "cpu_cache_ratio", "threads", "ctx_size", "io_mode",
@@ -164,7 +168,7 @@ def main(argv=None) -> int:
         rows.append(summarize(d))
     again = remeasure(args.runs, trees, args.rounds) if trees else None
     if args.json:
-        print(json.dumps({"runs": rows, "remeasured": again}, indent=2) if trees else json.dumps(rows, indent=2))
+        emit("tune_measuring", rows, run_conditions(args), True, [], notes={"remeasured": again} if trees else None)
         return 0
     print(table(rows))
     if again:

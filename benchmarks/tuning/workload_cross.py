@@ -31,7 +31,7 @@ import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: engine, benchmarks
-from benchmarks.benchkit import bench_lock  # noqa: E402
+from benchmarks.benchkit import bench_lock, emit, run_conditions  # noqa: E402
 from engine.base.config import PREFILL_CHUNK  # noqa: E402  (the defaults' pass)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"workload_cross: {name}: {row['fixed']} | {row['prompts']}", file=sys.stderr)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        emit("workload_cross", rows, run_conditions(args), True, [])
         return 0
     head = ("config", *KNOBS, "fixed: decode tok/s", "fixed: MiB/token", "fixed: hit rate", "prompts: TTFT s",
             "prompts: request s", "prompts: prefill passes", "prompts: MiB/request", "prompts: hit rate")
