@@ -11,6 +11,8 @@
 - `emit(tool, rows, conditions, as_json, columns, notes)`: prints either one JSON document,
   {"schema": "colibri.bench/1", "tool", "conditions", "rows", "notes"}, or a markdown table of
   the rows under a one-line summary of the conditions — the same two printers in every tool.
+- `run_conditions(args, **extra)`: conditions() with the run's own flags (an argparse Namespace)
+  added, for the tools whose flags are their conditions.
 - `spread(values)`: the median and its min-max, the way every headline figure is quoted.
 - `add_run_flags(parser, budget=..., tokens=...)`: the measurement flags every tool spells alike.
 """
@@ -69,6 +71,13 @@ def conditions(**extra) -> dict:
         "torch": torch_build,
         **extra,
     }
+
+
+def run_conditions(args, **extra) -> dict:
+    """conditions() plus the run's flags: every argparse option but the output switch (--json) and
+    the child half's (--child), which say how the figures are printed, not how they were measured."""
+    flags = {k: v for k, v in vars(args).items() if k not in ("json", "child")}
+    return conditions(**flags, **extra)
 
 
 def summary_line(cond: dict) -> str:

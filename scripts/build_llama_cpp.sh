@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the llama.cpp that benchmarks/peers.py races against: the tree vendored by the
+# Builds the llama.cpp that benchmarks/peers/peers.py races against: the tree vendored by the
 # llama-cpp-python source distribution on PyPI (a pinned release, so anyone gets the same
 # sources), Release, GGML_NATIVE (this CPU's instruction set), CPU only.
 #
@@ -16,7 +16,7 @@ VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 DEST="${1:-${LLAMA_CPP_DIR:-/work/tools/llama.cpp}}"
 JOBS="${JOBS:-2}"
 PY="${PYTHON:-python3}"
-# EXTRA_TARGETS="llama-quantize" adds binaries (benchmarks/gguf_roundtrip.py needs llama-quantize).
+# EXTRA_TARGETS="llama-quantize" adds binaries (benchmarks/formats/gguf_roundtrip.py needs llama-quantize).
 # llama-perplexity: peers.py --quant's KL against bf16 (--kl-divergence).
 # CPU_FLAGS replaces -DGGML_NATIVE=ON, e.g. a build without the AMX path (which segfaults on
 # Q8_0/Q4_0 prompt processing on the Sapphire-Rapids-class Xeon here, docs/BENCHMARKS.md):

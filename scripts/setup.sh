@@ -53,7 +53,7 @@ fi
 
 # llama.cpp's source tree for its GGUF converter (Python, no build): the GGUF round-trip tests
 # (tests/test_gguf_llama_cpp.py) convert with it. The pinned tree scripts/build_llama_cpp.sh
-# unpacks, into $LLAMA_CPP_DIR (default the user cache, where benchmarks/gguf_roundtrip.py builds).
+# unpacks, into $LLAMA_CPP_DIR (default the user cache, where benchmarks/formats/gguf_roundtrip.py builds).
 LLAMA_CPP_DIR=${LLAMA_CPP_DIR:-$HOME/.cache/colibri/llama.cpp}
 if [ ! -f "$LLAMA_CPP_DIR/src/convert_hf_to_gguf.py" ]; then
     SOURCE_ONLY=1 PYTHON="$VENV/bin/python" scripts/build_llama_cpp.sh "$LLAMA_CPP_DIR" \

@@ -32,7 +32,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_addoption(parser):
-    # For intermittent failures: `pytest --repeat 30 tests/x.py::test_y` runs the test 30 times
+    # For intermittent failures: `pytest --repeat 30 tests/FILE.py::test_NAME` runs the test 30 times
     # in one session (module fixtures built once) and reports each run.
     parser.addoption("--repeat", type=int, default=1, help="run each selected test N times")
 

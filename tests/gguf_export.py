@@ -7,7 +7,7 @@ arch classes (conversion/{qwen,olmo,llama,deepseek,glm}.py), experts stacked int
 `ffn_*_exps`, llama-family q/k permuted (LlamaModel.permute), DeepSeek kv_b_proj split into
 attn_k_b/attn_v_b, the gpt2 vocabulary from tokenizer.json. 1-D tensors stay F32, as both the
 converter and llama-quantize keep them. The real converter's round trip is
-benchmarks/gguf_roundtrip.py.
+benchmarks/formats/gguf_roundtrip.py.
 
 K-quants (Q4_K, Q5_K, Q6_K): gguf-py cannot quantize them, so `kquant_pack` packs blocks from
 integer codes by the struct layouts of ggml-common.h (and `kquant_quantize` picks simple codes

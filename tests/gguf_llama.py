@@ -5,7 +5,7 @@ unpacks (scripts/setup.sh fetches it with SOURCE_ONLY=1) in $LLAMA_CPP_DIR, else
 places below. Each conversion as its own process would import torch and transformers again
 (seconds each on the CI box), so `convert_all` runs this file once as a script that converts a
 list of jobs in turn: the script is re-run per job with runpy, as the command line would, its
-imports cached. synth's tokenizers get the pre-tokenizer fallback of benchmarks/peers_convert.py
+imports cached. synth's tokenizers get the pre-tokenizer fallback of benchmarks/peers/peers_convert.py
 (the vendored tree stays as shipped).
 """
 
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# $LLAMA_CPP_DIR, where setup.sh and benchmarks/gguf_roundtrip.py put it, and the dev box's builds.
+# $LLAMA_CPP_DIR, where setup.sh and benchmarks/formats/gguf_roundtrip.py put it, and the dev box's builds.
 PLACES = [os.environ.get("LLAMA_CPP_DIR"), "~/.cache/colibri/llama.cpp", "/work/tools/llama.cpp",
           "/work/tools/llama.cpp-gguf"]
 
@@ -46,7 +46,7 @@ def convert_all(jobs: list[tuple[Path, Path, str]], log: Path, src: Path | None 
 
 def _main(src: Path, spec: Path) -> int:
     script = src / "convert_hf_to_gguf.py"
-    sys.path[:0] = [str(src), str(src / "gguf-py"), str(REPO / "benchmarks")]  # as running the script would
+    sys.path[:0] = [str(src), str(src / "gguf-py"), str(REPO / "benchmarks" / "peers")]  # as running the script would
     from conversion import base  # noqa: E402  (the converter's own module)
     from peers_convert import install_pre_tokenizer_fallback  # noqa: E402
     install_pre_tokenizer_fallback(base)

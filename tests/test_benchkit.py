@@ -43,3 +43,25 @@ def test_emit_prints_one_json_document_or_the_table_of_the_same_rows():
     lines = out.getvalue().splitlines()
     assert lines[0] == benchkit.summary_line(cond) and "trace: 1 2 3" in lines
     assert lines[-4:] == ["| config | tok/s |", "|---|---|", "| a | 2.00 (1.00-3.00) |", "| b | - |"]
+
+
+def test_a_converted_tool_prints_the_shared_document(capsys):
+    # cli_startup went through benchkit when the scripts were regrouped: its --json is the one
+    # schema, its rows the spread every headline quotes.
+    from benchmarks.time import cli_startup
+
+    assert cli_startup.main(["--repeats", "1", "--args=--help", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == benchkit.SCHEMA and doc["tool"] == "cli_startup"
+    assert doc["conditions"]["args"] == "--help" and doc["conditions"]["repeats"] == 1
+    (row,) = doc["rows"]
+    assert row["cpu_s"]["n"] == 1 and row["cpu_s"]["median"] > 0 and row["wall_s"]["median"] > 0
+
+
+def test_run_conditions_carry_the_runs_flags_but_not_how_it_prints():
+    import argparse
+
+    args = argparse.Namespace(model=["demo"], tokens=32, rounds=3, before_src=None, json=True, child=False)
+    cond = benchkit.run_conditions(args, cpu_capability="AVX512")
+    assert (cond["model"], cond["tokens"], cond["rounds"], cond["cpu_capability"]) == (["demo"], 32, 3, "AVX512")
+    assert "json" not in cond and "child" not in cond and cond["commit"]

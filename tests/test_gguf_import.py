@@ -2,7 +2,7 @@
 architecture against transformers, split files, the tokenizer, resume, and bad files.
 
 The GGUF files are written by tests/gguf_export.py the way llama.cpp's convert_hf_to_gguf.py
-lays them out (the real converter + llama-quantize round trip is benchmarks/gguf_roundtrip.py).
+lays them out (the real converter + llama-quantize round trip is benchmarks/formats/gguf_roundtrip.py).
 Tolerance against transformers: fp32 compute, max |logit difference| <= 1e-4 (test_archs.py's),
 with transformers given the same bf16-rounded weights the import writes.
 """

@@ -1,11 +1,11 @@
-"""benchmarks/lossy_tune.py: its flags become the tune a user would run (the long-context front
+"""benchmarks/tuning/lossy_tune.py: its flags become the tune a user would run (the long-context front
 needs tune's --min-ctx and --prompts passed through, not dropped)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import lossy_tune
+from benchmarks.tuning import lossy_tune
 from engine.base.errors import ConfigError
 from tuner.search.study import TuneOptions
 

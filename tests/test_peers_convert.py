@@ -1,4 +1,4 @@
-"""llama.cpp's converter on a synth model: refused as shipped, accepted through benchmarks/peers_convert.py.
+"""llama.cpp's converter on a synth model: refused as shipped, accepted through benchmarks/peers/peers_convert.py.
 
 Needs the llama.cpp tree that scripts/build_llama_cpp.sh unpacks, found where the other llama.cpp
 tests find it (tests/gguf_llama.py: $LLAMA_CPP_DIR, then ~/.cache/colibri/llama.cpp); skipped,
@@ -47,7 +47,7 @@ def test_shipped_converter_refuses_the_unknown_hash(tiny, tmp_path):
 
 def test_wrapper_maps_it_to_gpt2_and_keeps_the_vocab(tiny, tmp_path):
     out = tmp_path / "tiny.gguf"
-    run = _convert([str(REPO / "benchmarks" / "peers_convert.py"), "--llama-src", str(LLAMA / "src"), str(tiny),
+    run = _convert([str(REPO / "benchmarks" / "peers" / "peers_convert.py"), "--llama-src", str(LLAMA / "src"), str(tiny),
                     "--outfile", str(out), "--outtype", "f32"])
     assert run.returncode == 0, run.stderr[-2000:]
     sys.path.insert(0, str(LLAMA / "src" / "gguf-py"))
@@ -82,6 +82,6 @@ def test_wrapper_keeps_the_refusal_for_other_tokenizers(tiny, tmp_path):
     cfg = json.loads((tiny / "tokenizer_config.json").read_text())
     del cfg["colibri_tokenizer"]
     (cfg_path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    run = _convert([str(REPO / "benchmarks" / "peers_convert.py"), "--llama-src", str(LLAMA / "src"), str(cfg_path),
+    run = _convert([str(REPO / "benchmarks" / "peers" / "peers_convert.py"), "--llama-src", str(LLAMA / "src"), str(cfg_path),
                     "--outfile", str(tmp_path / "y.gguf")])
     assert run.returncode != 0 and "pre-tokenizer was not recognized" in run.stderr

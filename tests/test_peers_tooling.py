@@ -1,4 +1,4 @@
-"""benchmarks/peers.py's own tooling: llama-perplexity's KL output parsed, runs folded into medians,
+"""benchmarks/peers/peers.py's own tooling: llama-perplexity's KL output parsed, runs folded into medians,
 the KL-beside-speed table, the bound's active-byte count, and cold runs' page-cache drop checked.
 
 The parser reads a real `llama-perplexity --kl-divergence` output (tests/fixtures/peers/, captured
@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from benchmarks import peers_quality, peers_report
-from benchmarks.page_cache import cached_bytes, drop_pages, read_into_page_cache
+from benchmarks.peers import peers_quality, peers_report
+from benchmarks.io.page_cache import cached_bytes, drop_pages, read_into_page_cache
 from engine.synth.bpe_tokenizer import bytes_to_unicode
 
 FIXTURES = Path(__file__).parent / "fixtures" / "peers"

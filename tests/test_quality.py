@@ -20,7 +20,7 @@ TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 40
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("quality")
-    # Random weights at initializer_range 0.2 (tests/hf_models.py) give peaked, varied logits, so
+    # Random weights at initializer_range 0.2 (tests/colibri_hf_models.py) give peaked, varied logits, so
     # quantization error shows; synth's tiny preset supplies a byte-level tokenizer of 300 ids.
     tiny = synth.synthesize(synth.load_preset("tiny"), root / "tiny", seed=0, progress=False)
     src = root / "src"

@@ -1,4 +1,4 @@
-"""The read-trace recorder (engine/movement/io/trace.py) and its replays (benchmarks/io_jobs.py, io_bound.py)."""
+"""The read-trace recorder (engine/movement/io/trace.py) and its replays (benchmarks/io/io_jobs.py, io_bound.py)."""
 
 import json
 import os
@@ -10,8 +10,8 @@ import psutil
 import pytest
 
 import engine.movement.io.trace as trace_mod
-from benchmarks import io_bound
-from benchmarks.io_jobs import IOLOG_HEADER, iolog_bytes, job_iologs, outstanding_fraction, replay, split_window
+from benchmarks.io import io_bound
+from benchmarks.io.io_jobs import IOLOG_HEADER, iolog_bytes, job_iologs, outstanding_fraction, replay, split_window
 from engine.run.bench import run_bench
 from engine.base.config import EngineConfig
 from engine.movement.io import ReadPool
@@ -166,7 +166,7 @@ def _small_trace(tmp_path):
 
 
 def test_pool_replay_reads_every_traced_byte_through_the_engine_reader(tmp_path):
-    from benchmarks.io_jobs import pool_replay
+    from benchmarks.io.io_jobs import pool_replay
     path, spans, records = _small_trace(tmp_path)
     out = pool_replay(path, gap_s=0.01, passes=2)
     assert out["span_bytes"] == 2 * sum(n for _, n in spans)

@@ -111,7 +111,7 @@ def add_bench(sub) -> None:
     p.add_argument("--record-routing", metavar="FILE", help="write the routing histogram (for cache_policy=pinned)")
     p.add_argument("--read-trace", metavar="FILE", help="write every decode read (file, offset, bytes, submit and "
                                                         "completion time, token, layer) as JSON lines, for "
-                                                        "`benchmarks/io_bound.py replay`")
+                                                        "`benchmarks/io/io_bound.py replay`")
     p.add_argument("--outcome", metavar="FILE", help="write how the run ended as a JSON record (the tuner's "
                                                      "trials read it: ok with the results, or the error's kind)")
     work = p.add_mutually_exclusive_group()

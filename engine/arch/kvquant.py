@@ -12,7 +12,7 @@ not per block of tokens:
 The price is SCALE_BYTES per row: 3% of the codes at D = 128, more on tiny test models.
 
 Which attention kinds have it: standard multi-head / grouped-query attention (KVCache in
-engine/layers.py) and MLA's latent cache (engine/mla.py). gpt_oss's windowed sink attention
+engine/arch/layers.py) and MLA's latent cache (engine/arch/mla.py). gpt_oss's windowed sink attention
 keeps bf16 (its cache is a ring; `supports_quantized_kv` says no, and the plan refuses it).
 
 Shape legend: rows [..., L]: any leading axes (heads, positions), L numbers per row.

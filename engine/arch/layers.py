@@ -91,7 +91,7 @@ def route(args: ModelArgs, router_weight: torch.Tensor, x: torch.Tensor):
 def route_layer(args: ModelArgs, w: dict, layer: int, x: torch.Tensor, trim=None):
     """Layer `layer`'s routing rule (the architecture's own) on x: ids [T, K], weights [T, K].
 
-    trim: an engine/routing.py RoutingTrim (lossy: fewer experts, skipped slots id -1), or None.
+    trim: an engine/arch/router.py RoutingTrim (lossy: fewer experts, skipped slots id -1), or None.
     """
     if args.router is not None:
         ids, weights = args.router.route(w, layer_prefix(layer), x)
@@ -104,7 +104,7 @@ def route_layer(args: ModelArgs, w: dict, layer: int, x: torch.Tensor, trim=None
 class KVCache:
     """Keys and values for every layer, preallocated for ctx_size positions.
 
-    kv_dtype: a torch float dtype (plain tensors), or 'int8' / 'fp8' (engine/kvquant.py:
+    kv_dtype: a torch float dtype (plain tensors), or 'int8' / 'fp8' (engine/arch/kvquant.py:
     QuantizedRows, one scale per token per head; reads dequantize to the compute dtype).
     """
 

@@ -60,7 +60,7 @@ class IndexerArgs:
 @dataclass
 class LatentCache:
     """Per layer: latent [ctx, r] and rope key [ctx, R]; indexer keys [ctx, Di] where used.
-    Each a torch.Tensor, or QuantizedRows (kv_dtype int8 / fp8, engine/kvquant.py)."""
+    Each a torch.Tensor, or QuantizedRows (kv_dtype int8 / fp8, engine/arch/kvquant.py)."""
 
     latent: list
     rope_key: list
@@ -118,7 +118,7 @@ class MLAAttention:
             n += len(self.indexer.full_layers) * self.indexer.head_dim
         return n
 
-    quantized_cache = True  # int8 / fp8 latents work (engine/kvquant.py): one scale per row
+    quantized_cache = True  # int8 / fp8 latents work (engine/arch/kvquant.py): one scale per row
 
     def cache_rows(self, num_layers: int) -> int:
         """Rows one token adds over all layers (each gets its own scale when quantized)."""

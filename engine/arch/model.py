@@ -96,7 +96,7 @@ class Transformer:
         self._fused_moe: dict[int, moe.ResidentMoeLayer | None] = {}  # per layer, built at its first decode
         self._fused_attention: dict[int, tuple | None] = {}  # per layer: the native attention's operands
         # The whole step's layers as one native call where every layer qualifies (_decode_step);
-        # False keeps the per-layer calls (benchmarks/decode_profile.py times the layers' parts so).
+        # False keeps the per-layer calls (benchmarks/time/decode_profile.py times the layers' parts so).
         self.step_loop = True
         self._step_operands: tuple | None = None  # (kv, its cache tensors, decode_layers' operands)
 
@@ -327,7 +327,7 @@ class Transformer:
 
     def _resident_moe_call(self, layer: int, fused, h: torch.Tensor) -> torch.Tensor:
         # norm, router, top-k, experts, sum and residual: one native call (a seam of its own for
-        # benchmarks/decode_profile.py, which times the layer's parts by method)
+        # benchmarks/time/decode_profile.py, which times the layer's parts by method)
         return fused(h, self.routing_trim)
 
     def _attention(self, layer, w, x, start_pos, kv, cos, sin, mask):

@@ -27,10 +27,10 @@ from engine.base.inputs import LIMITS, read_text_input
 
 # The one home of the engine's enums: every module, flag and search space imports them from here.
 IO_MODES = ("direct", "buffered", "mmap")
-# What issues the reads (engine/io): reader threads, io_uring, or io_uring where the kernel allows.
+# What issues the reads (engine/movement/io): reader threads, io_uring, or io_uring where the kernel allows.
 IO_BACKENDS = ("threads", "uring", "auto")
 CACHE_POLICIES = ("lru", "lfu", "pinned")
-# int8 / fp8 (e4m3): a quantized KV cache, one scale per token per head (engine/kvquant.py); lossy.
+# int8 / fp8 (e4m3): a quantized KV cache, one scale per token per head (engine/arch/kvquant.py); lossy.
 KV_QUANT_NAMES = ("fp8", "int8")
 KV_DTYPES = ("auto", *SHORT_NAMES, *KV_QUANT_NAMES)
 MAX_TOP_K_REDUCTION = 8
@@ -205,7 +205,7 @@ class EngineConfig:
                                   kind="path", label="routing histogram", short="histogram")
     dtype: str = knob("auto", "compute dtype (auto: the checkpoint's)", kind="choice", choices=COMPUTE_DTYPES,
                       label="compute dtype", short="dtype")
-    # Lossy routing, off by default (engine/routing.py:trim_routes): use top_k - top_k_reduction
+    # Lossy routing, off by default (engine/arch/router.py:routing_trim): use top_k - top_k_reduction
     # experts per token, and skip an expert whose share of the chosen experts' routing weight is
     # below expert_threshold (the heaviest is always kept); both change the output tokens.
     top_k_reduction: int = knob(0, "route k-N experts per token instead of k (0: as the model)", kind="int", lo=0,

@@ -34,7 +34,7 @@ KiB, MiB = 1 << 10, 1 << 20
 LIMITS: dict[str, int] = {
     "config.json": 16 * MiB,
     "safetensors index": 64 * MiB,
-    # the safetensors library's own cap on a header (and ours, engine/checkpoint.py)
+    # the safetensors library's own cap on a header (and ours, engine/format/checkpoint.py)
     "safetensors header": 100_000_000,
     "geometry": 4 * MiB,
     "profile": 1 * MiB,

@@ -16,7 +16,7 @@ A tool that streams 400 GB models must never delete what it did not write. So an
 
 Symlinks are resolved first, so a link to the source is the source. The directory is then filled
 in a fresh temporary sibling and renamed into place (`replace_directory`); files are written with
-engine/durable.py's temp file + rename. A replaced previous output is moved aside, the new one
+engine/base/durable.py's temp file + rename. A replaced previous output is moved aside, the new one
 renamed in, and only then is the old one removed, after checking again that it still is ours.
 """
 

@@ -30,7 +30,7 @@ from engine.weights.mxfp4 import mxfp4_quantize
 
 SYNTH_VERSION = 1  # bump when the weight recipe changes (the same seed then gives other bytes)
 
-# Recipe constants, calibrated with benchmarks/routing_skew.py (docs/SYNTH.md has the table).
+# Recipe constants, calibrated with benchmarks/tuning/routing_skew.py (docs/SYNTH.md has the table).
 EMBED_STD = 1.0        # token content must dominate the residual at X=0 (near-uniform routing)
 POPULARITY = 0.9       # router bias spread per unit of X, in units of the token-driven logit std
 CONTEXT_GAIN = 1.3     # layer-0 windowed-context scale per unit of X, relative to the embedding

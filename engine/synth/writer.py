@@ -79,7 +79,7 @@ def synthesize(
     `sources` (e.g. the geometry file) or a directory around them; a non-empty out_dir is replaced
     (with force, and only once the new model is complete) only when it is a previous synth
     output, recognised by the `colibri_synth` stamp of its config.json. A second process synthesizing into the same out_dir waits for the first
-    (engine/durable.py DirectoryLock) and then finds the directory non-empty.
+    (engine/base/durable.py DirectoryLock) and then finds the directory non-empty.
     """
     name = geometry.get("name", "custom") if isinstance(geometry, dict) else "custom"
     target = directory_target(out_dir, command="synth", recognise=SYNTH_STAMP, sources=sources, force=force)

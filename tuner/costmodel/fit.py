@@ -129,7 +129,7 @@ def _trial_from_row(row: dict, budget: int, run_dir: Path) -> Trial | None:
 
 
 def load_grid(path: Path) -> Study:
-    """benchmarks/tuner_quality.py's measured grid as a study."""
+    """benchmarks/tuning/tuner_quality.py's measured grid as a study."""
     data = _read_json(path)
     cond, table = data.get("conditions") or {}, data.get("table") or {}
     if not table:
@@ -141,7 +141,7 @@ def load_grid(path: Path) -> Study:
     for i, (key, m) in enumerate(sorted(table.items())):
         if m.get("status") != "ok" or not m.get("decode_tok_s"):
             continue
-        # The grid's fixed knobs, as benchmarks/tuner_quality.py's config_of sets them.
+        # The grid's fixed knobs, as benchmarks/tuning/tuner_quality.py's config_of sets them.
         config = EngineConfig(ram_budget=budget, threads=int(cond["threads"]), ctx_size=int(cond["ctx_size"]),
                               io_threads=4, cache_policy="lru", **json.loads(key))
         trials.append(Trial(1000 + i, config, float(m["decode_tok_s"]), float(m["ttft_s"]), m.get("hit_rate")))

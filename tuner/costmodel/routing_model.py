@@ -10,7 +10,7 @@ fill the rest by Gumbel top-k over log-popularity (sampling without replacement,
 a router's top-k over noisy logits).
 
 The hit rate comes from feeding those tokens to the engine's own cache classes
-(engine/movement/cache.py: lru, lfu, pinned with its preload), charged one unit per expert, in the order
+(engine/movement/cache/: lru, lfu, pinned with its preload), charged one unit per expert, in the order
 the engine asks: a prompt's union of experts per layer, then one token at a time; router
 lookahead's wrong guesses are inserted too, because the engine offers them to the cache. So a
 policy change in the engine changes the predictions without edits here.
@@ -28,7 +28,7 @@ from engine.base.errors import ConfigError
 from engine.movement.cache import PINNED_FRACTION, hottest_keys, make_cache, routing_histogram_load
 from tuner.costmodel.model_geometry import ModelGeometry
 
-# Measured with benchmarks/routing_skew.py on the demo geometry (docs/SYNTH.md): per skew X,
+# Measured with benchmarks/tuning/routing_skew.py on the demo geometry (docs/SYNTH.md): per skew X,
 # the share of the previous token's experts a token reuses, and the same against the token 32
 # back (what popularity alone gives). Interpolated linearly in X between these points.
 SYNTH_SKEW_TABLE = (  # X, reuse, reuse@32

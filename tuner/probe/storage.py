@@ -1,7 +1,7 @@
 """The storage probe's plan and its test file; fio.py and fallback.py run the jobs.
 
 One plan feeds both runners, so the fio curve and the Python fallback curve are measured at the
-same points and can be compared one to one (benchmarks/probe_fallback_agreement.py).
+same points and can be compared one to one (benchmarks/io/probe_fallback_agreement.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Apart from printers.py because pandas costs ~40 MiB of RSS and ~0.4 s to import, and every trial
 is a `colibri bench` process whose RSS the memory plan charges as runtime overhead: a bench
-process that never writes a CSV must not import it (tests/test_cli_imports.py checks).
+process that never writes a CSV must not import it (tests/test_cli_dispatch.py checks).
 """
 
 from __future__ import annotations

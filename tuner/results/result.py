@@ -156,7 +156,7 @@ class StudyInfo:
     measured_trials: Optional[int] = None  # trials that evaluated a point (bench run or memory-plan refusal)
     re_proposals: Optional[int] = None
     distinct_points: Optional[int] = None
-    explored: Optional[int] = None  # measured points proposed by the exploration rule (tuner/explore.py)
+    explored: Optional[int] = None  # measured points proposed by the exploration rule (tuner/search/explore.py)
     stop_reason: Optional[str] = None  # trials, time budget, converged (or interrupted before)
     measuring_seconds: Optional[float] = None  # this session's trial and confirmation runs
     measuring_share: Optional[float] = None  # of this session's wall time

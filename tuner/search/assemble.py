@@ -91,7 +91,7 @@ def build_result(run: FinishedSession, decision: Decision) -> TuneResult:
         study=StudyInfo(
             name=run.study_name, storage=redact_url(run.storage_url), trials=len(trials),
             feasible=len(feasible([t for t in trials if t.user_attrs.get("duplicate_of") is None])), by_status=statuses, sampler=type(run.study.sampler).__name__,
-            sampler_note="chosen by benchmarks/tuner_quality.py (GP for one objective, TPE for two)"
+            sampler_note="chosen by benchmarks/tuning/tuner_quality.py (GP for one objective, TPE for two)"
             if opts.sampler == "auto" else "set by --sampler", directions=[d.name for d in run.study.directions],
             measured_trials=counts.measured, re_proposals=counts.re_proposals,
             distinct_points=counts.distinct_points, explored=counts.explored, stop_reason=run.stop_reason or None,

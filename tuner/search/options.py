@@ -93,7 +93,7 @@ class TuneOptions:
                              "the bound (and lossless) before the speed-quality front is drawn, time permitting "
                              "(0: the front from each setting's fastest search trial)", kind="int", lo=0, hi=100,
                              type_name="non-negative integer", group="trial measurement")
-    # gp for one objective, tpe for two (chosen by benchmarks/tuner_quality.py)
+    # gp for one objective, tpe for two (chosen by benchmarks/tuning/tuner_quality.py)
     sampler: str = knob("auto", "auto: GP for one objective, TPE for --objective both", kind="choice",
                         choices=SAMPLERS, group="trial measurement")
     # narrow read sizes / I/O threads to the probe curve, enqueue predicted best

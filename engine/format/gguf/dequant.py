@@ -3,7 +3,7 @@
 The block math is gguf-py's (`gguf.quants.dequantize`, llama.cpp's own Python port of
 ggml-quants.c). It is checked, not trusted: tests/test_gguf_import.py packs blocks from known
 codes and scales by the layouts in ggml-common.h and expects exactly those values back, and
-benchmarks/gguf_roundtrip.py compares the result bit for bit with llama.cpp's own
+benchmarks/formats/gguf_roundtrip.py compares the result bit for bit with llama.cpp's own
 dequantization (llama-quantize requantizing the file to F32).
 
 A 3-D tensor (stacked experts) is dequantized one expert at a time (`rows`), so a layer's

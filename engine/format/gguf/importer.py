@@ -1,7 +1,7 @@
 """`colibri convert model.gguf -o DIR`: a GGUF (single or split) → a bf16 HF safetensors directory
 (gpt-oss's MXFP4 experts kept as stored).
 
-Same rules as engine/convert.py: written under `<DIR>.partial/` and renamed at the end (atomic);
+Same rules as engine/format/convert.py: written under `<DIR>.partial/` and renamed at the end (atomic);
 after each shard `convert-state.json` records its sha256, and a re-run from the same GGUF keeps
 every recorded shard whose bytes still match (resumable); fixed order and no timestamps
 (deterministic). Shards hold whole items (an expert's three matrices never straddle two), about

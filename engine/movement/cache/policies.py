@@ -10,7 +10,7 @@ Policies:
   lru     evict the least recently used item. (A frequency-admission variant, as in TinyLFU,
           simulates better below one token's working set but measured slower on the demo
           under 1 GiB: 29% vs 38% RAM hits, 288 vs 253 MiB read per token, docs/BENCHMARKS.md;
-          it lives in benchmarks/cache_policies.py only.)
+          it lives in benchmarks/tuning/cache_policies.py only.)
   lfu     evict the least frequently requested item, ties to the least recently used.
           A key's count is its get() calls (hits and misses), at least 1 once inserted, so a
           prefetched item that was never asked for ranks as one use. Counts survive eviction
@@ -190,7 +190,7 @@ class ExpertCache(ABC):
 
     def _admits(self, key: Key, nbytes: int) -> bool:
         """Whether the policy takes `key` (absent, and known to fit) at the price of the
-        evictions it needs; the engine's policies take whatever fits (benchmarks/cache_policies.py overrides it)."""
+        evictions it needs; the engine's policies take whatever fits (benchmarks/tuning/cache_policies.py overrides it)."""
         return True
 
     def _plan_insert(self, key: Key, nbytes: int) -> None:

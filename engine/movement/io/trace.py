@@ -1,7 +1,7 @@
 """ReadTrace: a record of every read a streaming store made, to replay its load on the disk.
 
 `colibri bench --read-trace FILE` attaches one to the engine's store and writes what it
-recorded; benchmarks/io_jobs.py turns it into fio iologs, so that the disk term of the
+recorded; benchmarks/io/io_jobs.py turns it into fio iologs, so that the disk term of the
 streaming bound is measured under the engine's own requests and load shape rather than under
 fio's continuous random load (docs/BENCHMARKS.md, "The bound from the engine's own read trace").
 
