@@ -74,7 +74,7 @@ class SinkAttention:
     def allocate_cache(self, num_layers: int, ctx_size: int, dtype: torch.dtype,
                        compute_dtype: torch.dtype | None = None) -> WindowedKVCache:
         # compute_dtype is what quantized caches read back in; this one is never quantized
-        # (engine/kvquant.py:check_kv_dtype refuses int8/fp8 here).
+        # (engine/arch/kvquant.py:check_kv_dtype refuses int8/fp8 here).
         shapes = [(self.num_kv_heads, self.cache_positions(i, ctx_size), self.head_dim) for i in range(num_layers)]
         return WindowedKVCache([torch.zeros(s, dtype=dtype) for s in shapes],
                                [torch.zeros(s, dtype=dtype) for s in shapes], ctx_size)

@@ -17,9 +17,8 @@ The Python wrappers of the native ops stay in engine.native (linear, int8_linear
 mxfp4_linear, fp8_linear): the kernels are one library with one `load()` and one `ready`, and
 the same module wraps the fused MoE, attention and decode-step ops, which are not weight
 operators; a wrapper is its op's signature, kept beside the C++ that registers it. The operators
-here decide when a kernel applies and fall back to torch where it does not. (FP8's wrapper was a
-module of its own, engine/native/fp8_kernels.py, with a second load() and `ready` over that same
-library; it is native.fp8_linear now, and Fp8Weight reads native.ready as Mxfp4Matrix does.)
+here decide when a kernel applies and fall back to torch where it does not (FP8's wrapper is
+native.fp8_linear, and Fp8Weight reads native.ready as Mxfp4Matrix does: one library, one load).
 
 Owns: a weight as a linear operator, and the quantization math behind it.
 May import: engine.base, engine.native.

@@ -84,7 +84,7 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fused_kernel_available() -> bool:
     """Whether MXFP4 experts are computed from their stored bytes: the native kernels load
     (built on first use) and COLIBRI_MXFP4_FUSED is not 0 (the A/B switch of
-    benchmarks/mxfp4_fused.py: dequantize on read, the other kernels native as before).
+    benchmarks/quant/mxfp4_fused.py: dequantize on read, the other kernels native as before).
     Decided before the layout and the plan."""
     return os.environ.get("COLIBRI_MXFP4_FUSED", "1") != "0" and native.load() is None
 
