@@ -18,9 +18,7 @@ import os
 
 import torch
 
-from engine.base.config import EngineConfig
-from engine.run.quality import token_stream
-from engine.run.runtime import Engine
+from engine.api import Engine, EngineConfig, token_stream
 
 
 def decode_logprobs(model_dir: str, ids: list[int], threads: int) -> torch.Tensor:

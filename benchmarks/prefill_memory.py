@@ -21,8 +21,7 @@ import time
 import psutil
 import torch
 
-from engine.base.config import EngineConfig, parse_size
-from engine.run.runtime import Engine
+from engine.api import Engine, EngineConfig, parse_size
 
 
 def main(argv=None) -> int:

@@ -29,9 +29,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine import native
-from engine.arch.layers import native_quant_operands
-from engine.weights.quantized import QuantWeight, quantize
+from engine.api import QuantWeight, quantize
+from engine.api.lab import native, native_quant_operands
 
 
 def _time(fn, repeats: int, inner: int) -> dict:

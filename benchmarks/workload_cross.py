@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from benchkit import bench_lock  # noqa: E402
-from engine.base.config import PREFILL_CHUNK  # noqa: E402  (the defaults' pass)
+from engine.api import PREFILL_CHUNK  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOBS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "threads", "ctx_size", "io_mode", "io_threads",
@@ -69,9 +69,9 @@ def bench(model: str, config: Path | None, budget: int, ctx: int, workload: list
 
 def prefill_passes(model: str, prompts: str, chunk: int) -> int:
     """Forward passes FILE's prompts take in passes of at most `chunk` tokens (engine/run/runtime.py)."""
-    from engine.run.generate import load_tokenizer
-    from engine.run.resolve import resolve_model
-    from engine.run.prompts_file import load_workload
+    from engine.api import load_tokenizer
+    from engine.api import resolve_model
+    from engine.api import load_workload
     requests = load_workload(prompts, load_tokenizer(resolve_model(model)), 8)
     return sum(math.ceil(len(r.prompt_ids) / chunk) for r in requests)
 

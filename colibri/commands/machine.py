@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.base.output_target import file_target
-from engine.base.progress import Progress
+from engine.api import Progress, file_target
 from colibri.commands.argtypes import check_output_file, positive_int, size
 from tuner.costmodel.model_geometry import QUANTS
 from tuner.costmodel.plan_command import format_plan, run_plan

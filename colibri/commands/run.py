@@ -5,14 +5,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from engine.base.config import CTX_MAX, EngineConfig
-from engine.base.errors import ConfigError
-from engine.base.output_target import file_target, json_file_with
-from engine.run.bench import run_bench
-from engine.run.generate import Sampler, load_tokenizer
-from engine.run.oneshot import run_generation
-from engine.run.resolve import resolve_model
-from engine.run.prompts_file import load_requests, load_workload
+from engine.api import (CTX_MAX, ConfigError, EngineConfig, Sampler, file_target, json_file_with, load_requests,
+                        load_tokenizer, load_workload, resolve_model, run_bench, run_generation)
 from colibri.commands.argtypes import check_output_file, finite_float, nonneg_int, positive_int, seconds, seed, size
 from colibri.commands.knob_flags import knob_flag
 from tuner.results.printers import print_json as _print_json

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.base.config import format_size
+from engine.api import format_size
 from tuner.base.text import (  # noqa: F401  (re-exported: the printers' callers format with them too)
     fmt, json_text, kl_text, markdown_table, pct, print_json, text_table, utc_now)
 from tuner.results.columns import CONFIG_COLUMNS, FIGURE_COLUMNS, QUALITY_COLUMNS, column
