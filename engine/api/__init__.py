@@ -7,7 +7,8 @@ on their own.
                     schema ids, the JSON unchanged in `.to_dict()`; engine/api/results.py)
   generate          one generation on a loaded Engine (Sampler, Generation, load_tokenizer)
   quality           KL / top-1 / perplexity against a reference (measure_quality)
-  plan              the memory plan of a checkpoint under a config (MemoryPlan, make_plan)
+  plan              the memory plan of a checkpoint under a config (MemoryPlan, make_plan);
+                    `colibri plan`'s cost-model answer is PlanResult / CalibrationResult
   Engine, EngineConfig and its knobs; the errors; model resolution (resolve_model, synth
   presets); checkpoint facts (Checkpoint, model_args, checkpoint_dtype, ExpertLayout, kv_storage);
   conversion and containers; workloads; the small file and input helpers every command uses.
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 from engine import __version__
 from engine.api.lazy import homes, resolver
-from engine.api.results import METRICS_SCHEMA, BenchResult, Result, RunResult, figure, figures
+from engine.api.results import (METRICS_SCHEMA, BenchResult, CalibrationResult, EngineResult, PlanResult, Result,
+                                RunResult, SynthResult, fact, figure, figures)
 
 # home module -> the names the door re-exports from it
 _HOMES = {
@@ -71,8 +73,8 @@ _HOMES = {
 }
 _HOME = homes(_HOMES)
 
-__all__ = sorted({"__version__", "METRICS_SCHEMA", "BenchResult", "Result", "RunResult", "figure", "figures",
-                  *_HOME})
+__all__ = sorted({"__version__", "METRICS_SCHEMA", "BenchResult", "CalibrationResult", "EngineResult", "PlanResult",
+                  "Result", "RunResult", "SynthResult", "fact", "figure", "figures", *_HOME})
 
 
 def home(name: str) -> str:

@@ -1,6 +1,6 @@
-"""The engine's typed results: RunResult (`colibri run`) and BenchResult (`colibri bench`), and the
-field metadata every printer iterates (`figure`, `figures`), as llama-bench's printers iterate
-`get_fields()`.
+"""The typed results: RunResult (`colibri run`), BenchResult (`colibri bench`), SynthResult, PlanResult and
+CalibrationResult (`colibri plan`), and the field metadata every printer iterates (`figure`, `fact`,
+`figures`), as llama-bench's printers iterate `get_fields()`.
 
 A result is a frozen dataclass with one schema id (`SCHEMA`). Its figure fields are read from the
 engine's JSON (the "colibri.metrics/1" dict engine/run/run_metrics.py fills) by name; `data`
@@ -45,13 +45,27 @@ def figures(result_or_class) -> list[dataclasses.Field]:
 
 @dataclass(frozen=True)
 class Result:
-    """A typed engine result: figure fields over the whole JSON (`data`)."""
+    """A typed result with one schema id; its JSON is its fields (and the id, as "schema")."""
 
     SCHEMA: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"schema": self.SCHEMA}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None or not f.metadata.get("omit_none"):
+                out[f.name] = value
+        return out
+
+
+@dataclass(frozen=True)
+class EngineResult(Result):
+    """A result the engine wrote as JSON: figure fields over the whole dict (`data`)."""
+
     data: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Result":
+    def from_dict(cls, d: dict) -> "EngineResult":
         """From the engine's JSON: each field from its key (absent: None), the dict kept whole."""
         if isinstance(d, cls):
             return d
@@ -71,7 +85,7 @@ class Result:
 
 
 @dataclass(frozen=True)
-class RunResult(Result):
+class RunResult(EngineResult):
     """One generation (`colibri run`): latency, speed, memory, and I/O when it streamed."""
 
     SCHEMA: ClassVar[str] = "colibri.engine-run/1"
@@ -84,7 +98,7 @@ class RunResult(Result):
     peak_rss_bytes: Optional[int] = figure("peak RSS", "peak", "bytes")
     rss_file_bytes: Optional[int] = figure("file-backed", "file RSS", "bytes")
     bytes_read: Optional[int] = figure("read", "read", "bytes", line="io")
-    read_gbps: Optional[float] = figure("at", "read", "float", "GB/s", line="io")
+    read_gbps: Optional[float] = figure("read rate", "read", "float", "GB/s", line="io")
     hit_rate: Optional[dict] = figure("hit rate", "hit", "shares", line="io")
     lookahead_recall: Optional[float] = figure("lookahead recall", "recall", "share", line="io")
     io_stall_fraction: Optional[float] = figure("I/O stall", "stall", "share", line="io")
@@ -111,6 +125,8 @@ class BenchResult(RunResult):
 
     SCHEMA: ClassVar[str] = "colibri.engine-bench/1"
 
+    bytes_read_per_token: Optional[float] = figure("read per token", "read/tok", "bytes", line="io")
+
     cold: Optional[bool] = None
     tokens: Optional[int] = None
     repeats: Optional[int] = None
@@ -122,3 +138,63 @@ class BenchResult(RunResult):
     def spread(self, name: str = "decode_tok_s") -> dict:
         """One headline figure's spread over the repeats: median, min, max, stdev, n."""
         return (self.summary or {}).get(name) or {"median": None, "min": None, "max": None, "stdev": None, "n": 0}
+
+
+
+@dataclass(frozen=True)
+class SynthResult(EngineResult):
+    """`colibri synth`: what was written (engine/synth `summarize`, and the seconds it took)."""
+
+    SCHEMA: ClassVar[str] = "colibri.synth/1"
+
+    path: Optional[str] = None
+    bytes: Optional[int] = figure("size", "size", "bytes", line="synth")
+    shards: Optional[int] = figure("shards", "shards", "int", line="synth")
+    tensors: Optional[int] = figure("tensors", "tensors", "int", line="synth")
+    seed: Optional[int] = figure("seed", "seed", "int", line="synth")
+    routing_skew: Optional[float] = figure("routing skew", "skew", "text", line="synth")
+    seconds: Optional[float] = figure("took", "s", "seconds", "s", line="synth")
+
+# --- colibri plan ---------------------------------------------------------------------------------
+# The cost model's answers (tuner/costmodel/plan_command.py fills them, tuner/results/plan_printers.py
+# prints them): the prediction's conditions are fields with a label, printed by iterating.
+
+def fact(label: str, kind: str = "text", default=None, **meta):
+    """A condition of a plan, printed as 'label: value' when it has one (kind: text, list; notes:
+    words on a value, printed after it)."""
+    return field(default=default, metadata={"label": label, "short": label, "kind": kind, "line": "facts", **meta})
+
+
+@dataclass(frozen=True)
+class PlanResult(Result):
+    """`colibri plan`: the predicted figures of a config on a hardware profile, and the best
+    predicted configs (JSON: these fields, and "schema")."""
+
+    SCHEMA: ClassVar[str] = "colibri.plan/1"
+
+    model: dict
+    quant: str
+    routing: str = fact("routing")
+    conditions: str = fact("conditions", notes={"steady": "warm cache, long generation",
+                                                "trial": "cold, 8+8 tokens, 2 repeats"})
+    what_if: list = fact("what-if", "list")
+    calibrated: bool = False
+    factors: dict = field(default_factory=dict)
+    lookahead_recall_source: str = fact("lookahead recall")
+    profile_routing: Optional[str] = fact("the profile's routing statistics for this geometry")
+    overhead_bytes: int = 0
+    config: dict = field(default_factory=dict)
+    prediction: dict = field(default_factory=dict)
+    best: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CalibrationResult(Result):
+    """`colibri plan --calibrate`: the fitted factors' cross-validated error, stored in the profile."""
+
+    SCHEMA: ClassVar[str] = "colibri.plan-calibration/1"
+
+    calibration: dict
+    held_out: list
+    profile: str
+    test: Optional[dict] = field(default=None, metadata={"omit_none": True})
