@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Sequence
 
 import psutil
 
-from engine.run.run_metrics import git_commit
+from engine.api import git_commit
 from tuner.probe.system import cpu_info
 from tuner.sandbox import detect_memory_cgroup
 

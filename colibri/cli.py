@@ -10,8 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from engine.base.errors import ColibriError
-from engine.base.inputs import printable
+from engine.api import ColibriError, printable
 from colibri.commands.argtypes import ColibriArgumentParser
 from tuner.search.outcome import outcome_of_exception, write_outcome
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     "engine", "tuner", "colibri",  # the root packages hold only __version__
     "engine.base", "engine.native", "engine.weights", "engine.arch", "engine.format",
-    "engine.movement", "engine.synth", "engine.run",
+    "engine.movement", "engine.synth", "engine.run", "engine.api",
     "tuner.base", "tuner.sandbox", "tuner.probe", "tuner.results", "tuner.share", "tuner.costmodel", "tuner.search",
     "tuner.doctor",
     "colibri.serve", "colibri.commands", "colibri.cli",
@@ -33,9 +33,9 @@ KNOWN_CYCLES = set()
 ALLOWED_FUNCTION_LEVEL_IMPORTS = set()
 
 
-def _modules() -> dict[str, Path]:
+def _modules(packages=("engine", "tuner", "colibri")) -> dict[str, Path]:
     mods = {}
-    for pkg in ("engine", "tuner", "colibri"):
+    for pkg in packages:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -163,3 +163,47 @@ def test_no_module_reaches_another_modules_private_names():
 
 # Known debt: private names imported from another module.
 KNOWN_PRIVATE_REACHES = []
+
+
+# The engine's front door (engine/api/__init__.py; engine/api/lab.py its bench-side room): all that
+# code outside engine/ may import of the engine. tests/ may reach inside: they test the internals.
+DOOR = {"engine.api", "engine.api.lab"}
+
+
+def _engine_imports_from_outside() -> set[tuple[str, str]]:
+    """(importer, engine module) for every import of the engine by tuner/, colibri/ and benchmarks/."""
+    outside = {m: p for m, p in _modules(("tuner", "colibri")).items()}
+    outside.update({".".join(p.relative_to(ROOT).with_suffix("").parts): p
+                    for p in sorted((ROOT / "benchmarks").rglob("*.py"))})
+    found = set()
+    for module, path in outside.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] if node.module != "engine" else [f"engine.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            found |= {(module, n) for n in names if n == "engine" or n.startswith("engine.")}
+    return found
+
+
+def test_outside_code_enters_the_engine_by_its_front_door_only():
+    past = sorted((m, t) for m, t in _engine_imports_from_outside() if t not in DOOR | {"engine.__version__"})
+    assert past == [], "an import of an engine module past its front door (engine/api): re-export the name there"
+
+
+def test_the_tuner_and_the_entry_points_use_the_door_not_its_bench_room():
+    lab = sorted((m, t) for m, t in _engine_imports_from_outside() if t == "engine.api.lab"
+                 and not m.startswith("benchmarks"))
+    assert lab == [], "engine/api/lab.py is for benchmarks/: the tuner and colibri/ import engine.api"
+
+
+def test_every_door_name_resolves_to_an_engine_module():
+    import importlib
+    for door in DOOR:
+        mod = importlib.import_module(door)
+        for name in mod.__all__:
+            assert getattr(mod, name) is not None, f"{door}.{name}"
+        homes = {m for m in vars(mod)["_HOME"].values()}
+        assert all(h == "engine" or h.startswith("engine.") for h in homes), homes

@@ -31,11 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from engine import synth  # noqa: E402
-from engine.base.config import EngineConfig, format_size, parse_size  # noqa: E402
-from engine.weights.mxfp4 import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
-from engine.run.run_metrics import git_commit  # noqa: E402
-from engine.arch.registry import model_args  # noqa: E402
+from engine.api import EngineConfig, format_size, git_commit, model_args, parse_size, synth  # noqa: E402
+from engine.api.lab import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402
 
 MLA_PRESETS = ("deepseek-v3", "glm-5", "deepseek-v3-small", "glm-5-small")
@@ -55,7 +52,7 @@ def kv_table() -> list[str]:
 
 
 def allocated_kv(model_dir: Path, ctx: int) -> tuple[int, int]:
-    from engine.run.runtime import Engine
+    from engine.api import Engine
     with Engine(model_dir, EngineConfig(ctx_size=ctx, threads=1)) as engine:
         kv = engine.kv
         tensors = kv.latent + kv.rope_key + list(kv.index_key.values())

@@ -62,9 +62,8 @@ sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
 
-from engine import synth  # noqa: E402
-from engine.base.config import EngineConfig, format_size, parse_size  # noqa: E402
-from engine.format.container import CONFIG_KEY, FORMAT_NAME, FORMAT_VERSION  # noqa: E402
+from engine.api import CONFIG_KEY, EngineConfig, format_size, parse_size, synth  # noqa: E402
+from engine.api.lab import FORMAT_NAME, FORMAT_VERSION  # noqa: E402
 
 BLOCK = 128  # FP8 weight_block_size of the published checkpoints
 # The safetensors library writes a shard's tensors sorted by dtype (its enum, larger first), then name.
@@ -170,7 +169,7 @@ def hf_config(name: str, fmt: str, layers: int | None = None) -> dict:
 
 def indexer_layers_of(cfg: dict) -> set[int]:
     """Layers whose attention runs the DSA indexer, as the engine's parser decides them."""
-    from engine.arch.registry import model_args
+    from engine.api import model_args
     mla = model_args(cfg).attention_impl
     indexer = getattr(mla, "indexer", None)
     return set(indexer.full_layers) if indexer is not None else set()
@@ -272,11 +271,11 @@ def _rss() -> int:
 def measure_step(model: Path, step: str, budget: int) -> dict:
     """One step in this (fresh) interpreter: what it costs beyond the imports."""
     import torch
-    from engine.base.errors import ColibriError
-    from engine.arch.registry import model_args
-    from engine.format.checkpoint import Checkpoint
-    from engine.format.layout import ExpertLayout
-    from engine.movement.plan import make_plan
+    from engine.api import ColibriError
+    from engine.api import model_args
+    from engine.api import Checkpoint
+    from engine.api import ExpertLayout
+    from engine.api import make_plan
     base = _rss()
     if step == "heap":  # tracing slows the open several-fold and costs memory itself: its own run
         tracemalloc.start()
@@ -320,9 +319,9 @@ def decode_step(model: Path, budget: int) -> dict:
     interpreter (run inside a memory cgroup by `measure --decode`): what the plan counts beside
     what the process and its cgroup hold after load and after the step."""
     import torch
-    from engine.run.generate import Sampler, generate
-    from engine.run.run_metrics import peak_rss_bytes
-    from engine.run.runtime import Engine
+    from engine.api import Sampler, generate
+    from engine.api import peak_rss_bytes
+    from engine.api import Engine
     t0 = time.perf_counter()
     engine = Engine(model, EngineConfig(ram_budget=budget))
     loaded = {"load_s": time.perf_counter() - t0, "rss": _rss(), "cgroup": _cgroup_memory()}
@@ -447,7 +446,7 @@ def main() -> int:
         print(decode_row(Path(a.dir), budget, parse_size(a.cgroup) if a.cgroup else budget))
         return 0
     if a.cmd == "all":
-        from engine.run.run_metrics import git_commit
+        from engine.api import git_commit
         print(f"# full-scale metadata {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} commit {git_commit()}")
         for name in MODELS:
             tmp = Path(tempfile.mkdtemp(prefix=f"colibri-fullscale-{name}-", dir=a.scratch))

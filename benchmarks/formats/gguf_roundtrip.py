@@ -34,14 +34,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
 
-from engine import synth  # noqa: E402
-from engine.base.config import EngineConfig  # noqa: E402
-from engine.format.gguf.dequant import dequantize  # noqa: E402
-from engine.format.gguf.importer import import_gguf  # noqa: E402
-from engine.format.gguf.reader import GGUFModel  # noqa: E402
-from engine.run.generate import Sampler, generate  # noqa: E402
-from engine.run.quality import measure_quality  # noqa: E402
-from engine.run.runtime import Engine  # noqa: E402
+from engine.api import Engine, EngineConfig, Sampler, generate, measure_quality, synth  # noqa: E402
+from engine.api.lab import GGUFModel, dequantize, import_gguf  # noqa: E402
 from gguf_llama import convert_all, write_glm_tokenizer  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 256 for i in range(32)]

@@ -39,15 +39,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.format.checkpoint import Checkpoint  # noqa: E402
-from engine.base.config import format_size, parse_size  # noqa: E402
-from engine.movement.io import (  # noqa: E402
-    ReadPool, UringPool, align_down, direct_window_bytes, uring_unavailable,
-)
-from engine.format.layout import ExpertLayout  # noqa: E402
-from engine.arch.registry import model_args  # noqa: E402
-from engine.run.resolve import resolve_model  # noqa: E402
-from engine.movement.slots import SlotArena  # noqa: E402
+from engine.api import (Checkpoint, ExpertLayout, align_down, format_size, model_args, parse_size,  # noqa: E402
+                        resolve_model)
+from engine.api.lab import ReadPool, SlotArena, UringPool, direct_window_bytes, uring_unavailable  # noqa: E402
 from benchmarks.benchkit import bench_lock, conditions, emit  # noqa: E402
 from benchmarks.io.io_jobs import drop_pages  # noqa: E402
 

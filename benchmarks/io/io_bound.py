@@ -37,9 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.base.config import format_size, parse_size  # noqa: E402
-from engine.movement.io.trace import read_trace  # noqa: E402
-from engine.run.resolve import resolve_model  # noqa: E402
+from engine.api import format_size, parse_size, resolve_model  # noqa: E402
+from engine.api.lab import read_trace  # noqa: E402
 from benchmarks.benchkit import conditions, emit, refuse  # noqa: E402
 from benchmarks.io.io_jobs import fio_run, one_repeat, outstanding_fraction, pool_replay, replay_trace  # noqa: E402
 

@@ -28,10 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.movement.io import ReadPool
-from engine.base.align import align_down, align_up
-from engine.movement.io.trace import read_trace
-from engine.movement.slots import SlotArena
+from engine.api import align_down, align_up
+from engine.api.lab import ReadPool, SlotArena, read_trace
 from tuner.sandbox import run_limited
 
 BLOCK = 4096

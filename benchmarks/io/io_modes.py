@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tqdm import tqdm  # noqa: E402
 
-from engine.movement.io import IO_MODES, IOStats, ReadPool  # noqa: E402
+from engine.api.lab import IOStats, IO_MODES, ReadPool  # noqa: E402
 from benchmarks.benchkit import conditions, emit  # noqa: E402
 
 MiB = 1 << 20

@@ -55,10 +55,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from engine.base.config import PREFILL_CHUNK, EngineConfig, format_size, parse_size  # noqa: E402
-from engine.run.run_metrics import git_commit  # noqa: E402
-from engine.run.resolve import resolve_model  # noqa: E402
-from engine.run.runtime import physical_cores  # noqa: E402
+from engine.api import (EngineConfig, PREFILL_CHUNK, format_size, git_commit, parse_size,  # noqa: E402
+                        physical_cores, resolve_model)
 from tuner.search.trial import run_trial  # noqa: E402
 from benchmarks.benchkit import bench_lock  # noqa: E402
 from benchmarks.io import io_bound as trace_bound  # noqa: E402
@@ -185,9 +183,9 @@ def run_table(model_dir, a, fio: str, files: list[Path], run: int = 0) -> list[d
     for name, cfg in selected_configs(limit, a.only, a.vary):
         print(f"running {name} ...", file=sys.stderr)
         if span is None:
-            from engine.format.checkpoint import Checkpoint
-            from engine.format.layout import ExpertLayout
-            from engine.arch.registry import model_args
+            from engine.api import Checkpoint
+            from engine.api import ExpertLayout
+            from engine.api import model_args
             ckpt = Checkpoint(model_dir)
             span = ExpertLayout(ckpt, model_args(ckpt.config)).expert_nbytes
         with _config_lock(a.lock):

@@ -60,7 +60,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tuner.sandbox import detect_memory_cgroup, run_limited  # noqa: E402
-from engine.base.config import parse_size  # noqa: E402
+from engine.api import parse_size  # noqa: E402
 from benchmarks.benchkit import bench_lock  # noqa: E402
 from benchmarks.peers import peers_quality  # noqa: E402
 from benchmarks.io.page_cache import cached_bytes, drop_pages, read_into_page_cache  # noqa: E402
@@ -82,7 +82,7 @@ def prepare(args) -> tuple[Path, Path]:
     work.mkdir(parents=True, exist_ok=True)
     model = work / args.preset
     if not (model / "config.json").exists():
-        from engine import synth
+        from engine.api import synth
         print(f"peers: synthesizing {args.preset} into {model}", file=sys.stderr)
         with bench_lock(args.lock):
             synth.synthesize(synth.load_preset(args.preset), model, seed=0, progress=True)
@@ -424,7 +424,7 @@ def git_commit(src: str) -> str:
 
 
 if __name__ == "__main__":
-    from engine.base.errors import ConfigError
+    from engine.api import ConfigError
     try:
         sys.exit(main())
     except ConfigError as exc:

@@ -36,7 +36,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.run.quality import stdlib_corpus
+from engine.api import stdlib_corpus
 
 
 class PerplexityOutputError(ValueError):

@@ -14,7 +14,7 @@ import struct
 import sys
 from pathlib import Path
 
-from engine.synth.bpe_tokenizer import bytes_to_unicode
+from engine.api.lab import bytes_to_unicode
 from tuner.probe.memory import measure_memory_bandwidth
 
 QUANT_PAIRS = {"int8": "Q8_0", "int4-g32": "Q4_0", "int4-g64": "Q4_K_M"}

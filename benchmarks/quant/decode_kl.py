@@ -21,9 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 import torch  # noqa: E402
 
-from engine.base.config import EngineConfig  # noqa: E402
-from engine.run.quality import token_stream  # noqa: E402
-from engine.run.runtime import Engine  # noqa: E402
+from engine.api import Engine, EngineConfig, token_stream  # noqa: E402
 from benchmarks.benchkit import conditions, emit  # noqa: E402
 
 COLUMNS = [("model", lambda r: r["model"]), ("KL mean", lambda r: f"{r['kl_mean']:.6f}"),

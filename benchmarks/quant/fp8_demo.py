@@ -28,16 +28,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.run.run_metrics import git_commit  # noqa: E402
+from engine.api import git_commit  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 LABELS = ("bf16", "fp8", "int8", "int4-g64")
 
 
 def prepare(work: Path, layers: int) -> None:
-    from engine import synth
-    from engine.format.convert import convert
-    from engine.synth.fp8_writer import write_fp8_checkpoint
+    from engine.api import synth
+    from engine.api import convert
+    from engine.api.lab import write_fp8_checkpoint
     work.mkdir(parents=True, exist_ok=True)
     bf16 = work / "bf16"
     if not bf16.exists():
@@ -69,7 +69,7 @@ def speed(work: Path, a) -> dict:
 
 
 def quality(work: Path, a) -> dict:
-    from engine.run.quality import measure_quality
+    from engine.api import measure_quality
     quality = {}
     for label in a.labels[1:]:
         r = measure_quality(work / label, work / "bf16", tokens=a.quality_tokens, ctx=a.ctx, threads=a.threads)

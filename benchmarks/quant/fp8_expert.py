@@ -21,10 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine import native  # noqa: E402
-from engine.weights import fp8  # noqa: E402
-from engine.weights.stored import linear  # noqa: E402
-from engine.run.run_metrics import git_commit  # noqa: E402
+from engine.api import git_commit, linear  # noqa: E402
+from engine.api.lab import fp8, native  # noqa: E402
 
 
 def _time(fn, repeats: int) -> list[float]:

@@ -32,10 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine import native, synth  # noqa: E402
-from engine.base.config import format_size, parse_size  # noqa: E402
-from engine.weights.mxfp4 import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
-from engine.run.run_metrics import git_commit  # noqa: E402
+from engine.api import format_size, git_commit, parse_size, synth  # noqa: E402
+from engine.api.lab import mxfp4_dequantize, mxfp4_quantize, native  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402
 from benchmarks.formats.arch_figures import decode_arguments, placements, trial_cells  # noqa: E402
 

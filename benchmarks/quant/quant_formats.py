@@ -32,9 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from engine.base.config import EngineConfig, format_size, parse_size  # noqa: E402
-from engine.format.convert import convert  # noqa: E402
-from engine.run.quality import measure_quality  # noqa: E402
+from engine.api import EngineConfig, convert, format_size, measure_quality, parse_size  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402
 from benchmarks.benchkit import add_run_flags, conditions, emit, fmt_spread, refuse, spread  # noqa: E402
 

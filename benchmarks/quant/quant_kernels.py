@@ -32,9 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine import native  # noqa: E402
-from engine.arch.layers import native_quant_operands  # noqa: E402
-from engine.weights.quantized import QuantWeight, quantize  # noqa: E402
+from engine.api import QuantWeight, quantize  # noqa: E402
+from engine.api.lab import native, native_quant_operands  # noqa: E402
 from benchmarks.benchkit import emit, run_conditions  # noqa: E402
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from engine.run.quality import stdlib_corpus  # noqa: E402
+from engine.api import stdlib_corpus  # noqa: E402
 
 CONFIG = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=4096, hidden_size=256,
               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
@@ -65,8 +65,8 @@ class Reference(torch.nn.Module):
 
     def __init__(self, c: dict):
         super().__init__()
-        from engine.arch.registry import model_args
-        from engine.arch.rope import rope_inv_freq
+        from engine.api import model_args
+        from engine.api.lab import rope_inv_freq
         self.args = model_args(c)
         a = self.args
         H, D, E, I, V = a.hidden_size, a.head_dim, a.num_experts, a.moe_intermediate_size, a.vocab_size
@@ -87,8 +87,8 @@ class Reference(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor):
         """tokens [B, T] → logits [B, T, V], load-balancing loss."""
-        from engine.arch.rope import apply_rope, rope_cos_sin
-        from engine.arch.layers import rms_norm, route
+        from engine.api.lab import apply_rope, rope_cos_sin
+        from engine.api.lab import rms_norm, route
         a = self.args
         B, T = tokens.shape
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, torch.arange(T), torch.float32)
@@ -153,7 +153,7 @@ def perplexity(model, ids: torch.Tensor, seq: int, max_tokens: int) -> float:
 
 
 def save(model: Reference, tok, out_dir: Path, config: dict) -> None:
-    from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
+    from engine.api.lab import ShardWriter, TensorSpec, write_json_atomic
     tmp = out_dir.parent / (out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -43,8 +43,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from engine.base.config import atomic_write_text, parse_size  # noqa: E402
-from engine.run.run_metrics import git_commit  # noqa: E402
+from engine.api import atomic_write_text, git_commit, parse_size  # noqa: E402
 from tuner.sandbox.cgroups import Cgroup, detect_memory_cgroup  # noqa: E402
 
 PROMPT = "The streaming engine reads the routed experts of each layer from the disk, and"

@@ -46,7 +46,7 @@ def _ids(tokenizer, n: int) -> list[int]:
 
 
 def detok_child(a) -> dict:
-    from engine.run.generate import load_tokenizer
+    from engine.api import load_tokenizer
     from colibri.serve.worker import TextStream
     tokenizer = load_tokenizer(a.model_dir)
     ids = _ids(tokenizer, a.tokens)
@@ -65,8 +65,8 @@ def detok_child(a) -> dict:
 
 
 def first_request_child(a) -> dict:
-    from engine.base.config import EngineConfig
-    from engine.run.generate import Sampler, generate
+    from engine.api import EngineConfig
+    from engine.api import Sampler, generate
     from colibri.serve.protocol import Sampling
     from colibri.serve.server import LoadedModel
     from colibri.serve.worker import Job
@@ -138,7 +138,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from benchmarks import benchkit
     from benchmarks.trees import source_tree
-    from engine.run.resolve import resolve_model
+    from engine.api import resolve_model
     model_dir = str(resolve_model(a.model))
     rows = []
     if a.part == "detok":

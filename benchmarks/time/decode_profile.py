@@ -86,10 +86,10 @@ def child(a) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.base.config import EngineConfig, parse_size
-    from engine.run.bench import _make_cold
-    from engine.run.generate import Sampler, generate, random_prompt_ids
-    from engine.run.runtime import Engine
+    from engine.api import EngineConfig, parse_size
+    from engine.api.lab import make_cold as _make_cold
+    from engine.api import Sampler, generate, random_prompt_ids
+    from engine.api import Engine
 
     budget = parse_size(a.budget)
     eng = Engine(a.model, EngineConfig(ram_budget=budget, ctx_size=512, threads=a.threads, io_mode=a.io_mode))
@@ -256,7 +256,7 @@ def main() -> int:
         return 0
     sys.path.insert(0, str(ROOT))  # the parent's helpers (see run_tree)
     from benchmarks.trees import alternate_sides
-    from engine.run.resolve import resolve_model
+    from engine.api import resolve_model
 
     # Resolved once here, so every tree measured reads the same synthesized directory.
     models = [str(resolve_model(m)) for m in (a.model or ["demo"])]

@@ -47,7 +47,7 @@ def _best_rate(fn, calls: int, nbytes: int) -> float:
 def child(a) -> dict:
     import torch
 
-    from engine import native
+    from engine.api.lab import native
 
     why = native.load()
     if why is not None:

@@ -44,10 +44,10 @@ PATHS = ("decode_layers", "attention_decode")  # the engine's native entry point
 def child(a) -> dict:
     import torch
 
-    from engine import native
-    from engine.base.config import EngineConfig
-    from engine.run.generate import random_prompt_ids
-    from engine.run.runtime import Engine
+    from engine.api.lab import native
+    from engine.api import EngineConfig
+    from engine.api import random_prompt_ids
+    from engine.api import Engine
 
     calls = dict.fromkeys(PATHS, 0)
     for name in PATHS:  # the model looks these up on the module at each call
@@ -177,7 +177,7 @@ def main() -> int:
         return 0
     sys.path.insert(0, str(ROOT))
     from benchmarks.trees import alternate_sides
-    from engine.run.resolve import resolve_model
+    from engine.api import resolve_model
 
     model = str(resolve_model(a.model))  # once, so every tree reads the same synthesized directory
     runs = alternate_sides(ROOT, a.before_src, a.rounds, lambda tree: run_tree(tree, model, a))

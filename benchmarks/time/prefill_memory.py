@@ -24,8 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from engine.base.config import EngineConfig, parse_size  # noqa: E402
-from engine.run.runtime import Engine  # noqa: E402
+from engine.api import Engine, EngineConfig, parse_size  # noqa: E402
 from benchmarks.benchkit import emit, run_conditions  # noqa: E402
 
 

@@ -37,10 +37,10 @@ TRIMS = (("untrimmed", 0, 0.0), ("k-1", 1, 0.0), ("k-2", 2, 0.0), ("threshold 0.
 def child(a) -> dict:
     import torch
 
-    from engine.arch.router import routing_trim
-    from engine.base.config import EngineConfig
-    from engine.run.generate import Sampler, generate, random_prompt_ids
-    from engine.run.runtime import Engine
+    from engine.api.lab import routing_trim
+    from engine.api import EngineConfig
+    from engine.api import Sampler, generate, random_prompt_ids
+    from engine.api import Engine
 
     out = {}
     with Engine(a.model, EngineConfig(ram_budget=0, ctx_size=512, threads=a.threads)) as eng:
@@ -65,7 +65,7 @@ def child(a) -> dict:
 def _models(a) -> list[tuple[str, str]]:
     """(label, directory) per --quant level, containers converted once or reused."""
     sys.path.insert(0, str(ROOT))
-    from engine.run.resolve import resolve_model
+    from engine.api import resolve_model
     from tuner.search import quant_cache
     from tuner.search.quant_tune import parse_levels
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.movement.cache import policies  # noqa: E402
+from engine.api.lab import policies  # noqa: E402
 from tuner.costmodel import routing_model as routing  # noqa: E402
 from benchmarks.benchkit import conditions, emit  # noqa: E402
 

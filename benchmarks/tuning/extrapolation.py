@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from engine.base.config import EngineConfig  # noqa: E402
+from engine.api import EngineConfig  # noqa: E402
 from tuner.costmodel.fit import factors_from_profile  # noqa: E402
 from tuner.costmodel.plan_command import DEFAULT_OVERHEAD_BYTES, make_routing  # noqa: E402
 from tuner.costmodel.model_geometry import resolve  # noqa: E402

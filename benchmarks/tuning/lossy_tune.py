@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.base.config import parse_size  # noqa: E402
+from engine.api import parse_size  # noqa: E402
 from tuner.search.lossy import QualityBound  # noqa: E402
 from tuner.search.quant_tune import QuantTuneOptions, parse_levels, run_quant_tune  # noqa: E402
 from tuner.search.study import TuneOptions, run_tune  # noqa: E402

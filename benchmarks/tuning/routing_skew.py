@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import torch
-    from engine.synth import load_preset, synthesize
+    from engine.api import load_preset, synthesize
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     geometry = load_preset(args.preset)

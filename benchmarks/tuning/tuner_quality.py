@@ -40,8 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import optuna  # noqa: E402
 
-from engine.base.config import EngineConfig, atomic_write_text, format_size, parse_size  # noqa: E402
-from engine.run.resolve import resolve_model  # noqa: E402
+from engine.api import EngineConfig, atomic_write_text, format_size, parse_size, resolve_model  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402
 
 MiB = 1 << 20

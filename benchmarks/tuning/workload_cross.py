@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: engine, benchmarks
 from benchmarks.benchkit import bench_lock, emit, run_conditions  # noqa: E402
-from engine.base.config import PREFILL_CHUNK  # noqa: E402  (the defaults' pass)
+from engine.api import PREFILL_CHUNK  # noqa: E402  (the defaults' pass)
 
 ROOT = Path(__file__).resolve().parents[2]
 KNOBS = ("chunk_size", "prefetch_depth", "cpu_cache_ratio", "threads", "ctx_size", "io_mode", "io_threads",
@@ -68,9 +68,9 @@ def bench(model: str, config: Path | None, budget: int, ctx: int, workload: list
 
 def prefill_passes(model: str, prompts: str, chunk: int) -> int:
     """Forward passes FILE's prompts take in passes of at most `chunk` tokens (engine/run/runtime.py)."""
-    from engine.run.generate import load_tokenizer
-    from engine.run.resolve import resolve_model
-    from engine.run.prompts_file import load_workload
+    from engine.api import load_tokenizer
+    from engine.api import resolve_model
+    from engine.api import load_workload
     requests = load_workload(prompts, load_tokenizer(resolve_model(model)), 8)
     return sum(math.ceil(len(r.prompt_ids) / chunk) for r in requests)
 

@@ -18,8 +18,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from engine.base.config import parse_size
-from engine.base.errors import ColibriError, ConfigError
+from engine.api import ColibriError, ConfigError, parse_size
 from tuner.search.budget import parse_duration
 
 # Python refuses int() of more than 4300 digits with a ValueError whose text talks about

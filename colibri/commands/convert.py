@@ -5,12 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from engine.format.convert import convert
-from engine.weights.quantized import QUANTS
-from engine.format.gguf import is_gguf
-from engine.format.gguf.importer import import_and_convert
-from engine.run.quality import format_quality, measure_quality
-from engine.run.resolve import resolve_model
+from engine.api import QUANTS, convert, format_quality, import_and_convert, is_gguf, measure_quality, resolve_model
 from colibri.commands.argtypes import int_in, nonneg_int, positive_int
 from colibri.commands.run import CTX_MAX, TOKENS_MAX
 from tuner.results.printers import convert_progress

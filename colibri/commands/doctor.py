@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.base.config import EngineConfig, parse_size
-from engine.base.progress import Progress
-from engine.run.resolve import resolve_model
+from engine.api import EngineConfig, Progress, parse_size, resolve_model
 from tuner.doctor.facts import gather
 from tuner.doctor.rules import diagnose
 from colibri.commands.argtypes import int_in, size

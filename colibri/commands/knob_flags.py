@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.base.config import size_label
+from engine.api import size_label
 from colibri.commands.argtypes import duration, finite_float, int_in, seconds, size
 
 

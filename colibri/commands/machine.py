@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import sys
 
-from engine.base.output_target import file_target
-from engine.base.progress import Progress
+from engine.api import Progress, file_target
 from colibri.commands.argtypes import check_output_file, positive_int, size
 from tuner.costmodel.model_geometry import QUANTS
-from tuner.costmodel.plan_command import format_plan, run_plan
+from tuner.costmodel.plan_command import PlanRequest, run_plan
 from tuner.probe import format_summary, run_probe, save_profile
+from tuner.results.plan_printers import plan_text
 from tuner.results.printers import print_json as _print_json
 from tuner.share.profiles import PROFILE_FILE
 
@@ -76,10 +76,16 @@ def add_plan(sub) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+def plan_request(args) -> PlanRequest:
+    """The typed request of `colibri plan`'s flags (each PlanRequest field is the flag of its name)."""
+    given = {name: getattr(args, name) for name in PlanRequest.field_names()}
+    return PlanRequest(**{**given, "what_if": tuple(given["what_if"] or ()), "calibrate": tuple(given["calibrate"] or ())})
+
+
 def cmd_plan(args) -> int:
-    result = run_plan(args)
+    result = run_plan(plan_request(args))
     if args.json:
-        _print_json(result)
+        _print_json(result.to_dict())
     else:
-        print(format_plan(result))
+        print(plan_text(result))
     return 0

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.base.config import format_size
-from engine.base.output_target import file_target
+from engine.api import file_target, format_size
 from tuner.results.printers import print_json as _print_json
 from tuner.results.report_html import write_reports
 from tuner.share import profiles

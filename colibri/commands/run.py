@@ -5,14 +5,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from engine.base.config import CTX_MAX, EngineConfig
-from engine.base.errors import ConfigError
-from engine.base.output_target import file_target, json_file_with
-from engine.run.bench import run_bench
-from engine.run.generate import Sampler, load_tokenizer
-from engine.run.oneshot import run_generation
-from engine.run.resolve import resolve_model
-from engine.run.prompts_file import load_requests, load_workload
+from engine.api import (CTX_MAX, BenchResult, ConfigError, EngineConfig, Sampler, bench, file_target, json_file_with,
+                        load_requests, load_tokenizer, load_workload, resolve_model, run)
 from colibri.commands.argtypes import check_output_file, finite_float, nonneg_int, positive_int, seconds, seed, size
 from colibri.commands.knob_flags import knob_flag
 from tuner.results.printers import print_json as _print_json
@@ -78,17 +72,17 @@ def cmd_run(args) -> int:
         check_output_file(args.record_routing, "--record-routing")
     _routing_output(args, "run")
     model_dir = resolve_model(args.model, progress=not args.json)
-    result = run_generation(model_dir, config, prompt=args.prompt, prompt_ids=args.prompt_ids,
-                            prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
-                            sampler=Sampler(args.temperature, args.top_p, args.seed),
-                            record_routing=args.record_routing)
+    result = run(model_dir, config, prompt=args.prompt, prompt_ids=args.prompt_ids,
+                 prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
+                 sampler=Sampler(args.temperature, args.top_p, args.seed),
+                 record_routing=args.record_routing)
     if args.json:
-        _print_json(result)
+        _print_json(result.to_dict())
         return 0
-    if "text" in result:
-        print(result["text"])
+    if result.text is not None:
+        print(result.text)
     else:
-        print("output ids:", ",".join(map(str, result["output_ids"])))
+        print("output ids:", ",".join(map(str, result.output_ids)))
     print(run_header(result), file=sys.stderr)
     print(run_text(result), file=sys.stderr)
     return 0
@@ -157,19 +151,19 @@ def cmd_bench(args) -> int:
                 _print_json(trial.to_dict())
             print(f"colibri bench: error: trial {trial.status}: {trial.error}", file=sys.stderr)
             return 1
-        result = trial.metrics
+        result = BenchResult.from_dict(trial.metrics)
     else:
         def progress(i, n, m):
             if not args.json:
                 print(f"  repeat {i}/{n}: decode {m.get('decode_tok_s') or 0:.2f} tok/s", file=sys.stderr)
 
-        result = run_bench(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
-                           prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
-                           record_routing=args.record_routing, read_trace=args.read_trace, workload=workload)
+        result = bench(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
+                       prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
+                       record_routing=args.record_routing, read_trace=args.read_trace, workload=workload)
     if args.outcome:
-        write_outcome(args.outcome, Outcome("ok", metrics=result))
+        write_outcome(args.outcome, Outcome("ok", metrics=result.to_dict()))
     if args.json:
-        _print_json(result)
+        _print_json(result.to_dict())
     else:
         print(bench_text(result))
     return 0

@@ -5,9 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from engine.base.config import parse_size
-from engine.base.errors import ConfigError
-from engine.run.resolve import resolve_model
+from engine.api import ConfigError, parse_size, resolve_model
 from colibri.serve.chat import chat_loop
 from colibri.serve.protocol import ApiError, Sampling, parse_sampling
 from colibri.serve.server import API_KEY_ENV, LoadedModel, ServeOptions, check_options, serve

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from engine import synth
-from engine.base.errors import ConfigError
+from engine.api import ConfigError, synth
 from colibri.commands.argtypes import finite_float, seed
 from tuner.results.printers import print_json as _print_json
 from tuner.results.printers import presets_text, synth_text

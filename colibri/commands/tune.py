@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from engine.base.config import CTX_MAX
-from engine.base.errors import ConfigError
-from engine.base.inputs import check_regular
+from engine.api import CTX_MAX, ConfigError, check_regular
 from colibri.commands.argtypes import finite_float, int_in, positive_int
 from colibri.commands.knob_flags import add_knob_flags, knob_values
 from colibri.commands.run import TOKENS_MAX

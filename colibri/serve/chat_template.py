@@ -18,8 +18,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine.base.errors import ModelFormatError
-from engine.base.jsonlimits import loads_limited
+from engine.api import ModelFormatError, loads_limited
 
 MAX_CONFIG_BYTES = 16 << 20
 

@@ -14,10 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.base.config import EngineConfig
-from engine.base.errors import ConfigError, ModelFormatError
-from engine.run.generate import load_tokenizer
-from engine.run.runtime import Engine
+from engine.api import ConfigError, Engine, EngineConfig, ModelFormatError, load_tokenizer
 from colibri.serve.app import DEFAULT_MAX_BODY, ServeState, build_app
 from colibri.serve.chat_template import ChatTemplate
 from colibri.serve.prometheus import ServerMetrics

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine.run.generate import Generation, Sampler, generate
+from engine.api import Generation, Sampler, generate
 from colibri.serve.prometheus import ServerMetrics
 from colibri.serve.protocol import ApiError, Sampling
 

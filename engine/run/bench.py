@@ -52,7 +52,7 @@ def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 
         cold_how = None
         for rep in range(repeats):
             if cold:
-                cold_how = _make_cold(engine)
+                cold_how = make_cold(engine)
             _reset_stats(engine)
             # I/O counters restart after the first token, so bytes, hit rates and stalls
             # describe decode alone (prefill touches nearly every expert and would swamp them).
@@ -128,7 +128,7 @@ def _run_workload_bench(model_dir, config: EngineConfig, workload: list[Request]
         runs, cold_how = [], None
         for rep in range(repeats):
             if cold:
-                cold_how = _make_cold(engine)
+                cold_how = make_cold(engine)
             _reset_stats(engine)
             gens = [generate(engine, list(r.prompt_ids), r.max_new_tokens, Sampler()) for r in workload]
             m = _workload_metrics(engine, gens)
@@ -187,7 +187,7 @@ def _cpu_seconds() -> float:
     return t.user + t.system
 
 
-def _make_cold(engine: Engine) -> str:
+def make_cold(engine: Engine) -> str:
     """Make the next repeat read from the disk; the answer says how (it goes in the result)."""
     store = engine.store
     if store is None or not store.streams:

@@ -22,7 +22,7 @@ import types
 import typing
 from typing import Any, Callable, Literal, Union
 
-from engine.base.errors import ColibriError
+from engine.api import ColibriError
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 

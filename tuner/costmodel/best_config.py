@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from engine.base.config import EngineConfig
+from engine.api import EngineConfig
 
 from tuner.costmodel.fit import factors_from_profile
 from tuner.costmodel.model_geometry import ModelGeometry, from_model_dir

@@ -25,9 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.base.config import EngineConfig
-from engine.base.errors import BudgetError, ConfigError
-from engine.base.jsonlimits import load_json_input
+from engine.api import BudgetError, ConfigError, EngineConfig, load_json_input
 
 from tuner.costmodel.model_geometry import ModelGeometry
 from tuner.costmodel.hardware import HardwareView

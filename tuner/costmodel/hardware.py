@@ -22,8 +22,7 @@ from __future__ import annotations
 import copy
 import math
 
-from engine.base.config import parse_size
-from engine.base.errors import ConfigError
+from engine.api import ConfigError, parse_size
 from tuner.probe.hardware_profile import Quantity, interp_log2
 
 WHAT_IF_KEYS = ("disk_bw", "disk_scale", "memory_bw", "ram", "cores", "matmul_scale")

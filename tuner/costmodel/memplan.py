@@ -23,16 +23,8 @@ from functools import lru_cache
 
 import torch
 
-from engine.arch.args import dense_tensor_names
-from engine.arch.registry import model_args
-from engine.arch.kvquant import kv_storage
-from engine.base.config import EngineConfig
-from engine.base.errors import BudgetError
-from engine.format.checkpoint import Checkpoint
-from engine.format.layout import ExpertLayout
-from engine.movement.io import align_up
-from engine.movement.plan import MemoryPlan, make_plan
-from engine.run.runtime import checkpoint_dtype
+from engine.api import (BudgetError, Checkpoint, EngineConfig, ExpertLayout, MemoryPlan, align_up, checkpoint_dtype,
+                        dense_tensor_names, kv_storage, make_plan, model_args)
 from tuner.costmodel.model_geometry import ModelGeometry
 
 BF16 = 2  # bytes per element of the stand-in checkpoint's dtype

@@ -30,15 +30,9 @@ from pathlib import Path
 
 import torch
 
-from engine.arch.args import dense_tensor_names, dense_tensors
-from engine.arch.registry import model_args
-from engine.base.errors import ConfigError, ModelFormatError
-from engine.base.inputs import printable
-from engine.format.checkpoint import Checkpoint
-from engine.format.container import container_spec, dense_quantized
-from engine.run.runtime import checkpoint_dtype
-from engine.synth import list_presets, load_geometry_file, load_preset
-from engine.synth.geometry_check import check_geometry
+from engine.api import (Checkpoint, ConfigError, ModelFormatError, check_geometry, checkpoint_dtype, container_spec,
+                        dense_quantized, dense_tensor_names, dense_tensors, list_presets, load_geometry_file,
+                        load_preset, model_args, printable)
 
 INT4_GROUP = 64
 QUANTS = ("bf16", "fp32", "fp8", "int8", "int4")

@@ -28,8 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from engine.base.config import EngineConfig
-from engine.base.errors import BudgetError
+from engine.api import BudgetError, EngineConfig
 
 from tuner.costmodel.model_geometry import ModelGeometry
 from tuner.costmodel.hardware import HardwareView

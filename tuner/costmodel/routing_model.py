@@ -24,8 +24,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from engine.base.errors import ConfigError
-from engine.movement.cache import PINNED_FRACTION, hottest_keys, make_cache, routing_histogram_load
+from engine.api import ConfigError, PINNED_FRACTION, hottest_keys, make_cache, routing_histogram_load
 from tuner.costmodel.model_geometry import ModelGeometry
 
 # Measured with benchmarks/tuning/routing_skew.py on the demo geometry (docs/SYNTH.md): per skew X,

@@ -15,15 +15,9 @@ from pathlib import Path
 
 import psutil
 
-from engine import native
-from engine.arch.registry import model_args
-from engine.base.config import EngineConfig
-from engine.base.errors import BudgetError, ColibriError
-from engine.base.hugepages import thp_mode
-from engine.format.checkpoint import Checkpoint
-from engine.format.layout import ExpertLayout
-from engine.movement.plan import make_plan
-from engine.run.runtime import DTYPE_NAMES, checkpoint_dtype
+from engine.api import load_native_kernels
+from engine.api import (BudgetError, Checkpoint, ColibriError, DTYPE_NAMES, EngineConfig, ExpertLayout,
+                        checkpoint_dtype, make_plan, model_args, thp_mode)
 from tuner.doctor.rules import GiB, Facts
 from tuner.probe.hardware_profile import HardwareProfile
 from tuner.sandbox import detect_memory_cgroup
@@ -108,7 +102,7 @@ def machine_facts(facts: Facts) -> None:
     vm, sw = psutil.virtual_memory(), psutil.swap_memory()
     facts.mem_total_bytes, facts.mem_available_bytes = vm.total, vm.available
     facts.swap_total_bytes, facts.swap_used_bytes = sw.total, sw.used
-    facts.native_error = native.load()
+    facts.native_error = load_native_kernels()
     facts.native_checked = True
     try:
         flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from engine.base.config import format_size
+from engine.api import format_size
 
 GiB = 1 << 30
 IOPS_BOTTLENECK = 50_000  # 4 KiB random reads at QD32: under this the SSD is the bottleneck

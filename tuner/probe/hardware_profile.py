@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from engine.base.config import atomic_write_text
-from engine.base.inputs import read_input
+from engine.api import atomic_write_text, read_input
 from tuner.probe.probe_errors import ProfileError
 from tuner.probe.profile_checks import check_document, check_physics, check_ranges, parse_text
 from tuner.base.typed_json import decode, json_type

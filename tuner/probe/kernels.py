@@ -25,9 +25,7 @@ import statistics
 import time
 from typing import Callable, Sequence
 
-from engine import native
-from engine.weights.quantized import QuantWeight, quantize
-from engine.weights.stored import linear
+from engine.api import QuantWeight, linear, load_native_kernels, native_kernels_ready, quantize
 from tuner.probe.cpu import time_calls, each_thread_count
 from tuner.probe.hardware_profile import KERNEL_QUANTS, KernelPoint, Quantity
 
@@ -61,7 +59,7 @@ def measure_kernels(thread_counts: Sequence[int], ms: Sequence[int], min_time_s:
 
 
 def _bf16_kernel(m: int) -> str:
-    return NATIVE_BF16 if native.ready and m == 1 else "F.linear"
+    return NATIVE_BF16 if native_kernels_ready() and m == 1 else "F.linear"
 
 
 def _weights(shapes) -> dict:
@@ -85,7 +83,7 @@ def _kernel(quant: str, forms: dict):
         w = forms["bf16"]
         # engine.weights.stored.linear is the engine's call: the native kernel for one bf16 row when it
         # loads (engine/native; built once per machine, as the first bf16 engine would), else F.linear.
-        native.load()
+        load_native_kernels()
         return (lambda x: (lambda: linear(x, w))), "F.linear", 0.0
     qweight, qscale = forms[quant]
     QuantWeight.prepare(qweight, qscale, quant, INT4_GROUP, torch.bfloat16)  # kernel choice, cached

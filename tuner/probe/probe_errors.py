@@ -1,6 +1,6 @@
 """The probe's user-facing errors: one line each, printed by the CLI."""
 
-from engine.base.errors import ColibriError
+from engine.api import ColibriError
 
 
 class ProfileError(ColibriError):

@@ -16,8 +16,7 @@ from __future__ import annotations
 import math
 import re
 
-from engine.base.errors import ColibriError
-from engine.base.jsonlimits import loads_limited
+from engine.api import ColibriError, loads_limited
 from tuner.probe.probe_errors import ProfileError
 
 MAX_FILE_BYTES = 1 << 20  # engine/base/inputs.py LIMITS['profile']

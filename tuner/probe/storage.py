@@ -19,7 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
-from engine.base.config import size_label
+from engine.api import size_label
 from tuner.probe.probe_errors import ProbeError
 from tuner.probe.hardware_profile import Quantity, StoragePoint, StorageRole
 

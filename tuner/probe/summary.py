@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tuner.probe.hardware_profile import KERNEL_QUANTS, HardwareProfile, Quantity
-from engine.base.config import format_size, size_label
+from engine.api import format_size, size_label
 from tuner.probe.probe_errors import ProfileError
 from tuner.base.text import text_table
 

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from engine.base.config import EngineConfig, format_size, size_label
+from engine.api import EngineConfig, format_size, size_label
 from tuner.base.text import fmt, kl_text, pct
 from tuner.results.result import QualityInfo
 from tuner.results.trial_record import RunFigures, TrialRecord

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.base.config import EngineConfig, atomic_write_text, format_size
+from engine.api import EngineConfig, atomic_write_text, format_size
 from tuner.probe import load_profile, save_profile
 from tuner.results.frames import trials_csv
 from tuner.results.printers import NOT_MEASURED, fmt, json_text, pct

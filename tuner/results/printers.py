@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.base.config import format_size
+from engine.api import BenchResult, RunResult, SynthResult, figures, format_size
 from tuner.base.text import (  # noqa: F401  (re-exported: the printers' callers format with them too)
     fmt, json_text, kl_text, markdown_table, pct, print_json, text_table, utc_now)
 from tuner.results.columns import CONFIG_COLUMNS, FIGURE_COLUMNS, QUALITY_COLUMNS, column
@@ -18,63 +18,87 @@ from tuner.results.result import Candidate, Figures, StudyInfo, TuneResult, Work
 from tuner.results.trial_record import is_feasible, point_key
 
 # --- one run (colibri run / bench) ----------------------------------------------------------
+# The figures come from the result's fields (engine/api/results.py: label, kind, unit, line), as
+# llama-bench's printers iterate get_fields(): a new figure is one field there, printed here.
 
-def run_text(m: dict) -> str:
+def figure_value(kind: str, v) -> str:
+    """One figure's value as the run and bench lines print it, by its field's kind."""
+    if kind == "seconds":
+        return fmt(v, 3)
+    if kind == "ms":
+        return fmt(v, 1)
+    if kind == "share":
+        return pct(v)
+    if kind == "shares":  # {tier: share}
+        return ", ".join(f"{k} {x:.1%}" for k, x in v.items() if x is not None) or "-"
+    if kind == "bytes":
+        return format_size(v)
+    if kind == "float":
+        return fmt(v)
+    return str(v)
+
+
+def figure_lines(r) -> dict[str, list[str]]:
+    """Each printed line's figures, in field order ("speed", "io" ...): 'label value unit' for
+    every figure the result has (None: not measured, not shown)."""
+    lines: dict[str, list[str]] = {}
+    for f in figures(r):
+        v, m = getattr(r, f.name), f.metadata
+        if v is None:
+            continue
+        unit = f" {m['unit']}" if m.get("unit") else ""
+        lines.setdefault(m["line"], []).append(f"{m['label']} {figure_value(m['kind'], v)}{unit}")
+    return lines
+
+
+def run_text(m: RunResult | dict) -> str:
     """The figures of one run or bench: latency, speed, memory, and I/O when it streamed."""
-    lines = [
-        f"TTFT {fmt(m.get('ttft_s'), 3)} s | prefill {fmt(m.get('prefill_tok_s'))} tok/s | "
-        f"decode {fmt(m.get('decode_tok_s'))} tok/s (p50 {fmt(m.get('token_latency_p50_ms'), 1)} ms, "
-        f"p99 {fmt(m.get('token_latency_p99_ms'), 1)} ms) | peak RSS {format_size(m.get('peak_rss_bytes'))}"
-        + (f" ({format_size(m['rss_file_bytes'])} of it file-backed)" if m.get("rss_file_bytes") else ""),
-    ]
-    if m.get("bytes_read") is not None:
-        hit = m.get("hit_rate", {}) or {}
-        hits = ", ".join(f"{k} {v:.1%}" for k, v in hit.items() if v is not None)
-        lines.append(
-            f"read {format_size(m.get('bytes_read'))} at {fmt(m.get('read_gbps'))} GB/s | hit rate {hits or '-'} | "
-            f"lookahead recall {pct(m.get('lookahead_recall'))} | I/O stall {pct(m.get('io_stall_fraction'))}")
-    return "\n".join(lines)
+    r = m if isinstance(m, RunResult) else RunResult.from_dict(m)
+    return "\n".join(" | ".join(cells) for cells in figure_lines(r).values())
 
 
-def run_header(r: dict) -> str:
+def run_header(r: RunResult | dict) -> str:
+    r = r if isinstance(r, RunResult) else RunResult.from_dict(r)
     mode = f"streaming ({r['config']['io_mode']})" if r["plan"]["streaming"] else "resident"
-    return (f"[{mode}, {r['compute_dtype']}, {_quant(r)}, {r['threads']} threads, prompt {r['prompt_tokens']} "
-            f"tokens, {r['generated_tokens']} generated]")
+    return (f"[{mode}, {r.compute_dtype}, {_quant(r)}, {r.threads} threads, prompt {r.prompt_tokens} "
+            f"tokens, {r.generated_tokens} generated]")
 
 
-def _quant(r: dict) -> str:
+def _quant(r: RunResult) -> str:
     """Which weights and which matmul: 'int4-g64 via aten._weight_int4pack_mm_for_cpu'."""
-    return f"{r.get('quant') or 'none'} via {r.get('kernel') or '?'}"
+    return f"{r.quant or 'none'} via {r.kernel or '?'}"
 
 
-def bench_text(r: dict) -> str:
-    s = r["summary"]["decode_tok_s"]
+def bench_text(r: BenchResult | dict) -> str:
+    r = r if isinstance(r, BenchResult) else BenchResult.from_dict(r)
+    s = r.spread("decode_tok_s")
     cg = r.get("cgroup") or {}
     cgroup = (f"cgroup limit {format_size(cg.get('limit_bytes'))}, peak {format_size(cg.get('peak_bytes'))}"
               if cg.get("limited") else f"no cgroup ({cg.get('reason') or 'not requested'})")
+    io = f"{r.io_mode_effective}" + (f" via {r.io_backend_effective}"
+                                     if r.io_backend_effective not in (None, "resident") else "")
     c = r["config"]
     return "\n".join([
-        f"model {r['model']} ({r['geometry']['model_type']}, {r['compute_dtype']}, {_quant(r)}) | "
-        f"{'cold' if r['cold'] else 'warm'} | {r['tokens']} tokens x {r['repeats']} repeats | {cgroup}",
-        f"config: budget {format_size(c['ram_budget']) if c['ram_budget'] else 'none'}, io {r['io_mode_effective']}"
-        f"{' via ' + r['io_backend_effective'] if r.get('io_backend_effective') not in (None, 'resident') else ''}, "
-        f"chunk {format_size(c['chunk_size'])}, prefetch {c['prefetch_depth']}, cache {c['cache_policy']} "
-        f"x{c['cpu_cache_ratio']}, threads {r['threads']}, io_threads {c['io_threads']}, ctx {c['ctx_size']}",
+        f"model {r['model']} ({r['geometry']['model_type']}, {r.compute_dtype}, {_quant(r)}) | "
+        f"{'cold' if r.cold else 'warm'} | {r.tokens} tokens x {r.repeats} repeats | {cgroup}",
+        f"config: budget {format_size(c['ram_budget']) if c['ram_budget'] else 'none'}, "
+        f"{config_line({**c, 'threads': r.threads})}; I/O ran {io}",
         f"decode tok/s: median {s['median'] or 0:.3f} (min {s['min'] or 0:.3f}, max {s['max'] or 0:.3f}, "
-        f"n={s['n']})" + ("" if r.get("tokens_consistent", True) else "  WARNING: tokens differ across repeats"),
+        f"n={s['n']})" + ("" if r.tokens_consistent in (None, True) else "  WARNING: tokens differ across repeats"),
         run_text(r),
     ])
 
 
 def config_line(c: dict) -> str:
-    return (f"chunk {format_size(c['chunk_size'])}, prefetch {c['prefetch_depth']}, cache {c['cache_policy']} "
-            f"x{c['cpu_cache_ratio']}, threads {c['threads']}, io {c['io_mode']} x{c['io_threads']}, "
-            f"ctx {c['ctx_size']}")
+    """The settings a study searches (EngineConfig's knobs with a search range), in field order,
+    with the column registry's short names and formats."""
+    return ", ".join(f"{col.short} {col.text(c[col.name])}" for col in CONFIG_COLUMNS
+                     if col.searched and col.name in c)
 
 
-def synth_text(s: dict) -> str:
-    return (f"wrote {s['path']}: {s['bytes'] / 2**30:.2f} GiB in {s['shards']} shard(s), {s['tensors']} tensors, "
-            f"seed {s['seed']}, routing skew {s['routing_skew']} ({s['seconds']:.1f} s)")
+def synth_text(s: SynthResult | dict) -> str:
+    r = s if isinstance(s, SynthResult) else SynthResult.from_dict(s)
+    return f"wrote {r.path}: " + ", ".join(", ".join(cells) for cells in figure_lines(r).values())
 
 
 def presets_text(rows: list[dict]) -> str:

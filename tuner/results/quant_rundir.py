@@ -10,9 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from engine.base.errors import ConfigError
-from engine.base.jsonlimits import loads_limited
-from engine.weights.quantized import GROUP_SIZES, QUANTS
+from engine.api import ConfigError, GROUP_SIZES, QUANTS, loads_limited
 from tuner.results.rundir import is_run_dir
 
 RECORD_FILE = "quant-run.json"

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from engine.base.config import atomic_write_text, format_size
+from engine.api import atomic_write_text, format_size
 from tuner.probe.summary import hardware_facts
 from tuner.results import report_plots
 from tuner.results.columns import BY_NAME, CONFIG_COLUMNS

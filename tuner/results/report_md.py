@@ -15,7 +15,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from engine.base.config import atomic_write_text, format_size
+from engine.api import atomic_write_text, format_size
 from tuner.results.columns import CONFIG_COLUMNS
 from tuner.results.printers import (NOT_MEASURED, PARAM_COLUMNS, fmt, markdown_table, pct, search_line, trials_markdown,
                                     weights_line, workload_text)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from engine.base.config import format_size
+from engine.api import format_size
 from tuner.results.report_md import save_figure
 
 PLAN_PARTS = (("dense_bytes", "dense (resident)", "#4c72b0"), ("kv_bytes", "KV cache", "#dd8452"),

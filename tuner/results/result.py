@@ -23,7 +23,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from engine.base.errors import ConfigError
+from engine.api import ConfigError
 from tuner.base.typed_json import decode
 from tuner.results.trial_record import (  # noqa: F401  (re-exported: the result schema is one import for its readers)
     FIGURE_NAMES, TRIAL_SCHEMA, RunFigures, TrialRecord, TrialResult, TrialStatus, Verdict, figure, is_feasible,

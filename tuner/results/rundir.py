@@ -14,8 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.base.errors import ColibriError
-from engine.base.inputs import printable, read_input, read_text_input
+from engine.api import ColibriError, printable, read_input, read_text_input
 from tuner.probe import load_profile
 from tuner.probe.hardware_profile import HardwareProfile
 from tuner.results.result import TuneResult

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.base.durable import atomic_write_text
+from engine.api import atomic_write_text
 from tuner.base.typed_json import json_schema
 from tuner.probe.hardware_profile import SCHEMA_VERSION, HardwareProfile
 from tuner.results.result import RESULT_SCHEMA, TuneResult

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from engine.run.run_metrics import SUMMARY_KEYS
+from engine.api import SUMMARY_KEYS
 
 TRIAL_SCHEMA = "colibri.trial/1"
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.base.errors import BudgetError
+from engine.api import BudgetError
 from tuner.sandbox.cgroups import Cgroup, PeakSampler, detect_memory_cgroup
 
 _SHIM = Path(__file__).with_name("_exec.py")

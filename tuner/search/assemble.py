@@ -15,9 +15,7 @@ from pathlib import Path
 
 import optuna
 
-from engine import __version__ as engine_version
-from engine.base.config import format_size
-from engine.run.run_metrics import git_commit
+from engine.api import __version__ as engine_version, format_size, git_commit
 from tuner.base.text import utc_now
 from tuner.base.typed_json import decode
 from tuner.probe.probe_errors import ProfileError

@@ -10,7 +10,7 @@ import re
 import statistics
 import time
 
-from engine.base.errors import ConfigError
+from engine.api import ConfigError
 
 DEFAULT_TIME_BUDGET_S = 15 * 60  # the whole run (probe, search, confirmation) on demo, here
 MIN_TRIAL_TIMEOUT_S = 60.0

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.base.config import EngineConfig
+from engine.api import EngineConfig
 from tuner.results.printers import fmt
 from tuner.results.result import Candidate, Figures, RunFigures, RunSummary, TrialResult, is_feasible
 from tuner.search.objective import OBJECTIVE_KEY, point_key, ranks_lower

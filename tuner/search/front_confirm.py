@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.base.config import EngineConfig
+from engine.api import EngineConfig
 from tuner.results.printers import fmt
 from tuner.results.result import RunSummary, TrialResult
 from tuner.search import lossy

@@ -31,14 +31,8 @@ from pathlib import Path
 
 from optuna.distributions import CategoricalDistribution
 
-from engine.arch.registry import model_args
-from engine.arch.kvquant import supports_quantized_kv
-from engine.base.config import KV_QUANT_NAMES, EngineConfig, atomic_write_text
-from engine.base.errors import ConfigError
-from engine.base.jsonlimits import loads_limited
-from engine.format.checkpoint import Checkpoint
-from engine.format.convert import fingerprint
-from engine.run.quality import Reference
+from engine.api import (Checkpoint, ConfigError, EngineConfig, KV_QUANT_NAMES, Reference, atomic_write_text,
+                        fingerprint, loads_limited, model_args, supports_quantized_kv)
 from tuner.results.printers import quality_progress
 
 KV_CHOICES = ("auto", *KV_QUANT_NAMES)

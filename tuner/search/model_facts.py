@@ -13,15 +13,8 @@ from pathlib import Path
 
 import torch
 
-from engine.arch.kvquant import kv_storage
-from engine.arch.registry import model_args
-from engine.base.config import EngineConfig
-from engine.base.dtypes import short_name
-from engine.format.checkpoint import Checkpoint
-from engine.format.container import container_spec
-from engine.format.layout import ExpertLayout
-from engine.movement.plan import MemoryPlan, make_plan
-from engine.run.runtime import checkpoint_dtype
+from engine.api import (Checkpoint, EngineConfig, ExpertLayout, MemoryPlan, checkpoint_dtype, container_spec,
+                        kv_storage, make_plan, model_args, short_name)
 
 
 def stored_quant(ckpt: Checkpoint) -> str:

@@ -8,7 +8,7 @@ from 'hopeless'.
 
 from __future__ import annotations
 
-from engine.base.config import format_size
+from engine.api import format_size
 from tuner.results.result import (  # noqa: F401
     OBJECTIVE_KEY, OBJECTIVES, RunFigures, TrialRecord, TrialResult, point_key)
 

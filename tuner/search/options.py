@@ -17,8 +17,7 @@ from typing import Callable
 
 import optuna
 
-from engine.base.config import CTX_MAX, knob
-from engine.base.errors import ConfigError
+from engine.api import CTX_MAX, ConfigError, knob
 from tuner.results.result import TuneResult
 from tuner.sandbox import current_memory_limit
 from tuner.search.lossy import QualityBound

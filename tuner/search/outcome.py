@@ -16,8 +16,7 @@ import signal
 import typing
 from dataclasses import asdict, dataclass, field
 
-from engine.base.durable import atomic_write_text
-from engine.base.errors import BudgetError, ColibriError
+from engine.api import BudgetError, ColibriError, atomic_write_text
 from tuner.results.result import TrialStatus
 
 KINDS = typing.get_args(TrialStatus)  # ok, over_budget, oom_killed, killed, timeout, crashed, bad_config

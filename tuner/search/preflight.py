@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.base.config import atomic_write_text, format_size
-from engine.base.progress import Progress
+from engine.api import Progress, atomic_write_text, format_size
 from tuner.probe import load_profile, run_probe, save_profile
 from tuner.results.printers import fmt
 from tuner.search.budget import FIRST_TRIAL_TIMEOUT_S, longer_decode

@@ -16,14 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.base.config import atomic_write_text
-from engine.base.durable import DirectoryLock
-from engine.base.errors import ConfigError, ModelFormatError
-from engine.format.checkpoint import Checkpoint
-from engine.format.container import CONFIG_KEY, QuantSpec
-from engine.format.convert import Converter, convert, fingerprint
-from engine.run.quality import measure_quality
-from engine.run.resolve import cache_root
+from engine.api import (CONFIG_KEY, Checkpoint, ConfigError, Converter, DirectoryLock, ModelFormatError, QuantSpec,
+                        atomic_write_text, cache_root, convert, fingerprint, measure_quality)
 from tuner.results.printers import convert_progress, quality_progress
 from tuner.search.model_facts import stored_quant
 

@@ -26,12 +26,8 @@ from pathlib import Path
 
 import optuna
 
-from engine.base.config import atomic_write_text, format_size
-from engine.base.errors import BudgetError, ConfigError
-from engine.base.jsonlimits import loads_limited
-from engine.format.container import GROUP_SIZES, QuantSpec
-from engine.format.convert import Converter
-from engine.run.resolve import resolve_model
+from engine.api import (BudgetError, ConfigError, Converter, GROUP_SIZES, QuantSpec, atomic_write_text, format_size,
+                        loads_limited, resolve_model)
 from tuner.probe import load_profile
 from tuner.results.outputs import best_config_entry, record_best_configs
 from tuner.results.printers import kl_text, quant_tune_text, utc_now

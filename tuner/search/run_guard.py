@@ -19,9 +19,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from engine.base.durable import DirectoryLock, lock_path_for
-from engine.base.errors import BusyError, ColibriError
-from engine.base.output_target import any_of, run_directory_target, stamped
+from engine.api import BusyError, ColibriError, DirectoryLock, any_of, lock_path_for, run_directory_target, stamped
 
 
 class RunDirGone(ColibriError):

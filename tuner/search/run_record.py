@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.base.durable import atomic_write_text
-from engine.base.errors import ConfigError
-from engine.base.jsonlimits import loads_limited
+from engine.api import ConfigError, atomic_write_text, loads_limited
 
 RUN_FILE = "run.json"
 SCHEMA = "colibri.run/1"

@@ -16,9 +16,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from engine.base.config import format_size, size_label
-from engine.base.errors import BudgetError, ConfigError
-from engine.run.resolve import resolve_model
+from engine.api import BudgetError, ConfigError, format_size, resolve_model, size_label
 from tuner.base.text import utc_now
 from tuner.costmodel.best_config import narrow_space
 from tuner.probe import load_profile

@@ -17,9 +17,7 @@ from dataclasses import dataclass, field
 import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from engine.base.config import PREFILL_CHUNK, EngineConfig, format_size
-from engine.base.errors import BudgetError
-from engine.movement.plan import MemoryPlan
+from engine.api import BudgetError, EngineConfig, MemoryPlan, PREFILL_CHUNK, format_size
 from tuner.search.model_facts import ModelFacts
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

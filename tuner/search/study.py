@@ -21,8 +21,7 @@ import dataclasses
 import optuna
 from optuna.trial import TrialState
 
-from engine.base.config import EngineConfig, format_size
-from engine.base.errors import BudgetError, ConfigError
+from engine.api import BudgetError, ConfigError, EngineConfig, format_size
 from tuner.probe.storage import sigterm_as_interrupt
 from tuner.results import outputs
 from tuner.results.frames import trials_csv

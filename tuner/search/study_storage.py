@@ -14,7 +14,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from engine.base.errors import ConfigError
+from engine.api import ConfigError
 
 STUDY_ATTR = "colibri"
 HEARTBEAT_S = 20  # shared storages: a worker silent for GRACE_S has its RUNNING trial failed

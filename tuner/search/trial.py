@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine.base.config import EngineConfig
+from engine.api import EngineConfig
 from tuner.search.outcome import classify, read_outcome
 from tuner.results.result import TrialResult
 from tuner.sandbox import run_limited

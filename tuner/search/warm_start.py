@@ -15,8 +15,7 @@ from __future__ import annotations
 import optuna
 from optuna.trial import TrialState
 
-from engine.base.config import EngineConfig, format_size
-from engine.base.errors import ConfigError
+from engine.api import ConfigError, EngineConfig, format_size
 from tuner.costmodel.predict import RunConditions
 from tuner.costmodel.best_config import study_warm_starts
 from tuner.search import confirm, explore, lossy

@@ -17,9 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.base.errors import ConfigError
-from engine.run.generate import load_tokenizer
-from engine.run.prompts_file import Request, describe, load_workload, save_requests
+from engine.api import ConfigError, Request, describe, load_tokenizer, load_workload, save_requests
 from tuner.results.result import Lengths, WorkloadInfo
 
 WORKLOAD_FILE = "workload.jsonl"

@@ -21,10 +21,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from engine.base.config import atomic_write_text, format_size
-from engine.base.errors import ColibriError
-from engine.base.inputs import printable
-from engine.base.output_target import directory_target, replace_directory, stamped
+from engine.api import (ColibriError, atomic_write_text, directory_target, format_size, printable, replace_directory,
+                        stamped)
 from tuner.results import report_plots
 from tuner.results.html_page import e, img, page, table
 from tuner.results.columns import column

@@ -20,8 +20,7 @@ import typing
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal, Optional
 
-from engine.base.config import EngineConfig
-from engine.base.errors import ConfigError
+from engine.api import ConfigError, EngineConfig
 from tuner.base.typed_json import decode, rules
 from tuner.probe.probe_errors import ProfileError
 from tuner.probe.hardware_profile import HardwareProfile

@@ -19,9 +19,7 @@ import re
 import socket
 from pathlib import Path
 
-from engine.base.config import atomic_write_text, format_size
-from engine.base.inputs import read_input
-from engine.base.output_target import file_target, json_file_with, read_small_json
+from engine.api import atomic_write_text, file_target, format_size, json_file_with, read_input, read_small_json
 from tuner import __version__
 from tuner.probe import load_profile
 from tuner.probe.probe_errors import ProfileError
