@@ -10,9 +10,17 @@ A tool that streams 400 GB models must never delete what it did not write. So an
 - for a directory output: an existing file, or a non-empty directory that is not a previous
   output of the same command. A previous output is recognised by its stamp (the key its config
   or record carries, see `stamped`); `--force` replaces only such a directory, never another;
-- for a file output: a directory or a special file (FIFO, device), or an existing file that is
-  not a previous output of the same kind;
+- for a file output: a directory or a special file (FIFO, device, socket), an existing file that
+  is not a previous output of the same kind, or a path whose directory does not exist;
+- for files a command writes inside a directory it was given (`report`'s report.md, ...): any of
+  them that exists as something else than what the command writes there (`in_place_files`);
 - somewhere this process cannot write (a read-only directory): refused now, not after the work.
+
+Nothing here opens the target: a FIFO or a device is refused from its `stat`, so `/dev/full` or a
+FIFO is never written to, blocked on or replaced. Every flag that names an output is declared with
+tuner/commands/argtypes.add_output_option, which records the rule it goes through
+(OUTPUT_KINDS); tests/test_writer_guard.py walks the CLI's parsers and fails on a writer that is
+not declared, then aims every declared one at each kind of victim.
 
 Symlinks are resolved first, so a link to the source is the source. The directory is then filled
 in a fresh temporary sibling and renamed into place (`replace_directory`); files are written with
@@ -35,6 +43,19 @@ from engine.base.durable import fsync_dir
 from engine.base.errors import ConfigError
 
 STAMP_MAX_BYTES = 16 << 20  # a config.json / run record read to find a stamp; real ones are KiB
+# The temp sibling is ".<name>.<random>.tmp": a name near the filesystem's 255-byte limit would be
+# accepted here and then fail in the middle of the write, after the work.
+NAME_MAX_BYTES = 200
+
+# How each declared output option is checked (tuner/commands/argtypes.add_output_option's `kind`).
+OUTPUT_KINDS = {
+    "file": "file_target: a fresh path, or a previous output of the same kind (its stamp); temp + rename",
+    "directory": "directory_target: a fresh or empty directory, or (--force) a previous output; "
+                 "built in a temp sibling and renamed",
+    "run directory": "run_directory_target: a fresh or empty directory, or a previous run reused in place",
+    "in place": "in_place_files: the files a command writes inside a directory it was given",
+    "scratch": "a directory where a uniquely named test file is created (O_EXCL) and removed",
+}
 
 Recogniser = Callable[[Path], bool]  # True when the path holds a previous output of this command
 
@@ -60,10 +81,15 @@ def resolved(raw: str | os.PathLike, flag: str) -> Path:
     text = os.fspath(raw)
     if not str(text).strip():
         raise OutputTargetError(f"{flag}: empty path (it would mean the current directory)")
+    if "\0" in str(text):
+        raise OutputTargetError(f"{flag}: the path holds a NUL character")
     try:
-        return Path(text).expanduser().resolve(strict=False)
+        path = Path(text).expanduser().resolve(strict=False)
     except (OSError, RuntimeError) as exc:  # a symlink loop
         raise OutputTargetError(f"{flag} {text}: cannot resolve the path ({exc})") from None
+    if len(path.name.encode("utf-8", "surrogateescape")) > NAME_MAX_BYTES:
+        raise OutputTargetError(f"{flag}: the name {path.name[:40]}... is longer than {NAME_MAX_BYTES} bytes")
+    return path
 
 
 def _cwd() -> Path | None:
@@ -133,9 +159,12 @@ def _target(raw: str | os.PathLike, sources, flag: str, *, directory: bool) -> t
     another kind of thing than the output (a directory, or a regular file) is refused here."""
     target = resolved(raw, flag)
     _check_common(target, sources, flag)
-    if not os.path.lexists(target):
-        return target, False
-    st = os.stat(target)
+    try:
+        if not os.path.lexists(target):
+            return target, False
+        st = os.stat(target)  # stat, never open: a FIFO would block, a device would take the bytes
+    except OSError as exc:  # a dangling link's target dir unreadable, a name the filesystem refuses
+        raise OutputTargetError(f"{flag} {target}: cannot use this path ({exc.strerror or exc})") from None
     if directory and not stat.S_ISDIR(st.st_mode):
         raise OutputTargetError(f"{flag} {target}: exists and is {_kind_of(st)}, not a directory")
     if not directory and not stat.S_ISREG(st.st_mode):
@@ -181,8 +210,11 @@ def run_directory_target(raw: str | os.PathLike, *, command: str, recognise: Rec
 def file_target(raw: str | os.PathLike, *, command: str, recognise: Recogniser | None, sources=(),
                 flag: str = "-o") -> Path:
     """Check a single-file output. An existing file is replaced only when `recognise` says it is a
-    previous output of this kind (recognise None: any existing regular file is refused)."""
+    previous output of this kind (recognise None: any existing regular file is refused). Its
+    directory must exist: a typo'd path is refused, not created."""
     target, exists = _target(raw, sources, flag, directory=False)
+    if not target.parent.is_dir():
+        raise OutputTargetError(f"{flag} {target}: {target.parent} is not an existing directory")
     if exists:
         if recognise is None or not recognise(target):
             raise OutputTargetError(f"{flag} {target}: an existing file that is not a previous `colibri {command}` "
@@ -191,6 +223,40 @@ def file_target(raw: str | os.PathLike, *, command: str, recognise: Recogniser |
             raise OutputTargetError(f"{flag} {target}: directory {target.parent} is not writable")
     _check_writable(target, flag)
     return target
+
+
+def in_place_files(directory: str | os.PathLike, entries: dict[str, str], *, command: str,
+                   flag: str) -> Path:
+    """Check the files a command (re)writes inside a directory it was given (`report RUN_DIR`: its
+    report.md, report.html and plots/): each one that exists must be what the command writes there,
+    a regular file ("file") or a real directory ("dir"), never a FIFO, device or a symlink to a
+    directory elsewhere (mkdir would follow it and the writes land outside). The directory itself is
+    the command's input and recognised by it (e.g. a tune run)."""
+    base = resolved(directory, flag)
+    for name, kind in entries.items():
+        path = base / name
+        try:
+            if not os.path.lexists(path):
+                continue
+            st = os.lstat(path)
+        except OSError as exc:
+            raise OutputTargetError(f"{flag} {base}: cannot use {name} ({exc.strerror or exc})") from None
+        if kind == "dir" and not stat.S_ISDIR(st.st_mode):
+            raise OutputTargetError(f"{flag} {base}: {name} exists and is {_kind_of(st)}, not the directory "
+                                    f"`colibri {command}` writes; refusing to write into it")
+        if kind == "file" and not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+            raise OutputTargetError(f"{flag} {base}: {name} exists and is {_kind_of(st)}, not a file "
+                                    f"`colibri {command}` may replace")
+        if stat.S_ISLNK(st.st_mode) and kind == "dir":
+            raise OutputTargetError(f"{flag} {base}: {name} is a symlink; refusing to write through it")
+        if kind == "dir":  # the files the command writes in it (plots): a FIFO there would block the write
+            for entry in os.scandir(path):
+                est = entry.stat(follow_symlinks=True) if not entry.is_symlink() else None
+                if est is not None and not (stat.S_ISREG(est.st_mode) or stat.S_ISDIR(est.st_mode)):
+                    raise OutputTargetError(f"{flag} {base}: {name}/{entry.name} is {_kind_of(est)}; "
+                                            f"refusing to write beside it")
+    _check_writable(base / next(iter(entries)), flag)
+    return base
 
 
 def replace_directory(tmp: Path, target: DirectoryTarget) -> None:
@@ -246,6 +312,22 @@ def json_file_with(*keys: str) -> Recogniser:
     def recognise(path: Path) -> bool:
         data = read_small_json(Path(path))
         return isinstance(data, dict) and all(k in data for k in keys)
+    return recognise
+
+
+def json_lines_head_with(**fields) -> Recogniser:
+    """A recogniser for a JSON Lines output: its first line is a JSON object with these values
+    (a read trace's header: {"format": "colibri-read-trace", ...}). Only the first line is read."""
+    def recognise(path: Path) -> bool:
+        try:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                return False
+            with open(path, "rb") as f:
+                head = json.loads(f.readline(STAMP_MAX_BYTES).decode("utf-8"))
+        except (OSError, ValueError, RecursionError):
+            return False
+        return isinstance(head, dict) and all(head.get(k) == v for k, v in fields.items())
     return recognise
 
 
