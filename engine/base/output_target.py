@@ -241,19 +241,20 @@ def in_place_files(directory: str | os.PathLike, entries: dict[str, str], *, com
             st = os.lstat(path)
         except OSError as exc:
             raise OutputTargetError(f"{flag} {base}: cannot use {name} ({exc.strerror or exc})") from None
+        if stat.S_ISLNK(st.st_mode) and kind == "dir":
+            raise OutputTargetError(f"{flag} {base}: {name} is a symlink; refusing to write through it")
         if kind == "dir" and not stat.S_ISDIR(st.st_mode):
             raise OutputTargetError(f"{flag} {base}: {name} exists and is {_kind_of(st)}, not the directory "
                                     f"`colibri {command}` writes; refusing to write into it")
         if kind == "file" and not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
             raise OutputTargetError(f"{flag} {base}: {name} exists and is {_kind_of(st)}, not a file "
                                     f"`colibri {command}` may replace")
-        if stat.S_ISLNK(st.st_mode) and kind == "dir":
-            raise OutputTargetError(f"{flag} {base}: {name} is a symlink; refusing to write through it")
-        if kind == "dir":  # the files the command writes in it (plots): a FIFO there would block the write
-            for entry in os.scandir(path):
-                est = entry.stat(follow_symlinks=True) if not entry.is_symlink() else None
-                if est is not None and not (stat.S_ISREG(est.st_mode) or stat.S_ISDIR(est.st_mode)):
-                    raise OutputTargetError(f"{flag} {base}: {name}/{entry.name} is {_kind_of(est)}; "
+        if kind == "dir":  # the files written in it (plots, not atomically): a FIFO there would block
+            for entry in os.scandir(path):  # the write, a symlink would take it to a file elsewhere
+                est = entry.stat(follow_symlinks=False)
+                if not (stat.S_ISREG(est.st_mode) or stat.S_ISDIR(est.st_mode)):
+                    what = "a symlink" if stat.S_ISLNK(est.st_mode) else _kind_of(est)
+                    raise OutputTargetError(f"{flag} {base}: {name}/{entry.name} is {what}; "
                                             f"refusing to write beside it")
     _check_writable(base / next(iter(entries)), flag)
     return base
