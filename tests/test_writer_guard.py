@@ -156,8 +156,13 @@ def make_device(path: Path) -> str | None:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
+    return build_world(tmp_path_factory.mktemp("w"))
+
+
+def build_world(root: Path) -> dict:
+    """Sources of every kind (a model, a GGUF, a run, profiles, a geometry file), a user's
+    directories and files, a FIFO, a socket and a device, all under root (hashed whole)."""
     from gguf_export import export
-    root = tmp_path_factory.mktemp("w")
     w = {"root": root, "model": make_tiny(root / "model"), "run": make_run(root / "run")}
     save_profile(make_profile(), root / "probe.json")
     w["probe"] = root / "probe.json"
@@ -370,6 +375,10 @@ def test_gguf_convert_leaves_the_users_look_alikes_alone(world, tmp_path, capsys
     assert cli.main(["convert", str(world["gguf"]), "-o", str(dst), "--json"]) == 0
     first = sorted(p.name for p in dst.iterdir())
     assert cli.main(["convert", str(world["gguf"]), "-o", str(dst), "--json"]) == 2  # without --force: kept
+    (dst / "mine.txt").write_text("dropped into the previous output")  # not in its manifest: kept
+    assert cli.main(["convert", str(world["gguf"]), "-o", str(dst), "--json", "--force"]) == 2
+    assert "mine.txt" in capsys.readouterr().err and (dst / "mine.txt").read_text() == "dropped into the previous output"
+    (dst / "mine.txt").unlink()
     assert cli.main(["convert", str(world["gguf"]), "-o", str(dst), "--quant", "int8", "--json", "--force"]) == 0
     assert sorted(os.listdir(tmp_path)) == ["out"] and first and "colibri_quant" in (dst / "config.json").read_text()
     capsys.readouterr()

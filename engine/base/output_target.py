@@ -26,6 +26,9 @@ Symlinks are resolved first, so a link to the source is the source. The director
 in a fresh temporary sibling and renamed into place (`replace_directory`); files are written with
 engine/durable.py's temp file + rename. A replaced previous output is moved aside, the new one
 renamed in, and only then is the old one removed, after checking again that it still is ours.
+A directory output carries MANIFEST, the names of everything the command put in it: a previous
+output that now holds anything else (a file the user dropped in) is not replaced, even with
+--force. (An output written before the manifest existed is recognised by its stamp alone.)
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from engine.base.durable import fsync_dir
+from engine.base.durable import atomic_write_text, fsync_dir
 from engine.base.errors import ConfigError
 
 STAMP_MAX_BYTES = 16 << 20  # a config.json / run record read to find a stamp; real ones are KiB
+MANIFEST = ".colibri-output"  # in a directory output: {"command": ..., "entries": [what we wrote]}
 # The temp sibling is ".<name>.<random>.tmp": a name near the filesystem's 255-byte limit would be
 # accepted here and then fail in the middle of the write, after the work.
 NAME_MAX_BYTES = 200
@@ -185,6 +189,7 @@ def directory_target(raw: str | os.PathLike, *, command: str, recognise: Recogni
             if not force:
                 raise OutputTargetError(f"{flag} {target}: is not empty: it holds a previous `colibri {command}` "
                                         "output (use --force to replace it)")
+            _check_nothing_added(target, command, flag)
             replaces = True
             if not os.access(target, os.W_OK | os.X_OK):
                 raise OutputTargetError(f"{flag} {target}: the previous output is read-only; cannot replace it")
@@ -260,11 +265,37 @@ def in_place_files(directory: str | os.PathLike, entries: dict[str, str], *, com
     return base
 
 
+def _entries(directory: Path) -> list[str]:
+    """Every name under `directory` (relative, directories with a trailing /), the manifest aside."""
+    out = []
+    for root, dirs, files in os.walk(directory):
+        rel = os.path.relpath(root, directory)
+        prefix = "" if rel == "." else rel + "/"
+        out += [prefix + d + "/" for d in dirs] + [prefix + f for f in files if prefix or f != MANIFEST]
+    return sorted(out)
+
+
+def _check_nothing_added(path: Path, command: str, flag: str) -> None:
+    """A previous output about to be replaced must hold only what its manifest lists."""
+    manifest = read_small_json(path / MANIFEST)
+    if manifest is None:
+        return  # an output from before the manifest: its stamp is all there is
+    listed = set(manifest.get("entries") or []) if isinstance(manifest, dict) else set()
+    added = [e for e in _entries(path) if e not in listed]
+    if added:
+        shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+        where = f"{flag} {path}" if flag else str(path)
+        raise OutputTargetError(f"{where}: a previous `colibri {command}` output, but it now holds {shown}, "
+                                "which colibri did not write; refusing to replace it (even with --force): move "
+                                "those out or choose another path")
+
+
 def replace_directory(tmp: Path, target: DirectoryTarget) -> None:
     """Rename the finished `tmp` to the target. What is there now must still be empty or a previous
     output (it was checked at the start; a user may have put something there since): it is moved
     aside, the new directory renamed in, and the old one removed only then."""
     path = target.path
+    atomic_write_text(tmp / MANIFEST, json.dumps({"command": target.command, "entries": _entries(tmp)}) + "\n")
     old = None
     if os.path.lexists(path):
         if not path.is_dir() or path.is_symlink():
@@ -274,6 +305,10 @@ def replace_directory(tmp: Path, target: DirectoryTarget) -> None:
             if not (target.replaces and target.recognise(path)):
                 raise OutputTargetError(f"{path}: filled with other files while `colibri {target.command}` ran; "
                                         f"not replacing it; the new output is left in {tmp}")
+            try:
+                _check_nothing_added(path, target.command, "")
+            except OutputTargetError as exc:
+                raise OutputTargetError(f"{exc}; the new output is left in {tmp}") from None
             old = target.sibling(f"old-{os.getpid()}")
             os.replace(path, old)
         else:
