@@ -382,3 +382,39 @@ def test_gguf_convert_leaves_the_users_look_alikes_alone(world, tmp_path, capsys
     assert cli.main(["convert", str(world["gguf"]), "-o", str(dst), "--quant", "int8", "--json", "--force"]) == 0
     assert sorted(os.listdir(tmp_path)) == ["out"] and first and "colibri_quant" in (dst / "config.json").read_text()
     capsys.readouterr()
+
+
+# The issue's own examples, each as it was reported (the matrix above covers them too, spread out).
+ISSUE_EXAMPLES = {
+    "convert X.gguf -o . --force (cwd: the GGUF's directory)": (["convert", "{gguf}", "-o", ".", "--force"], "{gdir}"),
+    "convert D/x.gguf -o D --force": (["convert", "{gguf}", "-o", "{gdir}", "--force"], None),
+    "convert x.gguf -o U --force (U: a user's directory)": (["convert", "{gguf}", "-o", "{user}", "--force"], None),
+    "convert x.gguf -o x.gguf": (["convert", "{gguf}", "-o", "{gguf}"], None),
+    "bench --outcome config.json": (bench("--outcome")({"model": "{model}"}, "{model}/config.json"), None),
+    "bench --read-trace config.json": (bench("--read-trace")({"model": "{model}"}, "{model}/config.json"), None),
+    "bench --outcome <device>": (bench("--outcome")({"model": "{model}"}, "{device}"), None),
+    "bench --outcome .": (bench("--outcome")({"model": "{model}"}, "."), "{gdir}"),
+    "bench --outcome /": (bench("--outcome")({"model": "{model}"}, "/"), None),
+    "bench --outcome MODEL_DIR": (bench("--outcome")({"model": "{model}"}, "{model}"), None),
+    "bench --outcome /proc/x": (bench("--outcome")({"model": "{model}"}, "/proc/x"), None),
+    "bench --outcome ''": (bench("--outcome")({"model": "{model}"}, ""), None),
+}
+
+
+@pytest.mark.parametrize("example", list(ISSUE_EXAMPLES))
+def test_the_issues_examples_are_refused(world, example, capsys, monkeypatch):
+    argv, cwd = ISSUE_EXAMPLES[example]
+    names = {"gguf": world["gguf"], "gdir": world["gguf"].parent, "user": world["root"] / "user",
+             "model": world["model"], "device": world["device"]}
+    if world["device"] is None and "{device}" in argv:
+        pytest.skip("root without mknod: no device here that a failing guard could not harm")
+    argv = [a.format(**names) for a in argv]
+    monkeypatch.chdir((cwd or "{gdir}").format(**names))
+    for spec in (*BENCH_WORK, "engine.format.gguf.importer:GGUFModel"):
+        patch_work(monkeypatch, Writer(("", ""), None, work=(spec,), label=example))
+    before = world_digest(world["root"])
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"colibri {argv[0]}: error: ") and "Traceback" not in err, err
+    assert world_digest(world["root"]) == before

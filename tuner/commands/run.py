@@ -10,11 +10,11 @@ import sys
 from engine.base.config import CTX_MAX, EngineConfig
 from engine.base.errors import ConfigError
 from engine.base.output_target import file_target, json_file_with, json_lines_head_with
+from engine.movement.io.trace import TRACE_FORMAT
 from engine.run.bench import run_bench
 from engine.run.generate import Sampler, load_tokenizer
 from engine.run.oneshot import run_generation
 from engine.run.resolve import resolve_model
-from engine.movement.io.trace import TRACE_FORMAT
 from engine.run.workload import load_requests, load_workload
 from tuner.commands.argtypes import add_output_option, finite_float, nonneg_int, positive_int, seconds, seed, size
 from tuner.commands.knob_flags import knob_flag

@@ -7,9 +7,10 @@ is not a previous `convert` output; --force replaces only such an output); writt
 `<DIR>.partial/` (which holds `convert-state.json` from its first moment, so a look-alike of the
 user's is refused, never emptied) and renamed into place at the end; after each shard the state
 records its sha256, and a re-run from the same GGUF keeps every recorded shard whose bytes still
-match (resumable); fixed order and no timestamps (deterministic). Shards hold whole items (an expert's three matrices never straddle two), about
-`max_shard_bytes` each. With `quant`, the bf16 directory is an intermediate
-(`<DIR>.gguf-bf16`) that engine.convert quantizes into DIR and that is removed afterwards.
+match (resumable); fixed order and no timestamps (deterministic). Shards hold whole items (an
+expert's three matrices never straddle two), about `max_shard_bytes` each. With `quant`, the
+bf16 directory is an intermediate (`<DIR>.gguf-bf16`, checked like DIR, replaced only when it is
+an import) that engine.convert quantizes into DIR and that is removed afterwards.
 """
 
 from __future__ import annotations
