@@ -54,8 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except BaseException as exc:
-        if getattr(args, "outcome", None):  # a trial process: the tuner reads how it ended from here
-            write_outcome(args.outcome, outcome_of_exception(exc))
+        # A trial process: the tuner reads how it ended from here. Only a path that passed the
+        # output guard (colibri/commands/run.check_output_files): a refused --outcome (the model's
+        # config.json, /dev/full) must not be written by its own refusal.
+        if getattr(args, "outcome_target", None):
+            write_outcome(args.outcome_target, outcome_of_exception(exc))
         if isinstance(exc, ColibriError):
             # printable: a message quotes names from files (models, profiles, tensors); their
             # control characters are escaped so they cannot drive the terminal.

@@ -145,15 +145,18 @@ def test_engine_flag_ranges_agree_with_engine_config(flag, field, lo, hi):
             EngineConfig(**{field: cast(value)})
 
 
-def test_check_output_file_refuses_what_cannot_be_written(tmp_path):
+def test_output_file_refuses_what_cannot_be_written(tmp_path):
+    """The output files of run/bench/probe go through engine/base/output_target.file_target (the
+    one guard; argtypes.check_output_file was folded into it)."""
+    from engine.base.output_target import file_target
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    for path, needle in ((tmp_path, "is a directory"), (fifo, "not a regular file"),
-                         (tmp_path / "no" / "x.json", "does not exist"), ("/proc/x", "cannot write in /proc"),
-                         ("", "empty path")):
+    for path, needle in ((tmp_path, "a directory"), (fifo, "a FIFO"),
+                         (tmp_path / "no" / "x.json", "not an existing directory"),
+                         ("/proc/x", "cannot create files in /proc"), ("", "empty path")):
         with pytest.raises(ConfigError, match=needle):
-            argtypes.check_output_file(str(path), "--record-routing")
-    argtypes.check_output_file(str(tmp_path / "ok.json"), "--record-routing")
+            file_target(str(path), command="run", recognise=None, flag="--record-routing")
+    file_target(str(tmp_path / "ok.json"), command="run", recognise=None, flag="--record-routing")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]  # the probe file is gone
 
 

@@ -307,9 +307,9 @@ def test_output_paths_never_destroy_a_victim(world, tmp_path):
     for dst in (str(foreign), str(fifo), "/proc/colibri-x", str(tmp_path / "no" / "dir" / "p.json")):
         calls.append(Call(["probe", "--quick", "--no-fio", "--dir", str(tmp_path), "-o", dst, "--json"], cwd=c,
                           note=f"probe -o {dst!r}"))
-    calls.append(Call(["run", "--model", s, *RUN_ARGS, "--record-routing", str(a_file)], cwd=c,
-                      note="--record-routing over a file of the user's: allowed only as a plain replace"))
-    v.digests.pop(a_file)  # the one place a named output file may be replaced, so not a victim here
+    for dst in (str(a_file), str(src / "config.json"), str(fifo)):  # not a routing histogram: refused (issue 37)
+        calls.append(Call(["run", "--model", s, *RUN_ARGS, "--record-routing", dst], cwd=c,
+                          note=f"--record-routing {dst!r}"))
     # A directory nobody may write in (root included: chattr +i): every writer refuses up front.
     ro = tmp_path / "read-only"
     ro.mkdir()
@@ -360,6 +360,79 @@ def test_refused_tune_leaves_nothing_behind(world, tmp_path):
     assert_batch(calls, Victims().add(world["model"], world["probe"]), call_s=30, env=batch_env(world))
     left = [o for o in outs_of if Path(o).exists()]
     assert not left, f"refused tunes left run directories behind: {left}"
+
+
+# --- writer flags: every declared output option aimed at a victim, spelt many ways ------------------
+
+@pytest.fixture(scope="module")
+def writer_world(tmp_path_factory):
+    """tests/test_writer_guard.py's world (sources of every kind, a user's files and directories, a
+    FIFO, a socket, a device), with every writer's targets made (their symlinks) before hashing."""
+    from test_writer_guard import WRITERS, build_world, targets
+    w = build_world(tmp_path_factory.mktemp("ww"))
+    w["targets"] = [targets(w, writer) for writer in WRITERS]
+    w["links"] = tmp_path_factory.mktemp("links")  # outside the hashed world
+    return w
+
+
+# Ways to spell the same victim; "inside" names a fresh path under a victim where that is refused
+# too (under the source, or under a file). None of them may ever name a fresh path elsewhere: '' and
+# '/' are only spelt as themselves or as '/' again, so no case can write at the filesystem's root.
+SPELLINGS = ["as is", "trailing slash", "dot", "double slash", "dotdot", "relative", "symlink", "inside"]
+NAME_TEXT = st.text(st.characters(blacklist_characters="/\0", blacklist_categories=("Cs",)), min_size=1,
+                    max_size=24).filter(lambda t: t not in (".", ".."))
+
+
+def spell(w, victim: str, path: str, how: str, name: str, cwd: str) -> str | None:
+    """`path` spelt `how`; None where that spelling would name something other than a victim."""
+    if path in ("", "/") or victim == "proc":
+        return path
+    if how == "trailing slash":
+        return path + "/"
+    if how == "dot":
+        return path + "/."
+    if how == "double slash":
+        return path.replace("/", "//")
+    if how == "dotdot":
+        return f"{path}/../{Path(path).name}" if path != "." else "../" + Path(cwd).name
+    if how == "relative":  # relative to the call's working directory, not this process's
+        return os.path.relpath(Path(cwd, path), cwd)
+    if how == "symlink":
+        link = w["links"] / f"l{len(os.listdir(w['links']))}"
+        link.symlink_to(Path(cwd, path).resolve() if path == "." else path)
+        return str(link)
+    if how == "inside":  # refused as inside the source, or as under something that is not a directory
+        if "source" in victim or (os.path.lexists(path) and not os.path.isdir(path)):
+            return f"{path}/{name}"
+        return None  # under '.', a user's directory or the source's parent: a fresh path, a valid output
+    return path
+
+
+WRITER_CASE = st.tuples(st.integers(0, 10_000), st.integers(0, 10_000), st.sampled_from(SPELLINGS), NAME_TEXT,
+                        st.booleans())
+
+
+@batches(3, campaign_share=0.05)
+@given(cases=st.lists(WRITER_CASE, min_size=12, max_size=12))
+def test_fuzz_writer_flags(writer_world, cases):
+    """Random victims (the source, inside or above it, '.', '/', '', a user's directory or file, a
+    FIFO, a socket, a device, /proc) spelt random ways, for random declared writer options with or
+    without --force, each call in the fork server under its memory and time limits: exit 2 with one
+    error line, and the whole world unchanged."""
+    from test_writer_guard import WRITERS
+    w = writer_world
+    cwd = str(w["root"] / "cwd")
+    calls = []
+    for pick, victim_pick, how, name, force in cases:
+        writer = WRITERS[pick % len(WRITERS)]
+        victims = w["targets"][pick % len(WRITERS)]
+        victim = sorted(victims)[victim_pick % len(victims)]
+        target = spell(w, victim, victims[victim], how, name, cwd) or victims[victim]
+        argv = [*writer.argv(w, target), *(["--force"] if force and writer.force else [])]
+        calls.append(Call(argv, cwd=cwd, note=f"{writer.id()}: {victim} spelt {how}", kind="writer flag"))
+    results = assert_batch(calls, Victims().add(w["root"]), call_s=30, env={"XDG_CONFIG_HOME": str(w["links"])})
+    accepted = [r.call.label() for r in results if r.code != 2]
+    assert not accepted, "a writer accepted a victim:\n" + "\n".join(accepted)
 
 
 # --- flag values ------------------------------------------------------------------------------------

@@ -136,14 +136,24 @@ def test_convert_onto_a_synth_model_is_refused_even_with_force(tiny, tmp_path, c
 def test_force_replaces_only_a_previous_container(tiny, container, tmp_path, capsys):
     dst = tmp_path / "again"
     shutil.copytree(container, dst)
-    (dst / "stale.bin").write_bytes(b"left by the previous container")
+    next(dst.glob("*.safetensors")).unlink()  # a previous container missing a shard: still replaced whole
     before = digest(dst)
     refused(convert_argv(tiny, dst), capsys, "--force")  # without --force: kept
     assert digest(dst) == before
     assert cli.main(convert_argv(tiny, dst, "--force")) == 0
-    assert not (dst / "stale.bin").exists()
     assert digest(dst) == digest(container)
     assert sorted(os.listdir(tmp_path)) == ["again"]  # no .partial, .old or lock left
+
+
+def test_force_keeps_a_previous_container_holding_a_users_file(tiny, container, tmp_path, capsys):
+    """Issue 37: a file the user dropped into a previous output is not ours (the output's manifest
+    does not list it): the output is not replaced, even with --force."""
+    dst = tmp_path / "again"
+    shutil.copytree(container, dst)
+    (dst / "notes.txt").write_text("the user's")
+    before = digest(dst)
+    refused(convert_argv(tiny, dst, "--force"), capsys, "notes.txt", "did not write")
+    assert digest(dst) == before
 
 
 def test_convert_onto_a_file_is_refused(tiny, tmp_path, capsys):
@@ -292,9 +302,12 @@ def test_compare_out_inside_or_onto_an_input_is_refused(two_runs, capsys):
 def test_compare_replaces_its_previous_output_whole(two_runs, tmp_path, capsys):
     out = tmp_path / "cmp"
     assert cli.main(compare_argv(two_runs, out)) == 0
-    (out / "plots" / "stale.png").write_bytes(b"from the previous comparison")
+    (out / "plots" / "stale.png").write_bytes(b"not written by compare")  # issue 37: not ours, kept
+    refused(compare_argv(two_runs, out), capsys, "plots/stale.png")
+    (out / "plots" / "stale.png").unlink()
+    (out / "compare.md").unlink()
     assert cli.main(compare_argv(two_runs, out)) == 0
-    assert not (out / "plots" / "stale.png").exists() and (out / "compare.json").is_file()
+    assert (out / "compare.md").is_file() and (out / "compare.json").is_file()
     assert not [p for p in tmp_path.iterdir() if ".partial" in p.name or ".old" in p.name]
 
 

@@ -176,11 +176,16 @@ def test_force_replaces_a_previous_synth_output(tmp_path, tiny_dir):
     import shutil
     dest = tmp_path / "model"
     shutil.copytree(tiny_dir, dest)
-    (dest / "stale.txt").write_text("from the previous output")
     with pytest.raises(ConfigError, match="--force"):
         synth.synthesize(synth.load_preset("tiny"), dest, progress=False)
+    # A file dropped into the previous output is not in its manifest: not ours, never replaced (issue 37).
+    (dest / "notes.txt").write_text("the user's")
+    with pytest.raises(ConfigError, match="notes.txt"):
+        synth.synthesize(synth.load_preset("tiny"), dest, force=True, progress=False)
+    assert (dest / "notes.txt").read_text() == "the user's"
+    (dest / "notes.txt").unlink()
     synth.synthesize(synth.load_preset("tiny"), dest, force=True, progress=False)
-    assert not (dest / "stale.txt").exists() and (dest / "config.json").exists()
+    assert (dest / "config.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 

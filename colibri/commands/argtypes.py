@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
-import tempfile
-from pathlib import Path
 
-from engine.api import ColibriError, ConfigError, parse_size
+from engine.api import OUTPUT_KINDS, ColibriError, parse_size
 from tuner.search.budget import parse_duration
 
 # Python refuses int() of more than 4300 digits with a ValueError whose text talks about
@@ -159,34 +156,19 @@ def seconds(hi_s: float = TIMEOUT_MAX_S):
     return finite_float(0.0, hi_s, lo_open=True, name="seconds")
 
 
-# --- output files named by flags -------------------------------------------------------------
+# --- options that name something a command writes ----------------------------------------------
 
-def check_output_file(path: str, flag: str) -> None:
-    """Refuse a file a command will write at its end (--record-routing, --read-trace, ...) before
-    the run, with one line: a directory, a missing or non-writable parent, a parent where files
-    cannot be created (/proc, a read-only mount), an existing non-regular file (FIFO, device).
-
-    The parent is probed by creating (and removing) a temp file there: os.access says yes to root
-    for /proc, where the real write then fails."""
-    target = Path(path)
-    if not path:
-        raise ConfigError(f"{flag}: empty path")
-    try:
-        if target.is_dir():
-            raise ConfigError(f"{flag} {path}: is a directory")
-        if target.exists() and not target.is_file():
-            raise ConfigError(f"{flag} {path}: exists and is not a regular file")
-    except OSError as exc:  # a name too long for the filesystem, ...
-        raise ConfigError(f"{flag}: cannot use this path ({exc.strerror or exc})") from None
-    parent = target.parent if str(target.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError(f"{flag} {path}: directory {parent} does not exist")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".colibri-probe-", dir=parent)
-    except OSError as exc:
-        raise ConfigError(f"{flag} {path}: cannot write in {parent}: {exc.strerror or exc}") from None
-    os.close(fd)
-    os.unlink(probe)
+def add_output_option(parser, *flags: str, kind: str, **kwargs):
+    """Declare an option (or positional) that names something the command writes. `kind` is the
+    rule of engine/base/output_target.py that the command checks it with, before any work
+    (OUTPUT_KINDS: "file", "directory", "run directory", "in place", "scratch"). The action carries
+    it, so tests/test_writer_guard.py can find every writer in the parsers, and fails on an option
+    that says it writes but was added without this."""
+    if kind not in OUTPUT_KINDS:
+        raise ValueError(f"unknown output kind {kind!r} (one of {', '.join(OUTPUT_KINDS)})")
+    action = parser.add_argument(*flags, **kwargs)
+    action.output_kind = kind
+    return action
 
 
 # --- the parser -------------------------------------------------------------------------------

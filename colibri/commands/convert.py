@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from engine.api import QUANTS, convert, format_quality, import_and_convert, is_gguf, measure_quality, resolve_model
-from colibri.commands.argtypes import int_in, nonneg_int, positive_int
+from colibri.commands.argtypes import add_output_option, int_in, nonneg_int, positive_int
 from colibri.commands.run import CTX_MAX, TOKENS_MAX
 from tuner.results.printers import convert_progress
 from tuner.results.printers import print_json as _print_json
@@ -17,7 +17,8 @@ def add_convert(sub) -> None:
     p = sub.add_parser("convert", help="write an int8 / int4 quantized container of a model (docs/FORMAT.md)")
     p.add_argument("src", help="source model directory, a synth preset name, or a GGUF file (single, or any "
                                "part of a split -0000N-of-0000M.gguf): imported to bf16, then --quant if given")
-    p.add_argument("-o", "--out", required=True, metavar="DST", help="output directory (written atomically)")
+    add_output_option(p, "-o", "--out", kind="directory", required=True, metavar="DST",
+                      help="output directory (written atomically)")
     p.add_argument("--quant", choices=QUANTS, default=None,
                    help="default int4 for a model directory; none for a GGUF (the bf16 import only)")
     p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64, help="int4 group size (default 64)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.api import size_label
-from colibri.commands.argtypes import duration, finite_float, int_in, seconds, size
+from colibri.commands.argtypes import add_output_option, duration, finite_float, int_in, seconds, size
 
 
 def knob_flag(f: dataclasses.Field, with_default: bool = True) -> tuple[str, dict]:
@@ -64,7 +64,11 @@ def add_knob_flags(parser, cls, groups: dict | None = None, with_default: bool =
         if "kind" not in f.metadata:
             continue
         flag, kw = knob_flag(f, with_default)
-        groups.get(f.metadata.get("group"), parser).add_argument(flag, **kw)
+        where = groups.get(f.metadata.get("group"), parser)
+        if f.metadata.get("output"):  # a knob naming what the command writes (tune --out): declared as such
+            add_output_option(where, flag, kind=f.metadata["output"], **kw)
+        else:
+            where.add_argument(flag, **kw)
 
 
 def knob_values(args, cls) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from engine.api import Progress, file_target
-from colibri.commands.argtypes import check_output_file, positive_int, size
+from colibri.commands.argtypes import add_output_option, positive_int, size
 from tuner.costmodel.model_geometry import QUANTS
 from tuner.costmodel.plan_command import PlanRequest, run_plan
 from tuner.probe import format_summary, run_probe, save_profile
@@ -16,22 +16,23 @@ from tuner.share.profiles import PROFILE_FILE
 
 def add_probe(sub) -> None:
     p = sub.add_parser("probe", help="measure this machine's disk, memory and CPU")
-    p.add_argument("--dir", default=".",
-                   help="directory whose disk is measured (a test file is written there and "
-                        "removed); default: the current directory")
+    # A new, uniquely named test file (O_EXCL) is made there and removed: nothing there is replaced.
+    add_output_option(p, "--dir", kind="scratch", default=".",
+                      help="directory whose disk is measured (a test file is written there and "
+                           "removed); default: the current directory")
     p.add_argument("--quick", action="store_true", help="fewer points, shorter jobs")
     p.add_argument("--no-fio", action="store_true",
                    help="use the Python O_DIRECT fallback even when fio is installed")
     p.add_argument("--fio", default=None, help="fio binary (default: $COLIBRI_FIO, else PATH)")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
-    p.add_argument("-o", "--output", default=None, help="also write the profile JSON here")
+    add_output_option(p, "-o", "--output", kind="file", metavar="FILE", default=None,
+                      help="also write the profile JSON here")
     p.set_defaults(func=cmd_probe)
 
 
 def cmd_probe(args) -> int:
+    # Before the probe runs: its directory must exist and take files (file_target probes it).
     output = file_target(args.output, command="probe", recognise=PROFILE_FILE) if args.output is not None else None
-    if output is not None:
-        check_output_file(str(output), "-o")  # its directory must exist and take files, before the probe runs
     with Progress(desc="probe", unit="step") as bar:
         profile = run_probe(args.dir, quick=args.quick, use_fio=False if args.no_fio else None,
                             progress=bar.step, fio_path=args.fio)
@@ -47,7 +48,9 @@ def cmd_probe(args) -> int:
 
 def add_plan_arguments(p) -> None:
     p.add_argument("--model", required=True, help="model directory, bundled geometry (e.g. glm-5) or geometry JSON")
-    p.add_argument("--profile", required=True, help="hardware profile JSON (colibri probe / tune)")
+    # Read, and with --calibrate rewritten with the fitted factors (a profile replaced by a profile).
+    add_output_option(p, "--profile", kind="file", required=True,
+                      help="hardware profile JSON (colibri probe / tune); --calibrate writes its factors into it")
     p.add_argument("--quant", choices=QUANTS, help="quant level (default: the model's own dtype)")
     p.add_argument("--config", help="engine config TOML to predict (default: the engine's defaults)")
     p.add_argument("--budget", type=size(), help="memory budget, e.g. 24GiB (default: the config's, else 88%% of the "
@@ -83,6 +86,8 @@ def plan_request(args) -> PlanRequest:
 
 
 def cmd_plan(args) -> int:
+    if args.calibrate:  # it will be rewritten: only ever a profile, never a FIFO, device or another file
+        args.profile = str(file_target(args.profile, command="probe", recognise=PROFILE_FILE, flag="--profile"))
     result = run_plan(plan_request(args))
     if args.json:
         _print_json(result.to_dict())

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from engine.api import file_target, format_size
+from engine.api import file_target, format_size, in_place_files
+from colibri.commands.argtypes import add_output_option
 from tuner.results.printers import print_json as _print_json
 from tuner.results.report_html import write_reports
 from tuner.share import profiles
@@ -13,14 +14,20 @@ from tuner.share.compare import compare, format_text
 
 def add_report(sub) -> None:
     p = sub.add_parser("report", help="(re)write a tune run's report.md and self-contained report.html")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a `colibri tune` run directory")
+    add_output_option(p, "run_dir", kind="in place", metavar="RUN_DIR",
+                      help="a `colibri tune` run directory (report.md, report.html and plots/ are written in it)")
     p.add_argument("--storage", help="the study's storage URL when it is not the run's study.db (PostgreSQL)")
     p.add_argument("--open", action="store_true", help="open report.html in the default browser")
     p.add_argument("--json", action="store_true", help="print the written files as JSON")
     p.set_defaults(func=cmd_report)
 
 
+# What `report` (re)writes in the run directory (tuner/results/report_md.py, report_html.py).
+REPORT_FILES = {"report.md": "file", "report.html": "file", "plots": "dir"}
+
+
 def cmd_report(args) -> int:
+    in_place_files(args.run_dir, REPORT_FILES, command="report", flag="RUN_DIR")
     files = write_reports(args.run_dir, storage=args.storage)
     if args.json:
         _print_json({k: str(v) for k, v in files.items()})
@@ -39,12 +46,13 @@ def add_profile(sub) -> None:
     ps.required = True
     e = ps.add_parser("export", help="a run directory or probe JSON → a shareable profile (no identity)")
     e.add_argument("source", metavar="RUN_DIR|PROBE_JSON")
-    e.add_argument("-o", "--output", metavar="FILE", help="write here (default: print it)")
+    add_output_option(e, "-o", "--output", kind="file", metavar="FILE", help="write here (default: print it)")
     e.add_argument("--include-identity", action="store_true",
                    help="keep the hostname, user name and model paths (for your own records)")
     i = ps.add_parser("import", help="validate a profile and copy it into the local store")
     i.add_argument("file", metavar="FILE")
-    i.add_argument("--name", help="store name (default: <cpu>-<disk>-<fingerprint>)")
+    add_output_option(i, "--name", kind="file", help="store name (default: <cpu>-<disk>-<fingerprint>); "
+                                                      "writes <store>/NAME.json")
     i.add_argument("--force", action="store_true", help="replace a different profile of the same name")
     ps.add_parser("list", help="the profiles in the local store")
     s = ps.add_parser("show", help="one profile: hardware and best configs")
@@ -103,7 +111,7 @@ def add_compare(sub) -> None:
     p = sub.add_parser("compare", help="tune runs and/or profiles side by side (markdown, HTML, plots)")
     p.add_argument("inputs", nargs="+", metavar="RUN_DIR|PROFILE", help="run directories, profile files or "
                                                                          "names in the local store")
-    p.add_argument("--out", metavar="DIR", help="where to write (default: reports/compare-<time>)")
+    add_output_option(p, "--out", kind="directory", metavar="DIR", help="where to write (default: reports/compare-<time>)")
     p.add_argument("--force", action="store_true", help="compare even when the conditions differ "
                                                         "(model, budget, cold/warm, tokens, tool version)")
     p.add_argument("--model", metavar="NAME|HASH", help="from profiles, only the entries of this model "

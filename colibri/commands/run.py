@@ -2,28 +2,49 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 import sys
 
-from engine.api import (CTX_MAX, BenchResult, ConfigError, EngineConfig, Sampler, bench, file_target, json_file_with,
-                        load_requests, load_tokenizer, load_workload, resolve_model, run)
-from colibri.commands.argtypes import check_output_file, finite_float, nonneg_int, positive_int, seconds, seed, size
+from engine.api import (CTX_MAX, TRACE_FORMAT, BenchResult, ConfigError, EngineConfig, Sampler, bench, file_target,
+                        json_file_with, json_lines_head_with, load_requests, load_tokenizer, load_workload,
+                        resolve_model, run)
+from colibri.commands.argtypes import add_output_option, finite_float, nonneg_int, positive_int, seconds, seed, size
 from colibri.commands.knob_flags import knob_flag
 from tuner.results.printers import print_json as _print_json
 from tuner.results.printers import bench_text, run_header, run_text
-from tuner.search.outcome import Outcome, write_outcome
+from tuner.search.outcome import OUTCOME_FILE, Outcome, write_outcome
 from tuner.search.trial import run_trial
 
 TOKENS_MAX = CTX_MAX  # prompt and new tokens must fit in a context
 
 ROUTING_FILE = json_file_with("schema", "counts")  # a routing histogram written before (engine/movement/cache)
+TRACE_FILE = json_lines_head_with(format=TRACE_FORMAT)  # a read trace written before (engine/movement/io/trace.py)
+
+# The files run/bench write at the end, each with what a previous one of its kind looks like.
+OUTPUT_FILES = {"outcome": ("--outcome", OUTCOME_FILE), "record_routing": ("--record-routing", ROUTING_FILE),
+                "read_trace": ("--read-trace", TRACE_FILE)}
 
 
-def _routing_output(args, command: str) -> None:
-    """--record-routing FILE is refused before the run (a directory, /proc/..., a stranger's file)."""
-    if args.record_routing is not None:
-        args.record_routing = str(file_target(args.record_routing, command=command, recognise=ROUTING_FILE,
-                                              flag="--record-routing"))
+def _model_sources(args) -> list[str]:
+    """The model as given, when it is a path (a preset name is resolved later, into the cache)."""
+    return [args.model] if args.model and os.path.lexists(args.model) else []
+
+
+def check_output_files(args, command: str) -> None:
+    """Every output file the command was given, checked before anything runs (engine/base/
+    output_target.file_target: not '', '.', '/', the model or inside it, a directory, a FIFO, a
+    device, or an existing file that is not a previous output of its kind). Each value becomes the
+    resolved path; the CLI records a failed trial's outcome only in a path that passed
+    (`args.outcome_target`), so a refused --outcome is never written either."""
+    for dest, (flag, recognise) in OUTPUT_FILES.items():
+        raw = getattr(args, dest, None)
+        if raw is not None:
+            setattr(args, dest, str(file_target(raw, command=command, recognise=recognise, flag=flag,
+                                                sources=_model_sources(args))))
+            if dest == "outcome":
+                args.outcome_target = args.outcome
 
 
 def add_engine_flags(p) -> None:
@@ -60,17 +81,16 @@ def add_run(sub) -> None:
     p.add_argument("--temperature", type=finite_float(0.01, 100.0, zero_ok=True), default=0.0,
                    help="0 = greedy, else in [0.01, 100]")
     p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=1.0, help="in (0, 1]")
-    p.add_argument("--record-routing", metavar="FILE", help="write the routing histogram (for cache_policy=pinned)")
+    add_output_option(p, "--record-routing", kind="file", metavar="FILE",
+                      help="write the routing histogram (for cache_policy=pinned)")
     add_engine_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (with prompt and output ids)")
     p.set_defaults(func=cmd_run)
 
 
 def cmd_run(args) -> int:
+    check_output_files(args, "run")
     config = engine_config_from_args(args)
-    if args.record_routing:
-        check_output_file(args.record_routing, "--record-routing")
-    _routing_output(args, "run")
     model_dir = resolve_model(args.model, progress=not args.json)
     result = run(model_dir, config, prompt=args.prompt, prompt_ids=args.prompt_ids,
                  prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
@@ -102,12 +122,15 @@ def add_bench(sub) -> None:
     p.add_argument("--cgroup-limit", type=size(), help="run inside a child memory cgroup limited to SIZE "
                                                       "(page cache counts)")
     p.add_argument("--timeout", type=seconds(), default=None, help="seconds, with --cgroup-limit")
-    p.add_argument("--record-routing", metavar="FILE", help="write the routing histogram (for cache_policy=pinned)")
-    p.add_argument("--read-trace", metavar="FILE", help="write every decode read (file, offset, bytes, submit and "
-                                                        "completion time, token, layer) as JSON lines, for "
-                                                        "`benchmarks/io/io_bound.py replay`")
-    p.add_argument("--outcome", metavar="FILE", help="write how the run ended as a JSON record (the tuner's "
-                                                     "trials read it: ok with the results, or the error's kind)")
+    add_output_option(p, "--record-routing", kind="file", metavar="FILE",
+                      help="write the routing histogram (for cache_policy=pinned)")
+    add_output_option(p, "--read-trace", kind="file", metavar="FILE",
+                      help="write every decode read (file, offset, bytes, submit and completion time, token, "
+                           "layer) as JSON lines, for `benchmarks/io/io_bound.py replay`")
+    # The tuner's own: its trial process writes how the run ended here (a fresh path in the trial's
+    # temp directory, tuner/search/trial.py), so it is hidden from --help; given by hand, it is
+    # refused unless it is a fresh path or a previous outcome record.
+    add_output_option(p, "--outcome", kind="file", metavar="FILE", help=argparse.SUPPRESS)
     work = p.add_mutually_exclusive_group()
     work.add_argument("--prompts", metavar="FILE", help="run these prompts in each repeat instead of a random one: "
                                                         "one per line, or JSON Lines of {prompt, max_new_tokens} "
@@ -129,18 +152,15 @@ def _bench_workload(args, model_dir):
 
 
 def cmd_bench(args) -> int:
+    check_output_files(args, "bench")  # first: nothing runs, and a later refusal is recorded in --outcome
     config = engine_config_from_args(args)
-    for flag, path in (("--read-trace", args.read_trace), ("--record-routing", args.record_routing)):
-        if path:
-            check_output_file(path, flag)
     if args.timeout is not None and not args.cgroup_limit:
         raise ConfigError("--timeout goes with --cgroup-limit (a bench without a cgroup runs in this process)")
-    _routing_output(args, "bench")
     model_dir = resolve_model(args.model, progress=not args.json)
     workload = _bench_workload(args, model_dir)
     if args.cgroup_limit:
-        extra = ["--record-routing", args.record_routing] if args.record_routing else []
-        extra += ["--read-trace", args.read_trace] if args.read_trace else []
+        extra = ["--record-routing", args.record_routing] if args.record_routing is not None else []
+        extra += ["--read-trace", args.read_trace] if args.read_trace is not None else []
         extra += ["--prompts", args.prompts] if args.prompts else []
         extra += ["--workload", args.workload] if args.workload else []
         trial = run_trial(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
@@ -160,7 +180,7 @@ def cmd_bench(args) -> int:
         result = bench(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                        prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
                        record_routing=args.record_routing, read_trace=args.read_trace, workload=workload)
-    if args.outcome:
+    if args.outcome is not None:
         write_outcome(args.outcome, Outcome("ok", metrics=result.to_dict()))
     if args.json:
         _print_json(result.to_dict())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.api import ConfigError, synth
-from colibri.commands.argtypes import finite_float, seed
+from colibri.commands.argtypes import add_output_option, finite_float, seed
 from tuner.results.printers import print_json as _print_json
 from tuner.results.printers import presets_text, synth_text
 
@@ -14,7 +14,7 @@ def add_synth(sub) -> None:
     src.add_argument("preset", nargs="?", help="preset name (tiny, demo; real-model specs are geometry-only)")
     src.add_argument("--geometry", metavar="FILE", help="geometry JSON with the same keys as a preset")
     src.add_argument("--list", action="store_true", help="list the presets and their sizes")
-    p.add_argument("-o", "--out", metavar="DIR", help="output directory (written atomically)")
+    add_output_option(p, "-o", "--out", kind="directory", metavar="DIR", help="output directory (written atomically)")
     p.add_argument("--seed", type=seed(), default=0, help="same seed, same bytes (default 0)")
     p.add_argument("--routing-skew", type=finite_float(0.0), default=None, metavar="X",
                    help="0 = near-uniform routing; default: the preset's calibrated value (see docs/SYNTH.md)")

@@ -68,8 +68,10 @@ _HOMES = {
     "engine.base.durable": "DirectoryLock atomic_write_text lock_path_for",
     "engine.base.inputs": "check_regular printable read_input read_text_input",
     "engine.base.jsonlimits": "load_json_input loads_limited",
-    "engine.base.output_target": ("any_of directory_target file_target json_file_with read_small_json "
-                                  "replace_directory run_directory_target stamped"),
+    "engine.base.output_target": ("OUTPUT_KINDS any_of directory_target file_target in_place_files json_file_with "
+                                  "json_lines_head_with read_small_json replace_directory run_directory_target "
+                                  "stamped"),
+    "engine.movement.io.trace": "TRACE_FORMAT",
     "engine.base.progress": "Progress",
 }
 _HOME = homes(_HOMES)

@@ -117,7 +117,8 @@ def knob(default, doc: str, *, kind: str, label: str = "", short: str = "", lo=N
     of the tuning run instead of a number (logical_cores, physical_cores, min_ctx; multiples=
     of min_ctx), needs="gpu", and with_histogram=(choices offered only with a routing histogram).
     The tuner's options (tuner/search/options.py TuneOptions) are knobs too, with more kinds
-    (duration, seconds, switch, text) and `flag` keywords: flag (its name), group, metavar."""
+    (duration, seconds, switch, text) and `flag` keywords: flag (its name), group, metavar, output (the
+    rule of engine/base/output_target.py a flag naming what tune writes goes through: OUTPUT_KINDS)."""
     meta = {"doc": doc, "zero_means": zero_means, "kind": kind, "lo": lo, "hi": hi, "lt": lt, "choices": choices,
             "lossy": lossy, **flag}
     if label:  # a column of the tables (tuner/results/columns.py)

@@ -10,14 +10,25 @@ A tool that streams 400 GB models must never delete what it did not write. So an
 - for a directory output: an existing file, or a non-empty directory that is not a previous
   output of the same command. A previous output is recognised by its stamp (the key its config
   or record carries, see `stamped`); `--force` replaces only such a directory, never another;
-- for a file output: a directory or a special file (FIFO, device), or an existing file that is
-  not a previous output of the same kind;
+- for a file output: a directory or a special file (FIFO, device, socket), an existing file that
+  is not a previous output of the same kind, or a path whose directory does not exist;
+- for files a command writes inside a directory it was given (`report`'s report.md, ...): any of
+  them that exists as something else than what the command writes there (`in_place_files`);
 - somewhere this process cannot write (a read-only directory): refused now, not after the work.
+
+Nothing here opens the target: a FIFO or a device is refused from its `stat`, so `/dev/full` or a
+FIFO is never written to, blocked on or replaced. Every flag that names an output is declared with
+colibri/commands/argtypes.add_output_option, which records the rule it goes through
+(OUTPUT_KINDS); tests/test_writer_guard.py walks the CLI's parsers and fails on a writer that is
+not declared, then aims every declared one at each kind of victim.
 
 Symlinks are resolved first, so a link to the source is the source. The directory is then filled
 in a fresh temporary sibling and renamed into place (`replace_directory`); files are written with
 engine/base/durable.py's temp file + rename. A replaced previous output is moved aside, the new one
 renamed in, and only then is the old one removed, after checking again that it still is ours.
+A directory output carries MANIFEST, the names of everything the command put in it: a previous
+output that now holds anything else (a file the user dropped in) is not replaced, even with
+--force. (An output written before the manifest existed is recognised by its stamp alone.)
 """
 
 from __future__ import annotations
@@ -31,10 +42,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from engine.base.durable import fsync_dir
+from engine.base.durable import atomic_write_text, fsync_dir
 from engine.base.errors import ConfigError
 
 STAMP_MAX_BYTES = 16 << 20  # a config.json / run record read to find a stamp; real ones are KiB
+MANIFEST = ".colibri-output"  # in a directory output: {"command": ..., "entries": [what we wrote]}
+# The temp sibling is ".<name>.<random>.tmp": a name near the filesystem's 255-byte limit would be
+# accepted here and then fail in the middle of the write, after the work.
+NAME_MAX_BYTES = 200
+
+# How each declared output option is checked (colibri/commands/argtypes.add_output_option's `kind`).
+OUTPUT_KINDS = {
+    "file": "file_target: a fresh path, or a previous output of the same kind (its stamp); temp + rename",
+    "directory": "directory_target: a fresh or empty directory, or (--force) a previous output; "
+                 "built in a temp sibling and renamed",
+    "run directory": "run_directory_target: a fresh or empty directory, or a previous run reused in place",
+    "in place": "in_place_files: the files a command writes inside a directory it was given",
+    "scratch": "a directory where a uniquely named test file is created (O_EXCL) and removed",
+}
 
 Recogniser = Callable[[Path], bool]  # True when the path holds a previous output of this command
 
@@ -60,10 +85,15 @@ def resolved(raw: str | os.PathLike, flag: str) -> Path:
     text = os.fspath(raw)
     if not str(text).strip():
         raise OutputTargetError(f"{flag}: empty path (it would mean the current directory)")
+    if "\0" in str(text):
+        raise OutputTargetError(f"{flag}: the path holds a NUL character")
     try:
-        return Path(text).expanduser().resolve(strict=False)
+        path = Path(text).expanduser().resolve(strict=False)
     except (OSError, RuntimeError) as exc:  # a symlink loop
         raise OutputTargetError(f"{flag} {text}: cannot resolve the path ({exc})") from None
+    if len(path.name.encode("utf-8", "surrogateescape")) > NAME_MAX_BYTES:
+        raise OutputTargetError(f"{flag}: the name {path.name[:40]}... is longer than {NAME_MAX_BYTES} bytes")
+    return path
 
 
 def _cwd() -> Path | None:
@@ -133,9 +163,12 @@ def _target(raw: str | os.PathLike, sources, flag: str, *, directory: bool) -> t
     another kind of thing than the output (a directory, or a regular file) is refused here."""
     target = resolved(raw, flag)
     _check_common(target, sources, flag)
-    if not os.path.lexists(target):
-        return target, False
-    st = os.stat(target)
+    try:
+        if not os.path.lexists(target):
+            return target, False
+        st = os.stat(target)  # stat, never open: a FIFO would block, a device would take the bytes
+    except OSError as exc:  # a dangling link's target dir unreadable, a name the filesystem refuses
+        raise OutputTargetError(f"{flag} {target}: cannot use this path ({exc.strerror or exc})") from None
     if directory and not stat.S_ISDIR(st.st_mode):
         raise OutputTargetError(f"{flag} {target}: exists and is {_kind_of(st)}, not a directory")
     if not directory and not stat.S_ISREG(st.st_mode):
@@ -156,6 +189,7 @@ def directory_target(raw: str | os.PathLike, *, command: str, recognise: Recogni
             if not force:
                 raise OutputTargetError(f"{flag} {target}: is not empty: it holds a previous `colibri {command}` "
                                         "output (use --force to replace it)")
+            _check_nothing_added(target, command, flag)
             replaces = True
             if not os.access(target, os.W_OK | os.X_OK):
                 raise OutputTargetError(f"{flag} {target}: the previous output is read-only; cannot replace it")
@@ -181,8 +215,11 @@ def run_directory_target(raw: str | os.PathLike, *, command: str, recognise: Rec
 def file_target(raw: str | os.PathLike, *, command: str, recognise: Recogniser | None, sources=(),
                 flag: str = "-o") -> Path:
     """Check a single-file output. An existing file is replaced only when `recognise` says it is a
-    previous output of this kind (recognise None: any existing regular file is refused)."""
+    previous output of this kind (recognise None: any existing regular file is refused). Its
+    directory must exist: a typo'd path is refused, not created."""
     target, exists = _target(raw, sources, flag, directory=False)
+    if not target.parent.is_dir():
+        raise OutputTargetError(f"{flag} {target}: {target.parent} is not an existing directory")
     if exists:
         if recognise is None or not recognise(target):
             raise OutputTargetError(f"{flag} {target}: an existing file that is not a previous `colibri {command}` "
@@ -193,11 +230,72 @@ def file_target(raw: str | os.PathLike, *, command: str, recognise: Recogniser |
     return target
 
 
+def in_place_files(directory: str | os.PathLike, entries: dict[str, str], *, command: str,
+                   flag: str) -> Path:
+    """Check the files a command (re)writes inside a directory it was given (`report RUN_DIR`: its
+    report.md, report.html and plots/): each one that exists must be what the command writes there,
+    a regular file ("file") or a real directory ("dir"), never a FIFO, device or a symlink to a
+    directory elsewhere (mkdir would follow it and the writes land outside). The directory itself is
+    the command's input and recognised by it (e.g. a tune run)."""
+    base = resolved(directory, flag)
+    for name, kind in entries.items():
+        path = base / name
+        try:
+            if not os.path.lexists(path):
+                continue
+            st = os.lstat(path)
+        except OSError as exc:
+            raise OutputTargetError(f"{flag} {base}: cannot use {name} ({exc.strerror or exc})") from None
+        if stat.S_ISLNK(st.st_mode) and kind == "dir":
+            raise OutputTargetError(f"{flag} {base}: {name} is a symlink; refusing to write through it")
+        if kind == "dir" and not stat.S_ISDIR(st.st_mode):
+            raise OutputTargetError(f"{flag} {base}: {name} exists and is {_kind_of(st)}, not the directory "
+                                    f"`colibri {command}` writes; refusing to write into it")
+        if kind == "file" and not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+            raise OutputTargetError(f"{flag} {base}: {name} exists and is {_kind_of(st)}, not a file "
+                                    f"`colibri {command}` may replace")
+        if kind == "dir":  # the files written in it (plots, not atomically): a FIFO there would block
+            for entry in os.scandir(path):  # the write, a symlink would take it to a file elsewhere
+                est = entry.stat(follow_symlinks=False)
+                if not (stat.S_ISREG(est.st_mode) or stat.S_ISDIR(est.st_mode)):
+                    what = "a symlink" if stat.S_ISLNK(est.st_mode) else _kind_of(est)
+                    raise OutputTargetError(f"{flag} {base}: {name}/{entry.name} is {what}; "
+                                            f"refusing to write beside it")
+    _check_writable(base / next(iter(entries)), flag)
+    return base
+
+
+def _entries(directory: Path) -> list[str]:
+    """Every name under `directory` (relative, directories with a trailing /), the manifest aside."""
+    out = []
+    for root, dirs, files in os.walk(directory):
+        rel = os.path.relpath(root, directory)
+        prefix = "" if rel == "." else rel + "/"
+        out += [prefix + d + "/" for d in dirs] + [prefix + f for f in files if prefix or f != MANIFEST]
+    return sorted(out)
+
+
+def _check_nothing_added(path: Path, command: str, flag: str) -> None:
+    """A previous output about to be replaced must hold only what its manifest lists."""
+    manifest = read_small_json(path / MANIFEST)
+    if manifest is None:
+        return  # an output from before the manifest: its stamp is all there is
+    listed = set(manifest.get("entries") or []) if isinstance(manifest, dict) else set()
+    added = [e for e in _entries(path) if e not in listed]
+    if added:
+        shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+        where = f"{flag} {path}" if flag else str(path)
+        raise OutputTargetError(f"{where}: a previous `colibri {command}` output, but it now holds {shown}, "
+                                "which colibri did not write; refusing to replace it (even with --force): move "
+                                "those out or choose another path")
+
+
 def replace_directory(tmp: Path, target: DirectoryTarget) -> None:
     """Rename the finished `tmp` to the target. What is there now must still be empty or a previous
     output (it was checked at the start; a user may have put something there since): it is moved
     aside, the new directory renamed in, and the old one removed only then."""
     path = target.path
+    atomic_write_text(tmp / MANIFEST, json.dumps({"command": target.command, "entries": _entries(tmp)}) + "\n")
     old = None
     if os.path.lexists(path):
         if not path.is_dir() or path.is_symlink():
@@ -207,6 +305,10 @@ def replace_directory(tmp: Path, target: DirectoryTarget) -> None:
             if not (target.replaces and target.recognise(path)):
                 raise OutputTargetError(f"{path}: filled with other files while `colibri {target.command}` ran; "
                                         f"not replacing it; the new output is left in {tmp}")
+            try:
+                _check_nothing_added(path, target.command, "")
+            except OutputTargetError as exc:
+                raise OutputTargetError(f"{exc}; the new output is left in {tmp}") from None
             old = target.sibling(f"old-{os.getpid()}")
             os.replace(path, old)
         else:
@@ -246,6 +348,22 @@ def json_file_with(*keys: str) -> Recogniser:
     def recognise(path: Path) -> bool:
         data = read_small_json(Path(path))
         return isinstance(data, dict) and all(k in data for k in keys)
+    return recognise
+
+
+def json_lines_head_with(**fields) -> Recogniser:
+    """A recogniser for a JSON Lines output: its first line is a JSON object with these values
+    (a read trace's header: {"format": "colibri-read-trace", ...}). Only the first line is read."""
+    def recognise(path: Path) -> bool:
+        try:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                return False
+            with open(path, "rb") as f:
+                head = json.loads(f.readline(STAMP_MAX_BYTES).decode("utf-8"))
+        except (OSError, ValueError, RecursionError):
+            return False
+        return isinstance(head, dict) and all(head.get(k) == v for k, v in fields.items())
     return recognise
 
 

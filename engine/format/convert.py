@@ -33,8 +33,8 @@ from engine.arch.args import expert_tensor_names, fused_expert_tensor_names
 from engine.arch.registry import model_args
 from engine.weights.quantized import check_group, quantize, stored_shapes
 from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
-from engine.base.output_target import (OutputTargetError, check_not_source, directory_target, read_small_json,
-                                  replace_directory, stamped)
+from engine.base.output_target import (OutputTargetError, any_of, check_not_source, directory_target,
+                                       read_small_json, replace_directory, stamped)
 from engine.format import fp8_checkpoint
 from engine.format.mtp import mtp_summary
 
@@ -208,6 +208,14 @@ def container_recogniser():
     return stamped("config.json", CONFIG_KEY)
 
 
+GGUF_SOURCE_KEY = "colibri_gguf_source"  # config.json of `convert X.gguf -o D` (engine/format/gguf/importer.py)
+
+
+def convert_output_recogniser():
+    """Any previous `colibri convert` output: a container, or a bf16 import of a GGUF."""
+    return any_of(container_recogniser(), stamped("config.json", GGUF_SOURCE_KEY))
+
+
 def convert(src, dst, quant: str = "int4", group_size: int = 64, scope: str = "experts", force: bool = False,
             progress=None) -> dict:
     """Write the container; returns a summary. `progress(event, **fields)` is told each step.
@@ -217,7 +225,7 @@ def convert(src, dst, quant: str = "int4", group_size: int = 64, scope: str = "e
     a previous container."""
     spec = QuantSpec(quant, group_size if quant == "int4" else 0, scope)
     source = Path(src).expanduser().resolve()
-    target = directory_target(dst, command="convert", recognise=container_recogniser(), sources=[source],
+    target = directory_target(dst, command="convert", recognise=convert_output_recogniser(), sources=[source],
                               force=force)
     tmp = target.sibling("partial")
     check_not_source(tmp, [source], "-o", what="the work directory")
@@ -256,7 +264,7 @@ def _not_ours(tmp: Path, why: str) -> OutputTargetError:
                              "remove it or choose another -o")
 
 
-def _read_state(tmp: Path) -> dict | None:
+def read_state(tmp: Path) -> dict | None:
     """The state of an interrupted run in tmp, None for an empty tmp; anything else is refused."""
     if tmp.is_symlink() or not tmp.is_dir():
         raise _not_ours(tmp, "exists and is not a directory")
@@ -280,7 +288,7 @@ def _resume_state(tmp: Path, options: dict, progress) -> dict[str, str]:
     """Shards of an interrupted run to keep: same source and options, bytes still matching."""
     if not os.path.lexists(tmp):
         return {}
-    state = _read_state(tmp)
+    state = read_state(tmp)
     if state is None:
         return {}
     if state["options"] != options:

@@ -52,7 +52,7 @@ class TuneOptions:
     objective: str = knob("decode", "what the study ranks by: decode tok/s, TTFT, request latency, or decode and "
                           "TTFT as two objectives", kind="choice", choices=OBJECTIVES)
     out: Path | None = knob(None, "run directory (default: reports/tune-<model>-<time>; with --resume, the latest)",
-                            kind="text")
+                            kind="text", metavar="DIR", output="run directory")
     storage: str | None = knob(None, "Optuna storage URL (default: sqlite file in the run directory); "
                                "postgresql://... lets several machines share one study", kind="text")
     study_name: str | None = knob(None, "default: <model>-<budget>-<objective>", kind="text")

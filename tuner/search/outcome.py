@@ -15,8 +15,9 @@ import os
 import signal
 import typing
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-from engine.api import BudgetError, ColibriError, atomic_write_text
+from engine.api import BudgetError, ColibriError, atomic_write_text, read_small_json
 from tuner.results.result import TrialStatus
 
 KINDS = typing.get_args(TrialStatus)  # ok, over_budget, oom_killed, killed, timeout, crashed, bad_config
@@ -49,6 +50,17 @@ def outcome_of_exception(exc: BaseException) -> Outcome:
     message = " ".join(str(exc).split())[:500]
     return Outcome("crashed", error=f"{type(exc).__name__}: {message}" if message else type(exc).__name__,
                    exception=type(exc).__name__)
+
+
+def _is_outcome_file(path) -> bool:
+    """A previous outcome record (what `bench --outcome` may replace): a JSON object whose kind is
+    one of KINDS and that carries the record's other keys."""
+    data = read_small_json(Path(path))
+    return (isinstance(data, dict) and data.get("kind") in KINDS
+            and all(k in data for k in ("error", "exception", "signal", "metrics")))
+
+
+OUTCOME_FILE = _is_outcome_file
 
 
 def write_outcome(path: str | os.PathLike, outcome: Outcome) -> None:

@@ -266,7 +266,7 @@ def default_name(data: dict) -> str:
 def import_profile(path: str | Path, name: str | None = None, force: bool = False) -> tuple[str, Path, bool]:
     """Validate and copy into the store → (name, stored path, changed)."""
     data = read_profile_file(path)
-    name = name or default_name(data)
+    name = default_name(data) if name is None else name  # --name "" is refused below, not defaulted
     if not NAME_RE.match(name):
         raise ProfileError(f"profile name {name!r}: use lower-case letters, digits, '.', '_', '-' (at most 64)")
     store = store_dir()

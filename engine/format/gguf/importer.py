@@ -1,18 +1,21 @@
 """`colibri convert model.gguf -o DIR`: a GGUF (single or split) → a bf16 HF safetensors directory
 (gpt-oss's MXFP4 experts kept as stored).
 
-Same rules as engine/format/convert.py: written under `<DIR>.partial/` and renamed at the end (atomic);
-after each shard `convert-state.json` records its sha256, and a re-run from the same GGUF keeps
-every recorded shard whose bytes still match (resumable); fixed order and no timestamps
-(deterministic). Shards hold whole items (an expert's three matrices never straddle two), about
-`max_shard_bytes` each. With `quant`, the bf16 directory is an intermediate
-(`<DIR>.gguf-bf16`) that engine.convert quantizes into DIR and that is removed afterwards.
+Same rules as engine/format/convert.py: DIR is checked by engine/base/output_target.py before the GGUF
+is even opened (never the GGUF or its directory, `.`, `/`, a file, or a non-empty directory that
+is not a previous `convert` output; --force replaces only such an output); written under
+`<DIR>.partial/` (which holds `convert-state.json` from its first moment, so a look-alike of the
+user's is refused, never emptied) and renamed into place at the end; after each shard the state
+records its sha256, and a re-run from the same GGUF keeps every recorded shard whose bytes still
+match (resumable); fixed order and no timestamps (deterministic). Shards hold whole items (an
+expert's three matrices never straddle two), about `max_shard_bytes` each. With `quant`, the
+bf16 directory is an intermediate (`<DIR>.gguf-bf16`, checked like DIR, replaced only when it is
+an import) that engine.convert quantizes into DIR and that is removed afterwards.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from collections import Counter
@@ -20,8 +23,11 @@ from pathlib import Path
 
 import torch
 
-from engine.format.convert import STATE_FILE, convert, file_sha256
-from engine.base.errors import ConfigError, UnsupportedModelError
+from engine.base.durable import DirectoryLock
+from engine.base.errors import UnsupportedModelError
+from engine.base.output_target import DirectoryTarget, check_not_source, directory_target, replace_directory, stamped
+from engine.format.convert import (GGUF_SOURCE_KEY, STATE_FILE, convert, convert_output_recogniser, file_sha256,
+                                   read_state)
 from engine.format.gguf.items import Item, Plan
 from engine.format.gguf.reader import GGUFModel
 from engine.format.gguf.tensors import build_plan
@@ -31,7 +37,8 @@ from engine.weights.quantized import check_group
 from engine.format.safetensors_writer import ShardWriter, TensorSpec, write_json_atomic
 
 MAX_SHARD_BYTES = 4 << 30
-PROVENANCE_KEY = "colibri_gguf_source"
+PROVENANCE_KEY = GGUF_SOURCE_KEY
+IMPORT_STAMP = stamped("config.json", PROVENANCE_KEY)  # the bf16 intermediate of --quant: only an import
 
 
 def fingerprint(m: GGUFModel) -> str:
@@ -74,12 +81,30 @@ def _write_shard(path: Path, items: list[Item], progress) -> None:
                 progress(i, len(items))
 
 
-def import_gguf(src, dst, force: bool = False, progress=None, max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
-    """Write the bf16 directory; returns a summary. `progress(event, **fields)` as engine.convert's."""
-    dst = Path(dst)
-    if dst.exists() and any(dst.iterdir()) and not force:
-        raise ConfigError(f"{dst} exists and is not empty (use --force to replace it)")
+def _source(src) -> Path:
+    return Path(src).expanduser().resolve()
+
+
+def gguf_target(src, dst, force: bool, recognise=None, flag: str = "-o") -> DirectoryTarget:
+    """Where `convert X.gguf -o DST` may write (engine/base/output_target.py), checked first."""
+    return directory_target(dst, command="convert", recognise=recognise or convert_output_recogniser(),
+                            sources=[_source(src)], force=force, flag=flag)
+
+
+def import_gguf(src, dst, force: bool = False, progress=None, max_shard_bytes: int = MAX_SHARD_BYTES,
+                target: DirectoryTarget | None = None) -> dict:
+    """Write the bf16 directory; returns a summary. `progress(event, **fields)` as engine.convert's.
+    `target`: dst already checked (import_and_convert's intermediate)."""
+    target = target or gguf_target(src, dst, force)
+    tmp = target.sibling("partial")
+    check_not_source(tmp, [_source(src)], "-o", what="the work directory")
+    with DirectoryLock(target.path, f"importing {Path(src).name}"):
+        return _import(src, target, tmp, progress, max_shard_bytes)
+
+
+def _import(src, target: DirectoryTarget, tmp: Path, progress, max_shard_bytes: int) -> dict:
     m = GGUFModel(src)
+    check_not_source(target.path, m.paths, "-o")  # every part of a split GGUF, not only the one named
     plan = build_plan(m)
     tokenizer, tokenizer_note = build_tokenizer(m)
     shards = plan_shards(plan.items, max_shard_bytes)
@@ -87,10 +112,10 @@ def import_gguf(src, dst, force: bool = False, progress=None, max_shard_bytes: i
               "fingerprint": fingerprint(m),
               "types": dict(sorted(Counter(t.type_name for t in m.tensors.values()).items()))}
     options = {"source": source, "max_shard_bytes": max_shard_bytes}
-    tmp = dst.parent / (dst.name + ".partial")
     kept = _resume(tmp, options, progress)
     tmp.mkdir(parents=True, exist_ok=True)
     state = {"options": options, "shards": kept}
+    write_json_atomic(tmp / STATE_FILE, state)  # first: a .partial without it is not ours
     written = []
     for i, (name, items) in enumerate(shards.items(), 1):
         if name in kept:
@@ -103,9 +128,8 @@ def import_gguf(src, dst, force: bool = False, progress=None, max_shard_bytes: i
         write_json_atomic(tmp / STATE_FILE, state)
         written.append(name)
     _finish(tmp, plan, shards, source, tokenizer)
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.replace(tmp, dst)
+    replace_directory(tmp, target)
+    dst = target.path
     return {"path": str(dst), "source": source, "model_type": plan.config["model_type"], "dtype": "bfloat16",
             "tensors": sum(len(item.tensors) for item in plan.items), "shards": len(shards),
             "shards_written": len(written), "shards_kept": len(shards) - len(written),
@@ -117,11 +141,12 @@ def import_gguf(src, dst, force: bool = False, progress=None, max_shard_bytes: i
 def import_and_convert(src, dst, quant: str | None, group_size: int = 64, scope: str = "experts",
                        force: bool = False, progress=None) -> dict:
     """The `colibri convert x.gguf` command: import to bf16, then optionally quantize."""
-    dst = Path(dst)
+    target = gguf_target(src, dst, force)  # before the GGUF is opened
     if quant is None:
-        return import_gguf(src, dst, force=force, progress=progress)
-    if dst.exists() and any(dst.iterdir()) and not force:
-        raise ConfigError(f"{dst} exists and is not empty (use --force to replace it)")
+        return import_gguf(src, dst, progress=progress, target=target)
+    # The bf16 intermediate beside DST: fresh, empty, or an import left by an earlier run (replaced);
+    # a directory of the user's that happens to carry the name is refused, never emptied.
+    bf16 = gguf_target(src, target.sibling("gguf-bf16"), True, recognise=IMPORT_STAMP)
     args = model_args(build_plan(GGUFModel(src)).config)  # refuse what cannot apply before importing anything
     if args.expert_impl is not None:
         raise UnsupportedModelError(f"{src}: --quant does not apply to {args.model_type} (its experts carry biases "
@@ -129,38 +154,35 @@ def import_and_convert(src, dst, quant: str | None, group_size: int = 64, scope:
     if quant == "int4":
         check_group(args.hidden_size, group_size, "gate/up projections of the experts (hidden_size)")
         check_group(args.moe_intermediate_size, group_size, "down projection of the experts (moe_intermediate_size)")
-    bf16 = dst.parent / (dst.name + ".gguf-bf16")
-    imported = import_gguf(src, bf16, force=True, progress=progress)
-    summary = convert(bf16, dst, quant, group_size, scope, force=force, progress=progress)
-    shutil.rmtree(bf16)
+    imported = import_gguf(src, bf16.path, progress=progress, target=bf16)
+    summary = convert(bf16.path, target.path, quant, group_size, scope, force=force, progress=progress)
+    shutil.rmtree(bf16.path)  # written by this run (checked above, renamed in by import_gguf)
     return {**summary, "imported": {k: imported[k] for k in ("source", "model_type", "tensors", "skipped",
                                                              "tokenizer")}}
 
 
 def _resume(tmp: Path, options: dict, progress) -> dict[str, str]:
     """Shards of an interrupted import to keep: same GGUF and options, bytes still matching."""
-    if not tmp.exists():
+    if not os.path.lexists(tmp):
         return {}
-    try:
-        state = json.loads((tmp / STATE_FILE).read_text())
-        same = isinstance(state, dict) and state.get("options") == options
-    except (OSError, ValueError):
-        state, same = {}, False
-    if not same:
+    state = read_state(tmp)  # a .partial that is not an interrupted convert is refused, named, kept
+    if state is None:
+        return {}
+    if state["options"] != options:
         if progress:
             progress("discard", path=str(tmp), reason="made from another GGUF or with other options")
-        shutil.rmtree(tmp)
+        shutil.rmtree(tmp)  # ours: its state says so, and it holds files only (read_state)
         return {}
     kept = {}
-    for name, digest in (state.get("shards") or {}).items():
-        ok = isinstance(name, str) and "/" not in name and (tmp / name).is_file() and file_sha256(tmp / name) == digest
+    for name, digest in state["shards"].items():
+        ok = Path(name).name == name and (tmp / name).is_file() and file_sha256(tmp / name) == digest
         if progress:
             progress("check", name=name, ok=ok)
         if ok:
             kept[name] = digest
-    for stray in tmp.iterdir():
+    for stray in tmp.iterdir():  # half-written .tmp shards and anything unrecorded (files only: checked)
         if stray.name != STATE_FILE and stray.name not in kept:
-            shutil.rmtree(stray) if stray.is_dir() and not stray.is_symlink() else stray.unlink()
+            stray.unlink()
     return kept
 
 
