@@ -1,10 +1,11 @@
 """Open a GGUF file, or the parts of a split one, and check it before anything is converted.
 
-gguf-py's GGUFReader parses the header and memory-maps the tensor data; it raises whatever
-numpy raises on a damaged file (IndexError, ValueError, ...), so every such failure is turned
-into one ModelFormatError line naming the file. On top of its parsing this checks what it does
-not: that every tensor's bytes lie inside the file, that the parts of a split model are all
-present and agree on their count, and that no tensor name appears twice across the parts.
+Each part's header is first scanned by header.py, which bounds every count, dim and offset
+against the file (gguf-py trusts them and allocates by them); only then does gguf-py's
+GGUFReader parse it and memory-map the tensor data. Whatever numpy still raises on a damaged
+file (IndexError, ValueError, ...) is turned into one ModelFormatError line naming the file. On
+top of that this checks that the parts of a split model are all present and agree on their
+count, and that no tensor name appears twice across the parts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from engine.base.errors import ModelFormatError
+from engine.format.gguf.header import scan_header
 
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -117,6 +119,7 @@ class GGUFModel:
 
 
 def _open(part: Path) -> GGUFReader:
+    scan_header(part)  # counts, dims and offsets bounded before gguf-py allocates by them
     try:
         reader = GGUFReader(part, "r")
     except ModelFormatError:

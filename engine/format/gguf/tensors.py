@@ -14,6 +14,7 @@ import torch
 from engine.base.errors import ModelFormatError
 from engine.format.gguf.archs import (BLK_RE, DERIVED, EXPERT_PARTS, FUSED_GATE_UP, GLOBAL_NAMES, LAYER_NAMES, Arch,
                                       arch_for, unpermute)
+from engine.format.gguf.checks import check_metadata, check_plan
 from engine.format.gguf.items import Item, OutTensor, Plan
 from engine.format.gguf.dequant import check_type, dequantize
 from engine.format.gguf.reader import GGUFModel, GGUFTensor
@@ -27,9 +28,12 @@ def _load(t: GGUFTensor, index: int | None = None, transform=None):
 
 
 def build_plan(m: GGUFModel) -> Plan:
+    """The plan, checked: metadata typed first (engine/format/gguf/checks.py), then the config it
+    makes through `run`'s validator and every planned tensor's shape against that config."""
     arch = arch_for(m)
     for t in m.tensors.values():  # refuse an unsupported type before anything is written
         check_type(t)
+    check_metadata(m)
     nextn = int(m.arch_key("nextn_predict_layers", 0) or 0)
     layers = int(m.require("block_count")) - nextn
     if layers < 1:
@@ -57,13 +61,15 @@ def build_plan(m: GGUFModel) -> Plan:
         else:
             raise ModelFormatError(f"{m.paths[0]}: tensor {name!r} has no Hugging Face counterpart for "
                                    f"{m.arch}; refusing to drop weights")
-    return Plan(config, items, skipped)
+    plan = Plan(config, items, skipped)
+    check_plan(m, plan)
+    return plan
 
 
 def _dense(m: GGUFModel, gname: str, hf: str, layer: int, used: set, transform=None, shape=None) -> Item:
     t = m.tensors[gname]
     used.add(gname)
-    return Item(hf, layer, [OutTensor(hf, tuple(shape or t.shape), _load(t, None, transform))])
+    return Item(hf, layer, [OutTensor(hf, tuple(shape or t.shape), _load(t, None, transform), source=gname)])
 
 
 def _layer_items(m: GGUFModel, arch: Arch, config: dict, layer: int, used: set) -> list[Item]:
@@ -133,7 +139,7 @@ def _experts(m: GGUFModel, arch: Arch, config: dict, layer: int, used: set) -> l
         else:
             gate_load, up_load = _load(gate, e), _load(up, e)
         items.append(Item(f"layer {layer} expert {e}", layer, [
-            OutTensor(f"{base}.{e}.{g}.weight", (I, H), gate_load),
-            OutTensor(f"{base}.{e}.{u}.weight", (I, H), up_load),
-            OutTensor(f"{base}.{e}.{d}.weight", (H, I), _load(down, e))]))
+            OutTensor(f"{base}.{e}.{g}.weight", (I, H), gate_load, source=(fused or gate).name),
+            OutTensor(f"{base}.{e}.{u}.weight", (I, H), up_load, source=(fused or up).name),
+            OutTensor(f"{base}.{e}.{d}.weight", (H, I), _load(down, e), source=down.name)]))
     return items
