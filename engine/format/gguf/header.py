@@ -180,12 +180,12 @@ def _skip_value(c: _Cursor, key: str, vtype: int, depth: int, items: list[int]) 
         if itype not in MIN_ITEM:
             raise c.fail(f"{key}: unknown array item type {itype}")
         count = c.u64(f"the item count of {key}")
-        items[0] += count
-        if items[0] > MAX_ARRAY_ITEMS:
-            raise c.fail(f"{key}: the metadata arrays claim {items[0]} items in all (at most {MAX_ARRAY_ITEMS})")
         if count * MIN_ITEM[itype] > c.left():
             raise c.fail(f"{key}: the array claims {count} items, more than the {c.left()} bytes left can hold "
                          f"(truncated or damaged header)")
+        items[0] += count
+        if items[0] > MAX_ARRAY_ITEMS:
+            raise c.fail(f"{key}: the metadata arrays hold {items[0]} items in all (at most {MAX_ARRAY_ITEMS})")
         if itype in SCALARS:
             c.skip(count * SCALARS[itype][1], f"the items of {key}")
         else:
