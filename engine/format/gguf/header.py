@@ -1,11 +1,14 @@
-"""A bounded scan of a GGUF header, run before gguf-py reads the file.
+"""The GGUF header parser: metadata values and the tensor table, every count bounded first.
 
-Why: gguf-py's GGUFReader trusts the counts it reads. It builds one numpy view per metadata
-array item as it goes, so a file whose array claims 2^31 items (64 present) grew to 5.4 GB
-before failing, and it computes a tensor's byte count in uint64 numpy arithmetic, so dims whose
-product wraps past 2^64 (or a dim of 0) give a zero-byte tensor that passes a bounds check.
-This scan walks the same layout with struct over a read-only memory map and integer arithmetic,
-allocating nothing per claimed item, and refuses with one ModelFormatError line:
+Why not gguf-py's GGUFReader: it trusts the counts it reads and builds one numpy view per
+metadata array item as it goes (about 760 bytes and 70 us each), so a file whose array claims
+2^31 items (64 present) grew to 5.4 GB before failing, and a 4 MB file of 4M real items took
+3.2 GB; it also computes a tensor's byte count in uint64 numpy arithmetic, so dims whose product
+wraps past 2^64 (or a dim of 0) give a zero-byte tensor that passes a bounds check, and its
+offset sum wraps the same way. This parser walks the layout with struct over a read-only memory
+map and Python integers, reads numeric arrays with one np.frombuffer each, allocates nothing
+per claimed item before the bytes for it are known to exist, and refuses with one
+ModelFormatError line:
 - counts (tensors, metadata entries, array items, string lengths) that the bytes left in the
   file cannot hold, or that exceed a cap far above any real model (MAX_*);
 - an unknown value type, arrays nested deeper than MAX_DEPTH, a key or tensor name that is
@@ -14,7 +17,11 @@ allocating nothing per claimed item, and refuses with one ModelFormatError line:
   int64_t ne[] holds, the first a whole number of the type's blocks; an unknown ggml type;
 - tensor offsets (relative to the aligned data section) that are not a multiple of the
   alignment, run past the end of the file, or overlap another tensor's bytes.
-The header format is llama.cpp's docs/gguf.md (versions 2 and 3; u64 counts).
+- a big-endian file (written for s390x): the dequantization assumes little-endian blocks.
+The header format is llama.cpp's docs/gguf.md (versions 2 and 3; u64 counts). Metadata values
+come out as Python values: str (strict UTF-8; in arrays, invalid bytes replaced, as token lists
+may hold partial UTF-8), int, bool, float (a FLOAT32 scalar as the shortest decimal that is
+that float32: 1e-06, not 9.999999974752427e-07) or lists of them.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.base.errors import ModelFormatError
@@ -44,7 +52,9 @@ STRING, ARRAY = 8, 9
 SCALARS = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4), 6: ("f", 4),
            7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
 MIN_ITEM = {**{t: s for t, (_, s) in SCALARS.items()}, STRING: 8, ARRAY: 12}  # bytes an item needs at least
-UINT32 = 4
+NP_TYPES = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "u1", 10: "<u8", 11: "<i8",
+            12: "<f8"}
+UINT32, FLOAT32, BOOL = 4, 6, 7
 
 
 @dataclass(frozen=True)
@@ -62,14 +72,14 @@ class Header:
     alignment: int
     data_offset: int  # where the data section starts (the header's length, padded)
     tensors: tuple[TensorEntry, ...]
-    kv_count: int
+    metadata: dict  # key -> Python value, in file order
 
 
 class _Cursor:
     """Reads little- or big-endian fields from a buffer; every read is bounds-checked first."""
 
-    def __init__(self, buf, path: Path, order: str = "<"):
-        self.buf, self.path, self.order, self.pos, self.size = buf, path, order, 0, len(buf)
+    def __init__(self, buf, path: Path):
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
 
     def fail(self, what: str) -> ModelFormatError:
         return ModelFormatError(f"{self.path}: not a readable GGUF file ({what})")
@@ -86,7 +96,7 @@ class _Cursor:
     def scalar(self, code: str, size: int, what: str):
         start = self.pos
         self.skip(size, what)
-        return struct.unpack_from(self.order + code, self.buf, start)[0]
+        return struct.unpack_from("<" + code, self.buf, start)[0]
 
     def u32(self, what: str) -> int:
         return self.scalar("I", 4, what)
@@ -94,20 +104,25 @@ class _Cursor:
     def u64(self, what: str) -> int:
         return self.scalar("Q", 8, what)
 
-    def string(self, what: str, cap: int | None = None, keep: bool = True) -> bytes:
+    def string(self, what: str, cap: int | None = None) -> bytes:
         n = self.u64(f"the length of {what}")
         if cap is not None and n > cap:
             raise self.fail(f"{what} is {n} bytes long (at most {cap})")
         start = self.pos
         self.skip(n, what)
-        return self.buf[start:self.pos] if keep else b""  # a copy: only names (capped) are kept
+        return self.buf[start:self.pos]
 
-    def text(self, what: str, cap: int) -> str:
+    def text(self, what: str, cap: int | None = None) -> str:
         raw = self.string(what, cap)
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
             raise self.fail(f"{what} {raw[:40]!r} is not UTF-8") from None
+
+    def array(self, dtype: str, count: int, what: str) -> list:
+        start = self.pos
+        self.skip(count * np.dtype(dtype).itemsize, what)
+        return np.frombuffer(self.buf, dtype, count, start).tolist()
 
 
 def scan_header(path) -> Header:
@@ -129,9 +144,8 @@ def _scan_fields(c: _Cursor) -> Header:
         raise c.fail(f"GGUF magic invalid: the file starts with {bytes(c.buf[:4])!r}, not {MAGIC!r}")
     c.pos = 4
     version = c.u32("the version")
-    if version & 0xFFFF == 0:  # written on a big-endian host (gguf-py reads these byte-swapped)
-        c.order, c.pos = ">", 4
-        version = c.u32("the version")
+    if version & 0xFFFF == 0 and version:  # 3 written big-endian reads as 3 << 24
+        raise c.fail("big-endian GGUF (written for s390x); convert reads little-endian files")
     if version not in VERSIONS:
         raise c.fail(f"version {version}; supported: {', '.join(map(str, VERSIONS))}")
     n_tensors, n_kv = c.u64("the tensor count"), c.u64("the metadata count")
@@ -139,25 +153,22 @@ def _scan_fields(c: _Cursor) -> Header:
     # anything loops over it.
     _claim(c, n_kv, MIN_ITEM[0] + 12, MAX_KV, "metadata entries")
     _claim(c, n_tensors, 8 + 4 + 8 + 4 + 8, MAX_TENSORS, "tensors")
-    alignment, keys, items = DEFAULT_ALIGNMENT, set(), [0]
+    metadata, items = {}, [0]
     for i in range(n_kv):
         key = c.text(f"metadata key #{i}", MAX_KEY)
-        if key in keys:
+        if key in metadata:
             raise c.fail(f"metadata key {key!r} appears twice")
-        keys.add(key)
         vtype = c.u32(f"the type of {key}")
-        if key == "general.alignment":
-            if vtype != UINT32:
-                raise c.fail(f"general.alignment has value type {vtype}, not UINT32")
-            alignment = c.u32("general.alignment")
-            if alignment == 0 or alignment & (alignment - 1):
-                raise c.fail(f"general.alignment = {alignment}: must be a power of two")
-            continue
-        _skip_value(c, key, vtype, 0, items)
+        if key == "general.alignment" and vtype != UINT32:
+            raise c.fail(f"general.alignment has value type {vtype}, not UINT32")
+        metadata[key] = _value(c, key, vtype, 0, items)
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if alignment == 0 or alignment & (alignment - 1):
+        raise c.fail(f"general.alignment = {alignment}: must be a power of two")
     tensors = [_tensor_info(c, i) for i in range(n_tensors)]
     data_offset = -(-c.pos // alignment) * alignment
     _check_tensor_bytes(c, tensors, alignment, data_offset)
-    return Header(version, alignment, data_offset, tuple(tensors), n_kv)
+    return Header(version, alignment, data_offset, tuple(tensors), metadata)
 
 
 def _claim(c: _Cursor, count: int, min_bytes: int, cap: int, what: str) -> None:
@@ -168,12 +179,17 @@ def _claim(c: _Cursor, count: int, min_bytes: int, cap: int, what: str) -> None:
                      f"(truncated or damaged header)")
 
 
-def _skip_value(c: _Cursor, key: str, vtype: int, depth: int, items: list[int]) -> None:
+def _value(c: _Cursor, key: str, vtype: int, depth: int, items: list[int]):
+    """One value; `depth` > 0 inside an array (strings there decode leniently)."""
     if vtype in SCALARS:
-        c.skip(SCALARS[vtype][1], f"the value of {key}")
-    elif vtype == STRING:
-        c.string(f"the value of {key}", keep=False)
-    elif vtype == ARRAY:
+        v = c.scalar(*SCALARS[vtype], f"the value of {key}")
+        # The shortest decimal that is this float32: what the converter was given.
+        return float(str(np.float32(v))) if vtype == FLOAT32 and depth == 0 else v
+    if vtype == STRING:
+        if depth:
+            return c.string(f"an item of {key}").decode("utf-8", errors="replace")
+        return c.text(f"the value of {key}")
+    if vtype == ARRAY:
         if depth >= MAX_DEPTH:
             raise c.fail(f"{key}: arrays nested deeper than {MAX_DEPTH}")
         itype = c.u32(f"the item type of {key}")
@@ -187,12 +203,10 @@ def _skip_value(c: _Cursor, key: str, vtype: int, depth: int, items: list[int]) 
         if items[0] > MAX_ARRAY_ITEMS:
             raise c.fail(f"{key}: the metadata arrays hold {items[0]} items in all (at most {MAX_ARRAY_ITEMS})")
         if itype in SCALARS:
-            c.skip(count * SCALARS[itype][1], f"the items of {key}")
-        else:
-            for _ in range(count):
-                _skip_value(c, key, itype, depth + 1, items)
-    else:
-        raise c.fail(f"{key}: unknown value type {vtype}")
+            values = c.array(NP_TYPES[itype], count, f"the items of {key}")
+            return [bool(v) for v in values] if itype == BOOL else values
+        return [_value(c, key, itype, depth + 1, items) for _ in range(count)]
+    raise c.fail(f"{key}: unknown value type {vtype}")
 
 
 def _tensor_info(c: _Cursor, i: int) -> TensorEntry:
