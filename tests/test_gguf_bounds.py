@@ -134,6 +134,8 @@ CASES = {
     "expert_count 4 over 8 stacked experts": (set_kv(A + "expert_count", entry(V.UINT32, 4)),
                                               "implies [4, 64]"),
     "version 1": (lambda d: setattr(d, "version", 1), "version 1; supported: 2, 3"),
+    "block_count 1 over 2 layers of tensors": (set_kv(A + "block_count", entry(V.UINT32, 1)),
+                                               "'blk.1.attn_norm.weight' is in layer 1, beyond qwen3moe.block_count (1)"),
     "big-endian file": (lambda d: setattr(d, "version", 3 << 24), "big-endian GGUF"),
     "metadata arrays above 2^22 items in all": (set_kv("x.big", array(V.UINT8, [0] * ((1 << 22) + 1))),
                                                 "the metadata arrays hold 419"),

@@ -56,8 +56,12 @@ def build_plan(m: GGUFModel) -> Plan:
         blk = BLK_RE.match(name)
         if name in DERIVED:
             skipped.append(f"{name} (derived by llama.cpp from the RoPE settings)")
-        elif blk and int(blk[1]) >= layers:
+        elif blk and layers <= int(blk[1]) < layers + nextn:
             skipped.append(f"{name} (multi-token-prediction layer)")
+        elif blk and int(blk[1]) >= layers:  # a block_count too small would drop real layers silently
+            raise ModelFormatError(f"{m.paths[0]}: tensor {name!r} is in layer {int(blk[1])}, beyond "
+                                   f"{m.arch}.block_count ({layers + nextn}"
+                                   + (f", of which {nextn} multi-token-prediction layers)" if nextn else ")"))
         else:
             raise ModelFormatError(f"{m.paths[0]}: tensor {name!r} has no Hugging Face counterpart for "
                                    f"{m.arch}; refusing to drop weights")
