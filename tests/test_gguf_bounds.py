@@ -134,6 +134,9 @@ CASES = {
     "expert_count 4 over 8 stacked experts": (set_kv(A + "expert_count", entry(V.UINT32, 4)),
                                               "implies [4, 64]"),
     "version 1": (lambda d: setattr(d, "version", 1), "version 1; supported: 2, 3"),
+    "nextn_predict_layers 1 on a file without MTP layers": (
+        set_kv(A + "nextn_predict_layers", entry(V.UINT32, 1)),
+        "layer 1 is counted as a multi-token-prediction layer (qwen3moe.nextn_predict_layers = 1)"),
     "block_count 1 over 2 layers of tensors": (set_kv(A + "block_count", entry(V.UINT32, 1)),
                                                "'blk.1.attn_norm.weight' is in layer 1, beyond qwen3moe.block_count (1)"),
     "big-endian file": (lambda d: setattr(d, "version", 3 << 24), "big-endian GGUF"),

@@ -50,6 +50,9 @@ def build_plan(m: GGUFModel) -> Plan:
     for layer in range(layers):
         items += _layer_items(m, arch, config, layer, used)
     skipped = []
+    # An MTP block carries llama.cpp's `nextn.*` tensors; without them, a nextn_predict_layers that
+    # does not belong to the file would skip real layers (a model that runs, silently truncated).
+    mtp_blocks = {int(b[1]) for n in m.tensors if (b := BLK_RE.match(n)) and b[2].startswith("nextn.")}
     for name in m.tensors:
         if name in used:
             continue
@@ -57,6 +60,9 @@ def build_plan(m: GGUFModel) -> Plan:
         if name in DERIVED:
             skipped.append(f"{name} (derived by llama.cpp from the RoPE settings)")
         elif blk and layers <= int(blk[1]) < layers + nextn:
+            if int(blk[1]) not in mtp_blocks:
+                raise ModelFormatError(f"{m.paths[0]}: layer {int(blk[1])} is counted as a multi-token-prediction "
+                                       f"layer ({m.arch}.nextn_predict_layers = {nextn}) but has no nextn.* tensors")
             skipped.append(f"{name} (multi-token-prediction layer)")
         elif blk and int(blk[1]) >= layers:  # a block_count too small would drop real layers silently
             raise ModelFormatError(f"{m.paths[0]}: tensor {name!r} is in layer {int(blk[1])}, beyond "
