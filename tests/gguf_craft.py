@@ -51,8 +51,9 @@ class Tensor:
     offset: int
 
     def info(self) -> bytes:
-        return (string(self.name) + struct.pack("<I", len(self.dims)) + b"".join(struct.pack("<Q", d) for d in self.dims)
-                + struct.pack("<IQ", self.ggml_type, self.offset))
+        dims = b"".join(struct.pack("<Q", d) for d in self.dims)
+        tail = struct.pack("<IQ", self.ggml_type, self.offset)
+        return string(self.name) + struct.pack("<I", len(self.dims)) + dims + tail
 
 
 @dataclass

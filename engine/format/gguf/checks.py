@@ -84,6 +84,7 @@ GLOBAL_RULES = (
     Int("tokenizer.ggml.bos_token_id", 0, TOKEN_ID), Int("tokenizer.ggml.eos_token_id", 0, TOKEN_ID),
     Str("tokenizer.ggml.model"), Str("tokenizer.ggml.pre"),
     ListOf("tokenizer.ggml.tokens"), ListOf("tokenizer.ggml.merges"), ListOf("tokenizer.ggml.token_type", item="int"),
+    ListOf("tokenizer.ggml.scores", item="number"),
     Int("split.count", 1, 1 << 16),
 )
 
@@ -125,6 +126,25 @@ def check_plan(m, plan) -> None:
     if missing:
         raise ModelFormatError(f"{where}: the config its metadata makes needs {missing[0]}, which no GGUF tensor "
                                f"provides" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    _check_vocab(m, args.vocab_size)
+
+
+def _check_vocab(m, vocab: int) -> None:
+    """The token list is the vocabulary in id order (llama.cpp takes n_vocab from it and requires
+    token_embd to have that many rows); the per-token arrays are as long, and the special ids
+    inside it. A mismatch used to be truncated by zip() or give ids the model has no row for."""
+    tokens = m.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return
+    if len(tokens) != vocab:
+        raise ModelFormatError(f"{m.paths[0]}: tokenizer.ggml.tokens holds {len(tokens)} tokens, token_embd.weight "
+                               f"has {vocab} rows (they must be equal)")
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        if m.get(key) is not None and len(m.get(key)) != len(tokens):
+            raise ModelFormatError(f"{m.paths[0]}: {key} has {len(m.get(key))} entries for {len(tokens)} tokens")
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        if m.get(key) is not None and m.get(key) >= vocab:
+            raise ModelFormatError(f"{m.paths[0]}: {key} = {m.get(key)} is outside the {vocab} tokens")
 
 
 def _source(t) -> str:
