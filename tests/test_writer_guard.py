@@ -220,12 +220,12 @@ def bench(flag):
                          "2", "--ctx-size", "16", "--json", flag, t]
 
 
-BENCH_WORK = ("colibri.commands.run:run_bench", "colibri.commands.run:run_trial")
+BENCH_WORK = ("colibri.commands.run:bench", "colibri.commands.run:run_trial")
 DIRECTORIES = frozenset({"", "cwd", "root", "source", "symlink to source", "parent", "user dir", "inside source"})
 WRITERS = [
     Writer(("colibri run", "--record-routing"), lambda w, t: ["run", "--model", str(w["model"]), *RUN_ARGS, "--json",
                                                                "--record-routing", t],
-           source="model", work=("colibri.commands.run:run_generation",)),
+           source="model", work=("colibri.commands.run:run",)),
     Writer(("colibri bench", "--record-routing"), bench("--record-routing"), source="model", work=BENCH_WORK),
     Writer(("colibri bench", "--read-trace"), bench("--read-trace"), source="model", work=BENCH_WORK),
     Writer(("colibri bench", "--outcome"), bench("--outcome"), source="model", work=BENCH_WORK),

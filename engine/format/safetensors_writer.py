@@ -127,6 +127,8 @@ class ShardWriter:
         return spec.nbytes
 
     def _write_data(self, spec: TensorSpec, tensor: torch.Tensor) -> None:
+        if tensor.numel() == 0:  # no bytes to write (memoryview cannot cast a view with a 0 in its shape)
+            return
         view_dtype = DTYPES[spec.dtype][2]
         target = torch_dtype(spec.dtype)
         if tensor.dtype == target:

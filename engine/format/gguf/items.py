@@ -21,6 +21,7 @@ class OutTensor:
     load: Callable[[], torch.Tensor] | None  # HF layout; float32 unless dtype says otherwise
     dtype: str = "bfloat16"  # as written: bf16, or uint8 for MXFP4 blocks/scales kept as stored
     chunks: Callable[[], Iterable[torch.Tensor]] | None = None  # instead of load: slices along dim 0
+    source: str = ""  # the GGUF tensor it is made from, for error messages
 
     @property
     def nbytes(self) -> int:

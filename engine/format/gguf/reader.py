@@ -1,10 +1,11 @@
 """Open a GGUF file, or the parts of a split one, and check it before anything is converted.
 
-gguf-py's GGUFReader parses the header and memory-maps the tensor data; it raises whatever
-numpy raises on a damaged file (IndexError, ValueError, ...), so every such failure is turned
-into one ModelFormatError line naming the file. On top of its parsing this checks what it does
-not: that every tensor's bytes lie inside the file, that the parts of a split model are all
-present and agree on their count, and that no tensor name appears twice across the parts.
+Each part's header is parsed by header.py, which bounds every count, dim and offset against
+the file before it allocates anything by them (gguf-py's GGUFReader, used before, trusted them:
+issue 37); the tensor data is then memory-mapped here, in the layout gguf-py's reader gives
+(float arrays for F32/F16, uint8 rows of blocks otherwise), which dequant.py expects. On top of
+that this checks that the parts of a split model are all present and agree on their count, and
+that no tensor name appears twice across the parts.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType
+from gguf.quants import quant_shape_to_byte_shape
 
 from engine.base.errors import ModelFormatError
+from engine.format.gguf.header import Header, scan_header
 
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -49,17 +52,11 @@ def split_paths(path: Path) -> list[Path]:
     return parts
 
 
-def _value(field):
-    """A metadata value as plain Python (str, int, float, bool, or a list of them)."""
-    if field.types and field.types[0] == GGUFValueType.ARRAY and field.types[-1] == GGUFValueType.STRING:
-        # Token strings are bytes in the file; decode leniently (a vocab may hold partial UTF-8).
-        return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-    value = field.contents()
-    if field.types == [GGUFValueType.FLOAT32]:
-        # The shortest decimal that is this float32 (1e-06, not 9.999999974752427e-07): what the
-        # converter was given.
-        return float(str(np.float32(value)))
-    return value
+# ggml types memory-mapped as typed arrays (as gguf-py's reader does); the rest as uint8 block rows.
+TYPED = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+         GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+         GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+         GGMLQuantizationType.I64: np.int64}
 
 
 class GGUFModel:
@@ -74,9 +71,9 @@ class GGUFModel:
         self.tensors: dict[str, GGUFTensor] = {}
         self.header_sizes: dict[Path, int] = {}  # bytes before each part's tensor data (its identity)
         for i, part in enumerate(self.paths):
-            reader = _open(part)
-            self.header_sizes[part] = int(reader.data_offset)
-            meta = {k: _value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+            header = scan_header(part)
+            self.header_sizes[part] = header.data_offset
+            meta = header.metadata
             if len(self.paths) > 1:
                 count = meta.get("split.count")
                 if count is not None and count != len(self.paths):
@@ -84,7 +81,7 @@ class GGUFModel:
                                            f"{len(self.paths)}")
             if i == 0:
                 self.metadata = meta
-            self._add_tensors(reader, part)
+            self._add_tensors(header, part)
         if "general.architecture" not in self.metadata:
             raise ModelFormatError(f"{self.paths[0]}: no general.architecture in the GGUF metadata")
 
@@ -92,16 +89,22 @@ class GGUFModel:
     def arch(self) -> str:
         return str(self.metadata["general.architecture"])
 
-    def _add_tensors(self, reader: GGUFReader, part: Path) -> None:
-        size = part.stat().st_size
-        for t in reader.tensors:
+    def _add_tensors(self, header: Header, part: Path) -> None:
+        if not header.tensors:
+            return
+        mm = np.memmap(part, mode="r")  # header.py checked every tensor's bytes lie inside it
+        for t in header.tensors:
             if t.name in self.tensors:
                 raise ModelFormatError(f"{part}: tensor {t.name!r} also appears in {self.tensors[t.name].path.name}")
-            if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
-                raise ModelFormatError(f"{part}: tensor {t.name!r} runs past the end of the file "
-                                       f"(truncated download?)")
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            self.tensors[t.name] = GGUFTensor(t.name, t.tensor_type, shape, t.data, part)
+            ggml_type = GGMLQuantizationType(t.ggml_type)
+            shape = tuple(reversed(t.dims))  # torch order
+            start = header.data_offset + t.offset
+            raw = mm[start:start + t.nbytes]
+            if ggml_type in TYPED:
+                data = raw.view(TYPED[ggml_type]).reshape(shape)
+            else:
+                data = raw.reshape(quant_shape_to_byte_shape(shape, ggml_type))
+            self.tensors[t.name] = GGUFTensor(t.name, ggml_type, shape, data, part)
 
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
@@ -114,24 +117,3 @@ class GGUFModel:
         if full not in self.metadata:
             raise ModelFormatError(f"{self.paths[0]}: GGUF metadata has no {full}")
         return self.metadata[full]
-
-
-def _open(part: Path) -> GGUFReader:
-    try:
-        reader = GGUFReader(part, "r")
-    except ModelFormatError:
-        raise
-    except (ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError, OSError) as exc:
-        raise ModelFormatError(f"{part}: not a readable GGUF file ({_reason(exc)})") from None
-    return reader
-
-
-def _reason(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    # numpy's complaint about a short buffer is what a truncated file looks like from inside.
-    if isinstance(exc, (IndexError, ValueError)) and ("buffer" in text or "reshape" in text or "out of bounds" in text
-                                                     or "index" in text):
-        return f"truncated or damaged header: {text}"
-    if "is not a valid GGMLQuantizationType" in text:
-        return f"unknown tensor type: {text}"
-    return text

@@ -17,6 +17,7 @@ from engine.arch.registry import model_args
 from engine.base.errors import ModelFormatError
 from engine.format.gguf.gguf_names import (BLK_RE, CONFIGS, DERIVED, EXPERT_PARTS, FUSED_EXPERTS, FUSED_GATE_UP,
                                            GLOBAL_NAMES, LAYER_NAMES, arch_for, unpermute)
+from engine.format.gguf.checks import check_metadata, check_plan
 from engine.format.gguf.items import Item, OutTensor, Plan
 from engine.format.gguf.dequant import check_type, dequantize
 from engine.format.gguf.reader import GGUFModel, GGUFTensor
@@ -30,9 +31,12 @@ def _load(t: GGUFTensor, index: int | None = None, transform=None):
 
 
 def build_plan(m: GGUFModel) -> Plan:
+    """The plan, checked: metadata typed first (engine/format/gguf/checks.py), then the config it
+    makes through `run`'s validator and every planned tensor's shape against that config."""
     arch = arch_for(m)
     for t in m.tensors.values():  # refuse an unsupported type before anything is written
         check_type(t)
+    check_metadata(m)
     nextn = int(m.arch_key("nextn_predict_layers", 0) or 0)
     layers = int(m.require("block_count")) - nextn
     if layers < 1:
@@ -50,24 +54,36 @@ def build_plan(m: GGUFModel) -> Plan:
     for layer in range(layers):
         items += _layer_items(m, arch, args, config, layer, used)
     skipped = []
+    # An MTP block carries llama.cpp's `nextn.*` tensors; without them, a nextn_predict_layers that
+    # does not belong to the file would skip real layers (a model that runs, silently truncated).
+    mtp_blocks = {int(b[1]) for n in m.tensors if (b := BLK_RE.match(n)) and b[2].startswith("nextn.")}
     for name in m.tensors:
         if name in used:
             continue
         blk = BLK_RE.match(name)
         if name in DERIVED:
             skipped.append(f"{name} (derived by llama.cpp from the RoPE settings)")
-        elif blk and int(blk[1]) >= layers:
+        elif blk and layers <= int(blk[1]) < layers + nextn:
+            if int(blk[1]) not in mtp_blocks:
+                raise ModelFormatError(f"{m.paths[0]}: layer {int(blk[1])} is counted as a multi-token-prediction "
+                                       f"layer ({m.arch}.nextn_predict_layers = {nextn}) but has no nextn.* tensors")
             skipped.append(f"{name} (multi-token-prediction layer)")
+        elif blk and int(blk[1]) >= layers:  # a block_count too small would drop real layers silently
+            raise ModelFormatError(f"{m.paths[0]}: tensor {name!r} is in layer {int(blk[1])}, beyond "
+                                   f"{m.arch}.block_count ({layers + nextn}"
+                                   + (f", of which {nextn} multi-token-prediction layers)" if nextn else ")"))
         else:
             raise ModelFormatError(f"{m.paths[0]}: tensor {name!r} has no Hugging Face counterpart for "
                                    f"{m.arch}; refusing to drop weights")
-    return Plan(config, items, skipped)
+    plan = Plan(config, items, skipped)
+    check_plan(m, plan)
+    return plan
 
 
 def _dense(m: GGUFModel, gname: str, hf: str, layer: int, used: set, transform=None, shape=None) -> Item:
     t = m.tensors[gname]
     used.add(gname)
-    return Item(hf, layer, [OutTensor(hf, tuple(shape or t.shape), _load(t, None, transform))])
+    return Item(hf, layer, [OutTensor(hf, tuple(shape or t.shape), _load(t, None, transform), source=gname)])
 
 
 def _layer_items(m: GGUFModel, arch: Architecture, args: ModelArgs, config: dict, layer: int, used: set) -> list[Item]:
@@ -79,7 +95,7 @@ def _layer_items(m: GGUFModel, arch: Architecture, args: ModelArgs, config: dict
         if gname not in m.tensors:
             continue
         hf_name = hf_pre + hf.format(moe=args.moe_prefix)
-        t, transform, shape = m.tensors[gname], None, None
+        transform, shape = None, None
         if arch.gguf.permute_qk and suffix.startswith(("attn_q.", "attn_k.")):
             n = heads if suffix.startswith("attn_q.") else kv_heads
             transform = lambda x, n=n: unpermute(x, n)  # noqa: E731
@@ -136,5 +152,7 @@ def _experts(m: GGUFModel, args: ModelArgs, config: dict, layer: int, used: set)
             gate_load, up_load = _load(gate, e), _load(up, e)
         g, u, d = expert_tensor_names(args, layer, e)
         items.append(Item(f"layer {layer} expert {e}", layer, [
-            OutTensor(g, (I, H), gate_load), OutTensor(u, (I, H), up_load), OutTensor(d, (H, I), _load(down, e))]))
+            OutTensor(g, (I, H), gate_load, source=(fused or gate).name),
+            OutTensor(u, (I, H), up_load, source=(fused or up).name),
+            OutTensor(d, (H, I), _load(down, e), source=down.name)]))
     return items
