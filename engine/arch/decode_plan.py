@@ -36,7 +36,7 @@ from engine import native
 from engine.arch import attention_quant, moe
 from engine.arch.args import ModelArgs, layer_prefix
 from engine.arch.kvquant import QuantizedRows
-from engine.arch.layers import KVCache
+from engine.arch.layers import KVCache, swiglu_expert
 from engine.arch.moe_quant import ResidentQuantMoeLayer
 
 NATIVE_STEP, NATIVE_LAYERS, REFERENCE = "native_step", "native_layers", "reference"
@@ -108,13 +108,41 @@ def plan_decode(args: ModelArgs, w: dict, qkv: dict, experts, expert_fn, kv, dty
         kind = "bf16" if step.groups is None else f"int8/int4 groups {step.groups}"
         return DecodePlan(NATIVE_STEP, f"every layer's attention and fused MoE in one native call ({kind})",
                           attention, fused, step)
-    if not whole_step:
-        why.append("the whole step's call turned off")
+    why += [f"{name} turned off" for name, on in (("the whole step's call", whole_step),
+                                                  ("native attention", native_attention), ("fused MoE", fused_moe))
+            if not on]
     native_att, native_moe = n - attention.count(None), n - fused.count(None)
+    if not native_att and native_attention:
+        why.append(_why_no_native_attention(args, kv))
+    if not native_moe and fused_moe and watched is None:
+        why.append(_why_no_fused_moe(args, experts, expert_fn))
     if not native_att and not native_moe:
-        return DecodePlan(REFERENCE, "; ".join(why + ["no layer's attention or MoE has a native call"]), none, none)
+        return DecodePlan(REFERENCE, "; ".join(why), none, none)
     why.append(f"native attention in {native_att} of {n} layers, fused MoE in {native_moe}")
+    if whole_step and native_att == native_moe == n:
+        why.append("no whole step: " + ("the architecture's own KV cache" if type(kv) is not KVCache
+                                        else "the layers' calls differ in kind (bf16 / int8 / int4) or size"))
     return DecodePlan(NATIVE_LAYERS, "; ".join(why), attention, fused)
+
+
+def _why_no_native_attention(args: ModelArgs, kv) -> str:
+    if args.attention_impl is not None:
+        return f"{type(args.attention_impl).__name__} has no native attention"
+    if type(kv) is KVCache and _native_cache(kv.k[0]) is None:
+        return "the KV cache's storage has no native attention"
+    return "no layer's attention weights fit the native attention"
+
+
+def _why_no_fused_moe(args: ModelArgs, experts, expert_fn) -> str:
+    if not args.is_moe:
+        return "a dense model"
+    if args.router is not None or expert_fn is not swiglu_expert:
+        return "the architecture's router or experts have no fused MoE"
+    if args.shared_experts_intermediate_size or args.shared_expert_intermediate_size:
+        return "shared experts have no fused MoE"
+    if experts is None or experts.streams:
+        return "experts stream from disk: no fused MoE"
+    return "no layer's experts fit the fused MoE"
 
 
 def _native_cache(rows) -> tuple[torch.Tensor, torch.Tensor] | None:

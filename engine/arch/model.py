@@ -13,8 +13,11 @@ one job each:
     moe.py           the routed experts of one MoE layer (decode and prefill paths)
     decode_plan.py   the route a decode token takes (native whole step, native per layer, or this
                      file's reference), decided once per engine, and the native calls' operands
+    router.py        the routing rules beyond softmax top-k; the lossy routing trim
     model.py         this file: the reference math (attention, MoE, dense MLP), the layer loop,
                      lookahead, layer streaming
+and below them engine/weights (`linear` over plain, int8 / int4 and FP8 weights) and engine/native
+(the kernels; this file asks it only whether they are loaded, for the fused q/k/v of one token).
 
 Shape legend used in comments:
     T  tokens in this forward call        S  positions attended (start + T)
@@ -30,7 +33,7 @@ the MoE layer hands each expert's weights to one function, `Transformer.expert_f
 weight format replaces together with the layout's bytes → weights step.
 
 Everything that sets how the model runs (the KV cache, lookahead, the routing trim, the layers
-streamed from disk) is a constructor argument; the decode route follows from it once
+streamed from disk) is a constructor argument (and record_routing a method); the decode route follows from it once
 (`Transformer.plan`, engine/arch/decode_plan.py), not per call.
 """
 
