@@ -180,9 +180,9 @@ class Transformer:
         cos, sin = self._rope(start_pos, T)  # [T, D] each
         mask = self._mask(start_pos, T)  # [T, S] bool, or None: one token that sees every cached position
         x = F.embedding(tokens, self.w["model.embed_tokens.weight"])  # [T, H]
-        plan = None
-        if T == 1:
-            plan = self.plan if kv is self._plan_kv else self.plan_decode(kv, **self._route_limits)  # (another cache)
+        plan = None  # several tokens (a prefill): the reference
+        if T == 1:  # the decode plan, made for this cache at load (another cache gets its own, once)
+            plan = self.plan if kv is self._plan_kv else self.plan_decode(kv, **self._route_limits)
         if plan is not None and plan.step is not None and mask is None:
             x = self._decode_step(x, start_pos, cos, sin, plan.step)
         else:
