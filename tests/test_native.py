@@ -78,7 +78,7 @@ def test_resident_decode_takes_the_batched_path(bf16_model, monkeypatch):
     with Engine(bf16_model, EngineConfig(threads=1, ctx_size=32)) as engine:
         assert engine.native_unavailable is None
         # Without the fused layer (moe_layer_bf16: tests/test_native_moe.py), as under a routing trim or log.
-        engine.model._fused_moe = {layer: None for layer in range(engine.args.num_layers)}
+        engine.model.plan_decode(engine.kv, fused_moe=False)
         generate(engine, PROMPT, 1, Sampler())  # prefill: an expert with one routed row runs alone
         calls.clear()
         engine.forward([11], len(PROMPT))
@@ -93,6 +93,7 @@ def test_native_and_torch_decode_agree(bf16_model, monkeypatch):
         generate(engine, PROMPT, 1, Sampler())  # prefill fills the KV cache
         fast = engine.forward([11], len(PROMPT))
         monkeypatch.setattr(native, "ready", False)  # torch's ops (F.linear, F.silu, mm) instead
+        engine.model.plan_decode(engine.kv)  # the reference route (chosen at load: as a model loaded so)
         slow = engine.forward([11], len(PROMPT))
     assert torch.allclose(fast, slow, rtol=0.02, atol=0.02)
 
@@ -116,7 +117,7 @@ def test_fused_qkv_gives_the_unfused_bits(bf16_model):
         # The dict's q/k/v are row views of the fused matrix: one copy of the bytes.
         assert model.w[f"{p}.q_proj.weight"].data_ptr() == model._qkv[0].data_ptr()
         # _attention's own path on both sides (not attention_decode_bf16: tests/test_native_attention.py)
-        model._fused_attention = {layer: None for layer in range(engine.args.num_layers)}
+        model.plan_decode(engine.kv, native_attention=False)
         generate(engine, PROMPT, 1, Sampler())
         fused = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
         model._qkv = {}  # three projections again

@@ -75,12 +75,12 @@ def test_bad_operands_are_refused():
 def test_decode_runs_one_attention_call_per_layer_close_to_the_unfused_path(bf16_model, monkeypatch):
     with Engine(bf16_model, EngineConfig(threads=2, ctx_size=32)) as engine:
         model = engine.model
-        model.step_loop = False  # per-layer calls (the whole step's: tests/test_native_moe.py)
+        model.plan_decode(engine.kv, whole_step=False)  # per-layer calls (the whole step's: tests/test_native_moe.py)
         generate(engine, PROMPT, 1, Sampler())
         calls = count_calls(monkeypatch, "attention_decode")
         fused = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
         assert len(calls) == 2 * engine.args.num_layers
-        model._fused_attention = {layer: None for layer in range(engine.args.num_layers)}  # _attention's path
+        model.plan_decode(engine.kv, whole_step=False, native_attention=False)  # _attention's path
         apart = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]  # same KV rows rewritten
         assert len(calls) == 2 * engine.args.num_layers
     assert all(torch.allclose(f, s, rtol=0.02, atol=0.02) for f, s in zip(fused, apart))
@@ -96,6 +96,7 @@ def test_what_it_does_not_cover_takes_the_unfused_path(bf16_model, monkeypatch):
 def test_without_native_ops_attention_runs_on_torch(bf16_model, monkeypatch):
     with Engine(bf16_model, EngineConfig(threads=1, ctx_size=32)) as engine:
         monkeypatch.setattr(native, "ready", False)  # as COLIBRI_NATIVE=0 or a CPU without avx512_bf16
+        assert engine.model.plan_decode(engine.kv).route == "reference"  # (the route is chosen at load)
         calls, steps = count_calls(monkeypatch, "attention_decode"), count_calls(monkeypatch, "decode_layers")
         assert len(generate(engine, PROMPT, 3, Sampler()).output_ids) == 3
         assert calls == [] and steps == []
@@ -204,9 +205,8 @@ def test_bad_quantized_operands_are_refused():
                                 _rand(64, 64, seed=6), torch.zeros(2, 8), torch.zeros(2, 8))
 
 
-def _unfused(model, layers):
-    model.step_loop = False
-    model._fused_attention = {layer: None for layer in range(layers)}  # _attention's path (and no whole step)
+def _unfused(model, kv):
+    model.plan_decode(kv, whole_step=False, native_attention=False)  # _attention's path (and no whole step)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -217,12 +217,12 @@ def test_a_quantized_cache_decodes_fused_close_to_the_unfused_path(bf16_model, m
     with Engine(bf16_model, EngineConfig(threads=2, ctx_size=48, kv_dtype=kind)) as engine:
         model, layers = engine.model, engine.args.num_layers
         assert isinstance(engine.kv.k[0], QuantizedRows) and engine.kv.k[0].kind == kind
-        model.step_loop = False
+        model.plan_decode(engine.kv, whole_step=False)
         calls = count_calls(monkeypatch, "attention_decode")
         fused_tokens = generate(engine, PROMPT, 12, Sampler()).output_ids
         assert len(calls) == 11 * layers  # every decode token (the prefill runs unfused), every layer
         fused = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
-        _unfused(model, layers)
+        _unfused(model, engine.kv)
         apart_tokens = generate(engine, PROMPT, 12, Sampler()).output_ids
         apart = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
         assert len(calls) == 11 * layers + 2 * layers
@@ -239,11 +239,11 @@ def test_a_quantized_cache_takes_the_whole_step_call_with_the_per_layer_bits(bf1
         steps, calls = count_calls(monkeypatch, "decode_layers"), count_calls(monkeypatch, "attention_decode")
         whole = generate(engine, PROMPT, 6, Sampler()).output_ids
         assert len(steps) == 5 and calls == []
-        operands = model._step_operands[2]
-        assert operands is not None and operands[0][5] is engine.kv.k[0].codes and operands[0][7] is engine.kv.k[0].scales
+        step = model.plan.step
+        assert step is not None and step.attention[5] is engine.kv.k[0].codes and step.attention[7] is engine.kv.k[0].scales
         step_logits = engine.forward([11], len(PROMPT))
         codes, scales = engine.kv.k[1].codes.clone(), engine.kv.v[1].scales.clone()
-        model.step_loop = False
+        model.plan_decode(engine.kv, whole_step=False)
         per_layer = generate(engine, PROMPT, 6, Sampler()).output_ids
         assert len(steps) == 6 and len(calls) == 5 * engine.args.num_layers
         layer_logits = engine.forward([11], len(PROMPT))

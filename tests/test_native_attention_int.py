@@ -147,9 +147,8 @@ def scope_all(bf16_model, tmp_path_factory):
 KINDS = [("int8", 0), ("int4", 32)]
 
 
-def _unfused_attention(model, layers):
-    model.step_loop = False
-    model._fused_attention = {layer: None for layer in range(layers)}  # _attention's path (and no whole step)
+def _unfused_attention(model, kv):
+    model.plan_decode(kv, whole_step=False, native_attention=False)  # _attention's path (and no whole step)
 
 
 @pytest.mark.parametrize("quant,group", KINDS)
@@ -157,15 +156,15 @@ def test_every_layer_takes_the_int_op_close_to_the_unfused_path(scope_all, quant
     with Engine(scope_all[quant, group], EngineConfig(threads=2, ctx_size=32)) as engine:
         model, layers = engine.model, engine.args.num_layers
         assert isinstance(model.w["model.layers.0.self_attn.q_proj.weight"], QuantWeight)
-        model.step_loop = False
+        model.plan_decode(engine.kv, whole_step=False)
         generate(engine, PROMPT, 1, Sampler())
         calls = count_calls(monkeypatch, "attention_decode_int")
         fused = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
         assert len(calls) == 2 * layers
-        assert all(type(op) is attention_quant.QuantAttention and op.group == group
-                   for op in model._fused_attention.values())
+        assert all(type(entry.operands) is attention_quant.QuantAttention and entry.operands.group == group
+                   for entry in model.plan.attention)
         rows = [c[0][:, len(PROMPT) + 1].clone() for c in (engine.kv.k, engine.kv.v)]  # layer 0's, last token
-        _unfused_attention(model, layers)
+        _unfused_attention(model, engine.kv)
         apart = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]  # same positions rewritten
         assert len(calls) == 2 * layers
         # layer 0 sees the same input either way: its K/V rows are the same bits
@@ -185,7 +184,7 @@ def test_the_whole_step_gives_the_per_layer_bits_in_one_call(scope_all, quant, g
         assert len(steps) == 4 and per_layer == []
         whole = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
         caches = [t.clone() for t in _cache_tensors(engine.kv)]
-        model.step_loop = False
+        model.plan_decode(engine.kv, whole_step=False)
         layer_tokens = generate(engine, PROMPT, 5, Sampler()).output_ids
         apart = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
         assert len(steps) == 6 and len(per_layer) == 6 * layers
@@ -207,6 +206,7 @@ def test_without_native_ops_or_vnni_the_existing_path_runs(scope_all, monkeypatc
     with Engine(path, EngineConfig(threads=1, ctx_size=32)) as engine:
         reference = generate(engine, PROMPT, 3, Sampler()).output_ids
         monkeypatch.setattr(native, "ready", False)  # as COLIBRI_NATIVE=0
+        assert engine.model.plan_decode(engine.kv).route == "reference"  # (the route is chosen at load)
         counts = [count_calls(monkeypatch, name) for name in ops]
         assert len(generate(engine, PROMPT, 3, Sampler()).output_ids) == len(reference)
         assert counts == [[]] * 4
@@ -215,7 +215,7 @@ def test_without_native_ops_or_vnni_the_existing_path_runs(scope_all, monkeypatc
     with Engine(path, EngineConfig(threads=1, ctx_size=32)) as engine:
         counts = [count_calls(monkeypatch, name) for name in ops]
         assert len(generate(engine, PROMPT, 3, Sampler()).output_ids) == 3
-        assert counts == [[]] * 4 and set(engine.model._fused_attention.values()) == {None}
+        assert counts == [[]] * 4 and set(engine.model.plan.attention) == {None}
     monkeypatch.setattr(native, "int_ready", True)
     monkeypatch.setattr(native, "int8_decode", False)  # COLIBRI_NATIVE_INT8=0: torch's int8 kernel
     with Engine(path, EngineConfig(threads=1, ctx_size=32)) as engine:
@@ -229,10 +229,11 @@ def test_a_layer_with_a_bias_keeps_the_unfused_attention_and_the_step_its_layers
         w, layers = engine.model.w, engine.args.num_layers
         w["model.layers.1.self_attn.v_proj.bias"] = torch.zeros(engine.args.num_kv_heads * engine.args.head_dim,
                                                                 dtype=torch.bfloat16)
+        engine.model.plan_decode(engine.kv)  # (a weight changed after load: the route is decided again)
         steps, calls = count_calls(monkeypatch, "decode_layers_int"), count_calls(monkeypatch, "attention_decode_int")
         assert len(generate(engine, PROMPT, 3, Sampler()).output_ids) == 3
         assert steps == [] and len(calls) == 2 * (layers - 1)
-        assert engine.model._fused_attention[1] is None
+        assert engine.model.plan.attention[1] is None
 
 
 def test_layers_it_does_not_cover_are_refused(scope_all):

@@ -109,7 +109,7 @@ def test_bad_operands_are_refused():
 
 def test_resident_decode_runs_one_call_per_moe_layer(bf16_model, monkeypatch):
     with Engine(bf16_model, EngineConfig(threads=1, ctx_size=32)) as engine:
-        engine.model.step_loop = False  # per-layer calls (the whole step in one: test_the_step_loop_...)
+        engine.model.plan_decode(engine.kv, whole_step=False)  # per-layer calls (the whole step in one: test_the_step_loop_...)
         generate(engine, PROMPT, 1, Sampler())
         fused, batched = count_calls(monkeypatch, "moe_layer"), count_calls(monkeypatch, "experts")
         engine.forward([11], len(PROMPT))
@@ -120,11 +120,11 @@ def test_resident_decode_runs_one_call_per_moe_layer(bf16_model, monkeypatch):
 def test_fused_and_unfused_decode_give_the_same_logits(bf16_model):
     with Engine(bf16_model, EngineConfig(threads=2, ctx_size=32)) as engine:
         model = engine.model
-        model.step_loop = False
+        model.plan_decode(engine.kv, whole_step=False)
         generate(engine, PROMPT, 1, Sampler())
         fused = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
-        assert all(layer is not None for layer in model._fused_moe.values())
-        model._fused_moe = {layer: None for layer in range(engine.args.num_layers)}  # the unfused path
+        assert all(layer is not None for layer in model.plan.moe)
+        model.plan_decode(engine.kv, whole_step=False, fused_moe=False)  # the unfused path
         apart = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
     assert all(torch.equal(f, s) for f, s in zip(fused, apart))
 
@@ -137,10 +137,10 @@ def test_the_step_loop_gives_the_per_layer_bits_in_one_call_per_token(bf16_model
         steps, layers = count_calls(monkeypatch, "decode_layers"), count_calls(monkeypatch, "moe_layer")
         looped = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
         assert len(steps) == 2 and layers == []
-        model.step_loop = False  # one call per attention half and per MoE layer
+        model.plan_decode(engine.kv, whole_step=False)  # one call per attention half and per MoE layer
         apart = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]  # same KV rows rewritten
         assert len(steps) == 2 and len(layers) == 2 * engine.args.num_layers
-        model.step_loop = True
+        model.plan_decode(engine.kv)
         cache = engine.kv.k[0].clone()
         engine.forward([13], len(PROMPT) + 2)  # K/V written by the loop, at its position only
         assert torch.equal(engine.kv.k[0][:, :len(PROMPT) + 2], cache[:, :len(PROMPT) + 2])
@@ -163,6 +163,7 @@ def test_without_native_ops_decode_runs_on_torch(bf16_model, monkeypatch):
     with Engine(bf16_model, EngineConfig(threads=1, ctx_size=32)) as engine:
         reference = generate(engine, PROMPT, 4, Sampler()).output_ids
         monkeypatch.setattr(native, "ready", False)  # as COLIBRI_NATIVE=0 or a CPU without avx512_bf16
+        assert engine.model.plan_decode(engine.kv).route == "reference"  # (the route is chosen at load)
         fused, norms = count_calls(monkeypatch, "moe_layer"), count_calls(monkeypatch, "rms_norm")
         steps = count_calls(monkeypatch, "decode_layers")
         slow = generate(engine, PROMPT, 4, Sampler()).output_ids
@@ -179,4 +180,4 @@ def test_a_router_rule_it_does_not_cover_falls_back(tmp_path, monkeypatch):
         assert engine.args.router is not None  # sigmoid, grouped, biased choice
         fused, steps = count_calls(monkeypatch, "moe_layer"), count_calls(monkeypatch, "decode_layers")
         assert len(generate(engine, PROMPT, 3, Sampler()).output_ids) == 3
-        assert fused == [] and steps == [] and set(engine.model._fused_moe.values()) <= {None}
+        assert fused == [] and steps == [] and set(engine.model.plan.moe) <= {None}

@@ -99,8 +99,8 @@ def test_resident_decode_runs_one_call_per_layer_with_the_unfused_logits(contain
         fused_calls, batched = count_calls(monkeypatch, "moe_layer_int"), count_calls(monkeypatch, "quant_experts")
         fused = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
         assert len(fused_calls) == 2 * sum(engine.args.moe_layer_flags) and batched == []
-        assert all(isinstance(layer, moe_quant.ResidentQuantMoeLayer) for layer in model._fused_moe.values())
-        model._fused_moe = {layer: None for layer in range(engine.args.num_layers)}  # the unfused path
+        assert all(isinstance(layer, moe_quant.ResidentQuantMoeLayer) for layer in model.plan.moe)
+        model.plan_decode(engine.kv, fused_moe=False)  # the unfused path
         apart = [engine.forward([11], len(PROMPT)), engine.forward([12], len(PROMPT) + 1)]
         assert len(batched) == 2 * sum(engine.args.moe_layer_flags)
     assert all(torch.equal(f, s) for f, s in zip(fused, apart))

@@ -130,7 +130,7 @@ def _greedy(path, trim: dict, step_loop: bool, tokens: int = 5) -> tuple[list, l
     """Per-token logits and greedy tokens of a resident trimmed decode."""
     with Engine(path, EngineConfig(threads=2, ctx_size=32, **trim)) as engine:
         assert (engine.model.routing_trim is not None) == bool(trim)
-        engine.model.step_loop = step_loop
+        engine.model.plan_decode(engine.kv, whole_step=step_loop)
         logits = engine.forward(PROMPT, 0, last_only=True)
         out, ids = [], []
         for i in range(tokens):

@@ -13,7 +13,8 @@ old and the new code are cut at the same places:
     read wait       the store's own I/O stall counter (cold runs: --budget > 0)
     layer rest      the rest of Transformer._layer: the two RMSNorms, residual adds, lookahead
     layers one call Transformer._decode_step: every layer in one native call (decode_step.cpp), where
-                    it applies; then the per-layer parts above are 0 (--per-layer-calls splits them)
+                    the engine's decode plan takes it (engine/arch/decode_plan.py; the route is
+                    printed); then the per-layer parts above are 0 (--per-layer-calls splits them)
     head            the rest of forward(): embedding, rope tables, final norm, lm_head
     outside forward sampling and the generation loop
 
@@ -116,7 +117,10 @@ def child(a) -> dict:
             _wrap(m, name, acc, key + "_total", layers[key])
     if hasattr(m, "_decode_step"):  # newer trees: the whole step's layers in one native call
         _wrap(m, "_decode_step", acc, "decode_step_total")
-        m.step_loop = not a.per_layer_calls
+        if a.per_layer_calls and hasattr(m, "plan_decode"):  # the route chosen at load, less the whole step
+            m.plan_decode(eng.kv, whole_step=False)
+        elif not hasattr(m, "plan_decode"):  # older trees: a switch per call
+            m.step_loop = not a.per_layer_calls
     _wrap(m, "forward", acc, "step_total")
     prompt = random_prompt_ids(a.prompt_tokens, eng.args.vocab_size, 0)
     generate(eng, prompt, 2, Sampler())  # warm-up: kernels, thread pool, first-touch of KV pages
@@ -149,7 +153,9 @@ def child(a) -> dict:
     out = {"model": a.model, "token_ms": 1000 * token_s, "decode_tok_s": 1 / token_s,
            "threads": torch.get_num_threads(), "parts_ms": {k: 1000 * v for k, v in parts.items()},
            "per_layer_ms": per_layer, "output_ids": gen.output_ids,
-           "kernel": getattr(eng, "kernel", None)}
+           "kernel": getattr(eng, "kernel", None),
+           # the route the engine runs, and so the one timed (older trees: None)
+           "decode_route": eng.decode_plan.describe() if hasattr(eng, "decode_plan") else None}
     pos = len(prompt) + len(gen.output_ids)
     token = gen.output_ids[-1]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -201,7 +207,7 @@ def print_tables(rows: list[dict], a) -> None:
     for r in rows:
         prof = r["profile"]
         print(f"\n{Path(r['model']).name} / {r['side']}: top-level operators of one profiled decode step "
-              f"({prof['profiled_step_ms']:.2f} ms, {r['threads']} threads)\n")
+              f"({prof['profiled_step_ms']:.2f} ms, {r['threads']} threads; route {r.get('decode_route')})\n")
         print("| operator | kind | calls/step | ms/step |")
         print("|---|---|---|---|")
         for name, calls, ms in prof["ops"][:a.op_rows]:

@@ -55,7 +55,10 @@ def child(a) -> dict:
             logged = generate(eng, prompt, a.tokens + 1, Sampler())
             calls = [ids for layer in eng.model.routing_log for ids in layer if ids.shape[0] == 1]
             decode_steps = len(calls) // max(1, sum(1 for layer in eng.model.routing_log if layer))
-            eng.model.routing_log = None
+            if hasattr(eng.model, "plan_decode"):  # newer trees: the route is decided again without the log
+                eng.model.record_routing(False)
+            else:
+                eng.model.routing_log = None
             out[label] = {"decode_tok_s": 1 / token_s, "token_ms": 1000 * token_s, "output_ids": gen.output_ids,
                           "logged_ids_equal": logged.output_ids == gen.output_ids,
                           "experts_per_token": sum(int((ids >= 0).sum()) for ids in calls) / max(1, decode_steps)}

@@ -4,25 +4,37 @@ and an ExpertStore for routed experts.
 Supported `model_type`s: qwen3_moe, qwen2_moe, mixtral, olmoe (MoE) and llama, qwen2, qwen3
 (dense), plus deepseek_v3, glm4_moe, glm_moe_dsa and gpt_oss through the strategy objects on
 ModelArgs (each architecture's parse in engine/arch/families/ builds them; engine/arch/mla.py,
-engine/arch/router.py, engine/arch/gpt_oss_layers.py implement them). The parts live beside this file, one job each:
+engine/arch/router.py, engine/arch/gpt_oss_layers.py implement them). The parts this file uses,
+one job each:
 
-    args.py        ModelArgs; tensor names (registry.py: config.json → ModelArgs)
-    rope.py        rotary embeddings
-    layers.py      RMSNorm, SwiGLU, routing, KV cache
-    moe.py         the routed experts of one MoE layer (decode and prefill paths)
-    model.py       this file: attention, the layer loop, lookahead, layer streaming
+    args.py          ModelArgs; tensor names (registry.py: config.json → ModelArgs)
+    rope.py          rotary embeddings
+    layers.py        RMSNorm, SwiGLU, routing, KV cache
+    moe.py           the routed experts of one MoE layer (decode and prefill paths)
+    decode_plan.py   the route a decode token takes (native whole step, native per layer, or this
+                     file's reference), decided once per engine, and the native calls' operands
+    router.py        the routing rules beyond softmax top-k; the lossy routing trim
+    model.py         this file: the reference math (attention, MoE, dense MLP), the layer loop,
+                     lookahead, layer streaming
+and below them engine/weights (`linear` over plain, int8 / int4 and FP8 weights) and engine/native
+(the kernels; this file asks it only whether they are loaded, for the fused q/k/v of one token).
 
 Shape legend used in comments:
     T  tokens in this forward call        S  positions attended (start + T)
     H  hidden size                        D  head_dim
     Nq query heads   Nkv key/value heads  V  vocab
     E  routed experts   K  experts per token (top-k)   I  expert intermediate size
+(one sequence: there is no batch axis)
 
 Weights are plain tensors in dicts, not nn.Modules: the runtime decides where each one lives
 (resident, streamed from disk, cached), and the math here only asks for them. Routed experts
 come from an ExpertStore (engine/movement/store.py), the seam between this file and the streaming runtime;
 the MoE layer hands each expert's weights to one function, `Transformer.expert_fn`, which a new
 weight format replaces together with the layout's bytes → weights step.
+
+Everything that sets how the model runs (the KV cache, lookahead, the routing trim, the layers
+streamed from disk) is a constructor argument (and record_routing a method); the decode route follows from it once
+(`Transformer.plan`, engine/arch/decode_plan.py), not per call.
 """
 
 from __future__ import annotations
@@ -30,26 +42,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.arch import attention_quant, moe
 from engine import native
-from engine.arch.kvquant import QuantizedRows
-from engine.arch.moe_quant import ResidentQuantMoeLayer
-from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
+from engine.arch import decode_plan, moe
 from engine.arch.args import ModelArgs, layer_prefix
-from engine.weights.stored import linear
-from engine.arch.router import trim_operands
+from engine.arch.decode_plan import DecodePlan
+from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
 from engine.arch.rope import RopeTable, apply_rope, rope_cos_sin, rope_inv_freq
-
-
-def _native_cache(rows) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows or codes, scales) of one layer's K or V cache as the native attention reads it: a
-    contiguous bf16 tensor (no scales), or a QuantizedRows read back as bf16 (its int8 / e4m3 codes
-    and fp32 scales: the native op quantizes as QuantizedRows does and applies the scales per row); else None."""
-    if type(rows) is torch.Tensor:
-        return (rows, native.NO_SCALES) if rows.dtype is torch.bfloat16 and rows.is_contiguous() else None
-    if type(rows) is QuantizedRows and rows.dtype is torch.bfloat16:
-        return rows.codes, rows.scales
-    return None
+from engine.arch.router import RoutingTrim, trim_operands
+from engine.weights.stored import linear
 
 
 def _adjacent_rows(parts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -67,9 +67,19 @@ def _adjacent_rows(parts: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 class Transformer:
-    """Forward pass over resident dense weights and an ExpertStore for routed experts."""
+    """Forward pass over resident dense weights and an ExpertStore for routed experts.
 
-    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], experts, dtype: torch.dtype):
+    kv: the KV cache the engine decodes into (the decode plan holds its tensors).
+    lookahead_depth: after layer L's attention, hint the experts (or the streamed layers) of the
+    next layers to the store, so their reads start early; 0 = off.
+    routing_trim: lossy routing (EngineConfig.top_k_reduction / expert_threshold), or None.
+    layer_source, streamed_layers: layer streaming (dense models over budget): these layers'
+    weights are read from the source per token instead of kept in `weights`.
+    """
+
+    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], experts, dtype: torch.dtype,
+                 kv=None, *, lookahead_depth: int = 0, routing_trim: RoutingTrim | None = None,
+                 layer_source=None, streamed_layers: list[int] = ()):
         self.args = args
         self.w = weights
         self.experts = experts
@@ -80,25 +90,44 @@ class Transformer:
         self._rope_table: RopeTable | None = None  # decode's cos/sin rows (not for dynamic NTK: it changes)
         # Router lookahead: after layer L's attention, layer L+1's router applied to the same
         # hidden state predicts L+1's experts well enough to start their reads early.
-        self.lookahead_depth = 0
-        # Layer streaming (dense models over budget): these layers are read per token.
-        self.layer_source = None
-        self.streamed_layers: list[int] = []
-        self._streamed: frozenset[int] = frozenset()  # membership test on the per-layer path
+        self.lookahead_depth = lookahead_depth
+        self.layer_source = layer_source
+        self.streamed_layers = list(streamed_layers)
+        self._streamed = frozenset(streamed_layers)  # membership test on the per-layer path
         # What computes one routed expert from its weights: the architecture's own (gpt_oss:
         # biases + clamped SwiGLU), else SwiGLU over what layout.tensors_from_buffers made.
         self.expert_fn = swiglu_expert if args.expert_impl is None else args.expert_impl.forward
-        self.routing_log: list[list[torch.Tensor]] | None = None  # per layer, ids [T, K] per call
-        # Lossy routing (EngineConfig.top_k_reduction / expert_threshold): None = the rule as is.
-        # The MoE layer and lookahead both apply it, so lookahead predicts the experts used.
-        self.routing_trim = None
+        self.routing_log: list[list[torch.Tensor]] | None = None  # per layer, ids [T, K] per call (record_routing)
+        # The MoE layer and lookahead both apply the trim, so lookahead predicts the experts used;
+        # the fused native calls apply it inside (the same experts and weights).
+        self.routing_trim = routing_trim
         self._qkv = self._fuse_qkv(weights)
-        self._fused_moe: dict[int, moe.ResidentMoeLayer | None] = {}  # per layer, built at its first decode
-        self._fused_attention: dict[int, tuple | None] = {}  # per layer: the native attention's operands
-        # The whole step's layers as one native call where every layer qualifies (_decode_step);
-        # False keeps the per-layer calls (benchmarks/time/decode_profile.py times the layers' parts so).
-        self.step_loop = True
-        self._step_operands: tuple | None = None  # (kv, its cache tensors, decode_layers' operands)
+        self._no_native = (None,) * args.num_layers  # a prefill's per-layer native calls: none
+        self._route_limits: dict = {}
+        self._plan_kv = None
+        self.plan: DecodePlan | None = None
+        if kv is not None:
+            self.plan_decode(kv)
+
+    def plan_decode(self, kv, **limits) -> DecodePlan:
+        """Decide the decode route over `kv` (engine/arch/decode_plan.py) and keep it: the model calls
+        this when built and when what decides the route changes (record_routing); later forward calls
+        only follow it. limits (whole_step, native_attention, fused_moe = False): keep a native call
+        out, for tests and benchmarks that compare the routes; they hold until the next call."""
+        # What needs each layer's expert ids, which the fused MoE keeps inside (dense models: no MoE to fuse).
+        watched = ("the routing log" if self.routing_log is not None
+                   else "lookahead" if self.lookahead_depth and self.experts is not None else None)
+        self._route_limits, self._plan_kv = limits, kv
+        self.plan = decode_plan.plan_decode(self.args, self.w, self._qkv, self.experts, self.expert_fn, kv,
+                                            self.dtype, self._streamed, watched, **limits)
+        return self.plan
+
+    def record_routing(self, on: bool = True) -> None:
+        """Log every layer's expert ids [T, K] per call into routing_log (a fresh log), or stop (on=False).
+        The fused MoE calls keep the ids inside, so the decode route is decided again."""
+        self.routing_log = [[] for _ in range(self.args.num_layers)] if on else None
+        if self._plan_kv is not None:
+            self.plan_decode(self._plan_kv, **self._route_limits)
 
     def _fuse_qkv(self, weights: dict) -> dict[int, torch.Tensor]:
         """Per layer, q/k/v projections as one [Nq*D + 2*Nkv*D, H] matrix (concatenated once,
@@ -142,81 +171,46 @@ class Transformer:
 
         last_only: logits of the last position only ([1, V]); generation needs no more, and the
         lm_head is the largest matmul of a prefill.
+
+        One token follows the decode plan (self.plan); several take the reference.
         """
         T = tokens.shape[0]
         if start_pos + T > kv.ctx_size:
             raise ValueError(f"{start_pos + T} positions exceed ctx_size {kv.ctx_size}")
-        cos, sin = self._rope(start_pos, T)
-        mask = self._mask(start_pos, T)
+        cos, sin = self._rope(start_pos, T)  # [T, D] each
+        mask = self._mask(start_pos, T)  # [T, S] bool, or None: one token that sees every cached position
         x = F.embedding(tokens, self.w["model.embed_tokens.weight"])  # [T, H]
-        step = self._decode_step(x, start_pos, kv, cos, sin, mask)  # every layer in one native call, or None
-        if step is not None:
-            x = step
+        plan = None  # several tokens (a prefill): the reference
+        if T == 1:  # the decode plan, made for this cache at load (another cache gets its own, once)
+            plan = self.plan if kv is self._plan_kv else self.plan_decode(kv, **self._route_limits)
+        if plan is not None and plan.step is not None and mask is None:
+            x = self._decode_step(x, start_pos, cos, sin, plan.step)
         else:
+            attention = plan.attention if plan is not None and mask is None else self._no_native
+            fused_moe = plan.moe if plan is not None else self._no_native
             for layer in range(self.args.num_layers):
-                x = self._layer(layer, x, start_pos, kv, cos, sin, mask)
+                x = self._layer(layer, x, start_pos, kv, cos, sin, mask, attention[layer], fused_moe[layer])
         if last_only:
             x = x[-1:]
         x = rms_norm(x, self.w["model.norm.weight"], self.args.rms_norm_eps)
-        return linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()  # [T, V]
 
-    def _decode_step(self, x, start_pos, kv, cos, sin, mask):
-        """Every layer of one bf16 token as one native call (decode_step.cpp: per layer the attention
-        half, then the fused MoE layer; decode_step_int.cpp where every projection and expert is int8 /
-        int4), where every layer would take both per-layer native calls (_decode_attention,
-        _resident_moe) anyway; else None. The same bits as those calls."""
-        if (x.shape[0] != 1 or mask is not None or not native.ready or x.dtype is not torch.bfloat16
-                or cos.dtype is not torch.bfloat16 or self._streamed or self.routing_log is not None
-                or self.lookahead_depth or not self.step_loop
-                or type(kv) is not KVCache):  # MLA's latent cache, gpt-oss's windowed one: per-layer paths
-            return None
-        operands = self._step_operands
-        if operands is None or operands[0] is not kv or any(a is not b for a, b in zip(operands[1], kv.k + kv.v)):
-            operands = self._step_operands = (kv, list(kv.k + kv.v), self._step_lists(kv))
-        if operands[2] is None:
-            return None
-        attention, moe_operands, inter, groups = operands[2]
-        a = self.args
-        if groups is not None:  # int8 / int4 projections and experts (their per-layer ops' own condition)
-            if not native.int_ready:
-                return None
-            return native.decode_layers_int(x, attention, moe_operands, cos, sin, start_pos, a.num_heads,
-                                            a.num_kv_heads, a.rms_norm_eps, a.top_k, bool(a.norm_topk_prob), inter,
-                                            *groups, *trim_operands(self.routing_trim))
-        return native.decode_layers(x, attention, moe_operands, cos, sin, start_pos, a.num_heads, a.num_kv_heads,
-                                    a.rms_norm_eps, a.top_k, bool(a.norm_topk_prob), inter,
-                                    *trim_operands(self.routing_trim))  # the trim applied inside
+    # --- the native calls the decode plan picks (a seam each for benchmarks/decode_profile.py) ------
 
-    def _step_lists(self, kv) -> tuple | None:
-        """(attention tensors, MoE tensors, inter, groups) for decode_layers_bf16 (groups None) or, every
-        layer's projections and experts int8 / int4, decode_layers_int (groups: the attention's and the
-        experts' kind); None where a layer would not take both fused per-layer calls, or the layers'
-        kinds differ (operands decided once per layer, as those calls do)."""
-        attention, moe_operands, inters, kinds = [], [], set(), set()
-        for layer in range(self.args.num_layers):
-            if layer not in self._fused_attention:
-                self._fused_attention[layer] = self._attention_operands(layer)
-            if layer not in self._fused_moe:
-                self._fused_moe[layer] = moe.resident_layer(self.args, self.w, self.experts, layer, self.expert_fn)
-            att, fused = self._fused_attention[layer], self._fused_moe[layer]
-            k_cache, v_cache = _native_cache(kv.k[layer]), _native_cache(kv.v[layer])
-            if att is None or fused is None or k_cache is None or v_cache is None:
-                return None
-            caches = [k_cache[0], v_cache[0], k_cache[1], v_cache[1]]
-            if type(att) is attention_quant.QuantAttention and type(fused) is ResidentQuantMoeLayer:
-                attention += [att.norm_w, att.q_norm, att.k_norm, *att.proj, *caches]
-                kinds.add((att.group, fused.group))
-            elif type(att) is tuple and type(fused) is moe.ResidentMoeLayer:
-                norm_w, qkv, q_norm, k_norm, o_w = att
-                attention += [norm_w, qkv, q_norm, k_norm, o_w, *caches]
-                kinds.add(None)
-            else:
-                return None
-            moe_operands += [fused.norm_w, fused.router_w, fused.table]
-            inters.add(fused.inter)
-        if len(inters) != 1 or len(kinds) != 1:
-            return None
-        return attention, moe_operands, inters.pop(), kinds.pop()
+    def _decode_step(self, x, start_pos, cos, sin, step):
+        """Every layer of one bf16 token as one native call (decode_step.cpp / decode_step_int.cpp):
+        the same bits as the per-layer native calls."""
+        return decode_plan.native_step(step, self.args, x, cos, sin, start_pos, trim_operands(self.routing_trim))
+
+    def _decode_attention(self, layer, x, start_pos, cos, sin, entry):
+        """x + attention(rms_norm(x)) of one token as one native call (attention_decode*.cpp)."""
+        return decode_plan.native_attention(entry, self.args, x, cos, sin, start_pos)
+
+    def _resident_moe_call(self, layer, fused, h):
+        """h + moe(rms_norm(h)) of one token as one native call: norm, router, top-k, experts, sum."""
+        return fused(h, self.routing_trim)
+
+    # --- the reference ---------------------------------------------------------------------------
 
     def _mask(self, start_pos: int, T: int) -> torch.Tensor | None:
         window = self.args.sliding_window
@@ -242,95 +236,29 @@ class Transformer:
                 self.layer_source.hint_layer(ahead)
         return self.layer_source.layer_weights(layer)
 
-    def stream_layers(self, source, layers: list[int]) -> None:
-        """Read `layers` from `source` per forward pass instead of keeping them resident."""
-        self.layer_source, self.streamed_layers = source, list(layers)
-        self._streamed = frozenset(layers)
-
-    def _layer(self, layer, x, start_pos, kv, cos, sin, mask):
+    def _layer(self, layer, x, start_pos, kv, cos, sin, mask, native_attention=None, fused_moe=None):
+        """x [T, H] → [T, H]: x + attention(norm(x)), then h + MoE or dense MLP of norm(h).
+        native_attention, fused_moe: this layer's native calls where the decode plan gives them."""
         p, a = layer_prefix(layer), self.args
         w = self._layer_weights(layer)
-        h = self._decode_attention(layer, w, x, start_pos, kv, cos, sin, mask)  # one native call, or None
-        if h is None:
+        if native_attention is not None:
+            h = self._decode_attention(layer, x, start_pos, cos, sin, native_attention)
+        else:
             h = x + self._attention(layer, w, rms_norm(x, w[f"{p}.input_layernorm.weight"], a.rms_norm_eps),
                                     start_pos, kv, cos, sin, mask)
-        fused = self._resident_moe(layer, w, h)
-        if fused is not None:
-            return self._resident_moe_call(layer, fused, h)
-        normed = rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)
+        if fused_moe is not None:
+            return self._resident_moe_call(layer, fused_moe, h)
+        normed = rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)  # [T, H]
         self._lookahead(layer, normed, h)
         if a.is_moe_layer(layer):
             return h + self._moe(layer, w, normed)
         return h + swiglu(normed, w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"],
                           w[f"{p}.mlp.down_proj.weight"])
 
-    def _resident_moe(self, layer: int, w: dict, h: torch.Tensor):
-        """The fused decode of this MoE layer (moe.ResidentMoeLayer) when it applies to this call:
-        one bf16 token, native ops loaded, resident weights, and nothing that watches the routing
-        (routing log, lookahead); else None. A routing trim runs inside the fused call (the same
-        experts and weights as RoutingTrim.apply). Whether the layer itself qualifies is decided
-        once per layer."""
-        if (h.shape[0] != 1 or not native.ready or h.dtype is not torch.bfloat16 or w is not self.w
-                or self.routing_log is not None or self.lookahead_depth):
-            return None
-        if layer not in self._fused_moe:
-            self._fused_moe[layer] = moe.resident_layer(self.args, self.w, self.experts, layer, self.expert_fn)
-        return self._fused_moe[layer]
-
-    def _decode_attention(self, layer, w, x, start_pos, kv, cos, sin, mask):
-        """x + attention(rms_norm(x)) for one bf16 token as one native call (attention_decode.cpp:
-        norm, q/k/v, per-head norms, rope, the K/V write, attention, o_proj, residual), or None where
-        it does not apply (then _attention). Whether the layer qualifies is decided once per layer."""
-        if (x.shape[0] != 1 or mask is not None or not native.ready or w is not self.w
-                or x.dtype is not torch.bfloat16 or cos.dtype is not torch.bfloat16):
-            return None
-        if layer not in self._fused_attention:
-            self._fused_attention[layer] = self._attention_operands(layer)
-        operands = self._fused_attention[layer]
-        if operands is None:
-            return None  # (before the cache: MLA's compressed cache has no k/v rows)
-        k_cache, v_cache = _native_cache(kv.k[layer]), _native_cache(kv.v[layer])
-        if k_cache is None or v_cache is None:
-            return None
-        a = self.args
-        if type(operands) is attention_quant.QuantAttention:  # int8 / int4 projections
-            if not native.int_ready:
-                return None
-            return native.attention_decode_int(x, operands.norm_w, a.rms_norm_eps, operands.proj, operands.group,
-                                               operands.q_norm, operands.k_norm, cos, sin, k_cache[0], v_cache[0],
-                                               start_pos, a.num_heads, a.num_kv_heads, k_cache[1], v_cache[1])
-        norm_w, qkv, q_norm, k_norm, o_w = operands
-        return native.attention_decode(x, norm_w, a.rms_norm_eps, qkv, q_norm, k_norm, cos, sin, k_cache[0], v_cache[0],
-                                       start_pos, a.num_heads, a.num_kv_heads, o_w, k_cache[1], v_cache[1])
-
-    def _attention_operands(self, layer: int):
-        """(input norm, fused q/k/v, q norm, k norm, o_proj) of a layer the native attention decode
-        covers (plain attention, q/k/v fused at load: bf16, no biases; no clipping; no norm or a per-head
-        one; rope over the whole head); for int8 / int4 projections (scope all) the layer's
-        attention_quant.QuantAttention, where the native int attention covers it; else None."""
-        a, p = self.args, layer_prefix(layer)
-        qkv = self._qkv.get(layer)
-        if qkv is None:
-            return attention_quant.layer_operands(a, self.w, layer) if native.int_ready else None
-        if (a.clip_qkv is not None or a.qk_norm not in ("none", "head") or a.head_dim % 2
-                or (a.rotary_dim or a.head_dim) != a.head_dim):
-            return None
-        none = torch.empty(0, dtype=torch.bfloat16)
-        names = [f"{p}.input_layernorm.weight", f"{p}.self_attn.o_proj.weight"]
-        if a.qk_norm == "head":
-            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
-        tensors = [self.w.get(n) for n in names]
-        if not all(type(t) is torch.Tensor and t.dtype is torch.bfloat16 and t.is_contiguous() for t in tensors):
-            return None
-        norm_w, o_w, q_norm, k_norm = (tensors + [none, none])[:4]
-        return norm_w, qkv, q_norm, k_norm, o_w
-
-    def _resident_moe_call(self, layer: int, fused, h: torch.Tensor) -> torch.Tensor:
-        # norm, router, top-k, experts, sum and residual: one native call (a seam of its own for
-        # benchmarks/time/decode_profile.py, which times the layer's parts by method)
-        return fused(h, self.routing_trim)
 
     def _attention(self, layer, w, x, start_pos, kv, cos, sin, mask):
+        """Self-attention of the normed x [T, H] → [T, H] (before the residual add), writing this call's
+        K/V rows at start_pos..start_pos+T; mask [T, S] bool, or None (one token, every position)."""
         p, a = f"{layer_prefix(layer)}.self_attn", self.args
         if a.attention_impl is not None:
             return a.attention_impl.forward(w, p, layer, x, start_pos, kv, cos, sin, mask)
@@ -366,6 +294,7 @@ class Transformer:
         return linear(out, w[f"{p}.o_proj.weight"])
 
     def _lookahead(self, layer: int, normed: torch.Tensor, residual: torch.Tensor) -> None:
+        """Hint the store the experts the next lookahead_depth MoE layers will likely route residual [T, H] to."""
         if self.experts is None or not self.lookahead_depth:
             return
         a = self.args
@@ -384,7 +313,8 @@ class Transformer:
             self.experts.hint_experts(target, predicted)
 
     def _moe(self, layer: int, w: dict, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H]
+        """The MoE block of the normed x [T, H] → [T, H]: each token's K routed experts, weighted and
+        summed (moe.py), plus the shared experts where the architecture has them."""
         p, a = layer_prefix(layer), self.args
         ids, weights = route_layer(a, w, layer, x, self.routing_trim)  # [T, K] each
         if self.routing_log is not None:

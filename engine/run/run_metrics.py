@@ -131,6 +131,8 @@ def envelope(engine, model_dir: str) -> dict:
         "quant": engine.quant.label if engine.quant is not None else "none",
         "quant_scope": engine.quant.scope if engine.quant is not None else None,
         "kernel": engine.kernel,
+        # The route a decode token takes (engine/arch/decode_plan.py): native_step, native_layers, reference.
+        "decode_route": engine.decode_plan.route,
         # Tensors in the files the engine does not load (MTP layers, engine/format/mtp.py).
         "skipped": getattr(engine, "skipped", None),
         "threads": engine.threads,

@@ -27,6 +27,7 @@ from engine.arch.layers import KVCache
 from engine.arch.args import dense_tensor_names
 from engine.arch.registry import model_args
 from engine.arch.model import Transformer
+from engine.arch.decode_plan import DecodePlan
 from engine.movement.plan import MemoryPlan, make_plan, prefill_tokens_per_pass
 from engine.arch.router import routing_trim
 from engine.format.tensor_checks import check_shapes
@@ -163,12 +164,12 @@ class Engine:
         else:
             self.experts = ResidentExperts(self.layout, self.dtype)
         self.load_seconds = time.perf_counter() - t0
-        self.model = Transformer(self.args, weights, self.experts, self.dtype)
-        self.model.lookahead_depth = self.config.prefetch_depth if self.plan.streaming else 0
-        self.model.routing_trim = trim
-        if self.layers is not None:
-            self.model.stream_layers(self.layers, streamed)
         self.kv = KVCache.allocate(self.args, self.config.ctx_size, self.kv_dtype, self.dtype)
+        # Everything that sets how the model runs goes in here, once; the model decides its decode
+        # route from it (self.model.plan, engine/arch/decode_plan.py).
+        self.model = Transformer(self.args, weights, self.experts, self.dtype, self.kv,
+                                 lookahead_depth=self.config.prefetch_depth if self.plan.streaming else 0,
+                                 routing_trim=trim, layer_source=self.layers, streamed_layers=streamed)
 
     def _load_dense(self, name, container, quantized, fp8_kept, fp8_dequantized, alloc=None):
         if name in quantized:
@@ -195,6 +196,11 @@ class Engine:
         if self.layout is not None or not self.plan.streaming:
             return []
         return list(range(self.plan.resident_layers, self.args.num_layers))
+
+    @property
+    def decode_plan(self) -> DecodePlan:
+        """The route a decode token takes (native whole step, native per layer, or the reference) and why."""
+        return self.model.plan
 
     @property
     def store(self) -> WeightStore | None:
@@ -243,7 +249,7 @@ class Engine:
 
     def record_routing(self) -> None:
         """Start logging every routing decision (for --record-routing / cache_policy=pinned)."""
-        self.model.routing_log = [[] for _ in range(self.args.num_layers)]
+        self.model.record_routing()
 
     def save_routing(self, path) -> None:
         """Write the (layer, expert) → count histogram of what was routed since record_routing()."""
