@@ -83,7 +83,7 @@ def plan_decode(args: ModelArgs, w: dict, qkv: dict, experts, expert_fn, kv, dty
     """The decode route of a model whose resident weights are `w` (q/k/v fused per layer: `qkv`) over
     `kv`. streamed: the layers read per token; watched: what needs each layer's expert ids (the fused
     MoE then stays off), or None. whole_step / native_attention / fused_moe: False keeps that native
-    call out (tests and benchmarks/decode_profile.py compare the routes so)."""
+    call out (tests and benchmarks/time/decode_profile.py compare the routes so)."""
     n = args.num_layers
     none = (None,) * n
     if not native.ready:

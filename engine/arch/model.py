@@ -195,7 +195,7 @@ class Transformer:
         x = rms_norm(x, self.w["model.norm.weight"], self.args.rms_norm_eps)
         return linear(x, self.lm_head).float()  # [T, V]
 
-    # --- the native calls the decode plan picks (a seam each for benchmarks/decode_profile.py) ------
+    # --- the native calls the decode plan picks (a seam each for benchmarks/time/decode_profile.py) ------
 
     def _decode_step(self, x, start_pos, cos, sin, step):
         """Every layer of one bf16 token as one native call (decode_step.cpp / decode_step_int.cpp):

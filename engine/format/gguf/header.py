@@ -18,7 +18,7 @@ ModelFormatError line:
 - tensor offsets (relative to the aligned data section) that are not a multiple of the
   alignment, run past the end of the file, or overlap another tensor's bytes.
 - a big-endian file (written for s390x): the dequantization assumes little-endian blocks.
-The header format is llama.cpp's docs/gguf.md (versions 2 and 3; u64 counts). Metadata values
+The header format is llama.cpp's GGUF spec (ggml's docs: gguf.md; versions 2 and 3; u64 counts). Metadata values
 come out as Python values: str (strict UTF-8; in arrays, invalid bytes replaced, as token lists
 may hold partial UTF-8), int, bool, float (a FLOAT32 scalar as the shortest decimal that is
 that float32: 1e-06, not 9.999999974752427e-07) or lists of them.
@@ -44,7 +44,7 @@ MAX_DIM = (1 << 63) - 1  # ne[] is int64_t
 MAX_TENSORS = 1 << 20  # DeepSeek-V3 with stacked experts has ~1,100
 MAX_KV = 1 << 16
 MAX_ARRAY_ITEMS = 1 << 22  # all metadata arrays together; a 262k vocab's tokens, types, scores, merges are ~1M
-MAX_KEY = 1 << 16  # docs/gguf.md: keys are at most 65535 bytes
+MAX_KEY = 1 << 16  # the GGUF spec: keys are at most 65535 bytes
 MAX_TENSOR_NAME = 1 << 10  # ggml's own limit is 64 (GGML_MAX_NAME); this is only a sanity cap
 MAX_DEPTH = 2  # an array of arrays at most (gguf-py flattens deeper ones anyway)
 STRING, ARRAY = 8, 9
