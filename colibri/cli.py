@@ -2,7 +2,7 @@
 
 Every subcommand is `add_<name>(subparsers)` + `cmd_<name>(args) -> int` in its module, a thin
 layer of argument parsing over importable library functions. Errors that are the input's fault
-(`engine.errors.ColibriError`) become one line on stderr and a non-zero exit.
+(`engine.base.errors.ColibriError`) become one line on stderr and a non-zero exit.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`colibri convert` and `colibri quality`: argument parsing over engine.convert and tuner.quality."""
+"""`colibri convert` and `colibri quality`: argument parsing over engine/format/convert.py and engine/run/quality.py (through engine.api)."""
 
 from __future__ import annotations
 

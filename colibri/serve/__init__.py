@@ -2,5 +2,5 @@
 `colibri chat` (a terminal conversation), both on one loaded model and one generation worker.
 
 Owns: requests from people and their tools, one at a time, on a model that stays loaded.
-May import: engine (it sits on top of engine.run) and tuner.
+May import: engine.api (the engine's front door) and tuner.
 """

@@ -3,5 +3,5 @@ call, the run's metrics (the JSON every run/bench prints), `--model` resolution 
 a reference).
 
 Owns: a whole run, start to finish, and its measured figures.
-May import: every other engine package (it is the top of the engine).
+May import: every other engine package but engine.api (the front door, above it).
 """

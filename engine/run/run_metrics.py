@@ -1,7 +1,7 @@
 """The result every run and bench produces (JSON, schema id "colibri.metrics/1"), and the
 helpers that fill it.
 
-The tuner reads it into its typed schema (tuner/results/result.py: RunFigures) and prints it through
+The tuner reads it into its typed schema (tuner/results/trial_record.py: RunFigures) and prints it through
 tuner/results/printers.py, so a figure means the same thing wherever it is shown.
 """
 

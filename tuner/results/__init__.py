@@ -5,5 +5,5 @@ pandas frame, JSON), the files a run leaves (outputs.py), report.md/.html and th
 directories read back (rundir.py, quant_rundir.py).
 
 Owns: what a tune produced and every way of showing it.
-May import: engine.base, engine.run.run_metrics, tuner.base, tuner.probe.
+May import: engine.api (the engine's front door), tuner.base, tuner.probe.
 """

@@ -2,5 +2,5 @@
 diff) and `compare` (runs and profiles side by side).
 
 Owns: what leaves this machine and what comes back from others.
-May import: engine.base, tuner.base, tuner.probe, tuner.results.
+May import: engine.api, tuner.base, tuner.probe, tuner.results.
 """

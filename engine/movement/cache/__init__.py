@@ -3,7 +3,7 @@ histogram the pinned policy reads.
 
     policies.py  ExpertCache (the contract every policy obeys) and lru, lfu, pinned; make_cache
     tiered.py    TieredCache: exclusive tiers, demotion on eviction, promotion on a slow hit
-    routing.py   routing histograms: save, load, hottest keys
+    histogram.py routing histograms: save, load, hottest keys
 """
 
 from engine.movement.cache.policies import (

@@ -30,7 +30,6 @@ Modes:
             view of the mapping. Mapped pages are page cache; `into` is not used.
 
 The modules, one job each:
-  align       page alignment arithmetic and the fallback buffer for callers without a slot
   stats       the counters every reader adds to
   files       the descriptors (with the O_DIRECT fallback) and the mappings, opened once per file
   base        the contract both pools share: argument checks, the direct window, span splitting
@@ -38,6 +37,8 @@ The modules, one job each:
   pool        ReadPool: the threads, the queue, completing Futures
   uring_pool  UringPool: the ring, the queue depth, the completion thread
   choose      open_read_pool: the pool an engine config asks for
+  trace       ReadTrace: every decode read as JSON lines (`colibri bench --read-trace`)
+(Page alignment arithmetic is engine/base/align.py, shared with the slots.)
 """
 
 from engine.base.config import IO_BACKENDS, IO_MODES
