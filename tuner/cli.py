@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from engine.base.errors import ColibriError
+from engine.base.progress import end_open_line
 from engine.base.inputs import printable
 from tuner.commands.argtypes import ColibriArgumentParser
 from tuner.search.outcome import outcome_of_exception, write_outcome
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:
         if getattr(args, "outcome", None):  # a trial process: the tuner reads how it ended from here
             write_outcome(args.outcome, outcome_of_exception(exc))
+        end_open_line(sys.stderr)  # a progress line left open (convert, quality): the message starts its own
         if isinstance(exc, ColibriError):
             # printable: a message quotes names from files (models, profiles, tensors); their
             # control characters are escaped so they cannot drive the terminal.

@@ -119,11 +119,65 @@ def check_fp8(ckpt, spec: Fp8Spec, name: str, shape: tuple[int, int] | None = No
     return w, s
 
 
+# e4m3fn has no infinities: S.1111.111 (0x7f, 0xff) is its only NaN, and any other code is finite.
+NAN_BITS = 0x7F
+# The largest weight a block may stand for is 448 x its scale. Trained weights are far below fp16's
+# 65504 (published FP8 scales are ~1e-4..1e-2); a scale that makes them larger (3e38 makes them
+# overflow fp32 to inf) is a corrupt file, and its products would turn every logit into NaN.
+MAX_WEIGHT = 65504.0
+MAX_SCALE = MAX_WEIGHT / E4M3_MAX
+# Codes sampled per matrix at load: the streaming hot path reads experts per token, so it looks at
+# a strided subset (a whole projection of NaN codes, the usual corruption, is caught); `convert`
+# and `quality` look at every code, and a NaN that slips past the sample stops the run at the
+# logits (engine/run/generate.py) instead of emitting token 0.
+SAMPLED_CODES = 2048
+FULL_CHUNK = 1 << 24  # codes per step of the full check: bounds its temporaries to ~32 MiB
+
+
 def check_scale_values(scale: torch.Tensor, what: str) -> None:
-    """NaN, infinite or negative scales would turn a block into garbage silently."""
-    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
-        bad = scale[~torch.isfinite(scale) | (scale < 0)].flatten()[0].item()
-        raise ModelFormatError(f"{what}: FP8 block scale {bad} is not a finite non-negative number")
+    """Every scale must be a finite number in [0, MAX_SCALE]: a NaN, infinite, negative or absurd
+    scale turns its block into garbage silently. One comparison chain: NaN fails both sides."""
+    ok = (scale >= 0) & (scale <= MAX_SCALE)
+    if bool(ok.all()):
+        return
+    bad = float(scale[~ok].flatten()[0])
+    if math.isnan(bad) or math.isinf(bad) or bad < 0:
+        kind = "not a number" if math.isnan(bad) else "infinite" if math.isinf(bad) else "negative"
+    else:
+        kind = (f"absurd (its weights would reach {bad * E4M3_MAX:.3g}, above {MAX_WEIGHT:g}; "
+                f"scales must be <= {MAX_SCALE:.4g})")
+    raise ModelFormatError(f"{what}: FP8 block scale {bad:g} is {kind}")
+
+
+def check_codes(weight: torch.Tensor, what: str, full: bool = False) -> None:
+    """No e4m3 NaN code (0x7f / 0xff) in `weight`: every code when `full`, else SAMPLED_CODES of
+    them at an odd stride (odd, so a stride that is a multiple of the row length cannot keep
+    sampling one column)."""
+    codes = weight.reshape(-1).view(torch.uint8)
+    n = codes.numel()
+    if full:
+        spans = ((i, codes[i:i + FULL_CHUNK]) for i in range(0, n, FULL_CHUNK))
+    else:
+        step = max(1, n // SAMPLED_CODES) | 1
+        spans = ((0, codes[::step]),)
+    for start, part in spans:
+        hit = (part & NAN_BITS) == NAN_BITS
+        if bool(hit.any()):
+            index = start + int(hit.nonzero()[0, 0]) * (1 if full else step)
+            row, col = divmod(index, weight.shape[-1]) if weight.dim() == 2 else (0, index)
+            raise ModelFormatError(f"{what}: FP8 code 0x{int(codes[index]):02x} at [{row}, {col}] is NaN "
+                                   "(e4m3 has no NaN weights in a valid checkpoint)")
+
+
+def check_fp8_values(ckpt, spec: "Fp8Spec") -> int:
+    """Every FP8 matrix of the checkpoint, every code and every scale (`convert`, `quality`):
+    one matrix in memory at a time. Returns how many matrices were checked."""
+    names = [n for n, info in ckpt.tensors.items() if info.dtype == FP8_TAG]
+    for name in names:
+        w, s = check_fp8(ckpt, spec, name)
+        check_scale_values(ckpt.load(s.name, torch.float32), f"{s.path}: {s.name!r}")
+        check_codes(ckpt.load(name), f"{w.path}: {name!r}", full=True)
+    return len(names)
 
 
 def dense_fp8(ckpt, spec: Fp8Spec | None, names: list[str]) -> tuple[dict, dict]:
@@ -188,9 +242,10 @@ class Fp8Weight(StoredMatrix):
 
     @classmethod
     def from_stored(cls, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                    what: str) -> "Fp8Weight":
+                    what: str, weight_what: str | None = None) -> "Fp8Weight":
         scale = scale if scale.dtype == torch.float32 else scale.float()
         check_scale_values(scale, what)
+        check_codes(weight, weight_what or what)
         return cls(weight, scale.contiguous(), block)
 
     @property
@@ -225,11 +280,15 @@ class Fp8Weight(StoredMatrix):
 
 def load_dense(infos, spec: Fp8Spec, read_tensor) -> Fp8Weight:
     w, s = infos
-    return Fp8Weight.from_stored(read_tensor(w), read_tensor(s), spec.block, f"{s.path}: {s.name!r}")
+    return Fp8Weight.from_stored(read_tensor(w), read_tensor(s), spec.block, f"{s.path}: {s.name!r}",
+                                 f"{w.path}: {w.name!r}")
 
 
-def load_dequantized(infos, spec: Fp8Spec, read_tensor, dtype: torch.dtype) -> torch.Tensor:
+def load_dequantized(infos, spec: Fp8Spec, read_tensor, dtype: torch.dtype, full: bool = False) -> torch.Tensor:
+    """One FP8 matrix as `dtype` values; `full`: every code checked (convert), else a sample."""
     w, s = infos
     scale = read_tensor(s).float()
     check_scale_values(scale, f"{s.path}: {s.name!r}")
-    return dequantize(read_tensor(w), scale, spec.block).to(dtype)
+    codes = read_tensor(w)
+    check_codes(codes, f"{w.path}: {w.name!r}", full=full)
+    return dequantize(codes, scale, spec.block).to(dtype)
