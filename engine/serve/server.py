@@ -20,6 +20,7 @@ from engine.run.generate import load_tokenizer
 from engine.run.runtime import Engine
 from engine.serve.app import DEFAULT_MAX_BODY, ServeState, build_app
 from engine.serve.chat_template import ChatTemplate
+from engine.serve.framing import JsonErrorH11Protocol
 from engine.serve.metrics import ServerMetrics
 from engine.serve.worker import GenerationWorker
 
@@ -119,6 +120,6 @@ def serve(model_dir, config: EngineConfig, opts: ServeOptions, log=print) -> Non
         log(f"colibri serve: {state.model_id} on http://{opts.host}:{opts.port}/v1 "
             f"(ctx {model.worker.ctx_size}, queue {opts.queue_size}, chat template: {model.template.source})")
         uvicorn.run(build_app(state), host=opts.host, port=opts.port, log_level="warning",
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, http=JsonErrorH11Protocol)
     finally:
         model.close()
