@@ -30,7 +30,6 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         # logits: [V] fp32
-        check_finite_logits(logits)
         if self.temperature == 0:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits / self.temperature, dim=-1)
@@ -79,8 +78,10 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
     if max_new_tokens <= 0:
         return gen
     t0 = time.perf_counter()
+    where = f" for {engine.checkpoint.directory}" if hasattr(engine, "checkpoint") else ""
     logits = engine.forward(prompt_ids, 0, last_only=True)
     gen.prefill_seconds = time.perf_counter() - t0
+    check_finite_logits(logits[-1], where)
     token = sampler(logits[-1])
     gen.ttft_seconds = time.perf_counter() - t0
     gen.output_ids.append(token)
@@ -90,6 +91,7 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
     while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
         t = time.perf_counter()
         logits = engine.forward([token], pos)
+        check_finite_logits(logits[-1], where)
         token = sampler(logits[-1])
         gen.token_seconds.append(time.perf_counter() - t)
         gen.output_ids.append(token)

@@ -191,9 +191,10 @@ def check_values(ckpt: Checkpoint) -> None:
 def finite_figures(result: dict) -> dict:
     """Refuse to report a NaN or infinite figure: JSON has no NaN, and a reader takes `NaN` for a
     result (the logits were checked, so this is an overflow, e.g. a perplexity past float range)."""
+    model = (result.get("model") or {}).get("path", "quality")
     for key, value in result.items():
         if isinstance(value, float) and not math.isfinite(value):
-            raise ModelFormatError(f"quality: {key} is {value} (the model's probabilities over- or underflow; "
+            raise ModelFormatError(f"{model}: {key} is {value} (the model's probabilities over- or underflow; "
                                    "its weights are not those of a trained model)")
     return result
 
