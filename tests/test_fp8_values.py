@@ -84,11 +84,17 @@ EXPERT_UP = "model.layers.1.mlp.experts.3.up_proj.weight"
 O_PROJ = "model.layers.0.self_attn.o_proj.weight"
 
 
+def sample_layout(numel: int) -> tuple[int, int]:
+    """(run, stride) of the load-time sample of a matrix of `numel` codes (engine/format/fp8.py)."""
+    run = fp8.SAMPLED_CODES // fp8.SAMPLE_RUNS
+    return run, (numel - run) // (fp8.SAMPLE_RUNS - 1)
+
+
 def unsampled_index(numel: int) -> int:
-    """A code index the load-time sample does not look at (the sample's stride is odd, > 1 here)."""
-    step = max(1, numel // fp8.SAMPLED_CODES) | 1
-    assert step > 1
-    return 1
+    """A code index the load-time sample does not look at: just past its first run."""
+    run, stride = sample_layout(numel)
+    assert numel > fp8.SAMPLED_CODES and stride > run
+    return run
 
 
 # --- quantization_config typed ------------------------------------------------------------------
@@ -139,18 +145,24 @@ def test_the_largest_allowed_scale_loads():
         fp8.check_scale_values(torch.tensor([fp8.MAX_SCALE * 1.001]), "x")
 
 
-def test_the_load_sample_is_strided_and_the_full_check_sees_every_code():
+def test_the_load_sample_sees_runs_and_the_full_check_sees_every_code():
     w = torch.zeros(64, 96, dtype=torch.uint8)
-    step = (w.numel() // fp8.SAMPLED_CODES) | 1
+    run, stride = sample_layout(w.numel())
     sampled, unsampled = w.clone(), w.clone()
-    sampled.view(-1)[step * 7] = 0x7F
-    unsampled.view(-1)[step * 7 + 1] = 0xFF
+    sampled.view(-1)[stride * 7 + 5] = 0x7F
+    unsampled.view(-1)[stride * 7 + run] = 0xFF
     as_fp8 = lambda t: t.view(torch.float8_e4m3fn)  # noqa: E731
-    with pytest.raises(ModelFormatError, match=r"0x7f at \[.*\] is NaN"):
+    where = divmod(stride * 7 + 5, 96)
+    with pytest.raises(ModelFormatError, match=rf"0x7f at \[{where[0]}, {where[1]}\] is NaN"):
         fp8.check_codes(as_fp8(sampled), "w")
-    fp8.check_codes(as_fp8(unsampled), "w")  # between two sampled codes: the sample misses it ...
-    with pytest.raises(ModelFormatError, match=rf"0xff at \[{(step * 7 + 1) // 96}, {(step * 7 + 1) % 96}\]"):
+    fp8.check_codes(as_fp8(unsampled), "w")  # between two sampled runs: the sample misses it ...
+    where = divmod(stride * 7 + run, 96)
+    with pytest.raises(ModelFormatError, match=rf"0xff at \[{where[0]}, {where[1]}\] is NaN"):
         fp8.check_codes(as_fp8(unsampled), "w", full=True)  # ... the full check does not
+    small = torch.zeros(8, 16, dtype=torch.uint8)
+    small.view(-1)[77] = 0x7F  # a matrix of at most SAMPLED_CODES codes is checked whole, even at load
+    with pytest.raises(ModelFormatError, match=r"0x7f at \[4, 13\]"):
+        fp8.check_codes(as_fp8(small), "w")
 
 
 # --- a NaN the sample missed: the logits stop the run -----------------------------------------------

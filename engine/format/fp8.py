@@ -23,6 +23,7 @@ import math
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -127,20 +128,23 @@ NAN_BITS = 0x7F
 MAX_WEIGHT = 65504.0
 MAX_SCALE = MAX_WEIGHT / E4M3_MAX
 # Codes sampled per matrix at load: the streaming hot path reads experts per token, so it looks at
-# a strided subset (a whole projection of NaN codes, the usual corruption, is caught); `convert`
+# a spread-out subset (a whole projection of NaN codes, the usual corruption, is caught); `convert`
 # and `quality` look at every code, and a NaN that slips past the sample stops the run at the
 # logits (engine/run/generate.py) instead of emitting token 0.
 SAMPLED_CODES = 2048
-FULL_CHUNK = 1 << 24  # codes per step of the full check: bounds its temporaries to ~32 MiB
+SAMPLE_RUNS = 32
+FULL_CHUNK = 1 << 24  # codes per step of the full check: bounds its copy to 16 MiB
 
 
 def check_scale_values(scale: torch.Tensor, what: str) -> None:
     """Every scale must be a finite number in [0, MAX_SCALE]: a NaN, infinite, negative or absurd
-    scale turns its block into garbage silently. One comparison chain: NaN fails both sides."""
-    ok = (scale >= 0) & (scale <= MAX_SCALE)
-    if bool(ok.all()):
+    scale turns its block into garbage silently. Two numpy reductions: the hot path runs this per
+    streamed expert, and numpy's per-call cost is a fraction of torch's; a NaN makes min and max
+    NaN, which fails both comparisons."""
+    a = scale.detach().numpy()
+    if a.size == 0 or (a.min() >= 0 and a.max() <= MAX_SCALE):
         return
-    bad = float(scale[~ok].flatten()[0])
+    bad = float(a[~((a >= 0) & (a <= MAX_SCALE))][0])
     if math.isnan(bad) or math.isinf(bad) or bad < 0:
         kind = "not a number" if math.isnan(bad) else "infinite" if math.isinf(bad) else "negative"
     else:
@@ -149,21 +153,28 @@ def check_scale_values(scale: torch.Tensor, what: str) -> None:
     raise ModelFormatError(f"{what}: FP8 block scale {bad:g} is {kind}")
 
 
+_NAN_CODES = (bytes([NAN_BITS]), bytes([NAN_BITS | 0x80]))
+
+
 def check_codes(weight: torch.Tensor, what: str, full: bool = False) -> None:
     """No e4m3 NaN code (0x7f / 0xff) in `weight`: every code when `full`, else SAMPLED_CODES of
-    them at an odd stride (odd, so a stride that is a multiple of the row length cannot keep
-    sampling one column)."""
-    codes = weight.reshape(-1).view(torch.uint8)
-    n = codes.numel()
-    if full:
-        spans = ((i, codes[i:i + FULL_CHUNK]) for i in range(0, n, FULL_CHUNK))
+    them in SAMPLE_RUNS runs of consecutive codes spread evenly over the matrix (runs, not single
+    codes: a few dozen cache lines and pages instead of thousands, on a matrix just read). The
+    codes are searched as bytes (memchr: no temporaries, GB/s)."""
+    codes = (weight if weight.is_contiguous() else weight.contiguous()).view(torch.uint8).numpy().reshape(-1)
+    n = codes.size
+    run = SAMPLED_CODES // SAMPLE_RUNS
+    if full or n <= SAMPLED_CODES:
+        spans = [(start, codes[start:start + FULL_CHUNK].tobytes(), 1) for start in range(0, n, FULL_CHUNK)]
     else:
-        step = max(1, n // SAMPLED_CODES) | 1
-        spans = ((0, codes[::step]),)
-    for start, part in spans:
-        hit = (part & NAN_BITS) == NAN_BITS
-        if bool(hit.any()):
-            index = start + int(hit.nonzero()[0, 0]) * (1 if full else step)
+        stride = (n - run) // (SAMPLE_RUNS - 1)
+        runs = np.lib.stride_tricks.as_strided(codes, shape=(SAMPLE_RUNS, run), strides=(stride, 1))
+        spans = [(0, runs.tobytes(), None)]
+    for start, data, step in spans:
+        hits = [i for i in (data.find(c) for c in _NAN_CODES) if i >= 0]
+        if hits:
+            at = min(hits)
+            index = start + at if step else (at // run) * stride + at % run
             row, col = divmod(index, weight.shape[-1]) if weight.dim() == 2 else (0, index)
             raise ModelFormatError(f"{what}: FP8 code 0x{int(codes[index]):02x} at [{row}, {col}] is NaN "
                                    "(e4m3 has no NaN weights in a valid checkpoint)")
