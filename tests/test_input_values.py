@@ -82,6 +82,14 @@ def test_a_bench_over_a_prompt_holding_u2028_runs(tiny, tmp_path, capsys):
     assert json.loads(out)["workload"]["requests"] == 1
 
 
+def test_a_prompt_longer_than_ctx_is_refused_naming_the_file_and_request(tiny, tmp_path, capsys):
+    # Found by tests/test_fuzz_values.py: generate's refusal named neither the file nor the request.
+    p = tmp_path / "p.txt"
+    p.write_text("short\n" + "word " * 200 + "\n")
+    code, _, err = cli(capsys, "bench", "--model", tiny, *BENCH, "--prompts", p)
+    assert_one_error_line(code, err, "bench", f"--prompts {p}: request 2 needs", "more than --ctx-size 64")
+
+
 @pytest.mark.parametrize("line,message", [
     ('{"prompt": "a", "prompt": "b"}', "duplicate key 'prompt'"),
     ('{"prompt": "a", "max_new_tokens": NaN}', "NaN is not valid JSON"),

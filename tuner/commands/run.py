@@ -6,7 +6,7 @@ import dataclasses
 import sys
 
 from engine.base.config import CTX_MAX, EngineConfig
-from engine.base.errors import ConfigError
+from engine.base.errors import ConfigError, PromptError
 from engine.base.output_target import file_target, json_file_with
 from engine.run.bench import run_bench
 from engine.run.generate import Sampler, load_tokenizer
@@ -125,13 +125,21 @@ def add_bench(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
-def _bench_workload(args, model_dir):
+def _bench_workload(args, model_dir, ctx_size: int):
     """The requests of --prompts / --workload (checked before the engine loads), or None."""
     if args.workload:
-        return load_requests(args.workload)
-    if args.prompts:
-        return load_workload(args.prompts, load_tokenizer(model_dir), args.tokens)
-    return None
+        requests, where = load_requests(args.workload), f"--workload {args.workload}"
+    elif args.prompts:
+        requests, where = load_workload(args.prompts, load_tokenizer(model_dir), args.tokens), f"--prompts {args.prompts}"
+    else:
+        return None
+    # Here, naming the file and the request: generate's own refusal names neither (found by
+    # tests/test_fuzz_values.py: a long plain-text line in a prompts file).
+    for i, r in enumerate(requests, 1):
+        if r.tokens > ctx_size:
+            raise PromptError(f"{where}: request {i} needs {r.tokens} tokens ({len(r.prompt_ids)} of prompt + "
+                              f"{r.max_new_tokens} new), more than --ctx-size {ctx_size}")
+    return requests
 
 
 def cmd_bench(args) -> int:
@@ -143,7 +151,7 @@ def cmd_bench(args) -> int:
         raise ConfigError("--timeout goes with --cgroup-limit (a bench without a cgroup runs in this process)")
     _routing_output(args, "bench")
     model_dir = resolve_model(args.model, progress=not args.json)
-    workload = _bench_workload(args, model_dir)
+    workload = _bench_workload(args, model_dir, config.ctx_size)
     if args.cgroup_limit:
         extra = ["--record-routing", args.record_routing] if args.record_routing else []
         extra += ["--read-trace", args.read_trace] if args.read_trace else []
