@@ -26,7 +26,7 @@ FUZZ_EXAMPLES ?= 400
 FUZZ_REPORT ?= fuzz-report.jsonl
 fuzz: setup
 	rm -f $(FUZZ_REPORT)
-	COLIBRI_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) COLIBRI_FUZZ_REPORT=$(abspath $(FUZZ_REPORT)) $(VENV)/bin/python -m pytest -q tests/test_fuzz.py tests/test_fuzz_commands.py --hypothesis-show-statistics; \
+	COLIBRI_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) COLIBRI_FUZZ_REPORT=$(abspath $(FUZZ_REPORT)) $(VENV)/bin/python -m pytest -q tests/test_fuzz.py tests/test_fuzz_commands.py tests/test_fuzz_values.py --hypothesis-show-statistics; \
 	status=$$?; $(VENV)/bin/python tests/colibri_fuzz.py $(FUZZ_REPORT); exit $$status
 
 test-all: setup

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from engine.api import ColibriError, printable
+from engine.api import ColibriError, end_open_line, printable
 from colibri.commands.argtypes import ColibriArgumentParser
 from tuner.search.outcome import outcome_of_exception, write_outcome
 
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         # config.json, /dev/full) must not be written by its own refusal.
         if getattr(args, "outcome_target", None):
             write_outcome(args.outcome_target, outcome_of_exception(exc))
+        end_open_line(sys.stderr)  # a progress line left open (convert, quality): the message starts its own
         if isinstance(exc, ColibriError):
             # printable: a message quotes names from files (models, profiles, tensors); their
             # control characters are escaped so they cannot drive the terminal.

@@ -186,7 +186,10 @@ def assert_batch(calls: list[Call], victims: "Victims | None" = None, **kw) -> l
 # --- the campaign summary ---------------------------------------------------------------------------
 
 REPORT_ENV = "COLIBRI_FUZZ_REPORT"
-OUTCOMES = ["exit 0", "exit 2", "bad error line", "other exit", "bound exceeded", "traceback", "hang", "died"]
+# HTTP kinds (tests/test_fuzz_values.py): "http 200" served, "http 4xx" an OpenAI error object; a
+# reply that is neither, or a traceback in the server's log, is "bad reply" / "traceback".
+OUTCOMES = ["exit 0", "exit 2", "http 200", "http 4xx", "bad error line", "bad reply", "other exit", "bound exceeded",
+            "traceback", "hang", "died"]
 
 
 def record(kind: str, command: str, outcome: str, seconds: float = 0.0, peak_rss: int = 0) -> None:

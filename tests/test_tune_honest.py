@@ -249,7 +249,7 @@ def test_prompts_files_parse_as_lines_or_json_lines(model_dir, tmp_path):  # noq
     ("", "no prompt in the file"),
     ("\n  \n", "no prompt in the file"),
     (b"\xff\xfe abc", "not UTF-8"),
-    ('{"prompt": "a"}\nnot json\n', "line 2: not JSON"),
+    ('{"prompt": "a"}\nnot json\n', "line 2: not valid JSON"),
     ('{"prompt": "a", "temperature": 1}\n', "line 1: unknown key 'temperature'"),
     ('{"prompt": ""}\n', "\"prompt\" must be a non-empty string"),
     ('{"prompt": "a", "max_new_tokens": 0}\n', "\"max_new_tokens\" must be an integer"),

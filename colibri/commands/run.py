@@ -7,9 +7,9 @@ import dataclasses
 import os
 import sys
 
-from engine.api import (CTX_MAX, TRACE_FORMAT, BenchResult, ConfigError, EngineConfig, Sampler, bench, file_target,
-                        json_file_with, json_lines_head_with, load_requests, load_tokenizer, load_workload,
-                        resolve_model, run)
+from engine.api import (CTX_MAX, TRACE_FORMAT, BenchResult, ConfigError, EngineConfig, PromptError, Sampler, bench,
+                        file_target, json_file_with, json_lines_head_with, load_requests, load_tokenizer,
+                        load_workload, resolve_model, run)
 from colibri.commands.argtypes import add_output_option, finite_float, nonneg_int, positive_int, seconds, seed, size
 from colibri.commands.knob_flags import knob_flag
 from tuner.results.printers import print_json as _print_json
@@ -142,13 +142,21 @@ def add_bench(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
-def _bench_workload(args, model_dir):
+def _bench_workload(args, model_dir, ctx_size: int):
     """The requests of --prompts / --workload (checked before the engine loads), or None."""
     if args.workload:
-        return load_requests(args.workload)
-    if args.prompts:
-        return load_workload(args.prompts, load_tokenizer(model_dir), args.tokens)
-    return None
+        requests, where = load_requests(args.workload), f"--workload {args.workload}"
+    elif args.prompts:
+        requests, where = load_workload(args.prompts, load_tokenizer(model_dir), args.tokens), f"--prompts {args.prompts}"
+    else:
+        return None
+    # Here, naming the file and the request: generate's own refusal names neither (found by
+    # tests/test_fuzz_values.py: a long plain-text line in a prompts file).
+    for i, r in enumerate(requests, 1):
+        if r.tokens > ctx_size:
+            raise PromptError(f"{where}: request {i} needs {r.tokens} tokens ({len(r.prompt_ids)} of prompt + "
+                              f"{r.max_new_tokens} new), more than --ctx-size {ctx_size}")
+    return requests
 
 
 def cmd_bench(args) -> int:
@@ -157,7 +165,7 @@ def cmd_bench(args) -> int:
     if args.timeout is not None and not args.cgroup_limit:
         raise ConfigError("--timeout goes with --cgroup-limit (a bench without a cgroup runs in this process)")
     model_dir = resolve_model(args.model, progress=not args.json)
-    workload = _bench_workload(args, model_dir)
+    workload = _bench_workload(args, model_dir, config.ctx_size)
     if args.cgroup_limit:
         extra = ["--record-routing", args.record_routing] if args.record_routing is not None else []
         extra += ["--read-trace", args.read_trace] if args.read_trace is not None else []

@@ -16,11 +16,11 @@ import uuid
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.api import ColibriError
+from engine.api import ColibriError, loads_limited
 from colibri.serve.prometheus import ServerMetrics
 from colibri.serve.protocol import ApiError, Sampling, parse_chat, parse_completion
 from colibri.serve.worker import GenerationWorker, Job, JobResult
@@ -48,15 +48,35 @@ async def _read_json(request: Request, limit: int):
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is larger than the {limit}-byte limit")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is larger than the {limit}-byte limit")
-        chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON ({type(exc).__name__})") from None
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is larger than the {limit}-byte limit")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The server saw the body's framing break (bad chunk sizes, a body shorter than its
+        # Content-Length) and dropped the connection: nobody reads this answer, but the handler
+        # ends as a refusal, not as an "Exception in ASGI application" traceback in the log.
+        raise ApiError(400, "the request body's framing is broken (chunked encoding or Content-Length)") from None
+    try:
+        body = loads_limited(b"".join(chunks), "the request body", max_bytes=limit, error=ColibriError)
+    except ColibriError as exc:
+        raise ApiError(400, str(exc)) from None
+    _check_unicode(body)
+    return body
+
+
+def _check_unicode(body) -> None:
+    """JSON's \\ud800 escapes decode to lone UTF-16 surrogates, which are not text: the tokenizer
+    raised on them (HTTP 500 and a traceback). Refused here for every string of the body, keys
+    included: one re-encoding of a body of at most max_body bytes."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start:exc.end].encode("unicode_escape").decode("ascii")
+        raise ApiError(400, f"the request body holds a lone UTF-16 surrogate ({bad}) in a string: "
+                            "not text a tokenizer can take") from None
 
 
 def _usage(result: JobResult) -> dict:
@@ -187,6 +207,8 @@ def build_app(state: ServeState) -> Starlette:
                 response = await handler(request)
             except ApiError as exc:
                 response = _error(exc)
+            except ColibriError as exc:  # the input's fault by definition (a prompt the tokenizer refused)
+                response = _error(ApiError(400, str(exc)))
             metrics.count_request(route, response.status_code)
             return response
         return wrapped

@@ -164,8 +164,8 @@ def _content_text(content, i: int) -> str:
                 raise bad(f"messages[{i}].content", "only text parts are supported")
             parts.append(part["text"])
         return "".join(parts)
-    if content is None:
-        return ""
+    if content is None:  # OpenAI's null content goes with tool calls, which are not served here
+        raise bad(f"messages[{i}].content", "is required: a string or a list of text parts (null is not)")
     raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
 
 

@@ -17,6 +17,7 @@ import uvicorn
 from engine.api import ConfigError, Engine, EngineConfig, ModelFormatError, load_tokenizer
 from colibri.serve.app import DEFAULT_MAX_BODY, ServeState, build_app
 from colibri.serve.chat_template import ChatTemplate
+from colibri.serve.framing import JsonErrorH11Protocol
 from colibri.serve.prometheus import ServerMetrics
 from colibri.serve.worker import GenerationWorker
 
@@ -116,6 +117,6 @@ def serve(model_dir, config: EngineConfig, opts: ServeOptions, log=print) -> Non
         log(f"colibri serve: {state.model_id} on http://{opts.host}:{opts.port}/v1 "
             f"(ctx {model.worker.ctx_size}, queue {opts.queue_size}, chat template: {model.template.source})")
         uvicorn.run(build_app(state), host=opts.host, port=opts.port, log_level="warning",
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, http=JsonErrorH11Protocol)
     finally:
         model.close()

@@ -170,6 +170,19 @@ class LayerList(Field):
             yield Problem(self.name, value, f"index {bad[0]} is outside [0, {layers}) (num_hidden_layers)")
 
 
+@dataclass(frozen=True)
+class QuantizationConfig(Field):
+    """`quantization_config`: an object whose `quant_method` (if given) is a string. Readers do
+    `config["quantization_config"].get(...)`; a string there ("fp8") was an AttributeError in
+    every command that opened the model. The FP8 fields are engine/format/fp8.fp8_spec's."""
+
+    def accepts(self, value) -> bool:
+        return isinstance(value, dict) and isinstance(value.get("quant_method", ""), str)
+
+    def rule(self) -> str:
+        return 'must be an object with a string quant_method (e.g. {"quant_method": "fp8", ...})'
+
+
 # --- cross-field rules ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -274,6 +287,7 @@ COMMON: tuple = (
     Bool("use_sliding_window"),
     Str("torch_dtype", nullable=True),
     Str("dtype", nullable=True),
+    QuantizationConfig("quantization_config", nullable=True),
     Consistent(lambda c: c["num_attention_heads"] % derived(c)["kv_heads"] == 0, "num_key_value_heads",
                "must divide num_attention_heads ({num_attention_heads})"),
     Consistent(lambda c: c.get("head_dim") or c["hidden_size"] % c["num_attention_heads"] == 0, "hidden_size",

@@ -70,6 +70,9 @@ def parse_size(value) -> int:
     # int(inf) / int(nan) raise; "9" * 400 + "G" parses to inf: all one error, not a traceback.
     if isinstance(number, float) and not math.isfinite(number * _UNITS[unit]):
         raise ConfigError(f"size {_short(value)} is not a finite number of bytes")
+    # int() truncates: "0.5B" became 0, which --ram-budget reads as "fully resident".
+    if 0 < abs(number * _UNITS[unit]) < 1:
+        raise ConfigError(f"size {_short(value)} is less than one byte (0 is written 0)")
     return int(number * _UNITS[unit])
 
 

@@ -3,7 +3,8 @@
 Python's json parser recurses once per nesting level, so `[[[[...]]]]` a few thousand deep
 raises RecursionError — a traceback, not an error message — and a huge "JSON" blob makes us
 allocate it all first. Every JSON file the engine or tuner reads from a user (config.json, the
-safetensors index and headers, geometry and profile files) goes through `loads_limited`.
+safetensors index and headers, geometry and profile files) goes through `loads_limited`, and
+every JSON Lines file (prompts, tokenized workloads) through `json_lines`.
 """
 
 from __future__ import annotations
@@ -101,3 +102,26 @@ def load_json_input(path, kind: str, *, error: type[ColibriError] = ModelFormatE
     raw = read_input(path, kind, error)
     return loads_limited(raw, str(path), max_bytes=LIMITS[kind], max_depth=max_depth, error=error,
                          unique_keys=unique_keys)
+
+
+# A JSON Lines line is one request or record: a prompt object nests 1 level, a workload's 2.
+LINE_MAX_DEPTH = 16
+
+
+def split_lines(text: str) -> list[tuple[int, str]]:
+    """(1-based number, line) of each non-blank line, split at "\n" only (a "\r" before it goes).
+
+    Not str.splitlines: that also splits at U+2028, U+2029, U+0085 and form feeds, which JSON
+    allows raw inside a string, so a valid JSON Lines record holding one was cut in two and
+    refused as "not JSON"; and a line number must be one an editor shows."""
+    return [(i, line.removesuffix("\r")) for i, line in enumerate(text.split("\n"), 1) if line.strip()]
+
+
+def json_lines(lines: list[tuple[int, str]], source: str, *, error: type[ColibriError] = ModelFormatError,
+               max_depth: int = LINE_MAX_DEPTH, max_bytes: int = DEFAULT_MAX_BYTES) -> list:
+    """Each (number, line) of a JSON Lines file parsed with the limits (depth, size — the file's
+    own cap, passed by its reader —, finite numbers, unique keys): a line nested 100k deep is one `error` naming its line, where
+    json.loads raised RecursionError."""
+    return [loads_limited(line, f"{source} line {number}", max_bytes=max_bytes, max_depth=max_depth,
+                          error=error, unique_keys=True, finite=True)
+            for number, line in lines]

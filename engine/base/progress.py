@@ -11,6 +11,23 @@ import sys
 
 SPARSE_S = 10.0  # seconds between lines when stderr is not a terminal
 
+# The stream whose last write was a line rewritten in place ("\r ... 7/22") without its newline,
+# or None. An error printed then would be glued onto that line; `end_open_line` ends it first.
+_open_line: list = [None]
+
+
+def rewrite_line(stream, text: str, last: bool) -> None:
+    """`text` over the current line of `stream`; `last`: end the line."""
+    print("\r" + text, end="\n" if last else "", file=stream, flush=True)
+    _open_line[0] = None if last else stream
+
+
+def end_open_line(stream) -> None:
+    """Before a message on `stream`: end a progress line left open there."""
+    if _open_line[0] is stream:
+        print(file=stream, flush=True)
+    _open_line[0] = None
+
 
 class _Lines:
     """A file for tqdm that turns each in-place update into one whole line."""

@@ -20,6 +20,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from engine.base.errors import ModelFormatError
 from engine.base.inputs import printable
 from engine.format.checkpoint import read_tensor

@@ -95,9 +95,15 @@ class Converter:
             if fused[0] in self.ckpt:
                 self.expert_of.update({n: layer for n in fused})
             else:
+                shapes = [(a.moe_intermediate_size, a.hidden_size)] * 2 + [(a.hidden_size, a.moe_intermediate_size)]
                 for e in range(a.num_experts):
-                    for n in expert_tensor_names(a, layer, e):
-                        self.ckpt.info(n)  # a missing expert tensor is an error now, not mid-way
+                    for n, shape in zip(expert_tensor_names(a, layer, e), shapes):
+                        # A missing expert tensor, or one whose shape is not config.json's (the
+                        # output's is), is an error now, not a ValueError in the writer mid-way.
+                        info = self.ckpt.info(n)
+                        if tuple(info.shape) != shape:
+                            raise ModelFormatError(f"{info.path}: tensor {n!r} has shape {list(info.shape)}, "
+                                                   f"config.json implies {list(shape)}")
                         self.expert_of[n] = (layer, e)
         self.fp8 = fp8_checkpoint.fp8_spec(self.ckpt.config, f"{src}/config.json")
         # Not carried over from an FP8 source: the scales (folded into the weights) and MTP layers.
@@ -158,7 +164,8 @@ class Converter:
         if self.fp8 is None or not fp8_checkpoint.is_fp8(self.ckpt, name):
             return self.ckpt.load(name)
         w, s = fp8_checkpoint.check_fp8(self.ckpt, self.fp8, name)
-        return fp8_checkpoint.load_dequantized((w, s), self.fp8, read_tensor, torch.float32)
+        # Every code checked (run samples them): a converted NaN would be a silent garbage weight.
+        return fp8_checkpoint.load_dequantized((w, s), self.fp8, read_tensor, torch.float32, full=True)
 
     def write_shard(self, path: Path, items: list[Item], progress=None) -> None:
         specs = [s for item in items for s in item.specs]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.base.errors import ModelFormatError
-from engine.weights.fp8 import Fp8Weight, check_scale_values, dequantize
+from engine.weights.fp8 import Fp8Weight, check_codes, check_scale_values, dequantize
 
 FP8_TAG = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"
@@ -106,6 +106,17 @@ def check_fp8(ckpt, spec: Fp8Spec, name: str, shape: tuple[int, int] | None = No
     return w, s
 
 
+def check_fp8_values(ckpt, spec: "Fp8Spec") -> int:
+    """Every FP8 matrix of the checkpoint, every code and every scale (`convert`, `quality`):
+    one matrix in memory at a time. Returns how many matrices were checked."""
+    names = [n for n, info in ckpt.tensors.items() if info.dtype == FP8_TAG]
+    for name in names:
+        w, s = check_fp8(ckpt, spec, name)
+        check_scale_values(ckpt.load(s.name, torch.float32), f"{s.path}: {s.name!r}")
+        check_codes(ckpt.load(name), f"{w.path}: {name!r}", full=True)
+    return len(names)
+
+
 def dense_fp8(ckpt, spec: Fp8Spec | None, names: list[str]) -> tuple[dict, dict]:
     """Of the resident tensors `names`, those stored FP8: (kept at 1 byte/weight, dequantized at
     load), each name → its checked (weight, scale_inv) infos."""
@@ -131,11 +142,15 @@ def dense_nbytes(infos, dtype_bytes: int) -> int:
 
 def load_dense(infos, spec: Fp8Spec, read_tensor) -> Fp8Weight:
     w, s = infos
-    return Fp8Weight.from_stored(read_tensor(w), read_tensor(s), spec.block, f"{s.path}: {s.name!r}")
+    return Fp8Weight.from_stored(read_tensor(w), read_tensor(s), spec.block, f"{s.path}: {s.name!r}",
+                                 f"{w.path}: {w.name!r}")
 
 
-def load_dequantized(infos, spec: Fp8Spec, read_tensor, dtype: torch.dtype) -> torch.Tensor:
+def load_dequantized(infos, spec: Fp8Spec, read_tensor, dtype: torch.dtype, full: bool = False) -> torch.Tensor:
+    """One FP8 matrix as `dtype` values; `full`: every code checked (convert), else a sample."""
     w, s = infos
     scale = read_tensor(s).float()
     check_scale_values(scale, f"{s.path}: {s.name!r}")
-    return dequantize(read_tensor(w), scale, spec.block).to(dtype)
+    codes = read_tensor(w)
+    check_codes(codes, f"{w.path}: {w.name!r}", full=full)
+    return dequantize(codes, scale, spec.block).to(dtype)

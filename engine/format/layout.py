@@ -29,7 +29,7 @@ from engine.weights import mxfp4
 from engine.weights.mxfp4 import MX_BLOCK, MXFP4_DEQUANT, MXFP4_FUSED, Mxfp4Matrix, mxfp4_dequantize
 from engine.weights.quantized import QuantWeight, int4_strips_on
 from engine.weights.fp8 import Fp8Weight
-from engine.format.fp8_checkpoint import Fp8Spec, check_fp8, fp8_spec
+from engine.format.fp8_checkpoint import SCALE_SUFFIX, Fp8Spec, check_fp8, fp8_spec
 
 # Gaps up to this size between an expert's tensors are read through rather than split into
 # two requests (safetensors may pad for alignment).
@@ -78,6 +78,7 @@ class ExpertLocation:
     # True where the compute reads the bytes in place, False where they become the compute dtype.
     stored: tuple[bool, ...] | None = None
     kernel: str | None = None  # the experts' matmul, where `decode` picks its own
+    names: tuple[str, ...] | None = None  # FP8: the weights' tensor names, for a value error to name
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +134,7 @@ class ExpertLayout:
         shapes = [(a.moe_intermediate_size, a.hidden_size)] * 2 + [(a.hidden_size, a.moe_intermediate_size)]
         infos = [info for name, shape in zip(names, shapes) for info in check_fp8(self.ckpt, self.fp8, name, shape)]
         spans, pieces = group_into_spans(infos)
-        return ExpertLocation(tuple(spans), tuple(pieces), fp8=self.fp8)
+        return ExpertLocation(tuple(spans), tuple(pieces), fp8=self.fp8, names=tuple(names))
 
     def _add_fused(self, layer: int, gate_up: TensorInfo, down: TensorInfo) -> None:
         a = self.args
@@ -240,9 +241,11 @@ def tensors_from_buffers(loc: ExpertLocation, buffers: list, dtype: torch.dtype)
     if loc.decode is not None:
         return loc.decode(loc, buffers, dtype)
     if loc.fp8 is not None:  # codes stay views of the buffer; scales (a few hundred bytes) are checked
+        names = loc.names or ("gate", "up", "down")
         return tuple(Fp8Weight.from_stored(piece_tensor(buffers, w, w.dtype), piece_tensor(buffers, s, s.dtype),
-                                           loc.fp8.block, f"{loc.spans[0].path}: a routed expert's {('gate', 'up', 'down')[i]} scales")
-                     for i, (w, s) in enumerate(zip(loc.pieces[0::2], loc.pieces[1::2])))
+                                           loc.fp8.block, f"{loc.spans[s.span].path}: {name + SCALE_SUFFIX!r}",
+                                           f"{loc.spans[w.span].path}: {name!r}")
+                     for name, (w, s) in zip(names, zip(loc.pieces[0::2], loc.pieces[1::2])))
     if loc.quant is not None:
         q = loc.quant
         return tuple(QuantWeight.prepare(piece_tensor(buffers, w, w.dtype), piece_tensor(buffers, s, s.dtype),

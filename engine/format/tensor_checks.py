@@ -78,7 +78,8 @@ register_role("quantized codes", r"\.qweight$", {"I8", "U8"})
 
 
 def _is_fp8_checkpoint(config: dict) -> bool:
-    return (config.get("quantization_config") or {}).get("quant_method") == "fp8"
+    qc = config.get("quantization_config")  # typed by config_rules; this may run on any dict
+    return isinstance(qc, dict) and qc.get("quant_method") == "fp8"
 
 
 # FP8 block-scaled checkpoints as published (engine/format/fp8_checkpoint.py): linear weights F8_E4M3 (or kept in

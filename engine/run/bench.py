@@ -123,8 +123,8 @@ def _run_workload_bench(model_dir, config: EngineConfig, workload: list[Request]
     try:
         if record_routing:
             engine.record_routing()  # the routing of the user's own prompts: what pinned pins
-        if warmup_tokens:
-            generate(engine, list(workload[0].prompt_ids), warmup_tokens, Sampler())
+        if warmup_tokens:  # at most the request's own length: a request that fits ctx_size warms up too
+            generate(engine, list(workload[0].prompt_ids), min(warmup_tokens, workload[0].max_new_tokens), Sampler())
         runs, cold_how = [], None
         for rep in range(repeats):
             if cold:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from engine.base.durable import atomic_write_text
 from engine.base.errors import PromptError
+from engine.base.jsonlimits import json_lines, split_lines
 
 MAX_FILE_BYTES = 16 << 20
 MAX_REQUESTS = 4096
@@ -55,22 +56,18 @@ def read_prompts(path: str | Path, default_max_new_tokens: int) -> list[tuple[st
         text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PromptError(f"{where}: not UTF-8 text (byte {exc.start})") from None
-    lines = [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+    lines = split_lines(text)
     if not lines:
         raise PromptError(f"{where}: no prompt in the file")
     if len(lines) > MAX_REQUESTS:
         raise PromptError(f"{where}: {len(lines)} prompts, at most {MAX_REQUESTS}")
     if lines[0][1].lstrip().startswith("{"):
-        return [_json_request(where, i, line, default_max_new_tokens) for i, line in lines]
+        objs = json_lines(lines, where, error=PromptError, max_bytes=MAX_FILE_BYTES)
+        return [_json_request(f"{where} line {i}", obj, default_max_new_tokens) for (i, _), obj in zip(lines, objs)]
     return [(line, default_max_new_tokens) for _, line in lines]
 
 
-def _json_request(where: str, number: int, line: str, default_max_new_tokens: int) -> tuple[str, int]:
-    at = f"{where} line {number}"
-    try:
-        obj = json.loads(line)
-    except ValueError as exc:
-        raise PromptError(f"{at}: not JSON ({exc.msg}); a JSON Lines file has one object per line") from None
+def _json_request(at: str, obj, default_max_new_tokens: int) -> tuple[str, int]:
     if not isinstance(obj, dict):
         raise PromptError(f"{at}: expected an object {{\"prompt\": ..., \"max_new_tokens\": ...}}")
     unknown = sorted(set(obj) - {"prompt", "max_new_tokens"})
@@ -130,15 +127,15 @@ def load_requests(path: str | Path) -> list[Request]:
     p = Path(path)
     if not p.is_file() or p.stat().st_size > MAX_FILE_BYTES * 4:
         raise PromptError(f"{where}: not a regular file of at most {MAX_FILE_BYTES * 4} bytes")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PromptError(f"{where}: not UTF-8 text (byte {exc.start})") from None
+    lines = split_lines(text)
     out = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-            ids, n = obj["prompt_ids"], obj["max_new_tokens"]
-        except (ValueError, KeyError, TypeError):
-            raise PromptError(f"{where} line {i}: expected {{\"prompt_ids\": [...], \"max_new_tokens\": N}}") from None
+    for (i, _), obj in zip(lines, json_lines(lines, where, error=PromptError, max_bytes=MAX_FILE_BYTES * 4)):
+        ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
+        n = obj.get("max_new_tokens") if isinstance(obj, dict) else None
         if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
                 and isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_NEW_TOKENS):
             raise PromptError(f"{where} line {i}: prompt_ids must be a non-empty list of token ids and "

@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 
 from engine.base.config import EngineConfig
-from engine.base.errors import ConfigError, PromptError
+from engine.base.errors import ConfigError, ModelFormatError, PromptError
 from engine.base.inputs import read_text_input
+from engine.format import fp8_checkpoint
 from engine.format.checkpoint import Checkpoint
-from engine.run.generate import load_tokenizer
+from engine.run.generate import check_finite_logits, load_tokenizer
 from engine.run.runtime import Engine, checkpoint_dtype
 
 HELD_OUT_EVERY = 20  # one stdlib file in 20 is held out of training
@@ -97,6 +98,7 @@ def _chunks(ids: list[int], ctx: int):
 def _chunk_logprobs(engine, chunk: list[int]) -> torch.Tensor:
     """log-softmax of the logits that predict chunk[ctx/2 + 1 :], from an empty context."""
     logits = engine.forward(chunk, 0)  # [ctx, V] fp32
+    check_finite_logits(logits, f" for {engine.checkpoint.directory}")
     half = len(chunk) // 2
     return torch.log_softmax(logits[half:-1].float(), dim=-1)
 
@@ -108,7 +110,10 @@ def measure_quality(model_dir, reference_dir, tokens: int = 4096, ctx: int = 512
     model_settings: EngineConfig fields for the scored model only (the lossy ones: kv_dtype,
     top_k_reduction, expert_threshold); the reference always runs as stored, lossless.
     """
-    Checkpoint(model_dir)  # a bad model is refused before the reference runs (seconds to hours), not after
+    # A bad model is refused before the reference runs (seconds to hours), not after. Every FP8
+    # code and scale of both is checked here (a run only samples them): one read of the weights.
+    for directory in (model_dir, reference_dir):
+        check_values(Checkpoint(directory))
     reference = Reference(reference_dir, tokens, ctx, text_file, dtype, threads, progress)
     return reference.score(model_dir, model_settings)
 
@@ -161,8 +166,8 @@ class Reference:
                     self.progress("model", i + 1, len(self.chunks))
         kl_all = torch.cat(kl).double()
         n = kl_all.numel()
-        ppl_q, ppl_r = math.exp(nll_q / n), math.exp(nll_r / n)
-        return {
+        ppl_q, ppl_r = _exp(nll_q / n), _exp(nll_r / n)
+        return finite_figures({
             "kind": "quality", "model": meta, "reference": self.meta, "text": self.text,
             "tokens": self.tokens, "ctx": self.ctx, "chunks": len(self.chunks), "scored_tokens": n,
             "kl_mean": float(kl_all.mean()), "kl_median": float(kl_all.median()),
@@ -170,7 +175,28 @@ class Reference:
             "top1_agreement": same / n,
             "ppl_model": ppl_q, "ppl_reference": ppl_r,
             "ppl_ratio": ppl_q / ppl_r, "ppl_change": ppl_q / ppl_r - 1.0, "ppl_delta": ppl_q - ppl_r,
-        }
+        })
+
+
+def _exp(x: float) -> float:
+    return math.exp(x) if x < 709.0 else math.inf  # math.exp raises OverflowError past ~709.78
+
+
+def check_values(ckpt: Checkpoint) -> None:
+    spec = fp8_checkpoint.fp8_spec(ckpt.config, f"{ckpt.directory}/config.json")
+    if spec is not None:
+        fp8_checkpoint.check_fp8_values(ckpt, spec)
+
+
+def finite_figures(result: dict) -> dict:
+    """Refuse to report a NaN or infinite figure: JSON has no NaN, and a reader takes `NaN` for a
+    result (the logits were checked, so this is an overflow, e.g. a perplexity past float range)."""
+    model = (result.get("model") or {}).get("path", "quality")
+    for key, value in result.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ModelFormatError(f"{model}: {key} is {value} (the model's probabilities over- or underflow; "
+                                   "its weights are not those of a trained model)")
+    return result
 
 
 def _meta(engine, directory) -> dict:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -35,11 +36,64 @@ E4M3_MAX = 448.0
 NATIVE_MAX_ROWS = 16  # the kernel re-reads the weights once per row: a GEMM wins beyond a few rows
 
 
+# e4m3fn has no infinities: S.1111.111 (0x7f, 0xff) is its only NaN, and any other code is finite.
+NAN_BITS = 0x7F
+# The largest weight a block may stand for is 448 x its scale. Trained weights are far below fp16's
+# 65504 (published FP8 scales are ~1e-4..1e-2); a scale that makes them larger (3e38 makes them
+# overflow fp32 to inf) is a corrupt file, and its products would turn every logit into NaN.
+MAX_WEIGHT = 65504.0
+MAX_SCALE = MAX_WEIGHT / E4M3_MAX
+# Codes sampled per matrix at load: the streaming hot path reads experts per token, so it looks at
+# a spread-out subset (a whole projection of NaN codes, the usual corruption, is caught); `convert`
+# and `quality` look at every code, and a NaN that slips past the sample stops the run at the
+# logits (engine/run/generate.py) instead of emitting token 0.
+SAMPLED_CODES = 2048
+SAMPLE_RUNS = 32
+FULL_CHUNK = 1 << 24  # codes per step of the full check: bounds its copy to 16 MiB
+
+
 def check_scale_values(scale: torch.Tensor, what: str) -> None:
-    """NaN, infinite or negative scales would turn a block into garbage silently."""
-    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
-        bad = scale[~torch.isfinite(scale) | (scale < 0)].flatten()[0].item()
-        raise ModelFormatError(f"{what}: FP8 block scale {bad} is not a finite non-negative number")
+    """Every scale must be a finite number in [0, MAX_SCALE]: a NaN, infinite, negative or absurd
+    scale turns its block into garbage silently. Two numpy reductions: the hot path runs this per
+    streamed expert, and numpy's per-call cost is a fraction of torch's; a NaN makes min and max
+    NaN, which fails both comparisons."""
+    a = scale.detach().numpy()
+    if a.size == 0 or (a.min() >= 0 and a.max() <= MAX_SCALE):
+        return
+    bad = float(a[~((a >= 0) & (a <= MAX_SCALE))][0])
+    if math.isnan(bad) or math.isinf(bad) or bad < 0:
+        kind = "not a number" if math.isnan(bad) else "infinite" if math.isinf(bad) else "negative"
+    else:
+        kind = (f"absurd (its weights would reach {bad * E4M3_MAX:.3g}, above {MAX_WEIGHT:g}; "
+                f"scales must be <= {MAX_SCALE:.4g})")
+    raise ModelFormatError(f"{what}: FP8 block scale {bad:g} is {kind}")
+
+
+_NAN_CODES = (bytes([NAN_BITS]), bytes([NAN_BITS | 0x80]))
+
+
+def check_codes(weight: torch.Tensor, what: str, full: bool = False) -> None:
+    """No e4m3 NaN code (0x7f / 0xff) in `weight`: every code when `full`, else SAMPLED_CODES of
+    them in SAMPLE_RUNS runs of consecutive codes spread evenly over the matrix (runs, not single
+    codes: a few dozen cache lines and pages instead of thousands, on a matrix just read). The
+    codes are searched as bytes (memchr: no temporaries, GB/s)."""
+    codes = (weight if weight.is_contiguous() else weight.contiguous()).view(torch.uint8).numpy().reshape(-1)
+    n = codes.size
+    run = SAMPLED_CODES // SAMPLE_RUNS
+    if full or n <= SAMPLED_CODES:
+        spans = [(start, codes[start:start + FULL_CHUNK].tobytes(), 1) for start in range(0, n, FULL_CHUNK)]
+    else:
+        stride = (n - run) // (SAMPLE_RUNS - 1)
+        runs = np.lib.stride_tricks.as_strided(codes, shape=(SAMPLE_RUNS, run), strides=(stride, 1))
+        spans = [(0, runs.tobytes(), None)]
+    for start, data, step in spans:
+        hits = [i for i in (data.find(c) for c in _NAN_CODES) if i >= 0]
+        if hits:
+            at = min(hits)
+            index = start + at if step else (at // run) * stride + at % run
+            row, col = divmod(index, weight.shape[-1]) if weight.dim() == 2 else (0, index)
+            raise ModelFormatError(f"{what}: FP8 code 0x{int(codes[index]):02x} at [{row}, {col}] is NaN "
+                                   "(e4m3 has no NaN weights in a valid checkpoint)")
 
 
 # --- math ------------------------------------------------------------------------------------------
@@ -81,9 +135,10 @@ class Fp8Weight(StoredMatrix):
 
     @classmethod
     def from_stored(cls, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                    what: str) -> "Fp8Weight":
+                    what: str, weight_what: str | None = None) -> "Fp8Weight":
         scale = scale if scale.dtype == torch.float32 else scale.float()
         check_scale_values(scale, what)
+        check_codes(weight, weight_what or what)
         return cls(weight, scale.contiguous(), block)
 
     @property

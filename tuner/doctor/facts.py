@@ -59,13 +59,27 @@ def o_direct_read(path: Path) -> str | None:
     return None
 
 
-def _model_files(model_dir: Path) -> list[Path]:
-    return sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix == ".safetensors")
-
-
-def model_facts(model_dir: Path, facts: Facts) -> None:
-    files = _model_files(model_dir)
+def open_model(model_dir: Path, facts: Facts) -> Checkpoint | None:
+    """The model through the loader `run` uses (config.json a regular JSON file within its limits
+    and valid for its model_type, every shard's header checked), or None with the reason in
+    facts.model_error: `doctor --model /` used to say "ready" for a 0 B model."""
     facts.model_dir = str(model_dir)
+    try:
+        ckpt = Checkpoint(model_dir)
+    except ColibriError as exc:
+        facts.model_error = str(exc)
+        return None
+    shards = {info.path for info in ckpt.tensors.values()}
+    facts.model_summary = (f"{ckpt.config.get('model_type')}: config.json valid, {len(ckpt.tensors)} tensors "
+                           f"in {len(shards)} shard(s)")
+    return ckpt
+
+
+def model_facts(ckpt: Checkpoint, facts: Facts) -> None:
+    """Sizes, free space, O_DIRECT and fragmentation of the shards the checkpoint indexes (those
+    it reads: not every *.safetensors beside them)."""
+    model_dir = ckpt.directory
+    files = sorted({Path(info.path) for info in ckpt.tensors.values()})
     facts.model_bytes = sum(p.stat().st_size for p in files)
     st = os.statvfs(model_dir)
     facts.disk_free_bytes = st.f_bavail * st.f_frsize
@@ -81,9 +95,8 @@ def model_facts(model_dir: Path, facts: Facts) -> None:
             facts.worst_file = f"{worst.name}: {counts[worst]} extents in {worst.stat().st_size / GiB:.2f} GiB"
 
 
-def plan_facts(model_dir: Path, config: EngineConfig, facts: Facts) -> None:
+def plan_facts(ckpt: Checkpoint, config: EngineConfig, facts: Facts) -> None:
     facts.budget_bytes = config.ram_budget
-    ckpt = Checkpoint(model_dir)
     args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args) if args.is_moe else None
     dtype = checkpoint_dtype(ckpt)
@@ -151,13 +164,14 @@ def gather(model_dir: Path | None, config: EngineConfig | None, profile: Hardwar
     """Every reading; the memory plan only when a budget (config) is given."""
     facts = Facts()
     machine_facts(facts)
-    if model_dir is not None:
-        model_facts(model_dir, facts)
-    if model_dir is not None and config is not None:
-        try:
-            plan_facts(model_dir, config, facts)
-        except ColibriError as exc:
-            facts.plan_error = str(exc)
+    ckpt = open_model(model_dir, facts) if model_dir is not None else None
+    if ckpt is not None:
+        model_facts(ckpt, facts)
+        if config is not None:
+            try:
+                plan_facts(ckpt, config, facts)
+            except ColibriError as exc:
+                facts.plan_error = str(exc)
     if profile is not None:
         probe_facts(profile, facts)
     return facts

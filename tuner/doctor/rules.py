@@ -26,6 +26,8 @@ class Facts:
     """What doctor measured (None where it could not)."""
 
     model_dir: str | None = None
+    model_error: str | None = None  # the loader `run` uses refused the model (then no other model fact)
+    model_summary: str | None = None
     model_bytes: int | None = None
     disk_free_bytes: int | None = None
     mem_total_bytes: int | None = None
@@ -84,6 +86,16 @@ class Diagnosis:
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict(), "findings": [asdict(f) for f in self.findings]}
+
+
+def model(f: Facts) -> list[Finding]:
+    if f.model_error:
+        return [Finding("model", "problem", f.model_error, "run opens the model the same way and would refuse it",
+                        "point --model at a Hugging Face model directory (config.json and its *.safetensors), "
+                        "or fix the file named")]
+    if f.model_summary:
+        return [Finding("model", "ok", f.model_summary)]
+    return []
 
 
 def disk_space(f: Facts) -> list[Finding]:
@@ -209,7 +221,7 @@ def budget(f: Facts) -> list[Finding]:
                     f"({format_size(f.plan_fixed_bytes)}) and leaves {format_size(f.plan_cache_bytes)} of expert cache")]
 
 
-RULES = (disk_space, memory, o_direct, fragmentation, ssd, native_kernels, cgroup, throttling, huge_pages,
+RULES = (model, disk_space, memory, o_direct, fragmentation, ssd, native_kernels, cgroup, throttling, huge_pages,
          budget)
 
 

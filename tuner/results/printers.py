@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.api import BenchResult, RunResult, SynthResult, figures, format_size
+from engine.api import BenchResult, RunResult, SynthResult, figures, format_size, rewrite_line
 from tuner.base.text import (  # noqa: F401  (re-exported: the printers' callers format with them too)
     fmt, json_text, kl_text, markdown_table, pct, print_json, text_table, utc_now)
 from tuner.results.columns import CONFIG_COLUMNS, FIGURE_COLUMNS, QUALITY_COLUMNS, column
@@ -279,9 +279,8 @@ def convert_progress(enabled: bool = True, stream=None):
     def progress(event, **f):
         out = stream or sys.stderr
         if event == "shard":
-            end = "\n" if f["done"] == f["total"] else ""
-            print(f"\r  shard {f['index']}/{f['shards']} {f['name']}: {f['done']}/{f['total']} tensors/experts",
-                  end=end, file=out, flush=True)
+            rewrite_line(out, f"  shard {f['index']}/{f['shards']} {f['name']}: {f['done']}/{f['total']} "
+                              "tensors/experts", last=f["done"] == f["total"])
         elif event == "check":
             print(f"  kept {f['name']} (checksum {'ok' if f['ok'] else 'MISMATCH: rewriting'})", file=out)
         elif event == "discard":
@@ -295,7 +294,7 @@ def quality_progress(enabled: bool = True, stream=None):
         return None
 
     def progress(label, i, n):
-        print(f"\r  {label}: chunk {i}/{n}", end="\n" if i == n else "", file=stream or sys.stderr, flush=True)
+        rewrite_line(stream or sys.stderr, f"  {label}: chunk {i}/{n}", last=i == n)
     return progress
 
 
