@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from colibri_tiny import make_tiny
 from engine.base.errors import ModelFormatError
 from engine.weights import fp8
+from engine.format.fp8_checkpoint import SCALE_SUFFIX
 from engine.run.quality import finite_figures
 from engine.synth.fp8_writer import write_fp8_checkpoint
 from colibri.cli import main
@@ -133,7 +134,7 @@ def test_a_projection_of_nan_codes_is_refused_by_name_at_load(good, tmp_path, ca
 @pytest.mark.parametrize("scale,kind", [(3e38, "is absurd"), (float("inf"), "is infinite"),
                                         (float("nan"), "is not a number"), (-1.0, "is negative")])
 def test_bad_scales_are_refused_by_name_at_load(good, tmp_path, capsys, scale, kind):
-    name = EXPERT_UP + fp8.SCALE_SUFFIX
+    name = EXPERT_UP + SCALE_SUFFIX
     m = copy_with(good, tmp_path / "m", tensors=lambda t: t[name].view(-1).__setitem__(0, scale))
     code, _, err = cli(capsys, "run", "--model", m, *RUN)
     assert_one_error_line(code, err, "run", name, kind)
@@ -208,9 +209,9 @@ def test_quality_figures_that_overflow_are_refused_not_printed():
 @pytest.mark.parametrize("axis", [0, 1])
 def test_convert_refuses_an_expert_one_row_or_column_off(good, tmp_path, capsys, axis):
     def off_by_one(t):
-        w = fp8.dequantize(t[EXPERT_UP], t[EXPERT_UP + fp8.SCALE_SUFFIX], BLOCK)
+        w = fp8.dequantize(t[EXPERT_UP], t[EXPERT_UP + SCALE_SUFFIX], BLOCK)
         w = w[:-1] if axis == 0 else w[:, :-1]
-        t[EXPERT_UP], t[EXPERT_UP + fp8.SCALE_SUFFIX] = fp8.quantize(w, BLOCK)
+        t[EXPERT_UP], t[EXPERT_UP + SCALE_SUFFIX] = fp8.quantize(w, BLOCK)
     m = copy_with(good, tmp_path / "m", tensors=off_by_one)
     code, _, err = cli(capsys, "convert", m, "-o", tmp_path / "out", "--quant", "int8")
     assert_one_error_line(code, err, "convert", EXPERT_UP, "config.json implies")

@@ -28,6 +28,7 @@ from colibri_fuzz import Call, assert_batch, record
 from colibri_http import ServeProcess, exchange
 from colibri_tiny import make_tiny
 from engine.weights import fp8
+from engine.format.fp8_checkpoint import SCALE_SUFFIX
 from engine.synth.fp8_writer import write_fp8_checkpoint
 from test_fuzz import VALUES
 from test_fuzz_commands import Outs, batches
@@ -75,7 +76,7 @@ def mutate_fp8(src: Path, dst: Path, mutations) -> None:
     config = json.loads((dst / "config.json").read_text())
     for op, pick, arg in mutations:
         if op in ("codes", "scale"):
-            name = weights[pick % len(weights)] + ("" if op == "codes" else fp8.SCALE_SUFFIX)
+            name = weights[pick % len(weights)] + ("" if op == "codes" else SCALE_SUFFIX)
             t = tensors[name]
             flat = (t.view(torch.uint8) if op == "codes" else t).reshape(-1).clone()
             flat[_at(flat, arg[0])] = arg[1]

@@ -30,7 +30,7 @@ _HOMES = {
     "engine.api.entry": "run bench quality plan",
     # configuration and errors
     "engine.base.config": "EngineConfig CTX_MAX KV_QUANT_NAMES PREFILL_CHUNK knob format_size parse_size size_label",
-    "engine.base.errors": "ColibriError ConfigError BudgetError BusyError ModelFormatError",
+    "engine.base.errors": "ColibriError ConfigError BudgetError BusyError ModelFormatError PromptError",
     # the engine and one generation
     "engine.run.runtime": "Engine DTYPE_NAMES checkpoint_dtype physical_cores",
     "engine.run.generate": "Generation Sampler generate load_tokenizer random_prompt_ids",
@@ -72,7 +72,7 @@ _HOMES = {
                                   "json_lines_head_with read_small_json replace_directory run_directory_target "
                                   "stamped"),
     "engine.movement.io.trace": "TRACE_FORMAT",
-    "engine.base.progress": "Progress",
+    "engine.base.progress": "Progress end_open_line rewrite_line",
 }
 _HOME = homes(_HOMES)
 

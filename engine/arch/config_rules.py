@@ -174,7 +174,7 @@ class LayerList(Field):
 class QuantizationConfig(Field):
     """`quantization_config`: an object whose `quant_method` (if given) is a string. Readers do
     `config["quantization_config"].get(...)`; a string there ("fp8") was an AttributeError in
-    every command that opened the model. The FP8 fields are engine/format/fp8.fp8_spec's."""
+    every command that opened the model. The FP8 fields are engine/format/fp8_checkpoint.fp8_spec's."""
 
     def accepts(self, value) -> bool:
         return isinstance(value, dict) and isinstance(value.get("quant_method", ""), str)
