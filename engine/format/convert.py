@@ -240,7 +240,7 @@ def convert(src, dst, quant: str = "int4", group_size: int = 64, scope: str = "e
         conv = Converter(source, spec)
         shards = conv.shards()
         options = {**spec.config_entry(conv.fingerprint)}
-        kept = _resume_state(tmp, options, progress)
+        kept = resume_state(tmp, options, progress)
         tmp.mkdir(parents=True, exist_ok=True)
         state = {"options": options, "shards": kept}
         write_json_atomic(tmp / STATE_FILE, state)  # first: a .partial without it is not ours
@@ -291,17 +291,18 @@ def read_state(tmp: Path) -> dict | None:
     return state
 
 
-def _resume_state(tmp: Path, options: dict, progress) -> dict[str, str]:
-    """Shards of an interrupted run to keep: same source and options, bytes still matching."""
+def resume_state(tmp: Path, options: dict, progress, source: str = "source") -> dict[str, str]:
+    """Shards of an interrupted run to keep (convert's, or a GGUF import's: `source` names what it
+    was made from): same source and options, bytes still matching."""
     if not os.path.lexists(tmp):
         return {}
-    state = read_state(tmp)
+    state = read_state(tmp)  # a .partial that is not an interrupted convert is refused, named, kept
     if state is None:
         return {}
     if state["options"] != options:
         if progress:
-            progress("discard", path=str(tmp), reason="made from another source or with other options")
-        shutil.rmtree(tmp)
+            progress("discard", path=str(tmp), reason=f"made from another {source} or with other options")
+        shutil.rmtree(tmp)  # ours: its state says so, and it holds files only (read_state)
         return {}
     kept = {}
     for name, digest in state["shards"].items():

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from engine.base.durable import atomic_write_text
 from engine.base.errors import PromptError
+from engine.base.inputs import read_text_input
 from engine.base.jsonlimits import json_lines, split_lines
 
 MAX_FILE_BYTES = 16 << 20
@@ -45,17 +46,8 @@ class Request:
 
 def read_prompts(path: str | Path, default_max_new_tokens: int) -> list[tuple[str, int]]:
     """(prompt text, max_new_tokens) of every request in the file, in order."""
-    p = Path(path)
     where = f"--prompts {path}"
-    if not p.is_file():
-        raise PromptError(f"{where}: not a regular file" if p.exists() else f"{where}: no such file")
-    size = p.stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise PromptError(f"{where}: {size} bytes is over the {MAX_FILE_BYTES}-byte limit for a prompts file")
-    try:
-        text = p.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PromptError(f"{where}: not UTF-8 text (byte {exc.start})") from None
+    text = read_text_input(path, "prompts file", PromptError, limit=MAX_FILE_BYTES)
     lines = split_lines(text)
     if not lines:
         raise PromptError(f"{where}: no prompt in the file")
@@ -124,13 +116,7 @@ def save_requests(requests: list[Request], path: str | Path) -> Path:
 def load_requests(path: str | Path) -> list[Request]:
     """A workload written by save_requests (bench --workload)."""
     where = f"--workload {path}"
-    p = Path(path)
-    if not p.is_file() or p.stat().st_size > MAX_FILE_BYTES * 4:
-        raise PromptError(f"{where}: not a regular file of at most {MAX_FILE_BYTES * 4} bytes")
-    try:
-        text = p.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PromptError(f"{where}: not UTF-8 text (byte {exc.start})") from None
+    text = read_text_input(path, "workload file", PromptError, limit=MAX_FILE_BYTES * 4)
     lines = split_lines(text)
     out = []
     for (i, _), obj in zip(lines, json_lines(lines, where, error=PromptError, max_bytes=MAX_FILE_BYTES * 4)):

@@ -27,7 +27,7 @@ from engine.base.durable import DirectoryLock
 from engine.base.errors import UnsupportedModelError
 from engine.base.output_target import DirectoryTarget, check_not_source, directory_target, replace_directory, stamped
 from engine.format.convert import (GGUF_SOURCE_KEY, STATE_FILE, convert, convert_output_recogniser, file_sha256,
-                                   read_state)
+                                   resume_state)
 from engine.format.gguf.items import Item, Plan
 from engine.format.gguf.reader import GGUFModel
 from engine.format.gguf.tensors import build_plan
@@ -112,7 +112,7 @@ def _import(src, target: DirectoryTarget, tmp: Path, progress, max_shard_bytes: 
               "fingerprint": fingerprint(m),
               "types": dict(sorted(Counter(t.type_name for t in m.tensors.values()).items()))}
     options = {"source": source, "max_shard_bytes": max_shard_bytes}
-    kept = _resume(tmp, options, progress)
+    kept = resume_state(tmp, options, progress, source="GGUF")
     tmp.mkdir(parents=True, exist_ok=True)
     state = {"options": options, "shards": kept}
     write_json_atomic(tmp / STATE_FILE, state)  # first: a .partial without it is not ours
@@ -159,31 +159,6 @@ def import_and_convert(src, dst, quant: str | None, group_size: int = 64, scope:
     shutil.rmtree(bf16.path)  # written by this run (checked above, renamed in by import_gguf)
     return {**summary, "imported": {k: imported[k] for k in ("source", "model_type", "tensors", "skipped",
                                                              "tokenizer")}}
-
-
-def _resume(tmp: Path, options: dict, progress) -> dict[str, str]:
-    """Shards of an interrupted import to keep: same GGUF and options, bytes still matching."""
-    if not os.path.lexists(tmp):
-        return {}
-    state = read_state(tmp)  # a .partial that is not an interrupted convert is refused, named, kept
-    if state is None:
-        return {}
-    if state["options"] != options:
-        if progress:
-            progress("discard", path=str(tmp), reason="made from another GGUF or with other options")
-        shutil.rmtree(tmp)  # ours: its state says so, and it holds files only (read_state)
-        return {}
-    kept = {}
-    for name, digest in state["shards"].items():
-        ok = Path(name).name == name and (tmp / name).is_file() and file_sha256(tmp / name) == digest
-        if progress:
-            progress("check", name=name, ok=ok)
-        if ok:
-            kept[name] = digest
-    for stray in tmp.iterdir():  # half-written .tmp shards and anything unrecorded (files only: checked)
-        if stray.name != STATE_FILE and stray.name not in kept:
-            stray.unlink()
-    return kept
 
 
 def _finish(tmp: Path, plan: Plan, shards: dict[str, list[Item]], source: dict, tokenizer) -> None:
