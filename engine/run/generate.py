@@ -47,6 +47,7 @@ class Generation:
     prefill_seconds: float = 0.0
     ttft_seconds: float = 0.0
     token_seconds: list[float] = field(default_factory=list)  # each decode step after the first token
+    cached_tokens: int = 0  # prompt tokens whose K/V was reused, not computed (engine/run/prefix_cache.py)
 
 
 def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler | None = None,
@@ -68,23 +69,25 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
     if max_new_tokens <= 0:
         return gen
     t0 = time.perf_counter()
-    logits = engine.forward(prompt_ids, 0, last_only=True)
+    # Only the suffix after a reused prefix is prefilled (none when the engine's prefix cache is off).
+    gen.cached_tokens = reused = engine.restore_prefix(prompt_ids)
+    logits = engine.forward(prompt_ids[reused:], reused, last_only=True)
     gen.prefill_seconds = time.perf_counter() - t0
     token = sampler(logits[-1])
     gen.ttft_seconds = time.perf_counter() - t0
     gen.output_ids.append(token)
-    if on_token and on_token(token) is True:
-        return gen
-    pos = n
-    while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
-        t = time.perf_counter()
-        logits = engine.forward([token], pos)
-        token = sampler(logits[-1])
-        gen.token_seconds.append(time.perf_counter() - t)
-        gen.output_ids.append(token)
-        pos += 1
-        if on_token and on_token(token) is True:
-            break
+    if not (on_token and on_token(token) is True):
+        pos = n
+        while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
+            t = time.perf_counter()
+            logits = engine.forward([token], pos)
+            token = sampler(logits[-1])
+            gen.token_seconds.append(time.perf_counter() - t)
+            gen.output_ids.append(token)
+            pos += 1
+            if on_token and on_token(token) is True:
+                break
+    engine.remember_prefix()  # the prompt and the answer so far: a next turn resends both
     return gen
 
 
