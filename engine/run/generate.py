@@ -51,9 +51,12 @@ class Generation:
 
 
 def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler | None = None,
-             stop_ids: set[int] | None = None, on_token=None) -> Generation:
+             stop_ids: set[int] | None = None, on_token=None, cached_tokens: int | None = None) -> Generation:
     """Prefill, then decode until max_new_tokens, a stop id, or `on_token(token)` returning True
-    (how a server stops at a stop sequence or when its client has gone)."""
+    (how a server stops at a stop sequence or when its client has gone).
+
+    cached_tokens: how many of the prompt's first positions the caller has already put in the KV
+    cache (`run --prompt-cache`); None: whatever the engine's prefix cache restores."""
     sampler = sampler or Sampler()
     n = len(prompt_ids)
     if n == 0:
@@ -70,7 +73,8 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
         return gen
     t0 = time.perf_counter()
     # Only the suffix after a reused prefix is prefilled (none when the engine's prefix cache is off).
-    gen.cached_tokens = reused = engine.restore_prefix(prompt_ids)
+    reused = engine.restore_prefix(prompt_ids) if cached_tokens is None else min(cached_tokens, n - 1)
+    gen.cached_tokens = reused
     logits = engine.forward(prompt_ids[reused:], reused, last_only=True)
     gen.prefill_seconds = time.perf_counter() - t0
     token = sampler(logits[-1])

@@ -280,6 +280,10 @@ class Engine:
         if self.prefix is not None:
             self.prefix.remember(self.kv_tokens)
 
+    def prefix_stats(self) -> dict:
+        """The prefix cache's counters (lookups, hits, cached tokens, bytes restored, spilled): {} when off."""
+        return self.prefix.metrics() if self.prefix is not None else {}
+
     def forget_prefixes(self) -> None:
         """Nothing computed before is reused (a cold measurement): the live positions and the RAM blocks."""
         del self.kv_tokens[:]
