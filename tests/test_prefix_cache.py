@@ -297,3 +297,53 @@ def test_kv_files_are_safetensors_with_our_metadata(disk_model):
         assert "colibri_kv" in meta and len(list(f.keys())) > 0
     parsed, tensors = kv_store.decode(files[1], None, 1 << 30)
     assert parsed["start"] == BLOCK and parsed["tokens"] == P1[BLOCK:2 * BLOCK] and parsed["format"] == kv_store.FORMAT
+
+
+# --- run --prompt-cache FILE ----------------------------------------------------------------------
+
+def _run(model, cache, prompt, capsys):
+    from colibri import cli
+    import json
+    capsys.readouterr()
+    rc = cli.main(["run", "--model", str(model), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "4",
+                   "--ctx-size", str(CTX), "--dtype", "fp32", "--threads", "1", "--json", "--prompt-cache", str(cache)])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return json.loads(out.out), out.err
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_run_prompt_cache_saves_and_restores(arch, tmp_path, capsys):
+    model = tmp_path / "m"
+    build(arch, model)
+    cache = tmp_path / "prompt.kv"
+    first, _ = _run(model, cache, P1, capsys)
+    assert first["cached_tokens"] == 0 and cache.is_file()
+    again, _ = _run(model, cache, P1, capsys)
+    assert again["cached_tokens"] == len(P1) - 1 and again["output_ids"] == first["output_ids"]
+    _, want_tokens = reference(model, P2, n=4)
+    other, _ = _run(model, cache, P2, capsys)  # token granular: the 37 shared tokens
+    assert other["cached_tokens"] == 37 and other["output_ids"] == want_tokens
+
+
+def test_run_prompt_cache_damaged_or_foreign_is_skipped(tiny, tmp_path, capsys):
+    cache = tmp_path / "prompt.kv"
+    first, _ = _run(tiny, cache, P1, capsys)
+    raw = cache.read_bytes()
+    cache.write_bytes(raw[:-3] + bytes([raw[-3] ^ 1]) + raw[-2:])
+    again, err = _run(tiny, cache, P1, capsys)
+    assert again["cached_tokens"] == 0 and again["output_ids"] == first["output_ids"]
+    assert err.count("warning") == 1 and "checksum" in err
+    other = synth.synthesize(TINY, tmp_path / "other", seed=1, progress=False)
+    _run(other, cache, P1, capsys)  # the file now holds the other model's prompt
+    mine, err = _run(tiny, cache, P1, capsys)
+    assert mine["cached_tokens"] == 0 and mine["output_ids"] == first["output_ids"] and "foreign or stale" in err
+
+
+def test_run_prompt_cache_refuses_a_file_it_did_not_write(tiny, tmp_path, capsys):
+    from colibri import cli
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    rc = cli.main(["run", "--model", str(tiny), "--prompt-tokens", "3", "--max-new-tokens", "1", "--ctx-size", "16",
+                   "--prompt-cache", str(notes)])
+    assert rc == 2 and notes.read_text() == "mine"
