@@ -347,3 +347,25 @@ def test_run_prompt_cache_refuses_a_file_it_did_not_write(tiny, tmp_path, capsys
     rc = cli.main(["run", "--model", str(tiny), "--prompt-tokens", "3", "--max-new-tokens", "1", "--ctx-size", "16",
                    "--prompt-cache", str(notes)])
     assert rc == 2 and notes.read_text() == "mine"
+
+
+def test_the_budget_pays_for_the_prefix_cache(tmp_path):
+    """Under a budget the prefix cache is a fixed part: the expert cache gets that much less."""
+    from engine.api import Checkpoint, ExpertLayout, make_plan, model_args
+    model = make_tiny(tmp_path / "m")
+    ckpt = Checkpoint(model)
+    args = model_args(ckpt.config)
+    layout = ExpertLayout(ckpt, args)
+    def plan(budget, prefix=0):
+        config = EngineConfig(ram_budget=budget, ctx_size=CTX, dtype="fp32", prefix_cache=prefix)
+        return make_plan(ckpt, args, layout, config, torch.float32, torch.float32, overhead_bytes=8 << 20)
+
+    p = plan(1 << 30)
+    fixed = p.dense_bytes + p.kv_bytes + p.buffer_bytes + p.overhead_bytes + p.prefill_bytes
+    budget = fixed + p.routed_experts * p.cache_entry_bytes // 2  # room for half the experts
+    off, on = plan(budget), plan(budget, prefix=budget - fixed - 3 * p.cache_entry_bytes)
+    assert on.prefix_cache_bytes > 0 == off.prefix_cache_bytes
+    assert off.cache_bytes - on.cache_bytes >= on.prefix_cache_bytes - on.cache_entry_bytes
+    assert on.cache_slots == 3
+    with pytest.raises(Exception, match="prefix cache"):
+        plan(budget, prefix=budget)

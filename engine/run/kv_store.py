@@ -169,6 +169,8 @@ class KVStore:
         self.enabled, self.spilled_bytes, self.read_bytes, self.skipped = max_bytes > 0, 0, 0, 0
         self._lock_fd = None
         self._sizes: dict[str, tuple[int, float]] = {}  # name → (bytes, mtime)
+        # Their sum, kept as files come and go: /metrics reads it from another thread.
+        self.used_bytes = 0
         if self.enabled:
             try:
                 self._open()
@@ -193,15 +195,12 @@ class KVStore:
             elif _NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
                 self._sizes[entry.name] = (st.st_size, st.st_mtime)
+                self.used_bytes += st.st_size
 
     def _off(self, message: str) -> None:
         if self.enabled:
             warn(message)
         self.enabled = False
-
-    @property
-    def used_bytes(self) -> int:
-        return sum(size for size, _ in self._sizes.values())
 
     def path(self, key: str) -> Path:
         return self.dir / f"{key}{SUFFIX}"
@@ -231,6 +230,7 @@ class KVStore:
                       "KV stays in RAM only")
             return False
         self._sizes[name] = (len(data), os.stat(self.dir / name).st_mtime)
+        self.used_bytes += len(data)
         self.spilled_bytes += len(data)
         return True
 
@@ -260,7 +260,8 @@ class KVStore:
         return tensors
 
     def _remove(self, name: str) -> None:
-        self._sizes.pop(name, None)
+        size, _ = self._sizes.pop(name, (0, 0.0))
+        self.used_bytes -= size
         try:
             os.unlink(self.dir / name)
         except FileNotFoundError:
