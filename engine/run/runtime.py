@@ -175,7 +175,7 @@ class Engine:
         # The tokens whose K/V the cache holds at positions 0..len-1 (Engine.forward keeps it), and
         # the prefix cache that reuses them and keeps recent ones (engine/run/prefix_cache.py).
         self.kv_tokens: list[int] = []
-        self.fingerprint = fingerprint(self.checkpoint)
+        self._fingerprint: str | None = None
         self.prefix = open_prefix_cache(self, kv_dir, kv_disk_bytes)
         # Everything that sets how the model runs goes in here, once; the model decides its decode
         # route from it (self.model.plan, engine/arch/decode_plan.py).
@@ -264,6 +264,14 @@ class Engine:
         return logits
 
     # --- prefix reuse (engine/run/prefix_cache.py) -----------------------------------------------
+
+    @property
+    def fingerprint(self) -> str:
+        """The checkpoint's identity (config.json, every shard's size and header), read once when
+        reuse first needs it: cached KV is keyed by it."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.checkpoint)
+        return self._fingerprint
 
     def restore_prefix(self, ids: list[int]) -> int:
         """Make the KV cache hold the longest prefix of `ids` it can without computing (at most
