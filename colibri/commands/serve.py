@@ -33,6 +33,14 @@ def add_reuse_flags(p) -> None:
                         "default 8GiB)")
 
 
+def say_prefix_default(p) -> None:
+    """--prefix-cache's help names serve's default, not the knob's (0, run's)."""
+    for action in p._actions:
+        if action.dest == "prefix_cache":
+            action.help = ("RAM for the KV of recent prompts, reused when a later prompt begins the same way "
+                           "(default here: 256MiB, or an eighth of --ram-budget when less; 0 = off)")
+
+
 def reuse_options(args, command: str) -> tuple[EngineConfig, dict]:
     """The engine config with serve's prefix-cache default (under --config and the flags), and
     the SSD tier's directory (checked by the output guard before anything loads) and bound."""
@@ -56,6 +64,7 @@ def add_serve(sub) -> None:
     p.add_argument("--model-name", help="the model id clients use (default: the directory's name)")
     add_reuse_flags(p)
     add_engine_flags(p)
+    say_prefix_default(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -80,6 +89,7 @@ def add_chat(sub) -> None:
     p.add_argument("--seed", type=seed(), default=0)
     add_reuse_flags(p)
     add_engine_flags(p)
+    say_prefix_default(p)
     p.set_defaults(func=cmd_chat)
 
 
