@@ -383,7 +383,7 @@ def test_chat_in_a_pseudo_terminal(tiny):
     if pid == 0:  # the child: the chat command on the terminal's other end
         os.chdir(ROOT)
         os.execv(sys.executable, [sys.executable, "-m", "colibri.cli", "chat", "--model", str(tiny), "--ctx-size", "256",
-                                  "--max-tokens", "6"])
+                                  "--max-tokens", "6", "--kv-dir", str(tiny.parent / "kv")])  # not ~/.cache
     out = b""
 
     def read_until(pattern: bytes, timeout=120):

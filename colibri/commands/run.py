@@ -8,7 +8,7 @@ import os
 import sys
 
 from engine.api import (CTX_MAX, TRACE_FORMAT, BenchResult, ConfigError, EngineConfig, PromptError, Sampler, bench,
-                        file_target, json_file_with, json_lines_head_with, load_requests, load_tokenizer,
+                        file_target, is_kv_file, json_file_with, json_lines_head_with, load_requests, load_tokenizer,
                         load_workload, resolve_model, run)
 from colibri.commands.argtypes import add_output_option, finite_float, nonneg_int, positive_int, seconds, seed, size
 from colibri.commands.knob_flags import knob_flag
@@ -24,10 +24,10 @@ TRACE_FILE = json_lines_head_with(format=TRACE_FORMAT)  # a read trace written b
 
 # The files run/bench write at the end, each with what a previous one of its kind looks like.
 OUTPUT_FILES = {"outcome": ("--outcome", OUTCOME_FILE), "record_routing": ("--record-routing", ROUTING_FILE),
-                "read_trace": ("--read-trace", TRACE_FILE)}
+                "read_trace": ("--read-trace", TRACE_FILE), "prompt_cache": ("--prompt-cache", is_kv_file)}
 
 
-def _model_sources(args) -> list[str]:
+def model_sources(args) -> list[str]:
     """The model as given, when it is a path (a preset name is resolved later, into the cache)."""
     return [args.model] if args.model and os.path.lexists(args.model) else []
 
@@ -42,7 +42,7 @@ def check_output_files(args, command: str) -> None:
         raw = getattr(args, dest, None)
         if raw is not None:
             setattr(args, dest, str(file_target(raw, command=command, recognise=recognise, flag=flag,
-                                                sources=_model_sources(args))))
+                                                sources=model_sources(args))))
             if dest == "outcome":
                 args.outcome_target = args.outcome
 
@@ -60,9 +60,10 @@ def add_engine_flags(p) -> None:
         (lossy if f.metadata.get("lossy") else p).add_argument(flag, **kw)
 
 
-def engine_config_from_args(args) -> EngineConfig:
-    """--config (or the defaults) with every engine flag given on the command line applied."""
-    config = EngineConfig.load(args.config) if args.config else EngineConfig()
+def engine_config_from_args(args, defaults: dict | None = None) -> EngineConfig:
+    """--config (or the defaults) with every engine flag given on the command line applied.
+    defaults: the command's own (serve's prefix cache), under --config and the flags."""
+    config = EngineConfig.load(args.config, defaults) if args.config else EngineConfig(**(defaults or {}))
     # sizes are bytes already (argtypes.size); a flag not given is None and changes nothing
     return config.replace(**{name: getattr(args, name) for name in EngineConfig.field_names()})
 
@@ -83,6 +84,10 @@ def add_run(sub) -> None:
     p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=1.0, help="in (0, 1]")
     add_output_option(p, "--record-routing", kind="file", metavar="FILE",
                       help="write the routing histogram (for cache_policy=pinned)")
+    # llama.cpp's flag: the prompt's KV in FILE (engine/run/kv_store.py format); a later run whose
+    # prompt begins the same way restores that part instead of computing it.
+    add_output_option(p, "--prompt-cache", kind="file", metavar="FILE",
+                      help="save the prompt's KV to FILE, and reuse the prefix it shares with a later prompt")
     add_engine_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (with prompt and output ids)")
     p.set_defaults(func=cmd_run)
@@ -95,7 +100,7 @@ def cmd_run(args) -> int:
     result = run(model_dir, config, prompt=args.prompt, prompt_ids=args.prompt_ids,
                  prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
                  sampler=Sampler(args.temperature, args.top_p, args.seed),
-                 record_routing=args.record_routing)
+                 record_routing=args.record_routing, prompt_cache=args.prompt_cache)
     if args.json:
         _print_json(result.to_dict())
         return 0

@@ -5,12 +5,52 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from engine.api import ConfigError, parse_size, resolve_model
+from engine.api import ConfigError, EngineConfig, is_kv_root, kv_root, parse_size, resolve_model, run_directory_target
 from colibri.serve.chat import chat_loop
 from colibri.serve.protocol import ApiError, Sampling, parse_sampling
 from colibri.serve.server import API_KEY_ENV, LoadedModel, ServeOptions, check_options, serve
-from colibri.commands.argtypes import finite_float, int_in, positive_int, seed
-from colibri.commands.run import TOKENS_MAX, add_engine_flags, engine_config_from_args
+from colibri.commands.argtypes import add_output_option, finite_float, int_in, positive_int, seed, size
+from colibri.commands.run import TOKENS_MAX, model_sources, add_engine_flags, engine_config_from_args
+
+# Prefix reuse is on in serve and chat (llama-server's cache_prompt is on by default): RAM for
+# 256 MiB of KV blocks, or an eighth of a memory budget when that is less (the plan charges it,
+# so it is taken from the expert cache); `--prefix-cache 0` turns it off.
+PREFIX_CACHE_DEFAULT = 256 << 20
+# KV blocks that leave RAM go to the SSD, at most this much per model (oldest first out).
+KV_DISK_DEFAULT = 8 << 30
+
+
+def default_prefix_cache(ram_budget: int) -> int:
+    return PREFIX_CACHE_DEFAULT if not ram_budget else min(PREFIX_CACHE_DEFAULT, ram_budget // 8 >> 20 << 20)
+
+
+def add_reuse_flags(p) -> None:
+    add_output_option(p, "--kv-dir", kind="run directory", metavar="DIR",
+                      help="where KV blocks go when they leave the prefix cache, found again by later prompts "
+                           f"and after a restart (default: {kv_root()})")
+    p.add_argument("--kv-disk", type=size(zero_ok=True, zero_means="KV in RAM only"), default=KV_DISK_DEFAULT,
+                   help="most bytes of KV blocks --kv-dir holds per model; the oldest go first (0: RAM only; "
+                        "default 8GiB)")
+
+
+def say_prefix_default(p) -> None:
+    """--prefix-cache's help names serve's default, not the knob's (0, run's)."""
+    for action in p._actions:
+        if action.dest == "prefix_cache":
+            action.help = ("RAM for the KV of recent prompts, reused when a later prompt begins the same way "
+                           "(default here: 256MiB, or an eighth of --ram-budget when less; 0 = off)")
+
+
+def reuse_options(args, command: str) -> tuple[EngineConfig, dict]:
+    """The engine config with serve's prefix-cache default (under --config and the flags), and
+    the SSD tier's directory (checked by the output guard before anything loads) and bound."""
+    budget = engine_config_from_args(args).ram_budget
+    config = engine_config_from_args(args, defaults={"prefix_cache": default_prefix_cache(budget)})
+    if not config.prefix_cache or not args.kv_disk:
+        return config, {}
+    kv_dir = run_directory_target(args.kv_dir if args.kv_dir is not None else kv_root(), command=command,
+                                  recognise=is_kv_root, sources=model_sources(args), flag="--kv-dir")
+    return config, {"kv_dir": kv_dir, "kv_disk_bytes": args.kv_disk}
 
 
 def add_serve(sub) -> None:
@@ -22,7 +62,9 @@ def add_serve(sub) -> None:
     p.add_argument("--queue-size", type=positive_int(100_000), default=8, help="requests that may wait; more get 503 + Retry-After")
     p.add_argument("--max-body", default="4MiB", help="largest request body accepted")
     p.add_argument("--model-name", help="the model id clients use (default: the directory's name)")
+    add_reuse_flags(p)
     add_engine_flags(p)
+    say_prefix_default(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -31,9 +73,9 @@ def cmd_serve(args) -> int:
     name = args.model_name or Path(args.model).name
     opts = check_options(ServeOptions(args.host, args.port, args.api_key, args.queue_size,
                                       parse_size(args.max_body), name))
-    config = engine_config_from_args(args)
+    config, reuse = reuse_options(args, "serve")
     model_dir = resolve_model(args.model, progress=True)
-    serve(model_dir, config, opts, log=lambda m: print(m, file=sys.stderr, flush=True))
+    serve(model_dir, config, opts, log=lambda m: print(m, file=sys.stderr, flush=True), **reuse)
     return 0
 
 
@@ -45,7 +87,9 @@ def add_chat(sub) -> None:
     p.add_argument("--temperature", type=finite_float(0.01, 100.0, zero_ok=True), default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=1.0)
     p.add_argument("--seed", type=seed(), default=0)
+    add_reuse_flags(p)
     add_engine_flags(p)
+    say_prefix_default(p)
     p.set_defaults(func=cmd_chat)
 
 
@@ -56,8 +100,8 @@ def cmd_chat(args) -> int:
                                              "top_p": args.top_p, "seed": args.seed}, args.max_tokens)
     except ApiError as exc:
         raise ConfigError(f"--{exc.param.replace('_', '-')}: {exc.message.split(': ', 1)[-1]}") from None
-    config = engine_config_from_args(args)
-    model = LoadedModel(resolve_model(args.model, progress=True), config, queue_size=1)
+    config, reuse = reuse_options(args, "chat")
+    model = LoadedModel(resolve_model(args.model, progress=True), config, queue_size=1, **reuse)
     try:
         return chat_loop(model, sampling, system=args.system)
     finally:

@@ -81,7 +81,8 @@ def _check_unicode(body) -> None:
 
 def _usage(result: JobResult) -> dict:
     n = len(result.output_ids)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n}
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
 class _Bridge:
@@ -198,7 +199,8 @@ def build_app(state: ServeState) -> Starlette:
 
     async def prometheus(request: Request) -> Response:
         authorized(request)
-        text = metrics.render(state.worker.queue_length(), state.worker.busy, state.worker.engine.io_stats())
+        engine = state.worker.engine
+        text = metrics.render(state.worker.queue_length(), state.worker.busy, engine.io_stats(), engine.prefix_stats())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def counted(route: str, handler):

@@ -20,6 +20,20 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 REQUEST_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
+# (prefix_stats key, metric, kind, help)
+PREFIX_METRICS = (
+    ("lookups", "colibri_prefix_lookups_total", "counter", "Prompts looked up in the prefix cache."),
+    ("hits", "colibri_prefix_hits_total", "counter", "Prompts that reused a cached prefix."),
+    ("cached_tokens", "colibri_prefix_cached_tokens_total", "counter", "Prompt tokens reused, not computed."),
+    ("restored_bytes", "colibri_kv_restored_bytes_total", "counter",
+     "KV bytes copied back into the cache from RAM blocks or the SSD."),
+    ("disk_read_bytes", "colibri_kv_disk_read_bytes_total", "counter", "KV file bytes read from the SSD."),
+    ("spilled_bytes", "colibri_kv_spilled_bytes_total", "counter", "KV bytes written to the SSD."),
+    ("ram_bytes", "colibri_prefix_cache_bytes", "gauge", "KV bytes the RAM prefix cache holds."),
+    ("disk_bytes", "colibri_kv_disk_bytes", "gauge", "KV bytes the SSD directory holds."),
+)
+
+
 class Histogram:
     def __init__(self, buckets):
         self.buckets = tuple(buckets)
@@ -91,7 +105,7 @@ class ServerMetrics:
                 self.token_latency.observe(s)
             self.request_seconds.observe(seconds)
 
-    def render(self, queue_length: int, busy: bool, store_stats: dict) -> str:
+    def render(self, queue_length: int, busy: bool, store_stats: dict, prefix_stats: dict | None = None) -> str:
         out: list[str] = []
 
         def metric(name, kind, help_, lines):
@@ -137,6 +151,11 @@ class ServerMetrics:
             value = store_stats.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 metric(f"colibri_store_{key}", "counter", help_, [f"colibri_store_{key} {value}"])
+        # Prefix reuse (engine/run/prefix_cache.py), when on: what it saved and what it moved.
+        for key, name, kind, help_ in PREFIX_METRICS:
+            value = (prefix_stats or {}).get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                metric(name, kind, help_, [f"{name} {value}"])
         proc = psutil.Process()
         metric("colibri_process_rss_bytes", "gauge", "Resident set size of the server process.",
                [f"colibri_process_rss_bytes {proc.memory_info().rss}"])

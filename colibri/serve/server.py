@@ -82,13 +82,15 @@ def eos_ids(checkpoint_config: dict, model_dir: Path) -> set[int]:
 class LoadedModel:
     """The engine, its tokenizer, chat template and worker: what serve and chat share."""
 
-    def __init__(self, model_dir: str | os.PathLike, config: EngineConfig, queue_size: int = 8):
+    def __init__(self, model_dir: str | os.PathLike, config: EngineConfig, queue_size: int = 8, *,
+                 kv_dir: str | os.PathLike | None = None, kv_disk_bytes: int = 0):
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         if self.tokenizer is None:
             raise ModelFormatError(f"{self.model_dir} has no tokenizer.json: serve and chat need text")
         self.template = ChatTemplate.for_model(self.model_dir)
-        self.engine = Engine(self.model_dir, config)
+        # The prefix cache (config.prefix_cache) and its SSD tier (kv_dir): engine/run/prefix_cache.py.
+        self.engine = Engine(self.model_dir, config, kv_dir=kv_dir, kv_disk_bytes=kv_disk_bytes)
         try:
             self.metrics = ServerMetrics()
             self.worker = GenerationWorker(self.engine, self.tokenizer, eos_ids(self.engine.checkpoint.config,
@@ -109,9 +111,10 @@ def make_state(model: LoadedModel, opts: ServeOptions) -> ServeState:
                       max_body=opts.max_body, metrics=model.metrics)
 
 
-def serve(model_dir, config: EngineConfig, opts: ServeOptions, log=print) -> None:
+def serve(model_dir, config: EngineConfig, opts: ServeOptions, log=print, **reuse) -> None:
+    """reuse: LoadedModel's kv_dir and kv_disk_bytes (the prefix cache's SSD tier)."""
     opts = check_options(opts)
-    model = LoadedModel(model_dir, config, opts.queue_size)
+    model = LoadedModel(model_dir, config, opts.queue_size, **reuse)
     try:
         state = make_state(model, opts)
         log(f"colibri serve: {state.model_id} on http://{opts.host}:{opts.port}/v1 "

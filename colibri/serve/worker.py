@@ -126,6 +126,11 @@ class JobResult:
     generation: Generation | None
     error: str | None = None
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV was reused, not computed (OpenAI usage.prompt_tokens_details)."""
+        return self.generation.cached_tokens if self.generation is not None else 0
+
 
 class GenerationWorker:
     def __init__(self, engine, tokenizer, eos_ids: set[int], queue_size: int, metrics: ServerMetrics):

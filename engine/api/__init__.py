@@ -40,7 +40,8 @@ _HOMES = {
     "engine.run.run_metrics": "SUMMARY_KEYS git_commit peak_rss_bytes",
     "engine.run.prompts_file": "Request describe load_requests load_workload save_requests",
     # model resolution and synthetic models
-    "engine.run.resolve": "cache_root resolve_model",
+    "engine.run.resolve": "cache_root kv_root resolve_model",
+    "engine.run.kv_store": "is_kv_file is_kv_root",
     "engine": "synth",  # the synth library (engine/synth/__init__.py is its own facade)
     "engine.synth": "list_presets load_geometry_file load_preset synthesize",
     "engine.synth.geometry_check": "check_geometry",

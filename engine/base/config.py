@@ -192,6 +192,14 @@ class EngineConfig:
                               kind="int", lo=0, hi=CTX_MAX, label="prefill pass", short="pass")
     kv_dtype: str = knob("auto", "KV cache precision (auto = the compute dtype; int8 / fp8 are lossy)",
                          kind="choice", choices=KV_DTYPES, label="KV dtype", short="kv", lossy=True)
+    # Prefix reuse (engine/run/prefix_cache.py): RAM that keeps the KV of recent sequences in
+    # blocks, so a prompt sharing a prefix with one prefills only the rest; the memory plan charges
+    # it whole. 0 = off: run and bench measure a prompt's full prefill; serve and chat turn it on
+    # (colibri/commands/serve.py), as llama-server's cache_prompt is on by default. Not searched:
+    # tune's workloads are independent prompts, where it could only take RAM from the expert cache.
+    prefix_cache: int = knob(0, "RAM for the KV of recent prompts, reused when a later prompt begins the same "
+                             "way, e.g. 256MiB", kind="size", lo=0, zero_means="off", label="prefix cache",
+                             short="prefix", unit="B")
     io_mode: str = knob("direct", "how expert bytes are read: O_DIRECT, the page cache, or mmap", kind="choice",
                         choices=IO_MODES, label="I/O mode", short="io",
                         search=dict(choices=IO_MODES, baseline="buffered"))
@@ -266,13 +274,17 @@ class EngineConfig:
             data["ram_budget"] = parse_size(data["ram_budget"])
         if "chunk_size" in data:
             data["chunk_size"] = parse_size(data["chunk_size"])
+        if "prefix_cache" in data:
+            data["prefix_cache"] = parse_size(data["prefix_cache"])
         try:
             return cls(**data)
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "EngineConfig":
+    def load(cls, path: str | os.PathLike, defaults: dict | None = None) -> "EngineConfig":
+        """The TOML file's settings over `defaults` (a command's own, e.g. serve's prefix cache),
+        over the knobs' defaults."""
         path = Path(path)
         if not os.path.lexists(path):
             raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -283,6 +295,9 @@ class EngineConfig:
             raise ConfigError(f"{path}: not valid TOML ({exc})") from None
         except RecursionError:  # tomllib recurses per nesting level of arrays / inline tables
             raise ConfigError(f"{path}: not valid TOML (nested too deeply)") from None
+        if defaults:
+            inner = data["engine"] if set(data) == {"engine"} and isinstance(data["engine"], dict) else data
+            data = {**defaults, **inner}
         return cls.from_dict(data, source=str(path))
 
     def replace(self, **changes) -> "EngineConfig":

@@ -1,7 +1,10 @@
 """The memory plan: what goes where under the budget, decided before anything is loaded.
 
     budget = dense (resident, compute dtype) + KV (ctx_size, kv_dtype) + read buffers
-             + runtime overhead + prefill activations + RAM expert cache
+             + runtime overhead + prefill activations + prefix cache + RAM expert cache
+
+The prefix cache (EngineConfig.prefix_cache, engine/run/prefix_cache.py) is charged whole: its
+blocks fill it over the server's life, so its size is what it will hold.
 
 The runtime overhead is measured, not guessed: the process's resident set at planning time
 (interpreter, torch, the checkpoint index) plus a margin for a decode step's activations and
@@ -24,7 +27,7 @@ from engine.base.config import PREFILL_CHUNK, EngineConfig, format_size
 from engine.base.errors import BudgetError
 from engine.format.container import dense_nbytes, dense_quantized
 from engine.format.layout import cast_bytes, expert_memory_bytes
-from engine.arch.layers import KVCache
+from engine.arch import kv_snapshot
 from engine.arch.args import ModelArgs, dense_tensor_names
 from engine.format import fp8_checkpoint
 
@@ -70,6 +73,8 @@ class MemoryPlan:
     # One prefill chunk's activations (prefill_activation_bytes), beside the decode margin the
     # runtime overhead already holds.
     prefill_bytes: int = 0
+    # The RAM prefix cache (EngineConfig.prefix_cache): the KV blocks of recent sequences.
+    prefix_cache_bytes: int = 0
 
     @property
     def cache_slots(self) -> int:
@@ -93,7 +98,7 @@ class MemoryPlan:
     def describe(self) -> str:
         return (f"dense {format_size(self.dense_bytes)} + KV {format_size(self.kv_bytes)} + read buffers "
                 f"{format_size(self.buffer_bytes)} + runtime {format_size(self.overhead_bytes)} + prefill "
-                f"{format_size(self.prefill_bytes)} + expert cache "
+                f"{format_size(self.prefill_bytes)} + prefix cache {format_size(self.prefix_cache_bytes)} + expert cache "
                 f"{format_size(self.cache_bytes)} of budget {format_size(self.budget)}")
 
 
@@ -124,9 +129,13 @@ def prefill_activation_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype) -
 
 
 def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, dtype: torch.dtype,
-              kv_dtype: torch.dtype, overhead_bytes: int | None = None) -> MemoryPlan:
+              kv_dtype: torch.dtype, overhead_bytes: int | None = None, keep_positions: bool | None = None) -> MemoryPlan:
+    """keep_positions: the KV cache holds every position of every layer (reuse needs it, see
+    engine/arch/kv_snapshot.py); None: when the prefix cache is on."""
     dense = _dense_bytes(ckpt, args, getattr(layout, "quant", None), dtype)
-    kv = KVCache.nbytes_for(args, config.ctx_size, kv_dtype)
+    keep = config.prefix_cache > 0 if keep_positions is None else keep_positions
+    kv = kv_snapshot.nbytes(args, config.ctx_size, kv_dtype, keep)
+    prefix = config.prefix_cache
     # Any prompt up to ctx_size may come: charge the largest chunk one can fill.
     prefill = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size, config.prefill_pass), dtype)
     routed = layout.num_routed if layout is not None else 0
@@ -149,18 +158,18 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     budget = config.ram_budget
 
     if budget > 0 and routed == 0:
-        return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes, prefill)
+        return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes, prefill, prefix)
     if budget <= 0 or routed == 0:
         return MemoryPlan(budget, False, dense, kv, 0, overhead_bytes, routed * expert, 0, expert, disk_expert,
-                          routed, inflight, prefill_bytes=prefill)
-    fixed = dense + kv + buffers + overhead_bytes + prefill
+                          routed, inflight, prefill_bytes=prefill, prefix_cache_bytes=prefix)
+    fixed = dense + kv + buffers + overhead_bytes + prefill + prefix
     if fixed > budget:
         raise BudgetError(
             f"memory budget {format_size(budget)} is too small: dense weights {format_size(dense)} + KV cache "
             f"at ctx_size {config.ctx_size} {format_size(kv)} + read buffers {format_size(buffers)} + runtime "
             f"{format_size(overhead_bytes)} + prefill activations "
             f"({prefill_tokens_per_pass(config.ctx_size, config.prefill_pass)}-token chunks) {format_size(prefill)} "
-            f"= {format_size(fixed)} before any expert cache")
+            f"+ prefix cache {format_size(prefix)} = {format_size(fixed)} before any expert cache")
     # Whole entries only, so the cache's byte capacity is exactly its slots.
     cache = min(int((budget - fixed) * config.cpu_cache_ratio) // entry, routed) * entry
     gpu_cache = 0
@@ -170,7 +179,7 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     arena = 0 if mapped else inflight + (cache // entry if views else 0)
     return MemoryPlan(budget, True, dense, kv, buffers, overhead_bytes, cache, gpu_cache, expert, disk_expert,
                       routed, inflight, slot_bytes=slot, arena_slots=arena, cache_entry_bytes=entry,
-                      prefill_bytes=prefill)
+                      prefill_bytes=prefill, prefix_cache_bytes=prefix)
 
 
 # (id(ckpt), id(args), quant, dtype) → (ckpt, args, bytes): the cost model plans thousands of
@@ -205,7 +214,7 @@ def _layer_names(args: ModelArgs, layer: int) -> list[str]:
     return [n for n in dense_tensor_names(args) if n.startswith(prefix)]
 
 
-def _dense_plan(ckpt, args, config, dtype, kv, overhead, prefill) -> MemoryPlan:
+def _dense_plan(ckpt, args, config, dtype, kv, overhead, prefill, prefix) -> MemoryPlan:
     """Dense model under a budget: as many whole layers resident as fit, the rest streamed."""
     layer_bytes = max(sum(_count(ckpt, n) for n in _layer_names(args, i)) for i in range(args.num_layers)) * _elem(dtype)
     layer_disk = max(sum(ckpt.info(n).nbytes for n in _layer_names(args, i)) for i in range(args.num_layers))
@@ -213,18 +222,19 @@ def _dense_plan(ckpt, args, config, dtype, kv, overhead, prefill) -> MemoryPlan:
     base = sum(_count(ckpt, n) * _elem(dtype) for n in dense_tensor_names(args) if n not in layered)
     # In flight: the layer being computed and `prefetch_depth` ahead, each as read + converted.
     buffers = (1 + config.prefetch_depth) * (layer_disk + ALIGN_SLACK + (layer_bytes if layer_bytes != layer_disk else 0))
-    fixed = base + kv + buffers + overhead + prefill
+    fixed = base + kv + buffers + overhead + prefill + prefix
     budget = config.ram_budget
     if fixed > budget:
         raise BudgetError(
             f"memory budget {format_size(budget)} is too small: dense weights outside the layers {format_size(base)} "
             f"+ KV cache at ctx_size {config.ctx_size} {format_size(kv)} + read buffers (layer streaming) "
             f"{format_size(buffers)} + runtime {format_size(overhead)} + prefill activations {format_size(prefill)} "
-            f"= {format_size(fixed)}")
+            f"+ prefix cache {format_size(prefix)} = {format_size(fixed)}")
     resident = min(args.num_layers, int((budget - fixed) * config.cpu_cache_ratio) // max(layer_bytes, 1))
     return MemoryPlan(budget, resident < args.num_layers, base + resident * layer_bytes, kv,
                       buffers if resident < args.num_layers else 0, overhead, 0, 0, 0, 0, 0, 0,
-                      resident_layers=resident, layer_bytes=layer_bytes, prefill_bytes=prefill)
+                      resident_layers=resident, layer_bytes=layer_bytes, prefill_bytes=prefill,
+                      prefix_cache_bytes=prefix)
 
 
 def _count(ckpt: Checkpoint, name: str) -> int:

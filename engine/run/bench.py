@@ -188,7 +188,9 @@ def _cpu_seconds() -> float:
 
 
 def make_cold(engine: Engine) -> str:
-    """Make the next repeat read from the disk; the answer says how (it goes in the result)."""
+    """Make the next repeat read from the disk; the answer says how (it goes in the result).
+    Nothing an earlier repeat computed is reused either (the prefix cache, when on)."""
+    engine.forget_prefixes()
     store = engine.store
     if store is None or not store.streams:
         return "resident: no disk in the loop"

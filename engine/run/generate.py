@@ -57,12 +57,16 @@ class Generation:
     prefill_seconds: float = 0.0
     ttft_seconds: float = 0.0
     token_seconds: list[float] = field(default_factory=list)  # each decode step after the first token
+    cached_tokens: int = 0  # prompt tokens whose K/V was reused, not computed (engine/run/prefix_cache.py)
 
 
 def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler | None = None,
-             stop_ids: set[int] | None = None, on_token=None) -> Generation:
+             stop_ids: set[int] | None = None, on_token=None, cached_tokens: int | None = None) -> Generation:
     """Prefill, then decode until max_new_tokens, a stop id, or `on_token(token)` returning True
-    (how a server stops at a stop sequence or when its client has gone)."""
+    (how a server stops at a stop sequence or when its client has gone).
+
+    cached_tokens: how many of the prompt's first positions the caller has already put in the KV
+    cache (`run --prompt-cache`); None: whatever the engine's prefix cache restores."""
     sampler = sampler or Sampler()
     n = len(prompt_ids)
     if n == 0:
@@ -79,25 +83,28 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
         return gen
     t0 = time.perf_counter()
     where = f" for {engine.checkpoint.directory}" if hasattr(engine, "checkpoint") else ""
-    logits = engine.forward(prompt_ids, 0, last_only=True)
+    # Only the suffix after a reused prefix is prefilled (none when the engine's prefix cache is off).
+    reused = engine.restore_prefix(prompt_ids) if cached_tokens is None else min(cached_tokens, n - 1)
+    gen.cached_tokens = reused
+    logits = engine.forward(prompt_ids[reused:], reused, last_only=True)
     gen.prefill_seconds = time.perf_counter() - t0
     check_finite_logits(logits[-1], where)
     token = sampler(logits[-1])
     gen.ttft_seconds = time.perf_counter() - t0
     gen.output_ids.append(token)
-    if on_token and on_token(token) is True:
-        return gen
-    pos = n
-    while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
-        t = time.perf_counter()
-        logits = engine.forward([token], pos)
-        check_finite_logits(logits[-1], where)
-        token = sampler(logits[-1])
-        gen.token_seconds.append(time.perf_counter() - t)
-        gen.output_ids.append(token)
-        pos += 1
-        if on_token and on_token(token) is True:
-            break
+    if not (on_token and on_token(token) is True):
+        pos = n
+        while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
+            t = time.perf_counter()
+            logits = engine.forward([token], pos)
+            check_finite_logits(logits[-1], where)
+            token = sampler(logits[-1])
+            gen.token_seconds.append(time.perf_counter() - t)
+            gen.output_ids.append(token)
+            pos += 1
+            if on_token and on_token(token) is True:
+                break
+    engine.remember_prefix()  # the prompt and the answer so far: a next turn resends both
     return gen
 
 

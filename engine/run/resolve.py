@@ -18,6 +18,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("COLIBRI_CACHE") or Path.home() / ".cache" / "colibri") / "models"
 
 
+def kv_root() -> Path:
+    """Where serve and chat keep KV blocks on the SSD by default (engine/run/kv_store.py): beside
+    the model cache, one subdirectory per model fingerprint."""
+    return cache_root().parent / "kv"
+
+
 def resolve_model(spec: str, seed: int = 0, progress: bool = True) -> Path:
     path = Path(spec)
     if path.exists() or os.sep in spec or spec.startswith("."):

@@ -101,7 +101,10 @@ def run_metrics(engine, gen, io_before: dict | None = None) -> dict:
         # End to end: the prompt's prefill and first token, then every decode step (what a
         # request of this prompt and output length costs its user).
         "request_s": gen.ttft_seconds + decode_s if gen.output_ids else None,
-        "prefill_tok_s": len(gen.prompt_ids) / gen.prefill_seconds if gen.prefill_seconds else None,
+        # The tokens computed: a reused prefix (engine/run/prefix_cache.py) is not prefilled.
+        "prefill_tok_s": ((len(gen.prompt_ids) - gen.cached_tokens) / gen.prefill_seconds
+                          if gen.prefill_seconds else None),
+        "cached_tokens": gen.cached_tokens,
         "decode_tok_s": n_decode / decode_s if decode_s else None,
         "token_latency_p50_ms": _ms(percentile(gen.token_seconds, 0.5)),
         "token_latency_p99_ms": _ms(percentile(gen.token_seconds, 0.99)),

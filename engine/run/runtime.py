@@ -23,7 +23,6 @@ from engine.base.config import EngineConfig
 from engine.base.dtypes import FLOAT_NAMES, short_dtypes, torch_dtype
 from engine.arch.kvquant import kv_storage
 from engine.format.layout import ExpertLayout
-from engine.arch.layers import KVCache
 from engine.arch.args import dense_tensor_names
 from engine.arch.registry import model_args
 from engine.arch.model import Transformer
@@ -41,6 +40,9 @@ from engine.format import fp8_checkpoint
 from engine.weights import fp8
 from engine.format.checkpoint import read_tensor
 from engine.format.mtp import mtp_summary
+from engine.format.convert import fingerprint
+from engine.arch import kv_snapshot
+from engine.run.prefix_cache import open_prefix_cache
 
 DTYPE_NAMES = short_dtypes()
 
@@ -104,8 +106,13 @@ def _layer_of(name: str) -> int | None:
 class Engine:
     """One loaded model, ready to prefill and decode."""
 
-    def __init__(self, model_dir: str | os.PathLike, config: EngineConfig | None = None):
+    def __init__(self, model_dir: str | os.PathLike, config: EngineConfig | None = None, *,
+                 keep_positions: bool | None = None, kv_dir: str | os.PathLike | None = None, kv_disk_bytes: int = 0):
+        """keep_positions: the KV cache holds every position (what reuse restores into; None: when
+        config.prefix_cache is on). kv_dir, kv_disk_bytes: the prefix cache's SSD tier (none
+        without a directory; engine/run/kv_store.py)."""
         self.config = config or EngineConfig()
+        keep_positions = self.config.prefix_cache > 0 if keep_positions is None else keep_positions
         self.checkpoint = Checkpoint(model_dir)
         self.args = model_args(self.checkpoint.config)
         self.dtype = self._compute_dtype()
@@ -137,7 +144,7 @@ class Engine:
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them
         self.kernel_name = self.kernel  # tries (and so pages in) a quantized container's packed kernel too
         self.plan: MemoryPlan = make_plan(self.checkpoint, self.args, self.layout, self.config, self.dtype,
-                                          self.kv_dtype)
+                                          self.kv_dtype, keep_positions=keep_positions)
         t0 = time.perf_counter()
         streamed = self._streamed_layers()
         if streamed and (fp8_kept or fp8_dequantized):  # StreamingLayers casts what it reads; FP8 needs its scales
@@ -164,7 +171,12 @@ class Engine:
         else:
             self.experts = ResidentExperts(self.layout, self.dtype)
         self.load_seconds = time.perf_counter() - t0
-        self.kv = KVCache.allocate(self.args, self.config.ctx_size, self.kv_dtype, self.dtype)
+        self.kv = kv_snapshot.allocate(self.args, self.config.ctx_size, self.kv_dtype, self.dtype, keep_positions)
+        # The tokens whose K/V the cache holds at positions 0..len-1 (Engine.forward keeps it), and
+        # the prefix cache that reuses them and keeps recent ones (engine/run/prefix_cache.py).
+        self.kv_tokens: list[int] = []
+        self._fingerprint: str | None = None
+        self.prefix = open_prefix_cache(self, kv_dir, kv_disk_bytes)
         # Everything that sets how the model runs goes in here, once; the model decides its decode
         # route from it (self.model.plan, engine/arch/decode_plan.py).
         self.model = Transformer(self.args, weights, self.experts, self.dtype, self.kv,
@@ -239,13 +251,52 @@ class Engine:
         last_only: the prompt goes through in passes of at most the plan's prefill chunk, so a
         long prompt's activations stay within what the memory plan charged (engine/movement/plan.py)."""
         t = torch.as_tensor(tokens, dtype=torch.long)
+        del self.kv_tokens[start_pos:]  # rewritten from here; unknown until this call succeeds
         step = prefill_tokens_per_pass(self.kv.ctx_size, self.config.prefill_pass)
         if not last_only or t.shape[0] <= step:
-            return self.model.forward(t, start_pos, self.kv, last_only=last_only)
-        for begin in range(0, t.shape[0], step):
-            logits = self.model.forward(t[begin:begin + step], start_pos + begin, self.kv, last_only=True)
-            heap.release_freed()  # the pass's transients, so the next pass starts from what is live
+            logits = self.model.forward(t, start_pos, self.kv, last_only=last_only)
+        else:
+            for begin in range(0, t.shape[0], step):
+                logits = self.model.forward(t[begin:begin + step], start_pos + begin, self.kv, last_only=True)
+                heap.release_freed()  # the pass's transients, so the next pass starts from what is live
+        if len(self.kv_tokens) == start_pos:  # positions before start_pos known: these follow them
+            self.kv_tokens.extend(t.tolist())
         return logits
+
+    # --- prefix reuse (engine/run/prefix_cache.py) -----------------------------------------------
+
+    @property
+    def fingerprint(self) -> str:
+        """The checkpoint's identity (config.json, every shard's size and header), read once when
+        reuse first needs it: cached KV is keyed by it."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.checkpoint)
+        return self._fingerprint
+
+    def restore_prefix(self, ids: list[int]) -> int:
+        """Make the KV cache hold the longest prefix of `ids` it can without computing (at most
+        len(ids) - 1 tokens: the last one's logits are needed) and return its length."""
+        if self.prefix is None:
+            return 0
+        reused = self.prefix.restore(ids, self.kv_tokens)
+        del self.kv_tokens[reused:]
+        self.kv_tokens[:reused] = ids[:reused]
+        return reused
+
+    def remember_prefix(self) -> None:
+        """Keep the blocks of what the KV cache holds now, for later prompts that share them."""
+        if self.prefix is not None:
+            self.prefix.remember(self.kv_tokens)
+
+    def prefix_stats(self) -> dict:
+        """The prefix cache's counters (lookups, hits, cached tokens, bytes restored, spilled): {} when off."""
+        return self.prefix.metrics() if self.prefix is not None else {}
+
+    def forget_prefixes(self) -> None:
+        """Nothing computed before is reused (a cold measurement): the live positions and the RAM blocks."""
+        del self.kv_tokens[:]
+        if self.prefix is not None:
+            self.prefix.clear()
 
     def record_routing(self) -> None:
         """Start logging every routing decision (for --record-routing / cache_policy=pinned)."""
@@ -264,6 +315,9 @@ class Engine:
         return store.stats() if store is not None and store.streams else {}
 
     def close(self) -> None:
+        if self.prefix is not None:
+            self.prefix.close()
+            self.prefix = None
         if self.store is not None:
             self.store.close()
 

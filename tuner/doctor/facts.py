@@ -107,7 +107,8 @@ def plan_facts(ckpt: Checkpoint, config: EngineConfig, facts: Facts) -> None:
     except BudgetError as exc:
         facts.plan_error = str(exc)
         return
-    facts.plan_fixed_bytes = plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes + plan.prefill_bytes
+    facts.plan_fixed_bytes = (plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes
+                              + plan.prefill_bytes + plan.prefix_cache_bytes)
     facts.plan_cache_bytes = plan.cache_bytes
 
 

@@ -48,7 +48,9 @@ def _format_one(title: str, cfg: dict, p: dict) -> str:
         return f"{title}: {knobs}\n  does not fit: {p['reason']}"
     plan = p["plan"]
     split = (f"dense {format_size(plan['dense_bytes'])} + KV {format_size(plan['kv_bytes'])} + read buffers "
-             f"{format_size(plan['buffer_bytes'])} + runtime {format_size(plan['overhead_bytes'])} + RAM cache "
+             f"{format_size(plan['buffer_bytes'])} + runtime {format_size(plan['overhead_bytes'])}"
+             f"{' + prefix cache ' + format_size(plan['prefix_cache_bytes']) if plan.get('prefix_cache_bytes') else ''}"
+             f" + RAM cache "
              f"{format_size(plan['cache_bytes'])} ({int(plan['cache_slots'])} of {plan['routed_experts']} experts)"
              f"{' + VRAM cache ' + format_size(plan['gpu_cache_bytes']) if plan['gpu_cache_bytes'] else ''}"
              if plan["streaming"] else "everything resident")

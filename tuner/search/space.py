@@ -179,7 +179,8 @@ class SearchSpace:
         """Everything but the expert cache, as the engine's plan counts it."""
         # A budget nothing can exceed: the plan then itemises the fixed parts without raising.
         plan: MemoryPlan = self.model.plan(config.replace(ram_budget=1 << 62), self.overhead_bytes)
-        return plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes + plan.prefill_bytes
+        return (plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes + plan.prefill_bytes
+                + plan.prefix_cache_bytes)
 
     def check_budget(self) -> None:
         """Fail before the study starts when even the leanest config cannot fit."""
