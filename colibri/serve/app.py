@@ -23,6 +23,7 @@ from starlette.routing import Route
 from engine.api import ColibriError, loads_limited
 from colibri.serve.prometheus import ServerMetrics
 from colibri.serve.protocol import ApiError, Sampling, parse_chat, parse_completion
+from colibri.serve.tools.chat import tool_chat_completion
 from colibri.serve.worker import GenerationWorker, Job, JobResult
 
 DEFAULT_MAX_BODY = 4 << 20
@@ -180,6 +181,8 @@ def build_app(state: ServeState) -> Starlette:
         authorized(request)
         req = parse_chat(await _read_json(request, state.max_body))
         check_model(req.model)
+        if req.tools.engaged:  # tools in the prompt, calls parsed from the answer: colibri/serve/tools/
+            return await tool_chat_completion(request, state, req)
         try:
             prompt = state.template.render(req.messages, add_generation_prompt=True)
         except ColibriError as exc:
