@@ -1,7 +1,8 @@
 """The HTTP side of `colibri serve`: OpenAI's routes on Starlette (served by uvicorn).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streamed with server-sent events
-when asked), GET /v1/models, GET /health, GET /metrics. Every request body is size-limited and
+when asked; chat with tools through colibri/serve/tools/), GET /v1/models, GET /health, GET /metrics,
+and Anthropic's POST /v1/messages (colibri/serve/anthropic.py). Every request body is size-limited and
 validated (colibri/serve/protocol.py); every refusal is an OpenAI error object. When an API key is
 set, every route but /health needs `Authorization: Bearer <key>`, compared in constant time.
 """
@@ -21,8 +22,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from engine.api import ColibriError, loads_limited
+from colibri.serve.anthropic import anthropic_error, check_key, count_tokens_endpoint, messages_endpoint
 from colibri.serve.prometheus import ServerMetrics
 from colibri.serve.protocol import ApiError, Sampling, parse_chat, parse_completion
+from colibri.serve.tools.chat import tool_chat_completion
 from colibri.serve.worker import GenerationWorker, Job, JobResult
 
 DEFAULT_MAX_BODY = 4 << 20
@@ -181,12 +184,25 @@ def build_app(state: ServeState) -> Starlette:
         authorized(request)
         req = parse_chat(await _read_json(request, state.max_body))
         check_model(req.model)
+        if req.tools.engaged:  # tools in the prompt, calls parsed from the answer: colibri/serve/tools/
+            return await tool_chat_completion(request, state, req)
         try:
             prompt = state.template.render(req.messages, add_generation_prompt=True)
         except ColibriError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         ids = state.tokenizer.encode(prompt, add_special_tokens=False).ids
         return await run_job(request, ids, req.sampling, ChatShape)
+
+    def anthropic(endpoint):
+        # Anthropic's routes answer with Anthropic error objects from the first check on.
+        async def handler(request: Request) -> Response:
+            try:
+                check_key(request, state.api_key)
+                body = await _read_json(request, state.max_body)
+            except ApiError as exc:
+                return anthropic_error(exc)
+            return await endpoint(request, state, body)
+        return handler
 
     async def models(request: Request) -> Response:
         authorized(request)
@@ -222,6 +238,9 @@ def build_app(state: ServeState) -> Starlette:
         Route("/v1/completions", counted("/v1/completions", completions), methods=["POST"]),
         Route("/v1/chat/completions", counted("/v1/chat/completions", chat_completions), methods=["POST"]),
         Route("/v1/models", counted("/v1/models", models), methods=["GET"]),
+        Route("/v1/messages", counted("/v1/messages", anthropic(messages_endpoint)), methods=["POST"]),
+        Route("/v1/messages/count_tokens", counted("/v1/messages/count_tokens", anthropic(count_tokens_endpoint)),
+              methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", counted("/metrics", prometheus), methods=["GET"]),
     ]

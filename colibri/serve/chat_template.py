@@ -22,7 +22,7 @@ from engine.api import ModelFormatError, loads_limited
 
 MAX_CONFIG_BYTES = 16 << 20
 
-CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -72,10 +72,11 @@ class ChatTemplate:
     def __init__(self, template: str | None, special_tokens: dict[str, str | None]):
         self.source = "tokenizer_config.json" if template else "chatml (the model has no chat_template)"
         self.special_tokens = special_tokens
+        self.text = template or CHATML  # what the tool-call format is read from (colibri/serve/tools/)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False, separators=None: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators)
         env.globals["raise_exception"] = self._raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
@@ -92,10 +93,13 @@ class ChatTemplate:
         cfg = read_tokenizer_config(model_dir)
         return cls(_pick_template(cfg.get("chat_template")), {k: _token_text(cfg.get(k)) for k in SPECIAL_TOKENS})
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        # `tools` is always defined, None when there are none, as transformers passes it. A special
+        # token the tokenizer does not set is left undefined, as in transformers (not the text "None").
+        tokens = {k: v for k, v in self.special_tokens.items() if v is not None}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         tools=tools, **tokens)
         except TemplateError:
             raise
         except jinja2.TemplateError as exc:

@@ -3,13 +3,16 @@
 Clients send more fields than any one server honours, so unknown fields are ignored (as OpenAI's
 own API and llama-server do); a known field with a wrong type or an out-of-range value is a 400
 with an OpenAI-style error object naming the field. Fields we cannot honour (n > 1, logprobs,
-echo, best_of, suffix, tools) are refused by name rather than silently dropped.
+echo, best_of, suffix, and tools on /v1/completions) are refused by name rather than silently
+dropped. Chat's tool fields are read by colibri/serve/tools/request.py.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from colibri.serve.tools.request import FieldError, ToolRequest, name_tool_results, parse_tool_calls, parse_tool_fields
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
@@ -58,6 +61,7 @@ class ChatRequest:
     model: str | None
     messages: list[dict]
     sampling: Sampling
+    tools: ToolRequest = field(default_factory=ToolRequest)
 
 
 def _int(body: dict, key: str, default, lo: int, hi: int) -> int:
@@ -164,7 +168,7 @@ def _content_text(content, i: int) -> str:
                 raise bad(f"messages[{i}].content", "only text parts are supported")
             parts.append(part["text"])
         return "".join(parts)
-    if content is None:  # OpenAI's null content goes with tool calls, which are not served here
+    if content is None:  # null content goes with an assistant's tool_calls only (chat_message)
         raise bad(f"messages[{i}].content", "is required: a string or a list of text parts (null is not)")
     raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
 
@@ -184,5 +188,32 @@ def parse_chat(body, default_max_tokens: int = 256) -> ChatRequest:
         role = m.get("role")
         if role not in ROLES:
             raise bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
-        clean.append({"role": role, "content": _content_text(m.get("content"), i)})
-    return ChatRequest(_model(body), clean, parse_sampling(body, default_max_tokens))
+        clean.append(chat_message(m, role, i))
+    try:
+        tools = parse_tool_fields(body)
+    except FieldError as exc:
+        raise bad(exc.param, exc.message) from None
+    name_tool_results(clean)
+    # `tools` is refused by parse_sampling for /v1/completions, which has no tools; here it is served.
+    sampling = parse_sampling({k: v for k, v in body.items() if k != "tools"}, default_max_tokens)
+    return ChatRequest(_model(body), clean, sampling, tools)
+
+
+def chat_message(m: dict, role: str, i: int) -> dict:
+    """One history message as the template reads it: an assistant's `tool_calls` (its content may
+    then be null, kept as None as transformers passes it) and a tool result's `tool_call_id`."""
+    try:
+        if role == "assistant" and m.get("tool_calls") not in (None, []):
+            content = m.get("content")
+            return {"role": role, "content": None if content is None else _content_text(content, i),
+                    "tool_calls": parse_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")}
+    except FieldError as exc:
+        raise bad(exc.param, exc.message) from None
+    out = {"role": role, "content": _content_text(m.get("content"), i)}
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise bad(f"messages[{i}].{key}", "must be a string")
+                out[key] = m[key]
+    return out

@@ -108,6 +108,16 @@ class TextStream:
         return piece
 
 
+class SpecialText:
+    """A tokenizer whose decode keeps special tokens (`tokenizers` skips them by default)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
 @dataclass
 class Job:
     prompt_ids: list[int]
@@ -115,6 +125,9 @@ class Job:
     emit: object  # emit(kind, value), called on the worker thread: ("text", str) then ("done", JobResult)
     cancelled: threading.Event = field(default_factory=threading.Event)
     seq: int = 0
+    # Keep special tokens in the text: tool-call markers are special tokens in some vocabularies
+    # (gpt-oss's harmony channels, GLM's <tool_call>), and a parser cannot find what decode drops.
+    special_text: bool = False
 
 
 @dataclass
@@ -209,7 +222,7 @@ class GenerationWorker:
 
     def _run(self, job: Job) -> JobResult:
         s = job.sampling
-        stream = TextStream(self.tokenizer, s.stop)
+        stream = TextStream(SpecialText(self.tokenizer) if job.special_text else self.tokenizer, s.stop)
         started = time.perf_counter()
 
         def on_token(token: int) -> bool:

@@ -1,0 +1,122 @@
+"""POST /v1/chat/completions with `tools`: the prompt rendered with the tools through the model's
+chat template, the answer parsed back into OpenAI `tool_calls`, whole or streamed.
+
+Streamed, a call arrives as two deltas once its block is complete: the first with its index, id,
+type and name (arguments ""), the second with the whole arguments text. OpenAI's clients join
+argument pieces however they are cut, so one piece is a valid stream.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine.api import ColibriError
+from colibri.serve.jobrun import JobRun, usage
+from colibri.serve.protocol import ApiError, ChatRequest
+from colibri.serve.tools import detect_format
+from colibri.serve.tools.output import ToolOutput, whole
+
+
+def tool_prompt(state, req: ChatRequest, param: str = "tools") -> tuple[list[int], ToolOutput]:
+    """The prompt's token ids with the offered tools rendered, and the answer's parser."""
+    fmt = detect_format(state.template.text)
+    if fmt is None:
+        raise ApiError(400, f"{param}: this model's chat template ({state.template.source}) has no tool-call "
+                            "format this server parses (Hermes <tool_call>, DeepSeek-V3, GLM-4.5, gpt-oss harmony)",
+                       param=param)
+    offered = req.tools.offered()
+    try:
+        prompt = state.template.render(req.messages, add_generation_prompt=True, tools=offered)
+    except ColibriError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+    ids = state.tokenizer.encode(prompt, add_special_tokens=False).ids
+    return ids, ToolOutput(fmt.new_parser(offered), req.tools)
+
+
+def openai_call(call, index: int | None = None) -> dict:
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return out if index is None else {"index": index, **out}
+
+
+async def tool_chat_completion(request, state, req: ChatRequest) -> Response:
+    ids, output = tool_prompt(state, req)
+    run = JobRun(state.worker, ids, req.sampling, special_text=True)
+    ident, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", state.model_id
+    if req.sampling.stream:
+        return StreamingResponse(_sse(run, output, ident, model, req.sampling.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    got = await run.collect(request)
+    if got is None:
+        return Response(status_code=499)
+    text, result = got
+    if result.finish_reason == "error":
+        raise ApiError(500, f"generation failed: {result.error}", type="server_error")
+    content, calls = whole(output, text)
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [openai_call(c) for c in calls]
+    return JSONResponse({"id": ident, "object": "chat.completion", "created": int(time.time()), "model": model,
+                         "choices": [{"index": 0, "message": message, "logprobs": None,
+                                      "finish_reason": output.finish_reason(result.finish_reason)}],
+                         "usage": usage(result)})
+
+
+class ChunkMaker:
+    """Chat completion chunks for one streamed answer (pure: tested without a server)."""
+
+    def __init__(self, ident: str, model: str):
+        self.ident, self.model, self.created = ident, model, int(time.time())
+        self.index = 0
+
+    def chunk(self, delta: dict, finish: str | None = None) -> dict:
+        return {"id": self.ident, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+    def opening(self) -> dict:
+        return self.chunk({"role": "assistant", "content": ""})
+
+    def events(self, events: list[tuple]) -> list[dict]:
+        out = []
+        for kind, value in events:
+            if kind == "content":
+                out.append(self.chunk({"content": value}))
+                continue
+            head = openai_call(value, self.index)
+            head["function"] = {"name": value.name, "arguments": ""}
+            out.append(self.chunk({"tool_calls": [head]}))
+            out.append(self.chunk({"tool_calls": [{"index": self.index, "function": {"arguments": value.arguments}}]}))
+            self.index += 1
+        return out
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _sse(run: JobRun, output: ToolOutput, ident: str, model: str, include_usage: bool):
+    maker = ChunkMaker(ident, model)
+    try:
+        yield _event(maker.opening())
+        while True:
+            kind, value = await run.next()
+            if kind == "text":
+                for chunk in maker.events(output.feed(value)):
+                    yield _event(chunk)
+                continue
+            if value.finish_reason == "error":
+                yield _event(ApiError(500, f"generation failed: {value.error}", type="server_error").body())
+            else:
+                for chunk in maker.events(output.finish()):
+                    yield _event(chunk)
+                yield _event(maker.chunk({}, output.finish_reason(value.finish_reason)))
+                if include_usage:
+                    yield _event({**maker.chunk({}), "choices": [], "usage": usage(value)})
+            yield "data: [DONE]\n\n"
+            return
+    finally:
+        # The client went away or the stream ended: the generation must not run on for nobody.
+        run.cancel()

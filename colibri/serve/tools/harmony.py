@@ -1,0 +1,94 @@
+"""gpt-oss's harmony format: the answer is a run of messages, each a header and a body,
+
+    <|channel|>analysis<|message|>The user wants the weather.<|end|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+
+(the prompt ends with `<|start|>assistant`, so the first header starts at `<|channel|>`; the
+recipient may also stand before the channel, `<|start|>assistant to=functions.x<|channel|>...`).
+A message addressed `to=functions.NAME` is a call; the `final` channel, and `commentary` with no
+recipient (a preamble the user may see), are content; `analysis` is the model's reasoning, not
+shown. `<|call|>` and `<|return|>` are end-of-sequence tokens, so the worker usually stops
+before them: the answer's end closes the last message.
+
+These markers are special tokens of gpt-oss's vocabulary; the worker keeps them in the text when
+tools are in play (worker.py, Job.special_text), or there would be nothing to parse.
+"""
+
+from __future__ import annotations
+
+import re
+
+from colibri.serve.tools.base import ToolCall, held_prefix, json_object
+
+MESSAGE = "<|message|>"
+ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
+CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
+RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+
+
+class HarmonyParser:
+    def __init__(self, tools: list[dict] | None = None):
+        self.buf = ""
+        self.header: str | None = ""  # the header being read; None while in a body
+        self.kind = ""                 # the body's: "content", "hidden" or "call"
+        self.name = ""
+        self.raw = ""                  # the open message's header, given back if its call fails
+
+    def feed(self, text: str) -> list[tuple]:
+        self.buf += text
+        out: list[tuple] = []
+        while True:
+            if self.header is not None:
+                at = self.buf.find(MESSAGE)
+                if at == -1:
+                    return out
+                self._open(self.buf[:at])
+                self.buf = self.buf[at + len(MESSAGE):]
+                continue
+            found = [at for m in ENDS if (at := self.buf.find(m)) != -1]
+            if not found:
+                if self.kind == "content":
+                    cut = len(self.buf) - held_prefix(self.buf, ENDS)
+                    if cut:
+                        out.append(("content", self.buf[:cut]))
+                    self.buf = self.buf[cut:]
+                return out
+            at = min(found)
+            out += self._close(self.buf[:at])
+            rest = self.buf[at:]
+            # The end marker is dropped; `<|start|>` begins the next header, which ignores it.
+            self.buf = rest[len(next(m for m in ENDS if rest.startswith(m))):]
+            self.header = ""
+
+    def finish(self) -> list[tuple]:
+        rest, self.buf = self.buf, ""
+        if self.header is not None:
+            # No `<|message|>` came: a model that wrote plain text, not harmony, wrote content.
+            return [("content", rest)] if rest and "<|channel|>" not in rest else []
+        return self._close(rest)
+
+    def _open(self, header: str) -> None:
+        self.header = None
+        channel = CHANNEL.search(header)
+        recipient = RECIPIENT.search(header)
+        self.raw = header + MESSAGE
+        if recipient and recipient.group(1).startswith("functions."):
+            self.kind, self.name = "call", recipient.group(1)[len("functions."):]
+        elif recipient:  # a built-in tool (browser, python) this server does not run: shown as text
+            self.kind = "raw"
+        elif channel and channel.group(1) == "analysis":
+            self.kind = "hidden"
+        else:
+            self.kind = "content"
+
+    def _close(self, body: str) -> list[tuple]:
+        if self.kind == "content":
+            return [("content", body)] if body else []
+        if self.kind == "call":
+            args = json_object(body.strip() or "{}")
+            if self.name and args is not None:
+                return [("call", ToolCall(self.name, args, raw=self.raw + body))]
+            return [("content", self.raw + body)]
+        if self.kind == "raw":
+            return [("content", self.raw + body)]
+        return []

@@ -1,0 +1,33 @@
+"""Hermes-style calls (Qwen2.5, Qwen3, Hermes 2 Pro): one JSON object per call in XML-like tags,
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+as Qwen3's chat template asks for ("For each function call, return a json object with function
+name and arguments within <tool_call></tool_call> XML tags"); several blocks are parallel calls.
+"""
+
+from __future__ import annotations
+
+import json
+
+from colibri.serve.tools.base import BlockParser, ToolCall, json_object
+
+
+class HermesParser(BlockParser):
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
+
+    def parse_block(self, body: str) -> list[ToolCall] | None:
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+            return None
+        # "parameters" is what some Hermes fine-tunes write; the template asks for "arguments".
+        args = value.get("arguments", value.get("parameters", {}))
+        text = json_object(args) if isinstance(args, str) else (json.dumps(args, ensure_ascii=False)
+                                                                 if isinstance(args, dict) else None)
+        return None if text is None else [ToolCall(value["name"], text)]
