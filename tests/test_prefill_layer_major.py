@@ -187,9 +187,9 @@ def test_the_plan_charges_the_groups_activations(model_dir):  # noqa: F811
 
 def test_a_budget_too_small_for_the_group_shrinks_the_default_and_refuses_a_set_one(model_dir):  # noqa: F811
     """prefill_chunk 0 (the default): the whole context when the budget has room, else the largest
-    group in whole sub-chunks whose state fits half of what the budget leaves (never below one
-    sub-chunk); a set prefill_chunk the budget cannot hold is refused, as is a budget that cannot
-    hold even one sub-chunk's group."""
+    group in whole sub-chunks whose state fits half of what the budget leaves, or below one sub-chunk
+    a smaller group with a smaller sub-chunk; a set prefill_chunk the budget cannot hold is refused,
+    as is a budget that cannot hold a one-token group."""
     ctx = 8192
     args, roomy = _plan(model_dir, ctx_size=ctx, ram_budget=1 << 30)
     assert roomy.prefill_group == ctx
@@ -204,5 +204,10 @@ def test_a_budget_too_small_for_the_group_shrinks_the_default_and_refuses_a_set_
     assert shrunk.cache_bytes > 0
     with pytest.raises(BudgetError, match=rf"prefill activations \({ctx}-token groups\)"):
         _plan(model_dir, ctx_size=ctx, ram_budget=budget, prefill_chunk=ctx)
-    with pytest.raises(BudgetError, match=rf"prefill activations \({PREFILL_CHUNK}-token groups\)"):
-        _plan(model_dir, ctx_size=ctx, ram_budget=others - 1 * MiB)
+    # Less than one sub-chunk's state: a smaller group, its sub-chunk (and transients) with it.
+    args, smaller = _plan(model_dir, ctx_size=ctx, ram_budget=others - 1 * MiB)
+    assert 1 <= smaller.prefill_group < PREFILL_CHUNK
+    assert smaller.prefill_bytes == prefill_bytes(args, smaller.prefill_group, torch.float32, ctx)
+    transients = roomy.prefill_bytes - ctx * per_token
+    with pytest.raises(BudgetError, match=r"prefill activations \(1-token groups\)"):
+        _plan(model_dir, ctx_size=ctx, ram_budget=others - transients)

@@ -12,8 +12,9 @@ for its whole prefill (prefill_group_bytes: the hidden state, the routing, every
 output) plus one sub-chunk's transients (prefill_activation_bytes), counted from the model's geometry.
 The group is EngineConfig.prefill_chunk where set (a budget that cannot hold it is refused), else
 the largest the budget allows: the whole context, shrunk to half of what the budget leaves after
-everything else (the other half stays for the expert cache), never below one sub-chunk (refused
-below that). If the parts cannot fit, one error lists them, so the user sees which part to shrink.
+everything else (the other half stays for the expert cache), in whole sub-chunks, or below one
+sub-chunk a power of two whose transients shrink with it; a budget that cannot hold a one-token
+group is refused. If the parts cannot fit, one error lists them, so the user sees which part to shrink.
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ def prefill_bytes(args: ModelArgs, group: int, dtype: torch.dtype, ctx_size: int
 def prefill_group_for(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, left: int | None) -> int:
     """Prompt tokens per group: prefill_chunk where set; else the whole context, or under a budget
     the most whose group state fits half of `left` (what the budget leaves after everything but the
-    group state and the cache), a whole number of sub-chunks, at least one."""
+    group state and the cache, one sub-chunk's transients charged), a whole number of sub-chunks;
+    below one sub-chunk, the largest power of two whose whole charge fits."""
     if config.prefill_chunk:
         return prefill_tokens_per_pass(config.ctx_size, config.prefill_chunk)
     group = config.ctx_size
@@ -144,10 +146,17 @@ def prefill_group_for(args: ModelArgs, config: EngineConfig, dtype: torch.dtype,
         return group
     per_token = max(1, prefill_group_bytes(args, 1, dtype, config.ctx_size))
     fits = max(0, left) // 2 // per_token
-    if fits < group:
-        sub = prefill_tokens_per_pass(config.ctx_size)
-        group = max(sub, fits // sub * sub)
-    return group
+    if fits >= group:
+        return group
+    sub = prefill_tokens_per_pass(config.ctx_size)
+    if fits >= sub:
+        return fits // sub * sub
+    # Not even one sub-chunk's state: a smaller group, whose sub-chunk shrinks with it (the
+    # transients `left` was counted without are then a smaller group's too).
+    room = prefill_activation_bytes(args, sub, dtype) + (left // 2 if left > 0 else left)
+    while sub > 1 and prefill_bytes(args, sub, dtype, config.ctx_size) > room:
+        sub //= 2
+    return sub
 
 
 def prefill_activation_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype) -> int:
