@@ -77,6 +77,7 @@ def run_child(tree: Path, a, n: int, budget: str, limit: int | None, *, warm=Fal
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", a.model, "--n", str(n),
             "--ctx", str(n + 16), "--budget", budget, "--threads", str(a.threads), "--repeats", str(a.repeats),
             "--seed", str(a.seed)] + (["--warm"] if warm else []) + (["--routing"] if routing else [])
+    print(f"{TOOL}: n={n} budget={budget} warm={warm} tree={tree} ...", file=sys.stderr, flush=True)
     res = run_limited(argv, limit, timeout=a.timeout, env=tree_env(tree), cwd=tree)
     if res.returncode != 0:
         raise SystemExit(f"{TOOL}: child failed in {tree} (n={n}, oom={res.oom_killed}): {res.stderr.strip()[-600:]}")
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             with bench_lock(a.lock):
                 resident = run_child(REPO, a, n, "0", None, warm=True, routing=True)
                 if bw is None:  # requests of one expert's bytes, 4 KiB-aligned (what the engine reads)
+                    print(f"{TOOL}: measuring the cold read bandwidth ...", file=sys.stderr, flush=True)
                     bw = read_bandwidth(a.model, -(-resident["expert_disk_bytes"] // 4096) * 4096, a.io_threads,
                                         1 << 30)
             distinct = resident["distinct_experts"] * resident["expert_disk_bytes"]
