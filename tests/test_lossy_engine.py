@@ -107,7 +107,8 @@ def test_a_budget_the_full_cache_exceeds_fits_the_quantized_one(qwen):
     ckpt = Checkpoint(qwen)
     args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args)
-    config = EngineConfig(ctx_size=4096, ram_budget=1 << 40)
+    # A set prefill group: the default one would shrink to make room for the larger cache.
+    config = EngineConfig(ctx_size=4096, ram_budget=1 << 40, prefill_chunk=4096)
     quant = make_plan(ckpt, args, layout, config, torch.float32, "int8", overhead_bytes=64 << 20)
     full = make_plan(ckpt, args, layout, config, torch.float32, torch.float32, overhead_bytes=64 << 20)
     assert full.kv_bytes - quant.kv_bytes > 2 << 20

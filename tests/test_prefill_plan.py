@@ -1,6 +1,7 @@
-"""A long prompt under a memory budget: the plan counts one prefill chunk's activations and the
-KV cache the workload's longest request needs, the engine prefills in chunks of that size, and
-`tune --prompts` refuses a budget such prompts cannot fit before anything runs.
+"""A long prompt under a memory budget: the plan counts one prefill group's activations (and one
+sub-chunk's transients) and the KV cache the workload's longest request needs, the engine prefills
+in groups of that size, and `tune --prompts` refuses a budget such prompts cannot fit before
+anything runs. (Layer-major itself: tests/test_prefill_layer_major.py.)
 
 The tiny model (engine/presets/tiny.json); no trial subprocess.
 """
@@ -13,10 +14,10 @@ import pytest
 import torch
 
 from engine.arch.registry import model_args
-from engine.base.config import RESIDENT_PREFILL_CHUNK, EngineConfig
+from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError
 from engine.format.checkpoint import Checkpoint
-from engine.movement.plan import PREFILL_CHUNK, prefill_activation_bytes, prefill_tokens_per_pass
+from engine.movement.plan import PREFILL_CHUNK, prefill_activation_bytes, prefill_bytes, prefill_tokens_per_pass
 from engine.run.runtime import Engine
 from tuner.search.space import MIN_PREFILL_CHUNK, ModelFacts, SearchSpace, prefill_chunk_for
 from tuner.search.workload import prepare_workload
@@ -30,13 +31,13 @@ def test_prefill_activations_grow_with_the_tokens_of_a_pass(model_dir):  # noqa:
     per_token = prefill_activation_bytes(args, 2, torch.bfloat16) - one
     assert per_token > args.hidden_size * 2  # at least the residual stream, in bf16
     assert chunk == one + (PREFILL_CHUNK - 1) * per_token  # linear in the pass's tokens
-    # A pass holds at most one chunk: a longer context charges no more.
+    # A sub-chunk holds at most PREFILL_CHUNK tokens: a longer context charges no more transients.
     assert prefill_tokens_per_pass(16) == 16 and prefill_tokens_per_pass(1 << 20) == PREFILL_CHUNK
 
 
 def test_the_plan_grows_with_the_longest_request(model_dir):  # noqa: F811
     """The tuner's pre-check: ctx_size follows the workload's longest prompt + output, and the
-    plan's fixed part grows with it (KV for every position, the prefill chunk up to its cap)."""
+    plan's fixed part grows with it (KV for every position, the prefill group: the whole context)."""
     facts = ModelFacts.read(model_dir)
     fixed = {}
     for n in (8, 200, 4000):
@@ -51,7 +52,8 @@ def test_the_plan_grows_with_the_longest_request(model_dir):  # noqa: F811
     plans = {n: make_plan(ckpt, args, ExpertLayout(ckpt, args), EngineConfig(ram_budget=512 * MiB, ctx_size=n),
                           torch.float32, torch.float32, overhead_bytes=100 * MiB) for n in (8, 200, 4000)}
     assert plans[8].prefill_bytes < plans[200].prefill_bytes < plans[4000].prefill_bytes
-    assert plans[4000].prefill_bytes == prefill_activation_bytes(args, PREFILL_CHUNK, torch.float32)
+    assert all(plans[n].prefill_group == n for n in plans)  # room enough: one group for any prompt
+    assert plans[4000].prefill_bytes == prefill_bytes(args, 4000, torch.float32, 4000)
     assert plans[8].kv_bytes < plans[200].kv_bytes < plans[4000].kv_bytes
     assert "prefill" in plans[4000].describe()
 
@@ -72,65 +74,62 @@ def test_a_chunked_prefill_gives_the_unchunked_logits_and_kv(model_dir):  # noqa
     assert int(chunked.argmax()) == int(whole.argmax())
 
 
-def _passes(engine, ids) -> tuple[list[int], torch.Tensor]:
-    """The token counts of the forward passes Engine.forward(last_only) makes over `ids`, and its logits."""
-    passes = []
-    one_pass = engine.model.forward
-    engine.model.forward = lambda t, *a, **k: passes.append(t.shape[0]) or one_pass(t, *a, **k)
+def _groups(engine, ids) -> tuple[list[int], torch.Tensor]:
+    """The token counts of the groups Engine.forward(last_only) prefills `ids` in, and its logits."""
+    groups = []
+    real = engine.model.prefill
+    engine.model.prefill = lambda t, *a, **k: groups.append(t.shape[0]) or real(t, *a, **k)
     try:
         logits = engine.forward(ids, 0, last_only=True)
     finally:
-        engine.model.forward = one_pass
-    return passes, logits
+        engine.model.prefill = real
+    return groups, logits
 
 
-def test_the_default_pass_is_the_budgets_resident_passes_are_longer(model_dir):  # noqa: F811
-    """prefill_chunk 0 (the default) takes 256-token passes under a budget, where the plan trades
-    the pass's charge against the expert cache, and 512-token passes resident (no budget: nothing
-    to trade, and the experts' matmuls run at a higher FLOP rate on more rows); a set chunk wins."""
+def test_the_default_group_is_the_whole_context_where_the_budget_has_room(model_dir):  # noqa: F811
+    """prefill_chunk 0 (the default): one group of the whole prompt, resident or under a roomy
+    budget (tests/test_prefill_layer_major.py: a tight one shrinks it); a set chunk wins."""
     assert EngineConfig().prefill_chunk == 0
-    assert EngineConfig().prefill_pass == RESIDENT_PREFILL_CHUNK > PREFILL_CHUNK
-    assert EngineConfig(ram_budget=1 << 30).prefill_pass == PREFILL_CHUNK
-    assert EngineConfig(prefill_chunk=96).prefill_pass == EngineConfig(ram_budget=1 << 30, prefill_chunk=96).prefill_pass == 96
-    n = RESIDENT_PREFILL_CHUNK + 40
+    n = 2 * PREFILL_CHUNK + 40
     ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(2))
-    with Engine(model_dir, EngineConfig(ctx_size=1024)) as engine:
-        assert _passes(engine, ids)[0] == [RESIDENT_PREFILL_CHUNK, 40]
-        assert engine.plan.prefill_bytes == prefill_activation_bytes(engine.args, RESIDENT_PREFILL_CHUNK, engine.dtype)
-    with Engine(model_dir, EngineConfig(ctx_size=1024, ram_budget=4 << 30)) as engine:
-        assert _passes(engine, ids)[0] == [PREFILL_CHUNK, PREFILL_CHUNK, n - 2 * PREFILL_CHUNK]
-        assert engine.plan.prefill_bytes == prefill_activation_bytes(engine.args, PREFILL_CHUNK, engine.dtype)
+    for budget in (0, 4 << 30):
+        with Engine(model_dir, EngineConfig(ctx_size=1024, ram_budget=budget)) as engine:
+            assert engine.plan.prefill_group == 1024
+            assert _groups(engine, ids)[0] == [n]
+            assert engine.plan.prefill_bytes == prefill_bytes(engine.args, 1024, engine.dtype, 1024)
+    with Engine(model_dir, EngineConfig(ctx_size=1024, ram_budget=4 << 30, prefill_chunk=96)) as engine:
+        assert _groups(engine, ids)[0] == [96] * (n // 96) + [n % 96]
 
 
 @pytest.mark.parametrize("chunk", [32, 7])
-def test_the_configured_prefill_pass_sets_the_passes_and_keeps_the_logits(model_dir, chunk):  # noqa: F811
-    """prefill_chunk is what the engine passes a prompt through in (and what the plan charges): a
-    70-token prompt goes through in ceil(70 / chunk) passes with the one-pass logits."""
+def test_the_configured_prefill_group_sets_the_groups_and_keeps_the_logits(model_dir, chunk):  # noqa: F811
+    """prefill_chunk is the group the engine prefills a prompt in (and what the plan charges): a
+    70-token prompt goes through in ceil(70 / chunk) groups with the one-pass logits."""
     n = 70
     ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(1))
     with Engine(model_dir, EngineConfig(ctx_size=512, prefill_chunk=chunk)) as engine:
-        passes, chunked = _passes(engine, ids)
+        groups, grouped = _groups(engine, ids)
         whole = engine.model.forward(ids, 0, engine.kv, last_only=True)
-        assert engine.plan.prefill_bytes == prefill_activation_bytes(engine.args, chunk, engine.dtype)
-    assert passes == [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
-    torch.testing.assert_close(chunked, whole, atol=1e-3, rtol=1e-3)
+        assert engine.plan.prefill_bytes == prefill_bytes(engine.args, chunk, engine.dtype, 512)
+    assert groups == [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+    torch.testing.assert_close(grouped, whole, atol=1e-3, rtol=1e-3)
 
 
-def test_a_tune_sizes_the_prefill_pass_to_its_workloads_longest_prompt(model_dir, tmp_path):  # noqa: F811
-    """The fixed 8-token prompt runs every candidate with MIN_PREFILL_CHUNK-token passes, so the plan
-    charges ~1/8 of the default pass and the expert cache gets the rest; a long prompt keeps the
-    engine's default pass."""
-    assert [prefill_chunk_for(n) for n in (1, 8, 32, 33, 200, 4000)] == [32, 32, 32, 64, 256, PREFILL_CHUNK]
+def test_a_tune_sizes_the_prefill_group_to_its_workloads_longest_prompt(model_dir, tmp_path):  # noqa: F811
+    """The fixed 8-token prompt runs every candidate with MIN_PREFILL_CHUNK-token groups, so the plan
+    charges a small group and the expert cache gets the rest; a long prompt gets a group that holds
+    it whole (each expert read once per layer)."""
+    assert [prefill_chunk_for(n) for n in (1, 8, 32, 33, 200, 4000)] == [32, 32, 32, 64, 256, 4096]
     run = _tune_run(model_dir, tmp_path / "fixed", 1 << 30, None)
     assert run.space.prefill_chunk == MIN_PREFILL_CHUNK
     config = run.space.baseline()
     assert config.prefill_chunk == MIN_PREFILL_CHUNK
-    assert EngineConfig(ram_budget=1 << 30).prefill_pass == PREFILL_CHUNK  # what a user without `tune` gets
     args = model_args(Checkpoint(model_dir).config)
     assert prefill_activation_bytes(args, MIN_PREFILL_CHUNK, torch.bfloat16) < \
         prefill_activation_bytes(args, PREFILL_CHUNK, torch.bfloat16) / 4
     long_run = _tune_run(model_dir, tmp_path / "long", 1 << 30, _prompts(tmp_path, "long.jsonl", 60))
-    assert long_run.space.prefill_chunk == PREFILL_CHUNK
+    longest = long_run.workload_info.prompt_tokens.max
+    assert long_run.space.prefill_chunk == prefill_chunk_for(longest) >= longest > MIN_PREFILL_CHUNK
 
 
 def _prompts(tmp_path, name: str, words: int) -> str:
@@ -150,7 +149,7 @@ def _tune_run(model_dir, out, budget: int, prompts: str):  # noqa: F811
 
 def test_a_long_prompt_tune_under_a_tight_budget_is_refused_before_running(model_dir, tmp_path):  # noqa: F811
     """A budget that holds the short workload's plan but not the long one's (its KV at the longest
-    request's context, its prefill chunk): the long one is one BudgetError before the run
+    request's context, its prefill group): the long one is one BudgetError before the run
     directory, the calibration or any trial exists; the short one passes the same check."""
     short, long_ = _prompts(tmp_path, "short.jsonl", 4), _prompts(tmp_path, "long.jsonl", 110)
     facts = ModelFacts.read(model_dir)

@@ -16,6 +16,7 @@ one job each:
     router.py        the routing rules beyond softmax top-k; the lossy routing trim
     model.py         this file: the reference math (attention, MoE, dense MLP), the layer loop,
                      lookahead, layer streaming
+    prefill.py       a prompt's group through one layer at a time (each expert read once per layer)
 and below them engine/weights (`linear` over plain, int8 / int4 and FP8 weights) and engine/native
 (the kernels; this file asks it only whether they are loaded, for the fused q/k/v of one token).
 
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import native
-from engine.arch import decode_plan, moe
+from engine.arch import decode_plan, moe, prefill
 from engine.arch.args import ModelArgs, layer_prefix
 from engine.arch.decode_plan import DecodePlan
 from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
@@ -195,6 +196,13 @@ class Transformer:
         x = rms_norm(x, self.w["model.norm.weight"], self.args.rms_norm_eps)
         return linear(x, self.lm_head).float()  # [T, V]
 
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, start_pos: int, kv, sub_tokens: int) -> torch.Tensor:
+        """tokens [T] → logits [1, V] of the last position, the group taken through one layer at a
+        time (engine/arch/prefill.py): each routed expert read once per layer for all T tokens, the
+        attention in causal sub-chunks of sub_tokens. forward() is the pass-wise reference."""
+        return prefill.layer_major(self, tokens, start_pos, kv, sub_tokens)
+
     # --- the native calls the decode plan picks (a seam each for benchmarks/time/decode_profile.py) ------
 
     def _decode_step(self, x, start_pos, cos, sin, step):
@@ -323,6 +331,12 @@ class Transformer:
             out = moe.routed_decode(self.experts, self.expert_fn, layer, x, ids, weights)
         else:
             out = moe.routed_prefill(self.experts, self.expert_fn, layer, x, ids, weights)
+        return self._plus_shared(layer, w, x, out)
+
+    def _plus_shared(self, layer: int, w: dict, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out (the routed experts' sum for the normed x [T, H]) plus the shared experts of x, where
+        the architecture has them (a layer-major prefill adds them per sub-chunk: rows are independent)."""
+        p, a = layer_prefix(layer), self.args
         if a.shared_experts_intermediate_size:  # deepseek-style: resident, always on, no gate
             out = out + swiglu(x, *(w[f"{p}.mlp.shared_experts.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj")))
         if a.shared_expert_intermediate_size:

@@ -69,9 +69,17 @@ def _batched_decode(store, expert_fn, layer: int, x: torch.Tensor, needed: list[
     return native.experts(x, [t for expert in held for t in expert], per_expert)
 
 
-def routed_prefill(store, expert_fn, layer: int, x: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor) -> torch.Tensor:
-    """Several tokens: x [T, H] → [T, H]; each expert gets the rows routed to it (one sort groups them)."""
+def routed_prefill(store, expert_fn, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   max_rows: int | None = None, slot_out: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Several tokens: x [T, H] → [T, H]; each expert gets the rows routed to it (one sort groups them).
+
+    max_rows: an expert's rows go through it in calls of at most this many (None: one call), so a
+    layer-major prefill's group bounds its [rows, I] transients while the expert is read once.
+    slot_out [>= T*K, H], out [T, H]: buffers to fill instead of new ones (a group reuses them for
+    every layer). Each routed slot's weighted output lands in slot_out in ascending expert order
+    whatever order the store delivers the experts in; one index_add then sums each token's slots in
+    that order, so every placement gives the same bits."""
     K = ids.shape[1]
     flat = ids.flatten()
     if bool((flat < 0).any()):  # slots the routing threshold skipped (id -1): routed nowhere
@@ -88,15 +96,19 @@ def routed_prefill(store, expert_fn, layer: int, x: torch.Tensor, ids: torch.Ten
     position = {e: j for j, e in enumerate(needed)}
     token_of = order // K  # the row of x each routed slot belongs to
     slot_weight = weights.flatten()[order, None]
-    ys: list = [None] * len(needed)
+    n = order.shape[0]
+    ys = torch.empty(n, x.shape[1], dtype=x.dtype) if slot_out is None else slot_out[:n]  # [routed slots, H]
+    step = max_rows or n or 1
 
     def run(e, expert_weights):
         j = position[e]
-        rows = slice(starts[j], starts[j] + counts[j])
-        ys[j] = expert_fn(x[token_of[rows]], expert_weights) * slot_weight[rows]
+        for begin in range(starts[j], starts[j] + counts[j], step):
+            rows = slice(begin, min(begin + step, starts[j] + counts[j]))
+            ys[rows] = expert_fn(x[token_of[rows]], expert_weights) * slot_weight[rows]
 
     store.for_each_expert(layer, needed, run)
-    return torch.zeros_like(x).index_add_(0, token_of, torch.cat(ys))
+    out = torch.zeros_like(x) if out is None else out.zero_()
+    return out.index_add_(0, token_of, ys)
 
 
 class ResidentMoeLayer:

@@ -35,18 +35,15 @@ KV_QUANT_NAMES = ("fp8", "int8")
 KV_DTYPES = ("auto", *SHORT_NAMES, *KV_QUANT_NAMES)
 MAX_TOP_K_REDUCTION = 8
 CTX_MAX = 1 << 22  # the longest context a config may ask for (prompt and new tokens must fit in it)
-# Prompt tokens per forward pass of a prefill (the default of `prefill_chunk`). Without a bound, a
+# Prompt tokens per sub-chunk of a prefill group (engine/arch/prefill.py): the attention, norms,
+# router and dense MLP of a group run over this many tokens at a time, and an expert over at most
+# this many tokens' rows, so a layer's transients are bounded whatever the group. Without a bound, a
 # 2,000-token prompt on demo-small (hidden 512) grew the trial's resident set by ~310 MiB over an
 # 8-token one (every transient of a layer is [T, ...], and every distinct per-expert row count is
 # one more cached oneDNN matmul primitive) and was OOM-killed under a 400 MiB budget the plan said
-# it fitted. The memory plan charges one pass's activations (engine/movement/plan.py).
+# it fitted. The memory plan charges one sub-chunk's transients (engine/movement/plan.py). One value
+# for every placement: the sub-chunks decide the attention's arithmetic, and a budget must not.
 PREFILL_CHUNK = 256
-# The pass of a resident engine (no budget): nothing to trade the charge against, and a pass's matmuls
-# run each expert over the rows routed to it, ~T*K/E of them, which torch's bf16 GEMM runs at 0.70x the
-# FLOP rate at 32 rows as at 64 (demo: 312 prefill tok/s at 256-token passes, 490 at 512, on a 512-token
-# prompt; docs/BENCHMARKS.md, "Resident race and prefill on an AMD EPYC box"). 512 is llama.cpp's
-# default ubatch.
-RESIDENT_PREFILL_CHUNK = 512
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # fp16 is computed in fp32 on CPU (slow fp16 matmuls)
 
 # An engine config is a dozen keys; anything this large is not one (and is not read whole).
@@ -183,13 +180,16 @@ class EngineConfig:
     # Searched: the user's minimum context and two doublings (a config that fits is what matters).
     ctx_size: int = knob(2048, "context size in tokens", kind="int", lo=1, hi=CTX_MAX, label="context",
                          short="ctx", search=dict(multiples=(1, 2, 4), baseline="min_ctx"))
-    # Smaller passes shrink the plan's prefill charge (more room for the expert cache) at the cost of
-    # more passes on long prompts, each re-reading the experts the cache cannot hold. Not searched:
-    # tune fixes it from its workload's longest prompt (tuner/search/space.py:prefill_chunk_for).
-    # 0: the default for the budget (`prefill_pass`).
-    prefill_chunk: int = knob(0, "prompt tokens per prefill pass (the memory plan charges one pass; "
-                              f"0 = {PREFILL_CHUNK} under a budget, {RESIDENT_PREFILL_CHUNK} resident)",
-                              kind="int", lo=0, hi=CTX_MAX, label="prefill pass", short="pass")
+    # A prompt goes through in groups of this many tokens, each group one layer at a time, so each
+    # routed expert is read at most once per layer per group (engine/arch/prefill.py). A smaller group
+    # shrinks the plan's charge (more room for the expert cache) at the cost of more groups on long
+    # prompts, each re-reading the experts the cache cannot hold. Not searched: tune fixes it from
+    # its workload's longest prompt (tuner/search/space.py:prefill_chunk_for). 0: the largest group
+    # the budget allows (engine/movement/plan.py:prefill_group_for); a set group the budget cannot
+    # hold is refused.
+    prefill_chunk: int = knob(0, "prompt tokens per prefill group, taken through one layer at a time (the "
+                              "memory plan charges one group; 0 = the largest the budget allows, up to ctx_size)",
+                              kind="int", lo=0, hi=CTX_MAX, label="prefill group", short="group")
     kv_dtype: str = knob("auto", "KV cache precision (auto = the compute dtype; int8 / fp8 are lossy)",
                          kind="choice", choices=KV_DTYPES, label="KV dtype", short="kv", lossy=True)
     # Prefix reuse (engine/run/prefix_cache.py): RAM that keeps the KV of recent sequences in
@@ -238,13 +238,6 @@ class EngineConfig:
             if problem:
                 raise ConfigError(f"{f.name} must be {problem}, got {getattr(self, f.name)!r}")
         return self
-
-    @property
-    def prefill_pass(self) -> int:
-        """Prompt tokens per prefill pass: `prefill_chunk`, or for 0 the default of the budget."""
-        if self.prefill_chunk:
-            return self.prefill_chunk
-        return RESIDENT_PREFILL_CHUNK if self.ram_budget == 0 else PREFILL_CHUNK
 
     @property
     def lossless(self) -> bool:

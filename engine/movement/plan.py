@@ -8,11 +8,16 @@ blocks fill it over the server's life, so its size is what it will hold.
 
 The runtime overhead is measured, not guessed: the process's resident set at planning time
 (interpreter, torch, the checkpoint index) plus a margin for a decode step's activations and
-logits. A prompt is prefilled in passes of at most `prefill_pass` tokens (EngineConfig: `prefill_chunk`, or
-by default 256 under a budget and 512 resident; engine/run/runtime.py),
-so a long prompt's activations are bounded by one chunk's; the plan charges the chunk a prompt
-under ctx_size can fill, counted from the model's geometry (prefill_activation_bytes). If the
-parts cannot fit, one error lists them, so the user sees which part to shrink.
+logits. A prompt is prefilled in groups of at most `prefill_group` tokens, each group taken through one
+layer at a time (engine/arch/prefill.py: each routed expert read once per layer per group), its
+attention and dense parts in sub-chunks of PREFILL_CHUNK tokens. The plan charges what a group holds
+for its whole prefill (prefill_group_bytes: the hidden state, the routing, every routed slot's
+output) plus one sub-chunk's transients (prefill_activation_bytes), counted from the model's geometry.
+The group is EngineConfig.prefill_chunk where set (a budget that cannot hold it is refused), else
+the largest the budget allows: the whole context, shrunk to half of what the budget leaves after
+everything else (the other half stays for the expert cache), in whole sub-chunks, or below one
+sub-chunk a power of two whose transients shrink with it; a budget that cannot hold a one-token
+group is refused. If the parts cannot fit, one error lists them, so the user sees which part to shrink.
 """
 
 from __future__ import annotations
@@ -70,9 +75,10 @@ class MemoryPlan:
     slot_bytes: int = 0
     arena_slots: int = 0
     cache_entry_bytes: int = 0
-    # One prefill chunk's activations (prefill_activation_bytes), beside the decode margin the
-    # runtime overhead already holds.
+    # A prefill group's activations (prefill_group_bytes) and one sub-chunk's transients
+    # (prefill_activation_bytes), beside the decode margin the runtime overhead already holds.
     prefill_bytes: int = 0
+    prefill_group: int = 0  # prompt tokens per layer-major group, the one prefill_bytes charges
     # The RAM prefix cache (EngineConfig.prefix_cache): the KV blocks of recent sequences.
     prefix_cache_bytes: int = 0
 
@@ -98,14 +104,65 @@ class MemoryPlan:
     def describe(self) -> str:
         return (f"dense {format_size(self.dense_bytes)} + KV {format_size(self.kv_bytes)} + read buffers "
                 f"{format_size(self.buffer_bytes)} + runtime {format_size(self.overhead_bytes)} + prefill "
-                f"{format_size(self.prefill_bytes)} + prefix cache {format_size(self.prefix_cache_bytes)} + expert cache "
+                f"({self.prefill_group}-token groups) {format_size(self.prefill_bytes)} + prefix cache "
+                f"{format_size(self.prefix_cache_bytes)} + expert cache "
                 f"{format_size(self.cache_bytes)} of budget {format_size(self.budget)}")
 
 
 def prefill_tokens_per_pass(ctx_size: int, chunk: int = PREFILL_CHUNK) -> int:
-    """The most prompt tokens one forward pass holds: a chunk (EngineConfig.prefill_pass), or the
-    whole context if shorter."""
+    """The most prompt tokens one sub-chunk (or group) of `chunk` holds: chunk, or the whole
+    context if shorter."""
     return max(1, min(ctx_size, chunk))
+
+
+def prefill_group_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int) -> int:
+    """What a layer-major group of `tokens` prompt tokens holds for its whole prefill
+    (engine/arch/prefill.py), allocated once per group, so without the allocator factor.
+
+    Per token (e = compute dtype bytes; H hidden, K top-k, D head_dim): the residual and its norm
+    (2 of H); for a MoE model the routed output (H), every routed slot's weighted output (K of H),
+    the routing ids and weights and their sort (K int64 ids, order, tokens and sorted ids; K weights
+    twice); the sub-chunks' rope rows (2 of D); for the DSA indexer, each sub-chunk's selection,
+    one byte per position of the context."""
+    e = _elem(dtype)
+    per_token = 2 * args.hidden_size * e + 2 * args.head_dim * e
+    if args.num_experts:
+        per_token += (1 + args.top_k) * args.hidden_size * e + args.top_k * (4 * 8 + 2 * e)
+    if getattr(args.attention_impl, "indexer", None) is not None:
+        per_token += ctx_size
+    return int(tokens * per_token)
+
+
+def prefill_bytes(args: ModelArgs, group: int, dtype: torch.dtype, ctx_size: int) -> int:
+    """The plan's prefill charge for groups of `group` tokens: the group's state and one sub-chunk's
+    transients."""
+    sub = prefill_tokens_per_pass(min(ctx_size, group))
+    return prefill_group_bytes(args, group, dtype, ctx_size) + prefill_activation_bytes(args, sub, dtype)
+
+
+def prefill_group_for(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, left: int | None) -> int:
+    """Prompt tokens per group: prefill_chunk where set; else the whole context, or under a budget
+    the most whose group state fits half of `left` (what the budget leaves after everything but the
+    group state and the cache, one sub-chunk's transients charged), a whole number of sub-chunks;
+    below one sub-chunk, the largest power of two whose whole charge fits."""
+    if config.prefill_chunk:
+        return prefill_tokens_per_pass(config.ctx_size, config.prefill_chunk)
+    group = config.ctx_size
+    if left is None:
+        return group
+    per_token = max(1, prefill_group_bytes(args, 1, dtype, config.ctx_size))
+    fits = max(0, left) // 2 // per_token
+    if fits >= group:
+        return group
+    sub = prefill_tokens_per_pass(config.ctx_size)
+    if fits >= sub:
+        return fits // sub * sub
+    # Not even one sub-chunk's state: a smaller group, whose sub-chunk shrinks with it (the
+    # transients `left` was counted without are then a smaller group's too).
+    room = prefill_activation_bytes(args, sub, dtype) + (left // 2 if left > 0 else left)
+    while sub > 1 and prefill_bytes(args, sub, dtype, config.ctx_size) > room:
+        sub //= 2
+    return sub
 
 
 def prefill_activation_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype) -> int:
@@ -136,8 +193,8 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     keep = config.prefix_cache > 0 if keep_positions is None else keep_positions
     kv = kv_snapshot.nbytes(args, config.ctx_size, kv_dtype, keep)
     prefix = config.prefix_cache
-    # Any prompt up to ctx_size may come: charge the largest chunk one can fill.
-    prefill = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size, config.prefill_pass), dtype)
+    # Any prompt up to ctx_size may come: charge the largest sub-chunk one can fill (the group: below).
+    transients = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size), dtype)
     routed = layout.num_routed if layout is not None else 0
     disk_expert = layout.expert_nbytes if layout is not None else 0
     expert = expert_memory_bytes(layout, dtype) if routed else 0
@@ -158,17 +215,20 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     budget = config.ram_budget
 
     if budget > 0 and routed == 0:
-        return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes, prefill, prefix)
+        return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes, transients, prefix)
     if budget <= 0 or routed == 0:
+        group = prefill_group_for(args, config, dtype, None)
         return MemoryPlan(budget, False, dense, kv, 0, overhead_bytes, routed * expert, 0, expert, disk_expert,
-                          routed, inflight, prefill_bytes=prefill, prefix_cache_bytes=prefix)
+                          routed, inflight, prefill_bytes=prefill_bytes(args, group, dtype, config.ctx_size),
+                          prefill_group=group, prefix_cache_bytes=prefix)
+    group = prefill_group_for(args, config, dtype, budget - (dense + kv + buffers + overhead_bytes + transients + prefix))
+    prefill = prefill_bytes(args, group, dtype, config.ctx_size)
     fixed = dense + kv + buffers + overhead_bytes + prefill + prefix
     if fixed > budget:
         raise BudgetError(
             f"memory budget {format_size(budget)} is too small: dense weights {format_size(dense)} + KV cache "
             f"at ctx_size {config.ctx_size} {format_size(kv)} + read buffers {format_size(buffers)} + runtime "
-            f"{format_size(overhead_bytes)} + prefill activations "
-            f"({prefill_tokens_per_pass(config.ctx_size, config.prefill_pass)}-token chunks) {format_size(prefill)} "
+            f"{format_size(overhead_bytes)} + prefill activations ({group}-token groups) {format_size(prefill)} "
             f"+ prefix cache {format_size(prefix)} = {format_size(fixed)} before any expert cache")
     # Whole entries only, so the cache's byte capacity is exactly its slots.
     cache = min(int((budget - fixed) * config.cpu_cache_ratio) // entry, routed) * entry
@@ -179,7 +239,7 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     arena = 0 if mapped else inflight + (cache // entry if views else 0)
     return MemoryPlan(budget, True, dense, kv, buffers, overhead_bytes, cache, gpu_cache, expert, disk_expert,
                       routed, inflight, slot_bytes=slot, arena_slots=arena, cache_entry_bytes=entry,
-                      prefill_bytes=prefill, prefix_cache_bytes=prefix)
+                      prefill_bytes=prefill, prefill_group=group, prefix_cache_bytes=prefix)
 
 
 # (id(ckpt), id(args), quant, dtype) → (ckpt, args, bytes): the cost model plans thousands of
@@ -214,7 +274,7 @@ def _layer_names(args: ModelArgs, layer: int) -> list[str]:
     return [n for n in dense_tensor_names(args) if n.startswith(prefix)]
 
 
-def _dense_plan(ckpt, args, config, dtype, kv, overhead, prefill, prefix) -> MemoryPlan:
+def _dense_plan(ckpt, args, config, dtype, kv, overhead, transients, prefix) -> MemoryPlan:
     """Dense model under a budget: as many whole layers resident as fit, the rest streamed."""
     layer_bytes = max(sum(_count(ckpt, n) for n in _layer_names(args, i)) for i in range(args.num_layers)) * _elem(dtype)
     layer_disk = max(sum(ckpt.info(n).nbytes for n in _layer_names(args, i)) for i in range(args.num_layers))
@@ -222,18 +282,20 @@ def _dense_plan(ckpt, args, config, dtype, kv, overhead, prefill, prefix) -> Mem
     base = sum(_count(ckpt, n) * _elem(dtype) for n in dense_tensor_names(args) if n not in layered)
     # In flight: the layer being computed and `prefetch_depth` ahead, each as read + converted.
     buffers = (1 + config.prefetch_depth) * (layer_disk + ALIGN_SLACK + (layer_bytes if layer_bytes != layer_disk else 0))
-    fixed = base + kv + buffers + overhead + prefill + prefix
     budget = config.ram_budget
+    group = prefill_group_for(args, config, dtype, budget - (base + kv + buffers + overhead + transients + prefix))
+    prefill = prefill_bytes(args, group, dtype, config.ctx_size)
+    fixed = base + kv + buffers + overhead + prefill + prefix
     if fixed > budget:
         raise BudgetError(
             f"memory budget {format_size(budget)} is too small: dense weights outside the layers {format_size(base)} "
             f"+ KV cache at ctx_size {config.ctx_size} {format_size(kv)} + read buffers (layer streaming) "
-            f"{format_size(buffers)} + runtime {format_size(overhead)} + prefill activations {format_size(prefill)} "
-            f"+ prefix cache {format_size(prefix)} = {format_size(fixed)}")
+            f"{format_size(buffers)} + runtime {format_size(overhead)} + prefill activations ({group}-token groups) "
+            f"{format_size(prefill)} + prefix cache {format_size(prefix)} = {format_size(fixed)}")
     resident = min(args.num_layers, int((budget - fixed) * config.cpu_cache_ratio) // max(layer_bytes, 1))
     return MemoryPlan(budget, resident < args.num_layers, base + resident * layer_bytes, kv,
                       buffers if resident < args.num_layers else 0, overhead, 0, 0, 0, 0, 0, 0,
-                      resident_layers=resident, layer_bytes=layer_bytes, prefill_bytes=prefill,
+                      resident_layers=resident, layer_bytes=layer_bytes, prefill_bytes=prefill, prefill_group=group,
                       prefix_cache_bytes=prefix)
 
 

@@ -21,6 +21,7 @@ compute thread drains.
 from __future__ import annotations
 
 import queue
+from collections import Counter
 import time
 import weakref
 from concurrent.futures import Future, wait
@@ -82,6 +83,7 @@ class StreamingExperts(ReadingStore, ExpertStore):
         self._landed: queue.SimpleQueue = queue.SimpleQueue()
         self.predicted: dict[int, set[int]] = {}
         self.slot_overflows = 0
+        self._held = 0  # landed reads taken out of `ready` by for_each_expert, not yet computed
         self.reset_stats()
         if pinned:
             self._preload(pinned)
@@ -96,6 +98,9 @@ class StreamingExperts(ReadingStore, ExpertStore):
         if predicted is not None:
             self.recall_hits += len(predicted & needed)
             self.recall_total += len(needed)
+        # Sorted first, computed after: the demand reads go out before any expert is computed, so
+        # a prefill group's long computes of the prefetched and cached experts run under them.
+        landed, hits = [], []
         waiting: set[tuple[int, int]] = set()
         to_read = []
         for e in experts:
@@ -104,28 +109,39 @@ class StreamingExperts(ReadingStore, ExpertStore):
             read = self.ready.pop(key, None)
             if read is not None:  # lookahead read it in time
                 self.prefetched_used += 1
-                self.cache.note_request(key)  # still a use of the expert: lfu's popularity counts it
-                self._compute(read, fn)
-                read = None  # a consumed read's slot belongs to the cache now, or to nobody
-                continue
-            hit = self.cache.get(key)
-            if hit is not None:
-                tier, value = hit
-                self.tier_hits[tier] = self.tier_hits.get(tier, 0) + 1
-                fn(e, value)
-                del value, hit
-                continue
-            if key in self.reads:
+                landed.append(read)
+            elif key in self.cache:
+                hits.append(key)
+            elif key in self.reads:
                 self.prefetched_used += 1
                 waiting.add(key)
             else:
                 self.demand_reads += 1
                 to_read.append(key)
+        self._held = len(landed)  # out of `ready` but still in their slots: _room counts them
+        try:
+            self._submit_demand(to_read, waiting)
+            while landed:
+                read = landed.pop(0)
+                self.cache.note_request(read.key)  # still a use of the expert: lfu's popularity counts it
+                self._compute(read, fn)
+                self._held -= 1
+                read = None  # a consumed read's slot belongs to the cache now, or to nobody
+                self._submit_demand(to_read, waiting)
+        finally:
+            self._held = 0
+        for key in hits:
+            hit = self.cache.get(key)
+            if hit is None:  # evicted since it was looked at (a landed expert took its place): read it
+                self.demand_reads += 1
+                to_read.append(key)
+                continue
+            tier, value = hit
+            self.tier_hits[tier] = self.tier_hits.get(tier, 0) + 1
+            fn(key[1], value)
+            del value, hit
         while waiting or to_read:
-            while to_read and self._room():
-                key = to_read.pop(0)
-                self.reads[key] = self._submit(key, prefetch=False)
-                waiting.add(key)
+            self._submit_demand(to_read, waiting)
             if not waiting:  # every slot is held by lookahead for later layers: give one up
                 self._give_up_lookahead(layer)
                 continue
@@ -136,6 +152,13 @@ class StreamingExperts(ReadingStore, ExpertStore):
             else:
                 self._landed_elsewhere(read)
             read = None
+
+    def _submit_demand(self, to_read: list, waiting: set) -> None:
+        """Start the demand reads the read budget has room for (in the order asked)."""
+        while to_read and self._room():
+            key = to_read.pop(0)
+            self.reads[key] = self._submit(key, prefetch=False)
+            waiting.add(key)
 
     def hint_experts(self, layer, experts) -> None:
         self._drain()
@@ -152,7 +175,7 @@ class StreamingExperts(ReadingStore, ExpertStore):
     # --- reads -----------------------------------------------------------------------------
 
     def _room(self) -> bool:
-        return len(self.reads) + len(self.ready) + len(self.orphans) < self.max_inflight
+        return len(self.reads) + len(self.ready) + len(self.orphans) + self._held < self.max_inflight
 
     def _submit(self, key, prefetch: bool) -> _Read:
         loc = self.layout.location(*key)
@@ -168,6 +191,7 @@ class StreamingExperts(ReadingStore, ExpertStore):
             if self.tracer is not None:
                 self.tracer.submitted(s.path, s.offset, s.length, key[0], futures[-1])
         read = _Read(key, futures, prefetch)
+        self.read_counts[key] += 1
         # A weak reference: a strong one would make read <-> future a cycle, which only the
         # garbage collector frees, and the slot with it. The store holds the read until it lands.
         landed, ref = self._landed, weakref.ref(read)
@@ -296,6 +320,9 @@ class StreamingExperts(ReadingStore, ExpertStore):
         self.demand_reads = self.prefetch_reads = self.prefetched_used = 0
         self.lookups = 0
         self.tier_hits: dict[str, int] = {}
+        # (layer, expert) → reads started since reset_stats: what shows a prefill group reading each
+        # expert at most once per layer (DESIGN.md, "Reuse: many tokens per read").
+        self.read_counts: Counter = Counter()
 
     def _settle(self) -> None:
         """Cancel every read not yet started and wait for the rest, so nothing lands later."""

@@ -19,7 +19,7 @@ from engine.base import heap  # first: caps oneDNN's primitive cache before any 
 from engine.base.hugepages import HugePageArena, arena_bytes
 from engine.format.checkpoint import Checkpoint
 from engine.format.container import container_spec, dense_quantized, load_dense
-from engine.base.config import EngineConfig
+from engine.base.config import PREFILL_CHUNK, EngineConfig
 from engine.base.dtypes import FLOAT_NAMES, short_dtypes, torch_dtype
 from engine.arch.kvquant import kv_storage
 from engine.format.layout import ExpertLayout
@@ -248,17 +248,19 @@ class Engine:
     def forward(self, tokens: list[int] | torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
         """Logits [T, V] for every position, or [1, V] for the last one (what generation needs).
 
-        last_only: the prompt goes through in passes of at most the plan's prefill chunk, so a
-        long prompt's activations stay within what the memory plan charged (engine/movement/plan.py)."""
+        last_only: a prompt goes through in groups of the plan's prefill_group tokens, each group one
+        layer at a time (Transformer.prefill, engine/arch/prefill.py), so each routed expert is read at
+        most once per layer per group and the activations stay within what the memory plan charged
+        (engine/movement/plan.py). Without it, one pass of every layer over all T (the reference)."""
         t = torch.as_tensor(tokens, dtype=torch.long)
         del self.kv_tokens[start_pos:]  # rewritten from here; unknown until this call succeeds
-        step = prefill_tokens_per_pass(self.kv.ctx_size, self.config.prefill_pass)
-        if not last_only or t.shape[0] <= step:
+        if not last_only or t.shape[0] == 1:
             logits = self.model.forward(t, start_pos, self.kv, last_only=last_only)
         else:
-            for begin in range(0, t.shape[0], step):
-                logits = self.model.forward(t[begin:begin + step], start_pos + begin, self.kv, last_only=True)
-                heap.release_freed()  # the pass's transients, so the next pass starts from what is live
+            group = prefill_tokens_per_pass(self.kv.ctx_size, self.plan.prefill_group or t.shape[0])
+            for begin in range(0, t.shape[0], group):
+                logits = self.model.prefill(t[begin:begin + group], start_pos + begin, self.kv, PREFILL_CHUNK)
+                heap.release_freed()  # the group's state and transients, so the next starts from what is live
         if len(self.kv_tokens) == start_pos:  # positions before start_pos known: these follow them
             self.kv_tokens.extend(t.tolist())
         return logits

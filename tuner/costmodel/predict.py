@@ -170,9 +170,13 @@ def components(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: Ha
     t_prepare = reads * 3 * hw.prepare_seconds(quant, geometry.hidden_size, geometry.moe_intermediate_size)
     t_flop = _flop_seconds(geometry, quant, hw, 1, threads) + t_prepare
 
-    # Prefill: the prompt's rows share each weight read; experts are the prompt's union.
+    # Prefill: the prompt's rows share each weight read; experts are the prompt's union, read once per
+    # layer per layer-major group (engine/arch/prefill.py). A prompt longer than the plan's group
+    # goes through in several, each reading its own union: counted as the prompt's again (a group
+    # of hundreds of tokens routes to nearly every expert of a layer; the cache's few hits aside).
     P = run.prompt_tokens
-    pf_reads = (disk_rates.prefill_misses_per_layer * geometry.moe_layers) if rates else 0.0
+    groups = math.ceil(P / plan.prefill_group) if plan.prefill_group else 1
+    pf_reads = (disk_rates.prefill_misses_per_layer * geometry.moe_layers * groups) if rates else 0.0
     pf_per_layer = (disk_rates.prefill_misses_per_layer if rates else 0.0) * per_expert
     pf_bw = hw.read_bandwidth(request, max(1, min(config.io_threads, math.ceil(pf_per_layer))), config.io_mode)
     union = min(geometry.num_experts, (rates.prefill_misses_per_layer if rates else k))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from engine.api import BudgetError, EngineConfig, MemoryPlan, PREFILL_CHUNK, format_size
+from engine.api import BudgetError, EngineConfig, MemoryPlan, format_size
 from tuner.search.model_facts import ModelFacts
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -29,16 +29,17 @@ KINDS = {f.name: f.metadata["kind"] for f in dataclasses.fields(EngineConfig)}
 CHUNK_SIZES = SEARCHED["chunk_size"]["choices"]
 IO_THREADS = SEARCHED["io_threads"]["choices"]
 FACTS = ("physical_cores", "logical_cores", "min_ctx")  # what a range may name instead of a number
-# The smallest prefill pass a tune recommends: a prompt a little longer than the tuned workload's
-# then still goes through in few passes, for a charge of a few MiB.
+# The smallest prefill group a tune recommends: a prompt a little longer than the tuned workload's
+# then still goes through in few groups, for a charge of a few MiB.
 MIN_PREFILL_CHUNK = 32
 
 
 def prefill_chunk_for(longest_prompt: int) -> int:
-    """The prefill pass for a workload whose longest prompt is `longest_prompt` tokens: the next
-    power of two, between MIN_PREFILL_CHUNK and the engine's default pass."""
+    """The prefill group for a workload whose longest prompt is `longest_prompt` tokens: the next
+    power of two, at least MIN_PREFILL_CHUNK, so every prompt goes through as one group (each
+    routed expert read once per layer); the plan charges it (and refuses a budget that cannot)."""
     fit = 1 << max(0, int(longest_prompt) - 1).bit_length()
-    return min(PREFILL_CHUNK, max(MIN_PREFILL_CHUNK, fit))
+    return max(MIN_PREFILL_CHUNK, fit)
 
 # Memory a fresh trial process spends before the model is touched (interpreter, torch, the
 # checkpoint index) plus the engine's activation margin. Replaced by a measured figure when one
@@ -63,10 +64,11 @@ class SearchSpace:
     io_thread_choices: tuple[int, ...] = IO_THREADS
     # tune --max-kl / --min-top1: the lossy dimensions (tuner/search/lossy.py), empty = lossless.
     lossy: dict = field(default_factory=dict)
-    # Prompt tokens per prefill pass every candidate runs with: fixed from the workload's longest
-    # prompt (prefill_chunk_for), not searched, because a pass longer than any prompt the workload
-    # sends only charges the plan activations that the expert cache could have had.
-    prefill_chunk: int = PREFILL_CHUNK
+    # Prompt tokens per prefill group every candidate runs with: fixed from the workload's longest
+    # prompt (prefill_chunk_for), not searched, because a group longer than any prompt the workload
+    # sends only charges the plan activations that the expert cache could have had, and a shorter
+    # one reads the experts again per group. 0: the engine's own (the largest the budget allows).
+    prefill_chunk: int = 0
 
     def __post_init__(self):
         if self.min_ctx < 1:
