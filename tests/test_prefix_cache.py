@@ -357,7 +357,9 @@ def test_the_budget_pays_for_the_prefix_cache(tmp_path):
     args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args)
     def plan(budget, prefix=0):
-        config = EngineConfig(ram_budget=budget, ctx_size=CTX, dtype="fp32", prefix_cache=prefix)
+        # A set prefill group: the default one shrinks with what the budget leaves, which would
+        # hide what the prefix cache takes from the expert cache.
+        config = EngineConfig(ram_budget=budget, ctx_size=CTX, dtype="fp32", prefix_cache=prefix, prefill_chunk=32)
         return make_plan(ckpt, args, layout, config, torch.float32, torch.float32, overhead_bytes=8 << 20)
 
     p = plan(1 << 30)
