@@ -23,6 +23,7 @@ from starlette.routing import Route
 from engine.api import ColibriError, loads_limited
 from colibri.serve.prometheus import ServerMetrics
 from colibri.serve.protocol import ApiError, Sampling, parse_chat, parse_completion
+from colibri.serve.structured import parse_response_format
 from colibri.serve.worker import GenerationWorker, Job, JobResult
 
 DEFAULT_MAX_BODY = 4 << 20
@@ -171,14 +172,18 @@ def build_app(state: ServeState) -> Starlette:
 
     async def completions(request: Request) -> Response:
         authorized(request)
-        req = parse_completion(await _read_json(request, state.max_body))
+        body = await _read_json(request, state.max_body)
+        req = parse_completion(body)
+        req.sampling.grammar = parse_response_format(body)
         check_model(req.model)
         ids = list(req.prompt) if isinstance(req.prompt, list) else state.tokenizer.encode(req.prompt).ids
         return await run_job(request, ids, req.sampling, CompletionShape)
 
     async def chat_completions(request: Request) -> Response:
         authorized(request)
-        req = parse_chat(await _read_json(request, state.max_body))
+        body = await _read_json(request, state.max_body)
+        req = parse_chat(body)
+        req.sampling.grammar = parse_response_format(body)
         check_model(req.model)
         try:
             prompt = state.template.render(req.messages, add_generation_prompt=True)

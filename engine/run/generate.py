@@ -60,9 +60,11 @@ class Generation:
 
 
 def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler | None = None,
-             stop_ids: set[int] | None = None, on_token=None) -> Generation:
+             stop_ids: set[int] | None = None, on_token=None, processors=()) -> Generation:
     """Prefill, then decode until max_new_tokens, a stop id, or `on_token(token)` returning True
-    (how a server stops at a stop sequence or when its client has gone)."""
+    (how a server stops at a stop sequence or when its client has gone). `processors`
+    (engine/run/grammar.py's LogitsProcessor) mask each step's logits before the sampler, are told
+    the token it picked, and end the generation once all of them are done."""
     sampler = sampler or Sampler()
     n = len(prompt_ids)
     if n == 0:
@@ -82,23 +84,33 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
     logits = engine.forward(prompt_ids, 0, last_only=True)
     gen.prefill_seconds = time.perf_counter() - t0
     check_finite_logits(logits[-1], where)
-    token = sampler(logits[-1])
+    token = _sample(sampler, logits[-1], processors, gen.output_ids)
     gen.ttft_seconds = time.perf_counter() - t0
     gen.output_ids.append(token)
     if on_token and on_token(token) is True:
         return gen
     pos = n
-    while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
+    while (len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids)
+           and not (processors and all(p.done() for p in processors))):
         t = time.perf_counter()
         logits = engine.forward([token], pos)
         check_finite_logits(logits[-1], where)
-        token = sampler(logits[-1])
+        token = _sample(sampler, logits[-1], processors, gen.output_ids)
         gen.token_seconds.append(time.perf_counter() - t)
         gen.output_ids.append(token)
         pos += 1
         if on_token and on_token(token) is True:
             break
     return gen
+
+
+def _sample(sampler: Sampler, logits: torch.Tensor, processors, generated: list[int]) -> int:
+    for p in processors:
+        logits = p(logits, generated)
+    token = sampler(logits)
+    for p in processors:
+        p.accept(token)
+    return token
 
 
 def load_tokenizer(model_dir: str | Path):
