@@ -3,35 +3,35 @@
 A request's JSON schema (or "any JSON object") is compiled into a grammar by llguidance, and a
 `GrammarProcessor` masks every token the grammar cannot take next with -inf, is told the token the
 sampler picked, and says when the grammar is complete. The generate loop (engine/run/generate.py)
-runs it on every decoding path, since that loop is the only one; the mask never decides anything
-the sampler would not (greedy is the argmax of the allowed tokens, nucleus sampling their softmax).
+runs it on every decoding path, since that loop is the only one. The sampler is unchanged: greedy
+takes the argmax of the allowed tokens, temperature and top-p sample from their softmax.
 
-Why llguidance (measured 2026-12-06 on this repository's 2-vCPU box, load average 5-6 from other
-jobs, one torch thread; a 17-key schema with a nested object, enum, array, anyOf, pattern and
-bounded strings; per token over a valid 74-176-token document, mask computed into a bitmask, its
-unpack and -inf fill timed apart and equal for all three):
+Why llguidance (benchmarks/serving/grammar_overhead.py engines, 2026-12-06, this repository's
+2-vCPU AMD EPYC box at load average 6-8 from other jobs, one torch thread; the synth BPE tokenizer
+at 32,000 tokens (demo's) and 151,936; a 7-property schema with a nested object, enum, array,
+anyOf, pattern and bounded strings; 3 walks of a valid 74-75-token document; medians):
 
-    vocab (synth BPE)    llguidance           xgrammar 0.2.9       outlines-core 0.2.14
-                         mask med / compile   mask med / compile   mask med / compile
-    300                  29 us  / 0.8 ms      18 us  / 2 ms        15 us  / 28 ms
-    32,000 (demo)        98 us  / 0.8 ms      47 us  / 22 ms       70 us  / 2.8 s
-    151,936              131 us / 0.7 ms      102 us / 33 ms       155 us / 24-33 s
+    32k / 152k tokens    llguidance 1.9.1     xgrammar 0.2.9       outlines-core 0.2.14
+    mask                 58 / 68 us           10 / 20 us           9 / 14 us
+    unpack + -inf fill   49 / 168 us          41 / 246 us          48 / 242 us   (our code, the same)
+    compile              7 / 1.2 ms           12 / 33 ms           3.8 s / 30 s
+    wheel                abi3, no deps        torch, transformers, triton, pydantic, apache-tvm-ffi
 
-- The mask: xgrammar is 30-50 us faster per token, noise against a MoE decode step (milliseconds
-  resident, far more streamed); unpacking the bitmask and filling -inf costs ~150 us at 152k for
-  every engine alike. outlines-core is in the same range.
-- The compile, paid per request because every request may bring its own schema: llguidance ~1 ms,
-  xgrammar 20-50 ms, outlines-core seconds to tens of seconds (it builds a DFA index over the
-  whole vocabulary) — outlines-core is out for a server on that alone.
+- Per token, all three cost about the same once the mask is applied: unpacking the bitmask and
+  filling -inf (the same numpy/torch code for each) is most of it at 152k, and xgrammar's ~50 us
+  lead on the mask itself is noise against a MoE decode step (hundreds of ms on this box for demo
+  resident, `grammar_overhead.py decode`: the whole mask measured 0.38 ms of a 0.5-1.3 s step).
+- The compile is paid per request, since every request may bring its own schema: llguidance
+  ~1-7 ms, xgrammar 12-33 ms, outlines-core seconds to half a minute (it builds a DFA index over
+  the whole vocabulary): outlines-core is out for a server on that alone.
 - The wheel: llguidance is one abi3 wheel with no Python dependencies. xgrammar 0.2.9 requires
-  torch, transformers (this project's engine never imports it), pydantic, apache-tvm-ffi and, on
-  Linux x86_64, triton (a GPU compiler, hundreds of MB, useless on the CPU path).
+  transformers (this project's engine never imports it), pydantic, apache-tvm-ffi and, on Linux
+  x86_64, triton (a GPU compiler of hundreds of MB, useless on the CPU path).
 - Unsupported schema keywords are errors that name the construct (`Unimplemented keys: ["not"]`,
   `oneOf constraints are not supported`, a regex's look-around), which the server passes on as 400.
 
-The tokenizer side (`GrammarTokenizer`, llguidance's token trie) costs ~0.4 s at 32k tokens and
+The tokenizer side (`GrammarTokenizer`, llguidance's token trie) costs ~0.5 s at 32k tokens and
 ~1-2 s at 152k: built once per model, on the first structured request.
-The measurement script: benchmarks/serving/grammar_overhead.py engines.
 """
 
 from __future__ import annotations
