@@ -8,8 +8,9 @@ the same count), alternating which goes first per repeat. Rows: tok/s over the d
 step = forward + mask + sample), the step's median, and the mask's own median (the processor's
 __call__ + accept, timed inside the step). The two runs decode different tokens, which route to
 different experts: streamed under a budget that changes the cache hits and reads, so the tok/s
-pair mixes the mask with the route; the mask column is the grammar's own cost either way. Notes: the model's grammar tokenizer build (once per
-model) and SCHEMA's compile (json_grammar + matcher, per request), median of 20.
+pair mixes the mask with the route; the mask column is the grammar's own cost either way. Notes:
+the model's grammar tokenizer build (once per model) and SCHEMA's compile (json_grammar + matcher,
+per request), median of 20.
 
 engines: per synth BPE vocabulary (--vocab, the tokenizer engine/synth trains; no downloads), each
 grammar engine that imports walks a valid document of ENGINE_SCHEMA token by token: mask into a
