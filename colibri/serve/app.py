@@ -25,6 +25,7 @@ from engine.api import ColibriError, loads_limited
 from colibri.serve.anthropic import anthropic_error, check_key, count_tokens_endpoint, messages_endpoint
 from colibri.serve.prometheus import ServerMetrics
 from colibri.serve.protocol import ApiError, Sampling, parse_chat, parse_completion
+from colibri.serve.structured import parse_response_format
 from colibri.serve.tools.chat import tool_chat_completion
 from colibri.serve.worker import GenerationWorker, Job, JobResult
 
@@ -175,14 +176,18 @@ def build_app(state: ServeState) -> Starlette:
 
     async def completions(request: Request) -> Response:
         authorized(request)
-        req = parse_completion(await _read_json(request, state.max_body))
+        body = await _read_json(request, state.max_body)
+        req = parse_completion(body)
+        req.sampling.grammar = parse_response_format(body)
         check_model(req.model)
         ids = list(req.prompt) if isinstance(req.prompt, list) else state.tokenizer.encode(req.prompt).ids
         return await run_job(request, ids, req.sampling, CompletionShape)
 
     async def chat_completions(request: Request) -> Response:
         authorized(request)
-        req = parse_chat(await _read_json(request, state.max_body))
+        body = await _read_json(request, state.max_body)
+        req = parse_chat(body)
+        req.sampling.grammar = parse_response_format(body)
         check_model(req.model)
         if req.tools.engaged:  # tools in the prompt, calls parsed from the answer: colibri/serve/tools/
             return await tool_chat_completion(request, state, req)

@@ -47,6 +47,7 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    grammar: str | None = None  # response_format's, compiled (colibri/serve/structured.py)
 
 
 @dataclass

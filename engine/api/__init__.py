@@ -5,7 +5,8 @@ on their own.
 
   run, bench        a whole `colibri run` / `colibri bench`: RunResult, BenchResult (typed,
                     schema ids, the JSON unchanged in `.to_dict()`; engine/api/results.py)
-  generate          one generation on a loaded Engine (Sampler, Generation, load_tokenizer)
+  generate          one generation on a loaded Engine (Sampler, Generation, load_tokenizer); its
+                    grammar mask for structured output (json_grammar, GrammarTokenizer)
   quality           KL / top-1 / perplexity against a reference (measure_quality)
   plan              the memory plan of a checkpoint under a config (MemoryPlan, make_plan);
                     `colibri plan`'s cost-model answer is PlanResult / CalibrationResult
@@ -34,6 +35,7 @@ _HOMES = {
     # the engine and one generation
     "engine.run.runtime": "Engine DTYPE_NAMES checkpoint_dtype physical_cores",
     "engine.run.generate": "Generation Sampler generate load_tokenizer random_prompt_ids",
+    "engine.run.grammar": "GrammarError GrammarProcessor GrammarTokenizer LogitsProcessor json_grammar",
     "engine.run.oneshot": "run_generation",
     "engine.run.bench": "run_bench",
     "engine.run.quality": "Reference format_quality measure_quality stdlib_corpus token_stream",

@@ -61,12 +61,15 @@ class Generation:
 
 
 def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler | None = None,
-             stop_ids: set[int] | None = None, on_token=None, cached_tokens: int | None = None) -> Generation:
+             stop_ids: set[int] | None = None, on_token=None, cached_tokens: int | None = None,
+             processors=()) -> Generation:
     """Prefill, then decode until max_new_tokens, a stop id, or `on_token(token)` returning True
     (how a server stops at a stop sequence or when its client has gone).
 
     cached_tokens: how many of the prompt's first positions the caller has already put in the KV
-    cache (`run --prompt-cache`); None: whatever the engine's prefix cache restores."""
+    cache (`run --prompt-cache`); None: whatever the engine's prefix cache restores.
+    processors (engine/run/grammar.py's LogitsProcessor) mask each step's logits before the
+    sampler, are told the token it picked, and end the generation once all of them are done."""
     sampler = sampler or Sampler()
     n = len(prompt_ids)
     if n == 0:
@@ -89,16 +92,17 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
     logits = engine.forward(prompt_ids[reused:], reused, last_only=True)
     gen.prefill_seconds = time.perf_counter() - t0
     check_finite_logits(logits[-1], where)
-    token = sampler(logits[-1])
+    token = _sample(sampler, logits[-1], processors, gen.output_ids)
     gen.ttft_seconds = time.perf_counter() - t0
     gen.output_ids.append(token)
     if not (on_token and on_token(token) is True):
         pos = n
-        while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
+        while (len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids)
+               and not (processors and all(p.done() for p in processors))):
             t = time.perf_counter()
             logits = engine.forward([token], pos)
             check_finite_logits(logits[-1], where)
-            token = sampler(logits[-1])
+            token = _sample(sampler, logits[-1], processors, gen.output_ids)
             gen.token_seconds.append(time.perf_counter() - t)
             gen.output_ids.append(token)
             pos += 1
@@ -106,6 +110,15 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
                 break
     engine.remember_prefix()  # the prompt and the answer so far: a next turn resends both
     return gen
+
+
+def _sample(sampler: Sampler, logits: torch.Tensor, processors, generated: list[int]) -> int:
+    for p in processors:
+        logits = p(logits, generated)
+    token = sampler(logits)
+    for p in processors:
+        p.accept(token)
+    return token
 
 
 def load_tokenizer(model_dir: str | Path):
