@@ -140,7 +140,7 @@ def add_bench(sub) -> None:
     work.add_argument("--steady", type=positive_int(64), metavar="N",
                       help="the steady-decoding workload (tune's default): N prompts of lengths around "
                            "--prompt-tokens from --seed, each sampled for --tokens (the first quarter not counted); "
-                           "the figure is the median over the prompts whose output does not loop")
+                           "the figure is the median over the prompts that do not fall into a loop")
     p.add_argument("--temperature", type=finite_float(0.01, 100.0, zero_ok=True), default=None,
                    help="with --steady: 0 = greedy, else in [0.01, 100] (default 1.0)")
     p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=None,

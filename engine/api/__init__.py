@@ -36,7 +36,7 @@ _HOMES = {
     "engine.run.generate": "Generation Sampler generate load_tokenizer random_prompt_ids",
     "engine.run.oneshot": "run_generation",
     "engine.run.bench": "run_bench",
-    "engine.run.steady": ("STEADY_TEMPERATURE STEADY_TOP_P STEADY_WARM_SHARE degenerate prompt_lengths "
+    "engine.run.steady": ("STEADY_TEMPERATURE STEADY_TOP_P STEADY_WARM_SHARE counted_prompts degenerate prompt_lengths "
                           "steady_requests"),
     "engine.run.quality": "Reference format_quality measure_quality stdlib_corpus token_stream",
     "engine.run.run_metrics": "SUMMARY_KEYS git_commit peak_rss_bytes",

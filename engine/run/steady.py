@@ -143,7 +143,7 @@ def run_steady_bench(engine, requests: list[Request], *, repeats: int, cold: boo
         if progress:
             progress(rep + 1, repeats, _aggregate(per_repeat[-1:])[0])
     prompts = _per_prompt(per_repeat)
-    counted = [p for p in prompts if p["degenerate"] is None] or prompts  # all loop: figures over all, flagged
+    counted = counted_prompts(prompts)
     result = {
         "cold": cold, "cold_method": cold_how, "repeats": repeats, "seed": seed,
         "tokens": sum(r.max_new_tokens for r in requests), "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
@@ -168,6 +168,12 @@ def run_steady_bench(engine, requests: list[Request], *, repeats: int, cold: boo
     for k, v in last.items():  # the memory and I/O facts as they stand at the end (peak RSS, io mode)
         result.setdefault(k, v)
     return result
+
+
+def counted_prompts(prompts: list[dict]) -> list[dict]:
+    """The prompts the figure is the median over: those whose output did not loop. When every one
+    loops there is nothing else to measure: all of them, and the result says `all_degenerate`."""
+    return [p for p in prompts if p["degenerate"] is None] or prompts
 
 
 def _one(engine, request: Request, sampler: Sampler, reset_stats) -> dict:
