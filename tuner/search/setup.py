@@ -85,7 +85,7 @@ class TuneSetup:
         self.facts = ModelFacts.read(self.model_dir)
         # The workload's sizes (tuner/search/workload.py), then the user's prompts parsed before
         # anything slow (a bad file is one error line).
-        self.opts, self.steady_cycle = resolve_sizes(opts, self.facts, self.budget, DEFAULT_OVERHEAD_BYTES, self.log)
+        self.opts, self.steady_cycle, sized = resolve_sizes(opts, self.facts, self.budget, DEFAULT_OVERHEAD_BYTES)
         opts = self.opts
         self.work = prepare_workload(opts.prompts, self.model_dir, opts.prompt_tokens, opts.tokens,
                                      self.facts.max_position_embeddings, steady=opts.steady_prompts
@@ -105,6 +105,8 @@ class TuneSetup:
                                  min_ctx=min_ctx, model=self.facts,
                                  prefill_chunk=prefill_chunk_for(self.workload_info.prompt_tokens.max))
         self.space.check_budget()  # before anything slow: a budget below the dense part is a user error
+        if sized:
+            self.log(sized)
         self.quality_meter = None
         if opts.lossy is not None:  # tune --max-kl / --min-top1: lossy dimensions, each priced in quality
             self.space.lossy = lossy.distributions(self.model_dir)

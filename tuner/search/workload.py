@@ -112,21 +112,22 @@ def fixed_info(prompt_tokens: int, tokens: int) -> WorkloadInfo:
                         sha256=None)
 
 
-def resolve_sizes(opts, facts, budget: int, overhead: int, log):
+def resolve_sizes(opts, facts, budget: int, overhead: int):
     """(the options with --tokens and --repeats filled in where the user left them to the workload,
-    the cache cycle in tokens the steady length was sized from or None)."""
+    the cache cycle in tokens the steady length was sized from or None, a line for the log or "")."""
     steady = opts.workload == "steady" and opts.prompts is None
-    tokens, repeats, cycle = opts.tokens, opts.repeats, None
+    tokens, repeats, cycle, note = opts.tokens, opts.repeats, None, ""
     if steady:
         sized, cycle = steady_tokens(facts, budget, overhead)
         if tokens is None:
             tokens = sized
-            log(f"workload: steady, {opts.steady_prompts} prompts x {tokens} decode tokens (sampled, seed {opts.seed}; "
-                + (f"the RAM cache cycles in {cycle:g} tokens at the defaults' plan" if cycle is not None
-                   else "nothing streams") + f"; the first {int(tokens * STEADY_WARM_SHARE)} of each not counted)")
+            note = (f"workload: steady, {opts.steady_prompts} prompts x {tokens} decode tokens (sampled, seed "
+                    f"{opts.seed}; " + (f"the RAM cache cycles in {cycle:g} tokens at the defaults' plan"
+                                        if cycle is not None else "no cache cycle to size from")
+                    + f"; the first {int(tokens * STEADY_WARM_SHARE)} of each not counted)")
     tokens = FIXED_TOKENS if tokens is None else tokens
     repeats = (1 if steady else FIXED_REPEATS) if repeats is None else repeats
-    return dataclasses.replace(opts, tokens=tokens, repeats=repeats), cycle
+    return dataclasses.replace(opts, tokens=tokens, repeats=repeats), cycle, note
 
 
 def prepare_workload(prompts: str | None, model_dir: Path, prompt_tokens: int, tokens: int,
