@@ -85,7 +85,7 @@ class TuneSetup:
         self.facts = ModelFacts.read(self.model_dir)
         # The workload's sizes (tuner/search/workload.py), then the user's prompts parsed before
         # anything slow (a bad file is one error line).
-        self.opts, self.steady_cycle, sized = resolve_sizes(opts, self.facts, self.budget, DEFAULT_OVERHEAD_BYTES)
+        self.opts, self.steady_cycle, self.sized_note = resolve_sizes(opts, self.facts, self.budget, DEFAULT_OVERHEAD_BYTES)
         opts = self.opts
         self.work = prepare_workload(opts.prompts, self.model_dir, opts.prompt_tokens, opts.tokens,
                                      self.facts.max_position_embeddings, steady=opts.steady_prompts
@@ -105,8 +105,6 @@ class TuneSetup:
                                  min_ctx=min_ctx, model=self.facts,
                                  prefill_chunk=prefill_chunk_for(self.workload_info.prompt_tokens.max))
         self.space.check_budget()  # before anything slow: a budget below the dense part is a user error
-        if sized:
-            self.log(sized)
         self.quality_meter = None
         if opts.lossy is not None:  # tune --max-kl / --min-top1: lossy dimensions, each priced in quality
             self.space.lossy = lossy.distributions(self.model_dir)
@@ -126,6 +124,8 @@ class TuneSetup:
         opts = self.opts
         self.out.mkdir(parents=True, exist_ok=True)
         self.watch = run_guard.RunDirWatch(self.out)
+        if self.sized_note:  # here, not in prepare: a refused run prints its one error line only
+            self.log(self.sized_note)
         self.work.save(self.out)
         if self.storage is None:
             self.storage = open_storage(self.storage_url, self.shared)
