@@ -1,6 +1,6 @@
 """The `colibri bench` command that measures a tune's headline figure again, and what it must match.
 
-    reproduce_command(result, "reports/run/recommended.toml")   # recommended.toml, report.md
+    reproduce_command(result, run_dir / "recommended.toml")     # recommended.toml, report.md
     entry_command(entry)                                         # a profile's best_configs entry
 
 A figure a user cannot re-measure is a claim. The command carries everything the figure
