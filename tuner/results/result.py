@@ -25,6 +25,7 @@ from typing import Any, Literal, Optional
 
 from engine.api import ConfigError
 from tuner.base.typed_json import decode
+from tuner.results.run_evidence import CostModelRun, ModeError, Reproduce  # noqa: F401  (re-exported, part of the schema)
 from tuner.results.trial_record import (  # noqa: F401  (re-exported: the result schema is one import for its readers)
     FIGURE_NAMES, TRIAL_SCHEMA, RunFigures, TrialRecord, TrialResult, TrialStatus, Verdict, figure, is_feasible,
     point_key)
@@ -272,43 +273,6 @@ class WorkloadInfo:
     top_p: Optional[float] = None
     seed: Optional[int] = None
     cycle_tokens: Optional[float] = None
-
-
-@dataclass
-class Reproduce:
-    """The `colibri bench` command that measures the recommended config's headline figure again
-    (tuner/results/reproduce.py), and what that figure measured: a re-run must give the same
-    prompts (workload sha256), output tokens and bytes read per token; only the timing moves."""
-
-    command: str
-    workload_sha256: Optional[str]
-    output_sha256: Optional[str]
-    generated_tokens: Optional[int]
-    bytes_read_per_token: Optional[float]
-    degenerate_prompts: Optional[int] = None
-
-
-@dataclass
-class ModeError:
-    """The cost model's error on one kind of config in this run: predicted vs measured decode."""
-
-    trials: int
-    median_abs_pct_error: Optional[float]
-
-
-@dataclass
-class CostModelRun:
-    """How well the cost model predicted this run's trials (every measured trial carries its
-    prediction): the median error over all of them, per io mode and per cache policy; and the
-    warm starts it enqueued, or why none."""
-
-    calibrated: bool  # the profile's factors were fitted (plan --calibrate), not the defaults
-    trials: int
-    median_abs_pct_error: Optional[float]
-    by_io_mode: dict[str, ModeError]
-    by_cache_policy: dict[str, ModeError]
-    warm_starts: int
-    warm_start_note: str
 
 
 @dataclass
