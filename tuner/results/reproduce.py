@@ -62,8 +62,8 @@ def reproduce_command(r, config_path: str | Path) -> str:
 
 
 def entry_command(entry: dict) -> str:
-    """The command for a profile's best_configs entry (no paths: the model by name, the entry's
-    config saved as CONFIG.toml, e.g. by `colibri profile show --config`)."""
+    """The command for a profile's best_configs entry (no paths: the model by name, and CONFIG.toml
+    standing for the entry's `config` object saved as an engine TOML by the reader)."""
     cond = entry.get("conditions") or {}
     if not all(k in cond for k in ("tokens", "prompt_tokens", "repeats", "cold")):
         return ""
