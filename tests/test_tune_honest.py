@@ -161,7 +161,9 @@ def test_the_confirmation_measures_the_engine_defaults_and_the_headline_gain_is_
     entry = shared["best_configs"][-1]
     assert entry["gain_over_defaults"] == pytest.approx(r["gain_over_defaults"])
     assert entry["defaults_figures"]["decode_tok_s"] == pytest.approx(d)
-    assert entry["workload"]["kind"] == "fixed" and entry["workload"]["sha256"] is None
+    # the steady workload (the default, issue 43): what `bench --steady` needs travels with the entry
+    assert entry["workload"]["kind"] == "steady" and entry["workload"]["sha256"].startswith("sha256:")
+    assert entry["workload"]["temperature"] == 1.0 and entry["workload"]["requests"] == 3
 
 
 def test_decide_ranks_request_latency_lower_first():

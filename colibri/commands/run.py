@@ -7,15 +7,15 @@ import dataclasses
 import os
 import sys
 
-from engine.api import (CTX_MAX, TRACE_FORMAT, BenchResult, ConfigError, EngineConfig, PromptError, Sampler, bench,
-                        file_target, is_kv_file, json_file_with, json_lines_head_with, load_requests, load_tokenizer,
-                        load_workload, resolve_model, run)
+from engine.api import (CTX_MAX, STEADY_TEMPERATURE, STEADY_TOP_P, TRACE_FORMAT, BenchResult, ConfigError,
+                        EngineConfig, PromptError, Sampler, bench, file_target, is_kv_file, json_file_with,
+                        json_lines_head_with, load_requests, load_tokenizer, load_workload, resolve_model, run)
 from colibri.commands.argtypes import add_output_option, finite_float, nonneg_int, positive_int, seconds, seed, size
 from colibri.commands.knob_flags import knob_flag
 from tuner.results.printers import print_json as _print_json
 from tuner.results.printers import bench_text, run_header, run_text
 from tuner.search.outcome import OUTCOME_FILE, Outcome, write_outcome
-from tuner.search.trial import run_trial
+from tuner.search.trial import run_trial, steady_args
 
 TOKENS_MAX = CTX_MAX  # prompt and new tokens must fit in a context
 
@@ -142,9 +142,23 @@ def add_bench(sub) -> None:
                                                         "(default max_new_tokens: --tokens); needs tokenizer.json")
     work.add_argument("--workload", metavar="FILE", help="tokenized requests as `tune --prompts` saves them "
                                                          "(JSON Lines of {prompt_ids, max_new_tokens})")
+    work.add_argument("--steady", type=positive_int(64), metavar="N",
+                      help="the steady-decoding workload (tune's default): N prompts of lengths around "
+                           "--prompt-tokens from --seed, each sampled for --tokens (the first quarter not counted); "
+                           "the figure is the median over the prompts that do not fall into a loop")
+    p.add_argument("--temperature", type=finite_float(0.01, 100.0, zero_ok=True), default=None,
+                   help="with --steady: 0 = greedy, else in [0.01, 100] (default 1.0)")
+    p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=None,
+                   help="with --steady: in (0, 1] (default 0.95)")
     add_engine_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
+
+
+def steady_sampling(args) -> tuple[float, float]:
+    """--steady's (temperature, top_p): the flags, else the steady workload's defaults."""
+    return (STEADY_TEMPERATURE if args.temperature is None else args.temperature,
+            STEADY_TOP_P if args.top_p is None else args.top_p)
 
 
 def _bench_workload(args, model_dir, ctx_size: int):
@@ -171,11 +185,15 @@ def cmd_bench(args) -> int:
         raise ConfigError("--timeout goes with --cgroup-limit (a bench without a cgroup runs in this process)")
     model_dir = resolve_model(args.model, progress=not args.json)
     workload = _bench_workload(args, model_dir, config.ctx_size)
+    if (args.temperature is not None or args.top_p is not None) and not args.steady:
+        raise ConfigError("--temperature and --top-p go with --steady (the other workloads decode greedily)")
+    sampling = steady_sampling(args)
     if args.cgroup_limit:
         extra = ["--record-routing", args.record_routing] if args.record_routing is not None else []
         extra += ["--read-trace", args.read_trace] if args.read_trace is not None else []
         extra += ["--prompts", args.prompts] if args.prompts else []
         extra += ["--workload", args.workload] if args.workload else []
+        extra += steady_args(args.steady, *sampling) if args.steady else []
         trial = run_trial(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                           prompt_tokens=args.prompt_tokens, seed=args.seed,
                           limit_bytes=args.cgroup_limit, timeout=args.timeout, extra_args=extra)
@@ -192,7 +210,8 @@ def cmd_bench(args) -> int:
 
         result = bench(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                        prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
-                       record_routing=args.record_routing, read_trace=args.read_trace, workload=workload)
+                       record_routing=args.record_routing, read_trace=args.read_trace, workload=workload,
+                       steady=args.steady or 0, temperature=sampling[0], top_p=sampling[1])
     if args.outcome is not None:
         write_outcome(args.outcome, Outcome("ok", metrics=result.to_dict()))
     if args.json:

@@ -38,6 +38,8 @@ _HOMES = {
     "engine.run.grammar": "GrammarError GrammarProcessor GrammarTokenizer LogitsProcessor json_grammar",
     "engine.run.oneshot": "run_generation",
     "engine.run.bench": "run_bench",
+    "engine.run.steady": ("STEADY_TEMPERATURE STEADY_TOP_P STEADY_WARM_SHARE counted_prompts degenerate prompt_lengths "
+                          "steady_requests"),
     "engine.run.quality": "Reference format_quality measure_quality stdlib_corpus token_stream",
     "engine.run.run_metrics": "SUMMARY_KEYS git_commit peak_rss_bytes",
     "engine.run.prompts_file": "Request describe load_requests load_workload save_requests",

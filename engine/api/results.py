@@ -181,6 +181,8 @@ class PlanResult(Result):
     calibrated: bool = False
     factors: dict = field(default_factory=dict)
     lookahead_recall_source: str = fact("lookahead recall")
+    # which io modes the profile's calibration has held-out trials of (tuner/costmodel/calibrated_facts.py)
+    calibrated_for: str = fact("calibrated for")
     profile_routing: Optional[str] = fact("the profile's routing statistics for this geometry")
     overhead_bytes: int = 0
     config: dict = field(default_factory=dict)

@@ -19,7 +19,8 @@ import time
 
 from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
-from engine.run.generate import Sampler, generate, random_prompt_ids
+from engine.run import steady
+from engine.run.generate import Sampler, generate, load_tokenizer, random_prompt_ids
 from engine.movement.io import trace
 from engine.run.run_metrics import SUMMARY_KEYS, envelope, peak_rss_bytes, percentile, rss_file_bytes, run_metrics, spread
 from engine.run.runtime import Engine
@@ -29,9 +30,16 @@ from engine.run.prompts_file import Request, workload_digest
 def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 3, cold: bool = True,
               prompt_tokens: int = 16, seed: int = 0, warmup_tokens: int = 2, progress=None,
               record_routing: str | None = None, read_trace: str | None = None,
-              workload: list[Request] | None = None) -> dict:
+              workload: list[Request] | None = None, steady: int = 0, temperature: float = 0.0,
+              top_p: float = 1.0) -> dict:
     """workload: the user's requests (engine/run/prompts_file.py), each repeat running all of them in
-    order, instead of `tokens` tokens after a random prompt of `prompt_tokens`."""
+    order, instead of `tokens` tokens after a random prompt of `prompt_tokens`. steady: that many
+    prompts of the steady-decoding workload (engine/run/steady.py), sampled at temperature/top_p."""
+    if steady:
+        if workload or read_trace:
+            raise ConfigError("--steady is its own workload: it goes with neither --prompts/--workload nor --read-trace")
+        return _run_steady(model_dir, config, steady, tokens, prompt_tokens, repeats, cold, seed, warmup_tokens,
+                           temperature, top_p, progress, record_routing)
     if workload:
         if read_trace:
             raise ConfigError("--read-trace measures the fixed prompt; it does not go with a workload")
@@ -153,6 +161,34 @@ def _run_workload_bench(model_dir, config: EngineConfig, workload: list[Request]
         result["bytes_read_per_token"] = spread([r.get("bytes_read", 0) / max(r["generated_tokens"], 1)
                                                  for r in runs])["median"]
         result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
+        if record_routing:
+            engine.save_routing(record_routing)
+            result["routing_histogram"] = record_routing
+        return result
+    finally:
+        engine.close()
+
+
+def _run_steady(model_dir, config: EngineConfig, n: int, tokens: int, prompt_tokens: int, repeats: int, cold: bool,
+                seed: int, warmup_tokens: int, temperature: float, top_p: float, progress,
+                record_routing: str | None) -> dict:
+    """`bench --steady N`: the steady-decoding workload (engine/run/steady.py), its figure the median
+    over the prompts that did not degenerate."""
+    t_start = time.perf_counter()
+    engine = Engine(model_dir, config)
+    try:
+        requests = steady.steady_requests(engine.args.vocab_size, n, prompt_tokens, tokens, seed,
+                                          load_tokenizer(model_dir))
+        if record_routing:
+            engine.record_routing()
+        if warmup_tokens:  # loads the kernels and touches the dense weights; make_cold then empties the caches
+            generate(engine, list(requests[0].prompt_ids), warmup_tokens, Sampler())
+        result = envelope(engine, str(model_dir))
+        result.update(steady.run_steady_bench(engine, requests, repeats=repeats, cold=cold, seed=seed,
+                                              temperature=temperature, top_p=top_p, make_cold=make_cold,
+                                              reset_stats=_reset_stats, progress=progress))
+        result.update({"kind": "bench", "load_seconds": engine.load_seconds, "peak_rss_bytes": peak_rss_bytes(),
+                       "rss_file_bytes": rss_file_bytes(), "wall_seconds": time.perf_counter() - t_start})
         if record_routing:
             engine.save_routing(record_routing)
             result["routing_histogram"] = record_routing

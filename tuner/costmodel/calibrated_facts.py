@@ -1,4 +1,5 @@
-"""Facts of one model that a calibrated profile carries: keyed by the geometry they were measured on.
+"""Facts a calibrated profile carries: one model's, keyed by the geometry they were measured on, and
+which kinds of config (io mode, cache policy) its held-out error vouches for.
 
 The efficiency factors a calibration fits (eta_io, c_request, ...) describe the machine and the
 engine, and carry over to other models. The router-lookahead recall and the routing statistics
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+
+from engine.api import EngineConfig
 
 from tuner.costmodel.predict import DEFAULT_LOOKAHEAD_RECALL
 from tuner.results.result import GEOMETRY_KEYS  # the same model for these facts as for a best config
@@ -64,3 +67,60 @@ def routing_for(section: dict | None, geometry: dict) -> str | None:
             and geometry_key(facts["geometry"]) == geometry_key(geometry):
         return facts.get("routing")
     return None
+
+
+# --- which kinds of config the calibration vouches for (tuner/search/prediction.py, plan) ---
+
+MIN_TRIALS = 3  # held-out trials of a kind before its error counts as known (one or two is an anecdote)
+MAX_ERROR_PCT = 25.0  # median held-out error of a kind above which its picks are not worth a trial
+KINDS = ("io_mode", "cache_policy")  # what a config's kind is: both must be calibrated and small
+
+
+def kind_errors(section: dict | None) -> dict:
+    """{'io_mode': {mode: {trials, decode_median_abs_pct_error}}, 'cache_policy': {...}} of a
+    profile's cost_model section ({} when it was never calibrated, or calibrated before the
+    errors were kept per kind)."""
+    held = (section or {}).get("held_out_by_kind")
+    return held if isinstance(held, dict) else {}
+
+
+def trusted(section: dict | None, config: EngineConfig) -> tuple[bool, str]:
+    """Whether the calibration's error on this config's kind (io mode, cache policy) is known and small."""
+    if not (section or {}).get("factors"):
+        return False, "the profile's cost model is not calibrated (`colibri plan --calibrate RUN`): its error is unknown"
+    errors = kind_errors(section)
+    for kind in KINDS:
+        value = getattr(config, kind)
+        e = (errors.get(kind) or {}).get(value) or {}
+        n, err = int(e.get("trials") or 0), e.get("decode_median_abs_pct_error")
+        if n < MIN_TRIALS or err is None:
+            return False, f"{kind} {value}: {n} calibration trial(s), its error unknown (needs {MIN_TRIALS})"
+        if err > MAX_ERROR_PCT:
+            return False, f"{kind} {value}: median error {err:.0f}% on {n} trials (over {MAX_ERROR_PCT:.0f}%)"
+    return True, ""
+
+
+def calibrated_modes(section: dict | None) -> list[str]:
+    """The io modes whose figures the profile's calibration vouches for (`plan` prints them)."""
+    if not (section or {}).get("factors"):
+        return []
+    modes = kind_errors(section).get("io_mode") or {}
+    return sorted(m for m, e in modes.items() if int(e.get("trials") or 0) >= MIN_TRIALS
+                  and e.get("decode_median_abs_pct_error") is not None)
+
+
+
+
+def calibration_text(section: dict | None) -> str:
+    """`plan`'s line: which io modes its figures are calibrated for, and with what error."""
+    if not (section or {}).get("factors"):
+        return "no io mode (the profile was never calibrated: `colibri plan --calibrate RUN`)"
+    modes = kind_errors(section).get("io_mode") or {}
+    if not modes:
+        return "unknown per io mode (calibrated before the errors were kept per io mode: calibrate again)"
+    known = calibrated_modes(section)
+    parts = [f"{m} ({modes[m]['trials']} trials, median error {modes[m]['decode_median_abs_pct_error']:.0f}%)"
+             for m in known]
+    others = sorted({"direct", "buffered", "mmap"} - set(known))
+    return "; ".join(parts + ([f"not {', '.join(others)} (uncalibrated: their figures are the measured curves "
+                               f"as they are)"] if others else []))

@@ -301,6 +301,20 @@ def error_summary(rows: list[dict]) -> dict:
             "bytes_per_token_median_abs_pct_error": statistics.median(byt) if byt else None}
 
 
+def errors_by_kind(rows: list[dict]) -> dict:
+    """Held-out decode error per io mode and per cache policy (the profile's held_out_by_kind):
+    one set of factors is fitted, but its error differs by kind (a page-cache cost with no
+    buffered trial stays at its default), and the tune trusts a kind only where it is known."""
+    out: dict = {"io_mode": {}, "cache_policy": {}}
+    for kind in out:
+        for value in sorted({getattr(r["config"], kind) for r in rows}):
+            errs = [abs(r["predicted_decode"] - r["measured_decode"]) / r["measured_decode"] * 100
+                    for r in rows if getattr(r["config"], kind) == value and r["measured_decode"]]
+            out[kind][value] = {"trials": len(errs),
+                                "decode_median_abs_pct_error": round(statistics.median(errs), 2) if errs else None}
+    return out
+
+
 def _finite(x) -> float | None:
     """A rank correlation of fewer than two distinct points is undefined: None, never NaN (a
     profile is strict JSON)."""

@@ -19,7 +19,7 @@ from engine.api import CalibrationResult, EngineConfig, PlanResult
 from tuner.costmodel import fit as cal
 from tuner.costmodel.model_geometry import ModelGeometry, resolve
 from tuner.costmodel.hardware import HardwareView, apply_what_if
-from tuner.costmodel.calibrated_facts import measured_on, recall_for, routing_for
+from tuner.costmodel.calibrated_facts import calibration_text, measured_on, recall_for, routing_for
 from tuner.costmodel.predict import Factors, RunConditions, predict
 from tuner.costmodel.routing_model import RoutingModel, make_routing  # noqa: F401  (benchmarks import it from here)
 from tuner.costmodel.best_config import rank
@@ -103,6 +103,7 @@ def run_plan(req: PlanRequest) -> PlanResult | CalibrationResult:
         model=s.geometry.to_dict(), quant=s.quant, routing=s.routing.description,
         conditions=req.conditions, what_if=list(req.what_if), calibrated=s.calibrated,
         factors=s.factors.to_dict(), lookahead_recall_source=s.recall_source,
+        calibrated_for=calibration_text(getattr(profile, "cost_model", None)),
         profile_routing=routing_for(getattr(profile, "cost_model", None), s.geometry.to_dict()),
         overhead_bytes=s.overhead, config=config.to_dict(),
         prediction=pred.to_dict(),
@@ -131,6 +132,7 @@ def run_calibrate(req: PlanRequest, profile) -> CalibrationResult:
     factors = cal.fit(trials, recall)
     study.trials = all_trials
     section = cal.cost_model_section(factors, summary, geometry, quant, study)
+    section["held_out_by_kind"] = cal.errors_by_kind(rows)
     section["overhead_bytes"] = overhead
     section["routing"] = routing.description
     # What was measured on the studied model, keyed by its geometry: plan applies it to that

@@ -16,6 +16,7 @@ from tuner.results.frames import trials_csv
 from tuner.results.printers import NOT_MEASURED, fmt, json_text, pct
 from tuner.results.report_html import write_html_report
 from tuner.results.report_md import write_report
+from tuner.results.reproduce import reproduce_command
 from tuner.results.result import (  # noqa: F401  (study reads outputs.GEOMETRY_KEYS)
     BEST_CONFIG_SCHEMA, GEOMETRY_KEYS, Candidate, Figures, TuneResult, plain)
 
@@ -46,6 +47,8 @@ def write_recommended_toml(config: EngineConfig, r: TuneResult, path: str | Path
         f"(over the rules-of-thumb baseline: {pct(r.gain_over_baseline, signed=True)}); "
         f"source: trial {r.recommended.trial_number if r.recommended else None} of study {r.study.name!r}",
     ]
+    if r.reproduce is not None and r.reproduce.command:
+        lines += ["measure the decode figure again (same workload, tokens, cgroup):", f"  {r.reproduce.command}"]
     config.save(path, header="\n".join(lines))
     return Path(path)
 
@@ -107,6 +110,8 @@ def write_outputs(out: Path, study, profile, result: TuneResult, log) -> dict:
     rec = result.recommended
     if rec:
         config = EngineConfig.from_dict(rec.config, source="recommended config")
+        if result.reproduce is not None:  # the command names the file it is written beside
+            result.reproduce.command = reproduce_command(result, (out / "recommended.toml").resolve())
         files["recommended.toml"] = write_recommended_toml(config, result, out / "recommended.toml")
     files["result.json"] = write_result_json(result, out / "result.json")
     try:

@@ -90,6 +90,12 @@ def calibration_text(r: CalibrationResult) -> str:
                  f"TTFT: median abs error {h['ttft_median_abs_pct_error']:.1f}%, Spearman {_rho(h['ttft_spearman'])}")
     lines.append(f"RAM hit rate: median abs error {_pts(h['hit_rate_median_abs_error_points'])} points; bytes per "
                  f"token: median abs error {_pts(h['bytes_per_token_median_abs_pct_error'])}%")
+    by = c.get("held_out_by_kind") or {}
+    if by:  # what the tune's warm-start gate reads (tuner/costmodel/calibrated_facts.py)
+        lines.append("decode median abs error per kind: " + "; ".join(
+            f"{kind} {value} {e['decode_median_abs_pct_error']:.1f}% ({e['trials']} trials)"
+            for kind, values in by.items() for value, e in values.items()
+            if e.get("decode_median_abs_pct_error") is not None))
     if r.test is not None:
         t = r.test["summary"]
         lines.append(f"separate test set {r.test['source']} ({t['trials']} trials, factors fitted on the runs above): "

@@ -139,6 +139,11 @@ def workload_text(w: WorkloadInfo) -> str:
     p, n = w.prompt_tokens, w.max_new_tokens
     if w.kind == "fixed":
         return (f"fixed random prompt of {p.max} tokens, {n.max} decoded (tune --prompts FILE: your own)")
+    if w.kind == "steady":
+        cycle = f"; the RAM cache cycles in {w.cycle_tokens:g} tokens" if w.cycle_tokens is not None else ""
+        return (f"steady decoding: {w.requests} prompts of {p.min}..{p.max} tokens (seed {w.seed}), {n.max} tokens "
+                f"each sampled at temperature {w.temperature:g}, top-p {w.top_p:g} ({w.sha256}){cycle}; the first "
+                f"quarter of each decode not counted, looping outputs left out, the figure the median over prompts")
     return (f"{w.requests} prompt(s) from {w.source} ({w.sha256}): prompts {p.min}..{p.max} "
             f"tokens (median {p.median:g}), outputs {n.min}..{n.max} tokens")
 

@@ -72,6 +72,10 @@ def render_markdown(trials, result: TuneResult, importances: dict, plots: list[s
                  f"{pct(r.gain_over_baseline, signed=True)})"
                  + ("" if r.confirmation.confirmed else " (not re-measured: no confirmation round)"))
         L += ["", "Use it: `colibri run --model <dir> --config recommended.toml`", ""]
+        if r.reproduce is not None and r.reproduce.command:
+            L += ["Measure the headline figure again (same workload, config, tokens and cgroup; it must "
+                  f"generate the same tokens, {_bytes(r.reproduce.bytes_read_per_token)} read per token):", "",
+                  f"    {r.reproduce.command}", ""]
         L += _config_table(rec, r.defaults, r.baseline)
     else:
         L += ["**No configuration ran within the budget.** See the trial table below and trials.csv.", ""]
@@ -100,6 +104,7 @@ def render_markdown(trials, result: TuneResult, importances: dict, plots: list[s
         L += markdown_table(["parameter", "importance"], [[k, f"{v:.3f}"] for k, v in importances.items()]) + [""]
 
     L += ["## Trials", ""] + trials_markdown(trials) + [""]
+    L += cost_model_lines(r)
 
     L += ["## Conditions", ""]
     mem, prof = cond.memory_limit, cond.profile
@@ -123,6 +128,29 @@ def render_markdown(trials, result: TuneResult, importances: dict, plots: list[s
         "",
     ]
     return "\n".join(L)
+
+
+def _bytes(v) -> str:
+    return format_size(v) if v is not None else "-"
+
+
+def cost_model_lines(r: TuneResult) -> list[str]:
+    """The cost model against this run: its median error over every measured trial (the trial
+    table's `pred` column beside `decode`), per io mode and per cache policy, and its warm starts."""
+    cm = r.cost_model
+    if cm is None:
+        return []
+    L = ["## Cost model vs measured", "",
+         f"{'Calibrated' if cm.calibrated else 'Uncalibrated (the probe curves as they are)'} cost model: "
+         f"median error {pct(cm.median_abs_pct_error / 100 if cm.median_abs_pct_error is not None else None, 0)} "
+         f"over {cm.trials} measured trial(s) (predicted before each ran: column `pred` of the trial table). "
+         f"Warm starts enqueued: {cm.warm_starts}" + (f" ({cm.warm_start_note})" if cm.warm_start_note else "") + ".",
+         ""]
+    rows = [[kind, value, str(e.trials), pct(e.median_abs_pct_error / 100 if e.median_abs_pct_error is not None
+                                             else None, 0)]
+            for kind, by in (("io mode", cm.by_io_mode), ("cache policy", cm.by_cache_policy))
+            for value, e in by.items()]
+    return L + markdown_table(["kind", "value", "trials", "median error"], rows) + [""]
 
 
 def _decode(c: Candidate | None):

@@ -8,7 +8,7 @@ classes' fields, so a figure is named once. docs/schema/*.json is generated from
   RunFigures   the headline figures of one `colibri run`/`bench` JSON  } tuner/results/trial_record.py
   TrialResult  what the trial runner saw of one subprocess             } (re-exported here)
   TrialRecord  a trial of the study as stored in Optuna's user_attrs   }
-  TuneResult   result.json of `colibri tune` ("colibri.tune/4"), with its parts and their migration
+  TuneResult   result.json of `colibri tune` ("colibri.tune/5"), with its parts and their migration
 
 Versioning: a schema id names a version; a field added or removed is a new version. The loader
 reads the current version and migrates the ones before it (`migrate`); it refuses others.
@@ -25,11 +25,13 @@ from typing import Any, Literal, Optional
 
 from engine.api import ConfigError
 from tuner.base.typed_json import decode
+from tuner.results.run_evidence import CostModelRun, ModeError, Reproduce  # noqa: F401  (re-exported, part of the schema)
 from tuner.results.trial_record import (  # noqa: F401  (re-exported: the result schema is one import for its readers)
     FIGURE_NAMES, TRIAL_SCHEMA, RunFigures, TrialRecord, TrialResult, TrialStatus, Verdict, figure, is_feasible,
     point_key)
 
-RESULT_SCHEMA = "colibri.tune/4"
+RESULT_SCHEMA = "colibri.tune/5"
+RESULT_SCHEMA_V4 = "colibri.tune/4"
 RESULT_SCHEMA_V3 = "colibri.tune/3"
 RESULT_SCHEMA_V2 = "colibri.tune/2"
 RESULT_SCHEMA_V1 = "colibri.tune/1"
@@ -250,24 +252,34 @@ class Lengths:
     total: int
 
 
+WorkloadKind = Literal["steady", "fixed", "prompts"]
+
+
 @dataclass
 class WorkloadInfo:
-    """What the trials ran: the fixed random prompt, or the user's prompts (tune --prompts),
-    described by their lengths and a hash, never their text."""
+    """What the trials ran: the steady-decoding workload (engine/run/steady.py, the default), the
+    fixed random prompt, or the user's prompts (tune --prompts), described by their lengths and a
+    hash, never their text."""
 
-    kind: Literal["fixed", "prompts"]
+    kind: WorkloadKind
     requests: int
     prompt_tokens: Lengths
     max_new_tokens: Lengths
     sha256: Optional[str]  # of the tokenized requests (ids and output lengths); None for the fixed prompt
     source: Optional[str] = None  # the prompts file's name (no directory)
+    # New in colibri.tune/5, the steady workload's: its sampler, its seed, and the cache cycle
+    # (decode tokens to touch as many experts as the RAM cache holds) its length was sized from.
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    cycle_tokens: Optional[float] = None
 
 
 @dataclass
 class TuneResult:
     """result.json of `colibri tune`: the recommendation, the baseline, the evidence, the conditions."""
 
-    schema: Literal["colibri.tune/4"]
+    schema: Literal["colibri.tune/5"]
     created_utc: str
     started_utc: str
     model: ModelInfo
@@ -290,13 +302,17 @@ class TuneResult:
     defaults: Optional[Candidate] = None
     gain_over_defaults: Optional[float] = None
     workload: Optional[WorkloadInfo] = None
+    # New in colibri.tune/5: the command that reproduces the headline figure, and the cost
+    # model's predicted-vs-measured error on this run.
+    reproduce: Optional[Reproduce] = None
+    cost_model: Optional[CostModelRun] = None
 
     def to_dict(self) -> dict:
         return _json(self)
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "result") -> "TuneResult":
-        """Strict: the current schema, or a colibri.tune/1, /2 or /3 result migrated (migrate)."""
+        """Strict: the current schema, or a colibri.tune/1 to /4 result migrated (migrate)."""
         if isinstance(data, dict) and data.get("schema") == RESULT_SCHEMA_V1:
             # The schema id is checked against the content: a /1 file holding /2-only fields is
             # mislabelled (or edited), and migrating it would silently drop or keep them.
@@ -304,11 +320,13 @@ class TuneResult:
             if newer:
                 raise ResultError(f"{source}: schema says {RESULT_SCHEMA_V1} but it holds {', '.join(newer)}, "
                                   f"which only {RESULT_SCHEMA_V2} and later results have")
-        if isinstance(data, dict) and data.get("schema") in (RESULT_SCHEMA_V1, RESULT_SCHEMA_V2, RESULT_SCHEMA_V3):
+        if isinstance(data, dict) and data.get("schema") in (RESULT_SCHEMA_V1, RESULT_SCHEMA_V2, RESULT_SCHEMA_V3,
+                                                        RESULT_SCHEMA_V4):
             data = migrate(data)
         if not isinstance(data, dict) or data.get("schema") != RESULT_SCHEMA:
             got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise ResultError(f"{source}: not a {RESULT_SCHEMA} (or {RESULT_SCHEMA_V3}, {RESULT_SCHEMA_V2}, "
+            raise ResultError(f"{source}: not a {RESULT_SCHEMA} (or {RESULT_SCHEMA_V4}, {RESULT_SCHEMA_V3}, "
+                              f"{RESULT_SCHEMA_V2}, "
                               f"{RESULT_SCHEMA_V1}) result "
                               f"(schema {got!r})")
         return decode(cls, data, source, ResultError)
@@ -317,7 +335,11 @@ class TuneResult:
 # --- migration ------------------------------------------------------------------------------
 
 def migrate(data: dict) -> dict:
-    """A colibri.tune/1, /2 or /3 result as colibri.tune/4 (a new dict; the input is not changed).
+    """A colibri.tune/1 to /4 result as colibri.tune/5 (a new dict; the input is not changed).
+
+    /4 → /5 added fields with defaults only: the steady workload's sampler, seed and cache cycle
+    (WorkloadInfo), the reproduce command and the cost model's error on the run (absent: None,
+    not recorded).
 
     /3 → /4 added each candidate's lossy-setting quality (Candidate.quality, default None: a
     lossless search, or not recorded).

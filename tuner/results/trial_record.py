@@ -71,13 +71,16 @@ class RunFigures:
     io_backend_effective: Optional[str] = None
     compute_dtype: Optional[str] = None
     load_seconds: Optional[float] = figure("load s", "load", "seconds", "s")
+    # The steady workload's (engine/run/steady.py): prompts whose output looped, left out of the figure.
+    degenerate_prompts: Optional[int] = figure("looping prompts", "loops", "int")
 
     @classmethod
     def from_metrics(cls, m: dict) -> "RunFigures":
         """From the engine's run/bench JSON; keys it lacks stay None (a resident run reads nothing)."""
-        own = {f.name for f in dataclasses.fields(cls)} - {"hit_rate_ram", "plan_cache_bytes"}
+        own = {f.name for f in dataclasses.fields(cls)} - {"hit_rate_ram", "plan_cache_bytes", "degenerate_prompts"}
         return cls(**{k: m.get(k) for k in own}, hit_rate_ram=(m.get("hit_rate") or {}).get("ram"),
-                   plan_cache_bytes=(m.get("plan") or {}).get("cache_bytes"))
+                   plan_cache_bytes=(m.get("plan") or {}).get("cache_bytes"),
+                   degenerate_prompts=(m.get("workload") or {}).get("degenerate"))
 
 
 FIGURE_NAMES = tuple(f.name for f in dataclasses.fields(RunFigures))
@@ -130,6 +133,9 @@ class TrialRecord:
     cgroup_peak_bytes: Optional[int] = figure("cgroup peak", "cg peak", "bytes", "B")
     cgroup_reason: Optional[str] = None
     duplicate_of: Optional[int] = None  # an earlier trial at the same point, whose figures these are
+    # The cost model's decode figure for this config, made before it ran (tuner/search/prediction.py):
+    # the report sets it beside the measured one for every trial.
+    predicted_decode_tok_s: Optional[float] = figure("predicted decode tok/s", "pred", "float", "tok/s")
     figures: RunFigures = field(default_factory=RunFigures)
     output_ids: Optional[list[int]] = None
     metrics: Optional[dict[str, Any]] = None

@@ -21,8 +21,10 @@ from tuner.base.typed_json import decode
 from tuner.probe.probe_errors import ProfileError
 from tuner.results.result import (
     OBJECTIVE_KEY, RESULT_SCHEMA, Candidate, Conditions, ConfirmationInfo, Figures, MemoryLimit, ModelInfo, ProfileSummary,
-    QualityInfo, ResultError, SettingQuality, StudyInfo, TuneResult, Versions, WorkloadInfo,
+    QualityInfo, Reproduce, ResultError, RunFigures, SettingQuality, StudyInfo, TuneResult, Versions, WorkloadInfo,
 )
+from tuner.results import reproduce
+from tuner.search.prediction import cost_model_run
 from tuner.search.budget import TimeBudget
 from tuner.search.confirm import Decision, feasible
 from tuner.search.explore import SearchCounts
@@ -60,6 +62,7 @@ class FinishedSession:
     search_counts: SearchCounts
     stop_reason: str
     measuring_seconds: float
+    cost_model_state: dict | None = None  # tuner/search/prediction.py: calibrated or not, the warm starts
 
 
 def build_result(run: FinishedSession, decision: Decision) -> TuneResult:
@@ -110,7 +113,27 @@ def build_result(run: FinishedSession, decision: Decision) -> TuneResult:
         quality=decode_quality(opts.quality),
         defaults=with_quality(defaults.candidate(), quality) if defaults else None,
         gain_over_defaults=gain(wfig, defaults.confirmed if defaults else None, key),
-        workload=run.workload_info)
+        workload=run.workload_info,
+        reproduce=reproduce_record(winner, run.study, run.workload_info),
+        cost_model=cost_model_run(trials, run.cost_model_state))
+
+
+def reproduce_record(winner, study, workload: WorkloadInfo | None) -> Reproduce | None:
+    """What the headline figure measured (the command itself is written with recommended.toml,
+    whose path it names: outputs.py). Confirmed: the confirmation runs; else the search trial."""
+    if winner is None:
+        return None
+    runs, ids = winner.runs, (winner.output_ids[0] if winner.output_ids else None)
+    attrs = {}
+    if not runs and winner.trial_number is not None:
+        attrs = study.trials[winner.trial_number].user_attrs
+        runs, ids = [RunFigures.from_metrics(attrs.get("metrics") or {})], attrs.get("output_ids")
+    m = reproduce.measured(runs, ids)
+    metrics = attrs.get("metrics") or {}
+    degenerate = ((metrics.get("workload") or {}).get("degenerate") if metrics else
+                  max((r.degenerate_prompts or 0 for r in winner.runs), default=None))
+    return Reproduce(command="", workload_sha256=workload.sha256 if workload else None,
+                     degenerate_prompts=degenerate, **m)
 
 
 def setting_quality(trials) -> dict[int, SettingQuality]:

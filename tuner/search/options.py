@@ -62,12 +62,21 @@ class TuneOptions:
     profile: str | None = knob(None, "reuse a saved probe instead of probing", kind="path")
     # The calibration trial runs `bench --seed SEED+1`: the top seed (argtypes.SEED_MAX) is left for it.
     seed: int = knob(0, "sampler and prompt seed", kind="int", lo=0, hi=2**32 - 2, type_name="seed")
-    # Sized for the default 15-minute run on demo (a cold trial there reads most of the model in
-    # prefill); each figure is still a median over repeats, and the confirmation round re-measures.
-    tokens: int = knob(8, "decode tokens per repeat", kind="int", lo=1, hi=CTX_MAX, type_name="positive integer",
-                       group="trial measurement")
-    repeats: int = knob(2, "repeats per trial; the figure is their median", kind="int", lo=1, hi=1000,
-                        type_name="positive integer", group="trial measurement")
+    # None: sized by the workload (tuner/search/workload.py): with the steady workload, a few cache
+    # cycles from the memory plan (16-96 tokens) and one repeat (its prompts are the samples);
+    # with the fixed prompt, 8 tokens and 2 repeats, as before.
+    tokens: int | None = knob(None, "decode tokens per prompt (default: the steady workload's, a few times the "
+                              "tokens that cycle the RAM cache, 16-96; 8 with --workload fixed)", kind="int", lo=1,
+                              hi=CTX_MAX, type_name="positive integer", group="trial measurement")
+    repeats: int | None = knob(None, "repeats per trial; the figure is their median (default: 1 with the steady "
+                               "workload, whose prompts are the samples; 2 with --workload fixed)", kind="int", lo=1,
+                               hi=1000, type_name="positive integer", group="trial measurement")
+    workload: str = knob("steady", "what each trial runs: steady = several prompts of different lengths and seeds, "
+                         "sampled, decoded over a few cache cycles, the figure their median (loops left out); "
+                         "fixed = one random prompt decoded greedily (the figures before issue 43)", kind="choice",
+                         choices=("steady", "fixed"), group="trial measurement")
+    steady_prompts: int = knob(3, "prompts of the steady workload", kind="int", lo=1, hi=64,
+                               type_name="positive integer", group="trial measurement")
     prompt_tokens: int = knob(8, "prompt length", kind="int", lo=1, hi=CTX_MAX, type_name="positive integer",
                               group="trial measurement")
     # the user's prompts file (tuner/search/workload.py): trials run it instead
@@ -121,7 +130,8 @@ class TuneOptions:
             raise ConfigError(f"--trials must be at least 1, got {self.trials}")
         if self.time_budget is not None and self.time_budget <= 0:
             raise ConfigError(f"--time-budget must be positive, got {self.time_budget}")
-        if self.tokens < 1 or self.repeats < 1 or self.prompt_tokens < 1:
+        if (self.tokens is not None and self.tokens < 1) or (self.repeats is not None and self.repeats < 1) \
+                or self.prompt_tokens < 1:
             raise ConfigError("--tokens, --repeats and --prompt-tokens must be at least 1")
         if self.min_ctx < 1:
             raise ConfigError(f"--min-ctx must be at least 1, got {self.min_ctx}")
@@ -129,6 +139,10 @@ class TuneOptions:
             raise ConfigError("--confirm-top must be >= 0 and --confirm-rounds >= 1")
         if isinstance(self.front_rounds, bool) or not isinstance(self.front_rounds, int) or self.front_rounds < 0:
             raise ConfigError(f"--front-rounds must be a non-negative integer, got {self.front_rounds!r}")
+        if self.workload not in ("steady", "fixed"):
+            raise ConfigError(f"--workload must be steady or fixed, got {self.workload!r}")
+        if self.steady_prompts < 1:
+            raise ConfigError(f"--steady-prompts must be at least 1, got {self.steady_prompts}")
         if self.lossy is not None:
             self.lossy.validate()
         if self.trial_timeout is not None and self.trial_timeout <= 0:

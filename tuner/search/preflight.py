@@ -24,7 +24,8 @@ from tuner.search.trial import run_trial
 
 def calibrate(*, out: Path, model_dir: Path, budget: int, limit_bytes: int, space, has_experts: bool,
               tokens: int, prompt_tokens: int, cold: bool, seed: int, trial_timeout: float | None,
-              record_wall, log, workload_args: list[str] | None = None, workload: str | None = None) -> dict:
+              record_wall, log, workload_args: list[str] | None = None, workload: str | None = None,
+              workload_label: str | None = None) -> dict:
     """The calibration record: status, overhead_bytes, routing_histogram path, cgroup facts.
 
     workload_args / workload: the user's prompts (tune --prompts) as bench arguments and their
@@ -45,7 +46,7 @@ def calibrate(*, out: Path, model_dir: Path, budget: int, limit_bytes: int, spac
         config = space.smallest()
     routing = (out / "routing.json").resolve() if has_experts else None
     extra = (["--record-routing", str(routing)] if routing else []) + list(workload_args or [])
-    log(f"calibration: baseline config once on {'your prompts' if workload else 'another prompt'} "
+    log(f"calibration: baseline config once on {workload_label or ('your prompts' if workload else 'another prompt')} "
         f"({'recording routing, ' if routing else ''}"
         f"budget {format_size(budget)}) ...")
     res = run_trial(model_dir, config, tokens=tokens, repeats=1, cold=cold, prompt_tokens=prompt_tokens,

@@ -29,7 +29,7 @@ from tuner.search.preflight import calibrate, probe_profile
 from tuner.search.run_record import RUN_FILE, read_run_record, write_run_record
 from tuner.search.space import DEFAULT_OVERHEAD_BYTES, SearchSpace, prefill_chunk_for
 from tuner.search.study_storage import open_storage, redact_url
-from tuner.search.workload import prepare_workload
+from tuner.search.workload import prepare_workload, resolve_sizes
 
 
 class TuneSetup:
@@ -83,13 +83,18 @@ class TuneSetup:
         self.storage_url = opts.storage or f"sqlite:///{(self.out / 'study.db').resolve()}"
         storage.check_url(self.storage_url)
         self.facts = ModelFacts.read(self.model_dir)
-        # The user's prompts, parsed before anything slow (a bad file is one error line).
+        # The workload's sizes (tuner/search/workload.py), then the user's prompts parsed before
+        # anything slow (a bad file is one error line).
+        self.opts, self.steady_cycle, self.sized_note = resolve_sizes(opts, self.facts, self.budget, DEFAULT_OVERHEAD_BYTES)
+        opts = self.opts
         self.work = prepare_workload(opts.prompts, self.model_dir, opts.prompt_tokens, opts.tokens,
-                                     self.facts.max_position_embeddings)
+                                     self.facts.max_position_embeddings, steady=opts.steady_prompts
+                                     if opts.workload == "steady" else 0, seed=opts.seed,
+                                     vocab=int(self.facts.geometry["vocab_size"]), cycle=self.steady_cycle)
         self.workload_info = self.work.info
         min_ctx = max(opts.min_ctx, self.work.ctx_needed)
         if min_ctx > opts.min_ctx:
-            self.log(f"--prompts: the longest request needs {min_ctx} tokens of context; --min-ctx {opts.min_ctx} raised")
+            self.log(f"workload: the longest request needs {min_ctx} tokens of context; --min-ctx {opts.min_ctx} raised")
         if not self.study_name_set(recorded):
             # tune --quant's levels carry one model name and may share one storage: the quant tells them apart.
             quant = f"-{self.facts.quant}" if opts.model_name else ""
@@ -119,6 +124,8 @@ class TuneSetup:
         opts = self.opts
         self.out.mkdir(parents=True, exist_ok=True)
         self.watch = run_guard.RunDirWatch(self.out)
+        if self.sized_note:  # here, not in prepare: a refused run prints its one error line only
+            self.log(self.sized_note)
         self.work.save(self.out)
         if self.storage is None:
             self.storage = open_storage(self.storage_url, self.shared)
@@ -133,7 +140,8 @@ class TuneSetup:
             space=self.space, has_experts=self.facts.has_experts, tokens=opts.tokens,
             prompt_tokens=opts.prompt_tokens, cold=opts.cold, seed=opts.seed, trial_timeout=opts.trial_timeout,
             record_wall=self.clock.record, log=self.log, workload_args=self.work.bench_args,
-            workload=self.work.digest)
+            workload=self.work.digest,
+            workload_label="the steady workload's prompts of another seed" if self.work.info.kind == "steady" else None)
         self.space.overhead_bytes = self.calibration.get("overhead_bytes") or DEFAULT_OVERHEAD_BYTES
         hist = self.calibration.get("routing_histogram")
         self.space.with_pinned = bool(hist and Path(hist).exists())

@@ -32,6 +32,7 @@ from tuner.search.budget import format_clock, parse_duration
 from tuner.search.setup import TuneSetup
 from tuner.search.study_storage import Heartbeat, open_storage, redact_url
 from tuner.search.trial import run_trial
+from tuner.search.prediction import Predictor
 from tuner.search.warm_start import enqueue_warm_starts, place_lossy_probes
 from tuner.search.options import (  # noqa: F401  (re-exported: callers import them from here)
     Log, TuneOptions, TuneOutcome, stderr_line, default_budget, make_sampler,
@@ -44,6 +45,10 @@ class _Run(TuneSetup):
 
     def start(self) -> None:
         super().start()
+        # Every measured trial gets the cost model's figure beside its own (tuner/search/prediction.py).
+        self.predictor = Predictor.for_run(self) if self.opts.cost_model else None
+        section = getattr(self.profile, "cost_model", None) or {}
+        self.cost_model_state = {"calibrated": bool(section.get("factors")), "warm_starts": 0, "note": ""}
         self.study = self.open_study()
 
     def settings(self) -> dict:
@@ -171,6 +176,7 @@ class _Run(TuneSetup):
             rec = objective.not_launched(role=role, worker=self.worker, config=config.to_dict(),
                                          overshoot=overshoot, budget=self.budget, message=message)
             return worst, rec.to_attrs()
+        predicted = self.predictor.decode(config) if self.predictor is not None else None
         res = self.measure(config)
         setting = lossy.setting_of(config) if self.quality_meter else None
         ref = objective.reference_ids(self.measured(), res.metrics.get("threads"), setting) if res.ok else None
@@ -178,6 +184,8 @@ class _Run(TuneSetup):
         rec = objective.record(res, role=role, worker=self.worker, config=config.to_dict(), status=status,
                                constraint=constraint, error=error)
         attrs = rec.to_attrs()
+        if predicted is not None:
+            attrs["predicted_decode_tok_s"] = predicted
         if self.quality_meter and status == "ok":  # the bound is one more constraint, measured per setting
             attrs = lossy.judge_quality(attrs, self.quality_meter.quality(setting), self.opts.lossy)
         if attrs["constraint"] > 0:
@@ -245,7 +253,7 @@ class _Run(TuneSetup):
             started_utc=self.started_utc, clock=self.clock, profile=self.profile,
             profile_source=self.profile_source, calibration=self.calibration, workload_info=self.workload_info,
             search_counts=explore.search_counts(self.complete()), stop_reason=self.stop_reason,
-            measuring_seconds=self.measuring_seconds)
+            measuring_seconds=self.measuring_seconds, cost_model_state=getattr(self, "cost_model_state", None))
 
     def write_trials_csv(self) -> None:
         # Through the held directory: a run directory the user deleted is never re-created.

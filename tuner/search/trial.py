@@ -29,6 +29,11 @@ def bench_argv(model_dir, config_path: str, tokens: int, repeats: int, cold: boo
             *(["--outcome", outcome_path] if outcome_path else []), *(extra or [])]
 
 
+def steady_args(n: int, temperature: float, top_p: float) -> list[str]:
+    """`bench`'s arguments for the steady-decoding workload of n prompts (engine/run/steady.py)."""
+    return ["--steady", str(n), "--temperature", repr(float(temperature)), "--top-p", repr(float(top_p))]
+
+
 def run_trial(model_dir, config: EngineConfig, *, tokens: int = 16, repeats: int = 3, cold: bool = True,
               prompt_tokens: int = 16, seed: int = 0, limit_bytes: int | None = None,
               timeout: float | None = 600, extra_args: list[str] | None = None) -> TrialResult:

@@ -16,8 +16,8 @@ import optuna
 from optuna.trial import TrialState
 
 from engine.api import ConfigError, EngineConfig, format_size
-from tuner.costmodel.predict import RunConditions
 from tuner.costmodel.best_config import study_warm_starts
+from tuner.search.prediction import run_conditions, trusted
 from tuner.search import confirm, explore, lossy
 
 # Study attributes (in the storage, so every worker of a shared study reads the same ones):
@@ -101,19 +101,38 @@ def place_lossy_probes(run, study: optuna.Study) -> None:
 
 
 def enqueue_predicted(run, study: optuna.Study, queued: int) -> None:
-    """The cost model's top predicted configs, measured right after the baseline and the defaults."""
+    """The cost model's top predicted configs, measured right after the baseline and the defaults,
+    of the kinds of config (io mode, cache policy) whose calibrated error is known and small
+    (tuner/search/prediction.py): a prediction no trial has checked is not worth a trial."""
     o = run.opts
     # Never more than the trial budget leaves after the points queued before.
     n = 3 if o.trials is None else max(0, min(3, o.trials - queued))
     if not n:
         return
-    # The trials' own lengths: with --prompts, a typical request of the user's workload.
-    w = run.workload_info
-    cond = RunConditions(prompt_tokens=max(1, round(w.prompt_tokens.median)),
-                         tokens=max(1, round(w.max_new_tokens.median)), repeats=o.repeats, cold=o.cold)
-    for r in study_warm_starts(run.space, run.profile, run.model_dir, cond, n):
+    section = getattr(run.profile, "cost_model", None) or {}
+    state = getattr(run, "cost_model_state", None) if isinstance(getattr(run, "cost_model_state", None), dict) else {}
+    if not section.get("factors"):
+        state["note"] = trusted(section, run.space.baseline())[1]
+        run.log(f"cost model: no warm start: {state['note']}")
+        return
+    skipped: list[str] = []
+    enqueued = 0
+    # More candidates than needed: the gate may turn the first ones away.
+    for r in study_warm_starts(run.space, run.profile, run.model_dir, run_conditions(run), 4 * n):
+        ok, why = trusted(section, r.config)
+        if not ok:
+            if why not in skipped:
+                skipped.append(why)
+            continue
         study.enqueue_trial(run.space.params_of(r.config), skip_if_exists=True,
                             user_attrs={"role": "model", "predicted_decode_tok_s": r.prediction.decode_tok_s})
         run.log(f"cost model: warm start {r.config.io_mode}, chunk {format_size(r.config.chunk_size)}, "
                 f"prefetch {r.config.prefetch_depth}, cache ratio {r.config.cpu_cache_ratio}, "
                 f"{r.config.cache_policy}: predicted {r.prediction.decode_tok_s:.3g} tok/s")
+        enqueued += 1
+        if enqueued >= n:
+            break
+    state["warm_starts"] = enqueued
+    state["note"] = "; ".join(f"skipped: {w}" for w in skipped)
+    for why in skipped:
+        run.log(f"cost model: warm start skipped: {why}")

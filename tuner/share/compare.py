@@ -4,7 +4,8 @@ Each input becomes one or more items of the same shape: a run directory gives it
 config as the entry a profile export would carry (tuner.profiles.entry_from_run), a profile
 gives each of its best_configs. What may vary is the point of a comparison (the machine, the
 disk, the quant level); what must not is checked before anything is ranked: the model
-geometry, the budget, cold or warm, the decode and prompt token counts, and the tool version.
+geometry, the budget, cold or warm, the decode and prompt token counts, the workload (steady or
+fixed, its prompts' hash and sampler), and the tool version.
 If any of those differ the comparison is refused, naming them, unless forced; a forced one says
 on every output that it is not like for like.
 """
@@ -38,7 +39,22 @@ BLOCKING = (("model geometry", lambda i: f"{i.entry['model']} [{i.entry['geometr
             ("cold/warm", lambda i: "cold" if i.entry["conditions"]["cold"] else "warm"),
             ("decode tokens", lambda i: i.entry["conditions"]["tokens"]),
             ("prompt tokens", lambda i: i.entry["conditions"]["prompt_tokens"]),
+            # A steady-state figure and one prompt's loop measure different things (issue 43): the
+            # workload (its kind, prompts, sampler and hash) must be the same one.
+            ("workload", lambda i: workload_key(i.entry.get("workload"))),
             ("tool version", lambda i: i.entry["tool"]["version"]))
+
+
+def workload_key(w: dict | None) -> str:
+    """A workload as compare names it: its kind and hash (the fixed prompt: its lengths), its sampler."""
+    if not w:
+        return "fixed (not recorded)"
+    if w.get("kind") == "fixed":
+        return f"fixed {w['prompt_tokens']['max']}+{w['max_new_tokens']['max']} tokens"
+    sampler = f", temperature {w['temperature']:g} top-p {w['top_p']:g}" if w.get("temperature") is not None else ""
+    return f"{w['kind']} {w.get('requests')} prompt(s) {w.get('sha256')}{sampler}"
+
+
 # Shown when they differ, never blocking: these are what people compare.
 VARYING = (("machine", lambda i: i.machine["fingerprint"]), ("CPU", lambda i: i.machine["cpu"]),
            ("disk", lambda i: i.machine["disk"]), ("quant", lambda i: i.entry["quant"]),

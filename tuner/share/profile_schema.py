@@ -113,11 +113,16 @@ class SharedLengths:
 class SharedWorkload:
     """The workload an entry was tuned for: its lengths and a hash of the tokenized prompts, never text."""
 
-    kind: Literal["fixed", "prompts"]
+    kind: Literal["steady", "fixed", "prompts"]
     requests: int = field(metadata=rules(bounds=(1, 1 << 20)))
     prompt_tokens: SharedLengths
     max_new_tokens: SharedLengths
     sha256: Optional[str] = field(metadata=rules(pattern=HASH_RE))
+    # The steady workload's (added with it; an older entry lacks them): what `bench --steady` needs.
+    temperature: Optional[float] = field(default=None, metadata=rules(bounds=(0, 100), optional=True))
+    top_p: Optional[float] = field(default=None, metadata=rules(bounds=(0, 1), optional=True))
+    seed: Optional[int] = field(default=None, metadata=rules(bounds=(0, 2 ** 63), optional=True))
+    cycle_tokens: Optional[float] = field(default=None, metadata=rules(bounds=(0, 1 << 30), optional=True))
 
 
 # GEOMETRY_KEYS' sizes, plus the architecture's name.

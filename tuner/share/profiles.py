@@ -28,6 +28,7 @@ from tuner.probe.summary import hardware_facts
 from tuner.probe.summary import format_summary
 from tuner.results.printers import fmt, pct
 from tuner.results.quant_rundir import PROBE_FILE, is_quant_run_dir, level_run_dirs
+from tuner.results.reproduce import entry_command
 from tuner.results.result import BEST_CONFIG_SCHEMA, GEOMETRY_KEYS, plain
 from tuner.results.rundir import is_run_dir, open_run
 from tuner.results.columns import column
@@ -140,8 +141,12 @@ def _honest_gain(defaults: dict | None, gain, workload: dict | None) -> dict:
     lengths and hash: the prompts' text and file name stay on the tuning machine)."""
     return {"defaults_figures": _figures(defaults.get("confirmed")) if defaults and defaults.get("confirmed") else None,
             "gain_over_defaults": gain,
-            "workload": {k: workload.get(k) for k in ("kind", "requests", "prompt_tokens", "max_new_tokens", "sha256")}
+            "workload": {k: workload.get(k) for k in ("kind", "requests", "prompt_tokens", "max_new_tokens", "sha256",
+                                                      *(STEADY_KEYS if workload.get("kind") == "steady" else ()))}
             if workload else None}
+
+
+STEADY_KEYS = ("temperature", "top_p", "seed", "cycle_tokens")  # what `bench --steady` needs beside the lengths
 
 
 def _conditions(cond: dict, rounds, study: dict) -> dict:
@@ -324,6 +329,9 @@ def format_show(label: str, data: dict) -> str:
     lines.append(f"best configs ({len(data['best_configs'])}):")
     for e in data["best_configs"]:
         lines.append("  " + entry_line(e))
+        command = entry_command(e)
+        if command:  # the entry's config as CONFIG.toml (its `config` object), then this measures it again
+            lines.append(f"    reproduce: {command}")
     return "\n".join(lines)
 
 
@@ -335,7 +343,9 @@ def entry_line(e: dict) -> str:
             + (f", {pct(e['gain_over_defaults'], signed=True)} over the engine's defaults"
                if e.get("gain_over_defaults") is not None else "")
             + (f" (tuned for {e['workload']['requests']} prompt(s), {e['workload']['sha256']})"
-               if (e.get("workload") or {}).get("kind") == "prompts" else "") + " | chunk "
+               if (e.get("workload") or {}).get("kind") == "prompts" else "")
+            + (f" (steady workload: {e['workload']['requests']} prompts, {e['workload']['sha256']})"
+               if (e.get("workload") or {}).get("kind") == "steady" else "") + " | chunk "
             f"{format_size(c.get('chunk_size'))}, prefetch {c.get('prefetch_depth')}, {c.get('cache_policy')} "
             f"x{c.get('cpu_cache_ratio')}, threads {c.get('threads')}, io {c.get('io_mode')} x{c.get('io_threads')} "
             f"| tool {e['tool']['version']} ({e['tool'].get('git_commit')})")
