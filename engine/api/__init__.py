@@ -34,6 +34,8 @@ _HOMES = {
     # the engine and one generation
     "engine.run.runtime": "Engine DTYPE_NAMES checkpoint_dtype physical_cores",
     "engine.run.generate": "Generation Sampler generate load_tokenizer random_prompt_ids",
+    "engine.run.sampling": "LogitsProcessor TokenLogprob TOP_LOGPROBS_MAX",
+    "engine.run.context": "default_ctx_size",
     "engine.run.oneshot": "run_generation",
     "engine.run.bench": "run_bench",
     "engine.run.quality": "Reference format_quality measure_quality stdlib_corpus token_stream",
