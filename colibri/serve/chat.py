@@ -10,6 +10,7 @@ behind); Ctrl-D or /exit quits.
 
 from __future__ import annotations
 
+import select
 import sys
 import threading
 
@@ -18,6 +19,26 @@ from colibri.serve.worker import Job, JobResult
 
 HELP = "/reset clears the history, /exit (or Ctrl-D) quits, Ctrl-C stops an answer"
 CLEAR_LINE = "\r\x1b[2K"  # back to the line's start and erase it (ECMA-48 EL 2)
+# Ctrl-C's SIGINT may be delivered to any thread of the process (the worker's, torch's), and then
+# a main thread blocked in read() or an untimed wait never sees it: Python runs its handler only
+# when the main thread wakes. Waiting in slices lets it wake and raise KeyboardInterrupt.
+SLICE_S = 0.1
+
+
+def read_line(prompt: str) -> str:
+    """input() that a Ctrl-C interrupts at once, whichever thread the signal lands on. A terminal
+    hands over one line per read (canonical mode), so nothing waits in Python's buffer unseen by
+    select; a pipe may hold several lines there, so it is read with input() itself."""
+    if not sys.stdin.isatty():
+        return input(prompt)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    while not select.select([sys.stdin], [], [], SLICE_S)[0]:
+        pass
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
 
 
 def hit_counts(stats: dict) -> tuple[int, dict[str, int]]:
@@ -66,7 +87,7 @@ def _fit(model, history: list[dict], max_tokens: int) -> list[int] | None:
         del history[droppable[0]]
 
 
-def chat_loop(model, sampling: Sampling, system: str | None = None, read=input, out=sys.stdout) -> int:
+def chat_loop(model, sampling: Sampling, system: str | None = None, read=read_line, out=sys.stdout) -> int:
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     out.write(f"colibri chat: {model.model_dir.name} (context {model.worker.ctx_size} tokens). {HELP}\n")
     out.flush()
@@ -128,7 +149,8 @@ def _answer(model, ids: list[int], sampling: Sampling, out) -> JobResult:
     model.worker.submit(job)
     while True:
         try:
-            done.wait()
+            while not done.wait(SLICE_S):  # in slices: see SLICE_S
+                pass
             return box[0]
         except KeyboardInterrupt:  # stop this answer, keep the conversation
             job.cancelled.set()
