@@ -10,8 +10,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import pty
+import re
+import select
 import signal
 import socket
+import sys
+import threading
 import time
 
 import httpx
@@ -28,7 +33,7 @@ from colibri.serve.worker import Job
 
 from colibri_http import ServeProcess
 from colibri_tiny import make_tiny
-from test_serve import Server
+from test_serve import ROOT, Server
 
 EOS = 256
 
@@ -123,8 +128,7 @@ def test_generated_tokens_metric_agrees_with_usage(server):
 
 def test_a_queued_request_whose_client_left_counts_as_cancelled(tiny):
     s = Server(tiny, queue_size=2)
-    release = s.model.worker  # the worker, held by a job whose consumer waits for the test
-    import threading
+    worker = s.model.worker
     hold = threading.Event()
 
     def slow(kind, value):  # on the worker thread: keeps the engine busy until released
@@ -134,7 +138,7 @@ def test_a_queued_request_whose_client_left_counts_as_cancelled(tiny):
     try:
         s.model.worker.submit(Job([5, 6, 7], Sampling(max_tokens=4, temperature=0, top_p=1, seed=0), slow))
         deadline = time.monotonic() + 30
-        while not release.busy:  # waiting for a condition, with a deadline
+        while not worker.busy:  # waiting for a condition, with a deadline
             assert time.monotonic() < deadline
             time.sleep(0.01)
         before = s.metric("colibri_cancelled_total")
@@ -142,10 +146,10 @@ def test_a_queued_request_whose_client_left_counts_as_cancelled(tiny):
         with socket.create_connection(("127.0.0.1", s.port)) as sock:  # a client that sends, then leaves
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            while release.queue_length() < 1:
+            while worker.queue_length() < 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-        queued = list(release.jobs.queue)[0]
+        queued = list(worker.jobs.queue)[0]
         while not queued.cancelled.is_set():  # the server saw the disconnect
             assert time.monotonic() < deadline
             time.sleep(0.01)
@@ -221,11 +225,6 @@ def test_chat_speed_line_hit_rate_is_per_answer(tiny):
 
 
 def test_chat_ctrl_c_at_the_prompt_leaves_no_empty_prompt_line(tiny):
-    import pty
-    import re
-    import select
-    import sys
-    from test_serve import ROOT
     pid, fd = pty.fork()
     if pid == 0:
         os.chdir(ROOT)

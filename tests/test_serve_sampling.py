@@ -261,3 +261,21 @@ class _AllBanned(BanAfter):
 
     def __call__(self, logits, generated):
         return torch.full_like(logits, -float("inf"))
+
+
+def test_a_jobs_processors_run_in_the_worker_and_end_it_with_stop(server):
+    import threading
+    from colibri.serve.protocol import Sampling
+    from colibri.serve.worker import Job
+    done, box = threading.Event(), []
+
+    def emit(kind, value):
+        if kind == "done":
+            box.append(value)
+            done.set()
+
+    proc = BanAfter(EOS, 3)
+    server.model.worker.submit(Job([5, 6, 7], Sampling(max_tokens=50, temperature=0, top_p=1, seed=0), emit,
+                                   processors=[proc]))
+    assert done.wait(60)
+    assert box[0].finish_reason == "stop" and box[0].output_ids == proc.seen and len(proc.seen) == 3

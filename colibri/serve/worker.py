@@ -117,6 +117,9 @@ class Job:
     emit: object
     cancelled: threading.Event = field(default_factory=threading.Event)
     seq: int = 0
+    # engine LogitsProcessors for this job only (a grammar's mask), after the sampler's penalties;
+    # one whose done() ends the generation ends it with finish_reason "stop"
+    processors: list = field(default_factory=list)
 
 
 @dataclass
@@ -240,7 +243,7 @@ class GenerationWorker:
                           frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
                           logit_bias=s.logit_bias)
         generate(self.engine, job.prompt_ids, s.max_tokens, sampler, on_token=on_token, logprobs=s.logprobs,
-                 generation=gen)
+                 generation=gen, processors=job.processors)
         ids = gen.output_ids
         if not job.cancelled.is_set():
             # Before the finish reason: the tail may complete a stop (after a character that
@@ -250,7 +253,7 @@ class GenerationWorker:
                 job.emit("text", tail)
         if job.cancelled.is_set():
             reason = "cancelled"
-        elif stream.stopped or (ids and ids[-1] in self.eos_ids):
+        elif stream.stopped or gen.stopped_by_processor or (ids and ids[-1] in self.eos_ids):
             reason = "stop"
         else:
             reason = "length"
