@@ -28,13 +28,13 @@ def free_port() -> int:
 class ServeProcess:
     """`python -m colibri.cli serve` on a free loopback port; its stderr is the server's log."""
 
-    def __init__(self, model_dir: Path, log_path: Path):
+    def __init__(self, model_dir: Path, log_path: Path, extra: tuple[str, ...] = ("--ctx-size", "256")):
         self.port = free_port()
         self.log_path = log_path
         self.log = open(log_path, "wb")
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen([sys.executable, "-m", "colibri.cli", "serve", "--model", str(model_dir),
-                                      "--port", str(self.port), "--ctx-size", "256"],
+                                      "--port", str(self.port), *extra],
                                      stdout=self.log, stderr=self.log, env=env, cwd=str(ROOT))
         deadline = time.monotonic() + START_S
         while not self._answers():  # waiting for a condition (the port answers), with a deadline

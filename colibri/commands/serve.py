@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import sys
+import tomllib
 from pathlib import Path
 
-from engine.api import ConfigError, EngineConfig, is_kv_root, kv_root, parse_size, resolve_model, run_directory_target
+from engine.api import (ConfigError, EngineConfig, default_ctx_size, is_kv_root, kv_root, parse_size, read_text_input,
+                        resolve_model, run_directory_target)
 from colibri.serve.chat import chat_loop
 from colibri.serve.protocol import ApiError, Sampling, parse_sampling
 from colibri.serve.server import API_KEY_ENV, LoadedModel, ServeOptions, check_options, serve
@@ -63,19 +65,39 @@ def add_serve(sub) -> None:
     p.add_argument("--max-body", default="4MiB", help="largest request body accepted")
     p.add_argument("--model-name", help="the model id clients use (default: the directory's name)")
     add_reuse_flags(p)
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let browser pages from ORIGIN (scheme://host[:port], or *) call the API; repeatable; "
+                        "off by default")
     add_engine_flags(p)
     say_prefix_default(p)
     p.set_defaults(func=cmd_serve)
+
+
+def _with_context(args, config: EngineConfig, model_dir, log) -> EngineConfig:
+    """--ctx-size (or --config's ctx_size) when given; else the model's max_position_embeddings
+    capped by the memory plan (engine/run/context.py), said once in the log."""
+    if args.ctx_size is not None or (args.config and "ctx_size" in _config_keys(args.config)):
+        return config
+    ctx, why = default_ctx_size(model_dir, config)
+    log(f"colibri: context {ctx} tokens ({why})")
+    return config.replace(ctx_size=ctx)
+
+
+def _config_keys(path) -> set[str]:
+    # Already read and checked by EngineConfig.load; read again for which keys it names.
+    data = tomllib.loads(read_text_input(Path(path), "engine config", ConfigError))
+    return set(data["engine"] if set(data) == {"engine"} else data)
 
 
 def cmd_serve(args) -> int:
     # The model id clients send: what the user typed for a preset ("demo"), else the directory's name.
     name = args.model_name or Path(args.model).name
     opts = check_options(ServeOptions(args.host, args.port, args.api_key, args.queue_size,
-                                      parse_size(args.max_body), name))
+                                      parse_size(args.max_body), name, tuple(args.cors_origin)))
     config, reuse = reuse_options(args, "serve")
     model_dir = resolve_model(args.model, progress=True)
-    serve(model_dir, config, opts, log=lambda m: print(m, file=sys.stderr, flush=True), **reuse)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    serve(model_dir, _with_context(args, config, model_dir, log), opts, log=log, **reuse)
     return 0
 
 
@@ -101,7 +123,9 @@ def cmd_chat(args) -> int:
     except ApiError as exc:
         raise ConfigError(f"--{exc.param.replace('_', '-')}: {exc.message.split(': ', 1)[-1]}") from None
     config, reuse = reuse_options(args, "chat")
-    model = LoadedModel(resolve_model(args.model, progress=True), config, queue_size=1, **reuse)
+    model_dir = resolve_model(args.model, progress=True)
+    config = _with_context(args, config, model_dir, lambda m: None)
+    model = LoadedModel(model_dir, config, queue_size=1, **reuse)
     try:
         return chat_loop(model, sampling, system=args.system)
     finally:

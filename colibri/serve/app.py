@@ -1,10 +1,18 @@
 """The HTTP side of `colibri serve`: OpenAI's routes on Starlette (served by uvicorn).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streamed with server-sent events
-when asked; chat with tools through colibri/serve/tools/), GET /v1/models, GET /health, GET /metrics,
-and Anthropic's POST /v1/messages (colibri/serve/anthropic.py). Every request body is size-limited and
-validated (colibri/serve/protocol.py); every refusal is an OpenAI error object. When an API key is
-set, every route but /health needs `Authorization: Bearer <key>`, compared in constant time.
+when asked; chat with tools through colibri/serve/tools/), GET /v1/models, GET /v1/models/{id},
+GET /health, GET /metrics, and Anthropic's POST /v1/messages (colibri/serve/anthropic.py). Every
+request body is size-limited and validated (colibri/serve/protocol.py); every refusal is an OpenAI
+error object. When an API key is set, every route but /health needs `Authorization: Bearer <key>`
+(the scheme in any case, as RFC 7235 says), the key compared in constant time. Every generation's
+answer names the seed it sampled with (header `x-colibri-seed` and a top-level `seed` field), so a
+request without one can be replayed. Browsers: CORS only for the origins --cors-origin names.
+
+When the server is told to stop (SIGINT / SIGTERM), `ServeState.shut_down` ends every open
+request at once: a stream gets an error event and [DONE], a waiting request a 503, and the
+generation stops at its next token, so uvicorn's graceful wait ends well before its timeout
+(it used to cancel the streams there, logging CancelledError tracebacks mid-chunk).
 """
 
 from __future__ import annotations
@@ -13,10 +21,11 @@ import asyncio
 import hmac
 import json
 import time
-import uuid
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -25,9 +34,10 @@ from engine.api import ColibriError, loads_limited
 from colibri.serve.anthropic import anthropic_error, check_key, count_tokens_endpoint, messages_endpoint
 from colibri.serve.prometheus import ServerMetrics
 from colibri.serve.protocol import ApiError, Sampling, parse_chat, parse_completion
+from colibri.serve.shapes import ChatShape, CompletionShape, TokenText, usage
 from colibri.serve.structured import parse_response_format
 from colibri.serve.tools.chat import tool_chat_completion
-from colibri.serve.worker import GenerationWorker, Job, JobResult
+from colibri.serve.worker import GenerationWorker, Job
 
 DEFAULT_MAX_BODY = 4 << 20
 
@@ -36,11 +46,22 @@ class ServeState:
     """What every handler shares: the one worker, the model's identity, the limits."""
 
     def __init__(self, worker: GenerationWorker, tokenizer, template, model_id: str, *, api_key: str | None = None,
-                 max_body: int = DEFAULT_MAX_BODY, metrics: ServerMetrics | None = None):
+                 max_body: int = DEFAULT_MAX_BODY, metrics: ServerMetrics | None = None,
+                 cors_origins: tuple[str, ...] = ()):
         self.worker, self.tokenizer, self.template, self.model_id = worker, tokenizer, template, model_id
-        self.api_key, self.max_body = api_key, max_body
+        self.api_key, self.max_body, self.cors_origins = api_key, max_body, tuple(cors_origins)
         self.metrics = metrics or worker.metrics
         self.created = int(time.time())
+        self.token_text = TokenText(tokenizer)
+        self.open: set[_Bridge] = set()  # the requests waiting on the worker, told when the server stops
+        self.stopping = False
+
+    def shut_down(self) -> None:
+        """Called from a signal handler (on the event loop's thread, between its steps): every
+        open request learns through its bridge, which only schedules a call on the loop."""
+        self.stopping = True
+        for bridge in list(self.open):
+            bridge.emit("shutdown", None)
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -83,10 +104,8 @@ def _check_unicode(body) -> None:
                             "not text a tokenizer can take") from None
 
 
-def _usage(result: JobResult) -> dict:
-    n = len(result.output_ids)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+SHUTDOWN = ApiError(503, "the server is shutting down: this generation was stopped", type="server_error",
+                    code="server_shutdown")
 
 
 class _Bridge:
@@ -109,9 +128,9 @@ def build_app(state: ServeState) -> Starlette:
     def authorized(request: Request) -> None:
         if state.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        expected = f"Bearer {state.api_key}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        ok = hmac.compare_digest(given.strip().encode(), state.api_key.encode())  # constant time, always run
+        if not (ok and scheme.lower() == "bearer"):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
     def check_model(name: str | None) -> None:
@@ -120,18 +139,26 @@ def build_app(state: ServeState) -> Starlette:
                            param="model", code="model_not_found")
 
     async def run_job(request: Request, prompt_ids: list[int], sampling: Sampling, shape) -> Response:
-        state.worker.check_fits(prompt_ids, sampling.max_tokens)
+        state.worker.check_fits(prompt_ids, sampling)  # also sets a missing max_tokens to the room left
+        if state.stopping:
+            raise SHUTDOWN
         bridge = _Bridge()
         job = Job(prompt_ids, sampling, bridge.emit)
         state.worker.submit(job)
+        state.open.add(bridge)
         ident = shape.new_id()
+        headers = {"x-colibri-seed": str(sampling.seed)}
         if sampling.stream:
             return StreamingResponse(_sse(job, bridge, shape, ident, sampling), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await _whole(request, job, bridge, shape, ident)
+                                     headers={"Cache-Control": "no-cache", **headers})
+        try:
+            return await _whole(request, job, bridge, shape, ident, sampling, headers)
+        finally:
+            state.open.discard(bridge)
 
-    async def _whole(request, job, bridge, shape, ident) -> Response:
+    async def _whole(request, job, bridge, shape, ident, sampling, headers) -> Response:
         text: list[str] = []
+        logprobs: list | None = [] if sampling.logprobs is not None else None
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             while True:
@@ -145,34 +172,54 @@ def build_app(state: ServeState) -> Starlette:
                 if kind == "text":
                     text.append(value)
                     continue
+                if kind == "logprob":
+                    logprobs.append(value)
+                    continue
+                if kind == "shutdown":
+                    job.cancelled.set()
+                    raise SHUTDOWN
                 if value.finish_reason == "error":
                     raise ApiError(500, f"generation failed: {value.error}", type="server_error")
-                return JSONResponse(shape.whole(ident, "".join(text), value, state))
+                return JSONResponse(shape.whole(ident, "".join(text), value, state, sampling.seed,
+                                                logprobs[:len(value.output_ids)] if logprobs is not None else None),
+                                    headers=headers)
         finally:
             gone.cancel()
 
     async def _sse(job, bridge, shape, ident, sampling):
+        seed = sampling.seed
+        pending: list = []  # log-probs of tokens whose text is not sent yet (held back, or split characters)
         try:
-            opening = shape.chunk(ident, None, None, state, first=True)
+            opening = shape.chunk(ident, None, None, state, seed, first=True)
             if opening is not None:
                 yield _event(opening)
             while True:
                 kind, value = await bridge.events.get()
-                if kind == "text":
-                    yield _event(shape.chunk(ident, value, None, state))
+                if kind == "logprob":
+                    pending.append(value)
                     continue
-                if value.finish_reason == "error":
+                if kind == "text":
+                    yield _event(shape.chunk(ident, value, None, state, seed, logprobs=pending))
+                    pending = []
+                    continue
+                if kind == "shutdown":
+                    job.cancelled.set()
+                    yield _event(SHUTDOWN.body())
+                elif value.finish_reason == "error":
                     yield _event(ApiError(500, f"generation failed: {value.error}", type="server_error").body())
                 else:
-                    yield _event(shape.chunk(ident, None, value.finish_reason, state))
+                    # tokens whose text never came (cut by a stop sequence) keep their log-probs, as usage counts them
+                    yield _event(shape.chunk(ident, None, value.finish_reason, state, seed, logprobs=pending))
                     if sampling.include_usage:
-                        yield _event({**shape.chunk(ident, None, None, state), "choices": [], "usage": _usage(value)})
+                        yield _event({**shape.chunk(ident, None, None, state, seed), "choices": [],
+                                      "usage": usage(value)})
                 yield "data: [DONE]\n\n"
                 return
         finally:
             # The client went away (the response task is cancelled) or the stream ended: either
             # way the generation must not run on for nobody.
             job.cancelled.set()
+            state.open.discard(bridge)
 
     async def completions(request: Request) -> Response:
         authorized(request)
@@ -209,11 +256,21 @@ def build_app(state: ServeState) -> Starlette:
             return await endpoint(request, state, body)
         return handler
 
+    def model_object() -> dict:
+        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "colibri",
+                "ctx_size": state.worker.ctx_size, "chat_template": state.template.source}
+
     async def models(request: Request) -> Response:
         authorized(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": state.model_id, "object": "model", "created": state.created, "owned_by": "colibri",
-            "ctx_size": state.worker.ctx_size, "chat_template": state.template.source}]})
+        return JSONResponse({"object": "list", "data": [model_object()]})
+
+    async def one_model(request: Request) -> Response:
+        authorized(request)
+        name = request.path_params["model_id"]
+        if name != state.model_id:
+            raise ApiError(404, f"model {name!r} is not served here (this server serves {state.model_id!r})",
+                           param="model", code="model_not_found")
+        return JSONResponse(model_object())
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "busy": state.worker.busy, "queue": state.worker.queue_length()})
@@ -243,13 +300,20 @@ def build_app(state: ServeState) -> Starlette:
         Route("/v1/completions", counted("/v1/completions", completions), methods=["POST"]),
         Route("/v1/chat/completions", counted("/v1/chat/completions", chat_completions), methods=["POST"]),
         Route("/v1/models", counted("/v1/models", models), methods=["GET"]),
+        # :path, so an id with a slash (org/name, as clients copy it from a hub) is one id
+        Route("/v1/models/{model_id:path}", counted("/v1/models/{id}", one_model), methods=["GET"]),
         Route("/v1/messages", counted("/v1/messages", anthropic(messages_endpoint)), methods=["POST"]),
         Route("/v1/messages/count_tokens", counted("/v1/messages/count_tokens", anthropic(count_tokens_endpoint)),
               methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", counted("/metrics", prometheus), methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
+    # Off unless origins are named: a page on any site could otherwise drive a local model server
+    # that has no key. The seed header is exposed so a browser client can replay a generation.
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(state.cors_origins), allow_methods=["GET", "POST"],
+                             allow_headers=["Authorization", "Content-Type"], expose_headers=["x-colibri-seed"])
+                  ] if state.cors_origins else []
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found}, middleware=middleware)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -260,41 +324,3 @@ async def _wait_disconnect(request: Request) -> None:
 
 def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class CompletionShape:
-    @staticmethod
-    def new_id() -> str:
-        return f"cmpl-{uuid.uuid4().hex[:24]}"
-
-    @staticmethod
-    def whole(ident, text, result, state) -> dict:
-        return {"id": ident, "object": "text_completion", "created": int(time.time()), "model": state.model_id,
-                "choices": [{"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": None}],
-                "usage": _usage(result)}
-
-    @staticmethod
-    def chunk(ident, text, finish, state, first=False) -> dict | None:
-        if first:  # completions have no opening role chunk
-            return None
-        return {"id": ident, "object": "text_completion", "created": int(time.time()), "model": state.model_id,
-                "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]}
-
-
-class ChatShape:
-    @staticmethod
-    def new_id() -> str:
-        return f"chatcmpl-{uuid.uuid4().hex[:24]}"
-
-    @staticmethod
-    def whole(ident, text, result, state) -> dict:
-        return {"id": ident, "object": "chat.completion", "created": int(time.time()), "model": state.model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": result.finish_reason, "logprobs": None}],
-                "usage": _usage(result)}
-
-    @staticmethod
-    def chunk(ident, text, finish, state, first=False) -> dict:
-        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
-        return {"id": ident, "object": "chat.completion.chunk", "created": int(time.time()), "model": state.model_id,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}

@@ -12,11 +12,6 @@ from colibri.serve.protocol import Sampling
 from colibri.serve.worker import Job, JobResult
 
 
-def usage(result: JobResult) -> dict:
-    n = len(result.output_ids)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n}
-
-
 class JobRun:
     def __init__(self, worker, prompt_ids: list[int], sampling: Sampling, special_text: bool = False):
         worker.check_fits(prompt_ids, sampling.max_tokens)

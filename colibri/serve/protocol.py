@@ -2,14 +2,16 @@
 
 Clients send more fields than any one server honours, so unknown fields are ignored (as OpenAI's
 own API and llama-server do); a known field with a wrong type or an out-of-range value is a 400
-with an OpenAI-style error object naming the field. Fields we cannot honour (n > 1, logprobs,
-echo, best_of, suffix, and tools on /v1/completions) are refused by name rather than silently
-dropped. Chat's tool fields are read by colibri/serve/tools/request.py.
+with an OpenAI-style error object naming the field. Fields we cannot honour (n > 1, echo, best_of,
+suffix, and tools on /v1/completions) are refused by name rather than silently dropped. Chat's
+tool fields are read by colibri/serve/tools/request.py. Sampling fields and their ranges: README's
+serve section (the ranges are OpenAI's where OpenAI documents the field).
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass, field
 
 from colibri.serve.tools.request import FieldError, ToolRequest, name_tool_results, parse_tool_calls, parse_tool_fields
@@ -19,6 +21,11 @@ MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SEED_MAX = 2 ** 63 - 1
+TOP_LOGPROBS_MAX = 20       # chat's top_logprobs, as OpenAI documents it
+COMPLETION_LOGPROBS_MAX = 5  # the completions API's logprobs, as OpenAI documents it
+PENALTY_MAX = 2.0            # presence / frequency: [-2, 2]
+BIAS_MAX = 100.0             # logit_bias values: [-100, 100]
+REPETITION_MAX = 10.0        # repetition_penalty (llama-server's and vLLM's name): (0, 10]
 
 
 class ApiError(Exception):
@@ -40,13 +47,19 @@ def bad(param: str, message: str) -> ApiError:
 
 @dataclass
 class Sampling:
-    max_tokens: int
+    max_tokens: int | None  # None: the room the prompt leaves in the context (set once it is tokenized)
     temperature: float
     top_p: float
-    seed: int
+    seed: int  # a request without one gets a fresh one (reported back, so it can be replayed)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # None: none reported; k: each token's log-prob and its k best alternatives
     grammar: str | None = None  # response_format's, compiled (colibri/serve/structured.py)
 
 
@@ -112,13 +125,48 @@ def _stop(body: dict) -> list[str]:
 
 
 def _refuse_unsupported(body: dict) -> None:
-    if _int(body, "n", 1, 1, 128) != 1:
-        raise bad("n", "only n = 1 is supported (one generation at a time)")
-    for key, harmless in (("logprobs", (None, False, 0)), ("top_logprobs", (None, 0)), ("echo", (None, False)),
-                          ("best_of", (None, 1)), ("suffix", (None, "")), ("tools", (None, [])),
-                          ("functions", (None, []))):
+    n = _int(body, "n", 1, 1, 128)
+    if n != 1:
+        raise bad("n", f"only n = 1 is served (one choice per request, {n} asked): send {n} requests, "
+                       "each with its own seed")
+    for key, harmless in (("echo", (None, False)), ("best_of", (None, 1)), ("suffix", (None, "")),
+                          ("tools", (None, [])), ("functions", (None, []))):
         if body.get(key, None) not in harmless:
             raise bad(key, "is not supported by this server")
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """{"token id": bias}: ids as decimal strings (JSON keys), biases in [-100, 100]. Whether an
+    id is in the vocabulary is checked with the prompt (GenerationWorker.check_fits)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad("logit_bias", "must be an object mapping token ids to biases")
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
+            raise bad("logit_bias", f"keys must be token ids (decimal integers), got {key[:40]!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                or not -BIAS_MAX <= bias <= BIAS_MAX:
+            raise bad("logit_bias", f"the bias of token {key} must be a number in [-{BIAS_MAX:g}, {BIAS_MAX:g}]")
+        out[int(key)] = float(bias)
+    return out
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Chat: logprobs (bool) + top_logprobs (0..20, needs logprobs). Completions: logprobs (0..5),
+    the number of alternatives, 0 meaning the chosen token's own log-prob only."""
+    if chat:
+        wanted = _bool(body, "logprobs", False)
+        top = _int(body, "top_logprobs", None, 0, TOP_LOGPROBS_MAX)
+        if top is not None and not wanted:
+            raise bad("top_logprobs", "needs logprobs: true")
+        return (top or 0) if wanted else None
+    value = body.get("logprobs")
+    if value is None or value is False:  # some clients send false for "none"
+        return None
+    return _int(body, "logprobs", None, 0, COMPLETION_LOGPROBS_MAX)
 
 
 def _model(body: dict) -> str | None:
@@ -128,7 +176,8 @@ def _model(body: dict) -> str | None:
     return value
 
 
-def parse_sampling(body: dict, default_max_tokens: int) -> Sampling:
+def parse_sampling(body: dict, default_max_tokens: int | None = None, chat: bool = True) -> Sampling:
+    """default_max_tokens None: the room left in the context (resolved once the prompt is known)."""
     _refuse_unsupported(body)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
@@ -141,11 +190,17 @@ def parse_sampling(body: dict, default_max_tokens: int) -> Sampling:
         max_tokens=_int(body, key, default_max_tokens, 1, 1 << 20),
         temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        seed=_int(body, "seed", 0, 0, SEED_MAX),
-        stop=_stop(body), stream=stream, include_usage=include_usage)
+        # No seed: fresh entropy, so "regenerate" gives another answer; the seed drawn is reported.
+        seed=_int(body, "seed", None, 0, SEED_MAX) if body.get("seed") is not None else secrets.randbelow(SEED_MAX + 1),
+        stop=_stop(body), stream=stream, include_usage=include_usage,
+        min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_float(body, "presence_penalty", 0.0, -PENALTY_MAX, PENALTY_MAX),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0, -PENALTY_MAX, PENALTY_MAX),
+        repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, REPETITION_MAX, lo_open=True),
+        logit_bias=_logit_bias(body), logprobs=_logprobs(body, chat))
 
 
-def parse_completion(body, default_max_tokens: int = 16) -> CompletionRequest:
+def parse_completion(body, default_max_tokens: int | None = None) -> CompletionRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     prompt = body.get("prompt")
@@ -156,7 +211,7 @@ def parse_completion(body, default_max_tokens: int = 16) -> CompletionRequest:
             raise bad("prompt", "must be a string, a list with one string, or a non-empty list of token ids")
     elif not isinstance(prompt, str):
         raise bad("prompt", "is required: a string or a list of token ids")
-    return CompletionRequest(_model(body), prompt, parse_sampling(body, default_max_tokens))
+    return CompletionRequest(_model(body), prompt, parse_sampling(body, default_max_tokens, chat=False))
 
 
 def _content_text(content, i: int) -> str:
@@ -174,7 +229,7 @@ def _content_text(content, i: int) -> str:
     raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
 
 
-def parse_chat(body, default_max_tokens: int = 256) -> ChatRequest:
+def parse_chat(body, default_max_tokens: int | None = None) -> ChatRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     messages = body.get("messages")

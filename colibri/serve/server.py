@@ -2,13 +2,19 @@
 
 Bound to localhost by default. Any other address needs an API key (`--api-key` or the
 COLIBRI_API_KEY environment variable): a model server on a LAN without one is anyone's.
+
+SIGINT / SIGTERM: uvicorn stops accepting, the app ends every open request at once (an error
+event and [DONE] on a stream: colibri/serve/app.py), the running generation stops at its next
+token, and the process exits 0 after closing the model, well within the graceful timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +29,7 @@ from colibri.serve.worker import GenerationWorker
 
 API_KEY_ENV = "COLIBRI_API_KEY"
 MAX_QUEUE = 1024
+GRACEFUL_S = 5  # uvicorn's wait for open requests after a signal; they end at once (ServeState.shut_down)
 
 
 @dataclass
@@ -33,6 +40,7 @@ class ServeOptions:
     queue_size: int = 8
     max_body: int = DEFAULT_MAX_BODY
     model_name: str | None = None
+    cors_origins: tuple[str, ...] = ()
 
 
 def is_loopback(host: str) -> bool:
@@ -58,7 +66,11 @@ def check_options(opts: ServeOptions) -> ServeOptions:
         raise ConfigError(f"--queue-size must be in [1, {MAX_QUEUE}], got {opts.queue_size}")
     if opts.max_body < 1024:
         raise ConfigError(f"--max-body must be at least 1 KiB, got {opts.max_body}")
-    return ServeOptions(opts.host, opts.port, key, opts.queue_size, opts.max_body, opts.model_name)
+    for origin in opts.cors_origins:
+        if origin != "*" and not (origin.startswith(("http://", "https://")) and "/" not in origin.split("://", 1)[1]):
+            raise ConfigError(f"--cors-origin {origin!r}: an origin is scheme://host[:port] (no path), or *")
+    return ServeOptions(opts.host, opts.port, key, opts.queue_size, opts.max_body, opts.model_name,
+                        tuple(opts.cors_origins))
 
 
 def eos_ids(checkpoint_config: dict, model_dir: Path) -> set[int]:
@@ -108,7 +120,29 @@ class LoadedModel:
 def make_state(model: LoadedModel, opts: ServeOptions) -> ServeState:
     name = opts.model_name or model.model_dir.resolve().name
     return ServeState(model.worker, model.tokenizer, model.template, name, api_key=opts.api_key,
-                      max_body=opts.max_body, metrics=model.metrics)
+                      max_body=opts.max_body, metrics=model.metrics, cors_origins=opts.cors_origins)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with the app told of a stop signal at once (not after the graceful
+    timeout, by cancelling its tasks), and without re-raising the signal after shutdown (which
+    killed the process before the model was closed)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServeState):
+        super().__init__(config)
+        self.state = state
+        self.stop_signal: int | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        self.stop_signal = sig
+        self.state.shut_down()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()  # handled: the process exits normally after closing the model
 
 
 def serve(model_dir, config: EngineConfig, opts: ServeOptions, log=print, **reuse) -> None:
@@ -119,7 +153,10 @@ def serve(model_dir, config: EngineConfig, opts: ServeOptions, log=print, **reus
         state = make_state(model, opts)
         log(f"colibri serve: {state.model_id} on http://{opts.host}:{opts.port}/v1 "
             f"(ctx {model.worker.ctx_size}, queue {opts.queue_size}, chat template: {model.template.source})")
-        uvicorn.run(build_app(state), host=opts.host, port=opts.port, log_level="warning",
-                    timeout_graceful_shutdown=5, http=JsonErrorH11Protocol)
+        server = _Server(uvicorn.Config(build_app(state), host=opts.host, port=opts.port, log_level="warning",
+                                        timeout_graceful_shutdown=GRACEFUL_S, http=JsonErrorH11Protocol), state)
+        server.run()
+        if server.stop_signal is not None:
+            log(f"colibri serve: stopped by {signal.Signals(server.stop_signal).name}")
     finally:
         model.close()

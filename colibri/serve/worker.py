@@ -122,12 +122,18 @@ class SpecialText:
 class Job:
     prompt_ids: list[int]
     sampling: Sampling
-    emit: object  # emit(kind, value), called on the worker thread: ("text", str) then ("done", JobResult)
+    # emit(kind, value), called on the worker thread: ("text", str) and, when log-probs were
+    # asked, ("logprob", TokenLogprob) before the text its token gave; then ("done", JobResult)
+    emit: object
     cancelled: threading.Event = field(default_factory=threading.Event)
     seq: int = 0
     # Keep special tokens in the text: tool-call markers are special tokens in some vocabularies
     # (gpt-oss's harmony channels, GLM's <tool_call>), and a parser cannot find what decode drops.
     special_text: bool = False
+    # engine LogitsProcessors for this job only, after the sampler's penalties (and a
+    # response_format's grammar, which the worker adds); one whose done() ends the generation
+    # ends it with finish_reason "stop"
+    processors: list = field(default_factory=list)
 
 
 @dataclass
@@ -163,17 +169,29 @@ class GenerationWorker:
     def ctx_size(self) -> int:
         return self.engine.kv.ctx_size
 
-    def check_fits(self, prompt_ids: list[int], max_tokens: int) -> None:
-        """Refuse, before it is queued, a request the KV cache or the vocabulary cannot hold."""
+    def check_fits(self, prompt_ids: list[int], sampling: Sampling) -> None:
+        """Refuse, before it is queued, a request the KV cache or the vocabulary cannot hold; a
+        request without max_tokens gets the room its prompt leaves (as OpenAI, vLLM and
+        llama-server do), so only a prompt that fills the context is refused."""
         if not prompt_ids:
             raise ApiError(400, "prompt: encodes to zero tokens", param="prompt")
-        if len(prompt_ids) + max_tokens > self.ctx_size:
-            raise ApiError(400, f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceeds the context "
-                                f"of {self.ctx_size} tokens", param="max_tokens", code="context_length_exceeded")
+        room = self.ctx_size - len(prompt_ids)
+        if sampling.max_tokens is None:
+            if room < 1:
+                raise ApiError(400, f"prompt of {len(prompt_ids)} tokens leaves no room in the context of "
+                                    f"{self.ctx_size} tokens", code="context_length_exceeded")
+            sampling.max_tokens = room
+        elif sampling.max_tokens > room:
+            raise ApiError(400, f"prompt of {len(prompt_ids)} tokens + max_tokens {sampling.max_tokens} exceeds the "
+                                f"context of {self.ctx_size} tokens", param="max_tokens", code="context_length_exceeded")
         vocab = self.engine.args.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        bad = next((t for t in sampling.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                           param="logit_bias")
 
     def submit(self, job: Job) -> int:
         job.seq = next(self._seq)
@@ -207,7 +225,9 @@ class GenerationWorker:
             job = self.jobs.get()
             if job is None:
                 return
-            if job.cancelled.is_set():  # its client left while it waited
+            if job.cancelled.is_set():  # its client left while it waited: a cancelled request too
+                with self.metrics.lock:
+                    self.metrics.cancelled += 1
                 job.emit("done", JobResult("", [], "cancelled", len(job.prompt_ids), None))
                 continue
             self.busy = True
@@ -232,20 +252,26 @@ class GenerationWorker:
         s = job.sampling
         stream = TextStream(SpecialText(self.tokenizer) if job.special_text else self.tokenizer, s.stop)
         started = time.perf_counter()
+        gen = Generation(list(job.prompt_ids))
 
         def on_token(token: int) -> bool:
             if job.cancelled.is_set():
                 return True
             if token in self.eos_ids:
                 return True
+            if s.logprobs is not None:
+                job.emit("logprob", (gen.logprobs[-1], len(stream.text)))  # the token and where its text starts
             piece = stream.push(token)
             if piece:
                 job.emit("text", piece)
             return stream.stopped
 
         grammar = self._grammar(s.grammar) if s.grammar else None
-        gen = generate(self.engine, job.prompt_ids, s.max_tokens, Sampler(s.temperature, s.top_p, s.seed),
-                       on_token=on_token, processors=[grammar] if grammar else ())
+        sampler = Sampler(s.temperature, s.top_p, s.seed, min_p=s.min_p, presence_penalty=s.presence_penalty,
+                          frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
+                          logit_bias=s.logit_bias)
+        generate(self.engine, job.prompt_ids, s.max_tokens, sampler, on_token=on_token, logprobs=s.logprobs,
+                 generation=gen, processors=[*job.processors, *([grammar] if grammar else [])])
         ids = gen.output_ids
         if not job.cancelled.is_set():
             # Before the finish reason: the tail may complete a stop (after a character that
@@ -255,11 +281,12 @@ class GenerationWorker:
                 job.emit("text", tail)
         if job.cancelled.is_set():
             reason = "cancelled"
-        elif stream.stopped or (ids and ids[-1] in self.eos_ids) or (grammar and grammar.done()):
-            reason = "stop"  # a grammar that is complete ends the answer as end-of-sequence does
+        elif stream.stopped or gen.stopped_by_processor or (ids and ids[-1] in self.eos_ids):
+            reason = "stop"  # a complete grammar ends the answer as end-of-sequence does
         else:
             reason = "length"
         output_ids = ids[:-1] if ids and ids[-1] in self.eos_ids else ids
-        self.metrics.record_generation(len(job.prompt_ids), len(ids), gen.ttft_seconds, gen.token_seconds,
+        # The tokens usage reports (an end-of-sequence token is not one), so the two agree.
+        self.metrics.record_generation(len(job.prompt_ids), len(output_ids), gen.ttft_seconds, gen.token_seconds,
                                        time.perf_counter() - started, reason == "cancelled")
         return JobResult(stream.text, output_ids, reason, len(job.prompt_ids), gen)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,33 +12,9 @@ import torch
 
 from engine.base.errors import ModelFormatError, PromptError
 from engine.base.inputs import read_text_input
-
-
-@dataclass
-class Sampler:
-    """Greedy when temperature == 0; otherwise seeded temperature + nucleus (top-p) sampling."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise PromptError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise PromptError(f"top_p must be in (0, 1], got {self.top_p}")
-        self._gen = torch.Generator().manual_seed(self.seed)
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        # logits: [V] fp32
-        if self.temperature == 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / self.temperature, dim=-1)
-        if self.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < self.top_p  # always keeps the top token
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        return int(torch.multinomial(probs, 1, generator=self._gen))
+# The sampler and the logits-processor hook live in sampling.py; named here too, where callers
+# of generate have always imported the Sampler from.
+from engine.run.sampling import LogitsProcessor, Sampler, TokenLogprob, token_logprob
 
 
 def check_finite_logits(logits: torch.Tensor, where: str = "") -> None:
@@ -58,18 +35,26 @@ class Generation:
     ttft_seconds: float = 0.0
     token_seconds: list[float] = field(default_factory=list)  # each decode step after the first token
     cached_tokens: int = 0  # prompt tokens whose K/V was reused, not computed (engine/run/prefix_cache.py)
+    # One per output id when generate(logprobs=k) was asked (k top entries each); else empty.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    stopped_by_processor: bool = False  # a processor's done() ended it
 
 
 def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler | None = None,
-             stop_ids: set[int] | None = None, on_token=None, cached_tokens: int | None = None,
-             processors=()) -> Generation:
-    """Prefill, then decode until max_new_tokens, a stop id, or `on_token(token)` returning True
-    (how a server stops at a stop sequence or when its client has gone).
+             stop_ids: set[int] | None = None, on_token=None, *, cached_tokens: int | None = None,
+             processors: Sequence[LogitsProcessor] = (), logprobs: int | None = None,
+             generation: Generation | None = None) -> Generation:
+    """Prefill, then decode until max_new_tokens, a stop id, a processor's done(), or
+    `on_token(token)` returning True (how a server stops at a stop sequence or when its client
+    has gone).
 
     cached_tokens: how many of the prompt's first positions the caller has already put in the KV
     cache (`run --prompt-cache`); None: whatever the engine's prefix cache restores.
-    processors (engine/run/grammar.py's LogitsProcessor) mask each step's logits before the
-    sampler, are told the token it picked, and end the generation once all of them are done."""
+    Each step (engine/run/sampling.py): the sampler's penalties and bias, then `processors` in
+    order (e.g. engine/run/grammar.py's mask), then the sampler's pick; then every processor's
+    accept(token). `logprobs`: record each token's log-probability under the model (the raw
+    logits' log_softmax) with that many top alternatives, in the Generation before on_token sees
+    the token. `generation`: the record to fill (a caller's on_token can read it as it grows)."""
     sampler = sampler or Sampler()
     n = len(prompt_ids)
     if n == 0:
@@ -81,44 +66,55 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
         raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-    gen = Generation(list(prompt_ids))
+    gen = generation if generation is not None else Generation(list(prompt_ids))
     if max_new_tokens <= 0:
         return gen
-    t0 = time.perf_counter()
+    chain = [*sampler.processors(prompt_ids, vocab), *processors]
     where = f" for {engine.checkpoint.directory}" if hasattr(engine, "checkpoint") else ""
+
+    def step(logits: torch.Tensor) -> int:
+        check_finite_logits(logits, where)
+        shaped = logits
+        for p in chain:
+            shaped = p(shaped, gen.output_ids)
+        if chain and not bool(torch.isfinite(shaped).any()):  # a mask that allows nothing: no token to draw
+            raise PromptError("the logits processors left no token allowed")
+        token = sampler.pick(shaped)
+        if logprobs is not None:
+            gen.logprobs.append(token_logprob(logits, token, logprobs))
+        gen.output_ids.append(token)
+        for p in chain:
+            p.accept(token)
+        return token
+
+    def finished(token: int) -> bool:
+        # on_token first: the token that completes a grammar is still the caller's text.
+        stop = bool(on_token and on_token(token) is True)
+        if chain and any(p.done() for p in chain):
+            gen.stopped_by_processor = True
+            return True
+        return stop
+
+    t0 = time.perf_counter()
     # Only the suffix after a reused prefix is prefilled (none when the engine's prefix cache is off).
     reused = engine.restore_prefix(prompt_ids) if cached_tokens is None else min(cached_tokens, n - 1)
     gen.cached_tokens = reused
     logits = engine.forward(prompt_ids[reused:], reused, last_only=True)
     gen.prefill_seconds = time.perf_counter() - t0
-    check_finite_logits(logits[-1], where)
-    token = _sample(sampler, logits[-1], processors, gen.output_ids)
+    token = step(logits[-1])
     gen.ttft_seconds = time.perf_counter() - t0
-    gen.output_ids.append(token)
-    if not (on_token and on_token(token) is True):
+    if not finished(token):
         pos = n
-        while (len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids)
-               and not (processors and all(p.done() for p in processors))):
+        while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
             t = time.perf_counter()
             logits = engine.forward([token], pos)
-            check_finite_logits(logits[-1], where)
-            token = _sample(sampler, logits[-1], processors, gen.output_ids)
+            token = step(logits[-1])
             gen.token_seconds.append(time.perf_counter() - t)
-            gen.output_ids.append(token)
             pos += 1
-            if on_token and on_token(token) is True:
+            if finished(token):
                 break
     engine.remember_prefix()  # the prompt and the answer so far: a next turn resends both
     return gen
-
-
-def _sample(sampler: Sampler, logits: torch.Tensor, processors, generated: list[int]) -> int:
-    for p in processors:
-        logits = p(logits, generated)
-    token = sampler(logits)
-    for p in processors:
-        p.accept(token)
-    return token
 
 
 def load_tokenizer(model_dir: str | Path):

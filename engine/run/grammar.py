@@ -36,8 +36,6 @@ The tokenizer side (`GrammarTokenizer`, llguidance's token trie) costs ~0.5 s at
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import numpy as np
 import torch
 
@@ -52,17 +50,6 @@ ANY_OBJECT = {"type": "object"}
 
 class GrammarError(PromptError):
     """A schema the grammar engine cannot compile, or a generation that left its grammar."""
-
-
-class LogitsProcessor(Protocol):
-    def __call__(self, logits: torch.Tensor, generated: list[int]) -> torch.Tensor:
-        """fp32 [V] -> [V]: the logits with every token that may not come next set to -inf."""
-
-    def accept(self, token: int) -> None:
-        """The sampler picked `token`: advance."""
-
-    def done(self) -> bool:
-        """Complete: the generation may stop (nothing but end-of-sequence may follow)."""
 
 
 def json_grammar(schema: dict | None = None) -> str:

@@ -15,7 +15,8 @@ import uuid
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.api import ColibriError
-from colibri.serve.jobrun import JobRun, usage
+from colibri.serve.jobrun import JobRun
+from colibri.serve.shapes import usage
 from colibri.serve.protocol import ApiError, ChatRequest
 from colibri.serve.tools import detect_format
 from colibri.serve.tools.output import ToolOutput, whole
