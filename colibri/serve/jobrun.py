@@ -14,7 +14,7 @@ from colibri.serve.worker import Job, JobResult
 
 class JobRun:
     def __init__(self, worker, prompt_ids: list[int], sampling: Sampling, special_text: bool = False):
-        worker.check_fits(prompt_ids, sampling.max_tokens)
+        worker.check_fits(prompt_ids, sampling)  # also sets a missing max_tokens to the room left
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.job = Job(prompt_ids, sampling, self._emit, special_text=special_text)
