@@ -149,7 +149,7 @@ def test_lookahead_uses_the_architectures_router(arch, tmp_path):
         m, a = engine.model, engine.args
         target = next(i for i in range(1, a.num_layers) if a.is_moe_layer(i))
         h = torch.randn(5, a.hidden_size)
-        m.experts, m.lookahead_depth = _Hints(), 1
+        m.experts, m.prefetch_depth = _Hints(), 1
         m._lookahead(target - 1, None, h)
         guess_in = rms_norm(h, m.w[f"model.layers.{target}.post_attention_layernorm.weight"], a.rms_norm_eps)
         hf_router = model.model.layers[target].mlp.router if arch == "gpt_oss" else model.model.layers[target].mlp.gate

@@ -186,7 +186,7 @@ def test_trimmed_routing_is_what_the_layer_and_lookahead_use(qwen):
     config = EngineConfig(threads=1, ctx_size=CTX, top_k_reduction=1)
     with Engine(qwen, config) as engine:
         hinted = []
-        engine.model.lookahead_depth = 1
+        engine.model.prefetch_depth = 1
         engine.model.experts.hint_experts = lambda layer, ids: hinted.append(list(ids))
         engine.record_routing()
         generate(engine, PROMPT, 3, Sampler())

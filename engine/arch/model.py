@@ -71,7 +71,7 @@ class Transformer:
     """Forward pass over resident dense weights and an ExpertStore for routed experts.
 
     kv: the KV cache the engine decodes into (the decode plan holds its tensors).
-    lookahead_depth: after layer L's attention, hint the experts (or the streamed layers) of the
+    prefetch_depth: after layer L's attention, hint the experts (or the streamed layers) of the
     next layers to the store, so their reads start early; 0 = off.
     routing_trim: lossy routing (EngineConfig.top_k_reduction / expert_threshold), or None.
     layer_source, streamed_layers: layer streaming (dense models over budget): these layers'
@@ -79,7 +79,7 @@ class Transformer:
     """
 
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], experts, dtype: torch.dtype,
-                 kv=None, *, lookahead_depth: int = 0, routing_trim: RoutingTrim | None = None,
+                 kv=None, *, prefetch_depth: int = 0, routing_trim: RoutingTrim | None = None,
                  layer_source=None, streamed_layers: list[int] = ()):
         self.args = args
         self.w = weights
@@ -91,7 +91,7 @@ class Transformer:
         self._rope_table: RopeTable | None = None  # decode's cos/sin rows (not for dynamic NTK: it changes)
         # Router lookahead: after layer L's attention, layer L+1's router applied to the same
         # hidden state predicts L+1's experts well enough to start their reads early.
-        self.lookahead_depth = lookahead_depth
+        self.prefetch_depth = prefetch_depth
         self.layer_source = layer_source
         self.streamed_layers = list(streamed_layers)
         self._streamed = frozenset(streamed_layers)  # membership test on the per-layer path
@@ -117,7 +117,7 @@ class Transformer:
         out, for tests and benchmarks that compare the routes; they hold until the next call."""
         # What needs each layer's expert ids, which the fused MoE keeps inside (dense models: no MoE to fuse).
         watched = ("the routing log" if self.routing_log is not None
-                   else "lookahead" if self.lookahead_depth and self.experts is not None else None)
+                   else "lookahead" if self.prefetch_depth and self.experts is not None else None)
         self._route_limits, self._plan_kv = limits, kv
         self.plan = decode_plan.plan_decode(self.args, self.w, self._qkv, self.experts, self.expert_fn, kv,
                                             self.dtype, self._streamed, watched, **limits)
@@ -238,7 +238,7 @@ class Transformer:
             return self.w
         # Reads for the next streamed layers (wrapping to the next token's) are in flight while
         # this one computes.
-        for step in range(1, self.lookahead_depth + 1):
+        for step in range(1, self.prefetch_depth + 1):
             ahead = (layer + step) % self.args.num_layers
             if ahead in self._streamed:
                 self.layer_source.hint_layer(ahead)
@@ -302,11 +302,11 @@ class Transformer:
         return linear(out, w[f"{p}.o_proj.weight"])
 
     def _lookahead(self, layer: int, normed: torch.Tensor, residual: torch.Tensor) -> None:
-        """Hint the store the experts the next lookahead_depth MoE layers will likely route residual [T, H] to."""
-        if self.experts is None or not self.lookahead_depth:
+        """Hint the store the experts the next prefetch_depth MoE layers will likely route residual [T, H] to."""
+        if self.experts is None or not self.prefetch_depth:
             return
         a = self.args
-        for ahead in range(1, self.lookahead_depth + 1):
+        for ahead in range(1, self.prefetch_depth + 1):
             target = layer + ahead
             if target >= a.num_layers or not a.is_moe_layer(target):
                 continue

@@ -112,7 +112,7 @@ def _hint_group(model, target: int, x: torch.Tensor, chunks: list[slice]) -> Non
     ascending order, the order the MoE will ask for them. Only the next layer: a prompt's union is
     most of a layer's experts, more than the read slots of several layers."""
     a = model.args
-    if (model.experts is None or not model.lookahead_depth or target >= a.num_layers
+    if (model.experts is None or not model.prefetch_depth or target >= a.num_layers
             or not a.is_moe_layer(target)):
         return
     norm_w = model.w[f"{layer_prefix(target)}.post_attention_layernorm.weight"]

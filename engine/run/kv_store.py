@@ -154,7 +154,7 @@ def is_kv_file(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
-            return 0 < n <= MAX_HEADER and f'"colibri_kv"'.encode() in f.read(min(n, 4096))
+            return 0 < n <= MAX_HEADER and b'"colibri_kv"' in f.read(min(n, 4096))
     except OSError:
         return False
 

@@ -180,7 +180,7 @@ class Engine:
         # Everything that sets how the model runs goes in here, once; the model decides its decode
         # route from it (self.model.plan, engine/arch/decode_plan.py).
         self.model = Transformer(self.args, weights, self.experts, self.dtype, self.kv,
-                                 lookahead_depth=self.config.prefetch_depth if self.plan.streaming else 0,
+                                 prefetch_depth=self.config.prefetch_depth if self.plan.streaming else 0,
                                  routing_trim=trim, layer_source=self.layers, streamed_layers=streamed)
 
     def _load_dense(self, name, container, quantized, fp8_kept, fp8_dequantized, alloc=None):
