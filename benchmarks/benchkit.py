@@ -15,6 +15,9 @@
   added, for the tools whose flags are their conditions.
 - `spread(values)`: the median and its min-max, the way every headline figure is quoted.
 - `add_run_flags(parser, budget=..., tokens=...)`: the measurement flags every tool spells alike.
+- `add_output_flags(parser)`: `--json` (the one document) and `--lock FILE` (bench_lock per step).
+- `table_rows(lines, **tags)` and `Tables`: for a tool whose text product is the markdown tables it
+  already builds line by line: the same rows, keyed by the table's header, become the JSON rows.
 """
 
 from __future__ import annotations
@@ -158,3 +161,56 @@ def refuse(tool: str, message: str) -> int:
     """The one-line refusal every tool prints for bad input (and the exit status it returns)."""
     print(f"{tool}: error: {message}", file=sys.stderr)
     return 2
+
+
+def add_output_flags(parser, lock: bool = True) -> None:
+    """--json (print one colibri.bench/1 document instead of the text) and, for a tool that times
+    anything, --lock FILE (bench_lock around each measured step; leave it out under `quiet bench`)."""
+    parser.add_argument("--json", action="store_true", help="print one colibri.bench/1 JSON document")
+    if lock:
+        parser.add_argument("--lock", default=None,
+                            help="flock this file around each measured step (not under `quiet bench`)")
+
+
+def table_rows(lines: Sequence[str], **tags) -> list[dict]:
+    """The rows of a markdown table (a header line, the |---| rule, a line per row) as dicts keyed
+    by the header's cells, each with `tags` added (which table, which run): a tool that builds its
+    tables as text gives --json the same rows."""
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip().strip("|").split("|")]
+    lines = [ln for ln in lines if ln.strip().startswith("|")]
+    if len(lines) < 2:
+        return []
+    header = cells(lines[0])
+    rows = []
+    for ln in lines[2:]:
+        vals = cells(ln)
+        rows.append({**tags, **{h: (v if v != "" else None) for h, v in zip(header, vals + [""] * len(header))}})
+    return rows
+
+
+class Tables:
+    """The printers of a tool whose text product is a report of markdown tables: in text mode
+    `line` and `table` print as the tool always has; with --json they print nothing and keep the
+    tables' rows (table_rows, tagged with the table's name) and the notes for one `emit` at the end."""
+
+    def __init__(self, as_json: bool):
+        self.as_json, self.rows, self.notes = as_json, [], {}
+
+    def line(self, text: str = "") -> None:
+        if not self.as_json:
+            print(text, flush=True)
+
+    def table(self, name: str, lines: Sequence[str], **tags) -> None:
+        self.rows += table_rows(lines, table=name, **tags)
+        self.line("\n".join(lines))
+
+    def note(self, key: str, value, text: str | None = None) -> None:
+        """A figure that is not a row: kept under `key` for --json, printed as `text` (when given) otherwise."""
+        self.notes[key] = value
+        if text is not None:
+            self.line(text)
+
+    def done(self, tool: str, cond: dict) -> None:
+        if self.as_json:
+            emit(tool, self.rows, cond, True, [], notes=self.notes)

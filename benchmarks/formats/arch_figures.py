@@ -17,6 +17,11 @@ Three tables (run under `flock /tmp/colibri-bench.lock` on a shared box):
 (The GLM-5-structured streaming figure comes from benchmarks/io/streaming_roofline.py --model glm-5-small.)
 
     .venv/bin/python benchmarks/formats/arch_figures.py [--budget 560MiB] [--tokens 16] [--repeats 3] [--scratch DIR]
+        [--json] [--lock FILE]
+
+--json prints one colibri.bench/1 document (benchkit.emit) whose rows are the same tables' rows,
+keyed by each table's header and tagged with the table's name; --lock holds benchkit.bench_lock
+around each timed table.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ import torch  # noqa: E402
 from engine.api import EngineConfig, format_size, git_commit, model_args, parse_size, synth  # noqa: E402
 from engine.api.lab import mxfp4_dequantize, mxfp4_quantize  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402
+from benchmarks.benchkit import Tables, add_output_flags, bench_lock, run_conditions  # noqa: E402
 
+TOOL = "arch_figures"
 MLA_PRESETS = ("deepseek-v3", "glm-5", "deepseek-v3-small", "glm-5-small")
 
 
@@ -145,22 +152,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     decode_arguments(ap, "/tmp/colibri-archs-bench")
     ap.add_argument("--glm5", help="a synthesized glm-5-small directory (default: synthesize one in --scratch)")
+    add_output_flags(ap)
     a = ap.parse_args()
     scratch = Path(a.scratch)
     scratch.mkdir(parents=True, exist_ok=True)
-    print(f"# archs benchmark {time.strftime('%Y-%m-%d')} commit {git_commit()}")
-    print("\n## KV cache per token (bf16)\n")
-    print("\n".join(kv_table()))
+    out = Tables(a.json)
+    out.line(f"# archs benchmark {time.strftime('%Y-%m-%d')} commit {git_commit()}")
+    out.line("\n## KV cache per token (bf16)\n")
+    out.table("kv_per_token", kv_table())
     small = Path(a.glm5) if a.glm5 else scratch / "glm-5-small"
     if not (small / "config.json").exists():
         synth.synthesize(synth.load_preset("glm-5-small"), small, seed=0, progress=False)
     allocated, planned = allocated_kv(small, 4096)
-    print(f"\nglm-5-small at ctx 4096: allocated {allocated:,} B, planned {planned:,} B")
-    print(f"\n## MXFP4 dequantization per expert (one thread, median of {a.repeats})\n")
-    print("\n".join(dequant_table(a.repeats)))
+    out.note("glm5_small_kv_ctx4096", {"allocated_bytes": allocated, "planned_bytes": planned},
+             f"\nglm-5-small at ctx 4096: allocated {allocated:,} B, planned {planned:,} B")
+    out.line(f"\n## MXFP4 dequantization per expert (one thread, median of {a.repeats})\n")
+    with bench_lock(a.lock):
+        out.table("mxfp4_dequant", dequant_table(a.repeats))
     if not a.skip_decode:
-        print(f"\n## gpt-oss-small decode, {a.tokens} tokens x {a.repeats} repeats\n")
-        print("\n".join(decode_table(scratch, parse_size(a.budget), a.tokens, a.repeats)))
+        out.line(f"\n## gpt-oss-small decode, {a.tokens} tokens x {a.repeats} repeats\n")
+        with bench_lock(a.lock):
+            out.table("decode", decode_table(scratch, parse_size(a.budget), a.tokens, a.repeats))
+    out.done(TOOL, run_conditions(a, model="gpt-oss-small, glm-5-small (synthesized)", threads_dequant=1))
     return 0
 
 

@@ -14,7 +14,9 @@ Measure (run it under `quiet bench`): `benchmarks/quant/quant_formats.py speed`'
 (cold: `colibri bench` in a memory cgroup of --budget, O_DIRECT 1 MiB, prefetch 1, caches and page
 cache emptied before each repeat; resident: no budget, warm) — decode tok/s median (min-max),
 MiB read per token — and `colibri quality` of each against bf16 (KL divergence, top-1 agreement
-on held-out text). Prints one markdown table.
+on held-out text). Prints one markdown table; --json prints its rows (quant_formats' speed rows,
+each with its quality vs bf16) as one colibri.bench/1 document (benchkit.emit). --lock FILE holds
+benchkit.bench_lock around the speed part (the timed one) instead of `quiet bench`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.api import git_commit  # noqa: E402
+from benchmarks.benchkit import add_output_flags, bench_lock, emit, run_conditions  # noqa: E402
+
+TOOL = "fp8_demo"
 
 HERE = Path(__file__).resolve().parent
 LABELS = ("bf16", "fp8", "int8", "int4-g64")
@@ -92,7 +97,7 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--part", choices=("speed", "quality"), help="measure one part only (saved in --work)")
     ap.add_argument("--labels", default=",".join(LABELS), help="which of the models, bf16 first (default: all)")
-    ap.add_argument("--json", action="store_true")
+    add_output_flags(ap)
     a = ap.parse_args()
     a.labels = a.labels.split(",")
     if a.labels[0] != "bf16" or not set(a.labels) <= set(LABELS):
@@ -104,18 +109,24 @@ def main() -> int:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for part, fn in (("speed", speed), ("quality", quality)):
         if a.part in (None, part):
-            result = fn(a.work, a) | {"started": started, "commit": git_commit()}
+            with bench_lock(a.lock if part == "speed" else None):
+                result = fn(a.work, a) | {"started": started, "commit": git_commit()}
             (a.work / f"{part}.json").write_text(json.dumps(result, indent=2, default=str))
     saved = {part: json.loads((a.work / f"{part}.json").read_text()) for part in ("speed", "quality")
              if (a.work / f"{part}.json").exists()}
     if "speed" not in saved:
+        if a.json:
+            emit(TOOL, [], run_conditions(a, work=str(a.work)), True, [], notes=saved)
+            return 0
         print(json.dumps(saved, indent=2))
         return 0
     out = {"speed": saved["speed"], "quality": {k: v for k, v in saved.get("quality", {}).items()
                                                 if k in LABELS}, "started": saved["speed"]["started"],
            "commit": saved["speed"]["commit"]}
     if a.json:
-        print(json.dumps(out, indent=2, default=str))
+        rows = [{**r, "quality": out["quality"].get(r["label"])} for r in out["speed"]["rows"]]
+        emit(TOOL, rows, run_conditions(a, work=str(a.work), measured=out["started"], measured_commit=out["commit"],
+                                        speed_conditions=out["speed"].get("conditions")), True, [])
         return 0
     f = lambda s: "-" if not s else f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})"  # noqa: E731
     print(f"{started}, commit {out['commit']}: {a.work / 'bf16'} and its FP8 / int8 / int4-g64 twins; cold = "

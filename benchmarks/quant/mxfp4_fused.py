@@ -15,7 +15,10 @@ Two tables (run under `quiet bench` on the shared box):
    hit rate, the cgroup's peak, and the kernel the run reports.
 
     quiet bench .venv/bin/python benchmarks/quant/mxfp4_fused.py [--budget 560MiB] [--tokens 16]
-        [--repeats 3] [--scratch DIR]
+        [--repeats 3] [--scratch DIR] [--json] [--lock FILE]
+
+--json prints one colibri.bench/1 document (benchkit.emit): the same two tables' rows, keyed by
+each table's header and tagged with its name.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from engine.api import format_size, git_commit, parse_size, synth  # noqa: E402
 from engine.api.lab import mxfp4_dequantize, mxfp4_quantize, native  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402
 from benchmarks.formats.arch_figures import decode_arguments, placements, trial_cells  # noqa: E402
+from benchmarks.benchkit import Tables, add_output_flags, bench_lock, run_conditions  # noqa: E402
 
+TOOL = "mxfp4_fused"
 GEOMETRIES = (("gpt-oss-small 512 x 512", 512, 512), ("gpt-oss-120b 2880 x 2880", 2880, 2880))
 
 
@@ -97,20 +102,25 @@ def decode_table(model: Path, budget: int, tokens: int, repeats: int) -> list[st
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     decode_arguments(ap, "/tmp/colibri-mxfp4-bench")
+    add_output_flags(ap)
     a = ap.parse_args()
     why = native.load()
     if why is not None:
         print(f"the fused kernel needs the native kernels: {why}", file=sys.stderr)
         return 2
-    print(f"# MXFP4 fused benchmark {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} commit {git_commit()}")
-    print(f"\n## One expert, one token, one thread (median of {a.repeats}, min-max)\n")
-    print("\n".join(expert_table(a.repeats)))
+    out = Tables(a.json)
+    out.line(f"# MXFP4 fused benchmark {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} commit {git_commit()}")
+    out.line(f"\n## One expert, one token, one thread (median of {a.repeats}, min-max)\n")
+    with bench_lock(a.lock):
+        out.table("expert", expert_table(a.repeats))
     if not a.skip_decode:
         model = Path(a.scratch) / "gpt-oss-small"
         if not (model / "config.json").exists():
             synth.synthesize(synth.load_preset("gpt-oss-small"), model, seed=0, progress=False)
-        print(f"\n## gpt-oss-small decode, {a.tokens} tokens x {a.repeats} repeats\n")
-        print("\n".join(decode_table(model, parse_size(a.budget), a.tokens, a.repeats)))
+        out.line(f"\n## gpt-oss-small decode, {a.tokens} tokens x {a.repeats} repeats\n")
+        with bench_lock(a.lock):
+            out.table("decode", decode_table(model, parse_size(a.budget), a.tokens, a.repeats))
+    out.done(TOOL, run_conditions(a, model="gpt-oss-small (synthesized)", threads_expert=1))
     return 0
 
 

@@ -1,6 +1,7 @@
 """Train the small *trained* qwen3_moe that quantization quality is measured on.
 
     nice -n 10 python benchmarks/quant/train_reference.py -o ../reference [--steps N] [--experts E] [--json]
+        [--lock FILE]
 
 Random weights say little about quantization error (no outliers, near-uniform logits), so
 this trains a real, if small, model: 4 layers, 16 experts top-4, hidden 256, a 4096-token
@@ -19,12 +20,14 @@ must stream, as on the big models this tool is for (the default 16-expert model'
 12 MiB, fit in any budget that holds torch). Defaults (700 steps x 8 x 128 tokens) take under 10
 minutes of CPU here. Prints held-out
 perplexity and writes an HF directory (config.json, model.safetensors in bf16, tokenizer.json).
+--json prints the run's summary as the one row of a colibri.bench/1 document (benchkit.emit);
+--lock FILE holds benchkit.bench_lock over the timed part (training and the held-out evaluation).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import math
 import platform
 import shutil
@@ -36,6 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.api import stdlib_corpus  # noqa: E402
+from benchmarks.benchkit import add_output_flags, bench_lock, emit, run_conditions  # noqa: E402
+
+TOOL = "train_reference"
 
 CONFIG = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=4096, hidden_size=256,
               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
@@ -181,7 +187,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=CONFIG["num_experts"],
                    help="routed experts per layer (top-4 of them per token)")
     p.add_argument("--eval-tokens", type=int, default=16384)
-    p.add_argument("--json", action="store_true")
+    add_output_flags(p)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -203,6 +209,8 @@ def main() -> None:
     warmup = max(a.steps // 20, 1)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s, a.steps) / a.steps))))
+    held = contextlib.ExitStack()  # the timed part holds the bench lock (--lock), through the evaluation
+    held.enter_context(bench_lock(a.lock))
     t_train, cpu_train = time.perf_counter(), time.process_time()
     for step, batch in enumerate(batches(train_ids, a.seq, a.batch, a.steps, a.seed), 1):
         logits, aux = model(batch[:, :-1])
@@ -218,6 +226,7 @@ def main() -> None:
                 f"{time.process_time() - cpu_train:.0f} s CPU  ({step * a.batch * a.seq / el:.0f} tok/s)")
     train_s, train_cpu = time.perf_counter() - t_train, time.process_time() - cpu_train
     held_ppl = perplexity(model, held_ids, 256, a.eval_tokens)
+    held.close()
     save(model, tok, Path(a.out), config)
     summary = {"out": a.out, "config": config, "steps": a.steps, "seq": a.seq, "batch": a.batch,
                "train_tokens_seen": a.steps * a.seq * a.batch, "train_wall_s": round(train_s, 1),
@@ -226,7 +235,7 @@ def main() -> None:
                "eval_ctx": 256, "corpus": corpus, "python": platform.python_version(), "torch": torch.__version__,
                "params": sum(q.numel() for q in model.parameters())}
     if a.json:
-        print(json.dumps(summary, indent=2))
+        emit(TOOL, [summary], run_conditions(a, model="trained reference qwen3_moe"), True, [])
     else:
         print(f"trained {summary['params'] / 1e6:.1f}M params: {a.steps} steps x {a.batch} x {a.seq} tokens, "
               f"{train_s:.0f} s wall / {train_cpu:.0f} s CPU ({a.threads} threads); held-out perplexity "
