@@ -17,12 +17,13 @@ is imported with `colibri convert`, and for each the table says:
 llama.cpp is built by scripts/build_llama_cpp.sh (EXTRA_TARGETS=llama-quantize) into --llama-dir
 (default $LLAMA_CPP_DIR or ~/.cache/colibri/llama.cpp) if it is not built there yet, so the
 table is reproducible from a clean clone; the output's first line is the command that made it.
+--json prints the same rows as one colibri.bench/1 document (benchkit.emit), the llama.cpp build
+and the command in its conditions. Nothing here is timed, so there is no --lock.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -37,6 +38,9 @@ import torch  # noqa: E402
 from engine.api import Engine, EngineConfig, Sampler, generate, measure_quality, synth  # noqa: E402
 from engine.api.lab import GGUFModel, dequantize, import_gguf  # noqa: E402
 from gguf_llama import convert_all, write_glm_tokenizer  # noqa: E402
+from benchmarks.benchkit import add_output_flags, emit, run_conditions  # noqa: E402
+
+TOOL = "gguf_roundtrip"
 
 PROMPT = [(7 * i + 3) % 256 for i in range(32)]
 # Where scripts/build_llama_cpp.sh builds llama.cpp (the pinned llama-cpp-python sdist) when no
@@ -167,19 +171,22 @@ def main(argv=None) -> int:
     p.add_argument("--archs", default=",".join(ALL_ARCHS))
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--ctx", type=int, default=256)
-    p.add_argument("--json", action="store_true")
+    add_output_flags(p, lock=False)
     args = p.parse_args(argv)
     llama = Path(args.llama_dir).expanduser()
     if not ((llama / "READY").exists() and (llama / "build/bin/llama-quantize").exists()):
         subprocess.run([str(REPO / "scripts" / "build_llama_cpp.sh"), str(llama)], check=True,
                        env={**os.environ, "PYTHON": sys.executable, "EXTRA_TARGETS": "llama-quantize"})
     rows = [r for arch in args.archs.split(",") for r in one_arch(arch, args, llama)]
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
     info = (llama / "BUILD_INFO").read_text().split() if (llama / "BUILD_INFO").exists() else []
-    print("command: " + " ".join(["python benchmarks/formats/gguf_roundtrip.py", *(argv if argv is not None else sys.argv[1:])]))
-    print(f"llama.cpp: {' '.join(i for i in info if i.startswith(('llama_cpp_python_version', 'llama_cpp_commit')))} "
+    command = " ".join(["python benchmarks/formats/gguf_roundtrip.py", *(argv if argv is not None else sys.argv[1:])])
+    build = " ".join(i for i in info if i.startswith(("llama_cpp_python_version", "llama_cpp_commit")))
+    if args.json:
+        emit(TOOL, rows, run_conditions(args, command=command, llama_cpp=build, compute="fp32",
+                                        greedy="16 tokens from a 32-token prompt"), True, [])
+        return 0
+    print("command: " + command)
+    print(f"llama.cpp: {build} "
           f"(scripts/build_llama_cpp.sh into {llama})")
     print(f"quality: {args.tokens} tokens, ctx {args.ctx}, fp32 compute; tokens: 16 greedy from a 32-token prompt\n")
     print("| arch | GGUF | tensor types | dequant = llama.cpp | greedy tokens = original | KL mean | same top-1 | tokenizer |")

@@ -33,7 +33,9 @@ The continuous fio figures and their bound are printed next to it.
 the read-only checkout of the previous commit), right after this tree's run of the same config,
 so before/after are measured in the same run and minutes apart.
 
-Every measurement holds the shared benchmark lock (flock on --lock) only for its own config.
+Every measurement holds the shared benchmark lock (benchkit.bench_lock on --lock) only for its own
+config. --json prints every run's rows as one colibri.bench/1 document (benchkit.emit) instead of
+the tables.
 
     .venv/bin/python benchmarks/io/streaming_roofline.py [--before-src /work/wt/base] [--only NAME ...]
         [--tokens 8] [--repeats 2] [--runs 1] [--json]
@@ -43,22 +45,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+TOOL = "streaming_roofline"
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from engine.api import (EngineConfig, PREFILL_CHUNK, format_size, git_commit, parse_size,  # noqa: E402
                         physical_cores, resolve_model)
 from tuner.search.trial import run_trial  # noqa: E402
-from benchmarks.benchkit import bench_lock  # noqa: E402
+from benchmarks.benchkit import bench_lock, emit, run_conditions  # noqa: E402
 from benchmarks.io import io_bound as trace_bound  # noqa: E402
 from benchmarks.io.io_jobs import fio_run, request_bytes  # noqa: E402
 
@@ -283,7 +284,7 @@ def main() -> int:
                     help="the bound's disk term from fio replays of each run's own read trace (io_bound.py replay)")
     ap.add_argument("--replay-passes", type=int, default=4, help="--trace-bound: passes of the trace per replay")
     ap.add_argument("--trace-dir", help="--trace-bound: keep the read traces here (default: a temp directory)")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print one colibri.bench/1 JSON document")
     a = ap.parse_args()
     if a.trace_bound and a.before_src:
         print("streaming: error: --trace-bound replays this tree's traces; run --before-src without it",
@@ -307,7 +308,7 @@ def main() -> int:
         for run in range(a.runs):
             all_rows += one_run(model_dir, a, fio, files, run)
     if a.json:
-        json.dump(all_rows, sys.stdout, indent=2, default=str)
+        emit(TOOL, all_rows, run_conditions(a, model_dir=str(model_dir), cold=True), True, [])
     return 0
 
 

@@ -2,7 +2,7 @@
 
     python benchmarks/tuning/lossy_tune.py --model DIR [--quant bf16,int8] [--max-kl 0.05] [--trials 12]
         [--ram-budget 512MiB] [--min-ctx 2048] [--prompts FILE] [--profile FILE] [--quality-tokens 1024]
-        [--quality-ctx 256] [--front-rounds 2] [--out DIR] [--json] [--prepare-only | --resume]
+        [--quality-ctx 256] [--front-rounds 2] [--out DIR] [--json] [--lock FILE] [--prepare-only | --resume]
 
 Runs `colibri tune --max-kl ...` (with --quant: one study per level, tuner/search/quant_tune.py)
 as a user would, then prints the run's lossy.json as a table: per measured setting (quant level,
@@ -25,6 +25,9 @@ says what was measured, not every combination.
 requests instead of the fixed prompt): a long context is where KV precision matters, because the
 memory plan charges the KV cache for the whole ctx_size and what int8 / fp8 KV saves goes to the
 expert cache (docs/TUNING.md, "Lossy settings").
+--json prints the run's lossy.json as one colibri.bench/1 document (benchkit.emit): its points are
+the rows, everything else in it (bound, chosen, front confirmation) the notes. --lock FILE holds
+benchkit.bench_lock over the tune (not over --prepare-only, which times nothing).
 """
 
 from __future__ import annotations
@@ -37,10 +40,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.benchkit import add_output_flags, bench_lock, emit, run_conditions  # noqa: E402
 from engine.api import parse_size  # noqa: E402
 from tuner.search.lossy import QualityBound  # noqa: E402
 from tuner.search.quant_tune import QuantTuneOptions, parse_levels, run_quant_tune  # noqa: E402
 from tuner.search.study import TuneOptions, run_tune  # noqa: E402
+
+TOOL = "lossy_tune"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile", help="a saved probe (e.g. profiles/<machine>.json) instead of probing")
     ap.add_argument("--prepare-only", action="store_true", help="with --quant: convert and score, tune nothing")
     ap.add_argument("--resume", action="store_true", help="continue the run in --out (e.g. after --prepare-only)")
-    ap.add_argument("--json", action="store_true")
+    add_output_flags(ap)
     a = ap.parse_args(argv)
     if a.front_rounds < 0:
         ap.error(f"--front-rounds must be a non-negative integer, got {a.front_rounds}")
@@ -88,20 +94,23 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     opts = tune_options(a)
     if a.quant:
-        out = run_quant_tune(QuantTuneOptions(opts, parse_levels(a.quant), quality_tokens=a.quality_tokens,
-                                              quality_ctx=a.quality_ctx, prepare_only=a.prepare_only)).out_dir
+        with bench_lock(None if a.prepare_only else a.lock):
+            out = run_quant_tune(QuantTuneOptions(opts, parse_levels(a.quant), quality_tokens=a.quality_tokens,
+                                                  quality_ctx=a.quality_ctx, prepare_only=a.prepare_only)).out_dir
         if a.prepare_only:
             print(f"prepared {a.quant} in {out}: run again with --resume --out {out}")
             return 0
     else:
-        out = run_tune(opts).out_dir
+        with bench_lock(a.lock):
+            out = run_tune(opts).out_dir
     lossy = Path(out) / "lossy.json"
     if not lossy.is_file():  # every level refused (e.g. a budget below the plan): tune said why above
         print(f"lossy_tune: error: no lossy.json in {out}: no level measured a trial", file=sys.stderr)
         return 1
     summary = json.loads(lossy.read_text(encoding="utf-8"))
     if a.json:
-        print(json.dumps(summary, indent=2))
+        emit(TOOL, summary["points"], run_conditions(a, run=str(out), bound=summary.get("bound_text"), cold=True),
+             True, [], notes={k: v for k, v in summary.items() if k != "points"})
         return 0
     workload = f"prompts {a.prompts}" if a.prompts else f"{a.tokens} decode tokens x {a.repeats} repeats"
     print(f"model {a.model}, budget {a.ram_budget}, min ctx {a.min_ctx}, {a.trials} trials per level, "
