@@ -39,6 +39,11 @@ Measurements (`measure`; each step in a fresh interpreter so its RSS is its own)
     quiet bench .venv/bin/python benchmarks/formats/fullscale.py measure /tmp/fs-dsv3 [--budget 16GiB]
     quiet bench .venv/bin/python benchmarks/formats/fullscale.py decode /tmp/fs-dsv3 --budget 16GiB [--cgroup 16GiB]
     quiet bench .venv/bin/python benchmarks/formats/fullscale.py all [--dtype bf16] [--decode]   # build each, measure, delete
+
+measure, decode and all take --json: one colibri.bench/1 document (benchkit.emit) whose rows are
+the same table's rows (keyed by its header; `all` tags each with the model and its build), and
+--lock FILE: benchkit.bench_lock around each measured checkpoint (instead of `quiet bench`).
+build prints its own one-line JSON (what it wrote) and _step its child's (the wire format).
 """
 
 from __future__ import annotations
@@ -58,12 +63,14 @@ import tracemalloc
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+TOOL = "fullscale"
 sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
 
 from engine.api import CONFIG_KEY, EngineConfig, format_size, parse_size, synth  # noqa: E402
 from engine.api.lab import FORMAT_NAME, FORMAT_VERSION  # noqa: E402
+from benchmarks.benchkit import Tables, add_output_flags, bench_lock, run_conditions, table_rows  # noqa: E402
 
 BLOCK = 128  # FP8 weight_block_size of the published checkpoints
 # The safetensors library writes a shard's tensors sorted by dtype (its enum, larger first), then name.
@@ -378,8 +385,11 @@ def decode_row(model: Path, budget: int, limit: int) -> str:
             f"peak {format_size(run.peak_bytes or 0)} ({split}); kernel {r['kernel']} |")
 
 
+MEASURE_HEADER = ["| step | wall s | RSS growth | notes |", "|---|---|---|---|"]
+
+
 def measure(model: Path, budget: int, decode: bool, profile: str = DEFAULT_PROFILE) -> list[str]:
-    rows = ["| step | wall s | RSS growth | notes |", "|---|---|---|---|"]
+    rows = list(MEASURE_HEADER)
     opened, heap = _child(model, "open", budget), _child(model, "heap", budget)
     rows.append(f"| open (Checkpoint index, {opened['tensors']:,} tensors) | {opened['open_s']:.2f} | "
                 f"{format_size(opened['open_rss_bytes'])} | Python heap of the index "
@@ -417,15 +427,18 @@ def main() -> int:
     m.add_argument("--budget", default="16GiB")
     m.add_argument("--decode", action="store_true", help="also one decode step under a cgroup of --budget")
     m.add_argument("--profile", default=DEFAULT_PROFILE, help="hardware profile for `colibri plan`")
+    add_output_flags(m)
     dc = sub.add_parser("decode", help="only the decode step of `measure --decode` (one cgroup run)")
     dc.add_argument("dir")
     dc.add_argument("--budget", default="16GiB")
     dc.add_argument("--cgroup", help="the cgroup's limit (default: the budget)")
+    add_output_flags(dc)
     al = sub.add_parser("all", help="build each model in a temp dir, measure it, delete it")
     al.add_argument("--dtype", choices=("fp8", "bf16", "int4"), help="default: each model's published dtype")
     al.add_argument("--budget", default="16GiB")
     al.add_argument("--decode", action="store_true")
     al.add_argument("--scratch", default="/tmp")
+    add_output_flags(al)
     s = sub.add_parser("_step")
     s.add_argument("dir")
     s.add_argument("step", choices=("open", "heap", "layout", "plan", "decode"))
@@ -441,26 +454,37 @@ def main() -> int:
         step = decode_step if a.step == "decode" else lambda d, b: measure_step(d, a.step, b)
         print(json.dumps(step(Path(a.dir), a.budget)))
         return 0
+    out = Tables(a.json)
     if a.cmd == "decode":
         budget = parse_size(a.budget)
-        print(decode_row(Path(a.dir), budget, parse_size(a.cgroup) if a.cgroup else budget))
+        with bench_lock(a.lock):
+            row = decode_row(Path(a.dir), budget, parse_size(a.cgroup) if a.cgroup else budget)
+        out.rows += table_rows(MEASURE_HEADER + [row], table="measure")
+        out.line(row)
+        out.done(TOOL, run_conditions(a, model=a.dir))
         return 0
     if a.cmd == "all":
         from engine.api import git_commit
-        print(f"# full-scale metadata {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} commit {git_commit()}")
+        out.line(f"# full-scale metadata {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} commit {git_commit()}")
         for name in MODELS:
             tmp = Path(tempfile.mkdtemp(prefix=f"colibri-fullscale-{name}-", dir=a.scratch))
             try:
                 t0 = time.perf_counter()
                 info = build(name, tmp / "model", a.dtype or MODELS[name]["dtype"], decodable=a.decode)
-                print(f"\n## {name} {info['dtype']}: {info['shards']} shards, {info['tensors']:,} tensors, "
-                      f"{format_size(info['apparent_bytes'])} apparent, {format_size(info['disk_bytes'])} on disk "
-                      f"(built in {time.perf_counter() - t0:.1f} s)\n")
-                print("\n".join(measure(tmp / "model", parse_size(a.budget), a.decode)))
+                out.line(f"\n## {name} {info['dtype']}: {info['shards']} shards, {info['tensors']:,} tensors, "
+                         f"{format_size(info['apparent_bytes'])} apparent, {format_size(info['disk_bytes'])} on disk "
+                         f"(built in {time.perf_counter() - t0:.1f} s)\n")
+                with bench_lock(a.lock):
+                    out.table("measure", measure(tmp / "model", parse_size(a.budget), a.decode), model=name,
+                              dtype=info["dtype"], shards=info["shards"], tensors=info["tensors"],
+                              apparent_bytes=info["apparent_bytes"], disk_bytes=info["disk_bytes"])
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+        out.done(TOOL, run_conditions(a, model=", ".join(MODELS)))
         return 0
-    print("\n".join(measure(Path(a.dir), parse_size(a.budget), a.decode, a.profile)))
+    with bench_lock(a.lock):
+        out.table("measure", measure(Path(a.dir), parse_size(a.budget), a.decode, a.profile))
+    out.done(TOOL, run_conditions(a, model=a.dir))
     return 0
 
 
