@@ -116,7 +116,7 @@ def main() -> int:
              if (a.work / f"{part}.json").exists()}
     if "speed" not in saved:
         if a.json:
-            emit(TOOL, [], run_conditions(a, work=str(a.work)), True, [], notes=saved)
+            emit(TOOL, [], run_conditions(a), True, [], notes=saved)
             return 0
         print(json.dumps(saved, indent=2))
         return 0
@@ -125,7 +125,7 @@ def main() -> int:
            "commit": saved["speed"]["commit"]}
     if a.json:
         rows = [{**r, "quality": out["quality"].get(r["label"])} for r in out["speed"]["rows"]]
-        emit(TOOL, rows, run_conditions(a, work=str(a.work), measured=out["started"], measured_commit=out["commit"],
+        emit(TOOL, rows, run_conditions(a, measured=out["started"], measured_commit=out["commit"],
                                         speed_conditions=out["speed"].get("conditions")), True, [])
         return 0
     f = lambda s: "-" if not s else f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})"  # noqa: E731

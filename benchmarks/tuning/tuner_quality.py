@@ -22,11 +22,17 @@
 
 Prints tables; writes --out/tuner_quality.json. Figures state their conditions (model, budget,
 cold, tokens, repeats, cgroup).
+
+--json: the report's product stays tuner_quality.json; stdout then carries one colibri.bench/1
+document (benchkit.emit) over the same figures: a row per method of the replay table, the grid,
+the reach and confirmation figures as notes; the text tables and progress go to stderr.
+--lock FILE holds benchkit.bench_lock around each measured trial (grid points, confirmation runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import random
@@ -42,6 +48,9 @@ import optuna  # noqa: E402
 
 from engine.api import EngineConfig, atomic_write_text, format_size, parse_size, resolve_model  # noqa: E402
 from tuner.search.trial import run_trial  # noqa: E402
+from benchmarks.benchkit import add_output_flags, bench_lock, emit, run_conditions  # noqa: E402
+
+TOOL = "tuner_quality"
 
 MiB = 1 << 20
 GRID = {
@@ -253,7 +262,23 @@ def main(argv=None) -> int:
     p.add_argument("--grid-only", action="store_true",
                    help="measure missing grid points and stop (the replay is CPU work, not a timed run: run it "
                         "outside the measurement's lock hold)")
+    add_output_flags(p)
     args = p.parse_args(argv)
+    if not args.json:
+        return run(args)[0]
+    with contextlib.redirect_stdout(sys.stderr):  # the text report goes to stderr, the document to stdout
+        rc, report = run(args)
+    if report is not None:
+        c = report["conditions"]
+        emit(TOOL, [{"method": name, **r} for name, r in report["replay"].items()],
+             run_conditions(args, model_dir=c["model"], budget_bytes=c["budget"], threads=c["threads"], cold=True),
+             True, [], notes={k: v for k, v in report.items() if k not in ("conditions", "replay")})
+    return rc
+
+
+def run(args) -> tuple[int, dict | None]:
+    """The whole run as main() describes it: the exit status, and the report it wrote (None when
+    it stopped before one: --max-new, --grid-only)."""
 
     import psutil
     model_dir = resolve_model(args.model)
@@ -280,16 +305,17 @@ def main(argv=None) -> int:
         if args.max_new and measured_now >= args.max_new:
             print(f"grid: {len(table)}/{len(points)} points measured; stopping (--max-new {args.max_new})",
                   file=sys.stderr)
-            return 0
+            return 0, None
         measured_now += 1
-        table[k] = measure(model_dir, config_of(point, budget, threads, args.min_ctx), args)
+        with bench_lock(args.lock):
+            table[k] = measure(model_dir, config_of(point, budget, threads, args.min_ctx), args)
         atomic_write_text(grid_path, json.dumps({"conditions": conditions, "table": table}, indent=1))
         print(f"grid {i + 1}/{len(points)}: {k} -> {table[k]['status']} {table[k]['decode_tok_s']:.3f} tok/s "
               f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
 
     if args.grid_only:
         print(f"grid: {len(table)}/{len(points)} points measured (--grid-only)", file=sys.stderr)
-        return 0
+        return 0, None
     grid_best = best_of(table, list(table))
     top = table[grid_best]["decode_tok_s"]
     print(f"\nGrid: {len(table)} points, best {top:.3f} tok/s at {grid_best}; baseline "
@@ -328,7 +354,7 @@ def main(argv=None) -> int:
                   "replay": replay, "reach_95": reach, "table": table}
         atomic_write_text(out / "tuner_quality.json", json.dumps(report, indent=2))
         print(f"\nwritten: {out / 'tuner_quality.json'} (no confirmation round)")
-        return 0
+        return 0, report
 
     # Confirmation: distinct picks, grid best first, baseline last, interleaved.
     order = [grid_best] + [r["seed0_pick"] for r in replay.values()]
@@ -341,7 +367,8 @@ def main(argv=None) -> int:
     confirmed = {k: [] for k in seq}
     for rnd in range(args.confirm_rounds):
         for k in seq:
-            r = measure(model_dir, config_of(json.loads(k), budget, threads, args.min_ctx), args)
+            with bench_lock(args.lock):
+                r = measure(model_dir, config_of(json.loads(k), budget, threads, args.min_ctx), args)
             confirmed[k].append(r)
             print(f"confirm {rnd + 1}/{args.confirm_rounds}: {'/'.join(labels[k])}: {r['decode_tok_s']:.3f} tok/s",
                   file=sys.stderr)
@@ -361,7 +388,7 @@ def main(argv=None) -> int:
                                                  for k in seq}}
     atomic_write_text(out / "tuner_quality.json", json.dumps(report, indent=2))
     print(f"\nwritten: {out / 'tuner_quality.json'}")
-    return 0
+    return 0, report
 
 
 if __name__ == "__main__":
