@@ -22,11 +22,18 @@ budget), so the cgroup figure is the server's alone, page cache it faulted in in
 
     .venv/bin/python benchmarks/serving/serve_client.py --overhead --config benchmarks/serving/serve_demo_1GiB.toml
     .venv/bin/python benchmarks/serving/serve_client.py --soak 30 --config benchmarks/serving/serve_demo_1GiB.toml
+
+The product stays the files under --out (overhead.json; soak.json, .csv, .png). --json prints one
+colibri.bench/1 document (benchkit.emit) over the same figures on stdout, the text going to
+stderr: --overhead a row per path of its table (n, TTFT and s/token as median/min/max) with the
+summary as notes; --soak and --replot a row per sample with the summary as notes. --lock FILE holds
+benchkit.bench_lock over the measured run (instead of `quiet bench`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 import json
@@ -45,6 +52,9 @@ sys.path.insert(0, str(ROOT))
 
 from engine.api import atomic_write_text, git_commit, parse_size  # noqa: E402
 from tuner.sandbox.cgroups import Cgroup, detect_memory_cgroup  # noqa: E402
+from benchmarks import benchkit  # noqa: E402
+
+TOOL = "serve_client"
 
 PROMPT = "The streaming engine reads the routed experts of each layer from the disk, and"
 SOAK_PROMPTS = (
@@ -453,12 +463,31 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8781)
     p.add_argument("--cgroup-ceiling", default="6GiB", help="the server cgroup's limit: a guard, not the budget")
     p.add_argument("--out", help="default: reports/serve-overhead or reports/serve-soak")
+    benchkit.add_output_flags(p)
     args = p.parse_args()
     args.out = args.out or str(ROOT / "reports" / ("serve-overhead" if args.overhead else "serve-soak"))
-    if args.replot:
-        write_soak(json.loads(Path(args.replot).read_text()), Path(args.out))
-    else:
-        overhead(args) if args.overhead else soak(args)
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        if args.replot:
+            doc = write_soak(json.loads(Path(args.replot).read_text()), Path(args.out))
+        else:
+            with benchkit.bench_lock(args.lock):
+                doc = overhead(args) if args.overhead else soak(args)
+    if args.json:
+        emit_json(args, doc)
+
+
+def emit_json(args, doc: dict) -> None:
+    """The run's figures as one colibri.bench/1 document: the overhead table's rows (its summary
+    as notes) or the soak's samples (its summary and settings as notes)."""
+    if "summary" in doc and "samples" in doc:  # a soak (or its replot)
+        notes = {k: v for k, v in doc.items() if k not in ("samples", "requests")}
+        benchkit.emit(TOOL, doc["samples"], benchkit.run_conditions(args, server_cgroup=doc.get("cgroup")), True, [],
+                      notes=notes)
+        return
+    rows = [{"path": key, "n": len(rs), "ttft_s": benchkit.spread(r["ttft_s"] for r in rs),
+             "s_per_token": benchkit.spread(r["s_per_token"] for r in rs)} for key, rs in doc["rows"].items()]
+    benchkit.emit(TOOL, rows, benchkit.run_conditions(args, described=doc["conditions"]), True, [],
+                  notes={"summary": doc["summary"]})
 
 
 if __name__ == "__main__":
