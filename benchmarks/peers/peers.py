@@ -16,7 +16,10 @@ One command does everything, each step skipped when its output already exists:
                  read in beforehand; transformers: plain CPU model, no offload), in a cgroup of
                  --resident-cgroup bytes so the figure still has a peak;
   6. prints one table (load, TTFT, decode tok/s, cgroup peak, whether tokens agree) and the
-     conditions; --json FILE writes every figure.
+     conditions; --json FILE writes every figure: one colibri.bench/1 document (benchkit.emit)
+     whose rows are the race's per-run rows, whose conditions are benchkit's block with this
+     script's own (below) beside it, and whose notes hold the summary, the bound and the KL rows.
+     It stays a file (the text report is the stdout), rewritten after every run.
 
 Engines: `ours` (`colibri run`, io_mode direct), `llama-simple` (its generation loop: greedy,
 GGML_DEFAULT_N_THREADS = 4 threads, which it does not let us change), `llama-bench`
@@ -61,12 +64,14 @@ sys.path.insert(0, str(REPO))
 
 from tuner.sandbox import detect_memory_cgroup, run_limited  # noqa: E402
 from engine.api import parse_size  # noqa: E402
-from benchmarks.benchkit import bench_lock  # noqa: E402
+from benchmarks.benchkit import bench_lock, emit  # noqa: E402
+from benchmarks import benchkit  # noqa: E402
 from benchmarks.peers import peers_quality  # noqa: E402
 from benchmarks.io.page_cache import cached_bytes, drop_pages, read_into_page_cache  # noqa: E402
 from benchmarks.peers.peers_report import (QUANT_PAIRS, agreement, bandwidth_bound, quality_table,  # noqa: E402
                                      race_table, ratio_lines, summarize, token_bytes)
 
+TOOL = "peers"
 PROMPT = "The history of the city begins with a small river crossing, where traders from the north met"
 GiB = 1 << 30
 
@@ -350,11 +355,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def json_conditions(conditions: dict) -> dict:
+    """benchkit's conditions block with this script's own beside it (its machine line as
+    "platform"; its date and cgroup are benchkit's own keys, which say the same)."""
+    own = {k: v for k, v in conditions.items() if k not in ("date", "machine", "cgroup")}
+    return benchkit.conditions(platform=conditions.get("machine"), **own)
+
+
 def write_json(path: str | None, conditions: dict, rows: list[dict], **more) -> None:
+    """The --json FILE: one colibri.bench/1 document (rows: every run's; notes: summary, bound, quality)."""
     if path:
         tmp = Path(path + ".tmp")
-        tmp.write_text(json.dumps({"conditions": conditions, "rows": rows, "summary": summarize(rows), **more},
-                                  indent=1))
+        with open(tmp, "w") as f:
+            emit(TOOL, rows, json_conditions(conditions), True, [], notes={"summary": summarize(rows), **more}, out=f)
         os.replace(tmp, path)
 
 
@@ -406,7 +419,7 @@ def measure_quality(args, model: Path, gguf: Path, variants, tokenizer) -> tuple
     if args.quality_from:
         doc = json.loads(Path(args.quality_from).read_text())
         keep = ("text", "token stream", "llama-perplexity", "colibri quality")
-        return doc["quality"], {f"quality ({k})": f"{doc['conditions'][k]} [from {args.quality_from}, "
+        return doc.get("notes", doc)["quality"], {f"quality ({k})": f"{doc['conditions'][k]} [from {args.quality_from}, "
                                                   f"{doc['conditions']['date']}]" for k in keep}
     rows, conditions = peers_quality.measure(
         Path(args.work_dir).expanduser(), Path(args.llama_dir), model, gguf, pairs, args.kl_tokens, args.kl_ctx,
