@@ -10,6 +10,7 @@ import pytest
 from engine.base.errors import ConfigError
 from engine.run import quality as quality_module
 from colibri import cli
+from tuner.results.result import RESULT_SCHEMA
 from tuner.search import lossy
 from tuner.search.lossy import QualityBound, QualityMeter
 from tuner.search.space import SearchSpace
@@ -243,7 +244,7 @@ def test_trials_csv_and_result_json_carry_lossy_settings_and_quality(strict_run)
     assert {r["kv_dtype"] for r in scored} >= {"auto"} and any(
         r["kv_dtype"] != "auto" or r["top_k_reduction"] != "0" or r["expert_threshold"] != "0.0" for r in scored)
     result = json.loads((out / "result.json").read_text())
-    assert result["schema"] == "colibri.tune/4"
+    assert result["schema"] == RESULT_SCHEMA
     rec = result["recommended"]
     assert rec["quality"] is not None and rec["quality"]["kl_mean"] <= 1e-9
     row = next(r for r in rows if r["number"] == str(rec["trial_number"]))

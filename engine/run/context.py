@@ -21,13 +21,14 @@ import torch
 
 from engine.arch.args import ModelArgs
 from engine.arch.kvquant import kv_storage
-from engine.arch.layers import KVCache
+from engine.arch import kv_snapshot
 from engine.arch.registry import model_args
-from engine.base.config import CTX_MAX, EngineConfig
+from engine.base.config import CTX_MAX, PREFILL_CHUNK, EngineConfig
 from engine.base.errors import BudgetError
 from engine.format.checkpoint import Checkpoint
 from engine.format.layout import ExpertLayout
-from engine.movement.plan import ACTIVATION_MARGIN, make_plan, prefill_activation_bytes, prefill_tokens_per_pass
+from engine.movement.plan import (ACTIVATION_MARGIN, make_plan, prefill_activation_bytes, prefill_group_bytes,
+                                  prefill_tokens_per_pass)
 from engine.run.runtime import DTYPE_NAMES, checkpoint_dtype
 
 KV_SHARE = 0.5
@@ -51,7 +52,8 @@ def default_ctx_size(model_dir: str | os.PathLike, config: EngineConfig) -> tupl
     except BudgetError:  # not even a 1-token context fits: the engine's own error says why
         return min(declared, 2048), "the memory plan does not fit; its error follows"
     if plan.budget > 0:
-        fixed = plan.overhead_bytes + plan.buffer_bytes + plan.dense_bytes - plan.resident_layers * plan.layer_bytes
+        fixed = (plan.overhead_bytes + plan.buffer_bytes + plan.dense_bytes - plan.resident_layers * plan.layer_bytes
+                 + plan.prefix_cache_bytes)
         room = plan.budget - fixed
     else:
         room = psutil.virtual_memory().available - plan.dense_bytes - plan.cache_bytes - ACTIVATION_MARGIN
@@ -73,5 +75,10 @@ def default_ctx_size(model_dir: str | os.PathLike, config: EngineConfig) -> tupl
 
 
 def _context_bytes(args: ModelArgs, config: EngineConfig, kv_dtype, dtype: torch.dtype, ctx: int) -> int:
-    return (KVCache.nbytes_for(args, ctx, kv_dtype)
-            + prefill_activation_bytes(args, prefill_tokens_per_pass(ctx, config.prefill_pass), dtype))
+    """The KV cache at `ctx` (every position kept where the prefix cache needs it) and the least
+    prefill the plan charges for it: one sub-chunk's transients and a group of the set size, or of
+    one sub-chunk (the default group grows only into room the budget has left)."""
+    group = prefill_tokens_per_pass(ctx, config.prefill_chunk or PREFILL_CHUNK)
+    return (kv_snapshot.nbytes(args, ctx, kv_dtype, config.prefix_cache > 0)
+            + prefill_activation_bytes(args, prefill_tokens_per_pass(ctx), dtype)
+            + prefill_group_bytes(args, group, dtype, ctx))

@@ -179,8 +179,11 @@ class SearchSpace:
 
     def fixed_bytes(self, config: EngineConfig) -> int:
         """Everything but the expert cache, as the engine's plan counts it."""
-        # A budget nothing can exceed: the plan then itemises the fixed parts without raising.
-        plan: MemoryPlan = self.model.plan(config.replace(ram_budget=1 << 62), self.overhead_bytes)
+        # A budget nothing can exceed: the plan then itemises the fixed parts without raising. The
+        # prefill group is the smallest (unless set): under a budget the default group shrinks to
+        # fit, so only its least is fixed (unbounded, it would be the whole context).
+        plan: MemoryPlan = self.model.plan(config.replace(ram_budget=1 << 62, prefill_chunk=config.prefill_chunk or 1),
+                                           self.overhead_bytes)
         return (plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes + plan.prefill_bytes
                 + plan.prefix_cache_bytes)
 
