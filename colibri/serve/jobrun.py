@@ -21,6 +21,8 @@ class JobRun:
         worker.submit(self.job)
 
     def _emit(self, kind, value) -> None:  # on the worker thread
+        if kind == "logprob":  # these routes report no log-probs (the tools route refuses the field)
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the loop is gone (server shutting down): nobody is listening
