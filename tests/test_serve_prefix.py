@@ -4,50 +4,20 @@ tokens (prompt_tokens_details.cached_tokens), answers are those of a server with
 
 from __future__ import annotations
 
-import re
-import threading
-import time
-
-import httpx
-import openai
 import pytest
-import uvicorn
 
 from engine.base.config import EngineConfig
 from colibri.commands import serve as serve_command
-from colibri.serve.app import build_app
-from colibri.serve.server import LoadedModel, ServeOptions, check_options, make_state
 from colibri_tiny import make_tiny
+import test_serve
 
 CTX = 1024
 SYSTEM = "You are a careful assistant. " * 12  # well over one 64-token block
 
 
-class Server:
-    def __init__(self, model_dir, prefix_cache: int, kv_dir=None):
-        config = EngineConfig(ctx_size=CTX, prefix_cache=prefix_cache)
-        self.model = LoadedModel(model_dir, config, queue_size=4, kv_dir=kv_dir, kv_disk_bytes=64 << 20 if kv_dir else 0)
-        state = make_state(self.model, check_options(ServeOptions(port=0)))
-        self.uv = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=0, log_level="error"))
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.uv.started:  # waiting for a condition, with a deadline
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-        self.base = f"http://127.0.0.1:{self.uv.servers[0].sockets[0].getsockname()[1]}"
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.base + "/metrics").text
-        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
-
-    def close(self):
-        self.uv.should_exit = True
-        self.thread.join(timeout=30)
-        self.model.close()
+def Server(model_dir, prefix_cache: int, kv_dir=None) -> test_serve.Server:
+    return test_serve.Server(model_dir, EngineConfig(ctx_size=CTX, prefix_cache=prefix_cache), queue_size=4,
+                             kv_dir=kv_dir, kv_disk_bytes=64 << 20 if kv_dir else 0)
 
 
 @pytest.fixture(scope="module")

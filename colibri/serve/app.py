@@ -34,6 +34,7 @@ from engine.api import ColibriError, loads_limited
 from colibri.serve.anthropic import anthropic_error, check_key, count_tokens_endpoint, messages_endpoint
 from colibri.serve.prometheus import ServerMetrics
 from colibri.serve.protocol import ApiError, Sampling, parse_chat, parse_completion
+from colibri.serve.jobrun import Bridge
 from colibri.serve.shapes import ChatShape, CompletionShape, TokenText, usage
 from colibri.serve.structured import parse_response_format
 from colibri.serve.tools.chat import tool_chat_completion
@@ -53,7 +54,7 @@ class ServeState:
         self.metrics = metrics or worker.metrics
         self.created = int(time.time())
         self.token_text = TokenText(tokenizer)
-        self.open: set[_Bridge] = set()  # the requests waiting on the worker, told when the server stops
+        self.open: set[Bridge] = set()  # the requests waiting on the worker, told when the server stops
         self.stopping = False
 
     def shut_down(self) -> None:
@@ -108,20 +109,6 @@ SHUTDOWN = ApiError(503, "the server is shutting down: this generation was stopp
                     code="server_shutdown")
 
 
-class _Bridge:
-    """Events from the worker thread into this request's event loop."""
-
-    def __init__(self):
-        self.loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue = asyncio.Queue()
-
-    def emit(self, kind, value) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the loop is gone (server shutting down): nobody is listening
-            pass
-
-
 def build_app(state: ServeState) -> Starlette:
     metrics = state.metrics
 
@@ -142,7 +129,7 @@ def build_app(state: ServeState) -> Starlette:
         state.worker.check_fits(prompt_ids, sampling)  # also sets a missing max_tokens to the room left
         if state.stopping:
             raise SHUTDOWN
-        bridge = _Bridge()
+        bridge = Bridge()
         job = Job(prompt_ids, sampling, bridge.emit)
         state.worker.submit(job)
         state.open.add(bridge)
