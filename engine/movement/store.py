@@ -75,6 +75,11 @@ class WeightStore(ABC):
 class ExpertStore(WeightStore):
     """Routed experts by (layer, expert): what the MoE layers ask for."""
 
+    # Experts handed out by for_each_expert since load, never reset: a batched decode step fetches
+    # the union of its rows' experts once per layer (engine/arch/decode_rows.py), so the scheduler
+    # reads that union as this count's change over the step (engine/run/batch.py).
+    fetched: int = 0
+
     @abstractmethod
     def for_each_expert(self, layer: int, experts: list[int], fn: ExpertFn) -> None: ...
 
@@ -110,6 +115,7 @@ class ResidentExperts(ExpertStore):
             self._experts[key] = tensors_from_buffers(loc, buffers, dtype)
 
     def for_each_expert(self, layer, experts, fn):
+        self.fetched += len(experts)
         for e in experts:
             fn(e, self._experts[(layer, e)])
 

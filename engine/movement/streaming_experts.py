@@ -91,6 +91,7 @@ class StreamingExperts(ReadingStore, ExpertStore):
     # --- the ExpertStore contract ----------------------------------------------------------
 
     def for_each_expert(self, layer, experts, fn) -> None:
+        self.fetched += len(experts)
         self._drain()
         needed = set(experts)
         self._release_mispredicted(layer, needed)

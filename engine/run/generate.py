@@ -40,6 +40,79 @@ class Generation:
     stopped_by_processor: bool = False  # a processor's done() ended it
 
 
+class Decoding:
+    """One sequence's per-token logic, the same whether it runs alone (generate, below) or in a
+    batch (engine/run/batch.py's scheduler): the prompt's checks, then for each step's fp32 logits
+    [V] the sampler's penalties and bias, `processors` in order (e.g. engine/run/grammar.py's
+    mask), the sampler's pick, the token's log-probability, every processor's accept(token); then
+    whether the sequence is finished (on_token, a processor's done(), max_new_tokens, a stop id).
+
+    The caller owns the model calls, the KV cache and the timings (`gen`); `token` is the last
+    token chosen, `position` where it goes into the cache at the next decode step."""
+
+    def __init__(self, engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler | None = None,
+                 stop_ids: set[int] | None = None, on_token=None, *, processors: Sequence[LogitsProcessor] = (),
+                 logprobs: int | None = None, generation: Generation | None = None):
+        self.sampler = sampler or Sampler()
+        n = len(prompt_ids)
+        if n == 0:
+            raise PromptError("the prompt is empty")
+        ctx = engine.kv.ctx_size
+        if n + max_new_tokens > ctx:
+            raise PromptError(f"prompt of {n} tokens + {max_new_tokens} new tokens exceeds ctx_size {ctx}")
+        vocab = engine.args.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        self.gen = generation if generation is not None else Generation(list(prompt_ids))
+        self.prompt_ids = list(prompt_ids)
+        self.max_new_tokens, self.stop_ids, self.on_token, self.logprobs = max_new_tokens, stop_ids, on_token, logprobs
+        self.done = max_new_tokens <= 0  # nothing to generate: no processor is built, nothing runs
+        self.token: int | None = None
+        if self.done:
+            return
+        self.chain = [*self.sampler.processors(prompt_ids, vocab), *processors]
+        self.where = f" for {engine.checkpoint.directory}" if hasattr(engine, "checkpoint") else ""
+
+    @property
+    def position(self) -> int:
+        """The cache position of `token`, the input of the next decode step."""
+        return len(self.prompt_ids) + len(self.gen.output_ids) - 1
+
+    def step(self, logits: torch.Tensor) -> int:
+        """The next token from this step's logits [V] (recorded, and every processor told)."""
+        gen = self.gen
+        check_finite_logits(logits, self.where)
+        shaped = logits
+        for p in self.chain:
+            shaped = p(shaped, gen.output_ids)
+        if self.chain and not bool(torch.isfinite(shaped).any()):  # a mask that allows nothing: no token to draw
+            raise PromptError("the logits processors left no token allowed")
+        token = self.sampler.pick(shaped)
+        if self.logprobs is not None:
+            gen.logprobs.append(token_logprob(logits, token, self.logprobs))
+        gen.output_ids.append(token)
+        for p in self.chain:
+            p.accept(token)
+        self.token = token
+        return token
+
+    def settle(self, token: int) -> bool:
+        """Whether the sequence ends with `token` (then `done`): on_token first (the token that
+        completes a grammar is still the caller's text), a processor's done(), the length, a stop id."""
+        stop = bool(self.on_token and self.on_token(token) is True)
+        if self.chain and any(p.done() for p in self.chain):
+            self.gen.stopped_by_processor = True
+            stop = True
+        self.done = (stop or len(self.gen.output_ids) >= self.max_new_tokens
+                     or bool(self.stop_ids and token in self.stop_ids))
+        return self.done
+
+    def take(self, logits: torch.Tensor) -> bool:
+        """step then settle: whether the sequence has ended."""
+        return self.settle(self.step(logits))
+
+
 def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler | None = None,
              stop_ids: set[int] | None = None, on_token=None, *, cached_tokens: int | None = None,
              processors: Sequence[LogitsProcessor] = (), logprobs: int | None = None,
@@ -50,69 +123,32 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
 
     cached_tokens: how many of the prompt's first positions the caller has already put in the KV
     cache (`run --prompt-cache`); None: whatever the engine's prefix cache restores.
-    Each step (engine/run/sampling.py): the sampler's penalties and bias, then `processors` in
-    order (e.g. engine/run/grammar.py's mask), then the sampler's pick; then every processor's
-    accept(token). `logprobs`: record each token's log-probability under the model (the raw
-    logits' log_softmax) with that many top alternatives, in the Generation before on_token sees
+    Each step is Decoding's (above; engine/run/sampling.py): the sampler's penalties and bias, then
+    `processors` in order (e.g. engine/run/grammar.py's mask), then the sampler's pick; then every
+    processor's accept(token). `logprobs`: record each token's log-probability under the model (the
+    raw logits' log_softmax) with that many top alternatives, in the Generation before on_token sees
     the token. `generation`: the record to fill (a caller's on_token can read it as it grows)."""
-    sampler = sampler or Sampler()
-    n = len(prompt_ids)
-    if n == 0:
-        raise PromptError("the prompt is empty")
-    ctx = engine.kv.ctx_size
-    if n + max_new_tokens > ctx:
-        raise PromptError(f"prompt of {n} tokens + {max_new_tokens} new tokens exceeds ctx_size {ctx}")
-    vocab = engine.args.vocab_size
-    bad = [t for t in prompt_ids if not 0 <= t < vocab]
-    if bad:
-        raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-    gen = generation if generation is not None else Generation(list(prompt_ids))
-    if max_new_tokens <= 0:
+    seq = Decoding(engine, prompt_ids, max_new_tokens, sampler, stop_ids, on_token, processors=processors,
+                   logprobs=logprobs, generation=generation)
+    gen = seq.gen
+    if seq.done:
         return gen
-    chain = [*sampler.processors(prompt_ids, vocab), *processors]
-    where = f" for {engine.checkpoint.directory}" if hasattr(engine, "checkpoint") else ""
-
-    def step(logits: torch.Tensor) -> int:
-        check_finite_logits(logits, where)
-        shaped = logits
-        for p in chain:
-            shaped = p(shaped, gen.output_ids)
-        if chain and not bool(torch.isfinite(shaped).any()):  # a mask that allows nothing: no token to draw
-            raise PromptError("the logits processors left no token allowed")
-        token = sampler.pick(shaped)
-        if logprobs is not None:
-            gen.logprobs.append(token_logprob(logits, token, logprobs))
-        gen.output_ids.append(token)
-        for p in chain:
-            p.accept(token)
-        return token
-
-    def finished(token: int) -> bool:
-        # on_token first: the token that completes a grammar is still the caller's text.
-        stop = bool(on_token and on_token(token) is True)
-        if chain and any(p.done() for p in chain):
-            gen.stopped_by_processor = True
-            return True
-        return stop
-
+    n = len(prompt_ids)
     t0 = time.perf_counter()
     # Only the suffix after a reused prefix is prefilled (none when the engine's prefix cache is off).
     reused = engine.restore_prefix(prompt_ids) if cached_tokens is None else min(cached_tokens, n - 1)
     gen.cached_tokens = reused
     logits = engine.forward(prompt_ids[reused:], reused, last_only=True)
     gen.prefill_seconds = time.perf_counter() - t0
-    token = step(logits[-1])
+    token = seq.step(logits[-1])
     gen.ttft_seconds = time.perf_counter() - t0
-    if not finished(token):
-        pos = n
-        while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
-            t = time.perf_counter()
-            logits = engine.forward([token], pos)
-            token = step(logits[-1])
-            gen.token_seconds.append(time.perf_counter() - t)
-            pos += 1
-            if finished(token):
-                break
+    seq.settle(token)
+    while not seq.done:
+        t = time.perf_counter()
+        logits = engine.forward([seq.token], seq.position)
+        token = seq.step(logits[-1])
+        gen.token_seconds.append(time.perf_counter() - t)
+        seq.settle(token)
     engine.remember_prefix()  # the prompt and the answer so far: a next turn resends both
     return gen
 

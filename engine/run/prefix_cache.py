@@ -72,8 +72,19 @@ class Block:
     nbytes: int
 
 
+def copyable(kv) -> bool:
+    """Whether a cache's positions can be copied out and back (not a sliding layer's ring: a
+    batched sequence's cache, Engine.new_cache, of a windowed model)."""
+    try:
+        kv_snapshot.slots(kv)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 class PrefixCache:
-    """RAM blocks (capacity bytes, LRU) over an optional KVStore; restore/remember act on `kv`."""
+    """RAM blocks (capacity bytes, LRU) over an optional KVStore; restore/remember act on `kv`
+    (the engine's cache), or on the cache they are given (another sequence's, of the same layout)."""
 
     def __init__(self, kv, key: str, capacity: int, store: KVStore | None = None, block_tokens: int = BLOCK_TOKENS):
         self.kv, self.key, self.capacity, self.store = kv, key, capacity, store
@@ -99,14 +110,17 @@ class PrefixCache:
 
     # --- restore ---------------------------------------------------------------------------------
 
-    def restore(self, ids: list[int], live: list[int]) -> int:
-        """Make positions [0, m) of the KV cache hold ids[:m], for the largest m this can (at most
-        len(ids) - 1), and return m. `live`: the tokens the cache holds now (Engine.kv_tokens)."""
+    def restore(self, ids: list[int], live: list[int], kv=None) -> int:
+        """Make positions [0, m) of the KV cache (`kv`, else the engine's) hold ids[:m], for the
+        largest m this can (at most len(ids) - 1), and return m. `live`: the tokens that cache
+        holds now (Engine.kv_tokens for the engine's)."""
+        kv = self.kv if kv is None else kv
         self.stats["lookups"] += 1
         limit = len(ids) - 1
         have = min(common_prefix(live, ids), limit)
         B = self.block_tokens
-        chain = self.chain(ids, limit // B)
+        # Blocks are in the engine's cache's layout: another cache of another layout reuses only its own positions.
+        chain = self.chain(ids, limit // B) if self._fits(kv) else []
         # The blocks present, from the first; a missing or unusable one ends the prefix.
         found: list[tuple[int, dict]] = []
         for key, parent, start, tokens in chain:
@@ -121,13 +135,16 @@ class PrefixCache:
         if reach > have:
             for start, tensors in found:
                 if tensors:
-                    kv_snapshot.restore(self.kv, start, tensors)
+                    kv_snapshot.restore(kv, start, tensors)
                     self.stats["restored_bytes"] += kv_snapshot.nbytes_of(tensors)
             have = reach
         if have:
             self.stats["hits"] += 1
             self.stats["cached_tokens"] += have
         return have
+
+    def _fits(self, kv) -> bool:
+        return kv is self.kv or kv_snapshot.layout(kv, 1) == kv_snapshot.layout(self.kv, 1)
 
     def _lookup(self, key, parent, start, tokens) -> dict[str, torch.Tensor] | None:
         block = self.blocks.get(key)
@@ -146,16 +163,19 @@ class PrefixCache:
 
     # --- remember --------------------------------------------------------------------------------
 
-    def remember(self, tokens: list[int]) -> None:
-        """Keep the full blocks of `tokens`, whose K/V the cache holds at positions 0..len-1.
-        Deepest first, so a prefix's first blocks are the most recently used and leave RAM last
-        (a later block is useless without every block before it)."""
+    def remember(self, tokens: list[int], kv=None) -> None:
+        """Keep the full blocks of `tokens`, whose K/V the cache (`kv`, else the engine's) holds at
+        positions 0..len-1. Deepest first, so a prefix's first blocks are the most recently used
+        and leave RAM last (a later block is useless without every block before it)."""
+        kv = self.kv if kv is None else kv
+        if not self._fits(kv):
+            return
         chain = self.chain(tokens, len(tokens) // self.block_tokens)
         for key, parent, start, toks in reversed(chain):
             if key in self.blocks:
                 self.blocks.move_to_end(key)
                 continue
-            tensors = kv_snapshot.snapshot(self.kv, start, start + self.block_tokens)
+            tensors = kv_snapshot.snapshot(kv, start, start + self.block_tokens)
             self._insert(Block(key, parent, start, toks, tensors, kv_snapshot.nbytes_of(tensors)), spill=True)
 
     def _insert(self, block: Block, spill: bool) -> None:

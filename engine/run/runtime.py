@@ -42,7 +42,7 @@ from engine.format.checkpoint import read_tensor
 from engine.format.mtp import mtp_summary
 from engine.format.convert import fingerprint
 from engine.arch import kv_snapshot
-from engine.run.prefix_cache import open_prefix_cache
+from engine.run.prefix_cache import copyable, open_prefix_cache
 
 DTYPE_NAMES = short_dtypes()
 
@@ -272,14 +272,24 @@ class Engine:
     def prefill_into(self, kv, tokens: list[int] | torch.Tensor, start_pos: int) -> torch.Tensor:
         """The last position's logits [1, V] of tokens written into `kv` at start_pos.., in groups of
         the plan's prefill_group (Transformer.prefill: each routed expert read once per layer per group)."""
+        logits = None
+        for _done, logits in self.prefill_groups(kv, tokens, start_pos):
+            pass
+        return logits
+
+    def prefill_groups(self, kv, tokens: list[int] | torch.Tensor, start_pos: int):
+        """prefill_into one group at a time: yields (tokens written so far, the group's last logits
+        [1, V]) after each, so a scheduler can run other sequences' decode steps between a prompt's
+        groups (engine/run/batch.py) with the very bits prefill_into gives."""
         t = torch.as_tensor(tokens, dtype=torch.long)
         if t.shape[0] == 1:
-            return self.model.forward(t, start_pos, kv)
+            yield 1, self.model.forward(t, start_pos, kv)
+            return
         group = prefill_tokens_per_pass(kv.ctx_size, self.plan.prefill_group or t.shape[0])
         for begin in range(0, t.shape[0], group):
             logits = self.model.prefill(t[begin:begin + group], start_pos + begin, kv, PREFILL_CHUNK)
             heap.release_freed()  # the group's state and transients, so the next starts from what is live
-        return logits
+            yield min(begin + group, t.shape[0]), logits
 
     def decode_rows(self, tokens: list[int] | torch.Tensor, positions: list[int], kvs: list) -> torch.Tensor:
         """fp32 logits [B, V]: row b one token at positions[b] of cache kvs[b] (the engine's own or
@@ -303,20 +313,28 @@ class Engine:
             self._fingerprint = fingerprint(self.checkpoint)
         return self._fingerprint
 
-    def restore_prefix(self, ids: list[int]) -> int:
+    def restore_prefix(self, ids: list[int], kv=None, kv_tokens: list[int] | None = None) -> int:
         """Make the KV cache hold the longest prefix of `ids` it can without computing (at most
-        len(ids) - 1 tokens: the last one's logits are needed) and return its length."""
-        if self.prefix is None:
+        len(ids) - 1 tokens: the last one's logits are needed) and return its length.
+
+        kv, kv_tokens: another cache (a batched sequence's, new_cache()) and the tokens whose K/V it
+        holds at positions 0.. (updated here); None: the engine's own. A cache whose positions cannot
+        be copied (a sliding layer's ring) reuses nothing."""
+        kv, kv_tokens = (self.kv, self.kv_tokens) if kv is None else (kv, kv_tokens)
+        if self.prefix is None or not copyable(kv):
+            del kv_tokens[:]  # nothing known to hold: the prompt is computed from position 0
             return 0
-        reused = self.prefix.restore(ids, self.kv_tokens)
-        del self.kv_tokens[reused:]
-        self.kv_tokens[:reused] = ids[:reused]
+        reused = self.prefix.restore(ids, kv_tokens, kv)
+        del kv_tokens[reused:]
+        kv_tokens[:reused] = ids[:reused]
         return reused
 
-    def remember_prefix(self) -> None:
-        """Keep the blocks of what the KV cache holds now, for later prompts that share them."""
-        if self.prefix is not None:
-            self.prefix.remember(self.kv_tokens)
+    def remember_prefix(self, kv=None, kv_tokens: list[int] | None = None) -> None:
+        """Keep the blocks of what the KV cache (the engine's own, or `kv` holding `kv_tokens`) holds
+        now, for later prompts that share them."""
+        kv, kv_tokens = (self.kv, self.kv_tokens) if kv is None else (kv, kv_tokens)
+        if self.prefix is not None and copyable(kv):
+            self.prefix.remember(kv_tokens, kv)
 
     def prefix_stats(self) -> dict:
         """The prefix cache's counters (lookups, hits, cached tokens, bytes restored, spilled): {} when off."""
