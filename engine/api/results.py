@@ -126,6 +126,15 @@ class BenchResult(RunResult):
     SCHEMA: ClassVar[str] = "colibri.engine-bench/1"
 
     bytes_read_per_token: Optional[float] = figure("read per token", "read/tok", "bytes", line="io")
+    # `bench --batch B` (engine/run/bench.py): B sequences decoded together; decode_tok_s is then the
+    # aggregate too. None in a bench of one sequence.
+    batch: Optional[int] = figure("batch", "B", "int", line="batch")
+    aggregate_tok_s: Optional[float] = figure("aggregate", "agg tok/s", "float", "tok/s", line="batch")
+    sequence_tok_s: Optional[float] = figure("per sequence", "seq tok/s", "float", "tok/s", line="batch")
+    ttft_p95_s: Optional[float] = figure("TTFT p95", "TTFT p95", "seconds", "s", line="batch")
+    bytes_read_per_step: Optional[float] = figure("read per step", "read/step", "bytes", line="batch")
+    union_experts_per_step: Optional[float] = figure("experts per layer per step (union)", "union", "float",
+                                                     line="batch")
 
     cold: Optional[bool] = None
     tokens: Optional[int] = None
