@@ -217,3 +217,35 @@ def test_the_union_a_batched_step_fetches_is_counted_per_moe_layer(hf_dirs):
         assert info.union_experts <= 3 * engine.args.top_k
         engine.model.record_routing(False)
         sched.run()
+
+
+def test_bench_batch_reports_aggregate_and_per_sequence_speed_and_the_union(model_dir, capsys):
+    """`colibri bench --batch 3`: three greedy sequences at once, each the solo greedy answer of its
+    prompt (seed, seed + 1, seed + 2); the result carries the batch's figures (one field each) in
+    --json and in the printed lines; streaming under a budget, bytes read per step too."""
+    import json
+
+    from colibri.cli import main
+    from engine.run.generate import random_prompt_ids
+    from test_streaming import budget_for_cache
+
+    config = EngineConfig(threads=1, ctx_size=64, cpu_cache_ratio=0.0, max_batch=3, prefetch_depth=0)
+    # 32 MiB over the plan: the process grows a little between this estimate and the engine's own.
+    budget = budget_for_cache(model_dir, config, cache_experts=2) + (32 << 20)
+    argv = ["bench", "--model", str(model_dir), "--batch", "3", "--tokens", "5", "--repeats", "1", "--prompt-tokens",
+            "6", "--seed", "4", "--threads", "1", "--ctx-size", "64", "--ram-budget", str(budget),
+            "--cpu-cache-ratio", "0", "--prefetch-depth", "0"]
+    assert main([*argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["batch"] == 3 and r["config"]["max_batch"] == 3 and r["plan"]["streaming"]
+    for key in ("aggregate_tok_s", "sequence_tok_s", "bytes_read_per_step", "union_experts_per_step", "ttft_p95_s"):
+        assert r[key] is not None and r[key] > 0, key
+    with Engine(model_dir, config.replace(ram_budget=budget)) as engine:
+        vocab, top_k = engine.args.vocab_size, engine.args.top_k
+        solo = [generate(engine, random_prompt_ids(6, vocab, 4 + i), 6, Sampler()).output_ids for i in range(3)]
+    assert r["output_ids"] == [t for ids in solo for t in ids]
+    assert r["union_experts_per_step"] <= 3 * top_k
+    assert r["runs"][0]["whole_steps"] >= 1
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "batch 3" in text and "aggregate" in text and "per sequence" in text and "experts per layer" in text
