@@ -332,7 +332,7 @@ class GenerationWorker:
                     self.metrics.cancelled += 1
                 self._emit_all(job, "done", lambda: JobResult("", [], "cancelled", len(job.prompt_ids), None))
                 continue
-            if self.scheduler.room() < job.n:
+            if self.scheduler.room() < min(job.n, self.max_batch):  # more than max_batch: refused below
                 return
             self.jobs.pop()
             self.started_order.append(job.seq)
@@ -340,13 +340,14 @@ class GenerationWorker:
                 del self.started_order[:-STARTED_KEPT]
             try:
                 seqs = [_Choice(self, job, i).sequence for i in range(job.n)]
-            except Exception as exc:  # a grammar or a sampler the request's values make impossible
+                with self._lock:
+                    self._running_jobs.add(job)
+                self.scheduler.submit(seqs)
+            except Exception as exc:  # a grammar, a sampler or an n the request's values make impossible
+                with self._lock:
+                    self._running_jobs.discard(job)
                 self._emit_all(job, "done", lambda: JobResult("", [], "error", len(job.prompt_ids), None,
                                                               error=f"{type(exc).__name__}: {exc}"))
-                continue
-            with self._lock:
-                self._running_jobs.add(job)
-            self.scheduler.submit(seqs)
 
     def _emit_all(self, job: Job, kind: str, value) -> None:
         for i in range(job.n):
