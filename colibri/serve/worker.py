@@ -346,8 +346,8 @@ class GenerationWorker:
             except Exception as exc:  # a grammar, a sampler or an n the request's values make impossible
                 with self._lock:
                     self._running_jobs.discard(job)
-                self._emit_all(job, "done", lambda: JobResult("", [], "error", len(job.prompt_ids), None,
-                                                              error=f"{type(exc).__name__}: {exc}"))
+                why = f"{type(exc).__name__}: {exc}"
+                self._emit_all(job, "done", lambda: JobResult("", [], "error", len(job.prompt_ids), None, error=why))
 
     def _emit_all(self, job: Job, kind: str, value) -> None:
         for i in range(job.n):
