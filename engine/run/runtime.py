@@ -41,8 +41,9 @@ from engine.weights import fp8
 from engine.format.checkpoint import read_tensor
 from engine.format.mtp import mtp_summary
 from engine.format.convert import fingerprint
-from engine.arch import kv_snapshot
+from engine.arch import kv_rollback, kv_snapshot
 from engine.run.prefix_cache import open_prefix_cache
+from engine.run.speculative import Speculator
 
 DTYPE_NAMES = short_dtypes()
 
@@ -175,6 +176,7 @@ class Engine:
         # The tokens whose K/V the cache holds at positions 0..len-1 (Engine.forward keeps it), and
         # the prefix cache that reuses them and keeps recent ones (engine/run/prefix_cache.py).
         self.kv_tokens: list[int] = []
+        self._verify_saved = None  # the ring slots the last verify overwrote (engine/arch/kv_rollback.py)
         self._fingerprint: str | None = None
         self.prefix = open_prefix_cache(self, kv_dir, kv_disk_bytes)
         # Everything that sets how the model runs goes in here, once; the model decides its decode
@@ -182,6 +184,8 @@ class Engine:
         self.model = Transformer(self.args, weights, self.experts, self.dtype, self.kv,
                                  prefetch_depth=self.config.prefetch_depth if self.plan.streaming else 0,
                                  routing_trim=trim, layer_source=self.layers, streamed_layers=streamed)
+        # Speculative decoding (engine/run/speculative.py): None when off, so generate decodes as always.
+        self.speculator = Speculator(self) if self.config.draft != "off" else None
 
     def _load_dense(self, name, container, quantized, fp8_kept, fp8_dequantized, alloc=None):
         if name in quantized:
@@ -264,6 +268,42 @@ class Engine:
         if len(self.kv_tokens) == start_pos:  # positions before start_pos known: these follow them
             self.kv_tokens.extend(t.tolist())
         return logits
+
+    # --- speculative verify (engine/run/speculative.py) --------------------------------------------
+
+    def verify(self, tokens: list[int], start_pos: int) -> torch.Tensor:
+        """fp32 logits [n, V] of n consecutive decode tokens at start_pos.. (the last accepted token
+        and the drafts after it), each row what a decode step of that token alone gives, bit for bit:
+        Transformer.forward_rows where the model has it (the rows layer by layer, each routed expert
+        read once per layer for all of them), else one decode step per row.
+        The K/V of every row is written; `rollback` undoes the rows the caller rejects."""
+        n = len(tokens)
+        if start_pos + n > self.kv.ctx_size:
+            raise ValueError(f"{start_pos + n} positions exceed ctx_size {self.kv.ctx_size}")
+        self._verify_saved = kv_rollback.save(self.kv, start_pos, start_pos + n)
+        del self.kv_tokens[start_pos:]
+        t = torch.as_tensor(tokens, dtype=torch.long)
+        rows = getattr(self.model, "forward_rows", None)
+        if rows is not None:
+            logits = rows(t, [start_pos + i for i in range(n)], [self.kv] * n)
+        else:  # until decode_rows lands: the same rows, one decode step each
+            logits = torch.cat([self.model.forward(t[i:i + 1], start_pos + i, self.kv) for i in range(n)])
+        if len(self.kv_tokens) == start_pos:
+            self.kv_tokens.extend(tokens)
+        return logits
+
+    @property
+    def max_verify_rows(self) -> int | None:
+        """The most rows one verify may take and still be undone (a sliding layer's ring), or None."""
+        return kv_rollback.max_rows(self.kv)
+
+    def rollback(self, length: int) -> None:
+        """After a verify: the cache holds positions 0..length-1 only (the rejected rows' K/V undone:
+        ring slots restored, the rest rewritten before any query reads them; engine/arch/kv_rollback.py)."""
+        saved, self._verify_saved = self._verify_saved, None
+        if saved is not None:
+            kv_rollback.restore(self.kv, saved, max(0, length - saved.start))
+        del self.kv_tokens[length:]
 
     # --- prefix reuse (engine/run/prefix_cache.py) -----------------------------------------------
 
