@@ -265,7 +265,8 @@ def build_app(state: ServeState) -> Starlette:
     async def prometheus(request: Request) -> Response:
         authorized(request)
         engine = state.worker.engine
-        text = metrics.render(state.worker.queue_length(), state.worker.busy, engine.io_stats(), engine.prefix_stats())
+        text = metrics.render(state.worker.queue_length(), state.worker.busy, engine.io_stats(), engine.prefix_stats(),
+                              engine.draft_stats())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def counted(route: str, handler):

@@ -102,6 +102,12 @@ class RunResult(EngineResult):
     hit_rate: Optional[dict] = figure("hit rate", "hit", "shares", line="io")
     lookahead_recall: Optional[float] = figure("lookahead recall", "recall", "share", line="io")
     io_stall_fraction: Optional[float] = figure("I/O stall", "stall", "share", line="io")
+    # speculative decoding (engine/run/speculative.py), when on: tokens per decode step (accepted
+    # drafts + one), the drafts' acceptance, drafted tokens, bytes read per token produced
+    tokens_per_step: Optional[float] = figure("tokens per step", "tok/step", "float", line="draft")
+    draft_acceptance: Optional[float] = figure("draft acceptance", "accept", "share", line="draft")
+    drafted_tokens: Optional[int] = figure("drafted", "drafted", "int", line="draft")
+    draft_bytes_per_token: Optional[float] = figure("read per token", "read/tok", "bytes", line="draft")
     # conditions the header prints (not figures)
     prompt_tokens: Optional[int] = None
     generated_tokens: Optional[int] = None

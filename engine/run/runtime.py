@@ -352,6 +352,10 @@ class Engine:
                 hist.update((layer, e) for e in ids.flatten().tolist() if e >= 0)  # -1: a skipped slot
         routing_histogram_save(hist, path)
 
+    def draft_stats(self) -> dict:
+        """Speculative decoding's counters since its reset (engine/run/speculative.py SpecStats): {} when off."""
+        return self.speculator.stats.to_dict() if self.speculator is not None else {}
+
     def io_stats(self) -> dict:
         store = self.store
         return store.stats() if store is not None and store.streams else {}

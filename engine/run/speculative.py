@@ -102,6 +102,14 @@ class SpecStats:
         }
 
 
+def draft_figures(stats: dict) -> dict:
+    """The run JSON's flat figures of a SpecStats dict (engine/api/results.py prints them)."""
+    if not stats:
+        return {}
+    return {"tokens_per_step": stats["tokens_per_step"], "draft_acceptance": stats["acceptance"],
+            "drafted_tokens": stats["drafted"], "draft_bytes_per_token": stats["bytes_per_token"]}
+
+
 class _Running:
     """An exponential moving average (None until the first value)."""
 
