@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from engine.api import Progress, file_target
-from colibri.commands.argtypes import add_output_option, positive_int, size
+from colibri.commands.argtypes import add_output_option, finite_float, positive_int, size
 from tuner.costmodel.model_geometry import QUANTS
 from tuner.costmodel.plan_command import PlanRequest, run_plan
 from tuner.probe import format_summary, run_probe, save_profile
@@ -69,6 +69,11 @@ def add_plan_arguments(p) -> None:
                         "print the cross-validated error, store the factors in --profile")
     p.add_argument("--test", metavar="RUN_DIR", help="with --calibrate: also predict this run's trials with the "
                                                       "factors fitted on the others (a fully separate hold-out)")
+    p.add_argument("--accept-rate", type=finite_float(0.0, 1.0, name="acceptance"), default=None,
+                   help="also predict speculative decoding at this draft acceptance (0..1): the speed-up or loss "
+                        "per depth up to the config's draft_depth, and what the gate would choose")
+    p.add_argument("--drafter", choices=("lookup", "mtp"), default="lookup",
+                   help="with --accept-rate: who drafts (mtp costs one decoder layer per drafted token)")
     p.add_argument("--json", action="store_true")
 
 

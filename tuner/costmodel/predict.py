@@ -164,11 +164,11 @@ def components(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: Ha
     bw = hw.read_bandwidth(request, qd, config.io_mode)
     threads = config.threads or hw.physical_cores
 
-    wbytes = _weight_bytes_touched(geometry, quant)
+    wbytes = weight_bytes_touched(geometry, quant)
     t_mem = wbytes / hw.memory_bandwidth(threads)
     # Each expert read from disk is turned into its kernel's operand once (QuantWeight.prepare).
     t_prepare = reads * 3 * hw.prepare_seconds(quant, geometry.hidden_size, geometry.moe_intermediate_size)
-    t_flop = _flop_seconds(geometry, quant, hw, 1, threads) + t_prepare
+    t_flop = flop_seconds(geometry, quant, hw, 1, threads) + t_prepare
 
     # Prefill: the prompt's rows share each weight read; experts are the prompt's union, read once per
     # layer per layer-major group (engine/arch/prefill.py). A prompt longer than the plan's group
@@ -182,7 +182,7 @@ def components(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: Ha
     union = min(geometry.num_experts, (rates.prefill_misses_per_layer if rates else k))
     pf_bytes = wbytes + geometry.moe_layers * max(union - k, 0) * geometry.expert_bytes(quant)
     pf_mem = pf_bytes / hw.memory_bandwidth(threads)
-    pf_flop = _flop_seconds(geometry, quant, hw, P, threads) + pf_reads * 3 * hw.prepare_seconds(
+    pf_flop = flop_seconds(geometry, quant, hw, P, threads) + pf_reads * 3 * hw.prepare_seconds(
         quant, geometry.hidden_size, geometry.moe_intermediate_size)
     # A buffered read is the disk's transfer plus the kernel's copy into our buffer.
     copy = 1.0 / hw.copy_bandwidth() if config.io_mode == "buffered" else 0.0
@@ -244,7 +244,7 @@ def _simulate_once(routing: RoutingModel, k: int, slots: int, policy: str, run: 
     return _SIMULATED[key][1]
 
 
-def _flop_seconds(geometry: ModelGeometry, quant: str, hw: HardwareView, m: int, threads: int) -> float:
+def flop_seconds(geometry: ModelGeometry, quant: str, hw: HardwareView, m: int, threads: int) -> float:
     """Matmul seconds of a forward pass over `m` rows: the routed experts' projections at the
     expert shape [moe_intermediate, hidden], the resident matrices at [hidden, hidden], each at the
     measured rate of the kernel that computes that weight format (hardware.kernel_flops)."""
@@ -255,7 +255,7 @@ def _flop_seconds(geometry: ModelGeometry, quant: str, hw: HardwareView, m: int,
             + 2 * m * dense / hw.kernel_flops(quant, m, threads, H, H))
 
 
-def _weight_bytes_touched(geometry: ModelGeometry, quant: str) -> float:
+def weight_bytes_touched(geometry: ModelGeometry, quant: str) -> float:
     """Bytes the matmuls of one decode token read: resident weights but the embedding table
     (one row is gathered), plus top_k experts per MoE layer."""
     key = ("weight_bytes_touched", quant)
