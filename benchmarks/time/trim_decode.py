@@ -7,10 +7,9 @@ slower than the untrimmed one. This prints, per model, trim and tree, the decode
 over --runs with min-max), ms per token, the routed experts computed per token (from the routing
 log of an untimed second pass), and whether the two trees gave the same tokens.
 
-Each (tree, model) runs in its own subprocess (cwd and PYTHONPATH = that tree), which loads the
-model once, resident, and for each trim sets the engine's routing trim (engine/arch/router.py
-routing_trim, as EngineConfig.top_k_reduction / expert_threshold would), decodes two tokens of
-warm-up, then --tokens timed decode steps after a 4-token prompt (the prefill excluded). The trees
+Each (tree, model) runs in its own subprocess (cwd and PYTHONPATH = that tree), which for each trim
+loads the model resident with that EngineConfig.top_k_reduction / expert_threshold, decodes two
+tokens of warm-up, then --tokens timed decode steps after a 4-token prompt (the prefill excluded). The trees
 alternate per run (after first on odd runs, before first on even ones), so drift of a noisy box
 falls on both.
 
