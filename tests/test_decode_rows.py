@@ -22,7 +22,7 @@ from engine.format.checkpoint import Checkpoint
 from engine.format.layout import ExpertLayout
 from engine.movement.plan import make_plan
 from engine.run.runtime import Engine
-from colibri_hf_models import ARCHS, build
+from colibri_hf_models import ARCHS, built_once
 from test_streaming import budget_for_cache
 
 from colibri_tune_fixtures import MiB
@@ -35,15 +35,7 @@ NEW = [7, 3, 6]  # tokens each generates: the second leaves while the others go 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("decode-rows")
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            made[arch] = root / arch
-            build(arch, made[arch])
-        return made[arch]
-    return get
+    return built_once(tmp_path_factory, "decode-rows")
 
 
 def _solo(engine, prompt, n):

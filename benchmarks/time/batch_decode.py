@@ -140,18 +140,16 @@ def run_child(a, B: int, round_: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from benchmarks.benchkit import add_output_flags, add_run_flags
     ap.add_argument("--model", required=True, help="a demo model directory")
-    ap.add_argument("--budget", default="0", help="engine budget and cgroup limit (default 0: resident, warm)")
+    add_run_flags(ap, budget="0", tokens=128, threads=2)  # budget 0: resident, warm
     ap.add_argument("--batch", default="4,8", help="batch sizes (default 4,8)")
-    ap.add_argument("--tokens", type=int, default=128, help="greedy tokens per sequence (default 128)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per batch size, alternating the order (default 2)")
     ap.add_argument("--profile", help="hardware profile JSON: the resident bound's memory bandwidth")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--io-threads", type=int, default=4, help="threads of the bandwidth probe (default 4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--lock", default=None, help="hold this benchmark lock per measured round")
-    ap.add_argument("--json", action="store_true")
+    add_output_flags(ap)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--b", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
