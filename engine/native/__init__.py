@@ -20,8 +20,11 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
     load() -> str | None    load the ops; None when ready, else why not (one line)
     ready                   whether they are loaded (checked on the decode path)
     int_ready               whether the int8/int4 ops may run too (ready and INT_FLAGS present)
-    linear(x, w)            x [1,K] @ w.T, bf16
+    linear(x, w)            x [M,K] @ w.T, bf16; each row the bits of a 1-row call (a weight row read once for all M)
     experts(x, weights, n)  SwiGLU of several experts on one token: [E, H]
+    experts_rows(x, weights, n, slot_row, slot_expert)   batched decode: slot s = expert slot_expert[s] on
+                            row slot_row[s] of x [M, H] (slots sorted by expert): [S, H], each slot the bits
+                            of experts() on that row with that expert alone, each expert read once
     rms_norm(x, w, eps)     per row of x [..., H] (moe_decode.cpp)
     route_topk(x, w, k, norm)          softmax top-k routing of one token: ids [1,k], weights [1,k]
     combine(ys, weights)               sum of the K experts' rows, weighted: [1, H]
@@ -33,10 +36,12 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
     mxfp4_linear(x, blocks, scales, bias)  x @ dequant(blocks, scales).T + bias, fp32 or bf16
     fp8_linear(x, w, scale, block)         x [M,K] @ dequant(w).T in x's dtype (bf16 or fp32), FP8 e4m3 w with
                                            one fp32 scale per block (fp8_decode.cpp; engine/weights/fp8.py)
-    int8_linear(x, codes, scales)          x @ (codes * scales).T, per-row scales
+    int8_linear(x, codes, scales)          x @ (codes * scales).T, per-row scales; each row of x the bits of a
+                                           1-row call (as int4_linear's)
     int4_linear(x, strips, group)          x @ dequant_int4(...).T, W in the engine's int4 strips, any rows
     int4_strips(packed, scales_zeros, group, out)  the stored int4 pair → strips (in place where out is its bytes)
     quant_experts(x, weights, group)       SwiGLU of several int8 (group 0) / int4 experts: [E, H]
+    quant_experts_rows(x, weights, group, slot_row, slot_expert)  experts_rows for int8 / int4 experts
     moe_layer_int(h, ..., group)           moe_layer for int8 / int4 experts (moe_decode_int.cpp; engine/arch/moe_quant.py)
     attention_decode_int(x, ..., proj, group)  attention_decode with int8 / int4 q/k/v/o (attention_decode_int.cpp;
                                        engine/arch/attention_quant.py)
@@ -182,6 +187,14 @@ def experts(x: torch.Tensor, weights: list, per_expert: int) -> torch.Tensor:
     return torch.ops.colibri.experts_bf16(x, weights, per_expert)
 
 
+def experts_rows(x: torch.Tensor, weights: list, per_expert: int, slot_row: torch.Tensor,
+                 slot_expert: torch.Tensor) -> torch.Tensor:
+    """Batched decode's experts: x [M, H] bf16, weights as experts() takes them (E experts), slot_row /
+    slot_expert int64 [S] sorted by expert → [S, H], slot s = expert slot_expert[s] on row slot_row[s],
+    bit for bit experts(x[r:r+1], [that expert's tensors], per_expert)."""
+    return torch.ops.colibri.experts_rows_bf16(x, weights, per_expert, slot_row, slot_expert)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.colibri.rms_norm_bf16(x, w, eps)
 
@@ -250,6 +263,13 @@ def int4_strips(packed: torch.Tensor, scales_zeros: torch.Tensor, group: int, ou
 
 def quant_experts(x: torch.Tensor, weights: list, group: int) -> torch.Tensor:
     return torch.ops.colibri_int.experts(x, weights, group)
+
+
+def quant_experts_rows(x: torch.Tensor, weights: list, group: int, slot_row: torch.Tensor,
+                       slot_expert: torch.Tensor) -> torch.Tensor:
+    """experts_rows for int8 (group 0) / int4 experts given as quant_experts takes them: [S, H], slot s
+    bit for bit quant_experts(x[r:r+1], that expert's 6 tensors, group). Needs int_ready."""
+    return torch.ops.colibri_int.experts_rows(x, weights, group, slot_row, slot_expert)
 
 
 def moe_layer_int(h: torch.Tensor, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor, k: int, norm: bool,
