@@ -156,3 +156,124 @@ def test_quant_experts_rows_refuse_unsorted_slots():
     with pytest.raises(RuntimeError, match="sorted by expert"):
         native.quant_experts_rows(x, [t for ex in experts for t in _flat(ex)], 0, torch.tensor([0, 1]),
                                   torch.tensor([1, 0]))
+
+
+# --- attention -----------------------------------------------------------------------------------------
+
+NONE = torch.empty(0, dtype=torch.bfloat16)
+
+
+def _rope(D: int, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, D] cos and sin, row b for positions[b] (rotate-half layout)."""
+    angle = torch.arange(D // 2).float()[None] * 0.37 * (torch.tensor(positions).float()[:, None] + 1)
+    return torch.cat([angle.cos()] * 2, 1).bfloat16(), torch.cat([angle.sin()] * 2, 1).bfloat16()
+
+
+def _cache(kind: str, Nkv: int, ctx: int, D: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A filled cache and its scales: bf16 rows, or int8 / fp8 codes with fp32 scales per row."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(Nkv, ctx, D, generator=g)
+    if kind == "bf16":
+        return values.bfloat16(), native.NO_SCALES
+    scales = torch.rand(Nkv, ctx, generator=g) * 0.05 + 0.01
+    if kind == "int8":
+        return (values * 40).round().clamp(-127, 127).to(torch.int8), scales
+    return (values * 100).clamp(-448, 448).to(torch.float8_e4m3fn), scales
+
+
+def _clones(caches: list) -> list:
+    """The caches copied, a cache shared by several rows still one tensor (one copy)."""
+    copies: dict[int, torch.Tensor] = {}
+    return [copies.setdefault(id(t), t.clone()) for t in caches]
+
+
+# (rows: (cache index, position) per row; cache index -1 = a fresh cache of its own), per case: rows
+# of their own caches at ragged positions, and a verify's consecutive positions in one cache beside
+# another sequence.
+ROWS = {"ragged": [(0, 0), (1, 9), (2, 3), (3, 70), (4, 5)], "verify": [(0, 4), (1, 20), (1, 21), (1, 22), (2, 0)],
+        "one": [(0, 7)]}
+
+
+def _attention_case(kind: str, rows: list, Nkv: int, D: int, ctx: int = 80):
+    n_caches = max(c for c, _ in rows) + 1
+    made = [(_cache(kind, Nkv, ctx, D, seed=2 * c), _cache(kind, Nkv, ctx, D, seed=2 * c + 1)) for c in range(n_caches)]
+    k = [made[c][0][0] for c, _ in rows]
+    v = [made[c][1][0] for c, _ in rows]
+    ks = [made[c][0][1] for c, _ in rows]
+    vs = [made[c][1][1] for c, _ in rows]
+    return k, v, ks, vs, [p for _, p in rows]
+
+
+def _solo_and_batched(call_one, call_rows, kind, rows, H, Nkv, D):
+    """Every row alone (in row order, on copies of the caches) against one batched call: outputs
+    and every cache and scale written equal bit for bit."""
+    k, v, ks, vs, positions = _attention_case(kind, rows, Nkv, D)
+    B = len(rows)
+    x = rand_bf16(B, H, seed=B + H)
+    cos, sin = _rope(D, positions)
+    solo_caches = [_clones(t) for t in (k, v, ks, vs)]
+    solo = torch.cat([call_one(x[b:b + 1], cos[b:b + 1], sin[b:b + 1], *(c[b] for c in solo_caches), positions[b])
+                      for b in range(B)])
+    y = call_rows(x, cos, sin, k, v, None if kind == "bf16" else ks, None if kind == "bf16" else vs, positions)
+    assert y.shape == (B, H) and torch.equal(y, solo)
+    for batched, alone in zip((k, v, ks, vs), solo_caches):
+        assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+                   for a, b in zip(batched, alone))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("rows", ["ragged", "verify", "one"])
+@pytest.mark.parametrize("H,Nq,Nkv,D,head_norm", [(100, 6, 3, 24, True), (64, 4, 4, 16, False)])
+def test_attention_rows_give_each_row_the_one_row_bits(kind, rows, H, Nq, Nkv, D, head_norm):
+    norm_w = rand_bf16(H, seed=2).abs() + 0.5
+    qkv_w, o_w = rand_bf16((Nq + 2 * Nkv) * D, H, seed=3, scale=0.1), rand_bf16(H, Nq * D, seed=4, scale=0.1)
+    q_norm, k_norm = (rand_bf16(D, seed=5).abs() + 0.5, rand_bf16(D, seed=6).abs() + 0.5) if head_norm else (NONE, NONE)
+
+    def one(x, cos, sin, k, v, ks, vs, pos):
+        return native.attention_decode(x, norm_w, 1e-6, qkv_w, q_norm, k_norm, cos, sin, k, v, pos, Nq, Nkv, o_w, ks, vs)
+
+    def batched(x, cos, sin, k, v, ks, vs, positions):
+        return native.attention_decode_rows(x, norm_w, 1e-6, qkv_w, q_norm, k_norm, cos, sin, k, v, positions, Nq, Nkv,
+                                            o_w, ks, vs)
+
+    _solo_and_batched(one, batched, kind, ROWS[rows], H, Nkv, D)
+
+
+@needs_native_int()
+@pytest.mark.parametrize("quant,group,H,Nq,Nkv,D", [("int8", 0, 100, 6, 3, 24), ("int4", 32, 64, 6, 2, 16),
+                                                    ("int4", 64, 128, 8, 2, 32), ("int4", 128, 256, 4, 2, 64)])
+@pytest.mark.parametrize("kind,rows", [("bf16", "ragged"), ("int8", "verify"), ("fp8", "ragged")])
+def test_int_attention_rows_give_each_row_the_one_row_bits(quant, group, H, Nq, Nkv, D, kind, rows):
+    g = torch.Generator().manual_seed(H + D)
+    mats = [_quant_weight(torch.randn(*shape, generator=g) * 0.1, quant, group, torch.bfloat16)
+            for shape in ((Nq * D, H), (Nkv * D, H), (Nkv * D, H), (H, Nq * D))]
+    proj = [t for m in mats for t in (m.qweight, m.qscale)]
+    norm_w = rand_bf16(H, seed=2).abs() + 0.5
+    q_norm, k_norm = rand_bf16(D, seed=5).abs() + 0.5, rand_bf16(D, seed=6).abs() + 0.5
+
+    def one(x, cos, sin, k, v, ks, vs, pos):
+        return native.attention_decode_int(x, norm_w, 1e-6, proj, group, q_norm, k_norm, cos, sin, k, v, pos, Nq, Nkv,
+                                           ks, vs)
+
+    def batched(x, cos, sin, k, v, ks, vs, positions):
+        return native.attention_decode_int_rows(x, norm_w, 1e-6, proj, group, q_norm, k_norm, cos, sin, k, v,
+                                                positions, Nq, Nkv, ks, vs)
+
+    _solo_and_batched(one, batched, kind, ROWS[rows], H, Nkv, D)
+
+
+@pytest.mark.parametrize("positions,same_v,message", [
+    ([5, 5], False, "increasing positions"), ([6, 5], False, "increasing positions"),
+    ([5, 6], True, "K cache and a V cache")])
+def test_attention_rows_refuse_rows_that_would_not_be_their_solo_bits(positions, same_v, message):
+    """Rows of one cache out of order would read a later row's K/V; a tensor as K of one row and V of
+    another would be written twice over."""
+    H, Nq, Nkv, D = 64, 4, 2, 16
+    k = torch.zeros(Nkv, 8, D, dtype=torch.bfloat16)
+    v = k if same_v else torch.zeros_like(k)
+    cos, sin = _rope(D, positions)
+    with pytest.raises(RuntimeError, match=message):
+        native.attention_decode_rows(rand_bf16(2, H, seed=1), rand_bf16(H, seed=2), 1e-6,
+                                     rand_bf16((Nq + 2 * Nkv) * D, H, seed=3), NONE, NONE, cos, sin, [k, k], [v, v],
+                                     positions, Nq, Nkv, rand_bf16(H, Nq * D, seed=4))

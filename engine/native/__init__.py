@@ -32,6 +32,9 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
                             when given (reduction, threshold, renormalize; engine/arch/moe.py)
     attention_decode(x, ...)           a layer's attention half of one token, K/V written (attention_decode.cpp;
                                        the cache bf16, or int8 / fp8 codes + scales)
+    attention_decode_rows(x, ..., k_caches, v_caches, positions, ...)  attention_decode for B rows (a batched
+                                       step), each its own caches and position; the weights read once for
+                                       all rows, each row attention_decode's bits on it alone
     decode_layers(x, ...)   every layer of one token: attention half + fused MoE per layer (decode_step.cpp)
     mxfp4_linear(x, blocks, scales, bias)  x @ dequant(blocks, scales).T + bias, fp32 or bf16
     fp8_linear(x, w, scale, block)         x [M,K] @ dequant(w).T in x's dtype (bf16 or fp32), FP8 e4m3 w with
@@ -45,6 +48,7 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
     moe_layer_int(h, ..., group)           moe_layer for int8 / int4 experts (moe_decode_int.cpp; engine/arch/moe_quant.py)
     attention_decode_int(x, ..., proj, group)  attention_decode with int8 / int4 q/k/v/o (attention_decode_int.cpp;
                                        engine/arch/attention_quant.py)
+    attention_decode_int_rows(x, ...)      attention_decode_rows with int8 / int4 q/k/v/o
     decode_layers_int(x, ...)              decode_layers for int8 / int4 projections and experts (decode_step_int.cpp)
 """
 
@@ -230,6 +234,21 @@ def attention_decode(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: t
                                                    k_scales, v_scales, pos, heads, kv_heads, o_w)
 
 
+def attention_decode_rows(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor,
+                          q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          k_caches: list, v_caches: list, positions: list[int], heads: int, kv_heads: int,
+                          o_w: torch.Tensor, k_scales: list | None = None, v_scales: list | None = None) -> torch.Tensor:
+    """attention_decode for B rows of a batched step: x [B, H], cos/sin [B, D] (row b's rope row), row b
+    with its own caches k_caches[b] / v_caches[b] (bf16, or int8 / fp8 codes with k_scales[b] /
+    v_scales[b]; None: bf16 caches) at positions[b]; the weights read once for all rows, row b bit for
+    bit attention_decode on row b alone. Rows sharing a cache (a verify) come in increasing positions."""
+    none = [NO_SCALES] * len(k_caches)
+    return torch.ops.colibri.attention_decode_rows_bf16(x, norm_w, eps, qkv_w, q_norm, k_norm, cos, sin, k_caches,
+                                                        v_caches, none if k_scales is None else k_scales,
+                                                        none if v_scales is None else v_scales, positions, heads,
+                                                        kv_heads, o_w)
+
+
 def decode_layers(x: torch.Tensor, attention: list, moe: list, cos: torch.Tensor, sin: torch.Tensor, pos: int,
                   heads: int, kv_heads: int, eps: float, k: int, norm: bool, inter: int, reduction: int = 0,
                   threshold: float = 0.0, renormalize: bool = False) -> torch.Tensor:
@@ -287,6 +306,19 @@ def attention_decode_int(x: torch.Tensor, norm_w: torch.Tensor, eps: float, proj
     stored layouts), group 0 = int8, else int4's group. Needs int_ready (VNNI/VBMI)."""
     return torch.ops.colibri_int.attention_decode_int(x, norm_w, eps, proj, group, q_norm, k_norm, cos, sin, k_cache,
                                                       v_cache, k_scales, v_scales, pos, heads, kv_heads)
+
+
+def attention_decode_int_rows(x: torch.Tensor, norm_w: torch.Tensor, eps: float, proj: list, group: int,
+                              q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                              k_caches: list, v_caches: list, positions: list[int], heads: int, kv_heads: int,
+                              k_scales: list | None = None, v_scales: list | None = None) -> torch.Tensor:
+    """attention_decode_int for B rows, as attention_decode_rows takes them: row b bit for bit
+    attention_decode_int on row b alone, each projection read once for all rows. Needs int_ready."""
+    none = [NO_SCALES] * len(k_caches)
+    return torch.ops.colibri_int.attention_decode_int_rows(x, norm_w, eps, proj, group, q_norm, k_norm, cos, sin,
+                                                           k_caches, v_caches, none if k_scales is None else k_scales,
+                                                           none if v_scales is None else v_scales, positions, heads,
+                                                           kv_heads)
 
 
 def decode_layers_int(x: torch.Tensor, attention: list, moe: list, cos: torch.Tensor, sin: torch.Tensor, pos: int,
