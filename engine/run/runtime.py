@@ -261,36 +261,54 @@ class Engine:
         if not last_only or t.shape[0] == 1:
             logits = self.model.forward(t, start_pos, self.kv, last_only=last_only)
         else:
-            group = prefill_tokens_per_pass(self.kv.ctx_size, self.plan.prefill_group or t.shape[0])
-            for begin in range(0, t.shape[0], group):
-                logits = self.model.prefill(t[begin:begin + group], start_pos + begin, self.kv, PREFILL_CHUNK)
-                heap.release_freed()  # the group's state and transients, so the next starts from what is live
+            logits = self.prefill_into(self.kv, t, start_pos)
         if len(self.kv_tokens) == start_pos:  # positions before start_pos known: these follow them
             self.kv_tokens.extend(t.tolist())
+        return logits
+
+    # --- several sequences (engine/arch/decode_rows.py; serve's batch) ----------------------------
+
+    def new_cache(self):
+        """A KV cache for another sequence, shaped as the engine's own (ctx_size, kv_dtype): one of the
+        config's max_batch, which the memory plan charged. Positions only, no prefix-cache tier."""
+        return kv_snapshot.allocate(self.args, self.config.ctx_size, self.kv_dtype, self.dtype, False)
+
+    def prefill_into(self, kv, tokens: list[int] | torch.Tensor, start_pos: int) -> torch.Tensor:
+        """The last position's logits [1, V] of tokens written into `kv` at start_pos.., in groups of
+        the plan's prefill_group (Transformer.prefill: each routed expert read once per layer per group)."""
+        t = torch.as_tensor(tokens, dtype=torch.long)
+        if t.shape[0] == 1:
+            return self.model.forward(t, start_pos, kv)
+        group = prefill_tokens_per_pass(kv.ctx_size, self.plan.prefill_group or t.shape[0])
+        for begin in range(0, t.shape[0], group):
+            logits = self.model.prefill(t[begin:begin + group], start_pos + begin, kv, PREFILL_CHUNK)
+            heap.release_freed()  # the group's state and transients, so the next starts from what is live
+        return logits
+
+    def decode_rows(self, tokens: list[int] | torch.Tensor, positions: list[int], kvs: list) -> torch.Tensor:
+        """fp32 logits [B, V]: row b one token at positions[b] of cache kvs[b] (the engine's own or
+        new_cache()'s), each with its solo decode's bits, each routed expert fetched once for the rows."""
+        t = torch.as_tensor(tokens, dtype=torch.long)
+        own = [b for b, kv in enumerate(kvs) if kv is self.kv]  # consecutive positions (decode_rows checks)
+        if own:
+            del self.kv_tokens[positions[own[0]]:]  # rewritten from here, as forward does
+        logits = self.model.forward_rows(t, list(positions), list(kvs))
+        if own and len(self.kv_tokens) == positions[own[0]]:
+            self.kv_tokens.extend(t[own].tolist())
         return logits
 
     # --- speculative verify (engine/run/speculative.py) --------------------------------------------
 
     def verify(self, tokens: list[int], start_pos: int) -> torch.Tensor:
-        """fp32 logits [n, V] of n consecutive decode tokens at start_pos.. (the last accepted token
-        and the drafts after it), each row what a decode step of that token alone gives, bit for bit:
-        Transformer.forward_rows where the model has it (the rows layer by layer, each routed expert
-        read once per layer for all of them), else one decode step per row.
-        The K/V of every row is written; `rollback` undoes the rows the caller rejects."""
+        """fp32 logits [n, V] of n consecutive decode tokens at start_pos.. of the engine's cache (the
+        last accepted token and the drafts after it): decode_rows over one cache, so each row has its
+        solo decode step's bits and each routed expert is fetched once for the n rows. The ring slots
+        the rows overwrite are saved first; `rollback` undoes the rows the caller rejects."""
         n = len(tokens)
         if start_pos + n > self.kv.ctx_size:
             raise ValueError(f"{start_pos + n} positions exceed ctx_size {self.kv.ctx_size}")
         self._verify_saved = kv_rollback.save(self.kv, start_pos, start_pos + n)
-        del self.kv_tokens[start_pos:]
-        t = torch.as_tensor(tokens, dtype=torch.long)
-        rows = getattr(self.model, "forward_rows", None)
-        if rows is not None:
-            logits = rows(t, [start_pos + i for i in range(n)], [self.kv] * n)
-        else:  # until decode_rows lands: the same rows, one decode step each
-            logits = torch.cat([self.model.forward(t[i:i + 1], start_pos + i, self.kv) for i in range(n)])
-        if len(self.kv_tokens) == start_pos:
-            self.kv_tokens.extend(tokens)
-        return logits
+        return self.decode_rows(tokens, [start_pos + i for i in range(n)], [self.kv] * n)
 
     @property
     def max_verify_rows(self) -> int | None:

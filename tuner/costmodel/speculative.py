@@ -10,6 +10,7 @@ scale from the plain token's:
     disk(n)      the plain token's expert reads times union(n): the union's misses, at the
                  plain token's hit rate; its requests and page-cache cost alike
     hidden(n)    the lookahead's covered share of that disk time, as for one row
+    fixed(n)     the per-layer dispatch, per row (predict.predict_batch counts a batch's rows so)
 
 union(n) is the routing model's expected number of distinct experts n consecutive tokens pick in
 a layer, in units of one token's top_k (per layer and expert e: a token picks e with probability
@@ -38,7 +39,7 @@ from tuner.costmodel.routing_model import RoutingModel
 DEFAULT_ACCEPTANCE = 0.7
 
 
-def expected_union(routing: RoutingModel, top_k: int, rows: int) -> float:
+def verify_union(routing: RoutingModel, top_k: int, rows: int) -> float:
     """Distinct experts `rows` consecutive tokens pick per layer, in units of one token's top_k
     (the module doc's formula, averaged over the layers)."""
     if rows <= 1 or top_k <= 0:
@@ -76,12 +77,13 @@ def draft_prediction(geometry: ModelGeometry, quant: str, config: EngineConfig, 
     depths = []
     for k in range(1, config.draft_depth + 1):
         rows = k + 1
-        union = expected_union(routing, k_exp, rows) if geometry.routed_experts else 1.0
+        union = verify_union(routing, k_exp, rows) if geometry.routed_experts else 1.0
         t = plain["terms"]
         comp = t["compute"] * compute(rows, union) / one if one else t["compute"]
         disk = t["disk"] * union
         hidden = min(comps.covered * disk, factors.overlap * comp)
-        step = t["fixed"] + comp + disk + t["requests"] * union - hidden + k * draft_s
+        # fixed: per row, as predict_batch counts it (each row's attention and routing on its own)
+        step = t["fixed"] * rows + comp + disk + t["requests"] * union - hidden + k * draft_s
         produced = expected_tokens(k, acceptance)
         depths.append({"depth": k, "tokens_per_step": round(produced, 4), "union": round(union, 4),
                        "bytes_per_token": plain_bytes * union / produced,
