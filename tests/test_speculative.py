@@ -293,16 +293,29 @@ def test_gate_turns_drafting_off_when_the_verify_costs_more_than_it_saves():
 
 
 def test_gate_explores_rarely_once_off():
-    gate = _gate(compute=0.01, stall=0.0)
-    decisions = [gate.depth(2, "lookup-1", "lookup")[1] for _ in range(16 + 32 + 1)]
-    assert decisions.count("explored") == 2
-    assert decisions[15] == "explored" and decisions[15 + 32] == "explored"
+    """Gated off, the whole offer is tried again after 16, 32, 64... steps, and never before the
+    trial's modelled cost is 5% of the plain steps' time: a verify that costs many plain steps is
+    tried that much more rarely."""
+    gate = _gate(compute=0.01, stall=0.0, row_cost=0.1)
+    for _ in range(10):
+        gate.observe_accept("lookup-1", 0, 2)
+    decisions = [gate.depth(2, "lookup-1", "lookup") for _ in range(24 + 32)]
+    explored = [i for i, (_, why) in enumerate(decisions) if why == "explored"]
+    assert explored == [23, 23 + 32] and decisions[23][0] == 2  # 1.2 plain steps / 5%: 24; then 32
+    costly = _gate(compute=0.01, stall=0.0, row_cost=10.0)
+    for _ in range(10):
+        costly.observe_accept("lookup-1", 0, 2)
+    whys = [costly.depth(2, "lookup-1", "lookup")[1] for _ in range(600)]
+    assert whys.index("explored") == 21 / 0.05 - 1  # a 3-row verify costs 21 plain steps
 
 
-def test_gate_measures_row_cost_and_union_online():
+def test_gate_measures_verify_cost_and_union_online():
     gate = _gate(compute=0.01, stall=0.04)
-    gate.observe(5, 0.01 * 1.4 + 0.05, 0.05, int((1 << 20) * 1.25))
-    assert gate.row_cost.value < 1.0  # rows that shared their reads: cheaper than steps
+    assert gate.compute_of(5) == pytest.approx(0.05)  # the prior: each row a plain step
+    for _ in range(2):  # the first of a size only stands in until the second
+        gate.observe(5, 0.01 * 1.4 + 0.05, 0.05, int((1 << 20) * 1.25))
+    assert gate.compute_of(5) == pytest.approx(0.014)  # rows that shared their reads: cheaper than steps
+    assert gate.compute_of(3) < 0.014
     assert gate.union_power.value < 1.0  # the bytes grew less than independent routing says
 
 

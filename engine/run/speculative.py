@@ -38,7 +38,8 @@ less), and union(n) the expert bytes n rows read relative to one: the union of t
 the caches do not hold, predicted from the routing (n tokens' top-k over E experts, independent)
 and corrected online by the bytes the store really read in verify steps. Where drafting loses
 (the verify's extra bytes and rows cost more than the accepted tokens save), k* = 0 and the step
-is a plain one; every 16, 32, 64... such steps it tries depth 1 once, to notice a change.
+is a plain one; after 16, 32, 64... such steps (and at least enough that the trial costs 5% of
+their time) it verifies the drafter's whole offer once, to notice a change.
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ import torch
 from engine.run.drafters import Draft, PromptLookup
 from engine.run.sampling import Sampler
 
-EXPLORE_FIRST = 16  # gated-off steps before the first trial of depth 1
+EXPLORE_FIRST = 16  # gated-off steps before the first trial of a draft (then 32, 64, ...)
+EXPLORE_SHARE = 0.05  # at most this share of the gated-off steps' time goes to trials
 EMA = 0.2  # weight of a new measurement in the gate's running estimates
 ACCEPT_DECAY = 0.98  # acceptance counts fade, so a change of text (copying, then not) shows
 ACCEPT_PRIOR = (1.0, 1.0)  # Beta(1, 1): an unseen kind of draft is accepted half the time
+REDECIDE = 16  # steps a gate decision is reused before the estimates are read again
 
 
 class Steps(NamedTuple):
@@ -111,15 +114,19 @@ def draft_figures(stats: dict) -> dict:
 
 
 class _Running:
-    """An exponential moving average (None until the first value)."""
+    """An exponential moving average (None until the first value). The first value only stands in
+    until the second replaces it: a first call of a kind (a verify of a new row count) pays
+    one-time costs (kernel set-up, allocations) that are not its cost."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "count")
 
     def __init__(self, value: float | None = None):
         self.value = value
+        self.count = 0 if value is None else 2
 
     def add(self, x: float) -> None:
-        self.value = x if self.value is None else (1 - EMA) * self.value + EMA * x
+        self.count += 1
+        self.value = x if self.count <= 2 else (1 - EMA) * self.value + EMA * x
 
 
 def expected_tokens(depth: int, acceptance: float) -> float:
@@ -159,12 +166,19 @@ class Gate:
         self.compute = _Running()  # a plain step's seconds not waiting on reads
         self.stall = _Running()  # a plain step's seconds waiting on reads
         self.bytes = _Running()  # a plain step's bytes read
-        self.row_cost = _Running(row_cost)  # extra compute of a verify row, relative to a plain step
+        self.row_cost = row_cost  # prior: a verify row's extra compute, relative to a plain step
+        self.verify_compute: dict[int, _Running] = {}  # rows → a verify's measured compute seconds
         self.union_power = _Running(1.0)  # bytes(n) = bytes(1) * union_prior(n) ** power
         self.draft_s: dict[str, _Running] = {}  # seconds to draft one token, per drafter
         self.accept: dict[str, list[float]] = {}  # source → [accepted, rejected] (decayed)
         self._skipped = 0
         self._explore_at = EXPLORE_FIRST
+        # (available, source, drafter) → depth: the estimates move slowly, so a decision is reused for
+        # REDECIDE steps; a plain step costs well under a millisecond on a small resident model, and
+        # the gate must not take a noticeable share of it
+        self._decided: dict = {}
+        self._hopeless: bool | None = None  # no depth pays even at acceptance 1 (idle_steps)
+        self._steps_since = 0
 
     def acceptance(self, source: str) -> float:
         a, r = self.accept.get(source, (0.0, 0.0))
@@ -173,10 +187,35 @@ class Gate:
     def union(self, rows: int) -> float:
         return self.union_prior(rows) ** (self.union_power.value or 0.0)
 
-    def speedup(self, depth: int, source: str, drafter: str) -> float:
+    def compute_of(self, rows: int) -> float:
+        """A verify of `rows` rows' compute seconds: measured where a verify of that size ran, else a
+        line through the measured sizes (a verify pays a fixed cost over a plain step, then a cost
+        per row), else the prior row_cost per row over a plain step."""
+        one = self.compute.value or 1.0
+        if rows == 1:
+            return one
+        seen = sorted((n, r.value) for n, r in self.verify_compute.items())
+        for n, c in seen:
+            if n == rows:
+                return c
+        if len(seen) >= 2:
+            mean_n = sum(n for n, _ in seen) / len(seen)
+            mean_c = sum(c for _, c in seen) / len(seen)
+            slope = (sum((n - mean_n) * (c - mean_c) for n, c in seen) / sum((n - mean_n) ** 2 for n, _ in seen))
+            return max(mean_c + max(slope, 0.0) * (rows - mean_n), one)
+        if seen:
+            n, c = seen[0]
+            return max(c + self.row_cost * one * (rows - n), one)
+        return one * (1.0 + self.row_cost * (rows - 1))
+
+    def speedup(self, depth: int, source: str, drafter: str, acceptance: float | None = None) -> float:
+        """Expected tokens per second of a step drafting `depth` over a plain step's."""
+        one, stall = self.compute.value or 1.0, self.stall.value or 0.0
         ds = self.draft_s.get(drafter)
-        return draft_speedup(depth, self.acceptance(source), self.compute.value or 1.0, self.stall.value or 0.0,
-                             self.union(depth + 1), self.row_cost.value, ds.value if ds and ds.value else 0.0)
+        cost = (self.compute_of(depth + 1) + stall * self.union(depth + 1)
+                + depth * (ds.value if ds is not None and ds.value else 0.0))
+        a = self.acceptance(source) if acceptance is None else acceptance
+        return expected_tokens(depth, a) * (one + stall) / cost if cost > 0 else 1.0
 
     def depth(self, available: int, source: str, drafter: str) -> tuple[int, str]:
         """(depth, why) for a step whose drafter offers `available` tokens."""
@@ -186,20 +225,51 @@ class Gate:
             return available, "fixed"
         if self.compute.value is None:
             return 0, "measuring"  # no plain step measured yet: nothing to compare a verify with
-        best, best_rate = 0, 1.0
-        for k in range(1, available + 1):
-            rate = self.speedup(k, source, drafter)
-            if rate > best_rate:
-                best, best_rate = k, rate
+        self._steps_since += 1
+        if self._steps_since > REDECIDE:
+            self._decided.clear()
+            self._hopeless = None
+            self._steps_since = 0
+        key = (available, source, drafter)
+        best = self._decided.get(key)
+        if best is None:
+            best, best_rate = 0, 1.0
+            for k in range(1, available + 1):
+                rate = self.speedup(k, source, drafter)
+                if rate > best_rate:
+                    best, best_rate = k, rate
+            self._decided[key] = best
         if best:
             self._explore_at = EXPLORE_FIRST
             return best, "drafted"
         self._skipped += 1
-        if self._skipped >= self._explore_at:  # try once more: the text or the cache may have changed
+        if self._skipped >= self._explore_wait(available):  # try once more: the text or the cache may have changed
             self._skipped = 0
             self._explore_at *= 2
-            return 1, "explored"
+            return available, "explored"  # the whole offer: its acceptance and its cost, measured
         return 0, "gated off"
+
+    def idle_steps(self) -> int:
+        """Plain steps to take without asking for drafts: none while some kind of draft could pay,
+        else the steps left until the next trial (which the gated-off count then reaches).
+        'Could pay': some depth beats a plain step even if every draft were accepted; re-read
+        every REDECIDE steps, as the decisions are."""
+        if self.policy != "gate" or self.compute.value is None:
+            return 0
+        if self._hopeless is None:
+            self._hopeless = all(self.speedup(k, "", "", acceptance=1.0) <= 1.0 for k in range(1, self.max_depth + 1))
+        return max(self._explore_wait(self.max_depth) - self._skipped - 1, 0) if self._hopeless else 0
+
+    def _explore_wait(self, depth: int) -> int:
+        """Gated-off steps before a trial of `depth`: the doubling interval, and at least enough plain
+        steps that the trial's expected cost is EXPLORE_SHARE of their time (where a verify costs
+        many plain steps, it is tried that much more rarely)."""
+        one = self.compute.value or 1.0
+        return max(self._explore_at, math.ceil(self.compute_of(depth + 1) / (one * EXPLORE_SHARE)))
+
+    def skipped(self, steps: int) -> None:
+        """`steps` plain steps were taken without asking (idle_steps): they count towards the next trial."""
+        self._skipped += steps
 
     def observe(self, rows: int, seconds: float, stall: float, nbytes: int) -> None:
         """A step of `rows` rows took `seconds`, `stall` of them waiting on reads of `nbytes`."""
@@ -209,8 +279,8 @@ class Gate:
             self.stall.add(stall)
             self.bytes.add(nbytes)
             return
-        if self.compute.value:
-            self.row_cost.add(max(0.0, (compute / self.compute.value - 1.0) / (rows - 1)))
+        self.verify_compute.setdefault(rows, _Running()).add(compute)
+        self._hopeless = None
         prior = self.union_prior(rows)
         if self.bytes.value and nbytes > 0 and prior > 1.0:
             # the exponent that makes the prior's union match what the store really read
@@ -221,6 +291,8 @@ class Gate:
             self.draft_s.setdefault(drafter, _Running()).add(seconds / tokens)
 
     def observe_accept(self, source: str, accepted: int, tested: int) -> None:
+        for key in [k for k in self._decided if k[1] == source]:  # its acceptance moved: decide again
+            del self._decided[key]
         counts = self.accept.setdefault(source, [0.0, 0.0])
         counts[0] = counts[0] * ACCEPT_DECAY + accepted
         counts[1] = counts[1] * ACCEPT_DECAY + (tested - accepted)
@@ -275,6 +347,13 @@ class Speculator:
             left = steps.max_new_tokens - len(gen.output_ids)
             if left <= 0 or (steps.stop_ids and token in steps.stop_ids):
                 return
+            idle = gate.idle_steps()
+            if idle:  # no draft can pay here now: plain steps, as generate's own loop takes them
+                done, token, pos, taken = self._plain(steps, gen, token, pos, min(idle, left), seq)
+                gate.skipped(taken)
+                if done:
+                    return
+                continue
             t0 = time.perf_counter()
             io0 = self._io()
             # At most: the tokens still wanted less the one every step gives, the context, the ring.
@@ -313,6 +392,28 @@ class Speculator:
                 return
             pos += 1 + accepted
             token = emitted[-1]
+
+    def _plain(self, steps: Steps, gen, token: int, pos: int, count: int, seq: list[int]):
+        """Up to `count` plain decode steps (the gate counts them gated off)
+        → (stopped, token, pos, steps taken)."""
+        engine, sampler, stats = self.engine, steps.sampler, self.stats
+        for taken in range(count):
+            if steps.stop_ids and token in steps.stop_ids:
+                return True, token, pos, taken
+            t = time.perf_counter()
+            logits = engine.forward([token], pos)
+            raw = logits[-1]
+            token = sampler.pick(steps.shape(raw))
+            steps.record(token, raw)
+            gen.token_seconds.append(time.perf_counter() - t)
+            pos += 1
+            seq.append(token)
+            stats.steps += 1
+            stats.emitted += 1
+            stats.decide(0, "gated off")
+            if steps.finished(token) or len(gen.output_ids) >= steps.max_new_tokens:
+                return True, token, pos, taken + 1
+        return False, token, pos, count
 
     def _accept(self, steps: Steps, gen, logits: torch.Tensor, drafts: list[int], t0: float):
         """Row by row (module doc): emit tokens through generate's bookkeeping until a draft is
