@@ -159,11 +159,14 @@ class FixedDrafter:
     def __init__(self, seq, tokens):
         self.seq, self.tokens = seq, tokens
 
+    def offer(self, k):
+        return k, "fixed"
+
     def propose(self, k):
         n = len(self.seq)
         return Draft([self.tokens[(n + i) % len(self.tokens)] for i in range(k)], "fixed")
 
-    def accepted(self, hidden=None):
+    def accepted(self):
         pass
 
 
@@ -335,15 +338,16 @@ def test_gate_off_run_is_the_plain_run(tmp_path):
 
 def test_prompt_lookup_longest_recent_match():
     seq = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
-    d = PromptLookup(seq).propose(3)
-    assert d.tokens == [7, 5, 1] and d.source == "lookup-3"  # the most recent "1 2 3" is followed by 7
+    lookup = PromptLookup(seq)
+    assert lookup.offer(3) == (3, "lookup-3")
+    assert lookup.propose(2) == Draft([7, 5], "lookup-3")  # the most recent "1 2 3" is followed by 7
     seq = [4, 4, 8]
     lookup = PromptLookup(seq)
-    assert lookup.propose(2).tokens == []  # "8" never seen before
+    assert lookup.offer(2) == (0, "")  # "8" never seen before
     seq.append(4)
-    assert lookup.propose(2) == Draft([8, 4], "lookup-1")  # "4" last seen at 1: followed by 8, 4
+    assert lookup.offer(2) == (2, "lookup-1") and lookup.propose(2) == Draft([8, 4], "lookup-1")  # "4" last at 1
     seq += [4]
-    assert lookup.propose(2) == Draft([8, 4], "lookup-2")  # "4 4" seen at 0
+    assert lookup.offer(2) == (2, "lookup-2") and lookup.propose(2).tokens == [8, 4]  # "4 4" seen at 0
 
 
 def test_prompt_lookup_on_repeated_text_accepts_nearly_all(tmp_path):

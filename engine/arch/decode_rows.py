@@ -42,10 +42,13 @@ from engine.arch.layers import native_quant_operands, rms_norm, route_layer, swi
 from engine.weights.stored import linear
 
 
-def forward_rows(model, tokens: torch.Tensor, positions: list[int], kvs: list) -> torch.Tensor:
+def forward_rows(model, tokens: torch.Tensor, positions: list[int], kvs: list,
+                 hidden: list | None = None) -> torch.Tensor:
     """tokens [B] → fp32 logits [B, V]; row b writes its K/V at positions[b] of kvs[b].
 
-    Rows that share a cache must be consecutive positions in increasing order (a verify pass)."""
+    Rows that share a cache must be consecutive positions in increasing order (a verify pass).
+    hidden: a list the rows' final hidden states [B, H] (after the model's norm, what lm_head reads)
+    are appended to: what the MTP drafter reads (engine/arch/mtp.py)."""
     B = tokens.shape[0]
     if B != len(positions) or B != len(kvs):
         raise ValueError(f"{B} tokens, {len(positions)} positions and {len(kvs)} caches: one of each per row")
@@ -84,6 +87,8 @@ def forward_rows(model, tokens: torch.Tensor, positions: list[int], kvs: list) -
         if indexed[b]:
             kvs[b].selection = selections[b]  # what this row's solo step would have left
     x = torch.cat([rms_norm(h, model.w["model.norm.weight"], a.rms_norm_eps) for h in rows])  # [B, H]
+    if hidden is not None:
+        hidden.append(x)
     return _rows_linear(x, model.lm_head).float()  # [B, V]
 
 

@@ -9,7 +9,11 @@ token. Each proposal names its `source`, the bucket the gate keeps its acceptanc
                    of the sequence, found earlier in the prompt or output, propose what followed
                    them there. No model, every architecture; agents copy much of their context.
     MTP            the checkpoint's own multi-token-prediction layer (deepseek_v3, glm4_moe,
-                   glm_moe_dsa).
+                   glm_moe_dsa): engine/run/mtp_drafter.py
+    AutoDrafter    lookup where the text repeats, else the MTP layer
+
+A drafter offers first (how many tokens, of which bucket: what the gate decides on), then proposes
+the k the gate chose: the MTP layer computes only those.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class PromptLookup:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._latest: list[dict[tuple, int]] = [{} for _ in range(max_ngram + 1)]  # per n: n-gram → start
         self._indexed = 0  # sequence length the index covers
+        self._offered = Draft()
 
     def _index(self) -> None:
         seq = self.seq
@@ -54,7 +59,17 @@ class PromptLookup:
                     self._latest[n][tuple(seq[start:start + n])] = start
         self._indexed = len(seq)
 
+    def offer(self, k: int) -> tuple[int, str]:
+        """(tokens it can propose, up to k; their acceptance bucket): the lookup itself, kept for propose."""
+        self._offered = self._lookup(k)
+        return len(self._offered.tokens), self._offered.source
+
     def propose(self, k: int) -> Draft:
+        """The first k tokens of what offer found (the gate chose k)."""
+        d = self._offered
+        return Draft(d.tokens[:k], d.source)
+
+    def _lookup(self, k: int) -> Draft:
         if k <= 0:
             return Draft()
         self._index()
@@ -67,5 +82,32 @@ class PromptLookup:
                     return Draft(follow, f"lookup-{n}")
         return Draft()
 
-    def accepted(self, hidden=None) -> None:
-        """Told after each step (the sequence has grown); the index catches up on the next propose."""
+    def accepted(self) -> None:
+        """Told after each step (the sequence has grown); the index catches up on the next offer."""
+
+
+class AutoDrafter:
+    """Prompt lookup where the text repeats (a match of at least two tokens), else the MTP layer
+    where the checkpoint has one, else a single-token lookup match."""
+
+    name = "auto"
+
+    def __init__(self, lookup: PromptLookup, mtp=None):
+        self.lookup, self.mtp = lookup, mtp
+        self._chosen = lookup
+
+    def offer(self, k: int) -> tuple[int, str]:
+        n, source = self.lookup.offer(k)
+        self._chosen = self.lookup
+        if self.mtp is not None and (n == 0 or source == "lookup-1"):
+            m, mtp_source = self.mtp.offer(k)
+            if m:
+                self._chosen = self.mtp
+                return m, mtp_source
+        return n, source
+
+    def propose(self, k: int) -> Draft:
+        return self._chosen.propose(k)
+
+    def accepted(self) -> None:
+        self.lookup.accepted()

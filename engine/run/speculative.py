@@ -51,7 +51,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from engine.run.drafters import Draft, PromptLookup
+from engine.run.drafters import AutoDrafter, PromptLookup
+from engine.run.mtp_drafter import MtpDrafter
 from engine.run.sampling import Sampler
 
 EXPLORE_FIRST = 16  # gated-off steps before the first trial of a draft (then 32, 64, ...)
@@ -330,7 +331,10 @@ class Speculator:
 
     def drafter_for(self, seq: list[int]):
         """A drafter over one generation's growing sequence (prompt + accepted tokens)."""
-        return PromptLookup(seq)
+        mtp = MtpDrafter(self.engine.mtp, seq) if getattr(self.engine, "mtp", None) is not None else None
+        if self.drafter == "mtp":
+            return mtp
+        return AutoDrafter(PromptLookup(seq), mtp) if self.drafter == "auto" else PromptLookup(seq)
 
     def _io(self) -> tuple[int, float]:
         s = self._store
@@ -359,12 +363,14 @@ class Speculator:
             # At most: the tokens still wanted less the one every step gives, the context, the ring.
             room = min(self.max_depth, left - 1, ctx - 1 - pos, (ring - 1) if ring else self.max_depth,
                        self._last_position - pos if self._last_position is not None else self.max_depth)
-            draft = drafter.propose(room) if room > 0 else Draft()
-            t_draft = time.perf_counter() - t0
-            k, why = gate.depth(len(draft.tokens), draft.source, drafter.name)
-            gate.observe_draft(drafter.name, len(draft.tokens), t_draft)
+            available, source = drafter.offer(room) if room > 0 else (0, "")
+            kind = source.split("-")[0]  # lookup-3 → lookup: whose cost per drafted token
+            k, why = gate.depth(available, source, kind)
             stats.decide(k, why)
-            drafts = draft.tokens[:k]
+            drafts = drafter.propose(k).tokens if k else []
+            k = len(drafts)
+            t_draft = time.perf_counter() - t0
+            gate.observe_draft(kind, k, t_draft)
             if k:
                 logits = engine.verify([token, *drafts], pos)
             else:
@@ -377,7 +383,7 @@ class Speculator:
             # The step's cost without the sampling of its rows: the forward's, as the gate models it.
             gate.observe(k + 1, t_forward - t0 - t_draft, stall, nbytes)
             if k:
-                gate.observe_accept(draft.source, accepted, tested)
+                gate.observe_accept(source, accepted, tested)
                 engine.rollback(pos + 1 + accepted)
                 stats.verify_steps += 1
                 stats.drafted += k
