@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import types
 
+import httpx
+
 import pytest
 import torch
 from scipy.stats import chi2
@@ -379,3 +381,56 @@ def test_draft_knobs_validate():
     with pytest.raises(ConfigError, match="draft_depth must be"):
         EngineConfig(draft_depth=0)
     assert speculative.ACCEPT_PRIOR == (1.0, 1.0)
+
+
+# --- serve: the same answer, and /metrics counts the drafts ------------------------------------------
+
+def test_serve_answers_the_same_with_drafts_and_metrics_count_them(tmp_path):
+    from test_serve import Server
+    d = make_tiny(tmp_path / "m", initializer_range=0.002, routing_skew=0.0)
+    with Engine(d, config()) as e:  # the model's own cycle (test_prompt_lookup_on_repeated_text_...)
+        prompt = generate(e, [5, 17, 33], 48, Sampler()).output_ids[-24:]
+
+    def answer(server):
+        done = server.client().completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0)
+        return done.choices[0].text
+
+    plain = Server(d, EngineConfig(ctx_size=256))
+    try:
+        want = answer(plain)
+    finally:
+        plain.uv.should_exit = True
+    drafting = Server(d, EngineConfig(ctx_size=256, draft="fixed", draft_depth=4))
+    try:
+        assert answer(drafting) == want
+        drafting.wait_idle()
+        assert drafting.metric("colibri_drafted_tokens_total") > 0
+        assert drafting.metric("colibri_draft_accepted_tokens_total") > 0
+        assert drafting.metric("colibri_draft_tokens_per_step") > 1.0
+        text = httpx.get(drafting.base + "/metrics").text
+        assert 'colibri_draft_decisions_total{reason="fixed"}' in text
+    finally:
+        drafting.uv.should_exit = True
+
+
+# --- drafts as prefetch hints ---------------------------------------------------------------------
+
+def test_drafts_hint_the_first_layers_and_change_no_token(tmp_path):
+    """Streaming under a budget: the step's rows (drafts included) hint the first MoE layer, which
+    the model's own lookahead cannot; the store counts those hints in its recall; tokens as resident."""
+    from test_streaming import budget_for_cache
+    d = make_tiny(tmp_path / "m", initializer_range=0.002, routing_skew=0.0)
+    with Engine(d, config()) as e:
+        prompt = generate(e, [5, 17, 33], 48, Sampler()).output_ids[-24:]
+        want = generate(e, prompt, 20, Sampler()).output_ids
+    kw = dict(draft="fixed", draft_depth=3, prefetch_depth=1)
+    budget = budget_for_cache(d, config(**kw), 6) + (2 << 20)
+    recalls = {}
+    for hints in (True, False):
+        with Engine(d, config(ram_budget=budget, **kw)) as e:
+            assert e.plan.streaming and e.speculator.hints
+            e.speculator.hints = hints
+            e.store.reset_stats()
+            assert generate(e, prompt, 20, Sampler()).output_ids == want
+            recalls[hints] = (e.store.recall_total, e.store.stats()["lookahead_recall"])
+    assert recalls[True][0] > recalls[False][0]  # layer 0's lookups now have a prediction to count

@@ -25,6 +25,13 @@ on_token, stop ids, max_new_tokens) in order, so a stop in the middle of a step 
 generation exactly where plain decoding would. Per-token times: the first token of a step carries
 the step's time, the rest the little time after it (what a client streaming the text sees).
 
+Drafts as prefetch hints (when the store streams): before each step, the first MoE layers' experts
+(those the model's own router lookahead, which reads a layer's residual, cannot hint before they
+run) are hinted for the step's rows, drafts included, by each layer's router on the rows'
+embeddings; on a gated-off step also for the lookup's guess at the next token, whose reads then
+land in the cache while this step computes. The store's lookahead_recall counts these hints with
+the model's own.
+
 The gate (policy "gate"): per step, the depth k in 0..draft_depth (no more than the drafter gave)
 that maximises expected tokens per second,
 
@@ -50,7 +57,10 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
+from engine.arch.args import layer_prefix
+from engine.arch.layers import rms_norm, route_layer
 from engine.run.drafters import AutoDrafter, PromptLookup
 from engine.run.mtp_drafter import MtpDrafter
 from engine.run.sampling import Sampler
@@ -321,6 +331,9 @@ class Speculator:
         self.gate = Gate(self.policy, self.max_depth, prior, row_cost)
         self.stats = SpecStats()
         self._store = store if store is not None and store.streams else None
+        # Drafts as prefetch hints (the module doc): the MoE layers nothing else hints before they run
+        self.hints = self._store is not None and a.num_experts > 0 and hasattr(self._store, "hint_experts")
+        self._hinted_layers = [i for i in range(a.num_layers) if a.is_moe_layer(i)][:max(1, config.prefetch_depth)]
         # Dynamic NTK RoPE rescales once a sequence passes the trained length, by the furthest
         # position seen: a verify row beyond it would change later tokens' keys, so no draft reaches it.
         self._last_position = (a.max_position_embeddings - 1 if (a.rope or {}).get("rope_type") == "dynamic"
@@ -371,6 +384,11 @@ class Speculator:
             k = len(drafts)
             t_draft = time.perf_counter() - t0
             gate.observe_draft(kind, k, t_draft)
+            if self.hints:
+                # this step's rows; on a gated-off step also the lookup's guess at the next token
+                # (an MTP guess would cost a layer of compute: not for a hint)
+                guess = drafter.propose(1).tokens if not k and available and kind == "lookup" else []
+                self._hint([token, *drafts, *guess])
             if k:
                 logits = engine.verify([token, *drafts], pos)
             else:
@@ -399,6 +417,19 @@ class Speculator:
             pos += 1 + accepted
             token = emitted[-1]
 
+    def _hint(self, tokens: list[int]) -> None:
+        """Before a step: the first MoE layers' experts (the ones the model's own router lookahead, which
+        starts from a layer's residual, cannot hint in time) for these tokens, predicted by each layer's
+        own norm and router on the tokens' embeddings (the residual entering the first layers is mostly
+        the embedding), as one ascending union per layer: the rows of a verify, and on a gated-off step
+        the draft of the next token, whose reads land in the cache while this step computes."""
+        a, w = self.engine.args, self.engine.model.w
+        x = F.embedding(torch.as_tensor(tokens, dtype=torch.long), w["model.embed_tokens.weight"])  # [n, H]
+        for layer in self._hinted_layers:
+            norm = w[f"{layer_prefix(layer)}.post_attention_layernorm.weight"]
+            ids, _ = route_layer(a, w, layer, rms_norm(x, norm, a.rms_norm_eps), self.engine.model.routing_trim)
+            self._store.hint_experts(layer, sorted(e for e in set(ids.flatten().tolist()) if e >= 0))
+
     def _plain(self, steps: Steps, gen, token: int, pos: int, count: int, seq: list[int]):
         """Up to `count` plain decode steps (the gate counts them gated off)
         → (stopped, token, pos, steps taken)."""
@@ -407,6 +438,8 @@ class Speculator:
             if steps.stop_ids and token in steps.stop_ids:
                 return True, token, pos, taken
             t = time.perf_counter()
+            if self.hints:
+                self._hint([token])
             logits = engine.forward([token], pos)
             raw = logits[-1]
             token = sampler.pick(steps.shape(raw))
