@@ -333,7 +333,8 @@ class Speculator:
         self._store = store if store is not None and store.streams else None
         # Drafts as prefetch hints (the module doc): the MoE layers nothing else hints before they run
         self.hints = self._store is not None and a.num_experts > 0 and hasattr(self._store, "hint_experts")
-        self._hinted_layers = [i for i in range(a.num_layers) if a.is_moe_layer(i)][:max(1, config.prefetch_depth)]
+        self._hinted_layers = ([i for i in range(a.num_layers) if a.is_moe_layer(i)][:max(1, config.prefetch_depth)]
+                               if self.hints else [])
         # Dynamic NTK RoPE rescales once a sequence passes the trained length, by the furthest
         # position seen: a verify row beyond it would change later tokens' keys, so no draft reaches it.
         self._last_position = (a.max_position_embeddings - 1 if (a.rope or {}).get("rope_type") == "dynamic"
