@@ -21,11 +21,12 @@ from scipy.stats import chi2
 
 from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
-from engine.run import speculative
+from engine.run import spec_gate
 from engine.run.drafters import Draft, PromptLookup
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
-from engine.run.speculative import Gate, Speculator, draft_speedup, expected_tokens, independent_union
+from engine.run.spec_gate import Gate, draft_speedup, expected_tokens, independent_union
+from engine.run.speculative import Speculator
 from colibri_hf_models import ARCHS, build
 from colibri_tiny import make_tiny
 
@@ -380,7 +381,7 @@ def test_draft_knobs_validate():
         EngineConfig(draft="always")
     with pytest.raises(ConfigError, match="draft_depth must be"):
         EngineConfig(draft_depth=0)
-    assert speculative.ACCEPT_PRIOR == (1.0, 1.0)
+    assert spec_gate.ACCEPT_PRIOR == (1.0, 1.0)
 
 
 # --- serve: the same answer, and /metrics counts the drafts ------------------------------------------

@@ -24,7 +24,7 @@ from engine.run.generate import Sampler, generate, load_tokenizer, random_prompt
 from engine.movement.io import trace
 from engine.run.run_metrics import SUMMARY_KEYS, envelope, peak_rss_bytes, percentile, rss_file_bytes, run_metrics, spread
 from engine.run.runtime import Engine
-from engine.run.speculative import draft_figures
+from engine.run.spec_gate import draft_figures
 from engine.run.prompts_file import Request, workload_digest
 
 

@@ -75,6 +75,6 @@ class Drafting:
         return {n: self._load_dense(n, self._container, quantized, fp8_kept, fp8_dequantized) for n in names}
 
     def draft_stats(self) -> dict:
-        """Speculative decoding's counters since its reset (engine/run/speculative.py SpecStats): {} when off."""
+        """Speculative decoding's counters since its reset (engine/run/spec_gate.py SpecStats): {} when off."""
         return self.speculator.stats.to_dict() if self.speculator is not None else {}
 

@@ -1,6 +1,6 @@
 """What speculative decoding would do to decode speed: `colibri plan --accept-rate`, and `doctor`.
 
-The engine's gate (engine/run/speculative.py) decides each step's depth from what it measures;
+The engine's gate (engine/run/spec_gate.py) decides each step's depth from what it measures;
 this predicts the same trade before anything runs, from the profile and the routing model. A
 step drafting k tokens verifies n = k + 1 rows in one forward pass, whose terms (predict.combine)
 scale from the plain token's:
