@@ -138,6 +138,10 @@ def _tools(body: dict) -> dict:
             fn = {"name": t["name"], "parameters": t["input_schema"]}
             if t.get("description") is not None:
                 fn["description"] = t["description"]
+            if t.get("strict") is not None:  # Anthropic's strict tool use: the arguments follow the schema
+                if not isinstance(t["strict"], bool):
+                    raise bad(f"tools[{i}].strict", "must be true or false")
+                fn["strict"] = t["strict"]
             converted.append({"type": "function", "function": fn})
         out["tools"] = converted
     choice = body.get("tool_choice")
@@ -203,6 +207,8 @@ def parse_messages(body) -> ChatRequest:
 
 def _renamed(exc: ApiError) -> ApiError:
     name = RENAMED.get(exc.param, exc.param)
+    if name and name.startswith("tools["):  # the OpenAI shape's names of a converted tool field
+        name = name.replace(".function.parameters", ".input_schema").replace(".function.", ".")
     message = exc.message.replace(f"{exc.param}:", f"{name}:", 1) if exc.param else exc.message
     return ApiError(exc.status, message, param=name, code=exc.code)
 
@@ -292,7 +298,10 @@ def _sse(name: str, data: dict) -> str:
 async def messages_endpoint(request, state, body) -> Response:
     try:
         req = parse_messages(body)
-        ids, output = _prompt(state, req)
+        try:
+            ids, output = _prompt(state, req)
+        except ApiError as exc:
+            raise _renamed(exc) from None
         special = req.tools.engaged
         run = JobRun(state.worker, ids, req.sampling, special_text=special)
     except ApiError as exc:

@@ -15,7 +15,9 @@ that was never shown how to call.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+from colibri.serve.tools import deepseek_v3, glm4_moe, harmony, hermes
 from colibri.serve.tools.base import BlockParser, ToolCall
 from colibri.serve.tools.deepseek_v3 import DeepSeekV3Parser
 from colibri.serve.tools.glm4_moe import Glm4MoeParser
@@ -27,15 +29,18 @@ from colibri.serve.tools.hermes import HermesParser
 class ToolFormat:
     name: str
     parser: type
+    # (marks, calls, *, forced, parallel, response_schema) -> the lark grammar of the calls in this
+    # syntax (colibri/serve/tools/constrain.py)
+    grammar: Callable[..., str]
 
     def new_parser(self, tools: list[dict] | None):
         return self.parser(tools)
 
 
-HARMONY = ToolFormat("harmony", HarmonyParser)
-DEEPSEEK_V3 = ToolFormat("deepseek_v3", DeepSeekV3Parser)
-GLM4_MOE = ToolFormat("glm4_moe", Glm4MoeParser)
-HERMES = ToolFormat("hermes", HermesParser)
+HARMONY = ToolFormat("harmony", HarmonyParser, harmony.grammar)
+DEEPSEEK_V3 = ToolFormat("deepseek_v3", DeepSeekV3Parser, deepseek_v3.grammar)
+GLM4_MOE = ToolFormat("glm4_moe", Glm4MoeParser, glm4_moe.grammar)
+HERMES = ToolFormat("hermes", HermesParser, hermes.grammar)
 FORMATS = (HARMONY, DEEPSEEK_V3, GLM4_MOE, HERMES)
 
 

@@ -17,13 +17,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine.api import ColibriError
 from colibri.serve.jobrun import JobRun
 from colibri.serve.shapes import usage
-from colibri.serve.protocol import ApiError, ChatRequest
+from colibri.serve.protocol import ApiError, ChatRequest, bad
 from colibri.serve.tools import detect_format
+from colibri.serve.tools.constrain import tool_grammar
+from colibri.serve.tools.request import FieldError
 from colibri.serve.tools.output import ToolOutput, whole
 
 
 def tool_prompt(state, req: ChatRequest, param: str = "tools") -> tuple[list[int], ToolOutput]:
-    """The prompt's token ids with the offered tools rendered, and the answer's parser."""
+    """The prompt's token ids with the offered tools rendered, and the answer's parser; the calls'
+    grammar, when the request asks for one, goes into its sampling (colibri/serve/tools/constrain.py)."""
     fmt = detect_format(state.template.text)
     if fmt is None:
         raise ApiError(400, f"{param}: this model's chat template ({state.template.source}) has no tool-call "
@@ -35,6 +38,12 @@ def tool_prompt(state, req: ChatRequest, param: str = "tools") -> tuple[list[int
     except ColibriError as exc:
         raise ApiError(400, str(exc), param="messages") from None
     ids = state.tokenizer.encode(prompt, add_special_tokens=False).ids
+    try:
+        grammar = tool_grammar(fmt, req.tools, state.tool_marks(), req.response_schema)
+    except FieldError as exc:
+        raise bad(exc.param, exc.message) from None
+    if grammar is not None:
+        req.sampling.grammar = grammar
     return ids, ToolOutput(fmt.new_parser(offered), req.tools)
 
 

@@ -16,11 +16,15 @@ tools are in play (worker.py, Job.special_text), or there would be nothing to pa
 
 from __future__ import annotations
 
+import json
 import re
 
 from colibri.serve.tools.base import ToolCall, held_prefix, json_object
+from colibri.serve.tools.constrain import alternatives
+from colibri.serve.tools.request import FieldError
 
 MESSAGE = "<|message|>"
+CHANNEL_MARK, CONSTRAIN, START, END = "<|channel|>", "<|constrain|>", "<|start|>", "<|end|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
 CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 RECIPIENT = re.compile(r"\bto=([^\s<]+)")
@@ -92,3 +96,39 @@ class HarmonyParser:
         if self.kind == "raw":
             return [("content", self.raw + body)]
         return []
+
+
+def grammar(marks, calls, *, forced: bool, parallel: bool, response_schema=None) -> str:
+    """Harmony's calls (colibri/serve/tools/constrain.py). The prompt ends with `<|start|>assistant`,
+    so the answer starts at a header. Forced, it is one call in the model card's form:
+    `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}` (no reasoning message
+    first: an analysis has no bound). Auto, any messages without a recipient (reasoning, preamble,
+    final answer), and once a header says `to=functions.`, the call. `<|call|>` ends a turn, so a
+    turn holds one call whatever `parallel_tool_calls` says."""
+    if response_schema is not None:
+        raise FieldError("response_format", "with tools is not supported for gpt-oss's harmony format "
+                                            "(its content is a message in a channel, not the answer's text)")
+    m = marks
+    channel, constrain, message = m(CHANNEL_MARK), m(CONSTRAIN), m(MESSAGE)
+    if forced:
+        item, rules = alternatives("harmony_fn", calls,
+                                   lambda c: f"{json.dumps(c.name)} \" \" {constrain} \"json\" {message} {c.args()}")
+        return f'%llguidance {{}}\nstart: {channel} "commentary to=functions." {item}\n' + rules
+    item, rules = alternatives("harmony_fn", calls, lambda c: f"{json.dumps(c.name)} harmony_post {message} {c.args()}")
+    body_end, body_rules = m.until("harmony_body", "BODY", END)
+    to, to_rules = m.until("harmony_to", "RECIPIENT_TEXT", "to=functions.")
+    return ("%llguidance {}\n"
+            f"start: (harmony_header {message} {body_end} {m(START)} \"assistant\")* (harmony_call | harmony_last)\n"
+            f"harmony_last: harmony_header {message} BODY\n"
+            f"harmony_call: (HEADER_TEXT? ({channel} | {constrain}))* {to} {item}\n"
+            f"harmony_header: (HEADER_TEXT | {channel} | {constrain})*\n"
+            # after the name, the header's forms: ` <|constrain|>json` (the model card's),
+            # `<|channel|>commentary json` (the template's), with `<|constrain|>`, or nothing
+            f"harmony_post: (\" \" {constrain} \"json\" | {channel} \"commentary\" "
+            f"(\" json\" | \" \" {constrain} \"json\")?)?\n"
+            + to_rules + rules + body_rules
+            # a header's words (channel names, `json`); no `=`, so no recipient but a function
+            + "HEADER_TEXT: /[A-Za-z0-9_ .]+/\n"
+            + "RECIPIENT_TEXT: /[A-Za-z0-9_ .]*/\n"
+            + f"BODY: {m.text_terminal(ENDS)}\n"
+            + "ANY: /(?s:.*)/\n")

@@ -2,8 +2,8 @@
 `tool_choice` and `parallel_tool_calls` applied, and whitespace between content and calls held so
 that the streamed and the whole answer say the same thing.
 
-Rules, without a grammar engine to force a call (the grammar engine, issue 40 item 2, will
-constrain required/named calls so that they always parse):
+Rules (with tool_choice required or named, or strict functions, the grammar of
+colibri/serve/tools/constrain.py already keeps the answer inside them; these hold for the rest):
   - a named `tool_choice`: a call to any other function is given back as content;
   - `parallel_tool_calls` false: calls after the first are dropped;
   - whitespace that only separates content from a call ("Let me check.\\n\\n<tool_call>") is dropped;
