@@ -22,7 +22,7 @@ import uuid
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.api import ColibriError
-from colibri.serve.jobrun import JobRun
+from colibri.serve.jobrun import SHUTDOWN, JobRun
 from colibri.serve.protocol import MAX_MESSAGES, ApiError, ChatRequest, bad, parse_sampling
 from colibri.serve.tools.base import ToolCall
 from colibri.serve.tools.chat import tool_prompt
@@ -303,7 +303,7 @@ async def messages_endpoint(request, state, body) -> Response:
         except ApiError as exc:
             raise _renamed(exc) from None
         special = req.tools.engaged
-        run = JobRun(state.worker, ids, req.sampling, special_text=special)
+        run = JobRun(state, ids, req.sampling, special_text=special)
     except ApiError as exc:
         return anthropic_error(exc)
     except ColibriError as exc:  # the input's fault by definition (a prompt the tokenizer refused)
@@ -313,7 +313,10 @@ async def messages_endpoint(request, state, body) -> Response:
     if req.sampling.stream:
         return StreamingResponse(_stream(run, output, req, ident, state.model_id, len(ids), decode),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    got = await run.collect(request)
+    try:
+        got = await run.collect(request)
+    except ApiError as exc:  # the server is stopping
+        return anthropic_error(exc)
     if got is None:
         return Response(status_code=499)
     text, result = got
@@ -341,6 +344,10 @@ async def _stream(run: JobRun, output: ToolOutput, req: ChatRequest, ident: str,
                 for event in maker.events(output.feed(value)):
                     yield _sse(*event)
                 continue
+            if kind == "shutdown":  # Anthropic's streams end with an error event, no [DONE]
+                yield _sse("error", {"type": "error", "error": {"type": ERROR_TYPES[SHUTDOWN.status],
+                                                               "message": SHUTDOWN.message}})
+                return
             if value.finish_reason == "error":
                 yield _sse("error", {"type": "error", "error": {"type": "api_error",
                                                                "message": f"generation failed: {value.error}"}})

@@ -34,7 +34,7 @@ from engine.api import ColibriError, loads_limited
 from colibri.serve.anthropic import anthropic_error, check_key, count_tokens_endpoint, messages_endpoint
 from colibri.serve.prometheus import ServerMetrics
 from colibri.serve.protocol import ApiError, Sampling, parse_chat, parse_completion
-from colibri.serve.jobrun import Bridge
+from colibri.serve.jobrun import SHUTDOWN, Bridge
 from colibri.serve.shapes import ChatShape, CompletionShape, TokenText, usage
 from colibri.serve.structured import parse_response_format
 from colibri.serve.tools.chat import tool_chat_completion
@@ -111,10 +111,6 @@ def _check_unicode(body) -> None:
         bad = exc.object[exc.start:exc.end].encode("unicode_escape").decode("ascii")
         raise ApiError(400, f"the request body holds a lone UTF-16 surrogate ({bad}) in a string: "
                             "not text a tokenizer can take") from None
-
-
-SHUTDOWN = ApiError(503, "the server is shutting down: this generation was stopped", type="server_error",
-                    code="server_shutdown")
 
 
 def build_app(state: ServeState) -> Starlette:

@@ -15,7 +15,7 @@ import uuid
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.api import ColibriError
-from colibri.serve.jobrun import JobRun
+from colibri.serve.jobrun import SHUTDOWN, JobRun
 from colibri.serve.shapes import usage
 from colibri.serve.protocol import ApiError, ChatRequest, bad
 from colibri.serve.tools import detect_format
@@ -56,7 +56,7 @@ async def tool_chat_completion(request, state, req: ChatRequest) -> Response:
     if req.sampling.logprobs is not None:  # refused by name, never dropped: this route does not report them yet
         raise ApiError(400, "logprobs: not reported for an answer with tools (yet)", param="logprobs")
     ids, output = tool_prompt(state, req)
-    run = JobRun(state.worker, ids, req.sampling, special_text=True)
+    run = JobRun(state, ids, req.sampling, special_text=True)
     ident, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", state.model_id
     if req.sampling.stream:
         return StreamingResponse(_sse(run, output, ident, model, req.sampling.include_usage),
@@ -119,7 +119,9 @@ async def _sse(run: JobRun, output: ToolOutput, ident: str, model: str, include_
                 for chunk in maker.events(output.feed(value)):
                     yield _event(chunk)
                 continue
-            if value.finish_reason == "error":
+            if kind == "shutdown":
+                yield _event(SHUTDOWN.body())
+            elif value.finish_reason == "error":
                 yield _event(ApiError(500, f"generation failed: {value.error}", type="server_error").body())
             else:
                 for chunk in maker.events(output.finish()):
