@@ -165,3 +165,23 @@ def test_response_format_with_tools_is_its_json_or_calls(family_server):
         else:
             assert r.choices[0].finish_reason == "stop"
             jsonschema.validate(json.loads(message.content), answer)
+
+
+def test_arguments_stream_as_they_are_generated(family_server):
+    """OpenAI sends a call's `function.arguments` in pieces as the model writes them: the name
+    first, then the arguments' text across many chunks (GLM's key/value pairs are JSON only once the
+    call is whole, so its arguments come in one piece)."""
+    family, _model, server = family_server
+    chunks = list(server.client().chat.completions.create(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        max_tokens=MAX_TOKENS, temperature=1, seed=3, stream=True))
+    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0].function.name in SCHEMAS and deltas[0].id and deltas[0].function.arguments == ""
+    pieces = [d.function.arguments for d in deltas[1:]]
+    assert all(d.index == 0 and d.function.name is None for d in deltas[1:])
+    arguments = "".join(pieces)
+    jsonschema.validate(json.loads(arguments), SCHEMAS[deltas[0].function.name])
+    if family == "glm4_moe":
+        assert len(pieces) == 1
+    else:
+        assert len(pieces) > 3, pieces  # one per token or so, not the whole at the end

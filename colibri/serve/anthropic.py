@@ -223,9 +223,33 @@ def _prompt(state, req: ChatRequest):
     return state.tokenizer.encode(prompt, add_special_tokens=False).ids, ToolOutput(PlainParser(), req.tools)
 
 
+def tool_input(call: ToolCall) -> dict | None:
+    """A call's arguments as tool_use's `input`, or None when they are no JSON object (a call
+    without a grammar, or cut by max_tokens): Anthropic's `input` is an object, so such a call is
+    given back as its text."""
+    try:
+        value = call.input()
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def tool_use(call: ToolCall) -> dict:
     return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
-            "input": call.input()}
+            "input": tool_input(call)}
+
+
+def blocks(content: str | None, calls: list[ToolCall]) -> list[dict]:
+    """A whole answer's content blocks: its text, then its calls (one that is no object, as text)."""
+    out = [{"type": "text", "text": content}] if content else []
+    for call in calls:
+        if tool_input(call) is not None:
+            out.append(tool_use(call))
+        elif out and out[-1]["type"] == "text":
+            out[-1]["text"] += call.raw
+        else:
+            out.append({"type": "text", "text": call.raw})
+    return out
 
 
 def stop_details(result, text: str, stops: list[str], decode) -> tuple[str, str | None]:
@@ -248,6 +272,7 @@ class EventMaker:
         self.ident, self.model, self.input_tokens = ident, model, input_tokens
         self.index = 0
         self.text_open = False
+        self.used = False  # a tool_use block was sent
 
     def start(self) -> list[tuple]:
         return [("message_start", {"type": "message_start", "message": {
@@ -273,7 +298,13 @@ class EventMaker:
                 out.append(("content_block_delta", {"type": "content_block_delta", "index": self.index,
                                                     "delta": {"type": "text_delta", "text": value}}))
                 continue
+            if kind not in ("call", "call_end"):  # a call's pieces: it is sent whole once it ends
+                continue
+            if tool_input(value) is None:  # arguments that are no JSON object: the model's text
+                out += self.events([("content", value.raw)])
+                continue
             out += self._close_text()
+            self.used = True
             block = {**tool_use(value), "input": {}}
             out += [("content_block_start", {"type": "content_block_start", "index": self.index,
                                              "content_block": block}),
@@ -323,11 +354,13 @@ async def messages_endpoint(request, state, body) -> Response:
     if result.finish_reason == "error":
         return anthropic_error(ApiError(500, f"generation failed: {result.error}", type="server_error"))
     content, calls = whole(output, text)
-    blocks = ([{"type": "text", "text": content}] if content else []) + [tool_use(c) for c in calls]
-    reason, sequence = ("tool_use", None) if output.finish_reason(result.finish_reason) == "tool_calls" else \
-        stop_details(result, text, req.sampling.stop, decode)
+    answer = blocks(content, calls)
+    if any(b["type"] == "tool_use" for b in answer) and output.finish_reason(result.finish_reason) == "tool_calls":
+        reason, sequence = "tool_use", None
+    else:
+        reason, sequence = stop_details(result, text, req.sampling.stop, decode)
     return JSONResponse({"id": ident, "type": "message", "role": "assistant", "model": state.model_id,
-                         "content": blocks, "stop_reason": reason, "stop_sequence": sequence,
+                         "content": answer, "stop_reason": reason, "stop_sequence": sequence,
                          "usage": {"input_tokens": len(ids), "output_tokens": len(result.output_ids)}})
 
 
@@ -353,8 +386,10 @@ async def _stream(run: JobRun, output: ToolOutput, req: ChatRequest, ident: str,
                                                                "message": f"generation failed: {value.error}"}})
                 return
             events = maker.events(output.finish())
-            reason, sequence = ("tool_use", None) if output.finish_reason(value.finish_reason) == "tool_calls" else \
-                stop_details(value, "".join(text), req.sampling.stop, decode)
+            if maker.used and output.finish_reason(value.finish_reason) == "tool_calls":
+                reason, sequence = "tool_use", None
+            else:
+                reason, sequence = stop_details(value, "".join(text), req.sampling.stop, decode)
             for event in events + maker.end(reason, sequence, len(value.output_ids)):
                 yield _sse(*event)
             return

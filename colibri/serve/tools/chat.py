@@ -1,9 +1,10 @@
 """POST /v1/chat/completions with `tools`: the prompt rendered with the tools through the model's
 chat template, the answer parsed back into OpenAI `tool_calls`, whole or streamed.
 
-Streamed, a call arrives as two deltas once its block is complete: the first with its index, id,
-type and name (arguments ""), the second with the whole arguments text. OpenAI's clients join
-argument pieces however they are cut, so one piece is a valid stream.
+Streamed, a call's first delta has its index, id, type and name (arguments ""), and its arguments
+follow in pieces as the model writes them, as OpenAI streams them (Hermes, DeepSeek-V3 and harmony
+calls, once their arguments' object opens: colibri/serve/tools/base.py); a call read only at its
+block's end (GLM's key/value pairs, a head no pattern reads) sends its arguments in one piece.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class ChunkMaker:
     def __init__(self, ident: str, model: str):
         self.ident, self.model, self.created = ident, model, int(time.time())
         self.index = 0
+        self.indices: dict[str, int] = {}  # call id → its index in tool_calls
 
     def chunk(self, delta: dict, finish: str | None = None) -> dict:
         return {"id": self.ident, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -96,13 +98,20 @@ class ChunkMaker:
         for kind, value in events:
             if kind == "content":
                 out.append(self.chunk({"content": value}))
-                continue
-            head = openai_call(value, self.index)
-            head["function"] = {"name": value.name, "arguments": ""}
-            out.append(self.chunk({"tool_calls": [head]}))
-            out.append(self.chunk({"tool_calls": [{"index": self.index, "function": {"arguments": value.arguments}}]}))
-            self.index += 1
+            elif kind in ("call", "call_begin"):
+                head = openai_call(value, self.index)
+                head["function"] = {"name": value.name, "arguments": ""}
+                out.append(self.chunk({"tool_calls": [head]}))
+                self.indices[value.id] = self.index
+                self.index += 1
+                if kind == "call":
+                    out.append(self._arguments(value, value.arguments))
+            elif kind == "call_args":
+                out.append(self._arguments(*value))
         return out
+
+    def _arguments(self, call, piece: str) -> dict:
+        return self.chunk({"tool_calls": [{"index": self.indices[call.id], "function": {"arguments": piece}}]})
 
 
 def _event(obj: dict) -> str:

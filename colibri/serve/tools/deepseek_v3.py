@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from colibri.serve.tools.base import BlockParser, ToolCall, json_object
+from colibri.serve.tools.base import BlockParser, Head, ToolCall, json_object
 from colibri.serve.tools.constrain import alternatives, block_grammar
 
 SEP = "<｜tool▁sep｜>"
@@ -24,6 +24,8 @@ class DeepSeekV3Parser(BlockParser):
     OPEN = "<｜tool▁call▁begin｜>"
     CLOSE = "<｜tool▁call▁end｜>"
     DROP = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+    # V3's `function<sep>NAME\n```json\n` and V3.1's `NAME<sep>`: the arguments stream from here
+    HEADS = (Head(" ", "function", " ", SEP, " ", "NAME", " ", FENCE, " "), Head(" ", "NAME", " ", SEP, " "))
 
     def parse_block(self, body: str) -> list[ToolCall] | None:
         head, sep, rest = body.partition(SEP)

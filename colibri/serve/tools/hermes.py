@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from colibri.serve.tools.base import BlockParser, ToolCall, json_object
+from colibri.serve.tools.base import BlockParser, Head, ToolCall, json_object
 from colibri.serve.tools.constrain import alternatives, block_grammar
 
 # A call's text up to its arguments, as the template renders it (and the grammar writes it).
@@ -22,6 +22,9 @@ HEAD = '{{"name": "{name}", "arguments": '
 class HermesParser(BlockParser):
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
+    # `{"name": "f", "arguments": ` (or "parameters"): the arguments stream from here
+    HEADS = tuple(Head(" ", "{", " ", '"name"', " ", ":", " ", '"', "NAME", '"', " ", ",", " ", f'"{key}"', " ",
+                       ":", " ") for key in ("arguments", "parameters"))
 
     def parse_block(self, body: str) -> list[ToolCall] | None:
         try:
