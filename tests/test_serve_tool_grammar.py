@@ -185,3 +185,16 @@ def test_arguments_stream_as_they_are_generated(family_server):
         assert len(pieces) == 1
     else:
         assert len(pieces) > 3, pieces  # one per token or so, not the whole at the end
+
+
+def test_an_unseeded_answer_with_tools_names_its_seed_and_replays(family_server):
+    _family, _model, server = family_server
+    client = server.client()
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS, temperature=1)
+    raw = client.chat.completions.with_raw_response.create(**kw)
+    first = raw.parse()
+    seed = int(raw.headers["x-colibri-seed"])
+    assert first.to_dict()["seed"] == seed
+    again = client.chat.completions.create(**kw, seed=seed)
+    assert [(c.function.name, c.function.arguments) for c in again.choices[0].message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in first.choices[0].message.tool_calls]

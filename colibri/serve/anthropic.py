@@ -341,9 +341,10 @@ async def messages_endpoint(request, state, body) -> Response:
         return anthropic_error(ApiError(400, str(exc)))
     decode = (lambda t: state.tokenizer.decode(t, skip_special_tokens=not special))
     ident = f"msg_{uuid.uuid4().hex[:24]}"
+    headers = {"x-colibri-seed": str(req.sampling.seed)}  # Anthropic's body has no seed field: the header
     if req.sampling.stream:
         return StreamingResponse(_stream(run, output, req, ident, state.model_id, len(ids), decode),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
     try:
         got = await run.collect(request)
     except ApiError as exc:  # the server is stopping
@@ -361,7 +362,8 @@ async def messages_endpoint(request, state, body) -> Response:
         reason, sequence = stop_details(result, text, req.sampling.stop, decode)
     return JSONResponse({"id": ident, "type": "message", "role": "assistant", "model": state.model_id,
                          "content": answer, "stop_reason": reason, "stop_sequence": sequence,
-                         "usage": {"input_tokens": len(ids), "output_tokens": len(result.output_ids)}})
+                         "usage": {"input_tokens": len(ids), "output_tokens": len(result.output_ids)}},
+                        headers=headers)
 
 
 async def _stream(run: JobRun, output: ToolOutput, req: ChatRequest, ident: str, model: str, input_tokens: int,

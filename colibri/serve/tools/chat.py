@@ -59,9 +59,11 @@ async def tool_chat_completion(request, state, req: ChatRequest) -> Response:
     ids, output = tool_prompt(state, req)
     run = JobRun(state, ids, req.sampling, special_text=True)
     ident, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", state.model_id
+    seed = req.sampling.seed  # named in every answer, as the other routes do, so it can be replayed
+    headers = {"x-colibri-seed": str(seed)}
     if req.sampling.stream:
-        return StreamingResponse(_sse(run, output, ident, model, req.sampling.include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(_sse(run, output, ident, model, req.sampling.include_usage, seed),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
     got = await run.collect(request)
     if got is None:
         return Response(status_code=499)
@@ -73,21 +75,22 @@ async def tool_chat_completion(request, state, req: ChatRequest) -> Response:
     if calls:
         message["tool_calls"] = [openai_call(c) for c in calls]
     return JSONResponse({"id": ident, "object": "chat.completion", "created": int(time.time()), "model": model,
-                         "choices": [{"index": 0, "message": message, "logprobs": None,
-                                      "finish_reason": output.finish_reason(result.finish_reason)}],
-                         "usage": usage(result)})
+                         "seed": seed, "choices": [{"index": 0, "message": message, "logprobs": None,
+                                                    "finish_reason": output.finish_reason(result.finish_reason)}],
+                         "usage": usage(result)}, headers=headers)
 
 
 class ChunkMaker:
     """Chat completion chunks for one streamed answer (pure: tested without a server)."""
 
-    def __init__(self, ident: str, model: str):
-        self.ident, self.model, self.created = ident, model, int(time.time())
+    def __init__(self, ident: str, model: str, seed: int | None = None):
+        self.ident, self.model, self.created, self.seed = ident, model, int(time.time()), seed
         self.index = 0
         self.indices: dict[str, int] = {}  # call id → its index in tool_calls
 
     def chunk(self, delta: dict, finish: str | None = None) -> dict:
         return {"id": self.ident, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                **({"seed": self.seed} if self.seed is not None else {}),
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
     def opening(self) -> dict:
@@ -118,8 +121,8 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _sse(run: JobRun, output: ToolOutput, ident: str, model: str, include_usage: bool):
-    maker = ChunkMaker(ident, model)
+async def _sse(run: JobRun, output: ToolOutput, ident: str, model: str, include_usage: bool, seed: int):
+    maker = ChunkMaker(ident, model, seed)
     try:
         yield _event(maker.opening())
         while True:
