@@ -405,5 +405,5 @@ async def count_tokens_endpoint(request, state, body) -> Response:
         req = parse_messages({**(body if isinstance(body, dict) else {}), "max_tokens": 1})
         ids, _ = _prompt(state, req)
     except ApiError as exc:
-        return anthropic_error(exc)
+        return anthropic_error(_renamed(exc))
     return JSONResponse({"input_tokens": len(ids)})
