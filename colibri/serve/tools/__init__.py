@@ -1,5 +1,6 @@
-"""Tool calling: which syntax the model writes its calls in, read from its chat template, and a
-parser per syntax (one module each) that turns the answer's text back into OpenAI `tool_calls`.
+"""Tool calling: which syntax the model writes its calls in, read from its chat template, and per
+syntax (one module each) a parser that turns the answer's text back into OpenAI `tool_calls` and
+the grammar that holds a constrained answer to that syntax (colibri/serve/tools/constrain.py).
 
   hermes       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3, Hermes)
   deepseek_v3  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>name ```json ...``` <｜tool▁call▁end｜>`
