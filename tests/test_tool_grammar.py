@@ -114,6 +114,21 @@ def test_forced_calls_always_parse_and_validate(tokenizers, fmt, as_tokens):
         assert names == ({"get_time"} if isinstance(choice, dict) else names) and names, (fmt, choice)
 
 
+@pytest.mark.parametrize("fmt", [f.name for f in FORMATS])
+def test_parallel_forced_calls_each_validate(tokenizers, fmt):
+    tok, gtok = tokenizers[fmt, True]
+    req = parse_tool_fields({"tools": [WEATHER, TIME], "tool_choice": "required"})
+    grammar = tool_grammar(detect_format(TEMPLATE[fmt]), req, Marks.of(tok, {EOS}))
+    counts = []
+    for seed in range(8):
+        text, finished = sample(tok, gtok, grammar, seed)
+        if finished:  # a random model may go on calling until the step limit
+            counts.append(len(check_calls(fmt, req, text)))
+    assert counts and min(counts) >= 1
+    # harmony's `<|call|>` ends a turn: one call per turn whatever parallel_tool_calls says
+    assert max(counts) == 1 if fmt == "harmony" else max(counts) > 1
+
+
 @pytest.mark.parametrize("as_tokens", [False, True], ids=["text-markers", "token-markers"])
 @pytest.mark.parametrize("fmt", [f.name for f in FORMATS])
 def test_auto_with_strict_tools_constrains_a_call_once_it_opens(tokenizers, fmt, as_tokens):
