@@ -88,8 +88,8 @@ def test_streamed_forced_calls_are_the_whole_ones(family_server):
     family, _model, server = family_server
     client = server.client()
     for seed in range(2):
-        kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS,
-                  temperature=1, seed=seed)
+        kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=MAX_TOKENS, temperature=1, seed=seed)
         whole = client.chat.completions.create(**kw)
         with client.chat.completions.stream(**kw) as stream:
             final = stream.get_final_completion()
@@ -192,7 +192,8 @@ def test_arguments_stream_as_they_are_generated(family_server):
 def test_an_unseeded_answer_with_tools_names_its_seed_and_replays(family_server):
     _family, _model, server = family_server
     client = server.client()
-    kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS, temperature=1)
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=MAX_TOKENS, temperature=1)
     raw = client.chat.completions.with_raw_response.create(**kw)
     first = raw.parse()
     seed = int(raw.headers["x-colibri-seed"])
