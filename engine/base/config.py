@@ -190,6 +190,13 @@ class EngineConfig:
     prefill_chunk: int = knob(0, "prompt tokens per prefill group, taken through one layer at a time (the "
                               "memory plan charges one group; 0 = the whole context without a budget, 256 under one)",
                               kind="int", lo=0, hi=CTX_MAX, label="prefill group", short="group")
+    # Sequences decoded together (engine/arch/decode_rows.py: one step over every running sequence,
+    # each routed expert read once for all of them): serve's running batch. The memory plan charges a
+    # KV cache for each. Not searched for one stream's speed (a batch cannot help it); tune's serve
+    # objective searches it.
+    max_batch: int = knob(1, "sequences decoded together in one step (serve: requests running at once); the "
+                          "memory plan charges a KV cache for each", kind="int", lo=1, hi=256, label="max batch",
+                          short="batch")
     kv_dtype: str = knob("auto", "KV cache precision (auto = the compute dtype; int8 / fp8 are lossy)",
                          kind="choice", choices=KV_DTYPES, label="KV dtype", short="kv", lossy=True)
     # Prefix reuse (engine/run/prefix_cache.py): RAM that keeps the KV of recent sequences in

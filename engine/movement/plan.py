@@ -1,6 +1,7 @@
 """The memory plan: what goes where under the budget, decided before anything is loaded.
 
-    budget = dense (resident, compute dtype) + KV (ctx_size, kv_dtype) + read buffers
+    budget = dense (resident, compute dtype) + KV (ctx_size, kv_dtype; one per sequence of max_batch)
+             + read buffers
              + runtime overhead + prefill activations + prefix cache + RAM expert cache
 
 The prefix cache (EngineConfig.prefix_cache, engine/run/prefix_cache.py) is charged whole: its
@@ -190,7 +191,9 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     engine/arch/kv_snapshot.py); None: when the prefix cache is on."""
     dense = _dense_bytes(ckpt, args, getattr(layout, "quant", None), dtype)
     keep = config.prefix_cache > 0 if keep_positions is None else keep_positions
-    kv = kv_snapshot.nbytes(args, config.ctx_size, kv_dtype, keep)
+    # The engine's own cache, and one per further sequence a batch may run (EngineConfig.max_batch).
+    kv = (kv_snapshot.nbytes(args, config.ctx_size, kv_dtype, keep)
+          + (config.max_batch - 1) * kv_snapshot.nbytes(args, config.ctx_size, kv_dtype, False))
     prefix = config.prefix_cache
     # Any prompt up to ctx_size may come: charge the largest sub-chunk one can fill (the group: below).
     transients = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size), dtype)

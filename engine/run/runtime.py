@@ -257,12 +257,40 @@ class Engine:
         if not last_only or t.shape[0] == 1:
             logits = self.model.forward(t, start_pos, self.kv, last_only=last_only)
         else:
-            group = prefill_tokens_per_pass(self.kv.ctx_size, self.plan.prefill_group or t.shape[0])
-            for begin in range(0, t.shape[0], group):
-                logits = self.model.prefill(t[begin:begin + group], start_pos + begin, self.kv, PREFILL_CHUNK)
-                heap.release_freed()  # the group's state and transients, so the next starts from what is live
+            logits = self.prefill_into(self.kv, t, start_pos)
         if len(self.kv_tokens) == start_pos:  # positions before start_pos known: these follow them
             self.kv_tokens.extend(t.tolist())
+        return logits
+
+    # --- several sequences (engine/arch/decode_rows.py; serve's batch) ----------------------------
+
+    def new_cache(self):
+        """A KV cache for another sequence, shaped as the engine's own (ctx_size, kv_dtype): one of the
+        config's max_batch, which the memory plan charged. Positions only, no prefix-cache tier."""
+        return kv_snapshot.allocate(self.args, self.config.ctx_size, self.kv_dtype, self.dtype, False)
+
+    def prefill_into(self, kv, tokens: list[int] | torch.Tensor, start_pos: int) -> torch.Tensor:
+        """The last position's logits [1, V] of tokens written into `kv` at start_pos.., in groups of
+        the plan's prefill_group (Transformer.prefill: each routed expert read once per layer per group)."""
+        t = torch.as_tensor(tokens, dtype=torch.long)
+        if t.shape[0] == 1:
+            return self.model.forward(t, start_pos, kv)
+        group = prefill_tokens_per_pass(kv.ctx_size, self.plan.prefill_group or t.shape[0])
+        for begin in range(0, t.shape[0], group):
+            logits = self.model.prefill(t[begin:begin + group], start_pos + begin, kv, PREFILL_CHUNK)
+            heap.release_freed()  # the group's state and transients, so the next starts from what is live
+        return logits
+
+    def decode_rows(self, tokens: list[int] | torch.Tensor, positions: list[int], kvs: list) -> torch.Tensor:
+        """fp32 logits [B, V]: row b one token at positions[b] of cache kvs[b] (the engine's own or
+        new_cache()'s), each with its solo decode's bits, each routed expert fetched once for the rows."""
+        t = torch.as_tensor(tokens, dtype=torch.long)
+        own = [b for b, kv in enumerate(kvs) if kv is self.kv]  # consecutive positions (decode_rows checks)
+        if own:
+            del self.kv_tokens[positions[own[0]]:]  # rewritten from here, as forward does
+        logits = self.model.forward_rows(t, list(positions), list(kvs))
+        if own and len(self.kv_tokens) == positions[own[0]]:
+            self.kv_tokens.extend(t[own].tolist())
         return logits
 
     # --- prefix reuse (engine/run/prefix_cache.py) -----------------------------------------------
