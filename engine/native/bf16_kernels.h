@@ -56,7 +56,8 @@ inline void dot_rows(const bf16* w, int64_t K, const bf16* x, int64_t begin, int
 // dots each weight row with every row routed to it; here each 32-weight block is loaded once into a
 // register for all R rows, so the weights stream from memory once per call, not once per row. Rows
 // never share an accumulation: row r has its own two accumulators, fed the same blocks in the same
-// order as dot() feeds its pair, and the same horizontal sum, so every output is dot()'s bits.
+// order as dot() feeds its pair, and the same horizontal sum, so every output is dot()'s bits. (One
+// weight stream still: not the several weight rows per pass that dot_rows declines above.)
 template <int R>
 inline void dot_multi(const bf16* w, const bf16* const* x, int64_t K, float* out) {
   __m512 a0[R], a1[R];
