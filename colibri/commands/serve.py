@@ -54,6 +54,8 @@ def reuse_options(args, command: str) -> tuple[EngineConfig, dict]:
     if given.max_batch > 1 and not given.ram_budget:
         defaults["prefill_chunk"] = PREFILL_CHUNK
     config = engine_config_from_args(args, defaults=defaults)
+    if config.draft != "off" and config.max_batch > 1:  # before the model loads (the worker checks it too)
+        raise ConfigError("speculative decoding (--draft) runs one sequence at a time: it goes with --max-batch 1")
     if not config.prefix_cache or not args.kv_disk:
         return config, {}
     kv_dir = run_directory_target(args.kv_dir if args.kv_dir is not None else kv_root(), command=command,

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.api import BatchSequence, Decoding, Generation, GrammarTokenizer, Sampler, Scheduler
+from engine.api import BatchSequence, ConfigError, Decoding, Generation, GrammarTokenizer, Sampler, Scheduler, generate
 from colibri.serve.prometheus import ServerMetrics
 from colibri.serve.protocol import SEED_MAX, ApiError, Sampling
 
@@ -218,6 +218,13 @@ class GenerationWorker:
         self.metrics, self.log = metrics, log
         self.jobs = JobQueue(queue_size)
         self.scheduler = Scheduler(engine)
+        # Speculative decoding (EngineConfig.draft, engine/run/speculative.py) runs inside generate(),
+        # one sequence at a time: with it on, each job runs through generate() in turn.
+        self.serial = getattr(engine, "speculator", None) is not None
+        if self.serial and self.scheduler.max_batch > 1:
+            raise ConfigError("speculative decoding (--draft) runs one sequence at a time: it goes with "
+                              "--max-batch 1")
+        self._serial_busy = False
         self._grammar_tokenizer: GrammarTokenizer | None = None  # built by the first structured request
         # The seq of the most recent jobs as they start (FIFO is checked on it); capped, so a
         # server that runs for weeks does not grow by one entry per request.
@@ -239,11 +246,11 @@ class GenerationWorker:
     @property
     def busy(self) -> bool:
         """Whether a sequence is running (or its group is about to)."""
-        return self.scheduler.active
+        return self.scheduler.active or self._serial_busy
 
     def running(self) -> int:
         """Sequences in the running batch now."""
-        return len(self.scheduler.running)
+        return len(self.scheduler.running) + int(self._serial_busy)
 
     def check_fits(self, prompt_ids: list[int], sampling: Sampling) -> None:
         """Refuse, before it is queued, a request the KV cache or the vocabulary cannot hold; a
@@ -306,6 +313,9 @@ class GenerationWorker:
         while True:
             if not sched.active and not self.jobs.wait():
                 return  # closed, nothing left
+            if self.serial:
+                self._run_serial()
+                continue
             self._start_jobs()
             if not sched.active:
                 continue
@@ -349,6 +359,43 @@ class GenerationWorker:
                 why = f"{type(exc).__name__}: {exc}"
                 self._emit_all(job, "done", lambda: JobResult("", [], "error", len(job.prompt_ids), None, error=why))
 
+    def _run_serial(self) -> None:
+        """The queue's head through generate() (drafting on), as one sequence."""
+        job = self.jobs.pop()
+        if job.cancelled.is_set():
+            with self.metrics.lock:
+                self.metrics.cancelled += 1
+            self._emit_all(job, "done", lambda: JobResult("", [], "cancelled", len(job.prompt_ids), None))
+            return
+        self.started_order.append(job.seq)
+        if len(self.started_order) > STARTED_KEPT:
+            del self.started_order[:-STARTED_KEPT]
+        self._serial_busy = True
+        try:
+            try:
+                choice = _Choice(self, job, 0)
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                self._emit_all(job, "done", lambda: JobResult("", [], "error", len(job.prompt_ids), None, error=why))
+                return
+            seq, d = choice.sequence, choice.sequence.decoding
+            seq.admitted = time.perf_counter()
+            self.metrics.record_wait(seq.wait_seconds)
+            with self._lock:
+                self._running_jobs.add(job)  # close() cancels it
+            try:
+                generate(self.engine, job.prompt_ids, d.max_new_tokens, d.sampler, on_token=choice.on_token,
+                         logprobs=d.logprobs, generation=choice.gen, processors=choice.processors)
+                seq.outcome = "finished"
+            except Exception as exc:  # a failed generation must not take the server down
+                seq.outcome, seq.error = "error", exc
+            gen = choice.gen
+            seq.first_token_at = seq.admitted + gen.ttft_seconds
+            seq.last_token_at = seq.first_token_at + sum(gen.token_seconds)
+            choice.done(seq)
+        finally:
+            self._serial_busy = False
+
     def _emit_all(self, job: Job, kind: str, value) -> None:
         for i in range(job.n):
             v = value()
@@ -385,9 +432,9 @@ class _Choice:
         sampler = Sampler(s.temperature, s.top_p, (s.seed + index) % (SEED_MAX + 1), min_p=s.min_p,
                           presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                           repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias)
+        self.processors = [*job.processors, *([grammar] if grammar else [])]
         decoding = Decoding(worker.engine, job.prompt_ids, s.max_tokens, sampler, on_token=self.on_token,
-                            logprobs=s.logprobs, generation=self.gen,
-                            processors=[*job.processors, *([grammar] if grammar else [])])
+                            logprobs=s.logprobs, generation=self.gen, processors=self.processors)
         self.sequence = BatchSequence(decoding, cancelled=job.cancelled.is_set, on_done=self.done)
         self.sequence.submitted = job.submitted_at
 

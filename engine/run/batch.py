@@ -250,6 +250,7 @@ class Scheduler:
             except Exception as exc:  # a KV file that fails to load, say: the group fails, not the server
                 self._fail(group, exc)
                 continue
+            del leader.slot.tokens[reused:]  # positions from here are computed now
             leader._reused = reused
             leader._prefill = self.engine.prefill_groups(leader.slot.kv, prompt[reused:], reused)
             for s in group:

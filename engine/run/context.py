@@ -53,7 +53,7 @@ def default_ctx_size(model_dir: str | os.PathLike, config: EngineConfig) -> tupl
         return min(declared, 2048), "the memory plan does not fit; its error follows"
     if plan.budget > 0:
         fixed = (plan.overhead_bytes + plan.buffer_bytes + plan.dense_bytes - plan.resident_layers * plan.layer_bytes
-                 + plan.prefix_cache_bytes)
+                 + plan.prefix_cache_bytes + plan.draft_bytes)
         room = plan.budget - fixed
     else:
         room = psutil.virtual_memory().available - plan.dense_bytes - plan.cache_bytes - ACTIVATION_MARGIN

@@ -15,6 +15,7 @@ from engine.base.inputs import read_text_input
 # The sampler and the logits-processor hook live in sampling.py; named here too, where callers
 # of generate have always imported the Sampler from.
 from engine.run.sampling import LogitsProcessor, Sampler, TokenLogprob, token_logprob
+from engine.run.speculative import Steps
 
 
 def check_finite_logits(logits: torch.Tensor, where: str = "") -> None:
@@ -44,8 +45,9 @@ class Decoding:
     """One sequence's per-token logic, the same whether it runs alone (generate, below) or in a
     batch (engine/run/batch.py's scheduler): the prompt's checks, then for each step's fp32 logits
     [V] the sampler's penalties and bias, `processors` in order (e.g. engine/run/grammar.py's
-    mask), the sampler's pick, the token's log-probability, every processor's accept(token); then
-    whether the sequence is finished (on_token, a processor's done(), max_new_tokens, a stop id).
+    mask), the sampler's pick (`shape`, `step`), the token's log-probability and every processor's
+    accept(token) (`record`); then whether the sequence is finished (`finished`: on_token, a
+    processor's done(); `settle` adds max_new_tokens and a stop id).
 
     The caller owns the model calls, the KV cache and the timings (`gen`); `token` is the last
     token chosen, `position` where it goes into the cache at the next decode step."""
@@ -79,38 +81,46 @@ class Decoding:
         """The cache position of `token`, the input of the next decode step."""
         return len(self.prompt_ids) + len(self.gen.output_ids) - 1
 
-    def step(self, logits: torch.Tensor) -> int:
-        """The next token from this step's logits [V] (recorded, and every processor told)."""
-        gen = self.gen
+    def shape(self, logits: torch.Tensor) -> torch.Tensor:
+        """The step's raw logits [V] → the shaped logits [V] the sampler picks from."""
         check_finite_logits(logits, self.where)
         shaped = logits
         for p in self.chain:
-            shaped = p(shaped, gen.output_ids)
+            shaped = p(shaped, self.gen.output_ids)
         if self.chain and not bool(torch.isfinite(shaped).any()):  # a mask that allows nothing: no token to draw
             raise PromptError("the logits processors left no token allowed")
-        token = self.sampler.pick(shaped)
+        return shaped
+
+    def record(self, token: int, logits: torch.Tensor) -> None:
+        """The token chosen, with its raw logits: its log-prob, the output, every processor told."""
+        gen = self.gen
         if self.logprobs is not None:
             gen.logprobs.append(token_logprob(logits, token, self.logprobs))
         gen.output_ids.append(token)
         for p in self.chain:
             p.accept(token)
         self.token = token
+
+    def step(self, logits: torch.Tensor) -> int:
+        """The next token from this step's logits [V] (recorded)."""
+        token = self.sampler.pick(self.shape(logits))
+        self.record(token, logits)
         return token
 
-    def settle(self, token: int) -> bool:
-        """Whether the sequence ends with `token` (then `done`): on_token first (the token that
-        completes a grammar is still the caller's text), a processor's done(), the length, a stop id."""
+    def finished(self, token: int) -> bool:
+        """Whether on_token or a processor ends the sequence with `token`."""
+        # on_token first: the token that completes a grammar is still the caller's text.
         stop = bool(self.on_token and self.on_token(token) is True)
         if self.chain and any(p.done() for p in self.chain):
             self.gen.stopped_by_processor = True
-            stop = True
-        self.done = (stop or len(self.gen.output_ids) >= self.max_new_tokens
+            return True
+        return stop
+
+    def settle(self, token: int) -> bool:
+        """finished(token), or the length reached, or a stop id: whether the sequence ends (then `done`)."""
+        self.done = (self.finished(token) or len(self.gen.output_ids) >= self.max_new_tokens
                      or bool(self.stop_ids and token in self.stop_ids))
         return self.done
-
-    def take(self, logits: torch.Tensor) -> bool:
-        """step then settle: whether the sequence has ended."""
-        return self.settle(self.step(logits))
 
 
 def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler | None = None,
@@ -143,13 +153,21 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
     gen.prefill_seconds = time.perf_counter() - t0
     token = seq.step(logits[-1])
     gen.ttft_seconds = time.perf_counter() - t0
-    seq.settle(token)
-    while not seq.done:
-        t = time.perf_counter()
-        logits = engine.forward([seq.token], seq.position)
-        token = seq.step(logits[-1])
-        gen.token_seconds.append(time.perf_counter() - t)
-        seq.settle(token)
+    speculator = getattr(engine, "speculator", None)
+    if not seq.finished(token):
+        if speculator is not None:  # drafts verified in one pass (engine/run/speculative.py)
+            speculator.decode(Steps(seq.sampler, seq.shape, seq.record, seq.finished, max_new_tokens, stop_ids),
+                              gen, token, n)
+        else:
+            pos = n
+            while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
+                t = time.perf_counter()
+                logits = engine.forward([token], pos)
+                token = seq.step(logits[-1])
+                gen.token_seconds.append(time.perf_counter() - t)
+                pos += 1
+                if seq.finished(token):
+                    break
     engine.remember_prefix()  # the prompt and the answer so far: a next turn resends both
     return gen
 

@@ -54,6 +54,13 @@ class Facts:
     plan_error: str | None = None
     plan_fixed_bytes: int | None = None
     plan_cache_bytes: int | None = None
+    # speculative decoding as the cost model predicts it here (tuner/costmodel/speculative.py), at
+    # draft_acceptance: the best depth's speed-up over plain decoding (<= 1: drafting loses)
+    draft_acceptance: float | None = None
+    draft_best_speedup: float | None = None
+    draft_best_depth: int | None = None
+    draft_bytes_per_token: float | None = None  # plain decoding's expert reads per token, for the words
+    draft_union: float | None = None  # the best depth's verify union (expert bytes of its rows over one row's)
 
 
 @dataclass
@@ -221,8 +228,26 @@ def budget(f: Facts) -> list[Finding]:
                     f"({format_size(f.plan_fixed_bytes)}) and leaves {format_size(f.plan_cache_bytes)} of expert cache")]
 
 
+def drafting(f: Facts) -> list[Finding]:
+    """Whether speculative decoding pays on this machine for this model and budget (the cost model
+    at an assumed acceptance): a verify's rows read the union of their experts, which under
+    streaming can cost more bytes than the accepted tokens save."""
+    if f.draft_best_speedup is None or f.draft_acceptance is None:
+        return []
+    if f.draft_best_speedup <= 1.0:
+        return [Finding("drafting", "warn",
+                        f"speculative decoding loses here: at {f.draft_acceptance:.0%} acceptance the best depth "
+                        f"({f.draft_best_depth}) decodes at {f.draft_best_speedup:.2f}x plain",
+                        f"a verify of {f.draft_best_depth + 1} rows reads {f.draft_union:.2f}x a token's expert bytes "
+                        f"({format_size(f.draft_bytes_per_token)} per plain token), more than the accepted drafts save",
+                        "keep draft = \"off\", or \"gate\", which measures the acceptance and turns itself off; a larger "
+                        "budget (more experts cached) or a copy-heavy workload (higher acceptance) changes it")]
+    return [Finding("drafting", "ok", f"speculative decoding pays here: depth {f.draft_best_depth} at "
+                    f"{f.draft_acceptance:.0%} acceptance predicted {f.draft_best_speedup:.2f}x (draft = \"gate\")")]
+
+
 RULES = (model, disk_space, memory, o_direct, fragmentation, ssd, native_kernels, cgroup, throttling, huge_pages,
-         budget)
+         budget, drafting)
 
 
 def diagnose(facts: Facts) -> Diagnosis:
