@@ -22,7 +22,9 @@ from engine.format.checkpoint import Checkpoint
 from engine.format.layout import ExpertLayout
 from engine.movement.plan import make_plan
 from engine.run.runtime import Engine
-from colibri_hf_models import ARCHS, build
+from colibri_hf_models import ARCHS, built_once
+from colibri_native_cases import needs_native_int
+from colibri_requirements import needs
 from test_streaming import budget_for_cache
 
 from colibri_tune_fixtures import MiB
@@ -35,15 +37,7 @@ NEW = [7, 3, 6]  # tokens each generates: the second leaves while the others go 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("decode-rows")
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            made[arch] = root / arch
-            build(arch, made[arch])
-        return made[arch]
-    return get
+    return built_once(tmp_path_factory, "decode-rows")
 
 
 def _solo(engine, prompt, n):
@@ -101,7 +95,7 @@ def test_each_row_gets_its_solo_logits_fp32(hf_dirs, arch):
         _check_same_as_solo(engine, arch)
 
 
-@pytest.mark.skipif(native.load() is not None, reason=f"native kernels: {native.load()}")
+@pytest.mark.skipif(native.load() is not None, reason=needs("native", f"native kernels: {native.load()}"))
 @pytest.mark.parametrize("arch,kv", [("qwen3_moe", "auto"), ("qwen3_moe", "int8"), ("mixtral", "auto"),
                                      ("deepseek_v3", "auto"), ("gpt_oss", "auto")])
 def test_each_row_gets_its_solo_logits_bf16_native(hf_dirs, arch, kv):
@@ -110,6 +104,17 @@ def test_each_row_gets_its_solo_logits_bf16_native(hf_dirs, arch, kv):
     multi-row calls. Bits equal all the same."""
     with Engine(hf_dirs(arch), EngineConfig(ctx_size=64, dtype="bf16", threads=1, max_batch=3, kv_dtype=kv)) as engine:
         _check_same_as_solo(engine, f"{arch} {engine.decode_plan.route}")
+
+
+@needs_native_int()
+@pytest.mark.parametrize("quant,scope", [("int8", "experts"), ("int4", "all")])
+def test_quantized_containers_give_each_row_its_solo_logits(hf_dirs, tmp_path, quant, scope):
+    """int8 / int4 containers (experts only, or every projection): the solo decode's native int calls
+    (whole step, or int attention and fused int MoE) and the rows' multi-row int kernels agree bit for bit."""
+    from engine.format.convert import convert
+    convert(hf_dirs("qwen3_moe"), tmp_path / quant, quant=quant, group_size=32, scope=scope)
+    with Engine(tmp_path / quant, EngineConfig(ctx_size=64, dtype="bf16", threads=1, max_batch=3)) as engine:
+        _check_same_as_solo(engine, f"{quant} {scope} {engine.decode_plan.route}")
 
 
 def test_a_verify_pass_of_consecutive_positions_equals_decoding_them_one_by_one(hf_dirs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from engine.api import Progress, file_target
-from colibri.commands.argtypes import add_output_option, positive_int, size
+from colibri.commands.argtypes import add_output_option, int_list, positive_int, size
 from tuner.costmodel.model_geometry import QUANTS
 from tuner.costmodel.plan_command import PlanRequest, run_plan
 from tuner.probe import format_summary, run_probe, save_profile
@@ -64,6 +64,9 @@ def add_plan_arguments(p) -> None:
     p.add_argument("--conditions", choices=("steady", "trial"), default="steady",
                    help="steady: long generation, warm cache (default); trial: the tuner's cold 8-token trial")
     p.add_argument("--top", type=positive_int(1000), default=3, help="best predicted configs to list")
+    p.add_argument("--batch", type=int_list(1, 256), default=(),
+                   help="batch sizes to predict, e.g. 1,2,4,8: several sequences decoding together (serve's "
+                        "max_batch): per-sequence and aggregate tok/s, bytes per step, where the bound moves")
     p.add_argument("--calibrate", metavar="RUN_DIR", nargs="+",
                    help="fit the factors to the trials of tune run directories (or tuner_quality grid.json files), "
                         "print the cross-validated error, store the factors in --profile")
@@ -82,7 +85,8 @@ def add_plan(sub) -> None:
 def plan_request(args) -> PlanRequest:
     """The typed request of `colibri plan`'s flags (each PlanRequest field is the flag of its name)."""
     given = {name: getattr(args, name) for name in PlanRequest.field_names()}
-    return PlanRequest(**{**given, "what_if": tuple(given["what_if"] or ()), "calibrate": tuple(given["calibrate"] or ())})
+    return PlanRequest(**{**given, "what_if": tuple(given["what_if"] or ()), "calibrate": tuple(given["calibrate"] or ()),
+                          "batch": tuple(given["batch"] or ())})
 
 
 def cmd_plan(args) -> int:

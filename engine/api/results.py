@@ -188,6 +188,10 @@ class PlanResult(Result):
     config: dict = field(default_factory=dict)
     prediction: dict = field(default_factory=dict)
     best: list = field(default_factory=list)
+    # `--batch`: per batch size, the predicted step of that many sequences decoding together
+    # (tuner/costmodel/predict.py BatchPoint: union of experts, bytes per step, per-sequence and
+    # aggregate tok/s, bottleneck)
+    batch: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import native
-from engine.arch import decode_plan
+from engine.arch import attention_quant
 from engine.arch.args import layer_prefix
-from engine.arch.layers import rms_norm, route_layer
+from engine.arch.layers import native_quant_operands, rms_norm, route_layer, swiglu_expert
 from engine.weights.stored import linear
 
 
@@ -61,12 +61,11 @@ def forward_rows(model, tokens: torch.Tensor, positions: list[int], kvs: list) -
     for layer in range(a.num_layers):
         p = layer_prefix(layer)
         w = model._layer_weights(layer)  # once for every row (layer streaming reads it here)
-        for b in range(B):  # attention: each row its own cache and position, in row order
-            cos, sin = ropes[b]
-            entry = plans[b].attention[layer] if plans[b].attention and masks[b] is None else None
-            if entry is not None and w is model.w:
-                rows[b] = decode_plan.native_attention(entry, a, rows[b], cos, sin, positions[b])
+        native_rows = _native_attention(model, layer, w, rows, ropes, masks, plans, positions)
+        for b in range(B):  # the others: each row its own cache and position, in row order
+            if b in native_rows:
                 continue
+            cos, sin = ropes[b]
             if indexed[b]:
                 kvs[b].selection = selections[b]
             rows[b] = rows[b] + model._attention(layer, w, rms_norm(rows[b], w[f"{p}.input_layernorm.weight"],
@@ -116,12 +115,23 @@ def _routed(model, layer: int, w: dict, normed: list[torch.Tensor]) -> list[torc
         for j, e in enumerate(experts):
             slots.setdefault(e, []).append((b, j))
     outs = [[None] * len(experts) for experts, _ in wanted]
+    union = sorted(slots)
+    x = torch.cat(normed)  # [B, H]: the rows the multi-row kernels read
+    held = model.experts.resident(layer, union) if _rows_kernel_applies(model, x) else None
+    ys = _experts_rows(x, held, [slots[e] for e in union]) if held is not None else None
+    if ys is not None:  # every expert in RAM: one native call for the layer, each expert's weights read once
+        at = 0
+        for e in union:
+            for b, j in slots[e]:
+                outs[b][j] = ys[at:at + 1]
+                at += 1
+    else:
+        def run(e, expert_weights):  # as each expert's weights land
+            got = _experts_rows(x, [expert_weights], [slots[e]]) if _rows_kernel_applies(model, x) else None
+            for i, (b, j) in enumerate(slots[e]):  # else the solo path's one-row call per row
+                outs[b][j] = got[i:i + 1] if got is not None else model.expert_fn(normed[b], expert_weights)
 
-    def run(e, expert_weights):
-        for b, j in slots[e]:  # the one-row call of the solo path, on this expert's weights in memory
-            outs[b][j] = model.expert_fn(normed[b], expert_weights)
-
-    model.experts.for_each_expert(layer, sorted(slots), run)
+        model.experts.for_each_expert(layer, union, run)
     result = []
     for (experts, chosen), ys in zip(wanted, outs):
         ys = torch.cat(ys)  # [K, H], ascending expert id
@@ -130,6 +140,69 @@ def _routed(model, layer: int, w: dict, normed: list[torch.Tensor]) -> list[torc
         else:
             result.append(torch.mm(chosen[None], ys))
     return result
+
+
+def _native_attention(model, layer: int, w: dict, rows: list, ropes: list, masks: list, plans: list,
+                      positions: list[int]) -> set[int]:
+    """The rows whose solo decode takes the native attention at this layer, computed in one native
+    call per kind (bf16 or int8 / int4 projections: the layer's weights read once for all of them,
+    each row attention_decode's bits); rows[b] replaced in place. Returns their indices."""
+    if w is not model.w:  # a layer read per token: the reference (its plan entries are None anyway)
+        return set()
+    by_kind: dict[str, list[tuple[int, object]]] = {}
+    for b, plan in enumerate(plans):
+        entry = plan.attention[layer] if plan.attention and masks[b] is None else None
+        if entry is not None:
+            kind = "int" if type(entry.operands) is attention_quant.QuantAttention else "bf16"
+            by_kind.setdefault(kind, []).append((b, entry))
+    done = set()
+    a = model.args
+    for kind, group in by_kind.items():
+        idx = [b for b, _ in group]
+        entries = [e for _, e in group]
+        x = torch.cat([rows[b] for b in idx])  # [R, H]
+        cos = torch.cat([ropes[b][0] for b in idx])  # [R, D]
+        sin = torch.cat([ropes[b][1] for b in idx])
+        k_caches, k_scales = [e.k_cache[0] for e in entries], [e.k_cache[1] for e in entries]
+        v_caches, v_scales = [e.v_cache[0] for e in entries], [e.v_cache[1] for e in entries]
+        pos = [positions[b] for b in idx]
+        op = entries[0].operands  # the layer's weights: the same in every row's plan
+        if kind == "int":
+            out = native.attention_decode_int_rows(x, op.norm_w, a.rms_norm_eps, op.proj, op.group, op.q_norm,
+                                                   op.k_norm, cos, sin, k_caches, v_caches, pos, a.num_heads,
+                                                   a.num_kv_heads, k_scales, v_scales)
+        else:
+            norm_w, qkv, q_norm, k_norm, o_w = op
+            out = native.attention_decode_rows(x, norm_w, a.rms_norm_eps, qkv, q_norm, k_norm, cos, sin, k_caches,
+                                               v_caches, pos, a.num_heads, a.num_kv_heads, o_w, k_scales, v_scales)
+        for i, b in enumerate(idx):
+            rows[b] = out[i:i + 1]
+        done.update(idx)
+    return done
+
+
+def _rows_kernel_applies(model, x: torch.Tensor) -> bool:
+    """Whether the experts may go through the multi-row native kernels: the solo path's expert is
+    swiglu_expert over native kernels (an architecture's own expert function keeps its one-row calls)."""
+    return native.ready and model.expert_fn is swiglu_expert and x.device.type == "cpu"
+
+
+def _experts_rows(x: torch.Tensor, experts: list, slots: list[list[tuple[int, int]]]) -> torch.Tensor | None:
+    """[S, H]: expert i of `experts` on the rows of slots[i] (in that order, experts in the given order),
+    through native.experts_rows / quant_experts_rows, each slot the one-row call's bits; None where
+    the weights are not what those kernels take (then the one-row calls)."""
+    slot_row = torch.tensor([b for rows in slots for b, _ in rows], dtype=torch.int64)
+    slot_expert = torch.tensor([i for i, rows in enumerate(slots) for _ in rows], dtype=torch.int64)
+    quantized = native_quant_operands(x[:1], experts)
+    if quantized is not None:
+        tensors, group = quantized
+        return native.quant_experts_rows(x, tensors, group, slot_row, slot_expert)
+    per_expert = len(experts[0])
+    if (x.dtype is not torch.bfloat16 or any(len(e) != per_expert for e in experts)
+            or any(type(t) is not torch.Tensor or t.dtype is not torch.bfloat16 or t.device.type != "cpu"
+                   for e in experts for t in e)):
+        return None
+    return native.experts_rows(x, [t for e in experts for t in e], per_expert, slot_row, slot_expert)
 
 
 def _dense_mlp(w: dict, p: str, x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from tuner.costmodel import fit as cal
 from tuner.costmodel.model_geometry import ModelGeometry, resolve
 from tuner.costmodel.hardware import HardwareView, apply_what_if
 from tuner.costmodel.calibrated_facts import calibration_text, measured_on, recall_for, routing_for
-from tuner.costmodel.predict import Factors, RunConditions, predict
+from tuner.costmodel.predict import Factors, RunConditions, predict, predict_batch
 from tuner.costmodel.routing_model import RoutingModel, make_routing  # noqa: F401  (benchmarks import it from here)
 from tuner.costmodel.best_config import rank
 from tuner.probe.hardware_profile import load_profile, save_profile
@@ -43,6 +43,7 @@ class PlanRequest:
     routing: str = "auto"
     conditions: str = "steady"  # or "trial": the tuner's cold short trial
     top: int = 3  # best predicted configs to list
+    batch: tuple[int, ...] = ()  # batch sizes to predict a batched step for (engine/arch/decode_rows.py)
     calibrate: tuple[str, ...] = ()  # tune run directories / grids to fit the factors to
     test: str | None = None  # with calibrate: a separate hold-out run
 
@@ -108,6 +109,8 @@ def run_plan(req: PlanRequest) -> PlanResult | CalibrationResult:
         overhead_bytes=s.overhead, config=config.to_dict(),
         prediction=pred.to_dict(),
         best=[{"config": r.config.to_dict(), "prediction": r.prediction.to_dict()} for r in ranked[:req.top]],
+        batch=[p.to_dict() for p in predict_batch(s.geometry, s.quant, config, s.hw, s.routing, s.factors, run,
+                                                 s.overhead, req.batch)] if req.batch else [],
     )
 
 

@@ -24,7 +24,22 @@ def plan_text(r: PlanResult | CalibrationResult) -> str:
         lines.append(_format_one(f"best predicted #{i}", b["config"], b["prediction"]))
     if not r.best:
         lines.append("no config of the grid fits this budget")
+    if r.batch:
+        lines += batch_lines(r.batch)
     return "\n".join(lines)
+
+
+def batch_lines(points: list[dict]) -> list[str]:
+    """The --batch table: one row per batch size (sequences decoding together, one token each per step)."""
+    lines = ["batched decode (this config, max_batch = B):",
+             f"  {'B':>3}  {'union/layer':>11}  {'read/step':>9}  {'per seq tok/s':>13}  {'aggregate':>9}  bound"]
+    for p in points:
+        if not p["fits"]:
+            lines.append(f"  {p['batch']:>3}  does not fit: {p['reason']}")
+            continue
+        lines.append(f"  {p['batch']:>3}  {p['union_experts']:>11.2f}  {format_size(p['bytes_per_step']):>9}  "
+                     f"{p['per_sequence_tok_s']:>13.3g}  {p['aggregate_tok_s']:>9.3g}  {p['bottleneck']}")
+    return lines
 
 
 def fact_lines(r) -> list[str]:
