@@ -126,6 +126,19 @@ class BenchResult(RunResult):
     SCHEMA: ClassVar[str] = "colibri.engine-bench/1"
 
     bytes_read_per_token: Optional[float] = figure("read per token", "read/tok", "bytes", line="io")
+    # `bench --trace` (engine/run/trace_replay.py): the replay through serve's scheduler, judged
+    # against --slo-ttft / --slo-tpot; medians over repeats. None on the other benches.
+    goodput_rps: Optional[float] = figure("goodput", "goodput", "float", "req/s", line="serve")
+    slo_met: Optional[int] = figure("requests within the SLOs", "met", "int", line="serve")
+    ttft_p50_s: Optional[float] = figure("TTFT p50", "TTFT p50", "seconds", "s", line="serve")
+    ttft_p95_s: Optional[float] = figure("TTFT p95", "TTFT p95", "seconds", "s", line="serve")
+    tpot_p50_s: Optional[float] = figure("TPOT p50", "TPOT p50", "seconds", "s", line="serve")
+    tpot_p95_s: Optional[float] = figure("TPOT p95", "TPOT p95", "seconds", "s", line="serve")
+    queue_wait_p50_s: Optional[float] = figure("queue wait p50", "wait p50", "seconds", "s", line="serve")
+    queue_wait_p95_s: Optional[float] = figure("queue wait p95", "wait p95", "seconds", "s", line="serve")
+    aggregate_tok_s: Optional[float] = figure("aggregate", "aggregate", "float", "tok/s", line="serve")
+    makespan_s: Optional[float] = figure("makespan", "makespan", "seconds", "s", line="serve")
+    batch_mean: Optional[float] = figure("mean batch", "batch", "float", line="serve")
 
     cold: Optional[bool] = None
     tokens: Optional[int] = None

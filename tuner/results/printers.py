@@ -83,10 +83,20 @@ def bench_text(r: BenchResult | dict) -> str:
         f"{'cold' if r.cold else 'warm'} | {r.tokens} tokens x {r.repeats} repeats | {cgroup}",
         f"config: budget {format_size(c['ram_budget']) if c['ram_budget'] else 'none'}, "
         f"{config_line({**c, 'threads': r.threads})}; I/O ran {io}",
+        *([trace_line(r.get("trace"))] if r.get("trace") else []),
         f"decode tok/s: median {s['median'] or 0:.3f} (min {s['min'] or 0:.3f}, max {s['max'] or 0:.3f}, "
         f"n={s['n']})" + ("" if r.tokens_consistent in (None, True) else "  WARNING: tokens differ across repeats"),
         run_text(r),
     ])
+
+
+def trace_line(t: dict) -> str:
+    """`bench --trace`'s conditions: the trace, its SLOs, the batch it ran with."""
+    slo = lambda v: "none" if v is None else f"<= {fmt(v, 3)} s"  # noqa: E731
+    return (f"trace {t['source']}: {t['requests']} requests ({t['sequences']} sequences) over {fmt(t['span_s'], 3)} s "
+            f"({t['sha256']}) | SLO TTFT {slo(t['slo_ttft_s'])}, TPOT {slo(t['slo_tpot_s'])} | "
+            f"max_batch {t['max_batch']} | " + ("greedy" if not t.get("temperature") else
+                                              f"temperature {t['temperature']:g}, top-p {t['top_p']:g}"))
 
 
 def config_line(c: dict) -> str:
