@@ -196,14 +196,14 @@ def cmd_bench(args) -> int:
     config = engine_config_from_args(args)
     if args.timeout is not None and not args.cgroup_limit:
         raise ConfigError("--timeout goes with --cgroup-limit (a bench without a cgroup runs in this process)")
-    model_dir = resolve_model(args.model, progress=not args.json)
-    workload = _bench_workload(args, model_dir, config.ctx_size)
     if (args.temperature is not None or args.top_p is not None) and not (args.steady or args.trace):
         raise ConfigError("--temperature and --top-p go with --steady or --trace (the other workloads decode greedily)")
     if (args.slo_ttft is not None or args.slo_tpot is not None) and not args.trace:
         raise ConfigError("--slo-ttft and --slo-tpot go with --trace")
     if args.trace:
-        read_trace(args.trace)  # a bad trace is one error line before the engine loads
+        read_trace(args.trace)  # a bad trace is one error line before the model is looked for
+    model_dir = resolve_model(args.model, progress=not args.json)
+    workload = _bench_workload(args, model_dir, config.ctx_size)
     sampling = steady_sampling(args)
     if args.cgroup_limit:
         extra = ["--record-routing", args.record_routing] if args.record_routing is not None else []

@@ -76,6 +76,10 @@ class _Run(TuneSetup):
                 # Read sizes and I/O threads as the study was made with: identical on every worker.
                 self.space.chunk_sizes = tuple(recorded["space"].get("chunk_size", self.space.chunk_sizes))
                 self.space.io_thread_choices = tuple(recorded["space"].get("io_threads", self.space.io_thread_choices))
+                # A fit="plan" knob's choices as the plan fitted them then (the overhead measured now may differ).
+                for name in self.space.fitted:
+                    if name in recorded["space"]:
+                        self.space.fitted[name] = tuple(recorded["space"][name])
         study = optuna.create_study(storage=self.storage, study_name=self.study_name,
                                     directions=objective.DIRECTIONS[self.opts.objective],
                                     sampler=make_sampler(self.opts, self.shared), load_if_exists=True)
