@@ -155,7 +155,7 @@ def add_bench(sub) -> None:
     p.add_argument("--slo-ttft", type=finite_float(0.0, SLO_MAX_S), metavar="S",
                    help="with --trace: a request meets its SLOs only with its first token within S seconds of its arrival")
     p.add_argument("--slo-tpot", type=finite_float(0.0, SLO_MAX_S), metavar="S",
-                   help="with --trace: ... and at most S seconds per output token after the first")
+                   help="with --trace: ... and at most S seconds per generated token after its first")
     p.add_argument("--temperature", type=finite_float(0.01, 100.0, zero_ok=True), default=None,
                    help="with --steady: 0 = greedy, else in [0.01, 100] (default 1.0); with --trace (default 0)")
     p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=None,

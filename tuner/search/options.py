@@ -94,7 +94,7 @@ class TuneOptions:
     slo_ttft: float | None = knob(None, "with --objective serve: seconds from a request's arrival to its first token "
                                   "that it must not exceed to count in goodput", kind="float", lo=0.0, hi=86400.0,
                                   metavar="S", group="trial measurement")
-    slo_tpot: float | None = knob(None, "with --objective serve: seconds per output token after the first that a "
+    slo_tpot: float | None = knob(None, "with --objective serve: seconds per generated token after its first that a "
                                   "request must not exceed to count in goodput", kind="float", lo=0.0, hi=86400.0,
                                   metavar="S", group="trial measurement")
     cold: bool = knob(True, "keep caches across repeats (default: cold, weights from disk)", kind="switch",

@@ -107,19 +107,18 @@ def enqueue_predicted(run, study: optuna.Study, queued: int) -> None:
     of the kinds of config (io mode, cache policy) whose calibrated error is known and small
     (tuner/search/prediction.py): a prediction no trial has checked is not worth a trial."""
     o = run.opts
+    state = getattr(run, "cost_model_state", None) if isinstance(getattr(run, "cost_model_state", None), dict) else {}
+    if o.objective == "serve":
+        # The gate trusts a prediction whose held-out error calibration measured; calibration measures
+        # one stream's decode, never a trace's goodput, so no predicted config has earned a trial here.
+        state["note"] = SERVE_NO_WARM_START
+        run.log(f"cost model: no warm start: {SERVE_NO_WARM_START}")
+        return
     # Never more than the trial budget leaves after the points queued before.
     n = 3 if o.trials is None else max(0, min(3, o.trials - queued))
     if not n:
         return
     section = getattr(run.profile, "cost_model", None) or {}
-    state = getattr(run, "cost_model_state", None) if isinstance(getattr(run, "cost_model_state", None), dict) else {}
-    if o.objective == "serve":
-        # The gate trusts a prediction whose held-out error calibration measured; calibration measures
-        # one stream's decode, never a trace's goodput, so no predicted config has earned a trial here.
-        # The per-trial goodput prediction (tuner/costmodel/serve_model.py) is recorded as evidence.
-        state["note"] = SERVE_NO_WARM_START
-        run.log(f"cost model: no warm start: {SERVE_NO_WARM_START}")
-        return
     if not section.get("factors"):
         state["note"] = trusted(section, run.space.baseline())[1]
         run.log(f"cost model: no warm start: {state['note']}")
