@@ -16,6 +16,7 @@ import pytest
 from optuna.trial import TrialState
 
 from engine.api import ConfigError, TraceRequest, save_trace
+from tuner.costmodel.serve_model import SimRequest, goodput, simulate
 from tuner.results.result import RESULT_SCHEMA, TuneResult
 from tuner.search.confirm import ranked, serve_order
 from tuner.search.model_facts import ModelFacts
@@ -71,6 +72,9 @@ def test_tune_serve_replays_the_trace_and_ranks_by_goodput(served):
         assert m["trace"]["requests"] == 4 and m["config"]["max_batch"] == t.params["max_batch"]
         assert a["slo_met"] == 4 and t.values == [pytest.approx(a["goodput_rps"])]  # SLOs of a day: every request
         assert a["goodput_rps"] == pytest.approx(4 / m["makespan_s"])
+    # the cost model's goodput beside the measured one, per trial (evidence only), none of its decode figure
+    assert all(t.user_attrs.get("predicted_goodput_rps", -1) >= 0 and "predicted_decode_tok_s" not in t.user_attrs
+               for t in trials)
     # greedy: the tokens do not depend on the batch (the placement check compares them across trials)
     assert trials[0].user_attrs["output_ids"] == trials[1].user_attrs["output_ids"]
     best = ranked(trials, "serve")[0]
@@ -78,7 +82,20 @@ def test_tune_serve_replays_the_trace_and_ranks_by_goodput(served):
     assert rec["trial_number"] == best.number and rec["config"]["max_batch"] == best.params["max_batch"]
     assert rec["confirmed"]["goodput_rps"] == pytest.approx(max(t.user_attrs["goodput_rps"] for t in trials))
     assert "goodput" in (out / "report.md").read_text() and "goodput" in format_outcome(outcome)
+    # the command that measures the headline again replays the run directory's copy against the same SLOs
+    assert f"--trace {out / 'trace.jsonl'} --slo-ttft 86400.0 --slo-tpot 86400.0" in result["reproduce"]["command"]
     assert "goodput_rps" in (out / "trials.csv").read_text().splitlines()[0]
+    # shared as a profile entry: the goodput, and the trace by hash with the SLOs it was judged against
+    from tuner.share import profiles
+    from tuner.share.profile_schema import validate_shared
+    shared = profiles.export_profile(out)
+    entry = validate_shared(shared)[1][-1]
+    assert entry["objective"] == "serve" and entry["config"]["max_batch"] == rec["config"]["max_batch"]
+    assert entry["figures"]["goodput_rps"] == rec["confirmed"]["goodput_rps"]
+    assert entry["workload"] == {"kind": "trace", "requests": 4, "prompt_tokens": w["prompt_tokens"],
+                                 "max_new_tokens": w["max_new_tokens"], "sha256": w["sha256"], "slo_ttft_s": DAY,
+                                 "slo_tpot_s": DAY, "span_s": 0.02, "sequences": 4}
+    assert "serve: goodput" in profiles.entry_line(entry)
 
 
 def _study(out: Path):
@@ -100,6 +117,23 @@ def test_ranking_goodput_then_p95_ttft_then_aggregate():
     assert serve_order(None, None, None) > serve_order(0.0, 5.0, None)
     assert objective_values("serve", {"goodput_rps": 0.75, "decode_tok_s": 99.0}, 60) == [0.75]
     assert objective_values("serve", {"goodput_rps": None}, 60) == [0.0] and worst_values("serve", 60) == [0.0]
+
+
+def test_the_goodput_prediction_simulates_the_scheduler_step_by_step():
+    """Decode steps of 0.1 s whatever their rows, 0.01 s per prompt token, two caches: A and B are
+    admitted at 0, C waits for a free cache; the prompts prefill one per step, oldest first."""
+    reqs = [SimRequest(0.0, 10, 3), SimRequest(0.0, 10, 2), SimRequest(0.0, 10, 2), SimRequest(0.0, 4, 2, n=3)]
+    end = simulate(reqs, lambda rows: 0.1, lambda tokens: 0.01 * tokens, max_batch=2, group=256)
+    a, b, c, d = reqs
+    # step 1: A's prefill (0.1); step 2: A's decode (0.2), B's prefill (0.3); step 3: A and B decode
+    # together and both finish (0.4); step 4: C admitted, prefilled (0.5); step 5: C decodes (0.6)
+    assert (a.admitted, a.firsts, a.lasts) == (0.0, [pytest.approx(0.1)], [pytest.approx(0.4)])
+    assert (b.admitted, b.firsts, b.lasts) == (0.0, [pytest.approx(0.3)], [pytest.approx(0.4)])
+    assert (c.admitted, c.firsts, c.lasts) == (pytest.approx(0.4), [pytest.approx(0.5)], [pytest.approx(0.6)])
+    assert d.refused and end == pytest.approx(0.6)  # n = 3 above max_batch 2: serve's 400
+    # TTFT: A 0.1, B 0.3, C 0.5; TPOT: A 0.15, B 0.1, C 0.1
+    assert goodput(reqs, 0.35, 0.12) == pytest.approx(1 / 0.6)  # B alone
+    assert goodput(reqs, DAY, DAY) == pytest.approx(3 / 0.6) and goodput(reqs, 0.0, 0.0) == 0.0
 
 
 def test_max_batch_is_searched_for_serve_only_and_capped_by_the_plan(model_dir):

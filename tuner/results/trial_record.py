@@ -145,6 +145,9 @@ class TrialRecord:
     # The cost model's decode figure for this config, made before it ran (tuner/search/prediction.py):
     # the report sets it beside the measured one for every trial.
     predicted_decode_tok_s: Optional[float] = figure("predicted decode tok/s", "pred", "float", "tok/s")
+    # tune --objective serve: the cost model's goodput on the trace (tuner/costmodel/serve_model.py), made
+    # before the trial ran, evidence only (it seeds no warm start: calibration never measured it).
+    predicted_goodput_rps: Optional[float] = figure("predicted goodput req/s", "pred goodput", "float", "req/s")
     figures: RunFigures = field(default_factory=RunFigures)
     output_ids: Optional[list[int]] = None
     metrics: Optional[dict[str, Any]] = None

@@ -180,7 +180,10 @@ class _Run(TuneSetup):
             rec = objective.not_launched(role=role, worker=self.worker, config=config.to_dict(),
                                          overshoot=overshoot, budget=self.budget, message=message)
             return worst, rec.to_attrs()
-        predicted = self.predictor.decode(config) if self.predictor is not None else None
+        serve = self.opts.objective == "serve"
+        predicted = self.predictor.decode(config) if self.predictor is not None and not serve else None
+        predicted_goodput = self.predictor.goodput(config, self.work.trace, self.opts.slo_ttft, self.opts.slo_tpot) \
+            if self.predictor is not None and serve else None
         res = self.measure(config)
         setting = lossy.setting_of(config) if self.quality_meter else None
         ref = objective.reference_ids(self.measured(), res.metrics.get("threads"), setting) if res.ok else None
@@ -190,6 +193,8 @@ class _Run(TuneSetup):
         attrs = rec.to_attrs()
         if predicted is not None:
             attrs["predicted_decode_tok_s"] = predicted
+        if predicted_goodput is not None:
+            attrs["predicted_goodput_rps"] = predicted_goodput
         if self.quality_meter and status == "ok":  # the bound is one more constraint, measured per setting
             attrs = lossy.judge_quality(attrs, self.quality_meter.quality(setting), self.opts.lossy)
         if attrs["constraint"] > 0:
