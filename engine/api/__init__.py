@@ -35,7 +35,7 @@ _HOMES = {
     # the engine and one generation
     "engine.run.runtime": "Engine DTYPE_NAMES checkpoint_dtype physical_cores",
     "engine.run.generate": "Generation Sampler generate load_tokenizer random_prompt_ids",
-    "engine.run.grammar": "GrammarError GrammarProcessor GrammarTokenizer json_grammar",
+    "engine.run.grammar": "GrammarError GrammarProcessor GrammarTokenizer json_grammar json_lark lark_grammar",
     "engine.run.sampling": "LogitsProcessor TokenLogprob TOP_LOGPROBS_MAX",
     "engine.run.context": "default_ctx_size",
     "engine.run.oneshot": "run_generation",
