@@ -108,7 +108,7 @@ def enqueue_predicted(run, study: optuna.Study, queued: int) -> None:
     (tuner/search/prediction.py): a prediction no trial has checked is not worth a trial."""
     o = run.opts
     state = getattr(run, "cost_model_state", None) if isinstance(getattr(run, "cost_model_state", None), dict) else {}
-    if o.objective == "serve":
+    if getattr(o, "objective", None) == "serve":
         # The gate trusts a prediction whose held-out error calibration measured; calibration measures
         # one stream's decode, never a trace's goodput, so no predicted config has earned a trial here.
         state["note"] = SERVE_NO_WARM_START
