@@ -59,6 +59,8 @@ class _Run(TuneSetup):
                 "budget": self.budget, "objective": o.objective, "space": self.space.describe(),
                 "tokens": o.tokens, "repeats": o.repeats, "prompt_tokens": o.prompt_tokens, "cold": o.cold,
                 "seed": o.seed, **({"workload": self.work.digest} if self.work.digest else {}),
+                # goodput counts against the SLOs: trials judged under others are not comparable
+                **({"slo": [o.slo_ttft, o.slo_tpot]} if o.objective == "serve" else {}),
                 **({"lossy": dataclasses.asdict(o.lossy)} if o.lossy else {})}
 
     def open_study(self) -> optuna.Study:
