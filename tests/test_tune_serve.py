@@ -82,6 +82,7 @@ def test_tune_serve_replays_the_trace_and_ranks_by_goodput(served):
     assert rec["trial_number"] == best.number and rec["config"]["max_batch"] == best.params["max_batch"]
     assert rec["confirmed"]["goodput_rps"] == pytest.approx(max(t.user_attrs["goodput_rps"] for t in trials))
     assert "goodput" in (out / "report.md").read_text() and "goodput" in format_outcome(outcome)
+    assert "Goodput (requests of the trace" in (out / "report.html").read_text()
     # the command that measures the headline again replays the run directory's copy against the same SLOs
     assert f"--trace {out / 'trace.jsonl'} --slo-ttft 86400.0 --slo-tpot 86400.0" in result["reproduce"]["command"]
     assert "goodput_rps" in (out / "trials.csv").read_text().splitlines()[0]
