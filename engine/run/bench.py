@@ -27,6 +27,7 @@ from engine.run.run_metrics import SUMMARY_KEYS, envelope, peak_rss_bytes, perce
 from engine.run.runtime import Engine
 from engine.run.prompts_file import Request, workload_digest
 from engine.run import request_trace, trace_replay
+from engine.run.batch import Scheduler
 
 
 def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 3, cold: bool = True,
@@ -214,8 +215,8 @@ def _run_steady(model_dir, config: EngineConfig, n: int, tokens: int, prompt_tok
 def _run_trace_bench(model_dir, config: EngineConfig, path: str, repeats: int, cold: bool, seed: int,
                      warmup_tokens: int, temperature: float, top_p: float, slo_ttft: float | None,
                      slo_tpot: float | None, progress, record_routing: str | None) -> dict:
-    """`bench --trace FILE`: each repeat replays the whole trace through a fresh scheduler (cold: from
-    empty caches), in wall time; its figures are the replay's (trace_replay.replay_figures), the
+    """`bench --trace FILE`: each repeat replays the whole trace through the scheduler (cold: from
+    empty expert caches), in wall time; its figures are the replay's (trace_replay.replay_figures), the
     headline the median over repeats. Sequence k of the trace (file order) samples with seed + k."""
     t_start = time.perf_counter()
     engine = Engine(model_dir, config)
@@ -224,9 +225,14 @@ def _run_trace_bench(model_dir, config: EngineConfig, path: str, repeats: int, c
         request_trace.check_context(requests, engine.kv.ctx_size, path)
         if record_routing:
             engine.record_routing()
-        if warmup_tokens:  # loads the kernels and touches the dense weights; make_cold then empties the caches
-            first = requests[0]
-            generate(engine, list(first.prompt_ids), min(warmup_tokens, first.max_tokens), Sampler())
+        sched = Scheduler(engine)  # one for every repeat: its pool's KV caches are made once, as serve's
+        if warmup_tokens:
+            # Through the scheduler, as many sequences at once as it runs: the prefill groups and the
+            # batched decode's kernels are loaded and the pool's caches made before anything is timed;
+            # make_cold then empties the expert caches.
+            warm = [request_trace.TraceRequest(0.0, r.prompt_ids, min(warmup_tokens, r.max_tokens))
+                    for r in requests[:engine.config.max_batch]]
+            trace_replay.replay(engine, warm, scheduler=sched)
 
         def sampler_for(k: int) -> Sampler:
             return Sampler(temperature, top_p, seed + k) if temperature > 0 else Sampler()
@@ -236,7 +242,7 @@ def _run_trace_bench(model_dir, config: EngineConfig, path: str, repeats: int, c
             if cold:
                 cold_how = make_cold(engine)
             _reset_stats(engine)
-            records, steps = trace_replay.replay(engine, requests, sampler_for=sampler_for)
+            records, steps = trace_replay.replay(engine, requests, sampler_for=sampler_for, scheduler=sched)
             m = trace_replay.replay_figures(records, slo_ttft, slo_tpot)
             m.update(steps.to_dict())
             m.update(engine.io_stats())

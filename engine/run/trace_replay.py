@@ -133,12 +133,16 @@ class StepStats:
 
 
 def replay(engine, requests: list[TraceRequest], *, max_batch: int | None = None,
-           sampler_for: Callable[[int], Sampler] | None = None,
+           sampler_for: Callable[[int], Sampler] | None = None, scheduler: Scheduler | None = None,
            sleep: Callable[[float], None] = time.sleep) -> tuple[list[RequestRecord], StepStats]:
-    """Run the trace through a fresh Scheduler on `engine` (module docstring). sampler_for(k): the
-    sampler of the trace's k-th sequence, counted from 0 in file order (None: greedy); each
-    sequence has its own, so its tokens do not depend on what runs beside it."""
-    sched = Scheduler(engine, max_batch)
+    """Run the trace through a Scheduler on `engine` (module docstring): `scheduler`, idle, when given
+    (a bench's repeats reuse one, so its pool's KV caches are made once, as serve's are), else a
+    fresh one of max_batch. sampler_for(k): the sampler of the trace's k-th sequence, counted from 0
+    in file order (None: greedy); each sequence has its own, so its tokens do not depend on what
+    runs beside it."""
+    sched = scheduler if scheduler is not None else Scheduler(engine, max_batch)
+    if sched.active:
+        raise ValueError("replay needs an idle scheduler")
     records: list[RequestRecord] = []
     stats = StepStats()
     k = 0
