@@ -237,5 +237,7 @@ def test_bench_trace_json(tiny, tmp_path):
     assert r.goodput_rps == pytest.approx(sum(5 / run["makespan_s"] for run in m["runs"]) / 2)  # median of two
     rows = m["runs"][0]["per_request"]
     assert [row["line"] for row in rows] == [1, 2, 3, 4, 5] and all(row["met"] for row in rows)
-    assert len(m["output_ids"]) == sum(req.max_tokens * req.n for req in SMALL[:5])
+    # compared across configs: the requests of n = 1 (any max_batch runs them); every request's apart
+    assert len(m["output_ids"]) == sum(req.max_tokens for req in SMALL[:5] if req.n == 1)
+    assert [len(ids) for ids in m["runs"][0]["request_output_ids"][3]] == [4, 4]
     assert all(run["batch_max"] == 2 for run in m["runs"])

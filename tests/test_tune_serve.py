@@ -28,7 +28,7 @@ from colibri_tune_fixtures import BUDGET, MiB, ROOT, SMALL_CTX
 
 DAY = 86400.0
 TRACE = [TraceRequest(0.0, (5, 6, 7, 8), 3), TraceRequest(0.0, (9, 10), 2), TraceRequest(0.0, (11, 12, 13), 3),
-         TraceRequest(0.02, (14, 15), 2)]
+         TraceRequest(0.02, (14, 15), 2, n=2)]
 
 
 def options(model_dir, profile_path, out, trace, **kw) -> TuneOptions:
@@ -55,7 +55,7 @@ def test_tune_serve_replays_the_trace_and_ranks_by_goodput(served):
     assert result["objective"] == "serve" and result["gain_metric"] == "goodput_rps"
     assert TuneResult.from_dict(json.loads((out / "result.json").read_text())).to_dict() == result
     w = result["workload"]
-    assert (w["kind"], w["source"], w["requests"], w["sequences"]) == ("trace", "burst.jsonl", 4, 4)
+    assert (w["kind"], w["source"], w["requests"], w["sequences"]) == ("trace", "burst.jsonl", 4, 5)
     assert (w["slo_ttft_s"], w["slo_tpot_s"], w["span_s"]) == (DAY, DAY, 0.02)
     assert (out / "trace.jsonl").is_file()  # the tokenized copy every trial replayed
     # max_batch searched, over the choices the plan fits (all of them beside a 256-token context)
@@ -67,11 +67,15 @@ def test_tune_serve_replays_the_trace_and_ranks_by_goodput(served):
     assert [t.params["max_batch"] for t in trials] == [4, 1]  # the rule of thumb, and the engine's default
     for t in trials:
         a = t.user_attrs
+        # max_batch 1 refuses the request of n = 2 (serve's 400): it misses, and the config is still
+        # feasible (the tokens compared are those of the n = 1 requests, which every batch runs)
         assert a["status"] == "ok", a.get("error")
         m = a["metrics"]
+        met = 4 if t.params["max_batch"] >= 2 else 3
         assert m["trace"]["requests"] == 4 and m["config"]["max_batch"] == t.params["max_batch"]
-        assert a["slo_met"] == 4 and t.values == [pytest.approx(a["goodput_rps"])]  # SLOs of a day: every request
-        assert a["goodput_rps"] == pytest.approx(4 / m["makespan_s"])
+        assert m["runs"][0]["refused"] == 4 - met
+        assert a["slo_met"] == met and t.values == [pytest.approx(a["goodput_rps"])]  # SLOs of a day: all that ran
+        assert a["goodput_rps"] == pytest.approx(met / m["makespan_s"])
     # the cost model's goodput beside the measured one, per trial (evidence only), none of its decode figure
     assert all(t.user_attrs.get("predicted_goodput_rps", -1) >= 0 and "predicted_decode_tok_s" not in t.user_attrs
                for t in trials)
@@ -95,7 +99,7 @@ def test_tune_serve_replays_the_trace_and_ranks_by_goodput(served):
     assert entry["figures"]["goodput_rps"] == rec["confirmed"]["goodput_rps"]
     assert entry["workload"] == {"kind": "trace", "requests": 4, "prompt_tokens": w["prompt_tokens"],
                                  "max_new_tokens": w["max_new_tokens"], "sha256": w["sha256"], "slo_ttft_s": DAY,
-                                 "slo_tpot_s": DAY, "span_s": 0.02, "sequences": 4}
+                                 "slo_tpot_s": DAY, "span_s": 0.02, "sequences": 5}
     assert "serve: goodput" in profiles.entry_line(entry)
 
 

@@ -248,7 +248,11 @@ def _run_trace_bench(model_dir, config: EngineConfig, path: str, repeats: int, c
             m.update(engine.io_stats())
             m.update({"peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": rss_file_bytes(),
                       "per_request": trace_replay.request_rows(records, slo_ttft, slo_tpot),
-                      "output_ids": [t for r in records for ids in r.output_ids for t in ids]})
+                      # What a tune compares across configs (placement must not change tokens): the
+                      # requests of n = 1, which every max_batch runs; one of n > 1 is refused where n
+                      # is above max_batch, so its tokens are in request_output_ids only (null: refused).
+                      "output_ids": [t for r in records if r.request.n == 1 for ids in r.output_ids for t in ids],
+                      "request_output_ids": [None if r.refused else r.output_ids for r in records]})
             runs.append(m)
             if progress:
                 progress(rep + 1, repeats, m)
@@ -266,7 +270,7 @@ def _run_trace_bench(model_dir, config: EngineConfig, path: str, repeats: int, c
             "load_seconds": engine.load_seconds,
             "summary": {k: spread([r.get(k) for r in runs]) for k in keys}, "runs": runs,
             "output_ids": runs[0]["output_ids"] if runs else [],
-            "tokens_consistent": all(r["output_ids"] == runs[0]["output_ids"] for r in runs),
+            "tokens_consistent": all(r["request_output_ids"] == runs[0]["request_output_ids"] for r in runs),
             "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": rss_file_bytes(),
             "wall_seconds": time.perf_counter() - t_start,
         })
