@@ -169,7 +169,8 @@ class TuneOptions:
                                            ("--slo-tpot", self.slo_tpot)) if v is not None]
         if self.objective != "serve":
             if serve_only:
-                raise ConfigError(f"{', '.join(serve_only)} go with --objective serve")
+                raise ConfigError(f"{', '.join(serve_only)} {'goes' if len(serve_only) == 1 else 'go'} with "
+                                  f"--objective serve")
             return
         missing = [flag for flag in ("--trace", "--slo-ttft", "--slo-tpot") if flag not in serve_only]
         if missing:
