@@ -48,12 +48,13 @@ def tiny(tmp_path_factory):
 
 class Server:
     """`colibri serve`'s app on a thread: `config` the engine's (ctx CTX by default), `kv_dir` and
-    `kv_disk_bytes` the SSD tier of the prefix cache, `opts` ServeOptions' fields."""
+    `kv_disk_bytes` the SSD tier of the prefix cache, `log` the worker's per-sequence lines, `opts`
+    ServeOptions' fields."""
 
     def __init__(self, model_dir, config: EngineConfig | None = None, *, kv_dir=None, kv_disk_bytes: int = 0,
-                 **opts):
+                 log=None, **opts):
         self.model = LoadedModel(model_dir, config or EngineConfig(ctx_size=CTX), queue_size=opts.pop("queue_size", 8),
-                                 kv_dir=kv_dir, kv_disk_bytes=kv_disk_bytes)
+                                 kv_dir=kv_dir, kv_disk_bytes=kv_disk_bytes, log=log)
         state = make_state(self.model, check_options(ServeOptions(port=0, **opts)))
         self.state = state
         self.uv = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=0, log_level="error"))

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.api import BenchResult, EngineConfig, PromptError, TraceRequest, load_trace, read_trace
-from engine.run.batch import Sequence
+from engine.run.batch import BatchSequence
 from engine.run.generate import Sampler, generate
 from engine.run.request_trace import MAX_REQUESTS, check_context, save_trace, trace_digest
 from engine.run.runtime import Engine
@@ -125,9 +125,9 @@ def test_bench_refuses_a_bad_trace_in_one_line_before_loading(tmp_path, capsys):
 # --- the figures from recorded timestamps -----------------------------------------------------
 
 def fake_sequence(tokens: int, admitted: float | None, first: float | None, last: float | None,
-                  outcome: str = "finished") -> Sequence:
+                  outcome: str = "finished") -> BatchSequence:
     gen = SimpleNamespace(output_ids=list(range(tokens)))
-    s = Sequence(decoding=SimpleNamespace(gen=gen, prompt_ids=[1]))
+    s = BatchSequence(decoding=SimpleNamespace(gen=gen, prompt_ids=[1]))
     s.admitted, s.first_token_at, s.last_token_at, s.outcome = admitted, first, last, outcome
     return s
 
@@ -193,8 +193,9 @@ def test_replay_runs_every_request_and_times_it_from_its_arrival(tiny):
         assert rec.finished and len(rec.sequences) == req.n
         assert rec.output_ids == [ids] * req.n  # greedy: each sequence's solo tokens, whatever ran beside it
         for s in rec.sequences:
-            # submitted no earlier than its arrival, admitted no earlier than submitted, tokens after
-            assert rec.arrival <= s.submitted <= s.admitted <= s.first_token_at <= s.last_token_at
+            # the scheduler keeps the arrival as its submit time; admitted no earlier, tokens after
+            assert rec.arrival == s.submitted <= s.admitted <= s.first_token_at <= s.last_token_at
+            assert s.wait_seconds == s.admitted - rec.arrival
         assert rec.ttft_s == pytest.approx(max(s.first_token_at for s in rec.sequences) - rec.arrival)
         if req.max_tokens > 1:
             assert rec.tpot_s == pytest.approx(max((s.last_token_at - s.first_token_at) / (req.max_tokens - 1)

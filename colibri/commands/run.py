@@ -156,6 +156,10 @@ def add_bench(sub) -> None:
                    help="with --trace: a request meets its SLOs only with its first token within S seconds of its arrival")
     p.add_argument("--slo-tpot", type=finite_float(0.0, SLO_MAX_S), metavar="S",
                    help="with --trace: ... and at most S seconds per generated token after its first")
+    work.add_argument("--batch", type=positive_int(256), metavar="B",
+                      help="B greedy sequences at once through serve's batch scheduler (random prompts of "
+                           "--prompt-tokens from --seed, --seed+1, ...; --tokens each): aggregate and per-sequence "
+                           "tok/s, bytes read and experts per step; --max-batch is raised to B")
     p.add_argument("--temperature", type=finite_float(0.01, 100.0, zero_ok=True), default=None,
                    help="with --steady: 0 = greedy, else in [0.01, 100] (default 1.0); with --trace (default 0)")
     p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=None,
@@ -212,6 +216,7 @@ def cmd_bench(args) -> int:
         extra += ["--workload", args.workload] if args.workload else []
         extra += steady_args(args.steady, *sampling) if args.steady else []
         extra += trace_args(args.trace, args.slo_ttft, args.slo_tpot, *sampling) if args.trace else []
+        extra += ["--batch", str(args.batch)] if args.batch else []
         trial = run_trial(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                           prompt_tokens=args.prompt_tokens, seed=args.seed,
                           limit_bytes=args.cgroup_limit, timeout=args.timeout, extra_args=extra)
@@ -229,8 +234,8 @@ def cmd_bench(args) -> int:
         result = bench(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                        prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
                        record_routing=args.record_routing, read_trace=args.read_trace, workload=workload,
-                       steady=args.steady or 0, temperature=sampling[0], top_p=sampling[1], trace_file=args.trace,
-                       slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot)
+                       steady=args.steady or 0, temperature=sampling[0], top_p=sampling[1], batch=args.batch or 0,
+                       trace_file=args.trace, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot)
     if args.outcome is not None:
         write_outcome(args.outcome, Outcome("ok", metrics=result.to_dict()))
     if args.json:

@@ -6,8 +6,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-from engine.api import (ConfigError, EngineConfig, default_ctx_size, is_kv_root, kv_root, parse_size, read_text_input,
-                        resolve_model, run_directory_target)
+from engine.api import (PREFILL_CHUNK, ConfigError, EngineConfig, default_ctx_size, is_kv_root, kv_root, parse_size,
+                        read_text_input, resolve_model, run_directory_target)
 from colibri.serve.chat import chat_loop
 from colibri.serve.protocol import ApiError, Sampling, parse_sampling
 from colibri.serve.server import API_KEY_ENV, LoadedModel, ServeOptions, check_options, serve
@@ -44,10 +44,16 @@ def say_prefix_default(p) -> None:
 
 
 def reuse_options(args, command: str) -> tuple[EngineConfig, dict]:
-    """The engine config with serve's prefix-cache default (under --config and the flags), and
-    the SSD tier's directory (checked by the output guard before anything loads) and bound."""
-    budget = engine_config_from_args(args).ram_budget
-    config = engine_config_from_args(args, defaults={"prefix_cache": default_prefix_cache(budget)})
+    """The engine config with serve's defaults (under --config and the flags): the prefix cache, and
+    with --max-batch above 1 and no budget prefill groups of PREFILL_CHUNK tokens (a prompt would be
+    one group, and the running streams would wait for all of it between two tokens: engine/run/batch.py;
+    under a budget the plan's group is that or less already); and the SSD tier's directory (checked by
+    the output guard before anything loads) and bound."""
+    given = engine_config_from_args(args)
+    defaults = {"prefix_cache": default_prefix_cache(given.ram_budget)}
+    if given.max_batch > 1 and not given.ram_budget:
+        defaults["prefill_chunk"] = PREFILL_CHUNK
+    config = engine_config_from_args(args, defaults=defaults)
     if not config.prefix_cache or not args.kv_disk:
         return config, {}
     kv_dir = run_directory_target(args.kv_dir if args.kv_dir is not None else kv_root(), command=command,
@@ -56,7 +62,8 @@ def reuse_options(args, command: str) -> tuple[EngineConfig, dict]:
 
 
 def add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (one request at a time)")
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (--max-batch requests "
+                                     "decoded together; default one at a time)")
     p.add_argument("--model", required=True, help="model directory, or a synth preset name (e.g. demo)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
     p.add_argument("--port", type=int_in(0, 65535), default=8000)

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streamed with server-sent events
 when asked; chat with tools through colibri/serve/tools/), GET /v1/models, GET /v1/models/{id},
-GET /health, GET /metrics, and Anthropic's POST /v1/messages (colibri/serve/anthropic.py). Every
+GET /health, GET /metrics, and Anthropic's POST /v1/messages (colibri/serve/anthropic.py). `n` > 1
+choices come back in one response (streamed: each chunk names its choice's index). Every
 request body is size-limited and validated (colibri/serve/protocol.py); every refusal is an OpenAI
 error object. When an API key is set, every route but /health needs `Authorization: Bearer <key>`
 (the scheme in any case, as RFC 7235 says), the key compared in constant time. Every generation's
@@ -148,8 +149,10 @@ def build_app(state: ServeState) -> Starlette:
             state.open.discard(bridge)
 
     async def _whole(request, job, bridge, shape, ident, sampling, headers) -> Response:
-        text: list[str] = []
-        logprobs: list | None = [] if sampling.logprobs is not None else None
+        n = job.n
+        texts: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list] | None = [[] for _ in range(n)] if sampling.logprobs is not None else None
+        results: list = [None] * n
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             while True:
@@ -160,50 +163,69 @@ def build_app(state: ServeState) -> Starlette:
                     job.cancelled.set()
                     return Response(status_code=499)
                 kind, value = getter.result()
-                if kind == "text":
-                    text.append(value)
-                    continue
-                if kind == "logprob":
-                    logprobs.append(value)
-                    continue
                 if kind == "shutdown":
                     job.cancelled.set()
                     raise SHUTDOWN
+                index, value = value if n > 1 else (0, value)  # n > 1: each event names its choice
+                if kind == "text":
+                    texts[index].append(value)
+                    continue
+                if kind == "logprob":
+                    logprobs[index].append(value)
+                    continue
                 if value.finish_reason == "error":
+                    job.cancelled.set()  # the other choices stop too: the answer is an error
                     raise ApiError(500, f"generation failed: {value.error}", type="server_error")
-                return JSONResponse(shape.whole(ident, "".join(text), value, state, sampling.seed,
-                                                logprobs[:len(value.output_ids)] if logprobs is not None else None),
-                                    headers=headers)
+                results[index] = value
+                if any(r is None for r in results):
+                    continue
+                choices = [("".join(texts[i]), results[i],
+                            logprobs[i][:len(results[i].output_ids)] if logprobs is not None else None)
+                           for i in range(n)]
+                return JSONResponse(shape.whole_choices(ident, choices, state, sampling.seed), headers=headers)
         finally:
             gone.cancel()
 
     async def _sse(job, bridge, shape, ident, sampling):
-        seed = sampling.seed
-        pending: list = []  # log-probs of tokens whose text is not sent yet (held back, or split characters)
+        seed, n = sampling.seed, job.n
+        # per choice: log-probs of tokens whose text is not sent yet (held back, or split characters)
+        pending: list[list] = [[] for _ in range(n)]
+        results: list = [None] * n
         try:
-            opening = shape.chunk(ident, None, None, state, seed, first=True)
-            if opening is not None:
-                yield _event(opening)
+            for i in range(n):
+                opening = shape.chunk(ident, None, None, state, seed, first=True, index=i)
+                if opening is not None:
+                    yield _event(opening)
             while True:
                 kind, value = await bridge.events.get()
-                if kind == "logprob":
-                    pending.append(value)
-                    continue
-                if kind == "text":
-                    yield _event(shape.chunk(ident, value, None, state, seed, logprobs=pending))
-                    pending = []
-                    continue
                 if kind == "shutdown":
                     job.cancelled.set()
                     yield _event(SHUTDOWN.body())
-                elif value.finish_reason == "error":
+                    yield "data: [DONE]\n\n"
+                    return
+                index, value = value if n > 1 else (0, value)  # n > 1: each event names its choice
+                if kind == "logprob":
+                    pending[index].append(value)
+                    continue
+                if kind == "text":
+                    yield _event(shape.chunk(ident, value, None, state, seed, logprobs=pending[index], index=index))
+                    pending[index] = []
+                    continue
+                if value.finish_reason == "error":
+                    job.cancelled.set()  # the other choices stop too: the stream ends in an error
                     yield _event(ApiError(500, f"generation failed: {value.error}", type="server_error").body())
-                else:
-                    # tokens whose text never came (cut by a stop sequence) keep their log-probs, as usage counts them
-                    yield _event(shape.chunk(ident, None, value.finish_reason, state, seed, logprobs=pending))
-                    if sampling.include_usage:
-                        yield _event({**shape.chunk(ident, None, None, state, seed), "choices": [],
-                                      "usage": usage(value)})
+                    yield "data: [DONE]\n\n"
+                    return
+                # tokens whose text never came (cut by a stop sequence) keep their log-probs, as usage counts them
+                yield _event(shape.chunk(ident, None, value.finish_reason, state, seed, logprobs=pending[index],
+                                         index=index))
+                pending[index] = []
+                results[index] = value
+                if any(r is None for r in results):
+                    continue
+                if sampling.include_usage:
+                    yield _event({**shape.chunk(ident, None, None, state, seed), "choices": [],
+                                  "usage": usage(*results)})
                 yield "data: [DONE]\n\n"
                 return
         finally:
@@ -267,7 +289,8 @@ def build_app(state: ServeState) -> Starlette:
         return JSONResponse(model_object())
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "busy": state.worker.busy, "queue": state.worker.queue_length()})
+        return JSONResponse({"status": "ok", "busy": state.worker.busy, "queue": state.worker.queue_length(),
+                             "running": state.worker.running(), "max_batch": state.worker.max_batch})
 
     async def prometheus(request: Request) -> Response:
         authorized(request)

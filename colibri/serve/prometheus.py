@@ -18,6 +18,11 @@ import psutil
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 REQUEST_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+# Seconds a request waits in the queue before its sequences get KV caches.
+WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+# Sequences per decode step (max_batch is at most 256), and experts per MoE layer a batched step fetches.
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256)
+UNION_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 # (prefix_stats key, metric, kind, help)
@@ -88,6 +93,12 @@ class ServerMetrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.token_latency = Histogram(TOKEN_BUCKETS)
         self.request_seconds = Histogram(REQUEST_BUCKETS)
+        # The batch (colibri/serve/worker.py, engine/run/batch.py): queue waits, each decode step's
+        # sequences, and the union of their experts a step of two or more fetches per MoE layer.
+        self.queue_wait = Histogram(WAIT_BUCKETS)
+        self.batch_size = Histogram(BATCH_BUCKETS)
+        self.union_experts = Histogram(UNION_BUCKETS)
+        self.running = 0
 
     def count_request(self, route: str, status: int) -> None:
         with self.lock:
@@ -104,6 +115,22 @@ class ServerMetrics:
             for s in token_seconds:
                 self.token_latency.observe(s)
             self.request_seconds.observe(seconds)
+
+    def record_wait(self, seconds: float | None) -> None:
+        """A request's time in the queue, once its sequences got their caches."""
+        if seconds is not None:
+            with self.lock:
+                self.queue_wait.observe(seconds)
+
+    def record_step(self, rows: int, union_experts: float | None, running: int) -> None:
+        """One scheduler step: the sequences it decoded (none: a prefill group alone), the experts
+        fetched per MoE layer when two or more decoded together, and the sequences running after it."""
+        with self.lock:
+            self.running = running
+            if rows:
+                self.batch_size.observe(rows)
+            if union_experts is not None:
+                self.union_experts.observe(union_experts)
 
     def render(self, queue_length: int, busy: bool, store_stats: dict, prefix_stats: dict | None = None) -> str:
         out: list[str] = []
@@ -129,6 +156,16 @@ class ServerMetrics:
                    self.token_latency.lines("colibri_decode_token_seconds"))
             metric("colibri_request_seconds", "histogram", "Time a generation ran, end to end.",
                    self.request_seconds.lines("colibri_request_seconds"))
+            metric("colibri_queue_wait_seconds", "histogram", "Time a request waited in the queue for the batch.",
+                   self.queue_wait.lines("colibri_queue_wait_seconds"))
+            metric("colibri_batch_size", "histogram", "Sequences decoded together, per decode step.",
+                   self.batch_size.lines("colibri_batch_size"))
+            metric("colibri_union_experts", "histogram",
+                   "Routed experts fetched per MoE layer by a decode step of two or more sequences "
+                   "(the union of their routes; each read once for all of them).",
+                   self.union_experts.lines("colibri_union_experts"))
+            metric("colibri_batch_running", "gauge", "Sequences in the running batch.",
+                   [f"colibri_batch_running {self.running}"])
         metric("colibri_queue_length", "gauge", "Requests waiting for the engine.", [f"colibri_queue_length {queue_length}"])
         metric("colibri_busy", "gauge", "1 while a generation runs.", [f"colibri_busy {int(busy)}"])
         hit = store_stats.get("hit_rate") or {}

@@ -2,8 +2,9 @@
 
 Clients send more fields than any one server honours, so unknown fields are ignored (as OpenAI's
 own API and llama-server do); a known field with a wrong type or an out-of-range value is a 400
-with an OpenAI-style error object naming the field. Fields we cannot honour (n > 1, echo, best_of,
-suffix, and tools on /v1/completions) are refused by name rather than silently dropped. Chat's
+with an OpenAI-style error object naming the field. Fields we cannot honour (echo, best_of, suffix,
+and tools on /v1/completions) are refused by name rather than silently dropped; `n` choices run as n
+sequences of the batch (colibri/serve/worker.py), at most the server's max_batch. Chat's
 tool fields are read by colibri/serve/tools/request.py. Sampling fields and their ranges: README's
 serve section (the ranges are OpenAI's where OpenAI documents the field).
 """
@@ -26,6 +27,7 @@ COMPLETION_LOGPROBS_MAX = 5  # the completions API's logprobs, as OpenAI documen
 PENALTY_MAX = 2.0            # presence / frequency: [-2, 2]
 BIAS_MAX = 100.0             # logit_bias values: [-100, 100]
 REPETITION_MAX = 10.0        # repetition_penalty (llama-server's and vLLM's name): (0, 10]
+N_MAX = 128                  # choices per request (OpenAI's limit); the server's max_batch bounds it first
 
 
 class ApiError(Exception):
@@ -61,6 +63,7 @@ class Sampling:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: none reported; k: each token's log-prob and its k best alternatives
     grammar: str | None = None  # response_format's, compiled (colibri/serve/structured.py)
+    n: int = 1  # choices: n sequences of one prompt, choice i sampled with seed + i
 
 
 @dataclass
@@ -126,10 +129,6 @@ def _stop(body: dict) -> list[str]:
 
 
 def _refuse_unsupported(body: dict) -> None:
-    n = _int(body, "n", 1, 1, 128)
-    if n != 1:
-        raise bad("n", f"only n = 1 is served (one choice per request, {n} asked): send {n} requests, "
-                       "each with its own seed")
     for key, harmless in (("echo", (None, False)), ("best_of", (None, 1)), ("suffix", (None, "")),
                           ("tools", (None, [])), ("functions", (None, []))):
         if body.get(key, None) not in harmless:
@@ -198,7 +197,7 @@ def parse_sampling(body: dict, default_max_tokens: int | None = None, chat: bool
         presence_penalty=_float(body, "presence_penalty", 0.0, -PENALTY_MAX, PENALTY_MAX),
         frequency_penalty=_float(body, "frequency_penalty", 0.0, -PENALTY_MAX, PENALTY_MAX),
         repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, REPETITION_MAX, lo_open=True),
-        logit_bias=_logit_bias(body), logprobs=_logprobs(body, chat))
+        logit_bias=_logit_bias(body), logprobs=_logprobs(body, chat), n=_int(body, "n", 1, 1, N_MAX))
 
 
 def parse_completion(body, default_max_tokens: int | None = None) -> CompletionRequest:

@@ -95,7 +95,8 @@ class LoadedModel:
     """The engine, its tokenizer, chat template and worker: what serve and chat share."""
 
     def __init__(self, model_dir: str | os.PathLike, config: EngineConfig, queue_size: int = 8, *,
-                 kv_dir: str | os.PathLike | None = None, kv_disk_bytes: int = 0):
+                 kv_dir: str | os.PathLike | None = None, kv_disk_bytes: int = 0, log=None):
+        """log: where the worker writes a line per finished sequence (serve's stderr; None: nowhere)."""
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         if self.tokenizer is None:
@@ -107,7 +108,7 @@ class LoadedModel:
             self.metrics = ServerMetrics()
             self.worker = GenerationWorker(self.engine, self.tokenizer, eos_ids(self.engine.checkpoint.config,
                                                                                 self.model_dir),
-                                           queue_size, self.metrics)
+                                           queue_size, self.metrics, log=log)
         except BaseException:
             self.engine.close()
             raise
@@ -148,11 +149,12 @@ class _Server(uvicorn.Server):
 def serve(model_dir, config: EngineConfig, opts: ServeOptions, log=print, **reuse) -> None:
     """reuse: LoadedModel's kv_dir and kv_disk_bytes (the prefix cache's SSD tier)."""
     opts = check_options(opts)
-    model = LoadedModel(model_dir, config, opts.queue_size, **reuse)
+    model = LoadedModel(model_dir, config, opts.queue_size, log=log, **reuse)
     try:
         state = make_state(model, opts)
         log(f"colibri serve: {state.model_id} on http://{opts.host}:{opts.port}/v1 "
-            f"(ctx {model.worker.ctx_size}, queue {opts.queue_size}, chat template: {model.template.source})")
+            f"(ctx {model.worker.ctx_size}, max batch {model.worker.max_batch}, queue {opts.queue_size}, "
+            f"chat template: {model.template.source})")
         server = _Server(uvicorn.Config(build_app(state), host=opts.host, port=opts.port, log_level="warning",
                                         timeout_graceful_shutdown=GRACEFUL_S, http=JsonErrorH11Protocol), state)
         server.run()

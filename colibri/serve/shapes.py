@@ -110,8 +110,9 @@ def completion_logprobs(entries, tokens: TokenText) -> dict:
     return out
 
 
-def usage(result) -> dict:
-    n = len(result.output_ids)
+def usage(result, *more) -> dict:
+    """One request's usage: its prompt once, the completion tokens of every choice (n > 1: `more`)."""
+    n = sum(len(r.output_ids) for r in (result, *more))
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n,
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
@@ -128,18 +129,25 @@ class CompletionShape:
 
     @staticmethod
     def whole(ident, text, result, state, seed, logprobs=None) -> dict:
-        lp = completion_logprobs(logprobs, state.token_text) if logprobs is not None else None
-        return {**CompletionShape._head(ident, state, seed),
-                "choices": [{"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": lp}],
-                "usage": usage(result)}
+        return CompletionShape.whole_choices(ident, [(text, result, logprobs)], state, seed)
 
     @staticmethod
-    def chunk(ident, text, finish, state, seed, first=False, logprobs=None) -> dict | None:
+    def whole_choices(ident, choices, state, seed) -> dict:
+        """choices: [(text, JobResult, log-prob entries or None)] in index order (n of them)."""
+        out = []
+        for i, (text, result, logprobs) in enumerate(choices):
+            lp = completion_logprobs(logprobs, state.token_text) if logprobs is not None else None
+            out.append({"index": i, "text": text, "finish_reason": result.finish_reason, "logprobs": lp})
+        return {**CompletionShape._head(ident, state, seed), "choices": out,
+                "usage": usage(*(result for _, result, _ in choices))}
+
+    @staticmethod
+    def chunk(ident, text, finish, state, seed, first=False, logprobs=None, index=0) -> dict | None:
         if first:  # completions have no opening role chunk
             return None
         lp = completion_logprobs(logprobs, state.token_text) if logprobs else None
         return {**CompletionShape._head(ident, state, seed),
-                "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}]}
+                "choices": [{"index": index, "text": text or "", "finish_reason": finish, "logprobs": lp}]}
 
 
 class ChatShape:
@@ -153,15 +161,22 @@ class ChatShape:
 
     @staticmethod
     def whole(ident, text, result, state, seed, logprobs=None) -> dict:
-        lp = chat_logprobs(logprobs, state.token_text) if logprobs is not None else None
-        return {**ChatShape._head(ident, state, seed, "chat.completion"),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": result.finish_reason, "logprobs": lp}],
-                "usage": usage(result)}
+        return ChatShape.whole_choices(ident, [(text, result, logprobs)], state, seed)
 
     @staticmethod
-    def chunk(ident, text, finish, state, seed, first=False, logprobs=None) -> dict:
+    def whole_choices(ident, choices, state, seed) -> dict:
+        """choices: [(text, JobResult, log-prob entries or None)] in index order (n of them)."""
+        out = []
+        for i, (text, result, logprobs) in enumerate(choices):
+            lp = chat_logprobs(logprobs, state.token_text) if logprobs is not None else None
+            out.append({"index": i, "message": {"role": "assistant", "content": text},
+                        "finish_reason": result.finish_reason, "logprobs": lp})
+        return {**ChatShape._head(ident, state, seed, "chat.completion"), "choices": out,
+                "usage": usage(*(result for _, result, _ in choices))}
+
+    @staticmethod
+    def chunk(ident, text, finish, state, seed, first=False, logprobs=None, index=0) -> dict:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
         lp = chat_logprobs(logprobs, state.token_text) if logprobs else None
         return {**ChatShape._head(ident, state, seed, "chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]}
+                "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}]}

@@ -1,13 +1,19 @@
-"""One generation at a time, behind a bounded FIFO queue, on a model that stays loaded.
+"""The generation worker: one engine thread running the batch scheduler, behind a bounded FIFO queue.
 
-People who stream a 300-700B model from an SSD found that serial requests are the stable choice
-(continuous batching ran their machines out of memory; concurrent requests all timed out), so the
-engine runs one job at a time on its own thread and the rest wait in arrival order. A full queue
-is refused at once (the HTTP layer answers 503 with Retry-After) rather than growing without
-bound. A job whose client has gone is cancelled at its next token, and a queued one is skipped.
-The model, its caches and the native kernels are loaded once and reused, and nothing is
-allocated per request beyond the generation itself, so the memory plan holds for the server's
-life.
+Requests run together up to the engine's max_batch (EngineConfig.max_batch, `serve --max-batch`):
+the scheduler (engine/run/batch.py) admits the queue's head at a step boundary when the pool has a
+KV cache free for each of its sequences, prefills a newcomer's prompt one group per step between
+the running sequences' decode steps, and decodes every running sequence in one step (each routed
+expert read once for all of them). max_batch 1, the default, runs one generation at a time:
+people who stream a 300-700B model from an SSD found serial requests the stable choice, and a
+batch takes a KV cache per sequence, which the memory plan charges before the model loads.
+
+The rest wait in arrival order; a full queue is refused at once (the HTTP layer answers 503 with
+Retry-After) rather than growing without bound. A sequence whose client has gone leaves at the
+next step, and a queued one is skipped. `n` > 1 choices are n sequences of one prompt, prefilled
+once (engine/run/batch.py, groups), each sampling with its own seed: seed, seed + 1, ...
+The model, its caches and the native kernels are loaded once and reused, and nothing is allocated
+per request beyond the generation itself, so the memory plan holds for the server's life.
 """
 
 from __future__ import annotations
@@ -16,11 +22,12 @@ import itertools
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
-from engine.api import Generation, GrammarTokenizer, Sampler, generate
+from engine.api import BatchSequence, Decoding, Generation, GrammarTokenizer, Sampler, Scheduler
 from colibri.serve.prometheus import ServerMetrics
-from colibri.serve.protocol import ApiError, Sampling
+from colibri.serve.protocol import SEED_MAX, ApiError, Sampling
 
 
 STARTED_KEPT = 4096
@@ -118,22 +125,29 @@ class SpecialText:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-@dataclass
+@dataclass(eq=False)  # each job is itself (the worker keeps the running ones in a set)
 class Job:
     prompt_ids: list[int]
     sampling: Sampling
     # emit(kind, value), called on the worker thread: ("text", str) and, when log-probs were
-    # asked, ("logprob", TokenLogprob) before the text its token gave; then ("done", JobResult)
+    # asked, ("logprob", TokenLogprob) before the text its token gave; then ("done", JobResult).
+    # With sampling.n > 1 each value is (choice index, value), and each choice ends with its "done".
     emit: object
     cancelled: threading.Event = field(default_factory=threading.Event)
     seq: int = 0
     # Keep special tokens in the text: tool-call markers are special tokens in some vocabularies
     # (gpt-oss's harmony channels, GLM's <tool_call>), and a parser cannot find what decode drops.
     special_text: bool = False
-    # engine LogitsProcessors for this job only, after the sampler's penalties (and a
+    # engine LogitsProcessors for this job only (n = 1), after the sampler's penalties (and a
     # response_format's grammar, which the worker adds); one whose done() ends the generation
     # ends it with finish_reason "stop"
     processors: list = field(default_factory=list)
+    submitted_at: float = 0.0  # time.perf_counter() when queued (its wait is counted from here)
+    choices: list = field(default_factory=list, repr=False)  # its running sequences (the worker's _Choice)
+
+    @property
+    def n(self) -> int:
+        return getattr(self.sampling, "n", 1)
 
 
 @dataclass
@@ -151,17 +165,66 @@ class JobResult:
         return self.generation.cached_tokens if self.generation is not None else 0
 
 
+class JobQueue:
+    """The bounded FIFO of jobs not started yet. `queue` is the deque itself (read, never changed,
+    by other threads); the head is looked at before it is taken, since it starts only when the
+    scheduler has a cache for each of its n sequences."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self.queue: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self.closed = False
+
+    def put_nowait(self, job: Job) -> None:
+        with self._cond:
+            if len(self.queue) >= self.maxsize:
+                raise queue.Full
+            self.queue.append(job)
+            self._cond.notify()
+
+    def wait(self) -> bool:
+        """Block until a job is queued (True) or the queue is closed and empty (False)."""
+        with self._cond:
+            while not self.queue and not self.closed:
+                self._cond.wait()
+            return bool(self.queue)
+
+    def head(self) -> Job | None:
+        with self._cond:
+            return self.queue[0] if self.queue else None
+
+    def pop(self) -> Job:
+        with self._cond:
+            return self.queue.popleft()
+
+    def close(self) -> list[Job]:
+        """Closed: what was queued, taken out."""
+        with self._cond:
+            self.closed = True
+            left = list(self.queue)
+            self.queue.clear()
+            self._cond.notify_all()
+            return left
+
+    def qsize(self) -> int:
+        return len(self.queue)
+
+
 class GenerationWorker:
-    def __init__(self, engine, tokenizer, eos_ids: set[int], queue_size: int, metrics: ServerMetrics):
+    def __init__(self, engine, tokenizer, eos_ids: set[int], queue_size: int, metrics: ServerMetrics, log=None):
+        """log: called with one line per finished sequence (its wait, TTFT and tok/s), or None."""
         self.engine, self.tokenizer, self.eos_ids = engine, tokenizer, eos_ids
-        self.metrics = metrics
-        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
+        self.metrics, self.log = metrics, log
+        self.jobs = JobQueue(queue_size)
+        self.scheduler = Scheduler(engine)
         self._grammar_tokenizer: GrammarTokenizer | None = None  # built by the first structured request
-        self.busy = False
         # The seq of the most recent jobs as they start (FIFO is checked on it); capped, so a
         # server that runs for weeks does not grow by one entry per request.
         self.started_order: list[int] = []
         self._seq = itertools.count(1)
+        self._running_jobs: set[Job] = set()  # read by close() on another thread: changed under _lock
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="colibri-generation", daemon=True)
         self._thread.start()
 
@@ -169,12 +232,29 @@ class GenerationWorker:
     def ctx_size(self) -> int:
         return self.engine.kv.ctx_size
 
+    @property
+    def max_batch(self) -> int:
+        return self.scheduler.max_batch
+
+    @property
+    def busy(self) -> bool:
+        """Whether a sequence is running (or its group is about to)."""
+        return self.scheduler.active
+
+    def running(self) -> int:
+        """Sequences in the running batch now."""
+        return len(self.scheduler.running)
+
     def check_fits(self, prompt_ids: list[int], sampling: Sampling) -> None:
         """Refuse, before it is queued, a request the KV cache or the vocabulary cannot hold; a
         request without max_tokens gets the room its prompt leaves (as OpenAI, vLLM and
         llama-server do), so only a prompt that fills the context is refused."""
         if not prompt_ids:
             raise ApiError(400, "prompt: encodes to zero tokens", param="prompt")
+        n = getattr(sampling, "n", 1)
+        if n > self.max_batch:
+            raise ApiError(400, f"n: {n} choices run at once, and this server runs at most {self.max_batch} "
+                                "sequences together (serve --max-batch)", param="n")
         room = self.ctx_size - len(prompt_ids)
         if sampling.max_tokens is None:
             if room < 1:
@@ -195,6 +275,7 @@ class GenerationWorker:
 
     def submit(self, job: Job) -> int:
         job.seq = next(self._seq)
+        job.submitted_at = time.perf_counter()
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -205,88 +286,168 @@ class GenerationWorker:
         return job.seq
 
     def queue_length(self) -> int:
-        return self.jobs.qsize()
+        """Requests waiting: queued, or taken for the next step's admission."""
+        return self.jobs.qsize() + len(self.scheduler.waiting)
 
     def close(self) -> None:
-        # Queued jobs are told the server is going; the running one stops at its next token.
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
+        # Queued jobs are told the server is going; the running ones stop at the next step.
+        for job in self.jobs.close():
+            job.cancelled.set()
+            self._emit_all(job, "done", lambda: JobResult("", [], "cancelled", len(job.prompt_ids), None))
+        with self._lock:
+            for job in self._running_jobs:
                 job.cancelled.set()
-                job.emit("done", JobResult("", [], "cancelled", len(job.prompt_ids), None))
-        self.jobs.put(None)
         self._thread.join(timeout=60)
 
+    # --- the engine thread ------------------------------------------------------------------------
+
     def _loop(self) -> None:
+        sched = self.scheduler
         while True:
-            job = self.jobs.get()
+            if not sched.active and not self.jobs.wait():
+                return  # closed, nothing left
+            self._start_jobs()
+            if not sched.active:
+                continue
+            try:
+                info = sched.step()
+            except Exception as exc:  # a scheduler fault must not take the server down: its sequences fail
+                sched.abort(exc)
+                continue
+            for s in info.admitted:
+                if s is s.group[0]:
+                    self.metrics.record_wait(s.wait_seconds)
+            self.metrics.record_step(info.rows, info.union_experts, len(sched.running))
+
+    def _start_jobs(self) -> None:
+        """Move queued jobs into the scheduler while it has a cache for each of their sequences (FIFO:
+        the head waits for room, the rest wait behind it)."""
+        while True:
+            job = self.jobs.head()
             if job is None:
                 return
             if job.cancelled.is_set():  # its client left while it waited: a cancelled request too
+                self.jobs.pop()
                 with self.metrics.lock:
                     self.metrics.cancelled += 1
-                job.emit("done", JobResult("", [], "cancelled", len(job.prompt_ids), None))
+                self._emit_all(job, "done", lambda: JobResult("", [], "cancelled", len(job.prompt_ids), None))
                 continue
-            self.busy = True
+            if self.scheduler.room() < min(job.n, self.max_batch):  # more than max_batch: refused below
+                return
+            self.jobs.pop()
             self.started_order.append(job.seq)
             if len(self.started_order) > STARTED_KEPT:
                 del self.started_order[:-STARTED_KEPT]
             try:
-                job.emit("done", self._run(job))
-            except Exception as exc:  # a failed generation must not take the server down
-                job.emit("done", JobResult("", [], "error", len(job.prompt_ids), None, error=f"{type(exc).__name__}: {exc}"))
-            finally:
-                self.busy = False
+                seqs = [_Choice(self, job, i).sequence for i in range(job.n)]
+                with self._lock:
+                    self._running_jobs.add(job)
+                self.scheduler.submit(seqs)
+            except Exception as exc:  # a grammar, a sampler or an n the request's values make impossible
+                with self._lock:
+                    self._running_jobs.discard(job)
+                self._emit_all(job, "done", lambda: JobResult("", [], "error", len(job.prompt_ids), None,
+                                                              error=f"{type(exc).__name__}: {exc}"))
+
+    def _emit_all(self, job: Job, kind: str, value) -> None:
+        for i in range(job.n):
+            v = value()
+            job.emit(kind, v if job.n == 1 else (i, v))
+
+    def _finished(self, job: Job, choice: "_Choice") -> None:
+        choice.left = True
+        if all(c.left for c in job.choices):
+            with self._lock:
+                self._running_jobs.discard(job)
 
     def _grammar(self, grammar: str):
         # The tokenizer's token trie costs ~0.4 s at 32k tokens, 1-2 s at 152k: once per model, on
-        # this thread (jobs run one at a time), and only when a request asks for structure.
+        # this thread, and only when a request asks for structure.
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.engine.args.vocab_size, self.eos_ids)
         return self._grammar_tokenizer.processor(grammar)
 
-    def _run(self, job: Job) -> JobResult:
+
+class _Choice:
+    """One sequence of a job (choice `index` of its n): its text stream, its sampler (seed + index),
+    its processors, and what it emits as its tokens come and when it leaves the batch."""
+
+    def __init__(self, worker: GenerationWorker, job: Job, index: int):
+        self.worker, self.job, self.index = worker, job, index
+        self.left = False
+        job.choices.append(self)
         s = job.sampling
-        stream = TextStream(SpecialText(self.tokenizer) if job.special_text else self.tokenizer, s.stop)
-        started = time.perf_counter()
-        gen = Generation(list(job.prompt_ids))
+        if job.processors and job.n > 1:
+            raise ValueError("a job's own processors hold one generation's state: they go with n = 1")
+        self.stream = TextStream(SpecialText(worker.tokenizer) if job.special_text else worker.tokenizer, s.stop)
+        self.gen = Generation(list(job.prompt_ids))
+        grammar = worker._grammar(s.grammar) if s.grammar else None
+        sampler = Sampler(s.temperature, s.top_p, (s.seed + index) % (SEED_MAX + 1), min_p=s.min_p,
+                          presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                          repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias)
+        decoding = Decoding(worker.engine, job.prompt_ids, s.max_tokens, sampler, on_token=self.on_token,
+                            logprobs=s.logprobs, generation=self.gen,
+                            processors=[*job.processors, *([grammar] if grammar else [])])
+        self.sequence = BatchSequence(decoding, cancelled=job.cancelled.is_set, on_done=self.done)
+        self.sequence.submitted = job.submitted_at
 
-        def on_token(token: int) -> bool:
-            if job.cancelled.is_set():
-                return True
-            if token in self.eos_ids:
-                return True
-            if s.logprobs is not None:
-                job.emit("logprob", (gen.logprobs[-1], len(stream.text)))  # the token and where its text starts
-            piece = stream.push(token)
-            if piece:
-                job.emit("text", piece)
-            return stream.stopped
+    def emit(self, kind: str, value) -> None:
+        self.job.emit(kind, value if self.job.n == 1 else (self.index, value))
 
-        grammar = self._grammar(s.grammar) if s.grammar else None
-        sampler = Sampler(s.temperature, s.top_p, s.seed, min_p=s.min_p, presence_penalty=s.presence_penalty,
-                          frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
-                          logit_bias=s.logit_bias)
-        generate(self.engine, job.prompt_ids, s.max_tokens, sampler, on_token=on_token, logprobs=s.logprobs,
-                 generation=gen, processors=[*job.processors, *([grammar] if grammar else [])])
-        ids = gen.output_ids
-        if not job.cancelled.is_set():
-            # Before the finish reason: the tail may complete a stop (after a character that
-            # was still split when the last token came).
-            tail = stream.flush()
-            if tail:
-                job.emit("text", tail)
-        if job.cancelled.is_set():
-            reason = "cancelled"
-        elif stream.stopped or gen.stopped_by_processor or (ids and ids[-1] in self.eos_ids):
-            reason = "stop"  # a complete grammar ends the answer as end-of-sequence does
-        else:
-            reason = "length"
-        output_ids = ids[:-1] if ids and ids[-1] in self.eos_ids else ids
-        # The tokens usage reports (an end-of-sequence token is not one), so the two agree.
-        self.metrics.record_generation(len(job.prompt_ids), len(output_ids), gen.ttft_seconds, gen.token_seconds,
-                                       time.perf_counter() - started, reason == "cancelled")
-        return JobResult(stream.text, output_ids, reason, len(job.prompt_ids), gen)
+    def on_token(self, token: int) -> bool:
+        if self.job.cancelled.is_set():
+            return True
+        if token in self.worker.eos_ids:
+            return True
+        if self.job.sampling.logprobs is not None:
+            self.emit("logprob", (self.gen.logprobs[-1], len(self.stream.text)))  # the token and where its text starts
+        piece = self.stream.push(token)
+        if piece:
+            self.emit("text", piece)
+        return self.stream.stopped
+
+    def done(self, seq) -> None:
+        """The sequence has left the batch (on the worker thread): its tail, its result, its figures."""
+        job, worker, gen = self.job, self.worker, self.gen
+        try:
+            if seq.outcome == "error":
+                exc = seq.error
+                self.emit("done", JobResult("", [], "error", len(job.prompt_ids), None,
+                                            error=f"{type(exc).__name__}: {exc}"))
+                return
+            ids = gen.output_ids
+            cancelled = job.cancelled.is_set() or seq.outcome == "cancelled"
+            if not cancelled:
+                # Before the finish reason: the tail may complete a stop (after a character that
+                # was still split when the last token came).
+                tail = self.stream.flush()
+                if tail:
+                    self.emit("text", tail)
+            if cancelled:
+                reason = "cancelled"
+            elif self.stream.stopped or gen.stopped_by_processor or (ids and ids[-1] in worker.eos_ids):
+                reason = "stop"  # a complete grammar ends the answer as end-of-sequence does
+            else:
+                reason = "length"
+            output_ids = ids[:-1] if ids and ids[-1] in worker.eos_ids else ids
+            # The tokens usage reports (an end-of-sequence token is not one), so the two agree.
+            ran = time.perf_counter() - seq.admitted if seq.admitted is not None else 0.0
+            worker.metrics.record_generation(len(job.prompt_ids), len(output_ids), gen.ttft_seconds, gen.token_seconds,
+                                             ran, reason == "cancelled")
+            if worker.log is not None:
+                worker.log(_log_line(job, self.index, seq, len(output_ids), reason))
+            self.emit("done", JobResult(self.stream.text, output_ids, reason, len(job.prompt_ids), gen))
+        finally:
+            worker._finished(job, self)
+
+
+def _log_line(job: Job, index: int, seq, generated: int, reason: str) -> str:
+    """One line per finished sequence: its wait in the queue, TTFT (from its admission) and decode speed."""
+    gen = seq.decoding.gen
+    name = f"request {job.seq}" + (f" choice {index}" if job.n > 1 else "")
+    decode = seq.decode_seconds
+    steps = len(gen.output_ids) - 1  # tokens after the first, over the time from the first to the last
+    speed = f"{steps / decode:.1f} tok/s" if steps > 0 and decode > 0 else "- tok/s"
+    wait = seq.wait_seconds or 0.0
+    return (f"colibri serve: {name}: {len(job.prompt_ids)} prompt tokens ({gen.cached_tokens} cached), "
+            f"wait {wait:.2f} s, TTFT {gen.ttft_seconds:.2f} s, {generated} tokens at {speed}, {reason}")

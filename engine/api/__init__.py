@@ -7,6 +7,8 @@ on their own.
                     schema ids, the JSON unchanged in `.to_dict()`; engine/api/results.py)
   generate          one generation on a loaded Engine (Sampler, Generation, load_tokenizer); its
                     grammar mask for structured output (json_grammar, GrammarTokenizer)
+  Scheduler         several generations batched on one Engine (BatchSequence, each a Decoding:
+                    generate's per-token logic; StepInfo), serve's worker
   quality           KL / top-1 / perplexity against a reference (measure_quality)
   plan              the memory plan of a checkpoint under a config (MemoryPlan, make_plan);
                     `colibri plan`'s cost-model answer is PlanResult / CalibrationResult
@@ -34,7 +36,8 @@ _HOMES = {
     "engine.base.errors": "ColibriError ConfigError BudgetError BusyError ModelFormatError PromptError",
     # the engine and one generation
     "engine.run.runtime": "Engine DTYPE_NAMES checkpoint_dtype physical_cores",
-    "engine.run.generate": "Generation Sampler generate load_tokenizer random_prompt_ids",
+    "engine.run.generate": "Decoding Generation Sampler generate load_tokenizer random_prompt_ids",
+    "engine.run.batch": "BatchSequence Scheduler StepInfo",
     "engine.run.grammar": "GrammarError GrammarProcessor GrammarTokenizer json_grammar json_lark lark_grammar",
     "engine.run.sampling": "LogitsProcessor TokenLogprob TOP_LOGPROBS_MAX",
     "engine.run.context": "default_ctx_size",

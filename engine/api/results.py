@@ -126,17 +126,25 @@ class BenchResult(RunResult):
     SCHEMA: ClassVar[str] = "colibri.engine-bench/1"
 
     bytes_read_per_token: Optional[float] = figure("read per token", "read/tok", "bytes", line="io")
+    # `bench --batch B` (engine/run/bench.py): B sequences decoded together; decode_tok_s is then the
+    # aggregate too. None in a bench of one sequence.
+    batch: Optional[int] = figure("batch", "B", "int", line="batch")
+    aggregate_tok_s: Optional[float] = figure("aggregate", "agg tok/s", "float", "tok/s", line="batch")
+    sequence_tok_s: Optional[float] = figure("per sequence", "seq tok/s", "float", "tok/s", line="batch")
+    ttft_p95_s: Optional[float] = figure("TTFT p95", "TTFT p95", "seconds", "s", line="batch")
+    bytes_read_per_step: Optional[float] = figure("read per step", "read/step", "bytes", line="batch")
+    union_experts_per_step: Optional[float] = figure("experts per layer per step (union)", "union", "float",
+                                                     line="batch")
     # `bench --trace` (engine/run/trace_replay.py): the replay through serve's scheduler, judged
-    # against --slo-ttft / --slo-tpot; medians over repeats. None on the other benches.
+    # against --slo-ttft / --slo-tpot; medians over repeats (its aggregate tok/s and TTFT p95 are the
+    # fields above, of the same names). None on the other benches.
     goodput_rps: Optional[float] = figure("goodput", "goodput", "float", "req/s", line="serve")
     slo_met: Optional[int] = figure("requests within the SLOs", "met", "int", line="serve")
     ttft_p50_s: Optional[float] = figure("TTFT p50", "TTFT p50", "seconds", "s", line="serve")
-    ttft_p95_s: Optional[float] = figure("TTFT p95", "TTFT p95", "seconds", "s", line="serve")
     tpot_p50_s: Optional[float] = figure("TPOT p50", "TPOT p50", "seconds", "s", line="serve")
     tpot_p95_s: Optional[float] = figure("TPOT p95", "TPOT p95", "seconds", "s", line="serve")
     queue_wait_p50_s: Optional[float] = figure("queue wait p50", "wait p50", "seconds", "s", line="serve")
     queue_wait_p95_s: Optional[float] = figure("queue wait p95", "wait p95", "seconds", "s", line="serve")
-    aggregate_tok_s: Optional[float] = figure("aggregate", "aggregate", "float", "tok/s", line="serve")
     makespan_s: Optional[float] = figure("makespan", "makespan", "seconds", "s", line="serve")
     batch_mean: Optional[float] = figure("mean batch", "batch", "float", line="serve")
 

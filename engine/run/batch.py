@@ -45,13 +45,13 @@ from engine.run.prefix_cache import common_prefix
 
 
 @dataclass(eq=False)
-class Sequence:
+class BatchSequence:
     """One sequence the scheduler runs. `cancelled()` True: it leaves at the next step (its client
     has gone); `on_done(sequence)` is called once when it leaves, on the scheduler's thread."""
 
     decoding: Decoding
     cancelled: Callable[[], bool] | None = None
-    on_done: Callable[["Sequence"], None] | None = None
+    on_done: Callable[["BatchSequence"], None] | None = None
     # Set by the scheduler.
     state: str = "new"  # waiting → prefill (a group's first) or follow (the others) → decode → done
     outcome: str | None = None  # "finished" | "cancelled" | "error"
@@ -60,7 +60,7 @@ class Sequence:
     admitted: float | None = None  # when it got its cache
     first_token_at: float | None = None
     last_token_at: float | None = None
-    group: list["Sequence"] = field(default_factory=list, repr=False)
+    group: list["BatchSequence"] = field(default_factory=list, repr=False)
     slot: "_Slot | None" = field(default=None, repr=False)
     _prefill: object = field(default=None, repr=False)  # the leader's Engine.prefill_groups
     _done_tokens: int = 0  # prompt tokens of the suffix its prefill has written so far
@@ -97,7 +97,7 @@ class StepInfo:
     # None on a one-row step (the solo decode's fused paths fetch no union) or a dense model.
     union_experts: float | None = None
     bytes_read: int | None = None  # read by the expert store during the decode (streaming only)
-    admitted: list[Sequence] = field(default_factory=list)
+    admitted: list[BatchSequence] = field(default_factory=list)
 
 
 class _Slot:
@@ -148,16 +148,16 @@ class Scheduler:
         self.engine = engine
         self.max_batch = max_batch or engine.config.max_batch
         self.pool = CachePool(engine, self.max_batch)
-        self.waiting: deque[list[Sequence]] = deque()
-        self.running: list[Sequence] = []  # admission order
+        self.waiting: deque[list[BatchSequence]] = deque()
+        self.running: list[BatchSequence] = []  # admission order
         self.moe_layers = sum(engine.args.moe_layer_flags) if engine.experts is not None else 0
         self.steps = 0
 
     # --- what callers use -------------------------------------------------------------------------
 
-    def submit(self, group: list[Sequence] | Sequence) -> list[Sequence]:
+    def submit(self, group: list[BatchSequence] | BatchSequence) -> list[BatchSequence]:
         """Queue one sequence, or a group sharing one prompt (the first prefills it for all)."""
-        group = [group] if isinstance(group, Sequence) else list(group)
+        group = [group] if isinstance(group, BatchSequence) else list(group)
         if not group:
             raise ValueError("an empty group")
         if len(group) > self.max_batch:
@@ -167,7 +167,7 @@ class Scheduler:
             raise ValueError("the sequences of a group share one prompt")
         now = time.perf_counter()
         for s in group:
-            s.state, s.group, s.submitted = "waiting", group, now
+            s.state, s.group, s.submitted = "waiting", group, s.submitted or now  # a caller's own clock kept
         if all(s.decoding.done for s in group):  # nothing to generate (max_new_tokens 0): as generate() returns
             for s in group:
                 s.admitted = now
@@ -205,6 +205,15 @@ class Scheduler:
             self._prefill_group(leader, info)
         self.steps += 1
         return info
+
+    def abort(self, exc: BaseException) -> None:
+        """Every waiting and running sequence fails with `exc` (a fault of the scheduler itself: the
+        server stays up)."""
+        while self.waiting:
+            group = self.waiting.popleft()
+            for s in group:
+                self._leave(s, "error", exc)
+        self._fail(list(self.running), exc)
 
     # --- the step's parts ---------------------------------------------------------------------------
 
@@ -246,7 +255,7 @@ class Scheduler:
             for s in group:
                 s.decoding.gen.cached_tokens = reused
 
-    def _prefill_group(self, leader: Sequence, info: StepInfo) -> None:
+    def _prefill_group(self, leader: BatchSequence, info: StepInfo) -> None:
         slot, prompt = leader.slot, leader.prompt_ids
         start = leader._reused + leader._done_tokens
         try:
@@ -278,7 +287,7 @@ class Scheduler:
             # Each its own copy: a processor may change the logits in place.
             self._take(s, logits[-1] if s is leader else logits[-1].clone(), first=True)
 
-    def _decode(self, rows: list[Sequence], info: StepInfo) -> None:
+    def _decode(self, rows: list[BatchSequence], info: StepInfo) -> None:
         tokens = [s.decoding.token for s in rows]
         positions = [s.decoding.position for s in rows]
         for s, pos in zip(rows, positions):
@@ -307,7 +316,7 @@ class Scheduler:
             self._take(s, logits[b])
         info.decode_seconds = time.perf_counter() - t0
 
-    def _take(self, s: Sequence, logits: torch.Tensor, first: bool = False) -> None:
+    def _take(self, s: BatchSequence, logits: torch.Tensor, first: bool = False) -> None:
         """The sequence's next token from its logits [V], and whether it leaves."""
         try:
             token = s.decoding.step(logits)
@@ -326,14 +335,14 @@ class Scheduler:
         if finished:
             self._leave(s, "finished")
 
-    def _fail(self, group: list[Sequence], exc: BaseException) -> None:
+    def _fail(self, group: list[BatchSequence], exc: BaseException) -> None:
         for s in list(group):
             if s.state != "done":
                 if s.slot is not None:
                     del s.slot.tokens[:]  # what the failed call left in the cache is unknown
                 self._leave(s, "error", exc)
 
-    def _leave(self, s: Sequence, outcome: str, error: BaseException | None = None) -> None:
+    def _leave(self, s: BatchSequence, outcome: str, error: BaseException | None = None) -> None:
         s.state, s.outcome, s.error = "done", outcome, error
         if s in self.running:
             self.running.remove(s)

@@ -1,4 +1,5 @@
-"""`colibri bench`: a warm-up, then N decode tokens K times; medians and spread.
+"""`colibri bench`: a warm-up, then N decode tokens K times; medians and spread. `--batch B`: B
+sequences at once through the batch scheduler (engine/run/batch.py), aggregate and per-sequence.
 
 This is the trial the tuner runs in a subprocess, so its JSON is the tuner's input. The same
 prompt is used in every repeat, so the output tokens must match across repeats (and across
@@ -21,35 +22,43 @@ from pathlib import Path
 from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
 from engine.run import steady
-from engine.run.generate import Sampler, generate, load_tokenizer, random_prompt_ids
+from engine.run.batch import BatchSequence, Scheduler, StepInfo
+from engine.run.generate import Decoding, Sampler, generate, load_tokenizer, random_prompt_ids
 from engine.movement.io import trace
-from engine.run.run_metrics import SUMMARY_KEYS, envelope, peak_rss_bytes, percentile, rss_file_bytes, run_metrics, spread
+from engine.run.run_metrics import (SCHEMA, SUMMARY_KEYS, envelope, peak_rss_bytes, percentile, rss_file_bytes,
+                                    run_metrics, spread)
 from engine.run.runtime import Engine
 from engine.run.prompts_file import Request, workload_digest
 from engine.run import request_trace, trace_replay
-from engine.run.batch import Scheduler
 
 
 def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 3, cold: bool = True,
               prompt_tokens: int = 16, seed: int = 0, warmup_tokens: int = 2, progress=None,
               record_routing: str | None = None, read_trace: str | None = None,
               workload: list[Request] | None = None, steady: int = 0, temperature: float = 0.0,
-              top_p: float = 1.0, trace_file: str | None = None, slo_ttft: float | None = None,
+              top_p: float = 1.0, batch: int = 0, trace_file: str | None = None, slo_ttft: float | None = None,
               slo_tpot: float | None = None) -> dict:
     """workload: the user's requests (engine/run/prompts_file.py), each repeat running all of them in
     order, instead of `tokens` tokens after a random prompt of `prompt_tokens`. steady: that many
     prompts of the steady-decoding workload (engine/run/steady.py), sampled at temperature/top_p.
+    batch: that many greedy sequences at once through the batch scheduler (engine/run/batch.py).
     trace_file: a request trace (engine/run/request_trace.py) replayed through serve's scheduler in
     each repeat (engine/run/trace_replay.py), judged against slo_ttft / slo_tpot (seconds; None: no
     bound), greedy or sampled at temperature/top_p."""
     if trace_file is not None:
-        if steady or workload or read_trace:
-            raise ConfigError("--trace is its own workload: it goes with none of --steady, --prompts/--workload "
-                              "and --read-trace")
+        if steady or workload or read_trace or batch:
+            raise ConfigError("--trace is its own workload: it goes with none of --steady, --prompts/--workload, "
+                              "--batch and --read-trace")
         return _run_trace_bench(model_dir, config, trace_file, repeats, cold, seed, warmup_tokens, temperature, top_p,
                                 slo_ttft, slo_tpot, progress, record_routing)
     if slo_ttft is not None or slo_tpot is not None:
         raise ConfigError("--slo-ttft and --slo-tpot go with --trace")
+    if batch:
+        if workload or read_trace or steady:
+            raise ConfigError("--batch is its own workload: it goes with none of --prompts/--workload, --steady, "
+                              "--read-trace")
+        return _run_batch_bench(model_dir, config, batch, tokens, prompt_tokens, repeats, cold, seed, warmup_tokens,
+                                progress, record_routing)
     if steady:
         if workload or read_trace:
             raise ConfigError("--steady is its own workload: it goes with neither --prompts/--workload nor --read-trace")
@@ -210,6 +219,108 @@ def _run_steady(model_dir, config: EngineConfig, n: int, tokens: int, prompt_tok
         return result
     finally:
         engine.close()
+
+
+def _run_batch_bench(model_dir, config: EngineConfig, batch: int, tokens: int, prompt_tokens: int, repeats: int,
+                     cold: bool, seed: int, warmup_tokens: int, progress, record_routing: str | None) -> dict:
+    """`bench --batch B`: B greedy sequences arriving together (prompts of `prompt_tokens` drawn from
+    seed, seed + 1, ...), each `tokens` decode tokens after its first, through the batch scheduler
+    (one prefill group per step, the decoding ones in one step). max_batch is raised to B if below.
+
+    Figures per repeat: decode_tok_s is the aggregate (every sequence's decode tokens over the time
+    of the decode steps), sequence_tok_s the median sequence's own (its decode tokens over the time
+    from its first token to its last, prefill groups of the others included); bytes read and the
+    union of experts per MoE layer, per decode step of all B (the steps where the batch is whole)."""
+    t_start = time.perf_counter()
+    if config.max_batch < batch:
+        config = config.replace(max_batch=batch)
+    engine = Engine(model_dir, config)
+    try:
+        prompts = [random_prompt_ids(prompt_tokens, engine.args.vocab_size, seed + i) for i in range(batch)]
+        sched = Scheduler(engine, batch)  # its caches are made once and reused by every repeat
+
+        def run_all(n_tokens: int) -> tuple[list[BatchSequence], list[StepInfo]]:
+            seqs = [BatchSequence(Decoding(engine, p, n_tokens, Sampler())) for p in prompts]
+            for s in seqs:
+                sched.submit(s)
+            infos: list[StepInfo] = []
+            sched.run(infos.append)
+            return seqs, infos
+
+        if record_routing:
+            engine.record_routing()
+        if warmup_tokens:  # kernels, the dense weights and every cache of the pool touched once
+            run_all(warmup_tokens)
+        runs, cold_how = [], None
+        for rep in range(repeats):
+            if cold:
+                cold_how = make_cold(engine)
+            _reset_stats(engine)
+            seqs, infos = run_all(tokens + 1)  # +1: the first token (TTFT)
+            failed = next((s for s in seqs if s.outcome == "error"), None)
+            if failed is not None:
+                raise failed.error
+            m = _batch_metrics(engine, seqs, infos, batch)
+            runs.append(m)
+            if progress:
+                progress(rep + 1, repeats, m)
+        result = envelope(engine, str(model_dir))
+        result.update({
+            "kind": "bench", "cold": cold, "cold_method": cold_how, "tokens": tokens, "repeats": repeats,
+            "prompt_tokens": prompt_tokens, "seed": seed, "batch": batch, "load_seconds": engine.load_seconds,
+            "summary": {k: spread([r.get(k) for r in runs]) for k in (*SUMMARY_KEYS, *BATCH_KEYS)},
+            "runs": runs,
+            "output_ids": runs[0]["output_ids"] if runs else [],
+            "tokens_consistent": all(r["output_ids"] == runs[0]["output_ids"] for r in runs),
+            "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": rss_file_bytes(),
+            "wall_seconds": time.perf_counter() - t_start,
+        })
+        for k in (*SUMMARY_KEYS, *BATCH_KEYS):
+            result[k] = result["summary"][k]["median"]
+        result["bytes_read_per_token"] = spread([r.get("bytes_read_per_token") for r in runs])["median"]
+        result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
+        if record_routing:
+            engine.save_routing(record_routing)
+            result["routing_histogram"] = record_routing
+        return result
+    finally:
+        engine.close()
+
+
+# A batch bench's own headline figures (beside SUMMARY_KEYS), each a BenchResult field.
+BATCH_KEYS = ("aggregate_tok_s", "sequence_tok_s", "ttft_p95_s", "bytes_read_per_step", "union_experts_per_step")
+
+
+def _batch_metrics(engine: Engine, seqs: list, infos: list, batch: int) -> dict:
+    gens = [s.decoding.gen for s in seqs]
+    decode = [i for i in infos if i.rows]
+    whole = [i for i in decode if i.rows == batch]
+    rows = sum(i.rows for i in decode)
+    decode_s = sum(i.decode_seconds for i in decode)
+    steps = [t for g in gens for t in g.token_seconds]
+    own = [(len(g.output_ids) - 1) / s.decode_seconds for s, g in zip(seqs, gens) if s.decode_seconds > 0]
+    read = [i.bytes_read for i in whole if i.bytes_read is not None]
+    union = [i.union_experts for i in whole if i.union_experts is not None]
+    m = {
+        "schema": SCHEMA, "prompt_tokens": sum(len(g.prompt_ids) for g in gens),
+        "generated_tokens": sum(len(g.output_ids) for g in gens),
+        "ttft_s": statistics.median(g.ttft_seconds for g in gens),
+        "ttft_p95_s": percentile([g.ttft_seconds for g in gens], 0.95),
+        "request_s": statistics.fmean(g.ttft_seconds + s.decode_seconds for s, g in zip(seqs, gens)),
+        "decode_tok_s": rows / decode_s if decode_s else None,
+        "aggregate_tok_s": rows / decode_s if decode_s else None,
+        "sequence_tok_s": statistics.median(own) if own else None,
+        "token_latency_p50_ms": percentile(steps, 0.5) * 1000.0 if steps else None,
+        "token_latency_p99_ms": percentile(steps, 0.99) * 1000.0 if steps else None,
+        "decode_steps": len(decode), "whole_steps": len(whole),
+        "bytes_read_per_step": statistics.fmean(read) if read else None,
+        "bytes_read_per_token": statistics.fmean(read) / batch if read else None,
+        "union_experts_per_step": statistics.fmean(union) if union else None,
+        "output_ids": [t for g in gens for t in g.output_ids],
+        "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": rss_file_bytes(),
+        **engine.io_stats(),
+    }
+    return m
 
 
 def _run_trace_bench(model_dir, config: EngineConfig, path: str, repeats: int, cold: bool, seed: int,

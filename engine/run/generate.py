@@ -123,11 +123,12 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
 
     cached_tokens: how many of the prompt's first positions the caller has already put in the KV
     cache (`run --prompt-cache`); None: whatever the engine's prefix cache restores.
-    Each step is Decoding's (above; engine/run/sampling.py): the sampler's penalties and bias, then
-    `processors` in order (e.g. engine/run/grammar.py's mask), then the sampler's pick; then every
-    processor's accept(token). `logprobs`: record each token's log-probability under the model (the
-    raw logits' log_softmax) with that many top alternatives, in the Generation before on_token sees
-    the token. `generation`: the record to fill (a caller's on_token can read it as it grows)."""
+    Each step (engine/run/sampling.py): the sampler's penalties and bias, then `processors` in
+    order (e.g. engine/run/grammar.py's mask), then the sampler's pick; then every processor's
+    accept(token). `logprobs`: record each token's log-probability under the model (the raw
+    logits' log_softmax) with that many top alternatives, in the Generation before on_token sees
+    the token. `generation`: the record to fill (a caller's on_token can read it as it grows).
+    The step is Decoding's (above), which the batch scheduler runs too (engine/run/batch.py)."""
     seq = Decoding(engine, prompt_ids, max_new_tokens, sampler, stop_ids, on_token, processors=processors,
                    logprobs=logprobs, generation=generation)
     gen = seq.gen

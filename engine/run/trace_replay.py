@@ -9,8 +9,9 @@ waits or runs, and sleeps until the next arrival when nothing does. A request du
 runs is submitted when the step ends, as serve's worker admits at step boundaries; its clock
 starts at its arrival all the same (what its client sees).
 
-Per request (its n sequences share the prompt; each is timed by the scheduler: Sequence's
-submitted / admitted / first_token_at / last_token_at):
+Per request (its n sequences share the prompt; each is timed by the scheduler: BatchSequence's
+admitted / first_token_at / last_token_at, and `submitted` is the request's arrival, the clock the
+scheduler keeps when its caller gives one):
 
   TTFT   first token - arrival (the slowest of its sequences: every choice has begun)
   TPOT   (last token - first token) / (tokens - 1), the slowest of its sequences; None for a
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.base.errors import PromptError
-from engine.run.batch import Scheduler, Sequence, StepInfo
+from engine.run.batch import BatchSequence, Scheduler, StepInfo
 from engine.run.generate import Decoding, Sampler
 from engine.run.request_trace import TraceRequest
 from engine.run.run_metrics import percentile
@@ -50,7 +51,7 @@ class RequestRecord:
 
     request: TraceRequest
     arrival: float
-    sequences: list[Sequence] = field(default_factory=list)
+    sequences: list[BatchSequence] = field(default_factory=list)
     refused: str | None = None  # why the scheduler refused it (n above max_batch)
 
     @property
@@ -157,7 +158,8 @@ def replay(engine, requests: list[TraceRequest], *, max_batch: int | None = None
             group = []
             for _ in range(r.n):
                 sampler = sampler_for(k) if sampler_for is not None else Sampler()
-                group.append(Sequence(decoding=Decoding(engine, list(r.prompt_ids), r.max_tokens, sampler)))
+                group.append(BatchSequence(Decoding(engine, list(r.prompt_ids), r.max_tokens, sampler),
+                                           submitted=rec.arrival))
                 k += 1
             try:
                 rec.sequences = sched.submit(group)

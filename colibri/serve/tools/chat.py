@@ -56,6 +56,8 @@ def openai_call(call, index: int | None = None) -> dict:
 async def tool_chat_completion(request, state, req: ChatRequest) -> Response:
     if req.sampling.logprobs is not None:  # refused by name, never dropped: this route does not report them yet
         raise ApiError(400, "logprobs: not reported for an answer with tools (yet)", param="logprobs")
+    if req.sampling.n != 1:  # one parsed answer per request on this route: refused by name
+        raise ApiError(400, "n: one choice per request when tools are offered (send n requests)", param="n")
     ids, output = tool_prompt(state, req)
     run = JobRun(state, ids, req.sampling, special_text=True)
     ident, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", state.model_id
