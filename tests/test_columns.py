@@ -138,7 +138,7 @@ def test_result_json_carries_each_candidates_lossy_quality():
     reads with none (a lossless search, or not recorded)."""
     stored = json.loads((Path(__file__).parent / "fixtures" / "tune-v1" / "result.json").read_text())
     result = TuneResult.from_dict(stored)
-    assert result.schema == "colibri.tune/5" and result.recommended.quality is None
+    assert result.schema == "colibri.tune/6" and result.recommended.quality is None
     number = result.recommended.trial_number
     trial = _trial(number, {"kv_dtype": "int8"}, LOSSY.to_dict(), decode_tok_s=3.0,
                    quality={"kl_mean": 0.004, "kl_p99": 0.05, "top1_agreement": 0.97, "ppl_ratio": 1.0})

@@ -25,8 +25,10 @@ def _space(**kw) -> SearchSpace:
 
 def test_the_space_searches_exactly_the_knobs_with_a_search_range():
     with_range = [name for name, meta in KNOBS.items() if meta.get("search")]
-    assert list(_space(has_gpu=True).distributions()) == with_range
-    assert list(_space().distributions()) == [n for n in with_range if n != "gpu_cache_ratio"]  # needs a GPU
+    assert list(_space(has_gpu=True, serve=True).distributions()) == with_range
+    # gpu_cache_ratio needs a GPU; max_batch is searched by tune --objective serve alone
+    assert list(_space().distributions()) == [n for n in with_range if n not in ("gpu_cache_ratio", "max_batch")]
+    assert list(_space(has_gpu=True).distributions()) == [n for n in with_range if n != "max_batch"]
     assert [c.name for c in CONFIG_COLUMNS if c.searched] == with_range  # report.md's searched columns
 
 
@@ -61,7 +63,7 @@ def test_a_knob_given_a_search_range_is_searched_end_to_end(monkeypatch):
 @pytest.mark.parametrize("name", [n for n, m in KNOBS.items() if m.get("search")])
 def test_each_search_range_lies_within_the_knobs_own_bounds(name):
     meta, rule = KNOBS[name], KNOBS[name]["search"]
-    space = _space(has_gpu=True, with_pinned=True, min_ctx=1)
+    space = _space(has_gpu=True, with_pinned=True, min_ctx=1, serve=True)
     dist = space.distributions()[name]
     values = dist.choices if hasattr(dist, "choices") else (dist.low, dist.high)
     for value in values:  # every point the search may propose is a valid config (EngineConfig validates)

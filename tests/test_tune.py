@@ -70,7 +70,7 @@ def test_end_to_end_outputs(tuned, model_dir):
     for name in ("recommended.toml", "result.json", "trials.csv", "study.db", "report.md", "report.html",
                  "profile.json", "calibration.json", "routing.json"):
         assert (out / name).is_file(), name
-    assert result["schema"] == "colibri.tune/5" and result["quant"] == "fp32" and result["quality"] is None
+    assert result["schema"] == "colibri.tune/6" and result["quant"] == "fp32" and result["quality"] is None
     assert json.loads((out / "result.json").read_text())["recommended"] == result["recommended"]
     # result.json is exactly the typed schema (docs/schema/tune-result.schema.json): it loads
     # strictly (no unknown, missing or mistyped key) and says the same when written back.

@@ -173,13 +173,14 @@ def test_published_json_schemas_are_current():
 
 
 def test_tune_result_loader_is_strict():
-    with pytest.raises(ResultError, match=r"not a colibri.tune/5 \(or colibri.tune/4, colibri.tune/3, colibri.tune/2, colibri.tune/1\) result"):
+    with pytest.raises(ResultError, match=r"not a colibri.tune/6 \(or colibri.tune/5, colibri.tune/4, colibri.tune/3, colibri.tune/2, "
+                                          r"colibri.tune/1\) result"):
         TuneResult.from_dict({"schema": "colibri.tune/0"})
     doc = schema_documents()["tune-result.schema.json"]
-    assert doc["properties"]["schema"] == {"enum": ["colibri.tune/5"]}
+    assert doc["properties"]["schema"] == {"enum": ["colibri.tune/6"]}
     assert set(doc["required"]) == set(doc["properties"])
     # Migration fills what was added, not what is missing.
-    for schema in ("colibri.tune/5", "colibri.tune/4", "colibri.tune/3", "colibri.tune/2", "colibri.tune/1"):
+    for schema in ("colibri.tune/6", "colibri.tune/5", "colibri.tune/4", "colibri.tune/3", "colibri.tune/2", "colibri.tune/1"):
         with pytest.raises(ResultError, match="missing key"):
             TuneResult.from_dict({"schema": schema})
 
@@ -191,19 +192,20 @@ def test_a_stored_v1_result_is_read_migrated(tmp_path):
     stored = json.loads((ROOT / "tests" / "fixtures" / "tune-v1" / "result.json").read_text())
     assert stored["schema"] == "colibri.tune/1" and "unconfirmed" not in stored["recommended"]["confirmed"]
     assert "prefill_tok_s" not in stored["recommended"]["runs"][0] and "quant" not in stored
-    # what the strict /5 reader says of it: the first field /1 lacks (a candidate's /4 quality)
+    # what the strict /6 reader says of it: the first field /1 lacks (a candidate's /4 quality)
     with pytest.raises(ResultError, match="result.recommended: missing key 'quality'"):
-        TuneResult.from_dict({**stored, "schema": "colibri.tune/5", "reproduce": None, "cost_model": None, "quant": None, "quality": None,
+        TuneResult.from_dict({**stored, "schema": "colibri.tune/6", "reproduce": None, "cost_model": None, "quant": None, "quality": None,
                               "defaults": None, "gain_over_defaults": None, "workload": None})
 
     r = TuneResult.from_dict(stored)
-    assert r.schema == "colibri.tune/5" and r.quant is None and r.quality is None
+    assert r.schema == "colibri.tune/6" and r.quant is None and r.quality is None
     assert r.defaults is None and r.gain_over_defaults is None and r.study.re_proposals is None
     assert r.recommended.confirmed.unconfirmed is False and r.recommended.runs[0].prefill_tok_s is None
     # Nothing recorded is lost or changed: the migrated dict holds the old one.
     migrated = r.to_dict()
     assert migrated["recommended"]["confirmed"] == {**stored["recommended"]["confirmed"], "unconfirmed": False,
-                                                    "request_s": None}
+                                                    "request_s": None, "goodput_rps": None, "goodput_min": None,
+                                                    "goodput_max": None, "ttft_p95_s": None, "tpot_p95_s": None}
     assert migrated["conditions"] == stored["conditions"]
     assert {k: v for k, v in migrated["study"].items() if k in stored["study"]} == stored["study"]
     assert migrated["study"]["measured_trials"] is None  # not recorded before colibri.tune/3

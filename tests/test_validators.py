@@ -344,9 +344,9 @@ def test_result_json_holding_only_a_nested_colibri_tune_3_field_is_refused(tmp_p
 
 
 def as_current(run: Path) -> dict:
-    """The fixture's result.json (colibri.tune/2) as the tuner writes it now (colibri.tune/5)."""
+    """The fixture's result.json (colibri.tune/2) as the tuner writes it now (colibri.tune/6)."""
     result = TuneResult.from_dict(json.loads((run / "result.json").read_text())).to_dict()
-    assert result["schema"] == "colibri.tune/5" and "defaults" in result and "measured_trials" in result["study"]
+    assert result["schema"] == "colibri.tune/6" and "defaults" in result and "measured_trials" in result["study"]
     (run / "result.json").write_text(json.dumps(result))
     return result
 

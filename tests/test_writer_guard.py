@@ -52,6 +52,8 @@ READERS = {
     ("colibri chat", "--routing-histogram"): "reads a histogram",
     ("colibri bench", "--prompts"): "reads prompts",
     ("colibri bench", "--workload"): "reads a saved workload",
+    ("colibri bench", "--trace"): "reads a request trace",
+    ("colibri tune", "--trace"): "reads a request trace (tune saves its tokens inside its --out)",
     ("colibri tune", "--prompts"): "reads prompts (tune saves their tokens inside its --out)",
     ("colibri tune", "--from-profile"): "reads a profile",
     ("colibri tune", "--profile"): "reads a saved probe",

@@ -9,15 +9,17 @@ import sys
 
 from engine.api import (CTX_MAX, STEADY_TEMPERATURE, STEADY_TOP_P, TRACE_FORMAT, BenchResult, ConfigError,
                         EngineConfig, PromptError, Sampler, bench, file_target, is_kv_file, json_file_with,
-                        json_lines_head_with, load_requests, load_tokenizer, load_workload, resolve_model, run)
+                        json_lines_head_with, load_requests, load_tokenizer, load_workload, read_trace, resolve_model,
+                        run)
 from colibri.commands.argtypes import add_output_option, finite_float, nonneg_int, positive_int, seconds, seed, size
 from colibri.commands.knob_flags import knob_flag
 from tuner.results.printers import print_json as _print_json
 from tuner.results.printers import bench_text, run_header, run_text
 from tuner.search.outcome import OUTCOME_FILE, Outcome, write_outcome
-from tuner.search.trial import run_trial, steady_args
+from tuner.search.trial import run_trial, steady_args, trace_args
 
 TOKENS_MAX = CTX_MAX  # prompt and new tokens must fit in a context
+SLO_MAX_S = 86400.0  # a latency bound of more than a day bounds nothing
 
 ROUTING_FILE = json_file_with("schema", "counts")  # a routing histogram written before (engine/movement/cache)
 TRACE_FILE = json_lines_head_with(format=TRACE_FORMAT)  # a read trace written before (engine/movement/io/trace.py)
@@ -146,21 +148,32 @@ def add_bench(sub) -> None:
                       help="the steady-decoding workload (tune's default): N prompts of lengths around "
                            "--prompt-tokens from --seed, each sampled for --tokens (the first quarter not counted); "
                            "the figure is the median over the prompts that do not fall into a loop")
+    work.add_argument("--trace", metavar="FILE",
+                      help="replay a request trace through serve's scheduler in wall time (JSON Lines of {at, "
+                           "prompt_ids or prompt, max_tokens[, n]}, e.g. benchmarks/serving/traces/chat_burst.jsonl): "
+                           "goodput, TTFT and TPOT p50/p95, queue wait, aggregate tok/s; --max-batch sets the batch")
+    p.add_argument("--slo-ttft", type=finite_float(0.0, SLO_MAX_S), metavar="S",
+                   help="with --trace: a request meets its SLOs only with its first token within S seconds of its arrival")
+    p.add_argument("--slo-tpot", type=finite_float(0.0, SLO_MAX_S), metavar="S",
+                   help="with --trace: ... and at most S seconds per generated token after its first")
     work.add_argument("--batch", type=positive_int(256), metavar="B",
                       help="B greedy sequences at once through serve's batch scheduler (random prompts of "
                            "--prompt-tokens from --seed, --seed+1, ...; --tokens each): aggregate and per-sequence "
                            "tok/s, bytes read and experts per step; --max-batch is raised to B")
     p.add_argument("--temperature", type=finite_float(0.01, 100.0, zero_ok=True), default=None,
-                   help="with --steady: 0 = greedy, else in [0.01, 100] (default 1.0)")
+                   help="with --steady: 0 = greedy, else in [0.01, 100] (default 1.0); with --trace (default 0)")
     p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=None,
-                   help="with --steady: in (0, 1] (default 0.95)")
+                   help="with --steady: in (0, 1] (default 0.95); with --trace (default 1)")
     add_engine_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
 
 def steady_sampling(args) -> tuple[float, float]:
-    """--steady's (temperature, top_p): the flags, else the steady workload's defaults."""
+    """(temperature, top_p): the flags, else the workload's defaults (the steady workload samples;
+    a trace decodes greedily, as a bench of fixed output lengths should)."""
+    if getattr(args, "trace", None):
+        return (0.0 if args.temperature is None else args.temperature, 1.0 if args.top_p is None else args.top_p)
     return (STEADY_TEMPERATURE if args.temperature is None else args.temperature,
             STEADY_TOP_P if args.top_p is None else args.top_p)
 
@@ -187,10 +200,14 @@ def cmd_bench(args) -> int:
     config = engine_config_from_args(args)
     if args.timeout is not None and not args.cgroup_limit:
         raise ConfigError("--timeout goes with --cgroup-limit (a bench without a cgroup runs in this process)")
+    if (args.temperature is not None or args.top_p is not None) and not (args.steady or args.trace):
+        raise ConfigError("--temperature and --top-p go with --steady or --trace (the other workloads decode greedily)")
+    if (args.slo_ttft is not None or args.slo_tpot is not None) and not args.trace:
+        raise ConfigError("--slo-ttft and --slo-tpot go with --trace")
+    if args.trace:
+        read_trace(args.trace)  # a bad trace is one error line before the model is looked for
     model_dir = resolve_model(args.model, progress=not args.json)
     workload = _bench_workload(args, model_dir, config.ctx_size)
-    if (args.temperature is not None or args.top_p is not None) and not args.steady:
-        raise ConfigError("--temperature and --top-p go with --steady (the other workloads decode greedily)")
     sampling = steady_sampling(args)
     if args.cgroup_limit:
         extra = ["--record-routing", args.record_routing] if args.record_routing is not None else []
@@ -198,6 +215,7 @@ def cmd_bench(args) -> int:
         extra += ["--prompts", args.prompts] if args.prompts else []
         extra += ["--workload", args.workload] if args.workload else []
         extra += steady_args(args.steady, *sampling) if args.steady else []
+        extra += trace_args(args.trace, args.slo_ttft, args.slo_tpot, *sampling) if args.trace else []
         extra += ["--batch", str(args.batch)] if args.batch else []
         trial = run_trial(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                           prompt_tokens=args.prompt_tokens, seed=args.seed,
@@ -216,7 +234,8 @@ def cmd_bench(args) -> int:
         result = bench(model_dir, config, tokens=args.tokens, repeats=args.repeats, cold=args.cold,
                        prompt_tokens=args.prompt_tokens, seed=args.seed, progress=progress,
                        record_routing=args.record_routing, read_trace=args.read_trace, workload=workload,
-                       steady=args.steady or 0, temperature=sampling[0], top_p=sampling[1], batch=args.batch or 0)
+                       steady=args.steady or 0, temperature=sampling[0], top_p=sampling[1], batch=args.batch or 0,
+                       trace_file=args.trace, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot)
     if args.outcome is not None:
         write_outcome(args.outcome, Outcome("ok", metrics=result.to_dict()))
     if args.json:

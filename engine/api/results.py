@@ -141,6 +141,18 @@ class BenchResult(RunResult):
     bytes_read_per_step: Optional[float] = figure("read per step", "read/step", "bytes", line="batch")
     union_experts_per_step: Optional[float] = figure("experts per layer per step (union)", "union", "float",
                                                      line="batch")
+    # `bench --trace` (engine/run/trace_replay.py): the replay through serve's scheduler, judged
+    # against --slo-ttft / --slo-tpot; medians over repeats (its aggregate tok/s and TTFT p95 are the
+    # fields above, of the same names). None on the other benches.
+    goodput_rps: Optional[float] = figure("goodput", "goodput", "float", "req/s", line="serve")
+    slo_met: Optional[int] = figure("requests within the SLOs", "met", "int", line="serve")
+    ttft_p50_s: Optional[float] = figure("TTFT p50", "TTFT p50", "seconds", "s", line="serve")
+    tpot_p50_s: Optional[float] = figure("TPOT p50", "TPOT p50", "seconds", "s", line="serve")
+    tpot_p95_s: Optional[float] = figure("TPOT p95", "TPOT p95", "seconds", "s", line="serve")
+    queue_wait_p50_s: Optional[float] = figure("queue wait p50", "wait p50", "seconds", "s", line="serve")
+    queue_wait_p95_s: Optional[float] = figure("queue wait p95", "wait p95", "seconds", "s", line="serve")
+    makespan_s: Optional[float] = figure("makespan", "makespan", "seconds", "s", line="serve")
+    batch_mean: Optional[float] = figure("mean batch", "batch", "float", line="serve")
 
     cold: Optional[bool] = None
     tokens: Optional[int] = None

@@ -124,7 +124,10 @@ def knob(default, doc: str, *, kind: str, label: str = "", short: str = "", lo=N
     search: the tuner leaves it at its default): choices=(...), or low/high (+ step for a
     float); baseline=, the rules-of-thumb value the study starts from; a range may name a fact
     of the tuning run instead of a number (logical_cores, physical_cores, min_ctx; multiples=
-    of min_ctx), needs="gpu", and with_histogram=(choices offered only with a routing histogram).
+    of min_ctx), needs="gpu" or "serve" (searched only with a GPU, or by tune --objective serve),
+    fit="plan" (only the choices the memory plan fits beside the leanest config; the baseline
+    the largest of them at most its own), and with_histogram=(choices offered only with a
+    routing histogram).
     The tuner's options (tuner/search/options.py TuneOptions) are knobs too, with more kinds
     (duration, seconds, switch, text) and `flag` keywords: flag (its name), group, metavar, output (the
     rule of engine/base/output_target.py a flag naming what tune writes goes through: OUTPUT_KINDS)."""
@@ -201,11 +204,12 @@ class EngineConfig:
                               kind="int", lo=0, hi=CTX_MAX, label="prefill group", short="group")
     # Sequences decoded together (engine/arch/decode_rows.py: one step over every running sequence,
     # each routed expert read once for all of them): serve's running batch. The memory plan charges a
-    # KV cache for each. Not searched for one stream's speed (a batch cannot help it); tune's serve
-    # objective searches it.
+    # KV cache for each. Not searched for one stream's speed (a batch cannot help it): only tune's
+    # serve objective searches it (needs="serve"), over the choices the memory plan fits beside the
+    # leanest config (fit="plan"; tuner/search/space.py); baseline 4, a few requests at once.
     max_batch: int = knob(1, "sequences decoded together in one step (serve: requests running at once); the "
                           "memory plan charges a KV cache for each", kind="int", lo=1, hi=256, label="max batch",
-                          short="batch")
+                          short="batch", search=dict(choices=(1, 2, 4, 8), baseline=4, needs="serve", fit="plan"))
     kv_dtype: str = knob("auto", "KV cache precision (auto = the compute dtype; int8 / fp8 are lossy)",
                          kind="choice", choices=KV_DTYPES, label="KV dtype", short="kv", lossy=True)
     # Prefix reuse (engine/run/prefix_cache.py): RAM that keeps the KV of recent sequences in

@@ -17,6 +17,7 @@ import gc
 import os
 import statistics
 import time
+from pathlib import Path
 
 from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
@@ -29,17 +30,30 @@ from engine.run.run_metrics import (SCHEMA, SUMMARY_KEYS, envelope, peak_rss_byt
 from engine.run.runtime import Engine
 from engine.run.spec_gate import draft_figures
 from engine.run.prompts_file import Request, workload_digest
+from engine.run import request_trace, trace_replay
 
 
 def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 3, cold: bool = True,
               prompt_tokens: int = 16, seed: int = 0, warmup_tokens: int = 2, progress=None,
               record_routing: str | None = None, read_trace: str | None = None,
               workload: list[Request] | None = None, steady: int = 0, temperature: float = 0.0,
-              top_p: float = 1.0, batch: int = 0) -> dict:
+              top_p: float = 1.0, batch: int = 0, trace_file: str | None = None, slo_ttft: float | None = None,
+              slo_tpot: float | None = None) -> dict:
     """workload: the user's requests (engine/run/prompts_file.py), each repeat running all of them in
     order, instead of `tokens` tokens after a random prompt of `prompt_tokens`. steady: that many
     prompts of the steady-decoding workload (engine/run/steady.py), sampled at temperature/top_p.
-    batch: that many greedy sequences at once through the batch scheduler (engine/run/batch.py)."""
+    batch: that many greedy sequences at once through the batch scheduler (engine/run/batch.py).
+    trace_file: a request trace (engine/run/request_trace.py) replayed through serve's scheduler in
+    each repeat (engine/run/trace_replay.py), judged against slo_ttft / slo_tpot (seconds; None: no
+    bound), greedy or sampled at temperature/top_p."""
+    if trace_file is not None:
+        if steady or workload or read_trace or batch:
+            raise ConfigError("--trace is its own workload: it goes with none of --steady, --prompts/--workload, "
+                              "--batch and --read-trace")
+        return _run_trace_bench(model_dir, config, trace_file, repeats, cold, seed, warmup_tokens, temperature, top_p,
+                                slo_ttft, slo_tpot, progress, record_routing)
+    if slo_ttft is not None or slo_tpot is not None:
+        raise ConfigError("--slo-ttft and --slo-tpot go with --trace")
     if batch:
         if workload or read_trace or steady:
             raise ConfigError("--batch is its own workload: it goes with none of --prompts/--workload, --steady, "
@@ -310,6 +324,81 @@ def _batch_metrics(engine: Engine, seqs: list, infos: list, batch: int) -> dict:
         **engine.io_stats(),
     }
     return m
+
+
+def _run_trace_bench(model_dir, config: EngineConfig, path: str, repeats: int, cold: bool, seed: int,
+                     warmup_tokens: int, temperature: float, top_p: float, slo_ttft: float | None,
+                     slo_tpot: float | None, progress, record_routing: str | None) -> dict:
+    """`bench --trace FILE`: each repeat replays the whole trace through the scheduler (cold: from
+    empty expert caches), in wall time; its figures are the replay's (trace_replay.replay_figures), the
+    headline the median over repeats. Sequence k of the trace (file order) samples with seed + k."""
+    t_start = time.perf_counter()
+    engine = Engine(model_dir, config)
+    try:
+        requests = request_trace.load_trace(path, load_tokenizer(model_dir), engine.args.vocab_size)
+        request_trace.check_context(requests, engine.kv.ctx_size, path)
+        if record_routing:
+            engine.record_routing()
+        sched = Scheduler(engine)  # one for every repeat: its pool's KV caches are made once, as serve's
+        if warmup_tokens:
+            # Through the scheduler, as many sequences at once as it runs: the prefill groups and the
+            # batched decode's kernels are loaded and the pool's caches made before anything is timed;
+            # make_cold then empties the expert caches.
+            warm = [request_trace.TraceRequest(0.0, r.prompt_ids, min(warmup_tokens, r.max_tokens))
+                    for r in requests[:engine.config.max_batch]]
+            trace_replay.replay(engine, warm, scheduler=sched)
+
+        def sampler_for(k: int) -> Sampler:
+            return Sampler(temperature, top_p, seed + k) if temperature > 0 else Sampler()
+
+        runs, cold_how = [], None
+        for rep in range(repeats):
+            if cold:
+                cold_how = make_cold(engine)
+            _reset_stats(engine)
+            records, steps = trace_replay.replay(engine, requests, sampler_for=sampler_for, scheduler=sched)
+            m = trace_replay.replay_figures(records, slo_ttft, slo_tpot)
+            m.update(steps.to_dict())
+            m.update(engine.io_stats())
+            m.update({"peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": rss_file_bytes(),
+                      "per_request": trace_replay.request_rows(records, slo_ttft, slo_tpot),
+                      # What a tune compares across configs (placement must not change tokens): the
+                      # requests of n = 1, which every max_batch runs; one of n > 1 is refused where n
+                      # is above max_batch, so its tokens are in request_output_ids only (null: refused).
+                      "output_ids": [t for r in records if r.request.n == 1 for ids in r.output_ids for t in ids],
+                      "request_output_ids": [None if r.refused else r.output_ids for r in records]})
+            runs.append(m)
+            if progress:
+                progress(rep + 1, repeats, m)
+        keys = tuple(dict.fromkeys((*SUMMARY_KEYS, *trace_replay.TRACE_KEYS)))
+        result = envelope(engine, str(model_dir))
+        result.update({
+            "kind": "bench", "cold": cold, "cold_method": cold_how, "repeats": repeats, "seed": seed,
+            "tokens": sum(r.max_tokens * r.n for r in requests),
+            "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
+            "trace": {"source": Path(path).name, "requests": len(requests),
+                      "sequences": sum(r.n for r in requests), "sha256": request_trace.trace_digest(requests),
+                      "span_s": requests[-1].at - requests[0].at, "slo_ttft_s": slo_ttft, "slo_tpot_s": slo_tpot,
+                      "max_batch": engine.config.max_batch, "temperature": temperature,
+                      "top_p": top_p if temperature > 0 else None},
+            "load_seconds": engine.load_seconds,
+            "summary": {k: spread([r.get(k) for r in runs]) for k in keys}, "runs": runs,
+            "output_ids": runs[0]["output_ids"] if runs else [],
+            "tokens_consistent": all(r["request_output_ids"] == runs[0]["request_output_ids"] for r in runs),
+            "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": rss_file_bytes(),
+            "wall_seconds": time.perf_counter() - t_start,
+        })
+        for k in keys:
+            result[k] = result["summary"][k]["median"]
+        result["bytes_read_per_token"] = spread([r.get("bytes_read", 0) / max(r["generated_tokens"], 1)
+                                                 for r in runs])["median"]
+        result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
+        if record_routing:
+            engine.save_routing(record_routing)
+            result["routing_histogram"] = record_routing
+        return result
+    finally:
+        engine.close()
 
 
 def _workload_metrics(engine: Engine, gens: list) -> dict:

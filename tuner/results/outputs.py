@@ -43,12 +43,16 @@ def write_recommended_toml(config: EngineConfig, r: TuneResult, path: str | Path
         f"decode: {fmt(fig.decode_tok_s)} tok/s (defaults {fmt(dfig.decode_tok_s)}, baseline "
         f"{fmt(bfig.decode_tok_s)}), TTFT: {fmt(fig.ttft_s, 3)} s (defaults {fmt(dfig.ttft_s, 3)}, "
         f"baseline {fmt(bfig.ttft_s, 3)})",
+        *([f"goodput: {fmt(fig.goodput_rps, 3)} req/s within TTFT <= {fmt(r.workload.slo_ttft_s, 3)} s and TPOT <= "
+           f"{fmt(r.workload.slo_tpot_s, 3)} s (defaults {fmt(dfig.goodput_rps, 3)}, baseline {fmt(bfig.goodput_rps, 3)})"]
+          if r.objective == "serve" and r.workload is not None else []),
         f"gain over the engine's defaults: {pct(r.gain_over_defaults, signed=True)} "
         f"(over the rules-of-thumb baseline: {pct(r.gain_over_baseline, signed=True)}); "
         f"source: trial {r.recommended.trial_number if r.recommended else None} of study {r.study.name!r}",
     ]
     if r.reproduce is not None and r.reproduce.command:
-        lines += ["measure the decode figure again (same workload, tokens, cgroup):", f"  {r.reproduce.command}"]
+        lines += [f"measure the {'goodput' if r.objective == 'serve' else 'decode'} figure again (same workload, "
+                  "tokens, cgroup):", f"  {r.reproduce.command}"]
     config.save(path, header="\n".join(lines))
     return Path(path)
 

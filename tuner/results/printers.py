@@ -83,10 +83,20 @@ def bench_text(r: BenchResult | dict) -> str:
         f"{'cold' if r.cold else 'warm'} | {r.tokens} tokens x {r.repeats} repeats | {cgroup}",
         f"config: budget {format_size(c['ram_budget']) if c['ram_budget'] else 'none'}, "
         f"{config_line({**c, 'threads': r.threads})}; I/O ran {io}",
+        *([trace_line(r.get("trace"))] if r.get("trace") else []),
         f"decode tok/s: median {s['median'] or 0:.3f} (min {s['min'] or 0:.3f}, max {s['max'] or 0:.3f}, "
         f"n={s['n']})" + ("" if r.tokens_consistent in (None, True) else "  WARNING: tokens differ across repeats"),
         run_text(r),
     ])
+
+
+def trace_line(t: dict) -> str:
+    """`bench --trace`'s conditions: the trace, its SLOs, the batch it ran with."""
+    slo = lambda v: "none" if v is None else f"<= {fmt(v, 3)} s"  # noqa: E731
+    return (f"trace {t['source']}: {t['requests']} requests ({t['sequences']} sequences) over {fmt(t['span_s'], 3)} s "
+            f"({t['sha256']}) | SLO TTFT {slo(t['slo_ttft_s'])}, TPOT {slo(t['slo_tpot_s'])} | "
+            f"max_batch {t['max_batch']} | " + ("greedy" if not t.get("temperature") else
+                                              f"temperature {t['temperature']:g}, top-p {t['top_p']:g}"))
 
 
 def config_line(c: dict) -> str:
@@ -137,6 +147,11 @@ def tune_text(r: TuneResult, files: dict) -> str:
 def workload_text(w: WorkloadInfo) -> str:
     """result.json's `workload` in words (lengths and hash; the prompts' text is never recorded)."""
     p, n = w.prompt_tokens, w.max_new_tokens
+    if w.kind == "trace":
+        return (f"request trace {w.source} ({w.sha256}): {w.requests} requests ({w.sequences} sequences) arriving over "
+                f"{fmt(w.span_s, 3)} s, prompts {p.min}..{p.max} tokens, outputs {n.min}..{n.max} tokens, replayed "
+                f"through serve's scheduler; goodput counts the requests within TTFT <= {fmt(w.slo_ttft_s, 3)} s and "
+                f"TPOT <= {fmt(w.slo_tpot_s, 3)} s per second")
     if w.kind == "fixed":
         return (f"fixed random prompt of {p.max} tokens, {n.max} decoded (tune --prompts FILE: your own)")
     if w.kind == "steady":
@@ -153,7 +168,10 @@ NOT_MEASURED = Figures(decode_tok_s=None, ttft_s=None, measurements=0)  # a cand
 
 def _figures_text(f: Figures | None) -> str:
     f = f or NOT_MEASURED
-    return (f"decode {fmt(f.decode_tok_s)} tok/s [{fmt(f.decode_min)}..{fmt(f.decode_max)}], "
+    serve = (f"goodput {fmt(f.goodput_rps, 3)} req/s [{fmt(f.goodput_min, 3)}..{fmt(f.goodput_max, 3)}], "
+             f"TTFT p95 {fmt(f.ttft_p95_s, 3)} s, TPOT p95 {fmt(f.tpot_p95_s, 3)} s; "
+             if f.goodput_rps is not None else "")  # a trace replay's (tune --objective serve)
+    return (serve + f"decode {fmt(f.decode_tok_s)} tok/s [{fmt(f.decode_min)}..{fmt(f.decode_max)}], "
             f"TTFT {fmt(f.ttft_s, 3)} s, request {fmt(f.request_s, 3)} s")
 
 
@@ -177,9 +195,12 @@ def trial_line(done: int, total: str, number: int, attrs: dict, objective: str, 
                counts: str = "") -> str:
     """One progress line of the search: this trial's figure, the best so far, the clock, and how
     the study's trials split (measured, distinct, re-proposals)."""
-    key = {"ttft": "ttft_s", "request": "request_s"}.get(objective, "decode_tok_s")
+    key = {"ttft": "ttft_s", "request": "request_s", "serve": "goodput_rps"}.get(objective, "decode_tok_s")
     if attrs.get("constraint", 1) > 0:
         figure = f"{attrs.get('status')} (infeasible)"
+    elif key == "goodput_rps":
+        figure = (f"goodput {fmt(attrs.get('goodput_rps'), 3)} req/s ({attrs.get('slo_met')} within the SLOs, "
+                  f"TTFT p95 {fmt(attrs.get('ttft_p95_s'), 3)} s) at max_batch {(attrs.get('config') or {}).get('max_batch')}")
     elif key == "ttft_s":
         figure = f"TTFT {fmt(attrs.get('ttft_s'), 3)} s"
     elif key == "request_s":
@@ -188,8 +209,8 @@ def trial_line(done: int, total: str, number: int, attrs: dict, objective: str, 
         figure = f"{fmt(attrs.get('decode_tok_s'))} tok/s"
     best_txt = ""
     if best is not None:
-        seconds = key != "decode_tok_s"
-        best_txt = f" (best {fmt(best.user_attrs.get(key), 3 if seconds else 2)}, trial {best.number})"
+        digits = 2 if key == "decode_tok_s" else 3
+        best_txt = f" (best {fmt(best.user_attrs.get(key), digits)}, trial {best.number})"
     return (f"trial {done}/{total} [#{number} {attrs.get('role')}] | {figure}{best_txt} | "
             + (f"{counts} | " if counts else "") + clock)
 

@@ -124,6 +124,10 @@ def _headline(r: TuneResult) -> list[str]:
             f"{fmt(b.decode_tok_s)} tok/s [{fmt(b.decode_min)}..{fmt(b.decode_max)}]: "
             f"{pct(r.gain_over_baseline, signed=True)}"
             + ("" if r.confirmation.confirmed else " (not re-measured: no confirmation round)")
+            + (f"<br>Goodput (requests of the trace within TTFT &le; {fmt(r.workload.slo_ttft_s, 3)} s and TPOT "
+               f"&le; {fmt(r.workload.slo_tpot_s, 3)} s per second): <b>{fmt(w.goodput_rps, 3)} req/s</b> at "
+               f"max_batch {_e(rec.config.get('max_batch'))}, against the defaults' {fmt(d.goodput_rps, 3)} and the "
+               f"baseline's {fmt(b.goodput_rps, 3)}" if r.objective == "serve" and r.workload is not None else "")
             + "<br>Use it: <code>colibri run --model &lt;dir&gt; --config recommended.toml</code></p>"]
 
 

@@ -71,6 +71,8 @@ def render_markdown(trials, result: TuneResult, importances: dict, plots: list[s
                  f"**{pct(r.gain_over_defaults, signed=True)}** (over the baseline: "
                  f"{pct(r.gain_over_baseline, signed=True)})"
                  + ("" if r.confirmation.confirmed else " (not re-measured: no confirmation round)"))
+        if r.objective == "serve":
+            L += ["", serve_headline(r)]
         L += ["", "Use it: `colibri run --model <dir> --config recommended.toml`", ""]
         if r.reproduce is not None and r.reproduce.command:
             L += ["Measure the headline figure again (same workload, config, tokens and cgroup; it must "
@@ -93,6 +95,8 @@ def render_markdown(trials, result: TuneResult, importances: dict, plots: list[s
                      ", ".join(fmt(v) for v in sv) if sv else "-", verdict])
     L += [""] + markdown_table(["candidate", "decode tok/s (median)", "min..max", "stdev", "TTFT s", "request s",
                                 "search value", "verdict"], rows) + [""]
+    if r.objective == "serve":
+        L += serve_table(r)
 
     if plots:
         L += ["## Plots", ""]
@@ -153,6 +157,27 @@ def cost_model_lines(r: TuneResult) -> list[str]:
     return L + markdown_table(["kind", "value", "trials", "median error"], rows) + [""]
 
 
+def serve_headline(r: TuneResult) -> str:
+    """tune --objective serve: the winner's goodput against the defaults' and the baseline's, under the SLOs."""
+    w = r.workload
+    g = lambda c: fmt(c.confirmed.goodput_rps, 3) if c and c.confirmed else "-"  # noqa: E731
+    return (f"Goodput (requests of {w.source if w else 'the trace'} within TTFT <= {fmt(w.slo_ttft_s if w else None, 3)} s "
+            f"and TPOT <= {fmt(w.slo_tpot_s if w else None, 3)} s, per second): **{g(r.recommended)} req/s** at "
+            f"max_batch {r.recommended.config.get('max_batch')}, against the defaults' {g(r.defaults)} and the "
+            f"baseline's {g(r.baseline)}; ties in goodput go to the lower p95 TTFT.")
+
+
+def serve_table(r: TuneResult) -> list[str]:
+    """The candidates' replay figures (tune --objective serve)."""
+    rows = []
+    for c in r.candidates:
+        f = c.confirmed or NOT_MEASURED
+        rows.append([c.label, str(c.config.get("max_batch")), fmt(f.goodput_rps, 3),
+                     f"{fmt(f.goodput_min, 3)}..{fmt(f.goodput_max, 3)}", fmt(f.ttft_p95_s, 3), fmt(f.tpot_p95_s, 3)])
+    return markdown_table(["candidate", "max_batch", "goodput req/s (median)", "min..max", "TTFT p95 s",
+                           "TPOT p95 s"], rows) + [""]
+
+
 def _decode(c: Candidate | None):
     """A candidate's confirmed median decode speed (None: not measured)."""
     return c.confirmed.decode_tok_s if c and c.confirmed else None
@@ -191,13 +216,20 @@ def save_figure(fig, path: Path) -> Path:
 def _objective_label(result: TuneResult) -> tuple[str, bool]:
     if result.objective == "ttft":
         return "TTFT (s, lower is better)", True
+    if result.objective == "serve":
+        return "goodput (requests within the SLOs per second)", False
     return "decode tok/s (median of repeats)", False
+
+
+def _objective_key(result: TuneResult) -> str:
+    """The trial attribute the plots and importances show: the objective's figure."""
+    return {"ttft": "ttft_s", "serve": "goodput_rps"}.get(result.objective, "decode_tok_s")
 
 
 def _plot_history(trials, result: TuneResult, path: Path) -> Path:
     import matplotlib.pyplot as plt
     label, lower = _objective_label(result)
-    key = "ttft_s" if lower else "decode_tok_s"
+    key = _objective_key(result)
     fig, ax = plt.subplots(figsize=(7, 4))
     feas = [(t.number, t.user_attrs.get(key)) for t in trials
             if is_feasible(t.user_attrs) and t.user_attrs.get(key) is not None]
@@ -228,7 +260,7 @@ def _plot_history(trials, result: TuneResult, path: Path) -> Path:
 def _plot_params(feasible, result: TuneResult, path: Path) -> Path:
     import matplotlib.pyplot as plt
     label, lower = _objective_label(result)
-    key = "ttft_s" if lower else "decode_tok_s"
+    key = _objective_key(result)
     names = [n for n in PARAM_COLUMNS if any(n in t.params for t in feasible)]
     cols = 3
     rows = (len(names) + cols - 1) // cols
@@ -264,7 +296,7 @@ def _importances(feasible, result: TuneResult) -> dict:
         return {}
     lower = result.objective == "ttft"
     study = optuna.create_study(direction="minimize" if lower else "maximize")
-    key = "ttft_s" if lower else "decode_tok_s"
+    key = _objective_key(result)
     for t in feasible:
         value = t.user_attrs.get(key)
         if value is None:

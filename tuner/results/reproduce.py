@@ -22,6 +22,7 @@ from statistics import median
 from engine.api import size_label
 
 WORKLOAD_FILE = "workload.jsonl"  # tuner/search/workload.py writes it for tune --prompts
+TRACE_FILE = "trace.jsonl"  # ... and this for tune --objective serve --trace
 
 
 def ids_digest(ids: list[int] | None) -> str | None:
@@ -38,6 +39,10 @@ def workload_args(workload: dict | None, run_dir: str | None) -> list[str]:
         return ["--steady", str(w["requests"]), "--temperature", f"{w['temperature']:g}", "--top-p", f"{w['top_p']:g}"]
     if w.get("kind") == "prompts":
         return ["--workload", str(Path(run_dir) / WORKLOAD_FILE) if run_dir else WORKLOAD_FILE]
+    if w.get("kind") == "trace":  # the trace replayed against the same SLOs (greedy, as the trials)
+        return ["--trace", str(Path(run_dir) / TRACE_FILE) if run_dir else TRACE_FILE,
+                *(["--slo-ttft", repr(float(w["slo_ttft_s"]))] if w.get("slo_ttft_s") is not None else []),
+                *(["--slo-tpot", repr(float(w["slo_tpot_s"]))] if w.get("slo_tpot_s") is not None else [])]
     return []
 
 

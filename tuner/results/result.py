@@ -8,7 +8,7 @@ classes' fields, so a figure is named once. docs/schema/*.json is generated from
   RunFigures   the headline figures of one `colibri run`/`bench` JSON  } tuner/results/trial_record.py
   TrialResult  what the trial runner saw of one subprocess             } (re-exported here)
   TrialRecord  a trial of the study as stored in Optuna's user_attrs   }
-  TuneResult   result.json of `colibri tune` ("colibri.tune/5"), with its parts and their migration
+  TuneResult   result.json of `colibri tune` ("colibri.tune/6"), with its parts and their migration
 
 Versioning: a schema id names a version; a field added or removed is a new version. The loader
 reads the current version and migrates the ones before it (`migrate`); it refuses others.
@@ -30,7 +30,8 @@ from tuner.results.trial_record import (  # noqa: F401  (re-exported: the result
     FIGURE_NAMES, TRIAL_SCHEMA, RunFigures, TrialRecord, TrialResult, TrialStatus, Verdict, figure, is_feasible,
     point_key)
 
-RESULT_SCHEMA = "colibri.tune/5"
+RESULT_SCHEMA = "colibri.tune/6"
+RESULT_SCHEMA_V5 = "colibri.tune/5"
 RESULT_SCHEMA_V4 = "colibri.tune/4"
 RESULT_SCHEMA_V3 = "colibri.tune/3"
 RESULT_SCHEMA_V2 = "colibri.tune/2"
@@ -43,10 +44,13 @@ GEOMETRY_KEYS = ("model_type", "layers", "hidden_size", "experts", "top_k", "moe
 
 # The figure each objective ranks by and the result's gain is on (gain_metric); both: decode
 # first, then TTFT. request: the end-to-end latency of a request (TTFT + its decode), the mean
-# over the workload's requests (tune --prompts) or of the fixed prompt and --tokens.
-Objective = Literal["decode", "ttft", "request", "both"]
+# over the workload's requests (tune --prompts) or of the fixed prompt and --tokens. serve
+# (new in colibri.tune/6): goodput, the requests of a replayed trace (tune --trace) that met
+# --slo-ttft and --slo-tpot per second (engine/run/trace_replay.py), ties by p95 TTFT.
+Objective = Literal["decode", "ttft", "request", "both", "serve"]
 OBJECTIVES = typing.get_args(Objective)  # the one list: tune --objective, result.json, shared profiles
-OBJECTIVE_KEY = {"decode": "decode_tok_s", "ttft": "ttft_s", "request": "request_s", "both": "decode_tok_s"}
+OBJECTIVE_KEY = {"decode": "decode_tok_s", "ttft": "ttft_s", "request": "request_s", "both": "decode_tok_s",
+                 "serve": "goodput_rps"}
 assert tuple(OBJECTIVE_KEY) == OBJECTIVES
 
 
@@ -93,6 +97,12 @@ class Figures:
     samples: Optional[int] = None
     unconfirmed: bool = False  # True: the search trial's own figures (no confirmation round)
     request_s: Optional[float] = None  # new in colibri.tune/3
+    # New in colibri.tune/6, a trace replay's (tune --objective serve): medians over the runs.
+    goodput_rps: Optional[float] = None
+    goodput_min: Optional[float] = None
+    goodput_max: Optional[float] = None
+    ttft_p95_s: Optional[float] = None
+    tpot_p95_s: Optional[float] = None
 
 
 @dataclass
@@ -252,14 +262,14 @@ class Lengths:
     total: int
 
 
-WorkloadKind = Literal["steady", "fixed", "prompts"]
+WorkloadKind = Literal["steady", "fixed", "prompts", "trace"]
 
 
 @dataclass
 class WorkloadInfo:
     """What the trials ran: the steady-decoding workload (engine/run/steady.py, the default), the
-    fixed random prompt, or the user's prompts (tune --prompts), described by their lengths and a
-    hash, never their text."""
+    fixed random prompt, the user's prompts (tune --prompts) or a request trace replayed through
+    serve's scheduler (tune --trace), described by their lengths and a hash, never their text."""
 
     kind: WorkloadKind
     requests: int
@@ -273,13 +283,19 @@ class WorkloadInfo:
     top_p: Optional[float] = None
     seed: Optional[int] = None
     cycle_tokens: Optional[float] = None
+    # New in colibri.tune/6, a trace's (kind "trace"): the SLOs goodput counts against (seconds;
+    # None: not bounded), its span from first to last arrival, and its sequences (n summed).
+    slo_ttft_s: Optional[float] = None
+    slo_tpot_s: Optional[float] = None
+    span_s: Optional[float] = None
+    sequences: Optional[int] = None
 
 
 @dataclass
 class TuneResult:
     """result.json of `colibri tune`: the recommendation, the baseline, the evidence, the conditions."""
 
-    schema: Literal["colibri.tune/5"]
+    schema: Literal["colibri.tune/6"]
     created_utc: str
     started_utc: str
     model: ModelInfo
@@ -312,7 +328,7 @@ class TuneResult:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "result") -> "TuneResult":
-        """Strict: the current schema, or a colibri.tune/1 to /4 result migrated (migrate)."""
+        """Strict: the current schema, or a colibri.tune/1 to /5 result migrated (migrate)."""
         if isinstance(data, dict) and data.get("schema") == RESULT_SCHEMA_V1:
             # The schema id is checked against the content: a /1 file holding /2-only fields is
             # mislabelled (or edited), and migrating it would silently drop or keep them.
@@ -320,22 +336,29 @@ class TuneResult:
             if newer:
                 raise ResultError(f"{source}: schema says {RESULT_SCHEMA_V1} but it holds {', '.join(newer)}, "
                                   f"which only {RESULT_SCHEMA_V2} and later results have")
-        if isinstance(data, dict) and data.get("schema") in (RESULT_SCHEMA_V1, RESULT_SCHEMA_V2, RESULT_SCHEMA_V3,
-                                                        RESULT_SCHEMA_V4):
+        if isinstance(data, dict) and data.get("schema") in OLDER_SCHEMAS:
             data = migrate(data)
         if not isinstance(data, dict) or data.get("schema") != RESULT_SCHEMA:
             got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise ResultError(f"{source}: not a {RESULT_SCHEMA} (or {RESULT_SCHEMA_V4}, {RESULT_SCHEMA_V3}, "
-                              f"{RESULT_SCHEMA_V2}, "
-                              f"{RESULT_SCHEMA_V1}) result "
+            raise ResultError(f"{source}: not a {RESULT_SCHEMA} (or {', '.join(reversed(OLDER_SCHEMAS))}) result "
                               f"(schema {got!r})")
         return decode(cls, data, source, ResultError)
 
 
 # --- migration ------------------------------------------------------------------------------
 
+# The versions TuneResult.from_dict migrates, oldest first.
+OLDER_SCHEMAS = (RESULT_SCHEMA_V1, RESULT_SCHEMA_V2, RESULT_SCHEMA_V3, RESULT_SCHEMA_V4, RESULT_SCHEMA_V5)
+
+
 def migrate(data: dict) -> dict:
-    """A colibri.tune/1 to /4 result as colibri.tune/5 (a new dict; the input is not changed).
+    """A colibri.tune/1 to /5 result as colibri.tune/6 (a new dict; the input is not changed).
+
+    /5 → /6 added the serve objective (tune --objective serve --trace): fields with defaults only,
+    a trace replay's figures in RunFigures (goodput, requests within the SLOs, p95 TTFT and TPOT,
+    p95 queue wait, aggregate tok/s) and Figures (goodput and its spread, p95 TTFT and TPOT), and the
+    trace's SLOs, span and sequences in WorkloadInfo (absent: None, not a trace replay). The
+    objective "serve" and the workload kind "trace" are new values no older result holds.
 
     /4 → /5 added fields with defaults only: the steady workload's sampler, seed and cache cycle
     (WorkloadInfo), the reproduce command and the cost model's error on the run (absent: None,

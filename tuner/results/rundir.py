@@ -119,6 +119,13 @@ ADDED_IN = {
                                                 "stop_reason", "measuring_seconds", "measuring_share")],
                        (CANDIDATE, "confirmed", "request_s"), (CANDIDATE, "runs", "*", "request_s")],
     "colibri.tune/4": [(CANDIDATE, "quality")],
+    "colibri.tune/5": [("reproduce",), ("cost_model",),
+                       *[("workload", k) for k in ("temperature", "top_p", "seed", "cycle_tokens")]],
+    "colibri.tune/6": [*[(CANDIDATE, "confirmed", k) for k in ("goodput_rps", "goodput_min", "goodput_max",
+                                                                "ttft_p95_s", "tpot_p95_s")],
+                       *[(CANDIDATE, "runs", "*", k) for k in ("goodput_rps", "slo_met", "ttft_p95_s", "tpot_p95_s",
+                                                               "queue_wait_p95_s", "aggregate_tok_s")],
+                       *[("workload", k) for k in ("slo_ttft_s", "slo_tpot_s", "span_s", "sequences")]],
 }
 VERSIONS = ["colibri.tune/1", *ADDED_IN]
 

@@ -73,6 +73,15 @@ class RunFigures:
     load_seconds: Optional[float] = figure("load s", "load", "seconds", "s")
     # The steady workload's (engine/run/steady.py): prompts whose output looped, left out of the figure.
     degenerate_prompts: Optional[int] = figure("looping prompts", "loops", "int")
+    # A trace replay's (bench --trace, tune --objective serve; engine/run/trace_replay.py), new in
+    # colibri.tune/6: requests within --slo-ttft and --slo-tpot per second of the makespan, how
+    # many, the tails the SLOs bound, the queue and the throughput of every sequence together.
+    goodput_rps: Optional[float] = figure("goodput req/s", "goodput", "float", "req/s")
+    slo_met: Optional[int] = figure("requests within the SLOs", "met", "int")
+    ttft_p95_s: Optional[float] = figure("TTFT p95 s", "TTFT p95", "seconds", "s")
+    tpot_p95_s: Optional[float] = figure("TPOT p95 s", "TPOT p95", "seconds", "s")
+    queue_wait_p95_s: Optional[float] = figure("queue wait p95 s", "wait p95", "seconds", "s")
+    aggregate_tok_s: Optional[float] = figure("aggregate tok/s", "aggregate", "float", "tok/s")
 
     @classmethod
     def from_metrics(cls, m: dict) -> "RunFigures":
@@ -136,6 +145,9 @@ class TrialRecord:
     # The cost model's decode figure for this config, made before it ran (tuner/search/prediction.py):
     # the report sets it beside the measured one for every trial.
     predicted_decode_tok_s: Optional[float] = figure("predicted decode tok/s", "pred", "float", "tok/s")
+    # tune --objective serve: the cost model's goodput on the trace (tuner/costmodel/serve_model.py), made
+    # before the trial ran, evidence only (it seeds no warm start: calibration never measured it).
+    predicted_goodput_rps: Optional[float] = figure("predicted goodput req/s", "pred goodput", "float", "req/s")
     figures: RunFigures = field(default_factory=RunFigures)
     output_ids: Optional[list[int]] = None
     metrics: Optional[dict[str, Any]] = None

@@ -62,12 +62,23 @@ def feasible(trials) -> list:
     return [t for t in trials if is_feasible(t.user_attrs)]
 
 
+def serve_order(goodput: float | None, ttft_p95: float | None, aggregate: float | None) -> tuple:
+    """The serve objective's sort key (smaller first): goodput, highest first; equal goodput (most
+    often 0, when no config meets tight SLOs) by p95 TTFT, lowest first (the nearest to meeting
+    the TTFT bound, and the tail a user waits on), then by aggregate tok/s, highest first."""
+    inf = float("inf")
+    return (-(goodput or 0.0), ttft_p95 if ttft_p95 is not None else inf, -(aggregate or 0.0))
+
+
 def ranked(trials, objective: str) -> list:
     """Feasible trials best first. Both objectives: the Pareto front first (by decode), then
-    the rest by decode."""
+    the rest by decode. serve: by goodput, ties as serve_order breaks them."""
     feas = feasible(trials)
     if objective == "decode":
         return sorted(feas, key=lambda t: -t.values[0])
+    if objective == "serve":
+        return sorted(feas, key=lambda t: serve_order(t.values[0], t.user_attrs.get("ttft_p95_s"),
+                                                      t.user_attrs.get("aggregate_tok_s")))
     if ranks_lower(objective):
         return sorted(feas, key=lambda t: t.values[0])
     front = [t for t in feas if not any(dominates(o, t) for o in feas)]
@@ -136,7 +147,9 @@ def confirm(entries: list[Contender], rounds: int, measure: Callable[[EngineConf
             e.runs.append(summary)
             e.output_ids.append(ids)
             log(f"confirm round {done}: {e.label}: " + (
-                f"{fmt(summary.decode_tok_s)} tok/s, TTFT {fmt(summary.ttft_s, 3)} s, "
+                (f"goodput {fmt(summary.goodput_rps, 3)} req/s ({summary.slo_met} within the SLOs), "
+                 if summary.goodput_rps is not None else "")
+                + f"{fmt(summary.decode_tok_s)} tok/s, TTFT {fmt(summary.ttft_s, 3)} s, "
                 f"request {fmt(summary.request_s, 3)} s"
                 if summary.status == "ok" else summary.status))
     return done
@@ -153,21 +166,26 @@ def figures(runs: list[RunSummary]) -> Figures | None:
 
     dec = [v for r in ok for v in r.decode_samples if v is not None]
     ttft = [v for r in ok for v in r.ttft_samples if v is not None]
+    good = [r.goodput_rps for r in ok if r.goodput_rps is not None]  # a trace replay's (serve); its runs' medians
     return Figures(
         decode_tok_s=med("decode_tok_s"), ttft_s=med("ttft_s"), request_s=med("request_s"), measurements=len(ok),
         decode_min=min(dec) if dec else None, decode_max=max(dec) if dec else None,
         decode_stdev=statistics.stdev(dec) if len(dec) > 1 else 0.0,
-        ttft_min=min(ttft) if ttft else None, ttft_max=max(ttft) if ttft else None, samples=len(dec))
+        ttft_min=min(ttft) if ttft else None, ttft_max=max(ttft) if ttft else None, samples=len(dec),
+        goodput_rps=med("goodput_rps"), goodput_min=min(good) if good else None,
+        goodput_max=max(good) if good else None, ttft_p95_s=med("ttft_p95_s"), tpot_p95_s=med("tpot_p95_s"))
 
 
 def figures_of_trial(a: dict) -> Figures:
     """A search trial's own figures, for a run without a confirmation round."""
     summary = (a.get("metrics") or {}).get("summary") or {}
-    s, t = summary.get("decode_tok_s") or {}, summary.get("ttft_s") or {}
+    s, t, g = summary.get("decode_tok_s") or {}, summary.get("ttft_s") or {}, summary.get("goodput_rps") or {}
     return Figures(decode_tok_s=a.get("decode_tok_s"), ttft_s=a.get("ttft_s"), request_s=a.get("request_s"),
                    measurements=1,
                    decode_min=s.get("min"), decode_max=s.get("max"), decode_stdev=s.get("stdev"),
-                   ttft_min=t.get("min"), ttft_max=t.get("max"), samples=s.get("n"), unconfirmed=True)
+                   ttft_min=t.get("min"), ttft_max=t.get("max"), samples=s.get("n"), unconfirmed=True,
+                   goodput_rps=a.get("goodput_rps"), goodput_min=g.get("min"), goodput_max=g.get("max"),
+                   ttft_p95_s=a.get("ttft_p95_s"), tpot_p95_s=a.get("tpot_p95_s"))
 
 
 def decide(entries: list[Contender], rounds: int, objective: str) -> Decision:
@@ -194,9 +212,17 @@ def decide(entries: list[Contender], rounds: int, objective: str) -> Decision:
         if ranks_lower(objective):
             key = OBJECTIVE_KEY[objective]
             winner = min(ok, key=lambda e: v if (v := getattr(e.confirmed, key)) is not None else float("inf"))
+        elif objective == "serve":
+            winner = min(ok, key=lambda e: serve_order(e.confirmed.goodput_rps, e.confirmed.ttft_p95_s,
+                                                       _median_of(e.runs, "aggregate_tok_s")))
         else:
             winner = max(ok, key=lambda e: (e.confirmed.decode_tok_s or 0.0, -(e.confirmed.ttft_s or 0.0)))
     return Decision(entries, rounds, winner, base, confirmed=True, defaults=defaults)
+
+
+def _median_of(runs: list[RunSummary], key: str) -> float | None:
+    vals = [getattr(r, key) for r in runs if r.status == "ok" and getattr(r, key) is not None]
+    return statistics.median(vals) if vals else None
 
 
 def unconfirmed(ranked_trials, base: Contender, baseline_trial, config_of, defaults: Reference | None = None) -> Decision:

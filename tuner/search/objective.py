@@ -12,7 +12,8 @@ from engine.api import format_size
 from tuner.results.result import (  # noqa: F401
     OBJECTIVE_KEY, OBJECTIVES, RunFigures, TrialRecord, TrialResult, point_key)
 
-DIRECTIONS = {"decode": ["maximize"], "ttft": ["minimize"], "request": ["minimize"], "both": ["maximize", "minimize"]}
+DIRECTIONS = {"decode": ["maximize"], "ttft": ["minimize"], "request": ["minimize"], "both": ["maximize", "minimize"],
+              "serve": ["maximize"]}
 # The figure each objective ranks by is OBJECTIVE_KEY (tuner/results/result.py, where the
 # result's gain_metric is named).
 LOWER_IS_BETTER = ("ttft", "request")
@@ -55,9 +56,10 @@ def judge(res: TrialResult, budget: int, limit_bytes: int, reference_ids: list |
 
 
 def worst_values(objective: str, timeout: float) -> list[float]:
-    """An infeasible trial's objective: nothing decoded, TTFT (or a request) as long as the trial may take."""
+    """An infeasible trial's objective: nothing decoded (no request served), TTFT (or a request) as
+    long as the trial may take."""
     return {"decode": [0.0], "ttft": [float(timeout)], "request": [float(timeout)],
-            "both": [0.0, float(timeout)]}[objective]
+            "both": [0.0, float(timeout)], "serve": [0.0]}[objective]
 
 
 def objective_values(objective: str, metrics: dict, timeout: float) -> list[float]:
@@ -66,7 +68,11 @@ def objective_values(objective: str, metrics: dict, timeout: float) -> list[floa
     ttft = float(ttft) if ttft is not None else float(timeout)
     request = metrics.get("request_s")
     request = float(request) if request is not None else float(timeout)
-    return {"decode": [decode], "ttft": [ttft], "request": [request], "both": [decode, ttft]}[objective]
+    # serve: goodput of the trace replay (engine/run/trace_replay.py); ties, as 0 when no request met
+    # the SLOs, are broken by p95 TTFT in the ranking (confirm.ranked), not in the sampler's value.
+    goodput = float(metrics.get("goodput_rps") or 0.0)
+    return {"decode": [decode], "ttft": [ttft], "request": [request], "both": [decode, ttft],
+            "serve": [goodput]}[objective]
 
 
 def record(res: TrialResult, *, role: str, worker: str, config: dict, status: str, constraint: float,

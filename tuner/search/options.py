@@ -49,8 +49,10 @@ class TuneOptions:
                               "point does not)", kind="int", lo=1, hi=100_000, type_name="positive integer",
                               group="how long")
     min_ctx: int = knob(2048, "smallest context size to consider", kind="int", lo=1, hi=CTX_MAX)
-    objective: str = knob("decode", "what the study ranks by: decode tok/s, TTFT, request latency, or decode and "
-                          "TTFT as two objectives", kind="choice", choices=OBJECTIVES)
+    objective: str = knob("decode", "what the study ranks by: decode tok/s, TTFT, request latency, decode and "
+                          "TTFT as two objectives, or serve: the goodput of a replayed --trace (requests within "
+                          "--slo-ttft and --slo-tpot per second; max_batch searched too)", kind="choice",
+                          choices=OBJECTIVES)
     out: Path | None = knob(None, "run directory (default: reports/tune-<model>-<time>; with --resume, the latest)",
                             kind="text", metavar="DIR", output="run directory")
     storage: str | None = knob(None, "Optuna storage URL (default: sqlite file in the run directory); "
@@ -84,6 +86,17 @@ class TuneOptions:
                                "(default max_new_tokens: --tokens); each trial runs them all, the pinned policy's "
                                "routing is recorded from them, and --objective request ranks by their end-to-end "
                                "latency", kind="path", group="trial measurement")
+    # tune --objective serve (tuner/search/workload.py trace_workload): each trial replays this trace
+    # through serve's scheduler (engine/run/trace_replay.py) and is judged by its goodput.
+    trace: str | None = knob(None, "with --objective serve: the request trace each trial replays in wall time "
+                             "(JSON Lines of {at, prompt_ids or prompt, max_tokens[, n]}, e.g. "
+                             "benchmarks/serving/traces/chat_burst.jsonl)", kind="path", group="trial measurement")
+    slo_ttft: float | None = knob(None, "with --objective serve: seconds from a request's arrival to its first token "
+                                  "that it must not exceed to count in goodput", kind="float", lo=0.0, hi=86400.0,
+                                  metavar="S", group="trial measurement")
+    slo_tpot: float | None = knob(None, "with --objective serve: seconds per generated token after its first that a "
+                                  "request must not exceed to count in goodput", kind="float", lo=0.0, hi=86400.0,
+                                  metavar="S", group="trial measurement")
     cold: bool = knob(True, "keep caches across repeats (default: cold, weights from disk)", kind="switch",
                       flag="--warm", group="trial measurement")
     trial_timeout: float | None = knob(None, "seconds per trial (default: 5x a measured trial, >= 60)",
@@ -147,7 +160,29 @@ class TuneOptions:
             self.lossy.validate()
         if self.trial_timeout is not None and self.trial_timeout <= 0:
             raise ConfigError(f"--trial-timeout must be positive, got {self.trial_timeout}")
+        self._validate_serve()
         return self
+
+    def _validate_serve(self) -> None:
+        """--objective serve and --trace go together, with both SLOs (goodput means nothing without them)."""
+        serve_only = [flag for flag, v in (("--trace", self.trace), ("--slo-ttft", self.slo_ttft),
+                                           ("--slo-tpot", self.slo_tpot)) if v is not None]
+        if self.objective != "serve":
+            if serve_only:
+                raise ConfigError(f"{', '.join(serve_only)} {'goes' if len(serve_only) == 1 else 'go'} with "
+                                  f"--objective serve")
+            return
+        missing = [flag for flag in ("--trace", "--slo-ttft", "--slo-tpot") if flag not in serve_only]
+        if missing:
+            raise ConfigError(f"--objective serve needs {', '.join(missing)} (the trace each trial replays and the "
+                              f"latency bounds its goodput counts against)")
+        for flag, v in (("--slo-ttft", self.slo_ttft), ("--slo-tpot", self.slo_tpot)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ConfigError(f"{flag} must be a finite number of seconds >= 0, got {v!r}")
+        if self.prompts is not None:
+            raise ConfigError("--prompts and --trace are two workloads: give one")
+        if self.lossy is not None:
+            raise ConfigError("--max-kl / --min-top1 rank by decode speed: they do not go with --objective serve")
 
     @property
     def sampler_kind(self) -> str:

@@ -25,6 +25,7 @@ from tuner.costmodel.hardware import HardwareView
 from tuner.costmodel.model_geometry import from_model_dir
 from tuner.costmodel.predict import Factors, RunConditions, predict
 from tuner.costmodel.routing_model import make_routing
+from tuner.costmodel.serve_model import predict_goodput
 from tuner.results.result import CostModelRun, ModeError
 
 class Predictor:
@@ -47,6 +48,15 @@ class Predictor:
                        HardwareView(run.profile), factors, run_conditions(run), run.space.overhead_bytes)
         except Exception as exc:  # a prediction is evidence, never a reason to stop a tune
             run.log(f"cost model: no predictions this run ({type(exc).__name__}: {exc})")
+            return None
+
+    def goodput(self, config: EngineConfig, trace: list, slo_ttft: float | None, slo_tpot: float | None) -> float | None:
+        """tune --objective serve: the config's goodput on the trace, from the scheduler simulated with the
+        predicted step times (tuner/costmodel/serve_model.py); evidence beside the measured one, never a warm start."""
+        try:
+            return predict_goodput(self.geometry, self.geometry.native_quant, config, self.hw, self.routing, trace,
+                                   slo_ttft, slo_tpot, self.factors, self.overhead)
+        except Exception:
             return None
 
     def decode(self, config: EngineConfig) -> float | None:

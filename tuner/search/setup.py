@@ -65,7 +65,8 @@ class TuneSetup:
         self.model_name = opts.model_name or (opts.model if not Path(opts.model).exists() else self.model_dir.name)
         self.out = run_guard.tune_out(opts.out if opts.out is not None else
                                       storage.default_out(self.model_name, opts.resume),
-                                      sources=[self.model_dir, opts.profile, opts.from_profile, opts.prompts])
+                                      sources=[self.model_dir, opts.profile, opts.from_profile, opts.prompts,
+                                               opts.trace])
         recorded = read_run_record(self.out) if opts.resume else None
         if opts.ram_budget is not None:
             self.budget = opts.ram_budget
@@ -90,7 +91,8 @@ class TuneSetup:
         self.work = prepare_workload(opts.prompts, self.model_dir, opts.prompt_tokens, opts.tokens,
                                      self.facts.max_position_embeddings, steady=opts.steady_prompts
                                      if opts.workload == "steady" else 0, seed=opts.seed,
-                                     vocab=int(self.facts.geometry["vocab_size"]), cycle=self.steady_cycle)
+                                     vocab=int(self.facts.geometry["vocab_size"]), cycle=self.steady_cycle,
+                                     trace=opts.trace, slo=(opts.slo_ttft, opts.slo_tpot))
         self.workload_info = self.work.info
         min_ctx = max(opts.min_ctx, self.work.ctx_needed)
         if min_ctx > opts.min_ctx:
@@ -103,7 +105,8 @@ class TuneSetup:
         self.space = SearchSpace(budget=self.budget, physical_cores=psutil.cpu_count(logical=False) or 1,
                                  logical_cores=psutil.cpu_count() or 1, has_gpu=self.has_gpu,
                                  min_ctx=min_ctx, model=self.facts,
-                                 prefill_chunk=prefill_chunk_for(self.workload_info.prompt_tokens.max))
+                                 prefill_chunk=prefill_chunk_for(self.workload_info.prompt_tokens.max),
+                                 serve=opts.objective == "serve")
         self.space.check_budget()  # before anything slow: a budget below the dense part is a user error
         self.quality_meter = None
         if opts.lossy is not None:  # tune --max-kl / --min-top1: lossy dimensions, each priced in quality
@@ -143,6 +146,10 @@ class TuneSetup:
             workload=self.work.digest,
             workload_label="the steady workload's prompts of another seed" if self.work.info.kind == "steady" else None)
         self.space.overhead_bytes = self.calibration.get("overhead_bytes") or DEFAULT_OVERHEAD_BYTES
+        self.space.fit_choices()  # max_batch for serve: what the plan fits at the measured overhead
+        if self.space.fitted:
+            self.log("memory plan: " + "; ".join(f"{name} {', '.join(map(str, c))}"
+                                                 for name, c in self.space.fitted.items()) + " fit the budget")
         hist = self.calibration.get("routing_histogram")
         self.space.with_pinned = bool(hist and Path(hist).exists())
         self.space.routing_histogram = hist or ""

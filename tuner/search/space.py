@@ -70,6 +70,11 @@ class SearchSpace:
     # sends only charges the plan activations that the expert cache could have had, and a shorter
     # one reads the experts again per group. 0: the engine's own (one sub-chunk under a budget).
     prefill_chunk: int = 0
+    # tune --objective serve: the knobs searched only for it (needs="serve": max_batch) enter the space.
+    serve: bool = False
+    # A fit="plan" knob's choices the memory plan fits beside the leanest config (fit_choices), by
+    # name; a knob not here offers all its choices.
+    fitted: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.min_ctx < 1:
@@ -86,15 +91,21 @@ class SearchSpace:
     def _choices(self, name: str, rule: dict) -> tuple:
         if "multiples" in rule:
             return tuple(self._fact("min_ctx") * m for m in rule["multiples"])
-        # The cost model narrows the read sizes and I/O threads (tuner/costmodel/best_config.py).
-        choices = {"chunk_size": self.chunk_sizes, "io_threads": self.io_thread_choices}.get(name, rule["choices"])
+        # The cost model narrows the read sizes and I/O threads (tuner/costmodel/best_config.py); the
+        # memory plan, a fit="plan" knob's (fit_choices).
+        choices = {"chunk_size": self.chunk_sizes, "io_threads": self.io_thread_choices,
+                   **self.fitted}.get(name, rule["choices"])
         # pinned needs a recorded routing histogram (the calibration run's)
         return tuple(c for c in choices if self.with_pinned or c not in rule.get("with_histogram", ()))
+
+    def needed(self, rule: dict) -> bool:
+        """Whether a knob searched only under a condition (its rule's needs=) is searched in this run."""
+        return {"gpu": self.has_gpu, "serve": self.serve}.get(rule.get("needs"), True)
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
         d = {}
         for name, rule in SEARCHED.items():
-            if rule.get("needs") == "gpu" and not self.has_gpu:
+            if not self.needed(rule):
                 continue
             if "choices" in rule or "multiples" in rule:
                 d[name] = CategoricalDistribution(self._choices(name, rule))
@@ -156,12 +167,33 @@ class SearchSpace:
         """The rules of thumb practitioners start from (each searched knob's baseline): read ahead
         2 layers, one compute thread per physical core, the rest of the budget as expert cache,
         buffered reads."""
-        return self.config_from_params({name: self._fact(SEARCHED[name]["baseline"])
-                                        for name in self.distributions() if name not in self.lossy})
+        dists = self.distributions()
+        return self.config_from_params({name: self._baseline_value(name, dists[name])
+                                        for name in dists if name not in self.lossy})
+
+    def _baseline_value(self, name: str, dist):
+        value = self._fact(SEARCHED[name]["baseline"])
+        if SEARCHED[name].get("fit") == "plan" and value not in dist.choices:
+            # the plan fits fewer: the largest it fits below the rule of thumb (1 always fits, fit_choices)
+            value = max((c for c in dist.choices if c <= value), default=dist.choices[0])
+        return value
+
+    def fit_choices(self) -> None:
+        """Cap each fit="plan" knob (max_batch: the plan charges a KV cache per sequence) to the choices
+        the memory plan fits at the leanest config, so the study never proposes a value no config can
+        run; the smallest choice stays, as the budget check (check_budget) already passed it."""
+        lean = self.smallest()
+        for name, rule in SEARCHED.items():
+            if rule.get("fit") != "plan" or not self.needed(rule):
+                continue
+            first, *rest = rule["choices"]
+            self.fitted[name] = (first, *(c for c in rest if self.precheck(lean.replace(**{name: c}))[0]))
 
     def smallest(self) -> EngineConfig:
         """The config that needs the least fixed memory: if this cannot fit, nothing can."""
-        return self.baseline().replace(prefetch_depth=0)
+        least = {name: rule["choices"][0] for name, rule in SEARCHED.items()
+                 if rule.get("fit") == "plan" and self.needed(rule)}  # one KV cache, not the baseline's batch
+        return self.baseline().replace(prefetch_depth=0, **least)
 
     # --- the memory pre-check ------------------------------------------------------------------
 

@@ -59,6 +59,8 @@ class _Run(TuneSetup):
                 "budget": self.budget, "objective": o.objective, "space": self.space.describe(),
                 "tokens": o.tokens, "repeats": o.repeats, "prompt_tokens": o.prompt_tokens, "cold": o.cold,
                 "seed": o.seed, **({"workload": self.work.digest} if self.work.digest else {}),
+                # goodput counts against the SLOs: trials judged under others are not comparable
+                **({"slo": [o.slo_ttft, o.slo_tpot]} if o.objective == "serve" else {}),
                 **({"lossy": dataclasses.asdict(o.lossy)} if o.lossy else {})}
 
     def open_study(self) -> optuna.Study:
@@ -76,6 +78,10 @@ class _Run(TuneSetup):
                 # Read sizes and I/O threads as the study was made with: identical on every worker.
                 self.space.chunk_sizes = tuple(recorded["space"].get("chunk_size", self.space.chunk_sizes))
                 self.space.io_thread_choices = tuple(recorded["space"].get("io_threads", self.space.io_thread_choices))
+                # A fit="plan" knob's choices as the plan fitted them then (the overhead measured now may differ).
+                for name in self.space.fitted:
+                    if name in recorded["space"]:
+                        self.space.fitted[name] = tuple(recorded["space"][name])
         study = optuna.create_study(storage=self.storage, study_name=self.study_name,
                                     directions=objective.DIRECTIONS[self.opts.objective],
                                     sampler=make_sampler(self.opts, self.shared), load_if_exists=True)
@@ -176,7 +182,10 @@ class _Run(TuneSetup):
             rec = objective.not_launched(role=role, worker=self.worker, config=config.to_dict(),
                                          overshoot=overshoot, budget=self.budget, message=message)
             return worst, rec.to_attrs()
-        predicted = self.predictor.decode(config) if self.predictor is not None else None
+        serve = self.opts.objective == "serve"
+        predicted = self.predictor.decode(config) if self.predictor is not None and not serve else None
+        predicted_goodput = self.predictor.goodput(config, self.work.trace, self.opts.slo_ttft, self.opts.slo_tpot) \
+            if self.predictor is not None and serve else None
         res = self.measure(config)
         setting = lossy.setting_of(config) if self.quality_meter else None
         ref = objective.reference_ids(self.measured(), res.metrics.get("threads"), setting) if res.ok else None
@@ -186,6 +195,8 @@ class _Run(TuneSetup):
         attrs = rec.to_attrs()
         if predicted is not None:
             attrs["predicted_decode_tok_s"] = predicted
+        if predicted_goodput is not None:
+            attrs["predicted_goodput_rps"] = predicted_goodput
         if self.quality_meter and status == "ok":  # the bound is one more constraint, measured per setting
             attrs = lossy.judge_quality(attrs, self.quality_meter.quality(setting), self.opts.lossy)
         if attrs["constraint"] > 0:

@@ -34,6 +34,17 @@ def steady_args(n: int, temperature: float, top_p: float) -> list[str]:
     return ["--steady", str(n), "--temperature", repr(float(temperature)), "--top-p", repr(float(top_p))]
 
 
+def trace_args(path: str, slo_ttft: float | None, slo_tpot: float | None, temperature: float = 0.0,
+               top_p: float = 1.0) -> list[str]:
+    """`bench`'s arguments for replaying a request trace (engine/run/trace_replay.py) against the SLOs."""
+    out = ["--trace", str(path)]
+    out += ["--slo-ttft", repr(float(slo_ttft))] if slo_ttft is not None else []
+    out += ["--slo-tpot", repr(float(slo_tpot))] if slo_tpot is not None else []
+    if temperature > 0:
+        out += ["--temperature", repr(float(temperature)), "--top-p", repr(float(top_p))]
+    return out
+
+
 def run_trial(model_dir, config: EngineConfig, *, tokens: int = 16, repeats: int = 3, cold: bool = True,
               prompt_tokens: int = 16, seed: int = 0, limit_bytes: int | None = None,
               timeout: float | None = 600, extra_args: list[str] | None = None) -> TrialResult:

@@ -26,6 +26,8 @@ PLACED_ATTR = "lossy_probes_at"  # the trial whose placement they were enqueued 
 # The warm starts whose placement the probes may take: enqueued before any probe, so the set is
 # the same on every worker, and all of it is measured before the probes are placed.
 WARM_ROLES = ("baseline", "from_profile", "defaults", "model")
+SERVE_NO_WARM_START = ("--objective serve: the goodput prediction is uncalibrated (calibration holds out one "
+                       "stream's decode, not a trace's goodput), so it seeds nothing")
 
 
 def enqueue_warm_starts(run, study: optuna.Study) -> None:
@@ -105,12 +107,18 @@ def enqueue_predicted(run, study: optuna.Study, queued: int) -> None:
     of the kinds of config (io mode, cache policy) whose calibrated error is known and small
     (tuner/search/prediction.py): a prediction no trial has checked is not worth a trial."""
     o = run.opts
+    state = getattr(run, "cost_model_state", None) if isinstance(getattr(run, "cost_model_state", None), dict) else {}
+    if getattr(o, "objective", None) == "serve":
+        # The gate trusts a prediction whose held-out error calibration measured; calibration measures
+        # one stream's decode, never a trace's goodput, so no predicted config has earned a trial here.
+        state["note"] = SERVE_NO_WARM_START
+        run.log(f"cost model: no warm start: {SERVE_NO_WARM_START}")
+        return
     # Never more than the trial budget leaves after the points queued before.
     n = 3 if o.trials is None else max(0, min(3, o.trials - queued))
     if not n:
         return
     section = getattr(run.profile, "cost_model", None) or {}
-    state = getattr(run, "cost_model_state", None) if isinstance(getattr(run, "cost_model_state", None), dict) else {}
     if not section.get("factors"):
         state["note"] = trusted(section, run.space.baseline())[1]
         run.log(f"cost model: no warm start: {state['note']}")

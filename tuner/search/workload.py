@@ -1,5 +1,6 @@
 """What a tune's trials run: the steady-decoding workload (the default), the fixed random prompt
-(`tune --workload fixed`), or the user's prompts (`tune --prompts`).
+(`tune --workload fixed`), the user's prompts (`tune --prompts`), or a request trace replayed
+through serve's scheduler (`tune --objective serve --trace`: trace_workload).
 
 The steady workload (engine/run/steady.py: several prompts, sampled, loops left out, the median
 over prompts) is what `bench --steady N` runs from flags alone, so the command that reproduces a
@@ -25,11 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import math
+import statistics
 
-from engine.api import (STEADY_TEMPERATURE, STEADY_TOP_P, STEADY_WARM_SHARE, BudgetError, ConfigError, EngineConfig, Request, describe,
-                        load_tokenizer, load_workload, save_requests, steady_requests)
+from engine.api import (STEADY_TEMPERATURE, STEADY_TOP_P, STEADY_WARM_SHARE, BudgetError, ConfigError, EngineConfig,
+                        Request, TraceRequest, describe, load_tokenizer, load_trace, load_workload, save_requests,
+                        save_trace, steady_requests, trace_digest)
 from tuner.results.result import Lengths, WorkloadInfo
-from tuner.search.trial import steady_args
+from tuner.search.trial import steady_args, trace_args
 
 # The steady workload's size. Prompts: three is the fewest with a median that one odd prompt
 # cannot move, and each costs a prefill (on demo at 1 GiB a cold prefill reads about a GB).
@@ -43,6 +46,7 @@ MAX_STEADY_TOKENS = 96
 FIXED_TOKENS, FIXED_REPEATS = 8, 2  # the fixed prompt's sizes (tune --workload fixed), as before
 
 WORKLOAD_FILE = "workload.jsonl"
+TRACE_FILE = "trace.jsonl"  # tune --trace's requests, tokenized: what every trial replays
 
 
 @dataclass
@@ -51,11 +55,13 @@ class TuneWorkload:
     requests: list[Request] = field(default_factory=list)  # empty: the fixed prompt
     bench_args: list[str] = field(default_factory=list)  # what `colibri bench` is given for it
     steady: list[Request] = field(default_factory=list)  # the steady workload's requests (made by the bench)
+    trace: list[TraceRequest] = field(default_factory=list)  # tune --trace's requests, tokenized
+    slo: tuple[float | None, float | None] = (None, None)  # tune --slo-ttft, --slo-tpot (seconds)
 
     @property
     def ctx_needed(self) -> int:
         """The context the longest request needs (prompt + its output); 0 for the fixed prompt."""
-        return max((r.tokens for r in self.requests + self.steady), default=0)
+        return max((r.tokens for r in [*self.requests, *self.steady, *self.trace]), default=0)
 
     @property
     def digest(self) -> str | None:
@@ -66,6 +72,9 @@ class TuneWorkload:
         if self.requests:
             path = save_requests(self.requests, Path(out) / WORKLOAD_FILE).resolve()
             self.bench_args = ["--workload", str(path)]
+        if self.trace:
+            path = save_trace(self.trace, Path(out) / TRACE_FILE).resolve()
+            self.bench_args = trace_args(str(path), *self.slo)
 
 
 def cycle_tokens(plan, top_k: int, experts: int) -> float | None:
@@ -106,6 +115,25 @@ def steady_workload(model_dir: Path, vocab: int, n: int, prompt_tokens: int, tok
     return work
 
 
+def trace_workload(path: str, model_dir: Path, vocab: int, max_position_embeddings: int, slo_ttft: float | None,
+                   slo_tpot: float | None) -> TuneWorkload:
+    """tune --trace: the trace read, checked and tokenized now (a bad file is one error line naming its
+    line), replayed by every trial from the run directory's copy (`save`), each judged by its goodput
+    against the SLOs."""
+    requests = load_trace(path, load_tokenizer(model_dir), vocab)
+    longest = max(requests, key=lambda r: r.tokens)
+    if longest.tokens > max_position_embeddings:
+        raise ConfigError(f"--trace {path}:{longest.line}: a request of {longest.tokens} tokens (prompt + max_tokens) "
+                          f"is longer than the model's {max_position_embeddings} positions")
+    lengths = lambda v: Lengths(min=min(v), median=statistics.median(v), max=max(v), total=sum(v))  # noqa: E731
+    info = WorkloadInfo(kind="trace", requests=len(requests),
+                        prompt_tokens=lengths([len(r.prompt_ids) for r in requests]),
+                        max_new_tokens=lengths([r.max_tokens for r in requests]), sha256=trace_digest(requests),
+                        source=Path(path).name, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
+                        span_s=requests[-1].at - requests[0].at, sequences=sum(r.n for r in requests))
+    return TuneWorkload(info, trace=requests, slo=(slo_ttft, slo_tpot))
+
+
 def fixed_info(prompt_tokens: int, tokens: int) -> WorkloadInfo:
     one = lambda n: Lengths(min=n, median=n, max=n, total=n)  # noqa: E731
     return WorkloadInfo(kind="fixed", requests=1, prompt_tokens=one(prompt_tokens), max_new_tokens=one(tokens),
@@ -115,8 +143,10 @@ def fixed_info(prompt_tokens: int, tokens: int) -> WorkloadInfo:
 def resolve_sizes(opts, facts, budget: int, overhead: int):
     """(the options with --tokens and --repeats filled in where the user left them to the workload,
     the cache cycle in tokens the steady length was sized from or None, a line for the log or "")."""
-    steady = opts.workload == "steady" and opts.prompts is None
+    steady = opts.workload == "steady" and opts.prompts is None and opts.trace is None
     tokens, repeats, cycle, note = opts.tokens, opts.repeats, None, ""
+    if opts.trace is not None and repeats is None:  # a replay is many requests; its trials are long already
+        repeats = 1
     if steady:
         sized, cycle = steady_tokens(facts, budget, overhead)
         if tokens is None:
@@ -132,9 +162,12 @@ def resolve_sizes(opts, facts, budget: int, overhead: int):
 
 def prepare_workload(prompts: str | None, model_dir: Path, prompt_tokens: int, tokens: int,
                      max_position_embeddings: int, steady: int = 0, seed: int = 0, vocab: int = 0,
-                     cycle: float | None = None) -> TuneWorkload:
-    """The steady workload (steady > 0 and no prompts), the fixed prompt (prompts None), or the
-    user's file tokenized (`save` it once the run directory exists)."""
+                     cycle: float | None = None, trace: str | None = None,
+                     slo: tuple[float | None, float | None] = (None, None)) -> TuneWorkload:
+    """A request trace (trace given), the steady workload (steady > 0 and no prompts), the fixed
+    prompt (prompts None), or the user's file tokenized (`save` it once the run directory exists)."""
+    if trace is not None:
+        return trace_workload(trace, model_dir, vocab, max_position_embeddings, *slo)
     if prompts is None and steady:
         return steady_workload(model_dir, vocab, steady, prompt_tokens, tokens, seed, cycle)
     if prompts is None:

@@ -34,7 +34,8 @@ from tuner.probe.profile_checks import (CONTROL_RE, HARDWARE_RANGES, MAX_ARRAY, 
 MAX_ENTRIES = 256
 HASH_RE = re.compile(r"^sha256:[0-9a-f]{16}$")
 UTC_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$")
-SCALE = {"tok/s": (0, 1e9), "s": (0, 1e7), "B": (0, 2 ** 52), "GB/s": (0, 1e5), "share": (0, 1)}  # plausible
+SCALE = {"tok/s": (0, 1e9), "s": (0, 1e7), "B": (0, 2 ** 52), "GB/s": (0, 1e5), "share": (0, 1),
+         "req/s": (0, 1e9)}  # plausible
 COUNT = (0, 10 ** 6)
 
 
@@ -65,6 +66,9 @@ class SharedFigures:
     io_stall_fraction: Optional[float] = _num("share", trial="io_stall_fraction")
     hit_rate_ram: Optional[float] = _num("share", trial="hit_rate_ram")
     peak_bytes: Optional[float] = _num("B", trial="cgroup_peak_bytes")  # a trials.csv number
+    # tune --objective serve's figure (added with it; an older entry lacks it): requests of the trace
+    # within its SLOs per second (the entry's workload names the trace by hash and the SLOs).
+    goodput_rps: Optional[float] = _num("req/s", optional=True)
 
 
 @dataclass
@@ -113,7 +117,7 @@ class SharedLengths:
 class SharedWorkload:
     """The workload an entry was tuned for: its lengths and a hash of the tokenized prompts, never text."""
 
-    kind: Literal["steady", "fixed", "prompts"]
+    kind: Literal["steady", "fixed", "prompts", "trace"]
     requests: int = field(metadata=rules(bounds=(1, 1 << 20)))
     prompt_tokens: SharedLengths
     max_new_tokens: SharedLengths
@@ -123,6 +127,12 @@ class SharedWorkload:
     top_p: Optional[float] = field(default=None, metadata=rules(bounds=(0, 1), optional=True))
     seed: Optional[int] = field(default=None, metadata=rules(bounds=(0, 2 ** 63), optional=True))
     cycle_tokens: Optional[float] = field(default=None, metadata=rules(bounds=(0, 1 << 30), optional=True))
+    # A request trace's (tune --objective serve; added with it): the SLOs its goodput counts against,
+    # its span from first to last arrival, its sequences (n summed).
+    slo_ttft_s: Optional[float] = field(default=None, metadata=rules(bounds=SCALE["s"], optional=True))
+    slo_tpot_s: Optional[float] = field(default=None, metadata=rules(bounds=SCALE["s"], optional=True))
+    span_s: Optional[float] = field(default=None, metadata=rules(bounds=SCALE["s"], optional=True))
+    sequences: Optional[int] = field(default=None, metadata=rules(bounds=(1, 1 << 30), optional=True))
 
 
 # GEOMETRY_KEYS' sizes, plus the architecture's name.

@@ -38,8 +38,10 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 # A shared entry's figures (profile_schema.SharedFigures, the format on disk): those copied from
 # the confirmed figures, and those copied from the trial's trials.csv column its `trial` metadata
 # names (a column of the registry, tuner/results/columns.py: `column` refuses any other).
-FIGURE_KEYS = tuple(f.name for f in dataclasses.fields(SharedFigures)
-                    if "bounds" in f.metadata and "trial" not in f.metadata)  # the numbers (not `unconfirmed`)
+FIGURE_KEYS = tuple(f.name for f in dataclasses.fields(SharedFigures)  # the numbers (not `unconfirmed`)
+                    if "bounds" in f.metadata and "trial" not in f.metadata and not f.metadata.get("optional"))
+# Written only where measured (a serve entry's goodput), so every other entry keeps the format it had.
+OPTIONAL_FIGURES = tuple(f.name for f in dataclasses.fields(SharedFigures) if f.metadata.get("optional"))
 TRIAL_FIGURES = tuple((f.name, column(f.metadata["trial"]).name) for f in dataclasses.fields(SharedFigures)
                       if "trial" in f.metadata)
 DTYPE_QUANT = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "float32": "fp32", "fp32": "fp32"}
@@ -142,11 +144,13 @@ def _honest_gain(defaults: dict | None, gain, workload: dict | None) -> dict:
     return {"defaults_figures": _figures(defaults.get("confirmed")) if defaults and defaults.get("confirmed") else None,
             "gain_over_defaults": gain,
             "workload": {k: workload.get(k) for k in ("kind", "requests", "prompt_tokens", "max_new_tokens", "sha256",
-                                                      *(STEADY_KEYS if workload.get("kind") == "steady" else ()))}
+                                                      *(STEADY_KEYS if workload.get("kind") == "steady" else ()),
+                                                      *(TRACE_KEYS if workload.get("kind") == "trace" else ()))}
             if workload else None}
 
 
 STEADY_KEYS = ("temperature", "top_p", "seed", "cycle_tokens")  # what `bench --steady` needs beside the lengths
+TRACE_KEYS = ("slo_ttft_s", "slo_tpot_s", "span_s", "sequences")  # what a trace's goodput was judged against
 
 
 def _conditions(cond: dict, rounds, study: dict) -> dict:
@@ -185,7 +189,8 @@ def _figures(f: dict | None) -> dict:
     f = f or {}
     out = {k: f.get(k) for k in FIGURE_KEYS}
     out["unconfirmed"] = bool(f.get("unconfirmed", False))
-    return {**out, **{k: f.get(k) for k, _ in TRIAL_FIGURES}}
+    return {**out, **{k: f.get(k) for k, _ in TRIAL_FIGURES},
+            **{k: f[k] for k in OPTIONAL_FIGURES if f.get(k) is not None}}
 
 
 def _quality(q) -> dict | None:
@@ -345,7 +350,11 @@ def entry_line(e: dict) -> str:
             + (f" (tuned for {e['workload']['requests']} prompt(s), {e['workload']['sha256']})"
                if (e.get("workload") or {}).get("kind") == "prompts" else "")
             + (f" (steady workload: {e['workload']['requests']} prompts, {e['workload']['sha256']})"
-               if (e.get("workload") or {}).get("kind") == "steady" else "") + " | chunk "
+               if (e.get("workload") or {}).get("kind") == "steady" else "")
+            + (f" (serve: goodput {fmt(f.get('goodput_rps'), 3)} req/s of a {e['workload']['requests']}-request trace "
+               f"{e['workload']['sha256']} within TTFT <= {fmt(e['workload'].get('slo_ttft_s'), 3)} s, TPOT <= "
+               f"{fmt(e['workload'].get('slo_tpot_s'), 3)} s, max_batch {c.get('max_batch')})"
+               if (e.get("workload") or {}).get("kind") == "trace" else "") + " | chunk "
             f"{format_size(c.get('chunk_size'))}, prefetch {c.get('prefetch_depth')}, {c.get('cache_policy')} "
             f"x{c.get('cpu_cache_ratio')}, threads {c.get('threads')}, io {c.get('io_mode')} x{c.get('io_threads')} "
             f"| tool {e['tool']['version']} ({e['tool'].get('git_commit')})")
