@@ -17,7 +17,8 @@ from engine.arch.registry import model_args
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError
 from engine.format.checkpoint import Checkpoint
-from engine.movement.plan import PREFILL_CHUNK, prefill_activation_bytes, prefill_bytes, prefill_tokens_per_pass
+from engine.movement.plan import (PREFILL_CHUNK, prefill_activation_bytes, prefill_bytes, prefill_tokens_per_pass,
+                                  prefill_transient_bytes)
 from engine.run.runtime import Engine
 from tuner.search.space import MIN_PREFILL_CHUNK, ModelFacts, SearchSpace, prefill_chunk_for
 from tuner.search.workload import prepare_workload
@@ -27,10 +28,12 @@ from colibri_tune_fixtures import MiB
 
 def test_prefill_activations_grow_with_the_tokens_of_a_pass(model_dir):  # noqa: F811
     args = model_args(Checkpoint(model_dir).config)
-    one, chunk = (prefill_activation_bytes(args, t, torch.bfloat16) for t in (1, PREFILL_CHUNK))
-    per_token = prefill_activation_bytes(args, 2, torch.bfloat16) - one
+    ctx = 4096  # the positions attended: the mask and the keys grow with the context, not the pass
+    one, chunk = (prefill_activation_bytes(args, t, torch.bfloat16, ctx) for t in (1, PREFILL_CHUNK))
+    per_token = prefill_activation_bytes(args, 2, torch.bfloat16, ctx) - one
     assert per_token > args.hidden_size * 2  # at least the residual stream, in bf16
     assert chunk == one + (PREFILL_CHUNK - 1) * per_token  # linear in the pass's tokens
+    assert prefill_activation_bytes(args, PREFILL_CHUNK, torch.bfloat16, 2 * ctx) > chunk
     # A sub-chunk holds at most PREFILL_CHUNK tokens: a longer context charges no more transients.
     assert prefill_tokens_per_pass(16) == 16 and prefill_tokens_per_pass(1 << 20) == PREFILL_CHUNK
 
@@ -126,8 +129,8 @@ def test_a_tune_sizes_the_prefill_group_to_its_workloads_longest_prompt(model_di
     config = run.space.baseline()
     assert config.prefill_chunk == MIN_PREFILL_CHUNK
     args = model_args(Checkpoint(model_dir).config)
-    assert prefill_activation_bytes(args, MIN_PREFILL_CHUNK, torch.bfloat16) < \
-        prefill_activation_bytes(args, PREFILL_CHUNK, torch.bfloat16) / 4
+    assert prefill_transient_bytes(args, MIN_PREFILL_CHUNK, torch.bfloat16) < \
+        prefill_transient_bytes(args, PREFILL_CHUNK, torch.bfloat16) / 4
     long_run = _tune_run(model_dir, tmp_path / "long", 1 << 30, _prompts(tmp_path, "long.jsonl", 60))
     longest = long_run.workload_info.prompt_tokens.max
     assert long_run.space.prefill_chunk == prefill_chunk_for(longest) == min(PREFILL_CHUNK, 1 << (longest - 1).bit_length())

@@ -12,7 +12,8 @@ logits. A prompt is prefilled in groups of at most `prefill_group` tokens, each 
 layer at a time (engine/arch/prefill.py: each routed expert read once per layer per group), its
 attention and dense parts in sub-chunks of PREFILL_CHUNK tokens. The plan charges what a group holds
 for its whole prefill (prefill_group_bytes: the hidden state, the routing, every routed slot's
-output) plus one sub-chunk's transients (prefill_activation_bytes), counted from the model's geometry.
+output) plus one sub-chunk's transients at the longest context (prefill_activation_bytes: counted
+from the model's geometry, times the allocator's factor, and the native matmul caches' bound).
 The group is EngineConfig.prefill_chunk where set (a budget that cannot hold it is refused), else
 the whole context without a budget and one sub-chunk under one (prefill_group_for says why), or
 below one sub-chunk a power of two whose transients shrink with it; a budget that cannot hold a
@@ -29,6 +30,7 @@ import torch
 from engine.format.checkpoint import Checkpoint
 from engine.base.config import PREFILL_CHUNK, EngineConfig, format_size
 from engine.base.errors import BudgetError
+from engine.base.heap import NATIVE_CACHE_BYTES
 from engine.format.container import dense_nbytes, dense_quantized
 from engine.format.layout import cast_bytes, expert_memory_bytes
 from engine.arch import kv_snapshot
@@ -37,11 +39,13 @@ from engine.format import fp8_checkpoint
 
 ACTIVATION_MARGIN = 64 << 20  # hidden states, logits, attention scores of a decode step
 ALIGN_SLACK = 2 * 4096  # an O_DIRECT window can start up to 4 KiB early and end 4 KiB late
-# The counted live bytes of a pass (prefill_activation_bytes) understate its resident high-water
-# mark: transients are freed and re-allocated per layer and per expert, and oneDNN keeps
-# primitives and scratch (engine/base/heap.py bounds both). Measured on demo-small (hidden 512,
-# 2,000-token prompt, 256-token passes, heap.py's bounds on): ~31 MiB above the steady state
-# for ~6.6 MiB counted, so 5x.
+# The counted live bytes of a sub-chunk (prefill_transient_bytes, which tests/test_prefill_charge.py
+# holds above the tensors really allocated) understate its resident high-water mark: transients are
+# freed and re-allocated per layer and per expert, and glibc keeps freed blocks between. Measured on
+# demo-small (hidden 512, 2,000-token prompt, 256-token passes): ~31 MiB above the steady state for
+# ~6.6 MiB counted, so 5x. (That figure held part of ideep's matmul cache, uncapped then; capped
+# (engine/base/heap.py, charged apart as NATIVE_CACHE_BYTES), demo under 1 GiB, 2,048-token group:
+# +117 MiB resident at the peak, the KV cache's first touch included, for 196 MiB charged.)
 PREFILL_ALLOCATOR_FACTOR = 5
 
 
@@ -136,7 +140,7 @@ def prefill_bytes(args: ModelArgs, group: int, dtype: torch.dtype, ctx_size: int
     """The plan's prefill charge for groups of `group` tokens: the group's state and one sub-chunk's
     transients."""
     sub = prefill_tokens_per_pass(min(ctx_size, group))
-    return prefill_group_bytes(args, group, dtype, ctx_size) + prefill_activation_bytes(args, sub, dtype)
+    return prefill_group_bytes(args, group, dtype, ctx_size) + prefill_activation_bytes(args, sub, dtype, ctx_size)
 
 
 def prefill_group_for(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, left: int | None) -> int:
@@ -158,30 +162,54 @@ def prefill_group_for(args: ModelArgs, config: EngineConfig, dtype: torch.dtype,
         return sub
     # Not even one sub-chunk's state: a smaller group, whose sub-chunk shrinks with it (the
     # transients `left` was counted without are then a smaller group's too).
-    room = prefill_activation_bytes(args, sub, dtype) + (left // 2 if left > 0 else left)
+    room = prefill_activation_bytes(args, sub, dtype, config.ctx_size) + (left // 2 if left > 0 else left)
     while sub > 1 and prefill_bytes(args, sub, dtype, config.ctx_size) > room:
         sub //= 2
     return sub
 
 
-def prefill_activation_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype) -> int:
-    """Peak transient bytes of one layer's forward over `tokens` prompt tokens (one chunk).
+def prefill_transient_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int | None = None) -> int:
+    """Live bytes of one sub-chunk's transients at their peak, counted from the geometry (no allocator
+    factor): what tests/test_prefill_charge.py checks against the tensors a prefill really allocates."""
+    per_token, per_chunk = _transient_parts(args, tokens, dtype, ctx_size)
+    return tokens * per_token + per_chunk
 
-    Per token (e = compute dtype bytes; H hidden, Nq/Nkv heads of D, K top-k, I expert
-    intermediate, E experts): the residual stream and its norms (3 tensors of H, plus the fp32
-    norm), q/k/v and the attention output, and the larger of the MLP parts: a dense MLP's gate,
-    up and product (3 of its intermediate), or a MoE layer's K gathered input rows, K weighted
-    outputs and their concatenation (3K of H), one expert's rows' gate, up and product (3 I each
-    of K slots), the router's fp32 probabilities (2 of E). Times the allocator's high-water factor;
-    plus the fp32 logits of the last position."""
+
+def prefill_activation_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int | None = None) -> int:
+    """The plan's charge for one sub-chunk of `tokens` prompt tokens (one layer's forward at a time):
+    its per-token transients times the allocator's high-water factor (they are freed and re-allocated
+    per layer and per expert), its per-chunk ones (a few large blocks), the fp32 logits of the last
+    position, and what the native matmul caches hold (engine/base/heap.py)."""
+    per_token, per_chunk = _transient_parts(args, tokens, dtype, ctx_size)
+    return int(PREFILL_ALLOCATOR_FACTOR * tokens * per_token + per_chunk + 4 * args.vocab_size + NATIVE_CACHE_BYTES)
+
+
+def _transient_parts(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int | None) -> tuple[int, int]:
+    """(bytes per token, bytes per sub-chunk) of one sub-chunk's transients at their peak.
+
+    Per token (e = compute dtype bytes; H hidden, Nq/Nkv heads of D, K top-k, I expert intermediate,
+    E experts, S = ctx_size positions): the residual stream and its norms (3 tensors of H, plus the
+    fp32 norm), q/k/v and the attention output, the causal mask [T, S] and its window term (bool), and
+    the largest of the MLP parts: a dense MLP's or the shared experts' gate (or its SiLU), up and
+    product (3 of their intermediate), or a MoE layer's call of sub*K rows: the gathered input rows,
+    the expert's and the weighted outputs (3K of H), the fused gate_up, its SiLU and the product (4 I
+    each of K slots), the router's fp32 probabilities (2 of E). Per sub-chunk: the keys and values
+    attended in the compute dtype (a copy where the KV cache is quantized), and what an attention
+    that writes its scores out materializes (its `prefill_scores_bytes`: MLA, gpt-oss), bounded by
+    query blocks (engine/arch/layers.py query_rows)."""
     e = _elem(dtype)
+    S = max(int(ctx_size or tokens), tokens)
     residual = (3 * e + 4) * args.hidden_size
-    attention = e * (2 * args.num_heads + 2 * args.num_kv_heads) * args.head_dim
-    dense_mlp = 3 * e * args.intermediate_size
-    moe = (3 * args.top_k * args.hidden_size * e + 3 * args.top_k * args.moe_intermediate_size * e
+    attention = e * (2 * args.num_heads + 2 * args.num_kv_heads) * args.head_dim + 2 * S
+    mlp = 3 * e * max(args.intermediate_size, args.shared_experts_intermediate_size or 0,
+                      args.shared_expert_intermediate_size or 0)
+    moe = (3 * args.top_k * args.hidden_size * e + 4 * args.top_k * args.moe_intermediate_size * e
            + 2 * 4 * args.num_experts) if args.num_experts else 0
-    per_token = residual + attention + max(dense_mlp, moe)
-    return int(PREFILL_ALLOCATOR_FACTOR * tokens * per_token + 4 * args.vocab_size)
+    per_token = residual + attention + max(mlp, moe)
+    attended = 2 * args.num_kv_heads * S * args.head_dim * e
+    impl = args.attention_impl
+    scores = impl.prefill_scores_bytes(tokens, S) if hasattr(impl, "prefill_scores_bytes") else 0
+    return int(per_token), int(attended + scores)
 
 
 def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, dtype: torch.dtype,
@@ -193,7 +221,7 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     kv = kv_snapshot.nbytes(args, config.ctx_size, kv_dtype, keep)
     prefix = config.prefix_cache
     # Any prompt up to ctx_size may come: charge the largest sub-chunk one can fill (the group: below).
-    transients = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size), dtype)
+    transients = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size), dtype, config.ctx_size)
     routed = layout.num_routed if layout is not None else 0
     disk_expert = layout.expert_nbytes if layout is not None else 0
     expert = expert_memory_bytes(layout, dtype) if routed else 0
