@@ -188,7 +188,7 @@ class EngineConfig:
     # the budget allows (engine/movement/plan.py:prefill_group_for); a set group the budget cannot
     # hold is refused.
     prefill_chunk: int = knob(0, "prompt tokens per prefill group, taken through one layer at a time (the "
-                              "memory plan charges one group; 0 = the whole context without a budget, 256 under one)",
+                              "memory plan charges one group; 0 = the largest the budget allows, up to ctx_size)",
                               kind="int", lo=0, hi=CTX_MAX, label="prefill group", short="group")
     kv_dtype: str = knob("auto", "KV cache precision (auto = the compute dtype; int8 / fp8 are lossy)",
                          kind="choice", choices=KV_DTYPES, label="KV dtype", short="kv", lossy=True)

@@ -15,9 +15,10 @@ for its whole prefill (prefill_group_bytes: the hidden state, the routing, every
 output) plus one sub-chunk's transients at the longest context (prefill_activation_bytes: counted
 from the model's geometry, times the allocator's factor, and the native matmul caches' bound).
 The group is EngineConfig.prefill_chunk where set (a budget that cannot hold it is refused), else
-the whole context without a budget and one sub-chunk under one (prefill_group_for says why), or
-below one sub-chunk a power of two whose transients shrink with it; a budget that cannot hold a
-one-token group is refused. If the parts cannot fit, one error lists them, so the user sees which part to shrink.
+the largest the budget allows: the whole context, shrunk to half of what the budget leaves after
+everything else (the other half stays for the expert cache), in whole sub-chunks, or below one
+sub-chunk a power of two whose transients shrink with it; a budget that cannot hold a one-token
+group is refused. If the parts cannot fit, one error lists them, so the user sees which part to shrink.
 """
 
 from __future__ import annotations
@@ -144,22 +145,25 @@ def prefill_bytes(args: ModelArgs, group: int, dtype: torch.dtype, ctx_size: int
 
 
 def prefill_group_for(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, left: int | None) -> int:
-    """Prompt tokens per group: prefill_chunk where set; else the whole context (no budget), or under
-    a budget one sub-chunk when its state fits half of `left` (what the budget leaves after everything
-    but the group state and the cache, one sub-chunk's transients charged); below that, the largest
-    power of two whose whole charge fits."""
+    """Prompt tokens per group: prefill_chunk where set; else the whole context, or under a budget
+    the most whose group state fits half of `left` (what the budget leaves after everything but the
+    group state and the cache, one sub-chunk's transients charged), a whole number of sub-chunks;
+    below one sub-chunk, the largest power of two whose whole charge fits."""
     if config.prefill_chunk:
         return prefill_tokens_per_pass(config.ctx_size, config.prefill_chunk)
+    group = config.ctx_size
     if left is None:
-        return config.ctx_size
-    # Under a budget the default is one sub-chunk, not the most the charge says fits: measured on
-    # demo under a 1 GiB cgroup (2,048-token prompt, io_mode direct), groups of 1,024 and 2,048 tokens
-    # were OOM-killed where this plan said they fit, and 256 peaked at 958 MiB. The group's charge
-    # under-counts until it is measured (issue 42); a larger group is asked for with prefill_chunk.
-    sub = prefill_tokens_per_pass(config.ctx_size)
+        return group
+    # Half, not all: the other half stays for the expert cache, which a prompt's decode needs too.
+    # (Between f394868 and the charge's measurement (tests/test_prefill_charge.py, engine/base/heap.py)
+    # the default was one sub-chunk: ideep's uncapped matmul cache had OOM-killed larger groups.)
     per_token = max(1, prefill_group_bytes(args, 1, dtype, config.ctx_size))
-    if max(0, left) // 2 // per_token >= sub:
-        return sub
+    fits = max(0, left) // 2 // per_token
+    if fits >= group:
+        return group
+    sub = prefill_tokens_per_pass(config.ctx_size)
+    if fits >= sub:
+        return fits // sub * sub
     # Not even one sub-chunk's state: a smaller group, whose sub-chunk shrinks with it (the
     # transients `left` was counted without are then a smaller group's too).
     room = prefill_activation_bytes(args, sub, dtype, config.ctx_size) + (left // 2 if left > 0 else left)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from engine.api import PREFILL_CHUNK, BudgetError, EngineConfig, MemoryPlan, format_size
+from engine.api import BudgetError, EngineConfig, MemoryPlan, format_size
 from tuner.search.model_facts import ModelFacts
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -36,11 +36,10 @@ MIN_PREFILL_CHUNK = 32
 
 def prefill_chunk_for(longest_prompt: int) -> int:
     """The prefill group for a workload whose longest prompt is `longest_prompt` tokens: the next
-    power of two, between MIN_PREFILL_CHUNK and one sub-chunk (PREFILL_CHUNK). Not larger: the
-    group's charge under-counts (a 1,024-token group was OOM-killed on demo under a 1 GiB cgroup
-    where the plan said it fit; engine/movement/plan.py prefill_group_for)."""
+    power of two, at least MIN_PREFILL_CHUNK, so every prompt goes through as one group (each
+    routed expert read once per layer); the plan charges it (and refuses a budget that cannot)."""
     fit = 1 << max(0, int(longest_prompt) - 1).bit_length()
-    return min(PREFILL_CHUNK, max(MIN_PREFILL_CHUNK, fit))
+    return max(MIN_PREFILL_CHUNK, fit)
 
 # Memory a fresh trial process spends before the model is touched (interpreter, torch, the
 # checkpoint index) plus the engine's activation margin. Replaced by a measured figure when one
@@ -68,7 +67,7 @@ class SearchSpace:
     # Prompt tokens per prefill group every candidate runs with: fixed from the workload's longest
     # prompt (prefill_chunk_for), not searched, because a group longer than any prompt the workload
     # sends only charges the plan activations that the expert cache could have had, and a shorter
-    # one reads the experts again per group. 0: the engine's own (one sub-chunk under a budget).
+    # one reads the experts again per group. 0: the engine's own (the largest the budget allows).
     prefill_chunk: int = 0
 
     def __post_init__(self):
