@@ -48,6 +48,7 @@ _HOMES = {
     # model resolution and synthetic models
     "engine.run.resolve": "cache_root kv_root resolve_model",
     "engine.run.kv_store": "is_kv_file is_kv_root",
+    "engine.run.prefix_cache": "BLOCK_TOKENS",
     "engine": "synth",  # the synth library (engine/synth/__init__.py is its own facade)
     "engine.synth": "list_presets load_geometry_file load_preset synthesize",
     "engine.synth.geometry_check": "check_geometry",

@@ -188,6 +188,9 @@ class PlanResult(Result):
     config: dict = field(default_factory=dict)
     prediction: dict = field(default_factory=dict)
     best: list = field(default_factory=list)
+    # `plan --prompt-tokens N [--cached-tokens M]`: the time to first token of N new tokens after
+    # M reused ones, and its parts (tuner/costmodel/predict.py predict_prefill).
+    prefill: Optional[dict] = field(default=None, metadata={"omit_none": True})
 
 
 @dataclass(frozen=True)
