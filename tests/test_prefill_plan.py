@@ -20,7 +20,7 @@ from engine.format.checkpoint import Checkpoint
 from engine.movement.plan import (PREFILL_CHUNK, prefill_activation_bytes, prefill_bytes, prefill_tokens_per_pass,
                                   prefill_transient_bytes)
 from engine.run.runtime import Engine
-from tuner.search.space import MIN_PREFILL_CHUNK, ModelFacts, SearchSpace, prefill_chunk_for
+from tuner.search.space import MIN_PREFILL_CHUNK, ModelFacts, SearchSpace, prefill_chunk_for, prefill_chunks_for
 from tuner.search.workload import prepare_workload
 
 from colibri_tune_fixtures import MiB
@@ -162,7 +162,8 @@ def test_a_long_prompt_tune_under_a_tight_budget_is_refused_before_running(model
         ctx = work.ctx_needed
         space = SearchSpace(budget=1 << 40, physical_cores=1, logical_cores=1, has_gpu=False, min_ctx=max(16, ctx),
                             model=facts,  # the default overhead, as the check before calibration uses
-                            prefill_chunk=prefill_chunk_for(work.info.prompt_tokens.max))
+                            prefill_chunk=prefill_chunk_for(work.info.prompt_tokens.max),
+                            prefill_chunks=prefill_chunks_for(work.info.prompt_tokens.max))  # as tune searches
         need[name] = (ctx, space.fixed_bytes(space.smallest()))
     assert need["long"][0] > 300 and need["long"][1] > need["short"][1]
     budget = need["short"][1] + (need["long"][1] - need["short"][1]) // 2

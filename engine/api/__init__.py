@@ -44,7 +44,7 @@ _HOMES = {
                           "steady_requests"),
     "engine.run.quality": "Reference format_quality measure_quality stdlib_corpus token_stream",
     "engine.run.run_metrics": "SUMMARY_KEYS git_commit peak_rss_bytes",
-    "engine.run.prompts_file": "Request describe load_requests load_workload save_requests",
+    "engine.run.prompts_file": "Request conversation_reuse describe load_requests load_workload save_requests",
     # model resolution and synthetic models
     "engine.run.resolve": "cache_root kv_root resolve_model",
     "engine.run.kv_store": "is_kv_file is_kv_root",

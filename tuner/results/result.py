@@ -252,14 +252,15 @@ class Lengths:
     total: int
 
 
-WorkloadKind = Literal["steady", "fixed", "prompts"]
+WorkloadKind = Literal["steady", "fixed", "prompts", "conversations"]
 
 
 @dataclass
 class WorkloadInfo:
     """What the trials ran: the steady-decoding workload (engine/run/steady.py, the default), the
-    fixed random prompt, or the user's prompts (tune --prompts), described by their lengths and a
-    hash, never their text."""
+    fixed random prompt, or the user's prompts (tune --prompts; "conversations" where its turns
+    extend one another, engine/run/prompts_file.py), described by their lengths and a hash, never
+    their text."""
 
     kind: WorkloadKind
     requests: int
