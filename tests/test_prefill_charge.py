@@ -75,7 +75,7 @@ def test_the_counted_charge_holds_every_tensor_a_prefill_allocates(hf_dirs, tmp_
             peak = _live_peak(lambda: engine.model.prefill(ids, 0, engine.kv, sub), tmp_path / "trace.json")
             a = engine.args
             counted = (prefill_group_bytes(a, tokens, torch.float32, ctx)
-                       + prefill_transient_bytes(a, sub, torch.float32, ctx) + 4 * a.vocab_size)
+                       + prefill_transient_bytes(a, sub, torch.float32, ctx, engine.kv_dtype) + 4 * a.vocab_size)
         assert peak <= counted, (f"{arch} kv {kv}, {tokens} tokens in sub-chunks of {sub}: {peak} bytes "
                                  f"live at once, the plan counts {counted}")
 

@@ -137,14 +137,17 @@ def prefill_group_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_si
     return int(tokens * per_token)
 
 
-def prefill_bytes(args: ModelArgs, group: int, dtype: torch.dtype, ctx_size: int) -> int:
+def prefill_bytes(args: ModelArgs, group: int, dtype: torch.dtype, ctx_size: int,
+                  kv_dtype: torch.dtype | None = None) -> int:
     """The plan's prefill charge for groups of `group` tokens: the group's state and one sub-chunk's
     transients."""
     sub = prefill_tokens_per_pass(min(ctx_size, group))
-    return prefill_group_bytes(args, group, dtype, ctx_size) + prefill_activation_bytes(args, sub, dtype, ctx_size)
+    return (prefill_group_bytes(args, group, dtype, ctx_size)
+            + prefill_activation_bytes(args, sub, dtype, ctx_size, kv_dtype))
 
 
-def prefill_group_for(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, left: int | None) -> int:
+def prefill_group_for(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, left: int | None,
+                      kv_dtype: torch.dtype | None = None) -> int:
     """Prompt tokens per group: prefill_chunk where set; else the whole context, or under a budget
     the most whose group state fits half of `left` (what the budget leaves after everything but the
     group state and the cache, one sub-chunk's transients charged), a whole number of sub-chunks;
@@ -166,51 +169,59 @@ def prefill_group_for(args: ModelArgs, config: EngineConfig, dtype: torch.dtype,
         return fits // sub * sub
     # Not even one sub-chunk's state: a smaller group, whose sub-chunk shrinks with it (the
     # transients `left` was counted without are then a smaller group's too).
-    room = prefill_activation_bytes(args, sub, dtype, config.ctx_size) + (left // 2 if left > 0 else left)
-    while sub > 1 and prefill_bytes(args, sub, dtype, config.ctx_size) > room:
+    room = prefill_activation_bytes(args, sub, dtype, config.ctx_size, kv_dtype) + (left // 2 if left > 0 else left)
+    while sub > 1 and prefill_bytes(args, sub, dtype, config.ctx_size, kv_dtype) > room:
         sub //= 2
     return sub
 
 
-def prefill_transient_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int | None = None) -> int:
+def prefill_transient_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int | None = None,
+                            kv_dtype: torch.dtype | None = None) -> int:
     """Live bytes of one sub-chunk's transients at their peak, counted from the geometry (no allocator
     factor): what tests/test_prefill_charge.py checks against the tensors a prefill really allocates."""
-    per_token, per_chunk = _transient_parts(args, tokens, dtype, ctx_size)
+    per_token, per_chunk = _transient_parts(args, tokens, dtype, ctx_size, kv_dtype)
     return tokens * per_token + per_chunk
 
 
-def prefill_activation_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int | None = None) -> int:
+def prefill_activation_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int | None = None,
+                             kv_dtype: torch.dtype | None = None) -> int:
     """The plan's charge for one sub-chunk of `tokens` prompt tokens (one layer's forward at a time):
     its per-token transients times the allocator's high-water factor (they are freed and re-allocated
     per layer and per expert), its per-chunk ones (a few large blocks), the fp32 logits of the last
     position, and what the native matmul caches hold (engine/base/heap.py)."""
-    per_token, per_chunk = _transient_parts(args, tokens, dtype, ctx_size)
+    per_token, per_chunk = _transient_parts(args, tokens, dtype, ctx_size, kv_dtype)
     return int(PREFILL_ALLOCATOR_FACTOR * tokens * per_token + per_chunk + 4 * args.vocab_size + NATIVE_CACHE_BYTES)
 
 
-def _transient_parts(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int | None) -> tuple[int, int]:
+def _transient_parts(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int | None,
+                     kv_dtype: torch.dtype | None) -> tuple[int, int]:
     """(bytes per token, bytes per sub-chunk) of one sub-chunk's transients at their peak.
 
     Per token (e = compute dtype bytes; H hidden, Nq/Nkv heads of D, K top-k, I expert intermediate,
     E experts, S = ctx_size positions): the residual stream and its norms (3 tensors of H, plus the
-    fp32 norm), q/k/v and the attention output, the causal mask [T, S] and its window term (bool), and
+    fp32 norm), q/k/v and the attention output, the causal mask [T, S] (bool, its window term, the
+    fp32 additive form SDPA makes of it) and SDPA's score block, and
     the largest of the MLP parts: a dense MLP's or the shared experts' gate (or its SiLU), up and
     product (3 of their intermediate), or a MoE layer's call of sub*K rows: the gathered input rows,
     the expert's and the weighted outputs (3K of H), the fused gate_up, its SiLU and the product (4 I
     each of K slots), the router's fp32 probabilities (2 of E). Per sub-chunk: the keys and values
-    attended in the compute dtype (a copy where the KV cache is quantized), and what an attention
+    attended, read back in the compute dtype where the KV cache stores `kv_dtype` (a quantized
+    cache; the same dtype is read in place), and what an attention
     that writes its scores out materializes (its `prefill_scores_bytes`: MLA, gpt-oss), bounded by
     query blocks (engine/arch/layers.py query_rows)."""
     e = _elem(dtype)
     S = max(int(ctx_size or tokens), tokens)
     residual = (3 * e + 4) * args.hidden_size
-    attention = e * (2 * args.num_heads + 2 * args.num_kv_heads) * args.head_dim + 2 * S
+    # q/k/v and the output; the causal mask [T, S] (bool, its window term, and the fp32 additive
+    # form SDPA makes of it); SDPA's flash kernel's score block (its key split: 512 positions at most).
+    attention = e * (2 * args.num_heads + 2 * args.num_kv_heads) * args.head_dim + 6 * S + 4 * min(S, 512)
     mlp = 3 * e * max(args.intermediate_size, args.shared_experts_intermediate_size or 0,
                       args.shared_expert_intermediate_size or 0)
     moe = (3 * args.top_k * args.hidden_size * e + 4 * args.top_k * args.moe_intermediate_size * e
            + 2 * 4 * args.num_experts) if args.num_experts else 0
     per_token = residual + attention + max(mlp, moe)
-    attended = 2 * args.num_kv_heads * S * args.head_dim * e
+    # Read back in the compute dtype: a copy only where the cache stores another (int8, fp8).
+    attended = 2 * args.num_kv_heads * S * args.head_dim * e if kv_dtype is not None and kv_dtype != dtype else 0
     impl = args.attention_impl
     scores = impl.prefill_scores_bytes(tokens, S) if hasattr(impl, "prefill_scores_bytes") else 0
     return int(per_token), int(attended + scores)
@@ -225,7 +236,7 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     kv = kv_snapshot.nbytes(args, config.ctx_size, kv_dtype, keep)
     prefix = config.prefix_cache
     # Any prompt up to ctx_size may come: charge the largest sub-chunk one can fill (the group: below).
-    transients = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size), dtype, config.ctx_size)
+    transients = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size), dtype, config.ctx_size, kv_dtype)
     routed = layout.num_routed if layout is not None else 0
     disk_expert = layout.expert_nbytes if layout is not None else 0
     expert = expert_memory_bytes(layout, dtype) if routed else 0
@@ -246,14 +257,15 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     budget = config.ram_budget
 
     if budget > 0 and routed == 0:
-        return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes, transients, prefix)
+        return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes, transients, prefix, kv_dtype)
     if budget <= 0 or routed == 0:
-        group = prefill_group_for(args, config, dtype, None)
+        group = prefill_group_for(args, config, dtype, None, kv_dtype)
         return MemoryPlan(budget, False, dense, kv, 0, overhead_bytes, routed * expert, 0, expert, disk_expert,
-                          routed, inflight, prefill_bytes=prefill_bytes(args, group, dtype, config.ctx_size),
+                          routed, inflight, prefill_bytes=prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype),
                           prefill_group=group, prefix_cache_bytes=prefix)
-    group = prefill_group_for(args, config, dtype, budget - (dense + kv + buffers + overhead_bytes + transients + prefix))
-    prefill = prefill_bytes(args, group, dtype, config.ctx_size)
+    group = prefill_group_for(args, config, dtype, budget - (dense + kv + buffers + overhead_bytes + transients + prefix),
+                              kv_dtype)
+    prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype)
     fixed = dense + kv + buffers + overhead_bytes + prefill + prefix
     if fixed > budget:
         raise BudgetError(
@@ -305,7 +317,7 @@ def _layer_names(args: ModelArgs, layer: int) -> list[str]:
     return [n for n in dense_tensor_names(args) if n.startswith(prefix)]
 
 
-def _dense_plan(ckpt, args, config, dtype, kv, overhead, transients, prefix) -> MemoryPlan:
+def _dense_plan(ckpt, args, config, dtype, kv, overhead, transients, prefix, kv_dtype) -> MemoryPlan:
     """Dense model under a budget: as many whole layers resident as fit, the rest streamed."""
     layer_bytes = max(sum(_count(ckpt, n) for n in _layer_names(args, i)) for i in range(args.num_layers)) * _elem(dtype)
     layer_disk = max(sum(ckpt.info(n).nbytes for n in _layer_names(args, i)) for i in range(args.num_layers))
@@ -314,8 +326,9 @@ def _dense_plan(ckpt, args, config, dtype, kv, overhead, transients, prefix) -> 
     # In flight: the layer being computed and `prefetch_depth` ahead, each as read + converted.
     buffers = (1 + config.prefetch_depth) * (layer_disk + ALIGN_SLACK + (layer_bytes if layer_bytes != layer_disk else 0))
     budget = config.ram_budget
-    group = prefill_group_for(args, config, dtype, budget - (base + kv + buffers + overhead + transients + prefix))
-    prefill = prefill_bytes(args, group, dtype, config.ctx_size)
+    group = prefill_group_for(args, config, dtype, budget - (base + kv + buffers + overhead + transients + prefix),
+                              kv_dtype)
+    prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype)
     fixed = base + kv + buffers + overhead + prefill + prefix
     if fixed > budget:
         raise BudgetError(

@@ -80,5 +80,5 @@ def _context_bytes(args: ModelArgs, config: EngineConfig, kv_dtype, dtype: torch
     one sub-chunk (the default group grows only into room the budget has left)."""
     group = prefill_tokens_per_pass(ctx, config.prefill_chunk or PREFILL_CHUNK)
     return (kv_snapshot.nbytes(args, ctx, kv_dtype, config.prefix_cache > 0)
-            + prefill_activation_bytes(args, prefill_tokens_per_pass(ctx), dtype, ctx)
+            + prefill_activation_bytes(args, prefill_tokens_per_pass(ctx), dtype, ctx, kv_dtype)
             + prefill_group_bytes(args, group, dtype, ctx))
