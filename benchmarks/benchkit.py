@@ -214,3 +214,36 @@ class Tables:
     def done(self, tool: str, cond: dict) -> None:
         if self.as_json:
             emit(tool, self.rows, cond, True, [], notes=self.notes)
+
+
+def cold_read_bandwidth(model: str, request: int, threads: int, total: int) -> float:
+    """Bytes/s of O_DIRECT reads of `request` bytes over the model's shards (pages dropped first)."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+    files = sorted(Path(model).glob("*.safetensors"))
+    jobs = []
+    for f in files:
+        size = f.stat().st_size // 4096 * 4096
+        jobs += [(f, off) for off in range(0, size - request, request)]
+    jobs = jobs[:: max(1, len(jobs) // max(1, total // request))][: total // request]
+    if not jobs:
+        raise SystemExit(f"error: {model}'s shards are smaller than one {request}-byte request")
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+    def read(job):
+        f, off = job
+        buf = mmap.mmap(-1, request)
+        fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+        try:
+            return os.preadv(fd, [buf], off)
+        finally:
+            os.close(fd)
+            buf.close()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        done = sum(pool.map(read, jobs))
+    return done / (time.perf_counter() - t0)

@@ -91,3 +91,17 @@ def assert_greedy_match(d, model, n: int = 16, prompt: list[int] = PROMPT) -> No
     from engine.run.generate import Sampler, generate
     with fp32_engine(d) as engine:
         assert generate(engine, prompt, n, Sampler()).output_ids == hf_greedy(model, prompt, n)
+
+
+def built_once(tmp_path_factory, name: str):
+    """get(model_type) → the directory of a tiny `model_type` checkpoint, built on first use under a
+    fresh `name` folder (a module fixture returns this, so each module builds each architecture once)."""
+    root = tmp_path_factory.mktemp(name)
+    made = {}
+
+    def get(model_type: str):
+        if model_type not in made:
+            made[model_type] = root / model_type
+            build(model_type, made[model_type])
+        return made[model_type]
+    return get

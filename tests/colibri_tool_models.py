@@ -16,6 +16,15 @@ FAMILIES = {
     "gpt_oss": ("gpt_oss.jinja", "harmony", {}),
 }
 
+# Each format's markers, which the real families' vocabularies hold as added tokens (one token each).
+MARKERS = {
+    "qwen3": ["<tool_call>", "</tool_call>"],
+    "deepseek_v3": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                    "<｜tool▁sep｜>"],
+    "glm4_moe": ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"],
+    "gpt_oss": ["<|channel|>", "<|message|>", "<|constrain|>", "<|start|>", "<|end|>", "<|call|>", "<|return|>"],
+}
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {
@@ -38,8 +47,9 @@ def history(arguments: str = '{"city": "Paris", "days": 2}') -> list[dict]:
             {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear", "high": 21}'}]
 
 
-def family_model(tiny: Path, out: Path, family: str) -> Path:
-    """A copy of the tiny model whose chat template is the family's."""
+def family_model(tiny: Path, out: Path, family: str, marker_tokens: bool = False) -> Path:
+    """A copy of the tiny model whose chat template is the family's. marker_tokens: the family's
+    markers are added tokens of its vocabulary, as in the real families (else plain text)."""
     template, _, tokens = FAMILIES[family]
     out.mkdir(parents=True, exist_ok=True)
     for f in tiny.iterdir():
@@ -48,4 +58,26 @@ def family_model(tiny: Path, out: Path, family: str) -> Path:
     cfg = json.loads((tiny / "tokenizer_config.json").read_text())
     cfg.update(tokens, chat_template=(FIXTURES / template).read_text())
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
+    if marker_tokens:
+        _markers_as_tokens(out / "tokenizer.json", MARKERS[family])
     return out
+
+
+def _markers_as_tokens(path: Path, markers: list[str]) -> None:
+    """Give `markers` the ids of the tokenizer's last BPE merges (the model's embedding rows stay
+    as they are): the merges learned last are inputs to no other, so dropping them keeps every other
+    token; the markers become added tokens with those ids, which the model can sample."""
+    tok = json.loads(path.read_text())
+    vocab, merges = tok["model"]["vocab"], tok["model"]["merges"]
+    top = max(vocab.values()) + 1
+    freed = list(range(top - len(markers), top))
+    dropped = {t for t, i in vocab.items() if i in freed}
+    merges[:] = [m for m in merges if not ({*(m.split(" ") if isinstance(m, str) else m), "".join(
+        m.split(" ") if isinstance(m, str) else m)} & dropped)]
+    for t in dropped:
+        del vocab[t]
+    for i, marker in zip(freed, markers):
+        vocab[marker] = i
+        tok["added_tokens"].append({"id": i, "content": marker, "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": True})
+    path.write_text(json.dumps(tok, ensure_ascii=False))

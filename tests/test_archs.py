@@ -12,6 +12,8 @@ import shutil
 import pytest
 import torch
 
+from engine.arch.model import Transformer
+
 from engine import native
 from engine.base.config import EngineConfig
 from engine.base.errors import ModelFormatError
@@ -146,10 +148,11 @@ def test_lookahead_uses_the_architectures_router(arch, tmp_path):
     picks on the same input (sigmoid + correction bias + groups; biased top-k softmax)."""
     model = build(arch, tmp_path, num_hidden_layers=3)
     with fp32_engine(tmp_path) as engine:
-        m, a = engine.model, engine.args
+        a = engine.args
+        # The engine's weights under a model built with lookahead on and a store that only records hints.
+        m = Transformer(a, engine.model.w, _Hints(), engine.dtype, prefetch_depth=1)
         target = next(i for i in range(1, a.num_layers) if a.is_moe_layer(i))
         h = torch.randn(5, a.hidden_size)
-        m.experts, m.prefetch_depth = _Hints(), 1
         m._lookahead(target - 1, None, h)
         guess_in = rms_norm(h, m.w[f"model.layers.{target}.post_attention_layernorm.weight"], a.rms_norm_eps)
         hf_router = model.model.layers[target].mlp.router if arch == "gpt_oss" else model.model.layers[target].mlp.gate

@@ -47,6 +47,9 @@ def test_a_rule_without_its_fact_says_nothing():
     (rules.huge_pages, dict(thp_mode="madvise"), dict(thp_mode="never"), "warn"),
     (rules.budget, dict(budget_bytes=GiB, plan_fixed_bytes=300 << 20, plan_cache_bytes=600 << 20),
      dict(budget_bytes=64 << 20, plan_error="memory budget 64 MiB is too small"), "problem"),
+    (rules.drafting, dict(draft_acceptance=0.7, draft_best_speedup=1.4, draft_best_depth=3),
+     dict(draft_acceptance=0.7, draft_best_speedup=0.8, draft_best_depth=1, draft_union=1.9,
+          draft_bytes_per_token=3 << 30), "warn"),
 ])
 def test_each_rule_is_quiet_when_fine_and_speaks_when_not(rule, quiet, loud, expect):
     assert set(severities(Facts(**quiet), rule)) <= {"ok"}
@@ -174,3 +177,27 @@ def test_doctor_command_checks_a_conversation(tmp_path):
     assert out.returncode == 0, out.stderr
     [finding] = [f for f in json.loads(out.stdout)["findings"] if f["rule"] == "conversation"]
     assert finding["severity"] == "warn" and "a conversation of 400 tokens needs" in finding["symptom"]
+
+
+def test_doctor_says_when_drafting_loses_on_this_machine(tmp_path):
+    """The cost model behind the drafting rule: resident at the doctor's assumed acceptance a
+    verify's rows share their weight reads and drafting pays; streaming demo from the disk with
+    a small cache at low acceptance, the union of the rows' experts costs more than the accepted
+    tokens save, at every depth."""
+    from tests.test_probe_profile import make_profile
+    from tuner.costmodel.hardware import HardwareView
+    from tuner.costmodel.model_geometry import resolve
+    from tuner.costmodel.predict import Factors, RunConditions
+    from tuner.costmodel.routing_model import make_routing
+    from tuner.costmodel.speculative import draft_prediction
+    model = make_tiny(tmp_path / "tiny")
+    profile = make_profile()
+    resident = gather(model, EngineConfig(), profile)
+    assert resident.draft_best_speedup > 1.0
+    assert [f.severity for f in rules.drafting(resident)] == ["ok"]
+    g = resolve("demo")
+    streamed = draft_prediction(g, g.native_quant, EngineConfig(ram_budget=1 << 30, draft_depth=4),
+                                HardwareView(profile), make_routing("uniform", g), Factors(),
+                                RunConditions.steady(), 200 << 20, 0.3)
+    assert streamed["best_depth"] == 0 and streamed["gate"].startswith("off")
+    assert all(d["union"] > 1.0 and d["speedup"] < 1.0 for d in streamed["depths"])

@@ -319,6 +319,18 @@ def test_mtp_layers_are_recognised_and_not_loaded(mtp_pair):
         assert generate(a, PROMPT[:8], 6, Sampler()).output_ids == generate(b, PROMPT[:8], 6, Sampler()).output_ids
 
 
+def test_mtp_drafts_from_the_fp8_files(mtp_pair):
+    """Drafting with the FP8 checkpoint's MTP layer: its projections loaded as the model's are (e4m3
+    with block scales), its experts layer L of the layout; greedy output unchanged."""
+    with_mtp, _, layers = mtp_pair
+    with fp32_engine(with_mtp) as plain:
+        want = generate(plain, PROMPT[:8], 8, Sampler()).output_ids
+    with fp32_engine(with_mtp, draft="fixed", drafter="mtp", draft_depth=2) as e:
+        assert e.mtp is not None and (layers, 0) in e.layout.keys()
+        assert generate(e, PROMPT[:8], 8, Sampler()).output_ids == want
+        assert e.speculator.stats.drafted > 0
+
+
 def test_run_json_lists_mtp_layers_as_skipped(mtp_pair):
     with_mtp, _, layers = mtp_pair
     done = subprocess.run([sys.executable, "-m", "colibri.cli", "run", "--model", str(with_mtp), "--prompt-ids", "1,2,3",

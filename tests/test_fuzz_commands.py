@@ -479,5 +479,8 @@ def test_fuzz_numeric_flag_values(pick, value, joined):
             record("flag value", prefix[0], "traceback")
             raise
     record("flag value", prefix[0], "exit 0")
-    assert isinstance(parsed, (int, float)) and not isinstance(parsed, bool) and math.isfinite(parsed), (argv, parsed)
-    assert (parse.lo is None or parsed >= parse.lo) and (parse.hi is None or parsed <= parse.hi), (argv, parsed)
+    # A list flag (argtypes.int_list, e.g. plan --batch 1,2,4) gives a non-empty tuple of such values.
+    values = parsed if isinstance(parsed, tuple) and parsed else (parsed,)
+    for v in values:
+        assert isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), (argv, parsed)
+        assert (parse.lo is None or v >= parse.lo) and (parse.hi is None or v <= parse.hi), (argv, parsed)

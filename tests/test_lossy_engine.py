@@ -6,6 +6,8 @@ import psutil
 import pytest
 import torch
 
+from engine.arch.model import Transformer
+
 from engine.format.checkpoint import Checkpoint
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError, ConfigError
@@ -186,8 +188,10 @@ def test_trimmed_routing_is_what_the_layer_and_lookahead_use(qwen):
     config = EngineConfig(threads=1, ctx_size=CTX, top_k_reduction=1)
     with Engine(qwen, config) as engine:
         hinted = []
-        engine.model.prefetch_depth = 1
         engine.model.experts.hint_experts = lambda layer, ids: hinted.append(list(ids))
+        # Resident, the engine builds its model without lookahead: the same weights and store with it on.
+        engine.model = Transformer(engine.args, engine.model.w, engine.experts, engine.dtype, engine.kv,
+                                   prefetch_depth=1, routing_trim=engine.model.routing_trim)
         engine.record_routing()
         generate(engine, PROMPT, 3, Sampler())
         widths = {ids.shape[1] for calls in engine.model.routing_log for ids in calls}

@@ -21,7 +21,7 @@ from engine.format.layout import ExpertLayout
 from engine.movement.plan import make_plan, prefill_bytes, prefill_group_bytes
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
-from colibri_hf_models import ARCHS, build
+from colibri_hf_models import ARCHS, built_once
 from test_streaming import budget_for_cache
 
 from colibri_tune_fixtures import MiB
@@ -37,15 +37,7 @@ KV_CASES = [(arch, "auto") for arch in sorted(ARCHS)] + [
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("layer-major")
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            made[arch] = root / arch
-            build(arch, made[arch])
-        return made[arch]
-    return get
+    return built_once(tmp_path_factory, "layer-major")
 
 
 def _greedy_after(engine, logits, start: int, n: int) -> list[int]:

@@ -1,9 +1,10 @@
 """Issue 40, item 4: the defects found from outside, each fixed and held here.
 
 --ctx-size from the model (capped by the memory plan), GET /v1/models/{id}, --cors-origin opt-in,
-a stop signal during a stream (error event + [DONE], no traceback, a prompt exit), generated-token
-metrics that agree with usage, a queued request whose client left counted as cancelled, a lower-case
-`bearer`, and `colibri chat`'s Ctrl-C at the prompt and per-answer RAM hit rate."""
+a stop signal during a stream on every route, tools and Anthropic's included (an error event and
+[DONE], no traceback, a prompt exit), generated-token metrics that agree with usage, a queued
+request whose client left counted as cancelled, a lower-case `bearer`, and `colibri chat`'s Ctrl-C
+at the prompt and per-answer RAM hit rate."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from colibri.serve.worker import Job
 
 from colibri_http import ServeProcess
 from colibri_tiny import make_tiny
+from colibri_tool_models import TOOLS, family_model
 from test_serve import ROOT, Server
 
 EOS = 256
@@ -183,6 +185,49 @@ def test_a_stop_signal_ends_a_stream_cleanly(tmp_path, sig):
         error = next(json.loads(e[5:]) for e in events if '"error"' in e)
         assert error["error"]["code"] == "server_shutdown"
         assert events[-1] == "data: [DONE]"
+        assert s.proc.wait(timeout=GRACEFUL_S + 30) == 0
+        assert time.monotonic() - signalled < GRACEFUL_S  # it ended the stream, not uvicorn's timeout
+        log = s.log_text()
+        assert "Traceback" not in log and "CancelledError" not in log and "graceful shutdown exceeded" not in log, log
+        assert f"stopped by {sig.name}" in log
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("route, sig", [("tools", signal.SIGTERM), ("messages", signal.SIGINT)])
+def test_a_stop_signal_ends_a_tools_or_anthropic_stream_cleanly(tmp_path, route, sig):
+    """The tools route and Anthropic's /v1/messages run their generations through JobRun, which the
+    server tells of a stop as it tells its own routes' streams."""
+    long = family_model(make_tiny(tmp_path / "long", max_position_embeddings=1 << 16), tmp_path / "qwen3", "qwen3")
+    for name in ("config.json", "generation_config.json"):
+        # no end-of-sequence id: the generation runs on to max_tokens (Anthropic's API has no logit_bias)
+        path = long / name
+        if path.is_file():
+            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": None}))
+    s = ServeProcess(long, tmp_path / "serve.log", extra=("--ctx-size", str(1 << 16)))
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    if route == "tools":
+        url, body = "/v1/chat/completions", {"messages": messages, "tools": TOOLS, "stream": True,
+                                             "temperature": 0}  # max_tokens: the room left
+    else:
+        url, body = "/v1/messages", {"messages": messages, "stream": True, "max_tokens": (1 << 16) - 4096,
+                                     "tools": [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                                               for t in TOOLS]}
+    try:
+        with httpx.Client(timeout=60) as c:
+            with c.stream("POST", f"http://127.0.0.1:{s.port}{url}", json=body) as r:
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith("data:"))  # the stream is running
+                os.kill(s.proc.pid, sig)
+                signalled = time.monotonic()
+                rest = [line for line in lines if line]  # to the end: a complete response
+        events = [json.loads(line[5:]) for line in rest if line.startswith("data:") and line != "data: [DONE]"]
+        if route == "tools":
+            assert events[-1]["error"]["code"] == "server_shutdown" and rest[-1] == "data: [DONE]"
+        else:  # Anthropic's stream ends with its error event
+            assert rest[-2:] == ["event: error", rest[-1]]
+            assert events[-1] == {"type": "error", "error": {"type": "overloaded_error", "message":
+                                                             "the server is shutting down: this generation was stopped"}}
         assert s.proc.wait(timeout=GRACEFUL_S + 30) == 0
         assert time.monotonic() - signalled < GRACEFUL_S  # it ended the stream, not uvicorn's timeout
         log = s.log_text()

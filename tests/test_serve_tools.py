@@ -104,8 +104,17 @@ def test_each_format_parses_parallel_calls_whole_and_streamed(fmt, size):
     out = output(fmt)
     events = [e for p in pieces(ANSWERS[fmt], size) for e in out.feed(p)] + out.finish()
     content = "".join(v for k, v in events if k == "content")
-    calls = [(v.name, json.loads(v.arguments)) for k, v in events if k == "call"]
+    calls = [(v.name, json.loads(v.arguments)) for k, v in events if k in ("call", "call_end")]
     assert calls == EXPECTED
+    if fmt != "glm4_moe":  # a call begins at its head, its arguments come as they are written
+        assert [k for k, _ in events if k.startswith("call")][0] == "call_begin"
+        for _, call in (e for e in events if e[0] == "call_end"):
+            streamed = [p for k, v in events if k == "call_args" and v[0] is call for p in v[1:]]
+            assert "".join(streamed) == call.arguments
+            if size == 1:  # every character as it came
+                assert len(streamed) == len(call.arguments)
+            assert (len(streamed) > 1) == (size < len(call.arguments))
+
     assert content == "Let me check."
     assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"
     assert whole(output(fmt), ANSWERS[fmt])[0] == content
@@ -122,14 +131,33 @@ def test_text_without_calls_is_content_unchanged(fmt):
 
 
 @pytest.mark.parametrize("fmt, broken", [
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>'),
-    ("deepseek_v3", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{oops\n```<｜tool▁call▁end｜>"),
     ("glm4_moe", "<tool_call>{function-name}\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n</tool_call>"),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'),  # cut by max_tokens
+    ("hermes", '<tool_call>\n{"arguments": {"city": "Paris"}, "name": }\n</tool_call>'),
+    ("deepseek_v3", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```yaml\ncity: Paris\n```<｜tool▁call▁end｜>"),
+    ("harmony", "<|channel|>commentary to=functions.get_weather<|message|>city=Paris"),
 ])
 def test_a_call_that_does_not_parse_is_given_back_as_content(fmt, broken):
     content, calls = whole(output(fmt), broken)
-    assert calls == [] and content == broken
+    assert calls == [] and content == (broken if fmt != "harmony" else broken.split("<|message|>")[0] + "<|message|>"
+                                       + "city=Paris")
+
+
+@pytest.mark.parametrize("fmt, begun, arguments", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>', '{"city": '),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', '{"city": "Pa'),  # cut by max_tokens
+    ("deepseek_v3", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{oops\n```<｜tool▁call▁end｜>",
+     "{oops\n```"),
+    ("harmony", "<|channel|>commentary to=functions.get_weather<|message|>{\"city\": ", '{"city": '),
+])
+def test_a_call_whose_head_was_read_stays_a_call_with_the_models_text(fmt, begun, arguments):
+    """Its arguments were streamed as they came, so it cannot become content at its end: like
+    OpenAI's own calls without strict, its arguments are the model's text, valid JSON or not.
+    Anthropic's tool_use input is an object, so there it is given back as text."""
+    content, calls = whole(output(fmt), begun)
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", arguments)]
+    assert content is None and begun.startswith(calls[0].raw)
+    from colibri.serve.anthropic import blocks
+    assert blocks(content, calls) == [{"type": "text", "text": calls[0].raw}]
 
 
 def test_parallel_false_keeps_the_first_call_and_a_named_choice_only_its_function():
@@ -193,13 +221,14 @@ def test_streamed_chunks_read_back_through_the_openai_client():
     assert all(c.id.startswith("call_") for c in calls) and len({c.id for c in calls}) == 2
 
 
-def test_anthropic_events_read_back_through_the_anthropic_client():
+@pytest.mark.parametrize("fmt", ["glm4_moe", "hermes"])  # a call whole at its end, and one that streams
+def test_anthropic_events_read_back_through_the_anthropic_client(fmt):
     from anthropic.lib.streaming._messages import accumulate_event
     from anthropic.types import RawMessageStreamEvent
     from pydantic import TypeAdapter
 
-    out, maker = output("glm4_moe"), EventMaker("msg_1", "tiny", 12)
-    events = maker.start() + [e for p in pieces(ANSWERS["glm4_moe"], 5) for e in maker.events(out.feed(p))]
+    out, maker = output(fmt), EventMaker("msg_1", "tiny", 12)
+    events = maker.start() + [e for p in pieces(ANSWERS[fmt], 5) for e in maker.events(out.feed(p))]
     events += maker.events(out.finish()) + maker.end("tool_use", None, 30)
     adapter, snapshot, bufs = TypeAdapter(RawMessageStreamEvent), None, {}
     for name, data in events:

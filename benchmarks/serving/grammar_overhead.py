@@ -9,8 +9,10 @@ step = forward + mask + sample), the step's median, and the mask's own median (t
 __call__ + accept, timed inside the step). The two runs decode different tokens, which route to
 different experts: streamed under a budget that changes the cache hits and reads, so the tok/s
 pair mixes the mask with the route; the mask column is the grammar's own cost either way. Notes:
-the model's grammar tokenizer build (once per model) and SCHEMA's compile (json_grammar + matcher,
-per request), median of 20.
+the model's grammar tokenizer build (once per model), SCHEMA's compile (json_grammar + matcher,
+per request), median of 20, and a tool-call grammar's compile per format (tool_choice required
+over TOOLS, two strict functions: colibri/serve/tools/constrain.py's grammar + matcher, per
+request), median of 10.
 
 engines: per synth BPE vocabulary (--vocab, the tokenizer engine/synth trains; no downloads), each
 grammar engine that imports walks a valid document of ENGINE_SCHEMA token by token: mask into a
@@ -53,6 +55,15 @@ ENGINE_SCHEMA = {"type": "object", "properties": {
                 "required": ["street", "zip"], "additionalProperties": False},
     "contact": {"anyOf": [{"type": "string", "maxLength": 40}, {"type": "null"}]}, "score": {"type": "number"}},
     "required": ["name", "age", "role", "tags", "address", "contact", "score"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 40}, "days": {"type": "integer", "minimum": 1,
+                                                                                            "maximum": 14},
+                                     "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "days", "unit"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "search", "strict": True, "parameters": {
+             "type": "object", "properties": {"query": {"type": "string", "maxLength": 120},
+                                              "limit": {"type": "integer", "minimum": 1, "maximum": 50}},
+             "required": ["query", "limit"], "additionalProperties": False}}}]
 DOC = {"name": "Ada Lovelace, analyst of engines", "age": 36, "role": "admin", "tags": ["math", "poetry", "engines"],
        "address": {"street": "12 St James's Square, London", "zip": "10115"}, "contact": None, "score": 97.25}
 
@@ -97,6 +108,7 @@ def decode(a, benchkit) -> int:
             t = time.perf_counter()
             gtok.processor(json_grammar(SCHEMA))
             compiles.append(time.perf_counter() - t)
+        tools = _tool_compiles(tokenizer, gtok, engine.checkpoint.config.get("eos_token_id"))
         prompt = tokenizer.encode("Write the records as JSON:").ids
         generate(engine, prompt, 4, Sampler())  # warm: the first pass pays one-off allocations
         for r in range(a.repeats):
@@ -116,6 +128,7 @@ def decode(a, benchkit) -> int:
     tok_s = {m: statistics.median(r["tok_s"] for r in rows if r["mode"] == m) for m in ("free", "schema")}
     notes = {"grammar_tokenizer_build_s": round(tokenizer_s, 3),
              "schema_compile_ms": benchkit.fmt_spread(benchkit.spread(c * 1e3 for c in compiles), 2),
+             "tool_grammar_compile_ms": ", ".join(f"{f} {statistics.median(t) * 1e3:.2f}" for f, t in tools.items()),
              "decode_tok_s_free_vs_schema": f"{tok_s['free']:.2f} vs {tok_s['schema']:.2f} "
                                             f"({(tok_s['schema'] / tok_s['free'] - 1) * 100:+.1f}%)"}
     columns = [("repeat", lambda r: r["repeat"]), ("mode", lambda r: r["mode"]), ("tokens", lambda r: r["tokens"]),
@@ -125,6 +138,23 @@ def decode(a, benchkit) -> int:
     benchkit.emit("grammar_overhead", rows, benchkit.run_conditions(a, model_vocab=engine.args.vocab_size), a.json, columns,
                   notes)
     return 0
+
+
+def _tool_compiles(tokenizer, gtok, eos) -> dict[str, list[float]]:
+    """Per tool-call format, the seconds of 10 compiles of TOOLS' grammar (tool_choice required)."""
+    from colibri.serve.tools import FORMATS
+    from colibri.serve.tools.constrain import Marks, tool_grammar
+    from colibri.serve.tools.request import parse_tool_fields
+    request = parse_tool_fields({"tools": TOOLS, "tool_choice": "required"})
+    marks = Marks.of(tokenizer, set(eos if isinstance(eos, list) else [eos]))
+    out = {}
+    for fmt in FORMATS:
+        out[fmt.name] = []
+        for _ in range(10):
+            t = time.perf_counter()
+            gtok.processor(tool_grammar(fmt, request, marks))
+            out[fmt.name].append(time.perf_counter() - t)
+    return out
 
 
 def _gpt2_bytes() -> dict[str, int]:

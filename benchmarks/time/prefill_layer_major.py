@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,39 +89,6 @@ def run_child(tree: Path, a, n: int, budget: str, limit: int | None, *, warm=Fal
     return out
 
 
-# --- the disk's cold read bandwidth at expert-sized requests ------------------------------------
-
-def read_bandwidth(model: str, request: int, threads: int, total: int) -> float:
-    """Bytes/s of O_DIRECT reads of `request` bytes over the model's shards (pages dropped first)."""
-    import mmap
-    files = sorted(Path(model).glob("*.safetensors"))
-    jobs = []
-    for f in files:
-        size = f.stat().st_size // 4096 * 4096
-        jobs += [(f, off) for off in range(0, size - request, request)]
-    jobs = jobs[:: max(1, len(jobs) // max(1, total // request))][: total // request]
-    if not jobs:
-        raise SystemExit(f"{TOOL}: error: {model}'s shards are smaller than one {request}-byte request")
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-
-    def read(job):
-        f, off = job
-        buf = mmap.mmap(-1, request)
-        fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
-        try:
-            return os.preadv(fd, [buf], off)
-        finally:
-            os.close(fd)
-            buf.close()
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        done = sum(pool.map(read, jobs))
-    return done / (time.perf_counter() - t0)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a demo model directory")
@@ -148,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         print(json.dumps(child(a)))
         return 0
-    from benchmarks.benchkit import bench_lock, emit, refuse, run_conditions
+    from benchmarks.benchkit import bench_lock, cold_read_bandwidth, emit, refuse, run_conditions
     from benchmarks.trees import source_tree
     if not Path(a.model, "config.json").is_file():
         return refuse(TOOL, f"{a.model}: not a model directory (python -m colibri.cli synth demo -o DIR)")
@@ -164,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 resident = run_child(REPO, a, n, "0", None, warm=True, routing=True)
                 if bw is None:  # requests of one expert's bytes, 4 KiB-aligned (what the engine reads)
                     print(f"{TOOL}: measuring the cold read bandwidth ...", file=sys.stderr, flush=True)
-                    bw = read_bandwidth(a.model, -(-resident["expert_disk_bytes"] // 4096) * 4096, a.io_threads,
+                    bw = cold_read_bandwidth(a.model, -(-resident["expert_disk_bytes"] // 4096) * 4096, a.io_threads,
                                         1 << 30)
             distinct = resident["distinct_experts"] * resident["expert_disk_bytes"]
             bound = max(distinct / bw, resident["ttft_s"])

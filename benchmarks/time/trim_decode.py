@@ -7,10 +7,9 @@ slower than the untrimmed one. This prints, per model, trim and tree, the decode
 over --runs with min-max), ms per token, the routed experts computed per token (from the routing
 log of an untimed second pass), and whether the two trees gave the same tokens.
 
-Each (tree, model) runs in its own subprocess (cwd and PYTHONPATH = that tree), which loads the
-model once, resident, and for each trim sets the engine's routing trim (engine/arch/router.py
-routing_trim, as EngineConfig.top_k_reduction / expert_threshold would), decodes two tokens of
-warm-up, then --tokens timed decode steps after a 4-token prompt (the prefill excluded). The trees
+Each (tree, model) runs in its own subprocess (cwd and PYTHONPATH = that tree), which for each trim
+loads the model resident with that EngineConfig.top_k_reduction / expert_threshold, decodes two
+tokens of warm-up, then --tokens timed decode steps after a 4-token prompt (the prefill excluded). The trees
 alternate per run (after first on odd runs, before first on even ones), so drift of a noisy box
 falls on both.
 
@@ -37,16 +36,16 @@ TRIMS = (("untrimmed", 0, 0.0), ("k-1", 1, 0.0), ("k-2", 2, 0.0), ("threshold 0.
 def child(a) -> dict:
     import torch
 
-    from engine.api.lab import routing_trim
     from engine.api import EngineConfig
     from engine.api import Sampler, generate, random_prompt_ids
     from engine.api import Engine
 
     out = {}
-    with Engine(a.model, EngineConfig(ram_budget=0, ctx_size=512, threads=a.threads)) as eng:
-        prompt = random_prompt_ids(4, eng.args.vocab_size, 0)
-        for label, reduction, threshold in TRIMS:
-            eng.model.routing_trim = routing_trim(eng.args, reduction, threshold)
+    for label, reduction, threshold in TRIMS:  # the trim is an engine setting: one engine per trim
+        config = EngineConfig(ram_budget=0, ctx_size=512, threads=a.threads, top_k_reduction=reduction,
+                              expert_threshold=threshold)
+        with Engine(a.model, config) as eng:
+            prompt = random_prompt_ids(4, eng.args.vocab_size, 0)
             generate(eng, prompt, 2, Sampler())  # warm-up: kernels, thread pool, the fused layers' tables
             gen = generate(eng, prompt, a.tokens + 1, Sampler())
             token_s = sum(gen.token_seconds) / len(gen.token_seconds)  # decode steps only
@@ -55,10 +54,6 @@ def child(a) -> dict:
             logged = generate(eng, prompt, a.tokens + 1, Sampler())
             calls = [ids for layer in eng.model.routing_log for ids in layer if ids.shape[0] == 1]
             decode_steps = len(calls) // max(1, sum(1 for layer in eng.model.routing_log if layer))
-            if hasattr(eng.model, "plan_decode"):  # newer trees: the route is decided again without the log
-                eng.model.record_routing(False)
-            else:
-                eng.model.routing_log = None
             out[label] = {"decode_tok_s": 1 / token_s, "token_ms": 1000 * token_s, "output_ids": gen.output_ids,
                           "logged_ids_equal": logged.output_ids == gen.output_ids,
                           "experts_per_token": sum(int((ids >= 0).sum()) for ids in calls) / max(1, decode_steps)}

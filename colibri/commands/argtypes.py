@@ -57,6 +57,25 @@ def int_in(lo: int, hi: int | None = None, name: str = "integer"):
     return _typed(parse, name, text, lo, hi)
 
 
+def int_list(lo: int, hi: int | None = None):
+    """Comma-separated integers, each in [lo, hi], distinct, in the order given: e.g. 1,2,4,8."""
+    one = int_in(lo, hi)
+    text = f"comma-separated integers {_range_text(lo, hi)}"
+
+    def parse(value: str) -> tuple[int, ...]:
+        parts = value.split(",")
+        if len(parts) > 64:
+            raise argparse.ArgumentTypeError(f"{value[:40]!r}...: at most 64 values")
+        try:
+            numbers = tuple(one(p) for p in parts)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{value!r}: expected {text}") from None
+        if len(set(numbers)) != len(numbers):
+            raise argparse.ArgumentTypeError(f"{value!r}: a value is given twice")
+        return numbers
+    return _typed(parse, "integer list", text, lo, hi)
+
+
 def positive_int(hi: int | None = None):
     return int_in(1, hi, "positive integer")
 

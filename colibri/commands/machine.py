@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from engine.api import CTX_MAX, ConfigError, Progress, file_target
-from colibri.commands.argtypes import add_output_option, nonneg_int, positive_int, size
+from colibri.commands.argtypes import add_output_option, finite_float, int_list, nonneg_int, positive_int, size
 from tuner.costmodel.model_geometry import QUANTS
 from tuner.costmodel.plan_command import PlanRequest, run_plan
 from tuner.probe import format_summary, run_probe, save_profile
@@ -69,11 +69,19 @@ def add_plan_arguments(p) -> None:
     p.add_argument("--cached-tokens", type=nonneg_int(CTX_MAX), default=0, metavar="M",
                    help="with --prompt-tokens: after M tokens whose KV the prefix cache reuses (restored from RAM, "
                         "or the SSD where the config's prefix_cache cannot hold them)")
+    p.add_argument("--batch", type=int_list(1, 256), default=(),
+                   help="batch sizes to predict, e.g. 1,2,4,8: several sequences decoding together (serve's "
+                        "max_batch): per-sequence and aggregate tok/s, bytes per step, where the bound moves")
     p.add_argument("--calibrate", metavar="RUN_DIR", nargs="+",
                    help="fit the factors to the trials of tune run directories (or tuner_quality grid.json files), "
                         "print the cross-validated error, store the factors in --profile")
     p.add_argument("--test", metavar="RUN_DIR", help="with --calibrate: also predict this run's trials with the "
                                                       "factors fitted on the others (a fully separate hold-out)")
+    p.add_argument("--accept-rate", type=finite_float(0.0, 1.0, name="acceptance"), default=None,
+                   help="also predict speculative decoding at this draft acceptance (0..1): the speed-up or loss "
+                        "per depth up to the config's draft_depth, and what the gate would choose")
+    p.add_argument("--drafter", choices=("lookup", "mtp"), default="lookup",
+                   help="with --accept-rate: who drafts (mtp costs one decoder layer per drafted token)")
     p.add_argument("--json", action="store_true")
 
 
@@ -87,7 +95,8 @@ def add_plan(sub) -> None:
 def plan_request(args) -> PlanRequest:
     """The typed request of `colibri plan`'s flags (each PlanRequest field is the flag of its name)."""
     given = {name: getattr(args, name) for name in PlanRequest.field_names()}
-    return PlanRequest(**{**given, "what_if": tuple(given["what_if"] or ()), "calibrate": tuple(given["calibrate"] or ())})
+    return PlanRequest(**{**given, "what_if": tuple(given["what_if"] or ()), "calibrate": tuple(given["calibrate"] or ()),
+                          "batch": tuple(given["batch"] or ())})
 
 
 def cmd_plan(args) -> int:

@@ -22,7 +22,7 @@ import uuid
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.api import ColibriError
-from colibri.serve.jobrun import JobRun
+from colibri.serve.jobrun import SHUTDOWN, JobRun
 from colibri.serve.protocol import MAX_MESSAGES, ApiError, ChatRequest, bad, parse_sampling
 from colibri.serve.tools.base import ToolCall
 from colibri.serve.tools.chat import tool_prompt
@@ -138,6 +138,10 @@ def _tools(body: dict) -> dict:
             fn = {"name": t["name"], "parameters": t["input_schema"]}
             if t.get("description") is not None:
                 fn["description"] = t["description"]
+            if t.get("strict") is not None:  # Anthropic's strict tool use: the arguments follow the schema
+                if not isinstance(t["strict"], bool):
+                    raise bad(f"tools[{i}].strict", "must be true or false")
+                fn["strict"] = t["strict"]
             converted.append({"type": "function", "function": fn})
         out["tools"] = converted
     choice = body.get("tool_choice")
@@ -203,6 +207,8 @@ def parse_messages(body) -> ChatRequest:
 
 def _renamed(exc: ApiError) -> ApiError:
     name = RENAMED.get(exc.param, exc.param)
+    if name and name.startswith("tools["):  # the OpenAI shape's names of a converted tool field
+        name = name.replace(".function.parameters", ".input_schema").replace(".function.", ".")
     message = exc.message.replace(f"{exc.param}:", f"{name}:", 1) if exc.param else exc.message
     return ApiError(exc.status, message, param=name, code=exc.code)
 
@@ -217,9 +223,33 @@ def _prompt(state, req: ChatRequest):
     return state.tokenizer.encode(prompt, add_special_tokens=False).ids, ToolOutput(PlainParser(), req.tools)
 
 
+def tool_input(call: ToolCall) -> dict | None:
+    """A call's arguments as tool_use's `input`, or None when they are no JSON object (a call
+    without a grammar, or cut by max_tokens): Anthropic's `input` is an object, so such a call is
+    given back as its text."""
+    try:
+        value = call.input()
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def tool_use(call: ToolCall) -> dict:
     return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
-            "input": call.input()}
+            "input": tool_input(call)}
+
+
+def blocks(content: str | None, calls: list[ToolCall]) -> list[dict]:
+    """A whole answer's content blocks: its text, then its calls (one that is no object, as text)."""
+    out = [{"type": "text", "text": content}] if content else []
+    for call in calls:
+        if tool_input(call) is not None:
+            out.append(tool_use(call))
+        elif out and out[-1]["type"] == "text":
+            out[-1]["text"] += call.raw
+        else:
+            out.append({"type": "text", "text": call.raw})
+    return out
 
 
 def stop_details(result, text: str, stops: list[str], decode) -> tuple[str, str | None]:
@@ -242,6 +272,7 @@ class EventMaker:
         self.ident, self.model, self.input_tokens = ident, model, input_tokens
         self.index = 0
         self.text_open = False
+        self.used = False  # a tool_use block was sent
 
     def start(self) -> list[tuple]:
         return [("message_start", {"type": "message_start", "message": {
@@ -267,7 +298,13 @@ class EventMaker:
                 out.append(("content_block_delta", {"type": "content_block_delta", "index": self.index,
                                                     "delta": {"type": "text_delta", "text": value}}))
                 continue
+            if kind not in ("call", "call_end"):  # a call's pieces: it is sent whole once it ends
+                continue
+            if tool_input(value) is None:  # arguments that are no JSON object: the model's text
+                out += self.events([("content", value.raw)])
+                continue
             out += self._close_text()
+            self.used = True
             block = {**tool_use(value), "input": {}}
             out += [("content_block_start", {"type": "content_block_start", "index": self.index,
                                              "content_block": block}),
@@ -292,31 +329,41 @@ def _sse(name: str, data: dict) -> str:
 async def messages_endpoint(request, state, body) -> Response:
     try:
         req = parse_messages(body)
-        ids, output = _prompt(state, req)
+        try:
+            ids, output = _prompt(state, req)
+        except ApiError as exc:
+            raise _renamed(exc) from None
         special = req.tools.engaged
-        run = JobRun(state.worker, ids, req.sampling, special_text=special)
+        run = JobRun(state, ids, req.sampling, special_text=special)
     except ApiError as exc:
         return anthropic_error(exc)
     except ColibriError as exc:  # the input's fault by definition (a prompt the tokenizer refused)
         return anthropic_error(ApiError(400, str(exc)))
     decode = (lambda t: state.tokenizer.decode(t, skip_special_tokens=not special))
     ident = f"msg_{uuid.uuid4().hex[:24]}"
+    headers = {"x-colibri-seed": str(req.sampling.seed)}  # Anthropic's body has no seed field: the header
     if req.sampling.stream:
         return StreamingResponse(_stream(run, output, req, ident, state.model_id, len(ids), decode),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    got = await run.collect(request)
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+    try:
+        got = await run.collect(request)
+    except ApiError as exc:  # the server is stopping
+        return anthropic_error(exc)
     if got is None:
         return Response(status_code=499)
     text, result = got
     if result.finish_reason == "error":
         return anthropic_error(ApiError(500, f"generation failed: {result.error}", type="server_error"))
     content, calls = whole(output, text)
-    blocks = ([{"type": "text", "text": content}] if content else []) + [tool_use(c) for c in calls]
-    reason, sequence = ("tool_use", None) if output.finish_reason(result.finish_reason) == "tool_calls" else \
-        stop_details(result, text, req.sampling.stop, decode)
+    answer = blocks(content, calls)
+    if any(b["type"] == "tool_use" for b in answer) and output.finish_reason(result.finish_reason) == "tool_calls":
+        reason, sequence = "tool_use", None
+    else:
+        reason, sequence = stop_details(result, text, req.sampling.stop, decode)
     return JSONResponse({"id": ident, "type": "message", "role": "assistant", "model": state.model_id,
-                         "content": blocks, "stop_reason": reason, "stop_sequence": sequence,
-                         "usage": {"input_tokens": len(ids), "output_tokens": len(result.output_ids)}})
+                         "content": answer, "stop_reason": reason, "stop_sequence": sequence,
+                         "usage": {"input_tokens": len(ids), "output_tokens": len(result.output_ids)}},
+                        headers=headers)
 
 
 async def _stream(run: JobRun, output: ToolOutput, req: ChatRequest, ident: str, model: str, input_tokens: int,
@@ -332,13 +379,19 @@ async def _stream(run: JobRun, output: ToolOutput, req: ChatRequest, ident: str,
                 for event in maker.events(output.feed(value)):
                     yield _sse(*event)
                 continue
+            if kind == "shutdown":  # Anthropic's streams end with an error event, no [DONE]
+                yield _sse("error", {"type": "error", "error": {"type": ERROR_TYPES[SHUTDOWN.status],
+                                                               "message": SHUTDOWN.message}})
+                return
             if value.finish_reason == "error":
                 yield _sse("error", {"type": "error", "error": {"type": "api_error",
                                                                "message": f"generation failed: {value.error}"}})
                 return
             events = maker.events(output.finish())
-            reason, sequence = ("tool_use", None) if output.finish_reason(value.finish_reason) == "tool_calls" else \
-                stop_details(value, "".join(text), req.sampling.stop, decode)
+            if maker.used and output.finish_reason(value.finish_reason) == "tool_calls":
+                reason, sequence = "tool_use", None
+            else:
+                reason, sequence = stop_details(value, "".join(text), req.sampling.stop, decode)
             for event in events + maker.end(reason, sequence, len(value.output_ids)):
                 yield _sse(*event)
             return
@@ -352,5 +405,5 @@ async def count_tokens_endpoint(request, state, body) -> Response:
         req = parse_messages({**(body if isinstance(body, dict) else {}), "max_tokens": 1})
         ids, _ = _prompt(state, req)
     except ApiError as exc:
-        return anthropic_error(exc)
+        return anthropic_error(_renamed(exc))
     return JSONResponse({"input_tokens": len(ids)})

@@ -34,10 +34,11 @@ from engine.api import ColibriError, loads_limited
 from colibri.serve.anthropic import anthropic_error, check_key, count_tokens_endpoint, messages_endpoint
 from colibri.serve.prometheus import ServerMetrics
 from colibri.serve.protocol import ApiError, Sampling, parse_chat, parse_completion
-from colibri.serve.jobrun import Bridge
+from colibri.serve.jobrun import SHUTDOWN, Bridge
 from colibri.serve.shapes import ChatShape, CompletionShape, TokenText, usage
 from colibri.serve.structured import parse_response_format
 from colibri.serve.tools.chat import tool_chat_completion
+from colibri.serve.tools.constrain import Marks
 from colibri.serve.worker import GenerationWorker, Job
 
 DEFAULT_MAX_BODY = 4 << 20
@@ -56,6 +57,13 @@ class ServeState:
         self.token_text = TokenText(tokenizer)
         self.open: set[Bridge] = set()  # the requests waiting on the worker, told when the server stops
         self.stopping = False
+        self._marks: Marks | None = None
+
+    def tool_marks(self) -> Marks:
+        """The tokenizer's markers for tool-call grammars (its added tokens), read once."""
+        if self._marks is None:
+            self._marks = Marks.of(self.tokenizer, self.worker.eos_ids)
+        return self._marks
 
     def shut_down(self) -> None:
         """Called from a signal handler (on the event loop's thread, between its steps): every
@@ -103,10 +111,6 @@ def _check_unicode(body) -> None:
         bad = exc.object[exc.start:exc.end].encode("unicode_escape").decode("ascii")
         raise ApiError(400, f"the request body holds a lone UTF-16 surrogate ({bad}) in a string: "
                             "not text a tokenizer can take") from None
-
-
-SHUTDOWN = ApiError(503, "the server is shutting down: this generation was stopped", type="server_error",
-                    code="server_shutdown")
 
 
 def build_app(state: ServeState) -> Starlette:
@@ -212,7 +216,8 @@ def build_app(state: ServeState) -> Starlette:
         authorized(request)
         body = await _read_json(request, state.max_body)
         req = parse_completion(body)
-        req.sampling.grammar = parse_response_format(body)
+        structured = parse_response_format(body)
+        req.sampling.grammar = structured.grammar if structured else None
         check_model(req.model)
         ids = list(req.prompt) if isinstance(req.prompt, list) else state.tokenizer.encode(req.prompt).ids
         return await run_job(request, ids, req.sampling, CompletionShape)
@@ -221,7 +226,9 @@ def build_app(state: ServeState) -> Starlette:
         authorized(request)
         body = await _read_json(request, state.max_body)
         req = parse_chat(body)
-        req.sampling.grammar = parse_response_format(body)
+        structured = parse_response_format(body)
+        if structured:
+            req.sampling.grammar, req.response_schema = structured.grammar, structured.schema
         check_model(req.model)
         if req.tools.engaged:  # tools in the prompt, calls parsed from the answer: colibri/serve/tools/
             return await tool_chat_completion(request, state, req)
@@ -265,7 +272,8 @@ def build_app(state: ServeState) -> Starlette:
     async def prometheus(request: Request) -> Response:
         authorized(request)
         engine = state.worker.engine
-        text = metrics.render(state.worker.queue_length(), state.worker.busy, engine.io_stats(), engine.prefix_stats())
+        text = metrics.render(state.worker.queue_length(), state.worker.busy, engine.io_stats(), engine.prefix_stats(),
+                              engine.draft_stats())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def counted(route: str, handler):

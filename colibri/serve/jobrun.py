@@ -1,15 +1,22 @@
 """One generation on the worker, seen from a request handler's event loop: submit, then read its
 events (("text", piece) ... ("done", JobResult)) as they come, or collect them all while watching
 for the client leaving. The routes of colibri/serve/tools/chat.py and colibri/serve/anthropic.py use
-JobRun; app.py's own OpenAI routes read a Bridge with their own loops (log-probs, shutdown).
+JobRun; app.py's own OpenAI routes read a Bridge with their own loops (log-probs).
+
+Every open run is in the server state's `open` set, so a stop signal reaches it
+(ServeState.shut_down): it reads ("shutdown", None), which a stream answers with its route's error
+event and a whole answer with SHUTDOWN (503), and the generation stops at its next token.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from colibri.serve.protocol import Sampling
+from colibri.serve.protocol import ApiError, Sampling
 from colibri.serve.worker import Job, JobResult
+
+SHUTDOWN = ApiError(503, "the server is shutting down: this generation was stopped", type="server_error",
+                    code="server_shutdown")
 
 
 class Bridge:
@@ -27,11 +34,15 @@ class Bridge:
 
 
 class JobRun(Bridge):
-    def __init__(self, worker, prompt_ids: list[int], sampling: Sampling, special_text: bool = False):
-        worker.check_fits(prompt_ids, sampling)  # also sets a missing max_tokens to the room left
+    def __init__(self, state, prompt_ids: list[int], sampling: Sampling, special_text: bool = False):
+        state.worker.check_fits(prompt_ids, sampling)  # also sets a missing max_tokens to the room left
+        if state.stopping:
+            raise SHUTDOWN
         super().__init__()
+        self.state = state
         self.job = Job(prompt_ids, sampling, self.emit, special_text=special_text)
-        worker.submit(self.job)
+        state.worker.submit(self.job)
+        state.open.add(self)
 
     def emit(self, kind, value) -> None:  # on the worker thread
         if kind == "logprob":  # these routes report no log-probs (the tools route refuses the field)
@@ -42,10 +53,14 @@ class JobRun(Bridge):
         return await self.events.get()
 
     def cancel(self) -> None:
+        """The run is over for its reader (ended, client gone, server stopping): the generation
+        stops at its next token and the server no longer waits on it."""
         self.job.cancelled.set()
+        self.state.open.discard(self)
 
     async def collect(self, request) -> tuple[str, JobResult] | None:
-        """All the text and the result; None when the client left first (the job is cancelled)."""
+        """All the text and the result; None when the client left first (the job is cancelled);
+        SHUTDOWN raised when the server is stopping."""
         text: list[str] = []
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
@@ -59,10 +74,13 @@ class JobRun(Bridge):
                 kind, value = getter.result()
                 if kind == "text":
                     text.append(value)
+                elif kind == "shutdown":
+                    raise SHUTDOWN
                 else:
                     return "".join(text), value
         finally:
             gone.cancel()
+            self.cancel()
 
 
 async def _wait_disconnect(request) -> None:

@@ -34,6 +34,19 @@ PREFIX_METRICS = (
 )
 
 
+# (draft_stats key, metric, kind, help): speculative decoding (engine/run/speculative.py), when on
+DRAFT_METRICS = (
+    ("steps", "colibri_draft_steps_total", "counter", "Decode steps taken with drafting on (plain and verify)."),
+    ("verify_steps", "colibri_draft_verify_steps_total", "counter", "Decode steps that verified drafted tokens."),
+    ("drafted", "colibri_drafted_tokens_total", "counter", "Drafted tokens verified."),
+    ("accepted", "colibri_draft_accepted_tokens_total", "counter", "Drafted tokens accepted."),
+    ("emitted", "colibri_draft_step_tokens_total", "counter", "Tokens the decode steps produced."),
+    ("bytes_read", "colibri_draft_bytes_read_total", "counter", "Bytes the store read during those steps."),
+    ("tokens_per_step", "colibri_draft_tokens_per_step", "gauge", "Tokens per decode step since start."),
+    ("bytes_per_token", "colibri_draft_bytes_per_token", "gauge", "Bytes read per token produced since start."),
+)
+
+
 class Histogram:
     def __init__(self, buckets):
         self.buckets = tuple(buckets)
@@ -105,7 +118,8 @@ class ServerMetrics:
                 self.token_latency.observe(s)
             self.request_seconds.observe(seconds)
 
-    def render(self, queue_length: int, busy: bool, store_stats: dict, prefix_stats: dict | None = None) -> str:
+    def render(self, queue_length: int, busy: bool, store_stats: dict, prefix_stats: dict | None = None,
+               draft_stats: dict | None = None) -> str:
         out: list[str] = []
 
         def metric(name, kind, help_, lines):
@@ -156,6 +170,15 @@ class ServerMetrics:
             value = (prefix_stats or {}).get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 metric(name, kind, help_, [f"{name} {value}"])
+        # Speculative decoding, when on: its counters and the gate's decisions by reason.
+        for key, name, kind, help_ in DRAFT_METRICS:
+            value = (draft_stats or {}).get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                metric(name, kind, help_, [f"{name} {value}"])
+        decisions = (draft_stats or {}).get("decisions")
+        if decisions:
+            metric("colibri_draft_decisions_total", "counter", "Decode steps by the gate's decision (why this depth).",
+                   [f'colibri_draft_decisions_total{{reason="{r}"}} {n}' for r, n in sorted(decisions.items())])
         proc = psutil.Process()
         metric("colibri_process_rss_bytes", "gauge", "Resident set size of the server process.",
                [f"colibri_process_rss_bytes {proc.memory_info().rss}"])

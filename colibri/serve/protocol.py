@@ -76,6 +76,7 @@ class ChatRequest:
     messages: list[dict]
     sampling: Sampling
     tools: ToolRequest = field(default_factory=ToolRequest)
+    response_schema: dict | None = None  # response_format's (colibri/serve/structured.py), for the calls' grammar
 
 
 def _int(body: dict, key: str, default, lo: int, hi: int) -> int:

@@ -7,19 +7,29 @@
 The schema is compiled here, while the request is parsed, so a schema the grammar engine cannot
 compile is a 400 naming the construct (engine/run/grammar.py words it) before the request waits
 in the queue. Both `strict` values are honoured the same way, strictly: the mask is always applied.
+With tools, the schema goes into the calls' grammar instead (colibri/serve/tools/constrain.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from engine.api import GrammarError, json_grammar
 from colibri.serve.protocol import bad
 
 TYPES = ("text", "json_object", "json_schema")
 MAX_NAME = 64
+ANY_OBJECT = {"type": "object"}
 
 
-def parse_response_format(body: dict) -> str | None:
-    """The grammar a request's response_format asks for, or None for free text."""
+@dataclass(frozen=True)
+class ResponseFormat:
+    schema: dict   # the content's JSON schema (json_object: any object)
+    grammar: str   # the schema compiled, for an answer without tools
+
+
+def parse_response_format(body: dict) -> ResponseFormat | None:
+    """What a request's response_format asks for, or None for free text."""
     value = body.get("response_format")
     if value is None:
         return None
@@ -31,7 +41,7 @@ def parse_response_format(body: dict) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return json_grammar(None)
+        return ResponseFormat(ANY_OBJECT, json_grammar(None))
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         raise bad("response_format.json_schema", "is required with type json_schema: {name, schema, strict}")
@@ -45,6 +55,6 @@ def parse_response_format(body: dict) -> str | None:
     if not isinstance(schema, dict):
         raise bad("response_format.json_schema.schema", "is required: a JSON Schema object")
     try:
-        return json_grammar(schema)
+        return ResponseFormat(schema, json_grammar(schema))
     except GrammarError as exc:
         raise bad("response_format.json_schema.schema", str(exc)) from None

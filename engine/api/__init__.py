@@ -35,11 +35,12 @@ _HOMES = {
     # the engine and one generation
     "engine.run.runtime": "Engine DTYPE_NAMES checkpoint_dtype physical_cores",
     "engine.run.generate": "Generation Sampler generate load_tokenizer random_prompt_ids",
-    "engine.run.grammar": "GrammarError GrammarProcessor GrammarTokenizer json_grammar",
+    "engine.run.grammar": "GrammarError GrammarProcessor GrammarTokenizer json_grammar json_lark lark_grammar",
     "engine.run.sampling": "LogitsProcessor TokenLogprob TOP_LOGPROBS_MAX",
     "engine.run.context": "default_ctx_size",
     "engine.run.oneshot": "run_generation",
     "engine.run.bench": "run_bench",
+    "engine.run.spec_gate": "draft_speedup expected_tokens independent_union",
     "engine.run.steady": ("STEADY_TEMPERATURE STEADY_TOP_P STEADY_WARM_SHARE counted_prompts degenerate prompt_lengths "
                           "steady_requests"),
     "engine.run.quality": "Reference format_quality measure_quality stdlib_corpus token_stream",

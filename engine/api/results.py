@@ -102,6 +102,12 @@ class RunResult(EngineResult):
     hit_rate: Optional[dict] = figure("hit rate", "hit", "shares", line="io")
     lookahead_recall: Optional[float] = figure("lookahead recall", "recall", "share", line="io")
     io_stall_fraction: Optional[float] = figure("I/O stall", "stall", "share", line="io")
+    # speculative decoding (engine/run/speculative.py), when on: tokens per decode step (accepted
+    # drafts + one), the drafts' acceptance, drafted tokens, bytes read per token produced
+    tokens_per_step: Optional[float] = figure("tokens per step", "tok/step", "float", line="draft")
+    draft_acceptance: Optional[float] = figure("draft acceptance", "accept", "share", line="draft")
+    drafted_tokens: Optional[int] = figure("drafted", "drafted", "int", line="draft")
+    draft_bytes_per_token: Optional[float] = figure("read per token", "read/tok", "bytes", line="draft")
     # conditions the header prints (not figures)
     prompt_tokens: Optional[int] = None
     generated_tokens: Optional[int] = None
@@ -188,6 +194,13 @@ class PlanResult(Result):
     config: dict = field(default_factory=dict)
     prediction: dict = field(default_factory=dict)
     best: list = field(default_factory=list)
+    # `--batch`: per batch size, the predicted step of that many sequences decoding together
+    # (tuner/costmodel/predict.py BatchPoint: union of experts, bytes per step, per-sequence and
+    # aggregate tok/s, bottleneck)
+    batch: list = field(default_factory=list)
+    # speculative decoding at the asked acceptance (tuner/costmodel/speculative.py): per depth the
+    # speed-up, and the gate's choice; {} when not asked (plan --accept-rate)
+    draft: dict = field(default_factory=dict)
     # `plan --prompt-tokens N [--cached-tokens M]`: the time to first token of N new tokens after
     # M reused ones, and its parts (tuner/costmodel/predict.py predict_prefill).
     prefill: Optional[dict] = field(default=None, metadata={"omit_none": True})

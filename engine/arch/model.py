@@ -17,6 +17,8 @@ one job each:
     model.py         this file: the reference math (attention, MoE, dense MLP), the layer loop,
                      lookahead, layer streaming
     prefill.py       a prompt's group through one layer at a time (each expert read once per layer)
+    decode_rows.py   several decode tokens in one step (B sequences, or a speculative verify): each
+                     row's solo bits, each routed expert fetched once for every row
 and below them engine/weights (`linear` over plain, int8 / int4 and FP8 weights) and engine/native
 (the kernels; this file asks it only whether they are loaded, for the fused q/k/v of one token).
 
@@ -44,7 +46,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import native
-from engine.arch import decode_plan, moe, prefill
+import weakref
+
+from engine.arch import decode_plan, decode_rows, moe, prefill
 from engine.arch.args import ModelArgs, layer_prefix
 from engine.arch.decode_plan import DecodePlan
 from engine.arch.layers import KVCache, rms_norm, route_layer, swiglu, swiglu_expert
@@ -107,6 +111,9 @@ class Transformer:
         self._route_limits: dict = {}
         self._plan_kv = None
         self.plan: DecodePlan | None = None
+        # The decode plans of other caches (batched decode: one per running sequence), made once each,
+        # by the cache's id while it lives.
+        self._other_plans: dict[int, DecodePlan] = {}
         if kv is not None:
             self.plan_decode(kv)
 
@@ -115,13 +122,33 @@ class Transformer:
         this when built and when what decides the route changes (record_routing); later forward calls
         only follow it. limits (whole_step, native_attention, fused_moe = False): keep a native call
         out, for tests and benchmarks that compare the routes; they hold until the next call."""
-        # What needs each layer's expert ids, which the fused MoE keeps inside (dense models: no MoE to fuse).
-        watched = ("the routing log" if self.routing_log is not None
-                   else "lookahead" if self.prefetch_depth and self.experts is not None else None)
         self._route_limits, self._plan_kv = limits, kv
+        self._other_plans.clear()  # made under the old route: decided again when next asked
         self.plan = decode_plan.plan_decode(self.args, self.w, self._qkv, self.experts, self.expert_fn, kv,
-                                            self.dtype, self._streamed, watched, **limits)
+                                            self.dtype, self._streamed, self._watched(), **limits)
         return self.plan
+
+    def _watched(self) -> str | None:
+        """What needs each layer's expert ids, which the fused MoE keeps inside (dense models: no MoE to fuse)."""
+        return ("the routing log" if self.routing_log is not None
+                else "lookahead" if self.prefetch_depth and self.experts is not None else None)
+
+    def plan_for(self, kv) -> DecodePlan:
+        """The decode plan over `kv`: the model's own cache's, or another cache's (a batched sequence's),
+        made the first time that cache decodes and kept while it lives. The same route decision as
+        plan_decode (its limits too); only the operands that point into the cache differ."""
+        if kv is self._plan_kv or self._plan_kv is None:
+            return self.plan if kv is self._plan_kv else self.plan_decode(kv, **self._route_limits)
+        held = self._other_plans.get(id(kv))
+        if held is not None:
+            return held
+        plan = decode_plan.plan_decode(self.args, self.w, self._qkv, self.experts, self.expert_fn, kv,
+                                       self.dtype, self._streamed, self._watched(), **self._route_limits)
+        self._other_plans[id(kv)] = plan
+        # The plan holds the cache's tensors (the native calls' operands): dropped with the cache, so a
+        # finished sequence's KV is freed with it (and its id, which a new cache may take, forgotten).
+        weakref.finalize(kv, self._other_plans.pop, id(kv), None)
+        return plan
 
     def record_routing(self, on: bool = True) -> None:
         """Log every layer's expert ids [T, K] per call into routing_log (a fresh log), or stop (on=False).
@@ -183,7 +210,7 @@ class Transformer:
         x = F.embedding(tokens, self.w["model.embed_tokens.weight"])  # [T, H]
         plan = None  # several tokens (a prefill): the reference
         if T == 1:  # the decode plan, made for this cache at load (another cache gets its own, once)
-            plan = self.plan if kv is self._plan_kv else self.plan_decode(kv, **self._route_limits)
+            plan = self.plan_for(kv)
         if plan is not None and plan.step is not None and mask is None:
             x = self._decode_step(x, start_pos, cos, sin, plan.step)
         else:
@@ -195,6 +222,12 @@ class Transformer:
             x = x[-1:]
         x = rms_norm(x, self.w["model.norm.weight"], self.args.rms_norm_eps)
         return linear(x, self.lm_head).float()  # [T, V]
+
+    @torch.inference_mode()
+    def forward_rows(self, tokens: torch.Tensor, positions: list[int], kvs: list) -> torch.Tensor:
+        """tokens [B] → fp32 logits [B, V]: row b one decode token at positions[b] of cache kvs[b], with
+        the bits of its solo forward; each routed expert fetched once for every row (decode_rows.py)."""
+        return decode_rows.forward_rows(self, tokens, positions, kvs)
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, start_pos: int, kv, sub_tokens: int) -> torch.Tensor:

@@ -37,8 +37,11 @@ from engine.arch.layers import rms_norm, route_layer, swiglu
 from engine.weights.stored import linear
 
 
-def layer_major(model, tokens: torch.Tensor, start_pos: int, kv, sub_tokens: int) -> torch.Tensor:
-    """tokens [T] → logits [1, V] of the last position; K/V written at start_pos..start_pos+T."""
+def layer_major(model, tokens: torch.Tensor, start_pos: int, kv, sub_tokens: int,
+                hidden: list | None = None) -> torch.Tensor:
+    """tokens [T] → logits [1, V] of the last position; K/V written at start_pos..start_pos+T.
+    hidden: a list every position's final hidden state [T, H] (after the model's norm) is appended
+    to: what the MTP drafter reads (engine/arch/mtp.py)."""
     a = model.args
     T = tokens.shape[0]
     if start_pos + T > kv.ctx_size:
@@ -81,6 +84,8 @@ def layer_major(model, tokens: torch.Tensor, start_pos: int, kv, sub_tokens: int
         _hint_group(model, layer + 1, x, chunks)
     if indexed:
         kv.selection = selections[-1]  # what the last pass would have left
+    if hidden is not None:
+        hidden.append(rms_norm(x, model.w["model.norm.weight"], a.rms_norm_eps))
     last = rms_norm(x[-1:], model.w["model.norm.weight"], a.rms_norm_eps)
     return linear(last, model.lm_head).float()  # [1, V]
 

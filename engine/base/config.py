@@ -44,7 +44,16 @@ CTX_MAX = 1 << 22  # the longest context a config may ask for (prompt and new to
 # it fitted. The memory plan charges one sub-chunk's transients (engine/movement/plan.py). One value
 # for every placement: the sub-chunks decide the attention's arithmetic, and a budget must not.
 PREFILL_CHUNK = 256
-COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # fp16 is computed in fp32 on CPU (slow fp16 matmuls)
+COMPUTE_DTYPES = ("auto", "bf16", "fp32")
+# Speculative decoding (engine/run/speculative.py): off; gate (each step's depth from the measured
+# acceptance against what the verify's extra rows and expert bytes cost); fixed (always the most the
+# drafter gives, up to draft_depth: the forced depths a benchmark compares against the gate).
+DRAFT_POLICIES = ("off", "gate", "fixed")
+# Who drafts (engine/run/drafters.py): lookup (n-gram over the prompt and output), mtp (the
+# checkpoint's multi-token-prediction layers), auto (lookup where the text repeats, else MTP where
+# the checkpoint has it).
+DRAFTERS = ("auto", "lookup", "mtp")
+MAX_DRAFT_DEPTH = 16  # fp16 is computed in fp32 on CPU (slow fp16 matmuls)
 
 # An engine config is a dozen keys; anything this large is not one (and is not read whole).
 MAX_TOML_BYTES = LIMITS["engine config"]
@@ -191,6 +200,13 @@ class EngineConfig:
     prefill_chunk: int = knob(0, "prompt tokens per prefill group, taken through one layer at a time (the "
                               "memory plan charges one group; 0 = the largest the budget allows, up to ctx_size)",
                               kind="int", lo=0, hi=CTX_MAX, label="prefill group", short="group")
+    # Sequences decoded together (engine/arch/decode_rows.py: one step over every running sequence,
+    # each routed expert read once for all of them): serve's running batch. The memory plan charges a
+    # KV cache for each. Not searched for one stream's speed (a batch cannot help it); tune's serve
+    # objective searches it.
+    max_batch: int = knob(1, "sequences decoded together in one step (serve: requests running at once); the "
+                          "memory plan charges a KV cache for each", kind="int", lo=1, hi=256, label="max batch",
+                          short="batch")
     kv_dtype: str = knob("auto", "KV cache precision (auto = the compute dtype; int8 / fp8 are lossy)",
                          kind="choice", choices=KV_DTYPES, label="KV dtype", short="kv", lossy=True)
     # Prefix reuse (engine/run/prefix_cache.py): RAM that keeps the KV of recent sequences in
@@ -228,6 +244,22 @@ class EngineConfig:
     expert_threshold: float = knob(0.0, "skip an expert whose share of the token's routing weight is below this "
                                    "(0: none)", kind="float", lo=0.0, hi=0.999999, lt=1.0, label="expert threshold",
                                    short="thresh", lossy=True)
+
+    # Speculative decoding, lossless (greedy: the same tokens; sampling: the same distribution).
+    # Searched off / gate: a gated draft turns itself off where it loses, so the tuner asks whether
+    # the workload repeats enough to pay. drafter is not searched: MTP exists only in some checkpoints,
+    # and auto already takes lookup first.
+    draft: str = knob("off", "speculative decoding: off, gate (each step's depth from the measured acceptance "
+                      "against the verify's extra rows and expert bytes), fixed (always the drafter's most, up "
+                      "to draft_depth)", kind="choice", choices=DRAFT_POLICIES, label="draft policy", short="draft",
+                      search=dict(choices=("off", "gate"), baseline="off"))
+    draft_depth: int = knob(4, "most tokens drafted per step", kind="int", lo=1, hi=MAX_DRAFT_DEPTH,
+                            label="draft depth", short="depth", search=dict(low=1, high=8, baseline=4))
+    # (its flag's help avoids the words test_writer_guard takes for a path written: "output")
+    drafter: str = knob("auto", "who drafts: lookup (n-gram over the prompt and the text so far), mtp (the "
+                        "checkpoint's multi-token-prediction layers), auto (lookup where the text repeats, else "
+                        "MTP where the checkpoint has it)", kind="choice", choices=DRAFTERS, label="drafter",
+                        short="drafter")
 
     def __post_init__(self):
         self.validate()

@@ -1,11 +1,12 @@
-"""Multi-token-prediction (next-n) layers: recognised in the files, never loaded.
+"""Multi-token-prediction (next-n) layers: recognised in the files; loaded only to draft with.
 
 DeepSeek-V3/R1 and Kimi-K2 ship one MTP module as layer index num_hidden_layers
 (`model.layers.61.*` for 61 layers: embed_tokens, enorm, hnorm, eh_proj, shared_head and a full
 MoE decoder layer); GLM-4.5/4.6/5 declare theirs with `num_nextn_predict_layers`. They predict
-further tokens for speculative decoding, which this engine does not do, so they stay on disk:
-not read, not resident, not in the memory plan (which counts only the tensors the forward pass
-names), and `run --json` lists them under "skipped". A checkpoint without them opens the same.
+further tokens for speculative decoding: with EngineConfig.draft on and drafter mtp or auto, the
+first one is loaded and drafts (engine/arch/mtp.py, engine/run/mtp_drafter.py, charged to the memory
+plan). Otherwise they stay on disk: not read, not resident, not in the memory plan, and `run --json`
+lists them under "skipped". A checkpoint without them opens the same.
 """
 
 from __future__ import annotations

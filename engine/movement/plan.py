@@ -1,10 +1,13 @@
 """The memory plan: what goes where under the budget, decided before anything is loaded.
 
-    budget = dense (resident, compute dtype) + KV (ctx_size, kv_dtype) + read buffers
-             + runtime overhead + prefill activations + prefix cache + RAM expert cache
+    budget = dense (resident, compute dtype) + KV (ctx_size, kv_dtype; one per sequence of max_batch)
+             + read buffers
+             + runtime overhead + prefill activations + prefix cache + drafting + RAM expert cache
 
 The prefix cache (EngineConfig.prefix_cache, engine/run/prefix_cache.py) is charged whole: its
-blocks fill it over the server's life, so its size is what it will hold.
+blocks fill it over the server's life, so its size is what it will hold. Speculative decoding
+(EngineConfig.draft, engine/run/speculative.py) is charged its verify rows, its lookup index and
+the MTP layer it drafts with (draft_bytes).
 
 The runtime overhead is measured, not guessed: the process's resident set at planning time
 (interpreter, torch, the checkpoint index) plus a margin for a decode step's activations and
@@ -85,6 +88,8 @@ class MemoryPlan:
     prefill_group: int = 0  # prompt tokens per layer-major group, the one prefill_bytes charges
     # The RAM prefix cache (EngineConfig.prefix_cache): the KV blocks of recent sequences.
     prefix_cache_bytes: int = 0
+    # Speculative decoding (EngineConfig.draft): the verify's rows and the drafter (draft_bytes).
+    draft_bytes: int = 0
 
     @property
     def cache_slots(self) -> int:
@@ -109,7 +114,7 @@ class MemoryPlan:
         return (f"dense {format_size(self.dense_bytes)} + KV {format_size(self.kv_bytes)} + read buffers "
                 f"{format_size(self.buffer_bytes)} + runtime {format_size(self.overhead_bytes)} + prefill "
                 f"({self.prefill_group}-token groups) {format_size(self.prefill_bytes)} + prefix cache "
-                f"{format_size(self.prefix_cache_bytes)} + expert cache "
+                f"{format_size(self.prefix_cache_bytes)} + drafting {format_size(self.draft_bytes)} + expert cache "
                 f"{format_size(self.cache_bytes)} of budget {format_size(self.budget)}")
 
 
@@ -227,14 +232,37 @@ def _transient_parts(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size:
     return int(per_token), int(attended + scores)
 
 
+# Python objects the prompt-lookup index keeps per context token: one dict entry per n-gram size
+# (engine/run/drafters.py MAX_NGRAM of them), a tuple key and an int, ~200 bytes each.
+LOOKUP_BYTES_PER_TOKEN = 4 * 200
+
+
+def draft_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, mtp_bytes: int = 0) -> int:
+    """What speculative decoding adds (EngineConfig.draft on): a verify of draft_depth + 1 rows (their
+    transients as a prefill sub-chunk of that many tokens, and per row the fp32 logits, their shaped
+    copy and the sampler's probabilities), the prompt-lookup index over the context, and the
+    drafter's own weights and cache (`mtp_bytes`: the checkpoint's MTP layer)."""
+    if config.draft == "off":
+        return 0
+    rows = config.draft_depth + 1
+    # The native matmul caches are charged once, with the prefill (prefill_activation_bytes).
+    return (prefill_activation_bytes(args, rows, dtype, config.ctx_size) - NATIVE_CACHE_BYTES
+            + 3 * rows * 4 * args.vocab_size + LOOKUP_BYTES_PER_TOKEN * config.ctx_size + mtp_bytes)
+
+
 def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, dtype: torch.dtype,
-              kv_dtype: torch.dtype, overhead_bytes: int | None = None, keep_positions: bool | None = None) -> MemoryPlan:
+              kv_dtype: torch.dtype, overhead_bytes: int | None = None, keep_positions: bool | None = None,
+              mtp_bytes: int = 0) -> MemoryPlan:
     """keep_positions: the KV cache holds every position of every layer (reuse needs it, see
-    engine/arch/kv_snapshot.py); None: when the prefix cache is on."""
+    engine/arch/kv_snapshot.py); None: when the prefix cache is on. mtp_bytes: the resident MTP
+    layer and its cache when it drafts (its experts are in the layout, streamed like any layer's)."""
     dense = _dense_bytes(ckpt, args, getattr(layout, "quant", None), dtype)
     keep = config.prefix_cache > 0 if keep_positions is None else keep_positions
-    kv = kv_snapshot.nbytes(args, config.ctx_size, kv_dtype, keep)
+    # The engine's own cache, and one per further sequence a batch may run (EngineConfig.max_batch).
+    kv = (kv_snapshot.nbytes(args, config.ctx_size, kv_dtype, keep)
+          + (config.max_batch - 1) * kv_snapshot.nbytes(args, config.ctx_size, kv_dtype, False))
     prefix = config.prefix_cache
+    drafting = draft_bytes(args, config, dtype, mtp_bytes)
     # Any prompt up to ctx_size may come: charge the largest sub-chunk one can fill (the group: below).
     transients = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size), dtype, config.ctx_size, kv_dtype)
     routed = layout.num_routed if layout is not None else 0
@@ -257,22 +285,23 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     budget = config.ram_budget
 
     if budget > 0 and routed == 0:
-        return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes, transients, prefix, kv_dtype)
+        return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes, transients, prefix, drafting, kv_dtype)
     if budget <= 0 or routed == 0:
         group = prefill_group_for(args, config, dtype, None, kv_dtype)
         return MemoryPlan(budget, False, dense, kv, 0, overhead_bytes, routed * expert, 0, expert, disk_expert,
                           routed, inflight, prefill_bytes=prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype),
-                          prefill_group=group, prefix_cache_bytes=prefix)
-    group = prefill_group_for(args, config, dtype, budget - (dense + kv + buffers + overhead_bytes + transients + prefix),
-                              kv_dtype)
+                          prefill_group=group, prefix_cache_bytes=prefix, draft_bytes=drafting)
+    group = prefill_group_for(args, config, dtype,
+                              budget - (dense + kv + buffers + overhead_bytes + transients + prefix + drafting), kv_dtype)
     prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype)
-    fixed = dense + kv + buffers + overhead_bytes + prefill + prefix
+    fixed = dense + kv + buffers + overhead_bytes + prefill + prefix + drafting
     if fixed > budget:
         raise BudgetError(
             f"memory budget {format_size(budget)} is too small: dense weights {format_size(dense)} + KV cache "
             f"at ctx_size {config.ctx_size} {format_size(kv)} + read buffers {format_size(buffers)} + runtime "
             f"{format_size(overhead_bytes)} + prefill activations ({group}-token groups) {format_size(prefill)} "
-            f"+ prefix cache {format_size(prefix)} = {format_size(fixed)} before any expert cache")
+            f"+ prefix cache {format_size(prefix)} + drafting {format_size(drafting)} = {format_size(fixed)} "
+            "before any expert cache")
     # Whole entries only, so the cache's byte capacity is exactly its slots.
     cache = min(int((budget - fixed) * config.cpu_cache_ratio) // entry, routed) * entry
     gpu_cache = 0
@@ -282,7 +311,7 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     arena = 0 if mapped else inflight + (cache // entry if views else 0)
     return MemoryPlan(budget, True, dense, kv, buffers, overhead_bytes, cache, gpu_cache, expert, disk_expert,
                       routed, inflight, slot_bytes=slot, arena_slots=arena, cache_entry_bytes=entry,
-                      prefill_bytes=prefill, prefill_group=group, prefix_cache_bytes=prefix)
+                      prefill_bytes=prefill, prefill_group=group, prefix_cache_bytes=prefix, draft_bytes=drafting)
 
 
 # (id(ckpt), id(args), quant, dtype) → (ckpt, args, bytes): the cost model plans thousands of
@@ -317,7 +346,7 @@ def _layer_names(args: ModelArgs, layer: int) -> list[str]:
     return [n for n in dense_tensor_names(args) if n.startswith(prefix)]
 
 
-def _dense_plan(ckpt, args, config, dtype, kv, overhead, transients, prefix, kv_dtype) -> MemoryPlan:
+def _dense_plan(ckpt, args, config, dtype, kv, overhead, transients, prefix, drafting, kv_dtype) -> MemoryPlan:
     """Dense model under a budget: as many whole layers resident as fit, the rest streamed."""
     layer_bytes = max(sum(_count(ckpt, n) for n in _layer_names(args, i)) for i in range(args.num_layers)) * _elem(dtype)
     layer_disk = max(sum(ckpt.info(n).nbytes for n in _layer_names(args, i)) for i in range(args.num_layers))
@@ -326,21 +355,22 @@ def _dense_plan(ckpt, args, config, dtype, kv, overhead, transients, prefix, kv_
     # In flight: the layer being computed and `prefetch_depth` ahead, each as read + converted.
     buffers = (1 + config.prefetch_depth) * (layer_disk + ALIGN_SLACK + (layer_bytes if layer_bytes != layer_disk else 0))
     budget = config.ram_budget
-    group = prefill_group_for(args, config, dtype, budget - (base + kv + buffers + overhead + transients + prefix),
-                              kv_dtype)
+    group = prefill_group_for(args, config, dtype,
+                              budget - (base + kv + buffers + overhead + transients + prefix + drafting), kv_dtype)
     prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype)
-    fixed = base + kv + buffers + overhead + prefill + prefix
+    fixed = base + kv + buffers + overhead + prefill + prefix + drafting
     if fixed > budget:
         raise BudgetError(
             f"memory budget {format_size(budget)} is too small: dense weights outside the layers {format_size(base)} "
             f"+ KV cache at ctx_size {config.ctx_size} {format_size(kv)} + read buffers (layer streaming) "
             f"{format_size(buffers)} + runtime {format_size(overhead)} + prefill activations ({group}-token groups) "
-            f"{format_size(prefill)} + prefix cache {format_size(prefix)} = {format_size(fixed)}")
+            f"{format_size(prefill)} + prefix cache {format_size(prefix)} + drafting {format_size(drafting)} "
+            f"= {format_size(fixed)}")
     resident = min(args.num_layers, int((budget - fixed) * config.cpu_cache_ratio) // max(layer_bytes, 1))
     return MemoryPlan(budget, resident < args.num_layers, base + resident * layer_bytes, kv,
                       buffers if resident < args.num_layers else 0, overhead, 0, 0, 0, 0, 0, 0,
                       resident_layers=resident, layer_bytes=layer_bytes, prefill_bytes=prefill, prefill_group=group,
-                      prefix_cache_bytes=prefix)
+                      prefix_cache_bytes=prefix, draft_bytes=drafting)
 
 
 def _count(ckpt: Checkpoint, name: str) -> int:

@@ -20,8 +20,11 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
     load() -> str | None    load the ops; None when ready, else why not (one line)
     ready                   whether they are loaded (checked on the decode path)
     int_ready               whether the int8/int4 ops may run too (ready and INT_FLAGS present)
-    linear(x, w)            x [1,K] @ w.T, bf16
+    linear(x, w)            x [M,K] @ w.T, bf16; each row the bits of a 1-row call (a weight row read once for all M)
     experts(x, weights, n)  SwiGLU of several experts on one token: [E, H]
+    experts_rows(x, weights, n, slot_row, slot_expert)   batched decode: slot s = expert slot_expert[s] on
+                            row slot_row[s] of x [M, H] (slots sorted by expert): [S, H], each slot the bits
+                            of experts() on that row with that expert alone, each expert read once
     rms_norm(x, w, eps)     per row of x [..., H] (moe_decode.cpp)
     route_topk(x, w, k, norm)          softmax top-k routing of one token: ids [1,k], weights [1,k]
     combine(ys, weights)               sum of the K experts' rows, weighted: [1, H]
@@ -29,17 +32,23 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
                             when given (reduction, threshold, renormalize; engine/arch/moe.py)
     attention_decode(x, ...)           a layer's attention half of one token, K/V written (attention_decode.cpp;
                                        the cache bf16, or int8 / fp8 codes + scales)
+    attention_decode_rows(x, ..., k_caches, v_caches, positions, ...)  attention_decode for B rows (a batched
+                                       step), each its own caches and position; the weights read once for
+                                       all rows, each row attention_decode's bits on it alone
     decode_layers(x, ...)   every layer of one token: attention half + fused MoE per layer (decode_step.cpp)
     mxfp4_linear(x, blocks, scales, bias)  x @ dequant(blocks, scales).T + bias, fp32 or bf16
     fp8_linear(x, w, scale, block)         x [M,K] @ dequant(w).T in x's dtype (bf16 or fp32), FP8 e4m3 w with
                                            one fp32 scale per block (fp8_decode.cpp; engine/weights/fp8.py)
-    int8_linear(x, codes, scales)          x @ (codes * scales).T, per-row scales
+    int8_linear(x, codes, scales)          x @ (codes * scales).T, per-row scales; each row of x the bits of a
+                                           1-row call (as int4_linear's)
     int4_linear(x, strips, group)          x @ dequant_int4(...).T, W in the engine's int4 strips, any rows
     int4_strips(packed, scales_zeros, group, out)  the stored int4 pair → strips (in place where out is its bytes)
     quant_experts(x, weights, group)       SwiGLU of several int8 (group 0) / int4 experts: [E, H]
+    quant_experts_rows(x, weights, group, slot_row, slot_expert)  experts_rows for int8 / int4 experts
     moe_layer_int(h, ..., group)           moe_layer for int8 / int4 experts (moe_decode_int.cpp; engine/arch/moe_quant.py)
     attention_decode_int(x, ..., proj, group)  attention_decode with int8 / int4 q/k/v/o (attention_decode_int.cpp;
                                        engine/arch/attention_quant.py)
+    attention_decode_int_rows(x, ...)      attention_decode_rows with int8 / int4 q/k/v/o
     decode_layers_int(x, ...)              decode_layers for int8 / int4 projections and experts (decode_step_int.cpp)
 """
 
@@ -182,6 +191,14 @@ def experts(x: torch.Tensor, weights: list, per_expert: int) -> torch.Tensor:
     return torch.ops.colibri.experts_bf16(x, weights, per_expert)
 
 
+def experts_rows(x: torch.Tensor, weights: list, per_expert: int, slot_row: torch.Tensor,
+                 slot_expert: torch.Tensor) -> torch.Tensor:
+    """Batched decode's experts: x [M, H] bf16, weights as experts() takes them (E experts), slot_row /
+    slot_expert int64 [S] sorted by expert → [S, H], slot s = expert slot_expert[s] on row slot_row[s],
+    bit for bit experts(x[r:r+1], [that expert's tensors], per_expert)."""
+    return torch.ops.colibri.experts_rows_bf16(x, weights, per_expert, slot_row, slot_expert)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.colibri.rms_norm_bf16(x, w, eps)
 
@@ -215,6 +232,21 @@ def attention_decode(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: t
     [Nkv, ctx] fp32 (a QuantizedRows' codes and scales)."""
     return torch.ops.colibri.attention_decode_bf16(x, norm_w, eps, qkv_w, q_norm, k_norm, cos, sin, k_cache, v_cache,
                                                    k_scales, v_scales, pos, heads, kv_heads, o_w)
+
+
+def attention_decode_rows(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor,
+                          q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          k_caches: list, v_caches: list, positions: list[int], heads: int, kv_heads: int,
+                          o_w: torch.Tensor, k_scales: list | None = None, v_scales: list | None = None) -> torch.Tensor:
+    """attention_decode for B rows of a batched step: x [B, H], cos/sin [B, D] (row b's rope row), row b
+    with its own caches k_caches[b] / v_caches[b] (bf16, or int8 / fp8 codes with k_scales[b] /
+    v_scales[b]; None: bf16 caches) at positions[b]; the weights read once for all rows, row b bit for
+    bit attention_decode on row b alone. Rows sharing a cache (a verify) come in increasing positions."""
+    none = [NO_SCALES] * len(k_caches)
+    return torch.ops.colibri.attention_decode_rows_bf16(x, norm_w, eps, qkv_w, q_norm, k_norm, cos, sin, k_caches,
+                                                        v_caches, none if k_scales is None else k_scales,
+                                                        none if v_scales is None else v_scales, positions, heads,
+                                                        kv_heads, o_w)
 
 
 def decode_layers(x: torch.Tensor, attention: list, moe: list, cos: torch.Tensor, sin: torch.Tensor, pos: int,
@@ -252,6 +284,13 @@ def quant_experts(x: torch.Tensor, weights: list, group: int) -> torch.Tensor:
     return torch.ops.colibri_int.experts(x, weights, group)
 
 
+def quant_experts_rows(x: torch.Tensor, weights: list, group: int, slot_row: torch.Tensor,
+                       slot_expert: torch.Tensor) -> torch.Tensor:
+    """experts_rows for int8 (group 0) / int4 experts given as quant_experts takes them: [S, H], slot s
+    bit for bit quant_experts(x[r:r+1], that expert's 6 tensors, group). Needs int_ready."""
+    return torch.ops.colibri_int.experts_rows(x, weights, group, slot_row, slot_expert)
+
+
 def moe_layer_int(h: torch.Tensor, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor, k: int, norm: bool,
                   experts: torch.Tensor, inter: int, group: int, reduction: int = 0, threshold: float = 0.0,
                   renormalize: bool = False) -> torch.Tensor:
@@ -267,6 +306,19 @@ def attention_decode_int(x: torch.Tensor, norm_w: torch.Tensor, eps: float, proj
     stored layouts), group 0 = int8, else int4's group. Needs int_ready (VNNI/VBMI)."""
     return torch.ops.colibri_int.attention_decode_int(x, norm_w, eps, proj, group, q_norm, k_norm, cos, sin, k_cache,
                                                       v_cache, k_scales, v_scales, pos, heads, kv_heads)
+
+
+def attention_decode_int_rows(x: torch.Tensor, norm_w: torch.Tensor, eps: float, proj: list, group: int,
+                              q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                              k_caches: list, v_caches: list, positions: list[int], heads: int, kv_heads: int,
+                              k_scales: list | None = None, v_scales: list | None = None) -> torch.Tensor:
+    """attention_decode_int for B rows, as attention_decode_rows takes them: row b bit for bit
+    attention_decode_int on row b alone, each projection read once for all rows. Needs int_ready."""
+    none = [NO_SCALES] * len(k_caches)
+    return torch.ops.colibri_int.attention_decode_int_rows(x, norm_w, eps, proj, group, q_norm, k_norm, cos, sin,
+                                                           k_caches, v_caches, none if k_scales is None else k_scales,
+                                                           none if v_scales is None else v_scales, positions, heads,
+                                                           kv_heads)
 
 
 def decode_layers_int(x: torch.Tensor, attention: list, moe: list, cos: torch.Tensor, sin: torch.Tensor, pos: int,

@@ -25,6 +25,12 @@
 //       v_scales, pos, heads, kv_heads, o_w [H, Nq D]) -> [1, H]
 //   q_norm/k_norm empty: no per-head norm. Caches bf16 with empty scales, or int8 / float8_e4m3fn
 //   codes with fp32 scales. Writes k_cache/v_cache[:, pos] (and the scales'); attends positions 0..pos.
+//   attention_decode_rows_bf16(x [B,H], norm_w, eps, qkv_w, q_norm, k_norm, cos [B,D], sin [B,D],
+//       k_caches [B], v_caches [B], k_scales [B], v_scales [B], pos int[B], heads, kv_heads, o_w) -> [B, H]
+//   B rows of a batched decode step, each with its own caches (as above) and position: the layer's
+//   weights read once for all rows (attention_kernels.h attention_batch), row r bit for bit
+//   attention_decode_bf16 on row r alone. Rows sharing a cache (a verify's consecutive positions)
+//   must come in increasing positions; their K/V are all written before any row attends.
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -56,14 +62,38 @@ at::Tensor attention_decode_bf16(const at::Tensor& x_in, const at::Tensor& norm_
   return y;
 }
 
+at::Tensor attention_decode_rows_bf16(const at::Tensor& x_in, const at::Tensor& norm_w, double eps,
+                                      const at::Tensor& qkv_w, const at::Tensor& q_norm, const at::Tensor& k_norm,
+                                      const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList k_caches,
+                                      at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
+                                      at::IntArrayRef pos, int64_t heads, int64_t kv_heads, const at::Tensor& o_w) {
+  const at::Tensor x = x_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "attention_decode_rows_bf16: x must be [B, H], B >= 1");
+  TORCH_CHECK(!k_caches.empty() && !k_scales.empty() && !v_scales.empty(),
+              "attention_decode_rows_bf16: one K cache, V cache, K and V scales and position per row of x");
+  // The layer's checks on row 0's caches; every row's own in attention_row_list.
+  const AttnLayer<Bf16Proj> L = attention_layer(x.size(1), norm_w, qkv_w, q_norm, k_norm, k_caches[0], v_caches[0],
+                                                k_scales[0], v_scales[0], heads, kv_heads, o_w);
+  at::Tensor y = at::empty({x.size(0), L.H}, x.options());
+  const std::vector<AttnRow> rows = attention_row_list(x, cos, sin, k_caches, v_caches, k_scales, v_scales, pos,
+                                                       kv_heads, L.D, y, "attention_decode_rows_bf16");
+  static thread_local AttnScratch<Bf16Proj> scratch;
+  attention_batch(L, rows.data(), (int64_t)rows.size(), (float)eps, scratch);
+  return y;
+}
+
 }  // namespace
 TORCH_LIBRARY_FRAGMENT(colibri, m) {
   m.def("attention_decode_bf16(Tensor x, Tensor norm_w, float eps, Tensor qkv_w, Tensor q_norm, Tensor k_norm, "
         "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scales, Tensor(d!) v_scales, "
         "int pos, int heads, int kv_heads, "
         "Tensor o_w) -> Tensor");
+  m.def("attention_decode_rows_bf16(Tensor x, Tensor norm_w, float eps, Tensor qkv_w, Tensor q_norm, Tensor k_norm, "
+        "Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!)[] k_scales, "
+        "Tensor(d!)[] v_scales, int[] pos, int heads, int kv_heads, Tensor o_w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(colibri, CPU, m) {
   m.impl("attention_decode_bf16", &attention_decode_bf16);
+  m.impl("attention_decode_rows_bf16", &attention_decode_rows_bf16);
 }

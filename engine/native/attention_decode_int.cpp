@@ -20,6 +20,11 @@
 //   proj: (q, k, v, o) codes and scales in the stored layouts (8 tensors: int8 codes [N, K] + scales
 //   [N], or int4 packed [N, K/2] + scales_zeros [K/g, N, 2]); group 0 = int8, else int4 of that
 //   group. The caches as attention_decode_bf16 takes them; writes [:, pos] and attends 0..pos.
+//   attention_decode_int_rows(x [B,H], norm_w, eps, proj, group, q_norm, k_norm, cos [B,D], sin [B,D],
+//       k_caches [B], v_caches [B], k_scales [B], v_scales [B], pos int[B], heads, kv_heads) -> [B, H]
+//   B rows of a batched step as attention_decode_rows_bf16 takes them: each projection's weights
+//   read once for all rows (each row quantized on its own), row r bit for bit attention_decode_int
+//   on row r alone.
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -54,6 +59,27 @@ at::Tensor attention_decode_int(const at::Tensor& x_in, const at::Tensor& norm_w
   return y;
 }
 
+at::Tensor attention_decode_int_rows(const at::Tensor& x_in, const at::Tensor& norm_w, double eps, at::TensorList proj,
+                                     int64_t group, const at::Tensor& q_norm, const at::Tensor& k_norm,
+                                     const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList k_caches,
+                                     at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
+                                     at::IntArrayRef pos, int64_t heads, int64_t kv_heads) {
+  const at::Tensor x = x_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "attention_decode_int_rows: x must be [B, H], B >= 1");
+  TORCH_CHECK(proj.size() == 8, "attention_decode_int_rows: proj holds q, k, v, o codes and scales (8 tensors)");
+  TORCH_CHECK(!k_caches.empty() && !k_scales.empty() && !v_scales.empty(),
+              "attention_decode_int_rows: one K cache, V cache, K and V scales and position per row of x");
+  const AttnLayer<QuantProj> L = attention_layer_int(x.size(1), norm_w, q_norm, k_norm, proj.data(), group,
+                                                     k_caches[0], v_caches[0], k_scales[0], v_scales[0], heads,
+                                                     kv_heads);
+  at::Tensor y = at::empty({x.size(0), L.H}, x.options());
+  const std::vector<AttnRow> rows = attention_row_list(x, cos, sin, k_caches, v_caches, k_scales, v_scales, pos,
+                                                       kv_heads, L.D, y, "attention_decode_int_rows");
+  static thread_local AttnScratch<QuantProj> scratch;
+  attention_batch(L, rows.data(), (int64_t)rows.size(), (float)eps, scratch);
+  return y;
+}
+
 }  // namespace
 
 COLIBRI_INT_TARGET_END
@@ -62,6 +88,12 @@ TORCH_LIBRARY_FRAGMENT(colibri_int, m) {
   m.def("attention_decode_int(Tensor x, Tensor norm_w, float eps, Tensor[] proj, int group, Tensor q_norm, "
         "Tensor k_norm, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scales, "
         "Tensor(d!) v_scales, int pos, int heads, int kv_heads) -> Tensor");
+  m.def("attention_decode_int_rows(Tensor x, Tensor norm_w, float eps, Tensor[] proj, int group, Tensor q_norm, "
+        "Tensor k_norm, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+        "Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, int[] pos, int heads, int kv_heads) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(colibri_int, CPU, m) { m.impl("attention_decode_int", &attention_decode_int); }
+TORCH_LIBRARY_IMPL(colibri_int, CPU, m) {
+  m.impl("attention_decode_int", &attention_decode_int);
+  m.impl("attention_decode_int_rows", &attention_decode_int_rows);
+}

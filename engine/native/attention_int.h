@@ -27,55 +27,67 @@ COLIBRI_INT_TARGET_BEGIN
 
 namespace colibri_int_kernels {
 
-// A layer's projections as QMats of one kind (group 0: int8, else int4 of that group).
+// A layer's projections as QMats of one kind (group 0: int8, else int4 of that group). Several
+// activation rows (a batched step): each quantized on its own, each weight unit read once for all of
+// them (int_kernels.h rows_slots), each row's outputs rows()' bits for it alone.
 struct QuantProj {
   QMat q, k, v, o;  // q [Nq D, H], k and v [Nkv D, H], o [H, Nq D]
   struct Scratch {
-    std::vector<float> xf, yf;  // the input row as fp32; the projections' fp32 outputs
-    QuantRow xq;
+    std::vector<float> xf, yf;  // an input row as fp32; the projections' fp32 outputs [B, ld]
+    std::vector<QuantRow> xq;   // the input rows, quantized
+    std::vector<const QuantRow*> xs;
+    int64_t ld = 0;
   };
   static constexpr bool prepares_out = true;
 
-  static void quantize(const bf16* x, int64_t K, int64_t group, Scratch& s) {
+  static void quantize(const bf16* const* x, int64_t B, int64_t K, int64_t group, Scratch& s) {
     s.xf.resize(K);
-    for (int64_t i = 0; i < K; i++) s.xf[i] = to_f32(x[i]);  // exact: load_f32 of a bf16 row
-    s.xq.set(s.xf.data(), K, group);
+    if ((int64_t)s.xq.size() < B) s.xq.resize(B);
+    s.xs.resize(B);
+    for (int64_t r = 0; r < B; r++) {
+      for (int64_t i = 0; i < K; i++) s.xf[i] = to_f32(x[r][i]);  // exact: load_f32 of a bf16 row
+      s.xq[r].set(s.xf.data(), K, group);
+      s.xs[r] = &s.xq[r];
+    }
   }
-  void prepare_in(const bf16* x, int64_t H, Scratch& s) const {
-    quantize(x, H, q.group, s);
-    s.yf.resize(std::max(q.N + k.N + v.N, o.N));
+  void prepare_in(const bf16* const* x, int64_t B, int64_t H, Scratch& s) const {
+    quantize(x, B, H, q.group, s);
+    s.ld = std::max(q.N + k.N + v.N, o.N);
+    s.yf.resize(B * s.ld);
   }
-  void prepare_out(const bf16* a, int64_t Q, Scratch& s) const { quantize(a, Q, o.group, s); }
+  void prepare_out(const bf16* const* a, int64_t B, int64_t Q, Scratch& s) const { quantize(a, B, Q, o.group, s); }
 
   // This thread's share of the work units of the three matrices taken as one sequence (q's, then
   // k's, then v's), rows emitted at their offset in [q | k | v].
   template <class Emit>
-  void qkv_rows(const bf16*, int64_t, int64_t, int t, int T, Scratch& s, Emit emit) const {
+  void qkv_rows(const bf16* const*, int64_t B, int64_t, int64_t, int t, int T, Scratch& s, Emit emit) const {
     const QMat* mats[3] = {&q, &k, &v};
     int64_t b, e;
     thread_share(units(q) + units(k) + units(v), t, T, b, e);
     for (int64_t i = 0, u_base = 0, row_base = 0; i < 3; i++) {
       const QMat& m = *mats[i];
       const int64_t n = units(m);
-      share_rows(m, std::max<int64_t>(b - u_base, 0), std::min(e - u_base, n), s, row_base, emit);
+      share_rows(m, std::max<int64_t>(b - u_base, 0), std::min(e - u_base, n), B, s, row_base, emit);
       u_base += n, row_base += m.N;
     }
   }
   template <class Emit>
-  void o_rows(const bf16*, int64_t, int64_t, int t, int T, Scratch& s, Emit emit) const {
+  void o_rows(const bf16* const*, int64_t B, int64_t, int64_t, int t, int T, Scratch& s, Emit emit) const {
     int64_t b, e;
     thread_share(units(o), t, T, b, e);
-    share_rows(o, b, e, s, 0, emit);
+    share_rows(o, b, e, B, s, 0, emit);
   }
 
-  // Units [u0, u1) of m into s.yf at row_base, then emit(row_base + n, value) for each of its rows.
+  // Units [u0, u1) of m into s.yf at row_base, then emit(row, row_base + n, value) for each of its
+  // rows and each activation row (one row: rows() itself, through rows_slots).
   template <class Emit>
-  static void share_rows(const QMat& m, int64_t u0, int64_t u1, Scratch& s, int64_t row_base, Emit emit) {
+  static void share_rows(const QMat& m, int64_t u0, int64_t u1, int64_t B, Scratch& s, int64_t row_base, Emit emit) {
     if (u0 >= u1) return;
     const int64_t n0 = unit_row(m, u0), n1 = u1 < units(m) ? unit_row(m, u1) : m.N;
     float* out = s.yf.data() + row_base;
-    rows(m, s.xq, n0, n1, out + n0);
-    for (int64_t n = n0; n < n1; n++) emit(row_base + n, out[n]);
+    rows_slots(m, s.xs.data(), B, n0, n1, out, s.ld);
+    for (int64_t r = 0; r < B; r++)
+      for (int64_t n = n0; n < n1; n++) emit(r, row_base + n, out[r * s.ld + n]);
   }
 };
 

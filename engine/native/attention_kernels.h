@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bf16_kernels.h"
@@ -139,27 +140,38 @@ inline KvRows kv_rows(const at::Tensor& cache, const at::Tensor& scales, const c
 }
 
 // The bf16 projections: q/k/v as one fused [(Nq + 2 Nkv) D, H] matrix and o_proj [H, Nq D], bf16 rows
-// (the other kind, int8 / int4 QMats, is attention_int.h's QuantProj). attention_rows calls
+// (the other kind, int8 / int4 QMats, is attention_int.h's QuantProj). attention_batch calls
 // prepare_in once before its parallel region, qkv_rows / o_rows from every thread (each emits
-// emit(n, fp32 dot) for its rows), and prepare_out in a single between the heads and o_proj where
-// prepares_out says so (bf16: no extra barrier, the loop as before the template).
+// emit(row, n, fp32 dot) for its weight rows and every activation row), and prepare_out in a single
+// between the heads and o_proj where prepares_out says so (bf16: no extra barrier, the loop as
+// before the template). One activation row: dot_rows, the one-token stream; several (a batched
+// step): each weight row read once and dotted with all of them (dot_many), every output dot()'s bits.
 struct Bf16Proj {
   const bf16 *qkv_w = nullptr, *o_w = nullptr;
   struct Scratch {};
   static constexpr bool prepares_out = false;
-  void prepare_in(const bf16*, int64_t, Scratch&) const {}
-  void prepare_out(const bf16*, int64_t, Scratch&) const {}
+  void prepare_in(const bf16* const*, int64_t, int64_t, Scratch&) const {}
+  void prepare_out(const bf16* const*, int64_t, int64_t, Scratch&) const {}
   template <class Emit>
-  void qkv_rows(const bf16* x, int64_t H, int64_t N, int t, int T, Scratch&, Emit emit) const {
+  static void share(const bf16* w, const bf16* const* x, int64_t B, int64_t K, int64_t N, int t, int T, Emit emit) {
     int64_t b, e;
     thread_share(N, t, T, b, e);
-    dot_rows(qkv_w, H, x, b, e, emit);
+    if (B == 1) return dot_rows(w, K, x[0], b, e, [&](int64_t n, float v) { emit(0, n, v); });
+    float out[4];
+    for (int64_t n = b; n < e; n++)
+      for (int64_t r = 0; r < B; r += 4) {
+        const int64_t c = std::min<int64_t>(4, B - r);
+        dot_many(w + n * K, x + r, c, K, out);
+        for (int64_t j = 0; j < c; j++) emit(r + j, n, out[j]);
+      }
   }
   template <class Emit>
-  void o_rows(const bf16* a, int64_t Q, int64_t H, int t, int T, Scratch&, Emit emit) const {
-    int64_t b, e;
-    thread_share(H, t, T, b, e);
-    dot_rows(o_w, Q, a, b, e, emit);
+  void qkv_rows(const bf16* const* x, int64_t B, int64_t H, int64_t N, int t, int T, Scratch&, Emit emit) const {
+    share(qkv_w, x, B, H, N, t, T, emit);
+  }
+  template <class Emit>
+  void o_rows(const bf16* const* a, int64_t B, int64_t Q, int64_t H, int t, int T, Scratch&, Emit emit) const {
+    share(o_w, a, B, Q, H, t, T, emit);
   }
 };
 
@@ -219,33 +231,50 @@ template <class Proj>
 struct AttnScratch {  // per calling thread, reused across calls: no allocation per token
   std::vector<bf16> normed, qkv, attn;
   std::vector<float> tmp;
+  std::vector<const bf16*> normed_rows, attn_rows;
   typename Proj::Scratch proj;
 };
 
-// y = x + o_proj(attention(rope(norm_heads(qkv_proj(rms_norm(x)))))) for one token at `pos`
-// (0 <= pos < ctx), writing the caches' rows at pos. x and y [H] may not alias.
+// One row of attention_batch: its input x [H], rope row cos/sin [D], position, the K/V cache it
+// writes (at pos) and attends (0..pos), and its output y [H] (not aliasing x).
+struct AttnRow {
+  const bf16 *x, *cos, *sin;
+  int64_t pos;
+  KvRows k_cache, v_cache;
+  bf16* y;
+};
+
+// y = x + o_proj(attention(rope(norm_heads(qkv_proj(rms_norm(x)))))) for B rows, each one token at
+// its own position of its own cache (B sequences in one step), or consecutive positions of one cache
+// (a verify): the layer's weights read once for all rows (the projections' qkv_rows / o_rows), every
+// row's values computed as for that row alone, so each row is bit for bit the one-row call (B = 1,
+// attention_rows). Phases: the q/k/v rows of every row | per row, in row order, its per-head norms,
+// rope and cache write | every row's heads | o_proj rows. All writes land before any head reads, and a
+// row attends only positions <= its own: rows sharing a cache give the one-at-a-time bits where their
+// positions increase with the row (the caller checks).
 template <class Proj>
-inline void attention_rows(const AttnLayer<Proj>& L, const bf16* xp, const bf16* cp, const bf16* sp, int64_t pos,
-                           float eps, AttnScratch<Proj>& s, bf16* yp) {
-  const int64_t H = L.H, D = L.D, ctx = L.ctx, heads = L.heads, kv_heads = L.kv_heads;
-  const int64_t Q = heads * D, KV = kv_heads * D;
+inline void attention_batch(const AttnLayer<Proj>& L, const AttnRow* R, int64_t B, float eps, AttnScratch<Proj>& s) {
+  const int64_t H = L.H, D = L.D, heads = L.heads, kv_heads = L.kv_heads;
+  const int64_t Q = heads * D, KV = kv_heads * D, W = Q + 2 * KV;
   const bf16 *qn = L.q_norm, *kn = L.k_norm;
   const Proj& proj = L.proj;
-  const KvRows &kc = L.k_cache, &vc = L.v_cache;
-  s.normed.resize(H), s.qkv.resize(Q + 2 * KV), s.attn.resize(Q), s.tmp.resize(D);
-  {  // the input norm: as layers.rms_norm of one token
+  s.normed.resize(B * H), s.qkv.resize(B * W), s.attn.resize(B * Q), s.tmp.resize(D);
+  s.normed_rows.resize(B), s.attn_rows.resize(B);
+  for (int64_t r = 0; r < B; r++) {  // the input norm: as layers.rms_norm of one token
+    const bf16* xp = R[r].x;
+    bf16* normed = s.normed.data() + r * H;
     float ss = 0.0f;
     for (int64_t i = 0; i < H; i++) ss += to_f32(xp[i]) * to_f32(xp[i]);
     const float inv = 1.0f / std::sqrt(ss / (float)H + eps);
     const bf16* nw = L.norm_w;
-    for (int64_t i = 0; i < H; i++) s.normed[i] = to_bf16(to_f32(nw[i]) * round_bf16(to_f32(xp[i]) * inv));
+    for (int64_t i = 0; i < H; i++) normed[i] = to_bf16(to_f32(nw[i]) * round_bf16(to_f32(xp[i]) * inv));
+    s.normed_rows[r] = normed;
+    s.attn_rows[r] = s.attn.data() + r * Q;
   }
   bf16* qkv = s.qkv.data();
-  const bf16* normed = s.normed.data();
-  proj.prepare_in(normed, H, s.proj);  // (int: the row quantized once, as the int linear op does)
-  bf16 *q = qkv, *k = qkv + Q, *v = qkv + Q + KV;
+  proj.prepare_in(s.normed_rows.data(), B, H, s.proj);  // (int: each row quantized once, as the int linear op does)
   float* tmp = s.tmp.data();
-  const int64_t S = pos + 1, group = heads / kv_heads;
+  const int64_t group = heads / kv_heads;
   const float scale = 1.0f / std::sqrt((float)D);
   bf16* attn = s.attn.data();
   // One parallel region (q/k/v rows | per-head norms, rope, cache write | heads | o_proj rows),
@@ -254,29 +283,37 @@ inline void attention_rows(const AttnLayer<Proj>& L, const bf16* xp, const bf16*
   {
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
     int64_t b, e;
-    proj.qkv_rows(normed, H, Q + 2 * KV, t, T, s.proj, [&](int64_t n, float val) { qkv[n] = to_bf16(val); });
+    proj.qkv_rows(s.normed_rows.data(), B, H, W, t, T, s.proj,
+                  [&](int64_t r, int64_t n, float val) { qkv[r * W + n] = to_bf16(val); });
 #pragma omp barrier
 #pragma omp single
-    {  // a few hundred elements: one thread (the single's implicit barrier publishes them)
-      if (qn) {
-        norm_heads(q, heads, D, qn, eps);
-        norm_heads(k, kv_heads, D, kn, eps);
-      }
-      rope_heads(q, heads, D, cp, sp, tmp);
-      rope_heads(k, kv_heads, D, cp, sp, tmp);
-      for (int64_t g = 0; g < kv_heads; g++) {  // the cache rows of this position (quantized: their codes)
-        kc.write(g, pos, k + g * D);
-        vc.write(g, pos, v + g * D);
+    {  // a few hundred elements a row: one thread (the single's implicit barrier publishes them)
+      for (int64_t r = 0; r < B; r++) {
+        bf16 *q = qkv + r * W, *k = q + Q, *v = q + Q + KV;
+        if (qn) {
+          norm_heads(q, heads, D, qn, eps);
+          norm_heads(k, kv_heads, D, kn, eps);
+        }
+        rope_heads(q, heads, D, R[r].cos, R[r].sin, tmp);
+        rope_heads(k, kv_heads, D, R[r].cos, R[r].sin, tmp);
+        for (int64_t g = 0; g < kv_heads; g++) {  // the cache rows of this position (quantized: their codes)
+          R[r].k_cache.write(g, R[r].pos, k + g * D);
+          R[r].v_cache.write(g, R[r].pos, v + g * D);
+        }
       }
     }
-    thread_share(heads, t, T, b, e);
-    // This thread's heads, a run of one K/V head's group at a time: each block of cache rows is
-    // read (quantized: its codes converted) once for the run, not once per query head. Per head the sums
-    // run in the same order as one head alone (positions ascending), whatever the runs.
+    thread_share(B * heads, t, T, b, e);
+    // This thread's (row, head) items, a run of one row's K/V head group at a time: each block of
+    // cache rows is read (quantized: its codes converted) once for the run, not once per query head.
+    // Per head the sums run in the same order as one head alone (positions ascending), whatever the runs.
     static thread_local std::vector<float> p, acc, m, sum;  // per worker thread, reused across calls
     static thread_local std::vector<bf16> block;            // codes as bf16 (quantized caches)
-    for (int64_t h0 = b; h0 < e;) {
-      const int64_t g = h0 / group, h1 = std::min(e, (g + 1) * group), n = h1 - h0;
+    for (int64_t i0 = b; i0 < e;) {
+      const int64_t r = i0 / heads, h0 = i0 % heads, g = h0 / group;
+      const int64_t h1 = std::min(e - r * heads, (g + 1) * group), n = h1 - h0;
+      const KvRows &kc = R[r].k_cache, &vc = R[r].v_cache;
+      const int64_t S = R[r].pos + 1;
+      const bf16* q = qkv + r * W;
       p.resize(n * S), acc.resize(n * D), m.assign(n, -INFINITY), sum.assign(n, 0.0f);
       if (kc.code != KvCode::bf16) block.resize(KV_BLOCK * D);
       for (int64_t j0 = 0; j0 < S; j0 += KV_BLOCK) {
@@ -314,19 +351,74 @@ inline void attention_rows(const AttnLayer<Proj>& L, const bf16* xp, const bf16*
           }
         }
       }
+      bf16* ar = attn + r * Q;
       for (int64_t h = 0; h < n; h++)
-        for (int64_t i = 0; i < D; i++) attn[(h0 + h) * D + i] = to_bf16(acc[h * D + i] / sum[h]);
-      h0 = h1;
+        for (int64_t i = 0; i < D; i++) ar[(h0 + h) * D + i] = to_bf16(acc[h * D + i] / sum[h]);
+      i0 = r * heads + h1;
     }
 #pragma omp barrier
     if constexpr (Proj::prepares_out) {
 #pragma omp single
-      proj.prepare_out(attn, Q, s.proj);  // (the single's implicit barrier publishes it)
+      proj.prepare_out(s.attn_rows.data(), B, Q, s.proj);  // (the single's implicit barrier publishes it)
     }
     // o_proj, then the residual add
-    proj.o_rows(attn, Q, H, t, T, s.proj,
-                [&](int64_t n, float val) { yp[n] = to_bf16(to_f32(xp[n]) + round_bf16(val)); });
+    proj.o_rows(s.attn_rows.data(), B, Q, H, t, T, s.proj, [&](int64_t r, int64_t n, float val) {
+      R[r].y[n] = to_bf16(to_f32(R[r].x[n]) + round_bf16(val));
+    });
   }
+}
+
+// The rows of a batched op, checked: x [B, H] bf16 (contiguous), cos/sin [B, D] (row r at r * D),
+// per row a K and a V cache [Nkv, ctx, D] (each row's own ctx; bf16, or int8 / e4m3 codes with their
+// [Nkv, ctx] fp32 scales, as kv_rows takes one) and a position in the cache; y [B, H] out. Rows that
+// share a cache must come in increasing positions (attention_batch writes every row's K/V before any
+// row attends), and a cache is K for all its rows or V for all.
+inline std::vector<AttnRow> attention_row_list(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                               at::TensorList k_caches, at::TensorList v_caches,
+                                               at::TensorList k_scales, at::TensorList v_scales,
+                                               at::IntArrayRef pos, int64_t kv_heads, int64_t D, at::Tensor& y,
+                                               const std::string& what) {
+  const int64_t B = x.size(0), H = x.size(1);
+  TORCH_CHECK((int64_t)k_caches.size() == B && (int64_t)v_caches.size() == B && (int64_t)pos.size() == B &&
+                  (int64_t)k_scales.size() == B && (int64_t)v_scales.size() == B,
+              what, ": one K cache, V cache, K and V scales and position per row of x");
+  TORCH_CHECK(cos.numel() == B * D && sin.numel() == B * D, what, ": cos/sin must be [B, D]");
+  const bf16 *xp = bf16_data(x, "x"), *cp = bf16_data(cos, "cos"), *sp = bf16_data(sin, "sin");
+  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
+  std::vector<AttnRow> rows(B);
+  std::vector<std::pair<const void*, int64_t>> last;  // (cache data, (row, position) of its latest row)
+  std::vector<std::pair<const void*, bool>> role;     // (cache data, is a K cache)
+  for (int64_t r = 0; r < B; r++) {
+    const at::Tensor &kc = k_caches[r], &vc = v_caches[r];
+    TORCH_CHECK(kc.dim() == 3 && kc.sizes() == vc.sizes() && kc.size(0) == kv_heads && kc.size(2) == D &&
+                    kc.scalar_type() == vc.scalar_type(),
+                what, ": row ", r, ": caches must be [Nkv, ctx, D] of the layer's Nkv and D, both of one dtype");
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < kc.size(1), what, ": row ", r, ": position ", pos[r], " outside its cache");
+    for (int c = 0; c < 2; c++) {
+      const void* data = (c ? vc : kc).data_ptr();
+      for (const auto& [d, is_k] : role)
+        TORCH_CHECK(d != data || is_k == (c == 0), what, ": row ", r, ": one tensor is a K cache and a V cache");
+      role.push_back({data, c == 0});
+      for (auto& [d, p] : last)
+        if (d == data) {
+          TORCH_CHECK(pos[r] > p, what, ": row ", r, ": rows that share a cache must come in increasing positions");
+        }
+      last.push_back({data, pos[r]});
+    }
+    rows[r] = {xp + r * H, cp + r * D, sp + r * D, pos[r], kv_rows(kc, k_scales[r], (what + ": k_cache").c_str()),
+               kv_rows(vc, v_scales[r], (what + ": v_cache").c_str()), yp + r * H};
+  }
+  return rows;
+}
+
+// y = x + o_proj(attention(rope(norm_heads(qkv_proj(rms_norm(x)))))) for one token at `pos`
+// (0 <= pos < ctx), writing the layer's caches' rows at pos: attention_batch of one row. x and y [H]
+// may not alias.
+template <class Proj>
+inline void attention_rows(const AttnLayer<Proj>& L, const bf16* xp, const bf16* cp, const bf16* sp, int64_t pos,
+                           float eps, AttnScratch<Proj>& s, bf16* yp) {
+  const AttnRow row{xp, cp, sp, pos, L.k_cache, L.v_cache, yp};
+  attention_batch(L, &row, 1, eps, s);
 }
 
 }  // namespace colibri_native

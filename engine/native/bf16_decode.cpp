@@ -1,16 +1,20 @@
-// bf16 matrix-vector products for one decode token (T == 1), with AVX512-BF16.
+// bf16 matrix-vector products for decode: one token (T == 1), or a batched step's few rows
+// (several sequences at once, or a speculative verify's positions), with AVX512-BF16.
 //
 // Why: at M = 1 torch's bf16 matmul (oneDNN brgemm on this CPU class) reaches 10-17 GB/s of
 // weight bandwidth on 2 cores, a quarter of what the memory gives, because the GEMM kernel is
 // built for tiles of many rows; decode is a stream of dot products, one per weight row. Here
 // each output is one row of W read once with vdpbf16ps (fp32 accumulation) against the input
-// row held in cache.
+// row held in cache. With several rows each weight row is read once and dotted with all of them
+// (bf16_kernels.h dot_multi): the weights stream once per step, not once per row.
 //
 // Determinism: every output element is computed by one thread, in one fixed order (two
 // accumulators over 32-element blocks, then one horizontal sum), whatever the thread count
 // and however the rows are split. So an expert computed alone (streaming: as its read lands)
 // and the same expert inside a batched call (resident: all the layer's experts at once) give
-// the same bits, which the placement-invariance tests rely on.
+// the same bits, which the placement-invariance tests rely on. Rows of x never share an
+// accumulation: row m of an M-row call (linear_bf16, experts_rows_bf16) is, bit for bit, what the
+// call with that row alone gives, so a sequence decodes the same tokens batched or alone.
 //
 // Roundings follow the torch ops they replace: the products are rounded to bf16 like the
 // outputs of F.linear, SwiGLU's silu and product each round to bf16 like F.silu and `*` on
@@ -20,6 +24,9 @@
 //   linear_bf16(x [M,K], w [N,K]) -> [M,N]                        y = x @ w.T
 //   experts_bf16(x [1,H], weights, per_expert) -> [E,H]           SwiGLU of E experts on x;
 //       weights = per expert (gate_up [2I,H], down [H,I]) or (gate [I,H], up [I,H], down [H,I])
+//   experts_rows_bf16(x [M,H], weights, per_expert, slot_row int64 [S], slot_expert int64 [S]) -> [S,H]
+//       slot s: expert slot_expert[s] (of the E given, as experts_bf16 takes them) on row slot_row[s]
+//       of x, bit for bit experts_bf16(x[r:r+1], that expert); the slots sorted by expert (checked)
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -46,39 +53,66 @@ at::Tensor linear_bf16(const at::Tensor& x_in, const at::Tensor& w) {
   const bf16* wp = bf16_data(w, "w");
   at::Tensor y = at::empty({M, N}, x.options());
   bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
+  if (M == 1) {  // decode: one stream of rows (dot_rows)
+    at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
+      dot_rows(wp, K, xp, begin, end, [&](int64_t n, float v) { yp[n] = to_bf16(v); });
+    });
+    return y;
+  }
+  // Several rows (batched decode): each weight row read once and dotted with every row of x (four at
+  // a time in registers, dot_many), n outer, m inner; each output is dot()'s bits for that row, as
+  // a call with the row alone gives.
+  std::vector<const bf16*> xs(M);
+  for (int64_t m = 0; m < M; m++) xs[m] = xp + m * K;
   at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t m = 0; m < M; m++)
-      dot_rows(wp, K, xp + m * K, begin, end, [&](int64_t n, float v) { yp[m * N + n] = to_bf16(v); });
+    float out[4];
+    for (int64_t n = begin; n < end; n++)
+      for (int64_t m = 0; m < M; m += 4) {
+        const int64_t c = std::min<int64_t>(4, M - m);
+        dot_many(wp + n * K, xs.data() + m, c, K, out);
+        for (int64_t j = 0; j < c; j++) yp[(m + j) * N + n] = to_bf16(out[j]);
+      }
   });
   return y;
 }
 
-at::Tensor experts_bf16(const at::Tensor& x_in, at::TensorList weights, int64_t per_expert) {
-  TORCH_CHECK(per_expert == 2 || per_expert == 3, "experts_bf16: 2 or 3 weights per expert");
-  TORCH_CHECK(weights.size() > 0 && weights.size() % per_expert == 0, "experts_bf16: weights come per expert");
-  const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "experts_bf16: x must be [1, H]");
-  const int64_t E = weights.size() / per_expert, H = x.size(1);
+// Each expert's gate, up and down rows from the op's weights (per expert (gate_up, down) or (gate, up,
+// down)), checked: all experts [I, H] / [H, I] of one I. Returns I.
+int64_t expert_rows(at::TensorList weights, int64_t per_expert, int64_t H, const char* op, std::vector<const bf16*>& gate,
+                    std::vector<const bf16*>& up, std::vector<const bf16*>& down) {
+  TORCH_CHECK(per_expert == 2 || per_expert == 3, op, ": 2 or 3 weights per expert");
+  TORCH_CHECK(weights.size() > 0 && weights.size() % per_expert == 0, op, ": weights come per expert");
+  const int64_t E = weights.size() / per_expert;
   const at::Tensor& down0 = weights[per_expert - 1];
-  TORCH_CHECK(down0.dim() == 2 && down0.size(0) == H, "experts_bf16: down must be [H, I]");
+  TORCH_CHECK(down0.dim() == 2 && down0.size(0) == H, op, ": down must be [H, I]");
   const int64_t I = down0.size(1);
-  std::vector<const bf16*> gate(E), up(E), down(E);
+  gate.resize(E), up.resize(E), down.resize(E);
   for (int64_t e = 0; e < E; e++) {
     const at::Tensor* w = &weights[e * per_expert];
     const at::Tensor& d = w[per_expert - 1];
-    TORCH_CHECK(d.dim() == 2 && d.size(0) == H && d.size(1) == I, "experts_bf16: down must be [H, I]");
+    TORCH_CHECK(d.dim() == 2 && d.size(0) == H && d.size(1) == I, op, ": down must be [H, I]");
     down[e] = bf16_data(d, "down");
     if (per_expert == 2) {
-      TORCH_CHECK(w[0].dim() == 2 && w[0].size(0) == 2 * I && w[0].size(1) == H, "experts_bf16: gate_up must be [2I, H]");
+      TORCH_CHECK(w[0].dim() == 2 && w[0].size(0) == 2 * I && w[0].size(1) == H, op, ": gate_up must be [2I, H]");
       gate[e] = bf16_data(w[0], "gate_up");
       up[e] = gate[e] + I * H;
     } else {
       for (int j = 0; j < 2; j++)
-        TORCH_CHECK(w[j].dim() == 2 && w[j].size(0) == I && w[j].size(1) == H, "experts_bf16: gate/up must be [I, H]");
+        TORCH_CHECK(w[j].dim() == 2 && w[j].size(0) == I && w[j].size(1) == H, op, ": gate/up must be [I, H]");
       gate[e] = bf16_data(w[0], "gate");
       up[e] = bf16_data(w[1], "up");
     }
   }
+  return I;
+}
+
+at::Tensor experts_bf16(const at::Tensor& x_in, at::TensorList weights, int64_t per_expert) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "experts_bf16: x must be [1, H]");
+  const int64_t H = x.size(1);
+  std::vector<const bf16*> gate, up, down;
+  const int64_t I = expert_rows(weights, per_expert, H, "experts_bf16", gate, up, down);
+  const int64_t E = gate.size();
   const bf16* xp = bf16_data(x, "x");
   at::Tensor h = at::empty({E, I}, x.options());  // silu(gate x) * (up x), per expert
   at::Tensor y = at::empty({E, H}, x.options());
@@ -87,14 +121,49 @@ at::Tensor experts_bf16(const at::Tensor& x_in, at::TensorList weights, int64_t 
   return y;
 }
 
+at::Tensor experts_rows_bf16(const at::Tensor& x_in, at::TensorList weights, int64_t per_expert,
+                             const at::Tensor& slot_row_in, const at::Tensor& slot_expert_in) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2, "experts_rows_bf16: x must be [M, H]");
+  const int64_t M = x.size(0), H = x.size(1);
+  std::vector<const bf16*> gate, up, down;
+  const int64_t I = expert_rows(weights, per_expert, H, "experts_rows_bf16", gate, up, down);
+  const int64_t E = gate.size();
+  const at::Tensor slot_row = slot_row_in.contiguous(), slot_expert = slot_expert_in.contiguous();
+  TORCH_CHECK(slot_row.scalar_type() == at::kLong && slot_expert.scalar_type() == at::kLong && slot_row.dim() == 1 &&
+                  slot_expert.sizes() == slot_row.sizes() && slot_row.device().is_cpu() && slot_expert.device().is_cpu(),
+              "experts_rows_bf16: slot_row and slot_expert must be int64 [S] CPU tensors");
+  const int64_t S = slot_row.size(0);
+  const int64_t *row = slot_row.data_ptr<int64_t>(), *expert = slot_expert.data_ptr<int64_t>();
+  const bf16* xp = bf16_data(x, "x");
+  std::vector<const bf16*> xs(S);
+  std::vector<int64_t> ex, first;  // the experts with slots, and where each one's slots begin
+  for (int64_t s = 0; s < S; s++) {
+    TORCH_CHECK(row[s] >= 0 && row[s] < M, "experts_rows_bf16: slot_row[", s, "] = ", row[s], " is not a row of x");
+    TORCH_CHECK(expert[s] >= 0 && expert[s] < E, "experts_rows_bf16: slot_expert[", s, "] = ", expert[s],
+                " is not one of the ", E, " experts");
+    TORCH_CHECK(s == 0 || expert[s] >= expert[s - 1], "experts_rows_bf16: the slots must be sorted by expert");
+    if (s == 0 || expert[s] != expert[s - 1]) ex.push_back(expert[s]), first.push_back(s);
+    xs[s] = xp + row[s] * H;
+  }
+  first.push_back(S);
+  at::Tensor h = at::empty({S, I}, x.options());  // silu(gate x) * (up x), per slot
+  at::Tensor y = at::empty({S, H}, x.options());
+  swiglu_slots(xs.data(), gate.data(), up.data(), down.data(), ex.data(), first.data(), (int64_t)ex.size(), H, I,
+               reinterpret_cast<bf16*>(h.data_ptr()), reinterpret_cast<bf16*>(y.data_ptr()));
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(colibri, m) {
   m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("experts_bf16(Tensor x, Tensor[] weights, int per_expert) -> Tensor");
+  m.def("experts_rows_bf16(Tensor x, Tensor[] weights, int per_expert, Tensor slot_row, Tensor slot_expert) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(colibri, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
   m.impl("experts_bf16", &experts_bf16);
+  m.impl("experts_rows_bf16", &experts_rows_bf16);
 }

@@ -1,7 +1,9 @@
-// The bf16 decode kernels that several ops share: the AVX512-BF16 dot product and the SwiGLU of a
-// set of experts on one token. Header-only (inline), included by bf16_decode.cpp (linear_bf16,
-// experts_bf16) and moe_decode.cpp (the fused MoE layer), so an expert computed by either op is the
-// same code, the same order of sums and the same bits.
+// The bf16 decode kernels that several ops share: the AVX512-BF16 dot product (of one activation
+// row, or of several against one weight row: batched decode), the SwiGLU of a set of experts on one
+// token, and the SwiGLU of a batched step's experts on the rows routed to each. Header-only
+// (inline), included by bf16_decode.cpp (linear_bf16, experts_bf16, experts_rows_bf16) and
+// moe_decode.cpp (the fused MoE layer), so an expert computed by either op is the same code, the
+// same order of sums and the same bits.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -49,6 +51,50 @@ inline void dot_rows(const bf16* w, int64_t K, const bf16* x, int64_t begin, int
   for (int64_t n = begin; n < end; n++) emit(n, dot(w + n * K, x, K));
 }
 
+// One weight row w [K] against R activation rows x[0..R) (R <= 4): out[r] = dot(w, x[r], K) bit for
+// bit. Why: batched decode (several sequences in one step, or a speculative verify's k+1 positions)
+// dots each weight row with every row routed to it; here each 32-weight block is loaded once into a
+// register for all R rows, so the weights stream from memory once per call, not once per row. Rows
+// never share an accumulation: row r has its own two accumulators, fed the same blocks in the same
+// order as dot() feeds its pair, and the same horizontal sum, so every output is dot()'s bits. (One
+// weight stream still: not the several weight rows per pass that dot_rows declines above.)
+template <int R>
+inline void dot_multi(const bf16* w, const bf16* const* x, int64_t K, float* out) {
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512bh w0 = load32(w + k), w1 = load32(w + k + 32);
+    for (int r = 0; r < R; r++) {
+      a0[r] = _mm512_dpbf16_ps(a0[r], w0, load32(x[r] + k));
+      a1[r] = _mm512_dpbf16_ps(a1[r], w1, load32(x[r] + k + 32));
+    }
+  }
+  if (k + 32 <= K) {
+    const __m512bh w0 = load32(w + k);
+    for (int r = 0; r < R; r++) a0[r] = _mm512_dpbf16_ps(a0[r], w0, load32(x[r] + k));
+    k += 32;
+  }
+  if (k < K) {
+    const __m512bh wt = load_tail(w + k, K - k);
+    for (int r = 0; r < R; r++) a1[r] = _mm512_dpbf16_ps(a1[r], wt, load_tail(x[r] + k, K - k));
+  }
+  for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+}
+
+// One weight row against any number n of activation rows: out[j] = dot(w, x[j], K), four rows a pass
+// (dot_multi), one row alone by dot() itself. The row stays in L1 between passes.
+inline void dot_many(const bf16* w, const bf16* const* x, int64_t n, int64_t K, float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) dot_multi<4>(w, x + j, K, out + j);
+  switch (n - j) {
+    case 3: dot_multi<3>(w, x + j, K, out + j); break;
+    case 2: dot_multi<2>(w, x + j, K, out + j); break;
+    case 1: out[j] = dot(w, x[j], K); break;
+    default: break;
+  }
+}
+
 // This thread's share [begin, end) of n items split over T threads: the static partition of the
 // one-region kernels (each thread's rows one contiguous stream).
 inline void thread_share(int64_t n, int t, int T, int64_t& begin, int64_t& end) {
@@ -93,6 +139,46 @@ inline void swiglu_experts(const bf16* x, const bf16* const* gate, const bf16* c
   at::parallel_for(0, E * I, GRAIN, [&](int64_t b, int64_t e) { gate_up_rows(x, gate, up, H, I, b, e, h); });
   at::parallel_for(0, E * H, GRAIN, [&](int64_t b, int64_t e) {  // expert-major: each expert's down rows one stream
     for (int64_t r = b; r < e; r++) y[r] = to_bf16(dot(down[r / H] + (r % H) * I, h + (r / H) * I, I));
+  });
+}
+
+// The experts of a batched decode step: S slots, slot s applying one expert to one activation row
+// (xs[s], [H]); the slots sorted by expert, A experts with slots: expert ex[a] (an index into gate, up,
+// down) takes slots [first[a], first[a+1]). h [S, I] scratch, y [S, H] out. Each weight row of an
+// expert (gate/up row i, down row n) is read once for all its slots (dot_many: the row in registers
+// for four slots at a time), so a step reads each expert once whatever the rows it serves. Every
+// value is swiglu_experts' for that slot's row alone (the same dot() bits, the same roundings: a slot
+// never shares an accumulation with another), so a sequence decodes the same bits in a batch as
+// alone. Parallel over the experts' weight rows as swiglu_experts (two at::parallel_for loops).
+inline void swiglu_slots(const bf16* const* xs, const bf16* const* gate, const bf16* const* up,
+                         const bf16* const* down, const int64_t* ex, const int64_t* first, int64_t A, int64_t H,
+                         int64_t I, bf16* h, bf16* y) {
+  at::parallel_for(0, A * I, GRAIN, [&](int64_t b, int64_t e) {
+    float gd[4], ud[4];
+    for (int64_t r = b; r < e; r++) {
+      const int64_t a = r / I, i = r % I, s0 = first[a], s1 = first[a + 1];
+      const bf16 *g = gate[ex[a]] + i * H, *u = up[ex[a]] + i * H;
+      for (int64_t s = s0; s < s1; s += 4) {
+        const int64_t n = std::min<int64_t>(4, s1 - s);
+        dot_many(g, xs + s, n, H, gd);
+        dot_many(u, xs + s, n, H, ud);
+        for (int64_t j = 0; j < n; j++) h[(s + j) * I + i] = swiglu_value(gd[j], ud[j]);
+      }
+    }
+  });
+  at::parallel_for(0, A * H, GRAIN, [&](int64_t b, int64_t e) {  // expert-major: each expert's down rows one stream
+    const bf16* hs[4];
+    float yd[4];
+    for (int64_t r = b; r < e; r++) {
+      const int64_t a = r / H, n = r % H, s0 = first[a], s1 = first[a + 1];
+      const bf16* d = down[ex[a]] + n * I;
+      for (int64_t s = s0; s < s1; s += 4) {
+        const int64_t c = std::min<int64_t>(4, s1 - s);
+        for (int64_t j = 0; j < c; j++) hs[j] = h + (s + j) * I;
+        dot_many(d, hs, c, I, yd);
+        for (int64_t j = 0; j < c; j++) y[(s + j) * H + n] = to_bf16(yd[j]);
+      }
+    }
   });
 }
 

@@ -1,6 +1,8 @@
 // The int8 / int4 decode ops over the kernels of int_kernels.h (which says how they compute):
-// one quantized matrix against activation rows, and the SwiGLU of several quantized experts on one
-// token (the per-layer batched call of the unfused decode, and the per-expert call of streaming).
+// one quantized matrix against activation rows, the SwiGLU of several quantized experts on one
+// token (the per-layer batched call of the unfused decode, and the per-expert call of streaming), and
+// that SwiGLU for a batched decode step (several rows, each routed to its own experts). Rows never
+// share a sum: every output row is what the op gives for that row alone.
 //
 // Ops (namespace colibri_int):
 //   int8_linear(x [M,K], codes int8 [N,K], scales [N]) -> [M,N]               x's dtype (bf16|fp32)
@@ -11,6 +13,10 @@
 //       false (out untouched) where a scale is not finite and > 0 or a zero not finite
 //   experts(x [1,H], weights, group) -> [E,H]  SwiGLU of E quantized experts; weights per expert:
 //       (gate codes, gate scales, up codes, up scales, down codes, down scales); group 0 = int8
+//   experts_rows(x [M,H], weights, group, slot_row int64 [S], slot_expert int64 [S]) -> [S,H]
+//       batched decode: slot s is expert slot_expert[s] (of the E given) on row slot_row[s] of x, bit
+//       for bit experts(x[r:r+1], that expert alone); the slots sorted by expert (checked); each
+//       expert's weights read once for all its slots (int_kernels.h quant_swiglu_slots)
 
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -81,13 +87,13 @@ bool int4_strips(const at::Tensor& packed, const at::Tensor& sz, int64_t group, 
                        out.data_ptr<uint8_t>());
 }
 
-at::Tensor experts(const at::Tensor& x_in, at::TensorList w, int64_t group) {
-  TORCH_CHECK(w.size() > 0 && w.size() % 6 == 0, "experts: 6 tensors per expert (gate, up, down: codes, scales)");
-  const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "experts: x must be [1, H]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bf16 or fp32");
-  const int64_t E = w.size() / 6, H = x.size(1);
-  std::vector<QMat> gate(E), up(E), down(E);
+// The op's experts (6 tensors each: gate, up, down codes and scales) as QMats, checked: gate/up
+// [I, H], down [H, I], one I for all. Returns E.
+int64_t quant_expert_mats(at::TensorList w, int64_t group, int64_t H, const char* op, std::vector<QMat>& gate,
+                          std::vector<QMat>& up, std::vector<QMat>& down) {
+  TORCH_CHECK(w.size() > 0 && w.size() % 6 == 0, op, ": 6 tensors per expert (gate, up, down: codes, scales)");
+  const int64_t E = w.size() / 6;
+  gate.resize(E), up.resize(E), down.resize(E);
   for (int64_t e = 0; e < E; e++) {
     const at::Tensor* t = &w[e * 6];
     gate[e] = group ? int4_mat(t[0], t[1], group) : int8_mat(t[0], t[1]);
@@ -95,8 +101,18 @@ at::Tensor experts(const at::Tensor& x_in, at::TensorList w, int64_t group) {
     down[e] = group ? int4_mat(t[4], t[5], group) : int8_mat(t[4], t[5]);
     TORCH_CHECK(gate[e].K == H && up[e].K == H && up[e].N == gate[e].N && down[e].N == H &&
                 down[e].K == gate[e].N && gate[e].N == gate[0].N,
-                "experts: gate/up must be [I, H] and down [H, I], the same I for every expert");
+                op, ": gate/up must be [I, H] and down [H, I], the same I for every expert");
   }
+  return E;
+}
+
+at::Tensor experts(const at::Tensor& x_in, at::TensorList w, int64_t group) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "experts: x must be [1, H]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bf16 or fp32");
+  const int64_t H = x.size(1);
+  std::vector<QMat> gate, up, down;
+  const int64_t E = quant_expert_mats(w, group, H, "experts", gate, up, down);
   static thread_local std::vector<float> xf;
   static thread_local SwigluScratch s;
   xf.resize(H);
@@ -104,6 +120,51 @@ at::Tensor experts(const at::Tensor& x_in, at::TensorList w, int64_t group) {
   quant_swiglu(xf.data(), gate.data(), up.data(), down.data(), E, x.scalar_type() == at::kBFloat16, s);
   at::Tensor y = at::empty({E, H}, x.options());
   for (int64_t i = 0; i < E * H; i++) store(y, i, s.y[i]);
+  return y;
+}
+
+at::Tensor experts_rows(const at::Tensor& x_in, at::TensorList w, int64_t group, const at::Tensor& slot_row_in,
+                        const at::Tensor& slot_expert_in) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2, "experts_rows: x must be [M, H]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bf16 or fp32");
+  const int64_t M = x.size(0), H = x.size(1);
+  std::vector<QMat> gate, up, down;
+  const int64_t E = quant_expert_mats(w, group, H, "experts_rows", gate, up, down);
+  const at::Tensor slot_row = slot_row_in.contiguous(), slot_expert = slot_expert_in.contiguous();
+  TORCH_CHECK(slot_row.scalar_type() == at::kLong && slot_expert.scalar_type() == at::kLong && slot_row.dim() == 1 &&
+                  slot_expert.sizes() == slot_row.sizes() && slot_row.device().is_cpu() && slot_expert.device().is_cpu(),
+              "experts_rows: slot_row and slot_expert must be int64 [S] CPU tensors");
+  const int64_t S = slot_row.size(0);
+  const int64_t *row = slot_row.data_ptr<int64_t>(), *expert = slot_expert.data_ptr<int64_t>();
+  std::vector<int64_t> ex, first;  // the experts with slots, and where each one's slots begin
+  std::vector<char> used(M, 0);
+  for (int64_t s = 0; s < S; s++) {
+    TORCH_CHECK(row[s] >= 0 && row[s] < M, "experts_rows: slot_row[", s, "] = ", row[s], " is not a row of x");
+    TORCH_CHECK(expert[s] >= 0 && expert[s] < E, "experts_rows: slot_expert[", s, "] = ", expert[s],
+                " is not one of the ", E, " experts");
+    TORCH_CHECK(s == 0 || expert[s] >= expert[s - 1], "experts_rows: the slots must be sorted by expert");
+    if (s == 0 || expert[s] != expert[s - 1]) ex.push_back(expert[s]), first.push_back(s);
+    used[row[s]] = 1;
+  }
+  first.push_back(S);
+  // Each row used quantized once, as the one-row op quantizes its x (load_f32, then QuantRow::set).
+  std::vector<QuantRow> xq(M);
+  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> xf(H);
+    for (int64_t r = r0; r < r1; r++) {
+      if (!used[r]) continue;
+      load_f32(x, r * H, H, xf.data());
+      xq[r].set(xf.data(), H, group);
+    }
+  });
+  std::vector<const QuantRow*> xs(S);
+  for (int64_t s = 0; s < S; s++) xs[s] = &xq[row[s]];
+  static thread_local SwigluScratch sc;
+  quant_swiglu_slots(xs.data(), gate.data(), up.data(), down.data(), ex.data(), first.data(), (int64_t)ex.size(),
+                     x.scalar_type() == at::kBFloat16, sc);
+  at::Tensor y = at::empty({S, H}, x.options());
+  for (int64_t i = 0; i < S * H; i++) store(y, i, sc.y[i]);
   return y;
 }
 
@@ -116,6 +177,7 @@ TORCH_LIBRARY(colibri_int, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_zeros, int group) -> Tensor");
   m.def("int4_strips(Tensor packed, Tensor scales_zeros, int group, Tensor(a!) out) -> bool");
   m.def("experts(Tensor x, Tensor[] weights, int group) -> Tensor");
+  m.def("experts_rows(Tensor x, Tensor[] weights, int group, Tensor slot_row, Tensor slot_expert) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(colibri_int, CPU, m) {
@@ -123,4 +185,5 @@ TORCH_LIBRARY_IMPL(colibri_int, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_strips", &int4_strips);
   m.impl("experts", &experts);
+  m.impl("experts_rows", &experts_rows);
 }

@@ -1,5 +1,5 @@
-// The int8 (per-row scales) and int4 group-wise decode kernels, and the SwiGLU of a set of
-// quantized experts on one token. Header-only (inline), included by int_decode.cpp (the separate ops)
+// The int8 (per-row scales) and int4 group-wise decode kernels, the SwiGLU of a set of quantized
+// experts on one token, and that SwiGLU for a batched step's slots (rows routed to experts). Header-only (inline), included by int_decode.cpp (the separate ops)
 // and moe_decode_int.cpp (the fused MoE layer), so an expert computed by either is the same code, the
 // same order of sums and the same bits.
 //
@@ -21,7 +21,10 @@
 //
 // Determinism: every output is computed by one thread in one fixed order whatever the thread
 // count or the split, so an expert alone (streaming) and inside a batched or fused call (resident)
-// give the same bits (the placement-invariance tests rely on it). Roundings of the SwiGLU follow
+// give the same bits (the placement-invariance tests rely on it). Several activation rows against one
+// matrix (prefill's rows_multi, a batched decode step's rows_slots) read each weight unit once for all
+// rows, each row with its own sums in the one-row order: a row's outputs are the bits of a call with
+// that row alone, so a sequence decodes the same in a batch as alone. Roundings of the SwiGLU follow
 // experts_bf16 (bf16_kernels.h): gate and up products, silu and their product each rounded to the
 // compute dtype (bf16 only).
 //
@@ -190,6 +193,44 @@ inline float int8_row(const QMat& m, int64_t n, const QuantRow& x) {
 // gives the same bits.
 inline void int8_range(const QMat& m, const QuantRow& x, int64_t begin, int64_t end, float* out) {
   for (int64_t n = begin; n < end; n++) out[n - begin] = int8_row(m, n, x);
+}
+
+// Row n of m against R activation rows (batched decode, R <= 4): out[r] = int8_row(m, n, *x[r]) bit
+// for bit. Each 32-weight block is loaded and widened once for all R rows; row r keeps its own two
+// chains and fp32 flush sum, in int8_row's order (its int32 sums are exact anyway), and the same
+// final products: rows never share an accumulation.
+template <int R>
+inline void int8_row_multi(const QMat& m, int64_t n, const QuantRow* const* x, float* out) {
+  const int8_t* w = m.codes + n * m.K;
+  const int16_t* xq[R];
+  __m512 accf[R];
+  for (int r = 0; r < R; r++) xq[r] = x[r]->q.data(), accf[r] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < m.K; k0 += INT8_FLUSH) {
+    const int64_t k1 = std::min(m.K, k0 + INT8_FLUSH);
+    __m512i a0[R], a1[R];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_si512();
+    int64_t k = k0;
+    for (; k + 64 <= k1; k += 64) {
+      const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
+      const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k + 32)));
+      for (int r = 0; r < R; r++) {
+        a0[r] = _mm512_dpwssd_epi32(a0[r], w0, _mm512_loadu_si512(xq[r] + k));
+        a1[r] = _mm512_dpwssd_epi32(a1[r], w1, _mm512_loadu_si512(xq[r] + k + 32));
+      }
+    }
+    if (k + 32 <= k1) {
+      const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
+      for (int r = 0; r < R; r++) a0[r] = _mm512_dpwssd_epi32(a0[r], w0, _mm512_loadu_si512(xq[r] + k));
+      k += 32;
+    }
+    if (k < k1) {
+      const __mmask32 mask = (__mmask32)((1ull << (k1 - k)) - 1);
+      const __m512i wt = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w + k));
+      for (int r = 0; r < R; r++) a1[r] = _mm512_dpwssd_epi32(a1[r], wt, _mm512_loadu_si512(xq[r] + k));
+    }
+    for (int r = 0; r < R; r++) accf[r] = _mm512_add_ps(accf[r], _mm512_cvtepi32_ps(_mm512_add_epi32(a0[r], a1[r])));
+  }
+  for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(accf[r]) * x[r]->sx * m.scale_at(n);
 }
 
 // --- int4 ---------------------------------------------------------------------------------
@@ -442,6 +483,47 @@ inline void rows_multi(const QMat& m, const QuantRow* x, int64_t M, int64_t begi
   for (; r < M; r++) rows(m, x[r], begin, end, out + r * ldo + begin);
 }
 
+// Rows [begin, end) of m against n activation rows given by address (a batched step's slots of one
+// expert: rows of several sequences): out[j * ldo + row] gets x[j]'s outputs, the same bits as rows()
+// of each alone. The weights are read once for all n: int8 one row at a time against four activation
+// rows a pass (int8_row_multi), int4 one strip (a few KiB, in L1 across the passes) against four
+// (int4_strip_rows); one activation row alone runs rows()' own kernels.
+inline void rows_slots(const QMat& m, const QuantRow* const* x, int64_t nx, int64_t begin, int64_t end, float* out,
+                       int64_t ldo) {
+  if (nx == 1) return rows(m, *x[0], begin, end, out + begin);
+  float o[4];
+  if (m.group == 0) {
+    for (int64_t n = begin; n < end; n++)
+      for (int64_t j = 0; j < nx; j += 4) {
+        const int64_t c = std::min<int64_t>(4, nx - j);
+        switch (c) {
+          case 4: int8_row_multi<4>(m, n, x + j, o); break;
+          case 3: int8_row_multi<3>(m, n, x + j, o); break;
+          case 2: int8_row_multi<2>(m, n, x + j, o); break;
+          default: o[0] = int8_row(m, n, *x[j]); break;
+        }
+        for (int64_t q = 0; q < c; q++) out[(j + q) * ldo + n] = o[q];
+      }
+    return;
+  }
+  const int64_t full = m.N - m.N % STRIP;
+  int64_t n = begin;
+  for (; n + STRIP <= std::min(end, full); n += STRIP)
+    for (int64_t j = 0; j < nx; j += 4) {
+      const int64_t c = std::min<int64_t>(4, nx - j);
+      float* outs[4];
+      for (int64_t q = 0; q < c; q++) outs[q] = out + (j + q) * ldo + n;
+      switch (c) {
+        case 4: int4_strip_rows<4>(m, n / STRIP, x + j, outs); break;
+        case 3: int4_strip_rows<3>(m, n / STRIP, x + j, outs); break;
+        case 2: int4_strip_rows<2>(m, n / STRIP, x + j, outs); break;
+        default: int4_strip(m, n / STRIP, *x[j], outs[0]); break;
+      }
+    }
+  for (; n < end; n++)
+    for (int64_t j = 0; j < nx; j++) out[j * ldo + n] = int4_tail_row(m, n, *x[j]);
+}
+
 // Work units of a matrix: int8 runs of 16 rows (the last one shorter), int4 whole strips then
 // tail rows.
 constexpr int64_t INT8_UNIT = 16;
@@ -468,6 +550,15 @@ inline QMat raw_mat(const void* codes, const void* scales, int64_t N, int64_t K,
   return m;
 }
 
+// One SwiGLU output from the fp32 gate and up products; bf: rounded like the bf16 torch ops it
+// replaces (the products, silu and their product each to bf16). quant_swiglu and quant_swiglu_slots
+// share it, so an expert's h is the same bits in either.
+inline float swiglu_value_q(float g, float u, bool bf) {
+  const float gv = bf ? round_bf16(g) : g, uv = bf ? round_bf16(u) : u;
+  const float sl = gv / (1.0f + std::exp(-gv));
+  return bf ? round_bf16(round_bf16(sl) * uv) : sl * uv;
+}
+
 // Scratch of quant_swiglu, kept by the caller across calls (no allocation per token once sized).
 struct SwigluScratch {
   QuantRow xq;
@@ -492,11 +583,7 @@ inline void quant_swiglu(const float* x, const QMat* gate, const QMat* up, const
       const int64_t n0 = unit_row(gate[e], u0), n1 = u0 + 1 < per ? unit_row(gate[e], u0 + 1) : I;
       rows(gate[e], s.xq, n0, n1, g + e * I + n0);
       rows(up[e], s.xq, n0, n1, u + e * I + n0);
-      for (int64_t i = e * I + n0; i < e * I + n1; i++) {
-        const float gv = bf ? round_bf16(g[i]) : g[i], uv = bf ? round_bf16(u[i]) : u[i];
-        const float sl = gv / (1.0f + std::exp(-gv));
-        h[i] = bf ? round_bf16(round_bf16(sl) * uv) : sl * uv;
-      }
+      for (int64_t i = e * I + n0; i < e * I + n1; i++) h[i] = swiglu_value_q(g[i], u[i], bf);
     }
   });
   // Phase 2: each expert's h quantized on its own, then its down rows.
@@ -510,6 +597,48 @@ inline void quant_swiglu(const float* x, const QMat* gate, const QMat* up, const
       const int64_t e = t / per_down, u0 = t % per_down;
       const int64_t n0 = unit_row(down[e], u0), n1 = u0 + 1 < per_down ? unit_row(down[e], u0 + 1) : H;
       rows(down[e], s.hq[e], n0, n1, y + e * H + n0);
+    }
+  });
+}
+
+// quant_swiglu for a batched decode step: S slots, slot s applying one expert to one activation row
+// (xs[s]: that row quantized as quant_swiglu quantizes x); the slots sorted by expert, A experts with
+// slots: expert ex[a] (an index into gate, up, down) takes slots [first[a], first[a+1]). s.y [S, H]
+// fp32 out, not yet rounded. Each unit of an expert's weights is read once for all its slots
+// (rows_slots), each slot's h quantized on its own as quant_swiglu quantizes an expert's: slot s's
+// outputs are quant_swiglu's bits for that row and that expert alone (slots never share a sum).
+inline void quant_swiglu_slots(const QuantRow* const* xs, const QMat* gate, const QMat* up, const QMat* down,
+                               const int64_t* ex, const int64_t* first, int64_t A, bool bf, SwigluScratch& s) {
+  const int64_t S = first[A];
+  if (S == 0) return;
+  const int64_t H = gate[0].K, I = gate[0].N;
+  s.g.resize(S * I), s.u.resize(S * I), s.h.resize(S * I);
+  float *g = s.g.data(), *u = s.u.data(), *h = s.h.data();
+  const int64_t per = units(gate[0]);
+  at::parallel_for(0, A * per, unit_grain(gate[0]), [&](int64_t a0, int64_t a1) {
+    for (int64_t t = a0; t < a1; t++) {
+      const int64_t a = t / per, u0 = t % per, e = ex[a], s0 = first[a], n = first[a + 1] - s0;
+      const int64_t n0 = unit_row(gate[e], u0), n1 = u0 + 1 < per ? unit_row(gate[e], u0 + 1) : I;
+      rows_slots(gate[e], xs + s0, n, n0, n1, g + s0 * I, I);
+      rows_slots(up[e], xs + s0, n, n0, n1, u + s0 * I, I);
+      for (int64_t j = s0; j < s0 + n; j++)
+        for (int64_t i = j * I + n0; i < j * I + n1; i++) h[i] = swiglu_value_q(g[i], u[i], bf);
+    }
+  });
+  if ((int64_t)s.hq.size() < S) s.hq.resize(S);
+  at::parallel_for(0, S, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; j++) s.hq[j].set(h + j * I, I, gate[0].group);
+  });
+  std::vector<const QuantRow*> hq(S);
+  for (int64_t j = 0; j < S; j++) hq[j] = &s.hq[j];
+  s.y.resize(S * H);
+  float* y = s.y.data();
+  const int64_t per_down = units(down[0]);
+  at::parallel_for(0, A * per_down, unit_grain(down[0]), [&](int64_t a0, int64_t a1) {
+    for (int64_t t = a0; t < a1; t++) {
+      const int64_t a = t / per_down, u0 = t % per_down, e = ex[a], s0 = first[a], n = first[a + 1] - s0;
+      const int64_t n0 = unit_row(down[e], u0), n1 = u0 + 1 < per_down ? unit_row(down[e], u0 + 1) : H;
+      rows_slots(down[e], hq.data() + s0, n, n0, n1, y + s0 * H, H);
     }
   });
 }

@@ -24,6 +24,7 @@ from engine.run.generate import Sampler, generate, load_tokenizer, random_prompt
 from engine.movement.io import trace
 from engine.run.run_metrics import SUMMARY_KEYS, envelope, peak_rss_bytes, percentile, rss_file_bytes, run_metrics, spread
 from engine.run.runtime import Engine
+from engine.run.spec_gate import draft_figures
 from engine.run.prompts_file import Request, workload_digest
 
 
@@ -110,6 +111,7 @@ def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 
                                                  for r in runs])["median"]
         result["cpu_s_per_token"] = spread([r.get("cpu_s_per_token") for r in runs])["median"]
         result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
+        result.update(_draft_medians(runs))
         if record_routing:
             engine.save_routing(record_routing)
             result["routing_histogram"] = record_routing
@@ -161,6 +163,7 @@ def _run_workload_bench(model_dir, config: EngineConfig, workload: list[Request]
         result["bytes_read_per_token"] = spread([r.get("bytes_read", 0) / max(r["generated_tokens"], 1)
                                                  for r in runs])["median"]
         result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
+        result.update(_draft_medians(runs))
         if record_routing:
             engine.save_routing(record_routing)
             result["routing_histogram"] = record_routing
@@ -238,7 +241,20 @@ def make_cold(engine: Engine) -> str:
     return how
 
 
+def _draft_medians(runs: list[dict]) -> dict:
+    """Speculative decoding's figures over the repeats (medians) and the last repeat's counters."""
+    out = {}
+    for key in draft_figures(runs[-1].get("draft") if runs else {}):
+        values = [r.get(key) for r in runs if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    if out:
+        out["draft"] = runs[-1]["draft"]
+    return out
+
+
 def _reset_stats(engine: Engine) -> None:
+    if engine.speculator is not None:
+        engine.speculator.reset_stats()
     if engine.store is not None:
         engine.store.reset_stats()
         tracer = getattr(engine.store, "tracer", None)

@@ -53,7 +53,7 @@ def default_ctx_size(model_dir: str | os.PathLike, config: EngineConfig) -> tupl
         return min(declared, 2048), "the memory plan does not fit; its error follows"
     if plan.budget > 0:
         fixed = (plan.overhead_bytes + plan.buffer_bytes + plan.dense_bytes - plan.resident_layers * plan.layer_bytes
-                 + plan.prefix_cache_bytes)
+                 + plan.prefix_cache_bytes + plan.draft_bytes)
         room = plan.budget - fixed
     else:
         room = psutil.virtual_memory().available - plan.dense_bytes - plan.cache_bytes - ACTIVATION_MARGIN
@@ -80,5 +80,6 @@ def _context_bytes(args: ModelArgs, config: EngineConfig, kv_dtype, dtype: torch
     one sub-chunk (the default group grows only into room the budget has left)."""
     group = prefill_tokens_per_pass(ctx, config.prefill_chunk or PREFILL_CHUNK)
     return (kv_snapshot.nbytes(args, ctx, kv_dtype, config.prefix_cache > 0)
+            + (config.max_batch - 1) * kv_snapshot.nbytes(args, ctx, kv_dtype, False)  # a batch's other sequences
             + prefill_activation_bytes(args, prefill_tokens_per_pass(ctx), dtype, ctx, kv_dtype)
             + prefill_group_bytes(args, group, dtype, ctx))

@@ -15,6 +15,7 @@ from engine.base.inputs import read_text_input
 # The sampler and the logits-processor hook live in sampling.py; named here too, where callers
 # of generate have always imported the Sampler from.
 from engine.run.sampling import LogitsProcessor, Sampler, TokenLogprob, token_logprob
+from engine.run.speculative import Steps
 
 
 def check_finite_logits(logits: torch.Tensor, where: str = "") -> None:
@@ -72,19 +73,25 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
     chain = [*sampler.processors(prompt_ids, vocab), *processors]
     where = f" for {engine.checkpoint.directory}" if hasattr(engine, "checkpoint") else ""
 
-    def step(logits: torch.Tensor) -> int:
+    def shape(logits: torch.Tensor) -> torch.Tensor:
         check_finite_logits(logits, where)
         shaped = logits
         for p in chain:
             shaped = p(shaped, gen.output_ids)
         if chain and not bool(torch.isfinite(shaped).any()):  # a mask that allows nothing: no token to draw
             raise PromptError("the logits processors left no token allowed")
-        token = sampler.pick(shaped)
+        return shaped
+
+    def record(token: int, logits: torch.Tensor) -> None:
         if logprobs is not None:
             gen.logprobs.append(token_logprob(logits, token, logprobs))
         gen.output_ids.append(token)
         for p in chain:
             p.accept(token)
+
+    def step(logits: torch.Tensor) -> int:
+        token = sampler.pick(shape(logits))
+        record(token, logits)
         return token
 
     def finished(token: int) -> bool:
@@ -103,16 +110,20 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
     gen.prefill_seconds = time.perf_counter() - t0
     token = step(logits[-1])
     gen.ttft_seconds = time.perf_counter() - t0
+    speculator = getattr(engine, "speculator", None)
     if not finished(token):
-        pos = n
-        while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
-            t = time.perf_counter()
-            logits = engine.forward([token], pos)
-            token = step(logits[-1])
-            gen.token_seconds.append(time.perf_counter() - t)
-            pos += 1
-            if finished(token):
-                break
+        if speculator is not None:  # drafts verified in one pass (engine/run/speculative.py)
+            speculator.decode(Steps(sampler, shape, record, finished, max_new_tokens, stop_ids), gen, token, n)
+        else:
+            pos = n
+            while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):
+                t = time.perf_counter()
+                logits = engine.forward([token], pos)
+                token = step(logits[-1])
+                gen.token_seconds.append(time.perf_counter() - t)
+                pos += 1
+                if finished(token):
+                    break
     engine.remember_prefix()  # the prompt and the answer so far: a next turn resends both
     return gen
 

@@ -36,6 +36,8 @@ The tokenizer side (`GrammarTokenizer`, llguidance's token trie) costs ~0.5 s at
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
@@ -67,6 +69,28 @@ def json_grammar(schema: dict | None = None) -> str:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
     if is_error:
         raise GrammarError(f"cannot compile the schema: {_one_line(messages[0] if messages else 'unknown error')}")
+    return grammar
+
+
+def json_lark(schema: dict) -> str:
+    """A JSON schema as an item of a lark grammar (`%json {...}`), with the same options as
+    json_grammar's (compact separators) carried in the schema's `x-guidance` key."""
+    if not isinstance(schema, dict):
+        raise GrammarError("the schema must be a JSON object")
+    return "%json " + json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}})
+
+
+def lark_grammar(text: str) -> str:
+    """The llguidance grammar of a lark text (llguidance's dialect: `%json`, special tokens as
+    `<[id]>`, lazy lexemes), checked as json_grammar checks a schema."""
+    import llguidance
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(text)
+    except ValueError as exc:
+        raise GrammarError(f"cannot compile the grammar: {_one_line(exc)}") from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    if is_error:
+        raise GrammarError(f"cannot compile the grammar: {_one_line(messages[0] if messages else 'unknown error')}")
     return grammar
 
 

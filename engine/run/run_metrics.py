@@ -15,6 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from engine import __version__
+from engine.run.spec_gate import draft_figures
 
 SCHEMA = "colibri.metrics/1"
 # The headline figures of a run, each a top-level key of the result; a bench also gives each one's
@@ -112,6 +113,10 @@ def run_metrics(engine, gen, io_before: dict | None = None) -> dict:
         "rss_file_bytes": rss_file_bytes(),
         **io,
     }
+    draft = engine.draft_stats() if hasattr(engine, "draft_stats") else {}
+    if draft:  # speculative decoding (engine/run/speculative.py): its counters and their figures
+        m["draft"] = draft
+        m.update(draft_figures(draft))
     return m
 
 

@@ -43,6 +43,12 @@ from engine.format.mtp import mtp_summary
 from engine.format.convert import fingerprint
 from engine.arch import kv_snapshot
 from engine.run.prefix_cache import open_prefix_cache
+from engine.run.speculative import Speculator
+from engine.run.drafting_engine import Drafting
+from engine.run import mtp_drafter
+from engine.run.mtp_drafter import MtpState
+from engine.arch import decode_rows
+from engine.arch.mtp import with_mtp_layers
 
 DTYPE_NAMES = short_dtypes()
 
@@ -103,7 +109,7 @@ def _layer_of(name: str) -> int | None:
     return int(parts[2]) if len(parts) > 3 and parts[1] == "layers" else None
 
 
-class Engine:
+class Engine(Drafting):
     """One loaded model, ready to prefill and decode."""
 
     def __init__(self, model_dir: str | os.PathLike, config: EngineConfig | None = None, *,
@@ -133,7 +139,12 @@ class Engine:
         # checks their scales
         fp8_kept, fp8_dequantized = fp8_checkpoint.dense_fp8(self.checkpoint, self.fp8, dense_names)
         check_shapes(self.checkpoint, self.args, [n for n in dense_names if n not in quantized])
-        self.layout = ExpertLayout(self.checkpoint, self.args) if self.args.is_moe else None
+        self._container = container
+        # The MTP layer speculative decoding drafts with (engine/run/mtp_drafter.py), or None: its
+        # experts join the layout as layer L, resident or streamed with the rest.
+        self.mtp_layer = mtp_drafter.mtp_layer(self.checkpoint, self.args, self.config)
+        self.layout = (ExpertLayout(self.checkpoint, with_mtp_layers(self.args, 1 if self.mtp_layer is not None else 0))
+                       if self.args.is_moe else None)
 
         # bf16 and int8/int4 decode's native kernels (engine/native): loaded before the overhead is
         # measured; None when loaded, else why torch's matmuls are used instead.
@@ -143,8 +154,10 @@ class Engine:
         self.fp8_native_unavailable = native.load() if self.fp8 is not None else "not an FP8 model"
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them
         self.kernel_name = self.kernel  # tries (and so pages in) a quantized container's packed kernel too
-        self.plan: MemoryPlan = make_plan(self.checkpoint, self.args, self.layout, self.config, self.dtype,
-                                          self.kv_dtype, keep_positions=keep_positions)
+        self.plan: MemoryPlan = make_plan(
+            self.checkpoint, self.args, self.layout, self.config, self.dtype, self.kv_dtype, keep_positions=keep_positions,
+            mtp_bytes=mtp_drafter.planned_bytes(self.checkpoint, self.args, self.mtp_layer, self.dtype, self.kv_dtype,
+                                                self.config.ctx_size))
         t0 = time.perf_counter()
         streamed = self._streamed_layers()
         if streamed and (fp8_kept or fp8_dequantized):  # StreamingLayers casts what it reads; FP8 needs its scales
@@ -175,6 +188,7 @@ class Engine:
         # The tokens whose K/V the cache holds at positions 0..len-1 (Engine.forward keeps it), and
         # the prefix cache that reuses them and keeps recent ones (engine/run/prefix_cache.py).
         self.kv_tokens: list[int] = []
+        self._verify_saved = None  # the ring slots the last verify overwrote (engine/arch/kv_rollback.py)
         self._fingerprint: str | None = None
         self.prefix = open_prefix_cache(self, kv_dir, kv_disk_bytes)
         # Everything that sets how the model runs goes in here, once; the model decides its decode
@@ -182,6 +196,12 @@ class Engine:
         self.model = Transformer(self.args, weights, self.experts, self.dtype, self.kv,
                                  prefetch_depth=self.config.prefetch_depth if self.plan.streaming else 0,
                                  routing_trim=trim, layer_source=self.layers, streamed_layers=streamed)
+        # Speculative decoding (engine/run/speculative.py): None when off, so generate decodes as always.
+        # The MTP layer's state: the (token, hidden) pairs it reads (engine/run/mtp_drafter.py), kept as
+        # forward / rollback see rows; _hidden collects the rows' final hidden states meanwhile.
+        self.mtp = MtpState(mtp_drafter.load(self, self.mtp_layer)) if self.mtp_layer is not None else None
+        self._hidden: list | None = [] if self.mtp is not None else None
+        self.speculator = Speculator(self) if self.config.draft != "off" else None
 
     def _load_dense(self, name, container, quantized, fp8_kept, fp8_dequantized, alloc=None):
         if name in quantized:
@@ -254,15 +274,47 @@ class Engine:
         (engine/movement/plan.py). Without it, one pass of every layer over all T (the reference)."""
         t = torch.as_tensor(tokens, dtype=torch.long)
         del self.kv_tokens[start_pos:]  # rewritten from here; unknown until this call succeeds
-        if not last_only or t.shape[0] == 1:
+        if self.mtp is not None and (last_only or t.shape[0] == 1):
+            logits = self._forward_observed(t, start_pos)
+        elif not last_only or t.shape[0] == 1:
             logits = self.model.forward(t, start_pos, self.kv, last_only=last_only)
         else:
-            group = prefill_tokens_per_pass(self.kv.ctx_size, self.plan.prefill_group or t.shape[0])
-            for begin in range(0, t.shape[0], group):
-                logits = self.model.prefill(t[begin:begin + group], start_pos + begin, self.kv, PREFILL_CHUNK)
-                heap.release_freed()  # the group's state and transients, so the next starts from what is live
+            logits = self.prefill_into(self.kv, t, start_pos)
         if len(self.kv_tokens) == start_pos:  # positions before start_pos known: these follow them
             self.kv_tokens.extend(t.tolist())
+        return logits
+
+    # --- several sequences (engine/arch/decode_rows.py; serve's batch) ----------------------------
+
+    def new_cache(self):
+        """A KV cache for another sequence, shaped as the engine's own (ctx_size, kv_dtype): one of the
+        config's max_batch, which the memory plan charged. Positions only, no prefix-cache tier."""
+        return kv_snapshot.allocate(self.args, self.config.ctx_size, self.kv_dtype, self.dtype, False)
+
+    def prefill_into(self, kv, tokens: list[int] | torch.Tensor, start_pos: int) -> torch.Tensor:
+        """The last position's logits [1, V] of tokens written into `kv` at start_pos.., in groups of
+        the plan's prefill_group (Transformer.prefill: each routed expert read once per layer per group)."""
+        t = torch.as_tensor(tokens, dtype=torch.long)
+        if t.shape[0] == 1:
+            return self.model.forward(t, start_pos, kv)
+        group = prefill_tokens_per_pass(kv.ctx_size, self.plan.prefill_group or t.shape[0])
+        for begin in range(0, t.shape[0], group):
+            logits = self.model.prefill(t[begin:begin + group], start_pos + begin, kv, PREFILL_CHUNK)
+            heap.release_freed()  # the group's state and transients, so the next starts from what is live
+        return logits
+
+    def decode_rows(self, tokens: list[int] | torch.Tensor, positions: list[int], kvs: list) -> torch.Tensor:
+        """fp32 logits [B, V]: row b one token at positions[b] of cache kvs[b] (the engine's own or
+        new_cache()'s), each with its solo decode's bits, each routed expert fetched once for the rows."""
+        t = torch.as_tensor(tokens, dtype=torch.long)
+        own = [b for b, kv in enumerate(kvs) if kv is self.kv]  # consecutive positions (decode_rows checks)
+        if own:
+            del self.kv_tokens[positions[own[0]]:]  # rewritten from here, as forward does
+        # the MTP drafter reads a verify's rows once rollback says which were accepted
+        hidden = self._hidden if self._hidden is not None and len(own) == len(kvs) else None
+        logits = decode_rows.forward_rows(self.model, t, list(positions), list(kvs), hidden=hidden)
+        if own and len(self.kv_tokens) == positions[own[0]]:
+            self.kv_tokens.extend(t[own].tolist())
         return logits
 
     # --- prefix reuse (engine/run/prefix_cache.py) -----------------------------------------------

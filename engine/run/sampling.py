@@ -132,6 +132,14 @@ class Sampler:
         # logits: [V] fp32, after penalties and processors
         if self.temperature == 0:
             return int(torch.argmax(logits))
+        return self.draw(self.probs(logits))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The weights `pick` draws from (temperature > 0): softmax(logits / temperature), then
+        min_p, then top_p (not renormalised after top_p: a draw does not need it, and plain sampling
+        draws from exactly these numbers as it always has; divide by the sum for probabilities). Speculative decoding's rejection sampling
+        (engine/run/speculative.py) takes it as the target distribution, so a drafted token is
+        accepted or replaced under exactly what plain sampling would have drawn from."""
         probs = torch.softmax(logits / self.temperature, dim=-1)
         if self.min_p > 0:
             probs = torch.where(probs >= self.min_p * probs.max(), probs, torch.zeros_like(probs))
@@ -140,7 +148,16 @@ class Sampler:
             sorted_p, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_p, 0) - sorted_p < self.top_p  # always keeps the top token
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+        return probs
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token from probs [V] (non-negative, not necessarily normalised), with this
+        sampler's seeded generator."""
         return int(torch.multinomial(probs, 1, generator=self._gen))
+
+    def uniform(self) -> float:
+        """One uniform draw in [0, 1) from this sampler's seeded generator (a rejection test)."""
+        return float(torch.rand((), generator=self._gen))
 
 
 @dataclass

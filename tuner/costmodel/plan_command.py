@@ -20,9 +20,10 @@ from tuner.costmodel import fit as cal
 from tuner.costmodel.model_geometry import ModelGeometry, resolve
 from tuner.costmodel.hardware import HardwareView, apply_what_if
 from tuner.costmodel.calibrated_facts import calibration_text, measured_on, recall_for, routing_for
-from tuner.costmodel.predict import Factors, RunConditions, predict, predict_prefill
+from tuner.costmodel.predict import Factors, RunConditions, predict, predict_batch, predict_prefill
 from tuner.costmodel.routing_model import RoutingModel, make_routing  # noqa: F401  (benchmarks import it from here)
 from tuner.costmodel.best_config import rank
+from tuner.costmodel.speculative import draft_prediction
 from tuner.probe.hardware_profile import load_profile, save_profile
 
 # Memory a trial process spends before the model (interpreter, torch, index) when no study
@@ -45,8 +46,13 @@ class PlanRequest:
     top: int = 3  # best predicted configs to list
     prompt_tokens: int | None = None  # also: TTFT of a prompt of this many new tokens (predict_prefill)
     cached_tokens: int = 0  # ... after this many reused ones
+    batch: tuple[int, ...] = ()  # batch sizes to predict a batched step for (engine/arch/decode_rows.py)
     calibrate: tuple[str, ...] = ()  # tune run directories / grids to fit the factors to
     test: str | None = None  # with calibrate: a separate hold-out run
+    # speculative decoding at this acceptance (tuner/costmodel/speculative.py), up to the config's
+    # draft_depth, drafted by `drafter` (lookup or mtp); None: not predicted
+    accept_rate: float | None = None
+    drafter: str = "lookup"
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -109,6 +115,10 @@ def run_plan(req: PlanRequest) -> PlanResult | CalibrationResult:
             whole = predict_prefill(s.geometry, s.quant, config, s.hw, s.routing, s.factors,
                                     req.prompt_tokens + req.cached_tokens, 0, s.overhead)
             prefill["ttft_without_reuse_s"] = whole.get("ttft_s")
+    draft = {}
+    if req.accept_rate is not None and pred.fits:
+        draft = draft_prediction(s.geometry, s.quant, config, s.hw, s.routing, s.factors, run, s.overhead,
+                                 req.accept_rate, req.drafter)
     return PlanResult(
         model=s.geometry.to_dict(), quant=s.quant, routing=s.routing.description,
         conditions=req.conditions, what_if=list(req.what_if), calibrated=s.calibrated,
@@ -118,6 +128,9 @@ def run_plan(req: PlanRequest) -> PlanResult | CalibrationResult:
         overhead_bytes=s.overhead, config=config.to_dict(),
         prediction=pred.to_dict(),
         best=[{"config": r.config.to_dict(), "prediction": r.prediction.to_dict()} for r in ranked[:req.top]],
+        batch=[p.to_dict() for p in predict_batch(s.geometry, s.quant, config, s.hw, s.routing, s.factors, run,
+                                                 s.overhead, req.batch)] if req.batch else [],
+        draft=draft,
         prefill=prefill,
     )
 

@@ -18,6 +18,11 @@ import psutil
 from engine.api import load_native_kernels
 from engine.api import (BLOCK_TOKENS, BudgetError, Checkpoint, ColibriError, DTYPE_NAMES, EngineConfig, ExpertLayout,
                         checkpoint_dtype, make_plan, model_args, thp_mode)
+from tuner.costmodel.hardware import HardwareView
+from tuner.costmodel.model_geometry import resolve
+from tuner.costmodel.predict import Factors, RunConditions
+from tuner.costmodel.routing_model import make_routing
+from tuner.costmodel.speculative import DEFAULT_ACCEPTANCE, draft_prediction
 from tuner.doctor.rules import GiB, Facts
 from tuner.probe.hardware_profile import HardwareProfile
 from tuner.sandbox import detect_memory_cgroup
@@ -108,7 +113,7 @@ def plan_facts(ckpt: Checkpoint, config: EngineConfig, facts: Facts) -> None:
         facts.plan_error = str(exc)
         return
     facts.plan_fixed_bytes = (plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes
-                              + plan.prefill_bytes + plan.prefix_cache_bytes)
+                              + plan.prefill_bytes + plan.prefix_cache_bytes + plan.draft_bytes)
     facts.plan_cache_bytes = plan.cache_bytes
 
 
@@ -188,10 +193,29 @@ def probe_facts(profile: HardwareProfile, facts: Facts) -> None:
         facts.iops_source = f"{profile.storage.method} {iops.request_bytes // 1024} KiB QD{iops.queue_depth}"
 
 
+def draft_facts(model_dir: Path, config: EngineConfig, profile: HardwareProfile, facts: Facts,
+                acceptance: float = DEFAULT_ACCEPTANCE) -> None:
+    """The cost model's speculative-decoding prediction for this model, budget and machine."""
+    geometry = resolve(str(model_dir))
+    routing = make_routing("auto", geometry)
+    try:
+        d = draft_prediction(geometry, geometry.native_quant, config.replace(draft_depth=max(config.draft_depth, 4)),
+                             HardwareView(profile), routing, Factors(), RunConditions.steady(), OVERHEAD_BYTES,
+                             acceptance)
+    except BudgetError:
+        return  # the budget rule says why
+    best = max(d["depths"], key=lambda x: x["speedup"] or 0.0, default=None)
+    if best is None or best["speedup"] is None:
+        return
+    facts.draft_acceptance, facts.draft_best_speedup, facts.draft_best_depth = acceptance, best["speedup"], best["depth"]
+    facts.draft_bytes_per_token, facts.draft_union = d["plain_bytes_per_token"], best["union"]
+
+
 def gather(model_dir: Path | None, config: EngineConfig | None, profile: HardwareProfile | None,
            conversation: tuple[EngineConfig, int, int, Path] | None = None) -> Facts:
-    """Every reading; the memory plan only when a budget (config) is given; a conversation's KV
-    when asked (its engine config, tokens, the SSD tier's bound and directory)."""
+    """Every reading; the memory plan only when a budget (config) is given; the drafting rule's
+    prediction when a profile and a model are (at the config's budget, or all resident); a
+    conversation's KV when asked (its engine config, tokens, the SSD tier's bound and directory)."""
     facts = Facts()
     machine_facts(facts)
     ckpt = open_model(model_dir, facts) if model_dir is not None else None
@@ -209,4 +233,9 @@ def gather(model_dir: Path | None, config: EngineConfig | None, profile: Hardwar
                 facts.conversation_error = str(exc)
     if profile is not None:
         probe_facts(profile, facts)
+        if ckpt is not None and facts.plan_error is None:
+            try:
+                draft_facts(model_dir, config or EngineConfig(), profile, facts)
+            except ColibriError:
+                pass  # a geometry the cost model cannot read: the rule stays quiet
     return facts

@@ -54,6 +54,13 @@ class Facts:
     plan_error: str | None = None
     plan_fixed_bytes: int | None = None
     plan_cache_bytes: int | None = None
+    # speculative decoding as the cost model predicts it here (tuner/costmodel/speculative.py), at
+    # draft_acceptance: the best depth's speed-up over plain decoding (<= 1: drafting loses)
+    draft_acceptance: float | None = None
+    draft_best_speedup: float | None = None
+    draft_best_depth: int | None = None
+    draft_bytes_per_token: float | None = None  # plain decoding's expert reads per token, for the words
+    draft_union: float | None = None  # the best depth's verify union (expert bytes of its rows over one row's)
     # doctor --conversation-tokens N: a conversation of N tokens (its KV at every position of every
     # layer, as the prefix cache keeps it), the prefix cache's RAM and the SSD tier's bound and room.
     conversation_tokens: int | None = None
@@ -230,6 +237,25 @@ def budget(f: Facts) -> list[Finding]:
                     f"({format_size(f.plan_fixed_bytes)}) and leaves {format_size(f.plan_cache_bytes)} of expert cache")]
 
 
+def drafting(f: Facts) -> list[Finding]:
+    """Whether speculative decoding pays on this machine for this model and budget (the cost model
+    at an assumed acceptance): a verify's rows read the union of their experts, which under
+    streaming can cost more bytes than the accepted tokens save."""
+    if f.draft_best_speedup is None or f.draft_acceptance is None:
+        return []
+    if f.draft_best_speedup <= 1.0:
+        return [Finding("drafting", "warn",
+                        f"speculative decoding loses here: at {f.draft_acceptance:.0%} acceptance the best depth "
+                        f"({f.draft_best_depth}) decodes at {f.draft_best_speedup:.2f}x plain",
+                        f"a verify of {f.draft_best_depth + 1} rows reads {f.draft_union:.2f}x a token's expert bytes "
+                        f"({format_size(f.draft_bytes_per_token)} per plain token), more than the accepted drafts save",
+                        "keep draft = \"off\", or \"gate\", which measures the acceptance and turns itself off; a larger "
+                        "budget (more experts cached) or a copy-heavy workload (higher acceptance) changes it")]
+    return [Finding("drafting", "ok", f"speculative decoding pays here: depth {f.draft_best_depth} at "
+                    f"{f.draft_acceptance:.0%} acceptance predicted {f.draft_best_speedup:.2f}x (draft = \"gate\")")]
+
+
+
 def conversation(f: Facts) -> list[Finding]:
     """Can the budget hold a conversation's KV (the KV cache at its length, and its copy in the
     prefix cache for when another conversation comes between), and what the SSD tier gives."""
@@ -261,8 +287,9 @@ def conversation(f: Facts) -> list[Finding]:
                     f"conversation(s) of {n} tokens ({format_size(kv)} of KV each); {tier}")]
 
 
+
 RULES = (model, disk_space, memory, o_direct, fragmentation, ssd, native_kernels, cgroup, throttling, huge_pages,
-         budget, conversation)
+         budget, drafting, conversation)
 
 
 def diagnose(facts: Facts) -> Diagnosis:

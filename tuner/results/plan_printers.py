@@ -24,6 +24,10 @@ def plan_text(r: PlanResult | CalibrationResult) -> str:
         lines.append(_format_one(f"best predicted #{i}", b["config"], b["prediction"]))
     if not r.best:
         lines.append("no config of the grid fits this budget")
+    if r.batch:
+        lines += batch_lines(r.batch)
+    if r.draft:
+        lines += draft_lines(r.draft)
     if r.prefill is not None:
         lines.append(prefill_text(r.prefill))
     return "\n".join(lines)
@@ -46,6 +50,27 @@ def prefill_text(p: dict) -> str:
         if p.get("ttft_without_reuse_s") is not None:
             line += f"\n  without reuse (all {p['new_tokens'] + p['cached_tokens']} computed): TTFT {p['ttft_without_reuse_s']:.3g} s"
     return line
+
+
+def draft_lines(d: dict) -> list[str]:
+    """Speculative decoding's prediction (tuner/costmodel/speculative.py): per depth, then the gate."""
+    per = ", ".join(f"{x['depth']}: {x['speedup']:.2f}x ({x['tokens_per_step']:.2f} tok/step, "
+                    f"{format_size(x['bytes_per_token'])}/tok)" for x in d["depths"] if x["speedup"] is not None)
+    return [f"drafting ({d['drafter']}, acceptance {d['acceptance']:.0%}) by depth: {per}",
+            f"  the gate: {d['gate']}"]
+
+
+def batch_lines(points: list[dict]) -> list[str]:
+    """The --batch table: one row per batch size (sequences decoding together, one token each per step)."""
+    lines = ["batched decode (this config, max_batch = B):",
+             f"  {'B':>3}  {'union/layer':>11}  {'read/step':>9}  {'per seq tok/s':>13}  {'aggregate':>9}  bound"]
+    for p in points:
+        if not p["fits"]:
+            lines.append(f"  {p['batch']:>3}  does not fit: {p['reason']}")
+            continue
+        lines.append(f"  {p['batch']:>3}  {p['union_experts']:>11.2f}  {format_size(p['bytes_per_step']):>9}  "
+                     f"{p['per_sequence_tok_s']:>13.3g}  {p['aggregate_tok_s']:>9.3g}  {p['bottleneck']}")
+    return lines
 
 
 def fact_lines(r) -> list[str]:
@@ -71,6 +96,7 @@ def _format_one(title: str, cfg: dict, p: dict) -> str:
     split = (f"dense {format_size(plan['dense_bytes'])} + KV {format_size(plan['kv_bytes'])} + read buffers "
              f"{format_size(plan['buffer_bytes'])} + runtime {format_size(plan['overhead_bytes'])}"
              f"{' + prefix cache ' + format_size(plan['prefix_cache_bytes']) if plan.get('prefix_cache_bytes') else ''}"
+             f"{' + drafting ' + format_size(plan['draft_bytes']) if plan.get('draft_bytes') else ''}"
              f" + RAM cache "
              f"{format_size(plan['cache_bytes'])} ({int(plan['cache_slots'])} of {plan['routed_experts']} experts)"
              f"{' + VRAM cache ' + format_size(plan['gpu_cache_bytes']) if plan['gpu_cache_bytes'] else ''}"

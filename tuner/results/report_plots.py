@@ -15,7 +15,8 @@ from tuner.results.report_md import save_figure
 
 PLAN_PARTS = (("dense_bytes", "dense (resident)", "#4c72b0"), ("kv_bytes", "KV cache", "#dd8452"),
               ("buffer_bytes", "read slots", "#55a868"), ("cache_bytes", "expert cache", "#8172b3"),
-              ("overhead_bytes", "runtime overhead", "#937860"), ("prefix_cache_bytes", "prefix cache", "#da8bc3"))
+              ("overhead_bytes", "runtime overhead", "#937860"), ("prefix_cache_bytes", "prefix cache", "#da8bc3"),
+              ("draft_bytes", "drafting", "#8c8c8c"))
 
 
 def plot_memory_plan(plans: dict[str, dict], path: Path) -> Path | None:

@@ -224,7 +224,7 @@ class SearchSpace:
         plan: MemoryPlan = self.model.plan(config.replace(ram_budget=1 << 62, prefill_chunk=config.prefill_chunk or 1),
                                            self.overhead_bytes)
         return (plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes + plan.prefill_bytes
-                + plan.prefix_cache_bytes)
+                + plan.prefix_cache_bytes + plan.draft_bytes)
 
     def check_budget(self) -> None:
         """Fail before the study starts when even the leanest config cannot fit."""

@@ -1,5 +1,6 @@
-"""Tool calling: which syntax the model writes its calls in, read from its chat template, and a
-parser per syntax (one module each) that turns the answer's text back into OpenAI `tool_calls`.
+"""Tool calling: which syntax the model writes its calls in, read from its chat template, and per
+syntax (one module each) a parser that turns the answer's text back into OpenAI `tool_calls` and
+the grammar that holds a constrained answer to that syntax (colibri/serve/tools/constrain.py).
 
   hermes       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3, Hermes)
   deepseek_v3  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>name ```json ...``` <｜tool▁call▁end｜>`
@@ -15,7 +16,9 @@ that was never shown how to call.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+from colibri.serve.tools import deepseek_v3, glm4_moe, harmony, hermes
 from colibri.serve.tools.base import BlockParser, ToolCall
 from colibri.serve.tools.deepseek_v3 import DeepSeekV3Parser
 from colibri.serve.tools.glm4_moe import Glm4MoeParser
@@ -27,15 +30,18 @@ from colibri.serve.tools.hermes import HermesParser
 class ToolFormat:
     name: str
     parser: type
+    # (marks, calls, *, forced, parallel, response_schema) -> the lark grammar of the calls in this
+    # syntax (colibri/serve/tools/constrain.py)
+    grammar: Callable[..., str]
 
     def new_parser(self, tools: list[dict] | None):
         return self.parser(tools)
 
 
-HARMONY = ToolFormat("harmony", HarmonyParser)
-DEEPSEEK_V3 = ToolFormat("deepseek_v3", DeepSeekV3Parser)
-GLM4_MOE = ToolFormat("glm4_moe", Glm4MoeParser)
-HERMES = ToolFormat("hermes", HermesParser)
+HARMONY = ToolFormat("harmony", HarmonyParser, harmony.grammar)
+DEEPSEEK_V3 = ToolFormat("deepseek_v3", DeepSeekV3Parser, deepseek_v3.grammar)
+GLM4_MOE = ToolFormat("glm4_moe", Glm4MoeParser, glm4_moe.grammar)
+HERMES = ToolFormat("hermes", HermesParser, hermes.grammar)
 FORMATS = (HARMONY, DEEPSEEK_V3, GLM4_MOE, HERMES)
 
 

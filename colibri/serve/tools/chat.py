@@ -1,9 +1,10 @@
 """POST /v1/chat/completions with `tools`: the prompt rendered with the tools through the model's
 chat template, the answer parsed back into OpenAI `tool_calls`, whole or streamed.
 
-Streamed, a call arrives as two deltas once its block is complete: the first with its index, id,
-type and name (arguments ""), the second with the whole arguments text. OpenAI's clients join
-argument pieces however they are cut, so one piece is a valid stream.
+Streamed, a call's first delta has its index, id, type and name (arguments ""), and its arguments
+follow in pieces as the model writes them, as OpenAI streams them (Hermes, DeepSeek-V3 and harmony
+calls, once their arguments' object opens: colibri/serve/tools/base.py); a call read only at its
+block's end (GLM's key/value pairs, a head no pattern reads) sends its arguments in one piece.
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ import uuid
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.api import ColibriError
-from colibri.serve.jobrun import JobRun
+from colibri.serve.jobrun import SHUTDOWN, JobRun
 from colibri.serve.shapes import usage
-from colibri.serve.protocol import ApiError, ChatRequest
+from colibri.serve.protocol import ApiError, ChatRequest, bad
 from colibri.serve.tools import detect_format
+from colibri.serve.tools.constrain import tool_grammar
+from colibri.serve.tools.request import FieldError
 from colibri.serve.tools.output import ToolOutput, whole
 
 
 def tool_prompt(state, req: ChatRequest, param: str = "tools") -> tuple[list[int], ToolOutput]:
-    """The prompt's token ids with the offered tools rendered, and the answer's parser."""
+    """The prompt's token ids with the offered tools rendered, and the answer's parser; the calls'
+    grammar, when the request asks for one, goes into its sampling (colibri/serve/tools/constrain.py)."""
     fmt = detect_format(state.template.text)
     if fmt is None:
         raise ApiError(400, f"{param}: this model's chat template ({state.template.source}) has no tool-call "
@@ -35,6 +39,12 @@ def tool_prompt(state, req: ChatRequest, param: str = "tools") -> tuple[list[int
     except ColibriError as exc:
         raise ApiError(400, str(exc), param="messages") from None
     ids = state.tokenizer.encode(prompt, add_special_tokens=False).ids
+    try:
+        grammar = tool_grammar(fmt, req.tools, state.tool_marks(), req.response_schema)
+    except FieldError as exc:
+        raise bad(exc.param, exc.message) from None
+    if grammar is not None:
+        req.sampling.grammar = grammar
     return ids, ToolOutput(fmt.new_parser(offered), req.tools)
 
 
@@ -47,11 +57,13 @@ async def tool_chat_completion(request, state, req: ChatRequest) -> Response:
     if req.sampling.logprobs is not None:  # refused by name, never dropped: this route does not report them yet
         raise ApiError(400, "logprobs: not reported for an answer with tools (yet)", param="logprobs")
     ids, output = tool_prompt(state, req)
-    run = JobRun(state.worker, ids, req.sampling, special_text=True)
+    run = JobRun(state, ids, req.sampling, special_text=True)
     ident, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", state.model_id
+    seed = req.sampling.seed  # named in every answer, as the other routes do, so it can be replayed
+    headers = {"x-colibri-seed": str(seed)}
     if req.sampling.stream:
-        return StreamingResponse(_sse(run, output, ident, model, req.sampling.include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(_sse(run, output, ident, model, req.sampling.include_usage, seed),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
     got = await run.collect(request)
     if got is None:
         return Response(status_code=499)
@@ -63,20 +75,22 @@ async def tool_chat_completion(request, state, req: ChatRequest) -> Response:
     if calls:
         message["tool_calls"] = [openai_call(c) for c in calls]
     return JSONResponse({"id": ident, "object": "chat.completion", "created": int(time.time()), "model": model,
-                         "choices": [{"index": 0, "message": message, "logprobs": None,
-                                      "finish_reason": output.finish_reason(result.finish_reason)}],
-                         "usage": usage(result)})
+                         "seed": seed, "choices": [{"index": 0, "message": message, "logprobs": None,
+                                                    "finish_reason": output.finish_reason(result.finish_reason)}],
+                         "usage": usage(result)}, headers=headers)
 
 
 class ChunkMaker:
     """Chat completion chunks for one streamed answer (pure: tested without a server)."""
 
-    def __init__(self, ident: str, model: str):
-        self.ident, self.model, self.created = ident, model, int(time.time())
+    def __init__(self, ident: str, model: str, seed: int | None = None):
+        self.ident, self.model, self.created, self.seed = ident, model, int(time.time()), seed
         self.index = 0
+        self.indices: dict[str, int] = {}  # call id → its index in tool_calls
 
     def chunk(self, delta: dict, finish: str | None = None) -> dict:
         return {"id": self.ident, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                **({"seed": self.seed} if self.seed is not None else {}),
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
     def opening(self) -> dict:
@@ -87,21 +101,28 @@ class ChunkMaker:
         for kind, value in events:
             if kind == "content":
                 out.append(self.chunk({"content": value}))
-                continue
-            head = openai_call(value, self.index)
-            head["function"] = {"name": value.name, "arguments": ""}
-            out.append(self.chunk({"tool_calls": [head]}))
-            out.append(self.chunk({"tool_calls": [{"index": self.index, "function": {"arguments": value.arguments}}]}))
-            self.index += 1
+            elif kind in ("call", "call_begin"):
+                head = openai_call(value, self.index)
+                head["function"] = {"name": value.name, "arguments": ""}
+                out.append(self.chunk({"tool_calls": [head]}))
+                self.indices[value.id] = self.index
+                self.index += 1
+                if kind == "call":
+                    out.append(self._arguments(value, value.arguments))
+            elif kind == "call_args":
+                out.append(self._arguments(*value))
         return out
+
+    def _arguments(self, call, piece: str) -> dict:
+        return self.chunk({"tool_calls": [{"index": self.indices[call.id], "function": {"arguments": piece}}]})
 
 
 def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _sse(run: JobRun, output: ToolOutput, ident: str, model: str, include_usage: bool):
-    maker = ChunkMaker(ident, model)
+async def _sse(run: JobRun, output: ToolOutput, ident: str, model: str, include_usage: bool, seed: int):
+    maker = ChunkMaker(ident, model, seed)
     try:
         yield _event(maker.opening())
         while True:
@@ -110,7 +131,9 @@ async def _sse(run: JobRun, output: ToolOutput, ident: str, model: str, include_
                 for chunk in maker.events(output.feed(value)):
                     yield _event(chunk)
                 continue
-            if value.finish_reason == "error":
+            if kind == "shutdown":
+                yield _event(SHUTDOWN.body())
+            elif value.finish_reason == "error":
                 yield _event(ApiError(500, f"generation failed: {value.error}", type="server_error").body())
             else:
                 for chunk in maker.events(output.finish()):

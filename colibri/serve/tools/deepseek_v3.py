@@ -11,7 +11,10 @@ list's outer markers are dropped.
 
 from __future__ import annotations
 
-from colibri.serve.tools.base import BlockParser, ToolCall, json_object
+import json
+
+from colibri.serve.tools.base import BlockParser, Head, ToolCall, json_object
+from colibri.serve.tools.constrain import alternatives, block_grammar
 
 SEP = "<｜tool▁sep｜>"
 FENCE = "```json"
@@ -21,6 +24,8 @@ class DeepSeekV3Parser(BlockParser):
     OPEN = "<｜tool▁call▁begin｜>"
     CLOSE = "<｜tool▁call▁end｜>"
     DROP = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+    # V3's `function<sep>NAME\n```json\n` and V3.1's `NAME<sep>`: the arguments stream from here
+    HEADS = (Head(" ", "function", " ", SEP, " ", "NAME", " ", FENCE, " "), Head(" ", "NAME", " ", SEP, " "))
 
     def parse_block(self, body: str) -> list[ToolCall] | None:
         head, sep, rest = body.partition(SEP)
@@ -36,3 +41,20 @@ class DeepSeekV3Parser(BlockParser):
         name = name.strip()
         text = json_object(args.strip())
         return [ToolCall(name, text)] if name and text is not None else None
+
+
+def grammar(marks, calls, *, forced: bool, parallel: bool, response_schema=None) -> str:
+    """The calls as V3's template writes them: the list's opening marker, then per call
+    `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`, then
+    the list's closing marker (colibri/serve/tools/constrain.py)."""
+    begin, end = DeepSeekV3Parser.DROP
+
+    def body(call) -> str:
+        return " ".join((json.dumps(call.name + "\n" + FENCE + "\n"), call.args(), json.dumps("\n```")))
+
+    item, rules = alternatives("ds_call", calls, body)
+    rules += (f'ds_one: {marks(DeepSeekV3Parser.OPEN)} "function" {marks(SEP)} {item} '
+              f'{marks(DeepSeekV3Parser.CLOSE)}\n')
+    section = f"ds_one{'+' if parallel else ''} {marks(end)}"
+    return block_grammar(marks, begin, section, rules, (begin, DeepSeekV3Parser.OPEN), forced=forced,
+                         response_schema=response_schema)

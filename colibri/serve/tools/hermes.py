@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import json
 
-from colibri.serve.tools.base import BlockParser, ToolCall, json_object
+from colibri.serve.tools.base import BlockParser, Head, ToolCall, json_object
+from colibri.serve.tools.constrain import alternatives, block_grammar
+
+# A call's text up to its arguments, as the template renders it (and the grammar writes it).
+HEAD = '{{"name": "{name}", "arguments": '
 
 
 class HermesParser(BlockParser):
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
+    # `{"name": "f", "arguments": ` (or "parameters"): the arguments stream from here
+    HEADS = tuple(Head(" ", "{", " ", '"name"', " ", ":", " ", '"', "NAME", '"', " ", ",", " ", f'"{key}"', " ",
+                       ":", " ") for key in ("arguments", "parameters"))
 
     def parse_block(self, body: str) -> list[ToolCall] | None:
         try:
@@ -31,3 +38,14 @@ class HermesParser(BlockParser):
         text = json_object(args) if isinstance(args, str) else (json.dumps(args, ensure_ascii=False)
                                                                  if isinstance(args, dict) else None)
         return None if text is None else [ToolCall(value["name"], text)]
+
+
+def grammar(marks, calls, *, forced: bool, parallel: bool, response_schema=None) -> str:
+    """The calls as Qwen3's template writes them: `<tool_call>\\n{"name": "f", "arguments": {...}}
+    \\n</tool_call>`, parallel calls on their own lines (colibri/serve/tools/constrain.py)."""
+    opener, close = marks(HermesParser.OPEN), marks(HermesParser.CLOSE)
+    item, rules = alternatives("hermes_call", calls, lambda c: f'{json.dumps(HEAD.format(name=c.name))} {c.args()} "}}"')
+    rules += f'hermes_one: "\\n" {item} "\\n" {close}\n'
+    section = f'hermes_one ("\\n" {opener} hermes_one)*' if parallel else "hermes_one"
+    return block_grammar(marks, HermesParser.OPEN, section, rules, (HermesParser.OPEN,), forced=forced,
+                         response_schema=response_schema)

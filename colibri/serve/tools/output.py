@@ -2,8 +2,8 @@
 `tool_choice` and `parallel_tool_calls` applied, and whitespace between content and calls held so
 that the streamed and the whole answer say the same thing.
 
-Rules, without a grammar engine to force a call (the grammar engine, issue 40 item 2, will
-constrain required/named calls so that they always parse):
+Rules (with tool_choice required or named, or strict functions, the grammar of
+colibri/serve/tools/constrain.py already keeps the answer inside them; these hold for the rest):
   - a named `tool_choice`: a call to any other function is given back as content;
   - `parallel_tool_calls` false: calls after the first are dropped;
   - whitespace that only separates content from a call ("Let me check.\\n\\n<tool_call>") is dropped;
@@ -21,6 +21,9 @@ class ToolOutput:
         self.parser, self.request = parser, request
         self.calls: list[ToolCall] = []
         self.pending = ""  # trailing whitespace of the content so far
+        # what became of each call that began (streamed arguments): "call", "content" or "drop",
+        # and the length of its head's text
+        self.fate: dict[str, tuple[str, int]] = {}
 
     def feed(self, text: str) -> list[tuple]:
         return self._apply(self.parser.feed(text)) if text else []
@@ -32,19 +35,38 @@ class ToolOutput:
         self.pending = ""
         return out
 
+    def _rule(self, call: ToolCall) -> str:
+        """A call's fate under tool_choice and parallel_tool_calls."""
+        if self.request.named and call.name != self.request.choice:
+            return "content"
+        return "drop" if self.calls and not self.request.parallel else "call"
+
     def _apply(self, events: list[tuple]) -> list[tuple]:
         out: list[tuple] = []
         for kind, value in events:
-            if kind == "call":
-                if self.request.named and value.name != self.request.choice:
-                    kind, value = "content", value.raw
-                elif self.calls and not self.request.parallel:
+            if kind in ("call", "call_begin"):
+                fate = self._rule(value)
+                if kind == "call_begin":
+                    self.fate[value.id] = fate, len(value.raw)
+                if fate == "drop":
                     continue
-                else:
+                if fate == "call":
                     self.calls.append(value)
                     self.pending = ""
-                    out.append(("call", value))
+                    out.append((kind, value))
                     continue
+                kind, value = "content", value.raw
+            elif kind in ("call_args", "call_end"):
+                call = value[0] if kind == "call_args" else value
+                fate, head = self.fate[call.id]
+                if fate == "call":
+                    out.append((kind, value))
+                    continue
+                if fate == "drop":
+                    continue
+                # a call given back as content: its text as it comes (the head went at call_begin)
+                value = value[1] if kind == "call_args" else call.raw[head + len(call.arguments):]
+                kind = "content"
             text = self.pending + value
             body = text.rstrip()
             self.pending = text[len(body):]

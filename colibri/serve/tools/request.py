@@ -69,8 +69,8 @@ class ToolRequest:
         return bool(self.tools) and self.choice != "none"
 
     def offered(self) -> list[dict] | None:
-        """The tools the template renders: with a named choice, that one alone (no grammar forces
-        the call yet, so the model is shown only the function it must call)."""
+        """The tools the template renders: with a named choice, that one alone (the grammar forces
+        the call, and a model shown only the function it must call is not tempted by the others)."""
         if not self.engaged:
             return None
         return [self.by_name[self.choice]] if self.named else self.tools

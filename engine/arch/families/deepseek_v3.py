@@ -15,6 +15,7 @@ from engine.arch.families.routed import (GGUF_SHARED_EXPERTS, ROUTED_RULES, bad,
                                          routed_moe_plan)
 from engine.arch.families.synth_plans import layered_plan, synth_config
 from engine.arch.mla import IndexerArgs, MLAAttention
+from engine.arch.mtp import with_mtp_layers
 
 MLA_RULES = (Int("kv_lora_rank", 1, M4, required=True), Int("q_lora_rank", 1, M4, nullable=True),
              Int("qk_nope_head_dim", 1, K16, required=True), Int("qk_rope_head_dim", 1, K16, required=True),
@@ -95,7 +96,9 @@ def mla_plan(args: ModelArgs, p: str, i: int) -> list[T]:
 
 
 def mla_synth_plan(g: dict, args: ModelArgs) -> list[list[T]]:
-    return layered_plan(args, lambda p, i: mla_plan(args, p, i), lambda p, i: routed_moe_plan(args, p, i))
+    mtp = int(g.get("num_nextn_predict_layers") or 0)  # the MTP modules after the last layer, as published
+    args = with_mtp_layers(args, mtp)
+    return layered_plan(args, lambda p, i: mla_plan(args, p, i), lambda p, i: routed_moe_plan(args, p, i), mtp)
 
 
 DEEPSEEK_V3 = Architecture(

@@ -9,6 +9,7 @@ from engine.arch.config_rules import COMMON
 from engine.arch.families.routed import (GGUF_SHARED_EXPERTS, ROUTED_RULES, bad, moe_flags, routed_fields,
                                          routed_moe_plan)
 from engine.arch.families.synth_plans import gqa_plan, layered_plan, synth_config
+from engine.arch.mtp import with_mtp_layers
 
 
 def _parse(model_type: str, cfg: dict, common: dict) -> ModelArgs:
@@ -25,8 +26,10 @@ def _parse(model_type: str, cfg: dict, common: dict) -> ModelArgs:
 
 
 def _synth_plan(g: dict, args: ModelArgs):
+    mtp = int(g.get("num_nextn_predict_layers") or 0)  # the MTP modules after the last layer, as published
+    args = with_mtp_layers(args, mtp)
     return layered_plan(args, lambda p, i: gqa_plan(args, p, i, biases=args.attention_bias),
-                        lambda p, i: routed_moe_plan(args, p, i))
+                        lambda p, i: routed_moe_plan(args, p, i), mtp)
 
 
 GLM4_MOE = Architecture(

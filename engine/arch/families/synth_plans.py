@@ -44,12 +44,22 @@ def synth_config(g: dict, hf_class: str, eos_token_id: int, stamp: dict,
 
 
 def layered_plan(args: ModelArgs, attention: Callable[[str, int], list],
-                 moe: Callable[[str, int], tuple[list, list[list]]]) -> list[list[T]]:
+                 moe: Callable[[str, int], tuple[list, list[list]]], mtp: int = 0) -> list[list[T]]:
     """Embeddings, each layer (norms, `attention(prefix, layer)`, a dense MLP or
-    `moe(prefix, layer)` → (resident tensors, expert units)), the final norm and lm_head."""
+    `moe(prefix, layer)` → (resident tensors, expert units)), the final norm and lm_head.
+
+    mtp: the last `mtp` layers of args are multi-token-prediction modules (engine/arch/mtp.py:
+    args from with_mtp_layers), each a decoder layer as above plus, as DeepSeek-V3 publishes them,
+    its own copy of the embedding, enorm, hnorm, eh_proj and shared_head (norm and head)."""
     H, V = args.hidden_size, args.vocab_size
     units = [[T("model.embed_tokens.weight", (V, H), "embed")]]
     for i in range(args.num_layers):
+        if i >= args.num_layers - mtp:
+            p = f"model.layers.{i}"
+            units += [[T(f"{p}.embed_tokens.weight", (V, H), "embed", i)], [T(f"{p}.enorm.weight", (H,), "norm", i)],
+                      [T(f"{p}.hnorm.weight", (H,), "norm", i)], [T(f"{p}.eh_proj.weight", (H, 2 * H), "inner", i)],
+                      [T(f"{p}.shared_head.norm.weight", (H,), "norm", i)],
+                      [T(f"{p}.shared_head.head.weight", (V, H), "lm_head", i)]]
         p = f"model.layers.{i}"
         layer = [T(f"{p}.input_layernorm.weight", (H,), "norm", i)]
         layer += attention(p, i)

@@ -1,0 +1,206 @@
+"""Speculative decoding (engine/run/speculative.py): drafting off, gated, and at forced depths, on a
+copy-heavy workload and on free text, resident and under a streaming budget.
+
+    .venv/bin/python benchmarks/time/speculative.py --model DIR [--budget 0|1GiB] [--tokens 96] \
+        [--depths 2,4,8] [--drafter lookup|mtp|auto] [--workloads copy,free] [--rounds 2] [--threads 2] \
+        [--json] [--lock FILE]
+
+Workloads (greedy; prompts tokenized with the model's tokenizer.json, else seeded ids):
+  copy   each prompt holds a piece of a Python standard-library file, a line asking for it again, and
+         its first lines once more: a model that copies its context continues the file, which prompt
+         lookup predicts (agents rewriting and quoting files)
+  free   a prompt of seeded random ids: nothing to copy
+Modes, each in its own child process (inside a memory cgroup of --budget, page cache counted, the
+engine's budget the same; none with --budget 0: resident, one warm-up generation first; under a
+budget the caches are emptied and their pages dropped before each prompt: cold):
+  off        draft = off (the baseline every row is compared with: `x off`)
+  gate       draft = gate, draft_depth = the largest of --depths
+  fixed:D    draft = fixed, draft_depth = D (the forced depths)
+  gate-nohint  (streamed only) gate without the drafts' prefetch hints: the recall's "without"
+Columns: decode tok/s (median of --rounds, min-max), x off, acceptance, tokens per step, drafted
+tokens, bytes read per token (streamed), the store's lookahead recall (streamed), the gate's
+decisions, and whether the tokens equal the off run's (they must: lossless).
+
+DIR: any model directory; `colibri synth demo -o DIR` for the streaming rows, a trained reference
+(benchmarks/quant/train_reference.py) for acceptance that means something (a random model does
+not copy its context: the gate then turns itself off, which the `gate` row shows). For MTP, a
+deepseek_v3 / glm4_moe / glm_moe_dsa checkpoint with its MTP layer (or a synth geometry with
+"num_nextn_predict_layers": 1) and --drafter mtp or auto.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+TOOL = "speculative"
+PROMPTS = 3  # prompts per workload and mode
+MiB = 1 << 20
+
+
+# --- the child: one mode of one workload in this process ----------------------------------------
+
+def _copy_prompts(tokenizer, vocab: int, n: int, seed: int) -> list[list[int]]:
+    from engine.api import stdlib_corpus
+    train, _held, _ = stdlib_corpus()
+    files = [f for f in train.split("\n\n\n") if 400 < len(f) < 4000]
+    out = []
+    for i in range(n):
+        text = files[(seed * 7919 + i * 104729) % len(files)][:1200]
+        head = "\n".join(text.splitlines()[:3])
+        prompt = f"{text}\n# The same code again, unchanged:\n{head}\n"
+        ids = tokenizer.encode(prompt).ids if tokenizer is not None else [b % vocab for b in prompt.encode()]
+        out.append(ids)
+    return out
+
+
+def _free_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    from engine.api import random_prompt_ids
+    return [random_prompt_ids(64, vocab, seed * 100 + i) for i in range(n)]
+
+
+def _config(a, mode: str):
+    from engine.api import EngineConfig, parse_size
+    depths = [int(x) for x in a.depths.split(",")]
+    draft, depth = "off", max(depths)
+    if mode.startswith("gate"):
+        draft = "gate"
+    elif mode.startswith("fixed:"):
+        draft, depth = "fixed", int(mode.split(":")[1])
+    return EngineConfig(ram_budget=parse_size(a.budget), ctx_size=a.ctx, threads=a.threads, draft=draft,
+                        draft_depth=depth, drafter=a.drafter if draft != "off" else "auto")
+
+
+def child(a) -> dict:
+    from engine.api import Engine, Sampler, generate, load_tokenizer
+    mode = a.mode
+    with Engine(a.model, _config(a, mode)) as engine:
+        vocab = engine.args.vocab_size
+        prompts = (_copy_prompts(load_tokenizer(a.model), vocab, PROMPTS, a.seed) if a.workload == "copy"
+                   else _free_prompts(vocab, PROMPTS, a.seed))
+        prompts = [p[-(a.ctx - a.tokens - 8):] for p in prompts]
+        streamed = engine.store is not None and engine.store.streams
+        if engine.speculator is not None and mode.endswith("nohint"):
+            engine.speculator.hints = False
+        if not streamed:
+            generate(engine, prompts[0], 4, Sampler())  # warm: kernels, pages
+        seconds, tokens, outputs, bytes_read, recall_hits, recall_total = 0.0, 0, [], 0, 0, 0
+        if engine.speculator is not None:  # its counters over every prompt's decode (the gate keeps learning)
+            engine.speculator.reset_stats()
+        for prompt in prompts:
+            if streamed:
+                engine.forget_prefixes()
+                engine.store.make_cold()
+            first: list = []
+
+            def after_first(_token, first=first):
+                if not first:  # decode only: the counters restart after the prefill's token
+                    first.append(time.perf_counter())
+                    if engine.store is not None:
+                        engine.store.reset_stats()
+
+            gen = generate(engine, prompt, a.tokens + 1, Sampler(), on_token=after_first)
+            seconds += sum(gen.token_seconds)
+            tokens += len(gen.token_seconds)
+            outputs.append(gen.output_ids)
+            io = engine.io_stats()
+            bytes_read += io.get("bytes_read", 0)
+            if streamed:
+                recall_hits += engine.store.recall_hits
+                recall_total += engine.store.recall_total
+        draft = engine.draft_stats()
+        return {"streamed": streamed, "tok_s": tokens / seconds if seconds else None, "tokens": tokens,
+                "bytes_per_token": bytes_read / tokens if tokens else None, "outputs": outputs,
+                "recall": recall_hits / recall_total if recall_total else None, "draft": draft or {}}
+
+
+def run_child(a, workload: str, mode: str, round_: int) -> dict:
+    from engine.api import parse_size
+    from tuner.sandbox import run_limited
+    limit = parse_size(a.budget) or None
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", a.model, "--workload", workload,
+            "--mode", mode, "--ctx", str(a.ctx), "--budget", a.budget, "--threads", str(a.threads),
+            "--tokens", str(a.tokens), "--depths", a.depths, "--drafter", a.drafter, "--seed", str(a.seed)]
+    print(f"{TOOL}: {workload} {mode} round {round_ + 1} budget={a.budget} ...", file=sys.stderr, flush=True)
+    res = run_limited(argv, limit, timeout=a.timeout, cwd=REPO)
+    if res.returncode != 0:
+        raise SystemExit(f"{TOOL}: child failed ({workload} {mode}, oom={res.oom_killed}): {res.stderr.strip()[-600:]}")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out["cgroup"] = res.limited
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from benchmarks.benchkit import add_output_flags, add_run_flags
+    ap.add_argument("--model", required=True, help="a model directory")
+    add_run_flags(ap, budget="0", tokens=96, threads=2)  # budget 0: resident, warm
+    ap.add_argument("--depths", default="2,4,8", help="forced depths (default 2,4,8); the gate's maximum is the largest")
+    ap.add_argument("--drafter", choices=("lookup", "mtp", "auto"), default="lookup")
+    ap.add_argument("--workloads", default="copy,free", help="copy, free (default both)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per mode, alternating the order (default 2)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=3600)
+    add_output_flags(ap)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--workload", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", help=argparse.SUPPRESS)
+    ap.add_argument("--ctx", type=int, default=1024, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(child(a)))
+        return 0
+    from benchmarks.benchkit import bench_lock, emit, fmt_spread, refuse, run_conditions, spread
+    if not Path(a.model, "config.json").is_file():
+        return refuse(TOOL, f"{a.model}: not a model directory (python -m colibri.cli synth demo -o DIR)")
+    try:
+        depths = [int(x) for x in a.depths.split(",") if x]
+    except ValueError:
+        return refuse(TOOL, f"--depths {a.depths!r}: expected comma-separated integers")
+    workloads = [w for w in a.workloads.split(",") if w]
+    if not depths or min(depths) < 1 or max(depths) > 16 or a.tokens < 1 or a.rounds < 1:
+        return refuse(TOOL, "--depths in 1..16, --tokens and --rounds positive")
+    if any(w not in ("copy", "free") for w in workloads):
+        return refuse(TOOL, f"--workloads {a.workloads!r}: copy and/or free")
+    modes = ["off", "gate", *[f"fixed:{d}" for d in depths]]
+    if a.budget not in ("0", ""):
+        modes.append("gate-nohint")
+    rows = []
+    for workload in workloads:
+        runs: dict[str, list] = {m: [] for m in modes}
+        for r in range(a.rounds):
+            for m in (modes if r % 2 == 0 else modes[::-1]):
+                with bench_lock(a.lock):
+                    runs[m].append(run_child(a, workload, m, r))
+        base = statistics.median(x["tok_s"] for x in runs["off"])
+        for m in modes:
+            xs = runs[m]
+            d = xs[-1]["draft"]
+            tok_s = [x["tok_s"] for x in xs]
+            rows.append({"workload": workload, "mode": m, "tok_s": spread(tok_s),
+                         "x_off": round(statistics.median(tok_s) / base, 3) if base else None,
+                         "acceptance": d.get("acceptance"), "tokens_per_step": d.get("tokens_per_step"),
+                         "drafted": d.get("drafted"), "streamed": xs[0]["streamed"],
+                         "read_mib_per_token": (round(statistics.median(x["bytes_per_token"] for x in xs) / MiB, 3)
+                                                if xs[0]["streamed"] else None),
+                         "recall": xs[-1]["recall"], "decisions": d.get("decisions"),
+                         "lossless": all(x["outputs"] == runs["off"][0]["outputs"] for x in xs),
+                         "cgroup": xs[0]["cgroup"]})
+    cols = [(h, (lambda k: lambda r: r[k])(k)) for h, k in (
+        ("workload", "workload"), ("mode", "mode"), ("x off", "x_off"), ("acceptance", "acceptance"),
+        ("tok/step", "tokens_per_step"), ("drafted", "drafted"), ("read MiB/tok", "read_mib_per_token"),
+        ("recall", "recall"), ("decisions", "decisions"), ("lossless", "lossless"), ("cgroup", "cgroup"))]
+    cols[2:2] = [("decode tok/s", lambda r: fmt_spread(r["tok_s"]))]
+    emit(TOOL, rows, run_conditions(a, cold=a.budget not in ("0", ""), greedy=True), a.json, cols)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

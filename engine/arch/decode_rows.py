@@ -1,0 +1,227 @@
+"""Several decode tokens in one step: B rows, each one token at its own position in its own KV cache
+(B sequences decoding together), or consecutive positions of one cache (a speculative verify).
+
+A solo decode step reads, per MoE layer, the K experts its token routes to, and the dense weights
+(attention, router, lm_head) once. Here the rows go through the model one layer at a time, so a
+layer's routed experts are gathered over every row and each one the rows need is fetched from the
+store once and applied to all its rows while it is in memory; a layer read from disk per token
+(layer streaming) is read once for all rows too. Bytes per token fall with B (DESIGN.md, "Reuse:
+many tokens per read").
+
+    for each layer L:
+        attention     per row, in row order, exactly as that row's solo decode computes it (the
+                      native attention of its own cache's decode plan, or the reference); rows of
+                      one cache write their K/V before a later row of that cache reads them
+        norm, router  per row (the solo path's one-row ops)
+        routed MoE    the union of the rows' experts, ascending: each fetched once from the store
+                      (store.for_each_expert) and applied to every slot routed to it; then each
+                      row's K outputs summed in ascending expert order (native.combine), as
+                      moe.routed_decode sums them
+        shared / dense MLP, residual adds   per row
+        lookahead     the next layers' experts predicted over every row, hinted as one union
+
+Bits: every row gets the same bits as Transformer.forward([token], pos, kv) alone (so greedy tokens
+are identical, batched or not, drafted or not): each op on a row is the one-row op the solo decode
+runs, and the multi-row calls used here are row-independent (native.linear computes each output
+element with the same dot in the same order whatever the row count; an expert's output on a row is
+native.experts' on that row). The solo native whole step and fused MoE layer give the same bits as
+these per-layer pieces (engine/arch/decode_plan.py, engine/arch/moe.py).
+
+Shape legend: B rows, H hidden, K experts per token, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine import native
+from engine.arch import attention_quant
+from engine.arch.args import layer_prefix
+from engine.arch.layers import native_quant_operands, rms_norm, route_layer, swiglu_expert
+from engine.weights.stored import linear
+
+
+def forward_rows(model, tokens: torch.Tensor, positions: list[int], kvs: list,
+                 hidden: list | None = None) -> torch.Tensor:
+    """tokens [B] → fp32 logits [B, V]; row b writes its K/V at positions[b] of kvs[b].
+
+    Rows that share a cache must be consecutive positions in increasing order (a verify pass).
+    hidden: a list the rows' final hidden states [B, H] (after the model's norm, what lm_head reads)
+    are appended to: what the MTP drafter reads (engine/arch/mtp.py)."""
+    B = tokens.shape[0]
+    if B != len(positions) or B != len(kvs):
+        raise ValueError(f"{B} tokens, {len(positions)} positions and {len(kvs)} caches: one of each per row")
+    _check_rows(positions, kvs)
+    a = model.args
+    ropes = [model._rope(pos, 1) for pos in positions]  # [1, D] cos and sin per row
+    masks = [model._mask(pos, 1) for pos in positions]  # None, or [1, S] where a window has moved
+    plans = [model.plan_for(kv) for kv in kvs]
+    x = F.embedding(tokens, model.w["model.embed_tokens.weight"])  # [B, H]
+    rows = [x[b:b + 1].clone() for b in range(B)]  # each row's residual [1, H]
+    indexed = [hasattr(kv, "selection") for kv in kvs]  # the DSA indexer's per-token selection
+    selections = [getattr(kv, "selection", None) for kv in kvs]
+    for layer in range(a.num_layers):
+        p = layer_prefix(layer)
+        w = model._layer_weights(layer)  # once for every row (layer streaming reads it here)
+        native_rows = _native_attention(model, layer, w, rows, ropes, masks, plans, positions)
+        for b in range(B):  # the others: each row its own cache and position, in row order
+            if b in native_rows:
+                continue
+            cos, sin = ropes[b]
+            if indexed[b]:
+                kvs[b].selection = selections[b]
+            rows[b] = rows[b] + model._attention(layer, w, rms_norm(rows[b], w[f"{p}.input_layernorm.weight"],
+                                                                    a.rms_norm_eps),
+                                                 positions[b], kvs[b], cos, sin, masks[b])
+            if indexed[b]:
+                selections[b] = kvs[b].selection
+        normed = [rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps) for h in rows]  # [1, H] each
+        model._lookahead(layer, torch.cat(normed), torch.cat(rows))
+        if a.is_moe_layer(layer):
+            routed = _routed(model, layer, w, normed)
+            rows = [h + model._plus_shared(layer, w, n, r) for h, n, r in zip(rows, normed, routed)]
+        else:
+            rows = [h + _dense_mlp(w, p, n) for h, n in zip(rows, normed)]
+    for b in range(B):
+        if indexed[b]:
+            kvs[b].selection = selections[b]  # what this row's solo step would have left
+    x = torch.cat([rms_norm(h, model.w["model.norm.weight"], a.rms_norm_eps) for h in rows])  # [B, H]
+    if hidden is not None:
+        hidden.append(x)
+    return _rows_linear(x, model.lm_head).float()  # [B, V]
+
+
+def _check_rows(positions: list[int], kvs: list) -> None:
+    last: dict[int, tuple[int, int]] = {}  # id(cache) → (row, position) of its latest row
+    for b, (pos, kv) in enumerate(zip(positions, kvs)):
+        if not 0 <= pos < kv.ctx_size:
+            raise ValueError(f"row {b}: position {pos} is outside the cache's {kv.ctx_size} positions")
+        seen = last.get(id(kv))
+        if seen is not None and (seen[0] != b - 1 or seen[1] != pos - 1):
+            raise ValueError(f"row {b}: rows that share a cache must be consecutive positions in order")
+        last[id(kv)] = (b, pos)
+
+
+def _routed(model, layer: int, w: dict, normed: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each row's routed-expert sum [1, H] (moe.routed_decode's bits), every expert of the union of
+    the rows' routes fetched from the store once and applied to all its rows."""
+    a = model.args
+    routes = [route_layer(a, w, layer, n, model.routing_trim) for n in normed]  # ([1, K] ids, [1, K] weights)
+    if model.routing_log is not None:
+        model.routing_log[layer].append(torch.cat([ids for ids, _ in routes]))
+    # Per row, its experts ascending and their weights in that order (routed_decode's order).
+    wanted = []
+    for ids, weights in routes:
+        sorted_ids, order = torch.sort(ids[0])
+        wanted.append((sorted_ids.tolist(), weights[0, order]))
+    slots: dict[int, list[tuple[int, int]]] = {}  # expert → [(row, index in that row's sorted list)]
+    for b, (experts, _) in enumerate(wanted):
+        for j, e in enumerate(experts):
+            slots.setdefault(e, []).append((b, j))
+    outs = [[None] * len(experts) for experts, _ in wanted]
+    union = sorted(slots)
+    x = torch.cat(normed)  # [B, H]: the rows the multi-row kernels read
+    held = model.experts.resident(layer, union) if _rows_kernel_applies(model, x) else None
+    ys = _experts_rows(x, held, [slots[e] for e in union]) if held is not None else None
+    if ys is not None:  # every expert in RAM: one native call for the layer, each expert's weights read once
+        at = 0
+        for e in union:
+            for b, j in slots[e]:
+                outs[b][j] = ys[at:at + 1]
+                at += 1
+    else:
+        def run(e, expert_weights):  # as each expert's weights land
+            got = _experts_rows(x, [expert_weights], [slots[e]]) if _rows_kernel_applies(model, x) else None
+            for i, (b, j) in enumerate(slots[e]):  # else the solo path's one-row call per row
+                outs[b][j] = got[i:i + 1] if got is not None else model.expert_fn(normed[b], expert_weights)
+
+        model.experts.for_each_expert(layer, union, run)
+    result = []
+    for (experts, chosen), ys in zip(wanted, outs):
+        ys = torch.cat(ys)  # [K, H], ascending expert id
+        if native.ready and ys.dtype is torch.bfloat16 and chosen.dtype is torch.bfloat16:
+            result.append(native.combine(ys, chosen))
+        else:
+            result.append(torch.mm(chosen[None], ys))
+    return result
+
+
+def _native_attention(model, layer: int, w: dict, rows: list, ropes: list, masks: list, plans: list,
+                      positions: list[int]) -> set[int]:
+    """The rows whose solo decode takes the native attention at this layer, computed in one native
+    call per kind (bf16 or int8 / int4 projections: the layer's weights read once for all of them,
+    each row attention_decode's bits); rows[b] replaced in place. Returns their indices."""
+    if w is not model.w:  # a layer read per token: the reference (its plan entries are None anyway)
+        return set()
+    by_kind: dict[str, list[tuple[int, object]]] = {}
+    for b, plan in enumerate(plans):
+        entry = plan.attention[layer] if plan.attention and masks[b] is None else None
+        if entry is not None:
+            kind = "int" if type(entry.operands) is attention_quant.QuantAttention else "bf16"
+            by_kind.setdefault(kind, []).append((b, entry))
+    done = set()
+    a = model.args
+    for kind, group in by_kind.items():
+        idx = [b for b, _ in group]
+        entries = [e for _, e in group]
+        x = torch.cat([rows[b] for b in idx])  # [R, H]
+        cos = torch.cat([ropes[b][0] for b in idx])  # [R, D]
+        sin = torch.cat([ropes[b][1] for b in idx])
+        k_caches, k_scales = [e.k_cache[0] for e in entries], [e.k_cache[1] for e in entries]
+        v_caches, v_scales = [e.v_cache[0] for e in entries], [e.v_cache[1] for e in entries]
+        pos = [positions[b] for b in idx]
+        op = entries[0].operands  # the layer's weights: the same in every row's plan
+        if kind == "int":
+            out = native.attention_decode_int_rows(x, op.norm_w, a.rms_norm_eps, op.proj, op.group, op.q_norm,
+                                                   op.k_norm, cos, sin, k_caches, v_caches, pos, a.num_heads,
+                                                   a.num_kv_heads, k_scales, v_scales)
+        else:
+            norm_w, qkv, q_norm, k_norm, o_w = op
+            out = native.attention_decode_rows(x, norm_w, a.rms_norm_eps, qkv, q_norm, k_norm, cos, sin, k_caches,
+                                               v_caches, pos, a.num_heads, a.num_kv_heads, o_w, k_scales, v_scales)
+        for i, b in enumerate(idx):
+            rows[b] = out[i:i + 1]
+        done.update(idx)
+    return done
+
+
+def _rows_kernel_applies(model, x: torch.Tensor) -> bool:
+    """Whether the experts may go through the multi-row native kernels: the solo path's expert is
+    swiglu_expert over native kernels (an architecture's own expert function keeps its one-row calls)."""
+    return native.ready and model.expert_fn is swiglu_expert and x.device.type == "cpu"
+
+
+def _experts_rows(x: torch.Tensor, experts: list, slots: list[list[tuple[int, int]]]) -> torch.Tensor | None:
+    """[S, H]: expert i of `experts` on the rows of slots[i] (in that order, experts in the given order),
+    through native.experts_rows / quant_experts_rows, each slot the one-row call's bits; None where
+    the weights are not what those kernels take (then the one-row calls)."""
+    slot_row = torch.tensor([b for rows in slots for b, _ in rows], dtype=torch.int64)
+    slot_expert = torch.tensor([i for i, rows in enumerate(slots) for _ in rows], dtype=torch.int64)
+    quantized = native_quant_operands(x[:1], experts)
+    if quantized is not None:
+        tensors, group = quantized
+        return native.quant_experts_rows(x, tensors, group, slot_row, slot_expert)
+    per_expert = len(experts[0])
+    if (x.dtype is not torch.bfloat16 or any(len(e) != per_expert for e in experts)
+            or any(type(t) is not torch.Tensor or t.dtype is not torch.bfloat16 or t.device.type != "cpu"
+                   for e in experts for t in e)):
+        return None
+    return native.experts_rows(x, [t for e in experts for t in e], per_expert, slot_row, slot_expert)
+
+
+def _dense_mlp(w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
+    """A dense layer's SwiGLU MLP on one row [1, H], as the solo path computes it."""
+    return linear(F.silu(linear(x, w[f"{p}.mlp.gate_proj.weight"])) * linear(x, w[f"{p}.mlp.up_proj.weight"]),
+                  w[f"{p}.mlp.down_proj.weight"])
+
+
+def _rows_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """x [B, H] @ weight.T, each row's bits those of the one-row `linear`: native.linear computes each
+    output element alone (row-independent) where it runs; elsewhere one row at a time, because a
+    multi-row matmul may sum in another order than the one-row call."""
+    if (native.ready and type(weight) is torch.Tensor and weight.dtype is torch.bfloat16
+            and x.dtype is torch.bfloat16):
+        return native.linear(x, weight)
+    return torch.cat([linear(x[b:b + 1], weight) for b in range(x.shape[0])])
+

@@ -1,0 +1,181 @@
+"""Drafting with the checkpoint's own multi-token-prediction layer (engine/arch/mtp.py).
+
+Which layer: the first MTP module after the last layer (model.layers.{L}, L = num_hidden_layers) of
+a deepseek_v3, glm4_moe or glm_moe_dsa checkpoint whose files hold it whole, when EngineConfig.draft
+is on and drafter is mtp (refused without one) or auto. Its resident tensors are charged to the
+memory plan (`planned_bytes`); its routed experts are the expert layout's layer L, so they are
+resident or streamed with the rest (Engine builds the layout over the model and this layer).
+
+The MTP layer's row j reads (t[j+1], h[j]): the token after position j and the main model's final
+hidden state at j. `MtpState` keeps the engine's side of that pairing, as the engine keeps kv_tokens:
+
+    observe(tokens, start, hidden)   tokens fed at positions start.., and their rows' hidden states
+                                     (a prefill group, a plain step, a verify's accepted rows):
+                                     each completes the pair of the position before it; the last
+                                     hidden waits for the next token
+    draft(k, token)                  the pair of the current position (the token about to be fed and
+                                     the hidden before it) and any queued pairs go through the layer
+                                     in one call (its KV written at their positions), its logits'
+                                     argmax is draft 1; drafts 2..k chain the layer on its own output
+                                     (vLLM's multi-step MTP), at the following positions, which the
+                                     true pairs overwrite later
+
+Queued pairs are computed lazily, in calls of at most PREFILL_CHUNK rows (a prompt's, bounded as a
+prefill sub-chunk is), so a step that does not draft pays no MTP compute until a draft is asked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.arch.mtp import EXTRAS, MTP_ARCHITECTURES, OWN_HEAD, MtpLayer, decoder_names, extra_names
+from engine.base.config import PREFILL_CHUNK, EngineConfig
+from engine.base.errors import ConfigError
+from engine.run.drafters import Draft
+
+# Pairs that may wait for a draft: beyond this the oldest are computed, so the queue's hidden
+# states [n, H] stay a prefill sub-chunk's.
+QUEUE_MAX = PREFILL_CHUNK
+
+
+def mtp_layer(ckpt, args, config: EngineConfig) -> int | None:
+    """The MTP layer the drafter reads (L), or None: not asked, not an MTP architecture, or the files
+    do not hold the layer whole (drafter = mtp then refuses, auto drafts with lookup alone)."""
+    if config.draft == "off" or config.drafter == "lookup":
+        return None
+    L = args.num_layers
+    needed = [name for name, _ in decoder_names(args, L).values()]
+    needed += [n for n in extra_names(args, L) if not n.endswith(OWN_HEAD)]
+    if args.model_type in MTP_ARCHITECTURES and all(n in ckpt for n in needed):
+        return L
+    if config.drafter == "mtp":
+        why = (f"{args.model_type} has no MTP layers" if args.model_type not in MTP_ARCHITECTURES else
+               f"the files hold no whole MTP layer model.layers.{L} (num_nextn_predict_layers "
+               f"{ckpt.config.get('num_nextn_predict_layers') or 0}; converted containers drop them)")
+        raise ConfigError(f"drafter mtp: {why}; use drafter lookup or auto")
+    return None
+
+
+def tensor_names(ckpt, args, layer: int) -> dict[str, str]:
+    """The MTP layer's resident tensors to load: the name it is used under → its checkpoint name."""
+    names = {short: full for short, (full, _) in decoder_names(args, layer).items()}
+    p = f"model.layers.{layer}."
+    names.update({short: p + short for short in EXTRAS})
+    if p + OWN_HEAD in ckpt:
+        names["head"] = p + OWN_HEAD
+    return names
+
+
+def planned_bytes(ckpt, args, layer: int | None, dtype: torch.dtype, kv_dtype, ctx_size: int) -> int:
+    """What the MTP drafter holds: its resident tensors in the compute dtype, its KV cache, and a
+    queue of hidden states (the plan's mtp_bytes; 0 without one)."""
+    if layer is None:
+        return 0
+    elem = torch.finfo(dtype).bits // 8
+    count = 0
+    for full in tensor_names(ckpt, args, layer).values():
+        n = 1
+        for d in ckpt.info(full).shape:
+            n *= d
+        count += n
+    return count * elem + MtpLayer.cache_bytes(args, ctx_size, kv_dtype) + QUEUE_MAX * args.hidden_size * 4
+
+
+def load(engine, layer: int) -> MtpLayer:
+    """The MTP layer over the engine's embedding, lm_head (where it has no head of its own) and store."""
+    names = tensor_names(engine.checkpoint, engine.args, layer)
+    loaded = engine.load_dense_tensors(list(names.values()))
+    short = {s: loaded[full] for s, full in names.items()}
+    for s, (full, shape) in decoder_names(engine.args, layer).items():
+        got = tuple(engine.checkpoint.info(full).shape)
+        if got != shape and full not in engine.quantized_names:
+            raise ConfigError(f"MTP layer tensor {full!r} has shape {list(got)}, config.json implies {list(shape)}")
+    head = short.pop("head", None)
+    extras = {s: short.pop(s) for s in EXTRAS}
+    extras["head"] = head if head is not None else engine.model.lm_head
+    kv = MtpLayer.cache(engine.args, engine.config.ctx_size, engine.kv_dtype, engine.dtype)
+    return MtpLayer(engine.args, layer, short, extras, engine.model.w["model.embed_tokens.weight"], engine.experts,
+                    engine.dtype, kv)
+
+
+class MtpState:
+    """The (token after, hidden at) pairs of the positions the main model computed, queued for the MTP
+    layer, and the hidden state still waiting for its token (the module doc)."""
+
+    def __init__(self, layer: MtpLayer):
+        self.layer = layer
+        self.reset(0)
+
+    def reset(self, start: int) -> None:
+        """A new sequence from position `start` (before it: restored or none): nothing pending."""
+        self.tokens: list[int] = []  # queued pairs' tokens (t[j+1]) ...
+        self.hidden: list[torch.Tensor] = []  # ... and hidden states (h[j]) [1, H] each
+        self.first = start  # the position of the first queued pair
+        self.waiting: tuple[int, torch.Tensor] | None = None  # (j, h[j]) without its t[j+1] yet
+        self.computed = start  # pairs before this position went through the layer with true inputs
+
+    def observe(self, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
+        """tokens fed at positions start.. and their rows' final hidden states [n, H]."""
+        if self.waiting is not None and start <= self.waiting[0]:
+            self.reset(start)  # back to an earlier position: another sequence
+        if self.waiting is not None and self.waiting[0] == start - 1:
+            self._queue(start - 1, tokens[0], self.waiting[1])
+        for i in range(1, len(tokens)):
+            self._queue(start + i - 1, tokens[i], hidden[i - 1:i])
+        self.waiting = (start + len(tokens) - 1, hidden[-1:])
+
+    def _queue(self, pos: int, token: int, h: torch.Tensor) -> None:
+        if pos < self.computed:
+            return  # a draft already computed this pair
+        if self.tokens and pos != self.first + len(self.tokens):
+            self._flush()  # not the next position (a new run): what is queued goes first
+        if not self.tokens:
+            self.first = pos
+        self.tokens.append(token)
+        self.hidden.append(h)
+        if len(self.tokens) >= QUEUE_MAX:
+            self._flush()
+
+    def _flush(self):
+        """Every queued pair through the layer in one call → (logits [n, V], out [n, H]) or None."""
+        if not self.tokens:
+            return None
+        out = self.layer.forward(torch.as_tensor(self.tokens, dtype=torch.long), torch.cat(self.hidden), self.first)
+        self.computed = self.first + len(self.tokens)
+        self.tokens, self.hidden = [], []
+        return out
+
+    def draft(self, k: int, token: int) -> list[int]:
+        """Up to k tokens to follow `token`, the token about to be fed at the waiting hidden's
+        position + 1 (none without that hidden: nothing computed the position before)."""
+        if k <= 0 or self.waiting is None:
+            return []
+        pos, h = self.waiting
+        self.computed = min(self.computed, pos)  # this pair's row is needed: computed (again) now
+        self._queue(pos, token, h)
+        logits, out = self._flush()
+        drafts = [int(torch.argmax(logits[-1]))]
+        at, g = pos + 1, out[-1:]
+        while len(drafts) < k and at < self.layer.kv.ctx_size:
+            logits, g = self.layer.forward(torch.as_tensor(drafts[-1:], dtype=torch.long), g, at)
+            drafts.append(int(torch.argmax(logits[-1])))
+            at += 1
+        return drafts
+
+
+class MtpDrafter:
+    """The MTP drafter over one generation: offers as many tokens as asked, computes them on demand."""
+
+    name = "mtp"
+
+    def __init__(self, state: MtpState, seq: list[int]):
+        self.state, self.seq = state, seq
+
+    def offer(self, k: int) -> tuple[int, str]:
+        return (k if self.state.waiting is not None else 0), "mtp"
+
+    def propose(self, k: int) -> Draft:
+        return Draft(self.state.draft(k, self.seq[-1]), "mtp")
+
+    def accepted(self) -> None:
+        """The engine's MtpState saw the accepted rows (Engine.rollback / forward)."""

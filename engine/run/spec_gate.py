@@ -1,0 +1,270 @@
+"""Speculative decoding's gate: when drafting pays and how deep, from what this machine measures.
+
+Per step (policy "gate"), the depth k in 0..draft_depth (no more than the drafter offers) that
+maximises the expected tokens per second over a plain step's:
+
+    E(k)    = 1 + a + a^2 + ... + a^k      a: the measured acceptance of this kind of draft (its
+                                           bucket: lookup-n by match length, mtp), Beta(1, 1) prior,
+                                           counts fading by ACCEPT_DECAY per step
+    C(n)    = compute(n) + stall(1) * union(n) + k * draft_s
+    rate(k) = E(k) * C(1) / C(k + 1)       k* = the best k, or 0 (a plain step) if none beats 1
+
+compute(n): a verify of n rows' compute seconds as measured (per row count; the first of a count
+only stands in, it pays one-time costs), between measured counts a line through them, before any
+the prior `row_cost` of a plain step per extra row (0.5 where rows share their weight reads). On a
+small resident model a verify's rows cost about as much as their steps, and no depth pays.
+stall(1): a plain step's wait for reads; union(n): the expert bytes n rows read over one row's,
+from the routing (n tokens' top-k over E experts, independent: independent_union) raised to a
+power fitted online from the bytes the store really read in verify steps (consecutive tokens share
+experts; the caches hold some). Under streaming this is the trade: the union's extra bytes against
+the tokens the accepted drafts save.
+
+Where no depth pays even at acceptance 1 (idle_steps), the steps are plain ones without asking the
+drafter; otherwise gated-off steps count towards a trial of the drafter's whole offer after 16, 32,
+64... of them, and no sooner than its modelled cost is EXPLORE_SHARE of their time, to notice that
+the text or the cache changed. Decisions are reused for REDECIDE steps (a plain step of a small
+model is a fraction of a millisecond; the gate must not be a noticeable share of it).
+
+The counters every run reports (SpecStats) and the closed forms the cost model's `plan` shares
+(expected_tokens, independent_union, draft_speedup) live here too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+EXPLORE_FIRST = 16  # gated-off steps before the first trial of a draft (then 32, 64, ...)
+EXPLORE_SHARE = 0.05  # at most this share of the gated-off steps' time goes to trials
+EMA = 0.2  # weight of a new measurement in the gate's running estimates
+ACCEPT_DECAY = 0.98  # acceptance counts fade, so a change of text (copying, then not) shows
+ACCEPT_PRIOR = (1.0, 1.0)  # Beta(1, 1): an unseen kind of draft is accepted half the time
+REDECIDE = 16  # steps a gate decision is reused before the estimates are read again
+
+
+# --- the measurements ---------------------------------------------------------------------------
+
+@dataclass
+class SpecStats:
+    """Counters since reset (what run/bench/serve report)."""
+
+    steps: int = 0  # decode steps (plain and verify) after the first token
+    verify_steps: int = 0
+    drafted: int = 0  # drafted tokens verified
+    accepted: int = 0  # of them, accepted
+    emitted: int = 0  # tokens the steps produced (accepted drafts + one per step, less any cut by a stop)
+    rows: int = 0  # verify rows computed (drafted + 1 per verify step)
+    bytes_read: int = 0  # expert / layer bytes the store read during the steps
+    decisions: dict = field(default_factory=dict)  # why a step had the depth it had → count
+    depths: dict = field(default_factory=dict)  # depth → steps
+
+    def decide(self, depth: int, reason: str) -> None:
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
+        self.depths[depth] = self.depths.get(depth, 0) + 1
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps, "verify_steps": self.verify_steps, "drafted": self.drafted,
+            "accepted": self.accepted, "emitted": self.emitted, "rows": self.rows,
+            "acceptance": self.accepted / self.drafted if self.drafted else None,
+            "tokens_per_step": self.emitted / self.steps if self.steps else None,
+            "bytes_per_token": self.bytes_read / self.emitted if self.emitted else None,
+            "decisions": dict(sorted(self.decisions.items())),
+            "depths": {str(k): v for k, v in sorted(self.depths.items())},
+        }
+
+
+def draft_figures(stats: dict) -> dict:
+    """The run JSON's flat figures of a SpecStats dict (engine/api/results.py prints them)."""
+    if not stats:
+        return {}
+    return {"tokens_per_step": stats["tokens_per_step"], "draft_acceptance": stats["acceptance"],
+            "drafted_tokens": stats["drafted"], "draft_bytes_per_token": stats["bytes_per_token"]}
+
+
+class _Running:
+    """An exponential moving average (None until the first value). The first value only stands in
+    until the second replaces it: a first call of a kind (a verify of a new row count) pays
+    one-time costs (kernel set-up, allocations) that are not its cost."""
+
+    __slots__ = ("value", "count")
+
+    def __init__(self, value: float | None = None):
+        self.value = value
+        self.count = 0 if value is None else 2
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        self.value = x if self.count <= 2 else (1 - EMA) * self.value + EMA * x
+
+
+def expected_tokens(depth: int, acceptance: float) -> float:
+    """Tokens a step of `depth` drafts produces on average when each draft is accepted with
+    probability `acceptance` given the ones before it were: 1 + a + ... + a^depth."""
+    a = min(max(acceptance, 0.0), 1.0)
+    return float(depth + 1) if a >= 1.0 else (1.0 - a ** (depth + 1)) / (1.0 - a)
+
+
+def independent_union(rows: int, experts: int, top_k: int) -> float:
+    """Expected distinct experts `rows` tokens route to in one layer, in units of one token's
+    top_k, when each token's choice is independent and uniform: E (1 - (1 - K/E)^n) / K."""
+    if experts <= 0 or top_k <= 0:
+        return 1.0
+    share = min(top_k / experts, 1.0)
+    return (1.0 - (1.0 - share) ** rows) / share
+
+
+def draft_speedup(depth: int, acceptance: float, compute_s: float, stall_s: float, union: float,
+                  row_cost: float = 1.0, draft_s: float = 0.0) -> float:
+    """Tokens per second of steps drafting `depth` tokens over plain steps: E(depth) / C(depth + 1)
+    times C(1) (the module doc's model; the cost model's `plan` predicts with it too). union: the
+    expert bytes the depth + 1 rows read relative to one row's."""
+    plain = compute_s + stall_s
+    if plain <= 0:
+        return 1.0
+    cost = compute_s * (1.0 + row_cost * depth) + stall_s * union + depth * draft_s
+    return expected_tokens(depth, acceptance) * plain / cost
+
+
+class Gate:
+    """The per-step depth (the module doc's model) and the measurements behind it."""
+
+    def __init__(self, policy: str, max_depth: int, union_prior: Callable[[int], float], row_cost: float):
+        self.policy, self.max_depth = policy, max_depth
+        self.union_prior = union_prior
+        self.compute = _Running()  # a plain step's seconds not waiting on reads
+        self.stall = _Running()  # a plain step's seconds waiting on reads
+        self.bytes = _Running()  # a plain step's bytes read
+        self.row_cost = row_cost  # prior: a verify row's extra compute, relative to a plain step
+        self.verify_compute: dict[int, _Running] = {}  # rows → a verify's measured compute seconds
+        self.union_power = _Running(1.0)  # bytes(n) = bytes(1) * union_prior(n) ** power
+        self.draft_s: dict[str, _Running] = {}  # seconds to draft one token, per drafter
+        self.accept: dict[str, list[float]] = {}  # source → [accepted, rejected] (decayed)
+        self._skipped = 0
+        self._explore_at = EXPLORE_FIRST
+        # (available, source, drafter) → depth: the estimates move slowly, so a decision is reused for
+        # REDECIDE steps; a plain step costs well under a millisecond on a small resident model, and
+        # the gate must not take a noticeable share of it
+        self._decided: dict = {}
+        self._hopeless: bool | None = None  # no depth pays even at acceptance 1 (idle_steps)
+        self._steps_since = 0
+
+    def acceptance(self, source: str) -> float:
+        a, r = self.accept.get(source, (0.0, 0.0))
+        return (a + ACCEPT_PRIOR[0]) / (a + r + ACCEPT_PRIOR[0] + ACCEPT_PRIOR[1])
+
+    def union(self, rows: int) -> float:
+        return self.union_prior(rows) ** (self.union_power.value or 0.0)
+
+    def compute_of(self, rows: int) -> float:
+        """A verify of `rows` rows' compute seconds: measured where a verify of that size ran, else a
+        line through the measured sizes (a verify pays a fixed cost over a plain step, then a cost
+        per row), else the prior row_cost per row over a plain step."""
+        one = self.compute.value or 1.0
+        if rows == 1:
+            return one
+        seen = sorted((n, r.value) for n, r in self.verify_compute.items())
+        for n, c in seen:
+            if n == rows:
+                return c
+        if len(seen) >= 2:
+            mean_n = sum(n for n, _ in seen) / len(seen)
+            mean_c = sum(c for _, c in seen) / len(seen)
+            slope = (sum((n - mean_n) * (c - mean_c) for n, c in seen) / sum((n - mean_n) ** 2 for n, _ in seen))
+            return max(mean_c + max(slope, 0.0) * (rows - mean_n), one)
+        if seen:
+            n, c = seen[0]
+            return max(c + self.row_cost * one * (rows - n), one)
+        return one * (1.0 + self.row_cost * (rows - 1))
+
+    def speedup(self, depth: int, source: str, drafter: str, acceptance: float | None = None) -> float:
+        """Expected tokens per second of a step drafting `depth` over a plain step's."""
+        one, stall = self.compute.value or 1.0, self.stall.value or 0.0
+        ds = self.draft_s.get(drafter)
+        cost = (self.compute_of(depth + 1) + stall * self.union(depth + 1)
+                + depth * (ds.value if ds is not None and ds.value else 0.0))
+        a = self.acceptance(source) if acceptance is None else acceptance
+        return expected_tokens(depth, a) * (one + stall) / cost if cost > 0 else 1.0
+
+    def depth(self, available: int, source: str, drafter: str) -> tuple[int, str]:
+        """(depth, why) for a step whose drafter offers `available` tokens."""
+        if available <= 0:
+            return 0, "no draft"
+        if self.policy == "fixed":
+            return available, "fixed"
+        if self.compute.value is None:
+            return 0, "measuring"  # no plain step measured yet: nothing to compare a verify with
+        self._steps_since += 1
+        if self._steps_since > REDECIDE:
+            self._decided.clear()
+            self._hopeless = None
+            self._steps_since = 0
+        key = (available, source, drafter)
+        best = self._decided.get(key)
+        if best is None:
+            best, best_rate = 0, 1.0
+            for k in range(1, available + 1):
+                rate = self.speedup(k, source, drafter)
+                if rate > best_rate:
+                    best, best_rate = k, rate
+            self._decided[key] = best
+        if best:
+            self._explore_at = EXPLORE_FIRST
+            return best, "drafted"
+        self._skipped += 1
+        if self._skipped >= self._explore_wait(available):  # try once more: the text or the cache may have changed
+            self._skipped = 0
+            self._explore_at *= 2
+            return available, "explored"  # the whole offer: its acceptance and its cost, measured
+        return 0, "gated off"
+
+    def idle_steps(self) -> int:
+        """Plain steps to take without asking for drafts: none while some kind of draft could pay,
+        else the steps left until the next trial (which the gated-off count then reaches).
+        'Could pay': some depth beats a plain step even if every draft were accepted; re-read
+        every REDECIDE steps, as the decisions are."""
+        if self.policy != "gate" or self.compute.value is None:
+            return 0
+        if self._hopeless is None:
+            self._hopeless = all(self.speedup(k, "", "", acceptance=1.0) <= 1.0 for k in range(1, self.max_depth + 1))
+        return max(self._explore_wait(self.max_depth) - self._skipped - 1, 0) if self._hopeless else 0
+
+    def _explore_wait(self, depth: int) -> int:
+        """Gated-off steps before a trial of `depth`: the doubling interval, and at least enough plain
+        steps that the trial's expected cost is EXPLORE_SHARE of their time (where a verify costs
+        many plain steps, it is tried that much more rarely)."""
+        one = self.compute.value or 1.0
+        return max(self._explore_at, math.ceil(self.compute_of(depth + 1) / (one * EXPLORE_SHARE)))
+
+    def skipped(self, steps: int) -> None:
+        """`steps` plain steps were taken without asking (idle_steps): they count towards the next trial."""
+        self._skipped += steps
+
+    def observe(self, rows: int, seconds: float, stall: float, nbytes: int) -> None:
+        """A step of `rows` rows took `seconds`, `stall` of them waiting on reads of `nbytes`."""
+        compute = max(seconds - stall, 0.0)
+        if rows == 1:
+            self.compute.add(compute)
+            self.stall.add(stall)
+            self.bytes.add(nbytes)
+            return
+        self.verify_compute.setdefault(rows, _Running()).add(compute)
+        self._hopeless = None
+        prior = self.union_prior(rows)
+        if self.bytes.value and nbytes > 0 and prior > 1.0:
+            # the exponent that makes the prior's union match what the store really read
+            self.union_power.add(min(max(math.log(max(nbytes / self.bytes.value, 1.0)) / math.log(prior), 0.0), 1.5))
+
+    def observe_draft(self, drafter: str, tokens: int, seconds: float) -> None:
+        if tokens:
+            self.draft_s.setdefault(drafter, _Running()).add(seconds / tokens)
+
+    def observe_accept(self, source: str, accepted: int, tested: int) -> None:
+        for key in [k for k in self._decided if k[1] == source]:  # its acceptance moved: decide again
+            del self._decided[key]
+        counts = self.accept.setdefault(source, [0.0, 0.0])
+        counts[0] = counts[0] * ACCEPT_DECAY + accepted
+        counts[1] = counts[1] * ACCEPT_DECAY + (tested - accepted)
+
+

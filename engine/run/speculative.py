@@ -1,0 +1,251 @@
+"""Speculative decoding: drafted tokens verified in one pass, lossless, gated by what they cost.
+
+One step of generate's decode (engine/run/generate.py hands its loop here when EngineConfig.draft
+is on), at position p with the last token t chosen but not yet fed to the model:
+
+    draft     the drafter proposes up to k tokens d1..dk (engine/run/drafters.py); the gate picks k
+    verify    Engine.verify([t, d1..dk], p): fp32 logits of k+1 rows, each what a decode step of
+              that token alone gives, bit for bit (so greedy output cannot change)
+    accept    row by row, each row's logits shaped exactly as plain decoding shapes them (the
+              sampler's penalties and bias, then the processors such as a grammar's mask, with the
+              state the tokens accepted before it left):
+                greedy   row i's argmax; d(i+1) is accepted while it equals it, and the first
+                         row that disagrees gives its own argmax (the correction)
+                sampled  d accepted with probability min(1, p(d) / q(d)) (p: what Sampler.pick
+                         would draw from, after temperature, min_p, top_p; q: the drafter's
+                         distribution, one-hot for the deterministic drafters here), else a token
+                         drawn from norm(max(p - q, 0)); after k accepted, one drawn from row k.
+                         Leviathan et al. 2023 / Chen et al. 2023: the output distribution is p's.
+              A drafted token the grammar disallows has p(d) = 0: rejected, as it must be.
+    rollback  Engine.rollback(p + 1 + accepted): the rejected rows' K/V undone
+              (engine/arch/kv_rollback.py), the engine's kv_tokens cut to what the cache holds
+
+Each emitted token goes through generate's own bookkeeping (log-probs, processors' accept,
+on_token, stop ids, max_new_tokens) in order, so a stop in the middle of a step ends the
+generation exactly where plain decoding would. Per-token times: the first token of a step carries
+the step's time, the rest the little time after it (what a client streaming the text sees).
+
+Drafts as prefetch hints (when the store streams): before each step, the first MoE layers' experts
+(those the model's own router lookahead, which reads a layer's residual, cannot hint before they
+run) are hinted for the step's rows, drafts included, by each layer's router on the rows'
+embeddings; on a gated-off step also for the lookup's guess at the next token, whose reads then
+land in the cache while this step computes. The store's lookahead_recall counts these hints with
+the model's own.
+
+The gate (when drafting pays, and how deep): engine/run/spec_gate.py.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from engine.arch.args import layer_prefix
+from engine.arch.layers import rms_norm, route_layer
+from engine.run.drafters import AutoDrafter, PromptLookup
+from engine.run.mtp_drafter import MtpDrafter
+from engine.run.sampling import Sampler
+from engine.run.spec_gate import Gate, SpecStats, independent_union
+
+
+
+class Steps(NamedTuple):
+    """What generate hands the speculative loop: its sampler and its per-token bookkeeping."""
+
+    sampler: Sampler
+    shape: Callable[[torch.Tensor], torch.Tensor]  # raw logits [V] → the step's shaped logits [V]
+    record: Callable[[int, torch.Tensor], None]  # token, its raw logits: log-probs, output, processors
+    finished: Callable[[int], bool]  # on_token and processors' done(), after record
+    max_new_tokens: int
+    stop_ids: set[int] | None
+
+
+# --- the engine's speculator --------------------------------------------------------------------
+
+class Speculator:
+    """Speculative decoding on one Engine: its drafter kind, gate and counters (one per engine:
+    the gate's measurements are of this machine and model, and persist across generations)."""
+
+    def __init__(self, engine):
+        config = engine.config
+        self.engine = engine
+        self.policy, self.max_depth, self.drafter = config.draft, config.draft_depth, config.drafter
+        a = engine.args
+        store = engine.store
+        if a.num_experts:
+            prior = lambda n: independent_union(n, a.num_experts, a.top_k)  # noqa: E731
+        else:  # a dense model's streamed layers: read once per step, however many rows
+            prior = lambda n: 1.0  # noqa: E731
+        # Rows computed as separate decode steps cost a plain step each; rows that share their
+        # weight reads (forward_rows) are assumed half, until measured.
+        row_cost = 0.5 if hasattr(engine.model, "forward_rows") else 1.0
+        self.gate = Gate(self.policy, self.max_depth, prior, row_cost)
+        self.stats = SpecStats()
+        self._store = store if store is not None and store.streams else None
+        # Drafts as prefetch hints (the module doc): the MoE layers nothing else hints before they run
+        self.hints = self._store is not None and a.num_experts > 0 and hasattr(self._store, "hint_experts")
+        self._hinted_layers = ([i for i in range(a.num_layers) if a.is_moe_layer(i)][:max(1, config.prefetch_depth)]
+                               if self.hints else [])
+        # Dynamic NTK RoPE rescales once a sequence passes the trained length, by the furthest
+        # position seen: a verify row beyond it would change later tokens' keys, so no draft reaches it.
+        self._last_position = (a.max_position_embeddings - 1 if (a.rope or {}).get("rope_type") == "dynamic"
+                               else None)
+
+    def reset_stats(self) -> None:
+        self.stats = SpecStats()
+
+    def drafter_for(self, seq: list[int]):
+        """A drafter over one generation's growing sequence (prompt + accepted tokens)."""
+        mtp = MtpDrafter(self.engine.mtp, seq) if getattr(self.engine, "mtp", None) is not None else None
+        if self.drafter == "mtp":
+            return mtp
+        return AutoDrafter(PromptLookup(seq), mtp) if self.drafter == "auto" else PromptLookup(seq)
+
+    def _io(self) -> tuple[int, float]:
+        s = self._store
+        return (s.io_stats.bytes_read, s.stall_seconds) if s is not None else (0, 0.0)
+
+    def decode(self, steps: Steps, gen, token: int, pos: int) -> None:
+        """generate's decode loop from `token` (chosen, not yet fed) at position `pos`, until a stop."""
+        engine, stats, gate = self.engine, self.stats, self.gate
+        seq = list(gen.prompt_ids) + list(gen.output_ids)
+        drafter = self.drafter_for(seq)
+        ctx = engine.kv.ctx_size
+        ring = engine.max_verify_rows
+        while True:
+            left = steps.max_new_tokens - len(gen.output_ids)
+            if left <= 0 or (steps.stop_ids and token in steps.stop_ids):
+                return
+            idle = gate.idle_steps()
+            if idle:  # no draft can pay here now: plain steps, as generate's own loop takes them
+                done, token, pos, taken = self._plain(steps, gen, token, pos, min(idle, left), seq)
+                gate.skipped(taken)
+                if done:
+                    return
+                continue
+            t0 = time.perf_counter()
+            io0 = self._io()
+            # At most: the tokens still wanted less the one every step gives, the context, the ring.
+            room = min(self.max_depth, left - 1, ctx - 1 - pos, (ring - 1) if ring else self.max_depth,
+                       self._last_position - pos if self._last_position is not None else self.max_depth)
+            available, source = drafter.offer(room) if room > 0 else (0, "")
+            kind = source.split("-")[0]  # lookup-3 → lookup: whose cost per drafted token
+            k, why = gate.depth(available, source, kind)
+            stats.decide(k, why)
+            drafts = drafter.propose(k).tokens if k else []
+            k = len(drafts)
+            t_draft = time.perf_counter() - t0
+            gate.observe_draft(kind, k, t_draft)
+            if self.hints:
+                # this step's rows; on a gated-off step also the lookup's guess at the next token
+                # (an MTP guess would cost a layer of compute: not for a hint)
+                guess = drafter.propose(1).tokens if not k and available and kind == "lookup" else []
+                self._hint([token, *drafts, *guess])
+            if k:
+                logits = engine.verify([token, *drafts], pos)
+            else:
+                logits = engine.forward([token], pos)
+            t_forward = time.perf_counter()
+            emitted, accepted, tested, stop = self._accept(steps, gen, logits, drafts, t0)
+            io1 = self._io()
+            nbytes = max(io1[0] - io0[0], 0) if io1[0] >= io0[0] else io1[0]  # counters reset mid-step
+            stall = max(io1[1] - io0[1], 0.0) if io1[1] >= io0[1] else io1[1]
+            # The step's cost without the sampling of its rows: the forward's, as the gate models it.
+            gate.observe(k + 1, t_forward - t0 - t_draft, stall, nbytes)
+            if k:
+                gate.observe_accept(source, accepted, tested)
+                engine.rollback(pos + 1 + accepted)
+                stats.verify_steps += 1
+                stats.drafted += k
+                stats.accepted += accepted
+            stats.steps += 1
+            stats.rows += k + 1 if k else 0
+            stats.emitted += len(emitted)
+            stats.bytes_read += nbytes
+            seq.extend(emitted)
+            drafter.accepted()
+            if stop:
+                return
+            pos += 1 + accepted
+            token = emitted[-1]
+
+    def _hint(self, tokens: list[int]) -> None:
+        """Before a step: the first MoE layers' experts (the ones the model's own router lookahead, which
+        starts from a layer's residual, cannot hint in time) for these tokens, predicted by each layer's
+        own norm and router on the tokens' embeddings (the residual entering the first layers is mostly
+        the embedding), as one ascending union per layer: the rows of a verify, and on a gated-off step
+        the draft of the next token, whose reads land in the cache while this step computes."""
+        a, w = self.engine.args, self.engine.model.w
+        x = F.embedding(torch.as_tensor(tokens, dtype=torch.long), w["model.embed_tokens.weight"])  # [n, H]
+        for layer in self._hinted_layers:
+            norm = w[f"{layer_prefix(layer)}.post_attention_layernorm.weight"]
+            ids, _ = route_layer(a, w, layer, rms_norm(x, norm, a.rms_norm_eps), self.engine.model.routing_trim)
+            self._store.hint_experts(layer, sorted(e for e in set(ids.flatten().tolist()) if e >= 0))
+
+    def _plain(self, steps: Steps, gen, token: int, pos: int, count: int, seq: list[int]):
+        """Up to `count` plain decode steps (the gate counts them gated off)
+        → (stopped, token, pos, steps taken)."""
+        engine, sampler, stats = self.engine, steps.sampler, self.stats
+        for taken in range(count):
+            if steps.stop_ids and token in steps.stop_ids:
+                return True, token, pos, taken
+            t = time.perf_counter()
+            if self.hints:
+                self._hint([token])
+            logits = engine.forward([token], pos)
+            raw = logits[-1]
+            token = sampler.pick(steps.shape(raw))
+            steps.record(token, raw)
+            gen.token_seconds.append(time.perf_counter() - t)
+            pos += 1
+            seq.append(token)
+            stats.steps += 1
+            stats.emitted += 1
+            stats.decide(0, "gated off")
+            if steps.finished(token) or len(gen.output_ids) >= steps.max_new_tokens:
+                return True, token, pos, taken + 1
+        return False, token, pos, count
+
+    def _accept(self, steps: Steps, gen, logits: torch.Tensor, drafts: list[int], t0: float):
+        """Row by row (module doc): emit tokens through generate's bookkeeping until a draft is
+        rejected, the drafts run out (then one more from the last row), or the generation stops.
+        → (emitted tokens, drafts accepted, drafts tested, stopped)."""
+        sampler = steps.sampler
+        emitted: list[int] = []
+        accepted = tested = 0
+        last = t0
+        for i in range(len(drafts) + 1):
+            raw = logits[i]
+            shaped = steps.shape(raw)
+            draft = drafts[i] if i < len(drafts) else None
+            if draft is not None:
+                tested += 1
+            if sampler.temperature == 0:
+                token = int(torch.argmax(shaped))
+            else:
+                p = sampler.probs(shaped)
+                p = p / p.sum()  # top_p leaves the kept mass unnormalised
+                if draft is not None and sampler.uniform() < float(p[draft]):  # min(1, p(d)/q(d)), q one-hot
+                    token = draft
+                elif draft is not None:
+                    residual = p.clone()
+                    residual[draft] = 0.0  # max(p - q, 0) for a one-hot q
+                    token = sampler.draw(residual) if float(residual.sum()) > 0 else draft
+                else:
+                    token = sampler.draw(p)
+            steps.record(token, raw)
+            now = time.perf_counter()
+            gen.token_seconds.append(now - last)
+            last = now
+            emitted.append(token)
+            hit = draft is not None and token == draft
+            accepted += hit
+            if (steps.finished(token) or len(gen.output_ids) >= steps.max_new_tokens
+                    or (steps.stop_ids and token in steps.stop_ids)):
+                return emitted, accepted, tested, True
+            if not hit:
+                break
+        return emitted, accepted, tested, False

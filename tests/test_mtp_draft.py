@@ -1,0 +1,147 @@
+"""Drafting with the checkpoint's multi-token-prediction layer (engine/arch/mtp.py,
+engine/run/mtp_drafter.py): synth writes the layer as DeepSeek-V3 publishes it for the three
+architectures that have one; greedy output with MTP drafts is the output without them (bf16 and
+fp32, resident and streamed: its experts go through the store as layer L); an MTP layer that
+predicts the token after next is accepted (the pairing of token j+1 with the hidden state at j, and
+the chained drafts, are right); the memory plan charges it; asking for it where there is none is one
+clear error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import synth
+from engine.arch.mtp import extra_names, with_mtp_layers
+from engine.base.config import EngineConfig
+from engine.base.errors import ConfigError
+from engine.format.checkpoint import Checkpoint
+from engine.run.generate import Sampler, generate
+from engine.run.runtime import Engine
+from colibri_tiny import make_tiny
+from test_streaming import budget_for_cache
+from test_synth_archs import tiny_geometry
+
+PRESETS = {"deepseek_v3": "deepseek-v3-small", "glm4_moe": "glm4-moe-small", "glm_moe_dsa": "glm-5-small"}
+PROMPT = [(11 * i + 5) % 256 for i in range(24)]
+CTX = 96
+
+
+def mtp_model(tmp_path_factory, arch: str, **geometry):
+    d = tmp_path_factory.mktemp(f"mtp-{arch}")
+    g = {**tiny_geometry(PRESETS[arch]), "num_nextn_predict_layers": 1, "max_shard_size": 1 << 30, **geometry}
+    return synth.synthesize(g, d / "m", seed=5, progress=False)
+
+
+@pytest.fixture(scope="module", params=sorted(PRESETS))
+def model(request, tmp_path_factory):
+    return request.param, mtp_model(tmp_path_factory, request.param)
+
+
+def config(**kw):
+    return EngineConfig(ctx_size=CTX, threads=1, **kw)
+
+
+def test_synth_writes_the_mtp_layer_as_published(model):
+    arch, d = model
+    ckpt = Checkpoint(d)
+    L = ckpt.config["num_hidden_layers"]
+    assert ckpt.config["num_nextn_predict_layers"] == 1
+    from engine.arch.registry import model_args
+    args = model_args(ckpt.config)
+    for name, shape in extra_names(args, L).items():
+        assert ckpt.info(name).shape == shape
+    assert ckpt.info(f"model.layers.{L}.embed_tokens.weight").shape == (args.vocab_size, args.hidden_size)
+    assert any(n.startswith(f"model.layers.{L}.mlp.experts.") for n in ckpt.tensors)
+    if arch == "glm_moe_dsa":
+        assert f"model.layers.{L}.self_attn.indexer.wk.weight" in ckpt.tensors
+    with Engine(d, config()) as e:  # drafting off: recognised and skipped, as before
+        assert e.mtp is None and e.skipped["mtp_layers"] == [L]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_greedy_tokens_identical_with_mtp_drafts(model, dtype):
+    _, d = model
+    with Engine(d, config(dtype=dtype)) as e:
+        plain = generate(e, PROMPT, 20, Sampler()).output_ids
+    with Engine(d, config(dtype=dtype, draft="fixed", drafter="mtp", draft_depth=3)) as e:
+        assert e.mtp is not None
+        drafted = generate(e, PROMPT, 20, Sampler()).output_ids
+        stats = e.speculator.stats
+    assert drafted == plain and stats.drafted > 0
+
+
+def test_mtp_experts_stream_through_the_store(model):
+    """Under a budget the MTP layer's experts are layer L of the streamed layout: read from disk
+    like any layer's, and the tokens do not change."""
+    arch, d = model
+    L = Checkpoint(d).config["num_hidden_layers"]
+    with Engine(d, config(dtype="fp32")) as e:
+        plain = generate(e, PROMPT, 12, Sampler()).output_ids
+    budget = budget_for_cache(d, config(dtype="fp32", draft="fixed", drafter="mtp"), 4) + (4 << 20)
+    with Engine(d, config(dtype="fp32", draft="fixed", drafter="mtp", draft_depth=2, ram_budget=budget)) as e:
+        assert e.plan.streaming and (L, 0) in e.layout.keys()
+        drafted = generate(e, PROMPT, 12, Sampler()).output_ids
+        assert any(layer == L for layer, _ in e.store.read_counts)
+    assert drafted == plain
+
+
+def test_the_plan_charges_the_mtp_layer(model):
+    _, d = model
+    with Engine(d, config(dtype="fp32", draft="gate", drafter="lookup")) as lookup, \
+            Engine(d, config(dtype="fp32", draft="gate", drafter="mtp")) as mtp:
+        assert mtp.plan.draft_bytes > lookup.plan.draft_bytes
+        assert mtp.plan.routed_experts == lookup.plan.routed_experts + lookup.args.num_experts
+        assert mtp.layout.num_routed > lookup.layout.num_routed
+
+
+def _as_oracle(d):
+    """Rewrite the MTP module so that it predicts what the model predicts one token later: with
+    layers that add little to the embedding (initializer_range 0.002), the model's next token is a
+    function of its input token, f(t); an MTP layer that passes the embedding of t[j+1] through
+    (eh_proj = [I | 0]) to the model's own head predicts f(t[j+1]) = t[j+2]."""
+    path = d / "model.safetensors"
+    tensors = load_file(path)
+    L = json.loads((d / "config.json").read_text())["num_hidden_layers"]
+    H = tensors["model.norm.weight"].shape[0]
+    eh = torch.zeros(H, 2 * H, dtype=tensors[f"model.layers.{L}.eh_proj.weight"].dtype)
+    eh[:, :H] = torch.eye(H)
+    tensors[f"model.layers.{L}.eh_proj.weight"] = eh
+    tensors[f"model.layers.{L}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("arch", sorted(PRESETS))
+def test_an_mtp_layer_that_predicts_right_is_accepted(arch, tmp_path_factory):
+    d = mtp_model(tmp_path_factory, arch, initializer_range=0.002, routing_skew=0.0)
+    _as_oracle(d)
+    with Engine(d, config(dtype="fp32")) as e:
+        plain = generate(e, PROMPT, 30, Sampler()).output_ids
+    with Engine(d, config(dtype="fp32", draft="fixed", drafter="mtp", draft_depth=4)) as e:
+        drafted = generate(e, PROMPT, 30, Sampler()).output_ids
+        stats = e.speculator.stats
+    assert drafted == plain
+    assert stats.drafted >= 20 and stats.accepted >= 0.9 * stats.drafted
+    assert stats.emitted / stats.steps > 3
+
+
+def test_drafter_mtp_without_a_layer_is_one_clear_error(tmp_path):
+    d = make_tiny(tmp_path / "m")
+    with pytest.raises(ConfigError, match="drafter mtp: qwen3_moe has no MTP layers"):
+        Engine(d, config(draft="gate", drafter="mtp"))
+    with Engine(d, config(draft="gate", drafter="auto")) as e:  # auto: lookup alone
+        assert e.mtp is None
+
+
+def test_with_mtp_layers_extends_the_layer_list():
+    from engine.arch.registry import model_args
+    cfg = json.loads(json.dumps(synth.load_preset("glm-5-small")))
+    from engine.synth.hf_files import hf_config
+    args = model_args(hf_config({**cfg, **tiny_geometry("glm-5-small")}, 0, 0.0))
+    ext = with_mtp_layers(args, 1)
+    L = args.num_layers
+    assert ext.num_layers == L + 1 and ext.is_moe_layer(L) and L in ext.attention_impl.indexer.full_layers
+    assert with_mtp_layers(args, 0) is args

@@ -1,0 +1,437 @@
+"""Speculative decoding (engine/run/speculative.py, engine/run/drafters.py, engine/arch/kv_rollback.py).
+
+The invariants (docs/DESIGN.md, "Reuse"): greedy output with drafts is the output without them,
+on every architecture and in bf16 (the native decode kernels) as in fp32; sampling with drafts
+keeps the target distribution (a chi-square test over seeded samples on a tiny vocabulary, with
+penalties, top_p and a grammar-like mask shaping it); a verify's rejected rows leave the KV cache
+as if never written, at every rejection point and for every cache kind (plain, MLA latents with
+the DSA indexer, gpt-oss's sliding rings, int8 rows); the gate turns drafting off where its
+modelled cost exceeds the saving; prompt lookup on text that repeats accepts nearly all drafts.
+"""
+
+from __future__ import annotations
+
+import types
+
+import httpx
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from engine.base.config import EngineConfig
+from engine.base.errors import ConfigError
+from engine.run import spec_gate
+from engine.run.drafters import Draft, PromptLookup
+from engine.run.generate import Sampler, generate
+from engine.run.runtime import Engine
+from engine.run.spec_gate import Gate, draft_speedup, expected_tokens, independent_union
+from engine.run.speculative import Speculator
+from colibri_hf_models import ARCHS, build
+from colibri_tiny import make_tiny
+
+CTX = 96
+# Repeated n-grams whose continuations differ: lookup drafts, some right, some wrong.
+PROMPT = [(7 * i + 3) % 200 for i in range(12)] * 2 + [5, 9, 3, 10, 17, 24]
+
+
+def config(**kw):
+    return EngineConfig(ctx_size=CTX, threads=1, **kw)
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def arch_dir(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    build(request.param, d)
+    return request.param, d
+
+
+# --- greedy: the same tokens, every architecture ---------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_greedy_tokens_identical_with_drafts(arch_dir, dtype):
+    _, d = arch_dir
+    with Engine(d, config(dtype=dtype)) as e:
+        plain = generate(e, PROMPT, 24, Sampler()).output_ids
+    with Engine(d, config(dtype=dtype, draft="fixed", draft_depth=5)) as e:
+        drafted = generate(e, PROMPT, 24, Sampler()).output_ids
+        stats = e.speculator.stats
+    assert drafted == plain
+    assert stats.drafted > 0 and stats.emitted == len(plain) - 1
+
+
+# --- KV rollback at every rejection point -----------------------------------------------------------
+
+ROLLBACK_CASES = {
+    "qwen3_moe": {},                        # KVCache, the native decode routes in bf16
+    "deepseek_v3": {},                      # MLA latents
+    "glm_moe_dsa": {},                      # MLA latents + the DSA indexer keys
+    "gpt_oss": {},                          # sliding rings of 8 slots
+    "qwen3_moe-int8": {"kv_dtype": "int8"},  # quantized rows: codes and one scale per row
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROLLBACK_CASES))
+def test_rollback_after_rejection_at_every_position(case, tmp_path):
+    """Verify the true continuation's first j tokens then wrong ones, roll back to j, decode on:
+    every later logit is the one decoding without the verify gives, bit for bit."""
+    arch = case.split("-")[0]
+    build(arch, tmp_path)
+    kw = dict(dtype="bf16", **ROLLBACK_CASES[case])
+    n_after = 6
+    prompt = PROMPT[:20]  # longer than gpt-oss's window of 8: its rings have wrapped
+    with Engine(tmp_path, config(**kw)) as e:
+        first = int(torch.argmax(e.forward(prompt, 0, last_only=True)[-1]))
+        truth, logits, token = [], [], first
+        for i in range(7 + n_after):
+            row = e.forward([token], len(prompt) + i)[-1]
+            truth.append(token)
+            logits.append(row)
+            token = int(torch.argmax(row))
+    depth = 6  # 7 verify rows: within gpt-oss's ring of 8
+    with Engine(tmp_path, config(**kw)) as e:
+        if e.max_verify_rows is not None:
+            assert e.max_verify_rows == 8
+        for j in range(depth + 1):
+            e.forward(prompt, 0, last_only=True)
+            wrong = [(t + 1 + i) % e.args.vocab_size for i, t in enumerate(truth[j + 1:depth + 1])]
+            rows = e.verify(truth[:j + 1] + wrong, len(prompt))
+            for i in range(j + 1):
+                assert torch.equal(rows[i], logits[i]), f"verify row {i}"
+            e.rollback(len(prompt) + j + 1)
+            assert len(e.kv_tokens) == len(prompt) + j + 1
+            for i in range(j + 1, j + 1 + n_after):
+                got = e.forward([truth[i]], len(prompt) + i)[-1]
+                assert torch.equal(got, logits[i]), f"rejected after {j}: position {len(prompt) + i} differs"
+
+
+def test_rollback_restores_ring_slots(tmp_path):
+    build("gpt_oss", tmp_path)
+    with Engine(tmp_path, config(dtype="fp32")) as e:
+        e.forward(PROMPT[:20], 0, last_only=True)
+        rings = [i for i, t in enumerate(e.kv.k) if t.shape[1] < e.kv.ctx_size]
+        assert rings
+        before = [e.kv.k[i].clone() for i in rings]
+        e.verify([1, 2, 3, 4], 20)
+        assert not all(torch.equal(e.kv.k[i], b) for i, b in zip(rings, before))
+        e.rollback(20)
+        assert all(torch.equal(e.kv.k[i], b) for i, b in zip(rings, before))
+
+
+# --- sampling: the distribution is the target's ----------------------------------------------------
+
+V = 4
+
+
+class MarkovEngine:
+    """A fake engine over V tokens: the logits of a position depend on the token fed there. Enough
+    of the Engine for generate and the Speculator (verify rows are decode steps by construction)."""
+
+    def __init__(self, policy="fixed", depth=2):
+        torch.manual_seed(3)
+        self.table = torch.randn(V, V) * 1.5  # fed token → next logits
+        self.args = types.SimpleNamespace(vocab_size=V, num_experts=0, top_k=0, rope={}, max_position_embeddings=64)
+        self.kv = types.SimpleNamespace(ctx_size=64)
+        self.config = EngineConfig(draft=policy, draft_depth=depth)
+        self.store, self.model, self.max_verify_rows = None, object(), None
+        self.kv_tokens: list[int] = []
+        self.speculator = Speculator(self)
+
+    def restore_prefix(self, ids):
+        return 0
+
+    def remember_prefix(self):
+        pass
+
+    def forward(self, tokens, start, last_only=False):
+        rows = self.table[torch.as_tensor(tokens)]
+        return rows[-1:] if last_only else rows
+
+    def verify(self, tokens, start):
+        return self.forward(tokens, start)
+
+    def rollback(self, length):
+        pass
+
+
+class FixedDrafter:
+    """Proposes the cycle `tokens` from where the sequence's length puts it."""
+
+    name = "fixed"
+
+    def __init__(self, seq, tokens):
+        self.seq, self.tokens = seq, tokens
+
+    def offer(self, k):
+        return k, "fixed"
+
+    def propose(self, k):
+        n = len(self.seq)
+        return Draft([self.tokens[(n + i) % len(self.tokens)] for i in range(k)], "fixed")
+
+    def accepted(self):
+        pass
+
+
+class BanToken:
+    """A processor banning one token (a grammar's mask, for the test's purpose)."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, logits, generated):
+        out = logits.clone()
+        out[self.token] = float("-inf")
+        return out
+
+    def accept(self, token):
+        assert token != self.token
+
+    def done(self):
+        return False
+
+
+def _sampler(seed):
+    return Sampler(temperature=0.9, top_p=0.95, presence_penalty=0.7, seed=seed)
+
+
+def _expected(engine, prompt, ban):
+    """The exact joint distribution of the first four tokens plain sampling draws."""
+    from engine.run.sampling import Penalties
+    probs = {}
+    s = _sampler(0)
+
+    def dist(history, fed):
+        pen = Penalties(s, prompt, V)
+        for t in history:
+            pen.accept(t)
+        logits = pen(engine.table[fed], history)
+        logits = BanToken(ban)(logits, history)
+        p = s.probs(logits)
+        return p / p.sum()
+
+    p1 = dist([], prompt[-1])
+    for a in range(V):
+        p2 = dist([a], a)
+        for b in range(V):
+            p3 = dist([a, b], b)
+            for c in range(V):
+                p4 = dist([a, b, c], c)
+                for e in range(V):
+                    probs[(a, b, c, e)] = float(p1[a] * p2[b] * p3[c] * p4[e])
+    return probs
+
+
+@pytest.mark.parametrize("drafts", [[1, 2, 0], [3]])
+def test_rejection_sampling_keeps_the_distribution(drafts):
+    """Chi-square over the joint law of four sampled tokens (the last three from verify steps of
+    up to two drafts): drafts right or wrong, a drafted token the mask bans (0), penalties and
+    top_p shaping the target: the law is plain sampling's."""
+    engine = MarkovEngine()
+    engine.speculator.drafter_for = lambda seq: FixedDrafter(seq, drafts)
+    prompt, ban = [1], 0
+    want = _expected(engine, prompt, ban)
+    n = 8000
+    counts: dict = {}
+    for seed in range(n):
+        out = generate(engine, prompt, 4, _sampler(seed), processors=[BanToken(ban)]).output_ids
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    assert all(t[0] != ban for t in counts) and all(ban not in t for t in counts)
+    stats = engine.speculator.stats
+    assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted
+    cells = [k for k, p in want.items() if p * n >= 5]
+    rest = sum(want[k] for k in want if k not in cells)
+    observed = [counts.get(k, 0) for k in cells] + [n - sum(counts.get(k, 0) for k in cells)]
+    expected = [want[k] * n for k in cells] + [rest * n]
+    stat = sum((o - x) ** 2 / x for o, x in zip(observed, expected) if x > 0)
+    df = len([x for x in expected if x > 0]) - 1
+    assert stat < chi2.ppf(0.999, df), f"chi-square {stat:.1f} on {df} degrees of freedom"
+
+
+def test_greedy_drafted_token_the_mask_bans_is_rejected():
+    engine = MarkovEngine()
+    plain_engine = MarkovEngine(policy="off")
+    plain_engine.speculator = None
+    engine.speculator.drafter_for = lambda seq: FixedDrafter(seq, [0])
+    want = generate(plain_engine, [1], 8, Sampler(), processors=[BanToken(0)]).output_ids
+    got = generate(engine, [1], 8, Sampler(), processors=[BanToken(0)]).output_ids
+    assert got == want and 0 not in got
+    assert engine.speculator.stats.accepted == 0 and engine.speculator.stats.drafted > 0
+
+
+# --- the gate ---------------------------------------------------------------------------------------
+
+def test_expected_tokens_and_union():
+    assert expected_tokens(0, 0.3) == 1.0
+    assert expected_tokens(3, 1.0) == 4.0
+    assert expected_tokens(2, 0.5) == pytest.approx(1.75)
+    assert independent_union(1, 64, 8) == pytest.approx(1.0)
+    assert independent_union(4, 64, 8) < 4.0 and independent_union(4, 8, 8) == pytest.approx(1.0)
+
+
+def _gate(compute, stall, union_power=1.0, row_cost=1.0, experts=(64, 8)):
+    gate = Gate("gate", 8, lambda n: independent_union(n, *experts), row_cost)
+    for _ in range(3):
+        gate.observe(1, compute + stall, stall, 1 << 20)
+    gate.union_power.value = union_power
+    return gate
+
+
+def test_gate_turns_drafting_off_when_the_verify_costs_more_than_it_saves():
+    # Resident: every verify row costs a plain step (row_cost 1): no depth can pay.
+    gate = _gate(compute=0.01, stall=0.0)
+    for _ in range(10):
+        gate.observe_accept("lookup-2", 2, 2)
+    assert gate.depth(4, "lookup-2", "lookup") == (0, "gated off")
+    # Streaming, the reads dominating, rows sharing them: a well-accepted draft pays...
+    gate = _gate(compute=0.002, stall=0.05, union_power=0.2, row_cost=0.2)
+    for _ in range(10):
+        gate.observe_accept("lookup-3", 3, 3)
+    k, why = gate.depth(4, "lookup-3", "lookup")
+    assert why == "drafted" and k == 4
+    # ...but the same acceptance with the union of independent routing (each row's experts new
+    # bytes) does not: the extra expert bytes exceed the saving.
+    gate = _gate(compute=0.002, stall=0.05, union_power=1.0, row_cost=0.2)
+    for _ in range(10):
+        gate.observe_accept("lookup-3", 1, 3)
+    assert gate.depth(4, "lookup-3", "lookup") == (0, "gated off")
+    assert draft_speedup(4, 1 / 3, 0.002, 0.05, independent_union(5, 64, 8), 0.2) < 1.0
+
+
+def test_gate_explores_rarely_once_off():
+    """Gated off, the whole offer is tried again after 16, 32, 64... steps, and never before the
+    trial's modelled cost is 5% of the plain steps' time: a verify that costs many plain steps is
+    tried that much more rarely."""
+    gate = _gate(compute=0.01, stall=0.0, row_cost=0.1)
+    for _ in range(10):
+        gate.observe_accept("lookup-1", 0, 2)
+    decisions = [gate.depth(2, "lookup-1", "lookup") for _ in range(24 + 32)]
+    explored = [i for i, (_, why) in enumerate(decisions) if why == "explored"]
+    assert explored == [23, 23 + 32] and decisions[23][0] == 2  # 1.2 plain steps / 5%: 24; then 32
+    costly = _gate(compute=0.01, stall=0.0, row_cost=10.0)
+    for _ in range(10):
+        costly.observe_accept("lookup-1", 0, 2)
+    whys = [costly.depth(2, "lookup-1", "lookup")[1] for _ in range(600)]
+    assert whys.index("explored") == 21 / 0.05 - 1  # a 3-row verify costs 21 plain steps
+
+
+def test_gate_measures_verify_cost_and_union_online():
+    gate = _gate(compute=0.01, stall=0.04)
+    assert gate.compute_of(5) == pytest.approx(0.05)  # the prior: each row a plain step
+    for _ in range(2):  # the first of a size only stands in until the second
+        gate.observe(5, 0.01 * 1.4 + 0.05, 0.05, int((1 << 20) * 1.25))
+    assert gate.compute_of(5) == pytest.approx(0.014)  # rows that shared their reads: cheaper than steps
+    assert gate.compute_of(3) < 0.014
+    assert gate.union_power.value < 1.0  # the bytes grew less than independent routing says
+
+
+def test_gate_off_run_is_the_plain_run(tmp_path):
+    d = make_tiny(tmp_path / "m")
+    with Engine(d, config()) as e:
+        plain = generate(e, PROMPT, 20, Sampler()).output_ids
+        assert e.speculator is None
+    with Engine(d, config(draft="gate")) as e:
+        gated = generate(e, PROMPT, 20, Sampler()).output_ids
+        stats = e.speculator.stats
+    assert gated == plain
+    assert stats.decisions.get("gated off", 0) + stats.decisions.get("measuring", 0) > 0
+
+
+# --- prompt lookup ----------------------------------------------------------------------------------
+
+def test_prompt_lookup_longest_recent_match():
+    seq = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    lookup = PromptLookup(seq)
+    assert lookup.offer(3) == (3, "lookup-3")
+    assert lookup.propose(2) == Draft([7, 5], "lookup-3")  # the most recent "1 2 3" is followed by 7
+    seq = [4, 4, 8]
+    lookup = PromptLookup(seq)
+    assert lookup.offer(2) == (0, "")  # "8" never seen before
+    seq.append(4)
+    assert lookup.offer(2) == (2, "lookup-1") and lookup.propose(2) == Draft([8, 4], "lookup-1")  # "4" last at 1
+    seq += [4]
+    assert lookup.offer(2) == (2, "lookup-2") and lookup.propose(2).tokens == [8, 4]  # "4 4" seen at 0
+
+
+def test_prompt_lookup_on_repeated_text_accepts_nearly_all(tmp_path):
+    """A prompt holding a text twice, verbatim, that the model goes on repeating: nearly every
+    drafted token is accepted. The text is the model's own cycle: with layers that add little to
+    the embedding (initializer_range 0.002), greedy decoding follows a function of the last token
+    and falls into a cycle, which the prompt then holds twice."""
+    d = make_tiny(tmp_path / "m", initializer_range=0.002, routing_skew=0.0)
+    with Engine(d, config()) as e:
+        text = generate(e, [5, 17, 33], 48, Sampler()).output_ids
+    last = len(text) - 1
+    period = next(p for p in range(1, last) if text[last - p] == text[last])
+    cycle = text[-period:]
+    assert text[-2 * period:] == cycle * 2  # the text, repeated verbatim
+    prompt = cycle * 2
+    with Engine(d, config()) as e:
+        plain = generate(e, prompt, 40, Sampler()).output_ids
+    with Engine(d, config(draft="fixed", draft_depth=6)) as e:
+        drafted = generate(e, prompt, 40, Sampler()).output_ids
+        stats = e.speculator.stats
+    assert drafted == plain
+    assert stats.drafted >= 30 and stats.accepted >= 0.9 * stats.drafted
+    assert stats.emitted / stats.steps > 4
+
+
+def test_draft_knobs_validate():
+    with pytest.raises(ConfigError, match="draft must be"):
+        EngineConfig(draft="always")
+    with pytest.raises(ConfigError, match="draft_depth must be"):
+        EngineConfig(draft_depth=0)
+    assert spec_gate.ACCEPT_PRIOR == (1.0, 1.0)
+
+
+# --- serve: the same answer, and /metrics counts the drafts ------------------------------------------
+
+def test_serve_answers_the_same_with_drafts_and_metrics_count_them(tmp_path):
+    from test_serve import Server
+    d = make_tiny(tmp_path / "m", initializer_range=0.002, routing_skew=0.0)
+    with Engine(d, config()) as e:  # the model's own cycle (test_prompt_lookup_on_repeated_text_...)
+        prompt = generate(e, [5, 17, 33], 48, Sampler()).output_ids[-24:]
+
+    def answer(server):
+        done = server.client().completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0)
+        return done.choices[0].text
+
+    plain = Server(d, EngineConfig(ctx_size=256))
+    try:
+        want = answer(plain)
+    finally:
+        plain.uv.should_exit = True
+    drafting = Server(d, EngineConfig(ctx_size=256, draft="fixed", draft_depth=4))
+    try:
+        assert answer(drafting) == want
+        drafting.wait_idle()
+        assert drafting.metric("colibri_drafted_tokens_total") > 0
+        assert drafting.metric("colibri_draft_accepted_tokens_total") > 0
+        assert drafting.metric("colibri_draft_tokens_per_step") > 1.0
+        text = httpx.get(drafting.base + "/metrics").text
+        assert 'colibri_draft_decisions_total{reason="fixed"}' in text
+    finally:
+        drafting.uv.should_exit = True
+
+
+# --- drafts as prefetch hints ---------------------------------------------------------------------
+
+def test_drafts_hint_the_first_layers_and_change_no_token(tmp_path):
+    """Streaming under a budget: the step's rows (drafts included) hint the first MoE layer, which
+    the model's own lookahead cannot; the store counts those hints in its recall; tokens as resident."""
+    from test_streaming import budget_for_cache
+    d = make_tiny(tmp_path / "m", initializer_range=0.002, routing_skew=0.0)
+    with Engine(d, config()) as e:
+        prompt = generate(e, [5, 17, 33], 48, Sampler()).output_ids[-24:]
+        want = generate(e, prompt, 20, Sampler()).output_ids
+    kw = dict(draft="fixed", draft_depth=3, prefetch_depth=1)
+    budget = budget_for_cache(d, config(**kw), 6) + (2 << 20)
+    recalls = {}
+    for hints in (True, False):
+        with Engine(d, config(ram_budget=budget, **kw)) as e:
+            assert e.plan.streaming and e.speculator.hints
+            e.speculator.hints = hints
+            e.store.reset_stats()
+            assert generate(e, prompt, 20, Sampler()).output_ids == want
+            recalls[hints] = (e.store.recall_total, e.store.stats()["lookahead_recall"])
+    assert recalls[True][0] > recalls[False][0]  # layer 0's lookups now have a prediction to count
