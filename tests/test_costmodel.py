@@ -14,7 +14,7 @@ from tuner.costmodel import fit as cal
 from tuner.costmodel.model_geometry import bytes_per_weight, from_model_dir, resolve
 from tuner.costmodel.hardware import HardwareView, apply_what_if
 from tuner.costmodel.memplan import fits, plan_memory
-from tuner.costmodel.predict import Factors, RunConditions, combine, components, predict
+from tuner.costmodel.predict import Factors, RunConditions, combine, components, predict, predict_prefill
 from tuner.costmodel.routing_model import synth_skew, uniform
 from tuner.costmodel.best_config import curve_region, prefilter
 
@@ -279,6 +279,8 @@ def test_plan_cli_prints_plan_prediction_and_best_configs(tiny, tmp_path, capsys
     (["--model", "glm-5", "--what-if", "speed=2"], "--what-if"),
     (["--model", "glm-5", "--routing", "/no/such.json"], "routing histogram"),
     (["--model", "glm-5", "--calibrate", "/"], "no trials.csv"),
+    (["--model", "glm-5", "--cached-tokens", "100"], "--cached-tokens goes with --prompt-tokens"),
+    (["--model", "glm-5", "--prompt-tokens", "0"], "--prompt-tokens"),
 ])
 def test_plan_cli_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
     from tuner.probe.hardware_profile import save_profile
@@ -519,3 +521,52 @@ def test_overlap_defaults_to_one_and_is_fitted_only_from_compute_bound_prefetchi
                                 trial(12, 0.06, 0.03, depth=0)]
     assert "overlap" in cal.informed(prefetching)
     assert cal.fit(prefetching, 0.9).overlap == pytest.approx(0.2, abs=0.05)
+
+
+# --- time to first token after cached tokens (plan --prompt-tokens N --cached-tokens M) -------------
+
+def test_ttft_after_cached_tokens_counts_reads_compute_and_restores(tiny, hw):
+    """N new tokens after M reused: the reads and matmuls of N, attention over all M + N positions,
+    and the M positions' KV restored (from RAM where the prefix cache's share holds them, else
+    from the SSD: slower); computing all M + N instead costs more."""
+    g = from_model_dir(tiny)
+    routing = synth_skew(g.moe_layers, g.num_experts, g.top_k, 1.0)
+    config = EngineConfig(ram_budget=1 * GiB, ctx_size=4096, prefix_cache=64 * MiB)
+    kw = dict(geometry=g, quant=g.native_quant, hw=hw, routing=routing, factors=Factors(), overhead_bytes=300 * MiB)
+    cold = predict_prefill(config=config, new_tokens=200, cached_tokens=0, **kw)
+    ram = predict_prefill(config=config, new_tokens=200, cached_tokens=1800, **kw)
+    ssd = predict_prefill(config=config.replace(prefix_cache=64 << 10), new_tokens=200, cached_tokens=1800, **kw)
+    whole = predict_prefill(config=config, new_tokens=2000, cached_tokens=0, **kw)
+    assert cold["fits"] and cold["restore_from"] == "none" and cold["restore_s"] == cold["restore_bytes"] == 0
+    assert ram["restore_from"] == "ram" and ssd["restore_from"] == "ssd"
+    assert 0 < ram["restore_s"] == ram["restore_ram_s"] < ram["restore_ssd_s"] == ssd["restore_s"]
+    # every position of every layer, as a prefix block keeps it: the plan's KV at ctx, per position
+    kept = plan_memory(g, g.native_quant, config, 300 * MiB)
+    assert ram["restore_bytes"] == round(1800 * kept.kv_bytes / 4096)
+    assert ram["attention_s"] > cold["attention_s"] > 0  # the new tokens attend to the cached ones
+    assert ram["read_bytes"] == cold["read_bytes"] <= whole["read_bytes"]
+    assert cold["ttft_s"] < ram["ttft_s"] < ssd["ttft_s"] < whole["ttft_s"]
+    assert ram["ttft_s"] == pytest.approx(ram["read_s"] + ram["compute_s"] + ram["overhead_s"] + ram["restore_s"])
+    # A group smaller than the prompt: that many groups, each reading its union again.
+    grouped = predict_prefill(config=config.replace(prefill_chunk=64), new_tokens=200, cached_tokens=0, **kw)
+    assert grouped["groups"] == 4 and grouped["prefill_group"] == 64 and grouped["read_bytes"] > cold["read_bytes"]
+    # A budget that cannot hold it: the reason, not a figure.
+    refused = predict_prefill(config=config.replace(ram_budget=64 * MiB), new_tokens=200, cached_tokens=0, **kw)
+    assert not refused["fits"] and "budget" in refused["reason"]
+
+
+def test_plan_cli_predicts_the_ttft_of_new_tokens_after_cached_ones(tiny, tmp_path, capsys):
+    import json
+    from tuner.probe.hardware_profile import save_profile
+    save_profile(make_profile(), tmp_path / "p.json")
+    (tmp_path / "c.toml").write_text('prefix_cache = "64MiB"\n')
+    base = ["plan", "--model", str(tiny), "--profile", str(tmp_path / "p.json"), "--budget", "600MiB",
+            "--config", str(tmp_path / "c.toml"), "--prompt-tokens", "100"]
+    rc, out, _ = _run_cli(base + ["--cached-tokens", "900", "--json"], capsys)
+    p = json.loads(out)["prefill"]
+    assert rc == 0 and (p["new_tokens"], p["cached_tokens"], p["restore_from"]) == (100, 900, "ram")
+    assert p["ttft_s"] < p["ttft_without_reuse_s"]
+    rc, out, _ = _run_cli(base + ["--cached-tokens", "900"], capsys)
+    assert rc == 0 and "first token after 100 new tokens and 900 cached" in out and "without reuse" in out
+    rc, out, _ = _run_cli(base[:-2] + ["--json"], capsys)
+    assert rc == 0 and "prefill" not in json.loads(out)  # only when asked

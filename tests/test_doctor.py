@@ -125,6 +125,60 @@ def test_doctor_command_json_and_exit_code(tmp_path):
     assert json.loads(bad.stdout)["verdict"].startswith("not ready")
 
 
+# --- a conversation's KV (doctor --conversation-tokens N) --------------------------------------------
+
+@pytest.mark.parametrize("facts, severity, says", [
+    (dict(conversation_tokens=8000, conversation_error="memory budget 1 GiB is too small"), "problem",
+     "a conversation of 8000 tokens does not fit"),
+    (dict(conversation_tokens=8000, conversation_kv_bytes=800 << 20, prefix_cache_bytes=256 << 20,
+          kv_disk_bytes=8 * GiB, kv_disk_free_bytes=100 * GiB, kv_restore_seconds=0.4), "warn",
+     "holds 2560 tokens of KV"),
+    (dict(conversation_tokens=8000, conversation_kv_bytes=100 << 20, prefix_cache_bytes=256 << 20,
+          kv_disk_bytes=8 * GiB, kv_disk_free_bytes=100 * GiB), "ok", "holds 2 conversation(s) of 8000 tokens"),
+])
+def test_the_conversation_rule_says_whether_the_budget_holds_its_kv(facts, severity, says):
+    [finding] = rules.conversation(Facts(**facts))
+    assert finding.severity == severity and says in finding.symptom
+    if severity != "ok":
+        assert finding.cause and finding.fix
+
+
+def test_the_conversation_rule_says_what_the_ssd_tier_gives():
+    base = dict(conversation_tokens=8000, conversation_kv_bytes=800 << 20, prefix_cache_bytes=256 << 20)
+    [tier] = rules.conversation(Facts(**base, kv_disk_bytes=8 * GiB, kv_disk_free_bytes=100 * GiB,
+                                      kv_restore_seconds=0.4))
+    assert "keeps 10 such conversation(s), each read back in ~0.4 s" in tier.fix and "after a restart" in tier.fix
+    [full] = rules.conversation(Facts(**base, kv_disk_bytes=8 * GiB, kv_disk_free_bytes=1 * GiB))
+    assert "keeps 1 such conversation(s)" in full.fix  # the disk's free room bounds the tier too
+    [off] = rules.conversation(Facts(**base, kv_disk_bytes=0))
+    assert "the SSD tier is off" in off.fix
+    assert rules.conversation(Facts()) == []  # not asked: nothing said
+
+
+def test_gather_reads_a_conversations_kv_from_the_plan(tmp_path):
+    model = make_tiny(tmp_path / "tiny")
+    config = EngineConfig(ram_budget=GiB, prefix_cache=1 << 20)
+    small = gather(model, None, None, (config, 256, 8 * GiB, tmp_path / "kv" / "sub"))
+    large = gather(model, None, None, (config, 1024, 8 * GiB, tmp_path / "kv"))
+    assert small.conversation_error is None and 0 < small.conversation_kv_bytes
+    assert large.conversation_kv_bytes == 4 * small.conversation_kv_bytes  # every position of every layer
+    assert small.kv_disk_free_bytes > 0 and small.prefix_cache_bytes == 1 << 20
+    refused = gather(model, None, None, (config.replace(ram_budget=64 << 20), 1024, 8 * GiB, tmp_path))
+    assert "too small" in refused.conversation_error
+    [finding] = rules.conversation(small)
+    assert finding.rule == "conversation"
+
+
+def test_doctor_command_checks_a_conversation(tmp_path):
+    model = make_tiny(tmp_path / "tiny")
+    out = subprocess.run([sys.executable, "-m", "colibri.cli", "doctor", "--model", str(model), "--ram-budget", "1GiB",
+                          "--conversation-tokens", "400", "--prefix-cache", "0", "--json"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    [finding] = [f for f in json.loads(out.stdout)["findings"] if f["rule"] == "conversation"]
+    assert finding["severity"] == "warn" and "a conversation of 400 tokens needs" in finding["symptom"]
+
+
 def test_doctor_says_when_drafting_loses_on_this_machine(tmp_path):
     """The cost model behind the drafting rule: resident at the doctor's assumed acceptance a
     verify's rows share their weight reads and drafting pays; streaming demo from the disk with

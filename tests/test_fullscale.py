@@ -89,8 +89,10 @@ def test_int4_container_variant_plans_within_16_gib(tmp_path):
     plan = make_plan(ckpt, args, layout, EngineConfig(ram_budget=16 * GiB), torch.bfloat16, torch.bfloat16,
                      overhead_bytes=1 * GiB)
     # 11.6 GiB: int4 projections + bf16 embeddings + kv_b_proj dequantized at load (2 GiB in bf16);
-    # the plan also charges the prefill group's activations (under 1 GiB at this width), so ~100 slots remain
-    assert plan.streaming and plan.dense_bytes < 12 * GiB and plan.prefill_bytes < 1 * GiB
+    # the plan also charges the prefill group's activations (~1.2 GiB at this width for the whole 2,048-token
+    # context as one group: tests/test_prefill_charge.py holds the charge above what a prefill allocates),
+    # so ~100 slots remain
+    assert plan.streaming and plan.dense_bytes < 12 * GiB and plan.prefill_bytes < 1.25 * GiB
     assert plan.cache_slots >= 64
     geometry = from_model_dir(d)
     shapes = {t.name: t.shape for t in geometry.dense}

@@ -178,30 +178,28 @@ def test_the_plan_charges_the_groups_activations(model_dir):  # noqa: F811
 
 
 def test_a_budget_too_small_for_the_group_shrinks_the_default_and_refuses_a_set_one(model_dir):  # noqa: F811
-    """prefill_chunk 0 (the default): the whole context without a budget; under one, one sub-chunk
-    (a larger group was OOM-killed on demo where the charge said it fit: engine/movement/plan.py), or
-    below one sub-chunk a smaller group with a smaller sub-chunk; a set prefill_chunk the budget
-    cannot hold is refused, as is a budget that cannot hold a one-token group."""
+    """prefill_chunk 0 (the default): the whole context when the budget has room, else the largest
+    group in whole sub-chunks whose state fits half of what the budget leaves, or below one sub-chunk
+    a smaller group with a smaller sub-chunk; a set prefill_chunk the budget cannot hold is refused,
+    as is a budget that cannot hold a one-token group."""
     ctx = 8192
-    args, resident = _plan(model_dir, ctx_size=ctx, ram_budget=0)
-    assert resident.prefill_group == ctx
     args, roomy = _plan(model_dir, ctx_size=ctx, ram_budget=1 << 30)
-    assert roomy.prefill_group == PREFILL_CHUNK
-    assert _plan(model_dir, ctx_size=ctx, ram_budget=1 << 30, prefill_chunk=ctx)[1].prefill_group == ctx
+    assert roomy.prefill_group == ctx
     per_token = prefill_group_bytes(args, 1, torch.float32, ctx)
     # Everything but the group's state and the cache: one sub-chunk's transients stay charged.
     others = (roomy.dense_bytes + roomy.kv_bytes + roomy.buffer_bytes + roomy.overhead_bytes
-              + roomy.prefill_bytes - PREFILL_CHUNK * per_token)
+              + roomy.prefill_bytes - ctx * per_token)
     budget = others + 1 * MiB + 2 * 1024 * per_token  # half of what is left: ~1024 tokens' state
-    _, capped = _plan(model_dir, ctx_size=ctx, ram_budget=budget)
-    assert capped.prefill_group == PREFILL_CHUNK and capped.cache_bytes > 0
-    assert capped.prefill_bytes == prefill_bytes(args, PREFILL_CHUNK, torch.float32, ctx)
+    _, shrunk = _plan(model_dir, ctx_size=ctx, ram_budget=budget)
+    assert PREFILL_CHUNK <= shrunk.prefill_group < ctx and shrunk.prefill_group % PREFILL_CHUNK == 0
+    assert shrunk.prefill_bytes == prefill_bytes(args, shrunk.prefill_group, torch.float32, ctx)
+    assert shrunk.cache_bytes > 0
     with pytest.raises(BudgetError, match=rf"prefill activations \({ctx}-token groups\)"):
         _plan(model_dir, ctx_size=ctx, ram_budget=budget, prefill_chunk=ctx)
     # Less than one sub-chunk's state: a smaller group, its sub-chunk (and transients) with it.
     args, smaller = _plan(model_dir, ctx_size=ctx, ram_budget=others - 1 * MiB)
     assert 1 <= smaller.prefill_group < PREFILL_CHUNK
     assert smaller.prefill_bytes == prefill_bytes(args, smaller.prefill_group, torch.float32, ctx)
-    transients = roomy.prefill_bytes - PREFILL_CHUNK * per_token
+    transients = roomy.prefill_bytes - ctx * per_token
     with pytest.raises(BudgetError, match=r"prefill activations \(1-token groups\)"):
         _plan(model_dir, ctx_size=ctx, ram_budget=others - transients)

@@ -17,9 +17,10 @@ from engine.arch.registry import model_args
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError
 from engine.format.checkpoint import Checkpoint
-from engine.movement.plan import PREFILL_CHUNK, prefill_activation_bytes, prefill_bytes, prefill_tokens_per_pass
+from engine.movement.plan import (PREFILL_CHUNK, prefill_activation_bytes, prefill_bytes, prefill_tokens_per_pass,
+                                  prefill_transient_bytes)
 from engine.run.runtime import Engine
-from tuner.search.space import MIN_PREFILL_CHUNK, ModelFacts, SearchSpace, prefill_chunk_for
+from tuner.search.space import MIN_PREFILL_CHUNK, ModelFacts, SearchSpace, prefill_chunk_for, prefill_chunks_for
 from tuner.search.workload import prepare_workload
 
 from colibri_tune_fixtures import MiB
@@ -27,10 +28,12 @@ from colibri_tune_fixtures import MiB
 
 def test_prefill_activations_grow_with_the_tokens_of_a_pass(model_dir):  # noqa: F811
     args = model_args(Checkpoint(model_dir).config)
-    one, chunk = (prefill_activation_bytes(args, t, torch.bfloat16) for t in (1, PREFILL_CHUNK))
-    per_token = prefill_activation_bytes(args, 2, torch.bfloat16) - one
+    ctx = 4096  # the positions attended: the mask and the keys grow with the context, not the pass
+    one, chunk = (prefill_activation_bytes(args, t, torch.bfloat16, ctx) for t in (1, PREFILL_CHUNK))
+    per_token = prefill_activation_bytes(args, 2, torch.bfloat16, ctx) - one
     assert per_token > args.hidden_size * 2  # at least the residual stream, in bf16
     assert chunk == one + (PREFILL_CHUNK - 1) * per_token  # linear in the pass's tokens
+    assert prefill_activation_bytes(args, PREFILL_CHUNK, torch.bfloat16, 2 * ctx) > chunk
     # A sub-chunk holds at most PREFILL_CHUNK tokens: a longer context charges no more transients.
     assert prefill_tokens_per_pass(16) == 16 and prefill_tokens_per_pass(1 << 20) == PREFILL_CHUNK
 
@@ -52,9 +55,8 @@ def test_the_plan_grows_with_the_longest_request(model_dir):  # noqa: F811
     plans = {n: make_plan(ckpt, args, ExpertLayout(ckpt, args), EngineConfig(ram_budget=512 * MiB, ctx_size=n),
                           torch.float32, torch.float32, overhead_bytes=100 * MiB) for n in (8, 200, 4000)}
     assert plans[8].prefill_bytes < plans[200].prefill_bytes < plans[4000].prefill_bytes
-    # Under a budget the default group is one sub-chunk at most (engine/movement/plan.py prefill_group_for)
-    assert [plans[n].prefill_group for n in (8, 200, 4000)] == [8, 200, PREFILL_CHUNK]
-    assert plans[4000].prefill_bytes == prefill_bytes(args, PREFILL_CHUNK, torch.float32, 4000)
+    assert all(plans[n].prefill_group == n for n in plans)  # room enough: one group for any prompt
+    assert plans[4000].prefill_bytes == prefill_bytes(args, 4000, torch.float32, 4000)
     assert plans[8].kv_bytes < plans[200].kv_bytes < plans[4000].kv_bytes
     assert "prefill" in plans[4000].describe()
 
@@ -87,17 +89,17 @@ def _groups(engine, ids) -> tuple[list[int], torch.Tensor]:
     return groups, logits
 
 
-def test_the_default_group_is_the_whole_context_without_a_budget(model_dir):  # noqa: F811
-    """prefill_chunk 0 (the default): one group of the whole prompt resident; under a budget, one
-    sub-chunk (a larger group's charge under-counts: engine/movement/plan.py); a set chunk wins."""
+def test_the_default_group_is_the_whole_context_where_the_budget_has_room(model_dir):  # noqa: F811
+    """prefill_chunk 0 (the default): one group of the whole prompt, resident or under a roomy
+    budget (tests/test_prefill_layer_major.py: a tight one shrinks it); a set chunk wins."""
     assert EngineConfig().prefill_chunk == 0
     n = 2 * PREFILL_CHUNK + 40
     ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(2))
-    for budget, group in ((0, 1024), (4 << 30, PREFILL_CHUNK)):
+    for budget in (0, 4 << 30):
         with Engine(model_dir, EngineConfig(ctx_size=1024, ram_budget=budget)) as engine:
-            assert engine.plan.prefill_group == group
-            assert _groups(engine, ids)[0] == ([n] if group == 1024 else [PREFILL_CHUNK, PREFILL_CHUNK, 40])
-            assert engine.plan.prefill_bytes == prefill_bytes(engine.args, group, engine.dtype, 1024)
+            assert engine.plan.prefill_group == 1024
+            assert _groups(engine, ids)[0] == [n]
+            assert engine.plan.prefill_bytes == prefill_bytes(engine.args, 1024, engine.dtype, 1024)
     with Engine(model_dir, EngineConfig(ctx_size=1024, ram_budget=4 << 30, prefill_chunk=96)) as engine:
         assert _groups(engine, ids)[0] == [96] * (n // 96) + [n % 96]
 
@@ -118,20 +120,19 @@ def test_the_configured_prefill_group_sets_the_groups_and_keeps_the_logits(model
 
 def test_a_tune_sizes_the_prefill_group_to_its_workloads_longest_prompt(model_dir, tmp_path):  # noqa: F811
     """The fixed 8-token prompt runs every candidate with MIN_PREFILL_CHUNK-token groups, so the plan
-    charges a small group and the expert cache gets the rest; a long prompt gets at most one
-    sub-chunk (a larger group's charge under-counts: engine/movement/plan.py prefill_group_for)."""
-    assert [prefill_chunk_for(n) for n in (1, 8, 32, 33, 200, 4000)] == [32, 32, 32, 64, 256, PREFILL_CHUNK]
+    charges a small group and the expert cache gets the rest; a long prompt gets a group that holds
+    it whole (each expert read once per layer)."""
+    assert [prefill_chunk_for(n) for n in (1, 8, 32, 33, 200, 4000)] == [32, 32, 32, 64, 256, 4096]
     run = _tune_run(model_dir, tmp_path / "fixed", 1 << 30, None)
     assert run.space.prefill_chunk == MIN_PREFILL_CHUNK
     config = run.space.baseline()
     assert config.prefill_chunk == MIN_PREFILL_CHUNK
     args = model_args(Checkpoint(model_dir).config)
-    assert prefill_activation_bytes(args, MIN_PREFILL_CHUNK, torch.bfloat16) < \
-        prefill_activation_bytes(args, PREFILL_CHUNK, torch.bfloat16) / 4
+    assert prefill_transient_bytes(args, MIN_PREFILL_CHUNK, torch.bfloat16) < \
+        prefill_transient_bytes(args, PREFILL_CHUNK, torch.bfloat16) / 4
     long_run = _tune_run(model_dir, tmp_path / "long", 1 << 30, _prompts(tmp_path, "long.jsonl", 60))
     longest = long_run.workload_info.prompt_tokens.max
-    assert long_run.space.prefill_chunk == prefill_chunk_for(longest) == min(PREFILL_CHUNK, 1 << (longest - 1).bit_length())
-    assert longest > MIN_PREFILL_CHUNK
+    assert long_run.space.prefill_chunk == prefill_chunk_for(longest) >= longest > MIN_PREFILL_CHUNK
 
 
 def _prompts(tmp_path, name: str, words: int) -> str:
@@ -161,7 +162,8 @@ def test_a_long_prompt_tune_under_a_tight_budget_is_refused_before_running(model
         ctx = work.ctx_needed
         space = SearchSpace(budget=1 << 40, physical_cores=1, logical_cores=1, has_gpu=False, min_ctx=max(16, ctx),
                             model=facts,  # the default overhead, as the check before calibration uses
-                            prefill_chunk=prefill_chunk_for(work.info.prompt_tokens.max))
+                            prefill_chunk=prefill_chunk_for(work.info.prompt_tokens.max),
+                            prefill_chunks=prefill_chunks_for(work.info.prompt_tokens.max))  # as tune searches
         need[name] = (ctx, space.fixed_bytes(space.smallest()))
     assert need["long"][0] > 300 and need["long"][1] > need["short"][1]
     budget = need["short"][1] + (need["long"][1] - need["short"][1]) // 2

@@ -86,8 +86,21 @@ def test_a_restarted_server_restores_from_the_kv_dir(tiny, tmp_path):
         assert got == want
         assert usages[0].prompt_tokens_details.cached_tokens >= 64  # from the files: nothing in RAM yet
         assert second.metric("colibri_kv_disk_read_bytes_total") > 0
+        assert second.metric("colibri_kv_restored_bytes_total") > 0  # what the files gave the KV cache
     finally:
         second.close()
+
+
+def test_blocks_that_leave_a_small_prefix_cache_are_spilled_and_counted(tiny, tmp_path):
+    """A prefix cache smaller than one block: the conversation's blocks go to the SSD as they leave
+    RAM, and /metrics counts the bytes written and what the directory holds."""
+    server = Server(tiny, prefix_cache=1, kv_dir=tmp_path)
+    try:
+        conversation(server, turns=3)
+        assert server.metric("colibri_kv_spilled_bytes_total") > 0
+        assert server.metric("colibri_kv_disk_bytes") > 0
+    finally:
+        server.close()
 
 
 def test_serve_turns_reuse_on_by_default_and_budget_bounds_it():

@@ -24,6 +24,7 @@ from optuna.trial import TrialState
 
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError, ConfigError, ModelFormatError
+from engine.base.heap import NATIVE_CACHE_BYTES
 from colibri import cli
 from tuner.results.result import TuneResult
 from tuner.sandbox import detect_memory_cgroup
@@ -361,8 +362,10 @@ def test_precheck_uses_the_engine_memory_plan(model_dir):
     fits, overshoot, _ = space.precheck(space.baseline())
     assert fits and overshoot == 0
     fits, overshoot, message = space.precheck(space.baseline().replace(ctx_size=4 * MIN_CTX))
-    # KV at 256K positions is 256 MiB on tiny: 300 + 256 + a little > 512 MiB.
-    assert not fits and 40 * MiB < overshoot < 60 * MiB and "KV cache" in message
+    # KV at 256K positions is 256 MiB on tiny: 300 + 256 + the native matmul caches' bound (charged with
+    # a prefill, engine/base/heap.py) + a little > 512 MiB.
+    assert not fits and 40 * MiB + NATIVE_CACHE_BYTES < overshoot < 60 * MiB + NATIVE_CACHE_BYTES
+    assert "KV cache" in message
 
 
 def test_helpers():

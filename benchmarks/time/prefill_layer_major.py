@@ -1,14 +1,16 @@
 """Cold prefill under a memory budget: pass-wise (before) against layer-major (after), beside its bound.
 
     .venv/bin/python benchmarks/time/prefill_layer_major.py --model DIR --before-src main \
-        [--budget 1GiB] [--prompt-tokens 512,2048,8192] [--repeats 1] [--threads 2] [--json] [--lock FILE]
+        [--budget 1GiB] [--prompt-tokens 512,2048,8192] [--groups 0,256] [--repeats 1] [--threads 2] [--json] [--lock FILE]
 
 For each prompt length: each tree's engine (this checkout: layer-major groups, engine/arch/prefill.py;
 --before-src, a revision or directory: its own prefill, pass-wise before issue 42) in a child process
 inside a memory cgroup of --budget (page cache counted; tuner/sandbox), the engine's budget the same;
 the experts' caches emptied and their pages dropped before the timed prefill (cold), io_mode direct.
 A row gives the time to first token (the prompt's Engine.forward(last_only=True): every layer,
-the last position's logits) and the expert bytes read, median over --repeats.
+the last position's logits), the expert bytes read, median over --repeats, and the cgroup's peak
+(page cache included). --groups: this tree's run once per prefill group (prefill_chunk; 0, the
+default: the engine's own, the largest the budget allows), to set the default beside one sub-chunk.
 
 The bound, per prompt: one read of the distinct expert bytes the prompt routes to (a resident run of
 this tree records the routing) at the disk's cold O_DIRECT read bandwidth (measured here over the
@@ -41,7 +43,8 @@ MiB = 1 << 20
 def child(a) -> dict:
     import torch
     from engine.api import Engine, EngineConfig, parse_size
-    config = EngineConfig(ram_budget=parse_size(a.budget), ctx_size=a.ctx, threads=a.threads, io_mode="direct")
+    config = EngineConfig(ram_budget=parse_size(a.budget), ctx_size=a.ctx, threads=a.threads, io_mode="direct",
+                          **({"prefill_chunk": a.group} if a.group else {}))
     with Engine(a.model, config) as engine:
         ids = torch.randint(0, min(1000, engine.args.vocab_size), (a.n,), generator=torch.Generator().manual_seed(a.seed))
         if a.routing:
@@ -69,18 +72,20 @@ def child(a) -> dict:
     return out
 
 
-def run_child(tree: Path, a, n: int, budget: str, limit: int | None, *, warm=False, routing=False) -> dict:
+def run_child(tree: Path, a, n: int, budget: str, limit: int | None, *, warm=False, routing=False, group=0) -> dict:
     from benchmarks.trees import tree_env
     from tuner.sandbox import run_limited
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", a.model, "--n", str(n),
             "--ctx", str(n + 16), "--budget", budget, "--threads", str(a.threads), "--repeats", str(a.repeats),
-            "--seed", str(a.seed)] + (["--warm"] if warm else []) + (["--routing"] if routing else [])
+            "--seed", str(a.seed)] + (["--warm"] if warm else []) + (["--routing"] if routing else []) \
+        + (["--group", str(group)] if group else [])
     print(f"{TOOL}: n={n} budget={budget} warm={warm} tree={tree} ...", file=sys.stderr, flush=True)
     res = run_limited(argv, limit, timeout=a.timeout, env=tree_env(tree), cwd=tree)
     if res.returncode != 0:
         raise SystemExit(f"{TOOL}: child failed in {tree} (n={n}, oom={res.oom_killed}): {res.stderr.strip()[-600:]}")
     out = json.loads(res.stdout.strip().splitlines()[-1])
     out["cgroup"] = res.limited
+    out["peak_bytes"] = res.peak_bytes
     return out
 
 
@@ -90,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before-src", default="main", help="the pass-wise tree: a revision or directory (default main)")
     ap.add_argument("--budget", default="1GiB", help="engine budget and cgroup limit (default 1GiB)")
     ap.add_argument("--prompt-tokens", default="512,2048,8192")
+    ap.add_argument("--groups", default="0", help="this tree's prefill groups, one row each (0: the engine's default)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--io-threads", type=int, default=4, help="threads of the bandwidth probe (default 4)")
@@ -99,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--group", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--ctx", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--routing", action="store_true", help=argparse.SUPPRESS)
@@ -113,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.api import parse_size
     limit = parse_size(a.budget)
     lengths = [int(x) for x in a.prompt_tokens.split(",") if x]
+    groups = [int(x) for x in a.groups.split(",") if x]
     rows = []
     with source_tree(a.before_src) as before:
         bw = None
@@ -125,20 +133,24 @@ def main(argv: list[str] | None = None) -> int:
                                         1 << 30)
             distinct = resident["distinct_experts"] * resident["expert_disk_bytes"]
             bound = max(distinct / bw, resident["ttft_s"])
-            for side, tree in (("before (pass-wise)", before), ("after (layer-major)", REPO)):
+            sides = [("before (pass-wise)", before, 0)] + [
+                (f"after (layer-major{', group ' + str(g) if g else ''})", REPO, g) for g in groups]
+            for side, tree, group in sides:
                 with bench_lock(a.lock):
-                    m = run_child(tree, a, n, a.budget, limit)
+                    m = run_child(tree, a, n, a.budget, limit, group=group)
                 rows.append({"prompt_tokens": n, "side": side, "ttft_s": round(m["ttft_s"], 3),
                              "prefill_tok_s": round(n / m["ttft_s"], 1), "bytes_read_mib": round(m["bytes_read"] / MiB, 1),
                              "distinct_expert_mib": round(distinct / MiB, 1),
                              "read_x_distinct": round(m["bytes_read"] / distinct, 2) if distinct else None,
                              "bound_s": round(bound, 3), "ttft_x_bound": round(m["ttft_s"] / bound, 2),
                              "resident_prefill_s": round(resident["ttft_s"], 3), "group": m.get("prefill_group"),
+                             "peak_mib": round(m["peak_bytes"] / MiB) if m.get("peak_bytes") else None,
                              "cgroup": m["cgroup"]})
     cols = [(h, (lambda k: lambda r: r[k])(k)) for h, k in (
         ("prompt", "prompt_tokens"), ("side", "side"), ("TTFT s", "ttft_s"), ("tok/s", "prefill_tok_s"),
         ("read MiB", "bytes_read_mib"), ("distinct MiB", "distinct_expert_mib"), ("read/distinct", "read_x_distinct"),
-        ("bound s", "bound_s"), ("TTFT/bound", "ttft_x_bound"), ("group", "group"), ("cgroup", "cgroup"))]
+        ("bound s", "bound_s"), ("TTFT/bound", "ttft_x_bound"), ("group", "group"), ("peak MiB", "peak_mib"),
+        ("cgroup", "cgroup"))]
     emit(TOOL, rows, run_conditions(a, io_mode="direct", cold=True, read_gb_s=round(bw / 1e9, 3)), a.json, cols,
          notes={"read bandwidth (O_DIRECT, expert-sized requests)": f"{bw / 1e9:.2f} GB/s"})
     return 0

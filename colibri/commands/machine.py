@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from engine.api import Progress, file_target
-from colibri.commands.argtypes import add_output_option, finite_float, int_list, positive_int, size
+from engine.api import CTX_MAX, ConfigError, Progress, file_target
+from colibri.commands.argtypes import add_output_option, finite_float, int_list, nonneg_int, positive_int, size
 from tuner.costmodel.model_geometry import QUANTS
 from tuner.costmodel.plan_command import PlanRequest, run_plan
 from tuner.probe import format_summary, run_probe, save_profile
@@ -64,6 +64,11 @@ def add_plan_arguments(p) -> None:
     p.add_argument("--conditions", choices=("steady", "trial"), default="steady",
                    help="steady: long generation, warm cache (default); trial: the tuner's cold 8-token trial")
     p.add_argument("--top", type=positive_int(1000), default=3, help="best predicted configs to list")
+    p.add_argument("--prompt-tokens", type=positive_int(CTX_MAX), metavar="N",
+                   help="also predict the time to first token of a prompt of N new tokens, cold (reads, compute)")
+    p.add_argument("--cached-tokens", type=nonneg_int(CTX_MAX), default=0, metavar="M",
+                   help="with --prompt-tokens: after M tokens whose KV the prefix cache reuses (restored from RAM, "
+                        "or the SSD where the config's prefix_cache cannot hold them)")
     p.add_argument("--batch", type=int_list(1, 256), default=(),
                    help="batch sizes to predict, e.g. 1,2,4,8: several sequences decoding together (serve's "
                         "max_batch): per-sequence and aggregate tok/s, bytes per step, where the bound moves")
@@ -95,6 +100,8 @@ def plan_request(args) -> PlanRequest:
 
 
 def cmd_plan(args) -> int:
+    if args.cached_tokens and not args.prompt_tokens:
+        raise ConfigError("--cached-tokens goes with --prompt-tokens (the new tokens after them)")
     if args.calibrate:  # it will be rewritten: only ever a profile, never a FIFO, device or another file
         args.profile = str(file_target(args.profile, command="probe", recognise=PROFILE_FILE, flag="--profile"))
     result = run_plan(plan_request(args))

@@ -48,13 +48,14 @@ _HOMES = {
                           "steady_requests"),
     "engine.run.quality": "Reference format_quality measure_quality stdlib_corpus token_stream",
     "engine.run.run_metrics": "SUMMARY_KEYS git_commit peak_rss_bytes",
-    "engine.run.prompts_file": "Request describe load_requests load_workload save_requests",
+    "engine.run.prompts_file": "Request conversation_reuse describe load_requests load_workload save_requests",
     # request traces (JSON Lines of arrivals) and their replay through serve's scheduler
     "engine.run.request_trace": "TraceRequest check_context load_trace read_trace save_trace trace_digest",
     "engine.run.trace_replay": "TRACE_KEYS replay replay_figures",
     # model resolution and synthetic models
     "engine.run.resolve": "cache_root kv_root resolve_model",
     "engine.run.kv_store": "is_kv_file is_kv_root",
+    "engine.run.prefix_cache": "BLOCK_TOKENS",
     "engine": "synth",  # the synth library (engine/synth/__init__.py is its own facade)
     "engine.synth": "list_presets load_geometry_file load_preset synthesize",
     "engine.synth.geometry_check": "check_geometry",

@@ -222,6 +222,9 @@ class PlanResult(Result):
     # speculative decoding at the asked acceptance (tuner/costmodel/speculative.py): per depth the
     # speed-up, and the gate's choice; {} when not asked (plan --accept-rate)
     draft: dict = field(default_factory=dict)
+    # `plan --prompt-tokens N [--cached-tokens M]`: the time to first token of N new tokens after
+    # M reused ones, and its parts (tuner/costmodel/predict.py predict_prefill).
+    prefill: Optional[dict] = field(default=None, metadata={"omit_none": True})
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.arch.layers import query_rows
 from engine.arch.rope import apply_rope
 from engine.weights.mxfp4 import Mxfp4Matrix
 
@@ -89,18 +90,40 @@ class SinkAttention:
         v = F.linear(x, w[f"{p}.v_proj.weight"], w[f"{p}.v_proj.bias"]).view(T, Nkv, D).transpose(0, 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values, first = self._attended(layer, kv, k, v, start_pos)
-        keys = keys.to(q.dtype).repeat_interleave(N // Nkv, dim=0)  # [N, S', D]
-        values = values.to(q.dtype).repeat_interleave(N // Nkv, dim=0)
-        scores = torch.matmul(q, keys.transpose(1, 2)) * D ** -0.5  # [N, T, S']
-        allowed = self._allowed(layer, start_pos, T, first)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # [Nkv, S', D]: each serves N // Nkv heads
+        allowed = self._allowed(layer, start_pos, T, first)  # [T, S'] or None
+        sinks = w[f"{p}.sinks"]
+        # The scores [N, rows, S'] are written out: queries in blocks bound them (layers.query_rows).
+        rows = query_rows(N, keys.shape[1] + 1, T)
+        out = [self._scores_block(q[:, b:b + rows], keys, values, None if allowed is None else allowed[b:b + rows],
+                                  sinks) for b in range(0, T, rows)]
+        out = (out[0] if len(out) == 1 else torch.cat(out, dim=1)).transpose(0, 1).reshape(T, N * D)
+        return F.linear(out, w[f"{p}.o_proj.weight"], w[f"{p}.o_proj.bias"])
+
+    def _scores_block(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      allowed: torch.Tensor | None, sinks: torch.Tensor) -> torch.Tensor:
+        """Attention of the queries q [N, t, D] over keys/values [Nkv, S', D] → [N, t, D]. Head n reads
+        key head n // G (G = N // Nkv): its G query heads go as one [G*t, D] matrix against it, so the
+        keys are never repeated per head ([N, S', D] twice was gigabytes at a 128K context)."""
+        N, t, D = q.shape
+        Nkv = keys.shape[0]
+        grouped = q.reshape(Nkv, N // Nkv * t, D)  # [Nkv, G*t, D]: head n = kv * G + g
+        scores = (torch.matmul(grouped, keys.transpose(1, 2)) * D ** -0.5).view(N, t, -1)  # [N, t, S']
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
-        sinks = w[f"{p}.sinks"].to(scores.dtype).view(N, 1, 1).expand(N, T, 1)
-        logits = torch.cat([scores, sinks], dim=-1)
+        logits = torch.cat([scores, sinks.to(scores.dtype).view(N, 1, 1).expand(N, t, 1)], dim=-1)
+        del scores
         logits = logits - logits.amax(dim=-1, keepdim=True)
         probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # the sink's share is dropped
-        out = torch.matmul(probs.to(values.dtype), values).transpose(0, 1).reshape(T, N * D)
-        return F.linear(out, w[f"{p}.o_proj.weight"], w[f"{p}.o_proj.bias"])
+        return torch.matmul(probs.reshape(Nkv, N // Nkv * t, -1).to(values.dtype), values).view(N, t, D)
+
+    def prefill_scores_bytes(self, tokens: int, positions: int) -> int:
+        """What a prefill of `tokens` queries over `positions` materializes beyond its per-token
+        tensors (the memory plan charges it): one query block's scores [N, rows, S'+1], about three
+        copies at once (the scores, the logits with the sink, the softmax, and the softmax's
+        grouped copy), taken as fp32."""
+        N = self.num_heads
+        return 4 * 4 * N * query_rows(N, positions + 1, tokens) * (positions + 1)
 
     def _attended(self, layer: int, kv, k: torch.Tensor, v: torch.Tensor, start_pos: int):
         """Store this step's k/v; return the keys and values its queries may attend, in position

@@ -17,6 +17,18 @@ from engine.weights.quantized import QuantWeight
 from engine.weights.stored import linear
 from engine.arch.kvquant import cache_bytes, check_kv_dtype, kv_buffer
 
+# An attention that materializes its scores (MLA's latent attention, whose q/k and v head dims
+# differ, takes SDPA's math path; gpt-oss's sinks are written out) takes its queries in blocks whose
+# fp32 scores [N, rows, S] stay within this: a long context's transients stay bounded, and the
+# memory plan charges a few such blocks (engine/movement/plan.py, prefill_activation_bytes).
+SCORES_BLOCK_BYTES = 16 << 20
+
+
+def query_rows(heads: int, positions: int, tokens: int) -> int:
+    """Queries per block whose fp32 scores [heads, rows, positions] fit SCORES_BLOCK_BYTES (at least
+    one, at most all `tokens`); each query's softmax is its own, so blocks change no result."""
+    return max(1, min(tokens, SCORES_BLOCK_BYTES // max(1, 4 * heads * positions)))
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 whatever the compute dtype, as the reference implementations do.
     # F.rms_norm is one fused op where the written-out form was five (x * rsqrt(mean(x^2) + eps)),

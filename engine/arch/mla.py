@@ -6,7 +6,9 @@ rope key k_r [R] shared by all heads (R = qk_rope_head_dim). The cache stores ex
     k_n = [W_uk[n] c ; k_r]        v_n = W_uv[n] c        (W_uk, W_uv: halves of kv_b_proj)
 so q_n·k_n = (W_uk[n]ᵀ q_nope_n)·c + q_rope_n·k_r: the query is projected into latent space
 once ("absorbed"), attention runs over the cached latents directly, and W_uv is applied to the
-attended latent afterwards. No per-head K/V is ever materialised, in prefill or decode.
+attended latent afterwards. No per-head K/V is ever materialised, in prefill or decode (the one
+latent "head" is broadcast to the N query heads, not repeated); a prefill's scores [N, T, S] are,
+by SDPA's math path, so its queries go in blocks (layers.query_rows).
 
 GLM-5 (glm_moe_dsa) adds DeepSeek Sparse Attention: a small indexer (its own heads over a
 per-token indexer key, also cached) scores every past position, and each query attends only to
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 from engine.arch.kvquant import cache_bytes, kv_buffer
 from engine.arch.rope import apply_rope
-from engine.arch.layers import rms_norm
+from engine.arch.layers import query_rows, rms_norm
 from engine.weights.stored import linear
 
 
@@ -118,6 +120,22 @@ class MLAAttention:
             n += len(self.indexer.full_layers) * self.indexer.head_dim
         return n
 
+    def prefill_scores_bytes(self, tokens: int, positions: int) -> int:
+        """What a prefill of `tokens` queries over `positions` materializes beyond its per-token
+        tensors (the memory plan charges it): the key [S, r+R] and, from a quantized cache, the
+        latents and rope keys in the compute dtype; about three copies of one query block's fp32 scores
+        [N, rows, S] on SDPA's math path (the product, the masked sum, the softmax); with the
+        indexer, its keys [Di, S] and one block's scores [rows, Hi, S] and relu in fp32, the block's
+        [rows, S] index twice, and the [T, S] causal and selection masks."""
+        N, width = self.num_heads, self.kv_lora_rank + self.qk_rope_head_dim
+        # The key [S, r+R] (a cat) and the latents and rope keys read back from a quantized cache.
+        n = 2 * 4 * positions * width + 3 * 4 * N * query_rows(N, positions, tokens) * positions
+        ix = self.indexer
+        if ix is not None:
+            rows = min(tokens, INDEX_QUERY_BLOCK)
+            n += 4 * positions * ix.head_dim + 2 * 4 * rows * (ix.n_heads + 1) * positions + 2 * tokens * positions
+        return n
+
     quantized_cache = True  # int8 / fp8 latents work (engine/arch/kvquant.py): one scale per row
 
     def cache_rows(self, num_layers: int) -> int:
@@ -173,9 +191,16 @@ class MLAAttention:
         kv_b = w[f"{p}.kv_b_proj.weight"].view(N, P + Vd, r)
         q_latent = torch.matmul(q_nope, kv_b[:, :P])  # [N, T, r]: W_ukᵀ absorbed into the query
         query = torch.cat([q_latent, q_rope], dim=-1)  # [N, T, r+R]
-        key = torch.cat([latents, rope_keys], dim=-1)  # [S, r+R], one "head" shared by all N
-        out = F.scaled_dot_product_attention(query.unsqueeze(0), key[None, None], latents[None, None],
-                                             attn_mask=mask, scale=self.softmax_scale, enable_gqa=True)
+        # [1, 1, S, r+R]: one "head" shared by all N, broadcast, never expanded (enable_gqa on SDPA's
+        # math path copied it N times: [N, S, r+R], gigabytes at a long context on DeepSeek-V3).
+        key, value = torch.cat([latents, rope_keys], dim=-1)[None, None], latents[None, None]
+        # The math path writes the scores [N, rows, S] out: queries in blocks bound them (layers.py).
+        rows = query_rows(N, S, T)
+        out = torch.cat([F.scaled_dot_product_attention(query[None, :, b:b + rows], key, value,
+                                                        attn_mask=None if mask is None else mask[b:b + rows],
+                                                        scale=self.softmax_scale)
+                         for b in range(0, T, rows)], dim=2) if rows < T else \
+            F.scaled_dot_product_attention(query[None], key, value, attn_mask=mask, scale=self.softmax_scale)
         out = torch.matmul(out.squeeze(0), kv_b[:, P:].transpose(1, 2))  # [N, T, Vd]: W_uv after attention
         out = out.transpose(0, 1).reshape(T, N * Vd)
         return _project(out, w[f"{p}.o_proj.weight"], w.get(f"{p}.o_proj.bias"))

@@ -195,12 +195,13 @@ class EngineConfig:
     # A prompt goes through in groups of this many tokens, each group one layer at a time, so each
     # routed expert is read at most once per layer per group (engine/arch/prefill.py). A smaller group
     # shrinks the plan's charge (more room for the expert cache) at the cost of more groups on long
-    # prompts, each re-reading the experts the cache cannot hold. Not searched: tune fixes it from
-    # its workload's longest prompt (tuner/search/space.py:prefill_chunk_for). 0: the largest group
+    # prompts, each re-reading the experts the cache cannot hold. tune sizes it from its workload's
+    # longest prompt (tuner/search/space.py:prefill_chunk_for) and with --prompts searches it and two
+    # halvings (prefill_chunks_for). 0: the largest group
     # the budget allows (engine/movement/plan.py:prefill_group_for); a set group the budget cannot
     # hold is refused.
     prefill_chunk: int = knob(0, "prompt tokens per prefill group, taken through one layer at a time (the "
-                              "memory plan charges one group; 0 = the whole context without a budget, 256 under one)",
+                              "memory plan charges one group; 0 = the largest the budget allows, up to ctx_size)",
                               kind="int", lo=0, hi=CTX_MAX, label="prefill group", short="group")
     # Sequences decoded together (engine/arch/decode_rows.py: one step over every running sequence,
     # each routed expert read once for all of them): serve's running batch. The memory plan charges a
@@ -215,8 +216,9 @@ class EngineConfig:
     # Prefix reuse (engine/run/prefix_cache.py): RAM that keeps the KV of recent sequences in
     # blocks, so a prompt sharing a prefix with one prefills only the rest; the memory plan charges
     # it whole. 0 = off: run and bench measure a prompt's full prefill; serve and chat turn it on
-    # (colibri/commands/serve.py), as llama-server's cache_prompt is on by default. Not searched:
-    # tune's workloads are independent prompts, where it could only take RAM from the expert cache.
+    # (colibri/commands/serve.py), as llama-server's cache_prompt is on by default. tune searches it
+    # for a conversation workload only (tuner/search/space.py:prefix_caches_for): for independent
+    # prompts it could only take RAM from the expert cache.
     prefix_cache: int = knob(0, "RAM for the KV of recent prompts, reused when a later prompt begins the same "
                              "way, e.g. 256MiB", kind="size", lo=0, zero_means="off", label="prefix cache",
                              short="prefix", unit="B")

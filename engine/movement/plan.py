@@ -15,11 +15,13 @@ logits. A prompt is prefilled in groups of at most `prefill_group` tokens, each 
 layer at a time (engine/arch/prefill.py: each routed expert read once per layer per group), its
 attention and dense parts in sub-chunks of PREFILL_CHUNK tokens. The plan charges what a group holds
 for its whole prefill (prefill_group_bytes: the hidden state, the routing, every routed slot's
-output) plus one sub-chunk's transients (prefill_activation_bytes), counted from the model's geometry.
+output) plus one sub-chunk's transients at the longest context (prefill_activation_bytes: counted
+from the model's geometry, times the allocator's factor, and the native matmul caches' bound).
 The group is EngineConfig.prefill_chunk where set (a budget that cannot hold it is refused), else
-the whole context without a budget and one sub-chunk under one (prefill_group_for says why), or
-below one sub-chunk a power of two whose transients shrink with it; a budget that cannot hold a
-one-token group is refused. If the parts cannot fit, one error lists them, so the user sees which part to shrink.
+the largest the budget allows: the whole context, shrunk to half of what the budget leaves after
+everything else (the other half stays for the expert cache), in whole sub-chunks, or below one
+sub-chunk a power of two whose transients shrink with it; a budget that cannot hold a one-token
+group is refused. If the parts cannot fit, one error lists them, so the user sees which part to shrink.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from engine.format.checkpoint import Checkpoint
 from engine.base.config import PREFILL_CHUNK, EngineConfig, format_size
 from engine.base.errors import BudgetError
+from engine.base.heap import NATIVE_CACHE_BYTES
 from engine.format.container import dense_nbytes, dense_quantized
 from engine.format.layout import cast_bytes, expert_memory_bytes
 from engine.arch import kv_snapshot
@@ -40,11 +43,13 @@ from engine.format import fp8_checkpoint
 
 ACTIVATION_MARGIN = 64 << 20  # hidden states, logits, attention scores of a decode step
 ALIGN_SLACK = 2 * 4096  # an O_DIRECT window can start up to 4 KiB early and end 4 KiB late
-# The counted live bytes of a pass (prefill_activation_bytes) understate its resident high-water
-# mark: transients are freed and re-allocated per layer and per expert, and oneDNN keeps
-# primitives and scratch (engine/base/heap.py bounds both). Measured on demo-small (hidden 512,
-# 2,000-token prompt, 256-token passes, heap.py's bounds on): ~31 MiB above the steady state
-# for ~6.6 MiB counted, so 5x.
+# The counted live bytes of a sub-chunk (prefill_transient_bytes, which tests/test_prefill_charge.py
+# holds above the tensors really allocated) understate its resident high-water mark: transients are
+# freed and re-allocated per layer and per expert, and glibc keeps freed blocks between. Measured on
+# demo-small (hidden 512, 2,000-token prompt, 256-token passes): ~31 MiB above the steady state for
+# ~6.6 MiB counted, so 5x. (That figure held part of ideep's matmul cache, uncapped then; capped
+# (engine/base/heap.py, charged apart as NATIVE_CACHE_BYTES), demo under 1 GiB, 2,048-token group:
+# +117 MiB resident at the peak, the KV cache's first touch included, for 196 MiB charged.)
 PREFILL_ALLOCATOR_FACTOR = 5
 
 
@@ -137,56 +142,94 @@ def prefill_group_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_si
     return int(tokens * per_token)
 
 
-def prefill_bytes(args: ModelArgs, group: int, dtype: torch.dtype, ctx_size: int) -> int:
+def prefill_bytes(args: ModelArgs, group: int, dtype: torch.dtype, ctx_size: int,
+                  kv_dtype: torch.dtype | None = None) -> int:
     """The plan's prefill charge for groups of `group` tokens: the group's state and one sub-chunk's
     transients."""
     sub = prefill_tokens_per_pass(min(ctx_size, group))
-    return prefill_group_bytes(args, group, dtype, ctx_size) + prefill_activation_bytes(args, sub, dtype)
+    return (prefill_group_bytes(args, group, dtype, ctx_size)
+            + prefill_activation_bytes(args, sub, dtype, ctx_size, kv_dtype))
 
 
-def prefill_group_for(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, left: int | None) -> int:
-    """Prompt tokens per group: prefill_chunk where set; else the whole context (no budget), or under
-    a budget one sub-chunk when its state fits half of `left` (what the budget leaves after everything
-    but the group state and the cache, one sub-chunk's transients charged); below that, the largest
-    power of two whose whole charge fits."""
+def prefill_group_for(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, left: int | None,
+                      kv_dtype: torch.dtype | None = None) -> int:
+    """Prompt tokens per group: prefill_chunk where set; else the whole context, or under a budget
+    the most whose group state fits half of `left` (what the budget leaves after everything but the
+    group state and the cache, one sub-chunk's transients charged), a whole number of sub-chunks;
+    below one sub-chunk, the largest power of two whose whole charge fits."""
     if config.prefill_chunk:
         return prefill_tokens_per_pass(config.ctx_size, config.prefill_chunk)
+    group = config.ctx_size
     if left is None:
-        return config.ctx_size
-    # Under a budget the default is one sub-chunk, not the most the charge says fits: measured on
-    # demo under a 1 GiB cgroup (2,048-token prompt, io_mode direct), groups of 1,024 and 2,048 tokens
-    # were OOM-killed where this plan said they fit, and 256 peaked at 958 MiB. The group's charge
-    # under-counts until it is measured (issue 42); a larger group is asked for with prefill_chunk.
-    sub = prefill_tokens_per_pass(config.ctx_size)
+        return group
+    # Half, not all: the other half stays for the expert cache, which a prompt's decode needs too.
+    # (Between f394868 and the charge's measurement (tests/test_prefill_charge.py, engine/base/heap.py)
+    # the default was one sub-chunk: ideep's uncapped matmul cache had OOM-killed larger groups.)
     per_token = max(1, prefill_group_bytes(args, 1, dtype, config.ctx_size))
-    if max(0, left) // 2 // per_token >= sub:
-        return sub
+    fits = max(0, left) // 2 // per_token
+    if fits >= group:
+        return group
+    sub = prefill_tokens_per_pass(config.ctx_size)
+    if fits >= sub:
+        return fits // sub * sub
     # Not even one sub-chunk's state: a smaller group, whose sub-chunk shrinks with it (the
     # transients `left` was counted without are then a smaller group's too).
-    room = prefill_activation_bytes(args, sub, dtype) + (left // 2 if left > 0 else left)
-    while sub > 1 and prefill_bytes(args, sub, dtype, config.ctx_size) > room:
+    room = prefill_activation_bytes(args, sub, dtype, config.ctx_size, kv_dtype) + (left // 2 if left > 0 else left)
+    while sub > 1 and prefill_bytes(args, sub, dtype, config.ctx_size, kv_dtype) > room:
         sub //= 2
     return sub
 
 
-def prefill_activation_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype) -> int:
-    """Peak transient bytes of one layer's forward over `tokens` prompt tokens (one chunk).
+def prefill_transient_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int | None = None,
+                            kv_dtype: torch.dtype | None = None) -> int:
+    """Live bytes of one sub-chunk's transients at their peak, counted from the geometry (no allocator
+    factor): what tests/test_prefill_charge.py checks against the tensors a prefill really allocates."""
+    per_token, per_chunk = _transient_parts(args, tokens, dtype, ctx_size, kv_dtype)
+    return tokens * per_token + per_chunk
 
-    Per token (e = compute dtype bytes; H hidden, Nq/Nkv heads of D, K top-k, I expert
-    intermediate, E experts): the residual stream and its norms (3 tensors of H, plus the fp32
-    norm), q/k/v and the attention output, and the larger of the MLP parts: a dense MLP's gate,
-    up and product (3 of its intermediate), or a MoE layer's K gathered input rows, K weighted
-    outputs and their concatenation (3K of H), one expert's rows' gate, up and product (3 I each
-    of K slots), the router's fp32 probabilities (2 of E). Times the allocator's high-water factor;
-    plus the fp32 logits of the last position."""
+
+def prefill_activation_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int | None = None,
+                             kv_dtype: torch.dtype | None = None) -> int:
+    """The plan's charge for one sub-chunk of `tokens` prompt tokens (one layer's forward at a time):
+    its per-token transients times the allocator's high-water factor (they are freed and re-allocated
+    per layer and per expert), its per-chunk ones (a few large blocks), the fp32 logits of the last
+    position, and what the native matmul caches hold (engine/base/heap.py)."""
+    per_token, per_chunk = _transient_parts(args, tokens, dtype, ctx_size, kv_dtype)
+    return int(PREFILL_ALLOCATOR_FACTOR * tokens * per_token + per_chunk + 4 * args.vocab_size + NATIVE_CACHE_BYTES)
+
+
+def _transient_parts(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int | None,
+                     kv_dtype: torch.dtype | None) -> tuple[int, int]:
+    """(bytes per token, bytes per sub-chunk) of one sub-chunk's transients at their peak.
+
+    Per token (e = compute dtype bytes; H hidden, Nq/Nkv heads of D, K top-k, I expert intermediate,
+    E experts, S = ctx_size positions): the residual stream and its norms (3 tensors of H, plus the
+    fp32 norm), q/k/v and the attention output, the causal mask [T, S] (bool, its window term, the
+    fp32 additive form SDPA makes of it) and SDPA's score block, and
+    the largest of the MLP parts: a dense MLP's or the shared experts' gate (or its SiLU), up and
+    product (3 of their intermediate), or a MoE layer's call of sub*K rows: the gathered input rows,
+    the expert's and the weighted outputs (3K of H), the fused gate_up, its SiLU and the product (4 I
+    each of K slots), the router's fp32 probabilities (2 of E). Per sub-chunk: the keys and values
+    attended, read back in the compute dtype where the KV cache stores `kv_dtype` (a quantized
+    cache; the same dtype is read in place), and what an attention
+    that writes its scores out materializes (its `prefill_scores_bytes`: MLA, gpt-oss), bounded by
+    query blocks (engine/arch/layers.py query_rows)."""
     e = _elem(dtype)
+    S = max(int(ctx_size or tokens), tokens)
     residual = (3 * e + 4) * args.hidden_size
-    attention = e * (2 * args.num_heads + 2 * args.num_kv_heads) * args.head_dim
-    dense_mlp = 3 * e * args.intermediate_size
-    moe = (3 * args.top_k * args.hidden_size * e + 3 * args.top_k * args.moe_intermediate_size * e
+    # q/k/v and the output; the causal mask [T, S] (bool, its window term, and the fp32 additive
+    # form SDPA makes of it); SDPA's flash kernel's score block (its key split: 512 positions at most).
+    attention = e * (2 * args.num_heads + 2 * args.num_kv_heads) * args.head_dim + 6 * S + 4 * min(S, 512)
+    mlp = 3 * e * max(args.intermediate_size, args.shared_experts_intermediate_size or 0,
+                      args.shared_expert_intermediate_size or 0)
+    moe = (3 * args.top_k * args.hidden_size * e + 4 * args.top_k * args.moe_intermediate_size * e
            + 2 * 4 * args.num_experts) if args.num_experts else 0
-    per_token = residual + attention + max(dense_mlp, moe)
-    return int(PREFILL_ALLOCATOR_FACTOR * tokens * per_token + 4 * args.vocab_size)
+    per_token = residual + attention + max(mlp, moe)
+    # Read back in the compute dtype: a copy only where the cache stores another (int8, fp8).
+    attended = 2 * args.num_kv_heads * S * args.head_dim * e if kv_dtype is not None and kv_dtype != dtype else 0
+    impl = args.attention_impl
+    scores = impl.prefill_scores_bytes(tokens, S) if hasattr(impl, "prefill_scores_bytes") else 0
+    return int(per_token), int(attended + scores)
 
 
 # Python objects the prompt-lookup index keeps per context token: one dict entry per n-gram size
@@ -202,8 +245,9 @@ def draft_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, mtp_b
     if config.draft == "off":
         return 0
     rows = config.draft_depth + 1
-    return (prefill_activation_bytes(args, rows, dtype) + 3 * rows * 4 * args.vocab_size
-            + LOOKUP_BYTES_PER_TOKEN * config.ctx_size + mtp_bytes)
+    # The native matmul caches are charged once, with the prefill (prefill_activation_bytes).
+    return (prefill_activation_bytes(args, rows, dtype, config.ctx_size) - NATIVE_CACHE_BYTES
+            + 3 * rows * 4 * args.vocab_size + LOOKUP_BYTES_PER_TOKEN * config.ctx_size + mtp_bytes)
 
 
 def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, dtype: torch.dtype,
@@ -220,7 +264,7 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     prefix = config.prefix_cache
     drafting = draft_bytes(args, config, dtype, mtp_bytes)
     # Any prompt up to ctx_size may come: charge the largest sub-chunk one can fill (the group: below).
-    transients = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size), dtype)
+    transients = prefill_activation_bytes(args, prefill_tokens_per_pass(config.ctx_size), dtype, config.ctx_size, kv_dtype)
     routed = layout.num_routed if layout is not None else 0
     disk_expert = layout.expert_nbytes if layout is not None else 0
     expert = expert_memory_bytes(layout, dtype) if routed else 0
@@ -241,15 +285,15 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     budget = config.ram_budget
 
     if budget > 0 and routed == 0:
-        return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes, transients, prefix, drafting)
+        return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes, transients, prefix, drafting, kv_dtype)
     if budget <= 0 or routed == 0:
-        group = prefill_group_for(args, config, dtype, None)
+        group = prefill_group_for(args, config, dtype, None, kv_dtype)
         return MemoryPlan(budget, False, dense, kv, 0, overhead_bytes, routed * expert, 0, expert, disk_expert,
-                          routed, inflight, prefill_bytes=prefill_bytes(args, group, dtype, config.ctx_size),
+                          routed, inflight, prefill_bytes=prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype),
                           prefill_group=group, prefix_cache_bytes=prefix, draft_bytes=drafting)
     group = prefill_group_for(args, config, dtype,
-                              budget - (dense + kv + buffers + overhead_bytes + transients + prefix + drafting))
-    prefill = prefill_bytes(args, group, dtype, config.ctx_size)
+                              budget - (dense + kv + buffers + overhead_bytes + transients + prefix + drafting), kv_dtype)
+    prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype)
     fixed = dense + kv + buffers + overhead_bytes + prefill + prefix + drafting
     if fixed > budget:
         raise BudgetError(
@@ -302,7 +346,7 @@ def _layer_names(args: ModelArgs, layer: int) -> list[str]:
     return [n for n in dense_tensor_names(args) if n.startswith(prefix)]
 
 
-def _dense_plan(ckpt, args, config, dtype, kv, overhead, transients, prefix, drafting) -> MemoryPlan:
+def _dense_plan(ckpt, args, config, dtype, kv, overhead, transients, prefix, drafting, kv_dtype) -> MemoryPlan:
     """Dense model under a budget: as many whole layers resident as fit, the rest streamed."""
     layer_bytes = max(sum(_count(ckpt, n) for n in _layer_names(args, i)) for i in range(args.num_layers)) * _elem(dtype)
     layer_disk = max(sum(ckpt.info(n).nbytes for n in _layer_names(args, i)) for i in range(args.num_layers))
@@ -312,8 +356,8 @@ def _dense_plan(ckpt, args, config, dtype, kv, overhead, transients, prefix, dra
     buffers = (1 + config.prefetch_depth) * (layer_disk + ALIGN_SLACK + (layer_bytes if layer_bytes != layer_disk else 0))
     budget = config.ram_budget
     group = prefill_group_for(args, config, dtype,
-                              budget - (base + kv + buffers + overhead + transients + prefix + drafting))
-    prefill = prefill_bytes(args, group, dtype, config.ctx_size)
+                              budget - (base + kv + buffers + overhead + transients + prefix + drafting), kv_dtype)
+    prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype)
     fixed = base + kv + buffers + overhead + prefill + prefix + drafting
     if fixed > budget:
         raise BudgetError(

@@ -413,7 +413,10 @@ def _workload_metrics(engine: Engine, gens: list) -> dict:
         "generated_tokens": sum(len(g.output_ids) for g in gens),
         "ttft_s": statistics.fmean(g.ttft_seconds for g in gens),
         "request_s": statistics.fmean(x["request_s"] for x in per if x["request_s"] is not None),
-        "prefill_tok_s": sum(len(g.prompt_ids) for g in gens) / max(sum(g.prefill_seconds for g in gens), 1e-12),
+        # Computed prompt tokens per prefill second: a reused prefix (a conversation's history) is not computed.
+        "prefill_tok_s": (sum(len(g.prompt_ids) - g.cached_tokens for g in gens)
+                          / max(sum(g.prefill_seconds for g in gens), 1e-12)),
+        "cached_tokens": sum(g.cached_tokens for g in gens),  # the prefix cache's reuse over the workload
         "decode_tok_s": len(steps) / decode_s if decode_s else None,
         "token_latency_p50_ms": percentile(steps, 0.5) * 1000.0 if steps else None,
         "token_latency_p99_ms": percentile(steps, 0.99) * 1000.0 if steps else None,

@@ -81,5 +81,5 @@ def _context_bytes(args: ModelArgs, config: EngineConfig, kv_dtype, dtype: torch
     group = prefill_tokens_per_pass(ctx, config.prefill_chunk or PREFILL_CHUNK)
     return (kv_snapshot.nbytes(args, ctx, kv_dtype, config.prefix_cache > 0)
             + (config.max_batch - 1) * kv_snapshot.nbytes(args, ctx, kv_dtype, False)  # a batch's other sequences
-            + prefill_activation_bytes(args, prefill_tokens_per_pass(ctx), dtype)
+            + prefill_activation_bytes(args, prefill_tokens_per_pass(ctx), dtype, ctx, kv_dtype)
             + prefill_group_bytes(args, group, dtype, ctx))

@@ -20,7 +20,7 @@ from tuner.costmodel import fit as cal
 from tuner.costmodel.model_geometry import ModelGeometry, resolve
 from tuner.costmodel.hardware import HardwareView, apply_what_if
 from tuner.costmodel.calibrated_facts import calibration_text, measured_on, recall_for, routing_for
-from tuner.costmodel.predict import Factors, RunConditions, predict, predict_batch
+from tuner.costmodel.predict import Factors, RunConditions, predict, predict_batch, predict_prefill
 from tuner.costmodel.routing_model import RoutingModel, make_routing  # noqa: F401  (benchmarks import it from here)
 from tuner.costmodel.best_config import rank
 from tuner.costmodel.speculative import draft_prediction
@@ -44,6 +44,8 @@ class PlanRequest:
     routing: str = "auto"
     conditions: str = "steady"  # or "trial": the tuner's cold short trial
     top: int = 3  # best predicted configs to list
+    prompt_tokens: int | None = None  # also: TTFT of a prompt of this many new tokens (predict_prefill)
+    cached_tokens: int = 0  # ... after this many reused ones
     batch: tuple[int, ...] = ()  # batch sizes to predict a batched step for (engine/arch/decode_rows.py)
     calibrate: tuple[str, ...] = ()  # tune run directories / grids to fit the factors to
     test: str | None = None  # with calibrate: a separate hold-out run
@@ -105,6 +107,14 @@ def run_plan(req: PlanRequest) -> PlanResult | CalibrationResult:
     pred = predict(s.geometry, s.quant, config, s.hw, s.routing, s.factors, run, s.overhead)
     policies = ("lru", "lfu", "pinned") if s.routing.kind == "histogram" else ("lru", "lfu")
     ranked = rank(s.geometry, s.quant, config, s.hw, s.routing, s.factors, run, s.overhead, policies)
+    prefill = None
+    if req.prompt_tokens:
+        prefill = predict_prefill(s.geometry, s.quant, config, s.hw, s.routing, s.factors, req.prompt_tokens,
+                                  req.cached_tokens, s.overhead)
+        if req.cached_tokens and prefill["fits"]:  # what the reuse saves: the whole prompt computed
+            whole = predict_prefill(s.geometry, s.quant, config, s.hw, s.routing, s.factors,
+                                    req.prompt_tokens + req.cached_tokens, 0, s.overhead)
+            prefill["ttft_without_reuse_s"] = whole.get("ttft_s")
     draft = {}
     if req.accept_rate is not None and pred.fits:
         draft = draft_prediction(s.geometry, s.quant, config, s.hw, s.routing, s.factors, run, s.overhead,
@@ -121,6 +131,7 @@ def run_plan(req: PlanRequest) -> PlanResult | CalibrationResult:
         batch=[p.to_dict() for p in predict_batch(s.geometry, s.quant, config, s.hw, s.routing, s.factors, run,
                                                  s.overhead, req.batch)] if req.batch else [],
         draft=draft,
+        prefill=prefill,
     )
 
 

@@ -30,11 +30,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from engine.api import BudgetError, EngineConfig
+from engine.api import BLOCK_TOKENS, BudgetError, EngineConfig
 
 from tuner.costmodel.model_geometry import ModelGeometry
 from tuner.costmodel.hardware import HardwareView
-from tuner.costmodel.memplan import plan_memory
+from tuner.costmodel.memplan import plan_memory, planning_args
 from tuner.costmodel.routing_model import RoutingModel, simulate
 
 # Published figure for router lookahead (Colibrì on GLM-5: 71.6% of the true top-8), used when
@@ -118,6 +118,8 @@ class Components:
     io_mode: str = "direct"
     page_bytes: float = 0.0  # decode bytes read through the page cache (buffered, mmap)
     prefill_page_bytes: float = 0.0
+    prefill_read_bytes: float = 0.0  # the prompt's expert bytes read, every group's union
+    prefill_groups: int = 1  # layer-major groups the prompt goes through (engine/arch/prefill.py)
 
 
 @dataclass
@@ -196,6 +198,7 @@ def components(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: Ha
         prefill_requests=pf_reads * per_expert, io_mode=config.io_mode,
         page_bytes=0.0 if config.io_mode == "direct" else reads * span,
         prefill_page_bytes=0.0 if config.io_mode == "direct" else pf_reads * span,
+        prefill_read_bytes=pf_reads * span, prefill_groups=groups,
     )
     return plan, rates, comps, request, qd
 
@@ -305,6 +308,78 @@ def predict(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: Hardw
         ttft_s=out["ttft_s"], bottleneck=out["bottleneck"], seconds={k: round(v, 6) for k, v in out["terms"].items()},
         read_request_bytes=int(request), queue_depth=qd, components=comps,
     )
+
+
+# --- time to first token of N new tokens after M cached ones ---------------------------------------
+
+# sha256 over a KV file's data (engine/run/kv_store.py checks it before using a block): one core's
+# rate on a current x86 (hashlib, SHA-NI), not probed.
+SHA256_BYTES_PER_S = 1.5e9
+
+
+def predict_prefill(geometry: ModelGeometry, quant: str, config: EngineConfig, hw: HardwareView, routing: RoutingModel,
+                    factors: Factors, new_tokens: int, cached_tokens: int = 0, overhead_bytes: int = 0,
+                    seed: int = 0) -> dict:
+    """Seconds to the first token of a prompt whose first `cached_tokens` positions are reused
+    (engine/run/prefix_cache.py) and whose `new_tokens` are prefilled, cold, and what they are:
+
+        reads      the experts each layer-major group routes to, not cached (the routing model's
+                   union for new_tokens), at the read curve, as the decode's disk term
+        compute    the group's matmuls over new_tokens rows (as the decode's compute term), plus
+                   attention: each new token's scores and weighted sum over every position before
+                   it, cached ones included (2 · heads · (qk + v dims) FLOPs per pair, per layer)
+        restore    the cached positions' KV (every layer's, as the prefix cache keeps it) copied
+                   from RAM blocks, or where the prefix cache's share cannot hold them, read from
+                   the SSD tier's files (buffered, one block file a request), checksummed, copied
+
+    A conversation's next turn, which resends the history just computed, restores nothing (the
+    positions are still in the engine's KV cache); `restore_from` says which case the figure is.
+    The context grows to hold both parts where the config's is smaller."""
+    new, cached = max(1, int(new_tokens)), max(0, int(cached_tokens))
+    if config.ctx_size < new + cached:
+        config = config.replace(ctx_size=new + cached)
+    run = RunConditions(prompt_tokens=new, tokens=1, repeats=1, cold=True, replay=False, prelude_tokens=0)
+    try:
+        plan, _rates, c, _request, _qd = components(geometry, quant, config, hw, routing, run, overhead_bytes,
+                                                    factors.lookahead_recall, seed)
+        # Every position of every layer, as a prefix block holds them (keep_positions).
+        kept = plan_memory(geometry, quant, config.replace(prefix_cache=max(config.prefix_cache, 1)), overhead_bytes)
+    except BudgetError as exc:
+        return {"fits": False, "reason": str(exc), "new_tokens": new, "cached_tokens": cached}
+    threads = config.threads or hw.physical_cores
+    attention_s = _attention_seconds(geometry, hw, threads, new, cached)
+    restore_bytes = cached * kept.kv_bytes / config.ctx_size
+    block = restore_bytes / max(cached, 1) * BLOCK_TOKENS  # one block, one SSD file
+    ram_s = restore_bytes / hw.copy_bandwidth()
+    ssd_s = (restore_bytes / hw.read_bandwidth(block, 1, "buffered") + restore_bytes / SHA256_BYTES_PER_S + ram_s
+             if restore_bytes else 0.0)
+    source = "none" if not cached else "ram" if config.prefix_cache >= restore_bytes else "ssd"
+    f = factors
+    fixed = f.c_layer * c.layers
+    compute = (c.prefill_compute_s + attention_s) / f.eta_compute
+    reads = (c.prefill_disk_s / f.eta_io + c.prefill_page_bytes * f.page_cost(c.io_mode)
+             + f.c_request * c.prefill_requests)
+    restore = {"none": 0.0, "ram": ram_s, "ssd": ssd_s}[source]
+    return {"fits": True, "new_tokens": new, "cached_tokens": cached, "groups": c.prefill_groups,
+            "prefill_group": plan.prefill_group, "read_bytes": round(c.prefill_read_bytes),
+            "read_s": reads, "compute_s": compute, "attention_s": attention_s / f.eta_compute, "overhead_s": fixed,
+            "restore_bytes": round(restore_bytes), "restore_from": source, "restore_ram_s": ram_s,
+            "restore_ssd_s": ssd_s, "restore_s": restore, "ttft_s": fixed + compute + reads + restore}
+
+
+def _attention_seconds(geometry: ModelGeometry, hw: HardwareView, threads: int, new: int, cached: int) -> float:
+    """Matmul seconds of `new` queries' attention over the positions before each (cached ones
+    included), every layer, at the bf16 F.linear rate of `new` rows. Sliding windows are not
+    discounted (an upper bound for gpt-oss)."""
+    args = planning_args(geometry)
+    impl = args.attention_impl
+    if impl is not None and hasattr(impl, "kv_lora_rank"):  # MLA: absorbed, over the latents
+        qk, v = impl.kv_lora_rank + impl.qk_rope_head_dim, impl.kv_lora_rank
+    else:
+        qk = v = args.head_dim
+    pairs = new * cached + new * (new + 1) / 2
+    flops = 2 * args.num_layers * args.num_heads * (qk + v) * pairs
+    return flops / hw.matmul_flops("bf16", new, threads)
 
 
 # --- several sequences in one step (engine/arch/decode_rows.py) ------------------------------------

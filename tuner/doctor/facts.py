@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from engine.api import load_native_kernels
-from engine.api import (BudgetError, Checkpoint, ColibriError, DTYPE_NAMES, EngineConfig, ExpertLayout,
+from engine.api import (BLOCK_TOKENS, BudgetError, Checkpoint, ColibriError, DTYPE_NAMES, EngineConfig, ExpertLayout,
                         checkpoint_dtype, make_plan, model_args, thp_mode)
 from tuner.costmodel.hardware import HardwareView
 from tuner.costmodel.model_geometry import resolve
@@ -117,6 +117,33 @@ def plan_facts(ckpt: Checkpoint, config: EngineConfig, facts: Facts) -> None:
     facts.plan_cache_bytes = plan.cache_bytes
 
 
+def conversation_facts(ckpt: Checkpoint, config: EngineConfig, tokens: int, kv_disk_bytes: int, kv_dir: Path,
+                       profile: HardwareProfile | None, facts: Facts) -> None:
+    """A conversation of `tokens`: the plan at that context with the prefix cache (every position
+    kept), its KV bytes, the prefix cache's RAM, and the SSD tier's bound, room and read-back time."""
+    facts.conversation_tokens = tokens
+    facts.prefix_cache_bytes = config.prefix_cache
+    facts.kv_disk_bytes = kv_disk_bytes
+    args = model_args(ckpt.config)
+    layout = ExpertLayout(ckpt, args) if args.is_moe else None
+    dtype = checkpoint_dtype(ckpt)
+    kv = dtype if config.kv_dtype == "auto" else DTYPE_NAMES[config.kv_dtype]
+    at = config.replace(ctx_size=tokens)
+    try:
+        plan = make_plan(ckpt, args, layout, at, dtype, kv, overhead_bytes=OVERHEAD_BYTES, keep_positions=True)
+    except BudgetError as exc:
+        facts.conversation_error = str(exc)
+        return
+    facts.conversation_kv_bytes = plan.kv_bytes
+    where = next((p for p in (kv_dir, *kv_dir.parents) if p.exists()), None)
+    if where is not None:
+        st = os.statvfs(where)
+        facts.kv_disk_free_bytes = st.f_bavail * st.f_frsize
+    if profile is not None and plan.kv_bytes:
+        block = max(4096, plan.kv_bytes * BLOCK_TOKENS // tokens)  # one SSD file per prefix block
+        facts.kv_restore_seconds = plan.kv_bytes / profile.read_bandwidth(block, 1, direct=False)
+
+
 def machine_facts(facts: Facts) -> None:
     vm, sw = psutil.virtual_memory(), psutil.swap_memory()
     facts.mem_total_bytes, facts.mem_available_bytes = vm.total, vm.available
@@ -184,9 +211,11 @@ def draft_facts(model_dir: Path, config: EngineConfig, profile: HardwareProfile,
     facts.draft_bytes_per_token, facts.draft_union = d["plain_bytes_per_token"], best["union"]
 
 
-def gather(model_dir: Path | None, config: EngineConfig | None, profile: HardwareProfile | None) -> Facts:
+def gather(model_dir: Path | None, config: EngineConfig | None, profile: HardwareProfile | None,
+           conversation: tuple[EngineConfig, int, int, Path] | None = None) -> Facts:
     """Every reading; the memory plan only when a budget (config) is given; the drafting rule's
-    prediction when a profile and a model are (at the config's budget, or all resident)."""
+    prediction when a profile and a model are (at the config's budget, or all resident); a
+    conversation's KV when asked (its engine config, tokens, the SSD tier's bound and directory)."""
     facts = Facts()
     machine_facts(facts)
     ckpt = open_model(model_dir, facts) if model_dir is not None else None
@@ -197,6 +226,11 @@ def gather(model_dir: Path | None, config: EngineConfig | None, profile: Hardwar
                 plan_facts(ckpt, config, facts)
             except ColibriError as exc:
                 facts.plan_error = str(exc)
+        if conversation is not None:
+            try:
+                conversation_facts(ckpt, *conversation, profile, facts)
+            except ColibriError as exc:
+                facts.conversation_error = str(exc)
     if profile is not None:
         probe_facts(profile, facts)
         if ckpt is not None and facts.plan_error is None:

@@ -61,6 +61,15 @@ class Facts:
     draft_best_depth: int | None = None
     draft_bytes_per_token: float | None = None  # plain decoding's expert reads per token, for the words
     draft_union: float | None = None  # the best depth's verify union (expert bytes of its rows over one row's)
+    # doctor --conversation-tokens N: a conversation of N tokens (its KV at every position of every
+    # layer, as the prefix cache keeps it), the prefix cache's RAM and the SSD tier's bound and room.
+    conversation_tokens: int | None = None
+    conversation_error: str | None = None  # the plan at ctx_size N with the prefix cache refused
+    conversation_kv_bytes: int | None = None
+    prefix_cache_bytes: int | None = None
+    kv_disk_bytes: int | None = None
+    kv_disk_free_bytes: int | None = None
+    kv_restore_seconds: float | None = None  # one conversation's KV read back (the probe's buffered curve)
 
 
 @dataclass
@@ -246,8 +255,41 @@ def drafting(f: Facts) -> list[Finding]:
                     f"{f.draft_acceptance:.0%} acceptance predicted {f.draft_best_speedup:.2f}x (draft = \"gate\")")]
 
 
+
+def conversation(f: Facts) -> list[Finding]:
+    """Can the budget hold a conversation's KV (the KV cache at its length, and its copy in the
+    prefix cache for when another conversation comes between), and what the SSD tier gives."""
+    if f.conversation_tokens is None:
+        return []
+    n = f.conversation_tokens
+    if f.conversation_error:
+        return [Finding("conversation", "problem", f"a conversation of {n} tokens does not fit: {f.conversation_error}",
+                        "its KV cache at that context (every position kept, for reuse) and the prefix cache's "
+                        "RAM are charged beside the dense part and the read buffers",
+                        "raise --ram-budget, lower --prefix-cache, or store the KV in int8 (kv_dtype = \"int8\": "
+                        "half the bytes; lossy)")]
+    kv, ram, disk = f.conversation_kv_bytes or 0, f.prefix_cache_bytes or 0, f.kv_disk_bytes or 0
+    room = min(disk, f.kv_disk_free_bytes) if f.kv_disk_free_bytes is not None else disk
+    held = room // kv if kv else 0
+    restore = f" each read back in ~{f.kv_restore_seconds:.2g} s" if f.kv_restore_seconds is not None else ""
+    tier = (f"the SSD tier (--kv-disk {format_size(disk)}) keeps {held} such conversation(s),{restore} instead of "
+            "recomputing them, and after a restart" if held else
+            "the SSD tier is off (--kv-disk 0)" if not disk else
+            f"the SSD tier's {format_size(room)} cannot hold one either")
+    if ram < kv:
+        return [Finding("conversation", "warn", f"the prefix cache ({format_size(ram)}) holds "
+                        f"{ram * n // kv if kv else 0} tokens of KV; a conversation of {n} tokens needs {format_size(kv)}",
+                        "a turn that follows another conversation recomputes the history RAM could not keep "
+                        "(the next turn of the same conversation reuses the KV cache as it stands)",
+                        f"{tier}; or raise --prefix-cache to {format_size(kv)} (the plan takes it from the expert "
+                        "cache)" if held else f"{tier}: raise --prefix-cache to {format_size(kv)} or --kv-disk")]
+    return [Finding("conversation", "ok", f"the prefix cache ({format_size(ram)}) holds {ram // kv if kv else 0} "
+                    f"conversation(s) of {n} tokens ({format_size(kv)} of KV each); {tier}")]
+
+
+
 RULES = (model, disk_space, memory, o_direct, fragmentation, ssd, native_kernels, cgroup, throttling, huge_pages,
-         budget, drafting)
+         budget, drafting, conversation)
 
 
 def diagnose(facts: Facts) -> Diagnosis:

@@ -28,7 +28,28 @@ def plan_text(r: PlanResult | CalibrationResult) -> str:
         lines += batch_lines(r.batch)
     if r.draft:
         lines += draft_lines(r.draft)
+    if r.prefill is not None:
+        lines.append(prefill_text(r.prefill))
     return "\n".join(lines)
+
+
+def prefill_text(p: dict) -> str:
+    """`plan --prompt-tokens N --cached-tokens M`: the time to first token and its parts."""
+    head = f"first token after {p['new_tokens']} new tokens" + (
+        f" and {p['cached_tokens']} cached" if p["cached_tokens"] else "") + " (cold)"
+    if not p["fits"]:
+        return f"{head}: does not fit: {p['reason']}"
+    restore = {"none": "", "ram": "from the RAM prefix cache", "ssd": "from the SSD (the prefix cache's share "
+               "cannot hold them)"}[p["restore_from"]]
+    line = (f"{head}: TTFT {p['ttft_s']:.3g} s = reads {p['read_s']:.3g} s ({format_size(p['read_bytes'])} in "
+            f"{p['groups']} group{'s' if p['groups'] != 1 else ''} of {p['prefill_group']}) + compute "
+            f"{p['compute_s']:.3g} s (attention {p['attention_s']:.3g} s) + overhead {p['overhead_s']:.3g} s")
+    if p["cached_tokens"]:
+        line += (f" + restore {p['restore_s']:.3g} s ({format_size(p['restore_bytes'])} of KV {restore}; from RAM "
+                 f"{p['restore_ram_s']:.3g} s, from the SSD {p['restore_ssd_s']:.3g} s)")
+        if p.get("ttft_without_reuse_s") is not None:
+            line += f"\n  without reuse (all {p['new_tokens'] + p['cached_tokens']} computed): TTFT {p['ttft_without_reuse_s']:.3g} s"
+    return line
 
 
 def draft_lines(d: dict) -> list[str]:

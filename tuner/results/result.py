@@ -262,14 +262,15 @@ class Lengths:
     total: int
 
 
-WorkloadKind = Literal["steady", "fixed", "prompts", "trace"]
+WorkloadKind = Literal["steady", "fixed", "prompts", "conversations", "trace"]
 
 
 @dataclass
 class WorkloadInfo:
     """What the trials ran: the steady-decoding workload (engine/run/steady.py, the default), the
-    fixed random prompt, the user's prompts (tune --prompts) or a request trace replayed through
-    serve's scheduler (tune --trace), described by their lengths and a hash, never their text."""
+    fixed random prompt, the user's prompts (tune --prompts; "conversations" where its turns extend
+    one another, engine/run/prompts_file.py) or a request trace replayed through serve's scheduler
+    (tune --trace), described by their lengths and a hash, never their text."""
 
     kind: WorkloadKind
     requests: int

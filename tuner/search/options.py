@@ -82,8 +82,9 @@ class TuneOptions:
     prompt_tokens: int = knob(8, "prompt length", kind="int", lo=1, hi=CTX_MAX, type_name="positive integer",
                               group="trial measurement")
     # the user's prompts file (tuner/search/workload.py): trials run it instead
-    prompts: str | None = knob(None, "your workload: one prompt per line, or JSON Lines of {prompt, max_new_tokens} "
-                               "(default max_new_tokens: --tokens); each trial runs them all, the pinned policy's "
+    prompts: str | None = knob(None, "your workload: one prompt per line, or JSON Lines of {prompt, max_new_tokens, "
+                               "conversation} (default max_new_tokens: --tokens; a conversation's turns each resend "
+                               "the one before, and the prefix cache is searched); each trial runs them all, the pinned policy's "
                                "routing is recorded from them, and --objective request ranks by their end-to-end "
                                "latency", kind="path", group="trial measurement")
     # tune --objective serve (tuner/search/workload.py trace_workload): each trial replays this trace

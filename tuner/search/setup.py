@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from engine.api import BudgetError, ConfigError, format_size, resolve_model, size_label
+from engine.api import BudgetError, ConfigError, EngineConfig, format_size, resolve_model, size_label
 from tuner.base.text import utc_now
 from tuner.costmodel.best_config import narrow_space
 from tuner.probe import load_profile
@@ -27,7 +27,8 @@ from tuner.search.model_facts import ModelFacts
 from tuner.search.options import Log, TuneOptions, default_budget
 from tuner.search.preflight import calibrate, probe_profile
 from tuner.search.run_record import RUN_FILE, read_run_record, write_run_record
-from tuner.search.space import DEFAULT_OVERHEAD_BYTES, SearchSpace, prefill_chunk_for
+from tuner.search.space import (DEFAULT_OVERHEAD_BYTES, SearchSpace, prefill_chunk_for, prefill_chunks_for,
+                                prefix_caches_for)
 from tuner.search.study_storage import open_storage, redact_url
 from tuner.search.workload import prepare_workload, resolve_sizes
 
@@ -48,6 +49,7 @@ class TuneSetup:
         self.stall = explore.Stall()
         self.stop_reason = ""  # trials, time budget or converged
         self.measuring_seconds = 0.0  # this session's trial and confirmation runs (the share of wall spent measuring)
+        self.reuse_note = ""  # a conversation workload's reuse and the prefix cache sizes searched
 
     def __enter__(self) -> "TuneSetup":
         return self
@@ -102,11 +104,21 @@ class TuneSetup:
             quant = f"-{self.facts.quant}" if opts.model_name else ""
             self.study_name = f"{self.model_name}{quant}-{size_label(self.budget, smallest='MiB')}-{opts.objective}"
         self.has_gpu = bool(torch.cuda.is_available())
+        longest = self.workload_info.prompt_tokens.max
         self.space = SearchSpace(budget=self.budget, physical_cores=psutil.cpu_count(logical=False) or 1,
                                  logical_cores=psutil.cpu_count() or 1, has_gpu=self.has_gpu,
-                                 min_ctx=min_ctx, model=self.facts,
-                                 prefill_chunk=prefill_chunk_for(self.workload_info.prompt_tokens.max),
+                                 min_ctx=min_ctx, model=self.facts, prefill_chunk=prefill_chunk_for(longest),
                                  serve=opts.objective == "serve")
+        if self.work.info.kind in ("prompts", "conversations"):  # the user's prompts: the group is searched
+            self.space.prefill_chunks = prefill_chunks_for(longest)
+        reuse = self.work.reuse
+        if reuse is not None:  # conversations: the prefix cache's RAM is searched too
+            kept = self.facts.plan(EngineConfig(ctx_size=min_ctx, prefix_cache=1), DEFAULT_OVERHEAD_BYTES)
+            self.space.prefix_caches = prefix_caches_for(reuse["longest_history"], reuse["conversations"],
+                                                         kept.kv_bytes / min_ctx)
+            self.reuse_note = (f"workload: {reuse['conversations']} conversation(s), {reuse['shared_tokens']} of "
+                               f"{reuse['prompt_tokens']} prompt tokens resent from the turn before; prefix cache "
+                               f"searched at {', '.join(format_size(c) for c in self.space.prefix_caches)}")
         self.space.check_budget()  # before anything slow: a budget below the dense part is a user error
         self.quality_meter = None
         if opts.lossy is not None:  # tune --max-kl / --min-top1: lossy dimensions, each priced in quality
@@ -129,6 +141,8 @@ class TuneSetup:
         self.watch = run_guard.RunDirWatch(self.out)
         if self.sized_note:  # here, not in prepare: a refused run prints its one error line only
             self.log(self.sized_note)
+        if self.reuse_note:
+            self.log(self.reuse_note)
         self.work.save(self.out)
         if self.storage is None:
             self.storage = open_storage(self.storage_url, self.shared)

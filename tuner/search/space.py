@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from engine.api import PREFILL_CHUNK, BudgetError, EngineConfig, MemoryPlan, format_size
+from engine.api import BudgetError, EngineConfig, MemoryPlan, format_size
 from tuner.search.model_facts import ModelFacts
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -36,11 +36,27 @@ MIN_PREFILL_CHUNK = 32
 
 def prefill_chunk_for(longest_prompt: int) -> int:
     """The prefill group for a workload whose longest prompt is `longest_prompt` tokens: the next
-    power of two, between MIN_PREFILL_CHUNK and one sub-chunk (PREFILL_CHUNK). Not larger: the
-    group's charge under-counts (a 1,024-token group was OOM-killed on demo under a 1 GiB cgroup
-    where the plan said it fit; engine/movement/plan.py prefill_group_for)."""
+    power of two, at least MIN_PREFILL_CHUNK, so every prompt goes through as one group (each
+    routed expert read once per layer); the plan charges it (and refuses a budget that cannot)."""
     fit = 1 << max(0, int(longest_prompt) - 1).bit_length()
-    return min(PREFILL_CHUNK, max(MIN_PREFILL_CHUNK, fit))
+    return max(MIN_PREFILL_CHUNK, fit)
+
+
+def prefill_chunks_for(longest_prompt: int) -> tuple[int, ...]:
+    """The prefill groups a `tune --prompts` searches: the one that holds the longest prompt whole
+    (prefill_chunk_for) and its half and quarter, at least MIN_PREFILL_CHUNK. A smaller group
+    charges the plan less (more room for the expert cache) and reads each expert once per group."""
+    top = prefill_chunk_for(longest_prompt)
+    return tuple(sorted({max(MIN_PREFILL_CHUNK, top >> i) for i in range(3)}))
+
+
+def prefix_caches_for(longest_history: int, conversations: int, kv_bytes_per_token: float) -> tuple[int, ...]:
+    """The prefix cache sizes a conversation workload's tune searches: 0 (off: every turn computes
+    its whole history), the KV of its longest conversation's history in whole MiB (a turn that
+    follows its own conversation's reuses the KV cache as it stands; a block copy is kept for one
+    that does not), and every conversation's (interleaved conversations each keep theirs)."""
+    one = -(-int(longest_history * kv_bytes_per_token) // MiB) * MiB
+    return tuple(sorted({0, one, one * max(1, conversations)}))
 
 # Memory a fresh trial process spends before the model is touched (interpreter, torch, the
 # checkpoint index) plus the engine's activation margin. Replaced by a measured figure when one
@@ -65,11 +81,16 @@ class SearchSpace:
     io_thread_choices: tuple[int, ...] = IO_THREADS
     # tune --max-kl / --min-top1: the lossy dimensions (tuner/search/lossy.py), empty = lossless.
     lossy: dict = field(default_factory=dict)
-    # Prompt tokens per prefill group every candidate runs with: fixed from the workload's longest
-    # prompt (prefill_chunk_for), not searched, because a group longer than any prompt the workload
-    # sends only charges the plan activations that the expert cache could have had, and a shorter
-    # one reads the experts again per group. 0: the engine's own (one sub-chunk under a budget).
+    # Prompt tokens per prefill group every candidate runs with: from the workload's longest prompt
+    # (prefill_chunk_for), never longer, because a group longer than any prompt the workload sends
+    # only charges the plan activations that the expert cache could have had. 0: the engine's own
+    # (the largest the budget allows). A `tune --prompts` searches it among `prefill_chunks`
+    # (prefill_chunks_for: a shorter group reads the experts again per group, for a smaller charge).
     prefill_chunk: int = 0
+    prefill_chunks: tuple[int, ...] = ()  # searched where more than one
+    # A conversation workload's prefix cache sizes (prefix_caches_for), searched where more than
+    # one; else the engine's default (0: each prompt computed whole, as independent prompts want).
+    prefix_caches: tuple[int, ...] = ()
     # tune --objective serve: the knobs searched only for it (needs="serve": max_batch) enter the space.
     serve: bool = False
     # A fit="plan" knob's choices the memory plan fits beside the leanest config (fit_choices), by
@@ -113,8 +134,15 @@ class SearchSpace:
                 d[name] = FloatDistribution(rule["low"], self._fact(rule["high"]), step=rule.get("step"))
             else:
                 d[name] = IntDistribution(rule["low"], self._fact(rule["high"]))
+        d.update({name: CategoricalDistribution(choices) for name, choices in self._workload_choices().items()})
         d.update(self.lossy)
         return d
+
+    def _workload_choices(self) -> dict[str, tuple[int, ...]]:
+        """The knobs the workload decides the range of (the prefill group, the prefix cache), where
+        it gives a choice."""
+        both = {"prefill_chunk": self.prefill_chunks, "prefix_cache": self.prefix_caches}
+        return {name: tuple(choices) for name, choices in both.items() if len(choices) > 1}
 
     def describe(self) -> dict:
         """JSON-able description; stored with the study so a resume can check it is the same."""
@@ -145,14 +173,19 @@ class SearchSpace:
             else:
                 values[name] = value
         pinned = values.get("cache_policy") == "pinned"
-        return EngineConfig(ram_budget=self.budget, routing_histogram=self.routing_histogram if pinned else "",
-                            prefill_chunk=self.prefill_chunk, **values)
+        return EngineConfig(**{"ram_budget": self.budget, "routing_histogram": self.routing_histogram if pinned else "",
+                               "prefill_chunk": self.prefill_chunk, **values})
 
     def params_of(self, config: EngineConfig) -> dict:
         """The point of this space a config sits on (for enqueueing warm starts)."""
         params = {}
+        workload = self._workload_choices()
         for name, dist in self.distributions().items():
             if name in self.lossy:
+                continue
+            if name in workload:  # a group of 0 is the engine's largest: the whole-prompt one here
+                value = getattr(config, name) or (max(dist.choices) if name == "prefill_chunk" else 0)
+                params[name] = _nearest(dist.choices, value)
                 continue
             rule, value = SEARCHED[name], getattr(config, name)
             if "zero" in rule and not value:  # threads 0: the physical cores
@@ -168,8 +201,12 @@ class SearchSpace:
         2 layers, one compute thread per physical core, the rest of the budget as expert cache,
         buffered reads."""
         dists = self.distributions()
-        return self.config_from_params({name: self._baseline_value(name, dists[name])
-                                        for name in dists if name not in self.lossy})
+        workload = self._workload_choices()
+        # The workload's knobs: the group that holds the longest prompt whole, the largest prefix cache.
+        params = {name: max(choices) if name == "prefix_cache" else self.prefill_chunk or max(choices)
+                  for name, choices in workload.items()}
+        return self.config_from_params({**{name: self._baseline_value(name, dists[name]) for name in dists
+                                           if name not in self.lossy and name not in workload}, **params})
 
     def _baseline_value(self, name: str, dist):
         value = self._fact(SEARCHED[name]["baseline"])
@@ -193,6 +230,7 @@ class SearchSpace:
         """The config that needs the least fixed memory: if this cannot fit, nothing can."""
         least = {name: rule["choices"][0] for name, rule in SEARCHED.items()
                  if rule.get("fit") == "plan" and self.needed(rule)}  # one KV cache, not the baseline's batch
+        least.update({name: min(choices) for name, choices in self._workload_choices().items()})
         return self.baseline().replace(prefetch_depth=0, **least)
 
     # --- the memory pre-check ------------------------------------------------------------------

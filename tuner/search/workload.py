@@ -29,8 +29,8 @@ import math
 import statistics
 
 from engine.api import (STEADY_TEMPERATURE, STEADY_TOP_P, STEADY_WARM_SHARE, BudgetError, ConfigError, EngineConfig,
-                        Request, TraceRequest, describe, load_tokenizer, load_trace, load_workload, save_requests,
-                        save_trace, steady_requests, trace_digest)
+                        Request, TraceRequest, conversation_reuse, describe, load_tokenizer, load_trace,
+                        load_workload, save_requests, save_trace, steady_requests, trace_digest)
 from tuner.results.result import Lengths, WorkloadInfo
 from tuner.search.trial import steady_args, trace_args
 
@@ -62,6 +62,11 @@ class TuneWorkload:
     def ctx_needed(self) -> int:
         """The context the longest request needs (prompt + its output); 0 for the fixed prompt."""
         return max((r.tokens for r in [*self.requests, *self.steady, *self.trace]), default=0)
+
+    @property
+    def reuse(self) -> dict | None:
+        """A conversation workload's reuse figures (prompts_file.conversation_reuse), else None."""
+        return conversation_reuse(self.requests) if self.info.kind == "conversations" else None
 
     @property
     def digest(self) -> str | None:
@@ -178,7 +183,8 @@ def prepare_workload(prompts: str | None, model_dir: Path, prompt_tokens: int, t
         raise ConfigError(f"--prompts {prompts}: a request of {longest} tokens (prompt + max_new_tokens) is longer "
                           f"than the model's {max_position_embeddings} positions")
     d = describe(requests)
-    info = WorkloadInfo(kind="prompts", requests=d["requests"], prompt_tokens=Lengths(**d["prompt_tokens"]),
+    kind = "conversations" if any(r.conversation for r in requests) else "prompts"
+    info = WorkloadInfo(kind=kind, requests=d["requests"], prompt_tokens=Lengths(**d["prompt_tokens"]),
                         max_new_tokens=Lengths(**d["max_new_tokens"]), sha256=d["sha256"],
                         source=Path(prompts).name)
     return TuneWorkload(info, requests)
