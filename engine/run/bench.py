@@ -110,35 +110,12 @@ def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 
                 traced += [dict(r, repeat=rep) for r in tracer.records()]
             if progress:
                 progress(rep + 1, repeats, m)
-        result = envelope(engine, str(model_dir))
-        result.update({
-            "kind": "bench",
-            "cold": cold,
-            "cold_method": cold_how,
-            "tokens": tokens,
-            "repeats": repeats,
-            "prompt_tokens": prompt_tokens,
-            "seed": seed,
-            "load_seconds": engine.load_seconds,
-            "summary": {k: spread([r.get(k) for r in runs]) for k in SUMMARY_KEYS},
-            "runs": runs,
-            "output_ids": runs[0]["output_ids"] if runs else [],
-            "tokens_consistent": all(r["output_ids"] == runs[0]["output_ids"] for r in runs),
-            "peak_rss_bytes": peak_rss_bytes(),
-            "rss_file_bytes": rss_file_bytes(),
-            "wall_seconds": time.perf_counter() - t_start,
-        })
-        # Headline figures at top level (medians), so every printer finds them in one place.
-        for k in SUMMARY_KEYS:
-            result[k] = result["summary"][k]["median"]
-        result["bytes_read_per_token"] = spread([r.get("bytes_read", 0) / max(len(r["output_ids"]) - 1, 1)
-                                                 for r in runs])["median"]
+        result = _result(engine, model_dir, runs, SUMMARY_KEYS, t_start, record_routing,
+                         lambda r: r.get("bytes_read", 0) / max(len(r["output_ids"]) - 1, 1),
+                         cold=cold, cold_method=cold_how, tokens=tokens, repeats=repeats, prompt_tokens=prompt_tokens,
+                         seed=seed)
         result["cpu_s_per_token"] = spread([r.get("cpu_s_per_token") for r in runs])["median"]
-        result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
         result.update(_draft_medians(runs))
-        if record_routing:
-            engine.save_routing(record_routing)
-            result["routing_histogram"] = record_routing
         if read_trace:
             result["read_trace"] = _write_read_trace(read_trace, engine, config, result, traced, windows)
         return result
@@ -169,28 +146,13 @@ def _run_workload_bench(model_dir, config: EngineConfig, workload: list[Request]
             runs.append(m)
             if progress:
                 progress(rep + 1, repeats, m)
-        result = envelope(engine, str(model_dir))
-        result.update({
-            "kind": "bench", "cold": cold, "cold_method": cold_how, "repeats": repeats, "seed": seed,
-            "tokens": sum(r.max_new_tokens for r in workload),
-            "prompt_tokens": sum(len(r.prompt_ids) for r in workload),
-            "workload": {"requests": len(workload), "sha256": workload_digest(workload)},
-            "load_seconds": engine.load_seconds,
-            "summary": {k: spread([r.get(k) for r in runs]) for k in SUMMARY_KEYS}, "runs": runs,
-            "output_ids": runs[0]["output_ids"] if runs else [],
-            "tokens_consistent": all(r["output_ids"] == runs[0]["output_ids"] for r in runs),
-            "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": rss_file_bytes(),
-            "wall_seconds": time.perf_counter() - t_start,
-        })
-        for k in SUMMARY_KEYS:
-            result[k] = result["summary"][k]["median"]
-        result["bytes_read_per_token"] = spread([r.get("bytes_read", 0) / max(r["generated_tokens"], 1)
-                                                 for r in runs])["median"]
-        result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
+        result = _result(engine, model_dir, runs, SUMMARY_KEYS, t_start, record_routing,
+                         lambda r: r.get("bytes_read", 0) / max(r["generated_tokens"], 1),
+                         cold=cold, cold_method=cold_how, repeats=repeats, seed=seed,
+                         tokens=sum(r.max_new_tokens for r in workload),
+                         prompt_tokens=sum(len(r.prompt_ids) for r in workload),
+                         workload={"requests": len(workload), "sha256": workload_digest(workload)})
         result.update(_draft_medians(runs))
-        if record_routing:
-            engine.save_routing(record_routing)
-            result["routing_histogram"] = record_routing
         return result
     finally:
         engine.close()
@@ -267,24 +229,9 @@ def _run_batch_bench(model_dir, config: EngineConfig, batch: int, tokens: int, p
             runs.append(m)
             if progress:
                 progress(rep + 1, repeats, m)
-        result = envelope(engine, str(model_dir))
-        result.update({
-            "kind": "bench", "cold": cold, "cold_method": cold_how, "tokens": tokens, "repeats": repeats,
-            "prompt_tokens": prompt_tokens, "seed": seed, "batch": batch, "load_seconds": engine.load_seconds,
-            "summary": {k: spread([r.get(k) for r in runs]) for k in (*SUMMARY_KEYS, *BATCH_KEYS)},
-            "runs": runs,
-            "output_ids": runs[0]["output_ids"] if runs else [],
-            "tokens_consistent": all(r["output_ids"] == runs[0]["output_ids"] for r in runs),
-            "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": rss_file_bytes(),
-            "wall_seconds": time.perf_counter() - t_start,
-        })
-        for k in (*SUMMARY_KEYS, *BATCH_KEYS):
-            result[k] = result["summary"][k]["median"]
-        result["bytes_read_per_token"] = spread([r.get("bytes_read_per_token") for r in runs])["median"]
-        result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
-        if record_routing:
-            engine.save_routing(record_routing)
-            result["routing_histogram"] = record_routing
+        result = _result(engine, model_dir, runs, (*SUMMARY_KEYS, *BATCH_KEYS), t_start, record_routing,
+                         lambda r: r.get("bytes_read_per_token"), cold=cold, cold_method=cold_how, tokens=tokens,
+                         repeats=repeats, prompt_tokens=prompt_tokens, seed=seed, batch=batch)
         return result
     finally:
         engine.close()
@@ -371,34 +318,43 @@ def _run_trace_bench(model_dir, config: EngineConfig, path: str, repeats: int, c
             if progress:
                 progress(rep + 1, repeats, m)
         keys = tuple(dict.fromkeys((*SUMMARY_KEYS, *trace_replay.TRACE_KEYS)))
-        result = envelope(engine, str(model_dir))
-        result.update({
-            "kind": "bench", "cold": cold, "cold_method": cold_how, "repeats": repeats, "seed": seed,
-            "tokens": sum(r.max_tokens * r.n for r in requests),
-            "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
-            "trace": {"source": Path(path).name, "requests": len(requests),
-                      "sequences": sum(r.n for r in requests), "sha256": request_trace.trace_digest(requests),
-                      "span_s": requests[-1].at - requests[0].at, "slo_ttft_s": slo_ttft, "slo_tpot_s": slo_tpot,
-                      "max_batch": engine.config.max_batch, "temperature": temperature,
-                      "top_p": top_p if temperature > 0 else None},
-            "load_seconds": engine.load_seconds,
-            "summary": {k: spread([r.get(k) for r in runs]) for k in keys}, "runs": runs,
-            "output_ids": runs[0]["output_ids"] if runs else [],
-            "tokens_consistent": all(r["request_output_ids"] == runs[0]["request_output_ids"] for r in runs),
-            "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": rss_file_bytes(),
-            "wall_seconds": time.perf_counter() - t_start,
-        })
-        for k in keys:
-            result[k] = result["summary"][k]["median"]
-        result["bytes_read_per_token"] = spread([r.get("bytes_read", 0) / max(r["generated_tokens"], 1)
-                                                 for r in runs])["median"]
-        result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
-        if record_routing:
-            engine.save_routing(record_routing)
-            result["routing_histogram"] = record_routing
+        result = _result(engine, model_dir, runs, keys, t_start, record_routing,
+                         lambda r: r.get("bytes_read", 0) / max(r["generated_tokens"], 1),
+                         consistent="request_output_ids", cold=cold, cold_method=cold_how, repeats=repeats,
+                         seed=seed, tokens=sum(r.max_tokens * r.n for r in requests),
+                         prompt_tokens=sum(len(r.prompt_ids) for r in requests),
+                         trace={"source": Path(path).name, "requests": len(requests),
+                               "sequences": sum(r.n for r in requests), "sha256": request_trace.trace_digest(requests),
+                               "span_s": requests[-1].at - requests[0].at, "slo_ttft_s": slo_ttft, "slo_tpot_s": slo_tpot,
+                               "max_batch": engine.config.max_batch, "temperature": temperature,
+                               "top_p": top_p if temperature > 0 else None})
         return result
     finally:
         engine.close()
+
+
+def _result(engine: Engine, model_dir, runs: list[dict], keys, t_start: float, record_routing: str | None,
+            bytes_per_token, consistent: str = "output_ids", **conditions) -> dict:
+    """The bench result every mode builds: the engine's envelope, the mode's conditions, the runs and
+    the median of each of `keys` at top level (every printer finds the headline figures there),
+    whether the repeats gave the same tokens (`consistent`: the runs' field compared), bytes read per
+    generated token (bytes_per_token(run), median), the process's peaks, and the routing histogram
+    when one was recorded."""
+    result = envelope(engine, str(model_dir))
+    result.update({"kind": "bench", **conditions, "load_seconds": engine.load_seconds,
+                   "summary": {k: spread([r.get(k) for r in runs]) for k in keys}, "runs": runs,
+                   "output_ids": runs[0]["output_ids"] if runs else [],
+                   "tokens_consistent": all(r[consistent] == runs[0][consistent] for r in runs),
+                   "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": rss_file_bytes(),
+                   "wall_seconds": time.perf_counter() - t_start})
+    for k in keys:
+        result[k] = result["summary"][k]["median"]
+    result["bytes_read_per_token"] = spread([bytes_per_token(r) for r in runs])["median"]
+    result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
+    if record_routing:
+        engine.save_routing(record_routing)
+        result["routing_histogram"] = record_routing
+    return result
 
 
 def _workload_metrics(engine: Engine, gens: list) -> dict:

@@ -1,7 +1,7 @@
 """Speculative decoding (engine/run/speculative.py): drafting off, gated, and at forced depths, on a
 copy-heavy workload and on free text, resident and under a streaming budget.
 
-    .venv/bin/python benchmarks/time/speculative.py --model DIR [--budget 0|1GiB] [--tokens 96] \
+    .venv/bin/python benchmarks/time/draft_decode.py --model DIR [--budget 0|1GiB] [--tokens 96] \
         [--depths 2,4,8] [--drafter lookup|mtp|auto] [--workloads copy,free] [--rounds 2] [--threads 2] \
         [--json] [--lock FILE]
 
@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-TOOL = "speculative"
+TOOL = "draft_decode"
 PROMPTS = 3  # prompts per workload and mode
 MiB = 1 << 20
 
