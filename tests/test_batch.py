@@ -14,7 +14,7 @@ from engine.base.errors import PromptError
 from engine.run.batch import BatchSequence, Scheduler, copy_positions
 from engine.run.generate import Decoding, Sampler, generate
 from engine.run.runtime import Engine
-from colibri_hf_models import ARCHS, build
+from colibri_hf_models import ARCHS, built_once
 
 PROMPTS = [[(5 * i + 1) % 200 for i in range(9)], [(11 * i + 7) % 200 for i in range(4)],
            [(3 * i + 2) % 200 for i in range(13)]]
@@ -25,15 +25,7 @@ GROUP = 4  # prompt tokens per prefill group (EngineConfig.prefill_chunk): 9 and
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("batch")
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            made[arch] = root / arch
-            build(arch, made[arch])
-        return made[arch]
-    return get
+    return built_once(tmp_path_factory, "batch")
 
 
 def _config(**kw) -> EngineConfig:

@@ -28,7 +28,7 @@ from engine.base.config import EngineConfig
 from engine.base.heap import IDEEP_CACHE_ENV, NATIVE_CACHE_BYTES, PRIMITIVE_CACHE_ENV
 from engine.movement.plan import prefill_group_bytes, prefill_transient_bytes
 from engine.run.runtime import Engine
-from colibri_hf_models import ARCHS, build
+from colibri_hf_models import ARCHS, built_once
 
 ROOT = Path(__file__).resolve().parent.parent
 # (tokens, sub-chunk, ctx): a short prompt of a few sub-chunks, and a long group whose state (the
@@ -40,15 +40,7 @@ CASES = [(arch, "auto") for arch in sorted(ARCHS)] + [("qwen3_moe", "int8"), ("d
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("charge")
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            made[arch] = root / arch
-            build(arch, made[arch])
-        return made[arch]
-    return get
+    return built_once(tmp_path_factory, "charge")
 
 
 def _live_peak(fn, trace: Path) -> int:
