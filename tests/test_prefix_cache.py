@@ -375,15 +375,14 @@ def test_the_budget_pays_for_the_prefix_cache(tmp_path):
 
 def test_streamed_experts_reuse_equals_resident_recompute(tiny):
     """Placement does not change a restored prefix: experts streamed under a budget, blocks restored."""
-    from engine.api import Checkpoint, ExpertLayout, make_plan, model_args
-    want, want_tokens = reference(tiny, P2)  # first: the budget below is measured from the RSS after it
-    ckpt = Checkpoint(tiny)
-    args = model_args(ckpt.config)
-    probe = make_plan(ckpt, args, ExpertLayout(ckpt, args),
-                      EngineConfig(ram_budget=1 << 30, ctx_size=CTX, dtype="fp32", prefix_cache=8 << 20),
-                      torch.float32, torch.float32)
-    fixed = probe.dense_bytes + probe.kv_bytes + probe.buffer_bytes + probe.overhead_bytes + probe.prefill_bytes
-    budget = fixed + (8 << 20) + 64 * probe.cache_entry_bytes + (64 << 20)  # a few experts; RSS grows meanwhile
+    want, want_tokens = reference(tiny, P2)
+    # The budget from an engine's own plan, made just before in this process: its runtime overhead is
+    # this process's RSS as an engine measures it (a long suite's RSS is far above a fresh one's).
+    with engine_for(tiny, capacity=8 << 20, ram_budget=1 << 40, io_mode="buffered") as sizing:
+        probe = sizing.plan
+    fixed = (probe.dense_bytes + probe.kv_bytes + probe.buffer_bytes + probe.overhead_bytes + probe.prefill_bytes
+             + probe.prefix_cache_bytes)
+    budget = fixed + 64 * probe.cache_entry_bytes + (64 << 20)  # a few experts; RSS grows meanwhile
     with engine_for(tiny, capacity=8 << 20, ram_budget=budget, io_mode="buffered") as e:
         assert e.plan.streaming
         generate(e, P1, 2, Sampler())
