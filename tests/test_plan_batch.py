@@ -16,7 +16,8 @@ from engine.base.config import EngineConfig
 from tests.test_probe_profile import make_profile
 from tuner.costmodel.hardware import HardwareView
 from tuner.costmodel.model_geometry import resolve
-from tuner.costmodel.predict import Factors, RunConditions, expected_union, predict, predict_batch
+from tuner.costmodel.batch_model import expected_union, predict_batch
+from tuner.costmodel.predict import Factors, RunConditions, predict
 from tuner.costmodel.routing_model import RoutingModel, synth_skew, uniform
 
 MiB, GiB = 1 << 20, 1 << 30

@@ -52,6 +52,18 @@ def reused_logits(engine, prompt):
     m = engine.restore_prefix(prompt)
     return m, engine.forward(prompt[m:], m)
 
+def restored_after_another_prompt(e, want, want_tokens, p1_tokens: int = 4) -> int:
+    """P1, then OTHER (it takes the live cache), then P2 restored from the RAM blocks: its logits are
+    the full recompute's past the reused m positions, and after OTHER again its greedy tokens are
+    too. Returns m."""
+    generate(e, P1, p1_tokens, Sampler())
+    generate(e, OTHER, 2, Sampler())
+    m, got = reused_logits(e, P2)
+    assert_close(got, want[m:])
+    generate(e, OTHER, 2, Sampler())
+    assert generate(e, P2, 6, Sampler()).output_ids == want_tokens
+    return m
+
 
 def assert_close(got, want):
     diff = (got - want).abs().max().item()
@@ -94,13 +106,7 @@ def test_quantized_kv_codes_and_scales_restore(arch, kv_dtype, tmp_path):
     build(arch, tmp_path)
     want, want_tokens = reference(tmp_path, P2, kv_dtype=kv_dtype)
     with engine_for(tmp_path, kv_dtype=kv_dtype) as e:
-        generate(e, P1, 4, Sampler())
-        generate(e, OTHER, 2, Sampler())
-        m, got = reused_logits(e, P2)
-        assert m == 32
-        assert_close(got, want[m:])
-        generate(e, OTHER, 2, Sampler())
-        assert generate(e, P2, 6, Sampler()).output_ids == want_tokens
+        assert restored_after_another_prompt(e, want, want_tokens) == 32
 
 
 def test_sliding_window_moved_past_the_cached_part(tmp_path):
@@ -110,13 +116,7 @@ def test_sliding_window_moved_past_the_cached_part(tmp_path):
     want, want_tokens = reference(tmp_path, P2)
     with engine_for(tmp_path) as e:
         assert all(k.shape[1] == CTX for k in e.kv.k)  # per position, not a ring of 8
-        generate(e, P1, 4, Sampler())
-        generate(e, OTHER, 2, Sampler())
-        m, got = reused_logits(e, P2)
-        assert m == 32 > 8
-        assert_close(got, want[m:])
-        generate(e, OTHER, 2, Sampler())
-        assert generate(e, P2, 6, Sampler()).output_ids == want_tokens
+        assert restored_after_another_prompt(e, want, want_tokens) == 32 > 8
 
 
 def test_prefix_diverging_inside_a_block(tiny):
@@ -385,10 +385,4 @@ def test_streamed_experts_reuse_equals_resident_recompute(tiny):
     budget = fixed + 64 * probe.cache_entry_bytes + (64 << 20)  # a few experts; RSS grows meanwhile
     with engine_for(tiny, capacity=8 << 20, ram_budget=budget, io_mode="buffered") as e:
         assert e.plan.streaming
-        generate(e, P1, 2, Sampler())
-        generate(e, OTHER, 2, Sampler())
-        m, got = reused_logits(e, P2)
-        assert m == 32
-        assert_close(got, want[m:])
-        generate(e, OTHER, 2, Sampler())
-        assert generate(e, P2, 6, Sampler()).output_ids == want_tokens
+        assert restored_after_another_prompt(e, want, want_tokens, p1_tokens=2) == 32

@@ -216,7 +216,7 @@ class PlanResult(Result):
     prediction: dict = field(default_factory=dict)
     best: list = field(default_factory=list)
     # `--batch`: per batch size, the predicted step of that many sequences decoding together
-    # (tuner/costmodel/predict.py BatchPoint: union of experts, bytes per step, per-sequence and
+    # (tuner/costmodel/batch_model.py BatchPoint: union of experts, bytes per step, per-sequence and
     # aggregate tok/s, bottleneck)
     batch: list = field(default_factory=list)
     # speculative decoding at the asked acceptance (tuner/costmodel/speculative.py): per depth the

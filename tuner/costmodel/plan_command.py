@@ -20,7 +20,8 @@ from tuner.costmodel import fit as cal
 from tuner.costmodel.model_geometry import ModelGeometry, resolve
 from tuner.costmodel.hardware import HardwareView, apply_what_if
 from tuner.costmodel.calibrated_facts import calibration_text, measured_on, recall_for, routing_for
-from tuner.costmodel.predict import Factors, RunConditions, predict, predict_batch, predict_prefill
+from tuner.costmodel.batch_model import predict_batch
+from tuner.costmodel.predict import Factors, RunConditions, predict, predict_prefill
 from tuner.costmodel.routing_model import RoutingModel, make_routing  # noqa: F401  (benchmarks import it from here)
 from tuner.costmodel.best_config import rank
 from tuner.costmodel.speculative import draft_prediction

@@ -4,7 +4,7 @@
 
 Rough by construction, and used as evidence only (a tune --objective serve trial records it beside
 the measured goodput; no warm start is seeded from it, tuner/search/warm_start.py): the step times
-are predict_batch's (tuner/costmodel/predict.py: a decode step of b rows reads the union of their
+are predict_batch's (tuner/costmodel/batch_model.py: a decode step of b rows reads the union of their
 experts once, expected_union, on a warm steady cache) and a prompt's prefill is its share of the
 predicted TTFT of the trace's median prompt (tokens x that TTFT / its tokens).
 
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from engine.api import EngineConfig
 
-from tuner.costmodel.predict import Factors, RunConditions, predict, predict_batch
+from tuner.costmodel.batch_model import predict_batch
+from tuner.costmodel.predict import Factors, RunConditions, predict
 
 
 @dataclass

@@ -10,7 +10,7 @@ scale from the plain token's:
     disk(n)      the plain token's expert reads times union(n): the union's misses, at the
                  plain token's hit rate; its requests and page-cache cost alike
     hidden(n)    the lookahead's covered share of that disk time, as for one row
-    fixed(n)     the per-layer dispatch, per row (predict.predict_batch counts a batch's rows so)
+    fixed(n)     the per-layer dispatch, per row (batch_model.predict_batch counts a batch's rows so)
 
 union(n) is the routing model's expected number of distinct experts n consecutive tokens pick in
 a layer, in units of one token's top_k (per layer and expert e: a token picks e with probability
