@@ -89,14 +89,14 @@ def test_bench_reuses_each_turns_history_with_the_prefix_cache(model_dir, tmp_pa
 
 
 def test_the_tune_space_searches_the_prefix_cache_and_the_prefill_group(model_dir, tmp_path):  # noqa: F811
-    from tuner.search.study import TuneOptions, _Run
+    from tuner.search.options import TuneOptions
+    from tuner.search.setup import TuneSession
     assert prefill_chunks_for(200) == (64, 128, 256) and prefill_chunks_for(8) == (MIN_PREFILL_CHUNK,)
     assert prefix_caches_for(1000, 1, 1024.0) == (0, MiB) and prefix_caches_for(1000, 3, 1024.0) == (0, MiB, 3 * MiB)
     path = _conversations(tmp_path / "c.jsonl", words=20)
     opts = TuneOptions(model=str(model_dir), ram_budget=1 << 30, min_ctx=16, tokens=2, repeats=1, prompt_tokens=8,
                        out=tmp_path / "run", seed=0, confirm_top=0, trials=1, prompts=path)
-    run = _Run(opts, log=lambda m: None)
-    run.prepare()
+    run = TuneSession.prepare(opts, log=lambda m: None)
     space = run.space
     longest = run.workload_info.prompt_tokens.max
     assert run.workload_info.kind == "conversations"

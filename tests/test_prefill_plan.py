@@ -142,11 +142,11 @@ def _prompts(tmp_path, name: str, words: int) -> str:
 
 
 def _tune_run(model_dir, out, budget: int, prompts: str):  # noqa: F811
-    from tuner.search.study import TuneOptions, _Run
+    from tuner.search.options import TuneOptions
+    from tuner.search.setup import TuneSession
     opts = TuneOptions(model=str(model_dir), ram_budget=budget, min_ctx=16, tokens=2, repeats=1, prompt_tokens=8,
                        out=out, seed=0, confirm_top=0, trials=1, prompts=prompts)
-    run = _Run(opts, log=lambda m: None)
-    run.prepare()
+    run = TuneSession.prepare(opts, log=lambda m: None)
     return run
 
 

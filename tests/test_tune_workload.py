@@ -203,17 +203,18 @@ def test_warm_start_skipped_for_an_io_mode_without_calibration(monkeypatch):
     queued, lines = [], []
     study = SimpleNamespace(enqueue_trial=lambda params, **kw: queued.append(params))
     space = SimpleNamespace(params_of=lambda c: {"io_mode": c.io_mode}, baseline=lambda: EngineConfig())
-    run = SimpleNamespace(opts=SimpleNamespace(trials=None), profile=SimpleNamespace(cost_model=SECTION),
-                          space=space, model_dir=None, log=lines.append, cost_model_state={})
-    warm_start.enqueue_predicted(run, study, queued=2)
+    session = SimpleNamespace(opts=SimpleNamespace(trials=None), profile=SimpleNamespace(cost_model=SECTION),
+                              space=space, model_dir=None, log=lines.append)
+    state = {}
+    warm_start.enqueue_predicted(session, study, queued=2, state=state)
     assert queued == [{"io_mode": "direct"}]
-    assert run.cost_model_state["warm_starts"] == 1 and "io_mode mmap" in run.cost_model_state["note"]
+    assert state["warm_starts"] == 1 and "io_mode mmap" in state["note"]
     assert any("skipped: io_mode mmap" in line for line in lines)
     # an uncalibrated profile: nothing enqueued at all
     queued.clear()
-    run.profile = SimpleNamespace(cost_model={})
-    warm_start.enqueue_predicted(run, study, queued=2)
-    assert queued == [] and "not calibrated" in run.cost_model_state["note"]
+    session.profile = SimpleNamespace(cost_model={})
+    warm_start.enqueue_predicted(session, study, queued=2, state=state)
+    assert queued == [] and "not calibrated" in state["note"]
 
 
 def test_calibration_keeps_errors_per_kind():

@@ -248,7 +248,7 @@ WRITERS = [
            work=("colibri.commands.machine:run_plan",)),
     Writer(("colibri tune", "--out"), lambda w, t: ["tune", "--model", str(w["model"]), "--profile", str(w["probe"]),
                                                      "--trials", "1", "--out", t, "--json"],
-           source="model", work=("tuner.search.setup:TuneSetup.start",)),
+           source="model", work=("tuner.search.setup:TuneSession.start",)),
     Writer(("colibri synth", "--out"), lambda w, t: ["synth", "--geometry", str(w["geometry"]), "-o", t, "--json"],
            source="geometry", force=True),
     Writer(("colibri report", "run_dir"), lambda w, t: ["report", t, "--json"], source="run",

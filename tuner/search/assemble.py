@@ -1,8 +1,8 @@
 """A finished tune session as its TuneResult: the recommendation, the references, the study's
 counts, the conditions and the versions (result.json, tuner/results/result.py).
 
-It reads a `FinishedSession` (the typed record of what the study ran: its options, clock, space,
-facts, profile and counts; study.py makes one when the search and confirmation are over) and the
+It reads a `FinishedSession` (the session, setup.py's TuneSession, with what its study ran: the
+study and its counts; study.py makes one when the search and confirmation are over) and the
 confirmation round's decision (confirm.Decision); tuner/results/outputs.py writes the files from
 the result.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
-from pathlib import Path
 
 import optuna
 
@@ -25,12 +24,9 @@ from tuner.results.result import (
 )
 from tuner.results import reproduce
 from tuner.search.prediction import cost_model_run
-from tuner.search.budget import TimeBudget
 from tuner.search.confirm import Decision, feasible
 from tuner.search.explore import SearchCounts
-from tuner.search.model_facts import ModelFacts
-from tuner.search.options import TuneOptions
-from tuner.search.space import SearchSpace
+from tuner.search.setup import TuneSession
 from tuner.search.study_storage import redact_url
 
 COLD_MEANS = ("the model's pages are dropped from the page cache and the engine's caches emptied "
@@ -39,26 +35,11 @@ COLD_MEANS = ("the model's pages are dropped from the page cache and the engine'
 
 @dataclass(frozen=True)
 class FinishedSession:
-    """What a tune session ran, once its search and confirmation are over: everything the
-    result is built from, typed, so the result does not depend on the session's internals."""
+    """A tune session once its search and confirmation are over: the session itself (setup.py's
+    TuneSession, typed) and what its search ran. The result is built from this alone."""
 
-    opts: TuneOptions
-    model_name: str
-    model_dir: Path
-    facts: ModelFacts
-    space: SearchSpace
-    budget: int
-    limit_bytes: int
-    has_gpu: bool
+    session: TuneSession
     study: optuna.Study
-    study_name: str
-    storage_url: str
-    started_utc: str
-    clock: TimeBudget
-    profile: object  # tuner.probe's HardwareProfile
-    profile_source: str
-    calibration: dict  # the calibration trial's facts (preflight.calibrate)
-    workload_info: WorkloadInfo
     search_counts: SearchCounts
     stop_reason: str
     measuring_seconds: float
@@ -67,30 +48,31 @@ class FinishedSession:
 
 def build_result(run: FinishedSession, decision: Decision) -> TuneResult:
     """The TuneResult of a finished session."""
-    opts = run.opts
+    s = run.session
+    opts = s.opts
     winner, base, defaults = decision.winner, decision.baseline, decision.defaults
     key = OBJECTIVE_KEY[opts.objective]
     wfig = winner.confirmed if winner else None
     trials = run.study.get_trials(deepcopy=False)
     statuses: dict[str, int] = {}
     for t in trials:
-        s = t.user_attrs.get("status", t.state.name.lower())
-        statuses[s] = statuses.get(s, 0) + 1
+        status = t.user_attrs.get("status", t.state.name.lower())
+        statuses[status] = statuses.get(status, 0) + 1
     quality = setting_quality(trials)
     counts = run.search_counts  # tuner/search/explore.py: measured, re-proposals, distinct points
-    wall = run.clock.used()
+    wall = s.clock.used()
     return TuneResult(
-        schema=RESULT_SCHEMA, created_utc=utc_now(), started_utc=run.started_utc,
-        model=ModelInfo(name=run.model_name, dir=str(run.model_dir), geometry=run.facts.geometry,
-                        compute_dtype=run.space.compute_dtype_name()),
-        budget_bytes=run.budget, budget=format_size(run.budget), objective=opts.objective,
+        schema=RESULT_SCHEMA, created_utc=utc_now(), started_utc=s.started_utc,
+        model=ModelInfo(name=s.model_name, dir=str(s.model_dir), geometry=s.facts.geometry,
+                        compute_dtype=s.space.compute_dtype_name()),
+        budget_bytes=s.budget, budget=format_size(s.budget), objective=opts.objective,
         recommended=with_quality(winner.candidate(), quality) if winner else None,
         baseline=with_quality(base.candidate(), quality),
         gain_over_baseline=gain(wfig, base.confirmed, key), gain_metric=key,
         candidates=[with_quality(e.candidate(), quality) for e in decision.contenders],
         confirmation=ConfirmationInfo(rounds=decision.rounds, confirmed=decision.confirmed),
         study=StudyInfo(
-            name=run.study_name, storage=redact_url(run.storage_url), trials=len(trials),
+            name=s.study_name, storage=redact_url(s.storage_url), trials=len(trials),
             feasible=len(feasible([t for t in trials if t.user_attrs.get("duplicate_of") is None])), by_status=statuses, sampler=type(run.study.sampler).__name__,
             sampler_note="chosen by benchmarks/tuning/tuner_quality.py (GP for one objective, TPE for two)"
             if opts.sampler == "auto" else "set by --sampler", directions=[d.name for d in run.study.directions],
@@ -102,19 +84,19 @@ def build_result(run: FinishedSession, decision: Decision) -> TuneResult:
             cold=opts.cold, cold_means=COLD_MEANS if opts.cold else "warm: caches persist across repeats",
             tokens=opts.tokens, repeats=opts.repeats, prompt_tokens=opts.prompt_tokens, seed=opts.seed,
             min_ctx=opts.min_ctx,
-            memory_limit=MemoryLimit(cgroup_limit_bytes=run.limit_bytes, cgroup=run.calibration.get("cgroup_limited"),
-                                     reason=run.calibration.get("cgroup_reason") or ""),
-            precheck_overhead_bytes=run.space.overhead_bytes, time_budget_s=run.clock.seconds,
-            wall_seconds=round(run.clock.used(), 1), physical_cores=run.space.physical_cores,
-            logical_cores=run.space.logical_cores, gpu=run.has_gpu,
-            profile=profile_summary(run.profile, run.profile_source), search_space=run.space.describe(),
+            memory_limit=MemoryLimit(cgroup_limit_bytes=s.limit_bytes, cgroup=s.calibration.get("cgroup_limited"),
+                                     reason=s.calibration.get("cgroup_reason") or ""),
+            precheck_overhead_bytes=s.space.overhead_bytes, time_budget_s=s.clock.seconds,
+            wall_seconds=round(s.clock.used(), 1), physical_cores=s.space.physical_cores,
+            logical_cores=s.space.logical_cores, gpu=s.has_gpu,
+            profile=profile_summary(s.profile, s.profile_source), search_space=s.space.describe(),
             versions=versions()),
-        quant=run.facts.quant,
+        quant=s.facts.quant,
         quality=decode_quality(opts.quality),
         defaults=with_quality(defaults.candidate(), quality) if defaults else None,
         gain_over_defaults=gain(wfig, defaults.confirmed if defaults else None, key),
-        workload=run.workload_info,
-        reproduce=reproduce_record(winner, run.study, run.workload_info),
+        workload=s.workload_info,
+        reproduce=reproduce_record(winner, run.study, s.workload_info),
         cost_model=cost_model_run(trials, run.cost_model_state))
 
 

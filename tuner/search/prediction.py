@@ -1,6 +1,6 @@
 """The cost model inside a tune: a prediction beside every trial, and warm starts only where it is known to be right.
 
-    predictor = Predictor.for_run(run)          # once, after the calibration trial
+    predictor = Predictor.for_run(session)      # once, after the calibration trial
     attrs["predicted_decode_tok_s"] = predictor.decode(config)   # every measured trial
     trusted(section, config)                     # (True, "") or (False, why): may it seed the study?
     cost_model_run(trials, state)                # result.json's cost_model: the error on this run
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from typing import TYPE_CHECKING
 
 from engine.api import EngineConfig
 from tuner.costmodel.calibrated_facts import KINDS, recall_for, trusted  # noqa: F401  (trusted: warm_start's)
@@ -28,6 +29,10 @@ from tuner.costmodel.routing_model import make_routing
 from tuner.costmodel.serve_model import predict_goodput
 from tuner.results.result import CostModelRun, ModeError
 
+if TYPE_CHECKING:
+    from tuner.search.setup import TuneSession
+
+
 class Predictor:
     """The cost model's decode figure for a config of this run (the profile's factors, or the
     measured curves as they are), made before the config is measured."""
@@ -37,17 +42,19 @@ class Predictor:
         self.overhead = overhead
 
     @classmethod
-    def for_run(cls, run) -> "Predictor | None":
-        if not run.facts.has_experts:
+    def for_run(cls, session: TuneSession) -> "Predictor | None":
+        if not session.facts.has_experts:
             return None
         try:
-            geometry = from_model_dir(run.model_dir)
-            recall, _ = recall_for(getattr(run.profile, "cost_model", None), geometry.to_dict())
-            factors = dataclasses.replace(factors_from_profile(run.profile) or Factors(), lookahead_recall=recall)
-            return cls(geometry, make_routing(run.space.routing_histogram or "auto", geometry),
-                       HardwareView(run.profile), factors, run_conditions(run), run.space.overhead_bytes)
+            geometry = from_model_dir(session.model_dir)
+            recall, _ = recall_for(getattr(session.profile, "cost_model", None), geometry.to_dict())
+            factors = dataclasses.replace(factors_from_profile(session.profile) or Factors(),
+                                          lookahead_recall=recall)
+            return cls(geometry, make_routing(session.space.routing_histogram or "auto", geometry),
+                       HardwareView(session.profile), factors, run_conditions(session),
+                       session.space.overhead_bytes)
         except Exception as exc:  # a prediction is evidence, never a reason to stop a tune
-            run.log(f"cost model: no predictions this run ({type(exc).__name__}: {exc})")
+            session.log(f"cost model: no predictions this run ({type(exc).__name__}: {exc})")
             return None
 
     def goodput(self, config: EngineConfig, trace: list, slo_ttft: float | None, slo_tpot: float | None) -> float | None:
@@ -68,10 +75,10 @@ class Predictor:
         return round(p.decode_tok_s, 4) if p.fits and p.decode_tok_s else None
 
 
-def run_conditions(run):
+def run_conditions(session: TuneSession) -> RunConditions:
     """The trials' measurement as the cost model's RunConditions: the steady workload's prompts
     differ (no replay); the fixed prompt repeats (replay)."""
-    w, o = run.workload_info, run.opts
+    w, o = session.workload_info, session.opts
     return RunConditions(prompt_tokens=max(1, round(w.prompt_tokens.median)),
                          tokens=max(1, round(w.max_new_tokens.median)), repeats=o.repeats, cold=o.cold,
                          replay=w.kind != "steady")
