@@ -17,7 +17,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 
 from engine.base.config import EngineConfig
 from tuner.probe.hardware_profile import (
-    SCHEMA_VERSION, CpuInfo, DiskInfo, HardwareProfile, MatmulPoint, MemoryBandwidthPoint, MemoryInfo,
+    SCHEMA_VERSION, CpuInfo, DiskInfo, HardwareProfile, CpuMatmulPoint, MemoryBandwidthPoint, MemoryInfo,
     ProbeRun, Quantity, StoragePoint, StorageResult, SystemInfo, ToolInfo, compute_fingerprint, save_profile,
 )
 from tuner.results.outputs import write_trials_csv
@@ -81,7 +81,7 @@ def hardware_profile(cpu_model: str = "Fixture CPU 9000", seq_gbps: float = 1.8)
         storage=StorageResult("fio", "fio-3.33", "io_uring", points, q(256 * MiB, "B"), q(0.4, "s")),
         memory_bandwidth=[MemoryBandwidthPoint("read", 1, 3, q(128 * MiB, "B"), q(7.3e9, "B/s")),
                           MemoryBandwidthPoint("read", 2, 3, q(128 * MiB, "B"), q(11.2e9, "B/s"))],
-        cpu_matmul=[MatmulPoint("fp32", 1, 2048, 768, 1, 100, q(19.3, "GFLOP/s"), q(160, "us"))],
+        cpu_matmul=[CpuMatmulPoint("fp32", 1, 2048, 768, 1, 100, q(19.3, "GFLOP/s"), q(160, "us"))],
         gpus=[], best_configs=[])
 
 

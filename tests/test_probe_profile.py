@@ -9,7 +9,7 @@ import pytest
 
 from tuner.probe.probe_errors import ProfileError
 from tuner.probe.hardware_profile import (
-    SCHEMA_VERSION, CpuInfo, DiskInfo, GpuInfo, HardwareProfile, KernelPoint, MatmulPoint,
+    SCHEMA_VERSION, CpuInfo, DiskInfo, GpuInfo, HardwareProfile, ExpertKernelPoint, CpuMatmulPoint,
     MemoryBandwidthPoint, MemoryInfo, ProbeRun, Quantity, StoragePoint, StorageResult, SystemInfo, ToolInfo,
     compute_fingerprint, fingerprint_basis, load_profile, save_profile,
 )
@@ -32,10 +32,10 @@ def point(role, pattern, size, qd, bw, direct=True) -> StoragePoint:
         lat_p50=Quantity(90.0, "us"), lat_p99=Quantity(400.0, "us"))
 
 
-def kernel_point(quant, m, k, n, gflops, threads=1, kernel=None, prepare_us=0.0) -> KernelPoint:
+def kernel_point(quant, m, k, n, gflops, threads=1, kernel=None, prepare_us=0.0) -> ExpertKernelPoint:
     kernel = kernel or {"bf16": "F.linear", "int8": "aten._weight_int8pack_mm",
                         "int4": "aten._weight_int4pack_mm_for_cpu"}[quant]
-    return KernelPoint(quant=quant, kernel=kernel, group_size=64 if quant == "int4" else None, m=m, k=k, n=n,
+    return ExpertKernelPoint(quant=quant, kernel=kernel, group_size=64 if quant == "int4" else None, m=m, k=k, n=n,
                        threads=threads, calls=100, throughput=Quantity(gflops, "GFLOP/s"),
                        time_per_call=Quantity(2.0 * m * k * n / gflops / 1e3, "us"),
                        prepare_time=Quantity(prepare_us, "us"))
@@ -83,7 +83,7 @@ def make_profile(curve=True, buffered_bw=None, kernels=False) -> HardwareProfile
         memory_bandwidth=[MemoryBandwidthPoint(op="read", threads=1, repeats=3,
                                                buffer=Quantity(128.0 * MiB, "B"),
                                                bandwidth=Quantity(1e10, "B/s"))],
-        cpu_matmul=[MatmulPoint(dtype="bf16", m=1, k=2048, n=768, threads=1, calls=100,
+        cpu_matmul=[CpuMatmulPoint(dtype="bf16", m=1, k=2048, n=768, threads=1, calls=100,
                                 throughput=Quantity(5.0, "GFLOP/s"),
                                 time_per_call=Quantity(600.0, "us"))],
         gpus=gpus,
@@ -278,7 +278,7 @@ def test_docs_describe_every_field():
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "PROFILE.md").read_text()
     classes = [HardwareProfile, ToolInfo, ProbeRun, SystemInfo, CpuInfo, MemoryInfo, DiskInfo,
-               StorageResult, StoragePoint, MemoryBandwidthPoint, MatmulPoint, KernelPoint, GpuInfo, Quantity]
+               StorageResult, StoragePoint, MemoryBandwidthPoint, CpuMatmulPoint, ExpertKernelPoint, GpuInfo, Quantity]
     for cls in classes:
         for f in dataclasses.fields(cls):
             spelled = (f"`{f.name}`", f".{f.name}`", f"`{f.name}.")

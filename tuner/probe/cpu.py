@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence, get_args
 
-from tuner.probe.hardware_profile import MatmulDtype, MatmulPoint, Quantity
+from tuner.probe.hardware_profile import CpuMatmulPoint, MatmulDtype, Quantity
 
 EXPERT_K, EXPERT_N = 2048, 768
 DTYPES = get_args(MatmulDtype)
@@ -17,7 +17,7 @@ DTYPES = get_args(MatmulDtype)
 
 def measure_matmul(thread_counts: Sequence[int], ms: Sequence[int], min_time_s: float,
                    k: int = EXPERT_K, n: int = EXPERT_N,
-                   on_step: Callable[[str], None] | None = None) -> list[MatmulPoint]:
+                   on_step: Callable[[str], None] | None = None) -> list[CpuMatmulPoint]:
     import torch
     import torch.nn.functional as F
 
@@ -30,7 +30,7 @@ def measure_matmul(thread_counts: Sequence[int], ms: Sequence[int], min_time_s: 
             x = torch.randn(m, k, generator=gen).to(torch_dtype[dtype])
             calls, elapsed = time_calls(lambda: F.linear(x, w), min_time_s)
             per_call = elapsed / calls
-            points.append(MatmulPoint(
+            points.append(CpuMatmulPoint(
                 dtype=dtype, m=m, k=k, n=n, threads=threads, calls=calls,
                 throughput=Quantity(2.0 * m * k * n / per_call / 1e9, "GFLOP/s"),
                 time_per_call=Quantity(per_call * 1e6, "us")))

@@ -142,8 +142,11 @@ MatmulDtype = Literal["bf16", "fp32"]  # the dtypes tuner/probe/cpu.py measures
 
 
 @dataclass(frozen=True)
-class MatmulPoint:
-    """CPU matmul throughput of x[m,k] times W[n,k]^T at one dtype and thread count."""
+class CpuMatmulPoint:
+    """A point of the profile's `cpu_matmul`: dense F.linear throughput of x[m,k] times W[n,k]^T
+    at one compute dtype and thread count (tuner/probe/cpu.py). An expert's weight format through
+    its own kernel is an ExpertKernelPoint; the two records share their shape and timing fields
+    but are two lists of the profile schema (docs/PROFILE.md), each in its own key order."""
 
     dtype: MatmulDtype
     m: int
@@ -160,9 +163,10 @@ KERNEL_QUANTS = typing.get_args(KernelQuant)  # the one list: the probe, its sum
 
 
 @dataclass(frozen=True)
-class KernelPoint:
-    """One expert projection x[m,k] times W[n,k]^T through the kernel the engine runs for its
-    weight format (F.linear for bf16; engine/weights/quantized.py's QuantWeight.linear for int8 / int4)."""
+class ExpertKernelPoint:
+    """A point of the profile's `expert_kernels`: one expert projection x[m,k] times W[n,k]^T
+    through the kernel the engine runs for its weight format (F.linear for bf16;
+    engine/weights/quantized.py's QuantWeight.linear for int8 / int4)."""
 
     quant: KernelQuant
     kernel: str  # e.g. "F.linear", "aten._weight_int8pack_mm", "dequantize+linear"
@@ -198,11 +202,11 @@ class HardwareProfile:
     system: SystemInfo
     storage: StorageResult
     memory_bandwidth: list[MemoryBandwidthPoint]
-    cpu_matmul: list[MatmulPoint]
+    cpu_matmul: list[CpuMatmulPoint]
     gpus: list[GpuInfo]
     # Expert-kernel throughput per weight format (tuner/probe/kernels.py). Optional: profiles
     # probed before it existed still load; the cost model then charges int8/int4 at bf16's rate.
-    expert_kernels: list[KernelPoint] = field(default_factory=list, metadata={"optional": True})
+    expert_kernels: list[ExpertKernelPoint] = field(default_factory=list, metadata={"optional": True})
     # Written by the tuner (profiles.py), validated there; the probe leaves it empty.
     best_configs: list[dict[str, Any]] = field(default_factory=list)
     # The cost model's fitted efficiency factors for this machine (tuner/costmodel/fit.py

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 from engine.api import QuantWeight, linear, load_native_kernels, native_kernels_ready, quantize
 from tuner.probe.cpu import time_calls, each_thread_count
-from tuner.probe.hardware_profile import KERNEL_QUANTS, KernelPoint, Quantity
+from tuner.probe.hardware_profile import KERNEL_QUANTS, ExpertKernelPoint, Quantity
 
 SHAPES = ((1024, 512), (6144, 2048))  # (k, n): demo-like and GLM-5-like expert projections
 INT4_GROUP = 64  # the containers' default group (engine/format/convert.py), the cost model's int4
@@ -37,7 +37,7 @@ PREPARE_REPEATS = 5  # median of 5: a repack on another CPU's layout takes tens 
 
 def measure_kernels(thread_counts: Sequence[int], ms: Sequence[int], min_time_s: float,
                     shapes: Sequence[tuple[int, int]] = SHAPES,
-                    on_step: Callable[[str], None] | None = None) -> list[KernelPoint]:
+                    on_step: Callable[[str], None] | None = None) -> list[ExpertKernelPoint]:
     import torch
 
     weights = _weights(shapes)
@@ -49,7 +49,7 @@ def measure_kernels(thread_counts: Sequence[int], ms: Sequence[int], min_time_s:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
                 calls, elapsed = time_calls(fn_of(x), min_time_s)
                 per_call = elapsed / calls
-                points.append(KernelPoint(
+                points.append(ExpertKernelPoint(
                     quant=quant, kernel=_bf16_kernel(m) if quant == "bf16" else kernel, group_size=INT4_GROUP if quant == "int4" else None,
                     m=m, k=k, n=n, threads=threads, calls=calls,
                     throughput=Quantity(2.0 * m * k * n / per_call / 1e9, "GFLOP/s"),
