@@ -18,14 +18,18 @@ each synthesized once into --models. For each:
    against the measured grid for --seeds seeds of --trials evaluations each.
 
 Prints, per geometry: the grid's best, the tuner's pick as a share of it (median and worst over
-seeds), the evaluations spent, and the evaluations it took to reach 95% of the best. Writes
---out/tuner_unseen.json. Full size is 72 trials of about 10 s each on an NVMe box (several
-minutes per geometry, plus synthesizing 4 GB); the conditions are printed with the table.
+seeds), the evaluations spent, and the evaluations it took to reach 95% of the best, through
+benchkit's printers: the conditions line and a markdown table, or with --json one colibri.bench/1
+document (the progress lines go to stderr). The same document is written to
+--out/tuner_unseen.json. --lock FILE holds benchkit.bench_lock around each measured grid point.
+Full size is 72 trials of about 10 s each on an NVMe box (several minutes per geometry, plus
+synthesizing 4 GB).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import statistics
 import sys
@@ -34,9 +38,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.benchkit import add_output_flags, bench_lock, emit, refuse, run_conditions  # noqa: E402
 from benchmarks.tuning.tuner_quality import (  # noqa: E402
     BASELINE, all_points, config_of, evaluations_to_reach, key_of, run_tuner)
-from engine.api import (atomic_write_text, format_size, load_geometry_file, parse_size,  # noqa: E402
+from engine.api import (ColibriError, atomic_write_text, format_size, load_geometry_file, parse_size,  # noqa: E402
                         synthesize)
 from tuner.search.model_facts import ModelFacts  # noqa: E402
 from tuner.search.space import DEFAULT_OVERHEAD_BYTES  # noqa: E402
@@ -44,8 +49,15 @@ from tuner.search.trial import run_trial, steady_args  # noqa: E402
 from tuner.search.workload import STEADY_PROMPTS, steady_tokens  # noqa: E402
 from engine.api import STEADY_TEMPERATURE, STEADY_TOP_P  # noqa: E402
 
+TOOL = "tuner_unseen"
 HERE = Path(__file__).resolve().parent
 GEOMETRIES = (f"{HERE / 'geometries' / 'wide24.json'}:1280MiB", f"{HERE / 'geometries' / 'narrow12.json'}:768MiB")
+COLUMNS = [("geometry", lambda r: r["geometry"]), ("budget", lambda r: r["budget"]),
+           ("tokens/prompt", lambda r: r["tokens"]), ("grid points", lambda r: r["points"]),
+           ("grid best tok/s", lambda r: r["best"]), ("baseline", lambda r: r["baseline"]),
+           ("tuner pick (median / worst)", lambda r: f"{r['share_median']:.0%} / {r['share_worst']:.0%}"),
+           ("evaluations", lambda r: r["evaluations"]),
+           ("to reach 95% (median, seeds)", lambda r: f"{r['reach95_median']} ({r['reach95_seeds']})")]
 
 
 def measure_grid(model_dir: Path, budget: int, tokens: int, args, cache: Path) -> dict:
@@ -58,9 +70,10 @@ def measure_grid(model_dir: Path, budget: int, tokens: int, args, cache: Path) -
         if k in table:
             continue
         config = config_of(point, budget, args.threads, args.ctx)
-        res = run_trial(model_dir, config, tokens=tokens, repeats=1, cold=True, prompt_tokens=args.prompt_tokens,
-                        seed=args.seed, limit_bytes=budget, timeout=args.trial_timeout,
-                        extra_args=steady_args(STEADY_PROMPTS, STEADY_TEMPERATURE, STEADY_TOP_P))
+        with bench_lock(args.lock):
+            res = run_trial(model_dir, config, tokens=tokens, repeats=1, cold=True, prompt_tokens=args.prompt_tokens,
+                            seed=args.seed, limit_bytes=budget, timeout=args.trial_timeout,
+                            extra_args=steady_args(STEADY_PROMPTS, STEADY_TEMPERATURE, STEADY_TOP_P))
         m = res.metrics if res.ok else {}
         table[k] = {"status": res.status, "decode_tok_s": m.get("decode_tok_s") or 0.0,
                     "spread": (m.get("summary") or {}).get("decode_tok_s"), "wall_seconds": round(res.wall_seconds, 2),
@@ -87,7 +100,7 @@ def replay(table: dict, trials: int, seeds: int) -> dict:
             "reach95_seeds": f"{len(hit)}/{seeds}"}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--geometry", action="append", metavar="FILE:BUDGET",
                    help=f"a geometry file and its budget (default: {', '.join(Path(g).name for g in GEOMETRIES)})")
@@ -103,14 +116,28 @@ def main(argv=None) -> int:
     p.add_argument("--trial-timeout", type=float, default=600)
     p.add_argument("--grid-limit", type=int, default=0, help="measure only this many grid points (a smoke run)")
     p.add_argument("--out", default="reports/tuner_unseen")
-    args = p.parse_args(argv)
+    add_output_flags(p)
+    return p.parse_args(argv)
+
+
+def geometry_spec(spec: str) -> tuple[dict, int]:
+    """FILE:BUDGET as (the geometry, the budget in bytes); a bad one is a ColibriError."""
+    path, _, budget_text = spec.rpartition(":")
+    if not path:
+        raise ColibriError(f"--geometry {spec!r}: expected FILE:BUDGET")
+    return load_geometry_file(path), parse_size(budget_text)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:  # every spec checked before anything is synthesized or measured
+        specs = [geometry_spec(spec) for spec in args.geometry or GEOMETRIES]
+    except ColibriError as exc:
+        return refuse(TOOL, str(exc))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for spec in args.geometry or GEOMETRIES:
-        path, _, budget_text = spec.rpartition(":")
-        geometry = load_geometry_file(path)
-        budget = parse_size(budget_text)
+    for geometry, budget in specs:
         model_dir = Path(args.models) / f"unseen-{geometry['name']}"
         if not (model_dir / "config.json").is_file():
             synthesize(geometry, model_dir, progress=True)
@@ -124,16 +151,13 @@ def main(argv=None) -> int:
         base = table[key_of(BASELINE)]["decode_tok_s"]
         rows.append({"geometry": geometry["name"], "budget": format_size(budget), "tokens": tokens, "cycle": cycle,
                      "points": len(table), "baseline": base, **r})
-    print(f"\nsteady workload ({STEADY_PROMPTS} prompts, temperature {STEADY_TEMPERATURE}, top-p {STEADY_TOP_P}), cold, "
-          f"cgroup = budget, 1 repeat; tuner = GP as `colibri tune`, {args.seeds} seeds")
-    print("| geometry | budget | tokens/prompt | grid points | grid best tok/s | baseline | tuner pick (median / worst) "
-          "| evaluations | to reach 95% (median, seeds) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['geometry']} | {r['budget']} | {r['tokens']} | {r['points']} | {r['best']:.3g} | "
-              f"{r['baseline']:.3g} | {r['share_median']:.0%} / {r['share_worst']:.0%} | {r['evaluations']} | "
-              f"{r['reach95_median']} ({r['reach95_seeds']}) |")
-    atomic_write_text(out / "tuner_unseen.json", json.dumps({"rows": rows, "args": vars(args)}, indent=1) + "\n")
+    cond = run_conditions(args, workload=f"steady: {STEADY_PROMPTS} prompts, temperature {STEADY_TEMPERATURE}, "
+                                         f"top-p {STEADY_TOP_P}", cold=True, cgroup_limit="the budget", repeats=1,
+                          tuner=f"GP as `colibri tune`, {args.seeds} seeds")
+    doc = io.StringIO()
+    emit(TOOL, rows, cond, True, COLUMNS, out=doc)
+    atomic_write_text(out / "tuner_unseen.json", doc.getvalue())
+    emit(TOOL, rows, cond, args.json, COLUMNS)
     return 0
 
 
