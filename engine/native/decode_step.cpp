@@ -1,6 +1,6 @@
 // Every layer of one bf16 decode step in one call: for each layer, the attention half
 // (attention_kernels.h) then the fused MoE layer (moe_bf16.h), the hidden state handed from one to
-// the next in C++ buffers.
+// the next in C++ buffers (the loop: decode_step.h's run_step_layers, shared with decode_step_int.cpp).
 //
 // Why: with one native call per attention half and per MoE layer, a 16-layer step still made ~35
 // Python-level calls (two per layer, each with its checks, dispatch and a fresh [1, H] tensor);
@@ -21,12 +21,12 @@
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 
 #include <cstdint>
 #include <vector>
 
 #include "attention_kernels.h"
+#include "decode_step.h"
 #include "moe_bf16.h"
 
 namespace {
@@ -38,36 +38,20 @@ at::Tensor decode_layers_bf16(const at::Tensor& x_in, at::TensorList attention, 
                               int64_t kv_heads, double eps, int64_t k, bool norm, int64_t inter,
                               int64_t reduction, double threshold, bool renormalize) {
   const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "decode_layers_bf16: x must be [1, H]");
-  TORCH_CHECK(attention.size() % 9 == 0 && moe.size() % 3 == 0 && attention.size() / 9 == moe.size() / 3,
-              "decode_layers_bf16: 9 attention and 3 MoE tensors per layer");
-  const int64_t H = x.size(1), layers = (int64_t)moe.size() / 3;
+  const int64_t layers = step_layer_count(x, attention, moe, 9, "decode_layers_bf16"), H = x.size(1);
   const RoutingTrim trim{reduction, threshold, renormalize};
   std::vector<AttnLayer<Bf16Proj>> att(layers);
   std::vector<MoeLayer> mix(layers);
   for (int64_t l = 0; l < layers; l++) {  // every check before any layer runs
     const at::Tensor* a = &attention[9 * l];
     att[l] = attention_layer(H, a[0], a[1], a[2], a[3], a[5], a[6], a[7], a[8], heads, kv_heads, a[4]);
-    TORCH_CHECK(pos >= 0 && pos < att[l].ctx, "decode_layers_bf16: pos outside the cache");
-    TORCH_CHECK(cos.numel() == att[l].D && sin.numel() == att[l].D, "decode_layers_bf16: cos/sin must be [D]");
+    check_step_layer(att[l], pos, cos, sin, "decode_layers_bf16");
     mix[l] = moe_layer(H, moe[3 * l], moe[3 * l + 1], moe[3 * l + 2], k, inter, trim);
   }
-  static thread_local AttnScratch<Bf16Proj> attn_scratch;
   static thread_local MoeScratch moe_scratch;
-  static thread_local std::vector<bf16> mid;  // the hidden state between the halves
-  mid.resize(H);
-  at::Tensor y = at::empty({1, H}, x.options());
-  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
-  const bf16* cp = bf16_data(cos, "cos");
-  const bf16* sp = bf16_data(sin, "sin");
-  const bf16* in = bf16_data(x, "x");
-  for (int64_t l = 0; l < layers; l++) {
-    attention_rows(att[l], in, cp, sp, pos, (float)eps, attn_scratch, mid.data());
-    moe_rows(mix[l], mid.data(), (float)eps, k, norm, trim, moe_scratch, yp);
-    in = yp;  // moe_rows reads mid and writes y; the next attention reads y and writes mid
-  }
-  if (layers == 0) std::copy(in, in + H, yp);
-  return y;
+  return run_step_layers(x, att, cos, sin, pos, (float)eps, [&](int64_t l, const bf16* h, bf16* y) {
+    moe_rows(mix[l], h, (float)eps, k, norm, trim, moe_scratch, y);
+  });
 }
 
 }  // namespace

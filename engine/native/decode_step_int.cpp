@@ -1,7 +1,7 @@
 // Every layer of one decode step in one call for a container whose projections and routed experts
 // are all int8 or int4 group-wise (`--scope all`): per layer the attention half with quantized
 // projections (attention_int.h) then the fused int MoE layer (moe_int.h), the quantized twin of
-// decode_layers_bf16 (decode_step.cpp).
+// decode_layers_bf16 (decode_step.cpp), whose loop it shares (decode_step.h's run_step_layers).
 //
 // Why: with one native call per attention half and per MoE layer a step is still two
 // Python-level calls a layer, each with its checks, dispatch and a fresh [1, H] tensor, and the
@@ -20,12 +20,12 @@
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 
 #include <cstdint>
 #include <vector>
 
 #include "attention_int.h"
+#include "decode_step.h"
 #include "moe_int.h"
 
 COLIBRI_INT_TARGET_BEGIN
@@ -41,37 +41,20 @@ at::Tensor decode_layers_int(const at::Tensor& x_in, at::TensorList attention, a
                              int64_t kv_heads, double eps, int64_t k, bool norm, int64_t inter, int64_t attn_group,
                              int64_t moe_group, int64_t reduction, double threshold, bool renormalize) {
   const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "decode_layers_int: x must be [1, H]");
-  TORCH_CHECK(attention.size() % ATTENTION_TENSORS == 0 && moe.size() % 3 == 0 &&
-                  attention.size() / ATTENTION_TENSORS == moe.size() / 3,
-              "decode_layers_int: 15 attention and 3 MoE tensors per layer");
-  const int64_t H = x.size(1), layers = (int64_t)moe.size() / 3;
+  const int64_t layers = step_layer_count(x, attention, moe, ATTENTION_TENSORS, "decode_layers_int"), H = x.size(1);
   const RoutingTrim trim{reduction, threshold, renormalize};
   std::vector<AttnLayer<QuantProj>> att(layers);
   std::vector<MoeIntLayer> mix(layers);
   for (int64_t l = 0; l < layers; l++) {  // every check before any layer runs
     const at::Tensor* a = &attention[ATTENTION_TENSORS * l];
     att[l] = attention_layer_int(H, a[0], a[1], a[2], a + 3, attn_group, a[11], a[12], a[13], a[14], heads, kv_heads);
-    TORCH_CHECK(pos >= 0 && pos < att[l].ctx, "decode_layers_int: pos outside the cache");
-    TORCH_CHECK(cos.numel() == att[l].D && sin.numel() == att[l].D, "decode_layers_int: cos/sin must be [D]");
+    check_step_layer(att[l], pos, cos, sin, "decode_layers_int");
     mix[l] = moe_int_layer(H, moe[3 * l], moe[3 * l + 1], moe[3 * l + 2], k, inter, moe_group, trim);
   }
-  static thread_local AttnScratch<QuantProj> attn_scratch;
   static thread_local MoeIntScratch moe_scratch;
-  static thread_local std::vector<bf16> mid;  // the hidden state between the halves
-  mid.resize(H);
-  at::Tensor y = at::empty({1, H}, x.options());
-  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
-  const bf16* cp = bf16_data(cos, "cos");
-  const bf16* sp = bf16_data(sin, "sin");
-  const bf16* in = bf16_data(x, "x");
-  for (int64_t l = 0; l < layers; l++) {
-    attention_rows(att[l], in, cp, sp, pos, (float)eps, attn_scratch, mid.data());
-    moe_int_rows(mix[l], mid.data(), (float)eps, k, norm, trim, moe_scratch, yp);
-    in = yp;  // moe_int_rows reads mid and writes y; the next attention reads y and writes mid
-  }
-  if (layers == 0) std::copy(in, in + H, yp);
-  return y;
+  return run_step_layers(x, att, cos, sin, pos, (float)eps, [&](int64_t l, const bf16* h, bf16* y) {
+    moe_int_rows(mix[l], h, (float)eps, k, norm, trim, moe_scratch, y);
+  });
 }
 
 }  // namespace
