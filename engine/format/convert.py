@@ -240,21 +240,7 @@ def convert(src, dst, quant: str = "int4", group_size: int = 64, scope: str = "e
         conv = Converter(source, spec)
         shards = conv.shards()
         options = {**spec.config_entry(conv.fingerprint)}
-        kept = resume_state(tmp, options, progress)
-        tmp.mkdir(parents=True, exist_ok=True)
-        state = {"options": options, "shards": kept}
-        write_json_atomic(tmp / STATE_FILE, state)  # first: a .partial without it is not ours
-        written = []
-        for i, (name, items) in enumerate(shards.items(), 1):
-            if name in kept:
-                continue
-            part = tmp / (name + ".tmp")
-            conv.write_shard(part, items, progress=(lambda done, total, name=name, i=i: progress(
-                "shard", index=i, shards=len(shards), name=name, done=done, total=total)) if progress else None)
-            os.replace(part, tmp / name)
-            state["shards"][name] = file_sha256(tmp / name)
-            write_json_atomic(tmp / STATE_FILE, state)
-            written.append(name)
+        written = write_shards(tmp, shards, options, conv.write_shard, progress)
         _finish(conv, shards, tmp, spec)
         replace_directory(tmp, target)
     out = target.path
@@ -315,6 +301,30 @@ def resume_state(tmp: Path, options: dict, progress, source: str = "source") -> 
         if stray.name != STATE_FILE and stray.name not in kept:
             stray.unlink()
     return kept
+
+
+def write_shards(tmp: Path, shards: dict[str, list], options: dict, write_shard, progress,
+                 source: str = "source") -> list[str]:
+    """Write under `tmp` every shard an interrupted run with these options did not leave whole
+    (resume_state; `source` names what it was made from), each by `write_shard(path, items,
+    on_bytes)` into a .tmp renamed in, the state file rewritten after each, so a run stopped
+    anywhere resumes from its last whole shard. convert's and a GGUF import's; the names written."""
+    kept = resume_state(tmp, options, progress, source)
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {"options": options, "shards": kept}
+    write_json_atomic(tmp / STATE_FILE, state)  # first: a .partial without it is not ours
+    written = []
+    for i, (name, items) in enumerate(shards.items(), 1):
+        if name in kept:
+            continue
+        part = tmp / (name + ".tmp")
+        write_shard(part, items, (lambda done, total, name=name, i=i: progress(
+            "shard", index=i, shards=len(shards), name=name, done=done, total=total)) if progress else None)
+        os.replace(part, tmp / name)
+        state["shards"][name] = file_sha256(tmp / name)
+        write_json_atomic(tmp / STATE_FILE, state)
+        written.append(name)
+    return written
 
 
 def _finish(conv: Converter, shards: dict[str, list[Item]], tmp: Path, spec: QuantSpec) -> None:

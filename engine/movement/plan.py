@@ -291,17 +291,9 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
         return MemoryPlan(budget, False, dense, kv, 0, overhead_bytes, routed * expert, 0, expert, disk_expert,
                           routed, inflight, prefill_bytes=prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype),
                           prefill_group=group, prefix_cache_bytes=prefix, draft_bytes=drafting)
-    group = prefill_group_for(args, config, dtype,
-                              budget - (dense + kv + buffers + overhead_bytes + transients + prefix + drafting), kv_dtype)
-    prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype)
-    fixed = dense + kv + buffers + overhead_bytes + prefill + prefix + drafting
-    if fixed > budget:
-        raise BudgetError(
-            f"memory budget {format_size(budget)} is too small: dense weights {format_size(dense)} + KV cache "
-            f"at ctx_size {config.ctx_size} {format_size(kv)} + read buffers {format_size(buffers)} + runtime "
-            f"{format_size(overhead_bytes)} + prefill activations ({group}-token groups) {format_size(prefill)} "
-            f"+ prefix cache {format_size(prefix)} + drafting {format_size(drafting)} = {format_size(fixed)} "
-            "before any expert cache")
+    group, prefill, fixed = _fixed_bytes(args, config, dtype, kv_dtype, ("dense weights", dense), kv,
+                                         ("read buffers", buffers), overhead_bytes, transients, prefix, drafting,
+                                         after=" before any expert cache")
     # Whole entries only, so the cache's byte capacity is exactly its slots.
     cache = min(int((budget - fixed) * config.cpu_cache_ratio) // entry, routed) * entry
     gpu_cache = 0
@@ -312,6 +304,28 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     return MemoryPlan(budget, True, dense, kv, buffers, overhead_bytes, cache, gpu_cache, expert, disk_expert,
                       routed, inflight, slot_bytes=slot, arena_slots=arena, cache_entry_bytes=entry,
                       prefill_bytes=prefill, prefill_group=group, prefix_cache_bytes=prefix, draft_bytes=drafting)
+
+
+def _fixed_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, kv_dtype, weights: tuple[str, int],
+                 kv: int, buffers: tuple[str, int], overhead: int, transients: int, prefix: int, drafting: int,
+                 after: str = "") -> tuple[int, int, int]:
+    """(prefill group, its activations' bytes, the fixed bytes) of a plan: everything the budget holds
+    before a cache (the MoE plan's experts, the dense plan's resident layers), the group the largest
+    whose activations fit beside the rest. A budget below it is one BudgetError naming each part
+    (`weights` and `buffers` as (label, bytes): what each plan calls them)."""
+    budget = config.ram_budget
+    (weights_label, weight_bytes), (buffers_label, buffer_bytes) = weights, buffers
+    group = prefill_group_for(args, config, dtype, budget - (weight_bytes + kv + buffer_bytes + overhead + transients
+                                                             + prefix + drafting), kv_dtype)
+    prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype)
+    fixed = weight_bytes + kv + buffer_bytes + overhead + prefill + prefix + drafting
+    if fixed > budget:
+        raise BudgetError(
+            f"memory budget {format_size(budget)} is too small: {weights_label} {format_size(weight_bytes)} + KV "
+            f"cache at ctx_size {config.ctx_size} {format_size(kv)} + {buffers_label} {format_size(buffer_bytes)} + "
+            f"runtime {format_size(overhead)} + prefill activations ({group}-token groups) {format_size(prefill)} + "
+            f"prefix cache {format_size(prefix)} + drafting {format_size(drafting)} = {format_size(fixed)}{after}")
+    return group, prefill, fixed
 
 
 # (id(ckpt), id(args), quant, dtype) → (ckpt, args, bytes): the cost model plans thousands of
@@ -355,17 +369,9 @@ def _dense_plan(ckpt, args, config, dtype, kv, overhead, transients, prefix, dra
     # In flight: the layer being computed and `prefetch_depth` ahead, each as read + converted.
     buffers = (1 + config.prefetch_depth) * (layer_disk + ALIGN_SLACK + (layer_bytes if layer_bytes != layer_disk else 0))
     budget = config.ram_budget
-    group = prefill_group_for(args, config, dtype,
-                              budget - (base + kv + buffers + overhead + transients + prefix + drafting), kv_dtype)
-    prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype)
-    fixed = base + kv + buffers + overhead + prefill + prefix + drafting
-    if fixed > budget:
-        raise BudgetError(
-            f"memory budget {format_size(budget)} is too small: dense weights outside the layers {format_size(base)} "
-            f"+ KV cache at ctx_size {config.ctx_size} {format_size(kv)} + read buffers (layer streaming) "
-            f"{format_size(buffers)} + runtime {format_size(overhead)} + prefill activations ({group}-token groups) "
-            f"{format_size(prefill)} + prefix cache {format_size(prefix)} + drafting {format_size(drafting)} "
-            f"= {format_size(fixed)}")
+    group, prefill, fixed = _fixed_bytes(args, config, dtype, kv_dtype, ("dense weights outside the layers", base), kv,
+                                         ("read buffers (layer streaming)", buffers), overhead, transients, prefix,
+                                         drafting)
     resident = min(args.num_layers, int((budget - fixed) * config.cpu_cache_ratio) // max(layer_bytes, 1))
     return MemoryPlan(budget, resident < args.num_layers, base + resident * layer_bytes, kv,
                       buffers if resident < args.num_layers else 0, overhead, 0, 0, 0, 0, 0, 0,

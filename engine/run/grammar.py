@@ -62,14 +62,8 @@ def json_grammar(schema: dict | None = None) -> str:
         schema = ANY_OBJECT
     if not isinstance(schema, dict):
         raise GrammarError("the schema must be a JSON object")
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except ValueError as exc:
-        raise GrammarError(f"cannot compile the schema: {_one_line(exc)}") from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
-    if is_error:
-        raise GrammarError(f"cannot compile the schema: {_one_line(messages[0] if messages else 'unknown error')}")
-    return grammar
+    return _compiled(lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS),
+                     "schema")
 
 
 def json_lark(schema: dict) -> str:
@@ -84,13 +78,20 @@ def lark_grammar(text: str) -> str:
     """The llguidance grammar of a lark text (llguidance's dialect: `%json`, special tokens as
     `<[id]>`, lazy lexemes), checked as json_grammar checks a schema."""
     import llguidance
+    return _compiled(lambda: llguidance.LLMatcher.grammar_from_lark(text), "grammar")
+
+
+def _compiled(make, what: str) -> str:
+    """The grammar `make()` compiles, validated by llguidance; a failure of either is one
+    GrammarError "cannot compile the <what>: ..." (json_grammar's schema, lark_grammar's text)."""
+    import llguidance
     try:
-        grammar = llguidance.LLMatcher.grammar_from_lark(text)
+        grammar = make()
     except ValueError as exc:
-        raise GrammarError(f"cannot compile the grammar: {_one_line(exc)}") from None
+        raise GrammarError(f"cannot compile the {what}: {_one_line(exc)}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
     if is_error:
-        raise GrammarError(f"cannot compile the grammar: {_one_line(messages[0] if messages else 'unknown error')}")
+        raise GrammarError(f"cannot compile the {what}: {_one_line(messages[0] if messages else 'unknown error')}")
     return grammar
 
 

@@ -73,10 +73,7 @@ def read_prompts(path: str | Path, default_max_new_tokens: int) -> list[tuple[st
 def read_turns(path: str | Path, default_max_new_tokens: int) -> list[Turn]:
     """Every request of the file, in order, with its conversation (JSON Lines only)."""
     where = f"--prompts {path}"
-    text = read_text_input(path, "prompts file", PromptError, limit=MAX_FILE_BYTES)
-    lines = split_lines(text)
-    if not lines:
-        raise PromptError(f"{where}: no prompt in the file")
+    lines = request_file_lines(path, where, "prompts file", "prompt")
     if len(lines) > MAX_REQUESTS:
         raise PromptError(f"{where}: {len(lines)} prompts, at most {MAX_REQUESTS}")
     if not lines[0][1].lstrip().startswith("{"):
@@ -85,6 +82,15 @@ def read_turns(path: str | Path, default_max_new_tokens: int) -> list[Turn]:
     turns = [_json_request(f"{where} line {i}", obj, default_max_new_tokens) for (i, _), obj in zip(lines, objs)]
     _check_conversations(where, [i for i, _ in lines], turns)
     return turns
+
+
+def request_file_lines(path: str | Path, where: str, what: str, noun: str) -> list[tuple[int, str]]:
+    """The non-blank (number, line) pairs of a requests file (--prompts, request_trace.py's --trace):
+    read as untrusted input of at most MAX_FILE_BYTES, or one PromptError when it holds no line."""
+    lines = split_lines(read_text_input(path, what, PromptError, limit=MAX_FILE_BYTES))
+    if not lines:
+        raise PromptError(f"{where}: no {noun} in the file")
+    return lines
 
 
 def _json_request(at: str, obj, default_max_new_tokens: int) -> Turn:

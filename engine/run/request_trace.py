@@ -35,12 +35,9 @@ from pathlib import Path
 
 from engine.base.durable import atomic_write_text
 from engine.base.errors import PromptError
-from engine.base.inputs import read_text_input
-from engine.base.jsonlimits import loads_limited, split_lines
-from engine.run.prompts_file import MAX_NEW_TOKENS
+from engine.base.jsonlimits import loads_limited
+from engine.run.prompts_file import MAX_FILE_BYTES, MAX_NEW_TOKENS, MAX_REQUESTS, request_file_lines
 
-MAX_FILE_BYTES = 16 << 20
-MAX_REQUESTS = 4096
 MAX_N = 128  # serve's own bound on OpenAI's n (colibri/serve/protocol.py)
 MAX_AT_SECONDS = 86400.0  # a day: a later arrival is a typo, not a trace (the replay would wait for it)
 MAX_PROMPT_IDS = 1 << 20  # ids in one prompt_ids list; ctx_size refuses far fewer at replay
@@ -80,10 +77,7 @@ class TraceRequest:
 def read_trace(path: str | Path) -> list[TraceLine]:
     """Every request of the file, checked (module docstring), in file order."""
     where = f"--trace {path}"
-    text = read_text_input(path, "request trace", PromptError, limit=MAX_FILE_BYTES)
-    lines = split_lines(text)
-    if not lines:
-        raise PromptError(f"{where}: no request in the file")
+    lines = request_file_lines(path, where, "request trace", "request")
     if len(lines) > MAX_REQUESTS:
         raise PromptError(f"{where}:{lines[MAX_REQUESTS][0]}: more than {MAX_REQUESTS} requests")
     out: list[TraceLine] = []

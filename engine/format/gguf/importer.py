@@ -26,8 +26,7 @@ import torch
 from engine.base.durable import DirectoryLock
 from engine.base.errors import UnsupportedModelError
 from engine.base.output_target import DirectoryTarget, check_not_source, directory_target, replace_directory, stamped
-from engine.format.convert import (GGUF_SOURCE_KEY, STATE_FILE, convert, convert_output_recogniser, file_sha256,
-                                   resume_state)
+from engine.format.convert import GGUF_SOURCE_KEY, STATE_FILE, convert, convert_output_recogniser, write_shards
 from engine.format.gguf.items import Item, Plan
 from engine.format.gguf.reader import GGUFModel
 from engine.format.gguf.tensors import build_plan
@@ -112,21 +111,7 @@ def _import(src, target: DirectoryTarget, tmp: Path, progress, max_shard_bytes: 
               "fingerprint": fingerprint(m),
               "types": dict(sorted(Counter(t.type_name for t in m.tensors.values()).items()))}
     options = {"source": source, "max_shard_bytes": max_shard_bytes}
-    kept = resume_state(tmp, options, progress, source="GGUF")
-    tmp.mkdir(parents=True, exist_ok=True)
-    state = {"options": options, "shards": kept}
-    write_json_atomic(tmp / STATE_FILE, state)  # first: a .partial without it is not ours
-    written = []
-    for i, (name, items) in enumerate(shards.items(), 1):
-        if name in kept:
-            continue
-        part = tmp / (name + ".tmp")
-        _write_shard(part, items, (lambda done, total, name=name, i=i: progress(
-            "shard", index=i, shards=len(shards), name=name, done=done, total=total)) if progress else None)
-        os.replace(part, tmp / name)
-        state["shards"][name] = file_sha256(tmp / name)
-        write_json_atomic(tmp / STATE_FILE, state)
-        written.append(name)
+    written = write_shards(tmp, shards, options, _write_shard, progress, source="GGUF")
     _finish(tmp, plan, shards, source, tokenizer)
     replace_directory(tmp, target)
     dst = target.path
