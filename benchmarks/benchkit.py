@@ -16,6 +16,8 @@
 - `spread(values)`: the median and its min-max, the way every headline figure is quoted.
 - `add_run_flags(parser, budget=..., tokens=...)`: the measurement flags every tool spells alike.
 - `add_output_flags(parser)`: `--json` (the one document) and `--lock FILE` (bench_lock per step).
+- `child_json(tool, argv, budget, timeout, what, cwd)`: a tool's child half (this script with --child)
+  run in a memory cgroup at the budget, its last stdout line the JSON it reports.
 - `table_rows(lines, **tags)` and `Tables`: for a tool whose text product is the markdown tables it
   already builds line by line: the same rows, keyed by the table's header, become the JSON rows.
 """
@@ -214,6 +216,20 @@ class Tables:
     def done(self, tool: str, cond: dict) -> None:
         if self.as_json:
             emit(tool, self.rows, cond, True, [], notes=self.notes)
+
+
+def child_json(tool: str, argv: list[str], budget: str, timeout: float, what: str, cwd) -> dict:
+    """Run a tool's child half (argv: the script with --child and its flags) in a memory cgroup at
+    `budget` ("0": no limit), and return the JSON of its last stdout line with `cgroup` (whether the
+    limit held it) added. A failed child stops the run: one line naming `what` and the child's error."""
+    from engine.api import parse_size
+    from tuner.sandbox import run_limited
+    res = run_limited(argv, parse_size(budget) or None, timeout=timeout, cwd=cwd)
+    if res.returncode != 0:
+        raise SystemExit(f"{tool}: child failed ({what}, oom={res.oom_killed}): {res.stderr.strip()[-600:]}")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out["cgroup"] = res.limited
+    return out
 
 
 def cold_read_bandwidth(model: str, request: int, threads: int, total: int) -> float:

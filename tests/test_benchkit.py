@@ -3,6 +3,7 @@
 import fcntl
 import io
 import json
+import sys
 
 import pytest
 
@@ -65,3 +66,14 @@ def test_run_conditions_carry_the_runs_flags_but_not_how_it_prints():
     cond = benchkit.run_conditions(args, cpu_capability="AVX512")
     assert (cond["model"], cond["tokens"], cond["rounds"], cond["cpu_capability"]) == (["demo"], 32, 3, "AVX512")
     assert "json" not in cond and "child" not in cond and cond["commit"]
+
+
+def test_child_json_is_the_childs_last_line_and_a_failed_child_one_line(tmp_path):
+    """The child halves of batch_decode.py and draft_decode.py: the JSON of the last stdout line,
+    with whether a cgroup held the child; a child that fails stops the run naming what it ran."""
+    out = benchkit.child_json("tool", [sys.executable, "-c", "print('progress'); print('{\"tok_s\": 2.5}')"], "0",
+                              60, "B=4", tmp_path)
+    assert out["tok_s"] == 2.5 and out["cgroup"] is False  # budget "0": no limit
+    with pytest.raises(SystemExit) as exc:
+        benchkit.child_json("tool", [sys.executable, "-c", "import sys; sys.exit('boom')"], "0", 60, "B=8", tmp_path)
+    assert str(exc.value) == "tool: child failed (B=8, oom=False): boom"

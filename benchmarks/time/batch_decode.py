@@ -123,19 +123,12 @@ def child(a) -> dict:
 
 
 def run_child(a, B: int, round_: int) -> dict:
-    from engine.api import parse_size
-    from tuner.sandbox import run_limited
-    limit = parse_size(a.budget) or None
+    from benchmarks.benchkit import child_json
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", a.model, "--b", str(B),
             "--round", str(round_), "--ctx", str(a.tokens + 64), "--budget", a.budget, "--threads", str(a.threads),
             "--tokens", str(a.tokens), "--seed", str(a.seed)]
     print(f"{TOOL}: B={B} round {round_ + 1} budget={a.budget} ...", file=sys.stderr, flush=True)
-    res = run_limited(argv, limit, timeout=a.timeout, cwd=REPO)
-    if res.returncode != 0:
-        raise SystemExit(f"{TOOL}: child failed (B={B}, oom={res.oom_killed}): {res.stderr.strip()[-600:]}")
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    out["cgroup"] = res.limited
-    return out
+    return child_json(TOOL, argv, a.budget, a.timeout, f"B={B}", REPO)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,19 +122,12 @@ def child(a) -> dict:
 
 
 def run_child(a, workload: str, mode: str, round_: int) -> dict:
-    from engine.api import parse_size
-    from tuner.sandbox import run_limited
-    limit = parse_size(a.budget) or None
+    from benchmarks.benchkit import child_json
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", a.model, "--workload", workload,
             "--mode", mode, "--ctx", str(a.ctx), "--budget", a.budget, "--threads", str(a.threads),
             "--tokens", str(a.tokens), "--depths", a.depths, "--drafter", a.drafter, "--seed", str(a.seed)]
     print(f"{TOOL}: {workload} {mode} round {round_ + 1} budget={a.budget} ...", file=sys.stderr, flush=True)
-    res = run_limited(argv, limit, timeout=a.timeout, cwd=REPO)
-    if res.returncode != 0:
-        raise SystemExit(f"{TOOL}: child failed ({workload} {mode}, oom={res.oom_killed}): {res.stderr.strip()[-600:]}")
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    out["cgroup"] = res.limited
-    return out
+    return child_json(TOOL, argv, a.budget, a.timeout, f"{workload} {mode}", REPO)
 
 
 def main(argv: list[str] | None = None) -> int:
