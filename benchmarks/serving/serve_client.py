@@ -116,7 +116,7 @@ class ServerProcess:
         self.cgroup_note = ("own child cgroup, ceiling " + args.cgroup_ceiling) if self.cgroup else support.reason
         cmd = [sys.executable, "-m", "colibri.cli", "serve", "--model", args.model, "--port", str(port),
                "--model-name", "bench", *(["--config", args.config] if args.config else []),
-               *(["--ram-budget", args.ram_budget] if args.ram_budget else []), *flags]
+               *(["--ram-budget", args.ram_budget] if args.ram_budget else []), *flags, *args.serve_arg]
         # The log goes to a file: a pipe nobody reads would block the server once it filled.
         self.log = tempfile.TemporaryFile(mode="w+")
         procs = str(self.cgroup.procs_file) if self.cgroup else None
@@ -362,7 +362,7 @@ def arrivals(args) -> dict:
              if together["ttft_p95_s"] is not None and lone["ttft_p95_s"] else None)
     conditions = (f"model {args.model}, config {args.config or 'defaults'}"
                   f"{', ram_budget ' + args.ram_budget if args.ram_budget else ''}, serve --max-batch "
-                  f"{args.max_batch or n} --prefix-cache 0, prompts of {args.prompt_tokens} token ids (one per "
+                  f"{args.max_batch or n} --prefix-cache 0{''.join(' ' + a for a in args.serve_arg)}, prompts of {args.prompt_tokens} token ids (one per "
                   f"arrival slot, the same every round), {args.tokens} tokens greedy, streamed through /v1/completions, "
                   f"{args.rounds} rounds of lone + {n} simultaneous (alternating which first), "
                   f"{'cold: a fresh server per measurement, the model pages dropped' if args.cold else 'resident: one warmed server'}"
@@ -514,7 +514,7 @@ def soak(args) -> dict:
     finally:
         server.stop()
     doc = {"tool": TOOL, "model": args.model, "config": args.config, "ram_budget": args.ram_budget,
-           "max_batch": args.max_batch, "trace": args.trace, "trace_gap_s": args.trace_gap if lines else None,
+           "max_batch": args.max_batch, "serve_args": args.serve_arg, "trace": args.trace, "trace_gap_s": args.trace_gap if lines else None,
            "tokens_per_request": None if lines else args.tokens, "temperature": args.temperature,
            "minutes": args.soak, "every_s": args.every, "rss_margin_mib": args.rss_margin, "commit": git_commit(),
            "cgroup": server.cgroup_note, "server_up_s": round(server.up_seconds, 1), "errors": errors,
@@ -682,6 +682,8 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=0.8, help="soak: sampling temperature (0: greedy)")
     p.add_argument("--rss-margin", type=float, default=RSS_MARGIN_MIB,
                    help=f"soak: MiB the settled RSS may span and still be flat (default {RSS_MARGIN_MIB:g})")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for `colibri serve` (repeatable), e.g. --serve-arg=--prefix-cache=0")
     p.add_argument("--port", type=int, default=8781)
     p.add_argument("--cgroup-ceiling", default="6GiB", help="the server cgroup's limit: a guard, not the budget "
                                                             "(give the budget itself to measure under it)")
