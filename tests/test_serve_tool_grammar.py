@@ -4,7 +4,9 @@ added tokens (as the real vocabularies hold them): with tool_choice required or 
 answer over many seeded samples at temperature 1 is calls that parse and whose arguments validate
 (jsonschema), streamed and whole alike; auto with strict functions constrains a call once it opens
 (a logit bias on the opening marker makes the random model open one); a schema the grammar engine
-cannot compile is a 400 naming the construct. The grammars themselves: tests/test_tool_grammar.py."""
+cannot compile is a 400 naming the construct; the log-probs of a calling answer, whole and streamed,
+are the model's own softmax over every token it wrote (markers included), recomputed here through a
+second engine. The grammars themselves: tests/test_tool_grammar.py."""
 
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ import anthropic
 import jsonschema
 import openai
 import pytest
+import torch
 
 from engine.api import load_tokenizer
+from engine.base.config import EngineConfig
+from engine.run.runtime import Engine
 
 from colibri_tiny import make_tiny
 from colibri_tool_models import FAMILIES, family_model
-from test_serve import Server
+from test_serve import CTX, Server
 
 SEEDS = range(6)
 MAX_TOKENS = 400  # far above what the bounded schemas need: an answer that ends "length" is a failure
@@ -201,3 +206,51 @@ def test_an_unseeded_answer_with_tools_names_its_seed_and_replays(family_server)
     again = client.chat.completions.create(**kw, seed=seed)
     assert [(c.function.name, c.function.arguments) for c in again.choices[0].message.tool_calls] == \
         [(c.function.name, c.function.arguments) for c in first.choices[0].message.tool_calls]
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny):
+    """A second engine on the tiny model's weights (every family's copy has the same): the test's own logits."""
+    with Engine(tiny, EngineConfig(ctx_size=CTX, threads=1)) as engine:
+        yield engine
+
+
+def test_logprobs_of_a_calling_answer_are_the_models_softmax(family_server, oracle):
+    """logprobs with tools: one entry per generated token of the call (its markers and syntax too),
+    each the log-softmax of the model's raw logits after the prompt and the tokens before it (the
+    grammar's mask and temperature 1 change what is drawn, not what is reported), with the top
+    alternatives; streamed, the same entries across the chunks, none twice."""
+    family, _model, server = family_server
+    state = server.state
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=MAX_TOKENS, temperature=1, seed=4, logprobs=True, top_logprobs=3)
+    whole = server.client().chat.completions.create(**kw)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    name = whole.choices[0].message.tool_calls[0].function.name
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens > 5
+    written = b"".join(bytes(c.bytes) for c in content).decode("utf-8")
+    assert name in written, (family, written)
+    ids_of: dict[bytes, list[int]] = {}
+    for i in range(oracle.args.vocab_size):
+        ids_of.setdefault(state.token_text.get(i)[0], []).append(i)
+    prompt = state.template.render(ASK, add_generation_prompt=True, tools=TOOLS)
+    ids = state.tokenizer.encode(prompt, add_special_tokens=False).ids
+    assert len(ids) == whole.usage.prompt_tokens
+    for c in content:
+        lp = torch.log_softmax(oracle.forward(ids, 0, last_only=True)[-1].float(), dim=-1)
+        drawn = [i for i in ids_of[bytes(c.bytes)] if abs(float(lp[i]) - c.logprob) < 1e-4]
+        assert drawn, (family, c.token, c.logprob)
+        top = torch.topk(lp, 3)
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert [bytes(t.bytes) for t in c.top_logprobs] == [state.token_text.get(i)[0] for i in top.indices.tolist()]
+        ids.append(drawn[0])
+
+    chunks = list(server.client().chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in content]
+    assert chunks[-1].usage.completion_tokens == len(streamed)
+    # entries ride on the chunks that carry the call (its head, its arguments) and the finish chunk
+    carriers = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert all(c.delta.tool_calls or c.finish_reason for c in carriers), family
