@@ -1,5 +1,6 @@
 """benchmarks/ by question: every script starts from a clean clone by its documented command
-(`python benchmarks/<question>/<script>.py`), with no PYTHONPATH, from any working directory."""
+(`python benchmarks/<question>/<script>.py`), with no PYTHONPATH, from any working directory; the
+structured-output benchmark (serving/grammar_overhead.py decode) runs end to end and prints its table."""
 
 import os
 import subprocess
