@@ -33,7 +33,9 @@ layer and head norm) and predicts token j+2; loss = next-token loss + lambda (--
 the MTP module's, whose gradient also reaches the main model. Saved as GLM-4.5 / DeepSeek-V3 publish
 it, layer num_hidden_layers with num_nextn_predict_layers 1 (engine/arch/mtp.py), which the engine's
 MTP drafter loads. Default 300 steps (a few minutes of one core); also prints the MTP module's
-held-out top-1 accuracy on the token after next. tests/test_train_reference_mtp.py checks that the
+held-out top-1 accuracy on the token after next. A short run's main model falls into greedy loops
+(repeated newlines) on long prompts, which an MTP module trained on real text does not predict;
+`--steps 700` (the qwen3_moe default) loops less, and its MTP drafts are accepted far more often. tests/test_train_reference_mtp.py checks that the
 engine computes what this trains.
 """
 
@@ -249,7 +251,8 @@ class Reference(torch.nn.Module):
         a, m = self.args, self.mtp
         e = torch.nn.functional.embedding(next_tokens, self.embed)
         e = torch.cat([torch.zeros_like(e[:, :1]), e[:, 1:]], dim=1)  # position 0: no previous state
-        x = torch.cat([rms_norm(e, m.enorm, a.rms_norm_eps), rms_norm(hidden, m.hnorm, a.rms_norm_eps)], -1) @ m.eh_proj.T
+        x = torch.cat([rms_norm(e, m.enorm, a.rms_norm_eps), rms_norm(hidden, m.hnorm, a.rms_norm_eps)], -1)  # [B, T, 2H]
+        x = x @ m.eh_proj.T
         x, aux = self._block(m, x, *self._rope(next_tokens.shape[1]))
         return rms_norm(x, m.head_norm, a.rms_norm_eps) @ self.lm_head.T, aux
 
@@ -405,7 +408,8 @@ def main() -> None:
         if step % 25 == 0 or step == steps:
             el = time.perf_counter() - t_train
             mtp_part = f"  mtp {mtp_loss.item():.3f}" if logits_mtp is not None else ""
-            log(f"step {step}/{steps}  loss {loss.item():.3f}{mtp_part}  aux {float(aux.detach()):.3f}  {el:.0f} s wall, "
+            log(f"step {step}/{steps}  loss {loss.item():.3f}{mtp_part}  aux {float(aux.detach()):.3f}  "
+                f"{el:.0f} s wall, "
                 f"{time.process_time() - cpu_train:.0f} s CPU  ({step * a.batch * a.seq / el:.0f} tok/s)")
     train_s, train_cpu = time.perf_counter() - t_train, time.process_time() - cpu_train
     held_eval = perplexity(model, held_ids, 256, a.eval_tokens)

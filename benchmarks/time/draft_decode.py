@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.benchkit import add_output_flags, add_run_flags
     ap.add_argument("--model", required=True, help="a model directory")
     add_run_flags(ap, budget="0", tokens=96, threads=2)  # budget 0: resident, warm
-    ap.add_argument("--depths", default="2,4,8", help="forced depths (default 2,4,8); the gate's maximum is the largest")
+    ap.add_argument("--depths", default="2,4,8",
+                    help="forced depths (default 2,4,8); the gate's maximum is the largest")
     ap.add_argument("--drafter", default="lookup",
                     help="drafters, comma-separated: lookup, mtp, auto (default lookup); each gets its own rows")
     ap.add_argument("--workloads", default="copy,edit,code,free", help="copy, edit, code, free (default all four)")
