@@ -1,6 +1,7 @@
 """The batch scheduler (engine/run/batch.py): sequences admitted at step boundaries into a pool of KV
-caches, prompts prefilled one group per step between decode steps, the running ones decoded
-together; each sequence's tokens those of generate() alone. Tiny generated models of every
+caches, prompts prefilled one group per step between decode steps (several prompts' groups in one
+pass while they fit one group), the running ones decoded together; each sequence's tokens those of
+generate() alone. Tiny generated models of every
 architecture; steps are counted, never timed.
 """
 
@@ -89,6 +90,48 @@ def test_a_cancelled_sequence_leaves_at_once_and_the_others_are_unchanged(hf_dir
         assert seqs[1].decoding.gen.output_ids == solo[1][:3]
         sched.run()
         assert [s.decoding.gen.output_ids for s in (seqs[0], seqs[2])] == [solo[0], solo[2]]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_prompts_that_arrive_together_are_prefilled_in_one_pass_with_their_solo_tokens(hf_dirs, arch):
+    """Three prompts (9, 4, 13 tokens) submitted at one step with groups of 16: the first two fit one
+    group together and get their first tokens at step 0 from one pass (each expert fetched once per
+    layer for both), the third (9 + 4 + 13 > 16) at step 1; every answer is generate()'s alone."""
+    with Engine(hf_dirs(arch), _config(prefill_chunk=16)) as engine:
+        solo = [generate(engine, p, n, Sampler()).output_ids for p, n in zip(PROMPTS, NEW)]
+        sched = Scheduler(engine)
+        seqs = [_seq(engine, p, n) for p, n in zip(PROMPTS, NEW)]
+        for s in seqs:
+            sched.submit(s)
+        infos = [sched.step()]
+        assert infos[0].prefill_tokens == 9 + 4
+        assert [s.state for s in seqs] == ["decode", "decode", "prefill"]
+        infos.append(sched.step())
+        assert infos[1].prefill_tokens == 13 and infos[1].rows == 2
+        sched.run()
+        assert [s.decoding.gen.output_ids for s in seqs] == solo
+
+
+def test_a_joint_prefill_pass_fetches_each_expert_once_for_its_parts_and_gives_their_own_logits(hf_dirs):
+    """Engine.prefill_parts over two prompts: each part's last logits are its own prefill_into's
+    (fp32, within rounding: an expert's matmul has the other part's rows beside its own) and the
+    store hands out each (layer, expert) once for both, fewer than the two passes alone."""
+    with Engine(hf_dirs("qwen3_moe"), _config(prefill_chunk=16)) as engine:
+        alone, fetched_alone = [], 0
+        for p in PROMPTS[:2]:
+            kv, before = engine.new_cache(), engine.experts.fetched
+            alone.append(engine.prefill_into(kv, p, 0))
+            fetched_alone += engine.experts.fetched - before
+        kvs, before = [engine.new_cache(), engine.new_cache()], engine.experts.fetched
+        engine.model.record_routing()
+        joint = engine.prefill_parts([(kv, p, 0) for kv, p in zip(kvs, PROMPTS[:2])])
+        log = engine.model.routing_log
+        union = sum(len({e for ids in calls for e in ids.flatten().tolist()}) for calls in log)  # per layer
+        engine.model.record_routing(False)
+        assert engine.experts.fetched - before == union < fetched_alone
+        for a, j in zip(alone, joint):
+            torch.testing.assert_close(j, a, rtol=1e-5, atol=1e-5)
+            assert int(j.argmax()) == int(a.argmax())
 
 
 def test_admission_waits_while_max_batch_sequences_run(hf_dirs):

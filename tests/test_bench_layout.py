@@ -1,5 +1,6 @@
 """benchmarks/ by question: every script starts from a clean clone by its documented command
-(`python benchmarks/<question>/<script>.py`), with no PYTHONPATH, from any working directory."""
+(`python benchmarks/<question>/<script>.py`), with no PYTHONPATH, from any working directory; the
+structured-output benchmark (serving/grammar_overhead.py decode) runs end to end and prints its table."""
 
 import os
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Modules of other scripts, not commands of their own.
-HELPERS = {"benchkit.py", "trees.py", "io/io_jobs.py", "io/page_cache.py", "peers/peers_quality.py",
+HELPERS = {"benchkit.py", "trees.py", "io/io_jobs.py", "io/page_cache.py", "peers/peers_quality.py", "serving/serve_load.py",
            "peers/peers_report.py"}
 SCRIPTS = sorted(p.relative_to(ROOT / "benchmarks").as_posix() for p in (ROOT / "benchmarks").rglob("*.py")
                  if "__pycache__" not in p.parts)
@@ -34,3 +35,22 @@ def test_every_script_answers_help_from_a_clean_start(script, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "usage" in run.stdout.lower()
+
+
+@pytest.mark.slow
+def test_grammar_overhead_decode_prints_its_table_under_its_conditions(tmp_path):
+    """The structured-output benchmark end to end on the tiny preset (synthesized on first use, as demo
+    is), from another directory without PYTHONPATH: each budget in its own process, one row each, the
+    compile figures above and the conditions line first. Figures are not checked: the box is shared."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving" / "grammar_overhead.py"), "decode",
+                          "--model", "tiny", "--budget", "0", "--tokens", "3", "--repeats", "1"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert "commit" in lines[0] and "io_mode direct" in lines[0] and "tokens 3" in lines[0]
+    assert any(line.startswith("schema compile ms") for line in lines)
+    assert any(line.startswith("tool-call grammar compile ms") and "hermes" in line for line in lines)
+    header = next(line for line in lines if line.startswith("| setting"))
+    assert "decode tok/s, free" in header and "decode tok/s, JSON schema" in header
+    assert [line.split("|")[1].strip() for line in lines if line.startswith("| resident")] == ["resident"]

@@ -1,6 +1,6 @@
 """`colibri serve` with continuous batching (issue 39): requests decoded together up to --max-batch,
-`n` > 1 choices (each its own seed, reproducible), the batch's /metrics and log line, and a bounded
-loopback load of official `openai` clients with no error but the expected 503s and flat memory.
+`n` > 1 choices (each its own seed, reproducible; under a JSON schema, each sequence of the batched
+step held to it by its own grammar), the batch's /metrics and log line, and a bounded loopback load of official `openai` clients with no error but the expected 503s and flat memory.
 The engine-side scheduler's own tests: tests/test_batch.py."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import threading
 import time
 
 import httpx
+import json
+import jsonschema
 import openai
 import psutil
 import pytest
@@ -22,6 +24,7 @@ from colibri.serve.worker import Job
 
 from colibri_tiny import make_tiny
 from test_serve import CTX, MiB, Server
+from test_serve_grammar import NESTED
 
 EOS = 256  # the tiny preset's end-of-sequence id
 BATCH = 3
@@ -81,6 +84,23 @@ def test_streamed_n_choices_carry_their_index_and_match_the_whole_answer(server)
     assert [text[0], text[1]] == [c.message.content for c in whole.choices]
     assert finishes == {c.index: c.finish_reason for c in whole.choices}
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_json_schema_choices_decode_together_each_under_its_own_grammar(server):
+    """The mask on the batched decode path: n = 3 sequences of one step, each with its own grammar
+    state, every choice a document of the schema and the one a request with seed + i alone gets."""
+    client = server.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": NESTED, "strict": True}}
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "JSON?"}], max_tokens=600, temperature=1,
+               response_format=fmt)
+    out = client.chat.completions.create(**ask, seed=21, n=BATCH)
+    assert [c.finish_reason for c in out.choices] == ["stop"] * BATCH
+    texts = [c.message.content for c in out.choices]
+    for text in texts:
+        jsonschema.validate(json.loads(text), NESTED)
+    assert len(set(texts)) > 1
+    assert [client.chat.completions.create(**ask, seed=21 + i).choices[0].message.content
+            for i in range(BATCH)] == texts
 
 
 def test_n_above_max_batch_is_refused_by_name(server):

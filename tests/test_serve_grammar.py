@@ -1,8 +1,10 @@
 """Structured output (`response_format`) through the official `openai` client against `colibri serve` on
 a tiny random model: every json_schema answer parses and validates over many seeded samples at
 temperature 1, streamed and not, on both routes; json_object answers parse; a schema the grammar
-engine cannot compile is a 400 naming the construct; and the generate loop's processor hook
-(engine/run/grammar.py's contract) on its own.
+engine cannot compile is a 400 naming the construct; the generate loop's processor hook
+(engine/run/grammar.py's contract) on its own; and the mask on the drafted path (speculative
+decoding: greedy the same tokens as without drafts, sampled answers valid). The batched path:
+tests/test_serve_batch.py.
 
 A random model under the mask still writes grammar-valid output; the schemas bound every string and
 array (maxLength, maxItems) so that each answer completes well within max_tokens."""
@@ -244,3 +246,25 @@ def test_the_mask_is_minus_infinity_outside_the_grammar(tiny):
 def test_json_grammar_refuses_a_non_object_schema():
     with pytest.raises(GrammarError):
         json_grammar([{"type": "string"}])
+
+
+def test_the_mask_holds_on_the_drafted_path(tiny):
+    """Speculative decoding with a grammar: a drafted token the mask bans is rejected, and the
+    grammar's state advances only by the tokens emitted (greedy: the tokens of the plain path)."""
+    tokenizer = load_tokenizer(tiny)
+    doc = '{"name": "ab", "count": 1, "kind": "alpha", "tags": ["a"], "inner": {"ok": true, "level": null}}'
+    prompt = tokenizer.encode(f"{doc} {doc} Again:").ids  # n-grams the lookup drafter proposes from
+    with Engine(tiny, EngineConfig(ctx_size=1024, threads=1)) as engine:
+        grammar = GrammarTokenizer(tokenizer, engine.args.vocab_size, {EOS_TOKEN_ID})
+        want = generate(engine, prompt, 300, Sampler(), processors=[grammar.processor(json_grammar(NESTED))])
+    with Engine(tiny, EngineConfig(ctx_size=1024, threads=1, draft="fixed", drafter="lookup")) as engine:
+        got = generate(engine, prompt, 300, Sampler(), processors=[grammar.processor(json_grammar(NESTED))])
+        assert got.output_ids == want.output_ids
+        jsonschema.validate(json.loads(tokenizer.decode(got.output_ids)), NESTED)
+        for seed in range(3):
+            gen = generate(engine, prompt, 800, Sampler(temperature=1.0, seed=seed),
+                           processors=[grammar.processor(json_grammar(NESTED))])
+            assert gen.stopped_by_processor, seed
+            jsonschema.validate(json.loads(tokenizer.decode(gen.output_ids)), NESTED)
+        stats = engine.speculator.stats
+        assert stats.drafted > 0 and stats.accepted < stats.drafted  # drafts came, and the mask refused some

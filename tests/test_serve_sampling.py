@@ -14,6 +14,7 @@ import torch
 
 from engine.base.config import EngineConfig
 from engine.run.generate import Generation, Sampler, generate
+from engine.run.sampling import Penalties
 from engine.run.runtime import Engine
 
 from colibri_tiny import make_tiny
@@ -126,6 +127,25 @@ def test_penalties_lower_repeats(server, field, value):
 def test_repetition_penalty_lowers_repeats(server):
     plain = greedy_ids(server)
     assert repeats(greedy_ids(server, extra_body={"repetition_penalty": 3.0})) < repeats(plain)
+
+
+def test_each_penalty_changes_the_logits_it_should():
+    """What each field does to one step's logits: presence takes its value once from every token
+    generated so far, frequency its value per occurrence, neither touches a token seen only in the
+    prompt; repetition divides a positive logit (multiplies a negative one) of a token seen in the
+    prompt or the output; logit_bias adds; a token never seen is left alone."""
+    logits = torch.tensor([1.0, -1.0, 2.0, 0.0, 3.0, -2.0])
+    prompt, generated = [1, 2], [4, 4, 5]
+    pen = Penalties(Sampler(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: 10.0}), prompt, 6)
+    for t in generated:
+        pen.accept(t)
+    assert pen(logits, generated).tolist() == pytest.approx([1.0, -1.0, 2.0, 10.0, 3.0 - 0.5 - 2 * 0.25,
+                                                             -2.0 - 0.5 - 0.25])
+    pen = Penalties(Sampler(repetition_penalty=2.0), prompt, 6)
+    for t in generated:
+        pen.accept(t)
+    assert pen(logits, generated).tolist() == pytest.approx([1.0, -2.0, 1.0, 0.0, 1.5, -4.0])
+    assert logits.tolist() == [1.0, -1.0, 2.0, 0.0, 3.0, -2.0]  # the raw logits (log-probs' source) unchanged
 
 
 def test_logit_bias_forces_and_bans(server):

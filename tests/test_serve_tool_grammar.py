@@ -4,7 +4,11 @@ added tokens (as the real vocabularies hold them): with tool_choice required or 
 answer over many seeded samples at temperature 1 is calls that parse and whose arguments validate
 (jsonschema), streamed and whole alike; auto with strict functions constrains a call once it opens
 (a logit bias on the opening marker makes the random model open one); a schema the grammar engine
-cannot compile is a 400 naming the construct. The grammars themselves: tests/test_tool_grammar.py."""
+cannot compile is a 400 naming the construct; parallel calls, indexed, whole and streamed; a full
+round trip from the model's own call (call, the tool's result sent back, the final answer), streamed
+and not; the log-probs of a calling answer, whole and streamed, are the model's own softmax over
+every token it wrote (markers included), recomputed here through a second engine. The grammars
+themselves: tests/test_tool_grammar.py."""
 
 from __future__ import annotations
 
@@ -14,12 +18,16 @@ import anthropic
 import jsonschema
 import openai
 import pytest
+import torch
 
 from engine.api import load_tokenizer
+from engine.base.config import EngineConfig
+from engine.run.runtime import Engine
+from colibri.serve.protocol import parse_chat
 
 from colibri_tiny import make_tiny
 from colibri_tool_models import FAMILIES, family_model
-from test_serve import Server
+from test_serve import CTX, Server
 
 SEEDS = range(6)
 MAX_TOKENS = 400  # far above what the bounded schemas need: an answer that ends "length" is a failure
@@ -201,3 +209,125 @@ def test_an_unseeded_answer_with_tools_names_its_seed_and_replays(family_server)
     again = client.chat.completions.create(**kw, seed=seed)
     assert [(c.function.name, c.function.arguments) for c in again.choices[0].message.tool_calls] == \
         [(c.function.name, c.function.arguments) for c in first.choices[0].message.tool_calls]
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny):
+    """A second engine on the tiny model's weights (every family's copy has the same): the test's own logits."""
+    with Engine(tiny, EngineConfig(ctx_size=CTX, threads=1)) as engine:
+        yield engine
+
+
+def test_logprobs_of_a_calling_answer_are_the_models_softmax(family_server, oracle):
+    """logprobs with tools: one entry per generated token of the call (its markers and syntax too),
+    each the log-softmax of the model's raw logits after the prompt and the tokens before it (the
+    grammar's mask and temperature 1 change what is drawn, not what is reported), with the top
+    alternatives; streamed, the same entries across the chunks, none twice."""
+    family, _model, server = family_server
+    state = server.state
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=MAX_TOKENS, temperature=1, seed=4, logprobs=True, top_logprobs=3)
+    whole = server.client().chat.completions.create(**kw)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    name = whole.choices[0].message.tool_calls[0].function.name
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens > 5
+    written = b"".join(bytes(c.bytes) for c in content).decode("utf-8")
+    assert name in written, (family, written)
+    ids_of: dict[bytes, list[int]] = {}
+    for i in range(oracle.args.vocab_size):
+        ids_of.setdefault(state.token_text.get(i)[0], []).append(i)
+    prompt = state.template.render(ASK, add_generation_prompt=True, tools=TOOLS)
+    ids = state.tokenizer.encode(prompt, add_special_tokens=False).ids
+    assert len(ids) == whole.usage.prompt_tokens
+    for c in content:
+        lp = torch.log_softmax(oracle.forward(ids, 0, last_only=True)[-1].float(), dim=-1)
+        drawn = [i for i in ids_of[bytes(c.bytes)] if abs(float(lp[i]) - c.logprob) < 1e-4]
+        assert drawn, (family, c.token, c.logprob)
+        top = torch.topk(lp, 3)
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert [bytes(t.bytes) for t in c.top_logprobs] == [state.token_text.get(i)[0] for i in top.indices.tolist()]
+        ids.append(drawn[0])
+
+    chunks = list(server.client().chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in content]
+    assert chunks[-1].usage.completion_tokens == len(streamed)
+    # entries ride on the chunks that carry the call (its head, its arguments) and the finish chunk
+    carriers = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert all(c.delta.tool_calls or c.finish_reason for c in carriers), family
+
+
+def test_parallel_calls_come_back_as_indexed_tool_calls(family_server):
+    """parallel_tool_calls (the default) with tool_choice required: a random model writes one call or
+    several, each validating, with its own id; streamed, each call has its own index and the deltas
+    assemble to the whole answer's calls. Harmony's `<|call|>` ends a turn: one call per answer."""
+    family, _model, server = family_server
+    client = server.client()
+    several = None
+    for seed in range(3 if family == "gpt_oss" else 8):
+        kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS,
+                  temperature=1, seed=seed)
+        whole = client.chat.completions.create(**kw)
+        if whole.choices[0].finish_reason == "length":  # a random model may go on calling
+            continue
+        assert whole.choices[0].finish_reason == "tool_calls", (family, whole.choices[0].message)
+        calls = whole.choices[0].message.tool_calls
+        validated(calls)
+        assert len({c.id for c in calls}) == len(calls)
+        if family == "gpt_oss":
+            assert len(calls) == 1
+        elif len(calls) > 1:
+            several = kw, calls
+            break
+    if family == "gpt_oss":
+        return
+    assert several, f"{family}: no answer of several calls in 8 seeds"
+    kw, calls = several
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    heads = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or [] if d.id]
+    assert [d.index for d in heads] == list(range(len(calls)))
+    with client.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion()
+    assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in calls]
+
+
+def test_a_round_trip_from_the_models_own_call(family_server):
+    """The whole loop an agent runs, streamed and not: the model's call (forced, so a random model
+    writes one), the message sent back as the client gives it (model_dump) with the tool's result,
+    and the final answer, whose prompt is the family's template over that history (the call and the
+    result reached the model: the server's prompt token count is that render's)."""
+    family, model, server = family_server
+    client = server.client()
+    tokenizer = load_tokenizer(model)
+    for stream in (False, True):
+        kw = dict(model="tiny", tools=TOOLS, max_tokens=MAX_TOKENS, temperature=1, seed=1)
+        messages = list(ASK)
+        if stream:
+            with client.chat.completions.stream(messages=messages, tool_choice="required", **kw) as s:
+                first = s.get_final_completion()
+        else:
+            first = client.chat.completions.create(messages=messages, tool_choice="required", **kw)
+        message = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls" and message.tool_calls, family
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": json.dumps({"call": call.function.name, "result": "clear skies"})})
+        final_kw = dict(messages=messages, tool_choice="none", **{**kw, "max_tokens": 6})
+        if stream:
+            chunks = list(client.chat.completions.create(**final_kw, stream=True,
+                                                         stream_options={"include_usage": True}))
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            assert finish in (["stop"], ["length"])
+            used = chunks[-1].usage.prompt_tokens
+        else:
+            final = client.chat.completions.create(**final_kw)
+            assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.tool_calls is None
+            used = final.usage.prompt_tokens
+        history = parse_chat({"messages": messages}).messages
+        rendered = server.state.template.render(history, add_generation_prompt=True)  # tool_choice none: no tools
+        assert "clear skies" in rendered and all(c.function.name in rendered for c in message.tool_calls)
+        assert used == len(tokenizer.encode(rendered, add_special_tokens=False).ids), (family, stream)

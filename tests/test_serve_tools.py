@@ -189,6 +189,8 @@ def test_a_named_choice_shows_the_model_that_function_alone():
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"functions": [TOOLS[0]["function"]]}, "functions"),
+    ({"function_call": {"name": "get_weather"}}, "function_call"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),

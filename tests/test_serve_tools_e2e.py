@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import anthropic
 import httpx
-import openai
 import pytest
 
 from engine.api import load_tokenizer
@@ -146,12 +145,3 @@ def test_anthropic_text_stop_sequences_and_errors(tiny):
     finally:
         s.close()
 
-
-def test_logprobs_with_tools_refused_by_name(family_server):
-    """The tools route does not report log-probs yet: asked for, they are refused, never dropped."""
-    _family, _model, server = family_server
-    client = server.client()
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], tools=TOOLS,
-                                       max_tokens=2, temperature=0, logprobs=True)
-    assert err.value.body["param"] == "logprobs"

@@ -126,19 +126,23 @@ def test_ranking_goodput_then_p95_ttft_then_aggregate():
 
 def test_the_goodput_prediction_simulates_the_scheduler_step_by_step():
     """Decode steps of 0.1 s whatever their rows, 0.01 s per prompt token, two caches: A and B are
-    admitted at 0, C waits for a free cache; the prompts prefill one per step, oldest first."""
+    admitted at 0 and prefilled in one pass (their 20 tokens fit one group), C waits for a free cache."""
     reqs = [SimRequest(0.0, 10, 3), SimRequest(0.0, 10, 2), SimRequest(0.0, 10, 2), SimRequest(0.0, 4, 2, n=3)]
     end = simulate(reqs, lambda rows: 0.1, lambda tokens: 0.01 * tokens, max_batch=2, group=256)
     a, b, c, d = reqs
-    # step 1: A's prefill (0.1); step 2: A's decode (0.2), B's prefill (0.3); step 3: A and B decode
-    # together and both finish (0.4); step 4: C admitted, prefilled (0.5); step 5: C decodes (0.6)
-    assert (a.admitted, a.firsts, a.lasts) == (0.0, [pytest.approx(0.1)], [pytest.approx(0.4)])
-    assert (b.admitted, b.firsts, b.lasts) == (0.0, [pytest.approx(0.3)], [pytest.approx(0.4)])
-    assert (c.admitted, c.firsts, c.lasts) == (pytest.approx(0.4), [pytest.approx(0.5)], [pytest.approx(0.6)])
+    # step 1: A's and B's prefill together (0.2); step 2: A and B decode together, B finishes (0.3);
+    # step 3: C admitted, A decodes and finishes (0.4), C prefilled (0.5); step 4: C decodes (0.6)
+    assert (a.admitted, a.firsts, a.lasts) == (0.0, [pytest.approx(0.2)], [pytest.approx(0.4)])
+    assert (b.admitted, b.firsts, b.lasts) == (0.0, [pytest.approx(0.2)], [pytest.approx(0.3)])
+    assert (c.admitted, c.firsts, c.lasts) == (pytest.approx(0.3), [pytest.approx(0.5)], [pytest.approx(0.6)])
     assert d.refused and end == pytest.approx(0.6)  # n = 3 above max_batch 2: serve's 400
-    # TTFT: A 0.1, B 0.3, C 0.5; TPOT: A 0.15, B 0.1, C 0.1
-    assert goodput(reqs, 0.35, 0.12) == pytest.approx(1 / 0.6)  # B alone
+    # TTFT: A 0.2, B 0.2, C 0.5; TPOT: 0.1 each
+    assert goodput(reqs, 0.35, 0.12) == pytest.approx(2 / 0.6)  # A and B
     assert goodput(reqs, DAY, DAY) == pytest.approx(3 / 0.6) and goodput(reqs, 0.0, 0.0) == 0.0
+    # a group of 15 tokens: A's 10 and B's 10 do not fit one pass, B's prefill follows A's
+    reqs = [SimRequest(0.0, 10, 3), SimRequest(0.0, 10, 2)]
+    simulate(reqs, lambda rows: 0.1, lambda tokens: 0.01 * tokens, max_batch=2, group=15)
+    assert [r.firsts for r in reqs] == [[pytest.approx(0.1)], [pytest.approx(0.3)]]
 
 
 def test_max_batch_is_searched_for_serve_only_and_capped_by_the_plan(model_dir):

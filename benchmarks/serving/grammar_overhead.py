@@ -1,18 +1,21 @@
 """What structured output costs: decode tok/s with and without a JSON-schema mask, the schema's compile
 time, and the grammar engines side by side (why engine/run/grammar.py uses llguidance).
 
-decode: one Engine (--model, resident by default or streamed under --budget) generates --tokens
-tokens at temperature 1 with no constraint, then under SCHEMA (an array of 64 bounded records:
-nested object, enum, anyOf, integer range; it cannot complete before --tokens, so both runs decode
-the same count), alternating which goes first per repeat. Rows: tok/s over the decode steps (each
-step = forward + mask + sample), the step's median, and the mask's own median (the processor's
+decode: for each --budget (default: 0, everything resident, and 1GiB, the experts streamed from the
+SSD through the RAM cache), one Engine on --model (default demo, synthesized on first use) generates
+--tokens tokens at temperature 1 with no constraint, then under SCHEMA (an array of 64 bounded
+records: nested object, enum, anyOf, integer range; it cannot complete before --tokens, so both
+runs decode the same count), alternating which goes first per repeat. One table row per budget:
+decode tok/s over the steps (each step = forward + mask + sample), median (min-max) over the
+repeats, free and under the schema; the step's median; and the mask's own median (the processor's
 __call__ + accept, timed inside the step). The two runs decode different tokens, which route to
-different experts: streamed under a budget that changes the cache hits and reads, so the tok/s
-pair mixes the mask with the route; the mask column is the grammar's own cost either way. Notes:
-the model's grammar tokenizer build (once per model), SCHEMA's compile (json_grammar + matcher,
-per request), median of 20, and a tool-call grammar's compile per format (tool_choice required
-over TOOLS, two strict functions: colibri/serve/tools/constrain.py's grammar + matcher, per
-request), median of 10.
+different experts: streamed, that changes the cache hits and reads, so the tok/s pair mixes the
+mask with the route; the mask column is the grammar's own cost either way. Notes above the table:
+the model's grammar tokenizer build (once per model), SCHEMA's compile (json_grammar + matcher, per
+request), median of 20, and a tool-call grammar's compile per format (tool_choice required over
+TOOLS, two strict functions: colibri/serve/tools/constrain.py's grammar + matcher, per request),
+median of 10. The line above them states the conditions (machine, commit, load, flags, io mode).
+Each run's figures also go to stderr as one JSON line; --json prints them in the rows' `runs`.
 
 engines: per synth BPE vocabulary (--vocab, the tokenizer engine/synth trains; no downloads), each
 grammar engine that imports walks a valid document of ENGINE_SCHEMA token by token: mask into a
@@ -20,8 +23,8 @@ bitmask, unpack + -inf fill (the same numpy/torch code for all), advance. llguid
 dependency; xgrammar and outlines-core are not — put them on PYTHONPATH to compare, e.g.
 `pip install --no-deps --target /tmp/gram xgrammar==0.2.9 apache-tvm-ffi outlines-core==0.2.14`.
 
-    .venv/bin/python benchmarks/serving/grammar_overhead.py decode --model demo --tokens 64 --repeats 2
-    .venv/bin/python benchmarks/serving/grammar_overhead.py decode --model demo --budget 1GiB --tokens 32
+    .venv/bin/python benchmarks/serving/grammar_overhead.py decode                 # demo resident and 1GiB
+    .venv/bin/python benchmarks/serving/grammar_overhead.py decode --budget 0 --tokens 4 --repeats 1  # a smoke run
     PYTHONPATH=/tmp/gram .venv/bin/python benchmarks/serving/grammar_overhead.py engines --vocab 32000 151936
 """
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -90,27 +94,68 @@ class Timed:
 
 
 def decode(a, benchkit) -> int:
+    """Each budget in a child process of its own (decode_child): a fresh process measures its own
+    runtime memory (the plan charges the RSS it finds, which a resident engine loaded earlier in
+    the same process would have left high) and reads no weights an earlier setting left in RAM."""
+    from engine.api import resolve_model
+    model_dir = str(resolve_model(a.model))  # demo: synthesized on first use (~/.cache/colibri/models/demo-seed0)
+    rows, notes, child_cond = [], {}, {}
+    for budget in a.budget:
+        args = ["decode", "--child", "--model", model_dir, "--budget", budget, "--tokens", str(a.tokens),
+                "--repeats", str(a.repeats), "--threads", str(a.threads), *(["--lock", a.lock] if a.lock else [])]
+        # stderr passes through: each run's JSON line as it ends, or the child's error
+        out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], stdout=subprocess.PIPE, text=True)
+        if out.returncode != 0:
+            return benchkit.refuse("grammar_overhead", f"the run with --budget {budget} failed (its error above)")
+        got = json.loads(out.stdout)
+        rows.append(got["row"])
+        notes = notes or got["notes"]  # the compile figures do not depend on the budget: the first run's
+        child_cond = got["conditions"]
+    columns = [("setting", lambda r: r["setting"]), ("tokens × repeats", lambda r: f"{r['tokens']} × {r['repeats']}"),
+               ("decode tok/s, free", lambda r: benchkit.fmt_spread(r["free_tok_s"], 2)),
+               ("decode tok/s, JSON schema", lambda r: benchkit.fmt_spread(r["schema_tok_s"], 2)),
+               ("schema vs free", lambda r: f"{r['change_pct']:+.1f}%"),
+               ("step ms free / schema (median)", lambda r: f"{r['free_step_ms']:.0f} / {r['schema_step_ms']:.0f}"),
+               ("mask µs (median)", lambda r: round(r["mask_us"], 1)), ("TTFT s (median)", lambda r: round(r["ttft_s"], 2))]
+    flags = {k: v for k, v in vars(a).items() if k not in ("vocab", "part", "child", "json")}
+    cond = benchkit.conditions(**flags, part="decode", **child_cond,
+                               sampling="temperature 1, seed = repeat, free and schema alternating which runs first",
+                               schema="64 bounded records (nested object, enum, anyOf, integer range)")
+    benchkit.emit("grammar_overhead", rows, cond, a.json, columns, notes)
+    return 0
+
+
+def decode_child(a) -> dict:
+    """One budget (a.budget[0]) on the model directory a.model: {"row", "notes", "conditions"}."""
     from engine.api import (Engine, EngineConfig, GrammarTokenizer, Sampler, generate, json_grammar, load_tokenizer,
-                            parse_size, resolve_model)
-    model_dir = resolve_model(a.model)
-    config = EngineConfig(ram_budget=parse_size(a.budget), ctx_size=max(256, a.tokens + 64),
+                            parse_size)
+    from benchmarks import benchkit
+    budget = a.budget[0]
+    nbytes = parse_size(budget)
+    tokenizer = load_tokenizer(a.model)
+    prompt = tokenizer.encode("Write the records as JSON:").ids
+    config = EngineConfig(ram_budget=nbytes, ctx_size=max(256, a.tokens + 64),
                           **({"threads": a.threads} if a.threads else {}))
-    tokenizer = load_tokenizer(model_dir)
-    engine = Engine(model_dir, config)
-    rows = []
+    setting = "resident" if nbytes == 0 else f"streamed, budget {budget}"
+    notes = {}
+    engine = Engine(a.model, config)
     try:
-        t = time.perf_counter()
         eos = engine.checkpoint.config.get("eos_token_id")
+        t = time.perf_counter()
         gtok = GrammarTokenizer(tokenizer, engine.args.vocab_size, set(eos if isinstance(eos, list) else [eos]))
-        tokenizer_s = time.perf_counter() - t
+        notes["grammar tokenizer build s (once per model)"] = round(time.perf_counter() - t, 3)
         compiles = []
         for _ in range(20):
             t = time.perf_counter()
             gtok.processor(json_grammar(SCHEMA))
             compiles.append(time.perf_counter() - t)
-        tools = _tool_compiles(tokenizer, gtok, engine.checkpoint.config.get("eos_token_id"))
-        prompt = tokenizer.encode("Write the records as JSON:").ids
+        notes["schema compile ms (per request; median (min-max) of 20)"] = benchkit.fmt_spread(
+            benchkit.spread(c * 1e3 for c in compiles), 2)
+        tools = _tool_compiles(tokenizer, gtok, eos)
+        notes["tool-call grammar compile ms (per request; median of 10)"] = ", ".join(
+            f"{f} {statistics.median(t) * 1e3:.2f}" for f, t in tools.items())
         generate(engine, prompt, 4, Sampler())  # warm: the first pass pays one-off allocations
+        runs = {"free": [], "schema": []}
         for r in range(a.repeats):
             for mode in (("free", "schema") if r % 2 == 0 else ("schema", "free")):
                 timed = Timed(gtok.processor(json_grammar(SCHEMA))) if mode == "schema" else None
@@ -118,26 +163,27 @@ def decode(a, benchkit) -> int:
                     gen = generate(engine, prompt, a.tokens, Sampler(temperature=1.0, seed=r),
                                    processors=[timed] if timed else ())
                 steps = gen.token_seconds
-                rows.append({"repeat": r + 1, "mode": mode, "tokens": len(gen.output_ids),
-                             "tok_s": len(steps) / sum(steps), "step_ms_median": statistics.median(steps) * 1e3,
-                             "mask_us_median": statistics.median(timed.seconds) * 1e6 if timed else None,
-                             "ttft_s": gen.ttft_seconds})
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                run = {"setting": setting, "repeat": r + 1, "mode": mode, "tokens": len(gen.output_ids),
+                       "tok_s": len(steps) / sum(steps), "step_ms_median": statistics.median(steps) * 1e3,
+                       "mask_us_median": statistics.median(timed.seconds) * 1e6 if timed else None,
+                       "ttft_s": gen.ttft_seconds}
+                runs[mode].append(run)
+                print(json.dumps(run), file=sys.stderr, flush=True)
+        io_mode, vocab = config.io_mode, engine.args.vocab_size
     finally:
         engine.close()
-    tok_s = {m: statistics.median(r["tok_s"] for r in rows if r["mode"] == m) for m in ("free", "schema")}
-    notes = {"grammar_tokenizer_build_s": round(tokenizer_s, 3),
-             "schema_compile_ms": benchkit.fmt_spread(benchkit.spread(c * 1e3 for c in compiles), 2),
-             "tool_grammar_compile_ms": ", ".join(f"{f} {statistics.median(t) * 1e3:.2f}" for f, t in tools.items()),
-             "decode_tok_s_free_vs_schema": f"{tok_s['free']:.2f} vs {tok_s['schema']:.2f} "
-                                            f"({(tok_s['schema'] / tok_s['free'] - 1) * 100:+.1f}%)"}
-    columns = [("repeat", lambda r: r["repeat"]), ("mode", lambda r: r["mode"]), ("tokens", lambda r: r["tokens"]),
-               ("decode tok/s", lambda r: round(r["tok_s"], 2)), ("step ms (median)", lambda r: round(r["step_ms_median"], 2)),
-               ("mask µs (median)", lambda r: r["mask_us_median"] and round(r["mask_us_median"], 1)),
-               ("TTFT s", lambda r: round(r["ttft_s"], 3))]
-    benchkit.emit("grammar_overhead", rows, benchkit.run_conditions(a, model_vocab=engine.args.vocab_size), a.json, columns,
-                  notes)
-    return 0
+    free, schema = (benchkit.spread(r["tok_s"] for r in runs[m]) for m in ("free", "schema"))
+    row = {"setting": setting, "budget": budget, "tokens": a.tokens, "repeats": a.repeats,
+           "free_tok_s": free, "schema_tok_s": schema, "change_pct": (schema["median"] / free["median"] - 1) * 100,
+           "free_step_ms": statistics.median(r["step_ms_median"] for r in runs["free"]),
+           "schema_step_ms": statistics.median(r["step_ms_median"] for r in runs["schema"]),
+           "mask_us": statistics.median(r["mask_us_median"] for r in runs["schema"]),
+           "ttft_s": statistics.median(r["ttft_s"] for r in runs["free"] + runs["schema"]),
+           "runs": runs["free"] + runs["schema"]}
+    # torch as this process ran it (the parent does not load it)
+    return {"row": row, "notes": notes, "conditions": {"model_vocab": vocab, "prompt_tokens": len(prompt),
+                                                       "io_mode": io_mode,
+                                                       "torch": benchkit.conditions()["torch"]}}
 
 
 def _tool_compiles(tokenizer, gtok, eos) -> dict[str, list[float]]:
@@ -267,7 +313,8 @@ def engines(a, benchkit) -> int:
                ("compile ms (median)", lambda r: round(r["compile_ms"], 1)),
                ("mask µs (median)", lambda r: round(r["mask_us"], 1)), ("mask µs p90", lambda r: round(r["mask_us_p90"], 1)),
                ("unpack+fill µs", lambda r: round(r["unpack_fill_us"], 1)), ("advance µs", lambda r: round(r["advance_us"], 1))]
-    benchkit.emit("grammar_overhead", rows, benchkit.run_conditions(a), a.json, columns)
+    cond = benchkit.conditions(part="engines", vocab=a.vocab, repeats=a.repeats, lock=a.lock, torch_threads=1)
+    benchkit.emit("grammar_overhead", rows, cond, a.json, columns)
     return 0
 
 
@@ -275,17 +322,29 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("part", choices=("decode", "engines"))
     p.add_argument("--model", default="demo", help="decode: model directory or synth preset (default demo)")
-    p.add_argument("--budget", default="0", help="decode: memory budget, e.g. 1GiB (default 0: resident)")
-    p.add_argument("--tokens", type=int, default=64, help="decode: tokens per generation (default 64)")
+    p.add_argument("--budget", nargs="+", default=["0", "1GiB"],
+                   help="decode: memory budgets, one table row each (default 0 1GiB: resident, then streamed)")
+    p.add_argument("--tokens", type=int, default=32, help="decode: tokens per generation (default 32)")
     p.add_argument("--threads", type=int, default=0, help="decode: compute threads (default: the engine's)")
-    p.add_argument("--repeats", type=int, default=2, help="repeats (decode: per mode; engines: document walks)")
+    p.add_argument("--repeats", type=int, default=3, help="repeats (decode: per mode and budget; engines: "
+                                                          "document walks; default 3)")
     p.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936], help="engines: synth BPE vocabularies")
     p.add_argument("--lock", help="hold this flock around each measured step (not with `quiet bench`)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # decode: one budget, in its own process
     a = p.parse_args()
+    if a.child:
+        json.dump(decode_child(a), sys.stdout)
+        return 0
     from benchmarks import benchkit
     if a.tokens < 2 or a.repeats < 1:
         return benchkit.refuse("grammar_overhead", "--tokens must be >= 2 and --repeats >= 1")
+    from engine.api import ConfigError, parse_size
+    for budget in a.budget:
+        try:
+            parse_size(budget)
+        except ConfigError as exc:
+            return benchkit.refuse("grammar_overhead", f"--budget {budget}: {exc}")
     return decode(a, benchkit) if a.part == "decode" else engines(a, benchkit)
 
 

@@ -1,37 +1,48 @@
-"""Speculative decoding (engine/run/speculative.py): drafting off, gated, and at forced depths, on a
-copy-heavy workload and on free text, resident and under a streaming budget.
+"""Speculative decoding (engine/run/speculative.py): drafting off, gated, and at forced depths, per
+drafter, on copy-heavy workloads and on free text, resident and under streaming budgets, in one run.
 
-    .venv/bin/python benchmarks/time/draft_decode.py --model DIR [--budget 0|1GiB] [--tokens 96] \
-        [--depths 2,4,8] [--drafter lookup|mtp|auto] [--workloads copy,free] [--rounds 2] [--threads 2] \
-        [--json] [--lock FILE]
+    .venv/bin/python benchmarks/time/draft_decode.py --model DIR [--budget 0[,1GiB,...]] [--tokens 96] \
+        [--depths 2,4,8] [--drafter lookup[,mtp,auto]] [--workloads copy,edit,code,free] [--rounds 2] \
+        [--threads 2] [--json] [--lock FILE]
 
 Workloads (greedy; prompts tokenized with the model's tokenizer.json, else seeded ids):
   copy   each prompt holds a piece of a Python standard-library file, a line asking for it again, and
          its first lines once more: a model that copies its context continues the file, which prompt
          lookup predicts (agents rewriting and quoting files)
+  edit   the same file, a line asking for it again with one identifier (its most frequent) renamed,
+         and its first lines so edited: the copy breaks at each renamed identifier (agents editing)
+  code   a piece of a held-out standard-library file to continue: nothing asked to be copied, what
+         the MTP layer drafts on (a trained reference never saw these files)
   free   a prompt of seeded random ids: nothing to copy
-Modes, each in its own child process (inside a memory cgroup of --budget, page cache counted, the
-engine's budget the same; none with --budget 0: resident, one warm-up generation first; under a
-budget the caches are emptied and their pages dropped before each prompt: cold):
-  off        draft = off (the baseline every row is compared with: `x off`)
+Budgets: each of --budget's comma-separated sizes (0: resident) gives its own rows, with its own
+`off` baseline. Modes, each in its own child process (inside a memory cgroup of the budget, page
+cache counted, the engine's budget the same; none with budget 0: resident, one warm-up generation
+first; under a budget the caches are emptied and their pages dropped before each prompt: cold):
+  off        draft = off (the baseline every row of its workload and budget is compared with: `x off`)
   gate       draft = gate, draft_depth = the largest of --depths
   fixed:D    draft = fixed, draft_depth = D (the forced depths)
   gate-nohint  (streamed only) gate without the drafts' prefetch hints: the recall's "without"
-Columns: decode tok/s (median of --rounds, min-max), x off, acceptance, tokens per step, drafted
-tokens, bytes read per token (streamed), the store's lookahead recall (streamed), the gate's
-decisions, and whether the tokens equal the off run's (they must: lossless).
+each but `off` once per drafter of --drafter (lookup: prompt lookup; mtp: the checkpoint's MTP
+layer; auto: MTP where the model has one, with lookup's long matches).
+Columns: decode tok/s (median of --rounds, min-max), x off, acceptance (drafts accepted / drafted),
+tokens per step (tokens emitted / decode steps), drafted tokens, expert bytes read per emitted token
+(streamed: every emitted token is an accepted one, the draft's or the verify's own), the store's
+lookahead recall (streamed), the gate's decisions, and whether the tokens equal the off run's (they
+must: lossless).
 
-DIR: any model directory; `colibri synth demo -o DIR` for the streaming rows, a trained reference
-(benchmarks/quant/train_reference.py) for acceptance that means something (a random model does
-not copy its context: the gate then turns itself off, which the `gate` row shows). For MTP, a
-deepseek_v3 / glm4_moe / glm_moe_dsa checkpoint with its MTP layer (or a synth geometry with
-"num_nextn_predict_layers": 1) and --drafter mtp or auto.
+DIR: any model directory; `colibri synth demo -o DIR` for the streaming rows (a random model does
+not copy its context: the gate then turns itself off, which the `gate` row shows), a trained
+reference for acceptance that means something: `benchmarks/quant/train_reference.py --mtp` trains a
+glm4_moe with an MTP module (DeepSeek-V3's objective) for --drafter lookup,mtp.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import keyword
+import re
 import statistics
 import sys
 import time
@@ -47,18 +58,43 @@ MiB = 1 << 20
 
 # --- the child: one mode of one workload in this process ----------------------------------------
 
-def _copy_prompts(tokenizer, vocab: int, n: int, seed: int) -> list[list[int]]:
+def _copy_prompts(tokenizer, vocab: int, n: int, seed: int, edit: bool = False) -> list[list[int]]:
+    """copy (the file again, unchanged) or edit (again with its most frequent identifier renamed)."""
     from engine.api import stdlib_corpus
     train, _held, _ = stdlib_corpus()
     files = [f for f in train.split("\n\n\n") if 400 < len(f) < 4000]
     out = []
     for i in range(n):
         text = files[(seed * 7919 + i * 104729) % len(files)][:1200]
-        head = "\n".join(text.splitlines()[:3])
-        prompt = f"{text}\n# The same code again, unchanged:\n{head}\n"
+        ask, again = "unchanged", text
+        if edit:
+            old = _most_frequent_identifier(text)
+            new = f"{old}_v2"
+            ask, again = f"with `{old}` renamed to `{new}`", re.sub(rf"\b{re.escape(old)}\b", new, text)
+        head = "\n".join(again.splitlines()[:3])
+        prompt = f"{text}\n# The same code again, {ask}:\n{head}\n"
         ids = tokenizer.encode(prompt).ids if tokenizer is not None else [b % vocab for b in prompt.encode()]
         out.append(ids)
     return out
+
+
+def _most_frequent_identifier(text: str) -> str:
+    """The identifier used most as code in text (followed by one of ( . = [ , : ) outside comment
+    lines, so not a word of prose; not a keyword, self or cls; 3 characters or more); ties: first seen."""
+    skip = set(keyword.kwlist) | {"self", "cls"}
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    names = [w for w in re.findall(r"\b([A-Za-z_][A-Za-z0-9_]{2,})\s*[(.=\[,:)]", code) if w not in skip]
+    counts = collections.Counter(names)
+    return max(counts, key=lambda w: (counts[w], -names.index(w))) if names else "x"
+
+
+def _code_prompts(tokenizer, vocab: int, n: int, seed: int) -> list[list[int]]:
+    """A piece of a held-out standard-library file to continue (a trained reference never saw it)."""
+    from engine.api import stdlib_corpus
+    _train, held, _ = stdlib_corpus()
+    files = [f for f in held.split("\n\n\n") if 400 < len(f) < 4000]
+    texts = [files[(seed * 7919 + i * 104729) % len(files)][:1200] for i in range(n)]
+    return [tokenizer.encode(t).ids if tokenizer is not None else [b % vocab for b in t.encode()] for t in texts]
 
 
 def _free_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
@@ -83,8 +119,12 @@ def child(a) -> dict:
     mode = a.mode
     with Engine(a.model, _config(a, mode)) as engine:
         vocab = engine.args.vocab_size
-        prompts = (_copy_prompts(load_tokenizer(a.model), vocab, PROMPTS, a.seed) if a.workload == "copy"
-                   else _free_prompts(vocab, PROMPTS, a.seed))
+        if a.workload in ("copy", "edit"):
+            prompts = _copy_prompts(load_tokenizer(a.model), vocab, PROMPTS, a.seed, edit=a.workload == "edit")
+        elif a.workload == "code":
+            prompts = _code_prompts(load_tokenizer(a.model), vocab, PROMPTS, a.seed)
+        else:
+            prompts = _free_prompts(vocab, PROMPTS, a.seed)
         prompts = [p[-(a.ctx - a.tokens - 8):] for p in prompts]
         streamed = engine.store is not None and engine.store.streams
         if engine.speculator is not None and mode.endswith("nohint"):
@@ -121,13 +161,14 @@ def child(a) -> dict:
                 "recall": recall_hits / recall_total if recall_total else None, "draft": draft or {}}
 
 
-def run_child(a, workload: str, mode: str, round_: int) -> dict:
+def run_child(a, budget: str, workload: str, drafter: str, mode: str, round_: int) -> dict:
     from benchmarks.benchkit import child_json
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", a.model, "--workload", workload,
-            "--mode", mode, "--ctx", str(a.ctx), "--budget", a.budget, "--threads", str(a.threads),
-            "--tokens", str(a.tokens), "--depths", a.depths, "--drafter", a.drafter, "--seed", str(a.seed)]
-    print(f"{TOOL}: {workload} {mode} round {round_ + 1} budget={a.budget} ...", file=sys.stderr, flush=True)
-    return child_json(TOOL, argv, a.budget, a.timeout, f"{workload} {mode}", REPO)
+            "--mode", mode, "--ctx", str(a.ctx), "--budget", budget, "--threads", str(a.threads),
+            "--tokens", str(a.tokens), "--depths", a.depths, "--drafter", drafter, "--seed", str(a.seed)]
+    name = mode if mode == "off" else f"{drafter} {mode}"
+    print(f"{TOOL}: {workload} {name} round {round_ + 1} budget={budget} ...", file=sys.stderr, flush=True)
+    return child_json(TOOL, argv, budget, a.timeout, f"{workload} {name}, budget {budget}", REPO)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.benchkit import add_output_flags, add_run_flags
     ap.add_argument("--model", required=True, help="a model directory")
     add_run_flags(ap, budget="0", tokens=96, threads=2)  # budget 0: resident, warm
-    ap.add_argument("--depths", default="2,4,8", help="forced depths (default 2,4,8); the gate's maximum is the largest")
-    ap.add_argument("--drafter", choices=("lookup", "mtp", "auto"), default="lookup")
-    ap.add_argument("--workloads", default="copy,free", help="copy, free (default both)")
+    ap.add_argument("--depths", default="2,4,8",
+                    help="forced depths (default 2,4,8); the gate's maximum is the largest")
+    ap.add_argument("--drafter", default="lookup",
+                    help="drafters, comma-separated: lookup, mtp, auto (default lookup); each gets its own rows")
+    ap.add_argument("--workloads", default="copy,edit,code,free", help="copy, edit, code, free (default all four)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per mode, alternating the order (default 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=3600)
@@ -150,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         print(json.dumps(child(a)))
         return 0
+    from engine.api import ConfigError, parse_size
     from benchmarks.benchkit import bench_lock, emit, fmt_spread, refuse, run_conditions, spread
     if not Path(a.model, "config.json").is_file():
         return refuse(TOOL, f"{a.model}: not a model directory (python -m colibri.cli synth demo -o DIR)")
@@ -158,42 +202,58 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         return refuse(TOOL, f"--depths {a.depths!r}: expected comma-separated integers")
     workloads = [w for w in a.workloads.split(",") if w]
+    drafters = [d for d in a.drafter.split(",") if d]
+    budgets = [b.strip() for b in a.budget.split(",") if b.strip()]
     if not depths or min(depths) < 1 or max(depths) > 16 or a.tokens < 1 or a.rounds < 1:
         return refuse(TOOL, "--depths in 1..16, --tokens and --rounds positive")
-    if any(w not in ("copy", "free") for w in workloads):
-        return refuse(TOOL, f"--workloads {a.workloads!r}: copy and/or free")
-    modes = ["off", "gate", *[f"fixed:{d}" for d in depths]]
-    if a.budget not in ("0", ""):
-        modes.append("gate-nohint")
+    if not workloads or any(w not in ("copy", "edit", "code", "free") for w in workloads):
+        return refuse(TOOL, f"--workloads {a.workloads!r}: copy, edit, code and/or free")
+    if not drafters or any(d not in ("lookup", "mtp", "auto") for d in drafters):
+        return refuse(TOOL, f"--drafter {a.drafter!r}: lookup, mtp and/or auto")
+    try:
+        sizes = [parse_size(b) for b in budgets]
+    except ConfigError as exc:
+        return refuse(TOOL, f"--budget {a.budget!r}: {exc}")
+    if not budgets:
+        return refuse(TOOL, "--budget: one or more sizes (0: resident)")
+    if "mtp" in drafters and not json.loads(Path(a.model, "config.json").read_text()).get("num_nextn_predict_layers"):
+        return refuse(TOOL, f"--drafter mtp: {a.model} has no MTP layer (num_nextn_predict_layers; train one with "
+                            f"benchmarks/quant/train_reference.py --mtp)")
     rows = []
-    for workload in workloads:
-        runs: dict[str, list] = {m: [] for m in modes}
-        for r in range(a.rounds):
-            for m in (modes if r % 2 == 0 else modes[::-1]):
-                with bench_lock(a.lock):
-                    runs[m].append(run_child(a, workload, m, r))
-        base = statistics.median(x["tok_s"] for x in runs["off"])
-        for m in modes:
-            xs = runs[m]
-            d = xs[-1]["draft"]
-            tok_s = [x["tok_s"] for x in xs]
-            rows.append({"workload": workload, "mode": m, "tok_s": spread(tok_s),
-                         "x_off": round(statistics.median(tok_s) / base, 3) if base else None,
-                         "acceptance": d.get("acceptance"), "tokens_per_step": d.get("tokens_per_step"),
-                         "drafted": d.get("drafted"), "streamed": xs[0]["streamed"],
-                         "read_mib_per_token": (round(statistics.median(x["bytes_per_token"] for x in xs) / MiB, 3)
-                                                if xs[0]["streamed"] else None),
-                         "recall": xs[-1]["recall"], "decisions": d.get("decisions"),
-                         "lossless": all(x["outputs"] == runs["off"][0]["outputs"] for x in xs),
-                         "cgroup": xs[0]["cgroup"]})
+    for budget, size in zip(budgets, sizes):
+        streamed = bool(size)
+        modes = [("auto", "off")]
+        for d in drafters:
+            modes += [(d, "gate"), *[(d, f"fixed:{k}") for k in depths]] + ([(d, "gate-nohint")] if streamed else [])
+        for workload in workloads:
+            runs: dict[tuple, list] = {m: [] for m in modes}
+            for r in range(a.rounds):
+                for m in (modes if r % 2 == 0 else modes[::-1]):
+                    with bench_lock(a.lock):
+                        runs[m].append(run_child(a, budget, workload, *m, r))
+            base = statistics.median(x["tok_s"] for x in runs[("auto", "off")])
+            for m in modes:
+                xs = runs[m]
+                d = xs[-1]["draft"]
+                tok_s = [x["tok_s"] for x in xs]
+                rows.append({"budget": budget, "workload": workload, "drafter": None if m[1] == "off" else m[0],
+                             "mode": m[1], "tok_s": spread(tok_s),
+                             "x_off": round(statistics.median(tok_s) / base, 3) if base else None,
+                             "acceptance": d.get("acceptance"), "tokens_per_step": d.get("tokens_per_step"),
+                             "drafted": d.get("drafted"), "streamed": xs[0]["streamed"],
+                             "read_mib_per_token": (round(statistics.median(x["bytes_per_token"] for x in xs) / MiB, 3)
+                                                    if xs[0]["streamed"] else None),
+                             "recall": xs[-1]["recall"], "decisions": d.get("decisions"),
+                             "lossless": all(x["outputs"] == runs[("auto", "off")][0]["outputs"] for x in xs),
+                             "cgroup": xs[0]["cgroup"]})
     cols = [(h, (lambda k: lambda r: r[k])(k)) for h, k in (
-        ("workload", "workload"), ("mode", "mode"), ("x off", "x_off"), ("acceptance", "acceptance"),
-        ("tok/step", "tokens_per_step"), ("drafted", "drafted"), ("read MiB/tok", "read_mib_per_token"),
-        ("recall", "recall"), ("decisions", "decisions"), ("lossless", "lossless"), ("cgroup", "cgroup"))]
-    cols[2:2] = [("decode tok/s", lambda r: fmt_spread(r["tok_s"]))]
-    emit(TOOL, rows, run_conditions(a, cold=a.budget not in ("0", ""), greedy=True), a.json, cols)
+        ("budget", "budget"), ("workload", "workload"), ("drafter", "drafter"), ("mode", "mode"), ("x off", "x_off"),
+        ("acceptance", "acceptance"), ("tok/step", "tokens_per_step"), ("drafted", "drafted"),
+        ("read MiB/accepted tok", "read_mib_per_token"), ("recall", "recall"), ("decisions", "decisions"),
+        ("lossless", "lossless"), ("cgroup", "cgroup"))]
+    cols[4:4] = [("decode tok/s", lambda r: fmt_spread(r["tok_s"]))]
+    emit(TOOL, rows, run_conditions(a, cold=any(sizes), greedy=True), a.json, cols)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,9 @@ from engine.api import (PREFILL_CHUNK, ConfigError, EngineConfig, default_ctx_si
                         read_text_input, resolve_model, run_directory_target)
 from colibri.serve.chat import chat_loop
 from colibri.serve.protocol import ApiError, Sampling, parse_sampling
-from colibri.serve.server import API_KEY_ENV, LoadedModel, ServeOptions, check_options, serve
+from colibri.serve.jobs import GATHER_CAP
+from colibri.serve.server import (API_KEY_ENV, DEFAULT_GATHER_MS, MAX_GATHER_MS, LoadedModel, ServeOptions,
+                                  check_options, serve)
 from colibri.commands.argtypes import add_output_option, finite_float, int_in, positive_int, seed, size
 from colibri.commands.run import TOKENS_MAX, model_sources, add_engine_flags, engine_config_from_args
 
@@ -72,6 +74,10 @@ def add_serve(sub) -> None:
     p.add_argument("--api-key", help=f"required for a non-loopback --host (or set {API_KEY_ENV})")
     p.add_argument("--queue-size", type=positive_int(100_000), default=8, help="requests that may wait; more get 503 + Retry-After")
     p.add_argument("--max-body", default="4MiB", help="largest request body accepted")
+    p.add_argument("--gather-ms", type=finite_float(0.0, float(MAX_GATHER_MS)), default=DEFAULT_GATHER_MS,
+                   help="with --max-batch > 1, an idle server waits until requests stop arriving for this long "
+                        f"(at most {GATHER_CAP}x it) so simultaneous ones share one prefill pass; 0 = start at once "
+                        "(default %(default)g)")
     p.add_argument("--model-name", help="the model id clients use (default: the directory's name)")
     add_reuse_flags(p)
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
@@ -102,7 +108,7 @@ def cmd_serve(args) -> int:
     # The model id clients send: what the user typed for a preset ("demo"), else the directory's name.
     name = args.model_name or Path(args.model).name
     opts = check_options(ServeOptions(args.host, args.port, args.api_key, args.queue_size,
-                                      parse_size(args.max_body), name, tuple(args.cors_origin)))
+                                      parse_size(args.max_body), name, tuple(args.cors_origin), args.gather_ms))
     config, reuse = reuse_options(args, "serve")
     model_dir = resolve_model(args.model, progress=True)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731

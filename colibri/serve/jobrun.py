@@ -1,7 +1,9 @@
 """One generation on the worker, seen from a request handler's event loop: submit, then read its
 events (("text", piece) ... ("done", JobResult)) as they come, or collect them all while watching
 for the client leaving. The routes of colibri/serve/tools/chat.py and colibri/serve/anthropic.py use
-JobRun; app.py's own OpenAI routes read a Bridge with their own loops (log-probs).
+JobRun; app.py's own OpenAI routes read a Bridge with their own loops (n > 1 choices). When the
+sampling asks for log-probs, ("logprob", (TokenLogprob, text offset)) events come before the text
+of their token: `next` hands them over, `collect` gathers them in `logprobs`.
 
 Every open run is in the server state's `open` set, so a stop signal reaches it
 (ServeState.shut_down): it reads ("shutdown", None), which a stream answers with its route's error
@@ -40,14 +42,10 @@ class JobRun(Bridge):
             raise SHUTDOWN
         super().__init__()
         self.state = state
+        self.logprobs: list = []  # collect's ("logprob", entry) values, in token order
         self.job = Job(prompt_ids, sampling, self.emit, special_text=special_text)
         state.worker.submit(self.job)
         state.open.add(self)
-
-    def emit(self, kind, value) -> None:  # on the worker thread
-        if kind == "logprob":  # these routes report no log-probs (the tools route refuses the field)
-            return
-        super().emit(kind, value)
 
     async def next(self) -> tuple[str, object]:
         return await self.events.get()
@@ -59,8 +57,8 @@ class JobRun(Bridge):
         self.state.open.discard(self)
 
     async def collect(self, request) -> tuple[str, JobResult] | None:
-        """All the text and the result; None when the client left first (the job is cancelled);
-        SHUTDOWN raised when the server is stopping."""
+        """All the text and the result (the log-prob entries, when asked, in `logprobs`); None when
+        the client left first (the job is cancelled); SHUTDOWN raised when the server is stopping."""
         text: list[str] = []
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
@@ -74,6 +72,8 @@ class JobRun(Bridge):
                 kind, value = getter.result()
                 if kind == "text":
                     text.append(value)
+                elif kind == "logprob":
+                    self.logprobs.append(value)
                 elif kind == "shutdown":
                     raise SHUTDOWN
                 else:

@@ -3,7 +3,8 @@
 Clients send more fields than any one server honours, so unknown fields are ignored (as OpenAI's
 own API and llama-server do); a known field with a wrong type or an out-of-range value is a 400
 with an OpenAI-style error object naming the field. Fields we cannot honour (echo, best_of, suffix,
-and tools on /v1/completions) are refused by name rather than silently dropped; `n` choices run as n
+the deprecated functions / function_call, and tools on /v1/completions) are refused by name rather
+than silently dropped; `n` choices run as n
 sequences of the batch (colibri/serve/worker.py), at most the server's max_batch. Chat's
 tool fields are read by colibri/serve/tools/request.py. Sampling fields and their ranges: README's
 serve section (the ranges are OpenAI's where OpenAI documents the field).
@@ -105,12 +106,13 @@ def _float(body: dict, key: str, default: float, lo: float, hi: float, lo_open: 
     return value
 
 
-def _bool(body: dict, key: str, default: bool) -> bool:
+def _bool(body: dict, key: str, default: bool, where: str = "") -> bool:
+    """where: the path of the object `body` is inside the request ("stream_options."), for the error's name."""
     value = body.get(key)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad(key, f"must be true or false, got {type(value).__name__}")
+        raise bad(where + key, f"must be true or false, got {type(value).__name__}")
     return value
 
 
@@ -129,8 +131,9 @@ def _stop(body: dict) -> list[str]:
 
 
 def _refuse_unsupported(body: dict) -> None:
+    # functions / function_call: OpenAI's deprecated tool fields (`tools`, `tool_choice` replace them)
     for key, harmless in (("echo", (None, False)), ("best_of", (None, 1)), ("suffix", (None, "")),
-                          ("tools", (None, [])), ("functions", (None, []))):
+                          ("tools", (None, [])), ("functions", (None, [])), ("function_call", (None, "none", "auto"))):
         if body.get(key, None) not in harmless:
             raise bad(key, "is not supported by this server")
 
@@ -183,7 +186,7 @@ def parse_sampling(body: dict, default_max_tokens: int | None = None, chat: bool
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad("stream_options", "must be an object")
-    include_usage = bool(options and _bool(options, "include_usage", False))
+    include_usage = bool(options and _bool(options, "include_usage", False, "stream_options."))
     # max_completion_tokens is the chat API's newer name for max_tokens.
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return Sampling(

@@ -29,6 +29,8 @@ from colibri.serve.worker import GenerationWorker
 
 API_KEY_ENV = "COLIBRI_API_KEY"
 MAX_QUEUE = 1024
+MAX_GATHER_MS = 1000
+DEFAULT_GATHER_MS = 5.0
 GRACEFUL_S = 5  # uvicorn's wait for open requests after a signal; they end at once (ServeState.shut_down)
 
 
@@ -41,6 +43,7 @@ class ServeOptions:
     max_body: int = DEFAULT_MAX_BODY
     model_name: str | None = None
     cors_origins: tuple[str, ...] = ()
+    gather_ms: float = DEFAULT_GATHER_MS  # an idle server's wait for simultaneous arrivals (colibri/serve/jobs.py)
 
 
 def is_loopback(host: str) -> bool:
@@ -64,13 +67,15 @@ def check_options(opts: ServeOptions) -> ServeOptions:
         raise ConfigError(f"--port must be in [0, 65535], got {opts.port}")
     if not 1 <= opts.queue_size <= MAX_QUEUE:
         raise ConfigError(f"--queue-size must be in [1, {MAX_QUEUE}], got {opts.queue_size}")
+    if not 0 <= opts.gather_ms <= MAX_GATHER_MS:
+        raise ConfigError(f"--gather-ms must be in [0, {MAX_GATHER_MS}], got {opts.gather_ms:g}")
     if opts.max_body < 1024:
         raise ConfigError(f"--max-body must be at least 1 KiB, got {opts.max_body}")
     for origin in opts.cors_origins:
         if origin != "*" and not (origin.startswith(("http://", "https://")) and "/" not in origin.split("://", 1)[1]):
             raise ConfigError(f"--cors-origin {origin!r}: an origin is scheme://host[:port] (no path), or *")
     return ServeOptions(opts.host, opts.port, key, opts.queue_size, opts.max_body, opts.model_name,
-                        tuple(opts.cors_origins))
+                        tuple(opts.cors_origins), opts.gather_ms)
 
 
 def eos_ids(checkpoint_config: dict, model_dir: Path) -> set[int]:
@@ -95,8 +100,10 @@ class LoadedModel:
     """The engine, its tokenizer, chat template and worker: what serve and chat share."""
 
     def __init__(self, model_dir: str | os.PathLike, config: EngineConfig, queue_size: int = 8, *,
-                 kv_dir: str | os.PathLike | None = None, kv_disk_bytes: int = 0, log=None):
-        """log: where the worker writes a line per finished sequence (serve's stderr; None: nowhere)."""
+                 kv_dir: str | os.PathLike | None = None, kv_disk_bytes: int = 0, log=None,
+                 gather_ms: float = 0.0):
+        """log: where the worker writes a line per finished sequence (serve's stderr; None: nowhere).
+        gather_ms: how long an idle worker waits for arrivals to pause (serve --gather-ms)."""
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         if self.tokenizer is None:
@@ -108,7 +115,7 @@ class LoadedModel:
             self.metrics = ServerMetrics()
             self.worker = GenerationWorker(self.engine, self.tokenizer, eos_ids(self.engine.checkpoint.config,
                                                                                 self.model_dir),
-                                           queue_size, self.metrics, log=log)
+                                           queue_size, self.metrics, log=log, gather_s=gather_ms / 1000)
         except BaseException:
             self.engine.close()
             raise
@@ -149,7 +156,7 @@ class _Server(uvicorn.Server):
 def serve(model_dir, config: EngineConfig, opts: ServeOptions, log=print, **reuse) -> None:
     """reuse: LoadedModel's kv_dir and kv_disk_bytes (the prefix cache's SSD tier)."""
     opts = check_options(opts)
-    model = LoadedModel(model_dir, config, opts.queue_size, log=log, **reuse)
+    model = LoadedModel(model_dir, config, opts.queue_size, log=log, gather_ms=opts.gather_ms, **reuse)
     try:
         state = make_state(model, opts)
         log(f"colibri serve: {state.model_id} on http://{opts.host}:{opts.port}/v1 "

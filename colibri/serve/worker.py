@@ -3,7 +3,8 @@
 Requests run together up to the engine's max_batch (EngineConfig.max_batch, `serve --max-batch`):
 the scheduler (engine/run/batch.py) admits the queue's head at a step boundary when the pool has a
 KV cache free for each of its sequences, prefills a newcomer's prompt one group per step between
-the running sequences' decode steps, and decodes every running sequence in one step (each routed
+the running sequences' decode steps (the groups of prompts waiting together in one pass while they
+fit one group, each routed expert read once for all of them), and decodes every running sequence in one step (each routed
 expert read once for all of them). max_batch 1, the default, runs one generation at a time:
 people who stream a 300-700B model from an SSD found serial requests the stable choice, and a
 batch takes a KV cache per sequence, which the memory plan charges before the model loads.
@@ -22,10 +23,9 @@ import itertools
 import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 
 from engine.api import BatchSequence, ConfigError, Decoding, Generation, GrammarTokenizer, Sampler, Scheduler, generate
+from colibri.serve.jobs import Job, JobQueue, JobResult
 from colibri.serve.prometheus import ServerMetrics
 from colibri.serve.protocol import SEED_MAX, ApiError, Sampling
 
@@ -125,98 +125,15 @@ class SpecialText:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-@dataclass(eq=False)  # each job is itself (the worker keeps the running ones in a set)
-class Job:
-    prompt_ids: list[int]
-    sampling: Sampling
-    # emit(kind, value), called on the worker thread: ("text", str) and, when log-probs were
-    # asked, ("logprob", TokenLogprob) before the text its token gave; then ("done", JobResult).
-    # With sampling.n > 1 each value is (choice index, value), and each choice ends with its "done".
-    emit: object
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    seq: int = 0
-    # Keep special tokens in the text: tool-call markers are special tokens in some vocabularies
-    # (gpt-oss's harmony channels, GLM's <tool_call>), and a parser cannot find what decode drops.
-    special_text: bool = False
-    # engine LogitsProcessors for this job only (n = 1), after the sampler's penalties (and a
-    # response_format's grammar, which the worker adds); one whose done() ends the generation
-    # ends it with finish_reason "stop"
-    processors: list = field(default_factory=list)
-    submitted_at: float = 0.0  # time.perf_counter() when queued (its wait is counted from here)
-    choices: list = field(default_factory=list, repr=False)  # its running sequences (the worker's _Choice)
-
-    @property
-    def n(self) -> int:
-        return getattr(self.sampling, "n", 1)
-
-
-@dataclass
-class JobResult:
-    text: str
-    output_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
-    prompt_tokens: int
-    generation: Generation | None
-    error: str | None = None
-
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens whose KV was reused, not computed (OpenAI usage.prompt_tokens_details)."""
-        return self.generation.cached_tokens if self.generation is not None else 0
-
-
-class JobQueue:
-    """The bounded FIFO of jobs not started yet. `queue` is the deque itself (read, never changed,
-    by other threads); the head is looked at before it is taken, since it starts only when the
-    scheduler has a cache for each of its n sequences."""
-
-    def __init__(self, maxsize: int):
-        self.maxsize = maxsize
-        self.queue: deque[Job] = deque()
-        self._cond = threading.Condition()
-        self.closed = False
-
-    def put_nowait(self, job: Job) -> None:
-        with self._cond:
-            if len(self.queue) >= self.maxsize:
-                raise queue.Full
-            self.queue.append(job)
-            self._cond.notify()
-
-    def wait(self) -> bool:
-        """Block until a job is queued (True) or the queue is closed and empty (False)."""
-        with self._cond:
-            while not self.queue and not self.closed:
-                self._cond.wait()
-            return bool(self.queue)
-
-    def head(self) -> Job | None:
-        with self._cond:
-            return self.queue[0] if self.queue else None
-
-    def pop(self) -> Job:
-        with self._cond:
-            return self.queue.popleft()
-
-    def close(self) -> list[Job]:
-        """Closed: what was queued, taken out."""
-        with self._cond:
-            self.closed = True
-            left = list(self.queue)
-            self.queue.clear()
-            self._cond.notify_all()
-            return left
-
-    def qsize(self) -> int:
-        return len(self.queue)
-
-
 class GenerationWorker:
-    def __init__(self, engine, tokenizer, eos_ids: set[int], queue_size: int, metrics: ServerMetrics, log=None):
-        """log: called with one line per finished sequence (its wait, TTFT and tok/s), or None."""
+    def __init__(self, engine, tokenizer, eos_ids: set[int], queue_size: int, metrics: ServerMetrics, log=None,
+                 gather_s: float = 0.0):
+        """log: called with one line per finished sequence (its wait, TTFT and tok/s), or None.
+        gather_s: an idle worker waits for arrivals to pause this long before it starts them
+        (colibri/serve/jobs.py), where a batch can take more than one."""
         self.engine, self.tokenizer, self.eos_ids = engine, tokenizer, eos_ids
         self.metrics, self.log = metrics, log
-        self.jobs = JobQueue(queue_size)
+        self.jobs = JobQueue(queue_size, gather_s)
         self.scheduler = Scheduler(engine)
         # Speculative decoding (EngineConfig.draft, engine/run/speculative.py) runs inside generate(),
         # one sequence at a time: with it on, each job runs through generate() in turn.
@@ -311,7 +228,7 @@ class GenerationWorker:
     def _loop(self) -> None:
         sched = self.scheduler
         while True:
-            if not sched.active and not self.jobs.wait():
+            if not sched.active and not self.jobs.wait(gather=sched.max_batch > 1 and not self.serial):
                 return  # closed, nothing left
             if self.serial:
                 self._run_serial()

@@ -236,6 +236,13 @@ class Transformer:
         attention in causal sub-chunks of sub_tokens. forward() is the pass-wise reference."""
         return prefill.layer_major(self, tokens, start_pos, kv, sub_tokens)
 
+    @torch.inference_mode()
+    def prefill_parts(self, parts: list[tuple[torch.Tensor, int, object]], sub_tokens: int) -> list[torch.Tensor]:
+        """Several sequences' groups [(tokens [T_p], start_pos, kv)] in one layer-major pass → each
+        one's last logits [1, V]: each routed expert read once per layer for all of them
+        (engine/arch/prefill.py layer_major_parts)."""
+        return prefill.layer_major_parts(self, parts, sub_tokens)
+
     # --- the native calls the decode plan picks (a seam each for benchmarks/time/decode_profile.py) ------
 
     def _decode_step(self, x, start_pos, cos, sin, step):

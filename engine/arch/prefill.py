@@ -23,10 +23,20 @@ slot's weighted output [T*K, H] (summed in ascending expert order whatever order
 in), the routing [T, K] and its sort, each sub-chunk's rope rows, and for the DSA indexer each
 sub-chunk's selection [sub, S]. Transients beyond that are one sub-chunk's (prefill_activation_bytes).
 
-Shape legend: T tokens in the group, H hidden, E experts, K top-k, S positions attended, V vocab.
+Several sequences in one pass (layer_major_parts: the prompts of requests that arrived together,
+engine/run/batch.py): the group is the parts' rows one after another; each part's attention runs in
+its own KV cache in the sub-chunks its own pass would cut, its final norm and lm_head alone; the
+routed MoE takes every part's rows at once, so an expert they share is read once per layer for all.
+What the plan charges is the same for T rows whichever parts they come from (the scheduler keeps
+the parts' total within the plan's group).
+
+Shape legend: T tokens in the group (every part's), H hidden, E experts, K top-k, S positions
+attended, V vocab.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,52 +52,84 @@ def layer_major(model, tokens: torch.Tensor, start_pos: int, kv, sub_tokens: int
     """tokens [T] → logits [1, V] of the last position; K/V written at start_pos..start_pos+T.
     hidden: a list every position's final hidden state [T, H] (after the model's norm) is appended
     to: what the MTP drafter reads (engine/arch/mtp.py)."""
+    return layer_major_parts(model, [(tokens, start_pos, kv)], sub_tokens, hidden)[0]
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    rows: slice  # its rows of the pass's x
+    kv: object  # its sequence's KV cache
+    at: int  # its first position
+
+
+def layer_major_parts(model, parts: list[tuple[torch.Tensor, int, object]], sub_tokens: int,
+                      hidden: list | None = None) -> list[torch.Tensor]:
+    """Several sequences' groups in one pass: parts [(tokens [T_p], start_pos, kv)] → each part's last
+    position's logits [1, V]. Each part's attention runs in its own cache in its own sub-chunks (the
+    ones its pass alone would cut), its final norm and lm_head alone; the routed MoE takes every part's
+    rows at once, so each expert the parts need is read once per layer for all of them (the prompts of
+    simultaneous arrivals: engine/run/batch.py). One part is layer_major itself. A part's bits differ
+    from its pass alone only where an expert's matmul has other parts' rows beside its own."""
     a = model.args
-    T = tokens.shape[0]
-    if start_pos + T > kv.ctx_size:
-        raise ValueError(f"{start_pos + T} positions exceed ctx_size {kv.ctx_size}")
-    sub = max(1, min(int(sub_tokens), T))
-    chunks = [slice(b, min(b + sub, T)) for b in range(0, T, sub)]
+    if hidden is not None and len(parts) > 1:
+        raise ValueError("the MTP drafter's hidden states come from one sequence's pass")
+    chunks: list[_Chunk] = []
+    ends = []  # each part's last row + 1
+    total = 0
+    for tokens, start_pos, kv in parts:
+        T = tokens.shape[0]
+        if start_pos + T > kv.ctx_size:
+            raise ValueError(f"{start_pos + T} positions exceed ctx_size {kv.ctx_size}")
+        sub = max(1, min(int(sub_tokens), T))
+        chunks += [_Chunk(slice(total + b, total + min(b + sub, T)), kv, start_pos + b) for b in range(0, T, sub)]
+        total += T
+        ends.append(total)
+    rows = [c.rows for c in chunks]
     # Each sub-chunk's rope rows, computed in position order once: dynamic NTK grows its frequencies
     # with the furthest position seen, so asking per layer would give later layers other rows.
-    ropes = [model._rope(start_pos + c.start, c.stop - c.start) for c in chunks]
-    x = F.embedding(tokens, model.w["model.embed_tokens.weight"])  # [T, H], updated in place layer by layer
+    ropes = [model._rope(c.at, c.rows.stop - c.rows.start) for c in chunks]
+    x = F.embedding(torch.cat([t for t, _, _ in parts]) if len(parts) > 1 else parts[0][0],
+                    model.w["model.embed_tokens.weight"])  # [T, H] (T: every part's), updated in place layer by layer
     normed = torch.empty_like(x)  # [T, H]: the MoE's input for the whole group
     routed_out = slot_out = None
     if a.is_moe:
         routed_out = torch.empty_like(x)  # [T, H]
-        slot_out = torch.empty(T * a.top_k, a.hidden_size, dtype=x.dtype)  # [T*K, H]
+        slot_out = torch.empty(total * a.top_k, a.hidden_size, dtype=x.dtype)  # [T*K, H]
     # The DSA indexer's selection is per query, and a "shared" layer reuses the last full layer's:
     # kept per sub-chunk, as a pass of those tokens would have it.
-    indexed = hasattr(kv, "selection")
-    selections = [getattr(kv, "selection", None)] * len(chunks)
-    _hint_group(model, 0, x, chunks)
+    indexed = [hasattr(c.kv, "selection") for c in chunks]
+    selections = [getattr(c.kv, "selection", None) for c in chunks]
+    _hint_group(model, 0, x, rows)
     for layer in range(a.num_layers):
         p = layer_prefix(layer)
         w = model._layer_weights(layer)
         for i, c in enumerate(chunks):
             cos, sin = ropes[i]
-            at = start_pos + c.start
-            if indexed:
-                kv.selection = selections[i]
-            x[c].add_(model._attention(layer, w, rms_norm(x[c], w[f"{p}.input_layernorm.weight"], a.rms_norm_eps),
-                                       at, kv, cos, sin, model._mask(at, c.stop - c.start)))
-            if indexed:
-                selections[i] = kv.selection
+            if indexed[i]:
+                c.kv.selection = selections[i]
+            x[c.rows].add_(model._attention(layer, w, rms_norm(x[c.rows], w[f"{p}.input_layernorm.weight"],
+                                                               a.rms_norm_eps), c.at, c.kv, cos, sin,
+                                               model._mask(c.at, c.rows.stop - c.rows.start)))
+            if indexed[i]:
+                selections[i] = c.kv.selection
         if a.is_moe_layer(layer):
-            _moe(model, layer, w, x, normed, chunks, routed_out, slot_out, sub)
+            _moe(model, layer, w, x, normed, rows, routed_out, slot_out, max(1, min(int(sub_tokens), total)))
         else:
-            for c in chunks:
+            for c in rows:
                 normed[c] = rms_norm(x[c], w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)
                 x[c].add_(swiglu(normed[c], w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"],
                                  w[f"{p}.mlp.down_proj.weight"]))
-        _hint_group(model, layer + 1, x, chunks)
-    if indexed:
-        kv.selection = selections[-1]  # what the last pass would have left
+        _hint_group(model, layer + 1, x, rows)
+    for i, c in enumerate(chunks):  # each cache left with its last sub-chunk's: what its last pass would leave
+        if indexed[i]:
+            c.kv.selection = selections[i]
     if hidden is not None:
         hidden.append(rms_norm(x, model.w["model.norm.weight"], a.rms_norm_eps))
-    last = rms_norm(x[-1:], model.w["model.norm.weight"], a.rms_norm_eps)
-    return linear(last, model.lm_head).float()  # [1, V]
+    out = []
+    for end in ends:
+        last = rms_norm(x[end - 1:end], model.w["model.norm.weight"], a.rms_norm_eps)
+        out.append(linear(last, model.lm_head).float())  # [1, V]
+    return out
 
 
 def _moe(model, layer: int, w: dict, x: torch.Tensor, normed: torch.Tensor, chunks: list[slice],

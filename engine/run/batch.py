@@ -11,9 +11,12 @@ The scheduler runs steps on one thread (the caller's; serve's worker thread). Ea
     3. one decode step over every sequence past its first token: Engine.decode_rows for two or
        more (each routed expert fetched once per layer for all rows, each row with its solo bits),
        the solo decode for one
-    4. one prefill group of the oldest prefilling prompt (Engine.prefill_groups: the groups
-       prefill_into takes, so the same bits), so a running sequence waits at most one group
-       between its tokens; after the last group each of its sequences takes its first token
+    4. one prefill pass: the oldest prefilling prompt's next group (a group prefill_into would cut),
+       joined by the next groups of the prompts admitted after it while their total stays within
+       one group (the tokens the memory plan charged a pass for), so prompts that arrived together
+       are prefilled together, each routed expert read once for all of them (Engine.prefill_parts),
+       and a running sequence still waits at most one group between its tokens; after a prompt's
+       last group each of its sequences takes its first token
     5. a sequence that has finished (Decoding.settle: max_new_tokens, a stop id, on_token, a
        processor's done()), failed or been cancelled leaves at once; its prompt and answer are
        remembered in the prefix cache
@@ -62,7 +65,7 @@ class BatchSequence:
     last_token_at: float | None = None
     group: list["BatchSequence"] = field(default_factory=list, repr=False)
     slot: "_Slot | None" = field(default=None, repr=False)
-    _prefill: object = field(default=None, repr=False)  # the leader's Engine.prefill_groups
+    _group: int = 0  # the leader's prefill group: tokens per pass (Engine.prefill_group_tokens)
     _done_tokens: int = 0  # prompt tokens of the suffix its prefill has written so far
     _reused: int = 0
 
@@ -200,9 +203,9 @@ class Scheduler:
         decoding = [s for s in self.running if s.state == "decode"]
         if decoding:
             self._decode(decoding, info)
-        leader = next((s for s in self.running if s.state == "prefill"), None)
-        if leader is not None:
-            self._prefill_group(leader, info)
+        leaders = [s for s in self.running if s.state == "prefill"]
+        if leaders:
+            self._prefill(leaders, info)
         self.steps += 1
         return info
 
@@ -252,27 +255,49 @@ class Scheduler:
                 continue
             del leader.slot.tokens[reused:]  # positions from here are computed now
             leader._reused = reused
-            leader._prefill = self.engine.prefill_groups(leader.slot.kv, prompt[reused:], reused)
+            leader._group = self.engine.prefill_group_tokens(leader.slot.kv, len(prompt) - reused)
             for s in group:
                 s.decoding.gen.cached_tokens = reused
 
-    def _prefill_group(self, leader: BatchSequence, info: StepInfo) -> None:
-        slot, prompt = leader.slot, leader.prompt_ids
-        start = leader._reused + leader._done_tokens
+    def _prefill(self, leaders: list[BatchSequence], info: StepInfo) -> None:
+        """The oldest prefilling prompt's next group, joined by the next groups of the prompts after it
+        (in admission order) while the total stays within its group (the tokens the plan charged
+        one pass for): the prompts of requests that arrived together go through in one pass, each
+        expert read once for all of them (Engine.prefill_parts). Each prompt keeps the groups its own
+        prefill_into would cut; a one-token prompt goes alone (prefill_into's decode forward)."""
+        parts, used = [], 0
+        for s in leaders:
+            start = s._reused + s._done_tokens
+            n = min(s._group, len(s.prompt_ids) - start)
+            one = len(s.prompt_ids) - s._reused == 1  # a one-token prompt: prefill_into's decode forward
+            if parts and (one or parts[0][3] or used + n > leaders[0]._group):
+                continue
+            parts.append((s, s.prompt_ids[start:start + n], start, one))
+            used += n
         try:
-            done, logits = next(leader._prefill)
-        except Exception as exc:  # a read error, say: every sequence of the group fails
-            del slot.tokens[start:]
-            self._fail(leader.group, exc)
+            if parts[0][3]:
+                s, piece, start, _ = parts[0]
+                logits = [self.engine.prefill_into(s.slot.kv, piece, start)]
+            else:
+                logits = self.engine.prefill_parts([(s.slot.kv, piece, start) for s, piece, start, _ in parts])
+        except Exception as exc:  # a read error, say: every sequence of the joined groups fails
+            for s, _, start, _ in parts:
+                del s.slot.tokens[start:]
+                self._fail(s.group, exc)
             return
-        written = prompt[start:leader._reused + done]
+        info.prefill_tokens += used
+        for (leader, piece, start, _), last in zip(parts, logits):
+            self._prefilled(leader, piece, start, last)
+
+    def _prefilled(self, leader: BatchSequence, written: list[int], start: int, logits: torch.Tensor) -> None:
+        """A leader's group is in its cache: its tokens recorded; after the last group each sequence
+        of its group takes its first token."""
+        slot, prompt = leader.slot, leader.prompt_ids
         if len(slot.tokens) == start:
             slot.tokens.extend(written)
-        info.prefill_tokens += len(written)
-        leader._done_tokens = done
-        if leader._reused + done < len(prompt):
+        leader._done_tokens += len(written)
+        if leader._reused + leader._done_tokens < len(prompt):
             return
-        leader._prefill = None
         now = time.perf_counter()
         for s in leader.group:
             if s.state == "done":
@@ -348,7 +373,6 @@ class Scheduler:
         if s in self.running:
             self.running.remove(s)
         slot, s.slot = s.slot, None
-        s._prefill = None
         if slot is not None:
             if outcome != "error" and slot.tokens:
                 try:  # the prompt and the answer so far: a next turn resends both

@@ -190,7 +190,8 @@ def _run_batch_bench(model_dir, config: EngineConfig, batch: int, tokens: int, p
                      cold: bool, seed: int, warmup_tokens: int, progress, record_routing: str | None) -> dict:
     """`bench --batch B`: B greedy sequences arriving together (prompts of `prompt_tokens` drawn from
     seed, seed + 1, ...), each `tokens` decode tokens after its first, through the batch scheduler
-    (one prefill group per step, the decoding ones in one step). max_batch is raised to B if below.
+    (one prefill pass per step, the prompts' groups together while they fit one group; the decoding
+    ones in one step). max_batch is raised to B if below.
 
     Figures per repeat: decode_tok_s is the aggregate (every sequence's decode tokens over the time
     of the decode steps), sequence_tok_s the median sequence's own (its decode tokens over the time

@@ -301,17 +301,31 @@ class Engine(Drafting):
 
     def prefill_groups(self, kv, tokens: list[int] | torch.Tensor, start_pos: int):
         """prefill_into one group at a time: yields (tokens written so far, the group's last logits
-        [1, V]) after each, so a scheduler can run other sequences' decode steps between a prompt's
-        groups (engine/run/batch.py) with the very bits prefill_into gives."""
+        [1, V]) after each (the groups engine/run/batch.py's scheduler passes to prefill_parts)."""
         t = torch.as_tensor(tokens, dtype=torch.long)
         if t.shape[0] == 1:
             yield 1, self.model.forward(t, start_pos, kv)
             return
-        group = prefill_tokens_per_pass(kv.ctx_size, self.plan.prefill_group or t.shape[0])
+        group = self.prefill_group_tokens(kv, t.shape[0])
         for begin in range(0, t.shape[0], group):
             logits = self.model.prefill(t[begin:begin + group], start_pos + begin, kv, PREFILL_CHUNK)
             heap.release_freed()  # the group's state and transients, so the next starts from what is live
             yield min(begin + group, t.shape[0]), logits
+
+    def prefill_group_tokens(self, kv, prompt_tokens: int) -> int:
+        """Tokens per group of a prompt of `prompt_tokens` new tokens written into `kv`: the groups
+        prefill_groups cuts (the plan's prefill_group, or the whole prompt)."""
+        return prefill_tokens_per_pass(kv.ctx_size, self.plan.prefill_group or prompt_tokens)
+
+    def prefill_parts(self, parts: list[tuple[object, list[int] | torch.Tensor, int]]) -> list[torch.Tensor]:
+        """Groups of several sequences in one pass: parts [(kv, tokens, start_pos)] → each one's last
+        logits [1, V], each routed expert read once per layer for all (Transformer.prefill_parts). The
+        caller keeps their total within the plan's group (what the plan charged); one part alone
+        has the bits prefill_groups gives that group."""
+        logits = self.model.prefill_parts([(torch.as_tensor(t, dtype=torch.long), pos, kv) for kv, t, pos in parts],
+                                          PREFILL_CHUNK)
+        heap.release_freed()  # the group's state and transients, so the next starts from what is live
+        return logits
 
     def decode_rows(self, tokens: list[int] | torch.Tensor, positions: list[int], kvs: list) -> torch.Tensor:
         """fp32 logits [B, V]: row b one token at positions[b] of cache kvs[b] (the engine's own or

@@ -10,8 +10,9 @@ predicted TTFT of the trace's median prompt (tokens x that TTFT / its tokens).
 
 The simulation follows engine/run/batch.py's order within a step: requests that have arrived join
 the FIFO line; the head is admitted while the pool has a KV cache free for each of its n sequences
-(max_batch caches); one decode step over every sequence past its first token; one prefill group of
-the oldest prefilling prompt (its last group gives each of its sequences its first token); a
+(max_batch caches); one decode step over every sequence past its first token; one prefill pass:
+the oldest prefilling prompt's next group joined by the next groups of the prompts after it while
+their total fits one group (a prompt's last group gives each of its sequences its first token); a
 sequence leaves after max_tokens. A request of n above max_batch is refused (serve's 400).
 """
 
@@ -75,12 +76,18 @@ def simulate(requests: list[SimRequest], step_seconds, prefill_seconds, max_batc
                     running.append(seq)
             decoding = running
         if prefilling:
-            head = prefilling[0]
-            g = min(group, head[1])
-            t += prefill_seconds(g)
-            head[1] -= g
-            if head[1] <= 0:
-                r = prefilling.popleft()[0]
+            joined, used = [], 0  # the oldest's next group, and the next groups after it that fit beside it
+            for item in prefilling:
+                g = min(group, item[1])
+                if not joined or used + g <= group:
+                    joined.append((item, g))
+                    used += g
+            t += prefill_seconds(used)
+            for item, g in joined:
+                item[1] -= g
+                if item[1] > 0:
+                    continue
+                r = item[0]
                 for _ in range(r.n):
                     r.firsts.append(t)
                     if r.max_tokens <= 1:
@@ -88,6 +95,7 @@ def simulate(requests: list[SimRequest], step_seconds, prefill_seconds, max_batc
                         free += 1
                     else:
                         decoding.append([r, 1])
+            prefilling = deque(item for item in prefilling if item[1] > 0)
     return t
 
 

@@ -5,6 +5,11 @@ Streamed, a call's first delta has its index, id, type and name (arguments ""), 
 follow in pieces as the model writes them, as OpenAI streams them (Hermes, DeepSeek-V3 and harmony
 calls, once their arguments' object opens: colibri/serve/tools/base.py); a call read only at its
 block's end (GLM's key/value pairs, a head no pattern reads) sends its arguments in one piece.
+
+Log-probs (`logprobs`, `top_logprobs`) are those of every generated token, call syntax and markers
+included (the model's own, as on the route without tools: colibri/serve/shapes.py); streamed, the
+tokens' entries ride on the first chunk sent after them (a call's head, an arguments piece, content,
+or the finish chunk for tokens the parser still held), so every counted token is reported once.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.api import ColibriError
 from colibri.serve.jobrun import SHUTDOWN, JobRun
-from colibri.serve.shapes import usage
+from colibri.serve.shapes import chat_logprobs, usage
 from colibri.serve.protocol import ApiError, ChatRequest, bad
 from colibri.serve.tools import detect_format
 from colibri.serve.tools.constrain import tool_grammar
@@ -54,8 +59,6 @@ def openai_call(call, index: int | None = None) -> dict:
 
 
 async def tool_chat_completion(request, state, req: ChatRequest) -> Response:
-    if req.sampling.logprobs is not None:  # refused by name, never dropped: this route does not report them yet
-        raise ApiError(400, "logprobs: not reported for an answer with tools (yet)", param="logprobs")
     if req.sampling.n != 1:  # one parsed answer per request on this route: refused by name
         raise ApiError(400, "n: one choice per request when tools are offered (send n requests)", param="n")
     ids, output = tool_prompt(state, req)
@@ -64,7 +67,7 @@ async def tool_chat_completion(request, state, req: ChatRequest) -> Response:
     seed = req.sampling.seed  # named in every answer, as the other routes do, so it can be replayed
     headers = {"x-colibri-seed": str(seed)}
     if req.sampling.stream:
-        return StreamingResponse(_sse(run, output, ident, model, req.sampling.include_usage, seed),
+        return StreamingResponse(_sse(run, output, ident, model, req.sampling.include_usage, seed, state.token_text),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
     got = await run.collect(request)
     if got is None:
@@ -76,8 +79,10 @@ async def tool_chat_completion(request, state, req: ChatRequest) -> Response:
     message = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [openai_call(c) for c in calls]
+    logprobs = (chat_logprobs(run.logprobs[:len(result.output_ids)], state.token_text)
+                if req.sampling.logprobs is not None else None)
     return JSONResponse({"id": ident, "object": "chat.completion", "created": int(time.time()), "model": model,
-                         "seed": seed, "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "seed": seed, "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                                                     "finish_reason": output.finish_reason(result.finish_reason)}],
                          "usage": usage(result)}, headers=headers)
 
@@ -85,15 +90,25 @@ async def tool_chat_completion(request, state, req: ChatRequest) -> Response:
 class ChunkMaker:
     """Chat completion chunks for one streamed answer (pure: tested without a server)."""
 
-    def __init__(self, ident: str, model: str, seed: int | None = None):
+    def __init__(self, ident: str, model: str, seed: int | None = None, token_text=None):
+        """token_text: the server's TokenText, when the request asked for log-probs."""
         self.ident, self.model, self.created, self.seed = ident, model, int(time.time()), seed
         self.index = 0
         self.indices: dict[str, int] = {}  # call id → its index in tool_calls
+        self.token_text = token_text
+        self.pending: list = []  # log-prob entries of tokens whose text no chunk has carried yet
+
+    def logprob(self, entry) -> None:
+        """A generated token's (TokenLogprob, text offset): sent with the next chunk."""
+        self.pending.append(entry)
 
     def chunk(self, delta: dict, finish: str | None = None) -> dict:
+        lp = None
+        if self.pending and self.token_text is not None:
+            lp, self.pending = chat_logprobs(self.pending, self.token_text), []
         return {"id": self.ident, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 **({"seed": self.seed} if self.seed is not None else {}),
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]}
 
     def opening(self) -> dict:
         return self.chunk({"role": "assistant", "content": ""})
@@ -123,12 +138,16 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _sse(run: JobRun, output: ToolOutput, ident: str, model: str, include_usage: bool, seed: int):
-    maker = ChunkMaker(ident, model, seed)
+async def _sse(run: JobRun, output: ToolOutput, ident: str, model: str, include_usage: bool, seed: int,
+               token_text=None):
+    maker = ChunkMaker(ident, model, seed, token_text)
     try:
         yield _event(maker.opening())
         while True:
             kind, value = await run.next()
+            if kind == "logprob":
+                maker.logprob(value)
+                continue
             if kind == "text":
                 for chunk in maker.events(output.feed(value)):
                     yield _event(chunk)
