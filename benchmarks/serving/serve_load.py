@@ -7,6 +7,7 @@
   over for a duration, each request on a worker thread of its own; 503 (queue full) is counted as
   the refusal serve answers by design, anything else as an error.
 - `log_requests`: the server's per-request log lines (wait, TTFT from admission) as figures.
+- `percentile`, `rounded`: the figures as the tables quote them.
 
 Timings here are the client's: the figures a user of `serve` sees.
 """
@@ -85,6 +86,11 @@ def percentile(values, q: float) -> float | None:
     at = (len(vals) - 1) * q / 100
     lo, hi = math.floor(at), math.ceil(at)
     return vals[lo] + (vals[hi] - vals[lo]) * (at - lo)
+
+
+def rounded(v: float | None, digits: int = 3) -> float | None:
+    """A figure as the tables and JSON quote it: rounded, None kept."""
+    return None if v is None else round(v, digits)
 
 
 def simultaneous(base: str, prompts: list, tokens: int, timeout: float = 600.0) -> list[dict]:
