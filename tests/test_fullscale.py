@@ -1,5 +1,6 @@
 """The engine's metadata path at the published scale: DeepSeek-V3 671B written as sparse files
-(benchmarks/formats/fullscale.py: real headers and index, holes for the bytes; ~10 MB on disk).
+(benchmarks/formats/fullscale_build.py, fullscale.py's builder: real headers and index, holes for
+the bytes; ~10 MB on disk).
 
 Opens the 163-shard, 46k-tensor bf16 variant (the FP8 one needs the FP8 reader), lays out its
 14,848 routed experts (one read each), and plans it: the figures docs/BENCHMARKS.md reports come
@@ -12,7 +13,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.formats.fullscale import build
+from benchmarks.formats.fullscale_build import build
 from engine.arch.registry import model_args
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError
@@ -104,7 +105,7 @@ def test_decodable_build_writes_the_scales_and_biases_a_decode_step_reads():
     """`build --decodable`: the bytes a decode step on holes reads are real — int4 scales whose
     hole codes dequantize to exactly 0, FP8 scales 1.0, and router biases that make experts
     0..K-1 win every tie — and nothing else (an expert the router never picks stays a hole)."""
-    from benchmarks.formats.fullscale import _real_bytes
+    from benchmarks.formats.fullscale_build import _real_bytes
     from engine.weights.quantized import dequantize_int4
     K = 8
     qscale = _real_bytes("model.layers.5.mlp.experts.3.down_proj.qscale", "BF16", (16, 7168, 2), K)
