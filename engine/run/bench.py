@@ -25,10 +25,9 @@ from engine.run import steady
 from engine.run.batch import BatchSequence, Scheduler, StepInfo
 from engine.run.generate import Decoding, Sampler, generate, load_tokenizer, random_prompt_ids
 from engine.movement.io import trace
-from engine.run.run_metrics import (SCHEMA, SUMMARY_KEYS, envelope, peak_rss_bytes, percentile, rss_file_bytes,
-                                    run_metrics, spread)
+from engine.run.run_metrics import (SCHEMA, SUMMARY_KEYS, bench_result, draft_medians, envelope, peak_rss_bytes,
+                                    percentile, rss_file_bytes, run_metrics, spread, workload_metrics)
 from engine.run.runtime import Engine
-from engine.run.spec_gate import draft_figures
 from engine.run.prompts_file import Request, workload_digest
 from engine.run import request_trace, trace_replay
 
@@ -110,12 +109,12 @@ def run_bench(model_dir, config: EngineConfig, tokens: int = 16, repeats: int = 
                 traced += [dict(r, repeat=rep) for r in tracer.records()]
             if progress:
                 progress(rep + 1, repeats, m)
-        result = _result(engine, model_dir, runs, SUMMARY_KEYS, t_start, record_routing,
+        result = bench_result(engine, model_dir, runs, SUMMARY_KEYS, t_start, record_routing,
                          lambda r: r.get("bytes_read", 0) / max(len(r["output_ids"]) - 1, 1),
                          cold=cold, cold_method=cold_how, tokens=tokens, repeats=repeats, prompt_tokens=prompt_tokens,
                          seed=seed)
         result["cpu_s_per_token"] = spread([r.get("cpu_s_per_token") for r in runs])["median"]
-        result.update(_draft_medians(runs))
+        result.update(draft_medians(runs))
         if read_trace:
             result["read_trace"] = _write_read_trace(read_trace, engine, config, result, traced, windows)
         return result
@@ -142,17 +141,17 @@ def _run_workload_bench(model_dir, config: EngineConfig, workload: list[Request]
                 cold_how = make_cold(engine)
             _reset_stats(engine)
             gens = [generate(engine, list(r.prompt_ids), r.max_new_tokens, Sampler()) for r in workload]
-            m = _workload_metrics(engine, gens)
+            m = workload_metrics(engine, gens)
             runs.append(m)
             if progress:
                 progress(rep + 1, repeats, m)
-        result = _result(engine, model_dir, runs, SUMMARY_KEYS, t_start, record_routing,
+        result = bench_result(engine, model_dir, runs, SUMMARY_KEYS, t_start, record_routing,
                          lambda r: r.get("bytes_read", 0) / max(r["generated_tokens"], 1),
                          cold=cold, cold_method=cold_how, repeats=repeats, seed=seed,
                          tokens=sum(r.max_new_tokens for r in workload),
                          prompt_tokens=sum(len(r.prompt_ids) for r in workload),
                          workload={"requests": len(workload), "sha256": workload_digest(workload)})
-        result.update(_draft_medians(runs))
+        result.update(draft_medians(runs))
         return result
     finally:
         engine.close()
@@ -230,7 +229,7 @@ def _run_batch_bench(model_dir, config: EngineConfig, batch: int, tokens: int, p
             runs.append(m)
             if progress:
                 progress(rep + 1, repeats, m)
-        result = _result(engine, model_dir, runs, (*SUMMARY_KEYS, *BATCH_KEYS), t_start, record_routing,
+        result = bench_result(engine, model_dir, runs, (*SUMMARY_KEYS, *BATCH_KEYS), t_start, record_routing,
                          lambda r: r.get("bytes_read_per_token"), cold=cold, cold_method=cold_how, tokens=tokens,
                          repeats=repeats, prompt_tokens=prompt_tokens, seed=seed, batch=batch)
         return result
@@ -319,7 +318,7 @@ def _run_trace_bench(model_dir, config: EngineConfig, path: str, repeats: int, c
             if progress:
                 progress(rep + 1, repeats, m)
         keys = tuple(dict.fromkeys((*SUMMARY_KEYS, *trace_replay.TRACE_KEYS)))
-        result = _result(engine, model_dir, runs, keys, t_start, record_routing,
+        result = bench_result(engine, model_dir, runs, keys, t_start, record_routing,
                          lambda r: r.get("bytes_read", 0) / max(r["generated_tokens"], 1),
                          consistent="request_output_ids", cold=cold, cold_method=cold_how, repeats=repeats,
                          seed=seed, tokens=sum(r.max_tokens * r.n for r in requests),
@@ -332,54 +331,6 @@ def _run_trace_bench(model_dir, config: EngineConfig, path: str, repeats: int, c
         return result
     finally:
         engine.close()
-
-
-def _result(engine: Engine, model_dir, runs: list[dict], keys, t_start: float, record_routing: str | None,
-            bytes_per_token, consistent: str = "output_ids", **conditions) -> dict:
-    """The bench result every mode builds: the engine's envelope, the mode's conditions, the runs and
-    the median of each of `keys` at top level (every printer finds the headline figures there),
-    whether the repeats gave the same tokens (`consistent`: the runs' field compared), bytes read per
-    generated token (bytes_per_token(run), median), the process's peaks, and the routing histogram
-    when one was recorded."""
-    result = envelope(engine, str(model_dir))
-    result.update({"kind": "bench", **conditions, "load_seconds": engine.load_seconds,
-                   "summary": {k: spread([r.get(k) for r in runs]) for k in keys}, "runs": runs,
-                   "output_ids": runs[0]["output_ids"] if runs else [],
-                   "tokens_consistent": all(r[consistent] == runs[0][consistent] for r in runs),
-                   "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": rss_file_bytes(),
-                   "wall_seconds": time.perf_counter() - t_start})
-    for k in keys:
-        result[k] = result["summary"][k]["median"]
-    result["bytes_read_per_token"] = spread([bytes_per_token(r) for r in runs])["median"]
-    result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
-    if record_routing:
-        engine.save_routing(record_routing)
-        result["routing_histogram"] = record_routing
-    return result
-
-
-def _workload_metrics(engine: Engine, gens: list) -> dict:
-    # R requests; per request: prefill + first token (ttft), then its decode steps
-    per = [run_metrics(engine, g) for g in gens]  # I/O figures: the engine's counters, whole repeat
-    steps = [s for g in gens for s in g.token_seconds]
-    decode_s = sum(steps)
-    m = dict(per[-1])  # the I/O counters and memory figures as they stand after the last request
-    m.update({
-        "requests": len(gens),
-        "prompt_tokens": sum(len(g.prompt_ids) for g in gens),
-        "generated_tokens": sum(len(g.output_ids) for g in gens),
-        "ttft_s": statistics.fmean(g.ttft_seconds for g in gens),
-        "request_s": statistics.fmean(x["request_s"] for x in per if x["request_s"] is not None),
-        # Computed prompt tokens per prefill second: a reused prefix (a conversation's history) is not computed.
-        "prefill_tok_s": (sum(len(g.prompt_ids) - g.cached_tokens for g in gens)
-                          / max(sum(g.prefill_seconds for g in gens), 1e-12)),
-        "cached_tokens": sum(g.cached_tokens for g in gens),  # the prefix cache's reuse over the workload
-        "decode_tok_s": len(steps) / decode_s if decode_s else None,
-        "token_latency_p50_ms": percentile(steps, 0.5) * 1000.0 if steps else None,
-        "token_latency_p99_ms": percentile(steps, 0.99) * 1000.0 if steps else None,
-        "output_ids": [t for g in gens for t in g.output_ids],
-    })
-    return m
 
 
 def _cpu_seconds() -> float:
@@ -397,17 +348,6 @@ def make_cold(engine: Engine) -> str:
     how = store.make_cold()
     gc.collect()
     return how
-
-
-def _draft_medians(runs: list[dict]) -> dict:
-    """Speculative decoding's figures over the repeats (medians) and the last repeat's counters."""
-    out = {}
-    for key in draft_figures(runs[-1].get("draft") if runs else {}):
-        values = [r.get(key) for r in runs if r.get(key) is not None]
-        out[key] = statistics.median(values) if values else None
-    if out:
-        out["draft"] = runs[-1]["draft"]
-    return out
 
 
 def _reset_stats(engine: Engine) -> None:

@@ -1,5 +1,6 @@
 """The result every run and bench produces (JSON, schema id "colibri.metrics/1"), and the
-helpers that fill it.
+helpers that fill it: a run's figures (run_metrics), and a bench's over its repeats (bench_result,
+with workload_metrics and draft_medians; engine/run/bench.py runs the repeats).
 
 The tuner reads it into its typed schema (tuner/results/trial_record.py: RunFigures) and prints it through
 tuner/results/printers.py, so a figure means the same thing wherever it is shown.
@@ -11,6 +12,7 @@ import platform
 import resource
 import statistics
 import subprocess
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -158,3 +160,66 @@ def spread(values: list[float]) -> dict:
         return {"median": None, "min": None, "max": None, "stdev": None, "n": 0}
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
             "stdev": statistics.stdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
+
+
+# --- a bench's result over its repeats (engine/run/bench.py) ---------------------------------
+
+
+def bench_result(engine, model_dir, runs: list[dict], keys, t_start: float, record_routing: str | None,
+                 bytes_per_token, consistent: str = "output_ids", **conditions) -> dict:
+    """The bench result every mode of engine/run/bench.py builds: the engine's envelope, the mode's
+    conditions, the runs and the median of each of `keys` at top level (every printer finds the headline figures there),
+    whether the repeats gave the same tokens (`consistent`: the runs' field compared), bytes read per
+    generated token (bytes_per_token(run), median), the process's peaks, and the routing histogram
+    when one was recorded."""
+    result = envelope(engine, str(model_dir))
+    result.update({"kind": "bench", **conditions, "load_seconds": engine.load_seconds,
+                   "summary": {k: spread([r.get(k) for r in runs]) for k in keys}, "runs": runs,
+                   "output_ids": runs[0]["output_ids"] if runs else [],
+                   "tokens_consistent": all(r[consistent] == runs[0][consistent] for r in runs),
+                   "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": rss_file_bytes(),
+                   "wall_seconds": time.perf_counter() - t_start})
+    for k in keys:
+        result[k] = result["summary"][k]["median"]
+    result["bytes_read_per_token"] = spread([bytes_per_token(r) for r in runs])["median"]
+    result["hit_rate"] = runs[-1].get("hit_rate") if runs else None
+    if record_routing:
+        engine.save_routing(record_routing)
+        result["routing_histogram"] = record_routing
+    return result
+
+
+def workload_metrics(engine, gens: list) -> dict:
+    """A workload repeat's figures (bench --prompts / --workload): over every request, in order."""
+    # R requests; per request: prefill + first token (ttft), then its decode steps
+    per = [run_metrics(engine, g) for g in gens]  # I/O figures: the engine's counters, whole repeat
+    steps = [s for g in gens for s in g.token_seconds]
+    decode_s = sum(steps)
+    m = dict(per[-1])  # the I/O counters and memory figures as they stand after the last request
+    m.update({
+        "requests": len(gens),
+        "prompt_tokens": sum(len(g.prompt_ids) for g in gens),
+        "generated_tokens": sum(len(g.output_ids) for g in gens),
+        "ttft_s": statistics.fmean(g.ttft_seconds for g in gens),
+        "request_s": statistics.fmean(x["request_s"] for x in per if x["request_s"] is not None),
+        # Computed prompt tokens per prefill second: a reused prefix (a conversation's history) is not computed.
+        "prefill_tok_s": (sum(len(g.prompt_ids) - g.cached_tokens for g in gens)
+                          / max(sum(g.prefill_seconds for g in gens), 1e-12)),
+        "cached_tokens": sum(g.cached_tokens for g in gens),  # the prefix cache's reuse over the workload
+        "decode_tok_s": len(steps) / decode_s if decode_s else None,
+        "token_latency_p50_ms": percentile(steps, 0.5) * 1000.0 if steps else None,
+        "token_latency_p99_ms": percentile(steps, 0.99) * 1000.0 if steps else None,
+        "output_ids": [t for g in gens for t in g.output_ids],
+    })
+    return m
+
+
+def draft_medians(runs: list[dict]) -> dict:
+    """Speculative decoding's figures over the repeats (medians) and the last repeat's counters."""
+    out = {}
+    for key in draft_figures(runs[-1].get("draft") if runs else {}):
+        values = [r.get(key) for r in runs if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    if out:
+        out["draft"] = runs[-1]["draft"]
+    return out
