@@ -141,12 +141,13 @@ class MemoryBandwidthPoint:
 MatmulDtype = Literal["bf16", "fp32"]  # the dtypes tuner/probe/cpu.py measures
 
 
+# CpuMatmulPoint and ExpertKernelPoint share their shape and timing fields but stay two
+# declarations: a common base class would put those fields first, changing profile.json's key
+# order and the loader's first-error path.
 @dataclass(frozen=True)
 class CpuMatmulPoint:
     """A point of the profile's `cpu_matmul`: dense F.linear throughput of x[m,k] times W[n,k]^T
-    at one compute dtype and thread count (tuner/probe/cpu.py). An expert's weight format through
-    its own kernel is an ExpertKernelPoint; the two records share their shape and timing fields
-    but are two lists of the profile schema (docs/PROFILE.md), each in its own key order."""
+    at one compute dtype and thread count (tuner/probe/cpu.py)."""
 
     dtype: MatmulDtype
     m: int
