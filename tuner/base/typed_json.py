@@ -94,6 +94,32 @@ def _decode_dataclass(cls: type, data: Any, path: str, error, check, unit) -> An
     return cls(**values)
 
 
+def with_defaults(tp: Any, value: Any) -> Any:
+    """`value` (parsed JSON of type `tp`, changed in place) with every absent field that has a
+    default set to it, in nested dataclasses and lists too: what a schema migration does for the
+    fields a newer version added with defaults (tuner/results/result.py migrate). A field without
+    a default stays absent, for `decode` to refuse."""
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return with_defaults(inner, value)
+    if origin is list and isinstance(value, list):
+        (item,) = typing.get_args(tp)
+        return [with_defaults(item, v) for v in value]
+    if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+        hints = typing.get_type_hints(tp)
+        for f in dataclasses.fields(tp):
+            if f.name in value:
+                value[f.name] = with_defaults(hints[f.name], value[f.name])
+            elif f.default is not dataclasses.MISSING:
+                value[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                value[f.name] = f.default_factory()
+    return value
+
+
 def rules(*, bounds: tuple | None = None, pattern: re.Pattern | None = None, choices: tuple | None = None,
           **meta) -> dict:
     """Field metadata with the value rules decode() checks: `bounds` (lo, hi) closed, for a

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from engine.api import ConfigError
-from tuner.base.typed_json import decode
+from tuner.base.typed_json import decode, with_defaults
 from tuner.results.run_evidence import CostModelRun, ModeError, Reproduce  # noqa: F401  (re-exported, part of the schema)
 from tuner.results.trial_record import (  # noqa: F401  (re-exported: the result schema is one import for its readers)
     FIGURE_NAMES, TRIAL_SCHEMA, RunFigures, TrialRecord, TrialResult, TrialStatus, Verdict, figure, is_feasible,
@@ -380,28 +379,6 @@ def migrate(data: dict) -> dict:
     default that is missing is still an error: migration fills in what was added, it does not
     repair a damaged file.
     """
-    out = _with_defaults(TuneResult, copy.deepcopy(data))
+    out = with_defaults(TuneResult, copy.deepcopy(data))
     out["schema"] = RESULT_SCHEMA
     return out
-
-
-def _with_defaults(tp: Any, value: Any) -> Any:
-    if value is None:
-        return None
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _with_defaults(inner, value)
-    if origin is list and isinstance(value, list):
-        (item,) = typing.get_args(tp)
-        return [_with_defaults(item, v) for v in value]
-    if dataclasses.is_dataclass(tp) and isinstance(value, dict):
-        hints = typing.get_type_hints(tp)
-        for f in dataclasses.fields(tp):
-            if f.name in value:
-                value[f.name] = _with_defaults(hints[f.name], value[f.name])
-            elif f.default is not dataclasses.MISSING:
-                value[f.name] = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                value[f.name] = f.default_factory()
-    return value
