@@ -4,11 +4,14 @@ and where its tokens go), its JobResult, and the bounded FIFO JobQueue they wait
 The queue gathers simultaneous arrivals (`serve --gather-ms`). When the worker is idle, the first
 request would otherwise start its prefill alone and the ones a few milliseconds behind it (several
 clients released together, an agent's parallel calls, a burst) would wait that whole prefill before
-joining: under a streaming budget each prefill pass reads nearly every routed expert, so the fourth
-of four simultaneous prompts waited three passes. Waiting until the arrivals pause (`gather_s`
+joining: under a streaming budget each prefill pass reads nearly every routed expert, so three of
+four simultaneous prompts waited a whole pass for the first, then read the experts again. Waiting until the arrivals pause (`gather_s`
 without a new one, at most GATHER_CAP times that from the first) lets the scheduler prefill them in
-one pass (engine/run/batch.py). A lone request pays the pause once (5 ms by default, against a
+one pass (engine/run/batch.py). A lone request pays the pause once (20 ms by default, against a
 prefill of a second or more); a busy worker never waits here (newcomers join at its step boundaries).
+Measured on demo under 1 GiB, cold, four clients released together at a fresh server: 5 ms let the
+first start alone in 3 of 3 rounds (its spread of arrivals is longer), 20 ms gathered all four in 3 of
+3 (docs/BENCHMARKS.md, issue 39).
 """
 
 from __future__ import annotations

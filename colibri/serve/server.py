@@ -30,7 +30,7 @@ from colibri.serve.worker import GenerationWorker
 API_KEY_ENV = "COLIBRI_API_KEY"
 MAX_QUEUE = 1024
 MAX_GATHER_MS = 1000
-DEFAULT_GATHER_MS = 5.0
+DEFAULT_GATHER_MS = 20.0
 GRACEFUL_S = 5  # uvicorn's wait for open requests after a signal; they end at once (ServeState.shut_down)
 
 
