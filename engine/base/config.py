@@ -172,7 +172,8 @@ class EngineConfig:
                            zero_means="everything resident", label="RAM budget", short="budget", unit="B")
     # A span (one expert) larger than this is split across the io_threads readers; smaller ones
     # are one request. 4 MiB: demo's 3 MiB experts are read whole, which measured 1.37x the
-    # decode speed of splitting them at 1 MiB (docs/BENCHMARKS.md, "One request per span").
+    # decode speed of splitting them at 1 MiB (docs/benchmarks-history.md, 2026-12-01 10:09-11:35,
+    # "One request per span").
     # Searched: expert-sized read requests, 64 KiB..16 MiB, the range the probe measures.
     chunk_size: int = knob(4 << 20, "read request size, e.g. 1MiB", kind="size", lo=4096, hi=1 << 30,
                            label="read size", short="chunk", unit="B",

@@ -207,8 +207,8 @@ def residency_policy(io_mode: str, cache_policy: str) -> str:
     An mmap cache entry is a view of page-cache pages, which the engine does not lock: the
     kernel keeps or reclaims them by its own recency order, so the disk reads what an LRU of
     the same room misses, whatever the engine's policy counts as a hit (measured: lfu trials at
-    37-43% hits decoded no faster than lru ones at 0%, docs/BENCHMARKS.md). pread modes copy
-    into the engine's own slots, which stay until the policy evicts them."""
+    37-43% hits decoded no faster than lru ones at 0%, docs/benchmarks-history.md, calib2).
+    pread modes copy into the engine's own slots, which stay until the policy evicts them."""
     return "lru" if io_mode == "mmap" else cache_policy
 
 

@@ -105,7 +105,7 @@ def format_clock(seconds: float | None) -> str:
 # A trial's decode figure is tokens / decode time; below about a quarter of a second per repeat one
 # scheduling or I/O stall moves it by tens of percent. Measured: on the trained reference at ~300
 # tok/s, 8 tokens (27 ms) gave one config 328 tok/s in its tune and 149 re-measured minutes later
-# (docs/BENCHMARKS.md, tunebench).
+# (docs/benchmarks-history.md, tunebench, 2026-12-02).
 SHORT_DECODE_S = 0.25
 
 

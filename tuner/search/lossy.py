@@ -261,7 +261,7 @@ def same_placement_ratios(points: list[dict], trials) -> None:
     the study ran none there). The front compares each setting's fastest trial, and a probe runs
     at one placement while lossless settings get searched: when probes ran at the baseline's, on
     demo at 1 GiB k-1 was +37% over lossless at the same placement yet off the front
-    (docs/BENCHMARKS.md, tunebench)."""
+    (docs/benchmarks-history.md, tunebench, 2026-12-02)."""
     lossless: dict[tuple, float] = {}
     by_number = {}
     for t in trials:

@@ -54,7 +54,7 @@ def fault_in(stats: IOStats, mapping: mmap.mmap, lo: int, hi: int) -> None:
     # read-around, which reads read_ahead_kb around each missing page (8 MiB on this VM's
     # disk, for a 3 MiB expert): measured 3x the bytes asked for from the disk, whose
     # neighbours' pages then evict the ones in use from a budget-sized cgroup
-    # (docs/BENCHMARKS.md, "mmap io_mode: read-around").
+    # (docs/benchmarks-history.md, 2026-12-01 10:09-11:35, "mmap io_mode: read-around").
     t0 = time.perf_counter()
     try:
         mapping.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
