@@ -150,6 +150,23 @@ def test_quant_experts_rows_give_each_slot_the_one_row_bits(quant, group, H, I, 
 
 
 @needs_native_int()
+@pytest.mark.parametrize("quant,group", [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 0)])
+def test_quant_experts_rows_serve_one_expert_up_to_many_rows(quant, group):
+    """One expert on n = 1..11 rows (int4: strip passes of up to eight rows, then the rest; int8: passes
+    of four): every slot the bits of its row alone."""
+    H, I = 128, 256
+    experts = _quant_experts(quant, group, 2, H, I, torch.bfloat16, seed=group + 11)
+    weights = [t for ex in experts for t in _flat(ex)]
+    x = torch.randn(11, H, generator=torch.Generator().manual_seed(group)).bfloat16()
+    alone = [native.quant_experts(x[r:r + 1], _flat(experts[1]), group)[0] for r in range(11)]
+    for n in range(1, 12):
+        rows = torch.arange(n, dtype=torch.int64)
+        y = native.quant_experts_rows(x, weights, group, rows, torch.ones(n, dtype=torch.int64))
+        for r in range(n):
+            assert torch.equal(y[r], alone[r]), (n, r)
+
+
+@needs_native_int()
 def test_quant_experts_rows_refuse_unsorted_slots():
     experts = _quant_experts("int8", 0, 2, 64, 32, torch.bfloat16, seed=1)
     x = torch.randn(2, 64).bfloat16()
