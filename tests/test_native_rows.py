@@ -152,8 +152,8 @@ def test_quant_experts_rows_give_each_slot_the_one_row_bits(quant, group, H, I, 
 @needs_native_int()
 @pytest.mark.parametrize("quant,group", [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 0)])
 def test_quant_experts_rows_serve_one_expert_up_to_many_rows(quant, group):
-    """One expert on n = 1..11 rows (int4: strip passes of up to eight rows, then the rest; int8: passes
-    of four): every slot the bits of its row alone."""
+    """One expert on n = 1..11 rows of a step (the kernels share each weight chunk's unpacking among
+    up to four of its rows a pass, then take the rest): every slot the bits of its row alone."""
     H, I = 128, 256
     experts = _quant_experts(quant, group, 2, H, I, torch.bfloat16, seed=group + 11)
     weights = [t for ex in experts for t in _flat(ex)]
