@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "BENCHMARKS.md"
 HISTORY = ROOT / "docs" / "benchmarks-history.md"
 RETIRED = {"benchmarks/mmap_cold.py", "benchmarks/syscall_counts.py", "benchmarks/token_breakdown.py"}  # cited with the commit that has them
-TOOL = re.compile(r"benchmarks/(?:[a-z_0-9]+/)*[A-Za-z_0-9]+\.(?:py|json|toml|cpp)")
+TOOL = re.compile(r"benchmarks/(?:[a-z_0-9]+/)*[A-Za-z_0-9]+\.(?:py|jsonl|json|toml|cpp)\b")
 COLUMNS = ["question", "figure", "conditions", "date (UTC)", "commit", "reproduce"]
 
 
