@@ -32,6 +32,7 @@ def arrivals(args) -> dict:
     """Rounds of a lone arrival and of --arrivals N simultaneous ones, alternating which goes first;
     resident (one server, warmed) or --cold (a fresh server per measurement, the model's pages dropped)."""
     n = args.arrivals
+    commit = git_commit()  # the tree the servers run: taken before the first starts
     model_dir = resolve_model(args.model, progress=False)
     prompts = arrival_prompts(model_dir, n, args.prompt_tokens)
     flags = ("--max-batch", str(args.max_batch or n), "--prefix-cache", "0")
@@ -86,7 +87,7 @@ def arrivals(args) -> dict:
                   f"arrival slot, the same every round), {args.tokens} tokens greedy, streamed through /v1/completions, "
                   f"{args.rounds} rounds of lone + {n} simultaneous (alternating which first), "
                   f"{'cold: a fresh server per measurement, the model pages dropped' if args.cold else 'resident: one warmed server'}"
-                  f", server cgroup: {note}, commit {git_commit()}")
+                  f", server cgroup: {note}, commit {commit}")
     summary = {"p95_ratio": rounded(ratio), "target": ARRIVALS_TARGET,
                "met": ratio is not None and ratio <= ARRIVALS_TARGET,
                "model_bytes_cached_after_drop": dropped or None}

@@ -86,6 +86,7 @@ def soak(args) -> dict:
     out = Path(args.out)
     # The KV blocks that leave the prefix cache go under --out, not the user's cache directory.
     flags = (*(("--max-batch", str(args.max_batch)) if args.max_batch else ()), "--kv-dir", str(out / "kv"))
+    commit = git_commit()  # the tree the server runs: taken at its start (a soak lasts long enough for commits)
     server = ServerProcess(args, args.port, flags)
     samples, requests, window = [], [], []
     errors, prev, n = 0, None, 0
@@ -131,7 +132,7 @@ def soak(args) -> dict:
     doc = {"tool": TOOL, "model": args.model, "config": args.config, "ram_budget": args.ram_budget,
            "max_batch": args.max_batch, "serve_args": args.serve_arg, "trace": args.trace, "trace_gap_s": args.trace_gap if lines else None,
            "tokens_per_request": None if lines else args.tokens, "temperature": args.temperature,
-           "minutes": args.soak, "every_s": args.every, "rss_margin_mib": args.rss_margin, "commit": git_commit(),
+           "minutes": args.soak, "every_s": args.every, "rss_margin_mib": args.rss_margin, "commit": commit,
            "cgroup": server.cgroup_note, "server_up_s": round(server.up_seconds, 1), "errors": errors,
            "samples": samples, "requests": requests}
     return write_soak(doc, out)
