@@ -48,9 +48,14 @@ def say_prefix_default(p) -> None:
 def reuse_options(args, command: str) -> tuple[EngineConfig, dict]:
     """The engine config with serve's defaults (under --config and the flags): the prefix cache, and
     with --max-batch above 1 and no budget prefill groups of PREFILL_CHUNK tokens (a prompt would be
-    one group, and the running streams would wait for all of it between two tokens: engine/run/batch.py;
-    under a budget the plan's group is that or less already); and the SSD tier's directory (checked by
-    the output guard before anything loads) and bound."""
+    one group, and the running streams would wait for all of it between two tokens: engine/run/batch.py);
+    and the SSD tier's directory (checked by the output guard before anything loads) and bound.
+
+    Under a budget the group is the plan's: the largest that fits (engine/movement/plan.py
+    prefill_group_for), which can be the whole context where the budget is roomy, so a long newcomer
+    stalls the running streams for its whole group; `--prefill-chunk 256` bounds it, at the price of
+    reading the routed experts once per 256 prompt tokens. Which default serves better is open
+    (issue 39's closing note)."""
     given = engine_config_from_args(args)
     defaults = {"prefix_cache": default_prefix_cache(given.ram_budget)}
     if given.max_batch > 1 and not given.ram_budget:

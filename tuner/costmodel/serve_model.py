@@ -132,7 +132,10 @@ def predict_goodput(geometry, quant: str, config: EngineConfig, hw, routing, tra
     if not first.fits or first.ttft_s is None:
         return None
     per_token = first.ttft_s / median
-    group = config.prefill_chunk or 256  # the plan's group under a budget (engine/movement/plan.py: one sub-chunk)
+    # A stand-in where prefill_chunk is unset: the engine then prefills in the plan's group, the largest
+    # that fits (engine/movement/plan.py prefill_group_for), which this simulation does not size; where
+    # that is larger, a newcomer stalls the running streams longer than simulated here.
+    group = config.prefill_chunk or 256
     requests = [SimRequest(r.at, len(r.prompt_ids), r.max_tokens, r.n) for r in trace]
     simulate(requests, lambda rows: points[rows].step_s, lambda tokens: tokens * per_token, b, group)
     value = goodput(requests, slo_ttft, slo_tpot)
