@@ -228,7 +228,7 @@ class GenerationWorker:
     def _loop(self) -> None:
         sched = self.scheduler
         while True:
-            if not sched.active and not self.jobs.wait(gather=sched.max_batch > 1 and not self.serial):
+            if not sched.active and not self.jobs.wait(gather=sched.max_batch > 1):
                 return  # closed, nothing left
             if self.serial:
                 self._run_serial()
