@@ -22,11 +22,13 @@ def test_a_bad_geometry_or_a_missing_grid_is_one_error_line_and_nothing_is_writt
     assert not (tmp_path / "models").exists() and not out.exists()
 
 
-def test_warm_start_minutes_are_the_cost_models_trials_only(tmp_path):
+def test_warm_start_minutes_are_the_cost_models_trials_that_ran(tmp_path):
     (tmp_path / "trials.csv").write_text(
-        "number,role,wall_seconds\n0,baseline,90.0\n1,defaults,60.0\n2,model,30.0\n3,model,90.0\n4,,45.0\n")
-    assert tag.warm_start_minutes(tmp_path) == (2, 2.0)
-    assert tag.warm_start_minutes(tmp_path / "no-run") == (0, 0.0)
+        "number,role,status,wall_seconds\n0,baseline,ok,90.0\n1,defaults,ok,60.0\n2,model,ok,30.0\n3,model,slow,90.0\n"
+        "4,model,,\n5,,ok,45.0\n")
+    assert tag.warm_start_minutes(tmp_path) == (3, 2, 2.0)
+    assert tag.warm_text((3, 2, 2.0)) == "2 ran, 2.0 min (1 more enqueued)"
+    assert tag.warm_start_minutes(tmp_path / "no-run") == (0, 0, 0.0)
 
 
 def _result(nbytes=1000.0):

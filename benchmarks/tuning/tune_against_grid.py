@@ -16,7 +16,9 @@ what a user sees of one real tune on the same model and budget:
    engine's defaults as the tune measured them, in --rounds interleaved rounds (the order rotated
    each round), each a cold trial in a memory cgroup of the budget with the steady workload;
 4. from the result: the cost model's median error per io mode, and the minutes its warm-start
-   trials took (the trials enqueued by the cost model before the sampler's own).
+   trials took (the trials enqueued by the cost model before the sampler's own); with
+   --warm-before REV, the same tune run first in REV's tree (benchmarks/trees.py) for its
+   warm-start minutes before (f4ad224^: warm starts not yet gated by the calibrated error).
 
 Prints one row per geometry through benchkit's printers (or --json: one colibri.bench/1
 document); the document is also written to --out/tune_against_grid.json.
@@ -37,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.benchkit import add_output_flags, bench_lock, emit, refuse, run_conditions  # noqa: E402
+from benchmarks.trees import source_tree, tree_env  # noqa: E402
 from benchmarks.tuning.tuner_quality import config_of  # noqa: E402
 from benchmarks.tuning.tuner_unseen import GEOMETRIES, geometry_spec  # noqa: E402
 from engine.api import (STEADY_TEMPERATURE, STEADY_TOP_P, ColibriError, EngineConfig,  # noqa: E402
@@ -59,23 +62,25 @@ COLUMNS = [("geometry", lambda r: r["geometry"]), ("budget", lambda r: r["budget
            ("pick / grid best", lambda r: r["pick_vs_grid"]), ("pick / defaults", lambda r: r["pick_vs_defaults"]),
            ("evaluations", lambda r: r["evaluations"]),
            ("cost model error by io mode (trials)", lambda r: r["cost_model_by_io_mode"]),
-           ("warm-start trials, minutes", lambda r: r["warm_start"])]
+           ("warm-start trials (this tree)", lambda r: r["warm_start"]),
+           ("warm-start trials (--warm-before)", lambda r: r["warm_start_before"])]
 
 
-def run_tune(model_dir: Path, budget: int, tune_dir: Path, args) -> TuneResult:
-    """The tune's result: reused from tune_dir, else `colibri tune` run there (resumed if it was cut)."""
+def run_tune(model_dir: Path, budget: int, tune_dir: Path, args, tree: Path = ROOT) -> Path:
+    """The tune's result.json: reused from tune_dir, else `colibri tune` of `tree` (this one, or an
+    older revision's for the warm-start minutes before) run there (resumed if it was cut)."""
     result = tune_dir / "result.json"
     if not result.is_file():
         argv = [*PY, "tune", "--model", str(model_dir), "--ram-budget", str(budget), "--trials", str(args.trials),
                 "--time-budget", args.time_budget, "--out", str(tune_dir)]
-        argv += ["--profile", args.profile] if args.profile else []
+        argv += ["--profile", str(Path(args.profile).resolve())] if args.profile else []  # cwd: the tree
         argv += ["--resume"] if tune_dir.exists() else []
         print(f"  tune: {shlex.join(argv[2:])}", file=sys.stderr)
         with bench_lock(args.lock):
-            done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.DEVNULL)
+            done = subprocess.run(argv, cwd=tree, env=tree_env(tree), stdout=subprocess.DEVNULL)
         if done.returncode != 0 or not result.is_file():
             raise ColibriError(f"colibri tune exited {done.returncode} without {result}")
-    return TuneResult.from_dict(json.loads(result.read_text()), str(result))
+    return result
 
 
 def rerun_printed(r: TuneResult, runs: int, lock: str | None) -> list[dict]:
@@ -126,12 +131,19 @@ def interleaved(model_dir: Path, configs: dict[str, EngineConfig], budget: int, 
     return got
 
 
-def warm_start_minutes(tune_dir: Path) -> tuple[int, float]:
-    """(the cost model's warm-start trials, their wall minutes), from the run's trials.csv (role "model":
-    tuner/search/warm_start.py)."""
+def warm_start_minutes(tune_dir: Path) -> tuple[int, int, float]:
+    """(the cost model's warm-start trials enqueued, those that ran, their wall minutes), from the
+    run's trials.csv (role "model": tuner/search/warm_start.py; one the time budget cut before it ran
+    has no status)."""
     rows = read_trials_csv(tune_dir / "trials.csv") if (tune_dir / "trials.csv").is_file() else []
     warm = [x for x in rows if x.get("role") == "model"]
-    return len(warm), sum(float(x.get("wall_seconds") or 0.0) for x in warm) / 60
+    ran = [x for x in warm if x.get("status")]
+    return len(warm), len(ran), sum(float(x.get("wall_seconds") or 0.0) for x in ran) / 60
+
+
+def warm_text(counts: tuple[int, int, float]) -> str:
+    enqueued, ran, minutes = counts
+    return f"{ran} ran, {minutes:.1f} min" + (f" ({enqueued - ran} more enqueued)" if enqueued > ran else "")
 
 
 def spread_text(values: list[float]) -> str:
@@ -163,6 +175,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ctx", type=int, default=2048, help="the grid's context (as tuner_unseen.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trial-timeout", type=float, default=600)
+    p.add_argument("--warm-before", default=None, metavar="REV",
+                   help="also run the same tune in this revision's tree (or directory) for its warm-start "
+                        "minutes: f4ad224^ is before the warm starts were gated by calibrated error")
     p.add_argument("--out", default="reports/tune_against_grid")
     add_output_flags(p)
     return p.parse_args(argv)
@@ -178,7 +193,7 @@ def grid_of(geometry: dict, args) -> Path:
 
 def one_geometry(geometry: dict, budget: int, args, out: Path) -> dict:
     name = geometry["name"]
-    model_dir = Path(args.models) / f"unseen-{name}"
+    model_dir = Path(args.models).resolve() / f"unseen-{name}"
     grid_file = grid_of(geometry, args)
     if not (model_dir / "config.json").is_file():
         synthesize(geometry, model_dir, progress=True)
@@ -188,7 +203,13 @@ def one_geometry(geometry: dict, budget: int, args, out: Path) -> dict:
           file=sys.stderr)
     tune_dir = out / name / "tune"
     (out / name).mkdir(parents=True, exist_ok=True)
-    r = run_tune(model_dir, budget, tune_dir, args)
+    result_file = run_tune(model_dir, budget, tune_dir, args)
+    r = TuneResult.from_dict(json.loads(result_file.read_text()), str(result_file))
+    before = None
+    if args.warm_before:  # the same tune in the older tree: only its trials.csv is read
+        with source_tree(args.warm_before) as tree:
+            run_tune(model_dir, budget, out / name / "tune-before", args, tree)
+        before = warm_text(warm_start_minutes(out / name / "tune-before"))
     if r.recommended is None or r.reproduce is None or r.workload is None:
         raise ColibriError(f"{tune_dir}: the tune recommended nothing (or recorded no reproduce command)")
     tokens = int(shlex.split(r.reproduce.command)[shlex.split(r.reproduce.command).index("--tokens") + 1])
@@ -202,7 +223,6 @@ def one_geometry(geometry: dict, budget: int, args, out: Path) -> dict:
     cm = r.cost_model
     by_mode = ", ".join(f"{m} {e.median_abs_pct_error:.0f}% ({e.trials})" if e.median_abs_pct_error is not None
                         else f"{m} - ({e.trials})" for m, e in sorted((cm.by_io_mode if cm else {}).items()))
-    warm_n, warm_min = warm_start_minutes(tune_dir)
     head = r.recommended.confirmed.decode_tok_s if r.recommended.confirmed else None
     rep = [x["decode_tok_s"] for x in reruns]
     return {"geometry": name, "budget": format_size(budget), "headline": round(head, 2) if head else None,
@@ -215,7 +235,8 @@ def one_geometry(geometry: dict, budget: int, args, out: Path) -> dict:
             "pick_vs_defaults": ratio(got["pick"], got.get("defaults", [])),
             "evaluations": r.study.measured_trials, "cost_model_by_io_mode": by_mode or "-",
             "cost_model_note": cm.warm_start_note if cm else "",
-            "warm_start": f"{warm_n}, {warm_min:.1f}", "tokens": tokens,
+            "warm_start": warm_text(warm_start_minutes(tune_dir)), "warm_start_before": before or "-",
+            "tokens": tokens,
             "grid_best_point": best_key, "pick_config": r.recommended.config, "samples": got}
 
 
@@ -227,7 +248,7 @@ def main(argv=None) -> int:
             grid_of(geometry, args)
     except ColibriError as exc:
         return refuse(TOOL, str(exc))
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # absolute: an older tree's tune runs with that tree as its cwd
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for geometry, budget in specs:
