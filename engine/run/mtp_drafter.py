@@ -43,8 +43,8 @@ from engine.run.drafters import Draft
 
 # The recent pairs kept for a draft: beyond this the oldest are dropped, never computed. While the gate
 # keeps drafting off, the layer costs nothing per position; a draft after that computes these pairs
-# (one call of WINDOW rows, a fraction of a decode step) and attends over them only.
-WINDOW = 32
+# (one call of WINDOW rows: about a decode step of the 4-layer reference) and attends over them only.
+WINDOW = 16
 
 
 def mtp_layer(ckpt, args, config: EngineConfig) -> int | None:
@@ -127,6 +127,11 @@ class MtpState:
 
     def observe(self, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
         """tokens fed at positions start.. and their rows' final hidden states [n, H]."""
+        w = self.waiting
+        if w is not None and len(tokens) == 1 and w[0] == start - 1:  # a plain step: its pair, no more
+            self._queue(w[0], tokens[0], w[1])
+            self.waiting = (start, hidden)
+            return
         if self.waiting is not None and start <= self.waiting[0]:
             self.reset(start)  # back to an earlier position: another sequence
         if self.waiting is not None and self.waiting[0] == start - 1:
