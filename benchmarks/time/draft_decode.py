@@ -230,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         streamed = bool(size)
         modes = [("auto", "off")]
         for d in drafters:
-            modes += (([(d, "gate")] if "gate" in kinds else []) + [(d, f"fixed:{k}") for k in depths if "fixed" in kinds]
-                      + ([(d, "gate-nohint")] if streamed and "nohint" in kinds else []))
+            modes += [(d, "gate")] if "gate" in kinds else []
+            modes += [(d, f"fixed:{k}") for k in depths] if "fixed" in kinds else []
+            modes += [(d, "gate-nohint")] if streamed and "nohint" in kinds else []
         for workload in workloads:
             runs: dict[tuple, list] = {m: [] for m in modes}
             for r in range(a.rounds):

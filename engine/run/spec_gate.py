@@ -12,8 +12,8 @@ maximises the expected tokens per second over a plain step's:
 compute(n): a verify of n rows' compute seconds as measured (per row count; the first of a count
 only stands in, it pays one-time costs), between measured counts a line through them (through the
 one and a plain step where one count is measured), before any the prior `row_cost` of a plain step
-per extra row (0.5 where rows share their weight reads). On a
-small resident model a verify's rows cost about as much as their steps, and no depth pays.
+per extra row (0.5 where rows share their weight reads). On a small resident model a verify's rows
+cost about as much as their steps, and no depth pays.
 stall(1): a plain step's wait for reads; union(n): the expert bytes n rows read over one row's,
 from the routing (n tokens' top-k over E experts, independent: independent_union) raised to a
 power fitted online from the bytes the store really read in verify steps (consecutive tokens share
@@ -25,8 +25,9 @@ are measured on a busy machine: a depth that barely pays on paper loses as often
 Gated-off steps count towards a trial of EXPLORE_DEPTH drafts after 16, 32, 64... of them, and no
 sooner than its modelled cost (the verify and the drafting) is EXPLORE_SHARE of their time, then
 half that share, a quarter... (both bounds double with every trial, and start again once a draft
-pays), to notice that the text or the cache changed at a cost that fades while trials keep losing. Where no depth pays even at acceptance 1, or after OFF_RUN gated-off decisions
-in a row (idle_steps), the steps until the next trial are plain ones without asking the drafter:
+pays), to notice that the text or the cache changed at a cost that fades while trials keep losing.
+Where no depth pays even at acceptance 1, or after OFF_RUN gated-off decisions in a row
+(idle_steps), the steps until the next trial are plain ones without asking the drafter:
 the speculative loop then costs what generate's own does, and the MTP layer is not run at all
 (engine/run/mtp_drafter.py). Decisions are reused for REDECIDE steps (a plain step of a small
 model is a fraction of a millisecond; the gate must not be a noticeable share of it).
@@ -48,7 +49,7 @@ EMA = 0.2  # weight of a new measurement in the gate's running estimates
 ACCEPT_DECAY = 0.98  # acceptance counts fade, so a change of text (copying, then not) shows
 ACCEPT_PRIOR = (1.0, 1.0)  # Beta(1, 1): an unseen kind of draft is accepted half the time
 REDECIDE = 16  # steps a gate decision is reused before the estimates are read again
-OFF_RUN = 8  # gated-off decisions in a row (no-draft steps between them aside) after which the steps are plain until the next trial
+OFF_RUN = 8  # gated-off decisions in a row (no-draft steps aside), then plain steps until the next trial
 DRAFT_GAIN = 1.05  # the modelled speed-up a depth must reach to be drafted: a margin over the estimates' noise
 
 
@@ -224,7 +225,8 @@ class Gate:
             self._skipped = self._off_run = 0
             return best, "drafted"
         self._skipped += 1
-        if self._skipped >= self._explore_wait(min(available, EXPLORE_DEPTH), drafter):  # try once more: the text or the cache may have changed
+        # try once more: the text or the cache may have changed
+        if self._skipped >= self._explore_wait(min(available, EXPLORE_DEPTH), drafter):
             self._skipped = 0
             self._explore_at *= 2
             self._off_run = 0  # what the trial measured is decided on before the steps go plain again
