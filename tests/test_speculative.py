@@ -489,3 +489,31 @@ def test_drafts_hint_the_first_layers_and_change_no_token(tmp_path):
             assert generate(e, prompt, 20, Sampler()).output_ids == want
             recalls[hints] = (e.store.recall_total, e.store.stats()["lookahead_recall"])
     assert recalls[True][0] > recalls[False][0]  # layer 0's lookups now have a prediction to count
+
+
+def test_idle_steps_ask_no_drafter_but_streamed_still_hint_the_lookup_guess(tmp_path, monkeypatch):
+    """Gated off for good (idle_steps): resident, the drafter is never asked; streamed, prompt
+    lookup's guess at the next token is still hinted with the step's own token (what gated-off steps
+    hinted before they went idle). Tokens as without drafting, either way."""
+    from test_streaming import budget_for_cache
+    d = make_tiny(tmp_path / "m", initializer_range=0.002, routing_skew=0.0)
+    with Engine(d, config()) as e:
+        prompt = generate(e, [5, 17, 33], 48, Sampler()).output_ids[-24:]  # it repeats: lookup matches
+        want = generate(e, prompt, 20, Sampler()).output_ids
+    offers = []
+    real_offer = PromptLookup.offer
+    monkeypatch.setattr(PromptLookup, "offer", lambda self, k: offers.append(k) or real_offer(self, k))
+    kw = dict(draft="gate", drafter="lookup", prefetch_depth=1)
+    for budget in (0, budget_for_cache(d, config(**kw), 6) + (2 << 20)):
+        with Engine(d, config(ram_budget=budget, **kw)) as e:
+            monkeypatch.setattr(e.speculator.gate, "idle_steps", lambda: 1000)
+            hinted = []
+            real_hint = e.speculator._hint
+            monkeypatch.setattr(e.speculator, "_hint", lambda tokens: hinted.append(list(tokens)) or real_hint(tokens))
+            offers.clear()
+            assert generate(e, prompt, 20, Sampler()).output_ids == want
+            if not budget:
+                assert offers == [] and hinted == []
+            else:
+                assert e.speculator.hints and len(offers) == len(hinted) == 19  # one per decode step
+                assert sum(len(h) == 2 for h in hinted) >= 10  # the step's token and the guess after it
