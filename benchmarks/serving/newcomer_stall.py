@@ -8,7 +8,8 @@ submitted. Its prefill goes in passes between the streams' decode steps: at most
 pass with the cap (one sub-chunk by default), the plan's group without (which under a budget can be
 the whole context). The streams generate enough tokens to decode through the newcomer's whole
 prefill either way. Rounds alternate which setting goes first; every figure is each setting's
-median (min-max) over --rounds.
+median (min-max) over --rounds (--json: one colibri.bench/1 document, benchkit.emit; --lock FILE:
+benchkit.bench_lock around each measured round).
 
 Per setting: the streams' worst gap between two tokens (the client's stall) and their median gap,
 the newcomer's TTFT (from its admission), its prefill passes, and the expert bytes read from its
@@ -33,8 +34,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine.api import (PREFILL_CHUNK, BatchSequence, Decoding, Engine, EngineConfig, Sampler, Scheduler,  # noqa: E402
-                        git_commit, parse_size, random_prompt_ids, resolve_model)
+                        parse_size, random_prompt_ids, resolve_model)
 from benchmarks import benchkit  # noqa: E402
+
+TOOL = "newcomer_stall"
 
 
 def one_round(engine, args, stall: int, seed: int) -> dict:
@@ -95,8 +98,9 @@ def main(argv=None) -> int:
     p.add_argument("--newcomer-tokens", type=int, default=1900)
     p.add_argument("--stall", type=int, default=PREFILL_CHUNK, help="the cap's tokens per pass (default: one sub-chunk)")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--lock", help="flock this file around the measured rounds")
+    benchkit.add_output_flags(p)
     args = p.parse_args(argv)
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     if args.streams + 1 > args.max_batch:
         p.error("--max-batch must hold the streams and the newcomer")
     config = EngineConfig.load(args.config) if args.config else EngineConfig()
@@ -106,31 +110,27 @@ def main(argv=None) -> int:
     results: dict[str, list[dict]] = {"cap": [], "no cap": []}
     try:
         group = engine.prefill_group_tokens(engine.kv, args.newcomer_tokens)
-        print(f"model {args.model}, commit {git_commit()}, budget {args.ram_budget}, io_mode {config.io_mode}, "
-              f"max_batch {args.max_batch}, ctx {args.ctx_size}, plan's prefill group {group} tokens; "
-              f"{args.streams} streams of {args.stream_prompt}-token prompts, {args.stream_tokens} greedy tokens; "
-              f"a {args.newcomer_tokens}-token newcomer after {args.after} steps; cap {args.stall} tokens a pass; "
-              f"{args.rounds} rounds alternating", flush=True)
-        with benchkit.bench_lock(args.lock):
-            for rnd in range(args.rounds):
-                order = (("cap", args.stall), ("no cap", 0)) if rnd % 2 == 0 else (("no cap", 0), ("cap", args.stall))
-                for name, stall in order:
+        for rnd in range(args.rounds):
+            order = (("cap", args.stall), ("no cap", 0)) if rnd % 2 == 0 else (("no cap", 0), ("cap", args.stall))
+            for name, stall in order:
+                with benchkit.bench_lock(args.lock):
                     r = one_round(engine, args, stall, seed=1000 + 10 * rnd)
-                    results[name].append(r)
-                    print(f"round {rnd + 1} {name}: worst gap {r['worst_gap_s']:.2f} s, newcomer TTFT "
-                          f"{r['newcomer_ttft_s']:.2f} s in {r['passes']} passes", flush=True)
+                results[name].append(r)
+                say(f"round {rnd + 1} {name}: worst gap {r['worst_gap_s']:.2f} s, newcomer TTFT "
+                    f"{r['newcomer_ttft_s']:.2f} s in {r['passes']} passes")
     finally:
         engine.close()
+    cond = benchkit.run_conditions(args, io_mode=config.io_mode, prefill_group=group)
     rows = [{"setting": f"{name} ({args.stall} tokens a pass)" if name == "cap" else "no cap (the plan's group)",
              "worst": _fmt([r["worst_gap_s"] for r in rs]), "median": _fmt([r["median_gap_s"] for r in rs], 3),
              "ttft": _fmt([r["newcomer_ttft_s"] for r in rs]), "passes": _fmt([r["passes"] for r in rs], 0),
              "read": _fmt([r["read_mib"] for r in rs], 0)} for name, rs in results.items()]
-    print(benchkit.md_table(rows, [("setting", lambda r: r["setting"]),
-                                   ("streams' worst gap s", lambda r: r["worst"]),
-                                   ("streams' median gap s", lambda r: r["median"]),
-                                   ("newcomer TTFT s", lambda r: r["ttft"]),
-                                   ("newcomer passes", lambda r: r["passes"]),
-                                   ("expert MiB read to its first token", lambda r: r["read"])]))
+    benchkit.emit(TOOL, rows, cond, args.json, [("setting", lambda r: r["setting"]),
+                                                 ("streams' worst gap s", lambda r: r["worst"]),
+                                                 ("streams' median gap s", lambda r: r["median"]),
+                                                 ("newcomer TTFT s", lambda r: r["ttft"]),
+                                                 ("newcomer passes", lambda r: r["passes"]),
+                                                 ("expert MiB read to its first token", lambda r: r["read"])])
     return 0
 
 
