@@ -14,8 +14,8 @@ The runtime overhead is measured, not guessed: the process's resident set at pla
 logits. A prompt is prefilled in groups of at most `prefill_group` tokens, each group taken through one
 layer at a time (engine/arch/prefill.py: each routed expert read once per layer per group), its
 attention and dense parts in sub-chunks of PREFILL_CHUNK tokens. The plan charges what a group holds
-for its whole prefill (prefill_group_bytes: the hidden state, the routing, every routed slot's
-output) plus one sub-chunk's transients at the longest context (prefill_activation_bytes: counted
+for its whole prefill (prefill_group_bytes: the hidden state, the routing, the routed sum; a few KiB
+a token) plus one sub-chunk's transients at the longest context (prefill_activation_bytes: counted
 from the model's geometry, times the allocator's factor, and the native matmul caches' bound).
 The group is EngineConfig.prefill_chunk where set (a budget that cannot hold it is refused), else
 the largest the budget allows: the whole context, shrunk to half of what the budget leaves after
@@ -128,15 +128,16 @@ def prefill_group_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_si
     """What a layer-major group of `tokens` prompt tokens holds for its whole prefill
     (engine/arch/prefill.py), allocated once per group, so without the allocator factor.
 
-    Per token (e = compute dtype bytes; H hidden, K top-k, D head_dim): the residual and its norm
-    (2 of H); for a MoE model the routed output (H), every routed slot's weighted output (K of H),
-    the routing ids and weights and their sort (K int64 ids, order, tokens and sorted ids; K weights
-    twice); the sub-chunks' rope rows (2 of D); for the DSA indexer, each sub-chunk's selection,
-    one byte per position of the context."""
+    Per token (e = compute dtype bytes; H hidden, K top-k, D head_dim): the residual (H); for a
+    MoE model the routed sum (H in its accumulation dtype: fp32 for bf16, each expert's rows added
+    as the expert is applied, so no routed slot's output is held), the routing ids and weights and
+    their sort (K int64 ids, order, tokens and sorted ids; K weights twice); the sub-chunks' rope
+    rows (2 of D); for the DSA indexer, each sub-chunk's selection, one byte per position of the
+    context. The norm is not held (each use norms its rows again)."""
     e = _elem(dtype)
-    per_token = 2 * args.hidden_size * e + 2 * args.head_dim * e
+    per_token = args.hidden_size * e + 2 * args.head_dim * e
     if args.num_experts:
-        per_token += (1 + args.top_k) * args.hidden_size * e + args.top_k * (4 * 8 + 2 * e)
+        per_token += args.hidden_size * max(e, 4) + args.top_k * (4 * 8 + 2 * e)
     if getattr(args.attention_impl, "indexer", None) is not None:
         per_token += ctx_size
     return int(tokens * per_token)
