@@ -32,8 +32,8 @@ from colibri_hf_models import ARCHS, built_once
 
 ROOT = Path(__file__).resolve().parent.parent
 # (tokens, sub-chunk, ctx): a short prompt of a few sub-chunks, and a long group whose state (the
-# residual, every routed slot's output, the routing) is most of the peak, so a group state charged
-# short by a tensor of [T, H] shows.
+# residual, the routed sum, the routing) is most of the peak, so a group state charged short by a
+# tensor of [T, H] shows.
 SHAPES = [(40, 8, 64), (512, 16, 512)]
 CASES = [(arch, "auto") for arch in sorted(ARCHS)] + [("qwen3_moe", "int8"), ("deepseek_v3", "int8")]
 
