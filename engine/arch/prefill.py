@@ -158,7 +158,9 @@ def _moe(model, layer: int, w: dict, x: torch.Tensor, chunks: list[slice], route
 
     def inputs(token_rows: torch.Tensor) -> torch.Tensor:
         """The MoE's input for these rows of the group [n] → [n, H], normed `sub` rows at a time
-        (one sub-chunk's norm transients)."""
+        (one sub-chunk's norm transients). Each token is normed once per routed slot (K times): the
+        price of not holding a [T, H] norm, several elementwise passes where a held norm's gather
+        was one, paid by every group, also one that could have held it."""
         out = torch.empty(token_rows.shape[0], x.shape[1], dtype=x.dtype)
         for b in range(0, token_rows.shape[0], sub):
             out[b:b + sub] = rms_norm_rows(x[token_rows[b:b + sub]], norm_w, a.rms_norm_eps)
