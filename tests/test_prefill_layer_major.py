@@ -162,7 +162,8 @@ def test_a_prompt_the_old_charge_split_is_one_group_reading_each_expert_once(mod
     new, old = prefill_group_bytes(args, ctx, torch.float32, ctx), _held_before_issue_42(args, ctx, 4)
     assert old > 2 * new
     others = (probe.dense_bytes + probe.kv_bytes + probe.buffer_bytes + probe.overhead_bytes + probe.prefill_bytes
-              - new)  # everything but the group's state: one sub-chunk's transients stay
+              - prefill_group_bytes(args, ctx, torch.float32, ctx, probe.prefill_norm_held))
+    # (everything but the group's state: one sub-chunk's transients stay)
     budget = others + new + old  # half of what is left: between the new state and the old
     with Engine(model_dir, config.replace(ram_budget=budget)) as engine:
         plan = engine.plan
@@ -212,15 +213,20 @@ def test_the_plan_charges_the_groups_activations(model_dir):  # noqa: F811
     args, small = _plan(model_dir, ctx_size=4096, ram_budget=1 << 30, prefill_chunk=256)
     _, large = _plan(model_dir, ctx_size=4096, ram_budget=1 << 30, prefill_chunk=4096)
     assert (small.prefill_group, large.prefill_group) == (256, 4096)
-    assert large.prefill_bytes == prefill_bytes(args, 4096, torch.float32, 4096)
-    per_token = prefill_group_bytes(args, 1, torch.float32, 4096)
-    assert per_token >= 2 * args.hidden_size * 4  # x and the routed sum
-    assert per_token < 3 * args.hidden_size * 4  # neither the norm nor a routed slot's output is held
+    assert large.prefill_norm_held and small.prefill_norm_held  # room for the norm: held
+    assert large.prefill_bytes == prefill_bytes(args, 4096, torch.float32, 4096, None, True)
+    bare = prefill_group_bytes(args, 1, torch.float32, 4096)
+    assert bare >= 2 * args.hidden_size * 4  # x and the routed sum
+    assert bare < 3 * args.hidden_size * 4  # no routed slot's output is held
+    per_token = prefill_group_bytes(args, 1, torch.float32, 4096, True)
+    assert per_token == bare + args.hidden_size * 4  # ... and where there is room, the norm
     assert large.prefill_bytes - small.prefill_bytes == (4096 - 256) * per_token
-    # Under a budget that holds the large group and 4 experts, the small group's saving goes to the cache.
-    budget = (large.dense_bytes + large.kv_bytes + large.buffer_bytes + large.overhead_bytes + large.prefill_bytes
-              + 4 * large.cache_entry_bytes)
+    # Under a budget that holds the large group (without the norm: no room for it) and 4 experts, the
+    # small group's saving goes to the cache.
+    budget = (large.dense_bytes + large.kv_bytes + large.buffer_bytes + large.overhead_bytes
+              + prefill_bytes(args, 4096, torch.float32, 4096) + 4 * large.cache_entry_bytes)
     tight = {g: _plan(model_dir, ctx_size=4096, ram_budget=budget, prefill_chunk=g)[1] for g in (256, 4096)}
+    assert not tight[4096].prefill_norm_held
     assert tight[4096].cache_slots == 4 < tight[256].cache_slots  # what the group costs the expert cache
     assert "4096-token groups" in large.describe()
 
@@ -233,21 +239,24 @@ def test_a_budget_too_small_for_the_group_shrinks_the_default_and_refuses_a_set_
     ctx = 8192
     args, roomy = _plan(model_dir, ctx_size=ctx, ram_budget=1 << 30)
     assert roomy.prefill_group == ctx
+    assert roomy.prefill_norm_held
     per_token = prefill_group_bytes(args, 1, torch.float32, ctx)
     # Everything but the group's state and the cache: one sub-chunk's transients stay charged.
     others = (roomy.dense_bytes + roomy.kv_bytes + roomy.buffer_bytes + roomy.overhead_bytes
-              + roomy.prefill_bytes - ctx * per_token)
+              + roomy.prefill_bytes - ctx * prefill_group_bytes(args, 1, torch.float32, ctx, True))
     budget = others + 1 * MiB + 2 * 1024 * per_token  # half of what is left: ~1024 tokens' state
     _, shrunk = _plan(model_dir, ctx_size=ctx, ram_budget=budget)
     assert PREFILL_CHUNK <= shrunk.prefill_group < ctx and shrunk.prefill_group % PREFILL_CHUNK == 0
-    assert shrunk.prefill_bytes == prefill_bytes(args, shrunk.prefill_group, torch.float32, ctx)
+    assert shrunk.prefill_bytes == prefill_bytes(args, shrunk.prefill_group, torch.float32, ctx, None,
+                                                 shrunk.prefill_norm_held)
     assert shrunk.cache_bytes > 0
     with pytest.raises(BudgetError, match=rf"prefill activations \({ctx}-token groups\)"):
         _plan(model_dir, ctx_size=ctx, ram_budget=budget, prefill_chunk=ctx)
     # Less than one sub-chunk's state: a smaller group, its sub-chunk (and transients) with it.
     args, smaller = _plan(model_dir, ctx_size=ctx, ram_budget=others - 1 * MiB)
     assert 1 <= smaller.prefill_group < PREFILL_CHUNK
-    assert smaller.prefill_bytes == prefill_bytes(args, smaller.prefill_group, torch.float32, ctx)
-    transients = roomy.prefill_bytes - ctx * per_token
+    assert smaller.prefill_bytes == prefill_bytes(args, smaller.prefill_group, torch.float32, ctx, None,
+                                                  smaller.prefill_norm_held)
+    transients = roomy.prefill_bytes - ctx * prefill_group_bytes(args, 1, torch.float32, ctx, True)
     with pytest.raises(BudgetError, match=r"prefill activations \(1-token groups\)"):
         _plan(model_dir, ctx_size=ctx, ram_budget=others - transients)

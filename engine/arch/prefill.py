@@ -24,8 +24,9 @@ What lives for the whole group, and what the memory plan charges for it (engine/
 prefill_group_bytes): the residual x [T, H], the routed sum [T, H] in index_add's accumulation
 dtype (fp32 for bf16: each token's slots summed in ascending expert order, the bits of the
 pass-wise routed_prefill whatever order the reads land in), the routing [T, K] and its sort, each
-sub-chunk's rope rows, and for the DSA indexer each sub-chunk's selection [sub, S]. The norm is not
-held: routing, the experts' input rows and the shared experts each norm their rows again. Transients
+sub-chunk's rope rows, and for the DSA indexer each sub-chunk's selection [sub, S]; the MoE's
+normed input [T, H] where the budget has room for it (plan.prefill_norm_held), else routing, the
+experts' input rows and the shared experts each norm their rows again (K norms a token). Transients
 beyond that are one sub-chunk's (prefill_activation_bytes).
 
 Several sequences in one pass (layer_major_parts: the prompts of requests that arrived together,
@@ -97,6 +98,9 @@ def layer_major_parts(model, parts: list[tuple[torch.Tensor, int, object]], sub_
                     model.w["model.embed_tokens.weight"])  # [T, H] (T: every part's), updated in place layer by layer
     # [T, H]: the routed experts' sum, in the dtype routed_prefill's index_add sums in
     routed = torch.empty(x.shape, dtype=moe.accumulation_dtype(x.dtype)) if a.is_moe else None
+    # [T, H]: the MoE's normed input, held where the plan charged it (engine/movement/plan.py
+    # prefill_norm_held); else each use norms its rows again
+    held = torch.empty_like(x) if a.is_moe and getattr(model, "prefill_norm_held", False) else None
     # The DSA indexer's selection is per query, and a "shared" layer reuses the last full layer's:
     # kept per sub-chunk, as a pass of those tokens would have it.
     indexed = [hasattr(c.kv, "selection") for c in chunks]
@@ -115,7 +119,7 @@ def layer_major_parts(model, parts: list[tuple[torch.Tensor, int, object]], sub_
             if indexed[i]:
                 selections[i] = c.kv.selection
         if a.is_moe_layer(layer):
-            _moe(model, layer, w, x, rows, routed, max(1, min(int(sub_tokens), total)))
+            _moe(model, layer, w, x, rows, routed, max(1, min(int(sub_tokens), total)), held)
         else:
             for c in rows:
                 x[c].add_(swiglu(rms_norm(x[c], w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps),
@@ -135,9 +139,10 @@ def layer_major_parts(model, parts: list[tuple[torch.Tensor, int, object]], sub_
 
 
 def _moe(model, layer: int, w: dict, x: torch.Tensor, chunks: list[slice], routed: torch.Tensor,
-         sub: int) -> None:
+         sub: int, held: torch.Tensor | None = None) -> None:
     """x += MoE(norm(x)) over the group, in place: routing per sub-chunk, every routed expert once.
-    routed [T, H]: the group's buffer for the routed sum (accumulation dtype)."""
+    routed [T, H]: the group's buffer for the routed sum (accumulation dtype); held [T, H]: where
+    the plan charged it, the normed input kept for the group (None: normed again per use)."""
     p, a = layer_prefix(layer), model.args
     norm_w = w[f"{p}.post_attention_layernorm.weight"]
     ids, weights = [], []
@@ -149,7 +154,9 @@ def _moe(model, layer: int, w: dict, x: torch.Tensor, chunks: list[slice], route
         i, g = route_layer(a, w, layer, normed, model.routing_trim)  # [t, K] each
         ids.append(i)
         weights.append(g)
-        if c.stop - c.start == 1 and not torch.equal(normed, rms_norm_rows(x[c], norm_w, a.rms_norm_eps)):
+        if held is not None:
+            held[c] = normed
+        elif c.stop - c.start == 1 and not torch.equal(normed, rms_norm_rows(x[c], norm_w, a.rms_norm_eps)):
             kept[c.start] = normed
         del normed
     ids, weights = torch.cat(ids), torch.cat(weights)  # [T, K]
@@ -160,7 +167,9 @@ def _moe(model, layer: int, w: dict, x: torch.Tensor, chunks: list[slice], route
         """The MoE's input for these rows of the group [n] → [n, H], normed `sub` rows at a time
         (one sub-chunk's norm transients). Each token is normed once per routed slot (K times): the
         price of not holding a [T, H] norm, several elementwise passes where a held norm's gather
-        was one, paid by every group, also one that could have held it."""
+        was one: paid only by a group the budget could not give room to hold the norm."""
+        if held is not None:
+            return held[token_rows]
         out = torch.empty(token_rows.shape[0], x.shape[1], dtype=x.dtype)
         for b in range(0, token_rows.shape[0], sub):
             out[b:b + sub] = rms_norm_rows(x[token_rows[b:b + sub]], norm_w, a.rms_norm_eps)
@@ -174,7 +183,8 @@ def _moe(model, layer: int, w: dict, x: torch.Tensor, chunks: list[slice], route
                      acc=routed, dtype=x.dtype)
     del ids, weights
     for c in chunks:
-        x[c].add_(model._plus_shared(layer, w, rms_norm(x[c], norm_w, a.rms_norm_eps), routed[c].to(x.dtype)))
+        normed = held[c] if held is not None else rms_norm(x[c], norm_w, a.rms_norm_eps)
+        x[c].add_(model._plus_shared(layer, w, normed, routed[c].to(x.dtype)))
 
 
 def _hint_group(model, target: int, x: torch.Tensor, chunks: list[slice]) -> None:
