@@ -32,8 +32,8 @@ from colibri_hf_models import ARCHS, built_once
 
 ROOT = Path(__file__).resolve().parent.parent
 # (tokens, sub-chunk, ctx): a short prompt of a few sub-chunks, and a long group whose state (the
-# residual, every routed slot's output, the routing) is most of the peak, so a group state charged
-# short by a tensor of [T, H] shows.
+# residual, the routed sum, the routing) is most of the peak, so a group state charged short by a
+# tensor of [T, H] shows.
 SHAPES = [(40, 8, 64), (512, 16, 512)]
 CASES = [(arch, "auto") for arch in sorted(ARCHS)] + [("qwen3_moe", "int8"), ("deepseek_v3", "int8")]
 
@@ -66,10 +66,31 @@ def test_the_counted_charge_holds_every_tensor_a_prefill_allocates(hf_dirs, tmp_
             engine.model.prefill(ids[:sub], 0, engine.kv, sub)  # lazily built tables are not the prefill's
             peak = _live_peak(lambda: engine.model.prefill(ids, 0, engine.kv, sub), tmp_path / "trace.json")
             a = engine.args
-            counted = (prefill_group_bytes(a, tokens, torch.float32, ctx)
+            # The plan's group state: without a budget the norm is held (plan.prefill_norm_held)
+            counted = (prefill_group_bytes(a, tokens, torch.float32, ctx, engine.plan.prefill_norm_held)
                        + prefill_transient_bytes(a, sub, torch.float32, ctx, engine.kv_dtype) + 4 * a.vocab_size)
         assert peak <= counted, (f"{arch} kv {kv}, {tokens} tokens in sub-chunks of {sub}: {peak} bytes "
                                  f"live at once, the plan counts {counted}")
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_a_group_that_does_not_hold_the_norm_allocates_within_the_smaller_charge(hf_dirs, tmp_path, arch):
+    """Where the budget leaves no room for the norm (plan.prefill_norm_held False) the group norms
+    its rows per use, and its peak stays within the charge without the norm."""
+    torch.set_num_threads(1)
+    tokens, sub, ctx = SHAPES[-1]
+    with Engine(hf_dirs(arch), EngineConfig(ctx_size=ctx, dtype="fp32", threads=1)) as engine:
+        assert engine.plan.prefill_norm_held  # no budget: held, so this test sets the other state
+        engine.model.prefill_norm_held = False
+        ids = torch.tensor([(7 * i + 3) % 256 for i in range(tokens)])
+        engine.model.prefill(ids[:sub], 0, engine.kv, sub)
+        peak = _live_peak(lambda: engine.model.prefill(ids, 0, engine.kv, sub), tmp_path / "trace.json")
+        a = engine.args
+        counted = (prefill_group_bytes(a, tokens, torch.float32, ctx, False)
+                   + prefill_transient_bytes(a, sub, torch.float32, ctx, engine.kv_dtype) + 4 * a.vocab_size)
+        held = prefill_group_bytes(a, tokens, torch.float32, ctx, True)
+    assert peak <= counted, f"{arch}: {peak} bytes live at once, the plan counts {counted} without the norm"
+    assert held - prefill_group_bytes(a, tokens, torch.float32, ctx, False) == tokens * a.hidden_size * 4
 
 
 _NATIVE_GROWTH = """

@@ -8,6 +8,7 @@ Tiny generated models (tests/colibri_hf_models.py, the tiny synth preset); no wa
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
@@ -18,8 +19,10 @@ from engine.base.config import PREFILL_CHUNK, EngineConfig
 from engine.base.errors import BudgetError
 from engine.format.checkpoint import Checkpoint
 from engine.format.layout import ExpertLayout
-from engine.movement.plan import make_plan, prefill_bytes, prefill_group_bytes
+from engine.movement.plan import (make_plan, prefill_activation_bytes, prefill_bytes,
+                                  prefill_group_bytes, prefill_tokens_per_pass)
 from engine.run.generate import Sampler, generate
+from engine.run import runtime
 from engine.run.runtime import Engine
 from colibri_hf_models import ARCHS, built_once
 from test_streaming import budget_for_cache
@@ -134,6 +137,51 @@ def test_each_expert_is_read_at_most_once_per_layer_per_group(model_dir, prefetc
         assert max(engine.experts.read_counts.values()) > 1  # what layer-major saves
 
 
+def _held_before_issue_42(args, tokens: int, e: int) -> int:
+    """What a group held per token before its routed slots were summed as they land (8c3ad8a..the
+    routed sum): the residual and its norm, the routed output and every routed slot's weighted
+    output [T*K, H], the routing and its sort, the rope rows."""
+    return tokens * (2 * args.hidden_size * e + 2 * args.head_dim * e + (1 + args.top_k) * args.hidden_size * e
+                     + args.top_k * (4 * 8 + 2 * e))
+
+
+def test_a_prompt_the_old_charge_split_is_one_group_reading_each_expert_once(model_dir, monkeypatch):  # noqa: F811
+    """Under a budget where a group's old state ([T*K, H] routed slots and the norm held) would have
+    split a 4,000-token prompt into groups, the routed sum's charge fits the whole context: one group,
+    and every expert the prompt routes to is read at most once per layer for the whole prompt (cache
+    ratio 0: nothing is kept between layers' uses). The runtime overhead is fixed (the engine's own
+    measurement, this process's RSS, moves with what ran before by more than the tiny model's state)."""
+    ctx, n = 4096, 4000
+    overhead = 200 * MiB
+    monkeypatch.setattr(runtime, "make_plan", functools.partial(make_plan, overhead_bytes=overhead))
+    config = EngineConfig(threads=1, ctx_size=ctx, io_threads=2, prefetch_depth=1, cpu_cache_ratio=0.0, dtype="fp32")
+    ckpt = Checkpoint(model_dir)
+    args = model_args(ckpt.config)
+    probe = make_plan(ckpt, args, ExpertLayout(ckpt, args), config.replace(ram_budget=1 << 40), torch.float32,
+                      torch.float32, overhead_bytes=overhead)
+    new, old = prefill_group_bytes(args, ctx, torch.float32, ctx), _held_before_issue_42(args, ctx, 4)
+    assert old > 2 * new
+    others = (probe.dense_bytes + probe.kv_bytes + probe.buffer_bytes + probe.overhead_bytes + probe.prefill_bytes
+              - prefill_group_bytes(args, ctx, torch.float32, ctx, probe.prefill_norm_held))
+    # (everything but the group's state: one sub-chunk's transients stay)
+    budget = others + new + old  # half of what is left: between the new state and the old
+    with Engine(model_dir, config.replace(ram_budget=budget)) as engine:
+        plan = engine.plan
+        assert plan.streaming and plan.cache_slots == 0
+        left = budget - (plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes
+                         + prefill_activation_bytes(args, prefill_tokens_per_pass(ctx), torch.float32, ctx))
+        old_fits = left // 2 // (old // ctx)
+        assert old_fits < n, "the old charge would have taken the prompt in one group too: the budget shows nothing"
+        assert plan.prefill_group == ctx
+        ids = torch.tensor([(13 * i + 5) % engine.args.vocab_size for i in range(n)])
+        engine.experts.make_cold()
+        groups = _group_read_counts(engine, ids)
+    assert len(groups) == 1
+    reads = groups[0]
+    assert reads and max(reads.values()) == 1, reads.most_common(3)
+    assert {layer for layer, _ in reads} == set(range(args.num_layers))
+
+
 def test_long_prompts_keep_placement_invariance(model_dir):  # noqa: F811
     """A prompt of more than one engine sub-chunk (PREFILL_CHUNK) in more than one group: every io
     mode, cache share and lookahead depth gives the resident run's greedy tokens."""
@@ -160,19 +208,25 @@ def _plan(model_dir, **config):  # noqa: F811
 
 
 def test_the_plan_charges_the_groups_activations(model_dir):  # noqa: F811
-    """The charge is the group's state (hidden, its norm, the routed output and every routed slot's
-    [T*K, H], the routing) plus one sub-chunk's transients; it grows with the group."""
+    """The charge is the group's state (the hidden state, the routed sum, the routing; no routed
+    slot's output) plus one sub-chunk's transients; it grows with the group."""
     args, small = _plan(model_dir, ctx_size=4096, ram_budget=1 << 30, prefill_chunk=256)
     _, large = _plan(model_dir, ctx_size=4096, ram_budget=1 << 30, prefill_chunk=4096)
     assert (small.prefill_group, large.prefill_group) == (256, 4096)
-    assert large.prefill_bytes == prefill_bytes(args, 4096, torch.float32, 4096)
-    per_token = prefill_group_bytes(args, 1, torch.float32, 4096)
-    assert per_token >= (3 + args.top_k) * args.hidden_size * 4  # x, normed, routed out, K slots
+    assert large.prefill_norm_held and small.prefill_norm_held  # room for the norm: held
+    assert large.prefill_bytes == prefill_bytes(args, 4096, torch.float32, 4096, None, True)
+    bare = prefill_group_bytes(args, 1, torch.float32, 4096)
+    assert bare >= 2 * args.hidden_size * 4  # x and the routed sum
+    assert bare < 3 * args.hidden_size * 4  # no routed slot's output is held
+    per_token = prefill_group_bytes(args, 1, torch.float32, 4096, True)
+    assert per_token == bare + args.hidden_size * 4  # ... and where there is room, the norm
     assert large.prefill_bytes - small.prefill_bytes == (4096 - 256) * per_token
-    # Under a budget that holds the large group and 4 experts, the small group's saving goes to the cache.
-    budget = (large.dense_bytes + large.kv_bytes + large.buffer_bytes + large.overhead_bytes + large.prefill_bytes
-              + 4 * large.cache_entry_bytes)
+    # Under a budget that holds the large group (without the norm: no room for it) and 4 experts, the
+    # small group's saving goes to the cache.
+    budget = (large.dense_bytes + large.kv_bytes + large.buffer_bytes + large.overhead_bytes
+              + prefill_bytes(args, 4096, torch.float32, 4096) + 4 * large.cache_entry_bytes)
     tight = {g: _plan(model_dir, ctx_size=4096, ram_budget=budget, prefill_chunk=g)[1] for g in (256, 4096)}
+    assert not tight[4096].prefill_norm_held
     assert tight[4096].cache_slots == 4 < tight[256].cache_slots  # what the group costs the expert cache
     assert "4096-token groups" in large.describe()
 
@@ -185,21 +239,24 @@ def test_a_budget_too_small_for_the_group_shrinks_the_default_and_refuses_a_set_
     ctx = 8192
     args, roomy = _plan(model_dir, ctx_size=ctx, ram_budget=1 << 30)
     assert roomy.prefill_group == ctx
+    assert roomy.prefill_norm_held
     per_token = prefill_group_bytes(args, 1, torch.float32, ctx)
     # Everything but the group's state and the cache: one sub-chunk's transients stay charged.
     others = (roomy.dense_bytes + roomy.kv_bytes + roomy.buffer_bytes + roomy.overhead_bytes
-              + roomy.prefill_bytes - ctx * per_token)
+              + roomy.prefill_bytes - ctx * prefill_group_bytes(args, 1, torch.float32, ctx, True))
     budget = others + 1 * MiB + 2 * 1024 * per_token  # half of what is left: ~1024 tokens' state
     _, shrunk = _plan(model_dir, ctx_size=ctx, ram_budget=budget)
     assert PREFILL_CHUNK <= shrunk.prefill_group < ctx and shrunk.prefill_group % PREFILL_CHUNK == 0
-    assert shrunk.prefill_bytes == prefill_bytes(args, shrunk.prefill_group, torch.float32, ctx)
+    assert shrunk.prefill_bytes == prefill_bytes(args, shrunk.prefill_group, torch.float32, ctx, None,
+                                                 shrunk.prefill_norm_held)
     assert shrunk.cache_bytes > 0
     with pytest.raises(BudgetError, match=rf"prefill activations \({ctx}-token groups\)"):
         _plan(model_dir, ctx_size=ctx, ram_budget=budget, prefill_chunk=ctx)
     # Less than one sub-chunk's state: a smaller group, its sub-chunk (and transients) with it.
     args, smaller = _plan(model_dir, ctx_size=ctx, ram_budget=others - 1 * MiB)
     assert 1 <= smaller.prefill_group < PREFILL_CHUNK
-    assert smaller.prefill_bytes == prefill_bytes(args, smaller.prefill_group, torch.float32, ctx)
-    transients = roomy.prefill_bytes - ctx * per_token
+    assert smaller.prefill_bytes == prefill_bytes(args, smaller.prefill_group, torch.float32, ctx, None,
+                                                  smaller.prefill_norm_held)
+    transients = roomy.prefill_bytes - ctx * prefill_group_bytes(args, 1, torch.float32, ctx, True)
     with pytest.raises(BudgetError, match=r"prefill activations \(1-token groups\)"):
         _plan(model_dir, ctx_size=ctx, ram_budget=others - transients)

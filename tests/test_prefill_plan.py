@@ -56,7 +56,8 @@ def test_the_plan_grows_with_the_longest_request(model_dir):  # noqa: F811
                           torch.float32, torch.float32, overhead_bytes=100 * MiB) for n in (8, 200, 4000)}
     assert plans[8].prefill_bytes < plans[200].prefill_bytes < plans[4000].prefill_bytes
     assert all(plans[n].prefill_group == n for n in plans)  # room enough: one group for any prompt
-    assert plans[4000].prefill_bytes == prefill_bytes(args, 4000, torch.float32, 4000)
+    assert plans[4000].prefill_bytes == prefill_bytes(args, 4000, torch.float32, 4000, None,
+                                                       plans[4000].prefill_norm_held)
     assert plans[8].kv_bytes < plans[200].kv_bytes < plans[4000].kv_bytes
     assert "prefill" in plans[4000].describe()
 
@@ -99,7 +100,8 @@ def test_the_default_group_is_the_whole_context_where_the_budget_has_room(model_
         with Engine(model_dir, EngineConfig(ctx_size=1024, ram_budget=budget)) as engine:
             assert engine.plan.prefill_group == 1024
             assert _groups(engine, ids)[0] == [n]
-            assert engine.plan.prefill_bytes == prefill_bytes(engine.args, 1024, engine.dtype, 1024)
+            assert engine.plan.prefill_bytes == prefill_bytes(engine.args, 1024, engine.dtype, 1024, None,
+                                                              engine.plan.prefill_norm_held)
     with Engine(model_dir, EngineConfig(ctx_size=1024, ram_budget=4 << 30, prefill_chunk=96)) as engine:
         assert _groups(engine, ids)[0] == [96] * (n // 96) + [n % 96]
 
@@ -113,7 +115,8 @@ def test_the_configured_prefill_group_sets_the_groups_and_keeps_the_logits(model
     with Engine(model_dir, EngineConfig(ctx_size=512, prefill_chunk=chunk)) as engine:
         groups, grouped = _groups(engine, ids)
         whole = engine.model.forward(ids, 0, engine.kv, last_only=True)
-        assert engine.plan.prefill_bytes == prefill_bytes(engine.args, chunk, engine.dtype, 512)
+        assert engine.plan.prefill_bytes == prefill_bytes(engine.args, chunk, engine.dtype, 512, None,
+                                                          engine.plan.prefill_norm_held)
     assert groups == [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
     torch.testing.assert_close(grouped, whole, atol=1e-3, rtol=1e-3)
 

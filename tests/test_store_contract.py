@@ -114,6 +114,31 @@ def test_hints_never_change_what_is_delivered(moe_dir, kind):
 
 
 @pytest.mark.parametrize("kind", EXPERT_STORES)
+def test_in_order_delivers_in_the_order_asked(moe_dir, kind):
+    """for_each_expert(in_order=True) calls fn in the order of `experts` whatever is cached, hinted
+    (right or wrong) or read on demand, with the checkpoint's bytes, each expert once; a cache of 2
+    entries makes landed reads evict what was a hit when looked at."""
+    store, ckpt, args = _expert_store(kind, moe_dir)
+    try:
+        rounds = [(0, [0, 1, 2, 3, 4, 5, 6, 7], None), (0, [1, 3, 4, 6], [6, 7]), (1, [0, 2, 5, 7], [2, 5]),
+                  (0, [0, 1, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]), (1, [7, 5, 2, 0], None)]  # the last: descending
+        for layer, experts, hinted in rounds:
+            if hinted is not None:
+                store.hint_experts(layer, hinted)
+            seen = []
+
+            def check(e, w, layer=layer, seen=seen):  # at once: holding a slot's views would pin it
+                seen.append((e, all(torch.equal(a, b) for a, b in
+                                    zip(_as_gate_up_down(w), _expected_expert(ckpt, args, layer, e)))))
+            store.for_each_expert(layer, experts, check, in_order=True)
+            assert seen == [(e, True) for e in experts]
+        if kind != "resident":
+            assert store.stats()["slot_overflows"] == 0
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("kind", EXPERT_STORES)
 def test_make_cold_settles_reads_and_rereads_from_disk(moe_dir, kind):
     store, _ckpt, _args = _expert_store(kind, moe_dir)
     try:

@@ -51,6 +51,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if (native.ready and x.dtype is torch.bfloat16 and x.dim() >= 2 and x.shape[-2] == 1
             and type(weight) is torch.Tensor and weight.dtype is torch.bfloat16 and x.device.type == "cpu"):
         return native.rms_norm(x, weight, eps)
+    return rms_norm_rows(x, weight, eps)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm without the one-token native op: each row's bits whichever rows come with it
+    (a layer-major prefill norms an expert's rows gathered from the whole group)."""
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 

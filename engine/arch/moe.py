@@ -2,9 +2,11 @@
 
 Shape legend: T tokens, H hidden, K experts per token (top-k), E distinct experts in the call.
 
-Both paths compute experts in whatever order the store delivers them (hits first, misses as
-they land) but sum them in ascending expert order: the sum is then the same bit for bit in
-every placement, which the placement-invariance tests rely on.
+Every path sums each token's experts in ascending expert order: the sum is then the same bit for
+bit in every placement, which the placement-invariance tests rely on. Decode and routed_prefill
+compute the experts in whatever order the store delivers them (hits first, misses as they land)
+and sum afterwards; routed_group (a layer-major prefill's whole group) adds each expert's rows
+into the group's output as it computes them, so it asks the store for them in ascending order.
 
 Decode (T == 1) has a batched form: when the store holds every selected expert in RAM
 (`ExpertStore.resident`) and the native kernels are loaded (bf16, or int8/int4 where the CPU has
@@ -69,46 +71,87 @@ def _batched_decode(store, expert_fn, layer: int, x: torch.Tensor, needed: list[
     return native.experts(x, [t for expert in held for t in expert], per_expert)
 
 
-def routed_prefill(store, expert_fn, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                   max_rows: int | None = None, slot_out: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+def routed_prefill(store, expert_fn, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
     """Several tokens: x [T, H] → [T, H]; each expert gets the rows routed to it (one sort groups them).
 
-    max_rows: an expert's rows go through it in calls of at most this many (None: one call), so a
-    layer-major prefill's group bounds its [rows, I] transients while the expert is read once.
-    slot_out [>= T*K, H], out [T, H]: buffers to fill instead of new ones (a group reuses them for
-    every layer). Each routed slot's weighted output lands in slot_out in ascending expert order
-    whatever order the store delivers the experts in; one index_add then sums each token's slots in
-    that order, so every placement gives the same bits."""
-    K = ids.shape[1]
-    flat = ids.flatten()
-    if bool((flat < 0).any()):  # slots the routing threshold skipped (id -1): routed nowhere
-        slots = torch.nonzero(flat >= 0).squeeze(1)
-        sorted_ids, order = torch.sort(flat[slots], stable=True)
-        order = slots[order]
-    else:
-        sorted_ids, order = torch.sort(flat, stable=True)  # [T*K], grouped by expert
-    experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    needed, counts = experts.tolist(), counts.tolist()
-    starts = [0] * len(counts)
-    for j in range(1, len(counts)):
-        starts[j] = starts[j - 1] + counts[j - 1]
-    position = {e: j for j, e in enumerate(needed)}
-    token_of = order // K  # the row of x each routed slot belongs to
-    slot_weight = weights.flatten()[order, None]
-    n = order.shape[0]
-    ys = torch.empty(n, x.shape[1], dtype=x.dtype) if slot_out is None else slot_out[:n]  # [routed slots, H]
-    step = max_rows or n or 1
+    Each routed slot's weighted output lands in its place of one [T*K, H] buffer in ascending expert
+    order whatever order the store delivers the experts in; one index_add then sums each token's
+    slots in that order (in fp32 for a bf16 or fp16 x: index_add's own accumulation), so every
+    placement gives the same bits. routed_group is the same sum without the buffer."""
+    slots = _Slots(ids, weights)
+    ys = torch.empty(slots.n, x.shape[1], dtype=x.dtype)  # [routed slots, H]
 
     def run(e, expert_weights):
-        j = position[e]
-        for begin in range(starts[j], starts[j] + counts[j], step):
-            rows = slice(begin, min(begin + step, starts[j] + counts[j]))
-            ys[rows] = expert_fn(x[token_of[rows]], expert_weights) * slot_weight[rows]
+        for rows in slots.calls(e, None):
+            ys[rows] = expert_fn(x[slots.token_of[rows]], expert_weights) * slots.weight[rows]
 
-    store.for_each_expert(layer, needed, run)
-    out = torch.zeros_like(x) if out is None else out.zero_()
-    return out.index_add_(0, token_of, ys)
+    store.for_each_expert(layer, slots.needed, run)
+    return torch.zeros_like(x).index_add_(0, slots.token_of, ys)
+
+
+def routed_group(store, expert_fn, layer: int, inputs, ids: torch.Tensor, weights: torch.Tensor,
+                 max_rows: int, acc: torch.Tensor, dtype: torch.dtype) -> None:
+    """A layer-major prefill's group (engine/arch/prefill.py): acc [T, H] ← each token's weighted
+    routed slots summed, bit for bit routed_prefill's sum before its rounding to `dtype`.
+
+    inputs(token_rows [n]) → the MoE's input rows [n, H] (the group's norm, made per call, not held).
+    An expert's rows go through it in calls of at most max_rows, so the [rows, I] transients stay
+    bounded while the expert is read once. Each call's weighted output (rounded to `dtype`, as
+    routed_prefill's buffer holds it) is added into acc (accumulation_dtype(dtype): the dtype
+    routed_prefill's index_add sums in) at once; the store delivers the experts in ascending order
+    (for_each_expert in_order), so each token's slots are summed in routed_prefill's order whatever
+    order the reads land in, and no [T*K, H] buffer is held."""
+    slots = _Slots(ids, weights)
+
+    def run(e, expert_weights):
+        for rows in slots.calls(e, max_rows):
+            token_rows = slots.token_of[rows]
+            x = inputs(token_rows)
+            y = expert_fn(x, expert_weights)
+            del x  # freed before the weighted copy: a call holds at most three [rows, H] at once
+            y = (y * slots.weight[rows]).to(dtype)
+            acc.index_add_(0, token_rows, y.to(acc.dtype))
+
+    acc.zero_()
+    store.for_each_expert(layer, slots.needed, run, in_order=True)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What index_add sums a reduced-precision tensor in on the CPU (fp32), else the dtype itself."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _Slots:
+    """The routed slots of [T, K] routing grouped by expert (one stable sort): needed (ascending
+    expert ids), token_of [n] (each slot's row), weight [n, 1]; slots skipped by the routing
+    threshold (id -1) are routed nowhere."""
+
+    def __init__(self, ids: torch.Tensor, weights: torch.Tensor):
+        K = ids.shape[1]
+        flat = ids.flatten()
+        if bool((flat < 0).any()):
+            kept = torch.nonzero(flat >= 0).squeeze(1)
+            sorted_ids, order = torch.sort(flat[kept], stable=True)
+            order = kept[order]
+        else:
+            sorted_ids, order = torch.sort(flat, stable=True)  # [T*K], grouped by expert
+        experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        self.needed, self.counts = experts.tolist(), counts.tolist()
+        self.starts = [0] * len(self.counts)
+        for j in range(1, len(self.counts)):
+            self.starts[j] = self.starts[j - 1] + self.counts[j - 1]
+        self.position = {e: j for j, e in enumerate(self.needed)}
+        self.token_of = order // K  # the row of x each routed slot belongs to
+        self.weight = weights.flatten()[order, None]
+        self.n = order.shape[0]
+
+    def calls(self, e: int, max_rows: int | None) -> list[slice]:
+        """Expert e's slots, in runs of at most max_rows (None: one)."""
+        j = self.position[e]
+        begin, end = self.starts[j], self.starts[j] + self.counts[j]
+        step = max_rows or (end - begin) or 1
+        return [slice(b, min(b + step, end)) for b in range(begin, end, step)]
 
 
 class ResidentMoeLayer:

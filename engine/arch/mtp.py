@@ -87,8 +87,8 @@ class LayerShift:
     def __init__(self, store, layer: int):
         self.store, self.layer = store, layer
 
-    def for_each_expert(self, layer, experts, fn) -> None:
-        self.store.for_each_expert(self.layer + layer, experts, fn)
+    def for_each_expert(self, layer, experts, fn, in_order: bool = False) -> None:
+        self.store.for_each_expert(self.layer + layer, experts, fn, in_order)
 
     def hint_experts(self, layer, experts) -> None:
         self.store.hint_experts(self.layer + layer, experts)

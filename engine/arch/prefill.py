@@ -10,18 +10,24 @@ at most once per layer (DESIGN.md, "Reuse: many tokens per read"):
                       K/V rows before the next reads them (what pass-wise passes of `sub` tokens
                       do, so the same math); the score matrix stays [sub, S]
         norm, router  per sub-chunk (rows are independent) → the group's routing ids/weights [T, K]
-        routed MoE    moe.routed_prefill over the whole group: each expert applied to all its rows
-                      while it is in memory, in calls of at most sub*K rows (bounded transients)
+        routed MoE    moe.routed_group over the whole group: each expert applied to all its rows
+                      while it is in memory, in calls of at most sub*K rows (bounded transients),
+                      its input rows normed per call (rms_norm's rows are independent), its
+                      weighted output added into the group's routed sum at once, the experts
+                      taken in ascending order (the store holds a read that lands early)
         shared / dense MLP, residual adds   per sub-chunk
         hint L+1      the lookahead rule (L+1's norm and router on the residual entering L+1),
                       unioned over the group → store.hint_experts, so L+1's reads run under its
                       attention
 
 What lives for the whole group, and what the memory plan charges for it (engine/movement/plan.py,
-prefill_group_bytes): the residual x and its norm [T, H], the routed output [T, H] and every routed
-slot's weighted output [T*K, H] (summed in ascending expert order whatever order the reads land
-in), the routing [T, K] and its sort, each sub-chunk's rope rows, and for the DSA indexer each
-sub-chunk's selection [sub, S]. Transients beyond that are one sub-chunk's (prefill_activation_bytes).
+prefill_group_bytes): the residual x [T, H], the routed sum [T, H] in index_add's accumulation
+dtype (fp32 for bf16: each token's slots summed in ascending expert order, the bits of the
+pass-wise routed_prefill whatever order the reads land in), the routing [T, K] and its sort, each
+sub-chunk's rope rows, and for the DSA indexer each sub-chunk's selection [sub, S]; the MoE's
+normed input [T, H] where the budget has room for it (plan.prefill_norm_held), else routing, the
+experts' input rows and the shared experts each norm their rows again (K norms a token). Transients
+beyond that are one sub-chunk's (prefill_activation_bytes).
 
 Several sequences in one pass (layer_major_parts: the prompts of requests that arrived together,
 engine/run/batch.py): the group is the parts' rows one after another; each part's attention runs in
@@ -43,7 +49,7 @@ import torch.nn.functional as F
 
 from engine.arch import moe
 from engine.arch.args import layer_prefix
-from engine.arch.layers import rms_norm, route_layer, swiglu
+from engine.arch.layers import rms_norm, rms_norm_rows, route_layer, swiglu
 from engine.weights.stored import linear
 
 
@@ -90,11 +96,11 @@ def layer_major_parts(model, parts: list[tuple[torch.Tensor, int, object]], sub_
     ropes = [model._rope(c.at, c.rows.stop - c.rows.start) for c in chunks]
     x = F.embedding(torch.cat([t for t, _, _ in parts]) if len(parts) > 1 else parts[0][0],
                     model.w["model.embed_tokens.weight"])  # [T, H] (T: every part's), updated in place layer by layer
-    normed = torch.empty_like(x)  # [T, H]: the MoE's input for the whole group
-    routed_out = slot_out = None
-    if a.is_moe:
-        routed_out = torch.empty_like(x)  # [T, H]
-        slot_out = torch.empty(total * a.top_k, a.hidden_size, dtype=x.dtype)  # [T*K, H]
+    # [T, H]: the routed experts' sum, in the dtype routed_prefill's index_add sums in
+    routed = torch.empty(x.shape, dtype=moe.accumulation_dtype(x.dtype)) if a.is_moe else None
+    # [T, H]: the MoE's normed input, held where the plan charged it (engine/movement/plan.py
+    # prefill_norm_held); else each use norms its rows again
+    held = torch.empty_like(x) if a.is_moe and getattr(model, "prefill_norm_held", False) else None
     # The DSA indexer's selection is per query, and a "shared" layer reuses the last full layer's:
     # kept per sub-chunk, as a pass of those tokens would have it.
     indexed = [hasattr(c.kv, "selection") for c in chunks]
@@ -113,11 +119,11 @@ def layer_major_parts(model, parts: list[tuple[torch.Tensor, int, object]], sub_
             if indexed[i]:
                 selections[i] = c.kv.selection
         if a.is_moe_layer(layer):
-            _moe(model, layer, w, x, normed, rows, routed_out, slot_out, max(1, min(int(sub_tokens), total)))
+            _moe(model, layer, w, x, rows, routed, max(1, min(int(sub_tokens), total)), held)
         else:
             for c in rows:
-                normed[c] = rms_norm(x[c], w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)
-                x[c].add_(swiglu(normed[c], w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"],
+                x[c].add_(swiglu(rms_norm(x[c], w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps),
+                                 w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"],
                                  w[f"{p}.mlp.down_proj.weight"]))
         _hint_group(model, layer + 1, x, rows)
     for i, c in enumerate(chunks):  # each cache left with its last sub-chunk's: what its last pass would leave
@@ -132,25 +138,53 @@ def layer_major_parts(model, parts: list[tuple[torch.Tensor, int, object]], sub_
     return out
 
 
-def _moe(model, layer: int, w: dict, x: torch.Tensor, normed: torch.Tensor, chunks: list[slice],
-         routed_out: torch.Tensor, slot_out: torch.Tensor, sub: int) -> None:
-    """x += MoE(norm(x)) over the group, in place: routing per sub-chunk, every routed expert once."""
+def _moe(model, layer: int, w: dict, x: torch.Tensor, chunks: list[slice], routed: torch.Tensor,
+         sub: int, held: torch.Tensor | None = None) -> None:
+    """x += MoE(norm(x)) over the group, in place: routing per sub-chunk, every routed expert once.
+    routed [T, H]: the group's buffer for the routed sum (accumulation dtype); held [T, H]: where
+    the plan charged it, the normed input kept for the group (None: normed again per use)."""
     p, a = layer_prefix(layer), model.args
+    norm_w = w[f"{p}.post_attention_layernorm.weight"]
     ids, weights = [], []
+    # A one-row sub-chunk's norm may come from the one-token native op (layers.rms_norm): where its
+    # bits differ from rms_norm_rows', that row's input is kept as its pass makes it (one row each).
+    kept = {}
     for c in chunks:
-        normed[c] = rms_norm(x[c], w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)
-        i, g = route_layer(a, w, layer, normed[c], model.routing_trim)  # [t, K] each
+        normed = rms_norm(x[c], norm_w, a.rms_norm_eps)  # [t, H]
+        i, g = route_layer(a, w, layer, normed, model.routing_trim)  # [t, K] each
         ids.append(i)
         weights.append(g)
+        if held is not None:
+            held[c] = normed
+        elif c.stop - c.start == 1 and not torch.equal(normed, rms_norm_rows(x[c], norm_w, a.rms_norm_eps)):
+            kept[c.start] = normed
+        del normed
     ids, weights = torch.cat(ids), torch.cat(weights)  # [T, K]
     if model.routing_log is not None:
         model.routing_log[layer].append(ids)
+
+    def inputs(token_rows: torch.Tensor) -> torch.Tensor:
+        """The MoE's input for these rows of the group [n] → [n, H], normed `sub` rows at a time
+        (one sub-chunk's norm transients). Each token is normed once per routed slot (K times): the
+        price of not holding a [T, H] norm, several elementwise passes where a held norm's gather
+        was one: paid only by a group the budget could not give room to hold the norm."""
+        if held is not None:
+            return held[token_rows]
+        out = torch.empty(token_rows.shape[0], x.shape[1], dtype=x.dtype)
+        for b in range(0, token_rows.shape[0], sub):
+            out[b:b + sub] = rms_norm_rows(x[token_rows[b:b + sub]], norm_w, a.rms_norm_eps)
+        for row, normed in kept.items():
+            out[token_rows == row] = normed
+        return out
+
     # sub*K rows per expert call: what one pass of `sub` tokens routes at most, so one call's
     # transients stay within the sub-chunk's charge.
-    out = moe.routed_prefill(model.experts, model.expert_fn, layer, normed, ids, weights,
-                             max_rows=sub * ids.shape[1], slot_out=slot_out, out=routed_out)
+    moe.routed_group(model.experts, model.expert_fn, layer, inputs, ids, weights, max_rows=sub * ids.shape[1],
+                     acc=routed, dtype=x.dtype)
+    del ids, weights
     for c in chunks:
-        x[c].add_(model._plus_shared(layer, w, normed[c], out[c]))
+        normed = held[c] if held is not None else rms_norm(x[c], norm_w, a.rms_norm_eps)
+        x[c].add_(model._plus_shared(layer, w, normed, routed[c].to(x.dtype)))
 
 
 def _hint_group(model, target: int, x: torch.Tensor, chunks: list[slice]) -> None:

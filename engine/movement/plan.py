@@ -14,8 +14,8 @@ The runtime overhead is measured, not guessed: the process's resident set at pla
 logits. A prompt is prefilled in groups of at most `prefill_group` tokens, each group taken through one
 layer at a time (engine/arch/prefill.py: each routed expert read once per layer per group), its
 attention and dense parts in sub-chunks of PREFILL_CHUNK tokens. The plan charges what a group holds
-for its whole prefill (prefill_group_bytes: the hidden state, the routing, every routed slot's
-output) plus one sub-chunk's transients at the longest context (prefill_activation_bytes: counted
+for its whole prefill (prefill_group_bytes: the hidden state, the routing, the routed sum; a few KiB
+a token) plus one sub-chunk's transients at the longest context (prefill_activation_bytes: counted
 from the model's geometry, times the allocator's factor, and the native matmul caches' bound).
 The group is EngineConfig.prefill_chunk where set (a budget that cannot hold it is refused), else
 the largest the budget allows: the whole context, shrunk to half of what the budget leaves after
@@ -86,6 +86,7 @@ class MemoryPlan:
     # (prefill_activation_bytes), beside the decode margin the runtime overhead already holds.
     prefill_bytes: int = 0
     prefill_group: int = 0  # prompt tokens per layer-major group, the one prefill_bytes charges
+    prefill_norm_held: bool = False  # the group holds the MoE's normed input (prefill_norm_held)
     # The RAM prefix cache (EngineConfig.prefix_cache): the KV blocks of recent sequences.
     prefix_cache_bytes: int = 0
     # Speculative decoding (EngineConfig.draft): the verify's rows and the drafter (draft_bytes).
@@ -124,30 +125,36 @@ def prefill_tokens_per_pass(ctx_size: int, chunk: int = PREFILL_CHUNK) -> int:
     return max(1, min(ctx_size, chunk))
 
 
-def prefill_group_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int) -> int:
+def prefill_group_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int,
+                        norm_held: bool = False) -> int:
     """What a layer-major group of `tokens` prompt tokens holds for its whole prefill
     (engine/arch/prefill.py), allocated once per group, so without the allocator factor.
 
-    Per token (e = compute dtype bytes; H hidden, K top-k, D head_dim): the residual and its norm
-    (2 of H); for a MoE model the routed output (H), every routed slot's weighted output (K of H),
-    the routing ids and weights and their sort (K int64 ids, order, tokens and sorted ids; K weights
-    twice); the sub-chunks' rope rows (2 of D); for the DSA indexer, each sub-chunk's selection,
-    one byte per position of the context."""
+    Per token (e = compute dtype bytes; H hidden, K top-k, D head_dim): the residual (H); for a
+    MoE model the routed sum (H in its accumulation dtype: fp32 for bf16, each expert's rows added
+    as the expert is applied, so no routed slot's output is held), the routing ids and weights and
+    their sort (K int64 ids, order, tokens and sorted ids; K weights twice); the sub-chunks' rope
+    rows (2 of D); for the DSA indexer, each sub-chunk's selection, one byte per position of the
+    context. norm_held: also the MoE's normed input (H), held for the group where the budget has
+    room (prefill_norm_held); else each use norms its rows again, K times a token for the routed
+    experts."""
     e = _elem(dtype)
-    per_token = 2 * args.hidden_size * e + 2 * args.head_dim * e
+    per_token = args.hidden_size * e + 2 * args.head_dim * e
+    if norm_held and args.num_experts:
+        per_token += args.hidden_size * e
     if args.num_experts:
-        per_token += (1 + args.top_k) * args.hidden_size * e + args.top_k * (4 * 8 + 2 * e)
+        per_token += args.hidden_size * max(e, 4) + args.top_k * (4 * 8 + 2 * e)
     if getattr(args.attention_impl, "indexer", None) is not None:
         per_token += ctx_size
     return int(tokens * per_token)
 
 
 def prefill_bytes(args: ModelArgs, group: int, dtype: torch.dtype, ctx_size: int,
-                  kv_dtype: torch.dtype | None = None) -> int:
+                  kv_dtype: torch.dtype | None = None, norm_held: bool = False) -> int:
     """The plan's prefill charge for groups of `group` tokens: the group's state and one sub-chunk's
     transients."""
     sub = prefill_tokens_per_pass(min(ctx_size, group))
-    return (prefill_group_bytes(args, group, dtype, ctx_size)
+    return (prefill_group_bytes(args, group, dtype, ctx_size, norm_held)
             + prefill_activation_bytes(args, sub, dtype, ctx_size, kv_dtype))
 
 
@@ -178,6 +185,17 @@ def prefill_group_for(args: ModelArgs, config: EngineConfig, dtype: torch.dtype,
     while sub > 1 and prefill_bytes(args, sub, dtype, config.ctx_size, kv_dtype) > room:
         sub //= 2
     return sub
+
+
+def prefill_norm_held(args: ModelArgs, group: int, dtype: torch.dtype, ctx_size: int, left: int | None) -> bool:
+    """Whether a group of `group` tokens holds the MoE's normed input: without a budget, or where the
+    group's state with it still fits half of `left` (prefill_group_for's rule). Holding it is one
+    gather per routed slot; not holding it norms each token again for every slot (K times), which
+    on demo's 2,048-token prompt costs more than a second; a group that would have to shrink to
+    hold it (more groups, each reading its experts again) does not."""
+    if left is None:
+        return True
+    return group * prefill_group_bytes(args, 1, dtype, ctx_size, True) <= max(0, left) // 2
 
 
 def prefill_transient_bytes(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size: int | None = None,
@@ -289,9 +307,11 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     if budget <= 0 or routed == 0:
         group = prefill_group_for(args, config, dtype, None, kv_dtype)
         return MemoryPlan(budget, False, dense, kv, 0, overhead_bytes, routed * expert, 0, expert, disk_expert,
-                          routed, inflight, prefill_bytes=prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype),
-                          prefill_group=group, prefix_cache_bytes=prefix, draft_bytes=drafting)
-    group, prefill, fixed = _fixed_bytes(args, config, dtype, kv_dtype, ("dense weights", dense), kv,
+                          routed, inflight,
+                          prefill_bytes=prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype, True),
+                          prefill_group=group, prefill_norm_held=True, prefix_cache_bytes=prefix,
+                          draft_bytes=drafting)
+    group, held, prefill, fixed = _fixed_bytes(args, config, dtype, kv_dtype, ("dense weights", dense), kv,
                                          ("read buffers", buffers), overhead_bytes, transients, prefix, drafting,
                                          after=" before any expert cache")
     # Whole entries only, so the cache's byte capacity is exactly its slots.
@@ -303,21 +323,23 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     arena = 0 if mapped else inflight + (cache // entry if views else 0)
     return MemoryPlan(budget, True, dense, kv, buffers, overhead_bytes, cache, gpu_cache, expert, disk_expert,
                       routed, inflight, slot_bytes=slot, arena_slots=arena, cache_entry_bytes=entry,
-                      prefill_bytes=prefill, prefill_group=group, prefix_cache_bytes=prefix, draft_bytes=drafting)
+                      prefill_bytes=prefill, prefill_group=group, prefill_norm_held=held, prefix_cache_bytes=prefix,
+                      draft_bytes=drafting)
 
 
 def _fixed_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, kv_dtype, weights: tuple[str, int],
                  kv: int, buffers: tuple[str, int], overhead: int, transients: int, prefix: int, drafting: int,
-                 after: str = "") -> tuple[int, int, int]:
-    """(prefill group, its activations' bytes, the fixed bytes) of a plan: everything the budget holds
-    before a cache (the MoE plan's experts, the dense plan's resident layers), the group the largest
+                 after: str = "") -> tuple[int, bool, int, int]:
+    """(prefill group, whether it holds the norm, its activations' bytes, the fixed bytes) of a plan:
+    everything the budget holds before a cache (the MoE plan's experts, the dense plan's resident layers), the group the largest
     whose activations fit beside the rest. A budget below it is one BudgetError naming each part
     (`weights` and `buffers` as (label, bytes): what each plan calls them)."""
     budget = config.ram_budget
     (weights_label, weight_bytes), (buffers_label, buffer_bytes) = weights, buffers
-    group = prefill_group_for(args, config, dtype, budget - (weight_bytes + kv + buffer_bytes + overhead + transients
-                                                             + prefix + drafting), kv_dtype)
-    prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype)
+    left = budget - (weight_bytes + kv + buffer_bytes + overhead + transients + prefix + drafting)
+    group = prefill_group_for(args, config, dtype, left, kv_dtype)
+    held = prefill_norm_held(args, group, dtype, config.ctx_size, left)
+    prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype, held)
     fixed = weight_bytes + kv + buffer_bytes + overhead + prefill + prefix + drafting
     if fixed > budget:
         raise BudgetError(
@@ -325,7 +347,7 @@ def _fixed_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, kv_d
             f"cache at ctx_size {config.ctx_size} {format_size(kv)} + {buffers_label} {format_size(buffer_bytes)} + "
             f"runtime {format_size(overhead)} + prefill activations ({group}-token groups) {format_size(prefill)} + "
             f"prefix cache {format_size(prefix)} + drafting {format_size(drafting)} = {format_size(fixed)}{after}")
-    return group, prefill, fixed
+    return group, held, prefill, fixed
 
 
 # (id(ckpt), id(args), quant, dtype) → (ckpt, args, bytes): the cost model plans thousands of
@@ -369,14 +391,15 @@ def _dense_plan(ckpt, args, config, dtype, kv, overhead, transients, prefix, dra
     # In flight: the layer being computed and `prefetch_depth` ahead, each as read + converted.
     buffers = (1 + config.prefetch_depth) * (layer_disk + ALIGN_SLACK + (layer_bytes if layer_bytes != layer_disk else 0))
     budget = config.ram_budget
-    group, prefill, fixed = _fixed_bytes(args, config, dtype, kv_dtype, ("dense weights outside the layers", base), kv,
-                                         ("read buffers (layer streaming)", buffers), overhead, transients, prefix,
-                                         drafting)
+    group, held, prefill, fixed = _fixed_bytes(args, config, dtype, kv_dtype,
+                                               ("dense weights outside the layers", base), kv,
+                                               ("read buffers (layer streaming)", buffers), overhead, transients,
+                                               prefix, drafting)
     resident = min(args.num_layers, int((budget - fixed) * config.cpu_cache_ratio) // max(layer_bytes, 1))
     return MemoryPlan(budget, resident < args.num_layers, base + resident * layer_bytes, kv,
                       buffers if resident < args.num_layers else 0, overhead, 0, 0, 0, 0, 0, 0,
                       resident_layers=resident, layer_bytes=layer_bytes, prefill_bytes=prefill, prefill_group=group,
-                      prefix_cache_bytes=prefix, draft_bytes=drafting)
+                      prefill_norm_held=held, prefix_cache_bytes=prefix, draft_bytes=drafting)
 
 
 def _count(ckpt: Checkpoint, name: str) -> int:

@@ -16,6 +16,10 @@ What the model calls of an ExpertStore:
                                           order the weights become available (hits first,
                                           then reads as they land); the caller sums in a
                                           fixed order, so the order here never shows.
+        ... in_order=True                 in the order of `experts` instead (a read that
+                                          lands early waits in its slot): a layer-major
+                                          prefill adds each expert's rows into the group's
+                                          output as it goes, in ascending expert order.
     hint_experts(layer, experts)          a later layer will probably need these.
     resident(layer, experts)              their weights if all are held in RAM for good
                                           (ResidentExperts), else None: the decode step may
@@ -81,7 +85,7 @@ class ExpertStore(WeightStore):
     fetched: int = 0
 
     @abstractmethod
-    def for_each_expert(self, layer: int, experts: list[int], fn: ExpertFn) -> None: ...
+    def for_each_expert(self, layer: int, experts: list[int], fn: ExpertFn, in_order: bool = False) -> None: ...
 
     def hint_experts(self, layer: int, experts: list[int]) -> None:
         """Default: nothing to read ahead."""
@@ -114,9 +118,9 @@ class ResidentExperts(ExpertStore):
             buffers = [read_span(s, self.arena.take(s.length)) for s in loc.spans]
             self._experts[key] = tensors_from_buffers(loc, buffers, dtype)
 
-    def for_each_expert(self, layer, experts, fn):
+    def for_each_expert(self, layer, experts, fn, in_order=False):
         self.fetched += len(experts)
-        for e in experts:
+        for e in experts:  # in the order asked: in_order or not
             fn(e, self._experts[(layer, e)])
 
     def resident(self, layer, experts):

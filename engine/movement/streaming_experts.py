@@ -5,6 +5,8 @@ Per layer:
     for_each_expert   cache hits are computed at once; reads already in flight (issued by a
                       hint) and demand reads for the rest are computed as they land, in
                       completion order, so a hit never waits behind the slowest miss.
+                      in_order=True (a layer-major prefill's group): computed in the order
+                      asked; a read that lands early waits in its slot for its turn.
     hint_experts      router lookahead predicted these for a later layer: start reading.
 
 Memory is the plan's, exactly: every read lands in a slot of one pre-faulted arena
@@ -90,7 +92,10 @@ class StreamingExperts(ReadingStore, ExpertStore):
 
     # --- the ExpertStore contract ----------------------------------------------------------
 
-    def for_each_expert(self, layer, experts, fn) -> None:
+    def for_each_expert(self, layer, experts, fn, in_order: bool = False) -> None:
+        if in_order:
+            self._in_order(layer, experts, fn)
+            return
         self.fetched += len(experts)
         self._drain()
         needed = set(experts)
@@ -153,6 +158,104 @@ class StreamingExperts(ReadingStore, ExpertStore):
             else:
                 self._landed_elsewhere(read)
             read = None
+
+    def _in_order(self, layer, experts, fn) -> None:
+        """for_each_expert with fn called in the order of `experts` (a layer-major group adds each
+        expert's rows straight into its output, so the order is the bits). A read that lands before
+        its turn waits in its slot (the read budget: at most max_inflight are held); a hit is taken
+        from the cache at its turn; demand reads go out in the order asked, as room allows."""
+        self.fetched += len(experts)
+        self._drain()
+        self._release_mispredicted(layer, set(experts))
+        predicted = self.predicted.pop(layer, None)
+        if predicted is not None:
+            self.recall_hits += len(predicted & set(experts))
+            self.recall_total += len(experts)
+        rank = {(layer, e): i for i, e in enumerate(experts)}
+        held: dict[tuple[int, int], _Read] = {}  # landed before their turn, each in its slot
+        lookahead: set[tuple[int, int]] = set()  # landed from a hint before this call
+        hits: set[tuple[int, int]] = set()
+        waiting: set[tuple[int, int]] = set()
+        to_read = []  # in the order asked: the order they go out in
+        for key in rank:
+            self.lookups += 1
+            read = self.ready.pop(key, None)
+            if read is not None:  # lookahead read it in time
+                self.prefetched_used += 1
+                held[key] = read
+                lookahead.add(key)
+            elif key in self.cache:
+                hits.add(key)
+            elif key in self.reads:
+                self.prefetched_used += 1
+                waiting.add(key)
+            else:
+                self.demand_reads += 1
+                to_read.append(key)
+        self._held = len(held)  # out of `ready` but still in their slots: _room counts them
+
+        def take_landed(block: bool) -> None:
+            """This layer's reads that landed (waiting for one if `block`) move to `held`."""
+            if block:
+                read = self._next_landed(stall=True)
+                if read.key in waiting and read.wanted:
+                    self.ready[read.key] = read
+                else:
+                    self._landed_elsewhere(read)
+            for k in [k for k in waiting if k in self.ready]:
+                held[k] = self.ready.pop(k)
+                waiting.discard(k)
+                self._held += 1
+
+        try:
+            self._submit_demand(to_read, waiting)
+            for key in rank:
+                if key in hits:
+                    hit = self.cache.get(key)
+                    if hit is not None:
+                        tier, value = hit
+                        self.tier_hits[tier] = self.tier_hits.get(tier, 0) + 1
+                        fn(key[1], value)
+                        del value, hit
+                        continue
+                    self.demand_reads += 1  # evicted since it was looked at (a landed expert took its place)
+                    to_read.insert(0, key)  # the one due: first in line
+                while key not in held:
+                    take_landed(block=False)
+                    if key in held:
+                        break
+                    self._submit_demand(to_read, waiting)
+                    if key in waiting:
+                        take_landed(block=True)
+                    elif (self.orphans or any(k[0] != layer for k in self.ready)
+                          or any(k[0] != layer for k in self.reads)):
+                        self._give_up_lookahead(layer)
+                    elif held:
+                        # Every slot is this layer's and none holds the one due (a hit when looked at,
+                        # evicted since): the latest-due landed read is offered to the cache (or dropped,
+                        # to be read again at its turn), so the one due can be read.
+                        late = max(held, key=rank.__getitem__)
+                        self._keep(late, self._value(held.pop(late)))
+                        self._held -= 1
+                        if late in self.cache:
+                            hits.add(late)
+                        else:
+                            self.demand_reads += 1
+                            to_read.append(late)
+                            to_read.sort(key=rank.__getitem__)
+                    elif waiting:  # every slot reads a later expert of this layer: one lands, then goes
+                        take_landed(block=True)
+                    else:
+                        raise RuntimeError("read budget exhausted with nothing in flight (max_inflight < 1?)")
+                read = held.pop(key)
+                if key in lookahead:
+                    self.cache.note_request(key)  # still a use of the expert: lfu's popularity counts it
+                self._compute(read, fn)
+                self._held -= 1
+                read = None  # a consumed read's slot belongs to the cache now, or to nobody
+                self._submit_demand(to_read, waiting)
+        finally:
+            self._held = 0
 
     def _submit_demand(self, to_read: list, waiting: set) -> None:
         """Start the demand reads the read budget has room for (in the order asked)."""

@@ -196,6 +196,8 @@ class Engine(Drafting):
         self.model = Transformer(self.args, weights, self.experts, self.dtype, self.kv,
                                  prefetch_depth=self.config.prefetch_depth if self.plan.streaming else 0,
                                  routing_trim=trim, layer_source=self.layers, streamed_layers=streamed)
+        # A prefill group holds the MoE's normed input where the plan charged it (plan.prefill_norm_held).
+        self.model.prefill_norm_held = self.plan.prefill_norm_held
         # Speculative decoding (engine/run/speculative.py): None when off, so generate decodes as always.
         # The MTP layer's state: the (token, hidden) pairs it reads (engine/run/mtp_drafter.py), kept as
         # forward / rollback see rows; _hidden collects the rows' final hidden states meanwhile.
