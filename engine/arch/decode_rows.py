@@ -66,10 +66,13 @@ def forward_rows(model, tokens: torch.Tensor, positions: list[int], kvs: list,
     if all(plan.step is not None for plan in plans) and all(mask is None for mask in masks):
         # Where every row's solo decode would take the whole step in one native call, the rows take
         # it together: one call for every layer and row (each layer's weights read once for all).
-        rows = list(_native_step_rows(model, x, ropes, positions, kvs, plans).split(1))
+        # The final norm in one call too: native.rms_norm normalises each row alone, the bits of
+        # rms_norm on that row (which takes the same op for one bf16 row).
+        x = native.rms_norm(_native_step_rows(model, x, ropes, positions, kvs, plans), model.w["model.norm.weight"],
+                            a.rms_norm_eps)  # [B, H]
     else:
         rows = _layer_rows(model, x, positions, kvs, ropes, masks, plans)
-    x = torch.cat([rms_norm(h, model.w["model.norm.weight"], a.rms_norm_eps) for h in rows])  # [B, H]
+        x = torch.cat([rms_norm(h, model.w["model.norm.weight"], a.rms_norm_eps) for h in rows])  # [B, H]
     if hidden is not None:
         hidden.append(x)
     return _rows_linear(x, model.lm_head).float()  # [B, V]

@@ -102,6 +102,18 @@ inline void moe_rows(const MoeLayer& L, const bf16* hp, float eps, int64_t k, bo
 }
 
 
+// One weight row against c (1..4) rows: out[j] = dot(w, x[j], K), dot()'s bits each (dot_many's
+// cases, inlined into moe_batch's loops).
+__attribute__((always_inline)) inline void dot_slots(const bf16* w, const bf16* const* x, int64_t c, int64_t K,
+                                                     float* out) {
+  switch (c) {
+    case 4: dot_multi<4>(w, x, K, out); break;
+    case 3: dot_multi<3>(w, x, K, out); break;
+    case 2: dot_multi<2>(w, x, K, out); break;
+    default: out[0] = dot(w, x[0], K);
+  }
+}
+
 // Per calling thread, reused across calls (moe_batch's): every buffer sized by M rows once.
 struct MoeBatchScratch {
   std::vector<bf16> normed, h, ys;        // normed [M, H], h [S, I], ys [S, H]
@@ -117,7 +129,7 @@ struct MoeBatchScratch {
 // positions): y[r] = h[r] + combine(experts of trim(route(rms_norm(h[r])))), every row bit for bit
 // moe_rows on that row alone. The weights are read once for all rows: each router row and each weight
 // row of an expert in the union of the rows' routes meets every row (or slot) that needs it while in
-// registers (dot_many: a row's own accumulators, dot()'s bits); the combine runs per row over its
+// registers (dot_slots: a row's own accumulators, dot()'s bits); the combine runs per row over its
 // experts in ascending id order with moe_rows' roundings. One parallel region, as moe_rows: router
 // rows | (single) each row's top-k, trim and order, the union's slots | gate/up rows of the union |
 // down rows, then each row's combine and residual add. h[r], y[r] may not alias.
@@ -144,7 +156,7 @@ inline void moe_batch(const MoeLayer& L, const bf16* const* hp, int64_t M, float
     for (int64_t n = b; n < e; n++)  // router logits: router_rows' rounding, each router row read once
       for (int64_t r = 0; r < M; r += 4) {
         const int64_t c = std::min<int64_t>(4, M - r);
-        dot_many(rw + n * H, s.rows.data() + r, c, H, out);
+        dot_slots(rw + n * H, s.rows.data() + r, c, H, out);
         for (int64_t j = 0; j < c; j++) s.probs[(r + j) * E + n] = round_bf16(out[j]);
       }
 #pragma omp barrier
@@ -179,15 +191,23 @@ inline void moe_batch(const MoeLayer& L, const bf16* const* hp, int64_t M, float
       }
       s.first[A] = (int64_t)s.order.size();
     }
-    thread_share(A * I, t, T, b, e);
-    for (int64_t q = b; q < e; q++) {  // gate/up row i of union expert a, against each of its slots
-      const int64_t a = q / I, i = q % I, s1 = s.first[a + 1];
-      const bf16 *g = s.gate[a] + i * H, *u = s.up[a] + i * H;
-      for (int64_t s0 = s.first[a]; s0 < s1; s0 += 4) {
-        const int64_t c = std::min<int64_t>(4, s1 - s0);
-        dot_many(g, s.xs.data() + s0, c, H, gd);
-        dot_many(u, s.xs.data() + s0, c, H, ud);
-        for (int64_t j = 0; j < c; j++) s.h[(s0 + j) * I + i] = swiglu_value(gd[j], ud[j]);
+    // Gate/up rows of the union split by work, not by rows: row i of expert a costs its slot count
+    // n_a, so the work is S * I in all and the row starts at I * first[a] + i * n_a; this thread
+    // takes the rows that start in its share of the work (an expert many rows route to is split
+    // over the threads as a one-row expert is). Which thread computes a value changes no bits.
+    thread_share(s.first[A] * I, t, T, b, e);
+    for (int64_t a = 0; a < A; a++) {  // gate/up row i of union expert a, against each of its slots
+      const int64_t s0a = s.first[a], s1 = s.first[a + 1], n = s1 - s0a, base = I * s0a;
+      const int64_t i0 = std::clamp<int64_t>((b - base + n - 1) / n, 0, I);  // rows starting in [b, e)
+      const int64_t i1 = std::clamp<int64_t>((e - base + n - 1) / n, 0, I);
+      for (int64_t i = i0; i < i1; i++) {
+        const bf16 *g = s.gate[a] + i * H, *u = s.up[a] + i * H;
+        for (int64_t s0 = s0a; s0 < s1; s0 += 4) {
+          const int64_t c = std::min<int64_t>(4, s1 - s0);
+          dot_slots(g, s.xs.data() + s0, c, H, gd);
+          dot_slots(u, s.xs.data() + s0, c, H, ud);
+          for (int64_t j = 0; j < c; j++) s.h[(s0 + j) * I + i] = swiglu_value(gd[j], ud[j]);
+        }
       }
     }
 #pragma omp barrier
@@ -201,7 +221,7 @@ inline void moe_batch(const MoeLayer& L, const bf16* const* hp, int64_t M, float
         const bf16* d = s.down[a] + n * I;
         for (int64_t s0 = s.first[a]; s0 < s1; s0 += 4) {
           const int64_t c = std::min<int64_t>(4, s1 - s0);
-          dot_many(d, s.hs.data() + s0, c, I, out);
+          dot_slots(d, s.hs.data() + s0, c, I, out);
           for (int64_t j = 0; j < c; j++) ys[(s0 + j) * H + n] = to_bf16(out[j]);
         }
       }
