@@ -1,6 +1,6 @@
 """The batch scheduler (engine/run/batch.py): sequences admitted at step boundaries into a pool of KV
 caches, prompts prefilled one group per step between decode steps (several prompts' groups in one
-pass while they fit one group), the running ones decoded together; each sequence's tokens those of
+pass while they fit one group; at most stall_tokens while others decode), the running ones decoded together; each sequence's tokens those of
 generate() alone. Tiny generated models of every
 architecture; steps are counted, never timed.
 """
@@ -132,6 +132,33 @@ def test_a_joint_prefill_pass_fetches_each_expert_once_for_its_parts_and_gives_t
         for a, j in zip(alone, joint):
             torch.testing.assert_close(j, a, rtol=1e-5, atol=1e-5)
             assert int(j.argmax()) == int(a.argmax())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_a_newcomer_is_prefilled_in_short_passes_only_while_others_decode(hf_dirs, arch):
+    """Groups of 16 and stall_tokens 4: a 13-token prompt alone goes through in one pass; the same
+    prompt arriving while another sequence decodes goes 4, 4, 4, 1 tokens per step, the running
+    sequence decoding at every one of those steps (its wait between tokens is one short pass, not
+    the group). stall_tokens 0 gives it the whole group at once. Every answer is generate()'s alone."""
+    with Engine(hf_dirs(arch), _config(prefill_chunk=16)) as engine:
+        short, long = PROMPTS[1], PROMPTS[2]
+        solo = [generate(engine, p, n, Sampler()).output_ids for p, n in ((short, 10), (long, 4))]
+
+        lone = Scheduler(engine, stall_tokens=4)
+        alone = _seq(engine, long, 4)
+        infos = _drive(lone, {0: [alone]})
+        assert infos[0].prefill_tokens == 13
+        assert alone.decoding.gen.output_ids == solo[1]
+
+        for stall, passes in ((4, [4, 4, 4, 1]), (0, [13])):
+            sched = Scheduler(engine, stall_tokens=stall)
+            running, newcomer = _seq(engine, short, 10), _seq(engine, long, 4)
+            infos = _drive(sched, {0: [running], 2: [newcomer]})
+            assert [i.prefill_tokens for i in infos[:2]] == [4, 0]
+            during = infos[2:2 + len(passes)]
+            assert [i.prefill_tokens for i in during] == passes
+            assert all(i.rows >= 1 for i in during)  # the running sequence took a token at each of them
+            assert [s.decoding.gen.output_ids for s in (running, newcomer)] == solo
 
 
 def test_admission_waits_while_max_batch_sequences_run(hf_dirs):

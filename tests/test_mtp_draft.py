@@ -20,6 +20,8 @@ from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
 from engine.format.checkpoint import Checkpoint
 from engine.run.generate import Sampler, generate
+from engine.run import mtp_drafter
+from engine.run.mtp_drafter import MtpDrafter
 from engine.run.runtime import Engine
 from colibri_tiny import make_tiny
 from test_streaming import budget_for_cache
@@ -145,3 +147,63 @@ def test_with_mtp_layers_extends_the_layer_list():
     L = args.num_layers
     assert ext.num_layers == L + 1 and ext.is_moe_layer(L) and L in ext.attention_impl.indexer.full_layers
     assert with_mtp_layers(args, 0) is args
+
+
+# --- the MTP layer costs nothing while drafting is off (engine/run/mtp_drafter.py) -------------------
+
+def _count_layer_rows(monkeypatch) -> list[int]:
+    """Rows of every MtpLayer.forward call from now on."""
+    from engine.arch.mtp import MtpLayer
+    rows: list[int] = []
+    real = MtpLayer.forward
+
+    def counted(self, tokens, hidden, start_pos, **kw):
+        rows.append(int(tokens.shape[0]))
+        return real(self, tokens, hidden, start_pos, **kw)
+
+    monkeypatch.setattr(MtpLayer, "forward", counted)
+    return rows
+
+
+def test_the_mtp_layer_is_not_run_while_the_gate_keeps_drafting_off(model, monkeypatch):
+    """A prompt and 30 plain steps with the MTP drafter on and the gate off: not one MTP layer call,
+    the pairs waiting are a window, and the tokens are the plain run's."""
+    _, d = model
+    with Engine(d, config(dtype="fp32")) as e:
+        plain = generate(e, PROMPT, 30, Sampler()).output_ids
+    with Engine(d, config(dtype="fp32", draft="gate", drafter="mtp")) as e:
+        rows = _count_layer_rows(monkeypatch)
+        monkeypatch.setattr(e.speculator.gate, "depth", lambda available, source, drafter: (0, "gated off"))
+        out = generate(e, PROMPT, 30, Sampler()).output_ids
+        assert rows == [] and e.mtp.calls == 0
+        assert len(e.mtp.tokens) == mtp_drafter.WINDOW  # the last pairs only: nothing computed, nothing more kept
+        assert e.mtp.waiting[0] == len(PROMPT) + 30 - 2  # the last fed position's hidden, for the next draft
+    assert out == plain
+
+
+@pytest.mark.parametrize("arch", sorted(PRESETS))
+def test_mtp_drafts_after_a_gated_off_stretch_are_accepted(arch, tmp_path_factory, monkeypatch):
+    """The gate off for longer than the window (pairs dropped), then drafting: the layer computes the
+    window once (no more rows than WINDOW in a call), attends from its first position, and an MTP
+    layer that predicts right is still accepted; the output is the plain run's."""
+    d = mtp_model(tmp_path_factory, arch, initializer_range=0.002, routing_skew=0.0)
+    _as_oracle(d)
+    with Engine(d, config(dtype="fp32")) as e:
+        plain = generate(e, PROMPT, 50, Sampler()).output_ids
+    gap = mtp_drafter.WINDOW + 9
+    with Engine(d, config(dtype="fp32", draft="fixed", drafter="mtp", draft_depth=3)) as e:
+        rows = _count_layer_rows(monkeypatch)
+        offers = []
+        real_offer = MtpDrafter.offer
+
+        def offer(self, k):  # nothing offered for the first `gap` steps: plain steps, pairs dropped
+            offers.append(k)
+            return (0, "mtp") if len(offers) <= gap else real_offer(self, k)
+
+        monkeypatch.setattr(MtpDrafter, "offer", offer)
+        drafted = generate(e, PROMPT, 50, Sampler()).output_ids
+        stats = e.speculator.stats
+        assert e.mtp.since == len(PROMPT) + gap - mtp_drafter.WINDOW  # the window after the gap
+    assert drafted == plain
+    assert rows[0] == mtp_drafter.WINDOW and max(rows) == rows[0]  # the window (this step's pair its last), once
+    assert stats.drafted >= 10 and stats.accepted >= 0.9 * stats.drafted

@@ -217,16 +217,16 @@ def test_bounded_load_of_openai_clients_gives_answers_or_503_and_flat_memory(ser
     assert rss[1] - rss[0] < 64 * MiB  # stated margin: the pool's caches are made once, nothing per request stays
 
 
-def test_serve_has_max_batch_and_takes_prefill_groups_of_one_sub_chunk_for_it():
-    """--max-batch is the knob's flag; above 1 and without a budget serve prefills in groups of 256
-    tokens (else a long prompt would stall every running stream for all of it), unless asked."""
+def test_serve_has_max_batch_and_keeps_the_engine_prefill_group_for_it():
+    """--max-batch is the knob's flag; the prefill group stays the engine's (the scheduler, not a
+    smaller group, bounds a newcomer's stall: tests/test_batch.py), unless asked."""
     parser = build_parser("serve")
     config, _ = reuse_options(parser.parse_args(["serve", "--model", "m", "--max-batch", "4", "--kv-disk", "0"]),
                               "serve")
-    assert (config.max_batch, config.prefill_chunk) == (4, 256)
-    config, _ = reuse_options(parser.parse_args(["serve", "--model", "m", "--max-batch", "4", "--prefill-chunk", "0",
+    assert (config.max_batch, config.prefill_chunk) == (4, 0)
+    config, _ = reuse_options(parser.parse_args(["serve", "--model", "m", "--max-batch", "4", "--prefill-chunk", "128",
                                                  "--kv-disk", "0"]), "serve")
-    assert config.prefill_chunk == 0
+    assert config.prefill_chunk == 128
     config, _ = reuse_options(parser.parse_args(["serve", "--model", "m", "--kv-disk", "0"]), "serve")
     assert (config.max_batch, config.prefill_chunk) == (1, 0)
 

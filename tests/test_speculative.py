@@ -299,20 +299,74 @@ def test_gate_turns_drafting_off_when_the_verify_costs_more_than_it_saves():
 
 
 def test_gate_explores_rarely_once_off():
-    """Gated off, the whole offer is tried again after 16, 32, 64... steps, and never before the
-    trial's modelled cost is 5% of the plain steps' time: a verify that costs many plain steps is
-    tried that much more rarely."""
+    """Gated off, EXPLORE_DEPTH drafts are tried again after 16, 32, 64... steps, and never before the
+    trial's modelled cost is 3% of the plain steps' time, then 1.5%...: a verify that costs many plain
+    steps is tried that much more rarely, and trials that keep losing ever more rarely."""
+    assert spec_gate.EXPLORE_SHARE == 0.03 and spec_gate.EXPLORE_DEPTH == 2
     gate = _gate(compute=0.01, stall=0.0, row_cost=0.1)
     for _ in range(10):
         gate.observe_accept("lookup-1", 0, 2)
-    decisions = [gate.depth(2, "lookup-1", "lookup") for _ in range(24 + 32)]
+    decisions = [gate.depth(4, "lookup-1", "lookup") for _ in range(40 + 80 + 160)]
     explored = [i for i, (_, why) in enumerate(decisions) if why == "explored"]
-    assert explored == [23, 23 + 32] and decisions[23][0] == 2  # 1.2 plain steps / 5%: 24; then 32
+    # a 3-row trial costs 1.2 plain steps: 1.2 / 3% = 40 steps, then twice (80), four times (160)
+    assert explored == [39, 39 + 80, 39 + 80 + 160] and all(decisions[i][0] == 2 for i in explored)
     costly = _gate(compute=0.01, stall=0.0, row_cost=10.0)
     for _ in range(10):
         costly.observe_accept("lookup-1", 0, 2)
-    whys = [costly.depth(2, "lookup-1", "lookup")[1] for _ in range(600)]
-    assert whys.index("explored") == 21 / 0.05 - 1  # a 3-row verify costs 21 plain steps
+    whys = [costly.depth(2, "lookup-1", "lookup")[1] for _ in range(800)]
+    assert whys.index("explored") == 700 - 1  # a 3-row verify costs 21 plain steps: 21 / 3%
+
+
+def test_gate_counts_the_drafting_in_a_trial_and_backs_off_from_losing_trials():
+    """A drafter whose drafting costs (the MTP layer) makes its trials rarer; a trial that finds a draft
+    worth drafting starts the back-off again."""
+    cheap, costly = _gate(compute=0.01, stall=0.0, row_cost=0.1), _gate(compute=0.01, stall=0.0, row_cost=0.1)
+    for _ in range(3):
+        costly.observe_draft("mtp", 2, 2 * 0.01)  # a plain step's time per drafted token
+    for g in (cheap, costly):
+        for _ in range(10):
+            g.observe_accept("mtp", 0, 2)
+    first = [[g.depth(2, "mtp", "mtp")[1] for _ in range(200)].index("explored") for g in (cheap, costly)]
+    assert first == [39, 106]  # (1.2 + 2 * 1.0) / 3% = 107 steps: the drafting is part of the trial's cost
+    # the cheap gate's next trial waits twice as long (80 steps), unless a draft paid in between
+    cheap.accept["mtp"] = [99.0, 1.0]
+    cheap._decided.clear()  # (observe_accept does this when the counts move)
+    assert cheap.depth(2, "mtp", "mtp") == (2, "drafted")
+    cheap.accept["mtp"] = [0.0, 99.0]
+    cheap._decided.clear()
+    whys = [cheap.depth(2, "mtp", "mtp")[1] for _ in range(100)]
+    assert whys.index("explored") == 39  # 40 steps again, not 80
+
+
+def test_gate_goes_idle_after_a_run_of_gated_off_decisions():
+    """After OFF_RUN gated-off decisions in a row, the steps until the next trial are plain ones, the
+    drafter not asked (idle_steps); a trial's outcome is decided on again before going idle."""
+    gate = _gate(compute=0.01, stall=0.0, row_cost=0.1)
+    for _ in range(10):
+        gate.observe_accept("lookup-1", 0, 2)
+    assert gate.idle_steps() == 0  # some depth could pay at acceptance 1: the drafter is asked
+    for _ in range(spec_gate.OFF_RUN - 1):
+        assert gate.depth(2, "lookup-1", "lookup") == (0, "gated off")
+    assert gate.idle_steps() == 0
+    gate.depth(0, "", "")  # a step the drafter had nothing for: neither a decision nor the end of the run
+    gate.depth(2, "lookup-1", "lookup")
+    idle = gate.idle_steps()
+    assert idle == 40 - spec_gate.OFF_RUN - 1  # the rest of the wait for the trial (40 steps, above)
+    gate.skipped(idle)
+    assert gate.depth(2, "lookup-1", "lookup") == (2, "explored")
+    assert gate.idle_steps() == 0  # what the trial measured is decided on first
+
+
+def test_gate_drafts_only_with_a_margin_over_a_plain_step():
+    """A depth modelled barely faster than a plain step (within DRAFT_GAIN) is not drafted: the
+    estimates are measured on a busy machine."""
+    gate = _gate(compute=0.01, stall=0.0, row_cost=0.5)
+    for _ in range(2):
+        gate.observe(2, 0.0105 + 0.0, 0.0, 0)  # a 2-row verify: 1.05 plain steps
+    gate.accept["lookup-2"] = [1.0, 99.0]  # acceptance about 2%: 1.02 tokens a step
+    gate.accept["lookup-4"] = [99.0, 1.0]  # about 98%: 1.98 tokens a step
+    assert gate.depth(1, "lookup-2", "lookup") == (0, "gated off")  # 1.02 / 1.05 < 1.05
+    assert gate.depth(1, "lookup-4", "lookup") == (1, "drafted")
 
 
 def test_gate_measures_verify_cost_and_union_online():
@@ -435,3 +489,31 @@ def test_drafts_hint_the_first_layers_and_change_no_token(tmp_path):
             assert generate(e, prompt, 20, Sampler()).output_ids == want
             recalls[hints] = (e.store.recall_total, e.store.stats()["lookahead_recall"])
     assert recalls[True][0] > recalls[False][0]  # layer 0's lookups now have a prediction to count
+
+
+def test_idle_steps_ask_no_drafter_but_streamed_still_hint_the_lookup_guess(tmp_path, monkeypatch):
+    """Gated off for good (idle_steps): resident, the drafter is never asked; streamed, prompt
+    lookup's guess at the next token is still hinted with the step's own token (what gated-off steps
+    hinted before they went idle). Tokens as without drafting, either way."""
+    from test_streaming import budget_for_cache
+    d = make_tiny(tmp_path / "m", initializer_range=0.002, routing_skew=0.0)
+    with Engine(d, config()) as e:
+        prompt = generate(e, [5, 17, 33], 48, Sampler()).output_ids[-24:]  # it repeats: lookup matches
+        want = generate(e, prompt, 20, Sampler()).output_ids
+    offers = []
+    real_offer = PromptLookup.offer
+    monkeypatch.setattr(PromptLookup, "offer", lambda self, k: offers.append(k) or real_offer(self, k))
+    kw = dict(draft="gate", drafter="lookup", prefetch_depth=1)
+    for budget in (0, budget_for_cache(d, config(**kw), 6) + (2 << 20)):
+        with Engine(d, config(ram_budget=budget, **kw)) as e:
+            monkeypatch.setattr(e.speculator.gate, "idle_steps", lambda: 1000)
+            hinted = []
+            real_hint = e.speculator._hint
+            monkeypatch.setattr(e.speculator, "_hint", lambda tokens: hinted.append(list(tokens)) or real_hint(tokens))
+            offers.clear()
+            assert generate(e, prompt, 20, Sampler()).output_ids == want
+            if not budget:
+                assert offers == [] and hinted == []
+            else:
+                assert e.speculator.hints and len(offers) == len(hinted) == 19  # one per decode step
+                assert sum(len(h) == 2 for h in hinted) >= 10  # the step's token and the guess after it

@@ -145,6 +145,18 @@ def test_the_goodput_prediction_simulates_the_scheduler_step_by_step():
     assert [r.firsts for r in reqs] == [[pytest.approx(0.1)], [pytest.approx(0.3)]]
 
 
+def test_the_simulated_newcomer_is_prefilled_one_sub_chunk_per_pass_beside_a_running_stream():
+    """Groups of 1,024 tokens, decode steps of 0.1 s, 0.01 s per prompt token: A (10 tokens) alone
+    takes one pass; B (600 tokens) arrives while A decodes and goes 256, 256, 88 tokens per pass with
+    one of A's steps between each (the scheduler's stall_tokens), so A waits at most 2.56 s between
+    two tokens and B's first token comes two steps later than from one 600-token pass (stall 0)."""
+    for stall, b_first in ((256, 0.2 + 2.56 + 0.1 + 2.56 + 0.1 + 0.88), (0, 0.2 + 6.0)):
+        a, b = SimRequest(0.0, 10, 6), SimRequest(0.05, 600, 2)
+        simulate([a, b], lambda rows: 0.1, lambda tokens: 0.01 * tokens, max_batch=2, group=1024, stall=stall)
+        assert a.firsts == [pytest.approx(0.1)]  # alone: its whole prompt in one pass
+        assert b.admitted == pytest.approx(0.1) and b.firsts == [pytest.approx(b_first)]
+
+
 def test_max_batch_is_searched_for_serve_only_and_capped_by_the_plan(model_dir):
     facts = ModelFacts.read(model_dir)
     kw = dict(budget=BUDGET, physical_cores=2, logical_cores=2, has_gpu=False, model=facts)

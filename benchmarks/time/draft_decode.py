@@ -3,7 +3,7 @@ drafter, on copy-heavy workloads and on free text, resident and under streaming 
 
     .venv/bin/python benchmarks/time/draft_decode.py --model DIR [--budget 0[,1GiB,...]] [--tokens 96] \
         [--depths 2,4,8] [--drafter lookup[,mtp,auto]] [--workloads copy,edit,code,free] [--rounds 2] \
-        [--threads 2] [--json] [--lock FILE]
+        [--modes gate,fixed,nohint] [--threads 2] [--json] [--lock FILE]
 
 Workloads (greedy; prompts tokenized with the model's tokenizer.json, else seeded ids):
   copy   each prompt holds a piece of a Python standard-library file, a line asking for it again, and
@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter", default="lookup",
                     help="drafters, comma-separated: lookup, mtp, auto (default lookup); each gets its own rows")
     ap.add_argument("--workloads", default="copy,edit,code,free", help="copy, edit, code, free (default all four)")
+    ap.add_argument("--modes", default="gate,fixed,nohint",
+                    help="rows besides off, comma-separated: gate, fixed (the forced depths), nohint (streamed: "
+                         "gate without the drafts' prefetch hints); default all three")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per mode, alternating the order (default 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=3600)
@@ -208,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         return refuse(TOOL, "--depths in 1..16, --tokens and --rounds positive")
     if not workloads or any(w not in ("copy", "edit", "code", "free") for w in workloads):
         return refuse(TOOL, f"--workloads {a.workloads!r}: copy, edit, code and/or free")
+    kinds = [m for m in a.modes.split(",") if m]
+    if not kinds or any(m not in ("gate", "fixed", "nohint") for m in kinds):
+        return refuse(TOOL, f"--modes {a.modes!r}: gate, fixed and/or nohint")
     if not drafters or any(d not in ("lookup", "mtp", "auto") for d in drafters):
         return refuse(TOOL, f"--drafter {a.drafter!r}: lookup, mtp and/or auto")
     try:
@@ -224,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         streamed = bool(size)
         modes = [("auto", "off")]
         for d in drafters:
-            modes += [(d, "gate"), *[(d, f"fixed:{k}") for k in depths]] + ([(d, "gate-nohint")] if streamed else [])
+            modes += [(d, "gate")] if "gate" in kinds else []
+            modes += [(d, f"fixed:{k}") for k in depths] if "fixed" in kinds else []
+            modes += [(d, "gate-nohint")] if streamed and "nohint" in kinds else []
         for workload in workloads:
             runs: dict[tuple, list] = {m: [] for m in modes}
             for r in range(a.rounds):

@@ -6,7 +6,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from engine.api import (PREFILL_CHUNK, ConfigError, EngineConfig, default_ctx_size, is_kv_root, kv_root, parse_size,
+from engine.api import (ConfigError, EngineConfig, default_ctx_size, is_kv_root, kv_root, parse_size,
                         read_text_input, resolve_model, run_directory_target)
 from colibri.serve.chat import chat_loop
 from colibri.serve.protocol import ApiError, Sampling, parse_sampling
@@ -46,21 +46,16 @@ def say_prefix_default(p) -> None:
 
 
 def reuse_options(args, command: str) -> tuple[EngineConfig, dict]:
-    """The engine config with serve's defaults (under --config and the flags): the prefix cache, and
-    with --max-batch above 1 and no budget prefill groups of PREFILL_CHUNK tokens (a prompt would be
-    one group, and the running streams would wait for all of it between two tokens: engine/run/batch.py);
-    and the SSD tier's directory (checked by the output guard before anything loads) and bound.
+    """The engine config with serve's defaults (under --config and the flags): the prefix cache; and
+    the SSD tier's directory (checked by the output guard before anything loads) and bound.
 
-    Under a budget the group is the plan's: the largest that fits (engine/movement/plan.py
-    prefill_group_for), which can be the whole context where the budget is roomy, so a long newcomer
-    stalls the running streams for its whole group; `--prefill-chunk 256` bounds it, at the price of
-    reading the routed experts once per 256 prompt tokens. Which default serves better is open
-    (issue 39's closing note)."""
+    The prefill group stays the engine's (--prefill-chunk, else the plan's: the whole context without
+    a budget, the largest that fits under one, engine/movement/plan.py prefill_group_for), and a
+    prompt with nothing decoding beside it goes through in it. A newcomer does not stall the running
+    streams for its whole group: while they decode, the batch scheduler prefills it at most one
+    sub-chunk (PREFILL_CHUNK tokens) per pass between their steps (engine/run/batch.py, stall_tokens)."""
     given = engine_config_from_args(args)
-    defaults = {"prefix_cache": default_prefix_cache(given.ram_budget)}
-    if given.max_batch > 1 and not given.ram_budget:
-        defaults["prefill_chunk"] = PREFILL_CHUNK
-    config = engine_config_from_args(args, defaults=defaults)
+    config = engine_config_from_args(args, defaults={"prefix_cache": default_prefix_cache(given.ram_budget)})
     if config.draft != "off" and config.max_batch > 1:  # before the model loads (the worker checks it too)
         raise ConfigError("speculative decoding (--draft) runs one sequence at a time: it goes with --max-batch 1")
     if not config.prefix_cache or not args.kv_disk:

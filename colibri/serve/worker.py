@@ -2,9 +2,10 @@
 
 Requests run together up to the engine's max_batch (EngineConfig.max_batch, `serve --max-batch`):
 the scheduler (engine/run/batch.py) admits the queue's head at a step boundary when the pool has a
-KV cache free for each of its sequences, prefills a newcomer's prompt one group per step between
-the running sequences' decode steps (the groups of prompts waiting together in one pass while they
-fit one group, each routed expert read once for all of them), and decodes every running sequence in one step (each routed
+KV cache free for each of its sequences, prefills a newcomer's prompt one pass per step between
+the running sequences' decode steps (at most one sub-chunk per pass while they decode, the whole
+group when nothing else runs; the groups of prompts waiting together in one pass while they fit
+one group, each routed expert read once for all of them), and decodes every running sequence in one step (each routed
 expert read once for all of them). max_batch 1, the default, runs one generation at a time:
 people who stream a 300-700B model from an SSD found serial requests the stable choice, and a
 batch takes a KV cache per sequence, which the memory plan charges before the model loads.

@@ -194,11 +194,14 @@ class Transformer:
         return rope_cos_sin(self._inv_freq, self._rope_scale, torch.arange(start_pos, start_pos + T), self.dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int, kv: KVCache, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int, kv: KVCache, last_only: bool = False,
+                hidden: list | None = None) -> torch.Tensor:
         """tokens: [T] int64 → logits [T, V] (fp32), writing K/V at positions start_pos..start_pos+T.
 
         last_only: logits of the last position only ([1, V]); generation needs no more, and the
         lm_head is the largest matmul of a prefill.
+        hidden: a list the final hidden states the lm_head reads ([T, H] or [1, H], after the model's
+        norm) are appended to: what the MTP drafter reads (engine/arch/mtp.py), at no cost to the route.
 
         One token follows the decode plan (self.plan); several take the reference.
         """
@@ -221,6 +224,8 @@ class Transformer:
         if last_only:
             x = x[-1:]
         x = rms_norm(x, self.w["model.norm.weight"], self.args.rms_norm_eps)
+        if hidden is not None:
+            hidden.append(x)
         return linear(x, self.lm_head).float()  # [T, V]
 
     @torch.inference_mode()

@@ -122,9 +122,16 @@ class MtpLayer:
         return KVCache.nbytes_for(layer_args(args), ctx_size, kv_dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int, since: int = 0,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [T] (t[j+1]), hidden [T, H] (the state at j) at positions start_pos.. → (logits [T, V]
-        fp32, the layer's output [T, H]: the `hidden` of a further draft), the cache written there."""
+        fp32, or [1, V] of the last row with last_only; the layer's output [T, H]: the `hidden` of a
+        further draft), the cache written there.
+
+        since: the first cached position the rows attend to. The drafter computes only a recent window
+        of positions when it drafts after a while gated off (engine/run/mtp_drafter.py): the cache
+        below it holds another sequence's or no rows, which must not be read. Drafts need not be exact
+        (verification keeps the output lossless); they must not read garbage."""
         a, m = self.args, self.model
         T = tokens.shape[0]
         e = F.embedding(tokens, self.embed)  # [T, H]
@@ -135,6 +142,12 @@ class MtpLayer:
                        rms_norm(hidden.to(self.dtype), self.x["hnorm.weight"], a.rms_norm_eps)], dim=-1)  # [T, 2H]
         x = linear(x, self.x["eh_proj.weight"])  # [T, H]
         cos, sin = m._rope(start_pos, T)
-        x = m._layer(0, x, start_pos, self.kv, cos, sin, m._mask(start_pos, T))
-        logits = linear(rms_norm(x, self.x["shared_head.norm.weight"], a.rms_norm_eps), self.x["head"]).float()
+        mask = m._mask(start_pos, T)  # [T, S] bool or None
+        if since > 0:
+            S = start_pos + T
+            seen = torch.arange(S)[None, :] >= since  # [1, S]
+            mask = seen.expand(T, S) if mask is None else mask & seen
+        x = m._layer(0, x, start_pos, self.kv, cos, sin, mask)
+        y = x[-1:] if last_only else x  # the head only where logits are wanted ([V, H] is the big product)
+        logits = linear(rms_norm(y, self.x["shared_head.norm.weight"], a.rms_norm_eps), self.x["head"]).float()
         return logits, x

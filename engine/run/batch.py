@@ -14,8 +14,12 @@ The scheduler runs steps on one thread (the caller's; serve's worker thread). Ea
     4. one prefill pass: the oldest prefilling prompt's next group (a group prefill_into would cut),
        joined by the next groups of the prompts admitted after it while their total stays within
        one group (the tokens the memory plan charged a pass for), so prompts that arrived together
-       are prefilled together, each routed expert read once for all of them (Engine.prefill_parts),
-       and a running sequence still waits at most one group between its tokens; after a prompt's
+       are prefilled together, each routed expert read once for all of them (Engine.prefill_parts);
+       while other sequences are decoding, the pass takes at most `stall_tokens` prompt tokens (one
+       sub-chunk, PREFILL_CHUNK, by default), so a running sequence waits at most one sub-chunk's
+       pass between its tokens however large the plan's group is (under a budget it can be the
+       whole context: a 2,048-token newcomer stalled demo's streams ~8 s cold); a prompt with
+       nothing decoding beside it keeps the whole group (the fewest expert reads); after a prompt's
        last group each of its sequences takes its first token
     5. a sequence that has finished (Decoding.settle: max_new_tokens, a stop id, on_token, a
        processor's done()), failed or been cancelled leaves at once; its prompt and answer are
@@ -42,6 +46,7 @@ import torch
 from engine.arch import kv_snapshot
 from engine.arch.gpt_oss_layers import WindowedKVCache
 from engine.arch.kvquant import QuantizedRows
+from engine.base.config import PREFILL_CHUNK
 from engine.base.errors import PromptError
 from engine.run.generate import Decoding
 from engine.run.prefix_cache import common_prefix
@@ -94,7 +99,7 @@ class StepInfo:
     """What one scheduler step did (serve's /metrics and `bench --batch` read it)."""
 
     rows: int = 0  # sequences decoded this step
-    prefill_tokens: int = 0  # prompt tokens prefilled this step (one group at most)
+    prefill_tokens: int = 0  # prompt tokens prefilled this step: one group at most, stall_tokens while others decode
     decode_seconds: float = 0.0  # the decode forward and its rows' token choices
     # Experts fetched per MoE layer by a step of two rows or more (the union of the rows' routes);
     # None on a one-row step (the solo decode's fused paths fetch no union) or a dense model.
@@ -147,9 +152,20 @@ class CachePool:
 class Scheduler:
     """Admission, prefill groups and batched decode steps for sequences on one engine (module doc)."""
 
-    def __init__(self, engine, max_batch: int | None = None):
+    def __init__(self, engine, max_batch: int | None = None, stall_tokens: int = PREFILL_CHUNK):
+        """stall_tokens: the most prompt tokens one prefill pass takes while other sequences are
+        decoding (their longest wait between two tokens is one such pass); 0: the plan's group.
+        The attention's sub-chunk by default: layer-major prefill's unit (a pass of one sub-chunk
+        cuts the group's own sub-chunk boundaries), the issue's "never stall longer than one chunk".
+        The newcomer pays for it: each pass applies (under a budget, reads) most routed experts
+        again. Measured on demo bf16, three streams and a 1,900-token newcomer, 2 threads, one
+        process, rounds alternated (benchmarks/serving/newcomer_stall.py, 2026-12-06): resident, the
+        streams' worst gap 7.1 s -> 1.5 s for the newcomer's TTFT 7.1 s -> 10.3 s; under a 2 GiB
+        budget (direct reads) 7.6 s -> 2.4 s for 7.2 s -> 16.6 s (29 GiB of expert reads against
+        3.3), where 1,024 tokens a pass gave 4.8 s for 8.7 s."""
         self.engine = engine
         self.max_batch = max_batch or engine.config.max_batch
+        self.stall_tokens = stall_tokens
         self.pool = CachePool(engine, self.max_batch)
         self.waiting: deque[list[BatchSequence]] = deque()
         self.running: list[BatchSequence] = []  # admission order
@@ -264,13 +280,19 @@ class Scheduler:
         (in admission order) while the total stays within its group (the tokens the plan charged
         one pass for): the prompts of requests that arrived together go through in one pass, each
         expert read once for all of them (Engine.prefill_parts). Each prompt keeps the groups its own
-        prefill_into would cut; a one-token prompt goes alone (prefill_into's decode forward)."""
+        prefill_into would cut; a one-token prompt goes alone (prefill_into's decode forward).
+        While another sequence is decoding, the pass holds at most stall_tokens: each prompt's piece
+        is cut there (within the group the plan charged, on the group's sub-chunk boundaries), so
+        the decoding streams wait one short pass, not a whole group, between two tokens."""
+        limit = leaders[0]._group
+        if self.stall_tokens and any(s.state == "decode" for s in self.running):
+            limit = min(limit, self.stall_tokens)
         parts, used = [], 0
         for s in leaders:
             start = s._reused + s._done_tokens
-            n = min(s._group, len(s.prompt_ids) - start)
+            n = min(s._group, len(s.prompt_ids) - start, limit)
             one = len(s.prompt_ids) - s._reused == 1  # a one-token prompt: prefill_into's decode forward
-            if parts and (one or parts[0][3] or used + n > leaders[0]._group):
+            if parts and (one or parts[0][3] or used + n > limit):
                 continue
             parts.append((s, s.prompt_ids[start:start + n], start, one))
             used += n

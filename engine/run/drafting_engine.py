@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.arch import decode_rows, kv_rollback, prefill
+from engine.arch import kv_rollback, prefill
 from engine.base import heap
 from engine.base.config import PREFILL_CHUNK
 from engine.format import fp8_checkpoint
@@ -48,12 +48,13 @@ class Drafting:
         del self.kv_tokens[length:]
 
     def _forward_observed(self, t: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """forward's prefill or decode step with the MTP drafter on: the same logits (a decode step as
-        one row of decode_rows, a prompt layer-major), and the rows' final hidden states handed to the
-        MTP layer's state (engine/run/mtp_drafter.py)."""
+        """forward's prefill or decode step with the MTP drafter on: the same logits (a decode step by
+        the model's own decode route, native whole step included, a prompt layer-major), and the rows'
+        final hidden states handed to the MTP layer's state (engine/run/mtp_drafter.py), which only
+        keeps them until a draft asks."""
         hidden: list = []
         if t.shape[0] == 1:
-            logits = decode_rows.forward_rows(self.model, t, [start_pos], [self.kv], hidden=hidden)
+            logits = self.model.forward(t, start_pos, self.kv, hidden=hidden)
         else:
             self.mtp.reset(start_pos)  # a prompt: a new sequence from here
             group = prefill_tokens_per_pass(self.kv.ctx_size, self.plan.prefill_group or t.shape[0])

@@ -12,30 +12,39 @@ hidden state at j. `MtpState` keeps the engine's side of that pairing, as the en
     observe(tokens, start, hidden)   tokens fed at positions start.., and their rows' hidden states
                                      (a prefill group, a plain step, a verify's accepted rows):
                                      each completes the pair of the position before it; the last
-                                     hidden waits for the next token
+                                     hidden waits for the next token. Only the last WINDOW pairs
+                                     are kept: nothing is computed here
     draft(k, token)                  the pair of the current position (the token about to be fed and
-                                     the hidden before it) and any queued pairs go through the layer
-                                     in one call (its KV written at their positions), its logits'
+                                     the hidden before it) and the queued pairs go through the layer
+                                     in one call (its KV written at their positions), its last row's
                                      argmax is draft 1; drafts 2..k chain the layer on its own output
                                      (vLLM's multi-step MTP), at the following positions, which the
                                      true pairs overwrite later
 
-Queued pairs are computed lazily, in calls of at most PREFILL_CHUNK rows (a prompt's, bounded as a
-prefill sub-chunk is), so a step that does not draft pays no MTP compute until a draft is asked.
+While the gate keeps drafting off, the layer is never run: a decode step only appends its pair to
+the window (the main model's hidden state comes with its fast decode path, Transformer.forward's
+`hidden`). A draft after pairs were dropped computes the window and attends from its first position
+on (MtpLayer.forward's `since`): the positions below hold no true rows of this sequence. Such drafts
+are a little worse than drafts over the whole sequence, never wrong output (verification keeps it
+lossless); while the gate drafts every step, no pair is dropped and the layer sees everything since
+the prompt's last WINDOW positions.
 """
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from engine.arch.mtp import EXTRAS, MTP_ARCHITECTURES, OWN_HEAD, MtpLayer, decoder_names, extra_names
-from engine.base.config import PREFILL_CHUNK, EngineConfig
+from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
 from engine.run.drafters import Draft
 
-# Pairs that may wait for a draft: beyond this the oldest are computed, so the queue's hidden
-# states [n, H] stay a prefill sub-chunk's.
-QUEUE_MAX = PREFILL_CHUNK
+# The recent pairs kept for a draft: beyond this the oldest are dropped, never computed. While the gate
+# keeps drafting off, the layer costs nothing per position; a draft after that computes these pairs
+# (one call of WINDOW rows: about a decode step of the 4-layer reference) and attends over them only.
+WINDOW = 16
 
 
 def mtp_layer(ckpt, args, config: EngineConfig) -> int | None:
@@ -78,7 +87,7 @@ def planned_bytes(ckpt, args, layer: int | None, dtype: torch.dtype, kv_dtype, c
         for d in ckpt.info(full).shape:
             n *= d
         count += n
-    return count * elem + MtpLayer.cache_bytes(args, ctx_size, kv_dtype) + QUEUE_MAX * args.hidden_size * 4
+    return count * elem + MtpLayer.cache_bytes(args, ctx_size, kv_dtype) + (WINDOW + 1) * args.hidden_size * 4
 
 
 def load(engine, layer: int) -> MtpLayer:
@@ -99,50 +108,75 @@ def load(engine, layer: int) -> MtpLayer:
 
 
 class MtpState:
-    """The (token after, hidden at) pairs of the positions the main model computed, queued for the MTP
-    layer, and the hidden state still waiting for its token (the module doc)."""
+    """The (token after, hidden at) pairs of the recent positions the main model computed, waiting for
+    the MTP layer, and the hidden state still waiting for its token (the module doc)."""
 
     def __init__(self, layer: MtpLayer):
         self.layer = layer
+        self.calls = 0  # MTP layer forwards (a test counts them: none while nothing drafts)
         self.reset(0)
 
     def reset(self, start: int) -> None:
         """A new sequence from position `start` (before it: restored or none): nothing pending."""
-        self.tokens: list[int] = []  # queued pairs' tokens (t[j+1]) ...
-        self.hidden: list[torch.Tensor] = []  # ... and hidden states (h[j]) [1, H] each
+        self.tokens: collections.deque[int] = collections.deque()  # queued pairs' tokens (t[j+1]) ...
+        self.hidden: collections.deque[torch.Tensor] = collections.deque()  # ... and hidden states (h[j]) [1, H]
         self.first = start  # the position of the first queued pair
         self.waiting: tuple[int, torch.Tensor] | None = None  # (j, h[j]) without its t[j+1] yet
-        self.computed = start  # pairs before this position went through the layer with true inputs
+        self.computed = start  # pairs before this position went through the layer with true inputs ...
+        self.since = start  # ... from this one on (below it the layer's cache is not this sequence's)
 
     def observe(self, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
         """tokens fed at positions start.. and their rows' final hidden states [n, H]."""
+        w = self.waiting
+        if w is not None and len(tokens) == 1 and w[0] == start - 1:  # a plain step: its pair, no more
+            self._queue(w[0], tokens[0], w[1])
+            self.waiting = (start, hidden)
+            return
         if self.waiting is not None and start <= self.waiting[0]:
             self.reset(start)  # back to an earlier position: another sequence
         if self.waiting is not None and self.waiting[0] == start - 1:
             self._queue(start - 1, tokens[0], self.waiting[1])
-        for i in range(1, len(tokens)):
-            self._queue(start + i - 1, tokens[i], hidden[i - 1:i])
-        self.waiting = (start + len(tokens) - 1, hidden[-1:])
+        n = len(tokens)
+        # Only the last WINDOW pairs can be computed: a prompt's earlier rows are not kept (nor their
+        # [n, H] tensor alive through views of it)
+        skip = max(1, n - WINDOW)
+        if n > WINDOW + 1:
+            hidden = hidden[skip - 1:].clone()  # rows skip-1.. as rows 0..
+            offset = skip - 1
+        else:
+            offset = 0
+        for i in range(skip, n):
+            self._queue(start + i - 1, tokens[i], hidden[i - 1 - offset:i - offset])
+        self.waiting = (start + n - 1, hidden[-1:])
 
     def _queue(self, pos: int, token: int, h: torch.Tensor) -> None:
         if pos < self.computed:
             return  # a draft already computed this pair
         if self.tokens and pos != self.first + len(self.tokens):
-            self._flush()  # not the next position (a new run): what is queued goes first
+            self.tokens.clear()  # not the next position: what is queued is dropped (a window, not a log)
+            self.hidden.clear()
         if not self.tokens:
             self.first = pos
         self.tokens.append(token)
         self.hidden.append(h)
-        if len(self.tokens) >= QUEUE_MAX:
-            self._flush()
+        if len(self.tokens) > WINDOW:  # the oldest pair is never computed: drafts read the recent window
+            self.tokens.popleft()
+            self.hidden.popleft()
+            self.first += 1
 
     def _flush(self):
-        """Every queued pair through the layer in one call → (logits [n, V], out [n, H]) or None."""
+        """The queued pairs through the layer in one call → (the last row's logits [1, V], out [n, H]),
+        or None. After pairs were dropped, the layer attends from the window's first position."""
         if not self.tokens:
             return None
-        out = self.layer.forward(torch.as_tensor(self.tokens, dtype=torch.long), torch.cat(self.hidden), self.first)
+        if self.first > self.computed:  # a gap: the cache between holds no true rows
+            self.since = self.first
+        self.calls += 1
+        out = self.layer.forward(torch.as_tensor(list(self.tokens), dtype=torch.long), torch.cat(list(self.hidden)),
+                                 self.first, since=self.since, last_only=True)
         self.computed = self.first + len(self.tokens)
-        self.tokens, self.hidden = [], []
+        self.tokens.clear()
+        self.hidden.clear()
         return out
 
     def draft(self, k: int, token: int) -> list[int]:
@@ -157,7 +191,8 @@ class MtpState:
         drafts = [int(torch.argmax(logits[-1]))]
         at, g = pos + 1, out[-1:]
         while len(drafts) < k and at < self.layer.kv.ctx_size:
-            logits, g = self.layer.forward(torch.as_tensor(drafts[-1:], dtype=torch.long), g, at)
+            self.calls += 1
+            logits, g = self.layer.forward(torch.as_tensor(drafts[-1:], dtype=torch.long), g, at, since=self.since)
             drafts.append(int(torch.argmax(logits[-1])))
             at += 1
         return drafts

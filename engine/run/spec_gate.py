@@ -10,19 +10,26 @@ maximises the expected tokens per second over a plain step's:
     rate(k) = E(k) * C(1) / C(k + 1)       k* = the best k, or 0 (a plain step) if none beats 1
 
 compute(n): a verify of n rows' compute seconds as measured (per row count; the first of a count
-only stands in, it pays one-time costs), between measured counts a line through them, before any
-the prior `row_cost` of a plain step per extra row (0.5 where rows share their weight reads). On a
-small resident model a verify's rows cost about as much as their steps, and no depth pays.
+only stands in, it pays one-time costs), between measured counts a line through them (through the
+one and a plain step where one count is measured), before any the prior `row_cost` of a plain step
+per extra row (0.5 where rows share their weight reads). On a small resident model a verify's rows
+cost about as much as their steps, and no depth pays.
 stall(1): a plain step's wait for reads; union(n): the expert bytes n rows read over one row's,
 from the routing (n tokens' top-k over E experts, independent: independent_union) raised to a
 power fitted online from the bytes the store really read in verify steps (consecutive tokens share
 experts; the caches hold some). Under streaming this is the trade: the union's extra bytes against
 the tokens the accepted drafts save.
 
-Where no depth pays even at acceptance 1 (idle_steps), the steps are plain ones without asking the
-drafter; otherwise gated-off steps count towards a trial of the drafter's whole offer after 16, 32,
-64... of them, and no sooner than its modelled cost is EXPLORE_SHARE of their time, to notice that
-the text or the cache changed. Decisions are reused for REDECIDE steps (a plain step of a small
+A depth is drafted only where its modelled rate beats a plain step's by DRAFT_GAIN (the estimates
+are measured on a busy machine: a depth that barely pays on paper loses as often as it wins).
+Gated-off steps count towards a trial of EXPLORE_DEPTH drafts after 16, 32, 64... of them, and no
+sooner than its modelled cost (the verify and the drafting) is EXPLORE_SHARE of their time, then
+half that share, a quarter... (both bounds double with every trial, and start again once a draft
+pays), to notice that the text or the cache changed at a cost that fades while trials keep losing.
+Where no depth pays even at acceptance 1, or after OFF_RUN gated-off decisions in a row
+(idle_steps), the steps until the next trial are plain ones without asking the drafter:
+the speculative loop then costs what generate's own does, and the MTP layer is not run at all
+(engine/run/mtp_drafter.py). Decisions are reused for REDECIDE steps (a plain step of a small
 model is a fraction of a millisecond; the gate must not be a noticeable share of it).
 
 The counters every run reports (SpecStats) and the closed forms the cost model's `plan` shares
@@ -36,11 +43,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 EXPLORE_FIRST = 16  # gated-off steps before the first trial of a draft (then 32, 64, ...)
-EXPLORE_SHARE = 0.05  # at most this share of the gated-off steps' time goes to trials
+EXPLORE_SHARE = 0.03  # at most this share of the gated-off steps' time goes to the first trial, then half, ...
+EXPLORE_DEPTH = 2  # a trial's depth (at most): its acceptance is what a trial learns, and deeper costs more
 EMA = 0.2  # weight of a new measurement in the gate's running estimates
 ACCEPT_DECAY = 0.98  # acceptance counts fade, so a change of text (copying, then not) shows
 ACCEPT_PRIOR = (1.0, 1.0)  # Beta(1, 1): an unseen kind of draft is accepted half the time
 REDECIDE = 16  # steps a gate decision is reused before the estimates are read again
+OFF_RUN = 8  # gated-off decisions in a row (no-draft steps aside), then plain steps until the next trial
+DRAFT_GAIN = 1.05  # the modelled speed-up a depth must reach to be drafted: a margin over the estimates' noise
 
 
 # --- the measurements ---------------------------------------------------------------------------
@@ -149,6 +159,7 @@ class Gate:
         self._decided: dict = {}
         self._hopeless: bool | None = None  # no depth pays even at acceptance 1 (idle_steps)
         self._steps_since = 0
+        self._off_run = 0  # gated-off decisions in a row (idle_steps after OFF_RUN)
 
     def acceptance(self, source: str) -> float:
         a, r = self.accept.get(source, (0.0, 0.0))
@@ -173,9 +184,9 @@ class Gate:
             mean_c = sum(c for _, c in seen) / len(seen)
             slope = (sum((n - mean_n) * (c - mean_c) for n, c in seen) / sum((n - mean_n) ** 2 for n, _ in seen))
             return max(mean_c + max(slope, 0.0) * (rows - mean_n), one)
-        if seen:
+        if seen:  # one measured size: the line through it and a plain step
             n, c = seen[0]
-            return max(c + self.row_cost * one * (rows - n), one)
+            return max(c + max(c - one, 0.0) / (n - 1) * (rows - n), one)
         return one * (1.0 + self.row_cost * (rows - 1))
 
     def speedup(self, depth: int, source: str, drafter: str, acceptance: float | None = None) -> float:
@@ -189,10 +200,10 @@ class Gate:
 
     def depth(self, available: int, source: str, drafter: str) -> tuple[int, str]:
         """(depth, why) for a step whose drafter offers `available` tokens."""
-        if available <= 0:
-            return 0, "no draft"
         if self.policy == "fixed":
-            return available, "fixed"
+            return (available, "fixed") if available > 0 else (0, "no draft")
+        if available <= 0:
+            return 0, "no draft"  # the drafter found nothing (a lookup without a match): no decision
         if self.compute.value is None:
             return 0, "measuring"  # no plain step measured yet: nothing to compare a verify with
         self._steps_since += 1
@@ -203,39 +214,54 @@ class Gate:
         key = (available, source, drafter)
         best = self._decided.get(key)
         if best is None:
-            best, best_rate = 0, 1.0
+            best, best_rate = 0, DRAFT_GAIN
             for k in range(1, available + 1):
                 rate = self.speedup(k, source, drafter)
                 if rate > best_rate:
                     best, best_rate = k, rate
             self._decided[key] = best
         if best:
-            self._explore_at = EXPLORE_FIRST
+            self._explore_at = EXPLORE_FIRST  # a draft pays: trials are counted afresh once it stops
+            self._skipped = self._off_run = 0
             return best, "drafted"
         self._skipped += 1
-        if self._skipped >= self._explore_wait(available):  # try once more: the text or the cache may have changed
+        # try once more: the text or the cache may have changed
+        if self._skipped >= self._explore_wait(min(available, EXPLORE_DEPTH), drafter):
             self._skipped = 0
             self._explore_at *= 2
-            return available, "explored"  # the whole offer: its acceptance and its cost, measured
+            self._off_run = 0  # what the trial measured is decided on before the steps go plain again
+            return min(available, EXPLORE_DEPTH), "explored"  # its acceptance and its cost, measured
+        self._off_run += 1
         return 0, "gated off"
 
     def idle_steps(self) -> int:
-        """Plain steps to take without asking for drafts: none while some kind of draft could pay,
-        else the steps left until the next trial (which the gated-off count then reaches).
-        'Could pay': some depth beats a plain step even if every draft were accepted; re-read
-        every REDECIDE steps, as the decisions are."""
+        """Plain steps to take without asking for drafts: the steps left until the next trial (which
+        the gated-off count then reaches) where no kind of draft could pay, or after OFF_RUN
+        gated-off decisions in a row; else none. 'Could pay': some depth beats a plain step even if
+        every draft were accepted; re-read every REDECIDE steps, as the decisions are."""
         if self.policy != "gate" or self.compute.value is None:
             return 0
         if self._hopeless is None:
-            self._hopeless = all(self.speedup(k, "", "", acceptance=1.0) <= 1.0 for k in range(1, self.max_depth + 1))
-        return max(self._explore_wait(self.max_depth) - self._skipped - 1, 0) if self._hopeless else 0
+            self._hopeless = all(self.speedup(k, "", "", acceptance=1.0) <= DRAFT_GAIN
+                                 for k in range(1, self.max_depth + 1))
+        if not self._hopeless and self._off_run < OFF_RUN:
+            return 0
+        return max(self._explore_wait(min(self.max_depth, EXPLORE_DEPTH)) - self._skipped - 1, 0)
 
-    def _explore_wait(self, depth: int) -> int:
+    def _explore_wait(self, depth: int, drafter: str | None = None) -> int:
         """Gated-off steps before a trial of `depth`: the doubling interval, and at least enough plain
-        steps that the trial's expected cost is EXPLORE_SHARE of their time (where a verify costs
+        steps that the trial's expected cost (its verify, and drafting `depth` tokens as measured:
+        `drafter`'s, or the costliest drafter's) is EXPLORE_SHARE of their time (where a trial costs
         many plain steps, it is tried that much more rarely)."""
         one = self.compute.value or 1.0
-        return max(self._explore_at, math.ceil(self.compute_of(depth + 1) / (one * EXPLORE_SHARE)))
+        if drafter is not None:
+            ds = self.draft_s.get(drafter)
+            per_token = ds.value if ds is not None and ds.value else 0.0
+        else:
+            per_token = max((r.value or 0.0 for r in self.draft_s.values()), default=0.0)
+        cost = self.compute_of(depth + 1) + depth * per_token
+        # both bounds double with each trial that found nothing to draft: the share falls 3%, 1.5%, ...
+        return max(self._explore_at, math.ceil(cost / (one * EXPLORE_SHARE) - 1e-9) * self._explore_at // EXPLORE_FIRST)
 
     def skipped(self, steps: int) -> None:
         """`steps` plain steps were taken without asking (idle_steps): they count towards the next trial."""

@@ -121,7 +121,7 @@ class Speculator:
                 return
             idle = gate.idle_steps()
             if idle:  # no draft can pay here now: plain steps, as generate's own loop takes them
-                done, token, pos, taken = self._plain(steps, gen, token, pos, min(idle, left), seq)
+                done, token, pos, taken = self._plain(steps, gen, token, pos, min(idle, left), seq, drafter)
                 gate.skipped(taken)
                 if done:
                     return
@@ -185,16 +185,21 @@ class Speculator:
             ids, _ = route_layer(a, w, layer, rms_norm(x, norm, a.rms_norm_eps), self.engine.model.routing_trim)
             self._store.hint_experts(layer, sorted(e for e in set(ids.flatten().tolist()) if e >= 0))
 
-    def _plain(self, steps: Steps, gen, token: int, pos: int, count: int, seq: list[int]):
+    def _plain(self, steps: Steps, gen, token: int, pos: int, count: int, seq: list[int], drafter=None):
         """Up to `count` plain decode steps (the gate counts them gated off)
-        → (stopped, token, pos, steps taken)."""
+        → (stopped, token, pos, steps taken). The drafter is not asked, except where the store
+        streams: prompt lookup's guess at the next token is still a prefetch hint (a few dictionary
+        lookups against a step that waits on reads; the MTP layer is never run for a hint)."""
         engine, sampler, stats = self.engine, steps.sampler, self.stats
+        lookup = (drafter if isinstance(drafter, PromptLookup) else getattr(drafter, "lookup", None)) \
+            if self.hints else None
         for taken in range(count):
             if steps.stop_ids and token in steps.stop_ids:
                 return True, token, pos, taken
             t = time.perf_counter()
             if self.hints:
-                self._hint([token])
+                guess = lookup.propose(1).tokens if lookup is not None and lookup.offer(1)[0] else []
+                self._hint([token, *guess])
             logits = engine.forward([token], pos)
             raw = logits[-1]
             token = sampler.pick(steps.shape(raw))

@@ -12,7 +12,8 @@ The simulation follows engine/run/batch.py's order within a step: requests that 
 the FIFO line; the head is admitted while the pool has a KV cache free for each of its n sequences
 (max_batch caches); one decode step over every sequence past its first token; one prefill pass:
 the oldest prefilling prompt's next group joined by the next groups of the prompts after it while
-their total fits one group (a prompt's last group gives each of its sequences its first token); a
+their total fits one group, at most stall tokens (the scheduler's stall_tokens, one sub-chunk) while
+any sequence is decoding (a prompt's last group gives each of its sequences its first token); a
 sequence leaves after max_tokens. A request of n above max_batch is refused (serve's 400).
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.api import EngineConfig
+from engine.api import PREFILL_CHUNK, EngineConfig
 
 from tuner.costmodel.batch_model import predict_batch
 from tuner.costmodel.predict import Factors, RunConditions, predict
@@ -41,10 +42,12 @@ class SimRequest:
     refused: bool = False
 
 
-def simulate(requests: list[SimRequest], step_seconds, prefill_seconds, max_batch: int, group: int) -> float:
+def simulate(requests: list[SimRequest], step_seconds, prefill_seconds, max_batch: int, group: int,
+             stall: int = PREFILL_CHUNK) -> float:
     """Run the scheduler's steps over the requests (module docstring), filling each request's
     admitted / firsts / lasts; step_seconds(b): a decode step of b rows; prefill_seconds(tokens): a
-    prefill group. Returns the time the last sequence finished."""
+    prefill pass; stall: a pass's most tokens while sequences decode (0: the group). Returns the time
+    the last sequence finished."""
     pending = deque(sorted(requests, key=lambda r: r.at))
     waiting: deque[SimRequest] = deque()
     prefilling: deque[list] = deque()  # [request, prompt tokens left]
@@ -76,10 +79,11 @@ def simulate(requests: list[SimRequest], step_seconds, prefill_seconds, max_batc
                     running.append(seq)
             decoding = running
         if prefilling:
+            limit = min(group, stall) if stall and decoding else group  # a newcomer's pass beside running streams
             joined, used = [], 0  # the oldest's next group, and the next groups after it that fit beside it
             for item in prefilling:
-                g = min(group, item[1])
-                if not joined or used + g <= group:
+                g = min(limit, item[1])
+                if not joined or used + g <= limit:
                     joined.append((item, g))
                     used += g
             t += prefill_seconds(used)
@@ -132,10 +136,12 @@ def predict_goodput(geometry, quant: str, config: EngineConfig, hw, routing, tra
     if not first.fits or first.ttft_s is None:
         return None
     per_token = first.ttft_s / median
-    # A stand-in where prefill_chunk is unset: the engine then prefills in the plan's group, the largest
-    # that fits (engine/movement/plan.py prefill_group_for), which this simulation does not size; where
-    # that is larger, a newcomer stalls the running streams longer than simulated here.
-    group = config.prefill_chunk or 256
+    # Where prefill_chunk is unset the engine prefills in the plan's group, the largest that fits
+    # (engine/movement/plan.py prefill_group_for), which this simulation does not size: the context
+    # stands for it. The group only decides a pass where nothing decodes (a prompt's time here is
+    # linear in its tokens, so one pass or several cost the same); beside running streams a pass
+    # takes at most one sub-chunk whatever the group (engine/run/batch.py, stall_tokens).
+    group = config.prefill_chunk or config.ctx_size
     requests = [SimRequest(r.at, len(r.prompt_ids), r.max_tokens, r.n) for r in trace]
     simulate(requests, lambda rows: points[rows].step_s, lambda tokens: tokens * per_token, b, group)
     value = goodput(requests, slo_ttft, slo_tpot)

@@ -19,14 +19,15 @@ locality l and otherwise draws afresh, so e is missed by all n with probability
 (1 - pi_e) (1 - (1 - l) pi_e)^(n - 1)). The tokens a step produces on average are
 E(k) = 1 + a + ... + a^k at acceptance a; the speed-up of depth k is E(k) * t(1) / (t(n) + k * d),
 d the drafter's cost per token (prompt lookup: none; the MTP layer: one decoder layer of the model).
-The gate's answer is the best depth, or none (off) when every depth is slower than a plain token.
+The gate's answer is the best depth, or none (off) when no depth beats a plain token by the engine
+gate's margin (DRAFT_GAIN).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from engine.api import EngineConfig, expected_tokens
+from engine.api import DRAFT_GAIN, EngineConfig, expected_tokens
 
 from tuner.costmodel.hardware import HardwareView
 from tuner.costmodel.model_geometry import ModelGeometry
@@ -89,10 +90,10 @@ def draft_prediction(geometry: ModelGeometry, quant: str, config: EngineConfig, 
                        "bytes_per_token": plain_bytes * union / produced,
                        "speedup": round(produced * token_s / step, 4) if step > 0 else None})
     best = max(depths, key=lambda d: d["speedup"] or 0.0, default=None)
-    drafts = best is not None and (best["speedup"] or 0.0) > 1.0
+    drafts = best is not None and (best["speedup"] or 0.0) > DRAFT_GAIN  # the engine's gate's margin
     return {"acceptance": acceptance, "drafter": drafter, "plain_tok_s": 1.0 / token_s if token_s > 0 else None,
             "plain_bytes_per_token": plain_bytes, "depths": depths,
             "best_depth": best["depth"] if drafts else 0, "best_speedup": best["speedup"] if best else None,
             "gate": (f"drafts {best['depth']} tokens per step: {best['speedup']:.2f}x" if drafts else
-                     f"off: every depth is slower than plain decoding (best {best['speedup']:.2f}x at depth "
+                     f"off: no depth is {DRAFT_GAIN:.2f}x plain decoding or more (best {best['speedup']:.2f}x at depth "
                      f"{best['depth']})" if best else "off")}
