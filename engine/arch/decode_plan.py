@@ -4,7 +4,9 @@ One token (T == 1) takes one of three routes; a prefill (T > 1) always takes the
 
     native_step    every layer in one native call per token (engine/native/decode_step.cpp, or
                    decode_step_int.cpp where every projection and expert is int8 / int4 of one kind);
-                   the same bits as native_layers
+                   the same bits as native_layers. Several decode rows at once (decode_rows.py: a
+                   batched step, a speculative verify) take one native call for all of them where
+                   every row's plan has this route (native_step_rows)
     native_layers  per layer, the native attention (attention_decode*.cpp: input norm, q/k/v, per-head
                    norms, rope, the K/V write, attention, o_proj, residual) and the fused MoE layer
                    (moe.ResidentMoeLayer / moe_quant.ResidentQuantMoeLayer: norm, router, top-k,
@@ -231,6 +233,22 @@ def native_step(step: NativeStep, args: ModelArgs, x: torch.Tensor, cos: torch.T
                                         *step.groups, *trim)
     return native.decode_layers(x, step.attention, step.moe, cos, sin, start_pos, a.num_heads, a.num_kv_heads,
                                 a.rms_norm_eps, a.top_k, bool(a.norm_topk_prob), step.inter, *trim)
+
+
+def native_step_rows(steps: list[NativeStep], args: ModelArgs, x: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, positions: list[int], row_cache: list[int], trim: tuple) -> torch.Tensor:
+    """Every layer of M tokens in one native call: x [M, H] → [M, H], row r at positions[r] of the
+    cache whose plan step is steps[row_cache[r]] (one step per distinct cache, all of one kind), its
+    K/V written there; each row native_step's bits on that row alone, each layer's weights read once."""
+    a, step = args, steps[0]
+    attention = step.attention if len(steps) == 1 else [t for s in steps for t in s.attention]
+    if step.groups is not None:
+        return native.decode_layers_int_rows(x, attention, row_cache, step.moe, cos, sin, positions, a.num_heads,
+                                             a.num_kv_heads, a.rms_norm_eps, a.top_k, bool(a.norm_topk_prob),
+                                             step.inter, *step.groups, *trim)
+    return native.decode_layers_rows(x, attention, row_cache, step.moe, cos, sin, positions, a.num_heads,
+                                     a.num_kv_heads, a.rms_norm_eps, a.top_k, bool(a.norm_topk_prob), step.inter,
+                                     *trim)
 
 
 def native_attention(entry: NativeAttention, args: ModelArgs, x: torch.Tensor, cos: torch.Tensor,

@@ -8,6 +8,10 @@ store once and applied to all its rows while it is in memory; a layer read from 
 (layer streaming) is read once for all rows too. Bytes per token fall with B (DESIGN.md, "Reuse:
 many tokens per read").
 
+    where every row's solo decode takes the whole step in one native call (decode_plan.py's
+    native_step route, no sliding-window mask): all rows through every layer in ONE native call
+    (decode_plan.native_step_rows: per layer attention_batch and moe_batch over the rows, the
+    weights read once for all); else, in Python:
     for each layer L:
         attention     per row, in row order, exactly as that row's solo decode computes it (the
                       native attention of its own cache's decode plan, or the reference); rows of
@@ -36,9 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from engine import native
-from engine.arch import attention_quant
+from engine.arch import attention_quant, decode_plan
 from engine.arch.args import layer_prefix
 from engine.arch.layers import native_quant_operands, rms_norm, route_layer, swiglu_expert
+from engine.arch.router import trim_operands
 from engine.weights.stored import linear
 
 
@@ -58,6 +63,44 @@ def forward_rows(model, tokens: torch.Tensor, positions: list[int], kvs: list,
     masks = [model._mask(pos, 1) for pos in positions]  # None, or [1, S] where a window has moved
     plans = [model.plan_for(kv) for kv in kvs]
     x = F.embedding(tokens, model.w["model.embed_tokens.weight"])  # [B, H]
+    if all(plan.step is not None for plan in plans) and all(mask is None for mask in masks):
+        # Where every row's solo decode would take the whole step in one native call, the rows take
+        # it together: one call for every layer and row (each layer's weights read once for all).
+        # The final norm in one call too: native.rms_norm normalises each row alone, the bits of
+        # rms_norm on that row (which takes the same op for one bf16 row).
+        x = native.rms_norm(_native_step_rows(model, x, ropes, positions, kvs, plans), model.w["model.norm.weight"],
+                            a.rms_norm_eps)  # [B, H]
+    else:
+        rows = _layer_rows(model, x, positions, kvs, ropes, masks, plans)
+        x = torch.cat([rms_norm(h, model.w["model.norm.weight"], a.rms_norm_eps) for h in rows])  # [B, H]
+    if hidden is not None:
+        hidden.append(x)
+    return _rows_linear(x, model.lm_head).float()  # [B, V]
+
+
+def _native_step_rows(model, x: torch.Tensor, ropes: list, positions: list[int], kvs: list,
+                      plans: list) -> torch.Tensor:
+    """x [B, H] → [B, H] through every layer in one native call (decode_plan.native_step_rows), each
+    distinct cache's plan step given once and each row pointing at its own."""
+    index: dict[int, int] = {}  # id(cache) → its place among the distinct caches
+    steps, row_cache = [], []
+    for kv, plan in zip(kvs, plans):
+        if id(kv) not in index:
+            index[id(kv)] = len(steps)
+            steps.append(plan.step)
+        row_cache.append(index[id(kv)])
+    cos = torch.cat([c for c, _ in ropes])  # [B, D]
+    sin = torch.cat([s for _, s in ropes])
+    return decode_plan.native_step_rows(steps, model.args, x, cos, sin, positions, row_cache,
+                                        trim_operands(model.routing_trim))
+
+
+def _layer_rows(model, x: torch.Tensor, positions: list[int], kvs: list, ropes: list, masks: list,
+                plans: list) -> list[torch.Tensor]:
+    """The rows [B, H] through the model one layer at a time (the module's header): each row's
+    residual [1, H] after the last layer."""
+    a = model.args
+    B = x.shape[0]
     rows = [x[b:b + 1].clone() for b in range(B)]  # each row's residual [1, H]
     indexed = [hasattr(kv, "selection") for kv in kvs]  # the DSA indexer's per-token selection
     selections = [getattr(kv, "selection", None) for kv in kvs]
@@ -86,10 +129,7 @@ def forward_rows(model, tokens: torch.Tensor, positions: list[int], kvs: list,
     for b in range(B):
         if indexed[b]:
             kvs[b].selection = selections[b]  # what this row's solo step would have left
-    x = torch.cat([rms_norm(h, model.w["model.norm.weight"], a.rms_norm_eps) for h in rows])  # [B, H]
-    if hidden is not None:
-        hidden.append(x)
-    return _rows_linear(x, model.lm_head).float()  # [B, V]
+    return rows
 
 
 def _check_rows(positions: list[int], kvs: list) -> None:

@@ -36,6 +36,9 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
                                        step), each its own caches and position; the weights read once for
                                        all rows, each row attention_decode's bits on it alone
     decode_layers(x, ...)   every layer of one token: attention half + fused MoE per layer (decode_step.cpp)
+    decode_layers_rows(x, attention, row_cache, ...)  decode_layers for M rows in one call (a batched step, or
+                            a verify's consecutive positions of one cache): each layer's weights read once for
+                            all rows, each row decode_layers' bits on it alone
     mxfp4_linear(x, blocks, scales, bias)  x @ dequant(blocks, scales).T + bias, fp32 or bf16
     fp8_linear(x, w, scale, block)         x [M,K] @ dequant(w).T in x's dtype (bf16 or fp32), FP8 e4m3 w with
                                            one fp32 scale per block (fp8_decode.cpp; engine/weights/fp8.py)
@@ -50,6 +53,7 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
                                        engine/arch/attention_quant.py)
     attention_decode_int_rows(x, ...)      attention_decode_rows with int8 / int4 q/k/v/o
     decode_layers_int(x, ...)              decode_layers for int8 / int4 projections and experts (decode_step_int.cpp)
+    decode_layers_int_rows(x, ...)         decode_layers_rows for int8 / int4 projections and experts
 """
 
 from __future__ import annotations
@@ -256,6 +260,18 @@ def decode_layers(x: torch.Tensor, attention: list, moe: list, cos: torch.Tensor
                                                 reduction, threshold, renormalize)
 
 
+def decode_layers_rows(x: torch.Tensor, attention: list, row_cache: list[int], moe: list, cos: torch.Tensor,
+                       sin: torch.Tensor, positions: list[int], heads: int, kv_heads: int, eps: float, k: int,
+                       norm: bool, inter: int, reduction: int = 0, threshold: float = 0.0,
+                       renormalize: bool = False) -> torch.Tensor:
+    """decode_layers for M rows: x [M, H], cos/sin [M, D]; attention: C caches' decode_layers lists one
+    after the other (the same weights, each its own caches); row r at positions[r] of cache
+    row_cache[r] (rows of one cache in increasing positions) → [M, H], row r bit for bit
+    decode_layers on row r alone, each layer's weights read once for all rows."""
+    return torch.ops.colibri.decode_layers_rows_bf16(x, attention, row_cache, moe, cos, sin, positions, heads,
+                                                     kv_heads, eps, k, norm, inter, reduction, threshold, renormalize)
+
+
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.colibri.mxfp4_linear(x, blocks, scales, bias)
 
@@ -327,3 +343,13 @@ def decode_layers_int(x: torch.Tensor, attention: list, moe: list, cos: torch.Te
                       renormalize: bool = False) -> torch.Tensor:
     return torch.ops.colibri_int.decode_layers_int(x, attention, moe, cos, sin, pos, heads, kv_heads, eps, k, norm,
                                                    inter, attn_group, moe_group, reduction, threshold, renormalize)
+
+
+def decode_layers_int_rows(x: torch.Tensor, attention: list, row_cache: list[int], moe: list, cos: torch.Tensor,
+                           sin: torch.Tensor, positions: list[int], heads: int, kv_heads: int, eps: float, k: int,
+                           norm: bool, inter: int, attn_group: int, moe_group: int, reduction: int = 0,
+                           threshold: float = 0.0, renormalize: bool = False) -> torch.Tensor:
+    """decode_layers_rows for int8 / int4 projections and experts (decode_layers_int's lists). Needs int_ready."""
+    return torch.ops.colibri_int.decode_layers_int_rows(x, attention, row_cache, moe, cos, sin, positions, heads,
+                                                        kv_heads, eps, k, norm, inter, attn_group, moe_group,
+                                                        reduction, threshold, renormalize)

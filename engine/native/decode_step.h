@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "attention_kernels.h"
@@ -57,6 +58,88 @@ inline at::Tensor run_step_layers(const at::Tensor& x, const std::vector<AttnLay
     in = yp;
   }
   if (layers == 0) std::copy(in, in + H, yp);
+  return y;
+}
+
+
+// The multi-row step's operands checked (decode_layers_rows_bf16 / decode_layers_int_rows, `op`
+// naming it): x [M, H] (contiguous), `attention` C caches' step lists one after the other (each
+// `per_layer` tensors a layer, the layer's weights then its 4 cache tensors last), 3 MoE tensors a
+// layer, row_cache [M] (row r's cache, 0..C-1), positions [M], cos/sin [M, D]. Every cache's
+// weights must be cache 0's own tensors (one model: they are read once, from cache 0's list).
+// Returns (layers, C).
+inline std::pair<int64_t, int64_t> rows_layer_count(const at::Tensor& x, at::TensorList attention, at::TensorList moe,
+                                                    size_t per_layer, at::IntArrayRef row_cache,
+                                                    at::IntArrayRef positions, const at::Tensor& cos,
+                                                    const at::Tensor& sin, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, op, ": x must be [M, H], M >= 1");
+  const int64_t M = x.size(0);
+  TORCH_CHECK(moe.size() % 3 == 0 && !moe.empty(), op, ": 3 MoE tensors per layer, one layer at least");
+  const int64_t layers = (int64_t)moe.size() / 3;
+  TORCH_CHECK(attention.size() % (per_layer * layers) == 0 && !attention.empty(), op, ": ", per_layer,
+              " attention tensors per layer per cache");
+  const int64_t C = (int64_t)(attention.size() / (per_layer * layers));
+  TORCH_CHECK((int64_t)row_cache.size() == M && (int64_t)positions.size() == M, op,
+              ": one cache index and one position per row of x");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == M && cos.sizes() == sin.sizes(), op, ": cos/sin must be [M, D]");
+  std::vector<int64_t> last(C, -1);  // per cache, the position of its latest row
+  for (int64_t r = 0; r < M; r++) {
+    TORCH_CHECK(row_cache[r] >= 0 && row_cache[r] < C, op, ": row ", r, ": cache index ", row_cache[r], " of ", C);
+    TORCH_CHECK(positions[r] > last[row_cache[r]], op, ": row ", r,
+                ": rows that share a cache must come in increasing positions");
+    last[row_cache[r]] = positions[r];
+  }
+  const size_t weights = per_layer - 4;
+  for (int64_t c = 1; c < C; c++)
+    for (int64_t l = 0; l < layers; l++)
+      for (size_t i = 0; i < weights; i++) {
+        const at::Tensor &mine = attention[(c * layers + l) * per_layer + i], &first = attention[l * per_layer + i];
+        TORCH_CHECK(mine.data_ptr() == first.data_ptr() && mine.sizes() == first.sizes(), op, ": cache ", c,
+                    "'s list holds other weights than cache 0's (layer ", l, ")");
+      }
+  for (int64_t l = 0; l < layers; l++)  // distinct caches: distinct tensors (a row writes only its own)
+    for (int64_t c = 0; c < C; c++)
+      for (int64_t d = 0; d < c; d++)
+        for (size_t i = weights; i < weights + 2; i++)
+          for (size_t j = weights; j < weights + 2; j++)
+            TORCH_CHECK(attention[(c * layers + l) * per_layer + i].data_ptr() !=
+                            attention[(d * layers + l) * per_layer + j].data_ptr(),
+                        op, ": caches ", d, " and ", c, " share a K/V tensor");
+  return {layers, C};
+}
+
+// y [M, H] = every layer in turn on x [M, H], row r one token at positions[r] of cache row_cache[r]
+// (att[c * layers + l]: cache c's layer l; each row checked against its cache by the caller):
+// per layer attention_batch of every row (the weights read once for all rows, each row's K/V written
+// before any row attends, so rows sharing a cache see the earlier rows' K/V as one-at-a-time decoding
+// does) then moe(l, mid rows, y rows). Each row's bits are run_step_layers' on that row alone: the
+// batched functions give each row the one-row bits (attention_kernels.h, moe_bf16.h, moe_int.h).
+template <class Proj, class Moe>
+inline at::Tensor run_rows_layers(const at::Tensor& x, const std::vector<AttnLayer<Proj>>& att, int64_t layers,
+                                  at::IntArrayRef row_cache, const at::Tensor& cos, const at::Tensor& sin,
+                                  at::IntArrayRef positions, float eps, Moe&& moe) {
+  static thread_local AttnScratch<Proj> attn_scratch;
+  static thread_local std::vector<bf16> mid;
+  static thread_local std::vector<AttnRow> rows;
+  static thread_local std::vector<const bf16*> mid_rows;
+  static thread_local std::vector<bf16*> y_rows;
+  const int64_t M = x.size(0), H = x.size(1), D = cos.size(1);
+  mid.resize(M * H), rows.resize(M), mid_rows.resize(M), y_rows.resize(M);
+  at::Tensor y = at::empty({M, H}, x.options());
+  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
+  const bf16* cp = bf16_data(cos, "cos");
+  const bf16* sp = bf16_data(sin, "sin");
+  const bf16* in = bf16_data(x, "x");
+  for (int64_t r = 0; r < M; r++) mid_rows[r] = mid.data() + r * H, y_rows[r] = yp + r * H;
+  for (int64_t l = 0; l < layers; l++) {
+    for (int64_t r = 0; r < M; r++) {
+      const AttnLayer<Proj>& L = att[row_cache[r] * layers + l];
+      rows[r] = {in + r * H, cp + r * D, sp + r * D, positions[r], L.k_cache, L.v_cache, mid.data() + r * H};
+    }
+    attention_batch(att[l], rows.data(), M, eps, attn_scratch);  // (cache 0's layer l: the weights)
+    moe(l, static_cast<const bf16* const*>(mid_rows.data()), static_cast<bf16* const*>(y_rows.data()));
+    in = yp;
+  }
   return y;
 }
 

@@ -101,4 +101,142 @@ inline void moe_rows(const MoeLayer& L, const bf16* hp, float eps, int64_t k, bo
   }
 }
 
+
+// One weight row against c (1..4) rows: out[j] = dot(w, x[j], K), dot()'s bits each (dot_many's
+// cases, inlined into moe_batch's loops).
+__attribute__((always_inline)) inline void dot_slots(const bf16* w, const bf16* const* x, int64_t c, int64_t K,
+                                                     float* out) {
+  switch (c) {
+    case 4: dot_multi<4>(w, x, K, out); break;
+    case 3: dot_multi<3>(w, x, K, out); break;
+    case 2: dot_multi<2>(w, x, K, out); break;
+    default: out[0] = dot(w, x[0], K);
+  }
+}
+
+// Per calling thread, reused across calls (moe_batch's): every buffer sized by M rows once.
+struct MoeBatchScratch {
+  std::vector<bf16> normed, h, ys;        // normed [M, H], h [S, I], ys [S, H]
+  std::vector<float> probs, weights;      // probs [M, E]; weights [M, k]: row r's j-th expert (ascending id)
+  std::vector<int64_t> ids, experts, kept, row_slot;  // ids [M, k]; experts [M, k]; row_slot [M, k]: its slot
+  std::vector<std::pair<int64_t, float>> chosen;
+  std::vector<std::pair<int64_t, int64_t>> order;  // (expert, row * k + j): the slots sorted by expert
+  std::vector<const bf16*> rows, xs, hs, gate, up, down;  // normed rows; per slot its row; per union expert
+  std::vector<int64_t> first;             // the union's slots: expert a takes [first[a], first[a + 1])
+};
+
+// moe_rows for M rows at once, each its own token (a batched step's sequences, or a verify's
+// positions): y[r] = h[r] + combine(experts of trim(route(rms_norm(h[r])))), every row bit for bit
+// moe_rows on that row alone. The weights are read once for all rows: each router row and each weight
+// row of an expert in the union of the rows' routes meets every row (or slot) that needs it while in
+// registers (dot_slots: a row's own accumulators, dot()'s bits); the combine runs per row over its
+// experts in ascending id order with moe_rows' roundings. One parallel region, as moe_rows: router
+// rows | (single) each row's top-k, trim and order, the union's slots | gate/up rows of the union |
+// down rows, then each row's combine and residual add. h[r], y[r] may not alias.
+inline void moe_batch(const MoeLayer& L, const bf16* const* hp, int64_t M, float eps, int64_t k, bool norm,
+                      const RoutingTrim& trim, MoeBatchScratch& s, bf16* const* yp) {
+  const int64_t E = L.E, H = L.H, I = L.I;
+  const bf16 *rw = L.router_w, *nw = L.norm_w;
+  s.normed.resize(M * H), s.probs.resize(M * E), s.weights.resize(M * k), s.ids.resize(M * k);
+  s.experts.resize(M * k), s.kept.resize(M), s.row_slot.resize(M * k), s.rows.resize(M);
+  s.h.resize(M * k * I), s.ys.resize(M * k * H), s.xs.resize(M * k), s.hs.resize(M * k);
+  s.gate.resize(M * k), s.up.resize(M * k), s.down.resize(M * k), s.first.resize(M * k + 1);
+  for (int64_t r = 0; r < M; r++) {
+    rms_norm_row(hp[r], nw, H, eps, s.normed.data() + r * H);
+    s.rows[r] = s.normed.data() + r * H;
+  }
+  const int64_t* table = L.table;
+  int64_t A = 0;  // experts in the union (set in the single)
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    int64_t b, e;
+    float out[4], gd[4], ud[4];
+    thread_share(E, t, T, b, e);
+    for (int64_t n = b; n < e; n++)  // router logits: router_rows' rounding, each router row read once
+      for (int64_t r = 0; r < M; r += 4) {
+        const int64_t c = std::min<int64_t>(4, M - r);
+        dot_slots(rw + n * H, s.rows.data() + r, c, H, out);
+        for (int64_t j = 0; j < c; j++) s.probs[(r + j) * E + n] = round_bf16(out[j]);
+      }
+#pragma omp barrier
+#pragma omp single
+    {  // per row moe_rows' choice; then the slots (row, expert) sorted by expert, rows ascending within one
+      s.order.clear();
+      for (int64_t r = 0; r < M; r++) {
+        int64_t* ids = s.ids.data() + r * k;
+        float* w = s.weights.data() + r * k;
+        select_topk(s.probs.data() + r * E, E, k, norm, ids, w);
+        s.kept[r] = trim_experts(trim, k, ids, w);
+        ascending_experts(ids, w, s.kept[r], s.chosen);
+        for (int64_t j = 0; j < s.kept[r]; j++) {
+          s.experts[r * k + j] = s.chosen[j].first, w[j] = s.chosen[j].second;
+          s.order.push_back({s.chosen[j].first, r * k + j});
+        }
+      }
+      std::sort(s.order.begin(), s.order.end());
+      A = 0;
+      for (int64_t slot = 0; slot < (int64_t)s.order.size(); slot++) {
+        const auto [expert, rj] = s.order[slot];
+        if (slot == 0 || expert != s.order[slot - 1].first) {
+          const int64_t* row = table + 3 * expert;
+          s.gate[A] = reinterpret_cast<const bf16*>(row[0]);
+          s.up[A] = reinterpret_cast<const bf16*>(row[1]);
+          s.down[A] = reinterpret_cast<const bf16*>(row[2]);
+          s.first[A++] = slot;
+        }
+        s.row_slot[rj] = slot;
+        s.xs[slot] = s.rows[rj / k];
+        s.hs[slot] = s.h.data() + slot * I;
+      }
+      s.first[A] = (int64_t)s.order.size();
+    }
+    // Gate/up rows of the union split by work, not by rows: row i of expert a costs its slot count
+    // n_a, so the work is S * I in all and the row starts at I * first[a] + i * n_a; this thread
+    // takes the rows that start in its share of the work (an expert many rows route to is split
+    // over the threads as a one-row expert is). Which thread computes a value changes no bits.
+    thread_share(s.first[A] * I, t, T, b, e);
+    for (int64_t a = 0; a < A; a++) {  // gate/up row i of union expert a, against each of its slots
+      const int64_t s0a = s.first[a], s1 = s.first[a + 1], n = s1 - s0a, base = I * s0a;
+      const int64_t i0 = std::clamp<int64_t>((b - base + n - 1) / n, 0, I);  // rows starting in [b, e)
+      const int64_t i1 = std::clamp<int64_t>((e - base + n - 1) / n, 0, I);
+      for (int64_t i = i0; i < i1; i++) {
+        const bf16 *g = s.gate[a] + i * H, *u = s.up[a] + i * H;
+        for (int64_t s0 = s0a; s0 < s1; s0 += 4) {
+          const int64_t c = std::min<int64_t>(4, s1 - s0);
+          dot_slots(g, s.xs.data() + s0, c, H, gd);
+          dot_slots(u, s.xs.data() + s0, c, H, ud);
+          for (int64_t j = 0; j < c; j++) s.h[(s0 + j) * I + i] = swiglu_value(gd[j], ud[j]);
+        }
+      }
+    }
+#pragma omp barrier
+    // Output rows [b, e) of this thread: each union expert's down rows there as one stream (bf16, as
+    // moe_rows stores them), then per token row its sum in ascending expert order and the residual.
+    thread_share(H, t, T, b, e);
+    bf16* ys = s.ys.data();
+    for (int64_t a = 0; a < A; a++) {
+      const int64_t s1 = s.first[a + 1];
+      for (int64_t n = b; n < e; n++) {
+        const bf16* d = s.down[a] + n * I;
+        for (int64_t s0 = s.first[a]; s0 < s1; s0 += 4) {
+          const int64_t c = std::min<int64_t>(4, s1 - s0);
+          dot_slots(d, s.hs.data() + s0, c, I, out);
+          for (int64_t j = 0; j < c; j++) ys[(s0 + j) * H + n] = to_bf16(out[j]);
+        }
+      }
+    }
+    for (int64_t r = 0; r < M; r++) {
+      const int64_t kept = s.kept[r];
+      const float* w = s.weights.data() + r * k;
+      const int64_t* slot = s.row_slot.data() + r * k;
+      for (int64_t n = b; n < e; n++) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < kept; j++) acc += w[j] * to_f32(ys[slot[j] * H + n]);
+        yp[r][n] = to_bf16(to_f32(hp[r][n]) + round_bf16(acc));
+      }
+    }
+  }
+}
+
 }  // namespace colibri_native
