@@ -20,7 +20,7 @@ from engine.base.errors import BudgetError
 from engine.arch.registry import model_args
 from engine.format.checkpoint import Checkpoint
 from engine.format.layout import ExpertLayout
-from engine.movement.plan import make_plan
+from engine.movement.plan import make_plan, prefill_bytes
 from engine.run.runtime import Engine
 from colibri_hf_models import ARCHS, built_once
 from colibri_native_cases import needs_native_int
@@ -190,8 +190,11 @@ def test_the_plan_charges_a_kv_cache_per_batched_sequence(model_dir):
     single = _plan(model_dir, ctx_size=4096).kv_bytes
     assert _plan(model_dir, ctx_size=4096, max_batch=4).kv_bytes == 4 * single
     two = _plan(model_dir, ctx_size=4096, max_batch=2, ram_budget=1 << 40, prefill_chunk=256)
-    budget = (two.dense_bytes + two.kv_bytes + two.buffer_bytes + two.overhead_bytes + two.prefill_bytes
-              + two.cache_entry_bytes)  # room for one cached expert
+    # Room for one cached expert beside the group's state without the norm (a budget this tight
+    # leaves no room to hold it: plan.prefill_norm_held).
+    args = model_args(Checkpoint(model_dir).config)
+    prefill = prefill_bytes(args, 256, torch.float32, 4096, torch.float32)
+    budget = two.dense_bytes + two.kv_bytes + two.buffer_bytes + two.overhead_bytes + prefill + two.cache_entry_bytes
     assert 2 * single > two.cache_entry_bytes
     assert _plan(model_dir, ctx_size=4096, max_batch=2, ram_budget=budget, prefill_chunk=256).cache_slots == 1
     with pytest.raises(BudgetError, match="KV cache"):
