@@ -95,7 +95,8 @@ def routed_group(store, expert_fn, layer: int, inputs, ids: torch.Tensor, weight
     """A layer-major prefill's group (engine/arch/prefill.py): acc [T, H] ← each token's weighted
     routed slots summed, bit for bit routed_prefill's sum before its rounding to `dtype`.
 
-    inputs(token_rows [n]) → the MoE's input rows [n, H] (the group's norm, made per call, not held).
+    inputs(token_rows [n]) → the MoE's input rows [n, H] (the group's norm: held where the plan has room
+    for it, else made per call).
     An expert's rows go through it in calls of at most max_rows, so the [rows, I] transients stay
     bounded while the expert is read once. Each call's weighted output (rounded to `dtype`, as
     routed_prefill's buffer holds it) is added into acc (accumulation_dtype(dtype): the dtype
