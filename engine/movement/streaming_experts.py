@@ -96,34 +96,9 @@ class StreamingExperts(ReadingStore, ExpertStore):
         if in_order:
             self._in_order(layer, experts, fn)
             return
-        self.fetched += len(experts)
-        self._drain()
-        needed = set(experts)
-        self._release_mispredicted(layer, needed)
-        predicted = self.predicted.pop(layer, None)
-        if predicted is not None:
-            self.recall_hits += len(predicted & needed)
-            self.recall_total += len(needed)
         # Sorted first, computed after: the demand reads go out before any expert is computed, so
         # a prefill group's long computes of the prefetched and cached experts run under them.
-        landed, hits = [], []
-        waiting: set[tuple[int, int]] = set()
-        to_read = []
-        for e in experts:
-            key = (layer, e)
-            self.lookups += 1
-            read = self.ready.pop(key, None)
-            if read is not None:  # lookahead read it in time
-                self.prefetched_used += 1
-                landed.append(read)
-            elif key in self.cache:
-                hits.append(key)
-            elif key in self.reads:
-                self.prefetched_used += 1
-                waiting.add(key)
-            else:
-                self.demand_reads += 1
-                to_read.append(key)
+        landed, hits, waiting, to_read = self._sort_requests(layer, experts)
         self._held = len(landed)  # out of `ready` but still in their slots: _room counts them
         try:
             self._submit_demand(to_read, waiting)
@@ -164,34 +139,11 @@ class StreamingExperts(ReadingStore, ExpertStore):
         expert's rows straight into its output, so the order is the bits). A read that lands before
         its turn waits in its slot (the read budget: at most max_inflight are held); a hit is taken
         from the cache at its turn; demand reads go out in the order asked, as room allows."""
-        self.fetched += len(experts)
-        self._drain()
-        self._release_mispredicted(layer, set(experts))
-        predicted = self.predicted.pop(layer, None)
-        if predicted is not None:
-            self.recall_hits += len(predicted & set(experts))
-            self.recall_total += len(experts)
         rank = {(layer, e): i for i, e in enumerate(experts)}
-        held: dict[tuple[int, int], _Read] = {}  # landed before their turn, each in its slot
-        lookahead: set[tuple[int, int]] = set()  # landed from a hint before this call
-        hits: set[tuple[int, int]] = set()
-        waiting: set[tuple[int, int]] = set()
-        to_read = []  # in the order asked: the order they go out in
-        for key in rank:
-            self.lookups += 1
-            read = self.ready.pop(key, None)
-            if read is not None:  # lookahead read it in time
-                self.prefetched_used += 1
-                held[key] = read
-                lookahead.add(key)
-            elif key in self.cache:
-                hits.add(key)
-            elif key in self.reads:
-                self.prefetched_used += 1
-                waiting.add(key)
-            else:
-                self.demand_reads += 1
-                to_read.append(key)
+        landed, hit_list, waiting, to_read = self._sort_requests(layer, experts)  # to_read: in the order asked
+        held = {read.key: read for read in landed}  # landed before their turn, each in its slot
+        lookahead = set(held)  # landed from a hint before this call
+        hits = set(hit_list)
         self._held = len(held)  # out of `ready` but still in their slots: _room counts them
 
         def take_landed(block: bool) -> None:
@@ -256,6 +208,36 @@ class StreamingExperts(ReadingStore, ExpertStore):
                 self._submit_demand(to_read, waiting)
         finally:
             self._held = 0
+
+    def _sort_requests(self, layer, experts) -> tuple[list, list, set, list]:
+        """One layer's experts, counted and sorted by where each is: (reads the lookahead landed in
+        time, cache hits, reads still in flight, reads to submit), each in the order of `experts`."""
+        self.fetched += len(experts)
+        self._drain()
+        needed = set(experts)
+        self._release_mispredicted(layer, needed)
+        predicted = self.predicted.pop(layer, None)
+        if predicted is not None:
+            self.recall_hits += len(predicted & needed)
+            self.recall_total += len(needed)
+        landed, hits, to_read = [], [], []
+        waiting: set[tuple[int, int]] = set()
+        for e in experts:
+            key = (layer, e)
+            self.lookups += 1
+            read = self.ready.pop(key, None)
+            if read is not None:  # lookahead read it in time
+                self.prefetched_used += 1
+                landed.append(read)
+            elif key in self.cache:
+                hits.append(key)
+            elif key in self.reads:
+                self.prefetched_used += 1
+                waiting.add(key)
+            else:
+                self.demand_reads += 1
+                to_read.append(key)
+        return landed, hits, waiting, to_read
 
     def _submit_demand(self, to_read: list, waiting: set) -> None:
         """Start the demand reads the read budget has room for (in the order asked)."""

@@ -62,16 +62,6 @@ at::Tensor decode_layers_bf16(const at::Tensor& x_in, at::TensorList attention, 
   });
 }
 
-// The rows' checks against their caches (each row's position inside its own cache) and the rope rows.
-template <class Proj>
-void check_rows(const std::vector<AttnLayer<Proj>>& att, int64_t layers, at::IntArrayRef row_cache,
-                at::IntArrayRef positions, const at::Tensor& cos, const char* op) {
-  for (size_t r = 0; r < row_cache.size(); r++)
-    TORCH_CHECK(positions[r] >= 0 && positions[r] < att[row_cache[r] * layers].ctx, op, ": row ", r,
-                ": position ", positions[r], " outside its cache");
-  TORCH_CHECK(cos.size(1) == att[0].D, op, ": cos/sin must be [M, D]");
-}
-
 at::Tensor decode_layers_rows_bf16(const at::Tensor& x_in, at::TensorList attention, at::IntArrayRef row_cache,
                                    at::TensorList moe, const at::Tensor& cos_in, const at::Tensor& sin_in,
                                    at::IntArrayRef positions, int64_t heads, int64_t kv_heads, double eps, int64_t k,

@@ -108,6 +108,17 @@ inline std::pair<int64_t, int64_t> rows_layer_count(const at::Tensor& x, at::Ten
   return {layers, C};
 }
 
+// The rows' checks against their caches (each row's position inside its own cache) and the rope rows.
+template <class Proj>
+inline void check_rows(const std::vector<AttnLayer<Proj>>& att, int64_t layers, at::IntArrayRef row_cache,
+                at::IntArrayRef positions, const at::Tensor& cos, const char* op) {
+  for (size_t r = 0; r < row_cache.size(); r++)
+    TORCH_CHECK(positions[r] >= 0 && positions[r] < att[row_cache[r] * layers].ctx, op, ": row ", r,
+                ": position ", positions[r], " outside its cache");
+  TORCH_CHECK(cos.size(1) == att[0].D, op, ": cos/sin must be [M, D]");
+}
+
+
 // y [M, H] = every layer in turn on x [M, H], row r one token at positions[r] of cache row_cache[r]
 // (att[c * layers + l]: cache c's layer l; each row checked against its cache by the caller):
 // per layer attention_batch of every row (the weights read once for all rows, each row's K/V written

@@ -81,10 +81,7 @@ at::Tensor decode_layers_int_rows(const at::Tensor& x_in, at::TensorList attenti
       TORCH_CHECK(att[c * layers + l].ctx == att[c * layers].ctx && att[c * layers + l].D == att[0].D, op,
                   ": cache ", c, ": every layer's cache of one size and head_dim");
     }
-  for (size_t r = 0; r < row_cache.size(); r++)
-    TORCH_CHECK(positions[r] >= 0 && positions[r] < att[row_cache[r] * layers].ctx, op, ": row ", r,
-                ": position ", positions[r], " outside its cache");
-  TORCH_CHECK(cos.size(1) == att[0].D, op, ": cos/sin must be [M, D]");
+  check_rows(att, layers, row_cache, positions, cos, op);
   for (int64_t l = 0; l < layers; l++)
     mix[l] = moe_int_layer(H, moe[3 * l], moe[3 * l + 1], moe[3 * l + 2], k, inter, moe_group, trim);
   static thread_local MoeIntBatchScratch moe_scratch;
