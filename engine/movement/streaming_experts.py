@@ -142,6 +142,7 @@ class StreamingExperts(ReadingStore, ExpertStore):
         rank = {(layer, e): i for i, e in enumerate(experts)}
         landed, hit_list, waiting, to_read = self._sort_requests(layer, experts)  # to_read: in the order asked
         held = {read.key: read for read in landed}  # landed before their turn, each in its slot
+        del landed  # `held` alone refers to them: a computed read must leave no reference to its slot
         lookahead = set(held)  # landed from a hint before this call
         hits = set(hit_list)
         self._held = len(held)  # out of `ready` but still in their slots: _room counts them
