@@ -17,7 +17,7 @@ demo: setup
 	$(COLIBRI) run --model demo --prompt-tokens 16 --max-new-tokens 16
 
 test: setup
-	$(VENV)/bin/python -m pytest -q -m "not slow"
+	$(VENV)/bin/python -m pytest -q -m "not slow" --durations=20
 
 # A longer, random fuzz campaign than CI's bounded one (tests/test_fuzz*.py): FUZZ_EXAMPLES per
 # property (fewer where an example is a batch of processes), then the outcomes per input kind,
