@@ -33,6 +33,23 @@ def test_linear_matches_an_fp32_reference(k):
     assert bf16_close(y, x.float() @ w.float().T)
 
 
+@pytest.mark.parametrize("k", [64, 31])
+def test_linear_adds_its_bias_before_the_one_rounding(k):
+    """With a bias the sum is rounded once, as F.linear's addmm rounds it: a value whose dot and bias
+    each round to bf16 apart would differ. A wrong-sized bias is refused."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(1, k, generator=g).bfloat16()
+    w = torch.randn(257, k, generator=g).bfloat16()
+    bias = (torch.randn(257, generator=g) * 3).bfloat16()
+    y = native.linear(x, w, bias)
+    ref = x.float() @ w.float().T + bias.float()
+    assert bf16_close(y, ref)
+    twice = (native.linear(x, w).float() + bias.float()).bfloat16()
+    assert (y != twice).any(), "the bias was added after the dot's rounding"
+    with pytest.raises(RuntimeError, match="bias"):
+        native.linear(x, w, bias[:-1])
+
+
 def _experts(n: int, hidden: int, inter: int, fused: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     out = []

@@ -92,6 +92,11 @@ def test_linear_rows_are_the_one_row_bits(N, K):
         assert y.shape == (M, N)
         for m in range(M):
             assert torch.equal(y[m], native.linear(x[m:m + 1], w)[0]), (M, m)
+    bias = rand_bf16(1, N, seed=N, scale=1.0)[0]  # a verify's q/k/v projections (glm4_moe, qwen2_moe)
+    x = rand_bf16(5, K, seed=K)
+    y = native.linear(x, w, bias)
+    for m in range(5):
+        assert torch.equal(y[m], native.linear(x[m:m + 1], w, bias)[0]), m
 
 
 # --- int8 / int4 -------------------------------------------------------------------------------------

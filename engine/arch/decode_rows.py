@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from engine import native
 from engine.arch import attention_quant, decode_plan
 from engine.arch.args import layer_prefix
-from engine.arch.layers import native_quant_operands, rms_norm, route_layer, swiglu_expert
+from engine.arch.layers import KVCache, native_quant_operands, rms_norm, rms_norm_rows, route_layer, swiglu_expert
+from engine.arch.rope import apply_rope
 from engine.arch.router import trim_operands
 from engine.weights.stored import linear
 
@@ -104,12 +105,24 @@ def _layer_rows(model, x: torch.Tensor, positions: list[int], kvs: list, ropes: 
     rows = [x[b:b + 1].clone() for b in range(B)]  # each row's residual [1, H]
     indexed = [hasattr(kv, "selection") for kv in kvs]  # the DSA indexer's per-token selection
     selections = [getattr(kv, "selection", None) for kv in kvs]
+    # Rows whose attention is model.py's own (no architecture attention, a plain KVCache) go through
+    # it together: one call per projection for all of them (_attention_rows); the rest one by one.
+    together = [b for b in range(B) if a.attention_impl is None and type(kvs[b]) is KVCache]
     for layer in range(a.num_layers):
         p = layer_prefix(layer)
         w = model._layer_weights(layer)  # once for every row (layer streaming reads it here)
         native_rows = _native_attention(model, layer, w, rows, ropes, masks, plans, positions)
+        batch = [b for b in together if b not in native_rows]
+        if len(batch) > 1:
+            normed = _rows_norm(torch.cat([rows[b] for b in batch]), w[f"{p}.input_layernorm.weight"], a.rms_norm_eps)
+            outs = _attention_rows(model, layer, w, normed, [positions[b] for b in batch], [kvs[b] for b in batch],
+                                   [ropes[b] for b in batch], [masks[b] for b in batch])
+            for b, out in zip(batch, outs):
+                rows[b] = rows[b] + out
+        else:
+            batch = []
         for b in range(B):  # the others: each row its own cache and position, in row order
-            if b in native_rows:
+            if b in native_rows or b in batch:
                 continue
             cos, sin = ropes[b]
             if indexed[b]:
@@ -119,17 +132,104 @@ def _layer_rows(model, x: torch.Tensor, positions: list[int], kvs: list, ropes: 
                                                  positions[b], kvs[b], cos, sin, masks[b])
             if indexed[b]:
                 selections[b] = kvs[b].selection
-        normed = [rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps) for h in rows]  # [1, H] each
-        model._lookahead(layer, torch.cat(normed), torch.cat(rows))
+        h = torch.cat(rows)  # [B, H]
+        normed = _rows_norm(h, w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)  # [B, H]
+        model._lookahead(layer, normed, h)
         if a.is_moe_layer(layer):
-            routed = _routed(model, layer, w, normed)
-            rows = [h + model._plus_shared(layer, w, n, r) for h, n, r in zip(rows, normed, routed)]
+            routed = torch.cat(_routed(model, layer, w, [normed[b:b + 1] for b in range(B)]))  # [B, H]
+            h = h + _plus_shared_rows(model, layer, w, normed, routed)
         else:
-            rows = [h + _dense_mlp(w, p, n) for h, n in zip(rows, normed)]
+            h = h + _swiglu_rows(normed, *(w[f"{p}.mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
+        rows = [h[b:b + 1] for b in range(B)]
     for b in range(B):
         if indexed[b]:
             kvs[b].selection = selections[b]  # what this row's solo step would have left
     return rows
+
+
+def _attention_rows(model, layer: int, w: dict, x: torch.Tensor, positions: list[int], kvs: list, ropes: list,
+                    masks: list) -> list[torch.Tensor]:
+    """model._attention for R rows at once: x [R, H] (normed) → each row's output [1, H] (before the
+    residual add), row r one token at positions[r] of kvs[r] (plain KVCaches), its K/V written there.
+
+    Each row gets model._attention's bits on that row alone: the projections are row-independent
+    (_rows_linear), the norms per row (_rows_norm), rope and clipping elementwise, and each row's
+    scores and softmax are its own call over its own cache, shaped as the solo call shapes them.
+    Every row's K/V is written before any row reads: a row reads its cache up to its own position
+    only, where the rows before it in that cache (a verify's earlier positions) have written theirs."""
+    p, a = f"{layer_prefix(layer)}.self_attn", model.args
+    R = x.shape[0]
+    splits = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+    qkv = model._qkv.get(layer) if native.ready and x.dtype is torch.bfloat16 else None
+    if qkv is not None and w is model.w:
+        q, k, v = _rows_linear(x, qkv).split(splits, dim=1)
+    else:
+        q, k, v = (_rows_linear(x, w[f"{p}.{n}_proj.weight"], w.get(f"{p}.{n}_proj.bias")) for n in "qkv")
+    if a.clip_qkv is not None:
+        q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+    if a.qk_norm == "full":
+        q = _rows_norm(q, w[f"{p}.q_norm.weight"], a.rms_norm_eps)
+        k = _rows_norm(k, w[f"{p}.k_norm.weight"], a.rms_norm_eps)
+    q = q.reshape(R, a.num_heads, a.head_dim).transpose(0, 1)  # [Nq, R, D]
+    k = k.reshape(R, a.num_kv_heads, a.head_dim).transpose(0, 1)  # [Nkv, R, D]
+    v = v.reshape(R, a.num_kv_heads, a.head_dim).transpose(0, 1)
+    if a.qk_norm == "head":
+        q = _rows_norm(q, w[f"{p}.q_norm.weight"], a.rms_norm_eps)
+        k = _rows_norm(k, w[f"{p}.k_norm.weight"], a.rms_norm_eps)
+    cos = torch.cat([c for c, _ in ropes])  # [R, Dr]: row r's position
+    sin = torch.cat([s for _, s in ropes])
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    for r, (pos, kv) in enumerate(zip(positions, kvs)):
+        kv.k[layer][:, pos:pos + 1] = k[:, r:r + 1]
+        kv.v[layer][:, pos:pos + 1] = v[:, r:r + 1]
+    outs = []
+    for r, (pos, kv) in enumerate(zip(positions, kvs)):
+        keys = kv.k[layer][:, :pos + 1].to(q.dtype)  # [Nkv, S, D]
+        values = kv.v[layer][:, :pos + 1].to(q.dtype)
+        out = F.scaled_dot_product_attention(q[:, r:r + 1].contiguous().unsqueeze(0), keys.unsqueeze(0),
+                                             values.unsqueeze(0), attn_mask=masks[r],
+                                             enable_gqa=a.num_heads != a.num_kv_heads)
+        outs.append(out.squeeze(0).transpose(0, 1).reshape(1, a.num_heads * a.head_dim))  # [1, Nq*D]
+    o = _rows_linear(torch.cat(outs), w[f"{p}.o_proj.weight"])  # [R, H]
+    return [o[r:r + 1] for r in range(R)]
+
+
+def _rows_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
+    """rms_norm over the last dim of x [..., R, H] with each row rms_norm's bits on that row alone
+    (a one-token bf16 row takes the native op, which normalises each row by itself)."""
+    if (native.ready and x.dtype is torch.bfloat16 and type(weight) is torch.Tensor
+            and weight.dtype is torch.bfloat16 and x.device.type == "cpu"):
+        return native.rms_norm(x, weight, eps)
+    return rms_norm_rows(x, weight, eps)
+
+
+def _swiglu_rows(x: torch.Tensor, gate, up, down) -> torch.Tensor:
+    """layers.swiglu on x [B, H], each row its one-row bits (row-independent projections)."""
+    return _rows_linear(_per_row(F.silu, _rows_linear(x, gate)) * _rows_linear(x, up), down)
+
+
+def _per_row(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn (a transcendental elementwise op: silu, sigmoid) on each row of x [B, N] alone. torch takes
+    a vectorised approximation for most elements and a scalar one for a tail; which elements fall in
+    the tail depends on the tensor's length, so a row's bits follow its neighbours unless it goes alone
+    (exact ops such as + and * give the same bits either way)."""
+    return torch.cat([fn(x[b:b + 1]) for b in range(x.shape[0])])
+
+
+def _plus_shared_rows(model, layer: int, w: dict, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """model._plus_shared on the rows: out [B, H] (the routed sums) plus the shared experts of the
+    normed x [B, H], each row the bits the solo path gives it."""
+    p, a = layer_prefix(layer), model.args
+    if a.shared_experts_intermediate_size:
+        out = out + _swiglu_rows(x, *(w[f"{p}.mlp.shared_experts.{n}.weight"] for n in ("gate_proj", "up_proj",
+                                                                                           "down_proj")))
+    if a.shared_expert_intermediate_size:
+        shared = _swiglu_rows(x, *(w[f"{p}.mlp.shared_expert.{n}.weight"] for n in ("gate_proj", "up_proj",
+                                                                                      "down_proj")))
+        gate_w = w[f"{p}.mlp.shared_expert_gate.weight"]  # F.linear per row, as the solo path calls it
+        gate = torch.cat([torch.sigmoid(F.linear(x[b:b + 1], gate_w)) for b in range(x.shape[0])])
+        out = out + gate * shared
+    return out
 
 
 def _check_rows(positions: list[int], kvs: list) -> None:
@@ -250,18 +350,12 @@ def _experts_rows(x: torch.Tensor, experts: list, slots: list[list[tuple[int, in
     return native.experts_rows(x, [t for e in experts for t in e], per_expert, slot_row, slot_expert)
 
 
-def _dense_mlp(w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
-    """A dense layer's SwiGLU MLP on one row [1, H], as the solo path computes it."""
-    return linear(F.silu(linear(x, w[f"{p}.mlp.gate_proj.weight"])) * linear(x, w[f"{p}.mlp.up_proj.weight"]),
-                  w[f"{p}.mlp.down_proj.weight"])
-
-
-def _rows_linear(x: torch.Tensor, weight) -> torch.Tensor:
-    """x [B, H] @ weight.T, each row's bits those of the one-row `linear`: native.linear computes each
-    output element alone (row-independent) where it runs; elsewhere one row at a time, because a
-    multi-row matmul may sum in another order than the one-row call."""
+def _rows_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, H] @ weight.T (+ bias), each row's bits those of the one-row `linear`: native.linear
+    computes each output element alone (row-independent) where it runs; elsewhere one row at a
+    time, because a multi-row matmul may sum in another order than the one-row call."""
     if (native.ready and type(weight) is torch.Tensor and weight.dtype is torch.bfloat16
-            and x.dtype is torch.bfloat16):
-        return native.linear(x, weight)
-    return torch.cat([linear(x[b:b + 1], weight) for b in range(x.shape[0])])
+            and x.dtype is torch.bfloat16 and (bias is None or bias.dtype is torch.bfloat16)):
+        return native.linear(x, weight, bias)
+    return torch.cat([linear(x[b:b + 1], weight, bias) for b in range(x.shape[0])])
 

@@ -187,8 +187,9 @@ def _read_failure(path: Path) -> str:
         return "the build failed"
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.colibri.linear_bf16(x, w)
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w.T (+ bias [N], added before the one rounding): row m's bits whatever M."""
+    return torch.ops.colibri.linear_bf16(x, w, bias)
 
 
 def experts(x: torch.Tensor, weights: list, per_expert: int) -> torch.Tensor:

@@ -21,7 +21,7 @@
 // bf16 tensors.
 //
 // Ops (namespace colibri):
-//   linear_bf16(x [M,K], w [N,K]) -> [M,N]                        y = x @ w.T
+//   linear_bf16(x [M,K], w [N,K], bias [N]?) -> [M,N]             y = x @ w.T (+ bias)
 //   experts_bf16(x [1,H], weights, per_expert) -> [E,H]           SwiGLU of E experts on x;
 //       weights = per expert (gate_up [2I,H], down [H,I]) or (gate [I,H], up [I,H], down [H,I])
 //   experts_rows_bf16(x [M,H], weights, per_expert, slot_row int64 [S], slot_expert int64 [S]) -> [S,H]
@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "bf16_kernels.h"
@@ -45,17 +46,26 @@ namespace {
 
 using namespace colibri_native;
 
-at::Tensor linear_bf16(const at::Tensor& x_in, const at::Tensor& w) {
+at::Tensor linear_bf16(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias_in) {
   TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1), "linear_bf16: x [M,K], w [N,K]");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   const bf16* xp = bf16_data(x, "x");
   const bf16* wp = bf16_data(w, "w");
+  // The bias is added to the fp32 dot before the one rounding, as addmm (F.linear with a bias) rounds.
+  at::Tensor bias;
+  const bf16* bp = nullptr;
+  if (bias_in.has_value() && bias_in->defined()) {
+    bias = bias_in->contiguous();
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N, "linear_bf16: bias must be [N]");
+    bp = bf16_data(bias, "bias");
+  }
+  auto plus_bias = [bp](int64_t n, float v) { return bp ? v + to_f32(bp[n]) : v; };
   at::Tensor y = at::empty({M, N}, x.options());
   bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
   if (M == 1) {  // decode: one stream of rows (dot_rows)
     at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
-      dot_rows(wp, K, xp, begin, end, [&](int64_t n, float v) { yp[n] = to_bf16(v); });
+      dot_rows(wp, K, xp, begin, end, [&](int64_t n, float v) { yp[n] = to_bf16(plus_bias(n, v)); });
     });
     return y;
   }
@@ -70,7 +80,7 @@ at::Tensor linear_bf16(const at::Tensor& x_in, const at::Tensor& w) {
       for (int64_t m = 0; m < M; m += 4) {
         const int64_t c = std::min<int64_t>(4, M - m);
         dot_many(wp + n * K, xs.data() + m, c, K, out);
-        for (int64_t j = 0; j < c; j++) yp[(m + j) * N + n] = to_bf16(out[j]);
+        for (int64_t j = 0; j < c; j++) yp[(m + j) * N + n] = to_bf16(plus_bias(n, out[j]));
       }
   });
   return y;
@@ -157,7 +167,7 @@ at::Tensor experts_rows_bf16(const at::Tensor& x_in, at::TensorList weights, int
 }  // namespace
 
 TORCH_LIBRARY(colibri, m) {
-  m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.def("experts_bf16(Tensor x, Tensor[] weights, int per_expert) -> Tensor");
   m.def("experts_rows_bf16(Tensor x, Tensor[] weights, int per_expert, Tensor slot_row, Tensor slot_expert) -> Tensor");
 }

@@ -43,13 +43,14 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     """x @ w.T (+ bias) for a plain weight tensor or a QuantWeight (or FP8 Fp8Weight). MXFP4 experts
     take their bias inside their kernel: gpt-oss's experts call Mxfp4Matrix.linear(x, bias) themselves.
 
-    One bf16 row without bias (decode) goes through the native kernel when it is loaded
-    (engine/native): the same bits as F.linear in our tests, at about 3x the weight bandwidth
-    (a bias stays with F.linear, whose addmm rounds once where adding it after would round twice)."""
+    One bf16 row (decode) goes through the native kernel when it is loaded (engine/native): the
+    same bits as F.linear in our tests, at about 3x the weight bandwidth. A bf16 bias is added
+    inside it before the one rounding, as F.linear's addmm rounds (adding it after would round
+    twice); its rows are row-independent, so a batched step's rows (decode_rows.py) keep these bits."""
     if isinstance(w, torch.Tensor):  # else a stored-quantized matrix: QuantWeight, fp8.Fp8Weight
-        if (native.ready and bias is None and x.dim() == 2 and x.shape[0] == 1 and x.dtype is torch.bfloat16
-                and w.dtype is torch.bfloat16):
-            return native.linear(x, w)
+        if (native.ready and x.dim() == 2 and x.shape[0] == 1 and x.dtype is torch.bfloat16
+                and w.dtype is torch.bfloat16 and (bias is None or bias.dtype is torch.bfloat16)):
+            return native.linear(x, w, bias)
         return F.linear(x, w, bias)
     y = w.linear(x)
     return y if bias is None else y + bias
