@@ -24,10 +24,11 @@ def _norm(x, w, eps=1e-6):  # layers.rms_norm on torch's ops
     return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def _torch_attention(x, norm_w, qkv_w, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, Nq, Nkv, o_w):
-    """Transformer._attention's unfused steps for one token, on torch's ops (writes the caches)."""
+def _torch_attention(x, norm_w, qkv_w, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, Nq, Nkv, o_w, qkv_b=None):
+    """Transformer._attention's unfused steps for one token, on torch's ops (writes the caches);
+    cos/sin narrower than a head: partial rotary, as apply_rope does it."""
     D = k_cache.shape[2]
-    q, k, v = F.linear(_norm(x, norm_w), qkv_w).split([Nq * D, Nkv * D, Nkv * D], dim=1)
+    q, k, v = F.linear(_norm(x, norm_w), qkv_w, qkv_b).split([Nq * D, Nkv * D, Nkv * D], dim=1)
     q, k, v = (t.view(1, -1, D).transpose(0, 1) for t in (q, k, v))
     if q_norm is not None:
         q, k = _norm(q, q_norm), _norm(k, k_norm)
@@ -61,6 +62,44 @@ def test_attention_decode_matches_torchs_ops(H, Nq, Nkv, D, pos, head_norm):
     assert torch.equal(k_cache[:, untouched], _rand(Nkv, ctx, D, seed=7)[:, untouched])
 
 
+@pytest.mark.parametrize("rot", [8, 16, 32])  # a quarter, half (glm4_moe's 0.5) and all of a head of 32
+def test_attention_decode_with_biases_and_partial_rotary_matches_torchs_ops(rot):
+    """glm4_moe and qwen2_moe's attention: q/k/v biases (added before the projection's rounding, as
+    addmm adds them) and rope over the first `rot` dims of each head only; in one call and in the
+    rows op, which gives each row the one-row call's bits."""
+    H, Nq, Nkv, D, pos, ctx = 96, 4, 2, 32, 6, 10
+    x, norm_w = _rand(1, H, seed=1), _rand(H, seed=2).abs() + 0.5
+    qkv_w, o_w = _rand((Nq + 2 * Nkv) * D, H, seed=3, scale=0.1), _rand(H, Nq * D, seed=4, scale=0.1)
+    qkv_b = _rand((Nq + 2 * Nkv) * D, seed=9)
+    q_norm, k_norm = _rand(D, seed=5).abs() + 0.5, _rand(D, seed=6).abs() + 0.5
+    angle = torch.arange(rot // 2).float() * 0.41 * (pos + 1)
+    cos, sin = torch.cat([angle.cos()] * 2)[None].bfloat16(), torch.cat([angle.sin()] * 2)[None].bfloat16()
+    k_cache, v_cache = _rand(Nkv, ctx, D, seed=7), _rand(Nkv, ctx, D, seed=8)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ref = _torch_attention(x, norm_w, qkv_w, q_norm, k_norm, cos, sin, k_ref, v_ref, pos, Nq, Nkv, o_w, qkv_b)
+    y = native.attention_decode(x, norm_w, 1e-6, qkv_w, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, Nq, Nkv,
+                                o_w, qkv_b=qkv_b, rot=0 if rot == D else rot)
+    assert torch.allclose(y.float(), ref.float(), rtol=2 ** -6, atol=2e-2)
+    assert torch.allclose(k_cache.float(), k_ref.float(), rtol=2 ** -6, atol=1e-2)
+    unbiased = native.attention_decode(x, norm_w, 1e-6, qkv_w, q_norm, k_norm, cos, sin, k_cache.clone(),
+                                       v_cache.clone(), pos, Nq, Nkv, o_w, rot=0 if rot == D else rot)
+    assert not torch.allclose(unbiased.float(), ref.float(), rtol=2 ** -6, atol=2e-2)  # the bias is not lost
+    # Three rows of one cache at consecutive positions (a verify): row r is the one-row call's bits.
+    xs = torch.cat([x, _rand(2, H, seed=11)])
+    coss, sins = torch.cat([cos, cos.roll(1, 1), cos.roll(2, 1)]), torch.cat([sin, sin.roll(1, 1), sin.roll(2, 1)])
+    k_rows, v_rows = _rand(Nkv, ctx, D, seed=7), _rand(Nkv, ctx, D, seed=8)
+    rows = native.attention_decode_rows(xs, norm_w, 1e-6, qkv_w, q_norm, k_norm, coss, sins, [k_rows] * 3,
+                                        [v_rows] * 3, [pos, pos + 1, pos + 2], Nq, Nkv, o_w, qkv_b=qkv_b,
+                                        rot=0 if rot == D else rot)
+    k_one, v_one = _rand(Nkv, ctx, D, seed=7), _rand(Nkv, ctx, D, seed=8)
+    for r in range(3):
+        alone = native.attention_decode(xs[r:r + 1], norm_w, 1e-6, qkv_w, q_norm, k_norm, coss[r:r + 1],
+                                        sins[r:r + 1], k_one, v_one, pos + r, Nq, Nkv, o_w, qkv_b=qkv_b,
+                                        rot=0 if rot == D else rot)
+        assert torch.equal(rows[r:r + 1], alone), r
+    assert torch.equal(k_rows, k_one) and torch.equal(v_rows, v_one)
+
+
 def test_bad_operands_are_refused():
     x, none = _rand(1, 64, seed=0), torch.empty(0, dtype=torch.bfloat16)
     cache = _rand(2, 8, 16, seed=1)
@@ -70,6 +109,13 @@ def test_bad_operands_are_refused():
     with pytest.raises(RuntimeError, match="qkv_w"):
         native.attention_decode(x, _rand(64, seed=2), 1e-6, _rand(127, 64, seed=3), none, none, _rand(1, 16, seed=4),
                                 _rand(1, 16, seed=5), cache, cache.clone(), 0, 4, 2, _rand(64, 64, seed=6))
+    with pytest.raises(RuntimeError, match="qkv_b"):
+        native.attention_decode(x, _rand(64, seed=2), 1e-6, _rand(128, 64, seed=3), none, none, _rand(1, 16, seed=4),
+                                _rand(1, 16, seed=5), cache, cache.clone(), 0, 4, 2, _rand(64, 64, seed=6),
+                                qkv_b=_rand(127, seed=7))
+    with pytest.raises(RuntimeError, match="rot"):
+        native.attention_decode(x, _rand(64, seed=2), 1e-6, _rand(128, 64, seed=3), none, none, _rand(1, 7, seed=4),
+                                _rand(1, 7, seed=5), cache, cache.clone(), 0, 4, 2, _rand(64, 64, seed=6), rot=7)
 
 
 def test_decode_runs_one_attention_call_per_layer_close_to_the_unfused_path(bf16_model, monkeypatch):

@@ -47,7 +47,8 @@ NATIVE_STEP, NATIVE_LAYERS, REFERENCE = "native_step", "native_layers", "referen
 class NativeAttention(NamedTuple):
     """One layer's operands for the native attention decode."""
 
-    operands: tuple | attention_quant.QuantAttention  # bf16: (input norm, fused q/k/v, q norm, k norm, o_proj)
+    operands: tuple | attention_quant.QuantAttention  # bf16: (input norm, fused q/k/v, q norm, k norm, o_proj,
+    #                                                   fused q/k/v bias or None, rotary dims or 0: the whole head)
     k_cache: tuple  # (rows or codes, scales) as _native_cache gives them
     v_cache: tuple
 
@@ -80,10 +81,11 @@ class DecodePlan:
 
 
 def plan_decode(args: ModelArgs, w: dict, qkv: dict, experts, expert_fn, kv, dtype: torch.dtype,
-                streamed: frozenset, watched: str | None, *, whole_step: bool = True,
+                streamed: frozenset, watched: str | None, *, qkv_bias: dict | None = None, whole_step: bool = True,
                 native_attention: bool = True, fused_moe: bool = True) -> DecodePlan:
     """The decode route of a model whose resident weights are `w` (q/k/v fused per layer: `qkv`) over
-    `kv`. streamed: the layers read per token; watched: what needs each layer's expert ids (the fused
+    `kv` (their biases fused likewise: `qkv_bias`, where they have them). streamed: the layers read per
+    token; watched: what needs each layer's expert ids (the fused
     MoE then stays off), or None. whole_step / native_attention / fused_moe: False keeps that native
     call out (tests and benchmarks/time/decode_profile.py compare the routes so)."""
     n = args.num_layers
@@ -94,7 +96,8 @@ def plan_decode(args: ModelArgs, w: dict, qkv: dict, experts, expert_fn, kv, dty
     if dtype is not torch.bfloat16 or type(embed) is not torch.Tensor or embed.dtype is not torch.bfloat16:
         return DecodePlan(REFERENCE, f"compute dtype {str(dtype).replace('torch.', '')}: the native decode is bf16",
                           none, none)
-    attention = tuple(_attention_entry(args, w, qkv, kv, layer) if native_attention and layer not in streamed
+    attention = tuple(_attention_entry(args, w, qkv, qkv_bias or {}, kv, layer) if native_attention
+                      and layer not in streamed
                       else None for layer in range(n))
     fused = tuple(moe.resident_layer(args, w, experts, layer, expert_fn)
                   if fused_moe and watched is None and layer not in streamed else None for layer in range(n))
@@ -158,8 +161,8 @@ def _native_cache(rows) -> tuple[torch.Tensor, torch.Tensor] | None:
     return None
 
 
-def _attention_entry(args: ModelArgs, w: dict, qkv: dict, kv, layer: int) -> NativeAttention | None:
-    operands = _attention_operands(args, w, qkv, layer)
+def _attention_entry(args: ModelArgs, w: dict, qkv: dict, qkv_bias: dict, kv, layer: int) -> NativeAttention | None:
+    operands = _attention_operands(args, w, qkv, qkv_bias, layer)
     if operands is None:
         return None  # (before the cache: MLA's compressed cache has no k/v rows)
     if type(operands) is attention_quant.QuantAttention and not native.int_ready:
@@ -170,17 +173,18 @@ def _attention_entry(args: ModelArgs, w: dict, qkv: dict, kv, layer: int) -> Nat
     return NativeAttention(operands, k_cache, v_cache)
 
 
-def _attention_operands(a: ModelArgs, w: dict, qkv: dict, layer: int):
-    """(input norm, fused q/k/v, q norm, k norm, o_proj) of a layer the native attention decode
-    covers (plain attention, q/k/v fused at load: bf16, no biases; no clipping; no norm or a per-head
-    one; rope over the whole head); for int8 / int4 projections (scope all) the layer's
-    attention_quant.QuantAttention, where the native int attention covers it; else None."""
+def _attention_operands(a: ModelArgs, w: dict, qkv: dict, qkv_bias: dict, layer: int):
+    """(input norm, fused q/k/v, q norm, k norm, o_proj, fused q/k/v bias or None, rotary dims or 0)
+    of a layer the native attention decode covers (plain attention, q/k/v fused at load: bf16, with
+    or without biases; no clipping; no norm or a per-head one; rope over the whole head or an even
+    part of it); for int8 / int4 projections (scope all) the layer's attention_quant.QuantAttention,
+    where the native int attention covers it; else None."""
     p = layer_prefix(layer)
     fused_qkv = qkv.get(layer)
     if fused_qkv is None:
         return attention_quant.layer_operands(a, w, layer) if native.int_ready else None
-    if (a.clip_qkv is not None or a.qk_norm not in ("none", "head") or a.head_dim % 2
-            or (a.rotary_dim or a.head_dim) != a.head_dim):
+    rot = a.rotary_dim if a.rotary_dim and a.rotary_dim != a.head_dim else 0
+    if a.clip_qkv is not None or a.qk_norm not in ("none", "head") or a.head_dim % 2 or rot % 2:
         return None
     none = torch.empty(0, dtype=torch.bfloat16)
     names = [f"{p}.input_layernorm.weight", f"{p}.self_attn.o_proj.weight"]
@@ -190,7 +194,7 @@ def _attention_operands(a: ModelArgs, w: dict, qkv: dict, layer: int):
     if not all(type(t) is torch.Tensor and t.dtype is torch.bfloat16 and t.is_contiguous() for t in tensors):
         return None
     norm_w, o_w, q_norm, k_norm = (tensors + [none, none])[:4]
-    return norm_w, fused_qkv, q_norm, k_norm, o_w
+    return norm_w, fused_qkv, q_norm, k_norm, o_w, qkv_bias.get(layer), rot
 
 
 def _step_operands(args: ModelArgs, attention: tuple, fused: tuple) -> NativeStep | None:
@@ -208,7 +212,9 @@ def _step_operands(args: ModelArgs, attention: tuple, fused: tuple) -> NativeSte
             att_tensors += [op.norm_w, op.q_norm, op.k_norm, *op.proj, *caches]
             kinds.add((op.group, layer_moe.group))
         elif type(op) is tuple and type(layer_moe) is moe.ResidentMoeLayer:
-            norm_w, qkv, q_norm, k_norm, o_w = op
+            norm_w, qkv, q_norm, k_norm, o_w, qkv_b, rot = op
+            if qkv_b is not None or rot:  # the whole step's attention: no biases, rope over the whole head
+                return None
             att_tensors += [norm_w, qkv, q_norm, k_norm, o_w, *caches]
             kinds.add(None)
         else:
@@ -259,6 +265,6 @@ def native_attention(entry: NativeAttention, args: ModelArgs, x: torch.Tensor, c
     if type(op) is attention_quant.QuantAttention:  # int8 / int4 projections
         return native.attention_decode_int(x, op.norm_w, a.rms_norm_eps, op.proj, op.group, op.q_norm, op.k_norm,
                                            cos, sin, k, v, start_pos, a.num_heads, a.num_kv_heads, k_scales, v_scales)
-    norm_w, qkv, q_norm, k_norm, o_w = op
+    norm_w, qkv, q_norm, k_norm, o_w, qkv_b, rot = op
     return native.attention_decode(x, norm_w, a.rms_norm_eps, qkv, q_norm, k_norm, cos, sin, k, v, start_pos,
-                                   a.num_heads, a.num_kv_heads, o_w, k_scales, v_scales)
+                                   a.num_heads, a.num_kv_heads, o_w, k_scales, v_scales, qkv_b, rot)

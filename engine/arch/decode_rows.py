@@ -162,7 +162,7 @@ def _attention_rows(model, layer: int, w: dict, x: torch.Tensor, positions: list
     splits = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
     qkv = model._qkv.get(layer) if native.ready and x.dtype is torch.bfloat16 else None
     if qkv is not None and w is model.w:
-        q, k, v = _rows_linear(x, qkv).split(splits, dim=1)
+        q, k, v = _rows_linear(x, qkv, model._qkv_bias.get(layer)).split(splits, dim=1)
     else:
         q, k, v = (_rows_linear(x, w[f"{p}.{n}_proj.weight"], w.get(f"{p}.{n}_proj.bias")) for n in "qkv")
     if a.clip_qkv is not None:
@@ -317,9 +317,10 @@ def _native_attention(model, layer: int, w: dict, rows: list, ropes: list, masks
                                                    op.k_norm, cos, sin, k_caches, v_caches, pos, a.num_heads,
                                                    a.num_kv_heads, k_scales, v_scales)
         else:
-            norm_w, qkv, q_norm, k_norm, o_w = op
+            norm_w, qkv, q_norm, k_norm, o_w, qkv_b, rot = op
             out = native.attention_decode_rows(x, norm_w, a.rms_norm_eps, qkv, q_norm, k_norm, cos, sin, k_caches,
-                                               v_caches, pos, a.num_heads, a.num_kv_heads, o_w, k_scales, v_scales)
+                                               v_caches, pos, a.num_heads, a.num_kv_heads, o_w, k_scales, v_scales,
+                                               qkv_b, rot)
         for i, b in enumerate(idx):
             rows[b] = out[i:i + 1]
         done.update(idx)

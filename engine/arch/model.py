@@ -106,7 +106,7 @@ class Transformer:
         # The MoE layer and lookahead both apply the trim, so lookahead predicts the experts used;
         # the fused native calls apply it inside (the same experts and weights).
         self.routing_trim = routing_trim
-        self._qkv = self._fuse_qkv(weights)
+        self._qkv, self._qkv_bias = self._fuse_qkv(weights)
         self._no_native = (None,) * args.num_layers  # a prefill's per-layer native calls: none
         self._route_limits: dict = {}
         self._plan_kv = None
@@ -125,7 +125,8 @@ class Transformer:
         self._route_limits, self._plan_kv = limits, kv
         self._other_plans.clear()  # made under the old route: decided again when next asked
         self.plan = decode_plan.plan_decode(self.args, self.w, self._qkv, self.experts, self.expert_fn, kv,
-                                            self.dtype, self._streamed, self._watched(), **limits)
+                                            self.dtype, self._streamed, self._watched(), qkv_bias=self._qkv_bias,
+                                            **limits)
         return self.plan
 
     def _watched(self) -> str | None:
@@ -143,7 +144,8 @@ class Transformer:
         if held is not None:
             return held
         plan = decode_plan.plan_decode(self.args, self.w, self._qkv, self.experts, self.expert_fn, kv,
-                                       self.dtype, self._streamed, self._watched(), **self._route_limits)
+                                       self.dtype, self._streamed, self._watched(), qkv_bias=self._qkv_bias,
+                                       **self._route_limits)
         self._other_plans[id(kv)] = plan
         # The plan holds the cache's tensors (the native calls' operands): dropped with the cache, so a
         # finished sequence's KV is freed with it (and its id, which a new cache may take, forgotten).
@@ -157,29 +159,37 @@ class Transformer:
         if self._plan_kv is not None:
             self.plan_decode(self._plan_kv, **self._route_limits)
 
-    def _fuse_qkv(self, weights: dict) -> dict[int, torch.Tensor]:
+    def _fuse_qkv(self, weights: dict) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """Per layer, q/k/v projections as one [Nq*D + 2*Nkv*D, H] matrix (concatenated once,
-        here), so decode runs one native call for the three. The dict's q/k/v entries become
-        row views of it: the same bytes, no second copy, and prefill's F.linear reads them as
-        before. Only for plain bf16 weights without biases (the native path's condition);
+        here), so decode runs one native call for the three; and where they have biases (glm4_moe,
+        qwen2_moe), the three biases as one [Nq*D + 2*Nkv*D] vector (the second dict). The dict's
+        q/k/v entries become row views of them: the same bytes, no second copy, and prefill's
+        F.linear reads them as before. Only for plain bf16 weights (the native path's condition);
         layers read per token (layer streaming) are not in `weights` and stay apart."""
         a = self.args
         if a.attention_impl is not None or self.dtype is not torch.bfloat16:
-            return {}
-        fused = {}
+            return {}, {}
+        fused, fused_bias = {}, {}
         for layer in range(a.num_layers):
             p = f"{layer_prefix(layer)}.self_attn"
             names = [f"{p}.{n}_proj.weight" for n in "qkv"]
             parts = [weights.get(n) for n in names]
-            if (any(type(t) is not torch.Tensor or t.dtype is not torch.bfloat16 for t in parts)
-                    or any(f"{p}.{n}_proj.bias" in weights for n in "qkv")):
+            bias_names = [f"{p}.{n}_proj.bias" for n in "qkv"]
+            biases = [weights.get(n) for n in bias_names]
+            if any(type(t) is not torch.Tensor or t.dtype is not torch.bfloat16 for t in parts):
                 continue
+            if any(b is not None for b in biases):  # all three bf16, or the layer stays apart
+                if any(type(b) is not torch.Tensor or b.dtype is not torch.bfloat16 for b in biases):
+                    continue
+                fused_bias[layer] = torch.cat(biases)
+                for name, view in zip(bias_names, fused_bias[layer].split([b.shape[0] for b in biases])):
+                    weights[name] = view
             fused[layer] = _adjacent_rows(parts)
             if fused[layer] is None:
                 fused[layer] = torch.cat(parts)
             for name, view in zip(names, fused[layer].split([t.shape[0] for t in parts])):
                 weights[name] = view
-        return fused
+        return fused, fused_bias
 
     def _rope(self, start_pos: int, T: int):
         if self.args.rope.get("rope_type") == "dynamic":
@@ -318,7 +328,7 @@ class Transformer:
         T = x.shape[0]
         qkv = self._qkv.get(layer) if T == 1 and native.ready and x.dtype is torch.bfloat16 else None
         if qkv is not None and w is self.w:  # one native call; its rows are q, k, v's own (same bits)
-            q, k, v = linear(x, qkv).split(
+            q, k, v = linear(x, qkv, self._qkv_bias.get(layer)).split(
                 [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], dim=1)
         else:
             q = linear(x, w[f"{p}.q_proj.weight"], w.get(f"{p}.q_proj.bias"))  # [T, Nq*D]

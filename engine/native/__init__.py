@@ -232,17 +232,20 @@ NO_SCALES = torch.empty(0, dtype=torch.float32)
 def attention_decode(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, q_norm: torch.Tensor,
                      k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int, o_w: torch.Tensor,
-                     k_scales: torch.Tensor = NO_SCALES, v_scales: torch.Tensor = NO_SCALES) -> torch.Tensor:
+                     k_scales: torch.Tensor = NO_SCALES, v_scales: torch.Tensor = NO_SCALES,
+                     qkv_b: torch.Tensor | None = None, rot: int = 0) -> torch.Tensor:
     """k_cache/v_cache: bf16 [Nkv, ctx, D], or int8 / float8_e4m3fn codes with k_scales/v_scales
-    [Nkv, ctx] fp32 (a QuantizedRows' codes and scales)."""
+    [Nkv, ctx] fp32 (a QuantizedRows' codes and scales). qkv_b: the q/k/v biases (fused as qkv_w is),
+    or None; rot: the rotary dims of a head (0: all D; fewer: partial rotary, cos/sin [rot])."""
     return torch.ops.colibri.attention_decode_bf16(x, norm_w, eps, qkv_w, q_norm, k_norm, cos, sin, k_cache, v_cache,
-                                                   k_scales, v_scales, pos, heads, kv_heads, o_w)
+                                                   k_scales, v_scales, pos, heads, kv_heads, o_w, qkv_b, rot)
 
 
 def attention_decode_rows(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor,
                           q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           k_caches: list, v_caches: list, positions: list[int], heads: int, kv_heads: int,
-                          o_w: torch.Tensor, k_scales: list | None = None, v_scales: list | None = None) -> torch.Tensor:
+                          o_w: torch.Tensor, k_scales: list | None = None, v_scales: list | None = None,
+                          qkv_b: torch.Tensor | None = None, rot: int = 0) -> torch.Tensor:
     """attention_decode for B rows of a batched step: x [B, H], cos/sin [B, D] (row b's rope row), row b
     with its own caches k_caches[b] / v_caches[b] (bf16, or int8 / fp8 codes with k_scales[b] /
     v_scales[b]; None: bf16 caches) at positions[b]; the weights read once for all rows, row b bit for
@@ -251,7 +254,7 @@ def attention_decode_rows(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv
     return torch.ops.colibri.attention_decode_rows_bf16(x, norm_w, eps, qkv_w, q_norm, k_norm, cos, sin, k_caches,
                                                         v_caches, none if k_scales is None else k_scales,
                                                         none if v_scales is None else v_scales, positions, heads,
-                                                        kv_heads, o_w)
+                                                        kv_heads, o_w, qkv_b, rot)
 
 
 def decode_layers(x: torch.Tensor, attention: list, moe: list, cos: torch.Tensor, sin: torch.Tensor, pos: int,

@@ -32,16 +32,18 @@ inline void norm_heads(bf16* rows, int64_t n, int64_t D, const bf16* w, float ep
   }
 }
 
-// Rotate-half rope of n rows of D in place: x * cos + cat(-x2, x1) * sin, each product rounded.
-inline void rope_heads(bf16* rows, int64_t n, int64_t D, const bf16* cos, const bf16* sin, float* tmp) {
-  const int64_t half = D / 2;
+// Rotate-half rope of n rows of D in place over their first `rot` dims (rot == D: the whole head;
+// less: partial rotary, glm4_moe's, the rest passing through as rope.apply_rope leaves it):
+// x * cos + cat(-x2, x1) * sin, each product rounded; cos/sin [rot].
+inline void rope_heads(bf16* rows, int64_t n, int64_t D, int64_t rot, const bf16* cos, const bf16* sin, float* tmp) {
+  const int64_t half = rot / 2;
   for (int64_t r = 0; r < n; r++) {
     bf16* x = rows + r * D;
-    for (int64_t i = 0; i < D; i++) {
+    for (int64_t i = 0; i < rot; i++) {
       const float rotated = i < half ? -to_f32(x[i + half]) : to_f32(x[i - half]);
       tmp[i] = round_bf16(round_bf16(to_f32(x[i]) * to_f32(cos[i])) + round_bf16(rotated * to_f32(sin[i])));
     }
-    for (int64_t i = 0; i < D; i++) x[i] = to_bf16(tmp[i]);
+    for (int64_t i = 0; i < rot; i++) x[i] = to_bf16(tmp[i]);
   }
 }
 
@@ -182,6 +184,8 @@ struct AttnLayer {
   Proj proj;
   KvRows k_cache, v_cache;  // [Nkv, ctx, D]
   int64_t H, D, ctx, heads, kv_heads;
+  int64_t rot = 0;              // rotary dims of each head (D, or fewer: partial rotary); cos/sin rows are [rot]
+  const bf16* qkv_b = nullptr;  // the q/k/v projections' biases [(Nq + 2 Nkv) D], or none (bf16 only)
 };
 
 // Everything of a layer but its projections (the caller checks and sets L.proj), `what` naming the op.
@@ -205,13 +209,15 @@ inline void attention_common(int64_t H, const at::Tensor& norm_w, const at::Tens
   L.k_cache = kv_rows(k_cache, k_scales, (what + ": k_cache").c_str());
   L.v_cache = kv_rows(v_cache, v_scales, (what + ": v_cache").c_str());
   L.H = H, L.D = D, L.ctx = k_cache.size(1), L.heads = heads, L.kv_heads = kv_heads;
+  L.rot = D;
 }
 
 inline AttnLayer<Bf16Proj> attention_layer(int64_t H, const at::Tensor& norm_w, const at::Tensor& qkv_w,
                                            const at::Tensor& q_norm, const at::Tensor& k_norm,
                                            const at::Tensor& k_cache, const at::Tensor& v_cache,
                                            const at::Tensor& k_scales, const at::Tensor& v_scales, int64_t heads,
-                                           int64_t kv_heads, const at::Tensor& o_w) {
+                                           int64_t kv_heads, const at::Tensor& o_w,
+                                           const c10::optional<at::Tensor>& qkv_b = c10::nullopt, int64_t rot = 0) {
   AttnLayer<Bf16Proj> L;
   attention_common(H, norm_w, q_norm, k_norm, k_cache, v_cache, k_scales, v_scales, heads, kv_heads,
                    "attention_decode_bf16", L);
@@ -221,6 +227,15 @@ inline AttnLayer<Bf16Proj> attention_layer(int64_t H, const at::Tensor& norm_w, 
   TORCH_CHECK(o_w.dim() == 2 && o_w.size(0) == H && o_w.size(1) == Q, "attention_decode_bf16: o_w must be [H, Nq D]");
   L.proj.qkv_w = bf16_data(qkv_w, "qkv_w");
   L.proj.o_w = bf16_data(o_w, "o_w");
+  if (rot) {
+    TORCH_CHECK(rot > 0 && rot <= L.D && rot % 2 == 0, "attention_decode_bf16: rot must be even, in 1..head_dim");
+    L.rot = rot;
+  }
+  if (qkv_b.has_value() && qkv_b->defined()) {  // added to the fp32 dot before its one rounding, as addmm does
+    TORCH_CHECK(qkv_b->dim() == 1 && qkv_b->size(0) == Q + 2 * KV && qkv_b->is_contiguous(),
+                "attention_decode_bf16: qkv_b must be a contiguous [(Nq + 2 Nkv) D]");
+    L.qkv_b = bf16_data(*qkv_b, "qkv_b");
+  }
   return L;
 }
 
@@ -283,8 +298,10 @@ inline void attention_batch(const AttnLayer<Proj>& L, const AttnRow* R, int64_t 
   {
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
     int64_t b, e;
-    proj.qkv_rows(s.normed_rows.data(), B, H, W, t, T, s.proj,
-                  [&](int64_t r, int64_t n, float val) { qkv[r * W + n] = to_bf16(val); });
+    const bf16* qkv_b = L.qkv_b;
+    proj.qkv_rows(s.normed_rows.data(), B, H, W, t, T, s.proj, [&](int64_t r, int64_t n, float val) {
+      qkv[r * W + n] = to_bf16(qkv_b ? val + to_f32(qkv_b[n]) : val);
+    });
 #pragma omp barrier
 #pragma omp single
     {  // a few hundred elements a row: one thread (the single's implicit barrier publishes them)
@@ -294,8 +311,8 @@ inline void attention_batch(const AttnLayer<Proj>& L, const AttnRow* R, int64_t 
           norm_heads(q, heads, D, qn, eps);
           norm_heads(k, kv_heads, D, kn, eps);
         }
-        rope_heads(q, heads, D, R[r].cos, R[r].sin, tmp);
-        rope_heads(k, kv_heads, D, R[r].cos, R[r].sin, tmp);
+        rope_heads(q, heads, D, L.rot, R[r].cos, R[r].sin, tmp);
+        rope_heads(k, kv_heads, D, L.rot, R[r].cos, R[r].sin, tmp);
         for (int64_t g = 0; g < kv_heads; g++) {  // the cache rows of this position (quantized: their codes)
           R[r].k_cache.write(g, R[r].pos, k + g * D);
           R[r].v_cache.write(g, R[r].pos, v + g * D);
@@ -377,12 +394,13 @@ inline std::vector<AttnRow> attention_row_list(const at::Tensor& x, const at::Te
                                                at::TensorList k_caches, at::TensorList v_caches,
                                                at::TensorList k_scales, at::TensorList v_scales,
                                                at::IntArrayRef pos, int64_t kv_heads, int64_t D, at::Tensor& y,
-                                               const std::string& what) {
+                                               const std::string& what, int64_t rot = 0) {
   const int64_t B = x.size(0), H = x.size(1);
   TORCH_CHECK((int64_t)k_caches.size() == B && (int64_t)v_caches.size() == B && (int64_t)pos.size() == B &&
                   (int64_t)k_scales.size() == B && (int64_t)v_scales.size() == B,
               what, ": one K cache, V cache, K and V scales and position per row of x");
-  TORCH_CHECK(cos.numel() == B * D && sin.numel() == B * D, what, ": cos/sin must be [B, D]");
+  if (!rot) rot = D;  // cos/sin rows: the rotary dims (partial rotary: fewer than D)
+  TORCH_CHECK(cos.numel() == B * rot && sin.numel() == B * rot, what, ": cos/sin must be [B, rotary dims]");
   const bf16 *xp = bf16_data(x, "x"), *cp = bf16_data(cos, "cos"), *sp = bf16_data(sin, "sin");
   bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
   std::vector<AttnRow> rows(B);
@@ -405,7 +423,7 @@ inline std::vector<AttnRow> attention_row_list(const at::Tensor& x, const at::Te
         }
       last.push_back({data, pos[r]});
     }
-    rows[r] = {xp + r * H, cp + r * D, sp + r * D, pos[r], kv_rows(kc, k_scales[r], (what + ": k_cache").c_str()),
+    rows[r] = {xp + r * H, cp + r * rot, sp + r * rot, pos[r], kv_rows(kc, k_scales[r], (what + ": k_cache").c_str()),
                kv_rows(vc, v_scales[r], (what + ": v_cache").c_str()), yp + r * H};
   }
   return rows;
