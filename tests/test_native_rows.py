@@ -7,6 +7,7 @@ over the experts (some with none, one with more than four), experts as (gate_up,
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import native
 from engine.weights.quantized import QuantWeight, quantize
@@ -97,6 +98,22 @@ def test_linear_rows_are_the_one_row_bits(N, K):
     y = native.linear(x, w, bias)
     for m in range(5):
         assert torch.equal(y[m], native.linear(x[m:m + 1], w, bias)[0]), m
+
+
+@pytest.mark.parametrize("N,K", [(16, 256), (256, 100), (64, 7)])  # routers: 16 / 256 experts; ragged tails
+def test_fp32_router_logits_match_torch_and_each_row_is_its_own(N, K):
+    """The sigmoid routers' fp32 logits (native.linear_f32: bf16 weights widened in registers) agree
+    with F.linear over an fp32 copy of the weights to fp32 rounding, and row m of an M-row call is the
+    call with that row alone, bit for bit (a verify's rows route as each would alone)."""
+    w = rand_bf16(N, K, seed=N, scale=0.1)
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(K))
+    y = native.linear_f32(x, w)
+    assert y.dtype == torch.float32 and y.shape == (9, N)
+    assert torch.allclose(y, F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
+    for m in range(9):
+        assert torch.equal(y[m], native.linear_f32(x[m:m + 1], w)[0]), m
+    with pytest.raises(RuntimeError, match="fp32"):
+        native.linear_f32(x.bfloat16(), w)
 
 
 # --- int8 / int4 -------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from engine import native
 from engine.base.errors import ConfigError
 
 
@@ -51,7 +52,7 @@ class SigmoidGroupRouter(_TwoTensorRouter):
         weight, bias = self.tensors(w, layer_prefix)
         # Router math in fp32 whatever the compute dtype, as the reference does: with 256
         # experts, bf16 logits would tie and reorder the selection.
-        scores = F.linear(x.float(), weight.float()).sigmoid()  # [T, E]
+        scores = fp32_logits(x, weight).sigmoid()  # [T, E]
         choice = scores + bias.float()
         T, E, G = x.shape[0], self.num_experts, self.n_group
         group_scores = choice.view(T, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
@@ -64,6 +65,21 @@ class SigmoidGroupRouter(_TwoTensorRouter):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, (weights * self.routed_scaling_factor).to(x.dtype)
+
+
+# Up to this many tokens the fp32 logits come from the native kernel (decode, a verify, a batched
+# step); a prompt's group takes torch's fp32 matmul, whose one weight conversion is shared by its tokens.
+NATIVE_ROUTER_ROWS = 64
+
+
+def fp32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H] @ weight.T in fp32 → [T, E]. A few bf16 rows on the CPU: the native kernel, which widens
+    the bf16 weight in registers (F.linear needs it converted to an fp32 copy first, every call) and
+    gives each row the same bits whatever the rows beside it."""
+    if (native.ready and x.shape[0] <= NATIVE_ROUTER_ROWS and type(weight) is torch.Tensor
+            and weight.dtype is torch.bfloat16 and x.device.type == "cpu" and weight.device.type == "cpu"):
+        return native.linear_f32(x.float(), weight)
+    return F.linear(x.float(), weight.float())
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return torch.ops.colibri.linear_bf16(x, w, bias)
 
 
+def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 x [M, K] @ bf16 w [N, K].T in fp32, w widened in registers (no fp32 copy of it); row m's
+    bits whatever M."""
+    return torch.ops.colibri.linear_f32_bf16w(x, w)
+
+
 def experts(x: torch.Tensor, weights: list, per_expert: int) -> torch.Tensor:
     return torch.ops.colibri.experts_bf16(x, weights, per_expert)
 

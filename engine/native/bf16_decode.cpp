@@ -22,6 +22,7 @@
 //
 // Ops (namespace colibri):
 //   linear_bf16(x [M,K], w [N,K], bias [N]?) -> [M,N]             y = x @ w.T (+ bias)
+//   linear_f32_bf16w(x fp32 [M,K], w bf16 [N,K]) -> fp32 [M,N]     y = x @ w.T in fp32 (the sigmoid routers)
 //   experts_bf16(x [1,H], weights, per_expert) -> [E,H]           SwiGLU of E experts on x;
 //       weights = per expert (gate_up [2I,H], down [H,I]) or (gate [I,H], up [I,H], down [H,I])
 //   experts_rows_bf16(x [M,H], weights, per_expert, slot_row int64 [S], slot_expert int64 [S]) -> [S,H]
@@ -82,6 +83,45 @@ at::Tensor linear_bf16(const at::Tensor& x_in, const at::Tensor& w, const std::o
         dot_many(wp + n * K, xs.data() + m, c, K, out);
         for (int64_t j = 0; j < c; j++) yp[(m + j) * N + n] = to_bf16(plus_bias(n, out[j]));
       }
+  });
+  return y;
+}
+
+// fp32 x [M,K] against bf16 rows w [N,K] -> fp32 [M,N]: the sigmoid routers' logits (deepseek_v3,
+// glm4_moe, glm_moe_dsa), whose math is fp32 whatever the compute dtype (with 256 experts bf16 logits
+// would tie). Why: F.linear(x.float(), w.float()) converted the whole router weight to fp32 on every
+// call, a copy twice the weight's size per MoE layer per token (and per lookahead guess). Here each
+// weight row is widened in registers (bf16 -> fp32 is exact) and dotted in fp32: sixteen lanes, one
+// fused multiply-add per element in ascending k, one horizontal sum. Each output is computed by one
+// thread in that fixed order, whatever M and however the rows are split: row m of an M-row call is,
+// bit for bit, the call with that row alone (a verify's rows route as each would alone).
+inline float dot_f32_bf16(const bf16* w, const float* x, int64_t K) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w + k))), 16);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(wide), _mm512_loadu_ps(x + k), acc);
+  }
+  if (k < K) {
+    const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
+    const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, w + k)), 16);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(wide), _mm512_maskz_loadu_ps(mask, x + k), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+at::Tensor linear_f32_bf16w(const at::Tensor& x_in, const at::Tensor& w) {
+  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1), "linear_f32_bf16w: x [M,K], w [N,K]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "linear_f32_bf16w: x must be fp32 on the CPU");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  const float* xp = x.data_ptr<float>();
+  const bf16* wp = bf16_data(w, "w");
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n++)
+      for (int64_t m = 0; m < M; m++) yp[m * N + n] = dot_f32_bf16(wp + n * K, xp + m * K, K);
   });
   return y;
 }
@@ -168,12 +208,14 @@ at::Tensor experts_rows_bf16(const at::Tensor& x_in, at::TensorList weights, int
 
 TORCH_LIBRARY(colibri, m) {
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+  m.def("linear_f32_bf16w(Tensor x, Tensor w) -> Tensor");
   m.def("experts_bf16(Tensor x, Tensor[] weights, int per_expert) -> Tensor");
   m.def("experts_rows_bf16(Tensor x, Tensor[] weights, int per_expert, Tensor slot_row, Tensor slot_expert) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(colibri, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_f32_bf16w", &linear_f32_bf16w);
   m.impl("experts_bf16", &experts_bf16);
   m.impl("experts_rows_bf16", &experts_rows_bf16);
 }
