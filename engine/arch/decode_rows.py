@@ -43,7 +43,6 @@ from engine import native
 from engine.arch import attention_quant, decode_plan
 from engine.arch.args import layer_prefix
 from engine.arch.layers import KVCache, native_quant_operands, rms_norm, rms_norm_rows, route_layer, swiglu_expert
-from engine.arch.rope import apply_rope
 from engine.arch.router import trim_operands
 from engine.weights.stored import linear
 
@@ -157,28 +156,11 @@ def _attention_rows(model, layer: int, w: dict, x: torch.Tensor, positions: list
     scores and softmax are its own call over its own cache, shaped as the solo call shapes them.
     Every row's K/V is written before any row reads: a row reads its cache up to its own position
     only, where the rows before it in that cache (a verify's earlier positions) have written theirs."""
-    p, a = f"{layer_prefix(layer)}.self_attn", model.args
+    a = model.args
     R = x.shape[0]
-    splits = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
-    qkv = model._qkv.get(layer) if native.ready and x.dtype is torch.bfloat16 else None
-    if qkv is not None and w is model.w:
-        q, k, v = _rows_linear(x, qkv, model._qkv_bias.get(layer)).split(splits, dim=1)
-    else:
-        q, k, v = (_rows_linear(x, w[f"{p}.{n}_proj.weight"], w.get(f"{p}.{n}_proj.bias")) for n in "qkv")
-    if a.clip_qkv is not None:
-        q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
-    if a.qk_norm == "full":
-        q = _rows_norm(q, w[f"{p}.q_norm.weight"], a.rms_norm_eps)
-        k = _rows_norm(k, w[f"{p}.k_norm.weight"], a.rms_norm_eps)
-    q = q.reshape(R, a.num_heads, a.head_dim).transpose(0, 1)  # [Nq, R, D]
-    k = k.reshape(R, a.num_kv_heads, a.head_dim).transpose(0, 1)  # [Nkv, R, D]
-    v = v.reshape(R, a.num_kv_heads, a.head_dim).transpose(0, 1)
-    if a.qk_norm == "head":
-        q = _rows_norm(q, w[f"{p}.q_norm.weight"], a.rms_norm_eps)
-        k = _rows_norm(k, w[f"{p}.k_norm.weight"], a.rms_norm_eps)
     cos = torch.cat([c for c, _ in ropes])  # [R, Dr]: row r's position
     sin = torch.cat([s for _, s in ropes])
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = model._qkv_heads(layer, w, x, cos, sin, fused=True, project=_rows_linear, norm=_rows_norm)
     for r, (pos, kv) in enumerate(zip(positions, kvs)):
         kv.k[layer][:, pos:pos + 1] = k[:, r:r + 1]
         kv.v[layer][:, pos:pos + 1] = v[:, r:r + 1]
@@ -190,7 +172,7 @@ def _attention_rows(model, layer: int, w: dict, x: torch.Tensor, positions: list
                                              values.unsqueeze(0), attn_mask=masks[r],
                                              enable_gqa=a.num_heads != a.num_kv_heads)
         outs.append(out.squeeze(0).transpose(0, 1).reshape(1, a.num_heads * a.head_dim))  # [1, Nq*D]
-    o = _rows_linear(torch.cat(outs), w[f"{p}.o_proj.weight"])  # [R, H]
+    o = _rows_linear(torch.cat(outs), w[f"{layer_prefix(layer)}.self_attn.o_proj.weight"])  # [R, H]
     return [o[r:r + 1] for r in range(R)]
 
 

@@ -326,26 +326,7 @@ class Transformer:
         if a.attention_impl is not None:
             return a.attention_impl.forward(w, p, layer, x, start_pos, kv, cos, sin, mask)
         T = x.shape[0]
-        qkv = self._qkv.get(layer) if T == 1 and native.ready and x.dtype is torch.bfloat16 else None
-        if qkv is not None and w is self.w:  # one native call; its rows are q, k, v's own (same bits)
-            q, k, v = linear(x, qkv, self._qkv_bias.get(layer)).split(
-                [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], dim=1)
-        else:
-            q = linear(x, w[f"{p}.q_proj.weight"], w.get(f"{p}.q_proj.bias"))  # [T, Nq*D]
-            k = linear(x, w[f"{p}.k_proj.weight"], w.get(f"{p}.k_proj.bias"))  # [T, Nkv*D]
-            v = linear(x, w[f"{p}.v_proj.weight"], w.get(f"{p}.v_proj.bias"))
-        if a.clip_qkv is not None:
-            q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
-        if a.qk_norm == "full":
-            q = rms_norm(q, w[f"{p}.q_norm.weight"], a.rms_norm_eps)
-            k = rms_norm(k, w[f"{p}.k_norm.weight"], a.rms_norm_eps)
-        q = q.view(T, a.num_heads, a.head_dim).transpose(0, 1)  # [Nq, T, D]
-        k = k.view(T, a.num_kv_heads, a.head_dim).transpose(0, 1)  # [Nkv, T, D]
-        v = v.view(T, a.num_kv_heads, a.head_dim).transpose(0, 1)
-        if a.qk_norm == "head":
-            q = rms_norm(q, w[f"{p}.q_norm.weight"], a.rms_norm_eps)
-            k = rms_norm(k, w[f"{p}.k_norm.weight"], a.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._qkv_heads(layer, w, x, cos, sin, fused=T == 1)
         S = start_pos + T
         kv.k[layer][:, start_pos:S] = k
         kv.v[layer][:, start_pos:S] = v
@@ -355,6 +336,31 @@ class Transformer:
                                              attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads)
         out = out.squeeze(0).transpose(0, 1).reshape(T, a.num_heads * a.head_dim)  # [T, Nq*D]
         return linear(out, w[f"{p}.o_proj.weight"])
+
+    def _qkv_heads(self, layer, w, x, cos, sin, fused: bool, project=linear, norm=rms_norm):
+        """q [Nq, T, D], k and v [Nkv, T, D] of the normed x [T, H]: the projections (one call over
+        the fused q/k/v and their biases where `fused`), clipping, the q/k norms, rope. decode_rows
+        passes its row-independent `project` and `norm`, so each of its rows gets this path's bits."""
+        p, a = f"{layer_prefix(layer)}.self_attn", self.args
+        T = x.shape[0]
+        qkv = self._qkv.get(layer) if fused and native.ready and x.dtype is torch.bfloat16 else None
+        if qkv is not None and w is self.w:  # one native call; its rows are q, k, v's own (same bits)
+            q, k, v = project(x, qkv, self._qkv_bias.get(layer)).split(
+                [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], dim=1)
+        else:  # [T, Nq*D], [T, Nkv*D], [T, Nkv*D]
+            q, k, v = (project(x, w[f"{p}.{n}_proj.weight"], w.get(f"{p}.{n}_proj.bias")) for n in "qkv")
+        if a.clip_qkv is not None:
+            q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+        if a.qk_norm == "full":
+            q = norm(q, w[f"{p}.q_norm.weight"], a.rms_norm_eps)
+            k = norm(k, w[f"{p}.k_norm.weight"], a.rms_norm_eps)
+        q = q.reshape(T, a.num_heads, a.head_dim).transpose(0, 1)  # [Nq, T, D]
+        k = k.reshape(T, a.num_kv_heads, a.head_dim).transpose(0, 1)  # [Nkv, T, D]
+        v = v.reshape(T, a.num_kv_heads, a.head_dim).transpose(0, 1)
+        if a.qk_norm == "head":
+            q = norm(q, w[f"{p}.q_norm.weight"], a.rms_norm_eps)
+            k = norm(k, w[f"{p}.k_norm.weight"], a.rms_norm_eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _lookahead(self, layer: int, normed: torch.Tensor, residual: torch.Tensor) -> None:
         """Hint the store the experts the next prefetch_depth MoE layers will likely route residual [T, H] to."""
