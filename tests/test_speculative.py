@@ -407,6 +407,20 @@ def test_prompt_lookup_longest_recent_match():
     assert lookup.offer(2) == (2, "lookup-2") and lookup.propose(2).tokens == [8, 4]  # "4 4" seen at 0
 
 
+def test_prompt_lookup_prefers_a_recent_match_with_all_k_tokens_after_it():
+    """A copy in progress: the suffix "5 6" last occurred two tokens back, in the output itself,
+    where only one token follows; the copy's source, further back, has all four. Asked for one
+    token, the most recent occurrence is still the one (it has the one token after it)."""
+    source = [5, 6, 11, 12, 13, 14, 15]
+    seq = [1, 2, *source, 3, 5, 6, 9, 5, 6]
+    lookup = PromptLookup(seq)
+    assert lookup.offer(4) == (4, "lookup-2") and lookup.propose(4).tokens == [11, 12, 13, 14]
+    assert lookup.offer(1) == (1, "lookup-2") and lookup.propose(1).tokens == [9]
+    short = [7, 8, 7, 8, 7]  # "7 8 7" only too near the end for 3: the most recent, cut short
+    lookup = PromptLookup(short)
+    assert lookup.offer(3) == (2, "lookup-3") and lookup.propose(3).tokens == [8, 7]
+
+
 def test_prompt_lookup_on_repeated_text_accepts_nearly_all(tmp_path):
     """A prompt holding a text twice, verbatim, that the model goes on repeating: nearly every
     drafted token is accepted. The text is the model's own cycle: with layers that add little to

