@@ -338,6 +338,32 @@ def test_gate_counts_the_drafting_in_a_trial_and_backs_off_from_losing_trials():
     assert whys.index("explored") == 39  # 40 steps again, not 80
 
 
+def test_a_trial_accepted_whole_is_followed_at_once_by_a_deeper_one():
+    """A copy: the first trial's 2 drafts are accepted, so the next step tries 4. With a verify measured
+    at two sizes, its cost per row is the slope between them (0.25 plain steps here), not the line
+    through a plain step that charged the verify's fixed cost to every row (0.75): depth 8 pays and is
+    drafted. The old rule (trials of 2 only, 40 steps apart) found no depth worth drafting."""
+    gate = _gate(compute=0.001, stall=0.0, row_cost=1.0)
+    decisions = []
+    while not decisions or decisions[-1][1] != "explored":  # gated off until the first trial
+        decisions.append(gate.depth(8, "lookup-4", "lookup"))
+    assert decisions[-1] == (2, "explored") and {why for _, why in decisions[:-1]} == {"gated off"}
+    gate.observe(3, 0.0025, 0.0, 0)  # 3 rows: 2.5 plain steps
+    gate.observe_accept("lookup-4", 2, 2)
+    assert gate.depth(8, "lookup-4", "lookup") == (4, "explored")
+    gate.observe(5, 0.0030, 0.0, 0)  # 5 rows: 3 plain steps
+    gate.observe_accept("lookup-4", 4, 4)
+    k, why = gate.depth(8, "lookup-4", "lookup")
+    assert why == "drafted" and k >= 6
+    # a trial not accepted whole sends the next one back to EXPLORE_DEPTH
+    other = _gate(compute=0.001, stall=0.0, row_cost=1.0)
+    while other.depth(8, "lookup-4", "lookup")[1] != "explored":
+        pass
+    other.observe(3, 0.0025, 0.0, 0)
+    other.observe_accept("lookup-4", 1, 2)
+    assert other._trial_depth == spec_gate.EXPLORE_DEPTH and other.depth(8, "lookup-4", "lookup") == (0, "gated off")
+
+
 def test_gate_goes_idle_after_a_run_of_gated_off_decisions():
     """After OFF_RUN gated-off decisions in a row, the steps until the next trial are plain ones, the
     drafter not asked (idle_steps); a trial's outcome is decided on again before going idle."""

@@ -26,6 +26,10 @@ Gated-off steps count towards a trial of EXPLORE_DEPTH drafts after 16, 32, 64..
 sooner than its modelled cost (the verify and the drafting) is EXPLORE_SHARE of their time, then
 half that share, a quarter... (both bounds double with every trial, and start again once a draft
 pays), to notice that the text or the cache changed at a cost that fades while trials keep losing.
+A trial whose drafts were all accepted is followed at once by one twice as deep (up to the maximum
+depth, where the drafter offers that many): a verify's cost per row is then measured at two sizes,
+not extrapolated from one through a plain step, which charges a verify's fixed cost to every row
+and so rules out exactly the deep drafts that a copy (long runs, all accepted) pays for.
 Where no depth pays even at acceptance 1, or after OFF_RUN gated-off decisions in a row
 (idle_steps), the steps until the next trial are plain ones without asking the drafter:
 the speculative loop then costs what generate's own does, and the MTP layer is not run at all
@@ -160,6 +164,8 @@ class Gate:
         self._hopeless: bool | None = None  # no depth pays even at acceptance 1 (idle_steps)
         self._steps_since = 0
         self._off_run = 0  # gated-off decisions in a row (idle_steps after OFF_RUN)
+        self._trial_depth = EXPLORE_DEPTH  # the next trial's depth (deeper after a trial accepted whole)
+        self._trial: tuple[str, int] | None = None  # (source, depth) of the step decided as a trial, until observed
 
     def acceptance(self, source: str) -> float:
         a, r = self.accept.get(source, (0.0, 0.0))
@@ -226,11 +232,13 @@ class Gate:
             return best, "drafted"
         self._skipped += 1
         # try once more: the text or the cache may have changed
-        if self._skipped >= self._explore_wait(min(available, EXPLORE_DEPTH), drafter):
+        depth = min(available, self._trial_depth)
+        if self._skipped >= self._explore_wait(depth, drafter):
             self._skipped = 0
             self._explore_at *= 2
             self._off_run = 0  # what the trial measured is decided on before the steps go plain again
-            return min(available, EXPLORE_DEPTH), "explored"  # its acceptance and its cost, measured
+            self._trial = (source, depth)
+            return depth, "explored"  # its acceptance and its cost, measured
         self._off_run += 1
         return 0, "gated off"
 
@@ -246,7 +254,7 @@ class Gate:
                                  for k in range(1, self.max_depth + 1))
         if not self._hopeless and self._off_run < OFF_RUN:
             return 0
-        return max(self._explore_wait(min(self.max_depth, EXPLORE_DEPTH)) - self._skipped - 1, 0)
+        return max(self._explore_wait(min(self.max_depth, self._trial_depth)) - self._skipped - 1, 0)
 
     def _explore_wait(self, depth: int, drafter: str | None = None) -> int:
         """Gated-off steps before a trial of `depth`: the doubling interval, and at least enough plain
@@ -287,6 +295,14 @@ class Gate:
             self.draft_s.setdefault(drafter, _Running()).add(seconds / tokens)
 
     def observe_accept(self, source: str, accepted: int, tested: int) -> None:
+        trial, self._trial = self._trial, None
+        if trial is not None and trial[0] == source:
+            if accepted == trial[1]:  # all accepted: the next trial deeper, and at once if it can be
+                self._trial_depth = min(2 * trial[1], self.max_depth)
+                if trial[1] < self._trial_depth:
+                    self._skipped = self._explore_wait(self._trial_depth)  # (the back-off doubled it already)
+            else:
+                self._trial_depth = EXPLORE_DEPTH
         for key in [k for k in self._decided if k[1] == source]:  # its acceptance moved: decide again
             del self._decided[key]
         counts = self.accept.setdefault(source, [0.0, 0.0])
