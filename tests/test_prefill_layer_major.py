@@ -207,6 +207,30 @@ def _plan(model_dir, **config):  # noqa: F811
                            torch.float32, overhead_bytes=100 * MiB)
 
 
+def test_drafting_leaves_a_prompts_group_as_it_is(model_dir):  # noqa: F811
+    """A prompt's bits depend on its group (its matmuls' row counts), so the group must not move when
+    drafting is turned on, or drafted greedy tokens would differ from plain ones: drafting's bytes
+    come out of the expert cache wherever they fit beside the group. (They took from the group's room
+    first, which made a depth-8 lookup engine prefill in groups of 64 where the plain one used 128.)"""
+    compared = 0
+    for budget in range(110, 400, 6):
+        common = dict(ctx_size=4096, ram_budget=budget * MiB)
+        try:
+            _, off = _plan(model_dir, **common)
+            _, on = _plan(model_dir, **common, draft="fixed", draft_depth=8, drafter="lookup")
+        except BudgetError:
+            continue
+        assert on.draft_bytes > 0
+        room = off.budget - (off.dense_bytes + off.kv_bytes + off.buffer_bytes + off.overhead_bytes
+                             + off.prefill_bytes + off.prefix_cache_bytes)  # what the plain plan leaves the cache
+        if room >= on.draft_bytes:  # drafting fits beside the plain plan's group: the same group
+            assert on.prefill_group == off.prefill_group and on.cache_bytes <= off.cache_bytes, budget
+            compared += 1
+        else:  # it does not: only then a smaller group
+            assert on.prefill_group < off.prefill_group, budget
+    assert compared >= 10
+
+
 def test_the_plan_charges_the_groups_activations(model_dir):  # noqa: F811
     """The charge is the group's state (the hidden state, the routed sum, the routing; no routed
     slot's output) plus one sub-chunk's transients; it grows with the group."""

@@ -336,11 +336,18 @@ def _fixed_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, kv_d
     (`weights` and `buffers` as (label, bytes): what each plan calls them)."""
     budget = config.ram_budget
     (weights_label, weight_bytes), (buffers_label, buffer_bytes) = weights, buffers
-    left = budget - (weight_bytes + kv + buffer_bytes + overhead + transients + prefix + drafting)
-    group = prefill_group_for(args, config, dtype, left, kv_dtype)
-    held = prefill_norm_held(args, group, dtype, config.ctx_size, left)
-    prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype, held)
-    fixed = weight_bytes + kv + buffer_bytes + overhead + prefill + prefix + drafting
+    left = budget - (weight_bytes + kv + buffer_bytes + overhead + transients + prefix)
+    # The group is chosen as if drafting were off, and drafting's bytes come out of what follows (the
+    # expert cache, whose size changes no bit): a prompt's bits depend on its group (its matmuls' row
+    # counts), so decoding with drafts gives exactly the tokens decoding without them gives. Only where
+    # drafting would not fit beside that group is the group chosen with drafting's bytes taken first.
+    for room in (left, left - drafting) if drafting else (left,):
+        group = prefill_group_for(args, config, dtype, room, kv_dtype)
+        held = prefill_norm_held(args, group, dtype, config.ctx_size, room)
+        prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype, held)
+        fixed = weight_bytes + kv + buffer_bytes + overhead + prefill + prefix + drafting
+        if fixed <= budget:
+            break
     if fixed > budget:
         raise BudgetError(
             f"memory budget {format_size(budget)} is too small: {weights_label} {format_size(weight_bytes)} + KV "
