@@ -89,7 +89,8 @@ class MemoryPlan:
     prefill_norm_held: bool = False  # the group holds the MoE's normed input (prefill_norm_held)
     # The RAM prefix cache (EngineConfig.prefix_cache): the KV blocks of recent sequences.
     prefix_cache_bytes: int = 0
-    # Speculative decoding (EngineConfig.draft): the verify's rows and the drafter (draft_bytes).
+    # Speculative decoding (EngineConfig.draft): the drafter's index, weights and cache, and what a
+    # verify's rows need beyond the prompt group's charge (draft_bytes: a verify never runs beside a group).
     draft_bytes: int = 0
 
     @property
@@ -255,17 +256,20 @@ def _transient_parts(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size:
 LOOKUP_BYTES_PER_TOKEN = 4 * 200
 
 
-def draft_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, mtp_bytes: int = 0) -> int:
-    """What speculative decoding adds (EngineConfig.draft on): a verify of draft_depth + 1 rows (their
-    transients as a prefill sub-chunk of that many tokens, and per row the fp32 logits, their shaped
-    copy and the sampler's probabilities), the prompt-lookup index over the context, and the
-    drafter's own weights and cache (`mtp_bytes`: the checkpoint's MTP layer)."""
+def draft_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, mtp_bytes: int = 0) -> tuple[int, int]:
+    """What speculative decoding adds (EngineConfig.draft on), as (held, verify): held for the engine's
+    life, the prompt-lookup index over the context and the drafter's own weights and cache (`mtp_bytes`:
+    the checkpoint's MTP layer); verify, live only while a verify runs, its draft_depth + 1 rows'
+    transients (as a prefill sub-chunk of that many tokens) and per row the fp32 logits, their shaped
+    copy and the sampler's probabilities. A verify never runs beside a prompt's group, so the plan
+    charges only what it needs beyond the group's charge (_fixed_bytes)."""
     if config.draft == "off":
-        return 0
+        return 0, 0
     rows = config.draft_depth + 1
     # The native matmul caches are charged once, with the prefill (prefill_activation_bytes).
-    return (prefill_activation_bytes(args, rows, dtype, config.ctx_size) - NATIVE_CACHE_BYTES
-            + 3 * rows * 4 * args.vocab_size + LOOKUP_BYTES_PER_TOKEN * config.ctx_size + mtp_bytes)
+    verify = (prefill_activation_bytes(args, rows, dtype, config.ctx_size) - NATIVE_CACHE_BYTES
+              + 3 * rows * 4 * args.vocab_size)
+    return LOOKUP_BYTES_PER_TOKEN * config.ctx_size + mtp_bytes, verify
 
 
 def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, dtype: torch.dtype,
@@ -306,14 +310,13 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
         return _dense_plan(ckpt, args, config, dtype, kv, overhead_bytes, transients, prefix, drafting, kv_dtype)
     if budget <= 0 or routed == 0:
         group = prefill_group_for(args, config, dtype, None, kv_dtype)
+        prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype, True)
         return MemoryPlan(budget, False, dense, kv, 0, overhead_bytes, routed * expert, 0, expert, disk_expert,
-                          routed, inflight,
-                          prefill_bytes=prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype, True),
-                          prefill_group=group, prefill_norm_held=True, prefix_cache_bytes=prefix,
-                          draft_bytes=drafting)
-    group, held, prefill, fixed = _fixed_bytes(args, config, dtype, kv_dtype, ("dense weights", dense), kv,
-                                         ("read buffers", buffers), overhead_bytes, transients, prefix, drafting,
-                                         after=" before any expert cache")
+                          routed, inflight, prefill_bytes=prefill, prefill_group=group, prefill_norm_held=True,
+                          prefix_cache_bytes=prefix, draft_bytes=drafting[0] + max(0, drafting[1] - prefill))
+    group, held, prefill, fixed, charged = _fixed_bytes(args, config, dtype, kv_dtype, ("dense weights", dense), kv,
+                                                 ("read buffers", buffers), overhead_bytes, transients, prefix,
+                                                 drafting, after=" before any expert cache")
     # Whole entries only, so the cache's byte capacity is exactly its slots.
     cache = min(int((budget - fixed) * config.cpu_cache_ratio) // entry, routed) * entry
     gpu_cache = 0
@@ -324,13 +327,14 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
     return MemoryPlan(budget, True, dense, kv, buffers, overhead_bytes, cache, gpu_cache, expert, disk_expert,
                       routed, inflight, slot_bytes=slot, arena_slots=arena, cache_entry_bytes=entry,
                       prefill_bytes=prefill, prefill_group=group, prefill_norm_held=held, prefix_cache_bytes=prefix,
-                      draft_bytes=drafting)
+                      draft_bytes=charged)
 
 
 def _fixed_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, kv_dtype, weights: tuple[str, int],
-                 kv: int, buffers: tuple[str, int], overhead: int, transients: int, prefix: int, drafting: int,
-                 after: str = "") -> tuple[int, bool, int, int]:
-    """(prefill group, whether it holds the norm, its activations' bytes, the fixed bytes) of a plan:
+                 kv: int, buffers: tuple[str, int], overhead: int, transients: int, prefix: int,
+                 drafting: tuple[int, int], after: str = "") -> tuple[int, bool, int, int, int]:
+    """(prefill group, whether it holds the norm, its activations' bytes, the fixed bytes, drafting's
+    charge: draft_bytes' held part and what a verify needs beyond the group's charge) of a plan:
     everything the budget holds before a cache (the MoE plan's experts, the dense plan's resident layers), the group the largest
     whose activations fit beside the rest. A budget below it is one BudgetError naming each part
     (`weights` and `buffers` as (label, bytes): what each plan calls them)."""
@@ -341,11 +345,13 @@ def _fixed_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, kv_d
     # expert cache, whose size changes no bit): a prompt's bits depend on its group (its matmuls' row
     # counts), so decoding with drafts gives exactly the tokens decoding without them gives. Only where
     # drafting would not fit beside that group is the group chosen with drafting's bytes taken first.
-    for room in (left, left - drafting) if drafting else (left,):
+    draft_held, draft_verify = drafting
+    for room in (left, left - draft_held - draft_verify) if draft_held or draft_verify else (left,):
         group = prefill_group_for(args, config, dtype, room, kv_dtype)
         held = prefill_norm_held(args, group, dtype, config.ctx_size, room)
         prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype, held)
-        fixed = weight_bytes + kv + buffer_bytes + overhead + prefill + prefix + drafting
+        charged = draft_held + max(0, draft_verify - prefill)  # a verify runs after the prompt, not beside it
+        fixed = weight_bytes + kv + buffer_bytes + overhead + prefill + prefix + charged
         if fixed <= budget:
             break
     if fixed > budget:
@@ -353,8 +359,8 @@ def _fixed_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, kv_d
             f"memory budget {format_size(budget)} is too small: {weights_label} {format_size(weight_bytes)} + KV "
             f"cache at ctx_size {config.ctx_size} {format_size(kv)} + {buffers_label} {format_size(buffer_bytes)} + "
             f"runtime {format_size(overhead)} + prefill activations ({group}-token groups) {format_size(prefill)} + "
-            f"prefix cache {format_size(prefix)} + drafting {format_size(drafting)} = {format_size(fixed)}{after}")
-    return group, held, prefill, fixed
+            f"prefix cache {format_size(prefix)} + drafting {format_size(charged)} = {format_size(fixed)}{after}")
+    return group, held, prefill, fixed, charged
 
 
 # (id(ckpt), id(args), quant, dtype) → (ckpt, args, bytes): the cost model plans thousands of
@@ -398,15 +404,15 @@ def _dense_plan(ckpt, args, config, dtype, kv, overhead, transients, prefix, dra
     # In flight: the layer being computed and `prefetch_depth` ahead, each as read + converted.
     buffers = (1 + config.prefetch_depth) * (layer_disk + ALIGN_SLACK + (layer_bytes if layer_bytes != layer_disk else 0))
     budget = config.ram_budget
-    group, held, prefill, fixed = _fixed_bytes(args, config, dtype, kv_dtype,
-                                               ("dense weights outside the layers", base), kv,
-                                               ("read buffers (layer streaming)", buffers), overhead, transients,
-                                               prefix, drafting)
+    group, held, prefill, fixed, charged = _fixed_bytes(args, config, dtype, kv_dtype,
+                                                        ("dense weights outside the layers", base), kv,
+                                                        ("read buffers (layer streaming)", buffers), overhead,
+                                                        transients, prefix, drafting)
     resident = min(args.num_layers, int((budget - fixed) * config.cpu_cache_ratio) // max(layer_bytes, 1))
     return MemoryPlan(budget, resident < args.num_layers, base + resident * layer_bytes, kv,
                       buffers if resident < args.num_layers else 0, overhead, 0, 0, 0, 0, 0, 0,
                       resident_layers=resident, layer_bytes=layer_bytes, prefill_bytes=prefill, prefill_group=group,
-                      prefill_norm_held=held, prefix_cache_bytes=prefix, draft_bytes=drafting)
+                      prefill_norm_held=held, prefix_cache_bytes=prefix, draft_bytes=charged)
 
 
 def _count(ckpt: Checkpoint, name: str) -> int:
