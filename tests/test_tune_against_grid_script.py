@@ -40,5 +40,9 @@ def _result(nbytes=1000.0):
 def test_a_rerun_is_the_same_measurement_only_with_the_same_prompts_tokens_and_bytes():
     same = {"workload_sha256": "sha256:w", "output_sha256": "sha256:o", "bytes_read_per_token": 1000.0}
     assert tag.same_measure(_result(), [same, same]).startswith("yes")
-    for key, other in (("workload_sha256", "sha256:x"), ("output_sha256", "sha256:x"), ("bytes_read_per_token", 999.0)):
+    for key, other in (("workload_sha256", "sha256:x"), ("output_sha256", "sha256:x"), ("bytes_read_per_token", 900.0),
+                       ("bytes_read_per_token", None)):
         assert tag.same_measure(_result(), [same, {**same, key: other}]).startswith("NO"), key
+    # lookahead's reads move the bytes a little with timing: within the tolerance, and said
+    near = tag.same_measure(_result(), [same, {**same, "bytes_read_per_token": 1004.0}])
+    assert near.startswith("yes") and "within 0.40%" in near
