@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from engine import native
-    from engine.arch.router import fp32_logits
+    from engine.api.lab import fp32_logits, native
     why = native.load()
     if why is not None:
         return refuse(TOOL, f"the native kernels are not loaded: {why}")

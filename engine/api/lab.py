@@ -12,6 +12,7 @@ _HOMES = {
     "engine.weights": "fp8",
     "engine.arch.layers": "native_quant_operands rms_norm route",
     "engine.arch.rope": "apply_rope rope_cos_sin rope_inv_freq",
+    "engine.arch.router": "fp32_logits",
     "engine.weights.mxfp4": "mxfp4_dequantize mxfp4_quantize",
     "engine.format.container": "FORMAT_NAME FORMAT_VERSION",
     "engine.format.gguf.dequant": "dequantize",
