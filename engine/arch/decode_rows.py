@@ -112,14 +112,13 @@ def _layer_rows(model, x: torch.Tensor, positions: list[int], kvs: list, ropes: 
         w = model._layer_weights(layer)  # once for every row (layer streaming reads it here)
         native_rows = _native_attention(model, layer, w, rows, ropes, masks, plans, positions)
         batch = [b for b in together if b not in native_rows]
-        if len(batch) > 1:
+        batch = batch if len(batch) > 1 else []  # one row alone: model._attention, as its solo step
+        if batch:
             normed = _rows_norm(torch.cat([rows[b] for b in batch]), w[f"{p}.input_layernorm.weight"], a.rms_norm_eps)
             outs = _attention_rows(model, layer, w, normed, [positions[b] for b in batch], [kvs[b] for b in batch],
                                    [ropes[b] for b in batch], [masks[b] for b in batch])
             for b, out in zip(batch, outs):
                 rows[b] = rows[b] + out
-        else:
-            batch = []
         for b in range(B):  # the others: each row its own cache and position, in row order
             if b in native_rows or b in batch:
                 continue
@@ -136,7 +135,7 @@ def _layer_rows(model, x: torch.Tensor, positions: list[int], kvs: list, ropes: 
         model._lookahead(layer, normed, h)
         if a.is_moe_layer(layer):
             routed = torch.cat(_routed(model, layer, w, [normed[b:b + 1] for b in range(B)]))  # [B, H]
-            h = h + _plus_shared_rows(model, layer, w, normed, routed)
+            h = h + model._plus_shared(layer, w, normed, routed, mlp=_swiglu_rows, gate=_shared_gate_rows)
         else:
             h = h + _swiglu_rows(normed, *(w[f"{p}.mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
         rows = [h[b:b + 1] for b in range(B)]
@@ -198,20 +197,10 @@ def _per_row(fn, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([fn(x[b:b + 1]) for b in range(x.shape[0])])
 
 
-def _plus_shared_rows(model, layer: int, w: dict, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """model._plus_shared on the rows: out [B, H] (the routed sums) plus the shared experts of the
-    normed x [B, H], each row the bits the solo path gives it."""
-    p, a = layer_prefix(layer), model.args
-    if a.shared_experts_intermediate_size:
-        out = out + _swiglu_rows(x, *(w[f"{p}.mlp.shared_experts.{n}.weight"] for n in ("gate_proj", "up_proj",
-                                                                                           "down_proj")))
-    if a.shared_expert_intermediate_size:
-        shared = _swiglu_rows(x, *(w[f"{p}.mlp.shared_expert.{n}.weight"] for n in ("gate_proj", "up_proj",
-                                                                                      "down_proj")))
-        gate_w = w[f"{p}.mlp.shared_expert_gate.weight"]  # F.linear per row, as the solo path calls it
-        gate = torch.cat([torch.sigmoid(F.linear(x[b:b + 1], gate_w)) for b in range(x.shape[0])])
-        out = out + gate * shared
-    return out
+def _shared_gate_rows(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
+    """qwen2_moe's shared-expert gate on each row alone: F.linear as the solo path calls it, and the
+    sigmoid (a transcendental op: _per_row)."""
+    return torch.cat([torch.sigmoid(F.linear(x[b:b + 1], gate_w)) for b in range(x.shape[0])])
 
 
 def _check_rows(positions: list[int], kvs: list) -> None:

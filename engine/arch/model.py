@@ -394,15 +394,16 @@ class Transformer:
             out = moe.routed_prefill(self.experts, self.expert_fn, layer, x, ids, weights)
         return self._plus_shared(layer, w, x, out)
 
-    def _plus_shared(self, layer: int, w: dict, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _plus_shared(self, layer: int, w: dict, x: torch.Tensor, out: torch.Tensor, mlp=swiglu,
+                     gate=None) -> torch.Tensor:
         """out (the routed experts' sum for the normed x [T, H]) plus the shared experts of x, where
-        the architecture has them (a layer-major prefill adds them per sub-chunk: rows are independent)."""
+        the architecture has them (a layer-major prefill adds them per sub-chunk: rows are independent).
+        decode_rows passes its row-independent `mlp` and `gate` (x, gate weight) → sigmoid gate [T, 1]."""
         p, a = layer_prefix(layer), self.args
         if a.shared_experts_intermediate_size:  # deepseek-style: resident, always on, no gate
-            out = out + swiglu(x, *(w[f"{p}.mlp.shared_experts.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj")))
+            out = out + mlp(x, *(w[f"{p}.mlp.shared_experts.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj")))
         if a.shared_expert_intermediate_size:
-            shared = swiglu(x, w[f"{p}.mlp.shared_expert.gate_proj.weight"],
-                            w[f"{p}.mlp.shared_expert.up_proj.weight"],
-                            w[f"{p}.mlp.shared_expert.down_proj.weight"])
-            out = out + torch.sigmoid(F.linear(x, w[f"{p}.mlp.shared_expert_gate.weight"])) * shared
+            shared = mlp(x, *(w[f"{p}.mlp.shared_expert.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj")))
+            gate_w = w[f"{p}.mlp.shared_expert_gate.weight"]
+            out = out + (torch.sigmoid(F.linear(x, gate_w)) if gate is None else gate(x, gate_w)) * shared
         return out

@@ -313,7 +313,7 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
         prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype, True)
         return MemoryPlan(budget, False, dense, kv, 0, overhead_bytes, routed * expert, 0, expert, disk_expert,
                           routed, inflight, prefill_bytes=prefill, prefill_group=group, prefill_norm_held=True,
-                          prefix_cache_bytes=prefix, draft_bytes=drafting[0] + max(0, drafting[1] - prefill))
+                          prefix_cache_bytes=prefix, draft_bytes=_draft_charge(drafting, prefill))
     group, held, prefill, fixed, charged = _fixed_bytes(args, config, dtype, kv_dtype, ("dense weights", dense), kv,
                                                  ("read buffers", buffers), overhead_bytes, transients, prefix,
                                                  drafting, after=" before any expert cache")
@@ -328,6 +328,13 @@ def make_plan(ckpt: Checkpoint, args: ModelArgs, layout, config: EngineConfig, d
                       routed, inflight, slot_bytes=slot, arena_slots=arena, cache_entry_bytes=entry,
                       prefill_bytes=prefill, prefill_group=group, prefill_norm_held=held, prefix_cache_bytes=prefix,
                       draft_bytes=charged)
+
+
+def _draft_charge(drafting: tuple[int, int], prefill: int) -> int:
+    """What the plan charges for draft_bytes' (held, verify) beside a prompt group's charge `prefill`:
+    a verify runs after the prompt, not beside it, so only what it needs beyond the group's bytes."""
+    held, verify = drafting
+    return held + max(0, verify - prefill)
 
 
 def _fixed_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, kv_dtype, weights: tuple[str, int],
@@ -345,12 +352,11 @@ def _fixed_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, kv_d
     # expert cache, whose size changes no bit): a prompt's bits depend on its group (its matmuls' row
     # counts), so decoding with drafts gives exactly the tokens decoding without them gives. Only where
     # drafting would not fit beside that group is the group chosen with drafting's bytes taken first.
-    draft_held, draft_verify = drafting
-    for room in (left, left - draft_held - draft_verify) if draft_held or draft_verify else (left,):
+    for room in (left, left - sum(drafting)) if any(drafting) else (left,):
         group = prefill_group_for(args, config, dtype, room, kv_dtype)
         held = prefill_norm_held(args, group, dtype, config.ctx_size, room)
         prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype, held)
-        charged = draft_held + max(0, draft_verify - prefill)  # a verify runs after the prompt, not beside it
+        charged = _draft_charge(drafting, prefill)
         fixed = weight_bytes + kv + buffer_bytes + overhead + prefill + prefix + charged
         if fixed <= budget:
             break
