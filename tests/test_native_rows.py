@@ -116,6 +116,50 @@ def test_fp32_router_logits_match_torch_and_each_row_is_its_own(N, K):
         native.linear_f32(x.bfloat16(), w)
 
 
+@pytest.mark.parametrize("E,G,TG,K,norm", [(16, 1, 1, 4, True), (64, 8, 4, 6, True), (32, 4, 2, 8, False)])
+def test_sigmoid_group_router_rows_are_their_own_and_match_torchs_rule(E, G, TG, K, norm):
+    """The sigmoid-group rule in one native call (deepseek_v3, glm4_moe: a verify's or a batched step's
+    rows): row m of a 9-row call is the call with that row alone, bit for bit; and the rule is the
+    torch one's (the same experts where no two choices sit within rounding, the weights to bf16)."""
+    from engine.arch.router import SigmoidGroupRouter
+    H = 96
+    w = rand_bf16(E, H, seed=E, scale=0.2)
+    bias = torch.randn(E, generator=torch.Generator().manual_seed(G)) * 0.05
+    x = rand_bf16(9, H, seed=K, scale=1.0)
+    router = SigmoidGroupRouter(E, K, G, TG, norm, 2.5)
+    weights = {"l.mlp.gate.weight": w, "l.mlp.gate.e_score_correction_bias": bias}
+    ids, got = native.route_sigmoid_group(x, w, bias, K, G, TG, norm, 2.5)
+    assert ids.shape == (9, K) and ids.dtype == torch.int64 and got.dtype == torch.bfloat16
+    for m in range(9):
+        one = native.route_sigmoid_group(x[m:m + 1], w, bias, K, G, TG, norm, 2.5)
+        assert torch.equal(one[0][0], ids[m]) and torch.equal(one[1][0], got[m]), m
+    assert all(torch.equal(a, b) for a, b in zip(router.route(weights, "l", x), (ids, got)))  # the router takes it
+    # torch's rule, as SigmoidGroupRouter computes it for a prompt's group (more rows than the kernel takes)
+    scores = F.linear(x.float(), w.float()).sigmoid()
+    choice = scores + bias
+    group = choice.view(9, G, E // G).topk(2, dim=-1)[0].sum(-1)
+    keep = torch.zeros(9, G).scatter_(1, group.topk(TG, dim=-1)[1], 1.0).repeat_interleave(E // G, dim=1)
+    ref_ids = choice.masked_fill(keep == 0, float("-inf")).topk(K, dim=-1)[1]
+    ref_w = scores.gather(1, ref_ids)
+    ref_w = (ref_w / (ref_w.sum(-1, keepdim=True) + 1e-20) if norm else ref_w) * 2.5
+    assert torch.equal(ids.sort(dim=1)[0], ref_ids.sort(dim=1)[0])
+    order, ref_order = ids.argsort(dim=1), ref_ids.argsort(dim=1)
+    assert torch.allclose(got.gather(1, order).float(), ref_w.gather(1, ref_order), rtol=2 ** -7, atol=1e-6)
+
+
+def test_route_topk_and_combine_take_rows_each_its_own():
+    """Softmax routing of T rows and the weighted sum of B rows' K outputs: each row the one-row call's bits."""
+    x, w = rand_bf16(7, 64, seed=1), rand_bf16(24, 64, seed=2)
+    ids, weights = native.route_topk(x, w, 4, True)
+    ys = rand_bf16(7 * 4, 80, seed=3)
+    y = native.combine(ys, weights)
+    assert ids.shape == weights.shape == (7, 4) and y.shape == (7, 80)
+    for t in range(7):
+        one_ids, one_w = native.route_topk(x[t:t + 1], w, 4, True)
+        assert torch.equal(one_ids[0], ids[t]) and torch.equal(one_w[0], weights[t]), t
+        assert torch.equal(native.combine(ys[4 * t:4 * t + 4], weights[t])[0], y[t]), t
+
+
 # --- int8 / int4 -------------------------------------------------------------------------------------
 
 def _quant_weight(w: torch.Tensor, quant: str, group: int, dtype: torch.dtype) -> QuantWeight:

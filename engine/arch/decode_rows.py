@@ -43,7 +43,7 @@ from engine import native
 from engine.arch import attention_quant, decode_plan
 from engine.arch.args import layer_prefix
 from engine.arch.layers import KVCache, native_quant_operands, rms_norm, rms_norm_rows, route_layer, swiglu_expert
-from engine.arch.router import trim_operands
+from engine.arch.router import SigmoidGroupRouter, native_rows, trim_operands
 from engine.weights.stored import linear
 
 
@@ -134,7 +134,7 @@ def _layer_rows(model, x: torch.Tensor, positions: list[int], kvs: list, ropes: 
         normed = _rows_norm(h, w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)  # [B, H]
         model._lookahead(layer, normed, h)
         if a.is_moe_layer(layer):
-            routed = torch.cat(_routed(model, layer, w, [normed[b:b + 1] for b in range(B)]))  # [B, H]
+            routed = _routed(model, layer, w, normed)  # [B, H]
             h = h + model._plus_shared(layer, w, normed, routed, mlp=_swiglu_rows, gate=_shared_gate_rows)
         else:
             h = h + _swiglu_rows(normed, *(w[f"{p}.mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
@@ -214,48 +214,78 @@ def _check_rows(positions: list[int], kvs: list) -> None:
         last[id(kv)] = (b, pos)
 
 
-def _routed(model, layer: int, w: dict, normed: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each row's routed-expert sum [1, H] (moe.routed_decode's bits), every expert of the union of
-    the rows' routes fetched from the store once and applied to all its rows."""
-    a = model.args
-    routes = [route_layer(a, w, layer, n, model.routing_trim) for n in normed]  # ([1, K] ids, [1, K] weights)
-    if model.routing_log is not None:
-        model.routing_log[layer].append(torch.cat([ids for ids, _ in routes]))
-    # Per row, its experts ascending and their weights in that order (routed_decode's order).
-    wanted = []
-    for ids, weights in routes:
-        sorted_ids, order = torch.sort(ids[0])
-        wanted.append((sorted_ids.tolist(), weights[0, order]))
-    slots: dict[int, list[tuple[int, int]]] = {}  # expert → [(row, index in that row's sorted list)]
-    for b, (experts, _) in enumerate(wanted):
+def _routed(model, layer: int, w: dict, normed: torch.Tensor) -> torch.Tensor:
+    """The rows' routed-expert sums [B, H] (each row moe.routed_decode's bits), every expert of the
+    union of the rows' routes fetched from the store once and applied to all its rows."""
+    B = normed.shape[0]
+    routes = _route_rows(model, layer, w, normed)  # ids [B, K] ascending per row, their weights [B, K]
+    if routes is not None:
+        wanted = routes[0].tolist()
+        weights = routes[1]
+    else:  # one row at a time (a trim drops a row's skipped slots; a router without a rows kernel)
+        wanted, weights = [], []
+        for b in range(B):
+            ids, row_weights = route_layer(model.args, w, layer, normed[b:b + 1], model.routing_trim)
+            sorted_ids, order = torch.sort(ids[0])
+            wanted.append(sorted_ids.tolist())
+            weights.append(row_weights[0, order])
+    if model.routing_log is not None:  # (counted, not ordered: Engine.save_routing)
+        model.routing_log[layer].extend(torch.tensor([ids], dtype=torch.long) for ids in wanted)
+    slots: dict[int, list[tuple[int, int]]] = {}  # expert → [(row, index in that row's ascending list)]
+    for b, experts in enumerate(wanted):
         for j, e in enumerate(experts):
             slots.setdefault(e, []).append((b, j))
-    outs = [[None] * len(experts) for experts, _ in wanted]
     union = sorted(slots)
-    x = torch.cat(normed)  # [B, H]: the rows the multi-row kernels read
-    held = model.experts.resident(layer, union) if _rows_kernel_applies(model, x) else None
-    ys = _experts_rows(x, held, [slots[e] for e in union]) if held is not None else None
-    if ys is not None:  # every expert in RAM: one native call for the layer, each expert's weights read once
-        at = 0
-        for e in union:
-            for b, j in slots[e]:
-                outs[b][j] = ys[at:at + 1]
-                at += 1
-    else:
+    order = [(b, j) for e in union for b, j in slots[e]]  # the slots in the order the experts are applied
+    held = model.experts.resident(layer, union) if _rows_kernel_applies(model, normed) else None
+    ys = _experts_rows(normed, held, [slots[e] for e in union]) if held is not None else None
+    if ys is None:  # the experts as they land (streamed), or one-row calls where no rows kernel applies
+        outs: dict[tuple[int, int], torch.Tensor] = {}
+
         def run(e, expert_weights):  # as each expert's weights land
-            got = _experts_rows(x, [expert_weights], [slots[e]]) if _rows_kernel_applies(model, x) else None
+            got = _experts_rows(normed, [expert_weights], [slots[e]]) if _rows_kernel_applies(model, normed) else None
             for i, (b, j) in enumerate(slots[e]):  # else the solo path's one-row call per row
-                outs[b][j] = got[i:i + 1] if got is not None else model.expert_fn(normed[b], expert_weights)
+                outs[b, j] = got[i:i + 1] if got is not None else model.expert_fn(normed[b:b + 1], expert_weights)
 
         model.experts.for_each_expert(layer, union, run)
-    result = []
-    for (experts, chosen), ys in zip(wanted, outs):
-        ys = torch.cat(ys)  # [K, H], ascending expert id
-        if native.ready and ys.dtype is torch.bfloat16 and chosen.dtype is torch.bfloat16:
-            result.append(native.combine(ys, chosen))
+        ys = torch.cat([outs[slot] for slot in order])
+    # each row's K outputs in ascending expert order (routed_decode's order), then summed per row
+    at = {slot: i for i, slot in enumerate(order)}
+    per_row = [[at[b, j] for j in range(len(experts))] for b, experts in enumerate(wanted)]
+    if routes is not None and native.ready and ys.dtype is torch.bfloat16 and weights.dtype is torch.bfloat16:
+        return native.combine(ys.index_select(0, torch.tensor([i for row in per_row for i in row])), weights)
+    out = []
+    for b, row in enumerate(per_row):
+        chosen = weights[b]
+        row_ys = ys.index_select(0, torch.tensor(row))  # [K, H], ascending expert id
+        if native.ready and row_ys.dtype is torch.bfloat16 and chosen.dtype is torch.bfloat16:
+            out.append(native.combine(row_ys, chosen))
         else:
-            result.append(torch.mm(chosen[None], ys))
-    return result
+            out.append(torch.mm(chosen[None], row_ys))
+    return torch.cat(out)
+
+
+def _route_rows(model, layer: int, w: dict, normed: torch.Tensor):
+    """Every row's route in one call where a router kernel gives each row its one-row bits: (ids [B, K]
+    ascending per row, their weights [B, K]); else None (no trim: a trim drops a lone row's skipped
+    slots, which a [B, K] result cannot)."""
+    a = model.args
+    if model.routing_trim is not None:
+        return None
+    if type(a.router) is SigmoidGroupRouter:
+        weight = w[f"{layer_prefix(layer)}.{a.router.prefix}.weight"]
+        if not native_rows(normed, weight):
+            return None
+        ids, weights = a.router.route(w, layer_prefix(layer), normed)
+    elif a.router is None:
+        weight = w[f"{layer_prefix(layer)}.{a.moe_prefix}.gate.weight"]
+        if not native_rows(normed, weight):
+            return None
+        ids, weights = native.route_topk(normed, weight, a.top_k, bool(a.norm_topk_prob))
+    else:
+        return None
+    ids, order = torch.sort(ids, dim=1)
+    return ids, weights.gather(1, order)
 
 
 def _native_attention(model, layer: int, w: dict, rows: list, ropes: list, masks: list, plans: list,

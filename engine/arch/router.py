@@ -50,6 +50,9 @@ class SigmoidGroupRouter(_TwoTensorRouter):
 
     def route(self, w: dict, layer_prefix: str, x: torch.Tensor):
         weight, bias = self.tensors(w, layer_prefix)
+        if native_rows(x, weight):  # decode, a verify, a batched step: one call, each row by itself
+            return native.route_sigmoid_group(x, weight, bias, self.top_k, self.n_group, self.topk_group,
+                                              bool(self.norm_topk_prob), float(self.routed_scaling_factor))
         # Router math in fp32 whatever the compute dtype, as the reference does: with 256
         # experts, bf16 logits would tie and reorder the selection.
         scores = fp32_logits(x, weight).sigmoid()  # [T, E]
@@ -70,6 +73,13 @@ class SigmoidGroupRouter(_TwoTensorRouter):
 # Up to this many tokens the fp32 logits come from the native kernel (decode, a verify, a batched
 # step); a prompt's group takes torch's fp32 matmul, whose one weight conversion is shared by its tokens.
 NATIVE_ROUTER_ROWS = 64
+
+
+def native_rows(x: torch.Tensor, weight) -> bool:
+    """Whether x's rows (bf16, at most NATIVE_ROUTER_ROWS) route through a native router kernel."""
+    return (native.ready and x.shape[0] <= NATIVE_ROUTER_ROWS and x.dtype is torch.bfloat16
+            and type(weight) is torch.Tensor and weight.dtype is torch.bfloat16 and x.device.type == "cpu"
+            and weight.device.type == "cpu")
 
 
 def fp32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,10 @@ The int8/int4 kernels (int_decode.cpp) also need AVX512-VNNI and VBMI (INT_FLAGS
                             row slot_row[s] of x [M, H] (slots sorted by expert): [S, H], each slot the bits
                             of experts() on that row with that expert alone, each expert read once
     rms_norm(x, w, eps)     per row of x [..., H] (moe_decode.cpp)
-    route_topk(x, w, k, norm)          softmax top-k routing of one token: ids [1,k], weights [1,k]
-    combine(ys, weights)               sum of the K experts' rows, weighted: [1, H]
+    route_topk(x, w, k, norm)          softmax top-k routing of T tokens, each alone: ids [T,k], weights [T,k]
+    route_sigmoid_group(x, w, bias, k, n_group, topk_group, norm, scale)  the sigmoid-group rule
+                                       (deepseek_v3, glm4_moe) of T tokens, each alone (bf16_decode.cpp)
+    combine(ys, weights)               sum of the K experts' rows, weighted: [1, H]; weights [B, K]: B rows
     moe_layer(h, ...)       a whole MoE layer of one token, residual included, a routing trim applied
                             when given (reduction, threshold, renormalize; engine/arch/moe.py)
     attention_decode(x, ...)           a layer's attention half of one token, K/V written (attention_decode.cpp;
@@ -218,7 +220,13 @@ def route_topk(x: torch.Tensor, w: torch.Tensor, k: int, norm: bool) -> tuple[to
     return torch.ops.colibri.route_topk_bf16(x, w, k, norm)
 
 
+def route_sigmoid_group(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int,
+                        norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.colibri.route_sigmoid_group_bf16(x, w, bias, k, n_group, topk_group, norm, scale)
+
+
 def combine(ys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """ys [K, H], weights [K] → [1, H]; or ys [B*K, H] (row b's K slots together), weights [B, K] → [B, H]."""
     return torch.ops.colibri.combine_bf16(ys, weights)
 
 

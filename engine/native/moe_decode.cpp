@@ -13,9 +13,11 @@
 //
 // Ops (namespace colibri):
 //   rms_norm_bf16(x [..., H], w [H], eps) -> like x       w * round(x * rsqrt(mean(x^2) + eps)), per row
-//   route_topk_bf16(x [1,H], w [E,H], k, norm) -> (ids [1,k] int64, weights [1,k] bf16)
-//       softmax over the bf16 router logits, the k best (ties: lower id), renormalised when norm
-//   combine_bf16(ys [K,H], weights [K]) -> [1,H]           sum_k weights[k] ys[k], in row order
+//   route_topk_bf16(x [T,H], w [E,H], k, norm) -> (ids [T,k] int64, weights [T,k] bf16)
+//       softmax over the bf16 router logits, the k best (ties: lower id), renormalised when norm;
+//       each row by itself (row t's bits are the one-row call's on it)
+//   combine_bf16(ys [K,H], weights [K]) -> [1,H]           sum_k weights[k] ys[k], in row order;
+//       ys [B*K,H] with weights [B,K] -> [B,H]: row b the one-row call on its K slots
 //   moe_layer_bf16(h [1,H], norm_w, eps, router_w [E,H], k, norm, experts int64 [E,3], inter, reduction,
 //       threshold, renormalize) -> [1,H]
 //       h + combine(experts of trim(route(rms_norm(h)))), experts in ascending id order; the trim
@@ -61,28 +63,35 @@ at::Tensor rms_norm_bf16(const at::Tensor& x_in, const at::Tensor& w, double eps
 
 std::tuple<at::Tensor, at::Tensor> route_topk_bf16(const at::Tensor& x_in, const at::Tensor& w, int64_t k, bool norm) {
   const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && w.dim() == 2 && w.size(1) == x.size(1),
-              "route_topk_bf16: x [1,H], w [E,H]");
-  const int64_t E = w.size(0), H = x.size(1);
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1), "route_topk_bf16: x [T,H], w [E,H]");
+  const int64_t T = x.size(0), E = w.size(0), H = x.size(1);
   TORCH_CHECK(k >= 1 && k <= E, "route_topk_bf16: k must be in 1..E");
   std::vector<float> probs(E), weights(k);
-  at::Tensor ids = at::empty({1, k}, x.options().dtype(at::kLong));
-  route_topk(bf16_data(x, "x"), bf16_data(w, "w"), E, H, k, norm, probs.data(), ids.data_ptr<int64_t>(),
-             weights.data());
-  at::Tensor out = at::empty({1, k}, x.options());
-  for (int64_t j = 0; j < k; j++) store(out, j, weights[j]);
+  at::Tensor ids = at::empty({T, k}, x.options().dtype(at::kLong));
+  at::Tensor out = at::empty({T, k}, x.options());
+  const bf16* xp = bf16_data(x, "x");
+  for (int64_t t = 0; t < T; t++) {  // each row the one-row call (a verify's rows, a batched step's)
+    route_topk(xp + t * H, bf16_data(w, "w"), E, H, k, norm, probs.data(), ids.data_ptr<int64_t>() + t * k,
+               weights.data());
+    for (int64_t j = 0; j < k; j++) store(out, t * k + j, weights[j]);
+  }
   return {ids, out};
 }
 
 at::Tensor combine_bf16(const at::Tensor& ys_in, const at::Tensor& weights_in) {
   const at::Tensor ys = ys_in.contiguous(), weights = weights_in.contiguous();
-  TORCH_CHECK(ys.dim() == 2 && weights.numel() == ys.size(0), "combine_bf16: ys [K,H], weights [K]");
-  const int64_t K = ys.size(0), H = ys.size(1);
+  // weights [K] (one row) or [B, K] (B rows, each its own K slots of ys in order)
+  const int64_t B = weights.dim() == 2 ? weights.size(0) : 1, K = weights.dim() == 2 ? weights.size(1) : weights.numel();
+  TORCH_CHECK(ys.dim() == 2 && weights.dim() <= 2 && ys.size(0) == B * K,
+              "combine_bf16: ys [K,H] with weights [K], or ys [B*K,H] with weights [B,K]");
+  const int64_t H = ys.size(1);
   const bf16* wp = bf16_data(weights, "weights");
-  std::vector<float> w(K);
-  for (int64_t j = 0; j < K; j++) w[j] = to_f32(wp[j]);
-  at::Tensor y = at::empty({1, H}, ys.options());
-  combine(bf16_data(ys, "ys"), w.data(), K, H, reinterpret_cast<bf16*>(y.data_ptr()));
+  std::vector<float> w(B * K);
+  for (int64_t j = 0; j < B * K; j++) w[j] = to_f32(wp[j]);
+  at::Tensor y = at::empty({B, H}, ys.options());
+  const bf16* yp = bf16_data(ys, "ys");
+  bf16* out = reinterpret_cast<bf16*>(y.data_ptr());
+  for (int64_t b = 0; b < B; b++) combine(yp + b * K * H, w.data() + b * K, K, H, out + b * H);
   return y;
 }
 
