@@ -383,6 +383,23 @@ def test_gate_goes_idle_after_a_run_of_gated_off_decisions():
     assert gate.idle_steps() == 0  # what the trial measured is decided on first
 
 
+def test_gate_stays_awake_through_short_offers_where_a_longer_one_would_be_drafted():
+    """A copy's offers run short where its source ends (2 tokens: a 3-row verify that does not pay),
+    then long again: those gated-off decisions do not send the gate idle, or the next long offer
+    (depth 8, which pays) would go unasked for the steps until a trial. A kind of draft that pays at
+    no depth still goes idle after OFF_RUN of them (test above)."""
+    gate = _gate(compute=0.001, stall=0.0, row_cost=1.0)
+    gate.observe(3, 0.0030, 0.0, 0)  # 3 rows: 3 plain steps
+    gate.observe(9, 0.0040, 0.0, 0)  # 9 rows: 4 plain steps
+    gate.accept["lookup-4"] = [99.0, 1.0]
+    assert gate.depth(2, "lookup-4", "lookup") == (0, "gated off")
+    for _ in range(3 * spec_gate.OFF_RUN):
+        gate.depth(2, "lookup-4", "lookup")
+    assert gate.idle_steps() == 0  # the drafter is still asked every step
+    k, why = gate.depth(8, "lookup-4", "lookup")
+    assert why == "drafted" and k == 8
+
+
 def test_gate_drafts_only_with_a_margin_over_a_plain_step():
     """A depth modelled barely faster than a plain step (within DRAFT_GAIN) is not drafted: the
     estimates are measured on a busy machine."""

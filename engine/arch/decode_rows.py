@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from engine import native
 from engine.arch import attention_quant, decode_plan
 from engine.arch.args import layer_prefix
-from engine.arch.layers import KVCache, native_quant_operands, rms_norm, rms_norm_rows, route_layer, swiglu_expert
+from engine.arch.layers import (KVCache, native_quant_operands, native_swiglu, rms_norm, rms_norm_rows, route_layer,
+                                swiglu_expert)
 from engine.arch.router import SigmoidGroupRouter, native_rows, trim_operands
 from engine.weights.stored import linear
 
@@ -185,7 +186,11 @@ def _rows_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
 
 
 def _swiglu_rows(x: torch.Tensor, gate, up, down) -> torch.Tensor:
-    """layers.swiglu on x [B, H], each row its one-row bits (row-independent projections)."""
+    """layers.swiglu on x [B, H], each row its one-row bits: native.experts' multi-row form where the
+    one row takes native.experts, else row-independent projections and a silu per row."""
+    if native_swiglu(x, (gate, up, down)):
+        B = x.shape[0]
+        return native.experts_rows(x.contiguous(), [gate, up, down], 3, torch.arange(B), torch.zeros(B, dtype=torch.int64))
     return _rows_linear(_per_row(F.silu, _rows_linear(x, gate)) * _rows_linear(x, up), down)
 
 

@@ -61,9 +61,19 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    # x: [T, H]; gate/up: [I, H]; down: [H, I]
-    # Weights may be QuantWeights (quantized containers): `linear` picks their kernel.
+    """A dense MLP or shared expert: x [T, H]; gate/up [I, H]; down [H, I]. Weights may be QuantWeights
+    (quantized containers): `linear` picks their kernel. One bf16 row (decode) is one native call, the
+    routed experts' kernel (native.experts): a verify's or batched step's rows take its multi-row form
+    (decode_rows._swiglu_rows), each row these bits, where the torch silu would need a call per row."""
+    if native_swiglu(x, (gate, up, down)) and x.shape[0] == 1:
+        return native.experts(x, [gate, up, down], 3)
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def native_swiglu(x: torch.Tensor, weights: tuple) -> bool:
+    """Whether swiglu on x's bf16 rows takes the native experts kernels (plain bf16 weights on the CPU)."""
+    return (native.ready and x.dim() == 2 and x.dtype is torch.bfloat16 and x.device.type == "cpu"
+            and all(type(t) is torch.Tensor and t.dtype is torch.bfloat16 and t.device.type == "cpu" for t in weights))
 
 
 def swiglu_expert(x: torch.Tensor, weights: tuple) -> torch.Tensor:

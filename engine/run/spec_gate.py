@@ -30,8 +30,10 @@ A trial whose drafts were all accepted is followed at once by one twice as deep 
 depth, where the drafter offers that many): a verify's cost per row is then measured at two sizes,
 not extrapolated from one through a plain step, which charges a verify's fixed cost to every row
 and so rules out exactly the deep drafts that a copy (long runs, all accepted) pays for.
-Where no depth pays even at acceptance 1, or after OFF_RUN gated-off decisions in a row
-(idle_steps), the steps until the next trial are plain ones without asking the drafter:
+Where no depth pays even at acceptance 1, or after OFF_RUN gated-off decisions in a row where no
+longer offer of that kind would pay either (idle_steps: a copy's offers run short where its source
+ends, and the next long one must be asked for), the steps until the next trial are plain ones
+without asking the drafter:
 the speculative loop then costs what generate's own does, and the MTP layer is not run at all
 (engine/run/mtp_drafter.py). Decisions are reused for REDECIDE steps (a plain step of a small
 model is a fraction of a millisecond; the gate must not be a noticeable share of it).
@@ -239,8 +241,19 @@ class Gate:
             self._off_run = 0  # what the trial measured is decided on before the steps go plain again
             self._trial = (source, depth)
             return depth, "explored"  # its acceptance and its cost, measured
-        self._off_run += 1
+        if not self._deeper_pays(available, source, drafter):
+            self._off_run += 1  # (a short offer where a longer one would be drafted is no reason to idle)
         return 0, "gated off"
+
+    def _deeper_pays(self, available: int, source: str, drafter: str) -> bool:
+        """Whether a longer offer of this kind than `available` would be drafted (a copy's offer runs
+        short where its source ends, then long again): decided once per REDECIDE steps as depths are."""
+        key = (None, source, drafter)
+        pays = self._decided.get(key)
+        if pays is None:
+            pays = any(self.speedup(k, source, drafter) > DRAFT_GAIN for k in range(available + 1, self.max_depth + 1))
+            self._decided[key] = pays
+        return bool(pays)
 
     def idle_steps(self) -> int:
         """Plain steps to take without asking for drafts: the steps left until the next trial (which
