@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from engine import synth
 from engine.arch.mtp import extra_names, with_mtp_layers
 from engine.base.config import EngineConfig
-from engine.base.errors import ConfigError
+from engine.base.errors import ConfigError, DraftBudgetError
 from engine.format.checkpoint import Checkpoint
 from engine.run.generate import Sampler, generate
 from engine.run import mtp_drafter
@@ -98,6 +98,26 @@ def test_the_plan_charges_the_mtp_layer(model):
         assert mtp.plan.draft_bytes > lookup.plan.draft_bytes
         assert mtp.plan.routed_experts == lookup.plan.routed_experts + lookup.args.num_experts
         assert mtp.layout.num_routed > lookup.layout.num_routed
+
+
+def test_an_mtp_layer_that_does_not_fit_beside_the_prompt_group_is_refused_not_squeezed(model, monkeypatch):
+    """Where the MTP layer's bytes do not fit beside the prompt group decoding without drafts uses, the
+    plan does not shrink the group (that changes a prompt's bits, so tokens): drafter mtp is one
+    DraftBudgetError naming what drafting needs; drafter auto drafts with prompt lookup alone, and
+    its tokens are the plain ones."""
+    _, d = model
+    budget = budget_for_cache(d, config(dtype="fp32"), 4) + (32 << 20)  # slack: the largest group, whatever RSS does
+    with Engine(d, config(dtype="fp32", ram_budget=budget)) as e:
+        plain = generate(e, PROMPT, 12, Sampler()).output_ids
+        group = e.plan.prefill_group
+    big = mtp_drafter.planned_bytes
+    monkeypatch.setattr(mtp_drafter, "planned_bytes",  # an MTP layer of 64 MiB more
+                        lambda ckpt, args, layer, *a: big(ckpt, args, layer, *a) + (0 if layer is None else 64 << 20))
+    with pytest.raises(DraftBudgetError, match=f"beside the {group}-token prompt groups.*drafting needs"):
+        Engine(d, config(dtype="fp32", ram_budget=budget, draft="gate", drafter="mtp"))
+    with Engine(d, config(dtype="fp32", ram_budget=budget, draft="fixed", draft_depth=3, drafter="auto")) as e:
+        assert e.mtp is None and e.mtp_layer is None and e.plan.prefill_group == group
+        assert generate(e, PROMPT, 12, Sampler()).output_ids == plain
 
 
 def _as_oracle(d):

@@ -26,6 +26,11 @@ class BudgetError(ColibriError):
     """The memory plan cannot fit the requested budget."""
 
 
+class DraftBudgetError(BudgetError):
+    """Drafting's bytes do not fit beside the prompt group that decoding without drafts uses at this
+    budget: a smaller group would change a prompt's bits, and drafting must not change a token."""
+
+
 class PromptError(ColibriError):
     """The prompt cannot be run (too long for ctx_size, bad token ids, no tokenizer)."""
 

@@ -33,7 +33,7 @@ import torch
 
 from engine.format.checkpoint import Checkpoint
 from engine.base.config import PREFILL_CHUNK, EngineConfig, format_size
-from engine.base.errors import BudgetError
+from engine.base.errors import BudgetError, DraftBudgetError
 from engine.base.heap import NATIVE_CACHE_BYTES
 from engine.format.container import dense_nbytes, dense_quantized
 from engine.format.layout import cast_bytes, expert_memory_bytes
@@ -350,16 +350,21 @@ def _fixed_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, kv_d
     left = budget - (weight_bytes + kv + buffer_bytes + overhead + transients + prefix)
     # The group is chosen as if drafting were off, and drafting's bytes come out of what follows (the
     # expert cache, whose size changes no bit): a prompt's bits depend on its group (its matmuls' row
-    # counts), so decoding with drafts gives exactly the tokens decoding without them gives. Only where
-    # drafting would not fit beside that group is the group chosen with drafting's bytes taken first.
-    for room in (left, left - sum(drafting)) if any(drafting) else (left,):
-        group = prefill_group_for(args, config, dtype, room, kv_dtype)
-        held = prefill_norm_held(args, group, dtype, config.ctx_size, room)
-        prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype, held)
-        charged = _draft_charge(drafting, prefill)
-        fixed = weight_bytes + kv + buffer_bytes + overhead + prefill + prefix + charged
-        if fixed <= budget:
-            break
+    # counts), so decoding with drafts gives exactly the tokens decoding without them gives. Where
+    # drafting does not fit beside that group, drafting is refused (DraftBudgetError): a smaller group
+    # would change the prompt's bits (a depth-8 lookup engine at 360 MiB prefilled in groups of 64 where
+    # the plain one used 128, and its tokens differed).
+    group = prefill_group_for(args, config, dtype, left, kv_dtype)
+    held = prefill_norm_held(args, group, dtype, config.ctx_size, left)
+    prefill = prefill_bytes(args, group, dtype, config.ctx_size, kv_dtype, held)
+    charged = _draft_charge(drafting, prefill)
+    fixed = weight_bytes + kv + buffer_bytes + overhead + prefill + prefix + charged
+    if fixed > budget and fixed - charged <= budget:
+        raise DraftBudgetError(
+            f"memory budget {format_size(budget)} leaves {format_size(budget - (fixed - charged))} beside the "
+            f"{group}-token prompt groups that decoding without drafts uses; drafting needs {format_size(charged)} "
+            f"(a smaller group would change the prompt's bits, and drafting must not change a token): raise the "
+            f"budget by {format_size(fixed - budget)}, or draft with prompt lookup alone (drafter lookup) or not at all")
     if fixed > budget:
         raise BudgetError(
             f"memory budget {format_size(budget)} is too small: {weights_label} {format_size(weight_bytes)} + KV "

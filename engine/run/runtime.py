@@ -35,7 +35,7 @@ from engine.movement.store import ResidentExperts, WeightStore
 from engine.movement.streaming_experts import StreamingExperts
 from engine.movement.streaming_layers import StreamingLayers
 from engine.weights.quantized import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT4_STRIPS, KERNEL_INT8, kernel_works
-from engine.base.errors import UnsupportedModelError
+from engine.base.errors import DraftBudgetError, UnsupportedModelError
 from engine.format import fp8_checkpoint
 from engine.weights import fp8
 from engine.format.checkpoint import read_tensor
@@ -154,10 +154,15 @@ class Engine(Drafting):
         self.fp8_native_unavailable = native.load() if self.fp8 is not None else "not an FP8 model"
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them
         self.kernel_name = self.kernel  # tries (and so pages in) a quantized container's packed kernel too
-        self.plan: MemoryPlan = make_plan(
-            self.checkpoint, self.args, self.layout, self.config, self.dtype, self.kv_dtype, keep_positions=keep_positions,
-            mtp_bytes=mtp_drafter.planned_bytes(self.checkpoint, self.args, self.mtp_layer, self.dtype, self.kv_dtype,
-                                                self.config.ctx_size))
+        try:
+            self.plan: MemoryPlan = self._make_plan(keep_positions)
+        except DraftBudgetError:
+            if self.mtp_layer is None or self.config.drafter != "auto":
+                raise
+            # drafter auto: the MTP layer does not fit beside the prompt group; prompt lookup alone may
+            self.mtp_layer = None
+            self.layout = ExpertLayout(self.checkpoint, with_mtp_layers(self.args, 0)) if self.args.is_moe else None
+            self.plan = self._make_plan(keep_positions)
         t0 = time.perf_counter()
         streamed = self._streamed_layers()
         if streamed and (fp8_kept or fp8_dequantized):  # StreamingLayers casts what it reads; FP8 needs its scales
@@ -204,6 +209,12 @@ class Engine(Drafting):
         self.mtp = MtpState(mtp_drafter.load(self, self.mtp_layer)) if self.mtp_layer is not None else None
         self._hidden: list | None = [] if self.mtp is not None else None
         self.speculator = Speculator(self) if self.config.draft != "off" else None
+
+    def _make_plan(self, keep_positions: bool) -> MemoryPlan:
+        return make_plan(self.checkpoint, self.args, self.layout, self.config, self.dtype, self.kv_dtype,
+                         keep_positions=keep_positions,
+                         mtp_bytes=mtp_drafter.planned_bytes(self.checkpoint, self.args, self.mtp_layer, self.dtype,
+                                                             self.kv_dtype, self.config.ctx_size))
 
     def _load_dense(self, name, container, quantized, fp8_kept, fp8_dequantized, alloc=None):
         if name in quantized:
