@@ -115,9 +115,13 @@ def _config(a, mode: str):
 
 
 def child(a) -> dict:
-    from engine.api import Engine, Sampler, generate, load_tokenizer
+    from engine.api import DraftBudgetError, Engine, Sampler, generate, load_tokenizer
     mode = a.mode
-    with Engine(a.model, _config(a, mode)) as engine:
+    try:
+        engine = Engine(a.model, _config(a, mode))
+    except DraftBudgetError as exc:  # drafting does not fit beside off's prompt group: refused, not lossy
+        return {"refused": str(exc)}
+    with engine:
         vocab = engine.args.vocab_size
         if a.workload in ("copy", "edit"):
             prompts = _copy_prompts(load_tokenizer(a.model), vocab, PROMPTS, a.seed, edit=a.workload == "edit")
@@ -242,6 +246,13 @@ def main(argv: list[str] | None = None) -> int:
             base = statistics.median(x["tok_s"] for x in runs[("auto", "off")])
             for m in modes:
                 xs = runs[m]
+                if any("refused" in x for x in xs):  # the engine refused this drafting at this budget
+                    rows.append({"budget": budget, "workload": workload, "drafter": m[0], "mode": m[1],
+                                 "tok_s": None, "x_off": None, "acceptance": None, "tokens_per_step": None,
+                                 "drafted": None, "streamed": None, "read_mib_per_token": None, "recall": None,
+                                 "decisions": "refused: " + next(x["refused"] for x in xs if "refused" in x),
+                                 "lossless": None, "cgroup": None})
+                    continue
                 d = xs[-1]["draft"]
                 tok_s = [x["tok_s"] for x in xs]
                 rows.append({"budget": budget, "workload": workload, "drafter": None if m[1] == "off" else m[0],

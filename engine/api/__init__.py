@@ -33,7 +33,7 @@ _HOMES = {
     "engine.api.entry": "run bench quality plan",
     # configuration and errors
     "engine.base.config": "EngineConfig CTX_MAX KV_QUANT_NAMES PREFILL_CHUNK knob format_size parse_size size_label",
-    "engine.base.errors": "ColibriError ConfigError BudgetError BusyError ModelFormatError PromptError",
+    "engine.base.errors": "ColibriError ConfigError BudgetError BusyError DraftBudgetError ModelFormatError PromptError",
     # the engine and one generation
     "engine.run.runtime": "Engine DTYPE_NAMES checkpoint_dtype physical_cores",
     "engine.run.generate": "Decoding Generation Sampler generate load_tokenizer random_prompt_ids",
