@@ -102,36 +102,22 @@ def _layer_rows(model, x: torch.Tensor, positions: list[int], kvs: list, ropes: 
     residual [1, H] after the last layer."""
     a = model.args
     B = x.shape[0]
-    rows = [x[b:b + 1].clone() for b in range(B)]  # each row's residual [1, H]
+    h = x  # [B, H]: the rows' residuals
     indexed = [hasattr(kv, "selection") for kv in kvs]  # the DSA indexer's per-token selection
     selections = [getattr(kv, "selection", None) for kv in kvs]
     # Rows whose attention is model.py's own (no architecture attention, a plain KVCache) go through
     # it together: one call per projection for all of them (_attention_rows); the rest one by one.
     together = [b for b in range(B) if a.attention_impl is None and type(kvs[b]) is KVCache]
+    rope_rows = (torch.cat([c for c, _ in ropes]), torch.cat([s for _, s in ropes]))  # [B, D] each, for every layer
     for layer in range(a.num_layers):
         p = layer_prefix(layer)
         w = model._layer_weights(layer)  # once for every row (layer streaming reads it here)
-        native_rows = _native_attention(model, layer, w, rows, ropes, masks, plans, positions)
-        batch = [b for b in together if b not in native_rows]
-        batch = batch if len(batch) > 1 else []  # one row alone: model._attention, as its solo step
-        if batch:
-            normed = _rows_norm(torch.cat([rows[b] for b in batch]), w[f"{p}.input_layernorm.weight"], a.rms_norm_eps)
-            outs = _attention_rows(model, layer, w, normed, [positions[b] for b in batch], [kvs[b] for b in batch],
-                                   [ropes[b] for b in batch], [masks[b] for b in batch])
-            for b, out in zip(batch, outs):
-                rows[b] = rows[b] + out
-        for b in range(B):  # the others: each row its own cache and position, in row order
-            if b in native_rows or b in batch:
-                continue
-            cos, sin = ropes[b]
-            if indexed[b]:
-                kvs[b].selection = selections[b]
-            rows[b] = rows[b] + model._attention(layer, w, rms_norm(rows[b], w[f"{p}.input_layernorm.weight"],
-                                                                    a.rms_norm_eps),
-                                                 positions[b], kvs[b], cos, sin, masks[b])
-            if indexed[b]:
-                selections[b] = kvs[b].selection
-        h = torch.cat(rows)  # [B, H]
+        h, attended = _native_attention(model, layer, w, h, rope_rows, masks, plans, positions)
+        if len(attended) < B:
+            rows = [h[b:b + 1] for b in range(B)]  # each row's residual [1, H]
+            _other_attention(model, layer, w, rows, attended, together, positions, kvs, ropes, masks, indexed,
+                             selections)
+            h = torch.cat(rows)  # [B, H]
         normed = _rows_norm(h, w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)  # [B, H]
         model._lookahead(layer, normed, h)
         if a.is_moe_layer(layer):
@@ -139,11 +125,37 @@ def _layer_rows(model, x: torch.Tensor, positions: list[int], kvs: list, ropes: 
             h = h + model._plus_shared(layer, w, normed, routed, mlp=_swiglu_rows, gate=_shared_gate_rows)
         else:
             h = h + _swiglu_rows(normed, *(w[f"{p}.mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
-        rows = [h[b:b + 1] for b in range(B)]
+    rows = [h[b:b + 1] for b in range(B)]
     for b in range(B):
         if indexed[b]:
             kvs[b].selection = selections[b]  # what this row's solo step would have left
     return rows
+
+
+def _other_attention(model, layer: int, w: dict, rows: list, attended: set, together: list[int], positions: list[int],
+                     kvs: list, ropes: list, masks: list, indexed: list, selections: list) -> None:
+    """The attention of the rows the native call did not take (rows[b] replaced in place): model.py's
+    own attention for several rows together (_attention_rows), else each row's solo attention in row order."""
+    a, p = model.args, layer_prefix(layer)
+    batch = [b for b in together if b not in attended]
+    batch = batch if len(batch) > 1 else []  # one row alone: model._attention, as its solo step
+    if batch:
+        normed = _rows_norm(torch.cat([rows[b] for b in batch]), w[f"{p}.input_layernorm.weight"], a.rms_norm_eps)
+        outs = _attention_rows(model, layer, w, normed, [positions[b] for b in batch], [kvs[b] for b in batch],
+                               [ropes[b] for b in batch], [masks[b] for b in batch])
+        for b, out in zip(batch, outs):
+            rows[b] = rows[b] + out
+    for b in range(len(rows)):  # the others: each row its own cache and position, in row order
+        if b in attended or b in batch:
+            continue
+        cos, sin = ropes[b]
+        if indexed[b]:
+            kvs[b].selection = selections[b]
+        rows[b] = rows[b] + model._attention(layer, w, rms_norm(rows[b], w[f"{p}.input_layernorm.weight"],
+                                                                a.rms_norm_eps),
+                                             positions[b], kvs[b], cos, sin, masks[b])
+        if indexed[b]:
+            selections[b] = kvs[b].selection
 
 
 def _attention_rows(model, layer: int, w: dict, x: torch.Tensor, positions: list[int], kvs: list, ropes: list,
@@ -189,9 +201,20 @@ def _swiglu_rows(x: torch.Tensor, gate, up, down) -> torch.Tensor:
     """layers.swiglu on x [B, H], each row its one-row bits: native.experts' multi-row form where the
     one row takes native.experts, else row-independent projections and a silu per row."""
     if native_swiglu(x, (gate, up, down)):
-        B = x.shape[0]
-        return native.experts_rows(x.contiguous(), [gate, up, down], 3, torch.arange(B), torch.zeros(B, dtype=torch.int64))
+        return native.experts_rows(x.contiguous(), [gate, up, down], 3, *_one_expert_slots(x.shape[0]))
     return _rows_linear(_per_row(F.silu, _rows_linear(x, gate)) * _rows_linear(x, up), down)
+
+
+_SLOTS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _one_expert_slots(B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot_row, slot_expert) of one expert on rows 0..B-1, kept per B: a verify makes them for every
+    dense MLP and shared expert, and building two small tensors costs as much as the call's own work."""
+    slots = _SLOTS.get(B)
+    if slots is None:
+        slots = _SLOTS[B] = (torch.arange(B), torch.zeros(B, dtype=torch.int64))
+    return slots
 
 
 def _per_row(fn, x: torch.Tensor) -> torch.Tensor:
@@ -293,27 +316,29 @@ def _route_rows(model, layer: int, w: dict, normed: torch.Tensor):
     return ids, weights.gather(1, order)
 
 
-def _native_attention(model, layer: int, w: dict, rows: list, ropes: list, masks: list, plans: list,
-                      positions: list[int]) -> set[int]:
+def _native_attention(model, layer: int, w: dict, h: torch.Tensor, rope_rows: tuple, masks: list, plans: list,
+                      positions: list[int]) -> tuple[torch.Tensor, set[int]]:
     """The rows whose solo decode takes the native attention at this layer, computed in one native
     call per kind (bf16 or int8 / int4 projections: the layer's weights read once for all of them,
-    each row attention_decode's bits); rows[b] replaced in place. Returns their indices."""
+    each row attention_decode's bits): (h [B, H] with those rows' residuals after the attention, their
+    indices). rope_rows: every row's rope cos and sin, [B, D] each."""
     if w is not model.w:  # a layer read per token: the reference (its plan entries are None anyway)
-        return set()
+        return h, set()
     by_kind: dict[str, list[tuple[int, object]]] = {}
     for b, plan in enumerate(plans):
         entry = plan.attention[layer] if plan.attention and masks[b] is None else None
         if entry is not None:
             kind = "int" if type(entry.operands) is attention_quant.QuantAttention else "bf16"
             by_kind.setdefault(kind, []).append((b, entry))
-    done = set()
-    a = model.args
+    done: set[int] = set()
+    a, B = model.args, h.shape[0]
+    out_h = h
     for kind, group in by_kind.items():
         idx = [b for b, _ in group]
         entries = [e for _, e in group]
-        x = torch.cat([rows[b] for b in idx])  # [R, H]
-        cos = torch.cat([ropes[b][0] for b in idx])  # [R, D]
-        sin = torch.cat([ropes[b][1] for b in idx])
+        every = len(idx) == B  # (in row order: idx is then 0..B-1)
+        x = h if every else h[idx]  # [R, H]
+        cos, sin = rope_rows if every else (rope_rows[0][idx], rope_rows[1][idx])  # [R, D] each
         k_caches, k_scales = [e.k_cache[0] for e in entries], [e.k_cache[1] for e in entries]
         v_caches, v_scales = [e.v_cache[0] for e in entries], [e.v_cache[1] for e in entries]
         pos = [positions[b] for b in idx]
@@ -327,10 +352,13 @@ def _native_attention(model, layer: int, w: dict, rows: list, ropes: list, masks
             out = native.attention_decode_rows(x, norm_w, a.rms_norm_eps, qkv, q_norm, k_norm, cos, sin, k_caches,
                                                v_caches, pos, a.num_heads, a.num_kv_heads, o_w, k_scales, v_scales,
                                                qkv_b, rot)
-        for i, b in enumerate(idx):
-            rows[b] = out[i:i + 1]
+        if every:
+            out_h = out
+        else:
+            out_h = out_h.clone() if out_h is h else out_h
+            out_h[idx] = out
         done.update(idx)
-    return done
+    return out_h, done
 
 
 def _rows_kernel_applies(model, x: torch.Tensor) -> bool:
@@ -343,8 +371,8 @@ def _experts_rows(x: torch.Tensor, experts: list, slots: list[list[tuple[int, in
     """[S, H]: expert i of `experts` on the rows of slots[i] (in that order, experts in the given order),
     through native.experts_rows / quant_experts_rows, each slot the one-row call's bits; None where
     the weights are not what those kernels take (then the one-row calls)."""
-    slot_row = torch.tensor([b for rows in slots for b, _ in rows], dtype=torch.int64)
-    slot_expert = torch.tensor([i for i, rows in enumerate(slots) for _ in rows], dtype=torch.int64)
+    slot_row, slot_expert = torch.tensor([[b for rows in slots for b, _ in rows],
+                                          [i for i, rows in enumerate(slots) for _ in rows]], dtype=torch.int64)
     quantized = native_quant_operands(x[:1], experts)
     if quantized is not None:
         tensors, group = quantized
