@@ -360,11 +360,12 @@ def _fixed_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, kv_d
     charged = _draft_charge(drafting, prefill)
     fixed = weight_bytes + kv + buffer_bytes + overhead + prefill + prefix + charged
     if fixed > budget and fixed - charged <= budget:
+        lookup = "" if config.drafter == "lookup" else "draft with prompt lookup alone (drafter lookup) or "
         raise DraftBudgetError(
             f"memory budget {format_size(budget)} leaves {format_size(budget - (fixed - charged))} beside the "
             f"{group}-token prompt groups that decoding without drafts uses; drafting needs {format_size(charged)} "
             f"(a smaller group would change the prompt's bits, and drafting must not change a token): raise the "
-            f"budget by {format_size(fixed - budget)}, or draft with prompt lookup alone (drafter lookup) or not at all")
+            f"budget by {format_size(fixed - budget)}, or {lookup}not at all")
     if fixed > budget:
         raise BudgetError(
             f"memory budget {format_size(budget)} is too small: {weights_label} {format_size(weight_bytes)} + KV "

@@ -69,10 +69,9 @@ std::tuple<at::Tensor, at::Tensor> route_topk_bf16(const at::Tensor& x_in, const
   std::vector<float> probs(E), weights(k);
   at::Tensor ids = at::empty({T, k}, x.options().dtype(at::kLong));
   at::Tensor out = at::empty({T, k}, x.options());
-  const bf16* xp = bf16_data(x, "x");
+  const bf16 *xp = bf16_data(x, "x"), *wp = bf16_data(w, "w");
   for (int64_t t = 0; t < T; t++) {  // each row the one-row call (a verify's rows, a batched step's)
-    route_topk(xp + t * H, bf16_data(w, "w"), E, H, k, norm, probs.data(), ids.data_ptr<int64_t>() + t * k,
-               weights.data());
+    route_topk(xp + t * H, wp, E, H, k, norm, probs.data(), ids.data_ptr<int64_t>() + t * k, weights.data());
     for (int64_t j = 0; j < k; j++) store(out, t * k + j, weights[j]);
   }
   return {ids, out};

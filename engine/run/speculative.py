@@ -57,7 +57,6 @@ from engine.run.spec_gate import Gate, SpecStats, independent_union
 GUESS_HINT_ACCEPTANCE = 0.6
 
 
-
 class Steps(NamedTuple):
     """What generate hands the speculative loop: its sampler and its per-token bookkeeping."""
 
@@ -146,11 +145,10 @@ class Speculator:
             t_draft = time.perf_counter() - t0
             gate.observe_draft(kind, k, t_draft)
             if self.hints:
-                # this step's rows; on a gated-off step also the lookup's guess at the next token where
-                # its kind is accepted more often than not (an MTP guess would cost a layer of compute:
-                # not for a hint)
+                # this step's rows; on a gated-off step also the lookup's guess at the next token (an
+                # MTP guess would cost a layer of compute: not for a hint)
                 guess = (drafter.propose(1).tokens if not k and available and kind == "lookup"
-                         and gate.acceptance(source) >= GUESS_HINT_ACCEPTANCE else [])
+                         and self._guess_hinted(source) else [])
                 self._hint([token, *drafts, *guess])
             if k:
                 logits = engine.verify([token, *drafts], pos)
@@ -180,6 +178,10 @@ class Speculator:
             pos += 1 + accepted
             token = emitted[-1]
 
+    def _guess_hinted(self, source: str) -> bool:
+        """Whether a gated-off step hints the lookup's guess of this kind (the module doc)."""
+        return self.gate.acceptance(source) >= GUESS_HINT_ACCEPTANCE
+
     def _hint(self, tokens: list[int]) -> None:
         """Before a step: the first MoE layers' experts (the ones the model's own router lookahead, which
         starts from a layer's residual, cannot hint in time) for these tokens, predicted by each layer's
@@ -207,8 +209,7 @@ class Speculator:
             t = time.perf_counter()
             if self.hints:
                 found, source = lookup.offer(1) if lookup is not None else (0, "")
-                guess = (lookup.propose(1).tokens if found and self.gate.acceptance(source) >= GUESS_HINT_ACCEPTANCE
-                         else [])
+                guess = lookup.propose(1).tokens if found and self._guess_hinted(source) else []
                 self._hint([token, *guess])
             logits = engine.forward([token], pos)
             raw = logits[-1]
