@@ -227,3 +227,24 @@ def test_mtp_drafts_after_a_gated_off_stretch_are_accepted(arch, tmp_path_factor
     assert drafted == plain
     assert rows[0] == mtp_drafter.WINDOW and max(rows) == rows[0]  # the window (this step's pair its last), once
     assert stats.drafted >= 10 and stats.accepted >= 0.9 * stats.drafted
+
+
+def test_the_mtp_window_reads_the_same_wherever_it_lies_and_however_its_rows_are_grouped(model):
+    """The MTP layer's cache holds a window from slot 0 (MtpLayer.forward's base), RoPE turning at
+    the rows' own positions: the window's logits are the same at position 7 as at 40 (attention sees
+    only offsets), and the rows in one call (the verify's row path) give what one row a call (the
+    decode plan's native attention and MoE) gives."""
+    _, d = model
+    with Engine(d, config(dtype="fp32", draft="gate", drafter="mtp")) as e:
+        layer, H = e.mtp.layer, e.args.hidden_size
+        g = torch.Generator().manual_seed(3)
+        tokens = torch.randint(1, e.args.vocab_size, (6,), generator=g)
+        hidden = torch.randn(6, H, generator=g)
+        early, _ = layer.forward(tokens, hidden, 7, base=7)
+        late, out = layer.forward(tokens, hidden, 40, base=40)
+        one_by_one = torch.cat([layer.forward(tokens[i:i + 1], hidden[i:i + 1], 40 + i, base=40)[0] for i in range(6)])
+        with pytest.raises(ValueError, match="from base 41"):
+            layer.forward(tokens[:1], hidden[:1], 40, base=41)
+    assert out.shape == (6, H) and late.shape == (6, e.args.vocab_size)
+    torch.testing.assert_close(early, late, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(one_by_one, late, rtol=1e-4, atol=1e-4)

@@ -364,6 +364,21 @@ def test_a_trial_accepted_whole_is_followed_at_once_by_a_deeper_one():
     assert other._trial_depth == spec_gate.EXPLORE_DEPTH and other.depth(8, "lookup-4", "lookup") == (0, "gated off")
 
 
+def test_a_trial_accepted_whole_is_not_followed_by_a_deeper_one_its_drafting_alone_cannot_pay_for():
+    """The same copy's trial with a drafter whose every token costs 0.8 of a plain step (a small
+    model's MTP layer): 4 drafts cost 3.2 steps before any verify row beyond the 3 measured (2.5), and
+    5 tokens cannot repay 5.7 steps; the next trial stays at 2, after the back-off. The same trial with
+    free drafting goes deeper at once (above)."""
+    gate = _gate(compute=0.001, stall=0.0, row_cost=1.0)
+    while gate.depth(8, "mtp", "mtp")[1] != "explored":
+        pass
+    gate.observe_draft("mtp", 2, 2 * 0.0008)
+    gate.observe_draft("mtp", 2, 2 * 0.0008)  # (the first measurement only stands in)
+    gate.observe(3, 0.0025, 0.0, 0)
+    gate.observe_accept("mtp", 2, 2)
+    assert gate._trial_depth == spec_gate.EXPLORE_DEPTH and gate.depth(8, "mtp", "mtp") == (0, "gated off")
+
+
 def test_gate_goes_idle_after_a_run_of_gated_off_decisions():
     """After OFF_RUN gated-off decisions in a row, the steps until the next trial are plain ones, the
     drafter not asked (idle_steps); a trial's outcome is decided on again before going idle."""

@@ -79,6 +79,19 @@ def forward_rows(model, tokens: torch.Tensor, positions: list[int], kvs: list,
     return _rows_linear(x, model.lm_head).float()  # [B, V]
 
 
+def through_layers(model, x: torch.Tensor, positions: list[int], kvs: list, rope_positions=None) -> torch.Tensor:
+    """x [B, H] (the rows' input to the first layer) → their residuals [B, H] after the last layer, row b
+    at positions[b] of kvs[b] (the layer-at-a-time path below). rope_positions: where RoPE turns each
+    row, where that is not its cache position (the MTP layer's cache, whose slot 0 holds a later
+    position: engine/arch/mtp.py)."""
+    _check_rows(positions, kvs)
+    turns = positions if rope_positions is None else list(rope_positions)
+    ropes = [model._rope(pos, 1) for pos in turns]  # [1, D] cos and sin per row
+    masks = [model._mask(pos, 1) for pos in positions]
+    plans = [model.plan_for(kv) for kv in kvs]
+    return torch.cat(_layer_rows(model, x, positions, kvs, ropes, masks, plans))
+
+
 def _native_step_rows(model, x: torch.Tensor, ropes: list, positions: list[int], kvs: list,
                       plans: list) -> torch.Tensor:
     """x [B, H] → [B, H] through every layer in one native call (decode_plan.native_step_rows), each

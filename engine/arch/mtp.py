@@ -31,6 +31,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from engine.arch import decode_rows
 from engine.arch.args import ModelArgs, dense_tensors, layer_prefix
 from engine.arch.layers import KVCache, rms_norm
 from engine.arch.model import Transformer
@@ -122,18 +123,26 @@ class MtpLayer:
         return KVCache.nbytes_for(layer_args(args), ctx_size, kv_dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int, since: int = 0,
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int, base: int = 0,
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [T] (t[j+1]), hidden [T, H] (the state at j) at positions start_pos.. → (logits [T, V]
         fp32, or [1, V] of the last row with last_only; the layer's output [T, H]: the `hidden` of a
         further draft), the cache written there.
 
-        since: the first cached position the rows attend to. The drafter computes only a recent window
-        of positions when it drafts after a while gated off (engine/run/mtp_drafter.py): the cache
-        below it holds another sequence's or no rows, which must not be read. Drafts need not be exact
-        (verification keeps the output lossless); they must not read garbage."""
+        base: the first position the rows attend to, held in the cache's slot 0 (position p in slot
+        p - base; RoPE turns at p itself, so scores are those of a cache indexed by position). The
+        drafter computes only a recent window of positions when it drafts after a while gated off
+        (engine/run/mtp_drafter.py): what came before it was never computed. Drafts need not be exact
+        (verification keeps the output lossless); they must not read garbage. Every cached slot below
+        a row is this sequence's, so a row needs no mask: one row takes the decode plan's native
+        attention and MoE, several the verify's row path (engine/arch/decode_rows.py), as the main
+        model's decode does."""
         a, m = self.args, self.model
         T = tokens.shape[0]
+        slot = start_pos - base
+        if slot < 0 or slot + T > self.kv.ctx_size:
+            raise ValueError(f"MTP rows at positions {start_pos}..{start_pos + T - 1} from base {base} do not fit "
+                             f"the layer's {self.kv.ctx_size}-slot cache")
         e = F.embedding(tokens, self.embed)  # [T, H]
         if start_pos == 0:
             e = e.clone()
@@ -141,13 +150,15 @@ class MtpLayer:
         x = torch.cat([rms_norm(e, self.x["enorm.weight"], a.rms_norm_eps),
                        rms_norm(hidden.to(self.dtype), self.x["hnorm.weight"], a.rms_norm_eps)], dim=-1)  # [T, 2H]
         x = linear(x, self.x["eh_proj.weight"])  # [T, H]
-        cos, sin = m._rope(start_pos, T)
-        mask = m._mask(start_pos, T)  # [T, S] bool or None
-        if since > 0:
-            S = start_pos + T
-            seen = torch.arange(S)[None, :] >= since  # [1, S]
-            mask = seen.expand(T, S) if mask is None else mask & seen
-        x = m._layer(0, x, start_pos, self.kv, cos, sin, mask)
+        if T == 1:
+            plan = m.plan_for(self.kv)
+            cos, sin = m._rope(start_pos, 1)
+            mask = m._mask(slot, 1)  # None: the row sees every slot below it
+            x = m._layer(0, x, slot, self.kv, cos, sin, mask, plan.attention[0] if mask is None else None,
+                         plan.moe[0])
+        else:
+            x = decode_rows.through_layers(m, x, list(range(slot, slot + T)), [self.kv] * T,
+                                           rope_positions=range(start_pos, start_pos + T))
         y = x[-1:] if last_only else x  # the head only where logits are wanted ([V, H] is the big product)
         logits = linear(rms_norm(y, self.x["shared_head.norm.weight"], a.rms_norm_eps), self.x["head"]).float()
         return logits, x

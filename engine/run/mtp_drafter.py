@@ -24,7 +24,8 @@ hidden state at j. `MtpState` keeps the engine's side of that pairing, as the en
 While the gate keeps drafting off, the layer is never run: a decode step only appends its pair to
 the window (the main model's hidden state comes with its fast decode path, Transformer.forward's
 `hidden`). A draft after pairs were dropped computes the window and attends from its first position
-on (MtpLayer.forward's `since`): the positions below hold no true rows of this sequence. Such drafts
+on (MtpLayer.forward's `base`: the window's first position is the cache's slot 0): the positions
+below it hold no true rows of this sequence. Such drafts
 are a little worse than drafts over the whole sequence, never wrong output (verification keeps it
 lossless); while the gate drafts every step, no pair is dropped and the layer sees everything since
 the prompt's last WINDOW positions.
@@ -123,7 +124,7 @@ class MtpState:
         self.first = start  # the position of the first queued pair
         self.waiting: tuple[int, torch.Tensor] | None = None  # (j, h[j]) without its t[j+1] yet
         self.computed = start  # pairs before this position went through the layer with true inputs ...
-        self.since = start  # ... from this one on (below it the layer's cache is not this sequence's)
+        self.since = start  # ... from this one on, in the layer's cache from slot 0 (MtpLayer.forward's base)
 
     def observe(self, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
         """tokens fed at positions start.. and their rows' final hidden states [n, H]."""
@@ -173,7 +174,7 @@ class MtpState:
             self.since = self.first
         self.calls += 1
         out = self.layer.forward(torch.as_tensor(list(self.tokens), dtype=torch.long), torch.cat(list(self.hidden)),
-                                 self.first, since=self.since, last_only=True)
+                                 self.first, base=self.since, last_only=True)
         self.computed = self.first + len(self.tokens)
         self.tokens.clear()
         self.hidden.clear()
@@ -192,7 +193,7 @@ class MtpState:
         at, g = pos + 1, out[-1:]
         while len(drafts) < k and at < self.layer.kv.ctx_size:
             self.calls += 1
-            logits, g = self.layer.forward(torch.as_tensor(drafts[-1:], dtype=torch.long), g, at, since=self.since)
+            logits, g = self.layer.forward(torch.as_tensor(drafts[-1:], dtype=torch.long), g, at, base=self.since)
             drafts.append(int(torch.argmax(logits[-1])))
             at += 1
         return drafts

@@ -29,8 +29,10 @@ pays), to notice that the text or the cache changed at a cost that fades while t
 A trial whose drafts were all accepted is followed at once by one twice as deep (up to the maximum
 depth, where the drafter offers that many): a verify's cost per row is then measured at two sizes,
 not extrapolated from one through a plain step, which charges a verify's fixed cost to every row
-and so rules out exactly the deep drafts that a copy (long runs, all accepted) pays for.
-Where no depth pays even at acceptance 1, or after OFF_RUN gated-off decisions in a row where no
+and so rules out exactly the deep drafts that a copy (long runs, all accepted) pays for; unless the
+deeper depth could not pay even with every draft accepted and its extra rows free (its drafting
+alone too dear: a small model's MTP layer costs 0.4 of a plain step a token).
+Where no depth pays even at acceptance 1 (at the cheapest drafting measured), or after OFF_RUN gated-off decisions in a row where no
 longer offer of that kind would pay either (idle_steps: a copy's offers run short where its source
 ends, and the next long one must be asked for), the steps until the next trial are plain ones
 without asking the drafter:
@@ -113,6 +115,11 @@ class _Running:
     def add(self, x: float) -> None:
         self.count += 1
         self.value = x if self.count <= 2 else (1 - EMA) * self.value + EMA * x
+
+
+def drafter_of(source: str) -> str:
+    """The drafter kind of a draft's source (lookup-3 → lookup, mtp → mtp): whose cost per token."""
+    return source.split("-")[0]
 
 
 def expected_tokens(depth: int, acceptance: float) -> float:
@@ -262,8 +269,9 @@ class Gate:
         every draft were accepted; re-read every REDECIDE steps, as the decisions are."""
         if self.policy != "gate" or self.compute.value is None:
             return 0
-        if self._hopeless is None:
-            self._hopeless = all(self.speedup(k, "", "", acceptance=1.0) <= DRAFT_GAIN
+        if self._hopeless is None:  # (at the cheapest drafting measured: an AutoDrafter's lookup may pay)
+            cheapest = min(self.draft_s, key=lambda d: self.draft_s[d].value or 0.0, default="")
+            self._hopeless = all(self.speedup(k, "", cheapest, acceptance=1.0) <= DRAFT_GAIN
                                  for k in range(1, self.max_depth + 1))
         if not self._hopeless and self._off_run < OFF_RUN:
             return 0
@@ -303,6 +311,17 @@ class Gate:
             # the exponent that makes the prior's union match what the store really read
             self.union_power.add(min(max(math.log(max(nbytes / self.bytes.value, 1.0)) / math.log(prior), 0.0), 1.5))
 
+    def _deeper_could_pay(self, depth: int, rows: int, source: str) -> bool:
+        """Whether drafting `depth` tokens of this kind could pay even if every draft were accepted
+        and the verify's rows beyond the `rows` just measured cost no compute (only their drafting
+        and reads): where not (a drafter whose every token costs a good part of a plain step, as a
+        small model's MTP layer does), a deeper trial is not worth its verify."""
+        ds = self.draft_s.get(drafter_of(source))
+        per_token = ds.value if ds is not None and ds.value else 0.0
+        one, stall = self.compute.value or 1.0, self.stall.value or 0.0
+        cost = self.compute_of(rows) + stall * self.union(depth + 1) + depth * per_token
+        return expected_tokens(depth, 1.0) * (one + stall) / cost > DRAFT_GAIN if cost > 0 else True
+
     def observe_draft(self, drafter: str, tokens: int, seconds: float) -> None:
         if tokens:
             self.draft_s.setdefault(drafter, _Running()).add(seconds / tokens)
@@ -310,10 +329,12 @@ class Gate:
     def observe_accept(self, source: str, accepted: int, tested: int) -> None:
         trial, self._trial = self._trial, None
         if trial is not None and trial[0] == source:
-            if accepted == trial[1]:  # all accepted: the next trial deeper, and at once if it can be
-                self._trial_depth = min(2 * trial[1], self.max_depth)
-                if trial[1] < self._trial_depth:
-                    self._skipped = self._explore_wait(self._trial_depth)  # (the back-off doubled it already)
+            deeper = min(2 * trial[1], self.max_depth)
+            if accepted == trial[1] and self._deeper_could_pay(deeper, trial[1] + 1, source):
+                # all accepted: the next trial deeper, and at once if it can be
+                self._trial_depth = deeper
+                if trial[1] < deeper:
+                    self._skipped = self._explore_wait(deeper)  # (the back-off doubled it already)
             else:
                 self._trial_depth = EXPLORE_DEPTH
         for key in [k for k in self._decided if k[1] == source]:  # its acceptance moved: decide again

@@ -50,7 +50,7 @@ from engine.arch.layers import rms_norm, route_layer
 from engine.run.drafters import AutoDrafter, PromptLookup
 from engine.run.mtp_drafter import MtpDrafter
 from engine.run.sampling import Sampler
-from engine.run.spec_gate import Gate, SpecStats, independent_union
+from engine.run.spec_gate import Gate, SpecStats, drafter_of, independent_union
 
 # A gated-off step hints the lookup's guess at the next token only where that kind of guess is
 # accepted at least this often (its measured acceptance, the gate's Beta(1, 1) prior before any)
@@ -137,7 +137,7 @@ class Speculator:
             room = min(self.max_depth, left - 1, ctx - 1 - pos, (ring - 1) if ring else self.max_depth,
                        self._last_position - pos if self._last_position is not None else self.max_depth)
             available, source = drafter.offer(room) if room > 0 else (0, "")
-            kind = source.split("-")[0]  # lookup-3 → lookup: whose cost per drafted token
+            kind = drafter_of(source)  # lookup-3 → lookup: whose cost per drafted token
             k, why = gate.depth(available, source, kind)
             stats.decide(k, why)
             drafts = drafter.propose(k).tokens if k else []
