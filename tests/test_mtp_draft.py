@@ -248,3 +248,44 @@ def test_the_mtp_window_reads_the_same_wherever_it_lies_and_however_its_rows_are
     assert out.shape == (6, H) and late.shape == (6, e.args.vocab_size)
     torch.testing.assert_close(early, late, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(one_by_one, late, rtol=1e-4, atol=1e-4)
+
+
+def test_an_mtp_head_that_is_the_lm_head_byte_for_byte_is_loaded_once(tmp_path_factory):
+    """DeepSeek-V3's and GLM's files carry a copy of the shared output head as the MTP layer's
+    shared_head.head: it is the model's lm_head then, not a second vocabulary-sized tensor in the
+    plan. A head of its own (one byte differs) is loaded and charged."""
+    d = mtp_model(tmp_path_factory, "glm4_moe")
+    path = d / "model.safetensors"
+    tensors = load_file(path)
+    L = json.loads((d / "config.json").read_text())["num_hidden_layers"]
+    head = f"model.layers.{L}.shared_head.head.weight"
+    tensors[head] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with Engine(d, config(draft="gate", drafter="mtp")) as e:
+        assert e.mtp.layer.x["head"] is e.model.lm_head
+        shared = e.plan.draft_bytes
+        V, H, elem = e.args.vocab_size, e.args.hidden_size, e.dtype.itemsize
+    tensors[head] = tensors["lm_head.weight"].clone()
+    tensors[head][-1, -1] += 1  # the last byte's element: one value differs
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with Engine(d, config(draft="gate", drafter="mtp")) as e:
+        assert e.mtp.layer.x["head"] is not e.model.lm_head
+        assert torch.equal(e.mtp.layer.x["head"].float(), tensors[head].float())
+        assert e.plan.draft_bytes == shared + V * H * elem
+
+
+def test_same_bytes_reads_every_chunk(tmp_path):
+    """The comparison reads chunk by chunk to the end: a difference in the last chunk counts, and a
+    tensor of another shape or dtype is never the same."""
+    from engine.format import checkpoint
+    a = torch.arange(300, dtype=torch.float32)
+    b = a.clone()
+    b[-1] += 1
+    save_file({"a": a, "a2": a.clone(), "b": b, "c": a.clone().reshape(3, 100), "d": a.to(torch.bfloat16)},
+              str(tmp_path / "t.safetensors"))
+    info = checkpoint.read_safetensors_header(tmp_path / "t.safetensors")
+    stamps = ("test",)
+    assert checkpoint._same_bytes(info["a"], info["a2"], stamps, chunk=64)
+    assert not checkpoint._same_bytes(info["a"], info["b"], stamps, chunk=64)
+    assert checkpoint.same_bytes(info["a"], info["a2"]) and not checkpoint.same_bytes(info["a"], info["b"])
+    assert not checkpoint.same_bytes(info["a"], info["c"]) and not checkpoint.same_bytes(info["a"], info["d"])

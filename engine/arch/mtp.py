@@ -12,8 +12,9 @@ token's embedding, as DeepSeek's MTP objective trained it and vLLM / SGLang run 
                                                  for a further draft, the layer's own output)
     x = eh_proj(cat(e, h))             [T, H]   (eh_proj: [H, 2H])
     x = decoder_layer(x, position j)   [T, H]   (its own KV cache, positions as the main model's)
-    logits = shared_head.head(shared_head.norm(x))   (the layer's own head where the file has one,
-                                                      else the model's lm_head)
+    logits = shared_head.head(shared_head.norm(x))   (the layer's own head where the file has one
+                                                      that is not the model's lm_head byte for
+                                                      byte, else the model's lm_head)
 
 so row j predicts t[j+2]. The layer's own `embed_tokens` (DeepSeek's files carry a copy) is not
 read. Its routed experts are layer L of the expert layout, read through the store like any layer's.

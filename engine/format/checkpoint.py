@@ -12,6 +12,7 @@ offsets are relative to the start of the data (8 + N).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -230,6 +231,38 @@ def read_tensor(info: TensorInfo, alloc=None) -> torch.Tensor:
     if got != info.nbytes:
         raise ModelFormatError(f"{info.path}: truncated while reading tensor {info.name!r}")
     return raw.view(info.torch_dtype).reshape(info.shape)
+
+
+def same_bytes(a: TensorInfo, b: TensorInfo) -> bool:
+    """Whether two stored tensors are one tensor twice: the same dtype, shape and bytes (read in
+    chunks, so a vocabulary-sized head costs no more memory than a chunk). A file that carries a
+    copy of a shared tensor (DeepSeek-V3's MTP head) then loads it once. The answer is kept while
+    the files are the same files (inode, size, modification time): the plan and the load both ask."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.nbytes != b.nbytes:
+        return False
+    try:
+        stamps = tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in (os.stat(a.path), os.stat(b.path)))
+    except OSError as exc:
+        raise ModelFormatError(f"{a.path}: cannot compare {a.name!r} with {b.name!r}: {exc.strerror or exc}") from None
+    return _same_bytes(a, b, stamps)
+
+
+@functools.lru_cache(maxsize=16)
+def _same_bytes(a: TensorInfo, b: TensorInfo, _stamps: tuple, chunk: int = 64 << 20) -> bool:
+    left, right = torch.empty(min(chunk, a.nbytes), dtype=torch.uint8), torch.empty(min(chunk, a.nbytes),
+                                                                                   dtype=torch.uint8)
+    try:
+        with open(a.path, "rb", buffering=0) as fa, open(b.path, "rb", buffering=0) as fb:
+            for at in range(0, a.nbytes, chunk):
+                n = min(chunk, a.nbytes - at)
+                if (os.preadv(fa.fileno(), [left[:n].numpy()], a.offset + at) != n
+                        or os.preadv(fb.fileno(), [right[:n].numpy()], b.offset + at) != n):
+                    raise ModelFormatError(f"{a.path}: truncated while comparing {a.name!r} with {b.name!r}")
+                if not torch.equal(left[:n], right[:n]):
+                    return False
+    except OSError as exc:
+        raise ModelFormatError(f"{a.path}: cannot compare {a.name!r} with {b.name!r}: {exc.strerror or exc}") from None
+    return True
 
 
 def load_config_json(directory: Path) -> dict:

@@ -40,6 +40,7 @@ import torch
 from engine.arch.mtp import EXTRAS, MTP_ARCHITECTURES, OWN_HEAD, MtpLayer, decoder_names, extra_names
 from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
+from engine.format.checkpoint import same_bytes
 from engine.run.drafters import Draft
 
 # The recent pairs kept for a draft: beyond this the oldest are dropped, never computed. While the gate
@@ -71,9 +72,20 @@ def tensor_names(ckpt, args, layer: int) -> dict[str, str]:
     names = {short: full for short, (full, _) in decoder_names(args, layer).items()}
     p = f"model.layers.{layer}."
     names.update({short: p + short for short in EXTRAS})
-    if p + OWN_HEAD in ckpt:
+    if own_head(ckpt, args, layer):
         names["head"] = p + OWN_HEAD
     return names
+
+
+def own_head(ckpt, args, layer: int) -> bool:
+    """Whether the MTP layer has a head of its own to load: the file holds one, and not the model's
+    lm_head byte for byte (DeepSeek-V3's and GLM's MTP modules share the model's output head, and their
+    files carry a copy of it: loading it again would take a vocabulary-sized tensor from the budget)."""
+    name = f"model.layers.{layer}.{OWN_HEAD}"
+    if name not in ckpt:
+        return False
+    model_head = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
+    return model_head not in ckpt or not same_bytes(ckpt.info(name), ckpt.info(model_head))
 
 
 def planned_bytes(ckpt, args, layer: int | None, dtype: torch.dtype, kv_dtype, ctx_size: int) -> int:
