@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from engine.base import heap
 from engine.base.dtypes import safetensors_dtypes
 from engine.base.errors import ModelFormatError
 from engine.base.inputs import LIMITS, open_input, printable
@@ -235,7 +236,7 @@ def read_tensor(info: TensorInfo, alloc=None) -> torch.Tensor:
 
 def same_bytes(a: TensorInfo, b: TensorInfo) -> bool:
     """Whether two stored tensors are one tensor twice: the same dtype, shape and bytes (read in
-    chunks, so a vocabulary-sized head costs no more memory than a chunk). A file that carries a
+    chunks of a MiB, so a vocabulary-sized head costs no more memory than that). A file that carries a
     copy of a shared tensor (DeepSeek-V3's MTP head) then loads it once. The answer is kept while
     the files are the same files (inode, size, modification time): the plan and the load both ask."""
     if a.dtype != b.dtype or a.shape != b.shape or a.nbytes != b.nbytes:
@@ -248,7 +249,7 @@ def same_bytes(a: TensorInfo, b: TensorInfo) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def _same_bytes(a: TensorInfo, b: TensorInfo, _stamps: tuple, chunk: int = 64 << 20) -> bool:
+def _same_bytes(a: TensorInfo, b: TensorInfo, _stamps: tuple, chunk: int = 1 << 20) -> bool:
     left, right = torch.empty(min(chunk, a.nbytes), dtype=torch.uint8), torch.empty(min(chunk, a.nbytes),
                                                                                    dtype=torch.uint8)
     try:
@@ -262,6 +263,9 @@ def _same_bytes(a: TensorInfo, b: TensorInfo, _stamps: tuple, chunk: int = 64 <<
                     return False
     except OSError as exc:
         raise ModelFormatError(f"{a.path}: cannot compare {a.name!r} with {b.name!r}: {exc.strerror or exc}") from None
+    finally:
+        del left, right
+        heap.release_freed()  # the plan measures the process's resident set next: no freed chunk in it
     return True
 
 
