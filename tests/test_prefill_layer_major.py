@@ -29,6 +29,8 @@ from test_streaming import budget_for_cache
 
 from colibri_tune_fixtures import MiB
 
+KiB = 1 << 10
+
 N = 40  # prompt tokens: five sub-chunks of SUB
 SUB = 8  # the tests' sub-chunk (the engine's is PREFILL_CHUNK): several per prompt on a tiny model
 PROMPT = [(7 * i + 3) % 256 for i in range(N)]
@@ -207,6 +209,14 @@ def _plan(model_dir, **config):  # noqa: F811
                            torch.float32, overhead_bytes=100 * MiB)
 
 
+def _fits(model_dir, **config) -> bool:
+    try:
+        _plan(model_dir, **config)
+    except BudgetError:
+        return False
+    return True
+
+
 def test_drafting_leaves_a_prompts_group_as_it_is(model_dir):  # noqa: F811
     """A prompt's bits depend on its group (its matmuls' row counts), so the group must not move when
     drafting is turned on, or drafted greedy tokens would differ from plain ones: drafting's bytes
@@ -215,8 +225,13 @@ def test_drafting_leaves_a_prompts_group_as_it_is(model_dir):  # noqa: F811
     from the group's room, which made a depth-8 lookup engine prefill in groups of 64 where the plain
     one used 128, and its tokens differed.)"""
     compared = refused = 0
-    for budget in range(110, 400, 3):
-        common = dict(ctx_size=4096, ram_budget=budget * MiB)
+    budgets = [b * MiB for b in range(110, 400, 3)]
+    # and the plain plan's edge in 32 KiB steps, where drafting's room runs out (prompt lookup's few
+    # bytes a token fit wherever a few MiB are left)
+    edge = next(b for b in budgets if _fits(model_dir, ctx_size=4096, ram_budget=b))
+    budgets += [edge - 3 * MiB + i * 32 * KiB for i in range(96)]
+    for budget in budgets:
+        common = dict(ctx_size=4096, ram_budget=budget)
         try:
             _, off = _plan(model_dir, **common)
         except BudgetError:

@@ -479,6 +479,43 @@ def test_prompt_lookup_prefers_a_recent_match_with_all_k_tokens_after_it():
     assert lookup.offer(3) == (2, "lookup-3") and lookup.propose(3).tokens == [8, 7]
 
 
+def _lookup_by_definition(seq: list[int], k: int, max_ngram: int = 4) -> Draft:
+    """PromptLookup's rule, spelled out over every n-gram: the longest suffix n-gram with an earlier
+    occurrence followed by a token; among its k + 1 most recent occurrences the most recent with k
+    tokens after it, else the most recent."""
+    L = len(seq)
+    for n in range(min(max_ngram, L - 1), 0, -1):
+        starts = [s for s in range(0, L - n) if seq[s:s + n] == seq[L - n:]]
+        if starts:
+            start = starts[-1]
+            for earlier in reversed(starts[-(k + 1):]):
+                if earlier + n + k <= L:
+                    start = earlier
+                    break
+            return Draft(seq[start + n:start + n + k], f"lookup-{n}")
+    return Draft()
+
+
+@pytest.mark.parametrize("vocab", [2, 5, 300])
+def test_prompt_lookup_scan_is_the_rule_on_growing_sequences(vocab):
+    """The vectorised scan (few candidates in Python, many in numpy: a vocabulary of 2 gives
+    hundreds) proposes what the rule's definition does, as the sequence grows and is copied from."""
+    g = torch.Generator().manual_seed(vocab)
+    seq = torch.randint(0, vocab, (40,), generator=g).tolist()
+    lookup = PromptLookup(seq)
+    for step in range(260):
+        for k in (1, 3, 8):
+            found = lookup.offer(k)
+            assert (found, lookup.propose(k)) == ((len(_lookup_by_definition(seq, k).tokens),
+                                                   _lookup_by_definition(seq, k).source),
+                                                  _lookup_by_definition(seq, k)), (vocab, step, k)
+        # grow: mostly a copy of an earlier stretch, sometimes a fresh token
+        if step % 7 == 0:
+            seq.append(int(torch.randint(0, vocab, (1,), generator=g)))
+        else:
+            seq.append(seq[len(seq) // 3 + step % 5])
+
+
 def test_prompt_lookup_on_repeated_text_accepts_nearly_all(tmp_path):
     """A prompt holding a text twice, verbatim, that the model goes on repeating: nearly every
     drafted token is accepted. The text is the model's own cycle: with layers that add little to

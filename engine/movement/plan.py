@@ -6,7 +6,7 @@
 
 The prefix cache (EngineConfig.prefix_cache, engine/run/prefix_cache.py) is charged whole: its
 blocks fill it over the server's life, so its size is what it will hold. Speculative decoding
-(EngineConfig.draft, engine/run/speculative.py) is charged its verify rows, its lookup index and
+(EngineConfig.draft, engine/run/speculative.py) is charged its verify rows, its lookup mirror and
 the MTP layer it drafts with (draft_bytes).
 
 The runtime overhead is measured, not guessed: the process's resident set at planning time
@@ -251,14 +251,15 @@ def _transient_parts(args: ModelArgs, tokens: int, dtype: torch.dtype, ctx_size:
     return int(per_token), int(attended + scores)
 
 
-# Python objects the prompt-lookup index keeps per context token: one dict entry per n-gram size
-# (engine/run/drafters.py MAX_NGRAM of them), a tuple key and an int, ~200 bytes each.
-LOOKUP_BYTES_PER_TOKEN = 4 * 200
+# What prompt lookup keeps per context token (engine/run/drafters.py PromptLookup): its int32 mirror of
+# the sequence with room to double (8), and a scan's temporaries at most (a bool per token, int64
+# candidate positions); measured at its peak: 20 bytes a token.
+LOOKUP_BYTES_PER_TOKEN = 24
 
 
 def draft_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, mtp_bytes: int = 0) -> tuple[int, int]:
     """What speculative decoding adds (EngineConfig.draft on), as (held, verify): held for the engine's
-    life, the prompt-lookup index over the context and the drafter's own weights and cache (`mtp_bytes`:
+    life, the prompt lookup's mirror of the context and the drafter's own weights and cache (`mtp_bytes`:
     the checkpoint's MTP layer); verify, live only while a verify runs, its draft_depth + 1 rows'
     transients (as a prefill sub-chunk of that many tokens) and per row the fp32 logits, their shaped
     copy and the sampler's probabilities. A verify never runs beside a prompt's group, so the plan
