@@ -289,3 +289,17 @@ def test_same_bytes_reads_every_chunk(tmp_path):
     assert not checkpoint._same_bytes(info["a"], info["b"], stamps, chunk=64)
     assert checkpoint.same_bytes(info["a"], info["a2"]) and not checkpoint.same_bytes(info["a"], info["b"])
     assert not checkpoint.same_bytes(info["a"], info["c"]) and not checkpoint.same_bytes(info["a"], info["d"])
+
+
+def test_the_tuners_plan_charges_the_mtp_layer_as_the_engine_does(model):
+    """The tuner's memory plan (tuner/costmodel/memplan.py) of a config drafting with the MTP layer is
+    the engine's: the layer's bytes and its experts in the layout; with drafting off, neither."""
+    from tuner.costmodel.memplan import plan_memory
+    from tuner.costmodel.model_geometry import resolve
+    _, d = model
+    g = resolve(str(d))
+    for kw in (dict(draft="gate", drafter="mtp"), dict(draft="gate", drafter="auto"), dict(draft="off")):
+        with Engine(d, config(**kw)) as e:
+            planned = plan_memory(g, g.native_quant, config(**kw), overhead_bytes=e.plan.overhead_bytes)
+            assert (planned.draft_bytes, planned.routed_experts) == (e.plan.draft_bytes, e.plan.routed_experts), kw
+            assert (e.mtp is not None) == (kw.get("draft") != "off")

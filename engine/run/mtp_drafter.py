@@ -37,7 +37,8 @@ import collections
 
 import torch
 
-from engine.arch.mtp import EXTRAS, MTP_ARCHITECTURES, OWN_HEAD, MtpLayer, decoder_names, extra_names
+from engine.arch.mtp import (EXTRAS, MTP_ARCHITECTURES, OWN_HEAD, MtpLayer, decoder_names, extra_names,
+                             with_mtp_layers)
 from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError
 from engine.format.checkpoint import same_bytes
@@ -101,6 +102,17 @@ def planned_bytes(ckpt, args, layer: int | None, dtype: torch.dtype, kv_dtype, c
             n *= d
         count += n
     return count * elem + MtpLayer.cache_bytes(args, ctx_size, kv_dtype) + (WINDOW + 1) * args.hidden_size * 4
+
+
+def mtp_plan_inputs(ckpt, args, config: EngineConfig, dtype: torch.dtype, kv_dtype) -> tuple[object, int]:
+    """(the model args the expert layout covers, the MTP layer's planned bytes): what Engine hands its
+    memory plan, for a planner outside it (the tuner's memory plan, tuner/costmodel/memplan.py).
+    With the MTP layer drafting, the layout takes its experts as layer L; else (args, 0). Raises
+    ConfigError as Engine does (drafter mtp over files without the layer)."""
+    layer = mtp_layer(ckpt, args, config)
+    if layer is None:
+        return args, 0
+    return with_mtp_layers(args, 1), planned_bytes(ckpt, args, layer, dtype, kv_dtype, config.ctx_size)
 
 
 def load(engine, layer: int) -> MtpLayer:
