@@ -379,6 +379,40 @@ def test_a_trial_accepted_whole_is_not_followed_by_a_deeper_one_its_drafting_alo
     assert gate._trial_depth == spec_gate.EXPLORE_DEPTH and gate.depth(8, "mtp", "mtp") == (0, "gated off")
 
 
+def test_gate_vetoes_drafting_that_measured_slower_per_token_than_plain_steps():
+    """The model says a well-accepted draft pays (reads dominate, rows share them), but the drafted steps
+    really took 3 ms a token against plain steps' 1 ms (what the model cannot see: the reads they
+    caused later): after VETO_MIN drafted steps, drafting is vetoed for VETO_FIRST decisions, then
+    measured afresh; a second veto in a row lasts twice as long. Drafted steps that measure faster are
+    never vetoed."""
+    def gate_drafting():
+        gate = _gate(compute=0.002, stall=0.05, union_power=0.2, row_cost=0.2)
+        for _ in range(10):
+            gate.observe_accept("lookup-2", 2, 2)
+        for _ in range(20):
+            gate.observe_rate(False, 0.001, 1)
+        assert gate.depth(4, "lookup-2", "lookup")[1] == "drafted"
+        return gate
+
+    slow = gate_drafting()
+    for _ in range(spec_gate.VETO_MIN):
+        assert slow.depth(4, "lookup-2", "lookup")[1] == "drafted"
+        slow.observe_rate(True, 0.009, 3)
+    whys = [slow.depth(4, "lookup-2", "lookup")[1] for _ in range(spec_gate.VETO_FIRST)]
+    assert set(whys) <= {"vetoed", "explored"} and whys.count("vetoed") >= spec_gate.VETO_FIRST - 2
+    assert slow.depth(4, "lookup-2", "lookup")[1] == "drafted"  # measured afresh
+    for _ in range(spec_gate.VETO_MIN):
+        slow.observe_rate(True, 0.009, 3)
+        slow.depth(4, "lookup-2", "lookup")
+    whys = [slow.depth(4, "lookup-2", "lookup")[1] for _ in range(2 * spec_gate.VETO_FIRST)]
+    assert "drafted" not in whys[:2 * spec_gate.VETO_FIRST - spec_gate.VETO_MIN]  # the second veto: twice as long
+
+    fast = gate_drafting()
+    for _ in range(5 * spec_gate.VETO_MIN):
+        fast.observe_rate(True, 0.0015, 3)
+        assert fast.depth(4, "lookup-2", "lookup")[1] == "drafted"
+
+
 def test_gate_goes_idle_after_a_run_of_gated_off_decisions():
     """After OFF_RUN gated-off decisions in a row, the steps until the next trial are plain ones, the
     drafter not asked (idle_steps); a trial's outcome is decided on again before going idle."""
@@ -604,8 +638,8 @@ def test_idle_steps_ask_no_drafter_but_streamed_still_hint_the_lookup_guess(tmp_
     """Gated off for good (idle_steps): resident, the drafter is never asked; streamed, prompt
     lookup's guess at the next token is still hinted with the step's own token (what gated-off steps
     hinted before they went idle) where that kind of guess is accepted at least
-    GUESS_HINT_ACCEPTANCE of the time, and not where it is not (its reads would be bytes the step
-    does not need). Tokens as without drafting, either way."""
+    GUESS_HINT_ACCEPTANCE of the time over GUESS_HINT_EVIDENCE drafts, and not where it is not or
+    too few drafts say so (its reads would be bytes the step does not need). Tokens as without drafting, either way."""
     from test_streaming import budget_for_cache
     d = make_tiny(tmp_path / "m", initializer_range=0.002, routing_skew=0.0)
     with Engine(d, config()) as e:
@@ -616,10 +650,11 @@ def test_idle_steps_ask_no_drafter_but_streamed_still_hint_the_lookup_guess(tmp_
     monkeypatch.setattr(PromptLookup, "offer", lambda self, k: offers.append(k) or real_offer(self, k))
     kw = dict(draft="gate", drafter="lookup", prefetch_depth=1)
     streamed = budget_for_cache(d, config(**kw), 6) + (2 << 20)
-    for budget, acceptance in ((0, 0.9), (streamed, 0.9), (streamed, 0.3)):
+    for budget, acceptance, tested in ((0, 0.9, 50), (streamed, 0.9, 50), (streamed, 0.3, 50), (streamed, 0.9, 2)):
         with Engine(d, config(ram_budget=budget, **kw)) as e:
             monkeypatch.setattr(e.speculator.gate, "idle_steps", lambda: 1000)
             monkeypatch.setattr(e.speculator.gate, "acceptance", lambda source, a=acceptance: a)  # as measured
+            monkeypatch.setattr(e.speculator.gate, "tested", lambda source, n=tested: n)  # ... over n drafts
             hinted = []
             real_hint = e.speculator._hint
             monkeypatch.setattr(e.speculator, "_hint", lambda tokens: hinted.append(list(tokens)) or real_hint(tokens))
@@ -630,4 +665,5 @@ def test_idle_steps_ask_no_drafter_but_streamed_still_hint_the_lookup_guess(tmp_
                 continue
             assert e.speculator.hints and len(offers) == len(hinted) == 19  # one per decode step
             guessed = sum(len(h) == 2 for h in hinted)  # the step's token and the guess after it
-            assert guessed >= 10 if acceptance >= speculative.GUESS_HINT_ACCEPTANCE else guessed == 0
+            hints = acceptance >= speculative.GUESS_HINT_ACCEPTANCE and tested >= speculative.GUESS_HINT_EVIDENCE
+            assert guessed >= 10 if hints else guessed == 0

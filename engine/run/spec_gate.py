@@ -37,7 +37,12 @@ longer offer of that kind would pay either (idle_steps: a copy's offers run shor
 ends, and the next long one must be asked for), the steps until the next trial are plain ones
 without asking the drafter:
 the speculative loop then costs what generate's own does, and the MTP layer is not run at all
-(engine/run/mtp_drafter.py). Decisions are reused for REDECIDE steps (a plain step of a small
+(engine/run/mtp_drafter.py).
+The model prices a step alone. What it cannot see (the experts a streamed verify or an MTP layer's
+reads evict, which later steps read again) shows in the steps' realized time per emitted token:
+where the steps drafted took longer per token than plain ones, drafting is vetoed for a while
+(_vetoed), whatever the model says.
+Decisions are reused for REDECIDE steps (a plain step of a small
 model is a fraction of a millisecond; the gate must not be a noticeable share of it).
 
 The counters every run reports (SpecStats) and the closed forms the cost model's `plan` shares
@@ -59,6 +64,9 @@ ACCEPT_PRIOR = (1.0, 1.0)  # Beta(1, 1): an unseen kind of draft is accepted hal
 REDECIDE = 16  # steps a gate decision is reused before the estimates are read again
 OFF_RUN = 8  # gated-off decisions in a row (no-draft steps aside), then plain steps until the next trial
 DRAFT_GAIN = 1.05  # the modelled speed-up a depth must reach to be drafted: a margin over the estimates' noise
+VETO_MIN = 8  # drafted steps measured before their realized time per token can stop drafting
+VETO_FIRST = 64  # decisions drafting stays off once it measured slower than plain steps (then 128, 256, ...)
+RATE_DECAY = 0.9  # weight of the older steps in the realized times per token
 
 
 # --- the measurements ---------------------------------------------------------------------------
@@ -150,6 +158,26 @@ def draft_speedup(depth: int, acceptance: float, compute_s: float, stall_s: floa
     return expected_tokens(depth, acceptance) * plain / cost
 
 
+class _PerToken:
+    """Seconds per emitted token over recent steps: decayed sums of seconds and of tokens (a ratio of
+    sums: a step that emits 9 tokens weighs 9 times one that emits 1)."""
+
+    __slots__ = ("seconds", "tokens", "steps")
+
+    def __init__(self):
+        self.seconds = self.tokens = 0.0
+        self.steps = 0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.seconds = self.seconds * RATE_DECAY + seconds
+        self.tokens = self.tokens * RATE_DECAY + tokens
+        self.steps += 1
+
+    @property
+    def value(self) -> float | None:
+        return self.seconds / self.tokens if self.tokens > 0 else None
+
+
 class Gate:
     """The per-step depth (the module doc's model) and the measurements behind it."""
 
@@ -175,10 +203,18 @@ class Gate:
         self._off_run = 0  # gated-off decisions in a row (idle_steps after OFF_RUN)
         self._trial_depth = EXPLORE_DEPTH  # the next trial's depth (deeper after a trial accepted whole)
         self._trial: tuple[str, int] | None = None  # (source, depth) of the step decided as a trial, until observed
+        # What the steps really took per emitted token, plain and drafted (the veto: _vetoed)
+        self.plain_rate, self.drafted_rate = _PerToken(), _PerToken()
+        self._veto_left = 0  # decisions drafting stays off for
+        self._veto_len = VETO_FIRST
 
     def acceptance(self, source: str) -> float:
         a, r = self.accept.get(source, (0.0, 0.0))
         return (a + ACCEPT_PRIOR[0]) / (a + r + ACCEPT_PRIOR[0] + ACCEPT_PRIOR[1])
+
+    def tested(self, source: str) -> float:
+        """Drafts of this kind verified (counts fading as acceptance's do)."""
+        return sum(self.accept.get(source, (0.0, 0.0)))
 
     def union(self, rows: int) -> float:
         return self.union_prior(rows) ** (self.union_power.value or 0.0)
@@ -235,7 +271,10 @@ class Gate:
                 if rate > best_rate:
                     best, best_rate = k, rate
             self._decided[key] = best
-        if best:
+        if self._veto_left > 0:
+            self._veto_left -= 1
+        vetoed = bool(best) and self._vetoed()
+        if best and not vetoed:
             self._explore_at = EXPLORE_FIRST  # a draft pays: trials are counted afresh once it stops
             self._skipped = self._off_run = 0
             return best, "drafted"
@@ -248,6 +287,8 @@ class Gate:
             self._off_run = 0  # what the trial measured is decided on before the steps go plain again
             self._trial = (source, depth)
             return depth, "explored"  # its acceptance and its cost, measured
+        if vetoed:
+            return 0, "vetoed"  # (the veto's own count ends it: no reason to idle)
         if not self._deeper_pays(available, source, drafter):
             self._off_run += 1  # (a short offer where a longer one would be drafted is no reason to idle)
         return 0, "gated off"
@@ -295,6 +336,34 @@ class Gate:
     def skipped(self, steps: int) -> None:
         """`steps` plain steps were taken without asking (idle_steps): they count towards the next trial."""
         self._skipped += steps
+        self._veto_left = max(0, self._veto_left - steps)
+
+    def observe_rate(self, drafted: bool, seconds: float, emitted: int) -> None:
+        """A step the gate decided to draft (drafted) or a plain one took `seconds`, drafting, sampling
+        and bookkeeping included, and emitted `emitted` tokens (trials are neither: their depth is not
+        the gate's choice)."""
+        if emitted > 0:
+            (self.drafted_rate if drafted else self.plain_rate).add(seconds, emitted)
+
+    def _vetoed(self) -> bool:
+        """Whether drafting stays off although the model says it pays: the steps it drafted took more
+        time per emitted token than plain steps did (over VETO_MIN of them at least). The model prices a
+        step alone; what it cannot see shows here: the experts a streamed verify or an MTP layer's
+        reads evict from the cache, which later steps read again (the MTP drafter on copy under 368 MiB
+        ran 0.27x plain decoding while the model called it a gain). Drafting then stays off for
+        VETO_FIRST decisions, twice that after each veto in a row (trials go on, so acceptance is still
+        measured), and its rate is measured afresh."""
+        if self._veto_left > 0:
+            return True
+        drafted, plain = self.drafted_rate.value, self.plain_rate.value
+        if self.drafted_rate.steps < VETO_MIN or drafted is None or plain is None:
+            return False
+        if drafted <= plain:
+            self._veto_len = VETO_FIRST  # drafting pays as measured: a later veto starts short again
+            return False
+        self._veto_left, self._veto_len = self._veto_len, 2 * self._veto_len
+        self.drafted_rate = _PerToken()
+        return True
 
     def observe(self, rows: int, seconds: float, stall: float, nbytes: int) -> None:
         """A step of `rows` rows took `seconds`, `stall` of them waiting on reads of `nbytes`."""

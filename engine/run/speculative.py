@@ -30,8 +30,10 @@ Drafts as prefetch hints (when the store streams): before each step, the first M
 run) are hinted for the step's rows, drafts included, by each layer's router on the rows'
 embeddings; on a gated-off step also for the lookup's guess at the next token, whose reads then
 land in the cache while this step computes, where that kind of guess is accepted at least
-GUESS_HINT_ACCEPTANCE of the time (a wrong guess's reads are bytes the step did not need: on code
-the gated-off lookup engine read 4% more bytes a token than plain decoding and ran 8% slower).
+GUESS_HINT_ACCEPTANCE of the time over GUESS_HINT_EVIDENCE drafts or more (a wrong guess's reads are
+bytes the step did not need: on code the gated-off lookup engine read 4% more bytes a token than
+plain decoding and ran 8% slower; with the threshold alone, three trials' 2 of 2 accepted had it
+hinting every step of code under 368 MiB, 25% more bytes a token than plain decoding).
 The store's lookahead_recall counts these hints with the model's own.
 
 The gate (when drafting pays, and how deep): engine/run/spec_gate.py.
@@ -55,6 +57,7 @@ from engine.run.spec_gate import Gate, SpecStats, drafter_of, independent_union
 # A gated-off step hints the lookup's guess at the next token only where that kind of guess is
 # accepted at least this often (its measured acceptance, the gate's Beta(1, 1) prior before any)
 GUESS_HINT_ACCEPTANCE = 0.6
+GUESS_HINT_EVIDENCE = 8  # ... measured over at least this many drafts of that kind (decayed counts)
 
 
 class Steps(NamedTuple):
@@ -161,6 +164,8 @@ class Speculator:
             stall = max(io1[1] - io0[1], 0.0) if io1[1] >= io0[1] else io1[1]
             # The step's cost without the sampling of its rows: the forward's, as the gate models it.
             gate.observe(k + 1, t_forward - t0 - t_draft, stall, nbytes)
+            if why != "explored":  # (a trial's depth is not the gate's choice: its time is not drafting's)
+                gate.observe_rate(k > 0, time.perf_counter() - t0, len(emitted))
             if k:
                 gate.observe_accept(source, accepted, tested)
                 engine.rollback(pos + 1 + accepted)
@@ -180,7 +185,8 @@ class Speculator:
 
     def _guess_hinted(self, source: str) -> bool:
         """Whether a gated-off step hints the lookup's guess of this kind (the module doc)."""
-        return self.gate.acceptance(source) >= GUESS_HINT_ACCEPTANCE
+        gate = self.gate
+        return gate.tested(source) >= GUESS_HINT_EVIDENCE and gate.acceptance(source) >= GUESS_HINT_ACCEPTANCE
 
     def _hint(self, tokens: list[int]) -> None:
         """Before a step: the first MoE layers' experts (the ones the model's own router lookahead, which
@@ -216,6 +222,7 @@ class Speculator:
             token = sampler.pick(steps.shape(raw))
             steps.record(token, raw)
             gen.token_seconds.append(time.perf_counter() - t)
+            self.gate.observe_rate(False, gen.token_seconds[-1], 1)
             pos += 1
             seq.append(token)
             stats.steps += 1
