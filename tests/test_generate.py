@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import synth
 from engine.base.config import EngineConfig
@@ -97,3 +98,24 @@ def test_config_toml_round_trip_and_flags_override(tiny, tmp_path):
 def test_config_values_are_validated(bad):
     with pytest.raises(ConfigError):
         EngineConfig.from_dict(bad)
+
+
+def test_check_finite_logits_finds_any_nan_or_infinity_and_not_an_overflowing_sum():
+    """The check sums the logits (a NaN or an infinity carries through); a sum that overflows on
+    finite entries is checked entry by entry, so it is no error."""
+    from engine.base.errors import ModelFormatError
+    from engine.run.generate import check_finite_logits
+    logits = torch.randn(4096)
+    check_finite_logits(logits)
+    for value, word in ((float("nan"), "NaN"), (float("inf"), "infinite"), (float("-inf"), "infinite")):
+        bad = logits.clone()
+        bad[1234] = value
+        with pytest.raises(ModelFormatError, match=f"{word} logits"):
+            check_finite_logits(bad)
+    both = logits.clone()
+    both[0], both[1] = float("inf"), float("-inf")  # their sum is NaN: still caught
+    with pytest.raises(ModelFormatError, match="infinite logits"):
+        check_finite_logits(both)
+    huge = torch.full((8,), 3e38)  # finite entries whose sum is inf in fp32
+    assert not torch.isfinite(huge.sum())
+    check_finite_logits(huge)
