@@ -3,7 +3,7 @@ drafter, on copy-heavy workloads and on free text, resident and under streaming 
 
     .venv/bin/python benchmarks/time/draft_decode.py --model DIR [--budget 0[,1GiB,...]] [--tokens 96] \
         [--depths 2,4,8] [--drafter lookup[,mtp,auto]] [--workloads copy,edit,code,free] [--rounds 2] \
-        [--modes gate,fixed,nohint] [--threads 2] [--json] [--lock FILE]
+        [--modes gate,fixed,nohint] [--threads 2] [--paired] [--json] [--lock FILE]
 
 Workloads (greedy; prompts tokenized with the model's tokenizer.json, else seeded ids):
   copy   each prompt holds a piece of a Python standard-library file, a line asking for it again, and
@@ -24,6 +24,12 @@ first; under a budget the caches are emptied and their pages dropped before each
   gate-nohint  (streamed only) gate without the drafts' prefetch hints: the recall's "without"
 each but `off` once per drafter of --drafter (lookup: prompt lookup; mtp: the checkpoint's MTP
 layer; auto: MTP where the model has one, with lookup's long matches).
+--paired (resident only): every mode's engine in one child process, each prompt taken by every mode in
+turn (the order rotating), --rounds times; `x off` is then the median over prompts and rounds of a
+mode's tok/s over off's on the same prompt in the same turn, seconds apart (the box's drifts, which
+move whole child processes by 20% and more, cancel in the pair), with their min-max beside it. Those
+engines live through every round, so the gate keeps what it measured: a server's steady state, where
+the per-process rows show a gate learning from scratch on PROMPTS prompts.
 Columns: decode tok/s (median of --rounds, min-max), x off, acceptance (drafts accepted / drafted),
 tokens per step (tokens emitted / decode steps), drafted tokens, expert bytes read per emitted token
 (streamed: every emitted token is an accepted one, the draft's or the verify's own), the store's
@@ -115,21 +121,14 @@ def _config(a, mode: str):
 
 
 def child(a) -> dict:
-    from engine.api import DraftBudgetError, Engine, Sampler, generate, load_tokenizer
+    from engine.api import DraftBudgetError, Engine, Sampler, generate
     mode = a.mode
     try:
         engine = Engine(a.model, _config(a, mode))
     except DraftBudgetError as exc:  # drafting does not fit beside off's prompt group: refused, not lossy
         return {"refused": str(exc)}
     with engine:
-        vocab = engine.args.vocab_size
-        if a.workload in ("copy", "edit"):
-            prompts = _copy_prompts(load_tokenizer(a.model), vocab, PROMPTS, a.seed, edit=a.workload == "edit")
-        elif a.workload == "code":
-            prompts = _code_prompts(load_tokenizer(a.model), vocab, PROMPTS, a.seed)
-        else:
-            prompts = _free_prompts(vocab, PROMPTS, a.seed)
-        prompts = [p[-(a.ctx - a.tokens - 8):] for p in prompts]
+        prompts = _prompts(a, engine)
         streamed = engine.store is not None and engine.store.streams
         if engine.speculator is not None and mode.endswith("nohint"):
             engine.speculator.hints = False
@@ -165,6 +164,72 @@ def child(a) -> dict:
                 "recall": recall_hits / recall_total if recall_total else None, "draft": draft or {}}
 
 
+def paired_child(a) -> dict:
+    """--paired: every mode's engine in this one process (resident), the prompts taken in turn by each
+    mode, the order rotating, --rounds times: each mode's tok/s per prompt and the ratio to `off` on the
+    same prompt within the same turn (a pair measured seconds apart, so the box's slow drifts cancel).
+    The engines live through every round: the gate keeps what it measured (a server's steady state)."""
+    from engine.api import DraftBudgetError, Engine, Sampler, generate
+    modes = json.loads(a.paired_modes)  # [[drafter, mode], ...], ["auto", "off"] first
+    engines = {}
+    for drafter, mode in modes:
+        a.drafter = drafter
+        try:
+            engines[(drafter, mode)] = Engine(a.model, _config(a, mode))
+        except DraftBudgetError as exc:
+            engines[(drafter, mode)] = str(exc)
+    live = {m: e for m, e in engines.items() if not isinstance(e, str)}
+    prompts = _prompts(a, next(iter(live.values())))
+    for e in live.values():
+        generate(e, prompts[0], 4, Sampler())  # warm: kernels, pages
+        if e.speculator is not None:
+            e.speculator.reset_stats()
+    out = {m: {"tok_s": [], "ratio": [], "outputs": []} for m in live}
+    order = list(live)
+    for r in range(a.rounds):
+        for i, prompt in enumerate(prompts):
+            turn = order[(r * len(prompts) + i) % len(order):] + order[:(r * len(prompts) + i) % len(order)]
+            rate = {}
+            for m in turn:
+                gen = generate(live[m], prompt, a.tokens + 1, Sampler())
+                rate[m] = (len(gen.token_seconds) - 1) / sum(gen.token_seconds[1:])
+                out[m]["tok_s"].append(rate[m])
+                if r == 0:
+                    out[m]["outputs"].append(gen.output_ids)
+            for m in live:
+                out[m]["ratio"].append(rate[m] / rate[("auto", "off")])
+    result = []
+    for m, e in engines.items():
+        if isinstance(e, str):
+            result.append({"mode": list(m), "refused": e})
+            continue
+        result.append({"mode": list(m), **out[m], "draft": e.draft_stats() or {}})
+        e.close()
+    return {"modes": result}
+
+
+def _prompts(a, engine) -> list[list[int]]:
+    from engine.api import load_tokenizer
+    vocab = engine.args.vocab_size
+    if a.workload in ("copy", "edit"):
+        prompts = _copy_prompts(load_tokenizer(a.model), vocab, PROMPTS, a.seed, edit=a.workload == "edit")
+    elif a.workload == "code":
+        prompts = _code_prompts(load_tokenizer(a.model), vocab, PROMPTS, a.seed)
+    else:
+        prompts = _free_prompts(vocab, PROMPTS, a.seed)
+    return [p[-(a.ctx - a.tokens - 8):] for p in prompts]
+
+
+def run_paired(a, workload: str, modes: list[tuple]) -> dict:
+    from benchmarks.benchkit import child_json
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--paired-modes", json.dumps(modes), "--model",
+            a.model, "--workload", workload, "--ctx", str(a.ctx), "--budget", "0", "--threads", str(a.threads),
+            "--tokens", str(a.tokens), "--depths", a.depths, "--seed", str(a.seed), "--rounds", str(a.rounds)]
+    print(f"{TOOL}: {workload} paired, {len(modes)} modes x {a.rounds} rounds x {PROMPTS} prompts ...", file=sys.stderr,
+          flush=True)
+    return child_json(TOOL, argv, "0", a.timeout, f"{workload} paired", REPO)
+
+
 def run_child(a, budget: str, workload: str, drafter: str, mode: str, round_: int) -> dict:
     from benchmarks.benchkit import child_json
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", a.model, "--workload", workload,
@@ -192,13 +257,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=3600)
     add_output_flags(ap)
+    ap.add_argument("--paired", action="store_true",
+                    help="resident (--budget 0) only: every mode in one process, each prompt taken by every mode in "
+                         "turn, x off = the median of the per-prompt ratios to off (the box's drifts cancel); the "
+                         "engines keep their gate's measurements through the rounds (a server's steady state)")
+    ap.add_argument("--paired-modes", help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--ctx", type=int, default=1024, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        print(json.dumps(child(a)))
+        print(json.dumps(paired_child(a) if a.paired_modes else child(a)))
         return 0
     from engine.api import ConfigError, parse_size
     from benchmarks.benchkit import bench_lock, emit, fmt_spread, refuse, run_conditions, spread
@@ -226,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         return refuse(TOOL, f"--budget {a.budget!r}: {exc}")
     if not budgets:
         return refuse(TOOL, "--budget: one or more sizes (0: resident)")
+    if a.paired and any(sizes):
+        return refuse(TOOL, "--paired is resident only (--budget 0): a budget's modes each need their own cgroup")
     if "mtp" in drafters and not json.loads(Path(a.model, "config.json").read_text()).get("num_nextn_predict_layers"):
         return refuse(TOOL, f"--drafter mtp: {a.model} has no MTP layer (num_nextn_predict_layers; train one with "
                             f"benchmarks/quant/train_reference.py --mtp)")
@@ -238,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
             modes += [(d, f"fixed:{k}") for k in depths] if "fixed" in kinds else []
             modes += [(d, "gate-nohint")] if streamed and "nohint" in kinds else []
         for workload in workloads:
+            if a.paired:
+                with bench_lock(a.lock):
+                    rows += _paired_rows(run_paired(a, workload, modes), budget, workload)
+                continue
             runs: dict[tuple, list] = {m: [] for m in modes}
             for r in range(a.rounds):
                 for m in (modes if r % 2 == 0 else modes[::-1]):
@@ -265,6 +341,15 @@ def main(argv: list[str] | None = None) -> int:
                              "recall": xs[-1]["recall"], "decisions": d.get("decisions"),
                              "lossless": all(x["outputs"] == runs[("auto", "off")][0]["outputs"] for x in xs),
                              "cgroup": xs[0]["cgroup"]})
+    if a.paired:
+        cols = [(h, (lambda k: lambda r: r[k])(k)) for h, k in (
+            ("workload", "workload"), ("drafter", "drafter"), ("mode", "mode"), ("x off", "x_off"),
+            ("acceptance", "acceptance"), ("tok/step", "tokens_per_step"), ("drafted", "drafted"),
+            ("decisions", "decisions"), ("lossless", "lossless"))]
+        cols[3:3] = [("decode tok/s", lambda r: fmt_spread(r["tok_s"]))]
+        cols[5:5] = [("x off per prompt", lambda r: fmt_spread(r["ratios"]) if r["ratios"] else "-")]
+        emit(TOOL, rows, run_conditions(a, cold=False, greedy=True), a.json, cols)
+        return 0
     cols = [(h, (lambda k: lambda r: r[k])(k)) for h, k in (
         ("budget", "budget"), ("workload", "workload"), ("drafter", "drafter"), ("mode", "mode"), ("x off", "x_off"),
         ("acceptance", "acceptance"), ("tok/step", "tokens_per_step"), ("drafted", "drafted"),
@@ -273,6 +358,28 @@ def main(argv: list[str] | None = None) -> int:
     cols[4:4] = [("decode tok/s", lambda r: fmt_spread(r["tok_s"]))]
     emit(TOOL, rows, run_conditions(a, cold=any(sizes), greedy=True), a.json, cols)
     return 0
+
+def _paired_rows(result: dict, budget: str, workload: str) -> list[dict]:
+    """Rows of one --paired child: x off the median of the per-prompt ratios (their min-max beside it)."""
+    from benchmarks.benchkit import spread
+    modes = result["modes"]
+    off = next(m for m in modes if m["mode"] == ["auto", "off"])
+    rows = []
+    for m in modes:
+        drafter, mode = m["mode"]
+        if "refused" in m:
+            rows.append({"budget": budget, "workload": workload, "drafter": drafter, "mode": mode, "tok_s": None,
+                         "ratios": None, "x_off": None, "acceptance": None, "tokens_per_step": None, "drafted": None,
+                         "decisions": "refused: " + m["refused"], "lossless": None})
+            continue
+        d = m["draft"]
+        rows.append({"budget": budget, "workload": workload, "drafter": None if mode == "off" else drafter,
+                     "mode": mode, "tok_s": spread(m["tok_s"]), "ratios": spread(m["ratio"]),
+                     "x_off": round(statistics.median(m["ratio"]), 3), "acceptance": d.get("acceptance"),
+                     "tokens_per_step": d.get("tokens_per_step"), "drafted": d.get("drafted"),
+                     "decisions": d.get("decisions"), "lossless": m["outputs"] == off["outputs"]})
+    return rows
+
 
 if __name__ == "__main__":
     sys.exit(main())
