@@ -85,9 +85,10 @@ class SpecStats:
     decisions: dict = field(default_factory=dict)  # why a step had the depth it had → count
     depths: dict = field(default_factory=dict)  # depth → steps
 
-    def decide(self, depth: int, reason: str) -> None:
-        self.decisions[reason] = self.decisions.get(reason, 0) + 1
-        self.depths[depth] = self.depths.get(depth, 0) + 1
+    def decide(self, depth: int, reason: str, steps: int = 1) -> None:
+        if steps:
+            self.decisions[reason] = self.decisions.get(reason, 0) + steps
+            self.depths[depth] = self.depths.get(depth, 0) + steps
 
     def to_dict(self) -> dict:
         return {

@@ -204,14 +204,18 @@ class Speculator:
     def _plain(self, steps: Steps, gen, token: int, pos: int, count: int, seq: list[int], drafter=None):
         """Up to `count` plain decode steps (the gate counts them gated off)
         → (stopped, token, pos, steps taken). The drafter is not asked, except where the store
-        streams: prompt lookup's guess at the next token is still a prefetch hint (a few dictionary
-        lookups against a step that waits on reads; the MTP layer is never run for a hint)."""
-        engine, sampler, stats = self.engine, steps.sampler, self.stats
+        streams: prompt lookup's guess at the next token is still a prefetch hint (a scan of the
+        sequence against a step that waits on reads; the MTP layer is never run for a hint). The
+        counters and the gate's plain time per token are told once for the run of steps: a plain step
+        of a small resident model is half a millisecond, and this loop must cost what generate's does."""
+        engine, sampler = self.engine, steps.sampler
         lookup = (drafter if isinstance(drafter, PromptLookup) else getattr(drafter, "lookup", None)) \
             if self.hints else None
-        for taken in range(count):
+        taken, seconds, stopped = 0, 0.0, False
+        while taken < count:
             if steps.stop_ids and token in steps.stop_ids:
-                return True, token, pos, taken
+                stopped = True
+                break
             t = time.perf_counter()
             if self.hints:
                 found, source = lookup.offer(1) if lookup is not None else (0, "")
@@ -221,16 +225,21 @@ class Speculator:
             raw = logits[-1]
             token = sampler.pick(steps.shape(raw))
             steps.record(token, raw)
-            gen.token_seconds.append(time.perf_counter() - t)
-            self.gate.observe_rate(False, gen.token_seconds[-1], 1)
+            took = time.perf_counter() - t
+            gen.token_seconds.append(took)
+            seconds += took
+            taken += 1
             pos += 1
             seq.append(token)
-            stats.steps += 1
-            stats.emitted += 1
-            stats.decide(0, "gated off")
             if steps.finished(token) or len(gen.output_ids) >= steps.max_new_tokens:
-                return True, token, pos, taken + 1
-        return False, token, pos, count
+                stopped = True
+                break
+        stats = self.stats
+        stats.steps += taken
+        stats.emitted += taken
+        stats.decide(0, "gated off", taken)
+        self.gate.observe_rate(False, seconds, taken)
+        return stopped, token, pos, taken
 
     def _accept(self, steps: Steps, gen, logits: torch.Tensor, drafts: list[int], t0: float):
         """Row by row (module doc): emit tokens through generate's bookkeeping until a draft is
