@@ -51,16 +51,14 @@ The counters every run reports (SpecStats) and the closed forms the cost model's
 
 from __future__ import annotations
 
-import collections
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
 EXPLORE_FIRST = 16  # gated-off steps before the first trial of a draft (then 32, 64, ...)
 EXPLORE_SHARE = 0.03  # at most this share of the gated-off steps' time goes to the first trial, then half, ...
 EXPLORE_DEPTH = 2  # a trial's depth (at most): its acceptance is what a trial learns, and deeper costs more
-RECENT = 9  # measurements the gate's running estimates are the median of
+EMA = 0.2  # weight of a new measurement in the gate's running estimates
 ACCEPT_DECAY = 0.98  # acceptance counts fade, so a change of text (copying, then not) shows
 ACCEPT_PRIOR = (1.0, 1.0)  # Beta(1, 1): an unseen kind of draft is accepted half the time
 REDECIDE = 16  # steps a gate decision is reused before the estimates are read again
@@ -113,39 +111,19 @@ def draft_figures(stats: dict) -> dict:
 
 
 class _Running:
-    """The median of the last RECENT measurements (None before the first). The first value only
-    stands in until the second replaces it: a first call of a kind (a verify of a new row count) pays
-    one-time costs (kernel set-up, allocations) that are not its cost. Why a median: the box's noise
-    comes in bursts that slow a step two- or threefold, and an average that a few of them move
-    (EMA 0.2: one burst moved it 40%) turned a copy's well-paying depths off for a while; a median of
-    nine steps ignores up to four."""
+    """An exponential moving average (None until the first value). The first value only stands in
+    until the second replaces it: a first call of a kind (a verify of a new row count) pays
+    one-time costs (kernel set-up, allocations) that are not its cost."""
 
-    __slots__ = ("_recent", "count", "_value")
+    __slots__ = ("value", "count")
 
     def __init__(self, value: float | None = None):
-        self._recent: collections.deque[float] = collections.deque(maxlen=RECENT)
-        self.count = 0
-        self._value = None
-        if value is not None:
-            self.value = value
-
-    @property
-    def value(self) -> float | None:
-        return self._value
-
-    @value.setter
-    def value(self, v: float) -> None:
-        """A prior (or a test's setting): what the median starts from, as if measured twice."""
-        self._recent.clear()
-        self._recent.append(v)
-        self.count, self._value = 2, v
+        self.value = value
+        self.count = 0 if value is None else 2
 
     def add(self, x: float) -> None:
         self.count += 1
-        if self.count == 2:
-            self._recent.clear()  # the first only stood in
-        self._recent.append(x)
-        self._value = statistics.median(self._recent)
+        self.value = x if self.count <= 2 else (1 - EMA) * self.value + EMA * x
 
 
 def drafter_of(source: str) -> str:
