@@ -40,7 +40,7 @@ the speculative loop then costs what generate's own does, and the MTP layer is n
 (engine/run/mtp_drafter.py).
 The model prices a step alone. What it cannot see (the experts a streamed verify or an MTP layer's
 reads evict, which later steps read again) shows in the steps' realized time per emitted token:
-where the steps drafted took longer per token than plain ones, drafting is vetoed for a while
+where the steps drafted took VETO_MARGIN times as long per token as plain ones, drafting is vetoed a while
 (_vetoed), whatever the model says.
 Decisions are reused for REDECIDE steps (a plain step of a small
 model is a fraction of a millisecond; the gate must not be a noticeable share of it).
@@ -64,9 +64,11 @@ ACCEPT_PRIOR = (1.0, 1.0)  # Beta(1, 1): an unseen kind of draft is accepted hal
 REDECIDE = 16  # steps a gate decision is reused before the estimates are read again
 OFF_RUN = 8  # gated-off decisions in a row (no-draft steps aside), then plain steps until the next trial
 DRAFT_GAIN = 1.05  # the modelled speed-up a depth must reach to be drafted: a margin over the estimates' noise
-VETO_MIN = 8  # drafted steps measured before their realized time per token can stop drafting
+VETO_MIN = 16  # drafted steps measured before their realized time per token can stop drafting
+VETO_MARGIN = 1.2  # ... and how much slower than plain steps' it must be (a copy's brief runs of rejected
+                   # drafts cost a little more a token than plain steps, and the model turns those off itself)
 VETO_FIRST = 64  # decisions drafting stays off once it measured slower than plain steps (then 128, 256, ...)
-RATE_DECAY = 0.9  # weight of the older steps in the realized times per token
+RATE_DECAY = 0.97  # weight of the older steps in the realized times per token (~30 steps' memory)
 
 
 # --- the measurements ---------------------------------------------------------------------------
@@ -347,8 +349,9 @@ class Gate:
             (self.drafted_rate if drafted else self.plain_rate).add(seconds, emitted)
 
     def _vetoed(self) -> bool:
-        """Whether drafting stays off although the model says it pays: the steps it drafted took more
-        time per emitted token than plain steps did (over VETO_MIN of them at least). The model prices a
+        """Whether drafting stays off although the model says it pays: the steps it drafted took
+        VETO_MARGIN times the time per emitted token that plain steps did, or more (over VETO_MIN of
+        them at least). The model prices a
         step alone; what it cannot see shows here: the experts a streamed verify or an MTP layer's
         reads evict from the cache, which later steps read again (the MTP drafter on copy under 368 MiB
         ran 0.27x plain decoding while the model called it a gain). Drafting then stays off for
@@ -361,6 +364,7 @@ class Gate:
             return False
         if drafted <= plain:
             self._veto_len = VETO_FIRST  # drafting pays as measured: a later veto starts short again
+        if drafted <= plain * VETO_MARGIN:
             return False
         self._veto_left, self._veto_len = self._veto_len, 2 * self._veto_len
         self.drafted_rate = _PerToken()
