@@ -152,7 +152,8 @@ class Speculator:
                 # guess would cost a layer of compute: not for a hint), not the step's own token (_hint)
                 guess = (drafter.propose(1).tokens if not k and available and kind == "lookup"
                          and self._guess_hinted(source) else [])
-                self._hint([token, *drafts] if k else guess)
+                if k or guess:
+                    self._hint([token, *drafts] if k else guess)
             if k:
                 logits = engine.verify([token, *drafts], pos)
             else:
@@ -197,8 +198,6 @@ class Speculator:
         plain step's own token: the model's own lookahead hints its layers from the residual, which
         predicts better than the embedding; hinted from the embedding too, a code workload under 368 MiB
         read 8% more bytes a token with no gain in recall (0.78 either way)."""
-        if not tokens:
-            return
         a, w = self.engine.args, self.engine.model.w
         x = F.embedding(torch.as_tensor(tokens, dtype=torch.long), w["model.embed_tokens.weight"])  # [n, H]
         for layer in self._hinted_layers:
@@ -224,7 +223,8 @@ class Speculator:
             t = time.perf_counter()
             if self.hints:
                 found, source = lookup.offer(1) if lookup is not None else (0, "")
-                self._hint(lookup.propose(1).tokens if found and self._guess_hinted(source) else [])
+                if found and self._guess_hinted(source):
+                    self._hint(lookup.propose(1).tokens)
             logits = engine.forward([token], pos)
             raw = logits[-1]
             token = sampler.pick(steps.shape(raw))
