@@ -669,3 +669,31 @@ def test_idle_steps_ask_no_drafter_but_streamed_still_hint_the_lookup_guess(tmp_
             assert all(len(h) == 1 for h in hinted)  # the guess alone: not the step's own token
             hints = acceptance >= speculative.GUESS_HINT_ACCEPTANCE and tested >= speculative.GUESS_HINT_EVIDENCE
             assert len(hinted) >= 10 if hints else hinted == []
+
+
+def test_greedy_accept_takes_every_rows_argmax_at_once_and_stops_where_plain_decoding_would():
+    """With nothing shaping the logits, the greedy accept picks every row's argmax in one call and
+    checks finiteness once: the same tokens as row by row (ties included: the first maximum), and a
+    NaN is an error only in a row plain decoding reaches (before the first rejected draft)."""
+    from engine.base.errors import ModelFormatError
+    from engine.run.generate import check_finite_logits
+    from engine.run.speculative import Steps, accept_rows
+
+    def accept(logits, drafts, unshaped):
+        out: list[int] = []
+        steps = Steps(Sampler(), lambda raw: (check_finite_logits(raw), raw)[1], lambda t, raw: out.append(t),
+                      lambda t: False, 10 ** 6, None, unshaped=unshaped)
+        gen = type("G", (), {})()
+        gen.token_seconds, gen.output_ids = [], out
+        return accept_rows(steps, gen, logits, drafts, 0.0)
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (9, 50), generator=g).float()  # many ties
+    best = [int(torch.argmax(row)) for row in logits]
+    for drafts in (best[:8], best[:3] + [(best[3] + 1) % 50] + best[4:8], []):
+        assert accept(logits, drafts, True) == accept(logits, drafts, False)
+    bad = logits.clone()
+    bad[5, 7] = float("nan")
+    assert accept(bad, best[:3] + [(best[3] + 1) % 50] + best[4:8], True)[:2] == ([*best[:3], best[3]], 3)
+    with pytest.raises(ModelFormatError, match="NaN logits"):
+        accept(bad, best[:8], True)

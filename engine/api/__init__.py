@@ -36,7 +36,8 @@ _HOMES = {
     "engine.base.errors": "ColibriError ConfigError BudgetError BusyError DraftBudgetError ModelFormatError PromptError",
     # the engine and one generation
     "engine.run.runtime": "Engine DTYPE_NAMES checkpoint_dtype physical_cores",
-    "engine.run.generate": "Decoding Generation Sampler generate load_tokenizer random_prompt_ids",
+    "engine.run.generate": "Decoding Generation Sampler check_finite_logits generate load_tokenizer random_prompt_ids",
+    "engine.run.speculative": "Steps accept_rows",
     "engine.run.batch": "BatchSequence Scheduler StepInfo",
     "engine.run.grammar": "GrammarError GrammarProcessor GrammarTokenizer json_grammar json_lark lark_grammar",
     "engine.run.sampling": "LogitsProcessor TokenLogprob TOP_LOGPROBS_MAX",

@@ -162,8 +162,8 @@ def generate(engine, prompt_ids: list[int], max_new_tokens: int, sampler: Sample
     speculator = getattr(engine, "speculator", None)
     if not seq.finished(token):
         if speculator is not None:  # drafts verified in one pass (engine/run/speculative.py)
-            speculator.decode(Steps(seq.sampler, seq.shape, seq.record, seq.finished, max_new_tokens, stop_ids),
-                              gen, token, n)
+            speculator.decode(Steps(seq.sampler, seq.shape, seq.record, seq.finished, max_new_tokens, stop_ids,
+                                    unshaped=not seq.chain), gen, token, n)
         else:
             pos = n
             while len(gen.output_ids) < max_new_tokens and not (stop_ids and token in stop_ids):

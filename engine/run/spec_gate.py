@@ -32,12 +32,11 @@ not extrapolated from one through a plain step, which charges a verify's fixed c
 and so rules out exactly the deep drafts that a copy (long runs, all accepted) pays for; unless the
 deeper depth could not pay even with every draft accepted and its extra rows free (its drafting
 alone too dear: a small model's MTP layer costs 0.4 of a plain step a token).
-Where no depth pays even at acceptance 1 (at the cheapest drafting measured), or after OFF_RUN gated-off decisions in a row where no
-longer offer of that kind would pay either (idle_steps: a copy's offers run short where its source
-ends, and the next long one must be asked for), the steps until the next trial are plain ones
-without asking the drafter:
-the speculative loop then costs what generate's own does, and the MTP layer is not run at all
-(engine/run/mtp_drafter.py).
+Where no depth pays even at acceptance 1 (at the cheapest drafting measured), or after OFF_RUN
+gated-off decisions in a row where no longer offer of that kind would pay either (idle_steps: a
+copy's offers run short where its source ends, and the next long one must be asked for), the steps
+until the next trial are plain ones without asking the drafter: the speculative loop then costs what
+generate's own does, and the MTP layer is not run at all (engine/run/mtp_drafter.py).
 The model prices a step alone. What it cannot see (the experts a streamed verify or an MTP layer's
 reads evict, which later steps read again) shows in the steps' realized time per emitted token:
 where the steps drafted took VETO_MARGIN times as long per token as plain ones, drafting is vetoed a while

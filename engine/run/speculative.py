@@ -41,6 +41,7 @@ The gate (when drafting pays, and how deep): engine/run/spec_gate.py.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, NamedTuple
 
@@ -69,6 +70,7 @@ class Steps(NamedTuple):
     finished: Callable[[int], bool]  # on_token and processors' done(), after record
     max_new_tokens: int
     stop_ids: set[int] | None
+    unshaped: bool = False  # no processor or penalty: `shape` only checks the logits are finite
 
 
 # --- the engine's speculator --------------------------------------------------------------------
@@ -159,7 +161,7 @@ class Speculator:
             else:
                 logits = engine.forward([token], pos)
             t_forward = time.perf_counter()
-            emitted, accepted, tested, stop = self._accept(steps, gen, logits, drafts, t0)
+            emitted, accepted, tested, stop = accept_rows(steps, gen, logits, drafts, t0)
             io1 = self._io()
             nbytes = max(io1[0] - io0[0], 0) if io1[0] >= io0[0] else io1[0]  # counters reset mid-step
             stall = max(io1[1] - io0[1], 0.0) if io1[1] >= io0[1] else io1[1]
@@ -245,43 +247,54 @@ class Speculator:
         self.gate.observe_rate(False, seconds, taken)
         return stopped, token, pos, taken
 
-    def _accept(self, steps: Steps, gen, logits: torch.Tensor, drafts: list[int], t0: float):
-        """Row by row (module doc): emit tokens through generate's bookkeeping until a draft is
-        rejected, the drafts run out (then one more from the last row), or the generation stops.
-        → (emitted tokens, drafts accepted, drafts tested, stopped)."""
-        sampler = steps.sampler
-        emitted: list[int] = []
-        accepted = tested = 0
-        last = t0
-        for i in range(len(drafts) + 1):
-            raw = logits[i]
-            shaped = steps.shape(raw)
-            draft = drafts[i] if i < len(drafts) else None
-            if draft is not None:
-                tested += 1
-            if sampler.temperature == 0:
-                token = int(torch.argmax(shaped))
+
+# --- accepting a verify's rows (the Speculator's step; benchmarks/time/accept_loop.py times it alone) ---
+
+def accept_rows(steps: Steps, gen, logits: torch.Tensor, drafts: list[int], t0: float):
+    """A verify's rows [n, V] against its drafts, row by row (module doc): emit tokens through
+    generate's bookkeeping until a draft is rejected, the drafts run out (then one more from the last
+    row), or the generation stops.
+    → (emitted tokens, drafts accepted, drafts tested, stopped)."""
+    sampler = steps.sampler
+    emitted: list[int] = []
+    accepted = tested = 0
+    last = t0
+    # Greedy with nothing shaping the logits: every row's argmax in one call, and one finiteness check
+    # for all rows (a row's argmax is the one-row call's: the first of equal maxima either way). Where
+    # the check fails, row by row as below, so the error names the row plain decoding would reach.
+    picks = (logits.argmax(dim=-1).tolist() if steps.unshaped and sampler.temperature == 0
+             and math.isfinite(float(logits.sum())) else None)
+    for i in range(len(drafts) + 1):
+        raw = logits[i]
+        shaped = raw if picks is not None else steps.shape(raw)
+        draft = drafts[i] if i < len(drafts) else None
+        if draft is not None:
+            tested += 1
+        if picks is not None:
+            token = picks[i]
+        elif sampler.temperature == 0:
+            token = int(torch.argmax(shaped))
+        else:
+            p = sampler.probs(shaped)
+            p = p / p.sum()  # top_p leaves the kept mass unnormalised
+            if draft is not None and sampler.uniform() < float(p[draft]):  # min(1, p(d)/q(d)), q one-hot
+                token = draft
+            elif draft is not None:
+                residual = p.clone()
+                residual[draft] = 0.0  # max(p - q, 0) for a one-hot q
+                token = sampler.draw(residual) if float(residual.sum()) > 0 else draft
             else:
-                p = sampler.probs(shaped)
-                p = p / p.sum()  # top_p leaves the kept mass unnormalised
-                if draft is not None and sampler.uniform() < float(p[draft]):  # min(1, p(d)/q(d)), q one-hot
-                    token = draft
-                elif draft is not None:
-                    residual = p.clone()
-                    residual[draft] = 0.0  # max(p - q, 0) for a one-hot q
-                    token = sampler.draw(residual) if float(residual.sum()) > 0 else draft
-                else:
-                    token = sampler.draw(p)
-            steps.record(token, raw)
-            now = time.perf_counter()
-            gen.token_seconds.append(now - last)
-            last = now
-            emitted.append(token)
-            hit = draft is not None and token == draft
-            accepted += hit
-            if (steps.finished(token) or len(gen.output_ids) >= steps.max_new_tokens
-                    or (steps.stop_ids and token in steps.stop_ids)):
-                return emitted, accepted, tested, True
-            if not hit:
-                break
-        return emitted, accepted, tested, False
+                token = sampler.draw(p)
+        steps.record(token, raw)
+        now = time.perf_counter()
+        gen.token_seconds.append(now - last)
+        last = now
+        emitted.append(token)
+        hit = draft is not None and token == draft
+        accepted += hit
+        if (steps.finished(token) or len(gen.output_ids) >= steps.max_new_tokens
+                or (steps.stop_ids and token in steps.stop_ids)):
+            return emitted, accepted, tested, True
+        if not hit:
+            break
+    return emitted, accepted, tested, False
