@@ -45,7 +45,7 @@ _HOMES = {
     "engine.run.oneshot": "run_generation",
     "engine.run.bench": "run_bench",
     "engine.run.spec_gate": "DRAFT_GAIN draft_speedup expected_tokens independent_union",
-    "engine.run.mtp_drafter": "mtp_plan_inputs",
+    "engine.run.mtp_drafter": "plan_drafting",
     "engine.run.steady": ("STEADY_TEMPERATURE STEADY_TOP_P STEADY_WARM_SHARE counted_prompts degenerate prompt_lengths "
                           "steady_requests"),
     "engine.run.quality": "Reference format_quality measure_quality stdlib_corpus token_stream",

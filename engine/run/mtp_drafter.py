@@ -40,7 +40,7 @@ import torch
 from engine.arch.mtp import (EXTRAS, MTP_ARCHITECTURES, OWN_HEAD, MtpLayer, decoder_names, extra_names,
                              with_mtp_layers)
 from engine.base.config import EngineConfig
-from engine.base.errors import ConfigError
+from engine.base.errors import ConfigError, DraftBudgetError
 from engine.format.checkpoint import same_bytes
 from engine.run.drafters import Draft
 
@@ -104,15 +104,22 @@ def planned_bytes(ckpt, args, layer: int | None, dtype: torch.dtype, kv_dtype, c
     return count * elem + MtpLayer.cache_bytes(args, ctx_size, kv_dtype) + (WINDOW + 1) * args.hidden_size * 4
 
 
-def mtp_plan_inputs(ckpt, args, config: EngineConfig, dtype: torch.dtype, kv_dtype) -> tuple[object, int]:
-    """(the model args the expert layout covers, the MTP layer's planned bytes): what Engine hands its
-    memory plan, for a planner outside it (the tuner's memory plan, tuner/costmodel/memplan.py).
-    With the MTP layer drafting, the layout takes its experts as layer L; else (args, 0). Raises
-    ConfigError as Engine does (drafter mtp over files without the layer)."""
+def plan_drafting(ckpt, args, config: EngineConfig, dtype: torch.dtype, kv_dtype, make):
+    """(the memory plan, the MTP layer it drafts with or None), for Engine and for a planner outside it
+    (the tuner's memory plan, tuner/costmodel/memplan.py): make(layout_args, mtp_bytes) is the caller's
+    make_plan over an expert layout of those args. With the MTP layer drafting, the layout takes its
+    experts as layer L and the plan its bytes; where they do not fit beside the prompt group
+    (DraftBudgetError), drafter auto plans without it (prompt lookup alone), drafter mtp refuses.
+    Raises ConfigError for drafter mtp over files without the layer."""
     layer = mtp_layer(ckpt, args, config)
-    if layer is None:
-        return args, 0
-    return with_mtp_layers(args, 1), planned_bytes(ckpt, args, layer, dtype, kv_dtype, config.ctx_size)
+    if layer is not None:
+        try:
+            return make(with_mtp_layers(args, 1), planned_bytes(ckpt, args, layer, dtype, kv_dtype,
+                                                                config.ctx_size)), layer
+        except DraftBudgetError:
+            if config.drafter != "auto":
+                raise
+    return make(args, 0), None
 
 
 def load(engine, layer: int) -> MtpLayer:

@@ -35,7 +35,7 @@ from engine.movement.store import ResidentExperts, WeightStore
 from engine.movement.streaming_experts import StreamingExperts
 from engine.movement.streaming_layers import StreamingLayers
 from engine.weights.quantized import KERNEL_DEQUANT, KERNEL_INT4, KERNEL_INT4_STRIPS, KERNEL_INT8, kernel_works
-from engine.base.errors import DraftBudgetError, UnsupportedModelError
+from engine.base.errors import UnsupportedModelError
 from engine.format import fp8_checkpoint
 from engine.weights import fp8
 from engine.format.checkpoint import read_tensor
@@ -141,10 +141,11 @@ class Engine(Drafting):
         check_shapes(self.checkpoint, self.args, [n for n in dense_names if n not in quantized])
         self._container = container
         # The MTP layer speculative decoding drafts with (engine/run/mtp_drafter.py), or None: its
-        # experts join the layout as layer L, resident or streamed with the rest.
+        # experts join the layout as layer L, resident or streamed with the rest. The layout exists before
+        # the plan (the kernel's choice reads it); the plan (below) may yet drop the layer.
         self.mtp_layer = mtp_drafter.mtp_layer(self.checkpoint, self.args, self.config)
-        self.layout = (ExpertLayout(self.checkpoint, with_mtp_layers(self.args, 1 if self.mtp_layer is not None else 0))
-                       if self.args.is_moe else None)
+        self._layout_args = with_mtp_layers(self.args, 1 if self.mtp_layer is not None else 0)
+        self.layout = ExpertLayout(self.checkpoint, self._layout_args) if self.args.is_moe else None
 
         # bf16 and int8/int4 decode's native kernels (engine/native): loaded before the overhead is
         # measured; None when loaded, else why torch's matmuls are used instead.
@@ -154,15 +155,10 @@ class Engine(Drafting):
         self.fp8_native_unavailable = native.load() if self.fp8 is not None else "not an FP8 model"
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them
         self.kernel_name = self.kernel  # tries (and so pages in) a quantized container's packed kernel too
-        try:
-            self.plan: MemoryPlan = self._make_plan(keep_positions)
-        except DraftBudgetError:
-            if self.mtp_layer is None or self.config.drafter != "auto":
-                raise
-            # drafter auto: the MTP layer does not fit beside the prompt group; prompt lookup alone may
-            self.mtp_layer = None
-            self.layout = ExpertLayout(self.checkpoint, with_mtp_layers(self.args, 0)) if self.args.is_moe else None
-            self.plan = self._make_plan(keep_positions)
+        self.plan: MemoryPlan
+        self.plan, self.mtp_layer = mtp_drafter.plan_drafting(
+            self.checkpoint, self.args, self.config, self.dtype, self.kv_dtype,
+            lambda layout_args, mtp_bytes: self._make_plan(layout_args, mtp_bytes, keep_positions))
         t0 = time.perf_counter()
         streamed = self._streamed_layers()
         if streamed and (fp8_kept or fp8_dequantized):  # StreamingLayers casts what it reads; FP8 needs its scales
@@ -210,11 +206,14 @@ class Engine(Drafting):
         self._hidden: list | None = [] if self.mtp is not None else None
         self.speculator = Speculator(self) if self.config.draft != "off" else None
 
-    def _make_plan(self, keep_positions: bool) -> MemoryPlan:
+    def _make_plan(self, layout_args, mtp_bytes: int, keep_positions: bool) -> MemoryPlan:
+        """The memory plan over an expert layout of layout_args (made again where the plan drops the MTP
+        layer: engine/run/mtp_drafter.py plan_drafting)."""
+        if layout_args is not self._layout_args:
+            self._layout_args = layout_args
+            self.layout = ExpertLayout(self.checkpoint, layout_args) if self.args.is_moe else None
         return make_plan(self.checkpoint, self.args, self.layout, self.config, self.dtype, self.kv_dtype,
-                         keep_positions=keep_positions,
-                         mtp_bytes=mtp_drafter.planned_bytes(self.checkpoint, self.args, self.mtp_layer, self.dtype,
-                                                             self.kv_dtype, self.config.ctx_size))
+                         keep_positions=keep_positions, mtp_bytes=mtp_bytes)
 
     def _load_dense(self, name, container, quantized, fp8_kept, fp8_dequantized, alloc=None):
         if name in quantized:

@@ -242,11 +242,13 @@ class Gate:
             return max(c + max(c - one, 0.0) / (n - 1) * (rows - n), one)
         return one * (1.0 + self.row_cost * (rows - 1))
 
-    def speedup(self, depth: int, source: str, drafter: str, acceptance: float | None = None) -> float:
-        """Expected tokens per second of a step drafting `depth` over a plain step's."""
+    def speedup(self, depth: int, source: str, drafter: str, acceptance: float | None = None,
+                compute_rows: int | None = None) -> float:
+        """Expected tokens per second of a step drafting `depth` over a plain step's. compute_rows: the
+        verify's compute as that many rows' (fewer than depth + 1: the extra rows' compute left out)."""
         one, stall = self.compute.value or 1.0, self.stall.value or 0.0
         ds = self.draft_s.get(drafter)
-        cost = (self.compute_of(depth + 1) + stall * self.union(depth + 1)
+        cost = (self.compute_of(compute_rows or depth + 1) + stall * self.union(depth + 1)
                 + depth * (ds.value if ds is not None and ds.value else 0.0))
         a = self.acceptance(source) if acceptance is None else acceptance
         return expected_tokens(depth, a) * (one + stall) / cost if cost > 0 else 1.0
@@ -389,11 +391,7 @@ class Gate:
         and the verify's rows beyond the `rows` just measured cost no compute (only their drafting
         and reads): where not (a drafter whose every token costs a good part of a plain step, as a
         small model's MTP layer does), a deeper trial is not worth its verify."""
-        ds = self.draft_s.get(drafter_of(source))
-        per_token = ds.value if ds is not None and ds.value else 0.0
-        one, stall = self.compute.value or 1.0, self.stall.value or 0.0
-        cost = self.compute_of(rows) + stall * self.union(depth + 1) + depth * per_token
-        return expected_tokens(depth, 1.0) * (one + stall) / cost > DRAFT_GAIN if cost > 0 else True
+        return self.speedup(depth, source, drafter_of(source), acceptance=1.0, compute_rows=rows) > DRAFT_GAIN
 
     def observe_draft(self, drafter: str, tokens: int, seconds: float) -> None:
         if tokens:

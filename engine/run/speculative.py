@@ -41,7 +41,6 @@ The gate (when drafting pays, and how deep): engine/run/spec_gate.py.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable, NamedTuple
 
@@ -52,7 +51,7 @@ from engine.arch.args import layer_prefix
 from engine.arch.layers import rms_norm, route_layer
 from engine.run.drafters import AutoDrafter, PromptLookup
 from engine.run.mtp_drafter import MtpDrafter
-from engine.run.sampling import Sampler
+from engine.run.sampling import Sampler, all_finite
 from engine.run.spec_gate import Gate, SpecStats, drafter_of, independent_union
 
 # A gated-off step hints the lookup's guess at the next token only where that kind of guess is
@@ -262,8 +261,8 @@ def accept_rows(steps: Steps, gen, logits: torch.Tensor, drafts: list[int], t0: 
     # Greedy with nothing shaping the logits: every row's argmax in one call, and one finiteness check
     # for all rows (a row's argmax is the one-row call's: the first of equal maxima either way). Where
     # the check fails, row by row as below, so the error names the row plain decoding would reach.
-    picks = (logits.argmax(dim=-1).tolist() if steps.unshaped and sampler.temperature == 0
-             and math.isfinite(float(logits.sum())) else None)
+    picks = (logits.argmax(dim=-1).tolist() if steps.unshaped and sampler.temperature == 0 and all_finite(logits)
+             else None)
     for i in range(len(drafts) + 1):
         raw = logits[i]
         shaped = raw if picks is not None else steps.shape(raw)

@@ -23,8 +23,8 @@ from functools import lru_cache
 
 import torch
 
-from engine.api import (BudgetError, Checkpoint, DraftBudgetError, EngineConfig, ExpertLayout, MemoryPlan, align_up,
-                        checkpoint_dtype, dense_tensor_names, kv_storage, make_plan, model_args, mtp_plan_inputs)
+from engine.api import (BudgetError, Checkpoint, EngineConfig, ExpertLayout, MemoryPlan, align_up, checkpoint_dtype,
+                        dense_tensor_names, kv_storage, make_plan, model_args, plan_drafting)
 from tuner.costmodel.model_geometry import ModelGeometry
 
 BF16 = 2  # bytes per element of the stand-in checkpoint's dtype
@@ -118,19 +118,15 @@ def _stand_ins(geometry: ModelGeometry, quant: str):
 
 
 def _native_plan(geometry: ModelGeometry, config: EngineConfig, overhead_bytes: int) -> MemoryPlan:
-    ckpt, args, layout, dtype = _native_inputs(str(geometry.model_dir))
+    model_dir = str(geometry.model_dir)
+    ckpt, args, layout, dtype = _native_inputs(model_dir)
     kv_dtype = _kv_dtype(config, dtype)
-    if config.draft != "off":  # the checkpoint's MTP layer, where it drafts: its bytes and experts, as Engine plans
-        layout_args, mtp_bytes = mtp_plan_inputs(ckpt, args, config, dtype, kv_dtype)
-        if mtp_bytes:
-            try:
-                return make_plan(ckpt, args, _layout_over(str(geometry.model_dir), layout_args), config, dtype,
-                                 kv_dtype, overhead_bytes=overhead_bytes, mtp_bytes=mtp_bytes)
-            except DraftBudgetError:
-                if config.drafter != "auto":
-                    raise
-                # drafter auto: Engine drops the MTP layer where it does not fit, and drafts with lookup alone
-    return make_plan(ckpt, args, layout, config, dtype, kv_dtype, overhead_bytes=overhead_bytes)
+
+    def make(layout_args, mtp_bytes):  # (with the MTP layer drafting: its experts as the layout's layer L)
+        over = layout if layout_args is args else _layout_over(model_dir, layout_args)
+        return make_plan(ckpt, args, over, config, dtype, kv_dtype, overhead_bytes=overhead_bytes, mtp_bytes=mtp_bytes)
+
+    return plan_drafting(ckpt, args, config, dtype, kv_dtype, make)[0]  # as Engine plans, MTP layer and all
 
 
 _MTP_LAYOUTS: dict[str, ExpertLayout] = {}
