@@ -126,6 +126,47 @@ def test_put_evicting_reports_victims(policy):
         assert key not in cache and value == key.upper()
 
 
+def test_resize_evicts_per_policy_and_grows(policy):
+    """A shrink evicts until bytes_used fits (returning what left, as put_evicting does); a grow keeps
+    every entry and takes more (the expert cache borrowing a drafter's idle memory, and repaying it)."""
+    pins = [("p", 0)]
+    cache = _make(policy, 100, pinned_keys=pins, pinned_fraction=0.5)
+    cache.put(("p", 0), "P", 10)
+    for i in range(9):
+        assert cache.put(("x", i), i, 10)
+    cache.get(("x", 0))  # recent (lru) and frequent (lfu): kept by every policy
+    before = set(cache.keys())
+    evicted = cache.resize(40)
+    assert cache.capacity_bytes == 40 and cache.bytes_used == 40 and len(cache) == 4
+    assert {k for k, _v, _n in evicted} == before - set(cache.keys()) and len(evicted) == 6
+    assert all(n == 10 for _k, _v, n in evicted)
+    assert ("x", 0) in cache
+    assert (("p", 0) in cache) == (policy == "pinned")  # the oldest entry: kept only where pinned
+    assert cache.stats.evictions == 6
+    assert cache.resize(80) == [] and len(cache) == 4
+    for i in range(20, 24):
+        assert cache.put(("y", i), i, 10)
+    assert cache.bytes_used == 80 and len(cache) == 8
+    assert cache.resize(0) and len(cache) == 0 and cache.bytes_used == 0
+    with pytest.raises(ConfigError, match="non-negative"):
+        cache.resize(-1)
+
+
+def test_pinned_resize_below_its_pins_demotes_the_coldest():
+    pins = [("p", i) for i in range(4)]
+    cache = make_cache("pinned", 100, pinned_keys=pins, pinned_fraction=0.5)
+    for key in pins:
+        cache.put(key, key, 10)
+    cache.put("a", 1, 10)
+    cache.resize(40)  # pin budget 20: p3 and p2 demoted, the coldest (p3) the first to leave
+    assert cache.pinned == {("p", 0), ("p", 1)} and cache.pin_budget == 20
+    assert set(cache.keys()) == {("p", 0), ("p", 1), ("p", 2), "a"} and cache.bytes_used == 40
+    cache.resize(30)  # pin budget 15: p1 demoted, and the first to leave
+    assert cache.pinned == {("p", 0)} and set(cache.keys()) == {("p", 0), ("p", 2), "a"}
+    cache.resize(100)
+    assert cache.pin_budget == 50
+
+
 def test_thread_safety(policy):
     cache = _make(policy, 5000, pinned_keys=list(range(10)))
     errors = []

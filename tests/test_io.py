@@ -488,3 +488,28 @@ def test_without_the_binding_uring_fails_in_one_line_and_auto_falls_back(monkeyp
     assert "\n" not in str(info.value)
     with open_read_pool("direct", "auto", 2, 1 << 20) as pool:
         assert pool.backend == "threads"
+
+
+def test_arena_spare_slots_lent_and_withheld():
+    """Spare slots hold no memory until lent; a withheld slot leaves use and its pages are dropped
+    (read back as zeros once lent again), and the counts say so throughout."""
+    import ctypes
+    from engine.movement.slots import SlotArena
+    arena = SlotArena(ALIGN, 2, spare=3)
+    assert arena.count == 2 and arena.withheld == 3 and arena.stats()["arena_bytes"] == 2 * ALIGN
+    assert arena.lend(5) == 3  # no more than it has
+    assert arena.count == 5 and arena.free == 5 and arena.withheld == 0
+    leases = [arena.acquire() for _ in range(5)]
+    assert all(lease is not None for lease in leases) and arena.acquire() is None
+    for lease in leases:
+        ctypes.memset(ctypes.addressof(lease), 0xAB, ALIGN)
+    del leases, lease
+    assert arena.free == 5
+    assert arena.withhold(4) == 4
+    assert arena.count == 1 and arena.free == 1 and arena.withheld == 4 and arena.stats()["arena_bytes"] == ALIGN
+    held = arena.acquire()
+    assert held is not None and arena.acquire() is None  # withheld slots are not handed out
+    assert arena.withhold(1, wait_s=0.01) == 0  # the one slot is held: nothing to take
+    assert arena.lend(4) == 4
+    again = [arena.acquire() for _ in range(4)]
+    assert all(bytes(lease) == bytes(ALIGN) for lease in again)  # their pages were dropped: zero-filled

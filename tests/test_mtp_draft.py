@@ -229,6 +229,54 @@ def test_mtp_drafts_after_a_gated_off_stretch_are_accepted(arch, tmp_path_factor
     assert stats.drafted >= 10 and stats.accepted >= 0.9 * stats.drafted
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_an_idle_mtp_layer_lends_its_memory_to_the_expert_cache_and_drafts_again(dtype, tmp_path_factory,
+                                                                                   monkeypatch):
+    """Streamed, nothing offered for longer than LEND_AFTER steps: the layer is dropped and the RAM
+    cache grows by its bytes (whole entries; with bf16 compute a cached expert is its slot, and the
+    arena faults in that many more); the next draft repays the cache, loads the layer again and is
+    accepted; the cache and arena are back to the plan's, and the tokens are the plain run's."""
+    d = mtp_model(tmp_path_factory, "glm4_moe", initializer_range=0.002, routing_skew=0.0)
+    _as_oracle(d)
+    base = config(dtype=dtype, draft="fixed", drafter="mtp", draft_depth=3, cpu_cache_ratio=0.05)
+    with Engine(d, config(dtype=dtype)) as e:
+        plain = generate(e, PROMPT, 56, Sampler()).output_ids
+    with Engine(d, base) as e:  # (resident: nothing to lend to)
+        mtp_bytes = e.plan.draft_bytes
+        assert e.store is None or not getattr(e.store, "borrowable", 0)
+    budget = budget_for_cache(d, base, 10) + mtp_bytes  # (a 0.05 share: the cache holds about half the 24 experts)
+    gap = mtp_drafter.LEND_AFTER + 6
+    with Engine(d, base.replace(ram_budget=budget)) as e:
+        store, plan = e.store, e.plan
+        assert plan.streaming and store.borrowable > 0 and plan.cache_slots + store.borrowable <= plan.routed_experts
+        entry, ram = plan.cache_entry_bytes, store.cache.tier("ram")
+        lendable = mtp_drafter.lendable_bytes(e.checkpoint, e.args, e.mtp_layer, e.dtype, e.kv_dtype, CTX)
+        assert store.borrowable == min(lendable // entry, plan.routed_experts - plan.cache_slots)
+        slot_entries = dtype == "bf16"  # the synthesized experts are bf16: views of their slots
+        assert (store.arena.withheld == store.borrowable) == slot_entries
+        seen, offers = [], []
+        real_offer = MtpDrafter.offer
+
+        def offer(self, k):
+            offers.append(k)
+            if len(offers) == gap:  # the step before the first draft: lent
+                seen.append((e.mtp.layer is None, ram.capacity_bytes, store.arena.count))
+            return (0, "mtp") if len(offers) <= gap else real_offer(self, k)
+
+        monkeypatch.setattr(MtpDrafter, "offer", offer)
+        drafted = generate(e, PROMPT, 56, Sampler()).output_ids
+        stats = e.speculator.stats
+        lent, capacity, slots = seen[0]
+        assert lent and capacity == plan.cache_bytes + store.borrowable * entry
+        assert slots == plan.arena_slots + (store.borrowable if slot_entries else 0)
+        assert e.mtp.layer is not None and e.mtp.loads == 1 and stats.mtp_loads == 1
+        assert ram.capacity_bytes == plan.cache_bytes and ram.bytes_used <= plan.cache_bytes
+        assert store.arena.count == plan.arena_slots and store.slot_overflows == 0
+        assert e.draft_stats()["mtp_loads"] == 1
+    assert drafted == plain
+    assert stats.drafted >= 9 and stats.accepted >= 0.9 * stats.drafted
+
+
 def test_the_mtp_window_reads_the_same_wherever_it_lies_and_however_its_rows_are_grouped(model):
     """The MTP layer's cache holds a window from slot 0 (MtpLayer.forward's base), RoPE turning at
     the rows' own positions: the window's logits are the same at position 7 as at 40 (attention sees

@@ -14,6 +14,11 @@ the compute thread dropped its last reference. Nothing can reuse a slot a tensor
 
 Why pre-faulted: a fresh anonymous buffer per read costs one zero-fill page fault per 4 KiB
 and an munmap (with a TLB shootdown) per eviction; the arena pays the faults once, at load.
+
+Spare slots: address space mapped beyond `count` but never faulted in, so they hold no memory. The
+expert cache borrows them while a drafter's memory is idle (engine/run/mtp_drafter.py lends the MTP
+layer's): `lend(n)` faults n of them in and hands them out; `withhold(n)` takes n free slots back and
+drops their pages (MADV_DONTNEED), so the resident set shrinks by their bytes again.
 """
 
 from __future__ import annotations
@@ -30,22 +35,26 @@ from engine.movement.io import ALIGN, align_up
 # Linux >= 5.14: fault a whole range in, writable, with one call.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 
 class SlotArena:
-    """`count` slots of `slot_bytes` (rounded up to pages), page-aligned, faulted in up front."""
+    """`count` slots of `slot_bytes` (rounded up to pages), page-aligned, faulted in up front, and
+    `spare` more mapped but not faulted in (the module doc: lent while a drafter is idle)."""
 
-    def __init__(self, slot_bytes: int, count: int, prefault: bool = True):
-        if slot_bytes < 0 or count < 0:
-            raise ValueError(f"slot_bytes and count must be >= 0, got {slot_bytes}, {count}")
+    def __init__(self, slot_bytes: int, count: int, prefault: bool = True, spare: int = 0):
+        if slot_bytes < 0 or count < 0 or spare < 0:
+            raise ValueError(f"slot_bytes, count and spare must be >= 0, got {slot_bytes}, {count}, {spare}")
         self.slot_bytes = align_up(max(slot_bytes, 1))
-        self.count = count
+        self.count = count  # slots that hold memory: handed out, free, or lent
         self.nbytes = self.slot_bytes * count
         # MAP_PRIVATE: Python's anonymous default, MAP_SHARED, is shmem, which ignores MADV_HUGEPAGE.
-        self._arena = mmap.mmap(-1, max(self.nbytes, ALIGN), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._arena = mmap.mmap(-1, max(self.slot_bytes * (count + spare), ALIGN),
+                                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if prefault and self.nbytes:
             self._prefault()
         self._free = collections.deque(range(count))  # append/popleft are atomic: finalizers may run on workers
+        self._withheld = list(range(count, count + spare))  # mapped, holding no pages: lend() gives them out
         # Reentrant: a finalizer (a release) can run in any thread at any allocation, including
         # in one that holds the lock already.
         self._lock = threading.RLock()
@@ -59,7 +68,7 @@ class SlotArena:
         except OSError:
             pass
         try:
-            self._arena.madvise(_MADV_POPULATE_WRITE)
+            self._arena.madvise(_MADV_POPULATE_WRITE, 0, self.nbytes)  # (not the spare slots)
         except OSError:  # kernels before 5.14: touch every page
             ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(self._arena)), 0, self.nbytes)
 
@@ -97,6 +106,54 @@ class SlotArena:
     @property
     def free(self) -> int:
         return len(self._free)
+
+    @property
+    def withheld(self) -> int:
+        """Slots that could be lent: mapped, holding no memory."""
+        return len(self._withheld)
+
+    def lend(self, n: int) -> int:
+        """Fault in up to n withheld slots and hand them out with the free ones → how many."""
+        with self._lock:
+            n = min(n, len(self._withheld))
+            for _ in range(n):
+                index = self._withheld.pop()
+                self._madvise(_MADV_POPULATE_WRITE, index)
+                self.count += 1
+                self.nbytes += self.slot_bytes
+                self._free.append(index)
+                self._released.notify()
+        return n
+
+    def withhold(self, n: int, wait_s: float = 0.0) -> int:
+        """Take up to n free slots out of use and drop their pages, waiting up to wait_s for releases
+        → how many were taken (fewer only where slots stayed held past the wait)."""
+        taken = 0
+        deadline = time.monotonic() + wait_s
+        with self._released:
+            while taken < n:
+                try:
+                    index = self._free.popleft()
+                except IndexError:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._released.wait(left)
+                    continue
+                self._madvise(_MADV_DONTNEED, index)
+                self._withheld.append(index)
+                self.count -= 1
+                self.nbytes -= self.slot_bytes
+                taken += 1
+        return taken
+
+    def _madvise(self, option: int, index: int) -> None:
+        try:
+            self._arena.madvise(option, index * self.slot_bytes, self.slot_bytes)
+        except OSError:
+            if option == _MADV_POPULATE_WRITE:  # kernels before 5.14: touch every page
+                base = ctypes.addressof(ctypes.c_char.from_buffer(self._arena)) + index * self.slot_bytes
+                ctypes.memset(base, 0, self.slot_bytes)
 
     def stats(self) -> dict:
         with self._lock:

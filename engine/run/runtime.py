@@ -7,6 +7,7 @@ decides how much RAM the expert cache gets.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections import Counter
@@ -181,7 +182,10 @@ class Engine(Drafting):
         if self.layout is None:
             self.experts = None
         elif self.plan.streaming:
-            self.experts = StreamingExperts(self.layout, self.config, self.plan, self.dtype)
+            # The MTP layer's bytes, which the expert cache borrows while it is idle (engine/run/mtp_drafter.py)
+            lendable = mtp_drafter.lendable_bytes(self.checkpoint, self.args, self.mtp_layer, self.dtype,
+                                                  self.kv_dtype, self.config.ctx_size)
+            self.experts = StreamingExperts(self.layout, self.config, self.plan, self.dtype, lendable_bytes=lendable)
         else:
             self.experts = ResidentExperts(self.layout, self.dtype)
         self.load_seconds = time.perf_counter() - t0
@@ -202,7 +206,9 @@ class Engine(Drafting):
         # Speculative decoding (engine/run/speculative.py): None when off, so generate decodes as always.
         # The MTP layer's state: the (token, hidden) pairs it reads (engine/run/mtp_drafter.py), kept as
         # forward / rollback see rows; _hidden collects the rows' final hidden states meanwhile.
-        self.mtp = MtpState(mtp_drafter.load(self, self.mtp_layer)) if self.mtp_layer is not None else None
+        self.mtp = (MtpState(mtp_drafter.load(self, self.mtp_layer), functools.partial(mtp_drafter.load, self,
+                                                                                     self.mtp_layer), self.experts)
+                    if self.mtp_layer is not None else None)
         self._hidden: list | None = [] if self.mtp is not None else None
         self.speculator = Speculator(self) if self.config.draft != "off" else None
 

@@ -83,6 +83,7 @@ class SpecStats:
     emitted: int = 0  # tokens the steps produced (accepted drafts + one per step, less any cut by a stop)
     rows: int = 0  # verify rows computed (drafted + 1 per verify step)
     bytes_read: int = 0  # expert / layer bytes the store read during the steps
+    mtp_loads: int = 0  # MTP layer loads after its memory was lent to the expert cache (engine/run/mtp_drafter.py)
     decisions: dict = field(default_factory=dict)  # why a step had the depth it had → count
     depths: dict = field(default_factory=dict)  # depth → steps
 
@@ -98,6 +99,7 @@ class SpecStats:
             "acceptance": self.accepted / self.drafted if self.drafted else None,
             "tokens_per_step": self.emitted / self.steps if self.steps else None,
             "bytes_per_token": self.bytes_read / self.emitted if self.emitted else None,
+            "mtp_loads": self.mtp_loads,
             "decisions": dict(sorted(self.decisions.items())),
             "depths": {str(k): v for k, v in sorted(self.depths.items())},
         }

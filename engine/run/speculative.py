@@ -124,11 +124,14 @@ class Speculator:
         drafter = self.drafter_for(seq)
         ctx = engine.kv.ctx_size
         ring = engine.max_verify_rows
+        mtp = getattr(engine, "mtp", None)
         while True:
             left = steps.max_new_tokens - len(gen.output_ids)
             if left <= 0 or (steps.stop_ids and token in steps.stop_ids):
                 return
             idle = gate.idle_steps()
+            if mtp is not None:
+                mtp.lend_if_idle(idle)  # its memory to the expert cache while the gate leaves it idle
             if idle:  # no draft can pay here now: plain steps, as generate's own loop takes them
                 done, token, pos, taken = self._plain(steps, gen, token, pos, min(idle, left), seq, drafter)
                 gate.skipped(taken)
@@ -144,9 +147,13 @@ class Speculator:
             kind = drafter_of(source)  # lookup-3 → lookup: whose cost per drafted token
             k, why = gate.depth(available, source, kind)
             stats.decide(k, why)
+            loads = mtp.load_seconds if mtp is not None else 0.0
             drafts = drafter.propose(k).tokens if k else []
             k = len(drafts)
             t_draft = time.perf_counter() - t0
+            if mtp is not None and mtp.load_seconds != loads:  # the layer loaded again after a loan: a
+                t_draft -= mtp.load_seconds - loads            # cost per loan, not per drafted token
+                stats.mtp_loads += 1
             gate.observe_draft(kind, k, t_draft)
             if self.hints:
                 # a verify's rows; on a gated-off step only the lookup's guess at the next token (an MTP

@@ -133,6 +133,22 @@ class ExpertCache(ABC):
             self.stats.inserts += 1
         return True, evicted
 
+    def resize(self, capacity_bytes: int) -> list[Evicted]:
+        """A new capacity (the cache borrows a drafter's idle memory, and gives it back: engine/run/
+        mtp_drafter.py): what no longer fits is evicted per policy, and returned."""
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ConfigError(f"cache capacity must be a non-negative integer, got {capacity_bytes!r}")
+        evicted: list[Evicted] = []
+        with self._lock:
+            self.capacity_bytes = capacity_bytes
+            self._on_resize()
+            while self.bytes_used > self.capacity_bytes:
+                victim = self._victim()
+                value, nbytes = self._remove_locked(victim)
+                evicted.append((victim, value, nbytes))
+                self.stats.evictions += 1
+        return evicted
+
     def fits(self, key: Key, nbytes: int) -> bool:
         """Whether put(key, _, nbytes) would be accepted now (evictions allowed)."""
         with self._lock:
@@ -195,6 +211,9 @@ class ExpertCache(ABC):
 
     def _plan_insert(self, key: Key, nbytes: int) -> None:
         """Called once an insert is known to fit, before evictions make room for it."""
+
+    def _on_resize(self) -> None:
+        """Called once the capacity changed, before evictions bring bytes_used within it."""
 
     @abstractmethod
     def _on_hit(self, key: Key) -> None: ...
@@ -289,6 +308,7 @@ class PinnedCache(ExpertCache):
         self._rank: dict[Key, int] = {}
         for key in pinned_keys:
             self._rank.setdefault(key, len(self._rank))
+        self.pinned_fraction = pinned_fraction
         self.pin_budget = int(capacity_bytes * pinned_fraction)
         self._pinned: dict[Key, int] = {}  # key -> nbytes
         self.pinned_bytes = 0
@@ -330,6 +350,20 @@ class PinnedCache(ExpertCache):
                 break
             self.pinned_bytes -= self._pinned.pop(colder)
             self._lru[colder] = None  # it was hot by the histogram: most recently used
+
+    def _on_resize(self):
+        # The pin budget is the same share of the new capacity: the coldest pinned keys over it
+        # join the LRU part, as the least recently used (they go first where the cache shrinks).
+        self.pin_budget = int(self.capacity_bytes * self.pinned_fraction)
+        demoted = []
+        for colder in sorted(self._pinned, key=self._rank.__getitem__, reverse=True):
+            if self.pinned_bytes <= self.pin_budget:
+                break
+            self.pinned_bytes -= self._pinned.pop(colder)
+            demoted.append(colder)
+        for key in reversed(demoted):  # the coldest ends up first
+            self._lru[key] = None
+            self._lru.move_to_end(key, last=False)
 
     def _on_hit(self, key):
         if key in self._lru:
