@@ -37,7 +37,7 @@ def needs_native_int():
     """The skip mark of the int8/int4 kernel tests: native ops loaded and VNNI/VBMI present."""
     why = native.load()
     return pytest.mark.skipif(why is not None or not native.int_ready,
-                              reason=needs("native", f"native int kernels: {why or 'no VNNI/VBMI'}"))
+                              reason=needs("native", f"native int kernels: {why or 'no VNNI/VBMI'}", int_kernels=True))
 
 
 @pytest.fixture(autouse=True)

@@ -12,10 +12,23 @@ import os
 DEPENDENCIES = ("fio", "postgres", "cgroup", "uring", "native", "chromium", "llama_cpp")
 
 
-def needs(dep: str, why: str) -> str:
-    """The skip reason for a test that needs `dep`: tagged so the require switch can find it."""
+def needs(dep: str, why: str, int_kernels: bool = False) -> str:
+    """The skip reason for a test that needs `dep`: tagged so the require switch can find it. Not
+    tagged where the dependency is the CPU itself: the native kernels on a CPU without AVX-512
+    (bf16; int_kernels: VNNI and VBMI too) skip on any machine like it, CI's included (the sources
+    are still compiled there: tests/test_native_build.py)."""
     assert dep in DEPENDENCIES, dep
+    if dep == "native" and cpu_lacks_native(int_kernels):
+        return f"{why} (this CPU's instruction set: runs where the CPU has it)"
     return f"[requires {dep}] {why}"
+
+
+def cpu_lacks_native(int_kernels: bool = False) -> list[str]:
+    """The instruction sets the native kernels need that this CPU does not have."""
+    from engine import native
+    flags = native.cpu_flags()
+    wanted = native.REQUIRED_FLAGS + (native.INT_FLAGS if int_kernels else ())
+    return [f for f in wanted if f not in flags]
 
 
 def required(dep: str) -> bool:

@@ -134,7 +134,16 @@ def _has_mallinfo2() -> bool:
         return False
 
 
+def _onednn_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 @pytest.mark.skipif(not _has_mallinfo2(), reason="glibc's mallinfo2 counts the native caches' bytes")
+@pytest.mark.skipif(not _onednn_bf16(), reason="this CPU's bf16 matmuls do not go through oneDNN (it has no "
+                                                "AVX-512): no primitive caches to cap")
 def test_the_native_matmul_caches_stay_within_their_charge():
     """engine/base/heap.py caps oneDNN's and ideep's caches unless the user set them: 300 distinct
     row counts of a bf16 matmul leave at most NATIVE_CACHE_BYTES allocated; with ideep's default

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from colibri_requirements import DEPENDENCIES, needs, required_dependency_in
+from engine import native
 
 TESTS = Path(__file__).resolve().parent
 
@@ -59,11 +60,27 @@ def test_only_the_named_dependency_is_required(tmp_path):
 
 @pytest.mark.parametrize("dep", DEPENDENCIES)
 def test_each_dependency_has_its_switch(dep, monkeypatch):
+    monkeypatch.setattr(native, "cpu_flags", lambda: set(native.REQUIRED_FLAGS + native.INT_FLAGS))
     reason = needs(dep, "absent")
     monkeypatch.delenv(f"COLIBRI_REQUIRE_{dep.upper()}", raising=False)
     assert required_dependency_in(reason) is None
     monkeypatch.setenv(f"COLIBRI_REQUIRE_{dep.upper()}", "1")
     assert required_dependency_in(reason) == dep
+
+
+@pytest.mark.parametrize("int_kernels", [False, True])
+def test_native_kernels_on_a_cpu_without_their_instructions_skip_as_hardware_even_where_required(int_kernels,
+                                                                                                monkeypatch):
+    """The native kernels need AVX-512 (the int ones VNNI and VBMI too): a CPU without them is no missing
+    dependency setup.sh could install, so their tests skip there even under COLIBRI_REQUIRE_NATIVE (CI
+    on such a machine; tests/test_native_build.py still compiles the sources); with them, a skip fails."""
+    monkeypatch.setenv("COLIBRI_REQUIRE_NATIVE", "1")
+    has = set(native.REQUIRED_FLAGS) if int_kernels else {"avx2", "fma"}
+    monkeypatch.setattr(native, "cpu_flags", lambda: has)
+    reason = needs("native", "native kernels: absent", int_kernels=int_kernels)
+    assert required_dependency_in(reason) is None and "instruction set" in reason
+    monkeypatch.setattr(native, "cpu_flags", lambda: set(native.REQUIRED_FLAGS + native.INT_FLAGS))
+    assert required_dependency_in(needs("native", "native kernels: absent", int_kernels=int_kernels)) == "native"
 
 
 def test_ci_requires_every_dependency():

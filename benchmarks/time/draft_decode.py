@@ -33,7 +33,8 @@ the per-process rows show a gate learning from scratch on PROMPTS prompts.
 Columns: decode tok/s (median of --rounds, min-max), x off, acceptance (drafts accepted / drafted),
 tokens per step (tokens emitted / decode steps), drafted tokens, expert bytes read per emitted token
 (streamed: every emitted token is an accepted one, the draft's or the verify's own), the store's
-lookahead recall (streamed), the gate's decisions, and whether the tokens equal the off run's (they
+lookahead recall (streamed), the gate's decisions, the MTP layer's loads after lending its memory to the
+expert cache (streamed; engine/run/mtp_drafter.py), and whether the tokens equal the off run's (they
 must: lossless).
 
 DIR: any model directory; `colibri synth demo -o DIR` for the streaming rows (a random model does
@@ -339,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                              "read_mib_per_token": (round(statistics.median(x["bytes_per_token"] for x in xs) / MiB, 3)
                                                     if xs[0]["streamed"] else None),
                              "recall": xs[-1]["recall"], "decisions": d.get("decisions"),
+                             "mtp_loads": d.get("mtp_loads") if m[0] in ("mtp", "auto") and m[1] != "off" else None,
                              "lossless": all(x["outputs"] == runs[("auto", "off")][0]["outputs"] for x in xs),
                              "cgroup": xs[0]["cgroup"]})
     if a.paired:
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         ("budget", "budget"), ("workload", "workload"), ("drafter", "drafter"), ("mode", "mode"), ("x off", "x_off"),
         ("acceptance", "acceptance"), ("tok/step", "tokens_per_step"), ("drafted", "drafted"),
         ("read MiB/accepted tok", "read_mib_per_token"), ("recall", "recall"), ("decisions", "decisions"),
-        ("lossless", "lossless"), ("cgroup", "cgroup"))]
+        ("MTP loads", "mtp_loads"), ("lossless", "lossless"), ("cgroup", "cgroup"))]
     cols[4:4] = [("decode tok/s", lambda r: fmt_spread(r["tok_s"]))]
     emit(TOOL, rows, run_conditions(a, cold=any(sizes), greedy=True), a.json, cols)
     return 0

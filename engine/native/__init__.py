@@ -100,10 +100,20 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build(cxx: str, out: Path) -> None:
+def build(out: Path, optimize: bool = True) -> None:
+    """Compile the library to `out` whatever this CPU runs (CI checks the sources build on a CPU without
+    AVX-512 too: unoptimized there, a check of the sources and the link, not a library to run).
+    Raises RuntimeError naming what failed."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    _build(cxx, out, "-O3" if optimize else "-O0")
+
+
+def _build(cxx: str, out: Path, level: str = "-O3") -> None:
     torch_dir = Path(torch.__file__).parent
     abi = int(torch.compiled_with_cxx11_abi())
-    argv = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+    argv = [cxx, level, "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
             "-mavx512bf16", "-mfma", f"-I{Path(__file__).parent}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
             f"-I{torch_dir / 'include'}", *map(str, SOURCES), "-o", str(out),
             f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]

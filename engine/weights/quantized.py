@@ -359,7 +359,12 @@ class QuantWeight(StoredMatrix):
             codes, sz = unpack_int4_strips(self.qweight, self.shape[1], self.group_size)
             return dequantize_int4(pack_int4(codes), sz, self.group_size)
         if self.kernel == KERNEL_INT4 and not stored_int4_is_native():
-            raise ValueError("int4 weights repacked for this CPU's kernel layout cannot be dequantized")
+            # Repacked for this CPU's kernel (no AVX-512: torch's layout is its own): the kernel itself over
+            # the identity gives each weight exactly (one product by 1.0 and zeros, in fp32). [K, K] fp32:
+            # a test's or a converter's cost, never decode's (linear calls the kernel).
+            K = self.shape[1]
+            eye = torch.eye(K, dtype=torch.float32, device=self.qweight.device)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group_size, self.qscale.float()).t()
         return dequantize(self.qweight, self.qscale, self.quant, self.group_size)
 
     @property
