@@ -277,6 +277,45 @@ def test_an_idle_mtp_layer_lends_its_memory_to_the_expert_cache_and_drafts_again
     assert stats.drafted >= 9 and stats.accepted >= 0.9 * stats.drafted
 
 
+def test_short_loans_double_the_wait_before_the_next_and_a_long_one_resets_it():
+    """Drafts every few dozen steps would pay a load each: a loan that ends within SHORT_LOAN times the
+    wait before it doubles the wait (up to LEND_AFTER_MAX); a long one sets it back. Nothing is lent
+    without a store that can borrow, and each loan is one borrow, each load one repay."""
+
+    class Store:
+        borrowable, borrows, repays = 3, 0, 0
+
+        def borrow(self):
+            Store.borrows += 1
+
+        def repay(self):
+            Store.repays += 1
+
+    layer = object()
+    state = mtp_drafter.MtpState(layer, load=lambda: layer, store=Store())
+    assert not mtp_drafter.MtpState(layer, load=lambda: layer, store=None).lend_if_idle(10 ** 6)
+
+    def loan(wait: int, length: int) -> int:
+        state.idle = wait - 1
+        assert not state.lend_if_idle() and state.layer is layer  # one step short: kept
+        state.idle = wait
+        assert state.lend_if_idle() and state.layer is None
+        state.idle = wait + length
+        assert state._ensure_loaded() is layer
+        return state.lend_after
+
+    L = mtp_drafter.LEND_AFTER
+    assert loan(L, 2 * L - 1) == 2 * L  # short: the wait doubles
+    assert loan(2 * L, 4 * L - 1) == 4 * L
+    assert loan(4 * L, 8 * L) == L  # long: back to the start
+    state.lend_after = mtp_drafter.LEND_AFTER_MAX
+    assert loan(mtp_drafter.LEND_AFTER_MAX, 0) == mtp_drafter.LEND_AFTER_MAX  # capped
+    assert Store.borrows == Store.repays == 4 and state.loads == 4
+    state.idle = 0
+    assert not state.lend_if_idle(ahead=state.lend_after - 1)
+    assert state.lend_if_idle(ahead=state.lend_after) and state.layer is None  # the gate's plain run ahead
+
+
 def test_the_mtp_window_reads_the_same_wherever_it_lies_and_however_its_rows_are_grouped(model):
     """The MTP layer's cache holds a window from slot 0 (MtpLayer.forward's base), RoPE turning at
     the rows' own positions: the window's logits are the same at position 7 as at 40 (attention sees

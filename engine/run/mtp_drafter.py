@@ -37,7 +37,9 @@ along). After LEND_AFTER decode steps without running the layer, or where the ga
 that many plain steps, the layer is dropped and the store's RAM cache borrows its bytes
 (StreamingExperts.borrow); the next draft repays them (the least wanted experts evicted) and loads
 the layer again from the files, its cache empty: the draft then computes the window from slot 0, as
-after any gap. The pairs stay queued meanwhile (a few hidden states).
+after any gap. The pairs stay queued meanwhile (a few hidden states). A loan that ends within twice
+the wait before it doubles that wait (up to LEND_AFTER_MAX steps), so drafts that come every few dozen
+steps do not pay a load each; a long loan sets it back to LEND_AFTER.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ WINDOW = 16
 # a gate's trials come every 16, 32, 64... gated-off steps, and a loan costs a load of the layer and
 # the experts its bytes held when it ends
 LEND_AFTER = 32
+# ... doubled (up to LEND_AFTER_MAX) each time a loan ends soon after it began (its load and the experts
+# it evicts paid for little time of a bigger cache: drafts that come every few dozen steps, as an auto
+# drafter's MTP offers between a copy's runs do), back to LEND_AFTER after a long loan
+LEND_AFTER_MAX = 1024
+SHORT_LOAN = 2  # a loan shorter than this many times the wait before it is short
 
 
 def mtp_layer(ckpt, args, config: EngineConfig) -> int | None:
@@ -174,6 +181,8 @@ class MtpState:
         self._store = store if load is not None and getattr(store, "borrowable", 0) else None
         self.calls = 0  # MTP layer forwards (a test counts them: none while nothing drafts)
         self.idle = 0  # decode steps since the layer last ran
+        self.lend_after = LEND_AFTER  # idle steps before a loan (doubled after short loans)
+        self._lent_at = 0  # `idle` when the layer was lent
         self.loads = 0  # times the layer was loaded again after a loan ...
         self.load_seconds = 0.0  # ... and the seconds those loads took (repaying the cache's loan included)
         self.reset(0)
@@ -181,9 +190,10 @@ class MtpState:
     def lend_if_idle(self, ahead: int = 0) -> bool:
         """Drop the layer and let the expert cache borrow its bytes where it has not run for LEND_AFTER
         decode steps, or the gate takes at least that many plain steps now (`ahead`) → whether it did."""
-        if self._store is None or self.layer is None or max(self.idle, ahead) < LEND_AFTER:
+        if self._store is None or self.layer is None or max(self.idle, ahead) < self.lend_after:
             return False
         self.layer = None
+        self._lent_at = self.idle
         heap.release_freed()  # its tensors' pages back to the OS before the cache grows into them
         self._store.borrow()
         return True
@@ -192,6 +202,9 @@ class MtpState:
         """The layer, loaded again where it was lent: the cache's loan repaid first (the module doc)."""
         if self.layer is None:
             t0 = time.perf_counter()
+            loan = self.idle - self._lent_at  # steps the cache held the layer's bytes
+            self.lend_after = (min(2 * self.lend_after, LEND_AFTER_MAX) if loan < SHORT_LOAN * self.lend_after
+                               else LEND_AFTER)
             self._store.repay()
             self.layer = self._load()
             self.computed = 0  # its cache is empty: the next call computes the queued window from slot 0
