@@ -250,22 +250,25 @@ def same_bytes(a: TensorInfo, b: TensorInfo) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _same_bytes(a: TensorInfo, b: TensorInfo, _stamps: tuple, chunk: int = 1 << 20) -> bool:
-    left, right = torch.empty(min(chunk, a.nbytes), dtype=torch.uint8), torch.empty(min(chunk, a.nbytes),
-                                                                                   dtype=torch.uint8)
+    # Plain byte buffers compared by memcmp, not torch tensors: the plan measures the process's resident
+    # set next, and torch.equal's first call paged 1.25 MiB of torch's code into it (three expert-cache
+    # entries of the MTP reference at 368 MiB)
+    size = min(chunk, a.nbytes)
+    left, right = bytearray(size), bytearray(size)
     try:
         with open(a.path, "rb", buffering=0) as fa, open(b.path, "rb", buffering=0) as fb:
             for at in range(0, a.nbytes, chunk):
                 n = min(chunk, a.nbytes - at)
-                if (os.preadv(fa.fileno(), [left[:n].numpy()], a.offset + at) != n
-                        or os.preadv(fb.fileno(), [right[:n].numpy()], b.offset + at) != n):
+                if (os.preadv(fa.fileno(), [memoryview(left)[:n]], a.offset + at) != n
+                        or os.preadv(fb.fileno(), [memoryview(right)[:n]], b.offset + at) != n):
                     raise ModelFormatError(f"{a.path}: truncated while comparing {a.name!r} with {b.name!r}")
-                if not torch.equal(left[:n], right[:n]):
+                if (left != right) if n == size else (left[:n] != right[:n]):
                     return False
     except OSError as exc:
         raise ModelFormatError(f"{a.path}: cannot compare {a.name!r} with {b.name!r}: {exc.strerror or exc}") from None
     finally:
         del left, right
-        heap.release_freed()  # the plan measures the process's resident set next: no freed chunk in it
+        heap.release_freed()  # no freed chunk in the resident set the plan reads
     return True
 
 
