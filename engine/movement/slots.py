@@ -47,7 +47,6 @@ class SlotArena:
             raise ValueError(f"slot_bytes, count and spare must be >= 0, got {slot_bytes}, {count}, {spare}")
         self.slot_bytes = align_up(max(slot_bytes, 1))
         self.count = count  # slots that hold memory: handed out, free, or lent
-        self.nbytes = self.slot_bytes * count
         # MAP_PRIVATE: Python's anonymous default, MAP_SHARED, is shmem, which ignores MADV_HUGEPAGE.
         self._arena = mmap.mmap(-1, max(self.slot_bytes * (count + spare), ALIGN),
                                 flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -104,6 +103,11 @@ class SlotArena:
             self._released.notify()
 
     @property
+    def nbytes(self) -> int:
+        """The bytes the slots holding memory take (spare ones not lent hold none)."""
+        return self.slot_bytes * self.count
+
+    @property
     def free(self) -> int:
         return len(self._free)
 
@@ -120,7 +124,6 @@ class SlotArena:
                 index = self._withheld.pop()
                 self._madvise(_MADV_POPULATE_WRITE, index)
                 self.count += 1
-                self.nbytes += self.slot_bytes
                 self._free.append(index)
                 self._released.notify()
         return n
@@ -143,7 +146,6 @@ class SlotArena:
                 self._madvise(_MADV_DONTNEED, index)
                 self._withheld.append(index)
                 self.count -= 1
-                self.nbytes -= self.slot_bytes
                 taken += 1
         return taken
 
@@ -151,9 +153,10 @@ class SlotArena:
         try:
             self._arena.madvise(option, index * self.slot_bytes, self.slot_bytes)
         except OSError:
-            if option == _MADV_POPULATE_WRITE:  # kernels before 5.14: touch every page
-                base = ctypes.addressof(ctypes.c_char.from_buffer(self._arena)) + index * self.slot_bytes
-                ctypes.memset(base, 0, self.slot_bytes)
+            if option != _MADV_POPULATE_WRITE:
+                raise
+            base = ctypes.addressof(ctypes.c_char.from_buffer(self._arena)) + index * self.slot_bytes
+            ctypes.memset(base, 0, self.slot_bytes)  # kernels before 5.14: touch every page
 
     def stats(self) -> dict:
         with self._lock:

@@ -33,6 +33,7 @@ import torch
 from engine.base.config import EngineConfig
 from engine.format.layout import ExpertLayout, tensors_from_buffers
 from engine.movement.cache import PINNED_FRACTION, TieredCache, hottest_keys, make_cache, routing_histogram_load
+from engine.movement.cache_loan import CacheLoan
 from engine.movement.io import align_up
 from engine.movement.plan import MemoryPlan
 from engine.movement.reading_store import ReadingStore
@@ -61,7 +62,7 @@ class _Read:
         self.prefetch = prefetch
 
 
-class StreamingExperts(ReadingStore, ExpertStore):
+class StreamingExperts(CacheLoan, ReadingStore, ExpertStore):
     def __init__(self, layout: ExpertLayout, config: EngineConfig, plan: MemoryPlan, dtype: torch.dtype,
                  lendable_bytes: int = 0):
         self.layout = layout
@@ -69,18 +70,10 @@ class StreamingExperts(ReadingStore, ExpertStore):
         self.plan = plan
         self.open_reads(config)
         self.max_inflight = max(plan.max_inflight_experts, 1)
-        # The RAM cache may borrow `lendable_bytes` of a drafter's memory while the drafter is idle
-        # (borrow / repay; engine/run/mtp_drafter.py lends the MTP layer's): as whole entries, no more
-        # than it takes to hold every routed expert; each a spare slot of the arena where a cached expert
-        # is its slot. Not with mmap reads (a cached expert is page cache there, not the plan's bytes).
-        entry = plan.cache_entry_bytes
-        self.borrowable = (min(lendable_bytes // entry, max(plan.routed_experts - plan.cache_slots, 0))
-                           if config.io_mode != "mmap" and entry > 0 and lendable_bytes > 0 else 0)
-        self.borrowed = 0
-        self._slot_entries = layout.zero_copy(dtype)
+        # The RAM cache may borrow a drafter's idle memory (engine/movement/cache_loan.py)
+        spare = self.open_loan(layout, config, plan, dtype, lendable_bytes)
         # mmap reads are views of the page cache: nothing to land in, so no arena.
-        self.arena = None if config.io_mode == "mmap" else SlotArena(
-            plan.slot_bytes, plan.arena_slots, spare=self.borrowable if self._slot_entries else 0)
+        self.arena = None if config.io_mode == "mmap" else SlotArena(plan.slot_bytes, plan.arena_slots, spare=spare)
         pinned = []
         if config.cache_policy == "pinned" and config.routing_histogram:
             pinned = hottest_keys(routing_histogram_load(config.routing_histogram))
@@ -409,35 +402,6 @@ class StreamingExperts(ReadingStore, ExpertStore):
                 self._keep(read.key, self._value(read))
         while not self._landed.empty():  # their completions were consumed above
             self._landed.get_nowait()
-
-    # --- a drafter's idle memory ------------------------------------------------------------
-
-    def borrow(self) -> int:
-        """The RAM cache grows by the `borrowable` entries (the drafter freed their bytes first) →
-        how many it borrowed."""
-        if self.borrowed or not self.borrowable:
-            return 0
-        n = self.borrowable
-        if self._slot_entries:
-            n = self.arena.lend(n)
-        ram = self.cache.tier("ram")
-        ram.resize(ram.capacity_bytes + n * self.plan.cache_entry_bytes)
-        self.borrowed = n
-        return n
-
-    def repay(self) -> None:
-        """The RAM cache gives back what it borrowed (the drafter allocates those bytes next): the least
-        wanted entries evicted, their slots' pages dropped. Between steps, so no landed read is held."""
-        n, self.borrowed = self.borrowed, 0
-        if not n:
-            return
-        ram = self.cache.tier("ram")
-        evicted = ram.resize(ram.capacity_bytes - n * self.plan.cache_entry_bytes)
-        del evicted  # their slots go back to the arena here
-        if self._slot_entries:
-            taken = self.arena.withhold(n, wait_s=SLOT_WAIT_GUARD_S)
-            if taken < n:  # a slot still held past the guard: a bug in who holds what
-                self.slot_overflows += n - taken
 
     # --- measurement and lifecycle ---------------------------------------------------------
 

@@ -122,11 +122,7 @@ class ExpertCache(ABC):
                 self.stats.rejected += 1
                 return False, evicted
             self._plan_insert(key, nbytes)
-            while self.bytes_used + nbytes > self.capacity_bytes:
-                victim = self._victim()
-                value_v, nbytes_v = self._remove_locked(victim)
-                evicted.append((victim, value_v, nbytes_v))
-                self.stats.evictions += 1
+            self._evict_to(self.capacity_bytes - nbytes, evicted)
             self._entries[key] = (value, nbytes)
             self.bytes_used += nbytes
             self._on_insert(key, nbytes)
@@ -142,11 +138,7 @@ class ExpertCache(ABC):
         with self._lock:
             self.capacity_bytes = capacity_bytes
             self._on_resize()
-            while self.bytes_used > self.capacity_bytes:
-                victim = self._victim()
-                value, nbytes = self._remove_locked(victim)
-                evicted.append((victim, value, nbytes))
-                self.stats.evictions += 1
+            self._evict_to(capacity_bytes, evicted)
         return evicted
 
     def fits(self, key: Key, nbytes: int) -> bool:
@@ -190,6 +182,14 @@ class ExpertCache(ABC):
         )
 
     # ---- policy hooks (called with the lock held) -------------------------------------------
+
+    def _evict_to(self, limit: int, evicted: list[Evicted]) -> None:
+        """Evict per policy until bytes_used <= limit, appending what left."""
+        while self.bytes_used > limit:
+            victim = self._victim()
+            value, nbytes = self._remove_locked(victim)
+            evicted.append((victim, value, nbytes))
+            self.stats.evictions += 1
 
     def _remove_locked(self, key: Key) -> tuple[Any, int]:
         value, nbytes = self._entries.pop(key)

@@ -1,0 +1,61 @@
+"""The RAM expert cache borrowing a drafter's idle memory (a mixin of StreamingExperts).
+
+A drafter's memory (the MTP layer's weights and KV cache) is charged to the memory plan beside the
+expert cache. While the drafter is idle it lends those bytes (engine/run/mtp_drafter.py): `borrow`
+grows the RAM tier by whole entries, `repay` shrinks it back before the drafter allocates them again
+(ExpertCache.resize: the least wanted experts leave). Where a cached expert is its arena slot, each
+entry is a spare slot of the arena (engine/movement/slots.py: mapped at load, faulted in when lent,
+its pages dropped when withheld), so the resident set follows the loan. Not with mmap reads: a cached
+expert is page cache there, not the plan's bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.base.config import EngineConfig
+from engine.format.layout import ExpertLayout
+from engine.movement.plan import MemoryPlan
+
+# How long repaying waits for a slot a landed read still holds: a guard against a bug in who holds what
+# (between steps nothing should), far above any read
+WITHHOLD_GUARD_S = 5.0
+
+
+class CacheLoan:
+    """borrow / repay over the store's `cache` (its "ram" tier), `arena` and `plan`."""
+
+    def open_loan(self, layout: ExpertLayout, config: EngineConfig, plan: MemoryPlan, dtype: torch.dtype,
+                  lendable_bytes: int) -> int:
+        """Sets `borrowable` (whole entries, no more than it takes to hold every routed expert) → the spare
+        arena slots the store's arena needs for them."""
+        entry = plan.cache_entry_bytes
+        self.borrowable = (min(lendable_bytes // entry, max(plan.routed_experts - plan.cache_slots, 0))
+                           if config.io_mode != "mmap" and entry > 0 and lendable_bytes > 0 else 0)
+        self.borrowed = 0
+        self._slot_entries = layout.zero_copy(dtype)
+        return self.borrowable if self._slot_entries else 0
+
+    def borrow(self) -> int:
+        """The RAM cache grows by the `borrowable` entries (the drafter freed their bytes first) →
+        how many it borrowed."""
+        if self.borrowed or not self.borrowable:
+            return 0
+        n = self.arena.lend(self.borrowable) if self._slot_entries else self.borrowable
+        ram = self.cache.tier("ram")
+        ram.resize(ram.capacity_bytes + n * self.plan.cache_entry_bytes)
+        self.borrowed = n
+        return n
+
+    def repay(self) -> None:
+        """The RAM cache gives back what it borrowed (the drafter allocates those bytes next): the least
+        wanted entries evicted, their slots' pages dropped. Between steps, so no landed read is held."""
+        n, self.borrowed = self.borrowed, 0
+        if not n:
+            return
+        ram = self.cache.tier("ram")
+        ram.resize(ram.capacity_bytes - n * self.plan.cache_entry_bytes)  # (the evicted die here: slots free)
+        if self._slot_entries:
+            taken = self.arena.withhold(n, wait_s=WITHHOLD_GUARD_S)
+            if taken < n:  # a slot still held past the guard
+                self.slot_overflows += n - taken
