@@ -251,7 +251,9 @@ def test_an_idle_mtp_layer_lends_its_memory_to_the_expert_cache_and_drafts_again
         assert plan.streaming and store.borrowable > 0 and plan.cache_slots + store.borrowable <= plan.routed_experts
         entry, ram = plan.cache_entry_bytes, store.cache.tier("ram")
         lendable = mtp_drafter.lendable_bytes(e.checkpoint, e.args, e.mtp_layer, e.dtype, e.kv_dtype, CTX)
-        assert store.borrowable == min(lendable // entry, plan.routed_experts - plan.cache_slots)
+        unspent = plan.unspent_cache_bytes(base.cpu_cache_ratio)
+        assert 0 <= unspent and store.borrowable == min((lendable + unspent) // entry,
+                                                        plan.routed_experts - plan.cache_slots)
         slot_entries = dtype == "bf16"  # the synthesized experts are bf16: views of their slots
         assert (store.arena.withheld == store.borrowable) == slot_entries
         seen, offers = [], []
@@ -275,6 +277,45 @@ def test_an_idle_mtp_layer_lends_its_memory_to_the_expert_cache_and_drafts_again
         assert e.draft_stats()["mtp_loads"] == 1
     assert drafted == plain
     assert stats.drafted >= 9 and stats.accepted >= 0.9 * stats.drafted
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.6])
+def test_a_lent_cache_holds_the_entries_a_plan_without_the_drafter_would(ratio, tmp_path_factory):
+    """The drafter's idle bytes join what the cache's share left below a whole entry: over budgets
+    that cross every rounding of the drafter's bytes into entries, the plan's cache plus what it may
+    borrow holds exactly the entries of the same plan without the drafter (ratio 1; at least them
+    below 1), and never more than every routed expert."""
+    from engine.arch.registry import model_args
+    from engine.format.layout import ExpertLayout
+    from engine.movement.cache_loan import CacheLoan
+    from engine.movement.plan import make_plan
+    d = mtp_model(tmp_path_factory, "glm4_moe")
+    ckpt = Checkpoint(d)
+    args = with_mtp_layers(model_args(ckpt.config), 1)
+    layout = ExpertLayout(ckpt, args)
+    cfg = config(dtype="fp32", draft="gate", drafter="mtp", cpu_cache_ratio=ratio)
+    mtp = mtp_drafter.lendable_bytes(ckpt, args, ckpt.config["num_hidden_layers"], torch.float32, torch.float32, CTX)
+    overhead = 64 << 20
+
+    def plan(budget: int, mtp_bytes: int):
+        return make_plan(ckpt, args, layout, cfg.replace(ram_budget=budget), torch.float32, torch.float32,
+                         overhead_bytes=overhead, mtp_bytes=mtp_bytes)
+
+    start = plan(1 << 40, 0)
+    entry = start.cache_entry_bytes
+    assert 0 < entry < mtp  # the drafter's bytes are whole entries and a part of one
+    low = start.fixed_bytes - start.draft_bytes + plan(1 << 40, mtp).draft_bytes + entry
+    seen = set()
+    for i in range(40):
+        budget = low + i * entry // 7
+        with_mtp, without = plan(budget, mtp), plan(budget, 0)
+        loan = CacheLoan()
+        loan.open_loan(layout, cfg, with_mtp, torch.float32, mtp)
+        lent = with_mtp.cache_slots + loan.borrowable
+        seen.add(without.cache_slots - with_mtp.cache_slots)
+        assert lent <= with_mtp.routed_experts
+        assert lent == without.cache_slots if ratio == 1.0 else lent >= without.cache_slots
+    assert len(seen) > 1  # the drafter's bytes rounded to different whole entries across the budgets
 
 
 def test_short_loans_double_the_wait_before_the_next_and_a_long_one_resets_it():

@@ -28,9 +28,12 @@ class CacheLoan:
     def open_loan(self, layout: ExpertLayout, config: EngineConfig, plan: MemoryPlan, dtype: torch.dtype,
                   lendable_bytes: int) -> int:
         """Sets `borrowable` (whole entries, no more than it takes to hold every routed expert) → the spare
-        arena slots the store's arena needs for them."""
+        arena slots the store's arena needs for them. The lent bytes join what the plan's cache left below
+        a whole entry: the lent cache then holds what a plan without the drafter would give it (one entry
+        fewer had a copy workload whose working set is the cache's size miss on nearly every read)."""
         entry = plan.cache_entry_bytes
-        self.borrowable = (min(lendable_bytes // entry, max(plan.routed_experts - plan.cache_slots, 0))
+        lendable = lendable_bytes + plan.unspent_cache_bytes(config.cpu_cache_ratio)
+        self.borrowable = (min(lendable // entry, max(plan.routed_experts - plan.cache_slots, 0))
                            if config.io_mode != "mmap" and entry > 0 and lendable_bytes > 0 else 0)
         self.borrowed = 0
         self._slot_entries = layout.zero_copy(dtype)

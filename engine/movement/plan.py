@@ -99,6 +99,20 @@ class MemoryPlan:
         return self.cache_bytes // entry if entry else 0
 
     @property
+    def fixed_bytes(self) -> int:
+        """Everything the budget holds besides the expert caches (make_plan's `fixed`)."""
+        return (self.dense_bytes + self.kv_bytes + self.buffer_bytes + self.overhead_bytes + self.prefill_bytes
+                + self.prefix_cache_bytes + self.draft_bytes)
+
+    def unspent_cache_bytes(self, cpu_cache_ratio: float) -> int:
+        """What the RAM cache's share of the budget leaves after its whole entries (less than one entry,
+        or more where every routed expert fits): a drafter's idle bytes lent to the cache join it, so a
+        lent cache holds the entries a plan without the drafter would (engine/movement/cache_loan.py)."""
+        if not self.streaming or self.budget <= 0:
+            return 0
+        return max(0, int((self.budget - self.fixed_bytes) * cpu_cache_ratio) - self.cache_bytes)
+
+    @property
     def projected_hit_rate(self) -> float:
         """Share of expert bytes the caches can hold: the hit rate of uniform routing."""
         if not self.routed_experts:
