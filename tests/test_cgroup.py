@@ -307,3 +307,38 @@ def test_keyboard_interrupt_kills_the_command_and_removes_the_cgroup(support, tm
     assert b"KeyboardInterrupt" in err
     assert not _alive(command_pid)
     assert not leftovers[0].exists()
+
+
+# Answers each stdin line: "alloc N" touches N MiB more and says the total; anything else is echoed.
+CONVERSE = ("import sys\nheld = []\nfor line in sys.stdin:\n    w = line.split()\n"
+            "    if w and w[0] == 'alloc':\n        b = bytearray(int(w[1]) << 20)\n"
+            "        for i in range(0, len(b), 4096): b[i] = 1\n        held.append(b)\n"
+            "        print(sum(len(x) for x in held) >> 20, flush=True)\n"
+            "    else:\n        print(line.strip()[::-1], flush=True)\n")
+
+
+def test_a_limited_process_answers_line_by_line_within_its_limit(support):
+    """LimitedProcess: a child kept alive in its own cgroup answers each line in turn; what it holds
+    stays charged to its cgroup between questions; closing it ends it and removes the cgroup."""
+    from tuner.sandbox import LimitedProcess
+    with LimitedProcess([sys.executable, "-c", CONVERSE], 256 * MiB) as p:
+        assert p.limited and p.reason == ""
+        assert p.ask("abc") == "cba\n"
+        assert p.ask("alloc 32").strip() == "32"
+        assert p.ask("alloc 32").strip() == "64"
+        assert 64 * MiB < p.peak() <= 256 * MiB
+        pid = p.proc.pid
+        assert _children(support) != []
+    assert not _alive(pid) and _children(support) == []
+
+
+def test_a_limited_process_over_its_limit_ends_with_an_error_not_an_answer(support):
+    from tuner.sandbox import LimitedProcess
+    p = LimitedProcess([sys.executable, "-c", CONVERSE], 96 * MiB)
+    try:
+        assert p.ask("alloc 16").strip() == "16"
+        with pytest.raises(RuntimeError, match="before answering"):
+            p.ask("alloc 200")
+    finally:
+        p.close()
+    assert _children(support) == []

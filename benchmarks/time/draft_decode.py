@@ -24,13 +24,18 @@ first; under a budget the caches are emptied and their pages dropped before each
   gate-nohint  (streamed only) gate without the drafts' prefetch hints: the recall's "without"
 each but `off` once per drafter of --drafter (lookup: prompt lookup; mtp: the checkpoint's MTP
 layer; auto: MTP where the model has one, with lookup's long matches).
---paired (resident only): every mode's engine in one child process, each prompt taken by every mode in
-turn (the order rotating), --rounds times; `x off` is then the median over prompts and rounds of a
+--paired: resident, every mode's engine in one child process; under a budget, each mode's engine in its
+own child process and cgroup, all kept alive (tuner/sandbox LimitedProcess), each prompt run cold. Each
+prompt is taken by every mode in turn (the order rotating), --rounds times; `x off` is then the median over prompts and rounds of a
 mode's tok/s over off's on the same prompt in the same turn, seconds apart (the box's drifts, which
 move whole child processes by 20% and more, cancel in the pair), with their min-max beside it. Those
 engines live through every round, so the gate keeps what it measured: a server's steady state, where
 the per-process rows show a gate learning from scratch on PROMPTS prompts.
-Columns: decode tok/s (median of --rounds, min-max), x off, acceptance (drafts accepted / drafted),
+Streamed rows also give each round's RAM expert cache in whole entries (`cache entries`: planned, and
++ what an idle MTP layer lends it): the plan sizes it from the process's resident set, which varies a
+little between processes, and one entry moves a row whose working set is the cache's size by ~20%.
+Columns: decode tok/s (median of --rounds, min-max), x off (the medians' ratio), x off by round (the
+median of each round's ratio to that round's off, min-max; per-process rows), acceptance (drafts accepted / drafted),
 tokens per step (tokens emitted / decode steps), drafted tokens, expert bytes read per emitted token
 (streamed: every emitted token is an accepted one, the draft's or the verify's own), the store's
 lookahead recall (streamed), the gate's decisions, the MTP layer's loads after lending its memory to the
@@ -160,7 +165,14 @@ def child(a) -> dict:
                 recall_hits += engine.store.recall_hits
                 recall_total += engine.store.recall_total
         draft = engine.draft_stats()
+        # The RAM cache's whole entries: the plan's, and what a drafter's idle memory lends it. One entry
+        # moves a streamed row by ~20% here where the working set is the cache's size, and the plan's
+        # runtime overhead (the process's resident set, which varies by ~0.4 MiB between processes)
+        # sets it: the column says which plan each row ran
+        plan = engine.plan
+        entries = [plan.cache_slots, getattr(engine.store, "borrowable", 0)] if streamed else None
         return {"streamed": streamed, "tok_s": tokens / seconds if seconds else None, "tokens": tokens,
+                "cache_entries": entries,
                 "bytes_per_token": bytes_read / tokens if tokens else None, "outputs": outputs,
                 "recall": recall_hits / recall_total if recall_total else None, "draft": draft or {}}
 
@@ -207,6 +219,111 @@ def paired_child(a) -> dict:
         result.append({"mode": list(m), **out[m], "draft": e.draft_stats() or {}})
         e.close()
     return {"modes": result}
+
+
+def stream_child(a) -> None:
+    """--paired under a budget: one mode's engine in this process (inside its cgroup), kept alive while
+    the parent takes the modes in turn, prompt by prompt: a line {"prompt": i} runs prompt i cold (the
+    caches emptied, their pages dropped) and answers its decode tok/s, expert bytes per token, lookahead
+    recall and tokens; {"stats": 1} answers the drafting counters; EOF ends it. The first line says
+    whether the engine stands (its cache entries) or refused this drafting at this budget."""
+    from engine.api import DraftBudgetError, Engine, Sampler, generate
+    try:
+        engine = Engine(a.model, _config(a, a.mode))
+    except DraftBudgetError as exc:
+        print(json.dumps({"refused": str(exc)}), flush=True)
+        return
+    with engine:
+        prompts = _prompts(a, engine)
+        plan, store = engine.plan, engine.store
+        print(json.dumps({"cache_entries": [plan.cache_slots, getattr(store, "borrowable", 0)]}), flush=True)
+        if engine.speculator is not None:
+            engine.speculator.reset_stats()
+        for line in sys.stdin:
+            ask = json.loads(line)
+            if "stats" in ask:
+                print(json.dumps(engine.draft_stats() or {}), flush=True)
+                continue
+            engine.forget_prefixes()
+            store.make_cold()
+            first: list = []
+
+            def after_first(_token, first=first):
+                if not first:  # decode only: the counters restart after the prefill's token
+                    first.append(time.perf_counter())
+                    store.reset_stats()
+
+            gen = generate(engine, prompts[ask["prompt"]], a.tokens + 1, Sampler(), on_token=after_first)
+            tokens = len(gen.token_seconds)
+            print(json.dumps({"tok_s": tokens / sum(gen.token_seconds),
+                              "bytes_per_token": engine.io_stats().get("bytes_read", 0) / tokens,
+                              "recall": [store.recall_hits, store.recall_total], "outputs": gen.output_ids}),
+                  flush=True)
+
+
+def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> list[dict]:
+    """--paired under a budget: each mode's engine in its own process and cgroup (stream_child), all
+    alive at once; each prompt taken by every mode in turn (the order rotating), --rounds times. x off is
+    the median over prompts and rounds of a mode's tok/s over off's on the same prompt in the same turn."""
+    from benchmarks.benchkit import spread
+    from engine.api import parse_size
+    from tuner.sandbox import LimitedProcess
+    procs, first = {}, {}
+    try:
+        for m in modes:
+            argv = [sys.executable, str(Path(__file__).resolve()), "--stream-child", "--model", a.model, "--workload",
+                    workload, "--mode", m[1], "--ctx", str(a.ctx), "--budget", budget, "--threads", str(a.threads),
+                    "--tokens", str(a.tokens), "--depths", a.depths, "--drafter", m[0], "--seed", str(a.seed)]
+            procs[m] = LimitedProcess(argv, parse_size(budget), cwd=REPO)
+        for m, p in procs.items():  # the first line each prints by itself: ready, or refused
+            try:
+                first[m] = json.loads(p.answer(a.timeout))
+            except RuntimeError as exc:
+                raise SystemExit(f"{TOOL}: {workload} {' '.join(m)} under {budget} did not start: {exc}") from None
+        live = [m for m in modes if "refused" not in first[m]]
+        off = ("auto", "off")
+        out = {m: {"tok_s": [], "ratio": [], "bytes": [], "recall": [0, 0], "outputs": []} for m in live}
+        print(f"{TOOL}: {workload} paired under {budget}, {len(live)} modes x {a.rounds} rounds x {PROMPTS} prompts ...",
+              file=sys.stderr, flush=True)
+        for r in range(a.rounds):
+            for i in range(PROMPTS):
+                k = (r * PROMPTS + i) % len(live)
+                got = {m: json.loads(procs[m].ask(json.dumps({"prompt": i}), a.timeout)) for m in live[k:] + live[:k]}
+                for m in live:
+                    g = got[m]
+                    out[m]["tok_s"].append(g["tok_s"])
+                    out[m]["ratio"].append(g["tok_s"] / got[off]["tok_s"])
+                    out[m]["bytes"].append(g["bytes_per_token"])
+                    out[m]["recall"] = [x + y for x, y in zip(out[m]["recall"], g["recall"])]
+                    if r == 0:
+                        out[m]["outputs"].append(g["outputs"])
+        stats = {m: json.loads(procs[m].ask(json.dumps({"stats": 1}), a.timeout)) for m in live}
+        limited = all(p.limited for p in procs.values())
+    finally:
+        for p in procs.values():
+            p.close()
+    rows = []
+    for m in modes:
+        drafter, mode = m
+        if m not in live:
+            rows.append({"budget": budget, "workload": workload, "drafter": drafter, "mode": mode, "tok_s": None,
+                         "ratios": None, "x_off": None, "acceptance": None, "tokens_per_step": None, "drafted": None,
+                         "streamed": True, "read_mib_per_token": None, "recall": None,
+                         "decisions": "refused: " + first[m]["refused"], "lossless": None, "cgroup": limited})
+            continue
+        d, o = stats[m], out[m]
+        entries = first[m]["cache_entries"]
+        rows.append({"budget": budget, "workload": workload, "drafter": None if mode == "off" else drafter,
+                     "mode": mode, "tok_s": spread(o["tok_s"]), "ratios": spread(o["ratio"]) if mode != "off" else None,
+                     "x_off": round(statistics.median(o["ratio"]), 3), "acceptance": d.get("acceptance"),
+                     "tokens_per_step": d.get("tokens_per_step"), "drafted": d.get("drafted"), "streamed": True,
+                     "read_mib_per_token": round(statistics.median(o["bytes"]) / MiB, 3),
+                     "recall": round(o["recall"][0] / o["recall"][1], 3) if o["recall"][1] else None,
+                     "decisions": d.get("decisions"),
+                     "mtp_loads": d.get("mtp_loads") if drafter in ("mtp", "auto") and mode != "off" else None,
+                     "cache_entries": f"{entries[0]}+{entries[1]}" if entries[1] else str(entries[0]),
+                     "lossless": o["outputs"] == out[off]["outputs"], "cgroup": limited})
+    return rows
 
 
 def _prompts(a, engine) -> list[list[int]]:
@@ -259,15 +376,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=3600)
     add_output_flags(ap)
     ap.add_argument("--paired", action="store_true",
-                    help="resident (--budget 0) only: every mode in one process, each prompt taken by every mode in "
-                         "turn, x off = the median of the per-prompt ratios to off (the box's drifts cancel); the "
-                         "engines keep their gate's measurements through the rounds (a server's steady state)")
+                    help="each prompt taken by every mode in turn (resident: every mode in one process; under a "
+                         "budget: each in its own cgroup, all kept alive), x off = the median of the per-prompt ratios "
+                         "to off (the box's drifts cancel); the engines keep their gate's measurements through the "
+                         "rounds (a server's steady state)")
     ap.add_argument("--paired-modes", help=argparse.SUPPRESS)
+    ap.add_argument("--stream-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--ctx", type=int, default=1024, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.stream_child:
+        stream_child(a)
+        return 0
     if a.child:
         print(json.dumps(paired_child(a) if a.paired_modes else child(a)))
         return 0
@@ -297,8 +419,6 @@ def main(argv: list[str] | None = None) -> int:
         return refuse(TOOL, f"--budget {a.budget!r}: {exc}")
     if not budgets:
         return refuse(TOOL, "--budget: one or more sizes (0: resident)")
-    if a.paired and any(sizes):
-        return refuse(TOOL, "--paired is resident only (--budget 0): a budget's modes each need their own cgroup")
     if "mtp" in drafters and not json.loads(Path(a.model, "config.json").read_text()).get("num_nextn_predict_layers"):
         return refuse(TOOL, f"--drafter mtp: {a.model} has no MTP layer (num_nextn_predict_layers; train one with "
                             f"benchmarks/quant/train_reference.py --mtp)")
@@ -313,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         for workload in workloads:
             if a.paired:
                 with bench_lock(a.lock):
-                    rows += _paired_rows(run_paired(a, workload, modes), budget, workload)
+                    rows += (run_paired_streamed(a, budget, workload, modes) if streamed
+                             else _paired_rows(run_paired(a, workload, modes), budget, workload))
                 continue
             runs: dict[tuple, list] = {m: [] for m in modes}
             for r in range(a.rounds):
@@ -332,14 +453,18 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 d = xs[-1]["draft"]
                 tok_s = [x["tok_s"] for x in xs]
+                # Each round's ratio to that round's `off` (the two ran minutes apart, not a round apart)
+                ratios = [x["tok_s"] / o["tok_s"] for x, o in zip(xs, runs[("auto", "off")]) if o["tok_s"]]
                 rows.append({"budget": budget, "workload": workload, "drafter": None if m[1] == "off" else m[0],
                              "mode": m[1], "tok_s": spread(tok_s),
                              "x_off": round(statistics.median(tok_s) / base, 3) if base else None,
+                             "ratios": spread(ratios) if ratios and m[1] != "off" else None,
                              "acceptance": d.get("acceptance"), "tokens_per_step": d.get("tokens_per_step"),
                              "drafted": d.get("drafted"), "streamed": xs[0]["streamed"],
                              "read_mib_per_token": (round(statistics.median(x["bytes_per_token"] for x in xs) / MiB, 3)
                                                     if xs[0]["streamed"] else None),
                              "recall": xs[-1]["recall"], "decisions": d.get("decisions"),
+                             "cache_entries": _entries(xs),
                              "mtp_loads": d.get("mtp_loads") if m[0] in ("mtp", "auto") and m[1] != "off" else None,
                              "lossless": all(x["outputs"] == runs[("auto", "off")][0]["outputs"] for x in xs),
                              "cgroup": xs[0]["cgroup"]})
@@ -350,16 +475,33 @@ def main(argv: list[str] | None = None) -> int:
             ("decisions", "decisions"), ("lossless", "lossless"))]
         cols[3:3] = [("decode tok/s", lambda r: fmt_spread(r["tok_s"]))]
         cols[5:5] = [("x off per prompt", lambda r: fmt_spread(r["ratios"]) if r["ratios"] else "-")]
-        emit(TOOL, rows, run_conditions(a, cold=False, greedy=True), a.json, cols)
+        if any(sizes):  # streamed rows: their budget, bytes, recall, loads and cache
+            cols[:0] = [("budget", lambda r: r["budget"])]
+            cols[-1:-1] = [(h, (lambda k: lambda r: r.get(k))(k)) for h, k in (
+                ("read MiB/accepted tok", "read_mib_per_token"), ("recall", "recall"), ("MTP loads", "mtp_loads"),
+                ("cache entries", "cache_entries"), ("cgroup", "cgroup"))]
+        emit(TOOL, rows, run_conditions(a, cold=any(sizes), greedy=True), a.json, cols)
         return 0
     cols = [(h, (lambda k: lambda r: r[k])(k)) for h, k in (
         ("budget", "budget"), ("workload", "workload"), ("drafter", "drafter"), ("mode", "mode"), ("x off", "x_off"),
         ("acceptance", "acceptance"), ("tok/step", "tokens_per_step"), ("drafted", "drafted"),
         ("read MiB/accepted tok", "read_mib_per_token"), ("recall", "recall"), ("decisions", "decisions"),
-        ("MTP loads", "mtp_loads"), ("lossless", "lossless"), ("cgroup", "cgroup"))]
+        ("MTP loads", "mtp_loads"), ("cache entries", "cache_entries"), ("lossless", "lossless"),
+        ("cgroup", "cgroup"))]
     cols[4:4] = [("decode tok/s", lambda r: fmt_spread(r["tok_s"]))]
+    cols[6:6] = [("x off by round", lambda r: fmt_spread(r["ratios"]) if r.get("ratios") else "-")]
     emit(TOOL, rows, run_conditions(a, cold=any(sizes), greedy=True), a.json, cols)
     return 0
+
+def _entries(runs: list[dict]) -> str | None:
+    """The RAM cache's entries over a mode's rounds: "27" where each round planned 27, "26,27,27"
+    where they differed, "23+4" where an idle MTP layer lent it 4 (planned + lent)."""
+    plans = [x.get("cache_entries") for x in runs]
+    if not plans or any(p is None for p in plans):
+        return None
+    cells = [f"{p[0]}+{p[1]}" if p[1] else str(p[0]) for p in plans]
+    return cells[0] if len(set(cells)) == 1 else ",".join(cells)
+
 
 def _paired_rows(result: dict, budget: str, workload: str) -> list[dict]:
     """Rows of one --paired child: x off the median of the per-prompt ratios (their min-max beside it)."""

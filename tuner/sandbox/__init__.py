@@ -4,6 +4,6 @@ Only the tuner uses it (a trial is `colibri bench` in a child process); the engi
 """
 
 from tuner.sandbox.cgroups import CgroupSupport, current_memory_limit, detect_memory_cgroup
-from tuner.sandbox.limited import LimitedRun, run_limited
+from tuner.sandbox.limited import LimitedProcess, LimitedRun, run_limited
 
-__all__ = ["CgroupSupport", "LimitedRun", "current_memory_limit", "detect_memory_cgroup", "run_limited"]
+__all__ = ["CgroupSupport", "LimitedProcess", "LimitedRun", "current_memory_limit", "detect_memory_cgroup", "run_limited"]

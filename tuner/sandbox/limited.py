@@ -248,3 +248,102 @@ def run_limited(
             proc.wait()
         cgroup.kill_all()
         cgroup.remove()
+
+
+class LimitedProcess:
+    """A long-lived command in its own memory cgroup at `limit_bytes`, spoken to one line at a time
+    (`ask`: a line to its stdin, its next stdout line back), where run_limited runs a command to its
+    end. For measurements that take turns between several limited processes, seconds apart, so the
+    box's drifts cancel in their pairs (benchmarks/time/draft_decode.py --paired under a budget).
+    Without cgroups the command runs plainly (`limited` False, `reason` says why). Its stderr is
+    drained as it comes (kept for the error of a failed `ask`). `close` ends it, cgroup included."""
+
+    def __init__(self, argv: list[str], limit_bytes: int, *, cwd=None, env: dict | None = None):
+        argv = [os.fspath(a) for a in argv]
+        self.limit_bytes, self.cgroup, self.reason = limit_bytes, None, ""
+        support = detect_memory_cgroup()
+        if support.available:
+            try:
+                self.cgroup = Cgroup.create(support, limit_bytes)
+            except OSError as err:
+                self.reason = f"cannot create a limited child cgroup in {support.path}: {err.strerror or err}"
+        else:
+            self.reason = support.reason
+        status_r = status_w = -1
+        try:
+            if self.cgroup is not None:
+                status_r, status_w = os.pipe()
+                argv = [sys.executable, "-I", "-S", str(_SHIM), str(self.cgroup.procs_file), str(status_w), "--"] + argv
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         env=env, cwd=cwd, start_new_session=True, text=True,
+                                         pass_fds=(status_w,) if status_w >= 0 else ())
+            if status_w >= 0:
+                os.close(status_w)
+                status_w = -1
+                failure = _wait_for_exec(status_r, self.proc)
+                if failure is not None:
+                    raise OSError(f"{argv[-1]}: could not start in cgroup {self.cgroup.path}: {failure}")
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            for fd in (status_r, status_w):
+                if fd >= 0:
+                    os.close(fd)
+        self._stderr = _PipeReader(self.proc.stderr)
+        self._stderr.start()
+
+    @property
+    def limited(self) -> bool:
+        return self.cgroup is not None
+
+    def ask(self, line: str, timeout: float | None = None) -> str:
+        """Send one line, return the command's next stdout line. A command that ends first (or does not
+        answer within `timeout`) raises RuntimeError with the end of its stderr."""
+        try:
+            self.proc.stdin.write(line.rstrip("\n") + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it ended: the read below says why
+        return self.answer(timeout)
+
+    def answer(self, timeout: float | None = None) -> str:
+        """The command's next stdout line (one it prints unasked: that it is ready); RuntimeError as
+        for `ask`."""
+        # A watchdog, not select: a text stream may hold a read-ahead line select cannot see
+        watchdog = threading.Timer(timeout, _kill_group, (self.proc,)) if timeout else None
+        if watchdog is not None:
+            watchdog.start()
+        try:
+            answer = self.proc.stdout.readline()
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+        if not answer:
+            self.close()
+            raise RuntimeError(f"it ended (exit {self.proc.returncode}) before answering: "
+                               f"{self._stderr.text().strip()[-600:]}")
+        return answer
+
+    def peak(self) -> int | None:
+        return self.cgroup.peak() if self.cgroup is not None else None
+
+    def close(self) -> None:
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.stdin.close()  # EOF: its loop ends by itself ...
+                proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                _kill_group(proc)  # ... or it is ended
+                proc.wait()
+        if self.cgroup is not None:
+            self.cgroup.kill_all()
+            self.cgroup.remove()
+            self.cgroup = None
+
+    def __enter__(self) -> "LimitedProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
