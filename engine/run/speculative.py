@@ -29,11 +29,14 @@ Drafts as prefetch hints (when the store streams): before each step, the first M
 (those the model's own router lookahead, which reads a layer's residual, cannot hint before they
 run) are hinted for the step's rows, drafts included, by each layer's router on the rows'
 embeddings; on a gated-off step also for the lookup's guess at the next token, whose reads then
-land in the cache while this step computes, where that kind of guess is accepted at least
-GUESS_HINT_ACCEPTANCE of the time over GUESS_HINT_EVIDENCE drafts or more (a wrong guess's reads are
-bytes the step did not need: on code the gated-off lookup engine read 4% more bytes a token than
-plain decoding and ran 8% slower; with the threshold alone, three trials' 2 of 2 accepted had it
-hinting every step of code under 368 MiB, 25% more bytes a token than plain decoding).
+land in the cache while this step computes, where that kind of guess has been the next token at
+least GUESS_HINT_ACCEPTANCE of the time over GUESS_HINT_EVIDENCE guesses or more (decayed counts).
+Every gated-off step with a guess tells whether it was right, hinted or not (GuessRecord), so this is
+the guesses' own accuracy, not the trials' acceptance: a wrong guess's reads are bytes the step did
+not need (on code the gated-off lookup engine read 4% more bytes a token than plain decoding and ran
+8% slower; judged by the trials' acceptance, three trials' 2 of 2 accepted had it hinting every step
+of code under 368 MiB, 25% more bytes a token, and on free text under 362 MiB, with 8 tested drafts
+behind it, 23% more at 0.88x).
 The store's lookahead_recall counts these hints with the model's own.
 
 The gate (when drafting pays, and how deep): engine/run/spec_gate.py.
@@ -54,10 +57,25 @@ from engine.run.mtp_drafter import MtpDrafter
 from engine.run.sampling import Sampler, all_finite
 from engine.run.spec_gate import Gate, SpecStats, drafter_of, independent_union
 
-# A gated-off step hints the lookup's guess at the next token only where that kind of guess is
-# accepted at least this often (its measured acceptance, the gate's Beta(1, 1) prior before any)
+# A gated-off step hints the lookup's guess at the next token only where that kind of guess was the
+# next token at least this often ...
 GUESS_HINT_ACCEPTANCE = 0.6
-GUESS_HINT_EVIDENCE = 8  # ... measured over at least this many drafts of that kind (decayed counts)
+GUESS_HINT_EVIDENCE = 8  # ... over at least this many guesses of that kind (decayed counts)
+GUESS_DECAY = 1 - 1 / 32  # each guess's weight in the record falls by this per later guess of its kind
+
+
+class GuessRecord:
+    """How often a kind of lookup guess was the next token, recent guesses weighing most."""
+
+    def __init__(self):
+        self.right = self.seen = 0.0
+
+    def observe(self, right: bool) -> None:
+        self.right = self.right * GUESS_DECAY + right
+        self.seen = self.seen * GUESS_DECAY + 1
+
+    def trusted(self) -> bool:
+        return self.seen >= GUESS_HINT_EVIDENCE and self.right >= GUESS_HINT_ACCEPTANCE * self.seen
 
 
 class Steps(NamedTuple):
@@ -93,6 +111,7 @@ class Speculator:
         row_cost = 0.5 if hasattr(engine.model, "forward_rows") else 1.0
         self.gate = Gate(self.policy, self.max_depth, prior, row_cost)
         self.stats = SpecStats()
+        self._guesses: dict[str, GuessRecord] = {}  # lookup guesses on gated-off steps, by kind
         self._store = store if store is not None and store.streams else None
         # Drafts as prefetch hints (the module doc): the MoE layers nothing else hints before they run
         self.hints = self._store is not None and a.num_experts > 0 and hasattr(self._store, "hint_experts")
@@ -155,12 +174,12 @@ class Speculator:
                 t_draft -= mtp.load_seconds - loads            # cost per loan, not per drafted token
                 stats.mtp_loads += 1
             gate.observe_draft(kind, k, t_draft)
+            guess = []
             if self.hints:
                 # a verify's rows; on a gated-off step only the lookup's guess at the next token (an MTP
                 # guess would cost a layer of compute: not for a hint), not the step's own token (_hint)
-                guess = (drafter.propose(1).tokens if not k and available and kind == "lookup"
-                         and self._guess_hinted(source) else [])
-                if k or guess:
+                guess = drafter.propose(1).tokens if not k and available and kind == "lookup" else []
+                if k or (guess and self._guess_hinted(source)):
                     self._hint([token, *drafts] if k else guess)
             if k:
                 logits = engine.verify([token, *drafts], pos)
@@ -168,6 +187,8 @@ class Speculator:
                 logits = engine.forward([token], pos)
             t_forward = time.perf_counter()
             emitted, accepted, tested, stop = accept_rows(steps, gen, logits, drafts, t0)
+            if guess and emitted:
+                self._guess_record(source).observe(emitted[0] == guess[0])
             io1 = self._io()
             nbytes = max(io1[0] - io0[0], 0) if io1[0] >= io0[0] else io1[0]  # counters reset mid-step
             stall = max(io1[1] - io0[1], 0.0) if io1[1] >= io0[1] else io1[1]
@@ -194,8 +215,14 @@ class Speculator:
 
     def _guess_hinted(self, source: str) -> bool:
         """Whether a gated-off step hints the lookup's guess of this kind (the module doc)."""
-        gate = self.gate
-        return gate.tested(source) >= GUESS_HINT_EVIDENCE and gate.acceptance(source) >= GUESS_HINT_ACCEPTANCE
+        record = self._guesses.get(source)
+        return record is not None and record.trusted()
+
+    def _guess_record(self, source: str) -> GuessRecord:
+        record = self._guesses.get(source)
+        if record is None:
+            record = self._guesses[source] = GuessRecord()
+        return record
 
     def _hint(self, tokens: list[int]) -> None:
         """Before a step: the first MoE layers' experts (the ones the model's own router lookahead, which
@@ -229,13 +256,17 @@ class Speculator:
                 stopped = True
                 break
             t = time.perf_counter()
+            guess = []
             if self.hints:
                 found, source = lookup.offer(1) if lookup is not None else (0, "")
-                if found and self._guess_hinted(source):
-                    self._hint(lookup.propose(1).tokens)
+                guess = lookup.propose(1).tokens if found else []
+                if guess and self._guess_hinted(source):
+                    self._hint(guess)
             logits = engine.forward([token], pos)
             raw = logits[-1]
             token = sampler.pick(steps.shape(raw))
+            if guess:
+                self._guess_record(source).observe(token == guess[0])
             steps.record(token, raw)
             took = time.perf_counter() - t
             gen.token_seconds.append(took)
