@@ -29,12 +29,18 @@ are identical, batched or not, drafted or not): each op on a row is the one-row 
 runs, and the multi-row calls used here are row-independent (native.linear computes each output
 element with the same dot in the same order whatever the row count; an expert's output on a row is
 native.experts' on that row). The solo native whole step and fused MoE layer give the same bits as
-these per-layer pieces (engine/arch/decode_plan.py, engine/arch/moe.py).
+these per-layer pieces (engine/arch/decode_plan.py, engine/arch/moe.py). Without the native kernels,
+torch's bf16 linear is row-independent too where ATen computes it itself (no oneDNN bf16 matmul on
+this CPU: each output one dot product, whatever the row count; torch_rows_independent probes it once),
+and there the rows' projections and each expert's rows go through one call (a verify of 9 rows had
+taken ~500 one-row linear calls, 9 plain steps' worth, on an AVX2 box); elsewhere one row at a time.
 
 Shape legend: B rows, H hidden, K experts per token, V vocab.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -284,7 +290,8 @@ def _routed(model, layer: int, w: dict, normed: torch.Tensor) -> torch.Tensor:
         outs: dict[tuple[int, int], torch.Tensor] = {}
 
         def run(e, expert_weights):  # as each expert's weights land
-            got = _experts_rows(normed, [expert_weights], [slots[e]]) if _rows_kernel_applies(model, normed) else None
+            got = (_experts_rows(normed, [expert_weights], [slots[e]]) if _rows_kernel_applies(model, normed)
+                   else _torch_expert_rows(model, normed, expert_weights, slots[e]))
             for i, (b, j) in enumerate(slots[e]):  # else the solo path's one-row call per row
                 outs[b, j] = got[i:i + 1] if got is not None else model.expert_fn(normed[b:b + 1], expert_weights)
 
@@ -400,10 +407,54 @@ def _experts_rows(x: torch.Tensor, experts: list, slots: list[list[tuple[int, in
 
 def _rows_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, H] @ weight.T (+ bias), each row's bits those of the one-row `linear`: native.linear
-    computes each output element alone (row-independent) where it runs; elsewhere one row at a
-    time, because a multi-row matmul may sum in another order than the one-row call."""
-    if (native.ready and type(weight) is torch.Tensor and weight.dtype is torch.bfloat16
-            and x.dtype is torch.bfloat16 and (bias is None or bias.dtype is torch.bfloat16)):
+    computes each output element alone (row-independent) where it runs, and torch's own bf16 linear
+    where torch_rows_independent; elsewhere one row at a time, because a multi-row matmul may sum in
+    another order than the one-row call."""
+    plain = (type(weight) is torch.Tensor and weight.dtype is torch.bfloat16 and x.dtype is torch.bfloat16
+             and (bias is None or bias.dtype is torch.bfloat16))
+    if plain and native.ready:
         return native.linear(x, weight, bias)
+    if plain and x.device.type == "cpu" and weight.device.type == "cpu" and torch_rows_independent():
+        return linear(x, weight, bias)
     return torch.cat([linear(x[b:b + 1], weight, bias) for b in range(x.shape[0])])
+
+
+def _torch_expert_rows(model, x: torch.Tensor, weights, rows: list[tuple[int, int]]) -> torch.Tensor | None:
+    """Without the native kernels: the expert (swiglu_expert's torch path, plain bf16 weights on the
+    CPU) on the rows of `rows` [R, H] in one call per projection where torch_rows_independent, the silu
+    per row (_per_row: a transcendental op's bits follow the tensor's length) → [R, H]; else None
+    (the one-row calls)."""
+    if (native.ready or model.expert_fn is not swiglu_expert or x.dtype is not torch.bfloat16
+            or x.device.type != "cpu" or not all(type(t) is torch.Tensor and t.dtype is torch.bfloat16
+                                                 and t.device.type == "cpu" for t in weights)
+            or not torch_rows_independent()):
+        return None
+    xs = x[[b for b, _ in rows]]  # [R, H]
+    if len(weights) == 3:  # layers.swiglu's torch form
+        gate, up, down = weights
+        return linear(_per_row(F.silu, linear(xs, gate)) * linear(xs, up), down)
+    gu = F.linear(xs, weights[0])  # [R, 2I]: swiglu_expert's fused form, each row's slice as the solo one
+    inter = weights[-1].shape[1]
+    return F.linear(_per_row(F.silu, gu[:, :inter]) * gu[:, inter:], weights[-1])
+
+
+@functools.lru_cache(maxsize=1)
+def torch_rows_independent() -> bool:
+    """Whether torch's bf16 linear gives each row of a multi-row call the bits of that row alone, here.
+    Where oneDNN takes bf16 matmuls (AVX-512 BF16, AMX: torch's mkldnn bf16 check) it blocks rows
+    together and may sum in another order; ATen's own kernel computes each output element as one dot
+    product whatever the row count. Probed once (shapes with vector tails, row counts up to a verify's,
+    with and without a bias) rather than assumed from the version."""
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    g = torch.Generator().manual_seed(0)
+    for H, O in ((64, 48), (256, 100), (200, 520)):
+        w = torch.randn(O, H, generator=g).to(torch.bfloat16)
+        bias = torch.randn(O, generator=g).to(torch.bfloat16)
+        for B in (2, 9, 17):
+            x = torch.randn(B, H, generator=g).to(torch.bfloat16)
+            for b in (None, bias):
+                if not torch.equal(F.linear(x, w, b), torch.cat([F.linear(x[i:i + 1], w, b) for i in range(B)])):
+                    return False
+    return True
 
