@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import native
-from engine.arch import decode_rows
+from engine.arch import row_ops
 from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError
 from engine.arch.registry import model_args
@@ -110,21 +110,21 @@ def test_each_row_gets_its_solo_logits_bf16_native(hf_dirs, arch, kv):
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_each_row_gets_its_solo_logits_bf16_on_torchs_ops(hf_dirs, arch, monkeypatch):
     """bf16 without the native kernels (COLIBRI_NATIVE=0, or a CPU without avx512_bf16): where torch's
-    own bf16 linear is row-independent here (decode_rows.torch_rows_independent: no oneDNN bf16 matmul),
+    own bf16 linear is row-independent here (row_ops.torch_rows_independent: no oneDNN bf16 matmul),
     the rows' projections and each expert's rows go through one torch call, elsewhere one row at a
     time; either way each row's logits are its solo decode's, bit for bit."""
     monkeypatch.setattr(native, "load", lambda again=False: "native kernels off for this test")
     monkeypatch.setattr(native, "ready", False)
     monkeypatch.setattr(native, "int_ready", False)
     with Engine(hf_dirs(arch), EngineConfig(ctx_size=64, dtype="bf16", threads=1, max_batch=3)) as engine:
-        _check_same_as_solo(engine, f"{arch} torch bf16, rows independent: {decode_rows.torch_rows_independent()}")
+        _check_same_as_solo(engine, f"{arch} torch bf16, rows independent: {row_ops.torch_rows_independent()}")
 
 
 def test_torchs_rows_independence_is_what_the_probe_says(monkeypatch):
     """The probe's answer holds on a shape it did not try (a model's lm_head-like matrix, 13 rows), and
     where oneDNN takes bf16 matmuls the probe says no without trying."""
-    decode_rows.torch_rows_independent.cache_clear()
-    independent = decode_rows.torch_rows_independent()
+    row_ops.torch_rows_independent.cache_clear()
+    independent = row_ops.torch_rows_independent()
     g = torch.Generator().manual_seed(1)
     w = torch.randn(3000, 320, generator=g).to(torch.bfloat16)
     x = torch.randn(13, 320, generator=g).to(torch.bfloat16)
@@ -132,11 +132,11 @@ def test_torchs_rows_independence_is_what_the_probe_says(monkeypatch):
     if independent:
         assert torch.equal(torch.nn.functional.linear(x, w), rows)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
-    decode_rows.torch_rows_independent.cache_clear()
+    row_ops.torch_rows_independent.cache_clear()
     try:
-        assert not decode_rows.torch_rows_independent()
+        assert not row_ops.torch_rows_independent()
     finally:
-        decode_rows.torch_rows_independent.cache_clear()
+        row_ops.torch_rows_independent.cache_clear()
 
 
 @needs_native_int()

@@ -29,18 +29,13 @@ are identical, batched or not, drafted or not): each op on a row is the one-row 
 runs, and the multi-row calls used here are row-independent (native.linear computes each output
 element with the same dot in the same order whatever the row count; an expert's output on a row is
 native.experts' on that row). The solo native whole step and fused MoE layer give the same bits as
-these per-layer pieces (engine/arch/decode_plan.py, engine/arch/moe.py). Without the native kernels,
-torch's bf16 linear is row-independent too where ATen computes it itself (no oneDNN bf16 matmul on
-this CPU: each output one dot product, whatever the row count; torch_rows_independent probes it once),
-and there the rows' projections and each expert's rows go through one call (a verify of 9 rows had
-taken ~500 one-row linear calls, 9 plain steps' worth, on an AVX2 box); elsewhere one row at a time.
+these per-layer pieces (engine/arch/decode_plan.py, engine/arch/moe.py). The row-independent multi-row
+ops, and where torch's own calls are row-independent without the native kernels: engine/arch/row_ops.py.
 
 Shape legend: B rows, H hidden, K experts per token, V vocab.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -48,10 +43,10 @@ import torch.nn.functional as F
 from engine import native
 from engine.arch import attention_quant, decode_plan
 from engine.arch.args import layer_prefix
-from engine.arch.layers import (KVCache, native_quant_operands, native_swiglu, rms_norm, rms_norm_rows, route_layer,
-                                swiglu_expert)
+from engine.arch.layers import KVCache, rms_norm, route_layer
 from engine.arch.router import SigmoidGroupRouter, native_rows, trim_operands
-from engine.weights.stored import linear
+from engine.arch.row_ops import (experts_rows, rows_kernel_applies, rows_linear, rows_norm, shared_gate_rows,
+                                 swiglu_rows, torch_expert_rows)
 
 
 def forward_rows(model, tokens: torch.Tensor, positions: list[int], kvs: list,
@@ -82,7 +77,7 @@ def forward_rows(model, tokens: torch.Tensor, positions: list[int], kvs: list,
         x = torch.cat([rms_norm(h, model.w["model.norm.weight"], a.rms_norm_eps) for h in rows])  # [B, H]
     if hidden is not None:
         hidden.append(x)
-    return _rows_linear(x, model.lm_head).float()  # [B, V]
+    return rows_linear(x, model.lm_head).float()  # [B, V]
 
 
 def through_layers(model, x: torch.Tensor, positions: list[int], kvs: list, rope_positions=None) -> torch.Tensor:
@@ -137,13 +132,13 @@ def _layer_rows(model, x: torch.Tensor, positions: list[int], kvs: list, ropes: 
             _other_attention(model, layer, w, rows, attended, together, positions, kvs, ropes, masks, indexed,
                              selections)
             h = torch.cat(rows)  # [B, H]
-        normed = _rows_norm(h, w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)  # [B, H]
+        normed = rows_norm(h, w[f"{p}.post_attention_layernorm.weight"], a.rms_norm_eps)  # [B, H]
         model._lookahead(layer, normed, h)
         if a.is_moe_layer(layer):
             routed = _routed(model, layer, w, normed)  # [B, H]
-            h = h + model._plus_shared(layer, w, normed, routed, mlp=_swiglu_rows, gate=_shared_gate_rows)
+            h = h + model._plus_shared(layer, w, normed, routed, mlp=swiglu_rows, gate=shared_gate_rows)
         else:
-            h = h + _swiglu_rows(normed, *(w[f"{p}.mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
+            h = h + swiglu_rows(normed, *(w[f"{p}.mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
     rows = [h[b:b + 1] for b in range(B)]
     for b in range(B):
         if indexed[b]:
@@ -159,7 +154,7 @@ def _other_attention(model, layer: int, w: dict, rows: list, attended: set, toge
     batch = [b for b in together if b not in attended]
     batch = batch if len(batch) > 1 else []  # one row alone: model._attention, as its solo step
     if batch:
-        normed = _rows_norm(torch.cat([rows[b] for b in batch]), w[f"{p}.input_layernorm.weight"], a.rms_norm_eps)
+        normed = rows_norm(torch.cat([rows[b] for b in batch]), w[f"{p}.input_layernorm.weight"], a.rms_norm_eps)
         outs = _attention_rows(model, layer, w, normed, [positions[b] for b in batch], [kvs[b] for b in batch],
                                [ropes[b] for b in batch], [masks[b] for b in batch])
         for b, out in zip(batch, outs):
@@ -183,7 +178,7 @@ def _attention_rows(model, layer: int, w: dict, x: torch.Tensor, positions: list
     residual add), row r one token at positions[r] of kvs[r] (plain KVCaches), its K/V written there.
 
     Each row gets model._attention's bits on that row alone: the projections are row-independent
-    (_rows_linear), the norms per row (_rows_norm), rope and clipping elementwise, and each row's
+    (rows_linear), the norms per row (rows_norm), rope and clipping elementwise, and each row's
     scores and softmax are its own call over its own cache, shaped as the solo call shapes them.
     Every row's K/V is written before any row reads: a row reads its cache up to its own position
     only, where the rows before it in that cache (a verify's earlier positions) have written theirs."""
@@ -191,7 +186,7 @@ def _attention_rows(model, layer: int, w: dict, x: torch.Tensor, positions: list
     R = x.shape[0]
     cos = torch.cat([c for c, _ in ropes])  # [R, Dr]: row r's position
     sin = torch.cat([s for _, s in ropes])
-    q, k, v = model._qkv_heads(layer, w, x, cos, sin, fused=True, project=_rows_linear, norm=_rows_norm)
+    q, k, v = model._qkv_heads(layer, w, x, cos, sin, fused=True, project=rows_linear, norm=rows_norm)
     for r, (pos, kv) in enumerate(zip(positions, kvs)):
         kv.k[layer][:, pos:pos + 1] = k[:, r:r + 1]
         kv.v[layer][:, pos:pos + 1] = v[:, r:r + 1]
@@ -203,51 +198,8 @@ def _attention_rows(model, layer: int, w: dict, x: torch.Tensor, positions: list
                                              values.unsqueeze(0), attn_mask=masks[r],
                                              enable_gqa=a.num_heads != a.num_kv_heads)
         outs.append(out.squeeze(0).transpose(0, 1).reshape(1, a.num_heads * a.head_dim))  # [1, Nq*D]
-    o = _rows_linear(torch.cat(outs), w[f"{layer_prefix(layer)}.self_attn.o_proj.weight"])  # [R, H]
+    o = rows_linear(torch.cat(outs), w[f"{layer_prefix(layer)}.self_attn.o_proj.weight"])  # [R, H]
     return [o[r:r + 1] for r in range(R)]
-
-
-def _rows_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
-    """rms_norm over the last dim of x [..., R, H] with each row rms_norm's bits on that row alone
-    (a one-token bf16 row takes the native op, which normalises each row by itself)."""
-    if (native.ready and x.dtype is torch.bfloat16 and type(weight) is torch.Tensor
-            and weight.dtype is torch.bfloat16 and x.device.type == "cpu"):
-        return native.rms_norm(x, weight, eps)
-    return rms_norm_rows(x, weight, eps)
-
-
-def _swiglu_rows(x: torch.Tensor, gate, up, down) -> torch.Tensor:
-    """layers.swiglu on x [B, H], each row its one-row bits: native.experts' multi-row form where the
-    one row takes native.experts, else row-independent projections and a silu per row."""
-    if native_swiglu(x, (gate, up, down)):
-        return native.experts_rows(x.contiguous(), [gate, up, down], 3, *_one_expert_slots(x.shape[0]))
-    return _rows_linear(_per_row(F.silu, _rows_linear(x, gate)) * _rows_linear(x, up), down)
-
-
-_SLOTS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _one_expert_slots(B: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slot_row, slot_expert) of one expert on rows 0..B-1, kept per B: a verify makes them for every
-    dense MLP and shared expert, and building two small tensors costs as much as the call's own work."""
-    slots = _SLOTS.get(B)
-    if slots is None:
-        slots = _SLOTS[B] = (torch.arange(B), torch.zeros(B, dtype=torch.int64))
-    return slots
-
-
-def _per_row(fn, x: torch.Tensor) -> torch.Tensor:
-    """fn (a transcendental elementwise op: silu, sigmoid) on each row of x [B, N] alone. torch takes
-    a vectorised approximation for most elements and a scalar one for a tail; which elements fall in
-    the tail depends on the tensor's length, so a row's bits follow its neighbours unless it goes alone
-    (exact ops such as + and * give the same bits either way)."""
-    return torch.cat([fn(x[b:b + 1]) for b in range(x.shape[0])])
-
-
-def _shared_gate_rows(x: torch.Tensor, gate_w: torch.Tensor) -> torch.Tensor:
-    """qwen2_moe's shared-expert gate on each row alone: F.linear as the solo path calls it, and the
-    sigmoid (a transcendental op: _per_row)."""
-    return torch.cat([torch.sigmoid(F.linear(x[b:b + 1], gate_w)) for b in range(x.shape[0])])
 
 
 def _check_rows(positions: list[int], kvs: list) -> None:
@@ -284,14 +236,14 @@ def _routed(model, layer: int, w: dict, normed: torch.Tensor) -> torch.Tensor:
             slots.setdefault(e, []).append((b, j))
     union = sorted(slots)
     order = [(b, j) for e in union for b, j in slots[e]]  # the slots in the order the experts are applied
-    held = model.experts.resident(layer, union) if _rows_kernel_applies(model, normed) else None
-    ys = _experts_rows(normed, held, [slots[e] for e in union]) if held is not None else None
+    held = model.experts.resident(layer, union) if rows_kernel_applies(model, normed) else None
+    ys = experts_rows(normed, held, [slots[e] for e in union]) if held is not None else None
     if ys is None:  # the experts as they land (streamed), or one-row calls where no rows kernel applies
         outs: dict[tuple[int, int], torch.Tensor] = {}
 
         def run(e, expert_weights):  # as each expert's weights land
-            got = (_experts_rows(normed, [expert_weights], [slots[e]]) if _rows_kernel_applies(model, normed)
-                   else _torch_expert_rows(model, normed, expert_weights, slots[e]))
+            got = (experts_rows(normed, [expert_weights], [slots[e]]) if rows_kernel_applies(model, normed)
+                   else torch_expert_rows(model, normed, expert_weights, slots[e]))
             for i, (b, j) in enumerate(slots[e]):  # else the solo path's one-row call per row
                 outs[b, j] = got[i:i + 1] if got is not None else model.expert_fn(normed[b:b + 1], expert_weights)
 
@@ -379,82 +331,3 @@ def _native_attention(model, layer: int, w: dict, h: torch.Tensor, rope_rows: tu
             out_h[idx] = out
         done.update(idx)
     return out_h, done
-
-
-def _rows_kernel_applies(model, x: torch.Tensor) -> bool:
-    """Whether the experts may go through the multi-row native kernels: the solo path's expert is
-    swiglu_expert over native kernels (an architecture's own expert function keeps its one-row calls)."""
-    return native.ready and model.expert_fn is swiglu_expert and x.device.type == "cpu"
-
-
-def _experts_rows(x: torch.Tensor, experts: list, slots: list[list[tuple[int, int]]]) -> torch.Tensor | None:
-    """[S, H]: expert i of `experts` on the rows of slots[i] (in that order, experts in the given order),
-    through native.experts_rows / quant_experts_rows, each slot the one-row call's bits; None where
-    the weights are not what those kernels take (then the one-row calls)."""
-    slot_row, slot_expert = torch.tensor([[b for rows in slots for b, _ in rows],
-                                          [i for i, rows in enumerate(slots) for _ in rows]], dtype=torch.int64)
-    quantized = native_quant_operands(x[:1], experts)
-    if quantized is not None:
-        tensors, group = quantized
-        return native.quant_experts_rows(x, tensors, group, slot_row, slot_expert)
-    per_expert = len(experts[0])
-    if (x.dtype is not torch.bfloat16 or any(len(e) != per_expert for e in experts)
-            or any(type(t) is not torch.Tensor or t.dtype is not torch.bfloat16 or t.device.type != "cpu"
-                   for e in experts for t in e)):
-        return None
-    return native.experts_rows(x, [t for e in experts for t in e], per_expert, slot_row, slot_expert)
-
-
-def _rows_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [B, H] @ weight.T (+ bias), each row's bits those of the one-row `linear`: native.linear
-    computes each output element alone (row-independent) where it runs, and torch's own bf16 linear
-    where torch_rows_independent; elsewhere one row at a time, because a multi-row matmul may sum in
-    another order than the one-row call."""
-    plain = (type(weight) is torch.Tensor and weight.dtype is torch.bfloat16 and x.dtype is torch.bfloat16
-             and (bias is None or bias.dtype is torch.bfloat16))
-    if plain and native.ready:
-        return native.linear(x, weight, bias)
-    if plain and x.device.type == "cpu" and weight.device.type == "cpu" and torch_rows_independent():
-        return linear(x, weight, bias)
-    return torch.cat([linear(x[b:b + 1], weight, bias) for b in range(x.shape[0])])
-
-
-def _torch_expert_rows(model, x: torch.Tensor, weights, rows: list[tuple[int, int]]) -> torch.Tensor | None:
-    """Without the native kernels: the expert (swiglu_expert's torch path, plain bf16 weights on the
-    CPU) on the rows of `rows` [R, H] in one call per projection where torch_rows_independent, the silu
-    per row (_per_row: a transcendental op's bits follow the tensor's length) → [R, H]; else None
-    (the one-row calls)."""
-    if (native.ready or model.expert_fn is not swiglu_expert or x.dtype is not torch.bfloat16
-            or x.device.type != "cpu" or not all(type(t) is torch.Tensor and t.dtype is torch.bfloat16
-                                                 and t.device.type == "cpu" for t in weights)
-            or not torch_rows_independent()):
-        return None
-    xs = x[[b for b, _ in rows]]  # [R, H]
-    if len(weights) == 3:  # layers.swiglu's torch form
-        gate, up, down = weights
-        return linear(_per_row(F.silu, linear(xs, gate)) * linear(xs, up), down)
-    gu = F.linear(xs, weights[0])  # [R, 2I]: swiglu_expert's fused form, each row's slice as the solo one
-    inter = weights[-1].shape[1]
-    return F.linear(_per_row(F.silu, gu[:, :inter]) * gu[:, inter:], weights[-1])
-
-
-@functools.lru_cache(maxsize=1)
-def torch_rows_independent() -> bool:
-    """Whether torch's bf16 linear gives each row of a multi-row call the bits of that row alone, here.
-    Where oneDNN takes bf16 matmuls (AVX-512 BF16, AMX: torch's mkldnn bf16 check) it blocks rows
-    together and may sum in another order; ATen's own kernel computes each output element as one dot
-    product whatever the row count. Probed once (shapes with vector tails, row counts up to a verify's,
-    with and without a bias) rather than assumed from the version."""
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False
-    g = torch.Generator().manual_seed(0)
-    for H, O in ((64, 48), (256, 100), (200, 520)):
-        w = torch.randn(O, H, generator=g).to(torch.bfloat16)
-        bias = torch.randn(O, generator=g).to(torch.bfloat16)
-        for B in (2, 9, 17):
-            x = torch.randn(B, H, generator=g).to(torch.bfloat16)
-            for b in (None, bias):
-                if not torch.equal(F.linear(x, w, b), torch.cat([F.linear(x[i:i + 1], w, b) for i in range(B)])):
-                    return False
-    return True
-

@@ -64,7 +64,7 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
     """A dense MLP or shared expert: x [T, H]; gate/up [I, H]; down [H, I]. Weights may be QuantWeights
     (quantized containers): `linear` picks their kernel. One bf16 row (decode) is one native call, the
     routed experts' kernel (native.experts): a verify's or batched step's rows take its multi-row form
-    (decode_rows._swiglu_rows), each row these bits, where the torch silu would need a call per row."""
+    (row_ops.swiglu_rows), each row these bits, where the torch silu would need a call per row."""
     if native_swiglu(x, (gate, up, down)) and x.shape[0] == 1:
         return native.experts(x, [gate, up, down], 3)
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)

@@ -44,6 +44,7 @@ The gate (when drafting pays, and how deep): engine/run/spec_gate.py.
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Callable, NamedTuple
 
@@ -114,7 +115,8 @@ class Speculator:
         row_cost = 0.5 if hasattr(engine.model, "forward_rows") else 1.0
         self.gate = Gate(self.policy, self.max_depth, prior, row_cost)
         self.stats = SpecStats()
-        self._guesses: dict[str, GuessRecord] = {}  # lookup guesses on gated-off steps, by kind
+        # lookup guesses on gated-off steps, by kind
+        self._guesses: dict[str, GuessRecord] = collections.defaultdict(GuessRecord)
         self._store = store if store is not None and store.streams else None
         # Drafts as prefetch hints (the module doc): the MoE layers nothing else hints before they run
         self.hints = self._store is not None and a.num_experts > 0 and hasattr(self._store, "hint_experts")
@@ -191,7 +193,7 @@ class Speculator:
             t_forward = time.perf_counter()
             emitted, accepted, tested, stop = accept_rows(steps, gen, logits, drafts, t0)
             if guess and emitted:
-                self._guess_record(source).observe(emitted[0] == guess[0])
+                self._guesses[source].observe(emitted[0] == guess[0])
             io1 = self._io()
             nbytes = max(io1[0] - io0[0], 0) if io1[0] >= io0[0] else io1[0]  # counters reset mid-step
             stall = max(io1[1] - io0[1], 0.0) if io1[1] >= io0[1] else io1[1]
@@ -218,14 +220,8 @@ class Speculator:
 
     def _guess_hinted(self, source: str) -> bool:
         """Whether a gated-off step hints the lookup's guess of this kind (the module doc)."""
-        record = self._guesses.get(source)
+        record = self._guesses.get(source)  # (not [source]: asking adds no record)
         return record is not None and record.trusted()
-
-    def _guess_record(self, source: str) -> GuessRecord:
-        record = self._guesses.get(source)
-        if record is None:
-            record = self._guesses[source] = GuessRecord()
-        return record
 
     def _hint(self, tokens: list[int]) -> None:
         """Before a step: the first MoE layers' experts (the ones the model's own router lookahead, which
@@ -269,7 +265,7 @@ class Speculator:
             raw = logits[-1]
             token = sampler.pick(steps.shape(raw))
             if guess:
-                self._guess_record(source).observe(token == guess[0])
+                self._guesses[source].observe(token == guess[0])
             steps.record(token, raw)
             took = time.perf_counter() - t
             gen.token_seconds.append(took)

@@ -337,6 +337,8 @@ class LimitedProcess:
             except (OSError, subprocess.TimeoutExpired):
                 _kill_group(proc)  # ... or it is ended
                 proc.wait()
+        if proc is not None:
+            proc.stdout.close()  # (its stderr: the reader closes it)
         if self.cgroup is not None:
             self.cgroup.kill_all()
             self.cgroup.remove()
