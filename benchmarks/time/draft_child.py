@@ -1,0 +1,167 @@
+"""draft_decode.py's child halves (a helper of draft_decode.py, not a command; its docstring has the
+method): what runs inside the child process draft_decode.py starts as itself with --child or
+--stream-child, so each mode's engine lives in a process (and, under a budget, a memory cgroup) of its own.
+
+`child` measures one mode of one workload (per-process rows); `paired_child` every mode's engine in
+one process, the prompts taken in turn (--paired, resident); `stream_child` one mode's engine kept
+alive and answering prompt by prompt on stdin (--paired under a budget; draft_runs.py drives it).
+Each answers JSON on stdout: the wire format between the halves.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from benchmarks.time.draft_workloads import workload_prompts
+
+
+# --- the child: one mode of one workload in this process ----------------------------------------
+
+def _config(a, mode: str):
+    from engine.api import EngineConfig, parse_size
+    depths = [int(x) for x in a.depths.split(",")]
+    draft, depth = "off", max(depths)
+    if mode.startswith("gate"):
+        draft = "gate"
+    elif mode.startswith("fixed:"):
+        draft, depth = "fixed", int(mode.split(":")[1])
+    return EngineConfig(ram_budget=parse_size(a.budget), ctx_size=a.ctx, threads=a.threads, draft=draft,
+                        draft_depth=depth, drafter=a.drafter if draft != "off" else "auto")
+
+
+def child(a) -> dict:
+    from engine.api import DraftBudgetError, Engine, Sampler, generate
+    mode = a.mode
+    try:
+        engine = Engine(a.model, _config(a, mode))
+    except DraftBudgetError as exc:  # drafting does not fit beside off's prompt group: refused, not lossy
+        return {"refused": str(exc)}
+    with engine:
+        prompts = workload_prompts(a, engine)
+        streamed = engine.store is not None and engine.store.streams
+        if engine.speculator is not None and mode.endswith("nohint"):
+            engine.speculator.hints = False
+        if not streamed:
+            generate(engine, prompts[0], 4, Sampler())  # warm: kernels, pages
+        seconds, tokens, outputs, bytes_read, recall_hits, recall_total = 0.0, 0, [], 0, 0, 0
+        if engine.speculator is not None:  # its counters over every prompt's decode (the gate keeps learning)
+            engine.speculator.reset_stats()
+        for prompt in prompts:
+            if streamed:
+                engine.forget_prefixes()
+                engine.store.make_cold()
+            first: list = []
+
+            def after_first(_token, first=first):
+                if not first:  # decode only: the counters restart after the prefill's token
+                    first.append(time.perf_counter())
+                    if engine.store is not None:
+                        engine.store.reset_stats()
+
+            gen = generate(engine, prompt, a.tokens + 1, Sampler(), on_token=after_first)
+            seconds += sum(gen.token_seconds)
+            tokens += len(gen.token_seconds)
+            outputs.append(gen.output_ids)
+            io = engine.io_stats()
+            bytes_read += io.get("bytes_read", 0)
+            if streamed:
+                recall_hits += engine.store.recall_hits
+                recall_total += engine.store.recall_total
+        draft = engine.draft_stats()
+        # The RAM cache's whole entries: the plan's, and what a drafter's idle memory lends it. One entry
+        # moves a streamed row by ~20% here where the working set is the cache's size, and the plan's
+        # runtime overhead (the process's resident set, which varies by ~0.4 MiB between processes)
+        # sets it: the column says which plan each row ran
+        plan = engine.plan
+        entries = [plan.cache_slots, getattr(engine.store, "borrowable", 0)] if streamed else None
+        return {"streamed": streamed, "tok_s": tokens / seconds if seconds else None, "tokens": tokens,
+                "cache_entries": entries,
+                "bytes_per_token": bytes_read / tokens if tokens else None, "outputs": outputs,
+                "recall": recall_hits / recall_total if recall_total else None, "draft": draft or {}}
+
+
+def paired_child(a) -> dict:
+    """--paired: every mode's engine in this one process (resident), the prompts taken in turn by each
+    mode, the order rotating, --rounds times: each mode's tok/s per prompt and the ratio to `off` on the
+    same prompt within the same turn (a pair measured seconds apart, so the box's slow drifts cancel).
+    The engines live through every round: the gate keeps what it measured (a server's steady state)."""
+    from engine.api import DraftBudgetError, Engine, Sampler, generate
+    modes = json.loads(a.paired_modes)  # [[drafter, mode], ...], ["auto", "off"] first
+    engines = {}
+    for drafter, mode in modes:
+        a.drafter = drafter
+        try:
+            engines[(drafter, mode)] = Engine(a.model, _config(a, mode))
+        except DraftBudgetError as exc:
+            engines[(drafter, mode)] = str(exc)
+    live = {m: e for m, e in engines.items() if not isinstance(e, str)}
+    prompts = workload_prompts(a, next(iter(live.values())))
+    for e in live.values():
+        generate(e, prompts[0], 4, Sampler())  # warm: kernels, pages
+        if e.speculator is not None:
+            e.speculator.reset_stats()
+    out = {m: {"tok_s": [], "ratio": [], "outputs": []} for m in live}
+    order = list(live)
+    for r in range(a.rounds):
+        for i, prompt in enumerate(prompts):
+            turn = order[(r * len(prompts) + i) % len(order):] + order[:(r * len(prompts) + i) % len(order)]
+            rate = {}
+            for m in turn:
+                gen = generate(live[m], prompt, a.tokens + 1, Sampler())
+                rate[m] = (len(gen.token_seconds) - 1) / sum(gen.token_seconds[1:])
+                out[m]["tok_s"].append(rate[m])
+                if r == 0:
+                    out[m]["outputs"].append(gen.output_ids)
+            for m in live:
+                out[m]["ratio"].append(rate[m] / rate[("auto", "off")])
+    result = []
+    for m, e in engines.items():
+        if isinstance(e, str):
+            result.append({"mode": list(m), "refused": e})
+            continue
+        result.append({"mode": list(m), **out[m], "draft": e.draft_stats() or {}})
+        e.close()
+    return {"modes": result}
+
+
+def stream_child(a) -> None:
+    """--paired under a budget: one mode's engine in this process (inside its cgroup), kept alive while
+    the parent takes the modes in turn, prompt by prompt: a line {"prompt": i} runs prompt i cold (the
+    caches emptied, their pages dropped) and answers its decode tok/s, expert bytes per token, lookahead
+    recall and tokens; {"stats": 1} answers the drafting counters; EOF ends it. The first line says
+    whether the engine stands (its cache entries) or refused this drafting at this budget."""
+    from engine.api import DraftBudgetError, Engine, Sampler, generate
+    try:
+        engine = Engine(a.model, _config(a, a.mode))
+    except DraftBudgetError as exc:
+        print(json.dumps({"refused": str(exc)}), flush=True)
+        return
+    with engine:
+        prompts = workload_prompts(a, engine)
+        plan, store = engine.plan, engine.store
+        print(json.dumps({"cache_entries": [plan.cache_slots, getattr(store, "borrowable", 0)]}), flush=True)
+        if engine.speculator is not None:
+            engine.speculator.reset_stats()
+        for line in sys.stdin:
+            ask = json.loads(line)
+            if "stats" in ask:
+                print(json.dumps(engine.draft_stats() or {}), flush=True)
+                continue
+            engine.forget_prefixes()
+            store.make_cold()
+            first: list = []
+
+            def after_first(_token, first=first):
+                if not first:  # decode only: the counters restart after the prefill's token
+                    first.append(time.perf_counter())
+                    store.reset_stats()
+
+            gen = generate(engine, prompts[ask["prompt"]], a.tokens + 1, Sampler(), on_token=after_first)
+            tokens = len(gen.token_seconds)
+            print(json.dumps({"tok_s": tokens / sum(gen.token_seconds),
+                              "bytes_per_token": engine.io_stats().get("bytes_read", 0) / tokens,
+                              "recall": [store.recall_hits, store.recall_total], "outputs": gen.output_ids}),
+                  flush=True)
+

@@ -1,0 +1,131 @@
+"""draft_decode.py's parent side (a helper of draft_decode.py, not a command; its docstring has the
+method): the child processes it starts, each the entry script itself (SCRIPT) with --child or
+--stream-child (draft_child.py holds what they run), and their answers made into rows.
+
+`run_child`: one mode of one workload in a child of its own (per-process rows; the rows are main's).
+`run_paired`: --paired resident, every mode in one child; `paired_rows` its rows. `run_paired_streamed`:
+--paired under a budget, each mode in its own child and cgroup, all kept alive; it returns its rows.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from benchmarks.time.draft_workloads import PROMPTS
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().with_name("draft_decode.py")  # the entry point each child re-invokes
+
+TOOL = "draft_decode"
+MiB = 1 << 20
+
+
+def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> list[dict]:
+    """--paired under a budget: each mode's engine in its own process and cgroup (stream_child), all
+    alive at once; each prompt taken by every mode in turn (the order rotating), --rounds times. x off is
+    the median over prompts and rounds of a mode's tok/s over off's on the same prompt in the same turn."""
+    from benchmarks.benchkit import spread
+    from engine.api import parse_size
+    from tuner.sandbox import LimitedProcess
+    procs, first = {}, {}
+    try:
+        for m in modes:
+            argv = [sys.executable, str(SCRIPT), "--stream-child", "--model", a.model, "--workload",
+                    workload, "--mode", m[1], "--ctx", str(a.ctx), "--budget", budget, "--threads", str(a.threads),
+                    "--tokens", str(a.tokens), "--depths", a.depths, "--drafter", m[0], "--seed", str(a.seed)]
+            procs[m] = LimitedProcess(argv, parse_size(budget), cwd=REPO)
+        for m, p in procs.items():  # the first line each prints by itself: ready, or refused
+            try:
+                first[m] = json.loads(p.answer(a.timeout))
+            except RuntimeError as exc:
+                raise SystemExit(f"{TOOL}: {workload} {' '.join(m)} under {budget} did not start: {exc}") from None
+        live = [m for m in modes if "refused" not in first[m]]
+        off = ("auto", "off")
+        out = {m: {"tok_s": [], "ratio": [], "bytes": [], "recall": [0, 0], "outputs": []} for m in live}
+        print(f"{TOOL}: {workload} paired under {budget}, {len(live)} modes x {a.rounds} rounds x {PROMPTS} prompts ...",
+              file=sys.stderr, flush=True)
+        for r in range(a.rounds):
+            for i in range(PROMPTS):
+                k = (r * PROMPTS + i) % len(live)
+                got = {m: json.loads(procs[m].ask(json.dumps({"prompt": i}), a.timeout)) for m in live[k:] + live[:k]}
+                for m in live:
+                    g = got[m]
+                    out[m]["tok_s"].append(g["tok_s"])
+                    out[m]["ratio"].append(g["tok_s"] / got[off]["tok_s"])
+                    out[m]["bytes"].append(g["bytes_per_token"])
+                    out[m]["recall"] = [x + y for x, y in zip(out[m]["recall"], g["recall"])]
+                    if r == 0:
+                        out[m]["outputs"].append(g["outputs"])
+        stats = {m: json.loads(procs[m].ask(json.dumps({"stats": 1}), a.timeout)) for m in live}
+        limited = all(p.limited for p in procs.values())
+    finally:
+        for p in procs.values():
+            p.close()
+    rows = []
+    for m in modes:
+        drafter, mode = m
+        if m not in live:
+            rows.append({"budget": budget, "workload": workload, "drafter": drafter, "mode": mode, "tok_s": None,
+                         "ratios": None, "x_off": None, "acceptance": None, "tokens_per_step": None, "drafted": None,
+                         "streamed": True, "read_mib_per_token": None, "recall": None,
+                         "decisions": "refused: " + first[m]["refused"], "lossless": None, "cgroup": limited})
+            continue
+        d, o = stats[m], out[m]
+        entries = first[m]["cache_entries"]
+        rows.append({"budget": budget, "workload": workload, "drafter": None if mode == "off" else drafter,
+                     "mode": mode, "tok_s": spread(o["tok_s"]), "ratios": spread(o["ratio"]) if mode != "off" else None,
+                     "x_off": round(statistics.median(o["ratio"]), 3), "acceptance": d.get("acceptance"),
+                     "tokens_per_step": d.get("tokens_per_step"), "drafted": d.get("drafted"), "streamed": True,
+                     "read_mib_per_token": round(statistics.median(o["bytes"]) / MiB, 3),
+                     "recall": round(o["recall"][0] / o["recall"][1], 3) if o["recall"][1] else None,
+                     "decisions": d.get("decisions"),
+                     "mtp_loads": d.get("mtp_loads") if drafter in ("mtp", "auto") and mode != "off" else None,
+                     "cache_entries": f"{entries[0]}+{entries[1]}" if entries[1] else str(entries[0]),
+                     "lossless": o["outputs"] == out[off]["outputs"], "cgroup": limited})
+    return rows
+
+
+def run_paired(a, workload: str, modes: list[tuple]) -> dict:
+    from benchmarks.benchkit import child_json
+    argv = [sys.executable, str(SCRIPT), "--child", "--paired-modes", json.dumps(modes), "--model",
+            a.model, "--workload", workload, "--ctx", str(a.ctx), "--budget", "0", "--threads", str(a.threads),
+            "--tokens", str(a.tokens), "--depths", a.depths, "--seed", str(a.seed), "--rounds", str(a.rounds)]
+    print(f"{TOOL}: {workload} paired, {len(modes)} modes x {a.rounds} rounds x {PROMPTS} prompts ...", file=sys.stderr,
+          flush=True)
+    return child_json(TOOL, argv, "0", a.timeout, f"{workload} paired", REPO)
+
+
+def run_child(a, budget: str, workload: str, drafter: str, mode: str, round_: int) -> dict:
+    from benchmarks.benchkit import child_json
+    argv = [sys.executable, str(SCRIPT), "--child", "--model", a.model, "--workload", workload,
+            "--mode", mode, "--ctx", str(a.ctx), "--budget", budget, "--threads", str(a.threads),
+            "--tokens", str(a.tokens), "--depths", a.depths, "--drafter", drafter, "--seed", str(a.seed)]
+    name = mode if mode == "off" else f"{drafter} {mode}"
+    print(f"{TOOL}: {workload} {name} round {round_ + 1} budget={budget} ...", file=sys.stderr, flush=True)
+    return child_json(TOOL, argv, budget, a.timeout, f"{workload} {name}, budget {budget}", REPO)
+
+
+def paired_rows(result: dict, budget: str, workload: str) -> list[dict]:
+    """Rows of one --paired child: x off the median of the per-prompt ratios (their min-max beside it)."""
+    from benchmarks.benchkit import spread
+    modes = result["modes"]
+    off = next(m for m in modes if m["mode"] == ["auto", "off"])
+    rows = []
+    for m in modes:
+        drafter, mode = m["mode"]
+        if "refused" in m:
+            rows.append({"budget": budget, "workload": workload, "drafter": drafter, "mode": mode, "tok_s": None,
+                         "ratios": None, "x_off": None, "acceptance": None, "tokens_per_step": None, "drafted": None,
+                         "decisions": "refused: " + m["refused"], "lossless": None})
+            continue
+        d = m["draft"]
+        rows.append({"budget": budget, "workload": workload, "drafter": None if mode == "off" else drafter,
+                     "mode": mode, "tok_s": spread(m["tok_s"]), "ratios": spread(m["ratio"]),
+                     "x_off": round(statistics.median(m["ratio"]), 3), "acceptance": d.get("acceptance"),
+                     "tokens_per_step": d.get("tokens_per_step"), "drafted": d.get("drafted"),
+                     "decisions": d.get("decisions"), "lossless": m["outputs"] == off["outputs"]})
+    return rows
+
