@@ -321,6 +321,32 @@ def test_a_lent_cache_holds_the_entries_a_plan_without_the_drafter_would(ratio, 
     assert len(seen) > 1  # the drafter's bytes rounded to different whole entries across the budgets
 
 
+def test_engines_given_one_runtime_overhead_plan_alike_and_a_lent_cache_matches_the_plain_one(tmp_path_factory):
+    """Engine(runtime_overhead_bytes=...) plans with that figure whatever the process holds: two engines of
+    one config plan alike across a resident set grown by 8 MiB between them, and an MTP engine's lent cache
+    then holds the plain engine's entries exactly (what a comparison of processes needs: each process's
+    own resident set differs by about one small expert from the next's)."""
+    d = mtp_model(tmp_path_factory, "glm4_moe")
+    plain_cfg = config(dtype="fp32")
+    overhead = (300 << 20) + 12345
+    with Engine(d, plain_cfg.replace(ram_budget=1 << 40), runtime_overhead_bytes=overhead) as e:
+        fixed, entry = e.plan.fixed_bytes, e.plan.cache_entry_bytes
+    budget = fixed + 12 * entry + entry // 2  # about half the experts
+    plain_cfg = plain_cfg.replace(ram_budget=budget)
+    with Engine(d, plain_cfg, runtime_overhead_bytes=overhead) as e:
+        first = e.plan.to_dict()
+    grown = bytearray(8 << 20)
+    grown[::4096] = b"x" * len(grown[::4096])  # resident, not just reserved
+    with Engine(d, plain_cfg, runtime_overhead_bytes=overhead) as e:
+        assert e.plan.to_dict() == first
+    assert first["overhead_bytes"] == overhead and first["streaming"]
+    assert 0 < first["cache_slots"] < first["routed_experts"]
+    with Engine(d, plain_cfg.replace(draft="gate", drafter="mtp"), runtime_overhead_bytes=overhead) as e:
+        assert e.plan.overhead_bytes == overhead and e.plan.draft_bytes > 0
+        assert e.plan.cache_slots < first["cache_slots"] == e.plan.cache_slots + e.store.borrowable
+    del grown
+
+
 def test_short_loans_double_the_wait_before_the_next_and_a_long_one_resets_it():
     """Drafts every few dozen steps would pay a load each: a loan that ends within SHORT_LOAN times the
     wait before it doubles the wait (up to LEND_AFTER_MAX); a long one sets it back. Nothing is lent

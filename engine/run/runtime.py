@@ -114,11 +114,17 @@ class Engine(Drafting):
     """One loaded model, ready to prefill and decode."""
 
     def __init__(self, model_dir: str | os.PathLike, config: EngineConfig | None = None, *,
-                 keep_positions: bool | None = None, kv_dir: str | os.PathLike | None = None, kv_disk_bytes: int = 0):
+                 keep_positions: bool | None = None, kv_dir: str | os.PathLike | None = None, kv_disk_bytes: int = 0,
+                 runtime_overhead_bytes: int | None = None):
         """keep_positions: the KV cache holds every position (what reuse restores into; None: when
         config.prefix_cache is on). kv_dir, kv_disk_bytes: the prefix cache's SSD tier (none
-        without a directory; engine/run/kv_store.py)."""
+        without a directory; engine/run/kv_store.py). runtime_overhead_bytes: the runtime overhead the
+        memory plan counts (None: this process's resident set now, plus a decode step's margin). Engines
+        compared under one budget take one figure, so their plans differ by their configs alone: a
+        process's resident set at planning time varies by a few tenths of a MiB from one start to the
+        next, which on a model of small experts (the MTP reference's are 0.38 MiB) is a cache entry."""
         self.config = config or EngineConfig()
+        self._runtime_overhead = runtime_overhead_bytes
         keep_positions = self.config.prefix_cache > 0 if keep_positions is None else keep_positions
         self.checkpoint = Checkpoint(model_dir)
         self.args = model_args(self.checkpoint.config)
@@ -219,7 +225,7 @@ class Engine(Drafting):
             self._layout_args = layout_args
             self.layout = ExpertLayout(self.checkpoint, layout_args) if self.args.is_moe else None
         return make_plan(self.checkpoint, self.args, self.layout, self.config, self.dtype, self.kv_dtype,
-                         keep_positions=keep_positions, mtp_bytes=mtp_bytes)
+                         overhead_bytes=self._runtime_overhead, keep_positions=keep_positions, mtp_bytes=mtp_bytes)
 
     def _load_dense(self, name, container, quantized, fp8_kept, fp8_dequantized, alloc=None):
         if name in quantized:
