@@ -131,17 +131,19 @@ def stream_child(a) -> None:
     the parent takes the modes in turn, prompt by prompt: a line {"prompt": i} runs prompt i cold (the
     caches emptied, their pages dropped) and answers its decode tok/s, expert bytes per token, lookahead
     recall and tokens; {"stats": 1} answers the drafting counters; EOF ends it. The first line says
-    whether the engine stands (its cache entries) or refused this drafting at this budget."""
+    whether the engine stands (its cache entries and the runtime overhead its plan counted) or refused this
+    drafting at this budget. --runtime-overhead: the figure to plan with (the parent gives every mode `off`'s)."""
     from engine.api import DraftBudgetError, Engine, Sampler, generate
     try:
-        engine = Engine(a.model, _config(a, a.mode))
+        engine = Engine(a.model, _config(a, a.mode), runtime_overhead_bytes=a.runtime_overhead or None)
     except DraftBudgetError as exc:
         print(json.dumps({"refused": str(exc)}), flush=True)
         return
     with engine:
         prompts = workload_prompts(a, engine)
         plan, store = engine.plan, engine.store
-        print(json.dumps({"cache_entries": [plan.cache_slots, getattr(store, "borrowable", 0)]}), flush=True)
+        print(json.dumps({"cache_entries": [plan.cache_slots, getattr(store, "borrowable", 0)],
+                          "overhead_bytes": plan.overhead_bytes}), flush=True)
         if engine.speculator is not None:
             engine.speculator.reset_stats()
         for line in sys.stdin:

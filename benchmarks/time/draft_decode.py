@@ -33,7 +33,8 @@ engines live through every round, so the gate keeps what it measured: a server's
 the per-process rows show a gate learning from scratch on PROMPTS prompts.
 Streamed rows also give each round's RAM expert cache in whole entries (`cache entries`: planned, and
 + what an idle MTP layer lends it): the plan sizes it from the process's resident set, which varies a
-little between processes, and one entry moves a row whose working set is the cache's size by ~20%.
+little between processes, and one entry moves a row whose working set is the cache's size by ~20%; so
+--paired under a budget starts `off` first and plans every other mode with off's runtime overhead.
 Columns: decode tok/s (median of --rounds, min-max), x off (the medians' ratio), x off by round (the
 median of each round's ratio to that round's off, min-max; per-process rows), acceptance (drafts accepted / drafted),
 tokens per step (tokens emitted / decode steps), drafted tokens, expert bytes read per emitted token
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                          "rounds (a server's steady state)")
     ap.add_argument("--paired-modes", help=argparse.SUPPRESS)
     ap.add_argument("--stream-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--runtime-overhead", type=int, default=0, help=argparse.SUPPRESS)  # bytes; 0: measured
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
