@@ -14,9 +14,10 @@ DEPENDENCIES = ("fio", "postgres", "cgroup", "uring", "native", "chromium", "lla
 
 def needs(dep: str, why: str, int_kernels: bool = False) -> str:
     """The skip reason for a test that needs `dep`: tagged so the require switch can find it. Not
-    tagged where the dependency is the CPU itself: the native kernels on a CPU without AVX-512
-    (bf16; int_kernels: VNNI and VBMI too) skip on any machine like it, CI's included (the sources
-    are still compiled there: tests/test_native_build.py)."""
+    tagged where the dependency is the CPU itself: the native kernels on a CPU with neither AVX-512
+    (AVX512-BF16) nor AVX2 and FMA (their AVX2 build), and the int8/int4 ones (int_kernels) on a CPU
+    without AVX-512 VNNI and VBMI, skip on any machine like it, CI's included (the sources are still
+    compiled there: tests/test_native_build.py)."""
     assert dep in DEPENDENCIES, dep
     if dep == "native" and cpu_lacks_native(int_kernels):
         return f"{why} (this CPU's instruction set: runs where the CPU has it)"
@@ -27,6 +28,8 @@ def cpu_lacks_native(int_kernels: bool = False) -> list[str]:
     """The instruction sets the native kernels need that this CPU does not have."""
     from engine import native
     flags = native.cpu_flags()
+    if not int_kernels and native.isa_for(flags) is not None:
+        return []
     wanted = native.REQUIRED_FLAGS + (native.INT_FLAGS if int_kernels else ())
     return [f for f in wanted if f not in flags]
 

@@ -23,6 +23,13 @@ def bf16_close(y: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(((y.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).all())
 
 
+def test_the_loaded_build_is_the_one_this_cpu_and_environment_name():
+    """AVX-512 where the CPU has AVX512-BF16, else AVX2 (or AVX2 wherever COLIBRI_NATIVE_ISA=avx2 asks:
+    tests/test_native_avx2.py runs these tests so); only the AVX-512 build carries the int8/int4 ops."""
+    assert native.isa == native.isa_for(native.cpu_flags()) and native.isa in native.ISAS
+    assert not native.int_ready or native.isa == "avx512"
+
+
 @pytest.mark.parametrize("k", [32, 64, 100, 1024, 31])  # multiples of 32 and 64, and ragged tails
 def test_linear_matches_an_fp32_reference(k):
     g = torch.Generator().manual_seed(k)

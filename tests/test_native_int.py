@@ -153,11 +153,19 @@ def test_cpu_without_vnni_keeps_bf16_kernels_but_not_int(fresh_native):
     _fallback_matches_torch(_experts("int8", 0, 1)[0][0], torch.randn(1, 128).bfloat16())
 
 
-def test_cpu_without_avx512_bf16_loads_nothing(fresh_native):
+def test_cpu_without_avx512_bf16_loads_the_avx2_build_without_int(fresh_native):
     flags = native.cpu_flags() - {"avx512_bf16"}
     fresh_native.setattr(native, "cpu_flags", lambda: flags)
-    assert "lacks avx512_bf16" in native.load(again=True)
-    assert not native.int_ready
+    assert native.load(again=True) is None
+    assert native.ready and native.isa == "avx2" and not native.int_ready
+    _fallback_matches_torch(_experts("int8", 0, 1)[0][0], torch.randn(1, 128).bfloat16())
+
+
+def test_cpu_without_avx512_bf16_or_avx2_loads_nothing(fresh_native):
+    flags = native.cpu_flags() - {"avx512_bf16", "avx2"}
+    fresh_native.setattr(native, "cpu_flags", lambda: flags)
+    assert "lacks avx512_bf16 and avx2" in native.load(again=True)
+    assert not native.ready and not native.int_ready and native.isa is None
 
 
 def test_no_compiler(fresh_native):

@@ -8,7 +8,6 @@ Tiny generated models (tests/colibri_hf_models.py, the tiny synth preset); no wa
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 
 import pytest
@@ -22,7 +21,6 @@ from engine.format.layout import ExpertLayout
 from engine.movement.plan import (make_plan, prefill_activation_bytes, prefill_bytes,
                                   prefill_group_bytes, prefill_tokens_per_pass)
 from engine.run.generate import Sampler, generate
-from engine.run import runtime
 from engine.run.runtime import Engine
 from colibri_hf_models import ARCHS, built_once
 from test_streaming import budget_for_cache
@@ -151,11 +149,10 @@ def test_a_prompt_the_old_charge_split_is_one_group_reading_each_expert_once(mod
     """Under a budget where a group's old state ([T*K, H] routed slots and the norm held) would have
     split a 4,000-token prompt into groups, the routed sum's charge fits the whole context: one group,
     and every expert the prompt routes to is read at most once per layer for the whole prompt (cache
-    ratio 0: nothing is kept between layers' uses). The runtime overhead is fixed (the engine's own
+    ratio 0: nothing is kept between layers' uses). The runtime overhead is given (the engine's own
     measurement, this process's RSS, moves with what ran before by more than the tiny model's state)."""
     ctx, n = 4096, 4000
     overhead = 200 * MiB
-    monkeypatch.setattr(runtime, "make_plan", functools.partial(make_plan, overhead_bytes=overhead))
     config = EngineConfig(threads=1, ctx_size=ctx, io_threads=2, prefetch_depth=1, cpu_cache_ratio=0.0, dtype="fp32")
     ckpt = Checkpoint(model_dir)
     args = model_args(ckpt.config)
@@ -167,7 +164,7 @@ def test_a_prompt_the_old_charge_split_is_one_group_reading_each_expert_once(mod
               - prefill_group_bytes(args, ctx, torch.float32, ctx, probe.prefill_norm_held))
     # (everything but the group's state: one sub-chunk's transients stay)
     budget = others + new + old  # half of what is left: between the new state and the old
-    with Engine(model_dir, config.replace(ram_budget=budget)) as engine:
+    with Engine(model_dir, config.replace(ram_budget=budget), runtime_overhead_bytes=overhead) as engine:
         plan = engine.plan
         assert plan.streaming and plan.cache_slots == 0
         left = budget - (plan.dense_bytes + plan.kv_bytes + plan.buffer_bytes + plan.overhead_bytes

@@ -80,7 +80,7 @@ _HOMES = {
     # machine facts the probe and doctor read
     "engine.base.hugepages": "thp_mode",
     "engine.base.align": "align_down align_up",
-    "engine.api.kernels": "load_native_kernels native_kernels_ready",
+    "engine.api.kernels": "load_native_kernels native_kernels_build native_kernels_ready runnable_native_builds",
     # files, inputs and progress
     "engine.base.durable": "DirectoryLock atomic_write_text lock_path_for",
     "engine.base.inputs": "check_regular printable read_input read_text_input",

@@ -13,3 +13,16 @@ def load_native_kernels(again: bool = False) -> str | None:
 def native_kernels_ready() -> bool:
     """Whether the native bf16 kernels are loaded (read now: a load since changes it)."""
     return bool(native.ready)
+
+
+def native_kernels_build() -> str | None:
+    """Which build of the native kernels is loaded: "avx512", "avx2" (engine/native/avx2_compat.h), or None."""
+    return native.isa if native.ready else None
+
+
+def runnable_native_builds() -> list[str]:
+    """The builds of the native kernels this CPU runs: "avx512" (AVX512-BF16), "avx2" (AVX2 and FMA: also on
+    an AVX-512 CPU, where COLIBRI_NATIVE_ISA=avx2 selects it)."""
+    flags = native.cpu_flags()
+    return [isa for isa, wanted in (("avx512", native.REQUIRED_FLAGS), ("avx2", native.AVX2_FLAGS))
+            if all(f in flags for f in wanted)]

@@ -2,7 +2,10 @@
 
 Decode (one token) in bf16 is a stream of matrix-vector products; torch's bf16 matmul is tuned
 for many rows and reaches a quarter of the memory bandwidth there (docs/BENCHMARKS.md,
-"Resident decode"). The kernels here are plain dot products with AVX512-BF16 instructions.
+"Resident decode"). The kernels here are plain dot products with AVX512-BF16 instructions. On a CPU
+without AVX512-BF16 but with AVX2 and FMA they are built over avx2_compat.h (each 512-bit vector two
+256-bit halves, vdpbf16ps two FMAs): every op but the int8/int4 ones, the same guarantees (a row's bits
+follow neither the rows beside it nor its place in a vector), other bits than the AVX-512 build's.
 
 They are built with the system C++ compiler against the installed torch's headers the first
 time a bf16 engine starts (~6 s), into ~/.cache/colibri/kernels (COLIBRI_KERNEL_CACHE),
@@ -10,7 +13,7 @@ keyed by the source, torch version, compiler and CPU flags; the build writes a t
 renames it, so concurrent first runs are safe. A build that fails is remembered beside the
 library (`<name>.failed`, holding the compiler's last line): later runs, and every trial of a
 tune, read the reason instead of compiling again, until the sources, torch or the compiler
-change (they key the name). Without a compiler, without AVX512-BF16, or with COLIBRI_NATIVE=0,
+change (they key the name). Without a compiler, without AVX512-BF16 and AVX2, or with COLIBRI_NATIVE=0,
 `load()` says why and the engine keeps torch's ops: same model, other rounding of the sums, so
 tokens may differ from a native run (never between placements of one).
 
@@ -70,17 +73,26 @@ from pathlib import Path
 
 import torch
 
-# Every .cpp here goes into the one library (each registers its ops in namespace colibri).
+# Every .cpp here goes into the one library (each registers its ops in namespace colibri, the int8/int4
+# ones in colibri_int).
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources: part of the key
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 INT_FLAGS = ("avx512_vnni", "avx512vbmi")
+# Without AVX512-BF16, a CPU with AVX2 and FMA gets the same kernels built over avx2_compat.h (each
+# 512-bit vector a pair of 256-bit halves, vdpbf16ps two FMAs): every bf16 / FP8 / MXFP4 op, not the
+# int8/int4 ones (their VNNI and VBMI arithmetic is not emulated; int_ready stays False).
+AVX2_FLAGS = ("avx2", "fma")
+INT_SOURCES = tuple(s for s in SOURCES if s.stem.endswith("_int") or s.stem.startswith("int_"))
+COMPAT_HEADER = Path(__file__).parent / "avx2_compat.h"
+ISAS = ("avx512", "avx2")
 # int8 decode through the native op: on by default since its rows prefetch the next tile and resident
 # layers run fused (demo int8 resident: 1.6x torch's _weight_int8pack_mm end to end, docs/BENCHMARKS.md,
 # "intkern"); COLIBRI_NATIVE_INT8=0 keeps torch's kernel. int4 has no switch.
 int8_decode = os.environ.get("COLIBRI_NATIVE_INT8", "1") == "1"
 ready = False
 int_ready = False
+isa: str | None = None  # the loaded build: "avx512" or "avx2" (avx2_compat.h), None when not ready
 _why_not: str | None = None
 _tried = False
 
@@ -100,33 +112,49 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def build(out: Path, optimize: bool = True) -> None:
-    """Compile the library to `out` whatever this CPU runs (CI checks the sources build on a CPU without
-    AVX-512 too: unoptimized there, a check of the sources and the link, not a library to run).
+def isa_for(flags: set[str]) -> str | None:
+    """Which build a CPU with these flags runs: avx512, avx2, or None (torch's ops). COLIBRI_NATIVE_ISA=avx2
+    takes the AVX2 build on an AVX-512 CPU too (how CI runs the emulation where its CPU has AVX-512)."""
+    if os.environ.get("COLIBRI_NATIVE_ISA") == "avx2":
+        return "avx2" if all(f in flags for f in AVX2_FLAGS) else None
+    if all(f in flags for f in REQUIRED_FLAGS):
+        return "avx512"
+    return "avx2" if all(f in flags for f in AVX2_FLAGS) else None
+
+
+def build(out: Path, optimize: bool = True, isa: str = "avx512") -> None:
+    """Compile the library for `isa` to `out` whatever this CPU runs (CI checks both builds compile on any
+    CPU: unoptimized where it cannot run them, a check of the sources and the link, not a library to run).
     Raises RuntimeError naming what failed."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    _build(cxx, out, "-O3" if optimize else "-O0")
+    _build(cxx, out, "-O3" if optimize else "-O0", isa)
 
 
-def _build(cxx: str, out: Path, level: str = "-O3") -> None:
+def _build(cxx: str, out: Path, level: str = "-O3", isa: str = "avx512") -> None:
     torch_dir = Path(torch.__file__).parent
     abi = int(torch.compiled_with_cxx11_abi())
-    argv = [cxx, level, "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-            "-mavx512bf16", "-mfma", f"-I{Path(__file__).parent}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
-            f"-I{torch_dir / 'include'}", *map(str, SOURCES), "-o", str(out),
+    if isa == "avx512":
+        target, sources = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"], SOURCES
+    else:
+        target = ["-mavx2", "-mfma", "-include", str(COMPAT_HEADER)]
+        sources = tuple(s for s in SOURCES if s not in INT_SOURCES)
+    argv = [cxx, level, "-std=c++17", "-shared", "-fPIC", "-fopenmp", *target, f"-I{Path(__file__).parent}",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w", f"-I{torch_dir / 'include'}", *map(str, sources), "-o", str(out),
             f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"{cxx} failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:200]}")
 
 
-def _library_path(cxx: str, flags: set[str]) -> Path:
+def _library_path(cxx: str, flags: set[str], isa: str = "avx512") -> Path:
     key = hashlib.sha256()
     for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
     key.update(f"{torch.__version__}|{cxx}|{platform.machine()}|{sorted(flags & set(REQUIRED_FLAGS))}".encode())
+    if isa != "avx512":  # (the AVX-512 build's key as it always was: its cached libraries stay valid)
+        key.update(f"|{isa}".encode())
     root = Path(os.environ.get("COLIBRI_KERNEL_CACHE") or Path.home() / ".cache" / "colibri" / "kernels")
     return root / f"colibri_bf16_{key.hexdigest()[:16]}.so"
 
@@ -136,27 +164,32 @@ def load(again: bool = False) -> str | None:
 
     The answer is kept for the process; again=True asks once more (after installing a compiler,
     or in tests that change the environment). A library already loaded stays loaded."""
-    global ready, int_ready, _why_not, _tried
+    global ready, int_ready, isa, _why_not, _tried
     if _tried and not again:
         return _why_not
     _tried = True
-    _why_not = _load()
+    flags = cpu_flags()
+    chosen = isa_for(flags)
+    _why_not = _load(flags, chosen)
     ready = _why_not is None
-    int_ready = ready and all(f in cpu_flags() for f in INT_FLAGS)
+    isa = chosen if ready else None
+    int_ready = ready and isa == "avx512" and all(f in flags for f in INT_FLAGS)
     return _why_not
 
 
-def _load() -> str | None:
+def _load(flags: set[str], chosen: str | None) -> str | None:
     if os.environ.get("COLIBRI_NATIVE", "1") == "0":
         return "disabled by COLIBRI_NATIVE=0"
-    flags = cpu_flags()
-    missing = [f for f in REQUIRED_FLAGS if f not in flags]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
+    if chosen is None:
+        wide = [f for f in REQUIRED_FLAGS if f not in flags]
+        narrow = [f for f in AVX2_FLAGS if f not in flags]
+        if not wide:  # (COLIBRI_NATIVE_ISA=avx2 on a CPU without AVX2)
+            return f"this CPU lacks {', '.join(narrow)} (COLIBRI_NATIVE_ISA=avx2)"
+        return f"this CPU lacks {', '.join(wide)} and {', '.join(narrow)} (the AVX-512 kernels and their AVX2 build)"
     cxx = _compiler()
     if cxx is None:
         return "no C++ compiler (g++) on PATH"
-    lib = _library_path(cxx, flags)
+    lib = _library_path(cxx, flags, chosen)
     failed = lib.with_suffix(".failed")
     if not lib.exists() and failed.exists():
         return f"native kernels unavailable: {_read_failure(failed)} (an earlier build; delete {failed} to retry)"
@@ -167,7 +200,7 @@ def _load() -> str | None:
             os.close(fd)
             try:
                 try:
-                    _build(cxx, Path(tmp))
+                    _build(cxx, Path(tmp), isa=chosen)
                 except (RuntimeError, subprocess.SubprocessError) as exc:
                     _remember_failure(failed, str(exc))
                     raise

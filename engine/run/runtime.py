@@ -273,7 +273,8 @@ class Engine(Drafting):
             return self.layout.kernel
         if self.quant is None:
             dtype = str(self.dtype).replace('torch.', '')
-            return f"F.linear ({dtype})" if self.native_unavailable else f"F.linear ({dtype}), native bf16 decode"
+            build = " (AVX2 build)" if native.isa == "avx2" else ""
+            return f"F.linear ({dtype})" if self.native_unavailable else f"F.linear ({dtype}), native bf16 decode{build}"
         a, q = self.args, self.quant
         ok = all(kernel_works(q.quant, n, k, q.group_size, self.dtype)
                  for n, k in ((a.moe_intermediate_size, a.hidden_size), (a.hidden_size, a.moe_intermediate_size)))

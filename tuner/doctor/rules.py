@@ -45,6 +45,8 @@ class Facts:
     native_checked: bool = False
     model_dtype: str | None = None
     cpu_has_avx512_bf16: bool | None = None
+    cpu_has_avx2: bool | None = None  # (with FMA: the native kernels' AVX2 build)
+    native_build: str | None = None  # which build loaded: "avx512" or "avx2"
     cgroup_available: bool | None = None
     cgroup_reason: str | None = None
     freq_ratio: float | None = None
@@ -185,13 +187,15 @@ def native_kernels(f: Facts) -> list[Finding]:
     if not f.native_checked:
         return []
     if f.native_error is None:
-        return [Finding("native_kernels", "ok", "the native AVX-512 decode kernels load")]
+        build = "AVX2 build of the native" if f.native_build == "avx2" else "native AVX-512"
+        return [Finding("native_kernels", "ok", f"the {build} decode kernels load")]
     bf16 = f.model_dtype == "bf16"
     return [Finding("native_kernels", "warn" if bf16 else "ok",
                     f"native kernels not active: {f.native_error}",
                     "decode falls back to torch's matmuls" + (" (slower for a bf16 model)" if bf16 else ""),
                     "install g++ (scripts/setup.sh does), unset COLIBRI_NATIVE=0, or accept the fallback"
-                    if f.cpu_has_avx512_bf16 is not False else "this CPU lacks AVX512-BF16: the fallback is expected")]
+                    if f.cpu_has_avx512_bf16 is not False or f.cpu_has_avx2 is not False
+                    else "this CPU lacks AVX512-BF16 and AVX2: the fallback is expected")]
 
 
 def cgroup(f: Facts) -> list[Finding]:

@@ -2,7 +2,7 @@
 
 The cost model charges a token's expert matmuls at the rate of the kernel that computes them.
 bf16 goes through `engine.weights.stored.linear`, as the engine calls it: one row (decode) on the native
-AVX512-BF16 kernel when engine/native loads on this machine, `F.linear` otherwise.
+AVX512-BF16 kernel (or its AVX2 build) when engine/native loads on this machine, `F.linear` otherwise.
 A quantized expert is not multiplied by `F.linear`: the engine runs `QuantWeight.linear`
 (engine/weights/quantized.py), i.e. `aten._weight_int8pack_mm` for int8, `aten._weight_int4pack_mm_for_cpu`
 for int4, or dequantize-then-matmul where the packed op refuses the shape on this build. Those
