@@ -31,7 +31,10 @@ def cpu_lacks_native(int_kernels: bool = False) -> list[str]:
     if not int_kernels and native.isa_for(flags) is not None:
         return []
     wanted = native.REQUIRED_FLAGS + (native.INT_FLAGS if int_kernels else ())
-    return [f for f in wanted if f not in flags]
+    lacking = [f for f in wanted if f not in flags]
+    if int_kernels and not lacking and native.isa_for(flags) != "avx512":  # COLIBRI_NATIVE_ISA=avx2 here
+        return ["the AVX-512 build (COLIBRI_NATIVE_ISA=avx2 asks for the AVX2 one, which has no int kernels)"]
+    return lacking
 
 
 def required(dep: str) -> bool:
