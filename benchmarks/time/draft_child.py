@@ -129,8 +129,8 @@ def paired_child(a) -> dict:
 def stream_child(a) -> None:
     """--paired under a budget: one mode's engine in this process (inside its cgroup), kept alive while
     the parent takes the modes in turn, prompt by prompt: a line {"prompt": i} runs prompt i cold (the
-    caches emptied, their pages dropped) and answers its decode tok/s, expert bytes per token, lookahead
-    recall and tokens; {"stats": 1} answers the drafting counters; EOF ends it. The first line says
+    caches emptied, their pages dropped) and answers its decode tok/s, expert bytes and read stall per
+    token, lookahead recall and tokens; {"stats": 1} answers the drafting counters; EOF ends it. The first line says
     whether the engine stands (its cache entries and the runtime overhead its plan counted) or refused this
     drafting at this budget. --runtime-overhead: the figure to plan with (the parent gives every mode `off`'s)."""
     from engine.api import DraftBudgetError, Engine, Sampler, generate
@@ -164,6 +164,7 @@ def stream_child(a) -> None:
             tokens = len(gen.token_seconds)
             print(json.dumps({"tok_s": tokens / sum(gen.token_seconds),
                               "bytes_per_token": engine.io_stats().get("bytes_read", 0) / tokens,
+                              "stall_per_token": store.stall_seconds / tokens,
                               "recall": [store.recall_hits, store.recall_total], "outputs": gen.output_ids}),
                   flush=True)
 

@@ -38,7 +38,8 @@ little between processes, and one entry moves a row whose working set is the cac
 Columns: decode tok/s (median of --rounds, min-max), x off (the medians' ratio), x off by round (the
 median of each round's ratio to that round's off, min-max; per-process rows), acceptance (drafts accepted / drafted),
 tokens per step (tokens emitted / decode steps), drafted tokens, expert bytes read per emitted token
-(streamed: every emitted token is an accepted one, the draft's or the verify's own), the store's
+(streamed: every emitted token is an accepted one, the draft's or the verify's own), the read stall per
+token (--paired streamed: what decode waited on reads, median of the prompts), the store's
 lookahead recall (streamed), the gate's decisions, the MTP layer's loads after lending its memory to the
 expert cache (streamed; engine/run/mtp_drafter.py), and whether the tokens equal the off run's (they
 must: lossless).
@@ -192,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         if any(sizes):  # streamed rows: their budget, bytes, recall, loads and cache
             cols[:0] = [("budget", lambda r: r["budget"])]
             cols[-1:-1] = [(h, (lambda k: lambda r: r.get(k))(k)) for h, k in (
-                ("read MiB/accepted tok", "read_mib_per_token"), ("recall", "recall"), ("MTP loads", "mtp_loads"),
-                ("cache entries", "cache_entries"), ("cgroup", "cgroup"))]
+                ("read MiB/accepted tok", "read_mib_per_token"), ("stall ms/tok", "stall_ms_per_token"),
+                ("recall", "recall"), ("MTP loads", "mtp_loads"), ("cache entries", "cache_entries"), ("cgroup", "cgroup"))]
         emit(TOOL, rows, run_conditions(a, cold=any(sizes), greedy=True), a.json, cols)
         return 0
     cols = [(h, (lambda k: lambda r: r[k])(k)) for h, k in (

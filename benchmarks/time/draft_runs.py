@@ -62,7 +62,7 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
             if m != off:
                 first[m] = ready(m)
         live = [m for m in modes if "refused" not in first[m]]
-        out = {m: {"tok_s": [], "ratio": [], "bytes": [], "recall": [0, 0], "outputs": []} for m in live}
+        out = {m: {"tok_s": [], "ratio": [], "bytes": [], "stall": [], "recall": [0, 0], "outputs": []} for m in live}
         print(f"{TOOL}: {workload} paired under {budget}, {len(live)} modes x {a.rounds} rounds x {PROMPTS} prompts ...",
               file=sys.stderr, flush=True)
         for r in range(a.rounds):
@@ -74,6 +74,7 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
                     out[m]["tok_s"].append(g["tok_s"])
                     out[m]["ratio"].append(g["tok_s"] / got[off]["tok_s"])
                     out[m]["bytes"].append(g["bytes_per_token"])
+                    out[m]["stall"].append(g["stall_per_token"])
                     out[m]["recall"] = [x + y for x, y in zip(out[m]["recall"], g["recall"])]
                     if r == 0:
                         out[m]["outputs"].append(g["outputs"])
@@ -88,7 +89,7 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
         if m not in live:
             rows.append({"budget": budget, "workload": workload, "drafter": drafter, "mode": mode, "tok_s": None,
                          "ratios": None, "x_off": None, "acceptance": None, "tokens_per_step": None, "drafted": None,
-                         "streamed": True, "read_mib_per_token": None, "recall": None,
+                         "streamed": True, "read_mib_per_token": None, "stall_ms_per_token": None, "recall": None,
                          "decisions": "refused: " + first[m]["refused"], "lossless": None, "cgroup": limited})
             continue
         d, o = stats[m], out[m]
@@ -98,6 +99,8 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
                      "x_off": round(statistics.median(o["ratio"]), 3), "acceptance": d.get("acceptance"),
                      "tokens_per_step": d.get("tokens_per_step"), "drafted": d.get("drafted"), "streamed": True,
                      "read_mib_per_token": round(statistics.median(o["bytes"]) / MiB, 3),
+                     # what the step waited on reads: equal bytes can still wait longer (when they are asked for)
+                     "stall_ms_per_token": round(statistics.median(o["stall"]) * 1000, 3),
                      "recall": round(o["recall"][0] / o["recall"][1], 3) if o["recall"][1] else None,
                      "decisions": d.get("decisions"),
                      "mtp_loads": d.get("mtp_loads") if drafter in ("mtp", "auto") and mode != "off" else None,
