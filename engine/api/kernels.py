@@ -23,6 +23,4 @@ def native_kernels_build() -> str | None:
 def runnable_native_builds() -> list[str]:
     """The builds of the native kernels this CPU runs: "avx512" (AVX512-BF16), "avx2" (AVX2 and FMA: also on
     an AVX-512 CPU, where COLIBRI_NATIVE_ISA=avx2 selects it)."""
-    flags = native.cpu_flags()
-    return [isa for isa, wanted in (("avx512", native.REQUIRED_FLAGS), ("avx2", native.AVX2_FLAGS))
-            if all(f in flags for f in wanted)]
+    return native.runnable_isas(native.cpu_flags())

@@ -273,15 +273,13 @@ LOOKUP_BYTES_PER_TOKEN = 24
 
 def draft_bytes(args: ModelArgs, config: EngineConfig, dtype: torch.dtype, mtp_bytes: int = 0) -> tuple[int, int]:
     """What speculative decoding adds (EngineConfig.draft on), as (held, verify): held for the engine's
-    life, the prompt lookup's mirror of the context (not for drafter mtp) and the drafter's own weights and cache (`mtp_bytes`:
-    the checkpoint's MTP layer); verify, live only while a verify runs, its draft_depth + 1 rows'
+    life, the prompt lookup's mirror of the context (not drafter mtp's: it keeps none) and the drafter's own
+    weights and cache (`mtp_bytes`: the checkpoint's MTP layer); verify, live only while a verify runs, its draft_depth + 1 rows'
     transients (as a prefill sub-chunk of that many tokens) and per row the fp32 logits, their shaped
     copy and the sampler's probabilities. A verify never runs beside a prompt's group, so the plan
     charges only what it needs beyond the group's charge (_fixed_bytes)."""
     if config.draft == "off":
         return 0, 0
-    # The lookup's mirror where prompt lookup drafts or hints (drafter lookup or auto; the MTP drafter alone
-    # keeps none: engine/run/speculative.py drafter_for)
     lookup = LOOKUP_BYTES_PER_TOKEN * config.ctx_size if config.drafter != "mtp" else 0
     rows = config.draft_depth + 1
     # The native matmul caches are charged once, with the prefill (prefill_activation_bytes).

@@ -112,14 +112,19 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
+def runnable_isas(flags: set[str]) -> list[str]:
+    """The builds a CPU with these flags can run, the preferred first: avx512 (AVX512-BF16), avx2 (AVX2 and FMA)."""
+    return [name for name, wanted in (("avx512", REQUIRED_FLAGS), ("avx2", AVX2_FLAGS))
+            if all(f in flags for f in wanted)]
+
+
 def isa_for(flags: set[str]) -> str | None:
     """Which build a CPU with these flags runs: avx512, avx2, or None (torch's ops). COLIBRI_NATIVE_ISA=avx2
     takes the AVX2 build on an AVX-512 CPU too (how CI runs the emulation where its CPU has AVX-512)."""
+    runs = runnable_isas(flags)
     if os.environ.get("COLIBRI_NATIVE_ISA") == "avx2":
-        return "avx2" if all(f in flags for f in AVX2_FLAGS) else None
-    if all(f in flags for f in REQUIRED_FLAGS):
-        return "avx512"
-    return "avx2" if all(f in flags for f in AVX2_FLAGS) else None
+        return "avx2" if "avx2" in runs else None
+    return runs[0] if runs else None
 
 
 def build(out: Path, optimize: bool = True, isa: str = "avx512") -> None:

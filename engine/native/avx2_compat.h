@@ -120,36 +120,33 @@ inline m512i loadu_si512(const void* p) {
 }
 // The 16-bit and 8-bit masked loads and stores have no AVX2 instruction: a full mask is a plain load or
 // store, any other goes element by element through a buffer (the kernels' tails).
+template <class T, int N>
+inline void masked_copy(uint32_t k, const T* from, T* to) {  // element i where bit i of k is set
+  for (int i = 0; i < N; i++)
+    if ((k >> i) & 1u) to[i] = from[i];
+}
 inline m512i maskz_loadu_epi16(uint32_t k, const void* p) {  // 32 16-bit elements
   if (k == 0xffffffffu) return loadu_si512(p);
   alignas(32) uint16_t buf[32] = {0};
-  const uint16_t* s = static_cast<const uint16_t*>(p);
-  for (int i = 0; i < 32; i++)
-    if ((k >> i) & 1u) buf[i] = s[i];
+  masked_copy<uint16_t, 32>(k, static_cast<const uint16_t*>(p), buf);
   return loadu_si512(buf);
 }
 inline __m256i maskz_loadu_epi16_256(unsigned k, const void* p) {  // 16 16-bit elements
   if ((k & 0xffffu) == 0xffffu) return _mm256_loadu_si256(static_cast<const __m256i*>(p));
   alignas(32) uint16_t buf[16] = {0};
-  const uint16_t* s = static_cast<const uint16_t*>(p);
-  for (int i = 0; i < 16; i++)
-    if ((k >> i) & 1u) buf[i] = s[i];
+  masked_copy<uint16_t, 16>(k, static_cast<const uint16_t*>(p), buf);
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
 }
 inline void mask_storeu_epi16_256(void* p, unsigned k, __m256i v) {
   if ((k & 0xffffu) == 0xffffu) return _mm256_storeu_si256(static_cast<__m256i*>(p), v);
   alignas(32) uint16_t buf[16];
   _mm256_store_si256(reinterpret_cast<__m256i*>(buf), v);
-  uint16_t* d = static_cast<uint16_t*>(p);
-  for (int i = 0; i < 16; i++)
-    if ((k >> i) & 1u) d[i] = buf[i];
+  masked_copy<uint16_t, 16>(k, buf, static_cast<uint16_t*>(p));
 }
 inline __m128i maskz_loadu_epi8_128(unsigned k, const void* p) {  // 16 bytes
   if ((k & 0xffffu) == 0xffffu) return _mm_loadu_si128(static_cast<const __m128i*>(p));
   alignas(16) uint8_t buf[16] = {0};
-  const uint8_t* s = static_cast<const uint8_t*>(p);
-  for (int i = 0; i < 16; i++)
-    if ((k >> i) & 1u) buf[i] = s[i];
+  masked_copy<uint8_t, 16>(k, static_cast<const uint8_t*>(p), buf);
   return _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
 }
 

@@ -117,7 +117,22 @@ def planned_bytes(ckpt, args, layer: int | None, dtype: torch.dtype, kv_dtype, c
     queue of hidden states (the plan's mtp_bytes; 0 without one)."""
     if layer is None:
         return 0
-    return lendable_bytes(ckpt, args, layer, dtype, kv_dtype, ctx_size) + (WINDOW + 1) * args.hidden_size * 4
+    return lendable_bytes(ckpt, args, layer, dtype, kv_dtype, ctx_size) + _queue_bytes(args)
+
+
+def _queue_bytes(args) -> int:
+    """The queued hidden states (WINDOW + 1 fp32 rows): kept through a loan, the next draft reads them."""
+    return (WINDOW + 1) * args.hidden_size * 4
+
+
+def loan_bytes(ckpt, args, layer: int | None, dtype: torch.dtype, kv_dtype, config: EngineConfig, plan) -> int:
+    """What the expert cache borrows while the layer is idle: lendable_bytes, and drafting with the MTP layer
+    alone (drafter mtp) everything else the plan charged drafting but the queue. No verify runs while the
+    layer is lent (a draft loads it, and repays the loan, first), so a verify's rows beyond the prompt
+    group's bytes are lent too, and the lent cache holds what a plan without drafting gives."""
+    if layer is not None and config.drafter == "mtp":
+        return plan.draft_bytes - _queue_bytes(args)
+    return lendable_bytes(ckpt, args, layer, dtype, kv_dtype, config.ctx_size)
 
 
 def lendable_bytes(ckpt, args, layer: int | None, dtype: torch.dtype, kv_dtype, ctx_size: int) -> int:

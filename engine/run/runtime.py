@@ -189,15 +189,8 @@ class Engine(Drafting):
             self.experts = None
         elif self.plan.streaming:
             # The MTP layer's bytes, which the expert cache borrows while it is idle (engine/run/mtp_drafter.py)
-            lendable = mtp_drafter.lendable_bytes(self.checkpoint, self.args, self.mtp_layer, self.dtype,
-                                                  self.kv_dtype, self.config.ctx_size)
-            if self.mtp_layer is not None and self.config.drafter == "mtp":
-                # Drafting with the MTP layer alone, no verify runs while it is lent (a draft loads it, and
-                # repays the loan, first): what the plan charged a verify's rows beyond the prompt group's
-                # bytes is lent too, so the lent cache holds what a plan without drafting gives, short only
-                # by the queued hidden states (WINDOW + 1 rows) that stay.
-                lendable += self.plan.draft_bytes - mtp_drafter.planned_bytes(
-                    self.checkpoint, self.args, self.mtp_layer, self.dtype, self.kv_dtype, self.config.ctx_size)
+            lendable = mtp_drafter.loan_bytes(self.checkpoint, self.args, self.mtp_layer, self.dtype, self.kv_dtype,
+                                              self.config, self.plan)
             self.experts = StreamingExperts(self.layout, self.config, self.plan, self.dtype, lendable_bytes=lendable)
         else:
             self.experts = ResidentExperts(self.layout, self.dtype)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from engine.api import load_native_kernels, native_kernels_build
+from engine.api import load_native_kernels, native_kernels_build, runnable_native_builds
 from engine.api import (BLOCK_TOKENS, BudgetError, Checkpoint, ColibriError, DTYPE_NAMES, EngineConfig, ExpertLayout,
                         checkpoint_dtype, make_plan, model_args, thp_mode)
 from tuner.costmodel.hardware import HardwareView
@@ -154,7 +154,7 @@ def machine_facts(facts: Facts) -> None:
     try:
         flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
         facts.cpu_has_avx512_bf16 = "avx512_bf16" in flags
-        facts.cpu_has_avx2 = "avx2" in flags and "fma" in flags
+        facts.cpu_has_avx2 = "avx2" in runnable_native_builds()
     except (OSError, IndexError):
         pass
     support = detect_memory_cgroup()
