@@ -201,3 +201,13 @@ def test_doctor_says_when_drafting_loses_on_this_machine(tmp_path):
                                 RunConditions.steady(), 200 << 20, 0.3)
     assert streamed["best_depth"] == 0 and streamed["gate"].startswith("off")
     assert all(d["union"] > 1.0 and d["speedup"] < 1.0 for d in streamed["depths"])
+
+
+def test_the_native_finding_names_the_build_that_loaded_and_expects_torch_only_without_avx2():
+    f = rules.native_kernels(Facts(native_checked=True, native_error=None, native_build="avx2"))
+    assert [x.severity for x in f] == ["ok"] and "AVX2 build" in f[0].symptom
+    assert "AVX-512" in rules.native_kernels(Facts(native_checked=True, native_build="avx512"))[0].symptom
+    lacking = dict(native_checked=True, native_error="this CPU lacks avx512_bf16", model_dtype="bf16",
+                   cpu_has_avx512_bf16=False)
+    assert "install g++" in rules.native_kernels(Facts(**lacking, cpu_has_avx2=True))[0].fix
+    assert "fallback is expected" in rules.native_kernels(Facts(**lacking, cpu_has_avx2=False))[0].fix
