@@ -491,25 +491,54 @@ def test_without_the_binding_uring_fails_in_one_line_and_auto_falls_back(monkeyp
 
 
 def test_arena_spare_slots_lent_and_withheld():
-    """Spare slots hold no memory until lent; a withheld slot leaves use and its pages are dropped
-    (read back as zeros once lent again), and the counts say so throughout."""
+    """Spare slots hold no memory until lent; withhold takes back lent slots only, never one of the kept
+    mapping (their bytes, and the huge pages under them, stay), waits for a lent slot still held, drops
+    the pages of those it takes (zeros once lent again), and the counts say so throughout."""
     import ctypes
     from engine.movement.slots import SlotArena
     arena = SlotArena(ALIGN, 2, spare=3)
     assert arena.count == 2 and arena.withheld == 3 and arena.stats()["arena_bytes"] == 2 * ALIGN
     assert arena.lend(5) == 3  # no more than it has
     assert arena.count == 5 and arena.free == 5 and arena.withheld == 0
-    leases = [arena.acquire() for _ in range(5)]
+    leases = [arena.acquire(owner=("expert", i)) for i in range(5)]
     assert all(lease is not None for lease in leases) and arena.acquire() is None
+    indices = [arena.index_of(ctypes.addressof(lease)) for lease in leases]
+    assert sorted(indices) == [0, 1, 2, 3, 4]
+    assert arena.lent_owners() == [("expert", i) for i, x in enumerate(indices) if x >= 2]  # the lent ones'
     for lease in leases:
         ctypes.memset(ctypes.addressof(lease), 0xAB, ALIGN)
     del leases, lease
-    assert arena.free == 5
-    assert arena.withhold(4) == 4
-    assert arena.count == 1 and arena.free == 1 and arena.withheld == 4 and arena.stats()["arena_bytes"] == ALIGN
-    held = arena.acquire()
-    assert held is not None and arena.acquire() is None  # withheld slots are not handed out
-    assert arena.withhold(1, wait_s=0.01) == 0  # the one slot is held: nothing to take
-    assert arena.lend(4) == 4
-    again = [arena.acquire() for _ in range(4)]
+    assert arena.free == 5 and arena.lent_owners() == []
+    assert arena.withhold(4) == 3  # the three lent: the two kept slots are not the loan's
+    assert arena.count == 2 and arena.free == 2 and arena.withheld == 3 and arena.stats()["arena_bytes"] == 2 * ALIGN
+    kept = [arena.acquire() for _ in range(2)]
+    assert all(bytes(lease) == b"\xab" * ALIGN for lease in kept)  # never dropped
+    assert arena.acquire() is None  # withheld slots are not handed out
+    assert arena.lend(1) == 1
+    held = arena.acquire(owner="x")
+    assert held is not None and arena.lent_owners() == ["x"]
+    assert arena.withhold(1, wait_s=0.01) == 0  # the lent slot is held: nothing to take
+    del held
+    assert arena.withhold(1) == 1 and arena.withhold(1) == 0  # nothing lent is left
+    assert arena.lend(4) == 3
+    again = [arena.acquire() for _ in range(3)]
     assert all(bytes(lease) == bytes(ALIGN) for lease in again)  # their pages were dropped: zero-filled
+    assert arena.index_of(0) is None
+
+
+def test_slot_arena_kept_and_spare_mappings_start_on_huge_pages():
+    """Each of the arena's two mappings starts on a 2 MiB boundary, so THP can back its whole huge pages;
+    the slots are laid out back to back from there."""
+    import ctypes
+    from engine.base.hugepages import HUGE_PAGE
+    from engine.movement.slots import SlotArena
+    slot = 3 * ALIGN * 25  # not a divisor of 2 MiB: slots straddle huge pages
+    arena = SlotArena(slot, 12, spare=7)
+    arena.lend(7)
+    leases = [arena.acquire() for _ in range(19)]  # (held: a released slot is handed out again)
+    at = {arena.index_of(ctypes.addressof(lease)): ctypes.addressof(lease) for lease in leases}
+    assert sorted(at) == list(range(19))
+    kept, spare = [at[i] for i in range(12)], [at[i] for i in range(12, 19)]
+    assert kept[0] % HUGE_PAGE == 0 and spare[0] % HUGE_PAGE == 0
+    assert all(b - a == arena.slot_bytes for a, b in zip(kept, kept[1:]))
+    assert all(b - a == arena.slot_bytes for a, b in zip(spare, spare[1:]))

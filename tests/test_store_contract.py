@@ -58,7 +58,7 @@ def _as_gate_up_down(weights):
     return gate_up[:half], gate_up[half:], down
 
 
-def _expert_store(kind: str, moe_dir, cache_entries: int = 2):
+def _expert_store(kind: str, moe_dir, cache_entries: int = 2, lendable_entries: int = 0):
     ckpt = Checkpoint(moe_dir)
     args = model_args(ckpt.config)
     layout = ExpertLayout(ckpt, args)
@@ -71,7 +71,7 @@ def _expert_store(kind: str, moe_dir, cache_entries: int = 2):
     plan = make_plan(ckpt, args, layout, config.replace(ram_budget=int(budget)), torch.float32, torch.float32,
                      overhead_bytes=psutil.Process().memory_info().rss + ACTIVATION_MARGIN + (64 << 20))
     assert plan.streaming
-    return StreamingExperts(layout, config, plan, torch.float32), ckpt, args
+    return StreamingExperts(layout, config, plan, torch.float32, lendable_entries * plan.cache_entry_bytes), ckpt, args
 
 
 EXPERT_STORES = ["resident", *IO_MODES]
@@ -176,10 +176,7 @@ def test_slots_bound_every_read_and_cache_entry(moe_dir, io_mode):
         stats = store.stats()
         assert stats["slot_overflows"] == 0
         assert 0 < stats["slots_peak"] <= stats["slots"]
-        base = store.arena._arena
-        import ctypes
-        lo = ctypes.addressof(ctypes.c_char.from_buffer(base))
-        assert all(lo <= p < lo + store.arena.nbytes for p in held)  # every read landed in the arena
+        assert all(store.arena.index_of(p) is not None for p in held)  # every read landed in the arena
     finally:
         store.close()
 
@@ -286,5 +283,34 @@ def test_mmap_int4_strips_release_the_mapped_pages_they_were_copied_from(tmp_pat
         span = store.layout.location(0, 0).spans[0].length
         assert span >= 16 * page  # so a release that did not happen would show
         assert _mapped_rss(store.pool.files.mappings()) < span
+    finally:
+        store.close()
+
+
+def test_a_repaid_loan_takes_back_the_lent_slots_and_no_kept_one(moe_dir):
+    """A drafter's idle bytes lent to the cache as spare slots: reads land in them and the cache keeps
+    those experts; repaying evicts exactly those (and the least wanted, if fewer) and takes the lent
+    slots back, so afterwards every cached expert and every read lies in the kept mapping, whose huge
+    pages a dropped slot would have split (engine/movement/slots.py), and nothing overflowed."""
+    store, ckpt, args = _expert_store("direct", moe_dir, cache_entries=4, lendable_entries=3)
+    try:
+        plan, ram, arena = store.plan, store.cache.tier("ram"), store.arena
+        assert store.borrowable == 3 and arena.withheld == 3
+        assert store.borrow() == 3 and arena.count == plan.arena_slots + 3
+        combos = itertools.cycle(itertools.combinations(range(args.num_experts), 3))
+        for step in range(40):  # more experts than the cache holds: slots cycle, the lent ones among them
+            store.for_each_expert(step % args.num_layers, list(next(combos)), lambda e, w: None)
+        in_lent = [k for k in arena.lent_owners() if k in ram]
+        assert in_lent  # cached experts in lent slots: what the repay must evict
+        store.repay()
+        assert arena.withheld == 3 and arena.count == plan.arena_slots and store.slot_overflows == 0
+        assert not any(k in ram for k in in_lent) and ram.capacity_bytes == plan.cache_bytes
+        cached = [ram.peek(k)[0].data_ptr() for k in ram.keys()]
+        assert cached and all(arena.index_of(p) < plan.arena_slots for p in cached)
+        landed = []
+        for step in range(12):
+            store.for_each_expert(step % args.num_layers, list(next(combos)),
+                                  lambda e, w: landed.append(w[0].data_ptr()))
+        assert all(arena.index_of(p) < plan.arena_slots for p in landed)
     finally:
         store.close()

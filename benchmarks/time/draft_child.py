@@ -11,6 +11,7 @@ Each answers JSON on stdout: the wire format between the halves.
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 
@@ -154,17 +155,35 @@ def stream_child(a) -> None:
             engine.forget_prefixes()
             store.make_cold()
             first: list = []
+            faults = resource.getrusage(resource.RUSAGE_SELF)
+            mtp = getattr(engine, "mtp", None)
+            loads = mtp.loads if mtp is not None else 0
+            lent = [0]  # decode tokens emitted while the RAM cache held an idle MTP layer's loan
 
-            def after_first(_token, first=first):
+            def after_first(_token, first=first, lent=lent):
                 if not first:  # decode only: the counters restart after the prefill's token
                     first.append(time.perf_counter())
                     store.reset_stats()
+                elif getattr(store, "borrowed", 0):
+                    lent[0] += 1
 
             gen = generate(engine, prompts[ask["prompt"]], a.tokens + 1, Sampler(), on_token=after_first)
             tokens = len(gen.token_seconds)
+            now = resource.getrusage(resource.RUSAGE_SELF)
+            # Where the stall comes from: reads asked on demand (the step waits for all of each) against
+            # the lookahead's reads used, and how much of the decode ran with the lent cache
             print(json.dumps({"tok_s": tokens / sum(gen.token_seconds),
                               "bytes_per_token": engine.io_stats().get("bytes_read", 0) / tokens,
                               "stall_per_token": store.stall_seconds / tokens,
+                              "demand_per_token": store.demand_reads / tokens,
+                              "prefetch_per_token": store.prefetch_reads / tokens,
+                              "prefetch_used_per_token": store.prefetched_used / tokens,
+                              "lent_share": lent[0] / max(tokens - 1, 1),
+                              # page faults over the prompt (its prefill too): a process at its cgroup's
+                              # limit faults its own pages back in (major) or reclaims to allocate
+                              "major_faults": now.ru_majflt - faults.ru_majflt,
+                              "minor_faults": now.ru_minflt - faults.ru_minflt,
+                              "mtp_loads": (mtp.loads if mtp is not None else 0) - loads,
                               "recall": [store.recall_hits, store.recall_total], "outputs": gen.output_ids}),
                   flush=True)
 

@@ -22,6 +22,8 @@ first; under a budget the caches are emptied and their pages dropped before each
   gate       draft = gate, draft_depth = the largest of --depths
   fixed:D    draft = fixed, draft_depth = D (the forced depths)
   gate-nohint  (streamed only) gate without the drafts' prefetch hints: the recall's "without"
+  twin       (--modes twin) draft = off again, an engine and process of its own: `x off` of two
+             identical engines, the floor under which a row's ratio says nothing (a control)
 each but `off` once per drafter of --drafter (lookup: prompt lookup; mtp: the checkpoint's MTP
 layer; auto: MTP where the model has one, with lookup's long matches).
 --paired: resident, every mode's engine in one child process; under a budget, each mode's engine in its
@@ -84,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="copy,edit,code,free", help="copy, edit, code, free (default all four)")
     ap.add_argument("--modes", default="gate,fixed,nohint",
                     help="rows besides off, comma-separated: gate, fixed (the forced depths), nohint (streamed: "
-                         "gate without the drafts' prefetch hints); default all three")
+                         "gate without the drafts' prefetch hints), twin (off again: the pairs' control); "
+                         "default gate,fixed,nohint")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per mode, alternating the order (default 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=3600)
@@ -124,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     if not workloads or any(w not in ("copy", "edit", "code", "free") for w in workloads):
         return refuse(TOOL, f"--workloads {a.workloads!r}: copy, edit, code and/or free")
     kinds = [m for m in a.modes.split(",") if m]
-    if not kinds or any(m not in ("gate", "fixed", "nohint") for m in kinds):
-        return refuse(TOOL, f"--modes {a.modes!r}: gate, fixed and/or nohint")
+    if not kinds or any(m not in ("gate", "fixed", "nohint", "twin") for m in kinds):
+        return refuse(TOOL, f"--modes {a.modes!r}: gate, fixed, nohint and/or twin")
     if not drafters or any(d not in ("lookup", "mtp", "auto") for d in drafters):
         return refuse(TOOL, f"--drafter {a.drafter!r}: lookup, mtp and/or auto")
     try:
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for budget, size in zip(budgets, sizes):
         streamed = bool(size)
-        modes = [("auto", "off")]
+        modes = [("auto", "off")] + ([("auto", "twin")] if "twin" in kinds else [])
         for d in drafters:
             modes += [(d, "gate")] if "gate" in kinds else []
             modes += [(d, f"fixed:{k}") for k in depths] if "fixed" in kinds else []
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 tok_s = [x["tok_s"] for x in xs]
                 # Each round's ratio to that round's `off` (the two ran minutes apart, not a round apart)
                 ratios = [x["tok_s"] / o["tok_s"] for x, o in zip(xs, runs[("auto", "off")]) if o["tok_s"]]
-                rows.append({"budget": budget, "workload": workload, "drafter": None if m[1] == "off" else m[0],
+                rows.append({"budget": budget, "workload": workload, "drafter": None if m[1] in ("off", "twin") else m[0],
                              "mode": m[1], "tok_s": spread(tok_s),
                              "x_off": round(statistics.median(tok_s) / base, 3) if base else None,
                              "ratios": spread(ratios) if ratios and m[1] != "off" else None,
@@ -194,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             cols[:0] = [("budget", lambda r: r["budget"])]
             cols[-1:-1] = [(h, (lambda k: lambda r: r.get(k))(k)) for h, k in (
                 ("read MiB/accepted tok", "read_mib_per_token"), ("stall ms/tok", "stall_ms_per_token"),
+                ("demand reads/tok", "demand_per_token"), ("lookahead reads/tok", "prefetch_per_token"),
+                ("lookahead used/tok", "prefetch_used_per_token"), ("lent share", "lent_share"),
+                ("major faults", "major_faults"), ("minor faults", "minor_faults"),
                 ("recall", "recall"), ("MTP loads", "mtp_loads"), ("cache entries", "cache_entries"), ("cgroup", "cgroup"))]
         emit(TOOL, rows, run_conditions(a, cold=any(sizes), greedy=True), a.json, cols)
         return 0

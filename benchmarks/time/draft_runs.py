@@ -20,6 +20,11 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().with_name("draft_decode.py")  # the entry point each child re-invokes
 
 TOOL = "draft_decode"
+# What a streamed child answers per prompt beside its stall, medians in the rows: reads asked on demand,
+# the lookahead's reads started and used, per token, and the share of the decode run with an idle MTP
+# layer's loan in the RAM cache (where equal bytes still wait longer, these say why)
+READ_COUNTS = ("demand_per_token", "prefetch_per_token", "prefetch_used_per_token", "lent_share", "major_faults",
+               "minor_faults")
 MiB = 1 << 20
 
 
@@ -62,7 +67,8 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
             if m != off:
                 first[m] = ready(m)
         live = [m for m in modes if "refused" not in first[m]]
-        out = {m: {"tok_s": [], "ratio": [], "bytes": [], "stall": [], "recall": [0, 0], "outputs": []} for m in live}
+        out = {m: {"tok_s": [], "ratio": [], "bytes": [], "stall": [], "recall": [0, 0], "outputs": [],
+                  **{k: [] for k in READ_COUNTS}} for m in live}
         print(f"{TOOL}: {workload} paired under {budget}, {len(live)} modes x {a.rounds} rounds x {PROMPTS} prompts ...",
               file=sys.stderr, flush=True)
         for r in range(a.rounds):
@@ -75,6 +81,8 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
                     out[m]["ratio"].append(g["tok_s"] / got[off]["tok_s"])
                     out[m]["bytes"].append(g["bytes_per_token"])
                     out[m]["stall"].append(g["stall_per_token"])
+                    for k in READ_COUNTS:
+                        out[m][k].append(g[k])
                     out[m]["recall"] = [x + y for x, y in zip(out[m]["recall"], g["recall"])]
                     if r == 0:
                         out[m]["outputs"].append(g["outputs"])
@@ -94,7 +102,7 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
             continue
         d, o = stats[m], out[m]
         entries = first[m]["cache_entries"]
-        rows.append({"budget": budget, "workload": workload, "drafter": None if mode == "off" else drafter,
+        rows.append({"budget": budget, "workload": workload, "drafter": None if mode in ("off", "twin") else drafter,
                      "mode": mode, "tok_s": spread(o["tok_s"]), "ratios": spread(o["ratio"]) if mode != "off" else None,
                      "x_off": round(statistics.median(o["ratio"]), 3), "acceptance": d.get("acceptance"),
                      "tokens_per_step": d.get("tokens_per_step"), "drafted": d.get("drafted"), "streamed": True,
@@ -102,6 +110,7 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
                      # what the step waited on reads: equal bytes can still wait longer (when they are asked for)
                      "stall_ms_per_token": round(statistics.median(o["stall"]) * 1000, 3),
                      "recall": round(o["recall"][0] / o["recall"][1], 3) if o["recall"][1] else None,
+                     **{k: round(statistics.median(o[k]), 3) for k in READ_COUNTS},
                      "decisions": d.get("decisions"),
                      "mtp_loads": d.get("mtp_loads") if drafter in ("mtp", "auto") and mode != "off" else None,
                      "cache_entries": f"{entries[0]}+{entries[1]}" if entries[1] else str(entries[0]),
@@ -143,7 +152,7 @@ def paired_rows(result: dict, budget: str, workload: str) -> list[dict]:
                          "decisions": "refused: " + m["refused"], "lossless": None})
             continue
         d = m["draft"]
-        rows.append({"budget": budget, "workload": workload, "drafter": None if mode == "off" else drafter,
+        rows.append({"budget": budget, "workload": workload, "drafter": None if mode in ("off", "twin") else drafter,
                      "mode": mode, "tok_s": spread(m["tok_s"]), "ratios": spread(m["ratio"]),
                      "x_off": round(statistics.median(m["ratio"]), 3), "acceptance": d.get("acceptance"),
                      "tokens_per_step": d.get("tokens_per_step"), "drafted": d.get("drafted"),

@@ -25,6 +25,7 @@ import torch
 HUGE_PAGE = 2 << 20
 PIECE_ALIGN = 64  # each piece starts on a cache line: AVX-512 loads never split one
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -45,9 +46,14 @@ def _round_up(n: int, to: int) -> int:
 
 class HugePageArena:
     """`nbytes` of anonymous memory, handed out in 64-byte-aligned pieces by take(); its start is on
-    a 2 MiB boundary so whole huge pages can back it. Pages are faulted in as they are written."""
+    a 2 MiB boundary so whole huge pages can back it. Pages are faulted in as they are written.
 
-    def __init__(self, nbytes: int):
+    whole_pages: only the whole 2 MiB pages inside `nbytes` get the advice, and the rest (the tail
+    past the last whole one) is kept on 4 KiB pages even where THP is "always": a huge page there
+    would hold up to 2 MiB beyond `nbytes`, which the streaming store's slots (a memory plan's
+    bytes, under a cgroup's limit) must not. Resident weights take the tail's huge page too."""
+
+    def __init__(self, nbytes: int, whole_pages: bool = False):
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         self.nbytes = nbytes
@@ -55,19 +61,34 @@ class HugePageArena:
         # never touched, so it never costs memory.
         # MAP_PRIVATE: Python's default for an anonymous map is MAP_SHARED, which is shmem, and
         # shmem follows shmem_enabled (usually "never"), not the advice.
-        self._map = mmap.mmap(-1, _round_up(max(nbytes, 1), HUGE_PAGE) + HUGE_PAGE,
-                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        size = _round_up(max(nbytes, 1), HUGE_PAGE) + HUGE_PAGE
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._start = (-base) % HUGE_PAGE
         self.address = base + self._start
         self.advised = False
+        huge = nbytes // HUGE_PAGE * HUGE_PAGE if whole_pages else _round_up(max(nbytes, 1), HUGE_PAGE)
         try:
-            self._map.madvise(_MADV_HUGEPAGE, self._start, _round_up(max(nbytes, 1), HUGE_PAGE))
-            self.advised = True
+            if huge:
+                self._map.madvise(_MADV_HUGEPAGE, self._start, huge)
+                self.advised = True
+            if whole_pages:  # the tail and the slack after it: never a huge page, whatever the default
+                self._map.madvise(_MADV_NOHUGEPAGE, self._start + huge, size - self._start - huge)
         except (OSError, ValueError):  # THP not built in, or a kernel that refuses: 4 KiB pages
             pass
         self._used = 0
         self._view = memoryview(self._map)
+
+    def window(self, offset: int, nbytes: int) -> memoryview:
+        """The writable bytes offset..offset+nbytes of the arena (no bookkeeping: the caller places them)."""
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"bytes {offset}..{offset + nbytes} are outside an arena of {self.nbytes}")
+        return self._view[self._start + offset:self._start + offset + nbytes]
+
+    def advise(self, option: int, offset: int, nbytes: int) -> None:
+        """madvise(option) over the arena's bytes offset..offset+nbytes (OSError where the kernel refuses)."""
+        if nbytes:
+            self._map.madvise(option, self._start + offset, nbytes)
 
     def take(self, nbytes: int) -> memoryview:
         """The next `nbytes` (a writable memoryview), starting on a 64-byte boundary."""

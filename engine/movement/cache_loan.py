@@ -3,7 +3,7 @@
 A drafter's memory (the MTP layer's weights and KV cache) is charged to the memory plan beside the
 expert cache. While the drafter is idle it lends those bytes (engine/run/mtp_drafter.py): `borrow`
 grows the RAM tier by whole entries, `repay` shrinks it back before the drafter allocates them again
-(ExpertCache.resize: the least wanted experts leave). Where a cached expert is its arena slot, each
+(the experts in the lent slots leave, then the least wanted: ExpertCache.resize). Where a cached expert is its arena slot, each
 entry is a spare slot of the arena (engine/movement/slots.py: mapped at load, faulted in when lent,
 its pages dropped when withheld), so the resident set follows the loan. Not with mmap reads: a cached
 expert is page cache there, not the plan's bytes.
@@ -51,12 +51,17 @@ class CacheLoan:
         return n
 
     def repay(self) -> None:
-        """The RAM cache gives back what it borrowed (the drafter allocates those bytes next): the least
-        wanted entries evicted, their slots' pages dropped. Between steps, so no landed read is held."""
+        """The RAM cache gives back what it borrowed (the drafter allocates those bytes next): the experts
+        in the lent slots evicted, then the least wanted where those held fewer than the loan, and the
+        lent slots' pages dropped. Not any n slots: dropping a slot of the kept mapping would split the
+        huge pages under it for good (engine/movement/slots.py). Between steps, so no landed read is held."""
         n, self.borrowed = self.borrowed, 0
         if not n:
             return
         ram = self.cache.tier("ram")
+        if self._slot_entries:
+            for key in self.arena.lent_owners():  # (an in-flight read's key is not cached: nothing to pop)
+                ram.pop(key)
         ram.resize(ram.capacity_bytes - n * self.plan.cache_entry_bytes)  # (the evicted die here: slots free)
         if self._slot_entries:
             taken = self.arena.withhold(n, wait_s=WITHHOLD_GUARD_S)

@@ -15,10 +15,21 @@ the compute thread dropped its last reference. Nothing can reuse a slot a tensor
 Why pre-faulted: a fresh anonymous buffer per read costs one zero-fill page fault per 4 KiB
 and an munmap (with a TLB shootdown) per eviction; the arena pays the faults once, at load.
 
-Spare slots: address space mapped beyond `count` but never faulted in, so they hold no memory. The
-expert cache borrows them while a drafter's memory is idle (engine/run/mtp_drafter.py lends the MTP
-layer's): `lend(n)` faults n of them in and hands them out; `withhold(n)` takes n free slots back and
-drops their pages (MADV_DONTNEED), so the resident set shrinks by their bytes again.
+Why on huge pages: an O_DIRECT read pins its destination's pages and hands the device one segment
+per physically contiguous run, so an expert landing in 2 MiB pages is one segment, in 4 KiB pages
+~100 (a 384 KiB expert). On this project's virtual disk that was 0.33 against 0.53 ms a read
+(benchmarks/io/slot_pages.py). So the slots lie in a 2 MiB-aligned mapping (engine/base/hugepages.py)
+whose whole huge pages ask for THP, and nothing ever drops part of one: a huge page a
+MADV_DONTNEED cuts into is split into 4 KiB pages for good.
+
+Spare slots: a mapping of their own, also 2 MiB-aligned, mapped but never faulted in, so they hold
+no memory. The expert cache borrows them while a drafter's memory is idle (engine/run/mtp_drafter.py
+lends the MTP layer's): `lend(n)` faults n of them in and hands them out; `withhold(n)` takes lent
+slots back and drops their pages (MADV_DONTNEED), so the resident set shrinks by their bytes again.
+Only lent slots are ever withheld (the caller first evicts the experts in them: `lent_owners`): had
+any free slot gone, each loan's end would have split the huge pages under the slots the plan keeps
+(a gated-off MTP engine's reads, after a few loans, took 0.1-0.2 ms longer than the same reads without
+the drafter, ~5% of its decode speed).
 """
 
 from __future__ import annotations
@@ -30,11 +41,11 @@ import threading
 import time
 import weakref
 
-from engine.movement.io import ALIGN, align_up
+from engine.base.hugepages import HugePageArena
+from engine.movement.io import align_up
 
 # Linux >= 5.14: fault a whole range in, writable, with one call.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 
@@ -47,13 +58,15 @@ class SlotArena:
             raise ValueError(f"slot_bytes, count and spare must be >= 0, got {slot_bytes}, {count}, {spare}")
         self.slot_bytes = align_up(max(slot_bytes, 1))
         self.count = count  # slots that hold memory: handed out, free, or lent
-        # MAP_PRIVATE: Python's anonymous default, MAP_SHARED, is shmem, which ignores MADV_HUGEPAGE.
-        self._arena = mmap.mmap(-1, max(self.slot_bytes * (count + spare), ALIGN),
-                                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._kept = count  # slots 0..count-1 live in the first mapping, the spare ones after in the second
+        self._mappings = (HugePageArena(self.slot_bytes * count, whole_pages=True),
+                          HugePageArena(self.slot_bytes * spare, whole_pages=True) if spare else None)
         if prefault and self.nbytes:
             self._prefault()
         self._free = collections.deque(range(count))  # append/popleft are atomic: finalizers may run on workers
-        self._withheld = list(range(count, count + spare))  # mapped, holding no pages: lend() gives them out
+        self._withheld = list(range(count + spare - 1, count - 1, -1))  # mapped, holding no pages: lend() pops
+        self._lent: set[int] = set()  # spare slots lent out (free or handed out)
+        self._owners: dict[int, object] = {}  # a handed-out slot → what acquire() was told holds it
         # Reentrant: a finalizer (a release) can run in any thread at any allocation, including
         # in one that holds the lock already.
         self._lock = threading.RLock()
@@ -61,19 +74,23 @@ class SlotArena:
         self.in_use = 0
         self.peak_in_use = 0
 
+    def _place(self, index: int) -> tuple[HugePageArena, int]:
+        """The mapping slot `index` lives in and its byte offset there."""
+        if index < self._kept:
+            return self._mappings[0], index * self.slot_bytes
+        return self._mappings[1], (index - self._kept) * self.slot_bytes
+
     def _prefault(self) -> None:
         try:
-            self._arena.madvise(_MADV_HUGEPAGE)  # fewer TLB misses over a large arena, where THP allows
-        except OSError:
-            pass
-        try:
-            self._arena.madvise(_MADV_POPULATE_WRITE, 0, self.nbytes)  # (not the spare slots)
+            self._mappings[0].advise(_MADV_POPULATE_WRITE, 0, self.nbytes)  # (not the spare slots)
         except OSError:  # kernels before 5.14: touch every page
-            ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(self._arena)), 0, self.nbytes)
+            ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(self._mappings[0].window(0, self.nbytes))),
+                          0, self.nbytes)
 
-    def acquire(self, wait_s: float = 0.0):
+    def acquire(self, wait_s: float = 0.0, owner=None):
         """A free slot as a writable ctypes array of slot_bytes, or None when all are still held
-        after waiting up to `wait_s` seconds for a release."""
+        after waiting up to `wait_s` seconds for a release. owner: what the slot will hold (the store's
+        expert key), told back by lent_owners() while the slot is handed out."""
         deadline = None
         while True:
             try:
@@ -89,15 +106,19 @@ class SlotArena:
                 if left <= 0:
                     return None
                 self._released.wait(left)
-        lease = (ctypes.c_char * self.slot_bytes).from_buffer(self._arena, index * self.slot_bytes)
+        mapping, offset = self._place(index)
+        lease = (ctypes.c_char * self.slot_bytes).from_buffer(mapping.window(offset, self.slot_bytes))
         weakref.finalize(lease, self._release, index)
         with self._lock:
+            if owner is not None:
+                self._owners[index] = owner
             self.in_use += 1
             self.peak_in_use = max(self.peak_in_use, self.in_use)
         return lease
 
     def _release(self, index: int) -> None:
         with self._released:
+            self._owners.pop(index, None)
             self.in_use -= 1
             self._free.append(index)
             self._released.notify()
@@ -116,6 +137,20 @@ class SlotArena:
         """Slots that could be lent: mapped, holding no memory."""
         return len(self._withheld)
 
+    def index_of(self, address: int) -> int | None:
+        """The slot whose bytes hold `address`, or None outside every slot (mapped or lent)."""
+        for first, mapping, count in ((0, self._mappings[0], self._kept),
+                                      (self._kept, self._mappings[1], len(self._withheld) + len(self._lent))):
+            if mapping is not None and mapping.address <= address < mapping.address + count * self.slot_bytes:
+                return first + (address - mapping.address) // self.slot_bytes
+        return None
+
+    def lent_owners(self) -> list:
+        """The owners acquire() was told of the lent slots handed out now: what must let go of them
+        before withhold() can take them back."""
+        with self._lock:
+            return [self._owners[i] for i in sorted(self._lent) if i in self._owners]
+
     def lend(self, n: int) -> int:
         """Fault in up to n withheld slots and hand them out with the free ones → how many."""
         with self._lock:
@@ -124,39 +159,43 @@ class SlotArena:
                 index = self._withheld.pop()
                 self._madvise(_MADV_POPULATE_WRITE, index)
                 self.count += 1
+                self._lent.add(index)
                 self._free.append(index)
                 self._released.notify()
         return n
 
     def withhold(self, n: int, wait_s: float = 0.0) -> int:
-        """Take up to n free slots out of use and drop their pages, waiting up to wait_s for releases
-        → how many were taken (fewer only where slots stayed held past the wait)."""
+        """Take up to n lent slots back out of use and drop their pages, waiting up to wait_s for the
+        ones still handed out to be released → how many were taken (fewer only where lent slots stayed
+        held past the wait, or fewer were lent). Never a slot of the first mapping (the module doc)."""
         taken = 0
         deadline = time.monotonic() + wait_s
         with self._released:
-            while taken < n:
-                try:
-                    index = self._free.popleft()
-                except IndexError:
+            while taken < n and self._lent:
+                index = next((i for i in list(self._free) if i in self._lent), None)
+                if index is None:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
                     self._released.wait(left)
                     continue
+                self._free.remove(index)
                 self._madvise(_MADV_DONTNEED, index)
+                self._lent.discard(index)
                 self._withheld.append(index)
                 self.count -= 1
                 taken += 1
         return taken
 
     def _madvise(self, option: int, index: int) -> None:
+        mapping, offset = self._place(index)
         try:
-            self._arena.madvise(option, index * self.slot_bytes, self.slot_bytes)
+            mapping.advise(option, offset, self.slot_bytes)
         except OSError:
             if option != _MADV_POPULATE_WRITE:
                 raise
-            base = ctypes.addressof(ctypes.c_char.from_buffer(self._arena)) + index * self.slot_bytes
-            ctypes.memset(base, 0, self.slot_bytes)  # kernels before 5.14: touch every page
+            window = mapping.window(offset, self.slot_bytes)
+            ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(window)), 0, self.slot_bytes)  # kernels before 5.14
 
     def stats(self) -> dict:
         with self._lock:

@@ -270,7 +270,7 @@ class StreamingExperts(CacheLoan, ReadingStore, ExpertStore):
 
     def _submit(self, key, prefetch: bool) -> _Read:
         loc = self.layout.location(*key)
-        lease = self._lease()
+        lease = self._lease(key)
         futures, at = [], 0
         for s in loc.spans:
             into = None
@@ -290,13 +290,14 @@ class StreamingExperts(CacheLoan, ReadingStore, ExpertStore):
             f.add_done_callback(lambda _f: landed.put(ref()))
         return read
 
-    def _lease(self):
-        """A free slot. The budget guarantees one, except for a cancelled read whose job a worker
+    def _lease(self, key):
+        """A free slot for key's read (the arena keeps whose it is while handed out: a loan's repay
+        evicts the experts in lent slots by it). The budget guarantees one, except for a cancelled read whose job a worker
         has not discarded yet (it still references its slot, maybe for a whole pread on a busy
         disk): wait for that release, not for a guess at how long it takes."""
         if self.arena is None:
             return None
-        lease = self.arena.acquire(wait_s=SLOT_WAIT_GUARD_S)
+        lease = self.arena.acquire(wait_s=SLOT_WAIT_GUARD_S, owner=key)
         if lease is None:
             self.slot_overflows += 1  # a budget bug if ever > 0: the pool allocates a buffer instead
         return lease
