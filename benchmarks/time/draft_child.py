@@ -179,6 +179,9 @@ def stream_child(a) -> None:
                               "prefetch_per_token": store.prefetch_reads / tokens,
                               "prefetch_used_per_token": store.prefetched_used / tokens,
                               "lent_share": lent[0] / max(tokens - 1, 1),
+                              # a read's own time in its worker (the preadv, the GIL taken back after it),
+                              # against the stall: a slower read, or one asked later
+                              "read_ms": store.io_stats.read_seconds / max(store.io_stats.requests, 1) * 1000,
                               # page faults over the prompt (its prefill too): a process at its cgroup's
                               # limit faults its own pages back in (major) or reclaims to allocate
                               "major_faults": now.ru_majflt - faults.ru_majflt,

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             cols[-1:-1] = [(h, (lambda k: lambda r: r.get(k))(k)) for h, k in (
                 ("read MiB/accepted tok", "read_mib_per_token"), ("stall ms/tok", "stall_ms_per_token"),
                 ("demand reads/tok", "demand_per_token"), ("lookahead reads/tok", "prefetch_per_token"),
-                ("lookahead used/tok", "prefetch_used_per_token"), ("lent share", "lent_share"),
+                ("lookahead used/tok", "prefetch_used_per_token"), ("read ms", "read_ms"), ("lent share", "lent_share"),
                 ("major faults", "major_faults"), ("minor faults", "minor_faults"),
                 ("recall", "recall"), ("MTP loads", "mtp_loads"), ("cache entries", "cache_entries"), ("cgroup", "cgroup"))]
         emit(TOOL, rows, run_conditions(a, cold=any(sizes), greedy=True), a.json, cols)

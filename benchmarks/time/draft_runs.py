@@ -23,8 +23,8 @@ TOOL = "draft_decode"
 # What a streamed child answers per prompt beside its stall, medians in the rows: reads asked on demand,
 # the lookahead's reads started and used, per token, and the share of the decode run with an idle MTP
 # layer's loan in the RAM cache (where equal bytes still wait longer, these say why)
-READ_COUNTS = ("demand_per_token", "prefetch_per_token", "prefetch_used_per_token", "lent_share", "major_faults",
-               "minor_faults")
+READ_COUNTS = ("demand_per_token", "prefetch_per_token", "prefetch_used_per_token", "read_ms", "lent_share",
+               "major_faults", "minor_faults")
 MiB = 1 << 20
 
 
