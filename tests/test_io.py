@@ -543,30 +543,3 @@ def test_slot_arena_kept_and_spare_mappings_start_on_huge_pages():
     assert all(b - a == arena.slot_bytes for a, b in zip(kept, kept[1:]))
     assert all(b - a == arena.slot_bytes for a, b in zip(spare, spare[1:]))
 
-
-def test_slot_arena_hands_out_huge_page_slots_first():
-    """Slots past the kept mapping's last whole huge page are on 4 KiB pages, where an O_DIRECT read
-    takes longer: acquire hands them out only when every slot on a huge page is held, and a released
-    huge-page slot is the next one handed out."""
-    import ctypes
-    import pytest
-    from engine.base.hugepages import HUGE_PAGE
-    from engine.movement.slots import SlotArena
-    slot = 3 * ALIGN * 25
-    arena = SlotArena(slot, 12)
-    kept = arena._mappings[0]
-    if not kept.advised:
-        pytest.skip("the kernel refused MADV_HUGEPAGE: no slot asks for huge pages")
-    on_huge = HUGE_PAGE // arena.slot_bytes  # slots wholly inside the one whole huge page of 3.5 MiB
-
-    def huge(lease) -> bool:
-        offset = ctypes.addressof(lease) - kept.address
-        return offset + arena.slot_bytes <= kept.huge_extent
-
-    leases = [arena.acquire() for _ in range(12)]
-    assert [huge(x) for x in leases] == [True] * on_huge + [False] * (12 - on_huge)
-    address = ctypes.addressof(leases[0])
-    leases.pop()  # a 4 KiB slot released first,
-    leases.pop(0)  # then a huge-page one
-    again = arena.acquire()
-    assert again is not None and ctypes.addressof(again) == address  # the huge-page slot, though freed later

@@ -68,12 +68,10 @@ class HugePageArena:
         self.address = base + self._start
         self.advised = False
         huge = nbytes // HUGE_PAGE * HUGE_PAGE if whole_pages else _round_up(max(nbytes, 1), HUGE_PAGE)
-        self.huge_extent = 0  # bytes from the start that asked for huge pages (the kernel may still refuse)
         try:
             if huge:
                 self._map.madvise(_MADV_HUGEPAGE, self._start, huge)
                 self.advised = True
-                self.huge_extent = huge
             if whole_pages:  # the tail and the slack after it: never a huge page, whatever the default
                 self._map.madvise(_MADV_NOHUGEPAGE, self._start + huge, size - self._start - huge)
         except (OSError, ValueError):  # THP not built in, or a kernel that refuses: 4 KiB pages

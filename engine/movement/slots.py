@@ -22,12 +22,6 @@ per physically contiguous run, so an expert landing in 2 MiB pages is one segmen
 whose whole huge pages ask for THP, and nothing ever drops part of one: a huge page a
 MADV_DONTNEED cuts into is split into 4 KiB pages for good.
 
-Huge first: a mapping's bytes past its last whole huge page stay on 4 KiB pages (a huge page there would
-hold memory beyond the plan), and so do the spare slots where they are fewer than a huge page's worth:
-a few slots of every arena. `acquire` hands out a slot on a huge page whenever one is free, so reads
-land on 4 KiB pages only when every huge-page slot is held; the cache's entries hold the rest, and
-their pages matter less (an entry is computed from, not read into, again).
-
 Spare slots: a mapping of their own, also 2 MiB-aligned, mapped but never faulted in, so they hold
 no memory. The expert cache borrows them while a drafter's memory is idle (engine/run/mtp_drafter.py
 lends the MTP layer's): `lend(n)` faults n of them in and hands them out; `withhold(n)` takes lent
@@ -69,11 +63,7 @@ class SlotArena:
                           HugePageArena(self.slot_bytes * spare, whole_pages=True) if spare else None)
         if prefault and self.nbytes:
             self._prefault()
-        # Free slots on huge pages and on 4 KiB ones (the module doc: huge first); append/popleft are atomic:
-        # finalizers may run on workers
-        self._on_huge = frozenset(i for i in range(count + spare) if self._huge_backed(i))
-        self._free = collections.deque(i for i in range(count) if i in self._on_huge)
-        self._free_small = collections.deque(i for i in range(count) if i not in self._on_huge)
+        self._free = collections.deque(range(count))  # append/popleft are atomic: finalizers may run on workers
         self._withheld = list(range(count + spare - 1, count - 1, -1))  # mapped, holding no pages: lend() pops
         self._lent: set[int] = set()  # spare slots lent out (free or handed out)
         self._owners: dict[int, object] = {}  # a handed-out slot → what acquire() was told holds it
@@ -89,14 +79,6 @@ class SlotArena:
         if index < self._kept:
             return self._mappings[0], index * self.slot_bytes
         return self._mappings[1], (index - self._kept) * self.slot_bytes
-
-    def _huge_backed(self, index: int) -> bool:
-        """Whether slot `index` lies wholly in its mapping's huge-page part (asked for: the kernel may refuse)."""
-        mapping, offset = self._place(index)
-        return mapping is not None and offset + self.slot_bytes <= mapping.huge_extent
-
-    def _free_list(self, index: int) -> collections.deque:
-        return self._free if index in self._on_huge else self._free_small
 
     def _prefault(self) -> None:
         try:
@@ -116,13 +98,8 @@ class SlotArena:
                 break
             except IndexError:
                 pass
-            try:
-                index = self._free_small.popleft()
-                break
-            except IndexError:
-                pass
             with self._released:
-                if self._free or self._free_small:  # released meanwhile: a release appends under this lock
+                if self._free:  # released meanwhile: a release appends under this lock
                     continue
                 deadline = time.monotonic() + wait_s if deadline is None else deadline
                 left = deadline - time.monotonic()
@@ -143,7 +120,7 @@ class SlotArena:
         with self._released:
             self._owners.pop(index, None)
             self.in_use -= 1
-            self._free_list(index).append(index)
+            self._free.append(index)
             self._released.notify()
 
     @property
@@ -153,7 +130,7 @@ class SlotArena:
 
     @property
     def free(self) -> int:
-        return len(self._free) + len(self._free_small)
+        return len(self._free)
 
     @property
     def withheld(self) -> int:
@@ -183,7 +160,7 @@ class SlotArena:
                 self._madvise(_MADV_POPULATE_WRITE, index)
                 self.count += 1
                 self._lent.add(index)
-                self._free_list(index).append(index)
+                self._free.append(index)
                 self._released.notify()
         return n
 
@@ -195,14 +172,14 @@ class SlotArena:
         deadline = time.monotonic() + wait_s
         with self._released:
             while taken < n and self._lent:
-                index = next((i for i in list(self._free_small) + list(self._free) if i in self._lent), None)
+                index = next((i for i in list(self._free) if i in self._lent), None)
                 if index is None:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
                     self._released.wait(left)
                     continue
-                self._free_list(index).remove(index)
+                self._free.remove(index)
                 self._madvise(_MADV_DONTNEED, index)
                 self._lent.discard(index)
                 self._withheld.append(index)
