@@ -23,6 +23,7 @@ _HOMES = {
     "engine.movement.io": "IOStats IO_MODES ReadPool UringPool direct_window_bytes uring_unavailable",
     "engine.movement.io.trace": "read_trace",
     "engine.movement.slots": "SlotArena",
+    "engine.base.hugepages": "mapping_huge_bytes",
     "engine.synth.bpe_tokenizer": "bytes_to_unicode",
     "engine.synth.fp8_writer": "write_fp8_checkpoint",
     "engine.run.bench": "make_cold",  # empties the caches and the page cache (a cold repeat)
