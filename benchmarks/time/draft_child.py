@@ -83,36 +83,61 @@ def child(a) -> dict:
                 "recall": recall_hits / recall_total if recall_total else None, "draft": draft or {}}
 
 
+def _decode_counters(engine):
+    """An on_token that restarts the store's counters after the prefill's token: decode only."""
+    seen = []
+
+    def on_token(_token):
+        if not seen:
+            seen.append(True)
+            engine.store.reset_stats()
+
+    return on_token
+
+
 def paired_child(a) -> dict:
-    """--paired: every mode's engine in this one process (resident), the prompts taken in turn by each
-    mode, the order rotating, --rounds times: each mode's tok/s per prompt and the ratio to `off` on the
-    same prompt within the same turn (a pair measured seconds apart, so the box's slow drifts cancel).
-    The engines live through every round: the gate keeps what it measured (a server's steady state)."""
-    from engine.api import DraftBudgetError, Engine, Sampler, generate
+    """--paired: every mode's engine in this one process (resident; or --in-process under a budget, each
+    planned with off's runtime overhead, each prompt cold), the prompts taken in turn by each mode, the
+    order rotating, --rounds times: each mode's tok/s per prompt and the ratio to `off` on the same prompt
+    within the same turn (a pair measured seconds apart, so the box's slow drifts cancel). The engines
+    live through every round: the gate keeps what it measured (a server's steady state)."""
+    from engine.api import DraftBudgetError, Engine, Sampler, generate, parse_size
     modes = json.loads(a.paired_modes)  # [[drafter, mode], ...], ["auto", "off"] first
-    engines = {}
+    streamed = bool(parse_size(a.budget))
+    engines, overhead = {}, None
     for drafter, mode in modes:
         a.drafter = drafter
         try:
-            engines[(drafter, mode)] = Engine(a.model, _config(a, mode))
+            engines[(drafter, mode)] = e = Engine(a.model, _config(a, mode), runtime_overhead_bytes=overhead)
+            if streamed and overhead is None:  # off's figure for every other mode: one plan, as run_paired_streamed
+                overhead = e.plan.overhead_bytes
         except DraftBudgetError as exc:
             engines[(drafter, mode)] = str(exc)
     live = {m: e for m, e in engines.items() if not isinstance(e, str)}
     prompts = workload_prompts(a, next(iter(live.values())))
     for e in live.values():
-        generate(e, prompts[0], 4, Sampler())  # warm: kernels, pages
+        if not streamed:
+            generate(e, prompts[0], 4, Sampler())  # warm: kernels, pages
         if e.speculator is not None:
             e.speculator.reset_stats()
-    out = {m: {"tok_s": [], "ratio": [], "outputs": []} for m in live}
+    out = {m: {"tok_s": [], "ratio": [], "outputs": [], **({"stall": [], "bytes": []} if streamed else {})}
+           for m in live}
     order = list(live)
     for r in range(a.rounds):
         for i, prompt in enumerate(prompts):
             turn = order[(r * len(prompts) + i) % len(order):] + order[:(r * len(prompts) + i) % len(order)]
             rate = {}
             for m in turn:
-                gen = generate(live[m], prompt, a.tokens + 1, Sampler())
+                e = live[m]
+                if streamed:
+                    e.forget_prefixes()
+                    e.store.make_cold()
+                gen = generate(e, prompt, a.tokens + 1, Sampler(), on_token=_decode_counters(e) if streamed else None)
                 rate[m] = (len(gen.token_seconds) - 1) / sum(gen.token_seconds[1:])
                 out[m]["tok_s"].append(rate[m])
+                if streamed:  # (the store's counters restarted after the prefill's token)
+                    out[m]["stall"].append(e.store.stall_seconds / len(gen.token_seconds))
+                    out[m]["bytes"].append(e.io_stats().get("bytes_read", 0) / len(gen.token_seconds))
                 if r == 0:
                     out[m]["outputs"].append(gen.output_ids)
             for m in live:
@@ -122,7 +147,10 @@ def paired_child(a) -> dict:
         if isinstance(e, str):
             result.append({"mode": list(m), "refused": e})
             continue
-        result.append({"mode": list(m), **out[m], "draft": e.draft_stats() or {}})
+        entries = ([e.plan.cache_slots, getattr(e.store, "borrowable", 0)] if streamed else None)
+        result.append({"mode": list(m), **out[m], "draft": e.draft_stats() or {},
+                       "cache_entries": f"{entries[0]}+{entries[1]}" if entries and entries[1] else
+                       (str(entries[0]) if entries else None)})
         e.close()
     return {"modes": result}
 

@@ -27,7 +27,9 @@ first; under a budget the caches are emptied and their pages dropped before each
 each but `off` once per drafter of --drafter (lookup: prompt lookup; mtp: the checkpoint's MTP
 layer; auto: MTP where the model has one, with lookup's long matches).
 --paired: resident, every mode's engine in one child process; under a budget, each mode's engine in its
-own child process and cgroup, all kept alive (tuner/sandbox LimitedProcess), each prompt run cold. Each
+own child process and cgroup, all kept alive (tuner/sandbox LimitedProcess), each prompt run cold
+(--in-process: all of them in one child process without a cgroup, as resident, each prompt cold: a
+control for what differs between processes, which the pairs of separate processes still carry). Each
 prompt is taken by every mode in turn (the order rotating), --rounds times; `x off` is then the median over prompts and rounds of a
 mode's tok/s over off's on the same prompt in the same turn, seconds apart (the box's drifts, which
 move whole child processes by 20% and more, cancel in the pair), with their min-max beside it. Those
@@ -97,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                          "budget: each in its own cgroup, all kept alive), x off = the median of the per-prompt ratios "
                          "to off (the box's drifts cancel); the engines keep their gate's measurements through the "
                          "rounds (a server's steady state)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="with --paired under a budget: every mode's engine in one process and no cgroup (each plans "
+                         "the budget with off's runtime overhead; the process holds them all), each prompt cold: the "
+                         "pairs without what differs between processes")
     ap.add_argument("--paired-modes", help=argparse.SUPPRESS)
     ap.add_argument("--stream-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--runtime-overhead", type=int, default=0, help=argparse.SUPPRESS)  # bytes; 0: measured
@@ -151,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         for workload in workloads:
             if a.paired:
                 with bench_lock(a.lock):
-                    rows += (run_paired_streamed(a, budget, workload, modes) if streamed
-                             else paired_rows(run_paired(a, workload, modes), budget, workload))
+                    rows += (run_paired_streamed(a, budget, workload, modes) if streamed and not a.in_process
+                             else paired_rows(run_paired(a, workload, modes, budget), budget, workload))
                 continue
             runs: dict[tuple, list] = {m: [] for m in modes}
             for r in range(a.rounds):

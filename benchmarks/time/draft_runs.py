@@ -118,14 +118,15 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
     return rows
 
 
-def run_paired(a, workload: str, modes: list[tuple]) -> dict:
+def run_paired(a, workload: str, modes: list[tuple], budget: str = "0") -> dict:
+    """--paired resident, or --in-process under a budget: every mode's engine in one child (no cgroup)."""
     from benchmarks.benchkit import child_json
     argv = [sys.executable, str(SCRIPT), "--child", "--paired-modes", json.dumps(modes), "--model",
-            a.model, "--workload", workload, "--ctx", str(a.ctx), "--budget", "0", "--threads", str(a.threads),
+            a.model, "--workload", workload, "--ctx", str(a.ctx), "--budget", budget, "--threads", str(a.threads),
             "--tokens", str(a.tokens), "--depths", a.depths, "--seed", str(a.seed), "--rounds", str(a.rounds)]
-    print(f"{TOOL}: {workload} paired, {len(modes)} modes x {a.rounds} rounds x {PROMPTS} prompts ...", file=sys.stderr,
-          flush=True)
-    return child_json(TOOL, argv, "0", a.timeout, f"{workload} paired", REPO)
+    print(f"{TOOL}: {workload} paired in one process, budget {budget}, {len(modes)} modes x {a.rounds} rounds x "
+          f"{PROMPTS} prompts ...", file=sys.stderr, flush=True)
+    return child_json(TOOL, argv, "0", a.timeout, f"{workload} paired", REPO)  # ("0": no cgroup, whatever the budget)
 
 
 def run_child(a, budget: str, workload: str, drafter: str, mode: str, round_: int) -> dict:
@@ -156,6 +157,9 @@ def paired_rows(result: dict, budget: str, workload: str) -> list[dict]:
                      "mode": mode, "tok_s": spread(m["tok_s"]), "ratios": spread(m["ratio"]),
                      "x_off": round(statistics.median(m["ratio"]), 3), "acceptance": d.get("acceptance"),
                      "tokens_per_step": d.get("tokens_per_step"), "drafted": d.get("drafted"),
-                     "decisions": d.get("decisions"), "lossless": m["outputs"] == off["outputs"]})
+                     "decisions": d.get("decisions"), "lossless": m["outputs"] == off["outputs"],
+                     **({"stall_ms_per_token": round(statistics.median(m["stall"]) * 1000, 3),
+                         "read_mib_per_token": round(statistics.median(m["bytes"]) / MiB, 3),
+                         "cache_entries": m["cache_entries"], "cgroup": False} if m.get("stall") else {})})
     return rows
 
