@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import resource
 import sys
-import time
 
 from benchmarks.time.draft_workloads import workload_prompts
 
@@ -53,15 +52,7 @@ def child(a) -> dict:
             if streamed:
                 engine.forget_prefixes()
                 engine.store.make_cold()
-            first: list = []
-
-            def after_first(_token, first=first):
-                if not first:  # decode only: the counters restart after the prefill's token
-                    first.append(time.perf_counter())
-                    if engine.store is not None:
-                        engine.store.reset_stats()
-
-            gen = generate(engine, prompt, a.tokens + 1, Sampler(), on_token=after_first)
+            gen = generate(engine, prompt, a.tokens + 1, Sampler(), on_token=_decode_counters(engine.store))
             seconds += sum(gen.token_seconds)
             tokens += len(gen.token_seconds)
             outputs.append(gen.output_ids)
@@ -83,14 +74,19 @@ def child(a) -> dict:
                 "recall": recall_hits / recall_total if recall_total else None, "draft": draft or {}}
 
 
-def _decode_counters(engine):
-    """An on_token that restarts the store's counters after the prefill's token: decode only."""
+def _decode_counters(store, each=None):
+    """An on_token that restarts the store's counters (None: no store) after the prefill's token, so they
+    count the decode only, and then calls each() on every decode token."""
     seen = []
 
     def on_token(_token):
-        if not seen:
+        if seen:
+            if each is not None:
+                each()
+        else:
             seen.append(True)
-            engine.store.reset_stats()
+            if store is not None:
+                store.reset_stats()
 
     return on_token
 
@@ -132,7 +128,7 @@ def paired_child(a) -> dict:
                 if streamed:
                     e.forget_prefixes()
                     e.store.make_cold()
-                gen = generate(e, prompt, a.tokens + 1, Sampler(), on_token=_decode_counters(e) if streamed else None)
+                gen = generate(e, prompt, a.tokens + 1, Sampler(), on_token=_decode_counters(e.store) if streamed else None)
                 rate[m] = (len(gen.token_seconds) - 1) / sum(gen.token_seconds[1:])
                 out[m]["tok_s"].append(rate[m])
                 if streamed:  # (the store's counters restarted after the prefill's token)
@@ -147,10 +143,8 @@ def paired_child(a) -> dict:
         if isinstance(e, str):
             result.append({"mode": list(m), "refused": e})
             continue
-        entries = ([e.plan.cache_slots, getattr(e.store, "borrowable", 0)] if streamed else None)
         result.append({"mode": list(m), **out[m], "draft": e.draft_stats() or {},
-                       "cache_entries": f"{entries[0]}+{entries[1]}" if entries and entries[1] else
-                       (str(entries[0]) if entries else None)})
+                       "cache_entries": [e.plan.cache_slots, getattr(e.store, "borrowable", 0)] if streamed else None})
         e.close()
     return {"modes": result}
 
@@ -182,20 +176,14 @@ def stream_child(a) -> None:
                 continue
             engine.forget_prefixes()
             store.make_cold()
-            first: list = []
             faults = resource.getrusage(resource.RUSAGE_SELF)
-            mtp = getattr(engine, "mtp", None)
-            loads = mtp.loads if mtp is not None else 0
             lent = [0]  # decode tokens emitted while the RAM cache held an idle MTP layer's loan
 
-            def after_first(_token, first=first, lent=lent):
-                if not first:  # decode only: the counters restart after the prefill's token
-                    first.append(time.perf_counter())
-                    store.reset_stats()
-                elif getattr(store, "borrowed", 0):
-                    lent[0] += 1
+            def count_lent(lent=lent):
+                lent[0] += bool(getattr(store, "borrowed", 0))
 
-            gen = generate(engine, prompts[ask["prompt"]], a.tokens + 1, Sampler(), on_token=after_first)
+            gen = generate(engine, prompts[ask["prompt"]], a.tokens + 1, Sampler(),
+                           on_token=_decode_counters(store, count_lent))
             tokens = len(gen.token_seconds)
             now = resource.getrusage(resource.RUSAGE_SELF)
             # Where the stall comes from: reads asked on demand (the step waits for all of each) against
@@ -214,7 +202,6 @@ def stream_child(a) -> None:
                               # limit faults its own pages back in (major) or reclaims to allocate
                               "major_faults": now.ru_majflt - faults.ru_majflt,
                               "minor_faults": now.ru_minflt - faults.ru_minflt,
-                              "mtp_loads": (mtp.loads if mtp is not None else 0) - loads,
                               "recall": [store.recall_hits, store.recall_total], "outputs": gen.output_ids}),
                   flush=True)
 

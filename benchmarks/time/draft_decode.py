@@ -72,7 +72,7 @@ sys.path.insert(0, str(REPO))
 
 # The helpers beside this script (the docstring's last paragraph): after REPO is on sys.path
 from benchmarks.time.draft_child import child, paired_child, stream_child  # noqa: E402
-from benchmarks.time.draft_runs import (MiB, TOOL, paired_rows, run_child, run_paired,  # noqa: E402
+from benchmarks.time.draft_runs import (MiB, TOOL, entries_cell, paired_rows, run_child, run_paired,  # noqa: E402
                                         run_paired_streamed)
 
 
@@ -227,7 +227,7 @@ def _entries(runs: list[dict]) -> str | None:
     plans = [x.get("cache_entries") for x in runs]
     if not plans or any(p is None for p in plans):
         return None
-    cells = [f"{p[0]}+{p[1]}" if p[1] else str(p[0]) for p in plans]
+    cells = [entries_cell(p) for p in plans]
     return cells[0] if len(set(cells)) == 1 else ",".join(cells)
 
 

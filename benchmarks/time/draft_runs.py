@@ -28,6 +28,11 @@ READ_COUNTS = ("demand_per_token", "prefetch_per_token", "prefetch_used_per_toke
 MiB = 1 << 20
 
 
+def entries_cell(entries: list[int]) -> str:
+    """A streamed engine's RAM cache in whole entries: "22", or "18+4" where an idle MTP layer lends it 4."""
+    return f"{entries[0]}+{entries[1]}" if entries[1] else str(entries[0])
+
+
 def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> list[dict]:
     """--paired under a budget: each mode's engine in its own process and cgroup (stream_child), all
     alive at once; each prompt taken by every mode in turn (the order rotating), --rounds times. x off is
@@ -113,7 +118,7 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
                      **{k: round(statistics.median(o[k]), 3) for k in READ_COUNTS},
                      "decisions": d.get("decisions"),
                      "mtp_loads": d.get("mtp_loads") if drafter in ("mtp", "auto") and mode != "off" else None,
-                     "cache_entries": f"{entries[0]}+{entries[1]}" if entries[1] else str(entries[0]),
+                     "cache_entries": entries_cell(entries),
                      "lossless": o["outputs"] == out[off]["outputs"], "cgroup": limited})
     return rows
 
@@ -160,6 +165,6 @@ def paired_rows(result: dict, budget: str, workload: str) -> list[dict]:
                      "decisions": d.get("decisions"), "lossless": m["outputs"] == off["outputs"],
                      **({"stall_ms_per_token": round(statistics.median(m["stall"]) * 1000, 3),
                          "read_mib_per_token": round(statistics.median(m["bytes"]) / MiB, 3),
-                         "cache_entries": m["cache_entries"], "cgroup": False} if m.get("stall") else {})})
+                         "cache_entries": entries_cell(m["cache_entries"]), "cgroup": False} if m.get("stall") else {})})
     return rows
 

@@ -17,10 +17,10 @@ and an munmap (with a TLB shootdown) per eviction; the arena pays the faults onc
 
 Why on huge pages: an O_DIRECT read pins its destination's pages and hands the device one segment
 per physically contiguous run, so an expert landing in 2 MiB pages is one segment, in 4 KiB pages
-~100 (a 384 KiB expert). On this project's virtual disk that was 0.33 against 0.53 ms a read
-(benchmarks/io/slot_pages.py). So the slots lie in a 2 MiB-aligned mapping (engine/base/hugepages.py)
-whose whole huge pages ask for THP, and nothing ever drops part of one: a huge page a
-MADV_DONTNEED cuts into is split into 4 KiB pages for good.
+~100 (a 384 KiB expert): on this project's virtual disk 1.14x the read time (benchmarks/io/slot_pages.py).
+So the slots lie in a 2 MiB-aligned mapping (engine/base/hugepages.py) whose whole huge pages ask for
+THP, and nothing ever drops part of one: a huge page a MADV_DONTNEED cuts into is split for good, and
+the slot dropped faults back in on 4 KiB pages.
 
 Spare slots: a mapping of their own, also 2 MiB-aligned, mapped but never faulted in, so they hold
 no memory. The expert cache borrows them while a drafter's memory is idle (engine/run/mtp_drafter.py
@@ -28,8 +28,7 @@ lends the MTP layer's): `lend(n)` faults n of them in and hands them out; `withh
 slots back and drops their pages (MADV_DONTNEED), so the resident set shrinks by their bytes again.
 Only lent slots are ever withheld (the caller first evicts the experts in them: `lent_owners`): had
 any free slot gone, each loan's end would have split the huge pages under the slots the plan keeps
-(a gated-off MTP engine's reads, after a few loans, took 0.1-0.2 ms longer than the same reads without
-the drafter, ~5% of its decode speed).
+(in a gated-off MTP engine, 12 of 12 MiB of them on huge pages became 6 within 40 s of decoding).
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ class SlotArena:
             raise ValueError(f"slot_bytes, count and spare must be >= 0, got {slot_bytes}, {count}, {spare}")
         self.slot_bytes = align_up(max(slot_bytes, 1))
         self.count = count  # slots that hold memory: handed out, free, or lent
-        self._kept = count  # slots 0..count-1 live in the first mapping, the spare ones after in the second
+        self._kept, self._spare = count, spare  # slots 0..count-1 in the first mapping, the spare ones in the second
         self._mappings = (HugePageArena(self.slot_bytes * count, whole_pages=True),
                           HugePageArena(self.slot_bytes * spare, whole_pages=True) if spare else None)
         if prefault and self.nbytes:
@@ -66,7 +65,7 @@ class SlotArena:
         self._free = collections.deque(range(count))  # append/popleft are atomic: finalizers may run on workers
         self._withheld = list(range(count + spare - 1, count - 1, -1))  # mapped, holding no pages: lend() pops
         self._lent: set[int] = set()  # spare slots lent out (free or handed out)
-        self._owners: dict[int, object] = {}  # a handed-out slot → what acquire() was told holds it
+        self._owners: dict[int, object] = {}  # a handed-out lent slot → what acquire() was told holds it
         # Reentrant: a finalizer (a release) can run in any thread at any allocation, including
         # in one that holds the lock already.
         self._lock = threading.RLock()
@@ -110,7 +109,7 @@ class SlotArena:
         lease = (ctypes.c_char * self.slot_bytes).from_buffer(mapping.window(offset, self.slot_bytes))
         weakref.finalize(lease, self._release, index)
         with self._lock:
-            if owner is not None:
+            if owner is not None and index in self._lent:  # (only a loan's repay asks)
                 self._owners[index] = owner
             self.in_use += 1
             self.peak_in_use = max(self.peak_in_use, self.in_use)
@@ -140,7 +139,7 @@ class SlotArena:
     def index_of(self, address: int) -> int | None:
         """The slot whose bytes hold `address`, or None outside every slot (mapped or lent)."""
         for first, mapping, count in ((0, self._mappings[0], self._kept),
-                                      (self._kept, self._mappings[1], len(self._withheld) + len(self._lent))):
+                                      (self._kept, self._mappings[1], self._spare)):
             if mapping is not None and mapping.address <= address < mapping.address + count * self.slot_bytes:
                 return first + (address - mapping.address) // self.slot_bytes
         return None
@@ -149,7 +148,7 @@ class SlotArena:
         """The owners acquire() was told of the lent slots handed out now: what must let go of them
         before withhold() can take them back."""
         with self._lock:
-            return [self._owners[i] for i in sorted(self._lent) if i in self._owners]
+            return [self._owners[i] for i in sorted(self._owners)]
 
     def lend(self, n: int) -> int:
         """Fault in up to n withheld slots and hand them out with the free ones → how many."""

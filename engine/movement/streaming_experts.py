@@ -291,10 +291,9 @@ class StreamingExperts(CacheLoan, ReadingStore, ExpertStore):
         return read
 
     def _lease(self, key):
-        """A free slot for key's read (the arena keeps whose it is while handed out: a loan's repay
-        evicts the experts in lent slots by it). The budget guarantees one, except for a cancelled read whose job a worker
-        has not discarded yet (it still references its slot, maybe for a whole pread on a busy
-        disk): wait for that release, not for a guess at how long it takes."""
+        """A free slot for key's read (a loan's repay evicts by key). The budget guarantees one, except for
+        a cancelled read whose job a worker has not discarded yet (it still references its slot, maybe for
+        a whole pread on a busy disk): wait for that release, not for a guess at how long it takes."""
         if self.arena is None:
             return None
         lease = self.arena.acquire(wait_s=SLOT_WAIT_GUARD_S, owner=key)
