@@ -526,20 +526,25 @@ def test_arena_spare_slots_lent_and_withheld():
     assert arena.index_of(0) is None
 
 
-def test_slot_arena_kept_and_spare_mappings_start_on_huge_pages():
-    """Each of the arena's two mappings starts on a 2 MiB boundary, so THP can back its whole huge pages;
-    the slots are laid out back to back from there."""
+def test_slot_arena_lays_out_kept_and_spare_slots_as_one_arena_of_them_all():
+    """The kept slots and the spare ones after them lie back to back in one mapping that starts on a
+    2 MiB boundary, so an arena whose spare slots start lent is laid out, and faulted in, as an arena of
+    that many kept slots (the same huge pages); its lent slots are withheld like any lent ones."""
     import ctypes
     from engine.base.hugepages import HUGE_PAGE
     from engine.movement.slots import SlotArena
     slot = 3 * ALIGN * 25  # not a divisor of 2 MiB: slots straddle huge pages
-    arena = SlotArena(slot, 12, spare=7)
-    arena.lend(7)
-    leases = [arena.acquire() for _ in range(19)]  # (held: a released slot is handed out again)
-    at = {arena.index_of(ctypes.addressof(lease)): ctypes.addressof(lease) for lease in leases}
-    assert sorted(at) == list(range(19))
-    kept, spare = [at[i] for i in range(12)], [at[i] for i in range(12, 19)]
-    assert kept[0] % HUGE_PAGE == 0 and spare[0] % HUGE_PAGE == 0
-    assert all(b - a == arena.slot_bytes for a, b in zip(kept, kept[1:]))
-    assert all(b - a == arena.slot_bytes for a, b in zip(spare, spare[1:]))
-
+    layouts = []
+    for arena in (SlotArena(slot, 12, spare=7, lent=True), SlotArena(slot, 19)):
+        assert arena.count == 19 and arena.stats()["arena_bytes"] == 19 * arena.slot_bytes
+        leases = [arena.acquire() for _ in range(19)]  # (held: a released slot is handed out again)
+        assert arena.acquire() is None
+        at = {arena.index_of(ctypes.addressof(lease)): ctypes.addressof(lease) for lease in leases}
+        assert sorted(at) == list(range(19)) and at[0] % HUGE_PAGE == 0
+        assert all(at[i + 1] - at[i] == arena.slot_bytes for i in range(18))
+        layouts.append([at[i] - at[0] for i in range(19)])
+        del leases
+    assert layouts[0] == layouts[1]
+    lent = SlotArena(slot, 12, spare=7, lent=True)
+    assert lent.withheld == 0 and lent.withhold(9) == 7  # the seven lent slots, no kept one
+    assert lent.count == 12 and lent.withheld == 7 and lent.lend(7) == 7 and lent.count == 19

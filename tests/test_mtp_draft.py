@@ -232,10 +232,11 @@ def test_mtp_drafts_after_a_gated_off_stretch_are_accepted(arch, tmp_path_factor
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_an_idle_mtp_layer_lends_its_memory_to_the_expert_cache_and_drafts_again(dtype, tmp_path_factory,
                                                                                    monkeypatch):
-    """Streamed, nothing offered for longer than LEND_AFTER steps: the layer is dropped and the RAM
-    cache grows by its bytes (whole entries; with bf16 compute a cached expert is its slot, and the
-    arena faults in that many more); the next draft repays the cache, loads the layer again and is
-    accepted; the cache and arena are back to the plan's, and the tokens are the plain run's."""
+    """Streamed, the layer starts lent: nothing of it is loaded and the RAM cache holds its bytes (whole
+    entries; with bf16 compute a cached expert is its slot, and the arena holds that many more) while
+    nothing is offered, for longer than LEND_AFTER steps here; the first draft repays the cache, loads
+    the layer and is accepted; the cache and arena are back to the plan's, and the tokens are the plain
+    run's."""
     d = mtp_model(tmp_path_factory, "glm4_moe", initializer_range=0.002, routing_skew=0.0)
     _as_oracle(d)
     # A small share of a large budget: the cache's size then barely moves with the process's resident set,
@@ -258,7 +259,9 @@ def test_an_idle_mtp_layer_lends_its_memory_to_the_expert_cache_and_drafts_again
         assert 0 <= unspent and store.borrowable == min((lendable + unspent) // entry,
                                                         plan.routed_experts - plan.cache_slots)
         slot_entries = dtype == "bf16"  # the synthesized experts are bf16: views of their slots
-        assert (store.arena.withheld == store.borrowable) == slot_entries
+        assert e.mtp.layer is None and store.borrowed == store.borrowable and store.arena.withheld == 0
+        assert store.arena.count == plan.arena_slots + (store.borrowable if slot_entries else 0)
+        assert ram.capacity_bytes == plan.cache_bytes + store.borrowable * entry
         seen, offers = [], []
         real_offer = MtpDrafter.offer
 

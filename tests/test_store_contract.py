@@ -295,8 +295,10 @@ def test_a_repaid_loan_takes_back_the_lent_slots_and_no_kept_one(moe_dir):
     store, ckpt, args = _expert_store("direct", moe_dir, cache_entries=4, lendable_entries=3)
     try:
         plan, ram, arena = store.plan, store.cache.tier("ram"), store.arena
-        assert store.borrowable == 3 and arena.withheld == 3
-        assert store.borrow() == 3 and arena.count == plan.arena_slots + 3
+        # lent from the start: the cache and the arena hold the loan before anything drafted
+        assert store.borrowable == store.borrowed == 3 and arena.withheld == 0
+        assert arena.count == plan.arena_slots + 3 and ram.capacity_bytes == plan.cache_bytes + 3 * plan.cache_entry_bytes
+        assert store.borrow() == 0  # (open already)
         combos = itertools.cycle(itertools.combinations(range(args.num_experts), 3))
         for step in range(40):  # more experts than the cache holds: slots cycle, the lent ones among them
             store.for_each_expert(step % args.num_layers, list(next(combos)), lambda e, w: None)
@@ -312,5 +314,6 @@ def test_a_repaid_loan_takes_back_the_lent_slots_and_no_kept_one(moe_dir):
             store.for_each_expert(step % args.num_layers, list(next(combos)),
                                   lambda e, w: landed.append(w[0].data_ptr()))
         assert all(arena.index_of(p) < plan.arena_slots for p in landed)
+        assert store.borrow() == 3 and arena.count == plan.arena_slots + 3 and arena.withheld == 0  # lent again
     finally:
         store.close()

@@ -7,6 +7,10 @@ grows the RAM tier by whole entries, `repay` shrinks it back before the drafter 
 entry is a spare slot of the arena (engine/movement/slots.py: mapped at load, faulted in when lent,
 its pages dropped when withheld), so the resident set follows the loan. Not with mmap reads: a cached
 expert is page cache there, not the plan's bytes.
+
+The loan is open from the start (`borrowed` = `borrowable` once the store is built): the drafter holds
+nothing until its first draft repays it (engine/run/mtp_drafter.py), so an engine whose gate never
+drafts runs with the cache, and the arena's huge pages, of the engine without the drafter.
 """
 
 from __future__ import annotations
@@ -27,17 +31,22 @@ class CacheLoan:
 
     def open_loan(self, layout: ExpertLayout, config: EngineConfig, plan: MemoryPlan, dtype: torch.dtype,
                   lendable_bytes: int) -> int:
-        """Sets `borrowable` (whole entries, no more than it takes to hold every routed expert) → the spare
-        arena slots the store's arena needs for them. The lent bytes join what the plan's cache left below
+        """Sets `borrowable` (whole entries, no more than it takes to hold every routed expert), lent from
+        the start (`borrowed`; the caller builds the arena with them lent and the RAM tier with
+        `lent_cache_bytes`) → the spare arena slots the store's arena needs for them. The lent bytes join what the plan's cache left below
         a whole entry: the lent cache then holds what a plan without the drafter would give it (one entry
         fewer had a copy workload whose working set is the cache's size miss on nearly every read)."""
         entry = plan.cache_entry_bytes
         lendable = lendable_bytes + plan.unspent_cache_bytes(config.cpu_cache_ratio)
         self.borrowable = (min(lendable // entry, max(plan.routed_experts - plan.cache_slots, 0))
                            if config.io_mode != "mmap" and entry > 0 and lendable_bytes > 0 else 0)
-        self.borrowed = 0
+        self.borrowed = self.borrowable
         self._slot_entries = layout.zero_copy(dtype)
         return self.borrowable if self._slot_entries else 0
+
+    def lent_cache_bytes(self) -> int:
+        """The RAM tier's capacity with the loan it holds now."""
+        return self.plan.cache_bytes + self.borrowed * self.plan.cache_entry_bytes
 
     def borrow(self) -> int:
         """The RAM cache grows by the `borrowable` entries (the drafter freed their bytes first) →

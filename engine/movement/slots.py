@@ -22,13 +22,18 @@ So the slots lie in a 2 MiB-aligned mapping (engine/base/hugepages.py) whose who
 THP, and nothing ever drops part of one: a huge page a MADV_DONTNEED cuts into is split for good, and
 the slot dropped faults back in on 4 KiB pages.
 
-Spare slots: a mapping of their own, also 2 MiB-aligned, mapped but never faulted in, so they hold
-no memory. The expert cache borrows them while a drafter's memory is idle (engine/run/mtp_drafter.py
-lends the MTP layer's): `lend(n)` faults n of them in and hands them out; `withhold(n)` takes lent
-slots back and drops their pages (MADV_DONTNEED), so the resident set shrinks by their bytes again.
-Only lent slots are ever withheld (the caller first evicts the experts in them: `lent_owners`): had
-any free slot gone, each loan's end would have split the huge pages under the slots the plan keeps
-(in a gated-off MTP engine, 12 of 12 MiB of them on huge pages became 6 within 40 s of decoding).
+Spare slots: after the kept ones in the same mapping. The expert cache borrows them while a drafter's
+memory is idle (engine/run/mtp_drafter.py lends the MTP layer's); `lend(n)` faults n of them in and
+hands them out; `withhold(n)` takes lent slots back and drops their pages (MADV_DONTNEED), so the
+resident set shrinks by their bytes again. Only lent slots are ever withheld (the caller first evicts
+the experts in them: `lent_owners`): had any free slot gone, each loan's end would have split the huge
+pages under the slots the plan keeps (in a gated-off MTP engine, 12 of 12 MiB of them on huge pages
+became 6 within 40 s of decoding). An arena whose spare slots start lent (`lent=True`, the store's:
+a drafter's memory is the cache's until its first draft) lays out and faults in every slot as an
+arena of that many kept slots would: the same huge pages as the engine without the drafter. A
+withhold then splits the one huge page the kept and the spare slots share (the kept part keeps its
+frames) and marks it and the rest not huge, so nothing fills the dropped bytes in again. An arena whose
+spare slots start withheld asks huge pages only of the kept slots' whole ones.
 """
 
 from __future__ import annotations
@@ -40,31 +45,37 @@ import threading
 import time
 import weakref
 
-from engine.base.hugepages import HugePageArena
+from engine.base.hugepages import HUGE_PAGE, HugePageArena
 from engine.movement.io import align_up
 
 # Linux >= 5.14: fault a whole range in, writable, with one call.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+_MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)
 
 
 class SlotArena:
     """`count` slots of `slot_bytes` (rounded up to pages), page-aligned, faulted in up front, and
-    `spare` more mapped but not faulted in (the module doc: lent while a drafter is idle)."""
+    `spare` more after them (the module doc: lent while a drafter is idle): withheld, mapped but not
+    faulted in, or with `lent` lent from the start, faulted in with the kept ones."""
 
-    def __init__(self, slot_bytes: int, count: int, prefault: bool = True, spare: int = 0):
+    def __init__(self, slot_bytes: int, count: int, prefault: bool = True, spare: int = 0, lent: bool = False):
         if slot_bytes < 0 or count < 0 or spare < 0:
             raise ValueError(f"slot_bytes, count and spare must be >= 0, got {slot_bytes}, {count}, {spare}")
         self.slot_bytes = align_up(max(slot_bytes, 1))
-        self.count = count  # slots that hold memory: handed out, free, or lent
-        self._kept, self._spare = count, spare  # slots 0..count-1 in the first mapping, the spare ones in the second
-        self._mappings = (HugePageArena(self.slot_bytes * count, whole_pages=True),
-                          HugePageArena(self.slot_bytes * spare, whole_pages=True) if spare else None)
+        lent = lent and spare > 0
+        self._kept, self._spare = count, spare  # slots 0..count-1 kept, count.. spare
+        self.count = count + spare if lent else count  # slots that hold memory: handed out, free, or lent
+        self._arena = HugePageArena(self.slot_bytes * (count + spare), whole_pages=True)
+        self._split = False  # whether a withhold has marked the spare slots' huge pages not huge
+        if spare and not lent:
+            self._not_huge_from(self.slot_bytes * count)  # a huge page reaching into them would hold their bytes
         if prefault and self.nbytes:
             self._prefault()
-        self._free = collections.deque(range(count))  # append/popleft are atomic: finalizers may run on workers
-        self._withheld = list(range(count + spare - 1, count - 1, -1))  # mapped, holding no pages: lend() pops
-        self._lent: set[int] = set()  # spare slots lent out (free or handed out)
+        self._free = collections.deque(range(self.count))  # append/popleft are atomic: finalizers may run on workers
+        # mapped, holding no pages: lend() pops
+        self._withheld = [] if lent else list(range(count + spare - 1, count - 1, -1))
+        self._lent: set[int] = set(range(count, count + spare)) if lent else set()  # spare slots lent (free or handed out)
         self._owners: dict[int, object] = {}  # a handed-out lent slot → what acquire() was told holds it
         # Reentrant: a finalizer (a release) can run in any thread at any allocation, including
         # in one that holds the lock already.
@@ -73,17 +84,20 @@ class SlotArena:
         self.in_use = 0
         self.peak_in_use = 0
 
-    def _place(self, index: int) -> tuple[HugePageArena, int]:
-        """The mapping slot `index` lives in and its byte offset there."""
-        if index < self._kept:
-            return self._mappings[0], index * self.slot_bytes
-        return self._mappings[1], (index - self._kept) * self.slot_bytes
+    def _not_huge_from(self, offset: int) -> None:
+        """No huge page from the one holding byte `offset` to the end (MADV_NOHUGEPAGE: pages already
+        there stay what they are)."""
+        start = offset // HUGE_PAGE * HUGE_PAGE
+        try:
+            self._arena.advise(_MADV_NOHUGEPAGE, start, self._arena.nbytes - start)
+        except OSError:  # THP not built in: nothing to mark
+            pass
 
     def _prefault(self) -> None:
         try:
-            self._mappings[0].advise(_MADV_POPULATE_WRITE, 0, self.nbytes)  # (not the spare slots)
+            self._arena.advise(_MADV_POPULATE_WRITE, 0, self.nbytes)  # (the slots holding memory: kept, lent)
         except OSError:  # kernels before 5.14: touch every page
-            ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(self._mappings[0].window(0, self.nbytes))),
+            ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(self._arena.window(0, self.nbytes))),
                           0, self.nbytes)
 
     def acquire(self, wait_s: float = 0.0, owner=None):
@@ -105,8 +119,8 @@ class SlotArena:
                 if left <= 0:
                     return None
                 self._released.wait(left)
-        mapping, offset = self._place(index)
-        lease = (ctypes.c_char * self.slot_bytes).from_buffer(mapping.window(offset, self.slot_bytes))
+        lease = (ctypes.c_char * self.slot_bytes).from_buffer(self._arena.window(index * self.slot_bytes,
+                                                                                  self.slot_bytes))
         weakref.finalize(lease, self._release, index)
         with self._lock:
             if owner is not None and index in self._lent:  # (only a loan's repay asks)
@@ -138,11 +152,8 @@ class SlotArena:
 
     def index_of(self, address: int) -> int | None:
         """The slot whose bytes hold `address`, or None outside every slot (mapped or lent)."""
-        for first, mapping, count in ((0, self._mappings[0], self._kept),
-                                      (self._kept, self._mappings[1], self._spare)):
-            if mapping is not None and mapping.address <= address < mapping.address + count * self.slot_bytes:
-                return first + (address - mapping.address) // self.slot_bytes
-        return None
+        offset = address - self._arena.address
+        return offset // self.slot_bytes if 0 <= offset < (self._kept + self._spare) * self.slot_bytes else None
 
     def lent_owners(self) -> list:
         """The owners acquire() was told of the lent slots handed out now: what must let go of them
@@ -166,7 +177,7 @@ class SlotArena:
     def withhold(self, n: int, wait_s: float = 0.0) -> int:
         """Take up to n lent slots back out of use and drop their pages, waiting up to wait_s for the
         ones still handed out to be released → how many were taken (fewer only where lent slots stayed
-        held past the wait, or fewer were lent). Never a slot of the first mapping (the module doc)."""
+        held past the wait, or fewer were lent). Never a kept slot (the module doc)."""
         taken = 0
         deadline = time.monotonic() + wait_s
         with self._released:
@@ -180,6 +191,9 @@ class SlotArena:
                     continue
                 self._free.remove(index)
                 self._madvise(_MADV_DONTNEED, index)
+                if not self._split:  # the shared huge page is split now: nothing may fill the dropped bytes in
+                    self._not_huge_from(self._kept * self.slot_bytes)
+                    self._split = True
                 self._lent.discard(index)
                 self._withheld.append(index)
                 self.count -= 1
@@ -187,13 +201,13 @@ class SlotArena:
         return taken
 
     def _madvise(self, option: int, index: int) -> None:
-        mapping, offset = self._place(index)
+        offset = index * self.slot_bytes
         try:
-            mapping.advise(option, offset, self.slot_bytes)
+            self._arena.advise(option, offset, self.slot_bytes)
         except OSError:
             if option != _MADV_POPULATE_WRITE:
                 raise
-            window = mapping.window(offset, self.slot_bytes)
+            window = self._arena.window(offset, self.slot_bytes)
             ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(window)), 0, self.slot_bytes)  # kernels before 5.14
 
     def stats(self) -> dict:

@@ -70,17 +70,18 @@ class StreamingExperts(CacheLoan, ReadingStore, ExpertStore):
         self.plan = plan
         self.open_reads(config)
         self.max_inflight = max(plan.max_inflight_experts, 1)
-        # The RAM cache may borrow a drafter's idle memory (engine/movement/cache_loan.py)
+        # The RAM cache borrows a drafter's idle memory, from the start (engine/movement/cache_loan.py)
         spare = self.open_loan(layout, config, plan, dtype, lendable_bytes)
         # mmap reads are views of the page cache: nothing to land in, so no arena.
-        self.arena = None if config.io_mode == "mmap" else SlotArena(plan.slot_bytes, plan.arena_slots, spare=spare)
+        self.arena = (None if config.io_mode == "mmap" else
+                      SlotArena(plan.slot_bytes, plan.arena_slots, spare=spare, lent=True))
         pinned = []
         if config.cache_policy == "pinned" and config.routing_histogram:
             pinned = hottest_keys(routing_histogram_load(config.routing_histogram))
         tiers = []
         if plan.gpu_cache_bytes:
             tiers.append(("vram", make_cache("lru", plan.gpu_cache_bytes), "cuda"))
-        tiers.append(("ram", make_cache(config.cache_policy, plan.cache_bytes, pinned_keys=pinned,
+        tiers.append(("ram", make_cache(config.cache_policy, self.lent_cache_bytes(), pinned_keys=pinned,
                                           pinned_fraction=PINNED_FRACTION), "cpu"))
         self.cache = TieredCache(tiers, to_device=_to_device)
         self.reads: dict[tuple[int, int], _Read] = {}  # in flight

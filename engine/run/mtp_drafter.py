@@ -39,7 +39,9 @@ that many plain steps, the layer is dropped and the store's RAM cache borrows it
 the layer again from the files, its cache empty: the draft then computes the window from slot 0, as
 after any gap. The pairs stay queued meanwhile (a few hidden states). A loan that ends within twice
 the wait before it doubles that wait (up to LEND_AFTER_MAX steps), so drafts that come every few dozen
-steps do not pay a load each; a long loan sets it back to LEND_AFTER.
+steps do not pay a load each; a long loan sets it back to LEND_AFTER. The loan is open from the start
+(`open_state`): the layer is first loaded by the first draft, so an engine whose gate never drafts has
+the cache and the arena of the engine without the drafter (the same huge pages: engine/movement/slots.py).
 """
 
 from __future__ import annotations
@@ -185,12 +187,20 @@ def load(engine, layer: int) -> MtpLayer:
                     engine.dtype, kv)
 
 
+def open_state(load: Callable[[], MtpLayer], store) -> MtpState:
+    """The drafter's state over the layer `load` gives: lent from the start where the store's cache
+    borrowed its bytes when it was built (engine/movement/cache_loan.py; the layer is loaded at the
+    first draft), else loaded now."""
+    lent = getattr(store, "borrowed", 0) > 0
+    return MtpState(None if lent else load(), load, store)
+
+
 class MtpState:
     """The (token after, hidden at) pairs of the recent positions the main model computed, waiting for
     the MTP layer, and the hidden state still waiting for its token (the module doc)."""
 
     def __init__(self, layer: MtpLayer, load: Callable[[], MtpLayer] | None = None, store=None):
-        self.layer: MtpLayer | None = layer  # None while lent to the expert cache (the module doc)
+        self.layer: MtpLayer | None = layer  # None while lent to the expert cache (the module doc), as from the start
         self._load = load  # the layer again, from the files
         # The store whose cache borrows the layer's bytes while it is idle; None: never lent
         self._store = store if load is not None and getattr(store, "borrowable", 0) else None

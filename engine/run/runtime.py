@@ -212,8 +212,7 @@ class Engine(Drafting):
         # Speculative decoding (engine/run/speculative.py): None when off, so generate decodes as always.
         # The MTP layer's state: the (token, hidden) pairs it reads (engine/run/mtp_drafter.py), kept as
         # forward / rollback see rows; _hidden collects the rows' final hidden states meanwhile.
-        self.mtp = (MtpState(mtp_drafter.load(self, self.mtp_layer), functools.partial(mtp_drafter.load, self,
-                                                                                     self.mtp_layer), self.experts)
+        self.mtp = (mtp_drafter.open_state(functools.partial(mtp_drafter.load, self, self.mtp_layer), self.experts)
                     if self.mtp_layer is not None else None)
         self._hidden: list | None = [] if self.mtp is not None else None
         self.speculator = Speculator(self) if self.config.draft != "off" else None
