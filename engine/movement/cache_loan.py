@@ -33,9 +33,10 @@ class CacheLoan:
                   lendable_bytes: int) -> int:
         """Sets `borrowable` (whole entries, no more than it takes to hold every routed expert), lent from
         the start (`borrowed`; the caller builds the arena with them lent and the RAM tier with
-        `lent_cache_bytes`) → the spare arena slots the store's arena needs for them. The lent bytes join what the plan's cache left below
-        a whole entry: the lent cache then holds what a plan without the drafter would give it (one entry
-        fewer had a copy workload whose working set is the cache's size miss on nearly every read)."""
+        `lent_cache_bytes`) → the spare arena slots the store's arena needs for them. The lent bytes join
+        what the plan's cache left below a whole entry: the lent cache then holds what a plan without the
+        drafter would give it (one entry fewer had a copy workload whose working set is the cache's size
+        miss on nearly every read)."""
         entry = plan.cache_entry_bytes
         lendable = lendable_bytes + plan.unspent_cache_bytes(config.cpu_cache_ratio)
         self.borrowable = (min(lendable // entry, max(plan.routed_experts - plan.cache_slots, 0))
@@ -62,8 +63,8 @@ class CacheLoan:
     def repay(self) -> None:
         """The RAM cache gives back what it borrowed (the drafter allocates those bytes next): the experts
         in the lent slots evicted, then the least wanted where those held fewer than the loan, and the
-        lent slots' pages dropped. Not any n slots: dropping a slot of the kept mapping would split the
-        huge pages under it for good (engine/movement/slots.py). Between steps, so no landed read is held."""
+        lent slots' pages dropped. Not any n slots: dropping a kept slot would split the huge pages
+        under it for good (engine/movement/slots.py). Between steps, so no landed read is held."""
         n, self.borrowed = self.borrowed, 0
         if not n:
             return
