@@ -47,7 +47,6 @@ from engine.run.prefix_cache import copyable, open_prefix_cache
 from engine.run.speculative import Speculator
 from engine.run.drafting_engine import Drafting
 from engine.run import mtp_drafter
-from engine.run.mtp_drafter import MtpState
 from engine.arch import decode_rows
 from engine.arch.mtp import with_mtp_layers
 
