@@ -67,15 +67,13 @@ class SlotArena:
         self._kept, self._spare = count, spare  # slots 0..count-1 kept, count.. spare
         self.count = count + spare if lent else count  # slots that hold memory: handed out, free, or lent
         self._arena = HugePageArena(self.slot_bytes * (count + spare), whole_pages=True)
-        self._split = False  # whether a withhold has marked the spare slots' huge pages not huge
         if spare and not lent:
             self._not_huge_from(self.slot_bytes * count)  # a huge page reaching into them would hold their bytes
         if prefault and self.nbytes:
             self._prefault()
         self._free = collections.deque(range(self.count))  # append/popleft are atomic: finalizers may run on workers
-        # mapped, holding no pages: lend() pops
-        self._withheld = [] if lent else list(range(count + spare - 1, count - 1, -1))
-        self._lent: set[int] = set(range(count, count + spare)) if lent else set()  # spare slots lent (free or handed out)
+        self._withheld = [] if lent else list(range(count + spare - 1, count - 1, -1))  # holding no pages
+        self._lent: set[int] = set(range(count, count + spare)) if lent else set()  # (free or handed out)
         self._owners: dict[int, object] = {}  # a handed-out lent slot → what acquire() was told holds it
         # Reentrant: a finalizer (a release) can run in any thread at any allocation, including
         # in one that holds the lock already.
@@ -191,13 +189,12 @@ class SlotArena:
                     continue
                 self._free.remove(index)
                 self._madvise(_MADV_DONTNEED, index)
-                if not self._split:  # the shared huge page is split now: nothing may fill the dropped bytes in
-                    self._not_huge_from(self._kept * self.slot_bytes)
-                    self._split = True
                 self._lent.discard(index)
                 self._withheld.append(index)
                 self.count -= 1
                 taken += 1
+        if taken:  # the huge page kept and spare slots share is split now: nothing may fill the dropped bytes in
+            self._not_huge_from(self._kept * self.slot_bytes)
         return taken
 
     def _madvise(self, option: int, index: int) -> None:
