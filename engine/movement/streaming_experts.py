@@ -1,5 +1,6 @@
 """StreamingExperts: a MoE model's routed experts read from disk per use (a dense model's layers:
-streaming_layers.py; the pool, counters and read figures both share: reading_store.py).
+streaming_layers.py; the pool, counters and read figures both share: reading_store.py; the
+lookup counters and stats(): expert_counters.py).
 
 Per layer:
     for_each_expert   cache hits are computed at once; reads already in flight (issued by a
@@ -23,7 +24,6 @@ compute thread drains.
 from __future__ import annotations
 
 import queue
-from collections import Counter
 import time
 import weakref
 from concurrent.futures import Future, wait
@@ -34,6 +34,7 @@ from engine.base.config import EngineConfig
 from engine.format.layout import ExpertLayout, tensors_from_buffers
 from engine.movement.cache import PINNED_FRACTION, TieredCache, hottest_keys, make_cache, routing_histogram_load
 from engine.movement.cache_loan import CacheLoan
+from engine.movement.expert_counters import ExpertCounters
 from engine.movement.io import align_up
 from engine.movement.plan import MemoryPlan
 from engine.movement.reading_store import ReadingStore
@@ -62,7 +63,7 @@ class _Read:
         self.prefetch = prefetch
 
 
-class StreamingExperts(CacheLoan, ReadingStore, ExpertStore):
+class StreamingExperts(CacheLoan, ExpertCounters, ReadingStore, ExpertStore):
     def __init__(self, layout: ExpertLayout, config: EngineConfig, plan: MemoryPlan, dtype: torch.dtype,
                  lendable_bytes: int = 0):
         self.layout = layout
@@ -406,16 +407,6 @@ class StreamingExperts(CacheLoan, ReadingStore, ExpertStore):
 
     # --- measurement and lifecycle ---------------------------------------------------------
 
-    def reset_stats(self) -> None:
-        self.reset_window()
-        self.recall_hits = self.recall_total = 0
-        self.demand_reads = self.prefetch_reads = self.prefetched_used = 0
-        self.lookups = 0
-        self.tier_hits: dict[str, int] = {}
-        # (layer, expert) → reads started since reset_stats: what shows a prefill group reading each
-        # expert at most once per layer (DESIGN.md, "Reuse: many tokens per read").
-        self.read_counts: Counter = Counter()
-
     def _settle(self) -> None:
         """Cancel every read not yet started and wait for the rest, so nothing lands later."""
         for read in list(self.reads.values()) + list(self.orphans):
@@ -444,26 +435,6 @@ class StreamingExperts(CacheLoan, ReadingStore, ExpertStore):
         if self.pool.io_mode != "mmap" and self.pool.effective_mode == "direct":
             how += "; reads are O_DIRECT"
         return how
-
-    def stats(self) -> dict:
-        """Counters since reset_stats(). Every expert lookup is exactly one of: a hit in a cache
-        tier (kept from an earlier use), a prefetch that lookahead issued in time or in flight,
-        or a demand read; the three rates add up to 1."""
-        n = self.lookups
-        return {
-            **self.read_figures(),
-            "expert_lookups": n,
-            "hit_rate": {name: (self.tier_hits.get(name, 0) / n if n else None) for name in self.cache.tier_names},
-            "prefetch_coverage": self.prefetched_used / n if n else None,
-            "demand_read_rate": self.demand_reads / n if n else None,
-            "cache_items": {name: s["items"] for name, s in self.cache.stats().items()},
-            "demand_reads": self.demand_reads,
-            "prefetch_reads": self.prefetch_reads,
-            "prefetched_used": self.prefetched_used,
-            "lookahead_recall": self.recall_hits / self.recall_total if self.recall_total else None,
-            **(self.arena.stats() if self.arena is not None else {}),
-            "slot_overflows": self.slot_overflows,
-        }
 
     def close(self) -> None:
         self._settle()
