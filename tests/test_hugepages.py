@@ -165,3 +165,28 @@ def test_the_streaming_slot_arena_is_private_memory_too():
     lease = arena.acquire()
     perms, _ = _vma(ctypes.addressof(lease))
     assert perms.endswith("p"), perms
+
+
+def test_a_withhold_marks_the_huge_page_kept_and_spare_slots_share_not_huge():
+    """Spare slots lent from the start lie in the kept slots' mapping under huge-page advice. Once a
+    withhold has dropped their pages, khugepaged must not fill them in again (a huge page there would hold
+    the bytes the loan gave back): from the huge page the kept and the spare slots share to the end the
+    mapping is MADV_NOHUGEPAGE ("nh"), while the kept slots' whole huge pages before it keep the advice."""
+    from engine.movement.slots import SlotArena
+
+    slot = 3 * 4096 * 25  # 300 KiB: the twelve kept slots end inside the second huge page
+    arena = SlotArena(slot, 12, spare=7, lent=True)
+    leases = [arena.acquire() for _ in range(19)]
+    at = {arena.index_of(ctypes.addressof(lease)): ctypes.addressof(lease) for lease in leases}
+    del leases
+    first_page, shared_page = at[0], at[12] // HUGE_PAGE * HUGE_PAGE
+
+    def flags(address: int) -> list[str]:
+        return _vma(address)[1].get("VmFlags", "").split()
+
+    if "hg" not in flags(first_page):
+        pytest.skip("the kernel took no huge-page advice (THP not built in)")
+    assert "hg" in flags(shared_page) and "nh" not in flags(shared_page)  # lent: advised as kept slots
+    assert arena.withhold(7) == 7
+    assert "nh" in flags(shared_page) and "nh" in flags(at[18])
+    assert "hg" in flags(first_page) and shared_page > first_page
