@@ -190,3 +190,43 @@ def test_a_withhold_marks_the_huge_page_kept_and_spare_slots_share_not_huge():
     assert arena.withhold(7) == 7
     assert "nh" in flags(shared_page) and "nh" in flags(at[18])
     assert "hg" in flags(first_page) and shared_page > first_page
+
+
+def test_lending_every_spare_slot_again_gives_back_the_huge_page_a_withhold_split():
+    """A drafter's trial takes its memory back from the cache (withhold) and lends it again after: the
+    arena must then hold as many huge pages as before the trial, not one fewer for the rest of the run
+    (the split one collapsed back), and the cached bytes in that page must survive the collapse."""
+    from engine.movement.slots import SlotArena
+
+    slot = 3 * 4096 * 25  # 300 KiB: the twelve kept slots end inside the second huge page
+    arena = SlotArena(slot, 12, spare=7, lent=True)
+    before = arena.huge_bytes()
+    if not before:
+        pytest.skip("no huge pages here (THP not built in or not granted)")
+    leases = [arena.acquire() for _ in range(12)]  # the kept ones, handed out first in order
+    shared = next(lease for lease in leases if arena.index_of(ctypes.addressof(lease)) == 11)
+    ctypes.memset(ctypes.addressof(shared), 0x5A, slot)
+    assert arena.withhold(7) == 7
+    assert arena.huge_bytes() == before - HUGE_PAGE  # split by the dropped pages
+    assert arena.lend(7) == 7
+    if arena.huge_bytes() != before and not _collapses():
+        pytest.skip("the kernel cannot collapse a range (MADV_COLLAPSE, Linux >= 6.1)")
+    assert arena.huge_bytes() == before
+    assert bytes(shared) == b"\x5a" * slot
+    assert "nh" not in _vma(ctypes.addressof(shared))[1].get("VmFlags", "").split()
+
+
+def _collapses() -> bool:
+    """Whether this kernel takes MADV_COLLAPSE on a private anonymous huge page."""
+    import mmap
+
+    m = mmap.mmap(-1, 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = (-ctypes.addressof(ctypes.c_char.from_buffer(m))) % HUGE_PAGE
+    m[start:start + 1] = b"x"
+    try:
+        m.madvise(getattr(mmap, "MADV_COLLAPSE", 25), start, HUGE_PAGE)
+        return True
+    except OSError:
+        return False
+    finally:
+        m.close()

@@ -202,6 +202,9 @@ def stream_child(a) -> None:
                               # limit faults its own pages back in (major) or reclaims to allocate
                               "major_faults": now.ru_majflt - faults.ru_majflt,
                               "minor_faults": now.ru_minflt - faults.ru_minflt,
+                              # the slot arena's huge pages after the prompt: a read into 4 KiB pages is
+                              # slower (benchmarks/io/slot_pages.py), so a layout a loan changed shows here
+                              "arena_huge_mib": (store.arena.huge_bytes() or 0) / (1 << 20) if store.arena is not None else 0,
                               "recall": [store.recall_hits, store.recall_total], "outputs": gen.output_ids}),
                   flush=True)
 

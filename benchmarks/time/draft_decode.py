@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("demand reads/tok", "demand_per_token"), ("lookahead reads/tok", "prefetch_per_token"),
                 ("lookahead used/tok", "prefetch_used_per_token"), ("read ms", "read_ms"), ("lent share", "lent_share"),
                 ("major faults", "major_faults"), ("minor faults", "minor_faults"),
-                ("recall", "recall"), ("MTP loads", "mtp_loads"), ("cache entries", "cache_entries"), ("cgroup", "cgroup"))]
+                ("arena huge MiB", "arena_huge_mib"), ("recall", "recall"), ("MTP loads", "mtp_loads"), ("cache entries", "cache_entries"), ("cgroup", "cgroup"))]
         emit(TOOL, rows, run_conditions(a, cold=any(sizes), greedy=True), a.json, cols)
         return 0
     cols = [(h, (lambda k: lambda r: r[k])(k)) for h, k in (

@@ -22,9 +22,10 @@ SCRIPT = Path(__file__).resolve().with_name("draft_decode.py")  # the entry poin
 TOOL = "draft_decode"
 # What a streamed child answers per prompt beside its stall, medians in the rows: reads asked on demand,
 # the lookahead's reads started and used, per token, and the share of the decode run with an idle MTP
-# layer's loan in the RAM cache (where equal bytes still wait longer, these say why)
+# layer's loan in the RAM cache, page faults, and the slot arena's MiB on huge pages (where equal bytes
+# still wait longer, these say why)
 READ_COUNTS = ("demand_per_token", "prefetch_per_token", "prefetch_used_per_token", "read_ms", "lent_share",
-               "major_faults", "minor_faults")
+               "major_faults", "minor_faults", "arena_huge_mib")
 MiB = 1 << 20
 
 

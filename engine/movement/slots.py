@@ -32,7 +32,10 @@ became 6 within 40 s of decoding). An arena whose spare slots start lent (`lent=
 a drafter's memory is the cache's until its first draft) lays out and faults in every slot as an
 arena of that many kept slots would: the same huge pages as the engine without the drafter. A
 withhold then splits the one huge page the kept and the spare slots share (the kept part keeps its
-frames) and marks it and the rest not huge, so nothing fills the dropped bytes in again. An arena whose
+frames) and marks it and the rest not huge, so nothing fills the dropped bytes in again. Once every
+spare slot is lent again, that huge page is asked for and collapsed back (MADV_COLLAPSE): else each
+trial of the drafter would leave the arena one huge page short of the engine without it for good (a
+gated-off MTP engine held 8 of 10 MiB on huge pages after its first trial, `off` 10). An arena whose
 spare slots start withheld asks huge pages only of the kept slots' whole ones.
 """
 
@@ -52,6 +55,9 @@ from engine.movement.io import align_up
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 _MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+# Linux >= 6.1: make a range's pages one huge page now, copying what they hold (Python 3.11 lacks the name).
+_MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)
 
 
 class SlotArena:
@@ -170,7 +176,24 @@ class SlotArena:
                 self._lent.add(index)
                 self._free.append(index)
                 self._released.notify()
+            if n and not self._withheld:
+                self._huge_again()
         return n
+
+    def _huge_again(self) -> None:
+        """Every spare slot lent: the whole huge pages from the one kept and spare slots share onwards
+        are the plan's bytes again, so they ask for huge pages and the split one is collapsed back now
+        (best effort: a kernel before 6.1, a page pinned by a read in flight, or a cgroup at its limit
+        leaves 4 KiB pages, as before; khugepaged may still collapse it later)."""
+        start = self._kept * self.slot_bytes // HUGE_PAGE * HUGE_PAGE
+        end = self.nbytes // HUGE_PAGE * HUGE_PAGE  # (the tail past the last whole page stays not huge)
+        if end <= start:
+            return
+        try:
+            self._arena.advise(_MADV_HUGEPAGE, start, end - start)
+            self._arena.advise(_MADV_COLLAPSE, start, end - start)
+        except OSError:
+            pass
 
     def withhold(self, n: int, wait_s: float = 0.0) -> int:
         """Take up to n lent slots back out of use and drop their pages, waiting up to wait_s for the
@@ -206,6 +229,10 @@ class SlotArena:
                 raise
             window = self._arena.window(offset, self.slot_bytes)
             ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(window)), 0, self.slot_bytes)  # kernels before 5.14
+
+    def huge_bytes(self) -> int | None:
+        """The arena's bytes on huge pages now (None where smaps cannot be read)."""
+        return self._arena.huge_bytes()
 
     def stats(self) -> dict:
         with self._lock:
