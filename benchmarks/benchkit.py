@@ -28,6 +28,7 @@ import contextlib
 import fcntl
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -102,6 +103,26 @@ def spread(values: Iterable[float]) -> dict | None:
     if not vals:
         return None
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def median_interval(values: Iterable[float], level: float = 0.9, draws: int = 2000,
+                    seed: int = 0) -> tuple[float, float] | None:
+    """The percentile bootstrap interval of the values' median: where the median of as many values drawn
+    again from these falls `level` of the time. For paired ratios it is the comparison's noise band (a
+    twin control's band says what "within the noise" means on this box, the day it ran). Seeded: the
+    same values give the same interval. None for fewer than two values."""
+    vals = [v for v in values if v is not None]
+    if len(vals) < 2:
+        return None
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(vals, k=len(vals))) for _ in range(draws))
+    tail = int(draws * (1 - level) / 2)
+    return medians[tail], medians[draws - 1 - tail]
+
+
+def fmt_interval(interval: tuple[float, float] | None, digits: int = 3) -> str:
+    """'lo-hi', or '-' where there is none."""
+    return f"{interval[0]:.{digits}f}-{interval[1]:.{digits}f}" if interval else "-"
 
 
 def fmt_spread(s: dict | None, digits: int = 3) -> str:

@@ -77,3 +77,19 @@ def test_child_json_is_the_childs_last_line_and_a_failed_child_one_line(tmp_path
     with pytest.raises(SystemExit) as exc:
         benchkit.child_json("tool", [sys.executable, "-c", "import sys; sys.exit('boom')"], "0", 60, "B=8", tmp_path)
     assert str(exc.value) == "tool: child failed (B=8, oom=False): boom"
+
+
+def test_the_median_interval_holds_the_median_is_seeded_and_narrows_with_more_pairs():
+    import random
+
+    rng = random.Random(7)
+    few = [rng.gauss(1.0, 0.2) for _ in range(12)]
+    many = few * 8  # the same spread, eight times the pairs
+    lo, hi = benchkit.median_interval(few)
+    assert lo <= sorted(few)[len(few) // 2] <= hi and lo < hi
+    assert benchkit.median_interval(few) == (lo, hi)  # seeded: the same band for the same values
+    lo8, hi8 = benchkit.median_interval(many)
+    assert hi8 - lo8 < (hi - lo) * 0.7
+    assert benchkit.median_interval([0.9, 0.9, 0.9]) == (0.9, 0.9)
+    assert benchkit.median_interval([1.0]) is None and benchkit.median_interval([None, 2.0]) is None
+    assert benchkit.fmt_interval((0.91234, 1.0)) == "0.912-1.000" and benchkit.fmt_interval(None) == "-"

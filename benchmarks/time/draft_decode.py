@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paired", action="store_true",
                     help="each prompt taken by every mode in turn (resident: every mode in one process; under a "
                          "budget: each in its own cgroup, all kept alive), x off = the median of the per-prompt ratios "
-                         "to off (the box's drifts cancel); the engines keep their gate's measurements through the "
+                         "to off (the box's drifts cancel), with its 90%% bootstrap interval (the noise band: a "
+                         "twin mode's says what noise is here); the engines keep their gate's measurements through the "
                          "rounds (a server's steady state)")
     ap.add_argument("--in-process", action="store_true",
                     help="with --paired under a budget: every mode's engine in one process and no cgroup (each plans "
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(paired_child(a) if a.paired_modes else child(a)))
         return 0
     from engine.api import ConfigError, parse_size
-    from benchmarks.benchkit import bench_lock, emit, fmt_spread, refuse, run_conditions, spread
+    from benchmarks.benchkit import bench_lock, emit, fmt_interval, fmt_spread, refuse, run_conditions, spread
     if not Path(a.model, "config.json").is_file():
         return refuse(TOOL, f"{a.model}: not a model directory (python -m colibri.cli synth demo -o DIR)")
     try:
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             ("acceptance", "acceptance"), ("tok/step", "tokens_per_step"), ("drafted", "drafted"),
             ("decisions", "decisions"), ("lossless", "lossless"))]
         cols[3:3] = [("decode tok/s", lambda r: fmt_spread(r["tok_s"]))]
-        cols[5:5] = [("x off per prompt", lambda r: fmt_spread(r["ratios"]) if r["ratios"] else "-")]
+        cols[5:5] = [("x off per prompt", lambda r: fmt_spread(r["ratios"]) if r["ratios"] else "-"),
+                     ("x off 90% interval", lambda r: fmt_interval(r.get("x_off_interval")))]
         if any(sizes):  # streamed rows: their budget, bytes, recall, loads and cache
             cols[:0] = [("budget", lambda r: r["budget"])]
             cols[-1:-1] = [(h, (lambda k: lambda r: r.get(k))(k)) for h, k in (

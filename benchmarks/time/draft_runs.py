@@ -44,7 +44,7 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
     next's by a few tenths of a MiB, one of the MTP reference's 0.38 MiB cache entries, and a row would
     then compare two caches, not decoding with and without drafts (aff2eab: copy's MTP gate 16+4 entries
     against off's 21, 0.91x). What drafting itself takes still comes out of each mode's cache."""
-    from benchmarks.benchkit import spread
+    from benchmarks.benchkit import median_interval, spread
     from engine.api import parse_size
     from tuner.sandbox import LimitedProcess
     procs, first = {}, {}
@@ -111,6 +111,7 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
         rows.append({"budget": budget, "workload": workload, "drafter": None if mode in ("off", "twin") else drafter,
                      "mode": mode, "tok_s": spread(o["tok_s"]), "ratios": spread(o["ratio"]) if mode != "off" else None,
                      "x_off": round(statistics.median(o["ratio"]), 3), "acceptance": d.get("acceptance"),
+                     "x_off_interval": median_interval(o["ratio"]) if mode != "off" else None,
                      "tokens_per_step": d.get("tokens_per_step"), "drafted": d.get("drafted"), "streamed": True,
                      "read_mib_per_token": round(statistics.median(o["bytes"]) / MiB, 3),
                      # what the step waited on reads: equal bytes can still wait longer (when they are asked for)
@@ -146,8 +147,9 @@ def run_child(a, budget: str, workload: str, drafter: str, mode: str, round_: in
 
 
 def paired_rows(result: dict, budget: str, workload: str) -> list[dict]:
-    """Rows of one --paired child: x off the median of the per-prompt ratios (their min-max beside it)."""
-    from benchmarks.benchkit import spread
+    """Rows of one --paired child: x off the median of the per-prompt ratios (their min-max and the
+    median's bootstrap interval beside it)."""
+    from benchmarks.benchkit import median_interval, spread
     modes = result["modes"]
     off = next(m for m in modes if m["mode"] == ["auto", "off"])
     rows = []
@@ -162,6 +164,7 @@ def paired_rows(result: dict, budget: str, workload: str) -> list[dict]:
         rows.append({"budget": budget, "workload": workload, "drafter": None if mode in ("off", "twin") else drafter,
                      "mode": mode, "tok_s": spread(m["tok_s"]), "ratios": spread(m["ratio"]),
                      "x_off": round(statistics.median(m["ratio"]), 3), "acceptance": d.get("acceptance"),
+                     "x_off_interval": median_interval(m["ratio"]) if mode != "off" else None,
                      "tokens_per_step": d.get("tokens_per_step"), "drafted": d.get("drafted"),
                      "decisions": d.get("decisions"), "lossless": m["outputs"] == off["outputs"],
                      **({"stall_ms_per_token": round(statistics.median(m["stall"]) * 1000, 3),
