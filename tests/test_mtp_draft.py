@@ -349,20 +349,28 @@ def test_engines_given_one_runtime_overhead_plan_alike_and_a_lent_cache_matches_
         assert e.plan.cache_slots < first["cache_slots"] == e.plan.cache_slots + e.store.borrowable
     del grown
     # Across budgets that cross every rounding: drafting with the MTP layer alone, the lent cache holds the
-    # plain plan's entries, one short only where what stays (the queued hidden states) crosses an entry
-    queued = (mtp_drafter.WINDOW + 1) * 4 * Checkpoint(d).config["hidden_size"]
-    short = set()
+    # plain plan's entries. What stays through a loan (the queued hidden states) would cross an entry
+    # where less than a whole window's rows are left below one: there the window is shortened to fit,
+    # and only where not even MIN_WINDOW's rows fit is the lent cache an entry short.
+    row = 4 * Checkpoint(d).config["hidden_size"]
+    queued, least = (mtp_drafter.WINDOW + 1) * row, (mtp_drafter.MIN_WINDOW + 1) * row
+    fitted = set()
     with Engine(d, plain_cfg, runtime_overhead_bytes=overhead) as e:
-        edge = budget - (budget - e.plan.fixed_bytes) % entry + queued  # one byte below: the queue crosses
-    for b in [budget + i * entry // 7 for i in range(14)] + [edge - 1, edge, edge + 1]:
+        edge = budget - (budget - e.plan.fixed_bytes) % entry  # a whole entry: nothing left below one
+    for b in ([budget + i * entry // 7 for i in range(14)]
+              + [edge + queued - 1, edge + queued, edge + queued // 2, edge + least - 1, edge + least]):
         cfg = plain_cfg.replace(ram_budget=b)
         with Engine(d, cfg, runtime_overhead_bytes=overhead) as e:
             plain, left = e.plan.cache_slots, (cfg.ram_budget - e.plan.fixed_bytes) % entry
         with Engine(d, cfg.replace(draft="gate", drafter="mtp"), runtime_overhead_bytes=overhead) as e:
-            lent = e.plan.cache_slots + e.store.borrowable
-        assert lent == plain - (left < queued), (b, plain, lent, left)
-        short.add(left < queued)
-    assert short == {False, True} or queued == 0  # (both cases met: the rule is not vacuous)
+            lent, window = e.plan.cache_slots + e.store.borrowable, e.mtp.window
+        assert lent == plain - (left < least), (b, plain, lent, left)
+        if left < least:
+            assert window == mtp_drafter.WINDOW  # (an entry lost whatever the window: drafts keep it whole)
+        else:
+            assert window == min(mtp_drafter.WINDOW, left // row - 1), (b, left, window)
+        fitted.add(least <= left < queued)
+    assert fitted == {False, True}  # (both cases met: the rule is not vacuous)
 
 
 def test_short_loans_double_the_wait_before_the_next_and_a_long_one_resets_it():

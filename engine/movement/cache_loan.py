@@ -26,6 +26,17 @@ from engine.movement.plan import MemoryPlan
 WITHHOLD_GUARD_S = 5.0
 
 
+def loan_entries(plan: MemoryPlan, config: EngineConfig, lendable_bytes: int) -> int:
+    """The whole RAM cache entries a drafter's idle `lendable_bytes` lend a store under `plan`: with what
+    the plan's cache left below a whole entry, no more than it takes to hold every routed expert, none
+    with mmap reads (a cached expert is page cache there, not the plan's bytes)."""
+    entry = plan.cache_entry_bytes
+    if config.io_mode == "mmap" or entry <= 0 or lendable_bytes <= 0:
+        return 0
+    lendable = lendable_bytes + plan.unspent_cache_bytes(config.cpu_cache_ratio)
+    return min(lendable // entry, max(plan.routed_experts - plan.cache_slots, 0))
+
+
 class CacheLoan:
     """borrow / repay over the store's `cache` (its "ram" tier), `arena` and `plan`."""
 
@@ -37,10 +48,7 @@ class CacheLoan:
         what the plan's cache left below a whole entry: the lent cache then holds what a plan without the
         drafter would give it (one entry fewer had a copy workload whose working set is the cache's size
         miss on nearly every read)."""
-        entry = plan.cache_entry_bytes
-        lendable = lendable_bytes + plan.unspent_cache_bytes(config.cpu_cache_ratio)
-        self.borrowable = (min(lendable // entry, max(plan.routed_experts - plan.cache_slots, 0))
-                           if config.io_mode != "mmap" and entry > 0 and lendable_bytes > 0 else 0)
+        self.borrowable = loan_entries(plan, config, lendable_bytes)
         self.borrowed = self.borrowable
         self._slot_entries = layout.zero_copy(dtype)
         return self.borrowable if self._slot_entries else 0

@@ -12,8 +12,9 @@ hidden state at j. `MtpState` keeps the engine's side of that pairing, as the en
     observe(tokens, start, hidden)   tokens fed at positions start.., and their rows' hidden states
                                      (a prefill group, a plain step, a verify's accepted rows):
                                      each completes the pair of the position before it; the last
-                                     hidden waits for the next token. Only the last WINDOW pairs
-                                     are kept: nothing is computed here
+                                     hidden waits for the next token. Only the last `window` pairs
+                                     are kept (WINDOW, or fewer: plan_drafting): nothing is
+                                     computed here
     draft(k, token)                  the pair of the current position (the token about to be fed and
                                      the hidden before it) and the queued pairs go through the layer
                                      in one call (its KV written at their positions), its last row's
@@ -37,7 +38,9 @@ along). After LEND_AFTER decode steps without running the layer, or where the ga
 that many plain steps, the layer is dropped and the store's RAM cache borrows its bytes
 (StreamingExperts.borrow); the next draft repays them (the least wanted experts evicted) and loads
 the layer again from the files, its cache empty: the draft then computes the window from slot 0, as
-after any gap. The pairs stay queued meanwhile (a few hidden states). A loan that ends within twice
+after any gap. The pairs stay queued meanwhile (a few hidden states: all an idle MTP engine holds beyond
+the engine without it, so where a whole window's would cost the lent cache an entry, the plan keeps
+fewer pairs: plan_drafting). A loan that ends within twice
 the wait before it doubles that wait (up to LEND_AFTER_MAX steps), so drafts that come every few dozen
 steps do not pay a load each; a long loan sets it back to LEND_AFTER. The loan is open from the start
 (`open_state`): the layer is first loaded by the first draft, so an engine whose gate never drafts has
@@ -48,7 +51,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -58,12 +61,16 @@ from engine.base import heap
 from engine.base.config import EngineConfig
 from engine.base.errors import ConfigError, DraftBudgetError
 from engine.format.checkpoint import same_bytes
+from engine.movement.cache_loan import loan_entries
+from engine.movement.plan import MemoryPlan
 from engine.run.drafters import Draft
 
 # The recent pairs kept for a draft: beyond this the oldest are dropped, never computed. While the gate
 # keeps drafting off, the layer costs nothing per position; a draft after that computes these pairs
 # (one call of WINDOW rows: about a decode step of the 4-layer reference) and attends over them only.
 WINDOW = 16
+# ... or fewer, down to MIN_WINDOW, where WINDOW would cost the lent expert cache an entry (plan_drafting)
+MIN_WINDOW = 1
 # Decode steps without running the layer before its memory goes to the expert cache (the module doc):
 # a gate's trials come every 16, 32, 64... gated-off steps, and a loan costs a load of the layer and
 # the experts its bytes held when it ends
@@ -114,26 +121,28 @@ def own_head(ckpt, args, layer: int) -> bool:
     return model_head not in ckpt or not same_bytes(ckpt.info(name), ckpt.info(model_head))
 
 
-def planned_bytes(ckpt, args, layer: int | None, dtype: torch.dtype, kv_dtype, ctx_size: int) -> int:
+def planned_bytes(ckpt, args, layer: int | None, dtype: torch.dtype, kv_dtype, ctx_size: int,
+                  window: int = WINDOW) -> int:
     """What the MTP drafter holds: its resident tensors in the compute dtype, its KV cache, and a
-    queue of hidden states (the plan's mtp_bytes; 0 without one)."""
+    queue of `window` pairs' hidden states (the plan's mtp_bytes; 0 without one)."""
     if layer is None:
         return 0
-    return lendable_bytes(ckpt, args, layer, dtype, kv_dtype, ctx_size) + _queue_bytes(args)
+    return lendable_bytes(ckpt, args, layer, dtype, kv_dtype, ctx_size) + _queue_bytes(args, window)
 
 
-def _queue_bytes(args) -> int:
-    """The queued hidden states (WINDOW + 1 fp32 rows): kept through a loan, the next draft reads them."""
-    return (WINDOW + 1) * args.hidden_size * 4
+def _queue_bytes(args, window: int = WINDOW) -> int:
+    """The queued hidden states (window + 1 fp32 rows): kept through a loan, the next draft reads them."""
+    return (window + 1) * args.hidden_size * 4
 
 
-def loan_bytes(ckpt, args, layer: int | None, dtype: torch.dtype, kv_dtype, config: EngineConfig, plan) -> int:
+def loan_bytes(ckpt, args, layer: int | None, dtype: torch.dtype, kv_dtype, config: EngineConfig, plan,
+               window: int = WINDOW) -> int:
     """What the expert cache borrows while the layer is idle: lendable_bytes, and drafting with the MTP layer
     alone (drafter mtp) everything else the plan charged drafting but the queue. No verify runs while the
     layer is lent (a draft loads it, and repays the loan, first), so a verify's rows beyond the prompt
     group's bytes are lent too, and the lent cache holds what a plan without drafting gives."""
     if layer is not None and config.drafter == "mtp":
-        return plan.draft_bytes - _queue_bytes(args)
+        return plan.draft_bytes - _queue_bytes(args, window)
     return lendable_bytes(ckpt, args, layer, dtype, kv_dtype, config.ctx_size)
 
 
@@ -152,22 +161,50 @@ def lendable_bytes(ckpt, args, layer: int | None, dtype: torch.dtype, kv_dtype, 
     return count * elem + MtpLayer.cache_bytes(args, ctx_size, kv_dtype)
 
 
-def plan_drafting(ckpt, args, config: EngineConfig, dtype: torch.dtype, kv_dtype, make):
-    """(the memory plan, the MTP layer it drafts with or None), for Engine and for a planner outside it
-    (the tuner's memory plan, tuner/costmodel/memplan.py): make(layout_args, mtp_bytes) is the caller's
-    make_plan over an expert layout of those args. With the MTP layer drafting, the layout takes its
-    experts as layer L and the plan its bytes; where they do not fit beside the prompt group
-    (DraftBudgetError), drafter auto plans without it (prompt lookup alone), drafter mtp refuses.
-    Raises ConfigError for drafter mtp over files without the layer."""
+class DraftingPlan(NamedTuple):
+    plan: MemoryPlan
+    layer: int | None  # the MTP layer drafting, or None
+    window: int  # the pairs its state keeps (MtpState's window)
+
+
+def plan_drafting(ckpt, args, config: EngineConfig, dtype: torch.dtype, kv_dtype, make) -> DraftingPlan:
+    """The memory plan, the MTP layer it drafts with or None, and the pairs that layer's state keeps, for
+    Engine and for a planner outside it (the tuner's memory plan, tuner/costmodel/memplan.py):
+    make(layout_args, mtp_bytes) is the caller's make_plan over an expert layout of those args. With the
+    MTP layer drafting, the layout takes its experts as layer L and the plan its bytes; where they do not
+    fit beside the prompt group (DraftBudgetError), drafter auto plans without it (prompt lookup alone),
+    drafter mtp refuses. Raises ConfigError for drafter mtp over files without the layer."""
     layer = mtp_layer(ckpt, args, config)
     if layer is not None:
         try:
-            return make(with_mtp_layers(args, 1), planned_bytes(ckpt, args, layer, dtype, kv_dtype,
-                                                                config.ctx_size)), layer
+            return _fitted_window(ckpt, args, config, dtype, kv_dtype, make, layer)
         except DraftBudgetError:
             if config.drafter != "auto":
                 raise
-    return make(args, 0), None
+    return DraftingPlan(make(args, 0), None, WINDOW)
+
+
+def _fitted_window(ckpt, args, config: EngineConfig, dtype: torch.dtype, kv_dtype, make, layer: int) -> DraftingPlan:
+    """The plan with the MTP layer and a window of WINDOW pairs, or of the most pairs that leave the
+    streamed cache (its kept and lent entries) as many entries as a window of MIN_WINDOW would. The queue
+    stays through a loan, so its bytes are all that keep an idle MTP engine's cache below the engine's
+    without a drafter; a few KiB of hidden states crossing a whole entry cost a copy workload whose working
+    set is the cache's size a read on nearly every step (on the reference, 1 budget in 20)."""
+    mtp_args = with_mtp_layers(args, 1)
+
+    def planned(window: int) -> tuple[MemoryPlan, int]:
+        plan = make(mtp_args, planned_bytes(ckpt, args, layer, dtype, kv_dtype, config.ctx_size, window))
+        lent = loan_entries(plan, config, loan_bytes(ckpt, args, layer, dtype, kv_dtype, config, plan, window))
+        return plan, plan.cache_slots + lent
+
+    window = WINDOW
+    plan, entries = planned(window)
+    if plan.streaming:
+        most = planned(MIN_WINDOW)[1]
+        while entries < most:  # (at MIN_WINDOW they are equal)
+            window -= 1
+            plan, entries = planned(window)
+    return DraftingPlan(plan, layer, window)
 
 
 def load(engine, layer: int) -> MtpLayer:
@@ -187,20 +224,22 @@ def load(engine, layer: int) -> MtpLayer:
                     engine.dtype, kv)
 
 
-def open_state(load: Callable[[], MtpLayer], store) -> MtpState:
-    """The drafter's state over the layer `load` gives: lent from the start where the store's cache
-    borrowed its bytes when it was built (engine/movement/cache_loan.py; the layer is loaded at the
-    first draft), else loaded now."""
+def open_state(load: Callable[[], MtpLayer], store, window: int = WINDOW) -> MtpState:
+    """The drafter's state over the layer `load` gives, keeping `window` pairs (plan_drafting's): lent
+    from the start where the store's cache borrowed its bytes when it was built
+    (engine/movement/cache_loan.py; the layer is loaded at the first draft), else loaded now."""
     lent = getattr(store, "borrowed", 0) > 0
-    return MtpState(None if lent else load(), load, store)
+    return MtpState(None if lent else load(), load, store, window)
 
 
 class MtpState:
     """The (token after, hidden at) pairs of the recent positions the main model computed, waiting for
     the MTP layer, and the hidden state still waiting for its token (the module doc)."""
 
-    def __init__(self, layer: MtpLayer, load: Callable[[], MtpLayer] | None = None, store=None):
+    def __init__(self, layer: MtpLayer, load: Callable[[], MtpLayer] | None = None, store=None,
+                 window: int = WINDOW):
         self.layer: MtpLayer | None = layer  # None while lent to the expert cache (the module doc), as from the start
+        self.window = window  # the recent pairs kept (WINDOW, or fewer where the plan fitted it: plan_drafting)
         self._load = load  # the layer again, from the files
         # The store whose cache borrows the layer's bytes while it is idle; None: never lent
         self._store = store if load is not None and getattr(store, "borrowable", 0) else None
@@ -259,10 +298,10 @@ class MtpState:
         if self.waiting is not None and self.waiting[0] == start - 1:
             self._queue(start - 1, tokens[0], self.waiting[1])
         n = len(tokens)
-        # Only the last WINDOW pairs can be computed: a prompt's earlier rows are not kept (nor their
+        # Only the last `window` pairs can be computed: a prompt's earlier rows are not kept (nor their
         # [n, H] tensor alive through views of it)
-        skip = max(1, n - WINDOW)
-        if n > WINDOW + 1:
+        skip = max(1, n - self.window)
+        if n > self.window + 1:
             hidden = hidden[skip - 1:].clone()  # rows skip-1.. as rows 0..
             offset = skip - 1
         else:
@@ -281,7 +320,7 @@ class MtpState:
             self.first = pos
         self.tokens.append(token)
         self.hidden.append(h)
-        if len(self.tokens) > WINDOW:  # the oldest pair is never computed: drafts read the recent window
+        if len(self.tokens) > self.window:  # the oldest pair is never computed: drafts read the recent window
             self.tokens.popleft()
             self.hidden.popleft()
             self.first += 1

@@ -162,7 +162,7 @@ class Engine(Drafting):
         _touch_compute_kernels(self.dtype, threads)  # so the measured runtime overhead includes them
         self.kernel_name = self.kernel  # tries (and so pages in) a quantized container's packed kernel too
         self.plan: MemoryPlan
-        self.plan, self.mtp_layer = mtp_drafter.plan_drafting(
+        self.plan, self.mtp_layer, self.mtp_window = mtp_drafter.plan_drafting(
             self.checkpoint, self.args, self.config, self.dtype, self.kv_dtype,
             lambda layout_args, mtp_bytes: self._make_plan(layout_args, mtp_bytes, keep_positions))
         t0 = time.perf_counter()
@@ -189,7 +189,7 @@ class Engine(Drafting):
         elif self.plan.streaming:
             # The MTP layer's bytes, which the expert cache borrows while it is idle (engine/run/mtp_drafter.py)
             lendable = mtp_drafter.loan_bytes(self.checkpoint, self.args, self.mtp_layer, self.dtype, self.kv_dtype,
-                                              self.config, self.plan)
+                                              self.config, self.plan, self.mtp_window)
             self.experts = StreamingExperts(self.layout, self.config, self.plan, self.dtype, lendable_bytes=lendable)
         else:
             self.experts = ResidentExperts(self.layout, self.dtype)
@@ -211,8 +211,8 @@ class Engine(Drafting):
         # Speculative decoding (engine/run/speculative.py): None when off, so generate decodes as always.
         # The MTP layer's state: the (token, hidden) pairs it reads (engine/run/mtp_drafter.py), kept as
         # forward / rollback see rows; _hidden collects the rows' final hidden states meanwhile.
-        self.mtp = (mtp_drafter.open_state(functools.partial(mtp_drafter.load, self, self.mtp_layer), self.experts)
-                    if self.mtp_layer is not None else None)
+        self.mtp = (mtp_drafter.open_state(functools.partial(mtp_drafter.load, self, self.mtp_layer), self.experts,
+                                           self.mtp_window) if self.mtp_layer is not None else None)
         self._hidden: list | None = [] if self.mtp is not None else None
         self.speculator = Speculator(self) if self.config.draft != "off" else None
 
