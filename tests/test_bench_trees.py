@@ -43,3 +43,16 @@ def test_neither_a_directory_nor_a_revision_is_refused(repo):
     with pytest.raises(SystemExit, match="neither a directory nor a revision"):
         with trees.source_tree("no-such-rev", repo):
             pass
+
+
+@pytest.mark.parametrize("flags", [[], ["--paired", "--in-process"], ["--paired", "--budget", "0"]])
+def test_draft_decode_takes_a_before_tree_only_for_paired_processes_under_a_budget(tmp_path, capsys, flags):
+    """--before-src runs each drafting mode again in that tree's own child, against this tree's off in the
+    same turns: only the paired processes under a budget have such children; elsewhere one clear error."""
+    from benchmarks.time import draft_decode
+
+    (tmp_path / "config.json").write_text("{}")
+    argv = ["--model", str(tmp_path), "--drafter", "lookup", "--budget", "362MiB", "--before-src", "HEAD", *flags]
+    assert draft_decode.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("draft_decode: error: --before-src")

@@ -34,7 +34,10 @@ prompt is taken by every mode in turn (the order rotating), --rounds times; `x o
 mode's tok/s over off's on the same prompt in the same turn, seconds apart (the box's drifts, which
 move whole child processes by 20% and more, cancel in the pair), with their min-max beside it. Those
 engines live through every round, so the gate keeps what it measured: a server's steady state, where
-the per-process rows show a gate learning from scratch on PROMPTS prompts.
+the per-process rows show a gate learning from scratch on PROMPTS prompts. With --before-src (paired,
+under a budget) each drafting mode also runs as MODE@before in that tree's own child (a revision checked
+out, or a directory), against this tree's off in the same turns: a change measured before and after in
+one run.
 Streamed rows also give each round's RAM expert cache in whole entries (`cache entries`: planned, and
 + what an idle MTP layer lends it): the plan sizes it from the process's resident set, which varies a
 little between processes, and one entry moves a row whose working set is the cache's size by ~20%; so
@@ -62,6 +65,7 @@ draft_runs.py (the children started, their answers made rows).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -72,8 +76,8 @@ sys.path.insert(0, str(REPO))
 
 # The helpers beside this script (the docstring's last paragraph): after REPO is on sys.path
 from benchmarks.time.draft_child import child, paired_child, stream_child  # noqa: E402
-from benchmarks.time.draft_runs import (MiB, TOOL, entries_cell, paired_rows, run_child, run_paired,  # noqa: E402
-                                        run_paired_streamed)
+from benchmarks.time.draft_runs import (BEFORE, MiB, TOOL, entries_cell, paired_rows, run_child,  # noqa: E402
+                                        run_paired, run_paired_streamed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --paired under a budget: every mode's engine in one process and no cgroup (each plans "
                          "the budget with off's runtime overhead; the process holds them all), each prompt cold: the "
                          "pairs without what differs between processes")
+    ap.add_argument("--before-src",
+                    help="with --paired under a budget: every drafting mode also as MODE@before, run by this source "
+                         "tree (a git revision or a directory: benchmarks/trees.py) against this tree's off, in the "
+                         "same rounds: a change's before and after in one run")
     ap.add_argument("--paired-modes", help=argparse.SUPPRESS)
     ap.add_argument("--stream-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--runtime-overhead", type=int, default=0, help=argparse.SUPPRESS)  # bytes; 0: measured
@@ -119,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(paired_child(a) if a.paired_modes else child(a)))
         return 0
     from engine.api import ConfigError, parse_size
-    from benchmarks.benchkit import bench_lock, emit, fmt_interval, fmt_spread, refuse, run_conditions, spread
+    from benchmarks.benchkit import refuse
+    from benchmarks.trees import source_tree
     if not Path(a.model, "config.json").is_file():
         return refuse(TOOL, f"{a.model}: not a model directory (python -m colibri.cli synth demo -o DIR)")
     try:
@@ -147,18 +156,30 @@ def main(argv: list[str] | None = None) -> int:
     if "mtp" in drafters and not json.loads(Path(a.model, "config.json").read_text()).get("num_nextn_predict_layers"):
         return refuse(TOOL, f"--drafter mtp: {a.model} has no MTP layer (num_nextn_predict_layers; train one with "
                             f"benchmarks/quant/train_reference.py --mtp)")
+    if a.before_src and (not a.paired or a.in_process or not all(sizes)):
+        return refuse(TOOL, "--before-src: with --paired under a budget (not --in-process, no budget 0)")
+    with contextlib.ExitStack() as stack:
+        before = stack.enter_context(source_tree(a.before_src)) if a.before_src else None
+        rows = _measure(a, budgets, sizes, kinds, drafters, depths, workloads, before)
+    _print_rows(a, rows, sizes)
+    return 0
+
+
+def _measure(a, budgets, sizes, kinds, drafters, depths, workloads, before) -> list[dict]:
+    from benchmarks.benchkit import bench_lock, spread
     rows = []
     for budget, size in zip(budgets, sizes):
         streamed = bool(size)
         modes = [("auto", "off")] + ([("auto", "twin")] if "twin" in kinds else [])
         for d in drafters:
-            modes += [(d, "gate")] if "gate" in kinds else []
-            modes += [(d, f"fixed:{k}") for k in depths] if "fixed" in kinds else []
-            modes += [(d, "gate-nohint")] if streamed and "nohint" in kinds else []
+            ours = [(d, "gate")] if "gate" in kinds else []
+            ours += [(d, f"fixed:{k}") for k in depths] if "fixed" in kinds else []
+            ours += [(d, "gate-nohint")] if streamed and "nohint" in kinds else []
+            modes += ours + ([(d, m + BEFORE) for d, m in ours] if before else [])
         for workload in workloads:
             if a.paired:
                 with bench_lock(a.lock):
-                    rows += (run_paired_streamed(a, budget, workload, modes) if streamed and not a.in_process
+                    rows += (run_paired_streamed(a, budget, workload, modes, before) if streamed and not a.in_process
                              else paired_rows(run_paired(a, workload, modes, budget), budget, workload))
                 continue
             runs: dict[tuple, list] = {m: [] for m in modes}
@@ -193,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
                              "mtp_loads": d.get("mtp_loads") if m[0] in ("mtp", "auto") and m[1] != "off" else None,
                              "lossless": all(x["outputs"] == runs[("auto", "off")][0]["outputs"] for x in xs),
                              "cgroup": xs[0]["cgroup"]})
+    return rows
+
+
+def _print_rows(a, rows: list[dict], sizes: list[int]) -> None:
+    from benchmarks.benchkit import emit, fmt_interval, fmt_spread, run_conditions
     if a.paired:
         cols = [(h, (lambda k: lambda r: r[k])(k)) for h, k in (
             ("workload", "workload"), ("drafter", "drafter"), ("mode", "mode"), ("x off", "x_off"),
@@ -210,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("major faults", "major_faults"), ("minor faults", "minor_faults"),
                 ("arena huge MiB", "arena_huge_mib"), ("recall", "recall"), ("MTP loads", "mtp_loads"), ("cache entries", "cache_entries"), ("cgroup", "cgroup"))]
         emit(TOOL, rows, run_conditions(a, cold=any(sizes), greedy=True), a.json, cols)
-        return 0
+        return
     cols = [(h, (lambda k: lambda r: r[k])(k)) for h, k in (
         ("budget", "budget"), ("workload", "workload"), ("drafter", "drafter"), ("mode", "mode"), ("x off", "x_off"),
         ("acceptance", "acceptance"), ("tok/step", "tokens_per_step"), ("drafted", "drafted"),
@@ -220,7 +246,6 @@ def main(argv: list[str] | None = None) -> int:
     cols[4:4] = [("decode tok/s", lambda r: fmt_spread(r["tok_s"]))]
     cols[6:6] = [("x off by round", lambda r: fmt_spread(r["ratios"]) if r.get("ratios") else "-")]
     emit(TOOL, rows, run_conditions(a, cold=any(sizes), greedy=True), a.json, cols)
-    return 0
 
 
 def _entries(runs: list[dict]) -> str | None:

@@ -4,7 +4,8 @@ method): the child processes it starts, each the entry script itself (SCRIPT) wi
 
 `run_child`: one mode of one workload in a child of its own (per-process rows; the rows are main's).
 `run_paired`: --paired resident, every mode in one child; `paired_rows` its rows. `run_paired_streamed`:
---paired under a budget, each mode in its own child and cgroup, all kept alive; it returns its rows.
+--paired under a budget, each mode in its own child and cgroup, all kept alive (with --before-src, each
+drafting mode also from that tree); it returns its rows.
 """
 
 from __future__ import annotations
@@ -34,10 +35,15 @@ def entries_cell(entries: list[int]) -> str:
     return f"{entries[0]}+{entries[1]}" if entries[1] else str(entries[0])
 
 
-def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> list[dict]:
+BEFORE = "@before"  # a mode run by --before-src's tree: "gate@before"
+
+
+def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], before: Path | None = None) -> list[dict]:
     """--paired under a budget: each mode's engine in its own process and cgroup (stream_child), all
     alive at once; each prompt taken by every mode in turn (the order rotating), --rounds times. x off is
     the median over prompts and rounds of a mode's tok/s over off's on the same prompt in the same turn.
+    A mode named MODE@before runs in `before` (--before-src's tree: its own engine and child), against
+    this tree's off: the before and after of a change in one run, pair by pair.
 
     `off` starts first, and every other mode plans with the runtime overhead off's plan counted
     (Engine(runtime_overhead_bytes=)): each process's own resident set at planning time differs from the
@@ -45,17 +51,20 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
     then compare two caches, not decoding with and without drafts (aff2eab: copy's MTP gate 16+4 entries
     against off's 21, 0.91x). What drafting itself takes still comes out of each mode's cache."""
     from benchmarks.benchkit import median_interval, spread
+    from benchmarks.trees import tree_env
     from engine.api import parse_size
     from tuner.sandbox import LimitedProcess
     procs, first = {}, {}
     off = ("auto", "off")
 
     def start(m, overhead: int) -> None:
-        argv = [sys.executable, str(SCRIPT), "--stream-child", "--model", a.model, "--workload",
-                workload, "--mode", m[1], "--ctx", str(a.ctx), "--budget", budget, "--threads", str(a.threads),
-                "--tokens", str(a.tokens), "--depths", a.depths, "--drafter", m[0], "--seed", str(a.seed),
-                "--runtime-overhead", str(overhead)]
-        procs[m] = LimitedProcess(argv, parse_size(budget), cwd=REPO)
+        tree = before if m[1].endswith(BEFORE) else None
+        script = tree / SCRIPT.relative_to(REPO) if tree else SCRIPT
+        argv = [sys.executable, str(script), "--stream-child", "--model", str(Path(a.model).resolve()), "--workload",
+                workload, "--mode", m[1].removesuffix(BEFORE), "--ctx", str(a.ctx), "--budget", budget,
+                "--threads", str(a.threads), "--tokens", str(a.tokens), "--depths", a.depths, "--drafter", m[0],
+                "--seed", str(a.seed), "--runtime-overhead", str(overhead)]
+        procs[m] = LimitedProcess(argv, parse_size(budget), cwd=tree or REPO, env=tree_env(tree) if tree else None)
 
     def ready(m) -> dict:  # the first line a child prints by itself: ready, or refused
         try:
@@ -87,8 +96,8 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
                     out[m]["ratio"].append(g["tok_s"] / got[off]["tok_s"])
                     out[m]["bytes"].append(g["bytes_per_token"])
                     out[m]["stall"].append(g["stall_per_token"])
-                    for k in READ_COUNTS:
-                        out[m][k].append(g[k])
+                    for k in READ_COUNTS:  # (an older tree's child may not answer them all)
+                        out[m][k].append(g.get(k))
                     out[m]["recall"] = [x + y for x, y in zip(out[m]["recall"], g["recall"])]
                     if r == 0:
                         out[m]["outputs"].append(g["outputs"])
@@ -117,12 +126,17 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple]) -> li
                      # what the step waited on reads: equal bytes can still wait longer (when they are asked for)
                      "stall_ms_per_token": round(statistics.median(o["stall"]) * 1000, 3),
                      "recall": round(o["recall"][0] / o["recall"][1], 3) if o["recall"][1] else None,
-                     **{k: round(statistics.median(o[k]), 3) for k in READ_COUNTS},
+                     **{k: _median(o[k]) for k in READ_COUNTS},
                      "decisions": d.get("decisions"),
                      "mtp_loads": d.get("mtp_loads") if drafter in ("mtp", "auto") and mode != "off" else None,
                      "cache_entries": entries_cell(entries),
                      "lossless": o["outputs"] == out[off]["outputs"], "cgroup": limited})
     return rows
+
+
+def _median(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
 
 
 def run_paired(a, workload: str, modes: list[tuple], budget: str = "0") -> dict:
