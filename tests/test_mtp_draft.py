@@ -229,6 +229,40 @@ def test_mtp_drafts_after_a_gated_off_stretch_are_accepted(arch, tmp_path_factor
     assert stats.drafted >= 10 and stats.accepted >= 0.9 * stats.drafted
 
 
+def test_a_run_of_plain_steps_hands_over_only_the_pairs_the_next_draft_reads(tmp_path_factory, monkeypatch):
+    """Where the gate takes 40 plain steps without asking, only the last window + 1 hand their hidden
+    states to the MTP layer's state (the others take the plain decode route, as the engine without the
+    drafter does); the draft after them reads a whole window, an MTP layer that predicts right is
+    accepted, and the tokens are the plain run's."""
+    from engine.arch.model import Transformer
+
+    d = mtp_model(tmp_path_factory, "glm4_moe", initializer_range=0.002, routing_skew=0.0)
+    _as_oracle(d)
+    with Engine(d, config(dtype="fp32")) as e:
+        plain = generate(e, PROMPT, 60, Sampler()).output_ids
+    with Engine(d, config(dtype="fp32", draft="gate", drafter="mtp", draft_depth=3)) as e:
+        gate, window = e.speculator.gate, e.mtp.window
+        idle = iter([40])
+        monkeypatch.setattr(gate, "idle_steps", lambda: next(idle, 0))
+        monkeypatch.setattr(gate, "depth", lambda available, source, drafter: (min(available, 3), "drafted"))
+        handed = []
+        real_forward = Transformer.forward
+
+        def forward(self, *args, hidden=None, **kw):  # a decode step: whether it hands its hidden state over
+            if args[0].shape[0] == 1:
+                handed.append(hidden is not None)
+            return real_forward(self, *args, hidden=hidden, **kw)
+
+        monkeypatch.setattr(Transformer, "forward", forward)
+        rows = _count_layer_rows(monkeypatch)
+        drafted = generate(e, PROMPT, 60, Sampler()).output_ids
+        stats = e.speculator.stats
+    assert handed[:40] == [False] * (40 - window - 1) + [True] * (window + 1)
+    assert rows[0] == window  # the first draft computes the whole window
+    assert drafted == plain
+    assert stats.drafted >= 10 and stats.accepted >= 0.9 * stats.drafted
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_an_idle_mtp_layer_lends_its_memory_to_the_expert_cache_and_drafts_again(dtype, tmp_path_factory,
                                                                                    monkeypatch):

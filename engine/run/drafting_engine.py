@@ -54,6 +54,8 @@ class Drafting:
         keeps them until a draft asks."""
         hidden: list = []
         if t.shape[0] == 1:
+            if not self.mtp.takes_pair():  # a plain step no draft reads the pair of (MtpState.skip_pairs)
+                return self.model.forward(t, start_pos, self.kv)
             logits = self.model.forward(t, start_pos, self.kv, hidden=hidden)
         else:
             self.mtp.reset(start_pos)  # a prompt: a new sequence from here

@@ -24,7 +24,8 @@ hidden state at j. `MtpState` keeps the engine's side of that pairing, as the en
 
 While the gate keeps drafting off, the layer is never run: a decode step only appends its pair to
 the window (the main model's hidden state comes with its fast decode path, Transformer.forward's
-`hidden`). A draft after pairs were dropped computes the window and attends from its first position
+`hidden`), and in a run of plain steps the gate takes without asking, only the last `window` + 1 do
+that (`skip_pairs`): the others are the engine's plain decode steps. A draft after pairs were dropped computes the window and attends from its first position
 on (MtpLayer.forward's `base`: the window's first position is the cache's slot 0): the positions
 below it hold no true rows of this sequence. Such drafts
 are a little worse than drafts over the whole sequence, never wrong output (verification keeps it
@@ -282,8 +283,25 @@ class MtpState:
         self.hidden: collections.deque[torch.Tensor] = collections.deque()  # ... and hidden states (h[j]) [1, H]
         self.first = start  # the position of the first queued pair
         self.waiting: tuple[int, torch.Tensor] | None = None  # (j, h[j]) without its t[j+1] yet
+        self._unobserved = 0  # plain steps ahead whose pairs no draft will read (skip_pairs)
         self.computed = start  # pairs before this position went through the layer with true inputs ...
         self.since = start  # ... from this one on, in the layer's cache from slot 0 (MtpLayer.forward's base)
+
+    def skip_pairs(self, steps: int) -> None:
+        """The next `steps` decode steps are plain ones that no draft follows before `window` + 1 more
+        (the gate's idle run is longer than the window: their pairs would be dropped unread), so they
+        hand over no hidden state: the Engine takes the plain decode route for them."""
+        self._unobserved = max(steps, 0)
+
+    def takes_pair(self) -> bool:
+        """Whether this decode step hands over its pair (else it counts as an idle step, and the pairs
+        start afresh after it, as after any gap)."""
+        if self._unobserved <= 0:
+            return True
+        self._unobserved -= 1
+        self.idle += 1
+        self.waiting = None
+        return False
 
     def observe(self, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
         """tokens fed at positions start.. and their rows' final hidden states [n, H]."""

@@ -149,6 +149,8 @@ class Speculator:
         ctx = engine.kv.ctx_size
         ring = engine.max_verify_rows
         mtp = getattr(engine, "mtp", None)
+        if mtp is not None:
+            mtp.skip_pairs(0)  # (a run of plain steps a stop cut short is not this generation's)
         while True:
             left = steps.max_new_tokens - len(gen.output_ids)
             if left <= 0 or (steps.stop_ids and token in steps.stop_ids):
@@ -157,6 +159,8 @@ class Speculator:
             if mtp is not None:
                 mtp.lend_if_idle(idle)  # its memory to the expert cache while the gate leaves it idle
             if idle:  # no draft can pay here now: plain steps, as generate's own loop takes them
+                if mtp is not None:  # only the last window + 1 hand their pairs to the MTP layer's state
+                    mtp.skip_pairs(min(idle, left) - mtp.window - 1)
                 done, token, pos, taken = self._plain(steps, gen, token, pos, min(idle, left), seq, drafter)
                 gate.skipped(taken)
                 if done:
