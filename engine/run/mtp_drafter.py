@@ -25,12 +25,12 @@ hidden state at j. `MtpState` keeps the engine's side of that pairing, as the en
 While the gate keeps drafting off, the layer is never run: a decode step only appends its pair to
 the window (the main model's hidden state comes with its fast decode path, Transformer.forward's
 `hidden`), and in a run of plain steps the gate takes without asking, only the last `window` + 1 do
-that (`skip_pairs`): the others are the engine's plain decode steps. A draft after pairs were dropped computes the window and attends from its first position
-on (MtpLayer.forward's `base`: the window's first position is the cache's slot 0): the positions
-below it hold no true rows of this sequence. Such drafts
-are a little worse than drafts over the whole sequence, never wrong output (verification keeps it
-lossless); while the gate drafts every step, no pair is dropped and the layer sees everything since
-the prompt's last WINDOW positions.
+that (`skip_pairs`): the others are the engine's plain decode steps. A draft after pairs were
+dropped computes the window and attends from its first position on (MtpLayer.forward's `base`: the
+window's first position is the cache's slot 0): the positions below it hold no true rows of this
+sequence. Such drafts are a little worse than drafts over the whole sequence, never wrong output
+(verification keeps it lossless); while the gate drafts every step, no pair is dropped and the layer
+sees everything since the prompt's last `window` positions.
 
 Lent while idle: where the experts stream, the layer's weights and KV cache are memory the expert
 cache could use while the gate keeps drafting off (on the reference under 368 MiB they took the cache
