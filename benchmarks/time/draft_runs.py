@@ -45,11 +45,13 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
     A mode named MODE@before runs in `before` (--before-src's tree: its own engine and child), against
     this tree's off: the before and after of a change in one run, pair by pair.
 
-    `off` starts first, and every other mode plans with the runtime overhead off's plan counted
-    (Engine(runtime_overhead_bytes=)): each process's own resident set at planning time differs from the
-    next's by a few tenths of a MiB, one of the MTP reference's 0.38 MiB cache entries, and a row would
-    then compare two caches, not decoding with and without drafts (aff2eab: copy's MTP gate 16+4 entries
-    against off's 21, 0.91x). What drafting itself takes still comes out of each mode's cache."""
+    Every mode plans with one runtime overhead (Engine(runtime_overhead_bytes=)), the one a first `off`
+    child's plan counted: each process's own resident set at planning time differs from the next's by a
+    few tenths of a MiB, one of the MTP reference's 0.38 MiB cache entries, and a row would then compare
+    two caches, not decoding with and without drafts (aff2eab: copy's MTP gate 16+4 entries against off's
+    21, 0.91x). What drafting itself takes still comes out of each mode's cache. That first child only
+    measures: it goes, and every mode, `off` included, starts after it, together (when `off` was that
+    child, it was the one process started alone, and in one run a twin of it ran 4% behind it)."""
     from benchmarks.benchkit import median_interval, spread
     from benchmarks.trees import tree_env
     from engine.api import parse_size
@@ -73,14 +75,13 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
             raise SystemExit(f"{TOOL}: {workload} {' '.join(m)} under {budget} did not start: {exc}") from None
 
     try:
-        start(off, 0)
-        first[off] = ready(off)
+        start(off, 0)  # (the overhead's measure: it goes before the modes start)
+        overhead = ready(off)["overhead_bytes"]
+        procs.pop(off).close()
         for m in modes:
-            if m != off:
-                start(m, first[off]["overhead_bytes"])
+            start(m, overhead)
         for m in modes:
-            if m != off:
-                first[m] = ready(m)
+            first[m] = ready(m)
         live = [m for m in modes if "refused" not in first[m]]
         out = {m: {"tok_s": [], "ratio": [], "bytes": [], "stall": [], "recall": [0, 0], "outputs": [],
                   **{k: [] for k in READ_COUNTS}} for m in live}
