@@ -41,7 +41,8 @@ one run.
 Streamed rows also give each round's RAM expert cache in whole entries (`cache entries`: planned, and
 + what an idle MTP layer lends it): the plan sizes it from the process's resident set, which varies a
 little between processes, and one entry moves a row whose working set is the cache's size by ~20%; so
---paired under a budget starts `off` first and plans every other mode with off's runtime overhead.
+--paired under a budget plans every mode with one runtime overhead, measured by a first `off` child that
+then goes; every mode, `off` included, starts after it, together.
 Columns: decode tok/s (median of --rounds, min-max), x off (the medians' ratio), x off by round (the
 median of each round's ratio to that round's off, min-max; per-process rows), acceptance (drafts accepted / drafted),
 tokens per step (tokens emitted / decode steps), drafted tokens, expert bytes read per emitted token
