@@ -176,8 +176,9 @@ class SlotArena:
                 self._lent.add(index)
                 self._free.append(index)
                 self._released.notify()
-            if n and not self._withheld:
-                self._huge_again()
+            whole = n > 0 and not self._withheld
+        if whole:  # (not under the lock: a collapse copies up to 2 MiB, and releases wait on the lock)
+            self._huge_again()
         return n
 
     def _huge_again(self) -> None:

@@ -202,7 +202,8 @@ def _fitted_window(ckpt, args, config: EngineConfig, dtype: torch.dtype, kv_dtyp
     plan, entries = planned(window)
     if plan.streaming:
         most = planned(MIN_WINDOW)[1]
-        while entries < most:  # (at MIN_WINDOW they are equal)
+        # (at MIN_WINDOW they are equal, unless the process grew between plans that measure its resident set)
+        while entries < most and window > MIN_WINDOW:
             window -= 1
             plan, entries = planned(window)
     return DraftingPlan(plan, layer, window)
