@@ -56,3 +56,17 @@ def test_draft_decode_takes_a_before_tree_only_for_paired_processes_under_a_budg
     assert draft_decode.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("draft_decode: error: --before-src")
+
+
+@pytest.mark.parametrize("flags", [["--processes", "2"], ["--paired", "--in-process", "--processes", "2"],
+                                   ["--paired", "--budget", "0", "--processes", "2"], ["--paired", "--processes", "9"]])
+def test_draft_decode_takes_several_processes_a_mode_only_for_paired_processes_under_a_budget(tmp_path, capsys, flags):
+    """--processes N runs each mode in N processes of its own: only the paired processes under a budget
+    have them, 1 to 8; elsewhere one clear error."""
+    from benchmarks.time import draft_decode
+
+    (tmp_path / "config.json").write_text("{}")
+    argv = ["--model", str(tmp_path), "--drafter", "lookup", "--budget", "362MiB", *flags]
+    assert draft_decode.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("draft_decode: error: --processes")

@@ -14,6 +14,7 @@ import json
 import resource
 import sys
 
+from benchmarks.time.draft_runs import turn_order
 from benchmarks.time.draft_workloads import workload_prompts
 
 
@@ -94,7 +95,7 @@ def _decode_counters(store, each=None):
 def paired_child(a) -> dict:
     """--paired: every mode's engine in this one process (resident; or --in-process under a budget, each
     planned with off's runtime overhead, each prompt cold), the prompts taken in turn by each mode, the
-    order rotating, --rounds times: each mode's tok/s per prompt and the ratio to `off` on the same prompt
+    order rotating with the round, --rounds times: each mode's tok/s per prompt and the ratio to `off` on the same prompt
     within the same turn (a pair measured seconds apart, so the box's slow drifts cancel). The engines
     live through every round: the gate keeps what it measured (a server's steady state)."""
     from engine.api import DraftBudgetError, Engine, Sampler, generate, parse_size
@@ -121,7 +122,7 @@ def paired_child(a) -> dict:
     order = list(live)
     for r in range(a.rounds):
         for i, prompt in enumerate(prompts):
-            turn = order[(r * len(prompts) + i) % len(order):] + order[:(r * len(prompts) + i) % len(order)]
+            turn = turn_order(order, r, i)
             rate = {}
             for m in turn:
                 e = live[m]

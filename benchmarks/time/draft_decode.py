@@ -30,14 +30,17 @@ layer; auto: MTP where the model has one, with lookup's long matches).
 own child process and cgroup, all kept alive (tuner/sandbox LimitedProcess), each prompt run cold
 (--in-process: all of them in one child process without a cgroup, as resident, each prompt cold: a
 control for what differs between processes, which the pairs of separate processes still carry). Each
-prompt is taken by every mode in turn (the order rotating), --rounds times; `x off` is then the median over prompts and rounds of a
+prompt is taken by every mode in turn (the order rotating with the round), --rounds times; `x off` is then the median over prompts and rounds of a
 mode's tok/s over off's on the same prompt in the same turn, seconds apart (the box's drifts, which
 move whole child processes by 20% and more, cancel in the pair), with their min-max beside it. Those
 engines live through every round, so the gate keeps what it measured: a server's steady state, where
 the per-process rows show a gate learning from scratch on PROMPTS prompts. With --before-src (paired,
 under a budget) each drafting mode also runs as MODE@before in that tree's own child (a revision checked
 out, or a directory), against this tree's off in the same turns: a change measured before and after in
-one run.
+one run. With --processes N (paired, under a budget) each mode runs in N processes, every one of them
+taking each prompt in its turn, and a mode's tok/s in a turn is their geometric mean: a process has a
+pace of its own (a twin `off` read 8% faster than `off` on every prompt of one run, 1.031x), which one
+process per mode leaves in the row.
 Streamed rows also give each round's RAM expert cache in whole entries (`cache entries`: planned, and
 + what an idle MTP layer lends it): the plan sizes it from the process's resident set, which varies a
 little between processes, and one entry moves a row whose working set is the cache's size by ~20%; so
@@ -113,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --paired under a budget: every drafting mode also as MODE@before, run by this source "
                          "tree (a git revision or a directory: benchmarks/trees.py) against this tree's off, in the "
                          "same rounds: a change's before and after in one run")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="with --paired under a budget: each mode in this many processes, a turn's tok/s the geometric "
+                         "mean of theirs (a process has a pace of its own: N of them per mode average it out; "
+                         "default 1)")
     ap.add_argument("--paired-modes", help=argparse.SUPPRESS)
     ap.add_argument("--stream-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--runtime-overhead", type=int, default=0, help=argparse.SUPPRESS)  # bytes; 0: measured
@@ -157,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     if "mtp" in drafters and not json.loads(Path(a.model, "config.json").read_text()).get("num_nextn_predict_layers"):
         return refuse(TOOL, f"--drafter mtp: {a.model} has no MTP layer (num_nextn_predict_layers; train one with "
                             f"benchmarks/quant/train_reference.py --mtp)")
+    if a.processes != 1 and (not a.paired or a.in_process or not all(sizes) or not 1 <= a.processes <= 8):
+        return refuse(TOOL, f"--processes {a.processes}: 1 to 8, with --paired under a budget (not --in-process, "
+                            f"no budget 0)")
     if a.before_src and (not a.paired or a.in_process or not all(sizes)):
         return refuse(TOOL, "--before-src: with --paired under a budget (not --in-process, no budget 0)")
     with contextlib.ExitStack() as stack:
@@ -232,6 +242,7 @@ def _print_rows(a, rows: list[dict], sizes: list[int]) -> None:
             cols[:0] = [("budget", lambda r: r["budget"])]
             cols[-1:-1] = [(h, (lambda k: lambda r: r.get(k))(k)) for h, k in (
                 ("read MiB/accepted tok", "read_mib_per_token"), ("stall ms/tok", "stall_ms_per_token"),
+                ("CPU steal", "steal_share"),
                 ("demand reads/tok", "demand_per_token"), ("lookahead reads/tok", "prefetch_per_token"),
                 ("lookahead used/tok", "prefetch_used_per_token"), ("read ms", "read_ms"), ("lent share", "lent_share"),
                 ("major faults", "major_faults"), ("minor faults", "minor_faults"),

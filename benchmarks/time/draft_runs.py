@@ -4,13 +4,14 @@ method): the child processes it starts, each the entry script itself (SCRIPT) wi
 
 `run_child`: one mode of one workload in a child of its own (per-process rows; the rows are main's).
 `run_paired`: --paired resident, every mode in one child; `paired_rows` its rows. `run_paired_streamed`:
---paired under a budget, each mode in its own child and cgroup, all kept alive (with --before-src, each
-drafting mode also from that tree); it returns its rows.
+--paired under a budget, each mode in its own children (--processes of them) and cgroups, all kept alive
+(with --before-src, each drafting mode also from that tree); it returns its rows.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -35,15 +36,30 @@ def entries_cell(entries: list[int]) -> str:
     return f"{entries[0]}+{entries[1]}" if entries[1] else str(entries[0])
 
 
+def turn_order(modes: list, round_: int, prompt: int) -> list:
+    """The order the modes take a prompt in: rotated by round and prompt, so that over len(modes) rounds
+    every prompt sees each mode in each place (rotating by round * PROMPTS + prompt left one order per
+    prompt wherever there were as many modes as prompts: a mode always in the same place on a prompt)."""
+    k = (round_ + prompt) % len(modes)
+    return modes[k:] + modes[:k]
+
+
 BEFORE = "@before"  # a mode run by --before-src's tree: "gate@before"
 
 
 def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], before: Path | None = None) -> list[dict]:
     """--paired under a budget: each mode's engine in its own process and cgroup (stream_child), all
-    alive at once; each prompt taken by every mode in turn (the order rotating), --rounds times. x off is
-    the median over prompts and rounds of a mode's tok/s over off's on the same prompt in the same turn.
-    A mode named MODE@before runs in `before` (--before-src's tree: its own engine and child), against
-    this tree's off: the before and after of a change in one run, pair by pair.
+    alive at once; each prompt taken by every mode in turn, --rounds times, the order rotating with the
+    round (every prompt sees every order). x off is the median over prompts and rounds of a mode's tok/s
+    over off's on the same prompt in the same turn. A mode named MODE@before runs in `before`
+    (--before-src's tree: its own engine and child), against this tree's off: the before and after of a
+    change in one run, pair by pair.
+
+    --processes N: each mode in N processes (copies), each of them taking every prompt in its turn; a
+    mode's tok/s in a turn is the geometric mean of its copies'. A process has a pace of its own: in one
+    run a twin of `off` read 8% faster than `off` on every prompt and ran 1.031x (interval 1.017-1.043,
+    which the pairs' noise cannot explain), and twins ranged 0.960x to 1.043x over six runs; N copies
+    draw N of those paces per mode, where one process per mode compares two draws.
 
     Every mode plans with one runtime overhead (Engine(runtime_overhead_bytes=)), the one a first `off`
     child's plan counted: each process's own resident set at planning time differs from the next's by a
@@ -58,51 +74,66 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
     from tuner.sandbox import LimitedProcess
     procs, first = {}, {}
     off = ("auto", "off")
+    copies = range(max(1, getattr(a, "processes", 1)))
 
-    def start(m, overhead: int) -> None:
+    def start(key, m, overhead: int) -> None:
         tree = before if m[1].endswith(BEFORE) else None
         script = tree / SCRIPT.relative_to(REPO) if tree else SCRIPT
         argv = [sys.executable, str(script), "--stream-child", "--model", str(Path(a.model).resolve()), "--workload",
                 workload, "--mode", m[1].removesuffix(BEFORE), "--ctx", str(a.ctx), "--budget", budget,
                 "--threads", str(a.threads), "--tokens", str(a.tokens), "--depths", a.depths, "--drafter", m[0],
                 "--seed", str(a.seed), "--runtime-overhead", str(overhead)]
-        procs[m] = LimitedProcess(argv, parse_size(budget), cwd=tree or REPO, env=tree_env(tree) if tree else None)
+        procs[key] = LimitedProcess(argv, parse_size(budget), cwd=tree or REPO, env=tree_env(tree) if tree else None)
 
-    def ready(m) -> dict:  # the first line a child prints by itself: ready, or refused
+    def ready(key) -> dict:  # the first line a child prints by itself: ready, or refused
         try:
-            return json.loads(procs[m].answer(a.timeout))
+            return json.loads(procs[key].answer(a.timeout))
         except RuntimeError as exc:
-            raise SystemExit(f"{TOOL}: {workload} {' '.join(m)} under {budget} did not start: {exc}") from None
+            raise SystemExit(f"{TOOL}: {workload} {' '.join(key[0])} under {budget} did not start: {exc}") from None
 
     try:
-        start(off, 0)  # (the overhead's measure: it goes before the modes start)
-        overhead = ready(off)["overhead_bytes"]
-        procs.pop(off).close()
+        start("overhead", off, 0)  # (the overhead's measure: it goes before the modes start)
+        overhead = ready("overhead")["overhead_bytes"]
+        procs.pop("overhead").close()
         for m in modes:
-            start(m, overhead)
+            for j in copies:
+                start((m, j), m, overhead)
         for m in modes:
-            first[m] = ready(m)
+            answers = [ready((m, j)) for j in copies]
+            first[m] = next((x for x in answers if "refused" in x), answers[0])
+            first[m]["all_entries"] = sorted({entries_cell(x["cache_entries"]) for x in answers if "refused" not in x})
         live = [m for m in modes if "refused" not in first[m]]
         out = {m: {"tok_s": [], "ratio": [], "bytes": [], "stall": [], "recall": [0, 0], "outputs": [],
-                  **{k: [] for k in READ_COUNTS}} for m in live}
-        print(f"{TOOL}: {workload} paired under {budget}, {len(live)} modes x {a.rounds} rounds x {PROMPTS} prompts ...",
-              file=sys.stderr, flush=True)
+                  "steal": [], "pairs": [], **{k: [] for k in READ_COUNTS}} for m in live}
+        print(f"{TOOL}: {workload} paired under {budget}, {len(live)} modes x {len(copies)} processes x {a.rounds} "
+              f"rounds x {PROMPTS} prompts ...", file=sys.stderr, flush=True)
         for r in range(a.rounds):
             for i in range(PROMPTS):
-                k = (r * PROMPTS + i) % len(live)
-                got = {m: json.loads(procs[m].ask(json.dumps({"prompt": i}), a.timeout)) for m in live[k:] + live[:k]}
+                got, steal = {}, {}
+                for j in copies:
+                    for m in turn_order(live, r, i):
+                        ticks = cpu_ticks()
+                        got[m, j] = json.loads(procs[m, j].ask(json.dumps({"prompt": i}), a.timeout))
+                        steal[m, j] = steal_share(ticks, cpu_ticks())
+                pace = {m: _geomean([got[m, j]["tok_s"] for j in copies]) for m in live}
                 for m in live:
-                    g = got[m]
-                    out[m]["tok_s"].append(g["tok_s"])
-                    out[m]["ratio"].append(g["tok_s"] / got[off]["tok_s"])
-                    out[m]["bytes"].append(g["bytes_per_token"])
-                    out[m]["stall"].append(g["stall_per_token"])
-                    for k in READ_COUNTS:  # (an older tree's child may not answer them all)
-                        out[m][k].append(g.get(k))
-                    out[m]["recall"] = [x + y for x, y in zip(out[m]["recall"], g["recall"])]
-                    if r == 0:
-                        out[m]["outputs"].append(g["outputs"])
-        stats = {m: json.loads(procs[m].ask(json.dumps({"stats": 1}), a.timeout)) for m in live}
+                    o = out[m]
+                    o["tok_s"].append(pace[m])
+                    o["ratio"].append(pace[m] / pace[off])
+                    o["pairs"].append([round(pace[m] / pace[off], 4), _mean([steal[m, j] for j in copies]),
+                                       _mean([steal[off, j] for j in copies])])
+                    for j in copies:  # the per-token figures: over prompts, rounds and copies
+                        g = got[m, j]
+                        o["bytes"].append(g["bytes_per_token"])
+                        o["stall"].append(g["stall_per_token"])
+                        o["steal"].append(steal[m, j])
+                        for key in READ_COUNTS:  # (an older tree's child may not answer them all)
+                            o[key].append(g.get(key))
+                        o["recall"] = [x + y for x, y in zip(o["recall"], g["recall"])]
+                        if r == 0:
+                            o["outputs"].append(g["outputs"])
+        stats = {m: merge_draft_stats([json.loads(procs[m, j].ask(json.dumps({"stats": 1}), a.timeout))
+                                       for j in copies]) for m in live}
         limited = all(p.limited for p in procs.values())
     finally:
         for p in procs.values():
@@ -117,9 +148,9 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
                          "decisions": "refused: " + first[m]["refused"], "lossless": None, "cgroup": limited})
             continue
         d, o = stats[m], out[m]
-        entries = first[m]["cache_entries"]
         rows.append({"budget": budget, "workload": workload, "drafter": None if mode in ("off", "twin") else drafter,
-                     "mode": mode, "tok_s": spread(o["tok_s"]), "ratios": spread(o["ratio"]) if mode != "off" else None,
+                     "mode": mode, "processes": len(copies), "tok_s": spread(o["tok_s"]),
+                     "ratios": spread(o["ratio"]) if mode != "off" else None,
                      "x_off": round(statistics.median(o["ratio"]), 3), "acceptance": d.get("acceptance"),
                      "x_off_interval": median_interval(o["ratio"]) if mode != "off" else None,
                      "tokens_per_step": d.get("tokens_per_step"), "drafted": d.get("drafted"), "streamed": True,
@@ -128,11 +159,53 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
                      "stall_ms_per_token": round(statistics.median(o["stall"]) * 1000, 3),
                      "recall": round(o["recall"][0] / o["recall"][1], 3) if o["recall"][1] else None,
                      **{k: _median(o[k]) for k in READ_COUNTS},
+                     "steal_share": _median(o["steal"]), "pairs": o["pairs"],
                      "decisions": d.get("decisions"),
                      "mtp_loads": d.get("mtp_loads") if drafter in ("mtp", "auto") and mode != "off" else None,
-                     "cache_entries": entries_cell(entries),
+                     "cache_entries": ",".join(first[m]["all_entries"]),
                      "lossless": o["outputs"] == out[off]["outputs"], "cgroup": limited})
     return rows
+
+
+def merge_draft_stats(parts: list[dict]) -> dict:
+    """One mode's drafting counters over its processes (SpecStats.to_dict's, each): counts summed, the
+    rates recomputed from the sums ({} where drafting is off)."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return {}
+    total = {k: sum(p.get(k) or 0 for p in parts) for k in ("steps", "drafted", "accepted", "emitted", "mtp_loads")}
+    decisions: dict = {}
+    for p in parts:
+        for why, n in p.get("decisions", {}).items():
+            decisions[why] = decisions.get(why, 0) + n
+    return {**total, "decisions": dict(sorted(decisions.items())),
+            "acceptance": total["accepted"] / total["drafted"] if total["drafted"] else None,
+            "tokens_per_step": total["emitted"] / total["steps"] if total["steps"] else None}
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _mean(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(sum(known) / len(known), 4) if known else None
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(steal, all) jiffies of the box's CPUs so far: /proc/stat's first line ((0, 0) where unreadable)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+        return int(fields[7]), sum(int(f) for f in fields)
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+
+
+def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """The share of the CPUs' time the hypervisor gave another guest between two cpu_ticks (a timed run
+    on a virtual box loses that much of its CPU, in bursts: the pair's noise)."""
+    total = after[1] - before[1]
+    return round((after[0] - before[0]) / total, 4) if total > 0 else None
 
 
 def _median(values: list) -> float | None:
