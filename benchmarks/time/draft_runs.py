@@ -59,7 +59,8 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
     mode's tok/s in a turn is the geometric mean of its copies'. A process has a pace of its own: in one
     run a twin of `off` read 8% faster than `off` on every prompt and ran 1.031x (interval 1.017-1.043,
     which the pairs' noise cannot explain), and twins ranged 0.960x to 1.043x over six runs; N copies
-    draw N of those paces per mode, where one process per mode compares two draws.
+    draw N of those paces per mode, where one process per mode compares two draws. They start copy by copy
+    (off, twin, gate, off, twin, gate, ...), so no mode holds all the first or all the last starts.
 
     Every mode plans with one runtime overhead (Engine(runtime_overhead_bytes=)), the one a first `off`
     child's plan counted: each process's own resident set at planning time differs from the next's by a
@@ -95,8 +96,8 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
         start("overhead", off, 0)  # (the overhead's measure: it goes before the modes start)
         overhead = ready("overhead")["overhead_bytes"]
         procs.pop("overhead").close()
-        for m in modes:
-            for j in copies:
+        for j in copies:  # copy by copy: each mode's processes spread over the starts (not one mode's all first)
+            for m in modes:
                 start((m, j), m, overhead)
         for m in modes:
             answers = [ready((m, j)) for j in copies]
