@@ -11,7 +11,6 @@ method): the child processes it starts, each the entry script itself (SCRIPT) wi
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -75,7 +74,7 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
     from tuner.sandbox import LimitedProcess
     procs, first = {}, {}
     off = ("auto", "off")
-    copies = range(max(1, getattr(a, "processes", 1)))
+    copies = range(a.processes)  # (main checked 1 to 8)
 
     def start(key, m, overhead: int) -> None:
         tree = before if m[1].endswith(BEFORE) else None
@@ -116,7 +115,7 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
                         ticks = cpu_ticks()
                         got[m, j] = json.loads(procs[m, j].ask(json.dumps({"prompt": i}), a.timeout))
                         steal[m, j] = steal_share(ticks, cpu_ticks())
-                pace = {m: _geomean([got[m, j]["tok_s"] for j in copies]) for m in live}
+                pace = {m: statistics.geometric_mean(got[m, j]["tok_s"] for j in copies) for m in live}
                 for m in live:
                     o = out[m]
                     o["tok_s"].append(pace[m])
@@ -182,10 +181,6 @@ def merge_draft_stats(parts: list[dict]) -> dict:
     return {**total, "decisions": dict(sorted(decisions.items())),
             "acceptance": total["accepted"] / total["drafted"] if total["drafted"] else None,
             "tokens_per_step": total["emitted"] / total["steps"] if total["steps"] else None}
-
-
-def _geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def _mean(values: list) -> float | None:
