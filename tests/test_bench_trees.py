@@ -70,3 +70,18 @@ def test_draft_decode_takes_several_processes_a_mode_only_for_paired_processes_u
     assert draft_decode.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("draft_decode: error: --processes")
+
+
+@pytest.mark.parametrize("flags", [["--runtime-overhead", "336MiB"], ["--paired", "--in-process", "--runtime-overhead", "1GiB"],
+                                   ["--paired", "--budget", "0", "--runtime-overhead", "336MiB"],
+                                   ["--paired", "--runtime-overhead", "lots"]])
+def test_draft_decode_takes_a_runtime_overhead_only_for_paired_processes_under_a_budget(tmp_path, capsys, flags):
+    """--runtime-overhead replaces the overhead a first off child measures, which only the paired processes
+    under a budget have; a size that does not parse is named. Elsewhere one clear error."""
+    from benchmarks.time import draft_decode
+
+    (tmp_path / "config.json").write_text("{}")
+    argv = ["--model", str(tmp_path), "--drafter", "lookup", "--budget", "362MiB", *flags]
+    assert draft_decode.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("draft_decode: error: --runtime-overhead")

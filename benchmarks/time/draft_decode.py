@@ -120,22 +120,33 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --paired under a budget: each mode in this many processes, a turn's tok/s the geometric "
                          "mean of theirs (a process has a pace of its own: N of them per mode average it out; "
                          "default 1)")
+    ap.add_argument("--layouts", choices=("random", "fixed"), default="random",
+                    help="with --paired: random (default) gives each process (resident: each engine) a random "
+                         "memory layout, so a mode's processes draw layouts as they draw paces (one build's "
+                         "layout moves its every process alike: benchmarks/time/layouts.py); fixed: none")
+    ap.add_argument("--runtime-overhead", default="0",
+                    help="with --paired under a budget: plan every mode with this runtime overhead (e.g. 336MiB) "
+                         "instead of the one a first `off` child measures, which moves by MiBs between runs (a "
+                         "few cache entries here): runs that plan alike")
     ap.add_argument("--paired-modes", help=argparse.SUPPRESS)
     ap.add_argument("--stream-child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--runtime-overhead", type=int, default=0, help=argparse.SUPPRESS)  # bytes; 0: measured
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--ctx", type=int, default=1024, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    from engine.api import ConfigError, parse_size
+    from benchmarks.benchkit import refuse
+    try:
+        a.runtime_overhead = parse_size(a.runtime_overhead)  # (bytes from here on; a child is given bytes)
+    except ConfigError as exc:
+        return refuse(TOOL, f"--runtime-overhead {a.runtime_overhead!r}: {exc}")
     if a.stream_child:
         stream_child(a)
         return 0
     if a.child:
         print(json.dumps(paired_child(a) if a.paired_modes else child(a)))
         return 0
-    from engine.api import ConfigError, parse_size
-    from benchmarks.benchkit import refuse
     from benchmarks.trees import source_tree
     if not Path(a.model, "config.json").is_file():
         return refuse(TOOL, f"{a.model}: not a model directory (python -m colibri.cli synth demo -o DIR)")
@@ -167,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.processes != 1 and (not a.paired or a.in_process or not all(sizes) or not 1 <= a.processes <= 8):
         return refuse(TOOL, f"--processes {a.processes}: 1 to 8, with --paired under a budget (not --in-process, "
                             f"no budget 0)")
+    if a.runtime_overhead and (not a.paired or a.in_process or not all(sizes)):
+        return refuse(TOOL, "--runtime-overhead: with --paired under a budget (not --in-process, no budget 0)")
     if a.before_src and (not a.paired or a.in_process or not all(sizes)):
         return refuse(TOOL, "--before-src: with --paired under a budget (not --in-process, no budget 0)")
     with contextlib.ExitStack() as stack:

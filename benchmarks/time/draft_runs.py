@@ -11,11 +11,14 @@ method): the child processes it starts, each the entry script itself (SCRIPT) wi
 from __future__ import annotations
 
 import json
+import os
+import random
 import statistics
 import sys
 from pathlib import Path
 
 from benchmarks.time.draft_workloads import PROMPTS
+from benchmarks.time.layouts import layout_env
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().with_name("draft_decode.py")  # the entry point each child re-invokes
@@ -67,7 +70,13 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
     two caches, not decoding with and without drafts (aff2eab: copy's MTP gate 16+4 entries against off's
     21, 0.91x). What drafting itself takes still comes out of each mode's cache. That first child only
     measures: it goes, and every mode, `off` included, starts after it, together (when `off` was that
-    child, it was the one process started alone, and in one run a twin of it ran 4% behind it)."""
+    child, it was the one process started alone, and in one run a twin of it ran 4% behind it). With
+    --runtime-overhead given there is no such child: every run plans alike (the measured figure moved by
+    8 MiB between two runs on one box, 27 cache entries against 48, which is another workload).
+
+    --layouts random (the default): each process starts with a random memory layout of its own
+    (benchmarks/time/layouts.py: where its buffers lie moves its pace, the same way in every process of
+    one build), so a mode's processes draw layouts as they draw paces."""
     from benchmarks.benchkit import median_interval, spread
     from benchmarks.trees import tree_env
     from engine.api import parse_size
@@ -75,6 +84,7 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
     procs, first = {}, {}
     off = ("auto", "off")
     copies = range(a.processes)  # (main checked 1 to 8)
+    rng = random.Random()  # the children's layouts: fresh each run, as their paces are
 
     def start(key, m, overhead: int) -> None:
         tree = before if m[1].endswith(BEFORE) else None
@@ -83,7 +93,10 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
                 workload, "--mode", m[1].removesuffix(BEFORE), "--ctx", str(a.ctx), "--budget", budget,
                 "--threads", str(a.threads), "--tokens", str(a.tokens), "--depths", a.depths, "--drafter", m[0],
                 "--seed", str(a.seed), "--runtime-overhead", str(overhead)]
-        procs[key] = LimitedProcess(argv, parse_size(budget), cwd=tree or REPO, env=tree_env(tree) if tree else None)
+        env = dict(tree_env(tree) if tree else os.environ)
+        if a.layouts == "random":  # each process a layout of its own (benchmarks/time/layouts.py)
+            env.update(layout_env(rng))
+        procs[key] = LimitedProcess(argv, parse_size(budget), cwd=tree or REPO, env=env)
 
     def ready(key) -> dict:  # the first line a child prints by itself: ready, or refused
         try:
@@ -92,9 +105,11 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
             raise SystemExit(f"{TOOL}: {workload} {' '.join(key[0])} under {budget} did not start: {exc}") from None
 
     try:
-        start("overhead", off, 0)  # (the overhead's measure: it goes before the modes start)
-        overhead = ready("overhead")["overhead_bytes"]
-        procs.pop("overhead").close()
+        overhead = a.runtime_overhead  # (given: every run plans alike)
+        if not overhead:
+            start("overhead", off, 0)  # (the overhead's measure: it goes before the modes start)
+            overhead = ready("overhead")["overhead_bytes"]
+            procs.pop("overhead").close()
         for j in copies:  # copy by copy: each mode's processes spread over the starts (not one mode's all first)
             for m in modes:
                 start((m, j), m, overhead)
@@ -214,7 +229,8 @@ def run_paired(a, workload: str, modes: list[tuple], budget: str = "0") -> dict:
     from benchmarks.benchkit import child_json
     argv = [sys.executable, str(SCRIPT), "--child", "--paired-modes", json.dumps(modes), "--model",
             a.model, "--workload", workload, "--ctx", str(a.ctx), "--budget", budget, "--threads", str(a.threads),
-            "--tokens", str(a.tokens), "--depths", a.depths, "--seed", str(a.seed), "--rounds", str(a.rounds)]
+            "--tokens", str(a.tokens), "--depths", a.depths, "--seed", str(a.seed), "--rounds", str(a.rounds),
+            "--layouts", a.layouts]
     print(f"{TOOL}: {workload} paired in one process, budget {budget}, {len(modes)} modes x {a.rounds} rounds x "
           f"{PROMPTS} prompts ...", file=sys.stderr, flush=True)
     return child_json(TOOL, argv, "0", a.timeout, f"{workload} paired", REPO)  # ("0": no cgroup, whatever the budget)
