@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HELPERS = {"benchkit.py", "trees.py", "io/io_jobs.py", "io/page_cache.py", "peers/peers_quality.py", "serving/serve_load.py",
            "peers/peers_report.py", "serving/serve_process.py", "serving/serve_arrivals.py", "serving/serve_soak.py",
            "formats/fullscale_build.py", "peers/peers_engines.py", "time/draft_workloads.py", "time/draft_child.py",
-           "time/draft_runs.py"}
+           "time/draft_runs.py", "time/memory_layouts.py"}
 SCRIPTS = sorted(p.relative_to(ROOT / "benchmarks").as_posix() for p in (ROOT / "benchmarks").rglob("*.py")
                  if "__pycache__" not in p.parts)
 

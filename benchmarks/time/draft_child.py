@@ -17,7 +17,7 @@ import sys
 
 from benchmarks.time.draft_runs import turn_order
 from benchmarks.time.draft_workloads import workload_prompts
-from benchmarks.time.layouts import shift_layout
+from benchmarks.time.memory_layouts import shift_layout
 
 
 # --- the child: one mode of one workload in this process ----------------------------------------
@@ -107,7 +107,7 @@ def paired_child(a) -> dict:
     rng = random.Random()
     for drafter, mode in modes:
         a.drafter = drafter
-        if a.layouts == "random":  # each engine's buffers placed after a random gap (benchmarks/time/layouts.py)
+        if a.layouts == "random":  # each engine's buffers placed after a random gap (benchmarks/time/memory_layouts.py)
             shift_layout(rng.randrange(1 << 31))
         try:
             engines[(drafter, mode)] = e = Engine(a.model, _config(a, mode), runtime_overhead_bytes=overhead)
@@ -163,7 +163,7 @@ def stream_child(a) -> None:
     whether the engine stands (its cache entries and the runtime overhead its plan counted) or refused this
     drafting at this budget. --runtime-overhead: the figure to plan with (the parent gives every mode `off`'s)."""
     from engine.api import DraftBudgetError, Engine, Sampler, generate
-    shift_layout()  # the random layout the parent gave this process, if any (benchmarks/time/layouts.py)
+    shift_layout()  # the random layout the parent gave this process, if any (benchmarks/time/memory_layouts.py)
     try:
         engine = Engine(a.model, _config(a, a.mode), runtime_overhead_bytes=a.runtime_overhead or None)
     except DraftBudgetError as exc:

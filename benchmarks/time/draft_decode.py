@@ -40,7 +40,10 @@ out, or a directory), against this tree's off in the same turns: a change measur
 one run. With --processes N (paired, under a budget) each mode runs in N processes, every one of them
 taking each prompt in its turn, and a mode's tok/s in a turn is their geometric mean: a process has a
 pace of its own (a twin `off` read 8% faster than `off` on every prompt of one run, 1.031x), which one
-process per mode leaves in the row.
+process per mode leaves in the row. --layouts random (the default with --paired) starts each process
+(resident: each engine) with a random memory layout (memory_layouts.py), so a mode's processes draw layouts as
+they draw paces; --runtime-overhead SIZE plans every mode of a run under a budget with that overhead, so
+runs plan alike.
 Streamed rows also give each round's RAM expert cache in whole entries (`cache entries`: planned, and
 + what an idle MTP layer lends it): the plan sizes it from the process's resident set, which varies a
 little between processes, and one entry moves a row whose working set is the cache's size by ~20%; so
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", choices=("random", "fixed"), default="random",
                     help="with --paired: random (default) gives each process (resident: each engine) a random "
                          "memory layout, so a mode's processes draw layouts as they draw paces (one build's "
-                         "layout moves its every process alike: benchmarks/time/layouts.py); fixed: none")
+                         "layout moves its every process alike: benchmarks/time/memory_layouts.py); fixed: none")
     ap.add_argument("--runtime-overhead", default="0",
                     help="with --paired under a budget: plan every mode with this runtime overhead (e.g. 336MiB) "
                          "instead of the one a first `off` child measures, which moves by MiBs between runs (a "

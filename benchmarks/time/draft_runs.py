@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.time.draft_workloads import PROMPTS
-from benchmarks.time.layouts import layout_env
+from benchmarks.time.memory_layouts import layout_env
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().with_name("draft_decode.py")  # the entry point each child re-invokes
@@ -75,7 +75,7 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
     8 MiB between two runs on one box, 27 cache entries against 48, which is another workload).
 
     --layouts random (the default): each process starts with a random memory layout of its own
-    (benchmarks/time/layouts.py: where its buffers lie moves its pace, the same way in every process of
+    (benchmarks/time/memory_layouts.py: where its buffers lie moves its pace, the same way in every process of
     one build), so a mode's processes draw layouts as they draw paces."""
     from benchmarks.benchkit import median_interval, spread
     from benchmarks.trees import tree_env
@@ -94,7 +94,7 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
                 "--threads", str(a.threads), "--tokens", str(a.tokens), "--depths", a.depths, "--drafter", m[0],
                 "--seed", str(a.seed), "--runtime-overhead", str(overhead)]
         env = dict(tree_env(tree) if tree else os.environ)
-        if a.layouts == "random":  # each process a layout of its own (benchmarks/time/layouts.py)
+        if a.layouts == "random":  # each process a layout of its own (benchmarks/time/memory_layouts.py)
             env.update(layout_env(rng))
         procs[key] = LimitedProcess(argv, parse_size(budget), cwd=tree or REPO, env=env)
 

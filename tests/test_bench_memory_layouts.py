@@ -1,8 +1,8 @@
-"""benchmarks/time/layouts.py: the random memory layout each paired child starts with."""
+"""benchmarks/time/memory_layouts.py: the random memory layout each paired child starts with."""
 
 import random
 
-from benchmarks.time import layouts
+from benchmarks.time import memory_layouts as layouts
 
 
 def test_a_seed_gives_the_same_buffers_and_another_seed_others(monkeypatch):

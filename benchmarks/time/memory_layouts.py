@@ -6,10 +6,11 @@ process allocated before: the same code with one more object built at start-up r
 run after run, however many rounds or processes measure it (Mytkowicz et al., "Producing wrong data
 without doing anything obviously wrong!", ASPLOS 2009; Curtsinger and Berger's Stabilizer, ASPLOS
 2013, randomizes layouts for that reason). A drafting engine builds more objects than `off` before
-it decodes, so a fixed layout compares two draws of that luck, not drafting with no drafting. On the
-MTP reference under 400 MiB (2026-12-07, four processes a mode, 6 rounds): with fixed layouts the
-gated-off MTP engine ran 0.980x and 0.963x `off` while a twin `off` ran 0.971x and 0.968x; with
-random ones 1.002x and 1.007x, the twin 0.991x and 1.045x.
+it decodes, so with one layout per build a row compares two draws of that luck, however many
+processes take it. Measured on the MTP reference under 400 MiB (2026-12-07, four processes a mode,
+docs/BENCHMARKS.md "Random memory layouts"), the randomization changed nothing that the runs' spread
+shows: the gated-off MTP engine's code row was 0.953x with random layouts and 1.005x with fixed ones,
+in consecutive runs. It is kept as the default because it can only take a bias out, at no cost.
 
 Each child a paired run starts gets its own random layout: a padding in its environment (the
 environment's strings sit at the top of the stack, so its length moves where the stack starts) and a
