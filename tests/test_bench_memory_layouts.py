@@ -34,3 +34,16 @@ def test_a_child_takes_its_layout_from_the_environment_the_parent_gave(monkeypat
     assert layouts.shift_layout() == int(seed) and layouts._kept
     pads = {len(layouts.layout_env(random.Random(s))[layouts.LAYOUT_ENV]) for s in range(20)}
     assert len(pads) > 1  # the padding varies from child to child
+
+
+def test_each_child_of_a_random_run_gets_a_layout_of_its_own_and_a_fixed_run_none():
+    """What draft_runs gives each child it starts: its environment plus a fresh layout with --layouts random
+    (no two children alike), and no layout at all with --layouts fixed, not even one inherited."""
+    rng = random.Random(5)
+    base = {"PATH": "/usr/bin", layouts.LAYOUT_ENV: "1:..."}
+    envs = [layouts.child_env(base, "random", rng) for _ in range(4)]
+    assert all(e["PATH"] == "/usr/bin" for e in envs)
+    assert len({e[layouts.LAYOUT_ENV] for e in envs} | {base[layouts.LAYOUT_ENV]}) == 5
+    fixed = layouts.child_env(base, "fixed", rng)
+    assert fixed == {"PATH": "/usr/bin"}
+    assert base[layouts.LAYOUT_ENV] == "1:..."  # (the parent's own environment untouched)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.time.draft_workloads import PROMPTS
-from benchmarks.time.memory_layouts import layout_env
+from benchmarks.time.memory_layouts import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().with_name("draft_decode.py")  # the entry point each child re-invokes
@@ -93,9 +93,7 @@ def run_paired_streamed(a, budget: str, workload: str, modes: list[tuple], befor
                 workload, "--mode", m[1].removesuffix(BEFORE), "--ctx", str(a.ctx), "--budget", budget,
                 "--threads", str(a.threads), "--tokens", str(a.tokens), "--depths", a.depths, "--drafter", m[0],
                 "--seed", str(a.seed), "--runtime-overhead", str(overhead)]
-        env = dict(tree_env(tree) if tree else os.environ)
-        if a.layouts == "random":  # each process a layout of its own (benchmarks/time/memory_layouts.py)
-            env.update(layout_env(rng))
+        env = child_env(tree_env(tree) if tree else os.environ, a.layouts, rng)  # (each process a layout of its own)
         procs[key] = LimitedProcess(argv, parse_size(budget), cwd=tree or REPO, env=env)
 
     def ready(key) -> dict:  # the first line a child prints by itself: ready, or refused

@@ -35,6 +35,15 @@ def layout_env(rng: random.Random) -> dict[str, str]:
     return {LAYOUT_ENV: f"{rng.randrange(1 << 31)}:" + "." * rng.randrange(STACK_PAD)}
 
 
+def child_env(base, layouts: str, rng: random.Random) -> dict[str, str]:
+    """A child's environment: `base` with a random layout of its own (layouts "random"), or with none
+    (layouts "fixed": not even one this process inherited)."""
+    env = {k: v for k, v in base.items() if k != LAYOUT_ENV}
+    if layouts == "random":
+        env.update(layout_env(rng))
+    return env
+
+
 def shift_layout(seed: int | None = None) -> int | None:
     """Allocate (and keep) a seeded number of small buffers of seeded sizes: the seed given, else the
     one in LAYOUT_ENV, else nothing → the seed used, or None. Python buffers (malloc's heap: up to 63
