@@ -84,7 +84,8 @@ def test_experts_rows_refuse_slots_they_cannot_serve(slot_row, slot_expert, mess
         native.experts_rows(x, [t for ex in experts for t in ex], 2, torch.tensor(slot_row), torch.tensor(slot_expert))
 
 
-@pytest.mark.parametrize("N,K", [(70, 100), (33, 96), (16, 257), (128, 64)])
+# (520, 260): a matrix past PAIR_MAX_BYTES (256 KiB, bf16_kernels.h), one weight row a pass; the others two
+@pytest.mark.parametrize("N,K", [(70, 100), (33, 96), (16, 257), (128, 64), (520, 260)])
 def test_linear_rows_are_the_one_row_bits(N, K):
     w = rand_bf16(N, K, seed=N + K, scale=0.1)
     for M in range(1, 10):  # 9: two passes of four and one alone

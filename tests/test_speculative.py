@@ -11,6 +11,7 @@ modelled cost exceeds the saving; prompt lookup on text that repeats accepts nea
 
 from __future__ import annotations
 
+import random
 import types
 
 import httpx
@@ -330,6 +331,7 @@ def test_gate_counts_the_drafting_in_a_trial_and_backs_off_from_losing_trials():
     assert first == [39, 106]  # (1.2 + 2 * 1.0) / 3% = 107 steps: the drafting is part of the trial's cost
     # the cheap gate's next trial waits twice as long (80 steps), unless a draft paid in between
     cheap.accept["mtp"] = [99.0, 1.0]
+    cheap.reach.clear()  # (the per-position counts too: acceptance as if measured anew)
     cheap._decided.clear()  # (observe_accept does this when the counts move)
     assert cheap.depth(2, "mtp", "mtp") == (2, "drafted")
     cheap.accept["mtp"] = [0.0, 99.0]
@@ -459,6 +461,46 @@ def test_gate_drafts_only_with_a_margin_over_a_plain_step():
     gate.accept["lookup-4"] = [99.0, 1.0]  # about 98%: 1.98 tokens a step
     assert gate.depth(1, "lookup-2", "lookup") == (0, "gated off")  # 1.02 / 1.05 < 1.05
     assert gate.depth(1, "lookup-4", "lookup") == (1, "drafted")
+
+
+def test_gate_expects_what_each_draft_position_measured_not_a_geometric_series():
+    """Acceptance is measured per draft position, given the drafts before it were accepted: drafts
+    accepted in runs (a copy's: whole, or rejected at the first token) and drafts accepted one by one at
+    the same rate are told apart, each priced at the tokens it really gives, and drafted as deep as pays."""
+    def gate():
+        g = _gate(compute=0.01, stall=0.0)
+        for rows in (3, 9):  # a verify: a plain step and 0.45 of one per extra row
+            for _ in range(2):
+                g.observe(rows, 0.01 * (1 + 0.45 * (rows - 1)), 0.0, 0)
+        return g
+    runs, one_by_one = gate(), gate()
+    for i in range(100):  # 60%: all eight accepted; 40%: the first rejected. 1 + 0.6 * 8 = 5.8 tokens a step
+        runs.observe_accept("lookup-4", *((8, 8) if i % 5 in (0, 2, 4) else (0, 1)))
+    rng = random.Random(0)
+    accepted_runs = []
+    for _ in range(200):  # each draft accepted with probability 0.85, whatever came before
+        accepted = 0
+        while accepted < 8 and rng.random() < 0.85:
+            accepted += 1
+        accepted_runs.append(accepted)
+        one_by_one.observe_accept("lookup-4", accepted, min(accepted + 1, 8))
+    assert runs.expected(8, "lookup-4") == pytest.approx(5.8, abs=0.3)
+    # the series over the same overall acceptance (0.92 here) would promise 6.5: wrong by 12%
+    assert expected_tokens(8, runs.acceptance("lookup-4")) > 6.3
+    # one by one: what the steps gave (recent ones weighing more, as the counts fade), and the series
+    fades = [spec_gate.ACCEPT_DECAY ** (len(accepted_runs) - 1 - i) for i in range(len(accepted_runs))]
+    gave = 1 + sum(f * a for f, a in zip(fades, accepted_runs)) / sum(fades)
+    assert one_by_one.expected(8, "lookup-4") == pytest.approx(gave, abs=0.1)
+    assert one_by_one.expected(8, "lookup-4") == pytest.approx(expected_tokens(8, one_by_one.acceptance("lookup-4")),
+                                                                abs=0.3)
+    # each drafted as deep as its own shape pays: runs all eight, one by one a few
+    assert runs.depth(8, "lookup-4", "lookup") == (8, "drafted")
+    k, why = one_by_one.depth(8, "lookup-4", "lookup")
+    assert why == "drafted" and 2 <= k <= 4
+    # unmeasured positions fall back on the overall acceptance: the series itself
+    fresh = gate()
+    fresh.accept["mtp"] = [9.0, 1.0]
+    assert fresh.expected(5, "mtp") == pytest.approx(expected_tokens(5, fresh.acceptance("mtp")))
 
 
 def test_gate_measures_verify_cost_and_union_online():

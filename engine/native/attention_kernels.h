@@ -149,7 +149,7 @@ inline KvRows kv_rows(const at::Tensor& cache, const at::Tensor& scales, const c
 // emit(row, n, fp32 dot) for its weight rows and every activation row), and prepare_out in a single
 // between the heads and o_proj where prepares_out says so (bf16: no extra barrier, the loop as
 // before the template). One activation row: dot_rows, the one-token stream; several (a batched
-// step): each weight row read once and dotted with all of them (dot_many), every output dot()'s bits.
+// step): each weight row read once and dotted with all of them (dot_rows_many), every output dot()'s bits.
 struct Bf16Proj {
   const bf16 *qkv_w = nullptr, *o_w = nullptr;
   struct Scratch {};
@@ -161,13 +161,7 @@ struct Bf16Proj {
     int64_t b, e;
     thread_share(N, t, T, b, e);
     if (B == 1) return dot_rows(w, K, x[0], b, e, [&](int64_t n, float v) { emit(0, n, v); });
-    float out[4];
-    for (int64_t n = b; n < e; n++)
-      for (int64_t r = 0; r < B; r += 4) {
-        const int64_t c = std::min<int64_t>(4, B - r);
-        dot_many(w + n * K, x + r, c, K, out);
-        for (int64_t j = 0; j < c; j++) emit(r + j, n, out[j]);
-      }
+    dot_rows_many(w, N, K, x, B, b, e, emit);
   }
   template <class Emit>
   void qkv_rows(const bf16* const* x, int64_t B, int64_t H, int64_t N, int t, int T, Scratch&, Emit emit) const {

@@ -75,19 +75,14 @@ at::Tensor linear_bf16(const at::Tensor& x_in, const at::Tensor& w, const std::o
     });
     return y;
   }
-  // Several rows (batched decode): each weight row read once and dotted with every row of x (four at
-  // a time in registers, dot_many), n outer, m inner; each output is dot()'s bits for that row, as
-  // a call with the row alone gives.
+  // Several rows (batched decode): each weight row read once and dotted with every row of x (four of x
+  // at a time in registers, two weight rows where the matrix is small: dot_rows_many), n outer, m
+  // inner; each output is dot()'s bits for that row, as a call with the row alone gives.
   std::vector<const bf16*> xs(M);
   for (int64_t m = 0; m < M; m++) xs[m] = xp + m * K;
   at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
-    float out[4];
-    for (int64_t n = begin; n < end; n++)
-      for (int64_t m = 0; m < M; m += 4) {
-        const int64_t c = std::min<int64_t>(4, M - m);
-        dot_many(wp + n * K, xs.data() + m, c, K, out);
-        for (int64_t j = 0; j < c; j++) yp[(m + j) * N + n] = to_bf16(plus_bias(n, out[j]));
-      }
+    dot_rows_many(wp, N, K, xs.data(), M, begin, end,
+                  [&](int64_t m, int64_t n, float v) { yp[m * N + n] = to_bf16(plus_bias(n, v)); });
   });
   return y;
 }

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "native_common.h"
 
@@ -97,6 +98,113 @@ inline void dot_many(const bf16* w, const bf16* const* x, int64_t n, int64_t K, 
   }
 }
 
+// Two weight rows w and v [K] against R activation rows x[0..R) (R <= 4): ow[r] = dot(w, x[r], K) and
+// ov[r] = dot(v, x[r], K), bit for bit. Why: with several rows, dot_multi's inner loop loads ten vectors
+// (two weight blocks, two of each of four rows) for eight vdpbf16ps and is bound by the loads, and at
+// K = 256 an accumulator sees only four chained vdpbf16ps; two weight rows share the rows' loads
+// (twelve for sixteen) and double the independent chains. The experts of a 9-row verify of the small
+// reference model (36 slots over 15 experts, 128 KiB matrices): 1.2x faster (docs/BENCHMARKS.md, "Two
+// weight rows a pass"). Each output keeps its own pair of accumulators, fed as dot() feeds its pair:
+// dot()'s bits, whichever row it is paired with.
+template <int R>
+inline void dot_multi2(const bf16* w, const bf16* v, const bf16* const* x, int64_t K, float* ow, float* ov) {
+  __m512 a0[R], a1[R], b0[R], b1[R];
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = b0[r] = b1[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512bh w0 = load32(w + k), w1 = load32(w + k + 32), v0 = load32(v + k), v1 = load32(v + k + 32);
+    for (int r = 0; r < R; r++) {
+      const __m512bh x0 = load32(x[r] + k), x1 = load32(x[r] + k + 32);
+      a0[r] = _mm512_dpbf16_ps(a0[r], w0, x0);
+      a1[r] = _mm512_dpbf16_ps(a1[r], w1, x1);
+      b0[r] = _mm512_dpbf16_ps(b0[r], v0, x0);
+      b1[r] = _mm512_dpbf16_ps(b1[r], v1, x1);
+    }
+  }
+  if (k + 32 <= K) {
+    const __m512bh w0 = load32(w + k), v0 = load32(v + k);
+    for (int r = 0; r < R; r++) {
+      const __m512bh x0 = load32(x[r] + k);
+      a0[r] = _mm512_dpbf16_ps(a0[r], w0, x0);
+      b0[r] = _mm512_dpbf16_ps(b0[r], v0, x0);
+    }
+    k += 32;
+  }
+  if (k < K) {
+    const __m512bh wt = load_tail(w + k, K - k), vt = load_tail(v + k, K - k);
+    for (int r = 0; r < R; r++) {
+      const __m512bh xt = load_tail(x[r] + k, K - k);
+      a1[r] = _mm512_dpbf16_ps(a1[r], wt, xt);
+      b1[r] = _mm512_dpbf16_ps(b1[r], vt, xt);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    ow[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+    ov[r] = _mm512_reduce_add_ps(_mm512_add_ps(b0[r], b1[r]));
+  }
+}
+
+// Where a pass takes two weight rows: a matrix of at most PAIR_MAX_BYTES (a small model's experts and
+// projections, which stay in the caches between calls), on the AVX-512 build. Why not a larger one: a
+// matrix that streams from DRAM reads fastest as one sequential stream (dot_rows' note above), and two
+// rows a pass made the batched calls of benchmarks/time/rows_kernels.py's 1 MiB experts and 64 MiB
+// lm_head 1.1-1.7x slower. Why not the AVX2 build: its 512-bit vectors are pairs of its 16 registers,
+// already short for dot_multi<4>'s eight accumulators.
+constexpr int64_t PAIR_MAX_BYTES = 256 << 10;
+inline bool pair_rows(int64_t rows, int64_t K) {
+#if defined(__AVX512F__)
+  return rows * K * (int64_t)sizeof(bf16) <= PAIR_MAX_BYTES;
+#else
+  (void)rows, (void)K;
+  return false;
+#endif
+}
+
+// Two weight rows against any number n of activation rows: ow[j] = dot(w, x[j], K), ov[j] = dot(v, x[j],
+// K), four rows a pass (dot_multi2) where `pair` (pair_rows of their matrices), else one weight row
+// a pass (dot_many, twice).
+inline void dot_many2(const bf16* w, const bf16* v, const bf16* const* x, int64_t n, int64_t K, float* ow,
+                      float* ov, bool pair) {
+  if (!pair) {
+    dot_many(w, x, n, K, ow);
+    dot_many(v, x, n, K, ov);
+    return;
+  }
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) dot_multi2<4>(w, v, x + j, K, ow + j, ov + j);
+  switch (n - j) {
+    case 3: dot_multi2<3>(w, v, x + j, K, ow + j, ov + j); break;
+    case 2: dot_multi2<2>(w, v, x + j, K, ow + j, ov + j); break;
+    case 1: dot_multi2<1>(w, v, x + j, K, ow + j, ov + j); break;
+    default: break;
+  }
+}
+
+// Weight rows [begin, end) of a row-major W [N, K] against B activation rows x[0..B): emit(r, n, dot)
+// for every pair, each weight row read once for all B rows (up to four in registers a pass); two
+// weight rows a pass where pair_rows(N, K) (dot_many2), the odd one last alone. Every output is dot()'s
+// bits. The batched paths' loop (linear_bf16, the attention's projections, the experts' down rows, the
+// routers); one activation row takes dot_rows' single stream instead.
+template <class Emit>
+inline void dot_rows_many(const bf16* w, int64_t N, int64_t K, const bf16* const* x, int64_t B, int64_t begin,
+                          int64_t end, Emit emit) {
+  float o0[4], o1[4];
+  int64_t n = begin;
+  if (pair_rows(N, K))
+    for (; n + 2 <= end; n += 2)
+      for (int64_t r = 0; r < B; r += 4) {
+        const int64_t c = std::min<int64_t>(4, B - r);
+        dot_many2(w + n * K, w + (n + 1) * K, x + r, c, K, o0, o1, true);
+        for (int64_t j = 0; j < c; j++) emit(r + j, n, o0[j]), emit(r + j, n + 1, o1[j]);
+      }
+  for (; n < end; n++)
+    for (int64_t r = 0; r < B; r += 4) {
+      const int64_t c = std::min<int64_t>(4, B - r);
+      dot_many(w + n * K, x + r, c, K, o0);
+      for (int64_t j = 0; j < c; j++) emit(r + j, n, o0[j]);
+    }
+}
+
 // This thread's share [begin, end) of n items split over T threads: the static partition of the
 // one-region kernels (each thread's rows one contiguous stream).
 inline void thread_share(int64_t n, int t, int T, int64_t& begin, int64_t& end) {
@@ -155,6 +263,7 @@ inline void swiglu_experts(const bf16* x, const bf16* const* gate, const bf16* c
 inline void swiglu_slots(const bf16* const* xs, const bf16* const* gate, const bf16* const* up,
                          const bf16* const* down, const int64_t* ex, const int64_t* first, int64_t A, int64_t H,
                          int64_t I, bf16* h, bf16* y) {
+  const bool pair = pair_rows(I, H);  // the gate and up matrices [I, H]
   at::parallel_for(0, A * I, GRAIN, [&](int64_t b, int64_t e) {
     float gd[4], ud[4];
     for (int64_t r = b; r < e; r++) {
@@ -162,24 +271,20 @@ inline void swiglu_slots(const bf16* const* xs, const bf16* const* gate, const b
       const bf16 *g = gate[ex[a]] + i * H, *u = up[ex[a]] + i * H;
       for (int64_t s = s0; s < s1; s += 4) {
         const int64_t n = std::min<int64_t>(4, s1 - s);
-        dot_many(g, xs + s, n, H, gd);
-        dot_many(u, xs + s, n, H, ud);
+        dot_many2(g, u, xs + s, n, H, gd, ud, pair);  // the gate and up rows side by side
         for (int64_t j = 0; j < n; j++) h[(s + j) * I + i] = swiglu_value(gd[j], ud[j]);
       }
     }
   });
-  at::parallel_for(0, A * H, GRAIN, [&](int64_t b, int64_t e) {  // expert-major: each expert's down rows one stream
-    const bf16* hs[4];
-    float yd[4];
-    for (int64_t r = b; r < e; r++) {
-      const int64_t a = r / H, n = r % H, s0 = first[a], s1 = first[a + 1];
-      const bf16* d = down[ex[a]] + n * I;
-      for (int64_t s = s0; s < s1; s += 4) {
-        const int64_t c = std::min<int64_t>(4, s1 - s);
-        for (int64_t j = 0; j < c; j++) hs[j] = h + (s + j) * I;
-        dot_many(d, hs, c, I, yd);
-        for (int64_t j = 0; j < c; j++) y[(s + j) * H + n] = to_bf16(yd[j]);
-      }
+  at::parallel_for(0, A * H, GRAIN, [&](int64_t b, int64_t e) {  // expert-major: each expert's down rows in order
+    std::vector<const bf16*> hs;
+    for (int64_t r = b; r < e;) {  // this share's part of each expert: its down rows [n0, n1), all its slots
+      const int64_t a = r / H, n0 = r % H, n1 = std::min(H, n0 + (e - r)), s0 = first[a], s1 = first[a + 1];
+      hs.resize(s1 - s0);
+      for (int64_t s = s0; s < s1; s++) hs[s - s0] = h + s * I;
+      dot_rows_many(down[ex[a]], H, I, hs.data(), s1 - s0, n0, n1,
+                    [&](int64_t j, int64_t n, float v) { y[(s0 + j) * H + n] = to_bf16(v); });
+      r += n1 - n0;
     }
   });
 }

@@ -102,18 +102,6 @@ inline void moe_rows(const MoeLayer& L, const bf16* hp, float eps, int64_t k, bo
 }
 
 
-// One weight row against c (1..4) rows: out[j] = dot(w, x[j], K), dot()'s bits each (dot_many's
-// cases, inlined into moe_batch's loops).
-__attribute__((always_inline)) inline void dot_slots(const bf16* w, const bf16* const* x, int64_t c, int64_t K,
-                                                     float* out) {
-  switch (c) {
-    case 4: dot_multi<4>(w, x, K, out); break;
-    case 3: dot_multi<3>(w, x, K, out); break;
-    case 2: dot_multi<2>(w, x, K, out); break;
-    default: out[0] = dot(w, x[0], K);
-  }
-}
-
 // Per calling thread, reused across calls (moe_batch's): every buffer sized by M rows once.
 struct MoeBatchScratch {
   std::vector<bf16> normed, h, ys;        // normed [M, H], h [S, I], ys [S, H]
@@ -129,8 +117,8 @@ struct MoeBatchScratch {
 // positions): y[r] = h[r] + combine(experts of trim(route(rms_norm(h[r])))), every row bit for bit
 // moe_rows on that row alone. The weights are read once for all rows: each router row and each weight
 // row of an expert in the union of the rows' routes meets every row (or slot) that needs it while in
-// registers (dot_slots: a row's own accumulators, dot()'s bits); the combine runs per row over its
-// experts in ascending id order with moe_rows' roundings. One parallel region, as moe_rows: router
+// registers (dot_rows_many / dot_many2: a row's own accumulators, dot()'s bits); the combine runs per
+// row over its experts in ascending id order with moe_rows' roundings. One parallel region, as moe_rows: router
 // rows | (single) each row's top-k, trim and order, the union's slots | gate/up rows of the union |
 // down rows, then each row's combine and residual add. h[r], y[r] may not alias.
 inline void moe_batch(const MoeLayer& L, const bf16* const* hp, int64_t M, float eps, int64_t k, bool norm,
@@ -151,14 +139,11 @@ inline void moe_batch(const MoeLayer& L, const bf16* const* hp, int64_t M, float
   {
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
     int64_t b, e;
-    float out[4], gd[4], ud[4];
+    float gd[4], ud[4];
     thread_share(E, t, T, b, e);
-    for (int64_t n = b; n < e; n++)  // router logits: router_rows' rounding, each router row read once
-      for (int64_t r = 0; r < M; r += 4) {
-        const int64_t c = std::min<int64_t>(4, M - r);
-        dot_slots(rw + n * H, s.rows.data() + r, c, H, out);
-        for (int64_t j = 0; j < c; j++) s.probs[(r + j) * E + n] = round_bf16(out[j]);
-      }
+    // router logits: router_rows' rounding, each router row read once
+    dot_rows_many(rw, E, H, s.rows.data(), M, b, e,
+                  [&](int64_t r, int64_t n, float v) { s.probs[r * E + n] = round_bf16(v); });
 #pragma omp barrier
 #pragma omp single
     {  // per row moe_rows' choice; then the slots (row, expert) sorted by expert, rows ascending within one
@@ -196,6 +181,7 @@ inline void moe_batch(const MoeLayer& L, const bf16* const* hp, int64_t M, float
     // takes the rows that start in its share of the work (an expert many rows route to is split
     // over the threads as a one-row expert is). Which thread computes a value changes no bits.
     thread_share(s.first[A] * I, t, T, b, e);
+    const bool pair = pair_rows(I, H);  // the gate and up matrices [I, H]
     for (int64_t a = 0; a < A; a++) {  // gate/up row i of union expert a, against each of its slots
       const int64_t s0a = s.first[a], s1 = s.first[a + 1], n = s1 - s0a, base = I * s0a;
       const int64_t i0 = std::clamp<int64_t>((b - base + n - 1) / n, 0, I);  // rows starting in [b, e)
@@ -204,8 +190,7 @@ inline void moe_batch(const MoeLayer& L, const bf16* const* hp, int64_t M, float
         const bf16 *g = s.gate[a] + i * H, *u = s.up[a] + i * H;
         for (int64_t s0 = s0a; s0 < s1; s0 += 4) {
           const int64_t c = std::min<int64_t>(4, s1 - s0);
-          dot_slots(g, s.xs.data() + s0, c, H, gd);
-          dot_slots(u, s.xs.data() + s0, c, H, ud);
+          dot_many2(g, u, s.xs.data() + s0, c, H, gd, ud, pair);  // the gate and up rows side by side
           for (int64_t j = 0; j < c; j++) s.h[(s0 + j) * I + i] = swiglu_value(gd[j], ud[j]);
         }
       }
@@ -216,15 +201,9 @@ inline void moe_batch(const MoeLayer& L, const bf16* const* hp, int64_t M, float
     thread_share(H, t, T, b, e);
     bf16* ys = s.ys.data();
     for (int64_t a = 0; a < A; a++) {
-      const int64_t s1 = s.first[a + 1];
-      for (int64_t n = b; n < e; n++) {
-        const bf16* d = s.down[a] + n * I;
-        for (int64_t s0 = s.first[a]; s0 < s1; s0 += 4) {
-          const int64_t c = std::min<int64_t>(4, s1 - s0);
-          dot_slots(d, s.hs.data() + s0, c, I, out);
-          for (int64_t j = 0; j < c; j++) ys[(s0 + j) * H + n] = to_bf16(out[j]);
-        }
-      }
+      const int64_t s0 = s.first[a];
+      dot_rows_many(s.down[a], H, I, s.hs.data() + s0, s.first[a + 1] - s0, b, e,
+                    [&](int64_t j, int64_t n, float v) { ys[(s0 + j) * H + n] = to_bf16(v); });
     }
     for (int64_t r = 0; r < M; r++) {
       const int64_t kept = s.kept[r];
