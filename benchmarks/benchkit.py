@@ -239,13 +239,15 @@ class Tables:
             emit(tool, self.rows, cond, True, [], notes=self.notes)
 
 
-def child_json(tool: str, argv: list[str], budget: str, timeout: float, what: str, cwd) -> dict:
+def child_json(tool: str, argv: list[str], budget: str, timeout: float, what: str, cwd,
+               env: dict | None = None) -> dict:
     """Run a tool's child half (argv: the script with --child and its flags) in a memory cgroup at
     `budget` ("0": no limit), and return the JSON of its last stdout line with `cgroup` (whether the
-    limit held it) added. A failed child stops the run: one line naming `what` and the child's error."""
+    limit held it) added. A failed child stops the run: one line naming `what` and the child's error.
+    env: the child's environment (another tree's: benchmarks/trees.py tree_env), else this one's."""
     from engine.api import parse_size
     from tuner.sandbox import run_limited
-    res = run_limited(argv, parse_size(budget) or None, timeout=timeout, cwd=cwd)
+    res = run_limited(argv, parse_size(budget) or None, timeout=timeout, env=env, cwd=cwd)
     if res.returncode != 0:
         raise SystemExit(f"{tool}: child failed ({what}, oom={res.oom_killed}): {res.stderr.strip()[-600:]}")
     out = json.loads(res.stdout.strip().splitlines()[-1])

@@ -45,10 +45,10 @@ def test_neither_a_directory_nor_a_revision_is_refused(repo):
             pass
 
 
-@pytest.mark.parametrize("flags", [[], ["--paired", "--in-process"], ["--paired", "--budget", "0"]])
-def test_draft_decode_takes_a_before_tree_only_for_paired_processes_under_a_budget(tmp_path, capsys, flags):
-    """--before-src runs each drafting mode again in that tree's own child, against this tree's off in the
-    same turns: only the paired processes under a budget have such children; elsewhere one clear error."""
+@pytest.mark.parametrize("flags", [[], ["--paired", "--in-process"]])
+def test_draft_decode_takes_a_before_tree_only_for_paired_processes(tmp_path, capsys, flags):
+    """--before-src runs each drafting mode again in that tree's own children: only the paired processes
+    (under a budget, or resident) have such children; elsewhere one clear error."""
     from benchmarks.time import draft_decode
 
     (tmp_path / "config.json").write_text("{}")
@@ -59,10 +59,10 @@ def test_draft_decode_takes_a_before_tree_only_for_paired_processes_under_a_budg
 
 
 @pytest.mark.parametrize("flags", [["--processes", "2"], ["--paired", "--in-process", "--processes", "2"],
-                                   ["--paired", "--budget", "0", "--processes", "2"], ["--paired", "--processes", "9"]])
-def test_draft_decode_takes_several_processes_a_mode_only_for_paired_processes_under_a_budget(tmp_path, capsys, flags):
-    """--processes N runs each mode in N processes of its own: only the paired processes under a budget
-    have them, 1 to 8; elsewhere one clear error."""
+                                   ["--paired", "--budget", "0", "--processes", "9"], ["--paired", "--processes", "9"]])
+def test_draft_decode_takes_several_processes_only_for_paired_processes(tmp_path, capsys, flags):
+    """--processes N runs the modes in N processes each: only the paired processes have them (under a
+    budget, or resident), 1 to 8; elsewhere one clear error."""
     from benchmarks.time import draft_decode
 
     (tmp_path / "config.json").write_text("{}")

@@ -34,13 +34,15 @@ prompt is taken by every mode in turn (the order rotating with the round), --rou
 mode's tok/s over off's on the same prompt in the same turn, seconds apart (the box's drifts, which
 move whole child processes by 20% and more, cancel in the pair), with their min-max beside it. Those
 engines live through every round, so the gate keeps what it measured: a server's steady state, where
-the per-process rows show a gate learning from scratch on PROMPTS prompts. With --before-src (paired,
-under a budget) each drafting mode also runs as MODE@before in that tree's own child (a revision checked
-out, or a directory), against this tree's off in the same turns: a change measured before and after in
-one run. With --processes N (paired, under a budget) each mode runs in N processes, every one of them
-taking each prompt in its turn, and a mode's tok/s in a turn is their geometric mean: a process has a
-pace of its own (a twin `off` read 8% faster than `off` on every prompt of one run, 1.031x), which one
-process per mode leaves in the row. --layouts random (the default with --paired) starts each process
+the per-process rows show a gate learning from scratch on PROMPTS prompts. With --before-src (paired)
+each drafting mode also runs as MODE@before in that tree's own child (a revision checked out, or a
+directory): under a budget against this tree's off in the same turns; resident in processes of its own,
+started in turn with this tree's, against their own off (two builds' native kernels cannot share a
+process): a change measured before and after in one run. With --processes N (paired) under a budget
+each mode runs in N processes, every one of them taking each prompt in its turn, and a mode's tok/s in a
+turn is their geometric mean; resident, N processes each run every mode and their pairs are pooled: a
+process has a pace of its own (a twin `off` read 8% faster than `off` on every prompt of one run,
+1.031x), which one process per mode leaves in the row. --layouts random (the default with --paired) starts each process
 (resident: each engine) with a random memory layout (memory_layouts.py), so a mode's processes draw layouts as
 they draw paces; --runtime-overhead SIZE plans every mode of a run under a budget with that overhead, so
 runs plan alike.
@@ -84,7 +86,7 @@ sys.path.insert(0, str(REPO))
 # The helpers beside this script (the docstring's last paragraph): after REPO is on sys.path
 from benchmarks.time.draft_child import child, paired_child, stream_child  # noqa: E402
 from benchmarks.time.draft_runs import (BEFORE, MiB, TOOL, entries_cell, paired_rows, run_child,  # noqa: E402
-                                        run_paired, run_paired_streamed)
+                                        run_paired, run_paired_processes, run_paired_streamed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,13 +118,15 @@ def main(argv: list[str] | None = None) -> int:
                          "the budget with off's runtime overhead; the process holds them all), each prompt cold: the "
                          "pairs without what differs between processes")
     ap.add_argument("--before-src",
-                    help="with --paired under a budget: every drafting mode also as MODE@before, run by this source "
-                         "tree (a git revision or a directory: benchmarks/trees.py) against this tree's off, in the "
-                         "same rounds: a change's before and after in one run")
+                    help="with --paired: every drafting mode also as MODE@before, run by this source tree (a git "
+                         "revision or a directory: benchmarks/trees.py); under a budget against this tree's off, in "
+                         "the same rounds; resident in processes of its own started in turn with this tree's (two "
+                         "builds' kernels cannot share one), against their own off: a change's before and after in "
+                         "one run")
     ap.add_argument("--processes", type=int, default=1,
-                    help="with --paired under a budget: each mode in this many processes, a turn's tok/s the geometric "
-                         "mean of theirs (a process has a pace of its own: N of them per mode average it out; "
-                         "default 1)")
+                    help="with --paired: under a budget each mode in this many processes, a turn's tok/s the "
+                         "geometric mean of theirs; resident this many processes of every mode, their pairs pooled "
+                         "(a process has a pace of its own: N of them average it out; default 1)")
     ap.add_argument("--layouts", choices=("random", "fixed"), default="random",
                     help="with --paired: random (default) gives each process (resident: each engine) a random "
                          "memory layout, so a mode's processes draw layouts as they draw paces (one build's "
@@ -178,13 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     if "mtp" in drafters and not json.loads(Path(a.model, "config.json").read_text()).get("num_nextn_predict_layers"):
         return refuse(TOOL, f"--drafter mtp: {a.model} has no MTP layer (num_nextn_predict_layers; train one with "
                             f"benchmarks/quant/train_reference.py --mtp)")
-    if a.processes != 1 and (not a.paired or a.in_process or not all(sizes) or not 1 <= a.processes <= 8):
-        return refuse(TOOL, f"--processes {a.processes}: 1 to 8, with --paired under a budget (not --in-process, "
-                            f"no budget 0)")
+    if a.processes != 1 and (not a.paired or a.in_process or not 1 <= a.processes <= 8):
+        return refuse(TOOL, f"--processes {a.processes}: 1 to 8, with --paired (not --in-process)")
     if a.runtime_overhead and (not a.paired or a.in_process or not all(sizes)):
         return refuse(TOOL, "--runtime-overhead: with --paired under a budget (not --in-process, no budget 0)")
-    if a.before_src and (not a.paired or a.in_process or not all(sizes)):
-        return refuse(TOOL, "--before-src: with --paired under a budget (not --in-process, no budget 0)")
+    if a.before_src and (not a.paired or a.in_process):
+        return refuse(TOOL, "--before-src: with --paired (not --in-process)")
     with contextlib.ExitStack() as stack:
         before = stack.enter_context(source_tree(a.before_src)) if a.before_src else None
         rows = _measure(a, budgets, sizes, kinds, drafters, depths, workloads, before)
@@ -206,8 +209,13 @@ def _measure(a, budgets, sizes, kinds, drafters, depths, workloads, before) -> l
         for workload in workloads:
             if a.paired:
                 with bench_lock(a.lock):
-                    rows += (run_paired_streamed(a, budget, workload, modes, before) if streamed and not a.in_process
-                             else paired_rows(run_paired(a, workload, modes, budget), budget, workload))
+                    if streamed and not a.in_process:
+                        rows += run_paired_streamed(a, budget, workload, modes, before)
+                    elif streamed:
+                        rows += paired_rows(run_paired(a, workload, modes, budget), budget, workload)
+                    else:  # resident: --processes children of every mode, --before-src's tree's in turn
+                        rows += run_paired_processes(a, workload, [m for m in modes if not m[1].endswith(BEFORE)],
+                                                     budget, before)
                 continue
             runs: dict[tuple, list] = {m: [] for m in modes}
             for r in range(a.rounds):

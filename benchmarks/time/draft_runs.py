@@ -222,16 +222,64 @@ def _median(values: list) -> float | None:
     return round(statistics.median(known), 3) if known else None
 
 
-def run_paired(a, workload: str, modes: list[tuple], budget: str = "0") -> dict:
-    """--paired resident, or --in-process under a budget: every mode's engine in one child (no cgroup)."""
+def run_paired(a, workload: str, modes: list[tuple], budget: str = "0", tree: Path | None = None) -> dict:
+    """--paired resident, or --in-process under a budget: every mode's engine in one child (no cgroup),
+    run by this tree or by `tree` (--before-src's: its own engine and child)."""
     from benchmarks.benchkit import child_json
-    argv = [sys.executable, str(SCRIPT), "--child", "--paired-modes", json.dumps(modes), "--model",
-            a.model, "--workload", workload, "--ctx", str(a.ctx), "--budget", budget, "--threads", str(a.threads),
-            "--tokens", str(a.tokens), "--depths", a.depths, "--seed", str(a.seed), "--rounds", str(a.rounds),
-            "--layouts", a.layouts]
-    print(f"{TOOL}: {workload} paired in one process, budget {budget}, {len(modes)} modes x {a.rounds} rounds x "
-          f"{PROMPTS} prompts ...", file=sys.stderr, flush=True)
-    return child_json(TOOL, argv, "0", a.timeout, f"{workload} paired", REPO)  # ("0": no cgroup, whatever the budget)
+    from benchmarks.trees import tree_env
+    script = tree / SCRIPT.relative_to(REPO) if tree else SCRIPT
+    argv = [sys.executable, str(script), "--child", "--paired-modes", json.dumps(modes), "--model",
+            str(Path(a.model).resolve()), "--workload", workload, "--ctx", str(a.ctx), "--budget", budget,
+            "--threads", str(a.threads), "--tokens", str(a.tokens), "--depths", a.depths, "--seed", str(a.seed),
+            "--rounds", str(a.rounds), "--layouts", a.layouts]
+    print(f"{TOOL}: {workload} paired in one process{' (before)' if tree else ''}, budget {budget}, {len(modes)} "
+          f"modes x {a.rounds} rounds x {PROMPTS} prompts ...", file=sys.stderr, flush=True)
+    return child_json(TOOL, argv, "0", a.timeout, f"{workload} paired", tree or REPO,  # ("0": no cgroup)
+                      env=tree_env(tree) if tree else None)
+
+
+def run_paired_processes(a, workload: str, modes: list[tuple], budget: str = "0",
+                         before: Path | None = None) -> list[dict]:
+    """--paired resident in --processes processes, each every mode's engines (run_paired), their per-prompt
+    tok/s and ratios pooled per mode (a process has a pace of its own; several average it out). With
+    `before` (--before-src), as many processes of that tree's code, started in turn with this tree's
+    (after, before, before, after, after, ...): its modes' rows come out as MODE@before, each ratio to
+    its own process's `off` (two builds' kernels cannot share a process), and lossless where its tokens
+    are this tree's `off`'s."""
+    trees = [None, before] if before else [None]
+    runs: dict = {tree: [] for tree in trees}
+    for p in range(a.processes):
+        for tree in (trees if p % 2 == 0 else trees[::-1]):
+            runs[tree].append(run_paired(a, workload, modes, budget, tree))
+    after = _pooled(runs[None])
+    rows = paired_rows(after, budget, workload)
+    if before:
+        off = next(m for m in after["modes"] if m["mode"] == ["auto", "off"])
+        theirs = _pooled(runs[before])
+        for m, row in zip(theirs["modes"], paired_rows(theirs, budget, workload)):
+            if row["mode"] in ("off", "twin"):
+                continue  # (the before tree's own control: its pairs' ratios are to it)
+            rows.append({**row, "mode": row["mode"] + BEFORE,
+                         "lossless": bool(row["lossless"]) and m["outputs"] == off["outputs"]})
+    return rows
+
+
+def _pooled(results: list[dict]) -> dict:
+    """Several paired children's results as one: per mode its lists concatenated, the outputs of the
+    first, the drafting counters summed (merge_draft_stats); a mode one child refused, refused."""
+    pooled = []
+    for i, first in enumerate(results[0]["modes"]):
+        same = [r["modes"][i] for r in results]
+        refused = next((m for m in same if "refused" in m), None)
+        if refused is not None:
+            pooled.append(refused)
+            continue
+        pooled.append({"mode": first["mode"], "outputs": first["outputs"],
+                       "same_outputs": all(m["outputs"] == first["outputs"] for m in same),
+                       "draft": merge_draft_stats([m["draft"] for m in same]),
+                       **{k: [x for m in same for x in m[k]] for k in ("tok_s", "ratio", "stall", "bytes")
+                          if k in first}})
+    return {"modes": pooled}
 
 
 def run_child(a, budget: str, workload: str, drafter: str, mode: str, round_: int) -> dict:
@@ -264,7 +312,9 @@ def paired_rows(result: dict, budget: str, workload: str) -> list[dict]:
                      "x_off": round(statistics.median(m["ratio"]), 3), "acceptance": d.get("acceptance"),
                      "x_off_interval": median_interval(m["ratio"]) if mode != "off" else None,
                      "tokens_per_step": d.get("tokens_per_step"), "drafted": d.get("drafted"),
-                     "decisions": d.get("decisions"), "lossless": m["outputs"] == off["outputs"],
+                     "decisions": d.get("decisions"),
+                     "lossless": m["outputs"] == off["outputs"] and m.get("same_outputs", True)
+                     and off.get("same_outputs", True),
                      **({"stall_ms_per_token": round(statistics.median(m["stall"]) * 1000, 3),
                          "read_mib_per_token": round(statistics.median(m["bytes"]) / MiB, 3),
                          "cache_entries": entries_cell(m["cache_entries"]), "cgroup": False} if m.get("stall") else {})})
