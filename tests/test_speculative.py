@@ -503,6 +503,20 @@ def test_gate_expects_what_each_draft_position_measured_not_a_geometric_series()
     assert fresh.expected(5, "mtp") == pytest.approx(expected_tokens(5, fresh.acceptance("mtp")))
 
 
+def test_gate_prices_verify_sizes_on_one_line_through_their_measurements():
+    """A verify's cost per size is the line through every measured size, each weighing the measurements
+    its estimate holds: a size drafted twice on a busy machine (8 rows at 4.5 plain steps) does not make
+    it dearer than the size measured often (9 rows at 3.8), which would keep the gate off the deeper."""
+    gate = _gate(compute=0.01, stall=0.0)
+    for rows, plain_steps, times in ((3, 2.0, 5), (5, 2.6, 5), (9, 3.8, 5), (8, 4.5, 2)):
+        for _ in range(times):
+            gate.observe(rows, 0.01 * plain_steps, 0.0, 0)
+    costs = [gate.compute_of(n) for n in range(2, 10)]
+    assert costs == sorted(costs) and gate.compute_of(8) < gate.compute_of(9)
+    assert gate.compute_of(9) == pytest.approx(0.038, rel=0.1) and gate.compute_of(3) == pytest.approx(0.02, rel=0.15)
+    assert gate.compute_of(1) == pytest.approx(0.01)  # a plain step: its own
+
+
 def test_gate_measures_verify_cost_and_union_online():
     gate = _gate(compute=0.01, stall=0.04)
     assert gate.compute_of(5) == pytest.approx(0.05)  # the prior: each row a plain step

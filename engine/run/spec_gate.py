@@ -16,9 +16,10 @@ maximises the expected tokens per second over a plain step's:
     rate(k) = E(k) * C(1) / C(k + 1)       k* = the best k, or 0 (a plain step) if none beats 1
 
 compute(n): a verify of n rows' compute seconds as measured (per row count; the first of a count
-only stands in, it pays one-time costs), between measured counts a line through them (through the
-one and a plain step where one count is measured), before any the prior `row_cost` of a plain step
-per extra row (0.5 where rows share their weight reads). On a small resident model a verify's rows
+only stands in, it pays one-time costs): the line through the measured counts, each weighing the
+measurements its estimate holds (through the one and a plain step where one count is measured),
+before any the prior `row_cost` of a plain step per extra row (0.5 where rows share their weight
+reads). On a small resident model a verify's rows
 cost about as much as their steps, and no depth pays.
 stall(1): a plain step's wait for reads; union(n): the expert bytes n rows read over one row's,
 from the routing (n tokens' top-k over E experts, independent: independent_union) raised to a
@@ -64,6 +65,7 @@ EXPLORE_FIRST = 16  # gated-off steps before the first trial of a draft (then 32
 EXPLORE_SHARE = 0.03  # at most this share of the gated-off steps' time goes to the first trial, then half, ...
 EXPLORE_DEPTH = 2  # a trial's depth (at most): its acceptance is what a trial learns, and deeper costs more
 EMA = 0.2  # weight of a new measurement in the gate's running estimates
+FIT_WEIGHT = 5  # measurements a verify size's estimate weighs in the line through the sizes (~1 / EMA: what it holds)
 ACCEPT_DECAY = 0.98  # acceptance counts fade, so a change of text (copying, then not) shows
 ACCEPT_PRIOR = (1.0, 1.0)  # Beta(1, 1): an unseen kind of draft is accepted half the time
 POSITION_PRIOR = 2.0  # drafts the kind's overall acceptance is worth in a draft position's own estimate
@@ -250,24 +252,27 @@ class Gate:
         return self.union_prior(rows) ** (self.union_power.value or 0.0)
 
     def compute_of(self, rows: int) -> float:
-        """A verify of `rows` rows' compute seconds: measured where a verify of that size ran, else a
-        line through the measured sizes (a verify pays a fixed cost over a plain step, then a cost
-        per row), else the prior row_cost per row over a plain step."""
+        """A verify of `rows` rows' compute seconds: where verifies of two sizes or more ran, the line
+        through them (a verify pays a fixed cost over a plain step, then a cost per row), each size
+        weighing as many of its measurements as its estimate holds (FIT_WEIGHT at most); where one
+        size ran, that size's, or the line through it and a plain step; else the prior row_cost per row
+        over a plain step. Why a line and not each size's own estimate: the sizes a gate rarely
+        drafts are measured a few times each on a busy machine, and one copy's estimates read 4.5 plain
+        steps for 8 rows and 3.4 for 9, which made 7 drafts look dearer than 8."""
         one = self.compute.value or 1.0
         if rows == 1:
             return one
-        seen = sorted((n, r.value) for n, r in self.verify_compute.items())
-        for n, c in seen:
-            if n == rows:
-                return c
+        seen = sorted((n, r.value, min(r.count, FIT_WEIGHT)) for n, r in self.verify_compute.items())
         if len(seen) >= 2:
-            mean_n = sum(n for n, _ in seen) / len(seen)
-            mean_c = sum(c for _, c in seen) / len(seen)
-            slope = (sum((n - mean_n) * (c - mean_c) for n, c in seen) / sum((n - mean_n) ** 2 for n, _ in seen))
+            total = sum(w for _, _, w in seen)
+            mean_n = sum(w * n for n, _, w in seen) / total
+            mean_c = sum(w * c for _, c, w in seen) / total
+            slope = (sum(w * (n - mean_n) * (c - mean_c) for n, c, w in seen)
+                     / sum(w * (n - mean_n) ** 2 for n, _, w in seen))
             return max(mean_c + max(slope, 0.0) * (rows - mean_n), one)
-        if seen:  # one measured size: the line through it and a plain step
-            n, c = seen[0]
-            return max(c + max(c - one, 0.0) / (n - 1) * (rows - n), one)
+        if seen:  # one measured size: its own, or the line through it and a plain step
+            n, c, _ = seen[0]
+            return c if n == rows else max(c + max(c - one, 0.0) / (n - 1) * (rows - n), one)
         return one * (1.0 + self.row_cost * (rows - 1))
 
     def speedup(self, depth: int, source: str, drafter: str, acceptance: float | None = None,
