@@ -11,15 +11,22 @@ time (effective GB/s: the solo figure is the kernel's bandwidth; the batched one
 bytes once, so where compute does not yet bound it, it stays near the solo figure while the step
 costs fewer bytes).
 
-Shapes: E = 64 experts of gate, up [512, 1024] and down [1024, 512] (3 MiB each in bf16: 192 MiB,
-several times the L3, so a step streams from DRAM as resident decode does), K = 8 per row drawn
-uniformly (a fresh draw and fresh rows per step), M in --rows; linear: x [M, 1024] against an
-lm_head-sized W [32000, 1024] (65.5 MB), 4 copies in turn. Kinds: bf16, and int8 / int4-g64 (the
-same experts quantized) where the CPU has the native int kernels. The batched and the solo step
+Shapes (--shapes): `dram` (the default), E = 64 experts of gate, up [512, 1024] and down [1024, 512]
+(3 MiB each in bf16: 192 MiB, several times the L3, so a step streams from DRAM as resident decode
+does), K = 8 per row; linear: x [M, 1024] against an lm_head-sized W [32000, 1024] (65.5 MB), 4
+copies in turn. `small`, the shapes of the drafting reference (benchmarks/quant/train_reference.py):
+E = 16 experts of [256, 256] matrices (128 KiB each), K = 4, linear W [4096, 256] (2 MiB): weights
+that stay in the caches between calls, a verify's regime on a small model. Each step draws its rows'
+K experts uniformly (fresh draws and rows every step), M in --rows. Kinds: bf16, and int8 / int4-g64
+(the same experts quantized) where the CPU has the native int kernels. The batched and the solo step
 alternate within each step (the order flips every step), so drift of a loaded box falls on both.
 
+Each measurement runs in a child process importing the tree's engine; --before-src REV (a revision or a
+directory: benchmarks/trees.py) measures that tree's kernels too, the trees alternating --rounds times
+(after, before, before, after, ...), each row then the median over its tree's rounds.
+
     python benchmarks/time/rows_kernels.py [--rows 1,2,4,8] [--kinds bf16,int8,int4-g64] [--threads 2]
-        [--steps 30] [--json] [--lock FILE]
+        [--steps 30] [--shapes dram|small] [--before-src REV] [--rounds 1] [--json] [--lock FILE]
 """
 
 from __future__ import annotations
@@ -31,11 +38,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+if "--child" not in sys.argv:  # (a child imports its tree's engine: benchmarks/trees.py run_in_tree's PYTHONPATH)
+    sys.path.insert(0, str(ROOT))
 
 from benchmarks.benchkit import add_output_flags, bench_lock, emit, refuse, run_conditions  # noqa: E402
 
-H, I, E, K = 1024, 512, 64, 8
+# name → (H, I, E, K, the linear's N): the module doc's shapes
+SHAPES = {"dram": (1024, 512, 64, 8, 32000), "small": (256, 256, 16, 4, 4096)}
+H, I, E, K, N_LINEAR = SHAPES["dram"]  # (set from --shapes in the child before anything is built)
 KINDS = ("bf16", "int8", "int4-g64")
 WARM = 3  # steps dropped: the thread pool and the first touches
 
@@ -122,7 +132,7 @@ def _measure_linear(a, torch) -> list[dict]:
     from engine.api.lab import native
 
     g = torch.Generator().manual_seed(1)
-    heads = [(torch.randn(32000, H, generator=g) * 0.05).bfloat16() for _ in range(4)]
+    heads = [(torch.randn(N_LINEAR, H, generator=g) * 0.05).bfloat16() for _ in range(4)]
     nbytes = _nbytes(heads[:1])
     result = []
     for M in a.rows:
@@ -151,24 +161,10 @@ COLUMNS = [("op", lambda r: r["op"]), ("rows M", lambda r: r["rows"]),
            ("GB/s batched", lambda r: round(r["gbs_batched"], 1)), ("GB/s M × 1-row", lambda r: round(r["gbs_solo"], 1))]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="1,2,4,8", help="the row counts M, comma-separated (default 1,2,4,8)")
-    ap.add_argument("--kinds", default=",".join(KINDS), help=f"weight kinds among {', '.join(KINDS)}")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=30, help="timed steps per (kind, M); the median is quoted")
-    add_output_flags(ap)
-    a = ap.parse_args()
-    try:
-        a.rows = [int(m) for m in a.rows.split(",")]
-    except ValueError:
-        return refuse("rows_kernels", f"--rows {a.rows!r}: comma-separated integers")
-    if not a.rows or min(a.rows) < 1 or a.steps < 1:
-        return refuse("rows_kernels", "--rows must be positive integers and --steps at least 1")
-    kinds = a.kinds.split(",")
-    if any(k not in KINDS for k in kinds):
-        return refuse("rows_kernels", f"--kinds {a.kinds!r}: choose among {', '.join(KINDS)}")
-
+def child(a) -> dict:
+    """This process's rows (the child half: its tree's engine), as JSON."""
+    global H, I, E, K, N_LINEAR
+    H, I, E, K, N_LINEAR = SHAPES[a.shapes]
     import torch
 
     from engine.api import QuantWeight, quantize
@@ -176,10 +172,10 @@ def main() -> int:
 
     why = native.load()
     if why is not None:
-        return refuse("rows_kernels", why)
+        return {"refused": why}
     torch.set_num_threads(a.threads)
     rows, skipped = [], []
-    for kind in kinds:
+    for kind in a.kinds.split(","):
         if kind != "bf16" and not native.int_ready:
             skipped.append(kind)
             continue
@@ -187,8 +183,72 @@ def main() -> int:
         rows += _measure(a, torch, kind, flat, arg, one, rows_op)
         del flat
     rows += _measure_linear(a, torch)
+    return {"rows": rows, "skipped": skipped, "threads": torch.get_num_threads()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,2,4,8", help="the row counts M, comma-separated (default 1,2,4,8)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"weight kinds among {', '.join(KINDS)}")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per (kind, M); the median is quoted")
+    ap.add_argument("--shapes", choices=tuple(SHAPES), default="dram",
+                    help="dram (default): experts and lm_head streamed from memory; small: the drafting reference's, "
+                         "which stay in the caches")
+    ap.add_argument("--before-src", help="a second tree (a revision or a directory), its kernels alternated with these")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of the trees alternating (default 1)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_output_flags(ap)
+    a = ap.parse_args()
+    try:
+        rows_m = [int(m) for m in a.rows.split(",")]
+    except ValueError:
+        return refuse("rows_kernels", f"--rows {a.rows!r}: comma-separated integers")
+    if not rows_m or min(rows_m) < 1 or a.steps < 1 or a.rounds < 1:
+        return refuse("rows_kernels", "--rows must be positive integers, --steps and --rounds at least 1")
+    if any(k not in KINDS for k in a.kinds.split(",")):
+        return refuse("rows_kernels", f"--kinds {a.kinds!r}: choose among {', '.join(KINDS)}")
+    if a.child:
+        import json
+        a.rows = rows_m
+        print(json.dumps(child(a)))
+        return 0
+    return _parent(a)
+
+
+def _parent(a) -> int:
+    """Each tree's rows from its children, alternating; per (tree, op, M) the medians over its rounds."""
+    import contextlib
+
+    from benchmarks.trees import run_in_tree, source_tree
+    args = ["--rows", a.rows, "--kinds", a.kinds, "--threads", str(a.threads), "--steps", str(a.steps),
+            "--shapes", a.shapes] + (["--lock", a.lock] if a.lock else [])
+    by_key: dict = {}
+    skipped, threads = [], None
+    with contextlib.ExitStack() as stack:
+        trees = [("after", ROOT)]
+        if a.before_src:
+            trees.append(("before", stack.enter_context(source_tree(a.before_src))))
+        for r in range(a.rounds):
+            for side, tree in (trees if r % 2 == 0 else trees[::-1]):
+                print(f"rows_kernels: round {r + 1}/{a.rounds}, {side} ...", file=sys.stderr, flush=True)
+                got = run_in_tree(__file__, tree, args)
+                if "refused" in got:
+                    return refuse("rows_kernels", got["refused"])
+                skipped, threads = got["skipped"], got["threads"]
+                for row in got["rows"]:
+                    by_key.setdefault((side, row["op"], row["rows"]), []).append(row)
+    rows = []
+    for (side, op, m), runs in by_key.items():
+        med = {k: statistics.median(run[k] for run in runs)
+               for k in ("us_batched", "us_solo", "mb_batched", "mb_solo")}
+        rows.append({"tree": side, "op": op, "rows": m, "union": runs[0]["union"], **med,
+                     "speedup": med["us_solo"] / med["us_batched"],
+                     "gbs_batched": med["mb_batched"] / med["us_batched"] * 1e3,
+                     "gbs_solo": med["mb_solo"] / med["us_solo"] * 1e3})
     notes = {"skipped": f"{', '.join(skipped)}: no native int kernels (VNNI/VBMI)"} if skipped else None
-    emit("rows_kernels", rows, run_conditions(a, threads_used=torch.get_num_threads()), a.json, COLUMNS, notes=notes)
+    columns = ([("tree", lambda r: r["tree"])] if a.before_src else []) + COLUMNS
+    emit("rows_kernels", rows, run_conditions(a, threads_used=threads), a.json, columns, notes=notes)
     return 0
 
 
