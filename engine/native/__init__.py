@@ -154,10 +154,15 @@ def _build(cxx: str, out: Path, level: str = "-O3", isa: str = "avx512") -> None
 
 
 def _library_path(cxx: str, flags: set[str], isa: str = "avx512") -> Path:
+    """Where the `isa` build of these sources lies in the kernel cache: keyed by the sources, torch, the
+    compiler and the CPU flags that build compiles for (an AVX2 build's by AVX2's and FMA's alone: whether
+    the CPU also has AVX-512 does not change it, so a CPU's AVX2 build and COLIBRI_NATIVE_ISA=avx2's are
+    one library, built once)."""
     key = hashlib.sha256()
     for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
-    key.update(f"{torch.__version__}|{cxx}|{platform.machine()}|{sorted(flags & set(REQUIRED_FLAGS))}".encode())
+    wanted = REQUIRED_FLAGS if isa == "avx512" else AVX2_FLAGS
+    key.update(f"{torch.__version__}|{cxx}|{platform.machine()}|{sorted(flags & set(wanted))}".encode())
     if isa != "avx512":  # (the AVX-512 build's key as it always was: its cached libraries stay valid)
         key.update(f"|{isa}".encode())
     root = Path(os.environ.get("COLIBRI_KERNEL_CACHE") or Path.home() / ".cache" / "colibri" / "kernels")

@@ -19,8 +19,8 @@ compute(n): a verify of n rows' compute seconds as measured (per row count; the 
 only stands in, it pays one-time costs): the line through the measured counts, each weighing the
 measurements its estimate holds (through the one and a plain step where one count is measured),
 before any the prior `row_cost` of a plain step per extra row (0.5 where rows share their weight
-reads). On a small resident model a verify's rows
-cost about as much as their steps, and no depth pays.
+reads). On a small resident model a verify's rows cost about as much as their steps, and no depth
+pays.
 stall(1): a plain step's wait for reads; union(n): the expert bytes n rows read over one row's,
 from the routing (n tokens' top-k over E experts, independent: independent_union) raised to a
 power fitted online from the bytes the store really read in verify steps (consecutive tokens share
