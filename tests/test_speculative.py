@@ -26,7 +26,8 @@ from engine.run import spec_gate, speculative
 from engine.run.drafters import Draft, PromptLookup
 from engine.run.generate import Sampler, generate
 from engine.run.runtime import Engine
-from engine.run.spec_gate import Gate, draft_speedup, expected_tokens, independent_union
+from engine.run.spec_gate import Gate
+from engine.run.spec_stats import draft_speedup, expected_tokens, independent_union
 from engine.run.speculative import Speculator
 from colibri_hf_models import ARCHS, build
 from colibri_tiny import make_tiny

@@ -44,7 +44,8 @@ _HOMES = {
     "engine.run.context": "default_ctx_size",
     "engine.run.oneshot": "run_generation",
     "engine.run.bench": "run_bench",
-    "engine.run.spec_gate": "DRAFT_GAIN draft_speedup expected_tokens independent_union",
+    "engine.run.spec_gate": "DRAFT_GAIN",
+    "engine.run.spec_stats": "draft_speedup expected_tokens independent_union",
     "engine.run.mtp_drafter": "plan_drafting",
     "engine.run.steady": ("STEADY_TEMPERATURE STEADY_TOP_P STEADY_WARM_SHARE counted_prompts degenerate prompt_lengths "
                           "steady_requests"),

@@ -276,13 +276,12 @@ inline void swiglu_slots(const bf16* const* xs, const bf16* const* gate, const b
       }
     }
   });
+  std::vector<const bf16*> hs(first[A]);  // each slot's h row, for the down rows' dot_rows_many
+  for (int64_t s = 0; s < first[A]; s++) hs[s] = h + s * I;
   at::parallel_for(0, A * H, GRAIN, [&](int64_t b, int64_t e) {  // expert-major: each expert's down rows in order
-    std::vector<const bf16*> hs;
     for (int64_t r = b; r < e;) {  // this share's part of each expert: its down rows [n0, n1), all its slots
       const int64_t a = r / H, n0 = r % H, n1 = std::min(H, n0 + (e - r)), s0 = first[a], s1 = first[a + 1];
-      hs.resize(s1 - s0);
-      for (int64_t s = s0; s < s1; s++) hs[s - s0] = h + s * I;
-      dot_rows_many(down[ex[a]], H, I, hs.data(), s1 - s0, n0, n1,
+      dot_rows_many(down[ex[a]], H, I, hs.data() + s0, s1 - s0, n0, n1,
                     [&](int64_t j, int64_t n, float v) { y[(s0 + j) * H + n] = to_bf16(v); });
       r += n1 - n0;
     }

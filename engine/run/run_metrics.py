@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from engine import __version__
-from engine.run.spec_gate import draft_figures
+from engine.run.spec_stats import draft_figures
 
 SCHEMA = "colibri.metrics/1"
 # The headline figures of a run, each a top-level key of the result; a bench also gives each one's

@@ -51,15 +51,16 @@ where the steps drafted took VETO_MARGIN times as long per token as plain ones, 
 Decisions are reused for REDECIDE steps (a plain step of a small
 model is a fraction of a millisecond; the gate must not be a noticeable share of it).
 
-The counters every run reports (SpecStats) and the closed forms the cost model's `plan` shares
-(expected_tokens, independent_union, draft_speedup) live here too.
+The counters every run reports and the closed forms the cost model's `plan` shares (expected_tokens,
+independent_union, draft_speedup): engine/run/spec_stats.py.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Callable
+
+from engine.run.spec_stats import expected_tokens
 
 EXPLORE_FIRST = 16  # gated-off steps before the first trial of a draft (then 32, 64, ...)
 EXPLORE_SHARE = 0.03  # at most this share of the gated-off steps' time goes to the first trial, then half, ...
@@ -81,47 +82,6 @@ RATE_DECAY = 0.97  # weight of the older steps in the realized times per token (
 
 # --- the measurements ---------------------------------------------------------------------------
 
-@dataclass
-class SpecStats:
-    """Counters since reset (what run/bench/serve report)."""
-
-    steps: int = 0  # decode steps (plain and verify) after the first token
-    verify_steps: int = 0
-    drafted: int = 0  # drafted tokens verified
-    accepted: int = 0  # of them, accepted
-    emitted: int = 0  # tokens the steps produced (accepted drafts + one per step, less any cut by a stop)
-    rows: int = 0  # verify rows computed (drafted + 1 per verify step)
-    bytes_read: int = 0  # expert / layer bytes the store read during the steps
-    mtp_loads: int = 0  # MTP layer loads after its memory was lent to the expert cache (engine/run/mtp_drafter.py)
-    decisions: dict = field(default_factory=dict)  # why a step had the depth it had → count
-    depths: dict = field(default_factory=dict)  # depth → steps
-
-    def decide(self, depth: int, reason: str, steps: int = 1) -> None:
-        if steps:
-            self.decisions[reason] = self.decisions.get(reason, 0) + steps
-            self.depths[depth] = self.depths.get(depth, 0) + steps
-
-    def to_dict(self) -> dict:
-        return {
-            "steps": self.steps, "verify_steps": self.verify_steps, "drafted": self.drafted,
-            "accepted": self.accepted, "emitted": self.emitted, "rows": self.rows,
-            "acceptance": self.accepted / self.drafted if self.drafted else None,
-            "tokens_per_step": self.emitted / self.steps if self.steps else None,
-            "bytes_per_token": self.bytes_read / self.emitted if self.emitted else None,
-            "mtp_loads": self.mtp_loads,
-            "decisions": dict(sorted(self.decisions.items())),
-            "depths": {str(k): v for k, v in sorted(self.depths.items())},
-        }
-
-
-def draft_figures(stats: dict) -> dict:
-    """The run JSON's flat figures of a SpecStats dict (engine/api/results.py prints them)."""
-    if not stats:
-        return {}
-    return {"tokens_per_step": stats["tokens_per_step"], "draft_acceptance": stats["acceptance"],
-            "drafted_tokens": stats["drafted"], "draft_bytes_per_token": stats["bytes_per_token"]}
-
-
 class _Running:
     """An exponential moving average (None until the first value). The first value only stands in
     until the second replaces it: a first call of a kind (a verify of a new row count) pays
@@ -141,34 +101,6 @@ class _Running:
 def drafter_of(source: str) -> str:
     """The drafter kind of a draft's source (lookup-3 → lookup, mtp → mtp): whose cost per token."""
     return source.split("-")[0]
-
-
-def expected_tokens(depth: int, acceptance: float) -> float:
-    """Tokens a step of `depth` drafts produces on average when each draft is accepted with
-    probability `acceptance` given the ones before it were: 1 + a + ... + a^depth."""
-    a = min(max(acceptance, 0.0), 1.0)
-    return float(depth + 1) if a >= 1.0 else (1.0 - a ** (depth + 1)) / (1.0 - a)
-
-
-def independent_union(rows: int, experts: int, top_k: int) -> float:
-    """Expected distinct experts `rows` tokens route to in one layer, in units of one token's
-    top_k, when each token's choice is independent and uniform: E (1 - (1 - K/E)^n) / K."""
-    if experts <= 0 or top_k <= 0:
-        return 1.0
-    share = min(top_k / experts, 1.0)
-    return (1.0 - (1.0 - share) ** rows) / share
-
-
-def draft_speedup(depth: int, acceptance: float, compute_s: float, stall_s: float, union: float,
-                  row_cost: float = 1.0, draft_s: float = 0.0) -> float:
-    """Tokens per second of steps drafting `depth` tokens over plain steps: E(depth) / C(depth + 1)
-    times C(1) (the module doc's model; the cost model's `plan` predicts with it too). union: the
-    expert bytes the depth + 1 rows read relative to one row's."""
-    plain = compute_s + stall_s
-    if plain <= 0:
-        return 1.0
-    cost = compute_s * (1.0 + row_cost * depth) + stall_s * union + depth * draft_s
-    return expected_tokens(depth, acceptance) * plain / cost
 
 
 class _PerToken:

@@ -56,7 +56,8 @@ from engine.arch.layers import rms_norm, route_layer
 from engine.run.drafters import AutoDrafter, PromptLookup
 from engine.run.mtp_drafter import MtpDrafter
 from engine.run.sampling import Sampler, all_finite
-from engine.run.spec_gate import Gate, SpecStats, drafter_of, independent_union
+from engine.run.spec_gate import Gate, drafter_of
+from engine.run.spec_stats import SpecStats, independent_union
 
 # A gated-off step hints the lookup's guess at the next token only where that kind of guess was the
 # next token at least this often: a hint reads top_k experts per hinted layer, all of them waste when
