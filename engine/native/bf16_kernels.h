@@ -147,7 +147,7 @@ inline void dot_multi2(const bf16* w, const bf16* v, const bf16* const* x, int64
 // Where a pass takes two weight rows: a matrix of at most PAIR_MAX_BYTES (a small model's experts and
 // projections, which stay in the caches between calls), on the AVX-512 build. Why not a larger one: a
 // matrix that streams from DRAM reads fastest as one sequential stream (dot_rows' note above), and two
-// rows a pass made the batched calls of benchmarks/time/rows_kernels.py's 1 MiB experts and 64 MiB
+// rows a pass (a trial build) made the batched calls of rows_kernels.py's 1 MiB experts and 64 MiB
 // lm_head 1.1-1.7x slower. Why not the AVX2 build: its 512-bit vectors are pairs of its 16 registers,
 // already short for dot_multi<4>'s eight accumulators.
 constexpr int64_t PAIR_MAX_BYTES = 256 << 10;
