@@ -226,7 +226,8 @@ def test_unprivileged_user_gets_a_reason_not_a_crash(support):
     try:
         for rel in ("engine/__init__.py", "engine/base/__init__.py", "engine/base/errors.py", "tuner/__init__.py",
                     # the front door the sandbox imports its errors through (its names resolve lazily)
-                    "engine/api/__init__.py", "engine/api/lazy.py", "engine/api/results.py", *(
+                    "engine/api/__init__.py", "engine/api/lazy.py", "engine/api/results.py",
+                    "tuner/base/__init__.py", "tuner/base/interrupts.py", *(
                 str(p.relative_to(ROOT)) for p in (ROOT / "tuner" / "sandbox").glob("*.py"))):
             (readable / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(ROOT / rel, readable / rel)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 from tuner import __version__
+from tuner.base import interrupts
 from tuner.base.text import utc_now
 from tuner.probe import fallback, fio
 from tuner.probe.cpu import measure_matmul
@@ -27,7 +28,7 @@ from tuner.probe.hardware_profile import (
 )
 from tuner.probe.storage import (
     MiB, StoragePlan, check_directory, check_writable, choose_file_bytes, free_bytes,
-    sigterm_as_interrupt, storage_plan, scratch_file)
+    storage_plan, scratch_file)
 from tuner.probe.summary import format_summary
 from tuner.probe.system import collect_system, gpu_info, thread_counts
 
@@ -83,7 +84,7 @@ def run_probe(directory: str | Path = ".", quick: bool = False, use_fio: Optiona
     started_utc = utc_now()
     plan = plan or probe_plan(quick)
     directory = check_directory(Path(directory))
-    with sigterm_as_interrupt():  # `kill` now must not leave the check file behind either
+    with interrupts.kept():  # `kill` now must not leave the check file behind either
         check_writable(directory)
     file_bytes = choose_file_bytes(plan.storage, free_bytes(directory), directory)
 
@@ -136,7 +137,7 @@ def _probe_storage(directory: Path, plan: StoragePlan, file_bytes: int, fio_bin:
     # disk is busy writing, and finish before any measurement so it steals no CPU from one.
     preload = threading.Thread(target=_import_torch, daemon=True, name="probe-import-torch")
     preload.start()
-    with sigterm_as_interrupt(), scratch_file(directory, file_bytes) as path:
+    with interrupts.kept(), scratch_file(directory, file_bytes) as path:
         while preload.is_alive():
             preload.join(0.05)  # short waits: Ctrl-C stays responsive
         ioengine = None if fio_bin else fallback.IOENGINE

@@ -11,8 +11,6 @@ import errno
 import os
 import secrets
 import shutil
-import signal
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -121,7 +119,7 @@ def check_writable(directory: Path) -> None:
 def _new_test_file(directory: Path, suffix: str) -> Iterator[tuple[Path, int]]:
     """A new file (O_EXCL) in `directory` and its fd (the caller closes it), removed on exit
     whatever happens. The removal hangs on the name, not on the fd: Ctrl-C (or SIGTERM under
-    `sigterm_as_interrupt`) may land right after the open returned, before the fd is bound."""
+    `interrupts.kept`) may land right after the open returned, before the fd is bound."""
     path = directory / f"{TEST_FILE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}{suffix}"
     ours = True
     try:
@@ -140,7 +138,7 @@ def _new_test_file(directory: Path, suffix: str) -> Iterator[tuple[Path, int]]:
 @contextlib.contextmanager
 def scratch_file(directory: Path, size: int) -> Iterator[Path]:
     """A file of `size` pseudo-random bytes in `directory`, dropped from the page cache, removed
-    on exit whatever happens (exception, Ctrl-C, or SIGTERM while `sigterm_as_interrupt` is on).
+    on exit whatever happens (exception, Ctrl-C, or SIGTERM inside `interrupts.kept`).
     """
     with _new_test_file(directory, ".tmp") as (path, fd):
         try:
@@ -180,26 +178,6 @@ def _fill(fd: int, size: int) -> None:
 
 def free_bytes(directory: Path) -> int:
     return shutil.disk_usage(directory).free
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt while the test file exists, so `finally` runs.
-
-    Only the main thread may set handlers; elsewhere this is a no-op.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def make_point(job: StorageJob, *, runtime_s: float, bandwidth_bps: float, iops: float,

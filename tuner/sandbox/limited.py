@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.api import BudgetError
+from tuner.base import interrupts
 from tuner.sandbox.cgroups import Cgroup, PeakSampler, detect_memory_cgroup
 
 _SHIM = Path(__file__).with_name("_exec.py")
+_WAIT_SLICE_S = 0.25  # how late a swallowed Ctrl-C may end a run
 
 
 @dataclass
@@ -111,8 +113,19 @@ def _collect(
             cgroup.kill_all()
 
     timed_out = False
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        proc.wait(timeout)
+        while True:
+            # In slices: a Ctrl-C that something swallowed still ends the run (the caller's
+            # `finally` kills the command). tuner/base/interrupts.py says how one gets lost.
+            interrupts.raise_if_interrupted()
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                proc.wait(_WAIT_SLICE_S if left is None else max(0.0, min(left, _WAIT_SLICE_S)))
+                break
+            except subprocess.TimeoutExpired:
+                if left is not None and left <= _WAIT_SLICE_S:
+                    raise
     except subprocess.TimeoutExpired:
         timed_out = True
         kill_everything()

@@ -23,7 +23,7 @@ import optuna
 from optuna.trial import TrialState
 
 from engine.api import BudgetError, ConfigError, EngineConfig, format_size
-from tuner.probe.storage import sigterm_as_interrupt
+from tuner.base import interrupts
 from tuner.results import outputs
 from tuner.results.frames import trials_csv
 from tuner.results.printers import trial_line, tune_text
@@ -123,6 +123,7 @@ class TuneRun:
     def search(self) -> None:
         s = self.session
         while True:
+            interrupts.raise_if_interrupted()  # a Ctrl-C something swallowed (tuner/base/interrupts.py)
             s.watch.check()
             if s.shared:
                 optuna.storages.fail_stale_trials(self.study)
@@ -287,7 +288,7 @@ class TuneRun:
 def run_tune(opts: TuneOptions, log: Log = stderr_line) -> TuneOutcome:
     s = TuneSession.prepare(opts, log)  # every check, nothing written
     run = TuneRun(s)
-    with run_guard.hold(s.out, f"tuning {s.study_name}"), sigterm_as_interrupt(), s:  # `kill`: as Ctrl-C
+    with run_guard.hold(s.out, f"tuning {s.study_name}"), interrupts.kept(), s:  # `kill`: as Ctrl-C
         run.start()
         done, _ = run.counts()
         log(f"study {s.study_name!r} in {redact_url(s.storage_url)}: {done} completed trial(s) so far; "
