@@ -67,7 +67,7 @@ from engine.run.spec_stats import SpecStats, independent_union
 GUESS_HINT_ACCEPTANCE = 0.9
 GUESS_HINT_EVIDENCE = 8  # ... over at least this many guesses of that kind (decayed counts)
 GUESS_DECAY = 1 - 1 / 32  # each guess's weight in the record falls by this per later guess of its kind
-GUESS_SAMPLE = 8  # where no kind of guess is trusted, an idle step asks for one in this many (_asks_guess)
+GUESS_SAMPLE = 32  # where no kind of guess is trusted, an idle step asks for one in this many (_asks_guess)
 
 
 class GuessRecord:
@@ -229,9 +229,11 @@ class Speculator:
         """Whether an idle step asks prompt lookup for its guess at the next token (hinted where its kind
         is trusted): every step while some kind of guess is trusted or none has GUESS_HINT_EVIDENCE
         guesses yet; else one in GUESS_SAMPLE, which keeps the records current (the text may turn to a
-        copy). Why not every step: a lookup over a code sequence of 1k tokens, whose common tokens match
-        in many places, took ~0.06 ms a step; idle under 400 MiB on code, where no guess was trusted, the
-        lookup's gate ran 0.94x of no drafting, 0.12 ms a token more outside the forward than `off`."""
+        copy; the gate's trials notice that too, and draft). Why not every step: a lookup over a code
+        sequence of 1k tokens took 8-19 us alone but ~0.1 ms between two forwards (whose weights leave
+        the CPU's caches cold); idle under 400 MiB on code, where no guess was trusted, the lookup's gate
+        ran 0.94x of no drafting asking every step, 0.12 ms a token more outside the forward than `off`,
+        and 0.96x asking one step in 8, 0.99x in 32 (benchmarks/time/draft_decode.py, in one run)."""
         records = self._guesses.values()
         if any(r.trusted() for r in records) or max((r.seen for r in records), default=0.0) < GUESS_HINT_EVIDENCE:
             return True
