@@ -26,6 +26,7 @@ from engine.base.config import EngineConfig
 from engine.base.errors import BudgetError, ConfigError, ModelFormatError
 from engine.base.heap import NATIVE_CACHE_BYTES
 from colibri import cli
+from tuner.base import interrupts
 from tuner.results.result import TuneResult
 from tuner.sandbox import detect_memory_cgroup
 from tuner.search.space import CHUNK_SIZES, IO_THREADS, SearchSpace
@@ -213,6 +214,29 @@ def test_interrupt_then_kill_then_resume_keeps_every_completed_trial(tuned, mode
     states = {t.number: t.state for t in load(out).get_trials()}
     assert TrialState.RUNNING not in states.values()
     assert outcome.result["study"]["trials"] == len(states)
+
+
+def test_a_ctrl_c_swallowed_before_the_search_still_stops_the_tune(tuned, model_dir, profile_path, tmp_path):
+    """Python drops a KeyboardInterrupt raised inside a garbage-collector callback (SQLAlchemy's pool has
+    one; tuner/base/interrupts.py): here one is swallowed while tune prints its first line, and the
+    search must still stop before its first trial instead of running all of them."""
+    out = tmp_path / "run"
+    reuse_calibration(tuned.out_dir, out)
+    lines, handler = [], signal.getsignal(signal.SIGINT)
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if "completed trial(s) so far" in line:
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:
+                pass
+
+    with pytest.raises(KeyboardInterrupt):
+        run_tune(options(model_dir, profile_path, out, trials=3, seed=5, min_ctx=SMALL_CTX), log=log)
+    assert any("interrupted: 0 completed trial(s)" in line and "--resume" in line for line in lines), lines
+    assert not load(out).get_trials(states=(TrialState.COMPLETE, TrialState.RUNNING))
+    assert signal.getsignal(signal.SIGINT) is handler and not interrupts.interrupted()  # as before the tune
 
 
 def _reap(pids: list[int], tuner_pid: int) -> None:
