@@ -518,6 +518,37 @@ def test_gate_prices_verify_sizes_on_one_line_through_their_measurements():
     assert gate.compute_of(1) == pytest.approx(0.01)  # a plain step: its own
 
 
+def test_a_verify_size_measured_slow_once_does_not_hold_the_gate_shallow():
+    """The gate drafts only the depths its line says pay, so a size measured slow once (a stall, a first
+    call's one-time costs) would never be measured again: it leaves the line after FIT_STALE verifies
+    without it, the gate drafts deep again and measures the size afresh. Copy-like drafts (runs accepted
+    whole); a verify costs a plain step and 0.35 of one a row."""
+    def true_cost(rows):
+        return 0.01 * (1 + 0.35 * (rows - 1))
+
+    gate = _gate(compute=0.01, stall=0.0, row_cost=0.5)
+    for rows in (3, 5):
+        for _ in range(2):
+            gate.observe(rows, true_cost(rows), 0.0, 0)
+    gate.observe(8, 4 * true_cost(8), 0.0, 0)  # once, at four times its cost
+    for _ in range(20):
+        gate.observe_accept("lookup-4", 8, 8)
+    rng = random.Random(0)
+    depths = []
+    steps = 3 * spec_gate.FIT_STALE
+    assert steps <= 400  # (the gate must recover within a few hundred verifies)
+    for _ in range(steps):
+        k, why = gate.depth(8, "lookup-4", "lookup")
+        depths.append(k)
+        if k:
+            gate.observe(k + 1, true_cost(k + 1), 0.0, 0)
+            accepted = k if rng.random() < 0.9 else rng.randrange(k)
+            gate.observe_accept("lookup-4", accepted, min(k, accepted + 1))
+    assert max(depths[:8]) <= 5  # the slow measurement steers the gate shallow at first ...
+    assert depths[-64:].count(8) > 0.9 * 64  # ... not for good
+    assert gate.compute_of(8) == pytest.approx(true_cost(8), rel=0.1)
+
+
 def test_gate_measures_verify_cost_and_union_online():
     gate = _gate(compute=0.01, stall=0.04)
     assert gate.compute_of(5) == pytest.approx(0.05)  # the prior: each row a plain step

@@ -67,6 +67,7 @@ EXPLORE_SHARE = 0.03  # at most this share of the gated-off steps' time goes to 
 EXPLORE_DEPTH = 2  # a trial's depth (at most): its acceptance is what a trial learns, and deeper costs more
 EMA = 0.2  # weight of a new measurement in the gate's running estimates
 FIT_WEIGHT = 5  # measurements a verify size's estimate weighs in the line through the sizes (~1 / EMA: what it holds)
+FIT_STALE = 64  # verifies after its last measurement that a size's estimate leaves the line (compute_of)
 ACCEPT_DECAY = 0.98  # acceptance counts fade, so a change of text (copying, then not) shows
 ACCEPT_PRIOR = (1.0, 1.0)  # Beta(1, 1): an unseen kind of draft is accepted half the time
 POSITION_PRIOR = 2.0  # drafts the kind's overall acceptance is worth in a draft position's own estimate
@@ -134,6 +135,8 @@ class Gate:
         self.bytes = _Running()  # a plain step's bytes read
         self.row_cost = row_cost  # prior: a verify row's extra compute, relative to a plain step
         self.verify_compute: dict[int, _Running] = {}  # rows → a verify's measured compute seconds
+        self._verifies = 0  # verifies measured
+        self._measured_at: dict[int, int] = {}  # rows → self._verifies when that size was last measured
         self.union_power = _Running(1.0)  # bytes(n) = bytes(1) * union_prior(n) ** power
         self.draft_s: dict[str, _Running] = {}  # seconds to draft one token, per drafter
         self.accept: dict[str, list[float]] = {}  # source → [accepted, rejected] (decayed)
@@ -190,11 +193,17 @@ class Gate:
         size ran, that size's, or the line through it and a plain step; else the prior row_cost per row
         over a plain step. Why a line and not each size's own estimate: the sizes a gate rarely
         drafts are measured a few times each on a busy machine, and one copy's estimates read 4.5 plain
-        steps for 8 rows and 3.4 for 9, which made 7 drafts look dearer than 8."""
+        steps for 8 rows and 3.4 for 9, which made 7 drafts look dearer than 8. Why a size leaves the
+        line once FIT_STALE verifies passed without it: the gate drafts only the depths the line says pay,
+        so a size measured slow once (a first call's one-time costs, a stall on a busy box) was never
+        measured again and held the line steep for good: in one streamed copy run a process drafted 3.2
+        tokens a step where the others drafted 6, and a gate fed one 7-row verify at 4x its cost drafted
+        2 deep ever after (tests/test_speculative.py)."""
         one = self.compute.value or 1.0
         if rows == 1:
             return one
-        seen = sorted((n, r.value, min(r.count, FIT_WEIGHT)) for n, r in self.verify_compute.items())
+        seen = sorted((n, r.value, min(r.count, FIT_WEIGHT)) for n, r in self.verify_compute.items()
+                      if self._verifies - self._measured_at[n] < FIT_STALE)
         if len(seen) >= 2:
             total = sum(w for _, _, w in seen)
             mean_n = sum(w * n for n, _, w in seen) / total
@@ -345,6 +354,8 @@ class Gate:
             self.bytes.add(nbytes)
             return
         self.verify_compute.setdefault(rows, _Running()).add(compute)
+        self._verifies += 1
+        self._measured_at[rows] = self._verifies
         self._hopeless = None
         prior = self.union_prior(rows)
         if self.bytes.value and nbytes > 0 and prior > 1.0:
