@@ -167,3 +167,30 @@ def test_a_run_directory_deleted_under_a_live_tune_stops_it_with_one_line(model_
     assert "Traceback" not in err and len(errors) == 1, err
     assert "deleted" in errors[0] and str(out) in errors[0]
     assert not out.exists(), listing(out)  # not re-created by a late write
+
+
+def test_a_run_directory_deleted_between_a_write_and_its_rename_is_reported_as_gone(tmp_path, monkeypatch):
+    """The race the test above hit in CI: the run directory renamed away and emptied after write_text
+    created its temp file and before the rename. The rename then finds no temp file; the user is told
+    the directory is gone (RunDirGone), not shown a rename's FileNotFoundError."""
+    from tuner.search import run_guard
+    out = tmp_path / "run"
+    out.mkdir()
+    watch = run_guard.RunDirWatch(out)
+    real_replace = os.replace
+
+    def replace_after_the_directory_went(*args, **kwargs):
+        gone = tmp_path / "deleted-run"
+        os.rename(out, gone)
+        shutil.rmtree(gone)
+        return real_replace(*args, **kwargs)
+
+    try:
+        watch.write_text("trials.csv", "a,b\n")  # the directory is there: written
+        assert (out / "trials.csv").read_text() == "a,b\n"
+        monkeypatch.setattr(run_guard.os, "replace", replace_after_the_directory_went)
+        with pytest.raises(run_guard.RunDirGone, match="deleted or replaced"):
+            watch.write_text("trials.csv", "a,b\n1,2\n")
+    finally:
+        watch.close()
+    assert not out.exists()  # nothing re-created it

@@ -96,11 +96,15 @@ class RunDirWatch:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-        except BaseException:
+        except BaseException as exc:
             try:
                 os.unlink(tmp, dir_fd=self.fd)
             except OSError:
                 pass
+            # Deleted between the open and the rename (an rmtree took the temp file with it): the
+            # directory is gone, and that is what the user is told, not a rename's traceback.
+            if isinstance(exc, FileNotFoundError) and self.gone():
+                raise self.gone_error() from None
             raise
         os.fsync(self.fd)
         self.check()
