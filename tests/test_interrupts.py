@@ -59,6 +59,20 @@ def test_an_inner_block_ending_keeps_the_outer_blocks_record():
     assert not interrupts.interrupted()
 
 
+def test_a_signal_the_process_ignores_stays_ignored():
+    """A job a shell started in the background ignores Ctrl-C; kept() must not make it answer one."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with interrupts.kept():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)  # ignored: nothing raised, nothing recorded
+            assert not interrupts.interrupted()
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # SIGTERM still kept
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.parametrize("limited", [False, True], ids=["plain", "cgroup"])
 def test_a_running_command_is_ended_by_a_swallowed_ctrl_c(limited):
     if limited and not detect_memory_cgroup().available:

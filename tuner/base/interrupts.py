@@ -21,23 +21,29 @@ _pending: str | None = None  # the message of the KeyboardInterrupt the last sig
 _depth = 0  # nested kept() blocks; the record is cleared when the outermost one ends
 
 
+def _interrupt() -> KeyboardInterrupt:
+    """The pending signal's exception: Ctrl-C's bare, as Python's own handler raises it; `kill`'s
+    naming its signal (tuner/search/outcome.py reports the signal from the message)."""
+    return KeyboardInterrupt(_pending) if _pending else KeyboardInterrupt()
+
+
 def _handler(signum, frame) -> None:
     global _pending
-    # Ctrl-C raises a bare KeyboardInterrupt, as Python's own handler does; `kill` names itself
-    # (tuner/search/outcome.py reports the signal from the message).
     _pending = "" if signum == signal.SIGINT else f"signal {signum}"
-    raise KeyboardInterrupt(*((_pending,) if _pending else ()))
+    raise _interrupt()
 
 
 @contextlib.contextmanager
 def kept() -> Iterator[None]:
     """SIGINT and SIGTERM raise KeyboardInterrupt (so `finally` blocks run on `kill` too) and are
-    remembered until the outermost block ends."""
+    remembered until the outermost block ends. A signal the process was started ignoring stays ignored
+    (a job a shell started in the background ignores Ctrl-C: so it still does)."""
     global _depth, _pending
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, _handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, _handler) for sig in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
     _depth += 1
     try:
         yield
@@ -58,4 +64,4 @@ def raise_if_interrupted() -> None:
     """Raise the KeyboardInterrupt of a signal that arrived, again: harmless when the first one is
     already unwinding (this is not reached), and the way out when something swallowed it."""
     if _pending is not None:
-        raise KeyboardInterrupt(*((_pending,) if _pending else ()))
+        raise _interrupt()
